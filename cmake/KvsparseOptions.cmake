@@ -1,0 +1,47 @@
+# Compile options shared by every kvsparse target (never by third-party code).
+# kvsparse_target_defaults(<target>) applies warnings-as-errors, sanitizers and the repo-root
+# include directory (includes are written by full path from the repo root: "kvstore/store.h").
+
+if(KVSPARSE_SANITIZE AND KVSPARSE_TSAN)
+  message(FATAL_ERROR "KVSPARSE_SANITIZE and KVSPARSE_TSAN are exclusive")
+endif()
+
+set(KVSPARSE_SANITIZER_FLAGS "")
+if(KVSPARSE_SANITIZE)
+  set(KVSPARSE_SANITIZER_FLAGS -fsanitize=address,undefined -fno-sanitize-recover=all
+                               -fno-omit-frame-pointer)
+elseif(KVSPARSE_TSAN)
+  set(KVSPARSE_SANITIZER_FLAGS -fsanitize=thread -fno-omit-frame-pointer)
+endif()
+if(KVSPARSE_SANITIZER_FLAGS)
+  # Applied globally so that gtest and the objects we link agree on the runtime.
+  add_compile_options("$<$<COMPILE_LANGUAGE:CXX>:${KVSPARSE_SANITIZER_FLAGS}>")
+  add_link_options(${KVSPARSE_SANITIZER_FLAGS})
+endif()
+
+function(kvsparse_target_defaults target)
+  target_include_directories(${target} PUBLIC $<BUILD_INTERFACE:${PROJECT_SOURCE_DIR}>
+                                              $<INSTALL_INTERFACE:include>)
+  target_compile_options(${target} PRIVATE
+    $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter -Wnon-virtual-dtor>
+    $<$<AND:$<COMPILE_LANGUAGE:CXX>,$<BOOL:${KVSPARSE_WERROR}>>:-Werror>
+    $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>
+    $<$<AND:$<COMPILE_LANGUAGE:CUDA>,$<BOOL:${KVSPARSE_WERROR}>>:-Werror=all-warnings>)
+endfunction()
+
+# kvsparse_test(<name> SOURCES ... LIBS ... [LABELS ...])
+# A GoogleTest binary registered with ctest, one ctest entry per binary (fast to list and run).
+function(kvsparse_test name)
+  cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;LIBS;LABELS" ${ARGN})
+  add_executable(${name} ${ARG_SOURCES})
+  kvsparse_target_defaults(${name})
+  target_link_libraries(${name} PRIVATE ${ARG_LIBS} GTest::gtest GTest::gtest_main)
+  add_test(NAME ${name} COMMAND ${name})
+  if(NOT ARG_TIMEOUT)
+    set(ARG_TIMEOUT 300)
+  endif()
+  set_tests_properties(${name} PROPERTIES TIMEOUT ${ARG_TIMEOUT})
+  if(ARG_LABELS)
+    set_tests_properties(${name} PROPERTIES LABELS "${ARG_LABELS}")
+  endif()
+endfunction()

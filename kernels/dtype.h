@@ -1,0 +1,164 @@
+// Element types of K, V and q rows, and scalar conversions usable on host and device.
+// Layer: kernels (no gRPC, no store). Everything here is header-only and allocation-free.
+#ifndef KVSPARSE_KERNELS_DTYPE_H_
+#define KVSPARSE_KERNELS_DTYPE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <string_view>
+
+#if defined(__CUDACC__)
+#define KVSPARSE_HD __host__ __device__ __forceinline__
+#else
+#define KVSPARSE_HD inline
+#endif
+
+namespace kvsparse::kernels {
+
+enum class DType : uint8_t {
+  kFp32 = 0,
+  kFp16 = 1,  // IEEE 754 binary16
+  kBf16 = 2,  // bfloat16
+};
+
+// Bytes per element.
+constexpr size_t DTypeSize(DType t) { return t == DType::kFp32 ? 4 : 2; }
+
+constexpr std::string_view DTypeName(DType t) {
+  switch (t) {
+    case DType::kFp32:
+      return "fp32";
+    case DType::kFp16:
+      return "fp16";
+    case DType::kBf16:
+      return "bf16";
+  }
+  return "?";
+}
+
+// Raw 16-bit storage types. Distinct structs so overloads and templates can tell them apart;
+// layout-compatible with __half / __nv_bfloat16.
+struct Bf16 {
+  uint16_t bits;
+};
+struct Fp16 {
+  uint16_t bits;
+};
+
+KVSPARSE_HD float Bf16ToFloat(Bf16 h) {
+  uint32_t u = static_cast<uint32_t>(h.bits) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even; NaN stays NaN (quiet).
+KVSPARSE_HD Bf16 FloatToBf16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return Bf16{static_cast<uint16_t>((u >> 16) | 0x40u)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return Bf16{static_cast<uint16_t>(u >> 16)};
+}
+
+KVSPARSE_HD float Fp16ToFloat(Fp16 h) {
+  const uint32_t sign = static_cast<uint32_t>(h.bits & 0x8000u) << 16;
+  const uint32_t exp = (h.bits >> 10) & 0x1fu;
+  uint32_t mant = h.bits & 0x3ffu;
+  uint32_t u;
+  if (exp == 0) {
+    if (mant == 0) {
+      u = sign;
+    } else {  // subnormal: normalise
+      int e = -1;
+      do {
+        ++e;
+        mant <<= 1;
+      } while ((mant & 0x400u) == 0);
+      u = sign | static_cast<uint32_t>(127 - 15 - e) << 23 | (mant & 0x3ffu) << 13;
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | mant << 13;
+  } else {
+    u = sign | (exp + 127 - 15) << 23 | mant << 13;
+  }
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+// Round to nearest even, overflow to infinity, NaN stays NaN.
+KVSPARSE_HD Fp16 FloatToFp16(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return Fp16{static_cast<uint16_t>(sign | 0x7e00u)};
+  if (abs >= 0x477ff000u) return Fp16{static_cast<uint16_t>(sign | 0x7c00u)};  // >= 65520
+  if (abs < 0x38800000u) {  // below 2^-14: subnormal or zero
+    if (abs < 0x33000000u) return Fp16{sign};  // < 2^-25 rounds to 0
+    const uint32_t e = abs >> 23;
+    const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - e;  // 14..24
+    uint32_t half = mant >> shift;
+    const uint32_t rem = mant & ((1u << shift) - 1);
+    const uint32_t mid = 1u << (shift - 1);
+    if (rem > mid || (rem == mid && (half & 1u))) ++half;
+    return Fp16{static_cast<uint16_t>(sign | half)};
+  }
+  uint32_t half = ((abs >> 13) - (112u << 10));
+  const uint32_t rem = abs & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (half & 1u))) ++half;
+  return Fp16{static_cast<uint16_t>(sign | half)};
+}
+
+KVSPARSE_HD float ToFloat(float x) { return x; }
+KVSPARSE_HD float ToFloat(Bf16 x) { return Bf16ToFloat(x); }
+KVSPARSE_HD float ToFloat(Fp16 x) { return Fp16ToFloat(x); }
+
+template <typename T>
+KVSPARSE_HD T FromFloat(float x);
+template <>
+KVSPARSE_HD float FromFloat<float>(float x) {
+  return x;
+}
+template <>
+KVSPARSE_HD Bf16 FromFloat<Bf16>(float x) {
+  return FloatToBf16(x);
+}
+template <>
+KVSPARSE_HD Fp16 FromFloat<Fp16>(float x) {
+  return FloatToFp16(x);
+}
+
+// Reads element i of a row of dtype t as float (host-side convenience for references/tests).
+inline float LoadAsFloat(const void* row, size_t i, DType t) {
+  switch (t) {
+    case DType::kFp32:
+      return static_cast<const float*>(row)[i];
+    case DType::kFp16:
+      return Fp16ToFloat(static_cast<const Fp16*>(row)[i]);
+    case DType::kBf16:
+      return Bf16ToFloat(static_cast<const Bf16*>(row)[i]);
+  }
+  return 0.f;
+}
+
+inline void StoreFromFloat(void* row, size_t i, DType t, float x) {
+  switch (t) {
+    case DType::kFp32:
+      static_cast<float*>(row)[i] = x;
+      break;
+    case DType::kFp16:
+      static_cast<Fp16*>(row)[i] = FloatToFp16(x);
+      break;
+    case DType::kBf16:
+      static_cast<Bf16*>(row)[i] = FloatToBf16(x);
+      break;
+  }
+}
+
+}  // namespace kvsparse::kernels
+
+#endif  // KVSPARSE_KERNELS_DTYPE_H_
