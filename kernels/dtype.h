@@ -6,7 +6,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
-#include <string_view>
 
 #if defined(__CUDACC__)
 #define KVSPARSE_HD __host__ __device__ __forceinline__
@@ -25,7 +24,7 @@ enum class DType : uint8_t {
 // Bytes per element.
 constexpr size_t DTypeSize(DType t) { return t == DType::kFp32 ? 4 : 2; }
 
-constexpr std::string_view DTypeName(DType t) {
+constexpr const char* DTypeName(DType t) {
   switch (t) {
     case DType::kFp32:
       return "fp32";
@@ -96,7 +95,7 @@ KVSPARSE_HD Fp16 FloatToFp16(float f) {
   const uint32_t abs = u & 0x7fffffffu;
   if (abs > 0x7f800000u) return Fp16{static_cast<uint16_t>(sign | 0x7e00u)};
   if (abs >= 0x477ff000u) return Fp16{static_cast<uint16_t>(sign | 0x7c00u)};  // >= 65520
-  if (abs < 0x38800000u) {  // below 2^-14: subnormal or zero
+  if (abs < 0x38800000u) {                     // below 2^-14: subnormal or zero
     if (abs < 0x33000000u) return Fp16{sign};  // < 2^-25 rounds to 0
     const uint32_t e = abs >> 23;
     const uint32_t mant = (abs & 0x7fffffu) | 0x800000u;

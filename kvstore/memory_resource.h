@@ -1,0 +1,38 @@
+// The seam between the store and the memory it lives in. The store asks a MemoryResource for
+// large slabs and carves pages out of them; swapping the resource moves the host tier to pinned,
+// huge-page or shared memory without touching the store, and lets tests inject failures.
+#ifndef KVSPARSE_KVSTORE_MEMORY_RESOURCE_H_
+#define KVSPARSE_KVSTORE_MEMORY_RESOURCE_H_
+
+#include <cstddef>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
+namespace kvsparse::kvstore {
+
+// Thread-safe: Allocate and Deallocate may be called concurrently.
+class MemoryResource {
+ public:
+  virtual ~MemoryResource() = default;
+  // Returns `bytes` bytes aligned to at least 4096, or RESOURCE_EXHAUSTED.
+  virtual absl::StatusOr<void*> Allocate(size_t bytes) = 0;
+  // REQUIRES: p came from Allocate(bytes) on this resource and was not yet freed.
+  virtual void Deallocate(void* p, size_t bytes) = 0;
+  virtual absl::string_view name() const = 0;
+};
+
+struct HostMemoryOptions {
+  // Ask the kernel for transparent huge pages on each slab (madvise MADV_HUGEPAGE): fewer TLB
+  // misses for random row gathers over gigabytes.
+  bool huge_pages = true;
+};
+
+// Anonymous private mmap'd host memory (pageable). Pinned and shared-memory resources come with
+// the decode worker.
+std::unique_ptr<MemoryResource> NewHostMemoryResource(HostMemoryOptions options = {});
+
+}  // namespace kvsparse::kvstore
+
+#endif  // KVSPARSE_KVSTORE_MEMORY_RESOURCE_H_

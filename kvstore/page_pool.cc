@@ -1,0 +1,79 @@
+#include "kvstore/page_pool.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvsparse::kvstore {
+
+PagePool::PagePool(MemoryResource* resource, PagePoolOptions options)
+    : resource_(resource),
+      options_(options),
+      capacity_pages_(options.page_bytes ? options.capacity_bytes / options.page_bytes : 0) {}
+
+PagePool::~PagePool() {
+  absl::MutexLock lock(&mu_);
+  for (const Slab& s : slabs_) resource_->Deallocate(s.base, s.bytes);
+}
+
+bool PagePool::Fits(size_t n) const {
+  absl::MutexLock lock(&mu_);
+  return in_use_ + n <= capacity_pages_;
+}
+
+size_t PagePool::pages_in_use() const {
+  absl::MutexLock lock(&mu_);
+  return in_use_;
+}
+
+absl::Status PagePool::Allocate(size_t n, std::vector<uint8_t*>* out) {
+  absl::MutexLock lock(&mu_);
+  if (in_use_ + n > capacity_pages_) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("store full: ", n, " more pages of ", options_.page_bytes, " bytes needed, ",
+                     capacity_pages_ - in_use_, " of ", capacity_pages_, " free"));
+  }
+  const size_t first = out->size();
+  out->reserve(first + n);
+  for (size_t need = n; need > 0; --need) {
+    // Fresh pages first (consecutive addresses keep a bulk append's rows together), then
+    // freed pages, then a new slab.
+    if (fresh_next_ != fresh_end_) {
+      out->push_back(fresh_next_);
+      fresh_next_ += options_.page_bytes;
+      continue;
+    }
+    if (!free_.empty()) {
+      out->push_back(free_.back());
+      free_.pop_back();
+      continue;
+    }
+    // Here every mapped page is in use or taken by this call, so need <= pages_left: the
+    // capacity check above guarantees it, and no more than the capacity is ever mapped.
+    const size_t pages_left = capacity_pages_ - slab_total_pages_;
+    const size_t slab_pages = std::min(options_.slab_bytes / options_.page_bytes, pages_left);
+    const size_t bytes = std::max(slab_pages, need) * options_.page_bytes;
+    absl::StatusOr<void*> slab = resource_->Allocate(bytes);
+    if (!slab.ok()) {
+      // Keep the pages this call already took for later calls; hand none out.
+      free_.insert(free_.end(), out->begin() + first, out->end());
+      out->resize(first);
+      return slab.status();
+    }
+    slabs_.push_back({static_cast<uint8_t*>(*slab), bytes});
+    slab_total_pages_ += bytes / options_.page_bytes;
+    fresh_next_ = static_cast<uint8_t*>(*slab);
+    fresh_end_ = fresh_next_ + bytes;
+    ++need;  // this iteration took no page
+  }
+  in_use_ += n;
+  return absl::OkStatus();
+}
+
+void PagePool::Free(const std::vector<uint8_t*>& pages) {
+  absl::MutexLock lock(&mu_);
+  free_.insert(free_.end(), pages.rbegin(), pages.rend());
+  in_use_ -= pages.size();
+}
+
+}  // namespace kvsparse::kvstore

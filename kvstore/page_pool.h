@@ -1,0 +1,65 @@
+// Fixed-size pages carved from large slabs, with a hard cap on pages in use.
+#ifndef KVSPARSE_KVSTORE_PAGE_POOL_H_
+#define KVSPARSE_KVSTORE_PAGE_POOL_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "kvstore/memory_resource.h"
+
+namespace kvsparse::kvstore {
+
+struct PagePoolOptions {
+  size_t page_bytes = 64 << 10;        // bytes per page; a multiple of 4096
+  size_t slab_bytes = 64 << 20;        // bytes asked of the MemoryResource at a time (whole pages)
+  size_t capacity_bytes = 1ull << 30;  // most bytes of pages in use at once
+};
+
+// Thread-safe. Slabs are kept until the pool is destroyed; freed pages are reused first (LIFO),
+// and fresh pages of a slab are handed out in address order, so a bulk allocation is contiguous.
+// Lock order: PagePool::mu_ is a leaf (taken with no other lock ordering constraint after it).
+class PagePool {
+ public:
+  // REQUIRES: resource outlives the pool.
+  PagePool(MemoryResource* resource, PagePoolOptions options);
+  ~PagePool();
+  PagePool(const PagePool&) = delete;
+  PagePool& operator=(const PagePool&) = delete;
+
+  // Appends n pages to *out, or none: RESOURCE_EXHAUSTED if n more pages would pass the
+  // capacity or the resource cannot supply a slab.
+  [[nodiscard]] absl::Status Allocate(size_t n, std::vector<uint8_t*>* out);
+  // REQUIRES: every page came from this pool and is in use.
+  void Free(const std::vector<uint8_t*>& pages);
+
+  // Whether n more pages fit under the capacity right now.
+  bool Fits(size_t n) const;
+  size_t page_bytes() const { return options_.page_bytes; }
+  size_t capacity_pages() const { return capacity_pages_; }
+  size_t pages_in_use() const;
+
+ private:
+  MemoryResource* const resource_;
+  const PagePoolOptions options_;
+  const size_t capacity_pages_;
+
+  mutable absl::Mutex mu_;
+  size_t in_use_ ABSL_GUARDED_BY(mu_) = 0;
+  std::vector<uint8_t*> free_ ABSL_GUARDED_BY(mu_);
+  struct Slab {
+    uint8_t* base;
+    size_t bytes;
+  };
+  std::vector<Slab> slabs_ ABSL_GUARDED_BY(mu_);
+  uint8_t* fresh_next_ ABSL_GUARDED_BY(mu_) = nullptr;  // next never-used page of the last slab
+  uint8_t* fresh_end_ ABSL_GUARDED_BY(mu_) = nullptr;
+  size_t slab_total_pages_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace kvsparse::kvstore
+
+#endif  // KVSPARSE_KVSTORE_PAGE_POOL_H_

@@ -1,0 +1,443 @@
+#include "kvstore/store.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvsparse::kvstore {
+
+// One sequence's pages and lengths. Internal to the store.
+class Sequence {
+ public:
+  Sequence(std::string id, const ModelShape& shape, const Placement& placement, size_t page_bytes,
+           PagePool* pool)
+      : id_(std::move(id)),
+        shape_(shape),
+        placement_(placement),
+        row_bytes_(shape.row_bytes()),
+        slot_bytes_(2 * row_bytes_),
+        page_tokens_(page_bytes / slot_bytes_),
+        pool_(pool),
+        lengths_(shape.num_layers, 0),
+        lanes_(static_cast<size_t>(shape.num_layers) * shape.num_kv_heads) {}
+
+  ~Sequence() {
+    std::vector<uint8_t*> all;
+    for (auto& lane : lanes_) all.insert(all.end(), lane.begin(), lane.end());
+    pool_->Free(all);
+  }
+
+  Sequence(const Sequence&) = delete;
+  Sequence& operator=(const Sequence&) = delete;
+
+  uint64_t PagesFor(uint64_t tokens) const { return (tokens + page_tokens_ - 1) / page_tokens_; }
+  size_t Lane(uint32_t layer, uint32_t kv_head) const {
+    return static_cast<size_t>(layer) * shape_.num_kv_heads + kv_head;
+  }
+  // Start of token t's K row (its V row follows). REQUIRES: mu_ held; t < pages * page_tokens_.
+  uint8_t* Slot(const std::vector<uint8_t*>& lane, uint64_t t) const {
+    return lane[t / page_tokens_] + (t % page_tokens_) * slot_bytes_;
+  }
+
+  SequenceInfo Info(size_t page_bytes) const {
+    absl::ReaderMutexLock lock(&mu_);
+    SequenceInfo info;
+    info.sequence_id = id_;
+    info.shape = shape_;
+    info.placement = placement_;
+    info.layer_lengths = lengths_;
+    info.bytes_used = pages_held_.load() * page_bytes;
+    info.page_tokens = static_cast<uint32_t>(page_tokens_);
+    return info;
+  }
+
+  const std::string id_;
+  const ModelShape shape_;
+  const Placement placement_;
+  const size_t row_bytes_;
+  const size_t slot_bytes_;
+  const size_t page_tokens_;
+  PagePool* const pool_;
+
+  mutable absl::Mutex mu_;
+  std::vector<uint64_t> lengths_ ABSL_GUARDED_BY(mu_);  // [num_layers]
+  // [num_layers * num_kv_heads] page lists. Written under mu_ (writer); pages never move.
+  std::vector<std::vector<uint8_t*>> lanes_ ABSL_GUARDED_BY(mu_);
+  std::atomic<uint64_t> pages_held_{0};
+
+  // Both guarded by Store::mu_ (the store's map lock).
+  int32_t pins_ = 0;
+  uint64_t last_access_ = 0;
+};
+
+// Keeps a sequence from eviction (and its pages alive) while a call uses it.
+class Store::Pin {
+ public:
+  Pin(Store* store, std::shared_ptr<Sequence> seq) : store_(store), seq_(std::move(seq)) {}
+  Pin(Pin&& other) noexcept : store_(other.store_), seq_(std::move(other.seq_)) {}
+  Pin& operator=(Pin&&) = delete;
+  ~Pin() {
+    if (seq_ == nullptr) return;
+    absl::MutexLock lock(&store_->mu_);
+    --seq_->pins_;
+    seq_.reset();  // may free a dropped sequence's pages (lock order Store -> PagePool)
+  }
+  Sequence& operator*() const { return *seq_; }
+  Sequence* operator->() const { return seq_.get(); }
+
+ private:
+  Store* store_;
+  std::shared_ptr<Sequence> seq_;
+};
+
+absl::StatusOr<std::unique_ptr<Store>> Store::Create(StoreOptions options) {
+  if (options.page_bytes < 4096 || options.page_bytes % 4096 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_bytes must be a multiple of 4096, got ", options.page_bytes));
+  }
+  // One token of the widest allowed row (fp32, kMaxHeadDim) must fit in a page.
+  if (options.page_bytes < 2 * kMaxHeadDim * 4) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_bytes must be at least ", 2 * kMaxHeadDim * 4));
+  }
+  if (options.capacity_bytes < options.page_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("capacity_bytes ", options.capacity_bytes,
+                                                   " is below one page of ", options.page_bytes));
+  }
+  if (options.slab_bytes < options.page_bytes) options.slab_bytes = options.page_bytes;
+  if (options.max_tokens_per_layer == 0 || options.max_tokens_per_layer > (1ull << 32)) {
+    return absl::InvalidArgumentError("max_tokens_per_layer must be in 1..2^32");
+  }
+  std::unique_ptr<MemoryResource> owned;
+  if (options.memory == nullptr) {
+    owned = NewHostMemoryResource();
+    options.memory = owned.get();
+  }
+  return std::unique_ptr<Store>(new Store(options, std::move(owned)));
+}
+
+Store::Store(StoreOptions options, std::unique_ptr<MemoryResource> owned_memory)
+    : options_(options),
+      owned_memory_(std::move(owned_memory)),
+      pool_(options.memory,
+            PagePoolOptions{options.page_bytes, options.slab_bytes, options.capacity_bytes}) {}
+
+Store::~Store() {
+  absl::MutexLock lock(&mu_);
+  sequences_.clear();  // frees pages before pool_ is destroyed
+}
+
+absl::StatusOr<SequenceInfo> Store::CreateSequence(absl::string_view sequence_id,
+                                                   const ModelShape& shape,
+                                                   const Placement& placement) {
+  if (absl::Status s = ValidateSequenceId(sequence_id); !s.ok()) return s;
+  if (absl::Status s = ValidateModelShape(shape); !s.ok()) return s;
+  if (absl::Status s = ValidatePlacement(placement); !s.ok()) return s;
+  auto seq = std::make_shared<Sequence>(std::string(sequence_id), shape, placement,
+                                        options_.page_bytes, &pool_);
+  {
+    absl::MutexLock lock(&mu_);
+    auto [it, inserted] = sequences_.try_emplace(seq->id_, seq);
+    if (!inserted) {
+      return absl::AlreadyExistsError(absl::StrCat("sequence '", sequence_id, "' already exists"));
+    }
+    seq->last_access_ = ++tick_;
+  }
+  return seq->Info(options_.page_bytes);
+}
+
+absl::StatusOr<uint64_t> Store::DropSequence(absl::string_view sequence_id) {
+  std::shared_ptr<Sequence> seq;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = sequences_.find(sequence_id);
+    if (it == sequences_.end()) {
+      return absl::NotFoundError(absl::StrCat("sequence '", sequence_id, "' not found"));
+    }
+    seq = std::move(it->second);
+    sequences_.erase(it);
+  }
+  // Pages go back when the last pin is released (here if none is held).
+  return seq->pages_held_.load() * options_.page_bytes;
+}
+
+absl::StatusOr<Store::Pin> Store::Acquire(absl::string_view sequence_id) {
+  absl::MutexLock lock(&mu_);
+  auto it = sequences_.find(sequence_id);
+  if (it == sequences_.end()) {
+    return absl::NotFoundError(
+        absl::StrCat("sequence '", sequence_id, "' not found (never created, dropped or evicted)"));
+  }
+  Sequence& seq = *it->second;
+  ++seq.pins_;
+  seq.last_access_ = ++tick_;
+  return Pin(this, it->second);
+}
+
+absl::Status Store::MakeRoom(size_t pages, const Sequence* requester) {
+  absl::MutexLock lock(&mu_);
+  while (!pool_.Fits(pages)) {
+    if (options_.policy == CapacityPolicy::kReject) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "store full (policy reject): append needs ", pages * options_.page_bytes, " more bytes; ",
+          pool_.pages_in_use() * options_.page_bytes, " of ", options_.capacity_bytes, " in use"));
+    }
+    // Least recently used idle sequence other than the requester.
+    auto victim = sequences_.end();
+    for (auto it = sequences_.begin(); it != sequences_.end(); ++it) {
+      const Sequence& s = *it->second;
+      if (s.pins_ > 0 || &s == requester) continue;
+      if (victim == sequences_.end() || s.last_access_ < victim->second->last_access_) victim = it;
+    }
+    if (victim == sequences_.end()) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("store full (policy evict-lru): append needs ", pages * options_.page_bytes,
+                       " more bytes and every other sequence has a call in flight"));
+    }
+    sequences_.erase(victim);  // unpinned: this frees its pages now
+    evictions_.fetch_add(1, std::memory_order_relaxed);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
+  if (req.num_tokens == 0) return absl::InvalidArgumentError("append of zero tokens");
+  if (req.num_layers == 0) return absl::InvalidArgumentError("append to zero layers");
+  absl::StatusOr<Pin> pin = Acquire(req.sequence_id);
+  if (!pin.ok()) return pin.status();
+  Sequence& seq = **pin;
+  const ModelShape& shape = seq.shape_;
+  if (static_cast<uint64_t>(req.first_layer) + req.num_layers > shape.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layers [", req.first_layer, ", ",
+                                                   req.first_layer + req.num_layers,
+                                                   ") outside the sequence's ", shape.num_layers));
+  }
+  if (req.num_tokens > options_.max_tokens_per_layer) {
+    return absl::OutOfRangeError(absl::StrCat("append of ", req.num_tokens,
+                                              " tokens exceeds max_tokens_per_layer ",
+                                              options_.max_tokens_per_layer));
+  }
+  const uint64_t want = req.num_layers * req.num_tokens * shape.num_kv_heads * seq.row_bytes_;
+  if (want > options_.max_append_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "append of ", 2 * want, " bytes exceeds the limit of ", options_.max_append_bytes));
+  }
+  if (req.k.size() != want || req.v.size() != want) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "k and v must hold [", req.num_layers, ", ", req.num_tokens, ", ", shape.num_kv_heads, ", ",
+        shape.head_dim, "] ", kernels::DTypeName(shape.dtype), " = ", want, " bytes each; got ",
+        req.k.size(), " and ", req.v.size()));
+  }
+  if (absl::Now() > req.deadline) return absl::DeadlineExceededError("deadline passed");
+
+  absl::WriterMutexLock lock(&seq.mu_);
+  const uint64_t len0 = seq.lengths_[req.first_layer];
+  for (uint32_t l = req.first_layer; l < req.first_layer + req.num_layers; ++l) {
+    if (seq.lengths_[l] != len0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("layers ", req.first_layer, " and ", l, " hold ", len0, " and ",
+                       seq.lengths_[l], " tokens; append to layers of equal length"));
+    }
+  }
+  if (req.expected_length.has_value() && *req.expected_length != len0) {
+    return absl::FailedPreconditionError(absl::StrCat("expected_length ", *req.expected_length,
+                                                      " but the layers hold ", len0, " tokens"));
+  }
+  if (len0 + req.num_tokens > options_.max_tokens_per_layer) {
+    return absl::OutOfRangeError(absl::StrCat(len0, " + ", req.num_tokens,
+                                              " tokens exceeds max_tokens_per_layer ",
+                                              options_.max_tokens_per_layer));
+  }
+  const uint64_t pages_per_lane = seq.PagesFor(len0 + req.num_tokens) - seq.PagesFor(len0);
+  const size_t new_pages = pages_per_lane * req.num_layers * shape.num_kv_heads;
+  std::vector<uint8_t*> pages;
+  if (new_pages > 0) {
+    absl::Status got;
+    // Another append may take the room between MakeRoom and Allocate: try a few times.
+    for (int attempt = 0; attempt < 4; ++attempt) {
+      got = MakeRoom(new_pages, &seq);
+      if (got.ok()) got = pool_.Allocate(new_pages, &pages);
+      if (got.ok() || !absl::IsResourceExhausted(got)) break;
+    }
+    if (!got.ok()) {
+      rejections_.fetch_add(1, std::memory_order_relaxed);
+      return got;
+    }
+  }
+  // Nothing can fail from here on.
+  size_t next_page = 0;
+  for (uint32_t l = req.first_layer; l < req.first_layer + req.num_layers; ++l) {
+    for (uint32_t h = 0; h < shape.num_kv_heads; ++h) {
+      auto& lane = seq.lanes_[seq.Lane(l, h)];
+      for (uint64_t p = 0; p < pages_per_lane; ++p) lane.push_back(pages[next_page++]);
+    }
+  }
+  seq.pages_held_.fetch_add(new_pages);
+  const size_t row = seq.row_bytes_;
+  for (uint32_t li = 0; li < req.num_layers; ++li) {
+    const uint32_t l = req.first_layer + li;
+    for (uint64_t t = 0; t < req.num_tokens; ++t) {
+      for (uint32_t h = 0; h < shape.num_kv_heads; ++h) {
+        const size_t src = ((li * req.num_tokens + t) * shape.num_kv_heads + h) * row;
+        uint8_t* slot = seq.Slot(seq.lanes_[seq.Lane(l, h)], len0 + t);
+        std::memcpy(slot, req.k.data() + src, row);
+        std::memcpy(slot + row, req.v.data() + src, row);
+      }
+    }
+    seq.lengths_[l] = len0 + req.num_tokens;
+  }
+  const uint64_t rows = req.num_layers * req.num_tokens * shape.num_kv_heads;
+  rows_appended_.fetch_add(2 * rows, std::memory_order_relaxed);  // K rows + V rows
+  bytes_appended_.fetch_add(2 * want, std::memory_order_relaxed);
+  return AppendResult{len0, req.num_tokens, 2 * want};
+}
+
+absl::StatusOr<GatherResult> Store::Gather(const GatherRequest& req, GatherAllocator alloc) {
+  if (req.heads.empty()) return absl::InvalidArgumentError("gather of no kv heads");
+  absl::StatusOr<Pin> pin = Acquire(req.sequence_id);
+  if (!pin.ok()) return pin.status();
+  Sequence& seq = **pin;
+  const ModelShape& shape = seq.shape_;
+  if (req.layer >= shape.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", req.layer, " outside the sequence's ", shape.num_layers));
+  }
+  absl::ReaderMutexLock lock(&seq.mu_);
+  GatherResult result;
+  result.layer_length = seq.lengths_[req.layer];
+  result.heads.reserve(req.heads.size());
+  uint64_t rows = 0;
+  for (const HeadSelection& sel : req.heads) {
+    if (sel.kv_head >= shape.num_kv_heads) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv_head ", sel.kv_head, " outside the sequence's ", shape.num_kv_heads));
+    }
+    for (uint32_t t : sel.token_indices) {
+      if (t >= result.layer_length) {
+        return absl::OutOfRangeError(absl::StrCat("token ", t, " of kv head ", sel.kv_head,
+                                                  " is past layer ", req.layer, "'s length ",
+                                                  result.layer_length));
+      }
+    }
+    HeadRows& hr = result.heads.emplace_back();
+    hr.kv_head = sel.kv_head;
+    hr.row_offset = rows;
+    if (req.unique) {
+      std::vector<uint32_t> sorted(sel.token_indices.begin(), sel.token_indices.end());
+      std::sort(sorted.begin(), sorted.end());
+      for (size_t i = 0; i < sorted.size();) {
+        size_t j = i;
+        while (j < sorted.size() && sorted[j] == sorted[i]) ++j;
+        hr.token_indices.push_back(sorted[i]);
+        hr.counts.push_back(static_cast<uint32_t>(j - i));
+        i = j;
+      }
+      hr.row_count = hr.token_indices.size();
+    } else {
+      hr.row_count = sel.token_indices.size();
+    }
+    rows += hr.row_count;
+  }
+  const bool want_k = req.kind != RowKind::kV;
+  const bool want_v = req.kind != RowKind::kK;
+  const size_t row = seq.row_bytes_;
+  const uint64_t bytes = rows * row * (want_k + want_v);
+  if (bytes > options_.max_gather_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "gather of ", bytes, " bytes exceeds the limit of ", options_.max_gather_bytes));
+  }
+  absl::StatusOr<GatherBuffers> out = alloc(rows, row);
+  if (!out.ok()) return out.status();
+  if ((want_k && out->k == nullptr) || (want_v && out->v == nullptr)) {
+    return absl::InternalError("gather allocator returned no buffer");
+  }
+
+  // Prefetch a few rows ahead: each row is a DRAM miss at a random address, so keeping several
+  // in flight is what makes a random gather approach copy bandwidth.
+  constexpr size_t kAhead = 8;
+  constexpr size_t kDeadlineCheckEvery = 1 << 14;
+  const int v_off = static_cast<int>(row);
+  for (size_t hi = 0; hi < req.heads.size(); ++hi) {
+    const HeadRows& hr = result.heads[hi];
+    const auto& lane = seq.lanes_[seq.Lane(req.layer, hr.kv_head)];
+    const uint32_t* toks =
+        req.unique ? hr.token_indices.data() : req.heads[hi].token_indices.data();
+    const size_t n = hr.row_count;
+    uint8_t* dk = want_k ? out->k + hr.row_offset * row : nullptr;
+    uint8_t* dv = want_v ? out->v + hr.row_offset * row : nullptr;
+    for (size_t i = 0; i < n; ++i) {
+      if (i + kAhead < n) {
+        const uint8_t* ahead = seq.Slot(lane, toks[i + kAhead]);
+        for (size_t off = want_k ? 0 : row; off < (want_v ? 2 * row : row); off += 64) {
+          __builtin_prefetch(ahead + off);
+        }
+      }
+      if ((i & (kDeadlineCheckEvery - 1)) == kDeadlineCheckEvery - 1 &&
+          absl::Now() > req.deadline) {
+        return absl::DeadlineExceededError(absl::StrCat("deadline passed after ", i, " rows"));
+      }
+      const uint8_t* slot = seq.Slot(lane, toks[i]);
+      if (want_k) std::memcpy(dk + i * row, slot, row);
+      if (want_v) std::memcpy(dv + i * row, slot + v_off, row);
+    }
+  }
+  result.rows = rows;
+  result.bytes = bytes;
+  const size_t tier = static_cast<size_t>(Tier::kHost);
+  rows_gathered_[tier].fetch_add(rows * (want_k + want_v), std::memory_order_relaxed);
+  bytes_gathered_[tier].fetch_add(bytes, std::memory_order_relaxed);
+  return result;
+}
+
+absl::StatusOr<SequenceInfo> Store::GetSequenceInfo(absl::string_view sequence_id) {
+  absl::StatusOr<Pin> pin = Acquire(sequence_id);
+  if (!pin.ok()) return pin.status();
+  return (*pin)->Info(options_.page_bytes);
+}
+
+std::vector<SequenceInfo> Store::ListSequences() {
+  std::vector<std::shared_ptr<Sequence>> seqs;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [id, seq] : sequences_) {
+      ++seq->pins_;
+      seqs.push_back(seq);
+    }
+  }
+  std::vector<SequenceInfo> out;
+  out.reserve(seqs.size());
+  for (auto& seq : seqs) {
+    Pin pin(this, std::move(seq));  // releases the pin taken above
+    out.push_back(pin->Info(options_.page_bytes));
+  }
+  std::sort(out.begin(), out.end(), [](const SequenceInfo& a, const SequenceInfo& b) {
+    return a.sequence_id < b.sequence_id;
+  });
+  return out;
+}
+
+StoreStats Store::Stats() const {
+  StoreStats s;
+  s.capacity_bytes = options_.capacity_bytes;
+  s.page_bytes = options_.page_bytes;
+  s.pages_used = pool_.pages_in_use();
+  s.bytes_used = s.pages_used * options_.page_bytes;
+  s.policy = options_.policy;
+  {
+    absl::MutexLock lock(&mu_);
+    s.num_sequences = sequences_.size();
+  }
+  s.evictions = evictions_.load(std::memory_order_relaxed);
+  s.rejections = rejections_.load(std::memory_order_relaxed);
+  s.rows_appended = rows_appended_.load(std::memory_order_relaxed);
+  s.bytes_appended = bytes_appended_.load(std::memory_order_relaxed);
+  for (int t = 0; t < kNumTiers; ++t) {
+    s.rows_gathered[t] = rows_gathered_[t].load(std::memory_order_relaxed);
+    s.bytes_gathered[t] = bytes_gathered_[t].load(std::memory_order_relaxed);
+  }
+  return s;
+}
+
+}  // namespace kvsparse::kvstore

@@ -1,0 +1,199 @@
+// The KV store engine: sequences of K/V rows per (layer, kv head), appended by token and read
+// back sparsely by token index. No gRPC here; server/ wraps it.
+//
+// Layout. A sequence holds, for every (layer, kv head) "lane", a list of fixed-size pages. Token t
+// of a lane sits in page t / page_tokens at slot t % page_tokens; a slot is the token's K row
+// followed by its V row (2 * row_bytes), so the K and V of one token are adjacent and the rows of
+// one kv head are packed together. Appends fill the last page and add pages; rows never move.
+//
+// Capacity. Every page counts against StoreOptions::capacity_bytes. An append that needs more
+// pages than are free either fails (kReject) or first evicts whole idle sequences, least
+// recently used first (kEvictLru); a sequence with a call in flight is never evicted.
+//
+// Thread safety. All methods are thread-safe. Lock order: Sequence::mu_ -> Store::mu_ ->
+// PagePool::mu_. Store::mu_ guards the sequence map and is never held while a sequence lock is
+// taken; a call pins the sequence it uses (an atomic count) under Store::mu_, and eviction skips
+// pinned sequences, so a reader sees either all of a sequence or NOT_FOUND.
+#ifndef KVSPARSE_KVSTORE_STORE_H_
+#define KVSPARSE_KVSTORE_STORE_H_
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kvstore/memory_resource.h"
+#include "kvstore/page_pool.h"
+#include "kvstore/types.h"
+
+namespace kvsparse::kvstore {
+
+struct StoreOptions {
+  size_t capacity_bytes = 1ull << 30;  // bytes of pages the store may hold
+  CapacityPolicy policy = CapacityPolicy::kReject;
+  size_t page_bytes = 64 << 10;  // per page; a multiple of 4096 holding >= 1 token of any shape
+  size_t slab_bytes = 64 << 20;  // granularity of requests to the memory resource
+  uint64_t max_tokens_per_layer = 1ull << 24;  // token indices travel as uint32
+  uint64_t max_gather_bytes = 256ull << 20;    // larger responses get RESOURCE_EXHAUSTED
+  uint64_t max_append_bytes = 256ull << 20;    // K + V bytes of one append
+  // Where pages come from; null = an owned host resource with huge pages.
+  // REQUIRES: outlives the store.
+  MemoryResource* memory = nullptr;
+};
+
+struct SequenceInfo {
+  std::string sequence_id;
+  ModelShape shape;
+  Placement placement;
+  std::vector<uint64_t> layer_lengths;
+  uint64_t bytes_used = 0;
+  uint32_t page_tokens = 0;
+};
+
+struct StoreStats {
+  uint64_t capacity_bytes = 0;
+  uint64_t bytes_used = 0;
+  uint64_t num_sequences = 0;
+  CapacityPolicy policy = CapacityPolicy::kReject;
+  uint64_t evictions = 0;
+  uint64_t rejections = 0;
+  uint64_t page_bytes = 0;
+  uint64_t pages_used = 0;
+  uint64_t rows_appended = 0;  // rows written (a token's K and V rows count as 2)
+  uint64_t bytes_appended = 0;
+  std::array<uint64_t, kNumTiers> rows_gathered{};  // rows returned (a K+V pair counts as 2)
+  std::array<uint64_t, kNumTiers> bytes_gathered{};
+};
+
+struct AppendRequest {
+  absl::string_view sequence_id;
+  uint32_t first_layer = 0;
+  uint32_t num_layers = 1;
+  uint64_t num_tokens = 0;
+  // shape: [num_layers, num_tokens, num_kv_heads, head_dim] in the sequence's dtype each.
+  absl::Span<const uint8_t> k;
+  absl::Span<const uint8_t> v;
+  std::optional<uint64_t> expected_length;  // if set, every layer must hold exactly this many
+  absl::Time deadline = absl::InfiniteFuture();
+};
+
+struct AppendResult {
+  uint64_t first_token = 0;
+  uint64_t num_tokens = 0;
+  uint64_t bytes_appended = 0;
+};
+
+struct HeadSelection {
+  uint32_t kv_head = 0;
+  absl::Span<const uint32_t> token_indices;
+};
+
+struct GatherRequest {
+  absl::string_view sequence_id;
+  uint32_t layer = 0;
+  RowKind kind = RowKind::kKV;
+  absl::Span<const HeadSelection> heads;
+  bool unique = false;
+  absl::Time deadline = absl::InfiniteFuture();
+};
+
+struct HeadRows {
+  uint32_t kv_head = 0;
+  uint64_t row_offset = 0;
+  uint64_t row_count = 0;
+  std::vector<uint32_t> token_indices;  // unique only: distinct tokens, ascending
+  std::vector<uint32_t> counts;         // unique only
+};
+
+struct GatherResult {
+  std::vector<HeadRows> heads;
+  uint64_t layer_length = 0;
+  uint64_t rows = 0;   // rows per returned tensor
+  uint64_t bytes = 0;  // bytes written (K and V together)
+};
+
+// Destination of a gather: `rows` rows of row_bytes each for K and for V (null when not asked).
+struct GatherBuffers {
+  uint8_t* k = nullptr;
+  uint8_t* v = nullptr;
+};
+using GatherAllocator =
+    absl::FunctionRef<absl::StatusOr<GatherBuffers>(uint64_t rows, size_t row_bytes)>;
+
+class Sequence;
+
+class Store {
+ public:
+  // INVALID_ARGUMENT for options that cannot work (page size, capacity).
+  static absl::StatusOr<std::unique_ptr<Store>> Create(StoreOptions options);
+  ~Store();
+  Store(const Store&) = delete;
+  Store& operator=(const Store&) = delete;
+
+  // ALREADY_EXISTS if the id is taken; INVALID_ARGUMENT for a bad id, shape or placement;
+  // UNIMPLEMENTED for a tier the store does not serve.
+  absl::StatusOr<SequenceInfo> CreateSequence(absl::string_view sequence_id,
+                                              const ModelShape& shape, const Placement& placement);
+  // Returns the bytes that return to the store once in-flight calls on it finish.
+  // NOT_FOUND if unknown.
+  absl::StatusOr<uint64_t> DropSequence(absl::string_view sequence_id);
+
+  // All-or-nothing. NOT_FOUND (unknown sequence), INVALID_ARGUMENT (layers out of range,
+  // K/V byte sizes that do not match the shape, zero tokens), FAILED_PRECONDITION (layers of
+  // unequal length, or expected_length mismatch), OUT_OF_RANGE (past max_tokens_per_layer),
+  // RESOURCE_EXHAUSTED (capacity, or an append larger than max_append_bytes),
+  // DEADLINE_EXCEEDED.
+  absl::StatusOr<AppendResult> Append(const AppendRequest& request);
+
+  // Copies the requested rows into buffers obtained from `alloc` (called once, after all
+  // validation). Rows come in request order (duplicates repeated), or with `unique` once per
+  // distinct token in ascending order with counts. NOT_FOUND (unknown or evicted sequence),
+  // INVALID_ARGUMENT (no heads, bad layer or kv head), OUT_OF_RANGE (token at or past the
+  // layer's length), RESOURCE_EXHAUSTED (more than max_gather_bytes), DEADLINE_EXCEEDED.
+  absl::StatusOr<GatherResult> Gather(const GatherRequest& request, GatherAllocator alloc);
+
+  absl::StatusOr<SequenceInfo> GetSequenceInfo(absl::string_view sequence_id);
+  std::vector<SequenceInfo> ListSequences();
+  StoreStats Stats() const;
+  const StoreOptions& options() const { return options_; }
+
+ private:
+  class Pin;
+  Store(StoreOptions options, std::unique_ptr<MemoryResource> owned_memory);
+
+  // Looks up and pins a sequence, marking it used now. NOT_FOUND if absent.
+  absl::StatusOr<Pin> Acquire(absl::string_view sequence_id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Makes `pages` pages fit under the capacity, evicting idle sequences if the policy allows.
+  absl::Status MakeRoom(size_t pages, const Sequence* requester) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const StoreOptions options_;
+  std::unique_ptr<MemoryResource> owned_memory_;
+  PagePool pool_;
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
+  uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;  // LRU clock
+
+  std::atomic<uint64_t> evictions_{0};
+  std::atomic<uint64_t> rejections_{0};
+  std::atomic<uint64_t> rows_appended_{0};
+  std::atomic<uint64_t> bytes_appended_{0};
+  std::array<std::atomic<uint64_t>, kNumTiers> rows_gathered_{};
+  std::array<std::atomic<uint64_t>, kNumTiers> bytes_gathered_{};
+};
+
+}  // namespace kvsparse::kvstore
+
+#endif  // KVSPARSE_KVSTORE_STORE_H_

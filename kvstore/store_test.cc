@@ -1,0 +1,487 @@
+#include "kvstore/store.h"
+
+#include <atomic>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace kvsparse::kvstore {
+namespace {
+
+using kernels::DType;
+
+// Byte b of the K (kv=0) or V (kv=1) row of (layer, head, token): a value a test can recompute.
+uint8_t RowByte(uint32_t layer, uint32_t head, uint64_t token, int kv, size_t b) {
+  uint64_t x = (layer * 1000003ull) ^ (head * 7919ull) ^ (token * 104729ull) ^ (kv * 31ull) ^
+               (b * 2654435761ull);
+  x ^= x >> 29;
+  x *= 0xbf58476d1ce4e5b9ull;
+  return static_cast<uint8_t>(x >> 32);
+}
+
+// K and V for tokens [t0, t0 + n) of layers [l0, l0 + nl): [nl, n, Hkv, row_bytes] each.
+void MakeRows(const ModelShape& s, uint32_t l0, uint32_t nl, uint64_t t0, uint64_t n,
+              std::vector<uint8_t>* k, std::vector<uint8_t>* v) {
+  const size_t row = s.row_bytes();
+  k->resize(nl * n * s.num_kv_heads * row);
+  v->resize(k->size());
+  for (uint32_t li = 0; li < nl; ++li)
+    for (uint64_t t = 0; t < n; ++t)
+      for (uint32_t h = 0; h < s.num_kv_heads; ++h)
+        for (size_t b = 0; b < row; ++b) {
+          const size_t off = ((li * n + t) * s.num_kv_heads + h) * row + b;
+          (*k)[off] = RowByte(l0 + li, h, t0 + t, 0, b);
+          (*v)[off] = RowByte(l0 + li, h, t0 + t, 1, b);
+        }
+}
+
+ModelShape Shape(DType dt, uint32_t layers = 2, uint32_t kv_heads = 2, uint32_t dim = 64) {
+  return ModelShape{layers, 4 * kv_heads, kv_heads, dim, dt};
+}
+
+std::unique_ptr<Store> NewStore(size_t capacity = 64 << 20,
+                                CapacityPolicy policy = CapacityPolicy::kReject,
+                                MemoryResource* memory = nullptr) {
+  StoreOptions o;
+  o.capacity_bytes = capacity;
+  o.policy = policy;
+  o.page_bytes = 8192;  // small pages: many page boundaries in small tests
+  o.slab_bytes = 1 << 20;
+  o.memory = memory;
+  auto s = Store::Create(o);
+  EXPECT_TRUE(s.ok()) << s.status();
+  return std::move(*s);
+}
+
+absl::Status AppendTokens(Store& store, absl::string_view id, const ModelShape& s, uint32_t l0,
+                          uint32_t nl, uint64_t t0, uint64_t n) {
+  std::vector<uint8_t> k, v;
+  MakeRows(s, l0, nl, t0, n, &k, &v);
+  AppendRequest r;
+  r.sequence_id = id;
+  r.first_layer = l0;
+  r.num_layers = nl;
+  r.num_tokens = n;
+  r.k = k;
+  r.v = v;
+  return store.Append(r).status();
+}
+
+struct Gathered {
+  GatherResult result;
+  std::vector<uint8_t> k, v;
+};
+
+absl::StatusOr<Gathered> DoGather(Store& store, absl::string_view id, uint32_t layer,
+                                  std::vector<HeadSelection> heads, RowKind kind = RowKind::kKV,
+                                  bool unique = false) {
+  Gathered g;
+  GatherRequest r;
+  r.sequence_id = id;
+  r.layer = layer;
+  r.kind = kind;
+  r.heads = heads;
+  r.unique = unique;
+  auto res = store.Gather(r, [&](uint64_t rows, size_t row) -> absl::StatusOr<GatherBuffers> {
+    GatherBuffers b;
+    if (kind != RowKind::kV) {
+      g.k.assign(rows * row, 0xEE);
+      b.k = g.k.data();
+    }
+    if (kind != RowKind::kK) {
+      g.v.assign(rows * row, 0xEE);
+      b.v = g.v.data();
+    }
+    return b;
+  });
+  if (!res.ok()) return res.status();
+  g.result = std::move(*res);
+  return g;
+}
+
+void ExpectRow(const ModelShape& s, const uint8_t* got, uint32_t layer, uint32_t head,
+               uint64_t token, int kv) {
+  for (size_t b = 0; b < s.row_bytes(); ++b) {
+    ASSERT_EQ(got[b], RowByte(layer, head, token, kv, b))
+        << "layer " << layer << " head " << head << " token " << token << " kv " << kv;
+  }
+}
+
+class RoundTripTest : public ::testing::TestWithParam<DType> {};
+
+// Appends in uneven chunks that straddle page boundaries, then reads every row back, in order,
+// reversed with duplicates, and unique with counts.
+TEST_P(RoundTripTest, ByteExactAcrossPages) {
+  auto store = NewStore();
+  const ModelShape s = Shape(GetParam(), 3, 2, 96);
+  ASSERT_TRUE(store->CreateSequence("seq", s, {}).ok());
+  const uint64_t page_tokens = 8192 / (2 * s.row_bytes());
+  uint64_t len = 0;
+  for (uint64_t chunk : std::vector<uint64_t>{1, page_tokens - 1, 2, 3 * page_tokens + 5, 7}) {
+    ASSERT_TRUE(AppendTokens(*store, "seq", s, 0, 3, len, chunk).ok());
+    len += chunk;
+  }
+  auto info = store->GetSequenceInfo("seq");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->layer_lengths, std::vector<uint64_t>(3, len));
+  EXPECT_EQ(info->page_tokens, page_tokens);
+
+  std::vector<uint32_t> all(len), rev_dup;
+  for (uint32_t t = 0; t < len; ++t) all[t] = t;
+  for (uint32_t t = len; t-- > 0;) {
+    rev_dup.push_back(t);
+    if (t % 5 == 0) rev_dup.push_back(t);
+  }
+  for (uint32_t layer = 0; layer < 3; ++layer) {
+    auto g = DoGather(*store, "seq", layer, {{0, all}, {1, rev_dup}, {0, rev_dup}});
+    ASSERT_TRUE(g.ok()) << g.status();
+    ASSERT_EQ(g->result.heads.size(), 3u);
+    EXPECT_EQ(g->result.layer_length, len);
+    const size_t row = s.row_bytes();
+    for (const HeadRows& hr : g->result.heads) {
+      const auto& toks = hr.row_offset == 0 ? all : rev_dup;
+      ASSERT_EQ(hr.row_count, toks.size());
+      for (size_t i = 0; i < toks.size(); ++i) {
+        ExpectRow(s, g->k.data() + (hr.row_offset + i) * row, layer, hr.kv_head, toks[i], 0);
+        ExpectRow(s, g->v.data() + (hr.row_offset + i) * row, layer, hr.kv_head, toks[i], 1);
+      }
+    }
+    // Unique: ascending distinct tokens with counts; V only.
+    auto u = DoGather(*store, "seq", layer, {{1, rev_dup}}, RowKind::kV, /*unique=*/true);
+    ASSERT_TRUE(u.ok());
+    const HeadRows& hr = u->result.heads[0];
+    ASSERT_EQ(hr.token_indices.size(), len);
+    EXPECT_TRUE(u->k.empty());
+    for (uint32_t t = 0; t < len; ++t) {
+      EXPECT_EQ(hr.token_indices[t], t);
+      EXPECT_EQ(hr.counts[t], t % 5 == 0 ? 2u : 1u);
+      ExpectRow(s, u->v.data() + t * row, layer, 1, t, 1);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllDTypes, RoundTripTest,
+                         ::testing::Values(DType::kFp32, DType::kFp16, DType::kBf16),
+                         [](const auto& info) { return std::string(DTypeName(info.param)); });
+
+TEST(StoreTest, AppendsLayerByLayer) {
+  auto store = NewStore();
+  const ModelShape s = Shape(DType::kBf16, 4);
+  ASSERT_TRUE(store->CreateSequence("a", s, {}).ok());
+  // A model server appends each layer's new token as it computes that layer.
+  for (uint64_t t = 0; t < 3; ++t) {
+    for (uint32_t l = 0; l < 4; ++l) ASSERT_TRUE(AppendTokens(*store, "a", s, l, 1, t, 1).ok());
+  }
+  // Layers 0..1 now hold 4 tokens, 2..3 hold 3: a multi-layer append over both is refused.
+  ASSERT_TRUE(AppendTokens(*store, "a", s, 0, 2, 3, 1).ok());
+  EXPECT_EQ(AppendTokens(*store, "a", s, 1, 2, 4, 1).code(), absl::StatusCode::kFailedPrecondition);
+  auto g = DoGather(*store, "a", 3, {{1, std::vector<uint32_t>{2}}});
+  ASSERT_TRUE(g.ok());
+  ExpectRow(s, g->k.data(), 3, 1, 2, 0);
+}
+
+TEST(StoreTest, ExpectedLengthMakesRetriesSafe) {
+  auto store = NewStore();
+  const ModelShape s = Shape(DType::kFp16);
+  ASSERT_TRUE(store->CreateSequence("a", s, {}).ok());
+  std::vector<uint8_t> k, v;
+  MakeRows(s, 0, 1, 0, 5, &k, &v);
+  AppendRequest r;
+  r.sequence_id = "a";
+  r.num_tokens = 5;
+  r.k = k;
+  r.v = v;
+  r.expected_length = 0;
+  auto first = store->Append(r);
+  ASSERT_TRUE(first.ok());
+  EXPECT_EQ(first->bytes_appended, 2 * k.size());
+  // The same append retried is refused and the layer still holds 5 tokens.
+  EXPECT_EQ(store->Append(r).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store->GetSequenceInfo("a")->layer_lengths[0], 5u);
+}
+
+TEST(StoreTest, BadInputGetsClearCodesAndStoreKeepsServing) {
+  auto store = NewStore();
+  const ModelShape s = Shape(DType::kBf16);
+  ASSERT_TRUE(store->CreateSequence("a", s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "a", s, 0, 2, 0, 10).ok());
+  using absl::StatusCode;
+  // Create.
+  EXPECT_EQ(store->CreateSequence("a", s, {}).status().code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(store->CreateSequence("", s, {}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->CreateSequence("bad id", s, {}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->CreateSequence(std::string(200, 'x'), s, {}).status().code(),
+            StatusCode::kInvalidArgument);
+  ModelShape bad = s;
+  bad.num_q_heads = 5;
+  EXPECT_EQ(store->CreateSequence("b", bad, {}).status().code(), StatusCode::kInvalidArgument);
+  bad = s;
+  bad.head_dim = 0;
+  EXPECT_EQ(store->CreateSequence("b", bad, {}).status().code(), StatusCode::kInvalidArgument);
+  Placement dev;
+  dev.k_tier = Tier::kDevice;
+  EXPECT_EQ(store->CreateSequence("b", s, dev).status().code(), StatusCode::kUnimplemented);
+  Placement bits;
+  bits.signature_bits = 48;
+  EXPECT_EQ(store->CreateSequence("b", s, bits).status().code(), StatusCode::kInvalidArgument);
+  // Append.
+  EXPECT_EQ(AppendTokens(*store, "nope", s, 0, 1, 0, 1).code(), StatusCode::kNotFound);
+  EXPECT_EQ(AppendTokens(*store, "a", s, 1, 2, 10, 1).code(), StatusCode::kInvalidArgument);
+  std::vector<uint8_t> k(10), v(10);
+  AppendRequest r;
+  r.sequence_id = "a";
+  r.num_tokens = 1;
+  r.k = k;
+  r.v = v;  // wrong byte size for the shape
+  EXPECT_EQ(store->Append(r).status().code(), StatusCode::kInvalidArgument);
+  r.num_tokens = 0;
+  EXPECT_EQ(store->Append(r).status().code(), StatusCode::kInvalidArgument);
+  r.num_tokens = 1ull << 40;  // oversized
+  EXPECT_EQ(store->Append(r).status().code(), StatusCode::kOutOfRange);
+  // Gather.
+  const std::vector<uint32_t> ok_tokens = {0, 9};
+  const std::vector<uint32_t> past = {0, 10};
+  EXPECT_EQ(DoGather(*store, "nope", 0, {{0, ok_tokens}}).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(DoGather(*store, "a", 2, {{0, ok_tokens}}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(DoGather(*store, "a", 0, {{2, ok_tokens}}).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(DoGather(*store, "a", 0, {{0, past}}).status().code(), StatusCode::kOutOfRange);
+  EXPECT_EQ(DoGather(*store, "a", 0, {}).status().code(), StatusCode::kInvalidArgument);
+  std::vector<uint32_t> huge(300000, 3);  // 300k x 2 x 128 B > the default limit? use options
+  StoreOptions small;
+  small.capacity_bytes = 1 << 20;
+  small.page_bytes = 8192;
+  small.max_gather_bytes = 4096;
+  auto tiny = *Store::Create(small);
+  ASSERT_TRUE(tiny->CreateSequence("a", s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*tiny, "a", s, 0, 1, 0, 4).ok());
+  EXPECT_EQ(DoGather(*tiny, "a", 0, {{0, std::vector<uint32_t>(64, 1)}}).status().code(),
+            StatusCode::kResourceExhausted);
+  // Nothing above changed the data, and the next valid calls succeed.
+  auto g = DoGather(*store, "a", 1, {{1, ok_tokens}});
+  ASSERT_TRUE(g.ok());
+  ExpectRow(s, g->v.data() + s.row_bytes(), 1, 1, 9, 1);
+  EXPECT_EQ(store->GetSequenceInfo("a")->layer_lengths, (std::vector<uint64_t>{10, 10}));
+  EXPECT_TRUE(AppendTokens(*store, "a", s, 0, 2, 10, 1).ok());
+}
+
+TEST(StoreTest, DeadlineInThePastIsRefused) {
+  auto store = NewStore();
+  const ModelShape s = Shape(DType::kBf16);
+  ASSERT_TRUE(store->CreateSequence("a", s, {}).ok());
+  std::vector<uint8_t> k, v;
+  MakeRows(s, 0, 1, 0, 1, &k, &v);
+  AppendRequest r;
+  r.sequence_id = "a";
+  r.num_tokens = 1;
+  r.k = k;
+  r.v = v;
+  r.deadline = absl::Now() - absl::Seconds(1);
+  EXPECT_EQ(store->Append(r).status().code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(store->GetSequenceInfo("a")->layer_lengths[0], 0u);
+}
+
+// Capacity in pages: Shape(bf16, 2 layers, 2 heads, d=64) -> 256 B per token slot, 32 tokens
+// per 8 KiB page, 4 lanes: 32 tokens cost 4 pages = 32 KiB.
+constexpr size_t kPage = 8192;
+
+TEST(StoreTest, RejectPolicyRefusesAppendsButKeepsReadsAndDrops) {
+  auto store = NewStore(8 * kPage, CapacityPolicy::kReject);
+  const ModelShape s = Shape(DType::kBf16);
+  ASSERT_TRUE(store->CreateSequence("a", s, {}).ok());
+  ASSERT_TRUE(store->CreateSequence("b", s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "a", s, 0, 2, 0, 32).ok());  // 4 pages
+  ASSERT_TRUE(AppendTokens(*store, "b", s, 0, 2, 0, 32).ok());  // 4 pages: full
+  EXPECT_EQ(store->Stats().bytes_used, 8 * kPage);
+  EXPECT_EQ(AppendTokens(*store, "a", s, 0, 2, 32, 1).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(store->Stats().rejections, 1u);
+  // Nothing half-appended; reads still work.
+  EXPECT_EQ(store->GetSequenceInfo("a")->layer_lengths[0], 32u);
+  auto g = DoGather(*store, "a", 1, {{1, std::vector<uint32_t>{31}}});
+  ASSERT_TRUE(g.ok());
+  ExpectRow(s, g->k.data(), 1, 1, 31, 0);
+  // Dropping frees room.
+  auto freed = store->DropSequence("b");
+  ASSERT_TRUE(freed.ok());
+  EXPECT_EQ(*freed, 4 * kPage);
+  EXPECT_TRUE(AppendTokens(*store, "a", s, 0, 2, 32, 1).ok());
+  EXPECT_EQ(store->Stats().evictions, 0u);
+}
+
+TEST(StoreTest, EvictLruEvictsLeastRecentlyUsedIdleSequence) {
+  auto store = NewStore(12 * kPage, CapacityPolicy::kEvictLru);
+  const ModelShape s = Shape(DType::kBf16);
+  for (const char* id : {"a", "b", "c"}) {
+    ASSERT_TRUE(store->CreateSequence(id, s, {}).ok());
+    ASSERT_TRUE(AppendTokens(*store, id, s, 0, 2, 0, 32).ok());
+  }
+  // Touch a: b is now the least recently used.
+  ASSERT_TRUE(DoGather(*store, "a", 0, {{0, std::vector<uint32_t>{0}}}).ok());
+  ASSERT_TRUE(store->CreateSequence("d", s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "d", s, 0, 2, 0, 32).ok());
+  EXPECT_EQ(store->Stats().evictions, 1u);
+  EXPECT_EQ(DoGather(*store, "b", 0, {{0, std::vector<uint32_t>{0}}}).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_TRUE(DoGather(*store, "a", 0, {{0, std::vector<uint32_t>{0}}}).ok());
+  EXPECT_TRUE(DoGather(*store, "c", 0, {{0, std::vector<uint32_t>{0}}}).ok());
+  EXPECT_EQ(store->Stats().bytes_used, 12 * kPage);
+}
+
+// A sequence with a call in flight is never evicted: the gather allocator runs while the
+// gather holds its pin, and an append that needs room evicts the other, idle sequence.
+TEST(StoreTest, EvictLruNeverEvictsASequenceInFlight) {
+  auto store = NewStore(8 * kPage, CapacityPolicy::kEvictLru);
+  const ModelShape s = Shape(DType::kBf16);
+  for (const char* id : {"busy", "idle", "new"}) ASSERT_TRUE(store->CreateSequence(id, s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "busy", s, 0, 2, 0, 32).ok());
+  ASSERT_TRUE(AppendTokens(*store, "idle", s, 0, 2, 0, 32).ok());
+  ASSERT_TRUE(DoGather(*store, "idle", 0, {{0, std::vector<uint32_t>{0}}}).ok());  // busy is LRU
+  std::vector<uint8_t> k(32 * s.row_bytes()), v(k.size());
+  const std::vector<uint32_t> toks = {0, 31};
+  const std::vector<HeadSelection> heads = {{0, toks}};
+  GatherRequest r;
+  r.sequence_id = "busy";
+  r.heads = heads;
+  absl::Status inner;
+  auto res = store->Gather(r, [&](uint64_t rows, size_t row) -> absl::StatusOr<GatherBuffers> {
+    inner = AppendTokens(*store, "new", s, 0, 2, 0, 32);
+    return GatherBuffers{k.data(), v.data()};
+  });
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_TRUE(inner.ok()) << inner;
+  ExpectRow(s, k.data() + s.row_bytes(), 0, 0, 31, 0);
+  EXPECT_EQ(store->GetSequenceInfo("idle").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(store->GetSequenceInfo("busy").ok());
+  // With every other sequence busy, an append that needs room is refused, not served by
+  // evicting a sequence in flight.
+  auto res2 = store->Gather(r, [&](uint64_t, size_t) -> absl::StatusOr<GatherBuffers> {
+    EXPECT_TRUE(store->CreateSequence("x", s, {}).ok());
+    inner = AppendTokens(*store, "new", s, 0, 2, 32, 32);
+    return GatherBuffers{k.data(), v.data()};
+  });
+  ASSERT_TRUE(res2.ok());
+  EXPECT_EQ(inner.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(store->GetSequenceInfo("busy").ok());
+}
+
+// Dropping a sequence while a gather reads it: the gather finishes with intact rows.
+TEST(StoreTest, DropDuringGatherKeepsRowsIntact) {
+  auto store = NewStore();
+  const ModelShape s = Shape(DType::kFp32);
+  ASSERT_TRUE(store->CreateSequence("a", s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "a", s, 0, 2, 0, 100).ok());
+  std::vector<uint8_t> k(s.row_bytes()), v(s.row_bytes());
+  const std::vector<uint32_t> toks = {77};
+  const std::vector<HeadSelection> heads = {{1, toks}};
+  GatherRequest r;
+  r.sequence_id = "a";
+  r.layer = 1;
+  r.heads = heads;
+  auto res = store->Gather(r, [&](uint64_t, size_t) -> absl::StatusOr<GatherBuffers> {
+    EXPECT_TRUE(store->DropSequence("a").ok());
+    return GatherBuffers{k.data(), v.data()};
+  });
+  ASSERT_TRUE(res.ok());
+  ExpectRow(s, k.data(), 1, 1, 77, 0);
+  ExpectRow(s, v.data(), 1, 1, 77, 1);
+  EXPECT_EQ(store->Stats().pages_used, 0u);  // freed once the gather released its pin
+}
+
+// A memory resource that fails after a number of slab allocations.
+class FailingMemory final : public MemoryResource {
+ public:
+  explicit FailingMemory(int allow) : allow_(allow), host_(NewHostMemoryResource()) {}
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    if (allow_-- <= 0) return absl::ResourceExhaustedError("injected allocation failure");
+    return host_->Allocate(bytes);
+  }
+  void Deallocate(void* p, size_t bytes) override { host_->Deallocate(p, bytes); }
+  absl::string_view name() const override { return "failing"; }
+
+ private:
+  std::atomic<int> allow_;
+  std::unique_ptr<MemoryResource> host_;
+};
+
+TEST(StoreTest, AllocationFailureAppendsNothing) {
+  FailingMemory memory(1);  // one 1 MiB slab = 128 pages, then failures
+  auto store = NewStore(64 << 20, CapacityPolicy::kReject, &memory);
+  const ModelShape s = Shape(DType::kBf16);
+  ASSERT_TRUE(store->CreateSequence("a", s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "a", s, 0, 2, 0, 32 * 30).ok());  // 120 pages
+  EXPECT_EQ(AppendTokens(*store, "a", s, 0, 2, 960, 32 * 5).code(),
+            absl::StatusCode::kResourceExhausted);  // needs 20 pages: slab allocation fails
+  EXPECT_EQ(store->GetSequenceInfo("a")->layer_lengths[0], 960u);
+  EXPECT_EQ(store->Stats().pages_used, 120u);
+  // Smaller appends still fit in the slab that was mapped.
+  EXPECT_TRUE(AppendTokens(*store, "a", s, 0, 2, 960, 32).ok());
+  auto g = DoGather(*store, "a", 1, {{1, std::vector<uint32_t>{0, 991}}});
+  ASSERT_TRUE(g.ok());
+  ExpectRow(s, g->v.data() + s.row_bytes(), 1, 1, 991, 1);
+}
+
+// Appenders and gatherers on shared and private sequences, with drops and evictions racing.
+// Run under ASan/UBSan and TSan in CI (KVSPARSE_SANITIZE / KVSPARSE_TSAN).
+TEST(StoreTest, ConcurrentAppendersAndGatherers) {
+  auto store = NewStore(64 * kPage, CapacityPolicy::kEvictLru);
+  const ModelShape s = Shape(DType::kBf16);
+  constexpr int kThreads = 6;
+  constexpr int kIters = 300;
+  std::atomic<int> bad{0};
+  std::vector<std::thread> threads;
+  for (int w = 0; w < kThreads; ++w) {
+    threads.emplace_back([&, w] {
+      const std::string id = "s" + std::to_string(w % 3);
+      uint64_t seen = 0;
+      for (int i = 0; i < kIters; ++i) {
+        if (w < 3) {  // appender: owns sequence w, recreates it if evicted
+          (void)store->CreateSequence(id, s, {});
+          auto info = store->GetSequenceInfo(id);
+          if (!info.ok()) continue;
+          absl::Status st = AppendTokens(*store, id, s, 0, 2, info->layer_lengths[0], 3);
+          if (!st.ok() && st.code() != absl::StatusCode::kNotFound &&
+              st.code() != absl::StatusCode::kResourceExhausted &&
+              st.code() != absl::StatusCode::kFailedPrecondition) {
+            ++bad;
+          }
+          if (i % 97 == 96) (void)store->DropSequence(id);
+        } else {  // gatherer: checks every row it gets
+          auto info = store->GetSequenceInfo(id);
+          if (!info.ok() || info->layer_lengths[1] == 0) continue;
+          const uint32_t n = static_cast<uint32_t>(info->layer_lengths[1]);
+          std::vector<uint32_t> toks = {0, n - 1, n / 2};
+          auto g = DoGather(*store, id, 1, {{1, toks}});
+          if (!g.ok()) {
+            if (g.status().code() != absl::StatusCode::kNotFound) ++bad;
+            continue;
+          }
+          for (size_t j = 0; j < toks.size(); ++j) {
+            for (size_t b = 0; b < s.row_bytes(); ++b) {
+              if (g->k[j * s.row_bytes() + b] != RowByte(1, 1, toks[j], 0, b)) ++bad;
+            }
+          }
+          seen += g->result.rows;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(bad.load(), 0);
+  const StoreStats st = store->Stats();
+  EXPECT_LE(st.bytes_used, st.capacity_bytes);
+}
+
+TEST(StoreTest, RejectsBadOptions) {
+  StoreOptions o;
+  o.page_bytes = 1000;
+  EXPECT_EQ(Store::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.page_bytes = 65536;
+  o.capacity_bytes = 4096;
+  EXPECT_EQ(Store::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace kvsparse::kvstore
