@@ -1,0 +1,175 @@
+#include "kernels/row_selection.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu_util.h"
+
+namespace kvsparse::kernels {
+
+int64_t KvHeadSelection::rows_selected() const {
+  int64_t s = 0;
+  for (int32_t c : counts) s += c;
+  return s;
+}
+
+void RowSelection::Reset(EstimateKind k, int32_t b, int32_t hkv, int32_t g) {
+  kind = k;
+  batch = b;
+  num_kv_heads = hkv;
+  group_size = g;
+  heads.assign(static_cast<size_t>(b) * hkv, KvHeadSelection{});
+}
+
+void MergeGroup(absl::Span<const HeadRows> heads, KvHeadSelection* out) {
+  const size_t g_count = heads.size();
+  out->tokens.clear();
+  for (const HeadRows& h : heads) {
+    out->tokens.insert(out->tokens.end(), h.tokens.begin(), h.tokens.end());
+  }
+  std::sort(out->tokens.begin(), out->tokens.end());
+  out->tokens.erase(std::unique(out->tokens.begin(), out->tokens.end()), out->tokens.end());
+  const size_t r_count = out->tokens.size();
+  out->counts.assign(r_count, 0);
+  out->head_counts.assign(g_count * r_count, 0);
+  out->weights.assign(g_count * r_count, 0.f);
+  out->budgets.assign(g_count, 0);
+  for (size_t g = 0; g < g_count; ++g) {
+    const HeadRows& h = heads[g];
+    out->budgets[g] = h.budget;
+    size_t r = 0;  // both lists ascending: one merge walk
+    for (size_t i = 0; i < h.tokens.size(); ++i) {
+      while (out->tokens[r] != h.tokens[i]) ++r;
+      out->head_counts[g * r_count + r] = h.counts[i];
+      out->weights[g * r_count + r] = h.weights[i];
+      out->counts[r] += h.counts[i];
+    }
+  }
+}
+
+namespace {
+
+// Row accessor: (base pointer, element offset) of K or V row r of kv head (b, kvh).
+template <typename RowFn>
+absl::Status Estimate(const DecodeProblem& p, const RowSelection& sel, RowFn row_of) {
+  if (sel.batch != p.batch || sel.num_kv_heads != p.num_kv_heads ||
+      sel.group_size != p.group_size() ||
+      sel.heads.size() != static_cast<size_t>(p.batch) * p.num_kv_heads) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("selection shape (B=", sel.batch, ", Hkv=", sel.num_kv_heads,
+                     ", G=", sel.group_size, ") does not match the problem (B=", p.batch,
+                     ", Hkv=", p.num_kv_heads, ", G=", p.group_size(), ")"));
+  }
+  const int d = p.head_dim;
+  const int group = p.group_size();
+  std::vector<float> q(d), acc(d), s;
+  for (int32_t b = 0; b < p.batch; ++b) {
+    for (int32_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
+      const KvHeadSelection& hs = sel.at(b, kvh);
+      const size_t r_count = hs.tokens.size();
+      if (hs.weights.size() != r_count * group) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("selection (", b, ", ", kvh, "): weights must be [G, R]"));
+      }
+      for (int g = 0; g < group; ++g) {
+        const int32_t h = kvh * group + g;
+        const float* w = hs.weights.data() + g * r_count;
+        std::fill(acc.begin(), acc.end(), 0.f);
+        float norm = 1.f;
+        if (sel.kind == EstimateKind::kLinear) {
+          for (size_t r = 0; r < r_count; ++r) {
+            if (w[r] == 0.f) continue;
+            const auto [vbase, voff] = row_of(b, kvh, r, /*is_k=*/false);
+            AxpyRow(w[r], vbase, voff, d, p.dtype, acc.data());
+          }
+        } else {
+          LoadQuery(p, b, h, q.data());
+          s.assign(r_count, 0.f);
+          float m = -std::numeric_limits<float>::infinity();
+          for (size_t r = 0; r < r_count; ++r) {
+            if (w[r] == 0.f) continue;
+            const auto [kbase, koff] = row_of(b, kvh, r, /*is_k=*/true);
+            s[r] = DotRow(q.data(), kbase, koff, d, p.dtype) * p.scale;
+            m = std::max(m, s[r]);
+          }
+          float l = 0.f;
+          for (size_t r = 0; r < r_count; ++r) {
+            if (w[r] == 0.f) continue;
+            const float e = w[r] * std::exp(s[r] - m);
+            l += e;
+            const auto [vbase, voff] = row_of(b, kvh, r, /*is_k=*/false);
+            AxpyRow(e, vbase, voff, d, p.dtype, acc.data());
+          }
+          norm = l > 0.f ? 1.f / l : 0.f;
+        }
+        const int64_t o = (static_cast<int64_t>(b) * p.num_q_heads + h) * d;
+        for (int i = 0; i < d; ++i) StoreFromFloat(p.out, o + i, p.dtype, acc[i] * norm);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+struct RowRef {
+  const void* base;
+  int64_t offset;
+};
+
+}  // namespace
+
+absl::Status EstimateFromGathered(const DecodeProblem& p, const RowSelection& sel,
+                                  absl::Span<const GatheredRows> rows) {
+  if (absl::Status s =
+          ValidateProblemFor(p, ProblemNeeds{/*q=*/true, /*k=*/false, /*v=*/false, /*out=*/true});
+      !s.ok()) {
+    return s;
+  }
+  if (rows.size() != static_cast<size_t>(p.batch) * p.num_kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "rows: expected B*Hkv = ", p.batch * p.num_kv_heads, " entries, got ", rows.size()));
+  }
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const bool any = i < sel.heads.size() && !sel.heads[i].tokens.empty();
+    if (!any) continue;
+    if (rows[i].v == nullptr || (sel.needs_k_rows() && rows[i].k == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rows[", i, "]: missing ", rows[i].v == nullptr ? "v" : "k", " rows"));
+    }
+    if (rows[i].row_stride < p.head_dim) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("rows[", i, "].row_stride ", rows[i].row_stride, " < head_dim"));
+    }
+  }
+  return Estimate(p, sel, [&](int32_t b, int32_t kvh, size_t r, bool is_k) {
+    const GatheredRows& g = rows[static_cast<size_t>(b) * p.num_kv_heads + kvh];
+    return RowRef{is_k ? g.k : g.v, static_cast<int64_t>(r) * g.row_stride};
+  });
+}
+
+absl::Status EstimateInPlace(const DecodeProblem& p, const RowSelection& sel) {
+  if (absl::Status s = ValidateProblemFor(
+          p, ProblemNeeds{/*q=*/true, /*k=*/sel.needs_k_rows(), /*v=*/true, /*out=*/true});
+      !s.ok()) {
+    return s;
+  }
+  for (int32_t b = 0; b < p.batch && static_cast<size_t>(b) * p.num_kv_heads < sel.heads.size();
+       ++b) {
+    for (int32_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
+      for (int32_t t : sel.at(b, kvh).tokens) {
+        if (t < 0 || t >= p.seq_lens[b]) {
+          return absl::InvalidArgumentError(absl::StrCat("selection (", b, ", ", kvh,
+                                                         ") holds token ", t, " outside [0, ",
+                                                         p.seq_lens[b], ")"));
+        }
+      }
+    }
+  }
+  return Estimate(p, sel, [&](int32_t b, int32_t kvh, size_t r, bool is_k) {
+    const int32_t t = sel.at(b, kvh).tokens[r];
+    return RowRef{is_k ? p.k : p.v, KvRowOffset(p, b, kvh, t)};
+  });
+}
+
+}  // namespace kvsparse::kernels

@@ -1,0 +1,110 @@
+// RowSelection: the one result type of every sparse method's *selection* stage, and the
+// *estimate* stage that turns selected rows into the attention output.
+//
+// The contract with the decode worker: for each (sequence b, kv head), the selection lists the
+// distinct token indices (ascending) whose K and/or V rows must be fetched: the union over the
+// GQA group's G query heads. Per query head of the group it carries how often each row was
+// selected (sampling with replacement selects a row several times) and the weight the estimator
+// gives it, so the estimate needs nothing but the gathered rows and q.
+//
+// Two estimator kinds cover every method:
+//   kLinear  (SANTA / S2ANTA, any allocation):  out_h = sum_r w[h,r] V_r.
+//            Scores were consumed by the selection; only V rows are fetched.
+//   kSoftmax (HashAttention top-k, vAttention):  out_h = sum_r w[h,r] e^{s_hr} V_r /
+//                                                       sum_r w[h,r] e^{s_hr},
+//            s_hr = scale * q_h . K_r: the importance-weighted softmax of vAttention Eq. 3 with
+//            w = 1 / (inclusion probability). K and V rows are fetched. Rows with w = 0 take no
+//            part (e.g. vAttention's base-sample rows, read only to set the budget).
+#ifndef KVSPARSE_KERNELS_ROW_SELECTION_H_
+#define KVSPARSE_KERNELS_ROW_SELECTION_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "kernels/decode_problem.h"
+
+namespace kvsparse::kernels {
+
+enum class EstimateKind : uint8_t {
+  kLinear = 0,
+  kSoftmax = 1,
+};
+
+// One query head's selection, as a per-head sampler produces it.
+struct HeadRows {
+  std::vector<int32_t> tokens;  // ascending, distinct
+  std::vector<int32_t> counts;  // [tokens.size()] times selected (0: read but not used)
+  std::vector<float> weights;   // [tokens.size()] estimator weight w[h, r]
+  int64_t budget = 0;           // per method: S drawn, k chosen, or the vAttention sample size b
+
+  void Clear() {
+    tokens.clear();
+    counts.clear();
+    weights.clear();
+    budget = 0;
+  }
+  // Appends one row; tokens must arrive in ascending order.
+  void Push(int32_t token, int32_t count, float weight) {
+    tokens.push_back(token);
+    counts.push_back(count);
+    weights.push_back(weight);
+  }
+};
+
+// The rows of one (sequence, kv head): the union over its G query heads.
+struct KvHeadSelection {
+  std::vector<int32_t> tokens;       // [R] ascending, distinct: the rows to fetch
+  std::vector<int32_t> counts;       // [R] sum over the group of head_counts (0: budget-only row)
+  std::vector<int32_t> head_counts;  // [G, R] row-major: times query head g selected row r
+  std::vector<float> weights;        // [G, R] row-major: estimator weight (0 where unused)
+  std::vector<int64_t> budgets;      // [G] per query head: S, k or b (see the method's header)
+
+  int32_t num_rows() const { return static_cast<int32_t>(tokens.size()); }
+  // Rows selected counting repeats, summed over the group (HeadStats.rows_selected).
+  int64_t rows_selected() const;
+};
+
+struct RowSelection {
+  EstimateKind kind = EstimateKind::kLinear;
+  int32_t batch = 0;
+  int32_t num_kv_heads = 0;
+  int32_t group_size = 0;
+  std::vector<KvHeadSelection> heads;  // [B * Hkv], index b * Hkv + kv_head
+
+  bool needs_k_rows() const { return kind == EstimateKind::kSoftmax; }
+  const KvHeadSelection& at(int32_t b, int32_t kv_head) const {
+    return heads[static_cast<size_t>(b) * num_kv_heads + kv_head];
+  }
+  KvHeadSelection& at(int32_t b, int32_t kv_head) {
+    return heads[static_cast<size_t>(b) * num_kv_heads + kv_head];
+  }
+  // Sizes `heads` for a problem and clears every entry.
+  void Reset(EstimateKind k, int32_t b, int32_t hkv, int32_t g);
+};
+
+// Merges the G query heads' rows of one kv head into `out` (sorted union; a head that did not
+// select a row gets count 0 and weight 0 there). shape: heads [G].
+void MergeGroup(absl::Span<const HeadRows> heads, KvHeadSelection* out);
+
+// Rows of one (sequence, kv head), gathered in the order of KvHeadSelection::tokens: row r of
+// K starts at k + r * row_stride elements (dtype of the problem). k may be null for kLinear.
+struct GatheredRows {
+  const void* k = nullptr;  // shape: [R, d], row stride row_stride
+  const void* v = nullptr;  // shape: [R, d], row stride row_stride
+  int64_t row_stride = 0;   // elements between consecutive rows (>= d)
+};
+
+// The estimate stage on gathered rows: writes p.out ([B, H, d], p.dtype) from p.q and the rows
+// in `rows` ([B * Hkv], index b * Hkv + kv_head). p.k and p.v are not read. fp32 accumulation.
+// A query head with no used row (sum of weights 0) gets zeros.
+[[nodiscard]] absl::Status EstimateFromGathered(const DecodeProblem& p, const RowSelection& sel,
+                                                absl::Span<const GatheredRows> rows);
+
+// The same, reading the selected rows in place from p.k / p.v (the embedded, zero-copy case).
+[[nodiscard]] absl::Status EstimateInPlace(const DecodeProblem& p, const RowSelection& sel);
+
+}  // namespace kvsparse::kernels
+
+#endif  // KVSPARSE_KERNELS_ROW_SELECTION_H_

@@ -1,0 +1,344 @@
+#include "kernels/santa.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu_util.h"
+#include "kernels/philox.h"
+
+namespace kvsparse::kernels {
+namespace {
+
+bool KnownSampler(SantaSampler s) {
+  return s == SantaSampler::kIid || s == SantaSampler::kStratified ||
+         s == SantaSampler::kSystematic;
+}
+
+bool KnownAllocation(SantaAllocation a) {
+  return a == SantaAllocation::kGlobal || a == SantaAllocation::kProp ||
+         a == SantaAllocation::kFlash;
+}
+
+// Algorithm 3 for every tile: m_t, u_n, l_t (fp32, ascending n), then W_t / Z (double).
+void TileStatistics(absl::Span<const float> scores, SantaHeadPlan* plan) {
+  const int32_t n = plan->n;
+  const int32_t bt = plan->tile_size;
+  const int32_t tiles = (n + bt - 1) / bt;
+  plan->num_tiles = tiles;
+  plan->u.resize(n);
+  plan->tile_max.resize(tiles);
+  plan->tile_sum.resize(tiles);
+  plan->tile_weight.resize(tiles);
+  float m_star = -std::numeric_limits<float>::infinity();
+  for (int32_t t = 0; t < tiles; ++t) {
+    const int32_t lo = t * bt, hi = std::min(n, lo + bt);
+    float m = -std::numeric_limits<float>::infinity();
+    for (int32_t i = lo; i < hi; ++i) m = std::max(m, scores[i]);
+    float l = 0.f;
+    for (int32_t i = lo; i < hi; ++i) {
+      plan->u[i] = std::exp(scores[i] - m);
+      l += plan->u[i];
+    }
+    plan->tile_max[t] = m;
+    plan->tile_sum[t] = l;
+    m_star = std::max(m_star, m);
+  }
+  double z = 0.0;
+  std::vector<float> w(tiles);
+  for (int32_t t = 0; t < tiles; ++t) {
+    w[t] = std::exp(plan->tile_max[t] - m_star) * plan->tile_sum[t];
+    z += static_cast<double>(w[t]);
+  }
+  for (int32_t t = 0; t < tiles; ++t) plan->tile_weight[t] = static_cast<double>(w[t]) / z;
+}
+
+// Algorithm 5 inner loop for tile t with offset a0: appends rows with c_n > 0.
+template <typename WeightFn>
+void SystematicTile(const SantaHeadPlan& plan, int32_t t, float a0, WeightFn weight,
+                    HeadRows* out) {
+  const int32_t lo = t * plan.tile_size, hi = std::min(plan.n, lo + plan.tile_size);
+  const float inv_delta = plan.inv_delta[t];
+  float p = 0.f;
+  for (int32_t i = lo; i < hi; ++i) {
+    const float x = inv_delta * plan.u[i];
+    const float f0 = a0 + p;
+    const float f1 = f0 + x;
+    const int32_t c = static_cast<int32_t>(std::floor(f1)) - static_cast<int32_t>(std::floor(f0));
+    p = p + x;
+    if (c > 0) out->Push(i, c, weight(c));
+  }
+}
+
+}  // namespace
+
+absl::Status ValidateSantaParams(const SantaParams& params) {
+  if (!KnownSampler(params.sampler)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("sampler: unknown value ", static_cast<int>(params.sampler)));
+  }
+  if (!KnownAllocation(params.allocation)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("allocation: unknown value ", static_cast<int>(params.allocation)));
+  }
+  if (params.samples < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("samples (S) must be >= 1, got ", params.samples));
+  }
+  if (params.allocation != SantaAllocation::kGlobal) {
+    if (params.tile_size < 1) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tile_size must be >= 1 for prop / flash, got ", params.tile_size));
+    }
+    if (params.sampler != SantaSampler::kSystematic) {
+      return absl::InvalidArgumentError(
+          "sampler: prop and flash allocations implement systematic sampling only "
+          "(Appendices P, Q)");
+    }
+  }
+  if (params.bernoulli_qk_samples < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("bernoulli_qk_samples must be >= 0, got ", params.bernoulli_qk_samples));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PlanSantaHead(absl::Span<const float> scores, const SantaParams& params,
+                           SantaHeadPlan* plan) {
+  if (absl::Status s = ValidateSantaParams(params); !s.ok()) return s;
+  plan->n = static_cast<int32_t>(scores.size());
+  plan->allocation = params.allocation;
+  plan->budget = 0;
+  const int32_t n = plan->n;
+  if (n == 0) return absl::OkStatus();
+  for (float s : scores) {
+    if (std::isnan(s) || s == std::numeric_limits<float>::infinity()) {
+      return absl::InvalidArgumentError("scores must not be NaN or +inf");
+    }
+  }
+  const int64_t S = params.samples;
+  const float max_score = *std::max_element(scores.begin(), scores.end());
+  if (max_score == -std::numeric_limits<float>::infinity()) {
+    return absl::InvalidArgumentError("scores are all -inf");
+  }
+  if (params.allocation == SantaAllocation::kGlobal) {
+    const float m = max_score;
+    plan->cum.resize(n);
+    double c = 0.0;
+    plan->last_positive = -1;
+    for (int32_t j = 0; j < n; ++j) {
+      const double u = std::exp(static_cast<double>(scores[j]) - m);
+      c += u;
+      plan->cum[j] = c;
+      if (u > 0.0) plan->last_positive = j;
+    }
+    plan->budget = S;
+    return absl::OkStatus();
+  }
+  plan->tile_size = params.tile_size;
+  TileStatistics(scores, plan);
+  const int32_t tiles = plan->num_tiles;
+  plan->tile_budget.assign(tiles, 0);
+  plan->inv_delta.assign(tiles, 0.f);
+  if (params.allocation == SantaAllocation::kProp) {
+    plan->tile_quota.resize(tiles);
+    int64_t assigned = 0;
+    std::vector<int32_t> order(tiles);
+    for (int32_t t = 0; t < tiles; ++t) {
+      const double q = static_cast<double>(S) * plan->tile_weight[t];
+      plan->tile_quota[t] = q;
+      plan->tile_budget[t] = static_cast<int32_t>(std::floor(q));
+      assigned += plan->tile_budget[t];
+      order[t] = t;
+    }
+    const int64_t left = S - assigned;
+    if (left > 0) {
+      // Largest fractional part first, ties to the lower tile index.
+      auto frac = [&](int32_t t) { return plan->tile_quota[t] - std::floor(plan->tile_quota[t]); };
+      std::partial_sort(order.begin(), order.begin() + std::min<int64_t>(left, tiles), order.end(),
+                        [&](int32_t a, int32_t b) {
+                          const double fa = frac(a), fb = frac(b);
+                          return fa != fb ? fa > fb : a < b;
+                        });
+      for (int64_t i = 0; i < left; ++i) ++plan->tile_budget[order[i % tiles]];
+    }
+    for (int32_t t = 0; t < tiles; ++t) {
+      plan->inv_delta[t] = plan->tile_budget[t] > 0
+                               ? static_cast<float>(plan->tile_budget[t]) / plan->tile_sum[t]
+                               : 0.f;
+    }
+    plan->budget = S;
+  } else {
+    const int64_t s_tile = std::max<int64_t>(1, (S + tiles - 1) / tiles);
+    for (int32_t t = 0; t < tiles; ++t) {
+      plan->tile_budget[t] = static_cast<int32_t>(s_tile);
+      plan->inv_delta[t] = static_cast<float>(s_tile) / plan->tile_sum[t];
+    }
+    plan->budget = s_tile * tiles;
+  }
+  return absl::OkStatus();
+}
+
+void SampleSantaHead(const SantaHeadPlan& plan, const SantaParams& params, uint64_t seed,
+                     int32_t sequence, int32_t head, HeadRows* out, std::vector<int32_t>* scratch) {
+  out->Clear();
+  out->budget = plan.budget;
+  if (plan.n == 0) return;
+  const int32_t S = params.samples;
+  const float inv_s = 1.f / static_cast<float>(S);
+  const uint32_t seq = static_cast<uint32_t>(sequence);
+  const uint32_t hd = static_cast<uint32_t>(head);
+  switch (plan.allocation) {
+    case SantaAllocation::kGlobal: {
+      const double total = plan.cum[plan.n - 1];
+      auto invert = [&](double t, int32_t from) {
+        const auto it = std::upper_bound(plan.cum.begin() + from, plan.cum.end(), t * total);
+        const int32_t j = static_cast<int32_t>(it - plan.cum.begin());
+        return j >= plan.n ? plan.last_positive : j;
+      };
+      auto emit = [&](int32_t j) {
+        if (!out->tokens.empty() && out->tokens.back() == j) {
+          ++out->counts.back();
+        } else {
+          out->Push(j, 1, 0.f);
+        }
+      };
+      if (params.sampler == SantaSampler::kIid) {
+        std::vector<int32_t> local;
+        std::vector<int32_t>& js = scratch != nullptr ? *scratch : local;
+        js.resize(S);
+        const PhiloxStream st = PhiloxStream::Make(seed, RngTag::kSantaIid, seq, hd);
+        for (int32_t s = 0; s < S; ++s) js[s] = invert(st.Uniform(s), 0);
+        std::sort(js.begin(), js.end());
+        for (int32_t j : js) emit(j);
+      } else {
+        const bool strat = params.sampler == SantaSampler::kStratified;
+        const PhiloxStream st = PhiloxStream::Make(
+            seed, strat ? RngTag::kSantaStratified : RngTag::kSantaSystematic, seq, hd);
+        const double u0 = strat ? 0.0 : static_cast<double>(st.Uniform(0));
+        int32_t from = 0;
+        for (int32_t m = 0; m < S; ++m) {
+          const double u = strat ? static_cast<double>(st.Uniform(m)) : u0;
+          const double t = (static_cast<double>(m) + u) / S;
+          const int32_t j = invert(t, from);
+          from = std::min(j, plan.n - 1);
+          emit(j);
+        }
+      }
+      for (size_t i = 0; i < out->tokens.size(); ++i) {
+        out->weights[i] = static_cast<float>(out->counts[i]) * inv_s;
+      }
+      break;
+    }
+    case SantaAllocation::kProp: {
+      const PhiloxStream st = PhiloxStream::Make(seed, RngTag::kPropTileOffset, seq, hd);
+      for (int32_t t = 0; t < plan.num_tiles; ++t) {
+        if (plan.tile_budget[t] == 0) continue;
+        SystematicTile(
+            plan, t, st.Uniform(t), [&](int32_t c) { return static_cast<float>(c) * inv_s; }, out);
+      }
+      break;
+    }
+    case SantaAllocation::kFlash: {
+      const PhiloxStream st = PhiloxStream::Make(seed, RngTag::kFlashTileOffset, seq, hd);
+      for (int32_t t = 0; t < plan.num_tiles; ++t) {
+        const double scale = plan.tile_weight[t] / plan.tile_budget[t];
+        SystematicTile(
+            plan, t, st.Uniform(t), [&](int32_t c) { return static_cast<float>(scale * c); }, out);
+      }
+      break;
+    }
+  }
+}
+
+void SantaExpectedWeights(const SantaHeadPlan& plan, const SantaParams& params,
+                          std::vector<double>* out) {
+  out->assign(plan.n, 0.0);
+  if (plan.n == 0) return;
+  if (plan.allocation == SantaAllocation::kGlobal) {
+    const double total = plan.cum[plan.n - 1];
+    double prev = 0.0;
+    for (int32_t j = 0; j < plan.n; ++j) {
+      (*out)[j] = (plan.cum[j] - prev) / total;
+      prev = plan.cum[j];
+    }
+    return;
+  }
+  for (int32_t t = 0; t < plan.num_tiles; ++t) {
+    const double tile_mass = plan.allocation == SantaAllocation::kProp
+                                 ? static_cast<double>(plan.tile_budget[t]) / params.samples
+                                 : plan.tile_weight[t];
+    const int32_t lo = t * plan.tile_size, hi = std::min(plan.n, lo + plan.tile_size);
+    for (int32_t i = lo; i < hi; ++i) {
+      (*out)[i] = tile_mass * static_cast<double>(plan.u[i]) / plan.tile_sum[t];
+    }
+  }
+}
+
+absl::Status SantaSelectCpu(const DecodeProblem& p, const SantaParams& params, uint64_t seed,
+                            RowSelection* sel, SantaStats* stats) {
+  if (absl::Status s = ValidateSantaParams(params); !s.ok()) return s;
+  if (absl::Status s = ValidateProblemFor(p, ProblemNeeds{true, true, false, false}); !s.ok()) {
+    return s;
+  }
+  const int32_t group = p.group_size();
+  const int d = p.head_dim;
+  sel->Reset(EstimateKind::kLinear, p.batch, p.num_kv_heads, group);
+  if (stats != nullptr) {
+    stats->key_feature_fraction_head.assign(static_cast<size_t>(p.batch) * p.num_kv_heads, 1.0);
+    stats->key_feature_fraction_group.assign(static_cast<size_t>(p.batch) * p.num_kv_heads, 1.0);
+  }
+  const BernoulliQkParams bq{params.bernoulli_qk_samples, params.bernoulli_mode,
+                             params.bernoulli_sampler};
+  std::vector<float> qg(static_cast<size_t>(group) * d), scores;
+  std::vector<HeadRows> rows(group);
+  std::vector<int32_t> scratch;
+  SantaHeadPlan plan;
+  BernoulliQuery bquery;
+  for (int32_t b = 0; b < p.batch; ++b) {
+    const int32_t n = p.seq_lens[b];
+    scores.resize(n);
+    for (int32_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
+      for (int32_t g = 0; g < group; ++g) LoadQuery(p, b, kvh * group + g, &qg[g * d]);
+      if (params.bernoulli_qk_samples > 0) {
+        if (absl::Status s = SampleBernoulliQuery(qg, group, d, bq, seed, b, kvh, &bquery);
+            !s.ok()) {
+          return s;
+        }
+        if (stats != nullptr) {
+          stats->key_feature_fraction_head[b * p.num_kv_heads + kvh] = bquery.head_fraction();
+          stats->key_feature_fraction_group[b * p.num_kv_heads + kvh] = bquery.group_fraction();
+        }
+      }
+      for (int32_t g = 0; g < group; ++g) {
+        const int32_t h = kvh * group + g;
+        if (params.bernoulli_qk_samples > 0) {
+          const float* qe = &bquery.q_eff[static_cast<size_t>(g) * d];
+          const std::vector<int32_t>& f = bquery.features[g];
+          for (int32_t t = 0; t < n; ++t) {
+            scores[t] = SparseDotRow(qe, f.data(), static_cast<int>(f.size()), p.k,
+                                     KvRowOffset(p, b, kvh, t), p.dtype) *
+                        p.scale;
+          }
+        } else {
+          ComputeScores(p, b, h, &qg[g * d], scores.data());
+        }
+        if (absl::Status s = PlanSantaHead(scores, params, &plan); !s.ok()) return s;
+        SampleSantaHead(plan, params, seed, b, h, &rows[g], &scratch);
+      }
+      MergeGroup(rows, &sel->at(b, kvh));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SantaDecodeCpu(const DecodeProblem& p, const SantaParams& params, uint64_t seed,
+                            RowSelection* sel, SantaStats* stats) {
+  RowSelection local;
+  RowSelection* s = sel != nullptr ? sel : &local;
+  if (absl::Status st = SantaSelectCpu(p, params, seed, s, stats); !st.ok()) return st;
+  return EstimateInPlace(p, *s);
+}
+
+}  // namespace kvsparse::kernels

@@ -1,0 +1,170 @@
+// SANTA and S2ANTA decode: estimate softmax(s) V by sampling rows of V from the post-softmax
+// distribution p_j = e^{s_j} / Z and averaging them (S2ANTA paper, Section 2, Appendices A, P, Q).
+// Scores s_j = scale * q . K_j are exact, or Bernoulli qK^T estimates (bernoulli_qk.h).
+//
+// Stages: the *selection* needs the scores of every row (so K, or Bernoulli-selected features
+// of K, is resident where selection runs) and returns a RowSelection of kind kLinear; the
+// *estimate* needs only the selected V rows: out_h = sum_r w[h,r] V_r. Every allocation below
+// splits this way (prop's budgets need all tile statistics, but those come from K, not V).
+//
+// ---------------------------------------------------------------------------------------------
+// Allocation kGlobal: one CDF over all n tokens (Section 2.1). Per query head, in float64:
+//   u_j = exp(s_j - max s) (double), C_j = sum_{i<=j} u_i (ascending j), F^{-1}(t) = the first j
+//   with C_j > t * C_{n-1}. Thresholds t_m, from the head's Philox stream (philox.h):
+//     kIid:        t_s = Uniform(s), s < S                                      (Eq. 4)
+//     kStratified: t_m = (m + Uniform(m)) / S                (S2ANTA-strat, one draw per stratum)
+//     kSystematic: t_m = (m + Uniform(0)) / S                (S2ANTA-sys, one shared offset)
+//   (all in double; a threshold that rounds past C_{n-1} maps to the last token with u_j > 0).
+//   Estimate: (1/S) sum_m V_{J_m}, i.e. w[h, j] = count_j / S.
+//   Properties (Appendix A): all three are unbiased, E = softmax(s) V exactly. Cov(iid) =
+//   Sigma / S; stratified's covariance is <= (Loewner) iid's (Theorem A.6); systematic has no
+//   general guarantee (in our tests it behaves like stratified).
+//
+// Allocation kProp (S2ANTA-prop, Appendix P, Algorithms 2-5), systematic sampling only.
+// Tiles T_t = [t*B_tile, min((t+1)*B_tile, n)), T = ceil(n / B_tile). In this order, fp32 unless
+// said otherwise, with no fused multiply-add:
+//   m_t = max_{n in T_t} s_n;  u_n = expf(s_n - m_t);  l_t = sum_{n in T_t} u_n (ascending n);
+//   m* = max_t m_t;  W_t = expf(m_t - m*) * l_t;  Z = sum_t W_t (double, ascending t);
+//   q_t = S * (double(W_t) / Z) (double);  S_t = floor(q_t); the S - sum_t S_t leftover samples
+//   go one each to the tiles with the largest q_t - floor(q_t), ties to the lower tile index
+//   (largest remainder; sum_t S_t = S exactly);
+//   invdelta_t = S_t > 0 ? float(S_t) / l_t : 0;  a0_t = Uniform(t) of RngTag::kPropTileOffset;
+//   pass 2 per tile: p = 0; for n ascending: x = invdelta_t * u_n; f0 = a0_t + p;
+//     f1 = f0 + x; c_n = floor(f1) - floor(f0); p = p + x.
+//   Estimate: (1/S) sum_n c_n V_n, i.e. w[h, n] = c_n / S.
+//   Within a tile this is systematic sampling of S_t draws from u_n / l_t (offset 1 - a0_t), so
+//   E[sum_{n in T_t} c_n V_n] = S_t mu_t, mu_t = sum_{n in T_t} u_n V_n / l_t. The budgets S_t are
+//   a deterministic function of the scores, hence
+//     E[out] = sum_t (S_t / S) mu_t   whereas   softmax(s) V = sum_t (W_t / Z) mu_t.
+//   prop is BIASED in general: bias = sum_t (S_t/S - W_t/Z) (mu_t - mu), mu = softmax(s) V, which
+//   vanishes only when every q_t is an integer or all tile means agree. With R = S - sum_t
+//   floor(q_t) < min(T, S + 1) leftover samples, sum_t |S_t - q_t| < 2R, so
+//     ||bias|| <= (1/S) sum_t |S_t - q_t| max_t ||mu_t - mu||  <  (2R / S) max_t ||mu_t - mu||.
+//   Tiles with q_t below the largest-remainder cut get S_t = 0 and drop out entirely (the main
+//   source of bias when S < T). SantaExpectedWeights() gives E[out] exactly, so tests separate
+//   bias from noise.
+//   (fp32 rounding of p can make sum_n c_n differ from S_t by one, with probability ~1e-6.)
+//
+// Allocation kFlash (S2ANTA-flash, Appendix Q, Algorithms 6-8), systematic sampling only.
+//   Uniform tile budget S_tile = max(1, ceil(S / T)): "S/T rounded" is rounded UP so that the
+//   total T * S_tile >= S and every tile gets at least one sample (the estimator needs S_tile
+//   >= 1 in every tile with mass to be unbiased). E.g. n = 32768, B_tile = 256: T = 128, so
+//   S = 2048 gives S_tile = 16 (2048 draws) and S = 128 gives S_tile = 1 (128 draws); S = 100
+//   would also give S_tile = 1, i.e. 128 draws. The budget reported per head is T * S_tile.
+//   Per tile: m_t, u_n, l_t as for prop; invdelta_t = float(S_tile) / l_t (l_t >= 1 because the
+//   tile max contributes exp(0) = 1, so the "l tiny" branch of Algorithm 7 never fires);
+//   a0_t = Uniform(t) of RngTag::kFlashTileOffset; the same pass-2 counts c_n.
+//   Merge (Algorithm 8): W_t, Z as for prop; out = (1/Z) sum_t W_t (O~_t / S_tile), O~_t =
+//   sum_{n in T_t} c_n V_n, i.e. w[h, n] = (W_t / Z) * c_n / S_tile (double, stored as float).
+//   Unbiased given the tile weights: E[O~_t / S_tile] = mu_t, so E[out] = sum_t (W_t/Z) mu_t =
+//   softmax(s) V. It spends S_tile draws even on tiles with negligible W_t ("sample waste"); the
+//   selection lists those rows too (as the fused GPU kernel reads them), even where W_t / Z
+//   underflows to a zero weight; a worker may skip rows whose weights are all zero.
+//
+// GPU agreement: given bit-identical scores and these fp32 operations (compile the sampling
+// arithmetic without FMA contraction, e.g. __fmul_rn/__fadd_rn), the CUDA kernels reproduce
+// the indices exactly. With scores rounded differently, an index can differ only where a
+// threshold falls within rounding distance of a CDF boundary.
+#ifndef KVSPARSE_KERNELS_SANTA_H_
+#define KVSPARSE_KERNELS_SANTA_H_
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "kernels/bernoulli_qk.h"
+#include "kernels/decode_problem.h"
+#include "kernels/row_selection.h"
+
+namespace kvsparse::kernels {
+
+// Numbering follows proto SantaSampler / SantaAllocation.
+enum class SantaSampler : uint8_t {
+  kIid = 1,         // SANTA (Eq. 4)
+  kStratified = 2,  // S2ANTA-strat
+  kSystematic = 3,  // S2ANTA-sys
+};
+
+enum class SantaAllocation : uint8_t {
+  kGlobal = 1,  // one CDF over all tokens
+  kProp = 2,    // S2ANTA-prop: largest-remainder tile budgets
+  kFlash = 3,   // S2ANTA-flash: uniform tile budgets, deferred merge
+};
+
+struct SantaParams {
+  SantaSampler sampler = SantaSampler::kSystematic;
+  SantaAllocation allocation = SantaAllocation::kProp;
+  int32_t samples = 128;    // S per query head, >= 1
+  int32_t tile_size = 256;  // B_tile for kProp / kFlash, >= 1
+  // Bernoulli qK^T: estimate the scores from this many draws per feature; 0 = exact scores.
+  int32_t bernoulli_qk_samples = 0;
+  BernoulliQkMode bernoulli_mode = BernoulliQkMode::kMeanGroupQuery;
+  BernoulliSampler bernoulli_sampler = BernoulliSampler::kStratified;
+};
+
+// INVALID_ARGUMENT naming the field: samples < 1, tile_size < 1 (tiled allocations), a sampler
+// other than kSystematic with kProp / kFlash (the GPU kernels implement systematic only),
+// unknown enum values, bernoulli_qk_samples < 0.
+[[nodiscard]] absl::Status ValidateSantaParams(const SantaParams& params);
+
+// What the per-head sampler needs from one head's scores, computed once (the "prepared" form:
+// tests draw thousands of seeds from one of these without recomputing anything).
+struct SantaHeadPlan {
+  int32_t n = 0;
+  SantaAllocation allocation = SantaAllocation::kGlobal;
+  // kGlobal: shape [n] cumulative unnormalised weights C_j (double), last token with u > 0.
+  std::vector<double> cum;
+  int32_t last_positive = -1;
+  // kProp / kFlash: the Algorithm 3 stash and tile statistics.
+  int32_t tile_size = 0;
+  int32_t num_tiles = 0;             // T
+  std::vector<float> u;              // [n] expf(s_n - m_t)
+  std::vector<float> tile_max;       // [T] m_t
+  std::vector<float> tile_sum;       // [T] l_t
+  std::vector<double> tile_weight;   // [T] W_t / Z (double)
+  std::vector<double> tile_quota;    // [T] q_t = S W_t / Z (prop)
+  std::vector<int32_t> tile_budget;  // [T] S_t (prop) or S_tile (flash)
+  std::vector<float> inv_delta;      // [T] invdelta_t
+  int64_t budget = 0;                // samples drawn per head: S, or T * S_tile for flash
+};
+
+// Builds the plan for one query head. scores: [n] fp32 logits (already multiplied by scale).
+[[nodiscard]] absl::Status PlanSantaHead(absl::Span<const float> scores, const SantaParams& params,
+                                         SantaHeadPlan* plan);
+
+// Draws one head's sample: rows ascending with counts and weights (w = count / S for global and
+// prop, (W_t/Z) c / S_tile for flash). `sequence` and `head` (the query head) pick the Philox
+// streams. Allocation-free once `out` has capacity; `scratch` holds the iid indices.
+void SampleSantaHead(const SantaHeadPlan& plan, const SantaParams& params, uint64_t seed,
+                     int32_t sequence, int32_t head, HeadRows* out,
+                     std::vector<int32_t>* scratch = nullptr);
+
+// E[out] of the sampler for one head as weights over tokens: w_j such that E[out] = sum_j w_j V_j.
+// kGlobal and kFlash: the softmax probabilities (unbiased); kProp: (S_t / S) u_j / l_t.
+// shape of out: [n].
+void SantaExpectedWeights(const SantaHeadPlan& plan, const SantaParams& params,
+                          std::vector<double>* out);
+
+// Per-head statistics of a SANTA selection.
+struct SantaStats {
+  // Bernoulli qK^T only, shape [B * Hkv]: fraction of key features read per head (mean over the
+  // group) and by the group (union).
+  std::vector<double> key_feature_fraction_head;
+  std::vector<double> key_feature_fraction_group;
+};
+
+// Selection stage: reads q and every K row (or the Bernoulli-selected features of them), never
+// V. Fills `sel` (kind kLinear; budgets[g] = samples drawn by query head g).
+[[nodiscard]] absl::Status SantaSelectCpu(const DecodeProblem& p, const SantaParams& params,
+                                          uint64_t seed, RowSelection* sel,
+                                          SantaStats* stats = nullptr);
+
+// Selection then EstimateInPlace: writes p.out. `sel` and `stats` may be null.
+[[nodiscard]] absl::Status SantaDecodeCpu(const DecodeProblem& p, const SantaParams& params,
+                                          uint64_t seed, RowSelection* sel = nullptr,
+                                          SantaStats* stats = nullptr);
+
+}  // namespace kvsparse::kernels
+
+#endif  // KVSPARSE_KERNELS_SANTA_H_

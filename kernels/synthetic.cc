@@ -1,0 +1,156 @@
+#include "kernels/synthetic.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+namespace kvsparse::kernels {
+
+const char* ScoreFamilyName(ScoreFamily f) {
+  switch (f) {
+    case ScoreFamily::kNearUniform:
+      return "near_uniform";
+    case ScoreFamily::kPeaked:
+      return "peaked";
+    case ScoreFamily::kZipf:
+      return "zipf";
+  }
+  return "?";
+}
+
+std::vector<float> MakeScores(ScoreFamily family, int32_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed * 0x9E3779B97F4A7C15ull + 17);
+  std::vector<float> s(n);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  switch (family) {
+    case ScoreFamily::kNearUniform:
+      for (float& x : s) x = 0.5f * normal(rng);
+      break;
+    case ScoreFamily::kPeaked: {
+      for (float& x : s) x = normal(rng);
+      const float sinks[4] = {9.f, 7.f, 6.f, 5.f};
+      for (int i = 0; i < 4 && i < n; ++i) s[i] = sinks[i];
+      for (int32_t i = std::max(4, n - 64); i < n; ++i) s[i] = 4.f + normal(rng);
+      if (n > 80) {
+        std::uniform_int_distribution<int32_t> pos(4, n - 65);
+        for (int i = 0; i < 8; ++i) s[pos(rng)] = 8.f;
+      }
+      break;
+    }
+    case ScoreFamily::kZipf: {
+      std::vector<int32_t> rank(n);
+      std::iota(rank.begin(), rank.end(), 0);
+      std::shuffle(rank.begin(), rank.end(), rng);
+      for (int32_t i = 0; i < n; ++i) s[i] = -std::log(static_cast<float>(rank[i] + 1));
+      break;
+    }
+  }
+  return s;
+}
+
+SyntheticProblem& SyntheticProblem::operator=(SyntheticProblem&& o) noexcept {
+  q = std::move(o.q);
+  k = std::move(o.k);
+  v = std::move(o.v);
+  out = std::move(o.out);
+  seq_lens = std::move(o.seq_lens);
+  problem = o.problem;
+  problem.q = q.data();
+  problem.k = k.data();
+  problem.v = v.data();
+  problem.out = out.data();
+  problem.seq_lens = seq_lens.data();
+  return *this;
+}
+
+SyntheticProblem SyntheticProblem::Make(const SyntheticOptions& o) {
+  SyntheticProblem sp;
+  const int d = o.head_dim;
+  const int32_t hkv = o.num_kv_heads;
+  const int32_t group = o.num_q_heads / o.num_kv_heads;
+  const int32_t n_max =
+      o.seq_lens.empty() ? 0 : *std::max_element(o.seq_lens.begin(), o.seq_lens.end());
+  const size_t es = DTypeSize(o.dtype);
+  sp.seq_lens = o.seq_lens;
+  sp.q.assign(static_cast<size_t>(o.batch) * o.num_q_heads * d * es, 0);
+  sp.k.assign(static_cast<size_t>(o.batch) * n_max * hkv * d * es, 0);
+  sp.v.assign(sp.k.size(), 0);
+  sp.out.assign(sp.q.size(), 0);
+  DecodeProblem& p = sp.problem;
+  p.batch = o.batch;
+  p.num_q_heads = o.num_q_heads;
+  p.num_kv_heads = hkv;
+  p.head_dim = d;
+  p.dtype = o.dtype;
+  p.kv_layout = {static_cast<int64_t>(n_max) * hkv * d, d, static_cast<int64_t>(hkv) * d};
+  p.scale = 1.f / std::sqrt(static_cast<float>(d));
+  p.q = sp.q.data();
+  p.k = sp.k.data();
+  p.v = sp.v.data();
+  p.out = sp.out.data();
+  p.seq_lens = sp.seq_lens.data();
+
+  std::mt19937_64 rng(o.seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> qa(d), eta(d), mean(d), row(d);
+  for (int32_t b = 0; b < o.batch; ++b) {
+    const int32_t n = o.seq_lens[b];
+    for (int32_t j = 0; j < hkv; ++j) {
+      // Anchor query, |q_a| ~ sqrt(d).
+      double qn2 = 0;
+      for (int i = 0; i < d; ++i) {
+        qa[i] = normal(rng);
+        qn2 += double{qa[i]} * qa[i];
+      }
+      const float qn = static_cast<float>(std::sqrt(qn2));
+      for (int32_t g = 0; g < group; ++g) {
+        double en2 = 0;
+        for (int i = 0; i < d; ++i) {
+          eta[i] = normal(rng);
+          en2 += double{eta[i]} * eta[i];
+        }
+        const float c = g == 0 ? 0.f : o.head_noise * qn / static_cast<float>(std::sqrt(en2));
+        const int64_t off = (static_cast<int64_t>(b) * o.num_q_heads + j * group + g) * d;
+        for (int i = 0; i < d; ++i)
+          StoreFromFloat(sp.q.data(), off + i, o.dtype, qa[i] + c * eta[i]);
+      }
+      for (int i = 0; i < d; ++i) mean[i] = o.v_mean * normal(rng);
+      const std::vector<float> s = MakeScores(o.family, n, rng());
+      for (int32_t t = 0; t < n; ++t) {
+        // eta orthogonal to q_a, then the component along q_a that gives logit s[t].
+        double dot = 0;
+        for (int i = 0; i < d; ++i) {
+          eta[i] = normal(rng);
+          dot += double{eta[i]} * qa[i];
+        }
+        const float a = static_cast<float>(s[t] / (p.scale * qn));
+        const int64_t off =
+            (static_cast<int64_t>(b) * n_max + t) * hkv * d + static_cast<int64_t>(j) * d;
+        for (int i = 0; i < d; ++i) {
+          const float along = static_cast<float>(a - dot / qn) * qa[i] / qn;
+          StoreFromFloat(sp.k.data(), off + i, o.dtype, eta[i] + along);
+          StoreFromFloat(sp.v.data(), off + i, o.dtype, mean[i] + normal(rng));
+        }
+      }
+    }
+  }
+  return sp;
+}
+
+std::vector<double> OutputAsDouble(const DecodeProblem& p) {
+  std::vector<double> r(static_cast<size_t>(p.batch) * p.num_q_heads * p.head_dim);
+  for (size_t i = 0; i < r.size(); ++i) r[i] = LoadAsFloat(p.out, i, p.dtype);
+  return r;
+}
+
+double RelativeL2(const std::vector<double>& ref, const std::vector<double>& got) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size() && i < got.size(); ++i) {
+    num += (ref[i] - got[i]) * (ref[i] - got[i]);
+    den += ref[i] * ref[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+}  // namespace kvsparse::kernels

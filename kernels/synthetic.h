@@ -1,0 +1,76 @@
+// Synthetic decode problems with controlled score distributions, for the statistical tests in
+// kernels/ and the accuracy program in tests/accuracy/. Target kvsparse_kernels_synthetic (not
+// linked into the service). Data come from std::mt19937_64, not from the Philox streams: they
+// are inputs, not part of any method.
+#ifndef KVSPARSE_KERNELS_SYNTHETIC_H_
+#define KVSPARSE_KERNELS_SYNTHETIC_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/decode_problem.h"
+
+namespace kvsparse::kernels {
+
+enum class ScoreFamily : uint8_t {
+  // Logits ~ N(0, 0.5^2): attention spread almost evenly over all tokens.
+  kNearUniform = 0,
+  // Logits ~ N(0, 1), plus 4 attention sinks at the start (+9, +7, +6, +5), a local window of the
+  // last 64 tokens ~ N(4, 1), and 8 planted "needle" tokens at +8 at random positions.
+  kPeaked = 1,
+  // Zipf: the token of rank r (a random permutation of positions) has logit -ln(r + 1), i.e.
+  // attention proportional to 1 / (r + 1): a heavy tail.
+  kZipf = 2,
+};
+
+const char* ScoreFamilyName(ScoreFamily f);
+
+// Logits (already scaled) of one query over n tokens.
+std::vector<float> MakeScores(ScoreFamily family, int32_t n, uint64_t seed);
+
+struct SyntheticOptions {
+  ScoreFamily family = ScoreFamily::kPeaked;
+  int32_t batch = 1;
+  int32_t num_q_heads = 32;                // H
+  int32_t num_kv_heads = 8;                // Hkv
+  int32_t head_dim = 128;                  // d
+  std::vector<int32_t> seq_lens = {8192};  // [B]
+  DType dtype = DType::kBf16;
+  // Query head g of a group is q_anchor + head_noise * |q_anchor| * (random unit vector): heads of
+  // a group see similar, not identical, distributions.
+  float head_noise = 0.3f;
+  // V rows are mean + N(0, 1) per coordinate, mean ~ N(0, v_mean^2) per coordinate and kv head
+  // (a common component, as real value vectors have, keeps the output away from zero).
+  float v_mean = 0.5f;
+  uint64_t seed = 1;
+};
+
+// Owns the buffers of a DecodeProblem with layout [B, n_max, Hkv, d] (sequence-major). For
+// kv head j the anchor query's logits follow `family`: K_t = (s_t / (scale |q_a|)) q_a / |q_a|
+// + eta_t, with eta_t ~ N(0, I) projected orthogonal to q_a.
+struct SyntheticProblem {
+  std::vector<uint8_t> q, k, v, out;
+  std::vector<int32_t> seq_lens;
+  DecodeProblem problem;
+
+  // Builds one. `out` is zeroed. problem.scale = 1/sqrt(d).
+  static SyntheticProblem Make(const SyntheticOptions& options);
+
+  SyntheticProblem() = default;
+  SyntheticProblem(const SyntheticProblem&) = delete;
+  SyntheticProblem& operator=(const SyntheticProblem&) = delete;
+  SyntheticProblem(SyntheticProblem&& o) noexcept { *this = std::move(o); }
+  SyntheticProblem& operator=(SyntheticProblem&& o) noexcept;
+};
+
+// Output of p as doubles, [B, H, d].
+std::vector<double> OutputAsDouble(const DecodeProblem& p);
+
+// ||got - ref|| / ||ref|| (||got - ref|| when ref is zero).
+double RelativeL2(const std::vector<double>& ref, const std::vector<double>& got);
+
+}  // namespace kvsparse::kernels
+
+#endif  // KVSPARSE_KERNELS_SYNTHETIC_H_
