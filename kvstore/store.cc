@@ -214,6 +214,13 @@ absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
                                                    req.first_layer + req.num_layers,
                                                    ") outside the sequence's ", shape.num_layers));
   }
+  if (req.dtype != shape.dtype || req.num_kv_heads != shape.num_kv_heads ||
+      req.head_dim != shape.head_dim) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "append of ", kernels::DTypeName(req.dtype), " rows for ", req.num_kv_heads,
+        " kv heads of dim ", req.head_dim, " to a sequence of ", kernels::DTypeName(shape.dtype),
+        " with ", shape.num_kv_heads, " kv heads of dim ", shape.head_dim));
+  }
   if (req.num_tokens > options_.max_tokens_per_layer) {
     return absl::OutOfRangeError(absl::StrCat("append of ", req.num_tokens,
                                               " tokens exceeds max_tokens_per_layer ",
@@ -306,6 +313,8 @@ absl::StatusOr<GatherResult> Store::Gather(const GatherRequest& req, GatherAlloc
   }
   absl::ReaderMutexLock lock(&seq.mu_);
   GatherResult result;
+  result.dtype = shape.dtype;
+  result.head_dim = shape.head_dim;
   result.layer_length = seq.lengths_[req.layer];
   result.heads.reserve(req.heads.size());
   uint64_t rows = 0;

@@ -82,6 +82,11 @@ struct AppendRequest {
   uint32_t first_layer = 0;
   uint32_t num_layers = 1;
   uint64_t num_tokens = 0;
+  // What the caller says k and v hold; must match the sequence (a same-size tensor of another
+  // dtype or head split is refused, never reinterpreted).
+  DType dtype = DType::kBf16;
+  uint32_t num_kv_heads = 0;
+  uint32_t head_dim = 0;
   // shape: [num_layers, num_tokens, num_kv_heads, head_dim] in the sequence's dtype each.
   absl::Span<const uint8_t> k;
   absl::Span<const uint8_t> v;
@@ -119,6 +124,8 @@ struct HeadRows {
 
 struct GatherResult {
   std::vector<HeadRows> heads;
+  DType dtype = DType::kBf16;  // of the rows
+  uint32_t head_dim = 0;
   uint64_t layer_length = 0;
   uint64_t rows = 0;   // rows per returned tensor
   uint64_t bytes = 0;  // bytes written (K and V together)
@@ -151,7 +158,8 @@ class Store {
   absl::StatusOr<uint64_t> DropSequence(absl::string_view sequence_id);
 
   // All-or-nothing. NOT_FOUND (unknown sequence), INVALID_ARGUMENT (layers out of range,
-  // K/V byte sizes that do not match the shape, zero tokens), FAILED_PRECONDITION (layers of
+  // dtype, kv heads or head dim other than the sequence's, K/V byte sizes that do not match the
+  // shape, zero tokens), FAILED_PRECONDITION (layers of
   // unequal length, or expected_length mismatch), OUT_OF_RANGE (past max_tokens_per_layer),
   // RESOURCE_EXHAUSTED (capacity, or an append larger than max_append_bytes),
   // DEADLINE_EXCEEDED.

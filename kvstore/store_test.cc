@@ -55,6 +55,12 @@ std::unique_ptr<Store> NewStore(size_t capacity = 64 << 20,
   return std::move(*s);
 }
 
+void SetShape(const ModelShape& s, AppendRequest* r) {
+  r->dtype = s.dtype;
+  r->num_kv_heads = s.num_kv_heads;
+  r->head_dim = s.head_dim;
+}
+
 absl::Status AppendTokens(Store& store, absl::string_view id, const ModelShape& s, uint32_t l0,
                           uint32_t nl, uint64_t t0, uint64_t n) {
   std::vector<uint8_t> k, v;
@@ -64,6 +70,7 @@ absl::Status AppendTokens(Store& store, absl::string_view id, const ModelShape& 
   r.first_layer = l0;
   r.num_layers = nl;
   r.num_tokens = n;
+  SetShape(s, &r);
   r.k = k;
   r.v = v;
   return store.Append(r).status();
@@ -191,6 +198,7 @@ TEST(StoreTest, ExpectedLengthMakesRetriesSafe) {
   AppendRequest r;
   r.sequence_id = "a";
   r.num_tokens = 5;
+  SetShape(s, &r);
   r.k = k;
   r.v = v;
   r.expected_length = 0;
@@ -233,9 +241,22 @@ TEST(StoreTest, BadInputGetsClearCodesAndStoreKeepsServing) {
   AppendRequest r;
   r.sequence_id = "a";
   r.num_tokens = 1;
+  SetShape(s, &r);
   r.k = k;
   r.v = v;  // wrong byte size for the shape
   EXPECT_EQ(store->Append(r).status().code(), StatusCode::kInvalidArgument);
+  // Right byte size, wrong dtype (fp16 rows into a bf16 sequence): refused, not reinterpreted.
+  std::vector<uint8_t> k1, v1;
+  MakeRows(s, 0, 1, 10, 1, &k1, &v1);
+  r.k = k1;
+  r.v = v1;
+  r.dtype = DType::kFp16;
+  EXPECT_EQ(store->Append(r).status().code(), StatusCode::kInvalidArgument);
+  r.dtype = s.dtype;
+  r.num_kv_heads = 1;
+  r.head_dim = 2 * s.head_dim;
+  EXPECT_EQ(store->Append(r).status().code(), StatusCode::kInvalidArgument);
+  SetShape(s, &r);
   r.num_tokens = 0;
   EXPECT_EQ(store->Append(r).status().code(), StatusCode::kInvalidArgument);
   r.num_tokens = 1ull << 40;  // oversized
@@ -277,6 +298,7 @@ TEST(StoreTest, DeadlineInThePastIsRefused) {
   AppendRequest r;
   r.sequence_id = "a";
   r.num_tokens = 1;
+  SetShape(s, &r);
   r.k = k;
   r.v = v;
   r.deadline = absl::Now() - absl::Seconds(1);

@@ -1,0 +1,143 @@
+#include "client/kvstore_client.h"
+
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/support/channel_arguments.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvsparse::client {
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+KvStoreClient::KvStoreClient(ClientOptions options) : options_(std::move(options)) {}
+
+absl::StatusOr<std::unique_ptr<KvStoreClient>> KvStoreClient::Connect(ClientOptions options) {
+  if (options.target.empty()) return absl::InvalidArgumentError("empty target");
+  if (options.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("timeout must be positive");
+  }
+  std::unique_ptr<KvStoreClient> c(new KvStoreClient(std::move(options)));
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(c->options_.max_message_bytes);
+  args.SetMaxSendMessageSize(c->options_.max_message_bytes);
+  c->channel_ =
+      grpc::CreateCustomChannel(c->options_.target, grpc::InsecureChannelCredentials(), args);
+  if (c->channel_ == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("cannot create a channel to ", c->options_.target));
+  }
+  c->stub_ = v1::KvStore::NewStub(c->channel_);
+  c->health_ = grpc::health::v1::Health::NewStub(c->channel_);
+  return c;
+}
+
+void KvStoreClient::SetDeadline(grpc::ClientContext* ctx) const {
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+}
+
+absl::Status KvStoreClient::WaitForReady(absl::Duration timeout) {
+  if (channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) {
+    return absl::OkStatus();
+  }
+  return absl::UnavailableError(absl::StrCat("could not connect to ", options_.target, " within ",
+                                             absl::FormatDuration(timeout)));
+}
+
+absl::Status KvStoreClient::CheckHealth(const std::string& service) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  grpc::health::v1::HealthCheckRequest req;
+  req.set_service(service);
+  grpc::health::v1::HealthCheckResponse resp;
+  absl::Status s = FromGrpcStatus(health_->Check(&ctx, req, &resp));
+  if (!s.ok()) return s;
+  if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
+    return absl::UnavailableError(absl::StrCat(
+        "health: ", grpc::health::v1::HealthCheckResponse::ServingStatus_Name(resp.status())));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<v1::SequenceInfo> KvStoreClient::CreateSequence(const std::string& sequence_id,
+                                                               const v1::ModelShape& shape,
+                                                               const v1::Placement& placement) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::CreateSequenceRequest req;
+  req.set_sequence_id(sequence_id);
+  *req.mutable_shape() = shape;
+  *req.mutable_placement() = placement;
+  v1::SequenceInfo resp;
+  absl::Status s = FromGrpcStatus(stub_->CreateSequence(&ctx, req, &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
+absl::StatusOr<v1::DropSequenceResponse> KvStoreClient::DropSequence(
+    const std::string& sequence_id) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::DropSequenceRequest req;
+  req.set_sequence_id(sequence_id);
+  v1::DropSequenceResponse resp;
+  absl::Status s = FromGrpcStatus(stub_->DropSequence(&ctx, req, &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
+absl::StatusOr<v1::AppendResponse> KvStoreClient::Append(const v1::AppendRequest& request) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::AppendResponse resp;
+  absl::Status s = FromGrpcStatus(stub_->Append(&ctx, request, &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
+absl::Status KvStoreClient::Gather(const v1::GatherRequest& request, v1::GatherResponse* response) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  return FromGrpcStatus(stub_->Gather(&ctx, request, response));
+}
+
+absl::StatusOr<v1::GatherResponse> KvStoreClient::Gather(const v1::GatherRequest& request) {
+  v1::GatherResponse resp;
+  absl::Status s = Gather(request, &resp);
+  if (!s.ok()) return s;
+  return resp;
+}
+
+absl::StatusOr<v1::SequenceInfo> KvStoreClient::GetSequenceInfo(const std::string& sequence_id) {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::GetSequenceInfoRequest req;
+  req.set_sequence_id(sequence_id);
+  v1::SequenceInfo resp;
+  absl::Status s = FromGrpcStatus(stub_->GetSequenceInfo(&ctx, req, &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
+absl::StatusOr<std::vector<v1::SequenceInfo>> KvStoreClient::ListSequences() {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::ListSequencesResponse resp;
+  absl::Status s = FromGrpcStatus(stub_->ListSequences(&ctx, {}, &resp));
+  if (!s.ok()) return s;
+  return std::vector<v1::SequenceInfo>(resp.sequences().begin(), resp.sequences().end());
+}
+
+absl::StatusOr<v1::StoreStats> KvStoreClient::GetStats() {
+  grpc::ClientContext ctx;
+  SetDeadline(&ctx);
+  v1::StoreStats resp;
+  absl::Status s = FromGrpcStatus(stub_->GetStats(&ctx, {}, &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
+}  // namespace kvsparse::client

@@ -1,0 +1,74 @@
+// C++ client of the kvsparse KvStore service. Every call carries a deadline (the client's
+// timeout unless one is given), and every result is an absl::Status(Or) with the server's code
+// and message.
+//
+//   auto client = kvsparse::client::KvStoreClient::Connect({.target = "127.0.0.1:50051"});
+//   auto info = (*client)->CreateSequence("s1", shape);
+//
+// Thread-safe: one client may be shared by many threads (gRPC channels multiplex calls).
+#ifndef KVSPARSE_CLIENT_KVSTORE_CLIENT_H_
+#define KVSPARSE_CLIENT_KVSTORE_CLIENT_H_
+
+#include <grpcpp/channel.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "kvsparse/v1/kvstore.grpc.pb.h"
+
+namespace kvsparse::client {
+
+struct ClientOptions {
+  std::string target = "127.0.0.1:50051";      // host:port of kvsparse-server
+  absl::Duration timeout = absl::Seconds(30);  // deadline of each call
+  // Largest message accepted or sent; match the server's --max_message_size.
+  int max_message_bytes = 256 << 20;
+};
+
+class KvStoreClient {
+ public:
+  // Creates the channel (connection is lazy; see WaitForReady).
+  static absl::StatusOr<std::unique_ptr<KvStoreClient>> Connect(ClientOptions options);
+
+  // Blocks until the channel is connected or `timeout` passes (UNAVAILABLE).
+  absl::Status WaitForReady(absl::Duration timeout);
+  // grpc.health.v1 Check: OK if SERVING, UNAVAILABLE if NOT_SERVING, else the call's status.
+  absl::Status CheckHealth(const std::string& service = "");
+
+  absl::StatusOr<v1::SequenceInfo> CreateSequence(const std::string& sequence_id,
+                                                  const v1::ModelShape& shape,
+                                                  const v1::Placement& placement = {});
+  absl::StatusOr<v1::DropSequenceResponse> DropSequence(const std::string& sequence_id);
+  absl::StatusOr<v1::AppendResponse> Append(const v1::AppendRequest& request);
+  absl::StatusOr<v1::GatherResponse> Gather(const v1::GatherRequest& request);
+  // Like Gather, into a caller-owned response (lets a loop reuse its buffers).
+  absl::Status Gather(const v1::GatherRequest& request, v1::GatherResponse* response);
+  absl::StatusOr<v1::SequenceInfo> GetSequenceInfo(const std::string& sequence_id);
+  absl::StatusOr<std::vector<v1::SequenceInfo>> ListSequences();
+  absl::StatusOr<v1::StoreStats> GetStats();
+
+  const ClientOptions& options() const { return options_; }
+  std::shared_ptr<grpc::Channel> channel() const { return channel_; }
+
+ private:
+  explicit KvStoreClient(ClientOptions options);
+  void SetDeadline(grpc::ClientContext* ctx) const;
+
+  const ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::KvStore::Stub> stub_;
+  std::unique_ptr<grpc::health::v1::Health::Stub> health_;
+};
+
+// grpc::Status -> absl::Status (same code and message).
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+}  // namespace kvsparse::client
+
+#endif  // KVSPARSE_CLIENT_KVSTORE_CLIENT_H_

@@ -1,0 +1,45 @@
+// Conversions between kvsparse.v1 messages and the engine's types, with validation. Every
+// function returns INVALID_ARGUMENT naming the offending field for a malformed message.
+#ifndef KVSPARSE_SERVER_CONVERT_H_
+#define KVSPARSE_SERVER_CONVERT_H_
+
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/dtype.h"
+#include "kvsparse/v1/kvstore.pb.h"
+#include "kvsparse/v1/tensor.pb.h"
+#include "kvstore/store.h"
+
+namespace kvsparse::server {
+
+absl::StatusOr<kernels::DType> FromProto(v1::DType dtype, const char* field);
+v1::DType ToProto(kernels::DType dtype);
+absl::StatusOr<kvstore::Tier> FromProto(v1::Tier tier, const char* field);
+v1::Tier ToProto(kvstore::Tier tier);
+
+absl::StatusOr<kvstore::ModelShape> FromProto(const v1::ModelShape& shape);
+absl::StatusOr<kvstore::Placement> FromProto(const v1::Placement& placement);
+absl::StatusOr<kvstore::RowKind> FromProto(v1::RowKind kind);
+
+// Checks dtype, non-negative shape and len(data) == product(shape) * sizeof(dtype).
+absl::Status ValidateTensor(const v1::Tensor& t, const char* field);
+
+// Validates and maps an AppendRequest; the spans point into `msg`, which must outlive the
+// result.
+absl::StatusOr<kvstore::AppendRequest> FromProto(const v1::AppendRequest& msg);
+
+// The store's view of a GatherRequest; `heads` owns the selections whose spans point into
+// `msg`, which must outlive it.
+struct GatherArgs {
+  kvstore::GatherRequest request;
+  std::vector<kvstore::HeadSelection> heads;
+};
+absl::StatusOr<GatherArgs> FromProto(const v1::GatherRequest& msg);
+
+void ToProto(const kvstore::SequenceInfo& info, v1::SequenceInfo* out);
+void ToProto(const kvstore::StoreStats& stats, v1::StoreStats* out);
+
+}  // namespace kvsparse::server
+
+#endif  // KVSPARSE_SERVER_CONVERT_H_

@@ -1,0 +1,63 @@
+#include "server/convert.h"
+
+#include "gtest/gtest.h"
+#include "server/byte_size.h"
+
+namespace kvsparse::server {
+namespace {
+
+TEST(ConvertTest, TensorSizeMustMatchShapeAndDtype) {
+  v1::Tensor t;
+  t.set_dtype(v1::DTYPE_BF16);
+  t.add_shape(2);
+  t.add_shape(3);
+  t.set_data(std::string(12, 'x'));
+  EXPECT_TRUE(ValidateTensor(t, "t").ok());
+  t.set_data(std::string(11, 'x'));
+  EXPECT_EQ(ValidateTensor(t, "t").code(), absl::StatusCode::kInvalidArgument);
+  t.set_data(std::string(12, 'x'));
+  t.set_dtype(v1::DTYPE_UNSPECIFIED);
+  EXPECT_EQ(ValidateTensor(t, "t").code(), absl::StatusCode::kInvalidArgument);
+  t.set_dtype(v1::DTYPE_FP32);
+  t.set_shape(0, -1);
+  EXPECT_EQ(ValidateTensor(t, "t").code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ConvertTest, AppendNeedsRank4AndMatchingKV) {
+  v1::AppendRequest r;
+  r.set_sequence_id("s");
+  for (v1::Tensor* t : {r.mutable_k(), r.mutable_v()}) {
+    t->set_dtype(v1::DTYPE_FP16);
+    for (int d : {1, 5, 2, 8}) t->add_shape(d);
+    t->set_data(std::string(1 * 5 * 2 * 8 * 2, 'a'));
+  }
+  auto ok = FromProto(r);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->num_tokens, 5u);
+  EXPECT_EQ(ok->num_kv_heads, 2u);
+  EXPECT_EQ(ok->head_dim, 8u);
+  EXPECT_EQ(ok->dtype, kernels::DType::kFp16);
+  r.set_num_layers(2);  // shape[0] is 1
+  EXPECT_EQ(FromProto(r).status().code(), absl::StatusCode::kInvalidArgument);
+  r.set_num_layers(1);
+  r.mutable_v()->set_dtype(v1::DTYPE_BF16);
+  EXPECT_EQ(FromProto(r).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST(ByteSizeTest, ParsesUnits) {
+  ByteSize b;
+  std::string err;
+  ASSERT_TRUE(AbslParseFlag("64K", &b, &err));
+  EXPECT_EQ(b.bytes, 65536u);
+  ASSERT_TRUE(AbslParseFlag("1.5g", &b, &err));
+  EXPECT_EQ(b.bytes, 3ull << 29);
+  ASSERT_TRUE(AbslParseFlag("4096", &b, &err));
+  EXPECT_EQ(b.bytes, 4096u);
+  EXPECT_FALSE(AbslParseFlag("lots", &b, &err));
+  EXPECT_FALSE(AbslParseFlag("-1G", &b, &err));
+  EXPECT_EQ(AbslUnparseFlag(ByteSize{8ull << 30}), "8G");
+  EXPECT_EQ(AbslUnparseFlag(ByteSize{1000}), "1000");
+}
+
+}  // namespace
+}  // namespace kvsparse::server

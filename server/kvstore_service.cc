@@ -1,0 +1,135 @@
+#include "server/kvstore_service.h"
+
+#include "server/convert.h"
+
+namespace kvsparse::server {
+
+KvStoreService::KvStoreService(kvstore::Store* store, const RpcRunner* rpc, Metrics* metrics)
+    : store_(store),
+      rpc_(rpc),
+      create_(metrics->Rpc("CreateSequence")),
+      drop_(metrics->Rpc("DropSequence")),
+      append_(metrics->Rpc("Append")),
+      gather_(metrics->Rpc("Gather")),
+      info_(metrics->Rpc("GetSequenceInfo")),
+      list_(metrics->Rpc("ListSequences")),
+      stats_(metrics->Rpc("GetStats")) {}
+
+grpc::Status KvStoreService::CreateSequence(grpc::ServerContext* ctx,
+                                            const v1::CreateSequenceRequest* req,
+                                            v1::SequenceInfo* resp) {
+  return rpc_->Run(create_, ctx, [&](absl::Time) -> absl::Status {
+    absl::StatusOr<kvstore::ModelShape> shape = FromProto(req->shape());
+    if (!shape.ok()) return shape.status();
+    absl::StatusOr<kvstore::Placement> placement = FromProto(req->placement());
+    if (!placement.ok()) return placement.status();
+    absl::StatusOr<kvstore::SequenceInfo> info =
+        store_->CreateSequence(req->sequence_id(), *shape, *placement);
+    if (!info.ok()) return info.status();
+    ToProto(*info, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status KvStoreService::DropSequence(grpc::ServerContext* ctx,
+                                          const v1::DropSequenceRequest* req,
+                                          v1::DropSequenceResponse* resp) {
+  return rpc_->Run(drop_, ctx, [&](absl::Time) -> absl::Status {
+    absl::StatusOr<uint64_t> freed = store_->DropSequence(req->sequence_id());
+    if (!freed.ok()) return freed.status();
+    resp->set_bytes_freed(*freed);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status KvStoreService::Append(grpc::ServerContext* ctx, const v1::AppendRequest* req,
+                                    v1::AppendResponse* resp) {
+  return rpc_->Run(append_, ctx, [&](absl::Time deadline) -> absl::Status {
+    absl::StatusOr<kvstore::AppendRequest> r = FromProto(*req);
+    if (!r.ok()) return r.status();
+    r->deadline = deadline;
+    absl::StatusOr<kvstore::AppendResult> res = store_->Append(*r);
+    if (!res.ok()) return res.status();
+    resp->set_first_token(res->first_token);
+    resp->set_num_tokens(res->num_tokens);
+    resp->set_bytes_appended(res->bytes_appended);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status KvStoreService::Gather(grpc::ServerContext* ctx, const v1::GatherRequest* req,
+                                    v1::GatherResponse* resp) {
+  return rpc_->Run(gather_, ctx, [&](absl::Time deadline) -> absl::Status {
+    absl::StatusOr<GatherArgs> args = FromProto(*req);
+    if (!args.ok()) return args.status();
+    args->request.deadline = deadline;
+    const bool want_k = args->request.kind != kvstore::RowKind::kV;
+    const bool want_v = args->request.kind != kvstore::RowKind::kK;
+    // Rows are copied straight into the response's byte fields.
+    auto alloc = [&](uint64_t rows, size_t row_bytes) -> absl::StatusOr<kvstore::GatherBuffers> {
+      kvstore::GatherBuffers b;
+      if (want_k) {
+        std::string* k = resp->mutable_k()->mutable_data();
+        k->resize(rows * row_bytes);
+        b.k = reinterpret_cast<uint8_t*>(k->data());
+      }
+      if (want_v) {
+        std::string* v = resp->mutable_v()->mutable_data();
+        v->resize(rows * row_bytes);
+        b.v = reinterpret_cast<uint8_t*>(v->data());
+      }
+      return b;
+    };
+    absl::StatusOr<kvstore::GatherResult> res = store_->Gather(args->request, alloc);
+    if (!res.ok()) return res.status();
+    for (v1::Tensor* t :
+         {want_k ? resp->mutable_k() : nullptr, want_v ? resp->mutable_v() : nullptr}) {
+      if (t == nullptr) continue;
+      t->set_dtype(ToProto(res->dtype));
+      t->add_shape(static_cast<int64_t>(res->rows));
+      t->add_shape(res->head_dim);
+    }
+    for (kvstore::HeadRows& h : res->heads) {
+      v1::HeadRows* out = resp->add_heads();
+      out->set_kv_head(h.kv_head);
+      out->set_row_offset(h.row_offset);
+      out->set_row_count(h.row_count);
+      out->mutable_token_indices()->Add(h.token_indices.begin(), h.token_indices.end());
+      out->mutable_counts()->Add(h.counts.begin(), h.counts.end());
+    }
+    resp->set_layer_length(res->layer_length);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status KvStoreService::GetSequenceInfo(grpc::ServerContext* ctx,
+                                             const v1::GetSequenceInfoRequest* req,
+                                             v1::SequenceInfo* resp) {
+  return rpc_->Run(info_, ctx, [&](absl::Time) -> absl::Status {
+    absl::StatusOr<kvstore::SequenceInfo> info = store_->GetSequenceInfo(req->sequence_id());
+    if (!info.ok()) return info.status();
+    ToProto(*info, resp);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status KvStoreService::ListSequences(grpc::ServerContext* ctx,
+                                           const v1::ListSequencesRequest*,
+                                           v1::ListSequencesResponse* resp) {
+  return rpc_->Run(list_, ctx, [&](absl::Time) -> absl::Status {
+    for (const kvstore::SequenceInfo& info : store_->ListSequences()) {
+      ToProto(info, resp->add_sequences());
+    }
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status KvStoreService::GetStats(grpc::ServerContext* ctx, const v1::GetStatsRequest*,
+                                      v1::StoreStats* resp) {
+  return rpc_->Run(stats_, ctx, [&](absl::Time) -> absl::Status {
+    ToProto(store_->Stats(), resp);
+    return absl::OkStatus();
+  });
+}
+
+}  // namespace kvsparse::server

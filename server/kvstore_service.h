@@ -1,0 +1,47 @@
+// gRPC KvStore service: a thin layer over kvstore::Store. Each handler converts and validates
+// the request, calls the store, and fills the response; RpcRunner does the rest.
+#ifndef KVSPARSE_SERVER_KVSTORE_SERVICE_H_
+#define KVSPARSE_SERVER_KVSTORE_SERVICE_H_
+
+#include "kvsparse/v1/kvstore.grpc.pb.h"
+#include "kvstore/store.h"
+#include "server/metrics.h"
+#include "server/rpc.h"
+
+namespace kvsparse::server {
+
+class KvStoreService final : public v1::KvStore::Service {
+ public:
+  // REQUIRES: store, rpc and metrics outlive the service.
+  KvStoreService(kvstore::Store* store, const RpcRunner* rpc, Metrics* metrics);
+
+  grpc::Status CreateSequence(grpc::ServerContext* ctx, const v1::CreateSequenceRequest* req,
+                              v1::SequenceInfo* resp) override;
+  grpc::Status DropSequence(grpc::ServerContext* ctx, const v1::DropSequenceRequest* req,
+                            v1::DropSequenceResponse* resp) override;
+  grpc::Status Append(grpc::ServerContext* ctx, const v1::AppendRequest* req,
+                      v1::AppendResponse* resp) override;
+  grpc::Status Gather(grpc::ServerContext* ctx, const v1::GatherRequest* req,
+                      v1::GatherResponse* resp) override;
+  grpc::Status GetSequenceInfo(grpc::ServerContext* ctx, const v1::GetSequenceInfoRequest* req,
+                               v1::SequenceInfo* resp) override;
+  grpc::Status ListSequences(grpc::ServerContext* ctx, const v1::ListSequencesRequest* req,
+                             v1::ListSequencesResponse* resp) override;
+  grpc::Status GetStats(grpc::ServerContext* ctx, const v1::GetStatsRequest* req,
+                        v1::StoreStats* resp) override;
+
+ private:
+  kvstore::Store* const store_;
+  const RpcRunner* const rpc_;
+  RpcMetric* const create_;
+  RpcMetric* const drop_;
+  RpcMetric* const append_;
+  RpcMetric* const gather_;
+  RpcMetric* const info_;
+  RpcMetric* const list_;
+  RpcMetric* const stats_;
+};
+
+}  // namespace kvsparse::server
+
+#endif  // KVSPARSE_SERVER_KVSTORE_SERVICE_H_

@@ -1,0 +1,80 @@
+// Prometheus metrics of the server: a registry, the /metrics HTTP endpoint (prometheus-cpp's
+// civetweb exposer), per-RPC counters and latency histograms, and collectors that read engine
+// state at scrape time.
+#ifndef KVSPARSE_SERVER_METRICS_H_
+#define KVSPARSE_SERVER_METRICS_H_
+
+#include <array>
+#include <atomic>
+#include <memory>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "prometheus/collectable.h"
+#include "prometheus/counter.h"
+#include "prometheus/exposer.h"
+#include "prometheus/family.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+
+namespace kvsparse::kvstore {
+class Store;
+}
+
+namespace kvsparse::server {
+
+// Counters and a latency histogram for one RPC method. Thread-safe.
+class RpcMetric {
+ public:
+  RpcMetric(std::string method, prometheus::Family<prometheus::Counter>* requests,
+            prometheus::Histogram* latency);
+  // Counts one finished call with its status code and duration.
+  void Record(absl::StatusCode code, double seconds);
+  const std::string& method() const { return method_; }
+
+ private:
+  static constexpr int kNumCodes = 17;
+  const std::string method_;
+  prometheus::Family<prometheus::Counter>* const requests_;
+  prometheus::Histogram* const latency_;
+  std::array<std::atomic<prometheus::Counter*>, kNumCodes> by_code_{};
+};
+
+class Metrics {
+ public:
+  // Serves /metrics on `listen` ("host:port"; port 0 picks a free one); an empty `listen`
+  // keeps the registry without an HTTP endpoint. UNAVAILABLE if the address cannot be bound.
+  static absl::StatusOr<std::unique_ptr<Metrics>> Create(const std::string& listen);
+  ~Metrics();
+  Metrics(const Metrics&) = delete;
+  Metrics& operator=(const Metrics&) = delete;
+
+  // The metric handles of a method; stable for the lifetime of Metrics.
+  RpcMetric* Rpc(absl::string_view method);
+  // Exposes a collector's families at every scrape. Metrics keeps it alive.
+  void AddCollectable(std::shared_ptr<prometheus::Collectable> collectable);
+
+  prometheus::Registry& registry() { return *registry_; }
+  // The bound port of /metrics, or 0 when there is no endpoint.
+  int port() const;
+
+ private:
+  Metrics();
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<prometheus::Exposer> exposer_;
+  std::vector<std::shared_ptr<prometheus::Collectable>> collectables_;
+  prometheus::Family<prometheus::Counter>* requests_;
+  prometheus::Family<prometheus::Histogram>* latency_;
+  absl::Mutex mu_;
+  std::vector<std::unique_ptr<RpcMetric>> rpcs_ ABSL_GUARDED_BY(mu_);
+};
+
+// Store state read at scrape time: bytes used and capacity, sequences, rows/bytes appended and
+// gathered (by tier), evictions and rejections. REQUIRES: store outlives the collector.
+std::shared_ptr<prometheus::Collectable> NewStoreCollector(const kvstore::Store* store);
+
+}  // namespace kvsparse::server
+
+#endif  // KVSPARSE_SERVER_METRICS_H_

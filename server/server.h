@@ -1,0 +1,72 @@
+// kvsparse-server assembled: the store engine, its gRPC services, grpc.health.v1, server
+// reflection and the Prometheus endpoint, with graceful shutdown. main() fills ServerOptions
+// from flags; tests start it on port 0.
+#ifndef KVSPARSE_SERVER_SERVER_H_
+#define KVSPARSE_SERVER_SERVER_H_
+
+#include <grpcpp/server.h>
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "kvstore/store.h"
+#include "server/metrics.h"
+#include "server/rpc.h"
+
+namespace kvsparse::server {
+
+class KvStoreService;
+
+struct ServerOptions {
+  // gRPC address, host:port; port 0 picks a free port (see Server::port()).
+  std::string listen = "127.0.0.1:50051";
+  // Prometheus /metrics address; empty = no metrics endpoint.
+  std::string metrics_listen = "127.0.0.1:9464";
+  // Largest request or response message. Gathers and appends whose payload would not fit are
+  // refused with RESOURCE_EXHAUSTED before any work is done.
+  size_t max_message_bytes = 256ull << 20;
+  // Deadline applied to calls that carry none.
+  absl::Duration default_deadline = absl::Seconds(30);
+  // On shutdown, in-flight calls get this long to finish before they are cancelled.
+  absl::Duration shutdown_grace = absl::Seconds(10);
+  kvstore::StoreOptions store;
+};
+
+class Server {
+ public:
+  // UNAVAILABLE if an address cannot be bound; INVALID_ARGUMENT for bad options.
+  static absl::StatusOr<std::unique_ptr<Server>> Start(ServerOptions options);
+  ~Server();  // shuts down if Shutdown() was not called
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  int port() const { return port_; }
+  int metrics_port() const { return metrics_->port(); }
+  kvstore::Store* store() { return store_.get(); }
+
+  // Health goes NOT_SERVING, new calls are refused, in-flight calls get shutdown_grace to
+  // finish and are then cancelled. Idempotent; thread-safe.
+  void Shutdown();
+  // Blocks until the server has shut down.
+  void Wait();
+
+ private:
+  Server() = default;
+
+  ServerOptions options_;
+  std::unique_ptr<kvstore::Store> store_;
+  std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<RpcRunner> rpc_;
+  std::unique_ptr<KvStoreService> kvstore_service_;
+  std::unique_ptr<grpc::Server> grpc_;
+  int port_ = 0;
+  absl::Mutex mu_;
+  bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace kvsparse::server
+
+#endif  // KVSPARSE_SERVER_SERVER_H_

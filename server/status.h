@@ -1,0 +1,16 @@
+// The one place an absl::Status becomes a grpc::Status.
+#ifndef KVSPARSE_SERVER_STATUS_H_
+#define KVSPARSE_SERVER_STATUS_H_
+
+#include <grpcpp/support/status.h>
+
+#include "absl/status/status.h"
+
+namespace kvsparse::server {
+
+// Same code and message. absl codes and gRPC codes share their numbering.
+grpc::Status ToGrpcStatus(const absl::Status& status);
+
+}  // namespace kvsparse::server
+
+#endif  // KVSPARSE_SERVER_STATUS_H_
