@@ -1,0 +1,210 @@
+// Device-side building blocks shared by the decode kernels: 16-byte row loads and conversions,
+// the warp "transpose reduction" of partial dot products, and the one place where a runtime
+// (head_dim, group size, dtype) triple becomes template arguments.
+#ifndef KVSPARSE_KERNELS_CUDA_COMMON_CUH_
+#define KVSPARSE_KERNELS_CUDA_COMMON_CUH_
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "kernels/cuda/decode_params.h"
+#include "kernels/dtype.h"
+
+namespace kvsparse::kernels::cuda {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -__builtin_huge_valf();
+
+// Returns the first error of a CUDA runtime call from the enclosing function.
+#define KVSPARSE_CUDA_RETURN_IF_ERROR(expr)   \
+  do {                                        \
+    const cudaError_t kvsparse_err_ = (expr); \
+    if (kvsparse_err_ != cudaSuccess) return kvsparse_err_; \
+  } while (0)
+
+// Runtime -> compile-time dispatch, in one place. Calls
+//   body.template operator()<T, D, G>()
+// with T in {Bf16, Fp16}, D in {64, 128, 256}, G in {1, 2, 4, 8}; cudaErrorInvalidValue for
+// anything else.
+template <typename Body>
+cudaError_t DispatchDecode(DType dtype, int head_dim, int group, Body&& body) {
+  auto with_g = [&](auto t_tag, auto d_tag) -> cudaError_t {
+    using T = decltype(t_tag);
+    constexpr int D = decltype(d_tag)::value;
+    switch (group) {
+      case 1:
+        return body.template operator()<T, D, 1>();
+      case 2:
+        return body.template operator()<T, D, 2>();
+      case 4:
+        return body.template operator()<T, D, 4>();
+      case 8:
+        return body.template operator()<T, D, 8>();
+      default:
+        return cudaErrorInvalidValue;
+    }
+  };
+  auto with_d = [&](auto t_tag) -> cudaError_t {
+    switch (head_dim) {
+      case 64:
+        return with_g(t_tag, std::integral_constant<int, 64>{});
+      case 128:
+        return with_g(t_tag, std::integral_constant<int, 128>{});
+      case 256:
+        return with_g(t_tag, std::integral_constant<int, 256>{});
+      default:
+        return cudaErrorInvalidValue;
+    }
+  };
+  switch (dtype) {
+    case DType::kBf16:
+      return with_d(Bf16{});
+    case DType::kFp16:
+      return with_d(Fp16{});
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+// Checks what every decode launcher relies on; cudaSuccess if the shape is supported.
+inline cudaError_t ValidateShape(const DecodeShape& s) {
+  if (s.batch < 0 || s.num_kv_heads <= 0 || s.num_q_heads <= 0 ||
+      s.num_q_heads % s.num_kv_heads != 0 || s.max_seq_len < 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (s.batch == 0) return cudaSuccess;
+  if (s.q == nullptr || s.k == nullptr || s.v == nullptr || s.out == nullptr ||
+      s.seq_lens == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  auto misaligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) != 0; };
+  if (misaligned(s.q) || misaligned(s.k) || misaligned(s.v) || misaligned(s.out)) {
+    return cudaErrorInvalidValue;
+  }
+  if (s.kv.batch_stride % 8 != 0 || s.kv.head_stride % 8 != 0 || s.kv.token_stride % 8 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  return cudaSuccess;
+}
+
+inline size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+// Number of multiprocessors of the current device (cached per device ordinal).
+int NumSms();
+
+// ---------------------------------------------------------------------------------------------
+// Device helpers.
+
+// 16 bytes of K or V read once: bypass L1 (streamed), keep the default L2 policy.
+__device__ __forceinline__ uint4 LoadStream16(const void* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void Bf16x2ToFloat2(uint32_t w, float& lo, float& hi) {
+  lo = __uint_as_float(w << 16);
+  hi = __uint_as_float(w & 0xffff0000u);
+}
+
+template <typename T>
+__device__ __forceinline__ void Unpack8(const uint4& r, float (&f)[8]) {
+  const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+  if constexpr (std::is_same_v<T, Bf16>) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) Bf16x2ToFloat2(w[i], f[2 * i], f[2 * i + 1]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2 h;
+      memcpy(&h, &w[i], 4);
+      const float2 x = __half22float2(h);
+      f[2 * i] = x.x;
+      f[2 * i + 1] = x.y;
+    }
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint16_t FloatToBits(float x) {
+  if constexpr (std::is_same_v<T, Bf16>) {
+    uint32_t u = __float_as_uint(x);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+  } else {
+    return __half_as_ushort(__float2half_rn(x));
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 Pack8(const float (&f)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    w[i] = static_cast<uint32_t>(FloatToBits<T>(f[2 * i])) |
+           (static_cast<uint32_t>(FloatToBits<T>(f[2 * i + 1])) << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+__device__ __forceinline__ float Exp2OrZero(float x) { return x == kNegInf ? 0.f : exp2f(x); }
+
+constexpr int Log2(int x) { return x <= 1 ? 0 : 1 + Log2(x / 2); }
+constexpr int Min(int a, int b) { return a < b ? a : b; }
+constexpr int Max(int a, int b) { return a > b ? a : b; }
+
+// Row geometry of a warp reading rows of D elements as 16-byte vectors (8 elements per lane):
+// kLanes lanes share a row, kRows rows per warp instruction.
+template <int D>
+struct RowGeom {
+  static constexpr int kLanes = D / 8;
+  static constexpr int kRows = 32 / kLanes;
+  static constexpr int kLog2Lanes = Log2(kLanes);
+};
+
+// Transpose reduction: each of the kLanes lanes of a row holds V partial sums v[0..V); afterwards
+// the row's full sums are spread over its lanes, kKeep per lane: lane lr holds sums
+// q*kKeep + j (j < kKeep) where q = lr >> (log2(kLanes) - kSplits). Lanes that differ only in
+// the low kDupBits bits hold the same values. Costs about V shuffles instead of V*log2(kLanes).
+template <int V, int kLanes>
+struct TransposeReduce {
+  static constexpr int kSplits = Min(Log2(V), Log2(kLanes));
+  static constexpr int kKeep = V >> kSplits;
+  static constexpr int kDupBits = Log2(kLanes) - kSplits;
+
+  __device__ __forceinline__ static int Q(int lr) { return lr >> kDupBits; }
+  // Lane (within the row) that holds sum i, and the register it is in.
+  static constexpr int SrcLane(int i) { return (i / kKeep) << kDupBits; }
+  static constexpr int SrcReg(int i) { return i % kKeep; }
+
+  __device__ __forceinline__ static void Run(float (&v)[V], int lr) {
+#pragma unroll
+    for (int s = 0; s < Log2(kLanes); ++s) {
+      const int off = kLanes >> (s + 1);
+      if (s < kSplits) {
+        const int half = V >> (s + 1);
+        const bool upper = (lr & off) != 0;
+#pragma unroll
+        for (int i = 0; i < half; ++i) {
+          const float send = upper ? v[i] : v[i + half];
+          const float keep = upper ? v[i + half] : v[i];
+          v[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kKeep; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
+      }
+    }
+  }
+};
+
+}  // namespace kvsparse::kernels::cuda
+
+#endif  // KVSPARSE_KERNELS_CUDA_COMMON_CUH_

@@ -1,0 +1,55 @@
+// Shapes and pointers shared by every CUDA decode launcher in kernels/cuda/. Plain C++ (no CUDA
+// and no absl), so both nvcc and the host compiler see the same layout.
+//
+// Conventions for every launcher in this directory (FlashInfer style):
+//   - raw device pointers, documented shapes; the caller owns every buffer;
+//   - a launcher returns cudaError_t, never allocates, never synchronises and is safe to record
+//     into a CUDA graph (grid sizes depend only on host-side fields, never on device data);
+//   - scratch memory is a caller-owned workspace of at least XxxWorkspaceBytes(params) bytes,
+//     256-byte aligned; its contents need not be initialised and are clobbered;
+//   - cudaErrorInvalidValue for a shape or alignment the kernels do not support (head_dim not in
+//     {64, 128, 256}, group size not in {1, 2, 4, 8}, dtype not bf16/fp16, misaligned rows).
+#ifndef KVSPARSE_KERNELS_CUDA_DECODE_PARAMS_H_
+#define KVSPARSE_KERNELS_CUDA_DECODE_PARAMS_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/dtype.h"
+
+namespace kvsparse::kernels::cuda {
+
+// Where row (b, kv_head, token) of K or V starts, in elements:
+//   b * batch_stride + kv_head * head_stride + token * token_stride   (same as kernels::KvLayout).
+// Rows are head_dim contiguous elements; every stride must be a multiple of 8 elements and the
+// K/V base pointers 16-byte aligned (rows are read as 16-byte vectors).
+struct KvStrides {
+  int64_t batch_stride = 0;
+  int64_t head_stride = 0;
+  int64_t token_stride = 0;
+};
+
+// One decode step: one query token per sequence, H query heads over Hkv kv heads (GQA).
+struct DecodeShape {
+  int32_t batch = 0;           // B
+  int32_t num_q_heads = 0;     // H, a multiple of num_kv_heads
+  int32_t num_kv_heads = 0;    // Hkv; group size G = H / Hkv in {1, 2, 4, 8}
+  int32_t head_dim = 0;        // d in {64, 128, 256}
+  DType dtype = DType::kBf16;  // of q, K, V and out: kBf16 or kFp16
+  const void* q = nullptr;     // device, shape: [B, H, d], contiguous, 16-byte aligned
+  const void* k = nullptr;     // device (or mapped host), per kv
+  const void* v = nullptr;     // device (or mapped host), per kv
+  KvStrides kv;
+  const int32_t* seq_lens = nullptr;  // device, shape: [B]; 0 <= seq_lens[b] <= max_seq_len
+  // Host-side upper bound of seq_lens: sets grid and workspace sizes (so a captured graph stays
+  // valid while every sequence stays within it).
+  int32_t max_seq_len = 0;
+  float scale = 0.f;    // softmax scale applied to q.k, usually 1/sqrt(d)
+  void* out = nullptr;  // device, shape: [B, H, d], dtype; a sequence of length 0 gets zeros
+
+  int32_t group_size() const { return num_kv_heads > 0 ? num_q_heads / num_kv_heads : 0; }
+};
+
+}  // namespace kvsparse::kernels::cuda
+
+#endif  // KVSPARSE_KERNELS_CUDA_DECODE_PARAMS_H_

@@ -1,0 +1,350 @@
+#include "kernels/cuda/dense_decode.h"
+
+#include <algorithm>
+#include <atomic>
+
+#include "kernels/cuda/common.cuh"
+
+namespace kvsparse::kernels::cuda {
+
+int NumSms() {
+  static std::atomic<int> cache[64] = {};
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return 132;
+  if (dev < 64) {
+    const int c = cache[dev].load(std::memory_order_relaxed);
+    if (c > 0) return c;
+  }
+  int sms = 0;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
+    return 132;
+  }
+  if (dev < 64) cache[dev].store(sms, std::memory_order_relaxed);
+  return sms;
+}
+
+namespace {
+
+constexpr int kDenseBlocksPerSm = 2;
+constexpr int kMinChunk = 256;
+
+template <int D, int G>
+struct DenseCfg {
+  using Geom = RowGeom<D>;
+  static constexpr int kUnroll = G >= 8 ? 2 : 4;              // tokens per row per iteration
+  static constexpr int kTok = Geom::kRows * kUnroll;          // tokens per warp per iteration
+  static constexpr int kWarps = (G * D >= 2048) ? 4 : 8;      // keeps the merge buffer <= 32 KB
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kMinBlocks = G >= 8 ? 1 : 2;           // G = 8 needs > 128 registers
+};
+
+// One block: tokens [split * chunk_len, min(n, (split + 1) * chunk_len)) of sequence b, kv head
+// kvh, for the G query heads of the group. Each warp runs its own online softmax over
+// interleaved groups of kTok tokens (each row of lanes over its own tokens); warps and rows are
+// merged at the end. Scores are kept in log2 units (q is prescaled by scale * log2(e)).
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(DenseCfg<D, G>::kThreads, DenseCfg<D, G>::kMinBlocks)
+    DenseSplitKernel(DecodeShape s, int chunk_len, int num_splits, float* __restrict__ part_o,
+                     float* __restrict__ part_lse) {
+  using Cfg = DenseCfg<D, G>;
+  constexpr int L = Cfg::Geom::kLanes;
+  constexpr int R = Cfg::Geom::kRows;
+  constexpr int U = Cfg::kUnroll;
+  constexpr int TOK = Cfg::kTok;
+  constexpr int NW = Cfg::kWarps;
+  using TR = TransposeReduce<G * U, L>;
+  constexpr int kSm = Max(NW * TOK * G, NW * G * D);
+  __shared__ __align__(16) float sm[kSm];
+  __shared__ float sm_m[NW][G];
+  __shared__ float sm_l[NW][G];
+
+  const int split = blockIdx.x;
+  const int kvh = blockIdx.y;
+  const int b = blockIdx.z;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int row = lane / L;
+  const int lr = lane % L;
+  const int H = s.num_q_heads;
+  const int h0 = kvh * G;
+  const int n = s.seq_lens[b];
+  const int start = split * chunk_len;
+  const int end = min(n, start + chunk_len);
+
+  float qf[G][8];
+  const float qscale = s.scale * kLog2e;
+  const uint16_t* qb = static_cast<const uint16_t*>(s.q);
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const uint4 raw =
+        __ldg(reinterpret_cast<const uint4*>(qb + (static_cast<int64_t>(b) * H + h0 + g) * D + lr * 8));
+    Unpack8<T>(raw, qf[g]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) qf[g][e] *= qscale;
+  }
+  const int64_t kv_off = b * s.kv.batch_stride + kvh * s.kv.head_stride + lr * 8;
+  const uint16_t* kb = static_cast<const uint16_t*>(s.k) + kv_off;
+  const uint16_t* vb = static_cast<const uint16_t*>(s.v) + kv_off;
+  const int64_t ts = s.kv.token_stride;
+
+  float m[G], l[G], acc[G][8];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = kNegInf;
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
+  }
+
+  float* sc = sm + warp * TOK * G;  // [TOK][G] scores of this warp's current iteration
+  for (int base = start + warp * TOK; base < end; base += NW * TOK) {
+    uint4 kr[U], vr[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tok = base + u * R + row;
+      if (tok < end) {
+        kr[u] = LoadStream16(kb + tok * ts);
+        vr[u] = LoadStream16(vb + tok * ts);
+      } else {
+        kr[u] = make_uint4(0, 0, 0, 0);
+        vr[u] = make_uint4(0, 0, 0, 0);
+      }
+    }
+    float part[G * U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float kf[8];
+      Unpack8<T>(kr[u], kf);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float d = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) d = fmaf(qf[g][e], kf[e], d);
+        part[g * U + u] = d;
+      }
+    }
+    TR::Run(part, lr);
+    if ((lr & ((1 << TR::kDupBits) - 1)) == 0) {
+      const int qi = TR::Q(lr);
+#pragma unroll
+      for (int j = 0; j < TR::kKeep; ++j) {
+        const int i = qi * TR::kKeep + j;
+        const int g = i / U;
+        const int u = i % U;
+        const int tok = base + u * R + row;
+        sc[(u * R + row) * G + g] = tok < end ? part[j] : kNegInf;
+      }
+    }
+    __syncwarp();
+    float p[U][G];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) p[u][g] = sc[(u * R + row) * G + g];
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float mx = m[g];
+#pragma unroll
+      for (int u = 0; u < U; ++u) mx = fmaxf(mx, p[u][g]);
+      const float alpha = m[g] == kNegInf ? 0.f : exp2f(m[g] - mx);
+      float sum = 0.f;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        p[u][g] = p[u][g] == kNegInf ? 0.f : exp2f(p[u][g] - mx);
+        sum += p[u][g];
+      }
+      l[g] = l[g] * alpha + sum;
+      m[g] = mx;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[g][e] *= alpha;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float vf[8];
+      Unpack8<T>(vr[u], vf);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(p[u][g], vf[e], acc[g][e]);
+      }
+    }
+    __syncwarp();
+  }
+
+  // Merge the rows of the warp (same dims, different tokens).
+#pragma unroll
+  for (int off = L; off < 32; off *= 2) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[g], off);
+      const float lo = __shfl_xor_sync(0xffffffffu, l[g], off);
+      const float mx = fmaxf(m[g], mo);
+      const float a = m[g] == kNegInf ? 0.f : exp2f(m[g] - mx);
+      const float ao = mo == kNegInf ? 0.f : exp2f(mo - mx);
+      l[g] = l[g] * a + lo * ao;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        acc[g][e] = acc[g][e] * a + __shfl_xor_sync(0xffffffffu, acc[g][e], off) * ao;
+      }
+      m[g] = mx;
+    }
+  }
+
+  // Merge the warps through shared memory.
+  __syncthreads();
+  float* sacc = sm;  // [NW][G][D]
+  if (row == 0) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float4* dst = reinterpret_cast<float4*>(sacc + (warp * G + g) * D + lr * 8);
+      dst[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+      dst[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      sm_m[warp][g] = m[g];
+      sm_l[warp][g] = l[g];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < G * D; idx += NW * 32) {
+    const int g = idx / D;
+    const int dim = idx % D;
+    float mx = kNegInf;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, sm_m[w][g]);
+    float lt = 0.f, o = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float wt = sm_m[w][g] == kNegInf ? 0.f : exp2f(sm_m[w][g] - mx);
+      lt += wt * sm_l[w][g];
+      o += wt * sacc[(w * G + g) * D + dim];
+    }
+    const int64_t bh = static_cast<int64_t>(b) * H + h0 + g;
+    const float val = lt > 0.f ? o / lt : 0.f;
+    if (num_splits == 1) {
+      static_cast<uint16_t*>(s.out)[bh * D + dim] = FloatToBits<T>(val);
+    } else {
+      part_o[(bh * num_splits + split) * D + dim] = val;
+      if (dim == 0) part_lse[bh * num_splits + split] = lt > 0.f ? mx + log2f(lt) : kNegInf;
+    }
+  }
+}
+
+template <typename T>
+__global__ void MergeKernel(const float* __restrict__ po, const float* __restrict__ plse,
+                            int num_splits, int d, uint16_t* __restrict__ out) {
+  const int64_t r = blockIdx.x;
+  const float* lse = plse + r * num_splits;
+  float mx = kNegInf;
+  for (int i = 0; i < num_splits; ++i) mx = fmaxf(mx, lse[i]);
+  float den = 0.f;
+  for (int i = 0; i < num_splits; ++i) den += lse[i] == kNegInf ? 0.f : exp2f(lse[i] - mx);
+  const float inv = den > 0.f ? 1.f / den : 0.f;
+  for (int dim = threadIdx.x; dim < d; dim += blockDim.x) {
+    float o = 0.f;
+    for (int i = 0; i < num_splits; ++i) {
+      if (lse[i] != kNegInf) o += exp2f(lse[i] - mx) * po[(r * num_splits + i) * d + dim];
+    }
+    out[r * d + dim] = FloatToBits<T>(o * inv);
+  }
+}
+
+struct DenseLaunch {
+  const DecodeShape& s;
+  SplitPlan plan;
+  float* part_o;
+  float* part_lse;
+  cudaStream_t stream;
+
+  template <typename T, int D, int G>
+  cudaError_t operator()() const {
+    using Cfg = DenseCfg<D, G>;
+    const dim3 grid(plan.num_splits, s.num_kv_heads, s.batch);
+    DenseSplitKernel<T, D, G><<<grid, Cfg::kThreads, 0, stream>>>(s, plan.chunk_len,
+                                                                  plan.num_splits, part_o, part_lse);
+    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    if (plan.num_splits > 1) {
+      MergeKernel<T><<<s.batch * s.num_q_heads, 128, 0, stream>>>(
+          part_o, part_lse, plan.num_splits, D, static_cast<uint16_t*>(s.out));
+      KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    }
+    return cudaSuccess;
+  }
+};
+
+struct MergeLaunch {
+  const float* po;
+  const float* plse;
+  int rows, splits, d;
+  void* out;
+  cudaStream_t stream;
+  template <typename T, int D, int G>
+  cudaError_t operator()() const {
+    MergeKernel<T><<<rows, 128, 0, stream>>>(po, plse, splits, d, static_cast<uint16_t*>(out));
+    return cudaGetLastError();
+  }
+};
+
+size_t PartialBytes(int64_t rows, int splits, int d, size_t* lse_offset) {
+  const size_t o_bytes = AlignUp(static_cast<size_t>(rows) * splits * d * sizeof(float), 256);
+  if (lse_offset != nullptr) *lse_offset = o_bytes;
+  return o_bytes + AlignUp(static_cast<size_t>(rows) * splits * sizeof(float), 256);
+}
+
+}  // namespace
+
+SplitPlan DenseDecodePlan(const DecodeShape& s) {
+  SplitPlan plan;
+  const int64_t pairs = std::max<int64_t>(1, static_cast<int64_t>(s.batch) * s.num_kv_heads);
+  const int64_t slots = static_cast<int64_t>(NumSms()) * kDenseBlocksPerSm;
+  const int64_t max_len = std::max(1, s.max_seq_len);
+  int64_t splits = std::max<int64_t>(1, slots / pairs);
+  splits = std::min(splits, (max_len + kMinChunk - 1) / kMinChunk);
+  splits = std::max<int64_t>(splits, 1);
+  int64_t chunk = (max_len + splits - 1) / splits;
+  chunk = (chunk + 63) / 64 * 64;
+  plan.chunk_len = static_cast<int32_t>(chunk);
+  plan.num_splits = static_cast<int32_t>((max_len + chunk - 1) / chunk);
+  return plan;
+}
+
+size_t DenseDecodeWorkspaceBytes(const DecodeShape& s) {
+  const SplitPlan plan = DenseDecodePlan(s);
+  if (plan.num_splits <= 1) return 0;
+  return PartialBytes(static_cast<int64_t>(s.batch) * s.num_q_heads, plan.num_splits, s.head_dim,
+                      nullptr);
+}
+
+cudaError_t DenseDecode(const DecodeShape& s, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream) {
+  KVSPARSE_CUDA_RETURN_IF_ERROR(ValidateShape(s));
+  if (s.batch == 0) return cudaSuccess;
+  const SplitPlan plan = DenseDecodePlan(s);
+  float* part_o = nullptr;
+  float* part_lse = nullptr;
+  if (plan.num_splits > 1) {
+    size_t lse_off = 0;
+    const size_t need = PartialBytes(static_cast<int64_t>(s.batch) * s.num_q_heads,
+                                     plan.num_splits, s.head_dim, &lse_off);
+    if (workspace == nullptr || workspace_bytes < need) return cudaErrorInvalidValue;
+    part_o = static_cast<float*>(workspace);
+    part_lse = reinterpret_cast<float*>(static_cast<char*>(workspace) + lse_off);
+  }
+  return DispatchDecode(s.dtype, s.head_dim, s.group_size(),
+                        DenseLaunch{s, plan, part_o, part_lse, stream});
+}
+
+cudaError_t MergePartials(const float* partial_o, const float* partial_lse, int32_t num_rows,
+                          int32_t num_splits, int32_t head_dim, DType dtype, void* out,
+                          cudaStream_t stream) {
+  if (num_rows == 0) return cudaSuccess;
+  return DispatchDecode(dtype, head_dim, 1,
+                        MergeLaunch{partial_o, partial_lse, num_rows, num_splits, head_dim, out,
+                                    stream});
+}
+
+}  // namespace kvsparse::kernels::cuda

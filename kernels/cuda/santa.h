@@ -1,0 +1,59 @@
+// SANTA / S2ANTA decode on the GPU (the S2ANTA paper, Section 3 and Appendices P, Q). K is read
+// in full to score every token; V is read only at the sampled rows.
+//   SantaIid:     S i.i.d. draws from softmax(q K^T) per query head (inverse CDF), mean of V rows.
+//   S2antaProp:   pass 1 scores every tile of kSantaTile tokens and stashes u = exp(s - m_tile);
+//                 a budget kernel splits S over the tiles by largest remainder (Algorithm 4);
+//                 pass 2 samples each tile systematically and gathers only the sampled V rows
+//                 of the tiles that got samples (Algorithm 5).
+//   S2antaFlash:  one fused pass: each tile samples max(1, S / T) rows systematically on its own
+//                 and the partials are merged with deferred normalisation (Algorithms 7-8).
+// Random numbers follow kernels/philox.h exactly (tags kSantaIid, kPropTileOffset,
+// kFlashTileOffset; sequence = b; head = query head h; draw = sample index or tile index), so the
+// sampled indices equal the CPU references' except where float rounding of a cumulative sum
+// lands on the other side of a sampling threshold.
+#ifndef KVSPARSE_KERNELS_CUDA_SANTA_H_
+#define KVSPARSE_KERNELS_CUDA_SANTA_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cuda/decode_params.h"
+
+namespace kvsparse::kernels::cuda {
+
+// Tokens per tile (B_tile) of the prop and flash kernels and of the i.i.d. sampler's pass 1.
+constexpr int kSantaTile = 256;
+
+struct SantaParams {
+  DecodeShape shape;
+  int32_t num_samples = 128;  // S per query head, >= 1
+  uint64_t seed = 0;
+  // Optional diagnostics (nullptr to skip; not needed for the output):
+  // device, shape: [B, Hkv]; the distinct V rows each (sequence, kv head) read are ADDED here
+  // (atomicAdd): zero it first.
+  int32_t* rows_read = nullptr;
+  // device, shape: [B, H, max_seq_len]; prop/flash: sample count c_{h,n} of every token of every
+  // tile that was sampled (tiles that got no samples are left untouched: zero it first).
+  int32_t* sample_counts = nullptr;
+  // device, shape: [B, H, S]; iid only: the sampled token indices, in draw order.
+  int32_t* indices = nullptr;
+};
+
+size_t SantaIidWorkspaceBytes(const SantaParams& p);
+cudaError_t SantaIid(const SantaParams& p, void* workspace, size_t workspace_bytes,
+                     cudaStream_t stream);
+
+// Output summation over tiles uses fp32 atomics: results agree run to run up to rounding.
+size_t S2antaPropWorkspaceBytes(const SantaParams& p);
+cudaError_t S2antaProp(const SantaParams& p, void* workspace, size_t workspace_bytes,
+                       cudaStream_t stream);
+
+size_t S2antaFlashWorkspaceBytes(const SantaParams& p);
+cudaError_t S2antaFlash(const SantaParams& p, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream);
+
+}  // namespace kvsparse::kernels::cuda
+
+#endif  // KVSPARSE_KERNELS_CUDA_SANTA_H_

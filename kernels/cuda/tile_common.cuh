@@ -1,0 +1,253 @@
+// Block-level pieces of the tile-based sampling kernels (S2ANTA prop/flash/iid): score a tile of
+// kSantaTile tokens for the G heads of a GQA group into shared memory, per-head tile statistics,
+// systematic counts, compaction of the sampled rows and a weighted V-row gather.
+#ifndef KVSPARSE_KERNELS_CUDA_TILE_COMMON_CUH_
+#define KVSPARSE_KERNELS_CUDA_TILE_COMMON_CUH_
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/santa.h"
+
+namespace kvsparse::kernels::cuda {
+
+constexpr int kTile = kSantaTile;
+constexpr int kPerLane = kTile / 32;  // tokens of a tile per lane in the per-head scans
+
+template <int D, int G>
+struct TileCfg {
+  using Geom = RowGeom<D>;
+  static constexpr int kWarps = (G * D >= 2048) ? 4 : 8;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kUnroll = G >= 8 ? 2 : 4;
+  static constexpr int kMinBlocks = G >= 8 ? 1 : 2;
+};
+
+// q rows of the G heads of kv head kvh of sequence b, 8 dims per lane (dims lr*8 ..), prescaled
+// by scale * log2(e) so that scores come out in log2 units.
+template <typename T, int D, int G>
+__device__ __forceinline__ void LoadQ(const DecodeShape& s, int b, int kvh, int lr,
+                                      float (&qf)[G][8]) {
+  const float qscale = s.scale * kLog2e;
+  const uint16_t* qb = static_cast<const uint16_t*>(s.q);
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(
+        qb + (static_cast<int64_t>(b) * s.num_q_heads + kvh * G + g) * D + lr * 8));
+    Unpack8<T>(raw, qf[g]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) qf[g][e] *= qscale;
+  }
+}
+
+// Scores (log2 units) of tokens t0 .. t0 + len - 1 (len <= kTile) into ssm[g * kTile + i];
+// entries i >= len get -inf. kb points at dims lr*8 of token 0 of the (b, kvh) K rows.
+template <typename T, int D, int G, int NW, int U>
+__device__ __forceinline__ void ScoreTile(const float (&qf)[G][8], const uint16_t* kb, int64_t ts,
+                                          int t0, int len, float* ssm, int warp, int row, int lr) {
+  constexpr int L = D / 8;
+  constexpr int R = 32 / L;
+  constexpr int TOK = R * U;
+  using TR = TransposeReduce<G * U, L>;
+  for (int base = warp * TOK; base < kTile; base += NW * TOK) {
+    uint4 kr[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tok = base + u * R + row;
+      kr[u] = tok < len ? LoadStream16(kb + static_cast<int64_t>(t0 + tok) * ts)
+                        : make_uint4(0, 0, 0, 0);
+    }
+    float part[G * U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float kf[8];
+      Unpack8<T>(kr[u], kf);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        float d = 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) d = fmaf(qf[g][e], kf[e], d);
+        part[g * U + u] = d;
+      }
+    }
+    TR::Run(part, lr);
+    if ((lr & ((1 << TR::kDupBits) - 1)) == 0) {
+      const int qi = TR::Q(lr);
+#pragma unroll
+      for (int j = 0; j < TR::kKeep; ++j) {
+        const int i = qi * TR::kKeep + j;
+        const int g = i / U;
+        const int u = i % U;
+        const int tok = base + u * R + row;
+        ssm[g * kTile + tok] = tok < len ? part[j] : kNegInf;
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+__device__ __forceinline__ float WarpSum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+__device__ __forceinline__ float WarpExclusiveScan(float v, int lane) {
+  float x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const float y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  return x - v;
+}
+
+// Per-head statistics of one tile (one warp): lane owns tokens lane*8 .. lane*8+7.
+// m2 = max score (log2 units), ell = sum of u, u[i] = 2^(s - m2) (0 for masked tokens).
+__device__ __forceinline__ void HeadStats(const float* s, int lane, float& m2, float& ell,
+                                          float (&u)[kPerLane]) {
+  float v[kPerLane];
+  const float4* s4 = reinterpret_cast<const float4*>(s + lane * kPerLane);
+#pragma unroll
+  for (int i = 0; i < kPerLane / 4; ++i) {
+    const float4 x = s4[i];
+    v[4 * i] = x.x;
+    v[4 * i + 1] = x.y;
+    v[4 * i + 2] = x.z;
+    v[4 * i + 3] = x.w;
+  }
+  float mx = kNegInf;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) mx = fmaxf(mx, v[i]);
+  m2 = WarpMax(mx);
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    u[i] = (v[i] == kNegInf || m2 == kNegInf) ? 0.f : exp2f(v[i] - m2);
+    sum += u[i];
+  }
+  ell = WarpSum(sum);
+}
+
+// Systematic counts of one tile (one warp), Algorithm 5 lines 5-9:
+//   x_n = inv_delta * u_n,  c_n = floor(a0 + p_n + x_n) - floor(a0 + p_n),  p_{n+1} = p_n + x_n.
+__device__ __forceinline__ void SystematicCounts(const float (&u)[kPerLane], float inv_delta,
+                                                 float a0, int lane, int* cnt) {
+  float x[kPerLane];
+  float local = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    x[i] = __fmul_rn(inv_delta, u[i]);
+    local = __fadd_rn(local, x[i]);
+  }
+  float p = WarpExclusiveScan(local, lane);
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const float f0 = __fadd_rn(a0, p);
+    const float f1 = __fadd_rn(f0, x[i]);
+    cnt[lane * kPerLane + i] = static_cast<int>(floorf(f1) - floorf(f0));
+    p = __fadd_rn(p, x[i]);
+  }
+}
+
+// Warp 0: indices (within the tile, increasing) of tokens sampled by any of the G heads.
+// Writes idx[0 .. E) and *num_rows = E.
+template <int G>
+__device__ __forceinline__ void CompactRows(const int* cnt, int lane, int* idx, int* num_rows) {
+  int flags = 0;
+  int local = 0;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    int any = 0;
+#pragma unroll
+    for (int g = 0; g < G; ++g) any |= cnt[g * kTile + lane * kPerLane + i];
+    if (any != 0) {
+      flags |= 1 << i;
+      ++local;
+    }
+  }
+  int x = local;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  int pos = x - local;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    if (flags & (1 << i)) idx[pos++] = lane * kPerLane + i;
+  }
+  if (lane == 31) *num_rows = x;
+}
+
+// Adds w[g] * cnt[g][n] * V[t0 + n] to acc[g] for the num_rows compacted rows; rows are spread
+// over the warps' row slots, four loads in flight per lane.
+template <typename T, int D, int G, int NW>
+__device__ __forceinline__ void GatherRows(const uint16_t* vb, int64_t ts, int t0, const int* idx,
+                                           int num_rows, const int* cnt, const float* w,
+                                           int warp, int row, float (&acc)[G][8]) {
+  constexpr int L = D / 8;
+  constexpr int R = 32 / L;
+  constexpr int kSlots = NW * R;
+  constexpr int kIn = 4;
+  for (int e0 = warp * R + row; e0 < num_rows; e0 += kSlots * kIn) {
+    uint4 vr[kIn];
+    int ni[kIn];
+#pragma unroll
+    for (int k = 0; k < kIn; ++k) {
+      const int e = e0 + k * kSlots;
+      ni[k] = e < num_rows ? idx[e] : -1;
+      vr[k] = ni[k] >= 0 ? LoadStream16(vb + static_cast<int64_t>(t0 + ni[k]) * ts)
+                         : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int k = 0; k < kIn; ++k) {
+      if (ni[k] < 0) continue;
+      float vf[8];
+      Unpack8<T>(vr[k], vf);
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float c = static_cast<float>(cnt[g * kTile + ni[k]]) * w[g];
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(c, vf[e], acc[g][e]);
+      }
+    }
+  }
+}
+
+// Sums acc over the rows of each warp and over the warps; afterwards sacc[g * D + dim] holds
+// the block total (call with every thread; sacc has room for NW * G * D floats; ends with a
+// barrier).
+template <int D, int G, int NW>
+__device__ __forceinline__ void BlockSumAcc(float (&acc)[G][8], float* sacc, int warp, int lane) {
+  constexpr int L = D / 8;
+#pragma unroll
+  for (int off = L; off < 32; off *= 2) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[g][e] += __shfl_xor_sync(0xffffffffu, acc[g][e], off);
+    }
+  }
+  __syncthreads();
+  if (lane < L) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float4* dst = reinterpret_cast<float4*>(sacc + (warp * G + g) * D + lane * 8);
+      dst[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+      dst[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < G * D; i += NW * 32) {
+    float t = sacc[i];
+    for (int w = 1; w < NW; ++w) t += sacc[w * G * D + i];
+    sacc[i] = t;
+  }
+  __syncthreads();
+}
+
+}  // namespace kvsparse::kernels::cuda
+
+#endif  // KVSPARSE_KERNELS_CUDA_TILE_COMMON_CUH_
