@@ -20,9 +20,9 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kNegInf = -__builtin_huge_valf();
 
 // Returns the first error of a CUDA runtime call from the enclosing function.
-#define KVSPARSE_CUDA_RETURN_IF_ERROR(expr)   \
-  do {                                        \
-    const cudaError_t kvsparse_err_ = (expr); \
+#define KVSPARSE_CUDA_RETURN_IF_ERROR(expr)                 \
+  do {                                                      \
+    const cudaError_t kvsparse_err_ = (expr);               \
     if (kvsparse_err_ != cudaSuccess) return kvsparse_err_; \
   } while (0)
 

@@ -1,9 +1,8 @@
-#include "kernels/cuda/dense_decode.h"
-
 #include <algorithm>
 #include <atomic>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/dense_decode.h"
 
 namespace kvsparse::kernels::cuda {
 
@@ -16,7 +15,8 @@ int NumSms() {
     if (c > 0) return c;
   }
   int sms = 0;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || sms <= 0) {
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+      sms <= 0) {
     return 132;
   }
   if (dev < 64) cache[dev].store(sms, std::memory_order_relaxed);
@@ -31,11 +31,11 @@ constexpr int kMinChunk = 256;
 template <int D, int G>
 struct DenseCfg {
   using Geom = RowGeom<D>;
-  static constexpr int kUnroll = G >= 8 ? 2 : 4;              // tokens per row per iteration
-  static constexpr int kTok = Geom::kRows * kUnroll;          // tokens per warp per iteration
-  static constexpr int kWarps = (G * D >= 2048) ? 4 : 8;      // keeps the merge buffer <= 32 KB
+  static constexpr int kUnroll = G >= 8 ? 2 : 4;          // tokens per row per iteration
+  static constexpr int kTok = Geom::kRows * kUnroll;      // tokens per warp per iteration
+  static constexpr int kWarps = (G * D >= 2048) ? 4 : 8;  // keeps the merge buffer <= 32 KB
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kMinBlocks = G >= 8 ? 1 : 2;           // G = 8 needs > 128 registers
+  static constexpr int kMinBlocks = G >= 8 ? 1 : 2;  // G = 8 needs > 128 registers
 };
 
 // One block: tokens [split * chunk_len, min(n, (split + 1) * chunk_len)) of sequence b, kv head
@@ -76,8 +76,8 @@ __global__ void __launch_bounds__(DenseCfg<D, G>::kThreads, DenseCfg<D, G>::kMin
   const uint16_t* qb = static_cast<const uint16_t*>(s.q);
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    const uint4 raw =
-        __ldg(reinterpret_cast<const uint4*>(qb + (static_cast<int64_t>(b) * H + h0 + g) * D + lr * 8));
+    const uint4 raw = __ldg(
+        reinterpret_cast<const uint4*>(qb + (static_cast<int64_t>(b) * H + h0 + g) * D + lr * 8));
     Unpack8<T>(raw, qf[g]);
 #pragma unroll
     for (int e = 0; e < 8; ++e) qf[g][e] *= qscale;
@@ -264,12 +264,12 @@ struct DenseLaunch {
   cudaError_t operator()() const {
     using Cfg = DenseCfg<D, G>;
     const dim3 grid(plan.num_splits, s.num_kv_heads, s.batch);
-    DenseSplitKernel<T, D, G><<<grid, Cfg::kThreads, 0, stream>>>(s, plan.chunk_len,
-                                                                  plan.num_splits, part_o, part_lse);
+    DenseSplitKernel<T, D, G>
+        <<<grid, Cfg::kThreads, 0, stream>>>(s, plan.chunk_len, plan.num_splits, part_o, part_lse);
     KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     if (plan.num_splits > 1) {
-      MergeKernel<T><<<s.batch * s.num_q_heads, 128, 0, stream>>>(
-          part_o, part_lse, plan.num_splits, D, static_cast<uint16_t*>(s.out));
+      MergeKernel<T><<<s.batch * s.num_q_heads, 128, 0, stream>>>(part_o, part_lse, plan.num_splits,
+                                                                  D, static_cast<uint16_t*>(s.out));
       KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     }
     return cudaSuccess;
@@ -328,8 +328,8 @@ cudaError_t DenseDecode(const DecodeShape& s, void* workspace, size_t workspace_
   float* part_lse = nullptr;
   if (plan.num_splits > 1) {
     size_t lse_off = 0;
-    const size_t need = PartialBytes(static_cast<int64_t>(s.batch) * s.num_q_heads,
-                                     plan.num_splits, s.head_dim, &lse_off);
+    const size_t need = PartialBytes(static_cast<int64_t>(s.batch) * s.num_q_heads, plan.num_splits,
+                                     s.head_dim, &lse_off);
     if (workspace == nullptr || workspace_bytes < need) return cudaErrorInvalidValue;
     part_o = static_cast<float*>(workspace);
     part_lse = reinterpret_cast<float*>(static_cast<char*>(workspace) + lse_off);
@@ -342,9 +342,9 @@ cudaError_t MergePartials(const float* partial_o, const float* partial_lse, int3
                           int32_t num_splits, int32_t head_dim, DType dtype, void* out,
                           cudaStream_t stream) {
   if (num_rows == 0) return cudaSuccess;
-  return DispatchDecode(dtype, head_dim, 1,
-                        MergeLaunch{partial_o, partial_lse, num_rows, num_splits, head_dim, out,
-                                    stream});
+  return DispatchDecode(
+      dtype, head_dim, 1,
+      MergeLaunch{partial_o, partial_lse, num_rows, num_splits, head_dim, out, stream});
 }
 
 }  // namespace kvsparse::kernels::cuda

@@ -1,9 +1,8 @@
-#include "kernels/cuda/santa.h"
-
 #include <algorithm>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/dense_decode.h"
+#include "kernels/cuda/santa.h"
 #include "kernels/cuda/tile_common.cuh"
 #include "kernels/philox.h"
 
@@ -125,8 +124,8 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
       SystematicCounts(u, inv_delta, a0, lane, cnt + g * kTile);
       if (p.sample_counts != nullptr) {
         __syncwarp();
-        int32_t* dst = p.sample_counts +
-                       (static_cast<int64_t>(b) * s.num_q_heads + h) * s.max_seq_len + t0;
+        int32_t* dst =
+            p.sample_counts + (static_cast<int64_t>(b) * s.num_q_heads + h) * s.max_seq_len + t0;
         for (int i = lane; i < len; i += 32) dst[i] = cnt[g * kTile + i];
       }
       if (lane == 0) {
@@ -202,7 +201,8 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
       const int64_t bh = static_cast<int64_t>(b) * s.num_q_heads + kvh * G + g;
       float m2, ell, u[kPerLane];
       HeadStats(ssm + g * kTile, lane, m2, ell, u);
-      float4* dst = reinterpret_cast<float4*>(stash + (bh * max_tiles + t) * kTile + lane * kPerLane);
+      float4* dst =
+          reinterpret_cast<float4*>(stash + (bh * max_tiles + t) * kTile + lane * kPerLane);
 #pragma unroll
       for (int i = 0; i < kPerLane / 4; ++i) {
         dst[i] = make_float4(u[4 * i], u[4 * i + 1], u[4 * i + 2], u[4 * i + 3]);
@@ -243,10 +243,10 @@ __device__ __forceinline__ double BlockSumD(double v, double* red) {
 // plus one for the S - sum floor tiles of largest fractional part (ties: lower tile first).
 // Also zeroes the output accumulator and the pass-2 completion counters.
 __global__ void __launch_bounds__(kSmallThreads)
-    PropBudgetKernel(DecodeShape s, int num_samples, int max_tiles, const float* __restrict__ m_tiles,
-                     const float* __restrict__ l_tiles, int* __restrict__ s_tiles,
-                     float* __restrict__ inv_delta, float* __restrict__ accum,
-                     unsigned* __restrict__ counters) {
+    PropBudgetKernel(DecodeShape s, int num_samples, int max_tiles,
+                     const float* __restrict__ m_tiles, const float* __restrict__ l_tiles,
+                     int* __restrict__ s_tiles, float* __restrict__ inv_delta,
+                     float* __restrict__ accum, unsigned* __restrict__ counters) {
   extern __shared__ double frac[];  // [max_tiles]
   __shared__ float red[kSmallThreads / 32];
   __shared__ double red_d[kSmallThreads / 32];
@@ -352,7 +352,8 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
           u[4 * i + 3] = x.w;
         }
         const int h = kvh * G + g;
-        const float a0 = PhiloxUniform(PhiloxStream::Make(p.seed, RngTag::kPropTileOffset, b, h), t);
+        const float a0 =
+            PhiloxUniform(PhiloxStream::Make(p.seed, RngTag::kPropTileOffset, b, h), t);
         SystematicCounts(u, inv_delta[bh * max_tiles + t], a0, lane, c);
       }
       if (p.sample_counts != nullptr) {
@@ -377,14 +378,16 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    sm_last = atomicAdd(counters + b * s.num_kv_heads + kvh, 1u) == static_cast<unsigned>(num_parts - 1);
+    sm_last =
+        atomicAdd(counters + b * s.num_kv_heads + kvh, 1u) == static_cast<unsigned>(num_parts - 1);
   }
   __syncthreads();
   if (sm_last) {
     __threadfence();
     const float inv_s = 1.f / static_cast<float>(p.num_samples);
     for (int i = threadIdx.x; i < G * D; i += NW * 32) {
-      static_cast<uint16_t*>(s.out)[bh0 * D + i] = FloatToBits<T>(__ldcg(accum + bh0 * D + i) * inv_s);
+      static_cast<uint16_t*>(s.out)[bh0 * D + i] =
+          FloatToBits<T>(__ldcg(accum + bh0 * D + i) * inv_s);
     }
   }
 }
@@ -459,7 +462,8 @@ __global__ void __launch_bounds__(kSmallThreads)
       }
       const int t = lo;
       const double excl = t > 0 ? cdf[t - 1] : 0.0;
-      const float r = static_cast<float>((target - excl) / static_cast<double>(exp2f(mt[t] - mstar)));
+      const float r =
+          static_cast<float>((target - excl) / static_cast<double>(exp2f(mt[t] - mstar)));
       const int len = min(kTile, n - t * kTile);
       const float* u = stash + (bh * max_tiles + t) * kTile;
       float cum = 0.f;
@@ -652,9 +656,9 @@ cudaError_t SantaIid(const SantaParams& p, void* workspace, size_t workspace_byt
   const PropSpace ws = CarveProp(p.shape, plan, workspace, &need);
   if (workspace == nullptr || workspace_bytes < need) return cudaErrorInvalidValue;
   const DecodeShape& s = p.shape;
-  KVSPARSE_CUDA_RETURN_IF_ERROR(DispatchDecode(
-      s.dtype, s.head_dim, s.group_size(),
-      Pass1Launch{s, plan, ws.m_tiles, ws.l_tiles, ws.stash, stream}));
+  KVSPARSE_CUDA_RETURN_IF_ERROR(
+      DispatchDecode(s.dtype, s.head_dim, s.group_size(),
+                     Pass1Launch{s, plan, ws.m_tiles, ws.l_tiles, ws.stash, stream}));
   return DispatchDecode(s.dtype, s.head_dim, s.group_size(),
                         IidLaunch{p, plan.max_tiles, ws, stream});
 }
@@ -670,9 +674,9 @@ cudaError_t S2antaProp(const SantaParams& p, void* workspace, size_t workspace_b
   const PropSpace ws = CarveProp(p.shape, plan, workspace, &need);
   if (workspace == nullptr || workspace_bytes < need) return cudaErrorInvalidValue;
   const DecodeShape& s = p.shape;
-  KVSPARSE_CUDA_RETURN_IF_ERROR(DispatchDecode(
-      s.dtype, s.head_dim, s.group_size(),
-      Pass1Launch{s, plan, ws.m_tiles, ws.l_tiles, ws.stash, stream}));
+  KVSPARSE_CUDA_RETURN_IF_ERROR(
+      DispatchDecode(s.dtype, s.head_dim, s.group_size(),
+                     Pass1Launch{s, plan, ws.m_tiles, ws.l_tiles, ws.stash, stream}));
   KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchBudget(p, plan, ws, stream));
   return DispatchDecode(s.dtype, s.head_dim, s.group_size(), Pass2Launch{p, plan, ws, stream});
 }

@@ -185,8 +185,8 @@ __device__ __forceinline__ void CompactRows(const int* cnt, int lane, int* idx, 
 // over the warps' row slots, four loads in flight per lane.
 template <typename T, int D, int G, int NW>
 __device__ __forceinline__ void GatherRows(const uint16_t* vb, int64_t ts, int t0, const int* idx,
-                                           int num_rows, const int* cnt, const float* w,
-                                           int warp, int row, float (&acc)[G][8]) {
+                                           int num_rows, const int* cnt, const float* w, int warp,
+                                           int row, float (&acc)[G][8]) {
   constexpr int L = D / 8;
   constexpr int R = 32 / L;
   constexpr int kSlots = NW * R;

@@ -1,0 +1,113 @@
+#include "kernels/cuda/capi.h"
+
+#include <cuda_runtime_api.h>
+
+#include "kernels/cuda/dense_decode.h"
+#include "kernels/cuda/hash_topk.h"
+#include "kernels/cuda/santa.h"
+
+namespace {
+
+using kvsparse::kernels::DType;
+namespace kc = kvsparse::kernels::cuda;
+
+kc::DecodeShape ToShape(const KvsDecodeArgs& a) {
+  kc::DecodeShape s;
+  s.batch = a.batch;
+  s.num_q_heads = a.num_q_heads;
+  s.num_kv_heads = a.num_kv_heads;
+  s.head_dim = a.head_dim;
+  s.dtype = static_cast<DType>(a.dtype);
+  s.q = a.q;
+  s.k = a.k;
+  s.v = a.v;
+  s.kv.batch_stride = a.batch_stride;
+  s.kv.head_stride = a.head_stride;
+  s.kv.token_stride = a.token_stride;
+  s.seq_lens = a.seq_lens;
+  s.max_seq_len = a.max_seq_len;
+  s.scale = a.scale;
+  s.out = a.out;
+  return s;
+}
+
+kc::SantaParams ToSanta(const KvsDecodeArgs& a, int32_t samples, uint64_t seed,
+                        int32_t* rows_read) {
+  kc::SantaParams p;
+  p.shape = ToShape(a);
+  p.num_samples = samples;
+  p.seed = seed;
+  p.rows_read = rows_read;
+  return p;
+}
+
+}  // namespace
+
+extern "C" {
+
+size_t kvs_decode_workspace_bytes(const KvsDecodeArgs* args, int32_t method, int32_t samples) {
+  const kc::SantaParams p = ToSanta(*args, samples, 0, nullptr);
+  switch (method) {
+    case 0:
+      return kc::DenseDecodeWorkspaceBytes(p.shape);
+    case 1:
+      return kc::SantaIidWorkspaceBytes(p);
+    case 2:
+      return kc::S2antaPropWorkspaceBytes(p);
+    case 3:
+      return kc::S2antaFlashWorkspaceBytes(p);
+    default:
+      return 0;
+  }
+}
+
+int32_t kvs_decode(const KvsDecodeArgs* args, int32_t method, int32_t samples, uint64_t seed,
+                   void* workspace, size_t workspace_bytes, int32_t* rows_read, void* stream) {
+  const kc::SantaParams p = ToSanta(*args, samples, seed, rows_read);
+  const auto st = static_cast<cudaStream_t>(stream);
+  switch (method) {
+    case 0:
+      return kc::DenseDecode(p.shape, workspace, workspace_bytes, st);
+    case 1:
+      return kc::SantaIid(p, workspace, workspace_bytes, st);
+    case 2:
+      return kc::S2antaProp(p, workspace, workspace_bytes, st);
+    case 3:
+      return kc::S2antaFlash(p, workspace, workspace_bytes, st);
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+size_t kvs_hash_topk_workspace_bytes(int32_t, int32_t, int32_t) { return 0; }
+
+int32_t kvs_hash_topk(int32_t batch, int32_t num_q_heads, int32_t num_kv_heads, int32_t bits,
+                      const uint32_t* q_sigs, const uint32_t* k_sigs, int64_t k_batch_stride,
+                      int64_t k_head_stride, const int32_t* seq_lens, int32_t max_seq_len,
+                      int32_t sink, int32_t window, int32_t top_k, int32_t* indices,
+                      int32_t* counts, void*, size_t, void* stream) {
+  kc::HashTopKParams p;
+  p.batch = batch;
+  p.num_q_heads = num_q_heads;
+  p.key_heads = num_kv_heads;
+  p.bits = bits;
+  p.q_sigs = q_sigs;
+  p.k_sigs = k_sigs;
+  p.k_batch_stride = k_batch_stride;
+  p.k_head_stride = k_head_stride;
+  p.k_token_stride = bits / 32;
+  p.seq_lens = seq_lens;
+  p.max_seq_len = max_seq_len;
+  p.sink_tokens = sink;
+  p.local_tokens = window;
+  p.top_k = top_k;
+  p.indices = indices;
+  p.counts = counts;
+  return kc::HashTopK(p, static_cast<cudaStream_t>(stream));
+}
+
+const char* kvs_error_string(int32_t err) {
+  return cudaGetErrorString(static_cast<cudaError_t>(err));
+}
+
+}  // extern "C"
