@@ -21,7 +21,8 @@ absl::StatusOr<int32_t> ResolveTopK(int32_t top_k, float top_k_fraction, int32_t
     return absl::InvalidArgumentError(
         absl::StrCat("top_k_fraction must be in [0, 1], got ", top_k_fraction));
   }
-  return static_cast<int32_t>(std::floor(static_cast<double>(top_k_fraction) * n));
+  // Rounded to nearest, so that e.g. 0.02f (0.0199999995...) of 3000 tokens is 60, not 59.
+  return static_cast<int32_t>(std::floor(static_cast<double>(top_k_fraction) * n + 0.5));
 }
 
 template <typename T>

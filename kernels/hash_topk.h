@@ -5,7 +5,9 @@
 // Selection rule per query head h of a sequence with n tokens (shared with vAttention):
 //   sink   = [0, min(sink_tokens, n))
 //   window = [max(0, n - local_tokens), n)
-//   k      = top_k if top_k > 0, else floor(top_k_fraction * n); k > n is INVALID_ARGUMENT.
+//   k      = top_k if top_k > 0, else floor(double(top_k_fraction) * n + 0.5) (the fraction of
+//            n rounded to nearest: a float fraction like 0.02f is slightly below 0.02, and a
+//            floor would lose a token); k > n is INVALID_ARGUMENT.
 //   top-k  = the min(k, #rest) tokens of rest = [0, n) \ (sink u window) with the highest
 //            score; ties: higher score first, then the LOWER token index (a total order, so the
 //            GPU selection must return exactly this set).

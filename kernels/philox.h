@@ -78,16 +78,21 @@ KVSPARSE_HD Philox4x32 Round(Philox4x32 c, uint32_t k0, uint32_t k1) {
 }  // namespace philox_internal
 
 // Philox4x32-10: the block function itself (Random123 philox4x32_R(10, ...)).
+// Written out round by round (a loop is not unrolled at -O2 and runs ~4x slower on the host).
 KVSPARSE_HD Philox4x32 Philox4x32_10(Philox4x32 counter, uint32_t key0, uint32_t key1) {
-  Philox4x32 c = counter;
-  for (int r = 0; r < 10; ++r) {
-    if (r > 0) {
-      key0 += philox_internal::kW0;
-      key1 += philox_internal::kW1;
-    }
-    c = philox_internal::Round(c, key0, key1);
-  }
-  return c;
+  using philox_internal::kW0;
+  using philox_internal::kW1;
+  using philox_internal::Round;
+  Philox4x32 c = Round(counter, key0, key1);
+  c = Round(c, key0 + 1 * kW0, key1 + 1 * kW1);
+  c = Round(c, key0 + 2 * kW0, key1 + 2 * kW1);
+  c = Round(c, key0 + 3 * kW0, key1 + 3 * kW1);
+  c = Round(c, key0 + 4 * kW0, key1 + 4 * kW1);
+  c = Round(c, key0 + 5 * kW0, key1 + 5 * kW1);
+  c = Round(c, key0 + 6 * kW0, key1 + 6 * kW1);
+  c = Round(c, key0 + 7 * kW0, key1 + 7 * kW1);
+  c = Round(c, key0 + 8 * kW0, key1 + 8 * kW1);
+  return Round(c, key0 + 9 * kW0, key1 + 9 * kW1);
 }
 
 // Purpose tags (the `tag` field of the counter). Values are part of the contract: never reuse or

@@ -1,0 +1,422 @@
+#include "kernels/vattention.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu_util.h"
+
+namespace kvsparse::kernels {
+namespace {
+
+constexpr int kDeltaGrid = 1024;
+
+bool InOpenUnit(float x) { return x > 0.f && x < 1.f; }
+
+double AlphaClt(double delta) { return NormalQuantile(1.0 - delta / 2.0); }
+double AlphaHoeffdingScalar(double delta) { return std::sqrt(std::log(2.0 / delta) / 2.0); }
+double AlphaHoeffdingVector(double delta) { return std::sqrt(2.0 * std::log(2.0 / delta)); }
+
+}  // namespace
+
+double NormalQuantile(double p) {
+  if (!(p > 0.0 && p < 1.0)) {
+    return p == 0.0   ? -std::numeric_limits<double>::infinity()
+           : p == 1.0 ? std::numeric_limits<double>::infinity()
+                      : std::numeric_limits<double>::quiet_NaN();
+  }
+  // Acklam's algorithm.
+  static const double a[] = {-3.969683028665376e+01, 2.209460984245205e+02,  -2.759285104469687e+02,
+                             1.383577518672690e+02,  -3.066479806614716e+01, 2.506628277459239e+00};
+  static const double b[] = {-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
+                             6.680131188771972e+01, -1.328068155288572e+01};
+  static const double c[] = {-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
+                             -2.549732539343734e+00, 4.374664141464968e+00,  2.938163982698783e+00};
+  static const double d[] = {7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
+                             3.754408661907416e+00};
+  const double plow = 0.02425;
+  double x;
+  if (p < plow) {
+    const double q = std::sqrt(-2 * std::log(p));
+    x = (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) /
+        ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1);
+  } else if (p <= 1 - plow) {
+    const double q = p - 0.5, r = q * q;
+    x = (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q /
+        (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1);
+  } else {
+    const double q = std::sqrt(-2 * std::log1p(-p));
+    x = -(((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) /
+        ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1);
+  }
+  // One Halley step: e = Phi(x) - p.
+  const double e = 0.5 * std::erfc(-x / std::sqrt(2.0)) - p;
+  const double u = e * 2.5066282746310002 * std::exp(x * x / 2);
+  return x - u / (1 + x * u / 2);
+}
+
+absl::Status ValidateVAttentionParams(const VAttentionParams& params) {
+  if (!InOpenUnit(params.epsilon)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("epsilon must be in (0, 1), got ", params.epsilon));
+  }
+  if (!InOpenUnit(params.delta)) {
+    return absl::InvalidArgumentError(absl::StrCat("delta must be in (0, 1), got ", params.delta));
+  }
+  if (!InOpenUnit(params.base_rate)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("base_rate must be in (0, 1), got ", params.base_rate));
+  }
+  if (params.sink_tokens < 0 || params.local_tokens < 0 || params.top_k < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(params.sink_tokens < 0    ? "sink_tokens"
+                                                   : params.local_tokens < 0 ? "local_tokens"
+                                                                             : "top_k",
+                                                   " must be >= 0"));
+  }
+  if (params.top_k == 0 && !(params.top_k_fraction >= 0.f && params.top_k_fraction <= 1.f)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("top_k_fraction must be in [0, 1], got ", params.top_k_fraction));
+  }
+  if (params.predictor != TopKPredictor::kHash && params.predictor != TopKPredictor::kExact) {
+    return absl::InvalidArgumentError("predictor: unknown value");
+  }
+  if (params.bound != BudgetBound::kClt && params.bound != BudgetBound::kHoeffding) {
+    return absl::InvalidArgumentError("bound: unknown value");
+  }
+  if (params.target != VerifyTarget::kDenominator && params.target != VerifyTarget::kNumerator &&
+      params.target != VerifyTarget::kOutput) {
+    return absl::InvalidArgumentError("target: unknown value");
+  }
+  if (params.predictor == TopKPredictor::kHash) return ValidateSignatureBits(params.bits);
+  return absl::OkStatus();
+}
+
+VAttentionBudget ComputeVAttentionBudget(const VAttentionStatistics& st,
+                                         const VAttentionParams& params) {
+  VAttentionBudget out;
+  const double inf = std::numeric_limits<double>::infinity();
+  if (st.n_s == 0) return out;
+  const double eps = params.epsilon, delta = params.delta, ns = static_cast<double>(st.n_s);
+  const bool clt = params.bound == BudgetBound::kClt;
+  // c / T for each target.
+  const double cd = st.d_hat > 0 ? (clt ? st.sigma : st.x_max) / st.d_hat : inf;
+  const double cn =
+      st.n_hat_norm > 0 ? (clt ? std::sqrt(st.trace_sigma) : 2 * st.y_max) / st.n_hat_norm : inf;
+  auto alpha_d = [&](double dl) { return clt ? AlphaClt(dl) : AlphaHoeffdingScalar(dl); };
+  auto alpha_n = [&](double dl) { return clt ? AlphaClt(dl) : AlphaHoeffdingVector(dl); };
+  switch (params.target) {
+    case VerifyTarget::kDenominator: {
+      const double v = ns * alpha_d(delta) * cd / eps;
+      out.raw = v * v;
+      break;
+    }
+    case VerifyTarget::kNumerator: {
+      const double v = ns * alpha_n(delta) * cn / eps;
+      out.raw = v * v;
+      break;
+    }
+    case VerifyTarget::kOutput: {
+      double best = inf, best_d = 0, best_n = 0;
+      int best_j = kDeltaGrid / 2;
+      for (int j = 1; j < kDeltaGrid; ++j) {
+        const double dl = delta * j / kDeltaGrid;
+        const double td = alpha_d(dl) * cd, tn = alpha_n(delta - dl) * cn;
+        if (td + tn < best) {
+          best = td + tn;
+          best_d = td;
+          best_n = tn;
+          best_j = j;
+        }
+      }
+      const double v = 2 * ns * best / eps;
+      out.raw = v * v;
+      out.delta_split = delta * best_j / kDeltaGrid;
+      out.eps_split =
+          best_d + best_n > 0 && std::isfinite(best) ? eps * best_d / (best_d + best_n) : eps / 2;
+      break;
+    }
+  }
+  if (std::isnan(out.raw)) out.raw = inf;
+  return out;
+}
+
+template <typename T>
+void VAttentionPlanFixed(const T* scores, int32_t n, int32_t k, const VAttentionParams& params,
+                         VAttentionHeadResult* r, std::vector<int32_t>* scratch) {
+  r->top_k_chosen = SelectSinkLocalTopK(scores, n, params.sink_tokens, params.local_tokens, k,
+                                        &r->fixed, scratch);
+  r->base.clear();
+  r->dyn.clear();
+  r->b = 0;
+  r->stats = VAttentionStatistics{};
+  r->budget = VAttentionBudget{};
+}
+
+template void VAttentionPlanFixed<int32_t>(const int32_t*, int32_t, int32_t,
+                                           const VAttentionParams&, VAttentionHeadResult*,
+                                           std::vector<int32_t>*);
+template void VAttentionPlanFixed<float>(const float*, int32_t, int32_t, const VAttentionParams&,
+                                         VAttentionHeadResult*, std::vector<int32_t>*);
+
+void SampleWithoutReplacement(const PhiloxStream& stream, int32_t n,
+                              const std::vector<int32_t>& excluded, int64_t count,
+                              std::vector<int32_t>* out,
+                              std::vector<std::pair<uint64_t, int32_t>>* scratch) {
+  out->clear();
+  scratch->clear();
+  if (count <= 0) return;
+  size_t e = 0;
+  for (int32_t t = 0; t < n; ++t) {  // residual tokens in ascending order with their keys
+    if (e < excluded.size() && excluded[e] == t) {
+      ++e;
+      continue;
+    }
+    scratch->emplace_back(stream.Draw64(static_cast<uint32_t>(t)), t);
+  }
+  const size_t m = scratch->size();
+  if (count >= static_cast<int64_t>(m)) {
+    for (const auto& kt : *scratch) out->push_back(kt.second);
+    return;
+  }
+  // The count-th smallest (key, token) pair is the threshold; emitting every pair <= it in token
+  // order gives the sample already sorted.
+  const size_t half = m;
+  scratch->insert(scratch->end(), scratch->begin(), scratch->end());
+  std::nth_element(scratch->begin() + half, scratch->begin() + half + (count - 1), scratch->end());
+  const std::pair<uint64_t, int32_t> threshold = (*scratch)[half + count - 1];
+  out->reserve(count);
+  for (size_t i = 0; i < half; ++i) {
+    if ((*scratch)[i] <= threshold) out->push_back((*scratch)[i].second);
+  }
+}
+
+void VAttentionHeadResult::ToHeadRows(HeadRows* out) const {
+  out->Clear();
+  out->budget = b;
+  const float w_dyn =
+      b > 0 ? static_cast<float>(static_cast<double>(stats.n_s) / static_cast<double>(b)) : 0.f;
+  size_t i = 0, j = 0, k = 0;
+  // Three ascending lists; fixed is disjoint from both samples.
+  while (i < fixed.size() || j < dyn.size() || k < base.size()) {
+    const int32_t ti = i < fixed.size() ? fixed[i] : INT32_MAX;
+    const int32_t tj = j < dyn.size() ? dyn[j] : INT32_MAX;
+    const int32_t tk = k < base.size() ? base[k] : INT32_MAX;
+    const int32_t t = std::min({ti, tj, tk});
+    if (t == ti) {
+      out->Push(t, 1, 1.f);
+      ++i;
+    } else if (t == tj) {
+      out->Push(t, 1, w_dyn);
+      ++j;
+      if (tk == t) ++k;
+    } else {
+      out->Push(t, 0, 0.f);
+      ++k;
+    }
+  }
+}
+
+void VAttentionSampleBase(int32_t n, const VAttentionParams& params, uint64_t seed,
+                          int32_t sequence, int32_t head, VAttentionHeadResult* r) {
+  r->base.clear();
+  const int64_t n_s = n - static_cast<int64_t>(r->fixed.size());
+  if (params.exact_statistics || n_s <= 0) return;
+  const int64_t n_b = std::min<int64_t>(
+      n_s,
+      std::max<int64_t>(
+          2, static_cast<int64_t>(std::floor(static_cast<double>(params.base_rate) * n_s + 0.5))));
+  SampleWithoutReplacement(
+      PhiloxStream::Make(seed, RngTag::kVattBase, static_cast<uint32_t>(sequence),
+                         static_cast<uint32_t>(head)),
+      n, r->fixed, n_b, &r->base, &r->scratch);
+}
+
+void VAttentionSampleHead(int32_t n, const VAttentionParams& params,
+                          const VAttentionRowAccess& rows, uint64_t seed, int32_t sequence,
+                          int32_t head, VAttentionHeadResult* r) {
+  VAttentionSampleBase(n, params, seed, sequence, head, r);
+  VAttentionBudgetAndSample(n, params, rows, seed, sequence, head, r);
+}
+
+void VAttentionBudgetAndSample(int32_t n, const VAttentionParams& params,
+                               const VAttentionRowAccess& rows, uint64_t seed, int32_t sequence,
+                               int32_t head, VAttentionHeadResult* r) {
+  const int64_t n_s = n - static_cast<int64_t>(r->fixed.size());
+  VAttentionStatistics& st = r->stats;
+  st = VAttentionStatistics{};
+  st.n_s = n_s;
+  // Residual tokens used for the statistics: the base sample, or every residual token.
+  std::vector<int32_t> residual_all;
+  const std::vector<int32_t>* stat_rows = &r->base;
+  if (params.exact_statistics) {
+    size_t e = 0;
+    for (int32_t t = 0; t < n; ++t) {
+      if (e < r->fixed.size() && r->fixed[e] == t) {
+        ++e;
+      } else {
+        residual_all.push_back(t);
+      }
+    }
+    stat_rows = &residual_all;
+  }
+  const int32_t dv = rows.dv;
+  std::vector<float> logit_f(r->fixed.size()), logit_b(stat_rows->size());
+  float c = -std::numeric_limits<float>::infinity();
+  for (size_t i = 0; i < r->fixed.size(); ++i)
+    c = std::max(c, logit_f[i] = rows.logit(r->fixed[i]));
+  for (size_t i = 0; i < stat_rows->size(); ++i) {
+    c = std::max(c, logit_b[i] = rows.logit((*stat_rows)[i]));
+  }
+  const bool rmax_known = !std::isnan(rows.residual_logit_max);
+  if (rmax_known) c = std::max(c, rows.residual_logit_max);
+  if (!std::isfinite(c)) c = 0.f;
+  std::vector<float> v(dv);
+  std::vector<double> nf(dv, 0.0), mean_y(dv, 0.0), m2_y(dv, 0.0);
+  double df = 0;
+  for (size_t i = 0; i < r->fixed.size(); ++i) {
+    const double x = std::exp(static_cast<double>(logit_f[i]) - c);
+    rows.load_v(r->fixed[i], v.data());
+    df += x;
+    for (int32_t a = 0; a < dv; ++a) nf[a] += x * v[a];
+  }
+  // Welford over the statistics rows.
+  double mean_x = 0, m2_x = 0, x_max = 0, y_max = 0, v_max = 0;
+  for (size_t i = 0; i < stat_rows->size(); ++i) {
+    const double x = std::exp(static_cast<double>(logit_b[i]) - c);
+    rows.load_v((*stat_rows)[i], v.data());
+    const double cnt = static_cast<double>(i + 1);
+    const double dx = x - mean_x;
+    mean_x += dx / cnt;
+    m2_x += dx * (x - mean_x);
+    double vn2 = 0;
+    for (int32_t a = 0; a < dv; ++a) {
+      const double y = x * v[a];
+      const double dy = y - mean_y[a];
+      mean_y[a] += dy / cnt;
+      m2_y[a] += dy * (y - mean_y[a]);
+      vn2 += double{v[a]} * v[a];
+    }
+    x_max = std::max(x_max, x);
+    v_max = std::max(v_max, std::sqrt(vn2));
+    y_max = std::max(y_max, x * std::sqrt(vn2));
+  }
+  const double nb = static_cast<double>(stat_rows->size());
+  const double ns = static_cast<double>(n_s);
+  st.d_hat = df + ns * mean_x;
+  double n2 = 0, tr = 0;
+  for (int32_t a = 0; a < dv; ++a) {
+    const double na = nf[a] + ns * mean_y[a];
+    n2 += na * na;
+    tr += nb > 1 ? m2_y[a] / (nb - 1) : 0.0;
+  }
+  st.n_hat_norm = std::sqrt(n2);
+  st.sigma = nb > 1 ? std::sqrt(m2_x / (nb - 1)) : 0.0;
+  st.trace_sigma = tr;
+  if (rmax_known) x_max = std::exp(static_cast<double>(rows.residual_logit_max) - c);
+  st.x_max = x_max;
+  st.y_max = params.exact_statistics ? y_max : x_max * v_max;
+  r->budget = ComputeVAttentionBudget(st, params);
+  if (n_s == 0) {
+    r->b = 0;
+  } else {
+    const double lower = params.exact_statistics ? 1.0 : static_cast<double>(r->base.size());
+    const double raw = std::isfinite(r->budget.raw) ? std::ceil(r->budget.raw) : ns;
+    r->b = static_cast<int64_t>(std::min(ns, std::max(lower, raw)));
+  }
+  SampleWithoutReplacement(
+      PhiloxStream::Make(seed, RngTag::kVattDynamic, static_cast<uint32_t>(sequence),
+                         static_cast<uint32_t>(head)),
+      n, r->fixed, r->b, &r->dyn, &r->scratch);
+}
+
+absl::Status VAttentionSelectCpu(const DecodeProblem& p, const VAttentionParams& params,
+                                 uint64_t seed, const SignatureView* sigs, RowSelection* sel,
+                                 VAttentionStats* stats) {
+  if (absl::Status s = ValidateVAttentionParams(params); !s.ok()) return s;
+  if (absl::Status s = ValidateProblemFor(p, ProblemNeeds{true, true, true, false}); !s.ok()) {
+    return s;
+  }
+  const bool hash = params.predictor == TopKPredictor::kHash;
+  const int32_t words = SignatureWords(params.bits);
+  if (hash) {
+    if (sigs == nullptr) {
+      return absl::InvalidArgumentError("predictor: kHash needs signatures (sigs is null)");
+    }
+    if (sigs->bits != params.bits) {
+      return absl::InvalidArgumentError(absl::StrCat("bits: params ask for ", params.bits,
+                                                     " but the signatures have ", sigs->bits));
+    }
+    if ((sigs->key_heads != p.num_kv_heads && sigs->key_heads != p.num_q_heads) ||
+        (p.batch > 0 && (sigs->q == nullptr || sigs->k == nullptr))) {
+      return absl::InvalidArgumentError("signatures: bad key_heads or null pointers");
+    }
+  }
+  const int32_t group = p.group_size();
+  const int d = p.head_dim;
+  sel->Reset(EstimateKind::kSoftmax, p.batch, p.num_kv_heads, group);
+  if (stats != nullptr) stats->heads.assign(static_cast<size_t>(p.batch) * p.num_q_heads, {});
+  std::vector<float> q(d), logits;
+  std::vector<int32_t> sim, scratch;
+  std::vector<HeadRows> rows(group);
+  VAttentionHeadResult res;
+  for (int32_t b = 0; b < p.batch; ++b) {
+    const int32_t n = p.seq_lens[b];
+    absl::StatusOr<int32_t> k = ResolveTopK(params.top_k, params.top_k_fraction, n);
+    if (!k.ok()) return k.status();
+    for (int32_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
+      for (int32_t g = 0; g < group; ++g) {
+        const int32_t h = kvh * group + g;
+        LoadQuery(p, b, h, q.data());
+        VAttentionRowAccess access;
+        access.dv = d;
+        access.load_v = [&](int32_t t, float* out) {
+          LoadRowAsFloat(p.v, KvRowOffset(p, b, kvh, t), d, p.dtype, out);
+        };
+        if (hash) {
+          const int32_t j = sigs->key_heads == p.num_q_heads ? h : kvh;
+          const uint32_t* qs = sigs->q + (static_cast<int64_t>(b) * p.num_q_heads + h) * words;
+          const uint32_t* ks = sigs->k + b * sigs->batch_stride + j * sigs->head_stride;
+          sim.resize(n);
+          for (int32_t t = 0; t < n; ++t) {
+            sim[t] = HammingSimilarity(qs, ks + t * sigs->token_stride, words);
+          }
+          VAttentionPlanFixed(sim.data(), n, *k, params, &res, &scratch);
+          access.logit = [&](int32_t t) {
+            return DotRow(q.data(), p.k, KvRowOffset(p, b, kvh, t), d, p.dtype) * p.scale;
+          };
+        } else {
+          logits.resize(n);
+          ComputeScores(p, b, h, q.data(), logits.data());
+          VAttentionPlanFixed(logits.data(), n, *k, params, &res, &scratch);
+          access.logit = [&](int32_t t) { return logits[t]; };
+          float rmax = -std::numeric_limits<float>::infinity();
+          size_t e = 0;
+          for (int32_t t = 0; t < n; ++t) {
+            if (e < res.fixed.size() && res.fixed[e] == t) {
+              ++e;
+            } else {
+              rmax = std::max(rmax, logits[t]);
+            }
+          }
+          if (std::isfinite(rmax)) access.residual_logit_max = rmax;
+        }
+        VAttentionSampleHead(n, params, access, seed, b, h, &res);
+        res.ToHeadRows(&rows[g]);
+        if (stats != nullptr) stats->heads[static_cast<size_t>(b) * p.num_q_heads + h] = res;
+      }
+      MergeGroup(rows, &sel->at(b, kvh));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status VAttentionDecodeCpu(const DecodeProblem& p, const VAttentionParams& params,
+                                 uint64_t seed, const SignatureView* sigs, RowSelection* sel,
+                                 VAttentionStats* stats) {
+  RowSelection local;
+  RowSelection* s = sel != nullptr ? sel : &local;
+  if (absl::Status st = VAttentionSelectCpu(p, params, seed, sigs, s, stats); !st.ok()) return st;
+  return EstimateInPlace(p, *s);
+}
+
+}  // namespace kvsparse::kernels

@@ -1,0 +1,202 @@
+// vAttention: verified sparse attention (Section 4, Algorithm 1, Lemmas 4.1-4.2, Theorem 4.3,
+// Appendix D of the vAttention paper). Per query head: deterministic sink, window and predicted
+// top-k rows, plus a uniform random sample of the remaining rows whose size b is chosen from a
+// base sample so that the numerator N, the denominator D or the output N/D is within relative
+// error epsilon with probability >= 1 - delta.
+//
+// Algorithm, per query head h of a sequence with n tokens (logits s_t = scale q_h . K_t,
+// x_t = e^{s_t - c} for a shift c, y_t = x_t V_t):
+//  1. Fixed set I_f = sink [0, min(sink, n)) u window [max(0, n - local), n) u top-k, where the
+//     top-k are the k best of the rest by the predictor (hash: bits - 2 Hamming of signatures;
+//     exact: s_t), k = top_k or top_k_fraction * n rounded to nearest (k > n: INVALID_ARGUMENT),
+//     ties to the lower index (hash_topk.h ResolveTopK, SelectSinkLocalTopK). Sink and window
+//     are absolute token counts (the paper's experiments use 128 each), not fractions of n.
+//  2. Residual R = [0, n) \ I_f, n_s = |R|.
+//  3. Base sample B: n_b = min(n_s, max(2, round(base_rate * n_s))) residual tokens, uniform
+//     WITHOUT replacement: the n_b residual tokens with the smallest priority key Draw64(t) of
+//     RngTag::kVattBase (head h), ties to the lower index.
+//  4. Statistics (float64) from I_f and B (their K and V rows are read):
+//       D_f = sum_{I_f} x,  N_f = sum_{I_f} y,  D^ = D_f + n_s mean_B(x),  N^ = N_f + n_s
+//       mean_B(y), sigma^2 = sample variance_B(x) (divisor n_b - 1),  Tr(Sigma) = sum over the d
+//       coordinates of sample variance_B(y),  x_max = max x over R (exact when every logit is
+//       known, i.e. the exact predictor, else max over B),  y_max = x_max * max_B |V_t|.
+//     The shift c = max logit over I_f u B cancels in every ratio below.
+//  5. Budget for (eps, delta) and target T (D^ or |N^|), b(eps, delta) = (n_s a(delta) c / (eps
+//  T))^2:
+//       CLT (Lemma 4.1, Corollaries D.2, D.3): a = Phi^{-1}(1 - delta/2); c = sigma (denominator)
+//         or sqrt(Tr Sigma) (numerator). A normal approximation, not a guarantee.
+//       Hoeffding, denominator: x in [0, x_max], a = sqrt(ln(2/delta) / 2), c = x_max.
+//         (Hoeffding 1963: also valid for sampling without replacement.)
+//       Hoeffding, numerator: the Hilbert-space bound P(|mean - mu| >= t) <= 2 exp(-b t^2 /
+//         (2 R^2)) with |y - mu| <= R = 2 y_max (Pinelis 1994): a = sqrt(2 ln(2/delta)), c = R.
+//     Target kOutput (Theorem 4.3): b = min over eps' in (0, eps), delta' in (0, delta) of
+//       max(b_D(eps'/2, delta'), b_N((eps - eps')/2, delta - delta')). For a fixed delta' the
+//       minimum over eps' is where the two are equal (one decreasing, one increasing in eps'):
+//       b = (2 n_s / eps)^2 (a_D(delta') c_D / D^ + a_N(delta - delta') c_N / |N^|)^2, so we
+//       minimise exactly over eps' and over a grid delta' = delta j / 1024, j = 1..1023.
+//       (Lemma 4.2 needs the denominator's eps'/2 < 0.5: always true for eps < 1.)
+//     b = clamp(ceil(b_raw), n_b, n_s): the base size is a lower cap, as the paper's experiments
+//     do (Appendix F); with D^ or |N^| zero, b = n_s. No finite-population correction (the
+//     bounds are for sampling with replacement; sampling without is never worse).
+//  6. Final sample I_dyn: b residual tokens, uniform WITHOUT replacement, the b smallest priority
+//     keys Draw64(t) of RngTag::kVattDynamic: a fresh sample independent of B (Algorithm 1 line 7
+//     draws it after the budget; B is NOT reused inside it). Hence, given b,
+//     E[(n_s/b) sum_{I_dyn} x] = sum_R x and likewise for y: N^ and D^ of Eqs. 6-7 are unbiased
+//     conditionally on b (their ratio, the output, is not exactly). Base rows are still fetched
+//     (for step 4); a row in both samples is fetched once.
+//  7. Estimate (Eq. 3 / Eqs. 6-7): out = (N_f + (n_s/b) N_dyn) / (D_f + (n_s/b) D_dyn), i.e. a
+//     kSoftmax RowSelection with weight 1 on I_f, n_s / b on I_dyn, 0 on base-only rows.
+// b = n_s selects every row: the output is dense attention.
+//
+// Stages: selection needs the predictor's input (signatures, or all K for the exact
+// predictor) and then the K and V rows of I_f u B (for the budget) before it can draw I_dyn;
+// the estimate needs K and V of I_f u I_dyn. So a worker fetches twice: I_f u B, then the rows
+// of I_dyn not already fetched. For one head: VAttentionPlanFixed (step 1, predictor input
+// only), VAttentionSampleBase (step 3, no data), then VAttentionBudgetAndSample (steps 4-6, reads
+// the rows of I_f u B through callbacks); VAttentionSelectCpu runs them all on a DecodeProblem,
+// reading rows in place.
+#ifndef KVSPARSE_KERNELS_VATTENTION_H_
+#define KVSPARSE_KERNELS_VATTENTION_H_
+
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/decode_problem.h"
+#include "kernels/hash_topk.h"
+#include "kernels/philox.h"
+#include "kernels/row_selection.h"
+
+namespace kvsparse::kernels {
+
+// Numbering follows proto TopKPredictor / BudgetBound / VerifyTarget.
+enum class TopKPredictor : uint8_t { kHash = 1, kExact = 2 };
+enum class BudgetBound : uint8_t { kClt = 1, kHoeffding = 2 };
+enum class VerifyTarget : uint8_t { kDenominator = 1, kNumerator = 2, kOutput = 3 };
+
+struct VAttentionParams {
+  float epsilon = 0.05f;  // relative error target, in (0, 1)
+  float delta = 0.05f;    // failure probability, in (0, 1)
+  int32_t sink_tokens = 128;
+  int32_t local_tokens = 128;
+  int32_t top_k = 0;             // rows per head beyond sink and window
+  float top_k_fraction = 0.05f;  // used when top_k == 0, in [0, 1]
+  TopKPredictor predictor = TopKPredictor::kHash;
+  float base_rate = 0.05f;  // f_b, in (0, 1)
+  BudgetBound bound = BudgetBound::kClt;
+  VerifyTarget target = VerifyTarget::kOutput;
+  int32_t bits = 32;  // hash predictor signature bits
+  // Testing only: compute the step-4 statistics exactly over the whole residual (reads every
+  // row) instead of from a base sample; no base sample is drawn and b >= 1.
+  bool exact_statistics = false;
+};
+
+// INVALID_ARGUMENT naming the field: epsilon or delta outside (0, 1), base_rate outside (0, 1),
+// negative sink / local / top_k, top_k_fraction outside [0, 1], unknown enums, bad bits.
+[[nodiscard]] absl::Status ValidateVAttentionParams(const VAttentionParams& params);
+
+// Phi^{-1}(p) for p in (0, 1), accurate to ~1e-15 (Acklam's rational approximation plus one
+// Halley step on erfc).
+double NormalQuantile(double p);
+
+// Step-4 statistics of one head.
+struct VAttentionStatistics {
+  int64_t n_s = 0;         // residual size
+  double d_hat = 0;        // D^ (shifted by the same c as everything else)
+  double n_hat_norm = 0;   // |N^|
+  double sigma = 0;        // std of x over the residual (estimated)
+  double trace_sigma = 0;  // Tr(Sigma) of y over the residual (estimated)
+  double x_max = 0;        // Hoeffding range of x
+  double y_max = 0;        // bound on |y|
+};
+
+// The budget of step 5 before clamping (may be +inf), and the split chosen for kOutput.
+struct VAttentionBudget {
+  double raw = 0;
+  double eps_split = 0;    // eps' (kOutput)
+  double delta_split = 0;  // delta' (kOutput)
+};
+VAttentionBudget ComputeVAttentionBudget(const VAttentionStatistics& st,
+                                         const VAttentionParams& params);
+
+// Everything about one head's selection.
+struct VAttentionHeadResult {
+  std::vector<int32_t> fixed;  // I_f, ascending
+  std::vector<int32_t> base;   // B, ascending
+  std::vector<int32_t> dyn;    // I_dyn, ascending
+  int32_t top_k_chosen = 0;
+  VAttentionStatistics stats;
+  VAttentionBudget budget;
+  int64_t b = 0;  // the final sample size (the reported per-head budget)
+  // Rows for the RowSelection: I_f (count 1, weight 1), I_dyn (count 1, weight n_s / b), base
+  // rows not in I_dyn (count 0, weight 0).
+  void ToHeadRows(HeadRows* out) const;
+
+  // Workspace reused across calls (priority keys); no meaning to callers.
+  std::vector<std::pair<uint64_t, int32_t>> scratch;
+};
+
+// Step 1. scores: [n] predictor scores (T = int32_t for hash similarities, float for logits).
+template <typename T>
+void VAttentionPlanFixed(const T* scores, int32_t n, int32_t k, const VAttentionParams& params,
+                         VAttentionHeadResult* r, std::vector<int32_t>* scratch);
+
+// Uniform sample without replacement of `count` tokens of [0, n) \ excluded (ascending
+// `excluded`): the `count` smallest Draw64 keys of `stream`, ties to the lower index; out
+// ascending. Used for steps 3 and 6.
+void SampleWithoutReplacement(const PhiloxStream& stream, int32_t n,
+                              const std::vector<int32_t>& excluded, int64_t count,
+                              std::vector<int32_t>* out,
+                              std::vector<std::pair<uint64_t, int32_t>>* scratch);
+
+// Row access for the budget step: logit(t) and the V row of token t (dv floats).
+struct VAttentionRowAccess {
+  std::function<float(int32_t)> logit;
+  std::function<void(int32_t, float*)> load_v;
+  int32_t dv = 0;
+  // Optional: the max logit over the residual when every logit is known (exact predictor);
+  // NaN when unknown.
+  float residual_logit_max = std::numeric_limits<float>::quiet_NaN();
+};
+
+// Step 3 after VAttentionPlanFixed: fills r->base (left empty with exact_statistics).
+// `sequence` and `head` (the query head) select the Philox streams.
+void VAttentionSampleBase(int32_t n, const VAttentionParams& params, uint64_t seed,
+                          int32_t sequence, int32_t head, VAttentionHeadResult* r);
+
+// Steps 4-6 after VAttentionSampleBase: statistics from the rows of r->fixed and r->base (every
+// residual row with exact_statistics), the budget r->b, and the final sample r->dyn.
+void VAttentionBudgetAndSample(int32_t n, const VAttentionParams& params,
+                               const VAttentionRowAccess& rows, uint64_t seed, int32_t sequence,
+                               int32_t head, VAttentionHeadResult* r);
+
+// VAttentionSampleBase then VAttentionBudgetAndSample.
+void VAttentionSampleHead(int32_t n, const VAttentionParams& params,
+                          const VAttentionRowAccess& rows, uint64_t seed, int32_t sequence,
+                          int32_t head, VAttentionHeadResult* r);
+
+struct VAttentionStats {
+  std::vector<VAttentionHeadResult> heads;  // [B * H], index b * H + h (rows and budgets)
+};
+
+// Selection on a DecodeProblem: reads q, the K rows the predictor needs (all for kExact) and
+// the K and V rows of I_f u B. sigs is required for kHash (its bits must equal params.bits).
+// Fills `sel` (kind kSoftmax, budgets[g] = b of query head g); `stats` may be null.
+[[nodiscard]] absl::Status VAttentionSelectCpu(const DecodeProblem& p,
+                                               const VAttentionParams& params, uint64_t seed,
+                                               const SignatureView* sigs, RowSelection* sel,
+                                               VAttentionStats* stats = nullptr);
+
+// Selection then EstimateInPlace (writes p.out).
+[[nodiscard]] absl::Status VAttentionDecodeCpu(const DecodeProblem& p,
+                                               const VAttentionParams& params, uint64_t seed,
+                                               const SignatureView* sigs,
+                                               RowSelection* sel = nullptr,
+                                               VAttentionStats* stats = nullptr);
+
+}  // namespace kvsparse::kernels
+
+#endif  // KVSPARSE_KERNELS_VATTENTION_H_

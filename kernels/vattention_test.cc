@@ -1,0 +1,431 @@
+#include "kernels/vattention.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/dense.h"
+#include "kernels/synthetic.h"
+
+namespace kvsparse::kernels {
+namespace {
+
+TEST(VAttentionTest, NormalQuantile) {
+  EXPECT_NEAR(NormalQuantile(0.975), 1.959963984540054, 1e-12);
+  EXPECT_NEAR(NormalQuantile(0.5), 0.0, 1e-15);
+  EXPECT_NEAR(NormalQuantile(0.05), -1.6448536269514729, 1e-12);
+  EXPECT_NEAR(NormalQuantile(1e-10), -6.361340902404056, 1e-9);
+  EXPECT_NEAR(NormalQuantile(1 - 1e-6), 4.753424308822899, 1e-9);
+}
+
+// The closed forms of step 5, and the output target's split against a brute-force 2-D grid.
+TEST(VAttentionTest, BudgetFormulas) {
+  VAttentionStatistics st;
+  st.n_s = 10000;
+  st.d_hat = 5000;
+  st.n_hat_norm = 3000;
+  st.sigma = 0.8;
+  st.trace_sigma = 40;
+  st.x_max = 6;
+  st.y_max = 50;
+  VAttentionParams p;
+  p.epsilon = 0.1f;
+  p.delta = 0.05f;
+  const double eps = p.epsilon, dl = p.delta;
+  const double z = NormalQuantile(1 - dl / 2);
+  p.target = VerifyTarget::kDenominator;
+  EXPECT_NEAR(ComputeVAttentionBudget(st, p).raw, std::pow(z * 1e4 * 0.8 / (eps * 5000), 2), 1e-6);
+  p.target = VerifyTarget::kNumerator;
+  EXPECT_NEAR(ComputeVAttentionBudget(st, p).raw,
+              std::pow(z * 1e4 * std::sqrt(40.0) / (eps * 3000), 2), 1e-6);
+  p.bound = BudgetBound::kHoeffding;
+  p.target = VerifyTarget::kDenominator;
+  EXPECT_NEAR(ComputeVAttentionBudget(st, p).raw,
+              36.0 * 1e8 * std::log(2 / dl) / (2 * eps * eps * 5000.0 * 5000.0), 1e-6);
+  p.target = VerifyTarget::kNumerator;
+  EXPECT_NEAR(ComputeVAttentionBudget(st, p).raw,
+              2 * 100.0 * 100.0 * 1e8 * std::log(2 / dl) / (eps * eps * 3000.0 * 3000.0), 1e-4);
+  for (BudgetBound bound : {BudgetBound::kClt, BudgetBound::kHoeffding}) {
+    p.bound = bound;
+    p.target = VerifyTarget::kOutput;
+    const VAttentionBudget got = ComputeVAttentionBudget(st, p);
+    VAttentionParams q = p;
+    double brute = std::numeric_limits<double>::infinity();
+    for (int i = 1; i < 400; ++i) {
+      for (int j = 1; j < 400; ++j) {
+        const double e1 = eps * i / 400, d1 = dl * j / 400;
+        q.epsilon = static_cast<float>(e1 / 2);
+        q.delta = static_cast<float>(d1);
+        q.target = VerifyTarget::kDenominator;
+        const double bd = ComputeVAttentionBudget(st, q).raw;
+        q.epsilon = static_cast<float>((eps - e1) / 2);
+        q.delta = static_cast<float>(dl - d1);
+        q.target = VerifyTarget::kNumerator;
+        const double bn = ComputeVAttentionBudget(st, q).raw;
+        brute = std::min(brute, std::max(bd, bn));
+      }
+    }
+    EXPECT_LE(got.raw, brute * 1.001);
+    EXPECT_GE(got.raw, brute * 0.97);
+    EXPECT_GT(got.eps_split, 0);
+    EXPECT_LT(got.eps_split, eps);
+    std::printf(
+        "[vattention budget] %s output target: b=%.1f (grid 400x400: %.1f) eps'=%.4f "
+        "delta'=%.4f\n",
+        bound == BudgetBound::kClt ? "CLT" : "Hoeffding", got.raw, brute, got.eps_split,
+        got.delta_split);
+  }
+}
+
+SyntheticProblem Problem(DType dtype, ScoreFamily family, std::vector<int32_t> lens) {
+  SyntheticOptions o;
+  o.family = family;
+  o.batch = static_cast<int32_t>(lens.size());
+  o.num_q_heads = 4;
+  o.num_kv_heads = 2;
+  o.head_dim = 32;
+  o.seq_lens = std::move(lens);
+  o.dtype = dtype;
+  return SyntheticProblem::Make(o);
+}
+
+// A budget covering every row (epsilon tiny) selects all rows: dense attention.
+TEST(VAttentionTest, BudgetCoveringEveryRowEqualsDense) {
+  SyntheticProblem sp = Problem(DType::kFp32, ScoreFamily::kZipf, {900, 40, 0});
+  std::vector<double> dense;
+  ASSERT_TRUE(DenseDecodeFloat64(sp.problem, &dense).ok());
+  Signatures sigs;
+  ASSERT_TRUE(ComputeSimHashSignatures(sp.problem, SimHashConfig{2, 0, 32, {}}, &sigs).ok());
+  for (TopKPredictor pred : {TopKPredictor::kExact, TopKPredictor::kHash}) {
+    VAttentionParams params;
+    params.epsilon = 1e-4f;
+    params.sink_tokens = 4;
+    params.local_tokens = 16;
+    params.top_k_fraction = 0.05f;
+    params.predictor = pred;
+    RowSelection sel;
+    VAttentionStats stats;
+    ASSERT_TRUE(VAttentionDecodeCpu(sp.problem, params, 1, &sigs.view, &sel, &stats).ok());
+    EXPECT_EQ(sel.at(0, 0).num_rows(), 900);
+    for (int h = 0; h < 4; ++h) EXPECT_EQ(stats.heads[h].b, stats.heads[h].stats.n_s);
+    EXPECT_LT(RelativeL2(dense, OutputAsDouble(sp.problem)), 2e-6);
+  }
+}
+
+// ---- statistical tests on precomputed scores
+// -----------------------------------------------------
+
+struct Case {
+  int32_t n;
+  ScoreFamily family;
+};
+
+std::string CaseName(const testing::TestParamInfo<Case>& info) {
+  return absl::StrCat("n", info.param.n, "_", ScoreFamilyName(info.param.family));
+}
+
+class VAttentionStatisticsTest : public testing::TestWithParam<Case> {};
+
+// The sampled part is unbiased: over 2000 seeds, the mean of (n_s/b) sum_{I_dyn} x_t (the
+// dynamic denominator) and of 3 fixed projections of (n_s/b) sum_{I_dyn} x_t V_t (the dynamic
+// numerator) is within 4 SE of the residual sums, with the full adaptive pipeline (base sample,
+// CLT output-target budget, fresh final sample). 4 statistics x 6 cases = 24 two-sided checks
+// at 4 SE: family-wise false alarm < 0.2% (Bonferroni).
+TEST_P(VAttentionStatisticsTest, SampledPartUnbiased) {
+  const Case c = GetParam();
+  const int kSeeds = 2000, dv = 3;
+  const std::vector<float> s = MakeScores(c.family, c.n, 500 + c.n);
+  std::mt19937_64 rng(9);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> v(static_cast<size_t>(c.n) * dv);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = (i % dv == 0 ? 0.5f : -0.2f) + normal(rng);
+  VAttentionParams params;
+  params.sink_tokens = 16;
+  params.local_tokens = 64;
+  params.top_k_fraction = 0.02f;
+  params.base_rate = 0.02f;
+  params.epsilon = 0.3f;  // loose, so that b < n_s: the test is about bias, not accuracy
+  params.delta = 0.2f;
+  params.predictor = TopKPredictor::kExact;
+  VAttentionRowAccess access;
+  access.dv = dv;
+  access.logit = [&](int32_t t) { return s[t]; };
+  access.load_v = [&](int32_t t, float* out) {
+    for (int a = 0; a < dv; ++a) out[a] = v[static_cast<size_t>(t) * dv + a];
+  };
+  VAttentionHeadResult plan;
+  std::vector<int32_t> scratch;
+  absl::StatusOr<int32_t> k = ResolveTopK(0, params.top_k_fraction, c.n);
+  ASSERT_TRUE(k.ok());
+  VAttentionPlanFixed(s.data(), c.n, *k, params, &plan, &scratch);
+  const double smax = *std::max_element(s.begin(), s.end());
+  std::vector<bool> fixed(c.n, false);
+  for (int32_t t : plan.fixed) fixed[t] = true;
+  double target[1 + dv] = {0, 0, 0, 0};
+  float rmax = -1e30f;
+  std::vector<double> xs(c.n);
+  for (int32_t t = 0; t < c.n; ++t) xs[t] = std::exp(s[t] - smax);
+  for (int32_t t = 0; t < c.n; ++t) {
+    if (fixed[t]) continue;
+    rmax = std::max(rmax, s[t]);
+    const double x = xs[t];
+    target[0] += x;
+    for (int a = 0; a < dv; ++a) target[1 + a] += x * v[static_cast<size_t>(t) * dv + a];
+  }
+  access.residual_logit_max = rmax;
+  std::vector<double> est[1 + dv];
+  for (auto& e : est) e.resize(kSeeds);
+  double mean_b = 0;
+  VAttentionHeadResult r;
+  for (int seed = 0; seed < kSeeds; ++seed) {
+    r.fixed = plan.fixed;
+    VAttentionSampleHead(c.n, params, access, seed, 0, 5, &r);
+    const double w = static_cast<double>(r.stats.n_s) / r.b;
+    double e[1 + dv] = {0, 0, 0, 0};
+    for (int32_t t : r.dyn) {
+      const double x = xs[t];
+      e[0] += w * x;
+      for (int a = 0; a < dv; ++a) e[1 + a] += w * x * v[static_cast<size_t>(t) * dv + a];
+    }
+    for (int a = 0; a <= dv; ++a) est[a][seed] = e[a];
+    mean_b += static_cast<double>(r.b) / kSeeds;
+  }
+  double zmax = 0;
+  for (int a = 0; a <= dv; ++a) {
+    double m = 0, ss = 0;
+    for (double x : est[a]) m += x / kSeeds;
+    for (double x : est[a]) ss += (x - m) * (x - m);
+    const double se = std::sqrt(ss / (kSeeds - 1) / kSeeds);
+    EXPECT_LT(std::fabs(m - target[a]), 4 * se + 1e-9 * std::fabs(target[a]))
+        << (a == 0 ? "denominator" : "numerator projection") << " " << a;
+    if (se > 1e-9 * std::fabs(target[a])) zmax = std::max(zmax, std::fabs(m - target[a]) / se);
+  }
+  std::printf("[vattention unbiased] n=%d %-12s n_f=%zu n_s=%lld mean b=%.1f  max|z|=%.2f\n", c.n,
+              ScoreFamilyName(c.family), plan.fixed.size(),
+              static_cast<long long>(c.n - plan.fixed.size()), mean_b, zmax);
+}
+
+// Violation rates: fraction of trials with relative error > epsilon, 400 trials per setting,
+// n = 8192, d = 64, epsilon = 0.1 (denominator) / 0.2 (output), delta = 0.1. With the
+// Hoeffding bound and exact statistics (the setting the theory covers: Hoeffding for sampling
+// without replacement, Theorem 4.3's union bound) the rate must be <= delta + 3 sqrt(delta (1 -
+// delta) / 400) = 0.145 (a binomial 3-sigma tolerance). Base-sample statistics and the CLT bound
+// (an asymptotic approximation) are printed, not asserted.
+TEST_P(VAttentionStatisticsTest, ViolationRates) {
+  const Case c = GetParam();
+  if (c.n != 8192) GTEST_SKIP() << "violation rates run at n = 8192 only";
+  const int kTrials = 400, dv = 64;
+  const std::vector<float> s = MakeScores(c.family, c.n, 900 + static_cast<int>(c.family));
+  std::mt19937_64 rng(10);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> mean(dv), v(static_cast<size_t>(c.n) * dv);
+  for (float& m : mean) m = 0.5f * normal(rng);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = mean[i % dv] + normal(rng);
+  const double smax = *std::max_element(s.begin(), s.end());
+  std::vector<double> x(c.n), dense(dv, 0.0);
+  double dsum = 0;
+  for (int32_t t = 0; t < c.n; ++t) {
+    x[t] = std::exp(s[t] - smax);
+    dsum += x[t];
+    for (int a = 0; a < dv; ++a) dense[a] += x[t] * v[static_cast<size_t>(t) * dv + a];
+  }
+  double dnorm = 0;
+  for (double& o : dense) {
+    o /= dsum;
+    dnorm += o * o;
+  }
+  dnorm = std::sqrt(dnorm);
+  const double tol = 0.1 + 3 * std::sqrt(0.1 * 0.9 / kTrials);
+  for (VerifyTarget target : {VerifyTarget::kDenominator, VerifyTarget::kOutput}) {
+    for (BudgetBound bound : {BudgetBound::kHoeffding, BudgetBound::kClt}) {
+      for (bool exact_stats : {true, false}) {
+        VAttentionParams params;
+        params.sink_tokens = 16;
+        params.local_tokens = 64;
+        params.top_k_fraction = 0.01f;
+        params.base_rate = 0.02f;
+        params.epsilon = target == VerifyTarget::kDenominator ? 0.1f : 0.2f;
+        params.delta = 0.1f;
+        params.predictor = TopKPredictor::kExact;
+        params.bound = bound;
+        params.target = target;
+        params.exact_statistics = exact_stats;
+        VAttentionRowAccess access;
+        access.dv = dv;
+        access.logit = [&](int32_t t) { return s[t]; };
+        access.load_v = [&](int32_t t, float* out) {
+          std::copy_n(&v[static_cast<size_t>(t) * dv], dv, out);
+        };
+        VAttentionHeadResult plan, r;
+        std::vector<int32_t> scratch;
+        VAttentionPlanFixed(s.data(), c.n, static_cast<int32_t>(0.01 * c.n), params, &plan,
+                            &scratch);
+        float rmax = -1e30f;
+        size_t e = 0;
+        for (int32_t t = 0; t < c.n; ++t) {
+          if (e < plan.fixed.size() && plan.fixed[e] == t) {
+            ++e;
+          } else {
+            rmax = std::max(rmax, s[t]);
+          }
+        }
+        access.residual_logit_max = rmax;
+        int violations = 0;
+        double mean_b = 0;
+        for (int trial = 0; trial < kTrials; ++trial) {
+          r.fixed = plan.fixed;
+          VAttentionSampleHead(c.n, params, access, 100 + trial, 0, 0, &r);
+          mean_b += static_cast<double>(r.b) / kTrials;
+          const double w = static_cast<double>(r.stats.n_s) / r.b;
+          double dh = 0;
+          std::vector<double> nh(dv, 0.0);
+          auto add = [&](int32_t t, double wt) {
+            dh += wt * x[t];
+            for (int a = 0; a < dv; ++a) nh[a] += wt * x[t] * v[static_cast<size_t>(t) * dv + a];
+          };
+          for (int32_t t : r.fixed) add(t, 1.0);
+          for (int32_t t : r.dyn) add(t, w);
+          double err;
+          if (target == VerifyTarget::kDenominator) {
+            err = std::fabs(dh - dsum) / dsum;
+          } else {
+            double e2 = 0;
+            for (int a = 0; a < dv; ++a) e2 += (nh[a] / dh - dense[a]) * (nh[a] / dh - dense[a]);
+            err = std::sqrt(e2) / dnorm;
+          }
+          violations += err > params.epsilon;
+        }
+        const double rate = static_cast<double>(violations) / kTrials;
+        const char* tname = target == VerifyTarget::kDenominator ? "denominator" : "output";
+        const char* bname = bound == BudgetBound::kClt ? "CLT" : "Hoeffding";
+        std::printf(
+            "[vattention violations] %-12s %-11s %-9s %-10s stats: eps=%.2f delta=0.10 "
+            "rate=%.4f  mean b=%.0f of n_s=%lld\n",
+            ScoreFamilyName(c.family), tname, bname, exact_stats ? "exact" : "base-sample",
+            params.epsilon, rate, mean_b, static_cast<long long>(r.stats.n_s));
+        RecordProperty(
+            absl::StrCat("violation_", tname, "_", bname, exact_stats ? "_exact" : "_base"),
+            absl::StrCat(rate));
+        if (bound == BudgetBound::kHoeffding && exact_stats) {
+          EXPECT_LE(rate, tol) << tname << " Hoeffding";
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Families, VAttentionStatisticsTest,
+    testing::Values(Case{1024, ScoreFamily::kNearUniform}, Case{1024, ScoreFamily::kPeaked},
+                    Case{1024, ScoreFamily::kZipf}, Case{8192, ScoreFamily::kNearUniform},
+                    Case{8192, ScoreFamily::kPeaked}, Case{8192, ScoreFamily::kZipf},
+                    Case{32768, ScoreFamily::kNearUniform}, Case{32768, ScoreFamily::kPeaked},
+                    Case{32768, ScoreFamily::kZipf}),
+    CaseName);
+
+// ---- end to end ---------------------------------------------------------------------------------
+
+// Selection shape: budgets are the b of each head; base-only rows are listed with count 0;
+// rows selected = sum over heads of |I_f| + b; same seed, same rows.
+TEST(VAttentionTest, SelectionShapeAndDeterminism) {
+  SyntheticProblem sp = Problem(DType::kBf16, ScoreFamily::kPeaked, {3000});
+  Signatures sigs;
+  ASSERT_TRUE(ComputeSimHashSignatures(sp.problem, SimHashConfig{4, 0, 64, {}}, &sigs).ok());
+  std::vector<double> dense;
+  ASSERT_TRUE(DenseDecodeFloat64(sp.problem, &dense).ok());
+  for (TopKPredictor pred : {TopKPredictor::kHash, TopKPredictor::kExact}) {
+    VAttentionParams params;
+    params.sink_tokens = 8;
+    params.local_tokens = 32;
+    params.top_k_fraction = 0.02f;
+    params.bits = 64;
+    params.predictor = pred;
+    RowSelection sel, again;
+    VAttentionStats stats;
+    ASSERT_TRUE(VAttentionDecodeCpu(sp.problem, params, 17, &sigs.view, &sel, &stats).ok());
+    ASSERT_TRUE(VAttentionSelectCpu(sp.problem, params, 17, &sigs.view, &again).ok());
+    const double err = RelativeL2(dense, OutputAsDouble(sp.problem));
+    for (int32_t kvh = 0; kvh < 2; ++kvh) {
+      const KvHeadSelection& h = sel.at(0, kvh);
+      EXPECT_EQ(h.tokens, again.at(0, kvh).tokens);
+      EXPECT_EQ(h.weights, again.at(0, kvh).weights);
+      int64_t expect_selected = 0;
+      std::vector<int32_t> used, base;
+      for (int g = 0; g < 2; ++g) {
+        const VAttentionHeadResult& r = stats.heads[kvh * 2 + g];
+        EXPECT_EQ(h.budgets[g], r.b);
+        EXPECT_EQ(r.fixed.size(), 8u + 32u + 60u);  // 0.02f * 3000 rounds to 60
+        EXPECT_EQ(r.base.size(),
+                  static_cast<size_t>(std::max<int64_t>(2, std::llround(0.05 * r.stats.n_s))));
+        EXPECT_GE(r.b, static_cast<int64_t>(r.base.size()));
+        expect_selected += static_cast<int64_t>(r.fixed.size()) + r.b;
+        used.insert(used.end(), r.fixed.begin(), r.fixed.end());
+        used.insert(used.end(), r.dyn.begin(), r.dyn.end());
+        base.insert(base.end(), r.base.begin(), r.base.end());
+        std::printf(
+            "[vattention e2e] %s predictor head %d: |I_f|=%zu n_b=%zu b=%lld (raw %.1f) "
+            "of n_s=%lld\n",
+            pred == TopKPredictor::kHash ? "hash" : "exact", kvh * 2 + g, r.fixed.size(),
+            r.base.size(), static_cast<long long>(r.b), r.budget.raw,
+            static_cast<long long>(r.stats.n_s));
+      }
+      EXPECT_EQ(h.rows_selected(), expect_selected);
+      // Rows read only for the budget: base rows no head of the group uses in its estimate.
+      std::sort(used.begin(), used.end());
+      std::sort(base.begin(), base.end());
+      base.erase(std::unique(base.begin(), base.end()), base.end());
+      int base_only = 0;
+      for (int32_t t : base) base_only += std::binary_search(used.begin(), used.end(), t) ? 0 : 1;
+      int zero_rows = 0;
+      for (int32_t cnt : h.counts) zero_rows += cnt == 0 ? 1 : 0;
+      EXPECT_EQ(zero_rows, base_only);
+    }
+    std::printf(
+        "[vattention e2e] %s predictor: rel L2 vs dense %.4f, rows fetched kv0 %d of 3000\n",
+        pred == TopKPredictor::kHash ? "hash" : "exact", err, sel.at(0, 0).num_rows());
+    EXPECT_LT(err, 0.2);
+  }
+}
+
+TEST(VAttentionTest, RejectsBadParameters) {
+  SyntheticProblem sp = Problem(DType::kBf16, ScoreFamily::kPeaked, {100});
+  Signatures sigs;
+  ASSERT_TRUE(ComputeSimHashSignatures(sp.problem, SimHashConfig{4, 0, 32, {}}, &sigs).ok());
+  auto expect_invalid = [&](VAttentionParams params, const char* field, const SignatureView* view) {
+    const absl::Status s = VAttentionDecodeCpu(sp.problem, params, 1, view);
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << field;
+    EXPECT_NE(std::string(s.message()).find(field), std::string::npos) << s.message();
+  };
+  for (float e : {0.f, 1.f, -0.5f, 2.f}) {
+    VAttentionParams p;
+    p.epsilon = e;
+    expect_invalid(p, "epsilon", &sigs.view);
+    p = VAttentionParams{};
+    p.delta = e;
+    expect_invalid(p, "delta", &sigs.view);
+  }
+  VAttentionParams p;
+  p.base_rate = 0.f;
+  expect_invalid(p, "base_rate", &sigs.view);
+  p = VAttentionParams{};
+  p.top_k = 101;
+  expect_invalid(p, "top_k", &sigs.view);
+  p = VAttentionParams{};
+  p.bits = 48;
+  expect_invalid(p, "bits", &sigs.view);
+  p = VAttentionParams{};
+  p.bits = 64;
+  expect_invalid(p, "bits", &sigs.view);
+  p = VAttentionParams{};
+  expect_invalid(p, "predictor", nullptr);
+  p.predictor = TopKPredictor::kExact;
+  EXPECT_TRUE(VAttentionDecodeCpu(sp.problem, p, 1, nullptr).ok());
+}
+
+}  // namespace
+}  // namespace kvsparse::kernels
