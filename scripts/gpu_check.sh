@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, compute-sanitizer (memcheck, racecheck), and the kernel benchmark.
+# Runs on the GPU machine from the repository root with prebuilt binaries in $CARRY
+# (default .carry/dev: bin/kernels_cuda_test, lib/*.so), writes logs to $OUT and prints a short
+# summary last. Optional hooks, when present in $CARRY (never committed):
+#   fi.tar.xz       a Python site tree (e.g. FlashInfer) unpacked to /tmp/site for the benchmark;
+#   santa/build.py  builds the S2ANTA reference kernels as torch extensions ($CARRY/santa_so
+#                   holds prebuilt ones from an earlier call).
+# Environment: STEPS (default "tests sanitize bench"), BENCH_ARGS (extra kernel_bench.py args).
+set -u
+CARRY=${CARRY:-.carry/dev}
+OUT=${OUT:-/tmp/out}
+STEPS=${STEPS:-"tests sanitize bench"}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH="$PWD/$CARRY/lib:${LD_LIBRARY_PATH:-}"
+export PYTHONUNBUFFERED=1
+summary=()
+note() { summary+=("$*"); echo "== $*"; }
+t0=$(date +%s)
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv \
+  | tee "$OUT/gpu.txt"
+
+# Background preparation for the benchmark (overlaps the tests).
+prep_pids=()
+if [[ " $STEPS " == *" bench "* ]]; then
+  if [ -f "$CARRY/fi.tar.xz" ]; then
+    (mkdir -p /tmp/site && tar -xJf "$CARRY/fi.tar.xz" -C /tmp/site) > "$OUT/prep_fi.log" 2>&1 &
+    prep_pids+=($!)
+  fi
+  SANTA_SO="$CARRY/santa_so"
+  if [ ! -f "$SANTA_SO/prop/santa_ref_prop.so" ] && [ -f "$CARRY/santa/build.py" ]; then
+    SANTA_SO=/tmp/santa_so
+    for w in prop flash; do
+      (python3 "$CARRY/santa/build.py" "$w" "$SANTA_SO/$w") > "$OUT/prep_santa_$w.log" 2>&1 &
+      prep_pids+=($!)
+    done
+  fi
+fi
+
+if [[ " $STEPS " == *" tests "* ]]; then
+  timeout 300 "$CARRY/bin/kernels_cuda_test" --gtest_brief=1 > "$OUT/tests.log" 2>&1
+  rc=$?
+  note "gpu tests rc=$rc: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/tests.log" | tr '\n' ' ')"
+  grep -E "Failure|FAILED|error|rel err" "$OUT/tests.log" | head -20
+fi
+
+if [[ " $STEPS " == *" sanitize "* ]]; then
+  FILTER=${SAN_FILTER:-"DenseDecodeCudaTest.Sweep*:DenseDecodeCudaTest.Graph*:SantaCudaTest.Matches*:SantaCudaTest.Graph*:HashTopKCudaTest.*:GatherCudaTest.*"}
+  for tool in memcheck racecheck; do
+    timeout 240 compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 20 \
+      "$CARRY/bin/kernels_cuda_test" --gtest_brief=1 --gtest_filter="$FILTER" \
+      > "$OUT/sanitizer_$tool.log" 2>&1
+    rc=$?
+    note "compute-sanitizer $tool rc=$rc: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tr '\n' ' ')"
+  done
+fi
+
+if [[ " $STEPS " == *" bench "* ]]; then
+  for p in "${prep_pids[@]}"; do wait "$p"; done
+  tail -2 "$OUT"/prep_*.log 2>/dev/null
+  [ -d /tmp/site ] && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+  timeout 420 python3 tests/bench/kernel_bench.py --lib "$CARRY/lib/libkvsparse_cuda_capi.so" \
+    --santa-dir "$SANTA_SO" --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+  note "bench rc=${PIPESTATUS[0]}"
+  # Hand the freshly built reference extensions back for later calls.
+  if [ "$SANTA_SO" = /tmp/santa_so ]; then
+    for w in prop flash; do cp "$SANTA_SO/$w/santa_ref_$w.so" "$OUT/" 2>/dev/null; done
+  fi
+fi
+
+echo "==================== summary ($(( $(date +%s) - t0 )) s) ===================="
+for s in "${summary[@]}"; do echo "$s"; done
