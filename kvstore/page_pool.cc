@@ -12,22 +12,22 @@ PagePool::PagePool(MemoryResource* resource, PagePoolOptions options)
       capacity_pages_(options.page_bytes ? options.capacity_bytes / options.page_bytes : 0) {}
 
 PagePool::~PagePool() {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   for (const Slab& s : slabs_) resource_->Deallocate(s.base, s.bytes);
 }
 
 bool PagePool::Fits(size_t n) const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return in_use_ + n <= capacity_pages_;
 }
 
 size_t PagePool::pages_in_use() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return in_use_;
 }
 
 absl::Status PagePool::Allocate(size_t n, std::vector<uint8_t*>* out) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   if (in_use_ + n > capacity_pages_) {
     return absl::ResourceExhaustedError(
         absl::StrCat("store full: ", n, " more pages of ", options_.page_bytes, " bytes needed, ",
@@ -71,7 +71,7 @@ absl::Status PagePool::Allocate(size_t n, std::vector<uint8_t*>* out) {
 }
 
 void PagePool::Free(const std::vector<uint8_t*>& pages) {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   free_.insert(free_.end(), pages.rbegin(), pages.rend());
   in_use_ -= pages.size();
 }

@@ -4,11 +4,12 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
+#include <shared_mutex>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
-#include "absl/synchronization/mutex.h"
 #include "kvstore/memory_resource.h"
 
 namespace kvsparse::kvstore {
@@ -47,7 +48,7 @@ class PagePool {
   const PagePoolOptions options_;
   const size_t capacity_pages_;
 
-  mutable absl::Mutex mu_;
+  mutable std::mutex mu_;
   size_t in_use_ ABSL_GUARDED_BY(mu_) = 0;
   std::vector<uint8_t*> free_ ABSL_GUARDED_BY(mu_);
   struct Slab {

@@ -13,7 +13,9 @@
 // Thread safety. All methods are thread-safe. Lock order: Sequence::mu_ -> Store::mu_ ->
 // PagePool::mu_. Store::mu_ guards the sequence map and is never held while a sequence lock is
 // taken; a call pins the sequence it uses (an atomic count) under Store::mu_, and eviction skips
-// pinned sequences, so a reader sees either all of a sequence or NOT_FOUND.
+// pinned sequences, so a reader sees either all of a sequence or NOT_FOUND. The locks are
+// std::mutex / std::shared_mutex (pthreads), which ThreadSanitizer understands; Debian's
+// prebuilt Abseil is not instrumented, so absl::Mutex would make TSan runs report noise.
 #ifndef KVSPARSE_KVSTORE_STORE_H_
 #define KVSPARSE_KVSTORE_STORE_H_
 
@@ -21,7 +23,9 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <shared_mutex>
 #include <string>
 #include <vector>
 
@@ -31,7 +35,6 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kvstore/memory_resource.h"
@@ -190,7 +193,7 @@ class Store {
   std::unique_ptr<MemoryResource> owned_memory_;
   PagePool pool_;
 
-  mutable absl::Mutex mu_;
+  mutable std::mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
   uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;  // LRU clock
 

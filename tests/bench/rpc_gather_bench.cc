@@ -1,0 +1,202 @@
+// Gather RPC over loopback against a raw gRPC bytes echo of the same response size, measured
+// in the same run.
+//
+//   rpc_gather_bench [--pool=1G] [--rows=4096,131072] [--calls=60]
+//
+// One process runs the real kvsparse server (KvStore service) and a bare Echo service, each on
+// its own loopback port with the same message limits, and drives both with gRPC clients over
+// TCP. A Gather asks for `rows` V rows (256 B) at random tokens spread over 8 kv heads, rotating
+// through the layers; the matching Echo sends a payload the size of the gather's index list
+// and gets back rows x 256 bytes. Reported: median latency and payload throughput of each, and
+// Gather's throughput as a fraction of Echo's.
+#include <grpcpp/grpcpp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "client/kvstore_client.h"
+#include "echo.grpc.pb.h"
+#include "server/server.h"
+
+ABSL_FLAG(uint64_t, pool_mb, 1024, "MB of K+V held by the store");
+ABSL_FLAG(std::string, rows, "4096,131072", "Rows per Gather call");
+ABSL_FLAG(int, calls, 100, "Timed calls per configuration and RPC");
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr int kMaxMessage = 256 << 20;
+
+class EchoService final : public kvsparse::bench::Echo::Service {
+ public:
+  grpc::Status Echo(grpc::ServerContext*, const kvsparse::bench::EchoRequest* req,
+                    kvsparse::bench::EchoResponse* resp) override {
+    if (req->response_bytes() > kMaxMessage) {
+      return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "too large");
+    }
+    // The bytes exist already (as the store's rows do); the echo copies them into the reply.
+    if (buffer_.size() < req->response_bytes()) buffer_.assign(req->response_bytes(), 'x');
+    resp->mutable_payload()->assign(buffer_.data(), req->response_bytes());
+    return grpc::Status::OK;
+  }
+
+ private:
+  std::string buffer_;  // grown once by the warm-up calls (single client)
+};
+
+struct Stat {
+  double p50_us, p99_us;
+  double mb_per_s;       // payload / median latency (robust to stalls from other processes)
+  double mean_mb_per_s;  // payload / mean latency
+};
+
+template <typename Call>
+Stat Measure(int calls, size_t payload, Call&& call) {
+  std::vector<double> us;
+  const auto start = Clock::now();
+  for (int i = -3; i < calls; ++i) {
+    const auto t0 = Clock::now();
+    call(i + 3);
+    if (i >= 0) us.push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count());
+  }
+  double total = 0;
+  for (double u : us) total += u;
+  (void)start;
+  std::sort(us.begin(), us.end());
+  const double p50 = us[us.size() / 2];
+  return {p50, us[(us.size() * 99) / 100], payload / p50, payload * us.size() / total};
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  namespace kv = kvsparse::kvstore;
+  const kv::ModelShape shape{16, 32, 8, 128, kv::DType::kBf16};
+  const size_t row = shape.row_bytes();
+  const uint64_t token_bytes = 2ull * shape.num_layers * shape.num_kv_heads * row;
+  const uint64_t tokens =
+      std::max<uint64_t>(1024, (absl::GetFlag(FLAGS_pool_mb) << 20) / token_bytes);
+
+  kvsparse::server::ServerOptions so;
+  so.listen = "127.0.0.1:0";
+  so.metrics_listen = "";
+  so.max_message_bytes = kMaxMessage;
+  so.store.capacity_bytes = tokens * token_bytes + (256ull << 20);
+  auto server = kvsparse::server::Server::Start(so);
+  if (!server.ok()) {
+    std::fprintf(stderr, "%s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  EchoService echo_service;
+  grpc::ServerBuilder eb;
+  int echo_port = 0;
+  eb.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &echo_port);
+  eb.SetMaxReceiveMessageSize(kMaxMessage);
+  eb.SetMaxSendMessageSize(kMaxMessage);
+  eb.RegisterService(&echo_service);
+  std::unique_ptr<grpc::Server> echo_server = eb.BuildAndStart();
+  if (!echo_server) return 1;
+
+  // Fill the store in-process (setup, not measured).
+  kv::Store* store = (*server)->store();
+  if (!store->CreateSequence("bench", shape, {}).ok()) return 1;
+  std::fprintf(stderr, "filling %.2f GB...\n", tokens * token_bytes / 1e9);
+  {
+    const uint64_t chunk = 512;
+    std::vector<uint8_t> k(shape.num_layers * chunk * shape.num_kv_heads * row);
+    std::mt19937_64 rng(1);
+    for (auto& b : k) b = static_cast<uint8_t>(rng());
+    for (uint64_t t = 0; t < tokens; t += chunk) {
+      kv::AppendRequest r;
+      r.sequence_id = "bench";
+      r.num_layers = shape.num_layers;
+      r.num_tokens = std::min(chunk, tokens - t);
+      r.dtype = shape.dtype;
+      r.num_kv_heads = shape.num_kv_heads;
+      r.head_dim = shape.head_dim;
+      const size_t bytes = r.num_layers * r.num_tokens * shape.num_kv_heads * row;
+      r.k = absl::MakeConstSpan(k.data(), bytes);
+      r.v = r.k;
+      if (!store->Append(r).ok()) return 1;
+    }
+  }
+
+  kvsparse::client::ClientOptions co;
+  co.target = absl::StrCat("127.0.0.1:", (*server)->port());
+  co.max_message_bytes = kMaxMessage;
+  auto client = kvsparse::client::KvStoreClient::Connect(co);
+  if (!client.ok()) return 1;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(kMaxMessage);
+  args.SetMaxSendMessageSize(kMaxMessage);
+  auto echo = kvsparse::bench::Echo::NewStub(grpc::CreateCustomChannel(
+      absl::StrCat("127.0.0.1:", echo_port), grpc::InsecureChannelCredentials(), args));
+
+  std::printf("%-8s %-8s %11s %11s %8s %9s %11s %11s %8s %9s %7s %7s\n", "rows", "MB/resp",
+              "gather p50", "gather p99", "MB/s", "mean MB/s", "echo p50", "echo p99", "MB/s",
+              "mean MB/s", "ratio", "(mean)");
+  std::mt19937_64 rng(7);
+  const int calls = absl::GetFlag(FLAGS_calls);
+  for (absl::string_view rs : absl::StrSplit(absl::GetFlag(FLAGS_rows), ',')) {
+    uint64_t rows = 0;
+    if (!absl::SimpleAtoi(rs, &rows) || rows == 0) return 2;
+    const uint64_t per_head = rows / shape.num_kv_heads;
+    rows = per_head * shape.num_kv_heads;
+    const size_t payload = rows * row;
+    std::vector<kvsparse::v1::GatherRequest> reqs(8);
+    std::uniform_int_distribution<uint32_t> tok(0, static_cast<uint32_t>(tokens - 1));
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      reqs[i].set_sequence_id("bench");
+      reqs[i].set_kind(kvsparse::v1::ROW_KIND_V);
+      for (uint32_t h = 0; h < shape.num_kv_heads; ++h) {
+        auto* sel = reqs[i].add_heads();
+        sel->set_kv_head(h);
+        for (uint64_t j = 0; j < per_head; ++j) sel->add_token_indices(tok(rng));
+      }
+    }
+    kvsparse::v1::GatherResponse gresp;
+    bool failed = false;
+    const Stat g = Measure(calls, payload, [&](int i) {
+      auto& req = reqs[i % reqs.size()];
+      req.set_layer(i % shape.num_layers);
+      gresp.Clear();
+      absl::Status s = (*client)->Gather(req, &gresp);
+      if (!s.ok() || gresp.v().data().size() != payload) {
+        std::fprintf(stderr, "gather failed: %s\n", s.ToString().c_str());
+        failed = true;
+      }
+    });
+    kvsparse::bench::EchoRequest ereq;
+    ereq.set_response_bytes(payload);
+    ereq.set_payload(std::string(rows * 4, 'i'));  // the size of the gather's index list
+    kvsparse::bench::EchoResponse eresp;
+    const Stat e = Measure(calls, payload, [&](int) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+      eresp.Clear();
+      grpc::Status s = echo->Echo(&ctx, ereq, &eresp);
+      if (!s.ok() || eresp.payload().size() != payload) {
+        std::fprintf(stderr, "echo failed: %s\n", s.error_message().c_str());
+        failed = true;
+      }
+    });
+    if (failed) return 1;
+    std::printf(
+        "%-8lu %-8.2f %11.0f %11.0f %8.0f %9.0f %11.0f %11.0f %8.0f %9.0f %6.0f%% %6.0f%%\n",
+        static_cast<unsigned long>(rows), payload / 1e6, g.p50_us, g.p99_us, g.mb_per_s,
+        g.mean_mb_per_s, e.p50_us, e.p99_us, e.mb_per_s, e.mean_mb_per_s,
+        100.0 * g.mb_per_s / e.mb_per_s, 100.0 * g.mean_mb_per_s / e.mean_mb_per_s);
+  }
+  echo_server->Shutdown();
+  return 0;
+}

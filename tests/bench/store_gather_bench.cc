@@ -1,0 +1,159 @@
+// In-process sparse gather of the store against a contiguous memcpy of the same bytes.
+//
+//   store_gather_bench [--pool=2G] [--rows=4096,131072] [--reps=40]
+//
+// The store holds a sequence of `pool` bytes (16 layers x 8 kv heads, d=128 bf16: K and V rows
+// of 256 B). Each rep gathers V rows at random tokens, spread evenly over the 8 kv heads, from
+// the next layer in turn, so successive reps touch different memory and the working set is the
+// whole pool (far larger than the CPU caches). The baseline copies the same number of bytes
+// contiguously from a rotating offset of a separate buffer of the same size into the same
+// destination. Both single-threaded; median of `reps`.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "kvstore/store.h"
+
+ABSL_FLAG(std::string, pool, "2G", "Bytes of K+V held by the store (K, M, G suffixes)");
+ABSL_FLAG(std::string, rows, "4096,131072", "Rows per gather call");
+ABSL_FLAG(int, reps, 40, "Timed calls per configuration (median reported)");
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using kvsparse::kvstore::DType;
+namespace kv = kvsparse::kvstore;
+
+uint64_t ParseBytes(std::string s) {
+  uint64_t mult = 1;
+  const char last = s.empty() ? 0 : static_cast<char>(toupper(s.back()));
+  if (last == 'K' || last == 'M' || last == 'G') {
+    mult = last == 'K' ? 1ull << 10 : last == 'M' ? 1ull << 20 : 1ull << 30;
+    s.pop_back();
+  }
+  uint64_t v = 0;
+  if (!absl::SimpleAtoi(s, &v)) {
+    std::fprintf(stderr, "bad byte size %s\n", s.c_str());
+    std::exit(2);
+  }
+  return v * mult;
+}
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const uint64_t pool = ParseBytes(absl::GetFlag(FLAGS_pool));
+  const int reps = absl::GetFlag(FLAGS_reps);
+  const kv::ModelShape shape{16, 32, 8, 128, DType::kBf16};
+  const size_t row = shape.row_bytes();  // 256 B
+  const uint64_t token_bytes = 2ull * shape.num_layers * shape.num_kv_heads * row;
+  const uint64_t tokens = std::max<uint64_t>(1024, pool / token_bytes);
+
+  kv::StoreOptions o;
+  o.capacity_bytes = tokens * token_bytes + (256ull << 20);
+  o.max_gather_bytes = 1ull << 30;
+  o.max_append_bytes = 1ull << 30;
+  auto store = kv::Store::Create(o);
+  if (!store.ok()) {
+    std::fprintf(stderr, "%s\n", store.status().ToString().c_str());
+    return 1;
+  }
+  if (!(*store)->CreateSequence("bench", shape, {}).ok()) return 1;
+  std::fprintf(stderr, "filling %.2f GB (%lu tokens x %u layers x %u kv heads)...\n",
+               tokens * token_bytes / 1e9, static_cast<unsigned long>(tokens), shape.num_layers,
+               shape.num_kv_heads);
+  {
+    const uint64_t chunk = 1024;
+    std::vector<uint8_t> k(shape.num_layers * chunk * shape.num_kv_heads * row);
+    std::mt19937_64 rng(1);
+    for (auto& b : k) b = static_cast<uint8_t>(rng());
+    for (uint64_t t = 0; t < tokens; t += chunk) {
+      kv::AppendRequest r;
+      r.sequence_id = "bench";
+      r.num_layers = shape.num_layers;
+      r.num_tokens = std::min(chunk, tokens - t);
+      r.dtype = shape.dtype;
+      r.num_kv_heads = shape.num_kv_heads;
+      r.head_dim = shape.head_dim;
+      const size_t bytes = r.num_layers * r.num_tokens * shape.num_kv_heads * row;
+      r.k = absl::MakeConstSpan(k.data(), bytes);
+      r.v = absl::MakeConstSpan(k.data(), bytes);
+      if (auto s = (*store)->Append(r); !s.ok()) {
+        std::fprintf(stderr, "append: %s\n", s.status().ToString().c_str());
+        return 1;
+      }
+    }
+  }
+  // The memcpy baseline's source: as large as the store's pool, touched once.
+  std::vector<uint8_t> src(tokens * token_bytes);
+  std::memset(src.data(), 1, src.size());
+
+  std::printf("%-8s %-10s %14s %10s %14s %10s %8s\n", "rows", "MB/call", "gather us", "GB/s",
+              "memcpy us", "GB/s", "ratio");
+  std::mt19937_64 rng(7);
+  for (absl::string_view rs : absl::StrSplit(absl::GetFlag(FLAGS_rows), ',')) {
+    uint64_t rows = 0;
+    if (!absl::SimpleAtoi(rs, &rows) || rows == 0) return 2;
+    const uint64_t per_head = rows / shape.num_kv_heads;
+    rows = per_head * shape.num_kv_heads;
+    const size_t bytes = rows * row;
+    std::vector<uint8_t> dst(bytes);
+    std::memset(dst.data(), 0, dst.size());
+    // Eight index sets, rotated.
+    std::vector<std::vector<uint32_t>> sets(8 * shape.num_kv_heads);
+    std::uniform_int_distribution<uint32_t> tok(0, static_cast<uint32_t>(tokens - 1));
+    for (auto& s : sets) {
+      s.resize(per_head);
+      for (auto& t : s) t = tok(rng);
+    }
+    std::vector<double> g_us, m_us;
+    for (int rep = -3; rep < reps; ++rep) {
+      const int set = (rep + 3) % 8;
+      std::vector<kv::HeadSelection> heads;
+      for (uint32_t h = 0; h < shape.num_kv_heads; ++h) {
+        heads.push_back({h, sets[set * shape.num_kv_heads + h]});
+      }
+      kv::GatherRequest req;
+      req.sequence_id = "bench";
+      req.layer = static_cast<uint32_t>((rep + 3) % shape.num_layers);
+      req.kind = kv::RowKind::kV;
+      req.heads = heads;
+      const auto t0 = Clock::now();
+      auto res = (*store)->Gather(req, [&](uint64_t, size_t) -> absl::StatusOr<kv::GatherBuffers> {
+        return kv::GatherBuffers{nullptr, dst.data()};
+      });
+      const auto t1 = Clock::now();
+      if (!res.ok()) {
+        std::fprintf(stderr, "gather: %s\n", res.status().ToString().c_str());
+        return 1;
+      }
+      const size_t off = ((rep + 3) * 7919ull * 4096) % (src.size() - bytes) & ~size_t{4095};
+      const auto t2 = Clock::now();
+      std::memcpy(dst.data(), src.data() + off, bytes);
+      const auto t3 = Clock::now();
+      if (rep >= 0) {
+        g_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+        m_us.push_back(std::chrono::duration<double, std::micro>(t3 - t2).count());
+      }
+    }
+    const double g = Median(g_us), m = Median(m_us);
+    std::printf("%-8lu %-10.2f %14.1f %10.2f %14.1f %10.2f %7.0f%%\n",
+                static_cast<unsigned long>(rows), bytes / 1e6, g, bytes / g / 1e3, m,
+                bytes / m / 1e3, 100.0 * m / g);
+  }
+  return 0;
+}
