@@ -160,6 +160,19 @@ TEST(HashTopKTest, KEqualsNIsDense) {
   }
 }
 
+// SelectAllRows + EstimateInPlace is dense attention (the reference as a RowSelection).
+TEST(RowSelectionTest, SelectAllRowsIsDense) {
+  SyntheticProblem sp = Problem(DType::kFp32, {300, 0, 7});
+  std::vector<double> dense;
+  ASSERT_TRUE(DenseDecodeFloat64(sp.problem, &dense).ok());
+  RowSelection sel;
+  ASSERT_TRUE(SelectAllRows(sp.problem, &sel).ok());
+  EXPECT_EQ(sel.at(0, 1).rows_selected(), 4 * 300);
+  EXPECT_EQ(sel.at(2, 0).budgets, (std::vector<int64_t>{7, 7, 7, 7}));
+  ASSERT_TRUE(EstimateInPlace(sp.problem, sel).ok());
+  EXPECT_LT(RelativeL2(dense, OutputAsDouble(sp.problem)), 2e-6);
+}
+
 // Per query head exactly sink + window + k rows; the union is what a kv head fetches; the
 // budgets are the k chosen.
 TEST(HashTopKTest, SelectionShape) {

@@ -49,6 +49,27 @@ void MergeGroup(absl::Span<const HeadRows> heads, KvHeadSelection* out) {
   }
 }
 
+absl::Status SelectAllRows(const DecodeProblem& p, RowSelection* sel) {
+  if (absl::Status s = ValidateProblemFor(p, ProblemNeeds{false, false, false, false}); !s.ok()) {
+    return s;
+  }
+  const int32_t group = p.group_size();
+  sel->Reset(EstimateKind::kSoftmax, p.batch, p.num_kv_heads, group);
+  for (int32_t b = 0; b < p.batch; ++b) {
+    const int32_t n = p.seq_lens[b];
+    for (int32_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
+      KvHeadSelection& h = sel->at(b, kvh);
+      h.tokens.resize(n);
+      for (int32_t t = 0; t < n; ++t) h.tokens[t] = t;
+      h.counts.assign(n, group);
+      h.head_counts.assign(static_cast<size_t>(group) * n, 1);
+      h.weights.assign(static_cast<size_t>(group) * n, 1.f);
+      h.budgets.assign(group, n);
+    }
+  }
+  return absl::OkStatus();
+}
+
 namespace {
 
 // Row accessor: (base pointer, element offset) of K or V row r of kv head (b, kvh).

@@ -88,6 +88,10 @@ struct RowSelection {
 // select a row gets count 0 and weight 0 there). shape: heads [G].
 void MergeGroup(absl::Span<const HeadRows> heads, KvHeadSelection* out);
 
+// Dense attention as a selection: every row of every (sequence, kv head), kind kSoftmax, weight
+// 1, budgets[g] = n. Reads only p's shapes and seq_lens.
+[[nodiscard]] absl::Status SelectAllRows(const DecodeProblem& p, RowSelection* sel);
+
 // Rows of one (sequence, kv head), gathered in the order of KvHeadSelection::tokens: row r of
 // K starts at k + r * row_stride elements (dtype of the problem). k may be null for kLinear.
 struct GatheredRows {
