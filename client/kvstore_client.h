@@ -2,7 +2,9 @@
 // timeout unless one is given), and every result is an absl::Status(Or) with the server's code
 // and message.
 //
-//   auto client = kvsparse::client::KvStoreClient::Connect({.target = "127.0.0.1:50051"});
+//   kvsparse::client::ClientOptions options;
+//   options.target = "127.0.0.1:50051";
+//   auto client = kvsparse::client::KvStoreClient::Connect(options);
 //   auto info = (*client)->CreateSequence("s1", shape);
 //
 // Thread-safe: one client may be shared by many threads (gRPC channels multiplex calls).

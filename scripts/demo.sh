@@ -17,7 +17,7 @@ echo "== kvsparse-server started (pid $pid); client workload:"
 cli health
 # A Llama-3.1-8B-shaped sequence: 32 layers, 32 query heads, 8 kv heads, d=128, bf16.
 cli create --seq=demo --layers=32 --q_heads=32 --kv_heads=8 --head_dim=128 --dtype=bf16
-cli append --seq=demo --tokens=4096 --seed=7          # 4096 tokens x 32 layers: 1 GiB of K+V
+cli append --seq=demo --tokens=4096 --seed=7          # 4096 tokens x 32 layers x 8 kv heads: 512 MiB of K+V
 cli info --seq=demo
 cli gather --seq=demo --layer=17 --heads=0,5 --random_rows=4 --verify --seed=7
 cli gather --seq=demo --layer=3 --heads=2 --indices=10,11,10,4095 --unique --kind=v
