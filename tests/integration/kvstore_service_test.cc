@@ -8,6 +8,7 @@
 #include "gtest/gtest.h"
 #include "server/server.h"
 #include "tests/integration/http_get.h"
+#include "tests/integration/reflection_list.h"
 
 namespace kvsparse {
 namespace {
@@ -95,6 +96,11 @@ TEST_F(ServiceTest, HealthAndReflectionServicesAnswer) {
   EXPECT_TRUE(client_->CheckHealth().ok());
   EXPECT_TRUE(client_->CheckHealth("kvsparse.v1.KvStore").ok());
   EXPECT_EQ(client_->CheckHealth("no.such.Service").code(), StatusCode::kNotFound);
+  auto services = testing::ListServicesByReflection(client_->channel());
+  ASSERT_TRUE(services.ok()) << services.status();
+  EXPECT_NE(std::find(services->begin(), services->end(), "kvsparse.v1.KvStore"), services->end());
+  EXPECT_NE(std::find(services->begin(), services->end(), "grpc.health.v1.Health"),
+            services->end());
 }
 
 TEST_F(ServiceTest, AppendGatherRoundTripAndMetricsMove) {
