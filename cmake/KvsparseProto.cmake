@@ -26,8 +26,11 @@ function(kvsparse_proto_library target)
     list(APPEND srcs ${outs})
   endforeach()
   add_library(${target} STATIC ${srcs})
-  target_include_directories(${target} PUBLIC $<BUILD_INTERFACE:${out_dir}>)
+  target_include_directories(${target} PUBLIC $<BUILD_INTERFACE:${out_dir}>
+                                             $<INSTALL_INTERFACE:include>)
   target_link_libraries(${target} PUBLIC protobuf::libprotobuf gRPC::grpc++ ${ARG_DEPS})
   set_target_properties(${target} PROPERTIES POSITION_INDEPENDENT_CODE ON
                                              KVSPARSE_PROTO_ROOT ${ARG_ROOT})
+  string(REGEX REPLACE "^kvsparse_" "" export_name ${target})
+  set_target_properties(${target} PROPERTIES EXPORT_NAME ${export_name})
 endfunction()
