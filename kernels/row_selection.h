@@ -15,6 +15,8 @@
 //            s_hr = scale * q_h . K_r: the importance-weighted softmax of vAttention Eq. 3 with
 //            w = 1 / (inclusion probability). K and V rows are fetched. Rows with w = 0 take no
 //            part (e.g. vAttention's base-sample rows, read only to set the budget).
+// Every CPU reference in kernels/ is thread-compatible: no global state, so concurrent calls
+// that write distinct outputs are safe.
 #ifndef KVSPARSE_KERNELS_ROW_SELECTION_H_
 #define KVSPARSE_KERNELS_ROW_SELECTION_H_
 
