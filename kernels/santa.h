@@ -16,9 +16,12 @@
 //     kSystematic: t_m = (m + Uniform(0)) / S                (S2ANTA-sys, one shared offset)
 //   (all in double; a threshold that rounds past C_{n-1} maps to the last token with u_j > 0).
 //   Estimate: (1/S) sum_m V_{J_m}, i.e. w[h, j] = count_j / S.
-//   Properties (Appendix A): all three are unbiased, E = softmax(s) V exactly. Cov(iid) =
-//   Sigma / S; stratified's covariance is <= (Loewner) iid's (Theorem A.6); systematic has no
-//   general guarantee (in our tests it behaves like stratified).
+//   Properties (Appendix A): all three are unbiased, E = softmax(s) V. Cov(iid) = Sigma / S;
+//   stratified's covariance is <= (Loewner) iid's (Theorem A.6); systematic has no general
+//   guarantee (in our tests it behaves like stratified). "Exactly" up to the 24-bit uniforms:
+//   a token's selection probability is off by < 2^-24 per draw (iid) or 2^-24 / S (strat, sys),
+//   i.e. a relative bias ~sqrt(n) 2^-24, far below anything a test can see; the same holds for
+//   the per-tile offsets a0_t below.
 //
 // Allocation kProp (S2ANTA-prop, Appendix P, Algorithms 2-5), systematic sampling only.
 // Tiles T_t = [t*B_tile, min((t+1)*B_tile, n)), T = ceil(n / B_tile). In this order, fp32 unless
