@@ -48,7 +48,7 @@ fi
 if [[ " $STEPS " == *" sanitize "* ]]; then
   FILTER=${SAN_FILTER:-"DenseDecodeCudaTest.Sweep*:DenseDecodeCudaTest.Graph*:SantaCudaTest.Matches*:SantaCudaTest.Graph*:HashTopKCudaTest.*:GatherCudaTest.*"}
   for tool in memcheck racecheck; do
-    timeout 240 compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 20 \
+    timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 20 \
       "$CARRY/bin/kernels_cuda_test" --gtest_brief=1 --gtest_filter="$FILTER" \
       > "$OUT/sanitizer_$tool.log" 2>&1
     rc=$?
@@ -58,15 +58,12 @@ fi
 
 if [[ " $STEPS " == *" bench "* ]]; then
   for p in "${prep_pids[@]}"; do wait "$p"; done
-  tail -2 "$OUT"/prep_*.log 2>/dev/null
+  cat "$OUT"/prep_*.log > "$OUT/prep.txt" 2>/dev/null && rm -f "$OUT"/prep_*.log
+  tail -3 "$OUT/prep.txt"
   [ -d /tmp/site ] && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
   timeout 420 python3 tests/bench/kernel_bench.py --lib "$CARRY/lib/libkvsparse_cuda_capi.so" \
     --santa-dir "$SANTA_SO" --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   note "bench rc=${PIPESTATUS[0]}"
-  # Hand the freshly built reference extensions back for later calls.
-  if [ "$SANTA_SO" = /tmp/santa_so ]; then
-    for w in prop flash; do cp "$SANTA_SO/$w/santa_ref_$w.so" "$OUT/" 2>/dev/null; done
-  fi
 fi
 
 echo "==================== summary ($(( $(date +%s) - t0 )) s) ===================="

@@ -56,6 +56,11 @@ size_t kvs_decode_workspace_bytes(const KvsDecodeArgs* args, int32_t method, int
       return kc::S2antaPropWorkspaceBytes(p);
     case 3:
       return kc::S2antaFlashWorkspaceBytes(p);
+    case 4: {
+      kc::SantaParams h = p;
+      h.fp16_stash = true;
+      return kc::S2antaPropWorkspaceBytes(h);
+    }
     default:
       return 0;
   }
@@ -74,18 +79,21 @@ int32_t kvs_decode(const KvsDecodeArgs* args, int32_t method, int32_t samples, u
       return kc::S2antaProp(p, workspace, workspace_bytes, st);
     case 3:
       return kc::S2antaFlash(p, workspace, workspace_bytes, st);
+    case 4: {
+      kc::SantaParams h = p;
+      h.fp16_stash = true;
+      return kc::S2antaProp(h, workspace, workspace_bytes, st);
+    }
     default:
       return cudaErrorInvalidValue;
   }
 }
 
-size_t kvs_hash_topk_workspace_bytes(int32_t, int32_t, int32_t) { return 0; }
-
 int32_t kvs_hash_topk(int32_t batch, int32_t num_q_heads, int32_t num_kv_heads, int32_t bits,
                       const uint32_t* q_sigs, const uint32_t* k_sigs, int64_t k_batch_stride,
                       int64_t k_head_stride, const int32_t* seq_lens, int32_t max_seq_len,
                       int32_t sink, int32_t window, int32_t top_k, int32_t* indices,
-                      int32_t* counts, void*, size_t, void* stream) {
+                      int32_t* counts, void* workspace, size_t workspace_bytes, void* stream) {
   kc::HashTopKParams p;
   p.batch = batch;
   p.num_q_heads = num_q_heads;
@@ -103,7 +111,8 @@ int32_t kvs_hash_topk(int32_t batch, int32_t num_q_heads, int32_t num_kv_heads, 
   p.top_k = top_k;
   p.indices = indices;
   p.counts = counts;
-  return kc::HashTopK(p, static_cast<cudaStream_t>(stream));
+  if (workspace == nullptr) return static_cast<int32_t>(kc::HashTopKWorkspaceBytes(p));
+  return kc::HashTopK(p, workspace, workspace_bytes, static_cast<cudaStream_t>(stream));
 }
 
 const char* kvs_error_string(int32_t err) {

@@ -26,14 +26,15 @@ typedef struct KvsDecodeArgs {
   void* out;  // [B, H, d]
 } KvsDecodeArgs;
 
-// method: 0 = dense, 1 = SANTA iid, 2 = S2ANTA-prop, 3 = S2ANTA-flash.
+// method: 0 = dense, 1 = SANTA iid, 2 = S2ANTA-prop, 3 = S2ANTA-flash, 4 = S2ANTA-prop with
+// the fp16 stash (SantaParams::fp16_stash).
 size_t kvs_decode_workspace_bytes(const KvsDecodeArgs* args, int32_t method, int32_t samples);
 // rows_read: optional [B, Hkv] int32 accumulator of distinct V rows read (sampling methods).
 int32_t kvs_decode(const KvsDecodeArgs* args, int32_t method, int32_t samples, uint64_t seed,
                    void* workspace, size_t workspace_bytes, int32_t* rows_read, void* stream);
 
-// HashAttention top-k (see hash_topk.h): q_sigs [B, H, words], k_sigs with element strides.
-size_t kvs_hash_topk_workspace_bytes(int32_t batch, int32_t num_q_heads, int32_t max_seq_len);
+// HashAttention top-k (see hash_topk.h): q_sigs [B, H, words], k_sigs [.., n, words] with word
+// strides. With workspace == NULL it returns the workspace bytes it needs (no launch).
 int32_t kvs_hash_topk(int32_t batch, int32_t num_q_heads, int32_t num_kv_heads, int32_t bits,
                       const uint32_t* q_sigs, const uint32_t* k_sigs, int64_t k_batch_stride,
                       int64_t k_head_stride, const int32_t* seq_lens, int32_t max_seq_len,

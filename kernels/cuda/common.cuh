@@ -108,6 +108,21 @@ __device__ __forceinline__ uint4 LoadStream16(const void* p) {
   return r;
 }
 
+// cp.async of 16 bytes into shared memory, zero-filled when !pred (then gmem is not read).
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool pred) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  const int n = pred ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(n)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 __device__ __forceinline__ void Bf16x2ToFloat2(uint32_t w, float& lo, float& hi) {
   lo = __uint_as_float(w << 16);
   hi = __uint_as_float(w & 0xffff0000u);
@@ -184,23 +199,30 @@ struct TransposeReduce {
   static constexpr int SrcLane(int i) { return (i / kKeep) << kDupBits; }
   static constexpr int SrcReg(int i) { return i % kKeep; }
 
-  __device__ __forceinline__ static void Run(float (&v)[V], int lr) {
-#pragma unroll
-    for (int s = 0; s < Log2(kLanes); ++s) {
-      const int off = kLanes >> (s + 1);
-      if (s < kSplits) {
-        const int half = V >> (s + 1);
-        const bool upper = (lr & off) != 0;
+  __device__ __forceinline__ static void Run(float (&v)[V], int lr) { Step<0>(v, lr); }
+
+  // One butterfly step per template instance, so every array index is a compile-time constant.
+  template <int S>
+  __device__ __forceinline__ static void Step(float (&v)[V], int lr) {
+    if constexpr (S < Log2(kLanes)) {
+      constexpr int off = kLanes >> (S + 1);
+      if constexpr (S < kSplits) {
+        constexpr int half = V >> (S + 1);
+        // Bitwise selects: a ?: on array elements can become a select of addresses, which puts
+        // v in local memory.
+        const uint32_t upper = (lr & off) != 0 ? 0xffffffffu : 0u;
 #pragma unroll
         for (int i = 0; i < half; ++i) {
-          const float send = upper ? v[i] : v[i + half];
-          const float keep = upper ? v[i + half] : v[i];
+          const uint32_t lo = __float_as_uint(v[i]), hi = __float_as_uint(v[i + half]);
+          const float send = __uint_as_float((lo & upper) | (hi & ~upper));
+          const float keep = __uint_as_float((hi & upper) | (lo & ~upper));
           v[i] = keep + __shfl_xor_sync(0xffffffffu, send, off);
         }
       } else {
 #pragma unroll
         for (int i = 0; i < kKeep; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
       }
+      Step<S + 1>(v, lr);
     }
   }
 };

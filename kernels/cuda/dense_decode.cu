@@ -36,6 +36,8 @@ struct DenseCfg {
   static constexpr int kWarps = (G * D >= 2048) ? 4 : 8;  // keeps the merge buffer <= 32 KB
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kMinBlocks = G >= 8 ? 1 : 2;  // G = 8 needs > 128 registers
+  static constexpr int kStages = 3;                  // cp.async pipeline depth
+  static constexpr size_t kStageBytes = size_t{kStages} * 2 * kUnroll * kThreads * 16;
 };
 
 // One block: tokens [split * chunk_len, min(n, (split + 1) * chunk_len)) of sequence b, kv head
@@ -58,8 +60,10 @@ __global__ void __launch_bounds__(DenseCfg<D, G>::kThreads, DenseCfg<D, G>::kMin
   __shared__ float sm_m[NW][G];
   __shared__ float sm_l[NW][G];
 
-  const int split = blockIdx.x;
-  const int kvh = blockIdx.y;
+  // Kv head fastest: blocks running together read neighbouring rows of the same tokens (one
+  // DRAM page serves all kv heads of a token in the sequence-major layout).
+  const int kvh = blockIdx.x;
+  const int split = blockIdx.y;
   const int b = blockIdx.z;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -96,20 +100,39 @@ __global__ void __launch_bounds__(DenseCfg<D, G>::kThreads, DenseCfg<D, G>::kMin
     for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
   }
 
+  // Per-thread cp.async pipeline: kStages iterations of this thread's K and V vectors in
+  // flight; each thread reads back only the slots it filled, so no barrier is needed.
+  extern __shared__ uint4 stage[];  // [kStages][2U][NW * 32]
+  constexpr int kStages = Cfg::kStages;
+  constexpr int NT = NW * 32;
+  const int tid = threadIdx.x;
+  auto issue = [&](int it_base, int slot) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tok = it_base + u * R + row;
+      const bool ok = tok < end;
+      const int64_t off = ok ? tok * ts : 0;
+      CpAsync16(&stage[(slot * 2 * U + u) * NT + tid], kb + off, ok);
+      CpAsync16(&stage[(slot * 2 * U + U + u) * NT + tid], vb + off, ok);
+    }
+    CpAsyncCommit();
+  };
+  const int first = start + warp * TOK;
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) issue(first + st * NW * TOK, st);
+
   float* sc = sm + warp * TOK * G;  // [TOK][G] scores of this warp's current iteration
-  for (int base = start + warp * TOK; base < end; base += NW * TOK) {
+  int slot = 0;
+  for (int base = first; base < end; base += NW * TOK) {
+    issue(base + (kStages - 1) * NW * TOK, (slot + kStages - 1) % kStages);
+    CpAsyncWait<kStages - 1>();
     uint4 kr[U], vr[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      const int tok = base + u * R + row;
-      if (tok < end) {
-        kr[u] = LoadStream16(kb + tok * ts);
-        vr[u] = LoadStream16(vb + tok * ts);
-      } else {
-        kr[u] = make_uint4(0, 0, 0, 0);
-        vr[u] = make_uint4(0, 0, 0, 0);
-      }
+      kr[u] = stage[(slot * 2 * U + u) * NT + tid];
+      vr[u] = stage[(slot * 2 * U + U + u) * NT + tid];
     }
+    slot = (slot + 1) % kStages;
     float part[G * U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -171,6 +194,8 @@ __global__ void __launch_bounds__(DenseCfg<D, G>::kThreads, DenseCfg<D, G>::kMin
     }
     __syncwarp();
   }
+
+  CpAsyncWait<0>();  // nothing may land in shared memory after this point
 
   // Merge the rows of the warp (same dims, different tokens).
 #pragma unroll
@@ -263,9 +288,12 @@ struct DenseLaunch {
   template <typename T, int D, int G>
   cudaError_t operator()() const {
     using Cfg = DenseCfg<D, G>;
-    const dim3 grid(plan.num_splits, s.num_kv_heads, s.batch);
-    DenseSplitKernel<T, D, G>
-        <<<grid, Cfg::kThreads, 0, stream>>>(s, plan.chunk_len, plan.num_splits, part_o, part_lse);
+    const dim3 grid(s.num_kv_heads, plan.num_splits, s.batch);
+    auto* kernel = &DenseSplitKernel<T, D, G>;
+    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Cfg::kStageBytes)));
+    kernel<<<grid, Cfg::kThreads, Cfg::kStageBytes, stream>>>(s, plan.chunk_len, plan.num_splits,
+                                                              part_o, part_lse);
     KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     if (plan.num_splits > 1) {
       MergeKernel<T><<<s.batch * s.num_q_heads, 128, 0, stream>>>(part_o, part_lse, plan.num_splits,

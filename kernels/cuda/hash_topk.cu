@@ -60,13 +60,18 @@ __global__ void __launch_bounds__(256) SimHashKernel(SimHashSignParams p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Top-k: one 1024-thread block per (b, h). Pass 1 histograms the similarities of the rest
-// [sink_end, window_begin); the threshold bin and the number of ties to take follow; pass 2
-// walks the rest in token order (8 consecutive tokens per thread, a block scan per chunk) and
-// writes the chosen tokens ascending.
-constexpr int kTopkThreads = 1024;
+// Top-k over C chunks of the rest [sink_end, window_begin) of every (b, h), two kernels:
+//   TopkHistKernel   (grid C x BH): histogram of the similarities of one chunk (a private
+//                    16-bit counter column per thread, no atomics) -> hist [BH, C, bins];
+//   TopkSelectKernel (grid C x BH): every block sums the C histograms, finds the threshold
+//                    similarity and how many ties at it to take (lowest tokens first), the counts
+//                    of the chunks before its own, then walks its chunk in token order (8 tokens
+//                    per thread, a block scan per 2048 tokens) and writes the chosen tokens at
+//                    their final positions, ascending. Block 0 also writes sink, window, counts.
+constexpr int kTopkThreads = 256;
 constexpr int kTopkWarps = kTopkThreads / 32;
 constexpr int kPer = 8;
+constexpr int kSub = kTopkThreads * kPer;  // tokens per scan step
 
 template <int W>
 __device__ __forceinline__ int Similarity(const uint32_t (&q)[W], const uint32_t* k) {
@@ -74,6 +79,80 @@ __device__ __forceinline__ int Similarity(const uint32_t (&q)[W], const uint32_t
 #pragma unroll
   for (int w = 0; w < W; ++w) pc += __popc(q[w] ^ __ldg(k + w));
   return W * 32 - 2 * pc;
+}
+
+struct TopkGeom {
+  int n, k, s_end, w_begin, rest, kk;
+};
+
+__device__ __forceinline__ TopkGeom MakeGeom(const HashTopKParams& p, int b) {
+  TopkGeom g;
+  g.n = p.seq_lens[b];
+  g.k =
+      p.top_k > 0 ? p.top_k : static_cast<int>(floor(static_cast<double>(p.top_k_fraction) * g.n));
+  g.k = min(max(g.k, 0), g.n);
+  g.s_end = min(max(p.sink_tokens, 0), g.n);
+  g.w_begin = max(g.s_end, g.n - max(p.local_tokens, 0));
+  g.rest = g.w_begin - g.s_end;
+  g.kk = min(g.k, g.rest);
+  return g;
+}
+
+template <int W>
+__device__ __forceinline__ void LoadQuerySig(const HashTopKParams& p, int64_t bh,
+                                             uint32_t (&q)[W]) {
+#pragma unroll
+  for (int w = 0; w < W; ++w) q[w] = p.q_sigs[bh * W + w];
+}
+
+__device__ __forceinline__ const uint32_t* KeySigs(const HashTopKParams& p, int b, int h) {
+  const int j = p.key_heads == p.num_q_heads ? h : h / (p.num_q_heads / p.key_heads);
+  return p.k_sigs + b * p.k_batch_stride + j * p.k_head_stride;
+}
+
+template <int W>
+__global__ void __launch_bounds__(kTopkThreads)
+    TopkHistKernel(HashTopKParams p, int chunk, int* __restrict__ hist) {
+  constexpr int kBits = W * 32;
+  constexpr int kBins = kBits + 1;
+  constexpr int kRows = (kBins + 1) / 2;  // two 16-bit counters per word
+  extern __shared__ uint32_t cols[];      // [kRows][kTopkThreads]
+  const int c = blockIdx.x;
+  const int64_t bh = blockIdx.y;
+  const int b = static_cast<int>(bh / p.num_q_heads), h = static_cast<int>(bh % p.num_q_heads);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const TopkGeom g = MakeGeom(p, b);
+  int* out = hist + (bh * gridDim.x + c) * kBins;
+  if (g.kk == 0 || g.kk == g.rest) return;  // no threshold needed
+  const int c0 = g.s_end + c * chunk;
+  const int c1 = min(g.w_begin, c0 + chunk);
+  for (int r = 0; r < kRows; ++r) cols[r * kTopkThreads + tid] = 0u;
+  uint32_t q[W];
+  LoadQuerySig<W>(p, bh, q);
+  const uint32_t* kb = KeySigs(p, b, h);
+  const int64_t kts = p.k_token_stride;
+  for (int t = c0 + tid; t < c1; t += kTopkThreads) {
+    const int bin = (Similarity<W>(q, kb + t * kts) + kBits) / 2;
+    cols[(bin >> 1) * kTopkThreads + tid] += 1u << (16 * (bin & 1));
+  }
+  __syncthreads();
+  for (int r = warp; r < kRows; r += kTopkWarps) {
+    uint32_t lo = 0, hi = 0;
+    for (int t = lane; t < kTopkThreads; t += 32) {
+      const uint32_t x = cols[r * kTopkThreads + t];
+      lo += x & 0xffffu;
+      hi += x >> 16;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+      lo += __shfl_xor_sync(0xffffffffu, lo, o);
+      hi += __shfl_xor_sync(0xffffffffu, hi, o);
+    }
+    if (lane == 0) {
+      out[2 * r] = static_cast<int>(lo);
+      if (2 * r + 1 < kBins) out[2 * r + 1] = static_cast<int>(hi);
+    }
+  }
 }
 
 // Exclusive scan over the block; *total gets the block sum. Ends with a barrier.
@@ -87,82 +166,64 @@ __device__ __forceinline__ int BlockExclusiveScan(int v, int* ws, int* total) {
   }
   if (lane == 31) ws[warp] = x;
   __syncthreads();
-  if (warp == 0) {
-    int y = ws[lane];
+  int before = 0, all = 0;
 #pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const int z = __shfl_up_sync(0xffffffffu, y, o);
-      if (lane >= o) y += z;
-    }
-    ws[lane] = y;
+  for (int w = 0; w < kTopkWarps; ++w) {
+    const int y = ws[w];
+    before += w < warp ? y : 0;
+    all += y;
   }
+  *total = all;
   __syncthreads();
-  const int excl = (warp > 0 ? ws[warp - 1] : 0) + x - v;
-  *total = ws[kTopkWarps - 1];
-  __syncthreads();
-  return excl;
+  return before + x - v;
 }
 
 template <int W>
-__global__ void __launch_bounds__(kTopkThreads) HashTopKKernel(HashTopKParams p, int max_out) {
+__global__ void __launch_bounds__(kTopkThreads, 4)
+    TopkSelectKernel(HashTopKParams p, int chunk, int max_out, const int* __restrict__ hist) {
   constexpr int kBits = W * 32;
   constexpr int kBins = kBits + 1;
-  __shared__ int hist[kTopkWarps][kBins];
+  __shared__ int total[kBins];
   __shared__ int ws[kTopkWarps];
-  __shared__ int sm_thr, sm_above;
-  const int64_t bh = blockIdx.x;
-  const int b = static_cast<int>(bh / p.num_q_heads);
-  const int h = static_cast<int>(bh % p.num_q_heads);
+  __shared__ int sm_thr, sm_above, sm_gt_before, sm_tie_before, sm_chunk_gt, sm_chunk_tie;
+  const int c = blockIdx.x, num_chunks = gridDim.x;
+  const int64_t bh = blockIdx.y;
+  const int b = static_cast<int>(bh / p.num_q_heads), h = static_cast<int>(bh % p.num_q_heads);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int n = p.seq_lens[b];
-  int k =
-      p.top_k > 0 ? p.top_k : static_cast<int>(floor(static_cast<double>(p.top_k_fraction) * n));
-  k = min(max(k, 0), n);
-  const int s_end = min(max(p.sink_tokens, 0), n);
-  const int w_begin = max(s_end, n - max(p.local_tokens, 0));
-  const int rest = w_begin - s_end;
-  const int kk = min(k, rest);
+  const TopkGeom g = MakeGeom(p, b);
   int32_t* out = p.indices + bh * max_out;
-  for (int i = tid; i < s_end; i += kTopkThreads) out[i] = i;
-  for (int i = tid; i < n - w_begin; i += kTopkThreads) out[s_end + kk + i] = w_begin + i;
-  if (tid == 0) {
-    p.counts[bh] = s_end + kk + (n - w_begin);
-    if (p.budgets != nullptr) p.budgets[bh] = kk;
+  if (c == 0) {
+    for (int i = tid; i < g.s_end; i += kTopkThreads) out[i] = i;
+    for (int i = tid; i < g.n - g.w_begin; i += kTopkThreads)
+      out[g.s_end + g.kk + i] = g.w_begin + i;
+    if (tid == 0) {
+      p.counts[bh] = g.s_end + g.kk + (g.n - g.w_begin);
+      if (p.budgets != nullptr) p.budgets[bh] = g.kk;
+    }
   }
-  if (kk == 0) return;
-  if (kk == rest) {
-    for (int i = tid; i < rest; i += kTopkThreads) out[s_end + i] = s_end + i;
+  if (g.kk == 0) return;
+  const int c0 = g.s_end + c * chunk;
+  const int c1 = min(g.w_begin, c0 + chunk);
+  int32_t* topk_out = out + g.s_end;
+  if (g.kk == g.rest) {
+    for (int t = c0 + tid; t < c1; t += kTopkThreads) topk_out[t - g.s_end] = t;
     return;
   }
-  const int j = p.key_heads == p.num_q_heads ? h : h / (p.num_q_heads / p.key_heads);
-  const uint32_t* kb = p.k_sigs + b * p.k_batch_stride + j * p.k_head_stride;
-  const int64_t kts = p.k_token_stride;
-  uint32_t q[W];
-#pragma unroll
-  for (int w = 0; w < W; ++w) q[w] = p.q_sigs[bh * W + w];
-
-  for (int i = tid; i < kTopkWarps * kBins; i += kTopkThreads) (&hist[0][0])[i] = 0;
-  __syncthreads();
-  for (int t = s_end + tid; t < w_begin; t += kTopkThreads) {
-    const int bin = (Similarity<W>(q, kb + t * kts) + kBits) / 2;
-    const unsigned peers = __match_any_sync(__activemask(), bin);
-    if (lane == __ffs(peers) - 1) atomicAdd(&hist[warp][bin], __popc(peers));
-  }
-  __syncthreads();
+  if (c0 >= c1) return;
+  const int* hb = hist + bh * num_chunks * kBins;
   for (int i = tid; i < kBins; i += kTopkThreads) {
     int t = 0;
-    for (int w = 0; w < kTopkWarps; ++w) t += hist[w][i];
-    hist[0][i] = t;
+    for (int cc = 0; cc < num_chunks; ++cc) t += hb[cc * kBins + i];
+    total[i] = t;
   }
   __syncthreads();
   if (warp == 0) {
-    // Bins from the top (highest similarity) down, kChunk per lane.
-    constexpr int kChunk = (kBins + 31) / 32;
+    constexpr int kChunk = (kBins + 31) / 32;  // bins from the top down, kChunk per lane
     int local = 0;
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c) {
-      const int r = lane * kChunk + c;
-      if (r < kBins) local += hist[0][kBins - 1 - r];
+    for (int i = 0; i < kChunk; ++i) {
+      const int r = lane * kChunk + i;
+      if (r < kBins) local += total[kBins - 1 - r];
     }
     int x = local;
 #pragma unroll
@@ -172,11 +233,11 @@ __global__ void __launch_bounds__(kTopkThreads) HashTopKKernel(HashTopKParams p,
     }
     int cum = x - local;
 #pragma unroll
-    for (int c = 0; c < kChunk; ++c) {
-      const int r = lane * kChunk + c;
+    for (int i = 0; i < kChunk; ++i) {
+      const int r = lane * kChunk + i;
       if (r < kBins) {
-        const int cnt = hist[0][kBins - 1 - r];
-        if (cum < kk && cum + cnt >= kk) {
+        const int cnt = total[kBins - 1 - r];
+        if (cum < g.kk && cum + cnt >= g.kk) {
           sm_thr = kBins - 1 - r;
           sm_above = cum;
         }
@@ -185,25 +246,53 @@ __global__ void __launch_bounds__(kTopkThreads) HashTopKKernel(HashTopKParams p,
     }
   }
   __syncthreads();
+  if (warp == 0) {
+    // Tokens above the threshold and ties in the chunks before this one, and in this one.
+    const int thr_bin = sm_thr;
+    int gt = 0, tie = 0;  // lane-partial sums over the chunks before this one
+    for (int cc = 0; cc < c; ++cc) {
+      const int* hc = hb + cc * kBins;
+      for (int i = thr_bin + 1 + lane; i < kBins; i += 32) gt += hc[i];
+      if (lane == 0) tie += hc[thr_bin];
+    }
+    int cgt = 0;
+    for (int i = thr_bin + 1 + lane; i < kBins; i += 32) cgt += hb[c * kBins + i];
+#pragma unroll
+    for (int o = 16; o > 0; o /= 2) {
+      gt += __shfl_xor_sync(0xffffffffu, gt, o);
+      cgt += __shfl_xor_sync(0xffffffffu, cgt, o);
+    }
+    if (lane == 0) {
+      sm_gt_before = gt;
+      sm_tie_before = tie;
+      sm_chunk_gt = cgt;
+      sm_chunk_tie = hb[c * kBins + thr_bin];
+    }
+  }
+  __syncthreads();
   const int thr = 2 * sm_thr - kBits;  // threshold similarity
-  const int above = sm_above;          // tokens strictly above it (all chosen)
-  const int need = kk - above;         // ties at the threshold to take, lowest index first
-  int carry_gt = 0, carry_tie = 0;
-  int32_t* topk_out = out + s_end;
-  for (int c0 = s_end; c0 < w_begin; c0 += kTopkThreads * kPer) {
-    if (carry_gt == above && carry_tie >= need) break;  // uniform: every choice is made
-    const int t0 = c0 + tid * kPer;
+  const int need = g.kk - sm_above;    // ties at the threshold to take, lowest tokens first
+  if (sm_chunk_gt == 0 && (sm_chunk_tie == 0 || sm_tie_before >= need)) return;  // uniform
+  uint32_t q[W];
+  LoadQuerySig<W>(p, bh, q);
+  const uint32_t* kb = KeySigs(p, b, h);
+  const int64_t kts = p.k_token_stride;
+  int carry_gt = sm_gt_before, carry_tie = sm_tie_before;
+  const int end_gt = sm_gt_before + sm_chunk_gt;
+  for (int s0 = c0; s0 < c1; s0 += kSub) {
+    if (carry_gt == end_gt && carry_tie >= need) break;  // uniform: this chunk is done
+    const int t0 = s0 + tid * kPer;
     int sims[kPer];
     int gt = 0, tie = 0;
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int t = t0 + i;
-      sims[i] = t < w_begin ? Similarity<W>(q, kb + t * kts) : INT_MIN;
+      sims[i] = t < c1 ? Similarity<W>(q, kb + t * kts) : INT_MIN;
       gt += sims[i] > thr ? 1 : 0;
       tie += sims[i] == thr ? 1 : 0;
     }
-    int total = 0;
-    const int excl = BlockExclusiveScan((gt << 16) | tie, ws, &total);
+    int tot = 0;
+    const int excl = BlockExclusiveScan((gt << 16) | tie, ws, &tot);
     int seen_tie = carry_tie + (excl & 0xffff);
     int pos = carry_gt + (excl >> 16) + min(seen_tie, need);
 #pragma unroll
@@ -215,9 +304,29 @@ __global__ void __launch_bounds__(kTopkThreads) HashTopKKernel(HashTopKParams p,
         ++seen_tie;
       }
     }
-    carry_gt += total >> 16;
-    carry_tie += total & 0xffff;
+    carry_gt += tot >> 16;
+    carry_tie += tot & 0xffff;
   }
+}
+
+struct TopkPlan {
+  int chunks = 1;
+  int chunk = kSub;
+};
+
+TopkPlan MakeTopkPlan(const HashTopKParams& p) {
+  TopkPlan plan;
+  const int64_t bh = std::max<int64_t>(1, static_cast<int64_t>(p.batch) * p.num_q_heads);
+  const int64_t slots = static_cast<int64_t>(NumSms()) * 4;
+  const int64_t max_rest = std::max(1, p.max_seq_len);
+  int64_t chunks = std::max<int64_t>(1, slots / bh);
+  chunks = std::min<int64_t>(chunks, (max_rest + kSub - 1) / kSub);
+  int64_t chunk = (max_rest + chunks - 1) / chunks;
+  chunk = (chunk + kSub - 1) / kSub * kSub;
+  chunk = std::min<int64_t>(chunk, int64_t{kTopkThreads} * 65535);  // 16-bit counters
+  plan.chunk = static_cast<int>(chunk);
+  plan.chunks = static_cast<int>((max_rest + chunk - 1) / chunk);
+  return plan;
 }
 
 template <typename Body>
@@ -271,7 +380,15 @@ cudaError_t SimHashSign(const SimHashSignParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t HashTopK(const HashTopKParams& p, cudaStream_t stream) {
+size_t HashTopKWorkspaceBytes(const HashTopKParams& p) {
+  const TopkPlan plan = MakeTopkPlan(p);
+  return AlignUp(static_cast<size_t>(std::max(p.batch, 0)) * std::max(p.num_q_heads, 0) *
+                     plan.chunks * (std::max(p.bits, 32) + 1) * sizeof(int),
+                 256);
+}
+
+cudaError_t HashTopK(const HashTopKParams& p, void* workspace, size_t workspace_bytes,
+                     cudaStream_t stream) {
   if (p.batch < 0 || p.num_q_heads <= 0 || p.key_heads <= 0 ||
       (p.key_heads != p.num_q_heads && p.num_q_heads % p.key_heads != 0) || p.top_k < 0 ||
       !(p.top_k_fraction >= 0.f && p.top_k_fraction <= 1.f)) {
@@ -282,10 +399,23 @@ cudaError_t HashTopK(const HashTopKParams& p, cudaStream_t stream) {
       p.counts == nullptr) {
     return cudaErrorInvalidValue;
   }
+  if (workspace == nullptr || workspace_bytes < HashTopKWorkspaceBytes(p)) {
+    return cudaErrorInvalidValue;
+  }
+  const TopkPlan plan = MakeTopkPlan(p);
   const int max_out = std::max(1, p.MaxSelected());
+  int* hist = static_cast<int*>(workspace);
   return DispatchWords(p.bits, [&](auto w_tag) -> cudaError_t {
     constexpr int W = decltype(w_tag)::value;
-    HashTopKKernel<W><<<p.batch * p.num_q_heads, kTopkThreads, 0, stream>>>(p, max_out);
+    const dim3 grid(plan.chunks, p.batch * p.num_q_heads);
+    const size_t smem = static_cast<size_t>((W * 32 + 2) / 2) * kTopkThreads * sizeof(uint32_t);
+    if (smem > 48 * 1024) {
+      KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          &TopkHistKernel<W>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    }
+    TopkHistKernel<W><<<grid, kTopkThreads, smem, stream>>>(p, plan.chunk, hist);
+    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    TopkSelectKernel<W><<<grid, kTopkThreads, 0, stream>>>(p, plan.chunk, max_out, hist);
     return cudaGetLastError();
   });
 }

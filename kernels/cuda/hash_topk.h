@@ -70,7 +70,10 @@ struct HashTopKParams {
   int32_t MaxSelected() const;
 };
 
-cudaError_t HashTopK(const HashTopKParams& p, cudaStream_t stream);
+// Scratch: per (b, h) and chunk of the sequence, a similarity histogram.
+size_t HashTopKWorkspaceBytes(const HashTopKParams& p);
+cudaError_t HashTopK(const HashTopKParams& p, void* workspace, size_t workspace_bytes,
+                     cudaStream_t stream);
 
 }  // namespace kvsparse::kernels::cuda
 

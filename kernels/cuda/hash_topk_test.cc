@@ -67,7 +67,9 @@ void CheckTopK(const DecodeProblem& p, const Signatures& sigs, const kernels::Ha
   ASSERT_EQ(counts.Poison(), cudaSuccess);
   gp.indices = idx.as<int32_t>();
   gp.counts = counts.as<int32_t>();
-  ASSERT_EQ(HashTopK(gp, nullptr), cudaSuccess);
+  DeviceBuffer ws(HashTopKWorkspaceBytes(gp));
+  ASSERT_EQ(ws.Poison(), cudaSuccess);
+  ASSERT_EQ(HashTopK(gp, ws.get(), ws.size(), nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto got_idx = ToHost<int32_t>(idx, static_cast<size_t>(bh) * max_out);
   const auto got_cnt = ToHost<int32_t>(counts, bh);

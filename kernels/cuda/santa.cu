@@ -79,11 +79,12 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
   __shared__ float sm_m[G], sm_l[G], sm_alpha[G], sm_w[G];
   __shared__ int sm_rows;
   float* ssm = sm;
+  extern __shared__ uint4 kst[];  // K staging, ScoreStageBytes
   int* cnt = reinterpret_cast<int*>(sm + kScoreFloats);
   int* idx = cnt + G * kTile;
 
   const DecodeShape& s = p.shape;
-  const int blk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int kvh = blockIdx.x, blk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = lane / L, lr = lane % L;
   const int n = s.seq_lens[b];
@@ -113,7 +114,11 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
   for (int t = t_begin; t < t_end; ++t) {
     const int t0 = t * kTile;
     const int len = min(kTile, n - t0);
-    ScoreTile<T, D, G, NW, Cfg::kUnroll>(qf, kb, ts, t0, len, ssm, warp, row, lr);
+    ScoreTile<T, D, G, NW, Cfg::kUnroll>(qf, kb, ts, t0, len, ssm, warp, row, lr, kst, t > t_begin);
+    if (t + 1 < t_end) {  // the next tile's first K round loads while this one samples
+      IssueKRound<D, G, NW, Cfg::kUnroll>(kb, ts, t0 + kTile, min(kTile, n - t0 - kTile), 0, kst,
+                                          warp, row);
+    }
     __syncthreads();
     for (int g = warp; g < G; g += NW) {
       const int h = kvh * G + g;
@@ -176,12 +181,13 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBlocks)
     Pass1Kernel(DecodeShape s, int tiles_per_block, int max_tiles, float* __restrict__ m_tiles,
-                float* __restrict__ l_tiles, float* __restrict__ stash) {
+                float* __restrict__ l_tiles, void* __restrict__ stash, bool fp16_stash) {
   using Cfg = TileCfg<D, G>;
   constexpr int NW = Cfg::kWarps;
   constexpr int L = D / 8;
   __shared__ __align__(16) float ssm[G * kTile];
-  const int blk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  extern __shared__ uint4 kst[];  // K staging, ScoreStageBytes
+  const int kvh = blockIdx.x, blk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = lane / L, lr = lane % L;
   const int n = s.seq_lens[b];
@@ -195,17 +201,26 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
   for (int t = t_begin; t < t_end; ++t) {
     const int t0 = t * kTile;
     const int len = min(kTile, n - t0);
-    ScoreTile<T, D, G, NW, Cfg::kUnroll>(qf, kb, s.kv.token_stride, t0, len, ssm, warp, row, lr);
+    ScoreTile<T, D, G, NW, Cfg::kUnroll>(qf, kb, s.kv.token_stride, t0, len, ssm, warp, row, lr,
+                                         kst, t > t_begin);
+    if (t + 1 < t_end) {
+      IssueKRound<D, G, NW, Cfg::kUnroll>(kb, s.kv.token_stride, t0 + kTile,
+                                          min(kTile, n - t0 - kTile), 0, kst, warp, row);
+    }
     __syncthreads();
     for (int g = warp; g < G; g += NW) {
       const int64_t bh = static_cast<int64_t>(b) * s.num_q_heads + kvh * G + g;
       float m2, ell, u[kPerLane];
       HeadStats(ssm + g * kTile, lane, m2, ell, u);
-      float4* dst =
-          reinterpret_cast<float4*>(stash + (bh * max_tiles + t) * kTile + lane * kPerLane);
+      const int64_t off = (bh * max_tiles + t) * kTile + lane * kPerLane;
+      if (fp16_stash) {
+        *reinterpret_cast<uint4*>(static_cast<uint16_t*>(stash) + off) = Pack8<Fp16>(u);
+      } else {
+        float4* dst = reinterpret_cast<float4*>(static_cast<float*>(stash) + off);
 #pragma unroll
-      for (int i = 0; i < kPerLane / 4; ++i) {
-        dst[i] = make_float4(u[4 * i], u[4 * i + 1], u[4 * i + 2], u[4 * i + 3]);
+        for (int i = 0; i < kPerLane / 4; ++i) {
+          dst[i] = make_float4(u[4 * i], u[4 * i + 1], u[4 * i + 2], u[4 * i + 3]);
+        }
       }
       if (lane == 0) {
         m_tiles[bh * max_tiles + t] = m2;
@@ -297,7 +312,7 @@ __global__ void __launch_bounds__(kSmallThreads)
 // (b, kv head) to finish writes out = accum / S.
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBlocks)
-    PropPass2Kernel(SantaParams p, int max_tiles, int num_parts, const float* __restrict__ stash,
+    PropPass2Kernel(SantaParams p, int max_tiles, int num_parts, const void* __restrict__ stash,
                     const int* __restrict__ s_tiles, const float* __restrict__ inv_delta,
                     float* __restrict__ accum, unsigned* __restrict__ counters) {
   using Cfg = TileCfg<D, G>;
@@ -311,7 +326,7 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
   int* cnt = reinterpret_cast<int*>(sm);
   int* idx = cnt + G * kTile;
   const DecodeShape& s = p.shape;
-  const int blk = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int kvh = blockIdx.x, blk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = lane / L;
   const int n = s.seq_lens[b];
@@ -341,15 +356,21 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
         for (int i = 0; i < kPerLane; ++i) c[lane * kPerLane + i] = 0;
       } else {
         float u[kPerLane];
-        const float4* src =
-            reinterpret_cast<const float4*>(stash + (bh * max_tiles + t) * kTile + lane * kPerLane);
+        const int64_t off = (bh * max_tiles + t) * kTile + lane * kPerLane;
+        if (p.fp16_stash) {
+          Unpack8<Fp16>(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(stash) + off),
+                        u);
+        } else {
+          const float4* src =
+              reinterpret_cast<const float4*>(static_cast<const float*>(stash) + off);
 #pragma unroll
-        for (int i = 0; i < kPerLane / 4; ++i) {
-          const float4 x = src[i];
-          u[4 * i] = x.x;
-          u[4 * i + 1] = x.y;
-          u[4 * i + 2] = x.z;
-          u[4 * i + 3] = x.w;
+          for (int i = 0; i < kPerLane / 4; ++i) {
+            const float4 x = src[i];
+            u[4 * i] = x.x;
+            u[4 * i + 1] = x.y;
+            u[4 * i + 2] = x.z;
+            u[4 * i + 3] = x.w;
+          }
         }
         const int h = kvh * G + g;
         const float a0 =
@@ -530,20 +551,22 @@ __global__ void __launch_bounds__(kSmallThreads)
 struct PropSpace {
   float* m_tiles;
   float* l_tiles;
-  float* stash;
+  void* stash;  // float, or fp16 with SantaParams::fp16_stash
   int* s_tiles;
   float* inv_delta;
   float* accum;
   unsigned* counters;
 };
 
-PropSpace CarveProp(const DecodeShape& s, const TilePlan& plan, void* base, size_t* bytes) {
+PropSpace CarveProp(const DecodeShape& s, const TilePlan& plan, bool fp16_stash, void* base,
+                    size_t* bytes) {
   const size_t bh = static_cast<size_t>(s.batch) * s.num_q_heads;
   Carver c(base);
   PropSpace r;
   r.m_tiles = c.Take<float>(bh * plan.max_tiles);
   r.l_tiles = c.Take<float>(bh * plan.max_tiles);
-  r.stash = c.Take<float>(bh * plan.max_tiles * kTile);
+  r.stash = fp16_stash ? static_cast<void*>(c.Take<uint16_t>(bh * plan.max_tiles * kTile))
+                       : static_cast<void*>(c.Take<float>(bh * plan.max_tiles * kTile));
   r.s_tiles = c.Take<int>(bh * plan.max_tiles);
   r.inv_delta = c.Take<float>(bh * plan.max_tiles);
   r.accum = c.Take<float>(bh * s.head_dim);
@@ -557,13 +580,17 @@ struct Pass1Launch {
   TilePlan plan;
   float* m_tiles;
   float* l_tiles;
-  float* stash;
+  void* stash;
+  bool fp16_stash;
   cudaStream_t stream;
   template <typename T, int D, int G>
   cudaError_t operator()() const {
-    const dim3 grid(plan.num_parts, s.num_kv_heads, s.batch);
-    Pass1Kernel<T, D, G><<<grid, TileCfg<D, G>::kThreads, 0, stream>>>(
-        s, plan.tiles_per_block, plan.max_tiles, m_tiles, l_tiles, stash);
+    const dim3 grid(s.num_kv_heads, plan.num_parts, s.batch);
+    constexpr size_t kSmem = ScoreStageBytes<D, G, TileCfg<D, G>::kWarps>();
+    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        &Pass1Kernel<T, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kSmem}));
+    Pass1Kernel<T, D, G><<<grid, TileCfg<D, G>::kThreads, kSmem, stream>>>(
+        s, plan.tiles_per_block, plan.max_tiles, m_tiles, l_tiles, stash, fp16_stash);
     return cudaGetLastError();
   }
 };
@@ -575,7 +602,7 @@ struct Pass2Launch {
   cudaStream_t stream;
   template <typename T, int D, int G>
   cudaError_t operator()() const {
-    const dim3 grid(plan.num_parts, p.shape.num_kv_heads, p.shape.batch);
+    const dim3 grid(p.shape.num_kv_heads, plan.num_parts, p.shape.batch);
     PropPass2Kernel<T, D, G><<<grid, TileCfg<D, G>::kThreads, 0, stream>>>(
         p, plan.max_tiles, plan.num_parts, ws.stash, ws.s_tiles, ws.inv_delta, ws.accum,
         ws.counters);
@@ -590,8 +617,8 @@ struct IidLaunch {
   cudaStream_t stream;
   template <typename T, int D, int G>
   cudaError_t operator()() const {
-    const size_t smem = static_cast<size_t>(max_tiles) * sizeof(double) +
-                        static_cast<size_t>(p.num_samples) * sizeof(int);
+    const size_t smem = (static_cast<size_t>(max_tiles) + 4) * sizeof(double) +
+                        (static_cast<size_t>(p.num_samples) + 4) * sizeof(int);
     if (smem > 200 * 1024) return cudaErrorInvalidValue;
     auto* kernel = &IidSampleKernel<T, D>;
     if (smem > 48 * 1024) {
@@ -599,7 +626,7 @@ struct IidLaunch {
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     }
     kernel<<<p.shape.batch * p.shape.num_q_heads, kSmallThreads, smem, stream>>>(
-        p, max_tiles, ws.m_tiles, ws.l_tiles, ws.stash);
+        p, max_tiles, ws.m_tiles, ws.l_tiles, static_cast<const float*>(ws.stash));
     return cudaGetLastError();
   }
 };
@@ -613,8 +640,11 @@ struct FlashLaunch {
   template <typename T, int D, int G>
   cudaError_t operator()() const {
     const DecodeShape& s = p.shape;
-    const dim3 grid(plan.num_parts, s.num_kv_heads, s.batch);
-    FlashKernel<T, D, G><<<grid, TileCfg<D, G>::kThreads, 0, stream>>>(
+    const dim3 grid(s.num_kv_heads, plan.num_parts, s.batch);
+    constexpr size_t kSmem = ScoreStageBytes<D, G, TileCfg<D, G>::kWarps>();
+    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        &FlashKernel<T, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kSmem}));
+    FlashKernel<T, D, G><<<grid, TileCfg<D, G>::kThreads, kSmem, stream>>>(
         p, plan.tiles_per_block, plan.num_parts, part_o, part_lse);
     KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     if (plan.num_parts > 1) {
@@ -627,7 +657,8 @@ struct FlashLaunch {
 
 cudaError_t LaunchBudget(const SantaParams& p, const TilePlan& plan, const PropSpace& ws,
                          cudaStream_t stream) {
-  const size_t smem = static_cast<size_t>(plan.max_tiles) * sizeof(double);
+  // + 32 bytes: the unrolled rank loop may load a vector that ends past the last element.
+  const size_t smem = (static_cast<size_t>(plan.max_tiles) + 4) * sizeof(double);
   if (smem > 200 * 1024) return cudaErrorInvalidValue;
   if (smem > 48 * 1024) {
     KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
@@ -643,7 +674,7 @@ cudaError_t LaunchBudget(const SantaParams& p, const TilePlan& plan, const PropS
 
 size_t SantaIidWorkspaceBytes(const SantaParams& p) {
   size_t bytes = 0;
-  CarveProp(p.shape, MakeTilePlan(p.shape), nullptr, &bytes);
+  CarveProp(p.shape, MakeTilePlan(p.shape), false, nullptr, &bytes);
   return bytes;
 }
 
@@ -653,17 +684,21 @@ cudaError_t SantaIid(const SantaParams& p, void* workspace, size_t workspace_byt
   if (p.shape.batch == 0) return cudaSuccess;
   const TilePlan plan = MakeTilePlan(p.shape);
   size_t need = 0;
-  const PropSpace ws = CarveProp(p.shape, plan, workspace, &need);
+  const PropSpace ws = CarveProp(p.shape, plan, false, workspace, &need);
   if (workspace == nullptr || workspace_bytes < need) return cudaErrorInvalidValue;
   const DecodeShape& s = p.shape;
   KVSPARSE_CUDA_RETURN_IF_ERROR(
       DispatchDecode(s.dtype, s.head_dim, s.group_size(),
-                     Pass1Launch{s, plan, ws.m_tiles, ws.l_tiles, ws.stash, stream}));
+                     Pass1Launch{s, plan, ws.m_tiles, ws.l_tiles, ws.stash, false, stream}));
   return DispatchDecode(s.dtype, s.head_dim, s.group_size(),
                         IidLaunch{p, plan.max_tiles, ws, stream});
 }
 
-size_t S2antaPropWorkspaceBytes(const SantaParams& p) { return SantaIidWorkspaceBytes(p); }
+size_t S2antaPropWorkspaceBytes(const SantaParams& p) {
+  size_t bytes = 0;
+  CarveProp(p.shape, MakeTilePlan(p.shape), p.fp16_stash, nullptr, &bytes);
+  return bytes;
+}
 
 cudaError_t S2antaProp(const SantaParams& p, void* workspace, size_t workspace_bytes,
                        cudaStream_t stream) {
@@ -671,12 +706,12 @@ cudaError_t S2antaProp(const SantaParams& p, void* workspace, size_t workspace_b
   if (p.shape.batch == 0) return cudaSuccess;
   const TilePlan plan = MakeTilePlan(p.shape);
   size_t need = 0;
-  const PropSpace ws = CarveProp(p.shape, plan, workspace, &need);
+  const PropSpace ws = CarveProp(p.shape, plan, p.fp16_stash, workspace, &need);
   if (workspace == nullptr || workspace_bytes < need) return cudaErrorInvalidValue;
   const DecodeShape& s = p.shape;
   KVSPARSE_CUDA_RETURN_IF_ERROR(
       DispatchDecode(s.dtype, s.head_dim, s.group_size(),
-                     Pass1Launch{s, plan, ws.m_tiles, ws.l_tiles, ws.stash, stream}));
+                     Pass1Launch{s, plan, ws.m_tiles, ws.l_tiles, ws.stash, p.fp16_stash, stream}));
   KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchBudget(p, plan, ws, stream));
   return DispatchDecode(s.dtype, s.head_dim, s.group_size(), Pass2Launch{p, plan, ws, stream});
 }

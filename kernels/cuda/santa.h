@@ -39,6 +39,11 @@ struct SantaParams {
   int32_t* sample_counts = nullptr;
   // device, shape: [B, H, S]; iid only: the sampled token indices, in draw order.
   int32_t* indices = nullptr;
+  // prop only: keep the pass-1 stash u = exp(s - m_tile) in fp16 instead of fp32. Halves the
+  // stash traffic (16 -> 8 bytes per token and kv head at G = 4, against 256 bytes of K); the
+  // counts then follow u rounded to fp16 (relative error <= 2^-11), so they no longer match the
+  // fp32 CPU reference token for token, though the estimator is the same.
+  bool fp16_stash = false;
 };
 
 size_t SantaIidWorkspaceBytes(const SantaParams& p);

@@ -38,46 +38,90 @@ __device__ __forceinline__ void LoadQ(const DecodeShape& s, int b, int kvh, int 
   }
 }
 
+// K rows of a tile are staged into shared memory with cp.async, kStageSlots 16-byte vectors per
+// thread at a time (all in flight together); each thread reads back only the slots it filled, so
+// staging needs no barrier. Dynamic shared memory: kStageSlots * threads * 16 bytes.
+constexpr int kStageSlots = 16;
+
+template <int D, int G, int NW, int U>
+struct ScoreGeom {
+  static constexpr int L = D / 8;
+  static constexpr int R = 32 / L;
+  static constexpr int TOK = R * U;                  // tokens per warp iteration
+  static constexpr int kIters = kTile / (NW * TOK);  // iterations per warp and tile
+  static constexpr int kPerRound = Max(1, Min(kIters, kStageSlots / U));
+  static constexpr int kRounds = kIters / kPerRound;
+};
+
+template <int D, int G, int NW>
+constexpr size_t ScoreStageBytes() {
+  return size_t{kStageSlots} * NW * 32 * 16;
+}
+
+// Issues round `round` of the K rows of tile [t0, t0 + len) (one cp.async group).
+template <int D, int G, int NW, int U>
+__device__ __forceinline__ void IssueKRound(const uint16_t* kb, int64_t ts, int t0, int len,
+                                            int round, uint4* kst, int warp, int row) {
+  using Geo = ScoreGeom<D, G, NW, U>;
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int it = 0; it < Geo::kPerRound; ++it) {
+    const int base = (round * Geo::kPerRound + it) * NW * Geo::TOK + warp * Geo::TOK;
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tok = base + u * Geo::R + row;
+      const bool ok = tok < len;
+      CpAsync16(&kst[(it * U + u) * NW * 32 + tid],
+                kb + (ok ? static_cast<int64_t>(t0 + tok) * ts : 0), ok);
+    }
+  }
+  CpAsyncCommit();
+}
+
 // Scores (log2 units) of tokens t0 .. t0 + len - 1 (len <= kTile) into ssm[g * kTile + i];
-// entries i >= len get -inf. kb points at dims lr*8 of token 0 of the (b, kvh) K rows.
+// entries i >= len get -inf. kb points at dims lr*8 of token 0 of the (b, kvh) K rows. When
+// round0_issued, the caller already issued round 0 (IssueKRound) for this tile.
 template <typename T, int D, int G, int NW, int U>
 __device__ __forceinline__ void ScoreTile(const float (&qf)[G][8], const uint16_t* kb, int64_t ts,
-                                          int t0, int len, float* ssm, int warp, int row, int lr) {
-  constexpr int L = D / 8;
-  constexpr int R = 32 / L;
-  constexpr int TOK = R * U;
+                                          int t0, int len, float* ssm, int warp, int row, int lr,
+                                          uint4* kst, bool round0_issued) {
+  using Geo = ScoreGeom<D, G, NW, U>;
+  constexpr int L = Geo::L;
+  constexpr int R = Geo::R;
   using TR = TransposeReduce<G * U, L>;
-  for (int base = warp * TOK; base < kTile; base += NW * TOK) {
-    uint4 kr[U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int tok = base + u * R + row;
-      kr[u] = tok < len ? LoadStream16(kb + static_cast<int64_t>(t0 + tok) * ts)
-                        : make_uint4(0, 0, 0, 0);
+  const int tid = threadIdx.x;
+  for (int round = 0; round < Geo::kRounds; ++round) {
+    if (round > 0 || !round0_issued) {
+      IssueKRound<D, G, NW, U>(kb, ts, t0, len, round, kst, warp, row);
     }
-    float part[G * U];
+    CpAsyncWait<0>();
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float kf[8];
-      Unpack8<T>(kr[u], kf);
+    for (int it = 0; it < Geo::kPerRound; ++it) {
+      const int base = (round * Geo::kPerRound + it) * NW * Geo::TOK + warp * Geo::TOK;
+      float part[G * U];
 #pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float d = 0.f;
+      for (int u = 0; u < U; ++u) {
+        float kf[8];
+        Unpack8<T>(kst[(it * U + u) * NW * 32 + tid], kf);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) d = fmaf(qf[g][e], kf[e], d);
-        part[g * U + u] = d;
+        for (int g = 0; g < G; ++g) {
+          float d = 0.f;
+#pragma unroll
+          for (int e = 0; e < 8; ++e) d = fmaf(qf[g][e], kf[e], d);
+          part[g * U + u] = d;
+        }
       }
-    }
-    TR::Run(part, lr);
-    if ((lr & ((1 << TR::kDupBits) - 1)) == 0) {
-      const int qi = TR::Q(lr);
+      TR::Run(part, lr);
+      if ((lr & ((1 << TR::kDupBits) - 1)) == 0) {
+        const int qi = TR::Q(lr);
 #pragma unroll
-      for (int j = 0; j < TR::kKeep; ++j) {
-        const int i = qi * TR::kKeep + j;
-        const int g = i / U;
-        const int u = i % U;
-        const int tok = base + u * R + row;
-        ssm[g * kTile + tok] = tok < len ? part[j] : kNegInf;
+        for (int j = 0; j < TR::kKeep; ++j) {
+          const int i = qi * TR::kKeep + j;
+          const int g = i / U;
+          const int u = i % U;
+          const int tok = base + u * R + row;
+          ssm[g * kTile + tok] = tok < len ? part[j] : kNegInf;
+        }
       }
     }
   }

@@ -48,7 +48,7 @@ class KvsDecodeArgs(ctypes.Structure):
     ]
 
 
-METHODS = {"dense": 0, "iid": 1, "prop": 2, "flash": 3}
+METHODS = {"dense": 0, "iid": 1, "prop": 2, "flash": 3, "prop-f16s": 4}
 
 
 def load_ours(path):
@@ -230,19 +230,22 @@ def main():
                         return F.scaled_dot_product_attention(qs, ks, vs, enable_gqa=True)
                 cfg.append((bname, 0, fn, lambda o: o.view(B, H, D), kv_bytes, True))
 
-            # ---- FlashInfer batch decode (pages of n tokens: one page per sequence, NHD)
+            # ---- FlashInfer batch decode: the NHD caches viewed as pages of 16 tokens
             if fi is not None:
+                ps = 16
+                kp = k.view(B * n // ps, ps, HKV, D)
+                vp = v.view(B * n // ps, ps, HKV, D)
                 for tc in (False, True):
                     try:
                         wsb = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
                         w = fi.BatchDecodeWithPagedKVCacheWrapper(wsb, "NHD", use_tensor_cores=tc)
-                        indptr = torch.arange(B + 1, dtype=torch.int32, device="cuda")
-                        indices = torch.arange(B, dtype=torch.int32, device="cuda")
-                        last = torch.full((B,), n, dtype=torch.int32, device="cuda")
-                        w.plan(indptr, indices, last, H, HKV, D, n, q_data_type=DT,
+                        indptr = torch.arange(B + 1, dtype=torch.int32, device="cuda") * (n // ps)
+                        indices = torch.arange(B * n // ps, dtype=torch.int32, device="cuda")
+                        last = torch.full((B,), ps, dtype=torch.int32, device="cuda")
+                        w.plan(indptr, indices, last, H, HKV, D, ps, q_data_type=DT,
                                kv_data_type=DT)
-                        def fn(w=w):
-                            return w.run(q, (k, v))
+                        def fn(w=w, kp=kp, vp=vp):
+                            return w.run(q, (kp, vp))
                         fn()
                         torch.cuda.synchronize()
                         cfg.append(("flashinfer" + ("-tc" if tc else ""), 0, fn, lambda o: o,
@@ -251,17 +254,27 @@ def main():
                         print(f"# flashinfer{'-tc' if tc else ''} failed: {type(ex).__name__}: "
                               f"{str(ex)[:300]}", flush=True)
 
-            # ---- ours
+            # ---- ours: on the [B, Hkv, n, d] tensors SDPA gets (the fastest baseline's layout)
+            # and on the sequence-major [B, n, Hkv, d] ones (the paper's and FlashInfer's).
             out = torch.empty(B, H, D, device="cuda", dtype=DT)
-            a = KvsDecodeArgs(B, H, HKV, D, 2, n, q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                              n * HKV * D, D, HKV * D, lens.data_ptr(), scale, out.data_ptr())
+            args_hnd = KvsDecodeArgs(B, H, HKV, D, 2, n, q.data_ptr(), ks.data_ptr(),
+                                     vs.data_ptr(), HKV * n * D, n * D, D, lens.data_ptr(), scale,
+                                     out.data_ptr())
+            args_nhd = KvsDecodeArgs(B, H, HKV, D, 2, n, q.data_ptr(), k.data_ptr(),
+                                     v.data_ptr(), n * HKV * D, D, HKV * D, lens.data_ptr(), scale,
+                                     out.data_ptr())
             rows_read = torch.zeros(B, HKV, dtype=torch.int32, device="cuda")
-            for name, S in (("dense", 0), ("prop", 128), ("flash", 2048), ("iid", 128),
-                            ("prop", 2048), ("flash", 128)):
+            for name, S, a, suffix in (("dense", 0, args_hnd, ""), ("dense", 0, args_nhd, "-nhd"),
+                                       ("prop", 128, args_hnd, ""),
+                                       ("prop-f16s", 128, args_hnd, ""),
+                                       ("prop", 128, args_nhd, "-nhd"),
+                                       ("flash", 2048, args_hnd, ""),
+                                       ("flash", 2048, args_nhd, "-nhd"),
+                                       ("iid", 128, args_hnd, "")):
                 m = METHODS[name]
                 ws = torch.empty(max(1, lib.kvs_decode_workspace_bytes(ctypes.byref(a), m, S)),
                                  dtype=torch.uint8, device="cuda")
-                def fn(m=m, S=S, ws=ws):
+                def fn(m=m, S=S, ws=ws, a=a, name=name):
                     check(lib, lib.kvs_decode(ctypes.byref(a), m, S, 1234, ctypes.c_void_p(
                         ws.data_ptr()), ws.numel(), None, stream()), name)
                     return out
@@ -277,9 +290,9 @@ def main():
                         v_rows = B * H * S
                     else:
                         v_rows = int(rows_read.sum().item())
-                    stash = 2 * B * H * n * 4 if m in (1, 2) else 0  # u stash write + read
+                    stash = {1: 8, 2: 8, 4: 4}.get(m, 0) * B * H * n  # u stash write + read
                     nbytes = k_bytes + v_rows * row_bytes + stash
-                cfg.append((f"ours-{name}", S, fn, lambda o: o.clone(), nbytes, m == 0))
+                cfg.append((f"ours-{name}{suffix}", S, fn, lambda o: o.clone(), nbytes, m == 0))
 
             # ---- the S2ANTA authors' kernels (same S, same tensors)
             if santa["prop"] is not None:
@@ -328,11 +341,28 @@ def main():
                 maxo = sink + win + topk
                 idx = torch.empty(B, H, maxo, dtype=torch.int32, device="cuda")
                 cnt = torch.empty(B, H, dtype=torch.int32, device="cuda")
+                targs = (B, H, HKV, 32, qsig.data_ptr(), ksig.data_ptr(), HKV * n, n,
+                         lens.data_ptr(), n, sink, win, topk, idx.data_ptr(), cnt.data_ptr())
+                need = lib.kvs_hash_topk(*targs, None, 0, stream())
+                hws = torch.empty(max(need, 1), dtype=torch.uint8, device="cuda")
                 def fn():
-                    check(lib, lib.kvs_hash_topk(B, H, HKV, 32, qsig.data_ptr(), ksig.data_ptr(),
-                                                 HKV * n, n, lens.data_ptr(), n, sink, win, topk,
-                                                 idx.data_ptr(), cnt.data_ptr(), None, 0,
-                                                 stream()), "hash_topk")
+                    check(lib, lib.kvs_hash_topk(*targs, ctypes.c_void_p(hws.data_ptr()),
+                                                 hws.numel(), stream()), "hash_topk")
+                fn()
+                torch.cuda.synchronize()
+                # Check the selection against torch: the top-k of the rest by similarity
+                # (ties to the lower token) plus sink and window, for head 0 of sequence 0.
+                sim = 32 - 2 * torch.bitwise_count(ksig[0, 0] ^ qsig[0, 0]).to(torch.int64) \
+                    if hasattr(torch, "bitwise_count") else None
+                if sim is not None:
+                    rest = sim[sink:n - win]
+                    key = rest * (1 << 20) - torch.arange(rest.numel(), device="cuda")
+                    top = torch.topk(key, topk).indices + sink
+                    want = torch.cat([torch.arange(sink, device="cuda"), top.sort().values,
+                                      torch.arange(n - win, n, device="cuda")])
+                    got = idx[0, 0, :cnt[0, 0]].to(torch.int64)
+                    ok = got.numel() == want.numel() and bool((got == want).all())
+                    print(f"# hash top-k selection matches torch.topk: {ok}", flush=True)
                 med, _ = bench(fn)
                 hb = B * HKV * n * 4
                 r = dict(kernel="ours-hash-topk", B=B, n=n, S=topk, us=med, bytes=hb,
