@@ -50,6 +50,7 @@ class Sequence {
     info.layer_lengths = lengths_;
     info.bytes_used = pages_held_.load() * page_bytes;
     info.page_tokens = static_cast<uint32_t>(page_tokens_);
+    info.incarnation = incarnation_;
     return info;
   }
 
@@ -66,6 +67,7 @@ class Sequence {
   // [num_layers * num_kv_heads] page lists. Written under mu_ (writer); pages never move.
   std::vector<std::vector<uint8_t*>> lanes_ ABSL_GUARDED_BY(mu_);
   std::atomic<uint64_t> pages_held_{0};
+  uint64_t incarnation_ = 0;  // set once at creation, before the sequence is shared
 
   // Both guarded by Store::mu_ (the store's map lock).
   int32_t pins_ = 0;
@@ -137,6 +139,7 @@ absl::StatusOr<SequenceInfo> Store::CreateSequence(absl::string_view sequence_id
   if (absl::Status s = ValidatePlacement(placement); !s.ok()) return s;
   auto seq = std::make_shared<Sequence>(std::string(sequence_id), shape, placement,
                                         options_.page_bytes, &pool_);
+  seq->incarnation_ = next_incarnation_.fetch_add(1) + 1;
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto [it, inserted] = sequences_.try_emplace(seq->id_, seq);

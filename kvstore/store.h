@@ -63,6 +63,9 @@ struct SequenceInfo {
   std::vector<uint64_t> layer_lengths;
   uint64_t bytes_used = 0;
   uint32_t page_tokens = 0;
+  // Unique per creation in this store: a sequence dropped and created again under the same id
+  // gets a new incarnation, so a worker holding state for the old one can tell.
+  uint64_t incarnation = 0;
 };
 
 struct StoreStats {
@@ -153,7 +156,6 @@ class Store {
   Store& operator=(const Store&) = delete;
 
   // ALREADY_EXISTS if the id is taken; INVALID_ARGUMENT for a bad id, shape or placement;
-  // UNIMPLEMENTED for a tier the store does not serve.
   absl::StatusOr<SequenceInfo> CreateSequence(absl::string_view sequence_id,
                                               const ModelShape& shape, const Placement& placement);
   // Returns the bytes that return to the store once in-flight calls on it finish.
@@ -197,6 +199,7 @@ class Store {
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
   uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;  // LRU clock
 
+  std::atomic<uint64_t> next_incarnation_{0};
   std::atomic<uint64_t> evictions_{0};
   std::atomic<uint64_t> rejections_{0};
   std::atomic<uint64_t> rows_appended_{0};

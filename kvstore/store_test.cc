@@ -190,6 +190,18 @@ TEST(StoreTest, AppendsLayerByLayer) {
   ExpectRow(s, g->k.data(), 3, 1, 2, 0);
 }
 
+TEST(StoreTest, RecreatedSequenceHasNewIncarnation) {
+  auto store = NewStore();
+  const ModelShape s = Shape(DType::kBf16);
+  auto first = store->CreateSequence("a", s, {});
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE(store->DropSequence("a").ok());
+  auto second = store->CreateSequence("a", s, {});
+  ASSERT_TRUE(second.ok());
+  EXPECT_NE(first->incarnation, second->incarnation);
+  EXPECT_EQ(store->GetSequenceInfo("a")->incarnation, second->incarnation);
+}
+
 TEST(StoreTest, ExpectedLengthMakesRetriesSafe) {
   auto store = NewStore();
   const ModelShape s = Shape(DType::kFp16);
@@ -231,7 +243,10 @@ TEST(StoreTest, BadInputGetsClearCodesAndStoreKeepsServing) {
   EXPECT_EQ(store->CreateSequence("b", bad, {}).status().code(), StatusCode::kInvalidArgument);
   Placement dev;
   dev.k_tier = Tier::kDevice;
-  EXPECT_EQ(store->CreateSequence("b", s, dev).status().code(), StatusCode::kUnimplemented);
+  EXPECT_TRUE(store->CreateSequence("dev", s, dev).ok());  // a worker placement: accepted
+  Placement remote;
+  remote.v_tier = Tier::kRemote;
+  EXPECT_EQ(store->CreateSequence("b", s, remote).status().code(), StatusCode::kInvalidArgument);
   Placement bits;
   bits.signature_bits = 48;
   EXPECT_EQ(store->CreateSequence("b", s, bits).status().code(), StatusCode::kInvalidArgument);

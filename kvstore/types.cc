@@ -70,11 +70,13 @@ absl::Status ValidatePlacement(const Placement& p) {
     return absl::InvalidArgumentError(absl::StrCat(
         "signature_bits must be 0 or a multiple of 32 up to 256, got ", p.signature_bits));
   }
+  // The store always holds every row in its host tier; a placement says where the decode
+  // worker keeps its own copy (device) or reads through the store (host).
   for (Tier t : {p.k_tier, p.v_tier}) {
-    if (t != Tier::kHost) {
-      return absl::UnimplementedError(absl::StrCat(
-          "tier '", TierName(t),
-          "' is served by the decode worker, which this store does not provide; use host"));
+    if (t == Tier::kRemote) {
+      return absl::InvalidArgumentError(
+          "placement tiers are host or device (where the decode worker keeps rows); remote is "
+          "where a worker reaches a store, not a placement");
     }
   }
   return absl::OkStatus();

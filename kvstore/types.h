@@ -33,9 +33,13 @@ struct ModelShape {
   size_t row_bytes() const { return static_cast<size_t>(head_dim) * kernels::DTypeSize(dtype); }
 };
 
+// Where the decode worker keeps a sequence's rows. The store holds every row in its host tier
+// regardless; kDevice means the worker also keeps that half resident on its GPU (only selected
+// rows of a kHost half cross the boundary), and signature_bits > 0 means it keeps HashAttention
+// signatures of every key on the GPU.
 struct Placement {
-  Tier k_tier = Tier::kHost;
-  Tier v_tier = Tier::kHost;
+  Tier k_tier = Tier::kHost;  // kHost or kDevice
+  Tier v_tier = Tier::kHost;  // kHost or kDevice
   uint32_t signature_bits = 0;  // 0, or a multiple of 32 up to 256
 };
 
@@ -58,7 +62,7 @@ inline constexpr size_t kMaxSequenceIdBytes = 128;
 [[nodiscard]] absl::Status ValidateSequenceId(absl::string_view id);
 // INVALID_ARGUMENT for a shape the store cannot hold (zero or too large dims, H % Hkv != 0).
 [[nodiscard]] absl::Status ValidateModelShape(const ModelShape& shape);
-// INVALID_ARGUMENT for bad signature bits; UNIMPLEMENTED for tiers this store does not serve.
+// INVALID_ARGUMENT for bad signature bits or a remote tier.
 [[nodiscard]] absl::Status ValidatePlacement(const Placement& placement);
 
 }  // namespace kvsparse::kvstore

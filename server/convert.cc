@@ -188,6 +188,7 @@ void ToProto(const kvstore::SequenceInfo& info, v1::SequenceInfo* out) {
   out->mutable_layer_lengths()->Assign(info.layer_lengths.begin(), info.layer_lengths.end());
   out->set_bytes_used(info.bytes_used);
   out->set_page_tokens(info.page_tokens);
+  out->set_incarnation(info.incarnation);
 }
 
 void ToProto(const kvstore::StoreStats& st, v1::StoreStats* out) {

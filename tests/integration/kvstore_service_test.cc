@@ -189,7 +189,8 @@ TEST_F(ServiceTest, BadRequestsGetClearCodesAndLoseNothing) {
   expect(client_->CreateSequence("x", bad).status(), StatusCode::kInvalidArgument, "dtype");
   v1::Placement dev;
   dev.set_k_tier(v1::TIER_DEVICE);
-  expect(client_->CreateSequence("x", Shape(), dev).status(), StatusCode::kUnimplemented, "tier");
+  dev.set_k_tier(v1::TIER_REMOTE);
+  expect(client_->CreateSequence("x", Shape(), dev).status(), StatusCode::kInvalidArgument, "tier");
   // Append.
   expect(client_->Append(AppendReq("nope", 0, 1)).status(), StatusCode::kNotFound, "unknown seq");
   expect(client_->Append(AppendReq("s", 10, 1, v1::DTYPE_FP16)).status(),
