@@ -41,6 +41,8 @@
 //   kBernoulliGroup   kv head  lane = feature i, Uniform(r): mean-group-query draws.
 //   kSimHashPlane     key = signature seed, sequence = layer, head = signature head,
 //                     lane = bit j, GaussianPair(p) gives coordinates 2p and 2p+1 of plane j.
+//   kSequenceSeed     sequence = index i of a sequence in a multi-sequence call, head 0:
+//                     Draw64(0) is the seed of that sequence's batch-1 problem (SequenceSeed).
 // ---------------------------------------------------------------------------------------------
 #ifndef KVSPARSE_KERNELS_PHILOX_H_
 #define KVSPARSE_KERNELS_PHILOX_H_
@@ -108,6 +110,7 @@ enum class RngTag : uint16_t {
   kBernoulliHead = 8,
   kBernoulliGroup = 9,
   kSimHashPlane = 10,
+  kSequenceSeed = 11,
 };
 
 // 2^-24 and 2^-53 as exact constants.
@@ -185,6 +188,13 @@ KVSPARSE_HD void GaussianPair(const PhiloxStream& s, uint32_t p, float* z0, floa
   const double ang = 6.283185307179586476925286766559 * u2;
   *z0 = static_cast<float>(rad * ::cos(ang));
   *z1 = static_cast<float>(rad * ::sin(ang));
+}
+
+// The seed of the i-th sequence of a call that runs each sequence as its own batch-1 problem
+// (the decode worker does): Draw64(0) of stream (seed, kSequenceSeed, sequence = i, head 0).
+// Distinct sequences of one call get independent streams; any backend derives the same seeds.
+KVSPARSE_HD uint64_t SequenceSeed(uint64_t seed, uint32_t i) {
+  return PhiloxStream::Make(seed, RngTag::kSequenceSeed, i, 0).Draw64(0);
 }
 
 }  // namespace kvsparse::kernels

@@ -1,0 +1,119 @@
+// The decode engine: one layer of one decode step for B sequences, no gRPC inside.
+//
+//   1. validate; append the new token's K/V (if given) to the store and the resident state
+//   2. sync the resident state (K, V, signatures the placement keeps on the device)
+//   3. selection (kernels/: dense, SANTA/S2ANTA, HashAttention top-k, vAttention)
+//   4. gather exactly the rows the selection lists: one RowSource::Gather per sequence for all
+//      kv heads (each row once: the union over the GQA group); resident halves are read in place
+//   5. estimate (fp32 accumulation), output in q's dtype, with per-kv-head statistics
+//
+// Each sequence of a call is its own batch-1 problem; sequence i draws its random numbers with
+// kernels::SequenceSeed(seed, i). This build computes on the CPU (the kernels' references); the
+// CUDA path plugs in behind the same stages.
+#ifndef KVSPARSE_SERVER_DECODE_ENGINE_H_
+#define KVSPARSE_SERVER_DECODE_ENGINE_H_
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kernels/dtype.h"
+#include "kernels/hash_topk.h"
+#include "kernels/santa.h"
+#include "kernels/vattention.h"
+#include "kvstore/types.h"
+#include "server/resident_cache.h"
+#include "server/row_source.h"
+
+namespace kvsparse::server {
+
+enum class MethodKind { kDense, kSanta, kHashTopK, kVAttention };
+const char* MethodName(MethodKind kind);
+
+struct Method {
+  MethodKind kind = MethodKind::kDense;
+  kernels::SantaParams santa;            // kSanta (tile_size 0: EngineOptions::default_tile_size)
+  kernels::HashTopKParams hash;          // kHashTopK (bits 0: the sequence's signature bits)
+  kernels::VAttentionParams vattention;  // kVAttention (bits 0: the sequence's)
+  bool learned_signatures = false;       // the request asked for learned (not SimHash) signatures
+};
+
+struct DecodeCall {
+  uint32_t layer = 0;
+  std::vector<std::string> sequence_ids;  // B
+  kernels::DType q_dtype = kernels::DType::kBf16;
+  absl::Span<const uint8_t> q;  // [B, H, d] of q_dtype
+  // Optional new token per sequence, appended to `layer` first: [B, Hkv, d] each, in the
+  // sequences' dtype (new_kv_dtype must match it).
+  absl::Span<const uint8_t> new_k, new_v;
+  kernels::DType new_kv_dtype = kernels::DType::kBf16;
+  Method method;
+  uint64_t seed = 0;
+  float scale = 0.f;  // 0: 1/sqrt(d)
+  bool return_indices = false;
+  absl::Time deadline = absl::InfiniteFuture();
+};
+
+struct HeadStats {
+  uint32_t sequence_index = 0;
+  uint32_t kv_head = 0;
+  uint64_t rows_selected = 0;     // over the group's query heads, counting repeats
+  uint64_t rows_fetched = 0;      // distinct rows read for the estimate and the selection
+  std::vector<uint64_t> budgets;  // per query head of the group
+  std::array<uint64_t, kvstore::kNumTiers> bytes{};  // read from each tier
+  uint64_t dense_equivalent_bytes = 0;               // K and V of every row
+  std::vector<uint32_t> fetched_tokens;              // with return_indices: the estimate's rows
+};
+
+struct DecodeTiming {
+  double selection_seconds = 0, gather_seconds = 0, compute_seconds = 0, engine_seconds = 0;
+};
+
+struct DecodeResult {
+  std::string output;            // [B, H, d] in q's dtype
+  std::vector<HeadStats> heads;  // [B * Hkv]
+  DecodeTiming timing;
+  uint64_t sync_bytes = 0;  // rows read to bring resident state up to date (not per-step cost)
+};
+
+struct EngineOptions {
+  int32_t default_tile_size = 256;              // S2ANTA tile when a request gives 0
+  size_t resident_capacity_bytes = 4ull << 30;  // device-tier state (K, V, signatures)
+  SignatureConfig signatures;
+};
+
+class DecodeEngine {
+ public:
+  // REQUIRES: source outlives the engine.
+  DecodeEngine(EngineOptions options, RowSource* source);
+  DecodeEngine(const DecodeEngine&) = delete;
+  DecodeEngine& operator=(const DecodeEngine&) = delete;
+
+  // INVALID_ARGUMENT (shapes, dtypes, method parameters), NOT_FOUND (unknown sequence),
+  // FAILED_PRECONDITION (method needs what the placement does not keep, e.g. hash top-k without
+  // signatures), RESOURCE_EXHAUSTED (store or device tier full), DEADLINE_EXCEEDED; errors of the
+  // row source pass through. Thread-safe; calls on one sequence serialise per layer.
+  absl::StatusOr<DecodeResult> Decode(const DecodeCall& call);
+
+  const ResidentCache& resident() const { return cache_; }
+  const char* backend() const { return "cpu"; }
+
+ private:
+  struct Sequence;
+  absl::Status DecodeSequence(const DecodeCall& call, uint32_t index, const SequenceDesc& desc,
+                              DecodeResult* result);
+
+  const EngineOptions options_;
+  RowSource* const source_;
+  SignatureMaker signatures_;
+  ResidentCache cache_;
+};
+
+}  // namespace kvsparse::server
+
+#endif  // KVSPARSE_SERVER_DECODE_ENGINE_H_

@@ -1,0 +1,390 @@
+#include "server/decode_engine.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "gtest/gtest.h"
+#include "kernels/dense.h"
+#include "kernels/philox.h"
+#include "kernels/synthetic.h"
+#include "kvstore/store.h"
+
+namespace kvsparse::server {
+namespace {
+
+using kernels::DType;
+
+constexpr uint32_t kLayers = 2;
+constexpr uint32_t kLayer = 1;  // the layer the tests decode
+
+// A store holding one synthetic problem's sequences (same K/V in every layer), and an engine
+// over it.
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    kvstore::StoreOptions so;
+    so.capacity_bytes = 512ull << 20;
+    auto store = kvstore::Store::Create(so);
+    ASSERT_TRUE(store.ok());
+    store_ = std::move(*store);
+    source_ = NewLocalRowSource(store_.get());
+    EngineOptions eo;
+    eo.signatures.simhash_seed = kSigSeed;
+    engine_ = std::make_unique<DecodeEngine>(eo, source_.get());
+  }
+
+  // Makes the synthetic problem and loads its sequences as "s0", "s1", ... with `placement`.
+  void Load(kernels::SyntheticOptions o, const kvstore::Placement& placement) {
+    prob_ = kernels::SyntheticProblem::Make(o);
+    const kernels::DecodeProblem& p = prob_.problem;
+    shape_ = {kLayers, static_cast<uint32_t>(p.num_q_heads), static_cast<uint32_t>(p.num_kv_heads),
+              static_cast<uint32_t>(p.head_dim), p.dtype};
+    const size_t es = kernels::DTypeSize(p.dtype);
+    for (int32_t b = 0; b < p.batch; ++b) {
+      const std::string id = "s" + std::to_string(b);
+      ASSERT_TRUE(store_->CreateSequence(id, shape_, placement).ok());
+      const size_t n = prob_.seq_lens[b];
+      // Layout [B, n_max, Hkv, d]: sequence b's rows are token-major already.
+      const size_t bytes = n * p.num_kv_heads * p.head_dim * es;
+      std::vector<uint8_t> k(kLayers * bytes), v(kLayers * bytes);
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        std::memcpy(k.data() + l * bytes,
+                    prob_.k.data() + b * p.kv_layout.batch_stride * es, bytes);
+        std::memcpy(v.data() + l * bytes,
+                    prob_.v.data() + b * p.kv_layout.batch_stride * es, bytes);
+      }
+      kvstore::AppendRequest r;
+      r.sequence_id = id;
+      r.num_layers = kLayers;
+      r.num_tokens = n;
+      r.dtype = p.dtype;
+      r.num_kv_heads = p.num_kv_heads;
+      r.head_dim = p.head_dim;
+      r.k = k;
+      r.v = v;
+      ASSERT_TRUE(store_->Append(r).ok());
+    }
+  }
+
+  DecodeCall Call(const Method& m, uint64_t seed = 99) {
+    const kernels::DecodeProblem& p = prob_.problem;
+    DecodeCall c;
+    c.layer = kLayer;
+    for (int32_t b = 0; b < p.batch; ++b) c.sequence_ids.push_back("s" + std::to_string(b));
+    c.q_dtype = p.dtype;
+    c.q = prob_.q;
+    c.method = m;
+    c.seed = seed;
+    c.return_indices = true;
+    return c;
+  }
+
+  // Batch-1 view of sequence b of the synthetic problem.
+  kernels::DecodeProblem One(int32_t b, std::vector<uint8_t>* out) {
+    kernels::DecodeProblem p = prob_.problem;
+    const size_t es = kernels::DTypeSize(p.dtype);
+    p.batch = 1;
+    p.q = prob_.q.data() + static_cast<size_t>(b) * p.num_q_heads * p.head_dim * es;
+    p.k = prob_.k.data() + b * p.kv_layout.batch_stride * es;
+    p.v = prob_.v.data() + b * p.kv_layout.batch_stride * es;
+    p.seq_lens = &prob_.seq_lens[b];
+    out->assign(static_cast<size_t>(p.num_q_heads) * p.head_dim * es, 0);
+    p.out = out->data();
+    return p;
+  }
+
+  // The engine's result for sequence b equals the reference's: rows and output bytes.
+  void ExpectSame(const DecodeResult& got, int32_t b, const kernels::RowSelection& want_sel,
+                  const std::vector<uint8_t>& want_out) {
+    const kernels::DecodeProblem& p = prob_.problem;
+    const size_t es = kernels::DTypeSize(p.dtype);
+    const size_t bytes = static_cast<size_t>(p.num_q_heads) * p.head_dim * es;
+    for (int32_t j = 0; j < p.num_kv_heads; ++j) {
+      const HeadStats& hs = got.heads[b * p.num_kv_heads + j];
+      const auto& ws = want_sel.at(0, j);
+      ASSERT_EQ(hs.fetched_tokens.size(), ws.tokens.size()) << "kv head " << j;
+      for (size_t i = 0; i < ws.tokens.size(); ++i) {
+        ASSERT_EQ(hs.fetched_tokens[i], static_cast<uint32_t>(ws.tokens[i]));
+      }
+      EXPECT_EQ(hs.rows_selected, static_cast<uint64_t>(ws.rows_selected()));
+      ASSERT_EQ(hs.budgets.size(), ws.budgets.size());
+      for (size_t g = 0; g < ws.budgets.size(); ++g) {
+        EXPECT_EQ(hs.budgets[g], static_cast<uint64_t>(ws.budgets[g]));
+      }
+    }
+    EXPECT_EQ(std::memcmp(got.output.data() + b * bytes, want_out.data(), bytes), 0)
+        << "output of sequence " << b << " differs from the reference";
+  }
+
+  static constexpr uint64_t kSigSeed = 1234;
+  std::unique_ptr<kvstore::Store> store_;
+  std::unique_ptr<RowSource> source_;
+  std::unique_ptr<DecodeEngine> engine_;
+  kernels::SyntheticProblem prob_;
+  kvstore::ModelShape shape_;
+};
+
+kernels::SyntheticOptions Options(int32_t batch = 2, std::vector<int32_t> lens = {700, 1500}) {
+  kernels::SyntheticOptions o;
+  o.family = kernels::ScoreFamily::kPeaked;
+  o.batch = batch;
+  o.num_q_heads = 8;
+  o.num_kv_heads = 2;
+  o.head_dim = 64;
+  o.seq_lens = std::move(lens);
+  o.seed = 5;
+  return o;
+}
+
+double RelL2(const std::string& got, const std::vector<double>& ref, DType t) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const double g = kernels::LoadAsFloat(got.data(), i, t);
+    num += (g - ref[i]) * (g - ref[i]);
+    den += ref[i] * ref[i];
+  }
+  return std::sqrt(num / den);
+}
+
+TEST_F(EngineTest, DenseEqualsDenseAttention) {
+  Load(Options(), {});
+  auto r = engine_->Decode(Call(Method{}));
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::vector<double> ref;
+  ASSERT_TRUE(kernels::DenseDecodeFloat64(prob_.problem, &ref).ok());
+  EXPECT_LT(RelL2(r->output, ref, DType::kBf16), 8e-3);
+  // Dense over the host tier fetches every K and V row, and says so.
+  const size_t row = shape_.row_bytes();
+  for (const HeadStats& hs : r->heads) {
+    const uint64_t n = prob_.seq_lens[hs.sequence_index];
+    EXPECT_EQ(hs.rows_fetched, n);
+    EXPECT_EQ(hs.bytes[static_cast<int>(kvstore::Tier::kHost)], 2 * n * row);
+    EXPECT_EQ(hs.dense_equivalent_bytes, 2 * n * row);
+  }
+}
+
+TEST_F(EngineTest, SantaSelectsWhatTheReferenceSelectsAndFetchesOnlyV) {
+  kvstore::Placement kdev;
+  kdev.k_tier = kvstore::Tier::kDevice;  // S2ANTA placement: K resident, V in host memory
+  Load(Options(), kdev);
+  for (auto alloc : {kernels::SantaAllocation::kProp, kernels::SantaAllocation::kFlash}) {
+    Method m;
+    m.kind = MethodKind::kSanta;
+    m.santa.allocation = alloc;
+    m.santa.samples = 64;
+    m.santa.tile_size = 128;
+    auto r = engine_->Decode(Call(m));
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (int32_t b = 0; b < 2; ++b) {
+      std::vector<uint8_t> out;
+      kernels::DecodeProblem p = One(b, &out);
+      kernels::RowSelection sel;
+      ASSERT_TRUE(kernels::SantaDecodeCpu(p, m.santa, kernels::SequenceSeed(99, b), &sel).ok());
+      ExpectSame(*r, b, sel, out);
+    }
+    const size_t row = shape_.row_bytes();
+    for (const HeadStats& hs : r->heads) {
+      // Only the sampled V rows cross from the host; K is read where it lives (device).
+      EXPECT_EQ(hs.bytes[static_cast<int>(kvstore::Tier::kHost)], hs.rows_fetched * row);
+      EXPECT_EQ(hs.rows_fetched, hs.fetched_tokens.size());
+      EXPECT_GT(hs.bytes[static_cast<int>(kvstore::Tier::kDevice)], 0u);
+    }
+  }
+}
+
+TEST_F(EngineTest, SantaWithKInHostFetchesAllKForTheScores) {
+  Load(Options(1, {900}), {});
+  Method m;
+  m.kind = MethodKind::kSanta;
+  m.santa.samples = 32;
+  auto r = engine_->Decode(Call(m));
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::vector<uint8_t> out;
+  kernels::DecodeProblem p = One(0, &out);
+  kernels::RowSelection sel;
+  ASSERT_TRUE(kernels::SantaDecodeCpu(p, m.santa, kernels::SequenceSeed(99, 0), &sel).ok());
+  ExpectSame(*r, 0, sel, out);
+  const size_t row = shape_.row_bytes();
+  for (const HeadStats& hs : r->heads) {
+    EXPECT_EQ(hs.rows_fetched, 900 + hs.fetched_tokens.size());
+    EXPECT_EQ(hs.bytes[static_cast<int>(kvstore::Tier::kHost)], hs.rows_fetched * row);
+  }
+}
+
+TEST_F(EngineTest, HashTopKSelectsWhatTheReferenceSelects) {
+  kvstore::Placement sig;
+  sig.signature_bits = 64;
+  Load(Options(), sig);
+  Method m;
+  m.kind = MethodKind::kHashTopK;
+  m.hash.sink_tokens = 16;
+  m.hash.local_tokens = 32;
+  m.hash.top_k = 40;
+  m.hash.bits = 0;  // the sequence's
+  auto r = engine_->Decode(Call(m));
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (int32_t b = 0; b < 2; ++b) {
+    std::vector<uint8_t> out;
+    kernels::DecodeProblem p = One(b, &out);
+    kernels::SimHashConfig cfg;
+    cfg.seed = kSigSeed;
+    cfg.layer = kLayer;
+    cfg.bits = 64;
+    kernels::Signatures sigs;
+    ASSERT_TRUE(kernels::ComputeSimHashSignatures(p, cfg, &sigs).ok());
+    kernels::HashTopKParams hp = m.hash;
+    hp.bits = 64;
+    kernels::RowSelection sel;
+    ASSERT_TRUE(kernels::HashTopKDecodeCpu(p, hp, sigs.view, &sel).ok());
+    ExpectSame(*r, b, sel, out);
+  }
+  // Only the selected K and V rows cross; the device holds 64 bits per key instead of K and V.
+  const size_t row = shape_.row_bytes();
+  for (const HeadStats& hs : r->heads) {
+    EXPECT_EQ(hs.bytes[static_cast<int>(kvstore::Tier::kHost)], 2 * hs.rows_fetched * row);
+    EXPECT_LE(hs.rows_fetched, 16u + 32u + 4u * 40u);
+  }
+  const uint64_t resident = engine_->resident().bytes();
+  EXPECT_LT(resident, (700 + 1500) * 2 * 2 * row / 20);  // < 5% of the K+V layout
+}
+
+TEST_F(EngineTest, VAttentionSelectsWhatTheReferenceSelects) {
+  for (auto predictor : {kernels::TopKPredictor::kHash, kernels::TopKPredictor::kExact}) {
+    SetUp();
+    kvstore::Placement place;
+    place.signature_bits = 32;
+    if (predictor == kernels::TopKPredictor::kExact) place.k_tier = kvstore::Tier::kDevice;
+    Load(Options(), place);
+    Method m;
+    m.kind = MethodKind::kVAttention;
+    m.vattention.epsilon = 0.1f;
+    m.vattention.delta = 0.1f;
+    m.vattention.sink_tokens = 8;
+    m.vattention.local_tokens = 16;
+    m.vattention.top_k = 0;
+    m.vattention.top_k_fraction = 0.02f;
+    m.vattention.base_rate = 0.05f;
+    m.vattention.predictor = predictor;
+    m.vattention.bits = 0;
+    auto r = engine_->Decode(Call(m, 7));
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (int32_t b = 0; b < 2; ++b) {
+      std::vector<uint8_t> out;
+      kernels::DecodeProblem p = One(b, &out);
+      kernels::SimHashConfig cfg;
+      cfg.seed = kSigSeed;
+      cfg.layer = kLayer;
+      cfg.bits = 32;
+      kernels::Signatures sigs;
+      ASSERT_TRUE(kernels::ComputeSimHashSignatures(p, cfg, &sigs).ok());
+      kernels::VAttentionParams vp = m.vattention;
+      vp.bits = 32;
+      kernels::RowSelection sel;
+      ASSERT_TRUE(kernels::VAttentionDecodeCpu(p, vp, kernels::SequenceSeed(7, b), &sigs.view,
+                                               &sel)
+                      .ok());
+      ExpectSame(*r, b, sel, out);
+    }
+  }
+}
+
+TEST_F(EngineTest, NewTokenIsAppendedToStoreAndResidentState) {
+  kvstore::Placement kdev;
+  kdev.k_tier = kvstore::Tier::kDevice;
+  kdev.signature_bits = 32;
+  Load(Options(2, {300, 301}), kdev);
+  // Warm the resident state, then decode with a new token: it must be part of the attention.
+  Method dense;
+  ASSERT_TRUE(engine_->Decode(Call(dense)).ok());
+  DecodeCall c = Call(dense);
+  const size_t token = static_cast<size_t>(2) * 64 * 2;  // Hkv x d x bf16
+  std::vector<uint8_t> nk(2 * token), nv(2 * token);
+  for (size_t i = 0; i < nk.size() / 2; ++i) {
+    kernels::StoreFromFloat(nk.data(), i, DType::kBf16, 0.01f * (i % 17));
+    kernels::StoreFromFloat(nv.data(), i, DType::kBf16, 1.0f + 0.1f * (i % 5));
+  }
+  c.new_k = nk;
+  c.new_v = nv;
+  c.new_kv_dtype = DType::kBf16;
+  auto r = engine_->Decode(c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(store_->GetSequenceInfo("s0")->layer_lengths[kLayer], 301u);
+  EXPECT_EQ(store_->GetSequenceInfo("s1")->layer_lengths[kLayer], 302u);
+  EXPECT_EQ(store_->GetSequenceInfo("s1")->layer_lengths[0], 301u);  // other layer untouched
+  for (const HeadStats& hs : r->heads) {
+    EXPECT_EQ(hs.fetched_tokens.back(), hs.sequence_index == 0 ? 300u : 301u);
+  }
+  // SANTA reads K from the resident state, which must now hold the new token too.
+  Method santa;
+  santa.kind = MethodKind::kSanta;
+  santa.santa.samples = 16;
+  auto r2 = engine_->Decode(Call(santa));
+  ASSERT_TRUE(r2.ok()) << r2.status();
+  EXPECT_EQ(r2->sync_bytes, 0u);  // in sync: nothing read back
+}
+
+TEST_F(EngineTest, BadRequestsGetClearCodes) {
+  Load(Options(), {});
+  using absl::StatusCode;
+  DecodeCall c = Call(Method{});
+  c.sequence_ids = {"s0", "nope"};
+  EXPECT_EQ(engine_->Decode(c).status().code(), StatusCode::kNotFound);
+  c = Call(Method{});
+  c.q = c.q.subspan(1);
+  EXPECT_EQ(engine_->Decode(c).status().code(), StatusCode::kInvalidArgument);
+  c = Call(Method{});
+  c.layer = kLayers;
+  EXPECT_EQ(engine_->Decode(c).status().code(), StatusCode::kInvalidArgument);
+  Method hash;
+  hash.kind = MethodKind::kHashTopK;
+  hash.hash.top_k = 8;
+  EXPECT_EQ(engine_->Decode(Call(hash)).status().code(), StatusCode::kFailedPrecondition);
+  Method santa;
+  santa.kind = MethodKind::kSanta;
+  santa.santa.samples = 0;
+  EXPECT_EQ(engine_->Decode(Call(santa)).status().code(), StatusCode::kInvalidArgument);
+  Method vatt;
+  vatt.kind = MethodKind::kVAttention;
+  vatt.vattention.predictor = kernels::TopKPredictor::kExact;
+  vatt.vattention.epsilon = 1.5f;
+  EXPECT_EQ(engine_->Decode(Call(vatt)).status().code(), StatusCode::kInvalidArgument);
+  vatt.vattention.epsilon = 0.1f;
+  vatt.vattention.top_k = 5000;  // k > n
+  EXPECT_EQ(engine_->Decode(Call(vatt)).status().code(), StatusCode::kInvalidArgument);
+  c = Call(Method{});
+  std::vector<uint8_t> nk(7);
+  c.new_k = nk;
+  c.new_v = nk;
+  EXPECT_EQ(engine_->Decode(c).status().code(), StatusCode::kInvalidArgument);
+  // Nothing was appended by the refused calls.
+  EXPECT_EQ(store_->GetSequenceInfo("s0")->layer_lengths[kLayer], 700u);
+  EXPECT_TRUE(engine_->Decode(Call(Method{})).ok());
+}
+
+TEST_F(EngineTest, ResidentStateFollowsARecreatedSequence) {
+  kvstore::Placement kdev;
+  kdev.k_tier = kvstore::Tier::kDevice;
+  Load(Options(1, {500}), kdev);
+  Method santa;
+  santa.kind = MethodKind::kSanta;
+  santa.santa.samples = 16;
+  auto first = engine_->Decode(Call(santa));
+  ASSERT_TRUE(first.ok());
+  EXPECT_GT(first->sync_bytes, 0u);
+  // Drop and re-create with other data: the worker must not reuse the old K.
+  ASSERT_TRUE(store_->DropSequence("s0").ok());
+  kernels::SyntheticOptions o = Options(1, {500});
+  o.seed = 77;
+  Load(o, kdev);
+  auto second = engine_->Decode(Call(santa));
+  ASSERT_TRUE(second.ok());
+  EXPECT_GT(second->sync_bytes, 0u);
+  std::vector<uint8_t> out;
+  kernels::DecodeProblem p = One(0, &out);
+  kernels::RowSelection sel;
+  ASSERT_TRUE(kernels::SantaDecodeCpu(p, santa.santa, kernels::SequenceSeed(99, 0), &sel).ok());
+  ExpectSame(*second, 0, sel, out);
+}
+
+}  // namespace
+}  // namespace kvsparse::server

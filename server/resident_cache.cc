@@ -1,0 +1,273 @@
+#include "server/resident_cache.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/dtype.h"
+
+namespace kvsparse::server {
+
+// ---- SignatureMaker ---------------------------------------------------------------------------
+
+int32_t SignatureMaker::KeyHeads(const kvstore::ModelShape& shape) const {
+  return learned() ? config_.learned->num_key_mlps : static_cast<int32_t>(shape.num_kv_heads);
+}
+
+const kernels::SimHashPlanes& SignatureMaker::Planes(int32_t layer, int32_t head, int32_t bits,
+                                                     int32_t dim) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& slot = planes_[{layer, head, bits, dim}];
+  if (slot == nullptr) {
+    slot = std::make_unique<kernels::SimHashPlanes>();
+    // Arguments were validated by the engine (bits, dim); planes cannot fail for them.
+    (void)kernels::MakeSimHashPlanes(config_.simhash_seed, layer, head, bits, dim, slot.get());
+  }
+  return *slot;
+}
+
+void SignatureMaker::Key(int32_t layer, int32_t sig_head, int32_t bits, int32_t dim, const float* k,
+                         float max_norm, uint32_t* out, std::vector<float>* scratch) {
+  if (learned()) {
+    config_.learned->key(layer, sig_head).Sign(k, out, scratch);
+    return;
+  }
+  kernels::SimHashKey(Planes(layer, sig_head, bits, dim), k, max_norm, out);  // per kv head
+}
+
+void SignatureMaker::Query(int32_t layer, int32_t h, int32_t group, int32_t bits, int32_t dim,
+                           const float* q, uint32_t* out, std::vector<float>* scratch) {
+  if (learned()) {
+    config_.learned->query(layer, h).Sign(q, out, scratch);
+    return;
+  }
+  kernels::SimHashQuery(Planes(layer, h / group, bits, dim), q, out);
+}
+
+// ---- ResidentCache ----------------------------------------------------------------------------
+
+class ResidentCache::Entry {
+ public:
+  std::mutex mu;
+  uint64_t incarnation = 0;           // guarded by mu
+  kvstore::ModelShape shape;          // guarded by mu
+  std::vector<ResidentLayer> layers;  // guarded by mu
+  std::atomic<uint64_t> last_use{0};
+
+  size_t Bytes() const {
+    size_t b = 0;
+    for (const ResidentLayer& l : layers) b += l.bytes();
+    return b;
+  }
+};
+
+namespace {
+
+// Largest gather asked of the store while catching up (bounds message size and memory).
+constexpr size_t kSyncChunkBytes = 32 << 20;
+
+void FreeLayer(ResidentLayer* l) { *l = ResidentLayer(); }
+
+}  // namespace
+
+bool ResidentCache::MakeRoom(Entry* self, size_t need) {
+  if (bytes_.load() + need <= capacity_) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<uint64_t, std::string>> order;
+  for (auto& [id, e] : entries_) {
+    if (e.get() != self) order.push_back({e->last_use.load(), id});
+  }
+  std::sort(order.begin(), order.end());
+  for (const auto& [use, id] : order) {
+    if (bytes_.load() + need <= capacity_) break;
+    auto it = entries_.find(id);
+    std::shared_ptr<Entry> e = it->second;
+    std::unique_lock<std::mutex> other(e->mu, std::try_to_lock);
+    if (!other.owns_lock()) continue;  // in use: never evicted
+    bytes_ -= e->Bytes();
+    for (ResidentLayer& l : e->layers) FreeLayer(&l);
+    e->incarnation = 0;
+    evictions_.fetch_add(1);
+    other.unlock();
+    if (e.use_count() == 2) entries_.erase(it);  // only the map and `e`: nobody waits on it
+  }
+  return bytes_.load() + need <= capacity_;
+}
+
+absl::Status ResidentCache::Reserve(Entry* self, ResidentLayer* l, const kvstore::ModelShape& shape,
+                                    uint64_t tokens) {
+  if (tokens <= l->capacity_) return absl::OkStatus();
+  const uint64_t cap = std::max<uint64_t>({tokens, 2 * l->capacity_, 256});
+  const size_t hkv = shape.num_kv_heads;
+  const size_t new_bytes = hkv * cap * l->row_bytes_ * (l->has_k_ + l->has_v_) +
+                           static_cast<size_t>(l->key_heads_) * cap * l->words_ * 4;
+  const size_t delta = new_bytes - l->bytes();
+  if (!MakeRoom(self, delta)) {
+    return absl::ResourceExhaustedError(absl::StrCat("device tier full: ", delta,
+                                                     " more bytes needed, ", bytes_.load(), " of ",
+                                                     capacity_, " in use by sequences in flight"));
+  }
+  auto grow = [&](std::vector<uint8_t>* rows) {
+    std::vector<uint8_t> next(hkv * cap * l->row_bytes_);
+    for (size_t h = 0; h < hkv && l->length_ > 0; ++h) {
+      std::memcpy(next.data() + h * cap * l->row_bytes_,
+                  rows->data() + h * l->capacity_ * l->row_bytes_, l->length_ * l->row_bytes_);
+    }
+    rows->swap(next);
+  };
+  if (l->has_k_) grow(&l->k_);
+  if (l->has_v_) grow(&l->v_);
+  if (l->words_ > 0) {
+    std::vector<uint32_t> next(static_cast<size_t>(l->key_heads_) * cap * l->words_);
+    for (int32_t j = 0; j < l->key_heads_ && l->length_ > 0; ++j) {
+      std::memcpy(next.data() + j * cap * l->words_, l->sig_.data() + j * l->capacity_ * l->words_,
+                  l->length_ * l->words_ * 4);
+    }
+    l->sig_.swap(next);
+  }
+  l->capacity_ = cap;
+  bytes_ += delta;
+  return absl::OkStatus();
+}
+
+// rows of token t, kv head h at base + t * token_stride + h * head_stride (bytes).
+absl::Status ResidentCache::Append(Entry* self, ResidentLayer* l, uint32_t layer, uint64_t n,
+                                   const uint8_t* k, const uint8_t* v) {
+  // Internal callers pass rows token-major ([n, Hkv, d]).
+  const kvstore::ModelShape& shape = self->shape;
+  const size_t hkv = shape.num_kv_heads;
+  const size_t row = l->row_bytes_;
+  if (absl::Status s = Reserve(self, l, shape, l->length_ + n); !s.ok()) return s;
+  for (uint64_t t = 0; t < n; ++t) {
+    for (size_t h = 0; h < hkv; ++h) {
+      const size_t src = (t * hkv + h) * row;
+      const size_t dst = (h * l->capacity_ + l->length_ + t) * row;
+      if (l->has_k_) std::memcpy(l->k_.data() + dst, k + src, row);
+      if (l->has_v_) std::memcpy(l->v_.data() + dst, v + src, row);
+    }
+  }
+  if (l->words_ > 0) {
+    const uint32_t d = shape.head_dim;
+    const int32_t group =
+        l->key_heads_ == static_cast<int32_t>(hkv) ? 1 : l->key_heads_ / static_cast<int32_t>(hkv);
+    std::vector<float> kf(d), scratch;
+    if (l->max_norm_.empty()) {
+      // SimHash M, fixed now: the largest key norm of this first batch, times the margin.
+      l->max_norm_.assign(hkv, 0.f);
+      for (uint64_t t = 0; t < n; ++t) {
+        for (size_t h = 0; h < hkv; ++h) {
+          const uint8_t* kr = k + (t * hkv + h) * row;
+          float sq = 0.f;
+          for (uint32_t i = 0; i < d; ++i) {
+            const float x = kernels::LoadAsFloat(kr, i, shape.dtype);
+            sq += x * x;
+          }
+          l->max_norm_[h] = std::max(l->max_norm_[h], std::sqrt(sq));
+        }
+      }
+      for (float& m : l->max_norm_) m *= maker_->config().norm_margin;
+    }
+    for (uint64_t t = 0; t < n; ++t) {
+      for (int32_t j = 0; j < l->key_heads_; ++j) {
+        const size_t h = static_cast<size_t>(j / group);
+        const uint8_t* kr = k + (t * hkv + h) * row;
+        for (uint32_t i = 0; i < d; ++i) kf[i] = kernels::LoadAsFloat(kr, i, shape.dtype);
+        uint32_t* out = l->sig_.data() + (j * l->capacity_ + l->length_ + t) * l->words_;
+        maker_->Key(static_cast<int32_t>(layer), j, l->words_ * 32, static_cast<int32_t>(d),
+                    kf.data(), l->max_norm_[h], out, &scratch);
+      }
+    }
+  }
+  l->length_ += n;
+  return absl::OkStatus();
+}
+
+absl::Status ResidentCache::Handle::AppendTokens(uint64_t n, const uint8_t* k, const uint8_t* v) {
+  return cache_->Append(entry_.get(), layer_, layer_index_, n, k, v);
+}
+
+absl::StatusOr<ResidentCache::Handle> ResidentCache::Acquire(const SequenceDesc& desc,
+                                                             uint32_t layer, RowSource* source,
+                                                             absl::Time deadline,
+                                                             SyncStats* stats) {
+  std::shared_ptr<Entry> e;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::shared_ptr<Entry>& slot = entries_[desc.sequence_id];
+    if (slot == nullptr) slot = std::make_shared<Entry>();
+    e = slot;
+  }
+  e->last_use = ++tick_;
+  Handle h;
+  h.cache_ = this;
+  h.entry_ = e;
+  h.lock_ = std::unique_lock<std::mutex>(e->mu);
+  const kvstore::ModelShape& shape = desc.shape;
+  if (e->incarnation != desc.incarnation) {  // new, evicted, or a re-created sequence
+    bytes_ -= e->Bytes();
+    e->layers.assign(shape.num_layers, ResidentLayer());
+    e->shape = shape;
+    e->incarnation = desc.incarnation;
+  }
+  ResidentLayer& l = e->layers[layer];
+  h.layer_ = &l;
+  h.layer_index_ = layer;
+  const uint64_t target = desc.layer_lengths[layer];
+  if (l.length_ > target) {  // cannot happen within one incarnation; rebuild to be safe
+    bytes_ -= l.bytes();
+    FreeLayer(&l);
+  }
+  if (l.capacity_ == 0 && l.length_ == 0) {
+    l.has_k_ = desc.placement.k_tier == kvstore::Tier::kDevice;
+    l.has_v_ = desc.placement.v_tier == kvstore::Tier::kDevice;
+    l.words_ = static_cast<int32_t>(desc.placement.signature_bits / 32);
+    l.key_heads_ = l.words_ > 0 ? maker_->KeyHeads(shape) : 0;
+    l.row_bytes_ = shape.row_bytes();
+  }
+  if (!l.has_k_ && !l.has_v_ && l.words_ == 0) {
+    l.length_ = target;  // nothing to keep: trivially in sync
+    return h;
+  }
+  const bool need_k = l.has_k_ || l.words_ > 0;
+  const bool need_v = l.has_v_;
+  const kvstore::RowKind kind = need_k && need_v ? kvstore::RowKind::kKV
+                                : need_k         ? kvstore::RowKind::kK
+                                                 : kvstore::RowKind::kV;
+  const size_t hkv = shape.num_kv_heads;
+  const size_t row = l.row_bytes_;
+  const uint64_t chunk = std::max<uint64_t>(1, kSyncChunkBytes / (hkv * row * (need_k + need_v)));
+  std::vector<uint32_t> tokens;
+  std::vector<uint8_t> kb, vb, kt, vt;
+  while (l.length_ < target) {
+    const uint64_t t0 = l.length_;
+    const uint64_t cnt = std::min(chunk, target - t0);
+    tokens.resize(cnt);
+    for (uint64_t i = 0; i < cnt; ++i) tokens[i] = static_cast<uint32_t>(t0 + i);
+    std::vector<RowRequest> heads(hkv);
+    for (size_t j = 0; j < hkv; ++j) heads[j] = {static_cast<uint32_t>(j), tokens};
+    kb.resize(need_k ? hkv * cnt * row : 0);
+    vb.resize(need_v ? hkv * cnt * row : 0);
+    absl::StatusOr<uint64_t> got =
+        source->Gather(desc.sequence_id, layer, kind, heads, need_k ? kb.data() : nullptr,
+                       need_v ? vb.data() : nullptr, deadline);
+    if (!got.ok()) return got.status();
+    // Head-major [Hkv][cnt][d] from the gather -> token-major [cnt][Hkv][d] for Append.
+    auto transpose = [&](const std::vector<uint8_t>& in, std::vector<uint8_t>* out) {
+      out->resize(in.size());
+      for (size_t j = 0; j < hkv; ++j)
+        for (uint64_t t = 0; t < cnt; ++t)
+          std::memcpy(out->data() + (t * hkv + j) * row, in.data() + (j * cnt + t) * row, row);
+    };
+    if (need_k) transpose(kb, &kt);
+    if (need_v) transpose(vb, &vt);
+    if (absl::Status s = Append(e.get(), &l, layer, cnt, kt.data(), vt.data()); !s.ok()) return s;
+    if (stats != nullptr) {
+      stats->rows_fetched += cnt * hkv * (need_k + need_v);
+      stats->bytes_fetched += cnt * hkv * row * (need_k + need_v);
+    }
+  }
+  return h;
+}
+
+}  // namespace kvsparse::server

@@ -1,0 +1,157 @@
+// What the decode worker keeps on its device for each (sequence, layer), as the sequence's
+// placement asks: K rows (k_tier = device), V rows (v_tier = device) and key signatures
+// (signature_bits > 0). It is a cache of the store: built and extended from the store's rows on
+// demand (Acquire syncs to the store's length, which covers tokens appended straight to the
+// store, e.g. a prefill, and the split deployment), appended to directly when the engine
+// appends a token, and rebuilt when the store's sequence changes incarnation. Entries not in use
+// are evicted, least recently used first, to stay under the capacity. In this CPU build the
+// "device" is host memory owned by the worker; a CUDA backend keeps the same state on the GPU.
+//
+// Thread-safe. Lock order: an entry's mutex, then the cache's map mutex (never the reverse; the
+// map mutex is never held while waiting for an entry).
+#ifndef KVSPARSE_SERVER_RESIDENT_CACHE_H_
+#define KVSPARSE_SERVER_RESIDENT_CACHE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "kernels/hash_signatures.h"
+#include "server/row_source.h"
+
+namespace kvsparse::server {
+
+// How key and query signatures are made (a deployment setting, not per request).
+struct SignatureConfig {
+  // SimHash planes seed (the Philox key of RngTag::kSimHashPlane).
+  uint64_t simhash_seed = 0x6b767370u;
+  // SimHash M of a (sequence, layer, kv head) = norm_margin x the largest key norm present at
+  // its first sync; keys appended later with a larger norm get augmentation 0.
+  float norm_margin = 1.0f;
+  // Learned MLP weights; null = SimHash. The bits of the file must equal the placement's.
+  std::shared_ptr<const kernels::LearnedHashWeights> learned;
+};
+
+// Makes signatures; caches SimHash planes per (layer, head, bits, dim). Thread-safe.
+class SignatureMaker {
+ public:
+  explicit SignatureMaker(SignatureConfig config) : config_(std::move(config)) {}
+  bool learned() const { return config_.learned != nullptr; }
+  // Key signature heads for a shape: Hkv for SimHash, the file's key MLPs for learned.
+  int32_t KeyHeads(const kvstore::ModelShape& shape) const;
+  // Signature of one key (d floats) of kv head `kv_head` for signature head `sig_head`.
+  void Key(int32_t layer, int32_t sig_head, int32_t bits, int32_t dim, const float* k,
+           float max_norm, uint32_t* out, std::vector<float>* scratch);
+  // Signature of query head h (dim floats) of a model with group size G.
+  void Query(int32_t layer, int32_t h, int32_t group, int32_t bits, int32_t dim, const float* q,
+             uint32_t* out, std::vector<float>* scratch);
+  const SignatureConfig& config() const { return config_; }
+
+ private:
+  const kernels::SimHashPlanes& Planes(int32_t layer, int32_t head, int32_t bits, int32_t dim);
+  const SignatureConfig config_;
+  std::mutex mu_;
+  std::map<std::tuple<int32_t, int32_t, int32_t, int32_t>, std::unique_ptr<kernels::SimHashPlanes>>
+      planes_;
+};
+
+// One layer of one sequence on the device.
+class ResidentLayer {
+ public:
+  uint64_t length() const { return length_; }
+  uint64_t capacity() const { return capacity_; }
+  bool has_k() const { return has_k_; }
+  bool has_v() const { return has_v_; }
+  bool has_signatures() const { return words_ > 0; }
+  // Rows [capacity][d] of kv head h, the sequence's dtype; token t at + t * d elements.
+  const uint8_t* k(uint32_t kv_head) const { return k_.data() + kv_head * capacity_ * row_bytes_; }
+  const uint8_t* v(uint32_t kv_head) const { return v_.data() + kv_head * capacity_ * row_bytes_; }
+  const uint8_t* k_base() const { return k_.data(); }
+  // Signatures [key_heads][capacity][words].
+  const uint32_t* signatures() const { return sig_.data(); }
+  int32_t words() const { return words_; }
+  int32_t key_heads() const { return key_heads_; }
+  size_t bytes() const { return k_.size() + v_.size() + sig_.size() * 4; }
+
+ private:
+  friend class ResidentCache;
+  bool has_k_ = false, has_v_ = false;
+  int32_t words_ = 0, key_heads_ = 0;
+  size_t row_bytes_ = 0;
+  uint64_t length_ = 0, capacity_ = 0;
+  std::vector<uint8_t> k_, v_;
+  std::vector<uint32_t> sig_;
+  std::vector<float> max_norm_;  // [Hkv] SimHash M, fixed at the first sync
+};
+
+struct SyncStats {
+  uint64_t rows_fetched = 0;  // rows read from the store to catch up (K and V rows each count)
+  uint64_t bytes_fetched = 0;
+};
+
+class ResidentCache {
+ public:
+  // capacity_bytes: most bytes of resident state; maker must outlive the cache.
+  ResidentCache(size_t capacity_bytes, SignatureMaker* maker)
+      : capacity_(capacity_bytes), maker_(maker) {}
+  ResidentCache(const ResidentCache&) = delete;
+  ResidentCache& operator=(const ResidentCache&) = delete;
+
+  class Entry;
+  // A locked layer, synced to the store's length as `desc` reported it.
+  class Handle {
+   public:
+    ResidentLayer& layer() { return *layer_; }
+    // Appends tokens the engine just appended to the store (k, v: [n, Hkv, d]); keeps the
+    // layer in sync without reading them back. RESOURCE_EXHAUSTED when the device is full.
+    absl::Status AppendTokens(uint64_t n, const uint8_t* k, const uint8_t* v);
+
+   private:
+    friend class ResidentCache;
+    ResidentCache* cache_ = nullptr;
+    std::shared_ptr<Entry> entry_;
+    std::unique_lock<std::mutex> lock_;
+    ResidentLayer* layer_ = nullptr;
+    uint32_t layer_index_ = 0;
+  };
+
+  // Locks the (sequence, layer) state and brings it up to desc.layer_lengths[layer], reading
+  // missing rows from `source` (one Gather per chunk of tokens for all kv heads).
+  // RESOURCE_EXHAUSTED when the state does not fit; errors of the source pass through.
+  absl::StatusOr<Handle> Acquire(const SequenceDesc& desc, uint32_t layer, RowSource* source,
+                                 absl::Time deadline, SyncStats* stats);
+
+  size_t bytes() const { return bytes_.load(); }
+  size_t capacity() const { return capacity_; }
+  uint64_t evictions() const { return evictions_.load(); }
+
+ private:
+  // Grows `l` to hold at least `tokens`; RESOURCE_EXHAUSTED past the capacity.
+  absl::Status Reserve(Entry* self, ResidentLayer* l, const kvstore::ModelShape& shape,
+                       uint64_t tokens);
+  // Appends rows [n, Hkv, d] (K and/or V as `l` keeps them) and their signatures.
+  absl::Status Append(Entry* self, ResidentLayer* l, uint32_t layer, uint64_t n, const uint8_t* k,
+                      const uint8_t* v);
+  // Frees idle entries (least recently used first) until `bytes` more fit. REQUIRES: holding
+  // self's lock only.
+  bool MakeRoom(Entry* self, size_t bytes);
+
+  const size_t capacity_;
+  SignatureMaker* const maker_;
+  std::atomic<size_t> bytes_{0};
+  std::atomic<uint64_t> evictions_{0};
+  std::atomic<uint64_t> tick_{0};
+  std::mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Entry>> entries_;  // guarded by mu_
+};
+
+}  // namespace kvsparse::server
+
+#endif  // KVSPARSE_SERVER_RESIDENT_CACHE_H_

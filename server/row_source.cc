@@ -1,0 +1,69 @@
+#include "server/row_source.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace kvsparse::server {
+namespace {
+
+class LocalRowSource final : public RowSource {
+ public:
+  explicit LocalRowSource(kvstore::Store* store) : store_(store) {}
+
+  kvstore::Tier tier() const override { return kvstore::Tier::kHost; }
+
+  absl::StatusOr<SequenceDesc> Describe(absl::string_view id, absl::Time) override {
+    absl::StatusOr<kvstore::SequenceInfo> info = store_->GetSequenceInfo(id);
+    if (!info.ok()) return info.status();
+    return SequenceDesc{info->sequence_id, info->shape, info->placement, info->layer_lengths,
+                        info->incarnation};
+  }
+
+  absl::Status Append(absl::string_view id, const kvstore::ModelShape& shape, uint32_t layer,
+                      uint64_t expected_length, uint64_t num_tokens, absl::Span<const uint8_t> k,
+                      absl::Span<const uint8_t> v, absl::Time deadline) override {
+    kvstore::AppendRequest r;
+    r.sequence_id = id;
+    r.first_layer = layer;
+    r.num_layers = 1;
+    r.num_tokens = num_tokens;
+    r.dtype = shape.dtype;
+    r.num_kv_heads = shape.num_kv_heads;
+    r.head_dim = shape.head_dim;
+    r.k = k;
+    r.v = v;
+    r.expected_length = expected_length;
+    r.deadline = deadline;
+    return store_->Append(r).status();
+  }
+
+  absl::StatusOr<uint64_t> Gather(absl::string_view id, uint32_t layer, kvstore::RowKind kind,
+                                  absl::Span<const RowRequest> heads, uint8_t* k_out,
+                                  uint8_t* v_out, absl::Time deadline) override {
+    std::vector<kvstore::HeadSelection> sel;
+    sel.reserve(heads.size());
+    for (const RowRequest& h : heads) sel.push_back({h.kv_head, h.tokens});
+    kvstore::GatherRequest r;
+    r.sequence_id = id;
+    r.layer = layer;
+    r.kind = kind;
+    r.heads = sel;
+    r.deadline = deadline;
+    absl::StatusOr<kvstore::GatherResult> res =
+        store_->Gather(r, [&](uint64_t, size_t) -> absl::StatusOr<kvstore::GatherBuffers> {
+          return kvstore::GatherBuffers{k_out, v_out};
+        });
+    if (!res.ok()) return res.status();
+    return res->layer_length;
+  }
+
+ private:
+  kvstore::Store* const store_;
+};
+
+}  // namespace
+
+std::unique_ptr<RowSource> NewLocalRowSource(kvstore::Store* store) {
+  return std::make_unique<LocalRowSource>(store);
+}
+
+}  // namespace kvsparse::server

@@ -1,0 +1,66 @@
+// Where the decode engine reads K/V rows from: the store's host tier, in this process
+// (LocalRowSource, zero RPCs) or in another one (RemoteRowSource, server/remote_row_source.h,
+// through the KvStore Gather RPC). The engine sees only this interface.
+#ifndef KVSPARSE_SERVER_ROW_SOURCE_H_
+#define KVSPARSE_SERVER_ROW_SOURCE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "kvstore/store.h"
+#include "kvstore/types.h"
+
+namespace kvsparse::server {
+
+// What the engine needs to know of a sequence.
+struct SequenceDesc {
+  std::string sequence_id;
+  kvstore::ModelShape shape;
+  kvstore::Placement placement;
+  std::vector<uint64_t> layer_lengths;
+  uint64_t incarnation = 0;
+};
+
+// Tokens of one kv head to read.
+struct RowRequest {
+  uint32_t kv_head = 0;
+  absl::Span<const uint32_t> tokens;
+};
+
+// Thread-safe.
+class RowSource {
+ public:
+  virtual ~RowSource() = default;
+  // The tier rows come from (kHost in process, kRemote across processes).
+  virtual kvstore::Tier tier() const = 0;
+  // NOT_FOUND for an unknown sequence.
+  virtual absl::StatusOr<SequenceDesc> Describe(absl::string_view sequence_id,
+                                                absl::Time deadline) = 0;
+  // Appends num_tokens tokens to one layer; k, v: [num_tokens, Hkv, d] in the sequence's dtype.
+  // FAILED_PRECONDITION if the layer does not hold exactly expected_length tokens.
+  virtual absl::Status Append(absl::string_view sequence_id, const kvstore::ModelShape& shape,
+                              uint32_t layer, uint64_t expected_length, uint64_t num_tokens,
+                              absl::Span<const uint8_t> k, absl::Span<const uint8_t> v,
+                              absl::Time deadline) = 0;
+  // Reads the rows of `heads` of one layer, one call for all heads, rows in request order:
+  // k_out / v_out get [total rows, d] in the sequence's dtype (null when not asked for by
+  // kind). Returns the layer's length at read time.
+  virtual absl::StatusOr<uint64_t> Gather(absl::string_view sequence_id, uint32_t layer,
+                                          kvstore::RowKind kind, absl::Span<const RowRequest> heads,
+                                          uint8_t* k_out, uint8_t* v_out, absl::Time deadline) = 0;
+};
+
+// Rows of a store in this process, copied straight into the engine's buffers.
+// REQUIRES: store outlives the source.
+std::unique_ptr<RowSource> NewLocalRowSource(kvstore::Store* store);
+
+}  // namespace kvsparse::server
+
+#endif  // KVSPARSE_SERVER_ROW_SOURCE_H_
