@@ -61,6 +61,8 @@ size_t kvs_decode_workspace_bytes(const KvsDecodeArgs* args, int32_t method, int
       h.fp16_stash = true;
       return kc::S2antaPropWorkspaceBytes(h);
     }
+    case 5:
+      return kc::DenseDecodeWorkspaceBytes(p.shape, 2);
     default:
       return 0;
   }
@@ -84,6 +86,8 @@ int32_t kvs_decode(const KvsDecodeArgs* args, int32_t method, int32_t samples, u
       h.fp16_stash = true;
       return kc::S2antaProp(h, workspace, workspace_bytes, st);
     }
+    case 5:
+      return kc::DenseDecode(p.shape, workspace, workspace_bytes, st, 2);
     default:
       return cudaErrorInvalidValue;
   }

@@ -325,10 +325,10 @@ size_t PartialBytes(int64_t rows, int splits, int d, size_t* lse_offset) {
 
 }  // namespace
 
-SplitPlan DenseDecodePlan(const DecodeShape& s) {
+SplitPlan DenseDecodePlan(const DecodeShape& s, int32_t waves) {
   SplitPlan plan;
   const int64_t pairs = std::max<int64_t>(1, static_cast<int64_t>(s.batch) * s.num_kv_heads);
-  const int64_t slots = static_cast<int64_t>(NumSms()) * kDenseBlocksPerSm;
+  const int64_t slots = static_cast<int64_t>(NumSms()) * kDenseBlocksPerSm * std::max(1, waves);
   const int64_t max_len = std::max(1, s.max_seq_len);
   int64_t splits = std::max<int64_t>(1, slots / pairs);
   splits = std::min(splits, (max_len + kMinChunk - 1) / kMinChunk);
@@ -340,18 +340,18 @@ SplitPlan DenseDecodePlan(const DecodeShape& s) {
   return plan;
 }
 
-size_t DenseDecodeWorkspaceBytes(const DecodeShape& s) {
-  const SplitPlan plan = DenseDecodePlan(s);
+size_t DenseDecodeWorkspaceBytes(const DecodeShape& s, int32_t waves) {
+  const SplitPlan plan = DenseDecodePlan(s, waves);
   if (plan.num_splits <= 1) return 0;
   return PartialBytes(static_cast<int64_t>(s.batch) * s.num_q_heads, plan.num_splits, s.head_dim,
                       nullptr);
 }
 
 cudaError_t DenseDecode(const DecodeShape& s, void* workspace, size_t workspace_bytes,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, int32_t waves) {
   KVSPARSE_CUDA_RETURN_IF_ERROR(ValidateShape(s));
   if (s.batch == 0) return cudaSuccess;
-  const SplitPlan plan = DenseDecodePlan(s);
+  const SplitPlan plan = DenseDecodePlan(s, waves);
   float* part_o = nullptr;
   float* part_lse = nullptr;
   if (plan.num_splits > 1) {

@@ -20,15 +20,17 @@ struct SplitPlan {
   int32_t num_splits = 1;
   int32_t chunk_len = 0;
 };
-SplitPlan DenseDecodePlan(const DecodeShape& shape);
+// waves: target number of block waves (1: one block per resident slot; more, smaller blocks
+// trade merge work for better load balance).
+SplitPlan DenseDecodePlan(const DecodeShape& shape, int32_t waves = 1);
 
 // Workspace bytes DenseDecode needs for this shape (0 when no merge pass is needed).
-size_t DenseDecodeWorkspaceBytes(const DecodeShape& shape);
+size_t DenseDecodeWorkspaceBytes(const DecodeShape& shape, int32_t waves = 1);
 
 // out[b, h] = softmax(scale * q[b, h] . K[b, h / G]^T) V[b, h / G] over the first seq_lens[b]
 // tokens; fp32 accumulation, output rounded to the dtype. See decode_params.h for the contract.
 cudaError_t DenseDecode(const DecodeShape& shape, void* workspace, size_t workspace_bytes,
-                        cudaStream_t stream);
+                        cudaStream_t stream, int32_t waves = 1);
 
 // The merge pass on its own (used by the sparse kernels that produce the same partials):
 // out[bh, :] = sum_s w_s * partial_o[bh, s, :] / sum_s w_s with w_s = 2^(partial_lse[bh, s] - max)

@@ -131,9 +131,18 @@ __global__ void __launch_bounds__(kTopkThreads)
   LoadQuerySig<W>(p, bh, q);
   const uint32_t* kb = KeySigs(p, b, h);
   const int64_t kts = p.k_token_stride;
-  for (int t = c0 + tid; t < c1; t += kTopkThreads) {
-    const int bin = (Similarity<W>(q, kb + t * kts) + kBits) / 2;
-    cols[(bin >> 1) * kTopkThreads + tid] += 1u << (16 * (bin & 1));
+  constexpr int kIn = 8;  // independent signature loads in flight per thread
+  for (int t0 = c0 + tid; t0 < c1; t0 += kIn * kTopkThreads) {
+    int bins[kIn];
+#pragma unroll
+    for (int i = 0; i < kIn; ++i) {
+      const int t = t0 + i * kTopkThreads;
+      bins[i] = t < c1 ? (Similarity<W>(q, kb + t * kts) + kBits) / 2 : -1;
+    }
+#pragma unroll
+    for (int i = 0; i < kIn; ++i) {
+      if (bins[i] >= 0) cols[(bins[i] >> 1) * kTopkThreads + tid] += 1u << (16 * (bins[i] & 1));
+    }
   }
   __syncthreads();
   for (int r = warp; r < kRows; r += kTopkWarps) {
@@ -272,13 +281,16 @@ __global__ void __launch_bounds__(kTopkThreads, 4)
   __syncthreads();
   const int thr = 2 * sm_thr - kBits;  // threshold similarity
   const int need = g.kk - sm_above;    // ties at the threshold to take, lowest tokens first
-  if (sm_chunk_gt == 0 && (sm_chunk_tie == 0 || sm_tie_before >= need)) return;  // uniform
+  const int gt_before = sm_gt_before, tie_before = sm_tie_before;
+  const int chunk_gt = sm_chunk_gt, chunk_tie = sm_chunk_tie;
+  __syncthreads();  // every thread has its copy before the scans reuse shared memory
+  if (chunk_gt == 0 && (chunk_tie == 0 || tie_before >= need)) return;  // uniform
   uint32_t q[W];
   LoadQuerySig<W>(p, bh, q);
   const uint32_t* kb = KeySigs(p, b, h);
   const int64_t kts = p.k_token_stride;
-  int carry_gt = sm_gt_before, carry_tie = sm_tie_before;
-  const int end_gt = sm_gt_before + sm_chunk_gt;
+  int carry_gt = gt_before, carry_tie = tie_before;
+  const int end_gt = gt_before + chunk_gt;
   for (int s0 = c0; s0 < c1; s0 += kSub) {
     if (carry_gt == end_gt && carry_tie >= need) break;  // uniform: this chunk is done
     const int t0 = s0 + tid * kPer;

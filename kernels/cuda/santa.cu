@@ -111,14 +111,17 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
     sm_m[threadIdx.x] = kNegInf;
     sm_l[threadIdx.x] = 0.f;
   }
+  int kbuf = 0;
+  if (t_begin < t_end) {
+    StartKPipeline<D, G, NW, Cfg::kUnroll>(kb, ts, t_begin * kTile, min(kTile, n - t_begin * kTile),
+                                           kst, warp, row);
+  }
   for (int t = t_begin; t < t_end; ++t) {
     const int t0 = t * kTile;
     const int len = min(kTile, n - t0);
-    ScoreTile<T, D, G, NW, Cfg::kUnroll>(qf, kb, ts, t0, len, ssm, warp, row, lr, kst, t > t_begin);
-    if (t + 1 < t_end) {  // the next tile's first K round loads while this one samples
-      IssueKRound<D, G, NW, Cfg::kUnroll>(kb, ts, t0 + kTile, min(kTile, n - t0 - kTile), 0, kst,
-                                          warp, row);
-    }
+    const int next_len = t + 1 < t_end ? min(kTile, n - t0 - kTile) : 0;
+    ScoreTile<T, D, G, NW, Cfg::kUnroll>(qf, kb, ts, t0, len, ssm, warp, row, lr, kst, kbuf,
+                                         next_len);
     __syncthreads();
     for (int g = warp; g < G; g += NW) {
       const int h = kvh * G + g;
@@ -198,15 +201,17 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
   LoadQ<T, D, G>(s, b, kvh, lr, qf);
   const int64_t kv_off = b * s.kv.batch_stride + kvh * s.kv.head_stride + lr * 8;
   const uint16_t* kb = static_cast<const uint16_t*>(s.k) + kv_off;
+  int kbuf = 0;
+  if (t_begin < t_end) {
+    StartKPipeline<D, G, NW, Cfg::kUnroll>(kb, s.kv.token_stride, t_begin * kTile,
+                                           min(kTile, n - t_begin * kTile), kst, warp, row);
+  }
   for (int t = t_begin; t < t_end; ++t) {
     const int t0 = t * kTile;
     const int len = min(kTile, n - t0);
+    const int next_len = t + 1 < t_end ? min(kTile, n - t0 - kTile) : 0;
     ScoreTile<T, D, G, NW, Cfg::kUnroll>(qf, kb, s.kv.token_stride, t0, len, ssm, warp, row, lr,
-                                         kst, t > t_begin);
-    if (t + 1 < t_end) {
-      IssueKRound<D, G, NW, Cfg::kUnroll>(kb, s.kv.token_stride, t0 + kTile,
-                                          min(kTile, n - t0 - kTile), 0, kst, warp, row);
-    }
+                                         kst, kbuf, next_len);
     __syncthreads();
     for (int g = warp; g < G; g += NW) {
       const int64_t bh = static_cast<int64_t>(b) * s.num_q_heads + kvh * G + g;
@@ -307,9 +312,16 @@ __global__ void __launch_bounds__(kSmallThreads)
   }
 }
 
-// Prop pass 2 (Algorithm 5): P blocks per (b, kv head) take tiles t = blk, blk + P, ...; tiles
-// where no head of the group got samples are skipped without touching V. The last block of a
+// Prop pass 2 (Algorithm 5), one warp per tile: warp w of block blk takes tiles
+// t = blk * NW + w, + num_parts * NW, ...; a tile where no head of the group got samples is
+// skipped without touching V or the stash. Warps need no block barrier until the end, so many
+// tiles' dependent loads (budgets, stash, V rows) are in flight at once. The last block of a
 // (b, kv head) to finish writes out = accum / S.
+template <int G>
+constexpr size_t Pass2SmemBytes(int warps) {
+  return size_t{1} * warps * (G + 1) * kTile * sizeof(int);
+}
+
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBlocks)
     PropPass2Kernel(SantaParams p, int max_tiles, int num_parts, const void* __restrict__ stash,
@@ -318,40 +330,37 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
   using Cfg = TileCfg<D, G>;
   constexpr int NW = Cfg::kWarps;
   constexpr int L = D / 8;
-  constexpr int kSm = Max(G * kTile + kTile, NW * G * D);
-  __shared__ __align__(16) float sm[kSm];
-  __shared__ float ones[G];
-  __shared__ int sm_rows;
+  extern __shared__ __align__(16) float dsm[];  // per warp: cnt [G][kTile], idx [kTile]
   __shared__ bool sm_last;
-  int* cnt = reinterpret_cast<int*>(sm);
-  int* idx = cnt + G * kTile;
   const DecodeShape& s = p.shape;
   const int kvh = blockIdx.x, blk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = lane / L;
+  int* cnt = reinterpret_cast<int*>(dsm) + warp * (G + 1) * kTile;
+  int* idx = cnt + G * kTile;
   const int n = s.seq_lens[b];
   const int num_tiles = (n + kTile - 1) / kTile;
   const int64_t bh0 = static_cast<int64_t>(b) * s.num_q_heads + kvh * G;
   const int64_t kv_off = b * s.kv.batch_stride + kvh * s.kv.head_stride + (lane % L) * 8;
   const uint16_t* vb = static_cast<const uint16_t*>(s.v) + kv_off;
-  if (threadIdx.x < G) ones[threadIdx.x] = 1.f;
+  float ones[G];
   float acc[G][8];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
+    ones[g] = 1.f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
   }
-  for (int t = blk; t < num_tiles; t += num_parts) {
-    int any = 0;
-#pragma unroll
-    for (int g = 0; g < G; ++g) any |= s_tiles[(bh0 + g) * max_tiles + t];
-    if (any == 0) continue;  // uniform over the block
+  for (int t = blk * NW + warp; t < num_tiles; t += num_parts * NW) {
+    const int my_st = lane < G ? s_tiles[(bh0 + lane) * max_tiles + t] : 0;
+    if (__ballot_sync(0xffffffffu, my_st != 0) == 0) continue;  // uniform over the warp
     const int t0 = t * kTile;
     const int len = min(kTile, n - t0);
-    for (int g = warp; g < G; g += NW) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
       const int64_t bh = bh0 + g;
       int* c = cnt + g * kTile;
-      if (s_tiles[bh * max_tiles + t] == 0) {
+      if (__shfl_sync(0xffffffffu, my_st, g) == 0) {
 #pragma unroll
         for (int i = 0; i < kPerLane; ++i) c[lane * kPerLane + i] = 0;
       } else {
@@ -372,9 +381,8 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
             u[4 * i + 3] = x.w;
           }
         }
-        const int h = kvh * G + g;
         const float a0 =
-            PhiloxUniform(PhiloxStream::Make(p.seed, RngTag::kPropTileOffset, b, h), t);
+            PhiloxUniform(PhiloxStream::Make(p.seed, RngTag::kPropTileOffset, b, kvh * G + g), t);
         SystematicCounts(u, inv_delta[bh * max_tiles + t], a0, lane, c);
       }
       if (p.sample_counts != nullptr) {
@@ -383,18 +391,19 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
         for (int i = lane; i < len; i += 32) dst[i] = c[i];
       }
     }
-    __syncthreads();
-    if (warp == 0) CompactRows<G>(cnt, lane, idx, &sm_rows);
-    __syncthreads();
-    if (threadIdx.x == 0 && p.rows_read != nullptr) {
-      atomicAdd(p.rows_read + b * s.num_kv_heads + kvh, sm_rows);
+    __syncwarp();
+    const int rows = CompactRows<G>(cnt, lane, idx, nullptr);
+    __syncwarp();
+    if (lane == 0 && p.rows_read != nullptr) {
+      atomicAdd(p.rows_read + b * s.num_kv_heads + kvh, rows);
     }
-    GatherRows<T, D, G, NW>(vb, s.kv.token_stride, t0, idx, sm_rows, cnt, ones, warp, row, acc);
-    __syncthreads();
+    GatherRows<T, D, G, 1>(vb, s.kv.token_stride, t0, idx, rows, cnt, ones, 0, row, acc);
+    __syncwarp();
   }
-  BlockSumAcc<D, G, NW>(acc, sm, warp, lane);
+  float* sacc = dsm;  // reused once every warp is done (BlockSumAcc starts with a barrier)
+  BlockSumAcc<D, G, NW>(acc, sacc, warp, lane);
   for (int i = threadIdx.x; i < G * D; i += NW * 32) {
-    if (sm[i] != 0.f) atomicAdd(accum + bh0 * D + i, sm[i]);
+    if (sacc[i] != 0.f) atomicAdd(accum + bh0 * D + i, sacc[i]);
   }
   __threadfence();
   __syncthreads();
@@ -602,10 +611,19 @@ struct Pass2Launch {
   cudaStream_t stream;
   template <typename T, int D, int G>
   cudaError_t operator()() const {
-    const dim3 grid(p.shape.num_kv_heads, plan.num_parts, p.shape.batch);
-    PropPass2Kernel<T, D, G><<<grid, TileCfg<D, G>::kThreads, 0, stream>>>(
-        p, plan.max_tiles, plan.num_parts, ws.stash, ws.s_tiles, ws.inv_delta, ws.accum,
-        ws.counters);
+    constexpr int NW = TileCfg<D, G>::kWarps;
+    const int64_t pairs =
+        std::max<int64_t>(1, static_cast<int64_t>(p.shape.batch) * p.shape.num_kv_heads);
+    const int64_t slots = static_cast<int64_t>(NumSms()) * 4;
+    const int parts = static_cast<int>(
+        std::max<int64_t>(1, std::min<int64_t>((plan.max_tiles + NW - 1) / NW, slots / pairs)));
+    const dim3 grid(p.shape.num_kv_heads, parts, p.shape.batch);
+    constexpr size_t kSmem = Pass2SmemBytes<G>(NW);
+    static_assert(kSmem >= size_t{NW} * G * D * sizeof(float), "merge buffer alias");
+    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        &PropPass2Kernel<T, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kSmem}));
+    PropPass2Kernel<T, D, G><<<grid, TileCfg<D, G>::kThreads, kSmem, stream>>>(
+        p, plan.max_tiles, parts, ws.stash, ws.s_tiles, ws.inv_delta, ws.accum, ws.counters);
     return cudaGetLastError();
   }
 };

@@ -38,10 +38,12 @@ __device__ __forceinline__ void LoadQ(const DecodeShape& s, int b, int kvh, int 
   }
 }
 
-// K rows of a tile are staged into shared memory with cp.async, kStageSlots 16-byte vectors per
-// thread at a time (all in flight together); each thread reads back only the slots it filled, so
-// staging needs no barrier. Dynamic shared memory: kStageSlots * threads * 16 bytes.
-constexpr int kStageSlots = 16;
+// K rows are staged into shared memory with cp.async in rounds of kStageSlots 16-byte vectors
+// per thread, double-buffered: while a round is scored the next one (possibly the next tile's
+// first) is loading, so the K stream does not stop for the sampling phases between tiles. Each
+// thread reads back only the slots it filled, so staging needs no barrier. Dynamic shared
+// memory: 2 * kStageSlots * threads * 16 bytes.
+constexpr int kStageSlots = 8;
 
 template <int D, int G, int NW, int U>
 struct ScoreGeom {
@@ -55,13 +57,13 @@ struct ScoreGeom {
 
 template <int D, int G, int NW>
 constexpr size_t ScoreStageBytes() {
-  return size_t{kStageSlots} * NW * 32 * 16;
+  return size_t{2} * kStageSlots * NW * 32 * 16;
 }
 
-// Issues round `round` of the K rows of tile [t0, t0 + len) (one cp.async group).
+// Issues round `round` of the K rows of tile [t0, t0 + len) into `buf` (one cp.async group).
 template <int D, int G, int NW, int U>
 __device__ __forceinline__ void IssueKRound(const uint16_t* kb, int64_t ts, int t0, int len,
-                                            int round, uint4* kst, int warp, int row) {
+                                            int round, uint4* buf, int warp, int row) {
   using Geo = ScoreGeom<D, G, NW, U>;
   const int tid = threadIdx.x;
 #pragma unroll
@@ -71,30 +73,45 @@ __device__ __forceinline__ void IssueKRound(const uint16_t* kb, int64_t ts, int 
     for (int u = 0; u < U; ++u) {
       const int tok = base + u * Geo::R + row;
       const bool ok = tok < len;
-      CpAsync16(&kst[(it * U + u) * NW * 32 + tid],
+      CpAsync16(&buf[(it * U + u) * NW * 32 + tid],
                 kb + (ok ? static_cast<int64_t>(t0 + tok) * ts : 0), ok);
     }
   }
   CpAsyncCommit();
 }
 
+// Starts the pipeline: round 0 of the first tile into buffer 0.
+template <int D, int G, int NW, int U>
+__device__ __forceinline__ void StartKPipeline(const uint16_t* kb, int64_t ts, int t0, int len,
+                                               uint4* kst, int warp, int row) {
+  IssueKRound<D, G, NW, U>(kb, ts, t0, len, 0, kst, warp, row);
+}
+
 // Scores (log2 units) of tokens t0 .. t0 + len - 1 (len <= kTile) into ssm[g * kTile + i];
-// entries i >= len get -inf. kb points at dims lr*8 of token 0 of the (b, kvh) K rows. When
-// round0_issued, the caller already issued round 0 (IssueKRound) for this tile.
+// entries i >= len get -inf. kb points at dims lr*8 of token 0 of the (b, kvh) K rows. Round 0
+// of this tile must already be loading into buffer `buf` (StartKPipeline, or the previous call);
+// when next_len > 0 the next tile's (t0 + kTile) round 0 is started before returning.
 template <typename T, int D, int G, int NW, int U>
 __device__ __forceinline__ void ScoreTile(const float (&qf)[G][8], const uint16_t* kb, int64_t ts,
                                           int t0, int len, float* ssm, int warp, int row, int lr,
-                                          uint4* kst, bool round0_issued) {
+                                          uint4* kst, int& buf, int next_len) {
   using Geo = ScoreGeom<D, G, NW, U>;
   constexpr int L = Geo::L;
   constexpr int R = Geo::R;
+  constexpr int kHalf = kStageSlots * NW * 32;
   using TR = TransposeReduce<G * U, L>;
   const int tid = threadIdx.x;
   for (int round = 0; round < Geo::kRounds; ++round) {
-    if (round > 0 || !round0_issued) {
-      IssueKRound<D, G, NW, U>(kb, ts, t0, len, round, kst, warp, row);
+    uint4* nxt = kst + (buf ^ 1) * kHalf;
+    if (round + 1 < Geo::kRounds) {
+      IssueKRound<D, G, NW, U>(kb, ts, t0, len, round + 1, nxt, warp, row);
+    } else if (next_len > 0) {
+      IssueKRound<D, G, NW, U>(kb, ts, t0 + kTile, next_len, 0, nxt, warp, row);
+    } else {
+      CpAsyncCommit();  // an empty group keeps the wait count uniform
     }
-    CpAsyncWait<0>();
+    CpAsyncWait<1>();  // every group but the newest: this round has landed
+    const uint4* cur = kst + buf * kHalf;
 #pragma unroll
     for (int it = 0; it < Geo::kPerRound; ++it) {
       const int base = (round * Geo::kPerRound + it) * NW * Geo::TOK + warp * Geo::TOK;
@@ -102,7 +119,7 @@ __device__ __forceinline__ void ScoreTile(const float (&qf)[G][8], const uint16_
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         float kf[8];
-        Unpack8<T>(kst[(it * U + u) * NW * 32 + tid], kf);
+        Unpack8<T>(cur[(it * U + u) * NW * 32 + tid], kf);
 #pragma unroll
         for (int g = 0; g < G; ++g) {
           float d = 0.f;
@@ -124,6 +141,7 @@ __device__ __forceinline__ void ScoreTile(const float (&qf)[G][8], const uint16_
         }
       }
     }
+    buf ^= 1;
   }
 }
 
@@ -195,10 +213,10 @@ __device__ __forceinline__ void SystematicCounts(const float (&u)[kPerLane], flo
   }
 }
 
-// Warp 0: indices (within the tile, increasing) of tokens sampled by any of the G heads.
-// Writes idx[0 .. E) and *num_rows = E.
+// One warp: indices (within the tile, increasing) of tokens sampled by any of the G heads into
+// idx[0 .. E); returns E on every lane (and stores it to *num_rows unless null).
 template <int G>
-__device__ __forceinline__ void CompactRows(const int* cnt, int lane, int* idx, int* num_rows) {
+__device__ __forceinline__ int CompactRows(const int* cnt, int lane, int* idx, int* num_rows) {
   int flags = 0;
   int local = 0;
 #pragma unroll
@@ -222,7 +240,9 @@ __device__ __forceinline__ void CompactRows(const int* cnt, int lane, int* idx, 
   for (int i = 0; i < kPerLane; ++i) {
     if (flags & (1 << i)) idx[pos++] = lane * kPerLane + i;
   }
-  if (lane == 31) *num_rows = x;
+  const int total = __shfl_sync(0xffffffffu, x, 31);
+  if (lane == 31 && num_rows != nullptr) *num_rows = total;
+  return total;
 }
 
 // Adds w[g] * cnt[g][n] * V[t0 + n] to acc[g] for the num_rows compacted rows; rows are spread

@@ -48,7 +48,7 @@ class KvsDecodeArgs(ctypes.Structure):
     ]
 
 
-METHODS = {"dense": 0, "iid": 1, "prop": 2, "flash": 3, "prop-f16s": 4}
+METHODS = {"dense": 0, "iid": 1, "prop": 2, "flash": 3, "prop-f16s": 4, "dense-2w": 5}
 
 
 def load_ours(path):
@@ -265,6 +265,7 @@ def main():
                                      out.data_ptr())
             rows_read = torch.zeros(B, HKV, dtype=torch.int32, device="cuda")
             for name, S, a, suffix in (("dense", 0, args_hnd, ""), ("dense", 0, args_nhd, "-nhd"),
+                                       ("dense-2w", 0, args_hnd, ""),
                                        ("prop", 128, args_hnd, ""),
                                        ("prop-f16s", 128, args_hnd, ""),
                                        ("prop", 128, args_nhd, "-nhd"),
@@ -278,7 +279,7 @@ def main():
                     check(lib, lib.kvs_decode(ctypes.byref(a), m, S, 1234, ctypes.c_void_p(
                         ws.data_ptr()), ws.numel(), None, stream()), name)
                     return out
-                if m == 0:
+                if m in (0, 5):
                     nbytes = kv_bytes
                 else:
                     rows_read.zero_()
@@ -292,7 +293,7 @@ def main():
                         v_rows = int(rows_read.sum().item())
                     stash = {1: 8, 2: 8, 4: 4}.get(m, 0) * B * H * n  # u stash write + read
                     nbytes = k_bytes + v_rows * row_bytes + stash
-                cfg.append((f"ours-{name}{suffix}", S, fn, lambda o: o.clone(), nbytes, m == 0))
+                cfg.append((f"ours-{name}{suffix}", S, fn, lambda o: o.clone(), nbytes, m in (0, 5)))
 
             # ---- the S2ANTA authors' kernels (same S, same tensors)
             if santa["prop"] is not None:
