@@ -79,8 +79,16 @@ def check(lib, err, what):
 THRASH = None
 
 
+ONCE = False  # --once: a single untimed call per backend (for ncu)
+
+
 def bench(fn):
     """Appendix R: 10 warm-up, 40 timed, cache thrash outside the timed region, median (us)."""
+    if ONCE:
+        THRASH.add_(1.0)
+        fn()
+        torch.cuda.synchronize()
+        return float("nan"), []
     for _ in range(WARMUP):
         fn()
     times = []
@@ -181,9 +189,11 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--lens", type=int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--no-flashinfer", action="store_true")
+    ap.add_argument("--once", action="store_true", help="one call per backend, no timing (ncu)")
     args = ap.parse_args()
 
-    global THRASH
+    global THRASH, ONCE
+    ONCE = args.once
     torch.manual_seed(0)
     dev = torch.cuda.get_device_properties(0)
     print(f"# device {dev.name}, {dev.multi_processor_count} SMs, torch {torch.__version__}, "

@@ -1,0 +1,625 @@
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/hash_topk.h"
+#include "kernels/cuda/vattention.h"
+#include "kernels/philox.h"
+
+namespace kvsparse::kernels::cuda {
+namespace {
+
+constexpr int kSampleThreads = 1024;
+constexpr int kBuckets = 4096;  // top 12 bits of the 64-bit priority keys
+constexpr int kCand = 2048;     // keys in the threshold bucket we can resolve
+constexpr int kRowThreads = 256;
+constexpr int kDeltaGrid = 1024;  // as the CPU reference
+constexpr int kMaxLen = 1 << 22;
+
+struct Layout {
+  int32_t fixed_stride = 0;
+  int32_t list_stride = 0;
+  int32_t* fixed = nullptr;
+  int32_t* fixed_count = nullptr;
+  int32_t* base = nullptr;
+  int32_t* base_count = nullptr;
+  int32_t* dyn = nullptr;
+  int32_t* dyn_count = nullptr;
+  int64_t* budget = nullptr;
+  uint64_t* keys = nullptr;
+  float* logits = nullptr;
+  void* topk_ws = nullptr;
+  size_t topk_bytes = 0;
+  size_t total = 0;
+};
+
+HashTopKParams TopkParams(const VAttentionParams& p) {
+  HashTopKParams t;
+  t.batch = p.shape.batch;
+  t.num_q_heads = p.shape.num_q_heads;
+  t.key_heads = p.key_heads;
+  t.bits = p.bits;
+  t.q_sigs = p.q_sigs;
+  t.k_sigs = p.k_sigs;
+  t.k_batch_stride = p.k_batch_stride;
+  t.k_head_stride = p.k_head_stride;
+  t.k_token_stride = p.k_token_stride;
+  t.seq_lens = p.shape.seq_lens;
+  t.max_seq_len = p.shape.max_seq_len;
+  t.sink_tokens = p.sink_tokens;
+  t.local_tokens = p.local_tokens;
+  t.top_k = p.top_k;
+  t.top_k_fraction = p.top_k_fraction;
+  return t;
+}
+
+Layout MakeLayout(const VAttentionParams& p, void* base) {
+  Layout l;
+  const size_t bh = static_cast<size_t>(p.shape.batch) * p.shape.num_q_heads;
+  const HashTopKParams tp = TopkParams(p);
+  l.fixed_stride = std::max(1, tp.MaxSelected());
+  l.list_stride = std::max(1, p.shape.max_seq_len);
+  char* c = static_cast<char*>(base);
+  size_t used = 0;
+  auto take = [&](size_t bytes) -> void* {
+    void* r = c == nullptr ? nullptr : c + used;
+    used += AlignUp(bytes, 256);
+    return r;
+  };
+  l.fixed = static_cast<int32_t*>(take(bh * l.fixed_stride * 4));
+  l.fixed_count = static_cast<int32_t*>(take(bh * 4));
+  l.base = static_cast<int32_t*>(take(bh * l.list_stride * 4));
+  l.base_count = static_cast<int32_t*>(take(bh * 4));
+  l.dyn = static_cast<int32_t*>(take(bh * l.list_stride * 4));
+  l.dyn_count = static_cast<int32_t*>(take(bh * 4));
+  l.budget = static_cast<int64_t*>(take(bh * 8));
+  l.keys = static_cast<uint64_t*>(take(bh * l.list_stride * 8));
+  l.logits = static_cast<float*>(
+      take(bh * (static_cast<size_t>(l.fixed_stride) + static_cast<size_t>(l.list_stride)) * 4));
+  l.topk_bytes = HashTopKWorkspaceBytes(tp);
+  l.topk_ws = take(l.topk_bytes);
+  l.total = used;
+  return l;
+}
+
+// Block-wide exclusive scan for kSampleThreads threads (ws: 32 ints). Ends with a barrier.
+__device__ __forceinline__ int ScanExclusive1024(int v, int* ws, int* total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) ws[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int y = ws[lane];
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const int z = __shfl_up_sync(0xffffffffu, y, o);
+      if (lane >= o) y += z;
+    }
+    ws[lane] = y;
+  }
+  __syncthreads();
+  const int r = (warp > 0 ? ws[warp - 1] : 0) + x - v;
+  *total = ws[31];
+  __syncthreads();
+  return r;
+}
+
+// Uniform sample without replacement of `count` residual tokens ([0, n) minus the fixed set):
+// the count smallest (Draw64(t), t) pairs of the (tag, b, h) stream, written ascending (the
+// CPU reference's SampleWithoutReplacement). kBase: count = min(n_s, max(2, round(rate n_s)));
+// otherwise count = budget[bh]. out_count[bh] = -1 if the threshold bucket overflows kCand.
+template <bool kBase>
+__global__ void __launch_bounds__(kSampleThreads)
+    VattSampleKernel(VAttentionParams p, Layout l, int32_t* __restrict__ out,
+                     int32_t* __restrict__ out_count) {
+  extern __shared__ uint32_t dsm[];
+  uint32_t* bitmap = dsm;  // fixed-set membership, ceil(max_seq_len / 32) words
+  int* hist = reinterpret_cast<int*>(dsm + (p.shape.max_seq_len + 31) / 32);  // [kBuckets]
+  uint64_t* ck = reinterpret_cast<uint64_t*>(hist + kBuckets);                // [kCand]
+  int* ct = reinterpret_cast<int*>(ck + kCand);                               // [kCand]
+  __shared__ int ws[32];
+  __shared__ int sm_tau, sm_below, sm_ncand, sm_thr_tok;
+  __shared__ unsigned long long sm_thr_key;
+  const int64_t bh = blockIdx.x;
+  const int b = static_cast<int>(bh / p.shape.num_q_heads);
+  const int h = static_cast<int>(bh % p.shape.num_q_heads);
+  const int tid = threadIdx.x;
+  const int n = p.shape.seq_lens[b];
+  const int words = (n + 31) / 32;
+  const int fcount = l.fixed_count[bh];
+  const int64_t n_s = n - fcount;
+  int64_t count;
+  if (kBase) {
+    count = min(
+        n_s,
+        max(int64_t{2}, static_cast<int64_t>(floor(static_cast<double>(p.base_rate) * n_s + 0.5))));
+  } else {
+    count = l.budget[bh];
+  }
+  int32_t* dst = out + bh * l.list_stride;
+  if (n_s <= 0 || count <= 0) {
+    if (tid == 0) out_count[bh] = 0;
+    return;
+  }
+  const bool all = count >= n_s;
+  for (int i = tid; i < words; i += kSampleThreads) bitmap[i] = 0u;
+  for (int i = tid; i < kBuckets; i += kSampleThreads) hist[i] = 0;
+  if (tid == 0) sm_ncand = 0;
+  __syncthreads();
+  const int32_t* fx = l.fixed + bh * l.fixed_stride;
+  for (int i = tid; i < fcount; i += kSampleThreads)
+    atomicOr(&bitmap[fx[i] / 32], 1u << (fx[i] % 32));
+  __syncthreads();
+  auto residual = [&](int t) { return ((bitmap[t / 32] >> (t % 32)) & 1u) == 0; };
+  uint64_t* keys = l.keys + bh * l.list_stride;
+  const PhiloxStream rng =
+      PhiloxStream::Make(p.seed, kBase ? RngTag::kVattBase : RngTag::kVattDynamic,
+                         static_cast<uint32_t>(b), static_cast<uint32_t>(h));
+  if (!all) {
+    for (int t = tid; t < n; t += kSampleThreads) {
+      if (!residual(t)) continue;
+      const uint64_t key = rng.Draw64(static_cast<uint32_t>(t));
+      keys[t] = key;
+      atomicAdd(&hist[key >> 52], 1);
+    }
+    __syncthreads();
+    // Threshold bucket: the first whose cumulative count reaches `count`.
+    constexpr int kPerThread = kBuckets / kSampleThreads;
+    int local = 0;
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) local += hist[tid * kPerThread + i];
+    int total = 0;
+    int cum = ScanExclusive1024(local, ws, &total);
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int c = hist[tid * kPerThread + i];
+      if (cum < count && cum + c >= count) {
+        sm_tau = tid * kPerThread + i;
+        sm_below = cum;
+      }
+      cum += c;
+    }
+    __syncthreads();
+    const int tau = sm_tau;
+    for (int t = tid; t < n; t += kSampleThreads) {
+      if (!residual(t) || static_cast<int>(keys[t] >> 52) != tau) continue;
+      const int slot = atomicAdd(&sm_ncand, 1);
+      if (slot < kCand) {
+        ck[slot] = keys[t];
+        ct[slot] = t;
+      }
+    }
+    __syncthreads();
+    if (sm_ncand > kCand) {
+      if (tid == 0) out_count[bh] = -1;
+      return;
+    }
+    const int m = sm_ncand;
+    const int need = static_cast<int>(count) - sm_below;  // in [1, m]
+    for (int i = tid; i < m; i += kSampleThreads) {
+      int r = 0;
+      for (int j = 0; j < m; ++j) r += (ck[j] < ck[i] || (ck[j] == ck[i] && ct[j] < ct[i])) ? 1 : 0;
+      if (r == need - 1) {
+        sm_thr_key = ck[i];
+        sm_thr_tok = ct[i];
+      }
+    }
+    __syncthreads();
+  }
+  const uint64_t thr_key = all ? 0 : sm_thr_key;
+  const int thr_tok = all ? 0 : sm_thr_tok;
+  constexpr int kPer = 4;
+  int carry = 0;
+  for (int c0 = 0; c0 < n; c0 += kSampleThreads * kPer) {
+    const int t0 = c0 + tid * kPer;
+    int flags = 0, local = 0;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int t = t0 + i;
+      bool sel = false;
+      if (t < n && residual(t)) {
+        if (all) {
+          sel = true;
+        } else {
+          const uint64_t key = keys[t];
+          sel = key < thr_key || (key == thr_key && t <= thr_tok);
+        }
+      }
+      if (sel) {
+        flags |= 1 << i;
+        ++local;
+      }
+    }
+    int total = 0;
+    int pos = carry + ScanExclusive1024(local, ws, &total);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      if (flags & (1 << i)) dst[pos++] = t0 + i;
+    }
+    carry += total;
+  }
+  if (tid == 0) out_count[bh] = carry;
+}
+
+// Phi^{-1} (Acklam plus one Halley step), as the CPU reference.
+__device__ double NormalQuantileDev(double p) {
+  if (!(p > 0.0 && p < 1.0)) return p == 0.0 ? -HUGE_VAL : p == 1.0 ? HUGE_VAL : nan("");
+  const double a[] = {-3.969683028665376e+01, 2.209460984245205e+02,  -2.759285104469687e+02,
+                      1.383577518672690e+02,  -3.066479806614716e+01, 2.506628277459239e+00};
+  const double bb[] = {-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
+                       6.680131188771972e+01, -1.328068155288572e+01};
+  const double c[] = {-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
+                      -2.549732539343734e+00, 4.374664141464968e+00,  2.938163982698783e+00};
+  const double d[] = {7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
+                      3.754408661907416e+00};
+  const double plow = 0.02425;
+  double x;
+  if (p < plow) {
+    const double q = sqrt(-2 * log(p));
+    x = (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) /
+        ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1);
+  } else if (p <= 1 - plow) {
+    const double q = p - 0.5, r = q * q;
+    x = (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * q /
+        (((((bb[0] * r + bb[1]) * r + bb[2]) * r + bb[3]) * r + bb[4]) * r + 1);
+  } else {
+    const double q = sqrt(-2 * log1p(-p));
+    x = -(((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) /
+        ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1);
+  }
+  const double e = 0.5 * erfc(-x / sqrt(2.0)) - p;
+  const double u = e * 2.5066282746310002 * exp(x * x / 2);
+  return x - u / (1 + x * u / 2);
+}
+
+__device__ double AlphaD(bool clt, double dl) {
+  return clt ? NormalQuantileDev(1.0 - dl / 2.0) : sqrt(log(2.0 / dl) / 2.0);
+}
+__device__ double AlphaN(bool clt, double dl) {
+  return clt ? NormalQuantileDev(1.0 - dl / 2.0) : sqrt(2.0 * log(2.0 / dl));
+}
+
+// Statistics of I_f and the base sample in float64 and the budget b (steps 4-5), one block per
+// (b, h). Logits are stashed in l.logits so that c = their max shifts every exponential.
+template <typename T, int D>
+__global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams p, Layout l) {
+  constexpr int L = D / 8, R = 32 / L, NW = kRowThreads / 32;
+  __shared__ float red[NW];
+  __shared__ double dred[NW][6];
+  __shared__ double dims[3][D];  // sum x v (fixed), sum y (base), sum y^2 (base) per coordinate
+  __shared__ double best_v[kRowThreads];
+  __shared__ int best_j[kRowThreads];
+  const DecodeShape& s = p.shape;
+  const int64_t bh = blockIdx.x;
+  const int b = static_cast<int>(bh / s.num_q_heads);
+  const int h = static_cast<int>(bh % s.num_q_heads);
+  const int G = s.num_q_heads / s.num_kv_heads;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, row = lane / L, lr = lane % L;
+  const int n = s.seq_lens[b];
+  const int nf = l.fixed_count[bh], nb = l.base_count[bh];
+  const int rows = nf + nb;
+  const int64_t n_s = n - nf;
+  const int32_t* fx = l.fixed + bh * l.fixed_stride;
+  const int32_t* bs = l.base + bh * l.list_stride;
+  float* logits = l.logits + bh * (static_cast<int64_t>(l.fixed_stride) + l.list_stride);
+  const int64_t kv_off = b * s.kv.batch_stride + (h / G) * s.kv.head_stride + lr * 8;
+  const uint16_t* kb = static_cast<const uint16_t*>(s.k) + kv_off;
+  const uint16_t* vb = static_cast<const uint16_t*>(s.v) + kv_off;
+  float qf[8];
+  Unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(s.q) + bh * D + lr * 8),
+             qf);
+  for (int i = tid; i < D; i += kRowThreads) dims[0][i] = dims[1][i] = dims[2][i] = 0.0;
+  // Logits of every row, natural units.
+  float mx = -HUGE_VALF;
+  for (int i0 = warp * R; i0 < rows; i0 += NW * R) {  // uniform over the warp (shuffles)
+    const int i = i0 + row;
+    const bool valid = i < rows;
+    const int t = !valid ? 0 : i < nf ? fx[i] : bs[i - nf];
+    float kf[8];
+    Unpack8<T>(valid ? LoadStream16(kb + static_cast<int64_t>(t) * s.kv.token_stride)
+                     : make_uint4(0, 0, 0, 0),
+               kf);
+    float dot = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) dot = fmaf(qf[e], kf[e], dot);
+#pragma unroll
+    for (int o = L / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    dot *= s.scale;
+    if (valid) {
+      if (lr == 0) logits[i] = dot;
+      mx = fmaxf(mx, dot);
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (lane == 0) red[warp] = mx;
+  __syncthreads();
+  float cf = -HUGE_VALF;
+  for (int w = 0; w < NW; ++w) cf = fmaxf(cf, red[w]);
+  const double c = isfinite(cf) ? static_cast<double>(cf) : 0.0;
+  // Sums (x = e^{s - c}, y = x V): fixed D_f and N_f; base sum/sum^2 of x and y, max x, max |V|.
+  double df = 0, sx = 0, sxx = 0, xmax = 0, vmax = 0;
+  double nfv[8] = {}, sy[8] = {}, syy[8] = {};
+  __syncthreads();                                    // logits written by other warps
+  for (int i0 = warp * R; i0 < rows; i0 += NW * R) {  // uniform over the warp (shuffles)
+    const int i = i0 + row;
+    const bool valid = i < rows;
+    const int t = !valid ? 0 : i < nf ? fx[i] : bs[i - nf];
+    float vf[8];
+    Unpack8<T>(valid ? LoadStream16(vb + static_cast<int64_t>(t) * s.kv.token_stride)
+                     : make_uint4(0, 0, 0, 0),
+               vf);
+    const double x = valid ? exp(static_cast<double>(logits[i]) - c) : 0.0;
+    double vn2 = 0;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) vn2 += static_cast<double>(vf[e]) * vf[e];
+#pragma unroll
+    for (int o = L / 2; o > 0; o /= 2) vn2 += __shfl_xor_sync(0xffffffffu, vn2, o);
+    if (!valid) continue;
+    if (i < nf) {
+      if (lr == 0) df += x;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) nfv[e] += x * vf[e];
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const double y = x * vf[e];
+        sy[e] += y;
+        syy[e] += y * y;
+      }
+      if (lr == 0) {
+        sx += x;
+        sxx += x * x;
+        xmax = fmax(xmax, x);
+        vmax = fmax(vmax, sqrt(vn2));
+      }
+    }
+  }
+  // Per-coordinate sums: over the rows of the warp, then shared-memory atomics over warps.
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    for (int o = L; o < 32; o *= 2) {
+      nfv[e] += __shfl_xor_sync(0xffffffffu, nfv[e], o);
+      sy[e] += __shfl_xor_sync(0xffffffffu, sy[e], o);
+      syy[e] += __shfl_xor_sync(0xffffffffu, syy[e], o);
+    }
+  }
+  __syncthreads();  // dims zeroed
+  if (row == 0) {
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      atomicAdd(&dims[0][lr * 8 + e], nfv[e]);
+      atomicAdd(&dims[1][lr * 8 + e], sy[e]);
+      atomicAdd(&dims[2][lr * 8 + e], syy[e]);
+    }
+  }
+  double sc[5] = {df, sx, sxx, xmax, vmax};
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+#pragma unroll
+    for (int k = 0; k < 3; ++k) sc[k] += __shfl_xor_sync(0xffffffffu, sc[k], o);
+    sc[3] = fmax(sc[3], __shfl_xor_sync(0xffffffffu, sc[3], o));
+    sc[4] = fmax(sc[4], __shfl_xor_sync(0xffffffffu, sc[4], o));
+  }
+  if (lane == 0) {
+    for (int k = 0; k < 5; ++k) dred[warp][k] = sc[k];
+  }
+  __syncthreads();
+  double tot[5] = {0, 0, 0, 0, 0};
+  for (int w = 0; w < NW; ++w) {
+    for (int k = 0; k < 3; ++k) tot[k] += dred[w][k];
+    tot[3] = fmax(tot[3], dred[w][3]);
+    tot[4] = fmax(tot[4], dred[w][4]);
+  }
+  const double dnb = nb, ns = static_cast<double>(n_s);
+  const double mean_x = nb > 0 ? tot[1] / dnb : 0.0;
+  const double d_hat = tot[0] + ns * mean_x;
+  double n2 = 0, tr = 0;
+  for (int a = 0; a < D; ++a) {
+    const double my = nb > 0 ? dims[1][a] / dnb : 0.0;
+    const double na = dims[0][a] + ns * my;
+    n2 += na * na;
+    tr += nb > 1 ? fmax(0.0, (dims[2][a] - dims[1][a] * my) / (dnb - 1)) : 0.0;
+  }
+  const double n_hat = sqrt(n2);
+  const double sigma = nb > 1 ? sqrt(fmax(0.0, (tot[2] - tot[1] * mean_x) / (dnb - 1))) : 0.0;
+  const double x_max = tot[3], y_max = tot[3] * tot[4];
+  // Budget (ComputeVAttentionBudget).
+  const bool clt = p.bound == 1;
+  const double eps = p.epsilon, delta = p.delta;
+  const double cd = d_hat > 0 ? (clt ? sigma : x_max) / d_hat : HUGE_VAL;
+  const double cn = n_hat > 0 ? (clt ? sqrt(tr) : 2 * y_max) / n_hat : HUGE_VAL;
+  double raw;
+  if (p.target == 1) {
+    const double v = ns * AlphaD(clt, delta) * cd / eps;
+    raw = v * v;
+  } else if (p.target == 2) {
+    const double v = ns * AlphaN(clt, delta) * cn / eps;
+    raw = v * v;
+  } else {
+    double bv = HUGE_VAL;
+    int bj = kDeltaGrid;
+    for (int j = 1 + tid; j < kDeltaGrid; j += kRowThreads) {
+      const double dl = delta * j / kDeltaGrid;
+      const double v = AlphaD(clt, dl) * cd + AlphaN(clt, delta - dl) * cn;
+      if (v < bv) {
+        bv = v;
+        bj = j;
+      }
+    }
+    best_v[tid] = bv;
+    best_j[tid] = bj;
+    __syncthreads();
+    bv = HUGE_VAL;
+    bj = kDeltaGrid;
+    for (int i = 0; i < kRowThreads; ++i) {  // the first minimum, as the sequential reference
+      if (best_v[i] < bv || (best_v[i] == bv && best_j[i] < bj)) {
+        bv = best_v[i];
+        bj = best_j[i];
+      }
+    }
+    const double v = 2 * ns * bv / eps;
+    raw = v * v;
+  }
+  if (isnan(raw)) raw = HUGE_VAL;
+  if (tid == 0) {
+    int64_t bud = 0;
+    if (n_s > 0) {
+      const double lower = dnb;
+      const double r = isfinite(raw) ? ceil(raw) : ns;
+      bud = static_cast<int64_t>(fmin(ns, fmax(lower, r)));
+    }
+    l.budget[bh] = bud;
+  }
+}
+
+// Step 7: out = (sum_{I_f} e^s V + (n_s / b) sum_{I_dyn} e^s V) / (the same without V), fp32
+// with a running maximum per row slot, merged over the block.
+template <typename T, int D>
+__global__ void __launch_bounds__(kRowThreads) VattEstimateKernel(VAttentionParams p, Layout l) {
+  constexpr int L = D / 8, R = 32 / L, NW = kRowThreads / 32;
+  __shared__ float sm_m[NW * R], sm_l[NW * R];
+  __shared__ __align__(16) float sacc[NW * R][D];
+  const DecodeShape& s = p.shape;
+  const int64_t bh = blockIdx.x;
+  const int b = static_cast<int>(bh / s.num_q_heads);
+  const int h = static_cast<int>(bh % s.num_q_heads);
+  const int G = s.num_q_heads / s.num_kv_heads;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, row = lane / L, lr = lane % L;
+  const int n = s.seq_lens[b];
+  const int nf = l.fixed_count[bh], nd = l.dyn_count[bh];
+  const int64_t bud = l.budget[bh];
+  const float w_dyn = bud > 0 ? static_cast<float>(static_cast<double>(n - nf) / bud) : 0.f;
+  const int32_t* fx = l.fixed + bh * l.fixed_stride;
+  const int32_t* dy = l.dyn + bh * l.list_stride;
+  const int64_t kv_off = b * s.kv.batch_stride + (h / G) * s.kv.head_stride + lr * 8;
+  const uint16_t* kb = static_cast<const uint16_t*>(s.k) + kv_off;
+  const uint16_t* vb = static_cast<const uint16_t*>(s.v) + kv_off;
+  float qf[8];
+  Unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(s.q) + bh * D + lr * 8),
+             qf);
+  float m = kNegInf, lsum = 0.f, acc[8] = {};
+  const int rows = nf + max(nd, 0);
+  for (int i0 = warp * R; i0 < rows; i0 += NW * R) {  // uniform over the warp (shuffles)
+    const int i = i0 + row;
+    const bool valid = i < rows;
+    const int t = !valid ? 0 : i < nf ? fx[i] : dy[i - nf];
+    const float w = i < nf ? 1.f : w_dyn;
+    float kf[8], vf[8];
+    const int64_t off = static_cast<int64_t>(t) * s.kv.token_stride;
+    Unpack8<T>(valid ? LoadStream16(kb + off) : make_uint4(0, 0, 0, 0), kf);
+    Unpack8<T>(valid ? LoadStream16(vb + off) : make_uint4(0, 0, 0, 0), vf);
+    float dot = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) dot = fmaf(qf[e], kf[e], dot);
+#pragma unroll
+    for (int o = L / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+    if (!valid) continue;
+    const float sc = dot * s.scale;
+    const float mn = fmaxf(m, sc);
+    const float a = m == kNegInf ? 0.f : expf(m - mn);
+    const float pw = w * expf(sc - mn);
+    lsum = lsum * a + pw;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = acc[e] * a + pw * vf[e];
+    m = mn;
+  }
+  const int slot = warp * R + row;
+  if (lr == 0) {
+    sm_m[slot] = m;
+    sm_l[slot] = lsum;
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) sacc[slot][lr * 8 + e] = acc[e];
+  __syncthreads();
+  float gm = kNegInf;
+  for (int i = 0; i < NW * R; ++i) gm = fmaxf(gm, sm_m[i]);
+  float den = 0.f;
+  for (int i = 0; i < NW * R; ++i) den += sm_m[i] == kNegInf ? 0.f : sm_l[i] * expf(sm_m[i] - gm);
+  for (int dim = tid; dim < D; dim += kRowThreads) {
+    float num = 0.f;
+    for (int i = 0; i < NW * R; ++i) {
+      if (sm_m[i] != kNegInf) num += sacc[i][dim] * expf(sm_m[i] - gm);
+    }
+    static_cast<uint16_t*>(s.out)[bh * D + dim] = FloatToBits<T>(den > 0.f ? num / den : 0.f);
+  }
+}
+
+struct RowKernels {
+  const VAttentionParams& p;
+  Layout l;
+  bool estimate;
+  cudaStream_t stream;
+  template <typename T, int D, int G>
+  cudaError_t operator()() const {
+    const int blocks = p.shape.batch * p.shape.num_q_heads;
+    if (estimate) {
+      VattEstimateKernel<T, D><<<blocks, kRowThreads, 0, stream>>>(p, l);
+    } else {
+      VattStatsKernel<T, D><<<blocks, kRowThreads, 0, stream>>>(p, l);
+    }
+    return cudaGetLastError();
+  }
+};
+
+template <bool kBase>
+cudaError_t LaunchSample(const VAttentionParams& p, const Layout& l, int32_t* out,
+                         int32_t* out_count, cudaStream_t stream) {
+  const size_t smem = static_cast<size_t>((p.shape.max_seq_len + 31) / 32) * 4 + kBuckets * 4 +
+                      kCand * (8 + 4) + 64;
+  KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(&VattSampleKernel<kBase>,
+                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                     static_cast<int>(smem)));
+  VattSampleKernel<kBase>
+      <<<p.shape.batch * p.shape.num_q_heads, kSampleThreads, smem, stream>>>(p, l, out, out_count);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+size_t VAttentionWorkspaceBytes(const VAttentionParams& p) { return MakeLayout(p, nullptr).total; }
+
+VAttentionSelectionView VAttentionSelection(const VAttentionParams& p, const void* workspace) {
+  const Layout l = MakeLayout(p, const_cast<void*>(workspace));
+  VAttentionSelectionView v;
+  v.max_list = l.list_stride;
+  v.fixed_stride = l.fixed_stride;
+  v.fixed = l.fixed;
+  v.fixed_count = l.fixed_count;
+  v.base = l.base;
+  v.base_count = l.base_count;
+  v.dyn = l.dyn;
+  v.dyn_count = l.dyn_count;
+  v.budget = l.budget;
+  return v;
+}
+
+cudaError_t VAttentionDecode(const VAttentionParams& p, void* workspace, size_t workspace_bytes,
+                             cudaStream_t stream) {
+  KVSPARSE_CUDA_RETURN_IF_ERROR(ValidateShape(p.shape));
+  if (!(p.epsilon > 0.f && p.epsilon < 1.f) || !(p.delta > 0.f && p.delta < 1.f) ||
+      !(p.base_rate > 0.f && p.base_rate < 1.f) || (p.bound != 1 && p.bound != 2) || p.target < 1 ||
+      p.target > 3 || p.shape.max_seq_len > kMaxLen) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.shape.batch == 0) return cudaSuccess;
+  const Layout l = MakeLayout(p, workspace);
+  if (workspace == nullptr || workspace_bytes < l.total) return cudaErrorInvalidValue;
+  HashTopKParams tp = TopkParams(p);
+  tp.indices = l.fixed;
+  tp.counts = l.fixed_count;
+  KVSPARSE_CUDA_RETURN_IF_ERROR(HashTopK(tp, l.topk_ws, l.topk_bytes, stream));
+  KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchSample<true>(p, l, l.base, l.base_count, stream));
+  const DecodeShape& s = p.shape;
+  KVSPARSE_CUDA_RETURN_IF_ERROR(
+      DispatchDecode(s.dtype, s.head_dim, 1, RowKernels{p, l, false, stream}));
+  KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchSample<false>(p, l, l.dyn, l.dyn_count, stream));
+  return DispatchDecode(s.dtype, s.head_dim, 1, RowKernels{p, l, true, stream});
+}
+
+}  // namespace kvsparse::kernels::cuda

@@ -1,0 +1,71 @@
+// vAttention on the GPU (CPU reference and the algorithm: kernels/vattention.h), hash predictor:
+//   1. fixed set I_f = sink + window + Hamming top-k (HashTopK, hash_topk.h);
+//   2. base sample: the n_b residual tokens with the smallest Philox keys (RngTag::kVattBase),
+//      n_b = min(n_s, max(2, round(base_rate * n_s)));
+//   3. statistics of I_f and the base sample (their K and V rows) in float64 and the budget b
+//      for (epsilon, delta) (CLT or Hoeffding; denominator, numerator or output target; the
+//      output target minimises over the same delta grid as the reference);
+//   4. final sample: the b residual tokens with the smallest kVattDynamic keys;
+//   5. estimate: out = (sum_{I_f} e^s V + (n_s / b) sum_{I_dyn} e^s V) / (same without V).
+// The sampled sets equal the CPU reference's exactly (same Philox keys, same total order); b
+// can differ only where the float64 statistics, summed in another order, put b_raw within
+// rounding of an integer. One block per (sequence, query head) for the sampling and statistics
+// stages (selection cost, not bandwidth, is what this method spends).
+#ifndef KVSPARSE_KERNELS_CUDA_VATTENTION_H_
+#define KVSPARSE_KERNELS_CUDA_VATTENTION_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/cuda/decode_params.h"
+
+namespace kvsparse::kernels::cuda {
+
+struct VAttentionParams {
+  DecodeShape shape;  // max_seq_len <= 2^22
+  uint64_t seed = 0;
+  float epsilon = 0.05f;  // (0, 1)
+  float delta = 0.05f;    // (0, 1)
+  int32_t sink_tokens = 128;
+  int32_t local_tokens = 128;
+  int32_t top_k = 0;             // 0: floor(top_k_fraction * n)
+  float top_k_fraction = 0.05f;  // [0, 1]
+  float base_rate = 0.05f;       // (0, 1)
+  int32_t bound = 1;             // 1 = CLT, 2 = Hoeffding (kernels::BudgetBound)
+  int32_t target = 3;            // 1 = denominator, 2 = numerator, 3 = output (VerifyTarget)
+  // Signatures (hash_topk.h): q_sigs [B, H, bits / 32]; key signature of (b, j, t) at
+  // k_sigs + b * k_batch_stride + j * k_head_stride + t * k_token_stride, j = h / G when
+  // key_heads == Hkv, h when key_heads == H.
+  int32_t bits = 32;
+  const uint32_t* q_sigs = nullptr;
+  const uint32_t* k_sigs = nullptr;
+  int64_t k_batch_stride = 0;
+  int64_t k_head_stride = 0;
+  int64_t k_token_stride = 0;
+  int32_t key_heads = 0;
+};
+
+size_t VAttentionWorkspaceBytes(const VAttentionParams& p);
+cudaError_t VAttentionDecode(const VAttentionParams& p, void* workspace, size_t workspace_bytes,
+                             cudaStream_t stream);
+
+// Where the selection lives in the workspace after VAttentionDecode (device pointers), for tests
+// and for a worker that gathers the rows itself. Per (b, h) = i: the lists hold ascending tokens.
+struct VAttentionSelectionView {
+  int32_t max_list = 0;            // capacity of the base and dyn lists
+  int32_t fixed_stride = 0;        // capacity of the fixed lists
+  const int32_t* fixed = nullptr;  // [B * H, fixed_stride], fixed_count[i] used
+  const int32_t* fixed_count = nullptr;
+  const int32_t* base = nullptr;  // [B * H, max_list]
+  const int32_t* base_count = nullptr;
+  const int32_t* dyn = nullptr;  // [B * H, max_list]
+  const int32_t* dyn_count = nullptr;
+  const int64_t* budget = nullptr;  // [B * H]: b
+};
+VAttentionSelectionView VAttentionSelection(const VAttentionParams& p, const void* workspace);
+
+}  // namespace kvsparse::kernels::cuda
+
+#endif  // KVSPARSE_KERNELS_CUDA_VATTENTION_H_
