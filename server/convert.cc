@@ -1,5 +1,7 @@
 #include "server/convert.h"
 
+#include <cmath>
+
 #include "absl/strings/str_cat.h"
 
 namespace kvsparse::server {
@@ -208,6 +210,193 @@ void ToProto(const kvstore::StoreStats& st, v1::StoreStats* out) {
   }
   out->set_rows_gathered(rows);
   out->set_bytes_gathered(bytes);
+}
+
+namespace {
+
+absl::StatusOr<Method> FromProto(const v1::Method& m) {
+  Method out;
+  switch (m.kind_case()) {
+    case v1::Method::KIND_NOT_SET:
+    case v1::Method::kDense:
+      out.kind = MethodKind::kDense;
+      return out;
+    case v1::Method::kSanta: {
+      const v1::SantaParams& s = m.santa();
+      out.kind = MethodKind::kSanta;
+      kernels::SantaParams& p = out.santa;
+      switch (s.sampler()) {
+        case v1::SANTA_SAMPLER_IID:
+          p.sampler = kernels::SantaSampler::kIid;
+          break;
+        case v1::SANTA_SAMPLER_STRATIFIED:
+          p.sampler = kernels::SantaSampler::kStratified;
+          break;
+        case v1::SANTA_SAMPLER_UNSPECIFIED:
+        case v1::SANTA_SAMPLER_SYSTEMATIC:
+          p.sampler = kernels::SantaSampler::kSystematic;
+          break;
+        default:
+          return absl::InvalidArgumentError("santa.sampler: unknown value");
+      }
+      switch (s.allocation()) {
+        case v1::SANTA_ALLOCATION_GLOBAL:
+          p.allocation = kernels::SantaAllocation::kGlobal;
+          break;
+        case v1::SANTA_ALLOCATION_UNSPECIFIED:
+        case v1::SANTA_ALLOCATION_PROP:
+          p.allocation = kernels::SantaAllocation::kProp;
+          break;
+        case v1::SANTA_ALLOCATION_FLASH:
+          p.allocation = kernels::SantaAllocation::kFlash;
+          break;
+        default:
+          return absl::InvalidArgumentError("santa.allocation: unknown value");
+      }
+      if (s.samples() > (1u << 24) || s.tile_size() > (1u << 24) ||
+          s.bernoulli_qk_samples() > 1024) {
+        return absl::InvalidArgumentError(
+            "santa: samples and tile_size must be below 2^24, bernoulli_qk_samples at most 1024");
+      }
+      p.samples = static_cast<int32_t>(s.samples());
+      p.tile_size = static_cast<int32_t>(s.tile_size());  // 0: the engine's default
+      p.bernoulli_qk_samples = static_cast<int32_t>(s.bernoulli_qk_samples());
+      p.bernoulli_mode = s.bernoulli_mode() == v1::BERNOULLI_QK_MODE_PER_HEAD
+                             ? kernels::BernoulliQkMode::kPerHead
+                             : kernels::BernoulliQkMode::kMeanGroupQuery;
+      p.bernoulli_sampler = s.bernoulli_sampler() == v1::BERNOULLI_SAMPLER_IID
+                                ? kernels::BernoulliSampler::kIid
+                                : kernels::BernoulliSampler::kStratified;
+      return out;
+    }
+    case v1::Method::kHashTopK: {
+      const v1::HashTopKParams& h = m.hash_top_k();
+      out.kind = MethodKind::kHashTopK;
+      if (h.sink_tokens() > (1u << 30) || h.local_tokens() > (1u << 30) || h.top_k() > (1u << 30) ||
+          h.bits() > 256) {
+        return absl::InvalidArgumentError("hash_top_k: a count is out of range");
+      }
+      out.hash.sink_tokens = static_cast<int32_t>(h.sink_tokens());
+      out.hash.local_tokens = static_cast<int32_t>(h.local_tokens());
+      out.hash.top_k = static_cast<int32_t>(h.top_k());
+      out.hash.top_k_fraction = h.top_k_fraction();
+      out.hash.bits = static_cast<int32_t>(h.bits());
+      out.learned_signatures = h.source() == v1::SIGNATURE_SOURCE_LEARNED;
+      return out;
+    }
+    case v1::Method::kVattention: {
+      const v1::VAttentionParams& v = m.vattention();
+      out.kind = MethodKind::kVAttention;
+      kernels::VAttentionParams& p = out.vattention;
+      if (v.sink_tokens() > (1u << 30) || v.local_tokens() > (1u << 30) || v.top_k() > (1u << 30) ||
+          v.bits() > 256) {
+        return absl::InvalidArgumentError("vattention: a count is out of range");
+      }
+      p.epsilon = v.epsilon();
+      p.delta = v.delta();
+      p.sink_tokens = static_cast<int32_t>(v.sink_tokens());
+      p.local_tokens = static_cast<int32_t>(v.local_tokens());
+      p.top_k = static_cast<int32_t>(v.top_k());
+      p.top_k_fraction = v.top_k_fraction();
+      p.predictor = v.predictor() == v1::TOP_K_PREDICTOR_EXACT ? kernels::TopKPredictor::kExact
+                                                               : kernels::TopKPredictor::kHash;
+      p.base_rate = v.base_rate();
+      p.bound = v.bound() == v1::BUDGET_BOUND_HOEFFDING ? kernels::BudgetBound::kHoeffding
+                                                        : kernels::BudgetBound::kClt;
+      switch (v.target()) {
+        case v1::VERIFY_TARGET_DENOMINATOR:
+          p.target = kernels::VerifyTarget::kDenominator;
+          break;
+        case v1::VERIFY_TARGET_NUMERATOR:
+          p.target = kernels::VerifyTarget::kNumerator;
+          break;
+        default:
+          p.target = kernels::VerifyTarget::kOutput;
+      }
+      p.bits = static_cast<int32_t>(v.bits());
+      out.learned_signatures = v.source() == v1::SIGNATURE_SOURCE_LEARNED;
+      return out;
+    }
+  }
+  return absl::InvalidArgumentError("method: unknown kind");
+}
+
+}  // namespace
+
+absl::StatusOr<DecodeCall> FromProto(const v1::DecodeRequest& msg) {
+  DecodeCall c;
+  if (msg.sequence_ids_size() == 0) return absl::InvalidArgumentError("sequence_ids: empty");
+  if (absl::Status s = ValidateTensor(msg.q(), "q"); !s.ok()) return s;
+  if (msg.q().shape_size() != 3 || msg.q().shape(0) != msg.sequence_ids_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "q: shape must be [B, H, d] with B = ", msg.sequence_ids_size(), " sequences"));
+  }
+  c.layer = msg.layer();
+  c.sequence_ids.assign(msg.sequence_ids().begin(), msg.sequence_ids().end());
+  c.q_dtype = *FromProto(msg.q().dtype(), "q");
+  c.q = absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(msg.q().data().data()),
+                                  msg.q().data().size());
+  if (msg.q().shape(1) > UINT32_MAX || msg.q().shape(2) > UINT32_MAX) {
+    return absl::InvalidArgumentError("q: dimension out of range");
+  }
+  c.q_heads = static_cast<uint32_t>(msg.q().shape(1));
+  c.q_dim = static_cast<uint32_t>(msg.q().shape(2));
+  if (msg.has_new_k() != msg.has_new_v()) {
+    return absl::InvalidArgumentError("new_k and new_v come together");
+  }
+  if (msg.has_new_k()) {
+    if (absl::Status s = ValidateTensor(msg.new_k(), "new_k"); !s.ok()) return s;
+    if (absl::Status s = ValidateTensor(msg.new_v(), "new_v"); !s.ok()) return s;
+    if (msg.new_k().dtype() != msg.new_v().dtype() || msg.new_k().shape_size() != 3 ||
+        msg.new_k().shape(0) != msg.sequence_ids_size() ||
+        !std::equal(msg.new_k().shape().begin(), msg.new_k().shape().end(),
+                    msg.new_v().shape().begin(), msg.new_v().shape().end())) {
+      return absl::InvalidArgumentError(
+          "new_k and new_v must be [B, Hkv, d] of one dtype, B = the number of sequences");
+    }
+    c.new_kv_dtype = *FromProto(msg.new_k().dtype(), "new_k");
+    c.new_k = absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(msg.new_k().data().data()),
+                                        msg.new_k().data().size());
+    c.new_v = absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(msg.new_v().data().data()),
+                                        msg.new_v().data().size());
+  }
+  absl::StatusOr<Method> m = FromProto(msg.method());
+  if (!m.ok()) return m.status();
+  c.method = *m;
+  c.seed = msg.seed();
+  if (!(msg.scale() >= 0.f) || !std::isfinite(msg.scale())) {
+    return absl::InvalidArgumentError("scale must be >= 0 and finite (0 = 1/sqrt(d))");
+  }
+  c.scale = msg.scale();
+  c.return_indices = msg.return_indices();
+  return c;
+}
+
+void ToProto(DecodeResult&& r, const DecodeCall& call, v1::DecodeResponse* out) {
+  v1::Tensor* o = out->mutable_output();
+  o->set_dtype(ToProto(call.q_dtype));
+  o->add_shape(static_cast<int64_t>(call.sequence_ids.size()));
+  o->add_shape(r.num_q_heads);
+  o->add_shape(r.head_dim);
+  *o->mutable_data() = std::move(r.output);
+  for (HeadStats& h : r.heads) {
+    v1::HeadStats* s = out->add_heads();
+    s->set_sequence_index(h.sequence_index);
+    s->set_kv_head(h.kv_head);
+    s->set_rows_selected(h.rows_selected);
+    s->set_rows_fetched(h.rows_fetched);
+    s->mutable_budgets()->Add(h.budgets.begin(), h.budgets.end());
+    s->set_bytes_host(h.bytes[static_cast<int>(kvstore::Tier::kHost)]);
+    s->set_bytes_device(h.bytes[static_cast<int>(kvstore::Tier::kDevice)]);
+    s->set_bytes_remote(h.bytes[static_cast<int>(kvstore::Tier::kRemote)]);
+    s->set_dense_equivalent_bytes(h.dense_equivalent_bytes);
+    s->mutable_fetched_tokens()->Add(h.fetched_tokens.begin(), h.fetched_tokens.end());
+  }
+  v1::Timing* t = out->mutable_timing();
+  t->set_selection_seconds(r.timing.selection_seconds);
+  t->set_gather_seconds(r.timing.gather_seconds);
+  t->set_compute_seconds(r.timing.compute_seconds);
+  t->set_engine_seconds(r.timing.engine_seconds);
 }
 
 }  // namespace kvsparse::server

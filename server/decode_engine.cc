@@ -184,6 +184,12 @@ absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer ", call.layer, " outside the sequences' ", shape.num_layers));
   }
+  if ((call.q_heads != 0 && call.q_heads != shape.num_q_heads) ||
+      (call.q_dim != 0 && call.q_dim != shape.head_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "q has ", call.q_heads, " heads of dim ", call.q_dim, " but the sequences' model has ",
+        shape.num_q_heads, " query heads of dim ", shape.head_dim));
+  }
   const size_t hd = static_cast<size_t>(shape.num_q_heads) * shape.head_dim;
   if (call.q.size() != B * hd * kernels::DTypeSize(call.q_dtype)) {
     return absl::InvalidArgumentError(
@@ -230,6 +236,8 @@ absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
     }
   }
   DecodeResult result;
+  result.num_q_heads = shape.num_q_heads;
+  result.head_dim = shape.head_dim;
   result.output.resize(B * hd * kernels::DTypeSize(call.q_dtype));
   result.heads.reserve(B * shape.num_kv_heads);
   for (size_t b = 0; b < B; ++b) {

@@ -48,6 +48,8 @@ struct DecodeCall {
   std::vector<std::string> sequence_ids;  // B
   kernels::DType q_dtype = kernels::DType::kBf16;
   absl::Span<const uint8_t> q;  // [B, H, d] of q_dtype
+  // The H and d q claims to have (0: take the sequences'); must match the model.
+  uint32_t q_heads = 0, q_dim = 0;
   // Optional new token per sequence, appended to `layer` first: [B, Hkv, d] each, in the
   // sequences' dtype (new_kv_dtype must match it).
   absl::Span<const uint8_t> new_k, new_v;
@@ -75,7 +77,8 @@ struct DecodeTiming {
 };
 
 struct DecodeResult {
-  std::string output;            // [B, H, d] in q's dtype
+  std::string output;  // [B, H, d] in q's dtype
+  uint32_t num_q_heads = 0, head_dim = 0;
   std::vector<HeadStats> heads;  // [B * Hkv]
   DecodeTiming timing;
   uint64_t sync_bytes = 0;  // rows read to bring resident state up to date (not per-step cost)

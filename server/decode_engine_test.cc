@@ -48,10 +48,10 @@ class EngineTest : public ::testing::Test {
       const size_t bytes = n * p.num_kv_heads * p.head_dim * es;
       std::vector<uint8_t> k(kLayers * bytes), v(kLayers * bytes);
       for (uint32_t l = 0; l < kLayers; ++l) {
-        std::memcpy(k.data() + l * bytes,
-                    prob_.k.data() + b * p.kv_layout.batch_stride * es, bytes);
-        std::memcpy(v.data() + l * bytes,
-                    prob_.v.data() + b * p.kv_layout.batch_stride * es, bytes);
+        std::memcpy(k.data() + l * bytes, prob_.k.data() + b * p.kv_layout.batch_stride * es,
+                    bytes);
+        std::memcpy(v.data() + l * bytes, prob_.v.data() + b * p.kv_layout.batch_stride * es,
+                    bytes);
       }
       kvstore::AppendRequest r;
       r.sequence_id = id;
@@ -280,9 +280,8 @@ TEST_F(EngineTest, VAttentionSelectsWhatTheReferenceSelects) {
       kernels::VAttentionParams vp = m.vattention;
       vp.bits = 32;
       kernels::RowSelection sel;
-      ASSERT_TRUE(kernels::VAttentionDecodeCpu(p, vp, kernels::SequenceSeed(7, b), &sigs.view,
-                                               &sel)
-                      .ok());
+      ASSERT_TRUE(
+          kernels::VAttentionDecodeCpu(p, vp, kernels::SequenceSeed(7, b), &sigs.view, &sel).ok());
       ExpectSame(*r, b, sel, out);
     }
   }

@@ -1,5 +1,5 @@
-// kvsparse-server: the KV store service (and, in later versions, the decode worker).
-// Flags are read here and nowhere else.
+// kvsparse-server: the KV store service and the decode worker (Attention service), in one
+// process by default or split by --role. Flags are read here and nowhere else.
 #include <signal.h>
 
 #include <cstdio>
@@ -10,6 +10,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/time/time.h"
+#include "kernels/hash_signatures.h"
 #include "server/byte_size.h"
 #include "server/logging.h"
 #include "server/server.h"
@@ -35,6 +36,19 @@ ABSL_FLAG(absl::Duration, default_deadline, absl::Seconds(30),
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(10),
           "On SIGTERM/SIGINT, how long in-flight calls may take before they are cancelled");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
+ABSL_FLAG(std::string, role, "all",
+          "all: store + decode worker in one process; store: KvStore service only; worker: "
+          "Attention service only, reading rows from --store");
+ABSL_FLAG(std::string, store, "", "role=worker: the store's address (host:port)");
+ABSL_FLAG(ByteSize, resident_capacity, ByteSize{4ull << 30},
+          "Most bytes of device-tier state the worker keeps (resident K/V, key signatures)");
+ABSL_FLAG(uint32_t, default_tile_size, 256, "S2ANTA tile size when a request gives 0");
+ABSL_FLAG(uint64_t, signature_seed, 0x6b767370,
+          "Seed of the SimHash hyperplanes (fixed per deployment: cached signatures depend on it)");
+ABSL_FLAG(double, signature_norm_margin, 1.0,
+          "SimHash M = this x the largest key norm seen at a layer's first sync");
+ABSL_FLAG(std::string, hash_weights, "",
+          "Learned HashAttention MLP weights (kernels/hash_signatures.h format); empty = SimHash");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
@@ -75,6 +89,27 @@ int main(int argc, char** argv) {
     return 2;
   }
   options.store.policy = *policy;
+  auto role = kvsparse::server::ParseServerRole(absl::GetFlag(FLAGS_role));
+  if (!role.ok()) {
+    std::fprintf(stderr, "--role: %s\n", std::string(role.status().message()).c_str());
+    return 2;
+  }
+  options.role = *role;
+  options.store_target = absl::GetFlag(FLAGS_store);
+  options.engine.resident_capacity_bytes = absl::GetFlag(FLAGS_resident_capacity).bytes;
+  options.engine.default_tile_size = static_cast<int32_t>(absl::GetFlag(FLAGS_default_tile_size));
+  options.engine.signatures.simhash_seed = absl::GetFlag(FLAGS_signature_seed);
+  options.engine.signatures.norm_margin =
+      static_cast<float>(absl::GetFlag(FLAGS_signature_norm_margin));
+  if (!absl::GetFlag(FLAGS_hash_weights).empty()) {
+    auto weights = kvsparse::kernels::ReadLearnedHashWeights(absl::GetFlag(FLAGS_hash_weights));
+    if (!weights.ok()) {
+      std::fprintf(stderr, "--hash_weights: %s\n", weights.status().ToString().c_str());
+      return 2;
+    }
+    options.engine.signatures.learned =
+        std::make_shared<const kvsparse::kernels::LearnedHashWeights>(std::move(*weights));
+  }
 
   // Signals are taken by sigwait below, so block them before any thread starts.
   sigset_t signals;

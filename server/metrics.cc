@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvstore/store.h"
 #include "prometheus/metric_family.h"
+#include "server/decode_engine.h"
 
 namespace kvsparse::server {
 namespace {
@@ -31,10 +32,10 @@ const char* CodeName(absl::StatusCode code) {
   return i >= 0 && i < 17 ? kNames[i] : "UNKNOWN";
 }
 
-// 50 us .. ~26 s, doubling.
+// 10 us .. ~21 s, doubling.
 prometheus::Histogram::BucketBoundaries LatencyBuckets() {
   prometheus::Histogram::BucketBoundaries b;
-  for (double s = 50e-6; s < 30; s *= 2) b.push_back(s);
+  for (double s = 10e-6; s < 30; s *= 2) b.push_back(s);
   return b;
 }
 
@@ -165,6 +166,128 @@ class StoreCollector final : public prometheus::Collectable {
 
 std::shared_ptr<prometheus::Collectable> NewStoreCollector(const kvstore::Store* store) {
   return std::make_shared<StoreCollector>(store);
+}
+
+namespace {
+
+prometheus::Histogram::BucketBoundaries BudgetBuckets() {
+  prometheus::Histogram::BucketBoundaries b;
+  for (double x = 1; x <= (1 << 24); x *= 2) b.push_back(x);
+  return b;
+}
+
+const char* kTierNames[] = {"host", "device", "remote"};
+const char* kMethodNames[] = {"dense", "santa", "hash_top_k", "vattention"};
+
+}  // namespace
+
+DecodeMetrics::DecodeMetrics(prometheus::Registry& registry)
+    : rows_(prometheus::BuildCounter()
+                .Name("kvsparse_decode_fetched_rows_total")
+                .Help("K and V rows read by decode steps, by method and the tier read")
+                .Register(registry)),
+      bytes_(prometheus::BuildCounter()
+                 .Name("kvsparse_decode_fetched_bytes_total")
+                 .Help("Bytes read by decode steps, by method and the tier read")
+                 .Register(registry)),
+      dense_bytes_(prometheus::BuildCounter()
+                       .Name("kvsparse_decode_dense_equivalent_bytes_total")
+                       .Help("Bytes dense attention would have read for the same steps")
+                       .Register(registry)),
+      gather_seconds_(prometheus::BuildCounter()
+                          .Name("kvsparse_decode_gather_seconds_total")
+                          .Help("Time spent fetching rows; GB/s = rate(fetched bytes) / rate(this)")
+                          .Register(registry)),
+      sequences_(prometheus::BuildCounter()
+                     .Name("kvsparse_decode_sequence_layers_total")
+                     .Help("Sequence-layers decoded (one per sequence of a Decode call)")
+                     .Register(registry)),
+      stage_(prometheus::BuildHistogram()
+                 .Name("kvsparse_decode_stage_seconds")
+                 .Help("Engine time per Decode call, by stage")
+                 .Register(registry)),
+      budget_(prometheus::BuildHistogram()
+                  .Name("kvsparse_decode_budget")
+                  .Help("Per query head budget: samples S, top-k k, or the vAttention sample b")
+                  .Register(registry)) {
+  for (int m = 0; m < kMethods; ++m) {
+    PerMethod& pm = per_method_[m];
+    for (int t = 0; t < kTiers; ++t) {
+      pm.rows[t] = &rows_.Add({{"method", kMethodNames[m]}, {"tier", kTierNames[t]}});
+      pm.bytes[t] = &bytes_.Add({{"method", kMethodNames[m]}, {"tier", kTierNames[t]}});
+    }
+    pm.dense = &dense_bytes_.Add({{"method", kMethodNames[m]}});
+    pm.gather = &gather_seconds_.Add({{"method", kMethodNames[m]}});
+    pm.sequences = &sequences_.Add({{"method", kMethodNames[m]}});
+    pm.budget = &budget_.Add({{"method", kMethodNames[m]}}, BudgetBuckets());
+  }
+  selection_ = &stage_.Add({{"stage", "selection"}}, LatencyBuckets());
+  gather_ = &stage_.Add({{"stage", "gather"}}, LatencyBuckets());
+  compute_ = &stage_.Add({{"stage", "compute"}}, LatencyBuckets());
+  engine_ = &stage_.Add({{"stage", "engine"}}, LatencyBuckets());
+}
+
+void DecodeMetrics::Record(int method, const char*, const DecodeResult& r) {
+  if (method < 0 || method >= kMethods) return;
+  PerMethod& pm = per_method_[method];
+  uint64_t seqs = 0;
+  for (const HeadStats& h : r.heads) {
+    for (int t = 0; t < kTiers; ++t) {
+      if (h.bytes[t] == 0) continue;
+      pm.bytes[t]->Increment(static_cast<double>(h.bytes[t]));
+    }
+    // Rows are counted on the tier most of the head's bytes came from.
+    int tier = 0;
+    for (int t = 1; t < kTiers; ++t) {
+      if (h.bytes[t] > h.bytes[tier]) tier = t;
+    }
+    pm.rows[tier]->Increment(static_cast<double>(h.rows_fetched));
+    pm.dense->Increment(static_cast<double>(h.dense_equivalent_bytes));
+    for (uint64_t b : h.budgets) pm.budget->Observe(static_cast<double>(b));
+    seqs = std::max<uint64_t>(seqs, h.sequence_index + 1);
+  }
+  pm.sequences->Increment(static_cast<double>(seqs));
+  pm.gather->Increment(r.timing.gather_seconds);
+  selection_->Observe(r.timing.selection_seconds);
+  gather_->Observe(r.timing.gather_seconds);
+  compute_->Observe(r.timing.compute_seconds);
+  engine_->Observe(r.timing.engine_seconds);
+}
+
+namespace {
+
+class ResidentCollector final : public prometheus::Collectable {
+ public:
+  explicit ResidentCollector(const DecodeEngine* engine) : engine_(engine) {}
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    const ResidentCache& c = engine_->resident();
+    auto one = [](const char* name, const char* help, prometheus::MetricType type, double v) {
+      prometheus::MetricFamily f{name, help, type, {}};
+      prometheus::ClientMetric m;
+      if (type == prometheus::MetricType::Counter) {
+        m.counter.value = v;
+      } else {
+        m.gauge.value = v;
+      }
+      f.metric.push_back(m);
+      return f;
+    };
+    return {one("kvsparse_resident_bytes", "Bytes of device-tier state (resident K/V, signatures)",
+                prometheus::MetricType::Gauge, static_cast<double>(c.bytes())),
+            one("kvsparse_resident_capacity_bytes", "Most bytes of device-tier state",
+                prometheus::MetricType::Gauge, static_cast<double>(c.capacity())),
+            one("kvsparse_resident_evictions_total", "Idle resident entries evicted for room",
+                prometheus::MetricType::Counter, static_cast<double>(c.evictions()))};
+  }
+
+ private:
+  const DecodeEngine* engine_;
+};
+
+}  // namespace
+
+std::shared_ptr<prometheus::Collectable> NewResidentCollector(const DecodeEngine* engine) {
+  return std::make_shared<ResidentCollector>(engine);
 }
 
 }  // namespace kvsparse::server

@@ -22,6 +22,10 @@
 namespace kvsparse::kvstore {
 class Store;
 }
+namespace kvsparse::server {
+class DecodeEngine;
+struct DecodeResult;
+}  // namespace kvsparse::server
 
 namespace kvsparse::server {
 
@@ -40,6 +44,38 @@ class RpcMetric {
   prometheus::Family<prometheus::Counter>* const requests_;
   prometheus::Histogram* const latency_;
   std::array<std::atomic<prometheus::Counter*>, kNumCodes> by_code_{};
+};
+
+// Decode-step metrics: rows and bytes fetched per method and tier, dense-equivalent bytes (so
+// the saving is one query away), time per stage (GB/s = rate(fetched bytes) / rate(gather
+// seconds)), per-head budgets. Thread-safe.
+class DecodeMetrics {
+ public:
+  explicit DecodeMetrics(prometheus::Registry& registry);
+  // method: MethodName(); one DecodeResult of a successful call.
+  void Record(int method, const char* method_name, const DecodeResult& result);
+
+ private:
+  static constexpr int kMethods = 4, kTiers = 3;
+  prometheus::Family<prometheus::Counter>& rows_;
+  prometheus::Family<prometheus::Counter>& bytes_;
+  prometheus::Family<prometheus::Counter>& dense_bytes_;
+  prometheus::Family<prometheus::Counter>& gather_seconds_;
+  prometheus::Family<prometheus::Counter>& sequences_;
+  prometheus::Family<prometheus::Histogram>& stage_;
+  prometheus::Family<prometheus::Histogram>& budget_;
+  struct PerMethod {
+    std::array<prometheus::Counter*, kTiers> rows{}, bytes{};
+    prometheus::Counter* dense = nullptr;
+    prometheus::Counter* gather = nullptr;
+    prometheus::Counter* sequences = nullptr;
+    prometheus::Histogram* budget = nullptr;
+  };
+  std::array<PerMethod, kMethods> per_method_;
+  prometheus::Histogram* selection_;
+  prometheus::Histogram* gather_;
+  prometheus::Histogram* compute_;
+  prometheus::Histogram* engine_;
 };
 
 class Metrics {
@@ -70,6 +106,10 @@ class Metrics {
   absl::Mutex mu_;
   std::vector<std::unique_ptr<RpcMetric>> rpcs_ ABSL_GUARDED_BY(mu_);
 };
+
+// Resident (device-tier) state of a decode engine read at scrape time: bytes held, capacity,
+// evictions. REQUIRES: engine outlives the collector.
+std::shared_ptr<prometheus::Collectable> NewResidentCollector(const DecodeEngine* engine);
 
 // Store state read at scrape time: bytes used and capacity, sequences, rows/bytes appended and
 // gathered (by tier), evictions and rejections. REQUIRES: store outlives the collector.

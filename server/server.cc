@@ -1,17 +1,38 @@
 #include "server/server.h"
 
+#include <grpcpp/create_channel.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
 #include "absl/strings/str_cat.h"
+#include "server/attention_service.h"
 #include "server/kvstore_service.h"
 #include "server/logging.h"
+#include "server/remote_row_source.h"
 
 namespace kvsparse::server {
 
+absl::StatusOr<ServerRole> ParseServerRole(absl::string_view name) {
+  if (name == "all") return ServerRole::kAll;
+  if (name == "store") return ServerRole::kStore;
+  if (name == "worker") return ServerRole::kWorker;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown role '", name, "' (want all, store or worker)"));
+}
+
+namespace {
+const char* RoleName(ServerRole r) {
+  return r == ServerRole::kAll ? "all" : r == ServerRole::kStore ? "store" : "worker";
+}
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
+  if (options.role == ServerRole::kWorker && options.store_target.empty()) {
+    return absl::InvalidArgumentError("a worker needs the store's address (--store=HOST:PORT)");
+  }
   if (options.max_message_bytes < (1 << 20) || options.max_message_bytes > (1ull << 31) - 1) {
     return absl::InvalidArgumentError("max_message_bytes must be in 1 MiB .. 2 GiB - 1");
   }
@@ -22,16 +43,39 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
 
   std::unique_ptr<Server> s(new Server());
   s->options_ = options;
-  absl::StatusOr<std::unique_ptr<kvstore::Store>> store = kvstore::Store::Create(options.store);
-  if (!store.ok()) return store.status();
-  s->store_ = std::move(*store);
   absl::StatusOr<std::unique_ptr<Metrics>> metrics = Metrics::Create(options.metrics_listen);
   if (!metrics.ok()) return metrics.status();
   s->metrics_ = std::move(*metrics);
-  s->metrics_->AddCollectable(NewStoreCollector(s->store_.get()));
   s->rpc_ = std::make_unique<RpcRunner>(options.default_deadline);
-  s->kvstore_service_ =
-      std::make_unique<KvStoreService>(s->store_.get(), s->rpc_.get(), s->metrics_.get());
+  if (options.role != ServerRole::kWorker) {
+    absl::StatusOr<std::unique_ptr<kvstore::Store>> store = kvstore::Store::Create(options.store);
+    if (!store.ok()) return store.status();
+    s->store_ = std::move(*store);
+    s->metrics_->AddCollectable(NewStoreCollector(s->store_.get()));
+    s->kvstore_service_ =
+        std::make_unique<KvStoreService>(s->store_.get(), s->rpc_.get(), s->metrics_.get());
+  }
+  if (options.role != ServerRole::kStore) {
+    if (options.role == ServerRole::kAll) {
+      s->row_source_ = NewLocalRowSource(s->store_.get());
+    } else {
+      grpc::ChannelArguments args;
+      args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+      args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+      auto channel =
+          grpc::CreateCustomChannel(options.store_target, grpc::InsecureChannelCredentials(), args);
+      if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + absl::Seconds(5)))) {
+        KVSPARSE_LOG(Warning)
+            << "store " << options.store_target
+            << " not reachable yet; Decode calls fail with UNAVAILABLE until it is";
+      }
+      s->row_source_ = NewRemoteRowSource(std::move(channel));
+    }
+    s->engine_ = std::make_unique<DecodeEngine>(options.engine, s->row_source_.get());
+    s->metrics_->AddCollectable(NewResidentCollector(s->engine_.get()));
+    s->attention_service_ =
+        std::make_unique<AttentionService>(s->engine_.get(), s->rpc_.get(), s->metrics_.get());
+  }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
@@ -39,22 +83,29 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &s->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-  builder.RegisterService(s->kvstore_service_.get());
+  if (s->kvstore_service_) builder.RegisterService(s->kvstore_service_.get());
+  if (s->attention_service_) builder.RegisterService(s->attention_service_.get());
   s->grpc_ = builder.BuildAndStart();
   if (s->grpc_ == nullptr || s->port_ == 0) {
     return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen));
   }
   grpc::HealthCheckServiceInterface* health = s->grpc_->GetHealthCheckService();
   health->SetServingStatus(true);
-  health->SetServingStatus(v1::KvStore::service_full_name(), true);
-  KVSPARSE_LOG(Info) << "kvsparse-server listening on " << options.listen << " (port " << s->port_
-                     << "), metrics on "
-                     << (options.metrics_listen.empty()
-                             ? std::string("(off)")
-                             : absl::StrCat(options.metrics_listen, " (port ", s->metrics_->port(),
-                                            ")"))
-                     << "; store capacity " << options.store.capacity_bytes << " bytes, policy "
-                     << kvstore::CapacityPolicyName(options.store.policy);
+  if (s->kvstore_service_) health->SetServingStatus(v1::KvStore::service_full_name(), true);
+  if (s->attention_service_) health->SetServingStatus(v1::Attention::service_full_name(), true);
+  KVSPARSE_LOG(Info)
+      << "kvsparse-server (role " << RoleName(options.role) << ", "
+      << (s->engine_ ? s->engine_->backend() : "no") << " decode engine"
+      << (options.role == ServerRole::kWorker ? absl::StrCat(", store at ", options.store_target)
+                                              : std::string())
+      << ") listening on " << options.listen << " (port " << s->port_ << "), metrics on "
+      << (options.metrics_listen.empty()
+              ? std::string("(off)")
+              : absl::StrCat(options.metrics_listen, " (port ", s->metrics_->port(), ")"))
+      << (s->store_
+              ? absl::StrCat("; store capacity ", options.store.capacity_bytes, " bytes, policy ",
+                             kvstore::CapacityPolicyName(options.store.policy))
+              : std::string());
   return s;
 }
 

@@ -1,6 +1,11 @@
-// kvsparse-server assembled: the store engine, its gRPC services, grpc.health.v1, server
-// reflection and the Prometheus endpoint, with graceful shutdown. main() fills ServerOptions
-// from flags; tests start it on port 0.
+// kvsparse-server assembled: the store and the decode engine with their gRPC services,
+// grpc.health.v1, server reflection and the Prometheus endpoint, with graceful shutdown. One
+// binary serves every role:
+//   kAll    store + decode worker in one process (rows gathered in process, zero RPCs)
+//   kStore  KvStore service only
+//   kWorker Attention service only, reading rows from a remote store (one Gather RPC per
+//           sequence per stage)
+// main() fills ServerOptions from flags; tests start it on port 0.
 #ifndef KVSPARSE_SERVER_SERVER_H_
 #define KVSPARSE_SERVER_SERVER_H_
 
@@ -13,14 +18,23 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "kvstore/store.h"
+#include "server/decode_engine.h"
 #include "server/metrics.h"
 #include "server/rpc.h"
 
 namespace kvsparse::server {
 
+class AttentionService;
 class KvStoreService;
 
+enum class ServerRole { kAll, kStore, kWorker };
+// "all", "store" or "worker"; INVALID_ARGUMENT otherwise.
+absl::StatusOr<ServerRole> ParseServerRole(absl::string_view name);
+
 struct ServerOptions {
+  ServerRole role = ServerRole::kAll;
+  // kWorker: the store's KvStore address (host:port).
+  std::string store_target;
   // gRPC address, host:port; port 0 picks a free port (see Server::port()).
   std::string listen = "127.0.0.1:50051";
   // Prometheus /metrics address; empty = no metrics endpoint.
@@ -33,6 +47,7 @@ struct ServerOptions {
   // On shutdown, in-flight calls get this long to finish before they are cancelled.
   absl::Duration shutdown_grace = absl::Seconds(10);
   kvstore::StoreOptions store;
+  EngineOptions engine;
 };
 
 class Server {
@@ -45,7 +60,8 @@ class Server {
 
   int port() const { return port_; }
   int metrics_port() const { return metrics_->port(); }
-  kvstore::Store* store() { return store_.get(); }
+  kvstore::Store* store() { return store_.get(); }  // null for kWorker
+  DecodeEngine* engine() { return engine_.get(); }  // null for kStore
 
   // Health goes NOT_SERVING, new calls are refused, in-flight calls get shutdown_grace to
   // finish and are then cancelled. Idempotent; thread-safe.
@@ -61,6 +77,9 @@ class Server {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<RpcRunner> rpc_;
   std::unique_ptr<KvStoreService> kvstore_service_;
+  std::unique_ptr<RowSource> row_source_;
+  std::unique_ptr<DecodeEngine> engine_;
+  std::unique_ptr<AttentionService> attention_service_;
   std::unique_ptr<grpc::Server> grpc_;
   int port_ = 0;
   absl::Mutex mu_;

@@ -10,6 +10,8 @@ namespace kvsparse::server {
 
 // Same code and message. absl codes and gRPC codes share their numbering.
 grpc::Status ToGrpcStatus(const absl::Status& status);
+// The reverse, for statuses that come back from calls this server makes (split deployment).
+absl::Status FromGrpcStatus(const grpc::Status& status);
 
 }  // namespace kvsparse::server
 

@@ -1,0 +1,51 @@
+#include "server/attention_service.h"
+
+#include "server/convert.h"
+
+namespace kvsparse::server {
+
+AttentionService::AttentionService(DecodeEngine* engine, const RpcRunner* rpc, Metrics* metrics)
+    : engine_(engine),
+      rpc_(rpc),
+      decode_metrics_(metrics->registry()),
+      decode_(metrics->Rpc("Decode")),
+      stream_(metrics->Rpc("DecodeStream")) {}
+
+absl::Status AttentionService::Run(const v1::DecodeRequest& req, absl::Time deadline,
+                                   v1::DecodeResponse* resp) {
+  absl::StatusOr<DecodeCall> call = FromProto(req);
+  if (!call.ok()) return call.status();
+  call->deadline = deadline;
+  absl::StatusOr<DecodeResult> result = engine_->Decode(*call);
+  if (!result.ok()) return result.status();
+  decode_metrics_.Record(static_cast<int>(call->method.kind), MethodName(call->method.kind),
+                         *result);
+  ToProto(std::move(*result), *call, resp);
+  resp->set_request_id(req.request_id());
+  return absl::OkStatus();
+}
+
+grpc::Status AttentionService::Decode(grpc::ServerContext* ctx, const v1::DecodeRequest* req,
+                                      v1::DecodeResponse* resp) {
+  return rpc_->Run(decode_, ctx, [&](absl::Time deadline) { return Run(*req, deadline, resp); });
+}
+
+grpc::Status AttentionService::DecodeStream(
+    grpc::ServerContext* ctx,
+    grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream) {
+  v1::DecodeRequest req;
+  v1::DecodeResponse resp;
+  while (stream->Read(&req)) {
+    resp.Clear();
+    // Each step gets the server's default deadline, bounded by the stream's own.
+    grpc::Status st =
+        rpc_->Run(stream_, ctx, [&](absl::Time deadline) { return Run(req, deadline, &resp); });
+    if (!st.ok()) return st;
+    if (!stream->Write(resp)) {
+      return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
+    }
+  }
+  return grpc::Status::OK;
+}
+
+}  // namespace kvsparse::server

@@ -1,0 +1,19 @@
+// A RowSource over another process's KvStore service (the split deployment: a worker with
+// --store=HOST:PORT). One Gather RPC per sequence per stage, covering every kv head.
+#ifndef KVSPARSE_SERVER_REMOTE_ROW_SOURCE_H_
+#define KVSPARSE_SERVER_REMOTE_ROW_SOURCE_H_
+
+#include <grpcpp/channel.h>
+
+#include <memory>
+
+#include "server/row_source.h"
+
+namespace kvsparse::server {
+
+// The channel's message limits must allow the largest gather (see ServerOptions).
+std::unique_ptr<RowSource> NewRemoteRowSource(std::shared_ptr<grpc::Channel> channel);
+
+}  // namespace kvsparse::server
+
+#endif  // KVSPARSE_SERVER_REMOTE_ROW_SOURCE_H_

@@ -1,0 +1,375 @@
+// The decode worker end to end: the real kvsparse server (embedded store + worker, and the split
+// store / worker deployment), the real clients, synthetic attention problems with known answers.
+#include <cmath>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "client/attention_client.h"
+#include "client/kvstore_client.h"
+#include "gtest/gtest.h"
+#include "kernels/dense.h"
+#include "kernels/philox.h"
+#include "kernels/santa.h"
+#include "kernels/synthetic.h"
+#include "server/server.h"
+#include "tests/integration/http_get.h"
+
+namespace kvsparse {
+namespace {
+
+using absl::StatusCode;
+using kernels::DType;
+
+constexpr uint32_t kLayers = 2;
+constexpr uint32_t kLayer = 1;
+
+// metrics: serve /metrics (prometheus-cpp's HTTP server takes ~2 s to stop, so only where read).
+std::unique_ptr<server::Server> StartServer(server::ServerRole role, int store_port = 0,
+                                            bool metrics = false) {
+  server::ServerOptions o;
+  o.role = role;
+  o.listen = "127.0.0.1:0";
+  o.metrics_listen = metrics ? "127.0.0.1:0" : "";
+  o.store_target = absl::StrCat("127.0.0.1:", store_port);
+  o.store.capacity_bytes = 256 << 20;
+  auto s = server::Server::Start(o);
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.ok() ? std::move(*s) : nullptr;
+}
+
+client::ClientOptions At(int port) {
+  client::ClientOptions o;
+  o.target = absl::StrCat("127.0.0.1:", port);
+  o.timeout = absl::Seconds(20);
+  return o;
+}
+
+v1::DType ProtoDType(DType d) {
+  return d == DType::kBf16 ? v1::DTYPE_BF16 : d == DType::kFp16 ? v1::DTYPE_FP16 : v1::DTYPE_FP32;
+}
+
+// Loads a synthetic problem's sequences ("s0", "s1", ...) into a store through the KvStore API.
+void Load(client::KvStoreClient& kv, const kernels::SyntheticProblem& prob,
+          const v1::Placement& placement) {
+  const kernels::DecodeProblem& p = prob.problem;
+  const size_t es = kernels::DTypeSize(p.dtype);
+  for (int32_t b = 0; b < p.batch; ++b) {
+    const std::string id = absl::StrCat("s", b);
+    v1::ModelShape shape;
+    shape.set_num_layers(kLayers);
+    shape.set_num_q_heads(p.num_q_heads);
+    shape.set_num_kv_heads(p.num_kv_heads);
+    shape.set_head_dim(p.head_dim);
+    shape.set_dtype(ProtoDType(p.dtype));
+    ASSERT_TRUE(kv.CreateSequence(id, shape, placement).ok());
+    const size_t n = prob.seq_lens[b];
+    const size_t bytes = n * p.num_kv_heads * p.head_dim * es;
+    v1::AppendRequest r;
+    r.set_sequence_id(id);
+    r.set_num_layers(kLayers);
+    for (auto [t, src] :
+         {std::pair{r.mutable_k(), prob.k.data()}, {r.mutable_v(), prob.v.data()}}) {
+      t->set_dtype(ProtoDType(p.dtype));
+      for (int64_t d : {int64_t{kLayers}, static_cast<int64_t>(n), int64_t{p.num_kv_heads},
+                        int64_t{p.head_dim}}) {
+        t->add_shape(d);
+      }
+      std::string* data = t->mutable_data();
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        data->append(reinterpret_cast<const char*>(src + b * p.kv_layout.batch_stride * es), bytes);
+      }
+    }
+    auto a = kv.Append(r);
+    ASSERT_TRUE(a.ok()) << a.status();
+  }
+}
+
+kernels::SyntheticProblem Problem(int32_t batch = 2, std::vector<int32_t> lens = {1200, 2000}) {
+  kernels::SyntheticOptions o;
+  o.family = kernels::ScoreFamily::kPeaked;
+  o.batch = batch;
+  o.num_q_heads = 8;
+  o.num_kv_heads = 2;
+  o.head_dim = 64;
+  o.seq_lens = std::move(lens);
+  o.seed = 11;
+  return kernels::SyntheticProblem::Make(o);
+}
+
+v1::DecodeRequest Request(const kernels::SyntheticProblem& prob, const v1::Method& method,
+                          uint64_t seed = 5) {
+  const kernels::DecodeProblem& p = prob.problem;
+  v1::DecodeRequest r;
+  r.set_layer(kLayer);
+  for (int32_t b = 0; b < p.batch; ++b) r.add_sequence_ids(absl::StrCat("s", b));
+  r.mutable_q()->set_dtype(ProtoDType(p.dtype));
+  for (int64_t d : {int64_t{p.batch}, int64_t{p.num_q_heads}, int64_t{p.head_dim}}) {
+    r.mutable_q()->add_shape(d);
+  }
+  r.mutable_q()->set_data(prob.q.data(), prob.q.size());
+  *r.mutable_method() = method;
+  r.set_seed(seed);
+  r.set_return_indices(true);
+  return r;
+}
+
+double RelL2(const std::string& got, const std::vector<double>& ref, size_t offset, size_t n,
+             DType t) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const double g = kernels::LoadAsFloat(got.data(), offset + i, t);
+    num += (g - ref[offset + i]) * (g - ref[offset + i]);
+    den += ref[offset + i] * ref[offset + i];
+  }
+  return std::sqrt(num / den);
+}
+
+struct MethodCase {
+  const char* name;
+  v1::Method method;
+  v1::Placement placement;
+  double tolerance;  // relative L2 against dense (statistical; bf16 output)
+};
+
+std::vector<MethodCase> Cases() {
+  std::vector<MethodCase> cases;
+  {
+    MethodCase c{"dense", {}, {}, 8e-3};
+    c.method.mutable_dense();
+    cases.push_back(c);
+  }
+  {
+    MethodCase c{"santa_prop", {}, {}, 0.15};
+    auto* s = c.method.mutable_santa();
+    s->set_allocation(v1::SANTA_ALLOCATION_PROP);
+    s->set_samples(512);
+    s->set_tile_size(128);
+    c.placement.set_k_tier(v1::TIER_DEVICE);
+    cases.push_back(c);
+  }
+  {
+    MethodCase c{"santa_flash", {}, {}, 0.15};
+    auto* s = c.method.mutable_santa();
+    s->set_allocation(v1::SANTA_ALLOCATION_FLASH);
+    s->set_samples(1024);
+    s->set_tile_size(128);
+    c.placement.set_k_tier(v1::TIER_DEVICE);
+    cases.push_back(c);
+  }
+  {
+    MethodCase c{"hash_top_k", {}, {}, 0.25};
+    auto* h = c.method.mutable_hash_top_k();
+    h->set_sink_tokens(32);
+    h->set_local_tokens(64);
+    h->set_top_k_fraction(0.2f);
+    c.placement.set_signature_bits(64);
+    cases.push_back(c);
+  }
+  {
+    MethodCase c{"vattention", {}, {}, 0.15};
+    auto* v = c.method.mutable_vattention();
+    v->set_epsilon(0.05f);
+    v->set_delta(0.05f);
+    v->set_sink_tokens(32);
+    v->set_local_tokens(64);
+    v->set_top_k_fraction(0.05f);
+    v->set_base_rate(0.05f);
+    v->set_predictor(v1::TOP_K_PREDICTOR_EXACT);
+    c.placement.set_k_tier(v1::TIER_DEVICE);
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+// Every method through the embedded server: output within its tolerance of dense attention,
+// the rows it reports are the rows the store served (the store's own counters), and repeated
+// calls with one seed give the same rows.
+TEST(AttentionServiceTest, EveryMethodEndToEnd) {
+  const kernels::SyntheticProblem prob = Problem();
+  std::vector<double> dense;
+  ASSERT_TRUE(kernels::DenseDecodeFloat64(prob.problem, &dense).ok());
+  const size_t hd = static_cast<size_t>(prob.problem.num_q_heads) * prob.problem.head_dim;
+  for (const MethodCase& c : Cases()) {
+    SCOPED_TRACE(c.name);
+    auto server = StartServer(server::ServerRole::kAll);
+    ASSERT_NE(server, nullptr);
+    auto kv = client::KvStoreClient::Connect(At(server->port()));
+    ASSERT_TRUE(kv.ok());
+    Load(**kv, prob, c.placement);
+    auto attn = client::AttentionClient::Connect(At(server->port()));
+    ASSERT_TRUE(attn.ok());
+    const uint64_t gathered_before = server->store()->Stats().rows_gathered[0];
+    auto r = (*attn)->Decode(Request(prob, c.method));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->output().data().size(), 2 * hd * 2);
+    for (int b = 0; b < 2; ++b) {
+      EXPECT_LT(RelL2(r->output().data(), dense, b * hd, hd, DType::kBf16), c.tolerance)
+          << "sequence " << b;
+    }
+    // What the worker says it read from the host tier is what the store served.
+    const size_t row = prob.problem.head_dim * 2;
+    uint64_t host_rows = 0;
+    for (const v1::HeadStats& h : r->heads()) {
+      EXPECT_EQ(h.bytes_host() % row, 0u);
+      host_rows += h.bytes_host() / row;
+      EXPECT_EQ(h.fetched_tokens_size() > 0, true);
+      EXPECT_LE(h.rows_fetched(), h.dense_equivalent_bytes() / (2 * row) * 2);
+    }
+    const uint64_t served = server->store()->Stats().rows_gathered[0] - gathered_before;
+    // The store also served the resident state's first sync (K rows of every token, and
+    // signatures are computed from K): that is the placement's one-off cost, not the step's.
+    uint64_t sync_rows = 0;
+    if (c.placement.k_tier() == v1::TIER_DEVICE || c.placement.signature_bits() > 0) {
+      sync_rows = (1200 + 2000) * 2;  // K rows of every token of both kv heads
+    }
+    EXPECT_EQ(served, host_rows + sync_rows);
+    // Same seed, same rows and output.
+    auto again = (*attn)->Decode(Request(prob, c.method));
+    ASSERT_TRUE(again.ok());
+    EXPECT_EQ(again->output().data(), r->output().data());
+    for (int i = 0; i < r->heads_size(); ++i) {
+      EXPECT_EQ(again->heads(i).fetched_tokens_size(), r->heads(i).fetched_tokens_size());
+    }
+  }
+}
+
+// Split deployment (store in one server, worker in another, rows through the Gather RPC) gives
+// bit-identical results to the embedded one, and reports its bytes on the remote tier.
+TEST(AttentionServiceTest, SplitModeEqualsEmbeddedMode) {
+  const kernels::SyntheticProblem prob = Problem();
+  auto embedded = StartServer(server::ServerRole::kAll);
+  auto store = StartServer(server::ServerRole::kStore);
+  ASSERT_NE(embedded, nullptr);
+  ASSERT_NE(store, nullptr);
+  auto worker = StartServer(server::ServerRole::kWorker, store->port());
+  ASSERT_NE(worker, nullptr);
+  EXPECT_EQ(store->engine(), nullptr);
+  EXPECT_EQ(worker->store(), nullptr);
+  for (const MethodCase& c : Cases()) {
+    SCOPED_TRACE(c.name);
+    for (server::Server* s : {embedded.get(), store.get()}) {
+      auto kv = client::KvStoreClient::Connect(At(s->port()));
+      ASSERT_TRUE(kv.ok());
+      for (int b = 0; b < 2; ++b) (void)(*kv)->DropSequence(absl::StrCat("s", b));
+      Load(**kv, prob, c.placement);
+    }
+    auto a = client::AttentionClient::Connect(At(embedded->port()));
+    auto w = client::AttentionClient::Connect(At(worker->port()));
+    auto ra = (*a)->Decode(Request(prob, c.method, 17));
+    auto rw = (*w)->Decode(Request(prob, c.method, 17));
+    ASSERT_TRUE(ra.ok()) << ra.status();
+    ASSERT_TRUE(rw.ok()) << rw.status();
+    EXPECT_EQ(ra->output().data(), rw->output().data());
+    ASSERT_EQ(ra->heads_size(), rw->heads_size());
+    for (int i = 0; i < ra->heads_size(); ++i) {
+      const auto& x = ra->heads(i);
+      const auto& y = rw->heads(i);
+      ASSERT_EQ(x.fetched_tokens_size(), y.fetched_tokens_size());
+      for (int t = 0; t < x.fetched_tokens_size(); ++t) {
+        ASSERT_EQ(x.fetched_tokens(t), y.fetched_tokens(t));
+      }
+      EXPECT_EQ(x.bytes_host(), y.bytes_remote());
+      EXPECT_EQ(y.bytes_host(), 0u);
+      EXPECT_EQ(x.bytes_device(), y.bytes_device());
+    }
+  }
+  // The store alone does not serve Attention; the worker alone does not serve KvStore.
+  auto direct = client::AttentionClient::Connect(At(store->port()));
+  EXPECT_EQ((*direct)->Decode(Request(prob, Cases()[0].method)).status().code(),
+            StatusCode::kUnimplemented);
+  auto wkv = client::KvStoreClient::Connect(At(worker->port()));
+  EXPECT_EQ((*wkv)->GetStats().status().code(), StatusCode::kUnimplemented);
+}
+
+// A model server's step loop over DecodeStream: append the new token and decode, every step;
+// the store and the resident state grow by one token per step.
+TEST(AttentionServiceTest, StreamStepsAppendAndDecode) {
+  const kernels::SyntheticProblem prob = Problem(1, {500});
+  auto server = StartServer(server::ServerRole::kAll);
+  auto kv = client::KvStoreClient::Connect(At(server->port()));
+  v1::Placement place;
+  place.set_k_tier(v1::TIER_DEVICE);
+  place.set_signature_bits(32);
+  Load(**kv, prob, place);
+  auto attn = client::AttentionClient::Connect(At(server->port()));
+  auto session = (*attn)->OpenSession(absl::Seconds(60));
+  ASSERT_TRUE(session.ok());
+  v1::Method santa;
+  santa.mutable_santa()->set_samples(64);
+  const kernels::DecodeProblem& p = prob.problem;
+  const size_t token = static_cast<size_t>(p.num_kv_heads) * p.head_dim * 2;
+  for (int step = 0; step < 5; ++step) {
+    v1::DecodeRequest r = Request(prob, santa, step);
+    r.set_request_id(100 + step);
+    for (v1::Tensor* t : {r.mutable_new_k(), r.mutable_new_v()}) {
+      t->set_dtype(v1::DTYPE_BF16);
+      for (int64_t d : {int64_t{1}, int64_t{p.num_kv_heads}, int64_t{p.head_dim}}) t->add_shape(d);
+      // The next token's K and V: rows of token `step` (any valid data will do).
+      t->set_data(reinterpret_cast<const char*>(prob.k.data()) + step * token, token);
+    }
+    auto resp = (*session)->Step(r);
+    ASSERT_TRUE(resp.ok()) << resp.status();
+    EXPECT_EQ(resp->request_id(), 100u + step);
+    EXPECT_EQ(resp->heads(0).dense_equivalent_bytes(), 2ull * (501 + step) * p.head_dim * 2);
+  }
+  EXPECT_TRUE((*session)->Close().ok());
+  EXPECT_EQ((*kv)->GetSequenceInfo("s0")->layer_lengths(kLayer), 505u);
+  EXPECT_EQ((*kv)->GetSequenceInfo("s0")->layer_lengths(0), 500u);
+}
+
+// Bad requests get clear codes and the server stays healthy; nothing is appended by them.
+TEST(AttentionServiceTest, BadRequestsGetClearCodes) {
+  const kernels::SyntheticProblem prob = Problem();
+  auto server = StartServer(server::ServerRole::kAll, 0, /*metrics=*/true);
+  auto kv = client::KvStoreClient::Connect(At(server->port()));
+  Load(**kv, prob, {});
+  auto attn = client::AttentionClient::Connect(At(server->port()));
+  v1::Method dense;
+  dense.mutable_dense();
+  auto expect = [&](const v1::DecodeRequest& r, StatusCode code, const char* what) {
+    EXPECT_EQ((*attn)->Decode(r).status().code(), code) << what;
+    EXPECT_TRUE((*kv)->CheckHealth().ok());
+  };
+  v1::DecodeRequest r = Request(prob, dense);
+  r.mutable_q()->set_shape(1, 6);  // wrong head count for the data
+  expect(r, StatusCode::kInvalidArgument, "tensor size");
+  r = Request(prob, dense);
+  r.mutable_q()->set_shape(1, 4);
+  r.mutable_q()->set_shape(2, 128);  // consistent tensor, wrong head count for the model
+  expect(r, StatusCode::kInvalidArgument, "head count");
+  r = Request(prob, dense);
+  r.set_sequence_ids(1, "nope");
+  expect(r, StatusCode::kNotFound, "unknown sequence");
+  r = Request(prob, dense);
+  r.mutable_q()->set_dtype(v1::DTYPE_FP32);  // 4-byte elements: the data is half the size
+  expect(r, StatusCode::kInvalidArgument, "q dtype");
+  v1::Method m;
+  m.mutable_santa()->set_samples(0);
+  expect(Request(prob, m), StatusCode::kInvalidArgument, "S = 0");
+  m.mutable_vattention()->set_epsilon(2.f);
+  expect(Request(prob, m), StatusCode::kInvalidArgument, "epsilon");
+  m.mutable_hash_top_k()->set_top_k(10);
+  expect(Request(prob, m), StatusCode::kFailedPrecondition, "no signatures");
+  r = Request(prob, dense);
+  r.set_layer(kLayers);
+  expect(r, StatusCode::kInvalidArgument, "layer");
+  r = Request(prob, dense);
+  r.mutable_new_k()->set_dtype(v1::DTYPE_BF16);
+  expect(r, StatusCode::kInvalidArgument, "new_k without new_v");
+  EXPECT_EQ((*kv)->GetSequenceInfo("s0")->layer_lengths(kLayer), 1200u);
+  EXPECT_TRUE((*attn)->Decode(Request(prob, dense)).ok());
+  auto metrics = testing::HttpGet(server->metrics_port(), "/metrics");
+  ASSERT_TRUE(metrics.ok());
+  EXPECT_GT(testing::MetricValue(*metrics, "kvsparse_decode_fetched_bytes_total",
+                                 "method=\"dense\",tier=\"host\""),
+            0);
+  EXPECT_GT(testing::MetricValue(*metrics, "kvsparse_decode_dense_equivalent_bytes_total",
+                                 "method=\"dense\""),
+            0);
+  EXPECT_EQ(testing::MetricValue(*metrics, "kvsparse_rpc_requests_total",
+                                 "code=\"NOT_FOUND\",method=\"Decode\""),
+            1);
+}
+
+}  // namespace
+}  // namespace kvsparse
