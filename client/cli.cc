@@ -2,7 +2,7 @@
 //
 //   kvsparse [--target=HOST:PORT] [--timeout=30s] COMMAND [flags]
 //
-// Commands: health, create, drop, append, gather, info, list, stats, bench-gather.
+// Commands: health, create, drop, append, gather, info, list, stats, bench-gather, decode.
 // Run `kvsparse --help` for every flag.
 #include <algorithm>
 #include <chrono>
@@ -20,6 +20,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
+#include "client/attention_client.h"
 #include "client/kvstore_client.h"
 #include "client/synthetic.h"
 #include "kernels/dtype.h"
@@ -51,6 +52,26 @@ ABSL_FLAG(bool, verify, false, "gather/bench-gather: check rows byte-for-byte ag
 ABSL_FLAG(uint64_t, rows, 4096, "bench-gather: rows per call (spread over --heads)");
 ABSL_FLAG(uint64_t, iters, 200, "bench-gather: timed calls");
 ABSL_FLAG(uint64_t, warmup, 10, "bench-gather: untimed calls first");
+// create: placement
+ABSL_FLAG(std::string, k_tier, "host", "create: where the worker keeps K: host or device");
+ABSL_FLAG(std::string, v_tier, "host", "create: where the worker keeps V: host or device");
+ABSL_FLAG(uint32_t, signature_bits, 0, "create: HashAttention signature bits kept per key (0: none)");
+// decode
+ABSL_FLAG(std::string, method, "dense", "decode: dense, santa, hash_top_k or vattention");
+ABSL_FLAG(uint32_t, samples, 128, "decode santa: samples S per query head");
+ABSL_FLAG(std::string, allocation, "prop", "decode santa: global, prop or flash");
+ABSL_FLAG(uint32_t, tile_size, 0, "decode santa: tile size (0: server default)");
+ABSL_FLAG(uint32_t, sink, 128, "decode hash_top_k/vattention: sink tokens");
+ABSL_FLAG(uint32_t, local, 128, "decode hash_top_k/vattention: local window tokens");
+ABSL_FLAG(double, top_k_fraction, 0.05, "decode hash_top_k/vattention: top-k as a fraction of n");
+ABSL_FLAG(double, epsilon, 0.05, "decode vattention: relative error target");
+ABSL_FLAG(double, delta, 0.05, "decode vattention: failure probability");
+ABSL_FLAG(double, base_rate, 0.05, "decode vattention: base sample rate f_b");
+ABSL_FLAG(std::string, predictor, "hash", "decode vattention: hash or exact");
+ABSL_FLAG(bool, compare_dense, true, "decode: also run dense and print the relative L2 error");
+ABSL_FLAG(std::string, query, "needle",
+          "decode: needle (each query head aimed at one stored key: a peaked, retrieval-like "
+          "attention) or random (i.i.d. normal q)");
 
 namespace kvsparse::client {
 namespace {
@@ -183,7 +204,16 @@ int CmdCreate(KvStoreClient& c) {
   shape.set_num_kv_heads(absl::GetFlag(FLAGS_kv_heads));
   shape.set_head_dim(absl::GetFlag(FLAGS_head_dim));
   shape.set_dtype(ToProtoDType(*dt));
-  auto info = c.CreateSequence(absl::GetFlag(FLAGS_seq), shape);
+  v1::Placement placement;
+  for (auto [flag, set] : {std::pair{absl::GetFlag(FLAGS_k_tier), &v1::Placement::set_k_tier},
+                           {absl::GetFlag(FLAGS_v_tier), &v1::Placement::set_v_tier}}) {
+    if (flag != "host" && flag != "device") {
+      return Fail("create", absl::InvalidArgumentError("--k_tier/--v_tier: host or device"));
+    }
+    (placement.*set)(flag == "device" ? v1::TIER_DEVICE : v1::TIER_HOST);
+  }
+  placement.set_signature_bits(absl::GetFlag(FLAGS_signature_bits));
+  auto info = c.CreateSequence(absl::GetFlag(FLAGS_seq), shape, placement);
   if (!info.ok()) return Fail("create", info.status());
   PrintInfo(*info);
   return 0;
@@ -325,6 +355,154 @@ int CmdGather(KvStoreClient& c) {
   return 0;
 }
 
+absl::StatusOr<v1::Method> MethodFromFlags() {
+  v1::Method m;
+  const std::string name = absl::GetFlag(FLAGS_method);
+  if (name == "dense") {
+    m.mutable_dense();
+  } else if (name == "santa") {
+    v1::SantaParams* s = m.mutable_santa();
+    s->set_samples(absl::GetFlag(FLAGS_samples));
+    s->set_tile_size(absl::GetFlag(FLAGS_tile_size));
+    const std::string a = absl::GetFlag(FLAGS_allocation);
+    if (a == "global") {
+      s->set_allocation(v1::SANTA_ALLOCATION_GLOBAL);
+    } else if (a == "prop") {
+      s->set_allocation(v1::SANTA_ALLOCATION_PROP);
+    } else if (a == "flash") {
+      s->set_allocation(v1::SANTA_ALLOCATION_FLASH);
+    } else {
+      return absl::InvalidArgumentError("--allocation must be global, prop or flash");
+    }
+  } else if (name == "hash_top_k") {
+    v1::HashTopKParams* h = m.mutable_hash_top_k();
+    h->set_sink_tokens(absl::GetFlag(FLAGS_sink));
+    h->set_local_tokens(absl::GetFlag(FLAGS_local));
+    h->set_top_k_fraction(static_cast<float>(absl::GetFlag(FLAGS_top_k_fraction)));
+  } else if (name == "vattention") {
+    v1::VAttentionParams* v = m.mutable_vattention();
+    v->set_epsilon(static_cast<float>(absl::GetFlag(FLAGS_epsilon)));
+    v->set_delta(static_cast<float>(absl::GetFlag(FLAGS_delta)));
+    v->set_sink_tokens(absl::GetFlag(FLAGS_sink));
+    v->set_local_tokens(absl::GetFlag(FLAGS_local));
+    v->set_top_k_fraction(static_cast<float>(absl::GetFlag(FLAGS_top_k_fraction)));
+    v->set_base_rate(static_cast<float>(absl::GetFlag(FLAGS_base_rate)));
+    v->set_predictor(absl::GetFlag(FLAGS_predictor) == "exact" ? v1::TOP_K_PREDICTOR_EXACT
+                                                               : v1::TOP_K_PREDICTOR_HASH);
+  } else {
+    return absl::InvalidArgumentError("--method must be dense, santa, hash_top_k or vattention");
+  }
+  return m;
+}
+
+// One decode step of one layer for --seq (comma-separated ids) with a random query: what was
+// read from each tier against what dense attention would have read, and the error vs dense.
+int CmdDecode(KvStoreClient& c) {
+  if (absl::Status s = RequireSeq(); !s.ok()) return Fail("decode", s);
+  std::vector<std::string> ids = absl::StrSplit(absl::GetFlag(FLAGS_seq), ',', absl::SkipEmpty());
+  auto info = c.GetSequenceInfo(ids[0]);
+  if (!info.ok()) return Fail("decode", info.status());
+  auto method = MethodFromFlags();
+  if (!method.ok()) return Fail("decode", method.status());
+  const v1::ModelShape& shape = info->shape();
+  v1::DecodeRequest req;
+  req.set_layer(absl::GetFlag(FLAGS_layer));
+  for (const std::string& id : ids) req.add_sequence_ids(id);
+  v1::Tensor* q = req.mutable_q();
+  q->set_dtype(v1::DTYPE_FP32);
+  for (int64_t d : {static_cast<int64_t>(ids.size()), static_cast<int64_t>(shape.num_q_heads()),
+                    static_cast<int64_t>(shape.head_dim())}) {
+    q->add_shape(d);
+  }
+  std::mt19937_64 rng(absl::GetFlag(FLAGS_seed));
+  std::normal_distribution<float> normal(0.f, 1.f);
+  const uint32_t H = shape.num_q_heads(), G = H / shape.num_kv_heads(), d = shape.head_dim();
+  std::vector<float> qv(ids.size() * H * d);
+  if (absl::GetFlag(FLAGS_query) == "random") {
+    for (float& x : qv) x = 2.f * normal(rng);
+  } else {
+    // Query head h = 2.5 x the K row of one random token of its kv head, plus noise: that token
+    // gets a logit near 2.5 |K|^2 / sqrt(d), the rest spread around 0.
+    absl::StatusOr<DType> dt = FromProtoDType(shape.dtype());
+    if (!dt.ok()) return Fail("decode", dt.status());
+    for (size_t b = 0; b < ids.size(); ++b) {
+      auto sinfo = c.GetSequenceInfo(ids[b]);
+      if (!sinfo.ok()) return Fail("decode", sinfo.status());
+      const uint32_t layer = absl::GetFlag(FLAGS_layer);
+      if (layer >= static_cast<uint32_t>(sinfo->layer_lengths_size()) ||
+          sinfo->layer_lengths(layer) == 0) {
+        return Fail("decode", absl::FailedPreconditionError("the layer holds no tokens"));
+      }
+      std::uniform_int_distribution<uint32_t> tok(
+          0, static_cast<uint32_t>(sinfo->layer_lengths(layer) - 1));
+      v1::GatherRequest g;
+      g.set_sequence_id(ids[b]);
+      g.set_layer(layer);
+      g.set_kind(v1::ROW_KIND_K);
+      for (uint32_t j = 0; j < shape.num_kv_heads(); ++j) {
+        v1::HeadSelection* sel = g.add_heads();
+        sel->set_kv_head(j);
+        for (uint32_t i = 0; i < G; ++i) sel->add_token_indices(tok(rng));
+      }
+      auto rows = c.Gather(g);
+      if (!rows.ok()) return Fail("decode (needle rows)", rows.status());
+      for (uint32_t h = 0; h < H; ++h) {  // row h of the gather is query head h's needle
+        for (uint32_t i = 0; i < d; ++i) {
+          qv[(b * H + h) * d + i] =
+              2.5f * kernels::LoadAsFloat(rows->k().data().data(), h * d + i, *dt) +
+              0.5f * normal(rng);
+        }
+      }
+    }
+  }
+  q->set_data(qv.data(), qv.size() * sizeof(float));
+  *req.mutable_method() = *method;
+  req.set_seed(absl::GetFlag(FLAGS_seed));
+  auto attn = AttentionClient::FromChannel(c.channel(), c.options());
+  const absl::Time t0 = absl::Now();
+  auto resp = attn->Decode(req);
+  const double us = absl::ToDoubleMicroseconds(absl::Now() - t0);
+  if (!resp.ok()) return Fail("decode", resp.status());
+  uint64_t host = 0, device = 0, remote = 0, dense = 0, fetched = 0, selected = 0;
+  for (const v1::HeadStats& h : resp->heads()) {
+    host += h.bytes_host();
+    device += h.bytes_device();
+    remote += h.bytes_remote();
+    dense += h.dense_equivalent_bytes();
+    fetched += h.rows_fetched();
+    selected += h.rows_selected();
+  }
+  std::printf("decode %s layer %u, %zu sequence(s), method %s: %.0f us (engine %.0f us: selection "
+              "%.0f, gather %.0f, compute %.0f",
+              ids[0].c_str(), req.layer(), ids.size(), absl::GetFlag(FLAGS_method).c_str(), us,
+              resp->timing().engine_seconds() * 1e6, resp->timing().selection_seconds() * 1e6,
+              resp->timing().gather_seconds() * 1e6, resp->timing().compute_seconds() * 1e6);
+  if (resp->sync_bytes() > 0) {
+    std::printf("; resident sync %.0f us, %" PRIu64 " bytes: one-off after a prefill",
+                resp->timing().sync_seconds() * 1e6, resp->sync_bytes());
+  }
+  std::printf(")\n");
+  std::printf("  rows selected %" PRIu64 ", rows fetched %" PRIu64 "\n", selected, fetched);
+  std::printf("  bytes read: host %" PRIu64 ", device %" PRIu64 ", remote %" PRIu64
+              "; dense reads %" PRIu64 " (%.1f%% of it crossed from host/remote)\n",
+              host, device, remote, dense, 100.0 * (host + remote) / std::max<uint64_t>(dense, 1));
+  if (absl::GetFlag(FLAGS_compare_dense) && absl::GetFlag(FLAGS_method) != "dense") {
+    v1::DecodeRequest dreq = req;
+    dreq.mutable_method()->mutable_dense();
+    auto d = attn->Decode(dreq);
+    if (!d.ok()) return Fail("decode (dense)", d.status());
+    const float* a = reinterpret_cast<const float*>(resp->output().data().data());
+    const float* b = reinterpret_cast<const float*>(d->output().data().data());
+    double num = 0, den = 0;
+    for (size_t i = 0; i < qv.size(); ++i) {
+      num += (a[i] - b[i]) * (a[i] - b[i]);
+      den += b[i] * b[i];
+    }
+    std::printf("  relative L2 error against dense: %.4f\n", std::sqrt(num / std::max(den, 1e-30)));
+  }
+  return 0;
+}
+
 int CmdInfo(KvStoreClient& c) {
   if (absl::Status s = RequireSeq(); !s.ok()) return Fail("info", s);
   auto info = c.GetSequenceInfo(absl::GetFlag(FLAGS_seq));
@@ -430,12 +608,14 @@ int main(int argc, char** argv) {
       "kvsparse [--target=HOST:PORT] COMMAND [flags]\n"
       "commands:\n"
       "  health                     grpc.health.v1 check\n"
-      "  create --seq=ID [--layers --q_heads --kv_heads --head_dim --dtype]\n"
+      "  create --seq=ID [--layers --q_heads --kv_heads --head_dim --dtype --k_tier --v_tier\n"
+      "                  --signature_bits]\n"
       "  drop --seq=ID\n"
       "  append --seq=ID --tokens=N [--seed]       synthetic K/V rows, with progress\n"
       "  gather --seq=ID [--layer --heads --indices|--random_rows --kind --unique --verify]\n"
       "  info --seq=ID | list | stats\n"
-      "  bench-gather --seq=ID [--rows=4096 --iters --kind=v --heads]");
+      "  bench-gather --seq=ID [--rows=4096 --iters --kind=v --heads]\n"
+      "  decode --seq=ID[,ID...] [--layer --method=dense|santa|hash_top_k|vattention ...]");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     std::fprintf(stderr, "%s\n", std::string(absl::ProgramUsageMessage()).c_str());
@@ -461,6 +641,7 @@ int main(int argc, char** argv) {
   if (cmd == "list") return CmdList(c);
   if (cmd == "stats") return CmdStats(c);
   if (cmd == "bench-gather") return CmdBenchGather(c);
+  if (cmd == "decode") return CmdDecode(c);
   std::fprintf(stderr, "unknown command '%s'\n%s\n", cmd.c_str(),
                std::string(absl::ProgramUsageMessage()).c_str());
   return 2;

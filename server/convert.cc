@@ -397,6 +397,8 @@ void ToProto(DecodeResult&& r, const DecodeCall& call, v1::DecodeResponse* out) 
   t->set_gather_seconds(r.timing.gather_seconds);
   t->set_compute_seconds(r.timing.compute_seconds);
   t->set_engine_seconds(r.timing.engine_seconds);
+  t->set_sync_seconds(r.timing.sync_seconds);
+  out->set_sync_bytes(r.sync_bytes);
 }
 
 }  // namespace kvsparse::server

@@ -284,12 +284,13 @@ absl::Status DecodeEngine::DecodeSequence(const DecodeCall& call, uint32_t index
     }
   }
   result->sync_bytes += sync.bytes_fetched;
+  result->timing.sync_seconds += Seconds(t0, absl::Now());
   const uint64_t n64 = res.length();
   if (n64 > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
     return absl::OutOfRangeError("sequence longer than 2^31 tokens");
   }
   const int32_t n = static_cast<int32_t>(n64);
-  double gather_s = Seconds(t0, absl::Now());
+  double gather_s = 0;
 
   // ---- The problem: q in the sequence's dtype, K where the selection can read it. ----
   std::vector<uint8_t> q(static_cast<size_t>(H) * d * es), out(q.size());

@@ -74,6 +74,7 @@ struct HeadStats {
 
 struct DecodeTiming {
   double selection_seconds = 0, gather_seconds = 0, compute_seconds = 0, engine_seconds = 0;
+  double sync_seconds = 0;  // resident state catch-up (one-off after a prefill)
 };
 
 struct DecodeResult {
