@@ -3,6 +3,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/dense_decode.h"
+#include "kernels/cuda/tile_common.cuh"
 
 namespace kvsparse::kernels::cuda {
 
@@ -39,6 +40,82 @@ struct DenseCfg {
   static constexpr int kStages = 3;                  // cp.async pipeline depth
   static constexpr size_t kStageBytes = size_t{kStages} * 2 * kUnroll * kThreads * 16;
 };
+
+// Merges the per-row online-softmax states of a block (rows of each warp, then warps) and writes
+// the block's partial (or, with one split, the output). Call with every thread.
+template <typename T, int D, int G, int NW, int L>
+__device__ __forceinline__ void MergeBlock(float (&m)[G], float (&l)[G], float (&acc)[G][8],
+                                           float* sm, float (*sm_m)[G], float (*sm_l)[G],
+                                           const DecodeShape& s, int b, int kvh, int split,
+                                           int num_splits, float* __restrict__ part_o,
+                                           float* __restrict__ part_lse) {
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int row = lane / L;
+  const int lr = lane % L;
+  const int H = s.num_q_heads;
+  const int h0 = kvh * G;
+  // Merge the rows of the warp (same dims, different tokens).
+#pragma unroll
+  for (int off = L; off < 32; off *= 2) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const float mo = __shfl_xor_sync(0xffffffffu, m[g], off);
+      const float lo = __shfl_xor_sync(0xffffffffu, l[g], off);
+      const float mx = fmaxf(m[g], mo);
+      const float a = m[g] == kNegInf ? 0.f : exp2f(m[g] - mx);
+      const float ao = mo == kNegInf ? 0.f : exp2f(mo - mx);
+      l[g] = l[g] * a + lo * ao;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        acc[g][e] = acc[g][e] * a + __shfl_xor_sync(0xffffffffu, acc[g][e], off) * ao;
+      }
+      m[g] = mx;
+    }
+  }
+
+  // Merge the warps through shared memory.
+  __syncthreads();
+  float* sacc = sm;  // [NW][G][D]
+  if (row == 0) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float4* dst = reinterpret_cast<float4*>(sacc + (warp * G + g) * D + lr * 8);
+      dst[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+      dst[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+    }
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      sm_m[warp][g] = m[g];
+      sm_l[warp][g] = l[g];
+    }
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < G * D; idx += NW * 32) {
+    const int g = idx / D;
+    const int dim = idx % D;
+    float mx = kNegInf;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, sm_m[w][g]);
+    float lt = 0.f, o = 0.f;
+#pragma unroll
+    for (int w = 0; w < NW; ++w) {
+      const float wt = sm_m[w][g] == kNegInf ? 0.f : exp2f(sm_m[w][g] - mx);
+      lt += wt * sm_l[w][g];
+      o += wt * sacc[(w * G + g) * D + dim];
+    }
+    const int64_t bh = static_cast<int64_t>(b) * H + h0 + g;
+    const float val = lt > 0.f ? o / lt : 0.f;
+    if (num_splits == 1) {
+      static_cast<uint16_t*>(s.out)[bh * D + dim] = FloatToBits<T>(val);
+    } else {
+      part_o[(bh * num_splits + split) * D + dim] = val;
+      if (dim == 0) part_lse[bh * num_splits + split] = lt > 0.f ? mx + log2f(lt) : kNegInf;
+    }
+  }
+}
 
 // One block: tokens [split * chunk_len, min(n, (split + 1) * chunk_len)) of sequence b, kv head
 // kvh, for the G query heads of the group. Each warp runs its own online softmax over
@@ -196,67 +273,159 @@ __global__ void __launch_bounds__(DenseCfg<D, G>::kThreads, DenseCfg<D, G>::kMin
   }
 
   CpAsyncWait<0>();  // nothing may land in shared memory after this point
+  MergeBlock<T, D, G, NW, L>(m, l, acc, sm, sm_m, sm_l, s, b, kvh, split, num_splits, part_o,
+                             part_lse);
+}
 
-  // Merge the rows of the warp (same dims, different tokens).
+// ---- Tensor-core variant (head_dim 64 and 128) ------------------------------------------------
+// Scores of 16 tokens x G heads per warp iteration come from mma.m16n8k16 (tile_common.cuh:
+// MmaGeom, LoadQFrag: the same permuted-dimension fragments as the sampling kernels), so the
+// CUDA cores only run the softmax and the V accumulation; K is staged in the mma layout and V
+// in the row layout, two cp.async stages deep.
+template <int D, int G>
+struct DenseMmaCfg {
+  static constexpr int L = D / 8;
+  static constexpr int R = 32 / L;
+  static constexpr int kTok = 16;               // tokens per warp iteration
+  static constexpr int kVPer = kTok / R;        // V vectors per lane and iteration
+  static constexpr int kKSlots = 2 * (D / 32);  // K vectors per lane and iteration
+  static constexpr int kSlots = kKSlots + kVPer;
+  static constexpr int kWarps = 8;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kStages = 2;
+  static constexpr size_t kStageBytes = size_t{kStages} * kSlots * kThreads * 16;
+};
+
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(DenseMmaCfg<D, G>::kThreads, 1)
+    DenseMmaKernel(DecodeShape s, int chunk_len, int num_splits, float* __restrict__ part_o,
+                   float* __restrict__ part_lse) {
+  using Cfg = DenseMmaCfg<D, G>;
+  constexpr int L = Cfg::L;
+  constexpr int R = Cfg::R;
+  constexpr int NW = Cfg::kWarps;
+  constexpr int NT = Cfg::kThreads;
+  constexpr int VP = Cfg::kVPer;
+  constexpr int KS = Cfg::kKSlots;
+  constexpr int SL = Cfg::kSlots;
+  constexpr int kSm = Max(NW * 16 * G, NW * G * D);
+  __shared__ __align__(16) float sm[kSm];
+  __shared__ float sm_m[NW][G];
+  __shared__ float sm_l[NW][G];
+  extern __shared__ uint4 stage[];  // [kStages][SL][NT]
+  const int kvh = blockIdx.x;
+  const int split = blockIdx.y;
+  const int b = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int row = lane / L;
+  const int lr = lane % L;
+  const int c4 = lane % 4;
+  const int n = s.seq_lens[b];
+  const int start = split * chunk_len;
+  const int end = min(n, start + chunk_len);
+  uint4 qfrag[D / 32];
+  LoadQFrag<D, G>(s, b, kvh, lane, qfrag);
+  const float qscale = s.scale * kLog2e;
+  const int64_t kv_base = b * s.kv.batch_stride + kvh * s.kv.head_stride;
+  const uint16_t* kb = static_cast<const uint16_t*>(s.k) + kv_base + 8 * c4;
+  const uint16_t* vb = static_cast<const uint16_t*>(s.v) + kv_base + lr * 8;
+  const int64_t ts = s.kv.token_stride;
+
+  float m[G], l[G], acc[G][8];
 #pragma unroll
-  for (int off = L; off < 32; off *= 2) {
+  for (int g = 0; g < G; ++g) {
+    m[g] = kNegInf;
+    l[g] = 0.f;
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const float mo = __shfl_xor_sync(0xffffffffu, m[g], off);
-      const float lo = __shfl_xor_sync(0xffffffffu, l[g], off);
-      const float mx = fmaxf(m[g], mo);
-      const float a = m[g] == kNegInf ? 0.f : exp2f(m[g] - mx);
-      const float ao = mo == kNegInf ? 0.f : exp2f(mo - mx);
-      l[g] = l[g] * a + lo * ao;
+    for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
+  }
+  auto issue = [&](int it_base, int slot) {
+    const int tok0 = it_base + lane / 4, tok1 = tok0 + 8;
+    const bool ok0 = tok0 < end, ok1 = tok1 < end;
+    const int64_t off0 = ok0 ? tok0 * ts : 0, off1 = ok1 ? tok1 * ts : 0;
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        acc[g][e] = acc[g][e] * a + __shfl_xor_sync(0xffffffffu, acc[g][e], off) * ao;
+    for (int mm = 0; mm < D / 32; ++mm) {
+      CpAsync16(&stage[(slot * SL + 2 * mm) * NT + tid], kb + off0 + 32 * mm, ok0);
+      CpAsync16(&stage[(slot * SL + 2 * mm + 1) * NT + tid], kb + off1 + 32 * mm, ok1);
+    }
+#pragma unroll
+    for (int u = 0; u < VP; ++u) {
+      const int tok = it_base + u * R + row;
+      const bool ok = tok < end;
+      CpAsync16(&stage[(slot * SL + KS + u) * NT + tid], vb + (ok ? tok * ts : 0), ok);
+    }
+    CpAsyncCommit();
+  };
+  const int first = start + warp * 16;
+  constexpr int kStride = NW * 16;
+  issue(first, 0);
+  float* sc = sm + warp * 16 * G;  // [16][G] scores of this warp's current iteration
+  int slot = 0;
+  for (int base = first; base < end; base += kStride) {
+    issue(base + kStride, slot ^ 1);
+    CpAsyncWait<1>();
+    float sacc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int mm = 0; mm < D / 32; ++mm) {
+      const uint4 k0 = stage[(slot * SL + 2 * mm) * NT + tid];
+      const uint4 k1 = stage[(slot * SL + 2 * mm + 1) * NT + tid];
+      Mma16816<T>(sacc, k0.x, k1.x, k0.y, k1.y, qfrag[mm].x, qfrag[mm].y);
+      Mma16816<T>(sacc, k0.z, k1.z, k0.w, k1.w, qfrag[mm].z, qfrag[mm].w);
+    }
+    const int r0 = lane / 4;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int h = 2 * c4 + j;
+      if (h < G) {
+        sc[r0 * G + h] = base + r0 < end ? sacc[j] * qscale : kNegInf;
+        sc[(r0 + 8) * G + h] = base + r0 + 8 < end ? sacc[2 + j] * qscale : kNegInf;
       }
+    }
+    uint4 vr[VP];
+#pragma unroll
+    for (int u = 0; u < VP; ++u) vr[u] = stage[(slot * SL + KS + u) * NT + tid];
+    slot ^= 1;
+    __syncwarp();
+    float p[VP][G];
+#pragma unroll
+    for (int u = 0; u < VP; ++u) {
+#pragma unroll
+      for (int g = 0; g < G; ++g) p[u][g] = sc[(u * R + row) * G + g];
+    }
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float mx = m[g];
+#pragma unroll
+      for (int u = 0; u < VP; ++u) mx = fmaxf(mx, p[u][g]);
+      const float alpha = m[g] == kNegInf ? 0.f : exp2f(m[g] - mx);
+      float sum = 0.f;
+#pragma unroll
+      for (int u = 0; u < VP; ++u) {
+        p[u][g] = p[u][g] == kNegInf ? 0.f : exp2f(p[u][g] - mx);
+        sum += p[u][g];
+      }
+      l[g] = l[g] * alpha + sum;
       m[g] = mx;
-    }
-  }
-
-  // Merge the warps through shared memory.
-  __syncthreads();
-  float* sacc = sm;  // [NW][G][D]
-  if (row == 0) {
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float4* dst = reinterpret_cast<float4*>(sacc + (warp * G + g) * D + lr * 8);
-      dst[0] = make_float4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
-      dst[1] = make_float4(acc[g][4], acc[g][5], acc[g][6], acc[g][7]);
+      for (int e = 0; e < 8; ++e) acc[g][e] *= alpha;
     }
-  }
-  if (lane == 0) {
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      sm_m[warp][g] = m[g];
-      sm_l[warp][g] = l[g];
-    }
-  }
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < G * D; idx += NW * 32) {
-    const int g = idx / D;
-    const int dim = idx % D;
-    float mx = kNegInf;
+    for (int u = 0; u < VP; ++u) {
+      float vf[8];
+      Unpack8<T>(vr[u], vf);
 #pragma unroll
-    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, sm_m[w][g]);
-    float lt = 0.f, o = 0.f;
+      for (int g = 0; g < G; ++g) {
 #pragma unroll
-    for (int w = 0; w < NW; ++w) {
-      const float wt = sm_m[w][g] == kNegInf ? 0.f : exp2f(sm_m[w][g] - mx);
-      lt += wt * sm_l[w][g];
-      o += wt * sacc[(w * G + g) * D + dim];
+        for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(p[u][g], vf[e], acc[g][e]);
+      }
     }
-    const int64_t bh = static_cast<int64_t>(b) * H + h0 + g;
-    const float val = lt > 0.f ? o / lt : 0.f;
-    if (num_splits == 1) {
-      static_cast<uint16_t*>(s.out)[bh * D + dim] = FloatToBits<T>(val);
-    } else {
-      part_o[(bh * num_splits + split) * D + dim] = val;
-      if (dim == 0) part_lse[bh * num_splits + split] = lt > 0.f ? mx + log2f(lt) : kNegInf;
-    }
+    __syncwarp();
   }
+  CpAsyncWait<0>();
+  MergeBlock<T, D, G, NW, L>(m, l, acc, sm, sm_m, sm_l, s, b, kvh, split, num_splits, part_o,
+                             part_lse);
 }
 
 template <typename T>
@@ -287,13 +456,22 @@ struct DenseLaunch {
 
   template <typename T, int D, int G>
   cudaError_t operator()() const {
-    using Cfg = DenseCfg<D, G>;
     const dim3 grid(s.num_kv_heads, plan.num_splits, s.batch);
-    auto* kernel = &DenseSplitKernel<T, D, G>;
-    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Cfg::kStageBytes)));
-    kernel<<<grid, Cfg::kThreads, Cfg::kStageBytes, stream>>>(s, plan.chunk_len, plan.num_splits,
-                                                              part_o, part_lse);
+    if constexpr (D <= 128) {
+      using Cfg = DenseMmaCfg<D, G>;
+      auto* kernel = &DenseMmaKernel<T, D, G>;
+      KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Cfg::kStageBytes)));
+      kernel<<<grid, Cfg::kThreads, Cfg::kStageBytes, stream>>>(s, plan.chunk_len, plan.num_splits,
+                                                                part_o, part_lse);
+    } else {
+      using Cfg = DenseCfg<D, G>;
+      auto* kernel = &DenseSplitKernel<T, D, G>;
+      KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Cfg::kStageBytes)));
+      kernel<<<grid, Cfg::kThreads, Cfg::kStageBytes, stream>>>(s, plan.chunk_len, plan.num_splits,
+                                                                part_o, part_lse);
+    }
     KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     if (plan.num_splits > 1) {
       MergeKernel<T><<<s.batch * s.num_q_heads, 128, 0, stream>>>(part_o, part_lse, plan.num_splits,
@@ -328,7 +506,9 @@ size_t PartialBytes(int64_t rows, int splits, int d, size_t* lse_offset) {
 SplitPlan DenseDecodePlan(const DecodeShape& s, int32_t waves) {
   SplitPlan plan;
   const int64_t pairs = std::max<int64_t>(1, static_cast<int64_t>(s.batch) * s.num_kv_heads);
-  const int64_t slots = static_cast<int64_t>(NumSms()) * kDenseBlocksPerSm * std::max(1, waves);
+  // The tensor-core kernel (head_dim <= 128) runs one block per multiprocessor.
+  const int per_sm = s.head_dim <= 128 ? 1 : kDenseBlocksPerSm;
+  const int64_t slots = static_cast<int64_t>(NumSms()) * per_sm * std::max(1, waves);
   const int64_t max_len = std::max(1, s.max_seq_len);
   int64_t splits = std::max<int64_t>(1, slots / pairs);
   splits = std::min(splits, (max_len + kMinChunk - 1) / kMinChunk);

@@ -94,11 +94,11 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
   const int t_begin = blk * tiles_per_block;
   const int t_end = min(num_tiles, t_begin + tiles_per_block);
 
-  float qf[G][8];
-  LoadQ<T, D, G>(s, b, kvh, lr, qf);
-  const int64_t kv_off = b * s.kv.batch_stride + kvh * s.kv.head_stride + lr * 8;
-  const uint16_t* kb = static_cast<const uint16_t*>(s.k) + kv_off;
-  const uint16_t* vb = static_cast<const uint16_t*>(s.v) + kv_off;
+  QState<D, G> qs;
+  LoadQState<T, D, G>(s, b, kvh, lane, lr, qs);
+  const int64_t kv_base = b * s.kv.batch_stride + kvh * s.kv.head_stride;
+  const uint16_t* kb0 = static_cast<const uint16_t*>(s.k) + kv_base;
+  const uint16_t* vb = static_cast<const uint16_t*>(s.v) + kv_base + lr * 8;
   const int64_t ts = s.kv.token_stride;
 
   float acc[G][8];
@@ -113,15 +113,15 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
   }
   int kbuf = 0;
   if (t_begin < t_end) {
-    StartKPipeline<D, G, NW, Cfg::kUnroll>(kb, ts, t_begin * kTile, min(kTile, n - t_begin * kTile),
-                                           kst, warp, row);
+    StartKPipeline<D, G, NW, Cfg::kUnroll>(kb0, ts, t_begin * kTile,
+                                           min(kTile, n - t_begin * kTile), kst, warp, lane);
   }
   for (int t = t_begin; t < t_end; ++t) {
     const int t0 = t * kTile;
     const int len = min(kTile, n - t0);
     const int next_len = t + 1 < t_end ? min(kTile, n - t0 - kTile) : 0;
-    ScoreTile<T, D, G, NW, Cfg::kUnroll>(qf, kb, ts, t0, len, ssm, warp, row, lr, kst, kbuf,
-                                         next_len);
+    ScoreTileAny<T, D, G, NW, Cfg::kUnroll>(qs, kb0, ts, t0, len, ssm, warp, lane, kst, kbuf,
+                                            next_len);
     __syncthreads();
     for (int g = warp; g < G; g += NW) {
       const int h = kvh * G + g;
@@ -192,26 +192,26 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
   extern __shared__ uint4 kst[];  // K staging, ScoreStageBytes
   const int kvh = blockIdx.x, blk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = lane / L, lr = lane % L;
+  const int lr = lane % L;
   const int n = s.seq_lens[b];
   const int num_tiles = (n + kTile - 1) / kTile;
   const int t_begin = blk * tiles_per_block;
   const int t_end = min(num_tiles, t_begin + tiles_per_block);
-  float qf[G][8];
-  LoadQ<T, D, G>(s, b, kvh, lr, qf);
-  const int64_t kv_off = b * s.kv.batch_stride + kvh * s.kv.head_stride + lr * 8;
-  const uint16_t* kb = static_cast<const uint16_t*>(s.k) + kv_off;
+  QState<D, G> qs;
+  LoadQState<T, D, G>(s, b, kvh, lane, lr, qs);
+  const uint16_t* kb0 =
+      static_cast<const uint16_t*>(s.k) + b * s.kv.batch_stride + kvh * s.kv.head_stride;
   int kbuf = 0;
   if (t_begin < t_end) {
-    StartKPipeline<D, G, NW, Cfg::kUnroll>(kb, s.kv.token_stride, t_begin * kTile,
-                                           min(kTile, n - t_begin * kTile), kst, warp, row);
+    StartKPipeline<D, G, NW, Cfg::kUnroll>(kb0, s.kv.token_stride, t_begin * kTile,
+                                           min(kTile, n - t_begin * kTile), kst, warp, lane);
   }
   for (int t = t_begin; t < t_end; ++t) {
     const int t0 = t * kTile;
     const int len = min(kTile, n - t0);
     const int next_len = t + 1 < t_end ? min(kTile, n - t0 - kTile) : 0;
-    ScoreTile<T, D, G, NW, Cfg::kUnroll>(qf, kb, s.kv.token_stride, t0, len, ssm, warp, row, lr,
-                                         kst, kbuf, next_len);
+    ScoreTileAny<T, D, G, NW, Cfg::kUnroll>(qs, kb0, s.kv.token_stride, t0, len, ssm, warp, lane,
+                                            kst, kbuf, next_len);
     __syncthreads();
     for (int g = warp; g < G; g += NW) {
       const int64_t bh = static_cast<int64_t>(b) * s.num_q_heads + kvh * G + g;
@@ -356,34 +356,44 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
     if (__ballot_sync(0xffffffffu, my_st != 0) == 0) continue;  // uniform over the warp
     const int t0 = t * kTile;
     const int len = min(kTile, n - t0);
+    // Every head's stash slice and inv_delta first (one round trip), then the counts.
+    float u[G][kPerLane];
+    float invd[G];
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      const int64_t bh = bh0 + g;
+      const bool on = __shfl_sync(0xffffffffu, my_st, g) != 0;
+      invd[g] = on ? inv_delta[bh * max_tiles + t] : 0.f;
+      const int64_t off = (bh * max_tiles + t) * kTile + lane * kPerLane;
+      if (!on) {
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) u[g][i] = 0.f;
+      } else if (p.fp16_stash) {
+        Unpack8<Fp16>(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(stash) + off),
+                      u[g]);
+      } else {
+        const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(stash) + off);
+#pragma unroll
+        for (int i = 0; i < kPerLane / 4; ++i) {
+          const float4 x = src[i];
+          u[g][4 * i] = x.x;
+          u[g][4 * i + 1] = x.y;
+          u[g][4 * i + 2] = x.z;
+          u[g][4 * i + 3] = x.w;
+        }
+      }
+    }
 #pragma unroll
     for (int g = 0; g < G; ++g) {
       const int64_t bh = bh0 + g;
       int* c = cnt + g * kTile;
-      if (__shfl_sync(0xffffffffu, my_st, g) == 0) {
+      if (invd[g] == 0.f) {
 #pragma unroll
         for (int i = 0; i < kPerLane; ++i) c[lane * kPerLane + i] = 0;
       } else {
-        float u[kPerLane];
-        const int64_t off = (bh * max_tiles + t) * kTile + lane * kPerLane;
-        if (p.fp16_stash) {
-          Unpack8<Fp16>(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(stash) + off),
-                        u);
-        } else {
-          const float4* src =
-              reinterpret_cast<const float4*>(static_cast<const float*>(stash) + off);
-#pragma unroll
-          for (int i = 0; i < kPerLane / 4; ++i) {
-            const float4 x = src[i];
-            u[4 * i] = x.x;
-            u[4 * i + 1] = x.y;
-            u[4 * i + 2] = x.z;
-            u[4 * i + 3] = x.w;
-          }
-        }
         const float a0 =
             PhiloxUniform(PhiloxStream::Make(p.seed, RngTag::kPropTileOffset, b, kvh * G + g), t);
-        SystematicCounts(u, inv_delta[bh * max_tiles + t], a0, lane, c);
+        SystematicCounts(u[g], invd[g], a0, lane, c);
       }
       if (p.sample_counts != nullptr) {
         __syncwarp();

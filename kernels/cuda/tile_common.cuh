@@ -80,13 +80,6 @@ __device__ __forceinline__ void IssueKRound(const uint16_t* kb, int64_t ts, int 
   CpAsyncCommit();
 }
 
-// Starts the pipeline: round 0 of the first tile into buffer 0.
-template <int D, int G, int NW, int U>
-__device__ __forceinline__ void StartKPipeline(const uint16_t* kb, int64_t ts, int t0, int len,
-                                               uint4* kst, int warp, int row) {
-  IssueKRound<D, G, NW, U>(kb, ts, t0, len, 0, kst, warp, row);
-}
-
 // Scores (log2 units) of tokens t0 .. t0 + len - 1 (len <= kTile) into ssm[g * kTile + i];
 // entries i >= len get -inf. kb points at dims lr*8 of token 0 of the (b, kvh) K rows. Round 0
 // of this tile must already be loading into buffer `buf` (StartKPipeline, or the previous call);
@@ -142,6 +135,172 @@ __device__ __forceinline__ void ScoreTile(const float (&qf)[G][8], const uint16_
       }
     }
     buf ^= 1;
+  }
+}
+
+// ---- Tensor-core scoring (head_dim 64 and 128) ------------------------------------------------
+// S^T[token][head] = K[token, :] . Q[head, :] with mma.m16n8k16 (A = 16 tokens x 16 dims of K,
+// B = 16 dims x 8 heads of Q; heads >= G are zero). The head dimension inside one mma is a
+// permutation of the physical one: lane c = lane % 4 holds, for every 32-dim segment m, the
+// 16 bytes at dims 32m + 8c .. 32m + 8c + 7 of its token rows (tokens lane / 4 and lane / 4 + 8
+// of a 16-token chunk) and of its head's q row (head lane / 4); words 0-1 feed k-step 2m and
+// words 2-3 k-step 2m + 1, for A and B alike, so the products pair the same physical dims.
+template <int D, int NW>
+struct MmaGeom {
+  static constexpr int kSeg = D / 32;                // 16-byte segments per lane and row
+  static constexpr int kSlotsPerChunk = 2 * kSeg;    // two token rows per lane
+  static constexpr int kChunks = kTile / (16 * NW);  // 16-token chunks per warp and tile
+  static constexpr int kPerRound = Max(1, Min(kChunks, kStageSlots / kSlotsPerChunk));
+  static constexpr int kRounds = kChunks / kPerRound;
+};
+
+template <typename T>
+__device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, Bf16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
+// The B fragments of q: head lane / 4 (zero for heads >= G), kSeg 16-byte segments.
+template <int D, int G>
+__device__ __forceinline__ void LoadQFrag(const DecodeShape& s, int b, int kvh, int lane,
+                                          uint4 (&qfrag)[D / 32]) {
+  const int head = lane / 4, c = lane % 4;
+  const uint16_t* qb = static_cast<const uint16_t*>(s.q) +
+                       (static_cast<int64_t>(b) * s.num_q_heads + kvh * G + head) * D + 8 * c;
+#pragma unroll
+  for (int m = 0; m < D / 32; ++m) {
+    qfrag[m] =
+        head < G ? __ldg(reinterpret_cast<const uint4*>(qb + 32 * m)) : make_uint4(0, 0, 0, 0);
+  }
+}
+
+template <int D, int G, int NW>
+__device__ __forceinline__ void IssueKRoundMma(const uint16_t* kb0, int64_t ts, int t0, int len,
+                                               int round, uint4* buf, int warp, int lane) {
+  using Geo = MmaGeom<D, NW>;
+  const int tid = threadIdx.x;
+  const uint16_t* kb = kb0 + 8 * (lane % 4);
+#pragma unroll
+  for (int ch = 0; ch < Geo::kPerRound; ++ch) {
+    const int q = (round * Geo::kPerRound + ch) * NW + warp;  // chunk within the tile
+    const int tok0 = q * 16 + lane / 4, tok1 = tok0 + 8;
+    const bool ok0 = tok0 < len, ok1 = tok1 < len;
+    const int64_t off0 = ok0 ? static_cast<int64_t>(t0 + tok0) * ts : 0;
+    const int64_t off1 = ok1 ? static_cast<int64_t>(t0 + tok1) * ts : 0;
+#pragma unroll
+    for (int m = 0; m < Geo::kSeg; ++m) {
+      CpAsync16(&buf[(ch * Geo::kSlotsPerChunk + 2 * m) * NW * 32 + tid], kb + off0 + 32 * m, ok0);
+      CpAsync16(&buf[(ch * Geo::kSlotsPerChunk + 2 * m + 1) * NW * 32 + tid], kb + off1 + 32 * m,
+                ok1);
+    }
+  }
+  CpAsyncCommit();
+}
+
+// Tensor-core ScoreTile: kb0 points at token 0, dim 0 of the (b, kvh) K rows (no lane offset).
+template <typename T, int D, int G, int NW>
+__device__ __forceinline__ void ScoreTileMma(const uint4 (&qfrag)[D / 32], float qscale,
+                                             const uint16_t* kb0, int64_t ts, int t0, int len,
+                                             float* ssm, int warp, int lane, uint4* kst, int& buf,
+                                             int next_len) {
+  using Geo = MmaGeom<D, NW>;
+  constexpr int kHalf = kStageSlots * NW * 32;
+  const int tid = threadIdx.x;
+  const int c = lane % 4;
+  for (int round = 0; round < Geo::kRounds; ++round) {
+    uint4* nxt = kst + (buf ^ 1) * kHalf;
+    if (round + 1 < Geo::kRounds) {
+      IssueKRoundMma<D, G, NW>(kb0, ts, t0, len, round + 1, nxt, warp, lane);
+    } else if (next_len > 0) {
+      IssueKRoundMma<D, G, NW>(kb0, ts, t0 + kTile, next_len, 0, nxt, warp, lane);
+    } else {
+      CpAsyncCommit();
+    }
+    CpAsyncWait<1>();
+    const uint4* cur = kst + buf * kHalf;
+#pragma unroll
+    for (int ch = 0; ch < Geo::kPerRound; ++ch) {
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int m = 0; m < Geo::kSeg; ++m) {
+        const uint4 k0 = cur[(ch * Geo::kSlotsPerChunk + 2 * m) * NW * 32 + tid];
+        const uint4 k1 = cur[(ch * Geo::kSlotsPerChunk + 2 * m + 1) * NW * 32 + tid];
+        Mma16816<T>(acc, k0.x, k1.x, k0.y, k1.y, qfrag[m].x, qfrag[m].y);
+        Mma16816<T>(acc, k0.z, k1.z, k0.w, k1.w, qfrag[m].z, qfrag[m].w);
+      }
+      const int q = (round * Geo::kPerRound + ch) * NW + warp;
+      const int tok0 = q * 16 + lane / 4, tok1 = tok0 + 8;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int h = 2 * c + j;
+        if (h < G) {
+          ssm[h * kTile + tok0] = tok0 < len ? acc[j] * qscale : kNegInf;
+          ssm[h * kTile + tok1] = tok1 < len ? acc[2 + j] * qscale : kNegInf;
+        }
+      }
+    }
+    buf ^= 1;
+  }
+}
+
+// ---- Dispatch: tensor cores for head_dim <= 128, CUDA cores (above) for 256 -------------------
+template <int D>
+constexpr bool kUseMma = D <= 128;
+
+// Per-thread q state of the scoring path.
+template <int D, int G>
+struct QState {
+  float qf[G][8];       // CUDA-core path: dims lr*8 .. of each head, prescaled
+  uint4 qfrag[D / 32];  // tensor-core path: raw q fragments
+  float qscale = 0.f;
+};
+
+template <typename T, int D, int G>
+__device__ __forceinline__ void LoadQState(const DecodeShape& s, int b, int kvh, int lane, int lr,
+                                           QState<D, G>& q) {
+  if constexpr (kUseMma<D>) {
+    LoadQFrag<D, G>(s, b, kvh, lane, q.qfrag);
+    q.qscale = s.scale * kLog2e;
+  } else {
+    LoadQ<T, D, G>(s, b, kvh, lr, q.qf);
+  }
+}
+
+// Starts the pipeline: round 0 of the first tile into buffer 0. kb0: token 0, dim 0.
+template <int D, int G, int NW, int U>
+__device__ __forceinline__ void StartKPipeline(const uint16_t* kb0, int64_t ts, int t0, int len,
+                                               uint4* kst, int warp, int lane) {
+  if constexpr (kUseMma<D>) {
+    IssueKRoundMma<D, G, NW>(kb0, ts, t0, len, 0, kst, warp, lane);
+  } else {
+    IssueKRound<D, G, NW, U>(kb0 + (lane % (D / 8)) * 8, ts, t0, len, 0, kst, warp, lane / (D / 8));
+  }
+}
+
+// Scores of one tile into ssm (see ScoreTile / ScoreTileMma). kb0: token 0, dim 0.
+template <typename T, int D, int G, int NW, int U>
+__device__ __forceinline__ void ScoreTileAny(const QState<D, G>& q, const uint16_t* kb0, int64_t ts,
+                                             int t0, int len, float* ssm, int warp, int lane,
+                                             uint4* kst, int& buf, int next_len) {
+  if constexpr (kUseMma<D>) {
+    ScoreTileMma<T, D, G, NW>(q.qfrag, q.qscale, kb0, ts, t0, len, ssm, warp, lane, kst, buf,
+                              next_len);
+  } else {
+    constexpr int L = D / 8;
+    ScoreTile<T, D, G, NW, U>(q.qf, kb0 + (lane % L) * 8, ts, t0, len, ssm, warp, lane / L,
+                              lane % L, kst, buf, next_len);
   }
 }
 

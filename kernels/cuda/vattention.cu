@@ -117,11 +117,11 @@ template <bool kBase>
 __global__ void __launch_bounds__(kSampleThreads)
     VattSampleKernel(VAttentionParams p, Layout l, int32_t* __restrict__ out,
                      int32_t* __restrict__ out_count) {
-  extern __shared__ uint32_t dsm[];
-  uint32_t* bitmap = dsm;  // fixed-set membership, ceil(max_seq_len / 32) words
-  int* hist = reinterpret_cast<int*>(dsm + (p.shape.max_seq_len + 31) / 32);  // [kBuckets]
-  uint64_t* ck = reinterpret_cast<uint64_t*>(hist + kBuckets);                // [kCand]
-  int* ct = reinterpret_cast<int*>(ck + kCand);                               // [kCand]
+  extern __shared__ uint64_t dsm64[];
+  uint64_t* ck = dsm64;                                             // [kCand] candidate keys
+  int* ct = reinterpret_cast<int*>(ck + kCand);                     // [kCand] their tokens
+  int* hist = ct + kCand;                                           // [kBuckets]
+  uint32_t* bitmap = reinterpret_cast<uint32_t*>(hist + kBuckets);  // fixed-set membership
   __shared__ int ws[32];
   __shared__ int sm_tau, sm_below, sm_ncand, sm_thr_tok;
   __shared__ unsigned long long sm_thr_key;
