@@ -70,7 +70,7 @@ if [[ " $STEPS " == *" ncu "* ]]; then
   # Hardware counters of one call of each kernel at B=8, n=32k (the dense baselines and ours):
   # DRAM throughput against peak, achieved occupancy, issue activity.
   timeout 240 ncu --clock-control none --target-processes all \
-    -k "regex:DenseSplit|Pass1Kernel|FlashKernel|PropPass2|flash_fwd|fmha|cudnn|sm90" \
+    -k "regex:DenseSplit|DenseMma|Pass1Kernel|FlashKernel|PropPass2|flash_fwd|fmha|cudnn|sm90" \
     --section SpeedOfLight --section Occupancy --section SchedulerStats --launch-count 20 \
     python3 tests/bench/kernel_bench.py --lib "$CARRY/lib/libkvsparse_cuda_capi.so" --once \
     --batches 8 --lens 32768 --no-flashinfer > "$OUT/ncu.txt" 2>&1
