@@ -11,8 +11,8 @@ AttentionService::AttentionService(DecodeEngine* engine, const RpcRunner* rpc, M
       decode_(metrics->Rpc("Decode")),
       stream_(metrics->Rpc("DecodeStream")) {}
 
-absl::Status AttentionService::Run(const v1::DecodeRequest& req, absl::Time deadline,
-                                   v1::DecodeResponse* resp) {
+absl::Status AttentionService::Run(const v1::DecodeRequest& req, absl::Time start,
+                                   absl::Time deadline, v1::DecodeResponse* resp) {
   absl::StatusOr<DecodeCall> call = FromProto(req);
   if (!call.ok()) return call.status();
   call->deadline = deadline;
@@ -22,12 +22,15 @@ absl::Status AttentionService::Run(const v1::DecodeRequest& req, absl::Time dead
                          *result);
   ToProto(std::move(*result), *call, resp);
   resp->set_request_id(req.request_id());
+  resp->mutable_timing()->set_server_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   return absl::OkStatus();
 }
 
 grpc::Status AttentionService::Decode(grpc::ServerContext* ctx, const v1::DecodeRequest* req,
                                       v1::DecodeResponse* resp) {
-  return rpc_->Run(decode_, ctx, [&](absl::Time deadline) { return Run(*req, deadline, resp); });
+  const absl::Time start = absl::Now();
+  return rpc_->Run(decode_, ctx,
+                   [&](absl::Time deadline) { return Run(*req, start, deadline, resp); });
 }
 
 grpc::Status AttentionService::DecodeStream(
@@ -38,8 +41,9 @@ grpc::Status AttentionService::DecodeStream(
   while (stream->Read(&req)) {
     resp.Clear();
     // Each step gets the server's default deadline, bounded by the stream's own.
-    grpc::Status st =
-        rpc_->Run(stream_, ctx, [&](absl::Time deadline) { return Run(req, deadline, &resp); });
+    const absl::Time start = absl::Now();
+    grpc::Status st = rpc_->Run(
+        stream_, ctx, [&](absl::Time deadline) { return Run(req, start, deadline, &resp); });
     if (!st.ok()) return st;
     if (!stream->Write(resp)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");

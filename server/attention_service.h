@@ -24,7 +24,9 @@ class AttentionService final : public v1::Attention::Service {
       grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream) override;
 
  private:
-  absl::Status Run(const v1::DecodeRequest& req, absl::Time deadline, v1::DecodeResponse* resp);
+  // start: when the handler was entered (reported as timing.server_seconds).
+  absl::Status Run(const v1::DecodeRequest& req, absl::Time start, absl::Time deadline,
+                   v1::DecodeResponse* resp);
 
   DecodeEngine* const engine_;
   const RpcRunner* const rpc_;

@@ -230,22 +230,35 @@ DecodeMetrics::DecodeMetrics(prometheus::Registry& registry)
 void DecodeMetrics::Record(int method, const char*, const DecodeResult& r) {
   if (method < 0 || method >= kMethods) return;
   PerMethod& pm = per_method_[method];
+  // Sum over the call first: one update per series (a Decode of B sequences has B x Hkv heads).
+  std::array<double, kTiers> bytes{}, rows{};
+  double dense = 0, budget_sum = 0;
+  static const prometheus::Histogram::BucketBoundaries kBudgetBounds = BudgetBuckets();
+  std::vector<double> budget_buckets(kBudgetBounds.size() + 1, 0.0);
   uint64_t seqs = 0;
   for (const HeadStats& h : r.heads) {
-    for (int t = 0; t < kTiers; ++t) {
-      if (h.bytes[t] == 0) continue;
-      pm.bytes[t]->Increment(static_cast<double>(h.bytes[t]));
-    }
     // Rows are counted on the tier most of the head's bytes came from.
     int tier = 0;
-    for (int t = 1; t < kTiers; ++t) {
+    for (int t = 0; t < kTiers; ++t) {
+      bytes[t] += static_cast<double>(h.bytes[t]);
       if (h.bytes[t] > h.bytes[tier]) tier = t;
     }
-    pm.rows[tier]->Increment(static_cast<double>(h.rows_fetched));
-    pm.dense->Increment(static_cast<double>(h.dense_equivalent_bytes));
-    for (uint64_t b : h.budgets) pm.budget->Observe(static_cast<double>(b));
+    rows[tier] += static_cast<double>(h.rows_fetched);
+    dense += static_cast<double>(h.dense_equivalent_bytes);
+    for (uint64_t b : h.budgets) {
+      const double x = static_cast<double>(b);
+      budget_sum += x;
+      budget_buckets[std::lower_bound(kBudgetBounds.begin(), kBudgetBounds.end(), x) -
+                     kBudgetBounds.begin()] += 1;
+    }
     seqs = std::max<uint64_t>(seqs, h.sequence_index + 1);
   }
+  for (int t = 0; t < kTiers; ++t) {
+    if (bytes[t] > 0) pm.bytes[t]->Increment(bytes[t]);
+    if (rows[t] > 0) pm.rows[t]->Increment(rows[t]);
+  }
+  pm.dense->Increment(dense);
+  pm.budget->ObserveMultiple(budget_buckets, budget_sum);
   pm.sequences->Increment(static_cast<double>(seqs));
   pm.gather->Increment(r.timing.gather_seconds);
   selection_->Observe(r.timing.selection_seconds);
