@@ -88,8 +88,8 @@ struct TopkGeom {
 __device__ __forceinline__ TopkGeom MakeGeom(const HashTopKParams& p, int b) {
   TopkGeom g;
   g.n = p.seq_lens[b];
-  g.k =
-      p.top_k > 0 ? p.top_k : static_cast<int>(floor(static_cast<double>(p.top_k_fraction) * g.n));
+  g.k = p.top_k > 0 ? p.top_k
+                    : static_cast<int>(floor(static_cast<double>(p.top_k_fraction) * g.n + 0.5));
   g.k = min(max(g.k, 0), g.n);
   g.s_end = min(max(p.sink_tokens, 0), g.n);
   g.w_begin = max(g.s_end, g.n - max(p.local_tokens, 0));
@@ -360,10 +360,9 @@ cudaError_t DispatchWords(int bits, Body&& body) {
 }  // namespace
 
 int32_t HashTopKParams::MaxSelected() const {
-  const int64_t k =
-      top_k > 0
-          ? top_k
-          : static_cast<int64_t>(std::floor(static_cast<double>(top_k_fraction) * max_seq_len));
+  const int64_t k = top_k > 0 ? top_k
+                              : static_cast<int64_t>(std::floor(
+                                    static_cast<double>(top_k_fraction) * max_seq_len + 0.5));
   const int64_t total = static_cast<int64_t>(std::max(sink_tokens, 0)) + std::max(local_tokens, 0) +
                         std::max<int64_t>(k, 0);
   return static_cast<int32_t>(std::min<int64_t>(total, max_seq_len));

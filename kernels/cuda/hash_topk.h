@@ -59,7 +59,8 @@ struct HashTopKParams {
   int32_t max_seq_len = 0;            // host upper bound of seq_lens
   int32_t sink_tokens = 128;
   int32_t local_tokens = 128;
-  int32_t top_k = 0;  // k beyond sink and window; 0: floor(top_k_fraction * n)
+  int32_t top_k =
+      0;  // k beyond sink and window; 0: top_k_fraction * n rounded to nearest (ResolveTopK)
   float top_k_fraction = 0.f;
   // device, shape: [B, H, max_out] with max_out = MaxSelected(): the chosen tokens, ascending,
   // in the first counts[b, h] entries (the rest untouched).

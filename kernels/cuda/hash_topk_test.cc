@@ -97,7 +97,8 @@ TEST(HashTopKCudaTest, RandomSignaturesMatchCpuExactly) {
       {128, 4, 1, {700, 260}, 4, 8, 256, 0.f},
       {256, 2, 2, {3000}, 0, 0, 1000, 0.f},
       {32, 8, 4, {70000}, 128, 128, 2048, 0.f},
-      {32, 2, 2, {10, 200}, 128, 128, 5, 0.f},  // sink + window cover everything
+      {32, 2, 2, {10, 200}, 128, 128, 5, 0.f},   // sink + window cover everything
+      {32, 2, 4, {57, 1001}, 16, 32, 0, 0.05f},  // fraction * n rounds to nearest (2.85 -> 3)
   };
   for (const Case& c : cases) {
     const int words = c.bits / 32;

@@ -1,5 +1,6 @@
 // vAttention on the GPU (CPU reference and the algorithm: kernels/vattention.h), hash predictor:
 //   1. fixed set I_f = sink + window + Hamming top-k (HashTopK, hash_topk.h);
+//   (k = top_k, or top_k_fraction * n rounded to nearest, as ResolveTopK.)
 //   2. base sample: the n_b residual tokens with the smallest Philox keys (RngTag::kVattBase),
 //      n_b = min(n_s, max(2, round(base_rate * n_s)));
 //   3. statistics of I_f and the base sample (their K and V rows) in float64 and the budget b
@@ -30,7 +31,7 @@ struct VAttentionParams {
   float delta = 0.05f;    // (0, 1)
   int32_t sink_tokens = 128;
   int32_t local_tokens = 128;
-  int32_t top_k = 0;             // 0: floor(top_k_fraction * n)
+  int32_t top_k = 0;             // 0: top_k_fraction * n rounded to nearest (ResolveTopK)
   float top_k_fraction = 0.05f;  // [0, 1]
   float base_rate = 0.05f;       // (0, 1)
   int32_t bound = 1;             // 1 = CLT, 2 = Hoeffding (kernels::BudgetBound)
