@@ -116,6 +116,17 @@ class EngineTest : public ::testing::Test {
         << "output of sequence " << b << " differs from the reference";
   }
 
+  // The signatures the engine's resident cache must hold: SimHash of the layer, M = the max key
+  // norm (every key is present at the first sync).
+  static absl::Status SimHash(const kernels::DecodeProblem& p, int32_t bits,
+                              kernels::Signatures* out) {
+    kernels::SimHashConfig cfg;
+    cfg.seed = kSigSeed;
+    cfg.layer = kLayer;
+    cfg.bits = bits;
+    return kernels::ComputeSimHashSignatures(p, cfg, out);
+  }
+
   static constexpr uint64_t kSigSeed = 1234;
   std::unique_ptr<kvstore::Store> store_;
   std::unique_ptr<RowSource> source_;
@@ -226,12 +237,8 @@ TEST_F(EngineTest, HashTopKSelectsWhatTheReferenceSelects) {
   for (int32_t b = 0; b < 2; ++b) {
     std::vector<uint8_t> out;
     kernels::DecodeProblem p = One(b, &out);
-    kernels::SimHashConfig cfg;
-    cfg.seed = kSigSeed;
-    cfg.layer = kLayer;
-    cfg.bits = 64;
     kernels::Signatures sigs;
-    ASSERT_TRUE(kernels::ComputeSimHashSignatures(p, cfg, &sigs).ok());
+    ASSERT_TRUE(SimHash(p, 64, &sigs).ok());
     kernels::HashTopKParams hp = m.hash;
     hp.bits = 64;
     kernels::RowSelection sel;
@@ -271,12 +278,8 @@ TEST_F(EngineTest, VAttentionSelectsWhatTheReferenceSelects) {
     for (int32_t b = 0; b < 2; ++b) {
       std::vector<uint8_t> out;
       kernels::DecodeProblem p = One(b, &out);
-      kernels::SimHashConfig cfg;
-      cfg.seed = kSigSeed;
-      cfg.layer = kLayer;
-      cfg.bits = 32;
       kernels::Signatures sigs;
-      ASSERT_TRUE(kernels::ComputeSimHashSignatures(p, cfg, &sigs).ok());
+      ASSERT_TRUE(SimHash(p, 32, &sigs).ok());
       kernels::VAttentionParams vp = m.vattention;
       vp.bits = 32;
       kernels::RowSelection sel;

@@ -26,6 +26,7 @@
 #include "client/kvstore_client.h"
 #include "echo.grpc.pb.h"
 #include "server/server.h"
+#include "tests/bench/bench_fill.h"
 
 ABSL_FLAG(uint64_t, pool_mb, 1024, "MB of K+V held by the store");
 ABSL_FLAG(std::string, rows, "4096,131072", "Rows per Gather call");
@@ -108,27 +109,10 @@ int main(int argc, char** argv) {
   if (!echo_server) return 1;
 
   // Fill the store in-process (setup, not measured).
-  kv::Store* store = (*server)->store();
-  if (!store->CreateSequence("bench", shape, {}).ok()) return 1;
-  std::fprintf(stderr, "filling %.2f GB...\n", tokens * token_bytes / 1e9);
-  {
-    const uint64_t chunk = 512;
-    std::vector<uint8_t> k(shape.num_layers * chunk * shape.num_kv_heads * row);
-    std::mt19937_64 rng(1);
-    for (auto& b : k) b = static_cast<uint8_t>(rng());
-    for (uint64_t t = 0; t < tokens; t += chunk) {
-      kv::AppendRequest r;
-      r.sequence_id = "bench";
-      r.num_layers = shape.num_layers;
-      r.num_tokens = std::min(chunk, tokens - t);
-      r.dtype = shape.dtype;
-      r.num_kv_heads = shape.num_kv_heads;
-      r.head_dim = shape.head_dim;
-      const size_t bytes = r.num_layers * r.num_tokens * shape.num_kv_heads * row;
-      r.k = absl::MakeConstSpan(k.data(), bytes);
-      r.v = r.k;
-      if (!store->Append(r).ok()) return 1;
-    }
+  if (absl::Status s = kvsparse::bench::FillSequence((*server)->store(), "bench", shape, tokens);
+      !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 1;
   }
 
   kvsparse::client::ClientOptions co;

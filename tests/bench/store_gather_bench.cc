@@ -21,6 +21,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "kvstore/store.h"
+#include "tests/bench/bench_fill.h"
 
 ABSL_FLAG(std::string, pool, "2G", "Bytes of K+V held by the store (K, M, G suffixes)");
 ABSL_FLAG(std::string, rows, "4096,131072", "Rows per gather call");
@@ -72,31 +73,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "%s\n", store.status().ToString().c_str());
     return 1;
   }
-  if (!(*store)->CreateSequence("bench", shape, {}).ok()) return 1;
-  std::fprintf(stderr, "filling %.2f GB (%lu tokens x %u layers x %u kv heads)...\n",
-               tokens * token_bytes / 1e9, static_cast<unsigned long>(tokens), shape.num_layers,
-               shape.num_kv_heads);
-  {
-    const uint64_t chunk = 1024;
-    std::vector<uint8_t> k(shape.num_layers * chunk * shape.num_kv_heads * row);
-    std::mt19937_64 rng(1);
-    for (auto& b : k) b = static_cast<uint8_t>(rng());
-    for (uint64_t t = 0; t < tokens; t += chunk) {
-      kv::AppendRequest r;
-      r.sequence_id = "bench";
-      r.num_layers = shape.num_layers;
-      r.num_tokens = std::min(chunk, tokens - t);
-      r.dtype = shape.dtype;
-      r.num_kv_heads = shape.num_kv_heads;
-      r.head_dim = shape.head_dim;
-      const size_t bytes = r.num_layers * r.num_tokens * shape.num_kv_heads * row;
-      r.k = absl::MakeConstSpan(k.data(), bytes);
-      r.v = absl::MakeConstSpan(k.data(), bytes);
-      if (auto s = (*store)->Append(r); !s.ok()) {
-        std::fprintf(stderr, "append: %s\n", s.status().ToString().c_str());
-        return 1;
-      }
-    }
+  if (absl::Status s = kvsparse::bench::FillSequence(store->get(), "bench", shape, tokens);
+      !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return 1;
   }
   // The memcpy baseline's source: as large as the store's pool, touched once.
   std::vector<uint8_t> src(tokens * token_bytes);
