@@ -166,6 +166,7 @@ absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
   std::vector<SequenceDesc> descs(B);
   for (size_t b = 0; b < B; ++b) {
     absl::StatusOr<SequenceDesc> d = source_->Describe(call.sequence_ids[b], call.deadline);
+    if (absl::IsNotFound(d.status())) cache_.Forget(call.sequence_ids[b]);  // gone from the store
     if (!d.ok()) return d.status();
     descs[b] = std::move(*d);
   }

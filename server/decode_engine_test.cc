@@ -373,8 +373,12 @@ TEST_F(EngineTest, ResidentStateFollowsARecreatedSequence) {
   auto first = engine_->Decode(Call(santa));
   ASSERT_TRUE(first.ok());
   EXPECT_GT(first->sync_bytes, 0u);
-  // Drop and re-create with other data: the worker must not reuse the old K.
+  // Drop it: a Decode gets NOT_FOUND and the worker frees its resident state.
   ASSERT_TRUE(store_->DropSequence("s0").ok());
+  EXPECT_GT(engine_->resident().bytes(), 0u);
+  EXPECT_EQ(engine_->Decode(Call(santa)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine_->resident().bytes(), 0u);
+  // Re-create it with other data: the worker must not reuse the old K.
   kernels::SyntheticOptions o = Options(1, {500});
   o.seed = 77;
   Load(o, kdev);

@@ -183,6 +183,21 @@ absl::Status ResidentCache::Append(Entry* self, ResidentLayer* l, uint32_t layer
   return absl::OkStatus();
 }
 
+void ResidentCache::Forget(const std::string& sequence_id) {
+  std::shared_ptr<Entry> e;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(sequence_id);
+    if (it == entries_.end()) return;
+    e = it->second;
+    entries_.erase(it);
+  }
+  std::lock_guard<std::mutex> lock(e->mu);
+  bytes_ -= e->Bytes();
+  for (ResidentLayer& l : e->layers) FreeLayer(&l);
+  e->incarnation = 0;
+}
+
 absl::Status ResidentCache::Handle::AppendTokens(uint64_t n, const uint8_t* k, const uint8_t* v) {
   return cache_->Append(entry_.get(), layer_, layer_index_, n, k, v);
 }

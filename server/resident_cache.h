@@ -128,6 +128,10 @@ class ResidentCache {
   absl::StatusOr<Handle> Acquire(const SequenceDesc& desc, uint32_t layer, RowSource* source,
                                  absl::Time deadline, SyncStats* stats);
 
+  // Frees the state of a sequence the store no longer holds (dropped or evicted there). Waits
+  // for a call using it to finish.
+  void Forget(const std::string& sequence_id);
+
   size_t bytes() const { return bytes_.load(); }
   size_t capacity() const { return capacity_; }
   uint64_t evictions() const { return evictions_.load(); }
