@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything CI runs, on a fresh machine: install, build, all tests (GPU tests skip without a
-# GPU), then the store and kernels under AddressSanitizer+UBSan and the store under
-# ThreadSanitizer, and the layering check.
+# GPU), then the kernels, the store and the decode engine under AddressSanitizer+UBSan and the
+# store and engine under ThreadSanitizer, and the layering check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -19,15 +19,15 @@ bash scripts/build.sh
 step "ctest (build/)"
 ctest --test-dir build --output-on-failure -j "$(nproc)"
 
-step "ASan+UBSan: kernels and kvstore (build-asan/)"
+step "ASan+UBSan: kernels, kvstore and the decode engine (build-asan/)"
 BUILD_DIR=build-asan bash scripts/build.sh -DKVSPARSE_CORE_ONLY=ON -DKVSPARSE_SANITIZE=ON \
   -DKVSPARSE_ENABLE_CUDA=OFF
 ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
   ctest --test-dir build-asan --output-on-failure -j "$(nproc)" -LE slow
 
-step "TSan: kvstore (build-tsan/)"
+step "TSan: kvstore and the decode engine (build-tsan/)"
 BUILD_DIR=build-tsan bash scripts/build.sh -DKVSPARSE_CORE_ONLY=ON -DKVSPARSE_TSAN=ON \
   -DKVSPARSE_ENABLE_CUDA=OFF
-TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build-tsan --output-on-failure -L kvstore
+TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build-tsan --output-on-failure -L 'kvstore|engine'
 
 step "done: all tests passed"

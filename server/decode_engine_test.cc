@@ -1,7 +1,11 @@
 #include "server/decode_engine.h"
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
+#include <map>
+#include <thread>
+#include <tuple>
 
 #include "gtest/gtest.h"
 #include "kernels/dense.h"
@@ -390,6 +394,107 @@ TEST_F(EngineTest, ResidentStateFollowsARecreatedSequence) {
   kernels::RowSelection sel;
   ASSERT_TRUE(kernels::SantaDecodeCpu(p, santa.santa, kernels::SequenceSeed(99, 0), &sel).ok());
   ExpectSame(*second, 0, sel, out);
+}
+
+// Threads decoding the same sequences (both layers, several methods) while a small device tier
+// forces evictions of each other's resident state: every result equals the single-threaded one
+// (the same seed gives the same rows and output), and the cache stays within its capacity.
+// Run under TSan and ASan in CI.
+TEST(EngineConcurrencyTest, ConcurrentDecodesWithEvictions) {
+  kvstore::StoreOptions so;
+  so.capacity_bytes = 256ull << 20;
+  auto store = kvstore::Store::Create(so);
+  ASSERT_TRUE(store.ok());
+  auto source = NewLocalRowSource(store->get());
+  kernels::SyntheticOptions o = Options(3, {600, 800, 1000});
+  auto prob = kernels::SyntheticProblem::Make(o);
+  const auto& p = prob.problem;
+  const kvstore::ModelShape shape{kLayers, 8, 2, 64, DType::kBf16};
+  kvstore::Placement place;
+  place.k_tier = kvstore::Tier::kDevice;
+  place.signature_bits = 32;
+  for (int32_t b = 0; b < 3; ++b) {
+    const std::string id = "s" + std::to_string(b);
+    ASSERT_TRUE((*store)->CreateSequence(id, shape, place).ok());
+    const size_t bytes = static_cast<size_t>(prob.seq_lens[b]) * 2 * 64 * 2;
+    std::vector<uint8_t> k(kLayers * bytes), v(kLayers * bytes);
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      std::memcpy(k.data() + l * bytes, prob.k.data() + b * p.kv_layout.batch_stride * 2, bytes);
+      std::memcpy(v.data() + l * bytes, prob.v.data() + b * p.kv_layout.batch_stride * 2, bytes);
+    }
+    kvstore::AppendRequest r;
+    r.sequence_id = id;
+    r.num_layers = kLayers;
+    r.num_tokens = prob.seq_lens[b];
+    r.dtype = DType::kBf16;
+    r.num_kv_heads = 2;
+    r.head_dim = 64;
+    r.k = k;
+    r.v = v;
+    ASSERT_TRUE((*store)->Append(r).ok());
+  }
+  std::vector<Method> methods(3);
+  methods[0].kind = MethodKind::kSanta;
+  methods[0].santa.samples = 64;
+  methods[1].kind = MethodKind::kHashTopK;
+  methods[1].hash.top_k = 30;
+  methods[1].hash.sink_tokens = 8;
+  methods[1].hash.local_tokens = 8;
+  methods[1].hash.bits = 0;
+  methods[2].kind = MethodKind::kVAttention;
+  methods[2].vattention.epsilon = 0.2f;
+  methods[2].vattention.delta = 0.2f;
+  methods[2].vattention.bits = 0;
+  auto call = [&](uint32_t layer, const std::string& id, int32_t b, const Method& m) {
+    DecodeCall c;
+    c.layer = layer;
+    c.sequence_ids = {id};
+    c.q = absl::MakeConstSpan(prob.q.data() + static_cast<size_t>(b) * 8 * 64 * 2, 8 * 64 * 2);
+    c.method = m;
+    c.seed = 3;
+    return c;
+  };
+  // Expected results from an engine with room for everything, one thread.
+  std::map<std::tuple<uint32_t, int32_t, int>, std::string> want;
+  {
+    EngineOptions eo;
+    DecodeEngine ref(eo, source.get());
+    for (uint32_t l = 0; l < kLayers; ++l)
+      for (int32_t b = 0; b < 3; ++b)
+        for (int m = 0; m < 3; ++m) {
+          auto r = ref.Decode(call(l, "s" + std::to_string(b), b, methods[m]));
+          ASSERT_TRUE(r.ok()) << r.status();
+          want[{l, b, m}] = r->output;
+        }
+  }
+  // Room for about two (sequence, layer) states at a time: K (n x 2 heads x 128 B) plus
+  // signatures, so the threads keep evicting each other.
+  EngineOptions eo;
+  eo.resident_capacity_bytes = 700 * 1024;
+  DecodeEngine engine(eo, source.get());
+  std::atomic<int> mismatches{0}, errors{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 30; ++i) {
+        const uint32_t l = (t + i) % kLayers;
+        const int32_t b = (t * 7 + i) % 3;
+        const int m = (t + 2 * i) % 3;
+        auto r = engine.Decode(call(l, "s" + std::to_string(b), b, methods[m]));
+        if (!r.ok()) {
+          // A call may not fit while every other state is in use; nothing else may fail.
+          if (r.status().code() != absl::StatusCode::kResourceExhausted) ++errors;
+          continue;
+        }
+        if (r->output != want[{l, b, m}]) ++mismatches;
+        EXPECT_LE(engine.resident().bytes(), engine.resident().capacity());
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(errors.load(), 0);
+  EXPECT_EQ(mismatches.load(), 0);
+  EXPECT_GT(engine.resident().evictions(), 0u);
 }
 
 }  // namespace

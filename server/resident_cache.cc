@@ -71,8 +71,17 @@ void FreeLayer(ResidentLayer* l) { *l = ResidentLayer(); }
 
 }  // namespace
 
-bool ResidentCache::MakeRoom(Entry* self, size_t need) {
-  if (bytes_.load() + need <= capacity_) return true;
+bool ResidentCache::ReserveBytes(Entry* self, size_t need) {
+  for (;;) {
+    size_t cur = bytes_.load();
+    while (cur + need <= capacity_) {
+      if (bytes_.compare_exchange_weak(cur, cur + need)) return true;
+    }
+    if (!EvictOne(self)) return false;
+  }
+}
+
+bool ResidentCache::EvictOne(Entry* self) {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::pair<uint64_t, std::string>> order;
   for (auto& [id, e] : entries_) {
@@ -80,19 +89,22 @@ bool ResidentCache::MakeRoom(Entry* self, size_t need) {
   }
   std::sort(order.begin(), order.end());
   for (const auto& [use, id] : order) {
-    if (bytes_.load() + need <= capacity_) break;
     auto it = entries_.find(id);
     std::shared_ptr<Entry> e = it->second;
     std::unique_lock<std::mutex> other(e->mu, std::try_to_lock);
     if (!other.owns_lock()) continue;  // in use: never evicted
-    bytes_ -= e->Bytes();
+    const size_t freed = e->Bytes();
     for (ResidentLayer& l : e->layers) FreeLayer(&l);
     e->incarnation = 0;
-    evictions_.fetch_add(1);
+    bytes_ -= freed;
     other.unlock();
     if (e.use_count() == 2) entries_.erase(it);  // only the map and `e`: nobody waits on it
+    if (freed > 0) {
+      evictions_.fetch_add(1);
+      return true;
+    }
   }
-  return bytes_.load() + need <= capacity_;
+  return false;
 }
 
 absl::Status ResidentCache::Reserve(Entry* self, ResidentLayer* l, const kvstore::ModelShape& shape,
@@ -103,7 +115,7 @@ absl::Status ResidentCache::Reserve(Entry* self, ResidentLayer* l, const kvstore
   const size_t new_bytes = hkv * cap * l->row_bytes_ * (l->has_k_ + l->has_v_) +
                            static_cast<size_t>(l->key_heads_) * cap * l->words_ * 4;
   const size_t delta = new_bytes - l->bytes();
-  if (!MakeRoom(self, delta)) {
+  if (!ReserveBytes(self, delta)) {
     return absl::ResourceExhaustedError(absl::StrCat("device tier full: ", delta,
                                                      " more bytes needed, ", bytes_.load(), " of ",
                                                      capacity_, " in use by sequences in flight"));
@@ -126,8 +138,7 @@ absl::Status ResidentCache::Reserve(Entry* self, ResidentLayer* l, const kvstore
     }
     l->sig_.swap(next);
   }
-  l->capacity_ = cap;
-  bytes_ += delta;
+  l->capacity_ = cap;  // delta was added to bytes_ by ReserveBytes
   return absl::OkStatus();
 }
 

@@ -143,9 +143,11 @@ class ResidentCache {
   // Appends rows [n, Hkv, d] (K and/or V as `l` keeps them) and their signatures.
   absl::Status Append(Entry* self, ResidentLayer* l, uint32_t layer, uint64_t n, const uint8_t* k,
                       const uint8_t* v);
-  // Frees idle entries (least recently used first) until `bytes` more fit. REQUIRES: holding
-  // self's lock only.
-  bool MakeRoom(Entry* self, size_t bytes);
+  // Adds `bytes` to the bytes held if they fit under the capacity, evicting idle entries (least
+  // recently used first) until they do; false if they cannot. REQUIRES: holding self's lock only.
+  bool ReserveBytes(Entry* self, size_t bytes);
+  // Frees the least recently used entry other than self that no call is using; false if none.
+  bool EvictOne(Entry* self);
 
   const size_t capacity_;
   SignatureMaker* const maker_;
