@@ -406,6 +406,32 @@ absl::StatusOr<GatherResult> Store::Gather(const GatherRequest& req, GatherAlloc
   return result;
 }
 
+struct PageView::Impl {
+  Store::Pin pin;
+  std::shared_lock<std::shared_mutex> lock;
+};
+
+PageView::PageView(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+PageView::~PageView() = default;  // unlock, then unpin (members destroyed in reverse order)
+
+const ModelShape& PageView::shape() const { return impl_->pin->shape_; }
+size_t PageView::row_bytes() const { return impl_->pin->row_bytes_; }
+
+uint64_t PageView::layer_length(uint32_t layer) const { return impl_->pin->lengths_[layer]; }
+
+const uint8_t* PageView::KRow(uint32_t layer, uint32_t kv_head, uint64_t t) const {
+  const Sequence& s = *impl_->pin;
+  return s.Slot(s.lanes_[s.Lane(layer, kv_head)], t);
+}
+
+absl::StatusOr<std::unique_ptr<PageView>> Store::View(absl::string_view sequence_id) {
+  absl::StatusOr<Pin> pin = Acquire(sequence_id);
+  if (!pin.ok()) return pin.status();
+  std::shared_lock<std::shared_mutex> lock((*pin)->mu_);
+  auto impl = std::unique_ptr<PageView::Impl>(new PageView::Impl{std::move(*pin), std::move(lock)});
+  return std::unique_ptr<PageView>(new PageView(std::move(impl)));
+}
+
 absl::StatusOr<SequenceInfo> Store::GetSequenceInfo(absl::string_view sequence_id) {
   absl::StatusOr<Pin> pin = Acquire(sequence_id);
   if (!pin.ok()) return pin.status();

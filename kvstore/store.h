@@ -146,6 +146,31 @@ using GatherAllocator =
     absl::FunctionRef<absl::StatusOr<GatherBuffers>(uint64_t rows, size_t row_bytes)>;
 
 class Sequence;
+class Store;
+
+// A read-only view of one sequence's pages for zero-copy readers (e.g. a GPU kernel reading
+// pinned host memory): where each token's K and V rows sit. While a view lives the sequence is
+// pinned (never evicted, its pages never freed) and read-locked (appends to it wait), so every
+// address it gives stays valid and its rows do not change. Destroy it promptly.
+class PageView {
+ public:
+  ~PageView();
+  PageView(const PageView&) = delete;
+  PageView& operator=(const PageView&) = delete;
+
+  const ModelShape& shape() const;
+  uint64_t layer_length(uint32_t layer) const;
+  // Address of token t's K row in (layer, kv_head); its V row follows at + row_bytes().
+  // REQUIRES: layer, kv_head in range; t < layer_length(layer).
+  const uint8_t* KRow(uint32_t layer, uint32_t kv_head, uint64_t t) const;
+  size_t row_bytes() const;
+
+ private:
+  friend class Store;
+  struct Impl;
+  explicit PageView(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
 
 class Store {
  public:
@@ -178,12 +203,15 @@ class Store {
   absl::StatusOr<GatherResult> Gather(const GatherRequest& request, GatherAllocator alloc);
 
   absl::StatusOr<SequenceInfo> GetSequenceInfo(absl::string_view sequence_id);
+  // A zero-copy view of a sequence's pages (see PageView). NOT_FOUND if unknown.
+  absl::StatusOr<std::unique_ptr<PageView>> View(absl::string_view sequence_id);
   std::vector<SequenceInfo> ListSequences();
   StoreStats Stats() const;
   const StoreOptions& options() const { return options_; }
 
  private:
   class Pin;
+  friend struct PageView::Impl;
   Store(StoreOptions options, std::unique_ptr<MemoryResource> owned_memory);
 
   // Looks up and pins a sequence, marking it used now. NOT_FOUND if absent.

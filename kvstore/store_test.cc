@@ -533,6 +533,40 @@ TEST(StoreTest, ConcurrentAppendersAndGatherers) {
   EXPECT_GT(st.evictions + st.rejections, 0u);  // the capacity path was exercised
 }
 
+TEST(StoreTest, PageViewGivesRowAddressesAndHoldsTheSequence) {
+  auto store = NewStore(8 * kPage, CapacityPolicy::kEvictLru);
+  const ModelShape s = Shape(DType::kBf16);
+  ASSERT_TRUE(store->CreateSequence("a", s, {}).ok());
+  ASSERT_TRUE(store->CreateSequence("b", s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "a", s, 0, 2, 0, 40).ok());  // 2 pages per lane: 8 pages
+  EXPECT_EQ(store->View("nope").status().code(), absl::StatusCode::kNotFound);
+  {
+    auto view = store->View("a");
+    ASSERT_TRUE(view.ok());
+    EXPECT_EQ((*view)->layer_length(1), 40u);
+    for (uint64_t t : {0u, 31u, 32u, 39u}) {
+      ExpectRow(s, (*view)->KRow(1, 1, t), 1, 1, t, 0);
+      ExpectRow(s, (*view)->KRow(1, 1, t) + (*view)->row_bytes(), 1, 1, t, 1);
+    }
+    // "a" is viewed: an append to "b" that needs room cannot evict it, and fails.
+    EXPECT_EQ(AppendTokens(*store, "b", s, 0, 2, 0, 1).code(),
+              absl::StatusCode::kResourceExhausted);
+    // An append to "a" itself waits for the view to go.
+    std::atomic<bool> appended{false};
+    std::thread writer([&] {
+      EXPECT_TRUE(AppendTokens(*store, "a", s, 0, 2, 40, 1).ok());  // fits in its last page
+      appended = true;
+    });
+    absl::SleepFor(absl::Milliseconds(50));
+    EXPECT_FALSE(appended.load());
+    view->reset();
+    writer.join();
+  }
+  // Without a view, the LRU policy may evict "a" for "b".
+  EXPECT_TRUE(AppendTokens(*store, "b", s, 0, 2, 0, 1).ok());
+  EXPECT_EQ(store->GetSequenceInfo("a").status().code(), absl::StatusCode::kNotFound);
+}
+
 TEST(StoreTest, RejectsBadOptions) {
   StoreOptions o;
   o.page_bytes = 1000;

@@ -38,8 +38,8 @@ struct ModelShape {
 // rows of a kHost half cross the boundary), and signature_bits > 0 means it keeps HashAttention
 // signatures of every key on the GPU.
 struct Placement {
-  Tier k_tier = Tier::kHost;  // kHost or kDevice
-  Tier v_tier = Tier::kHost;  // kHost or kDevice
+  Tier k_tier = Tier::kHost;    // kHost or kDevice
+  Tier v_tier = Tier::kHost;    // kHost or kDevice
   uint32_t signature_bits = 0;  // 0, or a multiple of 32 up to 256
 };
 
