@@ -8,11 +8,30 @@ namespace {
 
 constexpr int kGatherThreads = 256;
 
+// Where source row r starts (null: no row), for rows given by index into a strided array...
+struct IndexedRows {
+  const char* base;
+  const int64_t* rows;
+  int64_t stride;
+  __device__ const char* operator()(int64_t r) const {
+    const int64_t s = rows[r];
+    return s >= 0 ? base + s * stride : nullptr;
+  }
+};
+// ... or by address.
+struct AddressedRows {
+  const void* const* rows;
+  __device__ const char* operator()(int64_t r) const {
+    return static_cast<const char*>(rows[r]);
+  }
+};
+
 // Each thread copies `kIn` chunks of type V (16 or 4 bytes), all loads issued before the
 // stores so that many reads are in flight (what a zero-copy gather over PCIe needs).
-template <typename V, int kIn>
-__global__ void __launch_bounds__(kGatherThreads) GatherKernel(GatherRowsParams p, int chunks) {
-  const int64_t total = static_cast<int64_t>(p.num_rows) * chunks;
+template <typename V, int kIn, typename Rows>
+__global__ void __launch_bounds__(kGatherThreads)
+    GatherKernel(Rows src_rows, int32_t num_rows, int chunks, char* dst, int64_t dst_stride) {
+  const int64_t total = static_cast<int64_t>(num_rows) * chunks;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kGatherThreads;
   for (int64_t base = static_cast<int64_t>(blockIdx.x) * kGatherThreads + threadIdx.x; base < total;
        base += stride * kIn) {
@@ -24,21 +43,23 @@ __global__ void __launch_bounds__(kGatherThreads) GatherKernel(GatherRowsParams 
       const int64_t e = base + i * stride;
       r[i] = e < total ? e / chunks : -1;
       c[i] = e < total ? static_cast<int>(e % chunks) : 0;
-      const int64_t src_row = r[i] >= 0 ? p.rows[r[i]] : -1;
-      if (src_row >= 0) {
-        v[i] = reinterpret_cast<const V*>(static_cast<const char*>(p.src) +
-                                          src_row * p.src_row_stride)[c[i]];
-      } else {
-        v[i] = V{};
-      }
+      const char* src = r[i] >= 0 ? src_rows(r[i]) : nullptr;
+      v[i] = src != nullptr ? reinterpret_cast<const V*>(src)[c[i]] : V{};
     }
 #pragma unroll
     for (int i = 0; i < kIn; ++i) {
-      if (r[i] >= 0) {
-        reinterpret_cast<V*>(static_cast<char*>(p.dst) + r[i] * p.dst_row_stride)[c[i]] = v[i];
-      }
+      if (r[i] >= 0) reinterpret_cast<V*>(dst + r[i] * dst_stride)[c[i]] = v[i];
     }
   }
+}
+
+constexpr int kIn = 4;
+
+int GatherBlocks(int32_t num_rows, int chunks) {
+  const int64_t total = static_cast<int64_t>(num_rows) * chunks;
+  const int64_t want = (total + kGatherThreads * kIn - 1) / (kGatherThreads * kIn);
+  return static_cast<int>(
+      std::max<int64_t>(1, std::min<int64_t>(want, static_cast<int64_t>(NumSms()) * 8)));
 }
 
 }  // namespace
@@ -55,16 +76,29 @@ cudaError_t GatherRows(const GatherRowsParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   }
   const int chunks = vec16 ? p.row_bytes / 16 : p.row_bytes / 4;
-  constexpr int kIn = 4;
-  const int64_t total = static_cast<int64_t>(p.num_rows) * chunks;
-  const int64_t want = (total + kGatherThreads * kIn - 1) / (kGatherThreads * kIn);
-  const int blocks = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(want, static_cast<int64_t>(NumSms()) * 8)));
+  const int blocks = GatherBlocks(p.num_rows, chunks);
+  const IndexedRows rows{static_cast<const char*>(p.src), p.rows, p.src_row_stride};
+  char* dst = static_cast<char*>(p.dst);
   if (vec16) {
-    GatherKernel<uint4, kIn><<<blocks, kGatherThreads, 0, stream>>>(p, chunks);
+    GatherKernel<uint4, kIn>
+        <<<blocks, kGatherThreads, 0, stream>>>(rows, p.num_rows, chunks, dst, p.dst_row_stride);
   } else {
-    GatherKernel<uint32_t, kIn><<<blocks, kGatherThreads, 0, stream>>>(p, chunks);
+    GatherKernel<uint32_t, kIn>
+        <<<blocks, kGatherThreads, 0, stream>>>(rows, p.num_rows, chunks, dst, p.dst_row_stride);
   }
+  return cudaGetLastError();
+}
+
+cudaError_t GatherRowPtrs(const GatherRowPtrsParams& p, cudaStream_t stream) {
+  if (p.num_rows < 0 || p.row_bytes < 0 || p.row_bytes % 16 != 0) return cudaErrorInvalidValue;
+  if (p.num_rows == 0 || p.row_bytes == 0) return cudaSuccess;
+  if (p.rows == nullptr || p.dst == nullptr || reinterpret_cast<uintptr_t>(p.dst) % 16 != 0 ||
+      p.dst_row_stride % 16 != 0) {
+    return cudaErrorInvalidValue;
+  }
+  const int chunks = p.row_bytes / 16;
+  GatherKernel<uint4, kIn><<<GatherBlocks(p.num_rows, chunks), kGatherThreads, 0, stream>>>(
+      AddressedRows{p.rows}, p.num_rows, chunks, static_cast<char*>(p.dst), p.dst_row_stride);
   return cudaGetLastError();
 }
 

@@ -26,6 +26,21 @@ struct GatherRowsParams {
 
 cudaError_t GatherRows(const GatherRowsParams& p, cudaStream_t stream);
 
+// Rows given by address rather than by index: for a source that is not one strided array, such
+// as the store's pages (kvstore::PageView), which a kernel may read in place when they are pinned
+// and mapped (kvstore::NewPinnedHostMemoryResource: host addresses are device addresses).
+struct GatherRowPtrsParams {
+  // device, shape: [num_rows]; device-visible address of each source row, 16-byte aligned
+  // (null: the dst row is zeroed).
+  const void* const* rows = nullptr;
+  int32_t num_rows = 0;
+  int32_t row_bytes = 0;  // a multiple of 16
+  void* dst = nullptr;    // device, shape: [num_rows] rows of dst_row_stride bytes, 16-aligned
+  int64_t dst_row_stride = 0;
+};
+
+cudaError_t GatherRowPtrs(const GatherRowPtrsParams& p, cudaStream_t stream);
+
 // The device alias of `host`, which must lie in memory allocated with cudaHostAlloc(...,
 // cudaHostAllocMapped) or registered with cudaHostRegister(..., cudaHostRegisterMapped).
 cudaError_t MappedDevicePointer(const void* host, const void** device);
