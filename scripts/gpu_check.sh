@@ -6,16 +6,19 @@
 #   fi.tar.xz       a Python site tree (e.g. FlashInfer) unpacked to /tmp/site for the benchmark;
 #   santa/build.py  builds the S2ANTA reference kernels as torch extensions ($CARRY/santa_so
 #                   holds prebuilt ones from an earlier call).
-# Environment: STEPS (default "tests sanitize bench"), BENCH_ARGS (extra kernel_bench.py args).
+# Environment: STEPS (default "tests sanitize bench"), BENCH_ARGS (extra kernel_bench.py args),
+# REFS=0 (benchmark without FlashInfer and the S2ANTA reference kernels: SDPA and ours only),
+# NCU_ARGS (kernel_bench.py args of the profiled run; default B=8, n=32k).
 set -u
 CARRY=${CARRY:-.carry/dev}
 OUT=${OUT:-/tmp/out}
 STEPS=${STEPS:-"tests sanitize bench"}
+REFS=${REFS:-1}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH="$PWD/$CARRY/lib:${LD_LIBRARY_PATH:-}"
 export PYTHONUNBUFFERED=1
 summary=()
-note() { summary+=("$*"); echo "== $*"; }
+note() { summary+=("[$(date +%T)] $*"); echo "== $*"; }
 t0=$(date +%s)
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv \
@@ -23,7 +26,7 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --f
 
 # Background preparation for the benchmark (overlaps the tests).
 prep_pids=()
-if [[ " $STEPS " == *" bench "* ]]; then
+if [[ " $STEPS " == *" bench "* && "$REFS" != 0 ]]; then
   if [ -f "$CARRY/fi.tar.xz" ]; then
     (mkdir -p /tmp/site && tar -xJf "$CARRY/fi.tar.xz" -C /tmp/site) > "$OUT/prep_fi.log" 2>&1 &
     prep_pids+=($!)
@@ -59,10 +62,15 @@ fi
 if [[ " $STEPS " == *" bench "* ]]; then
   for p in "${prep_pids[@]}"; do wait "$p"; done
   cat "$OUT"/prep_*.log > "$OUT/prep.txt" 2>/dev/null && rm -f "$OUT"/prep_*.log
-  tail -3 "$OUT/prep.txt"
+  tail -3 "$OUT/prep.txt" 2>/dev/null
   [ -d /tmp/site ] && export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+  if [ "$REFS" != 0 ]; then
+    ref_args=(--santa-dir "${SANTA_SO:-}")
+  else
+    ref_args=(--no-flashinfer)
+  fi
   timeout 420 python3 tests/bench/kernel_bench.py --lib "$CARRY/lib/libkvsparse_cuda_capi.so" \
-    --santa-dir "$SANTA_SO" --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
+    "${ref_args[@]}" --json "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   note "bench rc=${PIPESTATUS[0]}"
 fi
 
@@ -70,12 +78,37 @@ if [[ " $STEPS " == *" ncu "* ]]; then
   # Hardware counters of one call of each kernel at B=8, n=32k (the dense baselines and ours):
   # DRAM throughput against peak, achieved occupancy, issue activity.
   timeout 240 ncu --clock-control none --target-processes all \
-    -k "regex:DenseSplit|DenseMma|Pass1Kernel|FlashKernel|PropPass2|flash_fwd|fmha|cudnn|sm90" \
-    --section SpeedOfLight --section Occupancy --section SchedulerStats --launch-count 20 \
+    -k "regex:${NCU_KERNELS:-DenseMma|Pass1Kernel|PropBudget|PropPass2|FlashKernel|IidSample|TopkCluster|cudnn}" \
+    --section SpeedOfLight --section Occupancy --section SchedulerStats --launch-count 40 \
     python3 tests/bench/kernel_bench.py --lib "$CARRY/lib/libkvsparse_cuda_capi.so" --once \
-    --batches 8 --lens 32768 --no-flashinfer > "$OUT/ncu.txt" 2>&1
+    ${NCU_ARGS:---batches 8 --lens 32768} --no-flashinfer > "$OUT/ncu.txt" 2>&1
   note "ncu rc=$? ($(grep -c 'Section: GPU Speed Of Light' "$OUT/ncu.txt") kernels profiled)"
-  grep -E "^  [A-Za-z_].*\(|DRAM Throughput|Memory Throughput|Achieved Occupancy|Duration|Issue Slots Busy|No Eligible" "$OUT/ncu.txt" | head -120
+  # One line per profiled kernel: name, grid, duration, DRAM and memory throughput, occupancy.
+  python3 - "$OUT/ncu.txt" <<'PY'
+import re, sys
+cur = None
+rows = []
+for line in open(sys.argv[1], errors="replace"):
+    m = re.match(r"^  (\S.*?) \((\d+, \d+, \d+)\)x\((\d+), 1, 1\)", line)
+    if m:
+        name = m.group(1).replace("<unnamed>::", "").replace("(anonymous namespace)::", "")
+        name = re.split(r"[<(]", name)[0].split("::")[-1].replace("void ", "")[:40]
+        cur = dict(name=name, grid=m.group(2), thr=m.group(3))
+        rows.append(cur)
+        continue
+    if cur is None:
+        continue
+    for key, pat in (("dur", r"^\s+Duration\s+(\S+)\s+([\d.,]+)"),
+                     ("dram", r"^\s+DRAM Throughput\s+%\s+([\d.,]+)"),
+                     ("mem", r"^\s+Memory Throughput\s+%\s+([\d.,]+)"),
+                     ("occ", r"^\s+Achieved Occupancy\s+%\s+([\d.,]+)")):
+        mm = re.match(pat, line)
+        if mm:
+            cur[key] = " ".join(mm.groups())
+for r in rows:
+    print(f"{r['name']:40s} grid ({r['grid']})x{r['thr']:>4s}  dur {r.get('dur', '?'):>12s}  "
+          f"DRAM% {r.get('dram', '?'):>6s}  mem% {r.get('mem', '?'):>6s}  occ% {r.get('occ', '?')}")
+PY
 fi
 
 echo "==================== summary ($(( $(date +%s) - t0 )) s) ===================="

@@ -56,11 +56,6 @@ size_t kvs_decode_workspace_bytes(const KvsDecodeArgs* args, int32_t method, int
       return kc::S2antaPropWorkspaceBytes(p);
     case 3:
       return kc::S2antaFlashWorkspaceBytes(p);
-    case 4: {
-      kc::SantaParams h = p;
-      h.fp16_stash = true;
-      return kc::S2antaPropWorkspaceBytes(h);
-    }
     case 5:
       return kc::DenseDecodeWorkspaceBytes(p.shape, 2);
     default:
@@ -81,11 +76,6 @@ int32_t kvs_decode(const KvsDecodeArgs* args, int32_t method, int32_t samples, u
       return kc::S2antaProp(p, workspace, workspace_bytes, st);
     case 3:
       return kc::S2antaFlash(p, workspace, workspace_bytes, st);
-    case 4: {
-      kc::SantaParams h = p;
-      h.fp16_stash = true;
-      return kc::S2antaProp(h, workspace, workspace_bytes, st);
-    }
     case 5:
       return kc::DenseDecode(p.shape, workspace, workspace_bytes, st, 2);
     default:

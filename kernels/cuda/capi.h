@@ -26,8 +26,8 @@ typedef struct KvsDecodeArgs {
   void* out;  // [B, H, d]
 } KvsDecodeArgs;
 
-// method: 0 = dense, 1 = SANTA iid, 2 = S2ANTA-prop, 3 = S2ANTA-flash, 4 = S2ANTA-prop with
-// the fp16 stash (SantaParams::fp16_stash), 5 = dense with two block waves.
+// method: 0 = dense, 1 = SANTA iid, 2 = S2ANTA-prop, 3 = S2ANTA-flash, 5 = dense with two block
+// waves (4, the former fp16-stash prop, is gone: prop keeps no stash).
 size_t kvs_decode_workspace_bytes(const KvsDecodeArgs* args, int32_t method, int32_t samples);
 // rows_read: optional [B, Hkv] int32 accumulator of distinct V rows read (sampling methods).
 int32_t kvs_decode(const KvsDecodeArgs* args, int32_t method, int32_t samples, uint64_t seed,

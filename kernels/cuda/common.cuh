@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 
 #include "kernels/cuda/decode_params.h"
 #include "kernels/dtype.h"
@@ -96,8 +97,38 @@ inline size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 // Number of multiprocessors of the current device (cached per device ordinal).
 int NumSms();
 
+// Programmatic dependent launch (sm_90): launches `kernel` so that it may start while the
+// previous kernel on the stream is still finishing (its blocks are scheduled once every block of
+// that kernel has called AllowDependents() or exited). The kernel must call GridDependencyWait()
+// before it touches memory the previous kernel writes or reads; past that call, the previous
+// kernel has completed and its writes are visible. Recorded into CUDA graphs as a programmatic
+// edge. Use it only where the previous launch on the stream is this library's own kernel.
+template <typename... KernelArgs, typename... Args>
+cudaError_t LaunchDependent(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                            cudaStream_t stream, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Device helpers.
+
+// See LaunchDependent. Both are no-ops for a kernel launched without the attribute.
+__device__ __forceinline__ void GridDependencyWait() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void AllowDependents() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
 
 // 16 bytes of K or V read once: bypass L1 (streamed), keep the default L2 policy.
 __device__ __forceinline__ uint4 LoadStream16(const void* p) {
@@ -226,6 +257,41 @@ struct TransposeReduce {
     }
   }
 };
+
+// part[g * U + u] = q_g . k_u over this lane's 8 dims: the partial dot products of U rows
+// (16-byte vectors kr) with the G prescaled q rows.
+template <typename T, int G, int U>
+__device__ __forceinline__ void PartialDots(const float (&qf)[G][8], const uint4 (&kr)[U],
+                                            float (&part)[G * U]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    float kf[8];
+    Unpack8<T>(kr[u], kf);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+      float d = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) d = fmaf(qf[g][e], kf[e], d);
+      part[g * U + u] = d;
+    }
+  }
+}
+
+// Completes the dot products of PartialDots across the kLanes lanes of each row and calls
+// store(g, u, value) for each, on one lane of the row that holds it (lane lr of the row).
+template <int G, int U, int kLanes, typename Store>
+__device__ __forceinline__ void ReduceDots(float (&part)[G * U], int lr, Store&& store) {
+  using TR = TransposeReduce<G * U, kLanes>;
+  TR::Run(part, lr);
+  if ((lr & ((1 << TR::kDupBits) - 1)) == 0) {
+    const int qi = TR::Q(lr);
+#pragma unroll
+    for (int j = 0; j < TR::kKeep; ++j) {
+      const int i = qi * TR::kKeep + j;
+      store(i / U, i % U, part[j]);
+    }
+  }
+}
 
 }  // namespace kvsparse::kernels::cuda
 

@@ -117,6 +117,46 @@ __device__ __forceinline__ void MergeBlock(float (&m)[G], float (&l)[G], float (
   }
 }
 
+// Online-softmax step of one row of lanes over its NV new tokens: scores (log2 units) at
+// sc[(u * R + row) * G + g], V vectors vr[u] (this lane's 8 dims of token u of the row).
+template <typename T, int NV, int G, int R>
+__device__ __forceinline__ void SoftmaxStep(const float* sc, int row, const uint4 (&vr)[NV],
+                                            float (&m)[G], float (&l)[G], float (&acc)[G][8]) {
+  float p[NV][G];
+#pragma unroll
+  for (int u = 0; u < NV; ++u) {
+#pragma unroll
+    for (int g = 0; g < G; ++g) p[u][g] = sc[(u * R + row) * G + g];
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    float mx = m[g];
+#pragma unroll
+    for (int u = 0; u < NV; ++u) mx = fmaxf(mx, p[u][g]);
+    const float alpha = m[g] == kNegInf ? 0.f : exp2f(m[g] - mx);
+    float sum = 0.f;
+#pragma unroll
+    for (int u = 0; u < NV; ++u) {
+      p[u][g] = p[u][g] == kNegInf ? 0.f : exp2f(p[u][g] - mx);
+      sum += p[u][g];
+    }
+    l[g] = l[g] * alpha + sum;
+    m[g] = mx;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[g][e] *= alpha;
+  }
+#pragma unroll
+  for (int u = 0; u < NV; ++u) {
+    float vf[8];
+    Unpack8<T>(vr[u], vf);
+#pragma unroll
+    for (int g = 0; g < G; ++g) {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(p[u][g], vf[e], acc[g][e]);
+    }
+  }
+}
+
 // One block: tokens [split * chunk_len, min(n, (split + 1) * chunk_len)) of sequence b, kv head
 // kvh, for the G query heads of the group. Each warp runs its own online softmax over
 // interleaved groups of kTok tokens (each row of lanes over its own tokens); warps and rows are
@@ -131,12 +171,12 @@ __global__ void __launch_bounds__(DenseCfg<D, G>::kThreads, DenseCfg<D, G>::kMin
   constexpr int U = Cfg::kUnroll;
   constexpr int TOK = Cfg::kTok;
   constexpr int NW = Cfg::kWarps;
-  using TR = TransposeReduce<G * U, L>;
   constexpr int kSm = Max(NW * TOK * G, NW * G * D);
   __shared__ __align__(16) float sm[kSm];
   __shared__ float sm_m[NW][G];
   __shared__ float sm_l[NW][G];
 
+  AllowDependents();  // the partial merge may be scheduled
   // Kv head fastest: blocks running together read neighbouring rows of the same tokens (one
   // DRAM page serves all kv heads of a token in the sequence-major layout).
   const int kvh = blockIdx.x;
@@ -211,64 +251,12 @@ __global__ void __launch_bounds__(DenseCfg<D, G>::kThreads, DenseCfg<D, G>::kMin
     }
     slot = (slot + 1) % kStages;
     float part[G * U];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float kf[8];
-      Unpack8<T>(kr[u], kf);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-        float d = 0.f;
-#pragma unroll
-        for (int e = 0; e < 8; ++e) d = fmaf(qf[g][e], kf[e], d);
-        part[g * U + u] = d;
-      }
-    }
-    TR::Run(part, lr);
-    if ((lr & ((1 << TR::kDupBits) - 1)) == 0) {
-      const int qi = TR::Q(lr);
-#pragma unroll
-      for (int j = 0; j < TR::kKeep; ++j) {
-        const int i = qi * TR::kKeep + j;
-        const int g = i / U;
-        const int u = i % U;
-        const int tok = base + u * R + row;
-        sc[(u * R + row) * G + g] = tok < end ? part[j] : kNegInf;
-      }
-    }
+    PartialDots<T, G, U>(qf, kr, part);
+    ReduceDots<G, U, L>(part, lr, [&](int g, int u, float v) {
+      sc[(u * R + row) * G + g] = base + u * R + row < end ? v : kNegInf;
+    });
     __syncwarp();
-    float p[U][G];
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-#pragma unroll
-      for (int g = 0; g < G; ++g) p[u][g] = sc[(u * R + row) * G + g];
-    }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float mx = m[g];
-#pragma unroll
-      for (int u = 0; u < U; ++u) mx = fmaxf(mx, p[u][g]);
-      const float alpha = m[g] == kNegInf ? 0.f : exp2f(m[g] - mx);
-      float sum = 0.f;
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        p[u][g] = p[u][g] == kNegInf ? 0.f : exp2f(p[u][g] - mx);
-        sum += p[u][g];
-      }
-      l[g] = l[g] * alpha + sum;
-      m[g] = mx;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[g][e] *= alpha;
-    }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      float vf[8];
-      Unpack8<T>(vr[u], vf);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(p[u][g], vf[e], acc[g][e]);
-      }
-    }
+    SoftmaxStep<T, U, G, R>(sc, row, vr, m, l, acc);
     __syncwarp();
   }
 
@@ -313,6 +301,7 @@ __global__ void __launch_bounds__(DenseMmaCfg<D, G>::kThreads, 1)
   __shared__ float sm_m[NW][G];
   __shared__ float sm_l[NW][G];
   extern __shared__ uint4 stage[];  // [kStages][SL][NT]
+  AllowDependents();               // the partial merge may be scheduled
   const int kvh = blockIdx.x;
   const int split = blockIdx.y;
   const int b = blockIdx.z;
@@ -388,39 +377,7 @@ __global__ void __launch_bounds__(DenseMmaCfg<D, G>::kThreads, 1)
     for (int u = 0; u < VP; ++u) vr[u] = stage[(slot * SL + KS + u) * NT + tid];
     slot ^= 1;
     __syncwarp();
-    float p[VP][G];
-#pragma unroll
-    for (int u = 0; u < VP; ++u) {
-#pragma unroll
-      for (int g = 0; g < G; ++g) p[u][g] = sc[(u * R + row) * G + g];
-    }
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      float mx = m[g];
-#pragma unroll
-      for (int u = 0; u < VP; ++u) mx = fmaxf(mx, p[u][g]);
-      const float alpha = m[g] == kNegInf ? 0.f : exp2f(m[g] - mx);
-      float sum = 0.f;
-#pragma unroll
-      for (int u = 0; u < VP; ++u) {
-        p[u][g] = p[u][g] == kNegInf ? 0.f : exp2f(p[u][g] - mx);
-        sum += p[u][g];
-      }
-      l[g] = l[g] * alpha + sum;
-      m[g] = mx;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[g][e] *= alpha;
-    }
-#pragma unroll
-    for (int u = 0; u < VP; ++u) {
-      float vf[8];
-      Unpack8<T>(vr[u], vf);
-#pragma unroll
-      for (int g = 0; g < G; ++g) {
-#pragma unroll
-        for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(p[u][g], vf[e], acc[g][e]);
-      }
-    }
+    SoftmaxStep<T, VP, G, R>(sc, row, vr, m, l, acc);
     __syncwarp();
   }
   CpAsyncWait<0>();
@@ -432,6 +389,7 @@ template <typename T>
 __global__ void MergeKernel(const float* __restrict__ po, const float* __restrict__ plse,
                             int num_splits, int d, uint16_t* __restrict__ out) {
   const int64_t r = blockIdx.x;
+  GridDependencyWait();  // the split kernel wrote po and plse
   const float* lse = plse + r * num_splits;
   float mx = kNegInf;
   for (int i = 0; i < num_splits; ++i) mx = fmaxf(mx, lse[i]);
@@ -474,9 +432,10 @@ struct DenseLaunch {
     }
     KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     if (plan.num_splits > 1) {
-      MergeKernel<T><<<s.batch * s.num_q_heads, 128, 0, stream>>>(part_o, part_lse, plan.num_splits,
-                                                                  D, static_cast<uint16_t*>(s.out));
-      KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+      return LaunchDependent(&MergeKernel<T>, dim3(s.batch * s.num_q_heads), dim3(128), 0, stream,
+                             static_cast<const float*>(part_o),
+                             static_cast<const float*>(part_lse), int{plan.num_splits}, int{D},
+                             static_cast<uint16_t*>(s.out));
     }
     return cudaSuccess;
   }
@@ -490,8 +449,8 @@ struct MergeLaunch {
   cudaStream_t stream;
   template <typename T, int D, int G>
   cudaError_t operator()() const {
-    MergeKernel<T><<<rows, 128, 0, stream>>>(po, plse, splits, d, static_cast<uint16_t*>(out));
-    return cudaGetLastError();
+    return LaunchDependent(&MergeKernel<T>, dim3(rows), dim3(128), 0, stream, po, plse, splits, d,
+                           static_cast<uint16_t*>(out));
   }
 };
 

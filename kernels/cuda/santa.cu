@@ -83,6 +83,7 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
   int* cnt = reinterpret_cast<int*>(sm + kScoreFloats);
   int* idx = cnt + G * kTile;
 
+  AllowDependents();  // the partial merge may be scheduled
   const DecodeShape& s = p.shape;
   const int kvh = blockIdx.x, blk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -111,17 +112,12 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
     sm_m[threadIdx.x] = kNegInf;
     sm_l[threadIdx.x] = 0.f;
   }
-  int kbuf = 0;
-  if (t_begin < t_end) {
-    StartKPipeline<D, G, NW, Cfg::kUnroll>(kb0, ts, t_begin * kTile,
-                                           min(kTile, n - t_begin * kTile), kst, warp, lane);
-  }
+  KStream<D, G, NW, Cfg::kUnroll> ks;
+  ks.Start(kb0, ts, n, t_begin, t_end, kst, warp, lane);
   for (int t = t_begin; t < t_end; ++t) {
     const int t0 = t * kTile;
     const int len = min(kTile, n - t0);
-    const int next_len = t + 1 < t_end ? min(kTile, n - t0 - kTile) : 0;
-    ScoreTileAny<T, D, G, NW, Cfg::kUnroll>(qs, kb0, ts, t0, len, ssm, warp, lane, kst, kbuf,
-                                            next_len);
+    ScoreTileAny<T, D, G, NW, Cfg::kUnroll>(qs, ks, len, ssm, warp, lane);
     __syncthreads();
     for (int g = warp; g < G; g += NW) {
       const int h = kvh * G + g;
@@ -179,17 +175,72 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
 }
 
 // ---------------------------------------------------------------------------------------------
-// Pass 1 of prop and iid (Algorithm 3): tile maxima m (log2 units), sums ell and the u stash.
-// Layouts: m_tiles, l_tiles [B, H, T_max]; stash [B, H, T_max * kTile] (whole tiles written).
-template <typename T, int D, int G>
+// Prop sample records. Pass 1 cannot know a tile's budget S_t (it depends on every tile), but it
+// can precompute where systematic sampling would land for each small budget: with inclusive
+// prefix sums P_n of u and inv_delta = k / ell, Algorithm 5's k samples of offset a0 are at
+//   token(m) = first n with inv_delta * P_n >= m - a0,   m = 1 .. k
+// (c_n = floor(a0 + p_n) - floor(a0 + p_{n-1}) counts exactly the m in (a0 + p_{n-1}, a0 + p_n]).
+// Per (b, h, tile) a 32-byte record holds the tile-relative tokens for every k <= kRecMax, at
+// bytes k (k - 1) / 2 .. + k - 1. Pass 2 reads the record of the actual budget, so no score
+// stash crosses DRAM; a tile whose budget exceeds kRecMax (peaked attention: the sink, a needle)
+// is rescored from K by pass 2 (FallbackTile).
+constexpr int kRecMax = 7;
+constexpr int kRecEntries = kRecMax * (kRecMax + 1) / 2;  // 28
+constexpr int kRecBytes = 32;
+
+// Inclusive prefix sums of one tile's u (lane owns tokens lane*8 .. lane*8+7) into p[0, kTile);
+// returns the tile sum ell on every lane. The caller __syncwarp()s before reading other lanes'.
+__device__ __forceinline__ float WarpPrefix(const float (&u)[kPerLane], int lane, float* p) {
+  float run[kPerLane];
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    acc = __fadd_rn(acc, u[i]);
+    run[i] = acc;
+  }
+  const float excl = WarpExclusiveScan(acc, lane);
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) run[i] = __fadd_rn(run[i], excl);
+  float4* dst = reinterpret_cast<float4*>(p + lane * kPerLane);
+#pragma unroll
+  for (int i = 0; i < kPerLane / 4; ++i) {
+    dst[i] = make_float4(run[4 * i], run[4 * i + 1], run[4 * i + 2], run[4 * i + 3]);
+  }
+  return __shfl_sync(0xffffffffu, run[kPerLane - 1], 31);
+}
+
+// First n in [0, len) with inv_delta * p[n] >= target (len - 1 if rounding leaves none).
+__device__ __forceinline__ int FirstAtLeast(const float* p, int len, float inv_delta,
+                                            float target) {
+  int lo = 0, hi = len;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (__fmul_rn(inv_delta, p[mid]) < target) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return min(lo, len - 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pass 1 of prop and iid (Algorithm 3): tile maxima m (log2 units) and sums ell of every head,
+// and per (b, h, tile) either the u stash (iid: [B, H, T_max * kTile] fp32, whole tiles
+// written) or the prop sample record ([B, H, T_max, kRecBytes] bytes).
+// Layouts: m_tiles, l_tiles [B, H, T_max].
+enum class Pass1Out { kStash, kRecords };
+
+template <typename T, int D, int G, Pass1Out kOut>
 __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBlocks)
-    Pass1Kernel(DecodeShape s, int tiles_per_block, int max_tiles, float* __restrict__ m_tiles,
-                float* __restrict__ l_tiles, void* __restrict__ stash, bool fp16_stash) {
+    Pass1Kernel(DecodeShape s, uint64_t seed, int tiles_per_block, int max_tiles,
+                float* __restrict__ m_tiles, float* __restrict__ l_tiles, void* __restrict__ out) {
   using Cfg = TileCfg<D, G>;
   constexpr int NW = Cfg::kWarps;
   constexpr int L = D / 8;
   __shared__ __align__(16) float ssm[G * kTile];
   extern __shared__ uint4 kst[];  // K staging, ScoreStageBytes
+  AllowDependents();              // the next kernel's blocks wait for this grid in any case
   const int kvh = blockIdx.x, blk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int lr = lane % L;
@@ -201,30 +252,38 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
   LoadQState<T, D, G>(s, b, kvh, lane, lr, qs);
   const uint16_t* kb0 =
       static_cast<const uint16_t*>(s.k) + b * s.kv.batch_stride + kvh * s.kv.head_stride;
-  int kbuf = 0;
-  if (t_begin < t_end) {
-    StartKPipeline<D, G, NW, Cfg::kUnroll>(kb0, s.kv.token_stride, t_begin * kTile,
-                                           min(kTile, n - t_begin * kTile), kst, warp, lane);
-  }
+  KStream<D, G, NW, Cfg::kUnroll> ks;
+  ks.Start(kb0, s.kv.token_stride, n, t_begin, t_end, kst, warp, lane);
   for (int t = t_begin; t < t_end; ++t) {
     const int t0 = t * kTile;
     const int len = min(kTile, n - t0);
-    const int next_len = t + 1 < t_end ? min(kTile, n - t0 - kTile) : 0;
-    ScoreTileAny<T, D, G, NW, Cfg::kUnroll>(qs, kb0, s.kv.token_stride, t0, len, ssm, warp, lane,
-                                            kst, kbuf, next_len);
+    ScoreTileAny<T, D, G, NW, Cfg::kUnroll>(qs, ks, len, ssm, warp, lane);
     __syncthreads();
     for (int g = warp; g < G; g += NW) {
       const int64_t bh = static_cast<int64_t>(b) * s.num_q_heads + kvh * G + g;
       float m2, ell, u[kPerLane];
       HeadStats(ssm + g * kTile, lane, m2, ell, u);
-      const int64_t off = (bh * max_tiles + t) * kTile + lane * kPerLane;
-      if (fp16_stash) {
-        *reinterpret_cast<uint4*>(static_cast<uint16_t*>(stash) + off) = Pack8<Fp16>(u);
-      } else {
-        float4* dst = reinterpret_cast<float4*>(static_cast<float*>(stash) + off);
+      if constexpr (kOut == Pass1Out::kStash) {
+        const int64_t off = (bh * max_tiles + t) * kTile + lane * kPerLane;
+        float4* dst = reinterpret_cast<float4*>(static_cast<float*>(out) + off);
 #pragma unroll
         for (int i = 0; i < kPerLane / 4; ++i) {
           dst[i] = make_float4(u[4 * i], u[4 * i + 1], u[4 * i + 2], u[4 * i + 3]);
+        }
+      } else {
+        float* pre = ssm + g * kTile;  // the scores are no longer needed
+        ell = WarpPrefix(u, lane, pre);
+        __syncwarp();
+        if (lane < kRecEntries) {
+          int k = 1, first = 0;  // entry lane = first + (m - 1) of budget k
+          while (first + k <= lane) first += k++;
+          const float a0 =
+              PhiloxUniform(PhiloxStream::Make(seed, RngTag::kPropTileOffset, b, kvh * G + g), t);
+          const float inv_delta = static_cast<float>(k) / ell;
+          const int tok = FirstAtLeast(pre, len, inv_delta,
+                                       __fsub_rn(static_cast<float>(lane - first + 1), a0));
+          static_cast<uint8_t*>(out)[(bh * max_tiles + t) * kRecBytes + lane] =
+              static_cast<uint8_t>(tok);
         }
       }
       if (lane == 0) {
@@ -259,27 +318,37 @@ __device__ __forceinline__ double BlockSumD(double v, double* red) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Prop budgets (Algorithm 4), one block per (b, h): W_t = 2^(m_t - m*) ell_t, S_t = floor(S W_t/Z)
-// plus one for the S - sum floor tiles of largest fractional part (ties: lower tile first).
-// Also zeroes the output accumulator and the pass-2 completion counters.
+// Prop budgets (Algorithm 4): W_t = 2^(m_t - m*) ell_t, S_t = floor(S W_t / Z) plus one for the
+// S - sum floor tiles of largest fractional part (ties: lower tile first). Grid (B * H, parts):
+// every block of a (b, h) computes m*, Z and the remainder over all tiles and ranks its own
+// kBudgetTiles tiles, four threads per tile. Block 0 of each (b, h) also zeroes the output
+// accumulator and the pass-2 completion counter.
+constexpr int kBudgetTiles = kSmallThreads / 4;
+
 __global__ void __launch_bounds__(kSmallThreads)
     PropBudgetKernel(DecodeShape s, int num_samples, int max_tiles,
                      const float* __restrict__ m_tiles, const float* __restrict__ l_tiles,
-                     int* __restrict__ s_tiles, float* __restrict__ inv_delta,
-                     float* __restrict__ accum, unsigned* __restrict__ counters) {
+                     int* __restrict__ s_tiles, float* __restrict__ accum,
+                     unsigned* __restrict__ counters) {
   extern __shared__ double frac[];  // [max_tiles]
   __shared__ float red[kSmallThreads / 32];
   __shared__ double red_d[kSmallThreads / 32];
+  AllowDependents();
   const int64_t bh = blockIdx.x;
+  const int part = blockIdx.y;
   const int b = static_cast<int>(bh / s.num_q_heads);
   const int h = static_cast<int>(bh % s.num_q_heads);
   const int G = s.num_q_heads / s.num_kv_heads;
+  GridDependencyWait();
+  if (part == 0) {
+    for (int i = threadIdx.x; i < s.head_dim; i += kSmallThreads) accum[bh * s.head_dim + i] = 0.f;
+    if (threadIdx.x == 0 && h % G == 0) counters[b * s.num_kv_heads + h / G] = 0u;
+  }
   const int n = s.seq_lens[b];
   const int num_tiles = (n + kTile - 1) / kTile;
+  if (part * kBudgetTiles >= num_tiles) return;  // uniform over the block
   const float* mt = m_tiles + bh * max_tiles;
   const float* lt = l_tiles + bh * max_tiles;
-  for (int i = threadIdx.x; i < s.head_dim; i += kSmallThreads) accum[bh * s.head_dim + i] = 0.f;
-  if (threadIdx.x == 0 && h % G == 0) counters[b * s.num_kv_heads + h / G] = 0u;
   float mx = kNegInf;
   for (int t = threadIdx.x; t < num_tiles; t += kSmallThreads) mx = fmaxf(mx, mt[t]);
   const float mstar = BlockMax(mx, red);
@@ -294,121 +363,252 @@ __global__ void __launch_bounds__(kSmallThreads)
     const double q = static_cast<double>(num_samples) * (w / zsum);
     const double f = floor(q);
     frac[t] = q - f;
-    s_tiles[bh * max_tiles + t] = static_cast<int>(f);
     fsum += f;
   }
   const int rem = num_samples - static_cast<int>(BlockSumD(fsum, red_d));
-  // BlockSum ends with every frac[] write visible (it has barriers).
-  for (int t = threadIdx.x; t < num_tiles; t += kSmallThreads) {
-    const double ft = frac[t];
-    int rank = 0;
-    for (int j = 0; j < num_tiles; ++j) {
+  // BlockSumD ends with every frac[] write visible (it has barriers).
+  const int t = part * kBudgetTiles + threadIdx.x / 4;
+  const int quarter = threadIdx.x % 4;
+  int rank = 0;
+  double ft = 0.0;
+  if (t < num_tiles) {
+    ft = frac[t];
+    for (int j = quarter; j < num_tiles; j += 4) {
       const double fj = frac[j];
       rank += (fj > ft || (fj == ft && j < t)) ? 1 : 0;
     }
-    const int st = s_tiles[bh * max_tiles + t] + (rank < rem ? 1 : 0);
-    s_tiles[bh * max_tiles + t] = st;
-    inv_delta[bh * max_tiles + t] = st > 0 ? static_cast<float>(st) / lt[t] : 0.f;
+  }
+  rank += __shfl_xor_sync(0xffffffffu, rank, 1);
+  rank += __shfl_xor_sync(0xffffffffu, rank, 2);
+  if (t < num_tiles && quarter == 0) {
+    const double w = static_cast<double>(exp2f(mt[t] - mstar) * lt[t]);
+    const double q = static_cast<double>(num_samples) * (w / zsum);
+    s_tiles[bh * max_tiles + t] = static_cast<int>(floor(q)) + (rank < rem ? 1 : 0);
   }
 }
 
-// Prop pass 2 (Algorithm 5), one warp per tile: warp w of block blk takes tiles
-// t = blk * NW + w, + num_parts * NW, ...; a tile where no head of the group got samples is
-// skipped without touching V or the stash. Warps need no block barrier until the end, so many
-// tiles' dependent loads (budgets, stash, V rows) are in flight at once. The last block of a
-// (b, kv head) to finish writes out = accum / S.
-template <int G>
-constexpr size_t Pass2SmemBytes(int warps) {
-  return size_t{1} * warps * (G + 1) * kTile * sizeof(int);
+// ---------------------------------------------------------------------------------------------
+// Prop pass 2 (Algorithm 5). Each warp takes batches of kNB = 32 / G consecutive tiles, one
+// lane per (tile, head): the lane reads its budget and, when it is at most kRecMax, the sampled
+// tokens from its record; the warp compacts the batch's samples into a list and gathers their V
+// rows (up to 16 loads in flight per lane). Tiles with a larger budget are rescored (a rare
+// path). The block's sums go to an fp32 accumulator; the last block of a (b, kv head) to finish
+// writes out = accum / S.
+constexpr int kPass2Warps = 4;
+
+template <int D, int G>
+struct Pass2Geom {
+  static constexpr int kNB = 32 / G;                   // tiles per warp batch
+  static constexpr int kList = 32 * kRecMax;           // list entries per warp
+  static constexpr int kMapWords = kNB * kTile / 32;   // rows_read bitmap words per warp
+  static constexpr int kWarpFloats = kList + G * kTile + kMapWords;
+  static constexpr size_t kSmem =
+      sizeof(float) * Max(kPass2Warps * kWarpFloats, kPass2Warps * G * D);
+};
+
+// Adds the V rows of up to 32 samples, one per lane (entry = (token << 3) | head, or -1), to
+// acc[head]. cnt (warp-uniform) = number of lanes holding a sample, which are the first cnt.
+template <typename T, int D, int G>
+__device__ __forceinline__ void GatherEntries(int entry, int cnt, const uint16_t* vb, int64_t ts,
+                                              int row, float (&acc)[G][8]) {
+  constexpr int R = 32 / (D / 8);
+  constexpr int kIn = 32 / R < 8 ? 32 / R : 8;  // rows in flight per lane
+  for (int j0 = 0; j0 < cnt; j0 += R * kIn) {
+    uint4 vr[kIn];
+    int ge[kIn];
+#pragma unroll
+    for (int i = 0; i < kIn; ++i) {
+      const int idx = j0 + i * R + row;
+      const int e = __shfl_sync(0xffffffffu, entry, idx & 31);
+      ge[i] = idx < cnt ? (e & 7) : -1;
+      vr[i] = idx < cnt ? LoadStream16(vb + static_cast<int64_t>(e >> 3) * ts)
+                        : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < kIn; ++i) {
+      if (ge[i] < 0) continue;
+      float vf[8];
+      Unpack8<T>(vr[i], vf);
+      // Every head's accumulator is updated (weight 0 or 1): a branch on g == ge[i] would be
+      // folded into acc[ge[i]], a run-time index that moves acc to local memory.
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float w = g == ge[i] ? 1.f : 0.f;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(w, vf[e], acc[g][e]);
+      }
+    }
+  }
+}
+
+// Diagnostics of one list of samples (entries as in GatherEntries, one per lane).
+__device__ __forceinline__ void NoteEntry(const SantaParams& p, int entry, int64_t bh0, int tb0,
+                                          uint32_t* map) {
+  if (entry < 0) return;
+  const int tok = entry >> 3;
+  if (p.sample_counts != nullptr) {
+    atomicAdd(p.sample_counts + (bh0 + (entry & 7)) * p.shape.max_seq_len + tok, 1);
+  }
+  if (p.rows_read != nullptr) {
+    const int r = tok - tb0;  // row within the batch's tiles
+    atomicOr(map + r / 32, 1u << (r % 32));
+  }
+}
+
+// Scores of tile [t0, t0 + len) for the G heads into sc[g * kTile + i] (log2 units; -inf past
+// len) by one warp on the CUDA cores, straight from global memory.
+template <typename T, int D, int G>
+__device__ __forceinline__ void WarpScoreTile(const DecodeShape& s, int b, int kvh, int t0, int len,
+                                              float* sc, int lane) {
+  constexpr int L = D / 8;
+  constexpr int R = 32 / L;
+  constexpr int U = G >= 4 ? 4 : 8;  // rows in flight per lane (register budget)
+  const int row = lane / L, lr = lane % L;
+  float qf[G][8];
+  LoadQ<T, D, G>(s, b, kvh, lr, qf);
+  const uint16_t* kb = static_cast<const uint16_t*>(s.k) + b * s.kv.batch_stride +
+                       kvh * s.kv.head_stride + lr * 8;
+  for (int base = 0; base < kTile; base += R * U) {
+    uint4 kr[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int tok = base + u * R + row;
+      kr[u] = tok < len ? LoadStream16(kb + static_cast<int64_t>(t0 + tok) * s.kv.token_stride)
+                        : make_uint4(0, 0, 0, 0);
+    }
+    float part[G * U];
+    PartialDots<T, G, U>(qf, kr, part);
+    ReduceDots<G, U, L>(part, lr, [&](int g, int u, float v) {
+      const int tok = base + u * R + row;
+      sc[g * kTile + tok] = tok < len ? v : kNegInf;
+    });
+  }
+}
+
+// A tile whose budget exceeds kRecMax for the heads in `heads` (bit g: head g; st: this lane's
+// budget, lane = tile-in-batch * G + head): rescored, then sampled as in pass 1 with the actual
+// budget, 32 samples at a time.
+template <typename T, int D, int G>
+__device__ __forceinline__ void FallbackTile(const SantaParams& p, int b, int kvh, int t, int n,
+                                          unsigned heads, int st, int lane_base, float* sc,
+                                          const uint16_t* vb, int row, int lane, int tb0,
+                                          uint32_t* map, float (&acc)[G][8]) {
+  const DecodeShape& s = p.shape;
+  const int t0 = t * kTile;
+  const int len = min(kTile, n - t0);
+  const int64_t bh0 = static_cast<int64_t>(b) * s.num_q_heads + kvh * G;
+  WarpScoreTile<T, D, G>(s, b, kvh, t0, len, sc, lane);
+  __syncwarp();
+#pragma unroll 1
+  for (int g = 0; g < G; ++g) {
+    const int budget = __shfl_sync(0xffffffffu, st, lane_base + g);
+    if ((heads & (1u << g)) == 0) continue;  // uniform
+    float* pre = sc + g * kTile;
+    float m2, ell, u[kPerLane];
+    HeadStats(pre, lane, m2, ell, u);
+    __syncwarp();
+    ell = WarpPrefix(u, lane, pre);
+    __syncwarp();
+    const float a0 =
+        PhiloxUniform(PhiloxStream::Make(p.seed, RngTag::kPropTileOffset, b, kvh * G + g), t);
+    const float inv_delta = static_cast<float>(budget) / ell;
+    for (int m0 = 0; m0 < budget; m0 += 32) {
+      const int m = m0 + lane + 1;
+      int entry = -1;
+      if (m <= budget) {
+        const int tok = FirstAtLeast(pre, len, inv_delta, __fsub_rn(static_cast<float>(m), a0));
+        entry = ((t0 + tok) << 3) | g;
+      }
+      NoteEntry(p, entry, bh0, tb0, map);
+      GatherEntries<T, D, G>(entry, min(32, budget - m0), vb, s.kv.token_stride, row, acc);
+    }
+  }
+  __syncwarp();
 }
 
 template <typename T, int D, int G>
-__global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBlocks)
-    PropPass2Kernel(SantaParams p, int max_tiles, int num_parts, const void* __restrict__ stash,
-                    const int* __restrict__ s_tiles, const float* __restrict__ inv_delta,
-                    float* __restrict__ accum, unsigned* __restrict__ counters) {
-  using Cfg = TileCfg<D, G>;
-  constexpr int NW = Cfg::kWarps;
+__global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
+    PropPass2Kernel(SantaParams p, int max_tiles, int num_parts, const uint8_t* __restrict__ rec,
+                    const int* __restrict__ s_tiles, float* __restrict__ accum,
+                    unsigned* __restrict__ counters) {
+  using Geo = Pass2Geom<D, G>;
+  constexpr int NW = kPass2Warps;
   constexpr int L = D / 8;
-  extern __shared__ __align__(16) float dsm[];  // per warp: cnt [G][kTile], idx [kTile]
+  constexpr int NB = Geo::kNB;
+  extern __shared__ __align__(16) float dsm[];
   __shared__ bool sm_last;
   const DecodeShape& s = p.shape;
   const int kvh = blockIdx.x, blk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = lane / L;
-  int* cnt = reinterpret_cast<int*>(dsm) + warp * (G + 1) * kTile;
-  int* idx = cnt + G * kTile;
-  const int n = s.seq_lens[b];
-  const int num_tiles = (n + kTile - 1) / kTile;
+  float* sc = dsm + warp * Geo::kWarpFloats;  // fallback scores [G][kTile]
+  int* list = reinterpret_cast<int*>(sc + G * kTile);
+  uint32_t* map = reinterpret_cast<uint32_t*>(list + Geo::kList);
   const int64_t bh0 = static_cast<int64_t>(b) * s.num_q_heads + kvh * G;
   const int64_t kv_off = b * s.kv.batch_stride + kvh * s.kv.head_stride + (lane % L) * 8;
   const uint16_t* vb = static_cast<const uint16_t*>(s.v) + kv_off;
-  float ones[G];
   float acc[G][8];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
-    ones[g] = 1.f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
   }
-  for (int t = blk * NW + warp; t < num_tiles; t += num_parts * NW) {
-    const int my_st = lane < G ? s_tiles[(bh0 + lane) * max_tiles + t] : 0;
-    if (__ballot_sync(0xffffffffu, my_st != 0) == 0) continue;  // uniform over the warp
-    const int t0 = t * kTile;
-    const int len = min(kTile, n - t0);
-    // Every head's stash slice and inv_delta first (one round trip), then the counts.
-    float u[G][kPerLane];
-    float invd[G];
-#pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const int64_t bh = bh0 + g;
-      const bool on = __shfl_sync(0xffffffffu, my_st, g) != 0;
-      invd[g] = on ? inv_delta[bh * max_tiles + t] : 0.f;
-      const int64_t off = (bh * max_tiles + t) * kTile + lane * kPerLane;
-      if (!on) {
-#pragma unroll
-        for (int i = 0; i < kPerLane; ++i) u[g][i] = 0.f;
-      } else if (p.fp16_stash) {
-        Unpack8<Fp16>(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(stash) + off),
-                      u[g]);
-      } else {
-        const float4* src = reinterpret_cast<const float4*>(static_cast<const float*>(stash) + off);
-#pragma unroll
-        for (int i = 0; i < kPerLane / 4; ++i) {
-          const float4 x = src[i];
-          u[g][4 * i] = x.x;
-          u[g][4 * i + 1] = x.y;
-          u[g][4 * i + 2] = x.z;
-          u[g][4 * i + 3] = x.w;
-        }
-      }
+  GridDependencyWait();
+  const int n = s.seq_lens[b];
+  const int num_tiles = (n + kTile - 1) / kTile;
+  const int num_batches = (num_tiles + NB - 1) / NB;
+  const int my_g = lane % G;
+  for (int bi = blk * NW + warp; bi < num_batches; bi += num_parts * NW) {
+    const int t = bi * NB + lane / G;
+    const int64_t bh = bh0 + my_g;
+    const int st = t < num_tiles ? s_tiles[bh * max_tiles + t] : 0;
+    if (__ballot_sync(0xffffffffu, st != 0) == 0) continue;  // uniform over the warp
+    const int tb0 = bi * NB * kTile;
+    if (p.rows_read != nullptr) {
+      for (int i = lane; i < Geo::kMapWords; i += 32) map[i] = 0u;
+      __syncwarp();
     }
+    const int k = st <= kRecMax ? st : 0;
+    const uint8_t* r = rec + (bh * max_tiles + t) * kRecBytes + k * (k - 1) / 2;
+    int toks[kRecMax];
 #pragma unroll
-    for (int g = 0; g < G; ++g) {
-      const int64_t bh = bh0 + g;
-      int* c = cnt + g * kTile;
-      if (invd[g] == 0.f) {
+    for (int j = 0; j < kRecMax; ++j) toks[j] = j < k ? __ldg(r + j) : 0;
+    int pos = k;
 #pragma unroll
-        for (int i = 0; i < kPerLane; ++i) c[lane * kPerLane + i] = 0;
-      } else {
-        const float a0 =
-            PhiloxUniform(PhiloxStream::Make(p.seed, RngTag::kPropTileOffset, b, kvh * G + g), t);
-        SystematicCounts(u[g], invd[g], a0, lane, c);
-      }
-      if (p.sample_counts != nullptr) {
-        __syncwarp();
-        int32_t* dst = p.sample_counts + bh * s.max_seq_len + t0;
-        for (int i = lane; i < len; i += 32) dst[i] = c[i];
-      }
+    for (int o = 1; o < 32; o *= 2) {
+      const int y = __shfl_up_sync(0xffffffffu, pos, o);
+      if (lane >= o) pos += y;
+    }
+    const int total = __shfl_sync(0xffffffffu, pos, 31);
+    pos -= k;
+#pragma unroll
+    for (int j = 0; j < kRecMax; ++j) {
+      if (j < k) list[pos + j] = ((t * kTile + toks[j]) << 3) | my_g;
     }
     __syncwarp();
-    const int rows = CompactRows<G>(cnt, lane, idx, nullptr);
-    __syncwarp();
-    if (lane == 0 && p.rows_read != nullptr) {
-      atomicAdd(p.rows_read + b * s.num_kv_heads + kvh, rows);
+    for (int c0 = 0; c0 < total; c0 += 32) {
+      const int entry = c0 + lane < total ? list[c0 + lane] : -1;
+      NoteEntry(p, entry, bh0, tb0, map);
+      GatherEntries<T, D, G>(entry, min(32, total - c0), vb, s.kv.token_stride, row, acc);
     }
-    GatherRows<T, D, G, 1>(vb, s.kv.token_stride, t0, idx, rows, cnt, ones, 0, row, acc);
-    __syncwarp();
+    unsigned big = __ballot_sync(0xffffffffu, st > kRecMax);
+    while (big != 0u) {
+      const int ti = (__ffs(big) - 1) / G;
+      const unsigned tile_bits = ((1u << G) - 1u) << (ti * G);
+      FallbackTile<T, D, G>(p, b, kvh, bi * NB + ti, n, (big & tile_bits) >> (ti * G), st, ti * G,
+                            sc, vb, row, lane, tb0, map, acc);
+      big &= ~tile_bits;
+    }
+    if (p.rows_read != nullptr) {
+      __syncwarp();
+      int rows = 0;
+      for (int i = lane; i < Geo::kMapWords; i += 32) rows += __popc(map[i]);
+#pragma unroll
+      for (int o = 16; o > 0; o /= 2) rows += __shfl_xor_sync(0xffffffffu, rows, o);
+      if (lane == 0) atomicAdd(p.rows_read + b * s.num_kv_heads + kvh, rows);
+      __syncwarp();
+    }
+    __syncwarp();  // the list is rewritten by the next batch
   }
   float* sacc = dsm;  // reused once every warp is done (BlockSumAcc starts with a barrier)
   BlockSumAcc<D, G, NW>(acc, sacc, warp, lane);
@@ -450,6 +650,7 @@ __global__ void __launch_bounds__(kSmallThreads)
   const int b = static_cast<int>(bh / s.num_q_heads);
   const int h = static_cast<int>(bh % s.num_q_heads);
   const int G = s.num_q_heads / s.num_kv_heads;
+  GridDependencyWait();  // pass 1 wrote m_tiles, l_tiles and the stash
   const int n = s.seq_lens[b];
   const int num_tiles = (n + kTile - 1) / kTile;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -567,49 +768,64 @@ __global__ void __launch_bounds__(kSmallThreads)
 // ---------------------------------------------------------------------------------------------
 // Workspaces.
 
-struct PropSpace {
-  float* m_tiles;
-  float* l_tiles;
-  void* stash;  // float, or fp16 with SantaParams::fp16_stash
-  int* s_tiles;
-  float* inv_delta;
-  float* accum;
-  unsigned* counters;
+struct IidSpace {
+  float* m_tiles;  // [B, H, T_max]
+  float* l_tiles;  // [B, H, T_max]
+  float* stash;    // [B, H, T_max * kTile]
 };
 
-PropSpace CarveProp(const DecodeShape& s, const TilePlan& plan, bool fp16_stash, void* base,
-                    size_t* bytes) {
+IidSpace CarveIid(const DecodeShape& s, const TilePlan& plan, void* base, size_t* bytes) {
+  const size_t bh = static_cast<size_t>(s.batch) * s.num_q_heads;
+  Carver c(base);
+  IidSpace r;
+  r.m_tiles = c.Take<float>(bh * plan.max_tiles);
+  r.l_tiles = c.Take<float>(bh * plan.max_tiles);
+  r.stash = c.Take<float>(bh * plan.max_tiles * kTile);
+  *bytes = c.used();
+  return r;
+}
+
+struct PropSpace {
+  float* m_tiles;      // [B, H, T_max]
+  float* l_tiles;      // [B, H, T_max]
+  uint8_t* records;    // [B, H, T_max, kRecBytes]
+  int* s_tiles;        // [B, H, T_max]
+  float* accum;        // [B, H, d]
+  unsigned* counters;  // [B, Hkv]
+};
+
+PropSpace CarveProp(const DecodeShape& s, const TilePlan& plan, void* base, size_t* bytes) {
   const size_t bh = static_cast<size_t>(s.batch) * s.num_q_heads;
   Carver c(base);
   PropSpace r;
   r.m_tiles = c.Take<float>(bh * plan.max_tiles);
   r.l_tiles = c.Take<float>(bh * plan.max_tiles);
-  r.stash = fp16_stash ? static_cast<void*>(c.Take<uint16_t>(bh * plan.max_tiles * kTile))
-                       : static_cast<void*>(c.Take<float>(bh * plan.max_tiles * kTile));
+  r.records = c.Take<uint8_t>(bh * plan.max_tiles * kRecBytes);
   r.s_tiles = c.Take<int>(bh * plan.max_tiles);
-  r.inv_delta = c.Take<float>(bh * plan.max_tiles);
   r.accum = c.Take<float>(bh * s.head_dim);
   r.counters = c.Take<unsigned>(static_cast<size_t>(s.batch) * s.num_kv_heads);
   *bytes = c.used();
   return r;
 }
 
+template <Pass1Out kOut>
 struct Pass1Launch {
   const DecodeShape& s;
+  uint64_t seed;
   TilePlan plan;
   float* m_tiles;
   float* l_tiles;
-  void* stash;
-  bool fp16_stash;
+  void* out;
   cudaStream_t stream;
   template <typename T, int D, int G>
   cudaError_t operator()() const {
     const dim3 grid(s.num_kv_heads, plan.num_parts, s.batch);
     constexpr size_t kSmem = ScoreStageBytes<D, G, TileCfg<D, G>::kWarps>();
-    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        &Pass1Kernel<T, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kSmem}));
-    Pass1Kernel<T, D, G><<<grid, TileCfg<D, G>::kThreads, kSmem, stream>>>(
-        s, plan.tiles_per_block, plan.max_tiles, m_tiles, l_tiles, stash, fp16_stash);
+    auto* kernel = &Pass1Kernel<T, D, G, kOut>;
+    KVSPARSE_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kSmem}));
+    kernel<<<grid, TileCfg<D, G>::kThreads, kSmem, stream>>>(s, seed, plan.tiles_per_block,
+                                                             plan.max_tiles, m_tiles, l_tiles, out);
     return cudaGetLastError();
   }
 };
@@ -621,27 +837,29 @@ struct Pass2Launch {
   cudaStream_t stream;
   template <typename T, int D, int G>
   cudaError_t operator()() const {
-    constexpr int NW = TileCfg<D, G>::kWarps;
+    constexpr int NW = kPass2Warps;
+    constexpr int NB = Pass2Geom<D, G>::kNB;
     const int64_t pairs =
         std::max<int64_t>(1, static_cast<int64_t>(p.shape.batch) * p.shape.num_kv_heads);
-    const int64_t slots = static_cast<int64_t>(NumSms()) * 4;
+    const int64_t slots = static_cast<int64_t>(NumSms()) * 8;
+    const int64_t batches = (plan.max_tiles + NB - 1) / NB;
     const int parts = static_cast<int>(
-        std::max<int64_t>(1, std::min<int64_t>((plan.max_tiles + NW - 1) / NW, slots / pairs)));
+        std::max<int64_t>(1, std::min<int64_t>((batches + NW - 1) / NW, slots / pairs)));
     const dim3 grid(p.shape.num_kv_heads, parts, p.shape.batch);
-    constexpr size_t kSmem = Pass2SmemBytes<G>(NW);
-    static_assert(kSmem >= size_t{NW} * G * D * sizeof(float), "merge buffer alias");
-    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        &PropPass2Kernel<T, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kSmem}));
-    PropPass2Kernel<T, D, G><<<grid, TileCfg<D, G>::kThreads, kSmem, stream>>>(
-        p, plan.max_tiles, parts, ws.stash, ws.s_tiles, ws.inv_delta, ws.accum, ws.counters);
-    return cudaGetLastError();
+    constexpr size_t kSmem = Pass2Geom<D, G>::kSmem;
+    auto* kernel = &PropPass2Kernel<T, D, G>;
+    KVSPARSE_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kSmem}));
+    return LaunchDependent(kernel, grid, dim3(NW * 32), kSmem, stream, p, plan.max_tiles, parts,
+                           static_cast<const uint8_t*>(ws.records),
+                           static_cast<const int*>(ws.s_tiles), ws.accum, ws.counters);
   }
 };
 
 struct IidLaunch {
   const SantaParams& p;
   int max_tiles;
-  PropSpace ws;
+  IidSpace ws;
   cudaStream_t stream;
   template <typename T, int D, int G>
   cudaError_t operator()() const {
@@ -653,9 +871,10 @@ struct IidLaunch {
       KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     }
-    kernel<<<p.shape.batch * p.shape.num_q_heads, kSmallThreads, smem, stream>>>(
-        p, max_tiles, ws.m_tiles, ws.l_tiles, static_cast<const float*>(ws.stash));
-    return cudaGetLastError();
+    return LaunchDependent(kernel, dim3(p.shape.batch * p.shape.num_q_heads), dim3(kSmallThreads),
+                           smem, stream, p, max_tiles, static_cast<const float*>(ws.m_tiles),
+                           static_cast<const float*>(ws.l_tiles),
+                           static_cast<const float*>(ws.stash));
   }
 };
 
@@ -685,24 +904,26 @@ struct FlashLaunch {
 
 cudaError_t LaunchBudget(const SantaParams& p, const TilePlan& plan, const PropSpace& ws,
                          cudaStream_t stream) {
-  // + 32 bytes: the unrolled rank loop may load a vector that ends past the last element.
+  // + 32 bytes: an unrolled rank loop may load a vector that ends past the last element.
   const size_t smem = (static_cast<size_t>(plan.max_tiles) + 4) * sizeof(double);
   if (smem > 200 * 1024) return cudaErrorInvalidValue;
   if (smem > 48 * 1024) {
     KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
         &PropBudgetKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   }
-  PropBudgetKernel<<<p.shape.batch * p.shape.num_q_heads, kSmallThreads, smem, stream>>>(
-      p.shape, p.num_samples, plan.max_tiles, ws.m_tiles, ws.l_tiles, ws.s_tiles, ws.inv_delta,
-      ws.accum, ws.counters);
-  return cudaGetLastError();
+  const dim3 grid(p.shape.batch * p.shape.num_q_heads,
+                  (plan.max_tiles + kBudgetTiles - 1) / kBudgetTiles);
+  return LaunchDependent(&PropBudgetKernel, grid, dim3(kSmallThreads), smem, stream, p.shape,
+                         p.num_samples, plan.max_tiles, static_cast<const float*>(ws.m_tiles),
+                         static_cast<const float*>(ws.l_tiles), ws.s_tiles, ws.accum,
+                         ws.counters);
 }
 
 }  // namespace
 
 size_t SantaIidWorkspaceBytes(const SantaParams& p) {
   size_t bytes = 0;
-  CarveProp(p.shape, MakeTilePlan(p.shape), false, nullptr, &bytes);
+  CarveIid(p.shape, MakeTilePlan(p.shape), nullptr, &bytes);
   return bytes;
 }
 
@@ -712,19 +933,19 @@ cudaError_t SantaIid(const SantaParams& p, void* workspace, size_t workspace_byt
   if (p.shape.batch == 0) return cudaSuccess;
   const TilePlan plan = MakeTilePlan(p.shape);
   size_t need = 0;
-  const PropSpace ws = CarveProp(p.shape, plan, false, workspace, &need);
+  const IidSpace ws = CarveIid(p.shape, plan, workspace, &need);
   if (workspace == nullptr || workspace_bytes < need) return cudaErrorInvalidValue;
   const DecodeShape& s = p.shape;
-  KVSPARSE_CUDA_RETURN_IF_ERROR(
-      DispatchDecode(s.dtype, s.head_dim, s.group_size(),
-                     Pass1Launch{s, plan, ws.m_tiles, ws.l_tiles, ws.stash, false, stream}));
+  KVSPARSE_CUDA_RETURN_IF_ERROR(DispatchDecode(
+      s.dtype, s.head_dim, s.group_size(),
+      Pass1Launch<Pass1Out::kStash>{s, p.seed, plan, ws.m_tiles, ws.l_tiles, ws.stash, stream}));
   return DispatchDecode(s.dtype, s.head_dim, s.group_size(),
                         IidLaunch{p, plan.max_tiles, ws, stream});
 }
 
 size_t S2antaPropWorkspaceBytes(const SantaParams& p) {
   size_t bytes = 0;
-  CarveProp(p.shape, MakeTilePlan(p.shape), p.fp16_stash, nullptr, &bytes);
+  CarveProp(p.shape, MakeTilePlan(p.shape), nullptr, &bytes);
   return bytes;
 }
 
@@ -734,12 +955,13 @@ cudaError_t S2antaProp(const SantaParams& p, void* workspace, size_t workspace_b
   if (p.shape.batch == 0) return cudaSuccess;
   const TilePlan plan = MakeTilePlan(p.shape);
   size_t need = 0;
-  const PropSpace ws = CarveProp(p.shape, plan, p.fp16_stash, workspace, &need);
+  const PropSpace ws = CarveProp(p.shape, plan, workspace, &need);
   if (workspace == nullptr || workspace_bytes < need) return cudaErrorInvalidValue;
   const DecodeShape& s = p.shape;
-  KVSPARSE_CUDA_RETURN_IF_ERROR(
-      DispatchDecode(s.dtype, s.head_dim, s.group_size(),
-                     Pass1Launch{s, plan, ws.m_tiles, ws.l_tiles, ws.stash, p.fp16_stash, stream}));
+  KVSPARSE_CUDA_RETURN_IF_ERROR(DispatchDecode(
+      s.dtype, s.head_dim, s.group_size(),
+      Pass1Launch<Pass1Out::kRecords>{s, p.seed, plan, ws.m_tiles, ws.l_tiles, ws.records,
+                                      stream}));
   KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchBudget(p, plan, ws, stream));
   return DispatchDecode(s.dtype, s.head_dim, s.group_size(), Pass2Launch{p, plan, ws, stream});
 }

@@ -1,10 +1,12 @@
 // SANTA / S2ANTA decode on the GPU (the S2ANTA paper, Section 3 and Appendices P, Q). K is read
 // in full to score every token; V is read only at the sampled rows.
 //   SantaIid:     S i.i.d. draws from softmax(q K^T) per query head (inverse CDF), mean of V rows.
-//   S2antaProp:   pass 1 scores every tile of kSantaTile tokens and stashes u = exp(s - m_tile);
-//                 a budget kernel splits S over the tiles by largest remainder (Algorithm 4);
-//                 pass 2 samples each tile systematically and gathers only the sampled V rows
-//                 of the tiles that got samples (Algorithm 5).
+//   S2antaProp:   pass 1 scores every tile of kSantaTile tokens, keeps its statistics (max, sum
+//                 of u = exp(s - m_tile)) and a 32-byte record of the tokens systematic sampling
+//                 would pick for each budget up to 7; a budget kernel splits S over the tiles by
+//                 largest remainder (Algorithm 4); pass 2 gathers the sampled V rows of the tiles
+//                 that got samples (Algorithm 5), rescoring from K the rare tile whose budget
+//                 exceeds 7. No per-token stash crosses DRAM.
 //   S2antaFlash:  one fused pass: each tile samples max(1, S / T) rows systematically on its own
 //                 and the partials are merged with deferred normalisation (Algorithms 7-8).
 // Random numbers follow kernels/philox.h exactly (tags kSantaIid, kPropTileOffset,
@@ -34,16 +36,11 @@ struct SantaParams {
   // device, shape: [B, Hkv]; the distinct V rows each (sequence, kv head) read are ADDED here
   // (atomicAdd): zero it first.
   int32_t* rows_read = nullptr;
-  // device, shape: [B, H, max_seq_len]; prop/flash: sample count c_{h,n} of every token of every
-  // tile that was sampled (tiles that got no samples are left untouched: zero it first).
+  // device, shape: [B, H, max_seq_len]; prop/flash: sample counts c_{h,n} (flash writes every
+  // token of every tile, prop adds its samples' counts: zero it first).
   int32_t* sample_counts = nullptr;
   // device, shape: [B, H, S]; iid only: the sampled token indices, in draw order.
   int32_t* indices = nullptr;
-  // prop only: keep the pass-1 stash u = exp(s - m_tile) in fp16 instead of fp32. Halves the
-  // stash traffic (16 -> 8 bytes per token and kv head at G = 4, against 256 bytes of K); the
-  // counts then follow u rounded to fp16 (relative error <= 2^-11), so they no longer match the
-  // fp32 CPU reference token for token, though the estimator is the same.
-  bool fp16_stash = false;
 };
 
 size_t SantaIidWorkspaceBytes(const SantaParams& p);

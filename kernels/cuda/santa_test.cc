@@ -76,8 +76,7 @@ struct Outcome {
 };
 
 // Runs one method on the GPU and on the CPU with the same seed and compares.
-Outcome Compare(Method m, const DecodeProblem& hp, size_t kv_elems, int samples, uint64_t seed,
-                bool fp16_stash = false) {
+Outcome Compare(Method m, const DecodeProblem& hp, size_t kv_elems, int samples, uint64_t seed) {
   Outcome r;
   DeviceProblem d = DeviceProblem::Upload(hp, kv_elems);
   const int64_t bh = static_cast<int64_t>(hp.batch) * hp.num_q_heads;
@@ -86,7 +85,6 @@ Outcome Compare(Method m, const DecodeProblem& hp, size_t kv_elems, int samples,
   p.shape = d.shape;
   p.num_samples = samples;
   p.seed = seed;
-  p.fp16_stash = fp16_stash;
   DeviceBuffer counts(sizeof(int32_t) * std::max<int64_t>(1, bh * n_max));
   DeviceBuffer indices(sizeof(int32_t) * std::max<int64_t>(1, bh * samples));
   EXPECT_EQ(counts.Poison(0), cudaSuccess);
@@ -192,11 +190,6 @@ TEST(SantaCudaTest, OperatingPointsAt32k) {
   SyntheticProblem sp = SyntheticProblem::Make(o);
   const Outcome prop = Compare(Method::kProp, sp.problem, sp.k.size() / 2, 128, 1);
   const Outcome flash = Compare(Method::kFlash, sp.problem, sp.k.size() / 2, 2048, 2);
-  // The fp16 stash rounds u (relative 2^-11): a few counts move to a neighbouring token.
-  const Outcome prop16 = Compare(Method::kProp, sp.problem, sp.k.size() / 2, 128, 1, true);
-  EXPECT_EQ(prop16.non_finite, 0);
-  EXPECT_LE(prop16.mismatched, std::max<int64_t>(4, prop16.samples / 50));
-  EXPECT_LT(prop16.dense_err, 0.35);
   for (const Outcome* r : {&prop, &flash}) {
     EXPECT_EQ(r->non_finite, 0);
     EXPECT_LE(r->mismatched, std::max<int64_t>(2, r->samples / 200));
@@ -206,10 +199,11 @@ TEST(SantaCudaTest, OperatingPointsAt32k) {
   EXPECT_LT(prop.dense_err, 0.35);
   EXPECT_LT(flash.dense_err, 0.35);
   printf(
-      "32k peaked: prop S=128 rel err %.4f (fp16 stash %.4f, %lld of %lld counts moved), "
-      "flash S=2048 rel err %.4f\n",
-      prop.dense_err, prop16.dense_err, static_cast<long long>(prop16.mismatched),
-      static_cast<long long>(prop16.samples), flash.dense_err);
+      "32k peaked: prop S=128 rel err %.4f (%lld of %lld counts moved), flash S=2048 rel err "
+      "%.4f (%lld of %lld moved)\n",
+      prop.dense_err, static_cast<long long>(prop.mismatched),
+      static_cast<long long>(prop.samples), flash.dense_err,
+      static_cast<long long>(flash.mismatched), static_cast<long long>(flash.samples));
 }
 
 // Flash and iid are unbiased: averaging the GPU output over seeds approaches dense attention

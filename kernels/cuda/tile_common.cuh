@@ -21,29 +21,13 @@ struct TileCfg {
   static constexpr int kMinBlocks = G >= 8 ? 1 : 2;
 };
 
-// q rows of the G heads of kv head kvh of sequence b, 8 dims per lane (dims lr*8 ..), prescaled
-// by scale * log2(e) so that scores come out in log2 units.
-template <typename T, int D, int G>
-__device__ __forceinline__ void LoadQ(const DecodeShape& s, int b, int kvh, int lr,
-                                      float (&qf)[G][8]) {
-  const float qscale = s.scale * kLog2e;
-  const uint16_t* qb = static_cast<const uint16_t*>(s.q);
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(
-        qb + (static_cast<int64_t>(b) * s.num_q_heads + kvh * G + g) * D + lr * 8));
-    Unpack8<T>(raw, qf[g]);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) qf[g][e] *= qscale;
-  }
-}
-
 // K rows are staged into shared memory with cp.async in rounds of kStageSlots 16-byte vectors
-// per thread, double-buffered: while a round is scored the next one (possibly the next tile's
-// first) is loading, so the K stream does not stop for the sampling phases between tiles. Each
-// thread reads back only the slots it filled, so staging needs no barrier. Dynamic shared
-// memory: 2 * kStageSlots * threads * 16 bytes.
+// per thread, in a ring of kStageBufs buffers: while one round is scored the next
+// kStageBufs - 1 are loading (across tile boundaries), so the K stream keeps a whole tile in
+// flight through the sampling phases between tiles. Each thread reads back only the slots it
+// filled, so staging needs no barrier. Dynamic shared memory: ScoreStageBytes.
 constexpr int kStageSlots = 8;
+constexpr int kStageBufs = 3;
 
 template <int D, int G, int NW, int U>
 struct ScoreGeom {
@@ -57,7 +41,7 @@ struct ScoreGeom {
 
 template <int D, int G, int NW>
 constexpr size_t ScoreStageBytes() {
-  return size_t{2} * kStageSlots * NW * 32 * 16;
+  return size_t{kStageBufs} * kStageSlots * NW * 32 * 16;
 }
 
 // Issues round `round` of the K rows of tile [t0, t0 + len) into `buf` (one cp.async group).
@@ -80,65 +64,7 @@ __device__ __forceinline__ void IssueKRound(const uint16_t* kb, int64_t ts, int 
   CpAsyncCommit();
 }
 
-// Scores (log2 units) of tokens t0 .. t0 + len - 1 (len <= kTile) into ssm[g * kTile + i];
-// entries i >= len get -inf. kb points at dims lr*8 of token 0 of the (b, kvh) K rows. Round 0
-// of this tile must already be loading into buffer `buf` (StartKPipeline, or the previous call);
-// when next_len > 0 the next tile's (t0 + kTile) round 0 is started before returning.
-template <typename T, int D, int G, int NW, int U>
-__device__ __forceinline__ void ScoreTile(const float (&qf)[G][8], const uint16_t* kb, int64_t ts,
-                                          int t0, int len, float* ssm, int warp, int row, int lr,
-                                          uint4* kst, int& buf, int next_len) {
-  using Geo = ScoreGeom<D, G, NW, U>;
-  constexpr int L = Geo::L;
-  constexpr int R = Geo::R;
-  constexpr int kHalf = kStageSlots * NW * 32;
-  using TR = TransposeReduce<G * U, L>;
-  const int tid = threadIdx.x;
-  for (int round = 0; round < Geo::kRounds; ++round) {
-    uint4* nxt = kst + (buf ^ 1) * kHalf;
-    if (round + 1 < Geo::kRounds) {
-      IssueKRound<D, G, NW, U>(kb, ts, t0, len, round + 1, nxt, warp, row);
-    } else if (next_len > 0) {
-      IssueKRound<D, G, NW, U>(kb, ts, t0 + kTile, next_len, 0, nxt, warp, row);
-    } else {
-      CpAsyncCommit();  // an empty group keeps the wait count uniform
-    }
-    CpAsyncWait<1>();  // every group but the newest: this round has landed
-    const uint4* cur = kst + buf * kHalf;
-#pragma unroll
-    for (int it = 0; it < Geo::kPerRound; ++it) {
-      const int base = (round * Geo::kPerRound + it) * NW * Geo::TOK + warp * Geo::TOK;
-      float part[G * U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        float kf[8];
-        Unpack8<T>(cur[(it * U + u) * NW * 32 + tid], kf);
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-          float d = 0.f;
-#pragma unroll
-          for (int e = 0; e < 8; ++e) d = fmaf(qf[g][e], kf[e], d);
-          part[g * U + u] = d;
-        }
-      }
-      TR::Run(part, lr);
-      if ((lr & ((1 << TR::kDupBits) - 1)) == 0) {
-        const int qi = TR::Q(lr);
-#pragma unroll
-        for (int j = 0; j < TR::kKeep; ++j) {
-          const int i = qi * TR::kKeep + j;
-          const int g = i / U;
-          const int u = i % U;
-          const int tok = base + u * R + row;
-          ssm[g * kTile + tok] = tok < len ? part[j] : kNegInf;
-        }
-      }
-    }
-    buf ^= 1;
-  }
-}
-
-// ---- Tensor-core scoring (head_dim 64 and 128) ------------------------------------------------
+// ---- Tensor-core scoring geometry (head_dim 64 and 128) ---------------------------------------
 // S^T[token][head] = K[token, :] . Q[head, :] with mma.m16n8k16 (A = 16 tokens x 16 dims of K,
 // B = 16 dims x 8 heads of Q; heads >= G are zero). The head dimension inside one mma is a
 // permutation of the physical one: lane c = lane % 4 holds, for every 32-dim segment m, the
@@ -153,6 +79,10 @@ struct MmaGeom {
   static constexpr int kPerRound = Max(1, Min(kChunks, kStageSlots / kSlotsPerChunk));
   static constexpr int kRounds = kChunks / kPerRound;
 };
+
+// Tensor cores for head_dim <= 128, CUDA cores for 256.
+template <int D>
+constexpr bool kUseMma = D <= 128;
 
 template <typename T>
 __device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
@@ -209,27 +139,107 @@ __device__ __forceinline__ void IssueKRoundMma(const uint16_t* kb0, int64_t ts, 
   CpAsyncCommit();
 }
 
-// Tensor-core ScoreTile: kb0 points at token 0, dim 0 of the (b, kvh) K rows (no lane offset).
-template <typename T, int D, int G, int NW>
+// The K rounds of tiles [t_begin, t_end) of one (sequence, kv head), in order, through the ring
+// of staging buffers. Every thread of the block runs the same sequence of calls.
+template <int D, int G, int NW, int U>
+struct KStream {
+  static constexpr int kRounds =
+      kUseMma<D> ? MmaGeom<D, NW>::kRounds : ScoreGeom<D, G, NW, U>::kRounds;  // per tile
+  static constexpr int kBuf = kStageSlots * NW * 32;  // uint4 per buffer
+
+  const uint16_t* kb0;  // token 0, dim 0 of the K rows
+  int64_t ts;           // token stride (elements)
+  int n;                // sequence length
+  int t_begin;
+  int total;  // rounds in all
+  uint4* kst;
+  int issued;
+  int consumed;
+
+  // Starts the first kStageBufs - 1 rounds.
+  __device__ __forceinline__ void Start(const uint16_t* k0, int64_t stride, int len, int tb,
+                                        int te, uint4* stage, int warp, int lane) {
+    kb0 = k0;
+    ts = stride;
+    n = len;
+    t_begin = tb;
+    total = te > tb ? (te - tb) * kRounds : 0;
+    kst = stage;
+    issued = 0;
+    consumed = 0;
+#pragma unroll
+    for (int i = 0; i < kStageBufs - 1; ++i) IssueNext(warp, lane);
+  }
+
+  __device__ __forceinline__ void IssueNext(int warp, int lane) {
+    if (issued < total) {
+      const int t = t_begin + issued / kRounds;
+      const int r = issued % kRounds;
+      const int t0 = t * kTile;
+      const int len = min(kTile, n - t0);
+      uint4* buf = kst + (issued % kStageBufs) * kBuf;
+      if constexpr (kUseMma<D>) {
+        IssueKRoundMma<D, G, NW>(kb0, ts, t0, len, r, buf, warp, lane);
+      } else {
+        constexpr int L = D / 8;
+        IssueKRound<D, G, NW, U>(kb0 + (lane % L) * 8, ts, t0, len, r, buf, warp, lane / L);
+      }
+    } else {
+      CpAsyncCommit();  // an empty group keeps the wait count uniform
+    }
+    ++issued;
+  }
+
+  // Starts the round kStageBufs - 1 ahead and returns this thread's slots of the next round,
+  // once they have landed.
+  __device__ __forceinline__ const uint4* Next(int warp, int lane) {
+    IssueNext(warp, lane);
+    CpAsyncWait<kStageBufs - 1>();
+    const uint4* cur = kst + (consumed % kStageBufs) * kBuf;
+    ++consumed;
+    return cur;
+  }
+};
+
+// Scores (log2 units) of tokens t0 .. t0 + len - 1 (len <= kTile, the stream's next tile) into
+// ssm[g * kTile + i]; entries i >= len get -inf. CUDA-core path: lane (row, lr) holds dims lr*8
+// of its rows.
+template <typename T, int D, int G, int NW, int U>
+__device__ __forceinline__ void ScoreTile(const float (&qf)[G][8], KStream<D, G, NW, U>& ks,
+                                          int len, float* ssm, int warp, int lane) {
+  using Geo = ScoreGeom<D, G, NW, U>;
+  constexpr int L = Geo::L;
+  constexpr int R = Geo::R;
+  const int tid = threadIdx.x;
+  const int row = lane / L, lr = lane % L;
+  for (int round = 0; round < Geo::kRounds; ++round) {
+    const uint4* cur = ks.Next(warp, lane);
+#pragma unroll
+    for (int it = 0; it < Geo::kPerRound; ++it) {
+      const int base = (round * Geo::kPerRound + it) * NW * Geo::TOK + warp * Geo::TOK;
+      uint4 kr[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) kr[u] = cur[(it * U + u) * NW * 32 + tid];
+      float part[G * U];
+      PartialDots<T, G, U>(qf, kr, part);
+      ReduceDots<G, U, L>(part, lr, [&](int g, int u, float v) {
+        const int tok = base + u * R + row;
+        ssm[g * kTile + tok] = tok < len ? v : kNegInf;
+      });
+    }
+  }
+}
+
+// Tensor-core ScoreTile.
+template <typename T, int D, int G, int NW, int U>
 __device__ __forceinline__ void ScoreTileMma(const uint4 (&qfrag)[D / 32], float qscale,
-                                             const uint16_t* kb0, int64_t ts, int t0, int len,
-                                             float* ssm, int warp, int lane, uint4* kst, int& buf,
-                                             int next_len) {
+                                             KStream<D, G, NW, U>& ks, int len, float* ssm,
+                                             int warp, int lane) {
   using Geo = MmaGeom<D, NW>;
-  constexpr int kHalf = kStageSlots * NW * 32;
   const int tid = threadIdx.x;
   const int c = lane % 4;
   for (int round = 0; round < Geo::kRounds; ++round) {
-    uint4* nxt = kst + (buf ^ 1) * kHalf;
-    if (round + 1 < Geo::kRounds) {
-      IssueKRoundMma<D, G, NW>(kb0, ts, t0, len, round + 1, nxt, warp, lane);
-    } else if (next_len > 0) {
-      IssueKRoundMma<D, G, NW>(kb0, ts, t0 + kTile, next_len, 0, nxt, warp, lane);
-    } else {
-      CpAsyncCommit();
-    }
-    CpAsyncWait<1>();
-    const uint4* cur = kst + buf * kHalf;
+    const uint4* cur = ks.Next(warp, lane);
 #pragma unroll
     for (int ch = 0; ch < Geo::kPerRound; ++ch) {
       float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -251,13 +261,25 @@ __device__ __forceinline__ void ScoreTileMma(const uint4 (&qfrag)[D / 32], float
         }
       }
     }
-    buf ^= 1;
   }
 }
 
-// ---- Dispatch: tensor cores for head_dim <= 128, CUDA cores (above) for 256 -------------------
-template <int D>
-constexpr bool kUseMma = D <= 128;
+// q rows of the G heads of kv head kvh of sequence b, 8 dims per lane (dims lr*8 ..), prescaled
+// by scale * log2(e) so that scores come out in log2 units.
+template <typename T, int D, int G>
+__device__ __forceinline__ void LoadQ(const DecodeShape& s, int b, int kvh, int lr,
+                                      float (&qf)[G][8]) {
+  const float qscale = s.scale * kLog2e;
+  const uint16_t* qb = static_cast<const uint16_t*>(s.q);
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    const uint4 raw = __ldg(reinterpret_cast<const uint4*>(
+        qb + (static_cast<int64_t>(b) * s.num_q_heads + kvh * G + g) * D + lr * 8));
+    Unpack8<T>(raw, qf[g]);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) qf[g][e] *= qscale;
+  }
+}
 
 // Per-thread q state of the scoring path.
 template <int D, int G>
@@ -278,29 +300,14 @@ __device__ __forceinline__ void LoadQState(const DecodeShape& s, int b, int kvh,
   }
 }
 
-// Starts the pipeline: round 0 of the first tile into buffer 0. kb0: token 0, dim 0.
-template <int D, int G, int NW, int U>
-__device__ __forceinline__ void StartKPipeline(const uint16_t* kb0, int64_t ts, int t0, int len,
-                                               uint4* kst, int warp, int lane) {
-  if constexpr (kUseMma<D>) {
-    IssueKRoundMma<D, G, NW>(kb0, ts, t0, len, 0, kst, warp, lane);
-  } else {
-    IssueKRound<D, G, NW, U>(kb0 + (lane % (D / 8)) * 8, ts, t0, len, 0, kst, warp, lane / (D / 8));
-  }
-}
-
-// Scores of one tile into ssm (see ScoreTile / ScoreTileMma). kb0: token 0, dim 0.
+// Scores of the stream's next tile (len tokens) into ssm (see ScoreTile / ScoreTileMma).
 template <typename T, int D, int G, int NW, int U>
-__device__ __forceinline__ void ScoreTileAny(const QState<D, G>& q, const uint16_t* kb0, int64_t ts,
-                                             int t0, int len, float* ssm, int warp, int lane,
-                                             uint4* kst, int& buf, int next_len) {
+__device__ __forceinline__ void ScoreTileAny(const QState<D, G>& q, KStream<D, G, NW, U>& ks,
+                                             int len, float* ssm, int warp, int lane) {
   if constexpr (kUseMma<D>) {
-    ScoreTileMma<T, D, G, NW>(q.qfrag, q.qscale, kb0, ts, t0, len, ssm, warp, lane, kst, buf,
-                              next_len);
+    ScoreTileMma<T, D, G, NW, U>(q.qfrag, q.qscale, ks, len, ssm, warp, lane);
   } else {
-    constexpr int L = D / 8;
-    ScoreTile<T, D, G, NW, U>(q.qf, kb0 + (lane % L) * 8, ts, t0, len, ssm, warp, lane / L,
-                              lane % L, kst, buf, next_len);
+    ScoreTile<T, D, G, NW, U>(q.qf, ks, len, ssm, warp, lane);
   }
 }
 

@@ -48,7 +48,7 @@ class KvsDecodeArgs(ctypes.Structure):
     ]
 
 
-METHODS = {"dense": 0, "iid": 1, "prop": 2, "flash": 3, "prop-f16s": 4, "dense-2w": 5}
+METHODS = {"dense": 0, "iid": 1, "prop": 2, "flash": 3, "dense-2w": 5}
 
 
 def load_ours(path):
@@ -277,7 +277,6 @@ def main():
             for name, S, a, suffix in (("dense", 0, args_hnd, ""), ("dense", 0, args_nhd, "-nhd"),
                                        ("dense-2w", 0, args_hnd, ""),
                                        ("prop", 128, args_hnd, ""),
-                                       ("prop-f16s", 128, args_hnd, ""),
                                        ("prop", 128, args_nhd, "-nhd"),
                                        ("flash", 2048, args_hnd, ""),
                                        ("flash", 2048, args_nhd, "-nhd"),
@@ -301,8 +300,14 @@ def main():
                         v_rows = B * H * S
                     else:
                         v_rows = int(rows_read.sum().item())
-                    stash = {1: 8, 2: 8, 4: 4}.get(m, 0) * B * H * n  # u stash write + read
-                    nbytes = k_bytes + v_rows * row_bytes + stash
+                    tiles = (n + 255) // 256
+                    if m == 1:  # iid: fp32 u stash written and read back
+                        side = 8 * B * H * n
+                    elif m == 2:  # prop: 32-byte sample records + tile max/sum, written
+                        side = (32 + 8) * B * H * tiles
+                    else:
+                        side = 0
+                    nbytes = k_bytes + v_rows * row_bytes + side
                 cfg.append((f"ours-{name}{suffix}", S, fn, lambda o: o.clone(), nbytes, m in (0, 5)))
 
             # ---- the S2ANTA authors' kernels (same S, same tensors)
