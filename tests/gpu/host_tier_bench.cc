@@ -171,8 +171,8 @@ int main(int argc, char** argv) {
       const float ms = Median(kernel_ms);
       const double mb = rows * (kv_rows ? 2.0 : 1.0) * row / 1e6;
       std::printf("%-8.3f %-4s %9zu %9.2f %11.0f %11.1f %9.1f %8.0f%%\n", density,
-                  kv_rows ? "kv" : "v", rows, mb, list_us / reps, ms * 1e3, mb / ms / 1e3,
-                  100.0 * (mb / ms / 1e3) / h2d_gbs);
+                  kv_rows ? "kv" : "v", rows, mb, list_us / reps, ms * 1e3, mb / ms,
+                  100.0 * (mb / ms) / h2d_gbs);
     }
   }
   return 0;
