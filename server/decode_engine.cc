@@ -80,7 +80,7 @@ DecodeEngine::DecodeEngine(EngineOptions options, RowSource* source)
     : options_(std::move(options)),
       source_(source),
       signatures_(options_.signatures),
-      cache_(options_.resident_capacity_bytes, &signatures_) {}
+      cache_(options_.resident_capacity_bytes, options_.max_fetch_bytes, &signatures_) {}
 
 namespace {
 
@@ -326,14 +326,23 @@ absl::Status DecodeEngine::DecodeSequence(const DecodeCall& call, uint32_t index
       p.kv_layout = {0, static_cast<int64_t>(res.capacity()) * d, d};
       for (auto& st : stats) st.bytes[kDevice] += n64 * row;
     } else {
-      std::vector<uint32_t> all(n64);
-      for (uint32_t t = 0; t < n64; ++t) all[t] = t;
-      std::vector<RowRequest> heads(hkv);
-      for (int32_t j = 0; j < hkv; ++j) heads[j] = {static_cast<uint32_t>(j), all};
+      // Every K row, [Hkv][n][d], one kv head at a time in chunks that stay well inside the
+      // store's message limit.
       k_all.resize(static_cast<size_t>(hkv) * n64 * row);
-      absl::StatusOr<uint64_t> got = source_->Gather(desc.sequence_id, layer, kvstore::RowKind::kK,
-                                                     heads, k_all.data(), nullptr, call.deadline);
-      if (!got.ok()) return got.status();
+      const uint64_t chunk = std::max<uint64_t>(1, options_.max_fetch_bytes / row);
+      std::vector<uint32_t> tokens;
+      for (int32_t j = 0; j < hkv; ++j) {
+        for (uint64_t t0 = 0; t0 < n64; t0 += chunk) {
+          const uint64_t cnt = std::min(chunk, n64 - t0);
+          tokens.resize(cnt);
+          for (uint64_t i = 0; i < cnt; ++i) tokens[i] = static_cast<uint32_t>(t0 + i);
+          const RowRequest req{static_cast<uint32_t>(j), tokens};
+          absl::StatusOr<uint64_t> got = source_->Gather(
+              desc.sequence_id, layer, kvstore::RowKind::kK, absl::MakeConstSpan(&req, 1),
+              k_all.data() + (j * n64 + t0) * row, nullptr, call.deadline);
+          if (!got.ok()) return got.status();
+        }
+      }
       p.k = k_all.data();
       p.kv_layout = {0, static_cast<int64_t>(n64) * d, d};
       for (auto& st : stats) {

@@ -88,6 +88,9 @@ struct DecodeResult {
 struct EngineOptions {
   int32_t default_tile_size = 256;              // S2ANTA tile when a request gives 0
   size_t resident_capacity_bytes = 4ull << 30;  // device-tier state (K, V, signatures)
+  // Largest single read from the row source when many rows are needed at once (the resident
+  // state's catch-up, or every K row when K is not resident): far under the message limit.
+  size_t max_fetch_bytes = 32 << 20;
   SignatureConfig signatures;
 };
 

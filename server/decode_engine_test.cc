@@ -294,6 +294,35 @@ TEST_F(EngineTest, VAttentionSelectsWhatTheReferenceSelects) {
   }
 }
 
+// Many small reads instead of one large one give the same result (the catch-up of resident state
+// and the full K fetch both read in chunks of max_fetch_bytes).
+TEST_F(EngineTest, ChunkedFetchesGiveTheSameRows) {
+  kvstore::Placement sig;
+  sig.signature_bits = 32;  // signatures resident, K in the host tier
+  Load(Options(1, {900}), sig);
+  EngineOptions small;
+  small.signatures.simhash_seed = kSigSeed;
+  small.max_fetch_bytes = 3000;  // a few rows per read: hundreds of reads
+  DecodeEngine chunked(small, source_.get());
+  for (MethodKind kind : {MethodKind::kSanta, MethodKind::kHashTopK}) {
+    Method m;
+    m.kind = kind;
+    m.santa.samples = 32;
+    m.hash.top_k = 50;
+    m.hash.sink_tokens = 4;
+    m.hash.local_tokens = 4;
+    m.hash.bits = 0;
+    auto a = engine_->Decode(Call(m));
+    auto b = chunked.Decode(Call(m));
+    ASSERT_TRUE(a.ok()) << a.status();
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(a->output, b->output);
+    for (size_t i = 0; i < a->heads.size(); ++i) {
+      EXPECT_EQ(a->heads[i].fetched_tokens, b->heads[i].fetched_tokens);
+    }
+  }
+}
+
 TEST_F(EngineTest, NewTokenIsAppendedToStoreAndResidentState) {
   kvstore::Placement kdev;
   kdev.k_tier = kvstore::Tier::kDevice;

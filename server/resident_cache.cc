@@ -64,9 +64,6 @@ class ResidentCache::Entry {
 
 namespace {
 
-// Largest gather asked of the store while catching up (bounds message size and memory).
-constexpr size_t kSyncChunkBytes = 32 << 20;
-
 void FreeLayer(ResidentLayer* l) { *l = ResidentLayer(); }
 
 }  // namespace
@@ -262,7 +259,7 @@ absl::StatusOr<ResidentCache::Handle> ResidentCache::Acquire(const SequenceDesc&
                                                  : kvstore::RowKind::kV;
   const size_t hkv = shape.num_kv_heads;
   const size_t row = l.row_bytes_;
-  const uint64_t chunk = std::max<uint64_t>(1, kSyncChunkBytes / (hkv * row * (need_k + need_v)));
+  const uint64_t chunk = std::max<uint64_t>(1, sync_chunk_bytes_ / (hkv * row * (need_k + need_v)));
   std::vector<uint32_t> tokens;
   std::vector<uint8_t> kb, vb, kt, vt;
   while (l.length_ < target) {

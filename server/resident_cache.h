@@ -98,9 +98,10 @@ struct SyncStats {
 
 class ResidentCache {
  public:
-  // capacity_bytes: most bytes of resident state; maker must outlive the cache.
-  ResidentCache(size_t capacity_bytes, SignatureMaker* maker)
-      : capacity_(capacity_bytes), maker_(maker) {}
+  // capacity_bytes: most bytes of resident state; sync_chunk_bytes: largest single read from
+  // the row source while catching up. maker must outlive the cache.
+  ResidentCache(size_t capacity_bytes, size_t sync_chunk_bytes, SignatureMaker* maker)
+      : capacity_(capacity_bytes), sync_chunk_bytes_(sync_chunk_bytes), maker_(maker) {}
   ResidentCache(const ResidentCache&) = delete;
   ResidentCache& operator=(const ResidentCache&) = delete;
 
@@ -150,6 +151,7 @@ class ResidentCache {
   bool EvictOne(Entry* self);
 
   const size_t capacity_;
+  const size_t sync_chunk_bytes_;
   SignatureMaker* const maker_;
   std::atomic<size_t> bytes_{0};
   std::atomic<uint64_t> evictions_{0};
