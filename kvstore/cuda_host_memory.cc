@@ -1,31 +1,25 @@
 #include "kvstore/cuda_host_memory.h"
 
 #include <cuda_runtime_api.h>
-#include <sys/mman.h>
-
-#include <cerrno>
-#include <cstring>
 
 #include "absl/strings/str_cat.h"
 
 namespace kvsparse::kvstore {
 namespace {
 
+// Host slabs (the plain host resource: mmap + THP) registered with CUDA while they live.
 class PinnedHostMemoryResource final : public MemoryResource {
  public:
-  explicit PinnedHostMemoryResource(HostMemoryOptions options) : options_(options) {}
+  explicit PinnedHostMemoryResource(HostMemoryOptions options)
+      : host_(NewHostMemoryResource(options)) {}
 
   absl::StatusOr<void*> Allocate(size_t bytes) override {
-    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (p == MAP_FAILED) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("host mmap of ", bytes, " bytes failed: ", std::strerror(errno)));
-    }
-    if (options_.huge_pages) madvise(p, bytes, MADV_HUGEPAGE);
+    absl::StatusOr<void*> p = host_->Allocate(bytes);
+    if (!p.ok()) return p;
     const cudaError_t e =
-        cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
+        cudaHostRegister(*p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable);
     if (e != cudaSuccess) {
-      munmap(p, bytes);
+      host_->Deallocate(*p, bytes);
       return absl::ResourceExhaustedError(
           absl::StrCat("cudaHostRegister of ", bytes, " bytes failed: ", cudaGetErrorString(e)));
     }
@@ -34,13 +28,13 @@ class PinnedHostMemoryResource final : public MemoryResource {
 
   void Deallocate(void* p, size_t bytes) override {
     cudaHostUnregister(p);
-    munmap(p, bytes);
+    host_->Deallocate(p, bytes);
   }
 
   absl::string_view name() const override { return "pinned-host"; }
 
  private:
-  const HostMemoryOptions options_;
+  const std::unique_ptr<MemoryResource> host_;
 };
 
 }  // namespace
