@@ -269,7 +269,7 @@ __global__ void __launch_bounds__(DenseCfg<D, G>::kThreads, DenseCfg<D, G>::kMin
 // Scores of 16 tokens x G heads per warp iteration come from mma.m16n8k16 (tile_common.cuh:
 // MmaGeom, LoadQFrag: the same permuted-dimension fragments as the sampling kernels), so the
 // CUDA cores only run the softmax and the V accumulation; K is staged in the mma layout and V
-// in the row layout, two cp.async stages deep.
+// in the row layout, three cp.async stages deep.
 template <int D, int G>
 struct DenseMmaCfg {
   static constexpr int L = D / 8;
@@ -280,7 +280,7 @@ struct DenseMmaCfg {
   static constexpr int kSlots = kKSlots + kVPer;
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStages = 2;
+  static constexpr int kStages = 3;
   static constexpr size_t kStageBytes = size_t{kStages} * kSlots * kThreads * 16;
 };
 
@@ -349,12 +349,14 @@ __global__ void __launch_bounds__(DenseMmaCfg<D, G>::kThreads, 1)
   };
   const int first = start + warp * 16;
   constexpr int kStride = NW * 16;
-  issue(first, 0);
+  constexpr int kStages = Cfg::kStages;
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) issue(first + st * kStride, st);
   float* sc = sm + warp * 16 * G;  // [16][G] scores of this warp's current iteration
   int slot = 0;
   for (int base = first; base < end; base += kStride) {
-    issue(base + kStride, slot ^ 1);
-    CpAsyncWait<1>();
+    issue(base + (kStages - 1) * kStride, (slot + kStages - 1) % kStages);
+    CpAsyncWait<kStages - 1>();
     float sacc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int mm = 0; mm < D / 32; ++mm) {
@@ -375,7 +377,7 @@ __global__ void __launch_bounds__(DenseMmaCfg<D, G>::kThreads, 1)
     uint4 vr[VP];
 #pragma unroll
     for (int u = 0; u < VP; ++u) vr[u] = stage[(slot * SL + KS + u) * NT + tid];
-    slot ^= 1;
+    slot = (slot + 1) % kStages;
     __syncwarp();
     SoftmaxStep<T, VP, G, R>(sc, row, vr, m, l, acc);
     __syncwarp();

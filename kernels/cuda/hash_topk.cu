@@ -1,5 +1,3 @@
-#include <cooperative_groups.h>
-
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -114,13 +112,11 @@ __device__ __forceinline__ const uint32_t* KeySigs(const HashTopKParams& p, int 
 
 // Histogram of the similarity bins (similarity + bits) / 2 of len consecutive key signatures
 // starting at kb, into private 16-bit counter columns cols[kRows][kTopkThreads] (two bins per
-// word; a thread zeroes and fills its own column, so no atomics). With bins != nullptr each
-// token's bin is also kept there (bins[i], one byte). Ends with the block's column sums in
-// out[0, kBins) (a barrier first).
+// word; a thread zeroes and fills its own column, so no atomics). Ends with the block's column
+// sums in out[0, kBins) (a barrier first).
 template <int W>
 __device__ __forceinline__ void BinHistogram(const uint32_t (&q)[W], const uint32_t* kb,
-                                             int64_t kts, int len, uint32_t* cols, uint8_t* bins,
-                                             int* out) {
+                                             int64_t kts, int len, uint32_t* cols, int* out) {
   constexpr int kBits = W * 32;
   constexpr int kBins = kBits + 1;
   constexpr int kRows = (kBins + 1) / 2;
@@ -136,9 +132,7 @@ __device__ __forceinline__ void BinHistogram(const uint32_t (&q)[W], const uint3
     }
 #pragma unroll
     for (int k = 0; k < kIn; ++k) {
-      if (bn[k] < 0) continue;
-      if (bins != nullptr) bins[i0 + k * kTopkThreads] = static_cast<uint8_t>(bn[k]);
-      cols[(bn[k] >> 1) * kTopkThreads + tid] += 1u << (16 * (bn[k] & 1));
+      if (bn[k] >= 0) cols[(bn[k] >> 1) * kTopkThreads + tid] += 1u << (16 * (bn[k] & 1));
     }
   }
   __syncthreads();
@@ -212,6 +206,7 @@ __global__ void __launch_bounds__(kTopkThreads)
     TopkHistKernel(HashTopKParams p, int chunk, int* __restrict__ hist) {
   constexpr int kBins = W * 32 + 1;
   extern __shared__ uint32_t cols[];  // [(kBins + 1) / 2][kTopkThreads]
+  AllowDependents();                  // the select kernel waits for this grid
   const int c = blockIdx.x;
   const int64_t bh = blockIdx.y;
   const int b = static_cast<int>(bh / p.num_q_heads), h = static_cast<int>(bh % p.num_q_heads);
@@ -223,7 +218,7 @@ __global__ void __launch_bounds__(kTopkThreads)
   uint32_t q[W];
   LoadQuerySig<W>(p, bh, q);
   BinHistogram<W>(q, KeySigs(p, b, h) + static_cast<int64_t>(c0) * p.k_token_stride,
-                  p.k_token_stride, max(0, c1 - c0), cols, nullptr, out);
+                  p.k_token_stride, max(0, c1 - c0), cols, out);
 }
 
 // Exclusive scan over the block; *total gets the block sum. Ends with a barrier.
@@ -272,6 +267,7 @@ __global__ void __launch_bounds__(kTopkThreads, 4)
     for (int t = c0 + tid; t < c1; t += kTopkThreads) topk_out[t - g.s_end] = t;
     return;
   }
+  GridDependencyWait();  // the histogram kernel wrote hist
   if (c0 >= c1) return;
   const int* hb = hist + bh * num_chunks * kBins;
   for (int i = tid; i < kBins; i += kTopkThreads) {
@@ -345,126 +341,6 @@ __global__ void __launch_bounds__(kTopkThreads, 4)
     }
     carry_gt += tot >> 16;
     carry_tie += tot & 0xffff;
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Single-kernel top-k (bits <= 128, so that a similarity bin fits a byte): one cluster of
-// kTopkCluster blocks per (b, h), block r taking chunk r of the rest. Each block reads its
-// chunk's key signatures once, keeps their bins in shared memory and builds its histogram; after
-// a cluster barrier every block reads all the cluster's histograms through distributed shared
-// memory, finds the threshold bin and how many ties to take (lowest tokens first), and each of
-// its warps writes the chosen tokens of its contiguous segment at their final positions
-// (ballots give the order within 32 tokens). No workspace, one launch.
-namespace cg = cooperative_groups;
-constexpr int kTopkCluster = 8;
-
-template <int W>
-constexpr size_t ClusterColsBytes() {
-  return static_cast<size_t>((W * 32 + 2) / 2) * kTopkThreads * sizeof(uint32_t);
-}
-
-template <int W>
-__global__ void __launch_bounds__(kTopkThreads)
-    TopkClusterKernel(HashTopKParams p, int chunk, int max_out) {
-  constexpr int kBits = W * 32;
-  constexpr int kBins = kBits + 1;
-  constexpr int kRows = (kBins + 1) / 2;
-  static_assert(kBins <= 255, "bins are kept as bytes");
-  extern __shared__ __align__(16) uint32_t cols[];  // [kRows][kTopkThreads], then bins [chunk]
-  __shared__ int hist[kBins];
-  __shared__ int tot[kBins];
-  __shared__ int seg_gt[kTopkWarps], seg_tie[kTopkWarps];
-  __shared__ int sm_thr, sm_above, sm_gt_before, sm_tie_before;
-  cg::cluster_group cluster = cg::this_cluster();
-  const int c = static_cast<int>(cluster.block_rank());
-  const int64_t bh = blockIdx.y;
-  const int b = static_cast<int>(bh / p.num_q_heads), h = static_cast<int>(bh % p.num_q_heads);
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const TopkGeom g = MakeGeom(p, b);
-  int32_t* out = p.indices + bh * max_out;
-  if (c == 0) WriteSinkAndWindow(p, g, bh, out);
-  if (g.kk == 0) return;  // uniform over the cluster (depends on b only)
-  const int c0 = g.s_end + c * chunk;
-  const int c1 = min(g.w_begin, c0 + chunk);
-  const int len = max(0, c1 - c0);
-  int32_t* topk_out = out + g.s_end;
-  if (g.kk == g.rest) {  // uniform: every token of the rest
-    for (int i = tid; i < len; i += kTopkThreads) topk_out[c0 - g.s_end + i] = c0 + i;
-    return;
-  }
-  uint8_t* bins = reinterpret_cast<uint8_t*>(cols + kRows * kTopkThreads);
-  uint32_t q[W];
-  LoadQuerySig<W>(p, bh, q);
-  BinHistogram<W>(q, KeySigs(p, b, h) + static_cast<int64_t>(c0) * p.k_token_stride,
-                  p.k_token_stride, len, cols, bins, hist);
-  cluster.sync();  // every block's histogram is complete and visible to the cluster
-  for (int i = tid; i < kBins; i += kTopkThreads) {
-    int t = 0;
-    for (int r = 0; r < kTopkCluster; ++r) t += cluster.map_shared_rank(hist, r)[i];
-    tot[i] = t;
-  }
-  __syncthreads();
-  if (warp == 0) FindThreshold<kBins>(tot, g.kk, lane, &sm_thr, &sm_above);
-  __syncthreads();
-  if (warp == 0) {
-    // Tokens above the threshold, and ties at it, in the chunks before this one.
-    const int thr_bin = sm_thr;
-    int gt = 0, tie = 0;
-    for (int r = 0; r < c; ++r) {
-      const int* hr = cluster.map_shared_rank(hist, r);
-      for (int i = thr_bin + 1 + lane; i < kBins; i += 32) gt += hr[i];
-      if (lane == 0) tie += hr[thr_bin];
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) gt += __shfl_xor_sync(0xffffffffu, gt, o);
-    if (lane == 0) {
-      sm_gt_before = gt;
-      sm_tie_before = tie;
-    }
-  }
-  cluster.sync();  // no block leaves while another may still read its histogram
-  const int thr = sm_thr;
-  const int need = g.kk - sm_above;  // ties at the threshold to take, lowest tokens first
-  // Each warp: a contiguous segment of the chunk; counts, then a block scan of the counts.
-  const int seg = (len + kTopkWarps - 1) / kTopkWarps;
-  const int w0 = min(len, warp * seg), w1 = min(len, w0 + seg);
-  int n_gt = 0, n_tie = 0;
-  for (int i = w0 + lane; i < w1; i += 32) {
-    const int v = bins[i];
-    n_gt += v > thr ? 1 : 0;
-    n_tie += v == thr ? 1 : 0;
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) {
-    n_gt += __shfl_xor_sync(0xffffffffu, n_gt, o);
-    n_tie += __shfl_xor_sync(0xffffffffu, n_tie, o);
-  }
-  if (lane == 0) {
-    seg_gt[warp] = n_gt;
-    seg_tie[warp] = n_tie;
-  }
-  __syncthreads();
-  int carry_gt = sm_gt_before, carry_tie = sm_tie_before;
-  for (int w = 0; w < warp; ++w) {
-    carry_gt += seg_gt[w];
-    carry_tie += seg_tie[w];
-  }
-  const unsigned below = (1u << lane) - 1u;
-  for (int i0 = w0; i0 < w1; i0 += 32) {
-    if (n_gt == 0 && (n_tie == 0 || carry_tie >= need)) break;  // uniform: nothing left to write
-    const int i = i0 + lane;
-    const int v = i < w1 ? bins[i] : -1;
-    const unsigned gtm = __ballot_sync(0xffffffffu, v > thr);
-    const unsigned tiem = __ballot_sync(0xffffffffu, v == thr);
-    const int tie_rank = carry_tie + __popc(tiem & below);
-    if (v > thr || (v == thr && tie_rank < need)) {
-      topk_out[carry_gt + __popc(gtm & below) + min(tie_rank, need)] = c0 + i;
-    }
-    carry_gt += __popc(gtm);
-    carry_tie += __popc(tiem);
-    n_gt -= __popc(gtm);
-    n_tie -= __popc(tiem);
   }
 }
 
@@ -565,30 +441,6 @@ cudaError_t HashTopK(const HashTopKParams& p, void* workspace, size_t workspace_
   int* hist = static_cast<int*>(workspace);
   return DispatchWords(p.bits, [&](auto w_tag) -> cudaError_t {
     constexpr int W = decltype(w_tag)::value;
-    if constexpr (W <= 4) {
-      // One cluster per (b, h) when a chunk's bins fit in shared memory.
-      const int64_t chunk = (std::max(1, p.max_seq_len) + kTopkCluster * 16 - 1) /
-                            (kTopkCluster * 16) * 16;
-      const size_t smem = ClusterColsBytes<W>() + static_cast<size_t>(chunk);
-      if (smem <= 160 * 1024 && chunk <= int64_t{kTopkThreads} * 65535) {
-        auto* kernel = &TopkClusterKernel<W>;
-        KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(kTopkCluster, p.batch * p.num_q_heads);
-        cfg.blockDim = dim3(kTopkThreads);
-        cfg.dynamicSmemBytes = smem;
-        cfg.stream = stream;
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeClusterDimension;
-        attr[0].val.clusterDim.x = kTopkCluster;
-        attr[0].val.clusterDim.y = 1;
-        attr[0].val.clusterDim.z = 1;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        return cudaLaunchKernelEx(&cfg, kernel, p, static_cast<int>(chunk), max_out);
-      }
-    }
     const dim3 grid(plan.chunks, p.batch * p.num_q_heads);
     const size_t smem = static_cast<size_t>((W * 32 + 2) / 2) * kTopkThreads * sizeof(uint32_t);
     if (smem > 48 * 1024) {
@@ -597,8 +449,8 @@ cudaError_t HashTopK(const HashTopKParams& p, void* workspace, size_t workspace_
     }
     TopkHistKernel<W><<<grid, kTopkThreads, smem, stream>>>(p, plan.chunk, hist);
     KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    TopkSelectKernel<W><<<grid, kTopkThreads, 0, stream>>>(p, plan.chunk, max_out, hist);
-    return cudaGetLastError();
+    return LaunchDependent(&TopkSelectKernel<W>, grid, dim3(kTopkThreads), 0, stream, p,
+                           int{plan.chunk}, max_out, static_cast<const int*>(hist));
   });
 }
 

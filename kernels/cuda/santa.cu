@@ -62,6 +62,8 @@ class Carver {
   size_t used_ = 0;
 };
 
+constexpr int kFlashBufs = 2;  // K staging ring depth of the flash kernel
+
 // ---------------------------------------------------------------------------------------------
 // S2ANTA-flash, Algorithm 7 fused over tiles_per_block tiles per block, with the block's tiles
 // merged in registers (the same deferred normalisation as Algorithm 8); MergePartials then
@@ -79,7 +81,7 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
   __shared__ float sm_m[G], sm_l[G], sm_alpha[G], sm_w[G];
   __shared__ int sm_rows;
   float* ssm = sm;
-  extern __shared__ uint4 kst[];  // K staging, ScoreStageBytes
+  extern __shared__ uint4 kst[];  // K staging, ScoreStageBytes<NW, kFlashBufs>
   int* cnt = reinterpret_cast<int*>(sm + kScoreFloats);
   int* idx = cnt + G * kTile;
 
@@ -112,7 +114,7 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
     sm_m[threadIdx.x] = kNegInf;
     sm_l[threadIdx.x] = 0.f;
   }
-  KStream<D, G, NW, Cfg::kUnroll> ks;
+  KStream<D, G, NW, Cfg::kUnroll, kFlashBufs> ks;
   ks.Start(kb0, ts, n, t_begin, t_end, kst, warp, lane);
   for (int t = t_begin; t < t_end; ++t) {
     const int t0 = t * kTile;
@@ -229,69 +231,100 @@ __device__ __forceinline__ int FirstAtLeast(const float* p, int len, float inv_d
 // and per (b, h, tile) either the u stash (iid: [B, H, T_max * kTile] fp32, whole tiles
 // written) or the prop sample record ([B, H, T_max, kRecBytes] bytes).
 // Layouts: m_tiles, l_tiles [B, H, T_max].
+// Warp-specialised: kScoreWarps warps stream K and score tiles into one of two score buffers;
+// G statistics warps (one per head) take each scored tile from there. Named barriers hand the
+// buffers over (full: scored; empty: read), so the K stream never waits for the statistics of
+// a tile, only for the buffer of the tile two back.
 enum class Pass1Out { kStash, kRecords };
 
+template <int D, int G>
+struct Pass1Cfg {
+  static constexpr int kScoreWarps = TileCfg<D, G>::kWarps;
+  static constexpr int kThreads = (kScoreWarps + G) * 32;
+  static constexpr int kMinBlocks = TileCfg<D, G>::kMinBlocks;
+  static constexpr int kBufs = 3;  // K staging ring depth
+  static constexpr size_t kSmem = ScoreStageBytes<kScoreWarps, kBufs>();
+};
+
 template <typename T, int D, int G, Pass1Out kOut>
-__global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBlocks)
+__global__ void __launch_bounds__(Pass1Cfg<D, G>::kThreads, Pass1Cfg<D, G>::kMinBlocks)
     Pass1Kernel(DecodeShape s, uint64_t seed, int tiles_per_block, int max_tiles,
                 float* __restrict__ m_tiles, float* __restrict__ l_tiles, void* __restrict__ out) {
-  using Cfg = TileCfg<D, G>;
-  constexpr int NW = Cfg::kWarps;
-  constexpr int L = D / 8;
-  __shared__ __align__(16) float ssm[G * kTile];
-  extern __shared__ uint4 kst[];  // K staging, ScoreStageBytes
-  AllowDependents();              // the next kernel's blocks wait for this grid in any case
+  using Cfg = Pass1Cfg<D, G>;
+  constexpr int NW = Cfg::kScoreWarps;
+  constexpr int kAll = Cfg::kThreads;
+  constexpr int kFullBar = 1, kEmptyBar = 3;  // + buffer index (ids stay compile-time)
+  __shared__ __align__(16) float ssm[2][G * kTile];
+  extern __shared__ uint4 kst[];  // K staging, Pass1Cfg::kSmem
+  if constexpr (kOut == Pass1Out::kRecords) AllowDependents();  // the budget kernel waits anyway
   const int kvh = blockIdx.x, blk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int lr = lane % L;
   const int n = s.seq_lens[b];
   const int num_tiles = (n + kTile - 1) / kTile;
   const int t_begin = blk * tiles_per_block;
   const int t_end = min(num_tiles, t_begin + tiles_per_block);
-  QState<D, G> qs;
-  LoadQState<T, D, G>(s, b, kvh, lane, lr, qs);
-  const uint16_t* kb0 =
-      static_cast<const uint16_t*>(s.k) + b * s.kv.batch_stride + kvh * s.kv.head_stride;
-  KStream<D, G, NW, Cfg::kUnroll> ks;
-  ks.Start(kb0, s.kv.token_stride, n, t_begin, t_end, kst, warp, lane);
-  for (int t = t_begin; t < t_end; ++t) {
-    const int t0 = t * kTile;
-    const int len = min(kTile, n - t0);
-    ScoreTileAny<T, D, G, NW, Cfg::kUnroll>(qs, ks, len, ssm, warp, lane);
-    __syncthreads();
-    for (int g = warp; g < G; g += NW) {
-      const int64_t bh = static_cast<int64_t>(b) * s.num_q_heads + kvh * G + g;
-      float m2, ell, u[kPerLane];
-      HeadStats(ssm + g * kTile, lane, m2, ell, u);
-      if constexpr (kOut == Pass1Out::kStash) {
-        const int64_t off = (bh * max_tiles + t) * kTile + lane * kPerLane;
-        float4* dst = reinterpret_cast<float4*>(static_cast<float*>(out) + off);
-#pragma unroll
-        for (int i = 0; i < kPerLane / 4; ++i) {
-          dst[i] = make_float4(u[4 * i], u[4 * i + 1], u[4 * i + 2], u[4 * i + 3]);
-        }
-      } else {
-        float* pre = ssm + g * kTile;  // the scores are no longer needed
-        ell = WarpPrefix(u, lane, pre);
-        __syncwarp();
-        if (lane < kRecEntries) {
-          int k = 1, first = 0;  // entry lane = first + (m - 1) of budget k
-          while (first + k <= lane) first += k++;
-          const float a0 =
-              PhiloxUniform(PhiloxStream::Make(seed, RngTag::kPropTileOffset, b, kvh * G + g), t);
-          const float inv_delta = static_cast<float>(k) / ell;
-          const int tok = FirstAtLeast(pre, len, inv_delta,
-                                       __fsub_rn(static_cast<float>(lane - first + 1), a0));
-          static_cast<uint8_t*>(out)[(bh * max_tiles + t) * kRecBytes + lane] =
-              static_cast<uint8_t>(tok);
-        }
+  if (warp < NW) {  // scoring warps
+    QState<D, G> qs;
+    LoadQState<T, D, G>(s, b, kvh, lane, lane % (D / 8), qs);
+    const uint16_t* kb0 =
+        static_cast<const uint16_t*>(s.k) + b * s.kv.batch_stride + kvh * s.kv.head_stride;
+    KStream<D, G, NW, TileCfg<D, G>::kUnroll, Cfg::kBufs> ks;
+    ks.Start(kb0, s.kv.token_stride, n, t_begin, t_end, kst, warp, lane);
+    for (int t = t_begin; t < t_end; ++t) {
+      const int buf = (t - t_begin) & 1;
+      if (t - t_begin >= 2) {
+        if (buf == 0) NamedBarrierSync(kEmptyBar, kAll);
+        if (buf == 1) NamedBarrierSync(kEmptyBar + 1, kAll);
       }
-      if (lane == 0) {
-        m_tiles[bh * max_tiles + t] = m2;
-        l_tiles[bh * max_tiles + t] = ell;
+      ScoreTileAny<T, D, G, NW, TileCfg<D, G>::kUnroll>(qs, ks, min(kTile, n - t * kTile),
+                                                        ssm[buf], warp, lane);
+      if (buf == 0) NamedBarrierArrive(kFullBar, kAll);
+      if (buf == 1) NamedBarrierArrive(kFullBar + 1, kAll);
+    }
+    return;
+  }
+  // Statistics warp of head g.
+  const int g = warp - NW;
+  const int64_t bh = static_cast<int64_t>(b) * s.num_q_heads + kvh * G + g;
+  for (int t = t_begin; t < t_end; ++t) {
+    const int buf = (t - t_begin) & 1;
+    const int len = min(kTile, n - t * kTile);
+    if (buf == 0) NamedBarrierSync(kFullBar, kAll);
+    if (buf == 1) NamedBarrierSync(kFullBar + 1, kAll);
+    float* sc = ssm[buf] + g * kTile;
+    float m2, ell, u[kPerLane];
+    HeadStats(sc, lane, m2, ell, u);
+    if constexpr (kOut == Pass1Out::kStash) {
+      const int64_t off = (bh * max_tiles + t) * kTile + lane * kPerLane;
+      float4* dst = reinterpret_cast<float4*>(static_cast<float*>(out) + off);
+#pragma unroll
+      for (int i = 0; i < kPerLane / 4; ++i) {
+        dst[i] = make_float4(u[4 * i], u[4 * i + 1], u[4 * i + 2], u[4 * i + 3]);
+      }
+    } else {
+      ell = WarpPrefix(u, lane, sc);  // the scores are no longer needed
+      __syncwarp();
+      if (lane < kRecEntries) {
+        int k = 1, first = 0;  // entry lane = first + (m - 1) of budget k
+        while (first + k <= lane) first += k++;
+        const float a0 =
+            PhiloxUniform(PhiloxStream::Make(seed, RngTag::kPropTileOffset, b, kvh * G + g), t);
+        const float inv_delta = static_cast<float>(k) / ell;
+        const int tok = FirstAtLeast(sc, len, inv_delta,
+                                     __fsub_rn(static_cast<float>(lane - first + 1), a0));
+        static_cast<uint8_t*>(out)[(bh * max_tiles + t) * kRecBytes + lane] =
+            static_cast<uint8_t>(tok);
       }
     }
-    __syncthreads();
+    if (lane == 0) {
+      m_tiles[bh * max_tiles + t] = m2;
+      l_tiles[bh * max_tiles + t] = ell;
+    }
+    __syncwarp();  // every lane is done with the buffer
+    if (t + 2 < t_end) {
+      if (buf == 0) NamedBarrierArrive(kEmptyBar, kAll);
+      if (buf == 1) NamedBarrierArrive(kEmptyBar + 1, kAll);
+    }
   }
 }
 
@@ -650,7 +683,6 @@ __global__ void __launch_bounds__(kSmallThreads)
   const int b = static_cast<int>(bh / s.num_q_heads);
   const int h = static_cast<int>(bh % s.num_q_heads);
   const int G = s.num_q_heads / s.num_kv_heads;
-  GridDependencyWait();  // pass 1 wrote m_tiles, l_tiles and the stash
   const int n = s.seq_lens[b];
   const int num_tiles = (n + kTile - 1) / kTile;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -820,12 +852,12 @@ struct Pass1Launch {
   template <typename T, int D, int G>
   cudaError_t operator()() const {
     const dim3 grid(s.num_kv_heads, plan.num_parts, s.batch);
-    constexpr size_t kSmem = ScoreStageBytes<D, G, TileCfg<D, G>::kWarps>();
+    using Cfg = Pass1Cfg<D, G>;
     auto* kernel = &Pass1Kernel<T, D, G, kOut>;
-    KVSPARSE_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kSmem}));
-    kernel<<<grid, TileCfg<D, G>::kThreads, kSmem, stream>>>(s, seed, plan.tiles_per_block,
-                                                             plan.max_tiles, m_tiles, l_tiles, out);
+    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int{Cfg::kSmem}));
+    kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(s, seed, plan.tiles_per_block,
+                                                        plan.max_tiles, m_tiles, l_tiles, out);
     return cudaGetLastError();
   }
 };
@@ -871,10 +903,9 @@ struct IidLaunch {
       KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
           kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
     }
-    return LaunchDependent(kernel, dim3(p.shape.batch * p.shape.num_q_heads), dim3(kSmallThreads),
-                           smem, stream, p, max_tiles, static_cast<const float*>(ws.m_tiles),
-                           static_cast<const float*>(ws.l_tiles),
-                           static_cast<const float*>(ws.stash));
+    kernel<<<p.shape.batch * p.shape.num_q_heads, kSmallThreads, smem, stream>>>(
+        p, max_tiles, ws.m_tiles, ws.l_tiles, ws.stash);
+    return cudaGetLastError();
   }
 };
 
@@ -888,7 +919,7 @@ struct FlashLaunch {
   cudaError_t operator()() const {
     const DecodeShape& s = p.shape;
     const dim3 grid(s.num_kv_heads, plan.num_parts, s.batch);
-    constexpr size_t kSmem = ScoreStageBytes<D, G, TileCfg<D, G>::kWarps>();
+    constexpr size_t kSmem = ScoreStageBytes<TileCfg<D, G>::kWarps, kFlashBufs>();
     KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
         &FlashKernel<T, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kSmem}));
     FlashKernel<T, D, G><<<grid, TileCfg<D, G>::kThreads, kSmem, stream>>>(

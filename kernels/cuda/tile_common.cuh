@@ -22,12 +22,10 @@ struct TileCfg {
 };
 
 // K rows are staged into shared memory with cp.async in rounds of kStageSlots 16-byte vectors
-// per thread, in a ring of kStageBufs buffers: while one round is scored the next
-// kStageBufs - 1 are loading (across tile boundaries), so the K stream keeps a whole tile in
-// flight through the sampling phases between tiles. Each thread reads back only the slots it
-// filled, so staging needs no barrier. Dynamic shared memory: ScoreStageBytes.
+// per thread, in a ring of kBufs buffers: while one round is scored the next kBufs - 1 are
+// loading (across tile boundaries). Each thread reads back only the slots it filled, so staging
+// needs no barrier. Dynamic shared memory: ScoreStageBytes.
 constexpr int kStageSlots = 8;
-constexpr int kStageBufs = 3;
 
 template <int D, int G, int NW, int U>
 struct ScoreGeom {
@@ -39,9 +37,9 @@ struct ScoreGeom {
   static constexpr int kRounds = kIters / kPerRound;
 };
 
-template <int D, int G, int NW>
+template <int NW, int kBufs>
 constexpr size_t ScoreStageBytes() {
-  return size_t{kStageBufs} * kStageSlots * NW * 32 * 16;
+  return size_t{kBufs} * kStageSlots * NW * 32 * 16;
 }
 
 // Issues round `round` of the K rows of tile [t0, t0 + len) into `buf` (one cp.async group).
@@ -139,9 +137,10 @@ __device__ __forceinline__ void IssueKRoundMma(const uint16_t* kb0, int64_t ts, 
   CpAsyncCommit();
 }
 
-// The K rounds of tiles [t_begin, t_end) of one (sequence, kv head), in order, through the ring
-// of staging buffers. Every thread of the block runs the same sequence of calls.
-template <int D, int G, int NW, int U>
+// The K rounds of tiles [t_begin, t_end) of one (sequence, kv head), in order, through a ring
+// of kBufs staging buffers. Threads 0 .. NW * 32 - 1 of the block (the scoring warps) all run
+// the same sequence of calls.
+template <int D, int G, int NW, int U, int kBufs>
 struct KStream {
   static constexpr int kRounds =
       kUseMma<D> ? MmaGeom<D, NW>::kRounds : ScoreGeom<D, G, NW, U>::kRounds;  // per tile
@@ -156,7 +155,7 @@ struct KStream {
   int issued;
   int consumed;
 
-  // Starts the first kStageBufs - 1 rounds.
+  // Starts the first kBufs - 1 rounds.
   __device__ __forceinline__ void Start(const uint16_t* k0, int64_t stride, int len, int tb,
                                         int te, uint4* stage, int warp, int lane) {
     kb0 = k0;
@@ -168,7 +167,7 @@ struct KStream {
     issued = 0;
     consumed = 0;
 #pragma unroll
-    for (int i = 0; i < kStageBufs - 1; ++i) IssueNext(warp, lane);
+    for (int i = 0; i < kBufs - 1; ++i) IssueNext(warp, lane);
   }
 
   __device__ __forceinline__ void IssueNext(int warp, int lane) {
@@ -177,7 +176,7 @@ struct KStream {
       const int r = issued % kRounds;
       const int t0 = t * kTile;
       const int len = min(kTile, n - t0);
-      uint4* buf = kst + (issued % kStageBufs) * kBuf;
+      uint4* buf = kst + (issued % kBufs) * kBuf;
       if constexpr (kUseMma<D>) {
         IssueKRoundMma<D, G, NW>(kb0, ts, t0, len, r, buf, warp, lane);
       } else {
@@ -190,12 +189,12 @@ struct KStream {
     ++issued;
   }
 
-  // Starts the round kStageBufs - 1 ahead and returns this thread's slots of the next round,
-  // once they have landed.
+  // Starts the round kBufs - 1 ahead and returns this thread's slots of the next round, once
+  // they have landed.
   __device__ __forceinline__ const uint4* Next(int warp, int lane) {
     IssueNext(warp, lane);
-    CpAsyncWait<kStageBufs - 1>();
-    const uint4* cur = kst + (consumed % kStageBufs) * kBuf;
+    CpAsyncWait<kBufs - 1>();
+    const uint4* cur = kst + (consumed % kBufs) * kBuf;
     ++consumed;
     return cur;
   }
@@ -204,9 +203,9 @@ struct KStream {
 // Scores (log2 units) of tokens t0 .. t0 + len - 1 (len <= kTile, the stream's next tile) into
 // ssm[g * kTile + i]; entries i >= len get -inf. CUDA-core path: lane (row, lr) holds dims lr*8
 // of its rows.
-template <typename T, int D, int G, int NW, int U>
-__device__ __forceinline__ void ScoreTile(const float (&qf)[G][8], KStream<D, G, NW, U>& ks,
-                                          int len, float* ssm, int warp, int lane) {
+template <typename T, int D, int G, int NW, int U, typename KS>
+__device__ __forceinline__ void ScoreTile(const float (&qf)[G][8], KS& ks, int len, float* ssm,
+                                          int warp, int lane) {
   using Geo = ScoreGeom<D, G, NW, U>;
   constexpr int L = Geo::L;
   constexpr int R = Geo::R;
@@ -231,10 +230,9 @@ __device__ __forceinline__ void ScoreTile(const float (&qf)[G][8], KStream<D, G,
 }
 
 // Tensor-core ScoreTile.
-template <typename T, int D, int G, int NW, int U>
-__device__ __forceinline__ void ScoreTileMma(const uint4 (&qfrag)[D / 32], float qscale,
-                                             KStream<D, G, NW, U>& ks, int len, float* ssm,
-                                             int warp, int lane) {
+template <typename T, int D, int G, int NW, typename KS>
+__device__ __forceinline__ void ScoreTileMma(const uint4 (&qfrag)[D / 32], float qscale, KS& ks,
+                                             int len, float* ssm, int warp, int lane) {
   using Geo = MmaGeom<D, NW>;
   const int tid = threadIdx.x;
   const int c = lane % 4;
@@ -301,14 +299,23 @@ __device__ __forceinline__ void LoadQState(const DecodeShape& s, int b, int kvh,
 }
 
 // Scores of the stream's next tile (len tokens) into ssm (see ScoreTile / ScoreTileMma).
-template <typename T, int D, int G, int NW, int U>
-__device__ __forceinline__ void ScoreTileAny(const QState<D, G>& q, KStream<D, G, NW, U>& ks,
-                                             int len, float* ssm, int warp, int lane) {
+template <typename T, int D, int G, int NW, int U, typename KS>
+__device__ __forceinline__ void ScoreTileAny(const QState<D, G>& q, KS& ks, int len, float* ssm,
+                                             int warp, int lane) {
   if constexpr (kUseMma<D>) {
-    ScoreTileMma<T, D, G, NW, U>(q.qfrag, q.qscale, ks, len, ssm, warp, lane);
+    ScoreTileMma<T, D, G, NW>(q.qfrag, q.qscale, ks, len, ssm, warp, lane);
   } else {
     ScoreTile<T, D, G, NW, U>(q.qf, ks, len, ssm, warp, lane);
   }
+}
+
+// Named barriers (ids 1..15; 0 is __syncthreads) for producer / consumer warps of a block:
+// Arrive does not wait; Sync waits until `threads` threads have arrived or synced.
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 __device__ __forceinline__ float WarpMax(float v) {
