@@ -117,6 +117,17 @@ __device__ __forceinline__ void MergeBlock(float (&m)[G], float (&l)[G], float (
   }
 }
 
+template <int G>
+__device__ __forceinline__ void InitSoftmaxState(float (&m)[G], float (&l)[G], float (&acc)[G][8]) {
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = kNegInf;
+    l[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
+  }
+}
+
 // Online-softmax step of one row of lanes over its NV new tokens: scores (log2 units) at
 // sc[(u * R + row) * G + g], V vectors vr[u] (this lane's 8 dims of token u of the row).
 template <typename T, int NV, int G, int R>
@@ -176,7 +187,6 @@ __global__ void __launch_bounds__(DenseCfg<D, G>::kThreads, DenseCfg<D, G>::kMin
   __shared__ float sm_m[NW][G];
   __shared__ float sm_l[NW][G];
 
-  AllowDependents();  // the partial merge may be scheduled
   // Kv head fastest: blocks running together read neighbouring rows of the same tokens (one
   // DRAM page serves all kv heads of a token in the sequence-major layout).
   const int kvh = blockIdx.x;
@@ -186,36 +196,19 @@ __global__ void __launch_bounds__(DenseCfg<D, G>::kThreads, DenseCfg<D, G>::kMin
   const int lane = threadIdx.x % 32;
   const int row = lane / L;
   const int lr = lane % L;
-  const int H = s.num_q_heads;
-  const int h0 = kvh * G;
   const int n = s.seq_lens[b];
   const int start = split * chunk_len;
   const int end = min(n, start + chunk_len);
 
   float qf[G][8];
-  const float qscale = s.scale * kLog2e;
-  const uint16_t* qb = static_cast<const uint16_t*>(s.q);
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    const uint4 raw = __ldg(
-        reinterpret_cast<const uint4*>(qb + (static_cast<int64_t>(b) * H + h0 + g) * D + lr * 8));
-    Unpack8<T>(raw, qf[g]);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) qf[g][e] *= qscale;
-  }
+  LoadQ<T, D, G>(s, b, kvh, lr, qf);
   const int64_t kv_off = b * s.kv.batch_stride + kvh * s.kv.head_stride + lr * 8;
   const uint16_t* kb = static_cast<const uint16_t*>(s.k) + kv_off;
   const uint16_t* vb = static_cast<const uint16_t*>(s.v) + kv_off;
   const int64_t ts = s.kv.token_stride;
 
   float m[G], l[G], acc[G][8];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = kNegInf;
-    l[g] = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
-  }
+  InitSoftmaxState(m, l, acc);
 
   // Per-thread cp.async pipeline: kStages iterations of this thread's K and V vectors in
   // flight; each thread reads back only the slots it filled, so no barrier is needed.
@@ -269,7 +262,7 @@ __global__ void __launch_bounds__(DenseCfg<D, G>::kThreads, DenseCfg<D, G>::kMin
 // Scores of 16 tokens x G heads per warp iteration come from mma.m16n8k16 (tile_common.cuh:
 // MmaGeom, LoadQFrag: the same permuted-dimension fragments as the sampling kernels), so the
 // CUDA cores only run the softmax and the V accumulation; K is staged in the mma layout and V
-// in the row layout, three cp.async stages deep.
+// in the row layout, two cp.async stages deep (three measured slower on the H200).
 template <int D, int G>
 struct DenseMmaCfg {
   static constexpr int L = D / 8;
@@ -280,7 +273,7 @@ struct DenseMmaCfg {
   static constexpr int kSlots = kKSlots + kVPer;
   static constexpr int kWarps = 8;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStages = 3;
+  static constexpr int kStages = 2;
   static constexpr size_t kStageBytes = size_t{kStages} * kSlots * kThreads * 16;
 };
 
@@ -301,7 +294,6 @@ __global__ void __launch_bounds__(DenseMmaCfg<D, G>::kThreads, 1)
   __shared__ float sm_m[NW][G];
   __shared__ float sm_l[NW][G];
   extern __shared__ uint4 stage[];  // [kStages][SL][NT]
-  AllowDependents();               // the partial merge may be scheduled
   const int kvh = blockIdx.x;
   const int split = blockIdx.y;
   const int b = blockIdx.z;
@@ -323,13 +315,7 @@ __global__ void __launch_bounds__(DenseMmaCfg<D, G>::kThreads, 1)
   const int64_t ts = s.kv.token_stride;
 
   float m[G], l[G], acc[G][8];
-#pragma unroll
-  for (int g = 0; g < G; ++g) {
-    m[g] = kNegInf;
-    l[g] = 0.f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
-  }
+  InitSoftmaxState(m, l, acc);
   auto issue = [&](int it_base, int slot) {
     const int tok0 = it_base + lane / 4, tok1 = tok0 + 8;
     const bool ok0 = tok0 < end, ok1 = tok1 < end;
@@ -391,7 +377,6 @@ template <typename T>
 __global__ void MergeKernel(const float* __restrict__ po, const float* __restrict__ plse,
                             int num_splits, int d, uint16_t* __restrict__ out) {
   const int64_t r = blockIdx.x;
-  GridDependencyWait();  // the split kernel wrote po and plse
   const float* lse = plse + r * num_splits;
   float mx = kNegInf;
   for (int i = 0; i < num_splits; ++i) mx = fmaxf(mx, lse[i]);
@@ -434,10 +419,9 @@ struct DenseLaunch {
     }
     KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     if (plan.num_splits > 1) {
-      return LaunchDependent(&MergeKernel<T>, dim3(s.batch * s.num_q_heads), dim3(128), 0, stream,
-                             static_cast<const float*>(part_o),
-                             static_cast<const float*>(part_lse), int{plan.num_splits}, int{D},
-                             static_cast<uint16_t*>(s.out));
+      MergeKernel<T><<<s.batch * s.num_q_heads, 128, 0, stream>>>(part_o, part_lse, plan.num_splits,
+                                                                  D, static_cast<uint16_t*>(s.out));
+      KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     }
     return cudaSuccess;
   }
@@ -451,8 +435,8 @@ struct MergeLaunch {
   cudaStream_t stream;
   template <typename T, int D, int G>
   cudaError_t operator()() const {
-    return LaunchDependent(&MergeKernel<T>, dim3(rows), dim3(128), 0, stream, po, plse, splits, d,
-                           static_cast<uint16_t*>(out));
+    MergeKernel<T><<<rows, 128, 0, stream>>>(po, plse, splits, d, static_cast<uint16_t*>(out));
+    return cudaGetLastError();
   }
 };
 

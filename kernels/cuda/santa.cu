@@ -85,7 +85,6 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
   int* cnt = reinterpret_cast<int*>(sm + kScoreFloats);
   int* idx = cnt + G * kTile;
 
-  AllowDependents();  // the partial merge may be scheduled
   const DecodeShape& s = p.shape;
   const int kvh = blockIdx.x, blk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -421,8 +420,8 @@ __global__ void __launch_bounds__(kSmallThreads)
 }
 
 // ---------------------------------------------------------------------------------------------
-// Prop pass 2 (Algorithm 5). Each warp takes batches of kNB = 32 / G consecutive tiles, one
-// lane per (tile, head): the lane reads its budget and, when it is at most kRecMax, the sampled
+// Prop pass 2 (Algorithm 5). Each warp takes batches of nb <= kNB = 32 / G consecutive tiles
+// (fewer when there are few tiles, for more warps in flight), one lane per (tile, head): the lane reads its budget and, when it is at most kRecMax, the sampled
 // tokens from its record; the warp compacts the batch's samples into a list and gathers their V
 // rows (up to 16 loads in flight per lane). Tiles with a larger budget are rescored (a rare
 // path). The block's sums go to an fp32 accumulator; the last block of a (b, kv head) to finish
@@ -561,13 +560,13 @@ __device__ __forceinline__ void FallbackTile(const SantaParams& p, int b, int kv
 
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
-    PropPass2Kernel(SantaParams p, int max_tiles, int num_parts, const uint8_t* __restrict__ rec,
+    PropPass2Kernel(SantaParams p, int max_tiles, int num_parts, int nb,
+                    const uint8_t* __restrict__ rec,
                     const int* __restrict__ s_tiles, float* __restrict__ accum,
                     unsigned* __restrict__ counters) {
   using Geo = Pass2Geom<D, G>;
   constexpr int NW = kPass2Warps;
   constexpr int L = D / 8;
-  constexpr int NB = Geo::kNB;
   extern __shared__ __align__(16) float dsm[];
   __shared__ bool sm_last;
   const DecodeShape& s = p.shape;
@@ -589,14 +588,14 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
   GridDependencyWait();
   const int n = s.seq_lens[b];
   const int num_tiles = (n + kTile - 1) / kTile;
-  const int num_batches = (num_tiles + NB - 1) / NB;
+  const int num_batches = (num_tiles + nb - 1) / nb;
   const int my_g = lane % G;
   for (int bi = blk * NW + warp; bi < num_batches; bi += num_parts * NW) {
-    const int t = bi * NB + lane / G;
+    const int t = bi * nb + lane / G;
     const int64_t bh = bh0 + my_g;
-    const int st = t < num_tiles ? s_tiles[bh * max_tiles + t] : 0;
+    const int st = (lane / G < nb && t < num_tiles) ? s_tiles[bh * max_tiles + t] : 0;
     if (__ballot_sync(0xffffffffu, st != 0) == 0) continue;  // uniform over the warp
-    const int tb0 = bi * NB * kTile;
+    const int tb0 = bi * nb * kTile;
     if (p.rows_read != nullptr) {
       for (int i = lane; i < Geo::kMapWords; i += 32) map[i] = 0u;
       __syncwarp();
@@ -628,7 +627,7 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
     while (big != 0u) {
       const int ti = (__ffs(big) - 1) / G;
       const unsigned tile_bits = ((1u << G) - 1u) << (ti * G);
-      FallbackTile<T, D, G>(p, b, kvh, bi * NB + ti, n, (big & tile_bits) >> (ti * G), st, ti * G,
+      FallbackTile<T, D, G>(p, b, kvh, bi * nb + ti, n, (big & tile_bits) >> (ti * G), st, ti * G,
                             sc, vb, row, lane, tb0, map, acc);
       big &= ~tile_bits;
     }
@@ -870,11 +869,14 @@ struct Pass2Launch {
   template <typename T, int D, int G>
   cudaError_t operator()() const {
     constexpr int NW = kPass2Warps;
-    constexpr int NB = Pass2Geom<D, G>::kNB;
     const int64_t pairs =
         std::max<int64_t>(1, static_cast<int64_t>(p.shape.batch) * p.shape.num_kv_heads);
+    // Tiles per warp batch: halved until there are about four warp batches per multiprocessor
+    // (each batch is a short chain of dependent loads, so small problems want many of them).
+    int nb = Pass2Geom<D, G>::kNB;
+    while (nb > 1 && pairs * ((plan.max_tiles + nb - 1) / nb) < int64_t{NumSms()} * 4) nb /= 2;
     const int64_t slots = static_cast<int64_t>(NumSms()) * 8;
-    const int64_t batches = (plan.max_tiles + NB - 1) / NB;
+    const int64_t batches = (plan.max_tiles + nb - 1) / nb;
     const int parts = static_cast<int>(
         std::max<int64_t>(1, std::min<int64_t>((batches + NW - 1) / NW, slots / pairs)));
     const dim3 grid(p.shape.num_kv_heads, parts, p.shape.batch);
@@ -882,7 +884,7 @@ struct Pass2Launch {
     auto* kernel = &PropPass2Kernel<T, D, G>;
     KVSPARSE_CUDA_RETURN_IF_ERROR(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kSmem}));
-    return LaunchDependent(kernel, grid, dim3(NW * 32), kSmem, stream, p, plan.max_tiles, parts,
+    return LaunchDependent(kernel, grid, dim3(NW * 32), kSmem, stream, p, plan.max_tiles, parts, nb,
                            static_cast<const uint8_t*>(ws.records),
                            static_cast<const int*>(ws.s_tiles), ws.accum, ws.counters);
   }
