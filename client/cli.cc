@@ -55,7 +55,8 @@ ABSL_FLAG(uint64_t, warmup, 10, "bench-gather: untimed calls first");
 // create: placement
 ABSL_FLAG(std::string, k_tier, "host", "create: where the worker keeps K: host or device");
 ABSL_FLAG(std::string, v_tier, "host", "create: where the worker keeps V: host or device");
-ABSL_FLAG(uint32_t, signature_bits, 0, "create: HashAttention signature bits kept per key (0: none)");
+ABSL_FLAG(uint32_t, signature_bits, 0,
+          "create: HashAttention signature bits kept per key (0: none)");
 // decode
 ABSL_FLAG(std::string, method, "dense", "decode: dense, santa, hash_top_k or vattention");
 ABSL_FLAG(uint32_t, samples, 128, "decode santa: samples S per query head");
@@ -472,11 +473,12 @@ int CmdDecode(KvStoreClient& c) {
     fetched += h.rows_fetched();
     selected += h.rows_selected();
   }
-  std::printf("decode %s layer %u, %zu sequence(s), method %s: %.0f us (engine %.0f us: selection "
-              "%.0f, gather %.0f, compute %.0f",
-              ids[0].c_str(), req.layer(), ids.size(), absl::GetFlag(FLAGS_method).c_str(), us,
-              resp->timing().engine_seconds() * 1e6, resp->timing().selection_seconds() * 1e6,
-              resp->timing().gather_seconds() * 1e6, resp->timing().compute_seconds() * 1e6);
+  std::printf(
+      "decode %s layer %u, %zu sequence(s), method %s: %.0f us (engine %.0f us: selection "
+      "%.0f, gather %.0f, compute %.0f",
+      ids[0].c_str(), req.layer(), ids.size(), absl::GetFlag(FLAGS_method).c_str(), us,
+      resp->timing().engine_seconds() * 1e6, resp->timing().selection_seconds() * 1e6,
+      resp->timing().gather_seconds() * 1e6, resp->timing().compute_seconds() * 1e6);
   if (resp->sync_bytes() > 0) {
     std::printf("; resident sync %.0f us, %" PRIu64 " bytes: one-off after a prefill",
                 resp->timing().sync_seconds() * 1e6, resp->sync_bytes());

@@ -21,9 +21,7 @@ struct IndexedRows {
 // ... or by address.
 struct AddressedRows {
   const void* const* rows;
-  __device__ const char* operator()(int64_t r) const {
-    return static_cast<const char*>(rows[r]);
-  }
+  __device__ const char* operator()(int64_t r) const { return static_cast<const char*>(rows[r]); }
 };
 
 // Each thread copies `kIn` chunks of type V (16 or 4 bytes), all loads issued before the

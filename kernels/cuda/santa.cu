@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(Pass1Cfg<D, G>::kThreads, Pass1Cfg<D, G>::kMin
   constexpr int kAll = Cfg::kThreads;
   constexpr int kFullBar = 1, kEmptyBar = 3;  // + buffer index (ids stay compile-time)
   __shared__ __align__(16) float ssm[2][G * kTile];
-  extern __shared__ uint4 kst[];  // K staging, Pass1Cfg::kSmem
+  extern __shared__ uint4 kst[];                                // K staging, Pass1Cfg::kSmem
   if constexpr (kOut == Pass1Out::kRecords) AllowDependents();  // the budget kernel waits anyway
   const int kvh = blockIdx.x, blk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -275,8 +275,8 @@ __global__ void __launch_bounds__(Pass1Cfg<D, G>::kThreads, Pass1Cfg<D, G>::kMin
         if (buf == 0) NamedBarrierSync(kEmptyBar, kAll);
         if (buf == 1) NamedBarrierSync(kEmptyBar + 1, kAll);
       }
-      ScoreTileAny<T, D, G, NW, TileCfg<D, G>::kUnroll>(qs, ks, min(kTile, n - t * kTile),
-                                                        ssm[buf], warp, lane);
+      ScoreTileAny<T, D, G, NW, TileCfg<D, G>::kUnroll>(qs, ks, min(kTile, n - t * kTile), ssm[buf],
+                                                        warp, lane);
       if (buf == 0) NamedBarrierArrive(kFullBar, kAll);
       if (buf == 1) NamedBarrierArrive(kFullBar + 1, kAll);
     }
@@ -309,8 +309,8 @@ __global__ void __launch_bounds__(Pass1Cfg<D, G>::kThreads, Pass1Cfg<D, G>::kMin
         const float a0 =
             PhiloxUniform(PhiloxStream::Make(seed, RngTag::kPropTileOffset, b, kvh * G + g), t);
         const float inv_delta = static_cast<float>(k) / ell;
-        const int tok = FirstAtLeast(sc, len, inv_delta,
-                                     __fsub_rn(static_cast<float>(lane - first + 1), a0));
+        const int tok =
+            FirstAtLeast(sc, len, inv_delta, __fsub_rn(static_cast<float>(lane - first + 1), a0));
         static_cast<uint8_t*>(out)[(bh * max_tiles + t) * kRecBytes + lane] =
             static_cast<uint8_t>(tok);
       }
@@ -421,21 +421,20 @@ __global__ void __launch_bounds__(kSmallThreads)
 
 // ---------------------------------------------------------------------------------------------
 // Prop pass 2 (Algorithm 5). Each warp takes batches of nb <= kNB = 32 / G consecutive tiles
-// (fewer when there are few tiles, for more warps in flight), one lane per (tile, head): the lane reads its budget and, when it is at most kRecMax, the sampled
-// tokens from its record; the warp compacts the batch's samples into a list and gathers their V
-// rows (up to 16 loads in flight per lane). Tiles with a larger budget are rescored (a rare
-// path). The block's sums go to an fp32 accumulator; the last block of a (b, kv head) to finish
-// writes out = accum / S.
+// (fewer when there are few tiles, for more warps in flight), one lane per (tile, head): the lane
+// reads its budget and, when it is at most kRecMax, the sampled tokens from its record; the warp
+// compacts the batch's samples into a list and gathers their V rows (up to 16 loads in flight per
+// lane). Tiles with a larger budget are rescored (a rare path). The block's sums go to an fp32
+// accumulator; the last block of a (b, kv head) to finish writes out = accum / S.
 constexpr int kPass2Warps = 4;
 
 template <int D, int G>
 struct Pass2Geom {
-  static constexpr int kNB = 32 / G;                   // tiles per warp batch
-  static constexpr int kList = 32 * kRecMax;           // list entries per warp
-  static constexpr int kMapWords = kNB * kTile / 32;   // rows_read bitmap words per warp
+  static constexpr int kNB = 32 / G;                  // tiles per warp batch
+  static constexpr int kList = 32 * kRecMax;          // list entries per warp
+  static constexpr int kMapWords = kNB * kTile / 32;  // rows_read bitmap words per warp
   static constexpr int kWarpFloats = kList + G * kTile + kMapWords;
-  static constexpr size_t kSmem =
-      sizeof(float) * Max(kPass2Warps * kWarpFloats, kPass2Warps * G * D);
+  static constexpr size_t kSmem = sizeof(float) * Max(kPass2Warps * kWarpFloats, kPass2Warps* G* D);
 };
 
 // Adds the V rows of up to 32 samples, one per lane (entry = (token << 3) | head, or -1), to
@@ -453,8 +452,8 @@ __device__ __forceinline__ void GatherEntries(int entry, int cnt, const uint16_t
       const int idx = j0 + i * R + row;
       const int e = __shfl_sync(0xffffffffu, entry, idx & 31);
       ge[i] = idx < cnt ? (e & 7) : -1;
-      vr[i] = idx < cnt ? LoadStream16(vb + static_cast<int64_t>(e >> 3) * ts)
-                        : make_uint4(0, 0, 0, 0);
+      vr[i] =
+          idx < cnt ? LoadStream16(vb + static_cast<int64_t>(e >> 3) * ts) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int i = 0; i < kIn; ++i) {
@@ -498,8 +497,8 @@ __device__ __forceinline__ void WarpScoreTile(const DecodeShape& s, int b, int k
   const int row = lane / L, lr = lane % L;
   float qf[G][8];
   LoadQ<T, D, G>(s, b, kvh, lr, qf);
-  const uint16_t* kb = static_cast<const uint16_t*>(s.k) + b * s.kv.batch_stride +
-                       kvh * s.kv.head_stride + lr * 8;
+  const uint16_t* kb =
+      static_cast<const uint16_t*>(s.k) + b * s.kv.batch_stride + kvh * s.kv.head_stride + lr * 8;
   for (int base = 0; base < kTile; base += R * U) {
     uint4 kr[U];
 #pragma unroll
@@ -522,9 +521,9 @@ __device__ __forceinline__ void WarpScoreTile(const DecodeShape& s, int b, int k
 // budget, 32 samples at a time.
 template <typename T, int D, int G>
 __device__ __forceinline__ void FallbackTile(const SantaParams& p, int b, int kvh, int t, int n,
-                                          unsigned heads, int st, int lane_base, float* sc,
-                                          const uint16_t* vb, int row, int lane, int tb0,
-                                          uint32_t* map, float (&acc)[G][8]) {
+                                             unsigned heads, int st, int lane_base, float* sc,
+                                             const uint16_t* vb, int row, int lane, int tb0,
+                                             uint32_t* map, float (&acc)[G][8]) {
   const DecodeShape& s = p.shape;
   const int t0 = t * kTile;
   const int len = min(kTile, n - t0);
@@ -561,9 +560,8 @@ __device__ __forceinline__ void FallbackTile(const SantaParams& p, int b, int kv
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
     PropPass2Kernel(SantaParams p, int max_tiles, int num_parts, int nb,
-                    const uint8_t* __restrict__ rec,
-                    const int* __restrict__ s_tiles, float* __restrict__ accum,
-                    unsigned* __restrict__ counters) {
+                    const uint8_t* __restrict__ rec, const int* __restrict__ s_tiles,
+                    float* __restrict__ accum, unsigned* __restrict__ counters) {
   using Geo = Pass2Geom<D, G>;
   constexpr int NW = kPass2Warps;
   constexpr int L = D / 8;
@@ -853,8 +851,8 @@ struct Pass1Launch {
     const dim3 grid(s.num_kv_heads, plan.num_parts, s.batch);
     using Cfg = Pass1Cfg<D, G>;
     auto* kernel = &Pass1Kernel<T, D, G, kOut>;
-    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int{Cfg::kSmem}));
+    KVSPARSE_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int{Cfg::kSmem}));
     kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(s, seed, plan.tiles_per_block,
                                                         plan.max_tiles, m_tiles, l_tiles, out);
     return cudaGetLastError();
@@ -948,8 +946,7 @@ cudaError_t LaunchBudget(const SantaParams& p, const TilePlan& plan, const PropS
                   (plan.max_tiles + kBudgetTiles - 1) / kBudgetTiles);
   return LaunchDependent(&PropBudgetKernel, grid, dim3(kSmallThreads), smem, stream, p.shape,
                          p.num_samples, plan.max_tiles, static_cast<const float*>(ws.m_tiles),
-                         static_cast<const float*>(ws.l_tiles), ws.s_tiles, ws.accum,
-                         ws.counters);
+                         static_cast<const float*>(ws.l_tiles), ws.s_tiles, ws.accum, ws.counters);
 }
 
 }  // namespace
@@ -991,10 +988,10 @@ cudaError_t S2antaProp(const SantaParams& p, void* workspace, size_t workspace_b
   const PropSpace ws = CarveProp(p.shape, plan, workspace, &need);
   if (workspace == nullptr || workspace_bytes < need) return cudaErrorInvalidValue;
   const DecodeShape& s = p.shape;
-  KVSPARSE_CUDA_RETURN_IF_ERROR(DispatchDecode(
-      s.dtype, s.head_dim, s.group_size(),
-      Pass1Launch<Pass1Out::kRecords>{s, p.seed, plan, ws.m_tiles, ws.l_tiles, ws.records,
-                                      stream}));
+  KVSPARSE_CUDA_RETURN_IF_ERROR(
+      DispatchDecode(s.dtype, s.head_dim, s.group_size(),
+                     Pass1Launch<Pass1Out::kRecords>{s, p.seed, plan, ws.m_tiles, ws.l_tiles,
+                                                     ws.records, stream}));
   KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchBudget(p, plan, ws, stream));
   return DispatchDecode(s.dtype, s.head_dim, s.group_size(), Pass2Launch{p, plan, ws, stream});
 }

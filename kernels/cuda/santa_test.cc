@@ -201,9 +201,9 @@ TEST(SantaCudaTest, OperatingPointsAt32k) {
   printf(
       "32k peaked: prop S=128 rel err %.4f (%lld of %lld counts moved), flash S=2048 rel err "
       "%.4f (%lld of %lld moved)\n",
-      prop.dense_err, static_cast<long long>(prop.mismatched),
-      static_cast<long long>(prop.samples), flash.dense_err,
-      static_cast<long long>(flash.mismatched), static_cast<long long>(flash.samples));
+      prop.dense_err, static_cast<long long>(prop.mismatched), static_cast<long long>(prop.samples),
+      flash.dense_err, static_cast<long long>(flash.mismatched),
+      static_cast<long long>(flash.samples));
 }
 
 // Flash and iid are unbiased: averaging the GPU output over seeds approaches dense attention

@@ -144,7 +144,7 @@ template <int D, int G, int NW, int U, int kBufs>
 struct KStream {
   static constexpr int kRounds =
       kUseMma<D> ? MmaGeom<D, NW>::kRounds : ScoreGeom<D, G, NW, U>::kRounds;  // per tile
-  static constexpr int kBuf = kStageSlots * NW * 32;  // uint4 per buffer
+  static constexpr int kBuf = kStageSlots * NW * 32;                           // uint4 per buffer
 
   const uint16_t* kb0;  // token 0, dim 0 of the K rows
   int64_t ts;           // token stride (elements)
@@ -156,8 +156,8 @@ struct KStream {
   int consumed;
 
   // Starts the first kBufs - 1 rounds.
-  __device__ __forceinline__ void Start(const uint16_t* k0, int64_t stride, int len, int tb,
-                                        int te, uint4* stage, int warp, int lane) {
+  __device__ __forceinline__ void Start(const uint16_t* k0, int64_t stride, int len, int tb, int te,
+                                        uint4* stage, int warp, int lane) {
     kb0 = k0;
     ts = stride;
     n = len;
