@@ -21,6 +21,10 @@ inline constexpr int kNumTiers = 3;
 absl::string_view TierName(Tier t);
 
 enum class RowKind : uint8_t { kK = 1, kV = 2, kKV = 3 };
+// The rows to read: K, V or both. REQUIRES: k || v.
+constexpr RowKind RowKindOf(bool k, bool v) {
+  return static_cast<RowKind>((k ? 1 : 0) | (v ? 2 : 0));
+}
 
 struct ModelShape {
   uint32_t num_layers = 0;    // L

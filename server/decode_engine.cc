@@ -470,9 +470,7 @@ absl::Status DecodeEngine::DecodeSequence(const DecodeCall& call, uint32_t index
         for (int32_t j = 0; j < hkv; ++j) req.push_back({static_cast<uint32_t>(j), base.tokens[j]});
         const bool fetch_k = !res.has_k(), fetch_v = !res.has_v();
         if (fetch_k || fetch_v) {
-          const kvstore::RowKind kind = fetch_k && fetch_v ? kvstore::RowKind::kKV
-                                        : fetch_k          ? kvstore::RowKind::kK
-                                                           : kvstore::RowKind::kV;
+          const kvstore::RowKind kind = kvstore::RowKindOf(fetch_k, fetch_v);
           absl::StatusOr<uint64_t> got =
               source_->Gather(desc.sequence_id, layer, kind, req, fetch_k ? base.k.data() : nullptr,
                               fetch_v ? base.v.data() : nullptr, call.deadline);
@@ -571,9 +569,7 @@ absl::Status DecodeEngine::DecodeSequence(const DecodeCall& call, uint32_t index
     for (int32_t j = 0; j < hkv; ++j) {
       if (!missing[j].empty()) req.push_back({static_cast<uint32_t>(j), missing[j]});
     }
-    const kvstore::RowKind kind = fetch_k && fetch_v ? kvstore::RowKind::kKV
-                                  : fetch_k          ? kvstore::RowKind::kK
-                                                     : kvstore::RowKind::kV;
+    const kvstore::RowKind kind = kvstore::RowKindOf(fetch_k, fetch_v);
     absl::StatusOr<uint64_t> got =
         source_->Gather(desc.sequence_id, layer, kind, req, fetch_k ? extra.k.data() : nullptr,
                         fetch_v ? extra.v.data() : nullptr, call.deadline);

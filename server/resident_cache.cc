@@ -254,9 +254,7 @@ absl::StatusOr<ResidentCache::Handle> ResidentCache::Acquire(const SequenceDesc&
   }
   const bool need_k = l.has_k_ || l.words_ > 0;
   const bool need_v = l.has_v_;
-  const kvstore::RowKind kind = need_k && need_v ? kvstore::RowKind::kKV
-                                : need_k         ? kvstore::RowKind::kK
-                                                 : kvstore::RowKind::kV;
+  const kvstore::RowKind kind = kvstore::RowKindOf(need_k, need_v);
   const size_t hkv = shape.num_kv_heads;
   const size_t row = l.row_bytes_;
   const uint64_t chunk = std::max<uint64_t>(1, sync_chunk_bytes_ / (hkv * row * (need_k + need_v)));
