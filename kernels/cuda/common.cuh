@@ -72,14 +72,21 @@ cudaError_t DispatchDecode(DType dtype, int head_dim, int group, Body&& body) {
 }
 
 // Checks what every decode launcher relies on; cudaSuccess if the shape is supported.
-inline cudaError_t ValidateShape(const DecodeShape& s) {
+// accepts_paged: which of K and V the launcher can read from pages (DecodeShape::k_pages /
+// v_pages); paged rows given to a launcher that cannot read them are cudaErrorInvalidValue.
+inline cudaError_t ValidateShape(const DecodeShape& s, bool k_paged_ok = false,
+                                 bool v_paged_ok = false) {
   if (s.batch < 0 || s.num_kv_heads <= 0 || s.num_q_heads <= 0 ||
       s.num_q_heads % s.num_kv_heads != 0 || s.max_seq_len < 0) {
     return cudaErrorInvalidValue;
   }
+  if ((s.k_pages.enabled() && !k_paged_ok) || (s.v_pages.enabled() && !v_paged_ok)) {
+    return cudaErrorInvalidValue;
+  }
   if (s.batch == 0) return cudaSuccess;
-  if (s.q == nullptr || s.k == nullptr || s.v == nullptr || s.out == nullptr ||
-      s.seq_lens == nullptr) {
+  const bool has_k = s.k != nullptr || s.k_heads != nullptr || s.k_pages.enabled();
+  const bool has_v = s.v != nullptr || s.v_heads != nullptr || s.v_pages.enabled();
+  if (s.q == nullptr || !has_k || !has_v || s.out == nullptr || s.seq_lens == nullptr) {
     return cudaErrorInvalidValue;
   }
   auto misaligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) != 0; };
@@ -88,6 +95,12 @@ inline cudaError_t ValidateShape(const DecodeShape& s) {
   }
   if (s.kv.batch_stride % 8 != 0 || s.kv.head_stride % 8 != 0 || s.kv.token_stride % 8 != 0) {
     return cudaErrorInvalidValue;
+  }
+  for (const PagedRows* pr : {&s.k_pages, &s.v_pages}) {
+    if (pr->enabled() && (pr->page_shift < 0 || pr->page_shift > 24 || pr->slot_bytes % 16 != 0 ||
+                          pr->offset_bytes % 16 != 0)) {
+      return cudaErrorInvalidValue;
+    }
   }
   return cudaSuccess;
 }
@@ -128,6 +141,49 @@ __device__ __forceinline__ void GridDependencyWait() {
 }
 __device__ __forceinline__ void AllowDependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// Row 0 of (b, kv head j) of K (v = false) or V (v = true) for strided or per-head bases (not
+// paged rows), as uint16 elements.
+__device__ __forceinline__ const uint16_t* KvHeadBase(const DecodeShape& s, bool v, int b, int j) {
+  const void* const* heads = v ? s.v_heads : s.k_heads;
+  if (heads != nullptr) {
+    return static_cast<const uint16_t*>(heads[static_cast<int64_t>(b) * s.num_kv_heads + j]);
+  }
+  return static_cast<const uint16_t*>(v ? s.v : s.k) + b * s.kv.batch_stride +
+         j * s.kv.head_stride;
+}
+
+// Where the single rows of one (b, kv head) of K or V are, strided or paged; `lane_elems` is
+// added to every row (the 8-element slice a lane reads).
+struct RowReader {
+  const uint16_t* base = nullptr;  // strided: row t at base + t * ts
+  int64_t ts = 0;
+  const char* const* pages = nullptr;  // paged: this (b, kv head)'s page list
+  int32_t shift = 0, slot = 0, offset = 0;
+
+  __device__ __forceinline__ const uint16_t* Row(int64_t t) const {
+    if (pages == nullptr) return base + t * ts;
+    const char* page = pages[t >> shift];
+    return reinterpret_cast<const uint16_t*>(page + (t & ((1 << shift) - 1)) * slot + offset);
+  }
+};
+
+__device__ __forceinline__ RowReader MakeRowReader(const DecodeShape& s, bool v, int b, int j,
+                                                   int lane_elems) {
+  RowReader r;
+  const PagedRows& pr = v ? s.v_pages : s.k_pages;
+  if (pr.tables != nullptr) {
+    r.pages = reinterpret_cast<const char* const*>(
+        pr.tables[static_cast<int64_t>(b) * s.num_kv_heads + j]);
+    r.shift = pr.page_shift;
+    r.slot = pr.slot_bytes;
+    r.offset = pr.offset_bytes + lane_elems * 2;
+  } else {
+    r.base = KvHeadBase(s, v, b, j) + lane_elems;
+    r.ts = s.kv.token_stride;
+  }
+  return r;
 }
 
 // 16 bytes of K or V read once: bypass L1 (streamed), keep the default L2 policy.

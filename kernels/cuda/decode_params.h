@@ -29,6 +29,20 @@ struct KvStrides {
   int64_t token_stride = 0;
 };
 
+// Rows kept in fixed-size pages and read in place, e.g. the store's pinned, mapped host tier
+// (kvstore::PageView): row (b, j, t) starts at
+//   tables[b * Hkv + j][t >> page_shift] + (t & (2^page_shift - 1)) * slot_bytes + offset_bytes.
+// Page addresses must be device-visible (device memory, or mapped host memory whose host
+// addresses the device can use) and every row 16-byte aligned.
+struct PagedRows {
+  const void* const* const* tables = nullptr;  // device, shape: [B * Hkv] page lists
+  int32_t page_shift = 0;                      // a page holds 2^page_shift tokens
+  int32_t slot_bytes = 0;                      // bytes from one token's slot to the next
+  int32_t offset_bytes = 0;                    // where the row sits in its slot
+
+  bool enabled() const { return tables != nullptr; }
+};
+
 // One decode step: one query token per sequence, H query heads over Hkv kv heads (GQA).
 struct DecodeShape {
   int32_t batch = 0;           // B
@@ -40,6 +54,18 @@ struct DecodeShape {
   const void* k = nullptr;     // device (or mapped host), per kv
   const void* v = nullptr;     // device (or mapped host), per kv
   KvStrides kv;
+  // Optional per-(sequence, kv head) row bases, for sequences that live in separate allocations
+  // (the decode worker's resident state): when set, row (b, j, t) of K starts at
+  // k_heads[b * Hkv + j] + t * kv.token_stride (elements) and k, kv.batch_stride and
+  // kv.head_stride are not used for K. Same for v_heads. Device, shape: [B * Hkv], 16-byte
+  // aligned.
+  const void* const* k_heads = nullptr;
+  const void* const* v_heads = nullptr;
+  // Optional paged rows (see PagedRows), used instead of k / k_heads (v / v_heads). Only the
+  // kernels that read single rows accept them: V in SantaIid, S2antaProp and S2antaFlash (K is
+  // streamed and must be strided), K and V in VAttentionDecode; the others return
+  // cudaErrorInvalidValue.
+  PagedRows k_pages, v_pages;
   const int32_t* seq_lens = nullptr;  // device, shape: [B]; 0 <= seq_lens[b] <= max_seq_len
   // Host-side upper bound of seq_lens: sets grid and workspace sizes (so a captured graph stays
   // valid while every sequence stays within it).

@@ -202,9 +202,8 @@ __global__ void __launch_bounds__(DenseCfg<D, G>::kThreads, DenseCfg<D, G>::kMin
 
   float qf[G][8];
   LoadQ<T, D, G>(s, b, kvh, lr, qf);
-  const int64_t kv_off = b * s.kv.batch_stride + kvh * s.kv.head_stride + lr * 8;
-  const uint16_t* kb = static_cast<const uint16_t*>(s.k) + kv_off;
-  const uint16_t* vb = static_cast<const uint16_t*>(s.v) + kv_off;
+  const uint16_t* kb = KvHeadBase(s, false, b, kvh) + lr * 8;
+  const uint16_t* vb = KvHeadBase(s, true, b, kvh) + lr * 8;
   const int64_t ts = s.kv.token_stride;
 
   float m[G], l[G], acc[G][8];
@@ -309,9 +308,8 @@ __global__ void __launch_bounds__(DenseMmaCfg<D, G>::kThreads, 1)
   uint4 qfrag[D / 32];
   LoadQFrag<D, G>(s, b, kvh, lane, qfrag);
   const float qscale = s.scale * kLog2e;
-  const int64_t kv_base = b * s.kv.batch_stride + kvh * s.kv.head_stride;
-  const uint16_t* kb = static_cast<const uint16_t*>(s.k) + kv_base + 8 * c4;
-  const uint16_t* vb = static_cast<const uint16_t*>(s.v) + kv_base + lr * 8;
+  const uint16_t* kb = KvHeadBase(s, false, b, kvh) + 8 * c4;
+  const uint16_t* vb = KvHeadBase(s, true, b, kvh) + lr * 8;
   const int64_t ts = s.kv.token_stride;
 
   float m[G], l[G], acc[G][8];

@@ -107,6 +107,7 @@ __device__ __forceinline__ void LoadQuerySig(const HashTopKParams& p, int64_t bh
 
 __device__ __forceinline__ const uint32_t* KeySigs(const HashTopKParams& p, int b, int h) {
   const int j = p.key_heads == p.num_q_heads ? h : h / (p.num_q_heads / p.key_heads);
+  if (p.k_sig_heads != nullptr) return p.k_sig_heads[static_cast<int64_t>(b) * p.key_heads + j];
   return p.k_sigs + b * p.k_batch_stride + j * p.k_head_stride;
 }
 
@@ -429,7 +430,7 @@ cudaError_t HashTopK(const HashTopKParams& p, void* workspace, size_t workspace_
     return cudaErrorInvalidValue;
   }
   if (p.batch == 0) return cudaSuccess;
-  if (p.q_sigs == nullptr || p.k_sigs == nullptr || p.seq_lens == nullptr || p.indices == nullptr ||
+  if (p.q_sigs == nullptr || (p.k_sigs == nullptr && p.k_sig_heads == nullptr) || p.seq_lens == nullptr || p.indices == nullptr ||
       p.counts == nullptr) {
     return cudaErrorInvalidValue;
   }

@@ -52,6 +52,9 @@ struct HashTopKParams {
   // device; key signature of (b, j, t) at k_sigs + b * k_batch_stride + j * k_head_stride +
   // t * k_token_stride (words).
   const uint32_t* k_sigs = nullptr;
+  // Optional, device, shape: [B * key_heads]: when set, the key signatures of (b, j) start at
+  // k_sig_heads[b * key_heads + j] (k_sigs, k_batch_stride and k_head_stride are not used).
+  const uint32_t* const* k_sig_heads = nullptr;
   int64_t k_batch_stride = 0;
   int64_t k_head_stride = 0;
   int64_t k_token_stride = 0;

@@ -40,7 +40,7 @@ TilePlan MakeTilePlan(const DecodeShape& s) {
 }
 
 cudaError_t ValidateSanta(const SantaParams& p) {
-  KVSPARSE_CUDA_RETURN_IF_ERROR(ValidateShape(p.shape));
+  KVSPARSE_CUDA_RETURN_IF_ERROR(ValidateShape(p.shape, /*k_paged_ok=*/false, /*v_paged_ok=*/true));
   if (p.num_samples < 1) return cudaErrorInvalidValue;
   return cudaSuccess;
 }
@@ -98,9 +98,8 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
 
   QState<D, G> qs;
   LoadQState<T, D, G>(s, b, kvh, lane, lr, qs);
-  const int64_t kv_base = b * s.kv.batch_stride + kvh * s.kv.head_stride;
-  const uint16_t* kb0 = static_cast<const uint16_t*>(s.k) + kv_base;
-  const uint16_t* vb = static_cast<const uint16_t*>(s.v) + kv_base + lr * 8;
+  const uint16_t* kb0 = KvHeadBase(s, false, b, kvh);
+  const RowReader vr = MakeRowReader(s, true, b, kvh, lr * 8);
   const int64_t ts = s.kv.token_stride;
 
   float acc[G][8];
@@ -156,7 +155,7 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[g][e] *= a;
     }
-    GatherRows<T, D, G, NW>(vb, ts, t0, idx, sm_rows, cnt, sm_w, warp, row, acc);
+    GatherRows<T, D, G, NW>(vr, t0, idx, sm_rows, cnt, sm_w, warp, row, acc);
     __syncthreads();
   }
 
@@ -265,8 +264,7 @@ __global__ void __launch_bounds__(Pass1Cfg<D, G>::kThreads, Pass1Cfg<D, G>::kMin
   if (warp < NW) {  // scoring warps
     QState<D, G> qs;
     LoadQState<T, D, G>(s, b, kvh, lane, lane % (D / 8), qs);
-    const uint16_t* kb0 =
-        static_cast<const uint16_t*>(s.k) + b * s.kv.batch_stride + kvh * s.kv.head_stride;
+    const uint16_t* kb0 = KvHeadBase(s, false, b, kvh);
     KStream<D, G, NW, TileCfg<D, G>::kUnroll, Cfg::kBufs> ks;
     ks.Start(kb0, s.kv.token_stride, n, t_begin, t_end, kst, warp, lane);
     for (int t = t_begin; t < t_end; ++t) {
@@ -440,8 +438,8 @@ struct Pass2Geom {
 // Adds the V rows of up to 32 samples, one per lane (entry = (token << 3) | head, or -1), to
 // acc[head]. cnt (warp-uniform) = number of lanes holding a sample, which are the first cnt.
 template <typename T, int D, int G>
-__device__ __forceinline__ void GatherEntries(int entry, int cnt, const uint16_t* vb, int64_t ts,
-                                              int row, float (&acc)[G][8]) {
+__device__ __forceinline__ void GatherEntries(int entry, int cnt, const RowReader& vb, int row,
+                                              float (&acc)[G][8]) {
   constexpr int R = 32 / (D / 8);
   constexpr int kIn = 32 / R < 8 ? 32 / R : 8;  // rows in flight per lane
   for (int j0 = 0; j0 < cnt; j0 += R * kIn) {
@@ -452,8 +450,7 @@ __device__ __forceinline__ void GatherEntries(int entry, int cnt, const uint16_t
       const int idx = j0 + i * R + row;
       const int e = __shfl_sync(0xffffffffu, entry, idx & 31);
       ge[i] = idx < cnt ? (e & 7) : -1;
-      vr[i] =
-          idx < cnt ? LoadStream16(vb + static_cast<int64_t>(e >> 3) * ts) : make_uint4(0, 0, 0, 0);
+      vr[i] = idx < cnt ? LoadStream16(vb.Row(e >> 3)) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int i = 0; i < kIn; ++i) {
@@ -497,8 +494,7 @@ __device__ __forceinline__ void WarpScoreTile(const DecodeShape& s, int b, int k
   const int row = lane / L, lr = lane % L;
   float qf[G][8];
   LoadQ<T, D, G>(s, b, kvh, lr, qf);
-  const uint16_t* kb =
-      static_cast<const uint16_t*>(s.k) + b * s.kv.batch_stride + kvh * s.kv.head_stride + lr * 8;
+  const uint16_t* kb = KvHeadBase(s, false, b, kvh) + lr * 8;
   for (int base = 0; base < kTile; base += R * U) {
     uint4 kr[U];
 #pragma unroll
@@ -522,7 +518,7 @@ __device__ __forceinline__ void WarpScoreTile(const DecodeShape& s, int b, int k
 template <typename T, int D, int G>
 __device__ __forceinline__ void FallbackTile(const SantaParams& p, int b, int kvh, int t, int n,
                                              unsigned heads, int st, int lane_base, float* sc,
-                                             const uint16_t* vb, int row, int lane, int tb0,
+                                             const RowReader& vb, int row, int lane, int tb0,
                                              uint32_t* map, float (&acc)[G][8]) {
   const DecodeShape& s = p.shape;
   const int t0 = t * kTile;
@@ -551,7 +547,7 @@ __device__ __forceinline__ void FallbackTile(const SantaParams& p, int b, int kv
         entry = ((t0 + tok) << 3) | g;
       }
       NoteEntry(p, entry, bh0, tb0, map);
-      GatherEntries<T, D, G>(entry, min(32, budget - m0), vb, s.kv.token_stride, row, acc);
+      GatherEntries<T, D, G>(entry, min(32, budget - m0), vb, row, acc);
     }
   }
   __syncwarp();
@@ -575,8 +571,7 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
   int* list = reinterpret_cast<int*>(sc + G * kTile);
   uint32_t* map = reinterpret_cast<uint32_t*>(list + Geo::kList);
   const int64_t bh0 = static_cast<int64_t>(b) * s.num_q_heads + kvh * G;
-  const int64_t kv_off = b * s.kv.batch_stride + kvh * s.kv.head_stride + (lane % L) * 8;
-  const uint16_t* vb = static_cast<const uint16_t*>(s.v) + kv_off;
+  const RowReader vr = MakeRowReader(s, true, b, kvh, (lane % L) * 8);
   float acc[G][8];
 #pragma unroll
   for (int g = 0; g < G; ++g) {
@@ -619,14 +614,14 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
     for (int c0 = 0; c0 < total; c0 += 32) {
       const int entry = c0 + lane < total ? list[c0 + lane] : -1;
       NoteEntry(p, entry, bh0, tb0, map);
-      GatherEntries<T, D, G>(entry, min(32, total - c0), vb, s.kv.token_stride, row, acc);
+      GatherEntries<T, D, G>(entry, min(32, total - c0), vr, row, acc);
     }
     unsigned big = __ballot_sync(0xffffffffu, st > kRecMax);
     while (big != 0u) {
       const int ti = (__ffs(big) - 1) / G;
       const unsigned tile_bits = ((1u << G) - 1u) << (ti * G);
       FallbackTile<T, D, G>(p, b, kvh, bi * nb + ti, n, (big & tile_bits) >> (ti * G), st, ti * G,
-                            sc, vb, row, lane, tb0, map, acc);
+                            sc, vr, row, lane, tb0, map, acc);
       big &= ~tile_bits;
     }
     if (p.rows_read != nullptr) {
@@ -755,23 +750,21 @@ __global__ void __launch_bounds__(kSmallThreads)
     if (p.indices != nullptr) p.indices[bh * p.num_samples + i] = tok;
   }
   __syncthreads();
-  const int64_t kv_off = b * s.kv.batch_stride + (h / G) * s.kv.head_stride + lr * 8;
-  const uint16_t* vb = static_cast<const uint16_t*>(s.v) + kv_off;
+  const RowReader vr = MakeRowReader(s, true, b, h / G, lr * 8);
   float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   for (int i0 = warp * R + row; i0 < p.num_samples; i0 += NW * R * 4) {
-    uint4 vr[4];
+    uint4 vrow[4];
     int ti[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const int i = i0 + k * NW * R;
       ti[k] = i < p.num_samples ? sidx[i] : -1;
-      vr[k] = ti[k] >= 0 ? LoadStream16(vb + static_cast<int64_t>(ti[k]) * s.kv.token_stride)
-                         : make_uint4(0, 0, 0, 0);
+      vrow[k] = ti[k] >= 0 ? LoadStream16(vr.Row(ti[k])) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       float vf[8];
-      Unpack8<T>(vr[k], vf);
+      Unpack8<T>(vrow[k], vf);
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[e] += vf[e];
     }

@@ -421,7 +421,7 @@ __device__ __forceinline__ int CompactRows(const int* cnt, int lane, int* idx, i
 // Adds w[g] * cnt[g][n] * V[t0 + n] to acc[g] for the num_rows compacted rows; rows are spread
 // over the warps' row slots, four loads in flight per lane.
 template <typename T, int D, int G, int NW>
-__device__ __forceinline__ void GatherRows(const uint16_t* vb, int64_t ts, int t0, const int* idx,
+__device__ __forceinline__ void GatherRows(const RowReader& vb, int t0, const int* idx,
                                            int num_rows, const int* cnt, const float* w, int warp,
                                            int row, float (&acc)[G][8]) {
   constexpr int L = D / 8;
@@ -435,8 +435,7 @@ __device__ __forceinline__ void GatherRows(const uint16_t* vb, int64_t ts, int t
     for (int k = 0; k < kIn; ++k) {
       const int e = e0 + k * kSlots;
       ni[k] = e < num_rows ? idx[e] : -1;
-      vr[k] = ni[k] >= 0 ? LoadStream16(vb + static_cast<int64_t>(t0 + ni[k]) * ts)
-                         : make_uint4(0, 0, 0, 0);
+      vr[k] = ni[k] >= 0 ? LoadStream16(vb.Row(t0 + ni[k])) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int k = 0; k < kIn; ++k) {

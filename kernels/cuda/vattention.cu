@@ -41,6 +41,7 @@ HashTopKParams TopkParams(const VAttentionParams& p) {
   t.bits = p.bits;
   t.q_sigs = p.q_sigs;
   t.k_sigs = p.k_sigs;
+  t.k_sig_heads = p.k_sig_heads;
   t.k_batch_stride = p.k_batch_stride;
   t.k_head_stride = p.k_head_stride;
   t.k_token_stride = p.k_token_stride;
@@ -307,9 +308,8 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
   const int32_t* fx = l.fixed + bh * l.fixed_stride;
   const int32_t* bs = l.base + bh * l.list_stride;
   float* logits = l.logits + bh * (static_cast<int64_t>(l.fixed_stride) + l.list_stride);
-  const int64_t kv_off = b * s.kv.batch_stride + (h / G) * s.kv.head_stride + lr * 8;
-  const uint16_t* kb = static_cast<const uint16_t*>(s.k) + kv_off;
-  const uint16_t* vb = static_cast<const uint16_t*>(s.v) + kv_off;
+  const RowReader kb = MakeRowReader(s, false, b, h / G, lr * 8);
+  const RowReader vb = MakeRowReader(s, true, b, h / G, lr * 8);
   float qf[8];
   Unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(s.q) + bh * D + lr * 8),
              qf);
@@ -321,9 +321,7 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
     const bool valid = i < rows;
     const int t = !valid ? 0 : i < nf ? fx[i] : bs[i - nf];
     float kf[8];
-    Unpack8<T>(valid ? LoadStream16(kb + static_cast<int64_t>(t) * s.kv.token_stride)
-                     : make_uint4(0, 0, 0, 0),
-               kf);
+    Unpack8<T>(valid ? LoadStream16(kb.Row(t)) : make_uint4(0, 0, 0, 0), kf);
     float dot = 0.f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) dot = fmaf(qf[e], kf[e], dot);
@@ -351,9 +349,7 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
     const bool valid = i < rows;
     const int t = !valid ? 0 : i < nf ? fx[i] : bs[i - nf];
     float vf[8];
-    Unpack8<T>(valid ? LoadStream16(vb + static_cast<int64_t>(t) * s.kv.token_stride)
-                     : make_uint4(0, 0, 0, 0),
-               vf);
+    Unpack8<T>(valid ? LoadStream16(vb.Row(t)) : make_uint4(0, 0, 0, 0), vf);
     const double x = valid ? exp(static_cast<double>(logits[i]) - c) : 0.0;
     double vn2 = 0;
 #pragma unroll
@@ -481,7 +477,7 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
 // Step 7: out = (sum_{I_f} e^s V + (n_s / b) sum_{I_dyn} e^s V) / (the same without V), fp32
 // with a running maximum per row slot, merged over the block.
 template <typename T, int D>
-__global__ void __launch_bounds__(kRowThreads) VattEstimateKernel(VAttentionParams p, Layout l) {
+__global__ void __launch_bounds__(kRowThreads, 2) VattEstimateKernel(VAttentionParams p, Layout l) {
   constexpr int L = D / 8, R = 32 / L, NW = kRowThreads / 32;
   __shared__ float sm_m[NW * R], sm_l[NW * R];
   __shared__ __align__(16) float sacc[NW * R][D];
@@ -497,9 +493,8 @@ __global__ void __launch_bounds__(kRowThreads) VattEstimateKernel(VAttentionPara
   const float w_dyn = bud > 0 ? static_cast<float>(static_cast<double>(n - nf) / bud) : 0.f;
   const int32_t* fx = l.fixed + bh * l.fixed_stride;
   const int32_t* dy = l.dyn + bh * l.list_stride;
-  const int64_t kv_off = b * s.kv.batch_stride + (h / G) * s.kv.head_stride + lr * 8;
-  const uint16_t* kb = static_cast<const uint16_t*>(s.k) + kv_off;
-  const uint16_t* vb = static_cast<const uint16_t*>(s.v) + kv_off;
+  const RowReader kb = MakeRowReader(s, false, b, h / G, lr * 8);
+  const RowReader vb = MakeRowReader(s, true, b, h / G, lr * 8);
   float qf[8];
   Unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(s.q) + bh * D + lr * 8),
              qf);
@@ -511,9 +506,8 @@ __global__ void __launch_bounds__(kRowThreads) VattEstimateKernel(VAttentionPara
     const int t = !valid ? 0 : i < nf ? fx[i] : dy[i - nf];
     const float w = i < nf ? 1.f : w_dyn;
     float kf[8], vf[8];
-    const int64_t off = static_cast<int64_t>(t) * s.kv.token_stride;
-    Unpack8<T>(valid ? LoadStream16(kb + off) : make_uint4(0, 0, 0, 0), kf);
-    Unpack8<T>(valid ? LoadStream16(vb + off) : make_uint4(0, 0, 0, 0), vf);
+    Unpack8<T>(valid ? LoadStream16(kb.Row(t)) : make_uint4(0, 0, 0, 0), kf);
+    Unpack8<T>(valid ? LoadStream16(vb.Row(t)) : make_uint4(0, 0, 0, 0), vf);
     float dot = 0.f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) dot = fmaf(qf[e], kf[e], dot);
@@ -601,7 +595,7 @@ VAttentionSelectionView VAttentionSelection(const VAttentionParams& p, const voi
 
 cudaError_t VAttentionDecode(const VAttentionParams& p, void* workspace, size_t workspace_bytes,
                              cudaStream_t stream) {
-  KVSPARSE_CUDA_RETURN_IF_ERROR(ValidateShape(p.shape));
+  KVSPARSE_CUDA_RETURN_IF_ERROR(ValidateShape(p.shape, /*k_paged_ok=*/true, /*v_paged_ok=*/true));
   if (!(p.epsilon > 0.f && p.epsilon < 1.f) || !(p.delta > 0.f && p.delta < 1.f) ||
       !(p.base_rate > 0.f && p.base_rate < 1.f) || (p.bound != 1 && p.bound != 2) || p.target < 1 ||
       p.target > 3 || p.shape.max_seq_len > kMaxLen) {

@@ -42,6 +42,7 @@ struct VAttentionParams {
   int32_t bits = 32;
   const uint32_t* q_sigs = nullptr;
   const uint32_t* k_sigs = nullptr;
+  const uint32_t* const* k_sig_heads = nullptr;  // optional, as HashTopKParams::k_sig_heads
   int64_t k_batch_stride = 0;
   int64_t k_head_stride = 0;
   int64_t k_token_stride = 0;

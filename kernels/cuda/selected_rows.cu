@@ -1,0 +1,371 @@
+#include <cub/block/block_scan.cuh>
+
+#include <algorithm>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/dense_decode.h"
+#include "kernels/cuda/selected_rows.h"
+
+namespace kvsparse::kernels::cuda {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// UnionSelected: one block per (b, j). The G lists set bits in a token bitmap; a block scan of
+// the words' popcounts gives every word's rank, from which the ascending union and each
+// selected token's position follow.
+constexpr int kUnionThreads = 512;
+
+__global__ void __launch_bounds__(kUnionThreads)
+    UnionKernel(UnionSelectedParams p, int words_stride, uint32_t* __restrict__ bits_ws,
+                int32_t* __restrict__ rank_ws) {
+  using Scan = cub::BlockScan<int, kUnionThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  const int i = blockIdx.x;
+  const int b = i / p.num_kv_heads, j = i % p.num_kv_heads;
+  const int G = p.num_q_heads / p.num_kv_heads;
+  const int n = p.seq_lens[b];
+  const int words = (n + 31) / 32;
+  uint32_t* bits = bits_ws + static_cast<int64_t>(i) * words_stride;
+  int32_t* rank = rank_ws + static_cast<int64_t>(i) * words_stride;
+  for (int w = threadIdx.x; w < words; w += kUnionThreads) bits[w] = 0u;
+  __syncthreads();
+  for (int g = 0; g < G; ++g) {
+    const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + j * G + g;
+    const int c = p.counts[bh];
+    const int32_t* idx = p.indices + bh * p.max_selected;
+    for (int k = threadIdx.x; k < c; k += kUnionThreads) {
+      const int t = idx[k];
+      if (t >= 0 && t < n) atomicOr(bits + (t >> 5), 1u << (t & 31));
+    }
+  }
+  __syncthreads();
+  const int per = (words + kUnionThreads - 1) / kUnionThreads;
+  const int w0 = min(words, threadIdx.x * per), w1 = min(words, w0 + per);
+  int local = 0;
+  for (int w = w0; w < w1; ++w) local += __popc(bits[w]);
+  int off = 0, total = 0;
+  Scan(scan_tmp).ExclusiveSum(local, off, total);
+  int32_t* toks = p.out.tokens[i];
+  for (int w = w0; w < w1; ++w) {
+    rank[w] = off;
+    uint32_t word = bits[w];
+    while (word != 0u) {
+      toks[off++] = w * 32 + __ffs(word) - 1;
+      word &= word - 1u;
+    }
+  }
+  if (threadIdx.x == 0) *p.out.count[i] = total;
+  __syncthreads();  // ranks of every word written
+  for (int g = 0; g < G; ++g) {
+    const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + j * G + g;
+    const int c = p.counts[bh];
+    const int32_t* idx = p.indices + bh * p.max_selected;
+    int32_t* pos = p.positions + bh * p.max_selected;
+    for (int k = threadIdx.x; k < c; k += kUnionThreads) {
+      const int t = idx[k];
+      pos[k] = (t >= 0 && t < n)
+                   ? rank[t >> 5] + __popc(bits[t >> 5] & ((1u << (t & 31)) - 1u))
+                   : -1;
+    }
+  }
+}
+
+int UnionWords(const UnionSelectedParams& p) { return (std::max(p.max_seq_len, 1) + 31) / 32; }
+
+// ---------------------------------------------------------------------------------------------
+// FetchRows: blocks of kFetchRows rows of one (b, j). Each row's K and V sources (cache slot or
+// the source addressing) are resolved once into shared memory, then the block copies 16-byte
+// vectors with several loads in flight per thread (zero-copy reads over the host link need
+// many outstanding requests).
+constexpr int kFetchThreads = 256;
+constexpr int kFetchRows = 64;
+constexpr int kFetchIn = 4;
+
+__device__ __forceinline__ int FindSorted(const int32_t* a, int n, int t) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (a[mid] < t) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo < n && a[lo] == t ? lo : -1;
+}
+
+__global__ void __launch_bounds__(kFetchThreads) FetchKernel(FetchRowsParams p, int row_vecs) {
+  __shared__ const uint4* src[2][kFetchRows];
+  __shared__ int sm_count, sm_hits;
+  const DecodeShape& s = p.shape;
+  const int i = blockIdx.y;
+  const int b = i / s.num_kv_heads, j = i % s.num_kv_heads;
+  const int r0 = blockIdx.x * kFetchRows;
+  if (threadIdx.x == 0) {
+    int c;
+    if (p.all_tokens) {
+      c = p.seq_lens[b];
+      if (blockIdx.x == 0) *p.out.count[i] = c;
+    } else {
+      c = *p.out.count[i];
+    }
+    sm_count = c;
+    sm_hits = 0;
+  }
+  __syncthreads();
+  const int count = sm_count;
+  if (r0 >= count) return;
+  const int rows = min(kFetchRows, count - r0);
+  const bool cached = p.cache.tokens != nullptr && p.cache.tokens[i] != nullptr;
+  if (threadIdx.x < rows) {
+    const int r = r0 + threadIdx.x;
+    int t;
+    if (p.all_tokens) {
+      t = r;
+      p.out.tokens[i][r] = r;
+    } else {
+      t = p.out.tokens[i][r];
+    }
+    const int slot = cached ? FindSorted(p.cache.tokens[i], *p.cache.count[i], t) : -1;
+    if (slot >= 0) {
+      const int64_t off = static_cast<int64_t>(slot) * row_vecs;
+      src[0][threadIdx.x] = static_cast<const uint4*>(p.cache.k[i]) + off;
+      src[1][threadIdx.x] = static_cast<const uint4*>(p.cache.v[i]) + off;
+      atomicAdd(&sm_hits, 1);
+    } else {
+      src[0][threadIdx.x] = reinterpret_cast<const uint4*>(MakeRowReader(s, false, b, j, 0).Row(t));
+      src[1][threadIdx.x] = reinterpret_cast<const uint4*>(MakeRowReader(s, true, b, j, 0).Row(t));
+    }
+  }
+  __syncthreads();
+  uint4* dst[2] = {static_cast<uint4*>(p.out.k[i]) + static_cast<int64_t>(r0) * row_vecs,
+                   static_cast<uint4*>(p.out.v[i]) + static_cast<int64_t>(r0) * row_vecs};
+  const int total = 2 * rows * row_vecs;  // (kv, row, vector)
+  for (int e0 = threadIdx.x; e0 < total; e0 += kFetchThreads * kFetchIn) {
+    uint4 v[kFetchIn];
+#pragma unroll
+    for (int u = 0; u < kFetchIn; ++u) {
+      const int e = e0 + u * kFetchThreads;
+      if (e < total) {
+        const int kv = e / (rows * row_vecs), rv = e % (rows * row_vecs);
+        v[u] = LoadStream16(src[kv][rv / row_vecs] + rv % row_vecs);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kFetchIn; ++u) {
+      const int e = e0 + u * kFetchThreads;
+      if (e < total) {
+        const int kv = e / (rows * row_vecs), rv = e % (rows * row_vecs);
+        dst[kv][rv] = v[u];
+      }
+    }
+  }
+  if (p.hits != nullptr && threadIdx.x == 0 && sm_hits > 0) atomicAdd(p.hits + i, sm_hits);
+}
+
+// ---------------------------------------------------------------------------------------------
+// SelectedRowsDecode: blocks of (b, h, split); each warp takes U groups of R rows at a time (all
+// loads first), one running softmax per row slot, merged over the block; splits merged by
+// MergePartials.
+constexpr int kRowThreads = 256;
+constexpr int kRowsUnroll = 4;
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kRowThreads, 2)
+    SelectedRowsKernel(SelectedRowsParams p, int num_splits, float* __restrict__ part_o,
+                       float* __restrict__ part_lse) {
+  constexpr int L = D / 8, R = 32 / L, NW = kRowThreads / 32, U = kRowsUnroll;
+  __shared__ float sm_m[NW * R], sm_l[NW * R];
+  __shared__ __align__(16) float sacc[NW * R][D];
+  const DecodeShape& s = p.shape;
+  const int64_t bh = blockIdx.x;
+  const int split = blockIdx.y;
+  const int b = static_cast<int>(bh / s.num_q_heads);
+  const int h = static_cast<int>(bh % s.num_q_heads);
+  const int G = s.num_q_heads / s.num_kv_heads;
+  const int i = b * s.num_kv_heads + h / G;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, row = lane / L, lr = lane % L;
+  const int c = p.counts[bh];
+  const int per = (c + num_splits - 1) / num_splits;
+  const int r0 = min(c, split * per), r1 = min(c, r0 + per);
+  const int32_t* pos = p.positions + bh * p.max_selected;
+  const uint16_t* kb = static_cast<const uint16_t*>(p.rows.k[i]) + lr * 8;
+  const uint16_t* vb = static_cast<const uint16_t*>(p.rows.v[i]) + lr * 8;
+  float qf[8];
+  Unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(s.q) + bh * D + lr * 8),
+             qf);
+  const float scale = s.scale * kLog2e;  // base-2 softmax
+  float m = kNegInf, lsum = 0.f, acc[8] = {};
+  for (int g0 = r0 + warp * R * U; g0 < r1; g0 += NW * R * U) {  // uniform over the warp
+    uint4 kr[U], vr[U];
+    bool ok[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int r = g0 + u * R + row;
+      ok[u] = r < r1;
+      const int64_t at = ok[u] ? static_cast<int64_t>(pos[r]) * D : 0;
+      kr[u] = ok[u] ? LoadStream16(kb + at) : make_uint4(0, 0, 0, 0);
+      vr[u] = ok[u] ? LoadStream16(vb + at) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float kf[8], vf[8];
+      Unpack8<T>(kr[u], kf);
+      float dot = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) dot = fmaf(qf[e], kf[e], dot);
+#pragma unroll
+      for (int o = L / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+      if (!ok[u]) continue;
+      Unpack8<T>(vr[u], vf);
+      const float sc = dot * scale;
+      const float mn = fmaxf(m, sc);
+      const float a = Exp2OrZero(m - mn);
+      const float pw = exp2f(sc - mn);
+      lsum = lsum * a + pw;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = fmaf(acc[e], a, pw * vf[e]);
+      m = mn;
+    }
+  }
+  const int slot = warp * R + row;
+  if (lr == 0) {
+    sm_m[slot] = m;
+    sm_l[slot] = lsum;
+  }
+#pragma unroll
+  for (int e = 0; e < 8; ++e) sacc[slot][lr * 8 + e] = acc[e];
+  __syncthreads();
+  float gm = kNegInf;
+  for (int k = 0; k < NW * R; ++k) gm = fmaxf(gm, sm_m[k]);
+  float den = 0.f;
+  for (int k = 0; k < NW * R; ++k) den += sm_m[k] == kNegInf ? 0.f : sm_l[k] * exp2f(sm_m[k] - gm);
+  for (int dim = tid; dim < D; dim += kRowThreads) {
+    float num = 0.f;
+    for (int k = 0; k < NW * R; ++k) {
+      if (sm_m[k] != kNegInf) num += sacc[k][dim] * exp2f(sm_m[k] - gm);
+    }
+    const float o = den > 0.f ? num / den : 0.f;
+    if (num_splits == 1) {
+      static_cast<uint16_t*>(s.out)[bh * D + dim] = FloatToBits<T>(o);
+    } else {
+      part_o[(bh * num_splits + split) * D + dim] = o;
+      if (dim == 0) part_lse[bh * num_splits + split] = den > 0.f ? gm + log2f(den) : kNegInf;
+    }
+  }
+}
+
+struct SelectedRowsLaunch {
+  const SelectedRowsParams& p;
+  int splits;
+  float* part_o;
+  float* part_lse;
+  cudaStream_t stream;
+  template <typename T, int D, int G>
+  cudaError_t operator()() const {
+    const DecodeShape& s = p.shape;
+    const int32_t bh = s.batch * s.num_q_heads;
+    SelectedRowsKernel<T, D><<<dim3(static_cast<unsigned>(bh), splits), kRowThreads, 0, stream>>>(
+        p, splits, part_o, part_lse);
+    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    if (splits == 1) return cudaSuccess;
+    return MergePartials(part_o, part_lse, bh, splits, D, s.dtype, s.out, stream);
+  }
+};
+
+int SelectedRowsSplits(const SelectedRowsParams& p) {
+  const int64_t bh = static_cast<int64_t>(p.shape.batch) * p.shape.num_q_heads;
+  if (bh <= 0) return 1;
+  const int64_t want = (2 * static_cast<int64_t>(NumSms()) + bh - 1) / bh;
+  const int64_t most = std::max<int64_t>(1, (p.max_selected + 255) / 256);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, most)));
+}
+
+}  // namespace
+
+size_t UnionSelectedWorkspaceBytes(const UnionSelectedParams& p) {
+  const size_t sets = static_cast<size_t>(std::max(p.batch, 0)) * std::max(p.num_kv_heads, 0);
+  return 2 * AlignUp(sets * UnionWords(p) * sizeof(uint32_t), 256);
+}
+
+cudaError_t UnionSelected(const UnionSelectedParams& p, void* workspace, size_t workspace_bytes,
+                          cudaStream_t stream) {
+  if (p.batch < 0 || p.num_kv_heads <= 0 || p.num_q_heads <= 0 ||
+      p.num_q_heads % p.num_kv_heads != 0 || p.num_q_heads / p.num_kv_heads > 32 ||
+      p.max_selected < 0 || p.max_seq_len < 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.batch == 0) return cudaSuccess;
+  const int64_t G = p.num_q_heads / p.num_kv_heads;
+  if (p.indices == nullptr || p.counts == nullptr || p.seq_lens == nullptr ||
+      p.positions == nullptr || p.out.tokens == nullptr || p.out.count == nullptr ||
+      p.out.capacity < std::min<int64_t>(p.max_seq_len, G * p.max_selected) ||
+      workspace == nullptr || workspace_bytes < UnionSelectedWorkspaceBytes(p)) {
+    return cudaErrorInvalidValue;
+  }
+  const int words = UnionWords(p);
+  const size_t sets = static_cast<size_t>(p.batch) * p.num_kv_heads;
+  auto* bits = static_cast<uint32_t*>(workspace);
+  auto* rank = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) +
+                                          AlignUp(sets * words * sizeof(uint32_t), 256));
+  UnionKernel<<<static_cast<unsigned>(sets), kUnionThreads, 0, stream>>>(p, words, bits, rank);
+  return cudaGetLastError();
+}
+
+cudaError_t FetchRows(const FetchRowsParams& p, cudaStream_t stream) {
+  const DecodeShape& s = p.shape;
+  if (s.batch < 0 || s.num_kv_heads <= 0 || p.max_rows < 0 ||
+      (s.head_dim * static_cast<int>(DTypeSize(s.dtype))) % 16 != 0 || s.head_dim <= 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (s.batch == 0 || p.max_rows == 0) return cudaSuccess;
+  const bool has_k = s.k != nullptr || s.k_heads != nullptr || s.k_pages.enabled();
+  const bool has_v = s.v != nullptr || s.v_heads != nullptr || s.v_pages.enabled();
+  if (!has_k || !has_v || p.out.tokens == nullptr || p.out.count == nullptr ||
+      p.out.k == nullptr || p.out.v == nullptr || p.out.capacity < p.max_rows ||
+      (p.all_tokens && (p.seq_lens == nullptr || p.max_rows < p.max_seq_len)) ||
+      (p.cache.tokens != nullptr &&
+       (p.cache.count == nullptr || p.cache.k == nullptr || p.cache.v == nullptr))) {
+    return cudaErrorInvalidValue;
+  }
+  const int row_vecs = s.head_dim * static_cast<int>(DTypeSize(s.dtype)) / 16;
+  const dim3 grid((p.max_rows + kFetchRows - 1) / kFetchRows,
+                  static_cast<unsigned>(s.batch * s.num_kv_heads));
+  FetchKernel<<<grid, kFetchThreads, 0, stream>>>(p, row_vecs);
+  return cudaGetLastError();
+}
+
+size_t SelectedRowsWorkspaceBytes(const SelectedRowsParams& p) {
+  const int splits = SelectedRowsSplits(p);
+  if (splits == 1) return 0;
+  const size_t bh = static_cast<size_t>(std::max(p.shape.batch, 0)) * p.shape.num_q_heads;
+  return AlignUp(bh * splits * p.shape.head_dim * sizeof(float), 256) +
+         AlignUp(bh * splits * sizeof(float), 256);
+}
+
+cudaError_t SelectedRowsDecode(const SelectedRowsParams& p, void* workspace,
+                               size_t workspace_bytes, cudaStream_t stream) {
+  const DecodeShape& s = p.shape;
+  if (s.batch < 0 || s.num_kv_heads <= 0 || s.num_q_heads <= 0 ||
+      s.num_q_heads % s.num_kv_heads != 0 || p.max_selected < 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (s.batch == 0) return cudaSuccess;
+  if (s.q == nullptr || s.out == nullptr || p.rows.k == nullptr || p.rows.v == nullptr ||
+      p.positions == nullptr || p.counts == nullptr ||
+      workspace_bytes < SelectedRowsWorkspaceBytes(p)) {
+    return cudaErrorInvalidValue;
+  }
+  const int splits = SelectedRowsSplits(p);
+  const size_t bh = static_cast<size_t>(s.batch) * s.num_q_heads;
+  float* part_o = static_cast<float*>(workspace);
+  float* part_lse = splits == 1 ? nullptr
+                                : reinterpret_cast<float*>(static_cast<char*>(workspace) +
+                                                           AlignUp(bh * splits * s.head_dim *
+                                                                       sizeof(float),
+                                                                   256));
+  return DispatchDecode(s.dtype, s.head_dim, 1,
+                        SelectedRowsLaunch{p, splits, part_o, part_lse, stream});
+}
+
+}  // namespace kvsparse::kernels::cuda

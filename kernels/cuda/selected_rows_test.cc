@@ -1,0 +1,477 @@
+// GPU selected-row attention (selected_rows.h) and the row addressing modes of DecodeShape
+// (per-(sequence, kv head) bases, paged rows) against the CPU references:
+//   - HashTopK -> UnionSelected -> FetchRows (from pages in device or pinned, mapped host memory)
+//     -> SelectedRowsDecode equals HashTopKDecodeCpu (union lists token for token, fetched rows
+//     byte for byte, output within rounding); a second FetchRows with the first row set as its
+//     cache copies the same bytes and counts the hits;
+//   - dense, S2ANTA (prop, flash, iid) and vAttention read through k_heads / v_heads / pages
+//     give what they give on the strided layout.
+#include "kernels/cuda/selected_rows.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cuda/cuda_test_util.h"
+#include "kernels/cuda/dense_decode.h"
+#include "kernels/cuda/hash_topk.h"
+#include "kernels/cuda/santa.h"
+#include "kernels/cuda/vattention.h"
+#include "kernels/hash_topk.h"
+#include "kernels/synthetic.h"
+
+namespace kvsparse::kernels::cuda {
+namespace {
+
+// A problem's K and V copied into pages of 2^shift tokens (slot = K row then V row, as the
+// store lays them out), the pages of all (b, kv head) shuffled in one pool, in device memory or
+// in pinned, mapped host memory; plus the page tables.
+class PagedKv {
+ public:
+  PagedKv(const DecodeProblem& p, int shift, bool host, uint64_t seed) : host_(host) {
+    const size_t row = static_cast<size_t>(p.head_dim) * DTypeSize(p.dtype);
+    const int page_tokens = 1 << shift;
+    const int n_max = std::max(1, *std::max_element(p.seq_lens, p.seq_lens + p.batch));
+    max_pages_ = (n_max + page_tokens - 1) / page_tokens;
+    const int sets = p.batch * p.num_kv_heads;
+    const size_t page_bytes = page_tokens * 2 * row;
+    const size_t pages = static_cast<size_t>(sets) * max_pages_;
+    std::vector<size_t> order(pages);
+    std::iota(order.begin(), order.end(), 0);
+    std::shuffle(order.begin(), order.end(), std::mt19937_64(seed));
+    std::vector<uint8_t> pool(pages * page_bytes, 0x5a);
+    const size_t es = DTypeSize(p.dtype);
+    for (int b = 0; b < p.batch; ++b) {
+      for (int j = 0; j < p.num_kv_heads; ++j) {
+        for (int t = 0; t < p.seq_lens[b]; ++t) {
+          const size_t pg = order[(static_cast<size_t>(b) * p.num_kv_heads + j) * max_pages_ +
+                                  t / page_tokens];
+          uint8_t* slot = pool.data() + pg * page_bytes + (t % page_tokens) * 2 * row;
+          const int64_t off =
+              b * p.kv_layout.batch_stride + j * p.kv_layout.head_stride + t * p.kv_layout.token_stride;
+          std::memcpy(slot, static_cast<const uint8_t*>(p.k) + off * es, row);
+          std::memcpy(slot + row, static_cast<const uint8_t*>(p.v) + off * es, row);
+        }
+      }
+    }
+    char* base = nullptr;
+    if (host_) {
+      EXPECT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&host_pool_), pool.size(),
+                              cudaHostAllocMapped),
+                cudaSuccess);
+      std::memcpy(host_pool_, pool.data(), pool.size());
+      void* dev = nullptr;
+      EXPECT_EQ(cudaHostGetDevicePointer(&dev, host_pool_, 0), cudaSuccess);
+      base = static_cast<char*>(dev);
+    } else {
+      dev_pool_ = ToDevice(pool);
+      base = dev_pool_.as<char>();
+    }
+    std::vector<const void*> lists(pages);
+    for (size_t i = 0; i < pages; ++i) lists[i] = base + order[i] * page_bytes;
+    lists_ = ToDevice(lists);
+    std::vector<const void* const*> tables(sets);
+    for (int i = 0; i < sets; ++i) {
+      tables[i] = lists_.as<const void*>() + static_cast<size_t>(i) * max_pages_;
+    }
+    tables_ = ToDevice(tables);
+    k_.tables = tables_.as<const void* const*>();
+    k_.page_shift = shift;
+    k_.slot_bytes = static_cast<int32_t>(2 * row);
+    k_.offset_bytes = 0;
+    v_ = k_;
+    v_.offset_bytes = static_cast<int32_t>(row);
+  }
+  ~PagedKv() {
+    if (host_pool_ != nullptr) cudaFreeHost(host_pool_);
+  }
+  const PagedRows& k() const { return k_; }
+  const PagedRows& v() const { return v_; }
+
+ private:
+  bool host_;
+  int max_pages_ = 0;
+  void* host_pool_ = nullptr;
+  DeviceBuffer dev_pool_, lists_, tables_;
+  PagedRows k_, v_;
+};
+
+// Row sets for every (b, j): one allocation each for tokens, counts, K and V, and the tables.
+struct RowSets {
+  DeviceBuffer tokens, count, k, v, t_tab, c_tab, k_tab, v_tab;
+  RowSetTables tables;
+  RowSets(int sets, int capacity, size_t row_bytes) {
+    tokens = DeviceBuffer(sizeof(int32_t) * sets * capacity);
+    count = DeviceBuffer(sizeof(int32_t) * sets);
+    k = DeviceBuffer(row_bytes * sets * capacity);
+    v = DeviceBuffer(row_bytes * sets * capacity);
+    EXPECT_EQ(tokens.Poison(), cudaSuccess);
+    EXPECT_EQ(count.Poison(), cudaSuccess);
+    EXPECT_EQ(k.Poison(), cudaSuccess);
+    EXPECT_EQ(v.Poison(), cudaSuccess);
+    std::vector<int32_t*> tp(sets), cp(sets);
+    std::vector<void*> kp(sets), vp(sets);
+    for (int i = 0; i < sets; ++i) {
+      tp[i] = tokens.as<int32_t>() + static_cast<size_t>(i) * capacity;
+      cp[i] = count.as<int32_t>() + i;
+      kp[i] = k.as<char>() + row_bytes * i * capacity;
+      vp[i] = v.as<char>() + row_bytes * i * capacity;
+    }
+    t_tab = ToDevice(tp);
+    c_tab = ToDevice(cp);
+    k_tab = ToDevice(kp);
+    v_tab = ToDevice(vp);
+    tables.tokens = t_tab.as<int32_t* const>();
+    tables.count = c_tab.as<int32_t* const>();
+    tables.k = k_tab.as<void* const>();
+    tables.v = v_tab.as<void* const>();
+    tables.capacity = capacity;
+  }
+};
+
+struct HashCase {
+  DType dtype;
+  int d, hkv, g;
+  std::vector<int32_t> lens;
+  int top_k;
+  bool host_pages;
+};
+
+void RunHashPipeline(const HashCase& c) {
+  const std::string what = std::string(DTypeName(c.dtype)) + " d=" + std::to_string(c.d) +
+                           " hkv=" + std::to_string(c.hkv) + " G=" + std::to_string(c.g) +
+                           (c.host_pages ? " host pages" : " device pages");
+  SyntheticOptions o;
+  o.batch = static_cast<int32_t>(c.lens.size());
+  o.num_q_heads = c.hkv * c.g;
+  o.num_kv_heads = c.hkv;
+  o.head_dim = c.d;
+  o.seq_lens = c.lens;
+  o.dtype = c.dtype;
+  o.seed = 5 + c.d + c.g;
+  SyntheticProblem sp = SyntheticProblem::Make(o);
+  DecodeProblem& p = sp.problem;
+  SimHashConfig cfg;
+  cfg.seed = 7;
+  cfg.bits = 32;
+  Signatures sigs;
+  ASSERT_TRUE(ComputeSimHashSignatures(p, cfg, &sigs).ok());
+  kernels::HashTopKParams cp;
+  cp.bits = 32;
+  cp.sink_tokens = 16;
+  cp.local_tokens = 32;
+  cp.top_k = c.top_k;
+  RowSelection sel;
+  ASSERT_TRUE(HashTopKSelectCpu(p, cp, sigs.view, &sel).ok());
+  std::vector<uint8_t> ref_out(sp.out.size());
+  DecodeProblem rp = p;
+  rp.out = ref_out.data();
+  ASSERT_TRUE(HashTopKDecodeCpu(rp, cp, sigs.view).ok());
+
+  DeviceProblem dp = DeviceProblem::Upload(p, KvElements(p));
+  const int B = p.batch, H = p.num_q_heads, hkv = p.num_kv_heads, sets = B * hkv;
+  const int n_max = std::max(1, *std::max_element(c.lens.begin(), c.lens.end()));
+  DeviceBuffer qs = ToDevice(sigs.q), ks = ToDevice(sigs.k);
+  HashTopKParams tp;
+  tp.batch = B;
+  tp.num_q_heads = H;
+  tp.key_heads = sigs.view.key_heads;
+  tp.bits = 32;
+  tp.q_sigs = qs.as<uint32_t>();
+  tp.k_sigs = ks.as<uint32_t>();
+  tp.k_batch_stride = sigs.view.batch_stride;
+  tp.k_head_stride = sigs.view.head_stride;
+  tp.k_token_stride = sigs.view.token_stride;
+  tp.seq_lens = dp.seq_lens.as<int32_t>();
+  tp.max_seq_len = n_max;
+  tp.sink_tokens = cp.sink_tokens;
+  tp.local_tokens = cp.local_tokens;
+  tp.top_k = cp.top_k;
+  const int max_sel = std::max(1, tp.MaxSelected());
+  DeviceBuffer idx(sizeof(int32_t) * B * H * max_sel), cnt(sizeof(int32_t) * B * H);
+  tp.indices = idx.as<int32_t>();
+  tp.counts = cnt.as<int32_t>();
+  DeviceBuffer tws(HashTopKWorkspaceBytes(tp));
+  ASSERT_EQ(HashTopK(tp, tws.get(), tws.size(), nullptr), cudaSuccess) << what;
+
+  const size_t row = static_cast<size_t>(c.d) * DTypeSize(c.dtype);
+  const int cap = std::min(n_max, c.g * max_sel);
+  RowSets rows(sets, cap, row);
+  UnionSelectedParams up;
+  up.batch = B;
+  up.num_q_heads = H;
+  up.num_kv_heads = hkv;
+  up.indices = tp.indices;
+  up.counts = tp.counts;
+  up.max_selected = max_sel;
+  up.seq_lens = tp.seq_lens;
+  up.max_seq_len = n_max;
+  up.out = rows.tables;
+  DeviceBuffer pos(sizeof(int32_t) * B * H * max_sel);
+  up.positions = pos.as<int32_t>();
+  DeviceBuffer uws(UnionSelectedWorkspaceBytes(up));
+  ASSERT_EQ(uws.Poison(), cudaSuccess);
+  ASSERT_EQ(UnionSelected(up, uws.get(), uws.size(), nullptr), cudaSuccess) << what;
+
+  PagedKv paged(p, /*shift=*/4, c.host_pages, 11);
+  FetchRowsParams fp;
+  fp.shape = dp.shape;
+  fp.shape.k = fp.shape.v = nullptr;
+  fp.shape.k_pages = paged.k();
+  fp.shape.v_pages = paged.v();
+  fp.max_rows = cap;
+  fp.out = rows.tables;
+  ASSERT_EQ(FetchRows(fp, nullptr), cudaSuccess) << what;
+
+  SelectedRowsParams sr;
+  sr.shape = dp.shape;
+  sr.rows = rows.tables;
+  sr.positions = up.positions;
+  sr.counts = tp.counts;
+  sr.max_selected = max_sel;
+  DeviceBuffer sws(SelectedRowsWorkspaceBytes(sr));
+  ASSERT_EQ(SelectedRowsDecode(sr, sws.get(), sws.size(), nullptr), cudaSuccess) << what;
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+
+  // Union lists and fetched rows.
+  const auto got_tok = ToHost<int32_t>(rows.tokens, static_cast<size_t>(sets) * cap);
+  const auto got_cnt = ToHost<int32_t>(rows.count, sets);
+  const auto got_k = ToHost<uint8_t>(rows.k, row * sets * cap);
+  const auto got_v = ToHost<uint8_t>(rows.v, row * sets * cap);
+  const size_t es = DTypeSize(c.dtype);
+  for (int b = 0; b < B; ++b) {
+    for (int j = 0; j < hkv; ++j) {
+      const int i = b * hkv + j;
+      const auto& want = sel.at(b, j).tokens;
+      ASSERT_EQ(got_cnt[i], static_cast<int32_t>(want.size())) << what << " set " << i;
+      for (size_t r = 0; r < want.size(); ++r) {
+        ASSERT_EQ(got_tok[static_cast<size_t>(i) * cap + r], want[r]) << what;
+        const int64_t off = b * p.kv_layout.batch_stride + j * p.kv_layout.head_stride +
+                            want[r] * p.kv_layout.token_stride;
+        ASSERT_EQ(0, std::memcmp(got_k.data() + (static_cast<size_t>(i) * cap + r) * row,
+                                 static_cast<const uint8_t*>(p.k) + off * es, row))
+            << what;
+        ASSERT_EQ(0, std::memcmp(got_v.data() + (static_cast<size_t>(i) * cap + r) * row,
+                                 static_cast<const uint8_t*>(p.v) + off * es, row))
+            << what;
+      }
+    }
+  }
+  // Output against the CPU reference (same rows, fp32 sums in another order).
+  int64_t non_finite = 0;
+  const std::vector<double> got = dp.OutputAsDouble(&non_finite);
+  DecodeProblem refp = p;
+  refp.out = ref_out.data();
+  const double err = RelativeL2(OutputAsDouble(refp), got);
+  EXPECT_EQ(non_finite, 0) << what;
+  EXPECT_LT(err, c.dtype == DType::kBf16 ? 8e-3 : 2e-3) << what;
+
+  // The row set as the next step's cache: the same union fetched again hits every row.
+  RowSets again(sets, cap, row);
+  ASSERT_EQ(cudaMemcpy(again.tokens.get(), rows.tokens.get(), rows.tokens.size(),
+                       cudaMemcpyDeviceToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(again.count.get(), rows.count.get(), rows.count.size(),
+                       cudaMemcpyDeviceToDevice),
+            cudaSuccess);
+  DeviceBuffer hits(sizeof(int32_t) * sets);
+  ASSERT_EQ(cudaMemset(hits.get(), 0, hits.size()), cudaSuccess);
+  FetchRowsParams fc = fp;
+  fc.out = again.tables;
+  fc.cache = rows.tables;
+  fc.hits = hits.as<int32_t>();
+  ASSERT_EQ(FetchRows(fc, nullptr), cudaSuccess) << what;
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+  EXPECT_EQ(ToHost<int32_t>(hits, sets), got_cnt) << what;
+  const auto k2 = ToHost<uint8_t>(again.k, row * sets * cap);
+  const auto v2 = ToHost<uint8_t>(again.v, row * sets * cap);
+  for (int i = 0; i < sets; ++i) {
+    const size_t used = static_cast<size_t>(got_cnt[i]) * row;
+    EXPECT_EQ(0, std::memcmp(k2.data() + row * i * cap, got_k.data() + row * i * cap, used));
+    EXPECT_EQ(0, std::memcmp(v2.data() + row * i * cap, got_v.data() + row * i * cap, used));
+  }
+}
+
+TEST(SelectedRowsCudaTest, HashTopKFromPagesMatchesCpu) {
+  KVSPARSE_REQUIRE_GPU();
+  const std::vector<HashCase> cases = {
+      {DType::kBf16, 128, 2, 4, {3000, 1, 700}, 200, false},
+      {DType::kBf16, 128, 8, 4, {9000}, 450, true},
+      {DType::kFp16, 64, 4, 2, {0, 513}, 64, true},
+      {DType::kFp16, 256, 1, 8, {2048, 4000}, 300, false},
+      {DType::kBf16, 64, 2, 1, {40, 1100}, 10, true},  // sink + window cover the short one
+  };
+  for (const HashCase& c : cases) RunHashPipeline(c);
+}
+
+TEST(SelectedRowsCudaTest, FetchAllTokensCopiesEveryRow) {
+  KVSPARSE_REQUIRE_GPU();
+  SyntheticOptions o;
+  o.batch = 2;
+  o.num_q_heads = 8;
+  o.num_kv_heads = 2;
+  o.head_dim = 128;
+  o.seq_lens = {1000, 77};
+  SyntheticProblem sp = SyntheticProblem::Make(o);
+  const DecodeProblem& p = sp.problem;
+  DeviceProblem dp = DeviceProblem::Upload(p, KvElements(p));
+  PagedKv paged(p, 6, /*host=*/true, 3);
+  const size_t row = 128 * 2;
+  RowSets rows(4, 1000, row);
+  FetchRowsParams fp;
+  fp.shape = dp.shape;
+  fp.shape.k = fp.shape.v = nullptr;
+  fp.shape.k_pages = paged.k();
+  fp.shape.v_pages = paged.v();
+  fp.all_tokens = true;
+  fp.seq_lens = dp.seq_lens.as<int32_t>();
+  fp.max_seq_len = 1000;
+  fp.max_rows = 1000;
+  fp.out = rows.tables;
+  ASSERT_EQ(FetchRows(fp, nullptr), cudaSuccess);
+  // Dense attention over the fetched rows (per-head bases) equals dense on the original layout.
+  DecodeShape s = dp.shape;
+  std::vector<const void*> kh(4), vh(4);
+  for (int i = 0; i < 4; ++i) {
+    kh[i] = rows.k.as<char>() + row * i * 1000;
+    vh[i] = rows.v.as<char>() + row * i * 1000;
+  }
+  DeviceBuffer dkh = ToDevice(kh), dvh = ToDevice(vh);
+  s.k = s.v = nullptr;
+  s.k_heads = dkh.as<const void*>();
+  s.v_heads = dvh.as<const void*>();
+  s.kv.token_stride = 128;
+  DeviceBuffer out2(dp.out.size());
+  s.out = out2.get();
+  DeviceBuffer ws1(DenseDecodeWorkspaceBytes(dp.shape)), ws2(DenseDecodeWorkspaceBytes(s));
+  ASSERT_EQ(DenseDecode(dp.shape, ws1.get(), ws1.size(), nullptr), cudaSuccess);
+  ASSERT_EQ(DenseDecode(s, ws2.get(), ws2.size(), nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(ToHost<int32_t>(rows.count, 4), (std::vector<int32_t>{1000, 1000, 77, 77}));
+  EXPECT_EQ(ToHost<uint8_t>(dp.out, dp.out.size()), ToHost<uint8_t>(out2, out2.size()));
+}
+
+// Sample counts and outputs of the SANTA kernels with K through per-head bases and V read from
+// pages, against the same kernels on the strided layout.
+TEST(SelectedRowsCudaTest, SantaWithPerHeadKAndPagedVMatchesStrided) {
+  KVSPARSE_REQUIRE_GPU();
+  SyntheticOptions o;
+  o.batch = 3;
+  o.num_q_heads = 16;
+  o.num_kv_heads = 4;
+  o.head_dim = 128;
+  o.seq_lens = {5000, 300, 2500};
+  SyntheticProblem sp = SyntheticProblem::Make(o);
+  const DecodeProblem& p = sp.problem;
+  DeviceProblem dp = DeviceProblem::Upload(p, KvElements(p));
+  PagedKv paged(p, 7, /*host=*/true, 9);
+  const int B = p.batch, H = p.num_q_heads, hkv = p.num_kv_heads, n_max = 5000;
+  std::vector<const void*> kh(B * hkv);
+  for (int b = 0; b < B; ++b) {
+    for (int j = 0; j < hkv; ++j) {
+      kh[b * hkv + j] = dp.k.as<uint16_t>() + b * p.kv_layout.batch_stride +
+                        j * p.kv_layout.head_stride;
+    }
+  }
+  DeviceBuffer dkh = ToDevice(kh);
+  for (int method = 0; method < 3; ++method) {
+    SantaParams a;
+    a.shape = dp.shape;
+    a.num_samples = 128;
+    a.seed = 42;
+    DeviceBuffer ca(sizeof(int32_t) * B * H * n_max), cb(sizeof(int32_t) * B * H * n_max);
+    ASSERT_EQ(cudaMemset(ca.get(), 0, ca.size()), cudaSuccess);
+    ASSERT_EQ(cudaMemset(cb.get(), 0, cb.size()), cudaSuccess);
+    SantaParams bp = a;
+    bp.shape.k = nullptr;
+    bp.shape.v = nullptr;
+    bp.shape.k_heads = dkh.as<const void*>();
+    bp.shape.v_pages = paged.v();
+    DeviceBuffer out_b(dp.out.size());
+    bp.shape.out = out_b.get();
+    if (method != 0) {
+      a.sample_counts = ca.as<int32_t>();
+      bp.sample_counts = cb.as<int32_t>();
+    }
+    auto run = [&](const SantaParams& sp_) {
+      size_t bytes = method == 0   ? SantaIidWorkspaceBytes(sp_)
+                     : method == 1 ? S2antaPropWorkspaceBytes(sp_)
+                                   : S2antaFlashWorkspaceBytes(sp_);
+      DeviceBuffer ws(bytes);
+      const cudaError_t e = method == 0   ? SantaIid(sp_, ws.get(), bytes, nullptr)
+                            : method == 1 ? S2antaProp(sp_, ws.get(), bytes, nullptr)
+                                          : S2antaFlash(sp_, ws.get(), bytes, nullptr);
+      EXPECT_EQ(e, cudaSuccess);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    };
+    run(a);
+    run(bp);
+    EXPECT_EQ(ToHost<int32_t>(ca, ca.size() / 4), ToHost<int32_t>(cb, cb.size() / 4))
+        << "method " << method;
+    int64_t nf = 0;
+    const std::vector<double> want = dp.OutputAsDouble(&nf);
+    std::vector<uint8_t> hb = ToHost<uint8_t>(out_b, out_b.size());
+    DecodeProblem hp = p;
+    hp.out = hb.data();
+    EXPECT_LT(RelativeL2(want, OutputAsDouble(hp)), 1e-5) << "method " << method;
+  }
+  // K read through pages is refused by the streaming kernels.
+  SantaParams bad;
+  bad.shape = dp.shape;
+  bad.shape.k_pages = paged.k();
+  EXPECT_EQ(S2antaProp(bad, nullptr, 0, nullptr), cudaErrorInvalidValue);
+}
+
+TEST(SelectedRowsCudaTest, VAttentionFromPagesMatchesStrided) {
+  KVSPARSE_REQUIRE_GPU();
+  SyntheticOptions o;
+  o.batch = 2;
+  o.num_q_heads = 8;
+  o.num_kv_heads = 2;
+  o.head_dim = 128;
+  o.seq_lens = {6000, 2100};
+  SyntheticProblem sp = SyntheticProblem::Make(o);
+  const DecodeProblem& p = sp.problem;
+  SimHashConfig cfg;
+  cfg.seed = 3;
+  Signatures sigs;
+  ASSERT_TRUE(ComputeSimHashSignatures(p, cfg, &sigs).ok());
+  DeviceProblem dp = DeviceProblem::Upload(p, KvElements(p));
+  PagedKv paged(p, 5, /*host=*/true, 4);
+  DeviceBuffer qs = ToDevice(sigs.q), ks = ToDevice(sigs.k);
+  VAttentionParams a;
+  a.shape = dp.shape;
+  a.seed = 8;
+  a.q_sigs = qs.as<uint32_t>();
+  a.k_sigs = ks.as<uint32_t>();
+  a.k_batch_stride = sigs.view.batch_stride;
+  a.k_head_stride = sigs.view.head_stride;
+  a.k_token_stride = sigs.view.token_stride;
+  a.key_heads = sigs.view.key_heads;
+  VAttentionParams bp = a;
+  bp.shape.k = bp.shape.v = nullptr;
+  bp.shape.k_pages = paged.k();
+  bp.shape.v_pages = paged.v();
+  DeviceBuffer out_b(dp.out.size());
+  bp.shape.out = out_b.get();
+  DeviceBuffer wa(VAttentionWorkspaceBytes(a)), wb(VAttentionWorkspaceBytes(bp));
+  ASSERT_EQ(VAttentionDecode(a, wa.get(), wa.size(), nullptr), cudaSuccess);
+  ASSERT_EQ(VAttentionDecode(bp, wb.get(), wb.size(), nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(ToHost<uint8_t>(dp.out, dp.out.size()), ToHost<uint8_t>(out_b, out_b.size()));
+  const VAttentionSelectionView va = VAttentionSelection(a, wa.get());
+  const VAttentionSelectionView vb = VAttentionSelection(bp, wb.get());
+  std::vector<int64_t> ba(16), bb(16);
+  ASSERT_EQ(cudaMemcpy(ba.data(), va.budget, 16 * 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(bb.data(), vb.budget, 16 * 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(ba, bb);
+}
+
+}  // namespace
+}  // namespace kvsparse::kernels::cuda
