@@ -14,6 +14,7 @@
 
 #include "kernels/cuda/decode_params.h"
 #include "kernels/dtype.h"
+#include "kernels/philox.h"
 
 namespace kvsparse::kernels::cuda {
 
@@ -141,6 +142,20 @@ __device__ __forceinline__ void GridDependencyWait() {
 }
 __device__ __forceinline__ void AllowDependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+// The random numbers of sequence b: one seed for the batch (streams (seed, tag, b, head)), or
+// a seed per sequence (streams (seeds[b], tag, 0, head): each sequence drawn as the batch-1
+// problem the CPU engine solves for it, see kernels::SequenceSeed).
+struct SeedSource {
+  uint64_t seed = 0;
+  const uint64_t* seeds = nullptr;  // device [B] or null
+};
+__device__ __forceinline__ PhiloxStream SequenceStream(const SeedSource& s, RngTag tag, int b,
+                                                       int h) {
+  return s.seeds != nullptr
+             ? PhiloxStream::Make(s.seeds[b], tag, 0, static_cast<uint32_t>(h))
+             : PhiloxStream::Make(s.seed, tag, static_cast<uint32_t>(b), static_cast<uint32_t>(h));
 }
 
 // Row 0 of (b, kv head j) of K (v = false) or V (v = true) for strided or per-head bases (not

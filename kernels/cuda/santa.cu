@@ -13,6 +13,8 @@ constexpr int kBlocksPerSm = 2;
 
 // PhiloxStream::Uniform(i) without the run-time index into the block's words (which would put
 // the block in local memory).
+__host__ __device__ inline SeedSource Seeds(const SantaParams& p) { return {p.seed, p.seeds}; }
+
 __device__ __forceinline__ float PhiloxUniform(const PhiloxStream& st, uint64_t i) {
   const Philox4x32 r = st.Block(static_cast<uint32_t>(i >> 2));
   const uint32_t k = static_cast<uint32_t>(i & 3);
@@ -124,7 +126,7 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
       float m2, ell, u[kPerLane];
       HeadStats(ssm + g * kTile, lane, m2, ell, u);
       const float inv_delta = ell > 0.f ? static_cast<float>(s_tile) / ell : 0.f;
-      const float a0 = PhiloxUniform(PhiloxStream::Make(p.seed, RngTag::kFlashTileOffset, b, h), t);
+      const float a0 = PhiloxUniform(SequenceStream(Seeds(p), RngTag::kFlashTileOffset, b, h), t);
       SystematicCounts(u, inv_delta, a0, lane, cnt + g * kTile);
       if (p.sample_counts != nullptr) {
         __syncwarp();
@@ -246,7 +248,7 @@ struct Pass1Cfg {
 
 template <typename T, int D, int G, Pass1Out kOut>
 __global__ void __launch_bounds__(Pass1Cfg<D, G>::kThreads, Pass1Cfg<D, G>::kMinBlocks)
-    Pass1Kernel(DecodeShape s, uint64_t seed, int tiles_per_block, int max_tiles,
+    Pass1Kernel(DecodeShape s, SeedSource seed, int tiles_per_block, int max_tiles,
                 float* __restrict__ m_tiles, float* __restrict__ l_tiles, void* __restrict__ out) {
   using Cfg = Pass1Cfg<D, G>;
   constexpr int NW = Cfg::kScoreWarps;
@@ -305,7 +307,7 @@ __global__ void __launch_bounds__(Pass1Cfg<D, G>::kThreads, Pass1Cfg<D, G>::kMin
         int k = 1, first = 0;  // entry lane = first + (m - 1) of budget k
         while (first + k <= lane) first += k++;
         const float a0 =
-            PhiloxUniform(PhiloxStream::Make(seed, RngTag::kPropTileOffset, b, kvh * G + g), t);
+            PhiloxUniform(SequenceStream(seed, RngTag::kPropTileOffset, b, kvh * G + g), t);
         const float inv_delta = static_cast<float>(k) / ell;
         const int tok =
             FirstAtLeast(sc, len, inv_delta, __fsub_rn(static_cast<float>(lane - first + 1), a0));
@@ -537,7 +539,7 @@ __device__ __forceinline__ void FallbackTile(const SantaParams& p, int b, int kv
     ell = WarpPrefix(u, lane, pre);
     __syncwarp();
     const float a0 =
-        PhiloxUniform(PhiloxStream::Make(p.seed, RngTag::kPropTileOffset, b, kvh * G + g), t);
+        PhiloxUniform(SequenceStream(Seeds(p), RngTag::kPropTileOffset, b, kvh * G + g), t);
     const float inv_delta = static_cast<float>(budget) / ell;
     for (int m0 = 0; m0 < budget; m0 += 32) {
       const int m = m0 + lane + 1;
@@ -711,7 +713,7 @@ __global__ void __launch_bounds__(kSmallThreads)
   }
   __syncthreads();
   const double z = num_tiles > 0 ? cdf[num_tiles - 1] : 0.0;
-  const PhiloxStream rng = PhiloxStream::Make(p.seed, RngTag::kSantaIid, b, h);
+  const PhiloxStream rng = SequenceStream(Seeds(p), RngTag::kSantaIid, b, h);
   for (int i = threadIdx.x; i < p.num_samples; i += kSmallThreads) {
     int tok = -1;
     if (num_tiles > 0) {
@@ -833,7 +835,7 @@ PropSpace CarveProp(const DecodeShape& s, const TilePlan& plan, void* base, size
 template <Pass1Out kOut>
 struct Pass1Launch {
   const DecodeShape& s;
-  uint64_t seed;
+  SeedSource seed;
   TilePlan plan;
   float* m_tiles;
   float* l_tiles;
@@ -961,7 +963,7 @@ cudaError_t SantaIid(const SantaParams& p, void* workspace, size_t workspace_byt
   const DecodeShape& s = p.shape;
   KVSPARSE_CUDA_RETURN_IF_ERROR(DispatchDecode(
       s.dtype, s.head_dim, s.group_size(),
-      Pass1Launch<Pass1Out::kStash>{s, p.seed, plan, ws.m_tiles, ws.l_tiles, ws.stash, stream}));
+      Pass1Launch<Pass1Out::kStash>{s, Seeds(p), plan, ws.m_tiles, ws.l_tiles, ws.stash, stream}));
   return DispatchDecode(s.dtype, s.head_dim, s.group_size(),
                         IidLaunch{p, plan.max_tiles, ws, stream});
 }
@@ -983,7 +985,7 @@ cudaError_t S2antaProp(const SantaParams& p, void* workspace, size_t workspace_b
   const DecodeShape& s = p.shape;
   KVSPARSE_CUDA_RETURN_IF_ERROR(
       DispatchDecode(s.dtype, s.head_dim, s.group_size(),
-                     Pass1Launch<Pass1Out::kRecords>{s, p.seed, plan, ws.m_tiles, ws.l_tiles,
+                     Pass1Launch<Pass1Out::kRecords>{s, Seeds(p), plan, ws.m_tiles, ws.l_tiles,
                                                      ws.records, stream}));
   KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchBudget(p, plan, ws, stream));
   return DispatchDecode(s.dtype, s.head_dim, s.group_size(), Pass2Launch{p, plan, ws, stream});

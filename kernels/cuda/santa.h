@@ -32,6 +32,9 @@ struct SantaParams {
   DecodeShape shape;
   int32_t num_samples = 128;  // S per query head, >= 1
   uint64_t seed = 0;
+  // Optional, device, shape: [B]: sequence b draws its random numbers from seeds[b] as a batch-1
+  // problem would (streams (seeds[b], tag, 0, head)) instead of (seed, tag, b, head).
+  const uint64_t* seeds = nullptr;
   // Optional diagnostics (nullptr to skip; not needed for the output):
   // device, shape: [B, Hkv]; the distinct V rows each (sequence, kv head) read are ADDED here
   // (atomicAdd): zero it first.

@@ -475,5 +475,78 @@ TEST(SelectedRowsCudaTest, VAttentionFromPagesMatchesStrided) {
   EXPECT_EQ(ba, bb);
 }
 
+// Per-sequence seeds: sequence b of a batch draws exactly what a batch-1 call with seeds[b]
+// draws (the decode worker's SequenceSeed contract), for every SANTA kernel.
+TEST(SelectedRowsCudaTest, PerSequenceSeedsMatchBatchOneCalls) {
+  KVSPARSE_REQUIRE_GPU();
+  SyntheticOptions o;
+  o.batch = 3;
+  o.num_q_heads = 8;
+  o.num_kv_heads = 2;
+  o.head_dim = 128;
+  o.seq_lens = {3000, 700, 1500};
+  SyntheticProblem sp = SyntheticProblem::Make(o);
+  const DecodeProblem& p = sp.problem;
+  DeviceProblem dp = DeviceProblem::Upload(p, KvElements(p));
+  const int B = 3, H = 8, n_max = 3000;
+  const std::vector<uint64_t> seeds = {11, 0x9e3779b97f4a7c15ull, 5};
+  DeviceBuffer dseeds = ToDevice(seeds);
+  for (int method = 0; method < 3; ++method) {
+    SantaParams all;
+    all.shape = dp.shape;
+    all.num_samples = 64;
+    all.seeds = dseeds.as<uint64_t>();
+    DeviceBuffer c_all(sizeof(int32_t) * B * H * n_max), idx_all(sizeof(int32_t) * B * H * 64);
+    ASSERT_EQ(cudaMemset(c_all.get(), 0, c_all.size()), cudaSuccess);
+    if (method == 0) {
+      all.indices = idx_all.as<int32_t>();
+    } else {
+      all.sample_counts = c_all.as<int32_t>();
+    }
+    auto run = [&](const SantaParams& sp_) {
+      const size_t bytes = method == 0   ? SantaIidWorkspaceBytes(sp_)
+                           : method == 1 ? S2antaPropWorkspaceBytes(sp_)
+                                         : S2antaFlashWorkspaceBytes(sp_);
+      DeviceBuffer ws(bytes);
+      const cudaError_t e = method == 0   ? SantaIid(sp_, ws.get(), bytes, nullptr)
+                            : method == 1 ? S2antaProp(sp_, ws.get(), bytes, nullptr)
+                                          : S2antaFlash(sp_, ws.get(), bytes, nullptr);
+      EXPECT_EQ(e, cudaSuccess);
+      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    };
+    run(all);
+    const auto counts_all = ToHost<int32_t>(c_all, c_all.size() / 4);
+    const auto idx_host = ToHost<int32_t>(idx_all, idx_all.size() / 4);
+    for (int b = 0; b < B; ++b) {
+      SantaParams one = all;
+      one.seeds = nullptr;
+      one.seed = seeds[b];
+      one.shape.batch = 1;
+      one.shape.q = static_cast<const uint16_t*>(dp.shape.q) + static_cast<size_t>(b) * H * 128;
+      one.shape.k = static_cast<const uint16_t*>(dp.shape.k) + b * p.kv_layout.batch_stride;
+      one.shape.v = static_cast<const uint16_t*>(dp.shape.v) + b * p.kv_layout.batch_stride;
+      one.shape.seq_lens = dp.seq_lens.as<int32_t>() + b;
+      one.shape.max_seq_len = n_max;
+      DeviceBuffer out1(sizeof(uint16_t) * H * 128), c1(sizeof(int32_t) * H * n_max),
+          i1(sizeof(int32_t) * H * 64);
+      ASSERT_EQ(cudaMemset(c1.get(), 0, c1.size()), cudaSuccess);
+      one.shape.out = out1.get();
+      one.sample_counts = method == 0 ? nullptr : c1.as<int32_t>();
+      one.indices = method == 0 ? i1.as<int32_t>() : nullptr;
+      run(one);
+      if (method == 0) {
+        const auto got = ToHost<int32_t>(i1, H * 64);
+        EXPECT_TRUE(std::equal(got.begin(), got.end(), idx_host.begin() + b * H * 64))
+            << "iid sequence " << b;
+      } else {
+        const auto got = ToHost<int32_t>(c1, static_cast<size_t>(H) * n_max);
+        EXPECT_TRUE(std::equal(got.begin(), got.end(),
+                               counts_all.begin() + static_cast<size_t>(b) * H * n_max))
+            << "method " << method << " sequence " << b;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace kvsparse::kernels::cuda

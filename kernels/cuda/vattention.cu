@@ -159,8 +159,7 @@ __global__ void __launch_bounds__(kSampleThreads)
   auto residual = [&](int t) { return ((bitmap[t / 32] >> (t % 32)) & 1u) == 0; };
   uint64_t* keys = l.keys + bh * l.list_stride;
   const PhiloxStream rng =
-      PhiloxStream::Make(p.seed, kBase ? RngTag::kVattBase : RngTag::kVattDynamic,
-                         static_cast<uint32_t>(b), static_cast<uint32_t>(h));
+      SequenceStream({p.seed, p.seeds}, kBase ? RngTag::kVattBase : RngTag::kVattDynamic, b, h);
   if (!all) {
     for (int t = tid; t < n; t += kSampleThreads) {
       if (!residual(t)) continue;

@@ -27,6 +27,9 @@ namespace kvsparse::kernels::cuda {
 struct VAttentionParams {
   DecodeShape shape;  // max_seq_len <= 2^22
   uint64_t seed = 0;
+  // Optional, device, shape: [B]: sequence b draws its random numbers from seeds[b] as a batch-1
+  // problem would (streams (seeds[b], tag, 0, head)) instead of (seed, tag, b, head).
+  const uint64_t* seeds = nullptr;
   float epsilon = 0.05f;  // (0, 1)
   float delta = 0.05f;    // (0, 1)
   int32_t sink_tokens = 128;
