@@ -76,11 +76,13 @@ const char* MethodName(MethodKind kind) {
   return "?";
 }
 
-DecodeEngine::DecodeEngine(EngineOptions options, RowSource* source)
+DecodeEngine::DecodeEngine(EngineOptions options, RowSource* source,
+                           std::unique_ptr<DecodeBackend> backend)
     : options_(std::move(options)),
       source_(source),
       signatures_(options_.signatures),
-      cache_(options_.resident_capacity_bytes, options_.max_fetch_bytes, &signatures_) {}
+      cache_(options_.resident_capacity_bytes, options_.max_fetch_bytes, &signatures_),
+      backend_(std::move(backend)) {}
 
 namespace {
 
@@ -166,7 +168,10 @@ absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
   std::vector<SequenceDesc> descs(B);
   for (size_t b = 0; b < B; ++b) {
     absl::StatusOr<SequenceDesc> d = source_->Describe(call.sequence_ids[b], call.deadline);
-    if (absl::IsNotFound(d.status())) cache_.Forget(call.sequence_ids[b]);  // gone from the store
+    if (absl::IsNotFound(d.status())) {  // gone from the store
+      cache_.Forget(call.sequence_ids[b]);
+      if (backend_ != nullptr) backend_->Forget(call.sequence_ids[b]);
+    }
     if (!d.ok()) return d.status();
     descs[b] = std::move(*d);
   }
@@ -241,6 +246,19 @@ absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
   result.head_dim = shape.head_dim;
   result.output.resize(B * hd * kernels::DTypeSize(call.q_dtype));
   result.heads.reserve(B * shape.num_kv_heads);
+  if (backend_ != nullptr) {
+    std::vector<SequenceDesc> now = descs;  // as the store holds them now
+    bool supported = true;
+    for (size_t b = 0; b < B && supported; ++b) {
+      if (append) ++now[b].layer_lengths[call.layer];
+      supported = backend_->Supports(call, now[b]);
+    }
+    if (supported) {
+      if (absl::Status s = backend_->Decode(call, now, &result); !s.ok()) return s;
+      result.timing.engine_seconds = Seconds(start, absl::Now());
+      return result;
+    }
+  }
   for (size_t b = 0; b < B; ++b) {
     absl::Status s = DecodeSequence(call, static_cast<uint32_t>(b), descs[b], &result);
     if (!s.ok()) {

@@ -8,8 +8,9 @@
 //   5. estimate (fp32 accumulation), output in q's dtype, with per-kv-head statistics
 //
 // Each sequence of a call is its own batch-1 problem; sequence i draws its random numbers with
-// kernels::SequenceSeed(seed, i). This build computes on the CPU (the kernels' references); the
-// CUDA path plugs in behind the same stages.
+// kernels::SequenceSeed(seed, i). The CPU computes with the kernels' references; a DecodeBackend
+// (the GPU backend, server/gpu_backend.h) takes the calls it supports, batched over the
+// sequences, and draws the same random numbers.
 #ifndef KVSPARSE_SERVER_DECODE_ENGINE_H_
 #define KVSPARSE_SERVER_DECODE_ENGINE_H_
 
@@ -66,6 +67,7 @@ struct HeadStats {
   uint32_t kv_head = 0;
   uint64_t rows_selected = 0;     // over the group's query heads, counting repeats
   uint64_t rows_fetched = 0;      // distinct rows read for the estimate and the selection
+  uint64_t rows_cached = 0;       // of rows_fetched: found in the GPU's row cache, not fetched
   std::vector<uint64_t> budgets;  // per query head of the group
   std::array<uint64_t, kvstore::kNumTiers> bytes{};  // read from each tier
   uint64_t dense_equivalent_bytes = 0;               // K and V of every row
@@ -94,10 +96,34 @@ struct EngineOptions {
   SignatureConfig signatures;
 };
 
+// Where a validated call is computed when not on the CPU: the GPU backend
+// (server/gpu_backend.h) of a worker that has a GPU. The engine validates the call and appends
+// the new tokens to the store first; the backend then does sync, selection, gather and estimate
+// for every sequence of the call.
+class DecodeBackend {
+ public:
+  virtual ~DecodeBackend() = default;
+  virtual const char* name() const = 0;
+  // Whether this backend computes `call` for a sequence described by `desc` (method, placement,
+  // shape, dtype); the CPU computes the rest.
+  virtual bool Supports(const DecodeCall& call, const SequenceDesc& desc) const = 0;
+  // descs[b]: sequence b of the call as the store holds it now (the new token included).
+  // Fills result->output ([B, H, d] in q's dtype), heads ([B * Hkv] in order), the timing's
+  // selection / gather / compute / sync seconds and sync_bytes. Thread-safe.
+  virtual absl::Status Decode(const DecodeCall& call, absl::Span<const SequenceDesc> descs,
+                              DecodeResult* result) = 0;
+  // Frees what it holds of a sequence the store no longer has.
+  virtual void Forget(const std::string& sequence_id) = 0;
+  // Bytes of per-sequence state it holds on its device, and its capacity for them.
+  virtual size_t resident_bytes() const = 0;
+  virtual size_t resident_capacity() const = 0;
+};
+
 class DecodeEngine {
  public:
-  // REQUIRES: source outlives the engine.
-  DecodeEngine(EngineOptions options, RowSource* source);
+  // REQUIRES: source outlives the engine. backend: optional (null: everything on the CPU).
+  DecodeEngine(EngineOptions options, RowSource* source,
+               std::unique_ptr<DecodeBackend> backend = nullptr);
   DecodeEngine(const DecodeEngine&) = delete;
   DecodeEngine& operator=(const DecodeEngine&) = delete;
 
@@ -108,7 +134,8 @@ class DecodeEngine {
   absl::StatusOr<DecodeResult> Decode(const DecodeCall& call);
 
   const ResidentCache& resident() const { return cache_; }
-  const char* backend() const { return "cpu"; }
+  const DecodeBackend* device_backend() const { return backend_.get(); }
+  const char* backend() const { return backend_ != nullptr ? backend_->name() : "cpu"; }
 
  private:
   struct Sequence;
@@ -119,6 +146,7 @@ class DecodeEngine {
   RowSource* const source_;
   SignatureMaker signatures_;
   ResidentCache cache_;
+  std::unique_ptr<DecodeBackend> backend_;
 };
 
 }  // namespace kvsparse::server

@@ -14,6 +14,9 @@
 #include "server/byte_size.h"
 #include "server/logging.h"
 #include "server/server.h"
+#if KVSPARSE_WITH_CUDA
+#include "kvstore/cuda_host_memory.h"
+#endif
 
 using kvsparse::server::ByteSize;
 
@@ -43,6 +46,11 @@ ABSL_FLAG(std::string, store, "", "role=worker: the store's address (host:port)"
 ABSL_FLAG(ByteSize, resident_capacity, ByteSize{4ull << 30},
           "Most bytes of device-tier state the worker keeps (resident K/V, key signatures)");
 ABSL_FLAG(uint32_t, default_tile_size, 256, "S2ANTA tile size when a request gives 0");
+ABSL_FLAG(std::string, gpu, "auto",
+          "Decode on the GPU: auto (when this build has CUDA and a device is present; the store's "
+          "pages are then pinned and mapped so the GPU reads host rows in place), on (fail "
+          "without one) or off (CPU engine)");
+ABSL_FLAG(int, gpu_device, 0, "CUDA device ordinal of the GPU backend");
 ABSL_FLAG(uint64_t, signature_seed, 0x6b767370,
           "Seed of the SimHash hyperplanes (fixed per deployment: cached signatures depend on it)");
 ABSL_FLAG(double, signature_norm_margin, 1.0,
@@ -80,8 +88,28 @@ int main(int argc, char** argv) {
   options.store.page_bytes = absl::GetFlag(FLAGS_page_size).bytes;
   kvsparse::kvstore::HostMemoryOptions host;
   host.huge_pages = absl::GetFlag(FLAGS_huge_pages);
-  std::unique_ptr<kvsparse::kvstore::MemoryResource> memory =
-      kvsparse::kvstore::NewHostMemoryResource(host);
+  auto gpu = kvsparse::server::ParseGpuMode(absl::GetFlag(FLAGS_gpu));
+  if (!gpu.ok()) {
+    std::fprintf(stderr, "--gpu: %s\n", std::string(gpu.status().message()).c_str());
+    return 2;
+  }
+  options.gpu = *gpu;
+  options.gpu_device = absl::GetFlag(FLAGS_gpu_device);
+  std::unique_ptr<kvsparse::kvstore::MemoryResource> memory;
+#if KVSPARSE_WITH_CUDA
+  if (options.gpu != kvsparse::server::ServerOptions::Gpu::kOff) {
+    // Pinned, CUDA-mapped pages: the GPU backend reads the rows it selects in place.
+    auto pinned = kvsparse::kvstore::NewPinnedHostMemoryResource(host);
+    if (pinned.ok()) {
+      memory = std::move(*pinned);
+      options.store_pages_mapped = true;
+    } else if (options.gpu == kvsparse::server::ServerOptions::Gpu::kOn) {
+      std::fprintf(stderr, "--gpu=on: %s\n", pinned.status().ToString().c_str());
+      return 1;
+    }
+  }
+#endif
+  if (memory == nullptr) memory = kvsparse::kvstore::NewHostMemoryResource(host);
   options.store.memory = memory.get();
   auto policy = kvsparse::kvstore::ParseCapacityPolicy(absl::GetFlag(FLAGS_capacity_policy));
   if (!policy.ok()) {

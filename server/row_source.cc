@@ -7,15 +7,15 @@ namespace {
 
 class LocalRowSource final : public RowSource {
  public:
-  explicit LocalRowSource(kvstore::Store* store) : store_(store) {}
+  LocalRowSource(kvstore::Store* store, bool mapped) : store_(store), mapped_(mapped) {}
 
   kvstore::Tier tier() const override { return kvstore::Tier::kHost; }
 
   absl::StatusOr<SequenceDesc> Describe(absl::string_view id, absl::Time) override {
     absl::StatusOr<kvstore::SequenceInfo> info = store_->GetSequenceInfo(id);
     if (!info.ok()) return info.status();
-    return SequenceDesc{info->sequence_id, info->shape, info->placement, info->layer_lengths,
-                        info->incarnation};
+    return SequenceDesc{info->sequence_id, info->shape,       info->placement,
+                        info->layer_lengths, info->incarnation, info->page_tokens};
   }
 
   absl::Status Append(absl::string_view id, const kvstore::ModelShape& shape, uint32_t layer,
@@ -56,14 +56,24 @@ class LocalRowSource final : public RowSource {
     return res->layer_length;
   }
 
+  absl::StatusOr<std::unique_ptr<kvstore::PageView>> View(absl::string_view id) override {
+    return store_->View(id);
+  }
+  bool pages_device_visible() const override { return mapped_; }
+
  private:
   kvstore::Store* const store_;
+  const bool mapped_;
 };
 
 }  // namespace
 
-std::unique_ptr<RowSource> NewLocalRowSource(kvstore::Store* store) {
-  return std::make_unique<LocalRowSource>(store);
+absl::StatusOr<std::unique_ptr<kvstore::PageView>> RowSource::View(absl::string_view) {
+  return absl::UnimplementedError("this row source has no zero-copy view of its pages");
+}
+
+std::unique_ptr<RowSource> NewLocalRowSource(kvstore::Store* store, bool pages_device_visible) {
+  return std::make_unique<LocalRowSource>(store, pages_device_visible);
 }
 
 }  // namespace kvsparse::server

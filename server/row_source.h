@@ -26,6 +26,8 @@ struct SequenceDesc {
   kvstore::Placement placement;
   std::vector<uint64_t> layer_lengths;
   uint64_t incarnation = 0;
+  // Tokens per page of the store's host tier (0: not known, e.g. a remote store).
+  uint32_t page_tokens = 0;
 };
 
 // Tokens of one kv head to read.
@@ -55,11 +57,20 @@ class RowSource {
   virtual absl::StatusOr<uint64_t> Gather(absl::string_view sequence_id, uint32_t layer,
                                           kvstore::RowKind kind, absl::Span<const RowRequest> heads,
                                           uint8_t* k_out, uint8_t* v_out, absl::Time deadline) = 0;
+  // A zero-copy view of the sequence's pages (kvstore::PageView: rows read in place, e.g. by a
+  // GPU kernel when the pages are pinned and mapped). UNIMPLEMENTED where rows are not in this
+  // process (the default); NOT_FOUND for an unknown sequence.
+  virtual absl::StatusOr<std::unique_ptr<kvstore::PageView>> View(absl::string_view sequence_id);
+  // Whether the pages a View shows are device-visible (pinned, CUDA-mapped host memory).
+  virtual bool pages_device_visible() const { return false; }
 };
 
 // Rows of a store in this process, copied straight into the engine's buffers.
+// pages_device_visible: the store's memory is pinned and CUDA-mapped
+// (kvstore::NewPinnedHostMemoryResource), so a GPU may read its pages in place.
 // REQUIRES: store outlives the source.
-std::unique_ptr<RowSource> NewLocalRowSource(kvstore::Store* store);
+std::unique_ptr<RowSource> NewLocalRowSource(kvstore::Store* store,
+                                             bool pages_device_visible = false);
 
 }  // namespace kvsparse::server
 

@@ -12,6 +12,9 @@
 #include "server/kvstore_service.h"
 #include "server/logging.h"
 #include "server/remote_row_source.h"
+#if KVSPARSE_WITH_CUDA
+#include "server/gpu_backend.h"
+#endif
 
 namespace kvsparse::server {
 
@@ -21,6 +24,14 @@ absl::StatusOr<ServerRole> ParseServerRole(absl::string_view name) {
   if (name == "worker") return ServerRole::kWorker;
   return absl::InvalidArgumentError(
       absl::StrCat("unknown role '", name, "' (want all, store or worker)"));
+}
+
+absl::StatusOr<ServerOptions::Gpu> ParseGpuMode(absl::string_view name) {
+  if (name == "auto") return ServerOptions::Gpu::kAuto;
+  if (name == "on") return ServerOptions::Gpu::kOn;
+  if (name == "off") return ServerOptions::Gpu::kOff;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown GPU mode '", name, "' (want auto, on or off)"));
 }
 
 namespace {
@@ -57,7 +68,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   }
   if (options.role != ServerRole::kStore) {
     if (options.role == ServerRole::kAll) {
-      s->row_source_ = NewLocalRowSource(s->store_.get());
+      s->row_source_ = NewLocalRowSource(s->store_.get(), options.store_pages_mapped);
     } else {
       grpc::ChannelArguments args;
       args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
@@ -71,7 +82,31 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       }
       s->row_source_ = NewRemoteRowSource(std::move(channel));
     }
-    s->engine_ = std::make_unique<DecodeEngine>(options.engine, s->row_source_.get());
+    std::unique_ptr<DecodeBackend> backend;
+    if (options.gpu != ServerOptions::Gpu::kOff) {
+#if KVSPARSE_WITH_CUDA
+      GpuBackendOptions go;
+      go.device = options.gpu_device;
+      go.capacity_bytes = options.engine.resident_capacity_bytes;
+      go.max_fetch_bytes = options.engine.max_fetch_bytes;
+      go.default_tile_size = options.engine.default_tile_size;
+      go.signatures = options.engine.signatures;
+      absl::StatusOr<std::unique_ptr<DecodeBackend>> b = NewGpuBackend(go, s->row_source_.get());
+      if (b.ok()) {
+        backend = std::move(*b);
+      } else if (options.gpu == ServerOptions::Gpu::kOn) {
+        return b.status();
+      } else {
+        KVSPARSE_LOG(Info) << "decoding on the CPU: " << b.status().message();
+      }
+#else
+      if (options.gpu == ServerOptions::Gpu::kOn) {
+        return absl::FailedPreconditionError("this build has no CUDA (--gpu=on)");
+      }
+#endif
+    }
+    s->engine_ =
+        std::make_unique<DecodeEngine>(options.engine, s->row_source_.get(), std::move(backend));
     s->metrics_->AddCollectable(NewResidentCollector(s->engine_.get()));
     s->attention_service_ =
         std::make_unique<AttentionService>(s->engine_.get(), s->rpc_.get(), s->metrics_.get());

@@ -48,7 +48,18 @@ struct ServerOptions {
   absl::Duration shutdown_grace = absl::Seconds(10);
   kvstore::StoreOptions store;
   EngineOptions engine;
+  // The decode engine's GPU backend (server/gpu_backend.h), in builds with CUDA: kAuto uses it
+  // when a CUDA device is present, kOn refuses to start without one, kOff never uses it.
+  enum class Gpu { kAuto, kOn, kOff };
+  Gpu gpu = Gpu::kAuto;
+  int gpu_device = 0;
+  // The store's memory (store.memory) is pinned and CUDA-mapped
+  // (kvstore::NewPinnedHostMemoryResource): the GPU reads host rows in place.
+  bool store_pages_mapped = false;
 };
+
+// "auto", "on" or "off"; INVALID_ARGUMENT otherwise.
+absl::StatusOr<ServerOptions::Gpu> ParseGpuMode(absl::string_view name);
 
 class Server {
  public:

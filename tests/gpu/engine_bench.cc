@@ -1,0 +1,451 @@
+// Per-layer latency of the decode engine on the GPU (no RPC), each placement and method against
+// dense attention with the KV resident on the GPU and against dense attention that fetches every
+// row from host memory, measured in the same run on the same GPU (issue 5's benchmark).
+//
+//   engine_bench [--lens=32768,131072] [--batches=1,8] [--reps=20] [--hash_fraction=0.0125]
+//                [--drift=0.05] [--ballast_free_gb=0]
+//
+// Llama-3.1-8B attention shapes (H = 32, Hkv = 8, d = 128, bf16), one layer. Every sequence of a
+// batch holds the same synthetic K and V (kernels/synthetic.h, peaked family: sink, local window
+// and needles, as real attention has), loaded into the store (pinned, CUDA-mapped host pages)
+// under three placements: K and V on the GPU; K on the GPU and V in host memory (S2ANTA); K and
+// V in host memory with 32-bit SimHash signatures on the GPU (HashAttention, vAttention).
+//
+// Rows printed (median over --reps calls, a 512 MB write between calls so that no call finds the
+// previous one's rows in L2; accuracy = relative L2 error of the output against the engine's
+// dense output for the same q):
+//   kernel dense (GPU-resident)   DenseDecode on a contiguous [B, n, Hkv, d] cache, CUDA events:
+//                                 the baseline "dense attention with the KV resident on the GPU";
+//   kernel dense (bulk H2D)       one cudaMemcpy of that cache from pinned host memory, then
+//                                 DenseDecode: dense attention fetching every row from host memory;
+//   engine <method> / <placement> DecodeEngine::Decode wall time (upload of q and the tables,
+//                                 kernels, download of the output), the engine's own overhead
+//                                 included. Hash top-k runs twice: with a fresh random q each call
+//                                 (row cache cold) and with q drifting step to step
+//                                 (q_t = q_{t-1} + drift * |q| * noise: the row cache's case).
+// Also printed: bytes that crossed from host memory per call and their rate, rows fetched per
+// kv head (density), row-cache hit rate, and GPU bytes per token of each placement.
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "kernels/cuda/dense_decode.h"
+#include "kernels/synthetic.h"
+#include "kvstore/cuda_host_memory.h"
+#include "kvstore/store.h"
+#include "server/decode_engine.h"
+#include "server/gpu_backend.h"
+
+ABSL_FLAG(std::string, lens, "32768,131072", "Context lengths n");
+ABSL_FLAG(std::string, batches, "1,8", "Batch sizes B");
+ABSL_FLAG(int, reps, 20, "Timed calls per row (median)");
+ABSL_FLAG(double, hash_fraction, 0.0125,
+          "HashAttention top-k fraction per query head (the union over a GQA group of 4 is ~4x)");
+ABSL_FLAG(double, drift, 0.05, "Step-to-step query drift for the row-cache rows");
+ABSL_FLAG(std::string, methods, "all", "Comma list: dense,prop,flash,hash,vatt (or all)");
+
+namespace {
+
+namespace kv = kvsparse::kvstore;
+namespace ks = kvsparse::server;
+namespace kk = kvsparse::kernels;
+using Clock = std::chrono::steady_clock;
+
+#define CK(x)                                                                                \
+  do {                                                                                       \
+    cudaError_t e = (x);                                                                     \
+    if (e != cudaSuccess) {                                                                  \
+      std::fprintf(stderr, "CUDA %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
+      std::exit(1);                                                                          \
+    }                                                                                        \
+  } while (0)
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+std::vector<int> Ints(const std::string& s) {
+  std::vector<int> r;
+  for (absl::string_view p : absl::StrSplit(s, ',')) {
+    int x;
+    if (absl::SimpleAtoi(p, &x)) r.push_back(x);
+  }
+  return r;
+}
+
+double RelL2(const std::string& got, const std::string& ref) {
+  double num = 0, den = 0;
+  const size_t n = ref.size() / 2;
+  for (size_t i = 0; i < n; ++i) {
+    const double a = kk::LoadAsFloat(got.data(), i, kk::DType::kBf16);
+    const double b = kk::LoadAsFloat(ref.data(), i, kk::DType::kBf16);
+    num += (a - b) * (a - b);
+    den += b * b;
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+// Overwrites 512 MB so that the next call starts with a cold L2.
+struct Thrash {
+  void* buf = nullptr;
+  size_t bytes = 512ull << 20;
+  Thrash() { CK(cudaMalloc(&buf, bytes)); }
+  void Run() {
+    CK(cudaMemsetAsync(buf, ++v, bytes, nullptr));
+    CK(cudaDeviceSynchronize());
+  }
+  int v = 0;
+};
+
+struct Row {
+  std::string name;
+  double us = 0;
+  double err = -1;
+  double host_mb = 0;      // per call, from host memory
+  double rows_per_head = 0;
+  double hit = -1;
+};
+
+void Print(const Row& r, double dense_us, double h2d_gbs, int n) {
+  std::printf("%-44s %9.1f us  x%6.2f of resident dense", r.name.c_str(), r.us, r.us / dense_us);
+  if (r.err >= 0) std::printf("  relL2 %.4f", r.err);
+  if (r.host_mb > 0) {
+    const double gbs = r.host_mb / r.us * 1e3;
+    std::printf("  host %.2f MB/call = %.1f GB/s over the call (%.0f%% of bulk H2D)", r.host_mb,
+                gbs, 100.0 * gbs / h2d_gbs);
+  }
+  if (r.rows_per_head > 0) std::printf("  rows/kv head %.0f (%.2f%%)", r.rows_per_head, 100.0 * r.rows_per_head / n);
+  if (r.hit >= 0) std::printf("  cache hits %.1f%%", 100.0 * r.hit);
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const int reps = absl::GetFlag(FLAGS_reps);
+  const std::string methods = absl::GetFlag(FLAGS_methods);
+  auto want = [&](const char* m) {
+    return methods == "all" || methods.find(m) != std::string::npos;
+  };
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  constexpr int H = 32, hkv = 8, d = 128;
+  constexpr size_t row = d * 2;
+  Thrash thrash;
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  // Bulk host-to-device bandwidth (pinned, 256 MiB), the reference for rows that cross.
+  double h2d_gbs = 0;
+  {
+    const size_t n = 256ull << 20;
+    void *h = nullptr, *dv = nullptr;
+    CK(cudaMallocHost(&h, n));
+    CK(cudaMalloc(&dv, n));
+    std::memset(h, 1, n);
+    std::vector<double> ms;
+    for (int i = 0; i < 10; ++i) {
+      CK(cudaEventRecord(e0));
+      CK(cudaMemcpyAsync(dv, h, n, cudaMemcpyHostToDevice));
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float t;
+      CK(cudaEventElapsedTime(&t, e0, e1));
+      if (i >= 2) ms.push_back(t);
+    }
+    h2d_gbs = n / Median(ms) / 1e6;
+    CK(cudaFreeHost(h));
+    CK(cudaFree(dv));
+  }
+  std::printf("# device %s (%d SMs); bulk host-to-device copy %.1f GB/s\n", prop.name,
+              prop.multiProcessorCount, h2d_gbs);
+
+  for (int n : Ints(absl::GetFlag(FLAGS_lens))) {
+    std::fprintf(stderr, "n=%d: making the synthetic sequence...\n", n);
+    kk::SyntheticOptions so;
+    so.family = kk::ScoreFamily::kPeaked;
+    so.batch = 1;
+    so.num_q_heads = H;
+    so.num_kv_heads = hkv;
+    so.head_dim = d;
+    so.seq_lens = {n};
+    so.seed = 3;
+    kk::SyntheticProblem sp = kk::SyntheticProblem::Make(so);
+    const size_t seq_bytes = static_cast<size_t>(n) * hkv * row;  // K (or V) of one sequence
+    for (int B : Ints(absl::GetFlag(FLAGS_batches))) {
+      std::printf("\n## n = %d, B = %d (K+V per layer: %.1f MB)\n", n, B, 2.0 * B * seq_bytes / 1e6);
+      auto mem = kv::NewPinnedHostMemoryResource();
+      if (!mem.ok()) {
+        std::fprintf(stderr, "%s\n", mem.status().ToString().c_str());
+        return 1;
+      }
+      kv::StoreOptions sto;
+      sto.capacity_bytes = 3 * 2 * B * seq_bytes + (256ull << 20);
+      sto.max_append_bytes = 1ull << 34;
+      sto.memory = mem->get();
+      auto store = kv::Store::Create(sto);
+      if (!store.ok()) return 1;
+      auto source = ks::NewLocalRowSource(store->get(), /*pages_device_visible=*/true);
+      const kv::ModelShape shape{1, H, hkv, d, kk::DType::kBf16};
+      struct Set {
+        const char* name;
+        kv::Placement placement;
+      };
+      std::vector<Set> sets(3);
+      sets[0].name = "dev";
+      sets[0].placement.k_tier = sets[0].placement.v_tier = kv::Tier::kDevice;
+      sets[1].name = "kdev";
+      sets[1].placement.k_tier = kv::Tier::kDevice;
+      sets[2].name = "host";
+      sets[2].placement.signature_bits = 32;
+      std::fprintf(stderr, "loading %d sequences x 3 placements (%.1f GB pinned)...\n", B,
+                   3.0 * 2 * B * seq_bytes / 1e9);
+      for (const Set& s : sets) {
+        for (int b = 0; b < B; ++b) {
+          const std::string id = std::string(s.name) + std::to_string(b);
+          if (!(*store)->CreateSequence(id, shape, s.placement).ok()) return 1;
+          kv::AppendRequest r;
+          r.sequence_id = id;
+          r.num_layers = 1;
+          r.num_tokens = n;
+          r.dtype = kk::DType::kBf16;
+          r.num_kv_heads = hkv;
+          r.head_dim = d;
+          r.k = sp.k;
+          r.v = sp.v;
+          if (absl::Status st = (*store)->Append(r).status(); !st.ok()) {
+            std::fprintf(stderr, "append: %s\n", st.ToString().c_str());
+            return 1;
+          }
+        }
+      }
+      ks::EngineOptions eo;
+      eo.resident_capacity_bytes = 64ull << 30;
+      ks::GpuBackendOptions go;
+      go.capacity_bytes = 64ull << 30;
+      go.signatures = eo.signatures;
+      auto backend = ks::NewGpuBackend(go, source.get());
+      if (!backend.ok()) {
+        std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
+        return 1;
+      }
+      ks::DecodeEngine engine(eo, source.get(), std::move(*backend));
+      std::mt19937_64 rng(11);
+      std::normal_distribution<float> normal;
+      // q for B sequences: the synthetic anchor query with a little per-sequence noise.
+      const size_t q_elems = static_cast<size_t>(B) * H * d;
+      std::vector<float> qf(q_elems);
+      for (int b = 0; b < B; ++b) {
+        for (size_t i = 0; i < static_cast<size_t>(H) * d; ++i) {
+          qf[b * H * d + i] = kk::LoadAsFloat(sp.q.data(), i, kk::DType::kBf16) + 0.02f * normal(rng);
+        }
+      }
+      auto q_bytes = [&](const std::vector<float>& f) {
+        std::vector<uint8_t> q(f.size() * 2);
+        for (size_t i = 0; i < f.size(); ++i) kk::StoreFromFloat(q.data(), i, kk::DType::kBf16, f[i]);
+        return q;
+      };
+      std::vector<uint8_t> q = q_bytes(qf);
+      auto call = [&](const char* set, const ks::Method& m, const std::vector<uint8_t>& qb) {
+        ks::DecodeCall c;
+        c.layer = 0;
+        for (int b = 0; b < B; ++b) c.sequence_ids.push_back(std::string(set) + std::to_string(b));
+        c.q_dtype = kk::DType::kBf16;
+        c.q = qb;
+        c.method = m;
+        c.seed = 5;
+        return c;
+      };
+      // GPU bytes per token of each placement (after its first call syncs it).
+      auto decode = [&](const ks::DecodeCall& c) {
+        auto r = engine.Decode(c);
+        if (!r.ok()) {
+          std::fprintf(stderr, "decode: %s\n", r.status().ToString().c_str());
+          std::exit(1);
+        }
+        return std::move(*r);
+      };
+      std::vector<double> bytes_per_token(3);
+      for (int i = 0; i < 3; ++i) {
+        const size_t before = engine.device_backend()->resident_bytes();
+        ks::Method m;
+        if (i == 2) {  // signatures and the row sets the hash path keeps
+          m.kind = ks::MethodKind::kHashTopK;
+          m.hash.top_k_fraction = static_cast<float>(absl::GetFlag(FLAGS_hash_fraction));
+        }
+        std::fprintf(stderr, "syncing placement %s...\n", sets[i].name);
+        (void)decode(call(sets[i].name, m, q));
+        bytes_per_token[i] =
+            static_cast<double>(engine.device_backend()->resident_bytes() - before) / (B * n);
+      }
+      const double resident_layout = 2.0 * hkv * row;  // K and V of one token, one layer
+      std::printf("# GPU bytes per token and layer: K+V resident %.0f (layout %.0f); K resident "
+                  "%.0f; host placement (signatures + row cache) %.1f = %.2f%% of the layout\n",
+                  bytes_per_token[0], resident_layout, bytes_per_token[1], bytes_per_token[2],
+                  100.0 * bytes_per_token[2] / resident_layout);
+
+      // ---- Kernel baselines: contiguous [B, n, Hkv, d] cache on the GPU / in pinned memory. ----
+      void *dk = nullptr, *dvv = nullptr, *dq = nullptr, *dout = nullptr, *dlens = nullptr;
+      void *hk = nullptr, *hv = nullptr;
+      CK(cudaMalloc(&dk, B * seq_bytes));
+      CK(cudaMalloc(&dvv, B * seq_bytes));
+      CK(cudaMallocHost(&hk, B * seq_bytes));
+      CK(cudaMallocHost(&hv, B * seq_bytes));
+      for (int b = 0; b < B; ++b) {
+        std::memcpy(static_cast<char*>(hk) + b * seq_bytes, sp.k.data(), seq_bytes);
+        std::memcpy(static_cast<char*>(hv) + b * seq_bytes, sp.v.data(), seq_bytes);
+      }
+      CK(cudaMemcpy(dk, hk, B * seq_bytes, cudaMemcpyHostToDevice));
+      CK(cudaMemcpy(dvv, hv, B * seq_bytes, cudaMemcpyHostToDevice));
+      CK(cudaMalloc(&dq, q.size()));
+      CK(cudaMemcpy(dq, q.data(), q.size(), cudaMemcpyHostToDevice));
+      CK(cudaMalloc(&dout, q.size()));
+      std::vector<int32_t> lens(B, n);
+      CK(cudaMalloc(&dlens, B * 4));
+      CK(cudaMemcpy(dlens, lens.data(), B * 4, cudaMemcpyHostToDevice));
+      kk::cuda::DecodeShape ds;
+      ds.batch = B;
+      ds.num_q_heads = H;
+      ds.num_kv_heads = hkv;
+      ds.head_dim = d;
+      ds.q = dq;
+      ds.k = dk;
+      ds.v = dvv;
+      ds.kv = {static_cast<int64_t>(n) * hkv * d, d, hkv * d};
+      ds.seq_lens = static_cast<int32_t*>(dlens);
+      ds.max_seq_len = n;
+      ds.scale = 1.f / std::sqrt(static_cast<float>(d));
+      ds.out = dout;
+      void* ws = nullptr;
+      const size_t wsb = kk::cuda::DenseDecodeWorkspaceBytes(ds);
+      CK(cudaMalloc(&ws, std::max<size_t>(wsb, 256)));
+      auto time_events = [&](auto&& body) {
+        std::vector<double> us;
+        for (int r = -3; r < reps; ++r) {
+          thrash.Run();
+          CK(cudaEventRecord(e0));
+          body();
+          CK(cudaEventRecord(e1));
+          CK(cudaEventSynchronize(e1));
+          float ms;
+          CK(cudaEventElapsedTime(&ms, e0, e1));
+          if (r >= 0) us.push_back(ms * 1e3);
+        }
+        return Median(us);
+      };
+      const double dense_us = time_events([&] { CK(kk::cuda::DenseDecode(ds, ws, wsb, nullptr)); });
+      Print({"kernel dense, KV resident on the GPU", dense_us}, dense_us, h2d_gbs, n);
+      const double bulk_us = time_events([&] {
+        CK(cudaMemcpyAsync(dk, hk, B * seq_bytes, cudaMemcpyHostToDevice, nullptr));
+        CK(cudaMemcpyAsync(dvv, hv, B * seq_bytes, cudaMemcpyHostToDevice, nullptr));
+        CK(kk::cuda::DenseDecode(ds, ws, wsb, nullptr));
+      });
+      Row bulk{"kernel dense, every row bulk-copied from host", bulk_us};
+      bulk.host_mb = 2.0 * B * seq_bytes / 1e6;
+      Print(bulk, dense_us, h2d_gbs, n);
+
+      // ---- Engine rows. ----
+      auto time_engine = [&](const char* set, const ks::Method& m, const std::string& ref,
+                             bool drift, const std::string& name) {
+        Row r;
+        r.name = name;
+        std::vector<double> us;
+        double host = 0, rows = 0, hits = 0, fetched = 0, err = 0;
+        std::vector<float> qd = qf;
+        std::mt19937_64 qr(99);
+        double ms = 0;
+        for (float x : qf) ms += static_cast<double>(x) * x;
+        const float q_rms = static_cast<float>(std::sqrt(ms / qf.size()));
+        const float step = static_cast<float>(absl::GetFlag(FLAGS_drift));
+        int counted = 0;
+        for (int i = -3; i < reps; ++i) {
+          std::vector<uint8_t> qb = q;
+          if (m.kind == ks::MethodKind::kHashTopK) {
+            // A fresh random query around the anchor each call, or a small step from the last.
+            for (size_t k = 0; k < qd.size(); ++k) {
+              qd[k] = drift ? qd[k] + step * q_rms * normal(qr) : qf[k] + q_rms * normal(qr);
+            }
+            qb = q_bytes(qd);
+          }
+          thrash.Run();
+          const auto t0 = Clock::now();
+          ks::DecodeResult res = decode(call(set, m, qb));
+          const double t = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+          if (i < 0) continue;
+          us.push_back(t);
+          for (const ks::HeadStats& hs : res.heads) {
+            host += hs.bytes[static_cast<int>(kv::Tier::kHost)];
+            rows += hs.rows_fetched;
+            hits += hs.rows_cached;
+            fetched += hs.rows_fetched;
+          }
+          if (m.kind == ks::MethodKind::kHashTopK) {
+            ks::Method dense;
+            err += RelL2(res.output, decode(call("dev", dense, qb)).output);
+          } else {
+            err += RelL2(res.output, ref);
+          }
+          ++counted;
+        }
+        r.us = Median(us);
+        r.err = err / counted;
+        r.host_mb = host / counted / 1e6;
+        r.rows_per_head = rows / counted / (B * hkv);
+        if (m.kind == ks::MethodKind::kHashTopK) r.hit = fetched > 0 ? hits / fetched : 0;
+        Print(r, dense_us, h2d_gbs, n);
+      };
+      const std::string dense_ref = decode(call("dev", ks::Method{}, q)).output;
+      if (want("dense")) {
+        time_engine("dev", ks::Method{}, dense_ref, false, "engine dense / K,V on GPU");
+        time_engine("host", ks::Method{}, dense_ref, false, "engine dense / K,V in host (zero-copy)");
+      }
+      for (const char* set : {"kdev", "dev"}) {
+        for (int variant = 0; variant < 2; ++variant) {
+          if (!want(variant == 0 ? "prop" : "flash")) continue;
+          ks::Method m;
+          m.kind = ks::MethodKind::kSanta;
+          m.santa.allocation =
+              variant == 0 ? kk::SantaAllocation::kProp : kk::SantaAllocation::kFlash;
+          m.santa.samples = variant == 0 ? 128 : 2048;
+          time_engine(set, m, dense_ref, false,
+                      std::string("engine S2ANTA-") + (variant == 0 ? "prop S=128" : "flash S=2048") +
+                          (std::string(set) == "kdev" ? " / K GPU, V host" : " / K,V on GPU"));
+        }
+      }
+      if (want("hash")) {
+        ks::Method m;
+        m.kind = ks::MethodKind::kHashTopK;
+        m.hash.top_k_fraction = static_cast<float>(absl::GetFlag(FLAGS_hash_fraction));
+        time_engine("host", m, dense_ref, false, "engine hash top-k / host, fresh q");
+        time_engine("host", m, dense_ref, true, "engine hash top-k / host, drifting q");
+        time_engine("dev", m, dense_ref, true, "engine hash top-k / K,V on GPU, drifting q");
+      }
+      if (want("vatt")) {
+        ks::Method m;
+        m.kind = ks::MethodKind::kVAttention;
+        m.vattention.top_k_fraction = 0.01f;
+        time_engine("host", m, dense_ref, false, "engine vAttention eps=delta=0.05 / host");
+      }
+      for (void* p : {dk, dvv, dq, dout, dlens, ws}) CK(cudaFree(p));
+      CK(cudaFreeHost(hk));
+      CK(cudaFreeHost(hv));
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,349 @@
+// The decode engine's GPU backend against the CPU engine, on the same store contents: for every
+// placement and method the backend computes, the output agrees within rounding (sampled rows are
+// the same: the same Philox draws, SequenceSeed per sequence), the rows it reports as fetched and
+// the bytes per tier match, the row cache hits on a repeated step, appended tokens are synced,
+// and a small GPU tier evicts idle sequences. Skips without a GPU.
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/dense.h"
+#include "kernels/philox.h"
+#include "kernels/synthetic.h"
+#include "kvstore/cuda_host_memory.h"
+#include "kvstore/store.h"
+#include "server/decode_engine.h"
+#include "server/gpu_backend.h"
+
+namespace kvsparse::server {
+namespace {
+
+using kernels::DType;
+using kvstore::Tier;
+
+bool HaveGpu() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return n > 0;
+}
+
+constexpr uint32_t kLayers = 2;
+constexpr uint32_t kLayer = 1;
+constexpr uint64_t kSigSeed = 4321;
+
+// One store (pinned, mapped pages) with a CPU engine and a GPU engine over it.
+struct Rig {
+  std::unique_ptr<kvstore::MemoryResource> memory;
+  std::unique_ptr<kvstore::Store> store;
+  std::unique_ptr<RowSource> source;
+  std::unique_ptr<DecodeEngine> cpu, gpu;
+
+  static std::unique_ptr<Rig> Make(size_t gpu_capacity = 1ull << 30) {
+    auto r = std::make_unique<Rig>();
+    auto mem = kvstore::NewPinnedHostMemoryResource();
+    EXPECT_TRUE(mem.ok()) << mem.status();
+    if (!mem.ok()) return nullptr;
+    r->memory = std::move(*mem);
+    kvstore::StoreOptions so;
+    so.capacity_bytes = 1ull << 30;
+    so.memory = r->memory.get();
+    auto store = kvstore::Store::Create(so);
+    EXPECT_TRUE(store.ok());
+    r->store = std::move(*store);
+    r->source = NewLocalRowSource(r->store.get(), /*pages_device_visible=*/true);
+    EngineOptions eo;
+    eo.signatures.simhash_seed = kSigSeed;
+    r->cpu = std::make_unique<DecodeEngine>(eo, r->source.get());
+    GpuBackendOptions go;
+    go.capacity_bytes = gpu_capacity;
+    go.signatures = eo.signatures;
+    auto backend = NewGpuBackend(go, r->source.get());
+    EXPECT_TRUE(backend.ok()) << backend.status();
+    r->gpu = std::make_unique<DecodeEngine>(eo, r->source.get(), std::move(*backend));
+    return r;
+  }
+
+  void Load(const kernels::SyntheticProblem& prob, const kvstore::Placement& placement,
+            const std::string& prefix = "s") {
+    const kernels::DecodeProblem& p = prob.problem;
+    const kvstore::ModelShape shape{kLayers, static_cast<uint32_t>(p.num_q_heads),
+                                    static_cast<uint32_t>(p.num_kv_heads),
+                                    static_cast<uint32_t>(p.head_dim), p.dtype};
+    const size_t es = kernels::DTypeSize(p.dtype);
+    for (int32_t b = 0; b < p.batch; ++b) {
+      const std::string id = prefix + std::to_string(b);
+      ASSERT_TRUE(store->CreateSequence(id, shape, placement).ok());
+      const size_t n = prob.seq_lens[b];
+      const size_t bytes = n * p.num_kv_heads * p.head_dim * es;
+      std::vector<uint8_t> k(kLayers * bytes), v(kLayers * bytes);
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        std::memcpy(k.data() + l * bytes, prob.k.data() + b * p.kv_layout.batch_stride * es, bytes);
+        std::memcpy(v.data() + l * bytes, prob.v.data() + b * p.kv_layout.batch_stride * es, bytes);
+      }
+      kvstore::AppendRequest r;
+      r.sequence_id = id;
+      r.num_layers = kLayers;
+      r.num_tokens = n;
+      r.dtype = p.dtype;
+      r.num_kv_heads = p.num_kv_heads;
+      r.head_dim = p.head_dim;
+      r.k = k;
+      r.v = v;
+      ASSERT_TRUE(store->Append(r).ok());
+    }
+  }
+};
+
+kernels::SyntheticProblem Problem(std::vector<int32_t> lens, DType dtype = DType::kBf16,
+                                  int32_t d = 128, int32_t hkv = 2, int32_t g = 4) {
+  kernels::SyntheticOptions o;
+  o.family = kernels::ScoreFamily::kPeaked;
+  o.batch = static_cast<int32_t>(lens.size());
+  o.num_q_heads = hkv * g;
+  o.num_kv_heads = hkv;
+  o.head_dim = d;
+  o.seq_lens = std::move(lens);
+  o.dtype = dtype;
+  o.seed = 17;
+  return kernels::SyntheticProblem::Make(o);
+}
+
+DecodeCall Call(const kernels::SyntheticProblem& prob, const Method& m, const std::string& prefix = "s") {
+  DecodeCall c;
+  c.layer = kLayer;
+  for (int32_t b = 0; b < prob.problem.batch; ++b) c.sequence_ids.push_back(prefix + std::to_string(b));
+  c.q_dtype = prob.problem.dtype;
+  c.q = prob.q;
+  c.method = m;
+  c.seed = 77;
+  return c;
+}
+
+double RelL2(const std::string& a, const std::string& ref, DType t) {
+  double num = 0, den = 0;
+  const size_t n = ref.size() / kernels::DTypeSize(t);
+  for (size_t i = 0; i < n; ++i) {
+    const double x = kernels::LoadAsFloat(a.data(), i, t), y = kernels::LoadAsFloat(ref.data(), i, t);
+    num += (x - y) * (x - y);
+    den += y * y;
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+struct Expect {
+  double out_tol;
+  bool same_rows;      // rows_fetched and bytes per tier equal the CPU engine's
+  double rows_slack;   // else: |gpu - cpu| rows_fetched <= slack * cpu
+};
+
+void Compare(Rig& rig, const kernels::SyntheticProblem& prob, const Method& m, const Expect& e,
+             const std::string& what) {
+  auto c = rig.cpu->Decode(Call(prob, m));
+  ASSERT_TRUE(c.ok()) << what << ": " << c.status();
+  auto g = rig.gpu->Decode(Call(prob, m));
+  ASSERT_TRUE(g.ok()) << what << ": " << g.status();
+  ASSERT_EQ(g->output.size(), c->output.size());
+  EXPECT_LT(RelL2(g->output, c->output, prob.problem.dtype), e.out_tol) << what;
+  ASSERT_EQ(g->heads.size(), c->heads.size()) << what;
+  for (size_t i = 0; i < c->heads.size(); ++i) {
+    const HeadStats& hc = c->heads[i];
+    const HeadStats& hg = g->heads[i];
+    EXPECT_EQ(hg.sequence_index, hc.sequence_index);
+    EXPECT_EQ(hg.kv_head, hc.kv_head);
+    EXPECT_EQ(hg.dense_equivalent_bytes, hc.dense_equivalent_bytes) << what;
+    if (e.same_rows) {
+      EXPECT_EQ(hg.rows_fetched, hc.rows_fetched) << what << " head " << i;
+      EXPECT_EQ(hg.rows_selected, hc.rows_selected) << what << " head " << i;
+      EXPECT_EQ(hg.budgets, hc.budgets) << what << " head " << i;
+      for (int t = 0; t < kvstore::kNumTiers; ++t) {
+        EXPECT_EQ(hg.bytes[t], hc.bytes[t]) << what << " head " << i << " tier " << t;
+      }
+    } else {
+      EXPECT_LE(std::fabs(static_cast<double>(hg.rows_fetched) - hc.rows_fetched),
+                e.rows_slack * hc.rows_fetched + 1)
+          << what << " head " << i;
+    }
+  }
+}
+
+class GpuEngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!HaveGpu()) GTEST_SKIP() << "no CUDA device";
+  }
+};
+
+TEST_F(GpuEngineTest, DenseEveryPlacement) {
+  for (int pl = 0; pl < 3; ++pl) {
+    auto rig = Rig::Make();
+    ASSERT_NE(rig, nullptr);
+    kvstore::Placement p;
+    p.k_tier = pl >= 1 ? Tier::kDevice : Tier::kHost;
+    p.v_tier = pl == 2 ? Tier::kDevice : Tier::kHost;
+    auto prob = Problem({3000, 1, 700});
+    rig->Load(prob, p);
+    Compare(*rig, prob, Method{}, {6e-3, true, 0}, "dense placement " + std::to_string(pl));
+    EXPECT_STREQ(rig->gpu->backend(), "cuda");
+  }
+}
+
+TEST_F(GpuEngineTest, SantaKOnDeviceVInHostOrDevice) {
+  for (bool v_dev : {false, true}) {
+    auto rig = Rig::Make();
+    ASSERT_NE(rig, nullptr);
+    kvstore::Placement p;
+    p.k_tier = Tier::kDevice;
+    p.v_tier = v_dev ? Tier::kDevice : Tier::kHost;
+    auto prob = Problem({5000, 300, 2600});
+    rig->Load(prob, p);
+    for (int variant = 0; variant < 3; ++variant) {
+      Method m;
+      m.kind = MethodKind::kSanta;
+      m.santa.samples = 128;
+      m.santa.tile_size = 256;
+      m.santa.sampler = variant == 0 ? kernels::SantaSampler::kIid : kernels::SantaSampler::kSystematic;
+      m.santa.allocation = variant == 0   ? kernels::SantaAllocation::kGlobal
+                           : variant == 1 ? kernels::SantaAllocation::kProp
+                                          : kernels::SantaAllocation::kFlash;
+      // Same draws; a sample may move where float rounding of a cumulative sum differs.
+      Compare(*rig, prob, m, {0.05, false, 0.02},
+              std::string("santa variant ") + std::to_string(variant) + (v_dev ? " V dev" : " V host"));
+    }
+  }
+}
+
+TEST_F(GpuEngineTest, HashTopKAndTheRowCache) {
+  for (int pl = 0; pl < 2; ++pl) {
+    auto rig = Rig::Make();
+    ASSERT_NE(rig, nullptr);
+    kvstore::Placement p;
+    p.signature_bits = pl == 0 ? 32 : 64;
+    if (pl == 1) p.k_tier = p.v_tier = Tier::kDevice;
+    auto prob = Problem({4000, 50, 1800}, pl == 0 ? DType::kBf16 : DType::kFp16, pl == 0 ? 128 : 64);
+    rig->Load(prob, p);
+    Method m;
+    m.kind = MethodKind::kHashTopK;
+    m.hash.sink_tokens = 16;
+    m.hash.local_tokens = 32;
+    m.hash.top_k_fraction = 0.05f;
+    Compare(*rig, prob, m, {8e-3, true, 0}, "hash placement " + std::to_string(pl));
+    // The same step again: every row comes from the row cache.
+    auto g = rig->gpu->Decode(Call(prob, m));
+    ASSERT_TRUE(g.ok()) << g.status();
+    for (const HeadStats& hs : g->heads) {
+      EXPECT_EQ(hs.rows_cached, hs.rows_fetched);
+      EXPECT_EQ(hs.bytes[static_cast<int>(Tier::kHost)], 0u);
+    }
+  }
+}
+
+TEST_F(GpuEngineTest, VAttention) {
+  auto rig = Rig::Make();
+  ASSERT_NE(rig, nullptr);
+  kvstore::Placement p;
+  p.signature_bits = 32;
+  auto prob = Problem({6000, 2500});
+  rig->Load(prob, p);
+  Method m;
+  m.kind = MethodKind::kVAttention;
+  m.vattention.sink_tokens = 32;
+  m.vattention.local_tokens = 32;
+  m.vattention.top_k_fraction = 0.02f;
+  m.vattention.base_rate = 0.05f;
+  auto c = rig->cpu->Decode(Call(prob, m));
+  ASSERT_TRUE(c.ok()) << c.status();
+  auto g = rig->gpu->Decode(Call(prob, m));
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_LT(RelL2(g->output, c->output, DType::kBf16), 0.02);
+  for (size_t i = 0; i < c->heads.size(); ++i) {
+    ASSERT_EQ(g->heads[i].budgets.size(), c->heads[i].budgets.size());
+    for (size_t k = 0; k < c->heads[i].budgets.size(); ++k) {
+      EXPECT_NEAR(static_cast<double>(g->heads[i].budgets[k]),
+                  static_cast<double>(c->heads[i].budgets[k]), 1.0);
+    }
+  }
+}
+
+TEST_F(GpuEngineTest, AppendedTokensAreSynced) {
+  // Two rigs with the same contents: one decodes on the CPU engine, the other on the GPU, each
+  // appending the same new tokens step after step.
+  auto a = Rig::Make(), b = Rig::Make();
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  kvstore::Placement p;
+  p.k_tier = Tier::kDevice;
+  p.signature_bits = 32;
+  auto prob = Problem({255, 1024});  // page and capacity boundaries are crossed
+  a->Load(prob, p);
+  b->Load(prob, p);
+  const kernels::DecodeProblem& dp = prob.problem;
+  const size_t tok = static_cast<size_t>(dp.batch) * dp.num_kv_heads * dp.head_dim * 2;
+  std::vector<uint8_t> nk(tok), nv(tok);
+  for (int step = 0; step < 3; ++step) {
+    for (size_t i = 0; i < tok / 2; ++i) {
+      const float x = std::sin(0.37f * i + step), y = std::cos(0.11f * i - step);
+      kernels::StoreFromFloat(nk.data(), i, DType::kBf16, x);
+      kernels::StoreFromFloat(nv.data(), i, DType::kBf16, y);
+    }
+    for (int method = 0; method < 3; ++method) {
+      Method m;
+      if (method == 1) {
+        m.kind = MethodKind::kSanta;
+        m.santa.samples = 64;
+      } else if (method == 2) {
+        m.kind = MethodKind::kHashTopK;
+        m.hash.top_k = 20;
+        m.hash.sink_tokens = 4;
+        m.hash.local_tokens = 8;
+      }
+      DecodeCall ca = Call(prob, m), cb = Call(prob, m);
+      if (method == 0) {  // one appending call per step
+        ca.new_k = cb.new_k = nk;
+        ca.new_v = cb.new_v = nv;
+      }
+      auto rc = a->cpu->Decode(ca);
+      auto rg = b->gpu->Decode(cb);
+      ASSERT_TRUE(rc.ok()) << rc.status();
+      ASSERT_TRUE(rg.ok()) << rg.status();
+      EXPECT_LT(RelL2(rg->output, rc->output, DType::kBf16), method == 1 ? 0.05 : 8e-3)
+          << "step " << step << " method " << method;
+    }
+  }
+}
+
+TEST_F(GpuEngineTest, SmallGpuTierEvictsIdleSequences) {
+  auto rig = Rig::Make(/*gpu_capacity=*/3 << 20);
+  ASSERT_NE(rig, nullptr);
+  kvstore::Placement p;
+  p.k_tier = p.v_tier = Tier::kDevice;
+  auto prob = Problem({2000});  // 2 kv heads x 2000 x 256 B x 2 = 2 MB per layer
+  rig->Load(prob, p, "a");
+  rig->Load(prob, p, "b");
+  for (int i = 0; i < 4; ++i) {
+    const std::string prefix = i % 2 == 0 ? "a" : "b";
+    auto c = rig->cpu->Decode(Call(prob, Method{}, prefix));
+    auto g = rig->gpu->Decode(Call(prob, Method{}, prefix));
+    ASSERT_TRUE(c.ok() && g.ok()) << c.status() << g.status();
+    EXPECT_LT(RelL2(g->output, c->output, DType::kBf16), 6e-3);
+    EXPECT_LE(rig->gpu->device_backend()->resident_bytes(), 3u << 20);
+  }
+  // A single sequence larger than the tier is refused with RESOURCE_EXHAUSTED.
+  auto big = Problem({8000});
+  rig->Load(big, p, "big");
+  auto r = rig->gpu->Decode(Call(big, Method{}, "big"));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  // ...and the backend keeps serving.
+  auto again = rig->gpu->Decode(Call(prob, Method{}, "a"));
+  EXPECT_TRUE(again.ok()) << again.status();
+}
+
+}  // namespace
+}  // namespace kvsparse::server
