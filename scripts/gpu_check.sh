@@ -6,7 +6,9 @@
 #   fi.tar.xz       a Python site tree (e.g. FlashInfer) unpacked to /tmp/site for the benchmark;
 #   santa/build.py  builds the S2ANTA reference kernels as torch extensions ($CARRY/santa_so
 #                   holds prebuilt ones from an earlier call).
-# Environment: STEPS (default "tests sanitize bench"), BENCH_ARGS (extra kernel_bench.py args),
+# Environment: STEPS (default "tests sanitize bench"; also "engine": the GPU backend's tests,
+# "enginebench": tests/gpu/engine_bench with ENGINE_ARGS, "rpc": rpc_decode_bench --gpu with
+# RPC_ARGS), BENCH_ARGS (extra kernel_bench.py args),
 # REFS=0 (benchmark without FlashInfer and the S2ANTA reference kernels: SDPA and ours only),
 # NCU_ARGS (kernel_bench.py args of the profiled run; default B=8, n=32k).
 set -u
@@ -20,6 +22,11 @@ export PYTHONUNBUFFERED=1
 summary=()
 note() { summary+=("[$(date +%T)] $*"); echo "== $*"; }
 t0=$(date +%s)
+
+# The binaries travel packed (scripts/gpu_carry.sh).
+if [ -f .carry/pack/dev.tar.xz ] && [ ! -d "$CARRY/bin" ]; then
+  mkdir -p .carry && tar -xJf .carry/pack/dev.tar.xz -C .carry
+fi
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv \
   | tee "$OUT/gpu.txt"
@@ -46,6 +53,28 @@ if [[ " $STEPS " == *" tests "* ]]; then
   rc=$?
   note "gpu tests rc=$rc: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/tests.log" | tr '\n' ' ')"
   grep -E "Failure|FAILED|error|rel err" "$OUT/tests.log" | head -20
+fi
+
+if [[ " $STEPS " == *" engine "* ]]; then
+  # The engine's GPU backend against the CPU engine, and the zero-copy host tier.
+  for t in gpu_engine_test gpu_host_tier_test; do
+    timeout 300 "$CARRY/bin/$t" > "$OUT/$t.log" 2>&1
+    rc=$?
+    note "$t rc=$rc: $(grep -E '^\[  (PASSED|FAILED) ' "$OUT/$t.log" | tr '\n' ' ')"
+    grep -E "Failure|FAILED|Expected|Which is|actual|error" "$OUT/$t.log" | head -30
+  done
+fi
+
+if [[ " $STEPS " == *" enginebench "* ]]; then
+  timeout ${ENGINE_TIMEOUT:-400} "$CARRY/bin/engine_bench" ${ENGINE_ARGS:-} 2>&1 \
+    | tee "$OUT/engine_bench.log"
+  note "engine_bench rc=${PIPESTATUS[0]}"
+fi
+
+if [[ " $STEPS " == *" rpc "* ]]; then
+  timeout ${RPC_TIMEOUT:-240} "$CARRY/bin/rpc_decode_bench" --gpu ${RPC_ARGS:-} 2>&1 \
+    | tee "$OUT/rpc_decode_bench.log"
+  note "rpc_decode_bench rc=${PIPESTATUS[0]}"
 fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then

@@ -308,6 +308,7 @@ class GpuBackend final : public DecodeBackend {
   DevBuf scratch_, sync_tmp_;
   PinnedBuf staging_, call_host_, out_host_;
   const int64_t* vatt_budget_ = nullptr;  // the last vAttention call's budgets (in scratch_)
+  const int32_t* iid_indices_ = nullptr;  // the last SANTA iid call's samples (in scratch_)
 };
 
 absl::StatusOr<const float*> GpuBackend::Planes(uint32_t layer, int32_t hkv, int32_t bits,
@@ -789,6 +790,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
     switch (m.kind) {
       case MethodKind::kDense: {
         kc::DecodeShape ds = shape_d;
+        if (absl::Status s = mark(1); !s.ok()) return s;  // no selection
         if (!dense_resident) {  // every row crosses: fetched into a dense staging area first
           const int32_t dense_rows_cap = n_max;  // rows per (b, j)
           const RowSetLayout rl = RowSetLayout::Of(1, dense_rows_cap, row);
@@ -828,7 +830,6 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
           ds.k_heads = reinterpret_cast<const void* const*>(t.k);
           ds.v_heads = reinterpret_cast<const void* const*>(t.v);
         }
-        if (absl::Status s = mark(1); !s.ok()) return s;
         const size_t wb = kc::DenseDecodeWorkspaceBytes(ds);
         void* ws = c.Take<char>(wb);
         if (absl::Status s = mark(2); !s.ok()) return s;
@@ -840,8 +841,11 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
         sp.shape = shape_d;
         sp.num_samples = m.santa.samples;
         sp.seeds = reinterpret_cast<const uint64_t*>(base + off.seeds);
-        sp.rows_read = stats;
         const bool iid = m.santa.sampler == kernels::SantaSampler::kIid;
+        // Distinct V rows read: counted by prop / flash; for iid from its sampled indices.
+        sp.rows_read = iid ? nullptr : stats;
+        sp.indices = iid ? c.Take<int32_t>(static_cast<size_t>(BH) * m.santa.samples) : nullptr;
+        iid_indices_ = sp.indices;
         const bool prop = m.santa.allocation == kernels::SantaAllocation::kProp;
         const size_t wb = iid    ? kc::SantaIidWorkspaceBytes(sp)
                           : prop ? kc::S2antaPropWorkspaceBytes(sp)
@@ -874,6 +878,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
         qsp.out_head_stride = words;
         tk.q_sigs = qsig;
         tk.k_sig_heads = reinterpret_cast<const uint32_t* const*>(base + off.sig_heads);
+        tk.k_token_stride = words;
         tk.seq_lens = shape_d.seq_lens;
         tk.indices = c.Take<int32_t>(static_cast<size_t>(BH) * max_sel);
         tk.counts = stats == nullptr ? nullptr : stats + BH;
@@ -949,6 +954,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
         vp.bits = words * 32;
         vp.q_sigs = qsig;
         vp.k_sig_heads = reinterpret_cast<const uint32_t* const*>(base + off.sig_heads);
+        vp.k_token_stride = words;
         vp.key_heads = hkv;
         const size_t wb = kc::VAttentionWorkspaceBytes(vp);
         void* ws = c.Take<char>(wb);
@@ -985,21 +991,26 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
               "call tables upload");
   if (absl::Status s = plan(base, true, events_, &method_bytes); !s.ok()) return s;
   // Output and statistics back.
-  const size_t out_bytes = static_cast<size_t>(BH) * d * es;
-  if (absl::Status s = out_host_.Reserve(out_bytes + sizeof(int32_t) * 4 * BH); !s.ok()) return s;
+  // Output and statistics are adjacent in the scratch: one download.
+  const size_t down_bytes = stats_off - out_off + sizeof(int32_t) * 4 * BH;
+  if (absl::Status s = out_host_.Reserve(down_bytes); !s.ok()) return s;
   char* oh = static_cast<char*>(out_host_.ptr);
-  KVS_CUDA_OK(cudaMemcpyAsync(oh, base + out_off, out_bytes, cudaMemcpyDeviceToHost, stream_),
+  KVS_CUDA_OK(cudaMemcpyAsync(oh, base + out_off, down_bytes, cudaMemcpyDeviceToHost, stream_),
               "output download");
-  int32_t* st = reinterpret_cast<int32_t*>(oh + out_bytes);
-  KVS_CUDA_OK(cudaMemcpyAsync(st, base + stats_off, sizeof(int32_t) * 4 * BH,
-                              cudaMemcpyDeviceToHost, stream_),
-              "stats download");
+  const int32_t* st = reinterpret_cast<const int32_t*>(oh + (stats_off - out_off));
   std::vector<int64_t> vbud;
   if (m.kind == MethodKind::kVAttention) {
     vbud.resize(BH);
     KVS_CUDA_OK(cudaMemcpyAsync(vbud.data(), vatt_budget_, sizeof(int64_t) * BH,
                                 cudaMemcpyDeviceToHost, stream_),
                 "budget download");
+  }
+  std::vector<int32_t> iid_idx;
+  if (m.kind == MethodKind::kSanta && m.santa.sampler == kernels::SantaSampler::kIid) {
+    iid_idx.resize(static_cast<size_t>(BH) * m.santa.samples);
+    KVS_CUDA_OK(cudaMemcpyAsync(iid_idx.data(), iid_indices_, sizeof(int32_t) * iid_idx.size(),
+                                cudaMemcpyDeviceToHost, stream_),
+                "iid indices download");
   }
   // Union tokens are not needed on the host; the row counts are (rows fetched).
   std::vector<int32_t> union_counts;
@@ -1060,7 +1071,14 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
           hs.bytes[v_tier] += n * row;
           break;
         case MethodKind::kSanta: {
-          const uint64_t rows = static_cast<uint64_t>(st[i]);
+          uint64_t rows = static_cast<uint64_t>(st[i]);
+          if (!iid_idx.empty()) {  // distinct tokens over the group's samples
+            const size_t S = static_cast<size_t>(m.santa.samples);
+            std::vector<int32_t> toks(iid_idx.begin() + (static_cast<size_t>(b) * H + j * G) * S,
+                                      iid_idx.begin() + (static_cast<size_t>(b) * H + j * G + G) * S);
+            std::sort(toks.begin(), toks.end());
+            rows = n > 0 ? std::unique(toks.begin(), toks.end()) - toks.begin() : 0;
+          }
           hs.rows_selected = n > 0 ? static_cast<uint64_t>(m.santa.samples) * G : 0;
           hs.rows_fetched = rows;
           hs.budgets.assign(G, n > 0 ? m.santa.samples : 0);

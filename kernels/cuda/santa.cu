@@ -437,20 +437,23 @@ struct Pass2Geom {
   static constexpr size_t kSmem = sizeof(float) * Max(kPass2Warps * kWarpFloats, kPass2Warps* G* D);
 };
 
-// Adds the V rows of up to 32 samples, one per lane (entry = (token << 3) | head, or -1), to
-// acc[head]. cnt (warp-uniform) = number of lanes holding a sample, which are the first cnt.
+// Adds the V rows of up to 32 samples, one per lane (entry = (token << 3) | head, or -1), times
+// the lane's weight (the sample's count), to acc[head]. cnt (warp-uniform) = number of lanes
+// holding a sample, which are the first cnt.
 template <typename T, int D, int G>
 __device__ __forceinline__ void GatherEntries(int entry, int cnt, const RowReader& vb, int row,
-                                              float (&acc)[G][8]) {
+                                              float (&acc)[G][8], float weight = 1.f) {
   constexpr int R = 32 / (D / 8);
   constexpr int kIn = 32 / R < 8 ? 32 / R : 8;  // rows in flight per lane
   for (int j0 = 0; j0 < cnt; j0 += R * kIn) {
     uint4 vr[kIn];
     int ge[kIn];
+    float wt[kIn];
 #pragma unroll
     for (int i = 0; i < kIn; ++i) {
       const int idx = j0 + i * R + row;
       const int e = __shfl_sync(0xffffffffu, entry, idx & 31);
+      wt[i] = __shfl_sync(0xffffffffu, weight, idx & 31);
       ge[i] = idx < cnt ? (e & 7) : -1;
       vr[i] = idx < cnt ? LoadStream16(vb.Row(e >> 3)) : make_uint4(0, 0, 0, 0);
     }
@@ -459,11 +462,11 @@ __device__ __forceinline__ void GatherEntries(int entry, int cnt, const RowReade
       if (ge[i] < 0) continue;
       float vf[8];
       Unpack8<T>(vr[i], vf);
-      // Every head's accumulator is updated (weight 0 or 1): a branch on g == ge[i] would be
+      // Every head's accumulator is updated (weight 0 or w): a branch on g == ge[i] would be
       // folded into acc[ge[i]], a run-time index that moves acc to local memory.
 #pragma unroll
       for (int g = 0; g < G; ++g) {
-        const float w = g == ge[i] ? 1.f : 0.f;
+        const float w = g == ge[i] ? wt[i] : 0.f;
 #pragma unroll
         for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(w, vf[e], acc[g][e]);
       }
@@ -473,11 +476,11 @@ __device__ __forceinline__ void GatherEntries(int entry, int cnt, const RowReade
 
 // Diagnostics of one list of samples (entries as in GatherEntries, one per lane).
 __device__ __forceinline__ void NoteEntry(const SantaParams& p, int entry, int64_t bh0, int tb0,
-                                          uint32_t* map) {
+                                          uint32_t* map, int count = 1) {
   if (entry < 0) return;
   const int tok = entry >> 3;
   if (p.sample_counts != nullptr) {
-    atomicAdd(p.sample_counts + (bh0 + (entry & 7)) * p.shape.max_seq_len + tok, 1);
+    atomicAdd(p.sample_counts + (bh0 + (entry & 7)) * p.shape.max_seq_len + tok, count);
   }
   if (p.rows_read != nullptr) {
     const int r = tok - tb0;  // row within the batch's tiles
@@ -492,7 +495,7 @@ __device__ __forceinline__ void WarpScoreTile(const DecodeShape& s, int b, int k
                                               float* sc, int lane) {
   constexpr int L = D / 8;
   constexpr int R = 32 / L;
-  constexpr int U = G >= 4 ? 4 : 8;  // rows in flight per lane (register budget)
+  constexpr int U = G >= 8 ? 4 : 8;  // rows in flight per lane (register budget)
   const int row = lane / L, lr = lane % L;
   float qf[G][8];
   LoadQ<T, D, G>(s, b, kvh, lr, qf);
@@ -516,18 +519,34 @@ __device__ __forceinline__ void WarpScoreTile(const DecodeShape& s, int b, int k
 
 // A tile whose budget exceeds kRecMax for the heads in `heads` (bit g: head g; st: this lane's
 // budget, lane = tile-in-batch * G + head): rescored, then sampled as in pass 1 with the actual
-// budget, 32 samples at a time.
-template <typename T, int D, int G>
+// budget. Sample m of a head lands on FirstAtLeast(m - a0); instead of placing the samples one
+// by one, each lane counts how many land on each of its tokens (the same comparisons, so the
+// same counts), and the distinct (token, head, count) items of every head are gathered together,
+// count-weighted: a tile with a budget of hundreds costs one or two rounds of row loads.
+// list: kList ints of warp scratch.
+template <typename T, int D, int G, int kList>
 __device__ __forceinline__ void FallbackTile(const SantaParams& p, int b, int kvh, int t, int n,
                                              unsigned heads, int st, int lane_base, float* sc,
-                                             const RowReader& vb, int row, int lane, int tb0,
-                                             uint32_t* map, float (&acc)[G][8]) {
+                                             int* list, const RowReader& vb, int row, int lane,
+                                             int tb0, uint32_t* map, float (&acc)[G][8]) {
   const DecodeShape& s = p.shape;
   const int t0 = t * kTile;
   const int len = min(kTile, n - t0);
   const int64_t bh0 = static_cast<int64_t>(b) * s.num_q_heads + kvh * G;
   WarpScoreTile<T, D, G>(s, b, kvh, t0, len, sc, lane);
   __syncwarp();
+  int total = 0;  // items in list, warp-uniform; item = (count << 11) | (token - t0) << 3 | head
+  auto flush = [&]() {
+    for (int c0 = 0; c0 < total; c0 += 32) {
+      const int item = c0 + lane < total ? list[c0 + lane] : -1;
+      const int entry = item < 0 ? -1 : ((t0 + ((item >> 3) & 255)) << 3) | (item & 7);
+      NoteEntry(p, entry, bh0, tb0, map, item < 0 ? 0 : item >> 11);
+      GatherEntries<T, D, G>(entry, min(32, total - c0), vb, row, acc,
+                             item < 0 ? 0.f : static_cast<float>(item >> 11));
+    }
+    __syncwarp();
+    total = 0;
+  };
 #pragma unroll 1
   for (int g = 0; g < G; ++g) {
     const int budget = __shfl_sync(0xffffffffu, st, lane_base + g);
@@ -541,18 +560,49 @@ __device__ __forceinline__ void FallbackTile(const SantaParams& p, int b, int kv
     const float a0 =
         PhiloxUniform(SequenceStream(Seeds(p), RngTag::kPropTileOffset, b, kvh * G + g), t);
     const float inv_delta = static_cast<float>(budget) / ell;
-    for (int m0 = 0; m0 < budget; m0 += 32) {
-      const int m = m0 + lane + 1;
-      int entry = -1;
-      if (m <= budget) {
-        const int tok = FirstAtLeast(pre, len, inv_delta, __fsub_rn(static_cast<float>(m), a0));
-        entry = ((t0 + tok) << 3) | g;
+    // Samples placed at or before token i: #{m in [1, budget] : m - a0 <= inv_delta * pre[i]}
+    // (all of them from the last token on, as FirstAtLeast's fallback to len - 1).
+    auto placed = [&](int i) -> int {
+      if (i < 0) return 0;
+      if (i >= len - 1) return budget;
+      const float x = __fmul_rn(inv_delta, pre[i]);
+      int m = static_cast<int>(fminf(fmaxf(floorf(__fadd_rn(x, a0)), 0.f),
+                                     static_cast<float>(budget)));
+      while (m < budget && __fsub_rn(static_cast<float>(m + 1), a0) <= x) ++m;
+      while (m > 0 && __fsub_rn(static_cast<float>(m), a0) > x) --m;
+      return m;
+    };
+    int cnt[kPerLane];
+    int prev = placed(lane * kPerLane - 1);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int cum = placed(lane * kPerLane + i);
+      cnt[i] = cum - prev;
+      prev = cum;
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      int nz = 0;
+#pragma unroll
+      for (int i = half * kPerLane / 2; i < (half + 1) * kPerLane / 2; ++i) nz += cnt[i] > 0;
+      int pos = nz;
+#pragma unroll
+      for (int o = 1; o < 32; o *= 2) {
+        const int y = __shfl_up_sync(0xffffffffu, pos, o);
+        if (lane >= o) pos += y;
       }
-      NoteEntry(p, entry, bh0, tb0, map);
-      GatherEntries<T, D, G>(entry, min(32, budget - m0), vb, row, acc);
+      const int items = __shfl_sync(0xffffffffu, pos, 31);
+      pos -= nz;
+      if (total + items > kList) flush();
+#pragma unroll
+      for (int i = half * kPerLane / 2; i < (half + 1) * kPerLane / 2; ++i) {
+        if (cnt[i] > 0) list[total + pos++] = (cnt[i] << 11) | ((lane * kPerLane + i) << 3) | g;
+      }
+      __syncwarp();
+      total += items;
     }
   }
-  __syncwarp();
+  flush();
 }
 
 template <typename T, int D, int G>
@@ -622,8 +672,8 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
     while (big != 0u) {
       const int ti = (__ffs(big) - 1) / G;
       const unsigned tile_bits = ((1u << G) - 1u) << (ti * G);
-      FallbackTile<T, D, G>(p, b, kvh, bi * nb + ti, n, (big & tile_bits) >> (ti * G), st, ti * G,
-                            sc, vr, row, lane, tb0, map, acc);
+      FallbackTile<T, D, G, Geo::kList>(p, b, kvh, bi * nb + ti, n, (big & tile_bits) >> (ti * G),
+                                        st, ti * G, sc, list, vr, row, lane, tb0, map, acc);
       big &= ~tile_bits;
     }
     if (p.rows_read != nullptr) {

@@ -20,6 +20,9 @@
 #include <vector>
 
 #include "absl/flags/flag.h"
+#if KVSPARSE_WITH_CUDA
+#include "kvstore/cuda_host_memory.h"
+#endif
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -33,6 +36,8 @@
 ABSL_FLAG(int, tokens, 2048, "Tokens per sequence");
 ABSL_FLAG(std::string, batch, "1,8", "Sequences per Decode call");
 ABSL_FLAG(int, calls, 300, "Timed calls per configuration");
+ABSL_FLAG(bool, gpu, false,
+          "Decode on the GPU backend (store pages pinned and mapped); fails without a GPU");
 
 namespace {
 
@@ -62,8 +67,28 @@ int main(int argc, char** argv) {
   so.listen = "127.0.0.1:0";
   so.metrics_listen = "127.0.0.1:0";
   so.store.capacity_bytes = 4ull << 30;
+  so.gpu = kvsparse::server::ServerOptions::Gpu::kOff;
+  std::unique_ptr<kvsparse::kvstore::MemoryResource> memory;
+#if KVSPARSE_WITH_CUDA
+  if (absl::GetFlag(FLAGS_gpu)) {
+    auto pinned = kvsparse::kvstore::NewPinnedHostMemoryResource();
+    if (!pinned.ok()) {
+      std::fprintf(stderr, "%s\n", pinned.status().ToString().c_str());
+      return 1;
+    }
+    memory = std::move(*pinned);
+    so.store.memory = memory.get();
+    so.store_pages_mapped = true;
+    so.gpu = kvsparse::server::ServerOptions::Gpu::kOn;
+  }
+#endif
   auto server = kvsparse::server::Server::Start(so);
-  if (!server.ok()) return 1;
+  if (!server.ok()) {
+    std::fprintf(stderr, "%s\n", server.status().ToString().c_str());
+    return 1;
+  }
+  std::printf("# decode engine: %s; %d tokens per sequence\n", (*server)->engine()->backend(),
+              tokens);
   EchoService echo_service;
   grpc::ServerBuilder eb;
   int echo_port = 0;

@@ -42,6 +42,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "kernels/cuda/dense_decode.h"
+#include "kernels/cuda/santa.h"
 #include "kernels/synthetic.h"
 #include "kvstore/cuda_host_memory.h"
 #include "kvstore/store.h"
@@ -55,6 +56,13 @@ ABSL_FLAG(double, hash_fraction, 0.0125,
           "HashAttention top-k fraction per query head (the union over a GQA group of 4 is ~4x)");
 ABSL_FLAG(double, drift, 0.05, "Step-to-step query drift for the row-cache rows");
 ABSL_FLAG(std::string, methods, "all", "Comma list: dense,prop,flash,hash,vatt (or all)");
+ABSL_FLAG(int, capacity_batch, 0,
+          "Capacity mode (instead of the table): serve this many sequences of --capacity_len "
+          "tokens and --capacity_layers layers with K and V in host memory (hash top-k), whose "
+          "K and V would not fit on the GPU, and report decode tokens per second");
+ABSL_FLAG(int, capacity_layers, 32, "Capacity mode: layers (Llama-3.1-8B: 32)");
+ABSL_FLAG(int, capacity_len, 131072, "Capacity mode: tokens per sequence");
+ABSL_FLAG(int, capacity_steps, 4, "Capacity mode: decode steps timed (after one warm-up step)");
 
 namespace {
 
@@ -118,6 +126,8 @@ struct Row {
   double host_mb = 0;      // per call, from host memory
   double rows_per_head = 0;
   double hit = -1;
+  double gpu_us = -1;     // the engine's GPU time (events around its launches)
+  double gather_us = -1;  // of which the gather stage (selection-row methods)
 };
 
 void Print(const Row& r, double dense_us, double h2d_gbs, int n) {
@@ -130,8 +140,143 @@ void Print(const Row& r, double dense_us, double h2d_gbs, int n) {
   }
   if (r.rows_per_head > 0) std::printf("  rows/kv head %.0f (%.2f%%)", r.rows_per_head, 100.0 * r.rows_per_head / n);
   if (r.hit >= 0) std::printf("  cache hits %.1f%%", 100.0 * r.hit);
+  if (r.gpu_us >= 0) std::printf("  [gpu %.1f us]", r.gpu_us);
+  if (r.gather_us > 2 && r.host_mb > 0) {  // methods with a gather stage of their own
+    std::printf("  [gather stage %.1f us: %.1f GB/s]", r.gather_us, r.host_mb / r.gather_us * 1e3);
+  }
   std::printf("\n");
   std::fflush(stdout);
+}
+
+
+// Capacity mode: B sequences x L layers x n tokens whose K and V (B * n * L * 4 KiB for these
+// shapes) exceed the GPU's memory, served with K and V in pinned host memory and 32-bit
+// signatures on the GPU (hash top-k, drifting queries): one decode step = one Decode call per
+// layer for the whole batch; tokens per second = B / step time.
+int Capacity(double h2d_gbs) {
+  constexpr int H = 32, hkv = 8, d = 128;
+  constexpr size_t row = d * 2;
+  const int B = absl::GetFlag(FLAGS_capacity_batch), L = absl::GetFlag(FLAGS_capacity_layers);
+  const int n = absl::GetFlag(FLAGS_capacity_len), steps = absl::GetFlag(FLAGS_capacity_steps);
+  size_t gpu_free = 0, gpu_total = 0;
+  CK(cudaMemGetInfo(&gpu_free, &gpu_total));
+  const double kv_bytes = 2.0 * B * n * L * hkv * row;
+  std::printf("# capacity: B = %d x n = %d x %d layers: K+V %.1f GB; GPU memory %.1f GB (%.1f GB "
+              "free)\n", B, n, L, kv_bytes / 1e9, gpu_total / 1e9, gpu_free / 1e9);
+  kk::SyntheticOptions so;
+  so.family = kk::ScoreFamily::kPeaked;
+  so.num_q_heads = H;
+  so.num_kv_heads = hkv;
+  so.head_dim = d;
+  so.seq_lens = {n};
+  so.seed = 3;
+  std::fprintf(stderr, "making the synthetic sequence...\n");
+  kk::SyntheticProblem sp = kk::SyntheticProblem::Make(so);
+  auto mem = kv::NewPinnedHostMemoryResource();
+  if (!mem.ok()) {
+    std::fprintf(stderr, "%s\n", mem.status().ToString().c_str());
+    return 1;
+  }
+  kv::StoreOptions sto;
+  sto.capacity_bytes = static_cast<size_t>(kv_bytes) + (1ull << 30);
+  sto.max_append_bytes = 1ull << 34;
+  sto.memory = mem->get();
+  auto store = kv::Store::Create(sto);
+  if (!store.ok()) return 1;
+  auto source = ks::NewLocalRowSource(store->get(), /*pages_device_visible=*/true);
+  const kv::ModelShape shape{static_cast<uint32_t>(L), H, hkv, d, kk::DType::kBf16};
+  kv::Placement place;
+  place.signature_bits = 32;
+  const auto t_load = Clock::now();
+  for (int b = 0; b < B; ++b) {
+    const std::string id = "c" + std::to_string(b);
+    if (!(*store)->CreateSequence(id, shape, place).ok()) return 1;
+    for (int l = 0; l < L; ++l) {
+      kv::AppendRequest r;
+      r.sequence_id = id;
+      r.first_layer = l;
+      r.num_layers = 1;
+      r.num_tokens = n;
+      r.dtype = kk::DType::kBf16;
+      r.num_kv_heads = hkv;
+      r.head_dim = d;
+      r.k = sp.k;
+      r.v = sp.v;
+      if (absl::Status st = (*store)->Append(r).status(); !st.ok()) {
+        std::fprintf(stderr, "append: %s\n", st.ToString().c_str());
+        return 1;
+      }
+    }
+    std::fprintf(stderr, "loaded sequence %d of %d (%.0f s)\n", b + 1, B,
+                 std::chrono::duration<double>(Clock::now() - t_load).count());
+  }
+  ks::EngineOptions eo;
+  ks::GpuBackendOptions go;
+  go.capacity_bytes = 16ull << 30;
+  go.signatures = eo.signatures;
+  auto backend = ks::NewGpuBackend(go, source.get());
+  if (!backend.ok()) return 1;
+  ks::DecodeEngine engine(eo, source.get(), std::move(*backend));
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> normal;
+  std::vector<float> qf(static_cast<size_t>(B) * H * d);
+  for (size_t i = 0; i < qf.size(); ++i) {
+    qf[i] = kk::LoadAsFloat(sp.q.data(), i % (H * d), kk::DType::kBf16);
+  }
+  double ms = 0;
+  for (float x : qf) ms += static_cast<double>(x) * x;
+  const float q_rms = static_cast<float>(std::sqrt(ms / qf.size()));
+  ks::Method m;
+  m.kind = ks::MethodKind::kHashTopK;
+  m.hash.top_k_fraction = static_cast<float>(absl::GetFlag(FLAGS_hash_fraction));
+  std::vector<uint8_t> q(qf.size() * 2);
+  double hits = 0, fetched = 0, host = 0;
+  std::vector<double> step_s;
+  for (int step = -1; step < steps; ++step) {
+    const auto t0 = Clock::now();
+    for (int l = 0; l < L; ++l) {
+      for (size_t i = 0; i < qf.size(); ++i) {
+        kk::StoreFromFloat(q.data(), i, kk::DType::kBf16,
+                           qf[i] + absl::GetFlag(FLAGS_drift) * q_rms * normal(rng));
+      }
+      ks::DecodeCall c;
+      c.layer = static_cast<uint32_t>(l);
+      for (int b = 0; b < B; ++b) c.sequence_ids.push_back("c" + std::to_string(b));
+      c.q = q;
+      c.method = m;
+      c.seed = step;
+      auto r = engine.Decode(c);
+      if (!r.ok()) {
+        std::fprintf(stderr, "decode: %s\n", r.status().ToString().c_str());
+        return 1;
+      }
+      if (step >= 0) {
+        for (const ks::HeadStats& hs : r->heads) {
+          hits += hs.rows_cached;
+          fetched += hs.rows_fetched;
+          host += hs.bytes[static_cast<int>(kv::Tier::kHost)];
+        }
+      }
+    }
+    const double sec = std::chrono::duration<double>(Clock::now() - t0).count();
+    if (step < 0) {
+      std::fprintf(stderr, "first step (syncs the signatures of every layer): %.1f s\n", sec);
+    } else {
+      step_s.push_back(sec);
+    }
+  }
+  const double step = Median(step_s);
+  size_t free_after = 0;
+  CK(cudaMemGetInfo(&free_after, &gpu_total));
+  std::printf("# capacity: served; decode step (%d layers, B = %d) median %.2f ms over %d steps = "
+              "%.0f tokens/s; row-cache hits %.1f%%; host %.1f MB/step (%.1f GB/s at bulk %.1f); "
+              "backend GPU state %.2f GB (%.2f%% of the K+V bytes); GPU memory in use %.1f GB\n",
+              L, B, step * 1e3, steps, B / step, 100.0 * hits / std::max(fetched, 1.0),
+              host / steps / 1e6, host / steps / step / 1e9, h2d_gbs,
+              engine.device_backend()->resident_bytes() / 1e9,
+              100.0 * engine.device_backend()->resident_bytes() / kv_bytes,
+              (gpu_total - free_after) / 1e9);
+  return 0;
 }
 
 }  // namespace
@@ -176,6 +321,7 @@ int main(int argc, char** argv) {
   std::printf("# device %s (%d SMs); bulk host-to-device copy %.1f GB/s\n", prop.name,
               prop.multiProcessorCount, h2d_gbs);
 
+  if (absl::GetFlag(FLAGS_capacity_batch) > 0) return Capacity(h2d_gbs);
   for (int n : Ints(absl::GetFlag(FLAGS_lens))) {
     std::fprintf(stderr, "n=%d: making the synthetic sequence...\n", n);
     kk::SyntheticOptions so;
@@ -210,6 +356,7 @@ int main(int argc, char** argv) {
       std::vector<Set> sets(3);
       sets[0].name = "dev";
       sets[0].placement.k_tier = sets[0].placement.v_tier = kv::Tier::kDevice;
+      sets[0].placement.signature_bits = 32;  // hash top-k over resident rows too
       sets[1].name = "kdev";
       sets[1].placement.k_tier = kv::Tier::kDevice;
       sets[2].name = "host";
@@ -360,12 +507,32 @@ int main(int argc, char** argv) {
       bulk.host_mb = 2.0 * B * seq_bytes / 1e6;
       Print(bulk, dense_us, h2d_gbs, n);
 
+      // The same sparse kernels on the contiguous GPU-resident cache, without the engine.
+      for (int variant = 0; variant < 2; ++variant) {
+        if (!want(variant == 0 ? "prop" : "flash")) continue;
+        kk::cuda::SantaParams p;
+        p.shape = ds;
+        p.num_samples = variant == 0 ? 128 : 2048;
+        p.seed = 5;
+        const size_t wb = variant == 0 ? kk::cuda::S2antaPropWorkspaceBytes(p)
+                                       : kk::cuda::S2antaFlashWorkspaceBytes(p);
+        void* sws = nullptr;
+        CK(cudaMalloc(&sws, std::max<size_t>(wb, 256)));
+        const double us = time_events([&] {
+          CK(variant == 0 ? kk::cuda::S2antaProp(p, sws, wb, nullptr)
+                          : kk::cuda::S2antaFlash(p, sws, wb, nullptr));
+        });
+        Print({variant == 0 ? "kernel S2ANTA-prop S=128, GPU-resident" : "kernel S2ANTA-flash S=2048, GPU-resident", us},
+              dense_us, h2d_gbs, n);
+        CK(cudaFree(sws));
+      }
+
       // ---- Engine rows. ----
       auto time_engine = [&](const char* set, const ks::Method& m, const std::string& ref,
                              bool drift, const std::string& name) {
         Row r;
         r.name = name;
-        std::vector<double> us;
+        std::vector<double> us, gpu, gather;
         double host = 0, rows = 0, hits = 0, fetched = 0, err = 0;
         std::vector<float> qd = qf;
         std::mt19937_64 qr(99);
@@ -389,6 +556,9 @@ int main(int argc, char** argv) {
           const double t = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
           if (i < 0) continue;
           us.push_back(t);
+          gpu.push_back((res.timing.selection_seconds + res.timing.gather_seconds +
+                         res.timing.compute_seconds) * 1e6);
+          gather.push_back(res.timing.gather_seconds * 1e6);
           for (const ks::HeadStats& hs : res.heads) {
             host += hs.bytes[static_cast<int>(kv::Tier::kHost)];
             rows += hs.rows_fetched;
@@ -404,6 +574,8 @@ int main(int argc, char** argv) {
           ++counted;
         }
         r.us = Median(us);
+        r.gpu_us = Median(gpu);
+        r.gather_us = Median(gather);
         r.err = err / counted;
         r.host_mb = host / counted / 1e6;
         r.rows_per_head = rows / counted / (B * hkv);

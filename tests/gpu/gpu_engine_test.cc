@@ -234,6 +234,7 @@ TEST_F(GpuEngineTest, HashTopKAndTheRowCache) {
     m.hash.sink_tokens = 16;
     m.hash.local_tokens = 32;
     m.hash.top_k_fraction = 0.05f;
+    m.hash.bits = 0;  // the sequence's
     Compare(*rig, prob, m, {8e-3, true, 0}, "hash placement " + std::to_string(pl));
     // The same step again: every row comes from the row cache.
     auto g = rig->gpu->Decode(Call(prob, m));
@@ -258,6 +259,7 @@ TEST_F(GpuEngineTest, VAttention) {
   m.vattention.local_tokens = 32;
   m.vattention.top_k_fraction = 0.02f;
   m.vattention.base_rate = 0.05f;
+  m.vattention.bits = 0;
   auto c = rig->cpu->Decode(Call(prob, m));
   ASSERT_TRUE(c.ok()) << c.status();
   auto g = rig->gpu->Decode(Call(prob, m));
@@ -303,6 +305,7 @@ TEST_F(GpuEngineTest, AppendedTokensAreSynced) {
         m.hash.top_k = 20;
         m.hash.sink_tokens = 4;
         m.hash.local_tokens = 8;
+        m.hash.bits = 0;
       }
       DecodeCall ca = Call(prob, m), cb = Call(prob, m);
       if (method == 0) {  // one appending call per step
