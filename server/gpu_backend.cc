@@ -403,18 +403,7 @@ absl::Status GpuBackend::SyncRows(Entry* e, uint32_t layer_index, const Sequence
       if (l.max_norm.empty()) {
         // SimHash M, fixed now: the largest key norm of this first batch, times the margin (as
         // ResidentCache does, so both engines sign with the same M).
-        l.max_norm.assign(hkv, 0.f);
-        for (size_t j = 0; j < hkv; ++j) {
-          for (uint64_t t = 0; t < cnt; ++t) {
-            const uint8_t* kr = k_host + (j * cnt + t) * row;
-            float sq = 0.f;
-            for (int32_t i = 0; i < d; ++i) {
-              const float x = kernels::LoadAsFloat(kr, i, shape.dtype);
-              sq += x * x;
-            }
-            l.max_norm[j] = std::max(l.max_norm[j], std::sqrt(sq));
-          }
-        }
+        l.max_norm = MaxKeyNorms(k_host, shape, cnt, /*token_major=*/false);
         for (float& m : l.max_norm) m *= maker_.config().norm_margin;
         auto no_copy = [](const DevBuf&, const DevBuf&) { return cudaSuccess; };
         if (absl::Status s = Regrow(e, &l.norms, hkv * sizeof(float), busy, no_copy); !s.ok()) {
@@ -778,6 +767,22 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
     if (!pl.ok()) return pl.status();
     planes = *pl;
   }
+  // SimHash signatures of the queries ([B, H, words]), as the CPU engine's SignatureMaker::Query.
+  auto query_signs = [&](uint32_t* out) {
+    kc::SimHashSignParams p;
+    p.num_seqs = B;
+    p.heads = H;
+    p.group = G;
+    p.dim = d;
+    p.bits = words * 32;
+    p.dtype = dt;
+    p.x = shape_d.q;
+    p.planes = planes;
+    p.out = out;
+    p.out_batch_stride = static_cast<int64_t>(H) * words;
+    p.out_head_stride = words;
+    return p;
+  };
   auto plan = [&](char* base, bool run, cudaEvent_t* ev, size_t* carved) -> absl::Status {
     fill_shape(base);
     Carver c(base == nullptr ? nullptr : base + method_off);
@@ -864,18 +869,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
       }
       case MethodKind::kHashTopK: {
         uint32_t* qsig = c.Take<uint32_t>(static_cast<size_t>(BH) * words);
-        qsp = kc::SimHashSignParams();
-        qsp.num_seqs = B;
-        qsp.heads = H;
-        qsp.group = G;
-        qsp.dim = d;
-        qsp.bits = words * 32;
-        qsp.dtype = dt;
-        qsp.x = shape_d.q;
-        qsp.planes = planes;
-        qsp.out = qsig;
-        qsp.out_batch_stride = static_cast<int64_t>(H) * words;
-        qsp.out_head_stride = words;
+        qsp = query_signs(qsig);
         tk.q_sigs = qsig;
         tk.k_sig_heads = reinterpret_cast<const uint32_t* const*>(base + off.sig_heads);
         tk.k_token_stride = words;
@@ -926,18 +920,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
       }
       case MethodKind::kVAttention: {
         uint32_t* qsig = c.Take<uint32_t>(static_cast<size_t>(BH) * words);
-        qsp = kc::SimHashSignParams();
-        qsp.num_seqs = B;
-        qsp.heads = H;
-        qsp.group = G;
-        qsp.dim = d;
-        qsp.bits = words * 32;
-        qsp.dtype = dt;
-        qsp.x = shape_d.q;
-        qsp.planes = planes;
-        qsp.out = qsig;
-        qsp.out_batch_stride = static_cast<int64_t>(H) * words;
-        qsp.out_head_stride = words;
+        qsp = query_signs(qsig);
         const kernels::VAttentionParams& cp = m.vattention;
         vp = kc::VAttentionParams();
         vp.shape = shape_d;

@@ -202,6 +202,11 @@ DecodeMetrics::DecodeMetrics(prometheus::Registry& registry)
                      .Name("kvsparse_decode_sequence_layers_total")
                      .Help("Sequence-layers decoded (one per sequence of a Decode call)")
                      .Register(registry)),
+      cached_rows_(prometheus::BuildCounter()
+                       .Name("kvsparse_decode_cached_rows_total")
+                       .Help("Fetched rows found in the GPU's row cache (read on the device, not "
+                             "fetched again); hit rate = rate(this) / rate(fetched rows)")
+                       .Register(registry)),
       stage_(prometheus::BuildHistogram()
                  .Name("kvsparse_decode_stage_seconds")
                  .Help("Engine time per Decode call, by stage")
@@ -219,6 +224,7 @@ DecodeMetrics::DecodeMetrics(prometheus::Registry& registry)
     pm.dense = &dense_bytes_.Add({{"method", kMethodNames[m]}});
     pm.gather = &gather_seconds_.Add({{"method", kMethodNames[m]}});
     pm.sequences = &sequences_.Add({{"method", kMethodNames[m]}});
+    pm.cached = &cached_rows_.Add({{"method", kMethodNames[m]}});
     pm.budget = &budget_.Add({{"method", kMethodNames[m]}}, BudgetBuckets());
   }
   selection_ = &stage_.Add({{"stage", "selection"}}, LatencyBuckets());
@@ -232,7 +238,7 @@ void DecodeMetrics::Record(int method, const char*, const DecodeResult& r) {
   PerMethod& pm = per_method_[method];
   // Sum over the call first: one update per series (a Decode of B sequences has B x Hkv heads).
   std::array<double, kTiers> bytes{}, rows{};
-  double dense = 0, budget_sum = 0;
+  double dense = 0, budget_sum = 0, cached = 0;
   static const prometheus::Histogram::BucketBoundaries kBudgetBounds = BudgetBuckets();
   std::vector<double> budget_buckets(kBudgetBounds.size() + 1, 0.0);
   uint64_t seqs = 0;
@@ -244,6 +250,7 @@ void DecodeMetrics::Record(int method, const char*, const DecodeResult& r) {
       if (h.bytes[t] > h.bytes[tier]) tier = t;
     }
     rows[tier] += static_cast<double>(h.rows_fetched);
+    cached += static_cast<double>(h.rows_cached);
     dense += static_cast<double>(h.dense_equivalent_bytes);
     for (uint64_t b : h.budgets) {
       const double x = static_cast<double>(b);
@@ -258,6 +265,7 @@ void DecodeMetrics::Record(int method, const char*, const DecodeResult& r) {
     if (rows[t] > 0) pm.rows[t]->Increment(rows[t]);
   }
   pm.dense->Increment(dense);
+  if (cached > 0) pm.cached->Increment(cached);
   pm.budget->ObserveMultiple(budget_buckets, budget_sum);
   pm.sequences->Increment(static_cast<double>(seqs));
   pm.gather->Increment(r.timing.gather_seconds);
@@ -285,12 +293,24 @@ class ResidentCollector final : public prometheus::Collectable {
       f.metric.push_back(m);
       return f;
     };
-    return {one("kvsparse_resident_bytes", "Bytes of device-tier state (resident K/V, signatures)",
-                prometheus::MetricType::Gauge, static_cast<double>(c.bytes())),
-            one("kvsparse_resident_capacity_bytes", "Most bytes of device-tier state",
-                prometheus::MetricType::Gauge, static_cast<double>(c.capacity())),
-            one("kvsparse_resident_evictions_total", "Idle resident entries evicted for room",
-                prometheus::MetricType::Counter, static_cast<double>(c.evictions()))};
+    std::vector<prometheus::MetricFamily> r = {
+        one("kvsparse_resident_bytes",
+            "Bytes of the CPU engine's device-tier state (resident K/V, signatures)",
+            prometheus::MetricType::Gauge, static_cast<double>(c.bytes())),
+        one("kvsparse_resident_capacity_bytes", "Most bytes of device-tier state",
+            prometheus::MetricType::Gauge, static_cast<double>(c.capacity())),
+        one("kvsparse_resident_evictions_total", "Idle resident entries evicted for room",
+            prometheus::MetricType::Counter, static_cast<double>(c.evictions()))};
+    if (const DecodeBackend* b = engine_->device_backend(); b != nullptr) {
+      r.push_back(one("kvsparse_gpu_resident_bytes",
+                      "Bytes of GPU memory the GPU engine holds for sequences (K/V, signatures, "
+                      "page lists, row caches)",
+                      prometheus::MetricType::Gauge, static_cast<double>(b->resident_bytes())));
+      r.push_back(one("kvsparse_gpu_resident_capacity_bytes",
+                      "Most bytes of GPU memory the GPU engine may hold for sequences",
+                      prometheus::MetricType::Gauge, static_cast<double>(b->resident_capacity())));
+    }
+    return r;
   }
 
  private:

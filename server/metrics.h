@@ -62,6 +62,7 @@ class DecodeMetrics {
   prometheus::Family<prometheus::Counter>& dense_bytes_;
   prometheus::Family<prometheus::Counter>& gather_seconds_;
   prometheus::Family<prometheus::Counter>& sequences_;
+  prometheus::Family<prometheus::Counter>& cached_rows_;
   prometheus::Family<prometheus::Histogram>& stage_;
   prometheus::Family<prometheus::Histogram>& budget_;
   struct PerMethod {
@@ -69,6 +70,7 @@ class DecodeMetrics {
     prometheus::Counter* dense = nullptr;
     prometheus::Counter* gather = nullptr;
     prometheus::Counter* sequences = nullptr;
+    prometheus::Counter* cached = nullptr;
     prometheus::Histogram* budget = nullptr;
   };
   std::array<PerMethod, kMethods> per_method_;

@@ -45,6 +45,24 @@ void SignatureMaker::Query(int32_t layer, int32_t h, int32_t group, int32_t bits
   kernels::SimHashQuery(Planes(layer, h / group, bits, dim), q, out);
 }
 
+std::vector<float> MaxKeyNorms(const uint8_t* k, const kvstore::ModelShape& shape, uint64_t n,
+                               bool token_major) {
+  const size_t hkv = shape.num_kv_heads, row = shape.row_bytes();
+  std::vector<float> norms(hkv, 0.f);
+  for (uint64_t t = 0; t < n; ++t) {
+    for (size_t h = 0; h < hkv; ++h) {
+      const uint8_t* kr = k + (token_major ? t * hkv + h : h * n + t) * row;
+      float sq = 0.f;
+      for (uint32_t i = 0; i < shape.head_dim; ++i) {
+        const float x = kernels::LoadAsFloat(kr, i, shape.dtype);
+        sq += x * x;
+      }
+      norms[h] = std::max(norms[h], std::sqrt(sq));
+    }
+  }
+  return norms;
+}
+
 // ---- ResidentCache ----------------------------------------------------------------------------
 
 class ResidentCache::Entry {
@@ -162,18 +180,7 @@ absl::Status ResidentCache::Append(Entry* self, ResidentLayer* l, uint32_t layer
     std::vector<float> kf(d), scratch;
     if (l->max_norm_.empty()) {
       // SimHash M, fixed now: the largest key norm of this first batch, times the margin.
-      l->max_norm_.assign(hkv, 0.f);
-      for (uint64_t t = 0; t < n; ++t) {
-        for (size_t h = 0; h < hkv; ++h) {
-          const uint8_t* kr = k + (t * hkv + h) * row;
-          float sq = 0.f;
-          for (uint32_t i = 0; i < d; ++i) {
-            const float x = kernels::LoadAsFloat(kr, i, shape.dtype);
-            sq += x * x;
-          }
-          l->max_norm_[h] = std::max(l->max_norm_[h], std::sqrt(sq));
-        }
-      }
+      l->max_norm_ = MaxKeyNorms(k, shape, n, /*token_major=*/true);
       for (float& m : l->max_norm_) m *= maker_->config().norm_margin;
     }
     for (uint64_t t = 0; t < n; ++t) {

@@ -62,6 +62,12 @@ class SignatureMaker {
       planes_;
 };
 
+// Largest key norm of each kv head over n tokens of K rows (the sequence's dtype), laid out
+// token-major ([n][Hkv][d]) or head-major ([Hkv][n][d]); norms summed in fp32 in order, as
+// SimHashKey's. Times SignatureConfig::norm_margin, it is a layer's SimHash M.
+std::vector<float> MaxKeyNorms(const uint8_t* k, const kvstore::ModelShape& shape, uint64_t n,
+                               bool token_major);
+
 // One layer of one sequence on the device.
 class ResidentLayer {
  public:

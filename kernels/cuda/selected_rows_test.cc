@@ -135,6 +135,19 @@ struct RowSets {
   }
 };
 
+// Runs SANTA iid (method 0), S2ANTA-prop (1) or S2ANTA-flash (2) and waits for it.
+void RunSanta(int method, const SantaParams& p) {
+  const size_t bytes = method == 0   ? SantaIidWorkspaceBytes(p)
+                       : method == 1 ? S2antaPropWorkspaceBytes(p)
+                                     : S2antaFlashWorkspaceBytes(p);
+  DeviceBuffer ws(bytes);
+  const cudaError_t e = method == 0   ? SantaIid(p, ws.get(), bytes, nullptr)
+                        : method == 1 ? S2antaProp(p, ws.get(), bytes, nullptr)
+                                      : S2antaFlash(p, ws.get(), bytes, nullptr);
+  EXPECT_EQ(e, cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 struct HashCase {
   DType dtype;
   int d, hkv, g;
@@ -401,17 +414,7 @@ TEST(SelectedRowsCudaTest, SantaWithPerHeadKAndPagedVMatchesStrided) {
       a.sample_counts = ca.as<int32_t>();
       bp.sample_counts = cb.as<int32_t>();
     }
-    auto run = [&](const SantaParams& sp_) {
-      size_t bytes = method == 0   ? SantaIidWorkspaceBytes(sp_)
-                     : method == 1 ? S2antaPropWorkspaceBytes(sp_)
-                                   : S2antaFlashWorkspaceBytes(sp_);
-      DeviceBuffer ws(bytes);
-      const cudaError_t e = method == 0   ? SantaIid(sp_, ws.get(), bytes, nullptr)
-                            : method == 1 ? S2antaProp(sp_, ws.get(), bytes, nullptr)
-                                          : S2antaFlash(sp_, ws.get(), bytes, nullptr);
-      EXPECT_EQ(e, cudaSuccess);
-      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    };
+    auto run = [&](const SantaParams& sp_) { RunSanta(method, sp_); };
     run(a);
     run(bp);
     EXPECT_EQ(ToHost<int32_t>(ca, ca.size() / 4), ToHost<int32_t>(cb, cb.size() / 4))
@@ -503,17 +506,7 @@ TEST(SelectedRowsCudaTest, PerSequenceSeedsMatchBatchOneCalls) {
     } else {
       all.sample_counts = c_all.as<int32_t>();
     }
-    auto run = [&](const SantaParams& sp_) {
-      const size_t bytes = method == 0   ? SantaIidWorkspaceBytes(sp_)
-                           : method == 1 ? S2antaPropWorkspaceBytes(sp_)
-                                         : S2antaFlashWorkspaceBytes(sp_);
-      DeviceBuffer ws(bytes);
-      const cudaError_t e = method == 0   ? SantaIid(sp_, ws.get(), bytes, nullptr)
-                            : method == 1 ? S2antaProp(sp_, ws.get(), bytes, nullptr)
-                                          : S2antaFlash(sp_, ws.get(), bytes, nullptr);
-      EXPECT_EQ(e, cudaSuccess);
-      EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    };
+    auto run = [&](const SantaParams& sp_) { RunSanta(method, sp_); };
     run(all);
     const auto counts_all = ToHost<int32_t>(c_all, c_all.size() / 4);
     const auto idx_host = ToHost<int32_t>(idx_all, idx_all.size() / 4);

@@ -48,6 +48,7 @@
 #include "kvstore/store.h"
 #include "server/decode_engine.h"
 #include "server/gpu_backend.h"
+#include "tests/gpu/bench_util.h"
 
 ABSL_FLAG(std::string, lens, "32768,131072", "Context lengths n");
 ABSL_FLAG(std::string, batches, "1,8", "Batch sizes B");
@@ -80,10 +81,19 @@ using Clock = std::chrono::steady_clock;
     }                                                                                        \
   } while (0)
 
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+using kvsparse::bench::Median;
+
+// One Llama-3.1-8B-shaped sequence of n tokens (H = 32, Hkv = 8, d = 128, bf16), peaked family.
+kk::SyntheticOptions LlamaSequence(int n) {
+  kk::SyntheticOptions so;
+  so.family = kk::ScoreFamily::kPeaked;
+  so.batch = 1;
+  so.num_q_heads = 32;
+  so.num_kv_heads = 8;
+  so.head_dim = 128;
+  so.seq_lens = {n};
+  so.seed = 3;
+  return so;
 }
 
 std::vector<int> Ints(const std::string& s) {
@@ -163,15 +173,8 @@ int Capacity(double h2d_gbs) {
   const double kv_bytes = 2.0 * B * n * L * hkv * row;
   std::printf("# capacity: B = %d x n = %d x %d layers: K+V %.1f GB; GPU memory %.1f GB (%.1f GB "
               "free)\n", B, n, L, kv_bytes / 1e9, gpu_total / 1e9, gpu_free / 1e9);
-  kk::SyntheticOptions so;
-  so.family = kk::ScoreFamily::kPeaked;
-  so.num_q_heads = H;
-  so.num_kv_heads = hkv;
-  so.head_dim = d;
-  so.seq_lens = {n};
-  so.seed = 3;
   std::fprintf(stderr, "making the synthetic sequence...\n");
-  kk::SyntheticProblem sp = kk::SyntheticProblem::Make(so);
+  kk::SyntheticProblem sp = kk::SyntheticProblem::Make(LlamaSequence(n));
   auto mem = kv::NewPinnedHostMemoryResource();
   if (!mem.ok()) {
     std::fprintf(stderr, "%s\n", mem.status().ToString().c_str());
@@ -297,42 +300,14 @@ int main(int argc, char** argv) {
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   // Bulk host-to-device bandwidth (pinned, 256 MiB), the reference for rows that cross.
-  double h2d_gbs = 0;
-  {
-    const size_t n = 256ull << 20;
-    void *h = nullptr, *dv = nullptr;
-    CK(cudaMallocHost(&h, n));
-    CK(cudaMalloc(&dv, n));
-    std::memset(h, 1, n);
-    std::vector<double> ms;
-    for (int i = 0; i < 10; ++i) {
-      CK(cudaEventRecord(e0));
-      CK(cudaMemcpyAsync(dv, h, n, cudaMemcpyHostToDevice));
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
-      float t;
-      CK(cudaEventElapsedTime(&t, e0, e1));
-      if (i >= 2) ms.push_back(t);
-    }
-    h2d_gbs = n / Median(ms) / 1e6;
-    CK(cudaFreeHost(h));
-    CK(cudaFree(dv));
-  }
+  const double h2d_gbs = kvsparse::bench::BulkHostToDeviceGBs();
   std::printf("# device %s (%d SMs); bulk host-to-device copy %.1f GB/s\n", prop.name,
               prop.multiProcessorCount, h2d_gbs);
 
   if (absl::GetFlag(FLAGS_capacity_batch) > 0) return Capacity(h2d_gbs);
   for (int n : Ints(absl::GetFlag(FLAGS_lens))) {
     std::fprintf(stderr, "n=%d: making the synthetic sequence...\n", n);
-    kk::SyntheticOptions so;
-    so.family = kk::ScoreFamily::kPeaked;
-    so.batch = 1;
-    so.num_q_heads = H;
-    so.num_kv_heads = hkv;
-    so.head_dim = d;
-    so.seq_lens = {n};
-    so.seed = 3;
-    kk::SyntheticProblem sp = kk::SyntheticProblem::Make(so);
+    kk::SyntheticProblem sp = kk::SyntheticProblem::Make(LlamaSequence(n));
     const size_t seq_bytes = static_cast<size_t>(n) * hkv * row;  // K (or V) of one sequence
     for (int B : Ints(absl::GetFlag(FLAGS_batches))) {
       std::printf("\n## n = %d, B = %d (K+V per layer: %.1f MB)\n", n, B, 2.0 * B * seq_bytes / 1e6);

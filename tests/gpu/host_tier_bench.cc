@@ -24,6 +24,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "kernels/cuda/gather.h"
+#include "tests/gpu/bench_util.h"
 #include "kvstore/cuda_host_memory.h"
 #include "kvstore/store.h"
 
@@ -43,10 +44,7 @@ namespace {
     }                                                                                        \
   } while (0)
 
-float Median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using kvsparse::bench::Median;
 
 }  // namespace
 
@@ -95,27 +93,7 @@ int main(int argc, char** argv) {
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   // Baseline: one bulk copy of 256 MiB from pinned host memory.
-  float h2d_gbs = 0;
-  {
-    const size_t n = 256ull << 20;
-    void *h = nullptr, *d = nullptr;
-    CK(cudaMallocHost(&h, n));
-    CK(cudaMalloc(&d, n));
-    std::memset(h, 1, n);
-    std::vector<float> ms;
-    for (int i = 0; i < 12; ++i) {
-      CK(cudaEventRecord(e0));
-      CK(cudaMemcpyAsync(d, h, n, cudaMemcpyHostToDevice));
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
-      float t;
-      CK(cudaEventElapsedTime(&t, e0, e1));
-      if (i >= 2) ms.push_back(t);
-    }
-    h2d_gbs = n / Median(ms) / 1e6;
-    CK(cudaFreeHost(h));
-    CK(cudaFree(d));
-  }
+  const double h2d_gbs = kvsparse::bench::BulkHostToDeviceGBs();
   std::printf("device %s; bulk host-to-device copy (pinned, 256 MiB): %.1f GB/s\n", prop.name,
               h2d_gbs);
   std::printf("%-8s %-4s %9s %9s %11s %11s %9s %9s\n", "density", "kind", "rows", "MB", "list us",
