@@ -72,14 +72,7 @@ namespace ks = kvsparse::server;
 namespace kk = kvsparse::kernels;
 using Clock = std::chrono::steady_clock;
 
-#define CK(x)                                                                                \
-  do {                                                                                       \
-    cudaError_t e = (x);                                                                     \
-    if (e != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "CUDA %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
-      std::exit(1);                                                                          \
-    }                                                                                        \
-  } while (0)
+#define CK(x) KVSPARSE_BENCH_CK(x)
 
 using kvsparse::bench::Median;
 

@@ -35,14 +35,7 @@ ABSL_FLAG(int, reps, 20, "Timed calls per configuration (median)");
 
 namespace {
 
-#define CK(x)                                                                                \
-  do {                                                                                       \
-    cudaError_t e = (x);                                                                     \
-    if (e != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "CUDA %s at %s:%d\n", cudaGetErrorString(e), __FILE__, __LINE__); \
-      std::exit(1);                                                                          \
-    }                                                                                        \
-  } while (0)
+#define CK(x) KVSPARSE_BENCH_CK(x)
 
 using kvsparse::bench::Median;
 
