@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
 // Per (b, h, tile) a 32-byte record holds the tile-relative tokens for every k <= kRecMax, at
 // bytes k (k - 1) / 2 .. + k - 1. Pass 2 reads the record of the actual budget, so no score
 // stash crosses DRAM; a tile whose budget exceeds kRecMax (peaked attention: the sink, a needle)
-// is rescored from K by pass 2 (FallbackTile).
+// is rescored from K by PropBigTileKernel, a block per such tile, and skipped by pass 2.
 constexpr int kRecMax = 7;
 constexpr int kRecEntries = kRecMax * (kRecMax + 1) / 2;  // 28
 constexpr int kRecBytes = 32;
@@ -361,7 +361,8 @@ __global__ void __launch_bounds__(kSmallThreads)
     PropBudgetKernel(DecodeShape s, int num_samples, int max_tiles,
                      const float* __restrict__ m_tiles, const float* __restrict__ l_tiles,
                      int* __restrict__ s_tiles, float* __restrict__ accum,
-                     unsigned* __restrict__ counters) {
+                     unsigned* __restrict__ counters, int max_big, int* __restrict__ big_count,
+                     uint32_t* __restrict__ big_map, int* __restrict__ big_list) {
   extern __shared__ double frac[];  // [max_tiles]
   __shared__ float red[kSmallThreads / 32];
   __shared__ double red_d[kSmallThreads / 32];
@@ -415,7 +416,17 @@ __global__ void __launch_bounds__(kSmallThreads)
   if (t < num_tiles && quarter == 0) {
     const double w = static_cast<double>(exp2f(mt[t] - mstar) * lt[t]);
     const double q = static_cast<double>(num_samples) * (w / zsum);
-    s_tiles[bh * max_tiles + t] = static_cast<int>(floor(q)) + (rank < rem ? 1 : 0);
+    const int st = static_cast<int>(floor(q)) + (rank < rem ? 1 : 0);
+    s_tiles[bh * max_tiles + t] = st;
+    if (st > kRecMax && max_big > 0) {  // listed once per (b, kv head), whichever head sees it
+      const int pair = b * s.num_kv_heads + h / G;
+      const uint32_t bit = 1u << (t % 32);
+      if ((atomicOr(big_map + static_cast<int64_t>(pair) * ((max_tiles + 31) / 32) + t / 32, bit) &
+           bit) == 0u) {
+        const int slot = atomicAdd(big_count + pair, 1);
+        if (slot < max_big) big_list[static_cast<int64_t>(pair) * max_big + slot] = t;
+      }
+    }
   }
 }
 
@@ -424,7 +435,7 @@ __global__ void __launch_bounds__(kSmallThreads)
 // (fewer when there are few tiles, for more warps in flight), one lane per (tile, head): the lane
 // reads its budget and, when it is at most kRecMax, the sampled tokens from its record; the warp
 // compacts the batch's samples into a list and gathers their V rows (up to 16 loads in flight per
-// lane). Tiles with a larger budget are rescored (a rare path). The block's sums go to an fp32
+// lane). Tiles where a budget is larger are PropBigTileKernel's. The block's sums go to an fp32
 // accumulator; the last block of a (b, kv head) to finish writes out = accum / S.
 constexpr int kPass2Warps = 4;
 
@@ -433,7 +444,7 @@ struct Pass2Geom {
   static constexpr int kNB = 32 / G;                  // tiles per warp batch
   static constexpr int kList = 32 * kRecMax;          // list entries per warp
   static constexpr int kMapWords = kNB * kTile / 32;  // rows_read bitmap words per warp
-  static constexpr int kWarpFloats = kList + G * kTile + kMapWords;
+  static constexpr int kWarpFloats = kList + kMapWords;
   static constexpr size_t kSmem = sizeof(float) * Max(kPass2Warps * kWarpFloats, kPass2Warps* G* D);
 };
 
@@ -492,7 +503,8 @@ __device__ __forceinline__ void NoteEntry(const SantaParams& p, int entry, int64
 // len) by one warp on the CUDA cores, straight from global memory.
 template <typename T, int D, int G>
 __device__ __forceinline__ void WarpScoreTile(const DecodeShape& s, int b, int kvh, int t0, int len,
-                                              float* sc, int lane) {
+                                              float* sc, int lane, int first = 0,
+                                              int count = kTile) {
   constexpr int L = D / 8;
   constexpr int R = 32 / L;
   constexpr int U = G >= 8 ? 4 : 8;  // rows in flight per lane (register budget)
@@ -500,7 +512,7 @@ __device__ __forceinline__ void WarpScoreTile(const DecodeShape& s, int b, int k
   float qf[G][8];
   LoadQ<T, D, G>(s, b, kvh, lr, qf);
   const uint16_t* kb = KvHeadBase(s, false, b, kvh) + lr * 8;
-  for (int base = 0; base < kTile; base += R * U) {
+  for (int base = first; base < first + count; base += R * U) {
     uint4 kr[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -517,92 +529,138 @@ __device__ __forceinline__ void WarpScoreTile(const DecodeShape& s, int b, int k
   }
 }
 
-// A tile whose budget exceeds kRecMax for the heads in `heads` (bit g: head g; st: this lane's
-// budget, lane = tile-in-batch * G + head): rescored, then sampled as in pass 1 with the actual
-// budget. Sample m of a head lands on FirstAtLeast(m - a0); instead of placing the samples one
-// by one, each lane counts how many land on each of its tokens (the same comparisons, so the
-// same counts), and the distinct (token, head, count) items of every head are gathered together,
-// count-weighted: a tile with a budget of hundreds costs one or two rounds of row loads.
-// list: kList ints of warp scratch.
-template <typename T, int D, int G, int kList>
-__device__ __forceinline__ void FallbackTile(const SantaParams& p, int b, int kvh, int t, int n,
-                                             unsigned heads, int st, int lane_base, float* sc,
-                                             int* list, const RowReader& vb, int row, int lane,
-                                             int tb0, uint32_t* map, float (&acc)[G][8]) {
-  const DecodeShape& s = p.shape;
-  const int t0 = t * kTile;
-  const int len = min(kTile, n - t0);
-  const int64_t bh0 = static_cast<int64_t>(b) * s.num_q_heads + kvh * G;
-  WarpScoreTile<T, D, G>(s, b, kvh, t0, len, sc, lane);
+// The samples of head g in tile t whose budget exceeds kRecMax, from the tile's rescored scores
+// `pre` ([kTile] floats, log2 units; overwritten by their prefix sums): sample m lands on
+// FirstAtLeast(m - a0); instead of placing the samples one by one, each lane counts how many land
+// on each of its tokens (the same comparisons, so the same counts), and the distinct tokens go to
+// list as items (count << 11) | (token - t0) << 3 | g. Returns the number of items (<= kTile) on
+// every lane. One warp.
+__device__ __forceinline__ int HeadItems(const SantaParams& p, int b, int h, int g, int t, int len,
+                                         int budget, float* pre, int* list, int lane) {
+  float m2, ell, u[kPerLane];
+  HeadStats(pre, lane, m2, ell, u);
   __syncwarp();
-  int total = 0;  // items in list, warp-uniform; item = (count << 11) | (token - t0) << 3 | head
-  auto flush = [&]() {
-    for (int c0 = 0; c0 < total; c0 += 32) {
-      const int item = c0 + lane < total ? list[c0 + lane] : -1;
-      const int entry = item < 0 ? -1 : ((t0 + ((item >> 3) & 255)) << 3) | (item & 7);
-      NoteEntry(p, entry, bh0, tb0, map, item < 0 ? 0 : item >> 11);
-      GatherEntries<T, D, G>(entry, min(32, total - c0), vb, row, acc,
-                             item < 0 ? 0.f : static_cast<float>(item >> 11));
-    }
-    __syncwarp();
-    total = 0;
+  ell = WarpPrefix(u, lane, pre);
+  __syncwarp();
+  const float a0 = PhiloxUniform(SequenceStream(Seeds(p), RngTag::kPropTileOffset, b, h), t);
+  const float inv_delta = static_cast<float>(budget) / ell;
+  // Samples placed at or before token i: #{m in [1, budget] : m - a0 <= inv_delta * pre[i]}
+  // (all of them from the last token on, as FirstAtLeast's fallback to len - 1).
+  auto placed = [&](int i) -> int {
+    if (i < 0) return 0;
+    if (i >= len - 1) return budget;
+    const float x = __fmul_rn(inv_delta, pre[i]);
+    int m = static_cast<int>(
+        fminf(fmaxf(floorf(__fadd_rn(x, a0)), 0.f), static_cast<float>(budget)));
+    while (m < budget && __fsub_rn(static_cast<float>(m + 1), a0) <= x) ++m;
+    while (m > 0 && __fsub_rn(static_cast<float>(m), a0) > x) --m;
+    return m;
   };
-#pragma unroll 1
-  for (int g = 0; g < G; ++g) {
-    const int budget = __shfl_sync(0xffffffffu, st, lane_base + g);
-    if ((heads & (1u << g)) == 0) continue;  // uniform
-    float* pre = sc + g * kTile;
-    float m2, ell, u[kPerLane];
-    HeadStats(pre, lane, m2, ell, u);
-    __syncwarp();
-    ell = WarpPrefix(u, lane, pre);
-    __syncwarp();
-    const float a0 =
-        PhiloxUniform(SequenceStream(Seeds(p), RngTag::kPropTileOffset, b, kvh * G + g), t);
-    const float inv_delta = static_cast<float>(budget) / ell;
-    // Samples placed at or before token i: #{m in [1, budget] : m - a0 <= inv_delta * pre[i]}
-    // (all of them from the last token on, as FirstAtLeast's fallback to len - 1).
-    auto placed = [&](int i) -> int {
-      if (i < 0) return 0;
-      if (i >= len - 1) return budget;
-      const float x = __fmul_rn(inv_delta, pre[i]);
-      int m = static_cast<int>(fminf(fmaxf(floorf(__fadd_rn(x, a0)), 0.f),
-                                     static_cast<float>(budget)));
-      while (m < budget && __fsub_rn(static_cast<float>(m + 1), a0) <= x) ++m;
-      while (m > 0 && __fsub_rn(static_cast<float>(m), a0) > x) --m;
-      return m;
-    };
-    int cnt[kPerLane];
-    int prev = placed(lane * kPerLane - 1);
+  int cnt[kPerLane];
+  int prev = placed(lane * kPerLane - 1);
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int cum = placed(lane * kPerLane + i);
-      cnt[i] = cum - prev;
-      prev = cum;
-    }
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      int nz = 0;
-#pragma unroll
-      for (int i = half * kPerLane / 2; i < (half + 1) * kPerLane / 2; ++i) nz += cnt[i] > 0;
-      int pos = nz;
-#pragma unroll
-      for (int o = 1; o < 32; o *= 2) {
-        const int y = __shfl_up_sync(0xffffffffu, pos, o);
-        if (lane >= o) pos += y;
-      }
-      const int items = __shfl_sync(0xffffffffu, pos, 31);
-      pos -= nz;
-      if (total + items > kList) flush();
-#pragma unroll
-      for (int i = half * kPerLane / 2; i < (half + 1) * kPerLane / 2; ++i) {
-        if (cnt[i] > 0) list[total + pos++] = (cnt[i] << 11) | ((lane * kPerLane + i) << 3) | g;
-      }
-      __syncwarp();
-      total += items;
-    }
+  for (int i = 0; i < kPerLane; ++i) {
+    const int cum = placed(lane * kPerLane + i);
+    cnt[i] = cum - prev;
+    prev = cum;
   }
-  flush();
+  int nz = 0;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) nz += cnt[i] > 0;
+  int pos = nz;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int y = __shfl_up_sync(0xffffffffu, pos, o);
+    if (lane >= o) pos += y;
+  }
+  const int items = __shfl_sync(0xffffffffu, pos, 31);
+  pos -= nz;
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    if (cnt[i] > 0) list[pos++] = (cnt[i] << 11) | ((lane * kPerLane + i) << 3) | g;
+  }
+  __syncwarp();
+  return items;
+}
+
+// Prop's big tiles: a tile where some head's budget exceeds kRecMax (the sink, the local window,
+// a needle: peaked attention) is taken off pass 2 and done here, one block per tile: the block's
+// warps rescore the tile's 256 tokens for the G heads together (32 tokens each), then warp g
+// takes head g (its record when its budget is small, its rescored samples otherwise) and adds
+// the count-weighted V rows of its distinct tokens to the accumulator. The budget kernel lists
+// the big tiles of each (b, kv head). Runs between the budget kernel and pass 2 (which skips
+// these tiles and writes the output).
+constexpr int kBigWarps = 8;  // kBigWarps * 32 tokens = one tile
+
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(kBigWarps * 32, 1)
+    PropBigTileKernel(SantaParams p, int max_tiles, int max_big, const uint8_t* __restrict__ rec,
+                      const int* __restrict__ s_tiles, const int* __restrict__ big_count,
+                      const int* __restrict__ big_list, float* __restrict__ accum) {
+  static_assert(kBigWarps * 32 == kTile && G <= kBigWarps, "one token per thread, a warp a head");
+  constexpr int L = D / 8;
+  __shared__ __align__(16) float sc[G * kTile];
+  __shared__ int lists[G][kTile];
+  __shared__ uint32_t tile_map[kTile / 32];
+  const DecodeShape& s = p.shape;
+  const int kvh = blockIdx.y, b = blockIdx.z;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, row = lane / L;
+  GridDependencyWait();  // budgets and the list of big tiles
+  const int pair = b * s.num_kv_heads + kvh;
+  const int count = min(big_count[pair], max_big);
+  const int n = s.seq_lens[b];
+  const int64_t bh0 = static_cast<int64_t>(b) * s.num_q_heads + kvh * G;
+  const RowReader vr = MakeRowReader(s, true, b, kvh, (lane % L) * 8);
+  for (int i = blockIdx.x; i < count; i += gridDim.x) {  // uniform over the block
+    const int t = big_list[static_cast<int64_t>(pair) * max_big + i];
+    const int t0 = t * kTile, len = min(kTile, n - t0);
+    if (threadIdx.x < kTile / 32) tile_map[threadIdx.x] = 0u;
+    WarpScoreTile<T, D, G>(s, b, kvh, t0, len, sc, lane, warp * 32, 32);
+    __syncthreads();
+    if (warp < G) {
+      const int g = warp;
+      const int st = s_tiles[(bh0 + g) * max_tiles + t];
+      int* list = lists[g];
+      int total = 0;
+      if (st > kRecMax) {
+        total = HeadItems(p, b, kvh * G + g, g, t, len, st, sc + g * kTile, list, lane);
+      } else if (st > 0) {  // the pass-1 record of a small budget, as pass 2 would read it
+        const uint8_t* r = rec + ((bh0 + g) * max_tiles + t) * kRecBytes + st * (st - 1) / 2;
+        if (lane < st) list[lane] = (1 << 11) | (__ldg(r + lane) << 3) | g;
+        __syncwarp();
+        total = st;
+      }
+      float acc[1][8] = {};
+      for (int c0 = 0; c0 < total; c0 += 32) {
+        const int item = c0 + lane < total ? list[c0 + lane] : -1;
+        const int tok = (item >> 3) & 255;
+        if (item >= 0) {
+          atomicOr(tile_map + tok / 32, 1u << (tok % 32));
+          if (p.sample_counts != nullptr) {
+            atomicAdd(p.sample_counts + (bh0 + g) * s.max_seq_len + t0 + tok, item >> 11);
+          }
+        }
+        GatherEntries<T, D, 1>(item < 0 ? -1 : (t0 + tok) << 3, min(32, total - c0), vr, row, acc,
+                               item < 0 ? 0.f : static_cast<float>(item >> 11));
+      }
+#pragma unroll
+      for (int o = L; o < 32; o *= 2) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[0][e] += __shfl_xor_sync(0xffffffffu, acc[0][e], o);
+      }
+      if (lane < L && total > 0) {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) atomicAdd(accum + (bh0 + g) * D + lane * 8 + e, acc[0][e]);
+      }
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && p.rows_read != nullptr) {
+      int rows = 0;
+      for (int w = 0; w < kTile / 32; ++w) rows += __popc(tile_map[w]);
+      atomicAdd(p.rows_read + pair, rows);
+    }
+    __syncthreads();  // scores, lists and the map are reused by the next tile
+  }
 }
 
 template <typename T, int D, int G>
@@ -619,8 +677,7 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
   const int kvh = blockIdx.x, blk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = lane / L;
-  float* sc = dsm + warp * Geo::kWarpFloats;  // fallback scores [G][kTile]
-  int* list = reinterpret_cast<int*>(sc + G * kTile);
+  int* list = reinterpret_cast<int*>(dsm + warp * Geo::kWarpFloats);
   uint32_t* map = reinterpret_cast<uint32_t*>(list + Geo::kList);
   const int64_t bh0 = static_cast<int64_t>(b) * s.num_q_heads + kvh * G;
   const RowReader vr = MakeRowReader(s, true, b, kvh, (lane % L) * 8);
@@ -645,7 +702,10 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
       for (int i = lane; i < Geo::kMapWords; i += 32) map[i] = 0u;
       __syncwarp();
     }
-    const int k = st <= kRecMax ? st : 0;
+    // Tiles where a head's budget exceeds kRecMax are PropBigTileKernel's, for every head.
+    const unsigned big = __ballot_sync(0xffffffffu, st > kRecMax);
+    const bool tile_big = ((big >> ((lane / G) * G)) & ((1u << G) - 1u)) != 0u;
+    const int k = st <= kRecMax && !tile_big ? st : 0;
     const uint8_t* r = rec + (bh * max_tiles + t) * kRecBytes + k * (k - 1) / 2;
     int toks[kRecMax];
 #pragma unroll
@@ -667,14 +727,6 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
       const int entry = c0 + lane < total ? list[c0 + lane] : -1;
       NoteEntry(p, entry, bh0, tb0, map);
       GatherEntries<T, D, G>(entry, min(32, total - c0), vr, row, acc);
-    }
-    unsigned big = __ballot_sync(0xffffffffu, st > kRecMax);
-    while (big != 0u) {
-      const int ti = (__ffs(big) - 1) / G;
-      const unsigned tile_bits = ((1u << G) - 1u) << (ti * G);
-      FallbackTile<T, D, G, Geo::kList>(p, b, kvh, bi * nb + ti, n, (big & tile_bits) >> (ti * G),
-                                        st, ti * G, sc, list, vr, row, lane, tb0, map, acc);
-      big &= ~tile_bits;
     }
     if (p.rows_read != nullptr) {
       __syncwarp();
@@ -866,10 +918,25 @@ struct PropSpace {
   int* s_tiles;        // [B, H, T_max]
   float* accum;        // [B, H, d]
   unsigned* counters;  // [B, Hkv]
+  // Big tiles (PropBigTileKernel): counts [B, Hkv] and the tile bitmap [B, Hkv, map_words]
+  // (adjacent: zeroed together before pass 1), the list [B, Hkv, max_big].
+  int* big_count;
+  uint32_t* big_map;
+  int* big_list;
+  size_t big_zero_bytes;
 };
 
-PropSpace CarveProp(const DecodeShape& s, const TilePlan& plan, void* base, size_t* bytes) {
+// Most big tiles of one (b, kv head): each has a head with a budget of 8 or more, so at most
+// G * S / 8, and at most the number of tiles.
+int MaxBigTiles(const SantaParams& p, const TilePlan& plan) {
+  return static_cast<int>(std::min<int64_t>(
+      plan.max_tiles, static_cast<int64_t>(p.shape.group_size()) * (p.num_samples / (kRecMax + 1))));
+}
+
+PropSpace CarveProp(const SantaParams& p, const TilePlan& plan, void* base, size_t* bytes) {
+  const DecodeShape& s = p.shape;
   const size_t bh = static_cast<size_t>(s.batch) * s.num_q_heads;
+  const size_t pairs = static_cast<size_t>(s.batch) * s.num_kv_heads;
   Carver c(base);
   PropSpace r;
   r.m_tiles = c.Take<float>(bh * plan.max_tiles);
@@ -877,7 +944,13 @@ PropSpace CarveProp(const DecodeShape& s, const TilePlan& plan, void* base, size
   r.records = c.Take<uint8_t>(bh * plan.max_tiles * kRecBytes);
   r.s_tiles = c.Take<int>(bh * plan.max_tiles);
   r.accum = c.Take<float>(bh * s.head_dim);
-  r.counters = c.Take<unsigned>(static_cast<size_t>(s.batch) * s.num_kv_heads);
+  r.counters = c.Take<unsigned>(pairs);
+  const size_t map_words = (plan.max_tiles + 31) / 32;
+  const size_t zero_from = c.used();
+  r.big_count = c.Take<int>(pairs);
+  r.big_map = c.Take<uint32_t>(pairs * map_words);
+  r.big_zero_bytes = c.used() - zero_from;
+  r.big_list = c.Take<int>(pairs * std::max(1, MaxBigTiles(p, plan)));
   *bytes = c.used();
   return r;
 }
@@ -991,8 +1064,27 @@ cudaError_t LaunchBudget(const SantaParams& p, const TilePlan& plan, const PropS
                   (plan.max_tiles + kBudgetTiles - 1) / kBudgetTiles);
   return LaunchDependent(&PropBudgetKernel, grid, dim3(kSmallThreads), smem, stream, p.shape,
                          p.num_samples, plan.max_tiles, static_cast<const float*>(ws.m_tiles),
-                         static_cast<const float*>(ws.l_tiles), ws.s_tiles, ws.accum, ws.counters);
+                         static_cast<const float*>(ws.l_tiles), ws.s_tiles, ws.accum, ws.counters,
+                         MaxBigTiles(p, plan), ws.big_count, ws.big_map, ws.big_list);
 }
+
+struct BigTileLaunch {
+  const SantaParams& p;
+  TilePlan plan;
+  PropSpace ws;
+  cudaStream_t stream;
+  template <typename T, int D, int G>
+  cudaError_t operator()() const {
+    const int max_big = MaxBigTiles(p, plan);
+    // Blocks per (b, kv head): a few big tiles each, in a grid-stride loop over the list.
+    const dim3 grid(std::max(1, std::min(max_big, 8)), p.shape.num_kv_heads, p.shape.batch);
+    return LaunchDependent(&PropBigTileKernel<T, D, G>, grid, dim3(kBigWarps * 32), 0, stream, p,
+                           plan.max_tiles, max_big, static_cast<const uint8_t*>(ws.records),
+                           static_cast<const int*>(ws.s_tiles),
+                           static_cast<const int*>(ws.big_count),
+                           static_cast<const int*>(ws.big_list), ws.accum);
+  }
+};
 
 }  // namespace
 
@@ -1020,7 +1112,7 @@ cudaError_t SantaIid(const SantaParams& p, void* workspace, size_t workspace_byt
 
 size_t S2antaPropWorkspaceBytes(const SantaParams& p) {
   size_t bytes = 0;
-  CarveProp(p.shape, MakeTilePlan(p.shape), nullptr, &bytes);
+  CarveProp(p, MakeTilePlan(p.shape), nullptr, &bytes);
   return bytes;
 }
 
@@ -1030,14 +1122,22 @@ cudaError_t S2antaProp(const SantaParams& p, void* workspace, size_t workspace_b
   if (p.shape.batch == 0) return cudaSuccess;
   const TilePlan plan = MakeTilePlan(p.shape);
   size_t need = 0;
-  const PropSpace ws = CarveProp(p.shape, plan, workspace, &need);
+  const PropSpace ws = CarveProp(p, plan, workspace, &need);
   if (workspace == nullptr || workspace_bytes < need) return cudaErrorInvalidValue;
   const DecodeShape& s = p.shape;
+  const bool bigs = MaxBigTiles(p, plan) > 0;
+  if (bigs) {
+    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(ws.big_count, 0, ws.big_zero_bytes, stream));
+  }
   KVSPARSE_CUDA_RETURN_IF_ERROR(
       DispatchDecode(s.dtype, s.head_dim, s.group_size(),
                      Pass1Launch<Pass1Out::kRecords>{s, Seeds(p), plan, ws.m_tiles, ws.l_tiles,
                                                      ws.records, stream}));
   KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchBudget(p, plan, ws, stream));
+  if (bigs) {
+    KVSPARSE_CUDA_RETURN_IF_ERROR(
+        DispatchDecode(s.dtype, s.head_dim, s.group_size(), BigTileLaunch{p, plan, ws, stream}));
+  }
   return DispatchDecode(s.dtype, s.head_dim, s.group_size(), Pass2Launch{p, plan, ws, stream});
 }
 
