@@ -226,6 +226,18 @@ class GpuBackend final : public DecodeBackend {
     if (b->ptr != nullptr) cudaFreeAsync(b->ptr, stream_);
     *b = DevBuf();
   }
+  // Frees a layer's row sets (and their accounting); the row cache starts empty again.
+  void FreeRowSets(Entry* e, Layer* l) {
+    for (DevBuf& rb : l->rows) {
+      if (rb.ptr == nullptr) continue;
+      bytes_ -= rb.bytes;
+      e->bytes -= rb.bytes;
+      Free(&rb);
+    }
+    l->rows_cap = 0;
+    l->cur = 0;
+    l->prev_valid = false;
+  }
   void FreeEntry(Entry* e) {
     for (Layer& l : e->layers) {
       for (DevBuf* b : {&l.k, &l.v, &l.sig, &l.norms, &l.pages, &l.rows[0], &l.rows[1]}) Free(b);
@@ -588,19 +600,22 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
         return absl::InvalidArgumentError("sequences of one call keep different signature bits");
       }
       Layer& l = entries[b]->layers[layer];
-      if (l.rows_cap < rows_cap) {  // (re)size both row sets; the cache starts empty
+      if (l.rows_cap < rows_cap) {  // (re)size the row sets; the cache starts empty
+        FreeRowSets(entries[b], &l);
         const size_t bytes = RowSetLayout::Of(hkv, rows_cap, row).total;
-        for (DevBuf& rb : l.rows) {
-          if (rb.ptr != nullptr) {
-            bytes_ -= rb.bytes;
-            entries[b]->bytes -= rb.bytes;
-            Free(&rb);
+        for (int k = 0; k < (options_.row_cache ? 2 : 1); ++k) {
+          if (absl::Status s = Charge(entries[b], bytes, busy); !s.ok()) {
+            FreeRowSets(entries[b], &l);
+            return s;
           }
-          if (absl::Status s = Charge(entries[b], bytes, busy); !s.ok()) return s;
-          if (absl::Status s = Alloc(&rb, bytes); !s.ok()) return s;
+          if (absl::Status s = Alloc(&l.rows[k], bytes); !s.ok()) {
+            bytes_ -= bytes;  // charged, not allocated
+            entries[b]->bytes -= bytes;
+            FreeRowSets(entries[b], &l);
+            return s;
+          }
         }
         l.rows_cap = rows_cap;
-        l.prev_valid = false;
       }
     }
   }
@@ -1016,8 +1031,12 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
   if (m.kind == MethodKind::kHashTopK) {
     for (int32_t b = 0; b < B; ++b) {
       Layer& l = entries[b]->layers[layer];
-      l.cur = 1 - l.cur;
-      l.prev_valid = true;
+      if (options_.row_cache) {
+        l.cur = 1 - l.cur;
+        l.prev_valid = true;
+      } else {
+        FreeRowSets(entries[b], &l);  // no cache: the row set lives for one call
+      }
     }
   }
   views.clear();  // pages may move again

@@ -46,7 +46,7 @@ struct Rig {
   std::unique_ptr<RowSource> source;
   std::unique_ptr<DecodeEngine> cpu, gpu;
 
-  static std::unique_ptr<Rig> Make(size_t gpu_capacity = 1ull << 30) {
+  static std::unique_ptr<Rig> Make(size_t gpu_capacity = 1ull << 30, bool row_cache = true) {
     auto r = std::make_unique<Rig>();
     auto mem = kvstore::NewPinnedHostMemoryResource();
     EXPECT_TRUE(mem.ok()) << mem.status();
@@ -65,6 +65,7 @@ struct Rig {
     GpuBackendOptions go;
     go.capacity_bytes = gpu_capacity;
     go.signatures = eo.signatures;
+    go.row_cache = row_cache;
     auto backend = NewGpuBackend(go, r->source.get());
     EXPECT_TRUE(backend.ok()) << backend.status();
     r->gpu = std::make_unique<DecodeEngine>(eo, r->source.get(), std::move(*backend));
@@ -346,6 +347,27 @@ TEST_F(GpuEngineTest, SmallGpuTierEvictsIdleSequences) {
   // ...and the backend keeps serving.
   auto again = rig->gpu->Decode(Call(prob, Method{}, "a"));
   EXPECT_TRUE(again.ok()) << again.status();
+}
+
+TEST_F(GpuEngineTest, WithoutTheRowCacheOnlySignaturesStay) {
+  auto rig = Rig::Make(1ull << 30, /*row_cache=*/false);
+  ASSERT_NE(rig, nullptr);
+  kvstore::Placement p;
+  p.signature_bits = 32;
+  auto prob = Problem({3000, 700});
+  rig->Load(prob, p);
+  Method m;
+  m.kind = MethodKind::kHashTopK;
+  m.hash.top_k = 50;
+  m.hash.bits = 0;
+  Compare(*rig, prob, m, {8e-3, true, 0}, "hash without row cache");
+  auto g = rig->gpu->Decode(Call(prob, m));
+  ASSERT_TRUE(g.ok()) << g.status();
+  for (const HeadStats& hs : g->heads) EXPECT_EQ(hs.rows_cached, 0u);
+  // Signatures of the decoded layer (capacity rounded up) and their norms: no row sets.
+  const size_t held = rig->gpu->device_backend()->resident_bytes();
+  EXPECT_GT(held, 0u);
+  EXPECT_LE(held, 2u * 2 * 3000 * 4 + 4096);
 }
 
 }  // namespace
