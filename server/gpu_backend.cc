@@ -574,6 +574,9 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
   }
   const int32_t n_max = std::max(1, *std::max_element(lens.begin(), lens.end()));
   const absl::Time synced = absl::Now();
+  if (synced > call.deadline) {
+    return absl::DeadlineExceededError("deadline passed while syncing the GPU state");
+  }
   result->timing.sync_seconds += absl::ToDoubleSeconds(synced - start);
 
   // ---- Per-method sizes (host-side bounds: grid and workspace sizes). ----
@@ -988,7 +991,6 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
   KVS_CUDA_OK(cudaMemcpyAsync(base, h, table_bytes, cudaMemcpyHostToDevice, stream_),
               "call tables upload");
   if (absl::Status s = plan(base, true, events_, &method_bytes); !s.ok()) return s;
-  // Output and statistics back.
   // Output and statistics are adjacent in the scratch: one download.
   const size_t down_bytes = stats_off - out_off + sizeof(int32_t) * 4 * BH;
   if (absl::Status s = out_host_.Reserve(down_bytes); !s.ok()) return s;
