@@ -251,7 +251,12 @@ absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
     bool supported = true;
     for (size_t b = 0; b < B && supported; ++b) {
       if (append) ++now[b].layer_lengths[call.layer];
-      supported = backend_->Supports(call, now[b]);
+      // The backend decodes a call's sequences together: they must share their placement.
+      const kvstore::Placement& p0 = now[0].placement;
+      const kvstore::Placement& pb = now[b].placement;
+      supported = backend_->Supports(call, now[b]) && pb.k_tier == p0.k_tier &&
+                  pb.v_tier == p0.v_tier && pb.signature_bits == p0.signature_bits &&
+                  now[b].page_tokens == now[0].page_tokens;
     }
     if (supported) {
       if (absl::Status s = backend_->Decode(call, now, &result); !s.ok()) return s;
