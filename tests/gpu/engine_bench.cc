@@ -131,6 +131,8 @@ struct Row {
   double rows_per_head = 0;
   double hit = -1;
   double gpu_us = -1;     // the engine's GPU time (events around its launches)
+  double engine_us = -1;  // the engine's own wall time (DecodeResult::timing.engine_seconds)
+  double sync_us = -1;    // of which bringing the GPU state up to date (and finding it)
   double gather_us = -1;  // of which the gather stage (selection-row methods)
 };
 
@@ -145,6 +147,7 @@ void Print(const Row& r, double dense_us, double h2d_gbs, int n) {
   if (r.rows_per_head > 0) std::printf("  rows/kv head %.0f (%.2f%%)", r.rows_per_head, 100.0 * r.rows_per_head / n);
   if (r.hit >= 0) std::printf("  cache hits %.1f%%", 100.0 * r.hit);
   if (r.gpu_us >= 0) std::printf("  [gpu %.1f us]", r.gpu_us);
+  if (r.engine_us >= 0) std::printf("  [engine %.1f us, sync %.1f us]", r.engine_us, r.sync_us);
   if (r.gather_us > 2 && r.host_mb > 0) {  // methods with a gather stage of their own
     std::printf("  [gather stage %.1f us: %.1f GB/s]", r.gather_us, r.host_mb / r.gather_us * 1e3);
   }
@@ -502,7 +505,7 @@ int main(int argc, char** argv) {
                              bool drift, const std::string& name) {
         Row r;
         r.name = name;
-        std::vector<double> us, gpu, gather;
+        std::vector<double> us, gpu, gather, eng, syn;
         double host = 0, rows = 0, hits = 0, fetched = 0, err = 0;
         std::vector<float> qd = qf;
         std::mt19937_64 qr(99);
@@ -529,6 +532,8 @@ int main(int argc, char** argv) {
           gpu.push_back((res.timing.selection_seconds + res.timing.gather_seconds +
                          res.timing.compute_seconds) * 1e6);
           gather.push_back(res.timing.gather_seconds * 1e6);
+          eng.push_back(res.timing.engine_seconds * 1e6);
+          syn.push_back(res.timing.sync_seconds * 1e6);
           for (const ks::HeadStats& hs : res.heads) {
             host += hs.bytes[static_cast<int>(kv::Tier::kHost)];
             rows += hs.rows_fetched;
@@ -546,6 +551,8 @@ int main(int argc, char** argv) {
         r.us = Median(us);
         r.gpu_us = Median(gpu);
         r.gather_us = Median(gather);
+        r.engine_us = Median(eng);
+        r.sync_us = Median(syn);
         r.err = err / counted;
         r.host_mb = host / counted / 1e6;
         r.rows_per_head = rows / counted / (B * hkv);
