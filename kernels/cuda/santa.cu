@@ -567,12 +567,7 @@ __device__ __forceinline__ int HeadItems(const SantaParams& p, int b, int h, int
   int nz = 0;
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) nz += cnt[i] > 0;
-  int pos = nz;
-#pragma unroll
-  for (int o = 1; o < 32; o *= 2) {
-    const int y = __shfl_up_sync(0xffffffffu, pos, o);
-    if (lane >= o) pos += y;
-  }
+  int pos = WarpInclusiveSum(nz, lane);
   const int items = __shfl_sync(0xffffffffu, pos, 31);
   pos -= nz;
 #pragma unroll
@@ -710,12 +705,7 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
     int toks[kRecMax];
 #pragma unroll
     for (int j = 0; j < kRecMax; ++j) toks[j] = j < k ? __ldg(r + j) : 0;
-    int pos = k;
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const int y = __shfl_up_sync(0xffffffffu, pos, o);
-      if (lane >= o) pos += y;
-    }
+    int pos = WarpInclusiveSum(k, lane);
     const int total = __shfl_sync(0xffffffffu, pos, 31);
     pos -= k;
 #pragma unroll

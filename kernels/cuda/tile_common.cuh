@@ -338,6 +338,16 @@ __device__ __forceinline__ float WarpExclusiveScan(float v, int lane) {
   return x - v;
 }
 
+// Inclusive prefix sum of an int over the lanes of a warp (lane i gets v_0 + ... + v_i).
+__device__ __forceinline__ int WarpInclusiveSum(int v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const int y = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += y;
+  }
+  return v;
+}
+
 // Per-head statistics of one tile (one warp): lane owns tokens lane*8 .. lane*8+7.
 // m2 = max score (log2 units), ell = sum of u, u[i] = 2^(s - m2) (0 for masked tokens).
 __device__ __forceinline__ void HeadStats(const float* s, int lane, float& m2, float& ell,
