@@ -26,7 +26,8 @@ cli gather --seq=demo --layer=17 --heads=0,5 --random_rows=4 --verify --seed=7
 cli gather --seq=demo --layer=3 --heads=2 --indices=10,11,10,4095 --unique --kind=v
 cli bench-gather --seq=demo --layer=5 --rows=4096 --kind=v --iters=200 --verify --seed=7
 cli bench-gather --seq=demo --layer=6 --rows=131072 --kind=v --iters=20
-echo "== the decode worker: one layer of one decode step, each method (CPU engine here)"
+engine=$(grep -o '[a-z]* decode engine' "$log" | head -1)
+echo "== the decode worker (${engine:-decode engine}): one layer of one decode step, each method"
 cli decode --seq=demo --layer=17 --method=dense
 cli decode --seq=demo --layer=17 --method=santa --allocation=prop --samples=128
 cli decode --seq=demo --layer=17 --method=santa --allocation=flash --samples=2048
