@@ -38,8 +38,8 @@ absl::Status CudaStatus(cudaError_t e, absl::string_view what) {
   return absl::InternalError(absl::StrCat(what, ": CUDA error ", cudaGetErrorString(e)));
 }
 
-#define KVS_CUDA_OK(expr, what)                                    \
-  do {                                                             \
+#define KVS_CUDA_OK(expr, what)                                          \
+  do {                                                                   \
     if (absl::Status s_ = CudaStatus((expr), what); !s_.ok()) return s_; \
   } while (0)
 
@@ -142,7 +142,9 @@ struct RowSetLayout {
 class GpuBackend final : public DecodeBackend {
  public:
   GpuBackend(GpuBackendOptions options, RowSource* source, cudaStream_t stream)
-      : options_(std::move(options)), source_(source), maker_(options_.signatures),
+      : options_(std::move(options)),
+        source_(source),
+        maker_(options_.signatures),
         stream_(stream) {
     for (cudaEvent_t& e : events_) cudaEventCreate(&e);
   }
@@ -166,7 +168,8 @@ class GpuBackend final : public DecodeBackend {
     const uint32_t g = s.num_q_heads / s.num_kv_heads;
     if (g != 1 && g != 2 && g != 4 && g != 8) return false;
     const kvstore::Placement& pl = desc.placement;
-    const bool host_half = pl.k_tier != kvstore::Tier::kDevice || pl.v_tier != kvstore::Tier::kDevice;
+    const bool host_half =
+        pl.k_tier != kvstore::Tier::kDevice || pl.v_tier != kvstore::Tier::kDevice;
     if (host_half && (!source_->pages_device_visible() || !IsPow2(desc.page_tokens))) return false;
     const Method& m = call.method;
     switch (m.kind) {
@@ -253,8 +256,7 @@ class GpuBackend final : public DecodeBackend {
       Entry* victim = nullptr;
       std::string victim_id;
       for (auto& [id, e] : entries_) {
-        if (&e == self || e.bytes == 0 ||
-            std::find(busy.begin(), busy.end(), &e) != busy.end()) {
+        if (&e == self || e.bytes == 0 || std::find(busy.begin(), busy.end(), &e) != busy.end()) {
           continue;
         }
         if (victim == nullptr || e.last_use < victim->last_use) {
@@ -263,9 +265,9 @@ class GpuBackend final : public DecodeBackend {
         }
       }
       if (victim == nullptr) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "GPU tier full: ", delta, " more bytes needed, ", bytes_, " of ",
-            options_.capacity_bytes, " held by the sequences of this call"));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("GPU tier full: ", delta, " more bytes needed, ", bytes_, " of ",
+                         options_.capacity_bytes, " held by the sequences of this call"));
       }
       FreeEntry(victim);
       entries_.erase(victim_id);
@@ -312,7 +314,7 @@ class GpuBackend final : public DecodeBackend {
   SignatureMaker maker_;
   cudaStream_t stream_;
   cudaEvent_t events_[4] = {};
-  mutable std::mutex mu_;  // serialises calls; guards everything below
+  mutable std::mutex mu_;                            // serialises calls; guards everything below
   absl::node_hash_map<std::string, Entry> entries_;  // node map: Entry pointers stay valid
   size_t bytes_ = 0;
   uint64_t tick_ = 0, evictions_ = 0;
@@ -372,10 +374,12 @@ absl::Status GpuBackend::SyncRows(Entry* e, uint32_t layer_index, const Sequence
       };
     };
     if (has_k) {
-      if (absl::Status s = Regrow(e, &l.k, hkv * cap * row, busy, rows_copy(row)); !s.ok()) return s;
+      if (absl::Status s = Regrow(e, &l.k, hkv * cap * row, busy, rows_copy(row)); !s.ok())
+        return s;
     }
     if (has_v) {
-      if (absl::Status s = Regrow(e, &l.v, hkv * cap * row, busy, rows_copy(row)); !s.ok()) return s;
+      if (absl::Status s = Regrow(e, &l.v, hkv * cap * row, busy, rows_copy(row)); !s.ok())
+        return s;
     }
     if (words > 0) {
       if (absl::Status s = Regrow(e, &l.sig, hkv * cap * words * 4, busy, rows_copy(words * 4));
@@ -441,7 +445,8 @@ absl::Status GpuBackend::SyncRows(Entry* e, uint32_t layer_index, const Sequence
       } else {
         kd += t0 * row;
       }
-      absl::StatusOr<const float*> planes = Planes(layer_index, static_cast<int32_t>(hkv), words * 32, d);
+      absl::StatusOr<const float*> planes =
+          Planes(layer_index, static_cast<int32_t>(hkv), words * 32, d);
       if (!planes.ok()) return planes.status();
       for (size_t j = 0; j < hkv; ++j) {
         kc::SimHashSignParams sp;
@@ -491,7 +496,8 @@ absl::Status GpuBackend::SyncPages(Entry* e, uint32_t layer_index, const Sequenc
   auto* host = static_cast<const void**>(staging_.ptr);
   for (size_t j = 0; j < hkv; ++j) {
     for (uint64_t p = 0; p < add; ++p) {
-      host[j * add + p] = view.KRow(layer_index, static_cast<uint32_t>(j), (l.pages_known + p) * pt);
+      host[j * add + p] =
+          view.KRow(layer_index, static_cast<uint32_t>(j), (l.pages_known + p) * pt);
     }
   }
   KVS_CUDA_OK(cudaMemcpy2DAsync(l.pages.as<uint8_t>() + l.pages_known * unit, l.page_cap * unit,
@@ -584,7 +590,8 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
   kc::HashTopKParams tk;
   if (m.kind == MethodKind::kHashTopK) {
     for (int32_t b = 0; b < B; ++b) {
-      absl::StatusOr<int32_t> k = kernels::ResolveTopK(m.hash.top_k, m.hash.top_k_fraction, lens[b]);
+      absl::StatusOr<int32_t> k =
+          kernels::ResolveTopK(m.hash.top_k, m.hash.top_k_fraction, lens[b]);
       if (!k.ok()) return k.status();
     }
     tk.batch = B;
@@ -629,12 +636,11 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
       if (!k.ok()) return k.status();
     }
   }
-  const bool dense_resident =
-      m.kind == MethodKind::kDense &&
-      std::all_of(descs.begin(), descs.end(), [](const SequenceDesc& s) {
-        return s.placement.k_tier == kvstore::Tier::kDevice &&
-               s.placement.v_tier == kvstore::Tier::kDevice;
-      });
+  const bool dense_resident = m.kind == MethodKind::kDense &&
+                              std::all_of(descs.begin(), descs.end(), [](const SequenceDesc& s) {
+                                return s.placement.k_tier == kvstore::Tier::kDevice &&
+                                       s.placement.v_tier == kvstore::Tier::kDevice;
+                              });
 
   // ---- Host tables (one upload) and device scratch. ----
   const int32_t words = static_cast<int32_t>(descs[0].placement.signature_bits / 32);
@@ -684,10 +690,12 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
     for (int32_t j = 0; j < hkv; ++j) {
       const int32_t i = b * hkv + j;
       if (l.k.ptr != nullptr) {
-        reinterpret_cast<const void**>(h + off.k_heads)[i] = l.k.as<uint8_t>() + j * l.capacity * row;
+        reinterpret_cast<const void**>(h + off.k_heads)[i] =
+            l.k.as<uint8_t>() + j * l.capacity * row;
       }
       if (l.v.ptr != nullptr) {
-        reinterpret_cast<const void**>(h + off.v_heads)[i] = l.v.as<uint8_t>() + j * l.capacity * row;
+        reinterpret_cast<const void**>(h + off.v_heads)[i] =
+            l.v.as<uint8_t>() + j * l.capacity * row;
       }
       if (l.pages.ptr != nullptr) {
         reinterpret_cast<const void**>(h + off.tables)[i] =
@@ -704,7 +712,8 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
           if (which == 1 && (!l.prev_valid || !options_.row_cache)) continue;
           const size_t* o = which == 0 ? off.cur : off.prev;
           char* base = rb.as<char>();
-          reinterpret_cast<void**>(h + o[0])[i] = base + rl.tokens + sizeof(int32_t) * j * l.rows_cap;
+          reinterpret_cast<void**>(h + o[0])[i] =
+              base + rl.tokens + sizeof(int32_t) * j * l.rows_cap;
           reinterpret_cast<void**>(h + o[1])[i] = base + rl.count + sizeof(int32_t) * j;
           reinterpret_cast<void**>(h + o[2])[i] = base + rl.k + row * j * l.rows_cap;
           reinterpret_cast<void**>(h + o[3])[i] = base + rl.v + row * j * l.rows_cap;
@@ -762,7 +771,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
           "the GPU decodes sequences of one call together: they must share their placement");
     }
   }
-  auto row_tables = [&](char* base, const size_t (&o)[4], int32_t cap) {
+  auto row_tables = [&](char* base, const size_t(&o)[4], int32_t cap) {
     kc::RowSetTables t;
     t.tokens = reinterpret_cast<int32_t* const*>(base + o[0]);
     t.count = reinterpret_cast<int32_t* const*>(base + o[1]);
@@ -967,11 +976,14 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
           // Per-head counts for the statistics: fixed, base, dyn and budget.
           const kc::VAttentionSelectionView v = kc::VAttentionSelection(vp, ws);
           KVS_CUDA_OK(cudaMemcpyAsync(stats, v.fixed_count, sizeof(int32_t) * BH,
-                                      cudaMemcpyDeviceToDevice, stream_), "stats");
+                                      cudaMemcpyDeviceToDevice, stream_),
+                      "stats");
           KVS_CUDA_OK(cudaMemcpyAsync(stats + BH, v.base_count, sizeof(int32_t) * BH,
-                                      cudaMemcpyDeviceToDevice, stream_), "stats");
+                                      cudaMemcpyDeviceToDevice, stream_),
+                      "stats");
           KVS_CUDA_OK(cudaMemcpyAsync(stats + 2 * BH, v.dyn_count, sizeof(int32_t) * BH,
-                                      cudaMemcpyDeviceToDevice, stream_), "stats");
+                                      cudaMemcpyDeviceToDevice, stream_),
+                      "stats");
           vatt_budget_ = v.budget;
         }
         break;
@@ -1019,9 +1031,10 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
     for (int32_t b = 0; b < B; ++b) {
       const Layer& l = entries[b]->layers[layer];
       const RowSetLayout rl = RowSetLayout::Of(hkv, l.rows_cap, row);
-      KVS_CUDA_OK(cudaMemcpyAsync(union_counts.data() + b * hkv, l.rows[l.cur].as<char>() + rl.count,
-                                  sizeof(int32_t) * hkv, cudaMemcpyDeviceToHost, stream_),
-                  "row counts");
+      KVS_CUDA_OK(
+          cudaMemcpyAsync(union_counts.data() + b * hkv, l.rows[l.cur].as<char>() + rl.count,
+                          sizeof(int32_t) * hkv, cudaMemcpyDeviceToHost, stream_),
+          "row counts");
     }
   }
   KVS_CUDA_OK(cudaStreamSynchronize(stream_), "decode");
@@ -1078,8 +1091,9 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
           uint64_t rows = static_cast<uint64_t>(st[i]);
           if (!iid_idx.empty()) {  // distinct tokens over the group's samples
             const size_t S = static_cast<size_t>(m.santa.samples);
-            std::vector<int32_t> toks(iid_idx.begin() + (static_cast<size_t>(b) * H + j * G) * S,
-                                      iid_idx.begin() + (static_cast<size_t>(b) * H + j * G + G) * S);
+            std::vector<int32_t> toks(
+                iid_idx.begin() + (static_cast<size_t>(b) * H + j * G) * S,
+                iid_idx.begin() + (static_cast<size_t>(b) * H + j * G + G) * S);
             std::sort(toks.begin(), toks.end());
             rows = n > 0 ? std::unique(toks.begin(), toks.end()) - toks.begin() : 0;
           }

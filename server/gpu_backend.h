@@ -36,13 +36,13 @@
 namespace kvsparse::server {
 
 struct GpuBackendOptions {
-  int device = 0;                        // CUDA device ordinal
-  size_t capacity_bytes = 4ull << 30;    // per-sequence state on the device (rows, signatures,
-                                         // page lists, row caches)
-  size_t max_fetch_bytes = 32 << 20;     // largest single read from the row source while syncing
-  int32_t default_tile_size = 256;       // S2ANTA tile of a request that gives 0 (GPU: 256 only)
-  bool row_cache = true;                 // HashAttention: reuse the last step's rows
-  SignatureConfig signatures;            // as the engine's (same seed and margin); SimHash only
+  int device = 0;                      // CUDA device ordinal
+  size_t capacity_bytes = 4ull << 30;  // per-sequence state on the device (rows, signatures,
+                                       // page lists, row caches)
+  size_t max_fetch_bytes = 32 << 20;   // largest single read from the row source while syncing
+  int32_t default_tile_size = 256;     // S2ANTA tile of a request that gives 0 (GPU: 256 only)
+  bool row_cache = true;               // HashAttention: reuse the last step's rows
+  SignatureConfig signatures;          // as the engine's (same seed and margin); SimHash only
 };
 
 // FAILED_PRECONDITION without a usable CUDA device. REQUIRES: source outlives the backend.

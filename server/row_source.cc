@@ -14,7 +14,7 @@ class LocalRowSource final : public RowSource {
   absl::StatusOr<SequenceDesc> Describe(absl::string_view id, absl::Time) override {
     absl::StatusOr<kvstore::SequenceInfo> info = store_->GetSequenceInfo(id);
     if (!info.ok()) return info.status();
-    return SequenceDesc{info->sequence_id, info->shape,       info->placement,
+    return SequenceDesc{info->sequence_id,   info->shape,       info->placement,
                         info->layer_lengths, info->incarnation, info->page_tokens};
   }
 

@@ -165,8 +165,7 @@ __device__ __forceinline__ const uint16_t* KvHeadBase(const DecodeShape& s, bool
   if (heads != nullptr) {
     return static_cast<const uint16_t*>(heads[static_cast<int64_t>(b) * s.num_kv_heads + j]);
   }
-  return static_cast<const uint16_t*>(v ? s.v : s.k) + b * s.kv.batch_stride +
-         j * s.kv.head_stride;
+  return static_cast<const uint16_t*>(v ? s.v : s.k) + b * s.kv.batch_stride + j * s.kv.head_stride;
 }
 
 // Where the single rows of one (b, kv head) of K or V are, strided or paged; `lane_elems` is

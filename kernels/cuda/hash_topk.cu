@@ -430,8 +430,8 @@ cudaError_t HashTopK(const HashTopKParams& p, void* workspace, size_t workspace_
     return cudaErrorInvalidValue;
   }
   if (p.batch == 0) return cudaSuccess;
-  if (p.q_sigs == nullptr || (p.k_sigs == nullptr && p.k_sig_heads == nullptr) || p.seq_lens == nullptr || p.indices == nullptr ||
-      p.counts == nullptr) {
+  if (p.q_sigs == nullptr || (p.k_sigs == nullptr && p.k_sig_heads == nullptr) ||
+      p.seq_lens == nullptr || p.indices == nullptr || p.counts == nullptr) {
     return cudaErrorInvalidValue;
   }
   if (workspace == nullptr || workspace_bytes < HashTopKWorkspaceBytes(p)) {

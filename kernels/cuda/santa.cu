@@ -550,8 +550,8 @@ __device__ __forceinline__ int HeadItems(const SantaParams& p, int b, int h, int
     if (i < 0) return 0;
     if (i >= len - 1) return budget;
     const float x = __fmul_rn(inv_delta, pre[i]);
-    int m = static_cast<int>(
-        fminf(fmaxf(floorf(__fadd_rn(x, a0)), 0.f), static_cast<float>(budget)));
+    int m =
+        static_cast<int>(fminf(fmaxf(floorf(__fadd_rn(x, a0)), 0.f), static_cast<float>(budget)));
     while (m < budget && __fsub_rn(static_cast<float>(m + 1), a0) <= x) ++m;
     while (m > 0 && __fsub_rn(static_cast<float>(m), a0) > x) --m;
     return m;
@@ -920,7 +920,8 @@ struct PropSpace {
 // G * S / 8, and at most the number of tiles.
 int MaxBigTiles(const SantaParams& p, const TilePlan& plan) {
   return static_cast<int>(std::min<int64_t>(
-      plan.max_tiles, static_cast<int64_t>(p.shape.group_size()) * (p.num_samples / (kRecMax + 1))));
+      plan.max_tiles,
+      static_cast<int64_t>(p.shape.group_size()) * (p.num_samples / (kRecMax + 1))));
 }
 
 PropSpace CarveProp(const SantaParams& p, const TilePlan& plan, void* base, size_t* bytes) {
@@ -1068,11 +1069,10 @@ struct BigTileLaunch {
     const int max_big = MaxBigTiles(p, plan);
     // Blocks per (b, kv head): a few big tiles each, in a grid-stride loop over the list.
     const dim3 grid(std::max(1, std::min(max_big, 8)), p.shape.num_kv_heads, p.shape.batch);
-    return LaunchDependent(&PropBigTileKernel<T, D, G>, grid, dim3(kBigWarps * 32), 0, stream, p,
-                           plan.max_tiles, max_big, static_cast<const uint8_t*>(ws.records),
-                           static_cast<const int*>(ws.s_tiles),
-                           static_cast<const int*>(ws.big_count),
-                           static_cast<const int*>(ws.big_list), ws.accum);
+    return LaunchDependent(
+        &PropBigTileKernel<T, D, G>, grid, dim3(kBigWarps * 32), 0, stream, p, plan.max_tiles,
+        max_big, static_cast<const uint8_t*>(ws.records), static_cast<const int*>(ws.s_tiles),
+        static_cast<const int*>(ws.big_count), static_cast<const int*>(ws.big_list), ws.accum);
   }
 };
 

@@ -1,6 +1,5 @@
-#include <cub/block/block_scan.cuh>
-
 #include <algorithm>
+#include <cub/block/block_scan.cuh>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/dense_decode.h"
@@ -63,9 +62,8 @@ __global__ void __launch_bounds__(kUnionThreads)
     int32_t* pos = p.positions + bh * p.max_selected;
     for (int k = threadIdx.x; k < c; k += kUnionThreads) {
       const int t = idx[k];
-      pos[k] = (t >= 0 && t < n)
-                   ? rank[t >> 5] + __popc(bits[t >> 5] & ((1u << (t & 31)) - 1u))
-                   : -1;
+      pos[k] =
+          (t >= 0 && t < n) ? rank[t >> 5] + __popc(bits[t >> 5] & ((1u << (t & 31)) - 1u)) : -1;
     }
   }
 }
@@ -321,8 +319,8 @@ cudaError_t FetchRows(const FetchRowsParams& p, cudaStream_t stream) {
   if (s.batch == 0 || p.max_rows == 0) return cudaSuccess;
   const bool has_k = s.k != nullptr || s.k_heads != nullptr || s.k_pages.enabled();
   const bool has_v = s.v != nullptr || s.v_heads != nullptr || s.v_pages.enabled();
-  if (!has_k || !has_v || p.out.tokens == nullptr || p.out.count == nullptr ||
-      p.out.k == nullptr || p.out.v == nullptr || p.out.capacity < p.max_rows ||
+  if (!has_k || !has_v || p.out.tokens == nullptr || p.out.count == nullptr || p.out.k == nullptr ||
+      p.out.v == nullptr || p.out.capacity < p.max_rows ||
       (p.all_tokens && (p.seq_lens == nullptr || p.max_rows < p.max_seq_len)) ||
       (p.cache.tokens != nullptr &&
        (p.cache.count == nullptr || p.cache.k == nullptr || p.cache.v == nullptr))) {
@@ -343,8 +341,8 @@ size_t SelectedRowsWorkspaceBytes(const SelectedRowsParams& p) {
          AlignUp(bh * splits * sizeof(float), 256);
 }
 
-cudaError_t SelectedRowsDecode(const SelectedRowsParams& p, void* workspace,
-                               size_t workspace_bytes, cudaStream_t stream) {
+cudaError_t SelectedRowsDecode(const SelectedRowsParams& p, void* workspace, size_t workspace_bytes,
+                               cudaStream_t stream) {
   const DecodeShape& s = p.shape;
   if (s.batch < 0 || s.num_kv_heads <= 0 || s.num_q_heads <= 0 ||
       s.num_q_heads % s.num_kv_heads != 0 || p.max_selected < 0) {
@@ -359,11 +357,11 @@ cudaError_t SelectedRowsDecode(const SelectedRowsParams& p, void* workspace,
   const int splits = SelectedRowsSplits(p);
   const size_t bh = static_cast<size_t>(s.batch) * s.num_q_heads;
   float* part_o = static_cast<float*>(workspace);
-  float* part_lse = splits == 1 ? nullptr
-                                : reinterpret_cast<float*>(static_cast<char*>(workspace) +
-                                                           AlignUp(bh * splits * s.head_dim *
-                                                                       sizeof(float),
-                                                                   256));
+  float* part_lse =
+      splits == 1
+          ? nullptr
+          : reinterpret_cast<float*>(static_cast<char*>(workspace) +
+                                     AlignUp(bh * splits * s.head_dim * sizeof(float), 256));
   return DispatchDecode(s.dtype, s.head_dim, 1,
                         SelectedRowsLaunch{p, splits, part_o, part_lse, stream});
 }

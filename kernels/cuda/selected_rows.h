@@ -81,8 +81,8 @@ struct SelectedRowsParams {
   int32_t max_selected = 0;
 };
 size_t SelectedRowsWorkspaceBytes(const SelectedRowsParams& p);
-cudaError_t SelectedRowsDecode(const SelectedRowsParams& p, void* workspace,
-                               size_t workspace_bytes, cudaStream_t stream);
+cudaError_t SelectedRowsDecode(const SelectedRowsParams& p, void* workspace, size_t workspace_bytes,
+                               cudaStream_t stream);
 
 }  // namespace kvsparse::kernels::cuda
 

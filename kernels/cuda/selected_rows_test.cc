@@ -50,11 +50,11 @@ class PagedKv {
     for (int b = 0; b < p.batch; ++b) {
       for (int j = 0; j < p.num_kv_heads; ++j) {
         for (int t = 0; t < p.seq_lens[b]; ++t) {
-          const size_t pg = order[(static_cast<size_t>(b) * p.num_kv_heads + j) * max_pages_ +
-                                  t / page_tokens];
+          const size_t pg =
+              order[(static_cast<size_t>(b) * p.num_kv_heads + j) * max_pages_ + t / page_tokens];
           uint8_t* slot = pool.data() + pg * page_bytes + (t % page_tokens) * 2 * row;
-          const int64_t off =
-              b * p.kv_layout.batch_stride + j * p.kv_layout.head_stride + t * p.kv_layout.token_stride;
+          const int64_t off = b * p.kv_layout.batch_stride + j * p.kv_layout.head_stride +
+                              t * p.kv_layout.token_stride;
           std::memcpy(slot, static_cast<const uint8_t*>(p.k) + off * es, row);
           std::memcpy(slot + row, static_cast<const uint8_t*>(p.v) + off * es, row);
         }
@@ -62,9 +62,9 @@ class PagedKv {
     }
     char* base = nullptr;
     if (host_) {
-      EXPECT_EQ(cudaHostAlloc(reinterpret_cast<void**>(&host_pool_), pool.size(),
-                              cudaHostAllocMapped),
-                cudaSuccess);
+      EXPECT_EQ(
+          cudaHostAlloc(reinterpret_cast<void**>(&host_pool_), pool.size(), cudaHostAllocMapped),
+          cudaSuccess);
       std::memcpy(host_pool_, pool.data(), pool.size());
       void* dev = nullptr;
       EXPECT_EQ(cudaHostGetDevicePointer(&dev, host_pool_, 0), cudaSuccess);
@@ -292,9 +292,9 @@ void RunHashPipeline(const HashCase& c) {
   ASSERT_EQ(cudaMemcpy(again.tokens.get(), rows.tokens.get(), rows.tokens.size(),
                        cudaMemcpyDeviceToDevice),
             cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(again.count.get(), rows.count.get(), rows.count.size(),
-                       cudaMemcpyDeviceToDevice),
-            cudaSuccess);
+  ASSERT_EQ(
+      cudaMemcpy(again.count.get(), rows.count.get(), rows.count.size(), cudaMemcpyDeviceToDevice),
+      cudaSuccess);
   DeviceBuffer hits(sizeof(int32_t) * sets);
   ASSERT_EQ(cudaMemset(hits.get(), 0, hits.size()), cudaSuccess);
   FetchRowsParams fc = fp;
@@ -390,8 +390,8 @@ TEST(SelectedRowsCudaTest, SantaWithPerHeadKAndPagedVMatchesStrided) {
   std::vector<const void*> kh(B * hkv);
   for (int b = 0; b < B; ++b) {
     for (int j = 0; j < hkv; ++j) {
-      kh[b * hkv + j] = dp.k.as<uint16_t>() + b * p.kv_layout.batch_stride +
-                        j * p.kv_layout.head_stride;
+      kh[b * hkv + j] =
+          dp.k.as<uint16_t>() + b * p.kv_layout.batch_stride + j * p.kv_layout.head_stride;
     }
   }
   DeviceBuffer dkh = ToDevice(kh);

@@ -127,7 +127,7 @@ struct Row {
   std::string name;
   double us = 0;
   double err = -1;
-  double host_mb = 0;      // per call, from host memory
+  double host_mb = 0;  // per call, from host memory
   double rows_per_head = 0;
   double hit = -1;
   double gpu_us = -1;     // the engine's GPU time (events around its launches)
@@ -144,7 +144,8 @@ void Print(const Row& r, double dense_us, double h2d_gbs, int n) {
     std::printf("  host %.2f MB/call = %.1f GB/s over the call (%.0f%% of bulk H2D)", r.host_mb,
                 gbs, 100.0 * gbs / h2d_gbs);
   }
-  if (r.rows_per_head > 0) std::printf("  rows/kv head %.0f (%.2f%%)", r.rows_per_head, 100.0 * r.rows_per_head / n);
+  if (r.rows_per_head > 0)
+    std::printf("  rows/kv head %.0f (%.2f%%)", r.rows_per_head, 100.0 * r.rows_per_head / n);
   if (r.hit >= 0) std::printf("  cache hits %.1f%%", 100.0 * r.hit);
   if (r.gpu_us >= 0) std::printf("  [gpu %.1f us]", r.gpu_us);
   if (r.engine_us >= 0) std::printf("  [engine %.1f us, sync %.1f us]", r.engine_us, r.sync_us);
@@ -154,7 +155,6 @@ void Print(const Row& r, double dense_us, double h2d_gbs, int n) {
   std::printf("\n");
   std::fflush(stdout);
 }
-
 
 // Capacity mode: B sequences x L layers x n tokens whose K and V (B * n * L * 4 KiB for these
 // shapes) exceed the GPU's memory, served with K and V in pinned host memory and 32-bit
@@ -168,8 +168,10 @@ int Capacity(double h2d_gbs) {
   size_t gpu_free = 0, gpu_total = 0;
   CK(cudaMemGetInfo(&gpu_free, &gpu_total));
   const double kv_bytes = 2.0 * B * n * L * hkv * row;
-  std::printf("# capacity: B = %d x n = %d x %d layers: K+V %.1f GB; GPU memory %.1f GB (%.1f GB "
-              "free)\n", B, n, L, kv_bytes / 1e9, gpu_total / 1e9, gpu_free / 1e9);
+  std::printf(
+      "# capacity: B = %d x n = %d x %d layers: K+V %.1f GB; GPU memory %.1f GB (%.1f GB "
+      "free)\n",
+      B, n, L, kv_bytes / 1e9, gpu_total / 1e9, gpu_free / 1e9);
   std::fprintf(stderr, "making the synthetic sequence...\n");
   kk::SyntheticProblem sp = kk::SyntheticProblem::Make(LlamaSequence(n));
   auto mem = kv::NewPinnedHostMemoryResource();
@@ -268,14 +270,13 @@ int Capacity(double h2d_gbs) {
   const double step = Median(step_s);
   size_t free_after = 0;
   CK(cudaMemGetInfo(&free_after, &gpu_total));
-  std::printf("# capacity: served; decode step (%d layers, B = %d) median %.2f ms over %d steps = "
-              "%.0f tokens/s; row-cache hits %.1f%%; host %.1f MB/step (%.1f GB/s at bulk %.1f); "
-              "backend GPU state %.2f GB (%.2f%% of the K+V bytes); GPU memory in use %.1f GB\n",
-              L, B, step * 1e3, steps, B / step, 100.0 * hits / std::max(fetched, 1.0),
-              host / steps / 1e6, host / steps / step / 1e9, h2d_gbs,
-              engine.device_backend()->resident_bytes() / 1e9,
-              100.0 * engine.device_backend()->resident_bytes() / kv_bytes,
-              (gpu_total - free_after) / 1e9);
+  std::printf(
+      "# capacity: served; decode step (%d layers, B = %d) median %.2f ms over %d steps = "
+      "%.0f tokens/s; row-cache hits %.1f%%; host %.1f MB/step (%.1f GB/s at bulk %.1f); "
+      "backend GPU state %.2f GB (%.2f%% of the K+V bytes); GPU memory in use %.1f GB\n",
+      L, B, step * 1e3, steps, B / step, 100.0 * hits / std::max(fetched, 1.0), host / steps / 1e6,
+      host / steps / step / 1e9, h2d_gbs, engine.device_backend()->resident_bytes() / 1e9,
+      100.0 * engine.device_backend()->resident_bytes() / kv_bytes, (gpu_total - free_after) / 1e9);
   return 0;
 }
 
@@ -307,7 +308,8 @@ int main(int argc, char** argv) {
     kk::SyntheticProblem sp = kk::SyntheticProblem::Make(LlamaSequence(n));
     const size_t seq_bytes = static_cast<size_t>(n) * hkv * row;  // K (or V) of one sequence
     for (int B : Ints(absl::GetFlag(FLAGS_batches))) {
-      std::printf("\n## n = %d, B = %d (K+V per layer: %.1f MB)\n", n, B, 2.0 * B * seq_bytes / 1e6);
+      std::printf("\n## n = %d, B = %d (K+V per layer: %.1f MB)\n", n, B,
+                  2.0 * B * seq_bytes / 1e6);
       auto mem = kv::NewPinnedHostMemoryResource();
       if (!mem.ok()) {
         std::fprintf(stderr, "%s\n", mem.status().ToString().c_str());
@@ -373,12 +375,14 @@ int main(int argc, char** argv) {
       std::vector<float> qf(q_elems);
       for (int b = 0; b < B; ++b) {
         for (size_t i = 0; i < static_cast<size_t>(H) * d; ++i) {
-          qf[b * H * d + i] = kk::LoadAsFloat(sp.q.data(), i, kk::DType::kBf16) + 0.02f * normal(rng);
+          qf[b * H * d + i] =
+              kk::LoadAsFloat(sp.q.data(), i, kk::DType::kBf16) + 0.02f * normal(rng);
         }
       }
       auto q_bytes = [&](const std::vector<float>& f) {
         std::vector<uint8_t> q(f.size() * 2);
-        for (size_t i = 0; i < f.size(); ++i) kk::StoreFromFloat(q.data(), i, kk::DType::kBf16, f[i]);
+        for (size_t i = 0; i < f.size(); ++i)
+          kk::StoreFromFloat(q.data(), i, kk::DType::kBf16, f[i]);
         return q;
       };
       std::vector<uint8_t> q = q_bytes(qf);
@@ -415,10 +419,11 @@ int main(int argc, char** argv) {
             static_cast<double>(engine.device_backend()->resident_bytes() - before) / (B * n);
       }
       const double resident_layout = 2.0 * hkv * row;  // K and V of one token, one layer
-      std::printf("# GPU bytes per token and layer: K+V resident %.0f (layout %.0f); K resident "
-                  "%.0f; host placement (signatures + row cache) %.1f = %.2f%% of the layout\n",
-                  bytes_per_token[0], resident_layout, bytes_per_token[1], bytes_per_token[2],
-                  100.0 * bytes_per_token[2] / resident_layout);
+      std::printf(
+          "# GPU bytes per token and layer: K+V resident %.0f (layout %.0f); K resident "
+          "%.0f; host placement (signatures + row cache) %.1f = %.2f%% of the layout\n",
+          bytes_per_token[0], resident_layout, bytes_per_token[1], bytes_per_token[2],
+          100.0 * bytes_per_token[2] / resident_layout);
 
       // ---- Kernel baselines: contiguous [B, n, Hkv, d] cache on the GPU / in pinned memory. ----
       void *dk = nullptr, *dvv = nullptr, *dq = nullptr, *dout = nullptr, *dlens = nullptr;
@@ -495,7 +500,9 @@ int main(int argc, char** argv) {
           CK(variant == 0 ? kk::cuda::S2antaProp(p, sws, wb, nullptr)
                           : kk::cuda::S2antaFlash(p, sws, wb, nullptr));
         });
-        Print({variant == 0 ? "kernel S2ANTA-prop S=128, GPU-resident" : "kernel S2ANTA-flash S=2048, GPU-resident", us},
+        Print({variant == 0 ? "kernel S2ANTA-prop S=128, GPU-resident"
+                            : "kernel S2ANTA-flash S=2048, GPU-resident",
+               us},
               dense_us, h2d_gbs, n);
         CK(cudaFree(sws));
       }
@@ -530,7 +537,8 @@ int main(int argc, char** argv) {
           if (i < 0) continue;
           us.push_back(t);
           gpu.push_back((res.timing.selection_seconds + res.timing.gather_seconds +
-                         res.timing.compute_seconds) * 1e6);
+                         res.timing.compute_seconds) *
+                        1e6);
           gather.push_back(res.timing.gather_seconds * 1e6);
           eng.push_back(res.timing.engine_seconds * 1e6);
           syn.push_back(res.timing.sync_seconds * 1e6);
@@ -562,7 +570,8 @@ int main(int argc, char** argv) {
       const std::string dense_ref = decode(call("dev", ks::Method{}, q)).output;
       if (want("dense")) {
         time_engine("dev", ks::Method{}, dense_ref, false, "engine dense / K,V on GPU");
-        time_engine("host", ks::Method{}, dense_ref, false, "engine dense / K,V in host (zero-copy)");
+        time_engine("host", ks::Method{}, dense_ref, false,
+                    "engine dense / K,V in host (zero-copy)");
       }
       for (const char* set : {"kdev", "dev"}) {
         for (int variant = 0; variant < 2; ++variant) {
@@ -573,7 +582,8 @@ int main(int argc, char** argv) {
               variant == 0 ? kk::SantaAllocation::kProp : kk::SantaAllocation::kFlash;
           m.santa.samples = variant == 0 ? 128 : 2048;
           time_engine(set, m, dense_ref, false,
-                      std::string("engine S2ANTA-") + (variant == 0 ? "prop S=128" : "flash S=2048") +
+                      std::string("engine S2ANTA-") +
+                          (variant == 0 ? "prop S=128" : "flash S=2048") +
                           (std::string(set) == "kdev" ? " / K GPU, V host" : " / K,V on GPU"));
         }
       }

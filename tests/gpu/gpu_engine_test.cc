@@ -117,10 +117,12 @@ kernels::SyntheticProblem Problem(std::vector<int32_t> lens, DType dtype = DType
   return kernels::SyntheticProblem::Make(o);
 }
 
-DecodeCall Call(const kernels::SyntheticProblem& prob, const Method& m, const std::string& prefix = "s") {
+DecodeCall Call(const kernels::SyntheticProblem& prob, const Method& m,
+                const std::string& prefix = "s") {
   DecodeCall c;
   c.layer = kLayer;
-  for (int32_t b = 0; b < prob.problem.batch; ++b) c.sequence_ids.push_back(prefix + std::to_string(b));
+  for (int32_t b = 0; b < prob.problem.batch; ++b)
+    c.sequence_ids.push_back(prefix + std::to_string(b));
   c.q_dtype = prob.problem.dtype;
   c.q = prob.q;
   c.method = m;
@@ -132,7 +134,8 @@ double RelL2(const std::string& a, const std::string& ref, DType t) {
   double num = 0, den = 0;
   const size_t n = ref.size() / kernels::DTypeSize(t);
   for (size_t i = 0; i < n; ++i) {
-    const double x = kernels::LoadAsFloat(a.data(), i, t), y = kernels::LoadAsFloat(ref.data(), i, t);
+    const double x = kernels::LoadAsFloat(a.data(), i, t),
+                 y = kernels::LoadAsFloat(ref.data(), i, t);
     num += (x - y) * (x - y);
     den += y * y;
   }
@@ -141,8 +144,8 @@ double RelL2(const std::string& a, const std::string& ref, DType t) {
 
 struct Expect {
   double out_tol;
-  bool same_rows;      // rows_fetched and bytes per tier equal the CPU engine's
-  double rows_slack;   // else: |gpu - cpu| rows_fetched <= slack * cpu
+  bool same_rows;     // rows_fetched and bytes per tier equal the CPU engine's
+  double rows_slack;  // else: |gpu - cpu| rows_fetched <= slack * cpu
 };
 
 void Compare(Rig& rig, const kernels::SyntheticProblem& prob, const Method& m, const Expect& e,
@@ -210,13 +213,15 @@ TEST_F(GpuEngineTest, SantaKOnDeviceVInHostOrDevice) {
       m.kind = MethodKind::kSanta;
       m.santa.samples = 128;
       m.santa.tile_size = 256;
-      m.santa.sampler = variant == 0 ? kernels::SantaSampler::kIid : kernels::SantaSampler::kSystematic;
+      m.santa.sampler =
+          variant == 0 ? kernels::SantaSampler::kIid : kernels::SantaSampler::kSystematic;
       m.santa.allocation = variant == 0   ? kernels::SantaAllocation::kGlobal
                            : variant == 1 ? kernels::SantaAllocation::kProp
                                           : kernels::SantaAllocation::kFlash;
       // Same draws; a sample may move where float rounding of a cumulative sum differs.
-      Compare(*rig, prob, m, {0.05, false, 0.02},
-              std::string("santa variant ") + std::to_string(variant) + (v_dev ? " V dev" : " V host"));
+      Compare(
+          *rig, prob, m, {0.05, false, 0.02},
+          std::string("santa variant ") + std::to_string(variant) + (v_dev ? " V dev" : " V host"));
     }
   }
 }
@@ -228,7 +233,8 @@ TEST_F(GpuEngineTest, HashTopKAndTheRowCache) {
     kvstore::Placement p;
     p.signature_bits = pl == 0 ? 32 : 64;
     if (pl == 1) p.k_tier = p.v_tier = Tier::kDevice;
-    auto prob = Problem({4000, 50, 1800}, pl == 0 ? DType::kBf16 : DType::kFp16, pl == 0 ? 128 : 64);
+    auto prob =
+        Problem({4000, 50, 1800}, pl == 0 ? DType::kBf16 : DType::kFp16, pl == 0 ? 128 : 64);
     rig->Load(prob, p);
     Method m;
     m.kind = MethodKind::kHashTopK;

@@ -24,9 +24,9 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "kernels/cuda/gather.h"
-#include "tests/gpu/bench_util.h"
 #include "kvstore/cuda_host_memory.h"
 #include "kvstore/store.h"
+#include "tests/gpu/bench_util.h"
 
 ABSL_FLAG(int, tokens, 32768, "Tokens per layer");
 ABSL_FLAG(int, layers, 8, "Layers held (rotated through)");
