@@ -676,7 +676,8 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
   extern __shared__ __align__(16) float dsm[];
   __shared__ bool sm_last;
   const DecodeShape& s = p.shape;
-  const int kvh = blockIdx.x, blk = blockIdx.y, b = blockIdx.z;
+  // Big-tile blocks come first in y: their tiles are the long chains, so they start first.
+  const int kvh = blockIdx.x, blk = static_cast<int>(blockIdx.y) - big_parts, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = lane / L;
   int* list = reinterpret_cast<int*>(dsm + warp * Geo::kWarpFloats);
@@ -694,11 +695,11 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
   const int num_tiles = (n + kTile - 1) / kTile;
   const int num_batches = (num_tiles + nb - 1) / nb;
   const int my_g = lane % G;
-  if (blk >= num_parts) {  // a big-tile block (uniform over the block)
-    BigTiles<T, D, G, NW>(p, b, kvh, blk - num_parts, big_parts, max_tiles, max_big, rec, s_tiles,
+  if (blk < 0) {  // a big-tile block (uniform over the block)
+    BigTiles<T, D, G, NW>(p, b, kvh, blk + big_parts, big_parts, max_tiles, max_big, rec, s_tiles,
                           big_count, big_list, accum, dsm);
   }
-  for (int bi = blk * NW + warp; bi < num_batches && blk < num_parts; bi += num_parts * NW) {
+  for (int bi = blk * NW + warp; bi < num_batches && blk >= 0; bi += num_parts * NW) {
     const int t = bi * nb + lane / G;
     const int64_t bh = bh0 + my_g;
     const int st = (lane / G < nb && t < num_tiles) ? s_tiles[bh * max_tiles + t] : 0;
@@ -740,7 +741,7 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
     }
     __syncwarp();  // the list is rewritten by the next batch
   }
-  if (blk < num_parts) {  // uniform over the block
+  if (blk >= 0) {  // uniform over the block
     float* sacc = dsm;  // reused once every warp is done (BlockSumAcc starts with a barrier)
     BlockSumAcc<D, G, NW>(acc, sacc, warp, lane);
     for (int i = threadIdx.x; i < G * D; i += NW * 32) {
