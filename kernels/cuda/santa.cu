@@ -676,8 +676,15 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
   extern __shared__ __align__(16) float dsm[];
   __shared__ bool sm_last;
   const DecodeShape& s = p.shape;
-  // Big-tile blocks come first in y: their tiles are the long chains, so they start first.
-  const int kvh = blockIdx.x, blk = static_cast<int>(blockIdx.y) - big_parts, b = blockIdx.z;
+  // Grid z: the big-tile blocks of every sequence first (z < B when there are any: their tiles
+  // are the long chains, so all of them start first), then the record blocks. Blocks past their
+  // role's count in y have nothing to do and do not count towards the completion.
+  const bool big_role = big_parts > 0 && static_cast<int>(blockIdx.z) < s.batch;
+  const int b = big_role || big_parts == 0 ? static_cast<int>(blockIdx.z)
+                                           : static_cast<int>(blockIdx.z) - s.batch;
+  if (static_cast<int>(blockIdx.y) >= (big_role ? big_parts : num_parts)) return;
+  const int kvh = blockIdx.x;
+  const int blk = big_role ? -1 : static_cast<int>(blockIdx.y);  // record-block index
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = lane / L;
   int* list = reinterpret_cast<int*>(dsm + warp * Geo::kWarpFloats);
@@ -695,9 +702,9 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
   const int num_tiles = (n + kTile - 1) / kTile;
   const int num_batches = (num_tiles + nb - 1) / nb;
   const int my_g = lane % G;
-  if (blk < 0) {  // a big-tile block (uniform over the block)
-    BigTiles<T, D, G, NW>(p, b, kvh, blk + big_parts, big_parts, max_tiles, max_big, rec, s_tiles,
-                          big_count, big_list, accum, dsm);
+  if (big_role) {  // uniform over the block
+    BigTiles<T, D, G, NW>(p, b, kvh, static_cast<int>(blockIdx.y), big_parts, max_tiles, max_big,
+                          rec, s_tiles, big_count, big_list, accum, dsm);
   }
   for (int bi = blk * NW + warp; bi < num_batches && blk >= 0; bi += num_parts * NW) {
     const int t = bi * nb + lane / G;
@@ -1004,7 +1011,8 @@ struct Pass2Launch {
     // Blocks per (b, kv head) for big tiles: a few big tiles each, in a loop over the list.
     const int max_big = MaxBigTiles(p, plan);
     const int big_parts = std::min(max_big, 8);
-    const dim3 grid(p.shape.num_kv_heads, parts + big_parts, p.shape.batch);
+    const dim3 grid(p.shape.num_kv_heads, std::max(parts, big_parts),
+                    p.shape.batch * (big_parts > 0 ? 2 : 1));
     constexpr size_t kSmem = Pass2Geom<D, G>::kSmem;
     auto* kernel = &PropPass2Kernel<T, D, G>;
     KVSPARSE_CUDA_RETURN_IF_ERROR(
