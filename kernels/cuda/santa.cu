@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBl
 // Per (b, h, tile) a 32-byte record holds the tile-relative tokens for every k <= kRecMax, at
 // bytes k (k - 1) / 2 .. + k - 1. Pass 2 reads the record of the actual budget, so no score
 // stash crosses DRAM; a tile whose budget exceeds kRecMax (peaked attention: the sink, a needle)
-// is rescored from K by big-tile blocks of the pass-2 launch (BigTiles), not read from records.
+// is rescored from K by PropBigTileKernel, a block per such tile, and skipped by pass 2.
 constexpr int kRecMax = 7;
 constexpr int kRecEntries = kRecMax * (kRecMax + 1) / 2;  // 28
 constexpr int kRecBytes = 32;
@@ -435,16 +435,9 @@ __global__ void __launch_bounds__(kSmallThreads)
 // (fewer when there are few tiles, for more warps in flight), one lane per (tile, head): the lane
 // reads its budget and, when it is at most kRecMax, the sampled tokens from its record; the warp
 // compacts the batch's samples into a list and gathers their V rows (up to 16 loads in flight per
-// lane). Tiles where a budget is larger are BigTiles'. The block's sums go to an fp32
+// lane). Tiles where a budget is larger are PropBigTileKernel's. The block's sums go to an fp32
 // accumulator; the last block of a (b, kv head) to finish writes out = accum / S.
 constexpr int kPass2Warps = 4;
-
-// Shared memory of a big-tile block of pass 2 (BigTiles): scores and item lists of G heads, and
-// the tile's row bitmap.
-template <int G>
-struct BigTileSmem {
-  static constexpr size_t kBytes = sizeof(float) * 2 * G * kTile + sizeof(uint32_t) * kTile / 32;
-};
 
 template <int D, int G>
 struct Pass2Geom {
@@ -452,9 +445,7 @@ struct Pass2Geom {
   static constexpr int kList = 32 * kRecMax;          // list entries per warp
   static constexpr int kMapWords = kNB * kTile / 32;  // rows_read bitmap words per warp
   static constexpr int kWarpFloats = kList + kMapWords;
-  static constexpr size_t kSmem =
-      Max(sizeof(float) * Max(kPass2Warps * kWarpFloats, kPass2Warps * G * D),
-          BigTileSmem<G>::kBytes);
+  static constexpr size_t kSmem = sizeof(float) * Max(kPass2Warps * kWarpFloats, kPass2Warps* G* D);
 };
 
 // Adds the V rows of up to 32 samples, one per lane (entry = (token << 3) | head, or -1), times
@@ -588,44 +579,47 @@ __device__ __forceinline__ int HeadItems(const SantaParams& p, int b, int h, int
 }
 
 // Prop's big tiles: a tile where some head's budget exceeds kRecMax (the sink, the local window,
-// a needle: peaked attention) is not read from records. The budget kernel lists them per (b, kv
-// head), and extra blocks of the pass-2 launch (blockIdx.y >= the pass-2 parts; running beside
-// the blocks that gather the records) take them, a tile at a time: the block's warps rescore the
-// tile's 256 tokens for the G heads together, then warp w takes heads w, w + NW, ... (its record
-// when a head's budget is small, its rescored samples otherwise) and adds the count-weighted V
-// rows of the distinct tokens to the accumulator. smem: [G][kTile] scores, [G][kTile] item
-// lists, the tile's row bitmap.
-template <typename T, int D, int G, int NW>
-__device__ __forceinline__ void BigTiles(const SantaParams& p, int b, int kvh, int part, int parts,
-                                         int max_tiles, int max_big, const uint8_t* rec,
-                                         const int* s_tiles, const int* big_count,
-                                         const int* big_list, float* accum, float* smem) {
-  static_assert(kTile % (NW * 32) == 0, "each warp scores a whole number of 32-token slices");
+// a needle: peaked attention) is taken off pass 2 and done here, one block per tile: the block's
+// warps rescore the tile's 256 tokens for the G heads together (32 tokens each), then warp g
+// takes head g (its record when its budget is small, its rescored samples otherwise) and adds
+// the count-weighted V rows of its distinct tokens to the accumulator. The budget kernel lists
+// the big tiles of each (b, kv head). Runs between the budget kernel and pass 2 (which skips
+// these tiles and writes the output).
+constexpr int kBigWarps = 8;  // kBigWarps * 32 tokens = one tile
+
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(kBigWarps * 32, 1)
+    PropBigTileKernel(SantaParams p, int max_tiles, int max_big, const uint8_t* __restrict__ rec,
+                      const int* __restrict__ s_tiles, const int* __restrict__ big_count,
+                      const int* __restrict__ big_list, float* __restrict__ accum) {
+  static_assert(kBigWarps * 32 == kTile && G <= kBigWarps, "one token per thread, a warp a head");
   constexpr int L = D / 8;
-  constexpr int kPerWarp = kTile / NW;
-  float* sc = smem;                                           // [G][kTile]
-  int* lists = reinterpret_cast<int*>(sc + G * kTile);        // [G][kTile]
-  uint32_t* tile_map = reinterpret_cast<uint32_t*>(lists + G * kTile);  // [kTile / 32]
+  __shared__ __align__(16) float sc[G * kTile];
+  __shared__ int lists[G][kTile];
+  __shared__ uint32_t tile_map[kTile / 32];
   const DecodeShape& s = p.shape;
+  const int kvh = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, row = lane / L;
+  GridDependencyWait();  // budgets and the list of big tiles
   const int pair = b * s.num_kv_heads + kvh;
   const int count = min(big_count[pair], max_big);
   const int n = s.seq_lens[b];
   const int64_t bh0 = static_cast<int64_t>(b) * s.num_q_heads + kvh * G;
   const RowReader vr = MakeRowReader(s, true, b, kvh, (lane % L) * 8);
-  for (int i = part; i < count; i += parts) {  // uniform over the block
+  for (int i = blockIdx.x; i < count; i += gridDim.x) {  // uniform over the block
     const int t = big_list[static_cast<int64_t>(pair) * max_big + i];
     const int t0 = t * kTile, len = min(kTile, n - t0);
     if (threadIdx.x < kTile / 32) tile_map[threadIdx.x] = 0u;
-    WarpScoreTile<T, D, G>(s, b, kvh, t0, len, sc, lane, warp * kPerWarp, kPerWarp);
+    WarpScoreTile<T, D, G>(s, b, kvh, t0, len, sc, lane, warp * 32, 32);
     __syncthreads();
-    for (int g = warp; g < G; g += NW) {  // uniform over the warp
+    if (warp < G) {
+      const int g = warp;
       const int st = s_tiles[(bh0 + g) * max_tiles + t];
-      int* list = lists + g * kTile;
+      int* list = lists[g];
       int total = 0;
       if (st > kRecMax) {
         total = HeadItems(p, b, kvh * G + g, g, t, len, st, sc + g * kTile, list, lane);
-      } else if (st > 0) {  // the pass-1 record of a small budget, as the record path reads it
+      } else if (st > 0) {  // the pass-1 record of a small budget, as pass 2 would read it
         const uint8_t* r = rec + ((bh0 + g) * max_tiles + t) * kRecBytes + st * (st - 1) / 2;
         if (lane < st) list[lane] = (1 << 11) | (__ldg(r + lane) << 3) | g;
         __syncwarp();
@@ -666,9 +660,8 @@ __device__ __forceinline__ void BigTiles(const SantaParams& p, int b, int kvh, i
 
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
-    PropPass2Kernel(SantaParams p, int max_tiles, int num_parts, int nb, int big_parts, int max_big,
+    PropPass2Kernel(SantaParams p, int max_tiles, int num_parts, int nb,
                     const uint8_t* __restrict__ rec, const int* __restrict__ s_tiles,
-                    const int* __restrict__ big_count, const int* __restrict__ big_list,
                     float* __restrict__ accum, unsigned* __restrict__ counters) {
   using Geo = Pass2Geom<D, G>;
   constexpr int NW = kPass2Warps;
@@ -676,15 +669,7 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
   extern __shared__ __align__(16) float dsm[];
   __shared__ bool sm_last;
   const DecodeShape& s = p.shape;
-  // Grid z: the big-tile blocks of every sequence first (z < B when there are any: their tiles
-  // are the long chains, so all of them start first), then the record blocks. Blocks past their
-  // role's count in y have nothing to do and do not count towards the completion.
-  const bool big_role = big_parts > 0 && static_cast<int>(blockIdx.z) < s.batch;
-  const int b = big_role || big_parts == 0 ? static_cast<int>(blockIdx.z)
-                                           : static_cast<int>(blockIdx.z) - s.batch;
-  if (static_cast<int>(blockIdx.y) >= (big_role ? big_parts : num_parts)) return;
-  const int kvh = blockIdx.x;
-  const int blk = big_role ? -1 : static_cast<int>(blockIdx.y);  // record-block index
+  const int kvh = blockIdx.x, blk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row = lane / L;
   int* list = reinterpret_cast<int*>(dsm + warp * Geo::kWarpFloats);
@@ -702,11 +687,7 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
   const int num_tiles = (n + kTile - 1) / kTile;
   const int num_batches = (num_tiles + nb - 1) / nb;
   const int my_g = lane % G;
-  if (big_role) {  // uniform over the block
-    BigTiles<T, D, G, NW>(p, b, kvh, static_cast<int>(blockIdx.y), big_parts, max_tiles, max_big,
-                          rec, s_tiles, big_count, big_list, accum, dsm);
-  }
-  for (int bi = blk * NW + warp; bi < num_batches && blk >= 0; bi += num_parts * NW) {
+  for (int bi = blk * NW + warp; bi < num_batches; bi += num_parts * NW) {
     const int t = bi * nb + lane / G;
     const int64_t bh = bh0 + my_g;
     const int st = (lane / G < nb && t < num_tiles) ? s_tiles[bh * max_tiles + t] : 0;
@@ -716,7 +697,7 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
       for (int i = lane; i < Geo::kMapWords; i += 32) map[i] = 0u;
       __syncwarp();
     }
-    // Tiles where a head's budget exceeds kRecMax are BigTiles', for every head.
+    // Tiles where a head's budget exceeds kRecMax are PropBigTileKernel's, for every head.
     const unsigned big = __ballot_sync(0xffffffffu, st > kRecMax);
     const bool tile_big = ((big >> ((lane / G) * G)) & ((1u << G) - 1u)) != 0u;
     const int k = st <= kRecMax && !tile_big ? st : 0;
@@ -748,19 +729,16 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
     }
     __syncwarp();  // the list is rewritten by the next batch
   }
-  if (blk >= 0) {  // uniform over the block
-    float* sacc = dsm;  // reused once every warp is done (BlockSumAcc starts with a barrier)
-    BlockSumAcc<D, G, NW>(acc, sacc, warp, lane);
-    for (int i = threadIdx.x; i < G * D; i += NW * 32) {
-      if (sacc[i] != 0.f) atomicAdd(accum + bh0 * D + i, sacc[i]);
-    }
+  float* sacc = dsm;  // reused once every warp is done (BlockSumAcc starts with a barrier)
+  BlockSumAcc<D, G, NW>(acc, sacc, warp, lane);
+  for (int i = threadIdx.x; i < G * D; i += NW * 32) {
+    if (sacc[i] != 0.f) atomicAdd(accum + bh0 * D + i, sacc[i]);
   }
-  // The last block of this (b, kv head), of either kind, writes the output.
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    sm_last = atomicAdd(counters + b * s.num_kv_heads + kvh, 1u) ==
-              static_cast<unsigned>(num_parts + big_parts - 1);
+    sm_last =
+        atomicAdd(counters + b * s.num_kv_heads + kvh, 1u) == static_cast<unsigned>(num_parts - 1);
   }
   __syncthreads();
   if (sm_last) {
@@ -930,7 +908,7 @@ struct PropSpace {
   int* s_tiles;        // [B, H, T_max]
   float* accum;        // [B, H, d]
   unsigned* counters;  // [B, Hkv]
-  // Big tiles (pass 2's BigTiles): counts [B, Hkv] and the tile bitmap [B, Hkv, map_words]
+  // Big tiles (PropBigTileKernel): counts [B, Hkv] and the tile bitmap [B, Hkv, map_words]
   // (adjacent: zeroed together before pass 1), the list [B, Hkv, max_big].
   int* big_count;
   uint32_t* big_map;
@@ -1008,20 +986,14 @@ struct Pass2Launch {
     const int64_t batches = (plan.max_tiles + nb - 1) / nb;
     const int parts = static_cast<int>(
         std::max<int64_t>(1, std::min<int64_t>((batches + NW - 1) / NW, slots / pairs)));
-    // Blocks per (b, kv head) for big tiles: a few big tiles each, in a loop over the list.
-    const int max_big = MaxBigTiles(p, plan);
-    const int big_parts = std::min(max_big, 8);
-    const dim3 grid(p.shape.num_kv_heads, std::max(parts, big_parts),
-                    p.shape.batch * (big_parts > 0 ? 2 : 1));
+    const dim3 grid(p.shape.num_kv_heads, parts, p.shape.batch);
     constexpr size_t kSmem = Pass2Geom<D, G>::kSmem;
     auto* kernel = &PropPass2Kernel<T, D, G>;
     KVSPARSE_CUDA_RETURN_IF_ERROR(
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kSmem}));
     return LaunchDependent(kernel, grid, dim3(NW * 32), kSmem, stream, p, plan.max_tiles, parts, nb,
-                           big_parts, max_big, static_cast<const uint8_t*>(ws.records),
-                           static_cast<const int*>(ws.s_tiles),
-                           static_cast<const int*>(ws.big_count),
-                           static_cast<const int*>(ws.big_list), ws.accum, ws.counters);
+                           static_cast<const uint8_t*>(ws.records),
+                           static_cast<const int*>(ws.s_tiles), ws.accum, ws.counters);
   }
 };
 
@@ -1087,6 +1059,23 @@ cudaError_t LaunchBudget(const SantaParams& p, const TilePlan& plan, const PropS
                          MaxBigTiles(p, plan), ws.big_count, ws.big_map, ws.big_list);
 }
 
+struct BigTileLaunch {
+  const SantaParams& p;
+  TilePlan plan;
+  PropSpace ws;
+  cudaStream_t stream;
+  template <typename T, int D, int G>
+  cudaError_t operator()() const {
+    const int max_big = MaxBigTiles(p, plan);
+    // Blocks per (b, kv head): a few big tiles each, in a grid-stride loop over the list.
+    const dim3 grid(std::max(1, std::min(max_big, 8)), p.shape.num_kv_heads, p.shape.batch);
+    return LaunchDependent(
+        &PropBigTileKernel<T, D, G>, grid, dim3(kBigWarps * 32), 0, stream, p, plan.max_tiles,
+        max_big, static_cast<const uint8_t*>(ws.records), static_cast<const int*>(ws.s_tiles),
+        static_cast<const int*>(ws.big_count), static_cast<const int*>(ws.big_list), ws.accum);
+  }
+};
+
 }  // namespace
 
 size_t SantaIidWorkspaceBytes(const SantaParams& p) {
@@ -1135,6 +1124,10 @@ cudaError_t S2antaProp(const SantaParams& p, void* workspace, size_t workspace_b
                      Pass1Launch<Pass1Out::kRecords>{s, Seeds(p), plan, ws.m_tiles, ws.l_tiles,
                                                      ws.records, stream}));
   KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchBudget(p, plan, ws, stream));
+  if (bigs) {
+    KVSPARSE_CUDA_RETURN_IF_ERROR(
+        DispatchDecode(s.dtype, s.head_dim, s.group_size(), BigTileLaunch{p, plan, ws, stream}));
+  }
   return DispatchDecode(s.dtype, s.head_dim, s.group_size(), Pass2Launch{p, plan, ws, stream});
 }
 

@@ -6,9 +6,8 @@
 //                 would pick for each budget up to 7; a budget kernel splits S over the tiles by
 //                 largest remainder (Algorithm 4); pass 2 gathers the sampled V rows of the tiles
 //                 that got samples (Algorithm 5); a tile where a head's budget exceeds 7
-//                 (peaked attention: sink, window, needles) is rescored from K by extra blocks
-//                 of the pass-2 launch, beside the record gathers. No per-token stash crosses
-//                 DRAM.
+//                 (peaked attention: sink, window, needles) is rescored from K by a kernel with
+//                 a block per such tile, between the two. No per-token stash crosses DRAM.
 //   S2antaFlash:  one fused pass: each tile samples max(1, S / T) rows systematically on its own
 //                 and the partials are merged with deferred normalisation (Algorithms 7-8).
 // Random numbers follow kernels/philox.h exactly (tags kSantaIid, kPropTileOffset,
