@@ -248,17 +248,10 @@ absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
   result.heads.reserve(B * shape.num_kv_heads);
   if (backend_ != nullptr) {
     std::vector<SequenceDesc> now = descs;  // as the store holds them now
-    bool supported = true;
-    for (size_t b = 0; b < B && supported; ++b) {
-      if (append) ++now[b].layer_lengths[call.layer];
-      // The backend decodes a call's sequences together: they must share their placement.
-      const kvstore::Placement& p0 = now[0].placement;
-      const kvstore::Placement& pb = now[b].placement;
-      supported = backend_->Supports(call, now[b]) && pb.k_tier == p0.k_tier &&
-                  pb.v_tier == p0.v_tier && pb.signature_bits == p0.signature_bits &&
-                  now[b].page_tokens == now[0].page_tokens;
+    if (append) {
+      for (SequenceDesc& d : now) ++d.layer_lengths[call.layer];
     }
-    if (supported) {
+    if (backend_->Supports(call, now)) {
       if (absl::Status s = backend_->Decode(call, now, &result); !s.ok()) return s;
       result.timing.engine_seconds = Seconds(start, absl::Now());
       return result;

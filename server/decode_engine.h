@@ -104,9 +104,10 @@ class DecodeBackend {
  public:
   virtual ~DecodeBackend() = default;
   virtual const char* name() const = 0;
-  // Whether this backend computes `call` for a sequence described by `desc` (method, placement,
-  // shape, dtype); the CPU computes the rest.
-  virtual bool Supports(const DecodeCall& call, const SequenceDesc& desc) const = 0;
+  // Whether this backend computes `call` for its sequences, described by descs (method,
+  // placements, shapes, dtype); the CPU computes the rest.
+  virtual bool Supports(const DecodeCall& call, absl::Span<const SequenceDesc> descs) const = 0;
+  // REQUIRES: Supports(call, descs).
   // descs[b]: sequence b of the call as the store holds it now (the new token included).
   // Fills result->output ([B, H, d] in q's dtype), heads ([B * Hkv] in order), the timing's
   // selection / gather / compute / sync seconds and sync_bytes. Thread-safe.

@@ -100,8 +100,7 @@ int Log2(uint64_t x) {
 struct Layer {
   uint64_t length = 0, capacity = 0;  // tokens synced; rows allocated per kv head
   DevBuf k, v, sig;                   // [Hkv][capacity][d] rows; [Hkv][capacity][words]
-  std::vector<float> max_norm;        // SimHash M per kv head, fixed at the first sync
-  DevBuf norms;                       // the same on the device
+  DevBuf norms;                       // SimHash M per kv head, fixed at the first sync
   DevBuf pages;                       // [Hkv][page_cap] device-visible page addresses
   uint64_t page_cap = 0, pages_known = 0;
   // HashAttention row sets: tokens [Hkv][rows_cap] | count [Hkv] | K, V [Hkv][rows_cap][d].
@@ -160,7 +159,39 @@ class GpuBackend final : public DecodeBackend {
 
   const char* name() const override { return "cuda"; }
 
-  bool Supports(const DecodeCall& call, const SequenceDesc& desc) const override {
+  bool Supports(const DecodeCall& call, absl::Span<const SequenceDesc> descs) const override {
+    // The sequences of a call are decoded together: they must share their placement.
+    const SequenceDesc& d0 = descs[0];
+    for (const SequenceDesc& d : descs) {
+      if (d.placement.k_tier != d0.placement.k_tier || d.placement.v_tier != d0.placement.v_tier ||
+          d.placement.signature_bits != d0.placement.signature_bits ||
+          d.page_tokens != d0.page_tokens || !SupportsOne(call, d)) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  absl::Status Decode(const DecodeCall& call, absl::Span<const SequenceDesc> descs,
+                      DecodeResult* result) override;
+
+  void Forget(const std::string& sequence_id) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = entries_.find(sequence_id);
+    if (it == entries_.end()) return;
+    FreeEntry(&it->second);
+    entries_.erase(it);
+  }
+
+  size_t resident_bytes() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return bytes_;
+  }
+  size_t resident_capacity() const override { return options_.capacity_bytes; }
+
+ private:
+  // Supports() for one sequence: method, shape, dtype and placement.
+  bool SupportsOne(const DecodeCall& call, const SequenceDesc& desc) const {
     const kvstore::ModelShape& s = desc.shape;
     if (call.return_indices) return false;  // the CPU engine lists the rows it read
     if (s.dtype != DType::kBf16 && s.dtype != DType::kFp16) return false;
@@ -198,24 +229,6 @@ class GpuBackend final : public DecodeBackend {
     return false;
   }
 
-  absl::Status Decode(const DecodeCall& call, absl::Span<const SequenceDesc> descs,
-                      DecodeResult* result) override;
-
-  void Forget(const std::string& sequence_id) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = entries_.find(sequence_id);
-    if (it == entries_.end()) return;
-    FreeEntry(&it->second);
-    entries_.erase(it);
-  }
-
-  size_t resident_bytes() const override {
-    std::lock_guard<std::mutex> lock(mu_);
-    return bytes_;
-  }
-  size_t resident_capacity() const override { return options_.capacity_bytes; }
-
- private:
   // ---- Device memory (all on stream_, so frees are ordered after every use). ----
   absl::Status Alloc(DevBuf* b, size_t bytes) {
     b->ptr = nullptr;
@@ -321,8 +334,6 @@ class GpuBackend final : public DecodeBackend {
   std::map<std::tuple<uint32_t, int32_t, int32_t>, DevBuf> planes_;
   DevBuf scratch_, sync_tmp_;
   PinnedBuf staging_, call_host_, out_host_;
-  const int64_t* vatt_budget_ = nullptr;  // the last vAttention call's budgets (in scratch_)
-  const int32_t* iid_indices_ = nullptr;  // the last SANTA iid call's samples (in scratch_)
 };
 
 absl::StatusOr<const float*> GpuBackend::Planes(uint32_t layer, int32_t hkv, int32_t bits,
@@ -416,16 +427,17 @@ absl::Status GpuBackend::SyncRows(Entry* e, uint32_t layer_index, const Sequence
     if (has_k) KVS_CUDA_OK(put(l.k, k_host, row), "K upload");
     if (has_v) KVS_CUDA_OK(put(l.v, v_host, row), "V upload");
     if (words > 0) {
-      if (l.max_norm.empty()) {
+      if (l.norms.ptr == nullptr) {
         // SimHash M, fixed now: the largest key norm of this first batch, times the margin (as
-        // ResidentCache does, so both engines sign with the same M).
-        l.max_norm = MaxKeyNorms(k_host, shape, cnt, /*token_major=*/false);
-        for (float& m : l.max_norm) m *= maker_.config().norm_margin;
+        // ResidentCache does, so both engines sign with the same M). Copied from pageable
+        // memory: the copy has read max_norm when it returns.
+        std::vector<float> max_norm = MaxKeyNorms(k_host, shape, cnt, /*token_major=*/false);
+        for (float& m : max_norm) m *= maker_.config().norm_margin;
         auto no_copy = [](const DevBuf&, const DevBuf&) { return cudaSuccess; };
         if (absl::Status s = Regrow(e, &l.norms, hkv * sizeof(float), busy, no_copy); !s.ok()) {
           return s;
         }
-        KVS_CUDA_OK(cudaMemcpyAsync(l.norms.ptr, l.max_norm.data(), hkv * sizeof(float),
+        KVS_CUDA_OK(cudaMemcpyAsync(l.norms.ptr, max_norm.data(), hkv * sizeof(float),
                                     cudaMemcpyHostToDevice, stream_),
                     "norm upload");
       }
@@ -606,9 +618,6 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
     max_sel = std::max(1, tk.MaxSelected());
     rows_cap = std::min(n_max, G * max_sel);
     for (int32_t b = 0; b < B; ++b) {
-      if (descs[b].placement.signature_bits != static_cast<uint32_t>(tk.bits)) {
-        return absl::InvalidArgumentError("sequences of one call keep different signature bits");
-      }
       Layer& l = entries[b]->layers[layer];
       if (l.rows_cap < rows_cap) {  // (re)size the row sets; the cache starts empty
         FreeRowSets(entries[b], &l);
@@ -687,6 +696,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
     reinterpret_cast<uint64_t*>(h + off.seeds)[b] =
         kernels::SequenceSeed(call.seed, static_cast<uint32_t>(b));
     const Layer& l = entries[b]->layers[layer];
+    const RowSetLayout rl = RowSetLayout::Of(hkv, l.rows_cap, row);
     for (int32_t j = 0; j < hkv; ++j) {
       const int32_t i = b * hkv + j;
       if (l.k.ptr != nullptr) {
@@ -706,7 +716,6 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
             l.sig.as<uint8_t>() + j * l.capacity * words * 4;
       }
       if (l.rows_cap > 0) {
-        const RowSetLayout rl = RowSetLayout::Of(hkv, l.rows_cap, row);
         for (int which = 0; which < 2; ++which) {
           const DevBuf& rb = l.rows[which == 0 ? l.cur : 1 - l.cur];
           if (which == 1 && (!l.prev_valid || !options_.row_cache)) continue;
@@ -763,14 +772,6 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
       shape_d.v_pages.offset_bytes = static_cast<int32_t>(row);
     }
   };
-  for (int32_t b = 1; b < B; ++b) {
-    if (descs[b].placement.k_tier != descs[0].placement.k_tier ||
-        descs[b].placement.v_tier != descs[0].placement.v_tier ||
-        descs[b].page_tokens != descs[0].page_tokens) {
-      return absl::InvalidArgumentError(
-          "the GPU decodes sequences of one call together: they must share their placement");
-    }
-  }
   auto row_tables = [&](char* base, const size_t(&o)[4], int32_t cap) {
     kc::RowSetTables t;
     t.tokens = reinterpret_cast<int32_t* const*>(base + o[0]);
@@ -781,13 +782,10 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
     return t;
   };
 
-  // The launch sequence of the method; with run = false it only sizes the workspace.
-  kc::SantaParams sp;
-  kc::VAttentionParams vp;
-  kc::UnionSelectedParams up;
-  kc::FetchRowsParams fp;
-  kc::SelectedRowsParams srp;
-  kc::SimHashSignParams qsp;
+  // The launch sequence of the method; with run = false it only sizes the workspace. What the
+  // statistics need of it afterwards (in the scratch):
+  const int64_t* vatt_budget = nullptr;  // vAttention: budgets [B, H]
+  const int32_t* iid_indices = nullptr;  // SANTA iid: samples [B, H, S]
   const float* planes = nullptr;
   if (m.kind == MethodKind::kHashTopK || m.kind == MethodKind::kVAttention) {
     absl::StatusOr<const float*> pl = Planes(layer, hkv, words * 32, d);
@@ -844,7 +842,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
             t.v = tab + 3 * BK;
           }
           t.capacity = dense_rows_cap;
-          fp = kc::FetchRowsParams();
+          kc::FetchRowsParams fp;
           fp.shape = shape_d;
           fp.all_tokens = true;
           fp.seq_lens = shape_d.seq_lens;
@@ -869,7 +867,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
         break;
       }
       case MethodKind::kSanta: {
-        sp = kc::SantaParams();
+        kc::SantaParams sp;
         sp.shape = shape_d;
         sp.num_samples = m.santa.samples;
         sp.seeds = reinterpret_cast<const uint64_t*>(base + off.seeds);
@@ -877,7 +875,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
         // Distinct V rows read: counted by prop / flash; for iid from its sampled indices.
         sp.rows_read = iid ? nullptr : stats;
         sp.indices = iid ? c.Take<int32_t>(static_cast<size_t>(BH) * m.santa.samples) : nullptr;
-        iid_indices_ = sp.indices;
+        iid_indices = sp.indices;
         const bool prop = m.santa.allocation == kernels::SantaAllocation::kProp;
         const size_t wb = iid    ? kc::SantaIidWorkspaceBytes(sp)
                           : prop ? kc::S2antaPropWorkspaceBytes(sp)
@@ -896,7 +894,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
       }
       case MethodKind::kHashTopK: {
         uint32_t* qsig = c.Take<uint32_t>(static_cast<size_t>(BH) * words);
-        qsp = query_signs(qsig);
+        const kc::SimHashSignParams qsp = query_signs(qsig);
         tk.q_sigs = qsig;
         tk.k_sig_heads = reinterpret_cast<const uint32_t* const*>(base + off.sig_heads);
         tk.k_token_stride = words;
@@ -906,7 +904,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
         tk.budgets = stats == nullptr ? nullptr : stats + 2 * BH;
         const size_t tw = kc::HashTopKWorkspaceBytes(tk);
         void* tws = c.Take<char>(tw);
-        up = kc::UnionSelectedParams();
+        kc::UnionSelectedParams up;
         up.batch = B;
         up.num_q_heads = H;
         up.num_kv_heads = hkv;
@@ -919,13 +917,13 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
         up.positions = c.Take<int32_t>(static_cast<size_t>(BH) * max_sel);
         const size_t uw = kc::UnionSelectedWorkspaceBytes(up);
         void* uws = c.Take<char>(uw);
-        fp = kc::FetchRowsParams();
+        kc::FetchRowsParams fp;
         fp.shape = shape_d;
         fp.max_rows = rows_cap;
         fp.out = up.out;
         if (options_.row_cache) fp.cache = row_tables(base, off.prev, rows_cap);
         fp.hits = stats == nullptr ? nullptr : stats + 3 * BH;
-        srp = kc::SelectedRowsParams();
+        kc::SelectedRowsParams srp;
         srp.shape = shape_d;
         srp.rows = up.out;
         srp.positions = up.positions;
@@ -947,9 +945,9 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
       }
       case MethodKind::kVAttention: {
         uint32_t* qsig = c.Take<uint32_t>(static_cast<size_t>(BH) * words);
-        qsp = query_signs(qsig);
+        const kc::SimHashSignParams qsp = query_signs(qsig);
         const kernels::VAttentionParams& cp = m.vattention;
-        vp = kc::VAttentionParams();
+        kc::VAttentionParams vp;
         vp.shape = shape_d;
         vp.seeds = reinterpret_cast<const uint64_t*>(base + off.seeds);
         vp.epsilon = cp.epsilon;
@@ -984,7 +982,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
           KVS_CUDA_OK(cudaMemcpyAsync(stats + 2 * BH, v.dyn_count, sizeof(int32_t) * BH,
                                       cudaMemcpyDeviceToDevice, stream_),
                       "stats");
-          vatt_budget_ = v.budget;
+          vatt_budget = v.budget;
         }
         break;
       }
@@ -1013,14 +1011,14 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
   std::vector<int64_t> vbud;
   if (m.kind == MethodKind::kVAttention) {
     vbud.resize(BH);
-    KVS_CUDA_OK(cudaMemcpyAsync(vbud.data(), vatt_budget_, sizeof(int64_t) * BH,
+    KVS_CUDA_OK(cudaMemcpyAsync(vbud.data(), vatt_budget, sizeof(int64_t) * BH,
                                 cudaMemcpyDeviceToHost, stream_),
                 "budget download");
   }
   std::vector<int32_t> iid_idx;
   if (m.kind == MethodKind::kSanta && m.santa.sampler == kernels::SantaSampler::kIid) {
     iid_idx.resize(static_cast<size_t>(BH) * m.santa.samples);
-    KVS_CUDA_OK(cudaMemcpyAsync(iid_idx.data(), iid_indices_, sizeof(int32_t) * iid_idx.size(),
+    KVS_CUDA_OK(cudaMemcpyAsync(iid_idx.data(), iid_indices, sizeof(int32_t) * iid_idx.size(),
                                 cudaMemcpyDeviceToHost, stream_),
                 "iid indices download");
   }

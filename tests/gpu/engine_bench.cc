@@ -156,6 +156,27 @@ void Print(const Row& r, double dense_us, double h2d_gbs, int n) {
   std::fflush(stdout);
 }
 
+// Appends the synthetic sequence's K and V (all its tokens) to one layer of sequence id.
+bool AppendLayer(kv::Store* store, const std::string& id, int layer,
+                 const kk::SyntheticProblem& sp) {
+  const kk::DecodeProblem& p = sp.problem;
+  kv::AppendRequest r;
+  r.sequence_id = id;
+  r.first_layer = static_cast<uint32_t>(layer);
+  r.num_layers = 1;
+  r.num_tokens = static_cast<uint64_t>(p.seq_lens[0]);
+  r.dtype = p.dtype;
+  r.num_kv_heads = static_cast<uint32_t>(p.num_kv_heads);
+  r.head_dim = static_cast<uint32_t>(p.head_dim);
+  r.k = sp.k;
+  r.v = sp.v;
+  if (absl::Status st = store->Append(r).status(); !st.ok()) {
+    std::fprintf(stderr, "append: %s\n", st.ToString().c_str());
+    return false;
+  }
+  return true;
+}
+
 // Capacity mode: B sequences x L layers x n tokens whose K and V (B * n * L * 4 KiB for these
 // shapes) exceed the GPU's memory, served with K and V in pinned host memory and 32-bit
 // signatures on the GPU (hash top-k, drifting queries): one decode step = one Decode call per
@@ -194,20 +215,7 @@ int Capacity(double h2d_gbs) {
     const std::string id = "c" + std::to_string(b);
     if (!(*store)->CreateSequence(id, shape, place).ok()) return 1;
     for (int l = 0; l < L; ++l) {
-      kv::AppendRequest r;
-      r.sequence_id = id;
-      r.first_layer = l;
-      r.num_layers = 1;
-      r.num_tokens = n;
-      r.dtype = kk::DType::kBf16;
-      r.num_kv_heads = hkv;
-      r.head_dim = d;
-      r.k = sp.k;
-      r.v = sp.v;
-      if (absl::Status st = (*store)->Append(r).status(); !st.ok()) {
-        std::fprintf(stderr, "append: %s\n", st.ToString().c_str());
-        return 1;
-      }
+      if (!AppendLayer(store->get(), id, l, sp)) return 1;
     }
     std::fprintf(stderr, "loaded sequence %d of %d (%.0f s)\n", b + 1, B,
                  std::chrono::duration<double>(Clock::now() - t_load).count());
@@ -341,19 +349,7 @@ int main(int argc, char** argv) {
         for (int b = 0; b < B; ++b) {
           const std::string id = std::string(s.name) + std::to_string(b);
           if (!(*store)->CreateSequence(id, shape, s.placement).ok()) return 1;
-          kv::AppendRequest r;
-          r.sequence_id = id;
-          r.num_layers = 1;
-          r.num_tokens = n;
-          r.dtype = kk::DType::kBf16;
-          r.num_kv_heads = hkv;
-          r.head_dim = d;
-          r.k = sp.k;
-          r.v = sp.v;
-          if (absl::Status st = (*store)->Append(r).status(); !st.ok()) {
-            std::fprintf(stderr, "append: %s\n", st.ToString().c_str());
-            return 1;
-          }
+          if (!AppendLayer(store->get(), id, 0, sp)) return 1;
         }
       }
       ks::EngineOptions eo;
