@@ -103,11 +103,10 @@ struct Layer {
   DevBuf norms;                       // SimHash M per kv head, fixed at the first sync
   DevBuf pages;                       // [Hkv][page_cap] device-visible page addresses
   uint64_t page_cap = 0, pages_known = 0;
-  // HashAttention row sets: tokens [Hkv][rows_cap] | count [Hkv] | K, V [Hkv][rows_cap][d].
-  DevBuf rows[2];
-  int32_t rows_cap = 0;
-  int cur = 0;
-  bool prev_valid = false;
+  // HashAttention's row cache (GpuBackendOptions::row_cache_fraction): cache_cap slots per kv
+  // head, laid out as CacheLayout says.
+  DevBuf cache;
+  int32_t cache_cap = 0;
 };
 
 struct Entry {
@@ -117,6 +116,28 @@ struct Entry {
   std::vector<Layer> layers;
   uint64_t last_use = 0;
   size_t bytes = 0;
+};
+
+// A row cache of Hkv heads of cap slots each: ascending tokens held, their slots and counts,
+// then the K and V rows of the slots.
+struct CacheLayout {
+  size_t tokens = 0, slots = 0, count = 0, k = 0, v = 0, total = 0;
+  static CacheLayout Of(int32_t hkv, int32_t cap, size_t row) {
+    CacheLayout l;
+    Carver c(nullptr);
+    l.tokens = c.used();
+    c.Take<int32_t>(static_cast<size_t>(hkv) * cap);
+    l.slots = c.used();
+    c.Take<int32_t>(static_cast<size_t>(hkv) * cap);
+    l.count = c.used();
+    c.Take<int32_t>(hkv);
+    l.k = c.used();
+    c.Take<uint8_t>(row * hkv * cap);
+    l.v = c.used();
+    c.Take<uint8_t>(row * hkv * cap);
+    l.total = c.used();
+    return l;
+  }
 };
 
 // Pointer-table sizes of one row set of Hkv heads.
@@ -242,21 +263,53 @@ class GpuBackend final : public DecodeBackend {
     if (b->ptr != nullptr) cudaFreeAsync(b->ptr, stream_);
     *b = DevBuf();
   }
-  // Frees a layer's row sets (and their accounting); the row cache starts empty again.
-  void FreeRowSets(Entry* e, Layer* l) {
-    for (DevBuf& rb : l->rows) {
-      if (rb.ptr == nullptr) continue;
-      bytes_ -= rb.bytes;
-      e->bytes -= rb.bytes;
-      Free(&rb);
+  // Row-cache slots per kv head for a sequence of n tokens: row_cache_fraction of n rounded up
+  // to 64, at most the longest union (rows_cap); 0 without a cache.
+  int32_t CacheSlots(int32_t n, int32_t rows_cap) const {
+    if (options_.row_cache_fraction <= 0.0 || n <= 0) return 0;
+    const double want = std::ceil(std::min(options_.row_cache_fraction, 1.0) * n);
+    const int64_t rounded = (static_cast<int64_t>(want) + 63) / 64 * 64;
+    return static_cast<int32_t>(std::min<int64_t>(rounded, rows_cap));
+  }
+  // Grows a layer's row cache to `cap` slots per kv head, keeping what it holds.
+  absl::Status GrowCache(Entry* e, Layer* l, int32_t hkv, int32_t cap, size_t row,
+                         const std::vector<const Entry*>& busy) {
+    const CacheLayout to = CacheLayout::Of(hkv, cap, row);
+    const CacheLayout from = CacheLayout::Of(hkv, l->cache_cap, row);
+    const int32_t old_cap = l->cache_cap;
+    auto copy = [&](DevBuf& next, const DevBuf& prev) {
+      char* dst = next.as<char>();
+      const char* src = prev.as<char>();
+      const size_t ints = sizeof(int32_t);
+      cudaError_t err = cudaSuccess;
+      // Per kv head: tokens and slots (old_cap each), the count, K and V rows (old_cap each).
+      for (const auto& [t, f, w] :
+           {std::tuple{to.tokens, from.tokens, ints}, std::tuple{to.slots, from.slots, ints},
+            std::tuple{to.k, from.k, row}, std::tuple{to.v, from.v, row}}) {
+        if (err == cudaSuccess) {
+          err = cudaMemcpy2DAsync(dst + t, w * cap, src + f, w * old_cap, w * old_cap, hkv,
+                                  cudaMemcpyDeviceToDevice, stream_);
+        }
+      }
+      if (err == cudaSuccess) {
+        err = cudaMemcpyAsync(dst + to.count, src + from.count, ints * hkv,
+                              cudaMemcpyDeviceToDevice, stream_);
+      }
+      return err;
+    };
+    const bool fresh = l->cache.ptr == nullptr;
+    if (absl::Status s = Regrow(e, &l->cache, to.total, busy, copy); !s.ok()) return s;
+    if (fresh) {  // empty
+      KVS_CUDA_OK(
+          cudaMemsetAsync(l->cache.as<char>() + to.count, 0, sizeof(int32_t) * hkv, stream_),
+          "row cache");
     }
-    l->rows_cap = 0;
-    l->cur = 0;
-    l->prev_valid = false;
+    l->cache_cap = cap;
+    return absl::OkStatus();
   }
   void FreeEntry(Entry* e) {
     for (Layer& l : e->layers) {
-      for (DevBuf* b : {&l.k, &l.v, &l.sig, &l.norms, &l.pages, &l.rows[0], &l.rows[1]}) Free(b);
+      for (DevBuf* b : {&l.k, &l.v, &l.sig, &l.norms, &l.pages, &l.cache}) Free(b);
     }
     e->layers.clear();
     bytes_ -= e->bytes;
@@ -598,7 +651,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
   result->timing.sync_seconds += absl::ToDoubleSeconds(synced - start);
 
   // ---- Per-method sizes (host-side bounds: grid and workspace sizes). ----
-  int32_t max_sel = 0, rows_cap = 0;
+  int32_t max_sel = 0, rows_cap = 0, cache_cap = 0, min_cache = 0;
   kc::HashTopKParams tk;
   if (m.kind == MethodKind::kHashTopK) {
     for (int32_t b = 0; b < B; ++b) {
@@ -616,26 +669,16 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
     tk.top_k = m.hash.top_k;
     tk.top_k_fraction = m.hash.top_k_fraction;
     max_sel = std::max(1, tk.MaxSelected());
-    rows_cap = std::min(n_max, G * max_sel);
+    rows_cap = std::min(n_max, G * max_sel);  // the longest union of a GQA group
+    min_cache = rows_cap;
     for (int32_t b = 0; b < B; ++b) {
       Layer& l = entries[b]->layers[layer];
-      if (l.rows_cap < rows_cap) {  // (re)size the row sets; the cache starts empty
-        FreeRowSets(entries[b], &l);
-        const size_t bytes = RowSetLayout::Of(hkv, rows_cap, row).total;
-        for (int k = 0; k < (options_.row_cache ? 2 : 1); ++k) {
-          if (absl::Status s = Charge(entries[b], bytes, busy); !s.ok()) {
-            FreeRowSets(entries[b], &l);
-            return s;
-          }
-          if (absl::Status s = Alloc(&l.rows[k], bytes); !s.ok()) {
-            bytes_ -= bytes;  // charged, not allocated
-            entries[b]->bytes -= bytes;
-            FreeRowSets(entries[b], &l);
-            return s;
-          }
-        }
-        l.rows_cap = rows_cap;
+      const int32_t want = CacheSlots(lens[b], rows_cap);
+      if (l.cache_cap < want) {
+        if (absl::Status s = GrowCache(entries[b], &l, hkv, want, row, busy); !s.ok()) return s;
       }
+      cache_cap = std::max(cache_cap, l.cache_cap);
+      min_cache = std::min(min_cache, l.cache_cap);
     }
   }
   if (m.kind == MethodKind::kVAttention) {
@@ -655,7 +698,10 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
   const int32_t words = static_cast<int32_t>(descs[0].placement.signature_bits / 32);
   Carver hc(nullptr);
   struct Off {
-    size_t q, lens, seeds, k_heads, v_heads, tables, sig_heads, cur[4], prev[4];
+    size_t q, lens, seeds, k_heads, v_heads, tables, sig_heads;
+    size_t cache[5], cache_slots;  // row cache tables: tokens, slots, count, k, v; capacities
+    size_t call[7];  // per-call row tables: union tokens, count; fetch tokens, count, dest;
+                     // overflow k, v
   } off{};
   off.q = hc.used();
   hc.Take<uint8_t>(static_cast<size_t>(BH) * d * es);
@@ -671,11 +717,17 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
   hc.Take<const void*>(BK);
   off.sig_heads = hc.used();
   hc.Take<const void*>(BK);
-  for (int i = 0; i < 4; ++i) {
-    off.cur[i] = hc.used();
-    hc.Take<void*>(BK);
-    off.prev[i] = hc.used();
-    hc.Take<void*>(BK);
+  if (m.kind == MethodKind::kHashTopK) {
+    for (size_t& o : off.cache) {
+      o = hc.used();
+      hc.Take<void*>(BK);
+    }
+    off.cache_slots = hc.used();
+    hc.Take<int32_t>(BK);
+    for (size_t& o : off.call) {
+      o = hc.used();
+      hc.Take<void*>(BK);
+    }
   }
   const size_t table_bytes = hc.used();
   if (absl::Status s = call_host_.Reserve(table_bytes); !s.ok()) return s;
@@ -696,7 +748,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
     reinterpret_cast<uint64_t*>(h + off.seeds)[b] =
         kernels::SequenceSeed(call.seed, static_cast<uint32_t>(b));
     const Layer& l = entries[b]->layers[layer];
-    const RowSetLayout rl = RowSetLayout::Of(hkv, l.rows_cap, row);
+    const CacheLayout cl = CacheLayout::Of(hkv, l.cache_cap, row);
     for (int32_t j = 0; j < hkv; ++j) {
       const int32_t i = b * hkv + j;
       if (l.k.ptr != nullptr) {
@@ -715,17 +767,18 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
         reinterpret_cast<const void**>(h + off.sig_heads)[i] =
             l.sig.as<uint8_t>() + j * l.capacity * words * 4;
       }
-      if (l.rows_cap > 0) {
-        for (int which = 0; which < 2; ++which) {
-          const DevBuf& rb = l.rows[which == 0 ? l.cur : 1 - l.cur];
-          if (which == 1 && (!l.prev_valid || !options_.row_cache)) continue;
-          const size_t* o = which == 0 ? off.cur : off.prev;
-          char* base = rb.as<char>();
-          reinterpret_cast<void**>(h + o[0])[i] =
-              base + rl.tokens + sizeof(int32_t) * j * l.rows_cap;
-          reinterpret_cast<void**>(h + o[1])[i] = base + rl.count + sizeof(int32_t) * j;
-          reinterpret_cast<void**>(h + o[2])[i] = base + rl.k + row * j * l.rows_cap;
-          reinterpret_cast<void**>(h + o[3])[i] = base + rl.v + row * j * l.rows_cap;
+      if (m.kind == MethodKind::kHashTopK) {
+        reinterpret_cast<int32_t*>(h + off.cache_slots)[i] = l.cache_cap;
+        if (l.cache_cap > 0) {
+          char* cb = l.cache.as<char>();
+          const size_t ints = sizeof(int32_t) * j * l.cache_cap;
+          void** t[5];
+          for (int x = 0; x < 5; ++x) t[x] = reinterpret_cast<void**>(h + off.cache[x]);
+          t[0][i] = cb + cl.tokens + ints;
+          t[1][i] = cb + cl.slots + ints;
+          t[2][i] = cb + cl.count + sizeof(int32_t) * j;
+          t[3][i] = cb + cl.k + row * j * l.cache_cap;
+          t[4][i] = cb + cl.v + row * j * l.cache_cap;
         }
       }
     }
@@ -737,7 +790,8 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
   const size_t out_off = dc.used();
   dc.Take<uint8_t>(static_cast<size_t>(BH) * d * es);
   const size_t stats_off = dc.used();
-  dc.Take<int32_t>(4 * static_cast<size_t>(BH));  // rows read / counts / budgets / hits
+  // Statistics: rows read (SANTA) or union rows (HashAttention) / counts / budgets / hits.
+  dc.Take<int32_t>(4 * static_cast<size_t>(BH));
   const size_t method_off = dc.used();
   // Method buffers are carved twice: sizes first (base null), then pointers.
   kc::DecodeShape shape_d;
@@ -772,14 +826,16 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
       shape_d.v_pages.offset_bytes = static_cast<int32_t>(row);
     }
   };
-  auto row_tables = [&](char* base, const size_t(&o)[4], int32_t cap) {
-    kc::RowSetTables t;
-    t.tokens = reinterpret_cast<int32_t* const*>(base + o[0]);
-    t.count = reinterpret_cast<int32_t* const*>(base + o[1]);
-    t.k = reinterpret_cast<void* const*>(base + o[2]);
-    t.v = reinterpret_cast<void* const*>(base + o[3]);
-    t.capacity = cap;
-    return t;
+  // HashAttention's per-call rows (scratch offsets, recorded while sizing; their pointer tables
+  // are filled once the scratch is placed): each (b, j)'s union, the rows to fetch and their
+  // locations, and overflow rows for misses beyond the row cache.
+  struct CallRows {
+    size_t union_tokens = 0, fetch_tokens = 0, fetch_count = 0, dest = 0, overflow = 0;
+    int32_t overflow_cap = 0;  // rows per (b, j)
+  } cr;
+  auto table = [&](char* base, size_t o) { return reinterpret_cast<void* const*>(base + o); };
+  auto int_table = [&](char* base, size_t o) {
+    return reinterpret_cast<int32_t* const*>(base + o);
   };
 
   // The launch sequence of the method; with run = false it only sizes the workspace. What the
@@ -913,29 +969,78 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
         up.max_selected = max_sel;
         up.seq_lens = shape_d.seq_lens;
         up.max_seq_len = n_max;
-        up.out = row_tables(base, off.cur, rows_cap);
+        const size_t rows_all = static_cast<size_t>(BK) * rows_cap;
+        cr.overflow_cap = rows_cap - min_cache;  // misses beyond a cache's slots
+        cr.union_tokens = method_off + c.used();
+        c.Take<int32_t>(rows_all);
+        cr.fetch_tokens = method_off + c.used();
+        c.Take<int32_t>(rows_all);
+        cr.fetch_count = method_off + c.used();
+        c.Take<int32_t>(BK);
+        cr.dest = method_off + c.used();
+        c.Take<int32_t>(rows_all);
+        cr.overflow = method_off + c.used();
+        c.Take<uint8_t>(2 * row * BK * cr.overflow_cap);
+        up.out.tokens = int_table(base, off.call[0]);
+        up.out.count = int_table(base, off.call[1]);  // the first BK statistics
+        up.out.capacity = rows_cap;
         up.positions = c.Take<int32_t>(static_cast<size_t>(BH) * max_sel);
         const size_t uw = kc::UnionSelectedWorkspaceBytes(up);
         void* uws = c.Take<char>(uw);
+        kc::PlaceRowsParams pp;
+        pp.batch = B;
+        pp.num_q_heads = H;
+        pp.num_kv_heads = hkv;
+        pp.rows = up.out;
+        if (cache_cap > 0) {
+          pp.cache.tokens = int_table(base, off.cache[0]);
+          pp.cache.slots = int_table(base, off.cache[1]);
+          pp.cache.count = int_table(base, off.cache[2]);
+          pp.cache.k = table(base, off.cache[3]);
+          pp.cache.v = table(base, off.cache[4]);
+          pp.cache.capacity = cache_cap;
+          pp.cache.capacities = reinterpret_cast<const int32_t*>(base + off.cache_slots);
+        }
+        pp.positions = up.positions;
+        pp.counts = tk.counts;
+        pp.max_selected = max_sel;
+        pp.fetch.tokens = int_table(base, off.call[2]);
+        pp.fetch.count = int_table(base, off.call[3]);
+        pp.fetch.capacity = rows_cap;
+        pp.fetch_dest = int_table(base, off.call[4]);
+        pp.hits = stats == nullptr ? nullptr : stats + 3 * BH;
+        const size_t pw = kc::PlaceRowsWorkspaceBytes(pp);
+        void* pws = c.Take<char>(pw);
         kc::FetchRowsParams fp;
         fp.shape = shape_d;
         fp.max_rows = rows_cap;
-        fp.out = up.out;
-        if (options_.row_cache) fp.cache = row_tables(base, off.prev, rows_cap);
-        fp.hits = stats == nullptr ? nullptr : stats + 3 * BH;
+        fp.out = pp.fetch;  // the rows to fetch, into cache slots or overflow rows
+        fp.out.k = table(base, off.cache[3]);
+        fp.out.v = table(base, off.cache[4]);
+        fp.dest = pp.fetch_dest;
+        if (cr.overflow_cap > 0) {
+          fp.second.k = table(base, off.call[5]);
+          fp.second.v = table(base, off.call[6]);
+        }
+        if (cache_cap == 0) {  // no cache: every location is an overflow row
+          fp.out.k = fp.second.k;
+          fp.out.v = fp.second.v;
+        }
         kc::SelectedRowsParams srp;
         srp.shape = shape_d;
-        srp.rows = up.out;
+        srp.rows.k = fp.out.k;
+        srp.rows.v = fp.out.v;
+        srp.second = fp.second;
         srp.positions = up.positions;
         srp.counts = tk.counts;
         srp.max_selected = max_sel;
         const size_t sw = kc::SelectedRowsWorkspaceBytes(srp);
         void* sws = c.Take<char>(sw);
         if (run) {
-          KVS_CUDA_OK(cudaMemsetAsync(fp.hits, 0, sizeof(int32_t) * BK, stream_), "memset");
           KVS_CUDA_OK(kc::SimHashSign(qsp, stream_), "SimHashSign");
           KVS_CUDA_OK(kc::HashTopK(tk, tws, tw, stream_), "HashTopK");
           KVS_CUDA_OK(kc::UnionSelected(up, uws, uw, stream_), "UnionSelected");
+          KVS_CUDA_OK(kc::PlaceRows(pp, pws, pw, stream_), "PlaceRows");
         }
         if (absl::Status s = mark(1); !s.ok()) return s;
         if (run) KVS_CUDA_OK(kc::FetchRows(fp, stream_), "FetchRows");
@@ -998,6 +1103,20 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
     if (absl::Status s = Alloc(&scratch_, need + (need >> 2)); !s.ok()) return s;
   }
   char* base = scratch_.as<char>();
+  if (m.kind == MethodKind::kHashTopK) {  // the per-call row tables, now that base is known
+    void** t[7];
+    for (int x = 0; x < 7; ++x) t[x] = reinterpret_cast<void**>(h + off.call[x]);
+    const size_t ints = sizeof(int32_t);
+    for (int32_t i = 0; i < BK; ++i) {
+      t[0][i] = base + cr.union_tokens + ints * i * rows_cap;
+      t[1][i] = base + stats_off + ints * i;
+      t[2][i] = base + cr.fetch_tokens + ints * i * rows_cap;
+      t[3][i] = base + cr.fetch_count + ints * i;
+      t[4][i] = base + cr.dest + ints * i * rows_cap;
+      t[5][i] = base + cr.overflow + row * i * cr.overflow_cap;
+      t[6][i] = base + cr.overflow + row * (BK + i) * cr.overflow_cap;
+    }
+  }
   KVS_CUDA_OK(cudaMemcpyAsync(base, h, table_bytes, cudaMemcpyHostToDevice, stream_),
               "call tables upload");
   if (absl::Status s = plan(base, true, events_, &method_bytes); !s.ok()) return s;
@@ -1022,36 +1141,12 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
                                 cudaMemcpyDeviceToHost, stream_),
                 "iid indices download");
   }
-  // Union tokens are not needed on the host; the row counts are (rows fetched).
-  std::vector<int32_t> union_counts;
-  if (m.kind == MethodKind::kHashTopK) {
-    union_counts.resize(BK);
-    for (int32_t b = 0; b < B; ++b) {
-      const Layer& l = entries[b]->layers[layer];
-      const RowSetLayout rl = RowSetLayout::Of(hkv, l.rows_cap, row);
-      KVS_CUDA_OK(
-          cudaMemcpyAsync(union_counts.data() + b * hkv, l.rows[l.cur].as<char>() + rl.count,
-                          sizeof(int32_t) * hkv, cudaMemcpyDeviceToHost, stream_),
-          "row counts");
-    }
-  }
   KVS_CUDA_OK(cudaStreamSynchronize(stream_), "decode");
   float ms[3] = {0, 0, 0};
   for (int i = 0; i < 3; ++i) cudaEventElapsedTime(&ms[i], events_[i], events_[i + 1]);
   result->timing.selection_seconds += ms[0] * 1e-3;
   result->timing.gather_seconds += ms[1] * 1e-3;
   result->timing.compute_seconds += ms[2] * 1e-3;
-  if (m.kind == MethodKind::kHashTopK) {
-    for (int32_t b = 0; b < B; ++b) {
-      Layer& l = entries[b]->layers[layer];
-      if (options_.row_cache) {
-        l.cur = 1 - l.cur;
-        l.prev_valid = true;
-      } else {
-        FreeRowSets(entries[b], &l);  // no cache: the row set lives for one call
-      }
-    }
-  }
   views.clear();  // pages may move again
 
   // ---- Output in q's dtype and the per-kv-head statistics. ----
@@ -1103,7 +1198,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
           break;
         }
         case MethodKind::kHashTopK: {
-          const uint64_t fetched = static_cast<uint64_t>(union_counts[i]);
+          const uint64_t fetched = static_cast<uint64_t>(st[i]);  // the union's rows
           const uint64_t hits = static_cast<uint64_t>(st[3 * BH + i]);
           for (int32_t g = 0; g < G; ++g) {
             hs.rows_selected += static_cast<uint64_t>(st[BH + b * H + j * G + g]);

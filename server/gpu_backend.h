@@ -9,8 +9,9 @@
 //     kv head: kernels read the selected rows in place over the host link (zero-copy), no
 //     staging copy (the store's memory must be pinned and mapped: NewLocalRowSource(...,
 //     pages_device_visible = true));
-//   - HashAttention: the rows fetched at the last step (a row cache: consecutive steps select
-//     mostly the same rows, which are then copied on the device instead of crossing again).
+//   - HashAttention: a row cache of the rows selected at the last step, row_cache_fraction of the
+//     tokens per kv head (consecutive steps select mostly the same rows, which then stay on
+//     the device; only the new ones cross: PlaceRows / FetchRows).
 // All of it is a cache of the store, brought up to the store's length on demand (a prefill
 // written straight to the store, or the engine's appended token) and rebuilt when the
 // sequence's incarnation changes; idle sequences are evicted, least recently used first, to stay
@@ -18,7 +19,7 @@
 //
 // A call: sync, then one batched launch sequence per method (dense: DenseDecode; S2ANTA:
 // S2antaProp / S2antaFlash / SantaIid; HashAttention: SimHashSign, HashTopK, UnionSelected,
-// FetchRows, SelectedRowsDecode; vAttention: VAttentionDecode), one upload of q and the
+// PlaceRows, FetchRows, SelectedRowsDecode; vAttention: VAttentionDecode), one upload of q and the
 // per-sequence tables, one download of the output. Sequence i draws with SequenceSeed(seed, i),
 // as on the CPU. Calls are serialised on one CUDA stream.
 #ifndef KVSPARSE_SERVER_GPU_BACKEND_H_
@@ -41,8 +42,10 @@ struct GpuBackendOptions {
                                        // page lists, row caches)
   size_t max_fetch_bytes = 32 << 20;   // largest single read from the row source while syncing
   int32_t default_tile_size = 256;     // S2ANTA tile of a request that gives 0 (GPU: 256 only)
-  bool row_cache = true;               // HashAttention: reuse the last step's rows
-  SignatureConfig signatures;          // as the engine's (same seed and margin); SimHash only
+  // HashAttention's row cache, in rows per kv head as a fraction of the sequence's tokens (0: no
+  // cache, every selected row crosses each step).
+  double row_cache_fraction = 0.04;
+  SignatureConfig signatures;  // as the engine's (same seed and margin); SimHash only
 };
 
 // FAILED_PRECONDITION without a usable CUDA device. REQUIRES: source outlives the backend.

@@ -51,10 +51,10 @@ ABSL_FLAG(std::string, gpu, "auto",
           "pages are then pinned and mapped so the GPU reads host rows in place), on (fail "
           "without one) or off (CPU engine)");
 ABSL_FLAG(int, gpu_device, 0, "CUDA device ordinal of the GPU backend");
-ABSL_FLAG(bool, gpu_row_cache, true,
-          "HashAttention on the GPU: keep each step's fetched rows to serve the next step from "
-          "(faster when consecutive steps select the same rows; costs two row sets of GPU memory "
-          "per sequence and layer)");
+ABSL_FLAG(double, gpu_row_cache, 0.04,
+          "HashAttention on the GPU: rows per kv head kept on the GPU from one step to the next "
+          "(a row cache: consecutive steps select mostly the same rows), as a fraction of each "
+          "sequence's tokens; 0 = no cache, every selected row crosses each step");
 ABSL_FLAG(uint64_t, signature_seed, 0x6b767370,
           "Seed of the SimHash hyperplanes (fixed per deployment: cached signatures depend on it)");
 ABSL_FLAG(double, signature_norm_margin, 1.0,
@@ -100,6 +100,10 @@ int main(int argc, char** argv) {
   options.gpu = *gpu;
   options.gpu_device = absl::GetFlag(FLAGS_gpu_device);
   options.gpu_row_cache = absl::GetFlag(FLAGS_gpu_row_cache);
+  if (!(options.gpu_row_cache >= 0.0 && options.gpu_row_cache <= 1.0)) {
+    std::fprintf(stderr, "--gpu_row_cache must be a fraction in [0, 1]\n");
+    return 2;
+  }
   std::unique_ptr<kvsparse::kvstore::MemoryResource> memory;
 #if KVSPARSE_WITH_CUDA
   if (options.gpu != kvsparse::server::ServerOptions::Gpu::kOff) {

@@ -91,7 +91,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       go.max_fetch_bytes = options.engine.max_fetch_bytes;
       go.default_tile_size = options.engine.default_tile_size;
       go.signatures = options.engine.signatures;
-      go.row_cache = options.gpu_row_cache;
+      go.row_cache_fraction = options.gpu_row_cache;
       absl::StatusOr<std::unique_ptr<DecodeBackend>> b = NewGpuBackend(go, s->row_source_.get());
       if (b.ok()) {
         backend = std::move(*b);

@@ -53,9 +53,9 @@ struct ServerOptions {
   enum class Gpu { kAuto, kOn, kOff };
   Gpu gpu = Gpu::kAuto;
   int gpu_device = 0;
-  // HashAttention on the GPU keeps the rows it fetched at the last step of each (sequence,
-  // layer) to serve the next one from (two row sets per layer: faster, more GPU memory).
-  bool gpu_row_cache = true;
+  // HashAttention on the GPU keeps up to this fraction of each (sequence, layer)'s tokens, per kv
+  // head, of the rows it selected at the last step (GpuBackendOptions::row_cache_fraction).
+  double gpu_row_cache = 0.04;
   // The store's memory (store.memory) is pinned and CUDA-mapped
   // (kvstore::NewPinnedHostMemoryResource): the GPU reads host rows in place.
   bool store_pages_mapped = false;

@@ -71,13 +71,12 @@ __global__ void __launch_bounds__(kUnionThreads)
 int UnionWords(const UnionSelectedParams& p) { return (std::max(p.max_seq_len, 1) + 31) / 32; }
 
 // ---------------------------------------------------------------------------------------------
-// FetchRows: blocks of kFetchRows rows of one (b, j). Each row's K and V sources (cache slot or
-// the source addressing) are resolved once into shared memory, then the block copies 16-byte
-// vectors with several loads in flight per thread (zero-copy reads over the host link need
-// many outstanding requests).
-constexpr int kFetchThreads = 256;
-constexpr int kFetchRows = 64;
-constexpr int kFetchIn = 4;
+// PlaceRows: one block per (b, j). Hits are found by binary search in the cache's ascending
+// tokens and mark their slots in a bitmap; the unmarked slots, in order, are the free list; block
+// scans over the union give each miss its rank m (slot free[m], or overflow row m - free count at
+// location -1 - row) and each kept row its place in the cache's new token list.
+constexpr int kPlaceThreads = 512;
+constexpr int32_t kMiss = INT32_MIN;  // a union row not (yet) placed
 
 __device__ __forceinline__ int FindSorted(const int32_t* a, int n, int t) {
   int lo = 0, hi = n;
@@ -92,9 +91,134 @@ __device__ __forceinline__ int FindSorted(const int32_t* a, int n, int t) {
   return lo < n && a[lo] == t ? lo : -1;
 }
 
+struct PlaceWorkspace {
+  int words = 0;    // bitmap words per (b, j): ceil(C / 32)
+  size_t used = 0;  // offsets: uint32 [sets][words], int32 free [sets][C], loc [sets][rows cap]
+  size_t free = 0;
+  size_t loc = 0;
+  size_t total = 0;
+  static PlaceWorkspace Of(const PlaceRowsParams& p) {
+    PlaceWorkspace w;
+    const size_t sets = static_cast<size_t>(std::max(p.batch, 0)) * std::max(p.num_kv_heads, 0);
+    const size_t cap = static_cast<size_t>(std::max(p.cache.capacity, 0));
+    w.words = static_cast<int>((cap + 31) / 32);
+    w.free = AlignUp(sets * w.words * sizeof(uint32_t), 256);
+    w.loc = w.free + AlignUp(sets * cap * sizeof(int32_t), 256);
+    w.total = w.loc + AlignUp(sets * std::max(p.rows.capacity, 0) * sizeof(int32_t), 256);
+    return w;
+  }
+};
+
+__global__ void __launch_bounds__(kPlaceThreads)
+    PlaceKernel(PlaceRowsParams p, PlaceWorkspace w, char* __restrict__ ws) {
+  using Scan = cub::BlockScan<int, kPlaceThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  const int i = blockIdx.x;
+  const int tid = threadIdx.x;
+  const int C = p.cache.capacities != nullptr ? p.cache.capacities[i] : p.cache.capacity;
+  const int u = *p.rows.count[i];
+  const int32_t* toks = p.rows.tokens[i];
+  int32_t* loc = reinterpret_cast<int32_t*>(ws + w.loc) + static_cast<int64_t>(i) * p.rows.capacity;
+  int32_t* free_slots =
+      reinterpret_cast<int32_t*>(ws + w.free) + static_cast<int64_t>(i) * p.cache.capacity;
+  int num_free = 0;
+  if (C > 0) {
+    uint32_t* used = reinterpret_cast<uint32_t*>(ws + w.used) + static_cast<int64_t>(i) * w.words;
+    const int held = *p.cache.count[i];
+    const int words = (C + 31) / 32;
+    for (int x = tid; x < words; x += kPlaceThreads) used[x] = 0u;
+    __syncthreads();
+    for (int r = tid; r < u; r += kPlaceThreads) {
+      const int x = FindSorted(p.cache.tokens[i], held, toks[r]);
+      const int slot = x >= 0 ? p.cache.slots[i][x] : kMiss;
+      loc[r] = slot;
+      if (slot >= 0) atomicOr(used + (slot >> 5), 1u << (slot & 31));
+    }
+    __syncthreads();
+    const int per = (words + kPlaceThreads - 1) / kPlaceThreads;
+    const int x0 = min(words, tid * per), x1 = min(words, x0 + per);
+    auto free_bits = [&](int x) {
+      const int valid = min(32, C - x * 32);
+      return ~used[x] & (valid == 32 ? 0xffffffffu : (1u << valid) - 1u);
+    };
+    int local = 0;
+    for (int x = x0; x < x1; ++x) local += __popc(free_bits(x));
+    int off = 0;
+    Scan(scan_tmp).ExclusiveSum(local, off, num_free);
+    for (int x = x0; x < x1; ++x) {
+      uint32_t bits = free_bits(x);
+      while (bits != 0u) {
+        free_slots[off++] = x * 32 + __ffs(bits) - 1;
+        bits &= bits - 1u;
+      }
+    }
+    __syncthreads();  // free list written; scan storage free again
+  } else {
+    for (int r = tid; r < u; r += kPlaceThreads) loc[r] = kMiss;
+  }
+  // Misses, in token order: a free slot while there are any, then overflow rows.
+  int misses = 0;
+  for (int r0 = 0; r0 < u; r0 += kPlaceThreads) {
+    const int r = r0 + tid;
+    const bool miss = r < u && loc[r] == kMiss;
+    int rank = 0, total = 0;
+    Scan(scan_tmp).ExclusiveSum(miss ? 1 : 0, rank, total);
+    if (miss) {
+      const int m = misses + rank;
+      const int dest = m < num_free ? free_slots[m] : -1 - (m - num_free);
+      loc[r] = dest;
+      p.fetch.tokens[i][m] = toks[r];
+      p.fetch_dest[i][m] = dest;
+    }
+    misses += total;
+    __syncthreads();
+  }
+  if (tid == 0) {
+    *p.fetch.count[i] = misses;
+    if (p.hits != nullptr) p.hits[i] = u - misses;
+  }
+  // The cache's new token list: the union rows that have a slot, ascending (the old list was
+  // last read before the free list's barrier).
+  if (C > 0) {
+    int kept = 0;
+    for (int r0 = 0; r0 < u; r0 += kPlaceThreads) {
+      const int r = r0 + tid;
+      const bool keep = r < u && loc[r] >= 0;
+      int rank = 0, total = 0;
+      Scan(scan_tmp).ExclusiveSum(keep ? 1 : 0, rank, total);
+      if (keep) {
+        p.cache.tokens[i][kept + rank] = toks[r];
+        p.cache.slots[i][kept + rank] = loc[r];
+      }
+      kept += total;
+      __syncthreads();
+    }
+    if (tid == 0) *p.cache.count[i] = kept;
+  }
+  __syncthreads();  // every location written
+  const int b = i / p.num_kv_heads, j = i % p.num_kv_heads;
+  const int G = p.num_q_heads / p.num_kv_heads;
+  for (int g = 0; g < G; ++g) {
+    const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + j * G + g;
+    const int c = p.counts[bh];
+    int32_t* pos = p.positions + bh * p.max_selected;
+    for (int k = tid; k < c; k += kPlaceThreads) pos[k] = pos[k] >= 0 ? loc[pos[k]] : -1;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// FetchRows: blocks of kFetchRows rows of one (b, j). Each row's source (the DecodeShape
+// addressing) and destination are resolved once into shared memory, then the block copies
+// 16-byte vectors with several loads in flight per thread (zero-copy reads over the host link
+// need many outstanding requests).
+constexpr int kFetchThreads = 256;
+constexpr int kFetchRows = 64;
+constexpr int kFetchIn = 4;
+
 __global__ void __launch_bounds__(kFetchThreads) FetchKernel(FetchRowsParams p, int row_vecs) {
   __shared__ const uint4* src[2][kFetchRows];
-  __shared__ int sm_count, sm_hits;
+  __shared__ uint4* dst[2][kFetchRows];
+  __shared__ int sm_count;
   const DecodeShape& s = p.shape;
   const int i = blockIdx.y;
   const int b = i / s.num_kv_heads, j = i % s.num_kv_heads;
@@ -108,13 +232,11 @@ __global__ void __launch_bounds__(kFetchThreads) FetchKernel(FetchRowsParams p, 
       c = *p.out.count[i];
     }
     sm_count = c;
-    sm_hits = 0;
   }
   __syncthreads();
   const int count = sm_count;
   if (r0 >= count) return;
   const int rows = min(kFetchRows, count - r0);
-  const bool cached = p.cache.tokens != nullptr && p.cache.tokens[i] != nullptr;
   if (threadIdx.x < rows) {
     const int r = r0 + threadIdx.x;
     int t;
@@ -124,20 +246,15 @@ __global__ void __launch_bounds__(kFetchThreads) FetchKernel(FetchRowsParams p, 
     } else {
       t = p.out.tokens[i][r];
     }
-    const int slot = cached ? FindSorted(p.cache.tokens[i], *p.cache.count[i], t) : -1;
-    if (slot >= 0) {
-      const int64_t off = static_cast<int64_t>(slot) * row_vecs;
-      src[0][threadIdx.x] = static_cast<const uint4*>(p.cache.k[i]) + off;
-      src[1][threadIdx.x] = static_cast<const uint4*>(p.cache.v[i]) + off;
-      atomicAdd(&sm_hits, 1);
-    } else {
-      src[0][threadIdx.x] = reinterpret_cast<const uint4*>(MakeRowReader(s, false, b, j, 0).Row(t));
-      src[1][threadIdx.x] = reinterpret_cast<const uint4*>(MakeRowReader(s, true, b, j, 0).Row(t));
-    }
+    src[0][threadIdx.x] = reinterpret_cast<const uint4*>(MakeRowReader(s, false, b, j, 0).Row(t));
+    src[1][threadIdx.x] = reinterpret_cast<const uint4*>(MakeRowReader(s, true, b, j, 0).Row(t));
+    const int loc = p.dest != nullptr ? p.dest[i][r] : r;
+    const bool second = loc < 0;
+    const int64_t off = static_cast<int64_t>(second ? -1 - loc : loc) * row_vecs;
+    dst[0][threadIdx.x] = static_cast<uint4*>(second ? p.second.k[i] : p.out.k[i]) + off;
+    dst[1][threadIdx.x] = static_cast<uint4*>(second ? p.second.v[i] : p.out.v[i]) + off;
   }
   __syncthreads();
-  uint4* dst[2] = {static_cast<uint4*>(p.out.k[i]) + static_cast<int64_t>(r0) * row_vecs,
-                   static_cast<uint4*>(p.out.v[i]) + static_cast<int64_t>(r0) * row_vecs};
   const int total = 2 * rows * row_vecs;  // (kv, row, vector)
   for (int e0 = threadIdx.x; e0 < total; e0 += kFetchThreads * kFetchIn) {
     uint4 v[kFetchIn];
@@ -154,11 +271,10 @@ __global__ void __launch_bounds__(kFetchThreads) FetchKernel(FetchRowsParams p, 
       const int e = e0 + u * kFetchThreads;
       if (e < total) {
         const int kv = e / (rows * row_vecs), rv = e % (rows * row_vecs);
-        dst[kv][rv] = v[u];
+        dst[kv][rv / row_vecs][rv % row_vecs] = v[u];
       }
     }
   }
-  if (p.hits != nullptr && threadIdx.x == 0 && sm_hits > 0) atomicAdd(p.hits + i, sm_hits);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -189,6 +305,9 @@ __global__ void __launch_bounds__(kRowThreads, 2)
   const int32_t* pos = p.positions + bh * p.max_selected;
   const uint16_t* kb = static_cast<const uint16_t*>(p.rows.k[i]) + lr * 8;
   const uint16_t* vb = static_cast<const uint16_t*>(p.rows.v[i]) + lr * 8;
+  const bool has_second = p.second.k != nullptr;
+  const uint16_t* kb2 = has_second ? static_cast<const uint16_t*>(p.second.k[i]) + lr * 8 : kb;
+  const uint16_t* vb2 = has_second ? static_cast<const uint16_t*>(p.second.v[i]) + lr * 8 : vb;
   float qf[8];
   Unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(s.q) + bh * D + lr * 8),
              qf);
@@ -201,9 +320,11 @@ __global__ void __launch_bounds__(kRowThreads, 2)
     for (int u = 0; u < U; ++u) {
       const int r = g0 + u * R + row;
       ok[u] = r < r1;
-      const int64_t at = ok[u] ? static_cast<int64_t>(pos[r]) * D : 0;
-      kr[u] = ok[u] ? LoadStream16(kb + at) : make_uint4(0, 0, 0, 0);
-      vr[u] = ok[u] ? LoadStream16(vb + at) : make_uint4(0, 0, 0, 0);
+      const int loc = ok[u] ? pos[r] : 0;
+      const bool sec = loc < 0;  // a second-set row (PlaceRows' overflow)
+      const int64_t at = static_cast<int64_t>(sec ? -1 - loc : loc) * D;
+      kr[u] = ok[u] ? LoadStream16((sec ? kb2 : kb) + at) : make_uint4(0, 0, 0, 0);
+      vr[u] = ok[u] ? LoadStream16((sec ? vb2 : vb) + at) : make_uint4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -310,6 +431,31 @@ cudaError_t UnionSelected(const UnionSelectedParams& p, void* workspace, size_t 
   return cudaGetLastError();
 }
 
+size_t PlaceRowsWorkspaceBytes(const PlaceRowsParams& p) { return PlaceWorkspace::Of(p).total; }
+
+cudaError_t PlaceRows(const PlaceRowsParams& p, void* workspace, size_t workspace_bytes,
+                      cudaStream_t stream) {
+  if (p.batch < 0 || p.num_kv_heads <= 0 || p.num_q_heads <= 0 ||
+      p.num_q_heads % p.num_kv_heads != 0 || p.max_selected < 0 || p.cache.capacity < 0 ||
+      p.rows.capacity < 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.batch == 0) return cudaSuccess;
+  const PlaceWorkspace w = PlaceWorkspace::Of(p);
+  const bool cached = p.cache.capacity > 0;
+  if (p.rows.tokens == nullptr || p.rows.count == nullptr || p.positions == nullptr ||
+      p.counts == nullptr || p.fetch.tokens == nullptr || p.fetch.count == nullptr ||
+      p.fetch_dest == nullptr || p.fetch.capacity < p.rows.capacity ||
+      (cached &&
+       (p.cache.tokens == nullptr || p.cache.slots == nullptr || p.cache.count == nullptr)) ||
+      (w.total > 0 && workspace == nullptr) || workspace_bytes < w.total) {
+    return cudaErrorInvalidValue;
+  }
+  PlaceKernel<<<static_cast<unsigned>(p.batch * p.num_kv_heads), kPlaceThreads, 0, stream>>>(
+      p, w, static_cast<char*>(workspace));
+  return cudaGetLastError();
+}
+
 cudaError_t FetchRows(const FetchRowsParams& p, cudaStream_t stream) {
   const DecodeShape& s = p.shape;
   if (s.batch < 0 || s.num_kv_heads <= 0 || p.max_rows < 0 ||
@@ -320,10 +466,10 @@ cudaError_t FetchRows(const FetchRowsParams& p, cudaStream_t stream) {
   const bool has_k = s.k != nullptr || s.k_heads != nullptr || s.k_pages.enabled();
   const bool has_v = s.v != nullptr || s.v_heads != nullptr || s.v_pages.enabled();
   if (!has_k || !has_v || p.out.tokens == nullptr || p.out.count == nullptr || p.out.k == nullptr ||
-      p.out.v == nullptr || p.out.capacity < p.max_rows ||
-      (p.all_tokens && (p.seq_lens == nullptr || p.max_rows < p.max_seq_len)) ||
-      (p.cache.tokens != nullptr &&
-       (p.cache.count == nullptr || p.cache.k == nullptr || p.cache.v == nullptr))) {
+      p.out.v == nullptr || (p.dest == nullptr && p.out.capacity < p.max_rows) ||
+      (p.all_tokens &&
+       (p.seq_lens == nullptr || p.max_rows < p.max_seq_len || p.dest != nullptr)) ||
+      ((p.second.k == nullptr) != (p.second.v == nullptr))) {
     return cudaErrorInvalidValue;
   }
   const int row_vecs = s.head_dim * static_cast<int>(DTypeSize(s.dtype)) / 16;
@@ -351,6 +497,7 @@ cudaError_t SelectedRowsDecode(const SelectedRowsParams& p, void* workspace, siz
   if (s.batch == 0) return cudaSuccess;
   if (s.q == nullptr || s.out == nullptr || p.rows.k == nullptr || p.rows.v == nullptr ||
       p.positions == nullptr || p.counts == nullptr ||
+      ((p.second.k == nullptr) != (p.second.v == nullptr)) ||
       workspace_bytes < SelectedRowsWorkspaceBytes(p)) {
     return cudaErrorInvalidValue;
   }

@@ -2,13 +2,15 @@
 // of only those rows (HashAttention top-k; dense over fetched rows as the no-selection control):
 //   1. UnionSelected: per (sequence, kv head), the union of its G query heads' ascending token
 //      lists (each row fetched once for the group), and each selected token's position in it;
-//   2. FetchRows: copies the K and V rows of each union list into a row set (device memory),
-//      from wherever they live (DecodeShape's K/V addressing: strided, per-head bases, or paged
-//      rows read in place, e.g. the store's pinned host pages) or, when given, from the row set
-//      of an earlier step (a cache of recently fetched rows: consecutive decode steps pick
-//      mostly the same rows, so only the new ones cross the host link);
-//   3. SelectedRowsDecode: per query head, exact softmax attention over its own rows of the row
-//      set (fp32, output in the dtype).
+//   2. PlaceRows (optional): with a row cache of C slots per (sequence, kv head) (consecutive
+//      decode steps pick mostly the same rows), finds which union rows the cache holds and
+//      where the others go, and lists the ones to fetch;
+//   3. FetchRows: copies the K and V rows of a list into a row set (device memory), from
+//      wherever they live (DecodeShape's K/V addressing: strided, per-head bases, or paged rows
+//      read in place, e.g. the store's pinned host pages), to consecutive rows or to the
+//      locations PlaceRows gave;
+//   4. SelectedRowsDecode: per query head, exact softmax attention over its own rows (fp32,
+//      output in the dtype).
 // CPU reference: kernels/row_selection.h (EstimateFromGathered with a softmax RowSelection).
 #ifndef KVSPARSE_KERNELS_CUDA_SELECTED_ROWS_H_
 #define KVSPARSE_KERNELS_CUDA_SELECTED_ROWS_H_
@@ -34,6 +36,25 @@ struct RowSetTables {
   int32_t capacity = 0;  // rows each set can hold
 };
 
+// A second row set beside a primary one: a location loc >= 0 is row loc of the primary set (a
+// row cache's slot), loc < 0 is row -1 - loc of the second (PlaceRows' overflow rows). Null k / v:
+// no second set.
+struct SecondRows {
+  void* const* k = nullptr;  // per (b, j): [rows, head_dim]
+  void* const* v = nullptr;
+};
+
+// A row cache for every (b, j): C slots of K and V rows and the tokens they hold.
+struct RowCacheTables {
+  int32_t* const* tokens = nullptr;  // per (b, j): [C] ascending tokens held
+  int32_t* const* slots = nullptr;   // per (b, j): [C], the slot of tokens[x]
+  int32_t* const* count = nullptr;   // per (b, j): one int32, tokens held
+  void* const* k = nullptr;          // per (b, j): [C, head_dim] rows
+  void* const* v = nullptr;
+  int32_t capacity = 0;                 // C: slots of every cache (the tables' stride)
+  const int32_t* capacities = nullptr;  // optional device [B * Hkv]: slots of each, <= C
+};
+
 struct UnionSelectedParams {
   int32_t batch = 0;         // B
   int32_t num_q_heads = 0;   // H
@@ -52,6 +73,31 @@ size_t UnionSelectedWorkspaceBytes(const UnionSelectedParams& p);
 cudaError_t UnionSelected(const UnionSelectedParams& p, void* workspace, size_t workspace_bytes,
                           cudaStream_t stream);
 
+// PlaceRows: one step's rows against a row cache, per (b, j). A union row the cache holds stays
+// in its slot (a hit); the others (misses), in token order, take the slots whose rows this step
+// did not select, and once those run out go to overflow rows (location -1 - m for the m-th miss
+// without a slot; not kept). Afterwards the cache holds exactly the union rows with a slot.
+// Writes the list of rows to fetch (fetch.tokens / fetch.count: the misses, ascending, and
+// fetch_dest: their locations, for FetchRows), rewrites `positions` from union positions to
+// locations (for SelectedRowsDecode with the overflow rows as SecondRows), and the hits per
+// (b, j). With C = 0 (no cache) every row is a miss, fetched to overflow row = union position.
+struct PlaceRowsParams {
+  int32_t batch = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  RowSetTables rows;     // the step's union: tokens and count read; capacity = longest union
+  RowCacheTables cache;  // tokens, slots, count updated (null tables when capacity is 0)
+  int32_t* positions = nullptr;     // device [B, H, max_selected], as UnionSelected wrote them
+  const int32_t* counts = nullptr;  // device [B, H]
+  int32_t max_selected = 0;
+  RowSetTables fetch;                    // tokens and count written (capacity >= rows.capacity)
+  int32_t* const* fetch_dest = nullptr;  // per (b, j): [rows.capacity] locations written
+  int32_t* hits = nullptr;               // optional device [B * Hkv]: hits written
+};
+size_t PlaceRowsWorkspaceBytes(const PlaceRowsParams& p);
+cudaError_t PlaceRows(const PlaceRowsParams& p, void* workspace, size_t workspace_bytes,
+                      cudaStream_t stream);
+
 struct FetchRowsParams {
   // Where the rows live: batch, num_kv_heads, head_dim, dtype and the K/V addressing (k / v +
   // kv strides, k_heads / v_heads, or k_pages / v_pages). q, out and seq_lens are not used.
@@ -64,18 +110,19 @@ struct FetchRowsParams {
   int32_t max_seq_len = 0;
   int32_t max_rows = 0;  // host bound of every count (grid size)
   RowSetTables out;      // k and v rows written
-  // Optional row sets of an earlier step (tokens, count, k, v of each (b, j); null tables or a
-  // null tokens[i]: none): a token found there is copied from it instead of the source.
-  RowSetTables cache;
-  int32_t* hits = nullptr;  // optional device [B * Hkv]: rows taken from the cache (added)
+  // Optional: row r of the list goes to location dest[i][r] (PlaceRows' fetch_dest) instead of
+  // row r: out.k / out.v row dest, or for dest < 0 row -1 - dest of `second`.
+  const int32_t* const* dest = nullptr;
+  SecondRows second;
 };
 cudaError_t FetchRows(const FetchRowsParams& p, cudaStream_t stream);
 
 struct SelectedRowsParams {
   DecodeShape shape;  // q, out, batch, heads, head_dim, dtype, scale (K/V fields not used)
   RowSetTables rows;  // k and v of each (b, j)
-  // device [B, H, max_selected]: rows of query head (b, h) are rows.k/v[b * Hkv + h / G] at
-  // positions[b, h, 0 .. counts[b, h]).
+  SecondRows second;  // optional (PlaceRows' overflow rows)
+  // device [B, H, max_selected]: rows of query head (b, h) are the rows of (b, h / G) at
+  // locations positions[b, h, 0 .. counts[b, h]).
   const int32_t* positions = nullptr;
   const int32_t* counts = nullptr;
   int32_t max_selected = 0;

@@ -2,8 +2,10 @@
 // (per-(sequence, kv head) bases, paged rows) against the CPU references:
 //   - HashTopK -> UnionSelected -> FetchRows (from pages in device or pinned, mapped host memory)
 //     -> SelectedRowsDecode equals HashTopKDecodeCpu (union lists token for token, fetched rows
-//     byte for byte, output within rounding); a second FetchRows with the first row set as its
-//     cache copies the same bytes and counts the hits;
+//     byte for byte, output within rounding);
+//   - over a run of steps with drifting selections, PlaceRows with a row cache (large, and small
+//     enough to overflow) gives outputs bit-identical to the uncached path, the hits and the
+//     cache contents a host model of the policy predicts, and slots holding their tokens' rows;
 //   - dense, S2ANTA (prop, flash, iid) and vAttention read through k_heads / v_heads / pages
 //     give what they give on the strided layout.
 #include "kernels/cuda/selected_rows.h"
@@ -286,31 +288,6 @@ void RunHashPipeline(const HashCase& c) {
   const double err = RelativeL2(OutputAsDouble(refp), got);
   EXPECT_EQ(non_finite, 0) << what;
   EXPECT_LT(err, c.dtype == DType::kBf16 ? 8e-3 : 2e-3) << what;
-
-  // The row set as the next step's cache: the same union fetched again hits every row.
-  RowSets again(sets, cap, row);
-  ASSERT_EQ(cudaMemcpy(again.tokens.get(), rows.tokens.get(), rows.tokens.size(),
-                       cudaMemcpyDeviceToDevice),
-            cudaSuccess);
-  ASSERT_EQ(
-      cudaMemcpy(again.count.get(), rows.count.get(), rows.count.size(), cudaMemcpyDeviceToDevice),
-      cudaSuccess);
-  DeviceBuffer hits(sizeof(int32_t) * sets);
-  ASSERT_EQ(cudaMemset(hits.get(), 0, hits.size()), cudaSuccess);
-  FetchRowsParams fc = fp;
-  fc.out = again.tables;
-  fc.cache = rows.tables;
-  fc.hits = hits.as<int32_t>();
-  ASSERT_EQ(FetchRows(fc, nullptr), cudaSuccess) << what;
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
-  EXPECT_EQ(ToHost<int32_t>(hits, sets), got_cnt) << what;
-  const auto k2 = ToHost<uint8_t>(again.k, row * sets * cap);
-  const auto v2 = ToHost<uint8_t>(again.v, row * sets * cap);
-  for (int i = 0; i < sets; ++i) {
-    const size_t used = static_cast<size_t>(got_cnt[i]) * row;
-    EXPECT_EQ(0, std::memcmp(k2.data() + row * i * cap, got_k.data() + row * i * cap, used));
-    EXPECT_EQ(0, std::memcmp(v2.data() + row * i * cap, got_v.data() + row * i * cap, used));
-  }
 }
 
 TEST(SelectedRowsCudaTest, HashTopKFromPagesMatchesCpu) {
@@ -323,6 +300,198 @@ TEST(SelectedRowsCudaTest, HashTopKFromPagesMatchesCpu) {
       {DType::kBf16, 64, 2, 1, {40, 1100}, 10, true},  // sink + window cover the short one
   };
   for (const HashCase& c : cases) RunHashPipeline(c);
+}
+
+// A per-(b, j) pointer table into one allocation: entry i = base + i * stride_bytes.
+DeviceBuffer PointerTable(const DeviceBuffer& base, int sets, size_t stride_bytes) {
+  std::vector<void*> t(sets);
+  for (int i = 0; i < sets; ++i) t[i] = base.as<char>() + stride_bytes * i;
+  return ToDevice(t);
+}
+
+// Steps of drifting selections through the cached path (UnionSelected -> PlaceRows ->
+// FetchRows into cache slots and overflow rows -> SelectedRowsDecode) against the uncached one
+// (UnionSelected -> FetchRows into a full row set -> SelectedRowsDecode), for a cache that holds
+// every union, one that overflows, and none (C = 0).
+void RunCachedSteps(int C_per_cap_percent) {
+  SyntheticOptions o;
+  o.batch = 2;
+  o.num_q_heads = 8;
+  o.num_kv_heads = 2;
+  o.head_dim = 128;
+  o.seq_lens = {3000, 700};
+  o.seed = 21;
+  SyntheticProblem sp = SyntheticProblem::Make(o);
+  const DecodeProblem& p = sp.problem;
+  DeviceProblem dp = DeviceProblem::Upload(p, KvElements(p));
+  const int B = p.batch, H = p.num_q_heads, hkv = p.num_kv_heads, G = H / hkv, sets = B * hkv;
+  const int max_sel = 200;
+  const int cap = G * max_sel;  // longest union
+  const int C = cap * C_per_cap_percent / 100;
+  const std::string what = "C = " + std::to_string(C) + " of " + std::to_string(cap);
+  const size_t row = 128 * 2;
+  std::mt19937_64 rng(77);
+  // Per (b, h): a selection of 200 (b = 0) or 60 (b = 1) tokens; each step replaces ~15%.
+  std::vector<std::vector<int32_t>> sel(B * H);
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < H; ++h) {
+      std::vector<int32_t> all(p.seq_lens[b]);
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng);
+      sel[b * H + h].assign(all.begin(), all.begin() + (b == 0 ? 200 : 60));
+    }
+  }
+  RowSets full(sets, cap, row), uni(sets, cap, row), fetch(sets, cap, row), over(sets, cap, row);
+  RowSets cache(sets, std::max(C, 1), row);
+  DeviceBuffer slots(sizeof(int32_t) * sets * std::max(C, 1));
+  DeviceBuffer slot_tab = PointerTable(slots, sets, sizeof(int32_t) * std::max(C, 1));
+  DeviceBuffer dest(sizeof(int32_t) * sets * cap);
+  DeviceBuffer dest_tab = PointerTable(dest, sets, sizeof(int32_t) * cap);
+  ASSERT_EQ(cudaMemset(cache.count.get(), 0, cache.count.size()), cudaSuccess);  // empty
+  std::vector<std::vector<int32_t>> model(sets);  // host model of each cache's tokens
+  for (int step = 0; step < 6; ++step) {
+    std::vector<int32_t> idx(static_cast<size_t>(B) * H * max_sel, -1), cnt(B * H);
+    for (int bh = 0; bh < B * H; ++bh) {
+      std::vector<int32_t>& s_bh = sel[bh];
+      if (step > 0) {
+        const int n = p.seq_lens[bh / H];
+        for (int32_t& t : s_bh) {
+          if (rng() % 100 < 15) t = static_cast<int32_t>(rng() % n);
+        }
+      }
+      std::vector<int32_t> sorted = s_bh;
+      std::sort(sorted.begin(), sorted.end());
+      sorted.erase(std::unique(sorted.begin(), sorted.end()), sorted.end());
+      cnt[bh] = static_cast<int32_t>(sorted.size());
+      std::copy(sorted.begin(), sorted.end(), idx.begin() + static_cast<size_t>(bh) * max_sel);
+    }
+    DeviceBuffer didx = ToDevice(idx), dcnt = ToDevice(cnt);
+    UnionSelectedParams up;
+    up.batch = B;
+    up.num_q_heads = H;
+    up.num_kv_heads = hkv;
+    up.indices = didx.as<int32_t>();
+    up.counts = dcnt.as<int32_t>();
+    up.max_selected = max_sel;
+    up.seq_lens = dp.seq_lens.as<int32_t>();
+    up.max_seq_len = 3000;
+    DeviceBuffer uws(UnionSelectedWorkspaceBytes(up));
+    // Uncached: the union's rows into a full row set.
+    up.out = full.tables;
+    DeviceBuffer pos_full(sizeof(int32_t) * B * H * max_sel);
+    up.positions = pos_full.as<int32_t>();
+    ASSERT_EQ(UnionSelected(up, uws.get(), uws.size(), nullptr), cudaSuccess);
+    FetchRowsParams fp;
+    fp.shape = dp.shape;
+    fp.max_rows = cap;
+    fp.out = full.tables;
+    ASSERT_EQ(FetchRows(fp, nullptr), cudaSuccess);
+    SelectedRowsParams sr;
+    sr.shape = dp.shape;
+    sr.rows = full.tables;
+    sr.positions = up.positions;
+    sr.counts = up.counts;
+    sr.max_selected = max_sel;
+    DeviceBuffer sws(SelectedRowsWorkspaceBytes(sr));
+    ASSERT_EQ(SelectedRowsDecode(sr, sws.get(), sws.size(), nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto want_out = ToHost<uint8_t>(dp.out, dp.out.size());
+    const auto uni_tok = ToHost<int32_t>(full.tokens, static_cast<size_t>(sets) * cap);
+    const auto uni_cnt = ToHost<int32_t>(full.count, sets);
+    ASSERT_EQ(dp.out.Poison(), cudaSuccess);
+
+    // Cached.
+    up.out = uni.tables;
+    DeviceBuffer pos(sizeof(int32_t) * B * H * max_sel);
+    up.positions = pos.as<int32_t>();
+    ASSERT_EQ(UnionSelected(up, uws.get(), uws.size(), nullptr), cudaSuccess);
+    PlaceRowsParams pp;
+    pp.batch = B;
+    pp.num_q_heads = H;
+    pp.num_kv_heads = hkv;
+    pp.rows = uni.tables;
+    if (C > 0) {
+      pp.cache.tokens = cache.tables.tokens;
+      pp.cache.slots = slot_tab.as<int32_t* const>();
+      pp.cache.count = cache.tables.count;
+      pp.cache.k = cache.tables.k;
+      pp.cache.v = cache.tables.v;
+      pp.cache.capacity = C;
+    }
+    pp.positions = up.positions;
+    pp.counts = up.counts;
+    pp.max_selected = max_sel;
+    pp.fetch = fetch.tables;
+    pp.fetch_dest = dest_tab.as<int32_t* const>();
+    DeviceBuffer hits(sizeof(int32_t) * sets);
+    pp.hits = hits.as<int32_t>();
+    DeviceBuffer pws(PlaceRowsWorkspaceBytes(pp));
+    ASSERT_EQ(pws.Poison(), cudaSuccess);
+    ASSERT_EQ(PlaceRows(pp, pws.get(), pws.size(), nullptr), cudaSuccess) << what;
+    FetchRowsParams fc;
+    fc.shape = dp.shape;
+    fc.max_rows = cap;
+    fc.out = fetch.tables;  // the list; rows to the cache slots, or to the overflow rows
+    fc.out.k = cache.tables.k;
+    fc.out.v = cache.tables.v;
+    fc.dest = pp.fetch_dest;
+    fc.second.k = over.tables.k;
+    fc.second.v = over.tables.v;
+    ASSERT_EQ(FetchRows(fc, nullptr), cudaSuccess) << what;
+    SelectedRowsParams sc = sr;
+    sc.rows.k = fc.out.k;
+    sc.rows.v = fc.out.v;
+    sc.second = fc.second;
+    sc.positions = pp.positions;
+    ASSERT_EQ(SelectedRowsDecode(sc, sws.get(), sws.size(), nullptr), cudaSuccess) << what;
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+    EXPECT_EQ(ToHost<uint8_t>(dp.out, dp.out.size()), want_out) << what << " step " << step;
+
+    // Hits, fetch lists and cache contents against the host model of the policy.
+    const auto got_hits = ToHost<int32_t>(hits, sets);
+    const auto got_fetch = ToHost<int32_t>(fetch.count, sets);
+    const int cs = std::max(C, 1);
+    const auto c_tok = ToHost<int32_t>(cache.tokens, static_cast<size_t>(sets) * cs);
+    const auto c_cnt = ToHost<int32_t>(cache.count, sets);
+    const auto c_slot = ToHost<int32_t>(slots, static_cast<size_t>(sets) * cs);
+    const auto c_k = ToHost<uint8_t>(cache.k, row * sets * cs);
+    for (int i = 0; i < sets; ++i) {
+      const std::vector<int32_t> u(uni_tok.begin() + static_cast<size_t>(i) * cap,
+                                   uni_tok.begin() + static_cast<size_t>(i) * cap + uni_cnt[i]);
+      std::vector<int32_t> held, missed;
+      for (int32_t t : u) {
+        (std::binary_search(model[i].begin(), model[i].end(), t) ? held : missed).push_back(t);
+      }
+      ASSERT_EQ(got_hits[i], static_cast<int32_t>(held.size())) << what << " step " << step;
+      ASSERT_EQ(got_fetch[i], static_cast<int32_t>(missed.size())) << what;
+      const size_t take = std::min(missed.size(), static_cast<size_t>(C) - held.size());
+      held.insert(held.end(), missed.begin(), missed.begin() + take);
+      std::sort(held.begin(), held.end());
+      model[i] = held;
+      if (C == 0) continue;
+      ASSERT_EQ(c_cnt[i], static_cast<int32_t>(held.size())) << what;
+      std::vector<bool> slot_used(C, false);
+      const int b = i / hkv, j = i % hkv;
+      for (size_t x = 0; x < held.size(); ++x) {
+        ASSERT_EQ(c_tok[static_cast<size_t>(i) * cs + x], held[x]) << what;
+        const int slot = c_slot[static_cast<size_t>(i) * cs + x];
+        ASSERT_TRUE(slot >= 0 && slot < C && !slot_used[slot]) << what << " slot " << slot;
+        slot_used[slot] = true;
+        const int64_t off = b * p.kv_layout.batch_stride + j * p.kv_layout.head_stride +
+                            held[x] * p.kv_layout.token_stride;
+        ASSERT_EQ(0, std::memcmp(c_k.data() + (static_cast<size_t>(i) * cs + slot) * row,
+                                 static_cast<const uint8_t*>(p.k) + off * 2, row))
+            << what << " token " << held[x];
+      }
+    }
+  }
+}
+
+TEST(SelectedRowsCudaTest, RowCacheOverStepsMatchesUncached) {
+  KVSPARSE_REQUIRE_GPU();
+  RunCachedSteps(100);  // holds every union: from step 1 on, only the drift is fetched
+  RunCachedSteps(30);   // overflows on the long sequence
+  RunCachedSteps(0);    // no cache: every row fetched into overflow rows
 }
 
 TEST(SelectedRowsCudaTest, FetchAllTokensCopiesEveryRow) {

@@ -57,7 +57,9 @@ ABSL_FLAG(double, hash_fraction, 0.0125,
           "HashAttention top-k fraction per query head (the union over a GQA group of 4 is ~4x)");
 ABSL_FLAG(double, drift, 0.05, "Step-to-step query drift for the row-cache rows");
 ABSL_FLAG(std::string, methods, "all", "Comma list: dense,prop,flash,hash,vatt (or all)");
-ABSL_FLAG(bool, row_cache, true, "The GPU engine's row cache (GpuBackendOptions::row_cache)");
+ABSL_FLAG(double, row_cache, 0.04,
+          "The GPU engine's row cache, rows per kv head / tokens (GpuBackendOptions::"
+          "row_cache_fraction; 0: none)");
 ABSL_FLAG(int, capacity_batch, 0,
           "Capacity mode (instead of the table): serve this many sequences of --capacity_len "
           "tokens and --capacity_layers layers with K and V in host memory (hash top-k), whose "
@@ -357,7 +359,7 @@ int main(int argc, char** argv) {
       ks::GpuBackendOptions go;
       go.capacity_bytes = 64ull << 30;
       go.signatures = eo.signatures;
-      go.row_cache = absl::GetFlag(FLAGS_row_cache);
+      go.row_cache_fraction = absl::GetFlag(FLAGS_row_cache);
       auto backend = ks::NewGpuBackend(go, source.get());
       if (!backend.ok()) {
         std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());

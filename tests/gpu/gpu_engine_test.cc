@@ -46,7 +46,7 @@ struct Rig {
   std::unique_ptr<RowSource> source;
   std::unique_ptr<DecodeEngine> cpu, gpu;
 
-  static std::unique_ptr<Rig> Make(size_t gpu_capacity = 1ull << 30, bool row_cache = true) {
+  static std::unique_ptr<Rig> Make(size_t gpu_capacity = 1ull << 30, double row_cache = 1.0) {
     auto r = std::make_unique<Rig>();
     auto mem = kvstore::NewPinnedHostMemoryResource();
     EXPECT_TRUE(mem.ok()) << mem.status();
@@ -65,7 +65,7 @@ struct Rig {
     GpuBackendOptions go;
     go.capacity_bytes = gpu_capacity;
     go.signatures = eo.signatures;
-    go.row_cache = row_cache;
+    go.row_cache_fraction = row_cache;
     auto backend = NewGpuBackend(go, r->source.get());
     EXPECT_TRUE(backend.ok()) << backend.status();
     r->gpu = std::make_unique<DecodeEngine>(eo, r->source.get(), std::move(*backend));
@@ -355,8 +355,45 @@ TEST_F(GpuEngineTest, SmallGpuTierEvictsIdleSequences) {
   EXPECT_TRUE(again.ok()) << again.status();
 }
 
+// A row cache smaller than the selection: the rows beyond it cross every step (overflow rows),
+// the output stays the CPU engine's, and the GPU holds only the cache's slots beside the
+// signatures.
+TEST_F(GpuEngineTest, SmallRowCacheOverflows) {
+  auto rig = Rig::Make(1ull << 30, /*row_cache=*/0.02);
+  ASSERT_NE(rig, nullptr);
+  kvstore::Placement p;
+  p.signature_bits = 32;
+  auto prob = Problem({4000, 1800});
+  rig->Load(prob, p);
+  Method m;
+  m.kind = MethodKind::kHashTopK;
+  m.hash.sink_tokens = 16;
+  m.hash.local_tokens = 32;
+  m.hash.top_k_fraction = 0.05f;
+  m.hash.bits = 0;
+  Compare(*rig, prob, m, {8e-3, true, 0}, "hash, small row cache");
+  // Slots per kv head: 2% of the tokens rounded up to 64: 128 (4000 tokens) and 64 (1800).
+  const uint64_t slots[2] = {128, 64};
+  for (int step = 0; step < 2; ++step) {  // the same step again: the cache's rows hit
+    auto g = rig->gpu->Decode(Call(prob, m));
+    ASSERT_TRUE(g.ok()) << g.status();
+    for (const HeadStats& hs : g->heads) {
+      ASSERT_GT(hs.rows_fetched, slots[hs.sequence_index]);
+      EXPECT_EQ(hs.rows_cached, slots[hs.sequence_index]);
+      EXPECT_EQ(hs.bytes[static_cast<int>(Tier::kHost)],
+                2 * (hs.rows_fetched - hs.rows_cached) * 128 * 2);
+    }
+  }
+  // Signatures ([Hkv][capacity] words, capacity rounded up) and the caches' slots
+  // (tokens, slots, K and V rows).
+  const size_t held = rig->gpu->device_backend()->resident_bytes();
+  const size_t caches = 2 * (128 + 64) * (2 * 128 * 2 + 8);
+  EXPECT_GT(held, caches);
+  EXPECT_LE(held, caches + 2u * 2 * 4000 * 4 + 8192);
+}
+
 TEST_F(GpuEngineTest, WithoutTheRowCacheOnlySignaturesStay) {
-  auto rig = Rig::Make(1ull << 30, /*row_cache=*/false);
+  auto rig = Rig::Make(1ull << 30, /*row_cache=*/0.0);
   ASSERT_NE(rig, nullptr);
   kvstore::Placement p;
   p.signature_bits = 32;
