@@ -77,6 +77,14 @@ struct HeadStats {
 struct DecodeTiming {
   double selection_seconds = 0, gather_seconds = 0, compute_seconds = 0, engine_seconds = 0;
   double sync_seconds = 0;  // resident state catch-up (one-off after a prefill)
+  // GPU backend: host work after the sync until every copy and kernel of the call is enqueued,
+  // and the wait from then until the stream is done (kernels, transfers, wake-up).
+  double launch_seconds = 0, wait_seconds = 0;
+  // How many calls the selection / gather / compute times stand for: 1 when every call is
+  // timed (CPU engine); the GPU backend times one call in GpuBackendOptions::stage_timing_every
+  // (its CUDA events cost host time), which then stands for that many, and the others carry 0
+  // here and in the stage times.
+  double stage_weight = 1;
 };
 
 struct DecodeResult {

@@ -384,6 +384,7 @@ class GpuBackend final : public DecodeBackend {
   absl::node_hash_map<std::string, Entry> entries_;  // node map: Entry pointers stay valid
   size_t bytes_ = 0;
   uint64_t tick_ = 0, evictions_ = 0;
+  uint64_t calls_ = 0;  // for stage_timing_every
   std::map<std::tuple<uint32_t, int32_t, int32_t>, DevBuf> planes_;
   DevBuf scratch_, sync_tmp_;
   PinnedBuf staging_, call_host_, out_host_;
@@ -729,6 +730,10 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
       hc.Take<void*>(BK);
     }
   }
+  // Statistics, last, zeroed by the upload: rows read (SANTA) or union rows (HashAttention) /
+  // counts / budgets / hits.
+  const size_t stats_off = hc.used();
+  hc.Take<int32_t>(4 * static_cast<size_t>(BH));
   const size_t table_bytes = hc.used();
   if (absl::Status s = call_host_.Reserve(table_bytes); !s.ok()) return s;
   char* h = static_cast<char*>(call_host_.ptr);
@@ -784,14 +789,11 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
     }
   }
 
-  // Device scratch: the tables, then the output and the method's buffers.
+  // Device scratch: the tables and statistics, then the output and the method's buffers.
   Carver dc(nullptr);
   dc.Take<char>(table_bytes);
   const size_t out_off = dc.used();
   dc.Take<uint8_t>(static_cast<size_t>(BH) * d * es);
-  const size_t stats_off = dc.used();
-  // Statistics: rows read (SANTA) or union rows (HashAttention) / counts / budgets / hits.
-  dc.Take<int32_t>(4 * static_cast<size_t>(BH));
   const size_t method_off = dc.used();
   // Method buffers are carved twice: sizes first (base null), then pointers.
   kc::DecodeShape shape_d;
@@ -869,7 +871,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
     Carver c(base == nullptr ? nullptr : base + method_off);
     int32_t* stats = base == nullptr ? nullptr : reinterpret_cast<int32_t*>(base + stats_off);
     auto mark = [&](int i) -> absl::Status {
-      if (run) KVS_CUDA_OK(cudaEventRecord(ev[i], stream_), "event");
+      if (run && ev != nullptr) KVS_CUDA_OK(cudaEventRecord(ev[i], stream_), "event");
       return absl::OkStatus();
     };
     if (absl::Status s = mark(0); !s.ok()) return s;
@@ -940,7 +942,6 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
         if (absl::Status s = mark(1); !s.ok()) return s;
         if (absl::Status s = mark(2); !s.ok()) return s;
         if (run) {
-          KVS_CUDA_OK(cudaMemsetAsync(stats, 0, sizeof(int32_t) * BK, stream_), "memset");
           KVS_CUDA_OK(iid    ? kc::SantaIid(sp, ws, wb, stream_)
                       : prop ? kc::S2antaProp(sp, ws, wb, stream_)
                              : kc::S2antaFlash(sp, ws, wb, stream_),
@@ -1119,14 +1120,19 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
   }
   KVS_CUDA_OK(cudaMemcpyAsync(base, h, table_bytes, cudaMemcpyHostToDevice, stream_),
               "call tables upload");
-  if (absl::Status s = plan(base, true, events_, &method_bytes); !s.ok()) return s;
+  const int every = options_.stage_timing_every;
+  const bool timed = every > 0 && calls_++ % static_cast<uint64_t>(every) == 0;
+  if (absl::Status s = plan(base, true, timed ? events_ : nullptr, &method_bytes); !s.ok()) {
+    return s;
+  }
   // Output and statistics are adjacent in the scratch: one download.
-  const size_t down_bytes = stats_off - out_off + sizeof(int32_t) * 4 * BH;
+  const size_t down_bytes = out_off + static_cast<size_t>(BH) * d * es - stats_off;
   if (absl::Status s = out_host_.Reserve(down_bytes); !s.ok()) return s;
   char* oh = static_cast<char*>(out_host_.ptr);
-  KVS_CUDA_OK(cudaMemcpyAsync(oh, base + out_off, down_bytes, cudaMemcpyDeviceToHost, stream_),
+  KVS_CUDA_OK(cudaMemcpyAsync(oh, base + stats_off, down_bytes, cudaMemcpyDeviceToHost, stream_),
               "output download");
-  const int32_t* st = reinterpret_cast<const int32_t*>(oh + (stats_off - out_off));
+  const int32_t* st = reinterpret_cast<const int32_t*>(oh);
+  const char* out_h = oh + (out_off - stats_off);
   std::vector<int64_t> vbud;
   if (m.kind == MethodKind::kVAttention) {
     vbud.resize(BH);
@@ -1141,12 +1147,21 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
                                 cudaMemcpyDeviceToHost, stream_),
                 "iid indices download");
   }
+  const absl::Time enqueued = absl::Now();
   KVS_CUDA_OK(cudaStreamSynchronize(stream_), "decode");
-  float ms[3] = {0, 0, 0};
-  for (int i = 0; i < 3; ++i) cudaEventElapsedTime(&ms[i], events_[i], events_[i + 1]);
-  result->timing.selection_seconds += ms[0] * 1e-3;
-  result->timing.gather_seconds += ms[1] * 1e-3;
-  result->timing.compute_seconds += ms[2] * 1e-3;
+  const absl::Time done = absl::Now();
+  result->timing.launch_seconds += absl::ToDoubleSeconds(enqueued - synced);
+  result->timing.wait_seconds += absl::ToDoubleSeconds(done - enqueued);
+  if (timed) {
+    float ms[3] = {0, 0, 0};
+    for (int i = 0; i < 3; ++i) cudaEventElapsedTime(&ms[i], events_[i], events_[i + 1]);
+    result->timing.selection_seconds += ms[0] * 1e-3;
+    result->timing.gather_seconds += ms[1] * 1e-3;
+    result->timing.compute_seconds += ms[2] * 1e-3;
+    result->timing.stage_weight = every;
+  } else {
+    result->timing.stage_weight = 0;
+  }
   views.clear();  // pages may move again
 
   // ---- Output in q's dtype and the per-kv-head statistics. ----
@@ -1154,11 +1169,12 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
     uint8_t* dst = reinterpret_cast<uint8_t*>(result->output.data());
     const size_t count = static_cast<size_t>(BH) * d;
     if (call.q_dtype == dt) {
-      std::memcpy(dst, oh, count * es);
+      std::memcpy(dst, out_h, count * es);
     } else {
       for (size_t i = 0; i < count; ++i) {
-        kernels::StoreFromFloat(dst, i, call.q_dtype,
-                                kernels::LoadAsFloat(reinterpret_cast<uint8_t*>(oh), i, dt));
+        kernels::StoreFromFloat(
+            dst, i, call.q_dtype,
+            kernels::LoadAsFloat(reinterpret_cast<const uint8_t*>(out_h), i, dt));
       }
     }
   }

@@ -45,6 +45,9 @@ struct GpuBackendOptions {
   // HashAttention's row cache, in rows per kv head as a fraction of the sequence's tokens (0: no
   // cache, every selected row crosses each step).
   double row_cache_fraction = 0.04;
+  // Selection / gather / compute times from CUDA events on one call in this many (1: every
+  // call; 0: never). Recording the events costs a few us of host time per call.
+  int stage_timing_every = 16;
   SignatureConfig signatures;  // as the engine's (same seed and margin); SimHash only
 };
 

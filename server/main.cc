@@ -2,6 +2,7 @@
 // process by default or split by --role. Flags are read here and nowhere else.
 #include <signal.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -55,6 +56,9 @@ ABSL_FLAG(double, gpu_row_cache, 0.04,
           "HashAttention on the GPU: rows per kv head kept on the GPU from one step to the next "
           "(a row cache: consecutive steps select mostly the same rows), as a fraction of each "
           "sequence's tokens; 0 = no cache, every selected row crosses each step");
+ABSL_FLAG(int, gpu_stage_timing_every, 16,
+          "GPU engine: time the selection / gather / compute stages (CUDA events) of one Decode "
+          "call in this many (1: every call, 0: never); the events cost host time per call");
 ABSL_FLAG(uint64_t, signature_seed, 0x6b767370,
           "Seed of the SimHash hyperplanes (fixed per deployment: cached signatures depend on it)");
 ABSL_FLAG(double, signature_norm_margin, 1.0,
@@ -100,6 +104,7 @@ int main(int argc, char** argv) {
   options.gpu = *gpu;
   options.gpu_device = absl::GetFlag(FLAGS_gpu_device);
   options.gpu_row_cache = absl::GetFlag(FLAGS_gpu_row_cache);
+  options.gpu_stage_timing_every = std::max(0, absl::GetFlag(FLAGS_gpu_stage_timing_every));
   if (!(options.gpu_row_cache >= 0.0 && options.gpu_row_cache <= 1.0)) {
     std::fprintf(stderr, "--gpu_row_cache must be a fraction in [0, 1]\n");
     return 2;

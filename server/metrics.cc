@@ -196,7 +196,9 @@ DecodeMetrics::DecodeMetrics(prometheus::Registry& registry)
                        .Register(registry)),
       gather_seconds_(prometheus::BuildCounter()
                           .Name("kvsparse_decode_gather_seconds_total")
-                          .Help("Time spent fetching rows; GB/s = rate(fetched bytes) / rate(this)")
+                          .Help("Time spent fetching rows (the GPU engine times one call in "
+                                "--gpu_stage_timing_every and counts it that many times); GB/s = "
+                                "rate(fetched bytes) / rate(this)")
                           .Register(registry)),
       sequences_(prometheus::BuildCounter()
                      .Name("kvsparse_decode_sequence_layers_total")
@@ -209,7 +211,8 @@ DecodeMetrics::DecodeMetrics(prometheus::Registry& registry)
                        .Register(registry)),
       stage_(prometheus::BuildHistogram()
                  .Name("kvsparse_decode_stage_seconds")
-                 .Help("Engine time per Decode call, by stage")
+                 .Help("Engine time per Decode call, by stage (stages: the calls timed, one in "
+                       "--gpu_stage_timing_every on the GPU engine)")
                  .Register(registry)),
       budget_(prometheus::BuildHistogram()
                   .Name("kvsparse_decode_budget")
@@ -268,10 +271,12 @@ void DecodeMetrics::Record(int method, const char*, const DecodeResult& r) {
   if (cached > 0) pm.cached->Increment(cached);
   pm.budget->ObserveMultiple(budget_buckets, budget_sum);
   pm.sequences->Increment(static_cast<double>(seqs));
-  pm.gather->Increment(r.timing.gather_seconds);
-  selection_->Observe(r.timing.selection_seconds);
-  gather_->Observe(r.timing.gather_seconds);
-  compute_->Observe(r.timing.compute_seconds);
+  if (r.timing.stage_weight > 0) {  // stage times of a timed call stand for stage_weight calls
+    pm.gather->Increment(r.timing.gather_seconds * r.timing.stage_weight);
+    selection_->Observe(r.timing.selection_seconds);
+    gather_->Observe(r.timing.gather_seconds);
+    compute_->Observe(r.timing.compute_seconds);
+  }
   engine_->Observe(r.timing.engine_seconds);
 }
 

@@ -92,6 +92,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       go.default_tile_size = options.engine.default_tile_size;
       go.signatures = options.engine.signatures;
       go.row_cache_fraction = options.gpu_row_cache;
+      go.stage_timing_every = options.gpu_stage_timing_every;
       absl::StatusOr<std::unique_ptr<DecodeBackend>> b = NewGpuBackend(go, s->row_source_.get());
       if (b.ok()) {
         backend = std::move(*b);

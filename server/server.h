@@ -56,6 +56,7 @@ struct ServerOptions {
   // HashAttention on the GPU keeps up to this fraction of each (sequence, layer)'s tokens, per kv
   // head, of the rows it selected at the last step (GpuBackendOptions::row_cache_fraction).
   double gpu_row_cache = 0.04;
+  int gpu_stage_timing_every = 16;  // GpuBackendOptions::stage_timing_every
   // The store's memory (store.memory) is pinned and CUDA-mapped
   // (kvstore::NewPinnedHostMemoryResource): the GPU reads host rows in place.
   bool store_pages_mapped = false;

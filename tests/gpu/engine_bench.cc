@@ -57,6 +57,9 @@ ABSL_FLAG(double, hash_fraction, 0.0125,
           "HashAttention top-k fraction per query head (the union over a GQA group of 4 is ~4x)");
 ABSL_FLAG(double, drift, 0.05, "Step-to-step query drift for the row-cache rows");
 ABSL_FLAG(std::string, methods, "all", "Comma list: dense,prop,flash,hash,vatt (or all)");
+ABSL_FLAG(int, stage_timing_every, 4,
+          "GpuBackendOptions::stage_timing_every: the [gpu] and gather-stage columns are medians "
+          "over the timed calls");
 ABSL_FLAG(double, row_cache, 0.04,
           "The GPU engine's row cache, rows per kv head / tokens (GpuBackendOptions::"
           "row_cache_fraction; 0: none)");
@@ -135,6 +138,8 @@ struct Row {
   double gpu_us = -1;     // the engine's GPU time (events around its launches)
   double engine_us = -1;  // the engine's own wall time (DecodeResult::timing.engine_seconds)
   double sync_us = -1;    // of which bringing the GPU state up to date (and finding it)
+  double launch_us = -1;  // of which the backend's host work until all is enqueued
+  double wait_us = -1;    // of which waiting for the stream (kernels, transfers, wake-up)
   double gather_us = -1;  // of which the gather stage (selection-row methods)
 };
 
@@ -150,7 +155,10 @@ void Print(const Row& r, double dense_us, double h2d_gbs, int n) {
     std::printf("  rows/kv head %.0f (%.2f%%)", r.rows_per_head, 100.0 * r.rows_per_head / n);
   if (r.hit >= 0) std::printf("  cache hits %.1f%%", 100.0 * r.hit);
   if (r.gpu_us >= 0) std::printf("  [gpu %.1f us]", r.gpu_us);
-  if (r.engine_us >= 0) std::printf("  [engine %.1f us, sync %.1f us]", r.engine_us, r.sync_us);
+  if (r.engine_us >= 0) {
+    std::printf("  [engine %.1f us: sync %.1f, launch %.1f, wait %.1f]", r.engine_us, r.sync_us,
+                r.launch_us, r.wait_us);
+  }
   if (r.gather_us > 2 && r.host_mb > 0) {  // methods with a gather stage of their own
     std::printf("  [gather stage %.1f us: %.1f GB/s]", r.gather_us, r.host_mb / r.gather_us * 1e3);
   }
@@ -311,6 +319,11 @@ int main(int argc, char** argv) {
   const double h2d_gbs = kvsparse::bench::BulkHostToDeviceGBs();
   std::printf("# device %s (%d SMs); bulk host-to-device copy %.1f GB/s\n", prop.name,
               prop.multiProcessorCount, h2d_gbs);
+  const kvsparse::bench::ApiCost api = kvsparse::bench::MeasureApiCost();
+  std::printf(
+      "# host cost per CUDA call (us): event record %.2f, memset launch %.2f, 4 KB H2D copy "
+      "%.2f, 4 KB D2H copy %.2f, idle stream sync %.2f\n",
+      api.event_record, api.memset_launch, api.small_h2d, api.small_d2h, api.sync_idle);
 
   if (absl::GetFlag(FLAGS_capacity_batch) > 0) return Capacity(h2d_gbs);
   for (int n : Ints(absl::GetFlag(FLAGS_lens))) {
@@ -360,6 +373,7 @@ int main(int argc, char** argv) {
       go.capacity_bytes = 64ull << 30;
       go.signatures = eo.signatures;
       go.row_cache_fraction = absl::GetFlag(FLAGS_row_cache);
+      go.stage_timing_every = absl::GetFlag(FLAGS_stage_timing_every);
       auto backend = ks::NewGpuBackend(go, source.get());
       if (!backend.ok()) {
         std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
@@ -510,7 +524,7 @@ int main(int argc, char** argv) {
                              bool drift, const std::string& name) {
         Row r;
         r.name = name;
-        std::vector<double> us, gpu, gather, eng, syn;
+        std::vector<double> us, gpu, gather, eng, syn, lau, wai;
         double host = 0, rows = 0, hits = 0, fetched = 0, err = 0;
         std::vector<float> qd = qf;
         std::mt19937_64 qr(99);
@@ -534,12 +548,16 @@ int main(int argc, char** argv) {
           const double t = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
           if (i < 0) continue;
           us.push_back(t);
-          gpu.push_back((res.timing.selection_seconds + res.timing.gather_seconds +
-                         res.timing.compute_seconds) *
-                        1e6);
-          gather.push_back(res.timing.gather_seconds * 1e6);
+          if (res.timing.stage_weight > 0) {  // a timed call
+            gpu.push_back((res.timing.selection_seconds + res.timing.gather_seconds +
+                           res.timing.compute_seconds) *
+                          1e6);
+            gather.push_back(res.timing.gather_seconds * 1e6);
+          }
           eng.push_back(res.timing.engine_seconds * 1e6);
           syn.push_back(res.timing.sync_seconds * 1e6);
+          lau.push_back(res.timing.launch_seconds * 1e6);
+          wai.push_back(res.timing.wait_seconds * 1e6);
           for (const ks::HeadStats& hs : res.heads) {
             host += hs.bytes[static_cast<int>(kv::Tier::kHost)];
             rows += hs.rows_fetched;
@@ -558,6 +576,8 @@ int main(int argc, char** argv) {
         r.gpu_us = Median(gpu);
         r.gather_us = Median(gather);
         r.engine_us = Median(eng);
+        r.launch_us = Median(lau);
+        r.wait_us = Median(wai);
         r.sync_us = Median(syn);
         r.err = err / counted;
         r.host_mb = host / counted / 1e6;
