@@ -111,6 +111,11 @@ inline size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 // Number of multiprocessors of the current device (cached per device ordinal).
 int NumSms();
 
+// cudaFuncSetAttribute(kernel, MaxDynamicSharedMemorySize, bytes), once per (kernel, device,
+// bytes): launchers call it before every launch, and each driver call is host time on the
+// decode path.
+cudaError_t SetMaxDynamicSmem(const void* kernel, int bytes);
+
 // Programmatic dependent launch (sm_90): launches `kernel` so that it may start while the
 // previous kernel on the stream is still finishing (its blocks are scheduled once every block of
 // that kernel has called AllowDependents() or exited). The kernel must call GridDependencyWait()

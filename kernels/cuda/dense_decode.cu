@@ -1,11 +1,33 @@
 #include <algorithm>
 #include <atomic>
+#include <mutex>
+#include <set>
+#include <tuple>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/dense_decode.h"
 #include "kernels/cuda/tile_common.cuh"
 
 namespace kvsparse::kernels::cuda {
+
+cudaError_t SetMaxDynamicSmem(const void* kernel, int bytes) {
+  int dev = -1;
+  if (cudaGetDevice(&dev) != cudaSuccess) return cudaGetLastError();
+  static std::mutex mu;
+  static auto* done = new std::set<std::tuple<const void*, int, int>>();
+  const auto key = std::make_tuple(kernel, dev, bytes);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (done->count(key) > 0) return cudaSuccess;
+  }
+  const cudaError_t e =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess) {
+    std::lock_guard<std::mutex> lock(mu);
+    done->insert(key);
+  }
+  return e;
+}
 
 int NumSms() {
   static std::atomic<int> cache[64] = {};
@@ -403,15 +425,15 @@ struct DenseLaunch {
     if constexpr (D <= 128) {
       using Cfg = DenseMmaCfg<D, G>;
       auto* kernel = &DenseMmaKernel<T, D, G>;
-      KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Cfg::kStageBytes)));
+      KVSPARSE_CUDA_RETURN_IF_ERROR(SetMaxDynamicSmem(reinterpret_cast<const void*>(kernel),
+                                                      static_cast<int>(Cfg::kStageBytes)));
       kernel<<<grid, Cfg::kThreads, Cfg::kStageBytes, stream>>>(s, plan.chunk_len, plan.num_splits,
                                                                 part_o, part_lse);
     } else {
       using Cfg = DenseCfg<D, G>;
       auto* kernel = &DenseSplitKernel<T, D, G>;
-      KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(Cfg::kStageBytes)));
+      KVSPARSE_CUDA_RETURN_IF_ERROR(SetMaxDynamicSmem(reinterpret_cast<const void*>(kernel),
+                                                      static_cast<int>(Cfg::kStageBytes)));
       kernel<<<grid, Cfg::kThreads, Cfg::kStageBytes, stream>>>(s, plan.chunk_len, plan.num_splits,
                                                                 part_o, part_lse);
     }

@@ -445,8 +445,8 @@ cudaError_t HashTopK(const HashTopKParams& p, void* workspace, size_t workspace_
     const dim3 grid(plan.chunks, p.batch * p.num_q_heads);
     const size_t smem = static_cast<size_t>((W * 32 + 2) / 2) * kTopkThreads * sizeof(uint32_t);
     if (smem > 48 * 1024) {
-      KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          &TopkHistKernel<W>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      KVSPARSE_CUDA_RETURN_IF_ERROR(SetMaxDynamicSmem(
+          reinterpret_cast<const void*>(&TopkHistKernel<W>), static_cast<int>(smem)));
     }
     TopkHistKernel<W><<<grid, kTopkThreads, smem, stream>>>(p, plan.chunk, hist);
     KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());

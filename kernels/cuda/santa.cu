@@ -961,7 +961,7 @@ struct Pass1Launch {
     using Cfg = Pass1Cfg<D, G>;
     auto* kernel = &Pass1Kernel<T, D, G, kOut>;
     KVSPARSE_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int{Cfg::kSmem}));
+        SetMaxDynamicSmem(reinterpret_cast<const void*>(kernel), int{Cfg::kSmem}));
     kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(s, seed, plan.tiles_per_block,
                                                         plan.max_tiles, m_tiles, l_tiles, out);
     return cudaGetLastError();
@@ -990,7 +990,7 @@ struct Pass2Launch {
     constexpr size_t kSmem = Pass2Geom<D, G>::kSmem;
     auto* kernel = &PropPass2Kernel<T, D, G>;
     KVSPARSE_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kSmem}));
+        SetMaxDynamicSmem(reinterpret_cast<const void*>(kernel), int{kSmem}));
     return LaunchDependent(kernel, grid, dim3(NW * 32), kSmem, stream, p, plan.max_tiles, parts, nb,
                            static_cast<const uint8_t*>(ws.records),
                            static_cast<const int*>(ws.s_tiles), ws.accum, ws.counters);
@@ -1009,8 +1009,8 @@ struct IidLaunch {
     if (smem > 200 * 1024) return cudaErrorInvalidValue;
     auto* kernel = &IidSampleKernel<T, D>;
     if (smem > 48 * 1024) {
-      KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-          kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+      KVSPARSE_CUDA_RETURN_IF_ERROR(
+          SetMaxDynamicSmem(reinterpret_cast<const void*>(kernel), static_cast<int>(smem)));
     }
     kernel<<<p.shape.batch * p.shape.num_q_heads, kSmallThreads, smem, stream>>>(
         p, max_tiles, ws.m_tiles, ws.l_tiles, ws.stash);
@@ -1029,8 +1029,8 @@ struct FlashLaunch {
     const DecodeShape& s = p.shape;
     const dim3 grid(s.num_kv_heads, plan.num_parts, s.batch);
     constexpr size_t kSmem = ScoreStageBytes<TileCfg<D, G>::kWarps, kFlashBufs>();
-    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        &FlashKernel<T, D, G>, cudaFuncAttributeMaxDynamicSharedMemorySize, int{kSmem}));
+    KVSPARSE_CUDA_RETURN_IF_ERROR(
+        SetMaxDynamicSmem(reinterpret_cast<const void*>(&FlashKernel<T, D, G>), int{kSmem}));
     FlashKernel<T, D, G><<<grid, TileCfg<D, G>::kThreads, kSmem, stream>>>(
         p, plan.tiles_per_block, plan.num_parts, part_o, part_lse);
     KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
@@ -1048,8 +1048,8 @@ cudaError_t LaunchBudget(const SantaParams& p, const TilePlan& plan, const PropS
   const size_t smem = (static_cast<size_t>(plan.max_tiles) + 4) * sizeof(double);
   if (smem > 200 * 1024) return cudaErrorInvalidValue;
   if (smem > 48 * 1024) {
-    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        &PropBudgetKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+    KVSPARSE_CUDA_RETURN_IF_ERROR(SetMaxDynamicSmem(
+        reinterpret_cast<const void*>(&PropBudgetKernel), static_cast<int>(smem)));
   }
   const dim3 grid(p.shape.batch * p.shape.num_q_heads,
                   (plan.max_tiles + kBudgetTiles - 1) / kBudgetTiles);

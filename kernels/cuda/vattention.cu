@@ -565,9 +565,8 @@ cudaError_t LaunchSample(const VAttentionParams& p, const Layout& l, int32_t* ou
                          int32_t* out_count, cudaStream_t stream) {
   const size_t smem = static_cast<size_t>((p.shape.max_seq_len + 31) / 32) * 4 + kBuckets * 4 +
                       kCand * (8 + 4) + 64;
-  KVSPARSE_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(&VattSampleKernel<kBase>,
-                                                     cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                     static_cast<int>(smem)));
+  KVSPARSE_CUDA_RETURN_IF_ERROR(SetMaxDynamicSmem(
+      reinterpret_cast<const void*>(&VattSampleKernel<kBase>), static_cast<int>(smem)));
   VattSampleKernel<kBase>
       <<<p.shape.batch * p.shape.num_q_heads, kSampleThreads, smem, stream>>>(p, l, out, out_count);
   return cudaGetLastError();

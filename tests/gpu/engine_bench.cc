@@ -57,9 +57,10 @@ ABSL_FLAG(double, hash_fraction, 0.0125,
           "HashAttention top-k fraction per query head (the union over a GQA group of 4 is ~4x)");
 ABSL_FLAG(double, drift, 0.05, "Step-to-step query drift for the row-cache rows");
 ABSL_FLAG(std::string, methods, "all", "Comma list: dense,prop,flash,hash,vatt (or all)");
-ABSL_FLAG(int, stage_timing_every, 4,
+ABSL_FLAG(int, stage_timing_every, 3,
           "GpuBackendOptions::stage_timing_every: the [gpu] and gather-stage columns are medians "
-          "over the timed calls");
+          "over the timed calls (odd: a row makes two engine calls per step, its own and the "
+          "dense reference's)");
 ABSL_FLAG(double, row_cache, 0.04,
           "The GPU engine's row cache, rows per kv head / tokens (GpuBackendOptions::"
           "row_cache_fraction; 0: none)");
