@@ -60,25 +60,34 @@ __global__ void __launch_bounds__(256) SimHashKernel(SimHashSignParams p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Top-k over C chunks of the rest [sink_end, window_begin) of every (b, h), two kernels:
-//   TopkHistKernel   (grid C x BH): histogram of the similarities of one chunk (a private
-//                    16-bit counter column per thread, no atomics) -> hist [BH, C, bins];
-//   TopkSelectKernel (grid C x BH): every block sums the C histograms, finds the threshold
-//                    similarity and how many ties at it to take (lowest tokens first), the counts
-//                    of the chunks before its own, then walks its chunk in token order (8 tokens
-//                    per thread, a block scan per 2048 tokens) and writes the chosen tokens at
-//                    their final positions, ascending. Block 0 also writes sink, window, counts.
+// Top-k over C chunks of the rest [sink_end, window_begin) of every (b, h), three kernels, each
+// block of the first and last taking one chunk of one signature head (b, j) for all GS query
+// heads that share it (the signatures are read once per group, not once per head):
+//   TopkHistKernel   (grid C x B*key_heads): similarity histograms of the chunk for its GS heads
+//                    (shared-memory atomics) -> hist [BH, C, bins];
+//   TopkThreshKernel (grid BH): sums the C histograms of (b, h), finds the threshold similarity,
+//                    how many ties at it to take (lowest tokens first), and for every chunk the
+//                    tokens above the threshold and the ties in the chunks before it -> info, offs;
+//   TopkSelectKernel (grid C x B*key_heads): walks its chunk in token order (8 tokens per thread,
+//                    a block scan per 2048 tokens and head) and writes the chosen tokens at their
+//                    final positions, ascending. Chunk 0 also writes sink, window and counts.
 constexpr int kTopkThreads = 256;
 constexpr int kTopkWarps = kTopkThreads / 32;
 constexpr int kPer = 8;
 constexpr int kSub = kTopkThreads * kPer;  // tokens per scan step
 
 template <int W>
-__device__ __forceinline__ int Similarity(const uint32_t (&q)[W], const uint32_t* k) {
+__device__ __forceinline__ int Similarity(const uint32_t (&q)[W], const uint32_t (&k)[W]) {
   int pc = 0;
 #pragma unroll
-  for (int w = 0; w < W; ++w) pc += __popc(q[w] ^ __ldg(k + w));
+  for (int w = 0; w < W; ++w) pc += __popc(q[w] ^ k[w]);
   return W * 32 - 2 * pc;
+}
+
+template <int W>
+__device__ __forceinline__ void LoadSig(const uint32_t* k, uint32_t (&out)[W]) {
+#pragma unroll
+  for (int w = 0; w < W; ++w) out[w] = __ldg(k + w);
 }
 
 struct TopkGeom {
@@ -105,55 +114,10 @@ __device__ __forceinline__ void LoadQuerySig(const HashTopKParams& p, int64_t bh
   for (int w = 0; w < W; ++w) q[w] = p.q_sigs[bh * W + w];
 }
 
-__device__ __forceinline__ const uint32_t* KeySigs(const HashTopKParams& p, int b, int h) {
-  const int j = p.key_heads == p.num_q_heads ? h : h / (p.num_q_heads / p.key_heads);
+// Key signatures of signature head j of sequence b.
+__device__ __forceinline__ const uint32_t* KeySigs(const HashTopKParams& p, int b, int j) {
   if (p.k_sig_heads != nullptr) return p.k_sig_heads[static_cast<int64_t>(b) * p.key_heads + j];
   return p.k_sigs + b * p.k_batch_stride + j * p.k_head_stride;
-}
-
-// Histogram of the similarity bins (similarity + bits) / 2 of len consecutive key signatures
-// starting at kb, into private 16-bit counter columns cols[kRows][kTopkThreads] (two bins per
-// word; a thread zeroes and fills its own column, so no atomics). Ends with the block's column
-// sums in out[0, kBins) (a barrier first).
-template <int W>
-__device__ __forceinline__ void BinHistogram(const uint32_t (&q)[W], const uint32_t* kb,
-                                             int64_t kts, int len, uint32_t* cols, int* out) {
-  constexpr int kBits = W * 32;
-  constexpr int kBins = kBits + 1;
-  constexpr int kRows = (kBins + 1) / 2;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  for (int r = 0; r < kRows; ++r) cols[r * kTopkThreads + tid] = 0u;
-  constexpr int kIn = 8;  // independent signature loads in flight per thread
-  for (int i0 = tid; i0 < len; i0 += kIn * kTopkThreads) {
-    int bn[kIn];
-#pragma unroll
-    for (int k = 0; k < kIn; ++k) {
-      const int i = i0 + k * kTopkThreads;
-      bn[k] = i < len ? (Similarity<W>(q, kb + i * kts) + kBits) / 2 : -1;
-    }
-#pragma unroll
-    for (int k = 0; k < kIn; ++k) {
-      if (bn[k] >= 0) cols[(bn[k] >> 1) * kTopkThreads + tid] += 1u << (16 * (bn[k] & 1));
-    }
-  }
-  __syncthreads();
-  for (int r = warp; r < kRows; r += kTopkWarps) {
-    uint32_t lo = 0, hi = 0;
-    for (int t = lane; t < kTopkThreads; t += 32) {
-      const uint32_t x = cols[r * kTopkThreads + t];
-      lo += x & 0xffffu;
-      hi += x >> 16;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o /= 2) {
-      lo += __shfl_xor_sync(0xffffffffu, lo, o);
-      hi += __shfl_xor_sync(0xffffffffu, hi, o);
-    }
-    if (lane == 0) {
-      out[2 * r] = static_cast<int>(lo);
-      if (2 * r + 1 < kBins) out[2 * r + 1] = static_cast<int>(hi);
-    }
-  }
 }
 
 // Warp 0 only: the bin holding the kk-th largest similarity (*thr) and how many tokens lie in
@@ -189,8 +153,7 @@ __device__ __forceinline__ void FindThreshold(const int* total, int kk, int lane
   }
 }
 
-// Sink and window tokens of (b, h) at their output positions, the count and the budget (one
-// block per (b, h) calls it).
+// Sink and window tokens of (b, h) at their output positions, the count and the budget.
 __device__ __forceinline__ void WriteSinkAndWindow(const HashTopKParams& p, const TopkGeom& g,
                                                    int64_t bh, int32_t* out) {
   const int tid = threadIdx.x;
@@ -202,24 +165,112 @@ __device__ __forceinline__ void WriteSinkAndWindow(const HashTopKParams& p, cons
   }
 }
 
-template <int W>
+template <int W, int GS>
 __global__ void __launch_bounds__(kTopkThreads)
     TopkHistKernel(HashTopKParams p, int chunk, int* __restrict__ hist) {
-  constexpr int kBins = W * 32 + 1;
-  extern __shared__ uint32_t cols[];  // [(kBins + 1) / 2][kTopkThreads]
-  AllowDependents();                  // the select kernel waits for this grid
-  const int c = blockIdx.x;
-  const int64_t bh = blockIdx.y;
-  const int b = static_cast<int>(bh / p.num_q_heads), h = static_cast<int>(bh % p.num_q_heads);
+  constexpr int kBits = W * 32;
+  constexpr int kBins = kBits + 1;
+  __shared__ int sh[GS][kBins];
+  AllowDependents();  // the threshold kernel waits for this grid
+  const int c = blockIdx.x, num_chunks = gridDim.x;
+  const int b = static_cast<int>(blockIdx.y) / p.key_heads;
+  const int j = static_cast<int>(blockIdx.y) % p.key_heads;
+  const int tid = threadIdx.x;
   const TopkGeom g = MakeGeom(p, b);
-  int* out = hist + (bh * gridDim.x + c) * kBins;
   if (g.kk == 0 || g.kk == g.rest) return;  // no threshold needed
+  for (int i = tid; i < GS * kBins; i += kTopkThreads) (&sh[0][0])[i] = 0;
   const int c0 = g.s_end + c * chunk;
   const int c1 = min(g.w_begin, c0 + chunk);
-  uint32_t q[W];
-  LoadQuerySig<W>(p, bh, q);
-  BinHistogram<W>(q, KeySigs(p, b, h) + static_cast<int64_t>(c0) * p.k_token_stride,
-                  p.k_token_stride, max(0, c1 - c0), cols, out);
+  const int64_t bh0 = static_cast<int64_t>(b) * p.num_q_heads + j * GS;
+  uint32_t q[GS][W];
+#pragma unroll
+  for (int h = 0; h < GS; ++h) LoadQuerySig<W>(p, bh0 + h, q[h]);
+  const uint32_t* kb = KeySigs(p, b, j);
+  const int64_t kts = p.k_token_stride;
+  __syncthreads();
+  constexpr int kIn = 8;  // independent signature loads in flight per thread
+  for (int t0 = c0 + tid; t0 < c1; t0 += kIn * kTopkThreads) {
+    uint32_t k[kIn][W];
+#pragma unroll
+    for (int i = 0; i < kIn; ++i) {
+      const int t = t0 + i * kTopkThreads;
+      if (t < c1) LoadSig<W>(kb + t * kts, k[i]);
+    }
+#pragma unroll
+    for (int i = 0; i < kIn; ++i) {
+      if (t0 + i * kTopkThreads < c1) {
+#pragma unroll
+        for (int h = 0; h < GS; ++h) atomicAdd(&sh[h][(Similarity<W>(q[h], k[i]) + kBits) / 2], 1);
+      }
+    }
+  }
+  __syncthreads();
+  for (int i = tid; i < GS * kBins; i += kTopkThreads) {
+    const int h = i / kBins, bin = i % kBins;
+    hist[((bh0 + h) * num_chunks + c) * kBins + bin] = sh[h][bin];
+  }
+}
+
+// Per (b, h): threshold similarity, ties to take, tokens above the threshold and ties at it.
+struct TopkInfo {
+  int thr, need, above, ties;
+};
+
+template <int W>
+__global__ void __launch_bounds__(kTopkThreads)
+    TopkThreshKernel(HashTopKParams p, int num_chunks, const int* __restrict__ hist,
+                     TopkInfo* __restrict__ info, int2* __restrict__ offs) {
+  constexpr int kBits = W * 32;
+  constexpr int kBins = kBits + 1;
+  __shared__ int total[kBins];
+  __shared__ int sm_thr, sm_above;
+  AllowDependents();  // the select kernel waits for this grid
+  const int64_t bh = blockIdx.x;
+  const int b = static_cast<int>(bh / p.num_q_heads);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const TopkGeom g = MakeGeom(p, b);
+  if (g.kk == 0 || g.kk == g.rest) return;
+  for (int i = tid; i < kBins; i += kTopkThreads) total[i] = 0;
+  __syncthreads();
+  GridDependencyWait();  // the histogram kernel wrote hist
+  const int* hb = hist + bh * num_chunks * kBins;
+  for (int e = tid; e < num_chunks * kBins; e += kTopkThreads) {
+    const int v = hb[e];
+    if (v != 0) atomicAdd(&total[e % kBins], v);
+  }
+  __syncthreads();
+  if (warp == 0) FindThreshold<kBins>(total, g.kk, lane, &sm_thr, &sm_above);
+  __syncthreads();
+  const int thr_bin = sm_thr;
+  if (warp == 0) {  // per chunk: tokens above the threshold and ties before it (a warp scan)
+    int gt_run = 0, tie_run = 0;
+    for (int c0 = 0; c0 < num_chunks; c0 += 32) {
+      const int c = c0 + lane;
+      int gt = 0, tie = 0;
+      if (c < num_chunks) {
+        const int* hc = hb + c * kBins;
+        for (int i = thr_bin + 1; i < kBins; ++i) gt += hc[i];
+        tie = hc[thr_bin];
+      }
+      int xg = gt, xt = tie;
+#pragma unroll
+      for (int o = 1; o < 32; o *= 2) {
+        const int yg = __shfl_up_sync(0xffffffffu, xg, o);
+        const int yt = __shfl_up_sync(0xffffffffu, xt, o);
+        if (lane >= o) {
+          xg += yg;
+          xt += yt;
+        }
+      }
+      if (c < num_chunks)
+        offs[bh * num_chunks + c] = make_int2(gt_run + xg - gt, tie_run + xt - tie);
+      gt_run += __shfl_sync(0xffffffffu, xg, 31);
+      tie_run += __shfl_sync(0xffffffffu, xt, 31);
+    }
+    if (lane == 0) {
+      info[bh] = TopkInfo{2 * thr_bin - kBits, g.kk - sm_above, sm_above, total[thr_bin]};
+    }
+  }
 }
 
 // Exclusive scan over the block; *total gets the block sum. Ends with a barrier.
@@ -245,103 +296,93 @@ __device__ __forceinline__ int BlockExclusiveScan(int v, int* ws, int* total) {
   return before + x - v;
 }
 
-template <int W>
-__global__ void __launch_bounds__(kTopkThreads, 4)
-    TopkSelectKernel(HashTopKParams p, int chunk, int max_out, const int* __restrict__ hist) {
-  constexpr int kBits = W * 32;
-  constexpr int kBins = kBits + 1;
-  __shared__ int total[kBins];
+template <int W, int GS>
+__global__ void __launch_bounds__(kTopkThreads, 2)
+    TopkSelectKernel(HashTopKParams p, int chunk, int max_out, const TopkInfo* __restrict__ info,
+                     const int2* __restrict__ offs) {
   __shared__ int ws[kTopkWarps];
-  __shared__ int sm_thr, sm_above, sm_gt_before, sm_tie_before, sm_chunk_gt, sm_chunk_tie;
+  __shared__ uint32_t sq[GS][W];  // query signatures of the group's heads
   const int c = blockIdx.x, num_chunks = gridDim.x;
-  const int64_t bh = blockIdx.y;
-  const int b = static_cast<int>(bh / p.num_q_heads), h = static_cast<int>(bh % p.num_q_heads);
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int b = static_cast<int>(blockIdx.y) / p.key_heads;
+  const int j = static_cast<int>(blockIdx.y) % p.key_heads;
+  const int tid = threadIdx.x;
   const TopkGeom g = MakeGeom(p, b);
-  int32_t* out = p.indices + bh * max_out;
-  if (c == 0) WriteSinkAndWindow(p, g, bh, out);
+  const int64_t bh0 = static_cast<int64_t>(b) * p.num_q_heads + j * GS;
+  if (c == 0) {
+#pragma unroll 1
+    for (int h = 0; h < GS; ++h) {
+      WriteSinkAndWindow(p, g, bh0 + h, p.indices + (bh0 + h) * max_out);
+    }
+  }
   if (g.kk == 0) return;
   const int c0 = g.s_end + c * chunk;
   const int c1 = min(g.w_begin, c0 + chunk);
-  int32_t* topk_out = out + g.s_end;
   if (g.kk == g.rest) {
-    for (int t = c0 + tid; t < c1; t += kTopkThreads) topk_out[t - g.s_end] = t;
+#pragma unroll 1
+    for (int h = 0; h < GS; ++h) {
+      int32_t* topk_out = p.indices + (bh0 + h) * max_out + g.s_end;
+      for (int t = c0 + tid; t < c1; t += kTopkThreads) topk_out[t - g.s_end] = t;
+    }
     return;
   }
-  GridDependencyWait();  // the histogram kernel wrote hist
   if (c0 >= c1) return;
-  const int* hb = hist + bh * num_chunks * kBins;
-  for (int i = tid; i < kBins; i += kTopkThreads) {
-    int t = 0;
-    for (int cc = 0; cc < num_chunks; ++cc) t += hb[cc * kBins + i];
-    total[i] = t;
-  }
-  __syncthreads();
-  if (warp == 0) FindThreshold<kBins>(total, g.kk, lane, &sm_thr, &sm_above);
-  __syncthreads();
-  if (warp == 0) {
-    // Tokens above the threshold and ties in the chunks before this one, and in this one.
-    const int thr_bin = sm_thr;
-    int gt = 0, tie = 0;  // lane-partial sums over the chunks before this one
-    for (int cc = 0; cc < c; ++cc) {
-      const int* hc = hb + cc * kBins;
-      for (int i = thr_bin + 1 + lane; i < kBins; i += 32) gt += hc[i];
-      if (lane == 0) tie += hc[thr_bin];
-    }
-    int cgt = 0;
-    for (int i = thr_bin + 1 + lane; i < kBins; i += 32) cgt += hb[c * kBins + i];
+  GridDependencyWait();  // the threshold kernel wrote info and offs
+  int thr[GS], need[GS], carry_gt[GS], carry_tie[GS];
+  bool busy = false;  // any head with tokens to write in this chunk
 #pragma unroll
-    for (int o = 16; o > 0; o /= 2) {
-      gt += __shfl_xor_sync(0xffffffffu, gt, o);
-      cgt += __shfl_xor_sync(0xffffffffu, cgt, o);
-    }
-    if (lane == 0) {
-      sm_gt_before = gt;
-      sm_tie_before = tie;
-      sm_chunk_gt = cgt;
-      sm_chunk_tie = hb[c * kBins + thr_bin];
-    }
+  for (int h = 0; h < GS; ++h) {
+    const TopkInfo in = info[bh0 + h];
+    const int2 o = offs[(bh0 + h) * num_chunks + c];
+    const int2 next =
+        c + 1 < num_chunks ? offs[(bh0 + h) * num_chunks + c + 1] : make_int2(in.above, in.ties);
+    thr[h] = in.thr;
+    need[h] = in.need;
+    carry_gt[h] = o.x;
+    carry_tie[h] = o.y;
+    busy |= next.x > o.x || (next.y > o.y && o.y < in.need);
   }
+  if (!busy) return;  // uniform
+  if (tid < GS * W) sq[tid / W][tid % W] = p.q_sigs[(bh0 + tid / W) * W + tid % W];
   __syncthreads();
-  const int thr = 2 * sm_thr - kBits;  // threshold similarity
-  const int need = g.kk - sm_above;    // ties at the threshold to take, lowest tokens first
-  const int gt_before = sm_gt_before, tie_before = sm_tie_before;
-  const int chunk_gt = sm_chunk_gt, chunk_tie = sm_chunk_tie;
-  __syncthreads();  // every thread has its copy before the scans reuse shared memory
-  if (chunk_gt == 0 && (chunk_tie == 0 || tie_before >= need)) return;  // uniform
-  uint32_t q[W];
-  LoadQuerySig<W>(p, bh, q);
-  const uint32_t* kb = KeySigs(p, b, h);
+  const uint32_t* kb = KeySigs(p, b, j);
   const int64_t kts = p.k_token_stride;
-  int carry_gt = gt_before, carry_tie = tie_before;
-  const int end_gt = gt_before + chunk_gt;
   for (int s0 = c0; s0 < c1; s0 += kSub) {
-    if (carry_gt == end_gt && carry_tie >= need) break;  // uniform: this chunk is done
     const int t0 = s0 + tid * kPer;
-    int sims[kPer];
-    int gt = 0, tie = 0;
+    uint32_t k[kPer][W];
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
-      const int t = t0 + i;
-      sims[i] = t < c1 ? Similarity<W>(q, kb + t * kts) : INT_MIN;
-      gt += sims[i] > thr ? 1 : 0;
-      tie += sims[i] == thr ? 1 : 0;
+      if (t0 + i < c1) LoadSig<W>(kb + (t0 + i) * kts, k[i]);
     }
-    int tot = 0;
-    const int excl = BlockExclusiveScan((gt << 16) | tie, ws, &tot);
-    int seen_tie = carry_tie + (excl & 0xffff);
-    int pos = carry_gt + (excl >> 16) + min(seen_tie, need);
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      if (sims[i] > thr) {
-        topk_out[pos++] = t0 + i;
-      } else if (sims[i] == thr) {
-        if (seen_tie < need) topk_out[pos++] = t0 + i;
-        ++seen_tie;
+    for (int h = 0; h < GS; ++h) {
+      uint32_t q[W];
+#pragma unroll
+      for (int w = 0; w < W; ++w) q[w] = sq[h][w];
+      int sims[kPer];
+      int gt = 0, tie = 0;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        sims[i] = t0 + i < c1 ? Similarity<W>(q, k[i]) : INT_MIN;
+        gt += sims[i] > thr[h] ? 1 : 0;
+        tie += sims[i] == thr[h] ? 1 : 0;
       }
+      int tot = 0;
+      const int excl = BlockExclusiveScan((gt << 16) | tie, ws, &tot);
+      int seen_tie = carry_tie[h] + (excl & 0xffff);
+      int pos = carry_gt[h] + (excl >> 16) + min(seen_tie, need[h]);
+      int32_t* topk_out = p.indices + (bh0 + h) * max_out + g.s_end;
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) {
+        if (sims[i] > thr[h]) {
+          topk_out[pos++] = t0 + i;
+        } else if (sims[i] == thr[h]) {
+          if (seen_tie < need[h]) topk_out[pos++] = t0 + i;
+          ++seen_tie;
+        }
+      }
+      carry_gt[h] += tot >> 16;
+      carry_tie[h] += tot & 0xffff;
     }
-    carry_gt += tot >> 16;
-    carry_tie += tot & 0xffff;
   }
 }
 
@@ -352,18 +393,30 @@ struct TopkPlan {
 
 TopkPlan MakeTopkPlan(const HashTopKParams& p) {
   TopkPlan plan;
-  const int64_t bh = std::max<int64_t>(1, static_cast<int64_t>(p.batch) * p.num_q_heads);
+  const int64_t sets = std::max<int64_t>(1, static_cast<int64_t>(p.batch) * p.key_heads);
   const int64_t slots = static_cast<int64_t>(NumSms()) * 4;
   const int64_t max_rest = std::max(1, p.max_seq_len);
-  int64_t chunks = std::max<int64_t>(1, slots / bh);
+  int64_t chunks = std::max<int64_t>(1, slots / sets);
   chunks = std::min<int64_t>(chunks, (max_rest + kSub - 1) / kSub);
   int64_t chunk = (max_rest + chunks - 1) / chunks;
   chunk = (chunk + kSub - 1) / kSub * kSub;
-  chunk = std::min<int64_t>(chunk, int64_t{kTopkThreads} * 65535);  // 16-bit counters
   plan.chunk = static_cast<int>(chunk);
   plan.chunks = static_cast<int>((max_rest + chunk - 1) / chunk);
   return plan;
 }
+
+// Workspace layout: hist [BH, C, bins] ints, offs [BH, C] int2, info [BH].
+struct TopkWorkspace {
+  size_t hist = 0, offs = 0, info = 0, total = 0;
+  static TopkWorkspace Of(const HashTopKParams& p, const TopkPlan& plan) {
+    TopkWorkspace w;
+    const size_t bh = static_cast<size_t>(std::max(p.batch, 0)) * std::max(p.num_q_heads, 0);
+    w.offs = AlignUp(bh * plan.chunks * (std::max(p.bits, 32) + 1) * sizeof(int), 256);
+    w.info = w.offs + AlignUp(bh * plan.chunks * sizeof(int2), 256);
+    w.total = w.info + AlignUp(bh * sizeof(TopkInfo), 256);
+    return w;
+  }
+};
 
 template <typename Body>
 cudaError_t DispatchWords(int bits, Body&& body) {
@@ -416,10 +469,7 @@ cudaError_t SimHashSign(const SimHashSignParams& p, cudaStream_t stream) {
 }
 
 size_t HashTopKWorkspaceBytes(const HashTopKParams& p) {
-  const TopkPlan plan = MakeTopkPlan(p);
-  return AlignUp(static_cast<size_t>(std::max(p.batch, 0)) * std::max(p.num_q_heads, 0) *
-                     plan.chunks * (std::max(p.bits, 32) + 1) * sizeof(int),
-                 256);
+  return TopkWorkspace::Of(p, MakeTopkPlan(p)).total;
 }
 
 cudaError_t HashTopK(const HashTopKParams& p, void* workspace, size_t workspace_bytes,
@@ -438,20 +488,39 @@ cudaError_t HashTopK(const HashTopKParams& p, void* workspace, size_t workspace_
     return cudaErrorInvalidValue;
   }
   const TopkPlan plan = MakeTopkPlan(p);
+  const TopkWorkspace w = TopkWorkspace::Of(p, plan);
   const int max_out = std::max(1, p.MaxSelected());
-  int* hist = static_cast<int*>(workspace);
+  char* base = static_cast<char*>(workspace);
+  int* hist = reinterpret_cast<int*>(base + w.hist);
+  auto* offs = reinterpret_cast<int2*>(base + w.offs);
+  auto* info = reinterpret_cast<TopkInfo*>(base + w.info);
+  const int gs = p.num_q_heads / p.key_heads;
   return DispatchWords(p.bits, [&](auto w_tag) -> cudaError_t {
     constexpr int W = decltype(w_tag)::value;
-    const dim3 grid(plan.chunks, p.batch * p.num_q_heads);
-    const size_t smem = static_cast<size_t>((W * 32 + 2) / 2) * kTopkThreads * sizeof(uint32_t);
-    if (smem > 48 * 1024) {
-      KVSPARSE_CUDA_RETURN_IF_ERROR(SetMaxDynamicSmem(
-          reinterpret_cast<const void*>(&TopkHistKernel<W>), static_cast<int>(smem)));
+    auto run = [&](auto gs_tag) -> cudaError_t {
+      constexpr int GS = decltype(gs_tag)::value;
+      const dim3 grid(plan.chunks, p.batch * p.key_heads);
+      TopkHistKernel<W, GS><<<grid, kTopkThreads, 0, stream>>>(p, plan.chunk, hist);
+      KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+      KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(
+          &TopkThreshKernel<W>, dim3(p.batch * p.num_q_heads), dim3(kTopkThreads), 0, stream, p,
+          int{plan.chunks}, static_cast<const int*>(hist), info, offs));
+      return LaunchDependent(&TopkSelectKernel<W, GS>, grid, dim3(kTopkThreads), 0, stream, p,
+                             int{plan.chunk}, max_out, static_cast<const TopkInfo*>(info),
+                             static_cast<const int2*>(offs));
+    };
+    switch (gs) {
+      case 1:
+        return run(std::integral_constant<int, 1>{});
+      case 2:
+        return run(std::integral_constant<int, 2>{});
+      case 4:
+        return run(std::integral_constant<int, 4>{});
+      case 8:
+        return run(std::integral_constant<int, 8>{});
+      default:
+        return cudaErrorInvalidValue;
     }
-    TopkHistKernel<W><<<grid, kTopkThreads, smem, stream>>>(p, plan.chunk, hist);
-    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    return LaunchDependent(&TopkSelectKernel<W>, grid, dim3(kTopkThreads), 0, stream, p,
-                           int{plan.chunk}, max_out, static_cast<const int*>(hist));
   });
 }
 
