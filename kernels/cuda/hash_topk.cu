@@ -224,6 +224,8 @@ __global__ void __launch_bounds__(kTopkThreads)
   constexpr int kBins = kBits + 1;
   __shared__ int total[kBins];
   __shared__ int sm_thr, sm_above;
+  constexpr int kCached = 3072;  // histogram entries kept in shared memory for the second look
+  __shared__ int cache[kCached];
   AllowDependents();  // the select kernel waits for this grid
   const int64_t bh = blockIdx.x;
   const int b = static_cast<int>(bh / p.num_q_heads);
@@ -234,8 +236,10 @@ __global__ void __launch_bounds__(kTopkThreads)
   __syncthreads();
   GridDependencyWait();  // the histogram kernel wrote hist
   const int* hb = hist + bh * num_chunks * kBins;
+  const bool cached = num_chunks * kBins <= kCached;
   for (int e = tid; e < num_chunks * kBins; e += kTopkThreads) {
     const int v = hb[e];
+    if (cached) cache[e] = v;
     if (v != 0) atomicAdd(&total[e % kBins], v);
   }
   __syncthreads();
@@ -248,7 +252,7 @@ __global__ void __launch_bounds__(kTopkThreads)
       const int c = c0 + lane;
       int gt = 0, tie = 0;
       if (c < num_chunks) {
-        const int* hc = hb + c * kBins;
+        const int* hc = (cached ? cache : hb) + c * kBins;
         for (int i = thr_bin + 1; i < kBins; ++i) gt += hc[i];
         tie = hc[thr_bin];
       }
@@ -296,8 +300,12 @@ __device__ __forceinline__ int BlockExclusiveScan(int v, int* ws, int* total) {
   return before + x - v;
 }
 
+// Four blocks per SM for one-word signatures and groups up to 4 (the common case: every block of
+// a B = 1, 128k, Hkv = 8 call resident in one wave); two otherwise (registers for the words).
+constexpr int TopkSelectMinBlocks(int w, int gs) { return w == 1 && gs <= 4 ? 4 : 2; }
+
 template <int W, int GS>
-__global__ void __launch_bounds__(kTopkThreads, 2)
+__global__ void __launch_bounds__(kTopkThreads, TopkSelectMinBlocks(W, GS))
     TopkSelectKernel(HashTopKParams p, int chunk, int max_out, const TopkInfo* __restrict__ info,
                      const int2* __restrict__ offs) {
   __shared__ int ws[kTopkWarps];

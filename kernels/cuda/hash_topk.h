@@ -74,7 +74,8 @@ struct HashTopKParams {
   int32_t MaxSelected() const;
 };
 
-// Scratch: per (b, h) and chunk of the sequence, a similarity histogram.
+// Scratch: per (b, h) and chunk of the sequence a similarity histogram and the chunk's offsets
+// into the output, and per (b, h) the threshold.
 size_t HashTopKWorkspaceBytes(const HashTopKParams& p);
 cudaError_t HashTopK(const HashTopKParams& p, void* workspace, size_t workspace_bytes,
                      cudaStream_t stream);
