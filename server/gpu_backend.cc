@@ -104,7 +104,7 @@ struct Layer {
   DevBuf pages;                       // [Hkv][page_cap] device-visible page addresses
   uint64_t page_cap = 0, pages_known = 0;
   // HashAttention's row cache (GpuBackendOptions::row_cache_fraction): cache_cap slots per kv
-  // head, laid out as CacheLayout says.
+  // head, laid out as RowsLayout (with slots) says.
   DevBuf cache;
   int32_t cache_cap = 0;
 };
@@ -118,36 +118,17 @@ struct Entry {
   size_t bytes = 0;
 };
 
-// A row cache of Hkv heads of cap slots each: ascending tokens held, their slots and counts,
-// then the K and V rows of the slots.
-struct CacheLayout {
+// Rows of Hkv heads, cap per head, in one allocation: ascending tokens, (a row cache's) the slot
+// of each, the counts, then the K and V rows. A row cache has slots; a plain row set not.
+struct RowsLayout {
   size_t tokens = 0, slots = 0, count = 0, k = 0, v = 0, total = 0;
-  static CacheLayout Of(int32_t hkv, int32_t cap, size_t row) {
-    CacheLayout l;
+  static RowsLayout Of(int32_t hkv, int32_t cap, size_t row, bool with_slots) {
+    RowsLayout l;
     Carver c(nullptr);
     l.tokens = c.used();
     c.Take<int32_t>(static_cast<size_t>(hkv) * cap);
     l.slots = c.used();
-    c.Take<int32_t>(static_cast<size_t>(hkv) * cap);
-    l.count = c.used();
-    c.Take<int32_t>(hkv);
-    l.k = c.used();
-    c.Take<uint8_t>(row * hkv * cap);
-    l.v = c.used();
-    c.Take<uint8_t>(row * hkv * cap);
-    l.total = c.used();
-    return l;
-  }
-};
-
-// Pointer-table sizes of one row set of Hkv heads.
-struct RowSetLayout {
-  size_t tokens = 0, count = 0, k = 0, v = 0, total = 0;
-  static RowSetLayout Of(int32_t hkv, int32_t cap, size_t row) {
-    RowSetLayout l;
-    Carver c(nullptr);
-    l.tokens = c.used();
-    c.Take<int32_t>(static_cast<size_t>(hkv) * cap);
+    c.Take<int32_t>(with_slots ? static_cast<size_t>(hkv) * cap : 0);
     l.count = c.used();
     c.Take<int32_t>(hkv);
     l.k = c.used();
@@ -274,8 +255,8 @@ class GpuBackend final : public DecodeBackend {
   // Grows a layer's row cache to `cap` slots per kv head, keeping what it holds.
   absl::Status GrowCache(Entry* e, Layer* l, int32_t hkv, int32_t cap, size_t row,
                          const std::vector<const Entry*>& busy) {
-    const CacheLayout to = CacheLayout::Of(hkv, cap, row);
-    const CacheLayout from = CacheLayout::Of(hkv, l->cache_cap, row);
+    const RowsLayout to = RowsLayout::Of(hkv, cap, row, true);
+    const RowsLayout from = RowsLayout::Of(hkv, l->cache_cap, row, true);
     const int32_t old_cap = l->cache_cap;
     auto copy = [&](DevBuf& next, const DevBuf& prev) {
       char* dst = next.as<char>();
@@ -753,7 +734,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
     reinterpret_cast<uint64_t*>(h + off.seeds)[b] =
         kernels::SequenceSeed(call.seed, static_cast<uint32_t>(b));
     const Layer& l = entries[b]->layers[layer];
-    const CacheLayout cl = CacheLayout::Of(hkv, l.cache_cap, row);
+    const RowsLayout cl = RowsLayout::Of(hkv, l.cache_cap, row, true);
     for (int32_t j = 0; j < hkv; ++j) {
       const int32_t i = b * hkv + j;
       if (l.k.ptr != nullptr) {
@@ -881,7 +862,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
         if (absl::Status s = mark(1); !s.ok()) return s;  // no selection
         if (!dense_resident) {  // every row crosses: fetched into a dense staging area first
           const int32_t dense_rows_cap = n_max;  // rows per (b, j)
-          const RowSetLayout rl = RowSetLayout::Of(1, dense_rows_cap, row);
+          const RowsLayout rl = RowsLayout::Of(1, dense_rows_cap, row, false);
           char* sets = c.Take<char>(rl.total * BK);
           void** tab = c.Take<void*>(4 * static_cast<size_t>(BK));
           std::vector<void*> ht(4 * BK);

@@ -148,6 +148,19 @@ struct Expect {
   double rows_slack;  // else: |gpu - cpu| rows_fetched <= slack * cpu
 };
 
+// HashAttention top-k with the sequences' signature bits.
+Method HashMethod(float top_k_fraction, int32_t top_k = 0, int32_t sink = 128,
+                  int32_t local = 128) {
+  Method m;
+  m.kind = MethodKind::kHashTopK;
+  m.hash.sink_tokens = sink;
+  m.hash.local_tokens = local;
+  m.hash.top_k_fraction = top_k_fraction;
+  m.hash.top_k = top_k;
+  m.hash.bits = 0;  // the sequence's
+  return m;
+}
+
 void Compare(Rig& rig, const kernels::SyntheticProblem& prob, const Method& m, const Expect& e,
              const std::string& what) {
   auto c = rig.cpu->Decode(Call(prob, m));
@@ -236,12 +249,7 @@ TEST_F(GpuEngineTest, HashTopKAndTheRowCache) {
     auto prob =
         Problem({4000, 50, 1800}, pl == 0 ? DType::kBf16 : DType::kFp16, pl == 0 ? 128 : 64);
     rig->Load(prob, p);
-    Method m;
-    m.kind = MethodKind::kHashTopK;
-    m.hash.sink_tokens = 16;
-    m.hash.local_tokens = 32;
-    m.hash.top_k_fraction = 0.05f;
-    m.hash.bits = 0;  // the sequence's
+    const Method m = HashMethod(0.05f, 0, 16, 32);
     Compare(*rig, prob, m, {8e-3, true, 0}, "hash placement " + std::to_string(pl));
     // The same step again: every row comes from the row cache.
     auto g = rig->gpu->Decode(Call(prob, m));
@@ -308,11 +316,7 @@ TEST_F(GpuEngineTest, AppendedTokensAreSynced) {
         m.kind = MethodKind::kSanta;
         m.santa.samples = 64;
       } else if (method == 2) {
-        m.kind = MethodKind::kHashTopK;
-        m.hash.top_k = 20;
-        m.hash.sink_tokens = 4;
-        m.hash.local_tokens = 8;
-        m.hash.bits = 0;
+        m = HashMethod(0.f, 20, 4, 8);
       }
       DecodeCall ca = Call(prob, m), cb = Call(prob, m);
       if (method == 0) {  // one appending call per step
@@ -365,12 +369,7 @@ TEST_F(GpuEngineTest, SmallRowCacheOverflows) {
   p.signature_bits = 32;
   auto prob = Problem({4000, 1800});
   rig->Load(prob, p);
-  Method m;
-  m.kind = MethodKind::kHashTopK;
-  m.hash.sink_tokens = 16;
-  m.hash.local_tokens = 32;
-  m.hash.top_k_fraction = 0.05f;
-  m.hash.bits = 0;
+  const Method m = HashMethod(0.05f, 0, 16, 32);
   Compare(*rig, prob, m, {8e-3, true, 0}, "hash, small row cache");
   // Slots per kv head: 2% of the tokens rounded up to 64: 128 (4000 tokens) and 64 (1800).
   const uint64_t slots[2] = {128, 64};
@@ -399,10 +398,7 @@ TEST_F(GpuEngineTest, WithoutTheRowCacheOnlySignaturesStay) {
   p.signature_bits = 32;
   auto prob = Problem({3000, 700});
   rig->Load(prob, p);
-  Method m;
-  m.kind = MethodKind::kHashTopK;
-  m.hash.top_k = 50;
-  m.hash.bits = 0;
+  const Method m = HashMethod(0.f, 50);
   Compare(*rig, prob, m, {8e-3, true, 0}, "hash without row cache");
   auto g = rig->gpu->Decode(Call(prob, m));
   ASSERT_TRUE(g.ok()) << g.status();
