@@ -64,7 +64,8 @@ __global__ void __launch_bounds__(256) SimHashKernel(SimHashSignParams p) {
 // block of the first and last taking one chunk of one signature head (b, j) for all GS query
 // heads that share it (the signatures are read once per group, not once per head):
 //   TopkHistKernel   (grid C x B*key_heads): similarity histograms of the chunk for its GS heads
-//                    (shared-memory atomics) -> hist [BH, C, bins];
+//                    (shared-memory atomics), as suffix sums (tokens at or above each bin) ->
+//                    hist [BH, C, bins];
 //   TopkThreshKernel (grid BH): sums the C histograms of (b, h), finds the threshold similarity,
 //                    how many ties at it to take (lowest tokens first), and for every chunk the
 //                    tokens above the threshold and the ties in the chunks before it -> info, offs;
@@ -205,6 +206,14 @@ __global__ void __launch_bounds__(kTopkThreads)
     }
   }
   __syncthreads();
+  if (tid < GS) {  // suffix sums: tokens at or above each bin
+    int run = 0;
+    for (int bin = kBins - 1; bin >= 0; --bin) {
+      run += sh[tid][bin];
+      sh[tid][bin] = run;
+    }
+  }
+  __syncthreads();
   for (int i = tid; i < GS * kBins; i += kTopkThreads) {
     const int h = i / kBins, bin = i % kBins;
     hist[((bh0 + h) * num_chunks + c) * kBins + bin] = sh[h][bin];
@@ -222,26 +231,24 @@ __global__ void __launch_bounds__(kTopkThreads)
                      TopkInfo* __restrict__ info, int2* __restrict__ offs) {
   constexpr int kBits = W * 32;
   constexpr int kBins = kBits + 1;
-  __shared__ int total[kBins];
+  __shared__ int suffix[kBins + 1], total[kBins];
   __shared__ int sm_thr, sm_above;
-  constexpr int kCached = 3072;  // histogram entries kept in shared memory for the second look
-  __shared__ int cache[kCached];
   AllowDependents();  // the select kernel waits for this grid
   const int64_t bh = blockIdx.x;
   const int b = static_cast<int>(bh / p.num_q_heads);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const TopkGeom g = MakeGeom(p, b);
   if (g.kk == 0 || g.kk == g.rest) return;
-  for (int i = tid; i < kBins; i += kTopkThreads) total[i] = 0;
+  for (int i = tid; i <= kBins; i += kTopkThreads) suffix[i] = 0;
   __syncthreads();
-  GridDependencyWait();  // the histogram kernel wrote hist
-  const int* hb = hist + bh * num_chunks * kBins;
-  const bool cached = num_chunks * kBins <= kCached;
+  GridDependencyWait();                            // the histogram kernel wrote hist
+  const int* hb = hist + bh * num_chunks * kBins;  // per chunk: suffix sums over the bins
   for (int e = tid; e < num_chunks * kBins; e += kTopkThreads) {
     const int v = hb[e];
-    if (cached) cache[e] = v;
-    if (v != 0) atomicAdd(&total[e % kBins], v);
+    if (v != 0) atomicAdd(&suffix[e % kBins], v);
   }
+  __syncthreads();
+  for (int i = tid; i < kBins; i += kTopkThreads) total[i] = suffix[i] - suffix[i + 1];
   __syncthreads();
   if (warp == 0) FindThreshold<kBins>(total, g.kk, lane, &sm_thr, &sm_above);
   __syncthreads();
@@ -252,9 +259,9 @@ __global__ void __launch_bounds__(kTopkThreads)
       const int c = c0 + lane;
       int gt = 0, tie = 0;
       if (c < num_chunks) {
-        const int* hc = (cached ? cache : hb) + c * kBins;
-        for (int i = thr_bin + 1; i < kBins; ++i) gt += hc[i];
-        tie = hc[thr_bin];
+        const int* hc = hb + c * kBins;
+        gt = thr_bin + 1 < kBins ? hc[thr_bin + 1] : 0;
+        tie = hc[thr_bin] - gt;
       }
       int xg = gt, xt = tie;
 #pragma unroll
