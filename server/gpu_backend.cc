@@ -952,7 +952,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
         up.seq_lens = shape_d.seq_lens;
         up.max_seq_len = n_max;
         const size_t rows_all = static_cast<size_t>(BK) * rows_cap;
-        cr.overflow_cap = rows_cap - min_cache;  // misses beyond a cache's slots
+        cr.overflow_cap = std::max(0, rows_cap - min_cache);  // misses beyond a cache's slots
         cr.union_tokens = method_off + c.used();
         c.Take<int32_t>(rows_all);
         cr.fetch_tokens = method_off + c.used();
