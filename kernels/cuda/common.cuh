@@ -111,9 +111,10 @@ inline size_t AlignUp(size_t x, size_t a) { return (x + a - 1) / a * a; }
 // Number of multiprocessors of the current device (cached per device ordinal).
 int NumSms();
 
-// cudaFuncSetAttribute(kernel, MaxDynamicSharedMemorySize, bytes), once per (kernel, device,
-// bytes): launchers call it before every launch, and each driver call is host time on the
-// decode path.
+// Makes kernel's MaxDynamicSharedMemorySize at least `bytes` on the current device, calling
+// cudaFuncSetAttribute only when the limit must be raised: launchers call this before every
+// launch, and each driver call is host time on the decode path. (A cudaDeviceReset drops the
+// limits but not this record; nothing here resets the device.)
 cudaError_t SetMaxDynamicSmem(const void* kernel, int bytes);
 
 // Programmatic dependent launch (sm_90): launches `kernel` so that it may start while the

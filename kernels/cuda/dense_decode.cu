@@ -1,8 +1,8 @@
 #include <algorithm>
 #include <atomic>
+#include <map>
 #include <mutex>
-#include <set>
-#include <tuple>
+#include <utility>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/dense_decode.h"
@@ -13,18 +13,23 @@ namespace kvsparse::kernels::cuda {
 cudaError_t SetMaxDynamicSmem(const void* kernel, int bytes) {
   int dev = -1;
   if (cudaGetDevice(&dev) != cudaSuccess) return cudaGetLastError();
+  // The largest limit set so far per (kernel, device): a launch needing no more skips the call.
+  // The limit is only ever raised (lowering it would break a later, larger launch that the
+  // cache says is covered).
   static std::mutex mu;
-  static auto* done = new std::set<std::tuple<const void*, int, int>>();
-  const auto key = std::make_tuple(kernel, dev, bytes);
+  static auto* limits = new std::map<std::pair<const void*, int>, int>();
+  const auto key = std::make_pair(kernel, dev);
   {
     std::lock_guard<std::mutex> lock(mu);
-    if (done->count(key) > 0) return cudaSuccess;
+    const auto it = limits->find(key);
+    if (it != limits->end() && it->second >= bytes) return cudaSuccess;
   }
   const cudaError_t e =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   if (e == cudaSuccess) {
     std::lock_guard<std::mutex> lock(mu);
-    done->insert(key);
+    int& limit = (*limits)[key];
+    limit = std::max(limit, bytes);
   }
   return e;
 }
