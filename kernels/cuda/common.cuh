@@ -369,6 +369,42 @@ __device__ __forceinline__ void ReduceDots(float (&part)[G * U], int lr, Store&&
   }
 }
 
+// Running softmax states of kSlots row slots of a block (one per group of lanes that walks its
+// own rows): each slot's maximum m, sum l and accumulator acc[D], in shared memory, merged into
+// one (num, den) per dimension. kBase2: m and the scores are in log2 units (exp2), else natural.
+template <int D, int kSlots, bool kBase2>
+struct SlotSoftmax {
+  float m[kSlots], l[kSlots];
+  __align__(16) float acc[kSlots][D];
+
+  // The lane's part (dims lr * 8 .. + 8) of slot `slot`; lane lr == 0 also writes m and l.
+  __device__ __forceinline__ void Put(int slot, int lr, float ms, float ls, const float (&a)[8]) {
+    if (lr == 0) {
+      m[slot] = ms;
+      l[slot] = ls;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[slot][lr * 8 + e] = a[e];
+  }
+  // After a barrier: for every dimension (strided over the block's `threads`), calls
+  // write(dim, num, den, gm) with the merged numerator, denominator and maximum.
+  template <typename Write>
+  __device__ __forceinline__ void Merge(int tid, int threads, Write&& write) const {
+    auto ex = [](float x) { return kBase2 ? exp2f(x) : expf(x); };
+    float gm = kNegInf;
+    for (int k = 0; k < kSlots; ++k) gm = fmaxf(gm, m[k]);
+    float den = 0.f;
+    for (int k = 0; k < kSlots; ++k) den += m[k] == kNegInf ? 0.f : l[k] * ex(m[k] - gm);
+    for (int dim = tid; dim < D; dim += threads) {
+      float num = 0.f;
+      for (int k = 0; k < kSlots; ++k) {
+        if (m[k] != kNegInf) num += acc[k][dim] * ex(m[k] - gm);
+      }
+      write(dim, num, den, gm);
+    }
+  }
+};
+
 }  // namespace kvsparse::kernels::cuda
 
 #endif  // KVSPARSE_KERNELS_CUDA_COMMON_CUH_

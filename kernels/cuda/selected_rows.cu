@@ -289,8 +289,7 @@ __global__ void __launch_bounds__(kRowThreads, 2)
     SelectedRowsKernel(SelectedRowsParams p, int num_splits, float* __restrict__ part_o,
                        float* __restrict__ part_lse) {
   constexpr int L = D / 8, R = 32 / L, NW = kRowThreads / 32, U = kRowsUnroll;
-  __shared__ float sm_m[NW * R], sm_l[NW * R];
-  __shared__ __align__(16) float sacc[NW * R][D];
+  __shared__ SlotSoftmax<D, NW * R, true> slots;
   const DecodeShape& s = p.shape;
   const int64_t bh = blockIdx.x;
   const int split = blockIdx.y;
@@ -347,23 +346,9 @@ __global__ void __launch_bounds__(kRowThreads, 2)
       m = mn;
     }
   }
-  const int slot = warp * R + row;
-  if (lr == 0) {
-    sm_m[slot] = m;
-    sm_l[slot] = lsum;
-  }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) sacc[slot][lr * 8 + e] = acc[e];
+  slots.Put(warp * R + row, lr, m, lsum, acc);
   __syncthreads();
-  float gm = kNegInf;
-  for (int k = 0; k < NW * R; ++k) gm = fmaxf(gm, sm_m[k]);
-  float den = 0.f;
-  for (int k = 0; k < NW * R; ++k) den += sm_m[k] == kNegInf ? 0.f : sm_l[k] * exp2f(sm_m[k] - gm);
-  for (int dim = tid; dim < D; dim += kRowThreads) {
-    float num = 0.f;
-    for (int k = 0; k < NW * R; ++k) {
-      if (sm_m[k] != kNegInf) num += sacc[k][dim] * exp2f(sm_m[k] - gm);
-    }
+  slots.Merge(tid, kRowThreads, [&](int dim, float num, float den, float gm) {
     const float o = den > 0.f ? num / den : 0.f;
     if (num_splits == 1) {
       static_cast<uint16_t*>(s.out)[bh * D + dim] = FloatToBits<T>(o);
@@ -371,7 +356,7 @@ __global__ void __launch_bounds__(kRowThreads, 2)
       part_o[(bh * num_splits + split) * D + dim] = o;
       if (dim == 0) part_lse[bh * num_splits + split] = den > 0.f ? gm + log2f(den) : kNegInf;
     }
-  }
+  });
 }
 
 struct SelectedRowsLaunch {

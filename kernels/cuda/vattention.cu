@@ -478,8 +478,7 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
 template <typename T, int D>
 __global__ void __launch_bounds__(kRowThreads, 2) VattEstimateKernel(VAttentionParams p, Layout l) {
   constexpr int L = D / 8, R = 32 / L, NW = kRowThreads / 32;
-  __shared__ float sm_m[NW * R], sm_l[NW * R];
-  __shared__ __align__(16) float sacc[NW * R][D];
+  __shared__ SlotSoftmax<D, NW * R, false> slots;
   const DecodeShape& s = p.shape;
   const int64_t bh = blockIdx.x;
   const int b = static_cast<int>(bh / s.num_q_heads);
@@ -522,25 +521,11 @@ __global__ void __launch_bounds__(kRowThreads, 2) VattEstimateKernel(VAttentionP
     for (int e = 0; e < 8; ++e) acc[e] = acc[e] * a + pw * vf[e];
     m = mn;
   }
-  const int slot = warp * R + row;
-  if (lr == 0) {
-    sm_m[slot] = m;
-    sm_l[slot] = lsum;
-  }
-#pragma unroll
-  for (int e = 0; e < 8; ++e) sacc[slot][lr * 8 + e] = acc[e];
+  slots.Put(warp * R + row, lr, m, lsum, acc);
   __syncthreads();
-  float gm = kNegInf;
-  for (int i = 0; i < NW * R; ++i) gm = fmaxf(gm, sm_m[i]);
-  float den = 0.f;
-  for (int i = 0; i < NW * R; ++i) den += sm_m[i] == kNegInf ? 0.f : sm_l[i] * expf(sm_m[i] - gm);
-  for (int dim = tid; dim < D; dim += kRowThreads) {
-    float num = 0.f;
-    for (int i = 0; i < NW * R; ++i) {
-      if (sm_m[i] != kNegInf) num += sacc[i][dim] * expf(sm_m[i] - gm);
-    }
+  slots.Merge(tid, kRowThreads, [&](int dim, float num, float den, float) {
     static_cast<uint16_t*>(s.out)[bh * D + dim] = FloatToBits<T>(den > 0.f ? num / den : 0.f);
-  }
+  });
 }
 
 struct RowKernels {
