@@ -17,6 +17,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -103,6 +104,19 @@ class PagedKv {
   DeviceBuffer dev_pool_, lists_, tables_;
   PagedRows k_, v_;
 };
+
+// A bf16 problem of head dim 128 from the peaked synthetic family, one sequence per length.
+SyntheticProblem Problem128(int32_t heads, int32_t kv_heads, std::vector<int32_t> lens,
+                            uint64_t seed = 1) {
+  SyntheticOptions o;
+  o.batch = static_cast<int32_t>(lens.size());
+  o.num_q_heads = heads;
+  o.num_kv_heads = kv_heads;
+  o.head_dim = 128;
+  o.seq_lens = std::move(lens);
+  o.seed = seed;
+  return SyntheticProblem::Make(o);
+}
 
 // Row sets for every (b, j): one allocation each for tokens, counts, K and V, and the tables.
 struct RowSets {
@@ -314,14 +328,7 @@ DeviceBuffer PointerTable(const DeviceBuffer& base, int sets, size_t stride_byte
 // (UnionSelected -> FetchRows into a full row set -> SelectedRowsDecode), for a cache that holds
 // every union, one that overflows, and none (C = 0).
 void RunCachedSteps(int C_per_cap_percent) {
-  SyntheticOptions o;
-  o.batch = 2;
-  o.num_q_heads = 8;
-  o.num_kv_heads = 2;
-  o.head_dim = 128;
-  o.seq_lens = {3000, 700};
-  o.seed = 21;
-  SyntheticProblem sp = SyntheticProblem::Make(o);
+  SyntheticProblem sp = Problem128(8, 2, {3000, 700}, 21);
   const DecodeProblem& p = sp.problem;
   DeviceProblem dp = DeviceProblem::Upload(p, KvElements(p));
   const int B = p.batch, H = p.num_q_heads, hkv = p.num_kv_heads, G = H / hkv, sets = B * hkv;
@@ -496,13 +503,7 @@ TEST(SelectedRowsCudaTest, RowCacheOverStepsMatchesUncached) {
 
 TEST(SelectedRowsCudaTest, FetchAllTokensCopiesEveryRow) {
   KVSPARSE_REQUIRE_GPU();
-  SyntheticOptions o;
-  o.batch = 2;
-  o.num_q_heads = 8;
-  o.num_kv_heads = 2;
-  o.head_dim = 128;
-  o.seq_lens = {1000, 77};
-  SyntheticProblem sp = SyntheticProblem::Make(o);
+  SyntheticProblem sp = Problem128(8, 2, {1000, 77});
   const DecodeProblem& p = sp.problem;
   DeviceProblem dp = DeviceProblem::Upload(p, KvElements(p));
   PagedKv paged(p, 6, /*host=*/true, 3);
@@ -545,13 +546,7 @@ TEST(SelectedRowsCudaTest, FetchAllTokensCopiesEveryRow) {
 // pages, against the same kernels on the strided layout.
 TEST(SelectedRowsCudaTest, SantaWithPerHeadKAndPagedVMatchesStrided) {
   KVSPARSE_REQUIRE_GPU();
-  SyntheticOptions o;
-  o.batch = 3;
-  o.num_q_heads = 16;
-  o.num_kv_heads = 4;
-  o.head_dim = 128;
-  o.seq_lens = {5000, 300, 2500};
-  SyntheticProblem sp = SyntheticProblem::Make(o);
+  SyntheticProblem sp = Problem128(16, 4, {5000, 300, 2500});
   const DecodeProblem& p = sp.problem;
   DeviceProblem dp = DeviceProblem::Upload(p, KvElements(p));
   PagedKv paged(p, 7, /*host=*/true, 9);
@@ -583,9 +578,8 @@ TEST(SelectedRowsCudaTest, SantaWithPerHeadKAndPagedVMatchesStrided) {
       a.sample_counts = ca.as<int32_t>();
       bp.sample_counts = cb.as<int32_t>();
     }
-    auto run = [&](const SantaParams& sp_) { RunSanta(method, sp_); };
-    run(a);
-    run(bp);
+    RunSanta(method, a);
+    RunSanta(method, bp);
     EXPECT_EQ(ToHost<int32_t>(ca, ca.size() / 4), ToHost<int32_t>(cb, cb.size() / 4))
         << "method " << method;
     int64_t nf = 0;
@@ -604,13 +598,7 @@ TEST(SelectedRowsCudaTest, SantaWithPerHeadKAndPagedVMatchesStrided) {
 
 TEST(SelectedRowsCudaTest, VAttentionFromPagesMatchesStrided) {
   KVSPARSE_REQUIRE_GPU();
-  SyntheticOptions o;
-  o.batch = 2;
-  o.num_q_heads = 8;
-  o.num_kv_heads = 2;
-  o.head_dim = 128;
-  o.seq_lens = {6000, 2100};
-  SyntheticProblem sp = SyntheticProblem::Make(o);
+  SyntheticProblem sp = Problem128(8, 2, {6000, 2100});
   const DecodeProblem& p = sp.problem;
   SimHashConfig cfg;
   cfg.seed = 3;
@@ -651,13 +639,7 @@ TEST(SelectedRowsCudaTest, VAttentionFromPagesMatchesStrided) {
 // draws (the decode worker's SequenceSeed contract), for every SANTA kernel.
 TEST(SelectedRowsCudaTest, PerSequenceSeedsMatchBatchOneCalls) {
   KVSPARSE_REQUIRE_GPU();
-  SyntheticOptions o;
-  o.batch = 3;
-  o.num_q_heads = 8;
-  o.num_kv_heads = 2;
-  o.head_dim = 128;
-  o.seq_lens = {3000, 700, 1500};
-  SyntheticProblem sp = SyntheticProblem::Make(o);
+  SyntheticProblem sp = Problem128(8, 2, {3000, 700, 1500});
   const DecodeProblem& p = sp.problem;
   DeviceProblem dp = DeviceProblem::Upload(p, KvElements(p));
   const int B = 3, H = 8, n_max = 3000;
@@ -675,8 +657,7 @@ TEST(SelectedRowsCudaTest, PerSequenceSeedsMatchBatchOneCalls) {
     } else {
       all.sample_counts = c_all.as<int32_t>();
     }
-    auto run = [&](const SantaParams& sp_) { RunSanta(method, sp_); };
-    run(all);
+    RunSanta(method, all);
     const auto counts_all = ToHost<int32_t>(c_all, c_all.size() / 4);
     const auto idx_host = ToHost<int32_t>(idx_all, idx_all.size() / 4);
     for (int b = 0; b < B; ++b) {
@@ -695,7 +676,7 @@ TEST(SelectedRowsCudaTest, PerSequenceSeedsMatchBatchOneCalls) {
       one.shape.out = out1.get();
       one.sample_counts = method == 0 ? nullptr : c1.as<int32_t>();
       one.indices = method == 0 ? i1.as<int32_t>() : nullptr;
-      run(one);
+      RunSanta(method, one);
       if (method == 0) {
         const auto got = ToHost<int32_t>(i1, H * 64);
         EXPECT_TRUE(std::equal(got.begin(), got.end(), idx_host.begin() + b * H * 64))
