@@ -215,11 +215,14 @@ __device__ __forceinline__ uint4 LoadStream16(const void* p) {
   return r;
 }
 
-// cp.async of 16 bytes into shared memory, zero-filled when !pred (then gmem is not read).
+// cp.async of 16 bytes into shared memory, zero-filled when !pred (then gmem is not read). The
+// K streams read whole 256-byte rows in 16-byte pieces spread over several instructions; the
+// L2::256B hint has L2 fetch the whole 256 bytes from DRAM on the first miss.
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool pred) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const int n = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(n)
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem),
+               "r"(n)
                : "memory");
 }
 __device__ __forceinline__ void CpAsyncCommit() {
