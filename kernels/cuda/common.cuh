@@ -221,8 +221,7 @@ __device__ __forceinline__ uint4 LoadStream16(const void* p) {
 __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool pred) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   const int n = pred ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem),
-               "r"(n)
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(n)
                : "memory");
 }
 __device__ __forceinline__ void CpAsyncCommit() {

@@ -351,11 +351,20 @@ __device__ __forceinline__ double BlockSumD(double v, double* red) {
 
 // ---------------------------------------------------------------------------------------------
 // Prop budgets (Algorithm 4): W_t = 2^(m_t - m*) ell_t, S_t = floor(S W_t / Z) plus one for the
-// S - sum floor tiles of largest fractional part (ties: lower tile first). Grid (B * H, parts):
-// every block of a (b, h) computes m*, Z and the remainder over all tiles and ranks its own
-// kBudgetTiles tiles, four threads per tile. Block 0 of each (b, h) also zeroes the output
-// accumulator and the pass-2 completion counter.
-constexpr int kBudgetTiles = kSmallThreads / 4;
+// S - sum floor tiles of largest fractional part (ties: lower tile first). One block per (b, h).
+// The ranking is a counting sort: each fractional part goes to bin floor(frac * bins) (monotone
+// in frac; bins a power of two from 256 to kMaxFracBins, about two per tile), and a tile's rank
+// is the number of tiles in higher bins plus those of its own bin that come before it (larger
+// frac, or equal and a lower tile). A bin holds a few tiles unless the fractional parts coincide
+// (then the walk over its members is longer, the result the same). Also zeroes the output
+// accumulator and (once per kv head) the pass-2 completion counter.
+constexpr int kMaxFracBins = 1024;
+constexpr int kMaxBinsPerThread = kMaxFracBins / kSmallThreads;
+
+__device__ __forceinline__ int FracBin(double f, int bins) {
+  const int bin = static_cast<int>(f * bins);  // f in [0, 1), bins a power of two: exact, floor
+  return f >= 0.0 ? min(bin, bins - 1) : 0;
+}
 
 __global__ void __launch_bounds__(kSmallThreads)
     PropBudgetKernel(DecodeShape s, int num_samples, int max_tiles,
@@ -363,57 +372,88 @@ __global__ void __launch_bounds__(kSmallThreads)
                      int* __restrict__ s_tiles, float* __restrict__ accum,
                      unsigned* __restrict__ counters, int max_big, int* __restrict__ big_count,
                      uint32_t* __restrict__ big_map, int* __restrict__ big_list) {
-  extern __shared__ double frac[];  // [max_tiles]
+  extern __shared__ double frac[];                          // [max_tiles]
+  int* members = reinterpret_cast<int*>(frac + max_tiles);  // [max_tiles]: by bin, high first
+  __shared__ int bin_start[kMaxFracBins];                   // tiles in the bins above each bin
+  __shared__ int bin_count[kMaxFracBins];
   __shared__ float red[kSmallThreads / 32];
   __shared__ double red_d[kSmallThreads / 32];
+  __shared__ int red_i[kSmallThreads / 32];
   AllowDependents();
   const int64_t bh = blockIdx.x;
-  const int part = blockIdx.y;
   const int b = static_cast<int>(bh / s.num_q_heads);
   const int h = static_cast<int>(bh % s.num_q_heads);
   const int G = s.num_q_heads / s.num_kv_heads;
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   GridDependencyWait();
-  if (part == 0) {
-    for (int i = threadIdx.x; i < s.head_dim; i += kSmallThreads) accum[bh * s.head_dim + i] = 0.f;
-    if (threadIdx.x == 0 && h % G == 0) counters[b * s.num_kv_heads + h / G] = 0u;
-  }
+  for (int i = tid; i < s.head_dim; i += kSmallThreads) accum[bh * s.head_dim + i] = 0.f;
+  if (tid == 0 && h % G == 0) counters[b * s.num_kv_heads + h / G] = 0u;
   const int n = s.seq_lens[b];
   const int num_tiles = (n + kTile - 1) / kTile;
-  if (part * kBudgetTiles >= num_tiles) return;  // uniform over the block
+  if (num_tiles == 0) return;  // uniform over the block
+  int bins = kSmallThreads;
+  while (bins < 2 * num_tiles && bins < kMaxFracBins) bins *= 2;
+  const int per_thread = bins / kSmallThreads;
   const float* mt = m_tiles + bh * max_tiles;
   const float* lt = l_tiles + bh * max_tiles;
   float mx = kNegInf;
-  for (int t = threadIdx.x; t < num_tiles; t += kSmallThreads) mx = fmaxf(mx, mt[t]);
+  for (int t = tid; t < num_tiles; t += kSmallThreads) mx = fmaxf(mx, mt[t]);
   const float mstar = BlockMax(mx, red);
+  for (int i = tid; i < bins; i += kSmallThreads) bin_count[i] = 0;
   double z = 0.0;
-  for (int t = threadIdx.x; t < num_tiles; t += kSmallThreads) {
+  for (int t = tid; t < num_tiles; t += kSmallThreads) {
     z += static_cast<double>(exp2f(mt[t] - mstar) * lt[t]);
   }
-  const double zsum = BlockSumD(z, red_d);
+  const double zsum = BlockSumD(z, red_d);  // (its barriers also order the zeroed counts)
   double fsum = 0.0;
-  for (int t = threadIdx.x; t < num_tiles; t += kSmallThreads) {
+  for (int t = tid; t < num_tiles; t += kSmallThreads) {
     const double w = static_cast<double>(exp2f(mt[t] - mstar) * lt[t]);
     const double q = static_cast<double>(num_samples) * (w / zsum);
     const double f = floor(q);
     frac[t] = q - f;
     fsum += f;
+    atomicAdd(&bin_count[FracBin(q - f, bins)], 1);
   }
   const int rem = num_samples - static_cast<int>(BlockSumD(fsum, red_d));
-  // BlockSumD ends with every frac[] write visible (it has barriers).
-  const int t = part * kBudgetTiles + threadIdx.x / 4;
-  const int quarter = threadIdx.x % 4;
-  int rank = 0;
-  double ft = 0.0;
-  if (t < num_tiles) {
-    ft = frac[t];
-    for (int j = quarter; j < num_tiles; j += 4) {
+  // BlockSumD's barriers make frac[] and the counts visible.
+  {  // bin_start: an exclusive scan over the bins from the highest down
+    int c[kMaxBinsPerThread], local = 0;
+#pragma unroll
+    for (int k = 0; k < kMaxBinsPerThread; ++k) {
+      c[k] = k < per_thread ? bin_count[bins - 1 - tid * per_thread - k] : 0;
+      local += c[k];
+    }
+    const int x = WarpInclusiveSum(local, lane);
+    if (lane == 31) red_i[warp] = x;
+    __syncthreads();
+    int start = x - local;
+    for (int w = 0; w < warp; ++w) start += red_i[w];
+#pragma unroll
+    for (int k = 0; k < kMaxBinsPerThread; ++k) {
+      if (k < per_thread) {
+        const int bin = bins - 1 - tid * per_thread - k;
+        bin_start[bin] = start;
+        start += c[k];
+        bin_count[bin] = 0;  // refilled as the placement cursor
+      }
+    }
+  }
+  __syncthreads();
+  for (int t = tid; t < num_tiles; t += kSmallThreads) {
+    const int bin = FracBin(frac[t], bins);
+    members[bin_start[bin] + atomicAdd(&bin_count[bin], 1)] = t;
+  }
+  __syncthreads();
+  for (int t = tid; t < num_tiles; t += kSmallThreads) {
+    const double ft = frac[t];
+    const int bin = FracBin(ft, bins);
+    const int c0 = bin_start[bin], cnt = bin_count[bin];
+    int rank = c0;
+    for (int k = 0; k < cnt; ++k) {
+      const int j = members[c0 + k];
       const double fj = frac[j];
       rank += (fj > ft || (fj == ft && j < t)) ? 1 : 0;
     }
-  }
-  rank += __shfl_xor_sync(0xffffffffu, rank, 1);
-  rank += __shfl_xor_sync(0xffffffffu, rank, 2);
-  if (t < num_tiles && quarter == 0) {
     const double w = static_cast<double>(exp2f(mt[t] - mstar) * lt[t]);
     const double q = static_cast<double>(num_samples) * (w / zsum);
     const int st = static_cast<int>(floor(q)) + (rank < rem ? 1 : 0);
@@ -1044,15 +1084,14 @@ struct FlashLaunch {
 
 cudaError_t LaunchBudget(const SantaParams& p, const TilePlan& plan, const PropSpace& ws,
                          cudaStream_t stream) {
-  // + 32 bytes: an unrolled rank loop may load a vector that ends past the last element.
-  const size_t smem = (static_cast<size_t>(plan.max_tiles) + 4) * sizeof(double);
-  if (smem > 200 * 1024) return cudaErrorInvalidValue;
-  if (smem > 48 * 1024) {
+  // The fractional parts (double) and the tiles sorted by bin (int); 8 KB of bins are static.
+  const size_t smem = static_cast<size_t>(plan.max_tiles) * (sizeof(double) + sizeof(int));
+  if (smem > 180 * 1024) return cudaErrorInvalidValue;
+  if (smem > 40 * 1024) {
     KVSPARSE_CUDA_RETURN_IF_ERROR(SetMaxDynamicSmem(
         reinterpret_cast<const void*>(&PropBudgetKernel), static_cast<int>(smem)));
   }
-  const dim3 grid(p.shape.batch * p.shape.num_q_heads,
-                  (plan.max_tiles + kBudgetTiles - 1) / kBudgetTiles);
+  const dim3 grid(p.shape.batch * p.shape.num_q_heads);
   return LaunchDependent(&PropBudgetKernel, grid, dim3(kSmallThreads), smem, stream, p.shape,
                          p.num_samples, plan.max_tiles, static_cast<const float*>(ws.m_tiles),
                          static_cast<const float*>(ws.l_tiles), ws.s_tiles, ws.accum, ws.counters,

@@ -206,6 +206,26 @@ TEST(SantaCudaTest, OperatingPointsAt32k) {
       static_cast<long long>(flash.samples));
 }
 
+// Prop's budgets when every full tile has the same weight: the fractional parts tie, and the
+// remainder goes to the lowest tiles (the budget kernel's ranking by bins must break ties by tile
+// as the CPU does). K = 0: every score is 0.
+TEST(SantaCudaTest, PropBudgetTiesGoToLowerTiles) {
+  KVSPARSE_REQUIRE_GPU();
+  SyntheticOptions o;
+  o.batch = 2;
+  o.num_q_heads = 8;
+  o.num_kv_heads = 2;
+  o.seq_lens = {37 * 256, 600 * 256 + 5};  // 37 equal tiles; 600 and a short one (> 512 tiles)
+  SyntheticProblem sp = SyntheticProblem::Make(o);
+  std::fill(sp.k.begin(), sp.k.end(), uint8_t{0});
+  for (int samples : {64, 128, 1000}) {
+    const Outcome r = Compare(Method::kProp, sp.problem, sp.k.size() / 2, samples, 3);
+    EXPECT_EQ(r.non_finite, 0) << samples;
+    EXPECT_EQ(r.mismatched, 0) << samples;
+    EXPECT_LT(r.out_err, 2e-2) << samples;
+  }
+}
+
 // Flash and iid are unbiased: averaging the GPU output over seeds approaches dense attention
 // (error of the mean well below the single-draw error).
 TEST(SantaCudaTest, FlashAndIidAreUnbiasedOverSeeds) {
