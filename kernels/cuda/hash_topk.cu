@@ -243,9 +243,15 @@ __global__ void __launch_bounds__(kTopkThreads)
   __syncthreads();
   GridDependencyWait();                            // the histogram kernel wrote hist
   const int* hb = hist + bh * num_chunks * kBins;  // per chunk: suffix sums over the bins
-  for (int e = tid; e < num_chunks * kBins; e += kTopkThreads) {
-    const int v = hb[e];
-    if (v != 0) atomicAdd(&suffix[e % kBins], v);
+  // Totals per bin: kParts threads per bin each sum every kParts-th chunk (a few shared-memory
+  // atomics per bin instead of one per chunk, which serialised on the bins).
+  constexpr int kParts = kTopkThreads / kBins > 0 ? kTopkThreads / kBins : 1;
+  for (int e = tid; e < kParts * kBins; e += kTopkThreads) {
+    const int bin = e % kBins, part = e / kBins;
+    int v = 0;
+#pragma unroll 8
+    for (int c = part; c < num_chunks; c += kParts) v += hb[c * kBins + bin];
+    if (v != 0) atomicAdd(&suffix[bin], v);
   }
   __syncthreads();
   for (int i = tid; i < kBins; i += kTopkThreads) total[i] = suffix[i] - suffix[i + 1];
