@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstdio>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -65,6 +66,16 @@ cudaError_t RunMethod(Method m, const SantaParams& p, DeviceBuffer& ws, cudaStre
       return S2antaFlash(p, ws.get(), ws.size(), stream);
   }
   return cudaErrorInvalidValue;
+}
+
+// Peaked synthetic options with 8 query heads over 2 kv heads, one sequence per length.
+SyntheticOptions SmallGroups(std::vector<int32_t> lens) {
+  SyntheticOptions o;
+  o.batch = static_cast<int32_t>(lens.size());
+  o.num_q_heads = 8;
+  o.num_kv_heads = 2;
+  o.seq_lens = std::move(lens);
+  return o;
 }
 
 struct Outcome {
@@ -211,12 +222,8 @@ TEST(SantaCudaTest, OperatingPointsAt32k) {
 // as the CPU does). K = 0: every score is 0.
 TEST(SantaCudaTest, PropBudgetTiesGoToLowerTiles) {
   KVSPARSE_REQUIRE_GPU();
-  SyntheticOptions o;
-  o.batch = 2;
-  o.num_q_heads = 8;
-  o.num_kv_heads = 2;
-  o.seq_lens = {37 * 256, 600 * 256 + 5};  // 37 equal tiles; 600 and a short one (> 512 tiles)
-  SyntheticProblem sp = SyntheticProblem::Make(o);
+  // 37 equal tiles; 600 and a short one (> 512 tiles)
+  SyntheticProblem sp = SyntheticProblem::Make(SmallGroups({37 * 256, 600 * 256 + 5}));
   std::fill(sp.k.begin(), sp.k.end(), uint8_t{0});
   for (int samples : {64, 128, 1000}) {
     const Outcome r = Compare(Method::kProp, sp.problem, sp.k.size() / 2, samples, 3);
@@ -264,12 +271,7 @@ TEST(SantaCudaTest, FlashAndIidAreUnbiasedOverSeeds) {
 
 TEST(SantaCudaTest, GraphCaptureProp) {
   KVSPARSE_REQUIRE_GPU();
-  SyntheticOptions o;
-  o.batch = 2;
-  o.num_q_heads = 8;
-  o.num_kv_heads = 2;
-  o.seq_lens = {5000, 700};
-  SyntheticProblem sp = SyntheticProblem::Make(o);
+  SyntheticProblem sp = SyntheticProblem::Make(SmallGroups({5000, 700}));
   DeviceProblem d = DeviceProblem::Upload(sp.problem, sp.k.size() / 2);
   SantaParams p;
   p.shape = d.shape;
