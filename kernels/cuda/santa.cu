@@ -249,7 +249,8 @@ struct Pass1Cfg {
 template <typename T, int D, int G, Pass1Out kOut>
 __global__ void __launch_bounds__(Pass1Cfg<D, G>::kThreads, Pass1Cfg<D, G>::kMinBlocks)
     Pass1Kernel(DecodeShape s, SeedSource seed, int tiles_per_block, int max_tiles,
-                float* __restrict__ m_tiles, float* __restrict__ l_tiles, void* __restrict__ out) {
+                float* __restrict__ m_tiles, float* __restrict__ l_tiles, void* __restrict__ out,
+                int* __restrict__ zero, int zero_words) {
   using Cfg = Pass1Cfg<D, G>;
   constexpr int NW = Cfg::kScoreWarps;
   constexpr int kAll = Cfg::kThreads;
@@ -259,6 +260,9 @@ __global__ void __launch_bounds__(Pass1Cfg<D, G>::kThreads, Pass1Cfg<D, G>::kMin
   if constexpr (kOut == Pass1Out::kRecords) AllowDependents();  // the budget kernel waits anyway
   const int kvh = blockIdx.x, blk = blockIdx.y, b = blockIdx.z;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0) {  // for the budget kernel, which
+    for (int i = threadIdx.x; i < zero_words; i += kAll) zero[i] = 0;  // waits for this grid
+  }
   const int n = s.seq_lens[b];
   const int num_tiles = (n + kTile - 1) / kTile;
   const int t_begin = blk * tiles_per_block;
@@ -949,7 +953,7 @@ struct PropSpace {
   float* accum;        // [B, H, d]
   unsigned* counters;  // [B, Hkv]
   // Big tiles (PropBigTileKernel): counts [B, Hkv] and the tile bitmap [B, Hkv, map_words]
-  // (adjacent: zeroed together before pass 1), the list [B, Hkv, max_big].
+  // (adjacent: zeroed together by pass 1), the list [B, Hkv, max_big].
   int* big_count;
   uint32_t* big_map;
   int* big_list;
@@ -995,6 +999,8 @@ struct Pass1Launch {
   float* l_tiles;
   void* out;
   cudaStream_t stream;
+  int* zero = nullptr;  // zeroed by the first block (ints; for the kernels that follow)
+  int zero_words = 0;
   template <typename T, int D, int G>
   cudaError_t operator()() const {
     const dim3 grid(s.num_kv_heads, plan.num_parts, s.batch);
@@ -1002,8 +1008,8 @@ struct Pass1Launch {
     auto* kernel = &Pass1Kernel<T, D, G, kOut>;
     KVSPARSE_CUDA_RETURN_IF_ERROR(
         SetMaxDynamicSmem(reinterpret_cast<const void*>(kernel), int{Cfg::kSmem}));
-    kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(s, seed, plan.tiles_per_block,
-                                                        plan.max_tiles, m_tiles, l_tiles, out);
+    kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(
+        s, seed, plan.tiles_per_block, plan.max_tiles, m_tiles, l_tiles, out, zero, zero_words);
     return cudaGetLastError();
   }
 };
@@ -1155,13 +1161,13 @@ cudaError_t S2antaProp(const SantaParams& p, void* workspace, size_t workspace_b
   if (workspace == nullptr || workspace_bytes < need) return cudaErrorInvalidValue;
   const DecodeShape& s = p.shape;
   const bool bigs = MaxBigTiles(p, plan) > 0;
-  if (bigs) {
-    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(ws.big_count, 0, ws.big_zero_bytes, stream));
-  }
+  // Pass 1 zeroes the big-tile counts and bitmap (one launch fewer than a memset).
   KVSPARSE_CUDA_RETURN_IF_ERROR(
       DispatchDecode(s.dtype, s.head_dim, s.group_size(),
-                     Pass1Launch<Pass1Out::kRecords>{s, Seeds(p), plan, ws.m_tiles, ws.l_tiles,
-                                                     ws.records, stream}));
+                     Pass1Launch<Pass1Out::kRecords>{
+                         s, Seeds(p), plan, ws.m_tiles, ws.l_tiles, ws.records, stream,
+                         bigs ? ws.big_count : nullptr,
+                         bigs ? static_cast<int>(ws.big_zero_bytes / sizeof(int)) : 0}));
   KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchBudget(p, plan, ws, stream));
   if (bigs) {
     KVSPARSE_CUDA_RETURN_IF_ERROR(
