@@ -164,6 +164,14 @@ void RunSanta(int method, const SantaParams& p) {
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }
 
+// Runs SelectedRowsDecode with a workspace of its own and waits for it; the first error.
+cudaError_t RunSelectedRows(const SelectedRowsParams& sr) {
+  DeviceBuffer ws(SelectedRowsWorkspaceBytes(sr));
+  const cudaError_t e = SelectedRowsDecode(sr, ws.get(), ws.size(), nullptr);
+  const cudaError_t s = cudaDeviceSynchronize();
+  return e != cudaSuccess ? e : s;
+}
+
 struct HashCase {
   DType dtype;
   int d, hkv, g;
@@ -266,9 +274,7 @@ void RunHashPipeline(const HashCase& c) {
   sr.positions = up.positions;
   sr.counts = tp.counts;
   sr.max_selected = max_sel;
-  DeviceBuffer sws(SelectedRowsWorkspaceBytes(sr));
-  ASSERT_EQ(SelectedRowsDecode(sr, sws.get(), sws.size(), nullptr), cudaSuccess) << what;
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+  ASSERT_EQ(RunSelectedRows(sr), cudaSuccess) << what;
 
   // Union lists and fetched rows.
   const auto got_tok = ToHost<int32_t>(rows.tokens, static_cast<size_t>(sets) * cap);
@@ -399,9 +405,7 @@ void RunCachedSteps(int C_per_cap_percent) {
     sr.positions = up.positions;
     sr.counts = up.counts;
     sr.max_selected = max_sel;
-    DeviceBuffer sws(SelectedRowsWorkspaceBytes(sr));
-    ASSERT_EQ(SelectedRowsDecode(sr, sws.get(), sws.size(), nullptr), cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_EQ(RunSelectedRows(sr), cudaSuccess);
     const auto want_out = ToHost<uint8_t>(dp.out, dp.out.size());
     const auto uni_tok = ToHost<int32_t>(full.tokens, static_cast<size_t>(sets) * cap);
     const auto uni_cnt = ToHost<int32_t>(full.count, sets);
@@ -450,8 +454,7 @@ void RunCachedSteps(int C_per_cap_percent) {
     sc.rows.v = fc.out.v;
     sc.second = fc.second;
     sc.positions = pp.positions;
-    ASSERT_EQ(SelectedRowsDecode(sc, sws.get(), sws.size(), nullptr), cudaSuccess) << what;
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+    ASSERT_EQ(RunSelectedRows(sc), cudaSuccess) << what;
     EXPECT_EQ(ToHost<uint8_t>(dp.out, dp.out.size()), want_out) << what << " step " << step;
 
     // Hits, fetch lists and cache contents against the host model of the policy.
