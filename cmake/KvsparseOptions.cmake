@@ -45,3 +45,22 @@ function(kvsparse_test name)
     set_tests_properties(${name} PROPERTIES LABELS "${ARG_LABELS}")
   endif()
 endfunction()
+
+# kvsparse_check_layer(<target> FORBID <regex>...)
+# Fails the configure step if the target links a library matching one of the regexes: each
+# module's library may link only the modules before it (kernels -> kvstore -> engine -> server
+# -> client), as scripts/check_layering.sh checks for includes.
+function(kvsparse_check_layer target)
+  cmake_parse_arguments(ARG "" "" "FORBID" ${ARGN})
+  if(NOT TARGET ${target})
+    return()
+  endif()
+  get_target_property(libs ${target} LINK_LIBRARIES)
+  foreach(lib IN LISTS libs)
+    foreach(bad IN LISTS ARG_FORBID)
+      if(lib MATCHES "${bad}")
+        message(FATAL_ERROR "layering: ${target} must not link ${lib}")
+      endif()
+    endforeach()
+  endforeach()
+endfunction()

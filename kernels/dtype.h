@@ -158,6 +158,16 @@ inline void StoreFromFloat(void* row, size_t i, DType t, float x) {
   }
 }
 
+// n elements of dtype `from` at src to dtype `to` at dst, through fp32 (a copy when the two
+// agree). Host-side.
+inline void ConvertElements(const void* src, DType from, void* dst, DType to, size_t n) {
+  if (from == to) {
+    std::memcpy(dst, src, n * DTypeSize(from));
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) StoreFromFloat(dst, i, to, LoadAsFloat(src, i, from));
+}
+
 }  // namespace kvsparse::kernels
 
 #endif  // KVSPARSE_KERNELS_DTYPE_H_

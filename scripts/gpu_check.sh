@@ -7,8 +7,10 @@
 #   santa/build.py  builds the S2ANTA reference kernels as torch extensions ($CARRY/santa_so
 #                   holds prebuilt ones from an earlier call).
 # Environment: STEPS (default "tests sanitize bench"; also "engine": the GPU backend's tests,
-# "enginebench": tests/gpu/engine_bench with ENGINE_ARGS, "rpc": rpc_decode_bench --gpu with
-# RPC_ARGS), BENCH_ARGS (extra kernel_bench.py args),
+# "enginebench": tests/gpu/engine_bench with ENGINE_ARGS, "engineab": the same with an earlier
+# build's engine_bench ($CARRY_OLD/bin/engine_bench, unpacked from .carry/pack/old.tar.xz) and
+# this one's alternating, AB_ROUNDS (default 2) rounds of new then old, "rpc": rpc_decode_bench
+# --gpu with RPC_ARGS), BENCH_ARGS (extra kernel_bench.py args),
 # REFS=0 (benchmark without FlashInfer and the S2ANTA reference kernels: SDPA and ours only),
 # NCU_ARGS (kernel_bench.py args of the profiled run; default B=8, n=32k).
 set -u
@@ -69,6 +71,21 @@ if [[ " $STEPS " == *" enginebench "* ]]; then
   timeout ${ENGINE_TIMEOUT:-400} "$CARRY/bin/engine_bench" ${ENGINE_ARGS:-} 2>&1 \
     | tee "$OUT/engine_bench.log"
   note "engine_bench rc=${PIPESTATUS[0]}"
+fi
+
+if [[ " $STEPS " == *" engineab "* ]]; then
+  CARRY_OLD=${CARRY_OLD:-.carry/old}
+  if [ -f .carry/pack/old.tar.xz ] && [ ! -d "$CARRY_OLD/bin" ]; then
+    tar -xJf .carry/pack/old.tar.xz -C .carry
+  fi
+  for round in $(seq 1 "${AB_ROUNDS:-2}"); do
+    for side in new old; do
+      bin="$CARRY/bin/engine_bench"
+      [ "$side" = old ] && bin="$CARRY_OLD/bin/engine_bench"
+      timeout ${ENGINE_TIMEOUT:-400} "$bin" ${ENGINE_ARGS:-} > "$OUT/engine_ab_${round}_$side.log" 2>&1
+      note "engine_bench $side (round $round) rc=$?"
+    done
+  done
 fi
 
 if [[ " $STEPS " == *" rpc "* ]]; then

@@ -1,10 +1,12 @@
 #include "server/attention_service.h"
 
+#include "engine/decode_engine.h"
 #include "server/convert.h"
 
 namespace kvsparse::server {
 
-AttentionService::AttentionService(DecodeEngine* engine, const RpcRunner* rpc, Metrics* metrics)
+AttentionService::AttentionService(engine::DecodeEngine* engine, const RpcRunner* rpc,
+                                   Metrics* metrics)
     : engine_(engine),
       rpc_(rpc),
       decode_metrics_(metrics->registry()),
@@ -13,13 +15,12 @@ AttentionService::AttentionService(DecodeEngine* engine, const RpcRunner* rpc, M
 
 absl::Status AttentionService::Run(const v1::DecodeRequest& req, absl::Time start,
                                    absl::Time deadline, v1::DecodeResponse* resp) {
-  absl::StatusOr<DecodeCall> call = FromProto(req);
+  absl::StatusOr<engine::DecodeCall> call = FromProto(req);
   if (!call.ok()) return call.status();
   call->deadline = deadline;
-  absl::StatusOr<DecodeResult> result = engine_->Decode(*call);
+  absl::StatusOr<engine::DecodeResult> result = engine_->Decode(*call);
   if (!result.ok()) return result.status();
-  decode_metrics_.Record(static_cast<int>(call->method.kind), MethodName(call->method.kind),
-                         *result);
+  decode_metrics_.Record(call->method.kind, *result);
   ToProto(std::move(*result), *call, resp);
   resp->set_request_id(req.request_id());
   resp->mutable_timing()->set_server_seconds(absl::ToDoubleSeconds(absl::Now() - start));

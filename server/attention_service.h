@@ -1,20 +1,23 @@
-// gRPC Attention service: a thin layer over DecodeEngine. Decode is one layer of one step for
-// B sequences; DecodeStream carries a model server's step loop (one request per layer per step,
+// gRPC Attention service: a thin layer over engine::DecodeEngine. Decode is one layer of one step
+// for B sequences; DecodeStream carries a model server's step loop (one request per layer per step,
 // answered in order; an error ends the stream with its status).
 #ifndef KVSPARSE_SERVER_ATTENTION_SERVICE_H_
 #define KVSPARSE_SERVER_ATTENTION_SERVICE_H_
 
 #include "kvsparse/v1/attention.grpc.pb.h"
-#include "server/decode_engine.h"
 #include "server/metrics.h"
 #include "server/rpc.h"
+
+namespace kvsparse::engine {
+class DecodeEngine;
+}  // namespace kvsparse::engine
 
 namespace kvsparse::server {
 
 class AttentionService final : public v1::Attention::Service {
  public:
   // REQUIRES: engine, rpc and metrics outlive the service.
-  AttentionService(DecodeEngine* engine, const RpcRunner* rpc, Metrics* metrics);
+  AttentionService(engine::DecodeEngine* engine, const RpcRunner* rpc, Metrics* metrics);
 
   grpc::Status Decode(grpc::ServerContext* ctx, const v1::DecodeRequest* req,
                       v1::DecodeResponse* resp) override;
@@ -28,7 +31,7 @@ class AttentionService final : public v1::Attention::Service {
   absl::Status Run(const v1::DecodeRequest& req, absl::Time start, absl::Time deadline,
                    v1::DecodeResponse* resp);
 
-  DecodeEngine* const engine_;
+  engine::DecodeEngine* const engine_;
   const RpcRunner* const rpc_;
   DecodeMetrics decode_metrics_;
   RpcMetric* const decode_;

@@ -214,16 +214,16 @@ void ToProto(const kvstore::StoreStats& st, v1::StoreStats* out) {
 
 namespace {
 
-absl::StatusOr<Method> FromProto(const v1::Method& m) {
-  Method out;
+absl::StatusOr<engine::Method> FromProto(const v1::Method& m) {
+  engine::Method out;
   switch (m.kind_case()) {
     case v1::Method::KIND_NOT_SET:
     case v1::Method::kDense:
-      out.kind = MethodKind::kDense;
+      out.kind = engine::MethodKind::kDense;
       return out;
     case v1::Method::kSanta: {
       const v1::SantaParams& s = m.santa();
-      out.kind = MethodKind::kSanta;
+      out.kind = engine::MethodKind::kSanta;
       kernels::SantaParams& p = out.santa;
       switch (s.sampler()) {
         case v1::SANTA_SAMPLER_IID:
@@ -271,7 +271,7 @@ absl::StatusOr<Method> FromProto(const v1::Method& m) {
     }
     case v1::Method::kHashTopK: {
       const v1::HashTopKParams& h = m.hash_top_k();
-      out.kind = MethodKind::kHashTopK;
+      out.kind = engine::MethodKind::kHashTopK;
       if (h.sink_tokens() > (1u << 30) || h.local_tokens() > (1u << 30) || h.top_k() > (1u << 30) ||
           h.bits() > 256) {
         return absl::InvalidArgumentError("hash_top_k: a count is out of range");
@@ -286,7 +286,7 @@ absl::StatusOr<Method> FromProto(const v1::Method& m) {
     }
     case v1::Method::kVattention: {
       const v1::VAttentionParams& v = m.vattention();
-      out.kind = MethodKind::kVAttention;
+      out.kind = engine::MethodKind::kVAttention;
       kernels::VAttentionParams& p = out.vattention;
       if (v.sink_tokens() > (1u << 30) || v.local_tokens() > (1u << 30) || v.top_k() > (1u << 30) ||
           v.bits() > 256) {
@@ -323,8 +323,8 @@ absl::StatusOr<Method> FromProto(const v1::Method& m) {
 
 }  // namespace
 
-absl::StatusOr<DecodeCall> FromProto(const v1::DecodeRequest& msg) {
-  DecodeCall c;
+absl::StatusOr<engine::DecodeCall> FromProto(const v1::DecodeRequest& msg) {
+  engine::DecodeCall c;
   if (msg.sequence_ids_size() == 0) return absl::InvalidArgumentError("sequence_ids: empty");
   if (absl::Status s = ValidateTensor(msg.q(), "q"); !s.ok()) return s;
   if (msg.q().shape_size() != 3 || msg.q().shape(0) != msg.sequence_ids_size()) {
@@ -360,7 +360,7 @@ absl::StatusOr<DecodeCall> FromProto(const v1::DecodeRequest& msg) {
     c.new_v = absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(msg.new_v().data().data()),
                                         msg.new_v().data().size());
   }
-  absl::StatusOr<Method> m = FromProto(msg.method());
+  absl::StatusOr<engine::Method> m = FromProto(msg.method());
   if (!m.ok()) return m.status();
   c.method = *m;
   c.seed = msg.seed();
@@ -372,14 +372,14 @@ absl::StatusOr<DecodeCall> FromProto(const v1::DecodeRequest& msg) {
   return c;
 }
 
-void ToProto(DecodeResult&& r, const DecodeCall& call, v1::DecodeResponse* out) {
+void ToProto(engine::DecodeResult&& r, const engine::DecodeCall& call, v1::DecodeResponse* out) {
   v1::Tensor* o = out->mutable_output();
   o->set_dtype(ToProto(call.q_dtype));
   o->add_shape(static_cast<int64_t>(call.sequence_ids.size()));
   o->add_shape(r.num_q_heads);
   o->add_shape(r.head_dim);
   *o->mutable_data() = std::move(r.output);
-  for (HeadStats& h : r.heads) {
+  for (engine::HeadStats& h : r.heads) {
     v1::HeadStats* s = out->add_heads();
     s->set_sequence_index(h.sequence_index);
     s->set_kv_head(h.kv_head);

@@ -6,12 +6,12 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "engine/decode_engine.h"
 #include "kernels/dtype.h"
 #include "kvsparse/v1/attention.pb.h"
 #include "kvsparse/v1/kvstore.pb.h"
 #include "kvsparse/v1/tensor.pb.h"
 #include "kvstore/store.h"
-#include "server/decode_engine.h"
 
 namespace kvsparse::server {
 
@@ -41,9 +41,10 @@ absl::StatusOr<GatherArgs> FromProto(const v1::GatherRequest& msg);
 
 // Validates and maps a DecodeRequest (method parameters are checked by the engine); the spans
 // point into `msg`, which must outlive the result. No method given means dense.
-absl::StatusOr<DecodeCall> FromProto(const v1::DecodeRequest& msg);
+absl::StatusOr<engine::DecodeCall> FromProto(const v1::DecodeRequest& msg);
 // Output tensor [B, H, d] (moved out of `result`), per-head statistics and timing.
-void ToProto(DecodeResult&& result, const DecodeCall& call, v1::DecodeResponse* out);
+void ToProto(engine::DecodeResult&& result, const engine::DecodeCall& call,
+             v1::DecodeResponse* out);
 
 void ToProto(const kvstore::SequenceInfo& info, v1::SequenceInfo* out);
 void ToProto(const kvstore::StoreStats& stats, v1::StoreStats* out);

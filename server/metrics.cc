@@ -3,9 +3,10 @@
 #include <exception>
 
 #include "absl/strings/str_cat.h"
+#include "engine/decode_engine.h"
+#include "engine/methods/registry.h"
 #include "kvstore/store.h"
 #include "prometheus/metric_family.h"
-#include "server/decode_engine.h"
 
 namespace kvsparse::server {
 namespace {
@@ -177,7 +178,6 @@ prometheus::Histogram::BucketBoundaries BudgetBuckets() {
 }
 
 const char* kTierNames[] = {"host", "device", "remote"};
-const char* kMethodNames[] = {"dense", "santa", "hash_top_k", "vattention"};
 
 }  // namespace
 
@@ -218,17 +218,17 @@ DecodeMetrics::DecodeMetrics(prometheus::Registry& registry)
                   .Name("kvsparse_decode_budget")
                   .Help("Per query head budget: samples S, top-k k, or the vAttention sample b")
                   .Register(registry)) {
-  for (int m = 0; m < kMethods; ++m) {
-    PerMethod& pm = per_method_[m];
+  for (const engine::MethodEntry& m : engine::AllMethods()) {
+    PerMethod& pm = per_method_.emplace_back();
     for (int t = 0; t < kTiers; ++t) {
-      pm.rows[t] = &rows_.Add({{"method", kMethodNames[m]}, {"tier", kTierNames[t]}});
-      pm.bytes[t] = &bytes_.Add({{"method", kMethodNames[m]}, {"tier", kTierNames[t]}});
+      pm.rows[t] = &rows_.Add({{"method", m.name}, {"tier", kTierNames[t]}});
+      pm.bytes[t] = &bytes_.Add({{"method", m.name}, {"tier", kTierNames[t]}});
     }
-    pm.dense = &dense_bytes_.Add({{"method", kMethodNames[m]}});
-    pm.gather = &gather_seconds_.Add({{"method", kMethodNames[m]}});
-    pm.sequences = &sequences_.Add({{"method", kMethodNames[m]}});
-    pm.cached = &cached_rows_.Add({{"method", kMethodNames[m]}});
-    pm.budget = &budget_.Add({{"method", kMethodNames[m]}}, BudgetBuckets());
+    pm.dense = &dense_bytes_.Add({{"method", m.name}});
+    pm.gather = &gather_seconds_.Add({{"method", m.name}});
+    pm.sequences = &sequences_.Add({{"method", m.name}});
+    pm.cached = &cached_rows_.Add({{"method", m.name}});
+    pm.budget = &budget_.Add({{"method", m.name}}, BudgetBuckets());
   }
   selection_ = &stage_.Add({{"stage", "selection"}}, LatencyBuckets());
   gather_ = &stage_.Add({{"stage", "gather"}}, LatencyBuckets());
@@ -236,16 +236,17 @@ DecodeMetrics::DecodeMetrics(prometheus::Registry& registry)
   engine_ = &stage_.Add({{"stage", "engine"}}, LatencyBuckets());
 }
 
-void DecodeMetrics::Record(int method, const char*, const DecodeResult& r) {
-  if (method < 0 || method >= kMethods) return;
-  PerMethod& pm = per_method_[method];
+void DecodeMetrics::Record(engine::MethodKind method, const engine::DecodeResult& r) {
+  const size_t m = static_cast<size_t>(method);
+  if (m >= per_method_.size()) return;
+  PerMethod& pm = per_method_[m];
   // Sum over the call first: one update per series (a Decode of B sequences has B x Hkv heads).
   std::array<double, kTiers> bytes{}, rows{};
   double dense = 0, budget_sum = 0, cached = 0;
   static const prometheus::Histogram::BucketBoundaries kBudgetBounds = BudgetBuckets();
   std::vector<double> budget_buckets(kBudgetBounds.size() + 1, 0.0);
   uint64_t seqs = 0;
-  for (const HeadStats& h : r.heads) {
+  for (const engine::HeadStats& h : r.heads) {
     // Rows are counted on the tier most of the head's bytes came from.
     int tier = 0;
     for (int t = 0; t < kTiers; ++t) {
@@ -284,9 +285,9 @@ namespace {
 
 class ResidentCollector final : public prometheus::Collectable {
  public:
-  explicit ResidentCollector(const DecodeEngine* engine) : engine_(engine) {}
+  explicit ResidentCollector(const engine::DecodeEngine* engine) : engine_(engine) {}
   std::vector<prometheus::MetricFamily> Collect() const override {
-    const ResidentCache& c = engine_->resident();
+    const engine::ResidentCache& c = engine_->resident();
     auto one = [](const char* name, const char* help, prometheus::MetricType type, double v) {
       prometheus::MetricFamily f{name, help, type, {}};
       prometheus::ClientMetric m;
@@ -306,7 +307,7 @@ class ResidentCollector final : public prometheus::Collectable {
             prometheus::MetricType::Gauge, static_cast<double>(c.capacity())),
         one("kvsparse_resident_evictions_total", "Idle resident entries evicted for room",
             prometheus::MetricType::Counter, static_cast<double>(c.evictions()))};
-    if (const DecodeBackend* b = engine_->device_backend(); b != nullptr) {
+    if (const engine::DecodeBackend* b = engine_->device_backend(); b != nullptr) {
       r.push_back(one("kvsparse_gpu_resident_bytes",
                       "Bytes of GPU memory the GPU engine holds for sequences (K/V, signatures, "
                       "page lists, row caches)",
@@ -319,12 +320,12 @@ class ResidentCollector final : public prometheus::Collectable {
   }
 
  private:
-  const DecodeEngine* engine_;
+  const engine::DecodeEngine* engine_;
 };
 
 }  // namespace
 
-std::shared_ptr<prometheus::Collectable> NewResidentCollector(const DecodeEngine* engine) {
+std::shared_ptr<prometheus::Collectable> NewResidentCollector(const engine::DecodeEngine* engine) {
   return std::make_shared<ResidentCollector>(engine);
 }
 

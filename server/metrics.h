@@ -8,6 +8,7 @@
 #include <atomic>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -22,10 +23,11 @@
 namespace kvsparse::kvstore {
 class Store;
 }
-namespace kvsparse::server {
+namespace kvsparse::engine {
 class DecodeEngine;
 struct DecodeResult;
-}  // namespace kvsparse::server
+enum class MethodKind;
+}  // namespace kvsparse::engine
 
 namespace kvsparse::server {
 
@@ -52,11 +54,11 @@ class RpcMetric {
 class DecodeMetrics {
  public:
   explicit DecodeMetrics(prometheus::Registry& registry);
-  // method: MethodName(); one DecodeResult of a successful call.
-  void Record(int method, const char* method_name, const DecodeResult& result);
+  // One DecodeResult of a successful call of a method.
+  void Record(engine::MethodKind method, const engine::DecodeResult& result);
 
  private:
-  static constexpr int kMethods = 4, kTiers = 3;
+  static constexpr int kTiers = 3;
   prometheus::Family<prometheus::Counter>& rows_;
   prometheus::Family<prometheus::Counter>& bytes_;
   prometheus::Family<prometheus::Counter>& dense_bytes_;
@@ -73,7 +75,7 @@ class DecodeMetrics {
     prometheus::Counter* cached = nullptr;
     prometheus::Histogram* budget = nullptr;
   };
-  std::array<PerMethod, kMethods> per_method_;
+  std::vector<PerMethod> per_method_;  // one per row of the method table, in its order
   prometheus::Histogram* selection_;
   prometheus::Histogram* gather_;
   prometheus::Histogram* compute_;
@@ -111,7 +113,7 @@ class Metrics {
 
 // Resident (device-tier) state of a decode engine read at scrape time: bytes held, capacity,
 // evictions. REQUIRES: engine outlives the collector.
-std::shared_ptr<prometheus::Collectable> NewResidentCollector(const DecodeEngine* engine);
+std::shared_ptr<prometheus::Collectable> NewResidentCollector(const engine::DecodeEngine* engine);
 
 // Store state read at scrape time: bytes used and capacity, sequences, rows/bytes appended and
 // gathered (by tier), evictions and rejections. REQUIRES: store outlives the collector.

@@ -10,21 +10,22 @@
 namespace kvsparse::server {
 namespace {
 
-class RemoteRowSource final : public RowSource {
+class RemoteRowSource final : public engine::RowSource {
  public:
   explicit RemoteRowSource(std::shared_ptr<grpc::Channel> channel)
       : stub_(v1::KvStore::NewStub(channel)) {}
 
   kvstore::Tier tier() const override { return kvstore::Tier::kRemote; }
 
-  absl::StatusOr<SequenceDesc> Describe(absl::string_view id, absl::Time deadline) override {
+  absl::StatusOr<engine::SequenceDesc> Describe(absl::string_view id,
+                                                absl::Time deadline) override {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(deadline));
     v1::GetSequenceInfoRequest req;
     req.set_sequence_id(std::string(id));
     v1::SequenceInfo info;
     if (absl::Status s = Remote(stub_->GetSequenceInfo(&ctx, req, &info)); !s.ok()) return s;
-    SequenceDesc d;
+    engine::SequenceDesc d;
     d.sequence_id = info.sequence_id();
     absl::StatusOr<kvstore::ModelShape> shape = FromProto(info.shape());
     if (!shape.ok()) return shape.status();
@@ -64,7 +65,7 @@ class RemoteRowSource final : public RowSource {
   }
 
   absl::StatusOr<uint64_t> Gather(absl::string_view id, uint32_t layer, kvstore::RowKind kind,
-                                  absl::Span<const RowRequest> heads, uint8_t* k_out,
+                                  absl::Span<const engine::RowRequest> heads, uint8_t* k_out,
                                   uint8_t* v_out, absl::Time deadline) override {
     grpc::ClientContext ctx;
     ctx.set_deadline(absl::ToChronoTime(deadline));
@@ -75,7 +76,7 @@ class RemoteRowSource final : public RowSource {
                  : kind == kvstore::RowKind::kV ? v1::ROW_KIND_V
                                                 : v1::ROW_KIND_KV);
     size_t rows = 0;
-    for (const RowRequest& h : heads) {
+    for (const engine::RowRequest& h : heads) {
       v1::HeadSelection* sel = req.add_heads();
       sel->set_kv_head(h.kv_head);
       sel->mutable_token_indices()->Add(h.tokens.begin(), h.tokens.end());
@@ -111,7 +112,7 @@ class RemoteRowSource final : public RowSource {
 
 }  // namespace
 
-std::unique_ptr<RowSource> NewRemoteRowSource(std::shared_ptr<grpc::Channel> channel) {
+std::unique_ptr<engine::RowSource> NewRemoteRowSource(std::shared_ptr<grpc::Channel> channel) {
   return std::make_unique<RemoteRowSource>(std::move(channel));
 }
 

@@ -1,4 +1,4 @@
-// A RowSource over another process's KvStore service (the split deployment: a worker with
+// An engine::RowSource over another process's KvStore service (the split deployment: a worker with
 // --store=HOST:PORT). One Gather RPC per sequence per stage, covering every kv head.
 #ifndef KVSPARSE_SERVER_REMOTE_ROW_SOURCE_H_
 #define KVSPARSE_SERVER_REMOTE_ROW_SOURCE_H_
@@ -7,12 +7,12 @@
 
 #include <memory>
 
-#include "server/row_source.h"
+#include "engine/row_source.h"
 
 namespace kvsparse::server {
 
 // The channel's message limits must allow the largest gather (see ServerOptions).
-std::unique_ptr<RowSource> NewRemoteRowSource(std::shared_ptr<grpc::Channel> channel);
+std::unique_ptr<engine::RowSource> NewRemoteRowSource(std::shared_ptr<grpc::Channel> channel);
 
 }  // namespace kvsparse::server
 

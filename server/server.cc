@@ -13,7 +13,7 @@
 #include "server/logging.h"
 #include "server/remote_row_source.h"
 #if KVSPARSE_WITH_CUDA
-#include "server/gpu_backend.h"
+#include "engine/cuda/gpu_backend.h"
 #endif
 
 namespace kvsparse::server {
@@ -68,7 +68,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   }
   if (options.role != ServerRole::kStore) {
     if (options.role == ServerRole::kAll) {
-      s->row_source_ = NewLocalRowSource(s->store_.get(), options.store_pages_mapped);
+      s->row_source_ = engine::NewLocalRowSource(s->store_.get(), options.store_pages_mapped);
     } else {
       grpc::ChannelArguments args;
       args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
@@ -82,10 +82,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       }
       s->row_source_ = NewRemoteRowSource(std::move(channel));
     }
-    std::unique_ptr<DecodeBackend> backend;
+    std::unique_ptr<engine::DecodeBackend> backend;
     if (options.gpu != ServerOptions::Gpu::kOff) {
 #if KVSPARSE_WITH_CUDA
-      GpuBackendOptions go;
+      engine::GpuBackendOptions go;
       go.device = options.gpu_device;
       go.capacity_bytes = options.engine.resident_capacity_bytes;
       go.max_fetch_bytes = options.engine.max_fetch_bytes;
@@ -93,7 +93,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       go.signatures = options.engine.signatures;
       go.row_cache_fraction = options.gpu_row_cache;
       go.stage_timing_every = options.gpu_stage_timing_every;
-      absl::StatusOr<std::unique_ptr<DecodeBackend>> b = NewGpuBackend(go, s->row_source_.get());
+      absl::StatusOr<std::unique_ptr<engine::DecodeBackend>> b =
+          engine::NewGpuBackend(go, s->row_source_.get());
       if (b.ok()) {
         backend = std::move(*b);
       } else if (options.gpu == ServerOptions::Gpu::kOn) {
@@ -107,8 +108,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       }
 #endif
     }
-    s->engine_ =
-        std::make_unique<DecodeEngine>(options.engine, s->row_source_.get(), std::move(backend));
+    s->engine_ = std::make_unique<engine::DecodeEngine>(options.engine, s->row_source_.get(),
+                                                        std::move(backend));
     s->metrics_->AddCollectable(NewResidentCollector(s->engine_.get()));
     s->attention_service_ =
         std::make_unique<AttentionService>(s->engine_.get(), s->rpc_.get(), s->metrics_.get());

@@ -17,8 +17,8 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "engine/decode_engine.h"
 #include "kvstore/store.h"
-#include "server/decode_engine.h"
 #include "server/metrics.h"
 #include "server/rpc.h"
 
@@ -47,16 +47,16 @@ struct ServerOptions {
   // On shutdown, in-flight calls get this long to finish before they are cancelled.
   absl::Duration shutdown_grace = absl::Seconds(10);
   kvstore::StoreOptions store;
-  EngineOptions engine;
-  // The decode engine's GPU backend (server/gpu_backend.h), in builds with CUDA: kAuto uses it
+  engine::EngineOptions engine;
+  // The decode engine's GPU backend (engine/cuda/gpu_backend.h), in builds with CUDA: kAuto uses it
   // when a CUDA device is present, kOn refuses to start without one, kOff never uses it.
   enum class Gpu { kAuto, kOn, kOff };
   Gpu gpu = Gpu::kAuto;
   int gpu_device = 0;
   // HashAttention on the GPU keeps up to this fraction of each (sequence, layer)'s tokens, per kv
-  // head, of the rows it selected at the last step (GpuBackendOptions::row_cache_fraction).
+  // head, of the rows it selected at the last step (engine::GpuBackendOptions::row_cache_fraction).
   double gpu_row_cache = 0.04;
-  int gpu_stage_timing_every = 16;  // GpuBackendOptions::stage_timing_every
+  int gpu_stage_timing_every = 16;  // engine::GpuBackendOptions::stage_timing_every
   // The store's memory (store.memory) is pinned and CUDA-mapped
   // (kvstore::NewPinnedHostMemoryResource): the GPU reads host rows in place.
   bool store_pages_mapped = false;
@@ -75,8 +75,8 @@ class Server {
 
   int port() const { return port_; }
   int metrics_port() const { return metrics_->port(); }
-  kvstore::Store* store() { return store_.get(); }  // null for kWorker
-  DecodeEngine* engine() { return engine_.get(); }  // null for kStore
+  kvstore::Store* store() { return store_.get(); }          // null for kWorker
+  engine::DecodeEngine* engine() { return engine_.get(); }  // null for kStore
 
   // Health goes NOT_SERVING, new calls are refused, in-flight calls get shutdown_grace to
   // finish and are then cancelled. Idempotent; thread-safe.
@@ -92,8 +92,8 @@ class Server {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<RpcRunner> rpc_;
   std::unique_ptr<KvStoreService> kvstore_service_;
-  std::unique_ptr<RowSource> row_source_;
-  std::unique_ptr<DecodeEngine> engine_;
+  std::unique_ptr<engine::RowSource> row_source_;
+  std::unique_ptr<engine::DecodeEngine> engine_;
   std::unique_ptr<AttentionService> attention_service_;
   std::unique_ptr<grpc::Server> grpc_;
   int port_ = 0;

@@ -46,8 +46,8 @@
 #include "kernels/synthetic.h"
 #include "kvstore/cuda_host_memory.h"
 #include "kvstore/store.h"
-#include "server/decode_engine.h"
-#include "server/gpu_backend.h"
+#include "engine/decode_engine.h"
+#include "engine/cuda/gpu_backend.h"
 #include "tests/gpu/bench_util.h"
 
 ABSL_FLAG(std::string, lens, "32768,131072", "Context lengths n");
@@ -75,7 +75,7 @@ ABSL_FLAG(int, capacity_steps, 4, "Capacity mode: decode steps timed (after one 
 namespace {
 
 namespace kv = kvsparse::kvstore;
-namespace ks = kvsparse::server;
+namespace ks = kvsparse::engine;
 namespace kk = kvsparse::kernels;
 using Clock = std::chrono::steady_clock;
 

@@ -17,10 +17,10 @@
 #include "kernels/synthetic.h"
 #include "kvstore/cuda_host_memory.h"
 #include "kvstore/store.h"
-#include "server/decode_engine.h"
-#include "server/gpu_backend.h"
+#include "engine/decode_engine.h"
+#include "engine/cuda/gpu_backend.h"
 
-namespace kvsparse::server {
+namespace kvsparse::engine {
 namespace {
 
 using kernels::DType;
@@ -415,4 +415,4 @@ TEST_F(GpuEngineTest, WithoutTheRowCacheOnlySignaturesStay) {
 }
 
 }  // namespace
-}  // namespace kvsparse::server
+}  // namespace kvsparse::engine

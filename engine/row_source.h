@@ -1,8 +1,8 @@
 // Where the decode engine reads K/V rows from: the store's host tier, in this process
-// (LocalRowSource, zero RPCs) or in another one (RemoteRowSource, server/remote_row_source.h,
+// (LocalRowSource, zero RPCs) or in another one (RemoteRowSource in the server layer,
 // through the KvStore Gather RPC). The engine sees only this interface.
-#ifndef KVSPARSE_SERVER_ROW_SOURCE_H_
-#define KVSPARSE_SERVER_ROW_SOURCE_H_
+#ifndef KVSPARSE_ENGINE_ROW_SOURCE_H_
+#define KVSPARSE_ENGINE_ROW_SOURCE_H_
 
 #include <cstdint>
 #include <memory>
@@ -17,7 +17,7 @@
 #include "kvstore/store.h"
 #include "kvstore/types.h"
 
-namespace kvsparse::server {
+namespace kvsparse::engine {
 
 // What the engine needs to know of a sequence.
 struct SequenceDesc {
@@ -72,6 +72,6 @@ class RowSource {
 std::unique_ptr<RowSource> NewLocalRowSource(kvstore::Store* store,
                                              bool pages_device_visible = false);
 
-}  // namespace kvsparse::server
+}  // namespace kvsparse::engine
 
-#endif  // KVSPARSE_SERVER_ROW_SOURCE_H_
+#endif  // KVSPARSE_ENGINE_ROW_SOURCE_H_

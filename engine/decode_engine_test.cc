@@ -1,4 +1,4 @@
-#include "server/decode_engine.h"
+#include "engine/decode_engine.h"
 
 #include <atomic>
 #include <cmath>
@@ -13,7 +13,7 @@
 #include "kernels/synthetic.h"
 #include "kvstore/store.h"
 
-namespace kvsparse::server {
+namespace kvsparse::engine {
 namespace {
 
 using kernels::DType;
@@ -527,4 +527,4 @@ TEST(EngineConcurrencyTest, ConcurrentDecodesWithEvictions) {
 }
 
 }  // namespace
-}  // namespace kvsparse::server
+}  // namespace kvsparse::engine

@@ -9,64 +9,22 @@
 //
 // Thread-safe. Lock order: an entry's mutex, then the cache's map mutex (never the reverse; the
 // map mutex is never held while waiting for an entry).
-#ifndef KVSPARSE_SERVER_RESIDENT_CACHE_H_
-#define KVSPARSE_SERVER_RESIDENT_CACHE_H_
+#ifndef KVSPARSE_ENGINE_RESIDENT_CACHE_H_
+#define KVSPARSE_ENGINE_RESIDENT_CACHE_H_
 
 #include <atomic>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
-#include "kernels/hash_signatures.h"
-#include "server/row_source.h"
+#include "engine/row_source.h"
+#include "engine/signatures.h"
 
-namespace kvsparse::server {
-
-// How key and query signatures are made (a deployment setting, not per request).
-struct SignatureConfig {
-  // SimHash planes seed (the Philox key of RngTag::kSimHashPlane).
-  uint64_t simhash_seed = 0x6b767370u;
-  // SimHash M of a (sequence, layer, kv head) = norm_margin x the largest key norm present at
-  // its first sync; keys appended later with a larger norm get augmentation 0.
-  float norm_margin = 1.0f;
-  // Learned MLP weights; null = SimHash. The bits of the file must equal the placement's.
-  std::shared_ptr<const kernels::LearnedHashWeights> learned;
-};
-
-// Makes signatures; caches SimHash planes per (layer, head, bits, dim). Thread-safe.
-class SignatureMaker {
- public:
-  explicit SignatureMaker(SignatureConfig config) : config_(std::move(config)) {}
-  bool learned() const { return config_.learned != nullptr; }
-  // Key signature heads for a shape: Hkv for SimHash, the file's key MLPs for learned.
-  int32_t KeyHeads(const kvstore::ModelShape& shape) const;
-  // Signature of one key (d floats) of kv head `kv_head` for signature head `sig_head`.
-  void Key(int32_t layer, int32_t sig_head, int32_t bits, int32_t dim, const float* k,
-           float max_norm, uint32_t* out, std::vector<float>* scratch);
-  // Signature of query head h (dim floats) of a model with group size G.
-  void Query(int32_t layer, int32_t h, int32_t group, int32_t bits, int32_t dim, const float* q,
-             uint32_t* out, std::vector<float>* scratch);
-  const SignatureConfig& config() const { return config_; }
-
- private:
-  const kernels::SimHashPlanes& Planes(int32_t layer, int32_t head, int32_t bits, int32_t dim);
-  const SignatureConfig config_;
-  std::mutex mu_;
-  std::map<std::tuple<int32_t, int32_t, int32_t, int32_t>, std::unique_ptr<kernels::SimHashPlanes>>
-      planes_;
-};
-
-// Largest key norm of each kv head over n tokens of K rows (the sequence's dtype), laid out
-// token-major ([n][Hkv][d]) or head-major ([Hkv][n][d]); norms summed in fp32 in order, as
-// SimHashKey's. Times SignatureConfig::norm_margin, it is a layer's SimHash M.
-std::vector<float> MaxKeyNorms(const uint8_t* k, const kvstore::ModelShape& shape, uint64_t n,
-                               bool token_major);
+namespace kvsparse::engine {
 
 // One layer of one sequence on the device.
 class ResidentLayer {
@@ -166,6 +124,6 @@ class ResidentCache {
   absl::flat_hash_map<std::string, std::shared_ptr<Entry>> entries_;  // guarded by mu_
 };
 
-}  // namespace kvsparse::server
+}  // namespace kvsparse::engine
 
-#endif  // KVSPARSE_SERVER_RESIDENT_CACHE_H_
+#endif  // KVSPARSE_ENGINE_RESIDENT_CACHE_H_

@@ -1,4 +1,4 @@
-#include "server/resident_cache.h"
+#include "engine/resident_cache.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,63 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/dtype.h"
 
-namespace kvsparse::server {
-
-// ---- SignatureMaker ---------------------------------------------------------------------------
-
-int32_t SignatureMaker::KeyHeads(const kvstore::ModelShape& shape) const {
-  return learned() ? config_.learned->num_key_mlps : static_cast<int32_t>(shape.num_kv_heads);
-}
-
-const kernels::SimHashPlanes& SignatureMaker::Planes(int32_t layer, int32_t head, int32_t bits,
-                                                     int32_t dim) {
-  std::lock_guard<std::mutex> lock(mu_);
-  auto& slot = planes_[{layer, head, bits, dim}];
-  if (slot == nullptr) {
-    slot = std::make_unique<kernels::SimHashPlanes>();
-    // Arguments were validated by the engine (bits, dim); planes cannot fail for them.
-    (void)kernels::MakeSimHashPlanes(config_.simhash_seed, layer, head, bits, dim, slot.get());
-  }
-  return *slot;
-}
-
-void SignatureMaker::Key(int32_t layer, int32_t sig_head, int32_t bits, int32_t dim, const float* k,
-                         float max_norm, uint32_t* out, std::vector<float>* scratch) {
-  if (learned()) {
-    config_.learned->key(layer, sig_head).Sign(k, out, scratch);
-    return;
-  }
-  kernels::SimHashKey(Planes(layer, sig_head, bits, dim), k, max_norm, out);  // per kv head
-}
-
-void SignatureMaker::Query(int32_t layer, int32_t h, int32_t group, int32_t bits, int32_t dim,
-                           const float* q, uint32_t* out, std::vector<float>* scratch) {
-  if (learned()) {
-    config_.learned->query(layer, h).Sign(q, out, scratch);
-    return;
-  }
-  kernels::SimHashQuery(Planes(layer, h / group, bits, dim), q, out);
-}
-
-std::vector<float> MaxKeyNorms(const uint8_t* k, const kvstore::ModelShape& shape, uint64_t n,
-                               bool token_major) {
-  const size_t hkv = shape.num_kv_heads, row = shape.row_bytes();
-  std::vector<float> norms(hkv, 0.f);
-  for (uint64_t t = 0; t < n; ++t) {
-    for (size_t h = 0; h < hkv; ++h) {
-      const uint8_t* kr = k + (token_major ? t * hkv + h : h * n + t) * row;
-      float sq = 0.f;
-      for (uint32_t i = 0; i < shape.head_dim; ++i) {
-        const float x = kernels::LoadAsFloat(kr, i, shape.dtype);
-        sq += x * x;
-      }
-      norms[h] = std::max(norms[h], std::sqrt(sq));
-    }
-  }
-  return norms;
-}
-
-// ---- ResidentCache ----------------------------------------------------------------------------
+namespace kvsparse::engine {
 
 class ResidentCache::Entry {
  public:
@@ -298,4 +242,4 @@ absl::StatusOr<ResidentCache::Handle> ResidentCache::Acquire(const SequenceDesc&
   return h;
 }
 
-}  // namespace kvsparse::server
+}  // namespace kvsparse::engine

@@ -1,8 +1,8 @@
-#include "server/row_source.h"
+#include "engine/row_source.h"
 
 #include "absl/strings/str_cat.h"
 
-namespace kvsparse::server {
+namespace kvsparse::engine {
 namespace {
 
 class LocalRowSource final : public RowSource {
@@ -76,4 +76,4 @@ std::unique_ptr<RowSource> NewLocalRowSource(kvstore::Store* store, bool pages_d
   return std::make_unique<LocalRowSource>(store, pages_device_visible);
 }
 
-}  // namespace kvsparse::server
+}  // namespace kvsparse::engine

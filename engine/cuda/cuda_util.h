@@ -1,0 +1,92 @@
+// Small pieces the GPU backend's parts share: CUDA errors as statuses, stream-ordered device
+// buffers, growing pinned host buffers, and the carving of aligned regions out of one buffer.
+#ifndef KVSPARSE_ENGINE_CUDA_CUDA_UTIL_H_
+#define KVSPARSE_ENGINE_CUDA_CUDA_UTIL_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+
+namespace kvsparse::engine::gpu {
+
+// RESOURCE_EXHAUSTED for an allocation failure, INTERNAL for any other CUDA error.
+absl::Status CudaStatus(cudaError_t e, absl::string_view what);
+
+#define KVS_CUDA_OK(expr, what)                                                                   \
+  do {                                                                                            \
+    if (absl::Status s_ = ::kvsparse::engine::gpu::CudaStatus((expr), what); !s_.ok()) return s_; \
+  } while (0)
+
+// A stream-ordered device allocation (DeviceState allocates and frees it on its stream).
+struct DevBuf {
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  template <typename X>
+  X* as() const {
+    return static_cast<X*>(ptr);
+  }
+};
+
+// Pinned host memory that grows (contents not kept).
+class PinnedBuf {
+ public:
+  PinnedBuf() = default;
+  PinnedBuf(const PinnedBuf&) = delete;
+  PinnedBuf& operator=(const PinnedBuf&) = delete;
+  ~PinnedBuf();
+  // At least n bytes (1 MiB at least); RESOURCE_EXHAUSTED / INTERNAL from cudaMallocHost.
+  absl::Status Reserve(size_t n);
+  void* ptr() const { return ptr_; }
+
+ private:
+  void* ptr_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// Consecutive 256-byte aligned regions of a buffer: sizes first (base null: Take returns null
+// and only counts), then the same Takes over the real base give the pointers.
+class Carver {
+ public:
+  explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
+  template <typename X>
+  X* Take(size_t count) {
+    X* r = base_ == nullptr ? nullptr : reinterpret_cast<X*>(base_ + used_);
+    used_ += (count * sizeof(X) + 255) / 256 * 256;
+    return r;
+  }
+  size_t used() const { return used_; }
+
+ private:
+  char* base_;
+  size_t used_ = 0;
+};
+
+// A device array of a call's scratch and its host copy, downloaded after the kernels.
+template <typename T>
+struct Downloaded {
+  const T* device = nullptr;
+  std::vector<T> host;
+  // Enqueues the copy of n values (readable once the stream is done).
+  absl::Status Fetch(size_t n, cudaStream_t stream) {
+    host.resize(n);
+    return CudaStatus(
+        cudaMemcpyAsync(host.data(), device, sizeof(T) * n, cudaMemcpyDeviceToHost, stream),
+        "download");
+  }
+};
+
+inline bool IsPow2(uint64_t x) { return x != 0 && (x & (x - 1)) == 0; }
+inline int Log2(uint64_t x) {
+  int s = 0;
+  while ((uint64_t{1} << s) < x) ++s;
+  return s;
+}
+
+}  // namespace kvsparse::engine::gpu
+
+#endif  // KVSPARSE_ENGINE_CUDA_CUDA_UTIL_H_

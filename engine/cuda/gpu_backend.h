@@ -1,0 +1,51 @@
+// The decode engine's GPU backend: one decode call, batched over its sequences, on a CUDA device
+// with the kernels of kernels/cuda/. Built only with CUDA (part of kvsparse_engine then).
+//
+// What it keeps on the GPU per (sequence, layer) is engine/cuda/device_state.h's: the K and V
+// rows and key signatures the placement keeps there, the device-visible addresses of the
+// store's pages for a half kept in host memory (kernels read the selected rows in place over
+// the host link: the store's memory must be pinned and mapped, NewLocalRowSource(...,
+// pages_device_visible = true)), and HashAttention's row cache. All of it is a cache of the
+// store, evicted least recently used first to stay under the capacity.
+//
+// A call: sync the device state (engine/cuda/device_state.h), plan the launch
+// (engine/cuda/launch_plan.h), then the method's runner (engine/cuda/<method>_runner.cc): one
+// batched kernel sequence per method, one upload of q and the per-sequence tables, one download
+// of the output and statistics. Sequence i draws with SequenceSeed(seed, i), as on the CPU.
+// Calls are serialised on one CUDA stream.
+#ifndef KVSPARSE_ENGINE_CUDA_GPU_BACKEND_H_
+#define KVSPARSE_ENGINE_CUDA_GPU_BACKEND_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "engine/decode_engine.h"
+#include "engine/row_source.h"
+#include "engine/signatures.h"
+
+namespace kvsparse::engine {
+
+struct GpuBackendOptions {
+  int device = 0;                      // CUDA device ordinal
+  size_t capacity_bytes = 4ull << 30;  // per-sequence state on the device (rows, signatures,
+                                       // page lists, row caches)
+  size_t max_fetch_bytes = 32 << 20;   // largest single read from the row source while syncing
+  int32_t default_tile_size = 256;     // S2ANTA tile of a request that gives 0 (GPU: 256 only)
+  // HashAttention's row cache, in rows per kv head as a fraction of the sequence's tokens (0: no
+  // cache, every selected row crosses each step).
+  double row_cache_fraction = 0.04;
+  // Selection / gather / compute times from CUDA events on one call in this many (1: every
+  // call; 0: never). Recording the events costs a few us of host time per call.
+  int stage_timing_every = 16;
+  SignatureConfig signatures;  // as the engine's (same seed and margin); SimHash only
+};
+
+// FAILED_PRECONDITION without a usable CUDA device. REQUIRES: source outlives the backend.
+absl::StatusOr<std::unique_ptr<DecodeBackend>> NewGpuBackend(GpuBackendOptions options,
+                                                             RowSource* source);
+
+}  // namespace kvsparse::engine
+
+#endif  // KVSPARSE_ENGINE_CUDA_GPU_BACKEND_H_

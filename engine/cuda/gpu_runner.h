@@ -1,0 +1,81 @@
+// A selection method's GPU path: one runner per method (engine/cuda/<method>_runner.cc), listed
+// in the method table (engine/methods/registry.cc) beside the method's CPU unit. The backend
+// (engine/cuda/gpu_backend.cc) syncs the device state, builds the call's LaunchPlan and drives a
+// runner's MethodCall through these steps, in this order:
+//   Plan              host-side bounds, per-sequence state the method needs (a row cache),
+//                     room for its host tables (LaunchPlan::AddHostTable);
+//   FillTables        its host tables' entries (after the shared ones);
+//   Enqueue           carves its device buffers and, in the run pass, enqueues its kernels;
+//                     called twice: once to size the buffers (LaunchPlan::base() null), once to
+//                     run; marks the stage ends (LaunchPlan::Mark(1): selection done, Mark(2):
+//                     gather done);
+//   FillScratchTables host table entries that point into the placed scratch;
+//   Download          what its statistics need beyond the statistics block;
+//   Stats             per (sequence, kv head): rows selected and fetched, budgets, bytes per tier.
+#ifndef KVSPARSE_ENGINE_CUDA_GPU_RUNNER_H_
+#define KVSPARSE_ENGINE_CUDA_GPU_RUNNER_H_
+
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "engine/cuda/cuda_util.h"
+#include "engine/cuda/launch_plan.h"
+#include "engine/decode_call.h"
+#include "engine/method.h"
+#include "engine/row_source.h"
+
+namespace kvsparse::engine::gpu {
+
+// What the backend can do, for the runners' Supports.
+struct GpuCaps {
+  int32_t default_tile_size = 256;  // S2ANTA tile of a request that gives 0
+  bool learned_signatures = false;  // the deployment signs with learned MLPs (not on the GPU)
+};
+
+// One Decode call of a method on the GPU (its state lives from Plan to Stats).
+class MethodCall {
+ public:
+  virtual ~MethodCall() = default;
+  virtual absl::Status Plan(LaunchPlan& lp) { return absl::OkStatus(); }
+  virtual void FillTables(LaunchPlan& lp) {}
+  virtual absl::Status Enqueue(LaunchPlan& lp, Carver& ws) = 0;
+  virtual void FillScratchTables(LaunchPlan& lp) {}
+  virtual absl::Status Download(LaunchPlan& lp) { return absl::OkStatus(); }
+  // hs arrives with sequence_index, kv_head and dense_equivalent_bytes set.
+  virtual void Stats(const LaunchPlan& lp, int32_t b, int32_t j, HeadStats* hs) const = 0;
+};
+
+class GpuRunner {
+ public:
+  virtual ~GpuRunner() = default;
+  // Whether the GPU path computes `m` for a sequence: its parameters and what the placement
+  // keeps. The checks every method shares (dtype, head dim, group size, pages the GPU can read)
+  // are the backend's.
+  virtual bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) const = 0;
+  virtual std::unique_ptr<MethodCall> Begin(const Method& m) const = 0;
+};
+
+// The runner of one MethodCall type, which provides
+//   static bool Supports(const Method&, const SequenceDesc&, const GpuCaps&);
+//   explicit Call(const Method&);
+template <typename Call>
+class RunnerOf final : public GpuRunner {
+ public:
+  bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) const override {
+    return Call::Supports(m, desc, caps);
+  }
+  std::unique_ptr<MethodCall> Begin(const Method& m) const override {
+    return std::make_unique<Call>(m);
+  }
+};
+
+// The runners, one per file of engine/cuda/.
+const GpuRunner& DenseRunner();
+const GpuRunner& SantaRunner();
+const GpuRunner& HashTopKRunner();
+const GpuRunner& VAttentionRunner();
+
+}  // namespace kvsparse::engine::gpu
+
+#endif  // KVSPARSE_ENGINE_CUDA_GPU_RUNNER_H_

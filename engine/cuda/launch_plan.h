@@ -1,0 +1,144 @@
+// The GPU backend's plan of one Decode call, the part every method shares:
+//   - the call's dimensions and its synced sequences;
+//   - host tables in one pinned buffer, uploaded in one copy: q in the sequences' dtype, the
+//     lengths, the per-sequence seeds, per (sequence, kv head) the device addresses of the
+//     resident K / V rows, page lists and key signatures, then the method's own tables
+//     (AddHostTable), then the statistics block (zeroed by the upload);
+//   - the device scratch laid out as [tables | output | method buffers]; the method carves its
+//     buffers twice, first to size them (base null), then to place them (PlaceScratch);
+//   - the kernels' DecodeShape over it, the stage events, and the one download of statistics and
+//     output (adjacent in the scratch).
+// A method's runner (engine/cuda/gpu_runner.h) fills in its part between these steps; the order
+// is GpuBackend::Decode's.
+#ifndef KVSPARSE_ENGINE_CUDA_LAUNCH_PLAN_H_
+#define KVSPARSE_ENGINE_CUDA_LAUNCH_PLAN_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "engine/cuda/cuda_util.h"
+#include "engine/cuda/device_state.h"
+#include "engine/decode_call.h"
+#include "kernels/cuda/decode_params.h"
+#include "kernels/cuda/hash_topk.h"
+
+namespace kvsparse::engine::gpu {
+
+// Indices of HeadStats::bytes.
+inline constexpr size_t kDeviceTier = static_cast<size_t>(kvstore::Tier::kDevice);
+inline constexpr size_t kHostTier = static_cast<size_t>(kvstore::Tier::kHost);
+
+class LaunchPlan {
+ public:
+  // Statistics: int32 values per (sequence, query head), this many blocks of B * H.
+  static constexpr int kStatBlocks = 4;
+
+  // REQUIRES: everything outlives the plan; batch synced for this call.
+  LaunchPlan(const DecodeCall& call, absl::Span<const SequenceDesc> descs, SyncedBatch* batch,
+             DeviceState* state);
+  LaunchPlan(const LaunchPlan&) = delete;
+  LaunchPlan& operator=(const LaunchPlan&) = delete;
+
+  // ---- The call. ----
+  const DecodeCall& call() const { return call_; }
+  const Method& method() const { return call_.method; }
+  absl::Span<const SequenceDesc> descs() const { return descs_; }
+  DeviceState& state() { return *state_; }
+  cudaStream_t stream() const { return state_->stream(); }
+  const int32_t B, H, hkv, G, d;
+  const kernels::DType dtype;
+  const size_t es, row;  // element and row bytes
+  const int32_t BH, BK;  // B * H, B * Hkv
+  const int32_t words;   // signature words per token (32 bits each)
+  const int32_t n_max;   // longest sequence, at least 1
+  int32_t len(int32_t b) const { return batch_->lens[b]; }
+  DeviceSequence* sequence(int32_t b) const { return batch_->seqs[b]; }
+  DeviceLayer& layer(int32_t b) const { return batch_->seqs[b]->layers[call_.layer]; }
+  absl::Span<const DeviceSequence* const> busy() const { return batch_->busy; }
+  // The tier K and V rows are read from (device or host), as the placements say.
+  size_t k_tier() const { return k_tier_; }
+  size_t v_tier() const { return v_tier_; }
+
+  // ---- Host tables (before BuildTables). ----
+  // Room for `count` values of T in the host tables; returns its offset.
+  template <typename T>
+  size_t AddHostTable(size_t count) {
+    const size_t off = host_carver_.used();
+    host_carver_.Take<T>(count);
+    return off;
+  }
+  // Carves the statistics block, then fills the shared tables in a pinned buffer of the
+  // backend's (zeroed first).
+  absl::Status BuildTables(PinnedBuf* host);
+  // A host table's entries, to fill (after BuildTables).
+  template <typename T>
+  T* HostTable(size_t off) const {
+    return reinterpret_cast<T*>(host_ + off);
+  }
+
+  // ---- Passes over the method's launch sequence. ----
+  // Starts a pass: base null sizes the method's buffers, the scratch's base places them and
+  // enqueues. events: record the stage times (null: not timed).
+  void BeginPass(char* base, cudaEvent_t* events);
+  bool running() const { return base_ != nullptr; }
+  char* base() const { return base_; }
+  // The device address of a host table's entries in this pass.
+  template <typename T>
+  T* Dev(size_t off) const {
+    return reinterpret_cast<T*>(base_ + off);
+  }
+  // Device tables: the per-sequence seeds [B]; key signatures per (b, j) [B * Hkv].
+  const uint64_t* seeds() const { return Dev<const uint64_t>(seeds_off_); }
+  const uint32_t* const* sig_heads() const { return Dev<const uint32_t* const>(sig_heads_off_); }
+  // The statistics block on the device; null in the sizing pass.
+  int32_t* stats() const {
+    return base_ == nullptr ? nullptr : reinterpret_cast<int32_t*>(base_ + stats_off_);
+  }
+  size_t stats_offset() const { return stats_off_; }
+  // Scratch offset of the method's buffers.
+  size_t method_offset() const { return method_off_; }
+  const kernels::cuda::DecodeShape& shape() const { return shape_; }
+  // Records stage event i of a timed pass: 0 start, 1 selection done, 2 gather done, 3 end.
+  absl::Status Mark(int i);
+  // SimHash signatures of the queries ([B, H, words] at out), as the CPU engine's
+  // SignatureMaker::Query; REQUIRES: LoadPlanes.
+  absl::Status LoadPlanes();
+  kernels::cuda::SimHashSignParams QuerySigns(uint32_t* out) const;
+
+  // ---- Scratch, upload, download. ----
+  // Places the scratch for the method's `method_bytes`; base() of the run pass.
+  absl::StatusOr<char*> PlaceScratch(size_t method_bytes);
+  absl::Status Upload();
+  // Enqueues the download of the statistics and the output into a pinned buffer of the
+  // backend's.
+  absl::Status Download(PinnedBuf* down);
+  // After the stream is done: the statistics block and the output, in the host buffer.
+  const int32_t* host_stats() const { return reinterpret_cast<const int32_t*>(down_); }
+  // The output in q's dtype into result->output.
+  void WriteOutput(DecodeResult* result) const;
+
+ private:
+  const DecodeCall& call_;
+  const absl::Span<const SequenceDesc> descs_;
+  SyncedBatch* const batch_;
+  DeviceState* const state_;
+  const size_t k_tier_, v_tier_;
+  Carver host_carver_{nullptr};
+  size_t q_off_ = 0, lens_off_ = 0, seeds_off_ = 0;
+  size_t k_heads_off_ = 0, v_heads_off_ = 0, pages_off_ = 0, sig_heads_off_ = 0;
+  size_t stats_off_ = 0, table_bytes_ = 0, out_off_ = 0, method_off_ = 0;
+  char* host_ = nullptr;  // pinned host tables
+  char* base_ = nullptr;  // the pass's scratch base (null: sizing)
+  const char* down_ = nullptr;
+  cudaEvent_t* events_ = nullptr;
+  const float* planes_ = nullptr;
+  kernels::cuda::DecodeShape shape_;
+};
+
+}  // namespace kvsparse::engine::gpu
+
+#endif  // KVSPARSE_ENGINE_CUDA_LAUNCH_PLAN_H_

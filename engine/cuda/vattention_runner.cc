@@ -1,0 +1,112 @@
+// vAttention on the GPU with the hash predictor: SimHashSign for the queries, then
+// VAttentionDecode (fixed set from the signatures, base sample, budget for (epsilon, delta),
+// final sample, estimate) reading K and V rows in place. Each query head reads its own rows (no
+// union over the GQA group yet). The exact predictor and learned signatures run on the CPU
+// engine.
+#include <algorithm>
+#include <vector>
+
+#include "engine/cuda/gpu_runner.h"
+#include "kernels/cuda/vattention.h"
+#include "kernels/hash_topk.h"
+
+namespace kvsparse::engine::gpu {
+namespace {
+
+namespace kc = kernels::cuda;
+
+class VAttentionCall final : public MethodCall {
+ public:
+  explicit VAttentionCall(const Method& m) : params_(m.vattention) {}
+  // The hash predictor over SimHash signatures on the device.
+  static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
+    return desc.placement.signature_bits > 0 && !caps.learned_signatures && !m.learned_signatures &&
+           m.vattention.predictor == kernels::TopKPredictor::kHash &&
+           !m.vattention.exact_statistics;
+  }
+
+  absl::Status Plan(LaunchPlan& lp) override {
+    for (int32_t b = 0; b < lp.B; ++b) {
+      absl::StatusOr<int32_t> k =
+          kernels::ResolveTopK(params_.top_k, params_.top_k_fraction, lp.len(b));
+      if (!k.ok()) return k.status();
+    }
+    return lp.LoadPlanes();
+  }
+
+  absl::Status Enqueue(LaunchPlan& lp, Carver& c) override {
+    const int32_t BH = lp.BH;
+    uint32_t* qsig = c.Take<uint32_t>(static_cast<size_t>(BH) * lp.words);
+    const kc::SimHashSignParams qsp = lp.QuerySigns(qsig);
+    kc::VAttentionParams vp;
+    vp.shape = lp.shape();
+    vp.seeds = lp.seeds();
+    vp.epsilon = params_.epsilon;
+    vp.delta = params_.delta;
+    vp.sink_tokens = params_.sink_tokens;
+    vp.local_tokens = params_.local_tokens;
+    vp.top_k = params_.top_k;
+    vp.top_k_fraction = params_.top_k_fraction;
+    vp.base_rate = params_.base_rate;
+    vp.bound = static_cast<int32_t>(params_.bound);
+    vp.target = static_cast<int32_t>(params_.target);
+    vp.bits = lp.words * 32;
+    vp.q_sigs = qsig;
+    vp.k_sig_heads = lp.sig_heads();
+    vp.k_token_stride = lp.words;
+    vp.key_heads = lp.hkv;
+    const size_t wb = kc::VAttentionWorkspaceBytes(vp);
+    void* ws = c.Take<char>(wb);
+    if (absl::Status s = lp.Mark(1); !s.ok()) return s;
+    if (absl::Status s = lp.Mark(2); !s.ok()) return s;
+    if (!lp.running()) return absl::OkStatus();
+    const cudaStream_t stream = lp.stream();
+    KVS_CUDA_OK(kc::SimHashSign(qsp, stream), "SimHashSign");
+    KVS_CUDA_OK(kc::VAttentionDecode(vp, ws, wb, stream), "VAttentionDecode");
+    // Per-head counts for the statistics: fixed, base, dyn and budget.
+    const kc::VAttentionSelectionView v = kc::VAttentionSelection(vp, ws);
+    int32_t* stats = lp.stats();
+    const int32_t* counts[] = {v.fixed_count, v.base_count, v.dyn_count};
+    for (int x = 0; x < 3; ++x) {
+      KVS_CUDA_OK(cudaMemcpyAsync(stats + x * BH, counts[x], sizeof(int32_t) * BH,
+                                  cudaMemcpyDeviceToDevice, stream),
+                  "stats");
+    }
+    budgets_.device = v.budget;
+    return absl::OkStatus();
+  }
+
+  absl::Status Download(LaunchPlan& lp) override { return budgets_.Fetch(lp.BH, lp.stream()); }
+
+  void Stats(const LaunchPlan& lp, int32_t b, int32_t j, HeadStats* hs) const override {
+    const int32_t* st = lp.host_stats();
+    const int32_t BH = lp.BH;
+    const uint64_t n = static_cast<uint64_t>(lp.len(b));
+    // This kernel reads each query head's rows itself (no union over the group).
+    for (int32_t g = 0; g < lp.G; ++g) {
+      const int32_t bh = b * lp.H + j * lp.G + g;
+      const uint64_t fixed = static_cast<uint64_t>(st[bh]);
+      const uint64_t base_rows = static_cast<uint64_t>(st[BH + bh]);
+      const uint64_t dyn = static_cast<uint64_t>(std::max(st[2 * BH + bh], 0));
+      hs->rows_selected += fixed + dyn;
+      hs->rows_fetched += fixed + base_rows + dyn;
+      hs->budgets.push_back(static_cast<uint64_t>(std::max<int64_t>(budgets_.host[bh], 0)));
+    }
+    hs->bytes[kDeviceTier] += n * lp.words * 4;
+    hs->bytes[lp.k_tier()] += hs->rows_fetched * lp.row;
+    hs->bytes[lp.v_tier()] += hs->rows_fetched * lp.row;
+  }
+
+ private:
+  const kernels::VAttentionParams params_;
+  Downloaded<int64_t> budgets_;  // the budgets b [B, H]
+};
+
+}  // namespace
+
+const GpuRunner& VAttentionRunner() {
+  static const RunnerOf<VAttentionCall> runner;
+  return runner;
+}
+
+}  // namespace kvsparse::engine::gpu

@@ -1,0 +1,71 @@
+// One Decode call of the engine and its result: one layer of one decode step for B sequences.
+#ifndef KVSPARSE_ENGINE_DECODE_CALL_H_
+#define KVSPARSE_ENGINE_DECODE_CALL_H_
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/time/time.h"
+#include "absl/types/span.h"
+#include "engine/method.h"
+#include "kernels/dtype.h"
+#include "kvstore/types.h"
+
+namespace kvsparse::engine {
+
+struct DecodeCall {
+  uint32_t layer = 0;
+  std::vector<std::string> sequence_ids;  // B
+  kernels::DType q_dtype = kernels::DType::kBf16;
+  absl::Span<const uint8_t> q;  // [B, H, d] of q_dtype
+  // The H and d q claims to have (0: take the sequences'); must match the model.
+  uint32_t q_heads = 0, q_dim = 0;
+  // Optional new token per sequence, appended to `layer` first: [B, Hkv, d] each, in the
+  // sequences' dtype (new_kv_dtype must match it).
+  absl::Span<const uint8_t> new_k, new_v;
+  kernels::DType new_kv_dtype = kernels::DType::kBf16;
+  Method method;
+  uint64_t seed = 0;
+  float scale = 0.f;  // 0: 1/sqrt(d)
+  bool return_indices = false;
+  absl::Time deadline = absl::InfiniteFuture();
+};
+
+struct HeadStats {
+  uint32_t sequence_index = 0;
+  uint32_t kv_head = 0;
+  uint64_t rows_selected = 0;     // over the group's query heads, counting repeats
+  uint64_t rows_fetched = 0;      // distinct rows read for the estimate and the selection
+  uint64_t rows_cached = 0;       // of rows_fetched: found in the GPU's row cache, not fetched
+  std::vector<uint64_t> budgets;  // per query head of the group
+  std::array<uint64_t, kvstore::kNumTiers> bytes{};  // read from each tier
+  uint64_t dense_equivalent_bytes = 0;               // K and V of every row
+  std::vector<uint32_t> fetched_tokens;              // with return_indices: the estimate's rows
+};
+
+struct DecodeTiming {
+  double selection_seconds = 0, gather_seconds = 0, compute_seconds = 0, engine_seconds = 0;
+  double sync_seconds = 0;  // resident state catch-up (one-off after a prefill)
+  // GPU backend: host work after the sync until every copy and kernel of the call is enqueued,
+  // and the wait from then until the stream is done (kernels, transfers, wake-up).
+  double launch_seconds = 0, wait_seconds = 0;
+  // How many calls the selection / gather / compute times stand for: 1 when every call is
+  // timed (CPU engine); the GPU backend times one call in GpuBackendOptions::stage_timing_every
+  // (its CUDA events cost host time), which then stands for that many, and the others carry 0
+  // here and in the stage times.
+  double stage_weight = 1;
+};
+
+struct DecodeResult {
+  std::string output;  // [B, H, d] in q's dtype
+  uint32_t num_q_heads = 0, head_dim = 0;
+  std::vector<HeadStats> heads;  // [B * Hkv]
+  DecodeTiming timing;
+  uint64_t sync_bytes = 0;  // rows read to bring resident state up to date (not per-step cost)
+};
+
+}  // namespace kvsparse::engine
+
+#endif  // KVSPARSE_ENGINE_DECODE_CALL_H_

@@ -1,0 +1,154 @@
+#include "engine/decode_engine.h"
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "engine/cpu_step.h"
+#include "engine/methods/method_unit.h"
+#include "engine/methods/registry.h"
+#include "kernels/dtype.h"
+
+namespace kvsparse::engine {
+namespace {
+
+bool SameShape(const kvstore::ModelShape& a, const kvstore::ModelShape& b) {
+  return a.num_layers == b.num_layers && a.num_q_heads == b.num_q_heads &&
+         a.num_kv_heads == b.num_kv_heads && a.head_dim == b.head_dim && a.dtype == b.dtype;
+}
+
+// Tensor sizes of the call against the sequences' model shape.
+absl::Status CheckCallShapes(const DecodeCall& call, const kvstore::ModelShape& shape) {
+  const size_t B = call.sequence_ids.size();
+  if (call.layer >= shape.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", call.layer, " outside the sequences' ", shape.num_layers));
+  }
+  if ((call.q_heads != 0 && call.q_heads != shape.num_q_heads) ||
+      (call.q_dim != 0 && call.q_dim != shape.head_dim)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "q has ", call.q_heads, " heads of dim ", call.q_dim, " but the sequences' model has ",
+        shape.num_q_heads, " query heads of dim ", shape.head_dim));
+  }
+  const size_t hd = static_cast<size_t>(shape.num_q_heads) * shape.head_dim;
+  if (call.q.size() != B * hd * kernels::DTypeSize(call.q_dtype)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("q must be [", B, ", ", shape.num_q_heads, ", ", shape.head_dim, "] ",
+                     kernels::DTypeName(call.q_dtype), " = ",
+                     B * hd * kernels::DTypeSize(call.q_dtype), " bytes; got ", call.q.size()));
+  }
+  if (call.new_k.empty() && call.new_v.empty()) return absl::OkStatus();
+  const size_t token_bytes = static_cast<size_t>(shape.num_kv_heads) * shape.row_bytes();
+  if (call.new_kv_dtype != shape.dtype) {
+    return absl::InvalidArgumentError(absl::StrCat("new_k/new_v must be ",
+                                                   kernels::DTypeName(shape.dtype), ", got ",
+                                                   kernels::DTypeName(call.new_kv_dtype)));
+  }
+  if (call.new_k.size() != B * token_bytes || call.new_v.size() != B * token_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "new_k and new_v must each be [", B, ", ", shape.num_kv_heads, ", ", shape.head_dim,
+        "] = ", B * token_bytes, " bytes; got ", call.new_k.size(), " and ", call.new_v.size()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+DecodeEngine::DecodeEngine(EngineOptions options, RowSource* source,
+                           std::unique_ptr<DecodeBackend> backend)
+    : options_(std::move(options)),
+      source_(source),
+      signatures_(options_.signatures),
+      cache_(options_.resident_capacity_bytes, options_.max_fetch_bytes, &signatures_),
+      backend_(std::move(backend)) {}
+
+absl::StatusOr<std::vector<SequenceDesc>> DecodeEngine::Describe(const DecodeCall& call) {
+  const MethodUnit& unit = *FindMethod(call.method.kind).unit;
+  const size_t B = call.sequence_ids.size();
+  std::vector<SequenceDesc> descs(B);
+  for (size_t b = 0; b < B; ++b) {
+    absl::StatusOr<SequenceDesc> d = source_->Describe(call.sequence_ids[b], call.deadline);
+    if (absl::IsNotFound(d.status())) {  // gone from the store
+      cache_.Forget(call.sequence_ids[b]);
+      if (backend_ != nullptr) backend_->Forget(call.sequence_ids[b]);
+    }
+    if (!d.ok()) return d.status();
+    descs[b] = std::move(*d);
+  }
+  for (size_t b = 1; b < B; ++b) {
+    if (!SameShape(descs[b].shape, descs[0].shape)) {
+      return absl::InvalidArgumentError(absl::StrCat("sequences '", descs[0].sequence_id, "' and '",
+                                                     descs[b].sequence_id,
+                                                     "' have different model shapes"));
+    }
+  }
+  if (absl::Status s = CheckCallShapes(call, descs[0].shape); !s.ok()) return s;
+  for (const SequenceDesc& d : descs) {
+    if (absl::Status s = unit.CheckFits(call.method, d, signatures_); !s.ok()) return s;
+  }
+  return descs;
+}
+
+absl::Status DecodeEngine::AppendNewTokens(const DecodeCall& call,
+                                           absl::Span<const SequenceDesc> descs) {
+  const kvstore::ModelShape& shape = descs[0].shape;
+  const size_t token_bytes = static_cast<size_t>(shape.num_kv_heads) * shape.row_bytes();
+  for (size_t b = 0; b < descs.size(); ++b) {
+    const uint64_t len = descs[b].layer_lengths[call.layer];
+    absl::Status s =
+        source_->Append(descs[b].sequence_id, shape, call.layer, len, 1,
+                        call.new_k.subspan(b * token_bytes, token_bytes),
+                        call.new_v.subspan(b * token_bytes, token_bytes), call.deadline);
+    if (!s.ok()) {
+      return absl::Status(
+          s.code(),
+          absl::StrCat("appending the new token of sequence '", descs[b].sequence_id, "'",
+                       b > 0 ? " (earlier sequences' were appended)" : "", ": ", s.message()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
+  const absl::Time start = absl::Now();
+  if (call.sequence_ids.empty()) return absl::InvalidArgumentError("no sequences");
+  if (start > call.deadline) return absl::DeadlineExceededError("deadline passed");
+  const MethodUnit& unit = *FindMethod(call.method.kind).unit;
+  if (absl::Status s = unit.Validate(call.method, options_); !s.ok()) return s;
+  absl::StatusOr<std::vector<SequenceDesc>> descs = Describe(call);
+  if (!descs.ok()) return descs.status();
+  // Every sequence's new token goes in before any compute, so a failure leaves nothing
+  // half-done within a sequence (each append is all-or-nothing in the store).
+  const bool append = !call.new_k.empty() || !call.new_v.empty();
+  if (append) {
+    if (absl::Status s = AppendNewTokens(call, *descs); !s.ok()) return s;
+  }
+  const kvstore::ModelShape& shape = (*descs)[0].shape;
+  const size_t B = call.sequence_ids.size();
+  DecodeResult result;
+  result.num_q_heads = shape.num_q_heads;
+  result.head_dim = shape.head_dim;
+  result.output.resize(B * shape.num_q_heads * shape.head_dim * kernels::DTypeSize(call.q_dtype));
+  result.heads.reserve(B * shape.num_kv_heads);
+  if (backend_ != nullptr) {
+    std::vector<SequenceDesc> now = *descs;  // as the store holds them now
+    if (append) {
+      for (SequenceDesc& d : now) ++d.layer_lengths[call.layer];
+    }
+    if (backend_->Supports(call, now)) {
+      if (absl::Status s = backend_->Decode(call, now, &result); !s.ok()) return s;
+      result.timing.engine_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+      return result;
+    }
+  }
+  const CpuStep::Env env{source_, &cache_, &signatures_, &options_};
+  for (size_t b = 0; b < B; ++b) {
+    CpuStep step(env, call, static_cast<uint32_t>(b), (*descs)[b]);
+    if (absl::Status s = step.Run(unit, &result); !s.ok()) {
+      return absl::Status(s.code(),
+                          absl::StrCat("sequence '", (*descs)[b].sequence_id, "': ", s.message()));
+    }
+  }
+  result.timing.engine_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+  return result;
+}
+
+}  // namespace kvsparse::engine

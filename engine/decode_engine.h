@@ -1,0 +1,101 @@
+// The decode engine: one layer of one decode step for B sequences, no gRPC inside.
+//
+//   1. validate the call and, per sequence, what the method needs of its placement
+//   2. append the new token's K/V (if given) to the store
+//   3. sync the resident state (K, V, signatures the placement keeps on the device)
+//   4. select rows (the method's unit: engine/methods/<method>.cc)
+//   5. gather exactly the rows the selection lists: one RowSource::Gather per sequence for all
+//      kv heads (each row once: the union over the GQA group); resident halves are read in place
+//   6. estimate (fp32 accumulation), output in q's dtype, with per-kv-head statistics
+//
+// Steps 1-2 are this class's for every backend. Steps 3-6 run on a DecodeBackend when it takes
+// the call (the GPU backend, engine/cuda/gpu_backend.h, batched over the sequences), otherwise
+// on the CPU (engine/cpu_step.h), where each sequence of a call is its own batch-1 problem.
+// Sequence i draws its random numbers with kernels::SequenceSeed(seed, i) on both. docs/DESIGN.md
+// follows one call through.
+#ifndef KVSPARSE_ENGINE_DECODE_ENGINE_H_
+#define KVSPARSE_ENGINE_DECODE_ENGINE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/types/span.h"
+#include "engine/decode_call.h"
+#include "engine/method.h"
+#include "engine/resident_cache.h"
+#include "engine/row_source.h"
+#include "engine/signatures.h"
+
+namespace kvsparse::engine {
+
+struct EngineOptions {
+  int32_t default_tile_size = 256;              // S2ANTA tile when a request gives 0
+  size_t resident_capacity_bytes = 4ull << 30;  // device-tier state (K, V, signatures)
+  // Largest single read from the row source when many rows are needed at once (the resident
+  // state's catch-up, or every K row when K is not resident): far under the message limit.
+  size_t max_fetch_bytes = 32 << 20;
+  SignatureConfig signatures;
+};
+
+// Where a validated call is computed when not on the CPU: the GPU backend
+// (engine/cuda/gpu_backend.h) of a worker that has a GPU. The engine validates the call and
+// appends the new tokens to the store first; the backend then does sync, selection, gather and
+// estimate for every sequence of the call.
+class DecodeBackend {
+ public:
+  virtual ~DecodeBackend() = default;
+  virtual const char* name() const = 0;
+  // Whether this backend computes `call` for its sequences, described by descs (method,
+  // placements, shapes, dtype); the CPU computes the rest.
+  virtual bool Supports(const DecodeCall& call, absl::Span<const SequenceDesc> descs) const = 0;
+  // REQUIRES: Supports(call, descs).
+  // descs[b]: sequence b of the call as the store holds it now (the new token included).
+  // Fills result->output ([B, H, d] in q's dtype), heads ([B * Hkv] in order), the timing's
+  // selection / gather / compute / sync seconds and sync_bytes. Thread-safe.
+  virtual absl::Status Decode(const DecodeCall& call, absl::Span<const SequenceDesc> descs,
+                              DecodeResult* result) = 0;
+  // Frees what it holds of a sequence the store no longer has.
+  virtual void Forget(const std::string& sequence_id) = 0;
+  // Bytes of per-sequence state it holds on its device, and its capacity for them.
+  virtual size_t resident_bytes() const = 0;
+  virtual size_t resident_capacity() const = 0;
+};
+
+class DecodeEngine {
+ public:
+  // REQUIRES: source outlives the engine. backend: optional (null: everything on the CPU).
+  DecodeEngine(EngineOptions options, RowSource* source,
+               std::unique_ptr<DecodeBackend> backend = nullptr);
+  DecodeEngine(const DecodeEngine&) = delete;
+  DecodeEngine& operator=(const DecodeEngine&) = delete;
+
+  // INVALID_ARGUMENT (shapes, dtypes, method parameters), NOT_FOUND (unknown sequence),
+  // FAILED_PRECONDITION (method needs what the placement does not keep, e.g. hash top-k without
+  // signatures), RESOURCE_EXHAUSTED (store or device tier full), DEADLINE_EXCEEDED; errors of the
+  // row source pass through. Thread-safe; calls on one sequence serialise per layer.
+  absl::StatusOr<DecodeResult> Decode(const DecodeCall& call);
+
+  const ResidentCache& resident() const { return cache_; }
+  const DecodeBackend* device_backend() const { return backend_.get(); }
+  const char* backend() const { return backend_ != nullptr ? backend_->name() : "cpu"; }
+
+ private:
+  // The sequences of the call as the store holds them, checked against the call and the
+  // method (steps 1 and 2 above, before anything is appended).
+  absl::StatusOr<std::vector<SequenceDesc>> Describe(const DecodeCall& call);
+  // Appends each sequence's new token to the store (all before any compute).
+  absl::Status AppendNewTokens(const DecodeCall& call, absl::Span<const SequenceDesc> descs);
+
+  const EngineOptions options_;
+  RowSource* const source_;
+  SignatureMaker signatures_;
+  ResidentCache cache_;
+  std::unique_ptr<DecodeBackend> backend_;
+};
+
+}  // namespace kvsparse::engine
+
+#endif  // KVSPARSE_ENGINE_DECODE_ENGINE_H_

@@ -1,0 +1,30 @@
+// A selection method as a Decode call names it: its kind and its parameters. What each method
+// does lives in one unit per backend (engine/methods/<method>.cc on the CPU,
+// engine/cuda/<method>_runner.cc on the GPU), listed in one table (engine/methods/registry.h).
+#ifndef KVSPARSE_ENGINE_METHOD_H_
+#define KVSPARSE_ENGINE_METHOD_H_
+
+#include "kernels/hash_topk.h"
+#include "kernels/santa.h"
+#include "kernels/vattention.h"
+
+namespace kvsparse::engine {
+
+// One value per row of the method table, in its order.
+enum class MethodKind { kDense, kSanta, kHashTopK, kVAttention };
+
+struct Method {
+  MethodKind kind = MethodKind::kDense;
+  kernels::SantaParams santa;            // kSanta (tile_size 0: EngineOptions::default_tile_size)
+  kernels::HashTopKParams hash;          // kHashTopK (bits 0: the sequence's signature bits)
+  kernels::VAttentionParams vattention;  // kVAttention (bits 0: the sequence's)
+  bool learned_signatures = false;       // the request asked for learned (not SimHash) signatures
+};
+
+// The method's name in metrics labels and messages ("dense", "santa", "hash_top_k",
+// "vattention"): the method table's.
+const char* MethodName(MethodKind kind);
+
+}  // namespace kvsparse::engine
+
+#endif  // KVSPARSE_ENGINE_METHOD_H_
