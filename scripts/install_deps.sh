@@ -2,7 +2,7 @@
 # Installs the build and test dependencies from Debian packages (Debian 12 / bookworm).
 # The CUDA toolkit is optional: when nvcc is on PATH or at /usr/local/cuda, CUDA kernels build.
 set -euo pipefail
-pkgs=(build-essential cmake ninja-build ccache pkg-config python3
+pkgs=(build-essential cmake ninja-build ccache pkg-config python3 python3-venv python3-pip
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
       libabsl-dev prometheus-cpp-dev libgtest-dev libbenchmark-dev)
 missing=()

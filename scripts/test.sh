@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything CI runs, on a fresh machine: install, build, all tests (GPU tests skip without a
-# GPU), then the kernels, the store and the decode engine under AddressSanitizer+UBSan and the
-# store and engine under ThreadSanitizer, and the layering check.
+# GPU), the Python package's tests against the built server, then the kernels, the store and the
+# decode engine under AddressSanitizer+UBSan and the store and engine under ThreadSanitizer, and
+# the layering check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -18,6 +19,9 @@ bash scripts/build.sh
 
 step "ctest (build/)"
 ctest --test-dir build --output-on-failure -j "$(nproc)"
+
+step "Python package: client and Hugging Face generation against the server (build/venv)"
+bash scripts/python_test.sh
 
 step "ASan+UBSan: kernels, kvstore and the decode engine (build-asan/)"
 BUILD_DIR=build-asan bash scripts/build.sh -DKVSPARSE_CORE_ONLY=ON -DKVSPARSE_SANITIZE=ON \

@@ -1,0 +1,76 @@
+"""kvsparse: Python client of kvsparse-server, the KV-offloaded sparse decoding service.
+
+    import kvsparse
+    with kvsparse.Client("127.0.0.1:50051") as c:
+        c.store.create_sequence("s1", kvsparse.ModelShape(32, 32, 8, 128, "bf16"),
+                                kvsparse.Placement(signature_bits=32))
+        c.store.append("s1", k, v)                    # [layers, tokens, Hkv, d]
+        r = c.attention.decode(3, ["s1"], q, kvsparse.HashTopK(top_k_fraction=0.02))
+        r.output, r.heads[0].rows_fetched
+
+``kvsparse.hf`` puts kvsparse under transformers' ``model.generate`` (needs torch and
+transformers).
+"""
+
+from kvsparse.client import (
+    AttentionClient,
+    Client,
+    DecodeResult,
+    DecodeStream,
+    GatherResult,
+    HeadStats,
+    KvStoreClient,
+    SequenceInfo,
+    open_channel,
+)
+from kvsparse.errors import (
+    Aborted,
+    AlreadyExists,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    KvSparseError,
+    NotFound,
+    OutOfRange,
+    ResourceExhausted,
+    Unavailable,
+    Unimplemented,
+)
+from kvsparse.local_server import LocalServer
+from kvsparse.methods import Dense, HashTopK, Method, ModelShape, Placement, Santa, VAttention, placement_for
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Aborted",
+    "AlreadyExists",
+    "AttentionClient",
+    "Client",
+    "DeadlineExceeded",
+    "DecodeResult",
+    "DecodeStream",
+    "Dense",
+    "FailedPrecondition",
+    "GatherResult",
+    "HashTopK",
+    "HeadStats",
+    "Internal",
+    "InvalidArgument",
+    "KvSparseError",
+    "KvStoreClient",
+    "LocalServer",
+    "Method",
+    "ModelShape",
+    "NotFound",
+    "OutOfRange",
+    "Placement",
+    "ResourceExhausted",
+    "Santa",
+    "SequenceInfo",
+    "Unavailable",
+    "Unimplemented",
+    "VAttention",
+    "open_channel",
+    "placement_for",
+]

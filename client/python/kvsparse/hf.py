@@ -1,0 +1,348 @@
+"""Hugging Face transformers integration: ``model.generate`` with its KV cache in kvsparse.
+
+    import kvsparse.hf
+    model = AutoModelForCausalLM.from_pretrained(...)        # a Llama-architecture model
+    kvsparse.hf.enable(model)                                 # attn_implementation="kvsparse"
+    with kvsparse.hf.KvSparseCache(model.config, target="127.0.0.1:50051",
+                                   method=kvsparse.HashTopK(top_k_fraction=0.02)) as cache:
+        out = model.generate(input_ids, attention_mask=mask, past_key_values=cache,
+                             max_new_tokens=64, do_sample=False)
+        print(cache.stats)
+
+How it works:
+- ``KvSparseCache`` is a ``transformers.Cache`` whose layers keep nothing on the model's
+  device. One kvsparse sequence per batch row is created at the first forward pass.
+- Prefill (a forward pass of more than one token per row): attention is the model's own SDPA over
+  the prompt's K/V; the ``kvsparse`` attention function then appends each row's K/V (post-RoPE,
+  left padding dropped) to the store in bulk, one layer at a time.
+- Decode (one token per row): the cache's ``update`` hands the new token's K/V to the
+  ``kvsparse`` attention function, which sends q and the new K/V in one Decode call per layer:
+  the server appends the token and computes attention with the cache's method over the rows it
+  selects. Only the attention output comes back.
+- The sequences are dropped from the store when the cache is closed or garbage-collected.
+
+The transport is gRPC (``Client``); the in-process engine op plugs in behind the same calls.
+Beam search and cache cropping (assisted decoding) are not supported.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvsparse.client import Client, DecodeStream
+from kvsparse.methods import Dense, Method, ModelShape, Placement, placement_for
+
+ATTN_IMPLEMENTATION = "kvsparse"
+
+# Largest K+V payload of one Append call (the server's message limit is 256 MiB by default).
+_APPEND_BYTES = 64 * 1024 * 1024
+
+# The cache whose update() ran last on this thread (a weak reference), for the attention function
+# that follows it in the same attention layer (transformers passes the layer's cache to
+# update(), not to the attention function).
+_active = threading.local()
+
+
+@dataclass
+class CacheStats:
+    """What the decode steps of a cache read, summed over layers, sequences and steps."""
+
+    decode_calls: int = 0
+    bytes_fetched: int = 0  # from host memory or another process (what crossed the boundary)
+    bytes_device: int = 0  # read on the worker's device (resident rows, signatures, row cache)
+    dense_equivalent_bytes: int = 0  # what dense attention over every row would have read
+    rows_fetched: int = 0
+    prefill_bytes_appended: int = 0
+    per_layer_calls: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def fetched_fraction(self) -> float:
+        """Bytes fetched over what dense attention would have read (1.0 for dense from host)."""
+        return self.bytes_fetched / self.dense_equivalent_bytes if self.dense_equivalent_bytes else 0.0
+
+
+class KvSparseLayer(CacheLayerMixin):
+    """One layer of a KvSparseCache: tracks its length; the rows live in kvsparse."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+    supports_early_init = False
+
+    def __init__(self, cache: "KvSparseCache", layer_idx: int) -> None:
+        super().__init__()
+        self._cache = weakref.proxy(cache)
+        self.layer_idx = layer_idx
+        self.length = 0  # tokens per row as the model counts them (left padding included)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        return self._cache._update(self.layer_idx, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        raise NotImplementedError("a KvSparseCache cannot be reset: make a new one")
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise NotImplementedError("KvSparseCache does not support beam search")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("KvSparseCache does not support cropping (assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        raise NotImplementedError("KvSparseCache does not support expanding the batch")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError("KvSparseCache does not support selecting batch rows")
+
+
+@dataclass
+class _Staged:
+    key: torch.Tensor
+    value: torch.Tensor
+    prefill: bool
+
+
+class KvSparseCache(Cache):
+    """A transformers Cache that keeps every layer's K/V in kvsparse.
+
+    Args:
+        config: the model's config (layers, heads, head dim).
+        target: kvsparse-server's address ("host:port"), or a ``Client``.
+        method: the selection method of the decode steps (``kvsparse.Dense()``,
+            ``HashTopK(...)``, ``Santa(...)``, ``VAttention(...)``).
+        placement: what the worker keeps on its device per sequence; default: what the method
+            reads (``placement_for(method)``).
+        seed: base seed of the sampling methods (each layer and step draws its own).
+        stream: send decode calls over one DecodeStream instead of unary calls.
+        timeout: deadline of each call, seconds.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        target: str | Client = "127.0.0.1:50051",
+        *,
+        method: Method = Dense(),
+        placement: Placement | None = None,
+        seed: int = 0,
+        stream: bool = False,
+        timeout: float = 60.0,
+    ) -> None:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        self.num_layers = int(text.num_hidden_layers)
+        self.num_q_heads = int(text.num_attention_heads)
+        self.num_kv_heads = int(getattr(text, "num_key_value_heads", None) or self.num_q_heads)
+        self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.num_q_heads)
+        super().__init__(layers=[KvSparseLayer(self, i) for i in range(self.num_layers)])
+        self._own_client = not isinstance(target, Client)
+        self.client = Client(target, timeout=timeout) if isinstance(target, str) else target
+        self.method = method
+        self.placement = placement if placement is not None else placement_for(method)
+        self.seed = seed
+        self.stats = CacheStats()
+        self.sequence_ids: list[str] = []
+        self._prefix = f"hf-{uuid.uuid4().hex[:12]}-"
+        self._staged: dict[int, _Staged] = {}
+        self._stream: DecodeStream | None = self.client.attention.stream() if stream else None
+        self._finalizer = weakref.finalize(
+            self, _release, self.client, self.sequence_ids, self._stream, self._own_client
+        )
+
+    # ---- Cache API -----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drops the sequences from the store (also done when the cache is garbage-collected)."""
+        self._finalizer()
+
+    def __enter__(self) -> "KvSparseCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.sequence_ids) if self.sequence_ids else -1
+
+    # ---- What the layers and the attention function call --------------------------------
+
+    def _update(
+        self, layer_idx: int, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self._finalizer.alive:
+            raise RuntimeError("this KvSparseCache is closed")
+        layer = self.layers[layer_idx]
+        pending = self._staged.get(layer_idx)
+        if pending is not None:
+            raise RuntimeError(
+                "layer %d's previous K/V never reached kvsparse: the model must run with "
+                'attn_implementation="kvsparse" (kvsparse.hf.enable(model))' % layer_idx
+            )
+        prefill = layer.length == 0 or key.shape[-2] > 1
+        if prefill and layer.length > 0:
+            raise NotImplementedError("KvSparseCache: a second prefill into a filled cache")
+        if not self.sequence_ids:
+            self._create(key)
+        self._staged[layer_idx] = _Staged(key, value, prefill)
+        _active.cache = weakref.ref(self)
+        layer.length += key.shape[-2]
+        return key, value
+
+    def _create(self, key: torch.Tensor) -> None:
+        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(key.dtype)
+        if dtype is None:
+            raise TypeError(f"kvsparse keeps bf16, fp16 or fp32 K/V, not {key.dtype}")
+        shape = ModelShape(self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim, dtype)
+        for b in range(key.shape[0]):
+            sid = f"{self._prefix}{b}"
+            self.client.store.create_sequence(sid, shape, self.placement)
+            self.sequence_ids.append(sid)
+
+    def _take(self, layer_idx: int) -> _Staged | None:
+        return self._staged.pop(layer_idx, None)
+
+    def _append_prefill(self, layer_idx: int, staged: _Staged, attention_mask: torch.Tensor | None) -> None:
+        """Appends each row's prompt K/V to its sequence, without the left padding."""
+        valid = _valid_keys(attention_mask, staged.key)
+        for b, sid in enumerate(self.sequence_ids):
+            rows = valid[b]
+            k = staged.key[b][:, rows].transpose(0, 1)  # [n_b, Hkv, d]
+            v = staged.value[b][:, rows].transpose(0, 1)
+            n = k.shape[0]
+            per_token = 2 * k[0].numel() * k.element_size() if n else 1
+            step = max(1, _APPEND_BYTES // per_token)
+            for t0 in range(0, n, step):
+                self.client.store.append(
+                    sid, k[t0 : t0 + step][None], v[t0 : t0 + step][None], first_layer=layer_idx, expected_length=t0
+                )
+            self.stats.prefill_bytes_appended += n * per_token
+
+    def _decode(self, layer_idx: int, query: torch.Tensor, staged: _Staged, scaling: float | None) -> torch.Tensor:
+        """One decode step of one layer: q [B, H, 1, d], the new token's K/V [B, Hkv, 1, d];
+        returns the attention output [B, 1, H, d]."""
+        q = query[:, :, 0, :]
+        new_k, new_v = staged.key[:, :, 0, :], staged.value[:, :, 0, :]
+        position = self.layers[layer_idx].length
+        seed = _mix(self.seed, position, layer_idx)
+        call = self._stream.decode if self._stream is not None else self.client.attention.decode
+        result = call(
+            layer_idx,
+            self.sequence_ids,
+            q,
+            self.method,
+            new_k=new_k,
+            new_v=new_v,
+            seed=seed,
+            scale=float(scaling) if scaling else 0.0,
+        )
+        s = self.stats
+        s.decode_calls += 1
+        s.per_layer_calls[layer_idx] = s.per_layer_calls.get(layer_idx, 0) + 1
+        for h in result.heads:
+            s.bytes_fetched += h.bytes_host + h.bytes_remote
+            s.bytes_device += h.bytes_device
+            s.dense_equivalent_bytes += h.dense_equivalent_bytes
+            s.rows_fetched += h.rows_fetched
+        return result.output.to(query.dtype).unsqueeze(1)
+
+
+def _release(client: Client, sequence_ids: list[str], stream: DecodeStream | None, own: bool) -> None:
+    try:
+        if stream is not None:
+            stream.close()
+        for sid in sequence_ids:
+            try:
+                client.store.drop_sequence(sid)
+            except Exception:  # the server may be gone; nothing else to free
+                pass
+    finally:
+        if own:
+            client.close()
+
+
+def _mix(seed: int, position: int, layer: int) -> int:
+    """A 64-bit seed per (step, layer) from the cache's seed (splitmix64 finaliser)."""
+    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + layer * 0x94D049BB133111EB) & (2**64 - 1)
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & (2**64 - 1)
+    return x ^ (x >> 31)
+
+
+def _valid_keys(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: the prompt positions each row attends to (its non-padding tokens), read off
+    the last query row of the prefill's 4D mask (None: every position)."""
+    b, _, t, _ = key.shape
+    if attention_mask is None:
+        return torch.ones(b, t, dtype=torch.bool, device=key.device)
+    last = attention_mask[:, 0, -1, -t:]
+    if last.dtype == torch.bool:
+        return last.expand(b, t)
+    return (last == 0).expand(b, t)
+
+
+def kvsparse_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The attention function registered as "kvsparse": prefill through SDPA (and its K/V into
+    the store), decode through kvsparse. Calls without a KvSparseCache are plain SDPA."""
+    ref = getattr(_active, "cache", None)
+    cache: KvSparseCache | None = ref() if ref is not None else None
+    staged = cache._take(module.layer_idx) if cache is not None else None
+    if staged is None or staged.key is not key:
+        if staged is not None:  # not this call's: keep it for the call it belongs to
+            cache._staged[module.layer_idx] = staged  # type: ignore[union-attr]
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    if staged.prefill:
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        cache._append_prefill(module.layer_idx, staged, attention_mask)  # type: ignore[union-attr]
+        return out, None
+    return cache._decode(module.layer_idx, query, staged, scaling), None  # type: ignore[union-attr]
+
+
+def register() -> None:
+    """Registers the "kvsparse" attention function and its mask (SDPA's) with transformers."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, kvsparse_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+def enable(model: Any) -> Any:
+    """Switches a model to the "kvsparse" attention function (prefill stays SDPA; decode steps
+    with a KvSparseCache go through kvsparse; without one the model runs as with SDPA)."""
+    register()
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    return model

@@ -1,0 +1,115 @@
+"""Starts a kvsparse-server binary on a free loopback port, for tests, examples and notebooks.
+
+    with kvsparse.LocalServer("build/bin/kvsparse-server", capacity="2G") as server:
+        client = kvsparse.Client(server.target)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from kvsparse.client import KvStoreClient
+from kvsparse.errors import KvSparseError
+
+
+def find_server_binary() -> str:
+    """$KVSPARSE_SERVER, else kvsparse-server on PATH, else build/bin/kvsparse-server of the
+    repository this package sits in."""
+    env = os.environ.get("KVSPARSE_SERVER")
+    if env:
+        return env
+    on_path = shutil.which("kvsparse-server")
+    if on_path:
+        return on_path
+    repo = Path(__file__).resolve().parents[3]
+    candidate = repo / "build" / "bin" / "kvsparse-server"
+    if candidate.exists():
+        return str(candidate)
+    raise FileNotFoundError("kvsparse-server not found: set KVSPARSE_SERVER or put it on PATH")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LocalServer:
+    """A kvsparse-server process on 127.0.0.1. ``flags`` are its command-line flags without the
+    leading dashes (``capacity="2G"``, ``gpu="off"``); ``target`` is its address once started."""
+
+    def __init__(self, binary: str | None = None, *, startup_timeout: float = 30.0, **flags: object) -> None:
+        self.binary = binary or find_server_binary()
+        self.flags = {"metrics_listen": "", "log_level": "warning", **flags}
+        self.startup_timeout = startup_timeout
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port = 0
+        self._log = tempfile.TemporaryFile()  # the server's stderr (never a pipe that fills)
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> "LocalServer":
+        last_error: Exception | None = None
+        for _ in range(5):  # a port taken between choosing and binding: try another
+            self.port = _free_port()
+            args = [self.binary, f"--listen={self.target}"]
+            args += [f"--{k}={v}" for k, v in self.flags.items()]
+            self._log.seek(0)
+            self._log.truncate()
+            self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self._log)
+            try:
+                self._wait_serving()
+                return self
+            except (KvSparseError, RuntimeError) as e:
+                last_error = e
+                self.stop()
+        raise RuntimeError(f"kvsparse-server did not start: {last_error}")
+
+    def _wait_serving(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout
+        with KvStoreClient(self.target, timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.process is not None and self.process.poll() is not None:
+                    raise RuntimeError(f"exited with {self.process.returncode}: {self.log()[-2000:]}")
+                try:
+                    if client.health(timeout=1.0) == "SERVING":
+                        return
+                except KvSparseError:
+                    pass
+                time.sleep(0.05)
+        raise RuntimeError(f"not serving after {self.startup_timeout} s")
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM, then SIGKILL after timeout; returns the exit code."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        code = self.process.returncode
+        self.process = None
+        return code
+
+    def log(self) -> str:
+        """What the server wrote to stderr."""
+        self._log.seek(0)
+        return self._log.read().decode(errors="replace").strip()
+
+    def __enter__(self) -> "LocalServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

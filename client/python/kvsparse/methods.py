@@ -1,0 +1,178 @@
+"""Selection methods of a Decode call, and the model shape and placement of a sequence.
+
+Each method is a frozen dataclass whose fields are the method's parameters in
+``proto/kvsparse/v1/attention.proto``; ``to_proto`` fills the wire message. The placement a
+method needs of a sequence is ``placement_for(method)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Union
+
+from kvsparse.tensors import proto_dtype
+from kvsparse.v1 import attention_pb2, tensor_pb2
+
+TierName = Literal["host", "device"]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """Layers L, query heads H, kv heads Hkv (a divisor of H), head dim d and the K/V dtype."""
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str = "bf16"
+
+    def to_proto(self, out: tensor_pb2.ModelShape) -> None:
+        out.num_layers = self.num_layers
+        out.num_q_heads = self.num_q_heads
+        out.num_kv_heads = self.num_kv_heads
+        out.head_dim = self.head_dim
+        out.dtype = proto_dtype(self.dtype)
+
+
+_TIERS = {"host": tensor_pb2.TIER_HOST, "device": tensor_pb2.TIER_DEVICE}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """What the decode worker keeps on its device for a sequence: K and/or V rows, and bit
+    signatures of the keys (HashAttention, vAttention's hash predictor). The store always holds
+    every row in host memory."""
+
+    k_tier: TierName = "host"
+    v_tier: TierName = "host"
+    signature_bits: int = 0
+
+    def to_proto(self, out: tensor_pb2.Placement) -> None:
+        out.k_tier = _TIERS[self.k_tier]
+        out.v_tier = _TIERS[self.v_tier]
+        out.signature_bits = self.signature_bits
+
+
+@dataclass(frozen=True)
+class Dense:
+    """Exact attention over every row: the reference."""
+
+    def to_proto(self, out: attention_pb2.Method) -> None:
+        out.dense.SetInParent()
+
+
+_SAMPLERS = {
+    "iid": attention_pb2.SANTA_SAMPLER_IID,
+    "stratified": attention_pb2.SANTA_SAMPLER_STRATIFIED,
+    "systematic": attention_pb2.SANTA_SAMPLER_SYSTEMATIC,
+}
+_ALLOCATIONS = {
+    "global": attention_pb2.SANTA_ALLOCATION_GLOBAL,
+    "prop": attention_pb2.SANTA_ALLOCATION_PROP,
+    "flash": attention_pb2.SANTA_ALLOCATION_FLASH,
+}
+
+
+@dataclass(frozen=True)
+class Santa:
+    """SANTA / S2ANTA: ``samples`` rows of V per query head drawn from softmax(qK^T)
+    (i.i.d., stratified or systematic; global, proportional or flash tile allocation). The scores
+    read every key: the sequence keeps K on the device; only sampled V rows cross."""
+
+    samples: int = 128
+    sampler: Literal["iid", "stratified", "systematic"] = "systematic"
+    allocation: Literal["global", "prop", "flash"] = "prop"
+    tile_size: int = 0  # 0: the server's default
+    bernoulli_qk_samples: int = 0  # 0: exact scores
+
+    def to_proto(self, out: attention_pb2.Method) -> None:
+        p = out.santa
+        p.sampler = _SAMPLERS[self.sampler]
+        p.allocation = _ALLOCATIONS[self.allocation]
+        p.samples = self.samples
+        p.tile_size = self.tile_size
+        p.bernoulli_qk_samples = self.bernoulli_qk_samples
+
+
+@dataclass(frozen=True)
+class HashTopK:
+    """HashAttention: sink + local window + the top-k tokens by Hamming similarity of bit
+    signatures (``top_k`` rows, or ``top_k_fraction`` of the sequence when top_k is 0)."""
+
+    top_k: int = 0
+    top_k_fraction: float = 0.05
+    sink_tokens: int = 128
+    local_tokens: int = 128
+    bits: int = 0  # 0: the sequence's signature bits
+    learned: bool = False  # the server's learned signatures (--hash_weights), not SimHash
+
+    def to_proto(self, out: attention_pb2.Method) -> None:
+        p = out.hash_top_k
+        p.top_k = self.top_k
+        p.top_k_fraction = self.top_k_fraction
+        p.sink_tokens = self.sink_tokens
+        p.local_tokens = self.local_tokens
+        p.bits = self.bits
+        p.source = (
+            attention_pb2.SIGNATURE_SOURCE_LEARNED if self.learned else attention_pb2.SIGNATURE_SOURCE_SIMHASH
+        )
+
+
+@dataclass(frozen=True)
+class VAttention:
+    """vAttention: sink + local + predicted top-k, plus a uniform sample of the rest sized so that
+    the output is (epsilon, delta)-accurate."""
+
+    epsilon: float = 0.05
+    delta: float = 0.05
+    top_k: int = 0
+    top_k_fraction: float = 0.05
+    sink_tokens: int = 128
+    local_tokens: int = 128
+    predictor: Literal["hash", "exact"] = "hash"
+    base_rate: float = 0.05
+    bound: Literal["clt", "hoeffding"] = "clt"
+    target: Literal["output", "numerator", "denominator"] = "output"
+    bits: int = 0
+    learned: bool = False
+
+    def to_proto(self, out: attention_pb2.Method) -> None:
+        p = out.vattention
+        p.epsilon = self.epsilon
+        p.delta = self.delta
+        p.top_k = self.top_k
+        p.top_k_fraction = self.top_k_fraction
+        p.sink_tokens = self.sink_tokens
+        p.local_tokens = self.local_tokens
+        p.predictor = (
+            attention_pb2.TOP_K_PREDICTOR_EXACT if self.predictor == "exact" else attention_pb2.TOP_K_PREDICTOR_HASH
+        )
+        p.base_rate = self.base_rate
+        p.bound = attention_pb2.BUDGET_BOUND_HOEFFDING if self.bound == "hoeffding" else attention_pb2.BUDGET_BOUND_CLT
+        p.target = {
+            "output": attention_pb2.VERIFY_TARGET_OUTPUT,
+            "numerator": attention_pb2.VERIFY_TARGET_NUMERATOR,
+            "denominator": attention_pb2.VERIFY_TARGET_DENOMINATOR,
+        }[self.target]
+        p.bits = self.bits
+        p.source = (
+            attention_pb2.SIGNATURE_SOURCE_LEARNED if self.learned else attention_pb2.SIGNATURE_SOURCE_SIMHASH
+        )
+
+
+Method = Union[Dense, Santa, HashTopK, VAttention]
+
+
+def placement_for(method: Method, signature_bits: int = 32) -> Placement:
+    """The placement a method reads from: K on the device for SANTA (its scores stream every
+    key), key signatures for HashAttention and vAttention's hash predictor (K and V stay in host
+    memory, only selected rows cross), nothing for dense."""
+    if isinstance(method, Santa):
+        return Placement(k_tier="device")
+    if isinstance(method, HashTopK):
+        return Placement(signature_bits=method.bits or signature_bits)
+    if isinstance(method, VAttention):
+        if method.predictor == "exact":
+            return Placement(k_tier="device")
+        return Placement(signature_bits=method.bits or signature_bits)
+    return Placement()
