@@ -31,6 +31,19 @@ struct DecodeCall {
   float scale = 0.f;  // 0: 1/sqrt(d)
   bool return_indices = false;
   absl::Time deadline = absl::InfiniteFuture();
+  // An in-process caller whose q and output live on the GPU backend's device (the PyTorch op):
+  // q_device and out_device, [B, H, d] each, contiguous, 16-byte aligned, in q_dtype, which must
+  // be the sequences' dtype; `q` stays empty and the result's output is not filled. The call's
+  // kernels run after the work enqueued on `stream` (a cudaStream_t; null: the legacy default
+  // stream) before the call, and work enqueued there after the call runs after them. Only the
+  // GPU backend takes such a call: the engine answers FAILED_PRECONDITION, before anything is
+  // appended, when the backend does not support it (the caller then passes q through host
+  // memory instead).
+  const void* q_device = nullptr;
+  void* out_device = nullptr;
+  void* stream = nullptr;
+
+  bool on_device() const { return q_device != nullptr; }
 };
 
 struct HeadStats {

@@ -29,7 +29,16 @@ absl::Status CheckCallShapes(const DecodeCall& call, const kvstore::ModelShape& 
         shape.num_q_heads, " query heads of dim ", shape.head_dim));
   }
   const size_t hd = static_cast<size_t>(shape.num_q_heads) * shape.head_dim;
-  if (call.q.size() != B * hd * kernels::DTypeSize(call.q_dtype)) {
+  if (call.on_device()) {
+    if (call.out_device == nullptr || call.q_heads == 0 || call.q_dim == 0 || !call.q.empty()) {
+      return absl::InvalidArgumentError(
+          "a call with q on the device gives q_device, out_device, q_heads and q_dim, not q");
+    }
+    if (call.q_dtype != shape.dtype) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "q on the device must be the sequences' dtype ", kernels::DTypeName(shape.dtype)));
+    }
+  } else if (call.q.size() != B * hd * kernels::DTypeSize(call.q_dtype)) {
     return absl::InvalidArgumentError(
         absl::StrCat("q must be [", B, ", ", shape.num_q_heads, ", ", shape.head_dim, "] ",
                      kernels::DTypeName(call.q_dtype), " = ",
@@ -115,6 +124,12 @@ absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
   if (absl::Status s = unit.Validate(call.method, options_); !s.ok()) return s;
   absl::StatusOr<std::vector<SequenceDesc>> descs = Describe(call);
   if (!descs.ok()) return descs.status();
+  // Only the backend reads q on the device: decided before anything is appended.
+  const bool on_backend = backend_ != nullptr && backend_->Supports(call, *descs);
+  if (call.on_device() && !on_backend) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        kNotOnBackend, " (method, placement or shape): pass q in host memory"));
+  }
   // Every sequence's new token goes in before any compute, so a failure leaves nothing
   // half-done within a sequence (each append is all-or-nothing in the store).
   const bool append = !call.new_k.empty() || !call.new_v.empty();
@@ -126,18 +141,19 @@ absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
   DecodeResult result;
   result.num_q_heads = shape.num_q_heads;
   result.head_dim = shape.head_dim;
-  result.output.resize(B * shape.num_q_heads * shape.head_dim * kernels::DTypeSize(call.q_dtype));
+  if (!call.on_device()) {
+    result.output.resize(B * shape.num_q_heads * shape.head_dim *
+                         kernels::DTypeSize(call.q_dtype));
+  }
   result.heads.reserve(B * shape.num_kv_heads);
-  if (backend_ != nullptr) {
+  if (on_backend) {
     std::vector<SequenceDesc> now = *descs;  // as the store holds them now
     if (append) {
       for (SequenceDesc& d : now) ++d.layer_lengths[call.layer];
     }
-    if (backend_->Supports(call, now)) {
-      if (absl::Status s = backend_->Decode(call, now, &result); !s.ok()) return s;
-      result.timing.engine_seconds = absl::ToDoubleSeconds(absl::Now() - start);
-      return result;
-    }
+    if (absl::Status s = backend_->Decode(call, now, &result); !s.ok()) return s;
+    result.timing.engine_seconds = absl::ToDoubleSeconds(absl::Now() - start);
+    return result;
   }
   const CpuStep::Env env{source_, &cache_, &signatures_, &options_};
   for (size_t b = 0; b < B; ++b) {

@@ -31,6 +31,10 @@
 
 namespace kvsparse::engine {
 
+// The start of the FAILED_PRECONDITION message of a call with q on the device that the GPU backend
+// does not take (nothing was appended; the caller may retry with q in host memory).
+inline constexpr char kNotOnBackend[] = "this call cannot run on the GPU backend";
+
 struct EngineOptions {
   int32_t default_tile_size = 256;              // S2ANTA tile when a request gives 0
   size_t resident_capacity_bytes = 4ull << 30;  // device-tier state (K, V, signatures)
@@ -49,7 +53,8 @@ class DecodeBackend {
   virtual ~DecodeBackend() = default;
   virtual const char* name() const = 0;
   // Whether this backend computes `call` for its sequences, described by descs (method,
-  // placements, shapes, dtype); the CPU computes the rest.
+  // placements, shapes, dtype; not lengths); the CPU computes the rest. Asked before the call's
+  // new tokens are appended.
   virtual bool Supports(const DecodeCall& call, absl::Span<const SequenceDesc> descs) const = 0;
   // REQUIRES: Supports(call, descs).
   // descs[b]: sequence b of the call as the store holds it now (the new token included).

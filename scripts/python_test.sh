@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The Python package (client/python) against the real kvsparse-server of BUILD_DIR: installs it
 # with its test extras into a virtual environment (build/venv by default), builds its gRPC stubs
-# from proto/ on the way, and runs pytest (the client over every RPC, Hugging Face generation
-# through kvsparse; tests marked gpu skip without a CUDA device).
+# from proto/ on the way, builds the PyTorch extension (libkvsparse_torch.so, the engine in
+# process) against that torch, and runs pytest (the client over every RPC, the in-process ops,
+# Hugging Face generation through both; tests marked gpu skip without a CUDA device).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build}
@@ -13,4 +14,8 @@ if [ ! -x "$venv/bin/python" ]; then
   "$venv/bin/pip" install -q --upgrade pip
 fi
 "$venv/bin/pip" install -q -c client/python/tests/constraints.txt "./client/python[test]"
-KVSPARSE_SERVER="$PWD/$build/bin/kvsparse-server" "$venv/bin/python" -m pytest -q client/python/tests "$@"
+torch_prefix=$("$venv/bin/python" -c "import torch; print(torch.utils.cmake_prefix_path)")
+cmake -S . -B "$build" -DKVSPARSE_TORCH_PREFIX="$torch_prefix" > /dev/null
+cmake --build "$build" -j "${JOBS:-$(nproc)}" --target kvsparse_torch
+KVSPARSE_SERVER="$PWD/$build/bin/kvsparse-server" KVSPARSE_TORCH_LIB="$PWD/$build/lib/libkvsparse_torch.so" \
+  "$venv/bin/python" -m pytest -q client/python/tests "$@"

@@ -33,11 +33,15 @@ class GpuBackend final : public DecodeBackend {
     so.signatures = options_.signatures;
     state_ = std::make_unique<gpu::DeviceState>(std::move(so), source_, stream_);
     for (cudaEvent_t& e : events_) cudaEventCreate(&e);
+    cudaEventCreateWithFlags(&caller_event_, cudaEventDisableTiming);
+    cudaEventCreateWithFlags(&done_event_, cudaEventDisableTiming);
   }
   ~GpuBackend() override {
     std::lock_guard<std::mutex> lock(mu_);
     state_.reset();  // frees on the stream and synchronises it
     for (cudaEvent_t e : events_) cudaEventDestroy(e);
+    cudaEventDestroy(caller_event_);
+    cudaEventDestroy(done_event_);
     cudaStreamDestroy(stream_);
   }
 
@@ -97,12 +101,29 @@ class GpuBackend final : public DecodeBackend {
   }
   // The stage times of a timed call (CUDA events), or zeros standing for none.
   void StageTimes(bool timed, DecodeResult* result) const;
+  // A call with q on the device: its kernels wait for the caller's stream to reach the call
+  // (FollowCaller), and the caller's stream waits for them (LeadCaller).
+  absl::Status FollowCaller(const DecodeCall& call) {
+    if (!call.on_device()) return absl::OkStatus();
+    KVS_CUDA_OK(cudaEventRecord(caller_event_, static_cast<cudaStream_t>(call.stream)),
+                "caller stream event");
+    KVS_CUDA_OK(cudaStreamWaitEvent(stream_, caller_event_, 0), "wait for the caller");
+    return absl::OkStatus();
+  }
+  absl::Status LeadCaller(const DecodeCall& call) {
+    if (!call.on_device()) return absl::OkStatus();
+    KVS_CUDA_OK(cudaEventRecord(done_event_, stream_), "decode event");
+    KVS_CUDA_OK(cudaStreamWaitEvent(static_cast<cudaStream_t>(call.stream), done_event_, 0),
+                "caller waits");
+    return absl::OkStatus();
+  }
 
   const GpuBackendOptions options_;
   RowSource* const source_;
   const cudaStream_t stream_;
   const gpu::GpuCaps caps_;
   cudaEvent_t events_[4] = {};
+  cudaEvent_t caller_event_ = nullptr, done_event_ = nullptr;
   mutable std::mutex mu_;  // serialises calls; guards everything below
   std::unique_ptr<gpu::DeviceState> state_;
   uint64_t calls_ = 0;  // for stage_timing_every
@@ -113,6 +134,8 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
                                 DecodeResult* result) {
   std::lock_guard<std::mutex> lock(mu_);
   const absl::Time start = absl::Now();
+  // The caller's thread may have another device current (CUDA's is per thread).
+  KVS_CUDA_OK(cudaSetDevice(options_.device), "cudaSetDevice");
   gpu::SyncedBatch batch;
   if (absl::Status s = state_->Sync(call, descs, &batch, result); !s.ok()) return s;
   const absl::Time synced = absl::Now();
@@ -139,7 +162,9 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
   lp.BeginPass(*scratch, timed ? events_ : nullptr);
   mc->FillScratchTables(lp);
   if (absl::Status s = lp.Upload(); !s.ok()) return s;
+  if (absl::Status s = FollowCaller(call); !s.ok()) return s;
   if (absl::Status s = Enqueue(lp, *mc, &method_bytes); !s.ok()) return s;
+  if (absl::Status s = LeadCaller(call); !s.ok()) return s;
   if (absl::Status s = lp.Download(&out_host_); !s.ok()) return s;
   if (absl::Status s = mc->Download(lp); !s.ok()) return s;
 

@@ -34,7 +34,8 @@ LaunchPlan::LaunchPlan(const DecodeCall& call, absl::Span<const SequenceDesc> de
       state_(state),
       k_tier_(descs[0].placement.k_tier == kvstore::Tier::kDevice ? kDeviceTier : kHostTier),
       v_tier_(descs[0].placement.v_tier == kvstore::Tier::kDevice ? kDeviceTier : kHostTier) {
-  q_off_ = AddHostTable<uint8_t>(static_cast<size_t>(BH) * d * es);
+  // q travels in the tables unless it is on the device already.
+  q_off_ = AddHostTable<uint8_t>(call.on_device() ? 0 : static_cast<size_t>(BH) * d * es);
   lens_off_ = AddHostTable<int32_t>(B);
   seeds_off_ = AddHostTable<uint64_t>(B);
   k_heads_off_ = AddHostTable<const void*>(BK);
@@ -49,8 +50,10 @@ absl::Status LaunchPlan::BuildTables(PinnedBuf* host) {
   if (absl::Status s = host->Reserve(table_bytes_); !s.ok()) return s;
   host_ = static_cast<char*>(host->ptr());
   std::memset(host_, 0, table_bytes_);
-  kernels::ConvertElements(call_.q.data(), call_.q_dtype, HostTable<uint8_t>(q_off_), dtype,
-                           static_cast<size_t>(BH) * d);
+  if (!call_.on_device()) {
+    kernels::ConvertElements(call_.q.data(), call_.q_dtype, HostTable<uint8_t>(q_off_), dtype,
+                             static_cast<size_t>(BH) * d);
+  }
   std::memcpy(host_ + lens_off_, batch_->lens.data(), sizeof(int32_t) * B);
   for (int32_t b = 0; b < B; ++b) {
     HostTable<uint64_t>(seeds_off_)[b] =
@@ -76,7 +79,7 @@ absl::Status LaunchPlan::BuildTables(PinnedBuf* host) {
   Carver dc(nullptr);
   dc.Take<char>(table_bytes_);
   out_off_ = dc.used();
-  dc.Take<uint8_t>(static_cast<size_t>(BH) * d * es);
+  dc.Take<uint8_t>(call_.on_device() ? 0 : static_cast<size_t>(BH) * d * es);
   method_off_ = dc.used();
   return absl::OkStatus();
 }
@@ -90,11 +93,11 @@ void LaunchPlan::BeginPass(char* base, cudaEvent_t* events) {
   shape_.num_kv_heads = hkv;
   shape_.head_dim = d;
   shape_.dtype = dtype;
-  shape_.q = base_ + q_off_;
+  shape_.q = call_.on_device() ? call_.q_device : base_ + q_off_;
   shape_.seq_lens = Dev<const int32_t>(lens_off_);
   shape_.max_seq_len = n_max;
   shape_.scale = call_.scale > 0.f ? call_.scale : 1.f / std::sqrt(static_cast<float>(d));
-  shape_.out = base_ + out_off_;
+  shape_.out = call_.on_device() ? call_.out_device : base_ + out_off_;
   shape_.kv.token_stride = d;
   kc::PagedRows pages;
   pages.tables = Dev<const void* const* const>(pages_off_);
@@ -154,8 +157,10 @@ absl::Status LaunchPlan::Upload() {
 }
 
 absl::Status LaunchPlan::Download(PinnedBuf* down) {
-  // Output and statistics are adjacent in the scratch: one download.
-  const size_t bytes = out_off_ + static_cast<size_t>(BH) * d * es - stats_off_;
+  // Output and statistics are adjacent in the scratch: one download (the statistics alone when
+  // the output is on the device).
+  const size_t out_bytes = call_.on_device() ? 0 : static_cast<size_t>(BH) * d * es;
+  const size_t bytes = (call_.on_device() ? table_bytes_ : out_off_ + out_bytes) - stats_off_;
   if (absl::Status s = down->Reserve(bytes); !s.ok()) return s;
   KVS_CUDA_OK(
       cudaMemcpyAsync(down->ptr(), base_ + stats_off_, bytes, cudaMemcpyDeviceToHost, stream()),
@@ -165,6 +170,7 @@ absl::Status LaunchPlan::Download(PinnedBuf* down) {
 }
 
 void LaunchPlan::WriteOutput(DecodeResult* result) const {
+  if (call_.on_device()) return;  // written in place
   const auto* out = reinterpret_cast<const uint8_t*>(down_ + (out_off_ - stats_off_));
   kernels::ConvertElements(out, dtype, reinterpret_cast<uint8_t*>(result->output.data()),
                            call_.q_dtype, static_cast<size_t>(BH) * d);

@@ -118,7 +118,7 @@ class LaunchPlan {
   absl::Status Download(PinnedBuf* down);
   // After the stream is done: the statistics block and the output, in the host buffer.
   const int32_t* host_stats() const { return reinterpret_cast<const int32_t*>(down_); }
-  // The output in q's dtype into result->output.
+  // The output in q's dtype into result->output (nothing when it is on the device).
   void WriteOutput(DecodeResult* result) const;
 
  private:

@@ -21,8 +21,10 @@ How it works:
   selects. Only the attention output comes back.
 - The sequences are dropped from the store when the cache is closed or garbage-collected.
 
-The transport is gRPC (``Client``); the in-process engine op plugs in behind the same calls.
-Beam search and cache cropping (assisted decoding) are not supported.
+``target`` is the transport: a server address or ``Client`` (gRPC), or a
+``kvsparse.ops.InProcessEngine`` (the engine in this process: on a CUDA device q and the output
+stay on the GPU, on the caller's stream). Beam search and cache cropping (assisted decoding) are
+not supported.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import threading
 import uuid
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import AttentionInterface
@@ -41,6 +43,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvsparse.client import Client, DecodeStream
 from kvsparse.methods import Dense, Method, ModelShape, Placement, placement_for
+
+if TYPE_CHECKING:
+    from kvsparse.ops import InProcessEngine
 
 ATTN_IMPLEMENTATION = "kvsparse"
 
@@ -69,6 +74,110 @@ class CacheStats:
     def fetched_fraction(self) -> float:
         """Bytes fetched over what dense attention would have read (1.0 for dense from host)."""
         return self.bytes_fetched / self.dense_equivalent_bytes if self.dense_equivalent_bytes else 0.0
+
+
+@dataclass
+class StepStats:
+    """What one decode call read: bytes fetched across the boundary (host memory, another
+    process), bytes read on the worker's device, dense-equivalent bytes, rows fetched."""
+
+    bytes_fetched: int = 0
+    bytes_device: int = 0
+    dense_equivalent_bytes: int = 0
+    rows_fetched: int = 0
+
+
+class Transport(Protocol):
+    """How a KvSparseCache reaches kvsparse: gRPC or the in-process engine."""
+
+    def create(self, sequence_id: str, shape: ModelShape, placement: Placement) -> None: ...
+    def append(self, sequence_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, expected: int) -> None: ...
+    def decode(
+        self, layer: int, ids: list[str], q: torch.Tensor, method: Method,
+        new_k: torch.Tensor, new_v: torch.Tensor, seed: int, scale: float,
+    ) -> tuple[torch.Tensor, StepStats]: ...
+    def lengths(self, sequence_id: str) -> list[int]: ...
+    def close(self, sequence_ids: list[str]) -> None: ...
+
+
+class GrpcTransport:
+    """kvsparse-server over gRPC: q, new K/V and the output cross as protobuf."""
+
+    def __init__(self, target: str | Client, timeout: float, stream: bool) -> None:
+        self.own = not isinstance(target, Client)
+        self.client = Client(target, timeout=timeout) if isinstance(target, str) else target
+        self.stream: DecodeStream | None = self.client.attention.stream() if stream else None
+
+    def create(self, sequence_id: str, shape: ModelShape, placement: Placement) -> None:
+        self.client.store.create_sequence(sequence_id, shape, placement)
+
+    def append(self, sequence_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, expected: int) -> None:
+        self.client.store.append(sequence_id, k[None], v[None], first_layer=layer, expected_length=expected)
+
+    def decode(self, layer, ids, q, method, new_k, new_v, seed, scale):  # type: ignore[no-untyped-def]
+        call = self.stream.decode if self.stream is not None else self.client.attention.decode
+        r = call(layer, ids, q, method, new_k=new_k, new_v=new_v, seed=seed, scale=scale)
+        s = StepStats()
+        for h in r.heads:
+            s.bytes_fetched += h.bytes_host + h.bytes_remote
+            s.bytes_device += h.bytes_device
+            s.dense_equivalent_bytes += h.dense_equivalent_bytes
+            s.rows_fetched += h.rows_fetched
+        return r.output, s
+
+    def lengths(self, sequence_id: str) -> list[int]:
+        return self.client.store.sequence_info(sequence_id).layer_lengths
+
+    def close(self, sequence_ids: list[str]) -> None:
+        try:
+            if self.stream is not None:
+                self.stream.close()
+            for sid in sequence_ids:
+                try:
+                    self.client.store.drop_sequence(sid)
+                except Exception:  # the server may be gone; nothing else to free
+                    pass
+        finally:
+            if self.own:
+                self.client.close()
+
+
+class InProcessTransport:
+    """The engine in this process (kvsparse.ops): CUDA q and output stay on the device."""
+
+    def __init__(self, engine: "InProcessEngine") -> None:
+        self.engine = engine
+
+    def create(self, sequence_id: str, shape: ModelShape, placement: Placement) -> None:
+        self.engine.create_sequence(sequence_id, shape, placement)
+
+    def append(self, sequence_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, expected: int) -> None:
+        self.engine.append(sequence_id, layer, k, v, expected)
+
+    def decode(self, layer, ids, q, method, new_k, new_v, seed, scale):  # type: ignore[no-untyped-def]
+        out, stats = self.engine.decode(layer, ids, q, method, new_k=new_k, new_v=new_v, seed=seed, scale=scale)
+        col = stats.sum(0).tolist()  # STAT_COLUMNS
+        return out, StepStats(col[3] + col[5], col[4], col[6], col[1])
+
+    def lengths(self, sequence_id: str) -> list[int]:
+        return self.engine.layer_lengths(sequence_id)
+
+    def close(self, sequence_ids: list[str]) -> None:
+        for sid in sequence_ids:
+            try:
+                self.engine.drop_sequence(sid)
+            except Exception:  # the engine may be closed already
+                pass
+
+
+def make_transport(target: Any, timeout: float, stream: bool) -> Transport:
+    if isinstance(target, (str, Client)):
+        return GrpcTransport(target, timeout, stream)
+    from kvsparse.ops import InProcessEngine
+
+    if isinstance(target, InProcessEngine):
+        return InProcessTransport(target)
+    raise TypeError(f"target must be an address, a kvsparse.Client or an InProcessEngine, not {type(target)}")
 
 
 class KvSparseLayer(CacheLayerMixin):
@@ -133,20 +242,21 @@ class KvSparseCache(Cache):
 
     Args:
         config: the model's config (layers, heads, head dim).
-        target: kvsparse-server's address ("host:port"), or a ``Client``.
+        target: kvsparse-server's address ("host:port"), a ``Client``, or a
+            ``kvsparse.ops.InProcessEngine``.
         method: the selection method of the decode steps (``kvsparse.Dense()``,
             ``HashTopK(...)``, ``Santa(...)``, ``VAttention(...)``).
         placement: what the worker keeps on its device per sequence; default: what the method
             reads (``placement_for(method)``).
         seed: base seed of the sampling methods (each layer and step draws its own).
-        stream: send decode calls over one DecodeStream instead of unary calls.
+        stream: (gRPC) send decode calls over one DecodeStream instead of unary calls.
         timeout: deadline of each call, seconds.
     """
 
     def __init__(
         self,
         config: Any,
-        target: str | Client = "127.0.0.1:50051",
+        target: "str | Client | InProcessEngine" = "127.0.0.1:50051",
         *,
         method: Method = Dense(),
         placement: Placement | None = None,
@@ -160,8 +270,7 @@ class KvSparseCache(Cache):
         self.num_kv_heads = int(getattr(text, "num_key_value_heads", None) or self.num_q_heads)
         self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.num_q_heads)
         super().__init__(layers=[KvSparseLayer(self, i) for i in range(self.num_layers)])
-        self._own_client = not isinstance(target, Client)
-        self.client = Client(target, timeout=timeout) if isinstance(target, str) else target
+        self.transport = make_transport(target, timeout, stream)
         self.method = method
         self.placement = placement if placement is not None else placement_for(method)
         self.seed = seed
@@ -169,10 +278,7 @@ class KvSparseCache(Cache):
         self.sequence_ids: list[str] = []
         self._prefix = f"hf-{uuid.uuid4().hex[:12]}-"
         self._staged: dict[int, _Staged] = {}
-        self._stream: DecodeStream | None = self.client.attention.stream() if stream else None
-        self._finalizer = weakref.finalize(
-            self, _release, self.client, self.sequence_ids, self._stream, self._own_client
-        )
+        self._finalizer = weakref.finalize(self, self.transport.close, self.sequence_ids)
 
     # ---- Cache API -----------------------------------------------------------------------
 
@@ -221,8 +327,12 @@ class KvSparseCache(Cache):
         shape = ModelShape(self.num_layers, self.num_q_heads, self.num_kv_heads, self.head_dim, dtype)
         for b in range(key.shape[0]):
             sid = f"{self._prefix}{b}"
-            self.client.store.create_sequence(sid, shape, self.placement)
+            self.transport.create(sid, shape, self.placement)
             self.sequence_ids.append(sid)
+
+    def layer_lengths(self, row: int) -> list[int]:
+        """Tokens the store holds per layer for batch row `row` (its own, without padding)."""
+        return self.transport.lengths(self.sequence_ids[row])
 
     def _take(self, layer_idx: int) -> _Staged | None:
         return self._staged.pop(layer_idx, None)
@@ -238,9 +348,7 @@ class KvSparseCache(Cache):
             per_token = 2 * k[0].numel() * k.element_size() if n else 1
             step = max(1, _APPEND_BYTES // per_token)
             for t0 in range(0, n, step):
-                self.client.store.append(
-                    sid, k[t0 : t0 + step][None], v[t0 : t0 + step][None], first_layer=layer_idx, expected_length=t0
-                )
+                self.transport.append(sid, layer_idx, k[t0 : t0 + step], v[t0 : t0 + step], t0)
             self.stats.prefill_bytes_appended += n * per_token
 
     def _decode(self, layer_idx: int, query: torch.Tensor, staged: _Staged, scaling: float | None) -> torch.Tensor:
@@ -250,50 +358,28 @@ class KvSparseCache(Cache):
         new_k, new_v = staged.key[:, :, 0, :], staged.value[:, :, 0, :]
         position = self.layers[layer_idx].length
         seed = _mix(self.seed, position, layer_idx)
-        call = self._stream.decode if self._stream is not None else self.client.attention.decode
-        result = call(
-            layer_idx,
-            self.sequence_ids,
-            q,
-            self.method,
-            new_k=new_k,
-            new_v=new_v,
-            seed=seed,
-            scale=float(scaling) if scaling else 0.0,
+        out, step = self.transport.decode(
+            layer_idx, self.sequence_ids, q, self.method, new_k, new_v, seed, float(scaling) if scaling else 0.0
         )
         s = self.stats
         s.decode_calls += 1
         s.per_layer_calls[layer_idx] = s.per_layer_calls.get(layer_idx, 0) + 1
-        for h in result.heads:
-            s.bytes_fetched += h.bytes_host + h.bytes_remote
-            s.bytes_device += h.bytes_device
-            s.dense_equivalent_bytes += h.dense_equivalent_bytes
-            s.rows_fetched += h.rows_fetched
-        return result.output.to(query.dtype).unsqueeze(1)
-
-
-def _release(client: Client, sequence_ids: list[str], stream: DecodeStream | None, own: bool) -> None:
-    try:
-        if stream is not None:
-            stream.close()
-        for sid in sequence_ids:
-            try:
-                client.store.drop_sequence(sid)
-            except Exception:  # the server may be gone; nothing else to free
-                pass
-    finally:
-        if own:
-            client.close()
+        s.bytes_fetched += step.bytes_fetched
+        s.bytes_device += step.bytes_device
+        s.dense_equivalent_bytes += step.dense_equivalent_bytes
+        s.rows_fetched += step.rows_fetched
+        return out.to(query.dtype).unsqueeze(1)
 
 
 def _mix(seed: int, position: int, layer: int) -> int:
-    """A 64-bit seed per (step, layer) from the cache's seed (splitmix64 finaliser)."""
+    """A 63-bit seed per (step, layer) from the cache's seed (splitmix64 finaliser; 63 bits so
+    that both transports take it as it is)."""
     x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + layer * 0x94D049BB133111EB) & (2**64 - 1)
     x ^= x >> 30
     x = (x * 0xBF58476D1CE4E5B9) & (2**64 - 1)
     x ^= x >> 27
     x = (x * 0x94D049BB133111EB) & (2**64 - 1)
-    return x ^ (x >> 31)
+    return (x ^ (x >> 31)) & (2**63 - 1)
 
 
 def _valid_keys(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:

@@ -13,11 +13,25 @@ transformers = pytest.importorskip("transformers")
 
 import kvsparse  # noqa: E402
 import kvsparse.hf  # noqa: E402
+from kvsparse import ops  # noqa: E402
 
 NEW_TOKENS = 32
 
 
-def tiny_llama(dtype: torch.dtype = torch.float32) -> transformers.PreTrainedModel:
+@pytest.fixture(params=["grpc", "inprocess"])
+def target(request: pytest.FixtureRequest, server: kvsparse.LocalServer):
+    """Where the cache keeps K/V: kvsparse-server over gRPC, or the engine in this process
+    (the CPU engine here; test_gpu_* run the GPU backend)."""
+    if request.param == "grpc":
+        yield server.target
+        return
+    if not ops.available():
+        pytest.skip("libkvsparse_torch.so not built")
+    with ops.InProcessEngine(store_capacity="1G", gpu="off") as engine:
+        yield engine
+
+
+def tiny_llama(dtype: torch.dtype = torch.float32, head_dim: int = 32, device: str = "cpu"):
     config = transformers.LlamaConfig(
         vocab_size=256,
         hidden_size=256,
@@ -25,7 +39,7 @@ def tiny_llama(dtype: torch.dtype = torch.float32) -> transformers.PreTrainedMod
         num_hidden_layers=3,
         num_attention_heads=8,
         num_key_value_heads=2,  # GQA, groups of 4
-        head_dim=32,
+        head_dim=head_dim,
         max_position_embeddings=2048,
         initializer_range=0.08,  # logits far enough apart that greedy choices are stable
         pad_token_id=0,
@@ -33,7 +47,7 @@ def tiny_llama(dtype: torch.dtype = torch.float32) -> transformers.PreTrainedMod
         eos_token_id=None,
     )
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(dtype).eval()
+    model = transformers.LlamaForCausalLM(config).to(dtype).to(device).eval()
     model.set_attn_implementation("sdpa")
     return model
 
@@ -56,7 +70,7 @@ def through_kvsparse(model, ids, mask, cache, new_tokens=NEW_TOKENS):
         )
 
 
-def prompt(batch_lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def prompt(batch_lengths: list[int], seed: int = 1, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompts of the given lengths (pad 0)."""
     gen = torch.Generator().manual_seed(seed)
     n = max(batch_lengths)
@@ -65,18 +79,18 @@ def prompt(batch_lengths: list[int], seed: int = 1) -> tuple[torch.Tensor, torch
     for b, length in enumerate(batch_lengths):
         ids[b, n - length :] = torch.randint(2, 256, (length,), generator=gen)
         mask[b, n - length :] = 1
-    return ids, mask
+    return ids.to(device), mask.to(device)
 
 
 def max_logit_diff(a, b) -> float:
     return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a.logits, b.logits))
 
 
-def test_dense_matches_transformers_fp32(server: kvsparse.LocalServer) -> None:
+def test_dense_matches_transformers_fp32(target) -> None:
     model = tiny_llama()
     ids, mask = prompt([40])
     want = reference(model, ids, mask)
-    with kvsparse.hf.KvSparseCache(model.config, server.target, method=kvsparse.Dense()) as cache:
+    with kvsparse.hf.KvSparseCache(model.config, target, method=kvsparse.Dense()) as cache:
         got = through_kvsparse(model, ids, mask, cache)
         stats = cache.stats
     assert got.sequences.shape[1] == ids.shape[1] + NEW_TOKENS
@@ -88,13 +102,13 @@ def test_dense_matches_transformers_fp32(server: kvsparse.LocalServer) -> None:
     assert stats.fetched_fraction == pytest.approx(1.0)
 
 
-def test_dense_batch_with_left_padding(server: kvsparse.LocalServer) -> None:
+def test_dense_batch_with_left_padding(target) -> None:
     model = tiny_llama()
     ids, mask = prompt([40, 23, 31], seed=2)
     want = reference(model, ids, mask)
-    with kvsparse.hf.KvSparseCache(model.config, server.target, method=kvsparse.Dense(), stream=True) as cache:
+    with kvsparse.hf.KvSparseCache(model.config, target, method=kvsparse.Dense(), stream=True) as cache:
         got = through_kvsparse(model, ids, mask, cache)
-        lengths = [cache.client.store.sequence_info(s).layer_lengths for s in cache.sequence_ids]
+        lengths = [cache.layer_lengths(b) for b in range(len(cache.sequence_ids))]
     assert torch.equal(got.sequences, want.sequences)
     assert max_logit_diff(got, want) < 1e-4
     # The store holds each row's own tokens: its prompt without the padding, and what it made.
@@ -106,18 +120,23 @@ def teacher_forced_logits(model, sequences: torch.Tensor, prompt_mask: torch.Ten
     [B, new tokens, vocab], the logits that chose each generated token."""
     model.set_attn_implementation("sdpa")
     n_new = sequences.shape[1] - prompt_mask.shape[1]
-    mask = torch.cat([prompt_mask, torch.ones(prompt_mask.shape[0], n_new, dtype=prompt_mask.dtype)], 1)
+    ones = torch.ones(prompt_mask.shape[0], n_new, dtype=prompt_mask.dtype, device=prompt_mask.device)
+    mask = torch.cat([prompt_mask, ones], 1)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         logits = model(sequences, attention_mask=mask, position_ids=positions).logits
     return logits[:, prompt_mask.shape[1] - 1 : -1]
 
 
-def test_dense_bf16(server: kvsparse.LocalServer) -> None:
+def test_dense_bf16(target) -> None:
     model = tiny_llama(torch.bfloat16)
     ids, mask = prompt([40, 33], seed=3)
-    with kvsparse.hf.KvSparseCache(model.config, server.target) as cache:
+    with kvsparse.hf.KvSparseCache(model.config, target) as cache:
         got = through_kvsparse(model, ids, mask, cache)
+    check_bf16(model, ids, mask, got)
+
+
+def check_bf16(model, ids, mask, got) -> None:
     # bf16: both paths round each layer's attention output to bf16 from fp32 sums taken in
     # different orders, so free-running greedy decoding may part at a near-tie. Teacher-forced
     # on kvsparse's own tokens, transformers' logits agree with kvsparse's within 0.15 at every
@@ -142,10 +161,10 @@ def test_dense_bf16(server: kvsparse.LocalServer) -> None:
     ],
     ids=["santa-prop", "santa-flash", "hash-top-k", "vattention"],
 )
-def test_sparse_methods_generate(server: kvsparse.LocalServer, method: kvsparse.Method) -> None:
+def test_sparse_methods_generate(target, method: kvsparse.Method) -> None:
     model = tiny_llama()
     ids, mask = prompt([400, 300], seed=4)
-    with kvsparse.hf.KvSparseCache(model.config, server.target, method=method, seed=11) as cache:
+    with kvsparse.hf.KvSparseCache(model.config, target, method=method, seed=11) as cache:
         got = through_kvsparse(model, ids, mask, cache, new_tokens=8)
         stats = cache.stats
     assert got.sequences.shape == (2, 400 + 8)
@@ -188,3 +207,27 @@ def test_server_errors_surface(server: kvsparse.LocalServer) -> None:
     )
     with cache, pytest.raises(kvsparse.FailedPrecondition, match="signatures"):
         through_kvsparse(model, ids, mask, cache, new_tokens=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "method",
+    [kvsparse.Dense(), kvsparse.HashTopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16)],
+    ids=["dense", "hash-top-k"],
+)
+def test_gpu_generation_in_process(method: kvsparse.Method) -> None:
+    """The model and the engine on one GPU: decode through the GPU backend with q and the
+    output on the device (bf16, head dim 64: shapes the GPU kernels take)."""
+    model = tiny_llama(torch.bfloat16, head_dim=64, device="cuda")
+    ids, mask = prompt([400, 333], seed=5, device="cuda")
+    with ops.InProcessEngine(store_capacity="2G", gpu="on") as engine:
+        assert engine.backend == "cuda:0"
+        with kvsparse.hf.KvSparseCache(model.config, engine, method=method) as cache:
+            got = through_kvsparse(model, ids, mask, cache)
+            stats = cache.stats
+    assert stats.decode_calls == (NEW_TOKENS - 1) * 3
+    if isinstance(method, kvsparse.Dense):
+        check_bf16(model, ids, mask, got)
+        assert stats.fetched_fraction == pytest.approx(1.0)
+    else:
+        assert 0 < stats.fetched_fraction < 0.75

@@ -1,0 +1,405 @@
+// torch.ops.kvsparse: the decode engine in the caller's process (engine/embedded.h), over torch
+// tensors. On a CUDA device the engine reads q from, and writes the output to, the caller's CUDA
+// tensors, ordered on the caller's current stream (q and the output never pass through host
+// memory); the store is the process's pinned host arena. Python's kvsparse.ops wraps these ops
+// (and registers their fake implementations for torch.compile).
+//
+// Engines are named by an integer handle (kvsparse::engine_create), sequences by their ids.
+// Failures raise RuntimeError("kvsparse <CODE>: <message>"), which kvsparse.ops turns into the
+// kvsparse exception of that code.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+#if __has_include(<ATen/cuda/CUDAContext.h>)
+#include <ATen/cuda/CUDAContext.h>
+#define KVSPARSE_TORCH_CUDA 1
+#endif
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
+#include "engine/embedded.h"
+#include "kernels/dtype.h"
+
+namespace kvsparse::torch_ops {
+namespace {
+
+namespace en = kvsparse::engine;
+namespace kv = kvsparse::kvstore;
+using kernels::DType;
+
+// ---- Errors and arguments -------------------------------------------------------------------
+
+[[noreturn]] void Raise(const absl::Status& s) {
+  TORCH_CHECK(false, "kvsparse ", absl::StatusCodeToString(s.code()), ": ", s.message());
+}
+void Check(const absl::Status& s) {
+  if (!s.ok()) Raise(s);
+}
+[[noreturn]] void Invalid(const std::string& what) { Raise(absl::InvalidArgumentError(what)); }
+
+DType DTypeOf(const at::Tensor& t, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat:
+      return DType::kFp32;
+    case at::kHalf:
+      return DType::kFp16;
+    case at::kBFloat16:
+      return DType::kBf16;
+    default:
+      Invalid(absl::StrCat(name, ": kvsparse moves float32, float16 and bfloat16, not ",
+                           c10::toString(t.scalar_type())));
+  }
+}
+
+DType DTypeNamed(const std::string& name) {
+  if (name == "bf16") return DType::kBf16;
+  if (name == "fp16") return DType::kFp16;
+  if (name == "fp32") return DType::kFp32;
+  Invalid("dtype must be bf16, fp16 or fp32, got " + name);
+}
+
+kv::Tier TierNamed(const std::string& name) {
+  if (name == "host") return kv::Tier::kHost;
+  if (name == "device") return kv::Tier::kDevice;
+  Invalid("tier must be host or device, got " + name);
+}
+
+// "key=value,key=value" -> values; every key must be consumed by the method's parser.
+class Params {
+ public:
+  explicit Params(const std::string& text) {
+    for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipEmpty())) {
+      std::pair<std::string, std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
+      values_[kv.first] = kv.second;
+    }
+  }
+  double Number(const std::string& key, double fallback) {
+    auto it = values_.find(key);
+    if (it == values_.end()) return fallback;
+    double x = 0;
+    if (!absl::SimpleAtod(it->second, &x)) Invalid("method parameter " + key + ": not a number");
+    values_.erase(it);
+    return x;
+  }
+  int32_t Int(const std::string& key, int32_t fallback) {
+    const double x = Number(key, fallback);
+    if (x < 0 || x > (1 << 30) || x != static_cast<int32_t>(x)) {
+      Invalid("method parameter " + key + ": not a count");
+    }
+    return static_cast<int32_t>(x);
+  }
+  std::string Word(const std::string& key, const std::string& fallback) {
+    auto it = values_.find(key);
+    if (it == values_.end()) return fallback;
+    std::string w = it->second;
+    values_.erase(it);
+    return w;
+  }
+  void Done(const std::string& method) {
+    if (!values_.empty()) {
+      Invalid(absl::StrCat(method, ": unknown parameter ", values_.begin()->first));
+    }
+  }
+
+ private:
+  std::map<std::string, std::string> values_;
+};
+
+// The engine's method from the op's (method, params) strings (the names of kvsparse.methods).
+en::Method ParseMethod(const std::string& name, const std::string& text) {
+  Params p(text);
+  en::Method m;
+  if (name == "dense") {
+    m.kind = en::MethodKind::kDense;
+  } else if (name == "santa") {
+    m.kind = en::MethodKind::kSanta;
+    const std::string sampler = p.Word("sampler", "systematic");
+    const std::string alloc = p.Word("allocation", "prop");
+    m.santa.sampler = sampler == "iid"          ? kernels::SantaSampler::kIid
+                      : sampler == "stratified" ? kernels::SantaSampler::kStratified
+                                                : kernels::SantaSampler::kSystematic;
+    m.santa.allocation = alloc == "global" ? kernels::SantaAllocation::kGlobal
+                         : alloc == "flash" ? kernels::SantaAllocation::kFlash
+                                            : kernels::SantaAllocation::kProp;
+    m.santa.samples = p.Int("samples", 128);
+    m.santa.tile_size = p.Int("tile_size", 0);
+    m.santa.bernoulli_qk_samples = p.Int("bernoulli_qk_samples", 0);
+  } else if (name == "hash_top_k") {
+    m.kind = en::MethodKind::kHashTopK;
+    m.hash.top_k = p.Int("top_k", 0);
+    m.hash.top_k_fraction = static_cast<float>(p.Number("top_k_fraction", 0.05));
+    m.hash.sink_tokens = p.Int("sink_tokens", 128);
+    m.hash.local_tokens = p.Int("local_tokens", 128);
+    m.hash.bits = p.Int("bits", 0);
+    m.learned_signatures = p.Number("learned", 0) != 0;
+  } else if (name == "vattention") {
+    m.kind = en::MethodKind::kVAttention;
+    kernels::VAttentionParams& v = m.vattention;
+    v.epsilon = static_cast<float>(p.Number("epsilon", 0.05));
+    v.delta = static_cast<float>(p.Number("delta", 0.05));
+    v.top_k = p.Int("top_k", 0);
+    v.top_k_fraction = static_cast<float>(p.Number("top_k_fraction", 0.05));
+    v.sink_tokens = p.Int("sink_tokens", 128);
+    v.local_tokens = p.Int("local_tokens", 128);
+    v.predictor = p.Word("predictor", "hash") == "exact" ? kernels::TopKPredictor::kExact
+                                                         : kernels::TopKPredictor::kHash;
+    v.base_rate = static_cast<float>(p.Number("base_rate", 0.05));
+    v.bound = p.Word("bound", "clt") == "hoeffding" ? kernels::BudgetBound::kHoeffding
+                                                    : kernels::BudgetBound::kClt;
+    const std::string target = p.Word("target", "output");
+    v.target = target == "numerator"     ? kernels::VerifyTarget::kNumerator
+               : target == "denominator" ? kernels::VerifyTarget::kDenominator
+                                         : kernels::VerifyTarget::kOutput;
+    v.bits = p.Int("bits", 0);
+    m.learned_signatures = p.Number("learned", 0) != 0;
+  } else {
+    Invalid("unknown method " + name + " (dense, santa, hash_top_k, vattention)");
+  }
+  p.Done(name);
+  return m;
+}
+
+// ---- Engines --------------------------------------------------------------------------------
+
+std::mutex engines_mu;
+std::map<int64_t, std::shared_ptr<en::Embedded>> engines;  // guarded by engines_mu
+int64_t next_engine = 1;                                   // guarded by engines_mu
+
+std::shared_ptr<en::Embedded> Find(int64_t handle) {
+  std::lock_guard<std::mutex> lock(engines_mu);
+  auto it = engines.find(handle);
+  if (it == engines.end()) {
+    Raise(absl::NotFoundError(absl::StrCat("no kvsparse engine ", handle, " (destroyed?)")));
+  }
+  return it->second;
+}
+
+int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capacity,
+                     const std::string& capacity_policy, int64_t gpu_capacity,
+                     double gpu_row_cache, int64_t resident_capacity, bool huge_pages) {
+  en::EmbeddedOptions o;
+  if (gpu == "auto") {
+    o.gpu = en::EmbeddedOptions::Gpu::kAuto;
+  } else if (gpu == "on") {
+    o.gpu = en::EmbeddedOptions::Gpu::kOn;
+  } else if (gpu == "off") {
+    o.gpu = en::EmbeddedOptions::Gpu::kOff;
+  } else {
+    Invalid("gpu must be auto, on or off, got " + gpu);
+  }
+  if (store_capacity <= 0 || gpu_capacity <= 0 || resident_capacity <= 0 || device < 0) {
+    Invalid("capacities must be positive and the device non-negative");
+  }
+  if (!(gpu_row_cache >= 0.0 && gpu_row_cache <= 1.0)) Invalid("gpu_row_cache: a fraction");
+  o.gpu_device = static_cast<int>(device);
+  o.store.capacity_bytes = static_cast<size_t>(store_capacity);
+  absl::StatusOr<kv::CapacityPolicy> policy = kv::ParseCapacityPolicy(capacity_policy);
+  Check(policy.status());
+  o.store.policy = *policy;
+  o.host.huge_pages = huge_pages;
+  o.gpu_capacity_bytes = static_cast<size_t>(gpu_capacity);
+  o.gpu_row_cache = gpu_row_cache;
+  o.engine.resident_capacity_bytes = static_cast<size_t>(resident_capacity);
+  absl::StatusOr<std::unique_ptr<en::Embedded>> e = en::Embedded::Create(std::move(o));
+  Check(e.status());
+  std::lock_guard<std::mutex> lock(engines_mu);
+  const int64_t handle = next_engine++;
+  engines[handle] = std::move(*e);
+  return handle;
+}
+
+void EngineDestroy(int64_t handle) {
+  std::shared_ptr<en::Embedded> e;
+  {
+    std::lock_guard<std::mutex> lock(engines_mu);
+    auto it = engines.find(handle);
+    if (it == engines.end()) return;
+    e = std::move(it->second);
+    engines.erase(it);
+  }
+}
+
+// "cuda:<device>" or "cpu".
+std::string EngineBackend(int64_t handle) {
+  std::shared_ptr<en::Embedded> e = Find(handle);
+  return e->device() >= 0 ? absl::StrCat("cuda:", e->device()) : std::string("cpu");
+}
+
+// ---- Sequences --------------------------------------------------------------------------------
+
+void CreateSequence(int64_t handle, const std::string& id, int64_t layers, int64_t q_heads,
+                    int64_t kv_heads, int64_t head_dim, const std::string& dtype,
+                    const std::string& k_tier, const std::string& v_tier, int64_t signature_bits) {
+  std::shared_ptr<en::Embedded> e = Find(handle);
+  for (int64_t x : {layers, q_heads, kv_heads, head_dim, signature_bits}) {
+    if (x < 0 || x > (1 << 20)) Invalid("model shape or signature bits out of range");
+  }
+  const kv::ModelShape shape{static_cast<uint32_t>(layers), static_cast<uint32_t>(q_heads),
+                             static_cast<uint32_t>(kv_heads), static_cast<uint32_t>(head_dim),
+                             DTypeNamed(dtype)};
+  kv::Placement placement;
+  placement.k_tier = TierNamed(k_tier);
+  placement.v_tier = TierNamed(v_tier);
+  placement.signature_bits = static_cast<uint32_t>(signature_bits);
+  Check(e->store().CreateSequence(id, shape, placement).status());
+}
+
+void DropSequence(int64_t handle, const std::string& id) {
+  Check(Find(handle)->store().DropSequence(id).status());
+}
+
+std::vector<int64_t> SequenceLengths(int64_t handle, const std::string& id) {
+  absl::StatusOr<kv::SequenceInfo> info = Find(handle)->store().GetSequenceInfo(id);
+  Check(info.status());
+  return std::vector<int64_t>(info->layer_lengths.begin(), info->layer_lengths.end());
+}
+
+// Appends k, v ([tokens, Hkv, d], any device) to one layer; expected_length < 0: not checked.
+void Append(int64_t handle, const std::string& id, int64_t layer, const at::Tensor& k,
+            const at::Tensor& v, int64_t expected_length) {
+  std::shared_ptr<en::Embedded> e = Find(handle);
+  if (k.dim() != 3 || !k.sizes().equals(v.sizes()) || k.scalar_type() != v.scalar_type()) {
+    Invalid("k and v must be [tokens, kv_heads, head_dim] of one shape and dtype");
+  }
+  if (layer < 0 || layer > (1 << 20)) Invalid("layer out of range");
+  const at::Tensor kh = k.to(at::kCPU).contiguous(), vh = v.to(at::kCPU).contiguous();
+  kv::AppendRequest r;
+  r.sequence_id = id;
+  r.first_layer = static_cast<uint32_t>(layer);
+  r.num_layers = 1;
+  r.num_tokens = static_cast<uint64_t>(k.size(0));
+  r.dtype = DTypeOf(k, "k");
+  r.num_kv_heads = static_cast<uint32_t>(k.size(1));
+  r.head_dim = static_cast<uint32_t>(k.size(2));
+  r.k = {static_cast<const uint8_t*>(kh.data_ptr()), static_cast<size_t>(kh.nbytes())};
+  r.v = {static_cast<const uint8_t*>(vh.data_ptr()), static_cast<size_t>(vh.nbytes())};
+  if (expected_length >= 0) r.expected_length = static_cast<uint64_t>(expected_length);
+  Check(e->store().Append(r).status());
+}
+
+// ---- Decode ---------------------------------------------------------------------------------
+
+// Per kv head of each sequence: rows selected, rows fetched, rows found in the row cache, bytes
+// read from host memory, from the device and from another process, dense-equivalent bytes.
+constexpr int64_t kStatColumns = 7;
+
+at::Tensor StatsTensor(const en::DecodeResult& r) {
+  at::Tensor stats = at::empty({static_cast<int64_t>(r.heads.size()), kStatColumns}, at::kLong);
+  int64_t* s = stats.data_ptr<int64_t>();
+  for (const en::HeadStats& h : r.heads) {
+    const uint64_t values[kStatColumns] = {
+        h.rows_selected,
+        h.rows_fetched,
+        h.rows_cached,
+        h.bytes[static_cast<int>(kv::Tier::kHost)],
+        h.bytes[static_cast<int>(kv::Tier::kDevice)],
+        h.bytes[static_cast<int>(kv::Tier::kRemote)],
+        h.dense_equivalent_bytes};
+    for (uint64_t x : values) *s++ = static_cast<int64_t>(x);
+  }
+  return stats;
+}
+
+std::tuple<at::Tensor, at::Tensor> Decode(int64_t handle, int64_t layer,
+                                          const std::vector<std::string>& sequence_ids,
+                                          const at::Tensor& q_in,
+                                          const std::optional<at::Tensor>& new_k,
+                                          const std::optional<at::Tensor>& new_v,
+                                          const std::string& method, const std::string& params,
+                                          int64_t seed, double scale) {
+  std::shared_ptr<en::Embedded> e = Find(handle);
+  if (q_in.dim() != 3) Invalid("q must be [B, H, d]");
+  if (new_k.has_value() != new_v.has_value()) Invalid("new_k and new_v come together");
+  if (layer < 0 || layer > (1 << 20) || !(scale >= 0.0)) Invalid("layer or scale out of range");
+  en::DecodeCall call;
+  call.layer = static_cast<uint32_t>(layer);
+  call.sequence_ids = sequence_ids;
+  call.method = ParseMethod(method, params);
+  call.seed = static_cast<uint64_t>(seed);
+  call.scale = static_cast<float>(scale);
+  call.q_dtype = DTypeOf(q_in, "q");
+  call.q_heads = static_cast<uint32_t>(q_in.size(1));
+  call.q_dim = static_cast<uint32_t>(q_in.size(2));
+  at::Tensor nk, nv;
+  if (new_k.has_value()) {  // appended to the host store: to host memory
+    nk = new_k->to(at::kCPU).contiguous();
+    nv = new_v->to(at::kCPU).contiguous();
+    if (nk.scalar_type() != nv.scalar_type()) Invalid("new_k and new_v: one dtype");
+    call.new_kv_dtype = DTypeOf(nk, "new_k");
+    call.new_k = {static_cast<const uint8_t*>(nk.data_ptr()), static_cast<size_t>(nk.nbytes())};
+    call.new_v = {static_cast<const uint8_t*>(nv.data_ptr()), static_cast<size_t>(nv.nbytes())};
+  }
+#if KVSPARSE_TORCH_CUDA
+  if (q_in.is_cuda() && e->device() == q_in.get_device()) {
+    // q and the output stay on the device, on the caller's stream.
+    const at::Tensor q = q_in.contiguous();
+    at::Tensor out = at::empty_like(q);
+    call.q_device = q.data_ptr();
+    call.out_device = out.data_ptr();
+    call.stream = at::cuda::getCurrentCUDAStream(q.get_device()).stream();
+    absl::StatusOr<en::DecodeResult> r = e->engine().Decode(call);
+    if (r.ok()) return {out, StatsTensor(*r)};
+    // Refused before anything was appended: the method runs on the CPU engine (below).
+    if (!absl::IsFailedPrecondition(r.status()) ||
+        !absl::StartsWith(r.status().message(), en::kNotOnBackend)) {
+      Raise(r.status());
+    }
+    call.q_device = nullptr;
+    call.out_device = nullptr;
+    call.stream = nullptr;
+  }
+#endif
+  const at::Tensor qh = q_in.to(at::kCPU).contiguous();
+  call.q = {static_cast<const uint8_t*>(qh.data_ptr()), static_cast<size_t>(qh.nbytes())};
+  absl::StatusOr<en::DecodeResult> r = e->engine().Decode(call);
+  Check(r.status());
+  at::Tensor out = at::empty(q_in.sizes(), qh.options());
+  std::memcpy(out.data_ptr(), r->output.data(), r->output.size());
+  return {out.to(q_in.device()), StatsTensor(*r)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(kvsparse, m) {
+  m.def(
+      "engine_create(str gpu, int device, int store_capacity, str capacity_policy, "
+      "int gpu_capacity, float gpu_row_cache, int resident_capacity, bool huge_pages) -> int",
+      &EngineCreate);
+  m.def("engine_destroy(int engine) -> ()", &EngineDestroy);
+  m.def("engine_backend(int engine) -> str", &EngineBackend);
+  m.def(
+      "create_sequence(int engine, str sequence_id, int num_layers, int num_q_heads, "
+      "int num_kv_heads, int head_dim, str dtype, str k_tier, str v_tier, "
+      "int signature_bits) -> ()",
+      &CreateSequence);
+  m.def("drop_sequence(int engine, str sequence_id) -> ()", &DropSequence);
+  m.def("sequence_lengths(int engine, str sequence_id) -> int[]", &SequenceLengths);
+  m.def("append(int engine, str sequence_id, int layer, Tensor k, Tensor v, int expected_length) "
+        "-> ()");
+  m.def(
+      "decode(int engine, int layer, str[] sequence_ids, Tensor q, Tensor? new_k, Tensor? new_v, "
+      "str method, str params, int seed, float scale) -> (Tensor, Tensor)");
+}
+
+// The tensor ops by device, so that torch.compile sees them as opaque (their fake
+// implementations are registered in Python, kvsparse/ops.py).
+TORCH_LIBRARY_IMPL(kvsparse, CPU, m) {
+  m.impl("append", &Append);
+  m.impl("decode", &Decode);
+}
+TORCH_LIBRARY_IMPL(kvsparse, CUDA, m) {
+  m.impl("append", &Append);
+  m.impl("decode", &Decode);
+}
+
+}  // namespace kvsparse::torch_ops

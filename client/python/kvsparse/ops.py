@@ -1,0 +1,263 @@
+"""The decode engine in this process, over torch tensors: ``torch.ops.kvsparse.*`` (the
+libtorch extension ``libkvsparse_torch.so`` built from client/python/csrc) and ``InProcessEngine``,
+its Python face.
+
+On a CUDA device the engine decodes on the GPU backend: q and the output stay in the caller's
+CUDA tensors, ordered on the caller's current CUDA stream; the store is this process's pinned
+host memory, whose rows the GPU reads in place. Without a device (or a method the GPU backend
+does not run) the same calls run on the CPU engine.
+
+    engine = kvsparse.ops.InProcessEngine(store_capacity="64G")
+    engine.create_sequence("s", kvsparse.ModelShape(32, 32, 8, 128, "bf16"),
+                           kvsparse.Placement(signature_bits=32))
+    engine.append("s", layer, k, v)                  # [tokens, Hkv, d] CUDA or CPU tensors
+    out, stats = engine.decode(layer, ["s"], q, kvsparse.HashTopK(top_k_fraction=0.02))
+
+Build the extension with ``cmake -DKVSPARSE_TORCH_PREFIX=$(python -c "import torch;
+print(torch.utils.cmake_prefix_path)")`` (scripts/python_test.sh does); ``load_library`` finds it
+through $KVSPARSE_TORCH_LIB or the repository's build/lib.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+
+from kvsparse.errors import KvSparseError, from_code
+from kvsparse.methods import Dense, HashTopK, Method, ModelShape, Placement, Santa, VAttention
+
+_LIB_NAME = "libkvsparse_torch.so"
+_loaded: str | None = None
+
+# Columns of the statistics tensor decode returns, one row per (sequence, kv head).
+STAT_COLUMNS = (
+    "rows_selected",
+    "rows_fetched",
+    "rows_cached",
+    "bytes_host",
+    "bytes_device",
+    "bytes_remote",
+    "dense_equivalent_bytes",
+)
+
+
+def find_library() -> str:
+    env = os.environ.get("KVSPARSE_TORCH_LIB")
+    if env:
+        return env
+    here = Path(__file__).resolve().parent / _LIB_NAME
+    if here.exists():
+        return str(here)
+    repo = Path(__file__).resolve().parents[3] / "build" / "lib" / _LIB_NAME
+    if repo.exists():
+        return str(repo)
+    raise FileNotFoundError(f"{_LIB_NAME} not found: build it (cmake -DKVSPARSE_TORCH_PREFIX=...) and set KVSPARSE_TORCH_LIB")
+
+
+def load_library(path: str | None = None) -> str:
+    """Loads the extension once; returns its path."""
+    global _loaded
+    if _loaded is None:
+        lib = path or find_library()
+        torch.ops.load_library(lib)
+        _loaded = lib
+        _register_fakes()
+    return _loaded
+
+
+def available() -> bool:
+    """Whether the extension can be loaded in this process."""
+    try:
+        load_library()
+        return True
+    except (FileNotFoundError, OSError, RuntimeError):
+        return False
+
+
+def _register_fakes() -> None:
+    """Shapes of the tensor ops for torch.compile's tracing (no engine call)."""
+
+    @torch.library.register_fake("kvsparse::decode")
+    def _(engine, layer, sequence_ids, q, new_k, new_v, method, params, seed, scale):  # type: ignore[no-untyped-def]
+        # One statistics row per (sequence, kv head): Hkv is new_k's, or unknown to the tracer.
+        if new_k is not None:
+            rows = len(sequence_ids) * new_k.shape[1]
+        else:
+            rows = torch.library.get_ctx().new_dynamic_size()
+        return torch.empty_like(q), torch.empty((rows, len(STAT_COLUMNS)), dtype=torch.long, device="cpu")
+
+    @torch.library.register_fake("kvsparse::append")
+    def _(engine, sequence_id, layer, k, v, expected_length):  # type: ignore[no-untyped-def]
+        return None
+
+
+_ERROR = re.compile(r"kvsparse ([A-Z_]+): (.*?)(?:\nException raised from|\Z)", re.S)
+
+
+def _translate(e: RuntimeError) -> KvSparseError | RuntimeError:
+    m = _ERROR.search(str(e))
+    if m is None:
+        return e
+    code = getattr(grpc.StatusCode, m.group(1), grpc.StatusCode.UNKNOWN)
+    return from_code(code, m.group(2).strip())
+
+
+def _call(op: Any, *args: Any) -> Any:
+    try:
+        return op(*args)
+    except RuntimeError as e:
+        raise _translate(e) from None
+
+
+def method_spec(method: Method) -> tuple[str, str]:
+    """The op's (method, params) strings of a kvsparse.methods dataclass."""
+    name = {Dense: "dense", Santa: "santa", HashTopK: "hash_top_k", VAttention: "vattention"}[type(method)]
+    fields = dataclasses.asdict(method)
+    parts = []
+    for key, value in fields.items():
+        if isinstance(value, bool):
+            value = int(value)
+        parts.append(f"{key}={value}")
+    return name, ",".join(parts)
+
+
+def _bytes(x: int | str) -> int:
+    if isinstance(x, int):
+        return x
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    s = x.strip().upper().rstrip("B")
+    return int(float(s[:-1]) * units[s[-1]]) if s and s[-1] in units else int(s)
+
+
+class InProcessEngine:
+    """A store and a decode engine in this process (see the module's text).
+
+    Args:
+        gpu: "auto" (the GPU backend when a CUDA device is there), "on" or "off".
+        device: CUDA device of the GPU backend.
+        store_capacity: bytes of K/V pages the store holds ("64G").
+        capacity_policy: "reject" or "evict-lru".
+        gpu_capacity: GPU memory for per-sequence state (signatures, resident rows, row caches).
+        gpu_row_cache: HashAttention's row cache, rows per kv head as a fraction of the tokens.
+        resident_capacity: the CPU engine's device-tier state.
+    """
+
+    def __init__(
+        self,
+        *,
+        gpu: str = "auto",
+        device: int = 0,
+        store_capacity: int | str = "16G",
+        capacity_policy: str = "reject",
+        gpu_capacity: int | str = "8G",
+        gpu_row_cache: float = 0.04,
+        resident_capacity: int | str = "4G",
+        huge_pages: bool = True,
+    ) -> None:
+        load_library()
+        self._handle: int | None = _call(
+            torch.ops.kvsparse.engine_create,
+            gpu,
+            device,
+            _bytes(store_capacity),
+            capacity_policy,
+            _bytes(gpu_capacity),
+            float(gpu_row_cache),
+            _bytes(resident_capacity),
+            huge_pages,
+        )
+        self.backend: str = torch.ops.kvsparse.engine_backend(self._handle)
+
+    @property
+    def handle(self) -> int:
+        if self._handle is None:
+            raise from_code(grpc.StatusCode.FAILED_PRECONDITION, "this engine is closed")
+        return self._handle
+
+    def close(self) -> None:
+        if self._handle is not None:
+            torch.ops.kvsparse.engine_destroy(self._handle)
+            self._handle = None
+
+    def __enter__(self) -> "InProcessEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def create_sequence(self, sequence_id: str, shape: ModelShape, placement: Placement = Placement()) -> None:
+        _call(
+            torch.ops.kvsparse.create_sequence,
+            self.handle,
+            sequence_id,
+            shape.num_layers,
+            shape.num_q_heads,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.dtype,
+            placement.k_tier,
+            placement.v_tier,
+            placement.signature_bits,
+        )
+
+    def drop_sequence(self, sequence_id: str) -> None:
+        _call(torch.ops.kvsparse.drop_sequence, self.handle, sequence_id)
+
+    def layer_lengths(self, sequence_id: str) -> list[int]:
+        return list(_call(torch.ops.kvsparse.sequence_lengths, self.handle, sequence_id))
+
+    def append(
+        self, sequence_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, expected_length: int | None = None
+    ) -> None:
+        """Appends k, v ([tokens, Hkv, d], CUDA or CPU) to one layer of a sequence."""
+        _call(
+            torch.ops.kvsparse.append,
+            self.handle,
+            sequence_id,
+            layer,
+            k,
+            v,
+            -1 if expected_length is None else expected_length,
+        )
+
+    def decode(
+        self,
+        layer: int,
+        sequence_ids: list[str],
+        q: torch.Tensor,
+        method: Method = Dense(),
+        *,
+        new_k: torch.Tensor | None = None,
+        new_v: torch.Tensor | None = None,
+        seed: int = 0,
+        scale: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer of one decode step: q [B, H, d]; new_k / new_v [B, Hkv, d] appended first.
+        Returns the output [B, H, d] (q's dtype and device) and the statistics [B * Hkv, 7]
+        (int64 on the CPU; columns STAT_COLUMNS)."""
+        name, params = method_spec(method)
+        return _call(
+            torch.ops.kvsparse.decode,
+            self.handle,
+            layer,
+            list(sequence_ids),
+            q,
+            new_k,
+            new_v,
+            name,
+            params,
+            seed & (2**63 - 1),
+            float(scale),
+        )

@@ -1,0 +1,155 @@
+"""torch.ops.kvsparse: the engine in this process over torch tensors (CPU engine here; on a
+CUDA device the GPU backend with q and the output on the device, tests marked gpu)."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import kvsparse  # noqa: E402
+from kvsparse import ops  # noqa: E402
+
+if not ops.available():
+    pytest.skip("libkvsparse_torch.so not built (cmake -DKVSPARSE_TORCH_PREFIX=...)", allow_module_level=True)
+
+SHAPE = kvsparse.ModelShape(2, 8, 2, 64, "bf16")
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Dense attention in float64: q [B, H, d], k and v [B, n, Hkv, d] -> [B, H, d]."""
+    g = q.shape[1] // k.shape[2]
+    kk = k.double().transpose(1, 2).repeat_interleave(g, 1)
+    vv = v.double().transpose(1, 2).repeat_interleave(g, 1)
+    s = torch.einsum("bhd,bhnd->bhn", q.double(), kk) / q.shape[-1] ** 0.5
+    return torch.einsum("bhn,bhnd->bhd", s.softmax(-1), vv)
+
+
+def load(engine: ops.InProcessEngine, n: int, batch: int, device: str, placement=kvsparse.Placement()):
+    gen = torch.Generator().manual_seed(n + batch)
+    k = torch.randn(batch, n, 2, 64, generator=gen).to(torch.bfloat16)
+    v = torch.randn(batch, n, 2, 64, generator=gen).to(torch.bfloat16)
+    ids = [f"s{b}" for b in range(batch)]
+    for b, sid in enumerate(ids):
+        engine.create_sequence(sid, SHAPE, placement)
+        engine.append(sid, 1, k[b].to(device), v[b].to(device))
+    return ids, k, v
+
+
+@pytest.fixture()
+def engine():
+    with ops.InProcessEngine(store_capacity="1G", gpu="off") as e:
+        yield e
+
+
+def test_dense_and_statistics(engine: ops.InProcessEngine) -> None:
+    assert engine.backend == "cpu"
+    ids, k, v = load(engine, 300, 2, "cpu")
+    q = torch.randn(2, 8, 64).to(torch.bfloat16)
+    out, stats = engine.decode(1, ids, q)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, 8, 64)
+    assert (out.double() - reference(q, k, v)).abs().max() < 1e-2  # bf16 output rounding
+    assert stats.shape == (4, len(ops.STAT_COLUMNS))
+    col = dict(zip(ops.STAT_COLUMNS, stats.sum(0).tolist()))
+    assert col["rows_fetched"] == 4 * 300 and col["dense_equivalent_bytes"] == 4 * 300 * 2 * 128
+
+
+def test_new_token_appended(engine: ops.InProcessEngine) -> None:
+    ids, k, v = load(engine, 50, 1, "cpu")
+    q = torch.randn(1, 8, 64).to(torch.bfloat16)
+    nk, nv = torch.randn(1, 2, 64).to(torch.bfloat16), torch.randn(1, 2, 64).to(torch.bfloat16)
+    out, _ = engine.decode(1, ids, q, new_k=nk, new_v=nv)
+    assert engine.layer_lengths("s0") == [0, 51]
+    want = reference(q, torch.cat([k, nk[:, None]], 1), torch.cat([v, nv[:, None]], 1))
+    assert (out.double() - want).abs().max() < 1e-2
+
+
+def test_errors_are_kvsparse_exceptions(engine: ops.InProcessEngine) -> None:
+    ids, _, _ = load(engine, 10, 1, "cpu")
+    q = torch.zeros(1, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(kvsparse.NotFound):
+        engine.decode(1, ["missing"], q)
+    with pytest.raises(kvsparse.InvalidArgument):
+        engine.decode(1, ids, torch.zeros(1, 6, 64, dtype=torch.bfloat16))
+    with pytest.raises(kvsparse.InvalidArgument):
+        engine.decode(1, ids, q.to(torch.int32))
+    with pytest.raises(kvsparse.FailedPrecondition):
+        engine.decode(1, ids, q, kvsparse.HashTopK())  # no signatures kept
+    with pytest.raises(kvsparse.AlreadyExists):
+        engine.create_sequence("s0", SHAPE)
+    with pytest.raises(kvsparse.FailedPrecondition):  # a retried append
+        engine.append("s0", 1, torch.zeros(1, 2, 64, dtype=torch.bfloat16), torch.zeros(1, 2, 64, dtype=torch.bfloat16), 0)
+    engine.close()
+    with pytest.raises(kvsparse.FailedPrecondition):
+        engine.decode(1, ids, q)
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        kvsparse.Santa(samples=64, tile_size=64),
+        kvsparse.HashTopK(top_k_fraction=0.05, sink_tokens=8, local_tokens=16),
+        kvsparse.VAttention(epsilon=0.1, delta=0.1, sink_tokens=8, local_tokens=16),
+    ],
+    ids=["santa", "hash", "vattention"],
+)
+def test_sparse_methods_same_rows_as_the_server(
+    engine: ops.InProcessEngine, server: kvsparse.LocalServer, method: kvsparse.Method
+) -> None:
+    """The in-process engine and kvsparse-server are one engine: same seed, same output."""
+    placement = kvsparse.placement_for(method)
+    ids, k, v = load(engine, 1024, 2, "cpu", placement)
+    q = torch.randn(2, 8, 64).to(torch.bfloat16)
+    out, stats = engine.decode(1, ids, q, method, seed=5)
+    with kvsparse.Client(server.target) as c:
+        for b, sid in enumerate(ids):
+            c.store.create_sequence(sid, SHAPE, placement)
+            c.store.append(sid, k[b][None], v[b][None], first_layer=1)
+        try:
+            r = c.attention.decode(1, ids, q, method, seed=5)
+        finally:
+            for sid in ids:
+                c.store.drop_sequence(sid)
+    assert torch.equal(out, r.output)
+    assert stats[:, 1].tolist() == [h.rows_fetched for h in r.heads]
+
+
+def test_compiled_function_calls_the_op(engine: ops.InProcessEngine) -> None:
+    ids, k, v = load(engine, 200, 1, "cpu")
+    q = torch.randn(1, 8, 64)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        out, _ = engine.decode(1, ids, (x * 2).to(torch.bfloat16))
+        return out.float() + 1
+
+    eager = step(q)
+    compiled = torch.compile(step, backend="aot_eager")(q)
+    assert torch.equal(eager, compiled)
+
+
+def test_opcheck_schema_and_fake() -> None:
+    with ops.InProcessEngine(store_capacity="256M", gpu="off") as e:
+        e.create_sequence("s", SHAPE)
+        e.append("s", 1, torch.randn(64, 2, 64).to(torch.bfloat16), torch.randn(64, 2, 64).to(torch.bfloat16))
+        q = torch.randn(1, 8, 64).to(torch.bfloat16)
+        args = (e.handle, 1, ["s"], q, None, None, "dense", "", 0, 0.0)
+        torch.library.opcheck(
+            torch.ops.kvsparse.decode.default, args, test_utils=("test_schema", "test_faketensor")
+        )
+
+
+@pytest.mark.gpu
+def test_cuda_q_and_output_stay_on_the_device() -> None:
+    with ops.InProcessEngine(store_capacity="2G", gpu="on") as e:
+        assert e.backend == "cuda:0"
+        ids, k, v = load(e, 4096, 2, "cuda", kvsparse.Placement())
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):  # the op orders itself on the caller's current stream
+            q = (torch.randn(2, 8, 64, device="cuda") * 2).to(torch.bfloat16)
+            out, stats = e.decode(1, ids, q)
+        side.synchronize()
+        assert out.device == q.device
+        assert (out.double().cpu() - reference(q.cpu(), k, v)).abs().max() < 1e-2
+        # A method the GPU backend does not run (exact predictor) falls back to the CPU engine.
+        out2, _ = e.decode(1, ids, q, kvsparse.VAttention(predictor="exact"))
+        assert out2.device == q.device
