@@ -4,6 +4,8 @@
 # machine's image has none of them), into .carry/dev (git-ignored): the folder
 # scripts/gpu_check.sh runs from on the GPU machine, packed as .carry/pack/dev.tar.xz (carry
 # [".carry/pack"]).
+# With the PyTorch extension configured (scripts/python_test.sh does), libkvsparse_torch.so travels
+# too, with the libraries it needs beside torch's own (those the GPU machine's torch has).
 #   BUILD: build directory (default build, the README's full build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,14 +13,17 @@ BUILD=${BUILD:-build}
 bins=(kernels_cuda_test gpu_engine_test gpu_host_tier_test engine_bench host_tier_bench
       rpc_decode_bench kvsparse-server)
 cmake -S . -B "$BUILD" -G Ninja > /dev/null
-cmake --build "$BUILD" -j2 --target "${bins[@]}" kvsparse_cuda_capi
+libs=(kvsparse_cuda_capi)
+grep -q "KVSPARSE_TORCH_PREFIX:PATH=." "$BUILD/CMakeCache.txt" && libs+=(kvsparse_torch)
+cmake --build "$BUILD" -j2 --target "${bins[@]}" "${libs[@]}"
 rm -rf .carry/dev/bin .carry/dev/lib
 mkdir -p .carry/dev/bin .carry/dev/lib
 for b in "${bins[@]}"; do strip --strip-debug -o ".carry/dev/bin/$b" "$BUILD/bin/$b"; done
-strip --strip-debug -o .carry/dev/lib/libkvsparse_cuda_capi.so "$BUILD/lib/libkvsparse_cuda_capi.so"
-for f in .carry/dev/bin/* .carry/dev/lib/libkvsparse_cuda_capi.so; do
+for l in "${libs[@]}"; do strip --strip-debug -o ".carry/dev/lib/lib$l.so" "$BUILD/lib/lib$l.so"; done
+for f in .carry/dev/bin/* .carry/dev/lib/*.so; do
   ldd "$f" | awk '/=> \// {print $3}' \
     | grep -vE '/(libc|libm|libstdc\+\+|libgcc_s|libdl|libpthread|librt|ld-linux[^/]*|libcuda)\.so' \
+    | grep -v site-packages \
     || true
 done | sort -u | while read -r lib; do cp -L "$lib" .carry/dev/lib/; done
 # One compressed pack: the carried tree is limited to 64 MiB, and the CUDA code in every binary

@@ -10,7 +10,9 @@
 # "enginebench": tests/gpu/engine_bench with ENGINE_ARGS, "engineab": the same with an earlier
 # build's engine_bench ($CARRY_OLD/bin/engine_bench, unpacked from .carry/pack/old.tar.xz) and
 # this one's alternating, AB_ROUNDS (default 2) rounds of new then old, "rpc": rpc_decode_bench
-# --gpu with RPC_ARGS), BENCH_ARGS (extra kernel_bench.py args),
+# --gpu with RPC_ARGS, "python": the Python package's tests with the wheels carried in .whl (the
+# package and what the image lacks) and libkvsparse_torch.so, PYTEST_ARGS; "e2e":
+# tests/bench/e2e_bench.py with E2E_ARGS), BENCH_ARGS (extra kernel_bench.py args),
 # REFS=0 (benchmark without FlashInfer and the S2ANTA reference kernels: SDPA and ours only),
 # NCU_ARGS (kernel_bench.py args of the profiled run; default B=8, n=32k).
 set -u
@@ -92,6 +94,28 @@ if [[ " $STEPS " == *" rpc "* ]]; then
   timeout ${RPC_TIMEOUT:-240} "$CARRY/bin/rpc_decode_bench" --gpu ${RPC_ARGS:-} 2>&1 \
     | tee "$OUT/rpc_decode_bench.log"
   note "rpc_decode_bench rc=${PIPESTATUS[0]}"
+fi
+
+if [[ " $STEPS " == *" python "* || " $STEPS " == *" e2e "* ]]; then
+  # The image has torch and transformers; the kvsparse package, grpcio and protobuf of the
+  # versions its stubs need travel as wheels (scripts/gpu_wheels.sh).
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1
+  export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+  export KVSPARSE_SERVER="$PWD/$CARRY/bin/kvsparse-server"
+  export KVSPARSE_TORCH_LIB="$PWD/$CARRY/lib/libkvsparse_torch.so"
+fi
+
+if [[ " $STEPS " == *" python "* ]]; then
+  timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider client/python/tests \
+    ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+  note "pytest rc=$?: $(tail -1 "$OUT/pytest.log")"
+  grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest.log" | head -20
+fi
+
+if [[ " $STEPS " == *" e2e "* ]]; then
+  timeout ${E2E_TIMEOUT:-540} python3 tests/bench/e2e_bench.py ${E2E_ARGS:-} 2>&1 | tee "$OUT/e2e.log"
+  note "e2e_bench rc=${PIPESTATUS[0]}"
 fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then

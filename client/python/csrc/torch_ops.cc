@@ -235,6 +235,18 @@ std::string EngineBackend(int64_t handle) {
   return e->device() >= 0 ? absl::StrCat("cuda:", e->device()) : std::string("cpu");
 }
 
+// [GPU memory the GPU backend holds for sequences, its capacity, store bytes used, store
+// capacity, the CPU engine's resident bytes].
+std::vector<int64_t> EngineMemory(int64_t handle) {
+  std::shared_ptr<en::Embedded> e = Find(handle);
+  const en::DecodeBackend* b = e->engine().device_backend();
+  const kv::StoreStats s = e->store().Stats();
+  return {b != nullptr ? static_cast<int64_t>(b->resident_bytes()) : 0,
+          b != nullptr ? static_cast<int64_t>(b->resident_capacity()) : 0,
+          static_cast<int64_t>(s.bytes_used), static_cast<int64_t>(s.capacity_bytes),
+          static_cast<int64_t>(e->engine().resident().bytes())};
+}
+
 // ---- Sequences --------------------------------------------------------------------------------
 
 void CreateSequence(int64_t handle, const std::string& id, int64_t layers, int64_t q_heads,
@@ -377,6 +389,7 @@ TORCH_LIBRARY(kvsparse, m) {
       &EngineCreate);
   m.def("engine_destroy(int engine) -> ()", &EngineDestroy);
   m.def("engine_backend(int engine) -> str", &EngineBackend);
+  m.def("engine_memory(int engine) -> int[]", &EngineMemory);
   m.def(
       "create_sequence(int engine, str sequence_id, int num_layers, int num_q_heads, "
       "int num_kv_heads, int head_dim, str dtype, str k_tier, str v_tier, "

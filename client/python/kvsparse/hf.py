@@ -298,6 +298,8 @@ class KvSparseCache(Cache):
 
     # ---- What the layers and the attention function call --------------------------------
 
+    # Opaque to torch.compile (graph breaks): the cache's bookkeeping is Python state.
+    @torch.compiler.disable
     def _update(
         self, layer_idx: int, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -329,6 +331,21 @@ class KvSparseCache(Cache):
             sid = f"{self._prefix}{b}"
             self.transport.create(sid, shape, self.placement)
             self.sequence_ids.append(sid)
+
+    def load(self, layer_idx: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Puts a layer's existing K/V ([B, Hkv, n, d], post-RoPE, no padding) into kvsparse
+        without a forward pass: to move a context computed elsewhere (another cache, a stored
+        prefix) under kvsparse. Every layer must get the same n before decoding."""
+        layer = self.layers[layer_idx]
+        if layer.length:
+            raise RuntimeError(f"layer {layer_idx} already holds tokens")
+        if not self.sequence_ids:
+            self._create(key)
+        if key.shape[0] != len(self.sequence_ids):
+            raise ValueError(f"key has {key.shape[0]} rows, the cache {len(self.sequence_ids)}")
+        layer.lazy_initialization(key, value)
+        self._append_prefill(layer_idx, _Staged(key, value, True), None)
+        layer.length = key.shape[-2]
 
     def layer_lengths(self, row: int) -> list[int]:
         """Tokens the store holds per layer for batch row `row` (its own, without padding)."""
@@ -394,6 +411,7 @@ def _valid_keys(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch
     return (last == 0).expand(b, t)
 
 
+@torch.compiler.disable
 def kvsparse_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -405,7 +423,9 @@ def kvsparse_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The attention function registered as "kvsparse": prefill through SDPA (and its K/V into
-    the store), decode through kvsparse. Calls without a KvSparseCache are plain SDPA."""
+    the store), decode through kvsparse. Calls without a KvSparseCache are plain SDPA. In a
+    compiled model it is a graph break (the op it calls synchronises with the host to read the
+    call's statistics: it cannot be captured in a CUDA graph yet)."""
     ref = getattr(_active, "cache", None)
     cache: KvSparseCache | None = ref() if ref is not None else None
     staged = cache._take(module.layer_idx) if cache is not None else None

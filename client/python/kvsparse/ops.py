@@ -197,6 +197,12 @@ class InProcessEngine:
         except Exception:
             pass
 
+    def memory(self) -> dict[str, int]:
+        """Bytes held: GPU memory for sequences (and its capacity), the store's pages (and its
+        capacity), the CPU engine's resident state."""
+        keys = ("gpu_bytes", "gpu_capacity", "store_bytes", "store_capacity", "cpu_resident_bytes")
+        return dict(zip(keys, torch.ops.kvsparse.engine_memory(self.handle)))
+
     def create_sequence(self, sequence_id: str, shape: ModelShape, placement: Placement = Placement()) -> None:
         _call(
             torch.ops.kvsparse.create_sequence,

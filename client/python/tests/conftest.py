@@ -26,7 +26,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def server() -> Iterator[kvsparse.LocalServer]:
-    with kvsparse.LocalServer(capacity="2G", default_deadline="60s") as s:
+    # The CPU engine (also on a GPU machine): the tests compare its outputs bit for bit; the GPU
+    # paths are the tests marked gpu.
+    with kvsparse.LocalServer(capacity="2G", default_deadline="60s", gpu="off") as s:
         yield s
 
 

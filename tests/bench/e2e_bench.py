@@ -1,0 +1,298 @@
+"""End-to-end decoding of a Llama-3.1-8B-shaped model (random bf16 weights from its config:
+speed does not depend on the values) with its KV cache held five ways, measured side by side in
+one process on one GPU:
+
+  resident        transformers, DynamicCache on the GPU, eager
+  compiled        transformers, StaticCache on the GPU, torch.compile(mode="reduce-overhead")
+  offloaded       transformers, DynamicCache(offloading=True): KV in host memory, layer prefetch
+  kvs-<method>    kvsparse in process (kvsparse.ops.InProcessEngine): the store in pinned host
+                  memory, the GPU backend; q and the output stay on the GPU
+  kvsc-<method>   the same with the model compiled (torch.compile, default mode: the kvsparse
+                  attention calls are graph breaks; no CUDA graphs, the op synchronises)
+  grpc-<method>   kvsparse-server on loopback (unary calls), grpcs-<method> over a DecodeStream
+
+Methods: dense (every row from host memory), prop (S2ANTA-prop S=128, K on the GPU, V in host
+memory), hash (HashAttention top-k 1.25% per head from host memory, 4% row cache), vatt
+(vAttention eps = delta = 0.05, hash predictor).
+
+Each variant's cache is filled with n random tokens per sequence and layer (the context a
+prefill would leave; not timed), then decoding runs `--warmup` untimed and `--steps` timed
+steps of one token for the whole batch: one forward pass of the model with logits for the last
+position, argmax as the next token. Printed per row: ms per step (median) and tokens/s (B /
+step), GPU memory held for KV, bytes crossing per token from host memory.
+
+    python3 tests/bench/e2e_bench.py --lens 32768 --batches 1 --variants resident,kvs-hash
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+import transformers
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+
+import kvsparse
+import kvsparse.hf
+from kvsparse import ops
+
+METHODS: dict[str, kvsparse.Method] = {
+    "dense": kvsparse.Dense(),
+    "prop": kvsparse.Santa(samples=128, allocation="prop"),
+    "hash": kvsparse.HashTopK(top_k_fraction=0.0125, sink_tokens=128, local_tokens=128),
+    "vatt": kvsparse.VAttention(epsilon=0.05, delta=0.05),
+}
+
+
+@dataclass
+class Row:
+    n: int
+    batch: int
+    variant: str
+    ms_per_step: float = 0.0
+    tokens_per_s: float = 0.0
+    kv_gpu_gb: float = 0.0  # GPU memory held for the KV cache (or its selection state)
+    host_mb_per_token: float = 0.0  # bytes from host memory per generated token
+    fetched_fraction: float = 0.0  # of what dense attention over every row reads
+    steps_ms: list[float] = field(default_factory=list)
+    note: str = ""
+
+
+def log(*a: Any) -> None:
+    print(*a, file=sys.stderr, flush=True)
+
+
+def make_model(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, device: str):
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=ffn,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=1 << 18,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+    )
+    torch.manual_seed(0)
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    torch.set_default_dtype(prev)
+    model.eval().requires_grad_(False)
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def random_kv(batch: int, kv_heads: int, n: int, d: int, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator(device=device).manual_seed(seed)
+    k = torch.randn(batch, kv_heads, n, d, generator=g, device=device, dtype=torch.bfloat16)
+    v = torch.randn(batch, kv_heads, n, d, generator=g, device=device, dtype=torch.bfloat16)
+    return k, v
+
+
+def decode_loop(model, cache, batch: int, n: int, warmup: int, steps: int, call=None) -> list[float]:
+    """Times `steps` one-token steps after `warmup`; returns ms per step."""
+    device = model.device
+    ids = torch.randint(2, model.config.vocab_size, (batch, 1), device=device)
+    fn = call if call is not None else model
+    times = []
+    with torch.no_grad():
+        for t in range(warmup + steps):
+            pos = torch.full((batch, 1), n + t, device=device, dtype=torch.long)
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            t0 = time.perf_counter()
+            out = fn(
+                input_ids=ids,
+                past_key_values=cache,
+                position_ids=pos,
+                cache_position=torch.tensor([n + t], device=device),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            ids = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            if t >= warmup:
+                times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
+def kv_bytes(layers: int, batch: int, kv_heads: int, n: int, d: int) -> int:
+    return 2 * layers * batch * kv_heads * n * d * 2
+
+
+def run_transformers(variant: str, model, n: int, batch: int, args) -> Row:
+    cfg = model.config
+    L, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    row = Row(n, batch, variant)
+    model.set_attn_implementation("sdpa")
+    device = str(model.device)
+    if variant == "resident":
+        cache = DynamicCache(config=cfg)
+        for layer in range(L):
+            k, v = random_kv(batch, hkv, n, d, device, layer)
+            cache.update(k, v, layer)
+        row.kv_gpu_gb = kv_bytes(L, batch, hkv, n, d) / 1e9
+        row.steps_ms = decode_loop(model, cache, batch, n, args.warmup, args.steps)
+    elif variant == "compiled":
+        total = n + args.warmup + args.steps + 1
+        cache = StaticCache(config=cfg, max_cache_len=total)
+        for layer_idx, layer in enumerate(cache.layers):
+            k, v = random_kv(batch, hkv, 1, d, device, 0)
+            layer.lazy_initialization(k, v)
+            k, v = random_kv(batch, hkv, n, d, device, layer_idx)
+            layer.keys[:, :, :n].copy_(k)
+            layer.values[:, :, :n].copy_(v)
+            layer.cumulative_length.fill_(n)
+            del k, v
+        row.kv_gpu_gb = kv_bytes(L, batch, hkv, total, d) / 1e9
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        t0 = time.perf_counter()
+        row.steps_ms = decode_loop(model, cache, batch, n, max(args.warmup, 3), args.steps, call=compiled)
+        row.note = f"compile+warmup {time.perf_counter() - t0:.0f} s"
+    elif variant == "offloaded":
+        cache = DynamicCache(config=cfg, offloading=True)
+        for layer in range(L):
+            k, v = random_kv(batch, hkv, n, d, device, layer)
+            cache.update(k, v, layer)
+            del k, v
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        row.host_mb_per_token = kv_bytes(L, batch, hkv, n, d) / batch / 1e6
+        row.steps_ms = decode_loop(model, cache, batch, n, args.warmup, args.steps)
+    del cache
+    return finish(row)
+
+
+def finish(row: Row) -> Row:
+    row.ms_per_step = statistics.median(row.steps_ms)
+    row.tokens_per_s = row.batch / row.ms_per_step * 1e3
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
+
+
+def run_kvsparse(variant: str, model, n: int, batch: int, args, engine, server) -> Row:
+    transport, method_name = variant.split("-", 1)
+    compiled = transport == "kvsc"
+    transport = "kvs" if compiled else transport
+    method = METHODS[method_name]
+    cfg = model.config
+    L, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    row = Row(n, batch, variant)
+    kvsparse.hf.enable(model)
+    target: Any = engine if transport == "kvs" else server.target
+    cache = kvsparse.hf.KvSparseCache(cfg, target, method=method, stream=transport == "grpcs", seed=1)
+    t0 = time.perf_counter()
+    for layer in range(L):
+        k, v = random_kv(batch, hkv, n, d, str(model.device), layer)
+        cache.load(layer, k, v)
+        del k, v
+    load_s = time.perf_counter() - t0
+    call = torch.compile(model) if compiled else None
+    t0 = time.perf_counter()
+    row.steps_ms = decode_loop(model, cache, batch, n, max(args.warmup, 3 if compiled else 0), args.steps, call)
+    warm_s = time.perf_counter() - t0
+    steps = max(args.warmup, 3 if compiled else 0) + args.steps
+    s = cache.stats
+    # Bytes over the whole run (the warm-up steps read as the timed ones do, after the first).
+    row.host_mb_per_token = s.bytes_fetched / (steps * batch) / 1e6
+    row.fetched_fraction = s.fetched_fraction
+    mem = engine.memory() if transport == "kvs" else None
+    if mem is not None:
+        row.kv_gpu_gb = mem["gpu_bytes"] / 1e9
+    row.note = f"load {load_s:.0f} s" + (f", compile+run {warm_s:.0f} s" if compiled else "")
+    cache.close()
+    model.set_attn_implementation("sdpa")
+    return finish(row)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lens", default="32768,131072")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--variants", default="resident,compiled,offloaded,kvs-dense,kvs-prop,kvs-hash,kvs-vatt")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv_heads", type=int, default=8)
+    p.add_argument("--ffn", type=int, default=14336)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--store_capacity", default="100G")
+    p.add_argument("--gpu_capacity", default="40G")
+    p.add_argument("--skip", default="", help="n:B:variant,... combinations to leave out")
+    p.add_argument("--json", default="")
+    p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the harness")
+    args = p.parse_args()
+
+    device = args.device
+    gpu = device == "cuda"
+    name = torch.cuda.get_device_name() if gpu else "CPU"
+    log(f"# {name}, torch {torch.__version__}, transformers {transformers.__version__}")
+    model = make_model(args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab, device)
+    log(f"# model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
+    variants = args.variants.split(",")
+    engine = None
+    if any(v.startswith("kvs-") for v in variants):
+        engine = ops.InProcessEngine(
+            gpu="on" if gpu else "off", store_capacity=args.store_capacity, gpu_capacity=args.gpu_capacity
+        )
+    server = None
+    if any(v.startswith("grpc") for v in variants):
+        server = kvsparse.LocalServer(
+            gpu="on" if gpu else "off",
+            capacity=args.store_capacity,
+            resident_capacity=args.gpu_capacity,
+            startup_timeout=120,
+        ).start()
+    skip = set(args.skip.split(",")) if args.skip else set()
+    rows: list[Row] = []
+    print("| n | B | variant | ms / step | tokens/s | x resident tok/s | KV GPU GB | host MB / token | fetched / dense | note |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    for n in (int(x) for x in args.lens.split(",")):
+        for batch in (int(x) for x in args.batches.split(",")):
+            base = None
+            for variant in variants:
+                if f"{n}:{batch}:{variant}" in skip:
+                    continue
+                log(f"== n={n} B={batch} {variant}")
+                try:
+                    if variant in ("resident", "compiled", "offloaded"):
+                        row = run_transformers(variant, model, n, batch, args)
+                    else:
+                        row = run_kvsparse(variant, model, n, batch, args, engine, server)
+                except (torch.cuda.OutOfMemoryError, RuntimeError, kvsparse.KvSparseError) as e:
+                    row = Row(n, batch, variant, note=f"failed: {type(e).__name__}: {str(e)[:160]}")
+                    gc.collect()
+                    if gpu:
+                        torch.cuda.empty_cache()
+                rows.append(row)
+                if variant == "resident" and row.tokens_per_s:
+                    base = row.tokens_per_s
+                rel = f"{row.tokens_per_s / base:.2f}" if base and row.tokens_per_s else ""
+                print(
+                    f"| {n // 1024}k | {batch} | {variant} | {row.ms_per_step:.1f} | {row.tokens_per_s:.1f} | {rel} | "
+                    f"{row.kv_gpu_gb:.2f} | {row.host_mb_per_token:.1f} | {row.fetched_fraction:.3f} | {row.note} |",
+                    flush=True,
+                )
+    if server is not None:
+        server.stop()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in rows], f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
