@@ -69,16 +69,18 @@ DecodeEngine::DecodeEngine(EngineOptions options, RowSource* source,
       cache_(options_.resident_capacity_bytes, options_.max_fetch_bytes, &signatures_),
       backend_(std::move(backend)) {}
 
+void DecodeEngine::Forget(const std::string& sequence_id) {
+  cache_.Forget(sequence_id);
+  if (backend_ != nullptr) backend_->Forget(sequence_id);
+}
+
 absl::StatusOr<std::vector<SequenceDesc>> DecodeEngine::Describe(const DecodeCall& call) {
   const MethodUnit& unit = *FindMethod(call.method.kind).unit;
   const size_t B = call.sequence_ids.size();
   std::vector<SequenceDesc> descs(B);
   for (size_t b = 0; b < B; ++b) {
     absl::StatusOr<SequenceDesc> d = source_->Describe(call.sequence_ids[b], call.deadline);
-    if (absl::IsNotFound(d.status())) {  // gone from the store
-      cache_.Forget(call.sequence_ids[b]);
-      if (backend_ != nullptr) backend_->Forget(call.sequence_ids[b]);
-    }
+    if (absl::IsNotFound(d.status())) Forget(call.sequence_ids[b]);  // gone from the store
     if (!d.ok()) return d.status();
     descs[b] = std::move(*d);
   }

@@ -83,6 +83,11 @@ class DecodeEngine {
   // row source pass through. Thread-safe; calls on one sequence serialise per layer.
   absl::StatusOr<DecodeResult> Decode(const DecodeCall& call);
 
+  // Frees what the engine keeps of a sequence (its resident state on the CPU engine and the
+  // backend's device state): for an owner that drops the sequence from the store in the same
+  // process. (A sequence dropped elsewhere is forgotten when a call finds it gone, or evicted.)
+  void Forget(const std::string& sequence_id);
+
   const ResidentCache& resident() const { return cache_; }
   const DecodeBackend* device_backend() const { return backend_.get(); }
   const char* backend() const { return backend_ != nullptr ? backend_->name() : "cpu"; }

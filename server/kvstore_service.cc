@@ -37,6 +37,7 @@ grpc::Status KvStoreService::DropSequence(grpc::ServerContext* ctx,
   return rpc_->Run(drop_, ctx, [&](absl::Time) -> absl::Status {
     absl::StatusOr<uint64_t> freed = store_->DropSequence(req->sequence_id());
     if (!freed.ok()) return freed.status();
+    if (on_drop_) on_drop_(req->sequence_id());
     resp->set_bytes_freed(*freed);
     return absl::OkStatus();
   });

@@ -3,6 +3,9 @@
 #ifndef KVSPARSE_SERVER_KVSTORE_SERVICE_H_
 #define KVSPARSE_SERVER_KVSTORE_SERVICE_H_
 
+#include <functional>
+#include <string>
+
 #include "kvsparse/v1/kvstore.grpc.pb.h"
 #include "kvstore/store.h"
 #include "server/metrics.h"
@@ -14,6 +17,12 @@ class KvStoreService final : public v1::KvStore::Service {
  public:
   // REQUIRES: store, rpc and metrics outlive the service.
   KvStoreService(kvstore::Store* store, const RpcRunner* rpc, Metrics* metrics);
+
+  // Called with the id of each dropped sequence (a decode engine in the same process frees its
+  // state of it at once). Set before the service serves.
+  void set_drop_listener(std::function<void(const std::string&)> listener) {
+    on_drop_ = std::move(listener);
+  }
 
   grpc::Status CreateSequence(grpc::ServerContext* ctx, const v1::CreateSequenceRequest* req,
                               v1::SequenceInfo* resp) override;
@@ -40,6 +49,7 @@ class KvStoreService final : public v1::KvStore::Service {
   RpcMetric* const info_;
   RpcMetric* const list_;
   RpcMetric* const stats_;
+  std::function<void(const std::string&)> on_drop_;
 };
 
 }  // namespace kvsparse::server

@@ -111,6 +111,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     s->engine_ = std::make_unique<engine::DecodeEngine>(options.engine, s->row_source_.get(),
                                                         std::move(backend));
     s->metrics_->AddCollectable(NewResidentCollector(s->engine_.get()));
+    if (s->kvstore_service_ != nullptr) {  // one process: a drop frees the engine's state too
+      engine::DecodeEngine* e = s->engine_.get();
+      s->kvstore_service_->set_drop_listener([e](const std::string& id) { e->Forget(id); });
+    }
     s->attention_service_ =
         std::make_unique<AttentionService>(s->engine_.get(), s->rpc_.get(), s->metrics_.get());
   }

@@ -267,7 +267,9 @@ void CreateSequence(int64_t handle, const std::string& id, int64_t layers, int64
 }
 
 void DropSequence(int64_t handle, const std::string& id) {
-  Check(Find(handle)->store().DropSequence(id).status());
+  std::shared_ptr<en::Embedded> e = Find(handle);
+  Check(e->store().DropSequence(id).status());
+  e->engine().Forget(id);  // its GPU state too, at once
 }
 
 std::vector<int64_t> SequenceLengths(int64_t handle, const std::string& id) {
