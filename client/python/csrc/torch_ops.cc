@@ -278,6 +278,15 @@ std::vector<int64_t> SequenceLengths(int64_t handle, const std::string& id) {
   return std::vector<int64_t>(info->layer_lengths.begin(), info->layer_lengths.end());
 }
 
+// A contiguous host copy of t: CUDA tensors through pinned staging from torch's caching host
+// allocator (a device-to-host copy at the link's speed, with no fresh pinning per call).
+at::Tensor ToHost(const at::Tensor& t) {
+  if (!t.is_cuda()) return t.contiguous();
+  at::Tensor host = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+  host.copy_(t);
+  return host;
+}
+
 // Appends k, v ([tokens, Hkv, d], any device) to one layer; expected_length < 0: not checked.
 void Append(int64_t handle, const std::string& id, int64_t layer, const at::Tensor& k,
             const at::Tensor& v, int64_t expected_length) {
@@ -286,7 +295,7 @@ void Append(int64_t handle, const std::string& id, int64_t layer, const at::Tens
     Invalid("k and v must be [tokens, kv_heads, head_dim] of one shape and dtype");
   }
   if (layer < 0 || layer > (1 << 20)) Invalid("layer out of range");
-  const at::Tensor kh = k.to(at::kCPU).contiguous(), vh = v.to(at::kCPU).contiguous();
+  const at::Tensor kh = ToHost(k), vh = ToHost(v);
   kv::AppendRequest r;
   r.sequence_id = id;
   r.first_layer = static_cast<uint32_t>(layer);
@@ -346,8 +355,8 @@ std::tuple<at::Tensor, at::Tensor> Decode(int64_t handle, int64_t layer,
   call.q_dim = static_cast<uint32_t>(q_in.size(2));
   at::Tensor nk, nv;
   if (new_k.has_value()) {  // appended to the host store: to host memory
-    nk = new_k->to(at::kCPU).contiguous();
-    nv = new_v->to(at::kCPU).contiguous();
+    nk = ToHost(*new_k);
+    nv = ToHost(*new_v);
     if (nk.scalar_type() != nv.scalar_type()) Invalid("new_k and new_v: one dtype");
     call.new_kv_dtype = DTypeOf(nk, "new_k");
     call.new_k = {static_cast<const uint8_t*>(nk.data_ptr()), static_cast<size_t>(nk.nbytes())};

@@ -356,11 +356,12 @@ class KvSparseCache(Cache):
 
     def _append_prefill(self, layer_idx: int, staged: _Staged, attention_mask: torch.Tensor | None) -> None:
         """Appends each row's prompt K/V to its sequence, without the left padding."""
-        valid = _valid_keys(attention_mask, staged.key)
+        valid = None if attention_mask is None else _valid_keys(attention_mask, staged.key)
         for b, sid in enumerate(self.sequence_ids):
-            rows = valid[b]
-            k = staged.key[b][:, rows].transpose(0, 1)  # [n_b, Hkv, d]
-            v = staged.value[b][:, rows].transpose(0, 1)
+            k, v = staged.key[b], staged.value[b]  # [Hkv, T, d]
+            if valid is not None and not bool(valid[b].all()):
+                k, v = k[:, valid[b]], v[:, valid[b]]
+            k, v = k.transpose(0, 1), v.transpose(0, 1)  # [n_b, Hkv, d]
             n = k.shape[0]
             per_token = 2 * k[0].numel() * k.element_size() if n else 1
             step = max(1, _APPEND_BYTES // per_token)
