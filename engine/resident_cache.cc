@@ -69,7 +69,7 @@ bool ResidentCache::EvictOne(Entry* self) {
 absl::Status ResidentCache::Reserve(Entry* self, ResidentLayer* l, const kvstore::ModelShape& shape,
                                     uint64_t tokens) {
   if (tokens <= l->capacity_) return absl::OkStatus();
-  const uint64_t cap = std::max<uint64_t>({tokens, 2 * l->capacity_, 256});
+  const uint64_t cap = GrowRows(tokens, l->capacity_, 256);
   const size_t hkv = shape.num_kv_heads;
   const size_t new_bytes = hkv * cap * l->row_bytes_ * (l->has_k_ + l->has_v_) +
                            static_cast<size_t>(l->key_heads_) * cap * l->words_ * 4;

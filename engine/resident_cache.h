@@ -12,6 +12,7 @@
 #ifndef KVSPARSE_ENGINE_RESIDENT_CACHE_H_
 #define KVSPARSE_ENGINE_RESIDENT_CACHE_H_
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -25,6 +26,14 @@
 #include "engine/signatures.h"
 
 namespace kvsparse::engine {
+
+// Rows to allocate for a layer that must hold `tokens` and holds room for `capacity`: 1/16 of
+// headroom over what is needed (decode steps then append for a while without regrowing), grown
+// by at least 1/8 (appends stay amortised O(1)). Not doubling: a layer synced from a long prefix
+// would hold twice its rows after its first decode step.
+inline uint64_t GrowRows(uint64_t tokens, uint64_t capacity, uint64_t least) {
+  return std::max<uint64_t>({tokens + tokens / 16, capacity + capacity / 8, least});
+}
 
 // One layer of one sequence on the device.
 class ResidentLayer {

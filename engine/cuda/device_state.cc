@@ -273,7 +273,7 @@ absl::Status DeviceState::ReserveRows(DeviceSequence* e, DeviceLayer* l, const S
   const size_t words = desc.placement.signature_bits / 32;
   const size_t hkv = desc.shape.num_kv_heads;
   const size_t row = desc.shape.row_bytes();
-  const uint64_t cap = std::max<uint64_t>({target, 2 * l->capacity, 1024});
+  const uint64_t cap = GrowRows(target, l->capacity, 1024);
   const uint64_t old_cap = l->capacity, len = l->length;
   auto rows_copy = [&](size_t unit) {
     return [&, unit](const DevBuf& to, const DevBuf& from) {

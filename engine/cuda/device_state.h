@@ -33,6 +33,7 @@
 #include "absl/types/span.h"
 #include "engine/cuda/cuda_util.h"
 #include "engine/decode_call.h"
+#include "engine/resident_cache.h"
 #include "engine/row_source.h"
 #include "engine/signatures.h"
 #include "kvstore/store.h"
