@@ -126,6 +126,36 @@ def decode_loop(model, cache, batch: int, n: int, warmup: int, steps: int, call=
     return times
 
 
+def profile_steps(model, cache, batch: int, n: int, first: int, call, path: str) -> None:
+    """Three more steps under torch.profiler: where a step's time goes (host and device)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = model.device
+    ids = torch.randint(2, model.config.vocab_size, (batch, 1), device=device)
+    fn = call if call is not None else model
+    gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with torch.no_grad(), profile(activities=activities) as prof:
+        for t in range(first, first + 3):
+            out = fn(
+                input_ids=ids,
+                past_key_values=cache,
+                position_ids=torch.full((batch, 1), n + t, device=device, dtype=torch.long),
+                cache_position=torch.tensor([n + t], device=device),
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            ids = out.logits[:, -1:].argmax(-1)
+        if gpu:
+            torch.cuda.synchronize()
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
+        if gpu:
+            f.write("\n\n")
+            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    log(f"# profile of 3 steps written to {path}")
+
+
 def kv_bytes(layers: int, batch: int, kv_heads: int, n: int, d: int) -> int:
     return 2 * layers * batch * kv_heads * n * d * 2
 
@@ -206,6 +236,8 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engine, server) 
     t0 = time.perf_counter()
     row.steps_ms = decode_loop(model, cache, batch, n, max(args.warmup, 3 if compiled else 0), args.steps, call)
     warm_s = time.perf_counter() - t0
+    if args.profile == variant and n == int(args.lens.split(",")[0]):
+        profile_steps(model, cache, batch, n, max(args.warmup, 3) + args.steps, call, args.profile_out)
     steps = max(args.warmup, 3 if compiled else 0) + args.steps
     s = cache.stats
     # Bytes over the whole run (the warm-up steps read as the timed ones do, after the first).
@@ -238,6 +270,8 @@ def main() -> None:
     p.add_argument("--skip", default="", help="n:B:variant,... combinations to leave out")
     p.add_argument("--json", default="")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the harness")
+    p.add_argument("--profile", default="", help="a kvsparse variant to profile (torch.profiler, 3 steps)")
+    p.add_argument("--profile_out", default="profile.txt")
     args = p.parse_args()
 
     device = args.device
