@@ -43,13 +43,20 @@ def open_channel(target: str) -> grpc.Channel:
 
 
 class _Base:
-    def __init__(self, target: str | None, channel: grpc.Channel | None, timeout: float) -> None:
+    """A client of one service over a channel of its own (``target``) or a shared one."""
+
+    _stub_class: Any = None  # the service's generated stub
+
+    def __init__(
+        self, target: str | None = None, *, channel: grpc.Channel | None = None, timeout: float = DEFAULT_TIMEOUT
+    ) -> None:
         if (target is None) == (channel is None):
             raise ValueError("give exactly one of target and channel")
         self._own_channel = channel is None
         self._channel = channel if channel is not None else open_channel(str(target))
         self.timeout = timeout
         self._health = health_pb2_grpc.HealthStub(self._channel)
+        self._stub = self._stub_class(self._channel)
 
     @property
     def channel(self) -> grpc.Channel:
@@ -144,11 +151,7 @@ _ROW_KINDS = {"k": kvstore_pb2.ROW_KIND_K, "v": kvstore_pb2.ROW_KIND_V, "kv": kv
 class KvStoreClient(_Base):
     """The KvStore service: sequences of K/V rows per (layer, kv head), in pages."""
 
-    def __init__(
-        self, target: str | None = None, *, channel: grpc.Channel | None = None, timeout: float = DEFAULT_TIMEOUT
-    ) -> None:
-        super().__init__(target, channel, timeout)
-        self._stub = kvstore_pb2_grpc.KvStoreStub(self._channel)
+    _stub_class = kvstore_pb2_grpc.KvStoreStub
 
     def create_sequence(
         self,
@@ -336,11 +339,7 @@ def _decode_result(resp: attention_pb2.DecodeResponse, like: ArrayLike) -> Decod
 class AttentionClient(_Base):
     """The Attention service: one layer of one decode step for B sequences per call."""
 
-    def __init__(
-        self, target: str | None = None, *, channel: grpc.Channel | None = None, timeout: float = DEFAULT_TIMEOUT
-    ) -> None:
-        super().__init__(target, channel, timeout)
-        self._stub = attention_pb2_grpc.AttentionStub(self._channel)
+    _stub_class = attention_pb2_grpc.AttentionStub
 
     def decode(
         self,

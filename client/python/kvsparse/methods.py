@@ -8,7 +8,7 @@ method needs of a sequence is ``placement_for(method)``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Union
+from typing import Any, Literal, Union
 
 from kvsparse.tensors import proto_dtype
 from kvsparse.v1 import attention_pb2, tensor_pb2
@@ -107,15 +107,7 @@ class HashTopK:
     learned: bool = False  # the server's learned signatures (--hash_weights), not SimHash
 
     def to_proto(self, out: attention_pb2.Method) -> None:
-        p = out.hash_top_k
-        p.top_k = self.top_k
-        p.top_k_fraction = self.top_k_fraction
-        p.sink_tokens = self.sink_tokens
-        p.local_tokens = self.local_tokens
-        p.bits = self.bits
-        p.source = (
-            attention_pb2.SIGNATURE_SOURCE_LEARNED if self.learned else attention_pb2.SIGNATURE_SOURCE_SIMHASH
-        )
+        _fill_selection(out.hash_top_k, self)
 
 
 @dataclass(frozen=True)
@@ -138,12 +130,9 @@ class VAttention:
 
     def to_proto(self, out: attention_pb2.Method) -> None:
         p = out.vattention
+        _fill_selection(p, self)
         p.epsilon = self.epsilon
         p.delta = self.delta
-        p.top_k = self.top_k
-        p.top_k_fraction = self.top_k_fraction
-        p.sink_tokens = self.sink_tokens
-        p.local_tokens = self.local_tokens
         p.predictor = (
             attention_pb2.TOP_K_PREDICTOR_EXACT if self.predictor == "exact" else attention_pb2.TOP_K_PREDICTOR_HASH
         )
@@ -154,13 +143,19 @@ class VAttention:
             "numerator": attention_pb2.VERIFY_TARGET_NUMERATOR,
             "denominator": attention_pb2.VERIFY_TARGET_DENOMINATOR,
         }[self.target]
-        p.bits = self.bits
-        p.source = (
-            attention_pb2.SIGNATURE_SOURCE_LEARNED if self.learned else attention_pb2.SIGNATURE_SOURCE_SIMHASH
-        )
 
 
 Method = Union[Dense, Santa, HashTopK, VAttention]
+
+
+def _fill_selection(p: Any, m: "HashTopK | VAttention") -> None:
+    """The fields HashAttention and vAttention share: the fixed set and the signatures."""
+    p.top_k = m.top_k
+    p.top_k_fraction = m.top_k_fraction
+    p.sink_tokens = m.sink_tokens
+    p.local_tokens = m.local_tokens
+    p.bits = m.bits
+    p.source = attention_pb2.SIGNATURE_SOURCE_LEARNED if m.learned else attention_pb2.SIGNATURE_SOURCE_SIMHASH
 
 
 def placement_for(method: Method, signature_bits: int = 32) -> Placement:
