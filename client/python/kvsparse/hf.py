@@ -278,6 +278,7 @@ class KvSparseCache(Cache):
         self.sequence_ids: list[str] = []
         self._prefix = f"hf-{uuid.uuid4().hex[:12]}-"
         self._staged: dict[int, _Staged] = {}
+        self._failed: BaseException | None = None  # a failed kvsparse call leaves the cache unusable
         self._finalizer = weakref.finalize(self, self.transport.close, self.sequence_ids)
 
     # ---- Cache API -----------------------------------------------------------------------
@@ -305,6 +306,11 @@ class KvSparseCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self._finalizer.alive:
             raise RuntimeError("this KvSparseCache is closed")
+        if self._failed is not None:
+            raise RuntimeError(
+                f"this KvSparseCache is out of step with kvsparse after an earlier error "
+                f"({self._failed!r}): close it and make a new one"
+            )
         layer = self.layers[layer_idx]
         pending = self._staged.get(layer_idx)
         if pending is not None:
@@ -366,7 +372,11 @@ class KvSparseCache(Cache):
             per_token = 2 * k[0].numel() * k.element_size() if n else 1
             step = max(1, _APPEND_BYTES // per_token)
             for t0 in range(0, n, step):
-                self.transport.append(sid, layer_idx, k[t0 : t0 + step], v[t0 : t0 + step], t0)
+                try:
+                    self.transport.append(sid, layer_idx, k[t0 : t0 + step], v[t0 : t0 + step], t0)
+                except BaseException as e:
+                    self._failed = e
+                    raise
             self.stats.prefill_bytes_appended += n * per_token
 
     def _decode(self, layer_idx: int, query: torch.Tensor, staged: _Staged, scaling: float | None) -> torch.Tensor:
@@ -376,9 +386,13 @@ class KvSparseCache(Cache):
         new_k, new_v = staged.key[:, :, 0, :], staged.value[:, :, 0, :]
         position = self.layers[layer_idx].length
         seed = _mix(self.seed, position, layer_idx)
-        out, step = self.transport.decode(
-            layer_idx, self.sequence_ids, q, self.method, new_k, new_v, seed, float(scaling) if scaling else 0.0
-        )
+        try:
+            out, step = self.transport.decode(
+                layer_idx, self.sequence_ids, q, self.method, new_k, new_v, seed, float(scaling) if scaling else 0.0
+            )
+        except BaseException as e:  # the layers' lengths already count this step's token
+            self._failed = e
+            raise
         s = self.stats
         s.decode_calls += 1
         s.per_layer_calls[layer_idx] = s.per_layer_calls.get(layer_idx, 0) + 1

@@ -205,8 +205,12 @@ def test_server_errors_surface(server: kvsparse.LocalServer) -> None:
     cache = kvsparse.hf.KvSparseCache(
         model.config, server.target, method=kvsparse.HashTopK(), placement=kvsparse.Placement()
     )
-    with cache, pytest.raises(kvsparse.FailedPrecondition, match="signatures"):
-        through_kvsparse(model, ids, mask, cache, new_tokens=3)
+    with cache:
+        with pytest.raises(kvsparse.FailedPrecondition, match="signatures"):
+            through_kvsparse(model, ids, mask, cache, new_tokens=3)
+        # The cache is out of step with the store after the failed step: refused, not reused.
+        with pytest.raises(RuntimeError, match="earlier error"):
+            through_kvsparse(model, ids, mask, cache, new_tokens=3)
 
 
 @pytest.mark.gpu
