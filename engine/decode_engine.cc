@@ -129,8 +129,8 @@ absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
   // Only the backend reads q on the device: decided before anything is appended.
   const bool on_backend = backend_ != nullptr && backend_->Supports(call, *descs);
   if (call.on_device() && !on_backend) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        kNotOnBackend, " (method, placement or shape): pass q in host memory"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(kNotOnBackend, " (method, placement or shape): pass q in host memory"));
   }
   // Every sequence's new token goes in before any compute, so a failure leaves nothing
   // half-done within a sequence (each append is all-or-nothing in the store).
@@ -144,8 +144,7 @@ absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
   result.num_q_heads = shape.num_q_heads;
   result.head_dim = shape.head_dim;
   if (!call.on_device()) {
-    result.output.resize(B * shape.num_q_heads * shape.head_dim *
-                         kernels::DTypeSize(call.q_dtype));
+    result.output.resize(B * shape.num_q_heads * shape.head_dim * kernels::DTypeSize(call.q_dtype));
   }
   result.heads.reserve(B * shape.num_kv_heads);
   if (on_backend) {

@@ -41,13 +41,13 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "engine/cuda/gpu_backend.h"
+#include "engine/decode_engine.h"
 #include "kernels/cuda/dense_decode.h"
 #include "kernels/cuda/santa.h"
 #include "kernels/synthetic.h"
 #include "kvstore/cuda_host_memory.h"
 #include "kvstore/store.h"
-#include "engine/decode_engine.h"
-#include "engine/cuda/gpu_backend.h"
 #include "tests/gpu/bench_util.h"
 
 ABSL_FLAG(std::string, lens, "32768,131072", "Context lengths n");

@@ -11,14 +11,14 @@
 #include <string>
 #include <vector>
 
+#include "engine/cuda/gpu_backend.h"
+#include "engine/decode_engine.h"
 #include "gtest/gtest.h"
 #include "kernels/dense.h"
 #include "kernels/philox.h"
 #include "kernels/synthetic.h"
 #include "kvstore/cuda_host_memory.h"
 #include "kvstore/store.h"
-#include "engine/decode_engine.h"
-#include "engine/cuda/gpu_backend.h"
 
 namespace kvsparse::engine {
 namespace {

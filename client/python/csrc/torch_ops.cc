@@ -23,9 +23,9 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_split.h"
 #include "engine/embedded.h"
 #include "kernels/dtype.h"
@@ -128,7 +128,7 @@ en::Method ParseMethod(const std::string& name, const std::string& text) {
     m.santa.sampler = sampler == "iid"          ? kernels::SantaSampler::kIid
                       : sampler == "stratified" ? kernels::SantaSampler::kStratified
                                                 : kernels::SantaSampler::kSystematic;
-    m.santa.allocation = alloc == "global" ? kernels::SantaAllocation::kGlobal
+    m.santa.allocation = alloc == "global"  ? kernels::SantaAllocation::kGlobal
                          : alloc == "flash" ? kernels::SantaAllocation::kFlash
                                             : kernels::SantaAllocation::kProp;
     m.santa.samples = p.Int("samples", 128);
@@ -185,8 +185,8 @@ std::shared_ptr<en::Embedded> Find(int64_t handle) {
 }
 
 int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capacity,
-                     const std::string& capacity_policy, int64_t gpu_capacity,
-                     double gpu_row_cache, int64_t resident_capacity, bool huge_pages) {
+                     const std::string& capacity_policy, int64_t gpu_capacity, double gpu_row_cache,
+                     int64_t resident_capacity, bool huge_pages) {
   en::EmbeddedOptions o;
   if (gpu == "auto") {
     o.gpu = en::EmbeddedOptions::Gpu::kAuto;
@@ -320,14 +320,13 @@ at::Tensor StatsTensor(const en::DecodeResult& r) {
   at::Tensor stats = at::empty({static_cast<int64_t>(r.heads.size()), kStatColumns}, at::kLong);
   int64_t* s = stats.data_ptr<int64_t>();
   for (const en::HeadStats& h : r.heads) {
-    const uint64_t values[kStatColumns] = {
-        h.rows_selected,
-        h.rows_fetched,
-        h.rows_cached,
-        h.bytes[static_cast<int>(kv::Tier::kHost)],
-        h.bytes[static_cast<int>(kv::Tier::kDevice)],
-        h.bytes[static_cast<int>(kv::Tier::kRemote)],
-        h.dense_equivalent_bytes};
+    const uint64_t values[kStatColumns] = {h.rows_selected,
+                                           h.rows_fetched,
+                                           h.rows_cached,
+                                           h.bytes[static_cast<int>(kv::Tier::kHost)],
+                                           h.bytes[static_cast<int>(kv::Tier::kDevice)],
+                                           h.bytes[static_cast<int>(kv::Tier::kRemote)],
+                                           h.dense_equivalent_bytes};
     for (uint64_t x : values) *s++ = static_cast<int64_t>(x);
   }
   return stats;
@@ -408,8 +407,9 @@ TORCH_LIBRARY(kvsparse, m) {
       &CreateSequence);
   m.def("drop_sequence(int engine, str sequence_id) -> ()", &DropSequence);
   m.def("sequence_lengths(int engine, str sequence_id) -> int[]", &SequenceLengths);
-  m.def("append(int engine, str sequence_id, int layer, Tensor k, Tensor v, int expected_length) "
-        "-> ()");
+  m.def(
+      "append(int engine, str sequence_id, int layer, Tensor k, Tensor v, int expected_length) "
+      "-> ()");
   m.def(
       "decode(int engine, int layer, str[] sequence_ids, Tensor q, Tensor? new_k, Tensor? new_v, "
       "str method, str params, int seed, float scale) -> (Tensor, Tensor)");
