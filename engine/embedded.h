@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "engine/decode_engine.h"
+#include "engine/gpu_mode.h"
 #include "engine/row_source.h"
 #include "kvstore/memory_resource.h"
 #include "kvstore/store.h"
@@ -20,10 +21,7 @@ struct EmbeddedOptions {
   kvstore::StoreOptions store;  // store.memory is ignored: the embedded store owns its memory
   kvstore::HostMemoryOptions host;
   EngineOptions engine;
-  // kAuto: the GPU backend when the build has CUDA and device `gpu_device` exists; kOn: fail
-  // without it; kOff: the CPU engine.
-  enum class Gpu { kAuto, kOn, kOff };
-  Gpu gpu = Gpu::kAuto;
+  GpuMode gpu = GpuMode::kAuto;  // of device gpu_device
   int gpu_device = 0;
   size_t gpu_capacity_bytes = 4ull << 30;  // GPU memory for per-sequence state
   double gpu_row_cache = 0.04;             // GpuBackendOptions::row_cache_fraction
@@ -32,7 +30,7 @@ struct EmbeddedOptions {
 
 class Embedded {
  public:
-  // INVALID_ARGUMENT for bad store options; FAILED_PRECONDITION for Gpu::kOn without a device.
+  // INVALID_ARGUMENT for bad store options; FAILED_PRECONDITION for GpuMode::kOn without a device.
   static absl::StatusOr<std::unique_ptr<Embedded>> Create(EmbeddedOptions options);
   Embedded(const Embedded&) = delete;
   Embedded& operator=(const Embedded&) = delete;

@@ -11,13 +11,11 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/time/time.h"
+#include "engine/gpu_mode.h"
 #include "kernels/hash_signatures.h"
 #include "server/byte_size.h"
 #include "server/logging.h"
 #include "server/server.h"
-#if KVSPARSE_WITH_CUDA
-#include "kvstore/cuda_host_memory.h"
-#endif
 
 using kvsparse::server::ByteSize;
 
@@ -96,7 +94,7 @@ int main(int argc, char** argv) {
   options.store.page_bytes = absl::GetFlag(FLAGS_page_size).bytes;
   kvsparse::kvstore::HostMemoryOptions host;
   host.huge_pages = absl::GetFlag(FLAGS_huge_pages);
-  auto gpu = kvsparse::server::ParseGpuMode(absl::GetFlag(FLAGS_gpu));
+  auto gpu = kvsparse::engine::ParseGpuMode(absl::GetFlag(FLAGS_gpu));
   if (!gpu.ok()) {
     std::fprintf(stderr, "--gpu: %s\n", std::string(gpu.status().message()).c_str());
     return 2;
@@ -109,22 +107,15 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "--gpu_row_cache must be a fraction in [0, 1]\n");
     return 2;
   }
-  std::unique_ptr<kvsparse::kvstore::MemoryResource> memory;
-#if KVSPARSE_WITH_CUDA
-  if (options.gpu != kvsparse::server::ServerOptions::Gpu::kOff) {
-    // Pinned, CUDA-mapped pages: the GPU backend reads the rows it selects in place.
-    auto pinned = kvsparse::kvstore::NewPinnedHostMemoryResource(host);
-    if (pinned.ok()) {
-      memory = std::move(*pinned);
-      options.store_pages_mapped = true;
-    } else if (options.gpu == kvsparse::server::ServerOptions::Gpu::kOn) {
-      std::fprintf(stderr, "--gpu=on: %s\n", pinned.status().ToString().c_str());
-      return 1;
-    }
+  // Pinned, CUDA-mapped pages when the GPU backend may run: it reads the rows it selects in place.
+  auto memory = kvsparse::engine::NewHostMemory(options.gpu, host);
+  if (!memory.ok()) {
+    std::fprintf(stderr, "--gpu=%s: %s\n", absl::GetFlag(FLAGS_gpu).c_str(),
+                 memory.status().ToString().c_str());
+    return 1;
   }
-#endif
-  if (memory == nullptr) memory = kvsparse::kvstore::NewHostMemoryResource(host);
-  options.store.memory = memory.get();
+  options.store_pages_mapped = memory->mapped;
+  options.store.memory = memory->resource.get();
   auto policy = kvsparse::kvstore::ParseCapacityPolicy(absl::GetFlag(FLAGS_capacity_policy));
   if (!policy.ok()) {
     std::fprintf(stderr, "--capacity_policy: %s\n", std::string(policy.status().message()).c_str());

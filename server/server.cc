@@ -13,7 +13,6 @@
 #include "server/logging.h"
 #include "server/remote_row_source.h"
 #if KVSPARSE_WITH_CUDA
-#include "engine/cuda/gpu_backend.h"
 #endif
 
 namespace kvsparse::server {
@@ -24,14 +23,6 @@ absl::StatusOr<ServerRole> ParseServerRole(absl::string_view name) {
   if (name == "worker") return ServerRole::kWorker;
   return absl::InvalidArgumentError(
       absl::StrCat("unknown role '", name, "' (want all, store or worker)"));
-}
-
-absl::StatusOr<ServerOptions::Gpu> ParseGpuMode(absl::string_view name) {
-  if (name == "auto") return ServerOptions::Gpu::kAuto;
-  if (name == "on") return ServerOptions::Gpu::kOn;
-  if (name == "off") return ServerOptions::Gpu::kOff;
-  return absl::InvalidArgumentError(
-      absl::StrCat("unknown GPU mode '", name, "' (want auto, on or off)"));
 }
 
 namespace {
@@ -82,34 +73,20 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       }
       s->row_source_ = NewRemoteRowSource(std::move(channel));
     }
-    std::unique_ptr<engine::DecodeBackend> backend;
-    if (options.gpu != ServerOptions::Gpu::kOff) {
-#if KVSPARSE_WITH_CUDA
-      engine::GpuBackendOptions go;
-      go.device = options.gpu_device;
-      go.capacity_bytes = options.engine.resident_capacity_bytes;
-      go.max_fetch_bytes = options.engine.max_fetch_bytes;
-      go.default_tile_size = options.engine.default_tile_size;
-      go.signatures = options.engine.signatures;
-      go.row_cache_fraction = options.gpu_row_cache;
-      go.stage_timing_every = options.gpu_stage_timing_every;
-      absl::StatusOr<std::unique_ptr<engine::DecodeBackend>> b =
-          engine::NewGpuBackend(go, s->row_source_.get());
-      if (b.ok()) {
-        backend = std::move(*b);
-      } else if (options.gpu == ServerOptions::Gpu::kOn) {
-        return b.status();
-      } else {
-        KVSPARSE_LOG(Info) << "decoding on the CPU: " << b.status().message();
-      }
-#else
-      if (options.gpu == ServerOptions::Gpu::kOn) {
-        return absl::FailedPreconditionError("this build has no CUDA (--gpu=on)");
-      }
-#endif
+    engine::GpuBackendOptions go = engine::BackendOptionsFor(options.engine);
+    go.device = options.gpu_device;
+    go.capacity_bytes = options.engine.resident_capacity_bytes;
+    go.row_cache_fraction = options.gpu_row_cache;
+    go.stage_timing_every = options.gpu_stage_timing_every;
+    std::string cpu_reason;
+    absl::StatusOr<std::unique_ptr<engine::DecodeBackend>> backend =
+        engine::NewBackend(options.gpu, go, s->row_source_.get(), &cpu_reason);
+    if (!backend.ok()) return backend.status();
+    if (!cpu_reason.empty()) {
+      KVSPARSE_LOG(Info) << "decoding on the CPU: " << cpu_reason;
     }
     s->engine_ = std::make_unique<engine::DecodeEngine>(options.engine, s->row_source_.get(),
-                                                        std::move(backend));
+                                                        std::move(*backend));
     s->metrics_->AddCollectable(NewResidentCollector(s->engine_.get()));
     if (s->kvstore_service_ != nullptr) {  // one process: a drop frees the engine's state too
       engine::DecodeEngine* e = s->engine_.get();

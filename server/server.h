@@ -18,6 +18,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "engine/decode_engine.h"
+#include "engine/gpu_mode.h"
 #include "kvstore/store.h"
 #include "server/metrics.h"
 #include "server/rpc.h"
@@ -50,7 +51,7 @@ struct ServerOptions {
   engine::EngineOptions engine;
   // The decode engine's GPU backend (engine/cuda/gpu_backend.h), in builds with CUDA: kAuto uses it
   // when a CUDA device is present, kOn refuses to start without one, kOff never uses it.
-  enum class Gpu { kAuto, kOn, kOff };
+  using Gpu = engine::GpuMode;
   Gpu gpu = Gpu::kAuto;
   int gpu_device = 0;
   // HashAttention on the GPU keeps up to this fraction of each (sequence, layer)'s tokens, per kv
@@ -61,9 +62,6 @@ struct ServerOptions {
   // (kvstore::NewPinnedHostMemoryResource): the GPU reads host rows in place.
   bool store_pages_mapped = false;
 };
-
-// "auto", "on" or "off"; INVALID_ARGUMENT otherwise.
-absl::StatusOr<ServerOptions::Gpu> ParseGpuMode(absl::string_view name);
 
 class Server {
  public:

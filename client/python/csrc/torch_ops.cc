@@ -188,15 +188,9 @@ int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capac
                      const std::string& capacity_policy, int64_t gpu_capacity, double gpu_row_cache,
                      int64_t resident_capacity, bool huge_pages) {
   en::EmbeddedOptions o;
-  if (gpu == "auto") {
-    o.gpu = en::EmbeddedOptions::Gpu::kAuto;
-  } else if (gpu == "on") {
-    o.gpu = en::EmbeddedOptions::Gpu::kOn;
-  } else if (gpu == "off") {
-    o.gpu = en::EmbeddedOptions::Gpu::kOff;
-  } else {
-    Invalid("gpu must be auto, on or off, got " + gpu);
-  }
+  absl::StatusOr<en::GpuMode> mode = en::ParseGpuMode(gpu);
+  Check(mode.status());
+  o.gpu = *mode;
   if (store_capacity <= 0 || gpu_capacity <= 0 || resident_capacity <= 0 || device < 0) {
     Invalid("capacities must be positive and the device non-negative");
   }

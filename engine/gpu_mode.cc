@@ -1,0 +1,63 @@
+#include "engine/gpu_mode.h"
+
+#include "absl/strings/str_cat.h"
+#if KVSPARSE_ENGINE_CUDA
+#include "kvstore/cuda_host_memory.h"
+#endif
+
+namespace kvsparse::engine {
+
+absl::StatusOr<GpuMode> ParseGpuMode(absl::string_view name) {
+  if (name == "auto") return GpuMode::kAuto;
+  if (name == "on") return GpuMode::kOn;
+  if (name == "off") return GpuMode::kOff;
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown GPU mode '", name, "' (want auto, on or off)"));
+}
+
+absl::StatusOr<HostMemory> NewHostMemory(GpuMode mode, const kvstore::HostMemoryOptions& options) {
+  HostMemory m;
+#if KVSPARSE_ENGINE_CUDA
+  if (mode != GpuMode::kOff) {
+    absl::StatusOr<std::unique_ptr<kvstore::MemoryResource>> pinned =
+        kvstore::NewPinnedHostMemoryResource(options);
+    if (pinned.ok()) {
+      m.resource = std::move(*pinned);
+      m.mapped = true;
+      return m;
+    }
+    if (mode == GpuMode::kOn) return pinned.status();
+  }
+#else
+  if (mode == GpuMode::kOn) return absl::FailedPreconditionError("this build has no CUDA");
+#endif
+  m.resource = kvstore::NewHostMemoryResource(options);
+  return m;
+}
+
+GpuBackendOptions BackendOptionsFor(const EngineOptions& engine) {
+  GpuBackendOptions go;
+  go.max_fetch_bytes = engine.max_fetch_bytes;
+  go.default_tile_size = engine.default_tile_size;
+  go.signatures = engine.signatures;
+  return go;
+}
+
+absl::StatusOr<std::unique_ptr<DecodeBackend>> NewBackend(GpuMode mode,
+                                                          const GpuBackendOptions& options,
+                                                          RowSource* source,
+                                                          std::string* cpu_reason) {
+  if (mode == GpuMode::kOff) return nullptr;
+#if KVSPARSE_ENGINE_CUDA
+  absl::StatusOr<std::unique_ptr<DecodeBackend>> b = NewGpuBackend(options, source);
+  if (b.ok() || mode == GpuMode::kOn) return b;
+  if (cpu_reason != nullptr) *cpu_reason = std::string(b.status().message());
+  return nullptr;
+#else
+  if (mode == GpuMode::kOn) return absl::FailedPreconditionError("this build has no CUDA");
+  if (cpu_reason != nullptr) *cpu_reason = "this build has no CUDA";
+  return nullptr;
+#endif
+}
+
+}  // namespace kvsparse::engine

@@ -1,0 +1,48 @@
+// Where an engine decodes and what its store's memory must be for that, decided in one place for
+// every assembly of store and engine (kvsparse-server's main and Server, engine::Embedded): the
+// GPU backend when the build has CUDA and the device is there, the CPU engine otherwise.
+#ifndef KVSPARSE_ENGINE_GPU_MODE_H_
+#define KVSPARSE_ENGINE_GPU_MODE_H_
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "engine/cuda/gpu_backend.h"
+#include "engine/decode_engine.h"
+#include "engine/row_source.h"
+#include "kvstore/memory_resource.h"
+
+namespace kvsparse::engine {
+
+// kAuto: the GPU backend when the build has CUDA and the device is usable; kOn: fail without
+// it; kOff: the CPU engine.
+enum class GpuMode { kAuto, kOn, kOff };
+
+// "auto", "on" or "off"; INVALID_ARGUMENT otherwise.
+absl::StatusOr<GpuMode> ParseGpuMode(absl::string_view name);
+
+// Host memory for a store whose rows an engine of `mode` reads: pinned and CUDA-mapped (mapped
+// true: the GPU backend reads rows in place) unless kOff, or kAuto where pinning is not
+// possible; the plain host resource otherwise. kOn: the pinning's error.
+struct HostMemory {
+  std::unique_ptr<kvstore::MemoryResource> resource;
+  bool mapped = false;
+};
+absl::StatusOr<HostMemory> NewHostMemory(GpuMode mode, const kvstore::HostMemoryOptions& options);
+
+// The GPU backend options an engine's options imply (fetch size, tile, signatures); the caller
+// sets the device, capacity, row cache and timing.
+GpuBackendOptions BackendOptionsFor(const EngineOptions& engine);
+
+// The GPU backend over `source` for `mode`, or null for the CPU engine (kOff; kAuto without a
+// usable device or build, with the reason in *cpu_reason when given). kOn: the error.
+absl::StatusOr<std::unique_ptr<DecodeBackend>> NewBackend(GpuMode mode,
+                                                          const GpuBackendOptions& options,
+                                                          RowSource* source,
+                                                          std::string* cpu_reason = nullptr);
+
+}  // namespace kvsparse::engine
+
+#endif  // KVSPARSE_ENGINE_GPU_MODE_H_
