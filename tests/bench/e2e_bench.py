@@ -100,27 +100,34 @@ def random_kv(batch: int, kv_heads: int, n: int, d: int, device: str, seed: int)
     return k, v
 
 
+def step(model, cache, ids: torch.Tensor, position: int, call=None) -> torch.Tensor:
+    """One decode step of the batch at `position` (through `call`, a compiled model, when given):
+    the model's forward pass with logits for the last position; returns the argmax tokens."""
+    device = model.device
+    out = (call if call is not None else model)(
+        input_ids=ids,
+        past_key_values=cache,
+        position_ids=torch.full((ids.shape[0], 1), position, device=device, dtype=torch.long),
+        cache_position=torch.tensor([position], device=device),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[:, -1:].argmax(-1)
+
+
 def decode_loop(model, cache, batch: int, n: int, warmup: int, steps: int, call=None) -> list[float]:
     """Times `steps` one-token steps after `warmup`; returns ms per step."""
-    device = model.device
-    ids = torch.randint(2, model.config.vocab_size, (batch, 1), device=device)
-    fn = call if call is not None else model
+    gpu = model.device.type == "cuda"
+    ids = torch.randint(2, model.config.vocab_size, (batch, 1), device=model.device)
     times = []
     with torch.no_grad():
         for t in range(warmup + steps):
-            pos = torch.full((batch, 1), n + t, device=device, dtype=torch.long)
-            torch.cuda.synchronize() if device.type == "cuda" else None
+            if gpu:
+                torch.cuda.synchronize()
             t0 = time.perf_counter()
-            out = fn(
-                input_ids=ids,
-                past_key_values=cache,
-                position_ids=pos,
-                cache_position=torch.tensor([n + t], device=device),
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            ids = out.logits[:, -1:].argmax(-1)
-            torch.cuda.synchronize() if device.type == "cuda" else None
+            ids = step(model, cache, ids, n + t, call)
+            if gpu:
+                torch.cuda.synchronize()
             if t >= warmup:
                 times.append((time.perf_counter() - t0) * 1e3)
     return times
@@ -130,22 +137,12 @@ def profile_steps(model, cache, batch: int, n: int, first: int, call, path: str)
     """Three more steps under torch.profiler: where a step's time goes (host and device)."""
     from torch.profiler import ProfilerActivity, profile
 
-    device = model.device
-    ids = torch.randint(2, model.config.vocab_size, (batch, 1), device=device)
-    fn = call if call is not None else model
-    gpu = device.type == "cuda"
+    gpu = model.device.type == "cuda"
+    ids = torch.randint(2, model.config.vocab_size, (batch, 1), device=model.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     with torch.no_grad(), profile(activities=activities) as prof:
         for t in range(first, first + 3):
-            out = fn(
-                input_ids=ids,
-                past_key_values=cache,
-                position_ids=torch.full((batch, 1), n + t, device=device, dtype=torch.long),
-                cache_position=torch.tensor([n + t], device=device),
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            ids = out.logits[:, -1:].argmax(-1)
+            ids = step(model, cache, ids, n + t, call)
         if gpu:
             torch.cuda.synchronize()
     with open(path, "w") as f:

@@ -302,12 +302,12 @@ def _decode_request(
         layer=layer, seed=seed, scale=scale, return_indices=return_indices, request_id=request_id
     )
     req.sequence_ids.extend(sequence_ids)
-    tensors.to_proto(q, req.q, "q")
+    tensors.to_proto(q, req.q)
     if (new_k is None) != (new_v is None):
         raise from_code(grpc.StatusCode.INVALID_ARGUMENT, "new_k and new_v come together")
     if new_k is not None:
-        tensors.to_proto(new_k, req.new_k, "new_k")
-        tensors.to_proto(new_v, req.new_v, "new_v")  # type: ignore[arg-type]
+        tensors.to_proto(new_k, req.new_k)
+        tensors.to_proto(new_v, req.new_v)  # type: ignore[arg-type]
     method.to_proto(req.method)
     return req
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 import uuid
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -68,7 +68,6 @@ class CacheStats:
     dense_equivalent_bytes: int = 0  # what dense attention over every row would have read
     rows_fetched: int = 0
     prefill_bytes_appended: int = 0
-    per_layer_calls: dict[int, int] = field(default_factory=dict)
 
     @property
     def fetched_fraction(self) -> float:
@@ -395,7 +394,6 @@ class KvSparseCache(Cache):
             raise
         s = self.stats
         s.decode_calls += 1
-        s.per_layer_calls[layer_idx] = s.per_layer_calls.get(layer_idx, 0) + 1
         s.bytes_fetched += step.bytes_fetched
         s.bytes_device += step.bytes_device
         s.dense_equivalent_bytes += step.dense_equivalent_bytes
@@ -414,12 +412,10 @@ def _mix(seed: int, position: int, layer: int) -> int:
     return (x ^ (x >> 31)) & (2**63 - 1)
 
 
-def _valid_keys(attention_mask: torch.Tensor | None, key: torch.Tensor) -> torch.Tensor:
+def _valid_keys(attention_mask: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
     """[B, T] bool: the prompt positions each row attends to (its non-padding tokens), read off
-    the last query row of the prefill's 4D mask (None: every position)."""
+    the last query row of the prefill's 4D mask."""
     b, _, t, _ = key.shape
-    if attention_mask is None:
-        return torch.ones(b, t, dtype=torch.bool, device=key.device)
     last = attention_mask[:, 0, -1, -t:]
     if last.dtype == torch.bool:
         return last.expand(b, t)

@@ -79,7 +79,7 @@ def to_numpy(x: ArrayLike) -> np.ndarray:
     return np.ascontiguousarray(arr)
 
 
-def to_proto(x: ArrayLike, out: tensor_pb2.Tensor, name: str = "tensor") -> None:
+def to_proto(x: ArrayLike, out: tensor_pb2.Tensor) -> None:
     """Fills ``out`` with x's dtype, shape and bytes (little-endian, as the host's)."""
     arr = to_numpy(x)
     if sys.byteorder != "little":  # pragma: no cover - every supported platform is little-endian
