@@ -1,6 +1,8 @@
 // Dense attention on the GPU: DenseDecode over every row. With K and V resident it reads them in
 // place; with a half in host memory every row crosses first (FetchRows into a dense staging
-// area in the scratch), then DenseDecode reads the staged rows.
+// area in the scratch), then DenseDecode reads the staged rows; from a store in another process
+// the host halves' rows are gathered into pinned staging (LaunchPlan::StageAll), which
+// DenseDecode reads in place.
 #include <algorithm>
 #include <vector>
 
@@ -29,7 +31,11 @@ class DenseCall final : public MethodCall {
   absl::Status Enqueue(LaunchPlan& lp, Carver& c) override {
     kc::DecodeShape ds = lp.shape();
     if (absl::Status s = lp.Mark(1); !s.ok()) return s;  // no selection
-    if (!resident_) {  // every row crosses: fetched into a dense staging area first
+    if (!resident_ && lp.staged()) {  // from another process: gathered into pinned staging
+      if (lp.running()) {
+        if (absl::Status s = lp.StageAll(&ds); !s.ok()) return s;
+      }
+    } else if (!resident_) {  // every row crosses: fetched into a dense staging area first
       if (absl::Status s = Stage(lp, c, &ds); !s.ok()) return s;
     }
     const size_t wb = kc::DenseDecodeWorkspaceBytes(ds);

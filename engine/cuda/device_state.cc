@@ -248,7 +248,8 @@ absl::Status DeviceState::Sync(const DecodeCall& call, absl::Span<const Sequence
       return s;
     }
     const kvstore::Placement& pl = desc.placement;
-    if (pl.k_tier != kvstore::Tier::kDevice || pl.v_tier != kvstore::Tier::kDevice) {
+    if ((pl.k_tier != kvstore::Tier::kDevice || pl.v_tier != kvstore::Tier::kDevice) &&
+        source_->pages_device_visible()) {
       absl::StatusOr<std::unique_ptr<kvstore::PageView>> v = source_->View(desc.sequence_id);
       if (!v.ok()) return v.status();
       if ((*v)->layer_length(layer) < n) {

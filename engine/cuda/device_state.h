@@ -117,6 +117,11 @@ class DeviceState {
   size_t bytes() const { return bytes_; }
   size_t capacity() const { return options_.capacity_bytes; }
   cudaStream_t stream() const { return stream_; }
+  // Where the rows of a host half come from. pages_device_visible(): the kernels read the
+  // store's pages in place (the page lists Sync keeps); otherwise (a store in another process)
+  // a call's rows are gathered into row_staging(), pinned memory the kernels read in place.
+  RowSource* source() const { return source_; }
+  PinnedBuf* row_staging() { return &row_staging_; }
 
  private:
   absl::Status Alloc(DevBuf* b, size_t bytes);
@@ -154,7 +159,7 @@ class DeviceState {
   uint64_t tick_ = 0, evictions_ = 0;
   std::map<std::tuple<uint32_t, int32_t, int32_t>, DevBuf> planes_;
   DevBuf scratch_, sync_tmp_;
-  PinnedBuf staging_;
+  PinnedBuf staging_, row_staging_;
 };
 
 }  // namespace kvsparse::engine::gpu

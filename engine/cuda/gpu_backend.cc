@@ -25,7 +25,8 @@ class GpuBackend final : public DecodeBackend {
       : options_(std::move(options)),
         source_(source),
         stream_(stream),
-        caps_{options_.default_tile_size, options_.signatures.learned != nullptr} {
+        caps_{options_.default_tile_size, options_.signatures.learned != nullptr,
+              !source->pages_device_visible()} {
     gpu::DeviceStateOptions so;
     so.capacity_bytes = options_.capacity_bytes;
     so.max_fetch_bytes = options_.max_fetch_bytes;
@@ -76,8 +77,9 @@ class GpuBackend final : public DecodeBackend {
   size_t resident_capacity() const override { return options_.capacity_bytes; }
 
  private:
-  // What every GPU method needs of a call and a sequence: dtype, head dim, group size, and
-  // pages the GPU can read in place for a half kept in host memory.
+  // What every GPU method needs of a call and a sequence: dtype, head dim, group size, and for a
+  // half kept in host memory pages the GPU can read in place (power-of-two pages) or a runner
+  // that gathers its rows into staging (GpuCaps::staged_rows).
   bool SupportsShape(const DecodeCall& call, const SequenceDesc& desc) const {
     const kvstore::ModelShape& s = desc.shape;
     if (call.return_indices) return false;  // the CPU engine lists the rows it read
@@ -88,7 +90,7 @@ class GpuBackend final : public DecodeBackend {
     const kvstore::Placement& pl = desc.placement;
     const bool host_half =
         pl.k_tier != kvstore::Tier::kDevice || pl.v_tier != kvstore::Tier::kDevice;
-    return !host_half || (source_->pages_device_visible() && gpu::IsPow2(desc.page_tokens));
+    return !host_half || caps_.staged_rows || gpu::IsPow2(desc.page_tokens);
   }
   // One pass over the method's launch sequence, framed by the start and end events; *carved:
   // the method's scratch bytes.

@@ -31,6 +31,9 @@ namespace kvsparse::engine::gpu {
 struct GpuCaps {
   int32_t default_tile_size = 256;  // S2ANTA tile of a request that gives 0
   bool learned_signatures = false;  // the deployment signs with learned MLPs (not on the GPU)
+  // The host halves' rows come from a store whose pages the GPU cannot read (another process):
+  // a runner gathers them through LaunchPlan::StageListed / StageAll, or does not take the call.
+  bool staged_rows = false;
 };
 
 // One Decode call of a method on the GPU (its state lives from Plan to Stats).

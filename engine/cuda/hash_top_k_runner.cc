@@ -4,7 +4,9 @@
 //   UnionSelected       the union over each GQA group (each row once per kv head);
 //   PlaceRows           which rows the row cache holds from the last step, and which must cross;
 //   FetchRows           only those rows, over the host link (into cache slots, or overflow rows
-//                       in the scratch when the cache is full);
+//                       in the scratch when the cache is full); from a store in another
+//                       process the rows are gathered into pinned staging first
+//                       (LaunchPlan::StageListed) and read from there;
 //   SelectedRowsDecode  the estimate over the union's rows.
 // The row cache (DeviceState::GrowCache) holds row_cache_fraction of each sequence's tokens per
 // kv head; consecutive steps select mostly the same rows, which then stay on the device.
@@ -29,9 +31,16 @@ constexpr int kCallTables = 7;
 class HashTopKCall final : public MethodCall {
  public:
   explicit HashTopKCall(const Method& m) : params_(m.hash) {}
-  // SimHash signatures on the device (learned ones are signed on the CPU engine).
+  // SimHash signatures on the device (learned ones are signed on the CPU engine). Rows staged
+  // from a store in another process: K and V in the same tier (the fetch reads both by list
+  // position).
   static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
-    return desc.placement.signature_bits > 0 && !caps.learned_signatures && !m.learned_signatures;
+    const kvstore::Placement& pl = desc.placement;
+    if (caps.staged_rows &&
+        (pl.k_tier == kvstore::Tier::kDevice) != (pl.v_tier == kvstore::Tier::kDevice)) {
+      return false;
+    }
+    return pl.signature_bits > 0 && !caps.learned_signatures && !m.learned_signatures;
   }
 
   absl::Status Plan(LaunchPlan& lp) override;
@@ -224,6 +233,14 @@ absl::Status HashTopKCall::Enqueue(LaunchPlan& lp, Carver& c) {
     KVS_CUDA_OK(kc::PlaceRows(pp, pws, pw, stream), "PlaceRows");
   }
   if (absl::Status s = lp.Mark(1); !s.ok()) return s;
+  if (lp.staged() && lp.running()) {  // the missed rows come from the row source, listed order
+    if (absl::Status s = lp.StageListed(lp.Dev<const int32_t>(cr_.fetch_tokens), rows_cap_,
+                                        lp.Dev<const int32_t>(cr_.fetch_count), &fp.shape);
+        !s.ok()) {
+      return s;
+    }
+    fp.source_by_position = true;
+  }
   if (lp.running()) KVS_CUDA_OK(kc::FetchRows(fp, stream), "FetchRows");
   if (absl::Status s = lp.Mark(2); !s.ok()) return s;
   if (lp.running()) KVS_CUDA_OK(kc::SelectedRowsDecode(srp, sws, sw, stream), "SelectedRowsDecode");

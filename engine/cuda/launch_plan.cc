@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 
 #include "kernels/dtype.h"
 #include "kernels/philox.h"
@@ -32,8 +33,14 @@ LaunchPlan::LaunchPlan(const DecodeCall& call, absl::Span<const SequenceDesc> de
       descs_(descs),
       batch_(batch),
       state_(state),
-      k_tier_(descs[0].placement.k_tier == kvstore::Tier::kDevice ? kDeviceTier : kHostTier),
-      v_tier_(descs[0].placement.v_tier == kvstore::Tier::kDevice ? kDeviceTier : kHostTier) {
+      k_tier_(descs[0].placement.k_tier == kvstore::Tier::kDevice
+                  ? kDeviceTier
+                  : static_cast<size_t>(state->source()->tier())),
+      v_tier_(descs[0].placement.v_tier == kvstore::Tier::kDevice
+                  ? kDeviceTier
+                  : static_cast<size_t>(state->source()->tier())),
+      staged_((k_tier_ != kDeviceTier || v_tier_ != kDeviceTier) &&
+              !state->source()->pages_device_visible()) {
   // q travels in the tables unless it is on the device already.
   q_off_ = AddHostTable<uint8_t>(call.on_device() ? 0 : static_cast<size_t>(BH) * d * es);
   lens_off_ = AddHostTable<int32_t>(B);
@@ -99,10 +106,12 @@ void LaunchPlan::BeginPass(char* base, cudaEvent_t* events) {
   shape_.scale = call_.scale > 0.f ? call_.scale : 1.f / std::sqrt(static_cast<float>(d));
   shape_.out = call_.on_device() ? call_.out_device : base_ + out_off_;
   shape_.kv.token_stride = d;
-  kc::PagedRows pages;
-  pages.tables = Dev<const void* const* const>(pages_off_);
-  pages.page_shift = Log2(descs_[0].page_tokens);
-  pages.slot_bytes = static_cast<int32_t>(2 * row);
+  kc::PagedRows pages;  // staged: none until StageListed / StageAll
+  if (!staged_) {
+    pages.tables = Dev<const void* const* const>(pages_off_);
+    pages.page_shift = Log2(descs_[0].page_tokens);
+    pages.slot_bytes = static_cast<int32_t>(2 * row);
+  }
   if (k_tier_ == kDeviceTier) {
     shape_.k_heads = Dev<const void* const>(k_heads_off_);
   } else {
@@ -144,6 +153,82 @@ kc::SimHashSignParams LaunchPlan::QuerySigns(uint32_t* out) const {
   p.out_batch_stride = static_cast<int64_t>(H) * words;
   p.out_head_stride = words;
   return p;
+}
+
+absl::Status LaunchPlan::StageListed(const int32_t* tokens, int32_t cap, const int32_t* counts,
+                                     kc::DecodeShape* shape) {
+  KVS_CUDA_OK(cudaStreamSynchronize(stream()), "row lists");
+  std::vector<int32_t> n(BK);
+  KVS_CUDA_OK(cudaMemcpy(n.data(), counts, sizeof(int32_t) * BK, cudaMemcpyDeviceToHost),
+              "row counts");
+  std::vector<std::vector<uint32_t>> lists(BK);
+  for (int32_t i = 0; i < BK; ++i) {
+    if (n[i] < 0 || n[i] > cap) return absl::InternalError("row list count out of range");
+    lists[i].resize(n[i]);
+    KVS_CUDA_OK(cudaMemcpy(lists[i].data(), tokens + static_cast<size_t>(i) * cap,
+                           sizeof(int32_t) * n[i], cudaMemcpyDeviceToHost),
+                "row list");
+  }
+  return Stage(lists, shape);
+}
+
+absl::Status LaunchPlan::StageAll(kc::DecodeShape* shape) {
+  std::vector<std::vector<uint32_t>> lists(BK);
+  for (int32_t i = 0; i < BK; ++i) {
+    lists[i].resize(len(i / hkv));
+    std::iota(lists[i].begin(), lists[i].end(), 0u);
+  }
+  return Stage(lists, shape);
+}
+
+absl::Status LaunchPlan::Stage(absl::Span<const std::vector<uint32_t>> lists,
+                               kc::DecodeShape* shape) {
+  const bool k_host = k_tier_ != kDeviceTier, v_host = v_tier_ != kDeviceTier;
+  size_t rows = 0;
+  for (const std::vector<uint32_t>& l : lists) rows += l.size();
+  const size_t tab = (sizeof(void*) * BK + 255) / 256 * 256;
+  const size_t kb = k_host ? rows * row : 0, vb = v_host ? rows * row : 0;
+  PinnedBuf* buf = state_->row_staging();
+  if (absl::Status s = buf->Reserve(2 * tab + kb + vb); !s.ok()) return s;
+  // [K table | V table | K rows | V rows]; the kernels read it in place (pinned memory is mapped).
+  char* base = static_cast<char*>(buf->ptr());
+  auto* kt = reinterpret_cast<const void**>(base);
+  auto* vt = reinterpret_cast<const void**>(base + tab);
+  uint8_t* k_rows = reinterpret_cast<uint8_t*>(base + 2 * tab);
+  uint8_t* v_rows = k_rows + kb;
+  std::vector<RowRequest> heads(hkv);
+  size_t at = 0;
+  for (int32_t b = 0; b < B; ++b) {
+    size_t seq_rows = 0;
+    for (int32_t j = 0; j < hkv; ++j) {
+      const int32_t i = b * hkv + j;
+      heads[j] = {static_cast<uint32_t>(j), lists[i]};
+      kt[i] = k_rows + (at + seq_rows) * row;
+      vt[i] = v_rows + (at + seq_rows) * row;
+      seq_rows += lists[i].size();
+    }
+    if (seq_rows == 0) continue;
+    absl::StatusOr<uint64_t> got = state_->source()->Gather(
+        descs_[b].sequence_id, call_.layer, kvstore::RowKindOf(k_host, v_host), heads,
+        k_host ? k_rows + at * row : nullptr, v_host ? v_rows + at * row : nullptr, call_.deadline);
+    if (!got.ok()) return got.status();
+    if (*got < static_cast<uint64_t>(len(b))) {
+      return absl::AbortedError("the sequence changed during the call; retry");
+    }
+    at += seq_rows;
+  }
+  staged_bytes_ += kb + vb;
+  if (k_host) {
+    shape->k = nullptr;
+    shape->k_pages = kc::PagedRows();
+    shape->k_heads = kt;
+  }
+  if (v_host) {
+    shape->v = nullptr;
+    shape->v_pages = kc::PagedRows();
+    shape->v_heads = vt;
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<char*> LaunchPlan::PlaceScratch(size_t method_bytes) {

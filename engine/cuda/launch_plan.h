@@ -59,9 +59,14 @@ class LaunchPlan {
   DeviceSequence* sequence(int32_t b) const { return batch_->seqs[b]; }
   DeviceLayer& layer(int32_t b) const { return batch_->seqs[b]->layers[call_.layer]; }
   absl::Span<const DeviceSequence* const> busy() const { return batch_->busy; }
-  // The tier K and V rows are read from (device or host), as the placements say.
+  // The tier K and V rows are read from, as the placements say: the device, or for a half not
+  // on the device the row source's tier (host in this process, remote across processes).
   size_t k_tier() const { return k_tier_; }
   size_t v_tier() const { return v_tier_; }
+  // Whether the rows of the host halves are gathered from the row source into pinned staging
+  // (a store whose pages the GPU cannot read: another process) instead of read in place through
+  // the page lists. Runners that support it (GpuCaps::staged_rows) call StageListed or StageAll.
+  bool staged() const { return staged_; }
 
   // ---- Host tables (before BuildTables). ----
   // Room for `count` values of T in the host tables; returns its offset.
@@ -109,6 +114,19 @@ class LaunchPlan {
   absl::Status LoadPlanes();
   kernels::cuda::SimHashSignParams QuerySigns(uint32_t* out) const;
 
+  // ---- Staged rows (staged() only, in the run pass). ----
+  // Waits for the stream, reads the row lists the kernels wrote (per (b, j): counts[i] tokens at
+  // tokens + i * cap; device addresses), gathers those rows of the host halves from the row
+  // source into pinned staging in list order, and points *shape's addressing of the host halves
+  // at them: row r of (b, j)'s list is row r of k_heads[i] / v_heads[i] (FetchRows reads them
+  // with source_by_position). ABORTED when the sequence shrank under the call.
+  absl::Status StageListed(const int32_t* tokens, int32_t cap, const int32_t* counts,
+                           kernels::cuda::DecodeShape* shape);
+  // Every row 0 .. len(b) - 1 of the host halves, in token order (token t at row t).
+  absl::Status StageAll(kernels::cuda::DecodeShape* shape);
+  // Bytes gathered into staging by this call.
+  uint64_t staged_bytes() const { return staged_bytes_; }
+
   // ---- Scratch, upload, download. ----
   // Places the scratch for the method's `method_bytes`; base() of the run pass.
   absl::StatusOr<char*> PlaceScratch(size_t method_bytes);
@@ -127,6 +145,10 @@ class LaunchPlan {
   SyncedBatch* const batch_;
   DeviceState* const state_;
   const size_t k_tier_, v_tier_;
+  const bool staged_;
+  uint64_t staged_bytes_ = 0;
+  absl::Status Stage(absl::Span<const std::vector<uint32_t>> lists,
+                     kernels::cuda::DecodeShape* shape);
   Carver host_carver_{nullptr};
   size_t q_off_ = 0, lens_off_ = 0, seeds_off_ = 0;
   size_t k_heads_off_ = 0, v_heads_off_ = 0, pages_off_ = 0, sig_heads_off_ = 0;

@@ -25,8 +25,10 @@ class SantaCall final : public MethodCall {
   static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
     const kernels::SantaParams& p = m.santa;
     const int32_t tile = p.tile_size == 0 ? caps.default_tile_size : p.tile_size;
+    // (The sampled V rows are read inside the kernel: V from another process's store is not.)
     if (desc.placement.k_tier != kvstore::Tier::kDevice || tile != kc::kSantaTile ||
-        p.bernoulli_qk_samples != 0) {
+        p.bernoulli_qk_samples != 0 ||
+        (caps.staged_rows && desc.placement.v_tier != kvstore::Tier::kDevice)) {
       return false;
     }
     return (p.sampler == kernels::SantaSampler::kIid &&

@@ -19,7 +19,11 @@ class VAttentionCall final : public MethodCall {
  public:
   explicit VAttentionCall(const Method& m) : params_(m.vattention) {}
   // The hash predictor over SimHash signatures on the device.
+  // (Its rows are read inside the kernel: rows from another process's store are not.)
   static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
+    const bool host_half = desc.placement.k_tier != kvstore::Tier::kDevice ||
+                           desc.placement.v_tier != kvstore::Tier::kDevice;
+    if (caps.staged_rows && host_half) return false;
     return desc.placement.signature_bits > 0 && !caps.learned_signatures && !m.learned_signatures &&
            m.vattention.predictor == kernels::TopKPredictor::kHash &&
            !m.vattention.exact_statistics;

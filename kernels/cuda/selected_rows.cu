@@ -246,8 +246,10 @@ __global__ void __launch_bounds__(kFetchThreads) FetchKernel(FetchRowsParams p, 
     } else {
       t = p.out.tokens[i][r];
     }
-    src[0][threadIdx.x] = reinterpret_cast<const uint4*>(MakeRowReader(s, false, b, j, 0).Row(t));
-    src[1][threadIdx.x] = reinterpret_cast<const uint4*>(MakeRowReader(s, true, b, j, 0).Row(t));
+    const int from = p.source_by_position ? r : t;
+    src[0][threadIdx.x] =
+        reinterpret_cast<const uint4*>(MakeRowReader(s, false, b, j, 0).Row(from));
+    src[1][threadIdx.x] = reinterpret_cast<const uint4*>(MakeRowReader(s, true, b, j, 0).Row(from));
     const int loc = p.dest != nullptr ? p.dest[i][r] : r;
     const bool second = loc < 0;
     const int64_t off = static_cast<int64_t>(second ? -1 - loc : loc) * row_vecs;
@@ -452,8 +454,8 @@ cudaError_t FetchRows(const FetchRowsParams& p, cudaStream_t stream) {
   const bool has_v = s.v != nullptr || s.v_heads != nullptr || s.v_pages.enabled();
   if (!has_k || !has_v || p.out.tokens == nullptr || p.out.count == nullptr || p.out.k == nullptr ||
       p.out.v == nullptr || (p.dest == nullptr && p.out.capacity < p.max_rows) ||
-      (p.all_tokens &&
-       (p.seq_lens == nullptr || p.max_rows < p.max_seq_len || p.dest != nullptr)) ||
+      (p.all_tokens && (p.seq_lens == nullptr || p.max_rows < p.max_seq_len || p.dest != nullptr ||
+                        p.source_by_position)) ||
       ((p.second.k == nullptr) != (p.second.v == nullptr))) {
     return cudaErrorInvalidValue;
   }

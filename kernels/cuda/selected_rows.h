@@ -114,6 +114,10 @@ struct FetchRowsParams {
   // row r: out.k / out.v row dest, or for dest < 0 row -1 - dest of `second`.
   const int32_t* const* dest = nullptr;
   SecondRows second;
+  // Read row r of (b, j)'s list from row r of the source addressing instead of its token's row:
+  // the rows were staged in list order (rows gathered from a store whose pages the GPU cannot
+  // read, through shape's k_heads / v_heads). Not with all_tokens.
+  bool source_by_position = false;
 };
 cudaError_t FetchRows(const FetchRowsParams& p, cudaStream_t stream);
 

@@ -300,6 +300,47 @@ void RunHashPipeline(const HashCase& c) {
       }
     }
   }
+  // The same lists with their rows staged in list order (as rows gathered from a store whose
+  // pages the GPU cannot read), fetched by position: the same rows again.
+  {
+    std::vector<uint8_t> sk(row * sets * cap), sv(row * sets * cap);
+    std::vector<void*> kp(sets), vp(sets);
+    for (int i = 0; i < sets; ++i) {
+      const int b = i / hkv, j = i % hkv;
+      for (int r = 0; r < got_cnt[i]; ++r) {
+        const int64_t off = b * p.kv_layout.batch_stride + j * p.kv_layout.head_stride +
+                            got_tok[static_cast<size_t>(i) * cap + r] * p.kv_layout.token_stride;
+        const size_t to = (static_cast<size_t>(i) * cap + r) * row;
+        std::memcpy(sk.data() + to, static_cast<const uint8_t*>(p.k) + off * es, row);
+        std::memcpy(sv.data() + to, static_cast<const uint8_t*>(p.v) + off * es, row);
+      }
+    }
+    const DeviceBuffer dk = ToDevice(sk), dv = ToDevice(sv);
+    for (int i = 0; i < sets; ++i) {
+      kp[i] = dk.as<char>() + row * i * cap;
+      vp[i] = dv.as<char>() + row * i * cap;
+    }
+    const DeviceBuffer kt = ToDevice(kp), vt = ToDevice(vp);
+    RowSets again(sets, cap, row);
+    FetchRowsParams fs;
+    fs.shape = dp.shape;
+    fs.shape.k = fs.shape.v = nullptr;
+    fs.shape.k_heads = kt.as<const void* const>();
+    fs.shape.v_heads = vt.as<const void* const>();
+    fs.max_rows = cap;
+    fs.out = rows.tables;  // the lists
+    fs.out.k = again.tables.k;
+    fs.out.v = again.tables.v;
+    fs.source_by_position = true;
+    ASSERT_EQ(FetchRows(fs, nullptr), cudaSuccess) << what;
+    const auto k2 = ToHost<uint8_t>(again.k, row * sets * cap);
+    const auto v2 = ToHost<uint8_t>(again.v, row * sets * cap);
+    for (int i = 0; i < sets; ++i) {
+      const size_t at = static_cast<size_t>(i) * cap * row, len = got_cnt[i] * row;
+      ASSERT_EQ(0, std::memcmp(k2.data() + at, got_k.data() + at, len)) << what << " staged K";
+      ASSERT_EQ(0, std::memcmp(v2.data() + at, got_v.data() + at, len)) << what << " staged V";
+    }
+  }
   // Output against the CPU reference (same rows, fp32 sums in another order).
   int64_t non_finite = 0;
   const std::vector<double> got = dp.OutputAsDouble(&non_finite);

@@ -10,6 +10,10 @@ one process on one GPU:
   kvsc-<method>   the same with the model compiled (torch.compile, default mode: the kvsparse
                   attention calls are graph breaks; no CUDA graphs, the op synchronises)
   grpc-<method>   kvsparse-server on loopback (unary calls), grpcs-<method> over a DecodeStream
+  split-<method>  a split deployment on loopback: kvsparse-server --role=store holds the KV,
+                  --role=worker decodes on the GPU and gathers the rows it selects from the
+                  store (KvStore Gather RPC); the model appends to the store, decodes at the
+                  worker
 
 Methods: dense (every row from host memory), prop (S2ANTA-prop S=128, K on the GPU, V in host
 memory), hash (HashAttention top-k 1.25% per head from host memory, 4% row cache), vatt
@@ -219,6 +223,10 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engine, server) 
     row = Row(n, batch, variant)
     kvsparse.hf.enable(model)
     target: Any = engine if transport == "kvs" else server.target
+    if transport == "split":
+        target = kvsparse.Client(server["worker"].target, store_target=server["store"].target, timeout=600)
+    elif transport.startswith("grpc"):
+        target = server["all"].target
     cache = kvsparse.hf.KvSparseCache(cfg, target, method=method, stream=transport == "grpcs", seed=1)
     t0 = time.perf_counter()
     for layer in range(L):
@@ -245,6 +253,8 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engine, server) 
         row.kv_gpu_gb = mem["gpu_bytes"] / 1e9
     row.note = f"load {load_s:.0f} s" + (f", compile+run {warm_s:.0f} s" if compiled else "")
     cache.close()
+    if isinstance(target, kvsparse.Client):
+        target.close()
     model.set_attn_implementation("sdpa")
     return finish(row)
 
@@ -283,11 +293,20 @@ def main() -> None:
         engine = ops.InProcessEngine(
             gpu="on" if gpu else "off", store_capacity=args.store_capacity, gpu_capacity=args.gpu_capacity
         )
-    server = None
+    server: dict[str, kvsparse.LocalServer] = {}
     if any(v.startswith("grpc") for v in variants):
-        server = kvsparse.LocalServer(
+        server["all"] = kvsparse.LocalServer(
             gpu="on" if gpu else "off",
             capacity=args.store_capacity,
+            resident_capacity=args.gpu_capacity,
+            startup_timeout=120,
+        ).start()
+    if any(v.startswith("split") for v in variants):
+        server["store"] = kvsparse.LocalServer(role="store", capacity=args.store_capacity, startup_timeout=120).start()
+        server["worker"] = kvsparse.LocalServer(
+            role="worker",
+            store=server["store"].target,
+            gpu="on" if gpu else "off",
             resident_capacity=args.gpu_capacity,
             startup_timeout=120,
         ).start()
@@ -321,8 +340,8 @@ def main() -> None:
                     f"{row.kv_gpu_gb:.2f} | {row.host_mb_per_token:.1f} | {row.fetched_fraction:.3f} | {row.note} |",
                     flush=True,
                 )
-    if server is not None:
-        server.stop()
+    for srv in server.values():
+        srv.stop()
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)

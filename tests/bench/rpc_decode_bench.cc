@@ -8,6 +8,7 @@
 //                     messages on both sides and the client's deadline).
 //
 //   rpc_decode_bench [--tokens=2048] [--batch=1,8] [--calls=300]
+//   rpc_decode_bench --serve_echo [--gpu]   (serve both for tests/bench/py_rpc_bench.py)
 //
 // One process runs the real kvsparse server (store + worker, CPU engine, metrics on) and an
 // Echo service on loopback ports; Llama-3.1-8B head shapes (H=32, Hkv=8, d=128, bf16).
@@ -36,6 +37,9 @@
 ABSL_FLAG(int, tokens, 2048, "Tokens per sequence");
 ABSL_FLAG(std::string, batch, "1,8", "Sequences per Decode call");
 ABSL_FLAG(int, calls, 300, "Timed calls per configuration");
+ABSL_FLAG(bool, serve_echo, false,
+          "Only serve: start the server and the Echo service, print their ports, and run until "
+          "stdin closes (for a client in another language: tests/bench/py_rpc_bench.py)");
 ABSL_FLAG(bool, gpu, false,
           "Decode on the GPU backend (store pages pinned and mapped); fails without a GPU");
 
@@ -95,6 +99,14 @@ int main(int argc, char** argv) {
   eb.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &echo_port);
   eb.RegisterService(&echo_service);
   auto echo_server = eb.BuildAndStart();
+  if (absl::GetFlag(FLAGS_serve_echo)) {
+    std::printf("serving kvsparse=127.0.0.1:%d echo=127.0.0.1:%d\n", (*server)->port(), echo_port);
+    std::fflush(stdout);
+    while (std::fgetc(stdin) != EOF) {
+    }
+    echo_server->Shutdown();
+    return 0;
+  }
 
   kvsparse::client::ClientOptions co;
   co.target = absl::StrCat("127.0.0.1:", (*server)->port());

@@ -39,14 +39,45 @@ constexpr uint32_t kLayers = 2;
 constexpr uint32_t kLayer = 1;
 constexpr uint64_t kSigSeed = 4321;
 
-// One store (pinned, mapped pages) with a CPU engine and a GPU engine over it.
+// The store's rows as a store in another process shows them (the server's RemoteRowSource):
+// tier remote, no page view, pages not device-visible, page size unknown; rows only through
+// Gather.
+class ApartSource final : public RowSource {
+ public:
+  explicit ApartSource(RowSource* inner) : inner_(inner) {}
+  kvstore::Tier tier() const override { return kvstore::Tier::kRemote; }
+  absl::StatusOr<SequenceDesc> Describe(absl::string_view id, absl::Time deadline) override {
+    absl::StatusOr<SequenceDesc> d = inner_->Describe(id, deadline);
+    if (d.ok()) d->page_tokens = 0;
+    return d;
+  }
+  absl::Status Append(absl::string_view id, const kvstore::ModelShape& shape, uint32_t layer,
+                      uint64_t expected_length, uint64_t num_tokens, absl::Span<const uint8_t> k,
+                      absl::Span<const uint8_t> v, absl::Time deadline) override {
+    return inner_->Append(id, shape, layer, expected_length, num_tokens, k, v, deadline);
+  }
+  absl::StatusOr<uint64_t> Gather(absl::string_view id, uint32_t layer, kvstore::RowKind kind,
+                                  absl::Span<const RowRequest> heads, uint8_t* k_out,
+                                  uint8_t* v_out, absl::Time deadline) override {
+    ++gathers;
+    return inner_->Gather(id, layer, kind, heads, k_out, v_out, deadline);
+  }
+  int gathers = 0;
+
+ private:
+  RowSource* const inner_;
+};
+
+// One store (pinned, mapped pages) with a CPU engine and a GPU engine over it; apart: both read
+// it through an ApartSource, as a worker reads a store in another process.
 struct Rig {
   std::unique_ptr<kvstore::MemoryResource> memory;
   std::unique_ptr<kvstore::Store> store;
-  std::unique_ptr<RowSource> source;
+  std::unique_ptr<RowSource> source, local;
   std::unique_ptr<DecodeEngine> cpu, gpu;
 
-  static std::unique_ptr<Rig> Make(size_t gpu_capacity = 1ull << 30, double row_cache = 1.0) {
+  static std::unique_ptr<Rig> Make(size_t gpu_capacity = 1ull << 30, double row_cache = 1.0,
+                                   bool apart = false) {
     auto r = std::make_unique<Rig>();
     auto mem = kvstore::NewPinnedHostMemoryResource();
     EXPECT_TRUE(mem.ok()) << mem.status();
@@ -59,6 +90,10 @@ struct Rig {
     EXPECT_TRUE(store.ok());
     r->store = std::move(*store);
     r->source = NewLocalRowSource(r->store.get(), /*pages_device_visible=*/true);
+    if (apart) {
+      r->local = std::move(r->source);
+      r->source = std::make_unique<ApartSource>(r->local.get());
+    }
     EngineOptions eo;
     eo.signatures.simhash_seed = kSigSeed;
     r->cpu = std::make_unique<DecodeEngine>(eo, r->source.get());
@@ -290,6 +325,52 @@ TEST_F(GpuEngineTest, VAttention) {
     for (size_t k = 0; k < c->heads[i].budgets.size(); ++k) {
       EXPECT_NEAR(static_cast<double>(g->heads[i].budgets[k]),
                   static_cast<double>(c->heads[i].budgets[k]), 1.0);
+    }
+  }
+}
+
+// A worker whose store is in another process: dense and hash top-k run on the GPU with their
+// host rows gathered into staging (hash: only the row cache's misses), matching the CPU engine
+// row for row and byte for byte (bytes from the remote tier); S2ANTA with V in the store and
+// vAttention fall back to the CPU engine.
+TEST_F(GpuEngineTest, StoreInAnotherProcess) {
+  for (int pl = 0; pl < 3; ++pl) {
+    auto rig = Rig::Make(1ull << 30, 1.0, /*apart=*/true);
+    ASSERT_NE(rig, nullptr);
+    kvstore::Placement p;
+    p.k_tier = pl >= 1 ? Tier::kDevice : Tier::kHost;
+    p.v_tier = pl == 2 ? Tier::kDevice : Tier::kHost;
+    p.signature_bits = pl == 0 ? 32 : 0;
+    auto prob = Problem({3000, 1, 700});
+    rig->Load(prob, p);
+    Compare(*rig, prob, Method{}, {6e-3, true, 0}, "apart dense placement " + std::to_string(pl));
+    auto g = rig->gpu->Decode(Call(prob, Method{}));
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_GT(g->timing.launch_seconds, 0.0) << "dense ran on the GPU, placement " << pl;
+    if (pl == 2) continue;
+    EXPECT_GT(g->heads[0].bytes[static_cast<int>(Tier::kRemote)], 0u);
+    if (pl == 0) {
+      const Method m = HashMethod(0.05f, 0, 16, 32);
+      Compare(*rig, prob, m, {8e-3, true, 0}, "apart hash");
+      auto* src = static_cast<ApartSource*>(rig->source.get());
+      const int before = src->gathers;
+      auto h = rig->gpu->Decode(Call(prob, m));  // the same step: every row from the row cache
+      ASSERT_TRUE(h.ok()) << h.status();
+      EXPECT_GT(h->timing.launch_seconds, 0.0);
+      EXPECT_EQ(src->gathers, before) << "no row crossed";
+      for (const HeadStats& hs : h->heads) {
+        EXPECT_EQ(hs.rows_cached, hs.rows_fetched);
+        EXPECT_EQ(hs.bytes[static_cast<int>(Tier::kRemote)], 0u);
+      }
+    } else {
+      Method m;
+      m.kind = MethodKind::kSanta;
+      m.santa.samples = 64;
+      auto c = rig->cpu->Decode(Call(prob, m));
+      auto s2 = rig->gpu->Decode(Call(prob, m));
+      ASSERT_TRUE(c.ok() && s2.ok()) << c.status() << s2.status();
+      EXPECT_EQ(s2->timing.launch_seconds, 0.0) << "S2ANTA with V apart runs on the CPU";
+      EXPECT_LT(RelL2(s2->output, c->output, DType::kBf16), 1e-6);
     }
   }
 }

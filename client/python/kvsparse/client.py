@@ -431,20 +431,28 @@ class DecodeStream:
 
 @dataclass
 class Client:
-    """Both services over one channel: ``store`` and ``attention``."""
+    """Both services: ``store`` and ``attention``, over one channel to ``target`` (a server with
+    both roles, the default), or in a split deployment (``kvsparse-server --role=store`` and
+    ``--role=worker --store=...``) attention at ``target`` (the worker) and the store at
+    ``store_target``."""
 
     target: str
     timeout: float = DEFAULT_TIMEOUT
+    store_target: str | None = None
     store: KvStoreClient = field(init=False)
     attention: AttentionClient = field(init=False)
 
     def __post_init__(self) -> None:
         self._channel = open_channel(self.target)
-        self.store = KvStoreClient(channel=self._channel, timeout=self.timeout)
+        split = self.store_target is not None and self.store_target != self.target
+        self._store_channel = open_channel(self.store_target) if split else self._channel  # type: ignore[arg-type]
+        self.store = KvStoreClient(channel=self._store_channel, timeout=self.timeout)
         self.attention = AttentionClient(channel=self._channel, timeout=self.timeout)
 
     def close(self) -> None:
         self._channel.close()
+        if self._store_channel is not self._channel:
+            self._store_channel.close()
 
     def __enter__(self) -> "Client":
         return self

@@ -235,3 +235,46 @@ def test_gpu_generation_in_process(method: kvsparse.Method) -> None:
         assert stats.fetched_fraction == pytest.approx(1.0)
     else:
         assert 0 < stats.fetched_fraction < 0.75
+
+
+@pytest.mark.parametrize("gpu", ["off", pytest.param("on", marks=pytest.mark.gpu)])
+def test_split_deployment(gpu: str) -> None:
+    """A store (``--role=store``) and a worker in another process (``--role=worker``) that reads
+    the rows it needs through the store's Gather RPC: the model appends to the store and decodes
+    at the worker, with the results of one process. gpu=on: the worker's GPU backend gathers the
+    rows it selects into pinned staging (dense: all; hash top-k: the row cache's misses)."""
+    on_gpu = gpu == "on"
+    device = "cuda" if on_gpu else "cpu"
+    model = tiny_llama(torch.bfloat16, head_dim=64, device=device) if on_gpu else tiny_llama()
+    ids, mask = prompt([400, 333], seed=5, device=device)
+    want = None if on_gpu else reference(model, ids, mask)
+    hash_method = kvsparse.HashTopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16)
+    with (
+        kvsparse.LocalServer(role="store", capacity="1G", gpu="off") as store,
+        kvsparse.LocalServer(role="worker", store=store.target, gpu=gpu, default_deadline="60s") as worker,
+        kvsparse.Client(worker.target, store_target=store.target, timeout=60.0) as client,
+    ):
+        with kvsparse.hf.KvSparseCache(model.config, client, method=kvsparse.Dense()) as cache:
+            got = through_kvsparse(model, ids, mask, cache)
+            stats = cache.stats
+        if on_gpu:
+            check_bf16(model, ids, mask, got)
+        else:
+            assert torch.equal(got.sequences, want.sequences)
+            assert max_logit_diff(got, want) < 1e-4
+        assert stats.fetched_fraction == pytest.approx(1.0)
+        with kvsparse.hf.KvSparseCache(model.config, client, method=hash_method) as cache:
+            got = through_kvsparse(model, ids, mask, cache, new_tokens=8)
+            stats = cache.stats
+            assert all(torch.isfinite(x).all() for x in got.logits)
+            assert 0 < stats.fetched_fraction < 0.75
+            # One more step's query, twice: the second finds every row in the GPU's row cache
+            # (nothing crosses from the store); the CPU engine reads them from the store again.
+            cfg = model.config
+            q = torch.randn(2, cfg.num_attention_heads, cfg.head_dim, dtype=model.dtype)
+            ids_held = list(cache.sequence_ids)[:2]
+            client.attention.decode(0, ids_held, q, hash_method)
+            again = client.attention.decode(0, ids_held, q, hash_method)
+            remote = sum(h.bytes_remote for h in again.heads)
+            assert (remote == 0) if on_gpu else (remote > 0)
+        assert not client.store.list_sequences()  # both caches dropped theirs
