@@ -12,7 +12,8 @@
 # this one's alternating, AB_ROUNDS (default 2) rounds of new then old, "rpc": rpc_decode_bench
 # --gpu with RPC_ARGS, "python": the Python package's tests with the wheels carried in .whl (the
 # package and what the image lacks) and libkvsparse_torch.so, PYTEST_ARGS; "e2e":
-# tests/bench/e2e_bench.py with E2E_ARGS), BENCH_ARGS (extra kernel_bench.py args),
+# tests/bench/e2e_bench.py with E2E_ARGS; "pyrpc": tests/bench/py_rpc_bench.py --gpu with
+# PYRPC_ARGS), BENCH_ARGS (extra kernel_bench.py args),
 # REFS=0 (benchmark without FlashInfer and the S2ANTA reference kernels: SDPA and ours only),
 # NCU_ARGS (kernel_bench.py args of the profiled run; default B=8, n=32k).
 set -u
@@ -96,7 +97,7 @@ if [[ " $STEPS " == *" rpc "* ]]; then
   note "rpc_decode_bench rc=${PIPESTATUS[0]}"
 fi
 
-if [[ " $STEPS " == *" python "* || " $STEPS " == *" e2e "* ]]; then
+if [[ " $STEPS " == *" python "* || " $STEPS " == *" e2e "* || " $STEPS " == *" pyrpc "* ]]; then
   # The image has torch and transformers; the kvsparse package, grpcio and protobuf of the
   # versions its stubs need travel as wheels (scripts/gpu_wheels.sh).
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -111,6 +112,12 @@ if [[ " $STEPS " == *" python "* ]]; then
     ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
   note "pytest rc=$?: $(tail -1 "$OUT/pytest.log")"
   grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest.log" | head -20
+fi
+
+if [[ " $STEPS " == *" pyrpc "* ]]; then
+  timeout ${PYRPC_TIMEOUT:-300} python3 tests/bench/py_rpc_bench.py --bench "$CARRY/bin/rpc_decode_bench" \
+    --gpu ${PYRPC_ARGS:-} 2>&1 | grep -v "^I[0-9]" | tee "$OUT/py_rpc_bench.log"
+  note "py_rpc_bench rc=${PIPESTATUS[0]}"
 fi
 
 if [[ " $STEPS " == *" e2e "* ]]; then

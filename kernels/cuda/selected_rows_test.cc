@@ -325,6 +325,7 @@ void RunHashPipeline(const HashCase& c) {
     FetchRowsParams fs;
     fs.shape = dp.shape;
     fs.shape.k = fs.shape.v = nullptr;
+    fs.shape.kv.token_stride = c.d;  // rows packed
     fs.shape.k_heads = kt.as<const void* const>();
     fs.shape.v_heads = vt.as<const void* const>();
     fs.max_rows = cap;

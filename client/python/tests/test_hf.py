@@ -251,7 +251,9 @@ def test_split_deployment(gpu: str) -> None:
     hash_method = kvsparse.HashTopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16)
     with (
         kvsparse.LocalServer(role="store", capacity="1G", gpu="off") as store,
-        kvsparse.LocalServer(role="worker", store=store.target, gpu=gpu, default_deadline="60s") as worker,
+        kvsparse.LocalServer(
+            role="worker", store=store.target, gpu=gpu, default_deadline="60s", gpu_row_cache=1.0
+        ) as worker,
         kvsparse.Client(worker.target, store_target=store.target, timeout=60.0) as client,
     ):
         with kvsparse.hf.KvSparseCache(model.config, client, method=kvsparse.Dense()) as cache:
@@ -269,7 +271,8 @@ def test_split_deployment(gpu: str) -> None:
             assert all(torch.isfinite(x).all() for x in got.logits)
             assert 0 < stats.fetched_fraction < 0.75
             # One more step's query, twice: the second finds every row in the GPU's row cache
-            # (nothing crosses from the store); the CPU engine reads them from the store again.
+            # (sized here for every row of the selection: nothing crosses from the store); the
+            # CPU engine reads them from the store again.
             cfg = model.config
             q = torch.randn(2, cfg.num_attention_heads, cfg.head_dim, dtype=model.dtype)
             ids_held = list(cache.sequence_ids)[:2]
