@@ -222,7 +222,7 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engine, server) 
     L, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     row = Row(n, batch, variant)
     kvsparse.hf.enable(model)
-    target: Any = engine if transport == "kvs" else server.target
+    target: Any = engine
     if transport == "split":
         target = kvsparse.Client(server["worker"].target, store_target=server["store"].target, timeout=600)
     elif transport.startswith("grpc"):
