@@ -9,6 +9,7 @@ with the server's code and message. Both clients can share one channel (``channe
 
 from __future__ import annotations
 
+import functools
 import itertools
 import queue
 import threading
@@ -270,20 +271,61 @@ class HeadStats:
 
 @dataclass(frozen=True)
 class DecodeResult:
+    """One Decode call's answer. ``heads`` (per kv head of each sequence, [B * Hkv]) is built
+    from the response on first use; the totals read it without building it (a step loop that
+    only sums bytes pays no per-head Python objects)."""
+
     output: ArrayLike  # [B, H, d] in q's dtype, as q's kind (numpy, or torch on q's device)
-    heads: list[HeadStats]  # [B * Hkv]
     timing: attention_pb2.Timing
     sync_bytes: int
     request_id: int = 0
+    head_stats: Any = field(default=(), repr=False, compare=False)  # the response's HeadStats
+
+    @functools.cached_property
+    def heads(self) -> list[HeadStats]:
+        return [
+            HeadStats(
+                h.sequence_index,
+                h.kv_head,
+                h.rows_selected,
+                h.rows_fetched,
+                list(h.budgets),
+                h.bytes_host,
+                h.bytes_device,
+                h.bytes_remote,
+                h.dense_equivalent_bytes,
+                list(h.fetched_tokens),
+            )
+            for h in self.head_stats
+        ]
+
+    @functools.cached_property
+    def _totals(self) -> tuple[int, int, int, int]:
+        fetched = device = dense = rows = 0
+        for h in self.head_stats:
+            fetched += h.bytes_host + h.bytes_remote
+            device += h.bytes_device
+            dense += h.dense_equivalent_bytes
+            rows += h.rows_fetched
+        return fetched, device, dense, rows
 
     @property
     def bytes_fetched(self) -> int:
         """Bytes the call read from host memory or another process (not the worker's device)."""
-        return sum(h.bytes_host + h.bytes_remote for h in self.heads)
+        return self._totals[0]
+
+    @property
+    def bytes_device(self) -> int:
+        """Bytes the call read from the worker's device (resident rows, row cache, signatures)."""
+        return self._totals[1]
 
     @property
     def dense_equivalent_bytes(self) -> int:
-        return sum(h.dense_equivalent_bytes for h in self.heads)
+        return self._totals[2]
+
+    @property
+    def rows_fetched(self) -> int:
+        return self._totals[3]
 
 
 def _decode_request(
@@ -315,24 +357,10 @@ def _decode_request(
 def _decode_result(resp: attention_pb2.DecodeResponse, like: ArrayLike) -> DecodeResult:
     return DecodeResult(
         output=tensors.from_proto(resp.output, like),
-        heads=[
-            HeadStats(
-                h.sequence_index,
-                h.kv_head,
-                h.rows_selected,
-                h.rows_fetched,
-                list(h.budgets),
-                h.bytes_host,
-                h.bytes_device,
-                h.bytes_remote,
-                h.dense_equivalent_bytes,
-                list(h.fetched_tokens),
-            )
-            for h in resp.heads
-        ],
         timing=resp.timing,
         sync_bytes=resp.sync_bytes,
         request_id=resp.request_id,
+        head_stats=resp.heads,
     )
 
 

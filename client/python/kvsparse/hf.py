@@ -110,18 +110,26 @@ class GrpcTransport:
     def create(self, sequence_id: str, shape: ModelShape, placement: Placement) -> None:
         self.client.store.create_sequence(sequence_id, shape, placement)
 
+    # Prefill K/V crosses in Append messages of at most this many bytes: gRPC moves a large
+    # message at half the rate of several smaller ones (serialisation, flow control).
+    APPEND_CHUNK_BYTES = 16 << 20
+
     def append(self, sequence_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, expected: int) -> None:
-        self.client.store.append(sequence_id, k[None], v[None], first_layer=layer, expected_length=expected)
+        per_token = 2 * k[0].numel() * k.element_size()
+        step = max(1, self.APPEND_CHUNK_BYTES // per_token)
+        for t0 in range(0, k.shape[0], step):
+            self.client.store.append(
+                sequence_id,
+                k[None, t0 : t0 + step],
+                v[None, t0 : t0 + step],
+                first_layer=layer,
+                expected_length=expected + t0,
+            )
 
     def decode(self, layer, ids, q, method, new_k, new_v, seed, scale):  # type: ignore[no-untyped-def]
         call = self.stream.decode if self.stream is not None else self.client.attention.decode
         r = call(layer, ids, q, method, new_k=new_k, new_v=new_v, seed=seed, scale=scale)
-        s = StepStats()
-        for h in r.heads:
-            s.bytes_fetched += h.bytes_host + h.bytes_remote
-            s.bytes_device += h.bytes_device
-            s.dense_equivalent_bytes += h.dense_equivalent_bytes
-            s.rows_fetched += h.rows_fetched
+        s = StepStats(r.bytes_fetched, r.bytes_device, r.dense_equivalent_bytes, r.rows_fetched)
         return r.output, s
 
     def lengths(self, sequence_id: str) -> list[int]:

@@ -102,6 +102,19 @@ def test_dense_matches_transformers_fp32(target) -> None:
     assert stats.fetched_fraction == pytest.approx(1.0)
 
 
+def test_prefill_crosses_in_chunks(server: kvsparse.LocalServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill larger than one Append message crosses in several (8 tokens each here), each
+    expecting the length the ones before it left: the same generation."""
+    monkeypatch.setattr(kvsparse.hf.GrpcTransport, "APPEND_CHUNK_BYTES", 4096)
+    model = tiny_llama()
+    ids, mask = prompt([40])
+    want = reference(model, ids, mask, new_tokens=4)
+    with kvsparse.hf.KvSparseCache(model.config, server.target, method=kvsparse.Dense()) as cache:
+        got = through_kvsparse(model, ids, mask, cache, new_tokens=4)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max_logit_diff(got, want) < 1e-4
+
+
 def test_dense_batch_with_left_padding(target) -> None:
     model = tiny_llama()
     ids, mask = prompt([40, 23, 31], seed=2)
