@@ -111,6 +111,7 @@ enum class RngTag : uint16_t {
   kBernoulliGroup = 9,
   kSimHashPlane = 10,
   kSequenceSeed = 11,
+  kPropRounding = 12,  // S2ANTA-prop: the offset of the tile budgets' systematic rounding
 };
 
 // 2^-24 and 2^-53 as exact constants.

@@ -36,9 +36,10 @@ void TileStatistics(absl::Span<const float> scores, SantaHeadPlan* plan) {
     const int32_t lo = t * bt, hi = std::min(n, lo + bt);
     float m = -std::numeric_limits<float>::infinity();
     for (int32_t i = lo; i < hi; ++i) m = std::max(m, scores[i]);
+    const bool empty = m == -std::numeric_limits<float>::infinity();  // masked: no mass
     float l = 0.f;
     for (int32_t i = lo; i < hi; ++i) {
-      plan->u[i] = std::exp(scores[i] - m);
+      plan->u[i] = empty ? 0.f : std::exp(scores[i] - m);
       l += plan->u[i];
     }
     plan->tile_max[t] = m;
@@ -56,10 +57,9 @@ void TileStatistics(absl::Span<const float> scores, SantaHeadPlan* plan) {
 
 // Algorithm 5 inner loop for tile t with offset a0: appends rows with c_n > 0.
 template <typename WeightFn>
-void SystematicTile(const SantaHeadPlan& plan, int32_t t, float a0, WeightFn weight,
-                    HeadRows* out) {
+void SystematicTile(const SantaHeadPlan& plan, int32_t t, float inv_delta, float a0,
+                    WeightFn weight, HeadRows* out) {
   const int32_t lo = t * plan.tile_size, hi = std::min(plan.n, lo + plan.tile_size);
-  const float inv_delta = plan.inv_delta[t];
   float p = 0.f;
   for (int32_t i = lo; i < hi; ++i) {
     const float x = inv_delta * plan.u[i];
@@ -142,42 +142,45 @@ absl::Status PlanSantaHead(absl::Span<const float> scores, const SantaParams& pa
   plan->tile_budget.assign(tiles, 0);
   plan->inv_delta.assign(tiles, 0.f);
   if (params.allocation == SantaAllocation::kProp) {
+    // Quotas and their fixed-point prefix sums; the budgets are drawn per sample
+    // (PropTileBudgets).
     plan->tile_quota.resize(tiles);
-    int64_t assigned = 0;
-    std::vector<int32_t> order(tiles);
+    plan->quota_cum.resize(tiles);
+    uint64_t c = 0;
     for (int32_t t = 0; t < tiles; ++t) {
       const double q = static_cast<double>(S) * plan->tile_weight[t];
       plan->tile_quota[t] = q;
-      plan->tile_budget[t] = static_cast<int32_t>(std::floor(q));
-      assigned += plan->tile_budget[t];
-      order[t] = t;
-    }
-    const int64_t left = S - assigned;
-    if (left > 0) {
-      // Largest fractional part first, ties to the lower tile index.
-      auto frac = [&](int32_t t) { return plan->tile_quota[t] - std::floor(plan->tile_quota[t]); };
-      std::partial_sort(order.begin(), order.begin() + std::min<int64_t>(left, tiles), order.end(),
-                        [&](int32_t a, int32_t b) {
-                          const double fa = frac(a), fb = frac(b);
-                          return fa != fb ? fa > fb : a < b;
-                        });
-      for (int64_t i = 0; i < left; ++i) ++plan->tile_budget[order[i % tiles]];
-    }
-    for (int32_t t = 0; t < tiles; ++t) {
-      plan->inv_delta[t] = plan->tile_budget[t] > 0
-                               ? static_cast<float>(plan->tile_budget[t]) / plan->tile_sum[t]
-                               : 0.f;
+      c += static_cast<uint64_t>(std::llround(q * kPropFixedOne));
+      plan->quota_cum[t] = c;
     }
     plan->budget = S;
   } else {
     const int64_t s_tile = std::max<int64_t>(1, (S + tiles - 1) / tiles);
     for (int32_t t = 0; t < tiles; ++t) {
       plan->tile_budget[t] = static_cast<int32_t>(s_tile);
-      plan->inv_delta[t] = static_cast<float>(s_tile) / plan->tile_sum[t];
+      plan->inv_delta[t] =
+          plan->tile_sum[t] > 0.f ? static_cast<float>(s_tile) / plan->tile_sum[t] : 0.f;
     }
     plan->budget = s_tile * tiles;
   }
   return absl::OkStatus();
+}
+
+void PropTileBudgets(const SantaHeadPlan& plan, float u, std::vector<int32_t>* budgets) {
+  const uint64_t off = static_cast<uint64_t>(static_cast<double>(u) * kPropFixedOne);
+  budgets->resize(plan.num_tiles);
+  uint64_t before = off >> 32;
+  for (int32_t t = 0; t < plan.num_tiles; ++t) {
+    const uint64_t upto = (plan.quota_cum[t] + off) >> 32;
+    (*budgets)[t] = static_cast<int32_t>(upto - before);
+    before = upto;
+  }
+}
+
+float PropRoundingOffset(uint64_t seed, int32_t sequence, int32_t head) {
+  return PhiloxStream::Make(seed, RngTag::kPropRounding, static_cast<uint32_t>(sequence),
+                            static_cast<uint32_t>(head))
+      .Uniform(0);
 }
 
 void SampleSantaHead(const SantaHeadPlan& plan, const SantaParams& params, uint64_t seed,
@@ -232,20 +235,27 @@ void SampleSantaHead(const SantaHeadPlan& plan, const SantaParams& params, uint6
       break;
     }
     case SantaAllocation::kProp: {
+      std::vector<int32_t> local;
+      std::vector<int32_t>& budgets = scratch != nullptr ? *scratch : local;
+      PropTileBudgets(plan, PropRoundingOffset(seed, sequence, head), &budgets);
       const PhiloxStream st = PhiloxStream::Make(seed, RngTag::kPropTileOffset, seq, hd);
       for (int32_t t = 0; t < plan.num_tiles; ++t) {
-        if (plan.tile_budget[t] == 0) continue;
+        if (budgets[t] == 0) continue;  // also every tile without mass (Q_t = 0)
+        const float inv_delta = static_cast<float>(budgets[t]) / plan.tile_sum[t];
         SystematicTile(
-            plan, t, st.Uniform(t), [&](int32_t c) { return static_cast<float>(c) * inv_s; }, out);
+            plan, t, inv_delta, st.Uniform(t),
+            [&](int32_t c) { return static_cast<float>(c) * inv_s; }, out);
       }
       break;
     }
     case SantaAllocation::kFlash: {
       const PhiloxStream st = PhiloxStream::Make(seed, RngTag::kFlashTileOffset, seq, hd);
       for (int32_t t = 0; t < plan.num_tiles; ++t) {
+        if (plan.inv_delta[t] == 0.f) continue;  // a tile without mass
         const double scale = plan.tile_weight[t] / plan.tile_budget[t];
         SystematicTile(
-            plan, t, st.Uniform(t), [&](int32_t c) { return static_cast<float>(scale * c); }, out);
+            plan, t, plan.inv_delta[t], st.Uniform(t),
+            [&](int32_t c) { return static_cast<float>(scale * c); }, out);
       }
       break;
     }
@@ -265,13 +275,12 @@ void SantaExpectedWeights(const SantaHeadPlan& plan, const SantaParams& params,
     }
     return;
   }
+  // Prop: E[S_t] / S = q_t / S = W_t / Z, as flash's tile weight (up to the 2^-32 fixed point).
   for (int32_t t = 0; t < plan.num_tiles; ++t) {
-    const double tile_mass = plan.allocation == SantaAllocation::kProp
-                                 ? static_cast<double>(plan.tile_budget[t]) / params.samples
-                                 : plan.tile_weight[t];
+    if (plan.tile_sum[t] == 0.f) continue;  // no mass
     const int32_t lo = t * plan.tile_size, hi = std::min(plan.n, lo + plan.tile_size);
     for (int32_t i = lo; i < hi; ++i) {
-      (*out)[i] = tile_mass * static_cast<double>(plan.u[i]) / plan.tile_sum[t];
+      (*out)[i] = plan.tile_weight[t] * static_cast<double>(plan.u[i]) / plan.tile_sum[t];
     }
   }
 }

@@ -28,24 +28,24 @@
 // said otherwise, with no fused multiply-add:
 //   m_t = max_{n in T_t} s_n;  u_n = expf(s_n - m_t);  l_t = sum_{n in T_t} u_n (ascending n);
 //   m* = max_t m_t;  W_t = expf(m_t - m*) * l_t;  Z = sum_t W_t (double, ascending t);
-//   q_t = S * (double(W_t) / Z) (double);  S_t = floor(q_t); the S - sum_t S_t leftover samples
-//   go one each to the tiles with the largest q_t - floor(q_t), ties to the lower tile index
-//   (largest remainder; sum_t S_t = S exactly);
+//   q_t = S * (double(W_t) / Z) (double), in fixed point Q_t = round(q_t 2^32) (uint64), C_t =
+//   sum_{i<=t} Q_i (exact integer sums: the same in any order); budgets by systematic rounding
+//   with one offset per head, U = Uniform(0) of RngTag::kPropRounding as U_fp = U 2^32:
+//     S_t = floor((C_t + U_fp) / 2^32) - floor((C_{t-1} + U_fp) / 2^32),
+//   so S_t is floor(q_t) or ceil(q_t), E[S_t] = q_t (up to 2^-32) and sum_t S_t = S (up to one
+//   when the Q_t's rounding moves C_T off S 2^32: probability ~ T 2^-32);
 //   invdelta_t = S_t > 0 ? float(S_t) / l_t : 0;  a0_t = Uniform(t) of RngTag::kPropTileOffset;
 //   pass 2 per tile: p = 0; for n ascending: x = invdelta_t * u_n; f0 = a0_t + p;
 //     f1 = f0 + x; c_n = floor(f1) - floor(f0); p = p + x.
 //   Estimate: (1/S) sum_n c_n V_n, i.e. w[h, n] = c_n / S.
 //   Within a tile this is systematic sampling of S_t draws from u_n / l_t (offset 1 - a0_t), so
-//   E[sum_{n in T_t} c_n V_n] = S_t mu_t, mu_t = sum_{n in T_t} u_n V_n / l_t. The budgets S_t are
-//   a deterministic function of the scores, hence
-//     E[out] = sum_t (S_t / S) mu_t   whereas   softmax(s) V = sum_t (W_t / Z) mu_t.
-//   prop is BIASED in general: bias = sum_t (S_t/S - W_t/Z) (mu_t - mu), mu = softmax(s) V, which
-//   vanishes only when every q_t is an integer or all tile means agree. With R = S - sum_t
-//   floor(q_t) < min(T, S + 1) leftover samples, sum_t |S_t - q_t| < 2R, so
-//     ||bias|| <= (1/S) sum_t |S_t - q_t| max_t ||mu_t - mu||  <  (2R / S) max_t ||mu_t - mu||.
-//   Tiles with q_t below the largest-remainder cut get S_t = 0 and drop out entirely (the main
-//   source of bias when S < T). SantaExpectedWeights() gives E[out] exactly, so tests separate
-//   bias from noise.
+//   E[sum_{n in T_t} c_n V_n | S_t] = S_t mu_t, mu_t = sum_{n in T_t} u_n V_n / l_t, and with
+//   E[S_t] = q_t = S W_t / Z:
+//     E[out] = sum_t (q_t / S) mu_t = sum_t (W_t / Z) mu_t = softmax(s) V:   unbiased.
+//   (Largest-remainder budgets, a deterministic function of the scores, were biased: tiles whose
+//   q_t fell below the cut never sampled, by up to 200 standard errors on heavy-tailed scores.)
+//   A tile whose scores are all -inf (masked: padding, a window) has u = 0, l_t = 0, W_t = 0,
+//   hence Q_t = 0 and S_t = 0: it never samples.
 //   (fp32 rounding of p can make sum_n c_n differ from S_t by one, with probability ~1e-6.)
 //
 // Allocation kFlash (S2ANTA-flash, Appendix Q, Algorithms 6-8), systematic sampling only.
@@ -55,7 +55,8 @@
 //   S = 2048 gives S_tile = 16 (2048 draws) and S = 128 gives S_tile = 1 (128 draws); S = 100
 //   would also give S_tile = 1, i.e. 128 draws. The budget reported per head is T * S_tile.
 //   Per tile: m_t, u_n, l_t as for prop; invdelta_t = float(S_tile) / l_t (l_t >= 1 because the
-//   tile max contributes exp(0) = 1, so the "l tiny" branch of Algorithm 7 never fires);
+//   tile max contributes exp(0) = 1, so the "l tiny" branch of Algorithm 7 never fires), except
+//   in a tile whose scores are all -inf: l_t = 0, W_t = 0, invdelta_t = 0, no samples;
 //   a0_t = Uniform(t) of RngTag::kFlashTileOffset; the same pass-2 counts c_n.
 //   Merge (Algorithm 8): W_t, Z as for prop; out = (1/Z) sum_t W_t (O~_t / S_tile), O~_t =
 //   sum_{n in T_t} c_n V_n, i.e. w[h, n] = (W_t / Z) * c_n / S_tile (double, stored as float).
@@ -82,6 +83,9 @@
 
 namespace kvsparse::kernels {
 
+// One in prop's fixed-point quotas (2^32).
+inline constexpr double kPropFixedOne = 4294967296.0;
+
 // Numbering follows proto SantaSampler / SantaAllocation.
 enum class SantaSampler : uint8_t {
   kIid = 1,         // SANTA (Eq. 4)
@@ -91,7 +95,7 @@ enum class SantaSampler : uint8_t {
 
 enum class SantaAllocation : uint8_t {
   kGlobal = 1,  // one CDF over all tokens
-  kProp = 2,    // S2ANTA-prop: largest-remainder tile budgets
+  kProp = 2,    // S2ANTA-prop: tile budgets by systematic rounding of S W_t / Z
   kFlash = 3,   // S2ANTA-flash: uniform tile budgets, deferred merge
 };
 
@@ -127,8 +131,9 @@ struct SantaHeadPlan {
   std::vector<float> tile_sum;       // [T] l_t
   std::vector<double> tile_weight;   // [T] W_t / Z (double)
   std::vector<double> tile_quota;    // [T] q_t = S W_t / Z (prop)
-  std::vector<int32_t> tile_budget;  // [T] S_t (prop) or S_tile (flash)
-  std::vector<float> inv_delta;      // [T] invdelta_t
+  std::vector<uint64_t> quota_cum;   // [T] C_t, prop's fixed-point prefix sums of q_t
+  std::vector<int32_t> tile_budget;  // [T] S_tile (flash); prop's S_t are drawn per sample
+  std::vector<float> inv_delta;      // [T] invdelta_t (flash)
   int64_t budget = 0;                // samples drawn per head: S, or T * S_tile for flash
 };
 
@@ -143,8 +148,14 @@ void SampleSantaHead(const SantaHeadPlan& plan, const SantaParams& params, uint6
                      int32_t sequence, int32_t head, HeadRows* out,
                      std::vector<int32_t>* scratch = nullptr);
 
-// E[out] of the sampler for one head as weights over tokens: w_j such that E[out] = sum_j w_j V_j.
-// kGlobal and kFlash: the softmax probabilities (unbiased); kProp: (S_t / S) u_j / l_t.
+// Prop's tile budgets S_t for the rounding offset u in [0, 1) (PropRoundingOffset's for a head).
+void PropTileBudgets(const SantaHeadPlan& plan, float u, std::vector<int32_t>* budgets);
+// The rounding offset of (seed, sequence, head).
+float PropRoundingOffset(uint64_t seed, int32_t sequence, int32_t head);
+
+// E[out] of the sampler for one head as weights over tokens: w_j such that E[out] = sum_j w_j V_j:
+// the softmax probabilities for every allocation (all are unbiased), as the sampler computes
+// them (prop and flash: (W_t / Z) u_j / l_t).
 // shape of out: [n].
 void SantaExpectedWeights(const SantaHeadPlan& plan, const SantaParams& params,
                           std::vector<double>* out);

@@ -354,35 +354,29 @@ __device__ __forceinline__ double BlockSumD(double v, double* red) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Prop budgets (Algorithm 4): W_t = 2^(m_t - m*) ell_t, S_t = floor(S W_t / Z) plus one for the
-// S - sum floor tiles of largest fractional part (ties: lower tile first). One block per (b, h).
-// The ranking is a counting sort: each fractional part goes to bin floor(frac * bins) (monotone
-// in frac; bins a power of two from 256 to kMaxFracBins, about two per tile), and a tile's rank
-// is the number of tiles in higher bins plus those of its own bin that come before it (larger
-// frac, or equal and a lower tile). A bin holds a few tiles unless the fractional parts coincide
-// (then the walk over its members is longer, the result the same). Also zeroes the output
+// Prop budgets (kernels/santa.h): W_t = 2^(m_t - m*) ell_t, q_t = S W_t / Z, in fixed point
+// Q_t = round(q_t 2^32) with integer prefix sums C_t (exact: the CPU's in any order), and
+// systematic rounding with the head's offset U (RngTag::kPropRounding, U_fp = U 2^32):
+//   S_t = floor((C_t + U_fp) / 2^32) - floor((C_{t-1} + U_fp) / 2^32),   E[S_t] = q_t,
+// so the estimate is unbiased (a tile with q_t < 1 samples with probability q_t) and a tile
+// without mass (all scores -inf: ell = 0, W_t = 0) never samples. One block per (b, h); thread
+// tid owns the consecutive tiles [tid * per, (tid + 1) * per). Also zeroes the output
 // accumulator and (once per kv head) the pass-2 completion counter.
-constexpr int kMaxFracBins = 1024;
-constexpr int kMaxBinsPerThread = kMaxFracBins / kSmallThreads;
-
-__device__ __forceinline__ int FracBin(double f, int bins) {
-  const int bin = static_cast<int>(f * bins);  // f in [0, 1), bins a power of two: exact, floor
-  return f >= 0.0 ? min(bin, bins - 1) : 0;
+__device__ __forceinline__ unsigned long long PropQuota(float mt, float lt, float mstar,
+                                                        double zsum, int num_samples) {
+  const double w = static_cast<double>(exp2f(mt - mstar) * lt);
+  return __double2ull_rn(static_cast<double>(num_samples) * (w / zsum) * 4294967296.0);
 }
 
 __global__ void __launch_bounds__(kSmallThreads)
-    PropBudgetKernel(DecodeShape s, int num_samples, int max_tiles,
+    PropBudgetKernel(DecodeShape s, SeedSource seed, int num_samples, int max_tiles,
                      const float* __restrict__ m_tiles, const float* __restrict__ l_tiles,
                      int* __restrict__ s_tiles, float* __restrict__ accum,
                      unsigned* __restrict__ counters, int max_big, int* __restrict__ big_count,
                      uint32_t* __restrict__ big_map, int* __restrict__ big_list) {
-  extern __shared__ double frac[];                          // [max_tiles]
-  int* members = reinterpret_cast<int*>(frac + max_tiles);  // [max_tiles]: by bin, high first
-  __shared__ int bin_start[kMaxFracBins];                   // tiles in the bins above each bin
-  __shared__ int bin_count[kMaxFracBins];
   __shared__ float red[kSmallThreads / 32];
   __shared__ double red_d[kSmallThreads / 32];
-  __shared__ int red_i[kSmallThreads / 32];
+  __shared__ unsigned long long red_u[kSmallThreads / 32];
   AllowDependents();
   const int64_t bh = blockIdx.x;
   const int b = static_cast<int>(bh / s.num_q_heads);
@@ -395,72 +389,39 @@ __global__ void __launch_bounds__(kSmallThreads)
   const int n = s.seq_lens[b];
   const int num_tiles = (n + kTile - 1) / kTile;
   if (num_tiles == 0) return;  // uniform over the block
-  int bins = kSmallThreads;
-  while (bins < 2 * num_tiles && bins < kMaxFracBins) bins *= 2;
-  const int per_thread = bins / kSmallThreads;
   const float* mt = m_tiles + bh * max_tiles;
   const float* lt = l_tiles + bh * max_tiles;
   float mx = kNegInf;
   for (int t = tid; t < num_tiles; t += kSmallThreads) mx = fmaxf(mx, mt[t]);
   const float mstar = BlockMax(mx, red);
-  for (int i = tid; i < bins; i += kSmallThreads) bin_count[i] = 0;
   double z = 0.0;
   for (int t = tid; t < num_tiles; t += kSmallThreads) {
     z += static_cast<double>(exp2f(mt[t] - mstar) * lt[t]);
   }
-  const double zsum = BlockSumD(z, red_d);  // (its barriers also order the zeroed counts)
-  double fsum = 0.0;
-  for (int t = tid; t < num_tiles; t += kSmallThreads) {
-    const double w = static_cast<double>(exp2f(mt[t] - mstar) * lt[t]);
-    const double q = static_cast<double>(num_samples) * (w / zsum);
-    const double f = floor(q);
-    frac[t] = q - f;
-    fsum += f;
-    atomicAdd(&bin_count[FracBin(q - f, bins)], 1);
-  }
-  const int rem = num_samples - static_cast<int>(BlockSumD(fsum, red_d));
-  // BlockSumD's barriers make frac[] and the counts visible.
-  {  // bin_start: an exclusive scan over the bins from the highest down
-    int c[kMaxBinsPerThread], local = 0;
+  const double zsum = BlockSumD(z, red_d);
+  const int per = (num_tiles + kSmallThreads - 1) / kSmallThreads;
+  const int t0 = min(num_tiles, tid * per), t1 = min(num_tiles, t0 + per);
+  unsigned long long local = 0;
+  for (int t = t0; t < t1; ++t) local += PropQuota(mt[t], lt[t], mstar, zsum, num_samples);
+  // Exclusive scan of the threads' sums: C before this thread's first tile.
+  unsigned long long x = local;
 #pragma unroll
-    for (int k = 0; k < kMaxBinsPerThread; ++k) {
-      c[k] = k < per_thread ? bin_count[bins - 1 - tid * per_thread - k] : 0;
-      local += c[k];
-    }
-    const int x = WarpInclusiveSum(local, lane);
-    if (lane == 31) red_i[warp] = x;
-    __syncthreads();
-    int start = x - local;
-    for (int w = 0; w < warp; ++w) start += red_i[w];
-#pragma unroll
-    for (int k = 0; k < kMaxBinsPerThread; ++k) {
-      if (k < per_thread) {
-        const int bin = bins - 1 - tid * per_thread - k;
-        bin_start[bin] = start;
-        start += c[k];
-        bin_count[bin] = 0;  // refilled as the placement cursor
-      }
-    }
+  for (int o = 1; o < 32; o <<= 1) {
+    const unsigned long long y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
   }
+  if (lane == 31) red_u[warp] = x;
   __syncthreads();
-  for (int t = tid; t < num_tiles; t += kSmallThreads) {
-    const int bin = FracBin(frac[t], bins);
-    members[bin_start[bin] + atomicAdd(&bin_count[bin], 1)] = t;
-  }
-  __syncthreads();
-  for (int t = tid; t < num_tiles; t += kSmallThreads) {
-    const double ft = frac[t];
-    const int bin = FracBin(ft, bins);
-    const int c0 = bin_start[bin], cnt = bin_count[bin];
-    int rank = c0;
-    for (int k = 0; k < cnt; ++k) {
-      const int j = members[c0 + k];
-      const double fj = frac[j];
-      rank += (fj > ft || (fj == ft && j < t)) ? 1 : 0;
-    }
-    const double w = static_cast<double>(exp2f(mt[t] - mstar) * lt[t]);
-    const double q = static_cast<double>(num_samples) * (w / zsum);
-    const int st = static_cast<int>(floor(q)) + (rank < rem ? 1 : 0);
+  unsigned long long c = x - local;
+  for (int w = 0; w < warp; ++w) c += red_u[w];
+  const float u = PhiloxUniform(SequenceStream(seed, RngTag::kPropRounding, b, h), 0);
+  const unsigned long long off = static_cast<unsigned long long>(static_cast<double>(u) * 4294967296.0);
+  unsigned long long before = (c + off) >> 32;
+  for (int t = t0; t < t1; ++t) {
+    c += PropQuota(mt[t], lt[t], mstar, zsum, num_samples);
+    const unsigned long long upto = (c + off) >> 32;
+    const int st = static_cast<int>(upto - before);
+    before = upto;
     s_tiles[bh * max_tiles + t] = st;
     if (st > kRecMax && max_big > 0) {  // listed once per (b, kv head), whichever head sees it
       const int pair = b * s.num_kv_heads + h / G;
@@ -1090,15 +1051,8 @@ struct FlashLaunch {
 
 cudaError_t LaunchBudget(const SantaParams& p, const TilePlan& plan, const PropSpace& ws,
                          cudaStream_t stream) {
-  // The fractional parts (double) and the tiles sorted by bin (int); 8 KB of bins are static.
-  const size_t smem = static_cast<size_t>(plan.max_tiles) * (sizeof(double) + sizeof(int));
-  if (smem > 180 * 1024) return cudaErrorInvalidValue;
-  if (smem > 40 * 1024) {
-    KVSPARSE_CUDA_RETURN_IF_ERROR(SetMaxDynamicSmem(
-        reinterpret_cast<const void*>(&PropBudgetKernel), static_cast<int>(smem)));
-  }
   const dim3 grid(p.shape.batch * p.shape.num_q_heads);
-  return LaunchDependent(&PropBudgetKernel, grid, dim3(kSmallThreads), smem, stream, p.shape,
+  return LaunchDependent(&PropBudgetKernel, grid, dim3(kSmallThreads), 0, stream, p.shape, Seeds(p),
                          p.num_samples, plan.max_tiles, static_cast<const float*>(ws.m_tiles),
                          static_cast<const float*>(ws.l_tiles), ws.s_tiles, ws.accum, ws.counters,
                          MaxBigTiles(p, plan), ws.big_count, ws.big_map, ws.big_list);

@@ -4,14 +4,16 @@
 //   S2antaProp:   pass 1 scores every tile of kSantaTile tokens, keeps its statistics (max, sum
 //                 of u = exp(s - m_tile)) and a 32-byte record of the tokens systematic sampling
 //                 would pick for each budget up to 7; a budget kernel splits S over the tiles by
-//                 largest remainder (Algorithm 4); pass 2 gathers the sampled V rows of the tiles
+//                 systematic rounding of their quotas (kernels/santa.h: unbiased, unlike the
+//                 paper's largest remainder); pass 2 gathers the sampled V rows of the tiles
 //                 that got samples (Algorithm 5); a tile where a head's budget exceeds 7
 //                 (peaked attention: sink, window, needles) is rescored from K by a kernel with
 //                 a block per such tile, between the two. No per-token stash crosses DRAM.
 //   S2antaFlash:  one fused pass: each tile samples max(1, S / T) rows systematically on its own
 //                 and the partials are merged with deferred normalisation (Algorithms 7-8).
 // Random numbers follow kernels/philox.h exactly (tags kSantaIid, kPropTileOffset,
-// kFlashTileOffset; sequence = b; head = query head h; draw = sample index or tile index), so the
+// kPropRounding, kFlashTileOffset; sequence = b; head = query head h; draw = sample index, tile
+// index, or 0 for the rounding offset), so the
 // sampled indices equal the CPU references' except where float rounding of a cumulative sum
 // lands on the other side of a sampling threshold.
 #ifndef KVSPARSE_KERNELS_CUDA_SANTA_H_

@@ -217,10 +217,10 @@ TEST(SantaCudaTest, OperatingPointsAt32k) {
       static_cast<long long>(flash.samples));
 }
 
-// Prop's budgets when every full tile has the same weight: the fractional parts tie, and the
-// remainder goes to the lowest tiles (the budget kernel's ranking by bins must break ties by tile
-// as the CPU does). K = 0: every score is 0.
-TEST(SantaCudaTest, PropBudgetTiesGoToLowerTiles) {
+// Prop's budgets when every full tile has the same weight (K = 0: every score is 0): systematic
+// rounding of equal quotas gives each tile floor or ceil of S / T, the same tiles as the CPU
+// (fixed-point prefix sums: the block's order of summation does not matter).
+TEST(SantaCudaTest, PropBudgetsOfEqualTiles) {
   KVSPARSE_REQUIRE_GPU();
   // 37 equal tiles; 600 and a short one (> 512 tiles)
   SyntheticProblem sp = SyntheticProblem::Make(SmallGroups({37 * 256, 600 * 256 + 5}));
@@ -233,9 +233,10 @@ TEST(SantaCudaTest, PropBudgetTiesGoToLowerTiles) {
   }
 }
 
-// Flash and iid are unbiased: averaging the GPU output over seeds approaches dense attention
-// (error of the mean well below the single-draw error).
-TEST(SantaCudaTest, FlashAndIidAreUnbiasedOverSeeds) {
+// Flash, prop and iid are unbiased: averaging the GPU output over seeds approaches dense
+// attention (error of the mean well below the single-draw error; prop with S = 32 over 12 tiles
+// gives most tiles a quota below one, which its budgets sample with that probability).
+TEST(SantaCudaTest, FlashPropAndIidAreUnbiasedOverSeeds) {
   KVSPARSE_REQUIRE_GPU();
   SyntheticOptions o;
   o.family = ScoreFamily::kZipf;
@@ -246,7 +247,7 @@ TEST(SantaCudaTest, FlashAndIidAreUnbiasedOverSeeds) {
   SyntheticProblem sp = SyntheticProblem::Make(o);
   std::vector<double> dense;
   ASSERT_TRUE(DenseDecodeFloat64(sp.problem, &dense).ok());
-  for (Method m : {Method::kFlash, Method::kIid}) {
+  for (Method m : {Method::kFlash, Method::kProp, Method::kIid}) {
     DeviceProblem d = DeviceProblem::Upload(sp.problem, sp.k.size() / 2);
     SantaParams p;
     p.shape = d.shape;
