@@ -1,10 +1,10 @@
 #include "kernels/santa.h"
 
 #include <algorithm>
-#include <limits>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <random>
 #include <string>

@@ -415,7 +415,8 @@ __global__ void __launch_bounds__(kSmallThreads)
   unsigned long long c = x - local;
   for (int w = 0; w < warp; ++w) c += red_u[w];
   const float u = PhiloxUniform(SequenceStream(seed, RngTag::kPropRounding, b, h), 0);
-  const unsigned long long off = static_cast<unsigned long long>(static_cast<double>(u) * 4294967296.0);
+  const unsigned long long off =
+      static_cast<unsigned long long>(static_cast<double>(u) * 4294967296.0);
   unsigned long long before = (c + off) >> 32;
   for (int t = t0; t < t1; ++t) {
     c += PropQuota(mt[t], lt[t], mstar, zsum, num_samples);

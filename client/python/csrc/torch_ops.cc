@@ -1,8 +1,10 @@
-// torch.ops.kvsparse: the decode engine in the caller's process (engine/embedded.h), over torch
-// tensors. On a CUDA device the engine reads q from, and writes the output to, the caller's CUDA
-// tensors, ordered on the caller's current stream (q and the output never pass through host
-// memory); the store is the process's pinned host arena. Python's kvsparse.ops wraps these ops
-// (and registers their fake implementations for torch.compile).
+// torch.ops.kvsparse: the decode engine in the caller's process, over torch tensors. On a CUDA
+// device the engine reads q from, and writes the output to, the caller's CUDA tensors, ordered on
+// the caller's current stream (q and the output never pass through host memory). The store is
+// the process's pinned host arena (engine/embedded.h), or a kvsparse-server store in another
+// process (engine_create's store_target: sequences through the C++ client, rows through the
+// store's Gather RPC, which the GPU backend stages for the kernels). Python's kvsparse.ops wraps
+// these ops (and registers their fake implementations for torch.compile).
 //
 // Engines are named by an integer handle (kvsparse::engine_create), sequences by their ids.
 // Failures raise RuntimeError("kvsparse <CODE>: <message>"), which kvsparse.ops turns into the
@@ -27,6 +29,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "client/python/csrc/op_engine.h"
 #include "engine/embedded.h"
 #include "kernels/dtype.h"
 
@@ -172,10 +175,10 @@ en::Method ParseMethod(const std::string& name, const std::string& text) {
 // ---- Engines --------------------------------------------------------------------------------
 
 std::mutex engines_mu;
-std::map<int64_t, std::shared_ptr<en::Embedded>> engines;  // guarded by engines_mu
-int64_t next_engine = 1;                                   // guarded by engines_mu
+std::map<int64_t, std::shared_ptr<OpEngine>> engines;  // guarded by engines_mu
+int64_t next_engine = 1;                               // guarded by engines_mu
 
-std::shared_ptr<en::Embedded> Find(int64_t handle) {
+std::shared_ptr<OpEngine> Find(int64_t handle) {
   std::lock_guard<std::mutex> lock(engines_mu);
   auto it = engines.find(handle);
   if (it == engines.end()) {
@@ -184,9 +187,11 @@ std::shared_ptr<en::Embedded> Find(int64_t handle) {
   return it->second;
 }
 
+// store_target empty: the store in this process (store_capacity, capacity_policy and huge_pages
+// are its); otherwise the kvsparse-server store at that address.
 int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capacity,
                      const std::string& capacity_policy, int64_t gpu_capacity, double gpu_row_cache,
-                     int64_t resident_capacity, bool huge_pages) {
+                     int64_t resident_capacity, bool huge_pages, const std::string& store_target) {
   en::EmbeddedOptions o;
   absl::StatusOr<en::GpuMode> mode = en::ParseGpuMode(gpu);
   Check(mode.status());
@@ -204,16 +209,17 @@ int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capac
   o.gpu_capacity_bytes = static_cast<size_t>(gpu_capacity);
   o.gpu_row_cache = gpu_row_cache;
   o.engine.resident_capacity_bytes = static_cast<size_t>(resident_capacity);
-  absl::StatusOr<std::unique_ptr<en::Embedded>> e = en::Embedded::Create(std::move(o));
-  Check(e.status());
+  absl::StatusOr<std::unique_ptr<OpEngine>> engine =
+      store_target.empty() ? NewLocalOpEngine(std::move(o)) : NewRemoteOpEngine(store_target, o);
+  Check(engine.status());
   std::lock_guard<std::mutex> lock(engines_mu);
   const int64_t handle = next_engine++;
-  engines[handle] = std::move(*e);
+  engines[handle] = std::move(*engine);
   return handle;
 }
 
 void EngineDestroy(int64_t handle) {
-  std::shared_ptr<en::Embedded> e;
+  std::shared_ptr<OpEngine> e;
   {
     std::lock_guard<std::mutex> lock(engines_mu);
     auto it = engines.find(handle);
@@ -225,19 +231,20 @@ void EngineDestroy(int64_t handle) {
 
 // "cuda:<device>" or "cpu".
 std::string EngineBackend(int64_t handle) {
-  std::shared_ptr<en::Embedded> e = Find(handle);
+  std::shared_ptr<OpEngine> e = Find(handle);
   return e->device() >= 0 ? absl::StrCat("cuda:", e->device()) : std::string("cpu");
 }
 
 // [GPU memory the GPU backend holds for sequences, its capacity, store bytes used, store
 // capacity, the CPU engine's resident bytes].
 std::vector<int64_t> EngineMemory(int64_t handle) {
-  std::shared_ptr<en::Embedded> e = Find(handle);
+  std::shared_ptr<OpEngine> e = Find(handle);
   const en::DecodeBackend* b = e->engine().device_backend();
-  const kv::StoreStats s = e->store().Stats();
+  absl::StatusOr<std::pair<uint64_t, uint64_t>> store = e->StoreBytes();
+  Check(store.status());
   return {b != nullptr ? static_cast<int64_t>(b->resident_bytes()) : 0,
           b != nullptr ? static_cast<int64_t>(b->resident_capacity()) : 0,
-          static_cast<int64_t>(s.bytes_used), static_cast<int64_t>(s.capacity_bytes),
+          static_cast<int64_t>(store->first), static_cast<int64_t>(store->second),
           static_cast<int64_t>(e->engine().resident().bytes())};
 }
 
@@ -246,7 +253,7 @@ std::vector<int64_t> EngineMemory(int64_t handle) {
 void CreateSequence(int64_t handle, const std::string& id, int64_t layers, int64_t q_heads,
                     int64_t kv_heads, int64_t head_dim, const std::string& dtype,
                     const std::string& k_tier, const std::string& v_tier, int64_t signature_bits) {
-  std::shared_ptr<en::Embedded> e = Find(handle);
+  std::shared_ptr<OpEngine> e = Find(handle);
   for (int64_t x : {layers, q_heads, kv_heads, head_dim, signature_bits}) {
     if (x < 0 || x > (1 << 20)) Invalid("model shape or signature bits out of range");
   }
@@ -257,19 +264,19 @@ void CreateSequence(int64_t handle, const std::string& id, int64_t layers, int64
   placement.k_tier = TierNamed(k_tier);
   placement.v_tier = TierNamed(v_tier);
   placement.signature_bits = static_cast<uint32_t>(signature_bits);
-  Check(e->store().CreateSequence(id, shape, placement).status());
+  Check(e->Create(id, shape, placement));
 }
 
 void DropSequence(int64_t handle, const std::string& id) {
-  std::shared_ptr<en::Embedded> e = Find(handle);
-  Check(e->store().DropSequence(id).status());
+  std::shared_ptr<OpEngine> e = Find(handle);
+  Check(e->Drop(id));
   e->engine().Forget(id);  // its GPU state too, at once
 }
 
 std::vector<int64_t> SequenceLengths(int64_t handle, const std::string& id) {
-  absl::StatusOr<kv::SequenceInfo> info = Find(handle)->store().GetSequenceInfo(id);
-  Check(info.status());
-  return std::vector<int64_t>(info->layer_lengths.begin(), info->layer_lengths.end());
+  absl::StatusOr<std::vector<uint64_t>> lengths = Find(handle)->Lengths(id);
+  Check(lengths.status());
+  return std::vector<int64_t>(lengths->begin(), lengths->end());
 }
 
 // A contiguous host copy of t: CUDA tensors through pinned staging from torch's caching host
@@ -284,7 +291,7 @@ at::Tensor ToHost(const at::Tensor& t) {
 // Appends k, v ([tokens, Hkv, d], any device) to one layer; expected_length < 0: not checked.
 void Append(int64_t handle, const std::string& id, int64_t layer, const at::Tensor& k,
             const at::Tensor& v, int64_t expected_length) {
-  std::shared_ptr<en::Embedded> e = Find(handle);
+  std::shared_ptr<OpEngine> e = Find(handle);
   if (k.dim() != 3 || !k.sizes().equals(v.sizes()) || k.scalar_type() != v.scalar_type()) {
     Invalid("k and v must be [tokens, kv_heads, head_dim] of one shape and dtype");
   }
@@ -301,7 +308,7 @@ void Append(int64_t handle, const std::string& id, int64_t layer, const at::Tens
   r.k = {static_cast<const uint8_t*>(kh.data_ptr()), static_cast<size_t>(kh.nbytes())};
   r.v = {static_cast<const uint8_t*>(vh.data_ptr()), static_cast<size_t>(vh.nbytes())};
   if (expected_length >= 0) r.expected_length = static_cast<uint64_t>(expected_length);
-  Check(e->store().Append(r).status());
+  Check(e->Append(r));
 }
 
 // ---- Decode ---------------------------------------------------------------------------------
@@ -333,7 +340,7 @@ std::tuple<at::Tensor, at::Tensor> Decode(int64_t handle, int64_t layer,
                                           const std::optional<at::Tensor>& new_v,
                                           const std::string& method, const std::string& params,
                                           int64_t seed, double scale) {
-  std::shared_ptr<en::Embedded> e = Find(handle);
+  std::shared_ptr<OpEngine> e = Find(handle);
   if (q_in.dim() != 3) Invalid("q must be [B, H, d]");
   if (new_k.has_value() != new_v.has_value()) Invalid("new_k and new_v come together");
   if (layer < 0 || layer > (1 << 20) || !(scale >= 0.0)) Invalid("layer or scale out of range");
@@ -389,7 +396,8 @@ std::tuple<at::Tensor, at::Tensor> Decode(int64_t handle, int64_t layer,
 TORCH_LIBRARY(kvsparse, m) {
   m.def(
       "engine_create(str gpu, int device, int store_capacity, str capacity_policy, "
-      "int gpu_capacity, float gpu_row_cache, int resident_capacity, bool huge_pages) -> int",
+      "int gpu_capacity, float gpu_row_cache, int resident_capacity, bool huge_pages, "
+      "str store_target) -> int",
       &EngineCreate);
   m.def("engine_destroy(int engine) -> ()", &EngineDestroy);
   m.def("engine_backend(int engine) -> str", &EngineBackend);

@@ -136,13 +136,18 @@ def _bytes(x: int | str) -> int:
 
 
 class InProcessEngine:
-    """A store and a decode engine in this process (see the module's text).
+    """A decode engine in this process over a store in this process (see the module's text) or,
+    with ``store``, over a ``kvsparse-server`` store in another (``--role=store``): sequences are
+    created, appended and dropped there, and each decode call gathers the rows it needs through the
+    store's Gather RPC (the GPU backend stages them for its kernels; hash top-k fetches only its
+    row cache's misses). q and the output stay on the GPU either way.
 
     Args:
+        store: "host:port" of a kvsparse-server store; None (default): a store in this process.
         gpu: "auto" (the GPU backend when a CUDA device is there), "on" or "off".
         device: CUDA device of the GPU backend.
-        store_capacity: bytes of K/V pages the store holds ("64G").
-        capacity_policy: "reject" or "evict-lru".
+        store_capacity: bytes of K/V pages the store holds ("64G"; this process's store only).
+        capacity_policy: "reject" or "evict-lru" (this process's store only).
         gpu_capacity: GPU memory for per-sequence state (signatures, resident rows, row caches).
         gpu_row_cache: HashAttention's row cache, rows per kv head as a fraction of the tokens.
         resident_capacity: the CPU engine's device-tier state.
@@ -159,6 +164,7 @@ class InProcessEngine:
         gpu_row_cache: float = 0.04,
         resident_capacity: int | str = "4G",
         huge_pages: bool = True,
+        store: str | None = None,
     ) -> None:
         load_library()
         self._handle: int | None = _call(
@@ -171,7 +177,9 @@ class InProcessEngine:
             float(gpu_row_cache),
             _bytes(resident_capacity),
             huge_pages,
+            store or "",
         )
+        self.store_target = store
         self.backend: str = torch.ops.kvsparse.engine_backend(self._handle)
 
     @property

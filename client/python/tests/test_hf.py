@@ -294,3 +294,41 @@ def test_split_deployment(gpu: str) -> None:
             remote = sum(h.bytes_remote for h in again.heads)
             assert (remote == 0) if on_gpu else (remote > 0)
         assert not client.store.list_sequences()  # both caches dropped theirs
+
+
+@pytest.mark.parametrize("gpu", ["off", pytest.param("on", marks=pytest.mark.gpu)])
+def test_inprocess_engine_over_a_remote_store(gpu: str) -> None:
+    """The engine in the model server's process (kvsparse.ops) over a kvsparse-server store in
+    another: sequences created, appended and dropped there; rows through its Gather RPC (staged
+    for the kernels with gpu=on); q and the output stay in this process."""
+    if not ops.available():
+        pytest.skip("libkvsparse_torch.so not built")
+    on_gpu = gpu == "on"
+    device = "cuda" if on_gpu else "cpu"
+    model = tiny_llama(torch.bfloat16, head_dim=64, device=device) if on_gpu else tiny_llama()
+    ids, mask = prompt([400, 333], seed=5, device=device)
+    with (
+        kvsparse.LocalServer(role="store", capacity="1G", gpu="off") as store,
+        ops.InProcessEngine(gpu=gpu, store=store.target) as engine,
+        kvsparse.KvStoreClient(store.target) as store_client,
+    ):
+        assert engine.backend == ("cuda:0" if on_gpu else "cpu")
+        with kvsparse.hf.KvSparseCache(model.config, engine, method=kvsparse.Dense()) as cache:
+            got = through_kvsparse(model, ids, mask, cache)
+            stats = cache.stats
+            held = {s.sequence_id for s in store_client.list_sequences()}
+            assert set(cache.sequence_ids) <= held  # the K/V live in the store process
+        if on_gpu:
+            check_bf16(model, ids, mask, got)
+        else:
+            want = reference(model, ids, mask)
+            assert torch.equal(got.sequences, want.sequences)
+            assert max_logit_diff(got, want) < 1e-4
+        assert stats.fetched_fraction == pytest.approx(1.0)
+        method = kvsparse.HashTopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16)
+        with kvsparse.hf.KvSparseCache(model.config, engine, method=method) as cache:
+            got = through_kvsparse(model, ids, mask, cache, new_tokens=8)
+            stats = cache.stats
+        assert all(torch.isfinite(x).all() for x in got.logits)
+        assert 0 < stats.fetched_fraction < 0.75
+        assert not store_client.list_sequences()  # dropped with the caches

@@ -1,0 +1,143 @@
+#include "client/python/csrc/op_engine.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/time/clock.h"
+#include "client/kvstore_client.h"
+#include "engine/gpu_mode.h"
+#include "server/convert.h"
+#include "server/remote_row_source.h"
+
+namespace kvsparse::torch_ops {
+namespace {
+
+namespace en = kvsparse::engine;
+namespace kv = kvsparse::kvstore;
+namespace v1 = kvsparse::v1;
+
+// The store in this process.
+class LocalEngine final : public OpEngine {
+ public:
+  explicit LocalEngine(std::unique_ptr<en::Embedded> e) : e_(std::move(e)) {}
+  en::DecodeEngine& engine() override { return e_->engine(); }
+  int device() const override { return e_->device(); }
+  absl::Status Create(const std::string& id, const kv::ModelShape& shape,
+                      const kv::Placement& placement) override {
+    return e_->store().CreateSequence(id, shape, placement).status();
+  }
+  absl::Status Drop(const std::string& id) override {
+    return e_->store().DropSequence(id).status();
+  }
+  absl::StatusOr<std::vector<uint64_t>> Lengths(const std::string& id) override {
+    absl::StatusOr<kv::SequenceInfo> info = e_->store().GetSequenceInfo(id);
+    if (!info.ok()) return info.status();
+    return info->layer_lengths;
+  }
+  absl::Status Append(const kv::AppendRequest& r) override {
+    return e_->store().Append(r).status();
+  }
+  absl::StatusOr<std::pair<uint64_t, uint64_t>> StoreBytes() override {
+    const kv::StoreStats s = e_->store().Stats();
+    return std::pair<uint64_t, uint64_t>{s.bytes_used, s.capacity_bytes};
+  }
+
+ private:
+  std::unique_ptr<en::Embedded> e_;
+};
+
+// A kvsparse-server store in another process (--role=store, or a server with both roles).
+class RemoteStoreEngine final : public OpEngine {
+ public:
+  static absl::StatusOr<std::unique_ptr<OpEngine>> Create(const std::string& target,
+                                                          en::GpuMode mode,
+                                                          const en::GpuBackendOptions& go,
+                                                          const en::EngineOptions& eo) {
+    std::unique_ptr<RemoteStoreEngine> r(new RemoteStoreEngine());
+    client::ClientOptions co;
+    co.target = target;
+    co.timeout = kTimeout;
+    absl::StatusOr<std::unique_ptr<client::KvStoreClient>> c = client::KvStoreClient::Connect(co);
+    if (!c.ok()) return c.status();
+    r->store_ = std::move(*c);
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(co.max_message_bytes);
+    args.SetMaxSendMessageSize(co.max_message_bytes);
+    r->source_ = server::NewRemoteRowSource(
+        grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
+    absl::StatusOr<std::unique_ptr<en::DecodeBackend>> backend =
+        en::NewBackend(mode, go, r->source_.get());
+    if (!backend.ok()) return backend.status();
+    if (*backend != nullptr) r->device_ = go.device;
+    r->engine_ = std::make_unique<en::DecodeEngine>(eo, r->source_.get(), std::move(*backend));
+    return std::unique_ptr<OpEngine>(std::move(r));
+  }
+
+  en::DecodeEngine& engine() override { return *engine_; }
+  int device() const override { return device_; }
+  absl::Status Create(const std::string& id, const kv::ModelShape& shape,
+                      const kv::Placement& placement) override {
+    v1::ModelShape s;
+    s.set_num_layers(shape.num_layers);
+    s.set_num_q_heads(shape.num_q_heads);
+    s.set_num_kv_heads(shape.num_kv_heads);
+    s.set_head_dim(shape.head_dim);
+    s.set_dtype(server::ToProto(shape.dtype));
+    v1::Placement p;
+    p.set_k_tier(server::ToProto(placement.k_tier));
+    p.set_v_tier(server::ToProto(placement.v_tier));
+    p.set_signature_bits(placement.signature_bits);
+    return store_->CreateSequence(id, s, p).status();
+  }
+  absl::Status Drop(const std::string& id) override { return store_->DropSequence(id).status(); }
+  absl::StatusOr<std::vector<uint64_t>> Lengths(const std::string& id) override {
+    absl::StatusOr<v1::SequenceInfo> info = store_->GetSequenceInfo(id);
+    if (!info.ok()) return info.status();
+    return std::vector<uint64_t>(info->layer_lengths().begin(), info->layer_lengths().end());
+  }
+  absl::Status Append(const kv::AppendRequest& r) override {
+    const absl::Time deadline = absl::Now() + kTimeout;
+    absl::StatusOr<en::SequenceDesc> d = source_->Describe(r.sequence_id, deadline);
+    if (!d.ok()) return d.status();
+    const kv::ModelShape& s = d->shape;
+    if (r.first_layer >= s.num_layers) return absl::InvalidArgumentError("layer out of range");
+    if (r.dtype != s.dtype || r.num_kv_heads != s.num_kv_heads || r.head_dim != s.head_dim) {
+      return absl::InvalidArgumentError("k and v are not the sequence's dtype and head shape");
+    }
+    const uint64_t expected = r.expected_length.value_or(d->layer_lengths[r.first_layer]);
+    return source_->Append(r.sequence_id, s, r.first_layer, expected, r.num_tokens, r.k, r.v,
+                           deadline);
+  }
+  absl::StatusOr<std::pair<uint64_t, uint64_t>> StoreBytes() override {
+    absl::StatusOr<v1::StoreStats> s = store_->GetStats();
+    if (!s.ok()) return s.status();
+    return std::pair<uint64_t, uint64_t>{s->bytes_used(), s->capacity_bytes()};
+  }
+
+ private:
+  static constexpr absl::Duration kTimeout = absl::Seconds(60);
+  RemoteStoreEngine() = default;
+  std::unique_ptr<client::KvStoreClient> store_;
+  std::unique_ptr<en::RowSource> source_;
+  std::unique_ptr<en::DecodeEngine> engine_;
+  int device_ = -1;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<OpEngine>> NewLocalOpEngine(engine::EmbeddedOptions options) {
+  absl::StatusOr<std::unique_ptr<en::Embedded>> e = en::Embedded::Create(std::move(options));
+  if (!e.ok()) return e.status();
+  return std::unique_ptr<OpEngine>(new LocalEngine(std::move(*e)));
+}
+
+absl::StatusOr<std::unique_ptr<OpEngine>> NewRemoteOpEngine(
+    const std::string& target, const engine::EmbeddedOptions& options) {
+  en::GpuBackendOptions go = en::BackendOptionsFor(options.engine);
+  go.device = options.gpu_device;
+  go.capacity_bytes = options.gpu_capacity_bytes;
+  go.row_cache_fraction = options.gpu_row_cache;
+  go.stage_timing_every = options.gpu_stage_timing_every;
+  return RemoteStoreEngine::Create(target, options.gpu, go, options.engine);
+}
+
+}  // namespace kvsparse::torch_ops

@@ -1,0 +1,50 @@
+// What torch.ops.kvsparse holds per engine handle: a decode engine and where its sequences live,
+// the store in this process (engine::Embedded) or a kvsparse-server store in another process.
+// Kept apart from torch_ops.cc: the remote store's gRPC and protobuf headers must not meet
+// torch's (it ships its own, older protobuf headers), so this header shows neither.
+#ifndef KVSPARSE_CLIENT_PYTHON_CSRC_OP_ENGINE_H_
+#define KVSPARSE_CLIENT_PYTHON_CSRC_OP_ENGINE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/decode_engine.h"
+#include "engine/embedded.h"
+#include "kvstore/store.h"
+
+namespace kvsparse::torch_ops {
+
+class OpEngine {
+ public:
+  virtual ~OpEngine() = default;
+  virtual engine::DecodeEngine& engine() = 0;
+  // The GPU backend's device, -1 without one.
+  virtual int device() const = 0;
+  virtual absl::Status Create(const std::string& id, const kvstore::ModelShape& shape,
+                              const kvstore::Placement& placement) = 0;
+  virtual absl::Status Drop(const std::string& id) = 0;
+  virtual absl::StatusOr<std::vector<uint64_t>> Lengths(const std::string& id) = 0;
+  // One layer's new tokens (r.num_layers = 1), k and v in host memory; without
+  // r.expected_length the layer's current length is expected.
+  virtual absl::Status Append(const kvstore::AppendRequest& r) = 0;
+  // The store's bytes used and capacity.
+  virtual absl::StatusOr<std::pair<uint64_t, uint64_t>> StoreBytes() = 0;
+};
+
+// The store and the engine in this process.
+absl::StatusOr<std::unique_ptr<OpEngine>> NewLocalOpEngine(engine::EmbeddedOptions options);
+
+// The engine in this process over the kvsparse-server store at `target` (host:port): sequences
+// through the C++ client, rows through the store's Gather RPC (which the GPU backend stages for
+// its kernels). options: the engine's and the GPU backend's (its store fields are not used).
+absl::StatusOr<std::unique_ptr<OpEngine>> NewRemoteOpEngine(const std::string& target,
+                                                            const engine::EmbeddedOptions& options);
+
+}  // namespace kvsparse::torch_ops
+
+#endif  // KVSPARSE_CLIENT_PYTHON_CSRC_OP_ENGINE_H_
