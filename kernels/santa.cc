@@ -177,14 +177,15 @@ void PropTileBudgets(const SantaHeadPlan& plan, float u, std::vector<int32_t>* b
   }
 }
 
-float PropRoundingOffset(uint64_t seed, int32_t sequence, int32_t head) {
+float PropRoundingOffset(uint64_t seed, int32_t sequence, int32_t kv_head) {
   return PhiloxStream::Make(seed, RngTag::kPropRounding, static_cast<uint32_t>(sequence),
-                            static_cast<uint32_t>(head))
+                            static_cast<uint32_t>(kv_head))
       .Uniform(0);
 }
 
 void SampleSantaHead(const SantaHeadPlan& plan, const SantaParams& params, uint64_t seed,
-                     int32_t sequence, int32_t head, HeadRows* out, std::vector<int32_t>* scratch) {
+                     int32_t sequence, int32_t head, int32_t kv_head, HeadRows* out,
+                     std::vector<int32_t>* scratch) {
   out->Clear();
   out->budget = plan.budget;
   if (plan.n == 0) return;
@@ -237,7 +238,7 @@ void SampleSantaHead(const SantaHeadPlan& plan, const SantaParams& params, uint6
     case SantaAllocation::kProp: {
       std::vector<int32_t> local;
       std::vector<int32_t>& budgets = scratch != nullptr ? *scratch : local;
-      PropTileBudgets(plan, PropRoundingOffset(seed, sequence, head), &budgets);
+      PropTileBudgets(plan, PropRoundingOffset(seed, sequence, kv_head), &budgets);
       const PhiloxStream st = PhiloxStream::Make(seed, RngTag::kPropTileOffset, seq, hd);
       for (int32_t t = 0; t < plan.num_tiles; ++t) {
         if (budgets[t] == 0) continue;  // also every tile without mass (Q_t = 0)
@@ -334,7 +335,7 @@ absl::Status SantaSelectCpu(const DecodeProblem& p, const SantaParams& params, u
           ComputeScores(p, b, h, &qg[g * d], scores.data());
         }
         if (absl::Status s = PlanSantaHead(scores, params, &plan); !s.ok()) return s;
-        SampleSantaHead(plan, params, seed, b, h, &rows[g], &scratch);
+        SampleSantaHead(plan, params, seed, b, h, kvh, &rows[g], &scratch);
       }
       MergeGroup(rows, &sel->at(b, kvh));
     }

@@ -30,7 +30,9 @@
 //   m* = max_t m_t;  W_t = expf(m_t - m*) * l_t;  Z = sum_t W_t (double, ascending t);
 //   q_t = S * (double(W_t) / Z) (double), in fixed point Q_t = round(q_t 2^32) (uint64), C_t =
 //   sum_{i<=t} Q_i (exact integer sums: the same in any order); budgets by systematic rounding
-//   with one offset per head, U = Uniform(0) of RngTag::kPropRounding as U_fp = U 2^32:
+//   with one offset per (sequence, kv head), shared by the group's query heads (so that they
+//   round up the same tiles and read few distinct V rows), U = Uniform(0) of
+//   RngTag::kPropRounding (head index = kv head) as U_fp = U 2^32:
 //     S_t = floor((C_t + U_fp) / 2^32) - floor((C_{t-1} + U_fp) / 2^32),
 //   so S_t is floor(q_t) or ceil(q_t), E[S_t] = q_t (up to 2^-32) and sum_t S_t = S (up to one
 //   when the Q_t's rounding moves C_T off S 2^32: probability ~ T 2^-32);
@@ -143,15 +145,18 @@ struct SantaHeadPlan {
 
 // Draws one head's sample: rows ascending with counts and weights (w = count / S for global and
 // prop, (W_t/Z) c / S_tile for flash). `sequence` and `head` (the query head) pick the Philox
-// streams. Allocation-free once `out` has capacity; `scratch` holds the iid indices.
+// streams; `kv_head` (head / G) prop's rounding offset, which the heads of a GQA group share.
+// Allocation-free once `out` has capacity; `scratch` holds the iid indices or prop's budgets.
 void SampleSantaHead(const SantaHeadPlan& plan, const SantaParams& params, uint64_t seed,
-                     int32_t sequence, int32_t head, HeadRows* out,
+                     int32_t sequence, int32_t head, int32_t kv_head, HeadRows* out,
                      std::vector<int32_t>* scratch = nullptr);
 
-// Prop's tile budgets S_t for the rounding offset u in [0, 1) (PropRoundingOffset's for a head).
+// Prop's tile budgets S_t for the rounding offset u in [0, 1) (PropRoundingOffset's).
 void PropTileBudgets(const SantaHeadPlan& plan, float u, std::vector<int32_t>* budgets);
-// The rounding offset of (seed, sequence, head).
-float PropRoundingOffset(uint64_t seed, int32_t sequence, int32_t head);
+// The rounding offset of (seed, sequence, kv head): one per GQA group, so that heads with
+// similar quotas round up the same tiles (each head's budgets are unbiased on their own; shared
+// offsets keep the group's union of tiles, and of V rows read from host memory, small).
+float PropRoundingOffset(uint64_t seed, int32_t sequence, int32_t kv_head);
 
 // E[out] of the sampler for one head as weights over tokens: w_j such that E[out] = sum_j w_j V_j:
 // the softmax probabilities for every allocation (all are unbiased), as the sampler computes

@@ -184,7 +184,8 @@ class SantaStatisticsTest : public testing::TestWithParam<Case> {
     if (distinct != nullptr) distinct->assign(kSeeds, 0.0);
     if (weight_sum != nullptr) weight_sum->assign(kSeeds, 0.0);
     for (int s = 0; s < kSeeds; ++s) {
-      SampleSantaHead(*plan, params, /*seed=*/s, /*sequence=*/0, /*head=*/3, &rows, &scratch);
+      SampleSantaHead(*plan, params, /*seed=*/s, /*sequence=*/0, /*head=*/3, /*kv_head=*/0, &rows,
+                      &scratch);
       for (int k = 0; k < kProjections; ++k) {
         double e = 0;
         for (size_t i = 0; i < rows.tokens.size(); ++i)
@@ -491,7 +492,7 @@ TEST(SantaDecodeTest, PointMassIsExact) {
     SantaHeadPlan plan;
     ASSERT_TRUE(PlanSantaHead(scores, params, &plan).ok());
     HeadRows rows;
-    SampleSantaHead(plan, params, 5, 0, 0, &rows);
+    SampleSantaHead(plan, params, 5, 0, 0, 0, &rows);
     const bool flash = params.allocation == SantaAllocation::kFlash;
     // flash: S_tile = ceil(16 / 5) = 4 draws in each of the 5 tiles of 64.
     ASSERT_EQ(rows.tokens.size(), flash ? 17u : 1u) << ConfigName(params);

@@ -356,7 +356,8 @@ __device__ __forceinline__ double BlockSumD(double v, double* red) {
 // ---------------------------------------------------------------------------------------------
 // Prop budgets (kernels/santa.h): W_t = 2^(m_t - m*) ell_t, q_t = S W_t / Z, in fixed point
 // Q_t = round(q_t 2^32) with integer prefix sums C_t (exact: the CPU's in any order), and
-// systematic rounding with the head's offset U (RngTag::kPropRounding, U_fp = U 2^32):
+// systematic rounding with the GQA group's offset U (RngTag::kPropRounding of (b, kv head),
+// U_fp = U 2^32):
 //   S_t = floor((C_t + U_fp) / 2^32) - floor((C_{t-1} + U_fp) / 2^32),   E[S_t] = q_t,
 // so the estimate is unbiased (a tile with q_t < 1 samples with probability q_t) and a tile
 // without mass (all scores -inf: ell = 0, W_t = 0) never samples. One block per (b, h); thread
@@ -414,7 +415,8 @@ __global__ void __launch_bounds__(kSmallThreads)
   __syncthreads();
   unsigned long long c = x - local;
   for (int w = 0; w < warp; ++w) c += red_u[w];
-  const float u = PhiloxUniform(SequenceStream(seed, RngTag::kPropRounding, b, h), 0);
+  // One offset per (b, kv head): the group's heads round up the same tiles (kernels/santa.h).
+  const float u = PhiloxUniform(SequenceStream(seed, RngTag::kPropRounding, b, h / G), 0);
   const unsigned long long off =
       static_cast<unsigned long long>(static_cast<double>(u) * 4294967296.0);
   unsigned long long before = (c + off) >> 32;

@@ -13,7 +13,7 @@
 //                 and the partials are merged with deferred normalisation (Algorithms 7-8).
 // Random numbers follow kernels/philox.h exactly (tags kSantaIid, kPropTileOffset,
 // kPropRounding, kFlashTileOffset; sequence = b; head = query head h; draw = sample index, tile
-// index, or 0 for the rounding offset), so the
+// index, or 0 for the rounding offset, drawn per kv head), so the
 // sampled indices equal the CPU references' except where float rounding of a cumulative sum
 // lands on the other side of a sampling threshold.
 #ifndef KVSPARSE_KERNELS_CUDA_SANTA_H_
