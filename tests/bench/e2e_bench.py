@@ -10,6 +10,9 @@ one process on one GPU:
   kvsc-<method>   the same with the model compiled (torch.compile, default mode: the kvsparse
                   attention calls are graph breaks; no CUDA graphs, the op synchronises)
   grpc-<method>   kvsparse-server on loopback (unary calls), grpcs-<method> over a DecodeStream
+  kvsr-<method>   the engine in process (q and the output on the GPU) over a store in another
+                  process: kvsparse.ops.InProcessEngine(store=...) against kvsparse-server
+                  --role=store on loopback (rows through its Gather RPC)
   split-<method>  a split deployment on loopback: kvsparse-server --role=store holds the KV,
                   --role=worker decodes on the GPU and gathers the rows it selects from the
                   store (KvStore Gather RPC); the model appends to the store, decodes at the
@@ -223,7 +226,9 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engine, server) 
     row = Row(n, batch, variant)
     kvsparse.hf.enable(model)
     target: Any = engine
-    if transport == "split":
+    if transport == "kvsr":
+        target = server["engine"]
+    elif transport == "split":
         target = kvsparse.Client(server["worker"].target, store_target=server["store"].target, timeout=600)
     elif transport.startswith("grpc"):
         target = server["all"].target
@@ -248,7 +253,7 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engine, server) 
     # Bytes over the whole run (the warm-up steps read as the timed ones do, after the first).
     row.host_mb_per_token = s.bytes_fetched / (steps * batch) / 1e6
     row.fetched_fraction = s.fetched_fraction
-    mem = engine.memory() if transport == "kvs" else None
+    mem = target.memory() if transport in ("kvs", "kvsr") else None
     if mem is not None:
         row.kv_gpu_gb = mem["gpu_bytes"] / 1e9
     row.note = f"load {load_s:.0f} s" + (f", compile+run {warm_s:.0f} s" if compiled else "")
@@ -301,8 +306,13 @@ def main() -> None:
             resident_capacity=args.gpu_capacity,
             startup_timeout=120,
         ).start()
-    if any(v.startswith("split") for v in variants):
+    if any(v.startswith(("split", "kvsr")) for v in variants):
         server["store"] = kvsparse.LocalServer(role="store", capacity=args.store_capacity, startup_timeout=120).start()
+    if any(v.startswith("kvsr") for v in variants):
+        server["engine"] = ops.InProcessEngine(  # type: ignore[assignment]
+            gpu="on" if gpu else "off", store=server["store"].target, gpu_capacity=args.gpu_capacity
+        )
+    if any(v.startswith("split") for v in variants):
         server["worker"] = kvsparse.LocalServer(
             role="worker",
             store=server["store"].target,
@@ -341,7 +351,7 @@ def main() -> None:
                     flush=True,
                 )
     for srv in server.values():
-        srv.stop()
+        srv.close() if isinstance(srv, ops.InProcessEngine) else srv.stop()
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)
