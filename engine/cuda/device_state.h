@@ -81,7 +81,7 @@ struct SyncedBatch {
 
 struct DeviceStateOptions {
   size_t capacity_bytes = 4ull << 30;  // per-sequence state (rows, signatures, page lists, caches)
-  size_t max_fetch_bytes = 32 << 20;   // largest single read from the row source while syncing
+  size_t max_fetch_bytes = 32 << 20;   // largest single read from the row source (sync, staging)
   double row_cache_fraction = 0.04;    // HashAttention's row cache, rows per kv head / tokens
   SignatureConfig signatures;          // SimHash seed and norm margin
 };
@@ -122,6 +122,7 @@ class DeviceState {
   // a call's rows are gathered into row_staging(), pinned memory the kernels read in place.
   RowSource* source() const { return source_; }
   PinnedBuf* row_staging() { return &row_staging_; }
+  size_t max_fetch_bytes() const { return options_.max_fetch_bytes; }
 
  private:
   absl::Status Alloc(DevBuf* b, size_t bytes);

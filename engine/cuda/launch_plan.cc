@@ -158,16 +158,16 @@ kc::SimHashSignParams LaunchPlan::QuerySigns(uint32_t* out) const {
 absl::Status LaunchPlan::StageListed(const int32_t* tokens, int32_t cap, const int32_t* counts,
                                      kc::DecodeShape* shape) {
   KVS_CUDA_OK(cudaStreamSynchronize(stream()), "row lists");
-  std::vector<int32_t> n(BK);
+  std::vector<int32_t> n(BK), all(static_cast<size_t>(BK) * cap);
   KVS_CUDA_OK(cudaMemcpy(n.data(), counts, sizeof(int32_t) * BK, cudaMemcpyDeviceToHost),
               "row counts");
+  KVS_CUDA_OK(cudaMemcpy(all.data(), tokens, sizeof(int32_t) * all.size(), cudaMemcpyDeviceToHost),
+              "row lists");
   std::vector<std::vector<uint32_t>> lists(BK);
   for (int32_t i = 0; i < BK; ++i) {
     if (n[i] < 0 || n[i] > cap) return absl::InternalError("row list count out of range");
-    lists[i].resize(n[i]);
-    KVS_CUDA_OK(cudaMemcpy(lists[i].data(), tokens + static_cast<size_t>(i) * cap,
-                           sizeof(int32_t) * n[i], cudaMemcpyDeviceToHost),
-                "row list");
+    const int32_t* first = all.data() + static_cast<size_t>(i) * cap;
+    lists[i].assign(first, first + n[i]);
   }
   return Stage(lists, shape);
 }
@@ -196,28 +196,48 @@ absl::Status LaunchPlan::Stage(absl::Span<const std::vector<uint32_t>> lists,
   auto* vt = reinterpret_cast<const void**>(base + tab);
   uint8_t* k_rows = reinterpret_cast<uint8_t*>(base + 2 * tab);
   uint8_t* v_rows = k_rows + kb;
-  std::vector<RowRequest> heads(hkv);
+  // Per sequence, one Gather for as many heads' lists (or parts of one) as fit in
+  // max_fetch_bytes; rows land in request order, so (b, j)'s list is contiguous from its start.
+  const size_t per_row = (k_host ? row : 0) + (v_host ? row : 0);
+  const size_t batch_rows = std::max<size_t>(1, state_->max_fetch_bytes() / per_row);
+  std::vector<RowRequest> heads;
   size_t at = 0;
   for (int32_t b = 0; b < B; ++b) {
-    size_t seq_rows = 0;
+    size_t batch_at = at, in_batch = 0;
+    heads.clear();
+    auto flush = [&]() -> absl::Status {
+      if (in_batch == 0) return absl::OkStatus();
+      absl::StatusOr<uint64_t> got = state_->source()->Gather(
+          descs_[b].sequence_id, call_.layer, kvstore::RowKindOf(k_host, v_host), heads,
+          k_host ? k_rows + batch_at * row : nullptr, v_host ? v_rows + batch_at * row : nullptr,
+          call_.deadline);
+      if (!got.ok()) return got.status();
+      if (*got < static_cast<uint64_t>(len(b))) {
+        return absl::AbortedError("the sequence changed during the call; retry");
+      }
+      batch_at += in_batch;
+      in_batch = 0;
+      heads.clear();
+      return absl::OkStatus();
+    };
     for (int32_t j = 0; j < hkv; ++j) {
       const int32_t i = b * hkv + j;
-      heads[j] = {static_cast<uint32_t>(j), lists[i]};
-      kt[i] = k_rows + (at + seq_rows) * row;
-      vt[i] = v_rows + (at + seq_rows) * row;
-      seq_rows += lists[i].size();
+      kt[i] = k_rows + at * row;
+      vt[i] = v_rows + at * row;
+      const absl::Span<const uint32_t> list(lists[i]);
+      for (size_t r = 0; r < list.size();) {
+        const size_t take = std::min(list.size() - r, batch_rows - in_batch);
+        heads.push_back({static_cast<uint32_t>(j), list.subspan(r, take)});
+        in_batch += take;
+        r += take;
+        if (in_batch == batch_rows) {
+          if (absl::Status s = flush(); !s.ok()) return s;
+        }
+      }
+      at += list.size();
     }
-    if (seq_rows == 0) continue;
-    absl::StatusOr<uint64_t> got = state_->source()->Gather(
-        descs_[b].sequence_id, call_.layer, kvstore::RowKindOf(k_host, v_host), heads,
-        k_host ? k_rows + at * row : nullptr, v_host ? v_rows + at * row : nullptr, call_.deadline);
-    if (!got.ok()) return got.status();
-    if (*got < static_cast<uint64_t>(len(b))) {
-      return absl::AbortedError("the sequence changed during the call; retry");
-    }
-    at += seq_rows;
+    if (absl::Status s = flush(); !s.ok()) return s;
   }
-  staged_bytes_ += kb + vb;
   if (k_host) {
     shape->k = nullptr;
     shape->k_pages = kc::PagedRows();

@@ -119,13 +119,12 @@ class LaunchPlan {
   // tokens + i * cap; device addresses), gathers those rows of the host halves from the row
   // source into pinned staging in list order, and points *shape's addressing of the host halves
   // at them: row r of (b, j)'s list is row r of k_heads[i] / v_heads[i] (FetchRows reads them
-  // with source_by_position). ABORTED when the sequence shrank under the call.
+  // with source_by_position). Gathers of at most max_fetch_bytes each (several heads per
+  // Gather, a long list over several). ABORTED when the sequence shrank under the call.
   absl::Status StageListed(const int32_t* tokens, int32_t cap, const int32_t* counts,
                            kernels::cuda::DecodeShape* shape);
   // Every row 0 .. len(b) - 1 of the host halves, in token order (token t at row t).
   absl::Status StageAll(kernels::cuda::DecodeShape* shape);
-  // Bytes gathered into staging by this call.
-  uint64_t staged_bytes() const { return staged_bytes_; }
 
   // ---- Scratch, upload, download. ----
   // Places the scratch for the method's `method_bytes`; base() of the run pass.
@@ -146,7 +145,6 @@ class LaunchPlan {
   DeviceState* const state_;
   const size_t k_tier_, v_tier_;
   const bool staged_;
-  uint64_t staged_bytes_ = 0;
   absl::Status Stage(absl::Span<const std::vector<uint32_t>> lists,
                      kernels::cuda::DecodeShape* shape);
   Carver host_carver_{nullptr};

@@ -77,7 +77,7 @@ struct Rig {
   std::unique_ptr<DecodeEngine> cpu, gpu;
 
   static std::unique_ptr<Rig> Make(size_t gpu_capacity = 1ull << 30, double row_cache = 1.0,
-                                   bool apart = false) {
+                                   bool apart = false, size_t max_fetch_bytes = 32 << 20) {
     auto r = std::make_unique<Rig>();
     auto mem = kvstore::NewPinnedHostMemoryResource();
     EXPECT_TRUE(mem.ok()) << mem.status();
@@ -101,6 +101,7 @@ struct Rig {
     go.capacity_bytes = gpu_capacity;
     go.signatures = eo.signatures;
     go.row_cache_fraction = row_cache;
+    go.max_fetch_bytes = max_fetch_bytes;
     auto backend = NewGpuBackend(go, r->source.get());
     EXPECT_TRUE(backend.ok()) << backend.status();
     r->gpu = std::make_unique<DecodeEngine>(eo, r->source.get(), std::move(*backend));
@@ -334,13 +335,15 @@ TEST_F(GpuEngineTest, VAttention) {
 // row for row and byte for byte (bytes from the remote tier); S2ANTA with V in the store and
 // vAttention fall back to the CPU engine.
 TEST_F(GpuEngineTest, StoreInAnotherProcess) {
-  for (int pl = 0; pl < 3; ++pl) {
-    auto rig = Rig::Make(1ull << 30, 1.0, /*apart=*/true);
+  for (int pl = 0; pl < 4; ++pl) {
+    // pl 3: placement 0 again with Gathers of at most 64 KB (128 rows of K and V): a sequence's
+    // heads and a long list span several.
+    auto rig = Rig::Make(1ull << 30, 1.0, /*apart=*/true, pl == 3 ? 64 << 10 : 32 << 20);
     ASSERT_NE(rig, nullptr);
     kvstore::Placement p;
-    p.k_tier = pl >= 1 ? Tier::kDevice : Tier::kHost;
+    p.k_tier = pl == 1 || pl == 2 ? Tier::kDevice : Tier::kHost;
     p.v_tier = pl == 2 ? Tier::kDevice : Tier::kHost;
-    p.signature_bits = pl == 0 ? 32 : 0;
+    p.signature_bits = pl == 0 || pl == 3 ? 32 : 0;
     auto prob = Problem({3000, 1, 700});
     rig->Load(prob, p);
     Compare(*rig, prob, Method{}, {6e-3, true, 0}, "apart dense placement " + std::to_string(pl));
@@ -349,7 +352,7 @@ TEST_F(GpuEngineTest, StoreInAnotherProcess) {
     EXPECT_GT(g->timing.launch_seconds, 0.0) << "dense ran on the GPU, placement " << pl;
     if (pl == 2) continue;
     EXPECT_GT(g->heads[0].bytes[static_cast<int>(Tier::kRemote)], 0u);
-    if (pl == 0) {
+    if (pl == 0 || pl == 3) {
       const Method m = HashMethod(0.05f, 0, 16, 32);
       Compare(*rig, prob, m, {8e-3, true, 0}, "apart hash");
       auto* src = static_cast<ApartSource*>(rig->source.get());
