@@ -317,7 +317,9 @@ absl::Status DeviceState::SyncRows(DeviceSequence* e, uint32_t layer_index,
   if (absl::Status s = ReserveRows(e, &l, desc, target, busy); !s.ok()) return s;
   const bool need_k = has_k || words > 0;
   const kvstore::RowKind kind = kvstore::RowKindOf(need_k, has_v);
-  const uint64_t per_token = hkv * row * (need_k + has_v) + hkv * words * 4;
+  // Chunks of the rows read, as the CPU engine's ResidentCache takes them: the SimHash M is the
+  // first chunk's, so both engines sign with the same M only if their chunks agree.
+  const uint64_t per_token = hkv * row * (need_k + has_v);
   const uint64_t chunk = std::max<uint64_t>(1, options_.max_fetch_bytes / per_token);
   std::vector<uint32_t> tokens;
   while (l.length < target) {

@@ -96,6 +96,9 @@ struct Rig {
     }
     EngineOptions eo;
     eo.signatures.simhash_seed = kSigSeed;
+    // Both engines read the store in chunks of this size (the SimHash M of a sequence is taken
+    // over its first chunk).
+    eo.max_fetch_bytes = max_fetch_bytes;
     r->cpu = std::make_unique<DecodeEngine>(eo, r->source.get());
     GpuBackendOptions go;
     go.capacity_bytes = gpu_capacity;
@@ -354,7 +357,7 @@ TEST_F(GpuEngineTest, StoreInAnotherProcess) {
     EXPECT_GT(g->heads[0].bytes[static_cast<int>(Tier::kRemote)], 0u);
     if (pl == 0 || pl == 3) {
       const Method m = HashMethod(0.05f, 0, 16, 32);
-      Compare(*rig, prob, m, {8e-3, true, 0}, "apart hash");
+      Compare(*rig, prob, m, {8e-3, true, 0}, "apart hash, placement " + std::to_string(pl));
       auto* src = static_cast<ApartSource*>(rig->source.get());
       const int before = src->gathers;
       auto h = rig->gpu->Decode(Call(prob, m));  // the same step: every row from the row cache
