@@ -104,8 +104,24 @@ class RemoteStoreEngine final : public OpEngine {
       return absl::InvalidArgumentError("k and v are not the sequence's dtype and head shape");
     }
     const uint64_t expected = r.expected_length.value_or(d->layer_lengths[r.first_layer]);
-    return source_->Append(r.sequence_id, s, r.first_layer, expected, r.num_tokens, r.k, r.v,
-                           deadline);
+    // In messages of at most kAppendChunkBytes of K and V (a 128k-token prefill of one layer is
+    // far over the message limit), each expecting the length the ones before it left.
+    const size_t token_bytes = s.row_bytes() * s.num_kv_heads;
+    if (r.k.size() != r.num_tokens * token_bytes || r.v.size() != r.k.size()) {
+      return absl::InvalidArgumentError("k and v do not hold num_tokens tokens");
+    }
+    const uint64_t step = std::max<uint64_t>(1, kAppendChunkBytes / (2 * token_bytes));
+    for (uint64_t t0 = 0; t0 < r.num_tokens; t0 += step) {
+      const uint64_t n = std::min(step, r.num_tokens - t0);
+      if (absl::Status st =
+              source_->Append(r.sequence_id, s, r.first_layer, expected + t0, n,
+                              r.k.subspan(t0 * token_bytes, n * token_bytes),
+                              r.v.subspan(t0 * token_bytes, n * token_bytes), deadline);
+          !st.ok()) {
+        return st;
+      }
+    }
+    return absl::OkStatus();
   }
   absl::StatusOr<std::pair<uint64_t, uint64_t>> StoreBytes() override {
     absl::StatusOr<v1::StoreStats> s = store_->GetStats();
@@ -115,6 +131,7 @@ class RemoteStoreEngine final : public OpEngine {
 
  private:
   static constexpr absl::Duration kTimeout = absl::Seconds(60);
+  static constexpr size_t kAppendChunkBytes = 16 << 20;
   RemoteStoreEngine() = default;
   std::unique_ptr<client::KvStoreClient> store_;
   std::unique_ptr<en::RowSource> source_;

@@ -153,3 +153,20 @@ def test_cuda_q_and_output_stay_on_the_device() -> None:
         # A method the GPU backend does not run (exact predictor) falls back to the CPU engine.
         out2, _ = e.decode(1, ids, q, kvsparse.VAttention(predictor="exact"))
         assert out2.device == q.device
+
+
+def test_remote_store_takes_a_long_prefill_and_decodes(server: kvsparse.LocalServer) -> None:
+    """An engine over a store in another process: a 40k-token prefill of one layer (20 MB of
+    bf16 K and V) crosses in several Append messages, lands whole, and dense decoding over it
+    equals attention over the same K/V."""
+    n = 40000
+    with ops.InProcessEngine(gpu="off", store=server.target) as engine:
+        ids, k, v = load(engine, n, 1, "cpu")
+        assert engine.layer_lengths(ids[0]) == [0, n]
+        q = torch.randn(1, 8, 64).to(torch.bfloat16)
+        out, _ = engine.decode(1, ids, q)
+        assert (out.double() - reference(q, k, v)).abs().max() < 1e-2
+        with kvsparse.KvStoreClient(server.target) as store:
+            rows = store.gather(ids[0], 1, [0, 20000, n - 1], kv_heads=[1], like=k)
+            assert torch.equal(rows.k.reshape(3, 64), k[0, [0, 20000, n - 1], 1])
+        engine.drop_sequence(ids[0])
