@@ -184,7 +184,7 @@ def main() -> None:
         elapsed = time.time() - start
         if elapsed >= budget:
             break
-        if total_steps is None and step == 20:
+        if step >= 20 and step % 20 == 0:  # the cosine's horizon from the rate so far
             total_steps = max(step + 1, int(budget / (elapsed / step)))
         horizon = total_steps or 10**9
         lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / horizon))))
