@@ -115,7 +115,7 @@ class GrpcTransport:
     APPEND_CHUNK_BYTES = 16 << 20
 
     def append(self, sequence_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, expected: int) -> None:
-        per_token = 2 * k[0].numel() * k.element_size()
+        per_token = 2 * k.shape[1] * k.shape[2] * k.element_size()
         step = max(1, self.APPEND_CHUNK_BYTES // per_token)
         for t0 in range(0, k.shape[0], step):
             self.client.store.append(
@@ -376,7 +376,7 @@ class KvSparseCache(Cache):
                 k, v = k[:, valid[b]], v[:, valid[b]]
             k, v = k.transpose(0, 1), v.transpose(0, 1)  # [n_b, Hkv, d]
             n = k.shape[0]
-            per_token = 2 * k[0].numel() * k.element_size() if n else 1
+            per_token = 2 * k.shape[1] * k.shape[2] * k.element_size() if n else 1
             step = max(1, _APPEND_BYTES // per_token)
             for t0 in range(0, n, step):
                 try:
