@@ -30,7 +30,9 @@ class OpEngine {
   virtual absl::Status Drop(const std::string& id) = 0;
   virtual absl::StatusOr<std::vector<uint64_t>> Lengths(const std::string& id) = 0;
   // One layer's new tokens (r.num_layers = 1), k and v in host memory; without
-  // r.expected_length the layer's current length is expected.
+  // r.expected_length the layer's current length is expected. A remote store takes a long
+  // prefill in several Append messages: a failure part-way leaves the ones before it appended
+  // (a prefix; the layer's length says how far) and returns the error.
   virtual absl::Status Append(const kvstore::AppendRequest& r) = 0;
   // The store's bytes used and capacity.
   virtual absl::StatusOr<std::pair<uint64_t, uint64_t>> StoreBytes() = 0;

@@ -49,8 +49,11 @@ if TYPE_CHECKING:
 
 ATTN_IMPLEMENTATION = "kvsparse"
 
-# Largest K+V payload of one Append call (the server's message limit is 256 MiB by default).
-_APPEND_BYTES = 64 * 1024 * 1024
+# Largest K+V payload of one prefill Append call (the server's message limit is 256 MiB by
+# default). Smaller messages move faster through gRPC (serialisation, flow control): on the
+# development machine 32 MB messages went at twice the rate of 128 MB ones. Each call expects the length the ones before it left, so a failure
+# part-way leaves a prefix appended, nothing twice, and the cache refuses further use.
+_APPEND_BYTES = 16 * 1024 * 1024
 
 # The cache whose update() ran last on this thread (a weak reference), for the attention function
 # that follows it in the same attention layer (transformers passes the layer's cache to
@@ -110,21 +113,8 @@ class GrpcTransport:
     def create(self, sequence_id: str, shape: ModelShape, placement: Placement) -> None:
         self.client.store.create_sequence(sequence_id, shape, placement)
 
-    # Prefill K/V crosses in Append messages of at most this many bytes: gRPC moves a large
-    # message at half the rate of several smaller ones (serialisation, flow control).
-    APPEND_CHUNK_BYTES = 16 << 20
-
     def append(self, sequence_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, expected: int) -> None:
-        per_token = 2 * k.shape[1] * k.shape[2] * k.element_size()
-        step = max(1, self.APPEND_CHUNK_BYTES // per_token)
-        for t0 in range(0, k.shape[0], step):
-            self.client.store.append(
-                sequence_id,
-                k[None, t0 : t0 + step],
-                v[None, t0 : t0 + step],
-                first_layer=layer,
-                expected_length=expected + t0,
-            )
+        self.client.store.append(sequence_id, k[None], v[None], first_layer=layer, expected_length=expected)
 
     def decode(self, layer, ids, q, method, new_k, new_v, seed, scale):  # type: ignore[no-untyped-def]
         call = self.stream.decode if self.stream is not None else self.client.attention.decode

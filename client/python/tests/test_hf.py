@@ -105,7 +105,7 @@ def test_dense_matches_transformers_fp32(target) -> None:
 def test_prefill_crosses_in_chunks(server: kvsparse.LocalServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefill larger than one Append message crosses in several (8 tokens each here), each
     expecting the length the ones before it left: the same generation."""
-    monkeypatch.setattr(kvsparse.hf.GrpcTransport, "APPEND_CHUNK_BYTES", 4096)
+    monkeypatch.setattr(kvsparse.hf, "_APPEND_BYTES", 4096)
     model = tiny_llama()
     ids, mask = prompt([40])
     want = reference(model, ids, mask, new_tokens=4)
