@@ -31,12 +31,12 @@ class DenseCall final : public MethodCall {
   absl::Status Enqueue(LaunchPlan& lp, Carver& c) override {
     kc::DecodeShape ds = lp.shape();
     if (absl::Status s = lp.Mark(1); !s.ok()) return s;  // no selection
-    if (!resident_ && lp.staged()) {  // from another process: gathered into pinned staging
-      if (lp.running()) {
-        if (absl::Status s = lp.StageAll(&ds); !s.ok()) return s;
-      }
-    } else if (!resident_) {  // every row crosses: fetched into a dense staging area first
-      if (absl::Status s = Stage(lp, c, &ds); !s.ok()) return s;
+    if (!resident_) {                                    // every row crosses first
+      // From another process: gathered into pinned staging (nothing carved); else fetched into
+      // a dense staging area in the scratch.
+      absl::Status s =
+          lp.staged() ? (lp.running() ? lp.StageAll(&ds) : absl::OkStatus()) : Stage(lp, c, &ds);
+      if (!s.ok()) return s;
     }
     const size_t wb = kc::DenseDecodeWorkspaceBytes(ds);
     void* ws = c.Take<char>(wb);

@@ -216,7 +216,7 @@ def finish(row: Row) -> Row:
     return row
 
 
-def run_kvsparse(variant: str, model, n: int, batch: int, args, engine, server) -> Row:
+def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server) -> Row:
     transport, method_name = variant.split("-", 1)
     compiled = transport == "kvsc"
     transport = "kvs" if compiled else transport
@@ -225,10 +225,8 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engine, server) 
     L, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     row = Row(n, batch, variant)
     kvsparse.hf.enable(model)
-    target: Any = engine
-    if transport == "kvsr":
-        target = server["engine"]
-    elif transport == "split":
+    target: Any = engines.get(transport)  # kvs, kvsr: an InProcessEngine
+    if transport == "split":
         target = kvsparse.Client(server["worker"].target, store_target=server["store"].target, timeout=600)
     elif transport.startswith("grpc"):
         target = server["all"].target
@@ -253,7 +251,7 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engine, server) 
     # Bytes over the whole run (the warm-up steps read as the timed ones do, after the first).
     row.host_mb_per_token = s.bytes_fetched / (steps * batch) / 1e6
     row.fetched_fraction = s.fetched_fraction
-    mem = target.memory() if transport in ("kvs", "kvsr") else None
+    mem = target.memory() if transport in engines else None
     if mem is not None:
         row.kv_gpu_gb = mem["gpu_bytes"] / 1e9
     row.note = f"load {load_s:.0f} s" + (f", compile+run {warm_s:.0f} s" if compiled else "")
@@ -293,9 +291,9 @@ def main() -> None:
     model = make_model(args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab, device)
     log(f"# model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
     variants = args.variants.split(",")
-    engine = None
-    if any(v.startswith("kvs-") for v in variants):
-        engine = ops.InProcessEngine(
+    engines: dict[str, ops.InProcessEngine] = {}  # by transport
+    if any(v.startswith(("kvs-", "kvsc-")) for v in variants):
+        engines["kvs"] = ops.InProcessEngine(
             gpu="on" if gpu else "off", store_capacity=args.store_capacity, gpu_capacity=args.gpu_capacity
         )
     server: dict[str, kvsparse.LocalServer] = {}
@@ -309,7 +307,7 @@ def main() -> None:
     if any(v.startswith(("split", "kvsr")) for v in variants):
         server["store"] = kvsparse.LocalServer(role="store", capacity=args.store_capacity, startup_timeout=120).start()
     if any(v.startswith("kvsr") for v in variants):
-        server["engine"] = ops.InProcessEngine(  # type: ignore[assignment]
+        engines["kvsr"] = ops.InProcessEngine(
             gpu="on" if gpu else "off", store=server["store"].target, gpu_capacity=args.gpu_capacity
         )
     if any(v.startswith("split") for v in variants):
@@ -335,7 +333,7 @@ def main() -> None:
                     if variant in ("resident", "compiled", "offloaded"):
                         row = run_transformers(variant, model, n, batch, args)
                     else:
-                        row = run_kvsparse(variant, model, n, batch, args, engine, server)
+                        row = run_kvsparse(variant, model, n, batch, args, engines, server)
                 except (torch.cuda.OutOfMemoryError, RuntimeError, kvsparse.KvSparseError) as e:
                     row = Row(n, batch, variant, note=f"failed: {type(e).__name__}: {str(e)[:160]}")
                     gc.collect()
@@ -350,8 +348,10 @@ def main() -> None:
                     f"{row.kv_gpu_gb:.2f} | {row.host_mb_per_token:.1f} | {row.fetched_fraction:.3f} | {row.note} |",
                     flush=True,
                 )
+    for e in engines.values():
+        e.close()
     for srv in server.values():
-        srv.close() if isinstance(srv, ops.InProcessEngine) else srv.stop()
+        srv.stop()
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)

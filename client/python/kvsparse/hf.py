@@ -51,8 +51,9 @@ ATTN_IMPLEMENTATION = "kvsparse"
 
 # Largest K+V payload of one prefill Append call (the server's message limit is 256 MiB by
 # default). Smaller messages move faster through gRPC (serialisation, flow control): on the
-# development machine 32 MB messages went at twice the rate of 128 MB ones. Each call expects the length the ones before it left, so a failure
-# part-way leaves a prefix appended, nothing twice, and the cache refuses further use.
+# development machine 32 MB messages went at twice the rate of 128 MB ones. Each call expects the
+# length the ones before it left, so a failure part-way leaves a prefix appended, nothing twice,
+# and the cache refuses further use.
 _APPEND_BYTES = 16 * 1024 * 1024
 
 # The cache whose update() ran last on this thread (a weak reference), for the attention function

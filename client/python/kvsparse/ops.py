@@ -179,7 +179,6 @@ class InProcessEngine:
             huge_pages,
             store or "",
         )
-        self.store_target = store
         self.backend: str = torch.ops.kvsparse.engine_backend(self._handle)
 
     @property
