@@ -62,7 +62,9 @@ class Reader {
   size_t pos_ = 0;
 };
 
-float Silu(float z) { return z / (1.f + std::exp(-z)); }
+// exp in double, rounded to float: correctly rounded but in vanishingly rare cases, so the GPU's
+// LearnedSign (which does the same) agrees bit for bit.
+float Silu(float z) { return z / (1.f + static_cast<float>(std::exp(-static_cast<double>(z)))); }
 
 }  // namespace
 

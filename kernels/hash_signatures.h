@@ -44,7 +44,8 @@
 //   The file ends exactly there (the reader rejects trailing bytes).
 // MLP: y_0 = x; y_{i+1} = W_i y_i + b_i, followed by SiLU(z) = z / (1 + exp(-z)) for every
 // linear but the last; bit j = (y_N[j] > 0). fp32, each output a sum over inputs in ascending
-// order, bias added last.
+// order (separate multiply and add), bias added last; exp(-z) computed in double and rounded to
+// float. The GPU's LearnedSign (kernels/cuda/hash_topk.h) does the same, bit for bit.
 #ifndef KVSPARSE_KERNELS_HASH_SIGNATURES_H_
 #define KVSPARSE_KERNELS_HASH_SIGNATURES_H_
 

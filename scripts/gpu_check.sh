@@ -13,7 +13,10 @@
 # --gpu with RPC_ARGS, "python": the Python package's tests with the wheels carried in .whl (the
 # package and what the image lacks) and libkvsparse_torch.so, PYTEST_ARGS; "e2e":
 # tests/bench/e2e_bench.py with E2E_ARGS; "pyrpc": tests/bench/py_rpc_bench.py --gpu with
-# PYRPC_ARGS), BENCH_ARGS (extra kernel_bench.py args),
+# PYRPC_ARGS; "train": tests/quality/train_model.py with TRAIN_ARGS into $MODEL (default
+# build/quality/model: it stays on the machine for the next call while the machine is warm);
+# "quality": tests/quality/harness.py over $MODEL with QUALITY_ARGS, into $OUT/quality),
+# BENCH_ARGS (extra kernel_bench.py args),
 # REFS=0 (benchmark without FlashInfer and the S2ANTA reference kernels: SDPA and ours only),
 # NCU_ARGS (kernel_bench.py args of the profiled run; default B=8, n=32k).
 set -u
@@ -97,7 +100,7 @@ if [[ " $STEPS " == *" rpc "* ]]; then
   note "rpc_decode_bench rc=${PIPESTATUS[0]}"
 fi
 
-if [[ " $STEPS " == *" python "* || " $STEPS " == *" e2e "* || " $STEPS " == *" pyrpc "* ]]; then
+if [[ " $STEPS " =~ " "(python|e2e|pyrpc|train|quality)" " ]]; then
   # The image has torch and transformers; the kvsparse package, grpcio and protobuf of the
   # versions its stubs need travel as wheels (scripts/gpu_wheels.sh).
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -118,6 +121,20 @@ if [[ " $STEPS " == *" pyrpc "* ]]; then
   timeout ${PYRPC_TIMEOUT:-300} python3 tests/bench/py_rpc_bench.py --bench "$CARRY/bin/rpc_decode_bench" \
     --gpu ${PYRPC_ARGS:-} 2>&1 | grep -v "^I[0-9]" | tee "$OUT/py_rpc_bench.log"
   note "py_rpc_bench rc=${PIPESTATUS[0]}"
+fi
+
+MODEL=${MODEL:-build/quality/model}
+if [[ " $STEPS " == *" train "* ]]; then
+  timeout ${TRAIN_TIMEOUT:-560} python3 tests/quality/train_model.py --out "$MODEL" ${TRAIN_ARGS:-} 2>&1 \
+    | grep -v "^Loading" > "$OUT/train.log"
+  note "train_model rc=${PIPESTATUS[0]}: $(grep -E '^ "(steps|final_train_loss|held_out)' "$OUT/train.log" | tr -d '\n')"
+  cp "$MODEL/metrics.json" "$OUT/train_metrics.json" 2>/dev/null
+fi
+
+if [[ " $STEPS " == *" quality "* ]]; then
+  timeout ${QUALITY_TIMEOUT:-560} python3 tests/quality/harness.py --model "$MODEL" --out "$OUT/quality" \
+    ${QUALITY_ARGS:-} 2>&1 | grep -vE "^(Loading|  step )" > "$OUT/quality.log"
+  note "harness rc=${PIPESTATUS[0]}: $(tail -1 "$OUT/quality.log")"
 fi
 
 if [[ " $STEPS " == *" e2e "* ]]; then

@@ -42,6 +42,7 @@ DeviceState::DeviceState(DeviceStateOptions options, RowSource* source, cudaStre
 DeviceState::~DeviceState() {
   for (auto& [id, e] : entries_) FreeSequence(&e);
   for (auto& [key, buf] : planes_) Free(&buf);
+  for (auto& [key, buf] : learned_) Free(&buf);
   Free(&scratch_);
   Free(&sync_tmp_);
   cudaStreamSynchronize(stream_);
@@ -175,6 +176,37 @@ absl::Status DeviceState::GrowCache(DeviceSequence* e, DeviceLayer* l, int32_t h
   }
   l->cache_cap = cap;
   return absl::OkStatus();
+}
+
+bool LearnedSignsOnGpu(const kernels::LearnedHashWeights& w, const SequenceDesc& desc) {
+  const kvstore::ModelShape& s = desc.shape;
+  return w.num_key_mlps == static_cast<int32_t>(s.num_kv_heads) &&
+         w.num_q_heads == static_cast<int32_t>(s.num_q_heads) &&
+         w.head_dim() == static_cast<int32_t>(s.head_dim) &&
+         w.bits() == static_cast<int32_t>(desc.placement.signature_bits) &&
+         w.num_layers >= static_cast<int32_t>(s.num_layers) && kc::LearnedSignSupports(w.dims);
+}
+
+absl::StatusOr<const float*> DeviceState::LearnedMlps(uint32_t layer) {
+  const kernels::LearnedHashWeights* w = options_.signatures.learned.get();
+  if (w == nullptr || static_cast<int32_t>(layer) >= w->num_layers) {
+    return absl::FailedPreconditionError("no learned hash weights for this layer");
+  }
+  DevBuf& slot = learned_[layer];
+  if (slot.ptr == nullptr) {
+    std::vector<float> all;
+    for (int32_t h = 0; h < w->num_q_heads; ++h) {
+      kc::AppendPackedMlp(w->query(static_cast<int32_t>(layer), h), &all);
+    }
+    for (int32_t j = 0; j < w->num_key_mlps; ++j) {
+      kc::AppendPackedMlp(w->key(static_cast<int32_t>(layer), j), &all);
+    }
+    if (absl::Status s = Alloc(&slot, all.size() * sizeof(float)); !s.ok()) return s;
+    KVS_CUDA_OK(cudaMemcpyAsync(slot.ptr, all.data(), slot.bytes, cudaMemcpyHostToDevice, stream_),
+                "learned MLPs upload");
+    KVS_CUDA_OK(cudaStreamSynchronize(stream_), "learned MLPs upload");
+  }
+  return slot.as<const float>();
 }
 
 absl::StatusOr<const float*> DeviceState::Planes(uint32_t layer, int32_t hkv, int32_t bits,
@@ -366,7 +398,11 @@ absl::Status DeviceState::SignKeys(DeviceSequence* e, DeviceLayer* l, uint32_t l
   const size_t row = shape.row_bytes();
   const int32_t d = static_cast<int32_t>(shape.head_dim);
   const size_t kb = hkv * cnt * row;
-  if (l->norms.ptr == nullptr) {
+  const kernels::LearnedHashWeights* learned = options_.signatures.learned.get();
+  // Learned MLPs the GPU cannot apply to this sequence: its hash calls run on the CPU engine,
+  // which keeps its own signatures; nothing here reads these.
+  if (learned != nullptr && !LearnedSignsOnGpu(*learned, desc)) return absl::OkStatus();
+  if (learned == nullptr && l->norms.ptr == nullptr) {
     // SimHash M, fixed now: the largest key norm of this first batch, times the margin (as
     // ResidentCache does, so both engines sign with the same M). Copied from pageable memory:
     // the copy has read max_norm when it returns.
@@ -395,6 +431,26 @@ absl::Status DeviceState::SignKeys(DeviceSequence* e, DeviceLayer* l, uint32_t l
     head_stride = static_cast<int64_t>(cnt) * row;
   } else {
     kd += t0 * row;
+  }
+  if (learned != nullptr) {
+    absl::StatusOr<const float*> mlps = LearnedMlps(layer_index);
+    if (!mlps.ok()) return mlps.status();
+    const int32_t n_lin = static_cast<int32_t>(learned->dims.size()) - 1;
+    const int64_t per_mlp = kc::LearnedMlpFloats(learned->dims.data(), n_lin);
+    for (size_t j = 0; j < hkv; ++j) {
+      kc::LearnedSignParams lp;
+      lp.num_seqs = static_cast<int32_t>(cnt);
+      lp.heads = 1;
+      lp.num_linear = n_lin;
+      for (int32_t i = 0; i <= n_lin; ++i) lp.dims[i] = learned->dims[i];
+      lp.dtype = shape.dtype;
+      lp.x = kd + j * head_stride;
+      lp.mlps = *mlps + (learned->num_q_heads + static_cast<int64_t>(j)) * per_mlp;
+      lp.out = l->sig.as<uint32_t>() + (j * l->capacity + t0) * words;
+      lp.out_batch_stride = words;
+      KVS_CUDA_OK(kc::LearnedSign(lp, stream_), "LearnedSign (keys)");
+    }
+    return absl::OkStatus();
   }
   absl::StatusOr<const float*> planes =
       Planes(layer_index, static_cast<int32_t>(hkv), words * 32, d);

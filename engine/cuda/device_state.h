@@ -83,8 +83,13 @@ struct DeviceStateOptions {
   size_t capacity_bytes = 4ull << 30;  // per-sequence state (rows, signatures, page lists, caches)
   size_t max_fetch_bytes = 32 << 20;   // largest single read from the row source (sync, staging)
   double row_cache_fraction = 0.04;    // HashAttention's row cache, rows per kv head / tokens
-  SignatureConfig signatures;          // SimHash seed and norm margin
+  SignatureConfig signatures;          // SimHash seed and norm margin, or learned MLPs
 };
+
+// Whether the GPU signs a sequence's keys and queries with the learned MLPs `w`: one key MLP per
+// kv head, its shape and bits, and dims within LearnedSign's limits. Otherwise (e.g. one key MLP
+// per query head) its learned-signature calls run on the CPU engine.
+bool LearnedSignsOnGpu(const kernels::LearnedHashWeights& w, const SequenceDesc& desc);
 
 class DeviceState {
  public:
@@ -109,6 +114,10 @@ class DeviceState {
                          absl::Span<const DeviceSequence* const> busy);
   // The SimHash planes of every kv head of a layer on the device: [Hkv][bits][d + 1].
   absl::StatusOr<const float*> Planes(uint32_t layer, int32_t hkv, int32_t bits, int32_t d);
+  // The learned MLPs of a layer on the device (kernels::cuda::LearnedSign's packing): the H query
+  // MLPs, then the key MLPs. REQUIRES: learned weights (options().signatures.learned).
+  absl::StatusOr<const float*> LearnedMlps(uint32_t layer);
+  const DeviceStateOptions& options() const { return options_; }
   // The call's device scratch, at least `bytes` (contents not kept across calls).
   absl::StatusOr<char*> Scratch(size_t bytes);
 
@@ -159,6 +168,7 @@ class DeviceState {
   size_t bytes_ = 0;
   uint64_t tick_ = 0, evictions_ = 0;
   std::map<std::tuple<uint32_t, int32_t, int32_t>, DevBuf> planes_;
+  std::map<uint32_t, DevBuf> learned_;  // per layer
   DevBuf scratch_, sync_tmp_;
   PinnedBuf staging_, row_staging_;
 };

@@ -25,7 +25,7 @@ class GpuBackend final : public DecodeBackend {
       : options_(std::move(options)),
         source_(source),
         stream_(stream),
-        caps_{options_.default_tile_size, options_.signatures.learned != nullptr,
+        caps_{options_.default_tile_size, options_.signatures.learned.get(),
               !source->pages_device_visible()} {
     gpu::DeviceStateOptions so;
     so.capacity_bytes = options_.capacity_bytes;
@@ -214,10 +214,6 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> NewGpuBackend(GpuBackendOptions o
   if (cudaGetDeviceCount(&count) != cudaSuccess || count <= options.device || options.device < 0) {
     cudaGetLastError();
     return absl::FailedPreconditionError("no usable CUDA device");
-  }
-  if (options.signatures.learned != nullptr) {
-    return absl::FailedPreconditionError(
-        "the GPU backend signs with SimHash only (learned hash weights run on the CPU engine)");
   }
   KVS_CUDA_OK(cudaSetDevice(options.device), "cudaSetDevice");
   cudaStream_t stream = nullptr;

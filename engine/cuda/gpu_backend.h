@@ -45,7 +45,7 @@ struct GpuBackendOptions {
   // Selection / gather / compute times from CUDA events on one call in this many (1: every
   // call; 0: never). Recording the events costs a few us of host time per call.
   int stage_timing_every = 16;
-  SignatureConfig signatures;  // as the engine's (same seed and margin); SimHash only
+  SignatureConfig signatures;  // as the engine's (same seed and margin, or learned MLPs)
 };
 
 // FAILED_PRECONDITION without a usable CUDA device. REQUIRES: source outlives the backend.

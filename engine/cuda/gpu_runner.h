@@ -20,6 +20,7 @@
 
 #include "absl/status/status.h"
 #include "engine/cuda/cuda_util.h"
+#include "engine/cuda/device_state.h"
 #include "engine/cuda/launch_plan.h"
 #include "engine/decode_call.h"
 #include "engine/method.h"
@@ -30,11 +31,22 @@ namespace kvsparse::engine::gpu {
 // What the backend can do, for the runners' Supports.
 struct GpuCaps {
   int32_t default_tile_size = 256;  // S2ANTA tile of a request that gives 0
-  bool learned_signatures = false;  // the deployment signs with learned MLPs (not on the GPU)
+  // The deployment's learned hash weights (null: SimHash); the GPU signs with them where they
+  // fit a sequence (LearnedSignsOnGpu).
+  const kernels::LearnedHashWeights* learned = nullptr;
   // The host halves' rows come from a store whose pages the GPU cannot read (another process):
   // a runner gathers them through LaunchPlan::StageListed / StageAll, or does not take the call.
   bool staged_rows = false;
 };
+
+// Whether the GPU signs the keys and queries a hash method of `m` reads: the sequence keeps
+// signatures, the request asks for the deployment's kind (a mismatch is the CPU engine's error to
+// give), and learned MLPs fit the sequence.
+inline bool SignaturesOnGpu(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
+  if (desc.placement.signature_bits == 0) return false;
+  if (m.learned_signatures != (caps.learned != nullptr)) return false;
+  return caps.learned == nullptr || LearnedSignsOnGpu(*caps.learned, desc);
+}
 
 // One Decode call of a method on the GPU (its state lives from Plan to Stats).
 class MethodCall {

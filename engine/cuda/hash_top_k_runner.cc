@@ -31,7 +31,7 @@ constexpr int kCallTables = 7;
 class HashTopKCall final : public MethodCall {
  public:
   explicit HashTopKCall(const Method& m) : params_(m.hash) {}
-  // SimHash signatures on the device (learned ones are signed on the CPU engine). Rows staged
+  // Signatures on the device (SimHash, or learned MLPs that fit: SignaturesOnGpu). Rows staged
   // from a store in another process: K and V in the same tier (the fetch reads both by list
   // position).
   static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
@@ -40,7 +40,7 @@ class HashTopKCall final : public MethodCall {
         (pl.k_tier == kvstore::Tier::kDevice) != (pl.v_tier == kvstore::Tier::kDevice)) {
       return false;
     }
-    return pl.signature_bits > 0 && !caps.learned_signatures && !m.learned_signatures;
+    return SignaturesOnGpu(m, desc, caps);
   }
 
   absl::Status Plan(LaunchPlan& lp) override;
@@ -134,7 +134,6 @@ absl::Status HashTopKCall::Enqueue(LaunchPlan& lp, Carver& c) {
   int32_t* stats = lp.stats();
   const size_t method_off = lp.method_offset();
   uint32_t* qsig = c.Take<uint32_t>(static_cast<size_t>(BH) * lp.words);
-  const kc::SimHashSignParams qsp = lp.QuerySigns(qsig);
   tk_.q_sigs = qsig;
   tk_.k_sig_heads = lp.sig_heads();
   tk_.k_token_stride = lp.words;
@@ -227,7 +226,7 @@ absl::Status HashTopKCall::Enqueue(LaunchPlan& lp, Carver& c) {
 
   const cudaStream_t stream = lp.stream();
   if (lp.running()) {
-    KVS_CUDA_OK(kc::SimHashSign(qsp, stream), "SimHashSign");
+    if (absl::Status s = lp.SignQueries(qsig); !s.ok()) return s;
     KVS_CUDA_OK(kc::HashTopK(tk_, tws, tw, stream), "HashTopK");
     KVS_CUDA_OK(kc::UnionSelected(up, uws, uw, stream), "UnionSelected");
     KVS_CUDA_OK(kc::PlaceRows(pp, pws, pw, stream), "PlaceRows");

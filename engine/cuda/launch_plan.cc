@@ -133,13 +133,31 @@ absl::Status LaunchPlan::Mark(int i) {
 }
 
 absl::Status LaunchPlan::LoadPlanes() {
-  absl::StatusOr<const float*> planes = state_->Planes(call_.layer, hkv, words * 32, d);
+  absl::StatusOr<const float*> planes = state_->options().signatures.learned != nullptr
+                                            ? state_->LearnedMlps(call_.layer)
+                                            : state_->Planes(call_.layer, hkv, words * 32, d);
   if (!planes.ok()) return planes.status();
   planes_ = *planes;
   return absl::OkStatus();
 }
 
-kc::SimHashSignParams LaunchPlan::QuerySigns(uint32_t* out) const {
+absl::Status LaunchPlan::SignQueries(uint32_t* out) const {
+  if (const kernels::LearnedHashWeights* w = state_->options().signatures.learned.get();
+      w != nullptr) {
+    kc::LearnedSignParams p;
+    p.num_seqs = B;
+    p.heads = H;
+    p.num_linear = static_cast<int32_t>(w->dims.size()) - 1;
+    for (int32_t i = 0; i <= p.num_linear; ++i) p.dims[i] = w->dims[i];
+    p.dtype = dtype;
+    p.x = shape_.q;
+    p.mlps = planes_;
+    p.out = out;
+    p.out_batch_stride = static_cast<int64_t>(H) * words;
+    p.out_head_stride = words;
+    KVS_CUDA_OK(kc::LearnedSign(p, stream()), "LearnedSign (queries)");
+    return absl::OkStatus();
+  }
   kc::SimHashSignParams p;
   p.num_seqs = B;
   p.heads = H;
@@ -152,7 +170,8 @@ kc::SimHashSignParams LaunchPlan::QuerySigns(uint32_t* out) const {
   p.out = out;
   p.out_batch_stride = static_cast<int64_t>(H) * words;
   p.out_head_stride = words;
-  return p;
+  KVS_CUDA_OK(kc::SimHashSign(p, stream()), "SimHashSign");
+  return absl::OkStatus();
 }
 
 absl::Status LaunchPlan::StageListed(const int32_t* tokens, int32_t cap, const int32_t* counts,

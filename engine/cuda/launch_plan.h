@@ -109,10 +109,11 @@ class LaunchPlan {
   const kernels::cuda::DecodeShape& shape() const { return shape_; }
   // Records stage event i of a timed pass: 0 start, 1 selection done, 2 gather done, 3 end.
   absl::Status Mark(int i);
-  // SimHash signatures of the queries ([B, H, words] at out), as the CPU engine's
-  // SignatureMaker::Query; REQUIRES: LoadPlanes.
+  // Signatures of the queries ([B, H, words] at out), as the CPU engine's SignatureMaker::Query:
+  // SimHash, or the deployment's learned MLPs. LoadPlanes (in Plan) uploads the layer's planes or
+  // MLPs once; SignQueries (in the run pass) enqueues the signing on the call's stream.
   absl::Status LoadPlanes();
-  kernels::cuda::SimHashSignParams QuerySigns(uint32_t* out) const;
+  absl::Status SignQueries(uint32_t* out) const;
 
   // ---- Staged rows (staged() only, in the run pass). ----
   // Waits for the stream, reads the row lists the kernels wrote (per (b, j): counts[i] tokens at
@@ -155,7 +156,7 @@ class LaunchPlan {
   char* base_ = nullptr;  // the pass's scratch base (null: sizing)
   const char* down_ = nullptr;
   cudaEvent_t* events_ = nullptr;
-  const float* planes_ = nullptr;
+  const float* planes_ = nullptr;  // SimHash planes, or the learned MLPs (query MLPs first)
   kernels::cuda::DecodeShape shape_;
 };
 

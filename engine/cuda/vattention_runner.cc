@@ -18,13 +18,13 @@ namespace kc = kernels::cuda;
 class VAttentionCall final : public MethodCall {
  public:
   explicit VAttentionCall(const Method& m) : params_(m.vattention) {}
-  // The hash predictor over SimHash signatures on the device.
+  // The hash predictor over signatures on the device (SimHash, or learned MLPs that fit).
   // (Its rows are read inside the kernel: rows from another process's store are not.)
   static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
     const bool host_half = desc.placement.k_tier != kvstore::Tier::kDevice ||
                            desc.placement.v_tier != kvstore::Tier::kDevice;
     if (caps.staged_rows && host_half) return false;
-    return desc.placement.signature_bits > 0 && !caps.learned_signatures && !m.learned_signatures &&
+    return SignaturesOnGpu(m, desc, caps) &&
            m.vattention.predictor == kernels::TopKPredictor::kHash &&
            !m.vattention.exact_statistics;
   }
@@ -41,7 +41,6 @@ class VAttentionCall final : public MethodCall {
   absl::Status Enqueue(LaunchPlan& lp, Carver& c) override {
     const int32_t BH = lp.BH;
     uint32_t* qsig = c.Take<uint32_t>(static_cast<size_t>(BH) * lp.words);
-    const kc::SimHashSignParams qsp = lp.QuerySigns(qsig);
     kc::VAttentionParams vp;
     vp.shape = lp.shape();
     vp.seeds = lp.seeds();
@@ -65,7 +64,7 @@ class VAttentionCall final : public MethodCall {
     if (absl::Status s = lp.Mark(2); !s.ok()) return s;
     if (!lp.running()) return absl::OkStatus();
     const cudaStream_t stream = lp.stream();
-    KVS_CUDA_OK(kc::SimHashSign(qsp, stream), "SimHashSign");
+    if (absl::Status s = lp.SignQueries(qsig); !s.ok()) return s;
     KVS_CUDA_OK(kc::VAttentionDecode(vp, ws, wb, stream), "VAttentionDecode");
     // Per-head counts for the statistics: fixed, base, dyn and budget.
     const kc::VAttentionSelectionView v = kc::VAttentionSelection(vp, ws);

@@ -60,6 +60,82 @@ __global__ void __launch_bounds__(256) SimHashKernel(SimHashSignParams p) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Learned signatures: a block of kLearnedThreads threads takes kLearnedVecs vectors of one MLP
+// (consecutive b, one j) through every linear: thread o computes output o of each vector, reading
+// the transposed weight's row c (coalesced over o) once for all the block's vectors. The
+// arithmetic is HashMlp::Sign's: fp32, inputs in ascending order with separate multiply and add,
+// the bias last, SiLU(z) = z / (1 + exp(-z)) with exp taken in double and rounded to float.
+constexpr int kLearnedThreads = 128;
+constexpr int kLearnedVecs = 8;
+
+__host__ __device__ inline int64_t MlpFloats(const int32_t* dims, int32_t num_linear) {
+  int64_t n = 0;
+  for (int32_t i = 0; i < num_linear; ++i) n += static_cast<int64_t>(dims[i] + 1) * dims[i + 1];
+  return n;
+}
+
+__device__ __forceinline__ float LearnedSilu(float z) {
+  const float e = static_cast<float>(exp(-static_cast<double>(z)));
+  return __fdiv_rn(z, __fadd_rn(1.f, e));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kLearnedThreads) LearnedSignKernel(LearnedSignParams p) {
+  extern __shared__ float lsm[];  // [2][kLearnedVecs][max_dim]
+  int max_dim = 0;
+  for (int i = 0; i <= p.num_linear; ++i) max_dim = max(max_dim, p.dims[i]);
+  float* cur = lsm;
+  float* nxt = lsm + kLearnedVecs * max_dim;
+  const int j = blockIdx.y;
+  const int b0 = blockIdx.x * kLearnedVecs;
+  const int nv = min(kLearnedVecs, p.num_seqs - b0);
+  const int d = p.dims[0];
+  for (int i = threadIdx.x; i < nv * d; i += blockDim.x) {
+    const int v = i / d, c = i % d;
+    cur[v * max_dim + c] =
+        LoadElem<T>(p.x, (static_cast<int64_t>(b0 + v) * p.heads + j) * d + c);
+  }
+  __syncthreads();
+  const float* w = p.mlps + static_cast<int64_t>(j / p.group) * MlpFloats(p.dims, p.num_linear);
+  for (int li = 0; li < p.num_linear; ++li) {
+    const int in = p.dims[li], outd = p.dims[li + 1];
+    const float* bias = w + static_cast<int64_t>(in) * outd;
+    const bool last = li + 1 == p.num_linear;
+    for (int o = threadIdx.x; o < outd; o += blockDim.x) {
+      float acc[kLearnedVecs];
+#pragma unroll
+      for (int v = 0; v < kLearnedVecs; ++v) acc[v] = 0.f;
+      for (int c = 0; c < in; ++c) {
+        const float wc = w[static_cast<int64_t>(c) * outd + o];
+#pragma unroll
+        for (int v = 0; v < kLearnedVecs; ++v) {
+          acc[v] = __fadd_rn(acc[v], __fmul_rn(wc, cur[v * max_dim + c]));
+        }
+      }
+      const float bo = bias[o];
+      for (int v = 0; v < nv; ++v) {
+        const float z = __fadd_rn(acc[v], bo);
+        nxt[v * max_dim + o] = last ? z : LearnedSilu(z);
+      }
+    }
+    w = bias + outd;
+    float* t = cur;
+    cur = nxt;
+    nxt = t;
+    __syncthreads();
+  }
+  const int words = p.dims[p.num_linear] / 32;
+  for (int i = threadIdx.x; i < nv * words; i += blockDim.x) {
+    const int v = i / words, wd = i % words;
+    uint32_t word = 0;
+    for (int k = 0; k < 32; ++k) word |= (cur[v * max_dim + wd * 32 + k] > 0.f ? 1u : 0u) << k;
+    const int b = b0 + v;
+    const int64_t pos = p.positions != nullptr ? p.positions[b] : 0;
+    p.out[b * p.out_batch_stride + j * p.out_head_stride + pos * p.out_token_stride + wd] = word;
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Top-k over C chunks of the rest [sink_end, window_begin) of every (b, h), three kernels, each
 // block of the first and last taking one chunk of one signature head (b, j) for all GS query
 // heads that share it (the signatures are read once per group, not once per head):
@@ -484,6 +560,58 @@ cudaError_t SimHashSign(const SimHashSignParams& p, cudaStream_t stream) {
       break;
     case DType::kFp32:
       SimHashKernel<float><<<blocks, 256, 0, stream>>>(p);
+      break;
+  }
+  return cudaGetLastError();
+}
+
+int64_t LearnedMlpFloats(const int32_t* dims, int32_t num_linear) {
+  return MlpFloats(dims, num_linear);
+}
+
+void AppendPackedMlp(const HashMlp& m, std::vector<float>* out) {
+  for (size_t i = 0; i + 1 < m.dims.size(); ++i) {
+    const int32_t in = m.dims[i], o = m.dims[i + 1];
+    for (int32_t c = 0; c < in; ++c) {
+      for (int32_t r = 0; r < o; ++r) out->push_back(m.weights[i][static_cast<size_t>(r) * in + c]);
+    }
+    out->insert(out->end(), m.biases[i].begin(), m.biases[i].end());
+  }
+}
+
+bool LearnedSignSupports(const std::vector<int32_t>& dims) {
+  if (dims.size() < 2 || dims.size() > kLearnedMaxLinear + 1) return false;
+  for (int32_t x : dims) {
+    if (x < 1 || x > kLearnedMaxDim) return false;
+  }
+  return true;
+}
+
+cudaError_t LearnedSign(const LearnedSignParams& p, cudaStream_t stream) {
+  if (p.num_seqs < 0 || p.heads <= 0 || p.group <= 0 || p.heads % p.group != 0 ||
+      p.num_linear < 1 || p.num_linear > kLearnedMaxLinear) {
+    return cudaErrorInvalidValue;
+  }
+  int max_dim = 0;
+  for (int i = 0; i <= p.num_linear; ++i) {
+    if (p.dims[i] < 1 || p.dims[i] > kLearnedMaxDim) return cudaErrorInvalidValue;
+    max_dim = std::max(max_dim, p.dims[i]);
+  }
+  const int bits = p.dims[p.num_linear];
+  if (bits < 32 || bits > 256 || bits % 32 != 0) return cudaErrorInvalidValue;
+  if (p.num_seqs == 0) return cudaSuccess;
+  if (p.x == nullptr || p.mlps == nullptr || p.out == nullptr) return cudaErrorInvalidValue;
+  const dim3 grid((p.num_seqs + kLearnedVecs - 1) / kLearnedVecs, p.heads);
+  const size_t smem = sizeof(float) * 2 * kLearnedVecs * max_dim;  // <= 32 KB
+  switch (p.dtype) {
+    case DType::kBf16:
+      LearnedSignKernel<Bf16><<<grid, kLearnedThreads, smem, stream>>>(p);
+      break;
+    case DType::kFp16:
+      LearnedSignKernel<Fp16><<<grid, kLearnedThreads, smem, stream>>>(p);
+      break;
+    case DType::kFp32:
+      LearnedSignKernel<float><<<grid, kLearnedThreads, smem, stream>>>(p);
       break;
   }
   return cudaGetLastError();

@@ -10,8 +10,10 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "kernels/dtype.h"
+#include "kernels/hash_signatures.h"
 
 namespace kvsparse::kernels::cuda {
 
@@ -41,6 +43,38 @@ struct SimHashSignParams {
 };
 
 cudaError_t SimHashSign(const SimHashSignParams& p, cudaStream_t stream);
+
+// Learned signatures (kernels/hash_signatures.h's MLPs, bit for bit HashMlp::Sign) of
+// num_seqs * heads vectors; vector (b, j) goes through MLP j / group of `mlps`.
+constexpr int32_t kLearnedMaxLinear = 8;  // linears per MLP the kernel takes
+constexpr int32_t kLearnedMaxDim = 512;   // widest layer (input, hidden or bits) it takes
+struct LearnedSignParams {
+  int32_t num_seqs = 0;  // B
+  int32_t heads = 0;     // vectors per sequence
+  int32_t group = 1;     // vectors per MLP
+  int32_t num_linear = 0;                      // N in [1, kLearnedMaxLinear]
+  int32_t dims[kLearnedMaxLinear + 1] = {};    // dims[0] = d, dims[N] = bits (32..256, x32)
+  DType dtype = DType::kBf16;                  // of x
+  const void* x = nullptr;                     // device, shape: [B, heads, d] contiguous
+  // device: MLP m at mlps + m * mlp_floats (LearnedMlpFloats(dims)); in it, per linear i, the
+  // weight transposed to [dims[i]][dims[i+1]] (input-major) and then the bias [dims[i+1]].
+  const float* mlps = nullptr;
+  // Output as SimHashSignParams.
+  uint32_t* out = nullptr;
+  int64_t out_batch_stride = 0;
+  int64_t out_head_stride = 0;
+  int64_t out_token_stride = 0;
+  const int32_t* positions = nullptr;
+};
+
+// Floats of one packed MLP of these dims.
+int64_t LearnedMlpFloats(const int32_t* dims, int32_t num_linear);
+// Appends `m` to `out` in the packed layout above (host).
+void AppendPackedMlp(const HashMlp& m, std::vector<float>* out);
+// Whether LearnedSign takes MLPs of these dims (linears and widths within its limits).
+bool LearnedSignSupports(const std::vector<int32_t>& dims);
+
+cudaError_t LearnedSign(const LearnedSignParams& p, cudaStream_t stream);
 
 // Sink + local window + top-k by Hamming similarity, per (sequence, query head).
 struct HashTopKParams {

@@ -5,6 +5,8 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -140,6 +142,76 @@ TEST(HashTopKCudaTest, RandomSignaturesMatchCpuExactly) {
       }
     }
     CheckTopK(p, sigs, cp, "bits=" + std::to_string(c.bits) + " n_max=" + std::to_string(n_max));
+  }
+}
+
+// Learned MLP signatures (LearnedSign) against HashMlp::Sign, bit for bit: every dtype, a
+// batch that is not a multiple of the kernel's vectors per block, MLPs shared by a GQA group.
+TEST(HashTopKCudaTest, LearnedSignaturesMatchCpuBitForBit) {
+  KVSPARSE_REQUIRE_GPU();
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (const std::vector<int32_t>& dims :
+       {std::vector<int32_t>{128, 128, 128, 32}, std::vector<int32_t>{64, 256}}) {
+    const int heads = 8, group = 4, mlps = heads / group, d = dims.front(), bits = dims.back();
+    std::vector<HashMlp> m(mlps);
+    std::vector<float> packed;
+    for (HashMlp& x : m) {
+      x.dims = dims;
+      for (size_t i = 0; i + 1 < dims.size(); ++i) {
+        const float scale = 1.f / std::sqrt(static_cast<float>(dims[i]));
+        std::vector<float> w(static_cast<size_t>(dims[i]) * dims[i + 1]), b(dims[i + 1]);
+        for (float& v : w) v = normal(rng) * scale;
+        for (float& v : b) v = normal(rng) * 0.1f;
+        x.weights.push_back(std::move(w));
+        x.biases.push_back(std::move(b));
+      }
+      AppendPackedMlp(x, &packed);
+    }
+    ASSERT_TRUE(LearnedSignSupports(dims));
+    ASSERT_EQ(static_cast<int64_t>(packed.size()),
+              mlps * LearnedMlpFloats(dims.data(), static_cast<int32_t>(dims.size()) - 1));
+    DeviceBuffer dm = ToDevice(packed);
+    for (DType t : {DType::kBf16, DType::kFp16, DType::kFp32}) {
+      const int batch = 37, words = bits / 32;
+      const size_t es = DTypeSize(t), n = static_cast<size_t>(batch) * heads * d;
+      std::vector<float> x(n);
+      std::vector<uint8_t> raw(n * es);
+      for (size_t i = 0; i < n; ++i) {
+        const float v = normal(rng) * 2.f;
+        StoreFromFloat(raw.data(), i, t, v);
+        x[i] = LoadAsFloat(raw.data(), i, t);  // the value the GPU reads
+      }
+      DeviceBuffer dx = ToDevice(raw);
+      DeviceBuffer out(sizeof(uint32_t) * batch * heads * words);
+      LearnedSignParams p;
+      p.num_seqs = batch;
+      p.heads = heads;
+      p.group = group;
+      p.num_linear = static_cast<int32_t>(dims.size()) - 1;
+      for (size_t i = 0; i < dims.size(); ++i) p.dims[i] = dims[i];
+      p.dtype = t;
+      p.x = dx.get();
+      p.mlps = dm.as<float>();
+      p.out = out.as<uint32_t>();
+      p.out_batch_stride = static_cast<int64_t>(heads) * words;
+      p.out_head_stride = words;
+      ASSERT_EQ(LearnedSign(p, nullptr), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto got = ToHost<uint32_t>(out, static_cast<size_t>(batch) * heads * words);
+      std::vector<float> scratch;
+      std::vector<uint32_t> want(words);
+      int mismatched = 0;
+      for (int b = 0; b < batch; ++b) {
+        for (int h = 0; h < heads; ++h) {
+          m[h / group].Sign(&x[(static_cast<size_t>(b) * heads + h) * d], want.data(), &scratch);
+          for (int w = 0; w < words; ++w) {
+            mismatched += got[(static_cast<size_t>(b) * heads + h) * words + w] != want[w];
+          }
+        }
+      }
+      EXPECT_EQ(mismatched, 0) << DTypeName(t) << " bits " << bits;
+    }
   }
 }
 

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #include "engine/decode_engine.h"
 #include "gtest/gtest.h"
 #include "kernels/dense.h"
+#include "kernels/hash_signatures.h"
 #include "kernels/philox.h"
 #include "kernels/synthetic.h"
 #include "kvstore/cuda_host_memory.h"
@@ -76,8 +78,10 @@ struct Rig {
   std::unique_ptr<RowSource> source, local;
   std::unique_ptr<DecodeEngine> cpu, gpu;
 
-  static std::unique_ptr<Rig> Make(size_t gpu_capacity = 1ull << 30, double row_cache = 1.0,
-                                   bool apart = false, size_t max_fetch_bytes = 32 << 20) {
+  static std::unique_ptr<Rig> Make(
+      size_t gpu_capacity = 1ull << 30, double row_cache = 1.0, bool apart = false,
+      size_t max_fetch_bytes = 32 << 20,
+      std::shared_ptr<const kernels::LearnedHashWeights> learned = nullptr) {
     auto r = std::make_unique<Rig>();
     auto mem = kvstore::NewPinnedHostMemoryResource();
     EXPECT_TRUE(mem.ok()) << mem.status();
@@ -96,6 +100,7 @@ struct Rig {
     }
     EngineOptions eo;
     eo.signatures.simhash_seed = kSigSeed;
+    eo.signatures.learned = std::move(learned);
     // Both engines read the store in chunks of this size (the SimHash M of a sequence is taken
     // over its first chunk).
     eo.max_fetch_bytes = max_fetch_bytes;
@@ -302,6 +307,77 @@ TEST_F(GpuEngineTest, HashTopKAndTheRowCache) {
     // only rows and output are compared.)
     Compare(*rig, prob, HashMethod(0.f, 10, 16, 32), {8e-3, false, 0},
             "hash, smaller selection, placement " + std::to_string(pl));
+  }
+}
+
+// Learned hash weights (random MLPs of HashAttention's shape): hash top-k and vAttention's hash
+// predictor sign keys and queries with them on the GPU (LearnedSign), selecting row for row
+// what the CPU engine selects; weights with one key MLP per query head stay on the CPU engine.
+std::shared_ptr<const kernels::LearnedHashWeights> RandomLearned(int32_t hk, int32_t bits,
+                                                                 uint32_t seed) {
+  auto w = std::make_shared<kernels::LearnedHashWeights>();
+  w->num_layers = kLayers;
+  w->num_q_heads = 8;
+  w->num_key_mlps = hk;
+  w->dims = {128, 64, 64, bits};
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  auto make = [&] {
+    kernels::HashMlp m;
+    m.dims = w->dims;
+    for (size_t i = 0; i + 1 < m.dims.size(); ++i) {
+      std::vector<float> wt(static_cast<size_t>(m.dims[i]) * m.dims[i + 1]), b(m.dims[i + 1]);
+      for (float& x : wt) x = normal(rng) / std::sqrt(static_cast<float>(m.dims[i]));
+      for (float& x : b) x = 0.1f * normal(rng);
+      m.weights.push_back(std::move(wt));
+      m.biases.push_back(std::move(b));
+    }
+    return m;
+  };
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    for (int32_t h = 0; h < w->num_q_heads; ++h) w->query_mlps.push_back(make());
+  }
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    for (int32_t j = 0; j < hk; ++j) w->key_mlps.push_back(make());
+  }
+  EXPECT_TRUE(kernels::ValidateLearnedHashWeights(*w).ok());
+  return w;
+}
+
+TEST_F(GpuEngineTest, LearnedSignatures) {
+  for (int32_t hk : {2, 8}) {
+    auto rig = Rig::Make(1ull << 30, 1.0, false, 32 << 20, RandomLearned(hk, 64, 3 + hk));
+    ASSERT_NE(rig, nullptr);
+    kvstore::Placement p;
+    p.signature_bits = 64;
+    auto prob = Problem({3000, 700});
+    rig->Load(prob, p);
+    Method m = HashMethod(0.05f, 0, 16, 32);
+    m.learned_signatures = true;
+    Compare(*rig, prob, m, {8e-3, true, 0}, "learned hash, key MLPs " + std::to_string(hk));
+    auto g = rig->gpu->Decode(Call(prob, m));
+    ASSERT_TRUE(g.ok()) << g.status();
+    if (hk == 2) {
+      EXPECT_GT(g->timing.launch_seconds, 0.0) << "one key MLP per kv head: on the GPU";
+    } else {
+      EXPECT_EQ(g->timing.launch_seconds, 0.0) << "a key MLP per query head: the CPU engine";
+    }
+    Method v;
+    v.kind = MethodKind::kVAttention;
+    v.learned_signatures = true;
+    v.vattention.sink_tokens = 32;
+    v.vattention.local_tokens = 32;
+    v.vattention.top_k_fraction = 0.02f;
+    v.vattention.bits = 0;  // the sequence's
+    auto c = rig->cpu->Decode(Call(prob, v));
+    auto gv = rig->gpu->Decode(Call(prob, v));
+    ASSERT_TRUE(c.ok() && gv.ok()) << c.status() << gv.status();
+    EXPECT_LT(RelL2(gv->output, c->output, DType::kBf16), 0.02);
+    EXPECT_EQ(gv->timing.launch_seconds > 0.0, hk == 2);
+    // SimHash asked of a learned deployment: the CPU engine's FAILED_PRECONDITION, from both.
+    const Method simhash = HashMethod(0.05f, 0, 16, 32);
+    auto bad = rig->gpu->Decode(Call(prob, simhash));
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kFailedPrecondition) << bad.status();
   }
 }
 

@@ -32,6 +32,7 @@
 #include "client/python/csrc/op_engine.h"
 #include "engine/embedded.h"
 #include "kernels/dtype.h"
+#include "kernels/hash_signatures.h"
 
 namespace kvsparse::torch_ops {
 namespace {
@@ -191,7 +192,8 @@ std::shared_ptr<OpEngine> Find(int64_t handle) {
 // are its); otherwise the kvsparse-server store at that address.
 int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capacity,
                      const std::string& capacity_policy, int64_t gpu_capacity, double gpu_row_cache,
-                     int64_t resident_capacity, bool huge_pages, const std::string& store_target) {
+                     int64_t resident_capacity, bool huge_pages, const std::string& store_target,
+                     const std::string& hash_weights) {
   en::EmbeddedOptions o;
   absl::StatusOr<en::GpuMode> mode = en::ParseGpuMode(gpu);
   Check(mode.status());
@@ -209,6 +211,13 @@ int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capac
   o.gpu_capacity_bytes = static_cast<size_t>(gpu_capacity);
   o.gpu_row_cache = gpu_row_cache;
   o.engine.resident_capacity_bytes = static_cast<size_t>(resident_capacity);
+  if (!hash_weights.empty()) {
+    absl::StatusOr<kernels::LearnedHashWeights> weights =
+        kernels::ReadLearnedHashWeights(hash_weights);
+    Check(weights.status());
+    o.engine.signatures.learned =
+        std::make_shared<const kernels::LearnedHashWeights>(std::move(*weights));
+  }
   absl::StatusOr<std::unique_ptr<OpEngine>> engine =
       store_target.empty() ? NewLocalOpEngine(std::move(o)) : NewRemoteOpEngine(store_target, o);
   Check(engine.status());
@@ -397,7 +406,7 @@ TORCH_LIBRARY(kvsparse, m) {
   m.def(
       "engine_create(str gpu, int device, int store_capacity, str capacity_policy, "
       "int gpu_capacity, float gpu_row_cache, int resident_capacity, bool huge_pages, "
-      "str store_target) -> int",
+      "str store_target, str hash_weights) -> int",
       &EngineCreate);
   m.def("engine_destroy(int engine) -> ()", &EngineDestroy);
   m.def("engine_backend(int engine) -> str", &EngineBackend);

@@ -151,6 +151,9 @@ class InProcessEngine:
         gpu_capacity: GPU memory for per-sequence state (signatures, resident rows, row caches).
         gpu_row_cache: HashAttention's row cache, rows per kv head as a fraction of the tokens.
         resident_capacity: the CPU engine's device-tier state.
+        hash_weights: a learned HashAttention weight file (``kvsparse.calibrate``): hash top-k and
+            vAttention's hash predictor then sign with its MLPs (``learned=True`` in the method),
+            as kvsparse-server's ``--hash_weights``.
     """
 
     def __init__(
@@ -165,6 +168,7 @@ class InProcessEngine:
         resident_capacity: int | str = "4G",
         huge_pages: bool = True,
         store: str | None = None,
+        hash_weights: str | None = None,
     ) -> None:
         load_library()
         self._handle: int | None = _call(
@@ -178,6 +182,7 @@ class InProcessEngine:
             _bytes(resident_capacity),
             huge_pages,
             store or "",
+            str(hash_weights or ""),
         )
         self.backend: str = torch.ops.kvsparse.engine_backend(self._handle)
 

@@ -1,0 +1,394 @@
+"""Calibration: learned HashAttention bit signatures for a model, from its own queries and keys.
+
+    python -m kvsparse.calibrate --model DIR --text a.txt b.txt --out hash.bin      # or
+    kvsparse-calibrate --model DIR --text corpus/*.txt --out hash.bin --bits 32
+    kvsparse-server --hash_weights hash.bin ...      # HashTopK(learned=True) / VAttention(learned=True)
+
+Runs the model (a transformers causal LM with rotary attention, Llama-architecture) over the
+calibration text in windows of ``--context`` tokens, records every layer's post-RoPE queries and
+keys, and trains per layer one MLP per query head and one per kv head (Linear-SiLU-Linear-SiLU-
+Linear, as HashAttention's released models) so that the Hamming similarity of their sign bits
+ranks a query's keys by attention score. The loss is HashAttention's: weighted binary cross-
+entropy of "the key is among the query's top-k" (k a fraction of the causal prefix), predicted
+from the relaxed (tanh) similarity of the two signatures, positives weighted by ``alpha`` (5 here,
+20 in HashAttention's runs: on keys with a shared offset, as real keys have, 5 with a learning rate
+of 1e-2 reached a higher recall in 400 steps than 20 with 1e-3).
+Writes the version-1 file of ``kernels/hash_signatures.h``; prints each layer's held-out recall of
+the true top-k against SimHash at the same bits.
+
+Needs torch and transformers (``pip install kvsparse[hf]``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+MAGIC = b"KVSPHASH"
+VERSION = 1
+_CAPTURE = "kvsparse_capture"
+
+
+# ---- Queries and keys of a model -------------------------------------------------------------
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.q: dict[int, list[torch.Tensor]] = {}
+        self.k: dict[int, list[torch.Tensor]] = {}
+
+
+_recorder: _Recorder | None = None
+
+
+def _capture_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
+    """SDPA that also records the layer's post-RoPE query [B, H, T, d] and key [B, Hkv, T, d]."""
+    if _recorder is not None:
+        _recorder.q.setdefault(module.layer_idx, []).append(query.detach().to(torch.bfloat16))
+        _recorder.k.setdefault(module.layer_idx, []).append(key.detach().to(torch.bfloat16))
+    return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
+
+
+@torch.no_grad()
+def capture_qk(model: Any, windows: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Runs `model` over each window (a 1-D tensor of token ids, all of one length T) and returns
+    per layer (q [W, H, T, d], k [W, Hkv, T, d]) in bf16 on the model's device."""
+    global _recorder
+    AttentionInterface.register(_CAPTURE, _capture_forward)
+    AttentionMaskInterface.register(_CAPTURE, sdpa_mask)
+    before = model.config._attn_implementation
+    device = next(model.parameters()).device
+    _recorder = _Recorder()
+    try:
+        model.set_attn_implementation(_CAPTURE)
+        for w in windows:
+            model(w.to(device)[None], use_cache=False)
+        layers = sorted(_recorder.q)
+        return [(torch.cat(_recorder.q[i]), torch.cat(_recorder.k[i])) for i in layers]
+    finally:
+        _recorder = None
+        model.set_attn_implementation(before)
+
+
+# ---- The MLPs ----------------------------------------------------------------------------------
+
+
+class HashMlps(torch.nn.Module):
+    """`n` independent MLPs of the same dims, applied batched: x [n, N, dims[0]] -> [n, N, bits]
+    (pre-sign). SiLU after every linear but the last, as kernels/hash_signatures.h."""
+
+    def __init__(self, n: int, dims: Sequence[int], generator: torch.Generator) -> None:
+        super().__init__()
+        self.dims = list(dims)
+        self.weights = torch.nn.ParameterList()
+        self.biases = torch.nn.ParameterList()
+        for i in range(len(dims) - 1):
+            bound = 1.0 / math.sqrt(dims[i])
+            w = (torch.rand(n, dims[i + 1], dims[i], generator=generator) * 2 - 1) * bound
+            b = (torch.rand(n, dims[i + 1], generator=generator) * 2 - 1) * bound
+            self.weights.append(torch.nn.Parameter(w))
+            self.biases.append(torch.nn.Parameter(b))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        last = len(self.weights) - 1
+        for i, (w, b) in enumerate(zip(self.weights, self.biases)):
+            x = torch.baddbmm(b.unsqueeze(1), x, w.transpose(1, 2))
+            if i < last:
+                x = torch.nn.functional.silu(x)
+        return x
+
+
+@dataclass
+class LayerHash:
+    """One layer's trained MLPs: query MLPs (one per query head), key MLPs (one per kv head)."""
+
+    query: HashMlps
+    key: HashMlps
+
+
+def _topk_labels(scores: torch.Tensor, prefix: torch.Tensor, fraction: float, min_k: int) -> torch.Tensor:
+    """scores [..., Q, T] (-inf beyond each query's causal prefix), prefix [Q] lengths: bool of
+    the top ceil(fraction * prefix) keys per query (at least min_k)."""
+    m = torch.clamp(torch.ceil(prefix.float() * fraction).long(), min=min_k)
+    m = torch.minimum(m, prefix)
+    ordered = scores.sort(dim=-1, descending=True).values
+    idx = (m - 1).view(*([1] * (scores.dim() - 2)), -1, 1).expand(*scores.shape[:-1], 1)
+    threshold = ordered.gather(-1, idx)
+    return (scores >= threshold) & torch.isfinite(scores)
+
+
+def train_layer(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    bits: int = 32,
+    hidden: int = 128,
+    linears: int = 3,
+    steps: int = 400,
+    queries_per_step: int = 64,
+    top_fraction: float = 1 / 32,
+    min_top_k: int = 16,
+    alpha: float = 5.0,
+    lr: float = 1e-2,
+    min_position: int = 256,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+) -> LayerHash:
+    """Trains one layer's MLPs on its queries q [W, H, T, d] and keys k [W, Hkv, T, d]."""
+    w_count, h, t, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    device = q.device
+    gen = torch.Generator().manual_seed(seed)
+    dims = [d] + [hidden] * (linears - 1) + [bits]
+    qm, km = HashMlps(h, dims, gen).to(device), HashMlps(hkv, dims, gen).to(device)
+    scale = torch.nn.Parameter(torch.tensor(8.0, device=device))
+    bias = torch.nn.Parameter(torch.tensor(-2.0, device=device))
+    params = list(qm.parameters()) + list(km.parameters()) + [scale, bias]
+    opt = torch.optim.Adam(params, lr=lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps, eta_min=lr * 0.05)
+    pick = torch.Generator(device="cpu").manual_seed(seed + 1)
+    lo = min(min_position, t - 1)
+    keys = torch.arange(t, device=device)
+    for step in range(steps):
+        w = int(torch.randint(w_count, (1,), generator=pick))
+        pos = torch.randint(lo, t, (queries_per_step,), generator=pick).to(device)
+        qx = q[w][:, pos].float()  # [H, Q, d]
+        kx = k[w].float()  # [Hkv, T, d]
+        with torch.no_grad():
+            s = torch.einsum("kgqd,ktd->kgqt", qx.view(hkv, g, -1, d), kx)
+            causal = keys[None, :] <= pos[:, None]  # [Q, T]
+            s = s.masked_fill(~causal, float("-inf"))
+            labels = _topk_labels(s, pos + 1, top_fraction, min_top_k).float()
+        fq = torch.tanh(qm(qx)).view(hkv, g, -1, bits)
+        fk = torch.tanh(km(kx))
+        sim = torch.einsum("kgqb,ktb->kgqt", fq, fk) / bits
+        logits = scale * sim + bias
+        weight = (labels * (alpha - 1) + 1) * causal
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, weight=weight, reduction="sum")
+        loss = loss / weight.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        if log is not None and (step + 1) % max(1, steps // 4) == 0:
+            log(f"  step {step + 1}/{steps}: loss {loss.item():.4f}")
+    return LayerHash(qm.eval(), km.eval())
+
+
+# ---- Signatures and recall ---------------------------------------------------------------------
+
+
+def sign_bits(x: torch.Tensor) -> torch.Tensor:
+    """Pre-sign projections [..., bits] -> {+1, -1} floats (bit = projection > 0, as the C++)."""
+    return torch.where(x > 0, 1.0, -1.0)
+
+
+@torch.no_grad()
+def learned_signatures(layer: LayerHash, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [H, N, d], k [Hkv, T, d] -> +-1 signatures [H, N, bits], [Hkv, T, bits]."""
+    return sign_bits(layer.query(q.float())), sign_bits(layer.key(k.float()))
+
+
+@torch.no_grad()
+def simhash_signatures(q: torch.Tensor, k: torch.Tensor, bits: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """SimHash with the max-norm augmentation (kernels/hash_signatures.h's construction, its own
+    Gaussian planes): q [H, N, d], k [Hkv, T, d] -> +-1 signatures. Keys of a kv head and the
+    queries of its group share that head's planes."""
+    h, _, d = q.shape
+    hkv = k.shape[0]
+    gen = torch.Generator().manual_seed(seed)
+    planes = torch.randn(hkv, d + 1, bits, generator=gen).to(q.device)
+    kf = k.float()
+    norm2 = (kf * kf).sum(-1, keepdim=True)
+    aug = torch.sqrt(torch.clamp(norm2.amax(dim=1, keepdim=True) - norm2, min=0))
+    sk = sign_bits(torch.cat([kf, aug], -1) @ planes)
+    qf = torch.cat([q.float(), torch.zeros_like(q[..., :1], dtype=torch.float32)], -1)
+    sq = sign_bits(qf.view(hkv, h // hkv, -1, d + 1) @ planes.unsqueeze(1)).view(h, -1, bits)
+    return sq, sk
+
+
+@torch.no_grad()
+def topk_recall(
+    q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, sq: torch.Tensor, sk: torch.Tensor,
+    fraction: float = 1 / 32, min_top_k: int = 16, seed: int = 0,
+) -> dict[str, float]:
+    """For queries q [H, Q, d] at positions pos [Q] over keys k [Hkv, T, d] with signatures
+    sq [H, Q, bits], sk [Hkv, T, bits]: the mean fraction of the true top-m keys (m = fraction of
+    the causal prefix) among the m keys of highest signature similarity (ties broken at random),
+    and the share of the softmax mass those m keys hold against the true top-m's."""
+    h, nq, d = q.shape
+    hkv, t, _ = k.shape
+    g = h // hkv
+    keys = torch.arange(t, device=q.device)
+    causal = keys[None, :] <= pos[:, None]
+    s = torch.einsum("kgqd,ktd->kgqt", q.float().view(hkv, g, nq, d), k.float()) / math.sqrt(d)
+    s = s.masked_fill(~causal, float("-inf"))
+    true = _topk_labels(s, pos + 1, fraction, min_top_k)
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    noise = torch.rand(s.shape, generator=gen).to(q.device) * 0.5  # ties among equal Hamming scores
+    sim = torch.einsum("kgqb,ktb->kgqt", sq.view(hkv, g, nq, -1), sk) + noise
+    sim = sim.masked_fill(~causal, float("-inf"))
+    picked = _topk_labels(sim, pos + 1, fraction, min_top_k)
+    recall = (true & picked).sum(-1).float() / true.sum(-1).float()
+    p = torch.softmax(s, -1)
+    mass = (p * picked).sum(-1) / (p * true).sum(-1)
+    return {"recall": float(recall.mean()), "mass": float(mass.mean())}
+
+
+# ---- The file ------------------------------------------------------------------------------------
+
+
+def write_hash_weights(path: str | Path, layers: Sequence[LayerHash]) -> int:
+    """Writes the version-1 learned hash weight file (kernels/hash_signatures.h); returns its
+    size in bytes."""
+    first = layers[0]
+    dims = first.query.dims
+    h, hk = first.query.weights[0].shape[0], first.key.weights[0].shape[0]
+    out = bytearray(MAGIC)
+    out += struct.pack("<5I", VERSION, len(layers), h, hk, len(dims) - 1)
+    out += struct.pack(f"<{len(dims)}I", *dims)
+    for layer in layers:
+        if layer.query.dims != dims or layer.key.dims != dims:
+            raise ValueError("every MLP of the file must have the same dims")
+        for mlps in (layer.query, layer.key):
+            n = mlps.weights[0].shape[0]
+            for j in range(n):
+                for w, b in zip(mlps.weights, mlps.biases):
+                    out += w[j].detach().float().cpu().contiguous().numpy().astype("<f4").tobytes()
+                    out += b[j].detach().float().cpu().contiguous().numpy().astype("<f4").tobytes()
+    Path(path).write_bytes(bytes(out))
+    return len(out)
+
+
+# ---- The command -----------------------------------------------------------------------------------
+
+
+def _windows(tokens: torch.Tensor, context: int, count: int, seed: int) -> list[torch.Tensor]:
+    if tokens.numel() < context + 1:
+        raise ValueError(f"the calibration text has {tokens.numel()} tokens, fewer than one window of {context}")
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, tokens.numel() - context, (count,), generator=gen).tolist()
+    return [tokens[s : s + context] for s in starts]
+
+
+def calibrate(
+    model: Any,
+    train_windows: Sequence[torch.Tensor],
+    eval_windows: Sequence[torch.Tensor],
+    *,
+    bits: int = 32,
+    hidden: int = 128,
+    linears: int = 3,
+    steps: int = 400,
+    top_fraction: float = 1 / 32,
+    alpha: float = 5.0,
+    seed: int = 0,
+    log: Callable[[str], None] = print,
+) -> tuple[list[LayerHash], list[dict[str, float]]]:
+    """Trains every layer's MLPs on `train_windows` and measures recall on `eval_windows`
+    (learned and SimHash, same bits); returns the layers and one recall row per layer."""
+    t0 = time.time()
+    qk = capture_qk(model, train_windows)
+    ev = capture_qk(model, eval_windows)
+    log(f"captured {len(qk)} layers' queries and keys of {len(train_windows)} + {len(eval_windows)} windows "
+        f"({time.time() - t0:.1f} s)")
+    layers, rows = [], []
+    for i, (q, k) in enumerate(qk):
+        t1 = time.time()
+        log(f"layer {i}: training {q.shape[1]} query and {k.shape[1]} key MLPs")
+        layer = train_layer(q, k, bits=bits, hidden=hidden, linears=linears, steps=steps,
+                            top_fraction=top_fraction, alpha=alpha, seed=seed + i, log=log)
+        layers.append(layer)
+        qe, ke = ev[i]
+        t = qe.shape[2]
+        gen = torch.Generator().manual_seed(seed + 1000 + i)
+        pos = torch.randint(min(256, t - 1), t, (128,), generator=gen).to(qe.device)
+        agg: dict[str, float] = {"layer": i}
+        for name in ("learned", "simhash"):
+            r_sum = {"recall": 0.0, "mass": 0.0}
+            for w in range(qe.shape[0]):
+                qq, kk = qe[w][:, pos], ke[w]
+                if name == "learned":
+                    sq, sk = learned_signatures(layer, qq, kk)
+                else:
+                    sq, sk = simhash_signatures(qq, kk, bits, seed=seed + i)
+                r = topk_recall(qq, kk, pos, sq, sk, top_fraction, seed=seed + w)
+                for key in r_sum:
+                    r_sum[key] += r[key] / qe.shape[0]
+            agg[f"{name}_recall"] = r_sum["recall"]
+            agg[f"{name}_mass"] = r_sum["mass"]
+        rows.append(agg)
+        log(f"layer {i}: top-{top_fraction:.4g} recall learned {agg['learned_recall']:.3f} "
+            f"(mass {agg['learned_mass']:.3f}), SimHash {agg['simhash_recall']:.3f} "
+            f"(mass {agg['simhash_mass']:.3f}) ({time.time() - t1:.1f} s)")
+    return layers, rows
+
+
+def _tokens(args: argparse.Namespace, model_dir: str) -> torch.Tensor:
+    data = b"".join(Path(p).read_bytes() for p in args.text)
+    if args.tokenizer == "bytes":
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return torch.tensor(tok(data.decode("utf-8", errors="replace"))["input_ids"], dtype=torch.long)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvsparse-calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a transformers model directory (from_pretrained)")
+    p.add_argument("--text", nargs="+", required=True, help="calibration text files")
+    p.add_argument("--out", required=True, help="the learned hash weight file to write")
+    p.add_argument("--tokenizer", choices=("auto", "bytes"), default="auto",
+                   help="auto: the model's tokenizer; bytes: one token per byte")
+    p.add_argument("--context", type=int, default=8192, help="tokens per calibration window")
+    p.add_argument("--windows", type=int, default=8, help="training windows (one more tenth held out)")
+    p.add_argument("--bits", type=int, default=32, help="signature bits (multiple of 32, 32..256)")
+    p.add_argument("--hidden", type=int, default=128, help="hidden width of the MLPs")
+    p.add_argument("--linears", type=int, default=3, help="linear layers per MLP")
+    p.add_argument("--steps", type=int, default=400, help="optimiser steps per layer")
+    p.add_argument("--top_fraction", type=float, default=1 / 32, help="top-k fraction the bits learn to rank")
+    p.add_argument("--alpha", type=float, default=5.0, help="weight of the positives in the BCE")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args(argv)
+    if args.bits % 32 or not 32 <= args.bits <= 256:
+        p.error("--bits must be a multiple of 32 in [32, 256]")
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.time()
+    dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
+    tokens = _tokens(args, args.model)
+    print(f"model {args.model}: {model.config.num_hidden_layers} layers; {tokens.numel()} calibration tokens "
+          f"({time.time() - t0:.1f} s)", flush=True)
+    n_eval = max(1, args.windows // 10)
+    windows = _windows(tokens, args.context, args.windows + n_eval, args.seed)
+    layers, rows = calibrate(
+        model, windows[: args.windows], windows[args.windows :], bits=args.bits, hidden=args.hidden,
+        linears=args.linears, steps=args.steps, top_fraction=args.top_fraction, alpha=args.alpha,
+        seed=args.seed, log=lambda s: print(s, flush=True),
+    )
+    size = write_hash_weights(args.out, layers)
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0] if k != "layer"}
+    print(f"wrote {args.out} ({size} bytes); mean top-{args.top_fraction:.4g} recall learned "
+          f"{mean['learned_recall']:.3f}, SimHash {mean['simhash_recall']:.3f} ({time.time() - t0:.1f} s)", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

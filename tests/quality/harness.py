@@ -1,0 +1,412 @@
+"""Quality of every kvsparse method on real attention: the model trained here (train_model.py),
+decoded through kvsparse with each method and setting, against dense attention on the same model
+and inputs.
+
+    python3 tests/quality/train_model.py --out build/quality/model --context 16384 --batch 4
+    python3 tests/quality/harness.py --model build/quality/model --out $OUT/quality      # the GPU
+    python3 tests/quality/harness.py --smoke --model /tmp/m --out /tmp/q                 # CPU, CI
+
+What it measures, per method (each decode step of each layer through kvsparse; prefill is the
+model's own SDPA, its K/V appended to the store in bulk):
+- perplexity of held-out text at each context (teacher-forced: the last --decode_tokens tokens of
+  a window, one decode step each), its change against dense through kvsparse, and the agreement of
+  each step's top-1 prediction with dense's;
+- per layer and head, at every one of those steps: the relative L2 error of the attention output
+  against exact attention over the same q, K, V (fp32), its cosine similarity, and for vAttention
+  the fraction of (step, head) outputs whose error exceeds epsilon (the paper's guarantee: at most
+  delta), overall and for the worst (layer, head);
+- rows read per step: distinct rows fetched per kv head as a fraction of the context, and bytes
+  crossing the host boundary as a fraction of what dense attention reads;
+- pass-key retrieval accuracy at several lengths and depths (greedy generation of the key);
+- learned HashAttention: the MLPs are trained on training-split windows (kvsparse.calibrate) and
+  served through the engine's hash_weights; their top-k recall against SimHash at the same bits.
+
+Writes results.json and results.md (the tables of docs/ACCURACY.md, "Real attention").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import transformers
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import train_model  # noqa: E402  (the corpus and pass-key documents of the training run)
+
+import kvsparse  # noqa: E402
+import kvsparse.calibrate as calibrate  # noqa: E402
+import kvsparse.ops  # noqa: E402
+import kvsparse.hf as khf  # noqa: E402
+from kvsparse import Dense, HashTopK, Santa, VAttention  # noqa: E402
+
+MEASURED = "kvsparse_measured"
+
+
+def methods(smoke: bool) -> dict[str, Any]:
+    """Name -> method. Sink and local windows: 128 tokens each (the methods' defaults)."""
+    if smoke:
+        return {
+            "dense": Dense(),
+            "s2anta-prop-S128": Santa(samples=128, allocation="prop"),
+            "hash-simhash-b32-1/8": HashTopK(top_k_fraction=1 / 8, bits=32, sink_tokens=8, local_tokens=8),
+            "hash-learned-b32-1/8": HashTopK(top_k_fraction=1 / 8, bits=32, sink_tokens=8, local_tokens=8, learned=True),
+            "vatt-exact-e0.1": VAttention(epsilon=0.1, delta=0.1, predictor="exact", sink_tokens=8, local_tokens=8),
+        }
+    # The settings the README recommends first (they carry the issue's targets), then the rest.
+    out: dict[str, Any] = {
+        "dense": Dense(),
+        "s2anta-prop-S256": Santa(samples=256, allocation="prop"),
+        "vatt-exact-e0.05": VAttention(epsilon=0.05, delta=0.05, predictor="exact", top_k_fraction=1 / 32),
+        "hash-learned-b32-1/32": HashTopK(top_k_fraction=1 / 32, bits=32, learned=True),
+        "hash-simhash-b32-1/32": HashTopK(top_k_fraction=1 / 32, bits=32),
+        "vatt-hash-e0.05": VAttention(epsilon=0.05, delta=0.05, predictor="hash", top_k_fraction=1 / 32),
+        "s2anta-prop-S128": Santa(samples=128, allocation="prop"),
+        "s2anta-flash-S2048": Santa(samples=2048, allocation="flash"),
+        "santa-iid-S256": Santa(samples=256, sampler="iid", allocation="global"),
+        "vatt-exact-e0.1": VAttention(epsilon=0.1, delta=0.1, predictor="exact", top_k_fraction=1 / 32),
+        "vatt-hash-e0.1": VAttention(epsilon=0.1, delta=0.1, predictor="hash", top_k_fraction=1 / 32),
+    }
+    for frac, name in ((1 / 16, "1/16"), (1 / 8, "1/8")):
+        out[f"hash-learned-b32-{name}"] = HashTopK(top_k_fraction=frac, bits=32, learned=True)
+        out[f"hash-simhash-b32-{name}"] = HashTopK(top_k_fraction=frac, bits=32)
+    return out
+
+
+# ---- Per-call measurement -----------------------------------------------------------------------
+
+
+@dataclass
+class Recorder:
+    """Errors of every decode call, per (layer, head); the rows each call fetched."""
+
+    active: bool = False
+    k: dict[int, torch.Tensor] = field(default_factory=dict)
+    v: dict[int, torch.Tensor] = field(default_factory=dict)
+    err: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # layer -> [B, H] per step
+    cos: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    rows_fraction: list[float] = field(default_factory=list)
+
+    def reset(self) -> None:
+        self.k.clear(), self.v.clear(), self.err.clear(), self.cos.clear(), self.rows_fraction.clear()
+
+
+REC = Recorder()
+
+
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, 1, d], k and v [B, Hkv, n, d] -> [B, H, d] in fp32."""
+    b, h, _, d = q.shape
+    hkv = k.shape[1]
+    qg = q.float().view(b, hkv, h // hkv, d)
+    s = torch.einsum("bkgd,bknd->bkgn", qg, k.float()) * scale
+    p = torch.softmax(s, -1)
+    return torch.einsum("bkgn,bknd->bkgd", p, v.float()).reshape(b, h, d)
+
+
+def measured_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """kvsparse's attention function, with every decode call's output compared with exact
+    attention over the same q and the same K/V (kept here as the model produced them)."""
+    if not REC.active:
+        return khf.kvsparse_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    layer = module.layer_idx
+    ref = getattr(khf._active, "cache", None)
+    cache = ref() if ref is not None else None
+    rows_before = cache.stats.rows_fetched if cache is not None else 0
+    if query.shape[2] > 1:  # prefill: SDPA, the K/V into the store
+        REC.k[layer], REC.v[layer] = key.detach(), value.detach()
+        return khf.kvsparse_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    # The output comes back in q's dtype (the GPU engine takes q in the K/V dtype): the errors
+    # include its rounding (bf16: ~2^-9 relative, what dense shows).
+    out, _ = khf.kvsparse_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    REC.k[layer] = torch.cat([REC.k[layer], key.detach()], 2)
+    REC.v[layer] = torch.cat([REC.v[layer], value.detach()], 2)
+    scale = float(scaling) if scaling else 1.0 / math.sqrt(query.shape[-1])
+    exact = exact_attention(query, REC.k[layer], REC.v[layer], scale)  # [B, H, d]
+    got = out[:, 0].float()  # [B, H, d]
+    diff = torch.linalg.vector_norm(got - exact, dim=-1)
+    norm = torch.linalg.vector_norm(exact, dim=-1).clamp_min(1e-30)
+    REC.err.setdefault(layer, []).append((diff / norm).cpu())
+    REC.cos.setdefault(layer, []).append(torch.nn.functional.cosine_similarity(got, exact, dim=-1).cpu())
+    if cache is not None:
+        b, hkv, n, _ = REC.k[layer].shape
+        REC.rows_fraction.append((cache.stats.rows_fetched - rows_before) / (b * hkv * n))
+    return out, None
+
+
+def register() -> None:
+    khf.register()
+    AttentionInterface.register(MEASURED, measured_forward)
+    AttentionMaskInterface.register(MEASURED, sdpa_mask)
+
+
+# ---- Perplexity ---------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def teacher_forced(model: Any, tokens: torch.Tensor, n_decode: int, engine: Any, method: Any, seed: int,
+                   device: str) -> tuple[list[float], list[int], kvsparse.hf.CacheStats]:
+    """Prefill all but the last n_decode + 1 tokens (SDPA), then one decode step per token through
+    `method`; returns each step's NLL of the next token, its argmax, and the cache's statistics.
+    method None: the model's own DynamicCache and SDPA (no kvsparse)."""
+    x = tokens.to(device)[None]
+    p = x.shape[1] - n_decode - 1
+    nll, top1 = [], []
+
+    def step(logits: torch.Tensor, target: torch.Tensor) -> None:
+        lf = logits[0, -1].float()
+        nll.append(float(torch.nn.functional.cross_entropy(lf[None], target[None])))
+        top1.append(int(lf.argmax()))
+
+    if method is None:
+        cache: Any = DynamicCache(config=model.config)
+        stats = kvsparse.hf.CacheStats()
+    else:
+        cache = khf.KvSparseCache(model.config, engine, method=method, seed=seed)
+        stats = cache.stats
+    try:
+        out = model(x[:, :p], past_key_values=cache, use_cache=True)
+        for i in range(n_decode):
+            out = model(x[:, p + i : p + i + 1], past_key_values=cache, use_cache=True)
+            step(out.logits, x[0, p + i + 1])
+    finally:
+        if method is not None:
+            cache.close()
+    return nll, top1, stats
+
+
+# ---- Pass keys ----------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def passkeys(model: Any, held: np.ndarray, lengths: list[int], depths: list[float], trials: int, engine: Any,
+             method: Any, device: str, seed: int) -> dict[str, float]:
+    """Greedy generation of the pass key after its question, `trials` documents per (length,
+    depth) in one batch (same length: no padding); accuracy per cell."""
+    out: dict[str, float] = {}
+    for n in lengths:
+        for depth in depths:
+            rng = random.Random(hash((n, depth, seed)) & 0xFFFFFFFF)
+            docs = [train_model.passkey_doc(rng, held, n, depth) for _ in range(trials)]
+            width = len(docs[0][1])
+            prompts = torch.tensor([t[: len(t) - width] for t, _ in docs], device=device)
+            kwargs: dict[str, Any] = dict(max_new_tokens=width, do_sample=False, pad_token_id=train_model.PAD)
+            if method is None:
+                gen = model.generate(prompts, **kwargs)
+            else:
+                with khf.KvSparseCache(model.config, engine, method=method, seed=seed) as cache:
+                    gen = model.generate(prompts, past_key_values=cache, **kwargs)
+            ok = sum(bytes(gen[i, prompts.shape[1] :].tolist()).decode(errors="replace") == key
+                     for i, (_, key) in enumerate(docs))
+            out[f"{n}@{depth:.1f}"] = ok / trials
+    return out
+
+
+# ---- The run ------------------------------------------------------------------------------------
+
+
+def summarise_errors(eps: float | None) -> dict[str, Any]:
+    layers = sorted(REC.err)
+    per_layer = {}
+    all_err, all_cos = [], []
+    worst_rate = 0.0
+    worst_head = None
+    for l in layers:
+        e = torch.stack(REC.err[l])  # [steps, B, H]
+        c = torch.stack(REC.cos[l])
+        all_err.append(e.flatten())
+        all_cos.append(c.flatten())
+        row: dict[str, Any] = {"rel_l2_mean": float(e.mean()), "cos_mean": float(c.mean()),
+                               "rel_l2_per_head": e.mean((0, 1)).tolist()}
+        if eps is not None:
+            rate = (e > eps).float().mean((0, 1))  # per head
+            row["violation_per_head"] = rate.tolist()
+            h = int(rate.argmax())
+            if float(rate[h]) > worst_rate or worst_head is None:
+                worst_rate, worst_head = float(rate[h]), (l, h)
+        per_layer[l] = row
+    e_all, c_all = torch.cat(all_err), torch.cat(all_cos)
+    res: dict[str, Any] = {
+        "rel_l2_mean": float(e_all.mean()),
+        "rel_l2_p90": float(e_all.quantile(0.9)),
+        "cos_mean": float(c_all.mean()),
+        "final_layer_rel_l2": per_layer[layers[-1]]["rel_l2_mean"],
+        "final_layer_cos": per_layer[layers[-1]]["cos_mean"],
+        "rows_fraction": float(np.mean(REC.rows_fraction)) if REC.rows_fraction else 0.0,
+        "per_layer": per_layer,
+    }
+    if eps is not None:
+        res["violation_rate"] = float((e_all > eps).float().mean())
+        res["worst_head_violation_rate"] = worst_rate
+        res["worst_head"] = worst_head
+    return res
+
+
+def windows_of(held: np.ndarray, context: int, count: int, seed: int) -> list[torch.Tensor]:
+    rng = random.Random(seed)
+    return [torch.tensor(held[s : s + context].tolist()) for s in
+            (rng.randrange(0, len(held) - context - 1) for _ in range(count))]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="checkpoint of train_model.py")
+    p.add_argument("--out", required=True)
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384])
+    p.add_argument("--windows", type=int, default=2, help="held-out windows per context")
+    p.add_argument("--decode_tokens", type=int, default=64, help="teacher-forced decode steps per window")
+    p.add_argument("--passkey_lengths", type=int, nargs="+", default=[2048, 8192, 16384])
+    p.add_argument("--passkey_depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
+    p.add_argument("--passkey_trials", type=int, default=10)
+    p.add_argument("--only", nargs="*", default=None, help="methods to run (names; default all)")
+    p.add_argument("--calib_windows", type=int, default=8)
+    p.add_argument("--calib_steps", type=int, default=1500)
+    p.add_argument("--gpu", default="auto", help="the in-process engine's GPU mode (auto, on, off)")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny contexts, a few methods: checks the harness")
+    args = p.parse_args()
+    if args.smoke:
+        args.contexts, args.windows, args.decode_tokens = [256], 1, 6
+        args.passkey_lengths, args.passkey_depths, args.passkey_trials = [256], [0.5], 2
+        args.calib_windows, args.calib_steps = 4, 60
+    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+
+    def log(s: str) -> None:
+        print(f"[{time.time() - t_start:6.1f} s] {s}", flush=True)
+
+    register()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
+    train_text, held = train_model.corpus(48 << 20 if not args.smoke else 2 << 20)
+    log(f"model {args.model} on {device}; held-out text {len(held)} tokens")
+
+    # Learned HashAttention: trained on training-split windows, recall measured on held-out ones.
+    calib_ctx = min(max(args.contexts), 8192)
+    cal_train = windows_of(train_text, calib_ctx, args.calib_windows, 101)
+    cal_eval = windows_of(held, calib_ctx, 2, 202)
+    model.set_attn_implementation("sdpa")
+    layers, recall_rows = calibrate.calibrate(model, cal_train, cal_eval, bits=32, steps=args.calib_steps,
+                                              top_fraction=1 / 32, log=log)
+    weights = out_dir / "hash-b32.bin"
+    calibrate.write_hash_weights(weights, layers)
+
+    gpu = "off" if args.smoke else args.gpu
+    engine = kvsparse.ops.InProcessEngine(gpu=gpu, store_capacity="8G", gpu_capacity="16G")
+    learned_engine = kvsparse.ops.InProcessEngine(gpu=gpu, store_capacity="8G", hash_weights=str(weights))
+    log(f"engines: {engine.backend} (SimHash), {learned_engine.backend} (learned weights)")
+    model.set_attn_implementation(MEASURED)
+
+    table = methods(args.smoke)
+    names = [n for n in table if args.only is None or n in args.only or n == "dense"]
+    results: dict[str, Any] = {"model": json.loads((Path(args.model) / "config.json").read_text()),
+                               "recall": recall_rows, "methods": {}, "args": vars(args)}
+    if (Path(args.model) / "metrics.json").exists():
+        results["training"] = json.loads((Path(args.model) / "metrics.json").read_text())
+    dense_top1: dict[tuple[int, int], list[int]] = {}
+    dense_nll: dict[int, float] = {}
+
+    # The model's own SDPA (no kvsparse): the reference dense through kvsparse must match.
+    for ctx in args.contexts:
+        nll = []
+        for w, tokens in enumerate(windows_of(held, ctx, args.windows, 303 + ctx)):
+            REC.active = False
+            n, _, _ = teacher_forced(model, tokens, args.decode_tokens, None, None, 0, device)
+            nll += n
+        results.setdefault("sdpa", {})[str(ctx)] = {"ppl": math.exp(float(np.mean(nll)))}
+        log(f"sdpa ctx {ctx}: ppl {results['sdpa'][str(ctx)]['ppl']:.4f}")
+
+    for name in names:
+        m = table[name]
+        eng = learned_engine if getattr(m, "learned", False) else engine
+        eps = m.epsilon if isinstance(m, VAttention) else None
+        row: dict[str, Any] = {"method": repr(m), "contexts": {}}
+        for ctx in args.contexts:
+            t0 = time.time()
+            REC.reset()
+            REC.active = True
+            nll, agree, fetched, dense_eq = [], [], 0, 0
+            for w, tokens in enumerate(windows_of(held, ctx, args.windows, 303 + ctx)):
+                n, top1, stats = teacher_forced(model, tokens, args.decode_tokens, eng, m, 1000 * w + 7, device)
+                nll += n
+                fetched += stats.bytes_fetched
+                dense_eq += stats.dense_equivalent_bytes
+                if name == "dense":
+                    dense_top1[(ctx, w)] = top1
+                agree += [a == b for a, b in zip(top1, dense_top1[(ctx, w)])]
+            REC.active = False
+            mean_nll = float(np.mean(nll))
+            if name == "dense":
+                dense_nll[ctx] = mean_nll
+            c = summarise_errors(eps)
+            c.update(ppl=math.exp(mean_nll), ppl_change=math.exp(mean_nll - dense_nll[ctx]) - 1,
+                     top1_agreement=float(np.mean(agree)),
+                     bytes_fraction=fetched / dense_eq if dense_eq else 0.0, seconds=time.time() - t0)
+            row["contexts"][str(ctx)] = c
+            extra = f", violations {c['violation_rate']:.3f} (worst head {c['worst_head_violation_rate']:.3f})" if eps else ""
+            log(f"{name} ctx {ctx}: ppl {c['ppl']:.4f} ({100 * c['ppl_change']:+.2f}%), top-1 {c['top1_agreement']:.3f}, "
+                f"rel L2 {c['rel_l2_mean']:.4f} (final layer {c['final_layer_rel_l2']:.4f}), rows {c['rows_fraction']:.4f}, "
+                f"bytes {c['bytes_fraction']:.4f}{extra} ({c['seconds']:.1f} s)")
+        t0 = time.time()
+        row["passkey"] = passkeys(model, held, args.passkey_lengths, args.passkey_depths, args.passkey_trials,
+                                  eng, m, device, seed=5)
+        log(f"{name} pass keys: {row['passkey']} ({time.time() - t0:.1f} s)")
+        results["methods"][name] = row
+        (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+    engine.close()
+    learned_engine.close()
+    (out_dir / "results.md").write_text(markdown(results, args))
+    log(f"wrote {out_dir / 'results.json'} and results.md")
+    return 0
+
+
+def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
+    ctxs = [str(c) for c in args.contexts]
+    lines = ["| method | " + " | ".join(f"ppl {c} (vs dense) | top-1 {c} | rel L2 mean / final layer {c} | rows {c} | bytes {c}" for c in ctxs)
+             + " | pass key (mean) |", "|---" * (1 + 5 * len(ctxs) + 1) + "|"]
+    sd = results.get("sdpa", {})
+    lines.append("| SDPA (no kvsparse) | " + " | ".join(f"{sd[c]['ppl']:.4f} | | | | " for c in ctxs) + " | |")
+    for name, row in results["methods"].items():
+        cells = []
+        for c in ctxs:
+            r = row["contexts"][c]
+            cells.append(f"{r['ppl']:.4f} ({100 * r['ppl_change']:+.2f}%) | {r['top1_agreement']:.3f} | "
+                         f"{r['rel_l2_mean']:.3f} / {r['final_layer_rel_l2']:.3f} | {r['rows_fraction']:.3f} | {r['bytes_fraction']:.3f}")
+        pk = row["passkey"]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {np.mean(list(pk.values())):.2f} |")
+    lines += ["", "| method | " + " | ".join(k for k in next(iter(results["methods"].values()))["passkey"]) + " |"]
+    lines.append("|---" * (1 + len(next(iter(results["methods"].values()))["passkey"])) + "|")
+    for name, row in results["methods"].items():
+        lines.append(f"| {name} | " + " | ".join(f"{v:.1f}" for v in row["passkey"].values()) + " |")
+    vrows = [(n, r) for n, r in results["methods"].items() if "violation_rate" in next(iter(r["contexts"].values()))]
+    if vrows:
+        lines += ["", "| method | " + " | ".join(f"violations {c} (worst head) | rows {c}" for c in ctxs) + " |",
+                  "|---" * (1 + 2 * len(ctxs)) + "|"]
+        for n, r in vrows:
+            lines.append(f"| {n} | " + " | ".join(
+                f"{r['contexts'][c]['violation_rate']:.3f} ({r['contexts'][c]['worst_head_violation_rate']:.3f}) | "
+                f"{r['contexts'][c]['rows_fraction']:.3f}" for c in ctxs) + " |")
+    lines += ["", "| layer | learned recall (mass) | SimHash recall (mass) |", "|---|---|---|"]
+    for r in results["recall"]:
+        lines.append(f"| {r['layer']} | {r['learned_recall']:.3f} ({r['learned_mass']:.3f}) | "
+                     f"{r['simhash_recall']:.3f} ({r['simhash_mass']:.3f}) |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

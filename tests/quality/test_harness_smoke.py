@@ -1,0 +1,57 @@
+"""The quality harness end to end on the CPU (--smoke: the smoke model of train_model.py, one
+short window, a few methods, the in-process engine): dense through kvsparse reproduces the
+model's own SDPA, the per-call errors and rows are measured, the learned weights are trained and
+served, and the tables are written."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+ops = pytest.importorskip("kvsparse.ops")
+
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def smoke_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("model")
+    run = subprocess.run([sys.executable, str(HERE / "train_model.py"), "--smoke", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return out
+
+
+def test_harness_smoke(smoke_model: Path, tmp_path: Path) -> None:
+    if not ops.available():
+        pytest.skip("the in-process op (libkvsparse_torch.so) is not built")
+    run = subprocess.run([sys.executable, str(HERE / "harness.py"), "--smoke", "--model", str(smoke_model),
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=os.environ)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    r = json.loads((tmp_path / "results.json").read_text())
+    sdpa = r["sdpa"]["256"]["ppl"]
+    dense = r["methods"]["dense"]["contexts"]["256"]
+    assert abs(dense["ppl"] / sdpa - 1) < 1e-4  # fp32 model: dense through kvsparse is SDPA
+    assert dense["rel_l2_mean"] < 1e-5 and dense["top1_agreement"] == 1.0
+    assert dense["rows_fraction"] == pytest.approx(1.0) and dense["bytes_fraction"] == pytest.approx(1.0)
+    for name, row in r["methods"].items():
+        c = row["contexts"]["256"]
+        assert c["ppl"] > 1.0 and 0.0 < c["rows_fraction"] <= 1.0, name
+        assert set(row["passkey"]) == {"256@0.5"}
+        assert len(c["per_layer"]) == r["model"]["num_hidden_layers"]
+    hashed = r["methods"]["hash-simhash-b32-1/8"]["contexts"]["256"]
+    assert 0.0 < hashed["rel_l2_mean"] and hashed["rows_fraction"] < 0.6
+    learned = r["methods"]["hash-learned-b32-1/8"]["contexts"]["256"]
+    assert learned["rows_fraction"] < 0.6
+    vatt = r["methods"]["vatt-exact-e0.1"]["contexts"]["256"]
+    assert 0.0 <= vatt["violation_rate"] <= 1.0 and "worst_head_violation_rate" in vatt
+    assert len(r["recall"]) == r["model"]["num_hidden_layers"]
+    assert (tmp_path / "hash-b32.bin").stat().st_size > 0
+    assert "| dense |" in (tmp_path / "results.md").read_text()
