@@ -80,7 +80,8 @@ absl::Status ValidateVAttentionParams(const VAttentionParams& params) {
   if (params.predictor != TopKPredictor::kHash && params.predictor != TopKPredictor::kExact) {
     return absl::InvalidArgumentError("predictor: unknown value");
   }
-  if (params.bound != BudgetBound::kClt && params.bound != BudgetBound::kHoeffding) {
+  if (params.bound != BudgetBound::kClt && params.bound != BudgetBound::kHoeffding &&
+      params.bound != BudgetBound::kCltRatio) {
     return absl::InvalidArgumentError("bound: unknown value");
   }
   if (params.target != VerifyTarget::kDenominator && params.target != VerifyTarget::kNumerator &&
@@ -97,7 +98,7 @@ VAttentionBudget ComputeVAttentionBudget(const VAttentionStatistics& st,
   const double inf = std::numeric_limits<double>::infinity();
   if (st.n_s == 0) return out;
   const double eps = params.epsilon, delta = params.delta, ns = static_cast<double>(st.n_s);
-  const bool clt = params.bound == BudgetBound::kClt;
+  const bool clt = params.bound != BudgetBound::kHoeffding;
   // c / T for each target.
   const double cd = st.d_hat > 0 ? (clt ? st.sigma : st.x_max) / st.d_hat : inf;
   const double cn =
@@ -116,6 +117,16 @@ VAttentionBudget ComputeVAttentionBudget(const VAttentionStatistics& st,
       break;
     }
     case VerifyTarget::kOutput: {
+      if (params.bound == BudgetBound::kCltRatio) {
+        const double v = st.n_hat_norm > 0
+                             ? ns * AlphaClt(delta) * std::sqrt(st.trace_sigma_z) /
+                                   (eps * st.n_hat_norm)
+                             : inf;
+        out.raw = v * v;
+        out.delta_split = delta;
+        out.eps_split = eps;
+        break;
+      }
       double best = inf, best_d = 0, best_n = 0;
       int best_j = kDeltaGrid / 2;
       for (int j = 1; j < kDeltaGrid; ++j) {
@@ -271,7 +282,7 @@ void VAttentionBudgetAndSample(int32_t n, const VAttentionParams& params,
   if (rmax_known) c = std::max(c, rows.residual_logit_max);
   if (!std::isfinite(c)) c = 0.f;
   std::vector<float> v(dv);
-  std::vector<double> nf(dv, 0.0), mean_y(dv, 0.0), m2_y(dv, 0.0);
+  std::vector<double> nf(dv, 0.0), mean_y(dv, 0.0), m2_y(dv, 0.0), c_xy(dv, 0.0);
   double df = 0;
   for (size_t i = 0; i < r->fixed.size(); ++i) {
     const double x = std::exp(static_cast<double>(logit_f[i]) - c);
@@ -294,6 +305,7 @@ void VAttentionBudgetAndSample(int32_t n, const VAttentionParams& params,
       const double dy = y - mean_y[a];
       mean_y[a] += dy / cnt;
       m2_y[a] += dy * (y - mean_y[a]);
+      c_xy[a] += dx * (y - mean_y[a]);  // co-moment of x and y_a (dx: before x's update)
       vn2 += double{v[a]} * v[a];
     }
     x_max = std::max(x_max, x);
@@ -303,15 +315,22 @@ void VAttentionBudgetAndSample(int32_t n, const VAttentionParams& params,
   const double nb = static_cast<double>(stat_rows->size());
   const double ns = static_cast<double>(n_s);
   st.d_hat = df + ns * mean_x;
-  double n2 = 0, tr = 0;
+  double n2 = 0, tr = 0, tr_z = 0;
+  const double var_x = nb > 1 ? m2_x / (nb - 1) : 0.0;
   for (int32_t a = 0; a < dv; ++a) {
     const double na = nf[a] + ns * mean_y[a];
+    const double oa = st.d_hat > 0 ? na / st.d_hat : 0.0;  // o^ = N^ / D^
     n2 += na * na;
-    tr += nb > 1 ? m2_y[a] / (nb - 1) : 0.0;
+    if (nb > 1) {
+      const double var_y = m2_y[a] / (nb - 1), cov = c_xy[a] / (nb - 1);
+      tr += var_y;
+      tr_z += var_y - 2 * oa * cov + oa * oa * var_x;
+    }
   }
   st.n_hat_norm = std::sqrt(n2);
-  st.sigma = nb > 1 ? std::sqrt(m2_x / (nb - 1)) : 0.0;
+  st.sigma = std::sqrt(var_x);
   st.trace_sigma = tr;
+  st.trace_sigma_z = std::max(tr_z, 0.0);  // rounding can take a zero variance below 0
   if (rmax_known) x_max = std::exp(static_cast<double>(rows.residual_logit_max) - c);
   st.x_max = x_max;
   st.y_max = params.exact_statistics ? y_max : x_max * v_max;

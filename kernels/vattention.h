@@ -18,7 +18,8 @@
 //  4. Statistics (float64) from I_f and B (their K and V rows are read):
 //       D_f = sum_{I_f} x,  N_f = sum_{I_f} y,  D^ = D_f + n_s mean_B(x),  N^ = N_f + n_s
 //       mean_B(y), sigma^2 = sample variance_B(x) (divisor n_b - 1),  Tr(Sigma) = sum over the d
-//       coordinates of sample variance_B(y),  x_max = max x over R (exact when every logit is
+//       coordinates of sample variance_B(y),  Tr(Sigma_z) = the same of z_t = y_t - o^ x_t with
+//       o^ = N^ / D^ (= Tr Sigma - 2 o^ . cov_B(x, y) + |o^|^2 sigma^2),  x_max = max x over R (exact when every logit is
 //       known, i.e. the exact predictor, else max over B),  y_max = x_max * max_B |V_t|.
 //     The shift c = max logit over I_f u B cancels in every ratio below.
 //  5. Budget for (eps, delta) and target T (D^ or |N^|), b(eps, delta) = (n_s a(delta) c / (eps
@@ -29,6 +30,15 @@
 //         (Hoeffding 1963: also valid for sampling without replacement.)
 //       Hoeffding, numerator: the Hilbert-space bound P(|mean - mu| >= t) <= 2 exp(-b t^2 /
 //         (2 R^2)) with |y - mu| <= R = 2 y_max (Pinelis 1994): a = sqrt(2 ln(2/delta)), c = R.
+//       CLT on the ratio (kCltRatio, target kOutput; the others as kClt): the delta method on
+//         o^ = N^ / D^. With the sample's share of N^ and D^ scaled by n_s / b, N^ - o D^ =
+//         (N_f - o D_f) + (n_s / b) sum_{I_dyn} z_t has mean N - o D = 0 and covariance
+//         n_s^2 Sigma_z / b, so o^ - o ~ (N^ - o D^) / D and |o^ - o| <= eps |o| asks
+//         |N^ - o D^| <= eps |N|: b = (n_s a(delta) sqrt(Tr Sigma_z) / (eps |N^|))^2, one normal
+//         approximation of the output itself instead of Theorem 4.3's two bounds at eps / 2 each.
+//         a = Phi^{-1}(1 - delta/2) bounds the norm of a Gaussian vector whatever its covariance's
+//         shape (P(|g|^2 >= a^2 Tr C) <= P(Z^2 >= a^2) for a^2 >= 1.54: Szekely and Bakirov
+//         2003; a >= 1.64 for delta <= 0.1). Still a normal approximation, not a guarantee.
 //     Target kOutput (Theorem 4.3): b = min over eps' in (0, eps), delta' in (0, delta) of
 //       max(b_D(eps'/2, delta'), b_N((eps - eps')/2, delta - delta')). For a fixed delta' the
 //       minimum over eps' is where the two are equal (one decreasing, one increasing in eps'):
@@ -74,7 +84,7 @@ namespace kvsparse::kernels {
 
 // Numbering follows proto TopKPredictor / BudgetBound / VerifyTarget.
 enum class TopKPredictor : uint8_t { kHash = 1, kExact = 2 };
-enum class BudgetBound : uint8_t { kClt = 1, kHoeffding = 2 };
+enum class BudgetBound : uint8_t { kClt = 1, kHoeffding = 2, kCltRatio = 3 };
 enum class VerifyTarget : uint8_t { kDenominator = 1, kNumerator = 2, kOutput = 3 };
 
 struct VAttentionParams {
@@ -109,6 +119,7 @@ struct VAttentionStatistics {
   double n_hat_norm = 0;   // |N^|
   double sigma = 0;        // std of x over the residual (estimated)
   double trace_sigma = 0;  // Tr(Sigma) of y over the residual (estimated)
+  double trace_sigma_z = 0;  // Tr(Sigma_z) of z = y - o^ x over the residual (estimated)
   double x_max = 0;        // Hoeffding range of x
   double y_max = 0;        // bound on |y|
 };

@@ -243,7 +243,9 @@ TEST_P(VAttentionStatisticsTest, ViolationRates) {
   dnorm = std::sqrt(dnorm);
   const double tol = 0.1 + 3 * std::sqrt(0.1 * 0.9 / kTrials);
   for (VerifyTarget target : {VerifyTarget::kDenominator, VerifyTarget::kOutput}) {
-    for (BudgetBound bound : {BudgetBound::kHoeffding, BudgetBound::kClt}) {
+    double clt_output_b[2] = {0, 0};  // mean b of CLT, target output, [exact_stats]
+    for (BudgetBound bound : {BudgetBound::kHoeffding, BudgetBound::kClt, BudgetBound::kCltRatio}) {
+      if (bound == BudgetBound::kCltRatio && target != VerifyTarget::kOutput) continue;
       for (bool exact_stats : {true, false}) {
         VAttentionParams params;
         params.sink_tokens = 16;
@@ -303,7 +305,9 @@ TEST_P(VAttentionStatisticsTest, ViolationRates) {
         }
         const double rate = static_cast<double>(violations) / kTrials;
         const char* tname = target == VerifyTarget::kDenominator ? "denominator" : "output";
-        const char* bname = bound == BudgetBound::kClt ? "CLT" : "Hoeffding";
+        const char* bname = bound == BudgetBound::kClt        ? "CLT"
+                            : bound == BudgetBound::kCltRatio ? "CLT-ratio"
+                                                              : "Hoeffding";
         std::printf(
             "[vattention violations] %-12s %-11s %-9s %-10s stats: eps=%.2f delta=0.10 "
             "rate=%.4f  mean b=%.0f of n_s=%lld\n",
@@ -314,6 +318,17 @@ TEST_P(VAttentionStatisticsTest, ViolationRates) {
             absl::StrCat(rate));
         if (bound == BudgetBound::kHoeffding && exact_stats) {
           EXPECT_LE(rate, tol) << tname << " Hoeffding";
+        }
+        if (bound == BudgetBound::kClt && target == VerifyTarget::kOutput) {
+          clt_output_b[exact_stats] = mean_b;
+        }
+        if (bound == BudgetBound::kCltRatio) {
+          // One normal approximation of the output: its rate sits at or below delta (exact
+          // statistics) on a budget no larger than Theorem 4.3's two bounds'.
+          if (exact_stats) {
+            EXPECT_LE(rate, tol) << "output CLT-ratio";
+          }
+          EXPECT_LE(mean_b, clt_output_b[exact_stats] + 1) << "output CLT-ratio";
         }
       }
     }

@@ -3,7 +3,7 @@
 # non-system shared libraries they load (gRPC, protobuf, Abseil, prometheus-cpp: the GPU
 # machine's image has none of them), into .carry/dev (git-ignored): the folder
 # scripts/gpu_check.sh runs from on the GPU machine, packed as .carry/pack/dev.tar.xz (carry
-# [".carry/pack"]).
+# [".carry/pack"]), and its libraries and server alone as .carry/qpack/dev.tar.xz.
 # With the PyTorch extension configured (scripts/python_test.sh does), libkvsparse_torch.so travels
 # too, with the libraries it needs beside torch's own (those the GPU machine's torch has).
 #   BUILD: build directory (default build, the README's full build)
@@ -28,6 +28,9 @@ for f in .carry/dev/bin/* .carry/dev/lib/*.so; do
 done | sort -u | while read -r lib; do cp -L "$lib" .carry/dev/lib/; done
 # One compressed pack: the carried tree is limited to 64 MiB, and the CUDA code in every binary
 # compresses well. scripts/gpu_check.sh unpacks it on the GPU machine.
-mkdir -p .carry/pack
+mkdir -p .carry/pack .carry/qpack
 tar -C .carry -cf - dev | xz -T2 -6 > .carry/pack/dev.tar.xz
-du -sh .carry/dev .carry/pack/dev.tar.xz
+# The quality pack: the libraries and the server only (no test binaries), small enough to travel
+# beside a model checkpoint (carry [".carry/qpack", ".whl", "build/quality/model"]).
+tar -C .carry -cf - dev/lib dev/bin/kvsparse-server | xz -T2 -6 > .carry/qpack/dev.tar.xz
+du -sh .carry/dev .carry/pack/dev.tar.xz .carry/qpack/dev.tar.xz

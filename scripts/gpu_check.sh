@@ -32,9 +32,9 @@ note() { summary+=("[$(date +%T)] $*"); echo "== $*"; }
 t0=$(date +%s)
 
 # The binaries travel packed (scripts/gpu_carry.sh).
-if [ -f .carry/pack/dev.tar.xz ] && [ ! -d "$CARRY/bin" ]; then
-  mkdir -p .carry && tar -xJf .carry/pack/dev.tar.xz -C .carry
-fi
+for pack in .carry/pack/dev.tar.xz .carry/qpack/dev.tar.xz; do
+  if [ -f "$pack" ] && [ ! -d "$CARRY/bin" ]; then mkdir -p .carry && tar -xJf "$pack" -C .carry; fi
+done
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv \
   | tee "$OUT/gpu.txt"
@@ -129,6 +129,9 @@ if [[ " $STEPS " == *" train "* ]]; then
     | grep -v "^Loading" > "$OUT/train.log"
   note "train_model rc=${PIPESTATUS[0]}: $(grep -E '^ "(steps|final_train_loss|held_out)' "$OUT/train.log" | tr -d '\n')"
   cp "$MODEL/metrics.json" "$OUT/train_metrics.json" 2>/dev/null
+  # TRAIN_KEEP=1: the checkpoint comes back (42 MiB), to carry into the next call as
+  # build/quality/model with the quality pack (scripts/gpu_carry.sh).
+  [ "${TRAIN_KEEP:-0}" = 1 ] && cp -r "$MODEL" "$OUT/model"
 fi
 
 if [[ " $STEPS " == *" quality "* ]]; then

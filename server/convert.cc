@@ -301,8 +301,21 @@ absl::StatusOr<engine::Method> FromProto(const v1::Method& m) {
       p.predictor = v.predictor() == v1::TOP_K_PREDICTOR_EXACT ? kernels::TopKPredictor::kExact
                                                                : kernels::TopKPredictor::kHash;
       p.base_rate = v.base_rate();
-      p.bound = v.bound() == v1::BUDGET_BOUND_HOEFFDING ? kernels::BudgetBound::kHoeffding
-                                                        : kernels::BudgetBound::kClt;
+      switch (v.bound()) {
+        case v1::BUDGET_BOUND_HOEFFDING:
+          p.bound = kernels::BudgetBound::kHoeffding;
+          break;
+        case v1::BUDGET_BOUND_CLT_RATIO:
+          p.bound = kernels::BudgetBound::kCltRatio;
+          break;
+        case v1::BUDGET_BOUND_UNSPECIFIED:
+        case v1::BUDGET_BOUND_CLT:
+          p.bound = kernels::BudgetBound::kClt;
+          break;
+        default:
+          return absl::InvalidArgumentError(
+              absl::StrCat("method.vattention.bound: unknown value ", v.bound()));
+      }
       switch (v.target()) {
         case v1::VERIFY_TARGET_DENOMINATOR:
           p.target = kernels::VerifyTarget::kDenominator;

@@ -64,6 +64,8 @@ def methods(smoke: bool) -> dict[str, Any]:
             "hash-simhash-b32-1/8": HashTopK(top_k_fraction=1 / 8, bits=32, sink_tokens=8, local_tokens=8),
             "hash-learned-b32-1/8": HashTopK(top_k_fraction=1 / 8, bits=32, sink_tokens=8, local_tokens=8, learned=True),
             "vatt-exact-e0.1": VAttention(epsilon=0.1, delta=0.1, predictor="exact", sink_tokens=8, local_tokens=8),
+            "vatt-exact-ratio-e0.1": VAttention(epsilon=0.1, delta=0.1, predictor="exact", bound="clt-ratio",
+                                                sink_tokens=8, local_tokens=8),
         }
     # The settings the README recommends first (they carry the targets), then the rest.
     out: dict[str, Any] = {
@@ -71,6 +73,8 @@ def methods(smoke: bool) -> dict[str, Any]:
         "s2anta-prop-S256": Santa(samples=256, allocation="prop"),
         "vatt-exact-e0.05": VAttention(epsilon=0.05, delta=0.05, predictor="exact", top_k_fraction=1 / 32),
         "hash-learned-b32-1/32": HashTopK(top_k_fraction=1 / 32, bits=32, learned=True),
+        "vatt-exact-ratio-e0.05": VAttention(epsilon=0.05, delta=0.05, predictor="exact", bound="clt-ratio",
+                                             top_k_fraction=1 / 32),
         "hash-simhash-b32-1/32": HashTopK(top_k_fraction=1 / 32, bits=32),
         "vatt-hash-e0.05": VAttention(epsilon=0.05, delta=0.05, predictor="hash", top_k_fraction=1 / 32),
         "s2anta-prop-S128": Santa(samples=128, allocation="prop"),
@@ -78,6 +82,8 @@ def methods(smoke: bool) -> dict[str, Any]:
         "santa-iid-S256": Santa(samples=256, sampler="iid", allocation="global"),
         "vatt-exact-e0.1": VAttention(epsilon=0.1, delta=0.1, predictor="exact", top_k_fraction=1 / 32),
         "vatt-hash-e0.1": VAttention(epsilon=0.1, delta=0.1, predictor="hash", top_k_fraction=1 / 32),
+        "vatt-hash-ratio-e0.05": VAttention(epsilon=0.05, delta=0.05, predictor="hash", bound="clt-ratio",
+                                            top_k_fraction=1 / 32),
     }
     for frac, name in ((1 / 16, "1/16"), (1 / 8, "1/8")):
         out[f"hash-learned-b32-{name}"] = HashTopK(top_k_fraction=frac, bits=32, learned=True)

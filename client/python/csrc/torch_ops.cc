@@ -158,8 +158,16 @@ en::Method ParseMethod(const std::string& name, const std::string& text) {
     v.predictor = p.Word("predictor", "hash") == "exact" ? kernels::TopKPredictor::kExact
                                                          : kernels::TopKPredictor::kHash;
     v.base_rate = static_cast<float>(p.Number("base_rate", 0.05));
-    v.bound = p.Word("bound", "clt") == "hoeffding" ? kernels::BudgetBound::kHoeffding
-                                                    : kernels::BudgetBound::kClt;
+    const std::string bound = p.Word("bound", "clt");
+    if (bound == "hoeffding") {
+      v.bound = kernels::BudgetBound::kHoeffding;
+    } else if (bound == "clt-ratio") {
+      v.bound = kernels::BudgetBound::kCltRatio;
+    } else if (bound == "clt") {
+      v.bound = kernels::BudgetBound::kClt;
+    } else {
+      Invalid("bound: clt, clt-ratio or hoeffding, not " + bound);
+    }
     const std::string target = p.Word("target", "output");
     v.target = target == "numerator"     ? kernels::VerifyTarget::kNumerator
                : target == "denominator" ? kernels::VerifyTarget::kDenominator

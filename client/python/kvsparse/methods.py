@@ -123,7 +123,7 @@ class VAttention:
     local_tokens: int = 128
     predictor: Literal["hash", "exact"] = "hash"
     base_rate: float = 0.05
-    bound: Literal["clt", "hoeffding"] = "clt"
+    bound: Literal["clt", "clt-ratio", "hoeffding"] = "clt"  # clt-ratio: the delta method on N^/D^
     target: Literal["output", "numerator", "denominator"] = "output"
     bits: int = 0
     learned: bool = False
@@ -137,7 +137,11 @@ class VAttention:
             attention_pb2.TOP_K_PREDICTOR_EXACT if self.predictor == "exact" else attention_pb2.TOP_K_PREDICTOR_HASH
         )
         p.base_rate = self.base_rate
-        p.bound = attention_pb2.BUDGET_BOUND_HOEFFDING if self.bound == "hoeffding" else attention_pb2.BUDGET_BOUND_CLT
+        p.bound = {
+            "clt": attention_pb2.BUDGET_BOUND_CLT,
+            "clt-ratio": attention_pb2.BUDGET_BOUND_CLT_RATIO,
+            "hoeffding": attention_pb2.BUDGET_BOUND_HOEFFDING,
+        }[self.bound]
         p.target = {
             "output": attention_pb2.VERIFY_TARGET_OUTPUT,
             "numerator": attention_pb2.VERIFY_TARGET_NUMERATOR,

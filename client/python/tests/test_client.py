@@ -3,6 +3,8 @@ out (numpy and torch; fp32, fp16, bf16), the exception for each kind of bad inpu
 
 from __future__ import annotations
 
+import dataclasses
+
 import grpc
 import ml_dtypes
 import numpy as np
@@ -131,8 +133,10 @@ def test_decode_appends_the_new_token(client: kvsparse.Client) -> None:
         (kvsparse.HashTopK(top_k_fraction=0.05, sink_tokens=8, local_tokens=16), None),
         (kvsparse.VAttention(epsilon=0.1, delta=0.1, sink_tokens=8, local_tokens=16, top_k_fraction=0.05), 0.1),
         (kvsparse.VAttention(predictor="exact", sink_tokens=8, local_tokens=16, top_k_fraction=0.05), 0.1),
+        (kvsparse.VAttention(predictor="exact", bound="clt-ratio", sink_tokens=8, local_tokens=16,
+                             top_k_fraction=0.05), 0.1),
     ],
-    ids=["prop", "flash", "iid", "hash", "vattention", "vattention-exact"],
+    ids=["prop", "flash", "iid", "hash", "vattention", "vattention-exact", "vattention-ratio"],
 )
 def test_sparse_methods(client: kvsparse.Client, method: kvsparse.Method, max_rel: float | None) -> None:
     rng = np.random.default_rng(4)
@@ -157,6 +161,10 @@ def test_sparse_methods(client: kvsparse.Client, method: kvsparse.Method, max_re
         assert h.dense_equivalent_bytes == 2 * n * row and h.bytes_read > 0
     if not isinstance(method, kvsparse.VAttention):  # its budget may cover the whole residual
         assert sum(h.rows_fetched for h in res.heads) < 2 * n, "reads fewer rows than dense"
+    if isinstance(method, kvsparse.VAttention) and method.bound == "clt-ratio":
+        # One normal approximation of the output: no larger a budget than Theorem 4.3's two.
+        paper = client.attention.decode(1, ["m"], q, dataclasses.replace(method, bound="clt"), seed=7)
+        assert sum(sum(h.budgets) for h in res.heads) <= sum(sum(h.budgets) for h in paper.heads)
 
 
 def test_decode_stream_matches_unary(client: kvsparse.Client) -> None:
