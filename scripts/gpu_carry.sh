@@ -32,5 +32,6 @@ mkdir -p .carry/pack .carry/qpack
 tar -C .carry -cf - dev | xz -T2 -6 > .carry/pack/dev.tar.xz
 # The quality pack: the libraries and the server only (no test binaries), small enough to travel
 # beside a model checkpoint (carry [".carry/qpack", ".whl", "build/quality/model"]).
-tar -C .carry -cf - dev/lib dev/bin/kvsparse-server | xz -T2 -6 > .carry/qpack/dev.tar.xz
+tar -C .carry --exclude=libkvsparse_cuda_capi.so -cf - dev/lib dev/bin/kvsparse-server \
+  | xz -T2 -9 > .carry/qpack/dev.tar.xz
 du -sh .carry/dev .carry/pack/dev.tar.xz .carry/qpack/dev.tar.xz

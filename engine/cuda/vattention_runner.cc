@@ -26,7 +26,6 @@ class VAttentionCall final : public MethodCall {
     if (caps.staged_rows && host_half) return false;
     return SignaturesOnGpu(m, desc, caps) &&
            m.vattention.predictor == kernels::TopKPredictor::kHash &&
-           m.vattention.bound != kernels::BudgetBound::kCltRatio &&  // CPU reference only so far
            !m.vattention.exact_statistics;
   }
 

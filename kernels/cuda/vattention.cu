@@ -291,7 +291,8 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
   constexpr int L = D / 8, R = 32 / L, NW = kRowThreads / 32;
   __shared__ float red[NW];
   __shared__ double dred[NW][6];
-  __shared__ double dims[3][D];  // sum x v (fixed), sum y (base), sum y^2 (base) per coordinate
+  // Per coordinate: sum x v (fixed); sum y, sum y^2, sum x y (base).
+  __shared__ double dims[4][D];
   __shared__ double best_v[kRowThreads];
   __shared__ int best_j[kRowThreads];
   const DecodeShape& s = p.shape;
@@ -312,7 +313,7 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
   float qf[8];
   Unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(s.q) + bh * D + lr * 8),
              qf);
-  for (int i = tid; i < D; i += kRowThreads) dims[0][i] = dims[1][i] = dims[2][i] = 0.0;
+  for (int i = tid; i < D; i += kRowThreads) dims[0][i] = dims[1][i] = dims[2][i] = dims[3][i] = 0.0;
   // Logits of every row, natural units.
   float mx = -HUGE_VALF;
   for (int i0 = warp * R; i0 < rows; i0 += NW * R) {  // uniform over the warp (shuffles)
@@ -341,7 +342,7 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
   const double c = isfinite(cf) ? static_cast<double>(cf) : 0.0;
   // Sums (x = e^{s - c}, y = x V): fixed D_f and N_f; base sum/sum^2 of x and y, max x, max |V|.
   double df = 0, sx = 0, sxx = 0, xmax = 0, vmax = 0;
-  double nfv[8] = {}, sy[8] = {}, syy[8] = {};
+  double nfv[8] = {}, sy[8] = {}, syy[8] = {}, sxy[8] = {};
   __syncthreads();                                    // logits written by other warps
   for (int i0 = warp * R; i0 < rows; i0 += NW * R) {  // uniform over the warp (shuffles)
     const int i = i0 + row;
@@ -366,6 +367,7 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
         const double y = x * vf[e];
         sy[e] += y;
         syy[e] += y * y;
+        sxy[e] += x * y;
       }
       if (lr == 0) {
         sx += x;
@@ -382,6 +384,7 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
       nfv[e] += __shfl_xor_sync(0xffffffffu, nfv[e], o);
       sy[e] += __shfl_xor_sync(0xffffffffu, sy[e], o);
       syy[e] += __shfl_xor_sync(0xffffffffu, syy[e], o);
+      sxy[e] += __shfl_xor_sync(0xffffffffu, sxy[e], o);
     }
   }
   __syncthreads();  // dims zeroed
@@ -391,6 +394,7 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
       atomicAdd(&dims[0][lr * 8 + e], nfv[e]);
       atomicAdd(&dims[1][lr * 8 + e], sy[e]);
       atomicAdd(&dims[2][lr * 8 + e], syy[e]);
+      atomicAdd(&dims[3][lr * 8 + e], sxy[e]);
     }
   }
   double sc[5] = {df, sx, sxx, xmax, vmax};
@@ -414,18 +418,26 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
   const double dnb = nb, ns = static_cast<double>(n_s);
   const double mean_x = nb > 0 ? tot[1] / dnb : 0.0;
   const double d_hat = tot[0] + ns * mean_x;
-  double n2 = 0, tr = 0;
+  const double var_x = nb > 1 ? fmax(0.0, (tot[2] - tot[1] * mean_x) / (dnb - 1)) : 0.0;
+  double n2 = 0, tr = 0, tr_z = 0;
   for (int a = 0; a < D; ++a) {
     const double my = nb > 0 ? dims[1][a] / dnb : 0.0;
     const double na = dims[0][a] + ns * my;
     n2 += na * na;
-    tr += nb > 1 ? fmax(0.0, (dims[2][a] - dims[1][a] * my) / (dnb - 1)) : 0.0;
+    if (nb > 1) {
+      const double var_y = fmax(0.0, (dims[2][a] - dims[1][a] * my) / (dnb - 1));
+      const double cov = (dims[3][a] - tot[1] * my) / (dnb - 1);
+      const double oa = d_hat > 0 ? na / d_hat : 0.0;  // o^ = N^ / D^
+      tr += var_y;
+      tr_z += var_y - 2 * oa * cov + oa * oa * var_x;
+    }
   }
+  tr_z = fmax(tr_z, 0.0);
   const double n_hat = sqrt(n2);
-  const double sigma = nb > 1 ? sqrt(fmax(0.0, (tot[2] - tot[1] * mean_x) / (dnb - 1))) : 0.0;
+  const double sigma = sqrt(var_x);
   const double x_max = tot[3], y_max = tot[3] * tot[4];
   // Budget (ComputeVAttentionBudget).
-  const bool clt = p.bound == 1;
+  const bool clt = p.bound != 2;  // 1 CLT, 3 CLT on the ratio
   const double eps = p.epsilon, delta = p.delta;
   const double cd = d_hat > 0 ? (clt ? sigma : x_max) / d_hat : HUGE_VAL;
   const double cn = n_hat > 0 ? (clt ? sqrt(tr) : 2 * y_max) / n_hat : HUGE_VAL;
@@ -435,6 +447,9 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
     raw = v * v;
   } else if (p.target == 2) {
     const double v = ns * AlphaN(clt, delta) * cn / eps;
+    raw = v * v;
+  } else if (p.bound == 3) {  // target output, the delta method on N^ / D^
+    const double v = n_hat > 0 ? ns * AlphaD(true, delta) * sqrt(tr_z) / (eps * n_hat) : HUGE_VAL;
     raw = v * v;
   } else {
     double bv = HUGE_VAL;
@@ -580,7 +595,7 @@ cudaError_t VAttentionDecode(const VAttentionParams& p, void* workspace, size_t 
                              cudaStream_t stream) {
   KVSPARSE_CUDA_RETURN_IF_ERROR(ValidateShape(p.shape, /*k_paged_ok=*/true, /*v_paged_ok=*/true));
   if (!(p.epsilon > 0.f && p.epsilon < 1.f) || !(p.delta > 0.f && p.delta < 1.f) ||
-      !(p.base_rate > 0.f && p.base_rate < 1.f) || (p.bound != 1 && p.bound != 2) || p.target < 1 ||
+      !(p.base_rate > 0.f && p.base_rate < 1.f) || (p.bound < 1 || p.bound > 3) || p.target < 1 ||
       p.target > 3 || p.shape.max_seq_len > kMaxLen) {
     return cudaErrorInvalidValue;
   }

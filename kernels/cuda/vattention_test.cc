@@ -134,6 +134,8 @@ TEST(VAttentionCudaTest, MatchesCpuSelectionAndOutput) {
       {DType::kBf16, 256, 8, {3000}, 1, 1},
       {DType::kFp16, 128, 2, {700, 4000}, 2, 2},
       {DType::kBf16, 64, 4, {20000}, 1, 3},
+      {DType::kBf16, 128, 4, {6000, 900}, 3, 3},
+      {DType::kFp16, 256, 2, {3000}, 3, 3},
   };
   int seed = 0;
   for (const Config& c : configs) RunCase(c, seed++);
