@@ -262,6 +262,29 @@ def summarise_errors(eps: float | None) -> dict[str, Any]:
     return res
 
 
+DUMP_MAGIC = b"KVSPQKV1"
+
+
+def dump_qkv(model: Any, tokens: torch.Tensor, layers: list[int], kv_head: int, queries: int, out: Path) -> list[Path]:
+    """Real attention for the CPU tests: for each layer, one kv head's post-RoPE K and V over the
+    window and the last `queries` queries of its GQA group, in a raw file (little-endian):
+      char[8] "KVSPQKV1"; u32 n, d, G, M; u32 layer, kv_head; then bf16 q [M, G, d] (query i sits
+      at position n - M + i and attends to keys 0 .. n - M + i), bf16 K [n, d], bf16 V [n, d]."""
+    qk = calibrate.capture_qk(model, [tokens], with_values=True)
+    paths = []
+    for layer in layers:
+        q, k, v = qk[layer]  # [1, H, n, d], [1, Hkv, n, d], [1, Hkv, n, d]
+        hkv, h = k.shape[1], q.shape[1]
+        g, n, d = h // hkv, k.shape[2], k.shape[3]
+        qs = q[0, kv_head * g : (kv_head + 1) * g, n - queries :].transpose(0, 1).contiguous()  # [M, G, d]
+        bf = lambda x: x.to(torch.bfloat16).cpu().view(torch.int16).numpy().astype("<i2").tobytes()  # noqa: E731
+        header = DUMP_MAGIC + np.array([n, d, g, queries, layer, kv_head], "<u4").tobytes()
+        path = out / f"realattn-n{n}-L{layer}-kv{kv_head}.bin"
+        path.write_bytes(header + bf(qs) + bf(k[0, kv_head]) + bf(v[0, kv_head]))
+        paths.append(path)
+    return paths
+
+
 def windows_of(held: np.ndarray, context: int, count: int, seed: int) -> list[torch.Tensor]:
     rng = random.Random(seed)
     return [torch.tensor(held[s : s + context].tolist()) for s in
@@ -282,6 +305,10 @@ def main() -> int:
     p.add_argument("--calib_windows", type=int, default=8)
     p.add_argument("--calib_steps", type=int, default=1500)
     p.add_argument("--gpu", default="auto", help="the in-process engine's GPU mode (auto, on, off)")
+    p.add_argument("--dump_layers", type=int, nargs="*", default=[],
+                   help="write real q/K/V of these layers (kv head 0, one held-out window) for the CPU tests")
+    p.add_argument("--dump_context", type=int, default=8192)
+    p.add_argument("--dump_queries", type=int, default=32)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny contexts, a few methods: checks the harness")
     args = p.parse_args()
     if args.smoke:
@@ -311,6 +338,10 @@ def main() -> int:
                                               top_fraction=1 / 32, log=log)
     weights = out_dir / "hash-b32.bin"
     calibrate.write_hash_weights(weights, layers)
+    if args.dump_layers:
+        ctx = min(args.dump_context, max(args.contexts)) if args.smoke else args.dump_context
+        for path in dump_qkv(model, windows_of(held, ctx, 1, 404)[0], args.dump_layers, 0, args.dump_queries, out_dir):
+            log(f"wrote {path} ({path.stat().st_size} bytes)")
 
     gpu = "off" if args.smoke else args.gpu
     engine = kvsparse.ops.InProcessEngine(gpu=gpu, store_capacity="8G", gpu_capacity="16G")

@@ -33,7 +33,8 @@ def test_harness_smoke(smoke_model: Path, tmp_path: Path) -> None:
     if not ops.available():
         pytest.skip("the in-process op (libkvsparse_torch.so) is not built")
     run = subprocess.run([sys.executable, str(HERE / "harness.py"), "--smoke", "--model", str(smoke_model),
-                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=os.environ)
+                          "--out", str(tmp_path), "--dump_layers", "1"], capture_output=True, text=True, timeout=600,
+                         env=os.environ)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     r = json.loads((tmp_path / "results.json").read_text())
     sdpa = r["sdpa"]["256"]["ppl"]
@@ -55,3 +56,8 @@ def test_harness_smoke(smoke_model: Path, tmp_path: Path) -> None:
     assert len(r["recall"]) == r["model"]["num_hidden_layers"]
     assert (tmp_path / "hash-b32.bin").stat().st_size > 0
     assert "| dense |" in (tmp_path / "results.md").read_text()
+    dump = tmp_path / "realattn-n256-L1-kv0.bin"  # header, q [32, G, d], K and V [256, d] in bf16
+    cfg = r["model"]
+    g, d = cfg["num_attention_heads"] // cfg["num_key_value_heads"], cfg["head_dim"]
+    assert dump.read_bytes()[:8] == b"KVSPQKV1"
+    assert dump.stat().st_size == 8 + 24 + 2 * (32 * g * d + 2 * 256 * d)

@@ -44,9 +44,11 @@ _CAPTURE = "kvsparse_capture"
 
 
 class _Recorder:
-    def __init__(self) -> None:
+    def __init__(self, with_values: bool) -> None:
+        self.with_values = with_values
         self.q: dict[int, list[torch.Tensor]] = {}
         self.k: dict[int, list[torch.Tensor]] = {}
+        self.v: dict[int, list[torch.Tensor]] = {}
 
 
 _recorder: _Recorder | None = None
@@ -58,25 +60,31 @@ def _capture_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if _recorder is not None:
         _recorder.q.setdefault(module.layer_idx, []).append(query.detach().to(torch.bfloat16))
         _recorder.k.setdefault(module.layer_idx, []).append(key.detach().to(torch.bfloat16))
+        if _recorder.with_values:
+            _recorder.v.setdefault(module.layer_idx, []).append(value.detach().to(torch.bfloat16))
     return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
 
 
 @torch.no_grad()
-def capture_qk(model: Any, windows: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def capture_qk(model: Any, windows: Sequence[torch.Tensor], with_values: bool = False) -> list[tuple[torch.Tensor, ...]]:
     """Runs `model` over each window (a 1-D tensor of token ids, all of one length T) and returns
-    per layer (q [W, H, T, d], k [W, Hkv, T, d]) in bf16 on the model's device."""
+    per layer (q [W, H, T, d], k [W, Hkv, T, d]) in bf16 on the model's device, and v [W, Hkv, T,
+    d] with `with_values`."""
     global _recorder
     AttentionInterface.register(_CAPTURE, _capture_forward)
     AttentionMaskInterface.register(_CAPTURE, sdpa_mask)
     before = model.config._attn_implementation
     device = next(model.parameters()).device
-    _recorder = _Recorder()
+    _recorder = _Recorder(with_values)
     try:
         model.set_attn_implementation(_CAPTURE)
         for w in windows:
             model(w.to(device)[None], use_cache=False)
         layers = sorted(_recorder.q)
-        return [(torch.cat(_recorder.q[i]), torch.cat(_recorder.k[i])) for i in layers]
+        rec = _recorder
+        if with_values:
+            return [(torch.cat(rec.q[i]), torch.cat(rec.k[i]), torch.cat(rec.v[i])) for i in layers]
+        return [(torch.cat(rec.q[i]), torch.cat(rec.k[i])) for i in layers]
     finally:
         _recorder = None
         model.set_attn_implementation(before)
