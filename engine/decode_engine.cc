@@ -1,6 +1,12 @@
 #include "engine/decode_engine.h"
 
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/clock.h"
 #include "engine/cpu_step.h"
 #include "engine/methods/method_unit.h"
@@ -59,6 +65,36 @@ absl::Status CheckCallShapes(const DecodeCall& call, const kvstore::ModelShape& 
   return absl::OkStatus();
 }
 
+// One Decode names each sequence once (a repeat would append its new token twice).
+absl::Status CheckDistinct(const std::vector<std::string>& ids) {
+  absl::flat_hash_set<absl::string_view> seen;
+  seen.reserve(ids.size());
+  for (const std::string& id : ids) {
+    if (!seen.insert(id).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence '", id, "' appears more than once in one call"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// q in host memory must be finite (one rule for every method: a NaN or infinite score has no
+// softmax). q on the device is not scanned (that would cost the call a device sync).
+absl::Status CheckFiniteQ(const DecodeCall& call, const kvstore::ModelShape& shape) {
+  if (call.on_device()) return absl::OkStatus();
+  const size_t n = call.q.size() / kernels::DTypeSize(call.q_dtype);
+  const size_t per_head = shape.head_dim;
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(kernels::LoadAsFloat(call.q.data(), i, call.q_dtype))) {
+      const size_t head = i / per_head;
+      return absl::InvalidArgumentError(
+          absl::StrCat("q has a NaN or infinite value (sequence ", head / shape.num_q_heads,
+                       ", head ", head % shape.num_q_heads, ")"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 DecodeEngine::DecodeEngine(EngineOptions options, RowSource* source,
@@ -92,7 +128,16 @@ absl::StatusOr<std::vector<SequenceDesc>> DecodeEngine::Describe(const DecodeCal
     }
   }
   if (absl::Status s = CheckCallShapes(call, descs[0].shape); !s.ok()) return s;
+  if (absl::Status s = CheckFiniteQ(call, descs[0].shape); !s.ok()) return s;
+  const bool append = !call.new_k.empty() || !call.new_v.empty();
   for (const SequenceDesc& d : descs) {
+    // A layer with no tokens (and none arriving with this call) has no attention to compute,
+    // for every method alike.
+    if (!append && d.layer_lengths[call.layer] == 0) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence '", d.sequence_id, "' holds no tokens in layer ", call.layer,
+                       ": append its prompt's K/V (or pass new_k/new_v) before decoding"));
+    }
     if (absl::Status s = unit.CheckFits(call.method, d, signatures_); !s.ok()) return s;
   }
   return descs;
@@ -121,6 +166,12 @@ absl::Status DecodeEngine::AppendNewTokens(const DecodeCall& call,
 absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
   const absl::Time start = absl::Now();
   if (call.sequence_ids.empty()) return absl::InvalidArgumentError("no sequences");
+  if (call.sequence_ids.size() > options_.max_call_sequences) {
+    return absl::InvalidArgumentError(absl::StrCat("a call names ", call.sequence_ids.size(),
+                                                   " sequences; at most ",
+                                                   options_.max_call_sequences));
+  }
+  if (absl::Status s = CheckDistinct(call.sequence_ids); !s.ok()) return s;
   if (start > call.deadline) return absl::DeadlineExceededError("deadline passed");
   const MethodUnit& unit = *FindMethod(call.method.kind).unit;
   if (absl::Status s = unit.Validate(call.method, options_); !s.ok()) return s;

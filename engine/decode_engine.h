@@ -42,6 +42,8 @@ struct EngineOptions {
   // state's catch-up, or every K row when K is not resident): far under the message limit.
   size_t max_fetch_bytes = 32 << 20;
   SignatureConfig signatures;
+  // Most sequences one Decode call may name (each distinct): bounds the work of one call.
+  size_t max_call_sequences = 1024;
 };
 
 // Where a validated call is computed when not on the CPU: the GPU backend

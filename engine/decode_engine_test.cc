@@ -3,10 +3,12 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <thread>
 #include <tuple>
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "kernels/dense.h"
 #include "kernels/philox.h"
@@ -394,6 +396,65 @@ TEST_F(EngineTest, BadRequestsGetClearCodes) {
   // Nothing was appended by the refused calls.
   EXPECT_EQ(store_->GetSequenceInfo("s0")->layer_lengths[kLayer], 700u);
   EXPECT_TRUE(engine_->Decode(Call(Method{})).ok());
+}
+
+// One rule for every method (issue 15's defects): an empty layer is FAILED_PRECONDITION, a q
+// with a NaN or an infinity INVALID_ARGUMENT, a sequence named twice or too many sequences in one
+// call INVALID_ARGUMENT; nothing is appended by a refused call.
+TEST_F(EngineTest, EveryMethodRefusesEmptyLayersNonFiniteQAndRepeats) {
+  Load(Options(), {});
+  kvstore::Placement with_k;
+  with_k.k_tier = kvstore::Tier::kDevice;
+  with_k.signature_bits = 32;
+  ASSERT_TRUE(store_->CreateSequence("empty", shape_, with_k).ok());
+  std::vector<Method> methods(4);
+  methods[1].kind = MethodKind::kSanta;
+  methods[1].santa.samples = 16;
+  methods[2].kind = MethodKind::kHashTopK;
+  methods[2].hash.top_k = 8;
+  methods[2].hash.bits = 0;
+  methods[3].kind = MethodKind::kVAttention;
+  methods[3].vattention.predictor = kernels::TopKPredictor::kExact;
+  methods[3].vattention.base_rate = 1e-6f;  // once INTERNAL here ("no buffer")
+  using absl::StatusCode;
+  for (const Method& m : methods) {
+    const std::string what = "method " + std::to_string(static_cast<int>(m.kind));
+    DecodeCall c = Call(m);
+    c.sequence_ids = {"empty"};
+    c.q = c.q.subspan(0, c.q.size() / 2);  // one sequence's q
+    auto r = engine_->Decode(c);
+    EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << what << ": " << r.status();
+    EXPECT_TRUE(absl::StrContains(r.status().message(), "holds no tokens")) << r.status();
+    for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
+      DecodeCall q = Call(m);
+      std::vector<uint8_t> qb(q.q.begin(), q.q.end());
+      kernels::StoreFromFloat(qb.data(), 77, q.q_dtype, bad);
+      q.q = qb;
+      auto rq = engine_->Decode(q);
+      EXPECT_EQ(rq.status().code(), StatusCode::kInvalidArgument) << what << ": " << rq.status();
+    }
+  }
+  // With the new token in the same call there is a layer to attend to.
+  DecodeCall c = Call(Method{});
+  c.sequence_ids = {"empty"};
+  c.q = c.q.subspan(0, c.q.size() / 2);
+  const size_t token = static_cast<size_t>(shape_.num_kv_heads) * shape_.row_bytes();
+  std::vector<uint8_t> nk(token, 0);
+  c.new_k = nk;
+  c.new_v = nk;
+  c.new_kv_dtype = shape_.dtype;
+  EXPECT_TRUE(engine_->Decode(c).ok());
+  DecodeCall twice = Call(Method{});
+  twice.sequence_ids = {"s0", "s0"};
+  auto r2 = engine_->Decode(twice);
+  EXPECT_EQ(r2.status().code(), StatusCode::kInvalidArgument) << r2.status();
+  EXPECT_TRUE(absl::StrContains(r2.status().message(), "more than once")) << r2.status();
+  EngineOptions small;
+  small.max_call_sequences = 1;
+  DecodeEngine bounded(small, source_.get());
+  auto r3 = bounded.Decode(Call(Method{}));  // two sequences
+  EXPECT_EQ(r3.status().code(), StatusCode::kInvalidArgument) << r3.status();
+  EXPECT_EQ(store_->GetSequenceInfo("s0")->layer_lengths[kLayer], 700u);
 }
 
 TEST_F(EngineTest, ResidentStateFollowsARecreatedSequence) {

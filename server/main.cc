@@ -4,12 +4,19 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iostream>
 #include <string>
 
 #include "absl/flags/flag.h"
+#include "absl/flags/internal/program_name.h"
+#include "absl/flags/internal/usage.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "engine/gpu_mode.h"
 #include "kernels/hash_signatures.h"
@@ -23,6 +30,11 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "gRPC address to serve on (host:port; 0.0.0.0:PORT for all interfaces)");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "Address of the Prometheus /metrics endpoint; empty disables it");
+ABSL_FLAG(uint32_t, max_call_sequences, 1024,
+          "Most sequences one Decode call may name (each once); more is INVALID_ARGUMENT");
+ABSL_FLAG(std::string, port_file, "",
+          "Once serving, write '<grpc port> <metrics port>' (0: no metrics) to this file (written "
+          "whole, by rename): with --listen=HOST:0 a launcher learns the ports the server bound");
 ABSL_FLAG(ByteSize, capacity, ByteSize{4ull << 30},
           "Most bytes of K/V pages the store holds (e.g. 512M, 64G)");
 ABSL_FLAG(std::string, capacity_policy, "reject",
@@ -64,11 +76,31 @@ ABSL_FLAG(double, signature_norm_margin, 1.0,
 ABSL_FLAG(std::string, hash_weights, "",
           "Learned HashAttention MLP weights (kernels/hash_signatures.h format); empty = SimHash");
 
+namespace {
+
+// --help, --helpfull and -h print the flags to stdout and exit 0 (Abseil's own handling exits
+// 1). --help lists this program's flags, --helpfull every flag linked in.
+void HandleHelp(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view a = argv[i];
+    if (a == "--help" || a == "-help" || a == "-h" || a == "--helpfull" || a == "-helpfull") {
+      absl::flags_internal::SetProgramInvocationName(argv[0]);
+      absl::flags_internal::FlagsHelp(std::cout, absl::StrContains(a, "full") ? "" : "server/main.",
+                                      absl::flags_internal::HelpFormat::kHumanReadable,
+                                      absl::ProgramUsageMessage());
+      std::exit(0);
+    }
+  }
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "kvsparse-server: KV-offloaded sparse decoding service.\n"
       "  kvsparse-server --listen=127.0.0.1:50051 --metrics_listen=127.0.0.1:9464 "
       "--capacity=8G --capacity_policy=evict-lru");
+  HandleHelp(argc, argv);
   absl::ParseCommandLine(argc, argv);
 
   const std::string level = absl::GetFlag(FLAGS_log_level);
@@ -130,6 +162,7 @@ int main(int argc, char** argv) {
   options.role = *role;
   options.store_target = absl::GetFlag(FLAGS_store);
   options.engine.resident_capacity_bytes = absl::GetFlag(FLAGS_resident_capacity).bytes;
+  options.engine.max_call_sequences = absl::GetFlag(FLAGS_max_call_sequences);
   options.engine.default_tile_size = static_cast<int32_t>(absl::GetFlag(FLAGS_default_tile_size));
   options.engine.signatures.simhash_seed = absl::GetFlag(FLAGS_signature_seed);
   options.engine.signatures.norm_margin =
@@ -155,6 +188,19 @@ int main(int argc, char** argv) {
   if (!server.ok()) {
     KVSPARSE_LOG(Error) << "cannot start: " << server.status();
     return 1;
+  }
+  if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
+    const std::string tmp = path + ".tmp";
+    std::ofstream f(tmp, std::ios::trunc);
+    f << (*server)->port() << " "
+      << (absl::GetFlag(FLAGS_metrics_listen).empty() ? 0 : (*server)->metrics_port()) << "\n";
+    f.close();
+    if (!f || std::rename(tmp.c_str(), path.c_str()) != 0) {
+      KVSPARSE_LOG(Error) << "--port_file: cannot write " << path;
+      (*server)->Shutdown();
+      (*server)->Wait();
+      return 1;
+    }
   }
   int sig = 0;
   sigwait(&signals, &sig);

@@ -7,11 +7,27 @@ bin=${1:?bin dir}
 work=$(mktemp -d)
 trap 'kill -9 ${pid:-} 2>/dev/null || true; rm -rf "$work"' EXIT
 
-free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
-port=$(free_port); mport=$(free_port)
-"$bin/kvsparse-server" --listen=127.0.0.1:$port --metrics_listen=127.0.0.1:$mport \
+# --help prints the flags and exits 0, for both programs.
+"$bin/kvsparse" --help | grep -- "--target" >/dev/null
+"$bin/kvsparse-server" --help | grep -- "--listen" >/dev/null
+
+# Ports 0: the server binds free ones and logs them (no window in which another test could take
+# a port chosen here first, as under ctest -j).
+"$bin/kvsparse-server" --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
   --capacity=64M --capacity_policy=evict-lru --shutdown_grace=5s 2>"$work/server.log" &
 pid=$!
+port=; mport=
+for _ in $(seq 300); do
+  line=$(grep -m1 "listening on" "$work/server.log" || true)
+  if [ -n "$line" ]; then
+    port=$(sed -E 's/.*listening on [^ ]+ \(port ([0-9]+)\).*/\1/' <<<"$line")
+    mport=$(sed -E 's/.*metrics on [^ ]+ \(port ([0-9]+)\).*/\1/' <<<"$line")
+    break
+  fi
+  kill -0 $pid 2>/dev/null || { echo "server exited"; cat "$work/server.log"; exit 1; }
+  sleep 0.1
+done
+[ -n "$port" ] || { echo "server did not report its port in 30 s"; cat "$work/server.log"; exit 1; }
 cli() { "$bin/kvsparse" --target=127.0.0.1:$port --wait_for_ready=10s "$@"; }
 
 cli health | grep -q SERVING
@@ -37,9 +53,10 @@ echo "$metrics" | grep -Eq '^kvsparse_store_appended_bytes_total [1-9]'
 echo "$metrics" | grep -Eq '^kvsparse_store_gathered_bytes_total\{tier="host"\} [1-9]'
 
 kill -TERM $pid
-for _ in $(seq 100); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
-if kill -0 $pid 2>/dev/null; then echo "server did not exit within 10 s of SIGTERM"; exit 1; fi
-wait $pid; rc=$?
+# --shutdown_grace=5s bounds the drain; 15 s leaves room for a loaded machine (ctest -j).
+for _ in $(seq 150); do kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+if kill -0 $pid 2>/dev/null; then echo "server did not exit within 15 s of SIGTERM"; exit 1; fi
+rc=0; wait $pid || rc=$?
 [ $rc -eq 0 ] || { echo "server exited $rc"; cat "$work/server.log"; exit 1; }
 grep -q "received Terminated" "$work/server.log"
 grep -q "shut down" "$work/server.log"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -35,12 +34,6 @@ def find_server_binary() -> str:
     raise FileNotFoundError("kvsparse-server not found: set KVSPARSE_SERVER or put it on PATH")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class LocalServer:
     """A kvsparse-server process on 127.0.0.1. ``flags`` are its command-line flags without the
     leading dashes (``capacity="2G"``, ``gpu="off"``); ``target`` is its address once started."""
@@ -52,30 +45,38 @@ class LocalServer:
         self.process: subprocess.Popen[bytes] | None = None
         self.port = 0
         self._log = tempfile.TemporaryFile()  # the server's stderr (never a pipe that fills)
+        self._dir = tempfile.TemporaryDirectory(prefix="kvsparse-server-")  # its port file
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def start(self) -> "LocalServer":
-        last_error: Exception | None = None
-        for _ in range(5):  # a port taken between choosing and binding: try another
-            self.port = _free_port()
-            args = [self.binary, f"--listen={self.target}"]
-            args += [f"--{k}={v}" for k, v in self.flags.items()]
-            self._log.seek(0)
-            self._log.truncate()
-            self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self._log)
-            try:
-                self._wait_serving()
-                return self
-            except (KvSparseError, RuntimeError) as e:
-                last_error = e
-                self.stop()
-        raise RuntimeError(f"kvsparse-server did not start: {last_error}")
+        # Port 0: the server binds a free port and writes it to --port_file (no window in which
+        # another process could take a port chosen here, as with tests running side by side).
+        port_file = Path(self._dir.name) / "port"
+        port_file.unlink(missing_ok=True)
+        args = [self.binary, "--listen=127.0.0.1:0", f"--port_file={port_file}"]
+        args += [f"--{k}={v}" for k, v in self.flags.items()]
+        self._log.seek(0)
+        self._log.truncate()
+        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=self._log)
+        try:
+            self._wait_serving(port_file)
+        except (KvSparseError, RuntimeError) as e:
+            self.stop()
+            raise RuntimeError(f"kvsparse-server did not start: {e}") from None
+        return self
 
-    def _wait_serving(self) -> None:
+    def _wait_serving(self, port_file: Path) -> None:
         deadline = time.monotonic() + self.startup_timeout
+        while not port_file.exists():
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"exited with {self.process.returncode}: {self.log()[-2000:]}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"no port after {self.startup_timeout} s")
+            time.sleep(0.02)
+        self.port = int(port_file.read_text().split()[0])
         with KvStoreClient(self.target, timeout=2.0) as client:
             while time.monotonic() < deadline:
                 if self.process is not None and self.process.poll() is not None:

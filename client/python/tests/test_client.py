@@ -214,6 +214,17 @@ def test_bad_input_raises_the_right_exception(client: kvsparse.Client) -> None:
         client.attention.decode(0, ["bad"], q, kvsparse.Santa(samples=0))
     with pytest.raises(kvsparse.OutOfRange):
         client.store.gather("bad", 0, {0: [4]})
+    nan_q = q.copy()
+    nan_q[0, 3, 5] = np.nan
+    for method in (kvsparse.Dense(), kvsparse.Santa(samples=8), kvsparse.VAttention(predictor="exact")):
+        with pytest.raises(kvsparse.InvalidArgument, match="NaN or infinite"):  # every method alike
+            client.attention.decode(0, ["bad"], nan_q, method)
+    client.store.create_sequence("hollow", SHAPE, kvsparse.Placement(k_tier="device"))
+    for method in (kvsparse.Dense(), kvsparse.Santa(samples=8), kvsparse.VAttention(predictor="exact", base_rate=1e-6)):
+        with pytest.raises(kvsparse.FailedPrecondition, match="holds no tokens"):
+            client.attention.decode(0, ["hollow"], q, method)
+    with pytest.raises(kvsparse.InvalidArgument, match="more than once"):
+        client.attention.decode(0, ["bad", "bad"], np.zeros((2, 8, 64), np.float32))
     assert client.store.health() == "SERVING"  # and the server keeps serving
 
 
