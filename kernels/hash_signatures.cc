@@ -3,11 +3,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 #include <string_view>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/binary_io.h"
 #include "kernels/philox.h"
 
 namespace kvsparse::kernels {
@@ -16,51 +15,6 @@ namespace {
 constexpr char kMagic[8] = {'K', 'V', 'S', 'P', 'H', 'A', 'S', 'H'};
 constexpr uint32_t kVersion = 1;
 constexpr int32_t kMaxDim = 65536;
-
-void PutU32(std::string* s, uint32_t v) {
-  const char b[4] = {static_cast<char>(v & 0xff), static_cast<char>((v >> 8) & 0xff),
-                     static_cast<char>((v >> 16) & 0xff), static_cast<char>((v >> 24) & 0xff)};
-  s->append(b, 4);
-}
-
-void PutF32(std::string* s, float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  PutU32(s, u);
-}
-
-// Little-endian reader over a byte span.
-class Reader {
- public:
-  explicit Reader(std::string_view b) : b_(b) {}
-  bool U32(uint32_t* v) {
-    if (b_.size() - pos_ < 4) return false;
-    const auto* p = reinterpret_cast<const unsigned char*>(b_.data() + pos_);
-    *v = static_cast<uint32_t>(p[0]) | static_cast<uint32_t>(p[1]) << 8 |
-         static_cast<uint32_t>(p[2]) << 16 | static_cast<uint32_t>(p[3]) << 24;
-    pos_ += 4;
-    return true;
-  }
-  bool F32s(float* out, size_t count) {
-    for (size_t i = 0; i < count; ++i) {
-      uint32_t u;
-      if (!U32(&u)) return false;
-      std::memcpy(&out[i], &u, 4);
-    }
-    return true;
-  }
-  bool Bytes(char* out, size_t count) {
-    if (b_.size() - pos_ < count) return false;
-    std::memcpy(out, b_.data() + pos_, count);
-    pos_ += count;
-    return true;
-  }
-  size_t remaining() const { return b_.size() - pos_; }
-
- private:
-  std::string_view b_;
-  size_t pos_ = 0;
-};
 
 // exp in double, rounded to float: correctly rounded but in vanishingly rare cases, so the GPU's
 // LearnedSign (which does the same) agrees bit for bit.
@@ -214,7 +168,7 @@ absl::StatusOr<std::string> SerializeLearnedHashWeights(const LearnedHashWeights
 }
 
 absl::StatusOr<LearnedHashWeights> ParseLearnedHashWeights(std::string_view bytes) {
-  Reader r(bytes);
+  ByteReader r(bytes);
   char magic[8];
   if (!r.Bytes(magic, 8) || std::memcmp(magic, kMagic, 8) != 0) {
     return absl::InvalidArgumentError("learned hash weights: bad magic (want \"KVSPHASH\")");
@@ -279,21 +233,13 @@ absl::StatusOr<LearnedHashWeights> ParseLearnedHashWeights(std::string_view byte
 absl::Status WriteLearnedHashWeights(const LearnedHashWeights& w, const std::string& path) {
   absl::StatusOr<std::string> bytes = SerializeLearnedHashWeights(w);
   if (!bytes.ok()) return bytes.status();
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f) return absl::InternalError(absl::StrCat("cannot open ", path, " for writing"));
-  f.write(bytes->data(), static_cast<std::streamsize>(bytes->size()));
-  f.close();
-  if (!f) return absl::InternalError(absl::StrCat("write to ", path, " failed"));
-  return absl::OkStatus();
+  return WriteWholeFile(path, *bytes);
 }
 
 absl::StatusOr<LearnedHashWeights> ReadLearnedHashWeights(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return absl::NotFoundError(absl::StrCat("cannot open ", path));
-  std::ostringstream ss;
-  ss << f.rdbuf();
-  if (f.bad()) return absl::InternalError(absl::StrCat("read of ", path, " failed"));
-  return ParseLearnedHashWeights(ss.str());
+  absl::StatusOr<std::string> bytes = ReadWholeFile(path);
+  if (!bytes.ok()) return bytes.status();
+  return ParseLearnedHashWeights(*bytes);
 }
 
 }  // namespace kvsparse::kernels
