@@ -16,6 +16,13 @@ of 1e-2 reached a higher recall in 400 steps than 20 with 1e-3).
 Writes the version-1 file of ``kernels/hash_signatures.h``; prints each layer's held-out recall of
 the true top-k against SimHash at the same bits.
 
+With ``--saap_out`` it also writes SAAP partitions (``kernels/saap.h``): per layer and kv head a
+spherical k-means of the keys before RoPE into ``--clusters`` buckets, and per query head a
+classifier (Linear-ReLU-Linear) trained with the paper's KL loss to predict the share of the
+query's long-range attention in each bucket; it prints how many rows ``--probes`` buckets read
+and how much of the attention they hold, against the symmetric baseline (the query's own nearest
+centroids).
+
 Needs torch and transformers (``pip install kvsparse[hf]``).
 """
 
@@ -281,6 +288,203 @@ def write_hash_weights(path: str | Path, layers: Sequence[LayerHash]) -> int:
     return len(out)
 
 
+# ---- SAAP partitions (kernels/saap.h) ----------------------------------------------------------
+
+SAAP_MAGIC = b"KVSPSAAP"
+
+
+def rope_params(model: Any) -> tuple[torch.Tensor, float]:
+    """The model's RoPE frequencies (inv_freq [d/2], any scaling folded in) and its attention
+    scaling, from its rotary embedding module."""
+    for module in model.modules():
+        inv = getattr(module, "inv_freq", None)
+        if isinstance(inv, torch.Tensor):
+            return inv.detach().float().cpu(), float(getattr(module, "attention_scaling", 1.0))
+    raise ValueError("the model has no rotary embedding (inv_freq)")
+
+
+def unrope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scale: float) -> torch.Tensor:
+    """Inverse of the Llama ("rotate half") RoPE: x [..., T, d] post-RoPE at positions [T] ->
+    pre-RoPE, fp32 (angles in float64), as kernels/saap.h's SaapUnrope."""
+    half = x.shape[-1] // 2
+    ang = positions.double()[:, None] * inv_freq.to(positions.device).double()[None, :]
+    cos, sin = ang.cos().float(), ang.sin().float()
+    y1, y2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat([y1 * cos + y2 * sin, y2 * cos - y1 * sin], -1) / scale
+
+
+def spherical_kmeans(x: torch.Tensor, clusters: int, iters: int = 10, seed: int = 0) -> torch.Tensor:
+    """Unit centroids [C, d] of the directions of x [N, d] (cosine k-means, random init)."""
+    gen = torch.Generator().manual_seed(seed)
+    xn = torch.nn.functional.normalize(x.float(), dim=-1)
+    cent = xn[torch.randperm(xn.shape[0], generator=gen)[:clusters].to(x.device)].clone()
+    for _ in range(iters):
+        assign = (xn @ cent.T).argmax(-1)
+        sums = torch.zeros_like(cent).index_add_(0, assign, xn)
+        counts = torch.bincount(assign, minlength=clusters)
+        empty = counts == 0
+        if bool(empty.any()):  # an empty cluster restarts at a random point
+            pick = torch.randint(xn.shape[0], (int(empty.sum()),), generator=gen).to(x.device)
+            sums[empty] = xn[pick]
+        cent = torch.nn.functional.normalize(sums, dim=-1)
+    return cent
+
+
+@dataclass
+class SaapLayer:
+    """One layer's partitions: centroids [Hkv, C, d] and the query classifiers (per query head:
+    w1 [hidden, d], b1 [hidden], w2 [C, hidden], b2 [C])."""
+
+    centroids: torch.Tensor
+    w1: torch.Tensor
+    b1: torch.Tensor
+    w2: torch.Tensor
+    b2: torch.Tensor
+
+
+def _bucket_mass(q: torch.Tensor, k: torch.Tensor, buckets: torch.Tensor, pos: torch.Tensor, clusters: int,
+                 sink: int, local: int) -> torch.Tensor:
+    """Per query (heads of one kv head group, q [G, Q, d] post-RoPE at pos [Q]; keys k [T, d]
+    post-RoPE with their buckets [T]): the share of the query's attention over its long-range
+    keys (past the sink, before the local window) in each bucket, [G, Q, C]."""
+    t = torch.arange(k.shape[0], device=k.device)
+    long_range = (t[None, :] >= sink) & (t[None, :] < (pos[:, None] + 1 - local))
+    s = torch.einsum("gqd,td->gqt", q.float(), k.float()) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~long_range, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    onehot = torch.nn.functional.one_hot(buckets, clusters).float()  # [T, C]
+    return p @ onehot
+
+
+def train_saap_layer(
+    q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, scale: float, *, clusters: int = 128,
+    hidden: int = 256, steps: int = 300, queries_per_step: int = 64, sink: int = 128, local: int = 128,
+    lr: float = 3e-3, seed: int = 0, log: Callable[[str], None] | None = None,
+) -> SaapLayer:
+    """k-means of the layer's pre-RoPE keys per kv head, then one classifier per query head
+    trained with the paper's KL loss on its long-range attention mass per bucket.
+    q [W, H, T, d], k [W, Hkv, T, d] post-RoPE (positions 0..T-1 in each window)."""
+    w_count, h, t, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    dev = q.device
+    positions = torch.arange(t, device=dev)
+    k_pre = unrope(k, positions, inv_freq, scale)  # [W, Hkv, T, d]
+    cents = torch.stack([spherical_kmeans(k_pre[:, j].reshape(-1, d), clusters, seed=seed + j)
+                         for j in range(hkv)])  # [Hkv, C, d]
+    buckets = torch.einsum("wjtd,jcd->wjtc", torch.nn.functional.normalize(k_pre, dim=-1), cents).argmax(-1)
+    gen = torch.Generator().manual_seed(seed)
+    mlp = HashMlps(h, [d, hidden, clusters], gen).to(dev)  # the same batched linears, ReLU here
+    opt = torch.optim.Adam(mlp.parameters(), lr=lr)
+    lo = min(t - 1, sink + local + 1)
+    pick = torch.Generator().manual_seed(seed + 1)
+    for step in range(steps):
+        w = int(torch.randint(w_count, (1,), generator=pick))
+        pos = torch.randint(lo, t, (queries_per_step,), generator=pick).to(dev)
+        with torch.no_grad():
+            target = torch.cat([_bucket_mass(q[w, j * g:(j + 1) * g][:, pos], k[w, j], buckets[w, j], pos, clusters,
+                                             sink, local) for j in range(hkv)])  # [H, Q, C]
+        x = unrope(q[w][:, pos], pos, inv_freq, scale)  # [H, Q, d]
+        z = torch.baddbmm(mlp.biases[0].unsqueeze(1), x, mlp.weights[0].transpose(1, 2)).relu()
+        logits = torch.baddbmm(mlp.biases[1].unsqueeze(1), z, mlp.weights[1].transpose(1, 2))
+        keep = target.sum(-1) > 0
+        loss = torch.nn.functional.kl_div(torch.log_softmax(logits, -1)[keep], target[keep], reduction="batchmean")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if log is not None and (step + 1) % max(1, steps // 4) == 0:
+            log(f"  step {step + 1}/{steps}: KL {loss.item():.4f}")
+    return SaapLayer(cents.detach(), mlp.weights[0].detach(), mlp.biases[0].detach(),
+                     mlp.weights[1].detach(), mlp.biases[1].detach())
+
+
+@torch.no_grad()
+def saap_coverage(layer: SaapLayer, q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, scale: float,
+                  probes: int, sink: int = 128, local: int = 128, queries: int = 64, seed: int = 0) -> dict[str, float]:
+    """On one window (q [H, T, d], k [Hkv, T, d] post-RoPE): for random query positions, the rows
+    SAAP reads (sink + window + the group's top-`probes` buckets) as a fraction of the prefix, and
+    the share of each query head's attention mass they hold; the same for the symmetric baseline
+    (the query's own nearest centroids, summed over the group, instead of the classifier)."""
+    h, t, d = q.shape
+    hkv = k.shape[0]
+    g = h // hkv
+    dev = q.device
+    gen = torch.Generator().manual_seed(seed)
+    pos = torch.randint(min(t - 1, sink + local + 1), t, (queries,), generator=gen).to(dev)
+    k_pre = unrope(k, torch.arange(t, device=dev), inv_freq, scale)
+    out = {"saap_rows": 0.0, "saap_mass": 0.0, "kmeans_mass": 0.0}
+    tt = torch.arange(t, device=dev)
+    for j in range(hkv):
+        buckets = (torch.nn.functional.normalize(k_pre[j], dim=-1) @ layer.centroids[j].T).argmax(-1)  # [T]
+        qj = q[j * g:(j + 1) * g][:, pos]  # [G, Q, d]
+        x = unrope(qj, pos, inv_freq, scale)
+        z = torch.relu(torch.einsum("gqd,ghd->gqh", x, layer.w1[j * g:(j + 1) * g]) + layer.b1[j * g:(j + 1) * g, None])
+        logits = torch.einsum("gqh,gch->gqc", z, layer.w2[j * g:(j + 1) * g]) + layer.b2[j * g:(j + 1) * g, None]
+        sym = torch.nn.functional.normalize(x, dim=-1) @ layer.centroids[j].T  # [G, Q, C]
+        causal = tt[None, :] <= pos[:, None]
+        fixed = (tt[None, :] < sink) | (tt[None, :] > pos[:, None] - local)
+        s = torch.einsum("gqd,td->gqt", qj.float(), k[j].float()) / math.sqrt(d)
+        p = torch.softmax(s.masked_fill(~causal, float("-inf")), -1)
+        # The symmetric baseline scores buckets by a softmax of 20 x the query's cosine to each
+        # centroid (a soft nearest-centroid vote), summed over the group like the classifier's.
+        for name, score in (("saap", torch.softmax(logits, -1).sum(0)), ("kmeans", torch.softmax(sym * 20, -1).sum(0))):
+            top = score.topk(probes, -1).indices  # [Q, probes]
+            visit = torch.zeros(queries, layer.centroids.shape[1], dtype=torch.bool, device=dev)
+            visit.scatter_(1, top, True)
+            rows = (fixed | visit[:, buckets]) & causal  # [Q, T]
+            out[f"{name}_mass"] += float((p * rows).sum(-1).mean()) / hkv
+            if name == "saap":
+                out["saap_rows"] += float((rows.sum(-1).float() / (pos + 1)).mean()) / hkv
+    return out
+
+
+def write_saap(path: str | Path, layers: Sequence[SaapLayer], inv_freq: torch.Tensor, scale: float) -> int:
+    """Writes the version-1 SAAP partition file (kernels/saap.h); returns its size in bytes."""
+    first = layers[0]
+    hkv, c, d = first.centroids.shape
+    h, hidden = first.w1.shape[0], first.w1.shape[1]
+    f32 = lambda x: x.detach().float().cpu().contiguous().numpy().astype("<f4").tobytes()  # noqa: E731
+    out = bytearray(SAAP_MAGIC)
+    out += struct.pack("<7I", 1, len(layers), h, hkv, d, c, hidden)
+    out += struct.pack("<f", scale)
+    out += f32(inv_freq)
+    for layer in layers:
+        out += f32(layer.centroids)
+    for layer in layers:
+        for i in range(h):
+            out += f32(layer.w1[i]) + f32(layer.b1[i]) + f32(layer.w2[i]) + f32(layer.b2[i])
+    Path(path).write_bytes(bytes(out))
+    return len(out)
+
+
+def calibrate_saap(
+    model: Any, train_windows: Sequence[torch.Tensor], eval_windows: Sequence[torch.Tensor], *,
+    clusters: int = 128, hidden: int = 256, steps: int = 300, probes: int = 8, sink: int = 128,
+    local: int = 128, seed: int = 0, log: Callable[[str], None] = print,
+) -> tuple[list[SaapLayer], list[dict[str, float]], torch.Tensor, float]:
+    """SAAP partitions for every layer, and their coverage on `eval_windows` at `probes`."""
+    inv_freq, scale = rope_params(model)
+    qk = capture_qk(model, train_windows)
+    ev = capture_qk(model, eval_windows)
+    layers, rows = [], []
+    for i, (q, k) in enumerate(qk):
+        t0 = time.time()
+        layer = train_saap_layer(q, k, inv_freq, scale, clusters=clusters, hidden=hidden, steps=steps,
+                                 sink=sink, local=local, seed=seed + i, log=log)
+        layers.append(layer)
+        qe, ke = ev[i]
+        cov = {"saap_rows": 0.0, "saap_mass": 0.0, "kmeans_mass": 0.0}
+        for w in range(qe.shape[0]):
+            r = saap_coverage(layer, qe[w], ke[w], inv_freq, scale, probes, sink=sink, local=local, seed=seed + w)
+            for key in cov:
+                cov[key] += r[key] / qe.shape[0]
+        rows.append({"layer": i, **cov})
+        log(f"layer {i}: SAAP {probes}/{clusters} buckets read {cov['saap_rows']:.3f} of the rows, holding "
+            f"{cov['saap_mass']:.3f} of the attention (symmetric k-means: {cov['kmeans_mass']:.3f}) "
+            f"({time.time() - t0:.1f} s)")
+    return layers, rows, inv_freq, scale
+
+
 # ---- The command -----------------------------------------------------------------------------------
 
 
@@ -371,6 +575,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=400, help="optimiser steps per layer")
     p.add_argument("--top_fraction", type=float, default=1 / 32, help="top-k fraction the bits learn to rank")
     p.add_argument("--alpha", type=float, default=5.0, help="weight of the positives in the BCE")
+    p.add_argument("--saap_out", default="", help="also write SAAP partitions (kernels/saap.h) here")
+    p.add_argument("--clusters", type=int, default=128, help="SAAP: key buckets per kv head")
+    p.add_argument("--saap_hidden", type=int, default=256, help="SAAP: query classifier width")
+    p.add_argument("--probes", type=int, default=8, help="SAAP: buckets visited, for the printed coverage")
+    p.add_argument("--sink", type=int, default=128, help="SAAP: sink tokens always read (not partitioned)")
+    p.add_argument("--local", type=int, default=128, help="SAAP: local window always read")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
@@ -395,6 +605,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0] if k != "layer"}
     print(f"wrote {args.out} ({size} bytes); mean top-{args.top_fraction:.4g} recall learned "
           f"{mean['learned_recall']:.3f}, SimHash {mean['simhash_recall']:.3f} ({time.time() - t0:.1f} s)", flush=True)
+    if args.saap_out:
+        saap, cov, inv_freq, scale = calibrate_saap(
+            model, windows[: args.windows], windows[args.windows :], clusters=args.clusters,
+            hidden=args.saap_hidden, steps=args.steps, probes=args.probes, sink=args.sink, local=args.local,
+            seed=args.seed,
+            log=lambda s: print(s, flush=True))
+        size = write_saap(args.saap_out, saap, inv_freq, scale)
+        print(f"wrote {args.saap_out} ({size} bytes)", flush=True)
     return 0
 
 

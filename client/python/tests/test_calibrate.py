@@ -1,7 +1,7 @@
 """kvsparse.calibrate: the weight file it writes is what kvsparse-server's --hash_weights reads,
 with the same MLP semantics (a decode with learned signatures selects exactly the keys the
 Python MLPs rank first), and training raises top-k recall above SimHash's on keys with a shared
-offset."""
+offset. SAAP: un-RoPE inverts transformers' RoPE, and the partitions cover the attention."""
 
 from __future__ import annotations
 
@@ -75,3 +75,40 @@ def test_training_beats_simhash_on_keys_with_a_shared_offset() -> None:
     simhash = cal.topk_recall(qe, ke, pos, *cal.simhash_signatures(qe, ke, 32), fraction=1 / 16, min_top_k=4)
     assert learned["recall"] > simhash["recall"] + 0.1, (learned, simhash)
     assert learned["mass"] > simhash["mass"] and math.isfinite(simhash["mass"])
+
+
+def test_unrope_inverts_transformers_rope() -> None:
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                      rope_theta=10000.0, max_position_embeddings=4096)
+    rope = LlamaRotaryEmbedding(cfg)
+    x = torch.randn(1, 2, 50, 32)
+    pos = torch.arange(1000, 1050)[None]
+    cos, sin = rope(x, pos)
+    y, _ = apply_rotary_pos_emb(x, x, cos, sin)
+    inv_freq, scale = rope.inv_freq.float(), float(rope.attention_scaling)
+    back = cal.unrope(y, pos[0], inv_freq, scale)
+    assert torch.allclose(back, x, atol=1e-4)
+
+
+def test_saap_partitions_cover_the_attention(tmp_path: Path) -> None:
+    # Keys on 8 directions; each query attends to the keys of one direction: the k-means buckets
+    # recover the directions and the classifier learns which bucket holds a query's attention,
+    # so 2 probes of 8 read a third of the rows and hold most of the mass. No RoPE (inv_freq 0).
+    torch.manual_seed(0)
+    w, h, hkv, t, d, c = 3, 1, 1, 1024, 16, 8
+    dirs = torch.nn.functional.normalize(torch.randn(c, d), dim=-1)
+    kb = torch.randint(0, c, (w, t))
+    k = (dirs[kb] * 4 + 0.2 * torch.randn(w, t, d))[:, None]  # [W, 1, T, d]
+    q = dirs[torch.randint(0, c, (w, h, t))] * 3 + 0.1 * torch.randn(w, h, t, d)
+    inv_freq = torch.zeros(d // 2)
+    layer = cal.train_saap_layer(q, k, inv_freq, 1.0, clusters=c, hidden=64, steps=300, queries_per_step=64,
+                                 sink=4, local=4, lr=3e-3, seed=1)
+    cov = cal.saap_coverage(layer, q[0], k[0], inv_freq, 1.0, probes=2, sink=4, local=4, queries=64)
+    assert cov["saap_mass"] > 0.85 and cov["saap_rows"] < 0.4, cov
+    size = cal.write_saap(tmp_path / "saap.bin", [layer, layer], inv_freq, 1.0)
+    hidden = 64
+    assert size == 40 + 4 * (d // 2 + 2 * hkv * c * d + 2 * h * (hidden * d + hidden + c * hidden + c))
+    assert (tmp_path / "saap.bin").read_bytes()[:8] == b"KVSPSAAP"
