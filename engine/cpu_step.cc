@@ -192,8 +192,15 @@ const kernels::SignatureView& CpuStep::Signatures(int32_t bits) {
                            qf.data() + static_cast<size_t>(h) * d_,
                            qsig_.data() + static_cast<size_t>(h) * words, &scratch);
   }
-  view_.bits = bits;
+  KeySignatures(bits);
   view_.q = qsig_.data();
+  return view_;
+}
+
+const kernels::SignatureView& CpuStep::KeySignatures(int32_t bits) {
+  const int32_t words = bits / 32;
+  view_.bits = bits;
+  view_.q = nullptr;
   view_.k = res_->signatures();
   view_.batch_stride = 0;
   view_.head_stride = static_cast<int64_t>(res_->capacity()) * words;

@@ -84,6 +84,8 @@ class CpuStep {
   // Signatures of every query head (`bits` each) against the resident key signatures; the key
   // signatures read are counted in the statistics.
   const kernels::SignatureView& Signatures(int32_t bits);
+  // The resident key signatures alone (no query signatures: view.q is null), counted as read.
+  const kernels::SignatureView& KeySignatures(int32_t bits);
   // Reads the K and V rows of tokens[j] (ascending, distinct) of every kv head j for the
   // selection itself, resident halves in place; counted as gather time and fetched rows. The
   // gather after the selection reads only the selected rows not among them.

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <memory>
+#include <random>
 #include <thread>
 #include <tuple>
 
@@ -12,6 +14,7 @@
 #include "gtest/gtest.h"
 #include "kernels/dense.h"
 #include "kernels/philox.h"
+#include "kernels/saap.h"
 #include "kernels/synthetic.h"
 #include "kvstore/store.h"
 
@@ -455,6 +458,75 @@ TEST_F(EngineTest, EveryMethodRefusesEmptyLayersNonFiniteQAndRepeats) {
   auto r3 = bounded.Decode(Call(Method{}));  // two sequences
   EXPECT_EQ(r3.status().code(), StatusCode::kInvalidArgument) << r3.status();
   EXPECT_EQ(store_->GetSequenceInfo("s0")->layer_lengths[kLayer], 700u);
+}
+
+// SAAP through the engine: keys get their buckets as they reach the resident state, and a
+// decode selects and estimates exactly what the CPU reference does on the same problem; the hash
+// methods are refused on such a server, and so is SAAP on a server without partitions.
+TEST_F(EngineTest, SaapSelectsWhatTheReferenceSelects) {
+  kvstore::Placement p;
+  p.signature_bits = 32;
+  Load(Options(), p);
+  auto w = std::make_shared<kernels::SaapWeights>();
+  w->num_layers = kLayers;
+  w->num_q_heads = shape_.num_q_heads;
+  w->num_kv_heads = shape_.num_kv_heads;
+  w->head_dim = shape_.head_dim;
+  w->clusters = 16;
+  w->hidden = 32;
+  std::mt19937 rng(8);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (int32_t i = 0; i < w->head_dim / 2; ++i) {
+    w->inv_freq.push_back(std::pow(10000.f, -2.f * i / w->head_dim));
+  }
+  const size_t d = w->head_dim, c = w->clusters, hid = w->hidden;
+  const size_t lk = kLayers * w->num_kv_heads, lq = kLayers * w->num_q_heads;
+  for (size_t r = 0; r < lk * c; ++r) {
+    float n2 = 0.f;
+    std::vector<float> x(d);
+    for (float& e : x) {
+      e = normal(rng);
+      n2 += e * e;
+    }
+    for (float& e : x) w->centroids.push_back(e / std::sqrt(n2));
+  }
+  for (size_t i = 0; i < lq * hid * d; ++i) w->w1.push_back(0.2f * normal(rng));
+  for (size_t i = 0; i < lq * hid; ++i) w->b1.push_back(0.1f * normal(rng));
+  for (size_t i = 0; i < lq * c * hid; ++i) w->w2.push_back(0.2f * normal(rng));
+  for (size_t i = 0; i < lq * c; ++i) w->b2.push_back(0.1f * normal(rng));
+  ASSERT_TRUE(kernels::ValidateSaapWeights(*w).ok());
+  EngineOptions eo;
+  eo.signatures.saap = w;
+  DecodeEngine saap_engine(eo, source_.get());
+  Method m;
+  m.kind = MethodKind::kSaap;
+  m.saap.probes = 3;
+  m.saap.sink_tokens = 16;
+  m.saap.local_tokens = 32;
+  auto r = saap_engine.Decode(Call(m));
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (int32_t b = 0; b < prob_.problem.batch; ++b) {
+    std::vector<uint8_t> out;
+    kernels::DecodeProblem one = One(b, &out);
+    std::vector<int32_t> buckets;
+    kernels::SaapBuckets view;
+    ASSERT_TRUE(kernels::ComputeSaapBuckets(one, *w, kLayer, &buckets, &view).ok());
+    kernels::RowSelection sel;
+    ASSERT_TRUE(kernels::SaapDecodeCpu(one, m.saap, *w, kLayer, view, &sel).ok());
+    ExpectSame(*r, b, sel, out);
+    for (int32_t j = 0; j < prob_.problem.num_kv_heads; ++j) {
+      const HeadStats& hs = r->heads[b * prob_.problem.num_kv_heads + j];
+      EXPECT_LT(hs.rows_fetched, static_cast<uint64_t>(prob_.seq_lens[b])) << "reads a subset";
+    }
+  }
+  Method hash;
+  hash.kind = MethodKind::kHashTopK;
+  hash.hash.top_k = 8;
+  hash.hash.bits = 0;
+  EXPECT_EQ(saap_engine.Decode(Call(hash)).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(engine_->Decode(Call(m)).status().code(), absl::StatusCode::kFailedPrecondition);
+  m.saap.probes = 17;  // more than the partition's buckets
+  EXPECT_EQ(saap_engine.Decode(Call(m)).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 TEST_F(EngineTest, ResidentStateFollowsARecreatedSequence) {

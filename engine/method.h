@@ -5,24 +5,26 @@
 #define KVSPARSE_ENGINE_METHOD_H_
 
 #include "kernels/hash_topk.h"
+#include "kernels/saap.h"
 #include "kernels/santa.h"
 #include "kernels/vattention.h"
 
 namespace kvsparse::engine {
 
 // One value per row of the method table, in its order.
-enum class MethodKind { kDense, kSanta, kHashTopK, kVAttention };
+enum class MethodKind { kDense, kSanta, kHashTopK, kVAttention, kSaap };
 
 struct Method {
   MethodKind kind = MethodKind::kDense;
   kernels::SantaParams santa;            // kSanta (tile_size 0: EngineOptions::default_tile_size)
   kernels::HashTopKParams hash;          // kHashTopK (bits 0: the sequence's signature bits)
   kernels::VAttentionParams vattention;  // kVAttention (bits 0: the sequence's)
+  kernels::SaapParams saap;              // kSaap (the server's partitions: --saap_weights)
   bool learned_signatures = false;       // the request asked for learned (not SimHash) signatures
 };
 
 // The method's name in metrics labels and messages ("dense", "santa", "hash_top_k",
-// "vattention"): the method table's.
+// "vattention", "saap"): the method table's.
 const char* MethodName(MethodKind kind);
 
 }  // namespace kvsparse::engine

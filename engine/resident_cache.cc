@@ -134,7 +134,8 @@ absl::Status ResidentCache::Append(Entry* self, ResidentLayer* l, uint32_t layer
         for (uint32_t i = 0; i < d; ++i) kf[i] = kernels::LoadAsFloat(kr, i, shape.dtype);
         uint32_t* out = l->sig_.data() + (j * l->capacity_ + l->length_ + t) * l->words_;
         maker_->Key(static_cast<int32_t>(layer), j, l->words_ * 32, static_cast<int32_t>(d),
-                    kf.data(), l->max_norm_[h], out, &scratch);
+                    static_cast<int64_t>(l->length_ + t), kf.data(), l->max_norm_[h], out,
+                    &scratch);
       }
     }
   }

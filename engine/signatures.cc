@@ -23,8 +23,18 @@ const kernels::SimHashPlanes& SignatureMaker::Planes(int32_t layer, int32_t head
   return *slot;
 }
 
-void SignatureMaker::Key(int32_t layer, int32_t sig_head, int32_t bits, int32_t dim, const float* k,
-                         float max_norm, uint32_t* out, std::vector<float>* scratch) {
+void SignatureMaker::Key(int32_t layer, int32_t sig_head, int32_t bits, int32_t dim,
+                         int64_t position, const float* k, float max_norm, uint32_t* out,
+                         std::vector<float>* scratch) {
+  if (saap()) {
+    for (int32_t w = 0; w < bits / 32; ++w) out[w] = 0;
+    if (layer < config_.saap->num_layers && dim == config_.saap->head_dim &&
+        sig_head < config_.saap->num_kv_heads) {
+      out[0] = static_cast<uint32_t>(kernels::SaapAssignKey(*config_.saap, layer, sig_head,
+                                                            position, k));
+    }
+    return;
+  }
   if (learned()) {
     config_.learned->key(layer, sig_head).Sign(k, out, scratch);
     return;

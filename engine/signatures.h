@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/hash_signatures.h"
+#include "kernels/saap.h"
 #include "kvstore/types.h"
 
 namespace kvsparse::engine {
@@ -24,6 +25,9 @@ struct SignatureConfig {
   float norm_margin = 1.0f;
   // Learned MLP weights; null = SimHash. The bits of the file must equal the placement's.
   std::shared_ptr<const kernels::LearnedHashWeights> learned;
+  // SAAP partitions: a key's signature is then its bucket (one word; signature_bits 32), which
+  // the saap method reads; the hash methods are refused (their signatures are not kept).
+  std::shared_ptr<const kernels::SaapWeights> saap;
 };
 
 // Makes signatures; caches SimHash planes per (layer, head, bits, dim). Thread-safe.
@@ -31,11 +35,13 @@ class SignatureMaker {
  public:
   explicit SignatureMaker(SignatureConfig config) : config_(std::move(config)) {}
   bool learned() const { return config_.learned != nullptr; }
+  bool saap() const { return config_.saap != nullptr; }
   // Key signature heads for a shape: Hkv for SimHash, the file's key MLPs for learned.
   int32_t KeyHeads(const kvstore::ModelShape& shape) const;
-  // Signature of one key (d floats) of kv head `kv_head` for signature head `sig_head`.
-  void Key(int32_t layer, int32_t sig_head, int32_t bits, int32_t dim, const float* k,
-           float max_norm, uint32_t* out, std::vector<float>* scratch);
+  // Signature of one key (d floats, post-RoPE at token `position`) for signature head
+  // `sig_head`; with SAAP partitions, word 0 is its bucket and the others 0.
+  void Key(int32_t layer, int32_t sig_head, int32_t bits, int32_t dim, int64_t position,
+           const float* k, float max_norm, uint32_t* out, std::vector<float>* scratch);
   // Signature of query head h (dim floats) of a model with group size G.
   void Query(int32_t layer, int32_t h, int32_t group, int32_t bits, int32_t dim, const float* q,
              uint32_t* out, std::vector<float>* scratch);

@@ -284,6 +284,17 @@ absl::StatusOr<engine::Method> FromProto(const v1::Method& m) {
       out.learned_signatures = h.source() == v1::SIGNATURE_SOURCE_LEARNED;
       return out;
     }
+    case v1::Method::kSaap: {
+      const v1::SaapParams& s = m.saap();
+      out.kind = engine::MethodKind::kSaap;
+      if (s.probes() > (1u << 20) || s.sink_tokens() > (1u << 30) || s.local_tokens() > (1u << 30)) {
+        return absl::InvalidArgumentError("saap: a count is out of range");
+      }
+      out.saap.probes = s.probes() == 0 ? 8 : static_cast<int32_t>(s.probes());
+      out.saap.sink_tokens = static_cast<int32_t>(s.sink_tokens());
+      out.saap.local_tokens = static_cast<int32_t>(s.local_tokens());
+      return out;
+    }
     case v1::Method::kVattention: {
       const v1::VAttentionParams& v = m.vattention();
       out.kind = engine::MethodKind::kVAttention;

@@ -20,6 +20,7 @@
 #include "absl/time/time.h"
 #include "engine/gpu_mode.h"
 #include "kernels/hash_signatures.h"
+#include "kernels/saap.h"
 #include "server/byte_size.h"
 #include "server/logging.h"
 #include "server/server.h"
@@ -30,6 +31,10 @@ ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
           "gRPC address to serve on (host:port; 0.0.0.0:PORT for all interfaces)");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "Address of the Prometheus /metrics endpoint; empty disables it");
+ABSL_FLAG(std::string, saap_weights, "",
+          "SAAP partitions (format in kernels/saap.h, written by kvsparse-calibrate --saap_out): "
+          "enables the saap method; each key's bucket is then its signature (sequences with "
+          "signature_bits=32), and the hash methods are refused. Empty: none");
 ABSL_FLAG(uint32_t, max_call_sequences, 1024,
           "Most sequences one Decode call may name (each once); more is INVALID_ARGUMENT");
 ABSL_FLAG(std::string, port_file, "",
@@ -175,6 +180,20 @@ int main(int argc, char** argv) {
     }
     options.engine.signatures.learned =
         std::make_shared<const kvsparse::kernels::LearnedHashWeights>(std::move(*weights));
+  }
+
+  if (!absl::GetFlag(FLAGS_saap_weights).empty()) {
+    auto saap = kvsparse::kernels::ReadSaapWeights(absl::GetFlag(FLAGS_saap_weights));
+    if (!saap.ok()) {
+      std::fprintf(stderr, "--saap_weights: %s\n", saap.status().ToString().c_str());
+      return 2;
+    }
+    if (options.engine.signatures.learned != nullptr) {
+      std::fprintf(stderr, "--saap_weights and --hash_weights exclude each other\n");
+      return 2;
+    }
+    options.engine.signatures.saap =
+        std::make_shared<const kvsparse::kernels::SaapWeights>(std::move(*saap));
   }
 
   // Signals are taken by sigwait below, so block them before any thread starts.

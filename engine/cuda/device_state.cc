@@ -402,6 +402,7 @@ absl::Status DeviceState::SignKeys(DeviceSequence* e, DeviceLayer* l, uint32_t l
   // Learned MLPs the GPU cannot apply to this sequence: its hash calls run on the CPU engine,
   // which keeps its own signatures; nothing here reads these.
   if (learned != nullptr && !LearnedSignsOnGpu(*learned, desc)) return absl::OkStatus();
+  if (options_.signatures.saap != nullptr) return absl::OkStatus();  // SAAP: the CPU engine's
   if (learned == nullptr && l->norms.ptr == nullptr) {
     // SimHash M, fixed now: the largest key norm of this first batch, times the margin (as
     // ResidentCache does, so both engines sign with the same M). Copied from pageable memory:

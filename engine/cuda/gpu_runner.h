@@ -34,6 +34,9 @@ struct GpuCaps {
   // The deployment's learned hash weights (null: SimHash); the GPU signs with them where they
   // fit a sequence (LearnedSignsOnGpu).
   const kernels::LearnedHashWeights* learned = nullptr;
+  // The deployment keeps SAAP buckets as key signatures (the CPU engine's saap method reads
+  // them; the hash methods are refused there): no runner uses signatures.
+  bool saap = false;
   // The host halves' rows come from a store whose pages the GPU cannot read (another process):
   // a runner gathers them through LaunchPlan::StageListed / StageAll, or does not take the call.
   bool staged_rows = false;
@@ -43,7 +46,7 @@ struct GpuCaps {
 // signatures, the request asks for the deployment's kind (a mismatch is the CPU engine's error to
 // give), and learned MLPs fit the sequence.
 inline bool SignaturesOnGpu(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
-  if (desc.placement.signature_bits == 0) return false;
+  if (desc.placement.signature_bits == 0 || caps.saap) return false;
   if (m.learned_signatures != (caps.learned != nullptr)) return false;
   return caps.learned == nullptr || LearnedSignsOnGpu(*caps.learned, desc);
 }

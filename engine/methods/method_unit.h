@@ -59,6 +59,7 @@ const MethodUnit& DenseUnit();
 const MethodUnit& SantaUnit();
 const MethodUnit& HashTopKUnit();
 const MethodUnit& VAttentionUnit();
+const MethodUnit& SaapUnit();
 
 }  // namespace kvsparse::engine
 

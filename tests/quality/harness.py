@@ -19,7 +19,9 @@ model's own SDPA, its K/V appended to the store in bulk):
   crossing the host boundary as a fraction of what dense attention reads;
 - pass-key retrieval accuracy at several lengths and depths (greedy generation of the key);
 - learned HashAttention: the MLPs are trained on training-split windows (kvsparse.calibrate) and
-  served through the engine's hash_weights; their top-k recall against SimHash at the same bits.
+  served through the engine's hash_weights; their top-k recall against SimHash at the same bits;
+- SAAP: partitions and query classifiers trained on the same windows (kvsparse.calibrate), served
+  through the engine's saap_weights; their coverage (rows read, attention mass held) per layer.
 
 Writes results.json and results.md (the tables of docs/ACCURACY.md, "Real attention").
 """
@@ -50,7 +52,7 @@ import kvsparse  # noqa: E402
 import kvsparse.calibrate as calibrate  # noqa: E402
 import kvsparse.ops  # noqa: E402
 import kvsparse.hf as khf  # noqa: E402
-from kvsparse import Dense, HashTopK, Santa, VAttention  # noqa: E402
+from kvsparse import Dense, HashTopK, Saap, Santa, VAttention  # noqa: E402
 
 MEASURED = "kvsparse_measured"
 
@@ -66,6 +68,7 @@ def methods(smoke: bool) -> dict[str, Any]:
             "vatt-exact-e0.1": VAttention(epsilon=0.1, delta=0.1, predictor="exact", sink_tokens=8, local_tokens=8),
             "vatt-exact-ratio-e0.1": VAttention(epsilon=0.1, delta=0.1, predictor="exact", bound="clt-ratio",
                                                 sink_tokens=8, local_tokens=8),
+            "saap-C8-p2": Saap(probes=2, sink_tokens=8, local_tokens=8),
         }
     # The settings the README recommends first (they carry the issue's targets), then the rest.
     out: dict[str, Any] = {
@@ -88,6 +91,10 @@ def methods(smoke: bool) -> dict[str, Any]:
     for frac, name in ((1 / 16, "1/16"), (1 / 8, "1/8")):
         out[f"hash-learned-b32-{name}"] = HashTopK(top_k_fraction=frac, bits=32, learned=True)
         out[f"hash-simhash-b32-{name}"] = HashTopK(top_k_fraction=frac, bits=32)
+    # SAAP, C = 128 buckets per kv head: 4 and 8 probes read about 1/32 and 1/16 of the
+    # partitioned keys (beside sink and window), as hash top-k's 1/32 and 1/16.
+    out["saap-C128-p4"] = Saap(probes=4)
+    out["saap-C128-p8"] = Saap(probes=8)
     return out
 
 
@@ -338,6 +345,13 @@ def main() -> int:
                                               top_fraction=1 / 32, log=log)
     weights = out_dir / "hash-b32.bin"
     calibrate.write_hash_weights(weights, layers)
+    clusters = 8 if args.smoke else 128
+    sink_local = 8 if args.smoke else 128
+    saap, saap_rows, inv_freq, rope_scale = calibrate.calibrate_saap(
+        model, cal_train, cal_eval, clusters=clusters, hidden=32 if args.smoke else 256, steps=args.calib_steps,
+        probes=2 if args.smoke else 4, sink=sink_local, local=sink_local, log=log)
+    saap_path = out_dir / f"saap-C{clusters}.bin"
+    calibrate.write_saap(saap_path, saap, inv_freq, rope_scale)
     if args.dump_layers:
         ctx = min(args.dump_context, max(args.contexts)) if args.smoke else args.dump_context
         for path in dump_qkv(model, windows_of(held, ctx, 1, 404)[0], args.dump_layers, 0, args.dump_queries, out_dir):
@@ -346,13 +360,15 @@ def main() -> int:
     gpu = "off" if args.smoke else args.gpu
     engine = kvsparse.ops.InProcessEngine(gpu=gpu, store_capacity="8G", gpu_capacity="16G")
     learned_engine = kvsparse.ops.InProcessEngine(gpu=gpu, store_capacity="8G", hash_weights=str(weights))
-    log(f"engines: {engine.backend} (SimHash), {learned_engine.backend} (learned weights)")
+    saap_engine = kvsparse.ops.InProcessEngine(gpu=gpu, store_capacity="8G", saap_weights=str(saap_path))
+    log(f"engines: {engine.backend} (SimHash), {learned_engine.backend} (learned weights), "
+        f"{saap_engine.backend} (SAAP partitions)")
     model.set_attn_implementation(MEASURED)
 
     table = methods(args.smoke)
     names = [n for n in table if args.only is None or n in args.only or n == "dense"]
     results: dict[str, Any] = {"model": json.loads((Path(args.model) / "config.json").read_text()),
-                               "recall": recall_rows, "methods": {}, "args": vars(args)}
+                               "recall": recall_rows, "saap_coverage": saap_rows, "methods": {}, "args": vars(args)}
     if (Path(args.model) / "metrics.json").exists():
         results["training"] = json.loads((Path(args.model) / "metrics.json").read_text())
     dense_top1: dict[tuple[int, int], list[int]] = {}
@@ -370,7 +386,7 @@ def main() -> int:
 
     for name in names:
         m = table[name]
-        eng = learned_engine if getattr(m, "learned", False) else engine
+        eng = saap_engine if isinstance(m, Saap) else learned_engine if getattr(m, "learned", False) else engine
         eps = m.epsilon if isinstance(m, VAttention) else None
         row: dict[str, Any] = {"method": repr(m), "contexts": {}}
         for ctx in args.contexts:
@@ -407,6 +423,7 @@ def main() -> int:
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))
     engine.close()
     learned_engine.close()
+    saap_engine.close()
     (out_dir / "results.md").write_text(markdown(results, args))
     log(f"wrote {out_dir / 'results.json'} and results.md")
     return 0
@@ -438,6 +455,9 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
             lines.append(f"| {n} | " + " | ".join(
                 f"{r['contexts'][c]['violation_rate']:.3f} ({r['contexts'][c]['worst_head_violation_rate']:.3f}) | "
                 f"{r['contexts'][c]['rows_fraction']:.3f}" for c in ctxs) + " |")
+    lines += ["", "| layer | SAAP rows read | SAAP attention mass | symmetric k-means mass |", "|---|---|---|---|"]
+    for r in results.get("saap_coverage", []):
+        lines.append(f"| {r['layer']} | {r['saap_rows']:.3f} | {r['saap_mass']:.3f} | {r['kmeans_mass']:.3f} |")
     lines += ["", "| layer | learned recall (mass) | SimHash recall (mass) |", "|---|---|---|"]
     for r in results["recall"]:
         lines.append(f"| {r['layer']} | {r['learned_recall']:.3f} ({r['learned_mass']:.3f}) | "

@@ -54,6 +54,9 @@ def test_harness_smoke(smoke_model: Path, tmp_path: Path) -> None:
     vatt = r["methods"]["vatt-exact-e0.1"]["contexts"]["256"]
     assert 0.0 <= vatt["violation_rate"] <= 1.0 and "worst_head_violation_rate" in vatt
     assert len(r["recall"]) == r["model"]["num_hidden_layers"]
+    assert len(r["saap_coverage"]) == r["model"]["num_hidden_layers"]
+    saap = r["methods"]["saap-C8-p2"]["contexts"]["256"]
+    assert 0.0 < saap["rows_fraction"] < 1.0 and saap["rel_l2_mean"] > 0.0
     assert (tmp_path / "hash-b32.bin").stat().st_size > 0
     assert "| dense |" in (tmp_path / "results.md").read_text()
     dump = tmp_path / "realattn-n256-L1-kv0.bin"  # header, q [32, G, d], K and V [256, d] in bf16

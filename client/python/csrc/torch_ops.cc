@@ -33,6 +33,7 @@
 #include "engine/embedded.h"
 #include "kernels/dtype.h"
 #include "kernels/hash_signatures.h"
+#include "kernels/saap.h"
 
 namespace kvsparse::torch_ops {
 namespace {
@@ -174,8 +175,13 @@ en::Method ParseMethod(const std::string& name, const std::string& text) {
                                          : kernels::VerifyTarget::kOutput;
     v.bits = p.Int("bits", 0);
     m.learned_signatures = p.Number("learned", 0) != 0;
+  } else if (name == "saap") {
+    m.kind = en::MethodKind::kSaap;
+    m.saap.probes = p.Int("probes", 8);
+    m.saap.sink_tokens = p.Int("sink_tokens", 128);
+    m.saap.local_tokens = p.Int("local_tokens", 128);
   } else {
-    Invalid("unknown method " + name + " (dense, santa, hash_top_k, vattention)");
+    Invalid("unknown method " + name + " (dense, santa, hash_top_k, vattention, saap)");
   }
   p.Done(name);
   return m;
@@ -201,7 +207,7 @@ std::shared_ptr<OpEngine> Find(int64_t handle) {
 int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capacity,
                      const std::string& capacity_policy, int64_t gpu_capacity, double gpu_row_cache,
                      int64_t resident_capacity, bool huge_pages, const std::string& store_target,
-                     const std::string& hash_weights) {
+                     const std::string& hash_weights, const std::string& saap_weights) {
   en::EmbeddedOptions o;
   absl::StatusOr<en::GpuMode> mode = en::ParseGpuMode(gpu);
   Check(mode.status());
@@ -225,6 +231,12 @@ int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capac
     Check(weights.status());
     o.engine.signatures.learned =
         std::make_shared<const kernels::LearnedHashWeights>(std::move(*weights));
+  }
+  if (!saap_weights.empty()) {
+    if (!hash_weights.empty()) Invalid("hash_weights and saap_weights exclude each other");
+    absl::StatusOr<kernels::SaapWeights> saap = kernels::ReadSaapWeights(saap_weights);
+    Check(saap.status());
+    o.engine.signatures.saap = std::make_shared<const kernels::SaapWeights>(std::move(*saap));
   }
   absl::StatusOr<std::unique_ptr<OpEngine>> engine =
       store_target.empty() ? NewLocalOpEngine(std::move(o)) : NewRemoteOpEngine(store_target, o);
@@ -414,7 +426,7 @@ TORCH_LIBRARY(kvsparse, m) {
   m.def(
       "engine_create(str gpu, int device, int store_capacity, str capacity_policy, "
       "int gpu_capacity, float gpu_row_cache, int resident_capacity, bool huge_pages, "
-      "str store_target, str hash_weights) -> int",
+      "str store_target, str hash_weights, str saap_weights) -> int",
       &EngineCreate);
   m.def("engine_destroy(int engine) -> ()", &EngineDestroy);
   m.def("engine_backend(int engine) -> str", &EngineBackend);

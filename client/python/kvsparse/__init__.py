@@ -38,7 +38,17 @@ from kvsparse.errors import (
     Unimplemented,
 )
 from kvsparse.local_server import LocalServer
-from kvsparse.methods import Dense, HashTopK, Method, ModelShape, Placement, Santa, VAttention, placement_for
+from kvsparse.methods import (
+    Dense,
+    HashTopK,
+    Method,
+    ModelShape,
+    Placement,
+    Saap,
+    Santa,
+    VAttention,
+    placement_for,
+)
 
 __version__ = "0.1.0"
 
@@ -66,6 +76,7 @@ __all__ = [
     "OutOfRange",
     "Placement",
     "ResourceExhausted",
+    "Saap",
     "Santa",
     "SequenceInfo",
     "Unavailable",

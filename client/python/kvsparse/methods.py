@@ -149,7 +149,25 @@ class VAttention:
         }[self.target]
 
 
-Method = Union[Dense, Santa, HashTopK, VAttention]
+@dataclass(frozen=True)
+class Saap:
+    """SAAP (asymmetric partitions): sink + local window + every key in the ``probes`` buckets the
+    GQA group's query classifiers rank highest, then exact attention over those rows. Needs the
+    server's partitions (``--saap_weights``, from ``kvsparse-calibrate --saap_out``); the
+    sequence keeps each key's bucket as a 32-bit signature."""
+
+    probes: int = 8
+    sink_tokens: int = 128
+    local_tokens: int = 128
+
+    def to_proto(self, out: attention_pb2.Method) -> None:
+        p = out.saap
+        p.probes = self.probes
+        p.sink_tokens = self.sink_tokens
+        p.local_tokens = self.local_tokens
+
+
+Method = Union[Dense, Santa, HashTopK, VAttention, Saap]
 
 
 def _fill_selection(p: Any, m: "HashTopK | VAttention") -> None:
@@ -174,4 +192,6 @@ def placement_for(method: Method, signature_bits: int = 32) -> Placement:
         if method.predictor == "exact":
             return Placement(k_tier="device")
         return Placement(signature_bits=method.bits or signature_bits)
+    if isinstance(method, Saap):
+        return Placement(signature_bits=32)  # each key's bucket
     return Placement()

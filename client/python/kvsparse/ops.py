@@ -30,7 +30,7 @@ import grpc
 import torch
 
 from kvsparse.errors import KvSparseError, from_code
-from kvsparse.methods import Dense, HashTopK, Method, ModelShape, Placement, Santa, VAttention
+from kvsparse.methods import Dense, HashTopK, Method, ModelShape, Placement, Saap, Santa, VAttention
 
 _LIB_NAME = "libkvsparse_torch.so"
 _loaded: str | None = None
@@ -117,7 +117,9 @@ def _call(op: Any, *args: Any) -> Any:
 
 def method_spec(method: Method) -> tuple[str, str]:
     """The op's (method, params) strings of a kvsparse.methods dataclass."""
-    name = {Dense: "dense", Santa: "santa", HashTopK: "hash_top_k", VAttention: "vattention"}[type(method)]
+    name = {Dense: "dense", Santa: "santa", HashTopK: "hash_top_k", VAttention: "vattention", Saap: "saap"}[
+        type(method)
+    ]
     fields = dataclasses.asdict(method)
     parts = []
     for key, value in fields.items():
@@ -154,6 +156,8 @@ class InProcessEngine:
         hash_weights: a learned HashAttention weight file (``kvsparse.calibrate``): hash top-k and
             vAttention's hash predictor then sign with its MLPs (``learned=True`` in the method),
             as kvsparse-server's ``--hash_weights``.
+        saap_weights: SAAP partitions (``kvsparse-calibrate --saap_out``) for the ``Saap`` method,
+            as kvsparse-server's ``--saap_weights``.
     """
 
     def __init__(
@@ -169,6 +173,7 @@ class InProcessEngine:
         huge_pages: bool = True,
         store: str | None = None,
         hash_weights: str | None = None,
+        saap_weights: str | None = None,
     ) -> None:
         load_library()
         self._handle: int | None = _call(
@@ -183,6 +188,7 @@ class InProcessEngine:
             huge_pages,
             store or "",
             str(hash_weights or ""),
+            str(saap_weights or ""),
         )
         self.backend: str = torch.ops.kvsparse.engine_backend(self._handle)
 

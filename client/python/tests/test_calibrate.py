@@ -112,3 +112,36 @@ def test_saap_partitions_cover_the_attention(tmp_path: Path) -> None:
     hidden = 64
     assert size == 40 + 4 * (d // 2 + 2 * hkv * c * d + 2 * h * (hidden * d + hidden + c * hidden + c))
     assert (tmp_path / "saap.bin").read_bytes()[:8] == b"KVSPSAAP"
+
+
+def test_saap_through_the_server(tmp_path: Path) -> None:
+    # Partitions written by kvsparse.calibrate load in kvsparse-server (--saap_weights): SAAP
+    # decodes read a subset of the rows, all buckets give dense attention, and the hash methods
+    # are refused on such a server.
+    torch.manual_seed(3)
+    layers_n, h, hkv, d, c, hidden, n = 2, 4, 2, 16, 6, 8, 400
+    layer = cal.SaapLayer(torch.nn.functional.normalize(torch.randn(hkv, c, d), dim=-1),
+                          torch.randn(h, hidden, d), torch.randn(h, hidden), torch.randn(h, c, hidden), torch.randn(h, c))
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2).float() / d)
+    path = tmp_path / "saap.bin"
+    cal.write_saap(path, [layer] * layers_n, inv_freq, 1.0)
+    rng = np.random.default_rng(1)
+    k = rng.standard_normal((layers_n, n, hkv, d)).astype(np.float32)
+    v = rng.standard_normal((layers_n, n, hkv, d)).astype(np.float32)
+    q = rng.standard_normal((1, h, d)).astype(np.float32)
+    shape = kvsparse.ModelShape(layers_n, h, hkv, d, "fp32")
+    with kvsparse.LocalServer(capacity="256M", gpu="off", saap_weights=str(path)) as server, \
+            kvsparse.Client(server.target, timeout=30.0) as cl:
+        method = kvsparse.Saap(probes=2, sink_tokens=8, local_tokens=16)
+        cl.store.create_sequence("s", shape, kvsparse.placement_for(method))
+        cl.store.append("s", k, v)
+        r = cl.attention.decode(1, ["s"], q, method)
+        assert np.isfinite(r.output).all()
+        assert all(0 < hd.rows_fetched < n for hd in r.heads)
+        full = cl.attention.decode(1, ["s"], q, kvsparse.Saap(probes=c, sink_tokens=8, local_tokens=16))
+        dense = cl.attention.decode(1, ["s"], q, kvsparse.Dense())
+        np.testing.assert_allclose(full.output, dense.output, rtol=1e-5, atol=1e-6)
+        with pytest.raises(kvsparse.FailedPrecondition, match="SAAP"):
+            cl.attention.decode(1, ["s"], q, kvsparse.HashTopK(top_k=8))
+        with pytest.raises(kvsparse.InvalidArgument, match="probes"):
+            cl.attention.decode(1, ["s"], q, kvsparse.Saap(probes=c + 1))
