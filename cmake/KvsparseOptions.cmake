@@ -7,7 +7,13 @@ if(KVSPARSE_SANITIZE AND KVSPARSE_TSAN)
 endif()
 
 set(KVSPARSE_SANITIZER_FLAGS "")
-if(KVSPARSE_SANITIZE)
+if(KVSPARSE_FUZZ)
+  if(NOT CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+    message(FATAL_ERROR "KVSPARSE_FUZZ needs clang (CXX=clang++)")
+  endif()
+  set(KVSPARSE_SANITIZER_FLAGS -fsanitize=fuzzer-no-link,address,undefined
+                               -fno-sanitize-recover=all -fno-omit-frame-pointer)
+elseif(KVSPARSE_SANITIZE)
   set(KVSPARSE_SANITIZER_FLAGS -fsanitize=address,undefined -fno-sanitize-recover=all
                                -fno-omit-frame-pointer)
 elseif(KVSPARSE_TSAN)

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Everything CI runs, on a fresh machine: install, build, all tests (GPU tests skip without a
 # GPU), the Python package's tests against the built server, then the kernels, the store and the
-# decode engine under AddressSanitizer+UBSan and the store and engine under ThreadSanitizer, and
-# the layering check.
+# decode engine under AddressSanitizer+UBSan and the store and engine under ThreadSanitizer, the
+# libFuzzer targets of every request type for a few seconds each, and the layering check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -33,5 +33,8 @@ step "TSan: kvstore and the decode engine (build-tsan/)"
 BUILD_DIR=build-tsan bash scripts/build.sh -DKVSPARSE_CORE_ONLY=ON -DKVSPARSE_TSAN=ON \
   -DKVSPARSE_ENABLE_CUDA=OFF
 TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build-tsan --output-on-failure -L 'kvstore|engine'
+
+step "fuzzing: every request type of both services, clang ASan+UBSan (build-fuzz/)"
+FUZZ_SECONDS=${FUZZ_SECONDS:-15} bash scripts/fuzz.sh
 
 step "done: all tests passed"
