@@ -130,6 +130,16 @@ absl::StatusOr<std::vector<SequenceDesc>> DecodeEngine::Describe(const DecodeCal
   if (absl::Status s = CheckCallShapes(call, descs[0].shape); !s.ok()) return s;
   if (absl::Status s = CheckFiniteQ(call, descs[0].shape); !s.ok()) return s;
   const bool append = !call.new_k.empty() || !call.new_v.empty();
+  uint64_t call_bytes = 0;
+  for (const SequenceDesc& d : descs) {
+    call_bytes += (d.layer_lengths[call.layer] + (append ? 1 : 0)) * d.shape.num_kv_heads *
+                  d.shape.row_bytes() * 2;
+  }
+  if (options_.max_call_bytes != 0 && call_bytes > options_.max_call_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("this call covers ", call_bytes, " bytes of K and V; at most ",
+                     options_.max_call_bytes, " (--max_decode_bytes): split it"));
+  }
   for (const SequenceDesc& d : descs) {
     // A layer with no tokens (and none arriving with this call) has no attention to compute,
     // for every method alike.

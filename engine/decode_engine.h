@@ -44,6 +44,9 @@ struct EngineOptions {
   SignatureConfig signatures;
   // Most sequences one Decode call may name (each distinct): bounds the work of one call.
   size_t max_call_sequences = 1024;
+  // Most K+V bytes one Decode call may cover (its dense-equivalent bytes: what the CPU engine
+  // may gather for it); more is RESOURCE_EXHAUSTED. 0: no bound.
+  uint64_t max_call_bytes = 64ull << 30;
 };
 
 // Where a validated call is computed when not on the CPU: the GPU backend

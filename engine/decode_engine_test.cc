@@ -403,7 +403,8 @@ TEST_F(EngineTest, BadRequestsGetClearCodes) {
 
 // One rule for every method (issue 15's defects): an empty layer is FAILED_PRECONDITION, a q
 // with a NaN or an infinity INVALID_ARGUMENT, a sequence named twice or too many sequences in one
-// call INVALID_ARGUMENT; nothing is appended by a refused call.
+// call INVALID_ARGUMENT, a call covering more bytes than the bound RESOURCE_EXHAUSTED; nothing is
+// appended by a refused call.
 TEST_F(EngineTest, EveryMethodRefusesEmptyLayersNonFiniteQAndRepeats) {
   Load(Options(), {});
   kvstore::Placement with_k;
@@ -457,6 +458,11 @@ TEST_F(EngineTest, EveryMethodRefusesEmptyLayersNonFiniteQAndRepeats) {
   DecodeEngine bounded(small, source_.get());
   auto r3 = bounded.Decode(Call(Method{}));  // two sequences
   EXPECT_EQ(r3.status().code(), StatusCode::kInvalidArgument) << r3.status();
+  EngineOptions few_bytes;
+  few_bytes.max_call_bytes = 2 * 700 * shape_.num_kv_heads * shape_.row_bytes();  // s0 alone
+  DecodeEngine byte_bounded(few_bytes, source_.get());
+  auto r4 = byte_bounded.Decode(Call(Method{}));  // s0 and s1
+  EXPECT_EQ(r4.status().code(), StatusCode::kResourceExhausted) << r4.status();
   EXPECT_EQ(store_->GetSequenceInfo("s0")->layer_lengths[kLayer], 700u);
 }
 

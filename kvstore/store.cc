@@ -142,6 +142,11 @@ absl::StatusOr<SequenceInfo> Store::CreateSequence(absl::string_view sequence_id
   seq->incarnation_ = next_incarnation_.fetch_add(1) + 1;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (options_.max_sequences != 0 && sequences_.size() >= options_.max_sequences &&
+        !sequences_.contains(seq->id_)) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "the store holds ", sequences_.size(), " sequences, its most (--max_sequences)"));
+    }
     auto [it, inserted] = sequences_.try_emplace(seq->id_, seq);
     if (!inserted) {
       return absl::AlreadyExistsError(absl::StrCat("sequence '", sequence_id, "' already exists"));

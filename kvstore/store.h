@@ -51,6 +51,9 @@ struct StoreOptions {
   uint64_t max_tokens_per_layer = 1ull << 24;  // token indices travel as uint32
   uint64_t max_gather_bytes = 256ull << 20;    // larger responses get RESOURCE_EXHAUSTED
   uint64_t max_append_bytes = 256ull << 20;    // K + V bytes of one append
+  // Most sequences held at once (each costs bookkeeping even when empty); creating one more is
+  // RESOURCE_EXHAUSTED. 0: no bound.
+  size_t max_sequences = 0;
   // Where pages come from; null = an owned host resource with huge pages.
   // REQUIRES: outlives the store.
   MemoryResource* memory = nullptr;

@@ -202,6 +202,23 @@ TEST(StoreTest, RecreatedSequenceHasNewIncarnation) {
   EXPECT_EQ(store->GetSequenceInfo("a")->incarnation, second->incarnation);
 }
 
+TEST(StoreTest, MaxSequencesBoundsCreation) {
+  StoreOptions o;
+  o.capacity_bytes = 8 << 20;
+  o.max_sequences = 2;
+  auto store = Store::Create(o);
+  ASSERT_TRUE(store.ok());
+  const ModelShape s = Shape(DType::kBf16);
+  ASSERT_TRUE((*store)->CreateSequence("a", s, {}).ok());
+  ASSERT_TRUE((*store)->CreateSequence("b", s, {}).ok());
+  auto third = (*store)->CreateSequence("c", s, {});
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted) << third.status();
+  EXPECT_EQ((*store)->CreateSequence("a", s, {}).status().code(),
+            absl::StatusCode::kAlreadyExists);  // an existing id still says so
+  ASSERT_TRUE((*store)->DropSequence("a").ok());
+  EXPECT_TRUE((*store)->CreateSequence("c", s, {}).ok());
+}
+
 TEST(StoreTest, ExpectedLengthMakesRetriesSafe) {
   auto store = NewStore();
   const ModelShape s = Shape(DType::kFp16);

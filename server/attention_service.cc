@@ -1,5 +1,6 @@
 #include "server/attention_service.h"
 
+#include "absl/strings/str_cat.h"
 #include "engine/decode_engine.h"
 #include "server/convert.h"
 
@@ -37,6 +38,12 @@ grpc::Status AttentionService::Decode(grpc::ServerContext* ctx, const v1::Decode
 grpc::Status AttentionService::DecodeStream(
     grpc::ServerContext* ctx,
     grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream) {
+  const RpcRunner::Slot open = rpc_->OpenStream();
+  if (!open) {
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat("server busy: ", rpc_->max_streams(),
+                                     " decode streams open (--max_concurrent_streams)"));
+  }
   v1::DecodeRequest req;
   v1::DecodeResponse resp;
   while (stream->Read(&req)) {

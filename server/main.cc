@@ -35,6 +35,23 @@ ABSL_FLAG(std::string, saap_weights, "",
           "SAAP partitions (format in kernels/saap.h, written by kvsparse-calibrate --saap_out): "
           "enables the saap method; each key's bucket is then its signature (sequences with "
           "signature_bits=32), and the hash methods are refused. Empty: none");
+ABSL_FLAG(uint64_t, max_sequences, 100000,
+          "Most sequences the store holds at once; creating more is RESOURCE_EXHAUSTED (0: no bound)");
+ABSL_FLAG(uint32_t, max_concurrent_calls, 256,
+          "Calls (and decode stream steps) served at once; more are RESOURCE_EXHAUSTED (0: no bound)");
+ABSL_FLAG(uint32_t, max_concurrent_streams, 256,
+          "DecodeStreams open at once; more are RESOURCE_EXHAUSTED (0: no bound)");
+ABSL_FLAG(ByteSize, max_decode_bytes, ByteSize{64ull << 30},
+          "Most K+V bytes one Decode call may cover (its dense-equivalent bytes, what the CPU "
+          "engine may gather for it); more is RESOURCE_EXHAUSTED");
+ABSL_FLAG(absl::Duration, keepalive_time, absl::Minutes(2),
+          "Ping an idle connection this often (HTTP/2 keepalive)");
+ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(20),
+          "Drop a connection whose keepalive ping is not answered within this");
+ABSL_FLAG(absl::Duration, min_client_ping_interval, absl::Seconds(10),
+          "Clients may ping no more often than this (more often: the connection is closed)");
+ABSL_FLAG(absl::Duration, max_connection_idle, absl::ZeroDuration(),
+          "Close connections with no call for this long (0: never)");
 ABSL_FLAG(uint32_t, max_call_sequences, 1024,
           "Most sequences one Decode call may name (each once); more is INVALID_ARGUMENT");
 ABSL_FLAG(std::string, port_file, "",
@@ -126,6 +143,14 @@ int main(int argc, char** argv) {
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_size).bytes;
   options.default_deadline = absl::GetFlag(FLAGS_default_deadline);
+  options.max_concurrent_calls = absl::GetFlag(FLAGS_max_concurrent_calls);
+  options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  options.keepalive_time = absl::GetFlag(FLAGS_keepalive_time);
+  options.keepalive_timeout = absl::GetFlag(FLAGS_keepalive_timeout);
+  options.min_client_ping_interval = absl::GetFlag(FLAGS_min_client_ping_interval);
+  options.max_connection_idle = absl::GetFlag(FLAGS_max_connection_idle);
+  options.store.max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  options.engine.max_call_bytes = absl::GetFlag(FLAGS_max_decode_bytes).bytes;
   options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
   options.store.capacity_bytes = absl::GetFlag(FLAGS_capacity).bytes;
   options.store.page_bytes = absl::GetFlag(FLAGS_page_size).bytes;

@@ -1,15 +1,19 @@
 // The one wrapper every RPC handler runs through: it applies the server's default deadline to
-// calls that carry none, refuses calls already cancelled or past their deadline, times the call,
-// counts it by method and status code, logs failures, and maps the status to gRPC.
+// calls that carry none, refuses calls already cancelled or past their deadline and calls beyond
+// the server's concurrency limits (RESOURCE_EXHAUSTED), times the call, counts it by method and
+// status code, logs failures, and maps the status to gRPC.
 #ifndef KVSPARSE_SERVER_RPC_H_
 #define KVSPARSE_SERVER_RPC_H_
 
 #include <grpcpp/server_context.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <utility>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/logging.h"
@@ -18,10 +22,44 @@
 
 namespace kvsparse::server {
 
+struct RpcLimits {
+  size_t max_calls = 0;    // calls (and stream steps) being served at once; 0: no bound
+  size_t max_streams = 0;  // DecodeStreams open at once; 0: no bound
+};
+
 class RpcRunner {
  public:
   // default_deadline: applied to calls that carry no deadline of their own.
-  explicit RpcRunner(absl::Duration default_deadline) : default_deadline_(default_deadline) {}
+  explicit RpcRunner(absl::Duration default_deadline, RpcLimits limits = RpcLimits())
+      : default_deadline_(default_deadline), limits_(limits) {}
+
+  // One of `max` slots of a counter, held until destroyed; empty (false) when all were taken.
+  class Slot {
+   public:
+    Slot() = default;
+    Slot(std::atomic<size_t>* count, size_t max) {
+      if (max == 0) return;
+      if (count->fetch_add(1) >= max) {
+        count->fetch_sub(1);
+        full_ = true;
+        return;
+      }
+      count_ = count;
+    }
+    Slot(Slot&& o) noexcept : count_(std::exchange(o.count_, nullptr)), full_(o.full_) {}
+    Slot& operator=(Slot&&) = delete;
+    ~Slot() {
+      if (count_ != nullptr) count_->fetch_sub(1);
+    }
+    explicit operator bool() const { return !full_; }
+
+   private:
+    std::atomic<size_t>* count_ = nullptr;
+    bool full_ = false;
+  };
+  // A stream's slot for its lifetime (Limits::max_streams).
+  Slot OpenStream() const { return Slot(&streams_, limits_.max_streams); }
+  size_t max_streams() const { return limits_.max_streams; }
 
   // The deadline a call must finish by: its own, or now + the default, whichever is first.
   absl::Time Deadline(const grpc::ServerContextBase& ctx, absl::Time now) const {
@@ -39,7 +77,11 @@ class RpcRunner {
     const absl::Time start = absl::Now();
     const absl::Time deadline = Deadline(*ctx, start);
     absl::Status status;
-    if (ctx->IsCancelled()) {
+    const Slot slot(&calls_, limits_.max_calls);
+    if (!slot) {
+      status = absl::ResourceExhaustedError(absl::StrCat(
+          "server busy: ", limits_.max_calls, " calls in flight (--max_concurrent_calls)"));
+    } else if (ctx->IsCancelled()) {
       status = absl::CancelledError("call cancelled before it started");
     } else if (deadline <= start) {
       status = absl::DeadlineExceededError("deadline passed before the call started");
@@ -68,6 +110,8 @@ class RpcRunner {
 
  private:
   const absl::Duration default_deadline_;
+  const RpcLimits limits_;
+  mutable std::atomic<size_t> calls_{0}, streams_{0};
 };
 
 }  // namespace kvsparse::server

@@ -48,7 +48,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   absl::StatusOr<std::unique_ptr<Metrics>> metrics = Metrics::Create(options.metrics_listen);
   if (!metrics.ok()) return metrics.status();
   s->metrics_ = std::move(*metrics);
-  s->rpc_ = std::make_unique<RpcRunner>(options.default_deadline);
+  s->rpc_ = std::make_unique<RpcRunner>(
+      options.default_deadline,
+      RpcLimits{options.max_concurrent_calls, options.max_concurrent_streams});
   if (options.role != ServerRole::kWorker) {
     absl::StatusOr<std::unique_ptr<kvstore::Store>> store = kvstore::Store::Create(options.store);
     if (!store.ok()) return store.status();
@@ -102,6 +104,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &s->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  auto ms = [](absl::Duration d) { return static_cast<int>(absl::ToInt64Milliseconds(d)); };
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIME_MS, ms(options.keepalive_time));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, ms(options.keepalive_timeout));
+  builder.AddChannelArgument(GRPC_ARG_KEEPALIVE_PERMIT_WITHOUT_CALLS, 1);
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS,
+                             ms(options.min_client_ping_interval));
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_MAX_PING_STRIKES, 2);
+  if (options.max_connection_idle > absl::ZeroDuration()) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_IDLE_MS, ms(options.max_connection_idle));
+  }
   if (s->kvstore_service_) builder.RegisterService(s->kvstore_service_.get());
   if (s->attention_service_) builder.RegisterService(s->attention_service_.get());
   s->grpc_ = builder.BuildAndStart();

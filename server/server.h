@@ -45,6 +45,17 @@ struct ServerOptions {
   size_t max_message_bytes = 256ull << 20;
   // Deadline applied to calls that carry none.
   absl::Duration default_deadline = absl::Seconds(30);
+  // Calls served at once and DecodeStreams open at once (RESOURCE_EXHAUSTED beyond); 0: no bound.
+  size_t max_concurrent_calls = 256;
+  size_t max_concurrent_streams = 256;
+  // HTTP/2 keepalive (gRPC's keepalive guidance): the server pings an idle connection every
+  // keepalive_time and drops it if the ping is not answered within keepalive_timeout; clients may
+  // ping no more often than min_client_ping_interval (more often: GOAWAY); connections with no
+  // call for max_connection_idle are closed (0: never).
+  absl::Duration keepalive_time = absl::Minutes(2);
+  absl::Duration keepalive_timeout = absl::Seconds(20);
+  absl::Duration min_client_ping_interval = absl::Seconds(10);
+  absl::Duration max_connection_idle = absl::ZeroDuration();
   // On shutdown, in-flight calls get this long to finish before they are cancelled.
   absl::Duration shutdown_grace = absl::Seconds(10);
   kvstore::StoreOptions store;

@@ -248,3 +248,23 @@ def test_closed_server_is_unavailable() -> None:
         with pytest.raises(kvsparse.Unavailable) as err:
             c.stats()
     assert isinstance(err.value, ConnectionError)
+
+
+def test_server_limits_refuse_with_resource_exhausted() -> None:
+    # --max_sequences bounds the store, --max_concurrent_streams the open DecodeStreams; both
+    # answer RESOURCE_EXHAUSTED and the server goes on serving.
+    with kvsparse.LocalServer(capacity="64M", gpu="off", max_sequences=1, max_concurrent_streams=1) as server, \
+            kvsparse.Client(server.target, timeout=10.0) as c:
+        c.store.create_sequence("one", SHAPE)
+        with pytest.raises(kvsparse.ResourceExhausted, match="max_sequences"):
+            c.store.create_sequence("two", SHAPE)
+        c.store.append("one", np.zeros((2, 4, 2, 64), np.float32), np.zeros((2, 4, 2, 64), np.float32))
+        q = np.ones((1, 8, 64), np.float32)
+        with c.attention.stream() as first:
+            first.decode(0, ["one"], q)  # open and serving
+            with c.attention.stream() as second:
+                with pytest.raises(kvsparse.ResourceExhausted, match="max_concurrent_streams"):
+                    second.decode(0, ["one"], q)
+        with c.attention.stream() as again:  # the first closed: a slot is free
+            again.decode(0, ["one"], q)
+        assert c.store.health() == "SERVING"
