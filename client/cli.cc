@@ -8,18 +8,13 @@
 #include <chrono>
 #include <cinttypes>
 #include <cstdio>
-#include <cstdlib>
-#include <iostream>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/internal/program_name.h"
-#include "absl/flags/internal/usage.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -29,6 +24,7 @@
 #include "client/attention_client.h"
 #include "client/kvstore_client.h"
 #include "client/synthetic.h"
+#include "server/flags_help.h"
 #include "kernels/dtype.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "kvsparse-server address (host:port)");
@@ -608,20 +604,6 @@ int CmdBenchGather(KvStoreClient& c) {
   return 0;
 }
 
-// --help, --helpfull and -h print the flags to stdout and exit 0 (Abseil's own handling exits
-// 1). --help lists this program's flags, --helpfull every flag linked in.
-void HandleHelp(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    const absl::string_view a = argv[i];
-    if (a == "--help" || a == "-help" || a == "-h" || a == "--helpfull" || a == "-helpfull") {
-      absl::flags_internal::SetProgramInvocationName(argv[0]);
-      absl::flags_internal::FlagsHelp(std::cout, absl::StrContains(a, "full") ? "" : "client/cli.",
-                                      absl::flags_internal::HelpFormat::kHumanReadable,
-                                      absl::ProgramUsageMessage());
-      std::exit(0);
-    }
-  }
-}
 
 }  // namespace
 }  // namespace kvsparse::client
@@ -639,7 +621,7 @@ int main(int argc, char** argv) {
       "  info --seq=ID | list | stats\n"
       "  bench-gather --seq=ID [--rows=4096 --iters --kind=v --heads]\n"
       "  decode --seq=ID[,ID...] [--layer --method=dense|santa|hash_top_k|vattention ...]");
-  kvsparse::client::HandleHelp(argc, argv);
+  kvsparse::server::HandleHelp(argc, argv, "client/cli.");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     std::fprintf(stderr, "%s\n", std::string(absl::ProgramUsageMessage()).c_str());

@@ -4,24 +4,19 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <fstream>
-#include <iostream>
 #include <string>
 
 #include "absl/flags/flag.h"
-#include "absl/flags/internal/program_name.h"
-#include "absl/flags/internal/usage.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
-#include "absl/strings/match.h"
-#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "engine/gpu_mode.h"
 #include "kernels/hash_signatures.h"
 #include "kernels/saap.h"
 #include "server/byte_size.h"
+#include "server/flags_help.h"
 #include "server/logging.h"
 #include "server/server.h"
 
@@ -98,31 +93,12 @@ ABSL_FLAG(double, signature_norm_margin, 1.0,
 ABSL_FLAG(std::string, hash_weights, "",
           "Learned HashAttention MLP weights (kernels/hash_signatures.h format); empty = SimHash");
 
-namespace {
-
-// --help, --helpfull and -h print the flags to stdout and exit 0 (Abseil's own handling exits
-// 1). --help lists this program's flags, --helpfull every flag linked in.
-void HandleHelp(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    const absl::string_view a = argv[i];
-    if (a == "--help" || a == "-help" || a == "-h" || a == "--helpfull" || a == "-helpfull") {
-      absl::flags_internal::SetProgramInvocationName(argv[0]);
-      absl::flags_internal::FlagsHelp(std::cout, absl::StrContains(a, "full") ? "" : "server/main.",
-                                      absl::flags_internal::HelpFormat::kHumanReadable,
-                                      absl::ProgramUsageMessage());
-      std::exit(0);
-    }
-  }
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "kvsparse-server: KV-offloaded sparse decoding service.\n"
       "  kvsparse-server --listen=127.0.0.1:50051 --metrics_listen=127.0.0.1:9464 "
       "--capacity=8G --capacity_policy=evict-lru");
-  HandleHelp(argc, argv);
+  kvsparse::server::HandleHelp(argc, argv, "server/main.");
   absl::ParseCommandLine(argc, argv);
 
   const std::string level = absl::GetFlag(FLAGS_log_level);
