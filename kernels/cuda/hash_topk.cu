@@ -90,10 +90,10 @@ __global__ void __launch_bounds__(kLearnedThreads) LearnedSignKernel(LearnedSign
   const int b0 = blockIdx.x * kLearnedVecs;
   const int nv = min(kLearnedVecs, p.num_seqs - b0);
   const int d = p.dims[0];
-  for (int i = threadIdx.x; i < nv * d; i += blockDim.x) {
-    const int v = i / d, c = i % d;
+  for (int i = threadIdx.x; i < kLearnedVecs * d; i += blockDim.x) {
+    const int v = i / d, c = i % d;  // a last block's missing vectors are zeros (never written)
     cur[v * max_dim + c] =
-        LoadElem<T>(p.x, (static_cast<int64_t>(b0 + v) * p.heads + j) * d + c);
+        v < nv ? LoadElem<T>(p.x, (static_cast<int64_t>(b0 + v) * p.heads + j) * d + c) : 0.f;
   }
   __syncthreads();
   const float* w = p.mlps + static_cast<int64_t>(j / p.group) * MlpFloats(p.dims, p.num_linear);
@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kLearnedThreads) LearnedSignKernel(LearnedSign
         }
       }
       const float bo = bias[o];
-      for (int v = 0; v < nv; ++v) {
+      for (int v = 0; v < kLearnedVecs; ++v) {  // every row: the next linear reads them all
         const float z = __fadd_rn(acc[v], bo);
         nxt[v * max_dim + o] = last ? z : LearnedSilu(z);
       }
