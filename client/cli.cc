@@ -24,8 +24,8 @@
 #include "client/attention_client.h"
 #include "client/kvstore_client.h"
 #include "client/synthetic.h"
-#include "server/flags_help.h"
 #include "kernels/dtype.h"
+#include "server/flags_help.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "kvsparse-server address (host:port)");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(30), "Deadline of each call");
@@ -603,7 +603,6 @@ int CmdBenchGather(KvStoreClient& c) {
               pct(0.99), lat.empty() ? 0.0 : lat.back());
   return 0;
 }
-
 
 }  // namespace
 }  // namespace kvsparse::client

@@ -87,9 +87,9 @@ absl::Status CheckFiniteQ(const DecodeCall& call, const kvstore::ModelShape& sha
   for (size_t i = 0; i < n; ++i) {
     if (!std::isfinite(kernels::LoadAsFloat(call.q.data(), i, call.q_dtype))) {
       const size_t head = i / per_head;
-      return absl::InvalidArgumentError(
-          absl::StrCat("q has a NaN or infinite value (sequence ", head / shape.num_q_heads,
-                       ", head ", head % shape.num_q_heads, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("q has a NaN or infinite value (sequence ",
+                                                     head / shape.num_q_heads, ", head ",
+                                                     head % shape.num_q_heads, ")"));
     }
   }
   return absl::OkStatus();

@@ -6,7 +6,6 @@
 #include <limits>
 #include <map>
 #include <memory>
-#include <random>
 #include <thread>
 #include <tuple>
 
@@ -473,33 +472,8 @@ TEST_F(EngineTest, SaapSelectsWhatTheReferenceSelects) {
   kvstore::Placement p;
   p.signature_bits = 32;
   Load(Options(), p);
-  auto w = std::make_shared<kernels::SaapWeights>();
-  w->num_layers = kLayers;
-  w->num_q_heads = shape_.num_q_heads;
-  w->num_kv_heads = shape_.num_kv_heads;
-  w->head_dim = shape_.head_dim;
-  w->clusters = 16;
-  w->hidden = 32;
-  std::mt19937 rng(8);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  for (int32_t i = 0; i < w->head_dim / 2; ++i) {
-    w->inv_freq.push_back(std::pow(10000.f, -2.f * i / w->head_dim));
-  }
-  const size_t d = w->head_dim, c = w->clusters, hid = w->hidden;
-  const size_t lk = kLayers * w->num_kv_heads, lq = kLayers * w->num_q_heads;
-  for (size_t r = 0; r < lk * c; ++r) {
-    float n2 = 0.f;
-    std::vector<float> x(d);
-    for (float& e : x) {
-      e = normal(rng);
-      n2 += e * e;
-    }
-    for (float& e : x) w->centroids.push_back(e / std::sqrt(n2));
-  }
-  for (size_t i = 0; i < lq * hid * d; ++i) w->w1.push_back(0.2f * normal(rng));
-  for (size_t i = 0; i < lq * hid; ++i) w->b1.push_back(0.1f * normal(rng));
-  for (size_t i = 0; i < lq * c * hid; ++i) w->w2.push_back(0.2f * normal(rng));
-  for (size_t i = 0; i < lq * c; ++i) w->b2.push_back(0.1f * normal(rng));
+  auto w = std::make_shared<kernels::SaapWeights>(kernels::RandomSaapWeights(
+      kLayers, shape_.num_q_heads, shape_.num_kv_heads, shape_.head_dim, 16, 32, 8));
   ASSERT_TRUE(kernels::ValidateSaapWeights(*w).ok());
   EngineOptions eo;
   eo.signatures.saap = w;

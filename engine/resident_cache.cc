@@ -123,9 +123,13 @@ absl::Status ResidentCache::Append(Entry* self, ResidentLayer* l, uint32_t layer
         l->key_heads_ == static_cast<int32_t>(hkv) ? 1 : l->key_heads_ / static_cast<int32_t>(hkv);
     std::vector<float> kf(d), scratch;
     if (l->max_norm_.empty()) {
-      // SimHash M, fixed now: the largest key norm of this first batch, times the margin.
-      l->max_norm_ = MaxKeyNorms(k, shape, n, /*token_major=*/true);
-      for (float& m : l->max_norm_) m *= maker_->config().norm_margin;
+      if (maker_->learned() || maker_->saap()) {
+        l->max_norm_.assign(hkv, 0.f);  // SimHash's M: unused by learned MLPs and SAAP buckets
+      } else {
+        // SimHash M, fixed now: the largest key norm of this first batch, times the margin.
+        l->max_norm_ = MaxKeyNorms(k, shape, n, /*token_major=*/true);
+        for (float& m : l->max_norm_) m *= maker_->config().norm_margin;
+      }
     }
     for (uint64_t t = 0; t < n; ++t) {
       for (int32_t j = 0; j < l->key_heads_; ++j) {

@@ -30,8 +30,8 @@ void SignatureMaker::Key(int32_t layer, int32_t sig_head, int32_t bits, int32_t 
     for (int32_t w = 0; w < bits / 32; ++w) out[w] = 0;
     if (layer < config_.saap->num_layers && dim == config_.saap->head_dim &&
         sig_head < config_.saap->num_kv_heads) {
-      out[0] = static_cast<uint32_t>(kernels::SaapAssignKey(*config_.saap, layer, sig_head,
-                                                            position, k));
+      out[0] = static_cast<uint32_t>(
+          kernels::SaapAssignKey(*config_.saap, layer, sig_head, position, k, scratch));
     }
     return;
   }

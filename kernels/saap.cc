@@ -53,10 +53,10 @@ absl::Status ValidateSaapWeights(const SaapWeights& w) {
 absl::StatusOr<std::string> SerializeSaapWeights(const SaapWeights& w) {
   if (absl::Status s = ValidateSaapWeights(w); !s.ok()) return s;
   std::string out(kMagic, 8);
-  for (uint32_t v : {kVersion, static_cast<uint32_t>(w.num_layers),
-                     static_cast<uint32_t>(w.num_q_heads), static_cast<uint32_t>(w.num_kv_heads),
-                     static_cast<uint32_t>(w.head_dim), static_cast<uint32_t>(w.clusters),
-                     static_cast<uint32_t>(w.hidden)}) {
+  for (uint32_t v :
+       {kVersion, static_cast<uint32_t>(w.num_layers), static_cast<uint32_t>(w.num_q_heads),
+        static_cast<uint32_t>(w.num_kv_heads), static_cast<uint32_t>(w.head_dim),
+        static_cast<uint32_t>(w.clusters), static_cast<uint32_t>(w.hidden)}) {
     PutU32(&out, v);
   }
   PutF32(&out, w.rope_scale);
@@ -152,9 +152,10 @@ void SaapUnrope(const SaapWeights& w, int64_t position, const float* x, float* o
 }
 
 int32_t SaapAssignKey(const SaapWeights& w, int32_t layer, int32_t kv_head, int64_t position,
-                      const float* k) {
-  std::vector<float> x(w.head_dim);
-  SaapUnrope(w, position, k, x.data());
+                      const float* k, std::vector<float>* scratch) {
+  scratch->resize(w.head_dim);
+  float* x = scratch->data();
+  SaapUnrope(w, position, k, x);
   int32_t best = 0;
   float best_dot = -INFINITY;
   for (int32_t c = 0; c < w.clusters; ++c) {
@@ -200,9 +201,8 @@ void SaapQueryProbs(const SaapWeights& w, int32_t layer, int32_t h, int64_t posi
 
 absl::Status ValidateSaapParams(const SaapParams& params, const SaapWeights& w) {
   if (params.probes < 1 || params.probes > w.clusters) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("probes must be in [1, ", w.clusters, "] (the partition's buckets), got ",
-                     params.probes));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "probes must be in [1, ", w.clusters, "] (the partition's buckets), got ", params.probes));
   }
   if (params.sink_tokens < 0 || params.local_tokens < 0) {
     return absl::InvalidArgumentError("sink_tokens and local_tokens must be >= 0");
@@ -223,13 +223,13 @@ absl::Status ComputeSaapBuckets(const DecodeProblem& p, const SaapWeights& w, in
   for (int32_t b = 0; b < p.batch; ++b) n_max = std::max(n_max, p.seq_lens[b]);
   out->assign(static_cast<size_t>(p.batch) * p.num_kv_heads * n_max, 0);
   *view = SaapBuckets{out->data(), static_cast<int64_t>(p.num_kv_heads) * n_max, n_max};
-  std::vector<float> k(p.head_dim);
+  std::vector<float> k(p.head_dim), scratch;
   for (int32_t b = 0; b < p.batch; ++b) {
     for (int32_t j = 0; j < p.num_kv_heads; ++j) {
       for (int32_t t = 0; t < p.seq_lens[b]; ++t) {
         LoadRowAsFloat(p.k, KvRowOffset(p, b, j, t), p.head_dim, p.dtype, k.data());
         (*out)[b * view->batch_stride + j * view->head_stride + t] =
-            SaapAssignKey(w, layer, j, t, k.data());
+            SaapAssignKey(w, layer, j, t, k.data(), &scratch);
       }
     }
   }

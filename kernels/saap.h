@@ -76,9 +76,10 @@ struct SaapWeights {
 // x [d] (post-RoPE at `position`) -> out [d] (pre-RoPE). out may not alias x.
 void SaapUnrope(const SaapWeights& w, int64_t position, const float* x, float* out);
 // The bucket of a key (post-RoPE, at `position`) of (layer, kv_head): its nearest centroid by
-// cosine (the largest dot product with the unit centroids), ties to the lower index.
+// cosine (the largest dot product with the unit centroids), ties to the lower index. scratch is
+// reused (a key at a time is signed on the engine's append path).
 int32_t SaapAssignKey(const SaapWeights& w, int32_t layer, int32_t kv_head, int64_t position,
-                      const float* k);
+                      const float* k, std::vector<float>* scratch);
 // softmax(f(un-RoPE(q))) of (layer, query head h) into probs [C]; scratch is reused.
 void SaapQueryProbs(const SaapWeights& w, int32_t layer, int32_t h, int64_t position,
                     const float* q, float* probs, std::vector<float>* scratch);

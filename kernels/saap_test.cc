@@ -10,38 +10,10 @@
 #include "gtest/gtest.h"
 #include "kernels/dense.h"
 #include "kernels/dtype.h"
+#include "kernels/synthetic.h"
 
 namespace kvsparse::kernels {
 namespace {
-
-// Random weights of a shape; centroids unit-norm.
-SaapWeights RandomWeights(int32_t layers, int32_t h, int32_t hkv, int32_t d, int32_t c,
-                          int32_t hidden, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  SaapWeights w;
-  w.num_layers = layers;
-  w.num_q_heads = h;
-  w.num_kv_heads = hkv;
-  w.head_dim = d;
-  w.clusters = c;
-  w.hidden = hidden;
-  w.rope_scale = 1.f;
-  for (int32_t i = 0; i < d / 2; ++i) w.inv_freq.push_back(std::pow(10000.f, -2.f * i / d));
-  w.centroids.resize(static_cast<size_t>(layers) * hkv * c * d);
-  for (size_t r = 0; r < w.centroids.size() / d; ++r) {
-    float n2 = 0.f;
-    for (int32_t i = 0; i < d; ++i) n2 += std::pow(w.centroids[r * d + i] = normal(rng), 2.f);
-    for (int32_t i = 0; i < d; ++i) w.centroids[r * d + i] /= std::sqrt(n2);
-  }
-  const size_t lq = static_cast<size_t>(layers) * h;
-  for (auto* a : {&w.w1, &w.b1, &w.w2, &w.b2}) a->clear();
-  for (size_t i = 0; i < lq * hidden * d; ++i) w.w1.push_back(0.1f * normal(rng));
-  for (size_t i = 0; i < lq * hidden; ++i) w.b1.push_back(0.1f * normal(rng));
-  for (size_t i = 0; i < lq * c * hidden; ++i) w.w2.push_back(0.1f * normal(rng));
-  for (size_t i = 0; i < lq * c; ++i) w.b2.push_back(0.1f * normal(rng));
-  return w;
-}
 
 // transformers' Llama RoPE (rotate_half) at `position`, in double.
 std::vector<float> Rope(const SaapWeights& w, int64_t position, const std::vector<float>& x) {
@@ -57,7 +29,7 @@ std::vector<float> Rope(const SaapWeights& w, int64_t position, const std::vecto
 }
 
 TEST(SaapTest, FileRoundTripAndBadFiles) {
-  const SaapWeights w = RandomWeights(2, 8, 2, 16, 6, 5, 1);
+  const SaapWeights w = RandomSaapWeights(2, 8, 2, 16, 6, 5, 1);
   auto bytes = SerializeSaapWeights(w);
   ASSERT_TRUE(bytes.ok()) << bytes.status();
   EXPECT_EQ(bytes->size(), 40 + 4 * (8 + 2 * 2 * 6 * 16 + 2 * 8 * (5 * 16 + 5 + 6 * 5 + 6)));
@@ -86,7 +58,7 @@ TEST(SaapTest, FileRoundTripAndBadFiles) {
 }
 
 TEST(SaapTest, UnropeInvertsRopeAndAssignmentIgnoresPosition) {
-  SaapWeights w = RandomWeights(1, 4, 1, 64, 16, 8, 2);
+  SaapWeights w = RandomSaapWeights(1, 4, 1, 64, 16, 8, 2);
   w.rope_scale = 1.25f;
   std::mt19937 rng(3);
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -99,7 +71,8 @@ TEST(SaapTest, UnropeInvertsRopeAndAssignmentIgnoresPosition) {
       std::vector<float> back(64);
       SaapUnrope(w, pos, y.data(), back.data());
       for (int i = 0; i < 64; ++i) ASSERT_NEAR(back[i], x[i], 2e-4f * (1 + std::fabs(x[i])));
-      const int32_t c = SaapAssignKey(w, 0, 0, pos, y.data());
+      std::vector<float> scratch;
+      const int32_t c = SaapAssignKey(w, 0, 0, pos, y.data(), &scratch);
       if (first < 0) first = c;
       EXPECT_EQ(c, first) << "the same pre-RoPE key lands in one bucket at every position";
     }
@@ -120,7 +93,7 @@ TEST(SaapTest, UnropeInvertsRopeAndAssignmentIgnoresPosition) {
 // `probes` buckets of largest b2, and the rows are sink + window + exactly those buckets' keys.
 TEST(SaapTest, SelectsSinkWindowAndTheVisitedBucketsKeys) {
   const int32_t h = 8, hkv = 2, d = 32, c = 8, n = 300;
-  SaapWeights w = RandomWeights(1, h, hkv, d, c, 4, 4);
+  SaapWeights w = RandomSaapWeights(1, h, hkv, d, c, 4, 4);
   std::fill(w.centroids.begin(), w.centroids.end(), 0.f);
   for (int32_t j = 0; j < hkv; ++j) {
     for (int32_t x = 0; x < c; ++x) w.centroids[(j * c + x) * d + x] = 1.f;  // e_x

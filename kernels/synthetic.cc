@@ -153,4 +153,39 @@ double RelativeL2(const std::vector<double>& ref, const std::vector<double>& got
   return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
 }
 
+SaapWeights RandomSaapWeights(int32_t layers, int32_t q_heads, int32_t kv_heads, int32_t head_dim,
+                              int32_t clusters, int32_t hidden, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  SaapWeights w;
+  w.num_layers = layers;
+  w.num_q_heads = q_heads;
+  w.num_kv_heads = kv_heads;
+  w.head_dim = head_dim;
+  w.clusters = clusters;
+  w.hidden = hidden;
+  w.rope_scale = 1.f;
+  const size_t d = head_dim;
+  for (size_t i = 0; i < d / 2; ++i) w.inv_freq.push_back(std::pow(10000.f, -2.f * i / d));
+  w.centroids.resize(static_cast<size_t>(layers) * kv_heads * clusters * d);
+  for (size_t r = 0; r < w.centroids.size() / d; ++r) {
+    float n2 = 0.f;
+    for (size_t i = 0; i < d; ++i) {
+      const float x = normal(rng);
+      w.centroids[r * d + i] = x;
+      n2 += x * x;
+    }
+    for (size_t i = 0; i < d; ++i) w.centroids[r * d + i] /= std::sqrt(n2);
+  }
+  const size_t lq = static_cast<size_t>(layers) * q_heads;
+  auto fill = [&](std::vector<float>* a, size_t n) {
+    for (size_t i = 0; i < n; ++i) a->push_back(0.1f * normal(rng));
+  };
+  fill(&w.w1, lq * hidden * d);
+  fill(&w.b1, lq * hidden);
+  fill(&w.w2, lq * clusters * hidden);
+  fill(&w.b2, lq * clusters);
+  return w;
+}
+
 }  // namespace kvsparse::kernels

@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/decode_problem.h"
+#include "kernels/saap.h"
 
 namespace kvsparse::kernels {
 
@@ -70,6 +71,11 @@ std::vector<double> OutputAsDouble(const DecodeProblem& p);
 
 // ||got - ref|| / ||ref|| (||got - ref|| when ref is zero).
 double RelativeL2(const std::vector<double>& ref, const std::vector<double>& got);
+
+// Valid SAAP partitions of a shape with random values (kernels/saap.h): unit centroids, Llama
+// RoPE frequencies of base 10000, classifier weights and biases N(0, 0.1^2); for tests.
+SaapWeights RandomSaapWeights(int32_t layers, int32_t q_heads, int32_t kv_heads, int32_t head_dim,
+                              int32_t clusters, int32_t hidden, uint32_t seed);
 
 }  // namespace kvsparse::kernels
 

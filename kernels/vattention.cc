@@ -118,10 +118,9 @@ VAttentionBudget ComputeVAttentionBudget(const VAttentionStatistics& st,
     }
     case VerifyTarget::kOutput: {
       if (params.bound == BudgetBound::kCltRatio) {
-        const double v = st.n_hat_norm > 0
-                             ? ns * AlphaClt(delta) * std::sqrt(st.trace_sigma_z) /
-                                   (eps * st.n_hat_norm)
-                             : inf;
+        const double v = st.n_hat_norm > 0 ? ns * AlphaClt(delta) * std::sqrt(st.trace_sigma_z) /
+                                                 (eps * st.n_hat_norm)
+                                           : inf;
         out.raw = v * v;
         out.delta_split = delta;
         out.eps_split = eps;

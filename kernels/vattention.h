@@ -19,8 +19,9 @@
 //       D_f = sum_{I_f} x,  N_f = sum_{I_f} y,  D^ = D_f + n_s mean_B(x),  N^ = N_f + n_s
 //       mean_B(y), sigma^2 = sample variance_B(x) (divisor n_b - 1),  Tr(Sigma) = sum over the d
 //       coordinates of sample variance_B(y),  Tr(Sigma_z) = the same of z_t = y_t - o^ x_t with
-//       o^ = N^ / D^ (= Tr Sigma - 2 o^ . cov_B(x, y) + |o^|^2 sigma^2),  x_max = max x over R (exact when every logit is
-//       known, i.e. the exact predictor, else max over B),  y_max = x_max * max_B |V_t|.
+//       o^ = N^ / D^ (= Tr Sigma - 2 o^ . cov_B(x, y) + |o^|^2 sigma^2),  x_max = max x over R
+//       (exact when every logit is known, i.e. the exact predictor, else max over B),  y_max =
+//       x_max * max_B |V_t|.
 //     The shift c = max logit over I_f u B cancels in every ratio below.
 //  5. Budget for (eps, delta) and target T (D^ or |N^|), b(eps, delta) = (n_s a(delta) c / (eps
 //  T))^2:
@@ -114,14 +115,14 @@ double NormalQuantile(double p);
 
 // Step-4 statistics of one head.
 struct VAttentionStatistics {
-  int64_t n_s = 0;         // residual size
-  double d_hat = 0;        // D^ (shifted by the same c as everything else)
-  double n_hat_norm = 0;   // |N^|
-  double sigma = 0;        // std of x over the residual (estimated)
-  double trace_sigma = 0;  // Tr(Sigma) of y over the residual (estimated)
+  int64_t n_s = 0;           // residual size
+  double d_hat = 0;          // D^ (shifted by the same c as everything else)
+  double n_hat_norm = 0;     // |N^|
+  double sigma = 0;          // std of x over the residual (estimated)
+  double trace_sigma = 0;    // Tr(Sigma) of y over the residual (estimated)
   double trace_sigma_z = 0;  // Tr(Sigma_z) of z = y - o^ x over the residual (estimated)
-  double x_max = 0;        // Hoeffding range of x
-  double y_max = 0;        // bound on |y|
+  double x_max = 0;          // Hoeffding range of x
+  double y_max = 0;          // bound on |y|
 };
 
 // The budget of step 5 before clamping (may be +inf), and the split chosen for kOutput.

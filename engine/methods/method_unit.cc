@@ -16,9 +16,10 @@ absl::Status CheckSignatures(const Method& m, int32_t bits, const char* method,
         method, ": bits ", bits, " but the sequence keeps ", sig_bits, "-bit signatures"));
   }
   if (signatures.saap()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        method, ": this server keeps SAAP buckets as key signatures (--saap_weights), not bit "
-                "signatures"));
+    return absl::FailedPreconditionError(
+        absl::StrCat(method,
+                     ": this server keeps SAAP buckets as key signatures (--saap_weights), not bit "
+                     "signatures"));
   }
   if (m.learned_signatures != signatures.learned()) {
     return absl::FailedPreconditionError(

@@ -49,13 +49,13 @@ cudaError_t SimHashSign(const SimHashSignParams& p, cudaStream_t stream);
 constexpr int32_t kLearnedMaxLinear = 8;  // linears per MLP the kernel takes
 constexpr int32_t kLearnedMaxDim = 512;   // widest layer (input, hidden or bits) it takes
 struct LearnedSignParams {
-  int32_t num_seqs = 0;  // B
-  int32_t heads = 0;     // vectors per sequence
-  int32_t group = 1;     // vectors per MLP
-  int32_t num_linear = 0;                      // N in [1, kLearnedMaxLinear]
-  int32_t dims[kLearnedMaxLinear + 1] = {};    // dims[0] = d, dims[N] = bits (32..256, x32)
-  DType dtype = DType::kBf16;                  // of x
-  const void* x = nullptr;                     // device, shape: [B, heads, d] contiguous
+  int32_t num_seqs = 0;                      // B
+  int32_t heads = 0;                         // vectors per sequence
+  int32_t group = 1;                         // vectors per MLP
+  int32_t num_linear = 0;                    // N in [1, kLearnedMaxLinear]
+  int32_t dims[kLearnedMaxLinear + 1] = {};  // dims[0] = d, dims[N] = bits (32..256, x32)
+  DType dtype = DType::kBf16;                // of x
+  const void* x = nullptr;                   // device, shape: [B, heads, d] contiguous
   // device: MLP m at mlps + m * mlp_floats (LearnedMlpFloats(dims)); in it, per linear i, the
   // weight transposed to [dims[i]][dims[i+1]] (input-major) and then the bias [dims[i+1]].
   const float* mlps = nullptr;

@@ -313,7 +313,8 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
   float qf[8];
   Unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(s.q) + bh * D + lr * 8),
              qf);
-  for (int i = tid; i < D; i += kRowThreads) dims[0][i] = dims[1][i] = dims[2][i] = dims[3][i] = 0.0;
+  for (int i = tid; i < D; i += kRowThreads)
+    dims[0][i] = dims[1][i] = dims[2][i] = dims[3][i] = 0.0;
   // Logits of every row, natural units.
   float mx = -HUGE_VALF;
   for (int i0 = warp * R; i0 < rows; i0 += NW * R) {  // uniform over the warp (shuffles)

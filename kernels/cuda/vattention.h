@@ -37,8 +37,8 @@ struct VAttentionParams {
   int32_t top_k = 0;             // 0: top_k_fraction * n rounded to nearest (ResolveTopK)
   float top_k_fraction = 0.05f;  // [0, 1]
   float base_rate = 0.05f;       // (0, 1)
-  int32_t bound = 1;  // 1 = CLT, 2 = Hoeffding, 3 = CLT on the ratio (kernels::BudgetBound)
-  int32_t target = 3;            // 1 = denominator, 2 = numerator, 3 = output (VerifyTarget)
+  int32_t bound = 1;   // 1 = CLT, 2 = Hoeffding, 3 = CLT on the ratio (kernels::BudgetBound)
+  int32_t target = 3;  // 1 = denominator, 2 = numerator, 3 = output (VerifyTarget)
   // Signatures (hash_topk.h): q_sigs [B, H, bits / 32]; key signature of (b, j, t) at
   // k_sigs + b * k_batch_stride + j * k_head_stride + t * k_token_stride, j = h / G when
   // key_heads == Hkv, h when key_heads == H.

@@ -341,14 +341,16 @@ def main() -> int:
     cal_train = windows_of(train_text, calib_ctx, args.calib_windows, 101)
     cal_eval = windows_of(held, calib_ctx, 2, 202)
     model.set_attn_implementation("sdpa")
-    layers, recall_rows = calibrate.calibrate(model, cal_train, cal_eval, bits=32, steps=args.calib_steps,
+    captured = calibrate.capture_both(model, cal_train, cal_eval)  # once, for the hash MLPs and SAAP
+    layers, recall_rows = calibrate.calibrate(model, cal_train, cal_eval, captured=captured, bits=32,
+                                              steps=args.calib_steps,
                                               top_fraction=1 / 32, log=log)
     weights = out_dir / "hash-b32.bin"
     calibrate.write_hash_weights(weights, layers)
     clusters = 8 if args.smoke else 128
     sink_local = 8 if args.smoke else 128
     saap, saap_rows, inv_freq, rope_scale = calibrate.calibrate_saap(
-        model, cal_train, cal_eval, clusters=clusters, hidden=32 if args.smoke else 256, steps=args.calib_steps,
+        model, cal_train, cal_eval, captured=captured, clusters=clusters, hidden=32 if args.smoke else 256, steps=args.calib_steps,
         probes=2 if args.smoke else 4, sink=sink_local, local=sink_local, log=log)
     saap_path = out_dir / f"saap-C{clusters}.bin"
     calibrate.write_saap(saap_path, saap, inv_freq, rope_scale)

@@ -97,6 +97,15 @@ def capture_qk(model: Any, windows: Sequence[torch.Tensor], with_values: bool = 
         model.set_attn_implementation(before)
 
 
+# Per layer (q, k) of the training windows and of the evaluation windows (capture_qk of each).
+Captured = tuple[list[tuple[torch.Tensor, ...]], list[tuple[torch.Tensor, ...]]]
+
+
+def capture_both(model: Any, train_windows: Sequence[torch.Tensor], eval_windows: Sequence[torch.Tensor]) -> Captured:
+    """Both sets of windows' queries and keys, taken once for the hash and SAAP calibrations."""
+    return capture_qk(model, train_windows), capture_qk(model, eval_windows)
+
+
 # ---- The MLPs ----------------------------------------------------------------------------------
 
 
@@ -460,12 +469,12 @@ def write_saap(path: str | Path, layers: Sequence[SaapLayer], inv_freq: torch.Te
 def calibrate_saap(
     model: Any, train_windows: Sequence[torch.Tensor], eval_windows: Sequence[torch.Tensor], *,
     clusters: int = 128, hidden: int = 256, steps: int = 300, probes: int = 8, sink: int = 128,
-    local: int = 128, seed: int = 0, log: Callable[[str], None] = print,
+    local: int = 128, seed: int = 0, log: Callable[[str], None] = print, captured: Captured | None = None,
 ) -> tuple[list[SaapLayer], list[dict[str, float]], torch.Tensor, float]:
-    """SAAP partitions for every layer, and their coverage on `eval_windows` at `probes`."""
+    """SAAP partitions for every layer, and their coverage on `eval_windows` at `probes`
+    (`captured`: as calibrate's)."""
     inv_freq, scale = rope_params(model)
-    qk = capture_qk(model, train_windows)
-    ev = capture_qk(model, eval_windows)
+    qk, ev = captured or capture_both(model, train_windows, eval_windows)
     layers, rows = [], []
     for i, (q, k) in enumerate(qk):
         t0 = time.time()
@@ -509,12 +518,13 @@ def calibrate(
     alpha: float = 5.0,
     seed: int = 0,
     log: Callable[[str], None] = print,
+    captured: Captured | None = None,
 ) -> tuple[list[LayerHash], list[dict[str, float]]]:
     """Trains every layer's MLPs on `train_windows` and measures recall on `eval_windows`
-    (learned and SimHash, same bits); returns the layers and one recall row per layer."""
+    (learned and SimHash, same bits); returns the layers and one recall row per layer.
+    `captured`: the windows' queries and keys if already taken (capture_both)."""
     t0 = time.time()
-    qk = capture_qk(model, train_windows)
-    ev = capture_qk(model, eval_windows)
+    qk, ev = captured or capture_both(model, train_windows, eval_windows)
     log(f"captured {len(qk)} layers' queries and keys of {len(train_windows)} + {len(eval_windows)} windows "
         f"({time.time() - t0:.1f} s)")
     layers, rows = [], []
@@ -596,10 +606,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"({time.time() - t0:.1f} s)", flush=True)
     n_eval = max(1, args.windows // 10)
     windows = _windows(tokens, args.context, args.windows + n_eval, args.seed)
+    captured = capture_both(model, windows[: args.windows], windows[args.windows :])
     layers, rows = calibrate(
         model, windows[: args.windows], windows[args.windows :], bits=args.bits, hidden=args.hidden,
         linears=args.linears, steps=args.steps, top_fraction=args.top_fraction, alpha=args.alpha,
-        seed=args.seed, log=lambda s: print(s, flush=True),
+        seed=args.seed, log=lambda s: print(s, flush=True), captured=captured,
     )
     size = write_hash_weights(args.out, layers)
     mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0] if k != "layer"}
@@ -609,7 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         saap, cov, inv_freq, scale = calibrate_saap(
             model, windows[: args.windows], windows[args.windows :], clusters=args.clusters,
             hidden=args.saap_hidden, steps=args.steps, probes=args.probes, sink=args.sink, local=args.local,
-            seed=args.seed,
+            seed=args.seed, captured=captured,
             log=lambda s: print(s, flush=True))
         size = write_saap(args.saap_out, saap, inv_freq, scale)
         print(f"wrote {args.saap_out} ({size} bytes)", flush=True)
