@@ -37,4 +37,7 @@ TSAN_OPTIONS=halt_on_error=1 ctest --test-dir build-tsan --output-on-failure -L 
 step "fuzzing: every request type of both services, clang ASan+UBSan (build-fuzz/)"
 FUZZ_SECONDS=${FUZZ_SECONDS:-15} bash scripts/fuzz.sh
 
+step "deployment: Dockerfile lint, kustomize overlays, Prometheus rules and alerts, live Prometheus + dashboard queries (build/deploy-venv)"
+KVSPARSE_SERVER=build/bin/kvsparse-server bash scripts/deploy_check.sh
+
 step "done: all tests passed"

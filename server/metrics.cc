@@ -68,7 +68,14 @@ Metrics::Metrics()
       latency_(&prometheus::BuildHistogram()
                     .Name("kvsparse_rpc_duration_seconds")
                     .Help("Server-side RPC latency, from handler entry to status")
-                    .Register(*registry_)) {}
+                    .Register(*registry_)),
+      serving_(&prometheus::BuildGauge()
+                    .Name("kvsparse_serving")
+                    .Help("1 while health is SERVING, 0 from shutdown on")
+                    .Register(*registry_)
+                    .Add({})) {}
+
+void Metrics::SetServing(bool serving) { serving_->Set(serving ? 1.0 : 0.0); }
 
 Metrics::~Metrics() = default;
 

@@ -17,6 +17,7 @@
 #include "prometheus/counter.h"
 #include "prometheus/exposer.h"
 #include "prometheus/family.h"
+#include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 #include "prometheus/registry.h"
 
@@ -96,6 +97,10 @@ class Metrics {
   // Exposes a collector's families at every scrape. Metrics keeps it alive.
   void AddCollectable(std::shared_ptr<prometheus::Collectable> collectable);
 
+  // kvsparse_serving: 1 while the server's health is SERVING, 0 once it shuts down (alerts tell a
+  // draining worker from a dead one).
+  void SetServing(bool serving);
+
   prometheus::Registry& registry() { return *registry_; }
   // The bound port of /metrics, or 0 when there is no endpoint.
   int port() const;
@@ -107,6 +112,7 @@ class Metrics {
   std::vector<std::shared_ptr<prometheus::Collectable>> collectables_;
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Histogram>* latency_;
+  prometheus::Gauge* serving_;
   absl::Mutex mu_;
   std::vector<std::unique_ptr<RpcMetric>> rpcs_ ABSL_GUARDED_BY(mu_);
 };

@@ -124,6 +124,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   health->SetServingStatus(true);
   if (s->kvstore_service_) health->SetServingStatus(v1::KvStore::service_full_name(), true);
   if (s->attention_service_) health->SetServingStatus(v1::Attention::service_full_name(), true);
+  s->metrics_->SetServing(true);
   KVSPARSE_LOG(Info)
       << "kvsparse-server (role " << RoleName(options.role) << ", "
       << (s->engine_ ? s->engine_->backend() : "no") << " decode engine"
@@ -151,6 +152,7 @@ void Server::Shutdown() {
   KVSPARSE_LOG(Info) << "shutting down: health NOT_SERVING, in-flight calls get "
                      << absl::FormatDuration(options_.shutdown_grace);
   grpc_->GetHealthCheckService()->SetServingStatus(false);
+  metrics_->SetServing(false);
   grpc_->Shutdown(absl::ToChronoTime(absl::Now() + options_.shutdown_grace));
   KVSPARSE_LOG(Info) << "shut down";
 }

