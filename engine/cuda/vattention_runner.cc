@@ -1,8 +1,7 @@
-// vAttention on the GPU with the hash predictor: SimHashSign for the queries, then
-// VAttentionDecode (fixed set from the signatures, base sample, budget for (epsilon, delta),
-// final sample, estimate) reading K and V rows in place. Each query head reads its own rows (no
-// union over the GQA group yet). The exact predictor and learned signatures run on the CPU
-// engine.
+// vAttention on the GPU with the hash predictor: the query signatures, then VAttentionDecode
+// (fixed set from the signatures, base sample, budget for (epsilon, delta), final sample,
+// estimate), which reads each row once per GQA group (the union of the group's lists, copied
+// into a row set). The exact predictor runs on the CPU engine.
 #include <algorithm>
 #include <vector>
 
@@ -18,12 +17,15 @@ namespace kc = kernels::cuda;
 class VAttentionCall final : public MethodCall {
  public:
   explicit VAttentionCall(const Method& m) : params_(m.vattention) {}
-  // The hash predictor over signatures on the device (SimHash, or learned MLPs that fit).
-  // (Its rows are read inside the kernel: rows from another process's store are not.)
+  // The hash predictor over signatures on the device (SimHash, or learned MLPs that fit). Rows
+  // from a store in another process are staged part by part (K and V in the same tier: the
+  // fetch reads both by list position).
   static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
-    const bool host_half = desc.placement.k_tier != kvstore::Tier::kDevice ||
-                           desc.placement.v_tier != kvstore::Tier::kDevice;
-    if (caps.staged_rows && host_half) return false;
+    const kvstore::Placement& pl = desc.placement;
+    if (caps.staged_rows &&
+        (pl.k_tier == kvstore::Tier::kDevice) != (pl.v_tier == kvstore::Tier::kDevice)) {
+      return false;
+    }
     return SignaturesOnGpu(m, desc, caps) &&
            m.vattention.predictor == kernels::TopKPredictor::kHash &&
            !m.vattention.exact_statistics;
@@ -60,18 +62,40 @@ class VAttentionCall final : public MethodCall {
     vp.key_heads = lp.hkv;
     const size_t wb = kc::VAttentionWorkspaceBytes(vp);
     void* ws = c.Take<char>(wb);
-    if (absl::Status s = lp.Mark(1); !s.ok()) return s;
-    if (absl::Status s = lp.Mark(2); !s.ok()) return s;
     if (!lp.running()) return absl::OkStatus();
     const cudaStream_t stream = lp.stream();
     if (absl::Status s = lp.SignQueries(qsig); !s.ok()) return s;
-    KVS_CUDA_OK(kc::VAttentionDecode(vp, ws, wb, stream), "VAttentionDecode");
-    // Per-head counts for the statistics: fixed, base, dyn and budget.
+    KVS_CUDA_OK(kc::VAttentionSelect(vp, ws, wb, stream), "VAttentionSelect");
+    if (absl::Status s = lp.Mark(1); !s.ok()) return s;
+    // Each part's rows: read in place, or (a store in another process) gathered into staging in
+    // list order once the part's list is known.
     const kc::VAttentionSelectionView v = kc::VAttentionSelection(vp, ws);
+    kc::DecodeShape staged = vp.shape;
+    kc::VAttentionRowSource src;
+    if (lp.staged()) {
+      if (absl::Status s = lp.StageListed(v.union_a, v.max_list, v.union_a_count, &staged);
+          !s.ok()) {
+        return s;
+      }
+      src = {&staged, true};
+    }
+    KVS_CUDA_OK(kc::VAttentionVerify(vp, src, ws, wb, stream), "VAttentionVerify");
+    if (lp.staged()) {
+      staged = vp.shape;
+      if (absl::Status s = lp.StageListed(v.union_r, v.max_list, v.union_r_count, &staged);
+          !s.ok()) {
+        return s;
+      }
+    }
+    if (absl::Status s = lp.Mark(2); !s.ok()) return s;
+    KVS_CUDA_OK(kc::VAttentionEstimate(vp, src, ws, wb, stream), "VAttentionEstimate");
+    // Counts for the statistics: per query head fixed, base, dyn; per (b, kv head) the rows
+    // fetched (the union).
     int32_t* stats = lp.stats();
-    const int32_t* counts[] = {v.fixed_count, v.base_count, v.dyn_count};
-    for (int x = 0; x < 3; ++x) {
-      KVS_CUDA_OK(cudaMemcpyAsync(stats + x * BH, counts[x], sizeof(int32_t) * BH,
+    const int32_t* counts[] = {v.fixed_count, v.base_count, v.dyn_count, v.fetched};
+    for (int x = 0; x < 4; ++x) {
+      const size_t n = x < 3 ? BH : lp.BK;
+      KVS_CUDA_OK(cudaMemcpyAsync(stats + x * BH, counts[x], sizeof(int32_t) * n,
                                   cudaMemcpyDeviceToDevice, stream),
                   "stats");
     }
@@ -85,16 +109,14 @@ class VAttentionCall final : public MethodCall {
     const int32_t* st = lp.host_stats();
     const int32_t BH = lp.BH;
     const uint64_t n = static_cast<uint64_t>(lp.len(b));
-    // This kernel reads each query head's rows itself (no union over the group).
     for (int32_t g = 0; g < lp.G; ++g) {
       const int32_t bh = b * lp.H + j * lp.G + g;
       const uint64_t fixed = static_cast<uint64_t>(st[bh]);
-      const uint64_t base_rows = static_cast<uint64_t>(st[BH + bh]);
       const uint64_t dyn = static_cast<uint64_t>(std::max(st[2 * BH + bh], 0));
       hs->rows_selected += fixed + dyn;
-      hs->rows_fetched += fixed + base_rows + dyn;
       hs->budgets.push_back(static_cast<uint64_t>(std::max<int64_t>(budgets_.host[bh], 0)));
     }
+    hs->rows_fetched = static_cast<uint64_t>(st[3 * BH + b * lp.hkv + j]);  // the union
     hs->bytes[kDeviceTier] += n * lp.words * 4;
     hs->bytes[lp.k_tier()] += hs->rows_fetched * lp.row;
     hs->bytes[lp.v_tier()] += hs->rows_fetched * lp.row;

@@ -75,8 +75,10 @@ cudaError_t DispatchDecode(DType dtype, int head_dim, int group, Body&& body) {
 // Checks what every decode launcher relies on; cudaSuccess if the shape is supported.
 // accepts_paged: which of K and V the launcher can read from pages (DecodeShape::k_pages /
 // v_pages); paged rows given to a launcher that cannot read them are cudaErrorInvalidValue.
+// kv_required false: a kernel that reads K and V only through FetchRows (which checks the
+// addressing it is given) may be given a shape without them.
 inline cudaError_t ValidateShape(const DecodeShape& s, bool k_paged_ok = false,
-                                 bool v_paged_ok = false) {
+                                 bool v_paged_ok = false, bool kv_required = true) {
   if (s.batch < 0 || s.num_kv_heads <= 0 || s.num_q_heads <= 0 ||
       s.num_q_heads % s.num_kv_heads != 0 || s.max_seq_len < 0) {
     return cudaErrorInvalidValue;
@@ -87,7 +89,8 @@ inline cudaError_t ValidateShape(const DecodeShape& s, bool k_paged_ok = false,
   if (s.batch == 0) return cudaSuccess;
   const bool has_k = s.k != nullptr || s.k_heads != nullptr || s.k_pages.enabled();
   const bool has_v = s.v != nullptr || s.v_heads != nullptr || s.v_pages.enabled();
-  if (s.q == nullptr || !has_k || !has_v || s.out == nullptr || s.seq_lens == nullptr) {
+  if (s.q == nullptr || (kv_required && (!has_k || !has_v)) || s.out == nullptr ||
+      s.seq_lens == nullptr) {
     return cudaErrorInvalidValue;
   }
   auto misaligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) != 0; };

@@ -3,6 +3,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/hash_topk.h"
+#include "kernels/cuda/selected_rows.h"
 #include "kernels/cuda/vattention.h"
 #include "kernels/philox.h"
 
@@ -28,6 +29,34 @@ struct Layout {
   int64_t* budget = nullptr;
   uint64_t* keys = nullptr;
   float* logits = nullptr;
+  // The union of each (b, j)'s G query heads' rows (every row read once for the group), in two
+  // parts: A = U_g (I_f u B) (read for the statistics), then R = U_g (I_f u I_dyn) \ A (read
+  // for the estimate). Per (b, j) = k: membership bits and exclusive popcount prefixes over
+  // words; the tokens of A and R, ascending; their counts; R's rows go after A's (dest).
+  int32_t words = 0;
+  uint32_t* bits_a = nullptr;
+  uint32_t* bits_r = nullptr;
+  int32_t* pref_a = nullptr;
+  int32_t* pref_r = nullptr;
+  int32_t* tokens_a = nullptr;  // [B * Hkv, list_stride]
+  int32_t* tokens_r = nullptr;
+  int32_t* dest_r = nullptr;
+  int32_t* count_a = nullptr;  // [B * Hkv]
+  int32_t* count_r = nullptr;
+  int32_t* fetched = nullptr;  // [B * Hkv]: |A| + |R|
+  // Each selected row's location in its (b, j)'s row set: [B * H, fixed_stride] / [list_stride].
+  int32_t* pos_fixed = nullptr;
+  int32_t* pos_base = nullptr;
+  int32_t* pos_dyn = nullptr;
+  // The row set: K and V rows of (b, j) at [k * list_stride + location] rows of head_dim.
+  void* rows_k = nullptr;
+  void* rows_v = nullptr;
+  // FetchRows' tables, per part: tokens, count, k, v (and dest for R) of each (b, j).
+  int32_t** tab_tokens = nullptr;  // [2 * B * Hkv]
+  int32_t** tab_count = nullptr;
+  void** tab_k = nullptr;
+  void** tab_v = nullptr;
+  int32_t** tab_dest = nullptr;  // [B * Hkv]
   void* topk_ws = nullptr;
   size_t topk_bytes = 0;
   size_t total = 0;
@@ -77,6 +106,29 @@ Layout MakeLayout(const VAttentionParams& p, void* base) {
   l.keys = static_cast<uint64_t*>(take(bh * l.list_stride * 8));
   l.logits = static_cast<float*>(
       take(bh * (static_cast<size_t>(l.fixed_stride) + static_cast<size_t>(l.list_stride)) * 4));
+  const size_t bk = static_cast<size_t>(p.shape.batch) * p.shape.num_kv_heads;
+  const size_t row_bytes = static_cast<size_t>(p.shape.head_dim) * DTypeSize(p.shape.dtype);
+  l.words = (l.list_stride + 31) / 32;
+  l.bits_a = static_cast<uint32_t*>(take(bk * l.words * 4));
+  l.bits_r = static_cast<uint32_t*>(take(bk * l.words * 4));
+  l.pref_a = static_cast<int32_t*>(take(bk * l.words * 4));
+  l.pref_r = static_cast<int32_t*>(take(bk * l.words * 4));
+  l.tokens_a = static_cast<int32_t*>(take(bk * l.list_stride * 4));
+  l.tokens_r = static_cast<int32_t*>(take(bk * l.list_stride * 4));
+  l.dest_r = static_cast<int32_t*>(take(bk * l.list_stride * 4));
+  l.count_a = static_cast<int32_t*>(take(bk * 4));
+  l.count_r = static_cast<int32_t*>(take(bk * 4));
+  l.fetched = static_cast<int32_t*>(take(bk * 4));
+  l.pos_fixed = static_cast<int32_t*>(take(bh * l.fixed_stride * 4));
+  l.pos_base = static_cast<int32_t*>(take(bh * l.list_stride * 4));
+  l.pos_dyn = static_cast<int32_t*>(take(bh * l.list_stride * 4));
+  l.rows_k = take(bk * l.list_stride * row_bytes);
+  l.rows_v = take(bk * l.list_stride * row_bytes);
+  l.tab_tokens = static_cast<int32_t**>(take(2 * bk * sizeof(void*)));
+  l.tab_count = static_cast<int32_t**>(take(2 * bk * sizeof(void*)));
+  l.tab_k = static_cast<void**>(take(2 * bk * sizeof(void*)));
+  l.tab_v = static_cast<void**>(take(2 * bk * sizeof(void*)));
+  l.tab_dest = static_cast<int32_t**>(take(bk * sizeof(void*)));
   l.topk_bytes = HashTopKWorkspaceBytes(tp);
   l.topk_ws = take(l.topk_bytes);
   l.total = used;
@@ -246,6 +298,106 @@ __global__ void __launch_bounds__(kSampleThreads)
   if (tid == 0) out_count[bh] = carry;
 }
 
+// The rows a (b, j) reads, once for its G query heads (one block per (b, j)). Part A (kDyn
+// false): A = U_g (I_f u B); writes A's tokens (ascending) and each fixed and base row's location
+// in the row set (its rank in A). Part R (kDyn true): R = U_g I_dyn \ A, placed after A's rows
+// (I_f is in A); writes R's tokens, their destinations |A| + rank and each dyn row's location.
+// Also FetchRows' tables of the part and, after R, the rows fetched |A| + |R|.
+template <bool kDyn>
+__global__ void __launch_bounds__(kSampleThreads) VattUnionKernel(VAttentionParams p, Layout l) {
+  __shared__ int ws[32];
+  const int k = blockIdx.x;
+  const int hkv = p.shape.num_kv_heads, H = p.shape.num_q_heads, G = H / hkv;
+  const int b = k / hkv, j = k % hkv;
+  const int tid = threadIdx.x;
+  const int n = p.shape.seq_lens[b];
+  const int words = (n + 31) / 32;
+  const int64_t kw = static_cast<int64_t>(k) * l.words;
+  const int64_t kl = static_cast<int64_t>(k) * l.list_stride;
+  uint32_t* bits = (kDyn ? l.bits_r : l.bits_a) + kw;
+  int32_t* pref = (kDyn ? l.pref_r : l.pref_a) + kw;
+  int32_t* tokens = (kDyn ? l.tokens_r : l.tokens_a) + kl;
+  const uint32_t* bits_a = l.bits_a + kw;
+  const int32_t* pref_a = l.pref_a + kw;
+  for (int w = tid; w < words; w += kSampleThreads) bits[w] = 0u;
+  __syncthreads();
+  auto in_a = [&](int t) { return ((bits_a[t / 32] >> (t % 32)) & 1u) != 0; };
+  auto rank = [&](const uint32_t* bm, const int32_t* pf, int t) {
+    return pf[t / 32] + __popc(bm[t / 32] & ((1u << (t % 32)) - 1u));
+  };
+  for (int g = 0; g < G; ++g) {
+    const int64_t bh = static_cast<int64_t>(b) * H + j * G + g;
+    if (kDyn) {
+      const int32_t* dy = l.dyn + bh * l.list_stride;
+      const int nd = max(l.dyn_count[bh], 0);
+      for (int i = tid; i < nd; i += kSampleThreads) {
+        const int t = dy[i];
+        if (!in_a(t)) atomicOr(&bits[t / 32], 1u << (t % 32));
+      }
+    } else {
+      const int32_t* fx = l.fixed + bh * l.fixed_stride;
+      const int32_t* bs = l.base + bh * l.list_stride;
+      const int nf = l.fixed_count[bh], nb = max(l.base_count[bh], 0);
+      for (int i = tid; i < nf + nb; i += kSampleThreads) {
+        const int t = i < nf ? fx[i] : bs[i - nf];
+        atomicOr(&bits[t / 32], 1u << (t % 32));
+      }
+    }
+  }
+  __syncthreads();
+  // Ranks: an exclusive popcount scan over the words, listing the set bits in order.
+  const int offset = kDyn ? l.count_a[k] : 0;
+  int carry = 0;
+  for (int w0 = 0; w0 < words; w0 += kSampleThreads) {
+    const int w = w0 + tid;
+    const uint32_t word = w < words ? bits[w] : 0u;
+    int total = 0;
+    int pos = carry + ScanExclusive1024(__popc(word), ws, &total);
+    if (w < words) pref[w] = pos;
+    for (uint32_t x = word; x != 0u; x &= x - 1u) {
+      const int t = w * 32 + __ffs(x) - 1;
+      if (kDyn) l.dest_r[kl + pos] = offset + pos;
+      tokens[pos++] = t;
+    }
+    carry += total;
+  }
+  __syncthreads();  // pref complete
+  for (int g = 0; g < G; ++g) {
+    const int64_t bh = static_cast<int64_t>(b) * H + j * G + g;
+    if (kDyn) {
+      const int32_t* dy = l.dyn + bh * l.list_stride;
+      int32_t* pd = l.pos_dyn + bh * l.list_stride;
+      const int nd = max(l.dyn_count[bh], 0);
+      for (int i = tid; i < nd; i += kSampleThreads) {
+        const int t = dy[i];
+        pd[i] = in_a(t) ? rank(bits_a, pref_a, t) : offset + rank(bits, pref, t);
+      }
+    } else {
+      const int32_t* fx = l.fixed + bh * l.fixed_stride;
+      const int32_t* bs = l.base + bh * l.list_stride;
+      int32_t* pf = l.pos_fixed + bh * l.fixed_stride;
+      int32_t* pb = l.pos_base + bh * l.list_stride;
+      const int nf = l.fixed_count[bh], nb = max(l.base_count[bh], 0);
+      for (int i = tid; i < nf; i += kSampleThreads) pf[i] = rank(bits, pref, fx[i]);
+      for (int i = tid; i < nb; i += kSampleThreads) pb[i] = rank(bits, pref, bs[i]);
+    }
+  }
+  if (tid == 0) {
+    const int64_t bk = static_cast<int64_t>(p.shape.batch) * hkv;
+    const int64_t e = (kDyn ? bk : 0) + k;
+    const size_t row_bytes = static_cast<size_t>(p.shape.head_dim) * 2;
+    (kDyn ? l.count_r : l.count_a)[k] = carry;
+    l.tab_tokens[e] = tokens;
+    l.tab_count[e] = (kDyn ? l.count_r : l.count_a) + k;
+    l.tab_k[e] = static_cast<char*>(l.rows_k) + kl * row_bytes;
+    l.tab_v[e] = static_cast<char*>(l.rows_v) + kl * row_bytes;
+    if (kDyn) {
+      l.tab_dest[k] = l.dest_r + kl;
+      l.fetched[k] = offset + carry;
+    }
+  }
+}
+
 // Phi^{-1} (Acklam plus one Halley step), as the CPU reference.
 __device__ double NormalQuantileDev(double p) {
   if (!(p > 0.0 && p < 1.0)) return p == 0.0 ? -HUGE_VAL : p == 1.0 ? HUGE_VAL : nan("");
@@ -302,14 +454,16 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
   const int G = s.num_q_heads / s.num_kv_heads;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, row = lane / L, lr = lane % L;
   const int n = s.seq_lens[b];
-  const int nf = l.fixed_count[bh], nb = l.base_count[bh];
+  const int nf = l.fixed_count[bh], nb = max(l.base_count[bh], 0);
   const int rows = nf + nb;
   const int64_t n_s = n - nf;
-  const int32_t* fx = l.fixed + bh * l.fixed_stride;
-  const int32_t* bs = l.base + bh * l.list_stride;
+  // Rows from the group's row set (VattUnionKernel, FetchRows): locations, not tokens.
+  const int32_t* fx = l.pos_fixed + bh * l.fixed_stride;
+  const int32_t* bs = l.pos_base + bh * l.list_stride;
   float* logits = l.logits + bh * (static_cast<int64_t>(l.fixed_stride) + l.list_stride);
-  const RowReader kb = MakeRowReader(s, false, b, h / G, lr * 8);
-  const RowReader vb = MakeRowReader(s, true, b, h / G, lr * 8);
+  const int64_t set = (static_cast<int64_t>(b) * s.num_kv_heads + h / G) * l.list_stride;
+  const uint16_t* krows = static_cast<const uint16_t*>(l.rows_k) + set * D + lr * 8;
+  const uint16_t* vrows = static_cast<const uint16_t*>(l.rows_v) + set * D + lr * 8;
   float qf[8];
   Unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(s.q) + bh * D + lr * 8),
              qf);
@@ -320,9 +474,10 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
   for (int i0 = warp * R; i0 < rows; i0 += NW * R) {  // uniform over the warp (shuffles)
     const int i = i0 + row;
     const bool valid = i < rows;
-    const int t = !valid ? 0 : i < nf ? fx[i] : bs[i - nf];
+    const int loc = !valid ? 0 : i < nf ? fx[i] : bs[i - nf];
     float kf[8];
-    Unpack8<T>(valid ? LoadStream16(kb.Row(t)) : make_uint4(0, 0, 0, 0), kf);
+    Unpack8<T>(valid ? LoadStream16(krows + static_cast<int64_t>(loc) * D) : make_uint4(0, 0, 0, 0),
+               kf);
     float dot = 0.f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) dot = fmaf(qf[e], kf[e], dot);
@@ -348,9 +503,10 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
   for (int i0 = warp * R; i0 < rows; i0 += NW * R) {  // uniform over the warp (shuffles)
     const int i = i0 + row;
     const bool valid = i < rows;
-    const int t = !valid ? 0 : i < nf ? fx[i] : bs[i - nf];
+    const int loc = !valid ? 0 : i < nf ? fx[i] : bs[i - nf];
     float vf[8];
-    Unpack8<T>(valid ? LoadStream16(vb.Row(t)) : make_uint4(0, 0, 0, 0), vf);
+    Unpack8<T>(valid ? LoadStream16(vrows + static_cast<int64_t>(loc) * D) : make_uint4(0, 0, 0, 0),
+               vf);
     const double x = valid ? exp(static_cast<double>(logits[i]) - c) : 0.0;
     double vn2 = 0;
 #pragma unroll
@@ -505,10 +661,12 @@ __global__ void __launch_bounds__(kRowThreads, 2) VattEstimateKernel(VAttentionP
   const int nf = l.fixed_count[bh], nd = l.dyn_count[bh];
   const int64_t bud = l.budget[bh];
   const float w_dyn = bud > 0 ? static_cast<float>(static_cast<double>(n - nf) / bud) : 0.f;
-  const int32_t* fx = l.fixed + bh * l.fixed_stride;
-  const int32_t* dy = l.dyn + bh * l.list_stride;
-  const RowReader kb = MakeRowReader(s, false, b, h / G, lr * 8);
-  const RowReader vb = MakeRowReader(s, true, b, h / G, lr * 8);
+  // Rows from the group's row set: locations, not tokens.
+  const int32_t* fx = l.pos_fixed + bh * l.fixed_stride;
+  const int32_t* dy = l.pos_dyn + bh * l.list_stride;
+  const int64_t set = (static_cast<int64_t>(b) * s.num_kv_heads + h / G) * l.list_stride;
+  const uint16_t* krows = static_cast<const uint16_t*>(l.rows_k) + set * D + lr * 8;
+  const uint16_t* vrows = static_cast<const uint16_t*>(l.rows_v) + set * D + lr * 8;
   float qf[8];
   Unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(s.q) + bh * D + lr * 8),
              qf);
@@ -517,11 +675,13 @@ __global__ void __launch_bounds__(kRowThreads, 2) VattEstimateKernel(VAttentionP
   for (int i0 = warp * R; i0 < rows; i0 += NW * R) {  // uniform over the warp (shuffles)
     const int i = i0 + row;
     const bool valid = i < rows;
-    const int t = !valid ? 0 : i < nf ? fx[i] : dy[i - nf];
+    const int loc = !valid ? 0 : i < nf ? fx[i] : dy[i - nf];
     const float w = i < nf ? 1.f : w_dyn;
     float kf[8], vf[8];
-    Unpack8<T>(valid ? LoadStream16(kb.Row(t)) : make_uint4(0, 0, 0, 0), kf);
-    Unpack8<T>(valid ? LoadStream16(vb.Row(t)) : make_uint4(0, 0, 0, 0), vf);
+    Unpack8<T>(valid ? LoadStream16(krows + static_cast<int64_t>(loc) * D) : make_uint4(0, 0, 0, 0),
+               kf);
+    Unpack8<T>(valid ? LoadStream16(vrows + static_cast<int64_t>(loc) * D) : make_uint4(0, 0, 0, 0),
+               vf);
     float dot = 0.f;
 #pragma unroll
     for (int e = 0; e < 8; ++e) dot = fmaf(qf[e], kf[e], dot);
@@ -589,30 +749,105 @@ VAttentionSelectionView VAttentionSelection(const VAttentionParams& p, const voi
   v.dyn = l.dyn;
   v.dyn_count = l.dyn_count;
   v.budget = l.budget;
+  v.union_a = l.tokens_a;
+  v.union_a_count = l.count_a;
+  v.union_r = l.tokens_r;
+  v.union_r_count = l.count_r;
+  v.fetched = l.fetched;
   return v;
 }
 
-cudaError_t VAttentionDecode(const VAttentionParams& p, void* workspace, size_t workspace_bytes,
-                             cudaStream_t stream) {
-  KVSPARSE_CUDA_RETURN_IF_ERROR(ValidateShape(p.shape, /*k_paged_ok=*/true, /*v_paged_ok=*/true));
+namespace {
+
+cudaError_t CheckCall(const VAttentionParams& p, void* workspace, size_t workspace_bytes) {
+  // K and V are read by FetchRows alone (from p.shape or the caller's source).
+  KVSPARSE_CUDA_RETURN_IF_ERROR(ValidateShape(p.shape, /*k_paged_ok=*/true, /*v_paged_ok=*/true,
+                                              /*kv_required=*/false));
   if (!(p.epsilon > 0.f && p.epsilon < 1.f) || !(p.delta > 0.f && p.delta < 1.f) ||
       !(p.base_rate > 0.f && p.base_rate < 1.f) || (p.bound < 1 || p.bound > 3) || p.target < 1 ||
-      p.target > 3 || p.shape.max_seq_len > kMaxLen) {
+      p.target > 3 || p.shape.max_seq_len > kMaxLen || DTypeSize(p.shape.dtype) != 2) {
     return cudaErrorInvalidValue;
   }
+  if (p.shape.batch > 0 &&
+      (workspace == nullptr || workspace_bytes < MakeLayout(p, nullptr).total)) {
+    return cudaErrorInvalidValue;
+  }
+  return cudaSuccess;
+}
+
+// Copies a part's rows (A or R) of every (b, j) into the row set.
+cudaError_t FetchPart(const VAttentionParams& p, const Layout& l, bool dyn,
+                      const VAttentionRowSource& src, cudaStream_t stream) {
+  const int64_t bk = static_cast<int64_t>(p.shape.batch) * p.shape.num_kv_heads;
+  const int64_t e = dyn ? bk : 0;
+  FetchRowsParams f;
+  f.shape = src.shape != nullptr ? *src.shape : p.shape;
+  f.source_by_position = src.by_position;
+  f.out.tokens = l.tab_tokens + e;
+  f.out.count = l.tab_count + e;
+  f.out.k = l.tab_k + e;
+  f.out.v = l.tab_v + e;
+  f.out.capacity = l.list_stride;
+  if (dyn) {
+    f.dest = l.tab_dest;
+    f.max_rows = l.list_stride;
+  } else {
+    // |A| <= G (|I_f| + |B|) of the longest sequence, at most its length.
+    const int G = p.shape.num_q_heads / p.shape.num_kv_heads;
+    const int64_t base_max = std::max<int64_t>(
+        2, static_cast<int64_t>(
+               std::floor(static_cast<double>(p.base_rate) * p.shape.max_seq_len + 0.5)));
+    f.max_rows = static_cast<int32_t>(
+        std::min<int64_t>(l.list_stride, G * (static_cast<int64_t>(l.fixed_stride) + base_max)));
+  }
+  return FetchRows(f, stream);
+}
+
+}  // namespace
+
+cudaError_t VAttentionSelect(const VAttentionParams& p, void* workspace, size_t workspace_bytes,
+                             cudaStream_t stream) {
+  KVSPARSE_CUDA_RETURN_IF_ERROR(CheckCall(p, workspace, workspace_bytes));
   if (p.shape.batch == 0) return cudaSuccess;
   const Layout l = MakeLayout(p, workspace);
-  if (workspace == nullptr || workspace_bytes < l.total) return cudaErrorInvalidValue;
   HashTopKParams tp = TopkParams(p);
   tp.indices = l.fixed;
   tp.counts = l.fixed_count;
   KVSPARSE_CUDA_RETURN_IF_ERROR(HashTopK(tp, l.topk_ws, l.topk_bytes, stream));
   KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchSample<true>(p, l, l.base, l.base_count, stream));
+  VattUnionKernel<false><<<p.shape.batch * p.shape.num_kv_heads, kSampleThreads, 0, stream>>>(p, l);
+  return cudaGetLastError();
+}
+
+cudaError_t VAttentionVerify(const VAttentionParams& p, const VAttentionRowSource& src,
+                             void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  KVSPARSE_CUDA_RETURN_IF_ERROR(CheckCall(p, workspace, workspace_bytes));
+  if (p.shape.batch == 0) return cudaSuccess;
+  const Layout l = MakeLayout(p, workspace);
+  KVSPARSE_CUDA_RETURN_IF_ERROR(FetchPart(p, l, false, src, stream));
   const DecodeShape& s = p.shape;
   KVSPARSE_CUDA_RETURN_IF_ERROR(
       DispatchDecode(s.dtype, s.head_dim, 1, RowKernels{p, l, false, stream}));
   KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchSample<false>(p, l, l.dyn, l.dyn_count, stream));
+  VattUnionKernel<true><<<s.batch * s.num_kv_heads, kSampleThreads, 0, stream>>>(p, l);
+  return cudaGetLastError();
+}
+
+cudaError_t VAttentionEstimate(const VAttentionParams& p, const VAttentionRowSource& src,
+                               void* workspace, size_t workspace_bytes, cudaStream_t stream) {
+  KVSPARSE_CUDA_RETURN_IF_ERROR(CheckCall(p, workspace, workspace_bytes));
+  if (p.shape.batch == 0) return cudaSuccess;
+  const Layout l = MakeLayout(p, workspace);
+  KVSPARSE_CUDA_RETURN_IF_ERROR(FetchPart(p, l, true, src, stream));
+  const DecodeShape& s = p.shape;
   return DispatchDecode(s.dtype, s.head_dim, 1, RowKernels{p, l, true, stream});
+}
+
+cudaError_t VAttentionDecode(const VAttentionParams& p, void* workspace, size_t workspace_bytes,
+                             cudaStream_t stream) {
+  KVSPARSE_CUDA_RETURN_IF_ERROR(VAttentionSelect(p, workspace, workspace_bytes, stream));
+  KVSPARSE_CUDA_RETURN_IF_ERROR(VAttentionVerify(p, {}, workspace, workspace_bytes, stream));
+  return VAttentionEstimate(p, {}, workspace, workspace_bytes, stream);
 }
 
 }  // namespace kvsparse::kernels::cuda

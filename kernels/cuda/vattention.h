@@ -12,6 +12,10 @@
 // can differ only where the float64 statistics, summed in another order, put b_raw within
 // rounding of an integer. One block per (sequence, query head) for the sampling and statistics
 // stages (selection cost, not bandwidth, is what this method spends).
+// Rows are read once per GQA group, as the CPU engine reads them: per (sequence, kv head) the
+// union A = U_g (I_f u B) of its query heads' lists is copied into a row set (FetchRows) before
+// the statistics, and R = U_g I_dyn \ A after the final sample; the statistics and estimate
+// kernels read the row set. Rows fetched per (b, kv head): |A| + |R| = |U_g (I_f u B u I_dyn)|.
 #ifndef KVSPARSE_KERNELS_CUDA_VATTENTION_H_
 #define KVSPARSE_KERNELS_CUDA_VATTENTION_H_
 
@@ -52,9 +56,27 @@ struct VAttentionParams {
   int32_t key_heads = 0;
 };
 
+// The workspace holds, besides the lists, a row set of max_seq_len K and V rows per (b, kv head).
 size_t VAttentionWorkspaceBytes(const VAttentionParams& p);
+// Every stage, K and V read through p.shape's addressing.
 cudaError_t VAttentionDecode(const VAttentionParams& p, void* workspace, size_t workspace_bytes,
                              cudaStream_t stream);
+
+// The same in three calls, for a caller that stages the rows of each part itself (a store the
+// GPU cannot read): after VAttentionSelect the tokens of A are listed (VAttentionSelectionView's
+// union_a), after VAttentionVerify (statistics, budget, final sample) those of R; each call fetches
+// its part from `src` (default: p.shape; by_position: row r of (b, j)'s list is row r of src's
+// per-head addressing, as FetchRowsParams::source_by_position).
+struct VAttentionRowSource {
+  const DecodeShape* shape = nullptr;
+  bool by_position = false;
+};
+cudaError_t VAttentionSelect(const VAttentionParams& p, void* workspace, size_t workspace_bytes,
+                             cudaStream_t stream);
+cudaError_t VAttentionVerify(const VAttentionParams& p, const VAttentionRowSource& src,
+                             void* workspace, size_t workspace_bytes, cudaStream_t stream);
+cudaError_t VAttentionEstimate(const VAttentionParams& p, const VAttentionRowSource& src,
+                               void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // Where the selection lives in the workspace after VAttentionDecode (device pointers), for tests
 // and for a worker that gathers the rows itself. Per (b, h) = i: the lists hold ascending tokens.
@@ -68,6 +90,12 @@ struct VAttentionSelectionView {
   const int32_t* dyn = nullptr;  // [B * H, max_list]
   const int32_t* dyn_count = nullptr;
   const int64_t* budget = nullptr;  // [B * H]: b
+  // Per (b, kv head) = k: the union parts, ascending tokens at k * max_list, and |A| + |R|.
+  const int32_t* union_a = nullptr;
+  const int32_t* union_a_count = nullptr;
+  const int32_t* union_r = nullptr;
+  const int32_t* union_r_count = nullptr;
+  const int32_t* fetched = nullptr;
 };
 VAttentionSelectionView VAttentionSelection(const VAttentionParams& p, const void* workspace);
 

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -120,6 +121,42 @@ void RunCase(const Config& c, int seed) {
     }
   }
   EXPECT_LE(b_off_by_one, std::max(1, bh / 20)) << what;
+  // Each (b, kv head) reads the union of its group's rows once: A = U (fixed u base), then
+  // R = U dyn \ A.
+  const int bk = p.batch * p.num_kv_heads, G = c.g;
+  const auto ua = host_i32(v.union_a, static_cast<size_t>(bk) * v.max_list);
+  const auto ua_n = host_i32(v.union_a_count, bk);
+  const auto ur = host_i32(v.union_r, static_cast<size_t>(bk) * v.max_list);
+  const auto ur_n = host_i32(v.union_r_count, bk);
+  const auto fetched = host_i32(v.fetched, bk);
+  int64_t union_rows = 0, head_rows = 0;
+  for (int k = 0; k < bk; ++k) {
+    std::set<int32_t> a, r;
+    auto head = [&](int g) {
+      return (k / p.num_kv_heads) * p.num_q_heads + (k % p.num_kv_heads) * G + g;
+    };
+    for (int g = 0; g < G; ++g) {
+      const int i = head(g);
+      for (int32_t t : slice(fixed, i, v.fixed_stride, fixed_n[i])) a.insert(t);
+      for (int32_t t : slice(base, i, v.max_list, base_n[i])) a.insert(t);
+      head_rows += fixed_n[i] + base_n[i] + std::max(dyn_n[i], 0);
+    }
+    for (int g = 0; g < G; ++g) {
+      const int i = head(g);
+      for (int32_t t : slice(dyn, i, v.max_list, dyn_n[i])) {
+        if (!a.count(t)) r.insert(t);
+      }
+    }
+    EXPECT_EQ(slice(ua, k, v.max_list, ua_n[k]), std::vector<int32_t>(a.begin(), a.end()))
+        << what << " kv head " << k;
+    EXPECT_EQ(slice(ur, k, v.max_list, ur_n[k]), std::vector<int32_t>(r.begin(), r.end()))
+        << what << " kv head " << k;
+    EXPECT_EQ(fetched[k], static_cast<int32_t>(a.size() + r.size())) << what << " kv head " << k;
+    union_rows += fetched[k];
+  }
+  if (G > 1) {
+    EXPECT_LT(union_rows, head_rows) << what;
+  }
   int64_t bad = 0;
   const double err = RelativeL2(OutputAsDouble(cpu_p), d.OutputAsDouble(&bad));
   EXPECT_EQ(bad, 0) << what;

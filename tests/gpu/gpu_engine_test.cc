@@ -406,13 +406,25 @@ TEST_F(GpuEngineTest, VAttention) {
       EXPECT_NEAR(static_cast<double>(g->heads[i].budgets[k]),
                   static_cast<double>(c->heads[i].budgets[k]), 1.0);
     }
+    // Each row read once for the GQA group, as the CPU engine reads them (the same rows where
+    // the budgets agree; a budget one off samples other rows).
+    if (g->heads[i].budgets == c->heads[i].budgets) {
+      EXPECT_EQ(g->heads[i].rows_fetched, c->heads[i].rows_fetched) << "head " << i;
+      EXPECT_EQ(g->heads[i].rows_selected, c->heads[i].rows_selected) << "head " << i;
+      for (int t = 0; t < kvstore::kNumTiers; ++t) {
+        EXPECT_EQ(g->heads[i].bytes[t], c->heads[i].bytes[t]) << "head " << i << " tier " << t;
+      }
+    }
+    // A union never holds more rows than the sequence (each head reading its own could).
+    EXPECT_LE(g->heads[i].rows_fetched,
+              static_cast<uint64_t>(prob.seq_lens[g->heads[i].sequence_index]));
   }
 }
 
 // A worker whose store is in another process: dense and hash top-k run on the GPU with their
 // host rows gathered into staging (hash: only the row cache's misses), matching the CPU engine
-// row for row and byte for byte (bytes from the remote tier); S2ANTA with V in the store and
-// vAttention fall back to the CPU engine.
+// row for row and byte for byte (bytes from the remote tier), and vAttention with its two parts
+// staged; S2ANTA with V in the store falls back to the CPU engine.
 TEST_F(GpuEngineTest, StoreInAnotherProcess) {
   for (int pl = 0; pl < 4; ++pl) {
     // pl 3: placement 0 again with Gathers of at most 64 KB (128 rows of K and V): a sequence's
@@ -444,6 +456,19 @@ TEST_F(GpuEngineTest, StoreInAnotherProcess) {
         EXPECT_EQ(hs.rows_cached, hs.rows_fetched);
         EXPECT_EQ(hs.bytes[static_cast<int>(Tier::kRemote)], 0u);
       }
+      // vAttention: both parts of the union staged from the store, on the GPU.
+      Method v;
+      v.kind = MethodKind::kVAttention;
+      v.vattention.sink_tokens = 32;
+      v.vattention.local_tokens = 32;
+      v.vattention.top_k_fraction = 0.02f;
+      v.vattention.bits = 0;
+      Compare(*rig, prob, v, {0.02, false, 0.02},
+              "apart vAttention, placement " + std::to_string(pl));
+      auto va = rig->gpu->Decode(Call(prob, v));
+      ASSERT_TRUE(va.ok()) << va.status();
+      EXPECT_GT(va->timing.launch_seconds, 0.0) << "vAttention over a remote store on the GPU";
+      EXPECT_GT(va->heads[0].bytes[static_cast<int>(Tier::kRemote)], 0u);
     } else {
       Method m;
       m.kind = MethodKind::kSanta;
