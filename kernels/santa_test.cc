@@ -143,18 +143,30 @@ struct Case {
   // a sliding window, a ragged batch).
   float sink = 0.f;
   bool masked_tile = false;
+  // >= 0: real attention instead of `family` (kernels/synthetic.h RealAttention): the last
+  // query's head 1 of this layer of the model trained here, n = 8192, and projections of its V.
+  int32_t real_layer = -1;
 };
 
 std::string CaseName(const testing::TestParamInfo<Case>& info) {
+  if (info.param.real_layer >= 0) return absl::StrCat("real_layer", info.param.real_layer);
   return absl::StrCat("n", info.param.n, "_", ScoreFamilyName(info.param.family),
                       info.param.sink > 0 ? absl::StrCat("_sinks", info.param.sink) : "",
                       info.param.masked_tile ? "_masked" : "");
+}
+
+std::string Label(const Case& c) {
+  return c.real_layer >= 0 ? absl::StrCat("real L", c.real_layer) : ScoreFamilyName(c.family);
 }
 
 class SantaStatisticsTest : public testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
     const Case c = GetParam();
+    if (c.real_layer >= 0) {
+      SetUpReal(c);
+      return;
+    }
     scores_ = MakeScores(c.family, c.n, 1000 + c.n + static_cast<int>(c.family));
     if (c.sink > 0) {
       for (int i = 0; i < 4; ++i) scores_[i] = c.sink;
@@ -171,6 +183,35 @@ class SantaStatisticsTest : public testing::TestWithParam<Case> {
       for (double& v : y_[k]) v = means[k] + normal(rng);
       target_[k] = 0;
       for (int32_t j = 0; j < c.n; ++j) target_[k] += probs_[j] * y_[k][j];
+    }
+  }
+
+  // Real attention: the scores of one query head, y_k = w_k . V_j with fixed random directions
+  // w_k (unit norm) plus the means of the synthetic cases.
+  void SetUpReal(const Case& c) {
+    absl::StatusOr<RealAttention> r = LoadRealAttention(RealAttentionPath(c.real_layer));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->Keys(r->queries - 1), c.n);
+    scores_ = r->Scores(r->queries - 1, 1);
+    probs_ = Softmax(scores_);
+    std::mt19937_64 rng(77 + c.real_layer);
+    std::normal_distribution<double> normal(0, 1);
+    const double means[kProjections] = {0.5, -0.3, 1.0};
+    for (int k = 0; k < kProjections; ++k) {
+      std::vector<double> w(r->d);
+      double norm = 0;
+      for (double& x : w) {
+        x = normal(rng);
+        norm += x * x;
+      }
+      y_[k].assign(c.n, means[k]);
+      target_[k] = 0;
+      for (int32_t j = 0; j < c.n; ++j) {
+        for (int32_t a = 0; a < r->d; ++a) {
+          y_[k][j] += w[a] / std::sqrt(norm) * r->v[static_cast<size_t>(j) * r->d + a];
+        }
+        target_[k] += probs_[j] * y_[k][j];
+      }
     }
   }
 
@@ -274,7 +315,7 @@ TEST_P(SantaStatisticsTest, GlobalSamplersUnbiasedAndStratifiedReducesVariance) 
     std::printf(
         "[santa global] n=%d %-12s %-5s S=%d  max|z|=%.2f  exact MSE=%.4g  empirical=%.4g"
         " +- %.2g  distinct rows=%.1f\n",
-        c.n, ScoreFamilyName(c.family), names[si], S, z, exact[si], mse[si].mean, mse[si].se,
+        c.n, Label(c).c_str(), names[si], S, z, exact[si], mse[si].mean, mse[si].se,
         distinct_mean[si]);
   }
   for (int si = 1; si < 3; ++si) {
@@ -285,7 +326,7 @@ TEST_P(SantaStatisticsTest, GlobalSamplersUnbiasedAndStratifiedReducesVariance) 
     std::printf(
         "[santa variance] n=%d %-12s %s/iid exact=%.4f empirical=%.4f "
         "(3-sigma [%.4f, %.4f])\n",
-        c.n, ScoreFamilyName(c.family), names[si], r_exact, r_emp, r_emp * std::exp(-3 * sl),
+        c.n, Label(c).c_str(), names[si], r_exact, r_emp, r_emp * std::exp(-3 * sl),
         r_emp * std::exp(3 * sl));
     RecordProperty(absl::StrCat("var_ratio_", names[si], "_iid"), absl::StrCat(r_emp));
     EXPECT_GT(r_exact, r_emp * std::exp(-4 * sl)) << names[si];
@@ -329,7 +370,7 @@ TEST_P(SantaStatisticsTest, FlashAndPropUnbiased) {
       }
       std::printf(
           "[santa %s] n=%d %-12s%s%s S=%d tile=256 T=%d%s  max|z|=%.2f  distinct rows=%.1f\n",
-          prop ? "prop" : "flash", c.n, ScoreFamilyName(c.family), c.sink > 0 ? " sinks" : "",
+          prop ? "prop" : "flash", c.n, Label(c).c_str(), c.sink > 0 ? " sinks" : "",
           c.masked_tile ? " masked" : "", S, plan.num_tiles,
           prop ? absl::StrCat(" tiles with q_t<1: ", below_one).c_str()
                : absl::StrCat(" S_tile=", plan.tile_budget[0]).c_str(),
@@ -374,7 +415,10 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{32768, ScoreFamily::kPeaked}, Case{32768, ScoreFamily::kZipf},
                     Case{32768, ScoreFamily::kZipf, 14.f, false},
                     Case{32768, ScoreFamily::kPeaked, 14.f, true},
-                    Case{1024, ScoreFamily::kNearUniform, 8.f, true}),
+                    Case{1024, ScoreFamily::kNearUniform, 8.f, true},
+                    Case{8192, ScoreFamily::kPeaked, 0.f, false, 1},
+                    Case{8192, ScoreFamily::kPeaked, 0.f, false, 3},
+                    Case{8192, ScoreFamily::kPeaked, 0.f, false, 5}),
     CaseName);
 
 // ---- end to end on DecodeProblem -------------------------------------------------------------

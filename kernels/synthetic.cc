@@ -2,8 +2,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 #include <numeric>
 #include <random>
+
+#include "absl/strings/str_cat.h"
 
 namespace kvsparse::kernels {
 
@@ -186,6 +189,88 @@ SaapWeights RandomSaapWeights(int32_t layers, int32_t q_heads, int32_t kv_heads,
   fill(&w.w2, lq * clusters * hidden);
   fill(&w.b2, lq * clusters);
   return w;
+}
+
+std::vector<float> RealAttention::Scores(int32_t i, int32_t g) const {
+  const int32_t keys = Keys(i);
+  const float scale = 1.f / std::sqrt(static_cast<float>(d));
+  const float* qi = q.data() + (static_cast<size_t>(i) * group + g) * d;
+  std::vector<float> s(keys);
+  for (int32_t t = 0; t < keys; ++t) {
+    double dot = 0;
+    for (int32_t a = 0; a < d; ++a) dot += double{qi[a]} * k[static_cast<size_t>(t) * d + a];
+    s[t] = static_cast<float>(dot) * scale;
+  }
+  return s;
+}
+
+std::string RealAttentionPath(int32_t layer) {
+  return absl::StrCat(KVSPARSE_REAL_ATTENTION_DIR, "/realattn-n8192-L", layer, "-kv0.bin");
+}
+
+absl::StatusOr<RealAttention> LoadRealAttention(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return absl::NotFoundError(absl::StrCat("cannot open ", path));
+  char magic[8];
+  uint32_t h[6];
+  f.read(magic, 8);
+  f.read(reinterpret_cast<char*>(h), sizeof(h));
+  if (!f || std::string(magic, 8) != "KVSPQKV1") {
+    return absl::DataLossError(absl::StrCat(path, ": not a KVSPQKV1 file"));
+  }
+  RealAttention r;
+  r.n = static_cast<int32_t>(h[0]);
+  r.d = static_cast<int32_t>(h[1]);
+  r.group = static_cast<int32_t>(h[2]);
+  r.queries = static_cast<int32_t>(h[3]);
+  r.layer = static_cast<int32_t>(h[4]);
+  r.kv_head = static_cast<int32_t>(h[5]);
+  if (r.n <= 0 || r.n > (1 << 22) || r.d <= 0 || r.d > 1024 || r.group <= 0 || r.group > 64 ||
+      r.queries <= 0 || r.queries > r.n) {
+    return absl::DataLossError(absl::StrCat(path, ": bad header"));
+  }
+  auto read = [&](size_t count, std::vector<float>* out) {
+    std::vector<uint16_t> bits(count);
+    f.read(reinterpret_cast<char*>(bits.data()), static_cast<std::streamsize>(count * 2));
+    out->resize(count);
+    for (size_t i = 0; i < count; ++i) (*out)[i] = LoadAsFloat(bits.data(), i, DType::kBf16);
+  };
+  read(static_cast<size_t>(r.queries) * r.group * r.d, &r.q);
+  read(static_cast<size_t>(r.n) * r.d, &r.k);
+  read(static_cast<size_t>(r.n) * r.d, &r.v);
+  if (!f || f.peek() != std::char_traits<char>::eof()) {
+    return absl::DataLossError(absl::StrCat(path, ": truncated or trailing bytes"));
+  }
+  return r;
+}
+
+SyntheticProblem RealAttentionProblem(const RealAttention& r, DType dtype) {
+  SyntheticProblem sp;
+  const int32_t d = r.d, B = r.queries;
+  const size_t es = DTypeSize(dtype);
+  sp.seq_lens.resize(B);
+  for (int32_t i = 0; i < B; ++i) sp.seq_lens[i] = r.Keys(i);
+  sp.q.resize(r.q.size() * es);
+  sp.k.resize(r.k.size() * es);
+  sp.v.resize(r.v.size() * es);
+  sp.out.assign(sp.q.size(), 0);
+  for (size_t i = 0; i < r.q.size(); ++i) StoreFromFloat(sp.q.data(), i, dtype, r.q[i]);
+  for (size_t i = 0; i < r.k.size(); ++i) StoreFromFloat(sp.k.data(), i, dtype, r.k[i]);
+  for (size_t i = 0; i < r.v.size(); ++i) StoreFromFloat(sp.v.data(), i, dtype, r.v[i]);
+  DecodeProblem& p = sp.problem;
+  p.batch = B;
+  p.num_q_heads = r.group;
+  p.num_kv_heads = 1;
+  p.head_dim = d;
+  p.dtype = dtype;
+  p.kv_layout = {0, 0, d};  // every sequence reads the same rows
+  p.scale = 1.f / std::sqrt(static_cast<float>(d));
+  p.q = sp.q.data();
+  p.k = sp.k.data();
+  p.v = sp.v.data();
+  p.out = sp.out.data();
+  p.seq_lens = sp.seq_lens.data();
+  return sp;
 }
 
 }  // namespace kvsparse::kernels

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kernels/decode_problem.h"
 #include "kernels/saap.h"
 
@@ -76,6 +77,31 @@ double RelativeL2(const std::vector<double>& ref, const std::vector<double>& got
 // RoPE frequencies of base 10000, classifier weights and biases N(0, 0.1^2); for tests.
 SaapWeights RandomSaapWeights(int32_t layers, int32_t q_heads, int32_t kv_heads, int32_t head_dim,
                               int32_t clusters, int32_t hidden, uint32_t seed);
+
+// ---- Real attention: the model trained here -------------------------------------------------
+
+// One kv head of one layer of the model trained in the repository (tests/quality/train_model.py),
+// dumped by tests/quality/harness.py --dump_layers (file format KVSPQKV1, in tests/data/realattn:
+// layers 1, 3 and 5 of a held-out 8192-token window, kv head 0, its 4 query heads' last 32
+// queries): post-RoPE bf16 values, held here as floats (exact).
+struct RealAttention {
+  int32_t n = 0, d = 0, group = 0, queries = 0, layer = 0, kv_head = 0;
+  std::vector<float> q;     // [queries, group, d]; query i sits at position n - queries + i
+  std::vector<float> k, v;  // [n, d]
+  // Keys query i attends to (causal): 0 .. n - queries + i.
+  int32_t Keys(int32_t i) const { return n - queries + i + 1; }
+  // Scaled logits (1/sqrt(d)) of query i, head g over its keys.
+  std::vector<float> Scores(int32_t i, int32_t g) const;
+};
+
+inline constexpr int32_t kRealAttentionLayers[] = {1, 3, 5};
+// tests/data/realattn/realattn-n8192-L<layer>-kv0.bin of the source tree.
+std::string RealAttentionPath(int32_t layer);
+// NOT_FOUND without the file, DATA_LOSS for a malformed one.
+absl::StatusOr<RealAttention> LoadRealAttention(const std::string& path);
+// Its decode problem: one sequence per query (batch = queries, sequence i of Keys(i) tokens, all
+// reading the same K and V), H = group, Hkv = 1, in `dtype`.
+SyntheticProblem RealAttentionProblem(const RealAttention& r, DType dtype = DType::kBf16);
 
 }  // namespace kvsparse::kernels
 

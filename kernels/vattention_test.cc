@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -124,10 +125,39 @@ TEST(VAttentionTest, BudgetCoveringEveryRowEqualsDense) {
 struct Case {
   int32_t n;
   ScoreFamily family;
+  // >= 0: real attention instead of `family` (kernels/synthetic.h RealAttention): the last
+  // query's head 2 of this layer of the model trained here (n = 8192) and its real V rows.
+  int32_t real_layer = -1;
 };
 
 std::string CaseName(const testing::TestParamInfo<Case>& info) {
+  if (info.param.real_layer >= 0) return absl::StrCat("real_layer", info.param.real_layer);
   return absl::StrCat("n", info.param.n, "_", ScoreFamilyName(info.param.family));
+}
+
+std::string Label(const Case& c) {
+  return c.real_layer >= 0 ? absl::StrCat("real L", c.real_layer) : ScoreFamilyName(c.family);
+}
+
+// The scores of a case and its V: real rows (dv = d), or `family`'s scores from `seed` with V =
+// per-coordinate means (from `mean_of`) + N(0, 1) noise from `rng` (dv columns).
+void CaseData(const Case& c, uint64_t seed, int dv, std::mt19937_64& rng,
+              const std::function<float(int)>& mean_of, std::vector<float>* s,
+              std::vector<float>* v, int* dv_out) {
+  if (c.real_layer >= 0) {
+    absl::StatusOr<RealAttention> r = LoadRealAttention(RealAttentionPath(c.real_layer));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ(r->Keys(r->queries - 1), c.n);
+    *s = r->Scores(r->queries - 1, 2);
+    *v = r->v;
+    *dv_out = r->d;
+    return;
+  }
+  *s = MakeScores(c.family, c.n, seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  v->resize(static_cast<size_t>(c.n) * dv);
+  for (size_t i = 0; i < v->size(); ++i) (*v)[i] = mean_of(static_cast<int>(i % dv)) + normal(rng);
+  *dv_out = dv;
 }
 
 class VAttentionStatisticsTest : public testing::TestWithParam<Case> {};
@@ -139,12 +169,21 @@ class VAttentionStatisticsTest : public testing::TestWithParam<Case> {};
 // at 4 SE: family-wise false alarm < 0.2% (Bonferroni).
 TEST_P(VAttentionStatisticsTest, SampledPartUnbiased) {
   const Case c = GetParam();
-  const int kSeeds = 2000, dv = 3;
-  const std::vector<float> s = MakeScores(c.family, c.n, 500 + c.n);
+  const int kSeeds = 2000;
   std::mt19937_64 rng(9);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  std::vector<float> v(static_cast<size_t>(c.n) * dv);
-  for (size_t i = 0; i < v.size(); ++i) v[i] = (i % dv == 0 ? 0.5f : -0.2f) + normal(rng);
+  std::vector<float> s, v;
+  int dv = 0;
+  CaseData(
+      c, 500 + c.n, 3, rng, [](int a) { return a == 0 ? 0.5f : -0.2f; }, &s, &v, &dv);
+  if (HasFatalFailure()) return;
+  if (c.real_layer >= 0) {  // three coordinates of the real V rows are the tested projections
+    std::vector<float> v3(static_cast<size_t>(c.n) * 3);
+    for (int32_t t = 0; t < c.n; ++t) {
+      for (int a = 0; a < 3; ++a) v3[t * 3 + a] = v[static_cast<size_t>(t) * dv + a * 7];
+    }
+    v.swap(v3);
+    dv = 3;
+  }
   VAttentionParams params;
   params.sink_tokens = 16;
   params.local_tokens = 64;
@@ -167,7 +206,7 @@ TEST_P(VAttentionStatisticsTest, SampledPartUnbiased) {
   const double smax = *std::max_element(s.begin(), s.end());
   std::vector<bool> fixed(c.n, false);
   for (int32_t t : plan.fixed) fixed[t] = true;
-  double target[1 + dv] = {0, 0, 0, 0};
+  double target[4] = {0, 0, 0, 0};
   float rmax = -1e30f;
   std::vector<double> xs(c.n);
   for (int32_t t = 0; t < c.n; ++t) xs[t] = std::exp(s[t] - smax);
@@ -179,7 +218,7 @@ TEST_P(VAttentionStatisticsTest, SampledPartUnbiased) {
     for (int a = 0; a < dv; ++a) target[1 + a] += x * v[static_cast<size_t>(t) * dv + a];
   }
   access.residual_logit_max = rmax;
-  std::vector<double> est[1 + dv];
+  std::vector<double> est[4];
   for (auto& e : est) e.resize(kSeeds);
   double mean_b = 0;
   VAttentionHeadResult r;
@@ -187,7 +226,7 @@ TEST_P(VAttentionStatisticsTest, SampledPartUnbiased) {
     r.fixed = plan.fixed;
     VAttentionSampleHead(c.n, params, access, seed, 0, 5, &r);
     const double w = static_cast<double>(r.stats.n_s) / r.b;
-    double e[1 + dv] = {0, 0, 0, 0};
+    double e[4] = {0, 0, 0, 0};
     for (int32_t t : r.dyn) {
       const double x = xs[t];
       e[0] += w * x;
@@ -207,8 +246,8 @@ TEST_P(VAttentionStatisticsTest, SampledPartUnbiased) {
     if (se > 1e-9 * std::fabs(target[a])) zmax = std::max(zmax, std::fabs(m - target[a]) / se);
   }
   std::printf("[vattention unbiased] n=%d %-12s n_f=%zu n_s=%lld mean b=%.1f  max|z|=%.2f\n", c.n,
-              ScoreFamilyName(c.family), plan.fixed.size(),
-              static_cast<long long>(c.n - plan.fixed.size()), mean_b, zmax);
+              Label(c).c_str(), plan.fixed.size(), static_cast<long long>(c.n - plan.fixed.size()),
+              mean_b, zmax);
 }
 
 // Violation rates: fraction of trials with relative error > epsilon, 400 trials per setting,
@@ -220,13 +259,15 @@ TEST_P(VAttentionStatisticsTest, SampledPartUnbiased) {
 TEST_P(VAttentionStatisticsTest, ViolationRates) {
   const Case c = GetParam();
   if (c.n != 8192) GTEST_SKIP() << "violation rates run at n = 8192 only";
-  const int kTrials = 400, dv = 64;
-  const std::vector<float> s = MakeScores(c.family, c.n, 900 + static_cast<int>(c.family));
+  const int kTrials = 400;
   std::mt19937_64 rng(10);
   std::normal_distribution<float> normal(0.f, 1.f);
-  std::vector<float> mean(dv), v(static_cast<size_t>(c.n) * dv);
+  std::vector<float> mean(64), s, v;
   for (float& m : mean) m = 0.5f * normal(rng);
-  for (size_t i = 0; i < v.size(); ++i) v[i] = mean[i % dv] + normal(rng);
+  int dv = 0;
+  CaseData(
+      c, 900 + static_cast<int>(c.family), 64, rng, [&](int a) { return mean[a]; }, &s, &v, &dv);
+  if (HasFatalFailure()) return;
   const double smax = *std::max_element(s.begin(), s.end());
   std::vector<double> x(c.n), dense(dv, 0.0);
   double dsum = 0;
@@ -311,8 +352,8 @@ TEST_P(VAttentionStatisticsTest, ViolationRates) {
         std::printf(
             "[vattention violations] %-12s %-11s %-9s %-10s stats: eps=%.2f delta=0.10 "
             "rate=%.4f  mean b=%.0f of n_s=%lld\n",
-            ScoreFamilyName(c.family), tname, bname, exact_stats ? "exact" : "base-sample",
-            params.epsilon, rate, mean_b, static_cast<long long>(r.stats.n_s));
+            Label(c).c_str(), tname, bname, exact_stats ? "exact" : "base-sample", params.epsilon,
+            rate, mean_b, static_cast<long long>(r.stats.n_s));
         RecordProperty(
             absl::StrCat("violation_", tname, "_", bname, exact_stats ? "_exact" : "_base"),
             absl::StrCat(rate));
@@ -341,7 +382,8 @@ INSTANTIATE_TEST_SUITE_P(
                     Case{1024, ScoreFamily::kZipf}, Case{8192, ScoreFamily::kNearUniform},
                     Case{8192, ScoreFamily::kPeaked}, Case{8192, ScoreFamily::kZipf},
                     Case{32768, ScoreFamily::kNearUniform}, Case{32768, ScoreFamily::kPeaked},
-                    Case{32768, ScoreFamily::kZipf}),
+                    Case{32768, ScoreFamily::kZipf}, Case{8192, ScoreFamily::kPeaked, 1},
+                    Case{8192, ScoreFamily::kPeaked, 3}, Case{8192, ScoreFamily::kPeaked, 5}),
     CaseName);
 
 // ---- end to end ---------------------------------------------------------------------------------

@@ -9,10 +9,11 @@
 // store, evicted least recently used first to stay under the capacity.
 //
 // A store whose pages the GPU cannot read (another process: the server's RemoteRowSource, or
-// pageable memory): dense and hash top-k read their host rows from pinned staging, where each
-// call gathers the rows it selected (hash top-k: only the row cache's misses) through
-// RowSource::Gather once its selection is known; S2ANTA and vAttention select inside the
-// kernel that reads the rows, so their calls with a host half run on the CPU engine there.
+// pageable memory): dense, hash top-k and vAttention read their host rows from pinned staging,
+// where each call gathers the rows it selected (hash top-k: only the row cache's misses;
+// vAttention: the group's union for the statistics, then the final sample's new rows) through
+// RowSource::Gather once its selection is known; S2ANTA selects inside the kernel that reads
+// the rows, so its calls with a host half run on the CPU engine there.
 //
 // A call: sync the device state (engine/cuda/device_state.h), plan the launch
 // (engine/cuda/launch_plan.h), then the method's runner (engine/cuda/<method>_runner.cc): one

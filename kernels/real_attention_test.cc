@@ -1,0 +1,194 @@
+// Every method's CPU reference on real attention: q, K and V of three layers of the model trained
+// in the repository (kernels/synthetic.h RealAttention; tests/data/realattn), 32 decode queries
+// of 4 heads each per layer, against exact attention in float64. The statistical tests of each
+// method run on the same data as a family beside the synthetic ones (santa_test.cc and
+// vattention_test.cc: real_layer cases); this file checks whole decodes: errors within bounds
+// set from the measurements in docs/ACCURACY.md ("Real attention"), vAttention's (epsilon,
+// delta) guarantee over the 384 (query, head) outputs, and rows read once per GQA group.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "kernels/dense.h"
+#include "kernels/hash_topk.h"
+#include "kernels/row_selection.h"
+#include "kernels/santa.h"
+#include "kernels/synthetic.h"
+#include "kernels/vattention.h"
+
+namespace kvsparse::kernels {
+namespace {
+
+struct Layer {
+  RealAttention attention;
+  SyntheticProblem problem;
+  std::vector<double> exact;  // [queries, group, d] float64 attention
+};
+
+std::vector<Layer>& Layers() {
+  static std::vector<Layer>* layers = [] {
+    auto* v = new std::vector<Layer>();
+    for (int32_t layer : kRealAttentionLayers) {
+      absl::StatusOr<RealAttention> r = LoadRealAttention(RealAttentionPath(layer));
+      if (!r.ok()) {
+        ADD_FAILURE() << r.status();
+        continue;
+      }
+      Layer l;
+      l.problem = RealAttentionProblem(*r);
+      l.attention = std::move(*r);
+      if (!DenseDecodeFloat64(l.problem.problem, &l.exact).ok()) ADD_FAILURE() << "float64 dense";
+      v->push_back(std::move(l));
+    }
+    return v;
+  }();
+  return *layers;
+}
+
+// Relative L2 error of each (query, head) output against exact attention.
+std::vector<double> HeadErrors(const Layer& l) {
+  const std::vector<double> got = OutputAsDouble(l.problem.problem);
+  const int32_t heads = l.attention.queries * l.attention.group, d = l.attention.d;
+  std::vector<double> err(heads);
+  for (int32_t i = 0; i < heads; ++i) {
+    double e2 = 0, r2 = 0;
+    for (int32_t a = 0; a < d; ++a) {
+      const double x = l.exact[static_cast<size_t>(i) * d + a];
+      e2 += (got[static_cast<size_t>(i) * d + a] - x) * (got[static_cast<size_t>(i) * d + a] - x);
+      r2 += x * x;
+    }
+    err[i] = std::sqrt(e2 / r2);
+  }
+  return err;
+}
+
+double Mean(const std::vector<double>& x) {
+  double s = 0;
+  for (double v : x) s += v;
+  return x.empty() ? 0 : s / static_cast<double>(x.size());
+}
+
+TEST(RealAttentionTest, DataIsTheTrainedModels) {
+  ASSERT_EQ(Layers().size(), std::size(kRealAttentionLayers));
+  for (const Layer& l : Layers()) {
+    EXPECT_EQ(l.attention.n, 8192);
+    EXPECT_EQ(l.attention.d, 128);
+    EXPECT_EQ(l.attention.group, 4);  // GQA 4:1
+    EXPECT_EQ(l.attention.queries, 32);
+    for (float x : l.attention.k) ASSERT_TRUE(std::isfinite(x));
+  }
+}
+
+// Dense over bf16 rows with fp32 accumulation: only the output's bf16 rounding.
+TEST(RealAttentionTest, Dense) {
+  for (Layer& l : Layers()) {
+    ASSERT_TRUE(DenseDecodeCpu(l.problem.problem).ok());
+    EXPECT_LT(Mean(HeadErrors(l)), 4e-3) << "layer " << l.attention.layer;
+  }
+}
+
+// S2ANTA-prop S = 256 (the README's setting), -flash S = 2048 and SANTA iid S = 256: mean
+// relative L2 over each layer's outputs, bounded about 1.5x above what this data gave when the
+// test was written (prop 0.009-0.139, flash 0.019-0.096, iid 0.032-0.204; layer 1's wide
+// attention is the hardest): a regression guard, the statistics are in santa_test.cc.
+TEST(RealAttentionTest, Santa) {
+  struct Setting {
+    const char* name;
+    SantaParams params;
+    double bound;
+  };
+  SantaParams prop, flash, iid;
+  prop.samples = 256;
+  flash.allocation = SantaAllocation::kFlash;
+  flash.samples = 2048;
+  iid.allocation = SantaAllocation::kGlobal;
+  iid.sampler = SantaSampler::kIid;
+  iid.samples = 256;
+  for (const Setting& s : {Setting{"prop S=256", prop, 0.2}, Setting{"flash S=2048", flash, 0.15},
+                           Setting{"iid S=256", iid, 0.3}}) {
+    for (Layer& l : Layers()) {
+      ASSERT_TRUE(SantaDecodeCpu(l.problem.problem, s.params, /*seed=*/3).ok());
+      const double err = Mean(HeadErrors(l));
+      std::printf("[real attention] layer %d S2ANTA %-12s rel L2 %.4f\n", l.attention.layer, s.name,
+                  err);
+      EXPECT_LT(err, s.bound) << s.name << " layer " << l.attention.layer;
+    }
+  }
+}
+
+// HashAttention top-k over SimHash signatures (32 bits): more rows, less error, and every row
+// is dense attention.
+TEST(RealAttentionTest, HashTopK) {
+  for (Layer& l : Layers()) {
+    const DecodeProblem& p = l.problem.problem;
+    Signatures sigs;
+    ASSERT_TRUE(
+        ComputeSimHashSignatures(p, SimHashConfig{5, l.attention.layer, 32, {}}, &sigs).ok());
+    double previous = 1e9;
+    for (float fraction : {1.f / 32, 1.f / 8, 1.f / 2, 1.f}) {
+      HashTopKParams params;
+      params.top_k_fraction = fraction;
+      RowSelection sel;
+      ASSERT_TRUE(HashTopKDecodeCpu(p, params, sigs.view, &sel).ok());
+      const double err = Mean(HeadErrors(l));
+      std::printf("[real attention] layer %d hash top-k SimHash 32 bits %.4f: rel L2 %.4f\n",
+                  l.attention.layer, fraction, err);
+      EXPECT_LT(err, previous + 0.01) << fraction << " layer " << l.attention.layer;
+      previous = err;
+      if (fraction == 1.f) {
+        EXPECT_LT(err, 4e-3) << "every row: dense";
+      }
+    }
+  }
+}
+
+// vAttention's guarantee per output: P(rel L2 > epsilon) <= delta. The exact predictor over
+// the 384 outputs of the three layers: the observed rate must be within a binomial 3-sigma of
+// delta. The hash predictor's rate is printed (docs/ACCURACY.md: it exceeds delta on some
+// heads). Rows: each (query, kv head) reads the union of its 4 heads' rows once, never more
+// than the context.
+TEST(RealAttentionTest, VAttentionGuaranteeAndRows) {
+  for (TopKPredictor predictor : {TopKPredictor::kExact, TopKPredictor::kHash}) {
+    for (float eps : {0.05f, 0.1f}) {
+      VAttentionParams params;
+      params.epsilon = eps;
+      params.delta = eps;
+      params.predictor = predictor;
+      params.top_k_fraction = 1.f / 32;
+      int violations = 0, outputs = 0;
+      double rows = 0, context = 0;
+      for (Layer& l : Layers()) {
+        const DecodeProblem& p = l.problem.problem;
+        Signatures sigs;
+        ASSERT_TRUE(
+            ComputeSimHashSignatures(p, SimHashConfig{5, l.attention.layer, 32, {}}, &sigs).ok());
+        RowSelection sel;
+        ASSERT_TRUE(VAttentionDecodeCpu(p, params, /*seed=*/11, &sigs.view, &sel).ok());
+        for (double e : HeadErrors(l)) violations += e > eps;
+        outputs += p.batch * p.num_q_heads;
+        for (int32_t b = 0; b < p.batch; ++b) {
+          const int32_t union_rows = sel.at(b, 0).num_rows();
+          EXPECT_LE(union_rows, p.seq_lens[b]);
+          rows += union_rows;
+          context += p.seq_lens[b];
+        }
+      }
+      const double rate = static_cast<double>(violations) / outputs;
+      const bool exact = predictor == TopKPredictor::kExact;
+      std::printf(
+          "[real attention] vAttention %s eps=delta=%.2f: violations %d of %d (%.4f), rows per kv "
+          "head %.3f of the context\n",
+          exact ? "exact" : "hash ", eps, violations, outputs, rate, rows / context);
+      if (exact) {
+        EXPECT_LE(rate, eps + 3 * std::sqrt(eps * (1 - eps) / outputs)) << "eps " << eps;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvsparse::kernels
