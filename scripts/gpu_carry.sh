@@ -3,7 +3,8 @@
 # non-system shared libraries they load (gRPC, protobuf, Abseil, prometheus-cpp: the GPU
 # machine's image has none of them), into .carry/dev (git-ignored): the folder
 # scripts/gpu_check.sh runs from on the GPU machine, packed as .carry/pack/dev.tar.xz (carry
-# [".carry/pack"]), and its libraries and server alone as .carry/qpack/dev.tar.xz.
+# [".carry/pack"]), its libraries and server alone as .carry/qpack/dev.tar.xz, and its GPU tests
+# alone as .carry/tpack/dev.tar.xz.
 # With the PyTorch extension configured (scripts/python_test.sh does), libkvsparse_torch.so travels
 # too, with the libraries it needs beside torch's own (those the GPU machine's torch has).
 #   BUILD: build directory (default build, the README's full build)
@@ -34,4 +35,9 @@ tar -C .carry -cf - dev | xz -T2 -6 > .carry/pack/dev.tar.xz
 # beside a model checkpoint (carry [".carry/qpack", ".whl", "build/quality/model"]).
 tar -C .carry --exclude=libkvsparse_cuda_capi.so -cf - dev/lib dev/bin/kvsparse-server \
   | xz -T2 -9 > .carry/qpack/dev.tar.xz
-du -sh .carry/dev .carry/pack/dev.tar.xz .carry/qpack/dev.tar.xz
+# The test pack: the GPU tests alone (carry [".carry/tpack"]), for when the full pack and the
+# working tree (its real-attention data included) pass the 64 MiB carry limit.
+mkdir -p .carry/tpack
+tar -C .carry --exclude=libkvsparse_torch.so -cf - dev/lib dev/bin/kernels_cuda_test \
+  dev/bin/gpu_engine_test dev/bin/gpu_host_tier_test | xz -T2 -6 > .carry/tpack/dev.tar.xz
+du -sh .carry/dev .carry/pack/dev.tar.xz .carry/qpack/dev.tar.xz .carry/tpack/dev.tar.xz

@@ -32,7 +32,7 @@ note() { summary+=("[$(date +%T)] $*"); echo "== $*"; }
 t0=$(date +%s)
 
 # The binaries travel packed (scripts/gpu_carry.sh).
-for pack in .carry/pack/dev.tar.xz .carry/qpack/dev.tar.xz; do
+for pack in .carry/pack/dev.tar.xz .carry/qpack/dev.tar.xz .carry/tpack/dev.tar.xz; do
   if [ -f "$pack" ] && [ ! -d "$CARRY/bin" ]; then mkdir -p .carry && tar -xJf "$pack" -C .carry; fi
 done
 
