@@ -66,7 +66,10 @@ class VAttentionCall final : public MethodCall {
     const cudaStream_t stream = lp.stream();
     if (absl::Status s = lp.SignQueries(qsig); !s.ok()) return s;
     KVS_CUDA_OK(kc::VAttentionSelect(vp, ws, wb, stream), "VAttentionSelect");
+    // Stages: selection, then no gather stage of its own (the rows are read in both later
+    // phases, beside the statistics and the estimate): all of it counts as compute.
     if (absl::Status s = lp.Mark(1); !s.ok()) return s;
+    if (absl::Status s = lp.Mark(2); !s.ok()) return s;
     // Each part's rows: read in place, or (a store in another process) gathered into staging in
     // list order once the part's list is known.
     const kc::VAttentionSelectionView v = kc::VAttentionSelection(vp, ws);
@@ -87,7 +90,6 @@ class VAttentionCall final : public MethodCall {
         return s;
       }
     }
-    if (absl::Status s = lp.Mark(2); !s.ok()) return s;
     KVS_CUDA_OK(kc::VAttentionEstimate(vp, src, ws, wb, stream), "VAttentionEstimate");
     // Counts for the statistics: per query head fixed, base, dyn; per (b, kv head) the rows
     // fetched (the union).
