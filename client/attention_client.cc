@@ -14,13 +14,9 @@ AttentionClient::AttentionClient(std::shared_ptr<grpc::Channel> channel, ClientO
       stub_(v1::Attention::NewStub(channel_)) {}
 
 absl::StatusOr<std::unique_ptr<AttentionClient>> AttentionClient::Connect(ClientOptions options) {
-  if (options.target.empty()) return absl::InvalidArgumentError("empty target");
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(options.max_message_bytes);
-  args.SetMaxSendMessageSize(options.max_message_bytes);
-  auto channel =
-      grpc::CreateCustomChannel(options.target, grpc::InsecureChannelCredentials(), args);
-  return std::unique_ptr<AttentionClient>(new AttentionClient(std::move(channel), options));
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = OpenChannel(options);
+  if (!channel.ok()) return channel.status();
+  return std::unique_ptr<AttentionClient>(new AttentionClient(std::move(*channel), options));
 }
 
 std::unique_ptr<AttentionClient> AttentionClient::FromChannel(
@@ -31,7 +27,7 @@ std::unique_ptr<AttentionClient> AttentionClient::FromChannel(
 absl::Status AttentionClient::Decode(const v1::DecodeRequest& request,
                                      v1::DecodeResponse* response) {
   grpc::ClientContext ctx;
-  ctx.set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  PrepareContext(options_, &ctx);
   return FromGrpcStatus(stub_->Decode(&ctx, request, response));
 }
 
@@ -45,6 +41,7 @@ absl::StatusOr<v1::DecodeResponse> AttentionClient::Decode(const v1::DecodeReque
 absl::StatusOr<std::unique_ptr<DecodeSession>> AttentionClient::OpenSession(
     absl::Duration lifetime) {
   std::unique_ptr<DecodeSession> s(new DecodeSession());
+  PrepareContext(options_, &s->ctx_);
   s->ctx_.set_deadline(absl::ToChronoTime(absl::Now() + lifetime));
   s->stream_ = stub_->DecodeStream(&s->ctx_);
   if (s->stream_ == nullptr) return absl::UnavailableError("could not open DecodeStream");

@@ -29,6 +29,13 @@
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "kvsparse-server address (host:port)");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(30), "Deadline of each call");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA of the server's certificate: TLS (a server with --tls_cert)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate of this client (a server with --tls_client_ca), with --tls_key");
+ABSL_FLAG(std::string, tls_key, "", "PEM key of --tls_cert");
+ABSL_FLAG(std::string, token_file, "",
+          "File holding the bearer token to send (a server with --auth_tokens; first line)");
 ABSL_FLAG(absl::Duration, wait_for_ready, absl::Seconds(5),
           "How long to wait for the server to accept connections before the first call");
 // Sequence and shape (create, append, gather, info, drop, bench-gather).
@@ -631,6 +638,14 @@ int main(int argc, char** argv) {
   ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
   options.timeout = absl::GetFlag(FLAGS_timeout);
+  options.tls.ca = absl::GetFlag(FLAGS_tls_ca);
+  options.tls.cert = absl::GetFlag(FLAGS_tls_cert);
+  options.tls.key = absl::GetFlag(FLAGS_tls_key);
+  if (const std::string f = absl::GetFlag(FLAGS_token_file); !f.empty()) {
+    absl::StatusOr<std::string> token = kvsparse::server::ReadTokenFile(f);
+    if (!token.ok()) return Fail("--token_file", token.status());
+    options.token = *token;
+  }
   auto client = KvStoreClient::Connect(options);
   if (!client.ok()) return Fail(cmd.c_str(), client.status());
   if (absl::Status s = (*client)->WaitForReady(absl::GetFlag(FLAGS_wait_for_ready)); !s.ok()) {

@@ -21,23 +21,41 @@ absl::StatusOr<std::unique_ptr<KvStoreClient>> KvStoreClient::Connect(ClientOpti
     return absl::InvalidArgumentError("timeout must be positive");
   }
   std::unique_ptr<KvStoreClient> c(new KvStoreClient(std::move(options)));
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(c->options_.max_message_bytes);
-  args.SetMaxSendMessageSize(c->options_.max_message_bytes);
-  c->channel_ =
-      grpc::CreateCustomChannel(c->options_.target, grpc::InsecureChannelCredentials(), args);
-  if (c->channel_ == nullptr) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("cannot create a channel to ", c->options_.target));
-  }
+  absl::StatusOr<std::shared_ptr<grpc::Channel>> channel = OpenChannel(c->options_);
+  if (!channel.ok()) return channel.status();
+  c->channel_ = std::move(*channel);
   c->stub_ = v1::KvStore::NewStub(c->channel_);
   c->health_ = grpc::health::v1::Health::NewStub(c->channel_);
   return c;
 }
 
-void KvStoreClient::SetDeadline(grpc::ClientContext* ctx) const {
-  ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+absl::StatusOr<std::shared_ptr<grpc::Channel>> OpenChannel(const ClientOptions& options) {
+  if (options.target.empty()) return absl::InvalidArgumentError("empty target");
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(options.max_message_bytes);
+  args.SetMaxSendMessageSize(options.max_message_bytes);
+  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
+  if (!options.tls.ca.empty() || !options.tls.cert.empty()) {
+    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> tls =
+        server::TlsChannelCredentials(options.tls);
+    if (!tls.ok()) return tls.status();
+    creds = *tls;
+  }
+  auto channel = grpc::CreateCustomChannel(options.target, creds, args);
+  if (channel == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("cannot create a channel to ", options.target));
+  }
+  return channel;
 }
+
+void PrepareContext(const ClientOptions& options, grpc::ClientContext* ctx) {
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + options.timeout));
+  if (!options.token.empty()) {
+    ctx->AddMetadata(server::kAuthMetadataKey, absl::StrCat(server::kBearerPrefix, options.token));
+  }
+}
+
+void KvStoreClient::PrepareCall(grpc::ClientContext* ctx) const { PrepareContext(options_, ctx); }
 
 absl::Status KvStoreClient::WaitForReady(absl::Duration timeout) {
   if (channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) {
@@ -49,7 +67,7 @@ absl::Status KvStoreClient::WaitForReady(absl::Duration timeout) {
 
 absl::Status KvStoreClient::CheckHealth(const std::string& service) {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx);
+  PrepareCall(&ctx);
   grpc::health::v1::HealthCheckRequest req;
   req.set_service(service);
   grpc::health::v1::HealthCheckResponse resp;
@@ -66,7 +84,7 @@ absl::StatusOr<v1::SequenceInfo> KvStoreClient::CreateSequence(const std::string
                                                                const v1::ModelShape& shape,
                                                                const v1::Placement& placement) {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx);
+  PrepareCall(&ctx);
   v1::CreateSequenceRequest req;
   req.set_sequence_id(sequence_id);
   *req.mutable_shape() = shape;
@@ -80,7 +98,7 @@ absl::StatusOr<v1::SequenceInfo> KvStoreClient::CreateSequence(const std::string
 absl::StatusOr<v1::DropSequenceResponse> KvStoreClient::DropSequence(
     const std::string& sequence_id) {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx);
+  PrepareCall(&ctx);
   v1::DropSequenceRequest req;
   req.set_sequence_id(sequence_id);
   v1::DropSequenceResponse resp;
@@ -91,7 +109,7 @@ absl::StatusOr<v1::DropSequenceResponse> KvStoreClient::DropSequence(
 
 absl::StatusOr<v1::AppendResponse> KvStoreClient::Append(const v1::AppendRequest& request) {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx);
+  PrepareCall(&ctx);
   v1::AppendResponse resp;
   absl::Status s = FromGrpcStatus(stub_->Append(&ctx, request, &resp));
   if (!s.ok()) return s;
@@ -100,7 +118,7 @@ absl::StatusOr<v1::AppendResponse> KvStoreClient::Append(const v1::AppendRequest
 
 absl::Status KvStoreClient::Gather(const v1::GatherRequest& request, v1::GatherResponse* response) {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx);
+  PrepareCall(&ctx);
   return FromGrpcStatus(stub_->Gather(&ctx, request, response));
 }
 
@@ -113,7 +131,7 @@ absl::StatusOr<v1::GatherResponse> KvStoreClient::Gather(const v1::GatherRequest
 
 absl::StatusOr<v1::SequenceInfo> KvStoreClient::GetSequenceInfo(const std::string& sequence_id) {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx);
+  PrepareCall(&ctx);
   v1::GetSequenceInfoRequest req;
   req.set_sequence_id(sequence_id);
   v1::SequenceInfo resp;
@@ -124,7 +142,7 @@ absl::StatusOr<v1::SequenceInfo> KvStoreClient::GetSequenceInfo(const std::strin
 
 absl::StatusOr<std::vector<v1::SequenceInfo>> KvStoreClient::ListSequences() {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx);
+  PrepareCall(&ctx);
   v1::ListSequencesResponse resp;
   absl::Status s = FromGrpcStatus(stub_->ListSequences(&ctx, {}, &resp));
   if (!s.ok()) return s;
@@ -133,7 +151,7 @@ absl::StatusOr<std::vector<v1::SequenceInfo>> KvStoreClient::ListSequences() {
 
 absl::StatusOr<v1::StoreStats> KvStoreClient::GetStats() {
   grpc::ClientContext ctx;
-  SetDeadline(&ctx);
+  PrepareCall(&ctx);
   v1::StoreStats resp;
   absl::Status s = FromGrpcStatus(stub_->GetStats(&ctx, {}, &resp));
   if (!s.ok()) return s;

@@ -23,6 +23,7 @@
 #include "absl/time/time.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kvsparse/v1/kvstore.grpc.pb.h"
+#include "server/security.h"
 
 namespace kvsparse::client {
 
@@ -31,7 +32,16 @@ struct ClientOptions {
   absl::Duration timeout = absl::Seconds(30);  // deadline of each call
   // Largest message accepted or sent; match the server's --max_message_size.
   int max_message_bytes = 256 << 20;
+  // TLS towards a server with --tls_cert (ca: the server's CA; cert + key: this client's
+  // certificate for --tls_client_ca); all empty: plaintext.
+  server::TlsFiles tls;
+  std::string token;  // bearer token for a server with --auth_tokens; empty: none
 };
+
+// The channel of these options (TLS when tls.ca is set), and a call's context: deadline
+// `timeout` from now and the bearer token.
+absl::StatusOr<std::shared_ptr<grpc::Channel>> OpenChannel(const ClientOptions& options);
+void PrepareContext(const ClientOptions& options, grpc::ClientContext* ctx);
 
 class KvStoreClient {
  public:
@@ -60,7 +70,7 @@ class KvStoreClient {
 
  private:
   explicit KvStoreClient(ClientOptions options);
-  void SetDeadline(grpc::ClientContext* ctx) const;
+  void PrepareCall(grpc::ClientContext* ctx) const;  // PrepareContext with this client's options
 
   const ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;

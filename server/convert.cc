@@ -287,7 +287,8 @@ absl::StatusOr<engine::Method> FromProto(const v1::Method& m) {
     case v1::Method::kSaap: {
       const v1::SaapParams& s = m.saap();
       out.kind = engine::MethodKind::kSaap;
-      if (s.probes() > (1u << 20) || s.sink_tokens() > (1u << 30) || s.local_tokens() > (1u << 30)) {
+      if (s.probes() > (1u << 20) || s.sink_tokens() > (1u << 30) ||
+          s.local_tokens() > (1u << 30)) {
         return absl::InvalidArgumentError("saap: a count is out of range");
       }
       out.saap.probes = s.probes() == 0 ? 8 : static_cast<int32_t>(s.probes());

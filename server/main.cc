@@ -23,17 +23,41 @@
 using kvsparse::server::ByteSize;
 
 ABSL_FLAG(std::string, listen, "127.0.0.1:50051",
-          "gRPC address to serve on (host:port; 0.0.0.0:PORT for all interfaces)");
+          "gRPC address to serve on (host:port; 0.0.0.0:PORT for all interfaces, which needs "
+          "--tls_cert/--tls_key or --insecure)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM certificate chain of this server: TLS on the gRPC port (with --tls_key); the files "
+          "are re-read every --tls_reload, so a renewed certificate needs no restart");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA certificate(s): mutual TLS, clients must present a certificate they signed");
+ABSL_FLAG(absl::Duration, tls_reload, absl::Seconds(60),
+          "How often the TLS files (server and --store_tls_*) are re-read");
+ABSL_FLAG(bool, insecure, false,
+          "Allow a non-loopback --listen without TLS (a network you trust: K/V cross in clear)");
+ABSL_FLAG(
+    std::string, auth_tokens, "",
+    "File of bearer tokens, one \"<token> <role>\" per line (role: read, write, admin): every "
+    "call must carry one (metadata \"authorization: Bearer <token>\"); empty: no tokens");
+ABSL_FLAG(std::string, store_tls_ca, "",
+          "role=worker: PEM CA of the store's certificate (TLS towards the store)");
+ABSL_FLAG(std::string, store_tls_cert, "",
+          "role=worker: PEM certificate of this worker for a store with mutual TLS");
+ABSL_FLAG(std::string, store_tls_key, "", "role=worker: PEM key of --store_tls_cert");
+ABSL_FLAG(std::string, store_token_file, "",
+          "role=worker: file holding the bearer token sent to the store (first line)");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "Address of the Prometheus /metrics endpoint; empty disables it");
 ABSL_FLAG(std::string, saap_weights, "",
           "SAAP partitions (format in kernels/saap.h, written by kvsparse-calibrate --saap_out): "
           "enables the saap method; each key's bucket is then its signature (sequences with "
           "signature_bits=32), and the hash methods are refused. Empty: none");
-ABSL_FLAG(uint64_t, max_sequences, 100000,
-          "Most sequences the store holds at once; creating more is RESOURCE_EXHAUSTED (0: no bound)");
-ABSL_FLAG(uint32_t, max_concurrent_calls, 256,
-          "Calls (and decode stream steps) served at once; more are RESOURCE_EXHAUSTED (0: no bound)");
+ABSL_FLAG(
+    uint64_t, max_sequences, 100000,
+    "Most sequences the store holds at once; creating more is RESOURCE_EXHAUSTED (0: no bound)");
+ABSL_FLAG(
+    uint32_t, max_concurrent_calls, 256,
+    "Calls (and decode stream steps) served at once; more are RESOURCE_EXHAUSTED (0: no bound)");
 ABSL_FLAG(uint32_t, max_concurrent_streams, 256,
           "DecodeStreams open at once; more are RESOURCE_EXHAUSTED (0: no bound)");
 ABSL_FLAG(ByteSize, max_decode_bytes, ByteSize{64ull << 30},
@@ -128,6 +152,22 @@ int main(int argc, char** argv) {
   options.store.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   options.engine.max_call_bytes = absl::GetFlag(FLAGS_max_decode_bytes).bytes;
   options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
+  const absl::Duration tls_reload = absl::GetFlag(FLAGS_tls_reload);
+  options.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+                 absl::GetFlag(FLAGS_tls_client_ca), tls_reload};
+  options.insecure = absl::GetFlag(FLAGS_insecure);
+  options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens);
+  options.store_tls = {absl::GetFlag(FLAGS_store_tls_cert), absl::GetFlag(FLAGS_store_tls_key),
+                       absl::GetFlag(FLAGS_store_tls_ca), tls_reload};
+  if (const std::string f = absl::GetFlag(FLAGS_store_token_file); !f.empty()) {
+    absl::StatusOr<std::string> token = kvsparse::server::ReadTokenFile(f);
+    if (!token.ok()) {
+      std::fprintf(stderr, "--store_token_file: %s\n",
+                   std::string(token.status().message()).c_str());
+      return 2;
+    }
+    options.store_token = *token;
+  }
   options.store.capacity_bytes = absl::GetFlag(FLAGS_capacity).bytes;
   options.store.page_bytes = absl::GetFlag(FLAGS_page_size).bytes;
   kvsparse::kvstore::HostMemoryOptions host;

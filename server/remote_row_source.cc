@@ -5,6 +5,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvsparse/v1/kvstore.grpc.pb.h"
 #include "server/convert.h"
+#include "server/security.h"
 #include "server/status.h"
 
 namespace kvsparse::server {
@@ -12,15 +13,15 @@ namespace {
 
 class RemoteRowSource final : public engine::RowSource {
  public:
-  explicit RemoteRowSource(std::shared_ptr<grpc::Channel> channel)
-      : stub_(v1::KvStore::NewStub(channel)) {}
+  RemoteRowSource(std::shared_ptr<grpc::Channel> channel, std::string token)
+      : stub_(v1::KvStore::NewStub(channel)), token_(std::move(token)) {}
 
   kvstore::Tier tier() const override { return kvstore::Tier::kRemote; }
 
   absl::StatusOr<engine::SequenceDesc> Describe(absl::string_view id,
                                                 absl::Time deadline) override {
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(deadline));
+    Prepare(&ctx, deadline);
     v1::GetSequenceInfoRequest req;
     req.set_sequence_id(std::string(id));
     v1::SequenceInfo info;
@@ -45,7 +46,7 @@ class RemoteRowSource final : public engine::RowSource {
                       uint64_t expected_length, uint64_t num_tokens, absl::Span<const uint8_t> k,
                       absl::Span<const uint8_t> v, absl::Time deadline) override {
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(deadline));
+    Prepare(&ctx, deadline);
     v1::AppendRequest req;
     req.set_sequence_id(std::string(id));
     req.set_first_layer(layer);
@@ -68,7 +69,7 @@ class RemoteRowSource final : public engine::RowSource {
                                   absl::Span<const engine::RowRequest> heads, uint8_t* k_out,
                                   uint8_t* v_out, absl::Time deadline) override {
     grpc::ClientContext ctx;
-    ctx.set_deadline(absl::ToChronoTime(deadline));
+    Prepare(&ctx, deadline);
     v1::GatherRequest req;
     req.set_sequence_id(std::string(id));
     req.set_layer(layer);
@@ -98,22 +99,34 @@ class RemoteRowSource final : public engine::RowSource {
   }
 
  private:
-  // A store-side failure keeps its code; an unreachable store says so.
+  void Prepare(grpc::ClientContext* ctx, absl::Time deadline) const {
+    ctx->set_deadline(absl::ToChronoTime(deadline));
+    if (!token_.empty()) ctx->AddMetadata(kAuthMetadataKey, absl::StrCat(kBearerPrefix, token_));
+  }
+  // A store-side failure keeps its code; an unreachable store says so; a store that refuses
+  // this worker's credentials is the deployment's fault, not the caller's (INTERNAL, logged).
   static absl::Status Remote(const grpc::Status& s) {
     absl::Status st = FromGrpcStatus(s);
     if (st.code() == absl::StatusCode::kUnavailable) {
       return absl::UnavailableError(absl::StrCat("store unavailable: ", st.message()));
     }
+    if (st.code() == absl::StatusCode::kUnauthenticated ||
+        st.code() == absl::StatusCode::kPermissionDenied) {
+      return absl::InternalError(absl::StrCat(
+          "the store refused this worker (--store_token_file, --store_tls_*): ", st.message()));
+    }
     return st;
   }
 
   std::unique_ptr<v1::KvStore::Stub> stub_;
+  const std::string token_;
 };
 
 }  // namespace
 
-std::unique_ptr<engine::RowSource> NewRemoteRowSource(std::shared_ptr<grpc::Channel> channel) {
-  return std::make_unique<RemoteRowSource>(std::move(channel));
+std::unique_ptr<engine::RowSource> NewRemoteRowSource(std::shared_ptr<grpc::Channel> channel,
+                                                      std::string token) {
+  return std::make_unique<RemoteRowSource>(std::move(channel), std::move(token));
 }
 
 }  // namespace kvsparse::server

@@ -6,13 +6,16 @@
 #include <grpcpp/channel.h>
 
 #include <memory>
+#include <string>
 
 #include "engine/row_source.h"
 
 namespace kvsparse::server {
 
-// The channel's message limits must allow the largest gather (see ServerOptions).
-std::unique_ptr<engine::RowSource> NewRemoteRowSource(std::shared_ptr<grpc::Channel> channel);
+// The channel's message limits must allow the largest gather (see ServerOptions). token: sent as
+// a bearer token with every call (a store with --auth_tokens); empty: none.
+std::unique_ptr<engine::RowSource> NewRemoteRowSource(std::shared_ptr<grpc::Channel> channel,
+                                                      std::string token = "");
 
 }  // namespace kvsparse::server
 

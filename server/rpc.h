@@ -1,7 +1,8 @@
-// The one wrapper every RPC handler runs through: it applies the server's default deadline to
-// calls that carry none, refuses calls already cancelled or past their deadline and calls beyond
-// the server's concurrency limits (RESOURCE_EXHAUSTED), times the call, counts it by method and
-// status code, logs failures, and maps the status to gRPC.
+// The one wrapper every RPC handler runs through: it checks the caller's bearer token against
+// the method's role (with --auth_tokens: UNAUTHENTICATED / PERMISSION_DENIED), applies the
+// server's default deadline to calls that carry none, refuses calls already cancelled or past
+// their deadline and calls beyond the server's concurrency limits (RESOURCE_EXHAUSTED), times
+// the call, counts it by method and status code, logs failures, and maps the status to gRPC.
 #ifndef KVSPARSE_SERVER_RPC_H_
 #define KVSPARSE_SERVER_RPC_H_
 
@@ -18,6 +19,7 @@
 #include "absl/time/time.h"
 #include "server/logging.h"
 #include "server/metrics.h"
+#include "server/security.h"
 #include "server/status.h"
 
 namespace kvsparse::server {
@@ -30,8 +32,10 @@ struct RpcLimits {
 class RpcRunner {
  public:
   // default_deadline: applied to calls that carry no deadline of their own.
-  explicit RpcRunner(absl::Duration default_deadline, RpcLimits limits = RpcLimits())
-      : default_deadline_(default_deadline), limits_(limits) {}
+  // auth: the tokens every call must carry (null: none needed); must outlive the runner.
+  explicit RpcRunner(absl::Duration default_deadline, RpcLimits limits = RpcLimits(),
+                     const TokenAuth* auth = nullptr)
+      : default_deadline_(default_deadline), limits_(limits), auth_(auth) {}
 
   // One of `max` slots of a counter, held until destroyed; empty (false) when all were taken.
   class Slot {
@@ -76,9 +80,12 @@ class RpcRunner {
   grpc::Status Run(RpcMetric* metric, grpc::ServerContext* ctx, Body&& body) const {
     const absl::Time start = absl::Now();
     const absl::Time deadline = Deadline(*ctx, start);
-    absl::Status status;
+    absl::Status status =
+        auth_ == nullptr ? absl::OkStatus() : auth_->Check(*ctx, metric->method());
     const Slot slot(&calls_, limits_.max_calls);
-    if (!slot) {
+    if (!status.ok()) {
+      // refused before any work (the token is checked first)
+    } else if (!slot) {
       status = absl::ResourceExhaustedError(absl::StrCat(
           "server busy: ", limits_.max_calls, " calls in flight (--max_concurrent_calls)"));
     } else if (ctx->IsCancelled()) {
@@ -96,8 +103,11 @@ class RpcRunner {
                                 status.code() == absl::StatusCode::kDataLoss;
       if (server_fault) {
         KVSPARSE_LOG(Error) << metric->method() << " from " << ctx->peer() << ": " << status;
-      } else if (status.code() == absl::StatusCode::kResourceExhausted) {
-        // Capacity is an operator's concern; bad requests are the client's (debug level).
+      } else if (status.code() == absl::StatusCode::kResourceExhausted ||
+                 status.code() == absl::StatusCode::kUnauthenticated ||
+                 status.code() == absl::StatusCode::kPermissionDenied) {
+        // Capacity and refused credentials are an operator's concern; bad requests are the
+        // client's (debug level).
         KVSPARSE_LOG(Warning) << metric->method() << " from " << ctx->peer() << ": " << status;
       } else {
         KVSPARSE_LOG(Debug) << metric->method() << " from " << ctx->peer() << ": " << status;
@@ -111,6 +121,7 @@ class RpcRunner {
  private:
   const absl::Duration default_deadline_;
   const RpcLimits limits_;
+  const TokenAuth* const auth_;
   mutable std::atomic<size_t> calls_{0}, streams_{0};
 };
 

@@ -43,14 +43,36 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   options.store.max_gather_bytes = std::min(options.store.max_gather_bytes, payload_limit);
   options.store.max_append_bytes = std::min(options.store.max_append_bytes, payload_limit / 2);
 
+  // Transport security first: a server that would expose K/V in clear text refuses to start.
+  const bool tls = !options.tls.cert.empty() || !options.tls.key.empty();
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  if (tls) {
+    absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> c = TlsServerCredentials(options.tls);
+    if (!c.ok()) return c.status();
+    creds = *c;
+  } else if (!options.tls.ca.empty()) {
+    return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert and --tls_key");
+  } else if (!IsLoopbackAddress(options.listen) && !options.insecure) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "refusing to listen on ", options.listen,
+        " without TLS: K/V and queries would cross the network in clear text; give --tls_cert "
+        "and --tls_key, or --insecure on a network you trust"));
+  }
   std::unique_ptr<Server> s(new Server());
   s->options_ = options;
+  if (!options.auth_tokens_file.empty()) {
+    absl::StatusOr<std::unique_ptr<TokenAuth>> auth = TokenAuth::Load(options.auth_tokens_file);
+    if (!auth.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--auth_tokens: ", auth.status().message()));
+    }
+    s->auth_ = std::move(*auth);
+  }
   absl::StatusOr<std::unique_ptr<Metrics>> metrics = Metrics::Create(options.metrics_listen);
   if (!metrics.ok()) return metrics.status();
   s->metrics_ = std::move(*metrics);
   s->rpc_ = std::make_unique<RpcRunner>(
       options.default_deadline,
-      RpcLimits{options.max_concurrent_calls, options.max_concurrent_streams});
+      RpcLimits{options.max_concurrent_calls, options.max_concurrent_streams}, s->auth_.get());
   if (options.role != ServerRole::kWorker) {
     absl::StatusOr<std::unique_ptr<kvstore::Store>> store = kvstore::Store::Create(options.store);
     if (!store.ok()) return store.status();
@@ -66,14 +88,22 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       grpc::ChannelArguments args;
       args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
       args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-      auto channel =
-          grpc::CreateCustomChannel(options.store_target, grpc::InsecureChannelCredentials(), args);
+      std::shared_ptr<grpc::ChannelCredentials> store_creds = grpc::InsecureChannelCredentials();
+      if (!options.store_tls.ca.empty() || !options.store_tls.cert.empty()) {
+        absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> c =
+            TlsChannelCredentials(options.store_tls);
+        if (!c.ok()) {
+          return absl::InvalidArgumentError(absl::StrCat("--store_tls_*: ", c.status().message()));
+        }
+        store_creds = *c;
+      }
+      auto channel = grpc::CreateCustomChannel(options.store_target, store_creds, args);
       if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + absl::Seconds(5)))) {
         KVSPARSE_LOG(Warning)
             << "store " << options.store_target
             << " not reachable yet; Decode calls fail with UNAVAILABLE until it is";
       }
-      s->row_source_ = NewRemoteRowSource(std::move(channel));
+      s->row_source_ = NewRemoteRowSource(std::move(channel), options.store_token);
     }
     engine::GpuBackendOptions go = engine::BackendOptionsFor(options.engine);
     go.device = options.gpu_device;
@@ -101,7 +131,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, grpc::InsecureServerCredentials(), &s->port_);
+  builder.AddListeningPort(options.listen, creds, &s->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   auto ms = [](absl::Duration d) { return static_cast<int>(absl::ToInt64Milliseconds(d)); };
@@ -130,7 +160,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       << (s->engine_ ? s->engine_->backend() : "no") << " decode engine"
       << (options.role == ServerRole::kWorker ? absl::StrCat(", store at ", options.store_target)
                                               : std::string())
-      << ") listening on " << options.listen << " (port " << s->port_ << "), metrics on "
+      << ") listening on " << options.listen << " (port " << s->port_ << "), "
+      << (tls ? (options.tls.ca.empty() ? "TLS" : "mutual TLS") : "plaintext")
+      << (s->auth_ ? absl::StrCat(", ", s->auth_->size(), " bearer tokens") : std::string())
+      << ", metrics on "
       << (options.metrics_listen.empty()
               ? std::string("(off)")
               : absl::StrCat(options.metrics_listen, " (port ", s->metrics_->port(), ")"))

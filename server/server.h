@@ -22,6 +22,7 @@
 #include "kvstore/store.h"
 #include "server/metrics.h"
 #include "server/rpc.h"
+#include "server/security.h"
 
 namespace kvsparse::server {
 
@@ -58,6 +59,16 @@ struct ServerOptions {
   absl::Duration max_connection_idle = absl::ZeroDuration();
   // On shutdown, in-flight calls get this long to finish before they are cancelled.
   absl::Duration shutdown_grace = absl::Seconds(10);
+  // TLS on the gRPC port (cert + key; ca: mutual TLS, clients must present a certificate it
+  // signed). Without TLS the server listens on loopback addresses only, unless `insecure`.
+  TlsFiles tls;
+  bool insecure = false;
+  // Bearer tokens with roles every call must carry (server/security.h TokenAuth); empty: none.
+  std::string auth_tokens_file;
+  // kWorker: TLS towards the store (ca: the store's CA; cert + key: this worker's identity for
+  // a store with mutual TLS) and the token sent to it.
+  TlsFiles store_tls;
+  std::string store_token;
   kvstore::StoreOptions store;
   engine::EngineOptions engine;
   // The decode engine's GPU backend (engine/cuda/gpu_backend.h), in builds with CUDA: kAuto uses it
@@ -99,6 +110,7 @@ class Server {
   ServerOptions options_;
   std::unique_ptr<kvstore::Store> store_;
   std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<TokenAuth> auth_;
   std::unique_ptr<RpcRunner> rpc_;
   std::unique_ptr<KvStoreService> kvstore_service_;
   std::unique_ptr<engine::RowSource> row_source_;

@@ -37,10 +37,69 @@ _CHANNEL_OPTIONS = [
 T = TypeVar("T")
 
 
-def open_channel(target: str) -> grpc.Channel:
-    """An insecure channel to kvsparse-server at target ("host:port") with message limits large
-    enough for the server's."""
-    return grpc.insecure_channel(target, options=_CHANNEL_OPTIONS)
+@dataclass(frozen=True)
+class Credentials:
+    """How a channel reaches a kvsparse-server with ``--tls_cert`` / ``--tls_client_ca`` /
+    ``--auth_tokens`` (docs/RELIABILITY.md): PEM file paths and a bearer token.
+
+    ``ca``: the CA of the server's certificate (TLS; the server's name is checked against the
+    target's host, or ``server_name``); ``cert`` + ``key``: this client's certificate (mutual TLS);
+    ``token``: sent as ``authorization: Bearer <token>`` with every call (its role decides what the
+    server allows: read, write or admin)."""
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    token: str | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("a client certificate needs both cert and key")
+        if self.cert is not None and self.ca is None:
+            raise ValueError("a client certificate needs TLS: give ca too")
+
+
+class _BearerToken(grpc.UnaryUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds the bearer token to every call's metadata (plaintext loopback channels included,
+    where gRPC's call credentials are not sent)."""
+
+    def __init__(self, token: str) -> None:
+        self._metadata = ("authorization", f"Bearer {token}")
+
+    def _details(self, details: Any) -> Any:
+        metadata = list(details.metadata or []) + [self._metadata]
+        return details._replace(metadata=metadata)
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+
+def _read(path: str | None) -> bytes | None:
+    if path is None:
+        return None
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def open_channel(target: str, credentials: Credentials | None = None) -> grpc.Channel:
+    """A channel to kvsparse-server at target ("host:port") with message limits large enough for
+    the server's: plaintext, or TLS / mutual TLS and a bearer token as ``credentials`` say."""
+    c = credentials or Credentials()
+    options = list(_CHANNEL_OPTIONS)
+    if c.ca is not None:
+        tls = grpc.ssl_channel_credentials(_read(c.ca), _read(c.key), _read(c.cert))
+        if c.server_name is not None:
+            options.append(("grpc.ssl_target_name_override", c.server_name))
+        channel = grpc.secure_channel(target, tls, options=options)
+    else:
+        channel = grpc.insecure_channel(target, options=options)
+    if c.token is not None:
+        channel = grpc.intercept_channel(channel, _BearerToken(c.token))
+    return channel
 
 
 class _Base:
@@ -49,12 +108,19 @@ class _Base:
     _stub_class: Any = None  # the service's generated stub
 
     def __init__(
-        self, target: str | None = None, *, channel: grpc.Channel | None = None, timeout: float = DEFAULT_TIMEOUT
+        self,
+        target: str | None = None,
+        *,
+        channel: grpc.Channel | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+        credentials: Credentials | None = None,
     ) -> None:
         if (target is None) == (channel is None):
             raise ValueError("give exactly one of target and channel")
+        if channel is not None and credentials is not None:
+            raise ValueError("credentials apply to a channel of the client's own (target)")
         self._own_channel = channel is None
-        self._channel = channel if channel is not None else open_channel(str(target))
+        self._channel = channel if channel is not None else open_channel(str(target), credentials)
         self.timeout = timeout
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._stub = self._stub_class(self._channel)
@@ -467,13 +533,16 @@ class Client:
     target: str
     timeout: float = DEFAULT_TIMEOUT
     store_target: str | None = None
+    credentials: Credentials | None = None  # TLS and token, for both targets
     store: KvStoreClient = field(init=False)
     attention: AttentionClient = field(init=False)
 
     def __post_init__(self) -> None:
-        self._channel = open_channel(self.target)
+        self._channel = open_channel(self.target, self.credentials)
         split = self.store_target is not None and self.store_target != self.target
-        self._store_channel = open_channel(self.store_target) if split else self._channel  # type: ignore[arg-type]
+        self._store_channel = (
+            open_channel(self.store_target, self.credentials) if split else self._channel  # type: ignore[arg-type]
+        )
         self.store = KvStoreClient(channel=self._store_channel, timeout=self.timeout)
         self.attention = AttentionClient(channel=self._channel, timeout=self.timeout)
 

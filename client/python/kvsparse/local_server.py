@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvsparse.client import KvStoreClient
+from kvsparse.client import Credentials, KvStoreClient
 from kvsparse.errors import KvSparseError
 
 
@@ -36,10 +36,19 @@ def find_server_binary() -> str:
 
 class LocalServer:
     """A kvsparse-server process on 127.0.0.1. ``flags`` are its command-line flags without the
-    leading dashes (``capacity="2G"``, ``gpu="off"``); ``target`` is its address once started."""
+    leading dashes (``capacity="2G"``, ``gpu="off"``); ``target`` is its address once started.
+    ``credentials``: what the start-up health check connects with (a server with ``tls_cert``)."""
 
-    def __init__(self, binary: str | None = None, *, startup_timeout: float = 30.0, **flags: object) -> None:
+    def __init__(
+        self,
+        binary: str | None = None,
+        *,
+        startup_timeout: float = 30.0,
+        credentials: Credentials | None = None,
+        **flags: object,
+    ) -> None:
         self.binary = binary or find_server_binary()
+        self.credentials = credentials
         self.flags = {"metrics_listen": "", "log_level": "warning", **flags}
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen[bytes] | None = None
@@ -77,7 +86,7 @@ class LocalServer:
                 raise RuntimeError(f"no port after {self.startup_timeout} s")
             time.sleep(0.02)
         self.port = int(port_file.read_text().split()[0])
-        with KvStoreClient(self.target, timeout=2.0) as client:
+        with KvStoreClient(self.target, timeout=2.0, credentials=self.credentials) as client:
             while time.monotonic() < deadline:
                 if self.process is not None and self.process.poll() is not None:
                     raise RuntimeError(f"exited with {self.process.returncode}: {self.log()[-2000:]}")

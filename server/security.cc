@@ -1,0 +1,229 @@
+#include "server/security.h"
+
+#include <grpcpp/security/tls_certificate_provider.h>
+#include <grpcpp/security/tls_credentials_options.h>
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace kvsparse::server {
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  if (!f) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+// The file must exist and hold a PEM block (the watcher re-reads it; this catches a wrong path
+// or a wrong file at start-up, with the flag's name, rather than at the first handshake).
+absl::Status CheckPem(const std::string& path, absl::string_view what) {
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (!text.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", text.status().message()));
+  }
+  if (!absl::StrContains(*text, "-----BEGIN ")) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": ", path, " holds no PEM block"));
+  }
+  return absl::OkStatus();
+}
+
+unsigned int ReloadSeconds(absl::Duration d) {
+  return static_cast<unsigned int>(std::max<int64_t>(1, absl::ToInt64Seconds(d)));
+}
+
+// Constant-time equality: the time depends on the lengths only, not on where they differ.
+bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
+  const size_t n = std::max(a.size(), b.size());
+  unsigned char diff = a.size() == b.size() ? 0 : 1;
+  for (size_t i = 0; i < n; ++i) {
+    const unsigned char x = i < a.size() ? static_cast<unsigned char>(a[i]) : 0;
+    const unsigned char y = i < b.size() ? static_cast<unsigned char>(b[i]) : 0;
+    diff |= x ^ y;
+  }
+  return diff == 0;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsServerCredentials(const TlsFiles& f) {
+  if (f.cert.empty() || f.key.empty()) {
+    return absl::InvalidArgumentError("TLS needs both --tls_cert and --tls_key");
+  }
+  if (absl::Status s = CheckPem(f.cert, "--tls_cert"); !s.ok()) return s;
+  if (absl::Status s = CheckPem(f.key, "--tls_key"); !s.ok()) return s;
+  if (!f.ca.empty()) {
+    if (absl::Status s = CheckPem(f.ca, "--tls_client_ca"); !s.ok()) return s;
+  }
+  auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      f.key, f.cert, f.ca, ReloadSeconds(f.reload));
+  grpc::experimental::TlsServerCredentialsOptions options(provider);
+  options.watch_identity_key_cert_pairs();
+  if (!f.ca.empty()) {
+    options.watch_root_certs();
+    options.set_cert_request_type(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  } else {
+    options.set_cert_request_type(GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+  }
+  return grpc::experimental::TlsServerCredentials(options);
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsChannelCredentials(const TlsFiles& f) {
+  if (f.ca.empty()) return absl::InvalidArgumentError("TLS needs the server's CA certificate");
+  if (f.cert.empty() != f.key.empty()) {
+    return absl::InvalidArgumentError("a client certificate needs both its cert and its key");
+  }
+  if (absl::Status s = CheckPem(f.ca, "CA certificate"); !s.ok()) return s;
+  if (!f.cert.empty()) {
+    if (absl::Status s = CheckPem(f.cert, "client certificate"); !s.ok()) return s;
+    if (absl::Status s = CheckPem(f.key, "client key"); !s.ok()) return s;
+  }
+  auto provider = std::make_shared<grpc::experimental::FileWatcherCertificateProvider>(
+      f.key, f.cert, f.ca, ReloadSeconds(f.reload));
+  grpc::experimental::TlsChannelCredentialsOptions options;
+  options.set_certificate_provider(provider);
+  options.watch_root_certs();
+  if (!f.cert.empty()) options.watch_identity_key_cert_pairs();
+  options.set_verify_server_certs(true);
+  return grpc::experimental::TlsCredentials(options);
+}
+
+bool IsLoopbackAddress(absl::string_view listen) {
+  absl::string_view host = listen;
+  if (absl::ConsumePrefix(&host, "[")) {
+    const size_t end = host.find(']');
+    if (end == absl::string_view::npos) return false;
+    return host.substr(0, end) == "::1";
+  }
+  const size_t colon = host.rfind(':');
+  if (colon != absl::string_view::npos) host = host.substr(0, colon);
+  if (host == "localhost") return true;
+  // 127.0.0.0/8 in dotted decimal.
+  std::vector<absl::string_view> parts = absl::StrSplit(host, '.');
+  if (parts.size() != 4) return false;
+  for (absl::string_view p : parts) {
+    int v = 0;
+    if (!absl::SimpleAtoi(p, &v) || v < 0 || v > 255) return false;
+  }
+  return parts[0] == "127";
+}
+
+absl::string_view RoleName(Role r) {
+  switch (r) {
+    case Role::kRead:
+      return "read";
+    case Role::kWrite:
+      return "write";
+    case Role::kAdmin:
+      return "admin";
+  }
+  return "?";
+}
+
+Role RoleNeeded(absl::string_view method) {
+  for (absl::string_view m :
+       {"Gather", "GetSequenceInfo", "ListSequences", "GetStats", "Decode", "DecodeStream"}) {
+    if (method == m) return Role::kRead;
+  }
+  for (absl::string_view m : {"CreateSequence", "Append", "DropSequence"}) {
+    if (method == m) return Role::kWrite;
+  }
+  return Role::kAdmin;
+}
+
+absl::StatusOr<std::unique_ptr<TokenAuth>> TokenAuth::Load(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (!text.ok()) return text.status();
+  return Parse(*text, path);
+}
+
+absl::StatusOr<std::unique_ptr<TokenAuth>> TokenAuth::Parse(absl::string_view text,
+                                                            absl::string_view source) {
+  auto auth = std::unique_ptr<TokenAuth>(new TokenAuth());
+  int line_no = 0;
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    ++line_no;
+    line = absl::StripAsciiWhitespace(line);
+    if (line.empty() || line[0] == '#') continue;
+    std::vector<absl::string_view> f = absl::StrSplit(line, ' ', absl::SkipWhitespace());
+    auto bad = [&](absl::string_view why) {
+      return absl::InvalidArgumentError(absl::StrCat(source, ":", line_no, ": ", why));
+    };
+    if (f.size() != 2) return bad("expected \"<token> <role>\"");
+    const absl::string_view token = f[0];
+    if (token.size() < 16 || token.size() > 512) return bad("a token has 16..512 characters");
+    for (char c : token) {
+      if (c < 0x21 || c > 0x7e) return bad("a token is printable ASCII without spaces");
+    }
+    Role role;
+    if (f[1] == "read") {
+      role = Role::kRead;
+    } else if (f[1] == "write") {
+      role = Role::kWrite;
+    } else if (f[1] == "admin") {
+      role = Role::kAdmin;
+    } else {
+      return bad(absl::StrCat("unknown role '", f[1], "' (read, write or admin)"));
+    }
+    for (const Entry& e : auth->tokens_) {
+      if (e.token == token) return bad("the same token twice");
+    }
+    auth->tokens_.push_back({std::string(token), role});
+  }
+  if (auth->tokens_.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(source, ": no tokens"));
+  }
+  return auth;
+}
+
+absl::Status TokenAuth::Check(const grpc::ServerContextBase& ctx, absl::string_view method) const {
+  const auto& md = ctx.client_metadata();
+  const auto it = md.find(kAuthMetadataKey);
+  if (it == md.end()) {
+    return absl::UnauthenticatedError(
+        "this server requires a bearer token (metadata \"authorization: Bearer <token>\")");
+  }
+  absl::string_view value(it->second.data(), it->second.size());
+  if (!absl::ConsumePrefix(&value, kBearerPrefix)) {
+    return absl::UnauthenticatedError("the authorization metadata is not \"Bearer <token>\"");
+  }
+  return CheckToken(value, method);
+}
+
+absl::Status TokenAuth::CheckToken(absl::string_view token, absl::string_view method) const {
+  // Every entry is compared, in constant time, whichever matches.
+  const Entry* match = nullptr;
+  for (const Entry& e : tokens_) {
+    if (ConstantTimeEquals(e.token, token) && match == nullptr) match = &e;
+  }
+  if (match == nullptr) return absl::UnauthenticatedError("unknown bearer token");
+  const Role needed = RoleNeeded(method);
+  if (static_cast<int>(match->role) < static_cast<int>(needed)) {
+    return absl::PermissionDeniedError(absl::StrCat(method, " needs a token with role ",
+                                                    RoleName(needed), "; this token's is ",
+                                                    RoleName(match->role)));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadFile(path);
+  if (!text.ok()) return text.status();
+  absl::string_view first = *text;
+  first = first.substr(0, first.find('\n'));
+  first = absl::StripAsciiWhitespace(first);
+  if (first.empty()) return absl::InvalidArgumentError(absl::StrCat(path, ": empty token file"));
+  return std::string(first);
+}
+
+}  // namespace kvsparse::server

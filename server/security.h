@@ -1,0 +1,91 @@
+// Transport security and access control (docs/RELIABILITY.md, "Threat model"):
+//   - TLS and mutual TLS from PEM files, for the server's port and for a client's channel (a
+//     worker's to its store, the C++ clients'); the files are watched and re-read every
+//     `reload` (gRPC's FileWatcherCertificateProvider): a renewed certificate is served to new
+//     connections without a restart;
+//   - bearer tokens ("authorization: Bearer <token>" metadata) from a file, each with a role,
+//     compared in constant time, checked for every call of both services in one place
+//     (RpcRunner, server/rpc.h); grpc.health.v1 and reflection stay open (probes, tooling).
+#ifndef KVSPARSE_SERVER_SECURITY_H_
+#define KVSPARSE_SERVER_SECURITY_H_
+
+#include <grpcpp/security/credentials.h>
+#include <grpcpp/security/server_credentials.h>
+#include <grpcpp/server_context.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+
+namespace kvsparse::server {
+
+// PEM files. Server side: cert + key (its identity), ca: the CA that signs client certificates
+// (set: mutual TLS, a client without a valid certificate is refused). Client side: ca: the CA
+// that signs the server's certificate (set: TLS), cert + key: the client's identity (mTLS).
+struct TlsFiles {
+  std::string cert;
+  std::string key;
+  std::string ca;
+  absl::Duration reload = absl::Seconds(60);  // how often the files are re-read
+};
+
+// INVALID_ARGUMENT naming the file when one cannot be read or holds no PEM block, or when cert
+// and key are not given together. Server: cert and key required.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsServerCredentials(const TlsFiles& f);
+// Client: ca required (the server is verified, its name against the target's host); cert + key
+// optional (mTLS).
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsChannelCredentials(const TlsFiles& f);
+
+// Whether a listen address (host:port) binds only the loopback interface: 127.0.0.0/8, [::1],
+// localhost. 0.0.0.0, [::], other hosts: no.
+bool IsLoopbackAddress(absl::string_view listen);
+
+// What a call may do. Each role includes the ones below it.
+enum class Role : int {
+  kRead = 1,   // Gather, GetSequenceInfo, ListSequences, GetStats, Decode, DecodeStream
+  kWrite = 2,  // and CreateSequence, Append, DropSequence
+  kAdmin = 3,  // everything (the role operators' tools use)
+};
+absl::string_view RoleName(Role r);
+// The role a method (its name as in the proto) needs; unknown methods need kAdmin.
+Role RoleNeeded(absl::string_view method);
+
+// The metadata key and prefix clients send a token in.
+inline constexpr char kAuthMetadataKey[] = "authorization";
+inline constexpr char kBearerPrefix[] = "Bearer ";
+
+class TokenAuth {
+ public:
+  // A token file: one token per line, "<token> <role>" (role: read, write or admin), '#'
+  // comments and blank lines ignored; tokens of 16..512 printable characters, no spaces.
+  // INVALID_ARGUMENT naming the line for anything else, NOT_FOUND without the file.
+  static absl::StatusOr<std::unique_ptr<TokenAuth>> Load(const std::string& path);
+  static absl::StatusOr<std::unique_ptr<TokenAuth>> Parse(absl::string_view text,
+                                                          absl::string_view source);
+
+  // OK if the call carries a known token whose role covers `method`; UNAUTHENTICATED for a
+  // missing, malformed or unknown token; PERMISSION_DENIED for a role below the method's.
+  absl::Status Check(const grpc::ServerContextBase& ctx, absl::string_view method) const;
+  // The same on a token value (the part after "Bearer ").
+  absl::Status CheckToken(absl::string_view token, absl::string_view method) const;
+  size_t size() const { return tokens_.size(); }
+
+ private:
+  struct Entry {
+    std::string token;
+    Role role;
+  };
+  std::vector<Entry> tokens_;
+};
+
+// A token from a file (its first line, trimmed): what clients and workers send.
+absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
+
+}  // namespace kvsparse::server
+
+#endif  // KVSPARSE_SERVER_SECURITY_H_

@@ -1,0 +1,76 @@
+#include "server/security.h"
+
+#include <fstream>
+#include <string>
+
+#include "gtest/gtest.h"
+
+namespace kvsparse::server {
+namespace {
+
+TEST(SecurityTest, LoopbackAddresses) {
+  for (const char* a : {"127.0.0.1:50051", "127.1.2.3:0", "localhost:80", "[::1]:50051"}) {
+    EXPECT_TRUE(IsLoopbackAddress(a)) << a;
+  }
+  for (const char* a : {"0.0.0.0:50051", "[::]:50051", "10.0.0.1:1", "example.com:443",
+                        "128.0.0.1:1", "127.0.0:1", "[::1:1", "127.0.0.1.5:1"}) {
+    EXPECT_FALSE(IsLoopbackAddress(a)) << a;
+  }
+}
+
+TEST(SecurityTest, RolesCoverTheMethods) {
+  for (const char* m :
+       {"Gather", "Decode", "DecodeStream", "ListSequences", "GetSequenceInfo", "GetStats"}) {
+    EXPECT_EQ(RoleNeeded(m), Role::kRead) << m;
+  }
+  for (const char* m : {"CreateSequence", "Append", "DropSequence"}) {
+    EXPECT_EQ(RoleNeeded(m), Role::kWrite) << m;
+  }
+  EXPECT_EQ(RoleNeeded("SomethingNew"), Role::kAdmin);
+}
+
+TEST(SecurityTest, TokenFile) {
+  auto auth = TokenAuth::Parse(
+      "# comment\n\n  reader-0123456789abcdef  read \nwriter-0123456789abcdef write\n"
+      "admin-0123456789abcdefg admin\n",
+      "tokens");
+  ASSERT_TRUE(auth.ok()) << auth.status();
+  EXPECT_EQ((*auth)->size(), 3u);
+  EXPECT_TRUE((*auth)->CheckToken("reader-0123456789abcdef", "Gather").ok());
+  EXPECT_EQ((*auth)->CheckToken("reader-0123456789abcdef", "Append").code(),
+            absl::StatusCode::kPermissionDenied);
+  EXPECT_TRUE((*auth)->CheckToken("writer-0123456789abcdef", "DropSequence").ok());
+  EXPECT_TRUE((*auth)->CheckToken("admin-0123456789abcdefg", "SomethingNew").ok());
+  EXPECT_EQ((*auth)->CheckToken("writer-0123456789abcdeX", "Gather").code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ((*auth)->CheckToken("writer-0123456789abcde", "Gather").code(),  // a prefix
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ((*auth)->CheckToken("", "Gather").code(), absl::StatusCode::kUnauthenticated);
+
+  for (const char* bad :
+       {"short read\n", "reader-0123456789abcdef reader\n", "reader-0123456789abcdef\n", "a b c\n",
+        "# only comments\n", "reader-0123456789abcdef read\nreader-0123456789abcdef write\n"}) {
+    auto r = TokenAuth::Parse(bad, "tokens");
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  EXPECT_EQ(TokenAuth::Load("/nonexistent/tokens").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(SecurityTest, TlsFilesAreCheckedAtStart) {
+  TlsFiles f;
+  f.cert = "/nonexistent/cert.pem";
+  EXPECT_EQ(TlsServerCredentials(f).status().code(), absl::StatusCode::kInvalidArgument);
+  f.key = "/nonexistent/key.pem";
+  auto s = TlsServerCredentials(f);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.status().message().find("--tls_cert"), std::string::npos) << s.status();
+  TlsFiles c;
+  EXPECT_EQ(TlsChannelCredentials(c).status().code(), absl::StatusCode::kInvalidArgument);
+  c.ca = testing::TempDir() + "/not-a-pem";  // exists, no PEM block
+  std::ofstream(c.ca) << "hello\n";
+  auto r = TlsChannelCredentials(c);
+  EXPECT_NE(r.status().message().find("no PEM block"), std::string::npos) << r.status();
+}
+
+}  // namespace
+}  // namespace kvsparse::server
