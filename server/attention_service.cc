@@ -14,10 +14,12 @@ AttentionService::AttentionService(engine::DecodeEngine* engine, const RpcRunner
       decode_(metrics->Rpc("Decode")),
       stream_(metrics->Rpc("DecodeStream")) {}
 
-absl::Status AttentionService::Run(const v1::DecodeRequest& req, absl::Time start,
-                                   absl::Time deadline, v1::DecodeResponse* resp) {
+absl::Status AttentionService::Run(const v1::DecodeRequest& req, absl::string_view tenant,
+                                   absl::Time start, absl::Time deadline,
+                                   v1::DecodeResponse* resp) {
   absl::StatusOr<engine::DecodeCall> call = FromProto(req);
   if (!call.ok()) return call.status();
+  for (std::string& id : call->sequence_ids) id = ScopedId(tenant, id);
   call->deadline = deadline;
   absl::StatusOr<engine::DecodeResult> result = engine_->Decode(*call);
   if (!result.ok()) return result.status();
@@ -31,8 +33,9 @@ absl::Status AttentionService::Run(const v1::DecodeRequest& req, absl::Time star
 grpc::Status AttentionService::Decode(grpc::ServerContext* ctx, const v1::DecodeRequest* req,
                                       v1::DecodeResponse* resp) {
   const absl::Time start = absl::Now();
-  return rpc_->Run(decode_, ctx,
-                   [&](absl::Time deadline) { return Run(*req, start, deadline, resp); });
+  return rpc_->Run(decode_, ctx, [&](absl::Time deadline) {
+    return Run(*req, rpc_->Tenant(*ctx), start, deadline, resp);
+  });
 }
 
 grpc::Status AttentionService::DecodeStream(
@@ -46,12 +49,17 @@ grpc::Status AttentionService::DecodeStream(
   }
   v1::DecodeRequest req;
   v1::DecodeResponse resp;
+  std::string tenant;
+  bool first = true;
   while (stream->Read(&req)) {
     resp.Clear();
     // Each step gets the server's default deadline, bounded by the stream's own.
     const absl::Time start = absl::Now();
-    grpc::Status st = rpc_->Run(
-        stream_, ctx, [&](absl::Time deadline) { return Run(req, start, deadline, &resp); });
+    grpc::Status st = rpc_->Run(stream_, ctx, [&](absl::Time deadline) {
+      if (first) tenant = rpc_->Tenant(*ctx);  // the stream's token, checked by Run
+      first = false;
+      return Run(req, tenant, start, deadline, &resp);
+    });
     if (!st.ok()) return st;
     if (!stream->Write(resp)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");

@@ -27,9 +27,10 @@ class AttentionService final : public v1::Attention::Service {
       grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream) override;
 
  private:
-  // start: when the handler was entered (reported as timing.server_seconds).
-  absl::Status Run(const v1::DecodeRequest& req, absl::Time start, absl::Time deadline,
-                   v1::DecodeResponse* resp);
+  // tenant: the caller's (its sequence ids are scoped to it); start: when the handler was
+  // entered (reported as timing.server_seconds).
+  absl::Status Run(const v1::DecodeRequest& req, absl::string_view tenant, absl::Time start,
+                   absl::Time deadline, v1::DecodeResponse* resp);
 
   engine::DecodeEngine* const engine_;
   const RpcRunner* const rpc_;

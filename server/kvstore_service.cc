@@ -1,6 +1,7 @@
 #include "server/kvstore_service.h"
 
 #include "server/convert.h"
+#include "server/security.h"
 
 namespace kvsparse::server {
 
@@ -23,10 +24,12 @@ grpc::Status KvStoreService::CreateSequence(grpc::ServerContext* ctx,
     if (!shape.ok()) return shape.status();
     absl::StatusOr<kvstore::Placement> placement = FromProto(req->placement());
     if (!placement.ok()) return placement.status();
+    const std::string tenant = rpc_->Tenant(*ctx);
     absl::StatusOr<kvstore::SequenceInfo> info =
-        store_->CreateSequence(req->sequence_id(), *shape, *placement);
+        store_->CreateSequence(ScopedId(tenant, req->sequence_id()), *shape, *placement);
     if (!info.ok()) return info.status();
     ToProto(*info, resp);
+    resp->set_sequence_id(req->sequence_id());
     return absl::OkStatus();
   });
 }
@@ -35,9 +38,10 @@ grpc::Status KvStoreService::DropSequence(grpc::ServerContext* ctx,
                                           const v1::DropSequenceRequest* req,
                                           v1::DropSequenceResponse* resp) {
   return rpc_->Run(drop_, ctx, [&](absl::Time) -> absl::Status {
-    absl::StatusOr<uint64_t> freed = store_->DropSequence(req->sequence_id());
+    const std::string id = ScopedId(rpc_->Tenant(*ctx), req->sequence_id());
+    absl::StatusOr<uint64_t> freed = store_->DropSequence(id);
     if (!freed.ok()) return freed.status();
-    if (on_drop_) on_drop_(req->sequence_id());
+    if (on_drop_) on_drop_(id);
     resp->set_bytes_freed(*freed);
     return absl::OkStatus();
   });
@@ -48,6 +52,7 @@ grpc::Status KvStoreService::Append(grpc::ServerContext* ctx, const v1::AppendRe
   return rpc_->Run(append_, ctx, [&](absl::Time deadline) -> absl::Status {
     absl::StatusOr<kvstore::AppendRequest> r = FromProto(*req);
     if (!r.ok()) return r.status();
+    r->sequence_id = ScopedId(rpc_->Tenant(*ctx), r->sequence_id);
     r->deadline = deadline;
     absl::StatusOr<kvstore::AppendResult> res = store_->Append(*r);
     if (!res.ok()) return res.status();
@@ -63,6 +68,7 @@ grpc::Status KvStoreService::Gather(grpc::ServerContext* ctx, const v1::GatherRe
   return rpc_->Run(gather_, ctx, [&](absl::Time deadline) -> absl::Status {
     absl::StatusOr<GatherArgs> args = FromProto(*req);
     if (!args.ok()) return args.status();
+    args->request.sequence_id = ScopedId(rpc_->Tenant(*ctx), args->request.sequence_id);
     args->request.deadline = deadline;
     const bool want_k = args->request.kind != kvstore::RowKind::kV;
     const bool want_v = args->request.kind != kvstore::RowKind::kK;
@@ -107,9 +113,11 @@ grpc::Status KvStoreService::GetSequenceInfo(grpc::ServerContext* ctx,
                                              const v1::GetSequenceInfoRequest* req,
                                              v1::SequenceInfo* resp) {
   return rpc_->Run(info_, ctx, [&](absl::Time) -> absl::Status {
-    absl::StatusOr<kvstore::SequenceInfo> info = store_->GetSequenceInfo(req->sequence_id());
+    absl::StatusOr<kvstore::SequenceInfo> info =
+        store_->GetSequenceInfo(ScopedId(rpc_->Tenant(*ctx), req->sequence_id()));
     if (!info.ok()) return info.status();
     ToProto(*info, resp);
+    resp->set_sequence_id(req->sequence_id());
     return absl::OkStatus();
   });
 }
@@ -118,8 +126,13 @@ grpc::Status KvStoreService::ListSequences(grpc::ServerContext* ctx,
                                            const v1::ListSequencesRequest*,
                                            v1::ListSequencesResponse* resp) {
   return rpc_->Run(list_, ctx, [&](absl::Time) -> absl::Status {
+    const std::string tenant = rpc_->Tenant(*ctx);
+    std::string id;
     for (const kvstore::SequenceInfo& info : store_->ListSequences()) {
-      ToProto(info, resp->add_sequences());
+      if (!UnscopedId(tenant, info.sequence_id, &id)) continue;  // another tenant's
+      v1::SequenceInfo* out = resp->add_sequences();
+      ToProto(info, out);
+      out->set_sequence_id(id);
     }
     return absl::OkStatus();
   });

@@ -65,6 +65,15 @@ class RpcRunner {
   Slot OpenStream() const { return Slot(&streams_, limits_.max_streams); }
   size_t max_streams() const { return limits_.max_streams; }
 
+  // The tenant whose sequences the call sees (server/security.h ScopedId): its token's, or
+  // empty (no tokens, or a token without a tenant). Call it inside Run's body (the token is
+  // known good there).
+  std::string Tenant(const grpc::ServerContextBase& ctx) const {
+    if (auth_ == nullptr) return std::string();
+    absl::StatusOr<Caller> c = auth_->Identify(ctx);
+    return c.ok() ? c->tenant : std::string();
+  }
+
   // The deadline a call must finish by: its own, or now + the default, whichever is first.
   absl::Time Deadline(const grpc::ServerContextBase& ctx, absl::Time now) const {
     absl::Time deadline = now + default_deadline_;

@@ -159,26 +159,35 @@ absl::StatusOr<std::unique_ptr<TokenAuth>> TokenAuth::Parse(absl::string_view te
     auto bad = [&](absl::string_view why) {
       return absl::InvalidArgumentError(absl::StrCat(source, ":", line_no, ": ", why));
     };
-    if (f.size() != 2) return bad("expected \"<token> <role>\"");
+    if (f.size() != 2 && f.size() != 3) return bad("expected \"<token> <role> [tenant]\"");
     const absl::string_view token = f[0];
     if (token.size() < 16 || token.size() > 512) return bad("a token has 16..512 characters");
     for (char c : token) {
       if (c < 0x21 || c > 0x7e) return bad("a token is printable ASCII without spaces");
     }
-    Role role;
+    Caller caller;
     if (f[1] == "read") {
-      role = Role::kRead;
+      caller.role = Role::kRead;
     } else if (f[1] == "write") {
-      role = Role::kWrite;
+      caller.role = Role::kWrite;
     } else if (f[1] == "admin") {
-      role = Role::kAdmin;
+      caller.role = Role::kAdmin;
     } else {
       return bad(absl::StrCat("unknown role '", f[1], "' (read, write or admin)"));
+    }
+    if (f.size() == 3) {
+      const absl::string_view t = f[2];
+      const bool ok = !t.empty() && t.size() <= 64 && std::all_of(t.begin(), t.end(), [](char c) {
+        return absl::ascii_isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' ||
+               c == '-';
+      });
+      if (!ok) return bad("a tenant is 1..64 of [A-Za-z0-9._-]");
+      caller.tenant = std::string(t);
     }
     for (const Entry& e : auth->tokens_) {
       if (e.token == token) return bad("the same token twice");
     }
-    auth->tokens_.push_back({std::string(token), role});
+    auth->tokens_.push_back({std::string(token), std::move(caller)});
   }
   if (auth->tokens_.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(source, ": no tokens"));
@@ -186,7 +195,7 @@ absl::StatusOr<std::unique_ptr<TokenAuth>> TokenAuth::Parse(absl::string_view te
   return auth;
 }
 
-absl::Status TokenAuth::Check(const grpc::ServerContextBase& ctx, absl::string_view method) const {
+absl::StatusOr<Caller> TokenAuth::Identify(const grpc::ServerContextBase& ctx) const {
   const auto& md = ctx.client_metadata();
   const auto it = md.find(kAuthMetadataKey);
   if (it == md.end()) {
@@ -197,23 +206,56 @@ absl::Status TokenAuth::Check(const grpc::ServerContextBase& ctx, absl::string_v
   if (!absl::ConsumePrefix(&value, kBearerPrefix)) {
     return absl::UnauthenticatedError("the authorization metadata is not \"Bearer <token>\"");
   }
-  return CheckToken(value, method);
+  return IdentifyToken(value);
 }
 
-absl::Status TokenAuth::CheckToken(absl::string_view token, absl::string_view method) const {
+absl::StatusOr<Caller> TokenAuth::IdentifyToken(absl::string_view token) const {
   // Every entry is compared, in constant time, whichever matches.
   const Entry* match = nullptr;
   for (const Entry& e : tokens_) {
     if (ConstantTimeEquals(e.token, token) && match == nullptr) match = &e;
   }
   if (match == nullptr) return absl::UnauthenticatedError("unknown bearer token");
+  return match->caller;
+}
+
+absl::Status TokenAuth::Allows(const Caller& c, absl::string_view method) {
   const Role needed = RoleNeeded(method);
-  if (static_cast<int>(match->role) < static_cast<int>(needed)) {
+  if (static_cast<int>(c.role) < static_cast<int>(needed)) {
     return absl::PermissionDeniedError(absl::StrCat(method, " needs a token with role ",
                                                     RoleName(needed), "; this token's is ",
-                                                    RoleName(match->role)));
+                                                    RoleName(c.role)));
   }
   return absl::OkStatus();
+}
+
+absl::Status TokenAuth::Check(const grpc::ServerContextBase& ctx, absl::string_view method) const {
+  absl::StatusOr<Caller> c = Identify(ctx);
+  if (!c.ok()) return c.status();
+  return Allows(*c, method);
+}
+
+absl::Status TokenAuth::CheckToken(absl::string_view token, absl::string_view method) const {
+  absl::StatusOr<Caller> c = IdentifyToken(token);
+  if (!c.ok()) return c.status();
+  return Allows(*c, method);
+}
+
+std::string ScopedId(absl::string_view tenant, absl::string_view id) {
+  return tenant.empty() ? std::string(id) : absl::StrCat(tenant, ":", id);
+}
+
+bool UnscopedId(absl::string_view tenant, absl::string_view stored, std::string* id) {
+  if (tenant.empty()) {
+    *id = std::string(stored);
+    return true;
+  }
+  if (stored.size() <= tenant.size() + 1 || !absl::StartsWith(stored, tenant) ||
+      stored[tenant.size()] != ':') {
+    return false;
+  }
+  *id = std::string(stored.substr(tenant.size() + 1));
+  return true;
 }
 
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {

@@ -59,27 +59,43 @@ Role RoleNeeded(absl::string_view method);
 inline constexpr char kAuthMetadataKey[] = "authorization";
 inline constexpr char kBearerPrefix[] = "Bearer ";
 
+// Tenants: a token may carry a tenant; its calls then see only the sequences of that tenant,
+// stored as "<tenant>:<id>" (tenant names have no ':', so no id of one tenant is another's).
+// A token without a tenant (operators' tools, a worker reading its store) sees the stored ids.
+std::string ScopedId(absl::string_view tenant, absl::string_view id);
+// The caller's id of a stored one; false when the stored id is not the tenant's.
+bool UnscopedId(absl::string_view tenant, absl::string_view stored, std::string* id);
+
+struct Caller {
+  Role role = Role::kAdmin;
+  std::string tenant;  // empty: the whole namespace
+};
+
 class TokenAuth {
  public:
-  // A token file: one token per line, "<token> <role>" (role: read, write or admin), '#'
-  // comments and blank lines ignored; tokens of 16..512 printable characters, no spaces.
-  // INVALID_ARGUMENT naming the line for anything else, NOT_FOUND without the file.
+  // A token file: one token per line, "<token> <role> [tenant]" (role: read, write or admin;
+  // tenant: 1..64 of [A-Za-z0-9._-]), '#' comments and blank lines ignored; tokens of 16..512
+  // printable characters, no spaces. INVALID_ARGUMENT naming the line for anything else,
+  // NOT_FOUND without the file.
   static absl::StatusOr<std::unique_ptr<TokenAuth>> Load(const std::string& path);
   static absl::StatusOr<std::unique_ptr<TokenAuth>> Parse(absl::string_view text,
                                                           absl::string_view source);
 
-  // OK if the call carries a known token whose role covers `method`; UNAUTHENTICATED for a
-  // missing, malformed or unknown token; PERMISSION_DENIED for a role below the method's.
+  // The caller a call's token names: UNAUTHENTICATED for a missing, malformed or unknown token.
+  absl::StatusOr<Caller> Identify(const grpc::ServerContextBase& ctx) const;
+  absl::StatusOr<Caller> IdentifyToken(absl::string_view token) const;  // after "Bearer "
+  // OK if the call's token is known and its role covers `method`; UNAUTHENTICATED (above) or
+  // PERMISSION_DENIED for a role below the method's.
   absl::Status Check(const grpc::ServerContextBase& ctx, absl::string_view method) const;
-  // The same on a token value (the part after "Bearer ").
   absl::Status CheckToken(absl::string_view token, absl::string_view method) const;
   size_t size() const { return tokens_.size(); }
 
  private:
   struct Entry {
     std::string token;
-    Role role;
+    Caller caller;
   };
+  static absl::Status Allows(const Caller& c, absl::string_view method);
   std::vector<Entry> tokens_;
 };
 

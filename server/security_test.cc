@@ -56,6 +56,33 @@ TEST(SecurityTest, TokenFile) {
   EXPECT_EQ(TokenAuth::Load("/nonexistent/tokens").status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST(SecurityTest, Tenants) {
+  auto auth = TokenAuth::Parse("alice-0123456789abcdef write alice\nops-0123456789abcdefgh admin\n",
+                               "tokens");
+  ASSERT_TRUE(auth.ok()) << auth.status();
+  auto alice = (*auth)->IdentifyToken("alice-0123456789abcdef");
+  ASSERT_TRUE(alice.ok());
+  EXPECT_EQ(alice->tenant, "alice");
+  EXPECT_EQ(alice->role, Role::kWrite);
+  EXPECT_EQ((*auth)->IdentifyToken("ops-0123456789abcdefgh")->tenant, "");
+  EXPECT_EQ(ScopedId("alice", "s1"), "alice:s1");
+  EXPECT_EQ(ScopedId("", "s1"), "s1");
+  std::string id;
+  EXPECT_TRUE(UnscopedId("alice", "alice:s1", &id));
+  EXPECT_EQ(id, "s1");
+  EXPECT_TRUE(UnscopedId("alice", "alice:bob:x", &id));  // her own id "bob:x"
+  EXPECT_EQ(id, "bob:x");
+  EXPECT_FALSE(UnscopedId("alice", "bob:s1", &id));
+  EXPECT_FALSE(UnscopedId("alice", "alicex:s1", &id));
+  EXPECT_FALSE(UnscopedId("alice", "alice:", &id));
+  EXPECT_FALSE(UnscopedId("alice", "s1", &id));
+  for (const char* bad : {"t-0123456789abcdefgh read a:b\n", "t-0123456789abcdefgh read a/b\n",
+                          "t-0123456789abcdefgh read a b\n"}) {
+    EXPECT_EQ(TokenAuth::Parse(bad, "tokens").status().code(), absl::StatusCode::kInvalidArgument)
+        << bad;
+  }
+}
+
 TEST(SecurityTest, TlsFilesAreCheckedAtStart) {
   TlsFiles f;
   f.cert = "/nonexistent/cert.pem";

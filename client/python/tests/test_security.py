@@ -150,6 +150,36 @@ def test_bearer_tokens_and_roles(tmp_path: Path) -> None:
                     s.decode(0, ["kept"], np.ones((1, 4, 64), np.float32), kvsparse.Dense())
 
 
+def test_tenants_see_only_their_sequences(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice-0123456789abcdef write alice\nbob-0123456789abcdefgh write bob\n"
+                      "bob-reader-0123456789ab read bob\nops-0123456789abcdefgh admin\n")
+    k = np.random.default_rng(1).standard_normal((1, 8, 2, 64), dtype=np.float32)
+    q = np.ones((1, 4, 64), np.float32)
+    with kvsparse.LocalServer(gpu="off", auth_tokens=tokens) as server:
+        def client(token: str) -> kvsparse.Client:
+            return kvsparse.Client(server.target, credentials=kvsparse.Credentials(token=token), timeout=10)
+
+        with client("alice-0123456789abcdef") as alice, client("bob-0123456789abcdefgh") as bob, \
+                client("bob-reader-0123456789ab") as bob_reader, client("ops-0123456789abcdefgh") as ops:
+            for c, scale in ((alice, 1.0), (bob, -1.0)):  # the same id in both tenants
+                c.store.create_sequence("s", SHAPE)
+                c.store.append("s", k, scale * k)  # V negated in bob's
+            assert [i.sequence_id for i in alice.store.list_sequences()] == ["s"]
+            assert alice.store.sequence_info("s").sequence_id == "s"
+            a = alice.attention.decode(0, ["s"], q, kvsparse.Dense()).output
+            b = bob_reader.attention.decode(0, ["s"], q, kvsparse.Dense()).output
+            np.testing.assert_allclose(a, -b, rtol=1e-6)  # each saw its own rows
+            g = bob_reader.store.gather("s", 0, [0], kv_heads=[0])
+            np.testing.assert_array_equal(g.v[0], -k[0, 0, 0])
+            with pytest.raises(kvsparse.NotFound):
+                alice.store.sequence_info("bob:s")  # no way into another tenant's namespace
+            assert sorted(i.sequence_id for i in ops.store.list_sequences()) == ["alice:s", "bob:s"]
+            ops.store.drop_sequence("bob:s")  # admin: drop of another's sequence
+            assert bob.store.list_sequences() == []
+            assert [i.sequence_id for i in alice.store.list_sequences()] == ["s"]
+
+
 def test_refuses_clear_text_beyond_loopback(tmp_path: Path) -> None:
     binary = kvsparse.local_server.find_server_binary()
     run = subprocess.run([binary, "--listen=0.0.0.0:0", "--metrics_listen=", "--gpu=off"],
