@@ -27,6 +27,8 @@ from kvsparse.client import (
 from kvsparse.errors import (
     Aborted,
     AlreadyExists,
+    Cancelled,
+    DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
     Internal,
@@ -39,6 +41,7 @@ from kvsparse.errors import (
     Unauthenticated,
     Unavailable,
     Unimplemented,
+    Unknown,
 )
 from kvsparse.local_server import LocalServer
 from kvsparse.methods import (
@@ -59,8 +62,10 @@ __all__ = [
     "Aborted",
     "AlreadyExists",
     "AttentionClient",
+    "Cancelled",
     "Client",
     "Credentials",
+    "DataLoss",
     "DeadlineExceeded",
     "DecodeResult",
     "DecodeStream",
@@ -87,6 +92,7 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "Unimplemented",
+    "Unknown",
     "VAttention",
     "open_channel",
     "placement_for",
