@@ -6,7 +6,8 @@ pkgs=(build-essential cmake ninja-build ccache pkg-config python3 python3-venv p
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
       libabsl-dev prometheus-cpp-dev libgtest-dev libbenchmark-dev
       clang libclang-common-14-dev   # clang + its libFuzzer runtime: scripts/fuzz.sh
-      openssl)                       # certificates of the TLS tests (test_security.py)
+      openssl                        # certificates of the TLS tests (test_security.py)
+      iproute2 iptables)             # the network-namespace fault test (tests/faults/test_netem.py)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
 if [ ${#missing[@]} -eq 0 ]; then

@@ -88,6 +88,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       grpc::ChannelArguments args;
       args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
       args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+      // Reads of the store are safe to retry: gRPC retries them on UNAVAILABLE (a dropped
+      // connection, a store restarting) within each call's deadline. Appends are not retried
+      // here (their expected_length makes a retry safe, but a lost acknowledgement would turn
+      // into FAILED_PRECONDITION); the model server retries a failed Decode.
+      args.SetServiceConfigJSON(R"({"methodConfig": [{
+          "name": [{"service": "kvsparse.v1.KvStore", "method": "Gather"},
+                   {"service": "kvsparse.v1.KvStore", "method": "GetSequenceInfo"}],
+          "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.05s", "maxBackoff": "1s",
+                          "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]})");
       std::shared_ptr<grpc::ChannelCredentials> store_creds = grpc::InsecureChannelCredentials();
       if (!options.store_tls.ca.empty() || !options.store_tls.cert.empty()) {
         absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> c =
