@@ -52,7 +52,8 @@ grpc::Status KvStoreService::Append(grpc::ServerContext* ctx, const v1::AppendRe
   return rpc_->Run(append_, ctx, [&](absl::Time deadline) -> absl::Status {
     absl::StatusOr<kvstore::AppendRequest> r = FromProto(*req);
     if (!r.ok()) return r.status();
-    r->sequence_id = ScopedId(rpc_->Tenant(*ctx), r->sequence_id);
+    const std::string id = ScopedId(rpc_->Tenant(*ctx), r->sequence_id);  // r holds a view
+    r->sequence_id = id;
     r->deadline = deadline;
     absl::StatusOr<kvstore::AppendResult> res = store_->Append(*r);
     if (!res.ok()) return res.status();
@@ -68,7 +69,8 @@ grpc::Status KvStoreService::Gather(grpc::ServerContext* ctx, const v1::GatherRe
   return rpc_->Run(gather_, ctx, [&](absl::Time deadline) -> absl::Status {
     absl::StatusOr<GatherArgs> args = FromProto(*req);
     if (!args.ok()) return args.status();
-    args->request.sequence_id = ScopedId(rpc_->Tenant(*ctx), args->request.sequence_id);
+    const std::string id = ScopedId(rpc_->Tenant(*ctx), args->request.sequence_id);  // a view
+    args->request.sequence_id = id;
     args->request.deadline = deadline;
     const bool want_k = args->request.kind != kvstore::RowKind::kV;
     const bool want_v = args->request.kind != kvstore::RowKind::kK;
