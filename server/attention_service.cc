@@ -7,9 +7,10 @@
 namespace kvsparse::server {
 
 AttentionService::AttentionService(engine::DecodeEngine* engine, const RpcRunner* rpc,
-                                   Metrics* metrics)
+                                   Metrics* metrics, StreamReaper* reaper)
     : engine_(engine),
       rpc_(rpc),
+      reaper_(reaper),
       decode_metrics_(metrics->registry()),
       decode_(metrics->Rpc("Decode")),
       stream_(metrics->Rpc("DecodeStream")) {}
@@ -47,11 +48,14 @@ grpc::Status AttentionService::DecodeStream(
                         absl::StrCat("server busy: ", rpc_->max_streams(),
                                      " decode streams open (--max_concurrent_streams)"));
   }
+  const std::unique_ptr<StreamReaper::Watch> watch =
+      reaper_ == nullptr ? nullptr : reaper_->Add(ctx);
   v1::DecodeRequest req;
   v1::DecodeResponse resp;
   std::string tenant;
   bool first = true;
   while (stream->Read(&req)) {
+    if (watch) watch->Touch();
     resp.Clear();
     // Each step gets the server's default deadline, bounded by the stream's own.
     const absl::Time start = absl::Now();
@@ -64,6 +68,10 @@ grpc::Status AttentionService::DecodeStream(
     if (!stream->Write(resp)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
     }
+    if (watch) watch->Touch();
+  }
+  if (watch && watch->reaped()) {
+    return grpc::Status(grpc::StatusCode::CANCELLED, "stream idle (--stream_idle_timeout)");
   }
   return grpc::Status::OK;
 }

@@ -7,6 +7,7 @@
 #include "kvsparse/v1/attention.grpc.pb.h"
 #include "server/metrics.h"
 #include "server/rpc.h"
+#include "server/stream_reaper.h"
 
 namespace kvsparse::engine {
 class DecodeEngine;
@@ -16,8 +17,10 @@ namespace kvsparse::server {
 
 class AttentionService final : public v1::Attention::Service {
  public:
-  // REQUIRES: engine, rpc and metrics outlive the service.
-  AttentionService(engine::DecodeEngine* engine, const RpcRunner* rpc, Metrics* metrics);
+  // REQUIRES: engine, rpc, metrics and reaper outlive the service. reaper: cancels idle
+  // DecodeStreams (null: none).
+  AttentionService(engine::DecodeEngine* engine, const RpcRunner* rpc, Metrics* metrics,
+                   StreamReaper* reaper = nullptr);
 
   grpc::Status Decode(grpc::ServerContext* ctx, const v1::DecodeRequest* req,
                       v1::DecodeResponse* resp) override;
@@ -34,6 +37,7 @@ class AttentionService final : public v1::Attention::Service {
 
   engine::DecodeEngine* const engine_;
   const RpcRunner* const rpc_;
+  StreamReaper* const reaper_;
   DecodeMetrics decode_metrics_;
   RpcMetric* const decode_;
   RpcMetric* const stream_;

@@ -69,6 +69,9 @@ ABSL_FLAG(absl::Duration, keepalive_timeout, absl::Seconds(20),
           "Drop a connection whose keepalive ping is not answered within this");
 ABSL_FLAG(absl::Duration, min_client_ping_interval, absl::Seconds(10),
           "Clients may ping no more often than this (more often: the connection is closed)");
+ABSL_FLAG(absl::Duration, stream_idle_timeout, absl::Minutes(5),
+          "A DecodeStream with no request for this long is cancelled (frees its "
+          "--max_concurrent_streams slot); 0 = never");
 ABSL_FLAG(absl::Duration, max_connection_idle, absl::ZeroDuration(),
           "Close connections with no call for this long (0: never)");
 ABSL_FLAG(uint32_t, max_call_sequences, 1024,
@@ -149,6 +152,7 @@ int main(int argc, char** argv) {
   options.keepalive_timeout = absl::GetFlag(FLAGS_keepalive_timeout);
   options.min_client_ping_interval = absl::GetFlag(FLAGS_min_client_ping_interval);
   options.max_connection_idle = absl::GetFlag(FLAGS_max_connection_idle);
+  options.stream_idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
   options.store.max_sequences = absl::GetFlag(FLAGS_max_sequences);
   options.engine.max_call_bytes = absl::GetFlag(FLAGS_max_decode_bytes).bytes;
   options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);

@@ -133,8 +133,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       engine::DecodeEngine* e = s->engine_.get();
       s->kvstore_service_->set_drop_listener([e](const std::string& id) { e->Forget(id); });
     }
-    s->attention_service_ =
-        std::make_unique<AttentionService>(s->engine_.get(), s->rpc_.get(), s->metrics_.get());
+    s->reaper_ = std::make_unique<StreamReaper>(options.stream_idle_timeout);
+    s->attention_service_ = std::make_unique<AttentionService>(s->engine_.get(), s->rpc_.get(),
+                                                               s->metrics_.get(), s->reaper_.get());
   }
 
   grpc::EnableDefaultHealthCheckService(true);

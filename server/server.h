@@ -23,6 +23,7 @@
 #include "server/metrics.h"
 #include "server/rpc.h"
 #include "server/security.h"
+#include "server/stream_reaper.h"
 
 namespace kvsparse::server {
 
@@ -57,6 +58,8 @@ struct ServerOptions {
   absl::Duration keepalive_timeout = absl::Seconds(20);
   absl::Duration min_client_ping_interval = absl::Seconds(10);
   absl::Duration max_connection_idle = absl::ZeroDuration();
+  // A DecodeStream with no request for this long is cancelled (server/stream_reaper.h); 0: never.
+  absl::Duration stream_idle_timeout = absl::Minutes(5);
   // On shutdown, in-flight calls get this long to finish before they are cancelled.
   absl::Duration shutdown_grace = absl::Seconds(10);
   // TLS on the gRPC port (cert + key; ca: mutual TLS, clients must present a certificate it
@@ -112,6 +115,7 @@ class Server {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<TokenAuth> auth_;
   std::unique_ptr<RpcRunner> rpc_;
+  std::unique_ptr<StreamReaper> reaper_;
   std::unique_ptr<KvStoreService> kvstore_service_;
   std::unique_ptr<engine::RowSource> row_source_;
   std::unique_ptr<engine::DecodeEngine> engine_;

@@ -4,6 +4,7 @@ out (numpy and torch; fp32, fp16, bf16), the exception for each kind of bad inpu
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import grpc
 import ml_dtypes
@@ -268,3 +269,21 @@ def test_server_limits_refuse_with_resource_exhausted() -> None:
         with c.attention.stream() as again:  # the first closed: a slot is free
             again.decode(0, ["one"], q)
         assert c.store.health() == "SERVING"
+
+
+def test_idle_stream_is_cancelled_and_frees_its_slot() -> None:
+    # --stream_idle_timeout: an abandoned stream would hold its --max_concurrent_streams slot.
+    with kvsparse.LocalServer(capacity="64M", gpu="off", max_concurrent_streams=1, stream_idle_timeout="1s") as server, \
+            kvsparse.Client(server.target, timeout=10.0) as c:
+        c.store.create_sequence("one", SHAPE)
+        c.store.append("one", np.zeros((2, 4, 2, 64), np.float32), np.zeros((2, 4, 2, 64), np.float32))
+        q = np.ones((1, 8, 64), np.float32)
+        with c.attention.stream() as idle:
+            for _ in range(3):  # busy: requests 0.4 s apart keep it open
+                idle.decode(0, ["one"], q)
+                time.sleep(0.4)
+            time.sleep(2.5)
+            with pytest.raises(kvsparse.Cancelled):
+                idle.decode(0, ["one"], q)
+        with c.attention.stream() as again:  # its slot is free again
+            again.decode(0, ["one"], q)
