@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -29,9 +30,16 @@ struct HostMemoryOptions {
   bool huge_pages = true;
 };
 
-// Anonymous private mmap'd host memory (pageable). Pinned and shared-memory resources come with
-// the decode worker.
+// Anonymous private mmap'd host memory (pageable). Pinned memory: kvstore/cuda_host_memory.h.
 std::unique_ptr<MemoryResource> NewHostMemoryResource(HostMemoryOptions options = {});
+
+// The store's arena in a file (--arena_file): `bytes` of it, created or truncated to that size
+// and mapped shared, carved into slabs in order (a slab's space is reused only once every slab is
+// back). Put it on a memory-backed filesystem (tmpfs, a Kubernetes emptyDir of medium Memory) so
+// that another process (a worker container of the same pod) can map the same pages.
+// INVALID_ARGUMENT when the file cannot be created, sized or mapped (naming the path).
+absl::StatusOr<std::unique_ptr<MemoryResource>> NewFileMemoryResource(const std::string& path,
+                                                                      size_t bytes);
 
 }  // namespace kvsparse::kvstore
 

@@ -144,8 +144,8 @@ absl::StatusOr<SequenceInfo> Store::CreateSequence(absl::string_view sequence_id
     std::lock_guard<std::mutex> lock(mu_);
     if (options_.max_sequences != 0 && sequences_.size() >= options_.max_sequences &&
         !sequences_.contains(seq->id_)) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the store holds ", sequences_.size(), " sequences, its most (--max_sequences)"));
+      return absl::ResourceExhaustedError(absl::StrCat("the store holds ", sequences_.size(),
+                                                       " sequences, its most (--max_sequences)"));
     }
     auto [it, inserted] = sequences_.try_emplace(seq->id_, seq);
     if (!inserted) {

@@ -1,12 +1,17 @@
 #include "kvstore/store.h"
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kvstore/memory_resource.h"
 
 namespace kvsparse::kvstore {
 namespace {
@@ -217,6 +222,34 @@ TEST(StoreTest, MaxSequencesBoundsCreation) {
             absl::StatusCode::kAlreadyExists);  // an existing id still says so
   ASSERT_TRUE((*store)->DropSequence("a").ok());
   EXPECT_TRUE((*store)->CreateSequence("c", s, {}).ok());
+}
+
+// --arena_file: the pages live in a shared mapping of a file, so another process mapping the
+// same file sees the rows appended (here: the file read back through read(2)).
+TEST(StoreTest, ArenaInAFile) {
+  const std::string path = testing::TempDir() + "/kvsparse-arena-test";
+  auto arena = NewFileMemoryResource(path, 8 << 20);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  StoreOptions o;
+  o.capacity_bytes = 8 << 20;
+  o.memory = arena->get();
+  auto store = Store::Create(o);
+  ASSERT_TRUE(store.ok());
+  const ModelShape s = Shape(DType::kFp32);
+  ASSERT_TRUE((*store)->CreateSequence("a", s, {}).ok());
+  std::vector<uint8_t> k, v;
+  MakeRows(s, 0, 1, 0, 7, &k, &v);
+  ASSERT_TRUE(AppendTokens(**store, "a", s, 0, 1, 0, 7).ok());
+  std::ifstream f(path, std::ios::binary);
+  const std::string file((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(file.size(), size_t{8} << 20);
+  const size_t row = s.row_bytes();  // the first K row: kv head 0, token 0
+  EXPECT_NE(file.find(std::string(reinterpret_cast<const char*>(k.data()), row)),
+            std::string::npos);
+  // A file that cannot be made: INVALID_ARGUMENT naming it.
+  EXPECT_EQ(NewFileMemoryResource("/nonexistent-dir/arena", 1 << 20).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  std::remove(path.c_str());
 }
 
 TEST(StoreTest, ExpectedLengthMakesRetriesSafe) {

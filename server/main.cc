@@ -15,6 +15,7 @@
 #include "engine/gpu_mode.h"
 #include "kernels/hash_signatures.h"
 #include "kernels/saap.h"
+#include "kvstore/memory_resource.h"
 #include "server/byte_size.h"
 #include "server/flags_help.h"
 #include "server/logging.h"
@@ -98,6 +99,9 @@ ABSL_FLAG(std::string, role, "all",
           "all: store + decode worker in one process; store: KvStore service only; worker: "
           "Attention service only, reading rows from --store");
 ABSL_FLAG(std::string, store, "", "role=worker: the store's address (host:port)");
+ABSL_FLAG(std::string, arena_file, "",
+          "role=store: keep the store's pages in this file (created, sized to --capacity, mapped "
+          "shared), e.g. on a memory-backed volume another container of the pod mounts too");
 ABSL_FLAG(ByteSize, resident_capacity, ByteSize{4ull << 30},
           "Most bytes of device-tier state the worker keeps (resident K/V, key signatures)");
 ABSL_FLAG(uint32_t, default_tile_size, 256, "S2ANTA tile size when a request gives 0");
@@ -211,6 +215,21 @@ int main(int argc, char** argv) {
   }
   options.role = *role;
   options.store_target = absl::GetFlag(FLAGS_store);
+  std::unique_ptr<kvsparse::kvstore::MemoryResource> arena;
+  if (const std::string f = absl::GetFlag(FLAGS_arena_file); !f.empty()) {
+    if (options.role != kvsparse::server::ServerRole::kStore) {
+      std::fprintf(stderr, "--arena_file needs --role=store\n");
+      return 2;
+    }
+    auto file = kvsparse::kvstore::NewFileMemoryResource(f, options.store.capacity_bytes);
+    if (!file.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(file.status().message()).c_str());
+      return 2;
+    }
+    arena = std::move(*file);
+    options.store.memory = arena.get();
+    options.store_pages_mapped = false;
+  }
   options.engine.resident_capacity_bytes = absl::GetFlag(FLAGS_resident_capacity).bytes;
   options.engine.max_call_sequences = absl::GetFlag(FLAGS_max_call_sequences);
   options.engine.default_tile_size = static_cast<int32_t>(absl::GetFlag(FLAGS_default_tile_size));
