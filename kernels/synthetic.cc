@@ -67,6 +67,28 @@ SyntheticProblem& SyntheticProblem::operator=(SyntheticProblem&& o) noexcept {
   return *this;
 }
 
+namespace {
+
+// Points sp->problem at sp's buffers with this shape and layout (scale 1/sqrt(d)).
+void Bind(SyntheticProblem* sp, int32_t batch, int32_t q_heads, int32_t kv_heads, int32_t d,
+          DType dtype, KvLayout layout) {
+  DecodeProblem& p = sp->problem;
+  p.batch = batch;
+  p.num_q_heads = q_heads;
+  p.num_kv_heads = kv_heads;
+  p.head_dim = d;
+  p.dtype = dtype;
+  p.kv_layout = layout;
+  p.scale = 1.f / std::sqrt(static_cast<float>(d));
+  p.q = sp->q.data();
+  p.k = sp->k.data();
+  p.v = sp->v.data();
+  p.out = sp->out.data();
+  p.seq_lens = sp->seq_lens.data();
+}
+
+}  // namespace
+
 SyntheticProblem SyntheticProblem::Make(const SyntheticOptions& o) {
   SyntheticProblem sp;
   const int d = o.head_dim;
@@ -81,18 +103,8 @@ SyntheticProblem SyntheticProblem::Make(const SyntheticOptions& o) {
   sp.v.assign(sp.k.size(), 0);
   sp.out.assign(sp.q.size(), 0);
   DecodeProblem& p = sp.problem;
-  p.batch = o.batch;
-  p.num_q_heads = o.num_q_heads;
-  p.num_kv_heads = hkv;
-  p.head_dim = d;
-  p.dtype = o.dtype;
-  p.kv_layout = {static_cast<int64_t>(n_max) * hkv * d, d, static_cast<int64_t>(hkv) * d};
-  p.scale = 1.f / std::sqrt(static_cast<float>(d));
-  p.q = sp.q.data();
-  p.k = sp.k.data();
-  p.v = sp.v.data();
-  p.out = sp.out.data();
-  p.seq_lens = sp.seq_lens.data();
+  Bind(&sp, o.batch, o.num_q_heads, hkv, d, o.dtype,
+       {static_cast<int64_t>(n_max) * hkv * d, d, static_cast<int64_t>(hkv) * d});
 
   std::mt19937_64 rng(o.seed);
   std::normal_distribution<float> normal(0.f, 1.f);
@@ -257,19 +269,7 @@ SyntheticProblem RealAttentionProblem(const RealAttention& r, DType dtype) {
   for (size_t i = 0; i < r.q.size(); ++i) StoreFromFloat(sp.q.data(), i, dtype, r.q[i]);
   for (size_t i = 0; i < r.k.size(); ++i) StoreFromFloat(sp.k.data(), i, dtype, r.k[i]);
   for (size_t i = 0; i < r.v.size(); ++i) StoreFromFloat(sp.v.data(), i, dtype, r.v[i]);
-  DecodeProblem& p = sp.problem;
-  p.batch = B;
-  p.num_q_heads = r.group;
-  p.num_kv_heads = 1;
-  p.head_dim = d;
-  p.dtype = dtype;
-  p.kv_layout = {0, 0, d};  // every sequence reads the same rows
-  p.scale = 1.f / std::sqrt(static_cast<float>(d));
-  p.q = sp.q.data();
-  p.k = sp.k.data();
-  p.v = sp.v.data();
-  p.out = sp.out.data();
-  p.seq_lens = sp.seq_lens.data();
+  Bind(&sp, B, r.group, 1, d, dtype, {0, 0, d});  // every sequence reads the same rows
   return sp;
 }
 

@@ -205,6 +205,19 @@ Method HashMethod(float top_k_fraction, int32_t top_k = 0, int32_t sink = 128,
   return m;
 }
 
+// vAttention with the hash predictor at the sequence's signature bits, sink and window 32, top-k
+// 2% of the tokens, base rate 0.05.
+Method VAttentionMethod() {
+  Method m;
+  m.kind = MethodKind::kVAttention;
+  m.vattention.sink_tokens = 32;
+  m.vattention.local_tokens = 32;
+  m.vattention.top_k_fraction = 0.02f;
+  m.vattention.base_rate = 0.05f;
+  m.vattention.bits = 0;  // the sequence's
+  return m;
+}
+
 void Compare(Rig& rig, const kernels::SyntheticProblem& prob, const Method& m, const Expect& e,
              const std::string& what) {
   auto c = rig.cpu->Decode(Call(prob, m));
@@ -362,13 +375,8 @@ TEST_F(GpuEngineTest, LearnedSignatures) {
     } else {
       EXPECT_EQ(g->timing.launch_seconds, 0.0) << "a key MLP per query head: the CPU engine";
     }
-    Method v;
-    v.kind = MethodKind::kVAttention;
+    Method v = VAttentionMethod();
     v.learned_signatures = true;
-    v.vattention.sink_tokens = 32;
-    v.vattention.local_tokens = 32;
-    v.vattention.top_k_fraction = 0.02f;
-    v.vattention.bits = 0;  // the sequence's
     auto c = rig->cpu->Decode(Call(prob, v));
     auto gv = rig->gpu->Decode(Call(prob, v));
     ASSERT_TRUE(c.ok() && gv.ok()) << c.status() << gv.status();
@@ -388,13 +396,7 @@ TEST_F(GpuEngineTest, VAttention) {
   p.signature_bits = 32;
   auto prob = Problem({6000, 2500});
   rig->Load(prob, p);
-  Method m;
-  m.kind = MethodKind::kVAttention;
-  m.vattention.sink_tokens = 32;
-  m.vattention.local_tokens = 32;
-  m.vattention.top_k_fraction = 0.02f;
-  m.vattention.base_rate = 0.05f;
-  m.vattention.bits = 0;
+  const Method m = VAttentionMethod();
   auto c = rig->cpu->Decode(Call(prob, m));
   ASSERT_TRUE(c.ok()) << c.status();
   auto g = rig->gpu->Decode(Call(prob, m));
@@ -457,12 +459,7 @@ TEST_F(GpuEngineTest, StoreInAnotherProcess) {
         EXPECT_EQ(hs.bytes[static_cast<int>(Tier::kRemote)], 0u);
       }
       // vAttention: both parts of the union staged from the store, on the GPU.
-      Method v;
-      v.kind = MethodKind::kVAttention;
-      v.vattention.sink_tokens = 32;
-      v.vattention.local_tokens = 32;
-      v.vattention.top_k_fraction = 0.02f;
-      v.vattention.bits = 0;
+      const Method v = VAttentionMethod();
       Compare(*rig, prob, v, {0.02, false, 0.02},
               "apart vAttention, placement " + std::to_string(pl));
       auto va = rig->gpu->Decode(Call(prob, v));
