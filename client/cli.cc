@@ -29,6 +29,9 @@
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051", "kvsparse-server address (host:port)");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(30), "Deadline of each call");
+ABSL_FLAG(std::string, worker, "",
+          "decode: the decode worker's address in a split deployment (--target is then the store); "
+          "default: --target");
 ABSL_FLAG(std::string, tls_ca, "",
           "PEM CA of the server's certificate: TLS (a server with --tls_cert)");
 ABSL_FLAG(std::string, tls_cert, "",
@@ -468,7 +471,16 @@ int CmdDecode(KvStoreClient& c) {
   q->set_data(qv.data(), qv.size() * sizeof(float));
   *req.mutable_method() = *method;
   req.set_seed(absl::GetFlag(FLAGS_seed));
-  auto attn = AttentionClient::FromChannel(c.channel(), c.options());
+  std::unique_ptr<AttentionClient> attn;
+  if (const std::string worker = absl::GetFlag(FLAGS_worker); !worker.empty()) {
+    ClientOptions o = c.options();
+    o.target = worker;
+    auto connected = AttentionClient::Connect(o);
+    if (!connected.ok()) return Fail("decode", connected.status());
+    attn = std::move(*connected);
+  } else {
+    attn = AttentionClient::FromChannel(c.channel(), c.options());
+  }
   const absl::Time t0 = absl::Now();
   auto resp = attn->Decode(req);
   const double us = absl::ToDoubleMicroseconds(absl::Now() - t0);
