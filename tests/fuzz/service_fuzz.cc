@@ -2,7 +2,10 @@
 // CPU decode engine, in this process, on a loopback port) answers each input through the same
 // handlers, conversion and validation a deployment runs. kvsparse_service_fuzz takes every type:
 // an input is one byte naming the RPC (mod 8: CreateSequence, DropSequence, Append, Gather,
-// GetSequenceInfo, ListSequences, GetStats, Decode) and that request's protobuf bytes. The
+// GetSequenceInfo, ListSequences, GetStats, Decode) and, in (byte / 8) mod 6, the caller (its
+// server checks bearer tokens: admin, writers of tenants t1 and t2, a reader of t1, no token, an
+// unknown token; UNAUTHENTICATED and PERMISSION_DENIED are answers like any other), then that
+// request's protobuf bytes. The
 // targets kvsparse_<rpc>_fuzz (built with KVSPARSE_FUZZ_RPC=<index>) take one type, the input
 // being its protobuf bytes alone, and start from a store holding the seed sequences. The store
 // keeps its sequences across inputs, so inputs build on each other's state.
@@ -13,6 +16,7 @@
 // KVSPARSE_FUZZ_SEEDS=<dir> writes a seed corpus (valid requests of every type and method, as
 // the tests send) there and exits.
 #include <grpcpp/grpcpp.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdint>
@@ -48,13 +52,28 @@ void Check(const grpc::Status& s, int rpc) {
   }
 }
 
+// The callers of kvsparse_service_fuzz, by index: the token each sends ("" for none).
+constexpr const char* kTokens[] = {"fuzz-admin-0123456789",
+                                   "fuzz-t1-writer-0123456",
+                                   "fuzz-t2-writer-0123456",
+                                   "fuzz-t1-reader-0123456",
+                                   "",
+                                   "fuzz-unknown-012345678"};
+constexpr int kCallers = 6;
+constexpr char kTokenFile[] =
+    "fuzz-admin-0123456789 admin\nfuzz-t1-writer-0123456 write t1\n"
+    "fuzz-t2-writer-0123456 write t2\nfuzz-t1-reader-0123456 read t1\n";
+
 template <typename Req, typename Resp, typename Call>
-void Send(const uint8_t* data, size_t size, int rpc, Call call) {
+void Send(const uint8_t* data, size_t size, int rpc, int caller, Call call) {
   Req req;
   if (!req.ParseFromArray(data, static_cast<int>(size))) return;  // not a request of this type
   Resp resp;
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  if (caller >= 0 && kTokens[caller][0] != '\0') {
+    ctx.AddMetadata("authorization", std::string("Bearer ") + kTokens[caller]);
+  }
   Check(call(&ctx, req, &resp), rpc);
 }
 
@@ -175,6 +194,10 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
   o.max_message_bytes = 16 << 20;
   o.gpu = kvsparse::server::ServerOptions::Gpu::kOff;
   o.default_deadline = absl::Seconds(20);
+#ifndef KVSPARSE_FUZZ_RPC
+  o.auth_tokens_file = "/tmp/kvsparse-fuzz-tokens-" + std::to_string(getpid());
+  std::ofstream(o.auth_tokens_file) << kTokenFile;
+#endif
   auto s = kvsparse::server::Server::Start(o);
   if (!s.ok()) {
     std::fprintf(stderr, "server: %s\n", s.status().ToString().c_str());
@@ -210,45 +233,54 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const int rpc = KVSPARSE_FUZZ_RPC;
   const uint8_t* body = data;
   const size_t n = size;
+  const int caller = -1;  // no tokens
 #else
   if (size < 1) return 0;
   const int rpc = data[0] % kCount;
+  const int caller = (data[0] / kCount) % kCallers;
   const uint8_t* body = data + 1;
   const size_t n = size - 1;
 #endif
   switch (rpc) {
     case kCreate:
       Send<v1::CreateSequenceRequest, v1::SequenceInfo>(
-          body, n, rpc, [](auto* c, const auto& r, auto* p) { return store->CreateSequence(c, r, p); });
+          body, n, rpc, caller,
+          [](auto* c, const auto& r, auto* p) { return store->CreateSequence(c, r, p); });
       break;
     case kDrop:
       Send<v1::DropSequenceRequest, v1::DropSequenceResponse>(
-          body, n, rpc, [](auto* c, const auto& r, auto* p) { return store->DropSequence(c, r, p); });
+          body, n, rpc, caller,
+          [](auto* c, const auto& r, auto* p) { return store->DropSequence(c, r, p); });
       break;
     case kAppend:
       Send<v1::AppendRequest, v1::AppendResponse>(
-          body, n, rpc, [](auto* c, const auto& r, auto* p) { return store->Append(c, r, p); });
+          body, n, rpc, caller,
+          [](auto* c, const auto& r, auto* p) { return store->Append(c, r, p); });
       break;
     case kGather:
       Send<v1::GatherRequest, v1::GatherResponse>(
-          body, n, rpc, [](auto* c, const auto& r, auto* p) { return store->Gather(c, r, p); });
+          body, n, rpc, caller,
+          [](auto* c, const auto& r, auto* p) { return store->Gather(c, r, p); });
       break;
     case kInfo:
       Send<v1::GetSequenceInfoRequest, v1::SequenceInfo>(
-          body, n, rpc,
+          body, n, rpc, caller,
           [](auto* c, const auto& r, auto* p) { return store->GetSequenceInfo(c, r, p); });
       break;
     case kList:
       Send<v1::ListSequencesRequest, v1::ListSequencesResponse>(
-          body, n, rpc, [](auto* c, const auto& r, auto* p) { return store->ListSequences(c, r, p); });
+          body, n, rpc, caller,
+          [](auto* c, const auto& r, auto* p) { return store->ListSequences(c, r, p); });
       break;
     case kStats:
       Send<v1::GetStatsRequest, v1::StoreStats>(
-          body, n, rpc, [](auto* c, const auto& r, auto* p) { return store->GetStats(c, r, p); });
+          body, n, rpc, caller,
+          [](auto* c, const auto& r, auto* p) { return store->GetStats(c, r, p); });
       break;
     case kDecode:
       Send<v1::DecodeRequest, v1::DecodeResponse>(
-          body, n, rpc, [](auto* c, const auto& r, auto* p) { return attention->Decode(c, r, p); });
+          body, n, rpc, caller,
+          [](auto* c, const auto& r, auto* p) { return attention->Decode(c, r, p); });
       break;
   }
   return 0;
