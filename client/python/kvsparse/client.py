@@ -89,7 +89,7 @@ def open_channel(target: str, credentials: Credentials | None = None) -> grpc.Ch
     """A channel to kvsparse-server at target ("host:port") with message limits large enough for
     the server's: plaintext, or TLS / mutual TLS and a bearer token as ``credentials`` say."""
     c = credentials or Credentials()
-    options = list(_CHANNEL_OPTIONS)
+    options: list[tuple[str, Any]] = list(_CHANNEL_OPTIONS)
     if c.ca is not None:
         tls = grpc.ssl_channel_credentials(_read(c.ca), _read(c.key), _read(c.cert))
         if c.server_name is not None:
