@@ -68,6 +68,12 @@ def timeseries(title, description, unit, targets, width=12, height=8):
     return panel
 
 
+def p50_p99(histogram, by):
+    """The p50 and p99 targets of a histogram's rate, one series per value of label `by`."""
+    return [(f"histogram_quantile({q}, sum by ({by}, le) (rate({histogram}_bucket{{{SEL}}}[{RATE}])))",
+             f"p{name} {{{{{by}}}}}") for q, name in (("0.5", "50"), ("0.99", "99"))]
+
+
 def stat(title, description, unit, expr, legend="", width=6):
     return (gstat.Panel().title(title).description(description).unit(unit).span(width).height(4)
             .with_target(query(expr, legend).ref_id("A")))
@@ -91,8 +97,7 @@ def panels():
     yield timeseries("Calls per second by method", "Finished RPCs (all codes)", "reqps",
                      [(f"sum by (method) (rate(kvsparse_rpc_requests_total{{{SEL}}}[{RATE}]))", "{{method}}")])
     yield timeseries("Latency p50 / p99 by method", "Server-side RPC latency, handler entry to status", "s",
-                     [(f"histogram_quantile(0.5, sum by (method, le) (rate(kvsparse_rpc_duration_seconds_bucket{{{SEL}}}[{RATE}])))", "p50 {{method}}"),
-                      (f"histogram_quantile(0.99, sum by (method, le) (rate(kvsparse_rpc_duration_seconds_bucket{{{SEL}}}[{RATE}])))", "p99 {{method}}")])
+                     p50_p99("kvsparse_rpc_duration_seconds", "method"))
     yield timeseries("Errors by code", "Calls not OK, by method and gRPC code (client mistakes included)", "reqps",
                      [(f'sum by (method, code) (rate(kvsparse_rpc_requests_total{{{SEL}, code!="OK"}}[{RATE}]))', "{{method}} {{code}}")])
     yield timeseries("Server-side error ratio by method", "Recording rule kvsparse:rpc_errors:ratio_rate5m (alert KvsparseRpcErrorRatioHigh above 5%)", "percentunit",
@@ -102,8 +107,7 @@ def panels():
     yield timeseries("Decode throughput by method", "Sequence-layers decoded per second (one per sequence of a Decode call)", "ops",
                      [(f"sum by (method) (rate(kvsparse_decode_sequence_layers_total{{{SEL}}}[{RATE}]))", "{{method}}")])
     yield timeseries("Decode engine time p50 / p99 by stage", "selection, gather, compute, and engine (the whole call); the GPU engine times one call in --gpu_stage_timing_every", "s",
-                     [(f"histogram_quantile(0.5, sum by (stage, le) (rate(kvsparse_decode_stage_seconds_bucket{{{SEL}}}[{RATE}])))", "p50 {{stage}}"),
-                      (f"histogram_quantile(0.99, sum by (stage, le) (rate(kvsparse_decode_stage_seconds_bucket{{{SEL}}}[{RATE}])))", "p99 {{stage}}")])
+                     p50_p99("kvsparse_decode_stage_seconds", "stage"))
     yield timeseries("Bytes read per tier against dense", "Bytes decode steps read from each tier, and what dense attention would read, per method", "Bps",
                      [(f"sum by (method, tier) (rate(kvsparse_decode_fetched_bytes_total{{{SEL}}}[{RATE}]))", "{{method}} {{tier}}"),
                       (dense, "{{method}} dense")])
