@@ -34,8 +34,8 @@ absl::Status AttentionService::Run(const v1::DecodeRequest& req, absl::string_vi
 grpc::Status AttentionService::Decode(grpc::ServerContext* ctx, const v1::DecodeRequest* req,
                                       v1::DecodeResponse* resp) {
   const absl::Time start = absl::Now();
-  return rpc_->Run(decode_, ctx, [&](absl::Time deadline) {
-    return Run(*req, rpc_->Tenant(*ctx), start, deadline, resp);
+  return rpc_->Run(decode_, ctx, [&](absl::Time deadline, const Caller& caller) {
+    return Run(*req, caller.tenant, start, deadline, resp);
   });
 }
 
@@ -52,17 +52,13 @@ grpc::Status AttentionService::DecodeStream(
       reaper_ == nullptr ? nullptr : reaper_->Add(ctx);
   v1::DecodeRequest req;
   v1::DecodeResponse resp;
-  std::string tenant;
-  bool first = true;
   while (stream->Read(&req)) {
     if (watch) watch->Touch();
     resp.Clear();
     // Each step gets the server's default deadline, bounded by the stream's own.
     const absl::Time start = absl::Now();
-    grpc::Status st = rpc_->Run(stream_, ctx, [&](absl::Time deadline) {
-      if (first) tenant = rpc_->Tenant(*ctx);  // the stream's token, checked by Run
-      first = false;
-      return Run(req, tenant, start, deadline, &resp);
+    grpc::Status st = rpc_->Run(stream_, ctx, [&](absl::Time deadline, const Caller& caller) {
+      return Run(req, caller.tenant, start, deadline, &resp);
     });
     if (!st.ok()) return st;
     if (!stream->Write(resp)) {

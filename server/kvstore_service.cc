@@ -19,14 +19,13 @@ KvStoreService::KvStoreService(kvstore::Store* store, const RpcRunner* rpc, Metr
 grpc::Status KvStoreService::CreateSequence(grpc::ServerContext* ctx,
                                             const v1::CreateSequenceRequest* req,
                                             v1::SequenceInfo* resp) {
-  return rpc_->Run(create_, ctx, [&](absl::Time) -> absl::Status {
+  return rpc_->Run(create_, ctx, [&](absl::Time, const Caller& caller) -> absl::Status {
     absl::StatusOr<kvstore::ModelShape> shape = FromProto(req->shape());
     if (!shape.ok()) return shape.status();
     absl::StatusOr<kvstore::Placement> placement = FromProto(req->placement());
     if (!placement.ok()) return placement.status();
-    const std::string tenant = rpc_->Tenant(*ctx);
     absl::StatusOr<kvstore::SequenceInfo> info =
-        store_->CreateSequence(ScopedId(tenant, req->sequence_id()), *shape, *placement);
+        store_->CreateSequence(ScopedId(caller.tenant, req->sequence_id()), *shape, *placement);
     if (!info.ok()) return info.status();
     ToProto(*info, resp);
     resp->set_sequence_id(req->sequence_id());
@@ -37,8 +36,8 @@ grpc::Status KvStoreService::CreateSequence(grpc::ServerContext* ctx,
 grpc::Status KvStoreService::DropSequence(grpc::ServerContext* ctx,
                                           const v1::DropSequenceRequest* req,
                                           v1::DropSequenceResponse* resp) {
-  return rpc_->Run(drop_, ctx, [&](absl::Time) -> absl::Status {
-    const std::string id = ScopedId(rpc_->Tenant(*ctx), req->sequence_id());
+  return rpc_->Run(drop_, ctx, [&](absl::Time, const Caller& caller) -> absl::Status {
+    const std::string id = ScopedId(caller.tenant, req->sequence_id());
     absl::StatusOr<uint64_t> freed = store_->DropSequence(id);
     if (!freed.ok()) return freed.status();
     if (on_drop_) on_drop_(id);
@@ -49,10 +48,10 @@ grpc::Status KvStoreService::DropSequence(grpc::ServerContext* ctx,
 
 grpc::Status KvStoreService::Append(grpc::ServerContext* ctx, const v1::AppendRequest* req,
                                     v1::AppendResponse* resp) {
-  return rpc_->Run(append_, ctx, [&](absl::Time deadline) -> absl::Status {
+  return rpc_->Run(append_, ctx, [&](absl::Time deadline, const Caller& caller) -> absl::Status {
     absl::StatusOr<kvstore::AppendRequest> r = FromProto(*req);
     if (!r.ok()) return r.status();
-    const std::string id = ScopedId(rpc_->Tenant(*ctx), r->sequence_id);  // r holds a view
+    const std::string id = ScopedId(caller.tenant, r->sequence_id);  // r holds a view
     r->sequence_id = id;
     r->deadline = deadline;
     absl::StatusOr<kvstore::AppendResult> res = store_->Append(*r);
@@ -66,10 +65,10 @@ grpc::Status KvStoreService::Append(grpc::ServerContext* ctx, const v1::AppendRe
 
 grpc::Status KvStoreService::Gather(grpc::ServerContext* ctx, const v1::GatherRequest* req,
                                     v1::GatherResponse* resp) {
-  return rpc_->Run(gather_, ctx, [&](absl::Time deadline) -> absl::Status {
+  return rpc_->Run(gather_, ctx, [&](absl::Time deadline, const Caller& caller) -> absl::Status {
     absl::StatusOr<GatherArgs> args = FromProto(*req);
     if (!args.ok()) return args.status();
-    const std::string id = ScopedId(rpc_->Tenant(*ctx), args->request.sequence_id);  // a view
+    const std::string id = ScopedId(caller.tenant, args->request.sequence_id);  // a view
     args->request.sequence_id = id;
     args->request.deadline = deadline;
     const bool want_k = args->request.kind != kvstore::RowKind::kV;
@@ -114,9 +113,9 @@ grpc::Status KvStoreService::Gather(grpc::ServerContext* ctx, const v1::GatherRe
 grpc::Status KvStoreService::GetSequenceInfo(grpc::ServerContext* ctx,
                                              const v1::GetSequenceInfoRequest* req,
                                              v1::SequenceInfo* resp) {
-  return rpc_->Run(info_, ctx, [&](absl::Time) -> absl::Status {
+  return rpc_->Run(info_, ctx, [&](absl::Time, const Caller& caller) -> absl::Status {
     absl::StatusOr<kvstore::SequenceInfo> info =
-        store_->GetSequenceInfo(ScopedId(rpc_->Tenant(*ctx), req->sequence_id()));
+        store_->GetSequenceInfo(ScopedId(caller.tenant, req->sequence_id()));
     if (!info.ok()) return info.status();
     ToProto(*info, resp);
     resp->set_sequence_id(req->sequence_id());
@@ -127,11 +126,10 @@ grpc::Status KvStoreService::GetSequenceInfo(grpc::ServerContext* ctx,
 grpc::Status KvStoreService::ListSequences(grpc::ServerContext* ctx,
                                            const v1::ListSequencesRequest*,
                                            v1::ListSequencesResponse* resp) {
-  return rpc_->Run(list_, ctx, [&](absl::Time) -> absl::Status {
-    const std::string tenant = rpc_->Tenant(*ctx);
+  return rpc_->Run(list_, ctx, [&](absl::Time, const Caller& caller) -> absl::Status {
     std::string id;
     for (const kvstore::SequenceInfo& info : store_->ListSequences()) {
-      if (!UnscopedId(tenant, info.sequence_id, &id)) continue;  // another tenant's
+      if (!UnscopedId(caller.tenant, info.sequence_id, &id)) continue;  // another tenant's
       v1::SequenceInfo* out = resp->add_sequences();
       ToProto(info, out);
       out->set_sequence_id(id);
@@ -142,7 +140,7 @@ grpc::Status KvStoreService::ListSequences(grpc::ServerContext* ctx,
 
 grpc::Status KvStoreService::GetStats(grpc::ServerContext* ctx, const v1::GetStatsRequest*,
                                       v1::StoreStats* resp) {
-  return rpc_->Run(stats_, ctx, [&](absl::Time) -> absl::Status {
+  return rpc_->Run(stats_, ctx, [&](absl::Time, const Caller&) -> absl::Status {
     ToProto(store_->Stats(), resp);
     return absl::OkStatus();
   });

@@ -33,4 +33,17 @@ LogMessage::~LogMessage() {
   if (level_ >= LogLevel::kWarning) std::fflush(stderr);
 }
 
+bool LogEvery::ShouldLogAt(absl::Time now, int64_t* dropped) {
+  const int64_t now_ns = absl::ToUnixNanos(now);
+  int64_t next = next_ns_.load(std::memory_order_relaxed);
+  // One caller per period wins the exchange; the others count themselves as held back.
+  if (now_ns < next ||
+      !next_ns_.compare_exchange_strong(next, now_ns + period_ns_, std::memory_order_relaxed)) {
+    dropped_.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  *dropped = dropped_.exchange(0, std::memory_order_relaxed);
+  return true;
+}
+
 }  // namespace kvsparse::server

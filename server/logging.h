@@ -3,7 +3,12 @@
 #ifndef KVSPARSE_SERVER_LOGGING_H_
 #define KVSPARSE_SERVER_LOGGING_H_
 
+#include <atomic>
+#include <cstdint>
 #include <sstream>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 
 namespace kvsparse::server {
 
@@ -25,6 +30,26 @@ class LogMessage {
  private:
   LogLevel level_;
   std::ostringstream stream_;
+};
+
+// Lets one log site through at most once per `period` and counts the lines it held back (what
+// absl/log's LOG_EVERY_N_SEC does): for lines a client can cause on every call, e.g. refused
+// credentials, which would otherwise let anyone fill the log. Thread-safe.
+class LogEvery {
+ public:
+  // period: finite.
+  explicit LogEvery(absl::Duration period) : period_ns_(absl::ToInt64Nanoseconds(period)) {}
+  LogEvery(const LogEvery&) = delete;
+  LogEvery& operator=(const LogEvery&) = delete;
+
+  // True when a line may be written now; *dropped: the lines held back since the last one.
+  bool ShouldLog(int64_t* dropped) { return ShouldLogAt(absl::Now(), dropped); }
+  bool ShouldLogAt(absl::Time now, int64_t* dropped);
+
+ private:
+  const int64_t period_ns_;
+  std::atomic<int64_t> next_ns_{INT64_MIN};  // the first line always passes
+  std::atomic<int64_t> dropped_{0};
 };
 
 }  // namespace kvsparse::server

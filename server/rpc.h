@@ -1,8 +1,10 @@
-// The one wrapper every RPC handler runs through: it checks the caller's bearer token against
-// the method's role (with --auth_tokens: UNAUTHENTICATED / PERMISSION_DENIED), applies the
-// server's default deadline to calls that carry none, refuses calls already cancelled or past
-// their deadline and calls beyond the server's concurrency limits (RESOURCE_EXHAUSTED), times
-// the call, counts it by method and status code, logs failures, and maps the status to gRPC.
+// The one wrapper every RPC handler runs through: it identifies the caller by its bearer token
+// and checks its role against the method's (with --auth_tokens: UNAUTHENTICATED /
+// PERMISSION_DENIED), applies the server's default deadline to calls that carry none, refuses
+// calls already cancelled or past their deadline and calls beyond the server's concurrency
+// limits (RESOURCE_EXHAUSTED), times the call, counts it by method and status code, logs
+// failures (refused credentials at most once per kRefusalLogPeriod), and maps the status to
+// gRPC.
 #ifndef KVSPARSE_SERVER_RPC_H_
 #define KVSPARSE_SERVER_RPC_H_
 
@@ -11,6 +13,8 @@
 #include <atomic>
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
+#include <string>
 #include <utility>
 
 #include "absl/status/status.h"
@@ -31,6 +35,10 @@ struct RpcLimits {
 
 class RpcRunner {
  public:
+  // Refused credentials are logged at most once per this period (the lines between are counted
+  // in the next one).
+  static constexpr absl::Duration kRefusalLogPeriod = absl::Seconds(5);
+
   // default_deadline: applied to calls that carry no deadline of their own.
   // auth: the tokens every call must carry (null: none needed); must outlive the runner.
   explicit RpcRunner(absl::Duration default_deadline, RpcLimits limits = RpcLimits(),
@@ -65,15 +73,6 @@ class RpcRunner {
   Slot OpenStream() const { return Slot(&streams_, limits_.max_streams); }
   size_t max_streams() const { return limits_.max_streams; }
 
-  // The tenant whose sequences the call sees (server/security.h ScopedId): its token's, or
-  // empty (no tokens, or a token without a tenant). Call it inside Run's body (the token is
-  // known good there).
-  std::string Tenant(const grpc::ServerContextBase& ctx) const {
-    if (auth_ == nullptr) return std::string();
-    absl::StatusOr<Caller> c = auth_->Identify(ctx);
-    return c.ok() ? c->tenant : std::string();
-  }
-
   // The deadline a call must finish by: its own, or now + the default, whichever is first.
   absl::Time Deadline(const grpc::ServerContextBase& ctx, absl::Time now) const {
     absl::Time deadline = now + default_deadline_;
@@ -84,13 +83,24 @@ class RpcRunner {
     return deadline;
   }
 
-  // Runs body(deadline) -> absl::Status for one unary call.
+  // Runs body(deadline, caller) -> absl::Status for one unary call (or one stream step).
+  // caller: whom the token names, its role covering the method; its tenant scopes the sequence
+  // ids the call sees (server/security.h ScopedId). Without tokens: Caller() (admin, no
+  // tenant: the whole namespace).
   template <typename Body>
   grpc::Status Run(RpcMetric* metric, grpc::ServerContext* ctx, Body&& body) const {
     const absl::Time start = absl::Now();
     const absl::Time deadline = Deadline(*ctx, start);
-    absl::Status status =
-        auth_ == nullptr ? absl::OkStatus() : auth_->Check(*ctx, metric->method());
+    Caller caller;
+    absl::Status status;
+    if (auth_ != nullptr) {
+      absl::StatusOr<Caller> checked = auth_->Check(*ctx, metric->method());
+      if (checked.ok()) {
+        caller = *std::move(checked);
+      } else {
+        status = checked.status();
+      }
+    }
     const Slot slot(&calls_, limits_.max_calls);
     if (!status.ok()) {
       // refused before any work (the token is checked first)
@@ -102,7 +112,7 @@ class RpcRunner {
     } else if (deadline <= start) {
       status = absl::DeadlineExceededError("deadline passed before the call started");
     } else {
-      status = std::forward<Body>(body)(deadline);
+      status = std::forward<Body>(body)(deadline, std::as_const(caller));
     }
     const double seconds = absl::ToDoubleSeconds(absl::Now() - start);
     metric->Record(status.code(), seconds);
@@ -112,11 +122,19 @@ class RpcRunner {
                                 status.code() == absl::StatusCode::kDataLoss;
       if (server_fault) {
         KVSPARSE_LOG(Error) << metric->method() << " from " << ctx->peer() << ": " << status;
-      } else if (status.code() == absl::StatusCode::kResourceExhausted ||
-                 status.code() == absl::StatusCode::kUnauthenticated ||
+      } else if (status.code() == absl::StatusCode::kUnauthenticated ||
                  status.code() == absl::StatusCode::kPermissionDenied) {
-        // Capacity and refused credentials are an operator's concern; bad requests are the
-        // client's (debug level).
+        // Refused credentials are an operator's concern, but anyone can send them on every
+        // call: one line per period, each refusal still counted in kvsparse_rpc_requests_total.
+        int64_t dropped = 0;
+        if (LogEnabled(LogLevel::kWarning) && refusal_log_.ShouldLog(&dropped)) {
+          KVSPARSE_LOG(Warning) << metric->method() << " from " << ctx->peer() << ": " << status
+                                << (dropped > 0 ? absl::StrCat(" (and ", dropped,
+                                                               " refusals since the last line)")
+                                                : std::string());
+        }
+      } else if (status.code() == absl::StatusCode::kResourceExhausted) {
+        // Capacity is an operator's concern; bad requests are the client's (debug level).
         KVSPARSE_LOG(Warning) << metric->method() << " from " << ctx->peer() << ": " << status;
       } else {
         KVSPARSE_LOG(Debug) << metric->method() << " from " << ctx->peer() << ": " << status;
@@ -132,6 +150,7 @@ class RpcRunner {
   const RpcLimits limits_;
   const TokenAuth* const auth_;
   mutable std::atomic<size_t> calls_{0}, streams_{0};
+  mutable LogEvery refusal_log_{kRefusalLogPeriod};
 };
 
 }  // namespace kvsparse::server

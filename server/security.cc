@@ -229,16 +229,20 @@ absl::Status TokenAuth::Allows(const Caller& c, absl::string_view method) {
   return absl::OkStatus();
 }
 
-absl::Status TokenAuth::Check(const grpc::ServerContextBase& ctx, absl::string_view method) const {
+absl::StatusOr<Caller> TokenAuth::Check(const grpc::ServerContextBase& ctx,
+                                        absl::string_view method) const {
   absl::StatusOr<Caller> c = Identify(ctx);
   if (!c.ok()) return c.status();
-  return Allows(*c, method);
+  if (absl::Status s = Allows(*c, method); !s.ok()) return s;
+  return c;
 }
 
-absl::Status TokenAuth::CheckToken(absl::string_view token, absl::string_view method) const {
+absl::StatusOr<Caller> TokenAuth::CheckToken(absl::string_view token,
+                                             absl::string_view method) const {
   absl::StatusOr<Caller> c = IdentifyToken(token);
   if (!c.ok()) return c.status();
-  return Allows(*c, method);
+  if (absl::Status s = Allows(*c, method); !s.ok()) return s;
+  return c;
 }
 
 std::string ScopedId(absl::string_view tenant, absl::string_view id) {

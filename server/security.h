@@ -84,10 +84,10 @@ class TokenAuth {
   // The caller a call's token names: UNAUTHENTICATED for a missing, malformed or unknown token.
   absl::StatusOr<Caller> Identify(const grpc::ServerContextBase& ctx) const;
   absl::StatusOr<Caller> IdentifyToken(absl::string_view token) const;  // after "Bearer "
-  // OK if the call's token is known and its role covers `method`; UNAUTHENTICATED (above) or
-  // PERMISSION_DENIED for a role below the method's.
-  absl::Status Check(const grpc::ServerContextBase& ctx, absl::string_view method) const;
-  absl::Status CheckToken(absl::string_view token, absl::string_view method) const;
+  // The caller, if the call's token is known and its role covers `method`; UNAUTHENTICATED
+  // (above) or PERMISSION_DENIED for a role below the method's.
+  absl::StatusOr<Caller> Check(const grpc::ServerContextBase& ctx, absl::string_view method) const;
+  absl::StatusOr<Caller> CheckToken(absl::string_view token, absl::string_view method) const;
   size_t size() const { return tokens_.size(); }
 
  private:

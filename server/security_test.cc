@@ -37,15 +37,15 @@ TEST(SecurityTest, TokenFile) {
   ASSERT_TRUE(auth.ok()) << auth.status();
   EXPECT_EQ((*auth)->size(), 3u);
   EXPECT_TRUE((*auth)->CheckToken("reader-0123456789abcdef", "Gather").ok());
-  EXPECT_EQ((*auth)->CheckToken("reader-0123456789abcdef", "Append").code(),
+  EXPECT_EQ((*auth)->CheckToken("reader-0123456789abcdef", "Append").status().code(),
             absl::StatusCode::kPermissionDenied);
   EXPECT_TRUE((*auth)->CheckToken("writer-0123456789abcdef", "DropSequence").ok());
   EXPECT_TRUE((*auth)->CheckToken("admin-0123456789abcdefg", "SomethingNew").ok());
-  EXPECT_EQ((*auth)->CheckToken("writer-0123456789abcdeX", "Gather").code(),
+  EXPECT_EQ((*auth)->CheckToken("writer-0123456789abcdeX", "Gather").status().code(),
             absl::StatusCode::kUnauthenticated);
-  EXPECT_EQ((*auth)->CheckToken("writer-0123456789abcde", "Gather").code(),  // a prefix
+  EXPECT_EQ((*auth)->CheckToken("writer-0123456789abcde", "Gather").status().code(),  // a prefix
             absl::StatusCode::kUnauthenticated);
-  EXPECT_EQ((*auth)->CheckToken("", "Gather").code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ((*auth)->CheckToken("", "Gather").status().code(), absl::StatusCode::kUnauthenticated);
 
   for (const char* bad :
        {"short read\n", "reader-0123456789abcdef reader\n", "reader-0123456789abcdef\n", "a b c\n",
@@ -65,6 +65,10 @@ TEST(SecurityTest, Tenants) {
   EXPECT_EQ(alice->tenant, "alice");
   EXPECT_EQ(alice->role, Role::kWrite);
   EXPECT_EQ((*auth)->IdentifyToken("ops-0123456789abcdefgh")->tenant, "");
+  auto checked = (*auth)->CheckToken("alice-0123456789abcdef", "Append");  // what RpcRunner uses
+  ASSERT_TRUE(checked.ok()) << checked.status();
+  EXPECT_EQ(checked->tenant, "alice");
+  EXPECT_EQ(checked->role, Role::kWrite);
   EXPECT_EQ(ScopedId("alice", "s1"), "alice:s1");
   EXPECT_EQ(ScopedId("", "s1"), "s1");
   std::string id;
