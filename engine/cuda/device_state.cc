@@ -187,6 +187,33 @@ bool LearnedSignsOnGpu(const kernels::LearnedHashWeights& w, const SequenceDesc&
          w.num_layers >= static_cast<int32_t>(s.num_layers) && kc::LearnedSignSupports(w.dims);
 }
 
+bool SaapOnGpu(const kernels::SaapWeights& w, const SequenceDesc& desc) {
+  const kvstore::ModelShape& s = desc.shape;
+  return desc.placement.signature_bits == 32 &&
+         w.num_layers >= static_cast<int32_t>(s.num_layers) &&
+         w.num_q_heads == static_cast<int32_t>(s.num_q_heads) &&
+         w.num_kv_heads == static_cast<int32_t>(s.num_kv_heads) &&
+         w.head_dim == static_cast<int32_t>(s.head_dim) && kc::SaapSupports(w);
+}
+
+absl::StatusOr<kc::SaapLayerWeights> DeviceState::SaapLayer(uint32_t layer) {
+  const kernels::SaapWeights* w = options_.signatures.saap.get();
+  if (w == nullptr || static_cast<int32_t>(layer) >= w->num_layers) {
+    return absl::FailedPreconditionError("no SAAP partitions for this layer");
+  }
+  DevBuf& slot = saap_[layer];
+  if (slot.ptr == nullptr) {
+    std::vector<float> packed;
+    kc::PackSaapLayer(*w, static_cast<int32_t>(layer), &packed);
+    if (absl::Status s = Alloc(&slot, packed.size() * sizeof(float)); !s.ok()) return s;
+    KVS_CUDA_OK(
+        cudaMemcpyAsync(slot.ptr, packed.data(), slot.bytes, cudaMemcpyHostToDevice, stream_),
+        "SAAP partitions upload");
+    KVS_CUDA_OK(cudaStreamSynchronize(stream_), "SAAP partitions upload");
+  }
+  return kc::SaapLayerView(*w, slot.as<const float>());
+}
+
 absl::StatusOr<const float*> DeviceState::LearnedMlps(uint32_t layer) {
   const kernels::LearnedHashWeights* w = options_.signatures.learned.get();
   if (w == nullptr || static_cast<int32_t>(layer) >= w->num_layers) {
@@ -402,8 +429,11 @@ absl::Status DeviceState::SignKeys(DeviceSequence* e, DeviceLayer* l, uint32_t l
   // Learned MLPs the GPU cannot apply to this sequence: its hash calls run on the CPU engine,
   // which keeps its own signatures; nothing here reads these.
   if (learned != nullptr && !LearnedSignsOnGpu(*learned, desc)) return absl::OkStatus();
-  if (options_.signatures.saap != nullptr) return absl::OkStatus();  // SAAP: the CPU engine's
-  if (learned == nullptr && l->norms.ptr == nullptr) {
+  const kernels::SaapWeights* saap = options_.signatures.saap.get();
+  // SAAP partitions the GPU cannot apply to this sequence: its saap calls run on the CPU engine,
+  // which keeps its own buckets.
+  if (saap != nullptr && !SaapOnGpu(*saap, desc)) return absl::OkStatus();
+  if (saap == nullptr && learned == nullptr && l->norms.ptr == nullptr) {
     // SimHash M, fixed now: the largest key norm of this first batch, times the margin (as
     // ResidentCache does, so both engines sign with the same M). Copied from pageable memory:
     // the copy has read max_norm when it returns.
@@ -432,6 +462,22 @@ absl::Status DeviceState::SignKeys(DeviceSequence* e, DeviceLayer* l, uint32_t l
     head_stride = static_cast<int64_t>(cnt) * row;
   } else {
     kd += t0 * row;
+  }
+  if (saap != nullptr) {  // each key's bucket, as the CPU engine's SaapAssignKey
+    absl::StatusOr<kc::SaapLayerWeights> sw = SaapLayer(layer_index);
+    if (!sw.ok()) return sw.status();
+    for (size_t j = 0; j < hkv; ++j) {
+      kc::SaapAssignParams ap;
+      ap.w = *sw;
+      ap.kv_head = static_cast<int32_t>(j);
+      ap.num_keys = static_cast<int32_t>(cnt);
+      ap.first_position = static_cast<int64_t>(t0);
+      ap.dtype = shape.dtype;
+      ap.x = kd + j * head_stride;
+      ap.out = l->sig.as<uint32_t>() + j * l->capacity + t0;
+      KVS_CUDA_OK(kc::SaapAssignKeys(ap, stream_), "SaapAssignKeys");
+    }
+    return absl::OkStatus();
   }
   if (learned != nullptr) {
     absl::StatusOr<const float*> mlps = LearnedMlps(layer_index);

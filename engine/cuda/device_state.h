@@ -36,6 +36,7 @@
 #include "engine/resident_cache.h"
 #include "engine/row_source.h"
 #include "engine/signatures.h"
+#include "kernels/cuda/saap.h"
 #include "kvstore/store.h"
 
 namespace kvsparse::engine::gpu {
@@ -90,6 +91,10 @@ struct DeviceStateOptions {
 // kv head, its shape and bits, and dims within LearnedSign's limits. Otherwise (e.g. one key MLP
 // per query head) its learned-signature calls run on the CPU engine.
 bool LearnedSignsOnGpu(const kernels::LearnedHashWeights& w, const SequenceDesc& desc);
+// Whether the GPU assigns (and the saap runner reads) SAAP buckets for a sequence: the
+// partitions fit its model (layers, heads, head dim), it keeps one-word signatures, and the
+// kernels take the partitions' sizes. Otherwise its saap calls run on the CPU engine.
+bool SaapOnGpu(const kernels::SaapWeights& w, const SequenceDesc& desc);
 
 class DeviceState {
  public:
@@ -117,6 +122,8 @@ class DeviceState {
   // The learned MLPs of a layer on the device (kernels::cuda::LearnedSign's packing): the H query
   // MLPs, then the key MLPs. REQUIRES: learned weights (options().signatures.learned).
   absl::StatusOr<const float*> LearnedMlps(uint32_t layer);
+  // A layer of the SAAP partitions on the device. REQUIRES: options().signatures.saap.
+  absl::StatusOr<kernels::cuda::SaapLayerWeights> SaapLayer(uint32_t layer);
   const DeviceStateOptions& options() const { return options_; }
   // The call's device scratch, at least `bytes` (contents not kept across calls).
   absl::StatusOr<char*> Scratch(size_t bytes);
@@ -169,6 +176,7 @@ class DeviceState {
   uint64_t tick_ = 0, evictions_ = 0;
   std::map<std::tuple<uint32_t, int32_t, int32_t>, DevBuf> planes_;
   std::map<uint32_t, DevBuf> learned_;  // per layer
+  std::map<uint32_t, DevBuf> saap_;     // per layer (kernels::cuda::PackSaapLayer)
   DevBuf scratch_, sync_tmp_;
   PinnedBuf staging_, row_staging_;
 };

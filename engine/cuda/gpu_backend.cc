@@ -26,7 +26,7 @@ class GpuBackend final : public DecodeBackend {
         source_(source),
         stream_(stream),
         caps_{options_.default_tile_size, options_.signatures.learned.get(),
-              options_.signatures.saap != nullptr, !source->pages_device_visible()} {
+              options_.signatures.saap.get(), !source->pages_device_visible()} {
     gpu::DeviceStateOptions so;
     so.capacity_bytes = options_.capacity_bytes;
     so.max_fetch_bytes = options_.max_fetch_bytes;
@@ -52,7 +52,7 @@ class GpuBackend final : public DecodeBackend {
     // The sequences of a call are decoded together: they must share their placement.
     const SequenceDesc& d0 = descs[0];
     const gpu::GpuRunner* runner = FindMethod(call.method.kind).gpu;
-    if (runner == nullptr) return false;  // a method with no GPU path yet (saap)
+    if (runner == nullptr) return false;  // a method with no GPU path
     for (const SequenceDesc& d : descs) {
       if (d.placement.k_tier != d0.placement.k_tier || d.placement.v_tier != d0.placement.v_tier ||
           d.placement.signature_bits != d0.placement.signature_bits ||

@@ -34,9 +34,10 @@ struct GpuCaps {
   // The deployment's learned hash weights (null: SimHash); the GPU signs with them where they
   // fit a sequence (LearnedSignsOnGpu).
   const kernels::LearnedHashWeights* learned = nullptr;
-  // The deployment keeps SAAP buckets as key signatures (the CPU engine's saap method reads
-  // them; the hash methods are refused there): no runner uses signatures.
-  bool saap = false;
+  // The deployment's SAAP partitions (null: none). With them the key signatures are SAAP
+  // buckets (DeviceState assigns them where SaapOnGpu): the saap runner reads them, the hash
+  // methods are refused (the CPU engine's error).
+  const kernels::SaapWeights* saap = nullptr;
   // The host halves' rows come from a store whose pages the GPU cannot read (another process):
   // a runner gathers them through LaunchPlan::StageListed / StageAll, or does not take the call.
   bool staged_rows = false;
@@ -46,7 +47,7 @@ struct GpuCaps {
 // signatures, the request asks for the deployment's kind (a mismatch is the CPU engine's error to
 // give), and learned MLPs fit the sequence.
 inline bool SignaturesOnGpu(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
-  if (desc.placement.signature_bits == 0 || caps.saap) return false;
+  if (desc.placement.signature_bits == 0 || caps.saap != nullptr) return false;
   if (m.learned_signatures != (caps.learned != nullptr)) return false;
   return caps.learned == nullptr || LearnedSignsOnGpu(*caps.learned, desc);
 }
@@ -93,6 +94,7 @@ const GpuRunner& DenseRunner();
 const GpuRunner& SantaRunner();
 const GpuRunner& HashTopKRunner();
 const GpuRunner& VAttentionRunner();
+const GpuRunner& SaapRunner();
 
 }  // namespace kvsparse::engine::gpu
 

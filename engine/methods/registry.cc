@@ -20,7 +20,7 @@ absl::Span<const MethodEntry> Table() {
       {MethodKind::kHashTopK, "hash_top_k", &HashTopKUnit(), KVSPARSE_GPU_RUNNER(HashTopKRunner)},
       {MethodKind::kVAttention, "vattention", &VAttentionUnit(),
        KVSPARSE_GPU_RUNNER(VAttentionRunner)},
-      {MethodKind::kSaap, "saap", &SaapUnit(), nullptr},  // the CPU engine only, so far
+      {MethodKind::kSaap, "saap", &SaapUnit(), KVSPARSE_GPU_RUNNER(SaapRunner)},
   };
   return kMethods;
 }

@@ -258,6 +258,19 @@ __device__ __forceinline__ void Unpack8(const uint4& r, float (&f)[8]) {
   }
 }
 
+// Element i of x (T in {float, Bf16, Fp16}) as float, exactly (single loads: the signature
+// kernels, which follow the CPU references' element order).
+template <typename T>
+__device__ __forceinline__ float LoadElem(const void* x, int64_t i) {
+  if constexpr (std::is_same_v<T, float>) {
+    return static_cast<const float*>(x)[i];
+  } else if constexpr (std::is_same_v<T, Bf16>) {
+    return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(x)[i]) << 16);
+  } else {
+    return __half2float(__ushort_as_half(static_cast<const uint16_t*>(x)[i]));
+  }
+}
+
 template <typename T>
 __device__ __forceinline__ uint16_t FloatToBits(float x) {
   if constexpr (std::is_same_v<T, Bf16>) {

@@ -12,17 +12,6 @@ namespace {
 // SimHash: one warp per (vector, signature word); lane j evaluates plane 32 * word + j exactly as
 // the CPU reference (fp32, ascending coordinates, separate multiply and add, augmentation last).
 template <typename T>
-__device__ __forceinline__ float LoadElem(const void* x, int64_t i) {
-  if constexpr (std::is_same_v<T, float>) {
-    return static_cast<const float*>(x)[i];
-  } else if constexpr (std::is_same_v<T, Bf16>) {
-    return __uint_as_float(static_cast<uint32_t>(static_cast<const uint16_t*>(x)[i]) << 16);
-  } else {
-    return __half2float(__ushort_as_half(static_cast<const uint16_t*>(x)[i]));
-  }
-}
-
-template <typename T>
 __global__ void __launch_bounds__(256) SimHashKernel(SimHashSignParams p) {
   const int words = p.bits / 32;
   const int64_t warp_id = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;

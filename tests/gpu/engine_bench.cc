@@ -3,7 +3,7 @@
 // row from host memory, measured in the same run on the same GPU (issue 5's benchmark).
 //
 //   engine_bench [--lens=32768,131072] [--batches=1,8] [--reps=20] [--hash_fraction=0.0125]
-//                [--drift=0.05] [--ballast_free_gb=0]
+//                [--drift=0.05] [--ballast_free_gb=0] [--methods=all] [--saap_probes=4]
 //
 // Llama-3.1-8B attention shapes (H = 32, Hkv = 8, d = 128, bf16), one layer. Every sequence of a
 // batch holds the same synthetic K and V (kernels/synthetic.h, peaked family: sink, local window
@@ -23,6 +23,8 @@
 //                                 included. Hash top-k runs twice: with a fresh random q each call
 //                                 (row cache cold) and with q drifting step to step
 //                                 (q_t = q_{t-1} + drift * |q| * noise: the row cache's case).
+//                                 SAAP (random partitions, --saap_probes of 128 buckets) runs
+//                                 the same three rows on an engine of its own.
 // Also printed: bytes that crossed from host memory per call and their rate, rows fetched per
 // kv head (density), row-cache hit rate, and GPU bytes per token of each placement.
 #include <cuda_runtime_api.h>
@@ -56,7 +58,10 @@ ABSL_FLAG(int, reps, 20, "Timed calls per row (median)");
 ABSL_FLAG(double, hash_fraction, 0.0125,
           "HashAttention top-k fraction per query head (the union over a GQA group of 4 is ~4x)");
 ABSL_FLAG(double, drift, 0.05, "Step-to-step query drift for the row-cache rows");
-ABSL_FLAG(std::string, methods, "all", "Comma list: dense,prop,flash,hash,vatt (or all)");
+ABSL_FLAG(std::string, methods, "all", "Comma list: dense,prop,flash,hash,vatt,saap (or all)");
+ABSL_FLAG(int, saap_probes, 4,
+          "SAAP rows: buckets probed of 128 (random partitions and classifiers; 4 = 1/32 of the "
+          "keys on average, compare --hash_fraction=0.03125)");
 ABSL_FLAG(int, stage_timing_every, 3,
           "GpuBackendOptions::stage_timing_every: the [gpu] and gather-stage columns are medians "
           "over the timed calls (odd: a row makes two engine calls per step, its own and the "
@@ -381,6 +386,23 @@ int main(int argc, char** argv) {
         return 1;
       }
       ks::DecodeEngine engine(eo, source.get(), std::move(*backend));
+      // SAAP rows: an engine of their own (the partitions replace the SimHash signatures), over
+      // the same store; random partitions of C = 128 and classifiers of width 128.
+      std::unique_ptr<ks::DecodeEngine> saap_engine;
+      if (want("saap")) {
+        ks::EngineOptions so = eo;
+        so.signatures.saap = std::make_shared<const kk::SaapWeights>(
+            kk::RandomSaapWeights(1, H, hkv, d, 128, 128, 23));
+        ks::GpuBackendOptions sgo = go;
+        sgo.signatures = so.signatures;
+        auto sb = ks::NewGpuBackend(sgo, source.get());
+        if (!sb.ok()) {
+          std::fprintf(stderr, "%s\n", sb.status().ToString().c_str());
+          return 1;
+        }
+        saap_engine = std::make_unique<ks::DecodeEngine>(so, source.get(), std::move(*sb));
+      }
+      ks::DecodeEngine* active = &engine;  // the engine `decode` calls
       std::mt19937_64 rng(11);
       std::normal_distribution<float> normal;
       // q for B sequences: the synthetic anchor query with a little per-sequence noise.
@@ -411,7 +433,7 @@ int main(int argc, char** argv) {
       };
       // GPU bytes per token of each placement (after its first call syncs it).
       auto decode = [&](const ks::DecodeCall& c) {
-        auto r = engine.Decode(c);
+        auto r = active->Decode(c);
         if (!r.ok()) {
           std::fprintf(stderr, "decode: %s\n", r.status().ToString().c_str());
           std::exit(1);
@@ -536,7 +558,7 @@ int main(int argc, char** argv) {
         int counted = 0;
         for (int i = -3; i < reps; ++i) {
           std::vector<uint8_t> qb = q;
-          if (m.kind == ks::MethodKind::kHashTopK) {
+          if (m.kind == ks::MethodKind::kHashTopK || m.kind == ks::MethodKind::kSaap) {
             // A fresh random query around the anchor each call, or a small step from the last.
             for (size_t k = 0; k < qd.size(); ++k) {
               qd[k] = drift ? qd[k] + step * q_rms * normal(qr) : qf[k] + q_rms * normal(qr);
@@ -565,9 +587,11 @@ int main(int argc, char** argv) {
             hits += hs.rows_cached;
             fetched += hs.rows_fetched;
           }
-          if (m.kind == ks::MethodKind::kHashTopK) {
-            ks::Method dense;
-            err += RelL2(res.output, decode(call("dev", dense, qb)).output);
+          if (m.kind == ks::MethodKind::kHashTopK || m.kind == ks::MethodKind::kSaap) {
+            ks::DecodeEngine* was = active;
+            active = &engine;
+            err += RelL2(res.output, decode(call("dev", ks::Method{}, qb)).output);
+            active = was;
           } else {
             err += RelL2(res.output, ref);
           }
@@ -583,7 +607,9 @@ int main(int argc, char** argv) {
         r.err = err / counted;
         r.host_mb = host / counted / 1e6;
         r.rows_per_head = rows / counted / (B * hkv);
-        if (m.kind == ks::MethodKind::kHashTopK) r.hit = fetched > 0 ? hits / fetched : 0;
+        if (m.kind == ks::MethodKind::kHashTopK || m.kind == ks::MethodKind::kSaap) {
+          r.hit = fetched > 0 ? hits / fetched : 0;
+        }
         Print(r, dense_us, h2d_gbs, n);
       };
       const std::string dense_ref = decode(call("dev", ks::Method{}, q)).output;
@@ -613,6 +639,17 @@ int main(int argc, char** argv) {
         time_engine("host", m, dense_ref, false, "engine hash top-k / host, fresh q");
         time_engine("host", m, dense_ref, true, "engine hash top-k / host, drifting q");
         time_engine("dev", m, dense_ref, true, "engine hash top-k / K,V on GPU, drifting q");
+      }
+      if (saap_engine != nullptr) {
+        ks::Method m;
+        m.kind = ks::MethodKind::kSaap;
+        m.saap.probes = absl::GetFlag(FLAGS_saap_probes);
+        active = saap_engine.get();
+        const std::string name = "engine SAAP C=128 probes=" + std::to_string(m.saap.probes);
+        time_engine("host", m, dense_ref, false, name + " / host, fresh q");
+        time_engine("host", m, dense_ref, true, name + " / host, drifting q");
+        time_engine("dev", m, dense_ref, true, name + " / K,V on GPU, drifting q");
+        active = &engine;
       }
       if (want("vatt")) {
         ks::Method m;

@@ -81,7 +81,8 @@ struct Rig {
   static std::unique_ptr<Rig> Make(
       size_t gpu_capacity = 1ull << 30, double row_cache = 1.0, bool apart = false,
       size_t max_fetch_bytes = 32 << 20,
-      std::shared_ptr<const kernels::LearnedHashWeights> learned = nullptr) {
+      std::shared_ptr<const kernels::LearnedHashWeights> learned = nullptr,
+      std::shared_ptr<const kernels::SaapWeights> saap = nullptr) {
     auto r = std::make_unique<Rig>();
     auto mem = kvstore::NewPinnedHostMemoryResource();
     EXPECT_TRUE(mem.ok()) << mem.status();
@@ -101,6 +102,7 @@ struct Rig {
     EngineOptions eo;
     eo.signatures.simhash_seed = kSigSeed;
     eo.signatures.learned = std::move(learned);
+    eo.signatures.saap = std::move(saap);
     // Both engines read the store in chunks of this size (the SimHash M of a sequence is taken
     // over its first chunk).
     eo.max_fetch_bytes = max_fetch_bytes;
@@ -385,6 +387,39 @@ TEST_F(GpuEngineTest, LearnedSignatures) {
     // SimHash asked of a learned deployment: the CPU engine's FAILED_PRECONDITION, from both.
     const Method simhash = HashMethod(0.05f, 0, 16, 32);
     auto bad = rig->gpu->Decode(Call(prob, simhash));
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kFailedPrecondition) << bad.status();
+  }
+}
+
+// SAAP (random partitions and classifiers): the GPU assigns the key buckets (SaapAssignKeys)
+// and selects (SaapSelect) row for row what the CPU engine selects, in process and from a store
+// in another process (staged rows); a repeated step is served from the row cache; the hash
+// methods stay refused on a SAAP deployment.
+TEST_F(GpuEngineTest, Saap) {
+  auto w = std::make_shared<const kernels::SaapWeights>(
+      kernels::RandomSaapWeights(kLayers, 8, 2, 128, 32, 64, 9));
+  for (bool apart : {false, true}) {
+    const std::string what = apart ? "saap, store apart" : "saap";
+    auto rig = Rig::Make(1ull << 30, 1.0, apart, 32 << 20, nullptr, w);
+    ASSERT_NE(rig, nullptr);
+    kvstore::Placement p;
+    p.signature_bits = 32;
+    auto prob = Problem({3000, 700});
+    rig->Load(prob, p);
+    Method m;
+    m.kind = MethodKind::kSaap;
+    m.saap.probes = 4;
+    m.saap.sink_tokens = 16;
+    m.saap.local_tokens = 32;
+    Compare(*rig, prob, m, {8e-3, true, 0}, what);
+    auto g = rig->gpu->Decode(Call(prob, m));
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_GT(g->timing.launch_seconds, 0.0) << what << ": on the GPU";
+    for (const HeadStats& hs : g->heads) {
+      EXPECT_EQ(hs.rows_cached, hs.rows_fetched) << what;
+      EXPECT_LT(hs.rows_fetched, static_cast<uint64_t>(prob.seq_lens[hs.sequence_index])) << what;
+    }
+    auto bad = rig->gpu->Decode(Call(prob, HashMethod(0.05f, 0, 16, 32)));
     EXPECT_EQ(bad.status().code(), absl::StatusCode::kFailedPrecondition) << bad.status();
   }
 }

@@ -1,0 +1,185 @@
+#include "engine/cuda/selected_rows_call.h"
+
+#include <algorithm>
+
+namespace kvsparse::engine::gpu {
+
+namespace kc = kernels::cuda;
+
+absl::Status SelectedRowsCall::Plan(LaunchPlan& lp) {
+  absl::StatusOr<int32_t> max_sel = PlanSelection(lp);
+  if (!max_sel.ok()) return max_sel.status();
+  max_sel_ = std::max(1, *max_sel);
+  rows_cap_ = std::min(lp.n_max, lp.G * max_sel_);  // the longest union of a GQA group
+  min_cache_ = rows_cap_;
+  for (int32_t b = 0; b < lp.B; ++b) {
+    DeviceLayer& l = lp.layer(b);
+    const int32_t want = lp.state().CacheSlots(lp.len(b), rows_cap_);
+    if (l.cache_cap < want) {
+      if (absl::Status s =
+              lp.state().GrowCache(lp.sequence(b), &l, lp.hkv, want, lp.row, lp.busy());
+          !s.ok()) {
+        return s;
+      }
+    }
+    cache_cap_ = std::max(cache_cap_, l.cache_cap);
+    min_cache_ = std::min(min_cache_, l.cache_cap);
+  }
+  for (size_t& o : cache_off_) o = lp.AddHostTable<void*>(lp.BK);
+  cache_slots_off_ = lp.AddHostTable<int32_t>(lp.BK);
+  for (size_t& o : call_off_) o = lp.AddHostTable<void*>(lp.BK);
+  return absl::OkStatus();
+}
+
+void SelectedRowsCall::FillTables(LaunchPlan& lp) {
+  void** t[kCacheTables];
+  for (int x = 0; x < kCacheTables; ++x) t[x] = lp.HostTable<void*>(cache_off_[x]);
+  int32_t* slots = lp.HostTable<int32_t>(cache_slots_off_);
+  const size_t row = lp.row;
+  for (int32_t b = 0; b < lp.B; ++b) {
+    const DeviceLayer& l = lp.layer(b);
+    const RowsLayout cl = RowsLayout::Of(lp.hkv, l.cache_cap, row, true);
+    for (int32_t j = 0; j < lp.hkv; ++j) {
+      const int32_t i = b * lp.hkv + j;
+      slots[i] = l.cache_cap;
+      if (l.cache_cap == 0) continue;
+      char* cb = l.cache.as<char>();
+      const size_t ints = sizeof(int32_t) * j * l.cache_cap;
+      t[0][i] = cb + cl.tokens + ints;
+      t[1][i] = cb + cl.slots + ints;
+      t[2][i] = cb + cl.count + sizeof(int32_t) * j;
+      t[3][i] = cb + cl.k + row * j * l.cache_cap;
+      t[4][i] = cb + cl.v + row * j * l.cache_cap;
+    }
+  }
+}
+
+absl::Status SelectedRowsCall::Enqueue(LaunchPlan& lp, Carver& c) {
+  const int32_t BH = lp.BH, BK = lp.BK;
+  int32_t* stats = lp.stats();
+  const size_t method_off = lp.method_offset();
+  Selection sel;
+  sel.max_selected = max_sel_;
+  const size_t rows_all = static_cast<size_t>(BK) * rows_cap_;
+  cr_.overflow_cap = std::max(0, rows_cap_ - min_cache_);  // misses beyond a cache's slots
+  cr_.union_tokens = method_off + c.used();
+  c.Take<int32_t>(rows_all);
+  cr_.fetch_tokens = method_off + c.used();
+  c.Take<int32_t>(rows_all);
+  cr_.fetch_count = method_off + c.used();
+  c.Take<int32_t>(BK);
+  cr_.dest = method_off + c.used();
+  c.Take<int32_t>(rows_all);
+  cr_.overflow = method_off + c.used();
+  c.Take<uint8_t>(2 * lp.row * BK * cr_.overflow_cap);
+  sel.rows.tokens = Table<int32_t>(lp, call_off_[0]);
+  sel.rows.count = Table<int32_t>(lp, call_off_[1]);  // the first BK statistics
+  sel.rows.capacity = rows_cap_;
+  sel.positions = c.Take<int32_t>(static_cast<size_t>(BH) * max_sel_);
+  sel.counts = stats == nullptr ? nullptr : stats + BH;
+  sel.budgets = stats == nullptr ? nullptr : stats + 2 * BH;
+
+  kc::PlaceRowsParams pp;
+  pp.batch = lp.B;
+  pp.num_q_heads = lp.H;
+  pp.num_kv_heads = lp.hkv;
+  pp.rows = sel.rows;
+  if (cache_cap_ > 0) {
+    pp.cache.tokens = Table<int32_t>(lp, cache_off_[0]);
+    pp.cache.slots = Table<int32_t>(lp, cache_off_[1]);
+    pp.cache.count = Table<int32_t>(lp, cache_off_[2]);
+    pp.cache.k = Table<void>(lp, cache_off_[3]);
+    pp.cache.v = Table<void>(lp, cache_off_[4]);
+    pp.cache.capacity = cache_cap_;
+    pp.cache.capacities = lp.Dev<const int32_t>(cache_slots_off_);
+  }
+  pp.positions = sel.positions;
+  pp.counts = sel.counts;
+  pp.max_selected = max_sel_;
+  pp.fetch.tokens = Table<int32_t>(lp, call_off_[2]);
+  pp.fetch.count = Table<int32_t>(lp, call_off_[3]);
+  pp.fetch.capacity = rows_cap_;
+  pp.fetch_dest = Table<int32_t>(lp, call_off_[4]);
+  pp.hits = stats == nullptr ? nullptr : stats + 3 * BH;
+  const size_t pw = kc::PlaceRowsWorkspaceBytes(pp);
+  void* pws = c.Take<char>(pw);
+
+  kc::FetchRowsParams fp;
+  fp.shape = lp.shape();
+  fp.max_rows = rows_cap_;
+  fp.out = pp.fetch;  // the rows to fetch, into cache slots or overflow rows
+  fp.out.k = Table<void>(lp, cache_off_[3]);
+  fp.out.v = Table<void>(lp, cache_off_[4]);
+  fp.dest = pp.fetch_dest;
+  if (cr_.overflow_cap > 0) {
+    fp.second.k = Table<void>(lp, call_off_[5]);
+    fp.second.v = Table<void>(lp, call_off_[6]);
+  }
+  if (cache_cap_ == 0) {  // no cache: every location is an overflow row
+    fp.out.k = fp.second.k;
+    fp.out.v = fp.second.v;
+  }
+
+  kc::SelectedRowsParams srp;
+  srp.shape = lp.shape();
+  srp.rows.k = fp.out.k;
+  srp.rows.v = fp.out.v;
+  srp.second = fp.second;
+  srp.positions = sel.positions;
+  srp.counts = sel.counts;
+  srp.max_selected = max_sel_;
+  const size_t sw = kc::SelectedRowsWorkspaceBytes(srp);
+  void* sws = c.Take<char>(sw);
+
+  if (absl::Status s = EnqueueSelection(lp, c, sel); !s.ok()) return s;
+  const cudaStream_t stream = lp.stream();
+  if (lp.running()) KVS_CUDA_OK(kc::PlaceRows(pp, pws, pw, stream), "PlaceRows");
+  if (absl::Status s = lp.Mark(1); !s.ok()) return s;
+  if (lp.staged() && lp.running()) {  // the missed rows come from the row source, listed order
+    if (absl::Status s = lp.StageListed(lp.Dev<const int32_t>(cr_.fetch_tokens), rows_cap_,
+                                        lp.Dev<const int32_t>(cr_.fetch_count), &fp.shape);
+        !s.ok()) {
+      return s;
+    }
+    fp.source_by_position = true;
+  }
+  if (lp.running()) KVS_CUDA_OK(kc::FetchRows(fp, stream), "FetchRows");
+  if (absl::Status s = lp.Mark(2); !s.ok()) return s;
+  if (lp.running()) KVS_CUDA_OK(kc::SelectedRowsDecode(srp, sws, sw, stream), "SelectedRowsDecode");
+  return absl::OkStatus();
+}
+
+void SelectedRowsCall::FillScratchTables(LaunchPlan& lp) {
+  void** t[kCallTables];
+  for (int x = 0; x < kCallTables; ++x) t[x] = lp.HostTable<void*>(call_off_[x]);
+  char* base = lp.base();
+  const size_t ints = sizeof(int32_t), row = lp.row;
+  for (int32_t i = 0; i < lp.BK; ++i) {
+    t[0][i] = base + cr_.union_tokens + ints * i * rows_cap_;
+    t[1][i] = base + lp.stats_offset() + ints * i;
+    t[2][i] = base + cr_.fetch_tokens + ints * i * rows_cap_;
+    t[3][i] = base + cr_.fetch_count + ints * i;
+    t[4][i] = base + cr_.dest + ints * i * rows_cap_;
+    t[5][i] = base + cr_.overflow + row * i * cr_.overflow_cap;
+    t[6][i] = base + cr_.overflow + row * (lp.BK + i) * cr_.overflow_cap;
+  }
+}
+
+void SelectedRowsCall::Stats(const LaunchPlan& lp, int32_t b, int32_t j, HeadStats* hs) const {
+  const int32_t* st = lp.host_stats();
+  const int32_t BH = lp.BH, i = b * lp.hkv + j;
+  const uint64_t n = static_cast<uint64_t>(lp.len(b));
+  const uint64_t fetched = static_cast<uint64_t>(st[i]);  // the union's rows
+  const uint64_t hits = static_cast<uint64_t>(st[3 * BH + i]);
+  for (int32_t g = 0; g < lp.G; ++g) {
+    hs->rows_selected += static_cast<uint64_t>(st[BH + b * lp.H + j * lp.G + g]);
+    hs->budgets.push_back(static_cast<uint64_t>(st[2 * BH + b * lp.H + j * lp.G + g]));
+  }
+  hs->rows_fetched = fetched;
+  hs->rows_cached = hits;
+  hs->bytes[kDeviceTier] += n * lp.words * 4 + hits * 2 * lp.row;
+  hs->bytes[lp.k_tier()] += (fetched - hits) * lp.row;
+  hs->bytes[lp.v_tier()] += (fetched - hits) * lp.row;
+}
+
+}  // namespace kvsparse::engine::gpu

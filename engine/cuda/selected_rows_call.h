@@ -1,0 +1,77 @@
+// The GPU path of a method that selects rows per (sequence, kv head) and takes exact softmax
+// attention over them (hash top-k, SAAP). The method's selection kernels write, per (b, j), the
+// union of its query heads' rows and each head's positions in it (kernels/cuda/selected_rows.h);
+// the rest is shared and lives here:
+//   PlaceRows           which rows the row cache holds from the last step, and which must cross;
+//   FetchRows           only those rows, over the host link (into cache slots, or overflow rows
+//                       in the scratch when the cache is full); from a store in another
+//                       process the rows are gathered into pinned staging first
+//                       (LaunchPlan::StageListed) and read from there;
+//   SelectedRowsDecode  the estimate over the union's rows.
+// The row cache (DeviceState::GrowCache) holds row_cache_fraction of each sequence's tokens per
+// kv head; consecutive steps select mostly the same rows, which then stay on the device.
+// Statistics blocks: 0 the union's rows per (b, j) (first B * Hkv entries), 1 each query head's
+// rows, 2 its budget, 3 the cache hits per (b, j).
+#ifndef KVSPARSE_ENGINE_CUDA_SELECTED_ROWS_CALL_H_
+#define KVSPARSE_ENGINE_CUDA_SELECTED_ROWS_CALL_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/cuda/gpu_runner.h"
+#include "kernels/cuda/selected_rows.h"
+
+namespace kvsparse::engine::gpu {
+
+class SelectedRowsCall : public MethodCall {
+ public:
+  absl::Status Plan(LaunchPlan& lp) final;
+  void FillTables(LaunchPlan& lp) final;
+  absl::Status Enqueue(LaunchPlan& lp, Carver& c) final;
+  void FillScratchTables(LaunchPlan& lp) final;
+  void Stats(const LaunchPlan& lp, int32_t b, int32_t j, HeadStats* hs) const final;
+
+ protected:
+  // Where a selection writes (device; null in the sizing pass): each (b, j)'s union (tokens
+  // ascending and count, capacity rows_cap), every query head's positions in it [B, H,
+  // max_selected], its row count and its budget [B, H].
+  struct Selection {
+    kernels::cuda::RowSetTables rows;
+    int32_t* positions = nullptr;
+    int32_t* counts = nullptr;
+    int32_t* budgets = nullptr;
+    int32_t max_selected = 0;
+  };
+  // In Plan: the bound of any query head's rows (host), after the method's own checks and
+  // uploads.
+  virtual absl::StatusOr<int32_t> PlanSelection(LaunchPlan& lp) = 0;
+  // Carves the selection's own buffers and, in the run pass, enqueues its kernels.
+  virtual absl::Status EnqueueSelection(LaunchPlan& lp, Carver& c, const Selection& s) = 0;
+
+ private:
+  // The row cache's tables per (b, j), in this order: tokens, slots, count, K rows, V rows.
+  static constexpr int kCacheTables = 5;
+  // The call's row tables per (b, j): union tokens, union count; fetch tokens, fetch count,
+  // destinations; overflow K, V rows.
+  static constexpr int kCallTables = 7;
+  // Scratch offsets of the per-call rows (recorded while sizing; their pointer tables are
+  // filled once the scratch is placed): each (b, j)'s union, the rows to fetch and their
+  // locations, and overflow rows for misses beyond the row cache.
+  struct CallRows {
+    size_t union_tokens = 0, fetch_tokens = 0, fetch_count = 0, dest = 0, overflow = 0;
+    int32_t overflow_cap = 0;  // rows per (b, j)
+  };
+  template <typename T>
+  static T* const* Table(const LaunchPlan& lp, size_t off) {
+    return lp.Dev<T* const>(off);
+  }
+
+  int32_t max_sel_ = 0, rows_cap_ = 0, cache_cap_ = 0, min_cache_ = 0;
+  size_t cache_off_[kCacheTables] = {}, cache_slots_off_ = 0, call_off_[kCallTables] = {};
+  CallRows cr_;
+};
+
+}  // namespace kvsparse::engine::gpu
+
+#endif  // KVSPARSE_ENGINE_CUDA_SELECTED_ROWS_CALL_H_
