@@ -198,10 +198,29 @@ TEST(RealAttentionTest, VAttentionGuaranteeAndRows) {
 // 0.96-0.98 of the rows; the ratio bound on base-sample statistics does not (worst head 0.19).
 // Asserted: exact statistics within delta per head (binomial 3 sigma), and the default's overall
 // rate within delta.
+// P(X >= k) for X ~ Binomial(n, p), summed in log space.
+double BinomialUpperTail(int k, int n, double p) {
+  if (k <= 0) return 1.0;
+  double sum = 0;
+  for (int i = k; i <= n; ++i) {
+    sum += std::exp(std::lgamma(n + 1.0) - std::lgamma(i + 1.0) - std::lgamma(n - i + 1.0) +
+                    i * std::log(p) + (n - i) * std::log1p(-p));
+  }
+  return std::min(1.0, sum);
+}
+
+// Per (layer, query head): its violations over seeds x queries, against (epsilon, delta). A
+// head's rate is a binomial count, so the worst of 12 heads sits above delta by chance alone;
+// the test of the guarantee is one-sided per head (H0: the head's rate <= delta, p-value
+// P(X >= k | n, delta)) with Bonferroni over the heads, at a family-wise level of 1%. The
+// Theorem-4.3 budgets (CLT with base-sample statistics, Hoeffding, exact statistics, a larger
+// top-k) must not be rejected; the ratio bound's figures are printed (it is a normal
+// approximation of the output, known to be anti-conservative on base-sample statistics).
 TEST(RealAttentionTest, VAttentionHashPredictorPerHead) {
   struct Candidate {
     const char* name;
     VAttentionParams params;
+    bool asserted = true;
   };
   std::vector<Candidate> candidates;
   auto add = [&](const char* name, auto&& set) {
@@ -215,12 +234,13 @@ TEST(RealAttentionTest, VAttentionHashPredictorPerHead) {
   add("CLT, base 0.2", [](VAttentionParams& p) { p.base_rate = 0.2f; });
   add("Hoeffding", [](VAttentionParams& p) { p.bound = BudgetBound::kHoeffding; });
   add("CLT-ratio", [](VAttentionParams& p) { p.bound = BudgetBound::kCltRatio; });
+  candidates.back().asserted = false;
   add("CLT, exact statistics", [](VAttentionParams& p) { p.exact_statistics = true; });
   add("CLT, top-k 1/8", [](VAttentionParams& p) { p.top_k_fraction = 1.f / 8; });
   constexpr int kSeeds = 5;
   for (const Candidate& c : candidates) {
-    int violations = 0, outputs = 0;
-    double worst = 0, rows = 0, context = 0;
+    int violations = 0, outputs = 0, heads = 0;
+    double worst = 0, rows = 0, context = 0, min_p = 1;
     std::string worst_at;
     for (Layer& l : Layers()) {
       const DecodeProblem& p = l.problem.problem;
@@ -244,16 +264,26 @@ TEST(RealAttentionTest, VAttentionHashPredictorPerHead) {
         }
       }
       for (int h = 0; h < p.num_q_heads; ++h) {
-        const double rate = static_cast<double>(per_head[h]) / (kSeeds * p.batch);
+        const int trials = kSeeds * p.batch;
+        const double rate = static_cast<double>(per_head[h]) / trials;
         if (rate > worst) {
           worst = rate;
           worst_at = absl::StrCat("layer ", l.attention.layer, " head ", h);
         }
+        min_p = std::min(min_p, BinomialUpperTail(per_head[h], trials, c.params.delta));
+        ++heads;
       }
     }
+    const double family_p = std::min(1.0, min_p * heads);  // Bonferroni
     std::printf(
-        "[real attention] vAttention hash %-22s violations %.4f, worst head %.3f (%s), rows %.3f\n",
-        c.name, static_cast<double>(violations) / outputs, worst, worst_at.c_str(), rows / context);
+        "[real attention] vAttention hash %-22s violations %.4f, worst head %.3f (%s), "
+        "rows %.3f, smallest per-head p %.3g (Bonferroni over %d heads: %.3g)\n",
+        c.name, static_cast<double>(violations) / outputs, worst, worst_at.c_str(), rows / context,
+        min_p, heads, family_p);
+    if (c.asserted) {
+      EXPECT_GT(family_p, 0.01) << c.name << ": a head's violation rate exceeds delta";
+      EXPECT_LE(static_cast<double>(violations) / outputs, c.params.delta) << c.name;
+    }
   }
 }
 }  // namespace
