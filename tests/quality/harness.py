@@ -311,6 +311,11 @@ def main() -> int:
     p.add_argument("--only", nargs="*", default=None, help="methods to run (names; default all)")
     p.add_argument("--calib_windows", type=int, default=8)
     p.add_argument("--calib_steps", type=int, default=1500)
+    p.add_argument("--calib_context", type=int, default=0,
+                   help="tokens per calibration window (0: the largest context, at most 8192)")
+    p.add_argument("--calib_passkey_share", type=float, default=0.0,
+                   help="share of the calibration training windows that are pass-key documents "
+                        "(retrieval queries for the learned hash and SAAP calibrations)")
     p.add_argument("--gpu", default="auto", help="the in-process engine's GPU mode (auto, on, off)")
     p.add_argument("--dump_layers", type=int, nargs="*", default=[],
                    help="write real q/K/V of these layers (kv head 0, one held-out window) for the CPU tests")
@@ -337,8 +342,13 @@ def main() -> int:
     log(f"model {args.model} on {device}; held-out text {len(held)} tokens")
 
     # Learned HashAttention: trained on training-split windows, recall measured on held-out ones.
-    calib_ctx = min(max(args.contexts), 8192)
+    calib_ctx = args.calib_context or min(max(args.contexts), 8192)
     cal_train = windows_of(train_text, calib_ctx, args.calib_windows, 101)
+    pk_rng = random.Random(303)
+    for i in range(round(args.calib_passkey_share * len(cal_train))):
+        cal_train[i] = torch.tensor(train_model.passkey_doc(pk_rng, train_text, calib_ctx)[0][:calib_ctx])
+    log(f"calibration: {len(cal_train)} windows of {calib_ctx} tokens "
+        f"({round(args.calib_passkey_share * len(cal_train))} pass-key documents)")
     cal_eval = windows_of(held, calib_ctx, 2, 202)
     model.set_attn_implementation("sdpa")
     captured = calibrate.capture_both(model, cal_train, cal_eval)  # once, for the hash MLPs and SAAP

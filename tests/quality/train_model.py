@@ -146,6 +146,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, help="checkpoint and metrics.json go here")
     p.add_argument("--minutes", type=float, default=7.5, help="training time budget")
+    p.add_argument("--steps", type=int, default=0,
+                   help="train exactly this many steps (the cosine's horizon; --minutes is then only "
+                        "a safety stop): the same model on any GPU, where a time budget gives a "
+                        "faster GPU more steps")
     p.add_argument("--context", type=int, default=8192)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--layers", type=int, default=6)
@@ -183,9 +187,11 @@ def main() -> None:
     step, losses, total_steps = 0, [], None
     while True:
         elapsed = time.time() - start
-        if elapsed >= budget:
+        if elapsed >= budget or (args.steps > 0 and step >= args.steps):
             break
-        if step >= 20 and step % 20 == 0:  # the cosine's horizon from the rate so far
+        if args.steps > 0:
+            total_steps = args.steps
+        elif step >= 20 and step % 20 == 0:  # the cosine's horizon from the rate so far
             total_steps = max(step + 1, int(budget / (elapsed / step)))
         horizon = total_steps or 10**9
         lr = args.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, step / horizon))))
