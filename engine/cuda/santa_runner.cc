@@ -1,8 +1,9 @@
 // SANTA / S2ANTA on the GPU: S2antaProp (systematic, proportional tile budgets), S2antaFlash
 // (systematic, uniform tile budgets) and SantaIid (i.i.d. over the whole sequence), each one
 // kernel sequence that scores the resident K and reads only the sampled V rows (in place, from
-// host pages when V is offloaded). Tiles of kernels::cuda::kSantaTile tokens only; Bernoulli
-// qK^T runs on the CPU engine.
+// host pages when V is offloaded; from a store in another process, the sampled rows are listed
+// by a first run, gathered into pinned staging and read by token: DecodeShape::v_listed). Tiles
+// of kernels::cuda::kSantaTile tokens only; Bernoulli qK^T runs on the CPU engine.
 #include <algorithm>
 #include <vector>
 
@@ -21,14 +22,12 @@ class SantaCall final : public MethodCall {
         iid_(params_.sampler == kernels::SantaSampler::kIid),
         prop_(params_.allocation == kernels::SantaAllocation::kProp) {}
   // K resident (the scores stream it); tiles of kSantaTile; no Bernoulli qK^T; iid with global
-  // allocation, or systematic with prop or flash.
+  // allocation, or systematic with prop or flash. V from a store in another process is staged.
   static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
     const kernels::SantaParams& p = m.santa;
     const int32_t tile = p.tile_size == 0 ? caps.default_tile_size : p.tile_size;
-    // (The sampled V rows are read inside the kernel: V from another process's store is not.)
     if (desc.placement.k_tier != kvstore::Tier::kDevice || tile != kc::kSantaTile ||
-        p.bernoulli_qk_samples != 0 ||
-        (caps.staged_rows && desc.placement.v_tier != kvstore::Tier::kDevice)) {
+        p.bernoulli_qk_samples != 0) {
       return false;
     }
     return (p.sampler == kernels::SantaSampler::kIid &&
@@ -51,14 +50,58 @@ class SantaCall final : public MethodCall {
                       : prop_ ? kc::S2antaPropWorkspaceBytes(sp)
                               : kc::S2antaFlashWorkspaceBytes(sp);
     void* ws = c.Take<char>(wb);
-    if (absl::Status s = lp.Mark(1); !s.ok()) return s;
-    if (absl::Status s = lp.Mark(2); !s.ok()) return s;
-    if (lp.running()) {
-      KVS_CUDA_OK(iid_    ? kc::SantaIid(sp, ws, wb, lp.stream())
-                  : prop_ ? kc::S2antaProp(sp, ws, wb, lp.stream())
-                          : kc::S2antaFlash(sp, ws, wb, lp.stream()),
-                  "SANTA");
+    // V in another process: the sampler runs twice with the same streams, first to list the
+    // rows it samples (V read from K's rows, the output discarded), then over those rows staged.
+    const bool staged = lp.staged() && lp.v_tier() != kDeviceTier;
+    kc::SampledRowsParams rp;
+    int32_t* marks = nullptr;
+    size_t rwb = 0;
+    void* rws = nullptr;
+    if (staged) {
+      const size_t n = static_cast<size_t>(lp.n_max);
+      marks = iid_ ? nullptr : c.Take<int32_t>(static_cast<size_t>(lp.BH) * n);
+      rp.batch = lp.B;
+      rp.num_q_heads = lp.H;
+      rp.num_kv_heads = lp.hkv;
+      rp.seq_lens = sp.shape.seq_lens;
+      rp.max_seq_len = lp.n_max;
+      rp.sample_counts = marks;
+      rp.indices = sp.indices;
+      rp.num_samples = params_.samples;
+      rp.tokens = c.Take<int32_t>(static_cast<size_t>(lp.BK) * n);
+      rp.counts = c.Take<int32_t>(lp.BK);
+      if (iid_) rp.sample_counts = nullptr;
+      rwb = kc::SampledRowsWorkspaceBytes(rp);
+      rws = c.Take<char>(rwb);
     }
+    auto run = [&](const kc::SantaParams& x) {
+      return iid_    ? kc::SantaIid(x, ws, wb, lp.stream())
+             : prop_ ? kc::S2antaProp(x, ws, wb, lp.stream())
+                     : kc::S2antaFlash(x, ws, wb, lp.stream());
+    };
+    if (staged && lp.running()) {
+      kc::SantaParams dry = sp;
+      dry.rows_read = nullptr;
+      dry.shape.v = nullptr;
+      dry.shape.v_heads = sp.shape.k_heads;  // any readable rows of V's shape
+      dry.shape.v_pages = {};
+      dry.sample_counts = marks;
+      if (marks != nullptr) {
+        KVS_CUDA_OK(cudaMemsetAsync(marks, 0, sizeof(int32_t) * lp.BH * lp.n_max, lp.stream()),
+                    "SANTA sample counts");
+      }
+      KVS_CUDA_OK(run(dry), "SANTA (listing the sampled rows)");
+      KVS_CUDA_OK(kc::SampledRows(rp, rws, rwb, lp.stream()), "SampledRows");
+    }
+    if (absl::Status s = lp.Mark(1); !s.ok()) return s;
+    if (staged && lp.running()) {
+      if (absl::Status s = lp.StageListed(rp.tokens, lp.n_max, rp.counts, &sp.shape); !s.ok()) {
+        return s;
+      }
+      sp.shape.v_listed = {rp.tokens, rp.counts, lp.n_max};
+    }
+    if (absl::Status s = lp.Mark(2); !s.ok()) return s;
+    if (lp.running()) KVS_CUDA_OK(run(sp), "SANTA");
     return absl::OkStatus();
   }
 

@@ -86,6 +86,11 @@ inline cudaError_t ValidateShape(const DecodeShape& s, bool k_paged_ok = false,
   if ((s.k_pages.enabled() && !k_paged_ok) || (s.v_pages.enabled() && !v_paged_ok)) {
     return cudaErrorInvalidValue;
   }
+  // Listed V rows: single-row readers only, over strided or per-head rows.
+  if (s.v_listed.enabled() && (!v_paged_ok || s.v_pages.enabled() || s.v_listed.counts == nullptr ||
+                               s.v_listed.capacity < 0)) {
+    return cudaErrorInvalidValue;
+  }
   if (s.batch == 0) return cudaSuccess;
   const bool has_k = s.k != nullptr || s.k_heads != nullptr || s.k_pages.enabled();
   const bool has_v = s.v != nullptr || s.v_heads != nullptr || s.v_pages.enabled();
@@ -184,8 +189,22 @@ struct RowReader {
   int64_t ts = 0;
   const char* const* pages = nullptr;  // paged: this (b, kv head)'s page list
   int32_t shift = 0, slot = 0, offset = 0;
+  const int32_t* list = nullptr;  // listed (DecodeShape::v_listed): token t at row r, list[r] == t
+  int32_t list_n = 0;
 
   __device__ __forceinline__ const uint16_t* Row(int64_t t) const {
+    if (list != nullptr) {  // the first listed token >= t (t is listed)
+      int lo = 0, hi = list_n;
+      while (lo < hi) {
+        const int mid = (lo + hi) >> 1;
+        if (list[mid] < t) {
+          lo = mid + 1;
+        } else {
+          hi = mid;
+        }
+      }
+      t = lo;
+    }
     if (pages == nullptr) return base + t * ts;
     const char* page = pages[t >> shift];
     return reinterpret_cast<const uint16_t*>(page + (t & ((1 << shift) - 1)) * slot + offset);
@@ -205,6 +224,11 @@ __device__ __forceinline__ RowReader MakeRowReader(const DecodeShape& s, bool v,
   } else {
     r.base = KvHeadBase(s, v, b, j) + lane_elems;
     r.ts = s.kv.token_stride;
+  }
+  if (v && s.v_listed.tokens != nullptr) {
+    const int64_t i = static_cast<int64_t>(b) * s.num_kv_heads + j;
+    r.list = s.v_listed.tokens + i * s.v_listed.capacity;
+    r.list_n = s.v_listed.counts[i];
   }
   return r;
 }

@@ -43,6 +43,19 @@ struct PagedRows {
   bool enabled() const { return tables != nullptr; }
 };
 
+// V rows staged in list order and read by token (a store whose pages the GPU cannot read: the
+// engine gathers the rows a call samples into pinned staging, LaunchPlan::StageListed): row
+// (b, j, t) of V is row r of V's strided or per-head addressing (v / v_heads) where
+// tokens[(b * Hkv + j) * capacity + r] == t. Each list ascending, of counts[b * Hkv + j] tokens;
+// only listed tokens may be read (the single-row readers find r by binary search). Device.
+struct ListedRows {
+  const int32_t* tokens = nullptr;
+  const int32_t* counts = nullptr;
+  int32_t capacity = 0;
+
+  bool enabled() const { return tokens != nullptr; }
+};
+
 // One decode step: one query token per sequence, H query heads over Hkv kv heads (GQA).
 struct DecodeShape {
   int32_t batch = 0;           // B
@@ -66,6 +79,9 @@ struct DecodeShape {
   // streamed and must be strided), K and V in VAttentionDecode; the others return
   // cudaErrorInvalidValue.
   PagedRows k_pages, v_pages;
+  // Optional V rows by list (see ListedRows), with v / v_heads strided: the kernels that read
+  // single V rows through RowReader (SantaIid, S2antaProp, S2antaFlash) take them.
+  ListedRows v_listed;
   const int32_t* seq_lens = nullptr;  // device, shape: [B]; 0 <= seq_lens[b] <= max_seq_len
   // Host-side upper bound of seq_lens: sets grid and workspace sizes (so a captured graph stays
   // valid while every sequence stays within it).

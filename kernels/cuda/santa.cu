@@ -1078,7 +1078,91 @@ struct BigTileLaunch {
   }
 };
 
+// ---------------------------------------------------------------------------------------------
+// Sampled rows: marks -> ascending token lists, one block per (b, kv head).
+constexpr int kListThreads = 512;
+
+__global__ void MarkIndicesKernel(SampledRowsParams p, int32_t* marks) {
+  const int64_t total = static_cast<int64_t>(p.batch) * p.num_q_heads * p.num_samples;
+  const int G = p.num_q_heads / p.num_kv_heads;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t bh = i / p.num_samples;
+    const int b = static_cast<int>(bh / p.num_q_heads), h = static_cast<int>(bh % p.num_q_heads);
+    const int tok = p.indices[i];
+    if (tok >= 0 && tok < p.max_seq_len) {
+      marks[(static_cast<int64_t>(b) * p.num_kv_heads + h / G) * p.max_seq_len + tok] = 1;
+    }
+  }
+}
+
+// marks of (b, j): `per` rows of max_seq_len (the group's heads, or one).
+__global__ void __launch_bounds__(kListThreads)
+    ListMarkedKernel(SampledRowsParams p, const int32_t* __restrict__ marks, int per) {
+  __shared__ int wcount[kListThreads / 32];
+  const int i = blockIdx.x, b = i / p.num_kv_heads;
+  const int n = min(p.seq_lens[b], p.max_seq_len);
+  const int32_t* m = marks + static_cast<int64_t>(i) * per * p.max_seq_len;
+  int32_t* out = p.tokens + static_cast<int64_t>(i) * p.max_seq_len;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int written = 0;
+  for (int t0 = 0; t0 < n; t0 += blockDim.x) {
+    const int t = t0 + threadIdx.x;
+    bool keep = false;
+    for (int g = 0; g < per && t < n; ++g)
+      keep |= m[static_cast<int64_t>(g) * p.max_seq_len + t] > 0;
+    const unsigned ballot = __ballot_sync(0xffffffffu, keep);
+    if (lane == 0) wcount[warp] = __popc(ballot);
+    __syncthreads();
+    int before = 0, chunk = 0;
+    for (int k = 0; k < kListThreads / 32; ++k) {
+      if (k < warp) before += wcount[k];
+      chunk += wcount[k];
+    }
+    if (keep) out[written + before + __popc(ballot & ((1u << lane) - 1))] = t;
+    written += chunk;
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) p.counts[i] = written;
+}
+
 }  // namespace
+
+size_t SampledRowsWorkspaceBytes(const SampledRowsParams& p) {
+  if (p.indices == nullptr) return 0;
+  return AlignUp(sizeof(int32_t) * p.batch * p.num_kv_heads * static_cast<size_t>(p.max_seq_len),
+                 256);
+}
+
+cudaError_t SampledRows(const SampledRowsParams& p, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream) {
+  if (p.batch < 0 || p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0 ||
+      p.max_seq_len < 0 || (p.sample_counts == nullptr) == (p.indices == nullptr) ||
+      (p.indices != nullptr && p.num_samples < 1)) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.batch == 0) return cudaSuccess;
+  if (p.seq_lens == nullptr || p.tokens == nullptr || p.counts == nullptr ||
+      workspace_bytes < SampledRowsWorkspaceBytes(p)) {
+    return cudaErrorInvalidValue;
+  }
+  const unsigned lists = static_cast<unsigned>(p.batch) * p.num_kv_heads;
+  const int32_t* marks = p.sample_counts;
+  int per = p.num_q_heads / p.num_kv_heads;
+  if (p.indices != nullptr) {
+    if (workspace == nullptr) return cudaErrorInvalidValue;
+    KVSPARSE_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(workspace, 0, SampledRowsWorkspaceBytes(p), stream));
+    const int64_t total = static_cast<int64_t>(p.batch) * p.num_q_heads * p.num_samples;
+    const int blocks = static_cast<int>(std::min<int64_t>((total + 255) / 256, 4096));
+    MarkIndicesKernel<<<blocks, 256, 0, stream>>>(p, static_cast<int32_t*>(workspace));
+    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    marks = static_cast<const int32_t*>(workspace);
+    per = 1;
+  }
+  ListMarkedKernel<<<lists, kListThreads, 0, stream>>>(p, marks, per);
+  return cudaGetLastError();
+}
 
 size_t SantaIidWorkspaceBytes(const SantaParams& p) {
   size_t bytes = 0;

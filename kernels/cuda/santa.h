@@ -62,6 +62,26 @@ size_t S2antaFlashWorkspaceBytes(const SantaParams& p);
 cudaError_t S2antaFlash(const SantaParams& p, void* workspace, size_t workspace_bytes,
                         cudaStream_t stream);
 
+// The distinct tokens a call sampled per (sequence, kv head), ascending: from the sample counts
+// of S2antaProp / S2antaFlash ([B, H, max_seq_len], zero where nothing was sampled) or from
+// SantaIid's indices ([B, H, num_samples]). Written as DecodeShape::v_listed reads them: tokens
+// [B * Hkv, max_seq_len], counts [B * Hkv]. A worker whose V rows are in another process runs a
+// sampler once with sample_counts (or indices) to learn the rows, stages them (the same Philox
+// streams draw the same samples), and runs it again reading V through v_listed.
+struct SampledRowsParams {
+  int32_t batch = 0, num_q_heads = 0, num_kv_heads = 0;
+  const int32_t* seq_lens = nullptr;       // device [B]
+  int32_t max_seq_len = 0;                 // host bound of seq_lens
+  const int32_t* sample_counts = nullptr;  // device [B, H, max_seq_len], or
+  const int32_t* indices = nullptr;        // device [B, H, num_samples]
+  int32_t num_samples = 0;
+  int32_t* tokens = nullptr;  // device [B * Hkv, max_seq_len]
+  int32_t* counts = nullptr;  // device [B * Hkv]
+};
+size_t SampledRowsWorkspaceBytes(const SampledRowsParams& p);
+cudaError_t SampledRows(const SampledRowsParams& p, void* workspace, size_t workspace_bytes,
+                        cudaStream_t stream);
+
 }  // namespace kvsparse::kernels::cuda
 
 #endif  // KVSPARSE_KERNELS_CUDA_SANTA_H_
