@@ -42,12 +42,8 @@ grpc::Status AttentionService::Decode(grpc::ServerContext* ctx, const v1::Decode
 grpc::Status AttentionService::DecodeStream(
     grpc::ServerContext* ctx,
     grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream) {
-  const RpcRunner::Slot open = rpc_->OpenStream();
-  if (!open) {
-    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
-                        absl::StrCat("server busy: ", rpc_->max_streams(),
-                                     " decode streams open (--max_concurrent_streams)"));
-  }
+  const RpcRunner::OpenedStream open = rpc_->OpenStream(stream_, ctx);
+  if (!open.status.ok()) return open.status;
   const std::unique_ptr<StreamReaper::Watch> watch =
       reaper_ == nullptr ? nullptr : reaper_->Add(ctx);
   v1::DecodeRequest req;
@@ -57,7 +53,7 @@ grpc::Status AttentionService::DecodeStream(
     resp.Clear();
     // Each step gets the server's default deadline, bounded by the stream's own.
     const absl::Time start = absl::Now();
-    grpc::Status st = rpc_->Run(stream_, ctx, [&](absl::Time deadline, const Caller& caller) {
+    grpc::Status st = rpc_->RunStep(stream_, ctx, [&](absl::Time deadline, const Caller& caller) {
       return Run(req, caller.tenant, start, deadline, &resp);
     });
     if (!st.ok()) return st;

@@ -24,7 +24,8 @@ class AttentionService final : public v1::Attention::Service {
 
   grpc::Status Decode(grpc::ServerContext* ctx, const v1::DecodeRequest* req,
                       v1::DecodeResponse* resp) override;
-  // Counts and latency in kvsparse_rpc_* are per step (method "DecodeStream").
+  // Counts and latency in kvsparse_rpc_* are per step (method "DecodeStream"), and a refused open
+  // counts once.
   grpc::Status DecodeStream(
       grpc::ServerContext* ctx,
       grpc::ServerReaderWriter<v1::DecodeResponse, v1::DecodeRequest>* stream) override;

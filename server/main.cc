@@ -61,6 +61,9 @@ ABSL_FLAG(
     "Calls (and decode stream steps) served at once; more are RESOURCE_EXHAUSTED (0: no bound)");
 ABSL_FLAG(uint32_t, max_concurrent_streams, 256,
           "DecodeStreams open at once; more are RESOURCE_EXHAUSTED (0: no bound)");
+ABSL_FLAG(uint32_t, max_calls_per_token, 0,
+          "With --auth_tokens: unary calls plus open DecodeStreams one token may hold at once; "
+          "more are RESOURCE_EXHAUSTED (0: no per-token bound)");
 ABSL_FLAG(ByteSize, max_decode_bytes, ByteSize{64ull << 30},
           "Most K+V bytes one Decode call may cover (its dense-equivalent bytes, what the CPU "
           "engine may gather for it); more is RESOURCE_EXHAUSTED");
@@ -152,6 +155,7 @@ int main(int argc, char** argv) {
   options.default_deadline = absl::GetFlag(FLAGS_default_deadline);
   options.max_concurrent_calls = absl::GetFlag(FLAGS_max_concurrent_calls);
   options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  options.max_calls_per_token = absl::GetFlag(FLAGS_max_calls_per_token);
   options.keepalive_time = absl::GetFlag(FLAGS_keepalive_time);
   options.keepalive_timeout = absl::GetFlag(FLAGS_keepalive_timeout);
   options.min_client_ping_interval = absl::GetFlag(FLAGS_min_client_ping_interval);

@@ -187,6 +187,7 @@ absl::StatusOr<std::unique_ptr<TokenAuth>> TokenAuth::Parse(absl::string_view te
     for (const Entry& e : auth->tokens_) {
       if (e.token == token) return bad("the same token twice");
     }
+    caller.in_flight = std::make_shared<std::atomic<size_t>>(0);
     auth->tokens_.push_back({std::string(token), std::move(caller)});
   }
   if (auth->tokens_.empty()) {

@@ -13,6 +13,8 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_context.h>
 
+#include <atomic>
+#include <cstddef>
 #include <memory>
 #include <string>
 #include <vector>
@@ -69,6 +71,10 @@ bool UnscopedId(absl::string_view tenant, absl::string_view stored, std::string*
 struct Caller {
   Role role = Role::kAdmin;
   std::string tenant;  // empty: the whole namespace
+  // The calls and streams in flight with this caller's token (RpcRunner's --max_calls_per_token):
+  // one counter per token entry, shared by every call that carries it, so two tokens of one
+  // tenant are counted apart. Null without tokens.
+  std::shared_ptr<std::atomic<size_t>> in_flight;
 };
 
 class TokenAuth {

@@ -72,7 +72,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   s->metrics_ = std::move(*metrics);
   s->rpc_ = std::make_unique<RpcRunner>(
       options.default_deadline,
-      RpcLimits{options.max_concurrent_calls, options.max_concurrent_streams}, s->auth_.get());
+      RpcLimits{options.max_concurrent_calls, options.max_concurrent_streams,
+                options.max_calls_per_token},
+      s->auth_.get());
   if (options.role != ServerRole::kWorker) {
     absl::StatusOr<std::unique_ptr<kvstore::Store>> store = kvstore::Store::Create(options.store);
     if (!store.ok()) return store.status();

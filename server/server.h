@@ -50,6 +50,10 @@ struct ServerOptions {
   // Calls served at once and DecodeStreams open at once (RESOURCE_EXHAUSTED beyond); 0: no bound.
   size_t max_concurrent_calls = 256;
   size_t max_concurrent_streams = 256;
+  // With auth_tokens_file: unary calls plus open DecodeStreams one token may hold at once
+  // (RESOURCE_EXHAUSTED beyond), so one client cannot take every slot. 0: no per-token bound
+  // (the default: one worker's token may rightly carry all of its decode calls' Gathers).
+  size_t max_calls_per_token = 0;
   // HTTP/2 keepalive (gRPC's keepalive guidance): the server pings an idle connection every
   // keepalive_time and drops it if the ping is not answered within keepalive_timeout; clients may
   // ping no more often than min_client_ping_interval (more often: GOAWAY); connections with no

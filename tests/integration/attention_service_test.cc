@@ -2,7 +2,9 @@
 // store / worker deployment), the real clients, synthetic attention problems with known answers.
 #include <cmath>
 #include <cstring>
+#include <fstream>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/attention_client.h"
 #include "client/kvstore_client.h"
@@ -315,6 +317,70 @@ TEST(AttentionServiceTest, StreamStepsAppendAndDecode) {
   EXPECT_TRUE((*session)->Close().ok());
   EXPECT_EQ((*kv)->GetSequenceInfo("s0")->layer_lengths(kLayer), 505u);
   EXPECT_EQ((*kv)->GetSequenceInfo("s0")->layer_lengths(0), 500u);
+}
+
+// --max_calls_per_token: one token's open streams take all its slots, its next stream and its
+// unary calls are refused with RESOURCE_EXHAUSTED naming the flag, while another token of the same
+// tenant still decodes; a closed stream gives its slot back.
+TEST(AttentionServiceTest, PerTokenLimitRefusesOneTokenNotAnother) {
+  constexpr int kMax = 3;
+  const std::string tokens = absl::StrCat(::testing::TempDir(), "/per_token_limit_tokens.txt");
+  {
+    std::ofstream f(tokens);
+    f << "alice-0123456789abcdef write team\nbob-0123456789abcdef write team\n";
+  }
+  server::ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_listen = "";
+  o.store.capacity_bytes = 64 << 20;
+  o.auth_tokens_file = tokens;
+  o.max_calls_per_token = kMax;
+  auto server = server::Server::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  client::ClientOptions alice = At((*server)->port()), bob = At((*server)->port());
+  alice.token = "alice-0123456789abcdef";
+  bob.token = "bob-0123456789abcdef";
+  const kernels::SyntheticProblem prob = Problem(1, {300});
+  auto kv = client::KvStoreClient::Connect(bob);
+  ASSERT_TRUE(kv.ok());
+  Load(**kv, prob, {});
+  auto attn_a = client::AttentionClient::Connect(alice);
+  auto attn_b = client::AttentionClient::Connect(bob);
+  ASSERT_TRUE(attn_a.ok() && attn_b.ok());
+  v1::Method dense;
+  dense.mutable_dense();
+  const v1::DecodeRequest r = Request(prob, dense);
+
+  std::vector<std::unique_ptr<client::DecodeSession>> held;
+  for (int i = 0; i < kMax; ++i) {
+    auto s = (*attn_a)->OpenSession(absl::Seconds(60));
+    ASSERT_TRUE(s.ok());
+    auto step = (*s)->Step(r);  // answered: the stream is open on the server
+    ASSERT_TRUE(step.ok()) << i << ": " << step.status();
+    held.push_back(std::move(*s));
+  }
+  auto extra = (*attn_a)->OpenSession(absl::Seconds(60));
+  ASSERT_TRUE(extra.ok());
+  const absl::Status refused = (*extra)->Step(r).status();
+  EXPECT_EQ(refused.code(), StatusCode::kResourceExhausted) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "--max_calls_per_token")) << refused;
+  const absl::Status unary = (*attn_a)->Decode(r).status();
+  EXPECT_EQ(unary.code(), StatusCode::kResourceExhausted) << unary;
+
+  // Another token of the same tenant has slots of its own.
+  EXPECT_TRUE((*attn_b)->Decode(r).ok());
+  auto other = (*attn_b)->OpenSession(absl::Seconds(60));
+  ASSERT_TRUE(other.ok());
+  EXPECT_TRUE((*other)->Step(r).ok());
+  EXPECT_TRUE((*other)->Close().ok());
+
+  // Steps of the held streams still run (they hold their slots), and a closed one frees its own.
+  EXPECT_TRUE(held[0]->Step(r).ok());
+  EXPECT_TRUE(held.back()->Close().ok());
+  held.pop_back();
+  auto again = (*attn_a)->Decode(r);
+  EXPECT_TRUE(again.ok()) << again.status();
+  for (auto& s : held) EXPECT_TRUE(s->Close().ok());
 }
 
 // Bad requests get clear codes and the server stays healthy; nothing is appended by them.
