@@ -40,6 +40,9 @@ ABSL_FLAG(
     std::string, auth_tokens, "",
     "File of bearer tokens, one \"<token> <role>\" per line (role: read, write, admin): every "
     "call must carry one (metadata \"authorization: Bearer <token>\"); empty: no tokens");
+ABSL_FLAG(absl::Duration, auth_tokens_reload, absl::Seconds(10),
+          "How often the --auth_tokens file is re-read; changed tokens apply without a restart "
+          "(a file that does not parse is logged and the old tokens kept); 0: never");
 ABSL_FLAG(std::string, store_tls_ca, "",
           "role=worker: PEM CA of the store's certificate (TLS towards the store)");
 ABSL_FLAG(std::string, store_tls_cert, "",
@@ -169,6 +172,7 @@ int main(int argc, char** argv) {
                  absl::GetFlag(FLAGS_tls_client_ca), tls_reload};
   options.insecure = absl::GetFlag(FLAGS_insecure);
   options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens);
+  options.auth_tokens_reload = absl::GetFlag(FLAGS_auth_tokens_reload);
   options.store_tls = {absl::GetFlag(FLAGS_store_tls_cert), absl::GetFlag(FLAGS_store_tls_key),
                        absl::GetFlag(FLAGS_store_tls_ca), tls_reload};
   if (const std::string f = absl::GetFlag(FLAGS_store_token_file); !f.empty()) {

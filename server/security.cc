@@ -144,12 +144,48 @@ Role RoleNeeded(absl::string_view method) {
 absl::StatusOr<std::unique_ptr<TokenAuth>> TokenAuth::Load(const std::string& path) {
   absl::StatusOr<std::string> text = ReadFile(path);
   if (!text.ok()) return text.status();
-  return Parse(*text, path);
+  absl::StatusOr<std::unique_ptr<TokenAuth>> auth = Parse(*text, path);
+  if (!auth.ok()) return auth.status();
+  (*auth)->path_ = path;
+  absl::MutexLock lock(&(*auth)->reload_mu_);
+  (*auth)->text_ = *std::move(text);
+  return auth;
 }
 
 absl::StatusOr<std::unique_ptr<TokenAuth>> TokenAuth::Parse(absl::string_view text,
                                                             absl::string_view source) {
+  absl::StatusOr<Entries> entries = ParseEntries(text, source);
+  if (!entries.ok()) return entries.status();
   auto auth = std::unique_ptr<TokenAuth>(new TokenAuth());
+  absl::MutexLock lock(&auth->mu_);
+  auth->table_ = std::make_shared<const Entries>(*std::move(entries));
+  return auth;
+}
+
+absl::StatusOr<bool> TokenAuth::Reload() {
+  if (path_.empty()) return absl::FailedPreconditionError("tokens not loaded from a file");
+  absl::MutexLock reload(&reload_mu_);
+  absl::StatusOr<std::string> text = ReadFile(path_);
+  if (!text.ok()) return text.status();
+  if (*text == text_) return false;
+  text_ = *text;
+  absl::StatusOr<Entries> entries = ParseEntries(*text, path_);
+  if (!entries.ok()) return entries.status();
+  const std::shared_ptr<const Entries> old = Table();
+  for (Entry& e : *entries) {
+    for (const Entry& o : *old) {
+      if (o.token == e.token) e.caller.in_flight = o.caller.in_flight;
+    }
+  }
+  auto table = std::make_shared<const Entries>(*std::move(entries));
+  absl::MutexLock lock(&mu_);
+  table_ = std::move(table);
+  return true;
+}
+
+absl::StatusOr<TokenAuth::Entries> TokenAuth::ParseEntries(absl::string_view text,
+                                                           absl::string_view source) {
+  Entries tokens;
   int line_no = 0;
   for (absl::string_view line : absl::StrSplit(text, '\n')) {
     ++line_no;
@@ -184,16 +220,14 @@ absl::StatusOr<std::unique_ptr<TokenAuth>> TokenAuth::Parse(absl::string_view te
       if (!ok) return bad("a tenant is 1..64 of [A-Za-z0-9._-]");
       caller.tenant = std::string(t);
     }
-    for (const Entry& e : auth->tokens_) {
+    for (const Entry& e : tokens) {
       if (e.token == token) return bad("the same token twice");
     }
     caller.in_flight = std::make_shared<std::atomic<size_t>>(0);
-    auth->tokens_.push_back({std::string(token), std::move(caller)});
+    tokens.push_back({std::string(token), std::move(caller)});
   }
-  if (auth->tokens_.empty()) {
-    return absl::InvalidArgumentError(absl::StrCat(source, ": no tokens"));
-  }
-  return auth;
+  if (tokens.empty()) return absl::InvalidArgumentError(absl::StrCat(source, ": no tokens"));
+  return tokens;
 }
 
 absl::StatusOr<Caller> TokenAuth::Identify(const grpc::ServerContextBase& ctx) const {
@@ -212,8 +246,9 @@ absl::StatusOr<Caller> TokenAuth::Identify(const grpc::ServerContextBase& ctx) c
 
 absl::StatusOr<Caller> TokenAuth::IdentifyToken(absl::string_view token) const {
   // Every entry is compared, in constant time, whichever matches.
+  const std::shared_ptr<const Entries> table = Table();
   const Entry* match = nullptr;
-  for (const Entry& e : tokens_) {
+  for (const Entry& e : *table) {
     if (ConstantTimeEquals(e.token, token) && match == nullptr) match = &e;
   }
   if (match == nullptr) return absl::UnauthenticatedError("unknown bearer token");

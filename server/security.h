@@ -5,7 +5,8 @@
 //     connections without a restart;
 //   - bearer tokens ("authorization: Bearer <token>" metadata) from a file, each with a role,
 //     compared in constant time, checked for every call of both services in one place
-//     (RpcRunner, server/rpc.h); grpc.health.v1 and reflection stay open (probes, tooling).
+//     (RpcRunner, server/rpc.h); grpc.health.v1 and reflection stay open (probes, tooling); the
+//     token file may be re-read while serving (TokenAuth::Reload).
 #ifndef KVSPARSE_SERVER_SECURITY_H_
 #define KVSPARSE_SERVER_SECURITY_H_
 
@@ -22,6 +23,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
 namespace kvsparse::server {
@@ -77,6 +79,8 @@ struct Caller {
   std::shared_ptr<std::atomic<size_t>> in_flight;
 };
 
+// Thread-safe: Check/Identify run on every call while Reload may swap the table (one reloader at
+// a time); a call sees the whole old table or the whole new one.
 class TokenAuth {
  public:
   // A token file: one token per line, "<token> <role> [tenant]" (role: read, write or admin;
@@ -94,15 +98,34 @@ class TokenAuth {
   // (above) or PERMISSION_DENIED for a role below the method's.
   absl::StatusOr<Caller> Check(const grpc::ServerContextBase& ctx, absl::string_view method) const;
   absl::StatusOr<Caller> CheckToken(absl::string_view token, absl::string_view method) const;
-  size_t size() const { return tokens_.size(); }
+  size_t size() const { return Table()->size(); }
+
+  // Re-reads the file Load read and, if its text changed since the last Reload (or Load), swaps
+  // in the new table whole; a token in both keeps its in-flight count (Caller::in_flight).
+  // Returns true if swapped, false if the text is unchanged; a file that cannot be read (NOT_FOUND)
+  // or parsed (INVALID_ARGUMENT naming the line) leaves the old table in place, and a text that
+  // failed to parse is not reported again until it changes. FAILED_PRECONDITION without a file
+  // (Parse).
+  absl::StatusOr<bool> Reload();
 
  private:
   struct Entry {
     std::string token;
     Caller caller;
   };
+  using Entries = std::vector<Entry>;
+  static absl::StatusOr<Entries> ParseEntries(absl::string_view text, absl::string_view source);
   static absl::Status Allows(const Caller& c, absl::string_view method);
-  std::vector<Entry> tokens_;
+  std::shared_ptr<const Entries> Table() const {
+    absl::ReaderMutexLock lock(&mu_);
+    return table_;
+  }
+
+  std::string path_;  // empty: made by Parse, nothing to reload
+  mutable absl::Mutex mu_;
+  std::shared_ptr<const Entries> table_ ABSL_GUARDED_BY(mu_);
+  std::string text_ ABSL_GUARDED_BY(reload_mu_);  // the text last read (loaded or rejected)
+  absl::Mutex reload_mu_;                         // one Reload at a time; taken before mu_
 };
 
 // A token from a file (its first line, trimmed): what clients and workers send.

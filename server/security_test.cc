@@ -1,5 +1,6 @@
 #include "server/security.h"
 
+#include <cstdio>
 #include <fstream>
 #include <string>
 
@@ -54,6 +55,46 @@ TEST(SecurityTest, TokenFile) {
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << bad;
   }
   EXPECT_EQ(TokenAuth::Load("/nonexistent/tokens").status().code(), absl::StatusCode::kNotFound);
+}
+
+// Reload swaps a changed file in whole, keeps a kept token's in-flight count and its own table
+// when the new file does not parse, and reports a bad text once.
+TEST(SecurityTest, TokenFileReload) {
+  const std::string path = ::testing::TempDir() + "/reload_tokens.txt";
+  auto write = [&](const char* text) {
+    std::ofstream f(path, std::ios::trunc);
+    f << text;
+  };
+  write("old-0123456789abcdef read\nkept-0123456789abcdef write\n");
+  auto auth = TokenAuth::Load(path);
+  ASSERT_TRUE(auth.ok()) << auth.status();
+  auto kept = (*auth)->CheckToken("kept-0123456789abcdef", "Append");
+  ASSERT_TRUE(kept.ok());
+  kept->in_flight->fetch_add(1);         // a call in flight across the reload
+  EXPECT_EQ(*(*auth)->Reload(), false);  // unchanged
+
+  write("new-0123456789abcdef read\nkept-0123456789abcdef write\n");
+  EXPECT_EQ(*(*auth)->Reload(), true);
+  EXPECT_EQ((*auth)->CheckToken("old-0123456789abcdef", "Gather").status().code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_TRUE((*auth)->CheckToken("new-0123456789abcdef", "Gather").ok());
+  auto kept_after = (*auth)->CheckToken("kept-0123456789abcdef", "Append");
+  ASSERT_TRUE(kept_after.ok());
+  EXPECT_EQ(kept_after->in_flight, kept->in_flight);
+  EXPECT_EQ(kept_after->in_flight->load(), 1u);
+
+  write("new-0123456789abcdef reader\n");  // a bad role: the table stays
+  EXPECT_EQ((*auth)->Reload().status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(*(*auth)->Reload(), false);  // the same bad text: said once
+  EXPECT_TRUE((*auth)->CheckToken("new-0123456789abcdef", "Gather").ok());
+  EXPECT_TRUE((*auth)->CheckToken("kept-0123456789abcdef", "Append").ok());
+  EXPECT_EQ((*auth)->size(), 2u);
+
+  std::remove(path.c_str());
+  EXPECT_EQ((*auth)->Reload().status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE((*auth)->CheckToken("new-0123456789abcdef", "Gather").ok());
+  auto parsed = TokenAuth::Parse("new-0123456789abcdef read\n", "tokens");
+  EXPECT_EQ((*parsed)->Reload().status().code(), absl::StatusCode::kFailedPrecondition);
 }
 
 TEST(SecurityTest, Tenants) {

@@ -167,6 +167,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   if (s->kvstore_service_) health->SetServingStatus(v1::KvStore::service_full_name(), true);
   if (s->attention_service_) health->SetServingStatus(v1::Attention::service_full_name(), true);
   s->metrics_->SetServing(true);
+  if (s->auth_ != nullptr && options.auth_tokens_reload > absl::ZeroDuration()) {
+    s->token_reload_ = std::thread([server = s.get()] { server->ReloadTokens(); });
+  }
   KVSPARSE_LOG(Info)
       << "kvsparse-server (role " << RoleName(options.role) << ", "
       << (s->engine_ ? s->engine_->backend() : "no") << " decode engine"
@@ -186,7 +189,31 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   return s;
 }
 
-Server::~Server() { Shutdown(); }
+Server::~Server() {
+  Shutdown();
+  if (token_reload_.joinable()) {
+    stop_reload_.Notify();
+    token_reload_.join();
+  }
+}
+
+void Server::ReloadTokens() {
+  std::string last_error;  // a file that stays unreadable is logged once
+  while (!stop_reload_.WaitForNotificationWithTimeout(options_.auth_tokens_reload)) {
+    absl::StatusOr<bool> swapped = auth_->Reload();
+    if (swapped.ok()) {
+      last_error.clear();
+      if (*swapped) {
+        KVSPARSE_LOG(Info) << "--auth_tokens: " << options_.auth_tokens_file << " reloaded, "
+                           << auth_->size() << " bearer tokens";
+      }
+    } else if (std::string(swapped.status().message()) != last_error) {
+      last_error = std::string(swapped.status().message());
+      KVSPARSE_LOG(Warning) << "--auth_tokens: keeping the tokens loaded before: "
+                            << swapped.status();
+    }
+  }
+}
 
 void Server::Shutdown() {
   {

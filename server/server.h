@@ -13,9 +13,11 @@
 
 #include <memory>
 #include <string>
+#include <thread>
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "engine/decode_engine.h"
 #include "engine/gpu_mode.h"
@@ -72,6 +74,9 @@ struct ServerOptions {
   bool insecure = false;
   // Bearer tokens with roles every call must carry (server/security.h TokenAuth); empty: none.
   std::string auth_tokens_file;
+  // The token file is re-read this often and, when its text changed, swapped in whole (a file that
+  // does not parse is logged and the old tokens kept); 0: read once at start.
+  absl::Duration auth_tokens_reload = absl::Seconds(10);
   // kWorker: TLS towards the store (ca: the store's CA; cert + key: this worker's identity for
   // a store with mutual TLS) and the token sent to it.
   TlsFiles store_tls;
@@ -113,6 +118,8 @@ class Server {
 
  private:
   Server() = default;
+  // Re-reads the token file every options_.auth_tokens_reload until stop_reload_.
+  void ReloadTokens();
 
   ServerOptions options_;
   std::unique_ptr<kvstore::Store> store_;
@@ -128,6 +135,8 @@ class Server {
   int port_ = 0;
   absl::Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Notification stop_reload_;
+  std::thread token_reload_;  // runs ReloadTokens; joined in ~Server
 };
 
 }  // namespace kvsparse::server

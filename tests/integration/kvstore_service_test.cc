@@ -1,5 +1,6 @@
 // The real kvsparse server on a loopback port, driven by the real client, with /metrics read
 // over HTTP.
+#include <fstream>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -91,6 +92,56 @@ class ServiceTest : public ::testing::Test {
   std::unique_ptr<server::Server> server_;
   std::unique_ptr<KvStoreClient> client_;
 };
+
+// --auth_tokens_reload: a rewritten token file applies without a restart (the new token gets in,
+// the removed one is UNAUTHENTICATED), and a malformed rewrite leaves the tokens as they were.
+TEST(TokenReloadTest, RewrittenTokenFileAppliesWithoutRestart) {
+  const std::string path = absl::StrCat(::testing::TempDir(), "/reload_tokens.txt");
+  auto write = [&](const std::string& text) {
+    const std::string tmp = path + ".tmp";  // whole file at once, as an operator's tool would
+    std::ofstream(tmp, std::ios::trunc) << text;
+    ASSERT_EQ(std::rename(tmp.c_str(), path.c_str()), 0);
+  };
+  write("old-0123456789abcdef read\n");
+  server::ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_listen = "";
+  o.store.capacity_bytes = 8 << 20;
+  o.auth_tokens_file = path;
+  o.auth_tokens_reload = absl::Milliseconds(50);
+  auto server = server::Server::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  auto stats = [&](const std::string& token) {
+    client::ClientOptions co;
+    co.target = absl::StrCat("127.0.0.1:", (*server)->port());
+    co.timeout = absl::Seconds(10);
+    co.token = token;
+    auto c = KvStoreClient::Connect(co);
+    return c.ok() ? (*c)->GetStats().status() : c.status();
+  };
+  // Polls until the token's code is `code` (the reloader runs every 50 ms).
+  auto eventually = [&](const std::string& token, StatusCode code) {
+    const absl::Time until = absl::Now() + absl::Seconds(10);
+    absl::Status s = stats(token);
+    while (s.code() != code && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(20));
+      s = stats(token);
+    }
+    return s;
+  };
+  EXPECT_TRUE(stats("old-0123456789abcdef").ok());
+  EXPECT_EQ(stats("new-0123456789abcdef").code(), StatusCode::kUnauthenticated);
+
+  write("new-0123456789abcdef read\n");
+  EXPECT_TRUE(eventually("new-0123456789abcdef", StatusCode::kOk).ok());
+  EXPECT_EQ(stats("old-0123456789abcdef").code(), StatusCode::kUnauthenticated);
+
+  write("new-0123456789abcdef reader\nother-0123456789abcdef read\n");  // a bad role
+  absl::SleepFor(absl::Milliseconds(300));                              // several reload periods
+  EXPECT_TRUE(stats("new-0123456789abcdef").ok());
+  EXPECT_EQ(stats("other-0123456789abcdef").code(), StatusCode::kUnauthenticated);
+  std::remove(path.c_str());
+}
 
 TEST_F(ServiceTest, HealthAndReflectionServicesAnswer) {
   EXPECT_TRUE(client_->CheckHealth().ok());
