@@ -65,12 +65,11 @@ class SantaCall final : public MethodCall {
       rp.num_kv_heads = lp.hkv;
       rp.seq_lens = sp.shape.seq_lens;
       rp.max_seq_len = lp.n_max;
-      rp.sample_counts = marks;
-      rp.indices = sp.indices;
+      rp.sample_counts = marks;  // prop, flash
+      rp.indices = sp.indices;   // iid
       rp.num_samples = params_.samples;
       rp.tokens = c.Take<int32_t>(static_cast<size_t>(lp.BK) * n);
       rp.counts = c.Take<int32_t>(lp.BK);
-      if (iid_) rp.sample_counts = nullptr;
       rwb = kc::SampledRowsWorkspaceBytes(rp);
       rws = c.Take<char>(rwb);
     }
