@@ -23,6 +23,7 @@ for t in $targets; do
   KVSPARSE_FUZZ_SEEDS="$corpus" "$bin" 2>/dev/null
   echo "== kvsparse_${t}_fuzz"
   ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    LSAN_OPTIONS="suppressions=$PWD/tests/fuzz/lsan.supp:print_suppressions=0" \
     "$bin" "$corpus" "${budget[@]}" -rss_limit_mb=6144 -max_len=65536 -print_final_stats=1 \
     -artifact_prefix="$build/crashes/${t}-" > "$build/$t.log" 2>&1 \
     || { tail -60 "$build/$t.log"; echo "fuzz: kvsparse_${t}_fuzz failed"; exit 1; }

@@ -5,6 +5,7 @@ reference, with throughput, latency percentiles and the server's memory over tim
     python3 tests/load/load.py --clients 32 --seconds 1800 --out soak.json       # the soak
     python3 tests/load/load.py --clients 8 --seconds 30                           # CI (pytest)
     python3 tests/load/load.py --target 10.0.0.5:50051 --clients 16 --seconds 60  # a server elsewhere
+    python3 tests/load/load.py --clients 32 --seconds 60 --rate 150               # paced: 150 steps/s
 
 Without --target it starts kvsparse-server on a free loopback port (--server_flags adds flags) and
 reads its memory from /proc. Each client owns its sequences (fp32, so rows compare bit for bit):
@@ -85,6 +86,10 @@ class Stats:
 def client_loop(cid: int, target: str, stop: float, args: argparse.Namespace, stats: Stats) -> None:
     rng = random.Random(cid)
     seq_counter = 0
+    # --rate: each client starts a step every clients / rate seconds (open loop, staggered), so the
+    # server sees `rate` steps a second whatever its latency; 0: the next step as soon as one ends.
+    interval = args.clients / args.rate if args.rate > 0 else 0.0
+    next_step = time.monotonic() + interval * cid / max(1, args.clients)
     with kvsparse.Client(target, timeout=args.timeout) as c:
         while time.monotonic() < stop:
             seq = cid * 1_000_000 + seq_counter
@@ -99,6 +104,9 @@ def client_loop(cid: int, target: str, stop: float, args: argparse.Namespace, st
             n = 0
             try:
                 while n < args.max_tokens and time.monotonic() < stop:
+                    if interval > 0:
+                        time.sleep(max(0.0, next_step - time.monotonic()))
+                        next_step += interval
                     step = rng.randint(1, args.append_tokens)
                     k = np.stack([rows(seq, l, n, step) for l in range(LAYERS)])
                     v = np.stack([rows(seq + 1_000_000, l, n, step) for l in range(LAYERS)])
@@ -161,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max_tokens", type=int, default=2048, help="tokens per sequence before it is dropped")
     p.add_argument("--append_tokens", type=int, default=64, help="most tokens per append")
     p.add_argument("--decode_share", type=float, default=0.25, help="share of steps that also decode")
+    p.add_argument("--rate", type=float, default=0.0,
+                   help="steps per second over all clients (a step: an append, a gather and, for "
+                        "--decode_share of them, a decode); 0: each client as fast as it can")
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--report_every", type=float, default=10.0, help="progress and memory, seconds")
     p.add_argument("--out", default="", help="write the summary as JSON here")
