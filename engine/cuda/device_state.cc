@@ -187,6 +187,15 @@ bool LearnedSignsOnGpu(const kernels::LearnedHashWeights& w, const SequenceDesc&
          w.num_layers >= static_cast<int32_t>(s.num_layers) && kc::LearnedSignSupports(w.dims);
 }
 
+absl::Status DeviceState::UploadTable(DevBuf* slot, const std::vector<float>& host,
+                                      const char* what) {
+  if (absl::Status s = Alloc(slot, host.size() * sizeof(float)); !s.ok()) return s;
+  KVS_CUDA_OK(cudaMemcpyAsync(slot->ptr, host.data(), slot->bytes, cudaMemcpyHostToDevice, stream_),
+              what);
+  KVS_CUDA_OK(cudaStreamSynchronize(stream_), what);  // `host` goes out of scope after
+  return absl::OkStatus();
+}
+
 bool SaapOnGpu(const kernels::SaapWeights& w, const SequenceDesc& desc) {
   const kvstore::ModelShape& s = desc.shape;
   return desc.placement.signature_bits == 32 &&
@@ -205,11 +214,7 @@ absl::StatusOr<kc::SaapLayerWeights> DeviceState::SaapLayer(uint32_t layer) {
   if (slot.ptr == nullptr) {
     std::vector<float> packed;
     kc::PackSaapLayer(*w, static_cast<int32_t>(layer), &packed);
-    if (absl::Status s = Alloc(&slot, packed.size() * sizeof(float)); !s.ok()) return s;
-    KVS_CUDA_OK(
-        cudaMemcpyAsync(slot.ptr, packed.data(), slot.bytes, cudaMemcpyHostToDevice, stream_),
-        "SAAP partitions upload");
-    KVS_CUDA_OK(cudaStreamSynchronize(stream_), "SAAP partitions upload");
+    if (absl::Status s = UploadTable(&slot, packed, "SAAP partitions upload"); !s.ok()) return s;
   }
   return kc::SaapLayerView(*w, slot.as<const float>());
 }
@@ -228,10 +233,7 @@ absl::StatusOr<const float*> DeviceState::LearnedMlps(uint32_t layer) {
     for (int32_t j = 0; j < w->num_key_mlps; ++j) {
       kc::AppendPackedMlp(w->key(static_cast<int32_t>(layer), j), &all);
     }
-    if (absl::Status s = Alloc(&slot, all.size() * sizeof(float)); !s.ok()) return s;
-    KVS_CUDA_OK(cudaMemcpyAsync(slot.ptr, all.data(), slot.bytes, cudaMemcpyHostToDevice, stream_),
-                "learned MLPs upload");
-    KVS_CUDA_OK(cudaStreamSynchronize(stream_), "learned MLPs upload");
+    if (absl::Status s = UploadTable(&slot, all, "learned MLPs upload"); !s.ok()) return s;
   }
   return slot.as<const float>();
 }
@@ -250,10 +252,7 @@ absl::StatusOr<const float*> DeviceState::Planes(uint32_t layer, int32_t hkv, in
       }
       all.insert(all.end(), pl.w.begin(), pl.w.end());
     }
-    if (absl::Status s = Alloc(&slot, all.size() * sizeof(float)); !s.ok()) return s;
-    KVS_CUDA_OK(cudaMemcpyAsync(slot.ptr, all.data(), slot.bytes, cudaMemcpyHostToDevice, stream_),
-                "planes upload");
-    KVS_CUDA_OK(cudaStreamSynchronize(stream_), "planes upload");
+    if (absl::Status s = UploadTable(&slot, all, "planes upload"); !s.ok()) return s;
   }
   return slot.as<const float>();
 }

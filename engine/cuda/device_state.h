@@ -142,6 +142,9 @@ class DeviceState {
 
  private:
   absl::Status Alloc(DevBuf* b, size_t bytes);
+  // Allocates *slot and copies `host` into it, waiting for the copy: a layer's planes, MLPs or
+  // partitions, uploaded once.
+  absl::Status UploadTable(DevBuf* slot, const std::vector<float>& host, const char* what);
   void Free(DevBuf* b);
   void FreeSequence(DeviceSequence* e);
   // Accounts `delta` more bytes to `self`, evicting idle sequences (least recently used first);

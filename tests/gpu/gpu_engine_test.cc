@@ -220,6 +220,18 @@ Method VAttentionMethod() {
   return m;
 }
 
+// SANTA variant 0: iid; 1: S2ANTA-prop; 2: S2ANTA-flash; S samples per query head.
+Method SantaMethod(int variant, int32_t samples) {
+  Method m;
+  m.kind = MethodKind::kSanta;
+  m.santa.samples = samples;
+  m.santa.sampler = variant == 0 ? kernels::SantaSampler::kIid : kernels::SantaSampler::kSystematic;
+  m.santa.allocation = variant == 0   ? kernels::SantaAllocation::kGlobal
+                       : variant == 1 ? kernels::SantaAllocation::kProp
+                                      : kernels::SantaAllocation::kFlash;
+  return m;
+}
+
 void Compare(Rig& rig, const kernels::SyntheticProblem& prob, const Method& m, const Expect& e,
              const std::string& what) {
   auto c = rig.cpu->Decode(Call(prob, m));
@@ -281,15 +293,8 @@ TEST_F(GpuEngineTest, SantaKOnDeviceVInHostOrDevice) {
     auto prob = Problem({5000, 300, 2600});
     rig->Load(prob, p);
     for (int variant = 0; variant < 3; ++variant) {
-      Method m;
-      m.kind = MethodKind::kSanta;
-      m.santa.samples = 128;
+      Method m = SantaMethod(variant, 128);
       m.santa.tile_size = 256;
-      m.santa.sampler =
-          variant == 0 ? kernels::SantaSampler::kIid : kernels::SantaSampler::kSystematic;
-      m.santa.allocation = variant == 0   ? kernels::SantaAllocation::kGlobal
-                           : variant == 1 ? kernels::SantaAllocation::kProp
-                                          : kernels::SantaAllocation::kFlash;
       // Same draws; a sample may move where float rounding of a cumulative sum differs.
       Compare(
           *rig, prob, m, {0.05, false, 0.02},
@@ -509,14 +514,7 @@ TEST_F(GpuEngineTest, StoreInAnotherProcess) {
       ASSERT_NE(local, nullptr);
       local->Load(prob, p);
       for (int variant = 0; variant < 3; ++variant) {
-        Method m;
-        m.kind = MethodKind::kSanta;
-        m.santa.samples = 64;
-        m.santa.sampler =
-            variant == 0 ? kernels::SantaSampler::kIid : kernels::SantaSampler::kSystematic;
-        m.santa.allocation = variant == 0   ? kernels::SantaAllocation::kGlobal
-                             : variant == 1 ? kernels::SantaAllocation::kProp
-                                            : kernels::SantaAllocation::kFlash;
+        const Method m = SantaMethod(variant, 64);
         const std::string what = "apart santa variant " + std::to_string(variant);
         Compare(*rig, prob, m, {0.05, false, 0.02}, what);
         auto s2 = rig->gpu->Decode(Call(prob, m));
