@@ -345,10 +345,10 @@ def main() -> int:
     calib_ctx = args.calib_context or min(max(args.contexts), 8192)
     cal_train = windows_of(train_text, calib_ctx, args.calib_windows, 101)
     pk_rng = random.Random(303)
-    for i in range(round(args.calib_passkey_share * len(cal_train))):
+    n_passkey = round(args.calib_passkey_share * len(cal_train))
+    for i in range(n_passkey):
         cal_train[i] = torch.tensor(train_model.passkey_doc(pk_rng, train_text, calib_ctx)[0][:calib_ctx])
-    log(f"calibration: {len(cal_train)} windows of {calib_ctx} tokens "
-        f"({round(args.calib_passkey_share * len(cal_train))} pass-key documents)")
+    log(f"calibration: {len(cal_train)} windows of {calib_ctx} tokens ({n_passkey} pass-key documents)")
     cal_eval = windows_of(held, calib_ctx, 2, 202)
     model.set_attn_implementation("sdpa")
     captured = calibrate.capture_both(model, cal_train, cal_eval)  # once, for the hash MLPs and SAAP
