@@ -13,6 +13,8 @@
 
 namespace kvsparse::kvstore {
 
+class SharedArena;
+
 // Thread-safe: Allocate and Deallocate may be called concurrently.
 class MemoryResource {
  public:
@@ -22,6 +24,9 @@ class MemoryResource {
   // REQUIRES: p came from Allocate(bytes) on this resource and was not yet freed.
   virtual void Deallocate(void* p, size_t bytes) = 0;
   virtual absl::string_view name() const = 0;
+  // The resource's pages as other processes see them (kvstore/shared_arena.h), or null when
+  // they live in this process only.
+  virtual SharedArena* shared_arena() { return nullptr; }
 };
 
 struct HostMemoryOptions {
@@ -32,14 +37,6 @@ struct HostMemoryOptions {
 
 // Anonymous private mmap'd host memory (pageable). Pinned memory: kvstore/cuda_host_memory.h.
 std::unique_ptr<MemoryResource> NewHostMemoryResource(HostMemoryOptions options = {});
-
-// The store's arena in a file (--arena_file): `bytes` of it, created or truncated to that size
-// and mapped shared, carved into slabs in order (a slab's space is reused only once every slab is
-// back). Put it on a memory-backed filesystem (tmpfs, a Kubernetes emptyDir of medium Memory) so
-// that another process (a worker container of the same pod) can map the same pages.
-// INVALID_ARGUMENT when the file cannot be created, sized or mapped (naming the path).
-absl::StatusOr<std::unique_ptr<MemoryResource>> NewFileMemoryResource(const std::string& path,
-                                                                      size_t bytes);
 
 }  // namespace kvsparse::kvstore
 

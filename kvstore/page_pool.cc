@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "kvstore/shared_arena.h"
 
 namespace kvsparse::kvstore {
 
@@ -71,6 +72,11 @@ absl::Status PagePool::Allocate(size_t n, std::vector<uint8_t*>* out) {
 }
 
 void PagePool::Free(const std::vector<uint8_t*>& pages) {
+  // Readers in other processes must learn that these pages' rows are going away before anyone
+  // can write them again (kvstore/shared_arena.h).
+  if (SharedArena* arena = resource_->shared_arena(); arena != nullptr) {
+    for (const uint8_t* p : pages) arena->Retire(p);
+  }
   std::lock_guard<std::mutex> lock(mu_);
   free_.insert(free_.end(), pages.rbegin(), pages.rend());
   in_use_ -= pages.size();

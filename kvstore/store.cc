@@ -124,7 +124,8 @@ Store::Store(StoreOptions options, std::unique_ptr<MemoryResource> owned_memory)
     : options_(options),
       owned_memory_(std::move(owned_memory)),
       pool_(options.memory,
-            PagePoolOptions{options.page_bytes, options.slab_bytes, options.capacity_bytes}) {}
+            PagePoolOptions{options.page_bytes, options.slab_bytes, options.capacity_bytes}),
+      next_incarnation_(static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()))) {}
 
 Store::~Store() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -435,6 +436,40 @@ absl::StatusOr<std::unique_ptr<PageView>> Store::View(absl::string_view sequence
   std::shared_lock<std::shared_mutex> lock((*pin)->mu_);
   auto impl = std::unique_ptr<PageView::Impl>(new PageView::Impl{std::move(*pin), std::move(lock)});
   return std::unique_ptr<PageView>(new PageView(std::move(impl)));
+}
+
+absl::StatusOr<LayerPageTable> Store::PageTable(absl::string_view sequence_id, uint32_t layer,
+                                                uint64_t first_page) {
+  SharedArena* arena = options_.memory->shared_arena();
+  if (arena == nullptr) {
+    return absl::FailedPreconditionError(
+        "this store's pages are not in a shared arena file (start it with --arena_file)");
+  }
+  absl::StatusOr<Pin> pin = Acquire(sequence_id);
+  if (!pin.ok()) return pin.status();
+  const Sequence& seq = **pin;
+  if (layer >= seq.shape_.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " out of range (", seq.shape_.num_layers, " layers)"));
+  }
+  std::shared_lock<std::shared_mutex> lock(seq.mu_);
+  LayerPageTable t;
+  t.arena_id = arena->arena_id();
+  t.incarnation = seq.incarnation_;
+  t.layer_length = seq.lengths_[layer];
+  t.page_tokens = static_cast<uint32_t>(seq.page_tokens_);
+  t.page_bytes = options_.page_bytes;
+  t.row_bytes = seq.row_bytes_;
+  t.first_page = first_page;
+  t.lanes.resize(seq.shape_.num_kv_heads);
+  // The pin keeps these pages from being freed, so their generations hold while we read them.
+  for (uint32_t h = 0; h < seq.shape_.num_kv_heads; ++h) {
+    const std::vector<uint8_t*>& lane = seq.lanes_[seq.Lane(layer, h)];
+    for (uint64_t i = first_page; i < lane.size(); ++i) {
+      t.lanes[h].push_back({arena->Offset(lane[i]), arena->Generation(lane[i])});
+    }
+  }
+  return t;
 }
 
 absl::StatusOr<SequenceInfo> Store::GetSequenceInfo(absl::string_view sequence_id) {

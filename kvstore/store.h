@@ -39,6 +39,7 @@
 #include "absl/types/span.h"
 #include "kvstore/memory_resource.h"
 #include "kvstore/page_pool.h"
+#include "kvstore/shared_arena.h"
 #include "kvstore/types.h"
 
 namespace kvsparse::kvstore {
@@ -66,8 +67,9 @@ struct SequenceInfo {
   std::vector<uint64_t> layer_lengths;
   uint64_t bytes_used = 0;
   uint32_t page_tokens = 0;
-  // Unique per creation in this store: a sequence dropped and created again under the same id
-  // gets a new incarnation, so a worker holding state for the old one can tell.
+  // Unique per creation, also across restarts of the store: a sequence dropped (or lost with a
+  // store) and created again under the same id gets a new incarnation, so a worker holding state
+  // for the old one can tell.
   uint64_t incarnation = 0;
 };
 
@@ -148,6 +150,19 @@ struct GatherBuffers {
 using GatherAllocator =
     absl::FunctionRef<absl::StatusOr<GatherBuffers>(uint64_t rows, size_t row_bytes)>;
 
+// One layer's pages, for a reader that maps the store's arena file (kvstore/shared_arena.h) and
+// copies rows in place instead of calling Gather.
+struct LayerPageTable {
+  uint64_t arena_id = 0;
+  uint64_t incarnation = 0;
+  uint64_t layer_length = 0;  // tokens the layer held when the table was made
+  uint32_t page_tokens = 0;   // tokens per page; token t is in page t / page_tokens
+  uint64_t page_bytes = 0;
+  uint64_t row_bytes = 0;  // a slot is the token's K row, then its V row
+  uint64_t first_page = 0;
+  std::vector<std::vector<PageRef>> lanes;  // [num_kv_heads][pages first_page, first_page + 1, ...]
+};
+
 class Sequence;
 class Store;
 
@@ -206,6 +221,11 @@ class Store {
   absl::StatusOr<GatherResult> Gather(const GatherRequest& request, GatherAllocator alloc);
 
   absl::StatusOr<SequenceInfo> GetSequenceInfo(absl::string_view sequence_id);
+  // The pages of one layer from page index first_page on, with their generations.
+  // FAILED_PRECONDITION when the store's memory is not a shared arena (no --arena_file);
+  // NOT_FOUND (unknown sequence), INVALID_ARGUMENT (layer out of range).
+  absl::StatusOr<LayerPageTable> PageTable(absl::string_view sequence_id, uint32_t layer,
+                                           uint64_t first_page);
   // A zero-copy view of a sequence's pages (see PageView). NOT_FOUND if unknown.
   absl::StatusOr<std::unique_ptr<PageView>> View(absl::string_view sequence_id);
   std::vector<SequenceInfo> ListSequences();
@@ -230,7 +250,9 @@ class Store {
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
   uint64_t tick_ ABSL_GUARDED_BY(mu_) = 0;  // LRU clock
 
-  std::atomic<uint64_t> next_incarnation_{0};
+  // Starts at the clock (microseconds), so incarnations stay unique across restarts of a store
+  // (a worker holding state of a sequence tells a re-created one apart even then).
+  std::atomic<uint64_t> next_incarnation_;
   std::atomic<uint64_t> evictions_{0};
   std::atomic<uint64_t> rejections_{0};
   std::atomic<uint64_t> rows_appended_{0};

@@ -12,6 +12,7 @@
 
 #include "gtest/gtest.h"
 #include "kvstore/memory_resource.h"
+#include "kvstore/shared_arena.h"
 
 namespace kvsparse::kvstore {
 namespace {
@@ -230,25 +231,96 @@ TEST(StoreTest, ArenaInAFile) {
   const std::string path = testing::TempDir() + "/kvsparse-arena-test";
   auto arena = NewFileMemoryResource(path, 8 << 20);
   ASSERT_TRUE(arena.ok()) << arena.status();
-  StoreOptions o;
-  o.capacity_bytes = 8 << 20;
-  o.memory = arena->get();
-  auto store = Store::Create(o);
-  ASSERT_TRUE(store.ok());
+  ASSERT_NE((*arena)->shared_arena(), nullptr);
+  auto store = NewStore(8 << 20, CapacityPolicy::kReject, arena->get());
   const ModelShape s = Shape(DType::kFp32);
-  ASSERT_TRUE((*store)->CreateSequence("a", s, {}).ok());
+  ASSERT_TRUE(store->CreateSequence("a", s, {}).ok());
   std::vector<uint8_t> k, v;
   MakeRows(s, 0, 1, 0, 7, &k, &v);
-  ASSERT_TRUE(AppendTokens(**store, "a", s, 0, 1, 0, 7).ok());
+  ASSERT_TRUE(AppendTokens(*store, "a", s, 0, 1, 0, 7).ok());
   std::ifstream f(path, std::ios::binary);
   const std::string file((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  EXPECT_EQ(file.size(), size_t{8} << 20);
+  // 8 MiB of data, a 4 KiB header and 8 bytes of generation per 4 KiB: 8 MiB + 20 KiB.
+  EXPECT_EQ(file.size(), (size_t{8} << 20) + 4096 + 16384);
   const size_t row = s.row_bytes();  // the first K row: kv head 0, token 0
   EXPECT_NE(file.find(std::string(reinterpret_cast<const char*>(k.data()), row)),
             std::string::npos);
   // A file that cannot be made: INVALID_ARGUMENT naming it.
   EXPECT_EQ(NewFileMemoryResource("/nonexistent-dir/arena", 1 << 20).status().code(),
             absl::StatusCode::kInvalidArgument);
+  // Neither a missing file nor a file of another kind maps as an arena.
+  EXPECT_EQ(ArenaMapping::Open("/nonexistent-dir/arena").status().code(),
+            absl::StatusCode::kNotFound);
+  const std::string other = testing::TempDir() + "/kvsparse-not-an-arena";
+  std::ofstream(other) << std::string(8192, 'x');
+  EXPECT_EQ(ArenaMapping::Open(other).status().code(), absl::StatusCode::kFailedPrecondition);
+  std::remove(other.c_str());
+  std::remove(path.c_str());
+}
+
+// Rows copied in place from a mapping of the arena file equal Gather's; once the sequence's
+// pages are freed (dropped, evicted) and written by another sequence, the copy reports it.
+TEST(StoreTest, PageTableReadsRowsInPlaceAndDetectsReuse) {
+  const std::string path = testing::TempDir() + "/kvsparse-arena-inplace";
+  auto arena = NewFileMemoryResource(path, 1 << 20);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  auto store = NewStore(1 << 20, CapacityPolicy::kEvictLru, arena->get());
+  auto map = ArenaMapping::Open(path);
+  ASSERT_TRUE(map.ok()) << map.status();
+  const ModelShape s = Shape(DType::kBf16);  // 128-byte rows: 32 tokens per 8 KiB page
+  ASSERT_TRUE(store->CreateSequence("a", s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "a", s, 0, 2, 0, 100).ok());
+  auto table = store->PageTable("a", 1, 0);
+  ASSERT_TRUE(table.ok()) << table.status();
+  EXPECT_EQ(table->arena_id, (*map)->arena_id());
+  EXPECT_EQ(table->layer_length, 100u);
+  EXPECT_EQ(table->page_tokens, 32u);
+  ASSERT_EQ(table->lanes.size(), s.num_kv_heads);
+  const std::vector<uint32_t> tokens = {99, 0, 31, 32, 64, 5, 5};
+  for (uint32_t h = 0; h < s.num_kv_heads; ++h) {
+    ASSERT_EQ(table->lanes[h].size(), 4u);
+    for (const PageRef& p : table->lanes[h]) EXPECT_TRUE((*map)->HoldsPage(p.offset, 8192));
+    std::vector<uint8_t> k(tokens.size() * s.row_bytes()), v(k.size());
+    ASSERT_TRUE((*map)->CopyRows(table->lanes[h], table->page_tokens, s.row_bytes(), tokens,
+                                 RowKind::kKV, k.data(), v.data()));
+    auto g = DoGather(*store, "a", 1, {{h, tokens}});
+    ASSERT_TRUE(g.ok());
+    EXPECT_EQ(k, g->k);
+    EXPECT_EQ(v, g->v);
+  }
+  // From page 3 on: the last page only; a page index past the end: no pages.
+  auto tail = store->PageTable("a", 1, 3);
+  ASSERT_TRUE(tail.ok());
+  ASSERT_EQ(tail->lanes[0].size(), 1u);
+  EXPECT_EQ(tail->lanes[0][0].offset, table->lanes[0][3].offset);
+  EXPECT_TRUE(store->PageTable("a", 1, 9)->lanes[0].empty());
+  EXPECT_EQ(store->PageTable("a", 2, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->PageTable("zz", 0, 0).status().code(), absl::StatusCode::kNotFound);
+  // Drop "a" and fill the arena with "b": "a"'s pages now hold "b"'s rows, and the copy says so.
+  ASSERT_TRUE(store->DropSequence("a").ok());
+  ASSERT_TRUE(store->CreateSequence("b", s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "b", s, 0, 2, 0, 100).ok());
+  std::vector<uint8_t> k(tokens.size() * s.row_bytes()), v(k.size());
+  EXPECT_FALSE((*map)->CopyRows(table->lanes[0], table->page_tokens, s.row_bytes(), tokens,
+                                RowKind::kKV, k.data(), v.data()));
+  // Only K asked, only one page touched: still detected.
+  EXPECT_FALSE((*map)->CopyRows(table->lanes[0], table->page_tokens, s.row_bytes(), {3},
+                                RowKind::kK, k.data(), nullptr));
+  // A store whose pages are not in a file has no page tables.
+  auto plain = NewStore();
+  ASSERT_TRUE(plain->CreateSequence("a", s, {}).ok());
+  EXPECT_EQ(plain->PageTable("a", 0, 0).status().code(), absl::StatusCode::kFailedPrecondition);
+  // A store started again on the same path makes a new file: the old mapping stays readable and
+  // the new one has another arena id.
+  store.reset();
+  auto again = NewFileMemoryResource(path, 1 << 20);
+  ASSERT_TRUE(again.ok());
+  auto remap = ArenaMapping::Open(path);
+  ASSERT_TRUE(remap.ok());
+  EXPECT_NE((*remap)->arena_id(), (*map)->arena_id());
+  EXPECT_FALSE((*map)->IsCurrent());
+  EXPECT_TRUE((*remap)->IsCurrent());
+  EXPECT_EQ((*again)->shared_arena()->arena_id(), (*remap)->arena_id());
   std::remove(path.c_str());
 }
 

@@ -13,6 +13,7 @@ KvStoreService::KvStoreService(kvstore::Store* store, const RpcRunner* rpc, Metr
       append_(metrics->Rpc("Append")),
       gather_(metrics->Rpc("Gather")),
       info_(metrics->Rpc("GetSequenceInfo")),
+      page_table_(metrics->Rpc("GetPageTable")),
       list_(metrics->Rpc("ListSequences")),
       stats_(metrics->Rpc("GetStats")) {}
 
@@ -119,6 +120,32 @@ grpc::Status KvStoreService::GetSequenceInfo(grpc::ServerContext* ctx,
     if (!info.ok()) return info.status();
     ToProto(*info, resp);
     resp->set_sequence_id(req->sequence_id());
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status KvStoreService::GetPageTable(grpc::ServerContext* ctx,
+                                          const v1::GetPageTableRequest* req, v1::PageTable* resp) {
+  return rpc_->Run(page_table_, ctx, [&](absl::Time, const Caller& caller) -> absl::Status {
+    absl::StatusOr<kvstore::LayerPageTable> t = store_->PageTable(
+        ScopedId(caller.tenant, req->sequence_id()), req->layer(), req->first_page());
+    if (!t.ok()) return t.status();
+    resp->set_arena_id(t->arena_id);
+    resp->set_incarnation(t->incarnation);
+    resp->set_layer_length(t->layer_length);
+    resp->set_page_tokens(t->page_tokens);
+    resp->set_page_bytes(t->page_bytes);
+    resp->set_row_bytes(t->row_bytes);
+    resp->set_first_page(t->first_page);
+    for (const std::vector<kvstore::PageRef>& lane : t->lanes) {
+      v1::PageTable::Lane* out = resp->add_lanes();
+      out->mutable_offsets()->Reserve(static_cast<int>(lane.size()));
+      out->mutable_generations()->Reserve(static_cast<int>(lane.size()));
+      for (const kvstore::PageRef& p : lane) {
+        out->add_offsets(p.offset);
+        out->add_generations(p.generation);
+      }
+    }
     return absl::OkStatus();
   });
 }

@@ -34,6 +34,8 @@ class KvStoreService final : public v1::KvStore::Service {
                       v1::GatherResponse* resp) override;
   grpc::Status GetSequenceInfo(grpc::ServerContext* ctx, const v1::GetSequenceInfoRequest* req,
                                v1::SequenceInfo* resp) override;
+  grpc::Status GetPageTable(grpc::ServerContext* ctx, const v1::GetPageTableRequest* req,
+                            v1::PageTable* resp) override;
   grpc::Status ListSequences(grpc::ServerContext* ctx, const v1::ListSequencesRequest* req,
                              v1::ListSequencesResponse* resp) override;
   grpc::Status GetStats(grpc::ServerContext* ctx, const v1::GetStatsRequest* req,
@@ -47,6 +49,7 @@ class KvStoreService final : public v1::KvStore::Service {
   RpcMetric* const append_;
   RpcMetric* const gather_;
   RpcMetric* const info_;
+  RpcMetric* const page_table_;
   RpcMetric* const list_;
   RpcMetric* const stats_;
   std::function<void(const std::string&)> on_drop_;

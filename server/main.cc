@@ -16,6 +16,7 @@
 #include "kernels/hash_signatures.h"
 #include "kernels/saap.h"
 #include "kvstore/memory_resource.h"
+#include "kvstore/shared_arena.h"
 #include "server/byte_size.h"
 #include "server/flags_help.h"
 #include "server/logging.h"
@@ -50,6 +51,10 @@ ABSL_FLAG(std::string, store_tls_cert, "",
 ABSL_FLAG(std::string, store_tls_key, "", "role=worker: PEM key of --store_tls_cert");
 ABSL_FLAG(std::string, store_token_file, "",
           "role=worker: file holding the bearer token sent to the store (first line)");
+ABSL_FLAG(std::string, store_arena_file, "",
+          "role=worker: the store's --arena_file as mounted here (same host, e.g. a memory-backed "
+          "volume of the pod): rows are read from its pages in place, not through Gather; reads "
+          "fall back to Gather while it cannot be mapped");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "Address of the Prometheus /metrics endpoint; empty disables it");
 ABSL_FLAG(std::string, saap_weights, "",
@@ -184,6 +189,7 @@ int main(int argc, char** argv) {
     }
     options.store_token = *token;
   }
+  options.store_arena_file = absl::GetFlag(FLAGS_store_arena_file);
   options.store.capacity_bytes = absl::GetFlag(FLAGS_capacity).bytes;
   options.store.page_bytes = absl::GetFlag(FLAGS_page_size).bytes;
   kvsparse::kvstore::HostMemoryOptions host;
@@ -223,6 +229,10 @@ int main(int argc, char** argv) {
   }
   options.role = *role;
   options.store_target = absl::GetFlag(FLAGS_store);
+  if (!options.store_arena_file.empty() && options.role != kvsparse::server::ServerRole::kWorker) {
+    std::fprintf(stderr, "--store_arena_file needs --role=worker\n");
+    return 2;
+  }
   std::unique_ptr<kvsparse::kvstore::MemoryResource> arena;
   if (const std::string f = absl::GetFlag(FLAGS_arena_file); !f.empty()) {
     if (options.role != kvsparse::server::ServerRole::kStore) {

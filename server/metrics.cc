@@ -7,6 +7,7 @@
 #include "engine/methods/registry.h"
 #include "kvstore/store.h"
 #include "prometheus/metric_family.h"
+#include "server/remote_row_source.h"
 
 namespace kvsparse::server {
 namespace {
@@ -330,7 +331,41 @@ class ResidentCollector final : public prometheus::Collectable {
   const engine::DecodeEngine* engine_;
 };
 
+class InPlaceCollector final : public prometheus::Collectable {
+ public:
+  explicit InPlaceCollector(const RemoteRowSource* source) : source_(source) {}
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    const InPlaceStats s = source_->in_place_stats();
+    auto counter = [](const char* name, const char* help, uint64_t v) {
+      prometheus::MetricFamily f{name, help, prometheus::MetricType::Counter, {}};
+      prometheus::ClientMetric m;
+      m.counter.value = static_cast<double>(v);
+      f.metric.push_back(m);
+      return f;
+    };
+    return {counter("kvsparse_worker_in_place_rows_total",
+                    "Rows the worker copied from the store's mapped arena file (K and V rows "
+                    "count separately)",
+                    s.rows),
+            counter("kvsparse_worker_in_place_bytes_total",
+                    "Bytes the worker copied from the store's mapped arena file", s.bytes),
+            counter("kvsparse_worker_in_place_fallbacks_total",
+                    "Row reads that went through the Gather RPC instead (file not mapped yet, the "
+                    "store without an arena file, pages freed while read)",
+                    s.fallbacks),
+            counter("kvsparse_worker_page_table_calls_total", "GetPageTable RPCs the worker made",
+                    s.page_table_calls)};
+  }
+
+ private:
+  const RemoteRowSource* source_;
+};
+
 }  // namespace
+
+std::shared_ptr<prometheus::Collectable> NewInPlaceCollector(const RemoteRowSource* source) {
+  return std::make_shared<InPlaceCollector>(source);
+}
 
 std::shared_ptr<prometheus::Collectable> NewResidentCollector(const engine::DecodeEngine* engine) {
   return std::make_shared<ResidentCollector>(engine);

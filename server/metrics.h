@@ -32,6 +32,8 @@ enum class MethodKind;
 
 namespace kvsparse::server {
 
+class RemoteRowSource;
+
 // Counters and a latency histogram for one RPC method. Thread-safe.
 class RpcMetric {
  public:
@@ -124,6 +126,11 @@ std::shared_ptr<prometheus::Collectable> NewResidentCollector(const engine::Deco
 // Store state read at scrape time: bytes used and capacity, sequences, rows/bytes appended and
 // gathered (by tier), evictions and rejections. REQUIRES: store outlives the collector.
 std::shared_ptr<prometheus::Collectable> NewStoreCollector(const kvstore::Store* store);
+
+// A worker's in-place reads of the store's arena file (--store_arena_file): rows and bytes
+// copied, reads that went through Gather instead, GetPageTable calls. REQUIRES: source outlives
+// the collector.
+std::shared_ptr<prometheus::Collectable> NewInPlaceCollector(const RemoteRowSource* source);
 
 }  // namespace kvsparse::server
 

@@ -1,20 +1,53 @@
 #include "server/remote_row_source.h"
 
+#include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <optional>
+#include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "kvsparse/v1/kvstore.grpc.pb.h"
+#include "kvstore/shared_arena.h"
 #include "server/convert.h"
+#include "server/logging.h"
 #include "server/security.h"
 #include "server/status.h"
 
 namespace kvsparse::server {
 namespace {
 
-class RemoteRowSource final : public engine::RowSource {
+// Page-table entries held for all sequences together; past this the tables are dropped and
+// fetched again as needed (16 bytes each: 64 MiB).
+constexpr size_t kMaxCachedPages = size_t{4} << 20;
+
+// One layer's pages as last fetched, from page 0 on. Immutable once published.
+struct LayerTable {
+  uint64_t arena_id = 0;
+  uint64_t incarnation = 0;
+  uint64_t layer_length = 0;
+  uint32_t page_tokens = 0;
+  uint64_t page_bytes = 0;
+  uint64_t row_bytes = 0;
+  std::vector<std::vector<kvstore::PageRef>> lanes;
+  size_t pages() const { return lanes.empty() ? 0 : lanes[0].size(); }
+};
+
+// What this worker knows of one sequence of the store.
+struct SequenceState {
+  uint64_t incarnation = 0;             // 0: not known yet
+  std::vector<uint64_t> known_lengths;  // per layer, from Describe and this worker's Appends
+  std::vector<std::shared_ptr<const LayerTable>> layers;
+};
+
+class RemoteRowSourceImpl final : public RemoteRowSource {
  public:
-  RemoteRowSource(std::shared_ptr<grpc::Channel> channel, std::string token)
-      : stub_(v1::KvStore::NewStub(channel)), token_(std::move(token)) {}
+  RemoteRowSourceImpl(std::shared_ptr<grpc::Channel> channel, RemoteRowSourceOptions options)
+      : stub_(v1::KvStore::NewStub(channel)),
+        token_(std::move(options.token)),
+        arena_file_(std::move(options.arena_file)) {}
 
   kvstore::Tier tier() const override { return kvstore::Tier::kRemote; }
 
@@ -39,6 +72,7 @@ class RemoteRowSource final : public engine::RowSource {
     if (d.layer_lengths.size() != d.shape.num_layers) {
       return absl::DataLossError("store returned lengths for a different number of layers");
     }
+    if (!arena_file_.empty()) Learn(d.sequence_id, d.incarnation, d.layer_lengths);
     return d;
   }
 
@@ -62,12 +96,44 @@ class RemoteRowSource final : public engine::RowSource {
       t->set_data(data.data(), data.size());
     }
     v1::AppendResponse resp;
-    return Remote(stub_->Append(&ctx, req, &resp));
+    absl::Status s = Remote(stub_->Append(&ctx, req, &resp));
+    if (s.ok() && !arena_file_.empty()) {
+      absl::MutexLock lock(&mu_);
+      auto it = seqs_.find(id);
+      if (it != seqs_.end() && layer < it->second.known_lengths.size()) {
+        uint64_t& known = it->second.known_lengths[layer];
+        known = std::max(known, expected_length + num_tokens);
+      }
+    }
+    return s;
   }
 
   absl::StatusOr<uint64_t> Gather(absl::string_view id, uint32_t layer, kvstore::RowKind kind,
                                   absl::Span<const engine::RowRequest> heads, uint8_t* k_out,
                                   uint8_t* v_out, absl::Time deadline) override {
+    if (!arena_file_.empty()) {
+      absl::StatusOr<std::optional<uint64_t>> r =
+          GatherInPlace(id, layer, kind, heads, k_out, v_out, deadline);
+      if (!r.ok()) return r.status();
+      if (r->has_value()) return **r;
+      fallbacks_.fetch_add(1, std::memory_order_relaxed);
+    }
+    return GatherRpc(id, layer, kind, heads, k_out, v_out, deadline);
+  }
+
+  InPlaceStats in_place_stats() const override {
+    InPlaceStats s;
+    s.rows = rows_.load(std::memory_order_relaxed);
+    s.bytes = bytes_.load(std::memory_order_relaxed);
+    s.fallbacks = fallbacks_.load(std::memory_order_relaxed);
+    s.page_table_calls = page_table_calls_.load(std::memory_order_relaxed);
+    return s;
+  }
+
+ private:
+  absl::StatusOr<uint64_t> GatherRpc(absl::string_view id, uint32_t layer, kvstore::RowKind kind,
+                                     absl::Span<const engine::RowRequest> heads, uint8_t* k_out,
+                                     uint8_t* v_out, absl::Time deadline) {
     grpc::ClientContext ctx;
     Prepare(&ctx, deadline);
     v1::GatherRequest req;
@@ -98,7 +164,244 @@ class RemoteRowSource final : public engine::RowSource {
     return resp.layer_length();
   }
 
- private:
+  // Rows copied from the mapped arena: the layer's length, or nullopt when this read must go
+  // through Gather (no usable mapping, or a page freed while it was read).
+  absl::StatusOr<std::optional<uint64_t>> GatherInPlace(absl::string_view id, uint32_t layer,
+                                                        kvstore::RowKind kind,
+                                                        absl::Span<const engine::RowRequest> heads,
+                                                        uint8_t* k_out, uint8_t* v_out,
+                                                        absl::Time deadline) {
+    std::shared_ptr<const kvstore::ArenaMapping> map = Mapping();
+    if (map == nullptr) return std::nullopt;
+    uint32_t max_token = 0;
+    uint32_t max_head = 0;
+    for (const engine::RowRequest& h : heads) {
+      max_head = std::max(max_head, h.kv_head);
+      for (uint32_t t : h.tokens) max_token = std::max(max_token, t);
+    }
+    std::shared_ptr<const LayerTable> table;
+    uint64_t known = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = seqs_.find(id);
+      if (it != seqs_.end() && layer < it->second.layers.size()) {
+        table = it->second.layers[layer];
+        known = it->second.known_lengths[layer];
+      }
+    }
+    auto covers = [&](const LayerTable& t) {
+      return max_token < std::max(known, t.layer_length) && max_token / t.page_tokens < t.pages();
+    };
+    if (table == nullptr || !covers(*table)) {
+      absl::StatusOr<std::shared_ptr<const LayerTable>> fresh = Refresh(id, layer, table, deadline);
+      if (!fresh.ok()) {
+        // A store without an arena file: every read through Gather from now on.
+        if (fresh.status().code() == absl::StatusCode::kFailedPrecondition) return std::nullopt;
+        return fresh.status();
+      }
+      table = *fresh;
+      if (max_token >= std::max(known, table->layer_length)) {
+        return absl::OutOfRangeError(absl::StrCat("token ", max_token, " at or past layer ", layer,
+                                                  "'s length ", table->layer_length));
+      }
+      if (!covers(*table)) return absl::DataLossError("store returned too few pages");
+    }
+    if (table->arena_id != map->arena_id()) {
+      map = Remap(map, table->arena_id);
+      if (map == nullptr) return std::nullopt;
+    }
+    if (max_head >= table->lanes.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv head ", max_head, " out of range (", table->lanes.size(), " heads)"));
+    }
+    // A page outside the mapped file would be a store bug or a corrupt table: never read it.
+    for (const engine::RowRequest& h : heads) {
+      const std::vector<kvstore::PageRef>& lane = table->lanes[h.kv_head];
+      for (uint32_t t : h.tokens) {
+        if (!map->HoldsPage(lane[t / table->page_tokens].offset, table->page_bytes)) {
+          return absl::DataLossError("store returned a page outside its arena file");
+        }
+      }
+    }
+    const bool want_k = kind != kvstore::RowKind::kV;
+    const bool want_v = kind != kvstore::RowKind::kK;
+    size_t row = 0;
+    for (const engine::RowRequest& h : heads) {
+      if (!map->CopyRows(table->lanes[h.kv_head], table->page_tokens, table->row_bytes, h.tokens,
+                         kind, want_k ? k_out + row * table->row_bytes : nullptr,
+                         want_v ? v_out + row * table->row_bytes : nullptr)) {
+        Forget(id);  // its pages were freed: the sequence is gone or made again
+        return std::nullopt;
+      }
+      row += h.tokens.size();
+    }
+    const uint64_t copies = row * ((want_k ? 1 : 0) + (want_v ? 1 : 0));
+    rows_.fetch_add(copies, std::memory_order_relaxed);
+    bytes_.fetch_add(copies * table->row_bytes, std::memory_order_relaxed);
+    return std::max(known, table->layer_length);
+  }
+
+  // Extends (or, for a new incarnation or arena, replaces) the layer's table from the store and
+  // publishes it. Its offsets are checked against the mapping where they are used.
+  absl::StatusOr<std::shared_ptr<const LayerTable>> Refresh(absl::string_view id, uint32_t layer,
+                                                            std::shared_ptr<const LayerTable> old,
+                                                            absl::Time deadline) {
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      const uint64_t first = old != nullptr ? old->pages() : 0;
+      grpc::ClientContext ctx;
+      Prepare(&ctx, deadline);
+      v1::GetPageTableRequest req;
+      req.set_sequence_id(std::string(id));
+      req.set_layer(layer);
+      req.set_first_page(first);
+      v1::PageTable resp;
+      page_table_calls_.fetch_add(1, std::memory_order_relaxed);
+      if (absl::Status s = Remote(stub_->GetPageTable(&ctx, req, &resp)); !s.ok()) return s;
+      if (old != nullptr &&
+          (resp.incarnation() != old->incarnation || resp.arena_id() != old->arena_id)) {
+        old = nullptr;  // dropped and created again, or a new store: the whole table anew
+        continue;
+      }
+      auto t = std::make_shared<LayerTable>();
+      if (old != nullptr) *t = *old;
+      t->arena_id = resp.arena_id();
+      t->incarnation = resp.incarnation();
+      t->layer_length = resp.layer_length();
+      t->page_tokens = resp.page_tokens();
+      t->page_bytes = resp.page_bytes();
+      t->row_bytes = resp.row_bytes();
+      if (t->page_tokens == 0 || t->row_bytes == 0 ||
+          uint64_t{2} * t->row_bytes * t->page_tokens > t->page_bytes ||
+          (old != nullptr && static_cast<size_t>(resp.lanes_size()) != old->lanes.size())) {
+        return absl::DataLossError("store returned an inconsistent page table");
+      }
+      t->lanes.resize(resp.lanes_size());
+      for (int h = 0; h < resp.lanes_size(); ++h) {
+        const v1::PageTable::Lane& lane = resp.lanes(h);
+        if (lane.offsets_size() != lane.generations_size() ||
+            lane.offsets_size() != resp.lanes(0).offsets_size()) {
+          return absl::DataLossError("store returned an inconsistent page table");
+        }
+        for (int i = 0; i < lane.offsets_size(); ++i) {
+          t->lanes[h].push_back({lane.offsets(i), lane.generations(i)});
+        }
+      }
+      Publish(id, layer, t);
+      return std::shared_ptr<const LayerTable>(std::move(t));
+    }
+    return absl::AbortedError("sequence re-created twice while its page table was read");
+  }
+
+  void Learn(absl::string_view id, uint64_t incarnation, const std::vector<uint64_t>& lengths) {
+    absl::MutexLock lock(&mu_);
+    SequenceState& s = seqs_[id];
+    if (s.incarnation != incarnation) {
+      for (const auto& l : s.layers)
+        cached_pages_ -= l != nullptr ? l->pages() * l->lanes.size() : 0;
+      s = SequenceState{};
+      s.incarnation = incarnation;
+      s.layers.resize(lengths.size());
+      s.known_lengths.assign(lengths.size(), 0);
+    }
+    for (size_t l = 0; l < lengths.size() && l < s.known_lengths.size(); ++l) {
+      s.known_lengths[l] = std::max(s.known_lengths[l], lengths[l]);
+    }
+  }
+
+  void Publish(absl::string_view id, uint32_t layer, std::shared_ptr<const LayerTable> t) {
+    absl::MutexLock lock(&mu_);
+    SequenceState& s = seqs_[id];
+    if (s.incarnation != t->incarnation) {
+      // Known only from this table (no Describe yet, or one of another incarnation).
+      for (const auto& l : s.layers)
+        cached_pages_ -= l != nullptr ? l->pages() * l->lanes.size() : 0;
+      s = SequenceState{};
+      s.incarnation = t->incarnation;
+    }
+    if (layer >= s.layers.size()) {
+      s.layers.resize(layer + 1);
+      s.known_lengths.resize(layer + 1, 0);
+    }
+    const size_t entries = t->pages() * t->lanes.size();
+    if (s.layers[layer] != nullptr) {
+      cached_pages_ -= s.layers[layer]->pages() * s.layers[layer]->lanes.size();
+    }
+    if (cached_pages_ + entries > kMaxCachedPages) {
+      seqs_.clear();  // bounded memory: start over (the tables are fetched again as needed)
+      cached_pages_ = 0;
+      SequenceState& fresh = seqs_[id];
+      fresh.incarnation = t->incarnation;
+      fresh.layers.resize(layer + 1);
+      fresh.known_lengths.resize(layer + 1, 0);
+      fresh.layers[layer] = std::move(t);
+      cached_pages_ = entries;
+      return;
+    }
+    s.layers[layer] = std::move(t);
+    cached_pages_ += entries;
+  }
+
+  void Forget(absl::string_view id) {
+    absl::MutexLock lock(&mu_);
+    auto it = seqs_.find(id);
+    if (it == seqs_.end()) return;
+    for (const auto& l : it->second.layers) {
+      cached_pages_ -= l != nullptr ? l->pages() * l->lanes.size() : 0;
+    }
+    seqs_.erase(it);
+  }
+
+  // The current mapping, opened at first use; null while the file cannot be mapped (tried again
+  // at most once a second).
+  std::shared_ptr<const kvstore::ArenaMapping> Mapping() {
+    absl::MutexLock lock(&mu_);
+    const absl::Time now = absl::Now();
+    if (map_ != nullptr) {
+      // Once a second: has a restarted store put a new file at the path? Then let the old one
+      // go (its memory is freed once no read holds it) and map the new one.
+      if (now < next_check_) return map_;
+      next_check_ = now + absl::Seconds(1);
+      if (map_->IsCurrent()) return map_;
+      KVSPARSE_LOG(Info) << arena_file_ << " is a new file (the store restarted): mapping it";
+      map_ = nullptr;
+      seqs_.clear();
+      cached_pages_ = 0;
+      next_open_ = absl::InfinitePast();
+    }
+    if (now < next_open_) return nullptr;
+    next_open_ = now + absl::Seconds(1);
+    absl::StatusOr<std::unique_ptr<kvstore::ArenaMapping>> m =
+        kvstore::ArenaMapping::Open(arena_file_);
+    if (!m.ok()) {
+      int64_t dropped = 0;
+      if (open_log_.ShouldLog(&dropped)) {
+        KVSPARSE_LOG(Warning) << "--store_arena_file: " << m.status().message()
+                              << "; reading rows through Gather until it can be mapped";
+      }
+      return nullptr;
+    }
+    KVSPARSE_LOG(Info) << "reading the store's rows in place from " << arena_file_;
+    map_ = std::move(*m);
+    return map_;
+  }
+
+  // The store made a new arena file (it restarted): map the path again. Null when the file there
+  // is still not the one the store's page tables name.
+  std::shared_ptr<const kvstore::ArenaMapping> Remap(
+      const std::shared_ptr<const kvstore::ArenaMapping>& stale, uint64_t want_id) {
+    {
+      absl::MutexLock lock(&mu_);
+      if (map_ == stale) {
+        map_ = nullptr;
+        next_open_ = absl::InfinitePast();
+        seqs_.clear();  // offsets of the old file mean nothing in the new one
+        cached_pages_ = 0;
+      }
+    }
+    std::shared_ptr<const kvstore::ArenaMapping> m = Mapping();
+    return m != nullptr && m->arena_id() == want_id ? m : nullptr;
+  }
+
   void Prepare(grpc::ClientContext* ctx, absl::Time deadline) const {
     ctx->set_deadline(absl::ToChronoTime(deadline));
     if (!token_.empty()) ctx->AddMetadata(kAuthMetadataKey, absl::StrCat(kBearerPrefix, token_));
@@ -120,13 +423,27 @@ class RemoteRowSource final : public engine::RowSource {
 
   std::unique_ptr<v1::KvStore::Stub> stub_;
   const std::string token_;
+  const std::string arena_file_;
+
+  absl::Mutex mu_;
+  std::shared_ptr<const kvstore::ArenaMapping> map_ ABSL_GUARDED_BY(mu_);
+  absl::Time next_open_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  absl::Time next_check_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  absl::flat_hash_map<std::string, SequenceState> seqs_ ABSL_GUARDED_BY(mu_);
+  size_t cached_pages_ ABSL_GUARDED_BY(mu_) = 0;
+  LogEvery open_log_{absl::Seconds(30)};
+
+  std::atomic<uint64_t> rows_{0};
+  std::atomic<uint64_t> bytes_{0};
+  std::atomic<uint64_t> fallbacks_{0};
+  std::atomic<uint64_t> page_table_calls_{0};
 };
 
 }  // namespace
 
-std::unique_ptr<engine::RowSource> NewRemoteRowSource(std::shared_ptr<grpc::Channel> channel,
-                                                      std::string token) {
-  return std::make_unique<RemoteRowSource>(std::move(channel), std::move(token));
+std::unique_ptr<RemoteRowSource> NewRemoteRowSource(std::shared_ptr<grpc::Channel> channel,
+                                                    RemoteRowSourceOptions options) {
+  return std::make_unique<RemoteRowSourceImpl>(std::move(channel), std::move(options));
 }
 
 }  // namespace kvsparse::server

@@ -1,5 +1,8 @@
 // An engine::RowSource over another process's KvStore service (the split deployment: a worker with
-// --store=HOST:PORT). One Gather RPC per sequence per stage, covering every kv head.
+// --store=HOST:PORT). One Gather RPC per sequence per stage, covering every kv head; or, when the
+// store keeps its pages in an arena file this process can map (--store_arena_file, the
+// shared-arena pod), rows copied straight from the mapped pages, with one GetPageTable RPC per
+// layer when the table it holds no longer covers the rows asked for (every page_tokens tokens).
 #ifndef KVSPARSE_SERVER_REMOTE_ROW_SOURCE_H_
 #define KVSPARSE_SERVER_REMOTE_ROW_SOURCE_H_
 
@@ -14,8 +17,32 @@ namespace kvsparse::server {
 
 // The channel's message limits must allow the largest gather (see ServerOptions). token: sent as
 // a bearer token with every call (a store with --auth_tokens); empty: none.
-std::unique_ptr<engine::RowSource> NewRemoteRowSource(std::shared_ptr<grpc::Channel> channel,
-                                                      std::string token = "");
+struct RemoteRowSourceOptions {
+  // Sent as a bearer token with every call (a store with --auth_tokens); empty: none.
+  std::string token;
+  // The store's --arena_file as mounted here; empty: rows always through Gather. Mapped at the
+  // first read (and again when the store made a new one); while it cannot be (not there yet, not
+  // an arena file, the store has none), and for any read whose pages were freed meanwhile, rows
+  // come through Gather instead, so a read never returns another sequence's rows.
+  std::string arena_file;
+};
+
+// What the in-place path did (all counters since start).
+struct InPlaceStats {
+  uint64_t rows = 0;              // rows copied from the mapped arena (a K+V pair counts as 2)
+  uint64_t bytes = 0;             // bytes copied from it
+  uint64_t fallbacks = 0;         // reads that went through Gather instead
+  uint64_t page_table_calls = 0;  // GetPageTable RPCs
+};
+
+class RemoteRowSource : public engine::RowSource {
+ public:
+  virtual InPlaceStats in_place_stats() const = 0;
+};
+
+// The channel's message limits must allow the largest gather (see ServerOptions).
+std::unique_ptr<RemoteRowSource> NewRemoteRowSource(std::shared_ptr<grpc::Channel> channel,
+                                                    RemoteRowSourceOptions options = {});
 
 }  // namespace kvsparse::server
 

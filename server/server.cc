@@ -96,6 +96,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       // into FAILED_PRECONDITION); the model server retries a failed Decode.
       args.SetServiceConfigJSON(R"({"methodConfig": [{
           "name": [{"service": "kvsparse.v1.KvStore", "method": "Gather"},
+                   {"service": "kvsparse.v1.KvStore", "method": "GetPageTable"},
                    {"service": "kvsparse.v1.KvStore", "method": "GetSequenceInfo"}],
           "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.05s", "maxBackoff": "1s",
                           "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]})");
@@ -114,7 +115,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
             << "store " << options.store_target
             << " not reachable yet; Decode calls fail with UNAVAILABLE until it is";
       }
-      s->row_source_ = NewRemoteRowSource(std::move(channel), options.store_token);
+      std::unique_ptr<RemoteRowSource> remote =
+          NewRemoteRowSource(std::move(channel), {options.store_token, options.store_arena_file});
+      if (!options.store_arena_file.empty()) {
+        s->metrics_->AddCollectable(NewInPlaceCollector(remote.get()));
+      }
+      s->row_source_ = std::move(remote);
     }
     engine::GpuBackendOptions go = engine::BackendOptionsFor(options.engine);
     go.device = options.gpu_device;

@@ -81,6 +81,9 @@ struct ServerOptions {
   // a store with mutual TLS) and the token sent to it.
   TlsFiles store_tls;
   std::string store_token;
+  // kWorker: the store's --arena_file as mounted in this process (the shared-arena pod): rows are
+  // copied from its pages in place instead of through Gather (server/remote_row_source.h).
+  std::string store_arena_file;
   kvstore::StoreOptions store;
   engine::EngineOptions engine;
   // The decode engine's GPU backend (engine/cuda/gpu_backend.h), in builds with CUDA: kAuto uses it

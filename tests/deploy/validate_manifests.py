@@ -12,7 +12,9 @@ schemas written from the Prometheus Operator CRDs, jsonschema), and kvsparse's o
   - memory limit >= --capacity (role all/store, unless the arena is on a memory volume charged
     to it anyway) + --resident_capacity (role all/worker) + 1Gi;
     terminationGracePeriodSeconds > --shutdown_grace; --gpu=on asks for nvidia.com/gpu;
-    a memory-backed emptyDir holding --arena_file is at least --capacity;
+    a memory-backed emptyDir holding --arena_file has room for two arena files of --capacity;
+    a worker's --store_arena_file is on such a volume, mounted read-only, that a container of
+    the pod keeps its --arena_file on;
   - every Service and PodDisruptionBudget selects a pod template; every ServiceMonitor port is
     a port of some selected Service; the PrometheusRule's groups equal
     deploy/prometheus/kvsparse.rules.yml.
@@ -48,6 +50,13 @@ def parse_bytes(text):
     if not m:
         raise ValueError(f"cannot parse size {text!r}")
     return int(m.group(1)) * UNITS[m.group(2) or ""]
+
+
+def arena_file_bytes(capacity):
+    """Size of the store's --arena_file for a --capacity (kvstore/shared_arena.cc): a 4 KiB
+    header, 8 bytes of page generation per 4 KiB of data (rounded up to 4 KiB), the data."""
+    granules = -(-capacity // 4096)
+    return 4096 + -(-granules * 8 // 4096) * 4096 + granules * 4096
 
 
 def parse_seconds(text):
@@ -141,11 +150,27 @@ def check_workload(c, obj, configmaps, known_flags):
             c.expect(parse_bytes(lim["memory"]) >= need,
                      f"{w}: memory limit {lim['memory']} < flags' {need / GI:.0f}Gi")
         if arena_in_memory:
+            # Room for two arena files: a restarted store's new one while a worker still maps
+            # the old one (kvstore/shared_arena.h).
+            want = 2 * arena_file_bytes(parse_bytes(flags.get("capacity", "4G")))
             for m in ct["volumeMounts"]:
                 if m["name"] in memory_volumes and flags["arena_file"].startswith(m["mountPath"]):
                     size = memory_volumes[m["name"]].get("sizeLimit")
-                    c.expect(size and parse_bytes(size) >= parse_bytes(flags.get("capacity", "4G")),
-                             f"{w}: arena volume sizeLimit {size} < --capacity")
+                    c.expect(size and parse_bytes(size) >= want,
+                             f"{w}: arena volume sizeLimit {size} < two arena files ({want} bytes)")
+        if "store_arena_file" in flags:
+            c.expect(role == "worker", f"{w}: --store_arena_file without --role=worker")
+            under = [m for m in ct.get("volumeMounts", [])
+                     if flags["store_arena_file"].startswith(m["mountPath"].rstrip("/") + "/")]
+            if c.expect(under and under[0]["name"] in memory_volumes,
+                        f"{w}: --store_arena_file is not on a memory-backed volume"):
+                c.expect(under[0].get("readOnly") is True, f"{w}: the arena volume is not read-only here")
+                stores = [o for o in spec["containers"]
+                          if container_flags(spec, o, configmaps).get("arena_file", "").startswith(
+                              next(m["mountPath"] for m in o.get("volumeMounts", [])
+                                   if m["name"] == under[0]["name"]) + "/")
+                          if any(m["name"] == under[0]["name"] for m in o.get("volumeMounts", []))]
+                c.expect(stores, f"{w}: no container of the pod keeps --arena_file on that volume")
         c.expect(grace > parse_seconds(flags.get("shutdown_grace", "10s")),
                  f"{w}: terminationGracePeriodSeconds {grace} <= --shutdown_grace {flags.get('shutdown_grace', '10s')}")
         if flags.get("gpu") == "on":

@@ -4,6 +4,7 @@
 #include <cstring>
 #include <fstream>
 
+#include "absl/functional/function_ref.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/attention_client.h"
@@ -13,6 +14,7 @@
 #include "kernels/philox.h"
 #include "kernels/santa.h"
 #include "kernels/synthetic.h"
+#include "kvstore/shared_arena.h"
 #include "server/server.h"
 #include "tests/integration/http_get.h"
 
@@ -26,14 +28,17 @@ constexpr uint32_t kLayers = 2;
 constexpr uint32_t kLayer = 1;
 
 // metrics: serve /metrics (prometheus-cpp's HTTP server takes ~2 s to stop, so only where read).
-std::unique_ptr<server::Server> StartServer(server::ServerRole role, int store_port = 0,
-                                            bool metrics = false) {
+// tweak: changes to the options before the server starts.
+std::unique_ptr<server::Server> StartServer(
+    server::ServerRole role, int store_port = 0, bool metrics = false,
+    absl::FunctionRef<void(server::ServerOptions&)> tweak = [](server::ServerOptions&) {}) {
   server::ServerOptions o;
   o.role = role;
   o.listen = "127.0.0.1:0";
   o.metrics_listen = metrics ? "127.0.0.1:0" : "";
   o.store_target = absl::StrCat("127.0.0.1:", store_port);
   o.store.capacity_bytes = 256 << 20;
+  tweak(o);
   auto s = server::Server::Start(o);
   EXPECT_TRUE(s.ok()) << s.status();
   return s.ok() ? std::move(*s) : nullptr;
@@ -281,6 +286,114 @@ TEST(AttentionServiceTest, SplitModeEqualsEmbeddedMode) {
             StatusCode::kUnimplemented);
   auto wkv = client::KvStoreClient::Connect(At(worker->port()));
   EXPECT_EQ((*wkv)->GetStats().status().code(), StatusCode::kUnimplemented);
+}
+
+// The shared-arena pod: the store keeps its pages in a file, the worker maps it and copies the
+// rows in place. Results are bit-identical to the embedded deployment's, the store serves no
+// Gather, a sequence dropped and made again with other rows is read anew, and a worker whose
+// file is missing reads through Gather instead.
+TEST(AttentionServiceTest, SharedArenaWorkerReadsRowsInPlace) {
+  const std::string path = ::testing::TempDir() + "/kvsparse-shared-arena-test";
+  auto arena = kvstore::NewFileMemoryResource(path, 256 << 20);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  auto embedded = StartServer(server::ServerRole::kAll);
+  auto store = StartServer(server::ServerRole::kStore, 0, false,
+                           [&](server::ServerOptions& o) { o.store.memory = arena->get(); });
+  ASSERT_NE(embedded, nullptr);
+  ASSERT_NE(store, nullptr);
+  auto worker = StartServer(server::ServerRole::kWorker, store->port(), /*metrics=*/true,
+                            [&](server::ServerOptions& o) { o.store_arena_file = path; });
+  auto missing =
+      StartServer(server::ServerRole::kWorker, store->port(), false, [&](server::ServerOptions& o) {
+        o.store_arena_file = ::testing::TempDir() + "/no-such-arena";
+      });
+  ASSERT_NE(worker, nullptr);
+  ASSERT_NE(missing, nullptr);
+  auto skv = client::KvStoreClient::Connect(At(store->port()));
+  ASSERT_TRUE(skv.ok());
+  auto gathered = [&] {
+    auto st = (*skv)->GetStats();
+    EXPECT_TRUE(st.ok());
+    return st->bytes_gathered();
+  };
+  for (uint64_t seed : {11u, 12u}) {  // the second pass drops and re-creates every sequence
+    kernels::SyntheticOptions po;
+    po.family = kernels::ScoreFamily::kPeaked;
+    po.batch = 2;
+    po.num_q_heads = 8;
+    po.num_kv_heads = 2;
+    po.head_dim = 64;
+    po.seq_lens = {1200, 2000};
+    po.seed = seed;
+    const kernels::SyntheticProblem prob = kernels::SyntheticProblem::Make(po);
+    for (const MethodCase& c : Cases()) {
+      SCOPED_TRACE(absl::StrCat(c.name, " seed ", seed));
+      for (server::Server* s : {embedded.get(), store.get()}) {
+        auto kv = client::KvStoreClient::Connect(At(s->port()));
+        ASSERT_TRUE(kv.ok());
+        for (int b = 0; b < 2; ++b) (void)(*kv)->DropSequence(absl::StrCat("s", b));
+        Load(**kv, prob, c.placement);
+      }
+      auto ra = (*client::AttentionClient::Connect(At(embedded->port())))
+                    ->Decode(Request(prob, c.method, 17));
+      ASSERT_TRUE(ra.ok()) << ra.status();
+      const uint64_t before = gathered();
+      auto rw = (*client::AttentionClient::Connect(At(worker->port())))
+                    ->Decode(Request(prob, c.method, 17));
+      ASSERT_TRUE(rw.ok()) << rw.status();
+      EXPECT_EQ(gathered(), before) << "the worker called Gather";
+      EXPECT_EQ(ra->output().data(), rw->output().data());
+      ASSERT_EQ(ra->heads_size(), rw->heads_size());
+      for (int i = 0; i < ra->heads_size(); ++i) {
+        EXPECT_EQ(ra->heads(i).bytes_host(), rw->heads(i).bytes_remote());
+      }
+      auto rm = (*client::AttentionClient::Connect(At(missing->port())))
+                    ->Decode(Request(prob, c.method, 17));
+      ASSERT_TRUE(rm.ok()) << rm.status();
+      EXPECT_EQ(ra->output().data(), rm->output().data());
+      EXPECT_GT(gathered(), before);
+    }
+  }
+  auto m = testing::HttpGet(worker->metrics_port(), "/metrics");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_TRUE(absl::StrContains(*m, "kvsparse_worker_in_place_rows_total"));
+  EXPECT_FALSE(absl::StrContains(*m, "kvsparse_worker_in_place_rows_total 0\n"));
+  EXPECT_TRUE(absl::StrContains(*m, "kvsparse_worker_in_place_fallbacks_total 0\n"));
+  missing.reset();
+
+  // The store restarts on the same port with a new arena file at the path; the worker, still
+  // mapping the old file, maps the new one and reads the new store's rows in place.
+  const int port = store->port();
+  store.reset();
+  arena->reset();
+  arena = kvstore::NewFileMemoryResource(path, 256 << 20);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  store = StartServer(server::ServerRole::kStore, 0, false, [&](server::ServerOptions& o) {
+    o.store.memory = arena->get();
+    o.listen = absl::StrCat("127.0.0.1:", port);
+  });
+  ASSERT_NE(store, nullptr);
+  const kernels::SyntheticProblem prob = Problem();
+  const MethodCase& c = Cases()[0];
+  for (server::Server* s : {embedded.get(), store.get()}) {
+    auto kv = client::KvStoreClient::Connect(At(s->port()));
+    ASSERT_TRUE(kv.ok());
+    for (int b = 0; b < 2; ++b) (void)(*kv)->DropSequence(absl::StrCat("s", b));
+    Load(**kv, prob, c.placement);
+  }
+  skv = client::KvStoreClient::Connect(At(store->port()));
+  ASSERT_TRUE(skv.ok());
+  auto ra = (*client::AttentionClient::Connect(At(embedded->port())))
+                ->Decode(Request(prob, c.method, 17));
+  auto rw =
+      (*client::AttentionClient::Connect(At(worker->port())))->Decode(Request(prob, c.method, 17));
+  ASSERT_TRUE(ra.ok()) << ra.status();
+  ASSERT_TRUE(rw.ok()) << rw.status();
+  EXPECT_EQ(ra->output().data(), rw->output().data());
+  EXPECT_EQ(gathered(), 0u) << "the worker called Gather on the restarted store";
+  worker.reset();
+  store.reset();
+  std::remove(path.c_str());
 }
 
 // A model server's step loop over DecodeStream: append the new token and decode, every step;
