@@ -4,12 +4,12 @@
 # requests, FUZZ_SECONDS (default 20) each or FUZZ_RUNS executions each. A crash, a sanitizer
 # report, or an UNKNOWN / INTERNAL / UNAVAILABLE answer fails it; the reproducer is left in
 # build-fuzz/crashes/. FUZZ_TARGETS picks targets (default: all).
-#   bash scripts/fuzz.sh                                  # CI: 9 targets x 20 s
+#   bash scripts/fuzz.sh                                  # CI: 10 targets x 20 s
 #   FUZZ_RUNS=10000000 bash scripts/fuzz.sh               # the long run (docs/RELIABILITY.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build-fuzz}
-targets=${FUZZ_TARGETS:-"service create drop append gather info list stats decode"}
+targets=${FUZZ_TARGETS:-"service create drop append gather info list stats decode pagetable"}
 CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja -DKVSPARSE_FUZZ=ON -DKVSPARSE_BUILD_TESTS=OFF \
   -DKVSPARSE_ENABLE_CUDA=OFF -DKVSPARSE_WERROR=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo > /dev/null
 cmake --build "$build" -j "${JOBS:-$(nproc)}" --target kvsparse_fuzz

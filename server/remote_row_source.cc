@@ -111,7 +111,9 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
   absl::StatusOr<uint64_t> Gather(absl::string_view id, uint32_t layer, kvstore::RowKind kind,
                                   absl::Span<const engine::RowRequest> heads, uint8_t* k_out,
                                   uint8_t* v_out, absl::Time deadline) override {
-    if (!arena_file_.empty()) {
+    size_t rows = 0;
+    for (const engine::RowRequest& h : heads) rows += h.tokens.size();
+    if (!arena_file_.empty() && rows > 0) {  // no rows: the RPC answers the layer's length
       absl::StatusOr<std::optional<uint64_t>> r =
           GatherInPlace(id, layer, kind, heads, k_out, v_out, deadline);
       if (!r.ok()) return r.status();
@@ -180,17 +182,23 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
       for (uint32_t t : h.tokens) max_token = std::max(max_token, t);
     }
     std::shared_ptr<const LayerTable> table;
-    uint64_t known = 0;
+    uint64_t known = 0;  // the layer's length as Describe / Append saw it, for known_incarnation
+    uint64_t known_incarnation = 0;
     {
       absl::MutexLock lock(&mu_);
       auto it = seqs_.find(id);
       if (it != seqs_.end() && layer < it->second.layers.size()) {
         table = it->second.layers[layer];
         known = it->second.known_lengths[layer];
+        known_incarnation = it->second.incarnation;
       }
     }
+    // Rows below this are written (a length of another incarnation says nothing of this one).
+    auto length = [&](const LayerTable& t) {
+      return t.incarnation == known_incarnation ? std::max(known, t.layer_length) : t.layer_length;
+    };
     auto covers = [&](const LayerTable& t) {
-      return max_token < std::max(known, t.layer_length) && max_token / t.page_tokens < t.pages();
+      return max_token < length(t) && max_token / t.page_tokens < t.pages();
     };
     if (table == nullptr || !covers(*table)) {
       absl::StatusOr<std::shared_ptr<const LayerTable>> fresh = Refresh(id, layer, table, deadline);
@@ -200,9 +208,9 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
         return fresh.status();
       }
       table = *fresh;
-      if (max_token >= std::max(known, table->layer_length)) {
+      if (max_token >= length(*table)) {
         return absl::OutOfRangeError(absl::StrCat("token ", max_token, " at or past layer ", layer,
-                                                  "'s length ", table->layer_length));
+                                                  "'s length ", length(*table)));
       }
       if (!covers(*table)) return absl::DataLossError("store returned too few pages");
     }
@@ -238,7 +246,7 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
     const uint64_t copies = row * ((want_k ? 1 : 0) + (want_v ? 1 : 0));
     rows_.fetch_add(copies, std::memory_order_relaxed);
     bytes_.fetch_add(copies * table->row_bytes, std::memory_order_relaxed);
-    return std::max(known, table->layer_length);
+    return length(*table);
   }
 
   // Extends (or, for a new incarnation or arena, replaces) the layer's table from the store and

@@ -1,8 +1,9 @@
 // libFuzzer targets over every request type of both services: a real kvsparse-server (store and
 // CPU decode engine, in this process, on a loopback port) answers each input through the same
 // handlers, conversion and validation a deployment runs. kvsparse_service_fuzz takes every type:
-// an input is one byte naming the RPC (mod 8: CreateSequence, DropSequence, Append, Gather,
-// GetSequenceInfo, ListSequences, GetStats, Decode) and, in (byte / 8) mod 6, the caller (its
+// an input is one byte naming the RPC (mod 9: CreateSequence, DropSequence, Append, Gather,
+// GetSequenceInfo, ListSequences, GetStats, Decode, GetPageTable) and, in (byte / 9) mod 6, the
+// caller (its
 // server checks bearer tokens: admin, writers of tenants t1 and t2, a reader of t1, no token, an
 // unknown token; UNAUTHENTICATED and PERMISSION_DENIED are answers like any other), then that
 // request's protobuf bytes. The
@@ -30,17 +31,30 @@
 
 #include "kvsparse/v1/attention.grpc.pb.h"
 #include "kvsparse/v1/kvstore.grpc.pb.h"
+#include "kvstore/shared_arena.h"
 #include "server/server.h"
 
 namespace v1 = kvsparse::v1;
 
 namespace {
 
+std::unique_ptr<kvsparse::kvstore::MemoryResource> arena;  // declared first: outlives the server
 std::unique_ptr<kvsparse::server::Server> server;
 std::unique_ptr<v1::KvStore::Stub> store;
 std::unique_ptr<v1::Attention::Stub> attention;
 
-enum Rpc : uint8_t { kCreate, kDrop, kAppend, kGather, kInfo, kList, kStats, kDecode, kCount };
+enum Rpc : uint8_t {
+  kCreate,
+  kDrop,
+  kAppend,
+  kGather,
+  kInfo,
+  kList,
+  kStats,
+  kDecode,
+  kPageTable,
+  kCount
+};
 
 void Check(const grpc::Status& s, int rpc) {
   const grpc::StatusCode c = s.error_code();
@@ -121,6 +135,10 @@ void ForEachSeed(const std::function<void(Rpc, const google::protobuf::Message&)
   v1::GetSequenceInfoRequest info;
   info.set_sequence_id("f1");
   put(kInfo, info);
+  v1::GetPageTableRequest pt;
+  pt.set_sequence_id("f0");
+  pt.set_layer(1);
+  put(kPageTable, pt);
   put(kList, v1::ListSequencesRequest());
   put(kStats, v1::GetStatsRequest());
   for (int method = 0; method < 5; ++method) {
@@ -194,6 +212,17 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
   o.max_message_bytes = 16 << 20;
   o.gpu = kvsparse::server::ServerOptions::Gpu::kOff;
   o.default_deadline = absl::Seconds(20);
+  // The store's pages in an arena file (so GetPageTable has tables to give), unlinked at once:
+  // the mapping keeps it, and nothing is left behind.
+  const std::string arena_path = "/tmp/kvsparse-fuzz-arena-" + std::to_string(getpid());
+  auto file = kvsparse::kvstore::NewFileMemoryResource(arena_path, o.store.capacity_bytes);
+  if (!file.ok()) {
+    std::fprintf(stderr, "arena: %s\n", file.status().ToString().c_str());
+    std::abort();
+  }
+  unlink(arena_path.c_str());
+  arena = std::move(*file);
+  o.store.memory = arena.get();
 #ifndef KVSPARSE_FUZZ_RPC
   o.auth_tokens_file = "/tmp/kvsparse-fuzz-tokens-" + std::to_string(getpid());
   std::ofstream(o.auth_tokens_file) << kTokenFile;
@@ -281,6 +310,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Send<v1::DecodeRequest, v1::DecodeResponse>(
           body, n, rpc, caller,
           [](auto* c, const auto& r, auto* p) { return attention->Decode(c, r, p); });
+      break;
+    case kPageTable:
+      Send<v1::GetPageTableRequest, v1::PageTable>(
+          body, n, rpc, caller,
+          [](auto* c, const auto& r, auto* p) { return store->GetPageTable(c, r, p); });
       break;
   }
   return 0;

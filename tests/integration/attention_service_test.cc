@@ -1,5 +1,7 @@
 // The decode worker end to end: the real kvsparse server (embedded store + worker, and the split
 // store / worker deployment), the real clients, synthetic attention problems with known answers.
+#include <grpcpp/grpcpp.h>
+
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -15,6 +17,7 @@
 #include "kernels/santa.h"
 #include "kernels/synthetic.h"
 #include "kvstore/shared_arena.h"
+#include "server/remote_row_source.h"
 #include "server/server.h"
 #include "tests/integration/http_get.h"
 
@@ -392,6 +395,64 @@ TEST(AttentionServiceTest, SharedArenaWorkerReadsRowsInPlace) {
   EXPECT_EQ(ra->output().data(), rw->output().data());
   EXPECT_EQ(gathered(), 0u) << "the worker called Gather on the restarted store";
   worker.reset();
+  store.reset();
+  std::remove(path.c_str());
+}
+
+// The in-place row source alone against a store with an arena file: the store's answers where a
+// read is wrong (OUT_OF_RANGE, NOT_FOUND), never rows of another sequence or unwritten slots.
+TEST(AttentionServiceTest, InPlaceRowSourceKeepsTheStoresAnswers) {
+  const std::string path = ::testing::TempDir() + "/kvsparse-row-source-test";
+  auto arena = kvstore::NewFileMemoryResource(path, 64 << 20);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  auto store = StartServer(server::ServerRole::kStore, 0, false,
+                           [&](server::ServerOptions& o) { o.store.memory = arena->get(); });
+  ASSERT_NE(store, nullptr);
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", store->port()),
+                                     grpc::InsecureChannelCredentials());
+  auto source = server::NewRemoteRowSource(channel, {"", path});
+  auto kv = client::KvStoreClient::Connect(At(store->port()));
+  ASSERT_TRUE(kv.ok());
+  const kernels::SyntheticProblem prob = Problem(2, {1200, 300});
+  Load(**kv, prob, {});
+  const absl::Time deadline = absl::Now() + absl::Seconds(20);
+  auto desc = source->Describe("s0", deadline);
+  ASSERT_TRUE(desc.ok()) << desc.status();
+  const size_t row = 64 * 2;  // head_dim 64, bf16
+  std::vector<uint32_t> tokens = {0, 1199, 640};
+  std::vector<uint8_t> k(tokens.size() * row), v(k.size());
+  std::vector<engine::RowRequest> heads = {{1, tokens}};
+  auto n = source->Gather("s0", kLayer, kvstore::RowKind::kKV, heads, k.data(), v.data(), deadline);
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(*n, 1200u);
+  EXPECT_EQ(source->in_place_stats().rows, 6u);
+  // Past the length: OUT_OF_RANGE, as the store says it.
+  std::vector<uint32_t> past = {1200};
+  std::vector<engine::RowRequest> past_heads = {{0, past}};
+  EXPECT_EQ(
+      source->Gather("s0", kLayer, kvstore::RowKind::kK, past_heads, k.data(), nullptr, deadline)
+          .status()
+          .code(),
+      StatusCode::kOutOfRange);
+  // "s0" dropped and made again shorter (300 tokens, after this worker's Describe saw 1200):
+  // token 640 is past the new length, whatever this worker knew of the old sequence.
+  ASSERT_TRUE((*kv)->DropSequence("s0").ok());
+  ASSERT_TRUE((*kv)->DropSequence("s1").ok());
+  Load(**kv, Problem(2, {300, 300}), {});
+  std::vector<uint32_t> mid = {640};
+  std::vector<engine::RowRequest> mid_heads = {{1, mid}};
+  EXPECT_EQ(
+      source->Gather("s0", kLayer, kvstore::RowKind::kKV, mid_heads, k.data(), v.data(), deadline)
+          .status()
+          .code(),
+      StatusCode::kOutOfRange);
+  // Dropped: NOT_FOUND.
+  ASSERT_TRUE((*kv)->DropSequence("s0").ok());
+  EXPECT_EQ(source->Gather("s0", kLayer, kvstore::RowKind::kKV, heads, k.data(), v.data(), deadline)
+                .status()
+                .code(),
+            StatusCode::kNotFound);
+  source.reset();
   store.reset();
   std::remove(path.c_str());
 }
