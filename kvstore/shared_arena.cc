@@ -16,7 +16,7 @@
 namespace kvsparse::kvstore {
 namespace {
 
-constexpr uint64_t kGranule = 4096;  // generation granularity = the slabs' alignment
+constexpr uint64_t kPageAlign = 4096;  // the header's size and the smallest granule
 constexpr uint64_t kHeaderBytes = 4096;
 constexpr char kMagic[8] = {'K', 'V', 'S', 'A', 'R', 'E', 'N', 'A'};
 constexpr uint32_t kVersion = 1;
@@ -33,24 +33,25 @@ static_assert(sizeof(ArenaFileHeader) <= kHeaderBytes);
 
 // Generations are plain 64-bit words in shared memory, read and written with the compiler's
 // atomic builtins (address-free, so they work across processes).
-uint64_t* GenerationWord(uint8_t* base, uint64_t data_offset, uint64_t offset) {
-  return reinterpret_cast<uint64_t*>(base + kHeaderBytes) + (offset - data_offset) / kGranule;
+uint64_t* GenerationWord(uint8_t* base, uint64_t data_offset, uint64_t granule, uint64_t offset) {
+  return reinterpret_cast<uint64_t*>(base + kHeaderBytes) + (offset - data_offset) / granule;
 }
 
 class FileMemoryResource final : public MemoryResource, public SharedArena {
  public:
   FileMemoryResource(std::string path, uint8_t* base, size_t file_bytes, uint64_t data_offset,
-                     uint64_t arena_id)
+                     uint64_t granule, uint64_t arena_id)
       : path_(std::move(path)),
         base_(base),
         file_bytes_(file_bytes),
         data_offset_(data_offset),
+        granule_(granule),
         arena_id_(arena_id) {}
   ~FileMemoryResource() override { munmap(base_, file_bytes_); }
 
   absl::StatusOr<void*> Allocate(size_t bytes) override {
     absl::MutexLock lock(&mu_);
-    const size_t aligned = (bytes + kGranule - 1) / kGranule * kGranule;
+    const size_t aligned = (bytes + granule_ - 1) / granule_ * granule_;
     if (aligned > file_bytes_ - data_offset_ - used_) {
       return absl::ResourceExhaustedError(absl::StrCat("arena file ", path_, " is full (",
                                                        file_bytes_ - data_offset_,
@@ -71,14 +72,17 @@ class FileMemoryResource final : public MemoryResource, public SharedArena {
   SharedArena* shared_arena() override { return this; }
 
   uint64_t arena_id() const override { return arena_id_; }
+  uint64_t granule() const override { return granule_; }
   uint64_t Offset(const void* p) const override {
     return static_cast<uint64_t>(static_cast<const uint8_t*>(p) - base_);
   }
   uint64_t Generation(const void* page) const override {
-    return __atomic_load_n(GenerationWord(base_, data_offset_, Offset(page)), __ATOMIC_ACQUIRE);
+    return __atomic_load_n(GenerationWord(base_, data_offset_, granule_, Offset(page)),
+                           __ATOMIC_ACQUIRE);
   }
   void Retire(const void* page) override {
-    __atomic_fetch_add(GenerationWord(base_, data_offset_, Offset(page)), 1, __ATOMIC_SEQ_CST);
+    __atomic_fetch_add(GenerationWord(base_, data_offset_, granule_, Offset(page)), 1,
+                       __ATOMIC_SEQ_CST);
     // The page's next owner writes it only after this point (the pool's lock is taken between),
     // and the increment must be visible no later than those writes.
     __atomic_thread_fence(__ATOMIC_RELEASE);
@@ -89,6 +93,7 @@ class FileMemoryResource final : public MemoryResource, public SharedArena {
   uint8_t* const base_;
   const size_t file_bytes_;
   const uint64_t data_offset_;
+  const uint64_t granule_;
   const uint64_t arena_id_;
   absl::Mutex mu_;
   size_t used_ ABSL_GUARDED_BY(mu_) = 0;
@@ -98,15 +103,20 @@ class FileMemoryResource final : public MemoryResource, public SharedArena {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<MemoryResource>> NewFileMemoryResource(const std::string& path,
-                                                                      size_t bytes) {
+                                                                      size_t bytes,
+                                                                      size_t granule) {
+  if (granule < kPageAlign || granule % kPageAlign != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--arena_file ", path, ": granule ", granule, " is not a multiple of 4096"));
+  }
   auto fail = [&](absl::string_view what) {
     return absl::InvalidArgumentError(
         absl::StrCat("--arena_file ", path, ": ", what, ": ", std::strerror(errno)));
   };
-  const uint64_t granules = (bytes + kGranule - 1) / kGranule;
+  const uint64_t granules = (bytes + granule - 1) / granule;
   const uint64_t data_offset =
-      kHeaderBytes + (granules * sizeof(uint64_t) + kGranule - 1) / kGranule * kGranule;
-  const uint64_t file_bytes = data_offset + granules * kGranule;
+      kHeaderBytes + (granules * sizeof(uint64_t) + kPageAlign - 1) / kPageAlign * kPageAlign;
+  const uint64_t file_bytes = data_offset + granules * granule;
   // Made under a temporary name and renamed into place once its header is written, so a reader
   // never maps a half-made file, and one still mapping the previous file keeps its pages.
   const std::string tmp = absl::StrCat(path, ".tmp.", getpid());
@@ -127,10 +137,10 @@ absl::StatusOr<std::unique_ptr<MemoryResource>> NewFileMemoryResource(const std:
   ArenaFileHeader header{};
   std::memcpy(header.magic, kMagic, sizeof(kMagic));
   header.version = kVersion;
-  header.granule_bytes = kGranule;
+  header.granule_bytes = static_cast<uint32_t>(granule);
   header.arena_id = (static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}();
   header.data_offset = data_offset;
-  header.data_bytes = granules * kGranule;
+  header.data_bytes = granules * granule;
   std::memcpy(base, &header, sizeof(header));
   if (rename(tmp.c_str(), path.c_str()) != 0) {
     munmap(p, file_bytes);
@@ -138,16 +148,17 @@ absl::StatusOr<std::unique_ptr<MemoryResource>> NewFileMemoryResource(const std:
     return fail("cannot rename it into place");
   }
   return std::unique_ptr<MemoryResource>(
-      new FileMemoryResource(path, base, file_bytes, data_offset, header.arena_id));
+      new FileMemoryResource(path, base, file_bytes, data_offset, granule, header.arena_id));
 }
 
 ArenaMapping::ArenaMapping(std::string path, const uint8_t* base, size_t bytes, uint64_t arena_id,
-                           uint64_t data_offset, uint64_t device, uint64_t inode)
+                           uint64_t data_offset, uint64_t granule, uint64_t device, uint64_t inode)
     : path_(std::move(path)),
       base_(base),
       bytes_(bytes),
       arena_id_(arena_id),
       data_offset_(data_offset),
+      granule_(granule),
       device_(device),
       inode_(inode) {}
 
@@ -182,26 +193,43 @@ absl::StatusOr<std::unique_ptr<ArenaMapping>> ArenaMapping::Open(const std::stri
   ArenaFileHeader h;
   std::memcpy(&h, p, sizeof(h));
   if (std::memcmp(h.magic, kMagic, sizeof(kMagic)) != 0 || h.version != kVersion ||
-      h.granule_bytes != kGranule || h.data_offset < kHeaderBytes ||
-      h.data_offset + h.data_bytes != bytes ||
-      (h.data_offset - kHeaderBytes) / sizeof(uint64_t) < h.data_bytes / kGranule) {
+      h.granule_bytes < kPageAlign || h.granule_bytes % kPageAlign != 0 ||
+      h.data_offset < kHeaderBytes || h.data_offset + h.data_bytes != bytes ||
+      (h.data_offset - kHeaderBytes) / sizeof(uint64_t) < h.data_bytes / h.granule_bytes) {
     munmap(p, bytes);
     return absl::FailedPreconditionError(
         absl::StrCat(path, " is not a kvsparse arena file of version ", kVersion));
   }
-  return std::unique_ptr<ArenaMapping>(
-      new ArenaMapping(path, static_cast<const uint8_t*>(p), bytes, h.arena_id, h.data_offset,
-                       static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)));
+  return std::unique_ptr<ArenaMapping>(new ArenaMapping(
+      path, static_cast<const uint8_t*>(p), bytes, h.arena_id, h.data_offset, h.granule_bytes,
+      static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)));
 }
 
 bool ArenaMapping::HoldsPage(uint64_t offset, uint64_t page_bytes) const {
-  return offset >= data_offset_ && (offset - data_offset_) % kGranule == 0 &&
+  return offset >= data_offset_ && (offset - data_offset_) % granule_ == 0 &&
          page_bytes <= bytes_ && offset <= bytes_ - page_bytes;
 }
 
+void ArenaMapping::Prefault(absl::Span<const PageRef> pages, uint64_t page_bytes) const {
+#ifdef MADV_POPULATE_READ
+  // Runs of consecutive pages in one call (a bulk append's pages are contiguous).
+  for (size_t i = 0; i < pages.size();) {
+    size_t j = i + 1;
+    while (j < pages.size() && pages[j].offset == pages[j - 1].offset + page_bytes) ++j;
+    madvise(const_cast<uint8_t*>(base_) + pages[i].offset, (j - i) * page_bytes,
+            MADV_POPULATE_READ);
+    i = j;
+  }
+#else
+  (void)pages;
+  (void)page_bytes;
+#endif
+}
+
 uint64_t ArenaMapping::GenerationAt(uint64_t offset) const {
-  return __atomic_load_n(GenerationWord(const_cast<uint8_t*>(base_), data_offset_, offset),
-                         __ATOMIC_RELAXED);
+  return __atomic_load_n(
+      GenerationWord(const_cast<uint8_t*>(base_), data_offset_, granule_, offset),
+      __ATOMIC_RELAXED);
 }
 
 bool ArenaMapping::CopyRows(absl::Span<const PageRef> pages, uint32_t page_tokens, size_t row_bytes,

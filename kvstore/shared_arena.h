@@ -4,10 +4,11 @@
 //
 // File layout (the host's byte order; only processes of one host share it):
 //   [0, 4096)                 ArenaFileHeader
-//   [4096, data_offset)       one 64-bit generation per 4 KiB granule of the data region
+//   [4096, data_offset)       one 64-bit generation per granule (the store's page size) of the
+//                             data region, padded to 4 KiB
 //   [data_offset, file end)   the slabs the store carves into pages (`bytes` of them)
 //
-// Reuse detection. A page's generation (the one of the granule holding its first byte) is
+// Reuse detection. A page's generation (the one of the granule it starts) is
 // incremented whenever the store frees the page, before the page can be handed to another
 // sequence and written again. A reader gets each page's address and generation with the page
 // table (Store::PageTable), copies the rows it wants, and then reads the generations of the pages
@@ -44,6 +45,8 @@ class SharedArena {
   virtual ~SharedArena() = default;
   // Random per file; a reader compares it with the one of its mapping.
   virtual uint64_t arena_id() const = 0;
+  // Bytes per generation; every page must start on one (a page size a multiple of it).
+  virtual uint64_t granule() const = 0;
   // Byte offset of p in the file. REQUIRES: p inside a slab of this resource.
   virtual uint64_t Offset(const void* p) const = 0;
   // The generation of the page starting at `page`.
@@ -76,6 +79,11 @@ class ArenaMapping {
   // Whether a page of page_bytes at `offset` lies inside the data region, granule-aligned.
   bool HoldsPage(uint64_t offset, uint64_t page_bytes) const;
 
+  // Maps these pages into this process now (MADV_POPULATE_READ), so that reads of their rows do
+  // not each take a page fault on first touch; best effort (older kernels: nothing happens).
+  // REQUIRES: every page passed HoldsPage.
+  void Prefault(absl::Span<const PageRef> pages, uint64_t page_bytes) const;
+
   // Copies the rows of `tokens` of one (layer, kv head) lane, whose pages are `pages` (page i
   // holds tokens [i * page_tokens, (i + 1) * page_tokens); a token's slot is its K row then its
   // V row), into k_out / v_out ([tokens, row_bytes] each, null when `kind` does not ask for it).
@@ -88,7 +96,7 @@ class ArenaMapping {
 
  private:
   ArenaMapping(std::string path, const uint8_t* base, size_t bytes, uint64_t arena_id,
-               uint64_t data_offset, uint64_t device, uint64_t inode);
+               uint64_t data_offset, uint64_t granule, uint64_t device, uint64_t inode);
   uint64_t GenerationAt(uint64_t offset) const;
 
   const std::string path_;
@@ -96,17 +104,21 @@ class ArenaMapping {
   const size_t bytes_;
   const uint64_t arena_id_;
   const uint64_t data_offset_;
+  const uint64_t granule_;
   const uint64_t device_;
   const uint64_t inode_;
 };
 
-// The store's arena in a file (--arena_file): `bytes` of data (plus a header and the generations,
-// about 0.2% more), the path unlinked and created anew, mapped shared, carved into slabs in order
-// (a slab's space is reused only once every slab is back). Put it on a memory-backed filesystem
-// (tmpfs, a Kubernetes emptyDir of medium Memory) so another process can map the same pages.
-// INVALID_ARGUMENT when the file cannot be created, sized or mapped (naming the path).
+// The store's arena in a file (--arena_file): `bytes` of data (plus a 4 KiB header and 8 bytes of
+// generation per granule: 0.2% more at 4 KiB, 0.01% at 64 KiB), the path made anew (see
+// Restarts), mapped shared, carved into slabs in order (a slab's space is reused only once every
+// slab is back). granule: the store's page size (a multiple of 4096; every slab and page starts
+// on one). Put it on a memory-backed filesystem (tmpfs, a Kubernetes emptyDir of medium Memory)
+// so another process can map the same pages. INVALID_ARGUMENT when the file cannot be created,
+// sized or mapped (naming the path), or for a granule that is not a multiple of 4096.
 absl::StatusOr<std::unique_ptr<MemoryResource>> NewFileMemoryResource(const std::string& path,
-                                                                      size_t bytes);
+                                                                      size_t bytes,
+                                                                      size_t granule = 4096);
 
 }  // namespace kvsparse::kvstore
 

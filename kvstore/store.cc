@@ -112,6 +112,12 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Create(StoreOptions options) {
   if (options.max_tokens_per_layer == 0 || options.max_tokens_per_layer > (1ull << 32)) {
     return absl::InvalidArgumentError("max_tokens_per_layer must be in 1..2^32");
   }
+  if (options.memory != nullptr && options.memory->shared_arena() != nullptr &&
+      options.page_bytes % options.memory->shared_arena()->granule() != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "page_bytes ", options.page_bytes, " is not a multiple of the arena file's granule ",
+        options.memory->shared_arena()->granule()));
+  }
   std::unique_ptr<MemoryResource> owned;
   if (options.memory == nullptr) {
     owned = NewHostMemoryResource();

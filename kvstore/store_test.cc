@@ -248,6 +248,18 @@ TEST(StoreTest, ArenaInAFile) {
   // A file that cannot be made: INVALID_ARGUMENT naming it.
   EXPECT_EQ(NewFileMemoryResource("/nonexistent-dir/arena", 1 << 20).status().code(),
             absl::StatusCode::kInvalidArgument);
+  // Pages must start on a granule: a granule that is not a multiple of 4 KiB, or pages that are
+  // not a multiple of the granule, are refused.
+  EXPECT_EQ(NewFileMemoryResource(path + "-odd", 1 << 20, 6000).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  auto coarse = NewFileMemoryResource(path + "-coarse", 1 << 20, 16384);
+  ASSERT_TRUE(coarse.ok());
+  StoreOptions bad;
+  bad.page_bytes = 8192;
+  bad.capacity_bytes = 1 << 20;
+  bad.memory = coarse->get();
+  EXPECT_EQ(Store::Create(bad).status().code(), absl::StatusCode::kInvalidArgument);
+  std::remove((path + "-coarse").c_str());
   // Neither a missing file nor a file of another kind maps as an arena.
   EXPECT_EQ(ArenaMapping::Open("/nonexistent-dir/arena").status().code(),
             absl::StatusCode::kNotFound);
@@ -262,7 +274,7 @@ TEST(StoreTest, ArenaInAFile) {
 // pages are freed (dropped, evicted) and written by another sequence, the copy reports it.
 TEST(StoreTest, PageTableReadsRowsInPlaceAndDetectsReuse) {
   const std::string path = testing::TempDir() + "/kvsparse-arena-inplace";
-  auto arena = NewFileMemoryResource(path, 1 << 20);
+  auto arena = NewFileMemoryResource(path, 1 << 20, 8192);  // a generation per 8 KiB page
   ASSERT_TRUE(arena.ok()) << arena.status();
   auto store = NewStore(1 << 20, CapacityPolicy::kEvictLru, arena->get());
   auto map = ArenaMapping::Open(path);
@@ -313,7 +325,7 @@ TEST(StoreTest, PageTableReadsRowsInPlaceAndDetectsReuse) {
   // A store started again on the same path makes a new file: the old mapping stays readable and
   // the new one has another arena id.
   store.reset();
-  auto again = NewFileMemoryResource(path, 1 << 20);
+  auto again = NewFileMemoryResource(path, 1 << 20, 8192);
   ASSERT_TRUE(again.ok());
   auto remap = ArenaMapping::Open(path);
   ASSERT_TRUE(remap.ok());

@@ -239,7 +239,8 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "--arena_file needs --role=store\n");
       return 2;
     }
-    auto file = kvsparse::kvstore::NewFileMemoryResource(f, options.store.capacity_bytes);
+    auto file = kvsparse::kvstore::NewFileMemoryResource(f, options.store.capacity_bytes,
+                                                         options.store.page_bytes);
     if (!file.ok()) {
       std::fprintf(stderr, "%s\n", std::string(file.status().message()).c_str());
       return 2;

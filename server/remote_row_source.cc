@@ -294,6 +294,16 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
           t->lanes[h].push_back({lane.offsets(i), lane.generations(i)});
         }
       }
+      // Fault the new pages in now, not row by row during the reads (offsets checked first).
+      if (std::shared_ptr<const kvstore::ArenaMapping> map = Mapping();
+          map != nullptr && map->arena_id() == t->arena_id) {
+        for (const std::vector<kvstore::PageRef>& lane : t->lanes) {
+          auto fresh = absl::MakeConstSpan(lane).subspan(std::min<size_t>(first, lane.size()));
+          bool inside = true;
+          for (const kvstore::PageRef& p : fresh) inside &= map->HoldsPage(p.offset, t->page_bytes);
+          if (inside) map->Prefault(fresh, t->page_bytes);
+        }
+      }
       Publish(id, layer, t);
       return std::shared_ptr<const LayerTable>(std::move(t));
     }

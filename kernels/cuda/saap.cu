@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <array>
 #include <climits>
 
 #include "kernels/cuda/common.cuh"
@@ -250,22 +251,11 @@ __global__ void __launch_bounds__(kSelectThreads)
   const int n = min(p.seq_lens[b], p.max_seq_len);
   const uint32_t* kb = p.bucket_heads[i];
   int32_t* tokens = p.out.tokens[i];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int written = first;
   for (int t0 = ch * kSaapChunk; t0 < (ch + 1) * kSaapChunk && t0 < n; t0 += blockDim.x) {
     const int t = t0 + threadIdx.x;
     const bool keep = t < (ch + 1) * kSaapChunk && KeepToken(p, kb, vsm, n, t).row;
-    const unsigned ballot = __ballot_sync(0xffffffffu, keep);
-    if (lane == 0) wcount[warp] = __popc(ballot);
-    __syncthreads();
-    int before = 0, chunk = 0;
-    for (int k = 0; k < kSelectWarps; ++k) {
-      if (k < warp) before += wcount[k];
-      chunk += wcount[k];
-    }
-    if (keep) tokens[written + before + __popc(ballot & ((1u << lane) - 1))] = t;
-    written += chunk;
-    __syncthreads();  // wcount is rewritten by the next round
+    written += BlockCompactRound<kSelectWarps>(keep, t, tokens, written, wcount);
   }
   for (int g = 0; g < G; ++g) {
     int32_t* pos = p.positions + (static_cast<int64_t>(b) * H + j * G + g) * p.max_seq_len;
@@ -340,11 +330,18 @@ bool SaapSupports(const SaapWeights& w) {
   return w.clusters <= kSaapMaxClusters && w.hidden <= kSaapMaxHidden && w.head_dim <= 256;
 }
 
-size_t SaapLayerFloats(const SaapWeights& w) {
+// The six arrays of a packed layer in their order (inv_freq, centroids, w1, b1, w2, b2) and
+// their float counts; each starts 16-byte aligned.
+static std::array<size_t, 6> SaapArrayFloats(const SaapWeights& w) {
   const size_t d = w.head_dim, C = w.clusters, hid = w.hidden;
   const size_t H = w.num_q_heads, Hkv = w.num_kv_heads;
-  return Aligned4(d / 2) + Aligned4(Hkv * C * d) + Aligned4(H * hid * d) + Aligned4(H * hid) +
-         Aligned4(H * C * hid) + Aligned4(H * C);
+  return {d / 2, Hkv * C * d, H * hid * d, H * hid, H * C * hid, H * C};
+}
+
+size_t SaapLayerFloats(const SaapWeights& w) {
+  size_t n = 0;
+  for (size_t a : SaapArrayFloats(w)) n += Aligned4(a);
+  return n;
 }
 
 void PackSaapLayer(const SaapWeights& w, int32_t layer, std::vector<float>* out) {
@@ -374,8 +371,6 @@ void PackSaapLayer(const SaapWeights& w, int32_t layer, std::vector<float>* out)
 }
 
 SaapLayerWeights SaapLayerView(const SaapWeights& w, const float* packed) {
-  const size_t d = w.head_dim, C = w.clusters, hid = w.hidden;
-  const size_t H = w.num_q_heads, Hkv = w.num_kv_heads;
   SaapLayerWeights v;
   v.num_q_heads = w.num_q_heads;
   v.num_kv_heads = w.num_kv_heads;
@@ -383,18 +378,13 @@ SaapLayerWeights SaapLayerView(const SaapWeights& w, const float* packed) {
   v.clusters = w.clusters;
   v.hidden = w.hidden;
   v.rope_scale = w.rope_scale;
+  const float** arrays[] = {&v.inv_freq, &v.centroids, &v.w1, &v.b1, &v.w2, &v.b2};
+  const std::array<size_t, 6> sizes = SaapArrayFloats(w);
   const float* at = packed;
-  auto take = [&](size_t n) {
-    const float* r = at;
-    at += Aligned4(n);
-    return r;
-  };
-  v.inv_freq = take(d / 2);
-  v.centroids = take(Hkv * C * d);
-  v.w1 = take(H * hid * d);
-  v.b1 = take(H * hid);
-  v.w2 = take(H * C * hid);
-  v.b2 = take(H * C);
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    *arrays[i] = at;
+    at += Aligned4(sizes[i]);
+  }
   return v;
 }
 

@@ -1104,24 +1104,13 @@ __global__ void __launch_bounds__(kListThreads)
   const int n = min(p.seq_lens[b], p.max_seq_len);
   const int32_t* m = marks + static_cast<int64_t>(i) * per * p.max_seq_len;
   int32_t* out = p.tokens + static_cast<int64_t>(i) * p.max_seq_len;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int written = 0;
   for (int t0 = 0; t0 < n; t0 += blockDim.x) {
     const int t = t0 + threadIdx.x;
     bool keep = false;
     for (int g = 0; g < per && t < n; ++g)
       keep |= m[static_cast<int64_t>(g) * p.max_seq_len + t] > 0;
-    const unsigned ballot = __ballot_sync(0xffffffffu, keep);
-    if (lane == 0) wcount[warp] = __popc(ballot);
-    __syncthreads();
-    int before = 0, chunk = 0;
-    for (int k = 0; k < kListThreads / 32; ++k) {
-      if (k < warp) before += wcount[k];
-      chunk += wcount[k];
-    }
-    if (keep) out[written + before + __popc(ballot & ((1u << lane) - 1))] = t;
-    written += chunk;
-    __syncthreads();
+    written += BlockCompactRound<kListThreads / 32>(keep, t, out, written, wcount);
   }
   if (threadIdx.x == 0) p.counts[i] = written;
 }

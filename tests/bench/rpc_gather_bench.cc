@@ -1,7 +1,8 @@
 // Gather RPC over loopback against a raw gRPC bytes echo of the same response size, measured
-// in the same run.
+// in the same run; with --arena_file, also the shared-arena worker's in-place read of the same
+// rows (the store's pages in that file, mapped by a RemoteRowSource with --store_arena_file).
 //
-//   rpc_gather_bench [--pool=1G] [--rows=4096,131072] [--calls=60]
+//   rpc_gather_bench [--pool_mb=1024] [--rows=4096,131072] [--calls=100] [--arena_file=PATH]
 //
 // One process runs the real kvsparse server (KvStore service) and a bare Echo service, each on
 // its own loopback port with the same message limits, and drives both with gRPC clients over
@@ -25,12 +26,17 @@
 #include "absl/strings/str_split.h"
 #include "client/kvstore_client.h"
 #include "echo.grpc.pb.h"
+#include "kvstore/shared_arena.h"
+#include "server/remote_row_source.h"
 #include "server/server.h"
 #include "tests/bench/bench_fill.h"
 
 ABSL_FLAG(uint64_t, pool_mb, 1024, "MB of K+V held by the store");
 ABSL_FLAG(std::string, rows, "4096,131072", "Rows per Gather call");
 ABSL_FLAG(int, calls, 100, "Timed calls per configuration and RPC");
+ABSL_FLAG(std::string, arena_file, "",
+          "Keep the store's pages in this file (put it on tmpfs, e.g. /dev/shm/...) and also time "
+          "the in-place read of the same rows from a mapping of it");
 
 namespace {
 
@@ -93,6 +99,17 @@ int main(int argc, char** argv) {
   so.metrics_listen = "";
   so.max_message_bytes = kMaxMessage;
   so.store.capacity_bytes = tokens * token_bytes + (256ull << 20);
+  const std::string arena_path = absl::GetFlag(FLAGS_arena_file);
+  std::unique_ptr<kv::MemoryResource> arena;
+  if (!arena_path.empty()) {
+    auto file = kv::NewFileMemoryResource(arena_path, so.store.capacity_bytes, so.store.page_bytes);
+    if (!file.ok()) {
+      std::fprintf(stderr, "%s\n", file.status().ToString().c_str());
+      return 1;
+    }
+    arena = std::move(*file);
+    so.store.memory = arena.get();
+  }
   auto server = kvsparse::server::Server::Start(so);
   if (!server.ok()) {
     std::fprintf(stderr, "%s\n", server.status().ToString().c_str());
@@ -126,9 +143,19 @@ int main(int argc, char** argv) {
   auto echo = kvsparse::bench::Echo::NewStub(grpc::CreateCustomChannel(
       absl::StrCat("127.0.0.1:", echo_port), grpc::InsecureChannelCredentials(), args));
 
-  std::printf("%-8s %-8s %11s %11s %8s %9s %11s %11s %8s %9s %7s %7s\n", "rows", "MB/resp",
+  std::unique_ptr<kvsparse::server::RemoteRowSource> in_place;
+  if (arena != nullptr) {
+    in_place = kvsparse::server::NewRemoteRowSource(
+        grpc::CreateCustomChannel(co.target, grpc::InsecureChannelCredentials(), args),
+        {"", arena_path});
+  }
+  std::printf("%-8s %-8s %11s %11s %8s %9s %11s %11s %8s %9s %7s %7s", "rows", "MB/resp",
               "gather p50", "gather p99", "MB/s", "mean MB/s", "echo p50", "echo p99", "MB/s",
               "mean MB/s", "ratio", "(mean)");
+  if (in_place != nullptr) {
+    std::printf(" %11s %11s %8s %10s", "inplace p50", "inplace p99", "MB/s", "x gather");
+  }
+  std::printf("\n");
   std::mt19937_64 rng(7);
   const int calls = absl::GetFlag(FLAGS_calls);
   for (absl::string_view rs : absl::StrSplit(absl::GetFlag(FLAGS_rows), ',')) {
@@ -174,13 +201,68 @@ int main(int argc, char** argv) {
         failed = true;
       }
     });
+    Stat p{};
+    if (in_place != nullptr) {
+      // The same requests through the row source: the page tables are fetched by the warm-up
+      // calls (one per layer), then every read is a copy from the mapped file.
+      std::vector<std::vector<std::vector<uint32_t>>> tokens_of(reqs.size());
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        for (const auto& sel : reqs[i].heads()) {
+          tokens_of[i].emplace_back(sel.token_indices().begin(), sel.token_indices().end());
+        }
+      }
+      std::vector<uint8_t> out(payload);
+      const uint64_t fallbacks = in_place->in_place_stats().fallbacks;
+      p = Measure(calls * 4, payload, [&](int i) {
+        const auto& toks = tokens_of[i % reqs.size()];
+        std::vector<kvsparse::engine::RowRequest> heads;
+        for (uint32_t h = 0; h < toks.size(); ++h) heads.push_back({h, toks[h]});
+        auto r = in_place->Gather("bench", i % shape.num_layers, kv::RowKind::kV, heads, nullptr,
+                                  out.data(), absl::Now() + absl::Seconds(30));
+        if (!r.ok()) {
+          std::fprintf(stderr, "in-place read failed: %s\n", r.status().ToString().c_str());
+          failed = true;
+        }
+      });
+      if (in_place->in_place_stats().fallbacks != fallbacks) {
+        std::fprintf(stderr, "in-place reads fell back to Gather\n");
+        failed = true;
+      }
+      // The rows equal the Gather RPC's (the last request of each).
+      kvsparse::v1::GatherRequest& req = reqs[0];
+      req.set_layer(3);
+      gresp.Clear();
+      std::vector<kvsparse::engine::RowRequest> heads;
+      for (uint32_t h = 0; h < tokens_of[0].size(); ++h) heads.push_back({h, tokens_of[0][h]});
+      if (!(*client)->Gather(req, &gresp).ok() ||
+          !in_place
+               ->Gather("bench", 3, kv::RowKind::kV, heads, nullptr, out.data(),
+                        absl::Now() + absl::Seconds(30))
+               .ok() ||
+          gresp.v().data() != std::string(out.begin(), out.end())) {
+        std::fprintf(stderr, "in-place rows differ from the Gather RPC's\n");
+        failed = true;
+      }
+    }
     if (failed) return 1;
-    std::printf(
-        "%-8lu %-8.2f %11.0f %11.0f %8.0f %9.0f %11.0f %11.0f %8.0f %9.0f %6.0f%% %6.0f%%\n",
-        static_cast<unsigned long>(rows), payload / 1e6, g.p50_us, g.p99_us, g.mb_per_s,
-        g.mean_mb_per_s, e.p50_us, e.p99_us, e.mb_per_s, e.mean_mb_per_s,
-        100.0 * g.mb_per_s / e.mb_per_s, 100.0 * g.mean_mb_per_s / e.mean_mb_per_s);
+    std::printf("%-8lu %-8.2f %11.0f %11.0f %8.0f %9.0f %11.0f %11.0f %8.0f %9.0f %6.0f%% %6.0f%%",
+                static_cast<unsigned long>(rows), payload / 1e6, g.p50_us, g.p99_us, g.mb_per_s,
+                g.mean_mb_per_s, e.p50_us, e.p99_us, e.mb_per_s, e.mean_mb_per_s,
+                100.0 * g.mb_per_s / e.mb_per_s, 100.0 * g.mean_mb_per_s / e.mean_mb_per_s);
+    if (in_place != nullptr) {
+      std::printf(" %11.0f %11.0f %8.0f %9.1fx", p.p50_us, p.p99_us, p.mb_per_s,
+                  p.mb_per_s / g.mb_per_s);
+    }
+    std::printf("\n");
   }
   echo_server->Shutdown();
+  if (in_place != nullptr) {
+    const kvsparse::server::InPlaceStats st = in_place->in_place_stats();
+    std::printf("in place: %lu rows, %lu bytes, %lu GetPageTable calls, %lu fallbacks\n",
+                static_cast<unsigned long>(st.rows), static_cast<unsigned long>(st.bytes),
+                static_cast<unsigned long>(st.page_table_calls),
+                static_cast<unsigned long>(st.fallbacks));
+  }
+  if (!arena_path.empty()) std::remove(arena_path.c_str());
   return 0;
 }

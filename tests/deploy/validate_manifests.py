@@ -53,8 +53,9 @@ def parse_bytes(text):
 
 
 def arena_file_bytes(capacity):
-    """Size of the store's --arena_file for a --capacity (kvstore/shared_arena.cc): a 4 KiB
-    header, 8 bytes of page generation per 4 KiB of data (rounded up to 4 KiB), the data."""
+    """Size of the store's --arena_file for a --capacity (kvstore/shared_arena.cc), at most: a
+    4 KiB header, 8 bytes of generation per granule (the page size, at least 4 KiB; rounded up
+    to 4 KiB), the data."""
     granules = -(-capacity // 4096)
     return 4096 + -(-granules * 8 // 4096) * 4096 + granules * 4096
 

@@ -215,7 +215,8 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
   // The store's pages in an arena file (so GetPageTable has tables to give), unlinked at once:
   // the mapping keeps it, and nothing is left behind.
   const std::string arena_path = "/tmp/kvsparse-fuzz-arena-" + std::to_string(getpid());
-  auto file = kvsparse::kvstore::NewFileMemoryResource(arena_path, o.store.capacity_bytes);
+  auto file = kvsparse::kvstore::NewFileMemoryResource(arena_path, o.store.capacity_bytes,
+                                                       o.store.page_bytes);
   if (!file.ok()) {
     std::fprintf(stderr, "arena: %s\n", file.status().ToString().c_str());
     std::abort();
