@@ -73,6 +73,9 @@ class FileMemoryResource final : public MemoryResource, public SharedArena {
 
   uint64_t arena_id() const override { return arena_id_; }
   uint64_t granule() const override { return granule_; }
+  void* mapping() const override { return base_; }
+  uint64_t mapping_bytes() const override { return file_bytes_; }
+  uint64_t data_offset() const override { return data_offset_; }
   uint64_t Offset(const void* p) const override {
     return static_cast<uint64_t>(static_cast<const uint8_t*>(p) - base_);
   }
@@ -161,6 +164,16 @@ ArenaMapping::ArenaMapping(std::string path, const uint8_t* base, size_t bytes, 
       granule_(granule),
       device_(device),
       inode_(inode) {}
+
+std::string ArenaMapping::name() const { return absl::StrCat("mapping of ", path_); }
+
+absl::StatusOr<bool> ArenaMapping::Read(absl::Span<const LaneRead> lanes, uint32_t page_tokens,
+                                        size_t row_bytes, RowKind kind, absl::Time) const {
+  for (const LaneRead& l : lanes) {
+    if (!CopyRows(l.pages, page_tokens, row_bytes, l.tokens, kind, l.k_out, l.v_out)) return false;
+  }
+  return true;
+}
 
 bool ArenaMapping::IsCurrent() const {
   struct stat st {};

@@ -32,6 +32,8 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "kvstore/memory_resource.h"
 #include "kvstore/types.h"
@@ -53,6 +55,11 @@ class SharedArena {
   virtual uint64_t Generation(const void* page) const = 0;
   // Called as the page at `page` is freed, before anyone may write it again.
   virtual void Retire(const void* page) = 0;
+  // The whole file as this process maps it (header, generations, data), and where the data
+  // starts in it: what a data plane exports (kvstore/ucx_plane.h).
+  virtual void* mapping() const = 0;
+  virtual uint64_t mapping_bytes() const = 0;
+  virtual uint64_t data_offset() const = 0;
 };
 
 // Where one page of a lane sits in the arena file, and its generation when the table was made.
@@ -61,8 +68,40 @@ struct PageRef {
   uint64_t generation = 0;
 };
 
+// Rows of one (layer, kv head) lane to read: the lane's pages (page i holds tokens
+// [i * page_tokens, (i + 1) * page_tokens); a token's slot is its K row then its V row) and the
+// tokens, into k_out / v_out ([tokens, row_bytes] each, null when not asked for).
+struct LaneRead {
+  absl::Span<const PageRef> pages;
+  absl::Span<const uint32_t> tokens;
+  uint8_t* k_out = nullptr;
+  uint8_t* v_out = nullptr;
+};
+
+// A reader of an arena's pages from outside the store: a mapping of its file on the same host
+// (ArenaMapping) or one-sided reads across the network (kvstore/ucx_plane.h). Thread-safe.
+class ArenaReader {
+ public:
+  virtual ~ArenaReader() = default;
+  virtual uint64_t arena_id() const = 0;
+  // Whether a page of page_bytes at `offset` lies inside the data region, granule-aligned.
+  virtual bool HoldsPage(uint64_t offset, uint64_t page_bytes) const = 0;
+  // Reads the rows of every lane, then checks the generations of the pages it read. true: the
+  // rows are the ones asked for; false: a page was freed meanwhile (throw the rows away); an
+  // error: the reader failed (UNAVAILABLE: the store went away). REQUIRES: every token <
+  // pages.size() * page_tokens and every page passed HoldsPage.
+  virtual absl::StatusOr<bool> Read(absl::Span<const LaneRead> lanes, uint32_t page_tokens,
+                                    size_t row_bytes, RowKind kind, absl::Time deadline) const = 0;
+  // Makes later reads of these pages cheaper (a mapping: prefault them); best effort.
+  virtual void Prefault(absl::Span<const PageRef> pages, uint64_t page_bytes) const {}
+  // Whether it still reads the store's current arena (false once the store made a new one).
+  virtual bool IsCurrent() const { return true; }
+  // What it is, for logs ("mapping of PATH", "ucx").
+  virtual std::string name() const = 0;
+};
+
 // A reader's read-only mapping of an arena file. Thread-safe (immutable after Open).
-class ArenaMapping {
+class ArenaMapping final : public ArenaReader {
  public:
   // NOT_FOUND if the path does not exist (yet); FAILED_PRECONDITION if it is not an arena file of
   // this version; INVALID_ARGUMENT if it cannot be opened or mapped (naming the path and errno).
@@ -71,24 +110,26 @@ class ArenaMapping {
   ArenaMapping(const ArenaMapping&) = delete;
   ArenaMapping& operator=(const ArenaMapping&) = delete;
 
-  uint64_t arena_id() const { return arena_id_; }
+  uint64_t arena_id() const override { return arena_id_; }
   const std::string& path() const { return path_; }
+  std::string name() const override;
   // Whether the path still names the file this maps (false once a restarted store has put a new
   // file there: drop this mapping, so the old file's memory is freed, and open the path again).
-  bool IsCurrent() const;
-  // Whether a page of page_bytes at `offset` lies inside the data region, granule-aligned.
-  bool HoldsPage(uint64_t offset, uint64_t page_bytes) const;
+  bool IsCurrent() const override;
+  bool HoldsPage(uint64_t offset, uint64_t page_bytes) const override;
 
   // Maps these pages into this process now (MADV_POPULATE_READ), so that reads of their rows do
   // not each take a page fault on first touch; best effort (older kernels: nothing happens).
   // REQUIRES: every page passed HoldsPage.
-  void Prefault(absl::Span<const PageRef> pages, uint64_t page_bytes) const;
+  void Prefault(absl::Span<const PageRef> pages, uint64_t page_bytes) const override;
 
-  // Copies the rows of `tokens` of one (layer, kv head) lane, whose pages are `pages` (page i
-  // holds tokens [i * page_tokens, (i + 1) * page_tokens); a token's slot is its K row then its
-  // V row), into k_out / v_out ([tokens, row_bytes] each, null when `kind` does not ask for it).
-  // Returns false when a page it read was freed since the table was made: the rows written are
-  // then not to be used. REQUIRES: every token < pages.size() * page_tokens, every page passed
+  // CopyRows of every lane.
+  absl::StatusOr<bool> Read(absl::Span<const LaneRead> lanes, uint32_t page_tokens,
+                            size_t row_bytes, RowKind kind, absl::Time deadline) const override;
+
+  // Copies the rows of `tokens` of one lane (see LaneRead) into k_out / v_out. Returns false
+  // when a page it read was freed since the table was made: the rows written are then not to be
+  // used. REQUIRES: every token < pages.size() * page_tokens, every page passed
   // HoldsPage.
   bool CopyRows(absl::Span<const PageRef> pages, uint32_t page_tokens, size_t row_bytes,
                 absl::Span<const uint32_t> tokens, RowKind kind, uint8_t* k_out,

@@ -14,6 +14,7 @@ KvStoreService::KvStoreService(kvstore::Store* store, const RpcRunner* rpc, Metr
       gather_(metrics->Rpc("Gather")),
       info_(metrics->Rpc("GetSequenceInfo")),
       page_table_(metrics->Rpc("GetPageTable")),
+      data_plane_rpc_(metrics->Rpc("GetDataPlane")),
       list_(metrics->Rpc("ListSequences")),
       stats_(metrics->Rpc("GetStats")) {}
 
@@ -146,6 +147,30 @@ grpc::Status KvStoreService::GetPageTable(grpc::ServerContext* ctx,
         out->add_generations(p.generation);
       }
     }
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status KvStoreService::GetDataPlane(grpc::ServerContext* ctx, const v1::GetDataPlaneRequest*,
+                                          v1::DataPlane* resp) {
+  return rpc_->Run(data_plane_rpc_, ctx, [&](absl::Time, const Caller& caller) -> absl::Status {
+    if (!caller.tenant.empty()) {
+      return absl::PermissionDeniedError(
+          "the data plane reads every tenant's rows: it needs a token without a tenant");
+    }
+    if (data_plane_ == nullptr) {
+      return absl::FailedPreconditionError(
+          "this store exports no data plane (start it with --arena_file and --data_plane=ucx)");
+    }
+    const kvstore::UcxArenaAddress& a = data_plane_->address();
+    resp->set_transport("ucx");
+    resp->set_arena_id(a.arena_id);
+    resp->set_worker_address(a.worker_address);
+    resp->set_rkey(a.rkey);
+    resp->set_base_address(a.base_address);
+    resp->set_arena_bytes(a.arena_bytes);
+    resp->set_data_offset(a.data_offset);
+    resp->set_granule(a.granule);
     return absl::OkStatus();
   });
 }

@@ -8,6 +8,7 @@
 
 #include "kvsparse/v1/kvstore.grpc.pb.h"
 #include "kvstore/store.h"
+#include "kvstore/ucx_plane.h"
 #include "server/metrics.h"
 #include "server/rpc.h"
 
@@ -23,6 +24,9 @@ class KvStoreService final : public v1::KvStore::Service {
   void set_drop_listener(std::function<void(const std::string&)> listener) {
     on_drop_ = std::move(listener);
   }
+  // The arena's one-sided data plane, answered by GetDataPlane (null: none). Set before the
+  // service serves; it must outlive the service.
+  void set_data_plane(const kvstore::UcxExport* plane) { data_plane_ = plane; }
 
   grpc::Status CreateSequence(grpc::ServerContext* ctx, const v1::CreateSequenceRequest* req,
                               v1::SequenceInfo* resp) override;
@@ -36,6 +40,8 @@ class KvStoreService final : public v1::KvStore::Service {
                                v1::SequenceInfo* resp) override;
   grpc::Status GetPageTable(grpc::ServerContext* ctx, const v1::GetPageTableRequest* req,
                             v1::PageTable* resp) override;
+  grpc::Status GetDataPlane(grpc::ServerContext* ctx, const v1::GetDataPlaneRequest* req,
+                            v1::DataPlane* resp) override;
   grpc::Status ListSequences(grpc::ServerContext* ctx, const v1::ListSequencesRequest* req,
                              v1::ListSequencesResponse* resp) override;
   grpc::Status GetStats(grpc::ServerContext* ctx, const v1::GetStatsRequest* req,
@@ -50,6 +56,8 @@ class KvStoreService final : public v1::KvStore::Service {
   RpcMetric* const gather_;
   RpcMetric* const info_;
   RpcMetric* const page_table_;
+  RpcMetric* const data_plane_rpc_;
+  const kvstore::UcxExport* data_plane_ = nullptr;
   RpcMetric* const list_;
   RpcMetric* const stats_;
   std::function<void(const std::string&)> on_drop_;

@@ -55,6 +55,16 @@ ABSL_FLAG(std::string, store_arena_file, "",
           "role=worker: the store's --arena_file as mounted here (same host, e.g. a memory-backed "
           "volume of the pod): rows are read from its pages in place, not through Gather; reads "
           "fall back to Gather while it cannot be mapped");
+ABSL_FLAG(std::string, store_data_plane, "gather",
+          "role=worker: how rows of the store's pages travel: gather (the Gather RPC) or ucx "
+          "(one-sided UCX gets from a store with --data_plane=ucx, on any host; falls back to "
+          "Gather while it cannot connect)");
+ABSL_FLAG(std::string, data_plane, "none",
+          "role=store/all: none, or ucx: export the arena (needs --arena_file) for workers with "
+          "--store_data_plane=ucx");
+ABSL_FLAG(std::string, data_plane_transports, "",
+          "UCX transports of the data plane, UCX_TLS syntax (e.g. tcp, sm, rc); empty: UCX's "
+          "choice");
 ABSL_FLAG(std::string, metrics_listen, "127.0.0.1:9464",
           "Address of the Prometheus /metrics endpoint; empty disables it");
 ABSL_FLAG(std::string, saap_weights, "",
@@ -190,6 +200,9 @@ int main(int argc, char** argv) {
     options.store_token = *token;
   }
   options.store_arena_file = absl::GetFlag(FLAGS_store_arena_file);
+  options.store_data_plane = absl::GetFlag(FLAGS_store_data_plane);
+  options.data_plane = absl::GetFlag(FLAGS_data_plane);
+  options.data_plane_transports = absl::GetFlag(FLAGS_data_plane_transports);
   options.store.capacity_bytes = absl::GetFlag(FLAGS_capacity).bytes;
   options.store.page_bytes = absl::GetFlag(FLAGS_page_size).bytes;
   kvsparse::kvstore::HostMemoryOptions host;

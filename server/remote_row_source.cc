@@ -11,6 +11,7 @@
 #include "absl/synchronization/mutex.h"
 #include "kvsparse/v1/kvstore.grpc.pb.h"
 #include "kvstore/shared_arena.h"
+#include "kvstore/ucx_plane.h"
 #include "server/convert.h"
 #include "server/logging.h"
 #include "server/security.h"
@@ -47,7 +48,21 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
   RemoteRowSourceImpl(std::shared_ptr<grpc::Channel> channel, RemoteRowSourceOptions options)
       : stub_(v1::KvStore::NewStub(channel)),
         token_(std::move(options.token)),
-        arena_file_(std::move(options.arena_file)) {}
+        arena_file_(std::move(options.arena_file)) {
+    if (options.data_plane == "ucx") {
+      absl::StatusOr<std::unique_ptr<kvstore::UcxReader>> r =
+          kvstore::UcxReader::Create(options.data_plane_transports);
+      if (r.ok()) {
+        ucx_ = std::move(*r);
+      } else {
+        KVSPARSE_LOG(Warning) << "--store_data_plane=ucx: " << r.status().message()
+                              << "; rows travel through Gather";
+      }
+    }
+  }
+
+  // Whether rows are read without Gather when possible (a mapped arena file or UCX).
+  bool direct() const { return !arena_file_.empty() || ucx_ != nullptr; }
 
   kvstore::Tier tier() const override { return kvstore::Tier::kRemote; }
 
@@ -72,7 +87,7 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
     if (d.layer_lengths.size() != d.shape.num_layers) {
       return absl::DataLossError("store returned lengths for a different number of layers");
     }
-    if (!arena_file_.empty()) Learn(d.sequence_id, d.incarnation, d.layer_lengths);
+    if (direct()) Learn(d.sequence_id, d.incarnation, d.layer_lengths);
     return d;
   }
 
@@ -97,7 +112,7 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
     }
     v1::AppendResponse resp;
     absl::Status s = Remote(stub_->Append(&ctx, req, &resp));
-    if (s.ok() && !arena_file_.empty()) {
+    if (s.ok() && direct()) {
       absl::MutexLock lock(&mu_);
       auto it = seqs_.find(id);
       if (it != seqs_.end() && layer < it->second.known_lengths.size()) {
@@ -113,7 +128,7 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
                                   uint8_t* v_out, absl::Time deadline) override {
     size_t rows = 0;
     for (const engine::RowRequest& h : heads) rows += h.tokens.size();
-    if (!arena_file_.empty() && rows > 0) {  // no rows: the RPC answers the layer's length
+    if (direct() && rows > 0) {  // no rows: the RPC answers the layer's length
       absl::StatusOr<std::optional<uint64_t>> r =
           GatherInPlace(id, layer, kind, heads, k_out, v_out, deadline);
       if (!r.ok()) return r.status();
@@ -173,7 +188,7 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
                                                         absl::Span<const engine::RowRequest> heads,
                                                         uint8_t* k_out, uint8_t* v_out,
                                                         absl::Time deadline) {
-    std::shared_ptr<const kvstore::ArenaMapping> map = Mapping();
+    std::shared_ptr<const kvstore::ArenaReader> map = Reader(deadline);
     if (map == nullptr) return std::nullopt;
     uint32_t max_token = 0;
     uint32_t max_head = 0;
@@ -215,7 +230,7 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
       if (!covers(*table)) return absl::DataLossError("store returned too few pages");
     }
     if (table->arena_id != map->arena_id()) {
-      map = Remap(map, table->arena_id);
+      map = Remap(map, table->arena_id, deadline);
       if (map == nullptr) return std::nullopt;
     }
     if (max_head >= table->lanes.size()) {
@@ -233,15 +248,31 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
     }
     const bool want_k = kind != kvstore::RowKind::kV;
     const bool want_v = kind != kvstore::RowKind::kK;
+    std::vector<kvstore::LaneRead> lanes;
+    lanes.reserve(heads.size());
     size_t row = 0;
     for (const engine::RowRequest& h : heads) {
-      if (!map->CopyRows(table->lanes[h.kv_head], table->page_tokens, table->row_bytes, h.tokens,
-                         kind, want_k ? k_out + row * table->row_bytes : nullptr,
-                         want_v ? v_out + row * table->row_bytes : nullptr)) {
-        Forget(id);  // its pages were freed: the sequence is gone or made again
-        return std::nullopt;
-      }
+      lanes.push_back({table->lanes[h.kv_head], h.tokens,
+                       want_k ? k_out + row * table->row_bytes : nullptr,
+                       want_v ? v_out + row * table->row_bytes : nullptr});
       row += h.tokens.size();
+    }
+    absl::StatusOr<bool> read =
+        map->Read(lanes, table->page_tokens, table->row_bytes, kind, deadline);
+    if (!read.ok()) {
+      // The data plane failed (the store went away, a timeout): read through Gather, which
+      // answers for the store as it is, and connect again later.
+      int64_t dropped = 0;
+      if (read_log_.ShouldLog(&dropped)) {
+        KVSPARSE_LOG(Warning) << map->name() << ": " << read.status().message()
+                              << "; reading through Gather";
+      }
+      Drop(map);
+      return std::nullopt;
+    }
+    if (!*read) {
+      Forget(id);  // its pages were freed: the sequence is gone or made again
+      return std::nullopt;
     }
     const uint64_t copies = row * ((want_k ? 1 : 0) + (want_v ? 1 : 0));
     rows_.fetch_add(copies, std::memory_order_relaxed);
@@ -295,7 +326,7 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
         }
       }
       // Fault the new pages in now, not row by row during the reads (offsets checked first).
-      if (std::shared_ptr<const kvstore::ArenaMapping> map = Mapping();
+      if (std::shared_ptr<const kvstore::ArenaReader> map = Current();
           map != nullptr && map->arena_id() == t->arena_id) {
         for (const std::vector<kvstore::PageRef>& lane : t->lanes) {
           auto fresh = absl::MakeConstSpan(lane).subspan(std::min<size_t>(first, lane.size()));
@@ -369,55 +400,100 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
     seqs_.erase(it);
   }
 
-  // The current mapping, opened at first use; null while the file cannot be mapped (tried again
-  // at most once a second).
-  std::shared_ptr<const kvstore::ArenaMapping> Mapping() {
+  // The reader in use, if any (no opening).
+  std::shared_ptr<const kvstore::ArenaReader> Current() {
     absl::MutexLock lock(&mu_);
-    const absl::Time now = absl::Now();
-    if (map_ != nullptr) {
-      // Once a second: has a restarted store put a new file at the path? Then let the old one
-      // go (its memory is freed once no read holds it) and map the new one.
-      if (now < next_check_) return map_;
-      next_check_ = now + absl::Seconds(1);
-      if (map_->IsCurrent()) return map_;
-      KVSPARSE_LOG(Info) << arena_file_ << " is a new file (the store restarted): mapping it";
-      map_ = nullptr;
-      seqs_.clear();
-      cached_pages_ = 0;
-      next_open_ = absl::InfinitePast();
+    return reader_;
+  }
+
+  // The current reader of the store's arena (a mapping of --store_arena_file, or a UCX
+  // connection), opened at first use; null while there is none (an open is tried at most once a
+  // second, without holding mu_).
+  std::shared_ptr<const kvstore::ArenaReader> Reader(absl::Time deadline) {
+    {
+      absl::MutexLock lock(&mu_);
+      const absl::Time now = absl::Now();
+      if (reader_ != nullptr) {
+        // Once a second: is it still the store's arena (a restarted store makes a new file; a
+        // failed UCX endpoint)? If not, let it go and open anew.
+        if (now < next_check_) return reader_;
+        next_check_ = now + absl::Seconds(1);
+        if (reader_->IsCurrent()) return reader_;
+        KVSPARSE_LOG(Info) << reader_->name() << " is stale (the store restarted?): opening anew";
+        ResetLocked();
+      }
+      if (now < next_open_) return nullptr;
+      next_open_ = now + absl::Seconds(1);
     }
-    if (now < next_open_) return nullptr;
-    next_open_ = now + absl::Seconds(1);
-    absl::StatusOr<std::unique_ptr<kvstore::ArenaMapping>> m =
-        kvstore::ArenaMapping::Open(arena_file_);
-    if (!m.ok()) {
+    absl::StatusOr<std::shared_ptr<const kvstore::ArenaReader>> r = Open(deadline);
+    absl::MutexLock lock(&mu_);
+    if (!r.ok()) {
       int64_t dropped = 0;
       if (open_log_.ShouldLog(&dropped)) {
-        KVSPARSE_LOG(Warning) << "--store_arena_file: " << m.status().message()
-                              << "; reading rows through Gather until it can be mapped";
+        KVSPARSE_LOG(Warning) << (ucx_ != nullptr ? "--store_data_plane=ucx: "
+                                                  : "--store_arena_file: ")
+                              << r.status().message()
+                              << "; reading rows through Gather until it can be opened";
       }
       return nullptr;
     }
-    KVSPARSE_LOG(Info) << "reading the store's rows in place from " << arena_file_;
-    map_ = std::move(*m);
-    return map_;
+    KVSPARSE_LOG(Info) << "reading the store's rows without Gather: " << (*r)->name();
+    reader_ = std::move(*r);
+    next_check_ = absl::Now() + absl::Seconds(1);
+    return reader_;
   }
 
-  // The store made a new arena file (it restarted): map the path again. Null when the file there
-  // is still not the one the store's page tables name.
-  std::shared_ptr<const kvstore::ArenaMapping> Remap(
-      const std::shared_ptr<const kvstore::ArenaMapping>& stale, uint64_t want_id) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (map_ == stale) {
-        map_ = nullptr;
-        next_open_ = absl::InfinitePast();
-        seqs_.clear();  // offsets of the old file mean nothing in the new one
-        cached_pages_ = 0;
-      }
+  absl::StatusOr<std::shared_ptr<const kvstore::ArenaReader>> Open(absl::Time deadline) {
+    if (ucx_ == nullptr) {
+      absl::StatusOr<std::unique_ptr<kvstore::ArenaMapping>> m =
+          kvstore::ArenaMapping::Open(arena_file_);
+      if (!m.ok()) return m.status();
+      return std::shared_ptr<const kvstore::ArenaReader>(std::move(*m));
     }
-    std::shared_ptr<const kvstore::ArenaMapping> m = Mapping();
+    grpc::ClientContext ctx;
+    Prepare(&ctx, deadline);
+    v1::DataPlane dp;
+    if (absl::Status s = Remote(stub_->GetDataPlane(&ctx, v1::GetDataPlaneRequest(), &dp));
+        !s.ok()) {
+      return s;
+    }
+    if (dp.transport() != "ucx") {
+      return absl::FailedPreconditionError(
+          absl::StrCat("the store's data plane is '", dp.transport(), "', not ucx"));
+    }
+    kvstore::UcxArenaAddress a;
+    a.arena_id = dp.arena_id();
+    a.worker_address = dp.worker_address();
+    a.rkey = dp.rkey();
+    a.base_address = dp.base_address();
+    a.arena_bytes = dp.arena_bytes();
+    a.data_offset = dp.data_offset();
+    a.granule = dp.granule();
+    return ucx_->Connect(a, std::min(absl::Seconds(5), deadline - absl::Now()));
+  }
+
+  // The store made a new arena (it restarted): open again. Null when what opens is still not the
+  // arena the store's page tables name.
+  std::shared_ptr<const kvstore::ArenaReader> Remap(
+      const std::shared_ptr<const kvstore::ArenaReader>& stale, uint64_t want_id,
+      absl::Time deadline) {
+    Drop(stale);
+    std::shared_ptr<const kvstore::ArenaReader> m = Reader(deadline);
     return m != nullptr && m->arena_id() == want_id ? m : nullptr;
+  }
+
+  // Stops using `stale` (if still in use) and forgets every table (offsets of another arena mean
+  // nothing); the next read opens anew.
+  void Drop(const std::shared_ptr<const kvstore::ArenaReader>& stale) {
+    absl::MutexLock lock(&mu_);
+    if (reader_ == stale) ResetLocked();
+  }
+
+  void ResetLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    reader_ = nullptr;
+    next_open_ = absl::InfinitePast();
+    seqs_.clear();
+    cached_pages_ = 0;
   }
 
   void Prepare(grpc::ClientContext* ctx, absl::Time deadline) const {
@@ -444,12 +520,14 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
   const std::string arena_file_;
 
   absl::Mutex mu_;
-  std::shared_ptr<const kvstore::ArenaMapping> map_ ABSL_GUARDED_BY(mu_);
+  std::unique_ptr<kvstore::UcxReader> ucx_;  // --store_data_plane=ucx
+  std::shared_ptr<const kvstore::ArenaReader> reader_ ABSL_GUARDED_BY(mu_);
   absl::Time next_open_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   absl::Time next_check_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   absl::flat_hash_map<std::string, SequenceState> seqs_ ABSL_GUARDED_BY(mu_);
   size_t cached_pages_ ABSL_GUARDED_BY(mu_) = 0;
   LogEvery open_log_{absl::Seconds(30)};
+  LogEvery read_log_{absl::Seconds(30)};
 
   std::atomic<uint64_t> rows_{0};
   std::atomic<uint64_t> bytes_{0};

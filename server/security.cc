@@ -131,8 +131,8 @@ absl::string_view RoleName(Role r) {
 }
 
 Role RoleNeeded(absl::string_view method) {
-  for (absl::string_view m : {"Gather", "GetPageTable", "GetSequenceInfo", "ListSequences",
-                              "GetStats", "Decode", "DecodeStream"}) {
+  for (absl::string_view m : {"Gather", "GetPageTable", "GetDataPlane", "GetSequenceInfo",
+                              "ListSequences", "GetStats", "Decode", "DecodeStream"}) {
     if (method == m) return Role::kRead;
   }
   for (absl::string_view m : {"CreateSequence", "Append", "DropSequence"}) {

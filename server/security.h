@@ -51,8 +51,9 @@ bool IsLoopbackAddress(absl::string_view listen);
 
 // What a call may do. Each role includes the ones below it.
 enum class Role : int {
-  kRead =
-      1,  // Gather, GetPageTable, GetSequenceInfo, ListSequences, GetStats, Decode, DecodeStream
+  // Gather, GetPageTable, GetDataPlane, GetSequenceInfo, ListSequences, GetStats, Decode,
+  // DecodeStream
+  kRead = 1,
   kWrite = 2,  // and CreateSequence, Append, DropSequence
   kAdmin = 3,  // everything (the role operators' tools use)
 };

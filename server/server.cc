@@ -82,6 +82,23 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     s->metrics_->AddCollectable(NewStoreCollector(s->store_.get()));
     s->kvstore_service_ =
         std::make_unique<KvStoreService>(s->store_.get(), s->rpc_.get(), s->metrics_.get());
+    if (options.data_plane == "ucx") {
+      kvstore::SharedArena* arena =
+          options.store.memory != nullptr ? options.store.memory->shared_arena() : nullptr;
+      if (arena == nullptr) {
+        return absl::InvalidArgumentError("--data_plane=ucx needs --arena_file");
+      }
+      absl::StatusOr<std::unique_ptr<kvstore::UcxExport>> plane =
+          kvstore::UcxExport::Create(arena, options.data_plane_transports);
+      if (!plane.ok()) {
+        return absl::UnavailableError(absl::StrCat("--data_plane=ucx: ", plane.status().message()));
+      }
+      s->data_plane_ = std::move(*plane);
+      s->kvstore_service_->set_data_plane(s->data_plane_.get());
+    } else if (!options.data_plane.empty() && options.data_plane != "none") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--data_plane: '", options.data_plane, "' is not none or ucx"));
+    }
   }
   if (options.role != ServerRole::kStore) {
     if (options.role == ServerRole::kAll) {
@@ -97,6 +114,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       args.SetServiceConfigJSON(R"({"methodConfig": [{
           "name": [{"service": "kvsparse.v1.KvStore", "method": "Gather"},
                    {"service": "kvsparse.v1.KvStore", "method": "GetPageTable"},
+                   {"service": "kvsparse.v1.KvStore", "method": "GetDataPlane"},
                    {"service": "kvsparse.v1.KvStore", "method": "GetSequenceInfo"}],
           "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.05s", "maxBackoff": "1s",
                           "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]})");
@@ -115,9 +133,15 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
             << "store " << options.store_target
             << " not reachable yet; Decode calls fail with UNAVAILABLE until it is";
       }
-      std::unique_ptr<RemoteRowSource> remote =
-          NewRemoteRowSource(std::move(channel), {options.store_token, options.store_arena_file});
-      if (!options.store_arena_file.empty()) {
+      if (!options.store_data_plane.empty() && options.store_data_plane != "gather" &&
+          options.store_data_plane != "ucx") {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--store_data_plane: '", options.store_data_plane, "' is not gather or ucx"));
+      }
+      std::unique_ptr<RemoteRowSource> remote = NewRemoteRowSource(
+          std::move(channel), {options.store_token, options.store_arena_file,
+                               options.store_data_plane, options.data_plane_transports});
+      if (!options.store_arena_file.empty() || options.store_data_plane == "ucx") {
         s->metrics_->AddCollectable(NewInPlaceCollector(remote.get()));
       }
       s->row_source_ = std::move(remote);

@@ -22,6 +22,7 @@
 #include "engine/decode_engine.h"
 #include "engine/gpu_mode.h"
 #include "kvstore/store.h"
+#include "kvstore/ucx_plane.h"
 #include "server/metrics.h"
 #include "server/rpc.h"
 #include "server/security.h"
@@ -84,6 +85,14 @@ struct ServerOptions {
   // kWorker: the store's --arena_file as mounted in this process (the shared-arena pod): rows are
   // copied from its pages in place instead of through Gather (server/remote_row_source.h).
   std::string store_arena_file;
+  // kWorker: "ucx" reads rows with one-sided UCX gets from a store exporting its arena
+  // (data_plane below), on any host; "gather" (or empty): through the Gather RPC.
+  std::string store_data_plane;
+  // kStore / kAll: "ucx" exports the arena (store.memory must be an arena file) over UCX for
+  // workers with store_data_plane=ucx; "none" (or empty): no data plane.
+  std::string data_plane;
+  // UCX transports of both sides (UCX_TLS syntax, e.g. "tcp" or "sm"); empty: UCX's choice.
+  std::string data_plane_transports;
   kvstore::StoreOptions store;
   engine::EngineOptions engine;
   // The decode engine's GPU backend (engine/cuda/gpu_backend.h), in builds with CUDA: kAuto uses it
@@ -126,6 +135,7 @@ class Server {
 
   ServerOptions options_;
   std::unique_ptr<kvstore::Store> store_;
+  std::unique_ptr<kvstore::UcxExport> data_plane_;  // exports store_'s arena (data_plane=ucx)
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<TokenAuth> auth_;
   std::unique_ptr<RpcRunner> rpc_;

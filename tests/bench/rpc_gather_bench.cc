@@ -1,6 +1,7 @@
 // Gather RPC over loopback against a raw gRPC bytes echo of the same response size, measured
-// in the same run; with --arena_file, also the shared-arena worker's in-place read of the same
-// rows (the store's pages in that file, mapped by a RemoteRowSource with --store_arena_file).
+// in the same run; with --arena_file, also a direct read of the same rows by a RemoteRowSource:
+// the shared-arena worker's in-place read (--reader=file, the file mapped) or one-sided UCX gets
+// (--reader=ucx, the store exporting the arena).
 //
 //   rpc_gather_bench [--pool_mb=1024] [--rows=4096,131072] [--calls=100] [--arena_file=PATH]
 //
@@ -36,7 +37,11 @@ ABSL_FLAG(std::string, rows, "4096,131072", "Rows per Gather call");
 ABSL_FLAG(int, calls, 100, "Timed calls per configuration and RPC");
 ABSL_FLAG(std::string, arena_file, "",
           "Keep the store's pages in this file (put it on tmpfs, e.g. /dev/shm/...) and also time "
-          "the in-place read of the same rows from a mapping of it");
+          "the direct read of the same rows (see --reader)");
+ABSL_FLAG(std::string, reader, "file",
+          "With --arena_file, the direct reader: file (a mapping of the file, the shared-arena "
+          "worker) or ucx (one-sided UCX gets, the store exporting with --data_plane=ucx)");
+ABSL_FLAG(std::string, ucx_transports, "", "--reader=ucx: UCX transports (UCX_TLS syntax)");
 
 namespace {
 
@@ -109,6 +114,10 @@ int main(int argc, char** argv) {
     }
     arena = std::move(*file);
     so.store.memory = arena.get();
+    if (absl::GetFlag(FLAGS_reader) == "ucx") {
+      so.data_plane = "ucx";
+      so.data_plane_transports = absl::GetFlag(FLAGS_ucx_transports);
+    }
   }
   auto server = kvsparse::server::Server::Start(so);
   if (!server.ok()) {
@@ -147,13 +156,16 @@ int main(int argc, char** argv) {
   if (arena != nullptr) {
     in_place = kvsparse::server::NewRemoteRowSource(
         grpc::CreateCustomChannel(co.target, grpc::InsecureChannelCredentials(), args),
-        {"", arena_path});
+        absl::GetFlag(FLAGS_reader) == "ucx"
+            ? kvsparse::server::RemoteRowSourceOptions{"", "", "ucx",
+                                                       absl::GetFlag(FLAGS_ucx_transports)}
+            : kvsparse::server::RemoteRowSourceOptions{"", arena_path, "", ""});
   }
   std::printf("%-8s %-8s %11s %11s %8s %9s %11s %11s %8s %9s %7s %7s", "rows", "MB/resp",
               "gather p50", "gather p99", "MB/s", "mean MB/s", "echo p50", "echo p99", "MB/s",
               "mean MB/s", "ratio", "(mean)");
   if (in_place != nullptr) {
-    std::printf(" %11s %11s %8s %10s", "inplace p50", "inplace p99", "MB/s", "x gather");
+    std::printf(" %11s %11s %8s %10s", "direct p50", "direct p99", "MB/s", "x gather");
   }
   std::printf("\n");
   std::mt19937_64 rng(7);
@@ -258,8 +270,9 @@ int main(int argc, char** argv) {
   echo_server->Shutdown();
   if (in_place != nullptr) {
     const kvsparse::server::InPlaceStats st = in_place->in_place_stats();
-    std::printf("in place: %lu rows, %lu bytes, %lu GetPageTable calls, %lu fallbacks\n",
-                static_cast<unsigned long>(st.rows), static_cast<unsigned long>(st.bytes),
+    std::printf("direct (%s): %lu rows, %lu bytes, %lu GetPageTable calls, %lu fallbacks\n",
+                absl::GetFlag(FLAGS_reader).c_str(), static_cast<unsigned long>(st.rows),
+                static_cast<unsigned long>(st.bytes),
                 static_cast<unsigned long>(st.page_table_calls),
                 static_cast<unsigned long>(st.fallbacks));
   }

@@ -291,25 +291,64 @@ TEST(AttentionServiceTest, SplitModeEqualsEmbeddedMode) {
   EXPECT_EQ((*wkv)->GetStats().status().code(), StatusCode::kUnimplemented);
 }
 
-// The shared-arena pod: the store keeps its pages in a file, the worker maps it and copies the
-// rows in place. Results are bit-identical to the embedded deployment's, the store serves no
-// Gather, a sequence dropped and made again with other rows is read anew, and a worker whose
-// file is missing reads through Gather instead.
-TEST(AttentionServiceTest, SharedArenaWorkerReadsRowsInPlace) {
-  const std::string path = ::testing::TempDir() + "/kvsparse-shared-arena-test";
+// How a worker reads the store's pages without Gather: a mapping of the arena file (the
+// shared-arena pod) or one-sided UCX gets over TCP (any host).
+struct DirectCase {
+  const char* name;
+  bool ucx;
+};
+
+class DirectReadTest : public ::testing::TestWithParam<DirectCase> {
+ protected:
+  void SetUp() override {
+    if (GetParam().ucx && !kvstore::UcxAvailable()) GTEST_SKIP() << "built without UCX";
+  }
+  // The store's options: its pages in the arena file (and exported over UCX).
+  void StoreOptions(server::ServerOptions& o, kvstore::MemoryResource* arena) const {
+    o.store.memory = arena;
+    if (GetParam().ucx) {
+      o.data_plane = "ucx";
+      o.data_plane_transports = "tcp";
+    }
+  }
+  // A worker reading directly; `broken`: one that cannot (the file missing, UCX not starting).
+  void WorkerOptions(server::ServerOptions& o, const std::string& path, bool broken) const {
+    if (GetParam().ucx) {
+      o.store_data_plane = "ucx";
+      o.data_plane_transports = broken ? "no_such_transport" : "tcp";
+    } else {
+      o.store_arena_file = broken ? ::testing::TempDir() + "/no-such-arena" : path;
+    }
+  }
+  server::RemoteRowSourceOptions SourceOptions(const std::string& path) const {
+    if (GetParam().ucx) return {"", "", "ucx", "tcp"};
+    return {"", path, "", ""};
+  }
+};
+
+INSTANTIATE_TEST_SUITE_P(Readers, DirectReadTest,
+                         ::testing::Values(DirectCase{"file", false}, DirectCase{"ucx_tcp", true}),
+                         [](const ::testing::TestParamInfo<DirectCase>& i) {
+                           return std::string(i.param.name);
+                         });
+
+// The worker reads the store's pages directly. Results are bit-identical to the embedded
+// deployment's, the store serves no Gather, a sequence dropped and made again with other rows is
+// read anew, a worker that cannot read directly reads through Gather instead, and a store
+// restarted on the same port (a new arena) is found again.
+TEST_P(DirectReadTest, WorkerReadsRowsWithoutGather) {
+  const std::string path = ::testing::TempDir() + "/kvsparse-shared-arena-test-" + GetParam().name;
   auto arena = kvstore::NewFileMemoryResource(path, 256 << 20);
   ASSERT_TRUE(arena.ok()) << arena.status();
   auto embedded = StartServer(server::ServerRole::kAll);
   auto store = StartServer(server::ServerRole::kStore, 0, false,
-                           [&](server::ServerOptions& o) { o.store.memory = arena->get(); });
+                           [&](server::ServerOptions& o) { StoreOptions(o, arena->get()); });
   ASSERT_NE(embedded, nullptr);
   ASSERT_NE(store, nullptr);
   auto worker = StartServer(server::ServerRole::kWorker, store->port(), /*metrics=*/true,
-                            [&](server::ServerOptions& o) { o.store_arena_file = path; });
-  auto missing =
-      StartServer(server::ServerRole::kWorker, store->port(), false, [&](server::ServerOptions& o) {
-        o.store_arena_file = ::testing::TempDir() + "/no-such-arena";
-      });
+                            [&](server::ServerOptions& o) { WorkerOptions(o, path, false); });
+  auto missing = StartServer(server::ServerRole::kWorker, store->port(), false,
+                             [&](server::ServerOptions& o) { WorkerOptions(o, path, true); });
   ASSERT_NE(worker, nullptr);
   ASSERT_NE(missing, nullptr);
   auto skv = client::KvStoreClient::Connect(At(store->port()));
@@ -372,7 +411,7 @@ TEST(AttentionServiceTest, SharedArenaWorkerReadsRowsInPlace) {
   arena = kvstore::NewFileMemoryResource(path, 256 << 20);
   ASSERT_TRUE(arena.ok()) << arena.status();
   store = StartServer(server::ServerRole::kStore, 0, false, [&](server::ServerOptions& o) {
-    o.store.memory = arena->get();
+    StoreOptions(o, arena->get());
     o.listen = absl::StrCat("127.0.0.1:", port);
   });
   ASSERT_NE(store, nullptr);
@@ -399,18 +438,18 @@ TEST(AttentionServiceTest, SharedArenaWorkerReadsRowsInPlace) {
   std::remove(path.c_str());
 }
 
-// The in-place row source alone against a store with an arena file: the store's answers where a
+// The direct row source alone against a store with an arena file: the store's answers where a
 // read is wrong (OUT_OF_RANGE, NOT_FOUND), never rows of another sequence or unwritten slots.
-TEST(AttentionServiceTest, InPlaceRowSourceKeepsTheStoresAnswers) {
-  const std::string path = ::testing::TempDir() + "/kvsparse-row-source-test";
+TEST_P(DirectReadTest, RowSourceKeepsTheStoresAnswers) {
+  const std::string path = ::testing::TempDir() + "/kvsparse-row-source-test-" + GetParam().name;
   auto arena = kvstore::NewFileMemoryResource(path, 64 << 20);
   ASSERT_TRUE(arena.ok()) << arena.status();
   auto store = StartServer(server::ServerRole::kStore, 0, false,
-                           [&](server::ServerOptions& o) { o.store.memory = arena->get(); });
+                           [&](server::ServerOptions& o) { StoreOptions(o, arena->get()); });
   ASSERT_NE(store, nullptr);
   auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", store->port()),
                                      grpc::InsecureChannelCredentials());
-  auto source = server::NewRemoteRowSource(channel, {"", path});
+  auto source = server::NewRemoteRowSource(channel, SourceOptions(path));
   auto kv = client::KvStoreClient::Connect(At(store->port()));
   ASSERT_TRUE(kv.ok());
   const kernels::SyntheticProblem prob = Problem(2, {1200, 300});

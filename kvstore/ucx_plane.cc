@@ -1,0 +1,427 @@
+#include "kvstore/ucx_plane.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+#ifdef KVSPARSE_WITH_UCX
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <ucp/api/ucp.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <mutex>
+#include <thread>
+#endif
+
+namespace kvsparse::kvstore {
+
+#ifndef KVSPARSE_WITH_UCX
+
+bool UcxAvailable() { return false; }
+
+absl::StatusOr<std::unique_ptr<UcxExport>> UcxExport::Create(SharedArena*, const std::string&) {
+  return absl::UnavailableError("this build has no UCX (install libucx-dev and rebuild)");
+}
+
+absl::StatusOr<std::unique_ptr<UcxReader>> UcxReader::Create(const std::string&) {
+  return absl::UnavailableError("this build has no UCX (install libucx-dev and rebuild)");
+}
+
+#else  // KVSPARSE_WITH_UCX
+
+bool UcxAvailable() { return true; }
+
+namespace {
+
+absl::Status UcxError(absl::string_view what, ucs_status_t s) {
+  return absl::UnavailableError(absl::StrCat("ucx: ", what, ": ", ucs_status_string(s)));
+}
+
+// A context with the RMA feature (and wakeup, for a progress thread that sleeps when idle).
+absl::StatusOr<ucp_context_h> NewContext(const std::string& transports) {
+  ucp_config_t* config = nullptr;
+  if (ucs_status_t s = ucp_config_read(nullptr, nullptr, &config); s != UCS_OK) {
+    return UcxError("config", s);
+  }
+  if (!transports.empty()) {
+    if (ucs_status_t s = ucp_config_modify(config, "TLS", transports.c_str()); s != UCS_OK) {
+      ucp_config_release(config);
+      return absl::InvalidArgumentError(
+          absl::StrCat("ucx transports '", transports, "': ", ucs_status_string(s)));
+    }
+  }
+  ucp_params_t params{};
+  params.field_mask = UCP_PARAM_FIELD_FEATURES;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  ucp_context_h context = nullptr;
+  ucs_status_t s = ucp_init(&params, config, &context);
+  ucp_config_release(config);
+  if (s != UCS_OK) return UcxError("init", s);
+  return context;
+}
+
+absl::StatusOr<ucp_worker_h> NewWorker(ucp_context_h context, ucs_thread_mode_t mode) {
+  ucp_worker_params_t wp{};
+  wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+  wp.thread_mode = mode;
+  ucp_worker_h worker = nullptr;
+  if (ucs_status_t s = ucp_worker_create(context, &wp, &worker); s != UCS_OK) {
+    return UcxError("worker", s);
+  }
+  return worker;
+}
+
+class UcxExportImpl final : public UcxExport {
+ public:
+  ~UcxExportImpl() override {
+    if (progress_.joinable()) {
+      const uint64_t one = 1;
+      (void)!write(stop_fd_, &one, sizeof(one));
+      progress_.join();
+    }
+    if (stop_fd_ >= 0) close(stop_fd_);
+    if (memh_ != nullptr) ucp_mem_unmap(context_, memh_);
+    if (worker_ != nullptr) ucp_worker_destroy(worker_);
+    if (context_ != nullptr) ucp_cleanup(context_);
+  }
+
+  absl::Status Init(SharedArena* arena, const std::string& transports) {
+    absl::StatusOr<ucp_context_h> c = NewContext(transports);
+    if (!c.ok()) return c.status();
+    context_ = *c;
+    // Only the progress thread uses the worker after Init.
+    absl::StatusOr<ucp_worker_h> w = NewWorker(context_, UCS_THREAD_MODE_SINGLE);
+    if (!w.ok()) return w.status();
+    worker_ = *w;
+    ucp_mem_map_params_t mp{};
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    mp.address = arena->mapping();
+    mp.length = arena->mapping_bytes();
+    if (ucs_status_t s = ucp_mem_map(context_, &mp, &memh_); s != UCS_OK) {
+      return UcxError("register the arena", s);
+    }
+    void* rkey = nullptr;
+    size_t rkey_size = 0;
+    if (ucs_status_t s = ucp_rkey_pack(context_, memh_, &rkey, &rkey_size); s != UCS_OK) {
+      return UcxError("pack the remote key", s);
+    }
+    address_.rkey.assign(static_cast<const char*>(rkey), rkey_size);
+    ucp_rkey_buffer_release(rkey);
+    ucp_address_t* wa = nullptr;
+    size_t wa_size = 0;
+    if (ucs_status_t s = ucp_worker_get_address(worker_, &wa, &wa_size); s != UCS_OK) {
+      return UcxError("worker address", s);
+    }
+    address_.worker_address.assign(reinterpret_cast<const char*>(wa), wa_size);
+    ucp_worker_release_address(worker_, wa);
+    address_.arena_id = arena->arena_id();
+    address_.base_address = reinterpret_cast<uint64_t>(arena->mapping());
+    address_.arena_bytes = arena->mapping_bytes();
+    address_.data_offset = arena->data_offset();
+    address_.granule = arena->granule();
+    int efd = -1;
+    if (ucs_status_t s = ucp_worker_get_efd(worker_, &efd); s != UCS_OK) {
+      return UcxError("worker event fd", s);
+    }
+    stop_fd_ = eventfd(0, EFD_CLOEXEC);
+    if (stop_fd_ < 0) return absl::UnavailableError("eventfd failed");
+    progress_ = std::thread([this, efd] { Progress(efd); });
+    return absl::OkStatus();
+  }
+
+  const UcxArenaAddress& address() const override { return address_; }
+
+ private:
+  // Answers the transports that need the target (TCP's emulated gets, connection set-up); sleeps
+  // on the worker's event fd when there is nothing to do.
+  void Progress(int efd) {
+    for (;;) {
+      while (ucp_worker_progress(worker_) != 0) {
+      }
+      const ucs_status_t armed = ucp_worker_arm(worker_);
+      if (armed == UCS_ERR_BUSY) continue;
+      pollfd fds[2] = {{efd, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
+      poll(fds, 2, 100);
+      if (fds[1].revents & POLLIN) return;
+    }
+  }
+
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  ucp_mem_h memh_ = nullptr;
+  int stop_fd_ = -1;
+  std::thread progress_;
+  UcxArenaAddress address_;
+};
+
+class UcxReaderImpl;
+
+// One store's arena reached through an endpoint of the reader's worker.
+class UcxArena final : public ArenaReader {
+ public:
+  UcxArena(std::shared_ptr<UcxReaderImpl> reader, ucp_ep_h ep, ucp_rkey_h rkey,
+           UcxArenaAddress address, std::shared_ptr<std::atomic<bool>> failed)
+      : reader_(std::move(reader)),
+        ep_(ep),
+        rkey_(rkey),
+        a_(std::move(address)),
+        failed_(std::move(failed)) {}
+  ~UcxArena() override;
+
+  uint64_t arena_id() const override { return a_.arena_id; }
+  std::string name() const override { return "ucx"; }
+  bool HoldsPage(uint64_t offset, uint64_t page_bytes) const override {
+    return offset >= a_.data_offset && (offset - a_.data_offset) % a_.granule == 0 &&
+           page_bytes <= a_.arena_bytes && offset <= a_.arena_bytes - page_bytes;
+  }
+  bool IsCurrent() const override { return !failed_->load(std::memory_order_relaxed); }
+  absl::StatusOr<bool> Read(absl::Span<const LaneRead> lanes, uint32_t page_tokens,
+                            size_t row_bytes, RowKind kind, absl::Time deadline) const override;
+
+ private:
+  friend class UcxReaderImpl;
+  std::shared_ptr<UcxReaderImpl> reader_;
+  ucp_ep_h ep_;
+  ucp_rkey_h rkey_;
+  const UcxArenaAddress a_;
+  // Set by the endpoint's error handler (UCX, during progress) or a failed operation.
+  const std::shared_ptr<std::atomic<bool>> failed_;
+};
+
+class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_this<UcxReaderImpl> {
+ public:
+  ~UcxReaderImpl() override {
+    if (worker_ != nullptr) ucp_worker_destroy(worker_);
+    if (context_ != nullptr) ucp_cleanup(context_);
+  }
+
+  absl::Status Init(const std::string& transports) {
+    absl::StatusOr<ucp_context_h> c = NewContext(transports);
+    if (!c.ok()) return c.status();
+    context_ = *c;
+    absl::StatusOr<ucp_worker_h> w = NewWorker(context_, UCS_THREAD_MODE_SINGLE);
+    if (!w.ok()) return w.status();
+    worker_ = *w;
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::shared_ptr<const ArenaReader>> Connect(const UcxArenaAddress& a,
+                                                             absl::Duration timeout) override {
+    if (a.worker_address.empty() || a.rkey.empty() || a.granule == 0 ||
+        a.data_offset > a.arena_bytes) {
+      return absl::InvalidArgumentError("ucx: incomplete data plane address");
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    auto failed = std::make_shared<std::atomic<bool>>(false);
+    ucp_ep_params_t ep{};
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = reinterpret_cast<const ucp_address_t*>(a.worker_address.data());
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    // The store went away: the arena's reads fail from now on and the source connects anew.
+    ep.err_handler.cb = [](void* arg, ucp_ep_h, ucs_status_t) {
+      static_cast<std::atomic<bool>*>(arg)->store(true);
+    };
+    ep.err_handler.arg = failed.get();
+    ucp_ep_h ep_h = nullptr;
+    ucs_status_t created = ucp_ep_create(worker_, &ep, &ep_h);
+    if (created == UCS_ERR_UNREACHABLE) {
+      // Shared-memory transports of UCX 1.13 have no peer failure detection: connect without it
+      // (a store that goes away then shows as a read that times out, not a prompt error).
+      ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+      created = ucp_ep_create(worker_, &ep, &ep_h);
+    }
+    if (created != UCS_OK) return UcxError("connect to the store", created);
+    ucp_rkey_h rkey = nullptr;
+    if (ucs_status_t s = ucp_ep_rkey_unpack(ep_h, a.rkey.data(), &rkey); s != UCS_OK) {
+      CloseLocked(ep_h);
+      return UcxError("unpack the store's remote key", s);
+    }
+    // Wait until the endpoint is wired up (a flush completes once it is).
+    if (absl::Status s = FlushLocked(ep_h, absl::Now() + timeout); !s.ok()) {
+      ucp_rkey_destroy(rkey);
+      CloseLocked(ep_h);
+      return s;
+    }
+    return std::shared_ptr<const ArenaReader>(
+        std::make_shared<UcxArena>(shared_from_this(), ep_h, rkey, a, std::move(failed)));
+  }
+
+  // Gets every range, waits, then gets the generations and waits again (the second wave is
+  // issued only once the rows are in, so a changed generation is seen).
+  absl::StatusOr<bool> Read(const UcxArena& arena, absl::Span<const LaneRead> lanes,
+                            uint32_t page_tokens, size_t row_bytes, RowKind kind,
+                            absl::Time deadline) {
+    const bool want_k = kind != RowKind::kV;
+    const bool want_v = kind != RowKind::kK;
+    const UcxArenaAddress& a = arena.a_;
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const LaneRead& l : lanes) {
+      if ((want_k && l.k_out == nullptr) || (want_v && l.v_out == nullptr)) {
+        return absl::InvalidArgumentError("ucx read: no buffer for the rows asked for");
+      }
+      for (size_t i = 0; i < l.tokens.size(); ++i) {
+        const uint32_t t = l.tokens[i];
+        const uint64_t slot = a.base_address + l.pages[t / page_tokens].offset +
+                              static_cast<uint64_t>(t % page_tokens) * 2 * row_bytes;
+        if (want_k) {
+          if (absl::Status s = GetLocked(arena, l.k_out + i * row_bytes, row_bytes, slot);
+              !s.ok()) {
+            return s;
+          }
+        }
+        if (want_v) {
+          if (absl::Status s =
+                  GetLocked(arena, l.v_out + i * row_bytes, row_bytes, slot + row_bytes);
+              !s.ok()) {
+            return s;
+          }
+        }
+      }
+    }
+    if (absl::Status s = FlushLocked(arena.ep_, deadline); !s.ok()) {
+      arena.failed_->store(true);
+      return s;
+    }
+    // The generations of the distinct pages read (runs of one page counted once).
+    std::vector<uint64_t> offsets;
+    for (const LaneRead& l : lanes) {
+      size_t last = SIZE_MAX;
+      for (const uint32_t t : l.tokens) {
+        const size_t page = t / page_tokens;
+        if (page == last) continue;
+        last = page;
+        offsets.push_back(l.pages[page].offset);
+      }
+    }
+    std::vector<uint64_t> gens(offsets.size());
+    for (size_t i = 0; i < offsets.size(); ++i) {
+      const uint64_t word =
+          a.base_address + 4096 + (offsets[i] - a.data_offset) / a.granule * sizeof(uint64_t);
+      if (absl::Status s = GetLocked(arena, &gens[i], sizeof(uint64_t), word); !s.ok()) return s;
+    }
+    if (absl::Status s = FlushLocked(arena.ep_, deadline); !s.ok()) {
+      arena.failed_->store(true);
+      return s;
+    }
+    size_t i = 0;
+    for (const LaneRead& l : lanes) {
+      size_t last = SIZE_MAX;
+      for (const uint32_t t : l.tokens) {
+        const size_t page = t / page_tokens;
+        if (page == last) continue;
+        last = page;
+        if (gens[i++] != l.pages[page].generation) return false;
+      }
+    }
+    return true;
+  }
+
+  void Close(ucp_ep_h ep, ucp_rkey_h rkey, bool failed) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ucp_rkey_destroy(rkey);
+    CloseLocked(ep, /*force=*/failed);
+  }
+
+ private:
+  absl::Status GetLocked(const UcxArena& arena, void* dst, size_t bytes, uint64_t remote) {
+    ucp_request_param_t rp{};
+    ucs_status_ptr_t r = ucp_get_nbx(arena.ep_, dst, bytes, remote, arena.rkey_, &rp);
+    if (UCS_PTR_IS_ERR(r)) {
+      arena.failed_->store(true);
+      return UcxError("get", UCS_PTR_STATUS(r));
+    }
+    if (r != nullptr) ucp_request_free(r);  // completion is waited for by the flush
+    return absl::OkStatus();
+  }
+
+  absl::Status FlushLocked(ucp_ep_h ep, absl::Time deadline) {
+    ucp_request_param_t rp{};
+    ucs_status_ptr_t r = ucp_ep_flush_nbx(ep, &rp);
+    if (UCS_PTR_IS_ERR(r)) return UcxError("flush", UCS_PTR_STATUS(r));
+    if (r == nullptr) return absl::OkStatus();
+    ucs_status_t s;
+    int spins = 0;
+    while ((s = ucp_request_check_status(r)) == UCS_INPROGRESS) {
+      if (ucp_worker_progress(worker_) == 0 && ++spins % 1024 == 0 && absl::Now() > deadline) {
+        ucp_request_cancel(worker_, r);
+        ucp_request_free(r);
+        return absl::DeadlineExceededError("ucx: the store did not answer in time");
+      }
+    }
+    ucp_request_free(r);
+    if (s != UCS_OK) return UcxError("read from the store", s);
+    return absl::OkStatus();
+  }
+
+  // Closes gracefully (the store's side learns of it and lets its endpoint go), or by force
+  // when the store does not answer within a second (it is gone).
+  void CloseLocked(ucp_ep_h ep, bool force = false) {
+    ucp_request_param_t rp{};
+    if (force) {
+      rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+      rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
+    }
+    ucs_status_ptr_t r = ucp_ep_close_nbx(ep, &rp);
+    if (r == nullptr || UCS_PTR_IS_ERR(r)) return;
+    const absl::Time deadline = absl::Now() + absl::Seconds(1);
+    int spins = 0;
+    while (ucp_request_check_status(r) == UCS_INPROGRESS) {
+      if (ucp_worker_progress(worker_) == 0 && ++spins % 1024 == 0 && absl::Now() > deadline) {
+        // Leave the request to UCX (released when it completes); the endpoint is gone to us.
+        ucp_request_free(r);
+        return;
+      }
+    }
+    ucp_request_free(r);
+  }
+
+  ucp_context_h context_ = nullptr;
+  ucp_worker_h worker_ = nullptr;
+  std::mutex mu_;  // the worker is single-threaded
+};
+
+UcxArena::~UcxArena() { reader_->Close(ep_, rkey_, failed_->load()); }
+
+absl::StatusOr<bool> UcxArena::Read(absl::Span<const LaneRead> lanes, uint32_t page_tokens,
+                                    size_t row_bytes, RowKind kind, absl::Time deadline) const {
+  return reader_->Read(*this, lanes, page_tokens, row_bytes, kind, deadline);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<UcxExport>> UcxExport::Create(SharedArena* arena,
+                                                             const std::string& transports) {
+  if (arena == nullptr) {
+    return absl::FailedPreconditionError("the store's pages are not in an arena file");
+  }
+  auto e = std::make_unique<UcxExportImpl>();
+  if (absl::Status s = e->Init(arena, transports); !s.ok()) return s;
+  return std::unique_ptr<UcxExport>(std::move(e));
+}
+
+absl::StatusOr<std::unique_ptr<UcxReader>> UcxReader::Create(const std::string& transports) {
+  auto r = std::make_shared<UcxReaderImpl>();
+  if (absl::Status s = r->Init(transports); !s.ok()) return s;
+  // The reader is shared by the arenas it connects (they close their endpoints through it): the
+  // caller holds it through this owner, which keeps the shared state alive.
+  struct Owner final : UcxReader {
+    std::shared_ptr<UcxReaderImpl> impl;
+    absl::StatusOr<std::shared_ptr<const ArenaReader>> Connect(const UcxArenaAddress& a,
+                                                               absl::Duration t) override {
+      return impl->Connect(a, t);
+    }
+  };
+  auto owner = std::make_unique<Owner>();
+  owner->impl = std::move(r);
+  return std::unique_ptr<UcxReader>(std::move(owner));
+}
+
+#endif  // KVSPARSE_WITH_UCX
+
+}  // namespace kvsparse::kvstore

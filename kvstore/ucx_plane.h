@@ -1,0 +1,65 @@
+// One-sided reads of the store's arena over UCX (issue 16's data plane): the store registers its
+// arena file's mapping with UCX and hands out its worker address and the region's remote key
+// (over gRPC, the control plane); a reader connects, and reads the rows it selects with RMA gets
+// straight into its buffers, with no work on the store's CPU per row where the transport is
+// one-sided (shared memory, CMA, RDMA; over TCP UCX emulates the gets with messages the store's
+// progress thread answers). UCX picks the transport (UCX_TLS, or `transports` here).
+//
+// Reuse detection is the shared arena's (kvstore/shared_arena.h): the reader gets the rows,
+// waits for them, then gets the generations of the pages it read, and throws the rows away if one
+// changed. No gRPC here.
+#ifndef KVSPARSE_KVSTORE_UCX_PLANE_H_
+#define KVSPARSE_KVSTORE_UCX_PLANE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "kvstore/shared_arena.h"
+
+namespace kvsparse::kvstore {
+
+// What a reader needs to reach an exported arena (the store's answer to GetDataPlane).
+struct UcxArenaAddress {
+  uint64_t arena_id = 0;
+  std::string worker_address;  // ucp_worker_get_address
+  std::string rkey;            // ucp_rkey_pack of the arena's whole mapping
+  uint64_t base_address = 0;   // the mapping's address in the store
+  uint64_t arena_bytes = 0;    // the file's size
+  uint64_t data_offset = 0;    // where pages start (the generations precede it)
+  uint64_t granule = 0;        // bytes per generation
+};
+
+// Whether this build has UCX.
+bool UcxAvailable();
+
+// The store's side. Thread-safe after Create; a progress thread serves transports that need the
+// target's help (TCP).
+class UcxExport {
+ public:
+  // Registers the arena's mapping. transports: UCX_TLS-style list ("" = UCX's choice, e.g.
+  // "posix,sysv,cma,tcp"). FAILED_PRECONDITION if the arena is not exportable; UNAVAILABLE if UCX
+  // cannot start (or the build has none).
+  static absl::StatusOr<std::unique_ptr<UcxExport>> Create(SharedArena* arena,
+                                                           const std::string& transports = "");
+  virtual ~UcxExport() = default;
+  virtual const UcxArenaAddress& address() const = 0;
+};
+
+// The reader's side: one UCX context and worker for every arena it reads. Thread-safe (calls are
+// serialised on the worker).
+class UcxReader {
+ public:
+  static absl::StatusOr<std::unique_ptr<UcxReader>> Create(const std::string& transports = "");
+  virtual ~UcxReader() = default;
+  // Connects to an exported arena. UNAVAILABLE if the store cannot be reached;
+  // INVALID_ARGUMENT for an address that does not parse.
+  virtual absl::StatusOr<std::shared_ptr<const ArenaReader>> Connect(const UcxArenaAddress& a,
+                                                                     absl::Duration timeout) = 0;
+};
+
+}  // namespace kvsparse::kvstore
+
+#endif  // KVSPARSE_KVSTORE_UCX_PLANE_H_

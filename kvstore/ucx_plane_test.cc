@@ -1,0 +1,121 @@
+// The UCX data plane against the store's own Gather: a store on an arena file exported with
+// UcxExport, a UcxReader connected to it (two UCX workers of this process), over TCP and over
+// CMA; rows equal Gather's, a freed page is detected, a bad address is refused.
+#include "kvstore/ucx_plane.h"
+
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kvstore/store.h"
+
+namespace kvsparse::kvstore {
+namespace {
+
+using kernels::DType;
+
+std::vector<uint8_t> RowsOf(Store& store, const std::string& id, uint32_t layer, uint32_t head,
+                            const std::vector<uint32_t>& tokens, RowKind kind) {
+  std::vector<uint8_t> out;
+  std::vector<HeadSelection> heads = {{head, tokens}};
+  GatherRequest r;
+  r.sequence_id = id;
+  r.layer = layer;
+  r.kind = kind;
+  r.heads = heads;
+  auto res = store.Gather(r, [&](uint64_t rows, size_t row) -> absl::StatusOr<GatherBuffers> {
+    out.resize(rows * row);
+    GatherBuffers b;
+    (kind == RowKind::kK ? b.k : b.v) = out.data();
+    return b;
+  });
+  EXPECT_TRUE(res.ok()) << res.status();
+  return out;
+}
+
+class UcxPlaneTest : public testing::TestWithParam<const char*> {};
+
+TEST_P(UcxPlaneTest, ReadsTheRowsGatherReturnsAndDetectsReuse) {
+  if (!UcxAvailable()) GTEST_SKIP() << "built without UCX";
+  const std::string path = testing::TempDir() + "/kvsparse-ucx-arena-" + GetParam();
+  auto arena = NewFileMemoryResource(path, 4 << 20, 8192);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  StoreOptions o;
+  o.capacity_bytes = 4 << 20;
+  o.page_bytes = 8192;
+  o.slab_bytes = 1 << 20;
+  o.memory = arena->get();
+  auto store = Store::Create(o);
+  ASSERT_TRUE(store.ok());
+  const ModelShape s{2, 8, 2, 64, DType::kBf16};  // 128-byte rows, 32 tokens per page
+  ASSERT_TRUE((*store)->CreateSequence("a", s, {}).ok());
+  const uint64_t n = 300;
+  std::vector<uint8_t> k(2 * n * 2 * 128), v(k.size());
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = static_cast<uint8_t>(i * 7 + 1);
+    v[i] = static_cast<uint8_t>(i * 13 + 5);
+  }
+  AppendRequest ar;
+  ar.sequence_id = "a";
+  ar.num_layers = 2;
+  ar.num_tokens = n;
+  ar.num_kv_heads = 2;
+  ar.head_dim = 64;
+  ar.k = k;
+  ar.v = v;
+  ASSERT_TRUE((*store)->Append(ar).ok());
+
+  auto exported = UcxExport::Create((*arena)->shared_arena(), GetParam());
+  ASSERT_TRUE(exported.ok()) << exported.status();
+  auto reader = UcxReader::Create(GetParam());
+  ASSERT_TRUE(reader.ok()) << reader.status();
+  auto remote = (*reader)->Connect((*exported)->address(), absl::Seconds(10));
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  EXPECT_EQ((*remote)->arena_id(), (*arena)->shared_arena()->arena_id());
+
+  auto table = (*store)->PageTable("a", 1, 0);
+  ASSERT_TRUE(table.ok());
+  const std::vector<uint32_t> tokens = {299, 0, 31, 32, 100, 100, 7};
+  std::vector<uint8_t> k0(tokens.size() * 128), v0(k0.size()), k1(k0.size()), v1(k0.size());
+  std::vector<LaneRead> lanes = {{table->lanes[0], tokens, k0.data(), v0.data()},
+                                 {table->lanes[1], tokens, k1.data(), v1.data()}};
+  for (const LaneRead& l : lanes) {
+    for (const PageRef& p : l.pages) EXPECT_TRUE((*remote)->HoldsPage(p.offset, 8192));
+  }
+  auto ok = (*remote)->Read(lanes, table->page_tokens, 128, RowKind::kKV,
+                            absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_TRUE(*ok);
+  EXPECT_EQ(k0, RowsOf(**store, "a", 1, 0, tokens, RowKind::kK));
+  EXPECT_EQ(v0, RowsOf(**store, "a", 1, 0, tokens, RowKind::kV));
+  EXPECT_EQ(k1, RowsOf(**store, "a", 1, 1, tokens, RowKind::kK));
+  EXPECT_EQ(v1, RowsOf(**store, "a", 1, 1, tokens, RowKind::kV));
+  EXPECT_FALSE((*remote)->HoldsPage(0, 8192));                                 // the header
+  EXPECT_FALSE((*remote)->HoldsPage(1ull << 40, 8192));                        // past the file
+  EXPECT_FALSE((*remote)->HoldsPage(table->lanes[0][0].offset + 4096, 8192));  // misaligned
+
+  // Freed pages (the sequence dropped): the read says so.
+  ASSERT_TRUE((*store)->DropSequence("a").ok());
+  auto stale = (*remote)->Read(lanes, table->page_tokens, 128, RowKind::kKV,
+                               absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(stale.ok()) << stale.status();
+  EXPECT_FALSE(*stale);
+
+  // An address that is not one: refused, nothing crashes.
+  UcxArenaAddress bad = (*exported)->address();
+  bad.rkey.clear();
+  EXPECT_EQ((*reader)->Connect(bad, absl::Seconds(1)).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  remote->reset();
+  store->reset();
+  std::remove(path.c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, UcxPlaneTest, testing::Values("tcp", "sm"),
+                         [](const testing::TestParamInfo<const char*>& i) {
+                           return std::string(i.param);
+                         });
+
+}  // namespace
+}  // namespace kvsparse::kvstore
