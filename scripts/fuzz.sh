@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 build=${BUILD_DIR:-build-fuzz}
 targets=${FUZZ_TARGETS:-"service create drop append gather info list stats decode pagetable"}
 CC=clang CXX=clang++ cmake -S . -B "$build" -G Ninja -DKVSPARSE_FUZZ=ON -DKVSPARSE_BUILD_TESTS=OFF \
-  -DKVSPARSE_ENABLE_CUDA=OFF -DKVSPARSE_WERROR=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo > /dev/null
+  -DKVSPARSE_UCX=OFF -DKVSPARSE_ENABLE_CUDA=OFF -DKVSPARSE_WERROR=OFF -DCMAKE_BUILD_TYPE=RelWithDebInfo > /dev/null
 cmake --build "$build" -j "${JOBS:-$(nproc)}" --target kvsparse_fuzz
 mkdir -p "$build/crashes"
 budget=(-max_total_time="${FUZZ_SECONDS:-20}")

@@ -5,6 +5,7 @@ set -euo pipefail
 pkgs=(build-essential cmake ninja-build ccache pkg-config python3 python3-venv python3-pip
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
       libabsl-dev prometheus-cpp-dev libgtest-dev libbenchmark-dev
+      libucx-dev                     # the UCX data plane (kvstore/ucx_plane.h)
       clang libclang-common-14-dev   # clang + its libFuzzer runtime: scripts/fuzz.sh
       openssl                        # certificates of the TLS tests (test_security.py)
       iproute2 iptables)             # the network-namespace fault test (tests/faults/test_netem.py)
