@@ -76,6 +76,26 @@ absl::StatusOr<ucp_worker_h> NewWorker(ucp_context_h context, ucs_thread_mode_t 
   return worker;
 }
 
+// A UCX context and one single-threaded worker on it, released in reverse order.
+struct UcxWorker {
+  ucp_context_h context = nullptr;
+  ucp_worker_h worker = nullptr;
+
+  absl::Status Init(const std::string& transports) {
+    absl::StatusOr<ucp_context_h> c = NewContext(transports);
+    if (!c.ok()) return c.status();
+    context = *c;
+    absl::StatusOr<ucp_worker_h> w = NewWorker(context, UCS_THREAD_MODE_SINGLE);
+    if (!w.ok()) return w.status();
+    worker = *w;
+    return absl::OkStatus();
+  }
+  ~UcxWorker() {
+    if (worker != nullptr) ucp_worker_destroy(worker);
+    if (context != nullptr) ucp_cleanup(context);
+  }
+};
+
 class UcxExportImpl final : public UcxExport {
  public:
   ~UcxExportImpl() override {
@@ -85,47 +105,42 @@ class UcxExportImpl final : public UcxExport {
       progress_.join();
     }
     if (stop_fd_ >= 0) close(stop_fd_);
-    if (memh_ != nullptr) ucp_mem_unmap(context_, memh_);
-    if (worker_ != nullptr) ucp_worker_destroy(worker_);
-    if (context_ != nullptr) ucp_cleanup(context_);
+    if (memh_ != nullptr) ucp_mem_unmap(ucx_.context, memh_);
   }
 
   absl::Status Init(SharedArena* arena, const std::string& transports) {
-    absl::StatusOr<ucp_context_h> c = NewContext(transports);
-    if (!c.ok()) return c.status();
-    context_ = *c;
     // Only the progress thread uses the worker after Init.
-    absl::StatusOr<ucp_worker_h> w = NewWorker(context_, UCS_THREAD_MODE_SINGLE);
-    if (!w.ok()) return w.status();
-    worker_ = *w;
+    if (absl::Status s = ucx_.Init(transports); !s.ok()) return s;
+    ucp_context_h context = ucx_.context;
+    ucp_worker_h worker = ucx_.worker;
     ucp_mem_map_params_t mp{};
     mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
     mp.address = arena->mapping();
     mp.length = arena->mapping_bytes();
-    if (ucs_status_t s = ucp_mem_map(context_, &mp, &memh_); s != UCS_OK) {
+    if (ucs_status_t s = ucp_mem_map(context, &mp, &memh_); s != UCS_OK) {
       return UcxError("register the arena", s);
     }
     void* rkey = nullptr;
     size_t rkey_size = 0;
-    if (ucs_status_t s = ucp_rkey_pack(context_, memh_, &rkey, &rkey_size); s != UCS_OK) {
+    if (ucs_status_t s = ucp_rkey_pack(context, memh_, &rkey, &rkey_size); s != UCS_OK) {
       return UcxError("pack the remote key", s);
     }
     address_.rkey.assign(static_cast<const char*>(rkey), rkey_size);
     ucp_rkey_buffer_release(rkey);
     ucp_address_t* wa = nullptr;
     size_t wa_size = 0;
-    if (ucs_status_t s = ucp_worker_get_address(worker_, &wa, &wa_size); s != UCS_OK) {
+    if (ucs_status_t s = ucp_worker_get_address(worker, &wa, &wa_size); s != UCS_OK) {
       return UcxError("worker address", s);
     }
     address_.worker_address.assign(reinterpret_cast<const char*>(wa), wa_size);
-    ucp_worker_release_address(worker_, wa);
+    ucp_worker_release_address(worker, wa);
     address_.arena_id = arena->arena_id();
     address_.base_address = reinterpret_cast<uint64_t>(arena->mapping());
     address_.arena_bytes = arena->mapping_bytes();
     address_.data_offset = arena->data_offset();
     address_.granule = arena->granule();
     int efd = -1;
-    if (ucs_status_t s = ucp_worker_get_efd(worker_, &efd); s != UCS_OK) {
+    if (ucs_status_t s = ucp_worker_get_efd(worker, &efd); s != UCS_OK) {
       return UcxError("worker event fd", s);
     }
     stop_fd_ = eventfd(0, EFD_CLOEXEC);
@@ -140,10 +155,11 @@ class UcxExportImpl final : public UcxExport {
   // Answers the transports that need the target (TCP's emulated gets, connection set-up); sleeps
   // on the worker's event fd when there is nothing to do.
   void Progress(int efd) {
+    ucp_worker_h worker = ucx_.worker;
     for (;;) {
-      while (ucp_worker_progress(worker_) != 0) {
+      while (ucp_worker_progress(worker) != 0) {
       }
-      const ucs_status_t armed = ucp_worker_arm(worker_);
+      const ucs_status_t armed = ucp_worker_arm(worker);
       if (armed == UCS_ERR_BUSY) continue;
       pollfd fds[2] = {{efd, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
       poll(fds, 2, 100);
@@ -151,8 +167,7 @@ class UcxExportImpl final : public UcxExport {
     }
   }
 
-  ucp_context_h context_ = nullptr;
-  ucp_worker_h worker_ = nullptr;
+  UcxWorker ucx_;
   ucp_mem_h memh_ = nullptr;
   int stop_fd_ = -1;
   std::thread progress_;
@@ -195,18 +210,9 @@ class UcxArena final : public ArenaReader {
 
 class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_this<UcxReaderImpl> {
  public:
-  ~UcxReaderImpl() override {
-    if (worker_ != nullptr) ucp_worker_destroy(worker_);
-    if (context_ != nullptr) ucp_cleanup(context_);
-  }
-
   absl::Status Init(const std::string& transports) {
-    absl::StatusOr<ucp_context_h> c = NewContext(transports);
-    if (!c.ok()) return c.status();
-    context_ = *c;
-    absl::StatusOr<ucp_worker_h> w = NewWorker(context_, UCS_THREAD_MODE_SINGLE);
-    if (!w.ok()) return w.status();
-    worker_ = *w;
+    if (absl::Status s = ucx_.Init(transports); !s.ok()) return s;
+    worker_ = ucx_.worker;
     return absl::OkStatus();
   }
 
@@ -381,9 +387,9 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
     ucp_request_free(r);
   }
 
-  ucp_context_h context_ = nullptr;
-  ucp_worker_h worker_ = nullptr;
-  std::mutex mu_;  // the worker is single-threaded
+  UcxWorker ucx_;
+  ucp_worker_h worker_ = nullptr;  // ucx_.worker
+  std::mutex mu_;                  // the worker is single-threaded
 };
 
 UcxArena::~UcxArena() { reader_->Close(ep_, rkey_, failed_->load()); }
