@@ -18,4 +18,4 @@ torch_prefix=$("$venv/bin/python" -c "import torch; print(torch.utils.cmake_pref
 cmake -S . -B "$build" -DKVSPARSE_TORCH_PREFIX="$torch_prefix" > /dev/null
 cmake --build "$build" -j "${JOBS:-$(nproc)}" --target kvsparse_torch
 KVSPARSE_SERVER="$PWD/$build/bin/kvsparse-server" KVSPARSE_TORCH_LIB="$PWD/$build/lib/libkvsparse_torch.so" \
-  "$venv/bin/python" -m pytest -q client/python/tests tests/quality tests/load tests/faults "$@"
+  "$venv/bin/python" -m pytest -q client/python/tests tests/quality tests/load tests/faults tests/scale "$@"
