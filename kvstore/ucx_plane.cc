@@ -5,6 +5,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 
 #ifdef KVSPARSE_WITH_UCX
@@ -28,7 +29,7 @@ absl::StatusOr<std::unique_ptr<UcxExport>> UcxExport::Create(SharedArena*, const
   return absl::UnavailableError("this build has no UCX (install libucx-dev and rebuild)");
 }
 
-absl::StatusOr<std::unique_ptr<UcxReader>> UcxReader::Create(const std::string&) {
+absl::StatusOr<std::unique_ptr<UcxReader>> UcxReader::Create(const std::string&, UcxReadMode) {
   return absl::UnavailableError("this build has no UCX (install libucx-dev and rebuild)");
 }
 
@@ -55,9 +56,14 @@ absl::StatusOr<ucp_context_h> NewContext(const std::string& transports) {
           absl::StrCat("ucx transports '", transports, "': ", ucs_status_string(s)));
     }
   }
+  // Active messages of any size arrive whole in their handler (no rendezvous to drive).
+  if (ucs_status_t s = ucp_config_modify(config, "RNDV_THRESH", "inf"); s != UCS_OK) {
+    ucp_config_release(config);
+    return UcxError("config RNDV_THRESH", s);
+  }
   ucp_params_t params{};
   params.field_mask = UCP_PARAM_FIELD_FEATURES;
-  params.features = UCP_FEATURE_RMA | UCP_FEATURE_WAKEUP;
+  params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
   ucp_context_h context = nullptr;
   ucs_status_t s = ucp_init(&params, config, &context);
   ucp_config_release(config);
@@ -74,6 +80,37 @@ absl::StatusOr<ucp_worker_h> NewWorker(ucp_context_h context, ucs_thread_mode_t 
     return UcxError("worker", s);
   }
   return worker;
+}
+
+// The batched gather (UcxReadMode::kGather): one active message per read names every row and
+// page; the store's progress thread copies the rows and the pages' generations into one reply.
+constexpr uint16_t kGatherAm = 11;
+constexpr uint16_t kReplyAm = 12;
+struct GatherHeader {
+  uint64_t id;
+  uint32_t rows;  // slot offsets (uint64 each) in the payload, then `pages` page offsets
+  uint32_t pages;
+  uint32_t row_bytes;
+  uint32_t kind;  // RowKind
+};
+struct ReplyHeader {
+  uint64_t id;
+  uint32_t ok;  // 0: the store refused an offset outside its arena
+  uint32_t pad;
+};
+
+absl::Status SetAmHandler(ucp_worker_h worker, uint16_t id, ucp_am_recv_callback_t cb, void* arg) {
+  ucp_am_handler_param_t hp{};
+  hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                  UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+  hp.id = id;
+  hp.cb = cb;
+  hp.arg = arg;
+  hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+  if (ucs_status_t s = ucp_worker_set_am_recv_handler(worker, &hp); s != UCS_OK) {
+    return UcxError("active message handler", s);
+  }
+  return absl::OkStatus();
 }
 
 // A UCX context and one single-threaded worker on it, released in reverse order.
@@ -134,6 +171,10 @@ class UcxExportImpl final : public UcxExport {
     }
     address_.worker_address.assign(reinterpret_cast<const char*>(wa), wa_size);
     ucp_worker_release_address(worker, wa);
+    arena_ = arena;
+    if (absl::Status s = SetAmHandler(worker, kGatherAm, &UcxExportImpl::OnGather, this); !s.ok()) {
+      return s;
+    }
     address_.arena_id = arena->arena_id();
     address_.base_address = reinterpret_cast<uint64_t>(arena->mapping());
     address_.arena_bytes = arena->mapping_bytes();
@@ -152,6 +193,71 @@ class UcxExportImpl final : public UcxExport {
   const UcxArenaAddress& address() const override { return address_; }
 
  private:
+  // A reader's batched gather: copies the rows, then (after a fence: the seqlock's read side) the
+  // generations of the pages, into one reply. Runs on the progress thread. Offsets outside the
+  // arena are refused (a reader is not trusted with the store's memory).
+  static ucs_status_t OnGather(void* arg, const void* header, size_t header_length, void* data,
+                               size_t length, const ucp_am_recv_param_t* param) {
+    auto* self = static_cast<UcxExportImpl*>(arg);
+    if (header_length != sizeof(GatherHeader) ||
+        !(param->recv_attr & UCP_AM_RECV_ATTR_FIELD_REPLY_EP)) {
+      return UCS_OK;  // not ours to answer
+    }
+    GatherHeader h;
+    std::memcpy(&h, header, sizeof(h));
+    ReplyHeader r{h.id, 0, 0};
+    const bool want_k = h.kind != static_cast<uint32_t>(RowKind::kV);
+    const bool want_v = h.kind != static_cast<uint32_t>(RowKind::kK);
+    const uint64_t n = h.rows, row = h.row_bytes;
+    const SharedArena& a = *self->arena_;
+    const auto* base = static_cast<const uint8_t*>(a.mapping());
+    const uint64_t end = a.mapping_bytes();
+    std::vector<uint8_t>* reply = nullptr;
+    if (length == (n + h.pages) * sizeof(uint64_t) && row > 0 && 2 * row <= end) {
+      const auto* offsets = static_cast<const uint64_t*>(data);
+      bool inside = true;
+      for (uint64_t i = 0; i < n && inside; ++i) {
+        inside = offsets[i] >= a.data_offset() && offsets[i] <= end - 2 * row;
+      }
+      for (uint64_t i = n; i < n + h.pages && inside; ++i) {
+        inside = offsets[i] >= a.data_offset() && offsets[i] < end &&
+                 (offsets[i] - a.data_offset()) % a.granule() == 0;
+      }
+      if (inside) {
+        const uint64_t kinds = (want_k ? 1 : 0) + (want_v ? 1 : 0);
+        reply = new std::vector<uint8_t>(n * kinds * row + h.pages * sizeof(uint64_t));
+        uint8_t* k = reply->data();
+        uint8_t* v = reply->data() + (want_k ? n * row : 0);
+        for (uint64_t i = 0; i < n; ++i) {
+          const uint8_t* slot = base + offsets[i];
+          if (want_k) std::memcpy(k + i * row, slot, row);
+          if (want_v) std::memcpy(v + i * row, slot + row, row);
+        }
+        __atomic_thread_fence(__ATOMIC_ACQUIRE);
+        auto* gens = reinterpret_cast<uint64_t*>(reply->data() + n * kinds * row);
+        for (uint64_t i = 0; i < h.pages; ++i) {
+          const uint64_t word =
+              4096 + (offsets[n + i] - a.data_offset()) / a.granule() * sizeof(uint64_t);
+          gens[i] =
+              __atomic_load_n(reinterpret_cast<const uint64_t*>(base + word), __ATOMIC_RELAXED);
+        }
+        r.ok = 1;
+      }
+    }
+    ucp_request_param_t sp{};
+    sp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    sp.cb.send = [](void* request, ucs_status_t, void* user) {
+      delete static_cast<std::vector<uint8_t>*>(user);
+      ucp_request_free(request);
+    };
+    sp.user_data = reply;
+    ucs_status_ptr_t sent = ucp_am_send_nbx(param->reply_ep, kReplyAm, &r, sizeof(r),
+                                            reply != nullptr ? reply->data() : nullptr,
+                                            reply != nullptr ? reply->size() : 0, &sp);
+    if (!UCS_PTR_IS_PTR(sent)) delete reply;  // done at once, or failed: the callback won't run
+    return UCS_OK;
+  }
+
   // Answers the transports that need the target (TCP's emulated gets, connection set-up); sleeps
   // on the worker's event fd when there is nothing to do.
   void Progress(int efd) {
@@ -168,6 +274,7 @@ class UcxExportImpl final : public UcxExport {
   }
 
   UcxWorker ucx_;
+  SharedArena* arena_ = nullptr;
   ucp_mem_h memh_ = nullptr;
   int stop_fd_ = -1;
   std::thread progress_;
@@ -210,10 +317,11 @@ class UcxArena final : public ArenaReader {
 
 class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_this<UcxReaderImpl> {
  public:
-  absl::Status Init(const std::string& transports) {
+  absl::Status Init(const std::string& transports, UcxReadMode mode) {
     if (absl::Status s = ucx_.Init(transports); !s.ok()) return s;
     worker_ = ucx_.worker;
-    return absl::OkStatus();
+    mode_ = mode;
+    return SetAmHandler(worker_, kReplyAm, &UcxReaderImpl::OnReply, this);
   }
 
   absl::StatusOr<std::shared_ptr<const ArenaReader>> Connect(const UcxArenaAddress& a,
@@ -263,6 +371,9 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
   absl::StatusOr<bool> Read(const UcxArena& arena, absl::Span<const LaneRead> lanes,
                             uint32_t page_tokens, size_t row_bytes, RowKind kind,
                             absl::Time deadline) {
+    if (mode_ == UcxReadMode::kGather) {
+      return ReadGather(arena, lanes, page_tokens, row_bytes, kind, deadline);
+    }
     const bool want_k = kind != RowKind::kV;
     const bool want_v = kind != RowKind::kK;
     const UcxArenaAddress& a = arena.a_;
@@ -335,6 +446,109 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
   }
 
  private:
+  struct Pending {
+    std::vector<uint8_t> data;
+    bool done = false;
+    bool ok = false;
+  };
+
+  // The store's reply to a gather: kept for the read waiting on it (none: it timed out).
+  static ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* data,
+                              size_t length, const ucp_am_recv_param_t*) {
+    auto* self = static_cast<UcxReaderImpl*>(arg);
+    if (header_length != sizeof(ReplyHeader)) return UCS_OK;
+    ReplyHeader r;
+    std::memcpy(&r, header, sizeof(r));
+    auto it = self->pending_.find(r.id);
+    if (it == self->pending_.end()) return UCS_OK;
+    it->second->data.assign(static_cast<const uint8_t*>(data),
+                            static_cast<const uint8_t*>(data) + length);
+    it->second->ok = r.ok != 0;
+    it->second->done = true;
+    return UCS_OK;
+  }
+
+  // One active message names every row and page; the store answers with the rows and the
+  // pages' generations in one reply (UcxReadMode::kGather).
+  absl::StatusOr<bool> ReadGather(const UcxArena& arena, absl::Span<const LaneRead> lanes,
+                                  uint32_t page_tokens, size_t row_bytes, RowKind kind,
+                                  absl::Time deadline) {
+    const bool want_k = kind != RowKind::kV;
+    const bool want_v = kind != RowKind::kK;
+    std::vector<uint64_t> payload;  // slot offsets, then page offsets
+    std::vector<uint64_t> pages, expected;
+    for (const LaneRead& l : lanes) {
+      if ((want_k && l.k_out == nullptr) || (want_v && l.v_out == nullptr)) {
+        return absl::InvalidArgumentError("ucx read: no buffer for the rows asked for");
+      }
+      size_t last = SIZE_MAX;
+      for (const uint32_t t : l.tokens) {
+        const size_t page = t / page_tokens;
+        payload.push_back(l.pages[page].offset +
+                          static_cast<uint64_t>(t % page_tokens) * 2 * row_bytes);
+        if (page == last) continue;
+        last = page;
+        pages.push_back(l.pages[page].offset);
+        expected.push_back(l.pages[page].generation);
+      }
+    }
+    const uint64_t rows = payload.size();
+    payload.insert(payload.end(), pages.begin(), pages.end());
+    std::lock_guard<std::mutex> lock(mu_);
+    GatherHeader h{++next_id_, static_cast<uint32_t>(rows), static_cast<uint32_t>(pages.size()),
+                   static_cast<uint32_t>(row_bytes), static_cast<uint32_t>(kind)};
+    Pending pending;
+    pending_[h.id] = &pending;
+    ucp_request_param_t rp{};
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    rp.flags = UCP_AM_SEND_FLAG_REPLY;
+    ucs_status_ptr_t sent = ucp_am_send_nbx(arena.ep_, kGatherAm, &h, sizeof(h), payload.data(),
+                                            payload.size() * sizeof(uint64_t), &rp);
+    if (UCS_PTR_IS_ERR(sent)) {
+      pending_.erase(h.id);
+      arena.failed_->store(true);
+      return UcxError("send a gather", UCS_PTR_STATUS(sent));
+    }
+    int spins = 0;
+    auto sending = [&] {
+      return UCS_PTR_IS_PTR(sent) && ucp_request_check_status(sent) == UCS_INPROGRESS;
+    };
+    while (!pending.done || sending()) {
+      if (ucp_worker_progress(worker_) == 0 && ++spins % 1024 == 0 &&
+          (absl::Now() > deadline || arena.failed_->load())) {
+        pending_.erase(h.id);
+        if (UCS_PTR_IS_PTR(sent)) {
+          ucp_request_cancel(worker_, sent);
+          ucp_request_free(sent);
+        }
+        arena.failed_->store(true);
+        return absl::DeadlineExceededError("ucx: the store did not answer the gather in time");
+      }
+    }
+    pending_.erase(h.id);
+    if (UCS_PTR_IS_PTR(sent)) ucp_request_free(sent);
+    const uint64_t kinds = (want_k ? 1 : 0) + (want_v ? 1 : 0);
+    if (!pending.ok || pending.data.size() != rows * kinds * row_bytes + pages.size() * 8) {
+      return absl::DataLossError("ucx: the store refused or cut short a gather");
+    }
+    const uint8_t* k = pending.data.data();
+    const uint8_t* v = k + (want_k ? rows * row_bytes : 0);
+    size_t at = 0;
+    for (const LaneRead& l : lanes) {
+      const size_t bytes = l.tokens.size() * row_bytes;
+      if (want_k) std::memcpy(l.k_out, k + at * row_bytes, bytes);
+      if (want_v) std::memcpy(l.v_out, v + at * row_bytes, bytes);
+      at += l.tokens.size();
+    }
+    const uint8_t* gens = pending.data.data() + rows * kinds * row_bytes;
+    for (size_t i = 0; i < pages.size(); ++i) {
+      uint64_t g;
+      std::memcpy(&g, gens + i * sizeof(uint64_t), sizeof(g));
+      if (g != expected[i]) return false;
+    }
+    return true;
+  }
+
   absl::Status GetLocked(const UcxArena& arena, void* dst, size_t bytes, uint64_t remote) {
     ucp_request_param_t rp{};
     ucs_status_ptr_t r = ucp_get_nbx(arena.ep_, dst, bytes, remote, arena.rkey_, &rp);
@@ -388,8 +602,11 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
   }
 
   UcxWorker ucx_;
-  ucp_worker_h worker_ = nullptr;  // ucx_.worker
-  std::mutex mu_;                  // the worker is single-threaded
+  UcxReadMode mode_ = UcxReadMode::kGather;
+  uint64_t next_id_ = 0;                             // under mu_
+  absl::flat_hash_map<uint64_t, Pending*> pending_;  // under mu_ (and in OnReply)
+  ucp_worker_h worker_ = nullptr;                    // ucx_.worker
+  std::mutex mu_;                                    // the worker is single-threaded
 };
 
 UcxArena::~UcxArena() { reader_->Close(ep_, rkey_, failed_->load()); }
@@ -411,9 +628,10 @@ absl::StatusOr<std::unique_ptr<UcxExport>> UcxExport::Create(SharedArena* arena,
   return std::unique_ptr<UcxExport>(std::move(e));
 }
 
-absl::StatusOr<std::unique_ptr<UcxReader>> UcxReader::Create(const std::string& transports) {
+absl::StatusOr<std::unique_ptr<UcxReader>> UcxReader::Create(const std::string& transports,
+                                                             UcxReadMode mode) {
   auto r = std::make_shared<UcxReaderImpl>();
-  if (absl::Status s = r->Init(transports); !s.ok()) return s;
+  if (absl::Status s = r->Init(transports, mode); !s.ok()) return s;
   // The reader is shared by the arenas it connects (they close their endpoints through it): the
   // caller holds it through this owner, which keeps the shared state alive.
   struct Owner final : UcxReader {

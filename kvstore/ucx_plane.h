@@ -1,9 +1,9 @@
-// One-sided reads of the store's arena over UCX (issue 16's data plane): the store registers its
-// arena file's mapping with UCX and hands out its worker address and the region's remote key
-// (over gRPC, the control plane); a reader connects, and reads the rows it selects with RMA gets
-// straight into its buffers, with no work on the store's CPU per row where the transport is
-// one-sided (shared memory, CMA, RDMA; over TCP UCX emulates the gets with messages the store's
-// progress thread answers). UCX picks the transport (UCX_TLS, or `transports` here).
+// Reads of the store's arena over UCX (issue 16's data plane): the store registers its arena
+// file's mapping with UCX and hands out its worker address and the region's remote key (over
+// gRPC, the control plane); a reader connects and reads the rows it selects either with one
+// batched gather per read (an active message the store's progress thread answers with every row)
+// or with one-sided RMA gets (no work on the store's CPU per row where the transport is truly
+// one-sided, RDMA). UCX picks the transport (UCX_TLS, or `transports` here).
 //
 // Reuse detection is the shared arena's (kvstore/shared_arena.h): the reader gets the rows,
 // waits for them, then gets the generations of the pages it read, and throws the rows away if one
@@ -48,11 +48,19 @@ class UcxExport {
   virtual const UcxArenaAddress& address() const = 0;
 };
 
+// How a reader reads rows. kGather: one active message per read names every row; the store's
+// progress thread copies them (and the pages' generations) into one reply: two messages a read
+// on any transport, the store's CPU doing a memcpy per row (what pays over TCP and shared
+// memory). kOneSided: an RMA get per row and per page generation, no store CPU where the transport
+// is truly one-sided (RDMA); over TCP UCX emulates each get with messages (slow: docs/PERF.md).
+enum class UcxReadMode { kGather, kOneSided };
+
 // The reader's side: one UCX context and worker for every arena it reads. Thread-safe (calls are
 // serialised on the worker).
 class UcxReader {
  public:
-  static absl::StatusOr<std::unique_ptr<UcxReader>> Create(const std::string& transports = "");
+  static absl::StatusOr<std::unique_ptr<UcxReader>> Create(const std::string& transports = "",
+                                                           UcxReadMode mode = UcxReadMode::kGather);
   virtual ~UcxReader() = default;
   // Connects to an exported arena. UNAVAILABLE if the store cannot be reached;
   // INVALID_ARGUMENT for an address that does not parse.

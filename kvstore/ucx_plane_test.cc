@@ -1,10 +1,12 @@
 // The UCX data plane against the store's own Gather: a store on an arena file exported with
 // UcxExport, a UcxReader connected to it (two UCX workers of this process), over TCP and over
-// CMA; rows equal Gather's, a freed page is detected, a bad address is refused.
+// shared memory, reading by batched gather and by one-sided gets; rows equal Gather's, a freed
+// page is detected, a bad address is refused.
 #include "kvstore/ucx_plane.h"
 
 #include <cstdio>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -34,11 +36,16 @@ std::vector<uint8_t> RowsOf(Store& store, const std::string& id, uint32_t layer,
   return out;
 }
 
-class UcxPlaneTest : public testing::TestWithParam<const char*> {};
+class UcxPlaneTest : public testing::TestWithParam<std::tuple<const char*, UcxReadMode>> {
+ protected:
+  const char* transports() const { return std::get<0>(GetParam()); }
+  UcxReadMode mode() const { return std::get<1>(GetParam()); }
+};
 
 TEST_P(UcxPlaneTest, ReadsTheRowsGatherReturnsAndDetectsReuse) {
   if (!UcxAvailable()) GTEST_SKIP() << "built without UCX";
-  const std::string path = testing::TempDir() + "/kvsparse-ucx-arena-" + GetParam();
+  const std::string path = testing::TempDir() + "/kvsparse-ucx-arena-" + transports() +
+                           (mode() == UcxReadMode::kGather ? "-gather" : "-rma");
   auto arena = NewFileMemoryResource(path, 4 << 20, 8192);
   ASSERT_TRUE(arena.ok()) << arena.status();
   StoreOptions o;
@@ -66,9 +73,9 @@ TEST_P(UcxPlaneTest, ReadsTheRowsGatherReturnsAndDetectsReuse) {
   ar.v = v;
   ASSERT_TRUE((*store)->Append(ar).ok());
 
-  auto exported = UcxExport::Create((*arena)->shared_arena(), GetParam());
+  auto exported = UcxExport::Create((*arena)->shared_arena(), transports());
   ASSERT_TRUE(exported.ok()) << exported.status();
-  auto reader = UcxReader::Create(GetParam());
+  auto reader = UcxReader::Create(transports(), mode());
   ASSERT_TRUE(reader.ok()) << reader.status();
   auto remote = (*reader)->Connect((*exported)->address(), absl::Seconds(10));
   ASSERT_TRUE(remote.ok()) << remote.status();
@@ -95,6 +102,19 @@ TEST_P(UcxPlaneTest, ReadsTheRowsGatherReturnsAndDetectsReuse) {
   EXPECT_FALSE((*remote)->HoldsPage(1ull << 40, 8192));                        // past the file
   EXPECT_FALSE((*remote)->HoldsPage(table->lanes[0][0].offset + 4096, 8192));  // misaligned
 
+  // A page outside the arena (a corrupt or forged table): the store refuses to read it.
+  if (mode() == UcxReadMode::kGather) {
+    std::vector<PageRef> forged(table->lanes[0].begin(), table->lanes[0].end());
+    forged[0].offset = (*arena)->shared_arena()->mapping_bytes() + 8192;
+    std::vector<LaneRead> bad = {{forged, tokens, k0.data(), v0.data()}};
+    EXPECT_EQ(
+        (*remote)
+            ->Read(bad, table->page_tokens, 128, RowKind::kKV, absl::Now() + absl::Seconds(10))
+            .status()
+            .code(),
+        absl::StatusCode::kDataLoss);
+  }
+
   // Freed pages (the sequence dropped): the read says so.
   ASSERT_TRUE((*store)->DropSequence("a").ok());
   auto stale = (*remote)->Read(lanes, table->page_tokens, 128, RowKind::kKV,
@@ -112,9 +132,14 @@ TEST_P(UcxPlaneTest, ReadsTheRowsGatherReturnsAndDetectsReuse) {
   std::remove(path.c_str());
 }
 
-INSTANTIATE_TEST_SUITE_P(Transports, UcxPlaneTest, testing::Values("tcp", "sm"),
-                         [](const testing::TestParamInfo<const char*>& i) {
-                           return std::string(i.param);
+INSTANTIATE_TEST_SUITE_P(Transports, UcxPlaneTest,
+                         testing::Combine(testing::Values("tcp", "sm"),
+                                          testing::Values(UcxReadMode::kGather,
+                                                          UcxReadMode::kOneSided)),
+                         [](const testing::TestParamInfo<std::tuple<const char*, UcxReadMode>>& i) {
+                           return std::string(std::get<0>(i.param)) +
+                                  (std::get<1>(i.param) == UcxReadMode::kGather ? "_gather"
+                                                                                : "_one_sided");
                          });
 
 }  // namespace

@@ -56,9 +56,10 @@ ABSL_FLAG(std::string, store_arena_file, "",
           "volume of the pod): rows are read from its pages in place, not through Gather; reads "
           "fall back to Gather while it cannot be mapped");
 ABSL_FLAG(std::string, store_data_plane, "gather",
-          "role=worker: how rows of the store's pages travel: gather (the Gather RPC) or ucx "
-          "(one-sided UCX gets from a store with --data_plane=ucx, on any host; falls back to "
-          "Gather while it cannot connect)");
+          "role=worker: how rows of the store's pages travel: gather (the Gather RPC), ucx (UCX "
+          "from a store with --data_plane=ucx, on any host: one batched gather message per read) "
+          "or ucx-rma (one-sided UCX gets per row, for RDMA); ucx falls back to Gather while it "
+          "cannot connect");
 ABSL_FLAG(std::string, data_plane, "none",
           "role=store/all: none, or ucx: export the arena (needs --arena_file) for workers with "
           "--store_data_plane=ucx");

@@ -49,9 +49,11 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
       : stub_(v1::KvStore::NewStub(channel)),
         token_(std::move(options.token)),
         arena_file_(std::move(options.arena_file)) {
-    if (options.data_plane == "ucx") {
-      absl::StatusOr<std::unique_ptr<kvstore::UcxReader>> r =
-          kvstore::UcxReader::Create(options.data_plane_transports);
+    if (options.data_plane == "ucx" || options.data_plane == "ucx-rma") {
+      absl::StatusOr<std::unique_ptr<kvstore::UcxReader>> r = kvstore::UcxReader::Create(
+          options.data_plane_transports, options.data_plane == "ucx-rma"
+                                             ? kvstore::UcxReadMode::kOneSided
+                                             : kvstore::UcxReadMode::kGather);
       if (r.ok()) {
         ucx_ = std::move(*r);
       } else {

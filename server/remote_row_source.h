@@ -25,9 +25,10 @@ struct RemoteRowSourceOptions {
   // an arena file, the store has none), and for any read whose pages were freed meanwhile, rows
   // come through Gather instead, so a read never returns another sequence's rows.
   std::string arena_file;
-  // "ucx": read rows with one-sided UCX gets from the store's exported arena (the store runs with
-  // --arena_file and --data_plane=ucx; GetDataPlane gives the address), the store on any host;
-  // reads fall back to Gather while it cannot connect. "" or "gather": Gather (or arena_file).
+  // "ucx": read rows over UCX from the store's exported arena (the store runs with --arena_file
+  // and --data_plane=ucx; GetDataPlane gives the address), the store on any host, one batched
+  // gather message per read; "ucx-rma": the same with one-sided gets per row (for RDMA). Reads
+  // fall back to Gather while it cannot connect. "" or "gather": Gather (or arena_file).
   std::string data_plane;
   std::string data_plane_transports;  // UCX_TLS-style; "": UCX's choice
 };

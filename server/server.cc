@@ -7,6 +7,7 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "server/attention_service.h"
 #include "server/kvstore_service.h"
@@ -134,14 +135,14 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
             << " not reachable yet; Decode calls fail with UNAVAILABLE until it is";
       }
       if (!options.store_data_plane.empty() && options.store_data_plane != "gather" &&
-          options.store_data_plane != "ucx") {
+          options.store_data_plane != "ucx" && options.store_data_plane != "ucx-rma") {
         return absl::InvalidArgumentError(absl::StrCat(
-            "--store_data_plane: '", options.store_data_plane, "' is not gather or ucx"));
+            "--store_data_plane: '", options.store_data_plane, "' is not gather, ucx or ucx-rma"));
       }
       std::unique_ptr<RemoteRowSource> remote = NewRemoteRowSource(
           std::move(channel), {options.store_token, options.store_arena_file,
                                options.store_data_plane, options.data_plane_transports});
-      if (!options.store_arena_file.empty() || options.store_data_plane == "ucx") {
+      if (!options.store_arena_file.empty() || absl::StartsWith(options.store_data_plane, "ucx")) {
         s->metrics_->AddCollectable(NewInPlaceCollector(remote.get()));
       }
       s->row_source_ = std::move(remote);

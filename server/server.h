@@ -85,8 +85,9 @@ struct ServerOptions {
   // kWorker: the store's --arena_file as mounted in this process (the shared-arena pod): rows are
   // copied from its pages in place instead of through Gather (server/remote_row_source.h).
   std::string store_arena_file;
-  // kWorker: "ucx" reads rows with one-sided UCX gets from a store exporting its arena
-  // (data_plane below), on any host; "gather" (or empty): through the Gather RPC.
+  // kWorker: "ucx" reads rows over UCX from a store exporting its arena (data_plane below), on
+  // any host, one batched gather message per read; "ucx-rma" with one-sided gets per row;
+  // "gather" (or empty): through the Gather RPC.
   std::string store_data_plane;
   // kStore / kAll: "ucx" exports the arena (store.memory must be an arena file) over UCX for
   // workers with store_data_plane=ucx; "none" (or empty): no data plane.

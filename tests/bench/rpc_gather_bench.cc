@@ -22,6 +22,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -40,7 +41,8 @@ ABSL_FLAG(std::string, arena_file, "",
           "the direct read of the same rows (see --reader)");
 ABSL_FLAG(std::string, reader, "file",
           "With --arena_file, the direct reader: file (a mapping of the file, the shared-arena "
-          "worker) or ucx (one-sided UCX gets, the store exporting with --data_plane=ucx)");
+          "worker), ucx (UCX batched gathers) or ucx-rma (one-sided UCX gets per row); the store "
+          "exports with --data_plane=ucx");
 ABSL_FLAG(std::string, ucx_transports, "", "--reader=ucx: UCX transports (UCX_TLS syntax)");
 
 namespace {
@@ -114,7 +116,7 @@ int main(int argc, char** argv) {
     }
     arena = std::move(*file);
     so.store.memory = arena.get();
-    if (absl::GetFlag(FLAGS_reader) == "ucx") {
+    if (absl::StartsWith(absl::GetFlag(FLAGS_reader), "ucx")) {
       so.data_plane = "ucx";
       so.data_plane_transports = absl::GetFlag(FLAGS_ucx_transports);
     }
@@ -156,8 +158,8 @@ int main(int argc, char** argv) {
   if (arena != nullptr) {
     in_place = kvsparse::server::NewRemoteRowSource(
         grpc::CreateCustomChannel(co.target, grpc::InsecureChannelCredentials(), args),
-        absl::GetFlag(FLAGS_reader) == "ucx"
-            ? kvsparse::server::RemoteRowSourceOptions{"", "", "ucx",
+        absl::StartsWith(absl::GetFlag(FLAGS_reader), "ucx")
+            ? kvsparse::server::RemoteRowSourceOptions{"", "", absl::GetFlag(FLAGS_reader),
                                                        absl::GetFlag(FLAGS_ucx_transports)}
             : kvsparse::server::RemoteRowSourceOptions{"", arena_path, "", ""});
   }
