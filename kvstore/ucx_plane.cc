@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <random>
 #include <utility>
 #include <vector>
 
@@ -87,6 +88,7 @@ absl::StatusOr<ucp_worker_h> NewWorker(ucp_context_h context, ucs_thread_mode_t 
 constexpr uint16_t kGatherAm = 11;
 constexpr uint16_t kReplyAm = 12;
 struct GatherHeader {
+  uint64_t secret;  // UcxArenaAddress::secret
   uint64_t id;
   uint32_t rows;  // slot offsets (uint64 each) in the payload, then `pages` page offsets
   uint32_t pages;
@@ -180,6 +182,8 @@ class UcxExportImpl final : public UcxExport {
     address_.arena_bytes = arena->mapping_bytes();
     address_.data_offset = arena->data_offset();
     address_.granule = arena->granule();
+    std::random_device rd;
+    address_.secret = (static_cast<uint64_t>(rd()) << 32) ^ rd();
     int efd = -1;
     if (ucs_status_t s = ucp_worker_get_efd(worker, &efd); s != UCS_OK) {
       return UcxError("worker event fd", s);
@@ -205,6 +209,7 @@ class UcxExportImpl final : public UcxExport {
     }
     GatherHeader h;
     std::memcpy(&h, header, sizeof(h));
+    if (h.secret != self->address_.secret) return UCS_OK;  // not from a caller we answered
     ReplyHeader r{h.id, 0, 0};
     const bool want_k = h.kind != static_cast<uint32_t>(RowKind::kV);
     const bool want_v = h.kind != static_cast<uint32_t>(RowKind::kK);
@@ -495,8 +500,12 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
     const uint64_t rows = payload.size();
     payload.insert(payload.end(), pages.begin(), pages.end());
     std::lock_guard<std::mutex> lock(mu_);
-    GatherHeader h{++next_id_, static_cast<uint32_t>(rows), static_cast<uint32_t>(pages.size()),
-                   static_cast<uint32_t>(row_bytes), static_cast<uint32_t>(kind)};
+    GatherHeader h{arena.a_.secret,
+                   ++next_id_,
+                   static_cast<uint32_t>(rows),
+                   static_cast<uint32_t>(pages.size()),
+                   static_cast<uint32_t>(row_bytes),
+                   static_cast<uint32_t>(kind)};
     Pending pending;
     pending_[h.id] = &pending;
     ucp_request_param_t rp{};

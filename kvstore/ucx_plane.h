@@ -30,6 +30,9 @@ struct UcxArenaAddress {
   uint64_t arena_bytes = 0;    // the file's size
   uint64_t data_offset = 0;    // where pages start (the generations precede it)
   uint64_t granule = 0;        // bytes per generation
+  // Random per export; a batched gather must carry it (UCX's own listener has no access control:
+  // only callers GetDataPlane answered can read). One-sided gets are not checked by the store.
+  uint64_t secret = 0;
 };
 
 // Whether this build has UCX.

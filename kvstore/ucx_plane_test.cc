@@ -115,6 +115,20 @@ TEST_P(UcxPlaneTest, ReadsTheRowsGatherReturnsAndDetectsReuse) {
         absl::StatusCode::kDataLoss);
   }
 
+  // A gather without the export's secret gets no answer (the read times out and fails).
+  if (mode() == UcxReadMode::kGather) {
+    UcxArenaAddress wrong = (*exported)->address();
+    wrong.secret ^= 1;
+    auto impostor = (*reader)->Connect(wrong, absl::Seconds(10));
+    ASSERT_TRUE(impostor.ok()) << impostor.status();
+    EXPECT_EQ((*impostor)
+                  ->Read(lanes, table->page_tokens, 128, RowKind::kKV,
+                         absl::Now() + absl::Milliseconds(300))
+                  .status()
+                  .code(),
+              absl::StatusCode::kDeadlineExceeded);
+  }
+
   // Freed pages (the sequence dropped): the read says so.
   ASSERT_TRUE((*store)->DropSequence("a").ok());
   auto stale = (*remote)->Read(lanes, table->page_tokens, 128, RowKind::kKV,

@@ -171,6 +171,7 @@ grpc::Status KvStoreService::GetDataPlane(grpc::ServerContext* ctx, const v1::Ge
     resp->set_arena_bytes(a.arena_bytes);
     resp->set_data_offset(a.data_offset);
     resp->set_granule(a.granule);
+    resp->set_secret(a.secret);
     return absl::OkStatus();
   });
 }

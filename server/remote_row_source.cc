@@ -471,6 +471,7 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
     a.arena_bytes = dp.arena_bytes();
     a.data_offset = dp.data_offset();
     a.granule = dp.granule();
+    a.secret = dp.secret();
     return ucx_->Connect(a, std::min(absl::Seconds(5), deadline - absl::Now()));
   }
 
