@@ -16,7 +16,9 @@
 #include "kernels/philox.h"
 #include "kernels/santa.h"
 #include "kernels/synthetic.h"
+#include "kvsparse/v1/kvstore.grpc.pb.h"
 #include "kvstore/shared_arena.h"
+#include "kvstore/ucx_plane.h"
 #include "server/remote_row_source.h"
 #include "server/server.h"
 #include "tests/integration/http_get.h"
@@ -494,6 +496,44 @@ TEST_P(DirectReadTest, RowSourceKeepsTheStoresAnswers) {
   source.reset();
   store.reset();
   std::remove(path.c_str());
+}
+
+// GetDataPlane hands out the arena's UCX address only to a token without a tenant (the arena
+// holds every tenant's rows), and says FAILED_PRECONDITION where the store exports none.
+TEST(AttentionServiceTest, DataPlaneNeedsAnUntenantedToken) {
+  if (!kvstore::UcxAvailable()) GTEST_SKIP() << "built without UCX";
+  const std::string path = ::testing::TempDir() + "/kvsparse-data-plane-auth";
+  const std::string tokens = ::testing::TempDir() + "/kvsparse-data-plane-tokens";
+  std::ofstream(tokens) << "worker-token-0123456789 read\ntenant-token-0123456789 read t1\n";
+  auto arena = kvstore::NewFileMemoryResource(path, 16 << 20);
+  ASSERT_TRUE(arena.ok());
+  auto store = StartServer(server::ServerRole::kStore, 0, false, [&](server::ServerOptions& o) {
+    o.store.memory = arena->get();
+    o.data_plane = "ucx";
+    o.data_plane_transports = "tcp";
+    o.auth_tokens_file = tokens;
+  });
+  auto plain = StartServer(server::ServerRole::kStore);
+  ASSERT_NE(store, nullptr);
+  ASSERT_NE(plain, nullptr);
+  auto ask = [](int port, const std::string& token) {
+    auto stub = v1::KvStore::NewStub(
+        grpc::CreateChannel(absl::StrCat("127.0.0.1:", port), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext ctx;
+    if (!token.empty()) ctx.AddMetadata("authorization", "Bearer " + token);
+    v1::DataPlane dp;
+    grpc::Status s = stub->GetDataPlane(&ctx, v1::GetDataPlaneRequest(), &dp);
+    EXPECT_TRUE(!s.ok() || (dp.transport() == "ucx" && !dp.worker_address().empty() &&
+                            !dp.rkey().empty() && dp.secret() != 0));
+    return s.error_code();
+  };
+  EXPECT_EQ(ask(store->port(), "worker-token-0123456789"), grpc::StatusCode::OK);
+  EXPECT_EQ(ask(store->port(), "tenant-token-0123456789"), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(ask(store->port(), ""), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(ask(plain->port(), ""), grpc::StatusCode::FAILED_PRECONDITION);
+  store.reset();
+  std::remove(path.c_str());
+  std::remove(tokens.c_str());
 }
 
 // A model server's step loop over DecodeStream: append the new token and decode, every step;
