@@ -126,16 +126,19 @@ absl::StatusOr<std::unique_ptr<MemoryResource>> NewFileMemoryResource(const std:
   const int fd = open(tmp.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) return fail("cannot create it");
   if (ftruncate(fd, static_cast<off_t>(file_bytes)) != 0) {
+    absl::Status s = fail("cannot size it");  // before close/unlink change errno
     close(fd);
     unlink(tmp.c_str());
-    return fail("cannot size it");
+    return s;
   }
   void* p = mmap(nullptr, file_bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-  close(fd);  // the mapping keeps the file's pages
   if (p == MAP_FAILED) {
+    absl::Status s = fail("cannot map it");
+    close(fd);
     unlink(tmp.c_str());
-    return fail("cannot map it");
+    return s;
   }
+  close(fd);  // the mapping keeps the file's pages
   auto* base = static_cast<uint8_t*>(p);
   ArenaFileHeader header{};
   std::memcpy(header.magic, kMagic, sizeof(kMagic));
@@ -146,9 +149,10 @@ absl::StatusOr<std::unique_ptr<MemoryResource>> NewFileMemoryResource(const std:
   header.data_bytes = granules * granule;
   std::memcpy(base, &header, sizeof(header));
   if (rename(tmp.c_str(), path.c_str()) != 0) {
+    absl::Status s = fail("cannot rename it into place");
     munmap(p, file_bytes);
     unlink(tmp.c_str());
-    return fail("cannot rename it into place");
+    return s;
   }
   return std::unique_ptr<MemoryResource>(
       new FileMemoryResource(path, base, file_bytes, data_offset, granule, header.arena_id));
