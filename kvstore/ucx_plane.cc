@@ -115,6 +115,22 @@ absl::Status SetAmHandler(ucp_worker_h worker, uint16_t id, ucp_am_recv_callback
   return absl::OkStatus();
 }
 
+// The pages a read touches (once per run of one page in a lane) with the generations the reader
+// expects of them.
+std::vector<PageRef> PagesRead(absl::Span<const LaneRead> lanes, uint32_t page_tokens) {
+  std::vector<PageRef> pages;
+  for (const LaneRead& l : lanes) {
+    size_t last = SIZE_MAX;
+    for (const uint32_t t : l.tokens) {
+      const size_t page = t / page_tokens;
+      if (page == last) continue;
+      last = page;
+      pages.push_back(l.pages[page]);
+    }
+  }
+  return pages;
+}
+
 // A UCX context and one single-threaded worker on it, released in reverse order.
 struct UcxWorker {
   ucp_context_h context = nullptr;
@@ -410,36 +426,20 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
       arena.failed_->store(true);
       return s;
     }
-    // The generations of the distinct pages read (runs of one page counted once).
-    std::vector<uint64_t> offsets;
-    for (const LaneRead& l : lanes) {
-      size_t last = SIZE_MAX;
-      for (const uint32_t t : l.tokens) {
-        const size_t page = t / page_tokens;
-        if (page == last) continue;
-        last = page;
-        offsets.push_back(l.pages[page].offset);
-      }
-    }
-    std::vector<uint64_t> gens(offsets.size());
-    for (size_t i = 0; i < offsets.size(); ++i) {
+    // Then the generations of the pages read.
+    const std::vector<PageRef> pages = PagesRead(lanes, page_tokens);
+    std::vector<uint64_t> gens(pages.size());
+    for (size_t i = 0; i < pages.size(); ++i) {
       const uint64_t word =
-          a.base_address + 4096 + (offsets[i] - a.data_offset) / a.granule * sizeof(uint64_t);
+          a.base_address + 4096 + (pages[i].offset - a.data_offset) / a.granule * sizeof(uint64_t);
       if (absl::Status s = GetLocked(arena, &gens[i], sizeof(uint64_t), word); !s.ok()) return s;
     }
     if (absl::Status s = FlushLocked(arena.ep_, deadline); !s.ok()) {
       arena.failed_->store(true);
       return s;
     }
-    size_t i = 0;
-    for (const LaneRead& l : lanes) {
-      size_t last = SIZE_MAX;
-      for (const uint32_t t : l.tokens) {
-        const size_t page = t / page_tokens;
-        if (page == last) continue;
-        last = page;
-        if (gens[i++] != l.pages[page].generation) return false;
-      }
+    for (size_t i = 0; i < pages.size(); ++i) {
+      if (gens[i] != pages[i].generation) return false;
     }
     return true;
   }
@@ -481,24 +481,18 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
     const bool want_k = kind != RowKind::kV;
     const bool want_v = kind != RowKind::kK;
     std::vector<uint64_t> payload;  // slot offsets, then page offsets
-    std::vector<uint64_t> pages, expected;
     for (const LaneRead& l : lanes) {
       if ((want_k && l.k_out == nullptr) || (want_v && l.v_out == nullptr)) {
         return absl::InvalidArgumentError("ucx read: no buffer for the rows asked for");
       }
-      size_t last = SIZE_MAX;
       for (const uint32_t t : l.tokens) {
-        const size_t page = t / page_tokens;
-        payload.push_back(l.pages[page].offset +
+        payload.push_back(l.pages[t / page_tokens].offset +
                           static_cast<uint64_t>(t % page_tokens) * 2 * row_bytes);
-        if (page == last) continue;
-        last = page;
-        pages.push_back(l.pages[page].offset);
-        expected.push_back(l.pages[page].generation);
       }
     }
     const uint64_t rows = payload.size();
-    payload.insert(payload.end(), pages.begin(), pages.end());
+    const std::vector<PageRef> pages = PagesRead(lanes, page_tokens);
+    for (const PageRef& p : pages) payload.push_back(p.offset);
     std::lock_guard<std::mutex> lock(mu_);
     GatherHeader h{arena.a_.secret,
                    ++next_id_,
@@ -553,7 +547,7 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
     for (size_t i = 0; i < pages.size(); ++i) {
       uint64_t g;
       std::memcpy(&g, gens + i * sizeof(uint64_t), sizeof(g));
-      if (g != expected[i]) return false;
+      if (g != pages[i].generation) return false;
     }
     return true;
   }
