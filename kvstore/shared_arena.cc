@@ -17,7 +17,7 @@ namespace kvsparse::kvstore {
 namespace {
 
 constexpr uint64_t kPageAlign = 4096;  // the header's size and the smallest granule
-constexpr uint64_t kHeaderBytes = 4096;
+constexpr uint64_t kHeaderBytes = ArenaLayout::kArenaHeaderBytes;
 constexpr char kMagic[8] = {'K', 'V', 'S', 'A', 'R', 'E', 'N', 'A'};
 constexpr uint32_t kVersion = 1;
 
@@ -33,8 +33,9 @@ static_assert(sizeof(ArenaFileHeader) <= kHeaderBytes);
 
 // Generations are plain 64-bit words in shared memory, read and written with the compiler's
 // atomic builtins (address-free, so they work across processes).
-uint64_t* GenerationWord(uint8_t* base, uint64_t data_offset, uint64_t granule, uint64_t offset) {
-  return reinterpret_cast<uint64_t*>(base + kHeaderBytes) + (offset - data_offset) / granule;
+uint64_t* GenerationWord(const uint8_t* base, const ArenaLayout& layout, uint64_t page_offset) {
+  return reinterpret_cast<uint64_t*>(const_cast<uint8_t*>(base) +
+                                     layout.GenerationOffset(page_offset));
 }
 
 class FileMemoryResource final : public MemoryResource, public SharedArena {
@@ -80,17 +81,17 @@ class FileMemoryResource final : public MemoryResource, public SharedArena {
     return static_cast<uint64_t>(static_cast<const uint8_t*>(p) - base_);
   }
   uint64_t Generation(const void* page) const override {
-    return __atomic_load_n(GenerationWord(base_, data_offset_, granule_, Offset(page)),
-                           __ATOMIC_ACQUIRE);
+    return __atomic_load_n(GenerationWord(base_, Layout(), Offset(page)), __ATOMIC_ACQUIRE);
   }
   void Retire(const void* page) override {
     // Sequentially consistent, and the page's next owner writes it only after taking the pool's
     // lock that Free takes after this: the increment is visible no later than those writes.
-    __atomic_fetch_add(GenerationWord(base_, data_offset_, granule_, Offset(page)), 1,
-                       __ATOMIC_SEQ_CST);
+    __atomic_fetch_add(GenerationWord(base_, Layout(), Offset(page)), 1, __ATOMIC_SEQ_CST);
   }
 
  private:
+  ArenaLayout Layout() const { return {file_bytes_, data_offset_, granule_}; }
+
   const std::string path_;
   uint8_t* const base_;
   const size_t file_bytes_;
@@ -157,14 +158,12 @@ absl::StatusOr<std::unique_ptr<MemoryResource>> NewFileMemoryResource(const std:
       new FileMemoryResource(path, base, file_bytes, data_offset, granule, header.arena_id));
 }
 
-ArenaMapping::ArenaMapping(std::string path, const uint8_t* base, size_t bytes, uint64_t arena_id,
-                           uint64_t data_offset, uint64_t granule, uint64_t device, uint64_t inode)
+ArenaMapping::ArenaMapping(std::string path, const uint8_t* base, ArenaLayout layout,
+                           uint64_t arena_id, uint64_t device, uint64_t inode)
     : path_(std::move(path)),
       base_(base),
-      bytes_(bytes),
+      layout_(layout),
       arena_id_(arena_id),
-      data_offset_(data_offset),
-      granule_(granule),
       device_(device),
       inode_(inode) {}
 
@@ -184,7 +183,7 @@ bool ArenaMapping::IsCurrent() const {
          static_cast<uint64_t>(st.st_ino) == inode_;
 }
 
-ArenaMapping::~ArenaMapping() { munmap(const_cast<uint8_t*>(base_), bytes_); }
+ArenaMapping::~ArenaMapping() { munmap(const_cast<uint8_t*>(base_), layout_.file_bytes); }
 
 absl::StatusOr<std::unique_ptr<ArenaMapping>> ArenaMapping::Open(const std::string& path) {
   const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -217,13 +216,12 @@ absl::StatusOr<std::unique_ptr<ArenaMapping>> ArenaMapping::Open(const std::stri
         absl::StrCat(path, " is not a kvsparse arena file of version ", kVersion));
   }
   return std::unique_ptr<ArenaMapping>(new ArenaMapping(
-      path, static_cast<const uint8_t*>(p), bytes, h.arena_id, h.data_offset, h.granule_bytes,
-      static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)));
+      path, static_cast<const uint8_t*>(p), ArenaLayout{bytes, h.data_offset, h.granule_bytes},
+      h.arena_id, static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino)));
 }
 
 bool ArenaMapping::HoldsPage(uint64_t offset, uint64_t page_bytes) const {
-  return offset >= data_offset_ && (offset - data_offset_) % granule_ == 0 &&
-         page_bytes <= bytes_ && offset <= bytes_ - page_bytes;
+  return layout_.HoldsPage(offset, page_bytes);
 }
 
 void ArenaMapping::Prefault(absl::Span<const PageRef> pages, uint64_t page_bytes) const {
@@ -243,9 +241,7 @@ void ArenaMapping::Prefault(absl::Span<const PageRef> pages, uint64_t page_bytes
 }
 
 uint64_t ArenaMapping::GenerationAt(uint64_t offset) const {
-  return __atomic_load_n(
-      GenerationWord(const_cast<uint8_t*>(base_), data_offset_, granule_, offset),
-      __ATOMIC_RELAXED);
+  return __atomic_load_n(GenerationWord(base_, layout_, offset), __ATOMIC_RELAXED);
 }
 
 bool ArenaMapping::CopyRows(absl::Span<const PageRef> pages, uint32_t page_tokens, size_t row_bytes,

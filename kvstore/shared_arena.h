@@ -62,6 +62,23 @@ class SharedArena {
   virtual uint64_t data_offset() const = 0;
 };
 
+// Where things are in an arena file (the layout above), for every reader and writer of it.
+struct ArenaLayout {
+  uint64_t file_bytes = 0;
+  uint64_t data_offset = 0;  // where the data region starts
+  uint64_t granule = 0;      // bytes per generation
+  // The file offset of the generation of the page starting at page_offset (in the data region).
+  uint64_t GenerationOffset(uint64_t page_offset) const {
+    return kArenaHeaderBytes + (page_offset - data_offset) / granule * sizeof(uint64_t);
+  }
+  // Whether a page of page_bytes at page_offset lies inside the data region, granule-aligned.
+  bool HoldsPage(uint64_t page_offset, uint64_t page_bytes) const {
+    return page_offset >= data_offset && (page_offset - data_offset) % granule == 0 &&
+           page_bytes <= file_bytes && page_offset <= file_bytes - page_bytes;
+  }
+  static constexpr uint64_t kArenaHeaderBytes = 4096;
+};
+
 // Where one page of a lane sits in the arena file, and its generation when the table was made.
 struct PageRef {
   uint64_t offset = 0;
@@ -112,6 +129,7 @@ class ArenaMapping final : public ArenaReader {
 
   uint64_t arena_id() const override { return arena_id_; }
   const std::string& path() const { return path_; }
+  const ArenaLayout& layout() const { return layout_; }
   std::string name() const override;
   // Whether the path still names the file this maps (false once a restarted store has put a new
   // file there: drop this mapping, so the old file's memory is freed, and open the path again).
@@ -136,16 +154,14 @@ class ArenaMapping final : public ArenaReader {
                 uint8_t* v_out) const;
 
  private:
-  ArenaMapping(std::string path, const uint8_t* base, size_t bytes, uint64_t arena_id,
-               uint64_t data_offset, uint64_t granule, uint64_t device, uint64_t inode);
+  ArenaMapping(std::string path, const uint8_t* base, ArenaLayout layout, uint64_t arena_id,
+               uint64_t device, uint64_t inode);
   uint64_t GenerationAt(uint64_t offset) const;
 
   const std::string path_;
   const uint8_t* const base_;
-  const size_t bytes_;
+  const ArenaLayout layout_;
   const uint64_t arena_id_;
-  const uint64_t data_offset_;
-  const uint64_t granule_;
   const uint64_t device_;
   const uint64_t inode_;
 };

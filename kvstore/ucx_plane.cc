@@ -233,6 +233,7 @@ class UcxExportImpl final : public UcxExport {
     const SharedArena& a = *self->arena_;
     const auto* base = static_cast<const uint8_t*>(a.mapping());
     const uint64_t end = a.mapping_bytes();
+    const ArenaLayout layout{end, a.data_offset(), a.granule()};
     std::vector<uint8_t>* reply = nullptr;
     if (length == (n + h.pages) * sizeof(uint64_t) && row > 0 && 2 * row <= end) {
       const auto* offsets = static_cast<const uint64_t*>(data);
@@ -241,8 +242,7 @@ class UcxExportImpl final : public UcxExport {
         inside = offsets[i] >= a.data_offset() && offsets[i] <= end - 2 * row;
       }
       for (uint64_t i = n; i < n + h.pages && inside; ++i) {
-        inside = offsets[i] >= a.data_offset() && offsets[i] < end &&
-                 (offsets[i] - a.data_offset()) % a.granule() == 0;
+        inside = layout.HoldsPage(offsets[i], a.granule());
       }
       if (inside) {
         const uint64_t kinds = (want_k ? 1 : 0) + (want_v ? 1 : 0);
@@ -257,10 +257,9 @@ class UcxExportImpl final : public UcxExport {
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
         auto* gens = reinterpret_cast<uint64_t*>(reply->data() + n * kinds * row);
         for (uint64_t i = 0; i < h.pages; ++i) {
-          const uint64_t word =
-              4096 + (offsets[n + i] - a.data_offset()) / a.granule() * sizeof(uint64_t);
-          gens[i] =
-              __atomic_load_n(reinterpret_cast<const uint64_t*>(base + word), __ATOMIC_RELAXED);
+          gens[i] = __atomic_load_n(
+              reinterpret_cast<const uint64_t*>(base + layout.GenerationOffset(offsets[n + i])),
+              __ATOMIC_RELAXED);
         }
         r.ok = 1;
       }
@@ -318,9 +317,9 @@ class UcxArena final : public ArenaReader {
 
   uint64_t arena_id() const override { return a_.arena_id; }
   std::string name() const override { return "ucx"; }
+  ArenaLayout layout() const { return {a_.arena_bytes, a_.data_offset, a_.granule}; }
   bool HoldsPage(uint64_t offset, uint64_t page_bytes) const override {
-    return offset >= a_.data_offset && (offset - a_.data_offset) % a_.granule == 0 &&
-           page_bytes <= a_.arena_bytes && offset <= a_.arena_bytes - page_bytes;
+    return layout().HoldsPage(offset, page_bytes);
   }
   bool IsCurrent() const override { return !failed_->load(std::memory_order_relaxed); }
   absl::StatusOr<bool> Read(absl::Span<const LaneRead> lanes, uint32_t page_tokens,
@@ -430,8 +429,7 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
     const std::vector<PageRef> pages = PagesRead(lanes, page_tokens);
     std::vector<uint64_t> gens(pages.size());
     for (size_t i = 0; i < pages.size(); ++i) {
-      const uint64_t word =
-          a.base_address + 4096 + (pages[i].offset - a.data_offset) / a.granule * sizeof(uint64_t);
+      const uint64_t word = a.base_address + arena.layout().GenerationOffset(pages[i].offset);
       if (absl::Status s = GetLocked(arena, &gens[i], sizeof(uint64_t), word); !s.ok()) return s;
     }
     if (absl::Status s = FlushLocked(arena.ep_, deadline); !s.ok()) {
