@@ -34,6 +34,7 @@ struct LayerTable {
   uint64_t row_bytes = 0;
   std::vector<std::vector<kvstore::PageRef>> lanes;
   size_t pages() const { return lanes.empty() ? 0 : lanes[0].size(); }
+  size_t entries() const { return pages() * lanes.size(); }  // counted against kMaxCachedPages
 };
 
 // What this worker knows of one sequence of the store.
@@ -41,6 +42,17 @@ struct SequenceState {
   uint64_t incarnation = 0;             // 0: not known yet
   std::vector<uint64_t> known_lengths;  // per layer, from Describe and this worker's Appends
   std::vector<std::shared_ptr<const LayerTable>> layers;
+
+  size_t entries() const {
+    size_t n = 0;
+    for (const auto& l : layers) n += l != nullptr ? l->entries() : 0;
+    return n;
+  }
+  // Room for `n` layers.
+  void Grow(size_t n) {
+    if (layers.size() < n) layers.resize(n);
+    if (known_lengths.size() < n) known_lengths.resize(n, 0);
+  }
 };
 
 class RemoteRowSourceImpl final : public RemoteRowSource {
@@ -347,12 +359,8 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
     absl::MutexLock lock(&mu_);
     SequenceState& s = seqs_[id];
     if (s.incarnation != incarnation) {
-      for (const auto& l : s.layers)
-        cached_pages_ -= l != nullptr ? l->pages() * l->lanes.size() : 0;
-      s = SequenceState{};
-      s.incarnation = incarnation;
-      s.layers.resize(lengths.size());
-      s.known_lengths.assign(lengths.size(), 0);
+      ResetSequenceLocked(s, incarnation);
+      s.Grow(lengths.size());
     }
     for (size_t l = 0; l < lengths.size() && l < s.known_lengths.size(); ++l) {
       s.known_lengths[l] = std::max(s.known_lengths[l], lengths[l]);
@@ -361,44 +369,36 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
 
   void Publish(absl::string_view id, uint32_t layer, std::shared_ptr<const LayerTable> t) {
     absl::MutexLock lock(&mu_);
-    SequenceState& s = seqs_[id];
-    if (s.incarnation != t->incarnation) {
-      // Known only from this table (no Describe yet, or one of another incarnation).
-      for (const auto& l : s.layers)
-        cached_pages_ -= l != nullptr ? l->pages() * l->lanes.size() : 0;
-      s = SequenceState{};
-      s.incarnation = t->incarnation;
-    }
-    if (layer >= s.layers.size()) {
-      s.layers.resize(layer + 1);
-      s.known_lengths.resize(layer + 1, 0);
-    }
-    const size_t entries = t->pages() * t->lanes.size();
-    if (s.layers[layer] != nullptr) {
-      cached_pages_ -= s.layers[layer]->pages() * s.layers[layer]->lanes.size();
-    }
-    if (cached_pages_ + entries > kMaxCachedPages) {
+    SequenceState* s = &seqs_[id];
+    // Known only from this table (no Describe yet, or one of another incarnation).
+    if (s->incarnation != t->incarnation) ResetSequenceLocked(*s, t->incarnation);
+    s->Grow(layer + 1);
+    if (s->layers[layer] != nullptr) cached_pages_ -= s->layers[layer]->entries();
+    s->layers[layer] = nullptr;
+    if (cached_pages_ + t->entries() > kMaxCachedPages) {
       seqs_.clear();  // bounded memory: start over (the tables are fetched again as needed)
       cached_pages_ = 0;
-      SequenceState& fresh = seqs_[id];
-      fresh.incarnation = t->incarnation;
-      fresh.layers.resize(layer + 1);
-      fresh.known_lengths.resize(layer + 1, 0);
-      fresh.layers[layer] = std::move(t);
-      cached_pages_ = entries;
-      return;
+      s = &seqs_[id];
+      s->incarnation = t->incarnation;
+      s->Grow(layer + 1);
     }
-    s.layers[layer] = std::move(t);
-    cached_pages_ += entries;
+    cached_pages_ += t->entries();
+    s->layers[layer] = std::move(t);
+  }
+
+  // Forgets what the sequence's state counted and starts it over for `incarnation`.
+  void ResetSequenceLocked(SequenceState& s, uint64_t incarnation)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    cached_pages_ -= s.entries();
+    s = SequenceState{};
+    s.incarnation = incarnation;
   }
 
   void Forget(absl::string_view id) {
     absl::MutexLock lock(&mu_);
     auto it = seqs_.find(id);
     if (it == seqs_.end()) return;
-    for (const auto& l : it->second.layers) {
-      cached_pages_ -= l != nullptr ? l->pages() * l->lanes.size() : 0;
-    }
+    cached_pages_ -= it->second.entries();
     seqs_.erase(it);
   }
 
