@@ -449,13 +449,19 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
   }
 
  private:
+  // A gather waiting for its reply: where the rows go, and the generations that came back.
   struct Pending {
-    std::vector<uint8_t> data;
+    absl::Span<const LaneRead> lanes;
+    size_t row_bytes = 0;
+    uint64_t rows = 0;
+    bool want_k = false, want_v = false;
+    std::vector<uint64_t> gens;  // sized to the pages asked for
     bool done = false;
-    bool ok = false;
+    bool ok = false;  // the store answered, with exactly the bytes asked for
   };
 
-  // The store's reply to a gather: kept for the read waiting on it (none: it timed out).
+  // The store's reply to a gather: its rows go straight to the waiting read's buffers (none
+  // waiting: the read timed out, the reply is dropped).
   static ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* data,
                               size_t length, const ucp_am_recv_param_t*) {
     auto* self = static_cast<UcxReaderImpl*>(arg);
@@ -464,10 +470,22 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
     std::memcpy(&r, header, sizeof(r));
     auto it = self->pending_.find(r.id);
     if (it == self->pending_.end()) return UCS_OK;
-    it->second->data.assign(static_cast<const uint8_t*>(data),
-                            static_cast<const uint8_t*>(data) + length);
-    it->second->ok = r.ok != 0;
-    it->second->done = true;
+    Pending& p = *it->second;
+    p.done = true;
+    const uint64_t kinds = (p.want_k ? 1 : 0) + (p.want_v ? 1 : 0);
+    const uint64_t row_part = p.rows * kinds * p.row_bytes;
+    if (r.ok == 0 || length != row_part + p.gens.size() * sizeof(uint64_t)) return UCS_OK;
+    const auto* k = static_cast<const uint8_t*>(data);
+    const uint8_t* v = k + (p.want_k ? p.rows * p.row_bytes : 0);
+    size_t at = 0;
+    for (const LaneRead& l : p.lanes) {
+      const size_t bytes = l.tokens.size() * p.row_bytes;
+      if (p.want_k) std::memcpy(l.k_out, k + at * p.row_bytes, bytes);
+      if (p.want_v) std::memcpy(l.v_out, v + at * p.row_bytes, bytes);
+      at += l.tokens.size();
+    }
+    std::memcpy(p.gens.data(), k + row_part, p.gens.size() * sizeof(uint64_t));
+    p.ok = true;
     return UCS_OK;
   }
 
@@ -499,6 +517,12 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
                    static_cast<uint32_t>(row_bytes),
                    static_cast<uint32_t>(kind)};
     Pending pending;
+    pending.lanes = lanes;
+    pending.row_bytes = row_bytes;
+    pending.rows = rows;
+    pending.want_k = want_k;
+    pending.want_v = want_v;
+    pending.gens.resize(pages.size());
     pending_[h.id] = &pending;
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -528,24 +552,9 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
     }
     pending_.erase(h.id);
     if (UCS_PTR_IS_PTR(sent)) ucp_request_free(sent);
-    const uint64_t kinds = (want_k ? 1 : 0) + (want_v ? 1 : 0);
-    if (!pending.ok || pending.data.size() != rows * kinds * row_bytes + pages.size() * 8) {
-      return absl::DataLossError("ucx: the store refused or cut short a gather");
-    }
-    const uint8_t* k = pending.data.data();
-    const uint8_t* v = k + (want_k ? rows * row_bytes : 0);
-    size_t at = 0;
-    for (const LaneRead& l : lanes) {
-      const size_t bytes = l.tokens.size() * row_bytes;
-      if (want_k) std::memcpy(l.k_out, k + at * row_bytes, bytes);
-      if (want_v) std::memcpy(l.v_out, v + at * row_bytes, bytes);
-      at += l.tokens.size();
-    }
-    const uint8_t* gens = pending.data.data() + rows * kinds * row_bytes;
+    if (!pending.ok) return absl::DataLossError("ucx: the store refused or cut short a gather");
     for (size_t i = 0; i < pages.size(); ++i) {
-      uint64_t g;
-      std::memcpy(&g, gens + i * sizeof(uint64_t), sizeof(g));
-      if (g != pages[i].generation) return false;
+      if (pending.gens[i] != pages[i].generation) return false;
     }
     return true;
   }
