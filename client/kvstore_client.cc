@@ -5,6 +5,7 @@
 #include <grpcpp/support/channel_arguments.h>
 
 #include "absl/strings/str_cat.h"
+#include "kvstore/placement.h"
 
 namespace kvsparse::client {
 
@@ -156,6 +157,43 @@ absl::StatusOr<v1::StoreStats> KvStoreClient::GetStats() {
   absl::Status s = FromGrpcStatus(stub_->GetStats(&ctx, {}, &resp));
   if (!s.ok()) return s;
   return resp;
+}
+
+absl::StatusOr<std::unique_ptr<StoreShards>> StoreShards::Connect(const ClientOptions& options) {
+  absl::StatusOr<std::vector<std::string>> targets = kvstore::ExpandShardList(options.target);
+  if (!targets.ok()) return targets.status();
+  auto shards = std::make_unique<StoreShards>();
+  for (const std::string& target : *targets) {
+    ClientOptions o = options;
+    o.target = target;
+    absl::StatusOr<std::unique_ptr<KvStoreClient>> c = KvStoreClient::Connect(std::move(o));
+    if (!c.ok()) return c.status();
+    shards->shards_.push_back(std::move(*c));
+  }
+  return shards;
+}
+
+KvStoreClient& StoreShards::For(absl::string_view sequence_id) {
+  return *shards_[kvstore::ShardOf(sequence_id, static_cast<uint32_t>(shards_.size()))];
+}
+
+absl::Status StoreShards::CheckPlacement() {
+  for (size_t i = 0; i < shards_.size(); ++i) {
+    absl::StatusOr<v1::StoreStats> st = shards_[i]->GetStats();
+    if (!st.ok()) {
+      return absl::Status(st.status().code(),
+                          absl::StrCat("store shard ", i, " (", shards_[i]->options().target,
+                                       "): ", st.status().message()));
+    }
+    const uint32_t count = std::max<uint32_t>(1, st->shard_count());
+    if (count != shards_.size() || st->shard_index() != i) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("store ", shards_[i]->options().target, " is shard ", st->shard_index(),
+                       " of ", count, " (--shard_index/--shard_count), but it is shard ", i, " of ",
+                       shards_.size(), " in this list"));
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace kvsparse::client

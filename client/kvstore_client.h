@@ -78,6 +78,28 @@ class KvStoreClient {
   std::unique_ptr<grpc::health::v1::Health::Stub> health_;
 };
 
+// A sharded fleet of stores (kvsparse-server --shard_index/--shard_count): one client per shard,
+// in shard order, and each sequence's shard by kvstore::ShardOf, as the workers place it.
+class StoreShards {
+ public:
+  // options.target: one address, or the shards' (kvstore::ExpandShardList: "a:1,b:2",
+  // "kvsparse-store-{0..3}.kvsparse-store:50051"); the other options hold for every shard.
+  static absl::StatusOr<std::unique_ptr<StoreShards>> Connect(const ClientOptions& options);
+
+  size_t size() const { return shards_.size(); }
+  KvStoreClient& shard(size_t i) { return *shards_[i]; }
+  // The shard holding (or to hold) sequence_id.
+  KvStoreClient& For(absl::string_view sequence_id);
+  // Every shard's GetStats: FAILED_PRECONDITION unless shard i of the list says it is shard i of
+  // size() (a list out of order, or stores run without --shard_index/--shard_count, would place
+  // sequences where workers with the right list do not look); the call's error otherwise.
+  // A single, unsharded store passes.
+  absl::Status CheckPlacement();
+
+ private:
+  std::vector<std::unique_ptr<KvStoreClient>> shards_;
+};
+
 // grpc::Status -> absl::Status (same code and message).
 absl::Status FromGrpcStatus(const grpc::Status& status);
 

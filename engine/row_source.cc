@@ -1,6 +1,7 @@
 #include "engine/row_source.h"
 
 #include "absl/strings/str_cat.h"
+#include "kvstore/placement.h"
 
 namespace kvsparse::engine {
 namespace {
@@ -66,6 +67,38 @@ class LocalRowSource final : public RowSource {
   const bool mapped_;
 };
 
+class ShardedRowSource final : public RowSource {
+ public:
+  explicit ShardedRowSource(std::vector<std::unique_ptr<RowSource>> shards)
+      : shards_(std::move(shards)) {}
+
+  kvstore::Tier tier() const override { return shards_.front()->tier(); }
+  absl::StatusOr<SequenceDesc> Describe(absl::string_view id, absl::Time deadline) override {
+    return For(id).Describe(id, deadline);
+  }
+  absl::Status Append(absl::string_view id, const kvstore::ModelShape& shape, uint32_t layer,
+                      uint64_t expected_length, uint64_t num_tokens, absl::Span<const uint8_t> k,
+                      absl::Span<const uint8_t> v, absl::Time deadline) override {
+    return For(id).Append(id, shape, layer, expected_length, num_tokens, k, v, deadline);
+  }
+  absl::StatusOr<uint64_t> Gather(absl::string_view id, uint32_t layer, kvstore::RowKind kind,
+                                  absl::Span<const RowRequest> heads, uint8_t* k_out,
+                                  uint8_t* v_out, absl::Time deadline) override {
+    return For(id).Gather(id, layer, kind, heads, k_out, v_out, deadline);
+  }
+  absl::StatusOr<std::unique_ptr<kvstore::PageView>> View(absl::string_view id) override {
+    return For(id).View(id);
+  }
+  bool pages_device_visible() const override { return shards_.front()->pages_device_visible(); }
+
+ private:
+  RowSource& For(absl::string_view id) {
+    return *shards_[kvstore::ShardOf(id, static_cast<uint32_t>(shards_.size()))];
+  }
+
+  const std::vector<std::unique_ptr<RowSource>> shards_;
+};
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<kvstore::PageView>> RowSource::View(absl::string_view) {
@@ -74,6 +107,11 @@ absl::StatusOr<std::unique_ptr<kvstore::PageView>> RowSource::View(absl::string_
 
 std::unique_ptr<RowSource> NewLocalRowSource(kvstore::Store* store, bool pages_device_visible) {
   return std::make_unique<LocalRowSource>(store, pages_device_visible);
+}
+
+std::unique_ptr<RowSource> NewShardedRowSource(std::vector<std::unique_ptr<RowSource>> shards) {
+  if (shards.size() == 1) return std::move(shards.front());
+  return std::make_unique<ShardedRowSource>(std::move(shards));
 }
 
 }  // namespace kvsparse::engine

@@ -72,6 +72,12 @@ class RowSource {
 std::unique_ptr<RowSource> NewLocalRowSource(kvstore::Store* store,
                                              bool pages_device_visible = false);
 
+// Rows of a sharded fleet of stores: every call goes to the shard kvstore::ShardOf places the
+// sequence on (shards[i] is shard i), and its answer is that shard's (a shard that is down gives
+// its own UNAVAILABLE; no call moves to another shard, so none can read another store's rows).
+// REQUIRES: shards non-empty, all of one tier.
+std::unique_ptr<RowSource> NewShardedRowSource(std::vector<std::unique_ptr<RowSource>> shards);
+
 }  // namespace kvsparse::engine
 
 #endif  // KVSPARSE_ENGINE_ROW_SOURCE_H_

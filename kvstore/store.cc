@@ -108,6 +108,11 @@ absl::StatusOr<std::unique_ptr<Store>> Store::Create(StoreOptions options) {
     return absl::InvalidArgumentError(absl::StrCat("capacity_bytes ", options.capacity_bytes,
                                                    " is below one page of ", options.page_bytes));
   }
+  if (options.shard.count == 0 || options.shard.index >= options.shard.count) {
+    return absl::InvalidArgumentError(absl::StrCat("shard index ", options.shard.index,
+                                                   " is not below the shard count ",
+                                                   options.shard.count));
+  }
   if (options.slab_bytes < options.page_bytes) options.slab_bytes = options.page_bytes;
   if (options.max_tokens_per_layer == 0 || options.max_tokens_per_layer > (1ull << 32)) {
     return absl::InvalidArgumentError("max_tokens_per_layer must be in 1..2^32");
@@ -144,6 +149,13 @@ absl::StatusOr<SequenceInfo> Store::CreateSequence(absl::string_view sequence_id
   if (absl::Status s = ValidateSequenceId(sequence_id); !s.ok()) return s;
   if (absl::Status s = ValidateModelShape(shape); !s.ok()) return s;
   if (absl::Status s = ValidatePlacement(placement); !s.ok()) return s;
+  if (!options_.shard.Holds(sequence_id)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence '", sequence_id, "' belongs to store shard ",
+                     ShardOf(sequence_id, options_.shard.count), " of ", options_.shard.count,
+                     "; this is shard ", options_.shard.index,
+                     " (the caller's list of store shards differs from the fleet's)"));
+  }
   auto seq = std::make_shared<Sequence>(std::string(sequence_id), shape, placement,
                                         options_.page_bytes, &pool_);
   seq->incarnation_ = next_incarnation_.fetch_add(1) + 1;
@@ -512,6 +524,7 @@ StoreStats Store::Stats() const {
   s.pages_used = pool_.pages_in_use();
   s.bytes_used = s.pages_used * options_.page_bytes;
   s.policy = options_.policy;
+  s.shard = options_.shard;
   {
     std::lock_guard<std::mutex> lock(mu_);
     s.num_sequences = sequences_.size();

@@ -39,6 +39,7 @@
 #include "absl/types/span.h"
 #include "kvstore/memory_resource.h"
 #include "kvstore/page_pool.h"
+#include "kvstore/placement.h"
 #include "kvstore/shared_arena.h"
 #include "kvstore/types.h"
 
@@ -55,6 +56,10 @@ struct StoreOptions {
   // Most sequences held at once (each costs bookkeeping even when empty); creating one more is
   // RESOURCE_EXHAUSTED. 0: no bound.
   size_t max_sequences = 0;
+  // This store's shard of a sharded fleet (--shard_index/--shard_count): creating a sequence that
+  // kvstore::ShardOf places on another shard is FAILED_PRECONDITION, so a client or worker whose
+  // list of shards differs from the fleet's can never leave or find a sequence on the wrong one.
+  ShardSpec shard;
   // Where pages come from; null = an owned host resource with huge pages.
   // REQUIRES: outlives the store.
   MemoryResource* memory = nullptr;
@@ -86,6 +91,7 @@ struct StoreStats {
   uint64_t bytes_appended = 0;
   std::array<uint64_t, kNumTiers> rows_gathered{};  // rows returned (a K+V pair counts as 2)
   std::array<uint64_t, kNumTiers> bytes_gathered{};
+  ShardSpec shard;  // this store's place in a sharded fleet
 };
 
 struct AppendRequest {

@@ -225,6 +225,27 @@ TEST(StoreTest, MaxSequencesBoundsCreation) {
   EXPECT_TRUE((*store)->CreateSequence("c", s, {}).ok());
 }
 
+// A shard of a sharded fleet holds only the sequences placement gives it.
+TEST(StoreTest, ShardHoldsOnlyItsOwnSequences) {
+  StoreOptions o;
+  o.capacity_bytes = 8 << 20;
+  o.shard = {1, 2};  // "s1" is shard 1's, "s0" shard 0's (kvstore/placement_test.cc)
+  auto store = Store::Create(o);
+  ASSERT_TRUE(store.ok());
+  const ModelShape s = Shape(DType::kBf16);
+  EXPECT_TRUE((*store)->CreateSequence("s1", s, {}).ok());
+  auto other = (*store)->CreateSequence("s0", s, {});
+  EXPECT_EQ(other.status().code(), absl::StatusCode::kFailedPrecondition) << other.status();
+  EXPECT_NE(other.status().message().find("belongs to store shard 0 of 2"), std::string::npos)
+      << other.status();
+  EXPECT_EQ((*store)->Stats().shard.index, 1u);
+  EXPECT_EQ((*store)->Stats().shard.count, 2u);
+  for (ShardSpec bad : {ShardSpec{2, 2}, ShardSpec{0, 0}}) {
+    o.shard = bad;
+    EXPECT_EQ(Store::Create(o).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
 // --arena_file: the pages live in a shared mapping of a file, so another process mapping the
 // same file sees the rows appended (here: the file read back through read(2)).
 TEST(StoreTest, ArenaInAFile) {

@@ -210,6 +210,8 @@ void ToProto(const kvstore::StoreStats& st, v1::StoreStats* out) {
   }
   out->set_rows_gathered(rows);
   out->set_bytes_gathered(bytes);
+  out->set_shard_index(st.shard.index);
+  out->set_shard_count(st.shard.count);
 }
 
 namespace {

@@ -120,7 +120,16 @@ ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
 ABSL_FLAG(std::string, role, "all",
           "all: store + decode worker in one process; store: KvStore service only; worker: "
           "Attention service only, reading rows from --store");
-ABSL_FLAG(std::string, store, "", "role=worker: the store's address (host:port)");
+ABSL_FLAG(std::string, store, "",
+          "role=worker: the store's address (host:port), or its shards' in shard order, "
+          "comma-separated; NAME-{0..3}.SERVICE:PORT expands to the four pods of a StatefulSet "
+          "behind a headless Service. Each sequence lives on the shard that rendezvous hashing "
+          "of its id picks (the model server's client places it the same way)");
+ABSL_FLAG(uint32_t, shard_index, 0,
+          "role=store/all: this store's index among --shard_count shards (a StatefulSet pod's "
+          "ordinal); creating a sequence that belongs to another shard is FAILED_PRECONDITION");
+ABSL_FLAG(uint32_t, shard_count, 1,
+          "role=store/all: how many store shards the fleet has (1: not sharded)");
 ABSL_FLAG(std::string, arena_file, "",
           "role=store: keep the store's pages in this file (created, sized to --capacity, mapped "
           "shared), e.g. on a memory-backed volume another container of the pod mounts too");
@@ -181,6 +190,7 @@ int main(int argc, char** argv) {
   options.max_connection_idle = absl::GetFlag(FLAGS_max_connection_idle);
   options.stream_idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
   options.store.max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  options.store.shard = {absl::GetFlag(FLAGS_shard_index), absl::GetFlag(FLAGS_shard_count)};
   options.engine.max_call_bytes = absl::GetFlag(FLAGS_max_decode_bytes).bytes;
   options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
   const absl::Duration tls_reload = absl::GetFlag(FLAGS_tls_reload);

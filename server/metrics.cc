@@ -331,40 +331,64 @@ class ResidentCollector final : public prometheus::Collectable {
   const engine::DecodeEngine* engine_;
 };
 
-class InPlaceCollector final : public prometheus::Collectable {
+class StoreShardCollector final : public prometheus::Collectable {
  public:
-  explicit InPlaceCollector(const RemoteRowSource* source) : source_(source) {}
+  explicit StoreShardCollector(std::vector<StoreShardSource> shards) : shards_(std::move(shards)) {}
+
   std::vector<prometheus::MetricFamily> Collect() const override {
-    const InPlaceStats s = source_->in_place_stats();
-    auto counter = [](const char* name, const char* help, uint64_t v) {
-      prometheus::MetricFamily f{name, help, prometheus::MetricType::Counter, {}};
-      prometheus::ClientMetric m;
-      m.counter.value = static_cast<double>(v);
-      f.metric.push_back(m);
-      return f;
-    };
-    return {counter("kvsparse_worker_in_place_rows_total",
-                    "Rows the worker copied from the store's mapped arena file (K and V rows "
-                    "count separately)",
-                    s.rows),
-            counter("kvsparse_worker_in_place_bytes_total",
-                    "Bytes the worker copied from the store's mapped arena file", s.bytes),
-            counter("kvsparse_worker_in_place_fallbacks_total",
-                    "Row reads that went through the Gather RPC instead (file not mapped yet, the "
-                    "store without an arena file, pages freed while read)",
-                    s.fallbacks),
-            counter("kvsparse_worker_page_table_calls_total", "GetPageTable RPCs the worker made",
-                    s.page_table_calls)};
+    std::vector<prometheus::MetricFamily> out = {
+        {"kvsparse_worker_store_shard_up",
+         "1 while the worker's connection to this store shard is up (or idle), 0 while it is "
+         "connecting or failing: Decode calls of its sequences fail with UNAVAILABLE",
+         prometheus::MetricType::Gauge,
+         {}},
+        {"kvsparse_worker_in_place_rows_total",
+         "Rows the worker read from the store's arena without the Gather RPC (mapped file or UCX; "
+         "K and V rows count separately)",
+         prometheus::MetricType::Counter,
+         {}},
+        {"kvsparse_worker_in_place_bytes_total",
+         "Bytes the worker read from the store's arena without the Gather RPC",
+         prometheus::MetricType::Counter,
+         {}},
+        {"kvsparse_worker_in_place_fallbacks_total",
+         "Row reads that went through the Gather RPC instead (arena not reachable yet, the "
+         "store without one, pages freed while read)",
+         prometheus::MetricType::Counter,
+         {}},
+        {"kvsparse_worker_page_table_calls_total",
+         "GetPageTable RPCs the worker made",
+         prometheus::MetricType::Counter,
+         {}}};
+    for (size_t i = 0; i < shards_.size(); ++i) {
+      const InPlaceStats s = shards_[i].source->in_place_stats();
+      const double values[] = {shards_[i].source->reachable() ? 1.0 : 0.0,
+                               static_cast<double>(s.rows), static_cast<double>(s.bytes),
+                               static_cast<double>(s.fallbacks),
+                               static_cast<double>(s.page_table_calls)};
+      for (size_t f = 0; f < out.size(); ++f) {
+        prometheus::ClientMetric m;
+        m.label = {{"shard", std::to_string(i)}, {"address", shards_[i].address}};
+        if (f == 0) {
+          m.gauge.value = values[f];
+        } else {
+          m.counter.value = values[f];
+        }
+        out[f].metric.push_back(std::move(m));
+      }
+    }
+    return out;
   }
 
  private:
-  const RemoteRowSource* source_;
+  const std::vector<StoreShardSource> shards_;
 };
 
 }  // namespace
 
-std::shared_ptr<prometheus::Collectable> NewInPlaceCollector(const RemoteRowSource* source) {
-  return std::make_shared<InPlaceCollector>(source);
+std::shared_ptr<prometheus::Collectable> NewStoreShardCollector(
+    std::vector<StoreShardSource> shards) {
+  return std::make_shared<StoreShardCollector>(std::move(shards));
 }
 
 std::shared_ptr<prometheus::Collectable> NewResidentCollector(const engine::DecodeEngine* engine) {

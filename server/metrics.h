@@ -127,10 +127,17 @@ std::shared_ptr<prometheus::Collectable> NewResidentCollector(const engine::Deco
 // gathered (by tier), evictions and rejections. REQUIRES: store outlives the collector.
 std::shared_ptr<prometheus::Collectable> NewStoreCollector(const kvstore::Store* store);
 
-// A worker's in-place reads of the store's arena file (--store_arena_file): rows and bytes
-// copied, reads that went through Gather instead, GetPageTable calls. REQUIRES: source outlives
-// the collector.
-std::shared_ptr<prometheus::Collectable> NewInPlaceCollector(const RemoteRowSource* source);
+// One store shard of a worker: its address (as in --store) and the source reading it.
+struct StoreShardSource {
+  std::string address;
+  const RemoteRowSource* source = nullptr;
+};
+// A worker's store shards, labelled shard="INDEX" and address: whether its channel is up
+// (kvsparse_worker_store_shard_up), and the reads of its arena in place (--store_arena_file or
+// --store_data_plane=ucx): rows and bytes copied, reads that went through Gather instead,
+// GetPageTable calls. REQUIRES: the sources outlive the collector.
+std::shared_ptr<prometheus::Collectable> NewStoreShardCollector(
+    std::vector<StoreShardSource> shards);
 
 }  // namespace kvsparse::server
 

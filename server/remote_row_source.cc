@@ -58,7 +58,8 @@ struct SequenceState {
 class RemoteRowSourceImpl final : public RemoteRowSource {
  public:
   RemoteRowSourceImpl(std::shared_ptr<grpc::Channel> channel, RemoteRowSourceOptions options)
-      : stub_(v1::KvStore::NewStub(channel)),
+      : channel_(channel),
+        stub_(v1::KvStore::NewStub(channel)),
         token_(std::move(options.token)),
         arena_file_(std::move(options.arena_file)) {
     if (options.data_plane == "ucx" || options.data_plane == "ucx-rma") {
@@ -150,6 +151,11 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
       fallbacks_.fetch_add(1, std::memory_order_relaxed);
     }
     return GatherRpc(id, layer, kind, heads, k_out, v_out, deadline);
+  }
+
+  bool reachable() const override {
+    const grpc_connectivity_state state = channel_->GetState(/*try_to_connect=*/false);
+    return state == GRPC_CHANNEL_READY || state == GRPC_CHANNEL_IDLE;
   }
 
   InPlaceStats in_place_stats() const override {
@@ -518,6 +524,7 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
     return st;
   }
 
+  const std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvStore::Stub> stub_;
   const std::string token_;
   const std::string arena_file_;

@@ -44,6 +44,8 @@ struct InPlaceStats {
 class RemoteRowSource : public engine::RowSource {
  public:
   virtual InPlaceStats in_place_stats() const = 0;
+  // Whether the channel to the store is up (or idle: connects at the next call).
+  virtual bool reachable() const = 0;
 };
 
 // The channel's message limits must allow the largest gather (see ServerOptions).

@@ -9,6 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kvstore/placement.h"
 #include "server/attention_service.h"
 #include "server/kvstore_service.h"
 #include "server/logging.h"
@@ -34,7 +35,9 @@ const char* RoleName(ServerRole r) {
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   if (options.role == ServerRole::kWorker && options.store_target.empty()) {
-    return absl::InvalidArgumentError("a worker needs the store's address (--store=HOST:PORT)");
+    return absl::InvalidArgumentError(
+        "a worker needs the store's address (--store=HOST:PORT, or its shards': "
+        "--store=HOST0:PORT,HOST1:PORT or NAME-{0..3}.SERVICE:PORT)");
   }
   if (options.max_message_bytes < (1 << 20) || options.max_message_bytes > (1ull << 31) - 1) {
     return absl::InvalidArgumentError("max_message_bytes must be in 1 MiB .. 2 GiB - 1");
@@ -128,24 +131,37 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
         }
         store_creds = *c;
       }
-      auto channel = grpc::CreateCustomChannel(options.store_target, store_creds, args);
-      if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + absl::Seconds(5)))) {
-        KVSPARSE_LOG(Warning)
-            << "store " << options.store_target
-            << " not reachable yet; Decode calls fail with UNAVAILABLE until it is";
-      }
       if (!options.store_data_plane.empty() && options.store_data_plane != "gather" &&
           options.store_data_plane != "ucx" && options.store_data_plane != "ucx-rma") {
         return absl::InvalidArgumentError(absl::StrCat(
             "--store_data_plane: '", options.store_data_plane, "' is not gather, ucx or ucx-rma"));
       }
-      std::unique_ptr<RemoteRowSource> remote = NewRemoteRowSource(
-          std::move(channel), {options.store_token, options.store_arena_file,
-                               options.store_data_plane, options.data_plane_transports});
-      if (!options.store_arena_file.empty() || absl::StartsWith(options.store_data_plane, "ucx")) {
-        s->metrics_->AddCollectable(NewInPlaceCollector(remote.get()));
+      absl::StatusOr<std::vector<std::string>> shards =
+          kvstore::ExpandShardList(options.store_target);
+      if (!shards.ok())
+        return absl::InvalidArgumentError(absl::StrCat("--store: ", shards.status().message()));
+      if (shards->size() > 1 && !options.store_arena_file.empty()) {
+        return absl::InvalidArgumentError(
+            "--store_arena_file maps one store's arena; a worker of several store shards reads "
+            "through --store_data_plane=ucx or gather");
       }
-      s->row_source_ = std::move(remote);
+      std::vector<std::unique_ptr<engine::RowSource>> sources;
+      std::vector<StoreShardSource> metered;
+      for (const std::string& target : *shards) {
+        auto channel = grpc::CreateCustomChannel(target, store_creds, args);
+        if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + absl::Seconds(5)))) {
+          KVSPARSE_LOG(Warning) << "store " << target
+                                << " not reachable yet; Decode calls of its sequences fail with "
+                                   "UNAVAILABLE until it is";
+        }
+        std::unique_ptr<RemoteRowSource> remote = NewRemoteRowSource(
+            std::move(channel), {options.store_token, options.store_arena_file,
+                                 options.store_data_plane, options.data_plane_transports});
+        metered.push_back({target, remote.get()});
+        sources.push_back(std::move(remote));
+      }
+      s->metrics_->AddCollectable(NewStoreShardCollector(std::move(metered)));
+      s->row_source_ = engine::NewShardedRowSource(std::move(sources));
     }
     engine::GpuBackendOptions go = engine::BackendOptionsFor(options.engine);
     go.device = options.gpu_device;
@@ -215,7 +231,11 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
               : absl::StrCat(options.metrics_listen, " (port ", s->metrics_->port(), ")"))
       << (s->store_
               ? absl::StrCat("; store capacity ", options.store.capacity_bytes, " bytes, policy ",
-                             kvstore::CapacityPolicyName(options.store.policy))
+                             kvstore::CapacityPolicyName(options.store.policy),
+                             options.store.shard.count > 1
+                                 ? absl::StrCat(", shard ", options.store.shard.index, " of ",
+                                                options.store.shard.count)
+                                 : std::string())
               : std::string());
   return s;
 }

@@ -8,7 +8,9 @@
 
 #include "absl/functional/function_ref.h"
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/attention_client.h"
 #include "client/kvstore_client.h"
 #include "gtest/gtest.h"
@@ -56,17 +58,30 @@ client::ClientOptions At(int port) {
   return o;
 }
 
+// The value of the first line of a Prometheus text exposition that starts with `prefix` (a
+// metric's name and the start of its labels); -1 when there is none.
+double MetricValue(const std::string& text, const std::string& prefix) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (!absl::StartsWith(line, prefix)) continue;
+    double v = 0;
+    return absl::SimpleAtod(line.substr(line.rfind(' ') + 1), &v) ? v : -1;
+  }
+  return -1;
+}
+
 v1::DType ProtoDType(DType d) {
   return d == DType::kBf16 ? v1::DTYPE_BF16 : d == DType::kFp16 ? v1::DTYPE_FP16 : v1::DTYPE_FP32;
 }
 
-// Loads a synthetic problem's sequences ("s0", "s1", ...) into a store through the KvStore API.
-void Load(client::KvStoreClient& kv, const kernels::SyntheticProblem& prob,
-          const v1::Placement& placement) {
+// Loads a synthetic problem's sequences ("s0", "s1", ...) into a store through the KvStore API;
+// store(id): the client of the store (shard) that holds sequence id.
+void Load(absl::FunctionRef<client::KvStoreClient&(const std::string&)> store,
+          const kernels::SyntheticProblem& prob, const v1::Placement& placement) {
   const kernels::DecodeProblem& p = prob.problem;
   const size_t es = kernels::DTypeSize(p.dtype);
   for (int32_t b = 0; b < p.batch; ++b) {
     const std::string id = absl::StrCat("s", b);
+    client::KvStoreClient& kv = store(id);
     v1::ModelShape shape;
     shape.set_num_layers(kLayers);
     shape.set_num_q_heads(p.num_q_heads);
@@ -94,6 +109,11 @@ void Load(client::KvStoreClient& kv, const kernels::SyntheticProblem& prob,
     auto a = kv.Append(r);
     ASSERT_TRUE(a.ok()) << a.status();
   }
+}
+
+void Load(client::KvStoreClient& kv, const kernels::SyntheticProblem& prob,
+          const v1::Placement& placement) {
+  Load([&](const std::string&) -> client::KvStoreClient& { return kv; }, prob, placement);
 }
 
 kernels::SyntheticProblem Problem(int32_t batch = 2, std::vector<int32_t> lens = {1200, 2000}) {
@@ -400,9 +420,8 @@ TEST_P(DirectReadTest, WorkerReadsRowsWithoutGather) {
   }
   auto m = testing::HttpGet(worker->metrics_port(), "/metrics");
   ASSERT_TRUE(m.ok()) << m.status();
-  EXPECT_TRUE(absl::StrContains(*m, "kvsparse_worker_in_place_rows_total"));
-  EXPECT_FALSE(absl::StrContains(*m, "kvsparse_worker_in_place_rows_total 0\n"));
-  EXPECT_TRUE(absl::StrContains(*m, "kvsparse_worker_in_place_fallbacks_total 0\n"));
+  EXPECT_GT(MetricValue(*m, "kvsparse_worker_in_place_rows_total{shard=\"0\""), 0);
+  EXPECT_EQ(MetricValue(*m, "kvsparse_worker_in_place_fallbacks_total{shard=\"0\""), 0);
   missing.reset();
 
   // The store restarts on the same port with a new arena file at the path; the worker, still
@@ -438,6 +457,147 @@ TEST_P(DirectReadTest, WorkerReadsRowsWithoutGather) {
   worker.reset();
   store.reset();
   std::remove(path.c_str());
+}
+
+// Two store shards (--shard_index/--shard_count) and a worker with both (--store=A,B): each
+// sequence on the shard placement gives it (the client's StoreShards and the worker agree), every
+// method bit-identical to the embedded deployment, rows read over UCX where this build has it. A
+// shard that goes away fails its own sequences' decodes with UNAVAILABLE (the other shard's keep
+// decoding), and once back (empty), NOT_FOUND until the model server re-creates them.
+TEST(AttentionServiceTest, ShardedStoresEqualEmbedded) {
+  const bool ucx = kvstore::UcxAvailable();
+  std::vector<std::string> paths;
+  std::vector<std::unique_ptr<kvstore::MemoryResource>> arenas;
+  std::vector<std::unique_ptr<server::Server>> stores;
+  auto start_store = [&](uint32_t i, int port) {
+    if (arenas.size() <= i) {
+      paths.push_back(absl::StrCat(::testing::TempDir(), "/kvsparse-shard-test-", i));
+      arenas.emplace_back();
+      stores.emplace_back();
+    }
+    auto arena = kvstore::NewFileMemoryResource(paths[i], 64 << 20);
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    arenas[i] = std::move(*arena);
+    stores[i] = StartServer(server::ServerRole::kStore, 0, false, [&](server::ServerOptions& o) {
+      o.store.capacity_bytes = 64 << 20;
+      o.store.memory = arenas[i].get();
+      o.store.shard = {i, 2};
+      if (ucx) o.data_plane = "ucx", o.data_plane_transports = "tcp";
+      if (port != 0) o.listen = absl::StrCat("127.0.0.1:", port);
+    });
+    ASSERT_NE(stores[i], nullptr);
+  };
+  start_store(0, 0);
+  start_store(1, 0);
+  const std::string list =
+      absl::StrCat("127.0.0.1:", stores[0]->port(), ",127.0.0.1:", stores[1]->port());
+  auto embedded = StartServer(server::ServerRole::kAll);
+  auto worker =
+      StartServer(server::ServerRole::kWorker, 0, /*metrics=*/true, [&](server::ServerOptions& o) {
+        o.store_target = list;
+        if (ucx) o.store_data_plane = "ucx", o.data_plane_transports = "tcp";
+      });
+  ASSERT_NE(embedded, nullptr);
+  ASSERT_NE(worker, nullptr);
+  client::ClientOptions co = At(0);
+  co.target = list;
+  auto shards = client::StoreShards::Connect(co);
+  ASSERT_TRUE(shards.ok()) << shards.status();
+  ASSERT_EQ((*shards)->size(), 2u);
+  EXPECT_TRUE((*shards)->CheckPlacement().ok()) << (*shards)->CheckPlacement();
+  auto ekv = client::KvStoreClient::Connect(At(embedded->port()));
+  ASSERT_TRUE(ekv.ok());
+  auto on_shard = [&](const std::string& id) -> client::KvStoreClient& {
+    return (*shards)->For(id);
+  };
+  auto decode = [&](int port, const kernels::SyntheticProblem& prob, const MethodCase& c) {
+    return (*client::AttentionClient::Connect(At(port)))->Decode(Request(prob, c.method, 17));
+  };
+  const kernels::SyntheticProblem prob = Problem();
+  for (const MethodCase& c : Cases()) {
+    SCOPED_TRACE(c.name);
+    for (int b = 0; b < 2; ++b) {
+      const std::string id = absl::StrCat("s", b);
+      (void)(*ekv)->DropSequence(id);
+      (void)(*shards)->For(id).DropSequence(id);
+    }
+    Load(**ekv, prob, c.placement);
+    Load(on_shard, prob, c.placement);
+    auto ra = decode(embedded->port(), prob, c);
+    auto rw = decode(worker->port(), prob, c);
+    ASSERT_TRUE(ra.ok()) << ra.status();
+    ASSERT_TRUE(rw.ok()) << rw.status();
+    EXPECT_EQ(ra->output().data(), rw->output().data());
+  }
+  // "s0" lives on shard 0 and "s1" on shard 1 (kvstore/placement_test.cc), one each.
+  for (int i = 0; i < 2; ++i) {
+    auto st = (*shards)->shard(i).GetStats();
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(st->num_sequences(), 1u);
+    EXPECT_EQ(st->shard_index(), static_cast<uint32_t>(i));
+    EXPECT_TRUE((*shards)->shard(i).GetSequenceInfo(absl::StrCat("s", i)).ok());
+    if (ucx) {
+      EXPECT_EQ(st->bytes_gathered(), 0u) << "shard " << i << " served Gather";
+    }
+  }
+  // A list in the other order is caught, and a store refuses another shard's sequence.
+  co.target = absl::StrCat("127.0.0.1:", stores[1]->port(), ",127.0.0.1:", stores[0]->port());
+  auto reversed = client::StoreShards::Connect(co);
+  ASSERT_TRUE(reversed.ok());
+  EXPECT_EQ((*reversed)->CheckPlacement().code(), StatusCode::kFailedPrecondition);
+  v1::ModelShape shape;
+  shape.set_num_layers(1);
+  shape.set_num_q_heads(8);
+  shape.set_num_kv_heads(2);
+  shape.set_head_dim(64);
+  shape.set_dtype(v1::DTYPE_BF16);
+  EXPECT_EQ((*shards)->shard(1).CreateSequence("s0", shape).status().code(),
+            StatusCode::kFailedPrecondition);
+
+  // Shard 1 goes away: s1's decodes fail with UNAVAILABLE, s0's go on, bit-identical.
+  const MethodCase& c = Cases()[0];
+  for (int b = 0; b < 2; ++b) {
+    const std::string id = absl::StrCat("s", b);
+    (void)(*ekv)->DropSequence(id);
+    (void)(*shards)->For(id).DropSequence(id);
+  }
+  Load(**ekv, prob, c.placement);
+  Load(on_shard, prob, c.placement);
+  const int port1 = stores[1]->port();
+  stores[1].reset();
+  auto both = decode(worker->port(), prob, c);
+  EXPECT_EQ(both.status().code(), StatusCode::kUnavailable) << both.status();
+  kernels::SyntheticProblem first = Problem(1, {1200});
+  auto ra = decode(embedded->port(), first, c);
+  auto rw = decode(worker->port(), first, c);
+  ASSERT_TRUE(ra.ok()) << ra.status();
+  ASSERT_TRUE(rw.ok()) << rw.status();
+  EXPECT_EQ(ra->output().data(), rw->output().data());
+  auto m = testing::HttpGet(worker->metrics_port(), "/metrics");
+  ASSERT_TRUE(m.ok()) << m.status();
+  EXPECT_EQ(MetricValue(*m, "kvsparse_worker_store_shard_up{shard=\"0\""), 1);
+  EXPECT_EQ(MetricValue(*m, "kvsparse_worker_store_shard_up{shard=\"1\""), 0);
+
+  // Back on its port, empty: NOT_FOUND, then the model server re-creates s1 and all is as before.
+  // (The worker reconnects after gRPC's reconnect backoff; until then UNAVAILABLE, which a model
+  // server retries.)
+  start_store(1, port1);
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  do {
+    both = decode(worker->port(), prob, c);
+  } while (both.status().code() == StatusCode::kUnavailable && absl::Now() < give_up &&
+           (absl::SleepFor(absl::Milliseconds(100)), true));
+  EXPECT_EQ(both.status().code(), StatusCode::kNotFound) << both.status();
+  ASSERT_TRUE((*shards)->For("s0").DropSequence("s0").ok());
+  Load(on_shard, prob, c.placement);
+  ra = decode(embedded->port(), prob, c);
+  rw = decode(worker->port(), prob, c);
+  ASSERT_TRUE(ra.ok()) << ra.status();
+  ASSERT_TRUE(rw.ok()) << rw.status();
+  EXPECT_EQ(ra->output().data(), rw->output().data());
+  worker.reset();
+  stores.clear();
+  for (const std::string& p : paths) std::remove(p.c_str());
 }
 
 // The direct row source alone against a store with an arena file: the store's answers where a
