@@ -27,7 +27,9 @@
 #include "kernels/dtype.h"
 #include "server/flags_help.h"
 
-ABSL_FLAG(std::string, target, "127.0.0.1:50051", "kvsparse-server address (host:port)");
+ABSL_FLAG(std::string, target, "127.0.0.1:50051",
+          "kvsparse-server address (host:port), or a sharded fleet's store shards in shard "
+          "order (A:P,B:P or NAME-{0..3}.SERVICE:P, as the worker's --store)");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(30), "Deadline of each call");
 ABSL_FLAG(std::string, worker, "",
           "decode: the decode worker's address in a split deployment (--target is then the store); "
@@ -658,12 +660,30 @@ int main(int argc, char** argv) {
     if (!token.ok()) return Fail("--token_file", token.status());
     options.token = *token;
   }
-  auto client = KvStoreClient::Connect(options);
-  if (!client.ok()) return Fail(cmd.c_str(), client.status());
-  if (absl::Status s = (*client)->WaitForReady(absl::GetFlag(FLAGS_wait_for_ready)); !s.ok()) {
-    return Fail(cmd.c_str(), s);
+  // --target may name a sharded fleet of stores: each command goes to its sequence's shard, and
+  // list, stats and health to every shard.
+  auto shards = StoreShards::Connect(options);
+  if (!shards.ok()) return Fail(cmd.c_str(), shards.status());
+  for (size_t i = 0; i < (*shards)->size(); ++i) {
+    if (absl::Status s = (*shards)->shard(i).WaitForReady(absl::GetFlag(FLAGS_wait_for_ready));
+        !s.ok()) {
+      return Fail(cmd.c_str(), s);
+    }
   }
-  KvStoreClient& c = **client;
+  if ((*shards)->size() > 1) {
+    if (absl::Status s = (*shards)->CheckPlacement(); !s.ok()) return Fail(cmd.c_str(), s);
+    if (cmd == "health" || cmd == "list" || cmd == "stats") {
+      int rc = 0;
+      for (size_t i = 0; i < (*shards)->size(); ++i) {
+        KvStoreClient& c = (*shards)->shard(i);
+        std::printf("shard %zu (%s)\n", i, c.options().target.c_str());
+        rc |= cmd == "health" ? CmdHealth(c) : cmd == "list" ? CmdList(c) : CmdStats(c);
+      }
+      return rc;
+    }
+  }
+  const std::string seq = absl::GetFlag(FLAGS_seq);
+  KvStoreClient& c = (*shards)->For(seq.substr(0, seq.find(',')));
   if (cmd == "health") return CmdHealth(c);
   if (cmd == "create") return CmdCreate(c);
   if (cmd == "drop") return CmdDrop(c);

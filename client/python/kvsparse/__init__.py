@@ -22,6 +22,7 @@ from kvsparse.client import (
     HeadStats,
     KvStoreClient,
     SequenceInfo,
+    ShardedKvStoreClient,
     open_channel,
 )
 from kvsparse.errors import (
@@ -44,6 +45,7 @@ from kvsparse.errors import (
     Unknown,
 )
 from kvsparse.local_server import LocalServer
+from kvsparse.placement import shard_of
 from kvsparse.methods import (
     Dense,
     HashTopK,
@@ -89,6 +91,7 @@ __all__ = [
     "Saap",
     "Santa",
     "SequenceInfo",
+    "ShardedKvStoreClient",
     "Unauthenticated",
     "Unavailable",
     "Unimplemented",
@@ -96,4 +99,5 @@ __all__ = [
     "VAttention",
     "open_channel",
     "placement_for",
+    "shard_of",
 ]

@@ -23,6 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvsparse import tensors
 from kvsparse.errors import KvSparseError, from_code, from_rpc_error
 from kvsparse.methods import Dense, Method, ModelShape, Placement
+from kvsparse.placement import expand_shard_list, shard_of
 from kvsparse.tensors import ArrayLike
 from kvsparse.v1 import attention_pb2, attention_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 
@@ -312,6 +313,94 @@ class KvStoreClient(_Base):
         return self._call(self._stub.GetStats, kvstore_pb2.GetStatsRequest(), timeout)
 
 
+class ShardedKvStoreClient:
+    """A sharded fleet of stores (``kvsparse-server --role=store --shard_index=I
+    --shard_count=N``): one ``KvStoreClient`` per shard, in shard order, and every call on a
+    sequence goes to the shard ``kvsparse.placement.shard_of`` gives it, where the workers (given
+    the same list as ``--store``) look for it. A shard that is down raises its own
+    ``Unavailable``; no call moves to another shard.
+
+    ``targets``: a list of addresses, or one string as the worker's ``--store`` takes it
+    (``"a:50051,b:50051"``, ``"kvsparse-store-{0..3}.kvsparse-store:50051"``)."""
+
+    def __init__(
+        self,
+        targets: str | Sequence[str],
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        credentials: Credentials | None = None,
+    ) -> None:
+        addresses = expand_shard_list(targets) if isinstance(targets, str) else list(targets)
+        if not addresses:
+            raise ValueError("no store shards")
+        self.shards = [KvStoreClient(a, timeout=timeout, credentials=credentials) for a in addresses]
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def shard_for(self, sequence_id: str) -> KvStoreClient:
+        """The client of the shard that holds (or is to hold) ``sequence_id``."""
+        return self.shards[shard_of(sequence_id, len(self.shards))]
+
+    def create_sequence(self, sequence_id: str, *args: Any, **kwargs: Any) -> SequenceInfo:
+        return self.shard_for(sequence_id).create_sequence(sequence_id, *args, **kwargs)
+
+    def drop_sequence(self, sequence_id: str, timeout: float | None = None) -> int:
+        return self.shard_for(sequence_id).drop_sequence(sequence_id, timeout)
+
+    def append(self, sequence_id: str, *args: Any, **kwargs: Any) -> kvstore_pb2.AppendResponse:
+        return self.shard_for(sequence_id).append(sequence_id, *args, **kwargs)
+
+    def gather(self, sequence_id: str, *args: Any, **kwargs: Any) -> GatherResult:
+        return self.shard_for(sequence_id).gather(sequence_id, *args, **kwargs)
+
+    def sequence_info(self, sequence_id: str, timeout: float | None = None) -> SequenceInfo:
+        return self.shard_for(sequence_id).sequence_info(sequence_id, timeout)
+
+    def list_sequences(self, timeout: float | None = None) -> list[SequenceInfo]:
+        """Every shard's sequences (raises if a shard is down)."""
+        return [info for c in self.shards for info in c.list_sequences(timeout)]
+
+    def stats(self, timeout: float | None = None) -> list[kvstore_pb2.StoreStats]:
+        """Each shard's statistics, in shard order."""
+        return [c.stats(timeout) for c in self.shards]
+
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """SERVING when every shard is; otherwise the first other status."""
+        for c in self.shards:
+            status = c.health(service, timeout)
+            if status != "SERVING":
+                return status
+        return "SERVING"
+
+    def wait_ready(self, timeout: float = 10.0) -> None:
+        for c in self.shards:
+            c.wait_ready(timeout)
+
+    def check_placement(self, timeout: float | None = None) -> None:
+        """Raises ``FailedPrecondition`` unless shard i of this list says it is shard i of
+        ``len(self)`` (``--shard_index``/``--shard_count``): a list out of order, or stores run
+        without those flags, would place sequences where the workers do not look."""
+        for i, (c, st) in enumerate(zip(self.shards, self.stats(timeout))):
+            count = max(1, st.shard_count)
+            if count != len(self.shards) or st.shard_index != i:
+                raise from_code(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"store {c.channel!r} (shard {i} of {len(self.shards)} in this list) says it is "
+                    f"shard {st.shard_index} of {count}",
+                )
+
+    def close(self) -> None:
+        for c in self.shards:
+            c.close()
+
+    def __enter__(self) -> "ShardedKvStoreClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 # ---- Attention ----------------------------------------------------------------------------
 
 
@@ -528,27 +617,36 @@ class Client:
     """Both services: ``store`` and ``attention``, over one channel to ``target`` (a server with
     both roles, the default), or in a split deployment (``kvsparse-server --role=store`` and
     ``--role=worker --store=...``) attention at ``target`` (the worker) and the store at
-    ``store_target``."""
+    ``store_target``. A ``store_target`` naming several shards (``"a:1,b:2"``, or
+    ``"kvsparse-store-{0..3}.kvsparse-store:50051"``, the worker's ``--store``) makes ``store`` a
+    ``ShardedKvStoreClient``."""
 
     target: str
     timeout: float = DEFAULT_TIMEOUT
     store_target: str | None = None
     credentials: Credentials | None = None  # TLS and token, for both targets
-    store: KvStoreClient = field(init=False)
+    store: KvStoreClient | ShardedKvStoreClient = field(init=False)
     attention: AttentionClient = field(init=False)
 
     def __post_init__(self) -> None:
         self._channel = open_channel(self.target, self.credentials)
         split = self.store_target is not None and self.store_target != self.target
-        self._store_channel = (
-            open_channel(self.store_target, self.credentials) if split else self._channel  # type: ignore[arg-type]
-        )
-        self.store = KvStoreClient(channel=self._store_channel, timeout=self.timeout)
+        self._store_channel = self._channel
+        if split and len(expand_shard_list(self.store_target)) > 1:  # type: ignore[arg-type]
+            self.store = ShardedKvStoreClient(
+                self.store_target, timeout=self.timeout, credentials=self.credentials  # type: ignore[arg-type]
+            )
+        else:
+            if split:
+                self._store_channel = open_channel(self.store_target, self.credentials)  # type: ignore[arg-type]
+            self.store = KvStoreClient(channel=self._store_channel, timeout=self.timeout)
         self.attention = AttentionClient(channel=self._channel, timeout=self.timeout)
 
     def close(self) -> None:
         self._channel.close()
-        if self._store_channel is not self._channel:
+        if isinstance(self.store, ShardedKvStoreClient):
+            self.store.close()
+        elif self._store_channel is not self._channel:
             self._store_channel.close()
 
     def __enter__(self) -> "Client":
