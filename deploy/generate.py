@@ -141,6 +141,12 @@ def panels():
                       (f"sum by (instance) (kvsparse_resident_capacity_bytes{{{SEL}}})", "resident capacity {{instance}}"),
                       (f"sum by (instance) (kvsparse_gpu_resident_bytes{{{SEL}}})", "GPU {{instance}}"),
                       (f"sum by (instance) (kvsparse_gpu_resident_capacity_bytes{{{SEL}}})", "GPU capacity {{instance}}")])
+    yield "row", "Store shards (split and sharded deployments, as the workers see them)"
+    yield timeseries("Store shards up", "Per shard, the fewest workers' connections up (kvsparse_worker_store_shard_up): 0 means some worker cannot reach it, and Decode calls of its sequences fail with UNAVAILABLE", "short",
+                     [(f"min by (shard, address) (kvsparse_worker_store_shard_up{{{SEL}}})", "shard {{shard}} {{address}}")])
+    yield timeseries("Rows read without Gather, by shard", "Rows workers read from each shard's arena in place (mapped file or UCX), and reads that fell back to the Gather RPC", "ops",
+                     [(f"sum by (shard) (rate(kvsparse_worker_in_place_rows_total{{{SEL}}}[{RATE}]))", "in place, shard {{shard}}"),
+                      (f"sum by (shard) (rate(kvsparse_worker_in_place_fallbacks_total{{{SEL}}}[{RATE}]))", "fallback reads, shard {{shard}}")])
     yield timeseries("Serving", "1 while the target is scraped (up) and its health is SERVING (kvsparse_serving)", "short",
                      [(f'up{{job=~"$job", instance=~"$instance"}}', "up {{job}} {{instance}}"),
                       (f"kvsparse_serving{{{SEL}}}", "serving {{job}} {{instance}}")])

@@ -6,7 +6,7 @@ value. Also fails on a rule whose evaluation errored or a scrape target that is 
 
 A query may come back empty only when every kvsparse_ metric it reads that is missing from the
 server's /metrics is listed below: PENDING (the C++ side is to add it; docs/DEPLOY.md) or
-GPU_ONLY (exported by the GPU engine only). Such a query is printed as PENDING or SKIP, and is
+GPU_ONLY (exported by the GPU engine only) or WORKER_ONLY (by a worker of a split deployment). Such a query is printed as PENDING or SKIP, and is
 checked like the others as soon as the server exports the metric.
 
 usage: check_queries.py --prometheus http://127.0.0.1:PORT --metrics http://127.0.0.1:PORT/metrics
@@ -25,6 +25,8 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PENDING: set[str] = set()
 GPU_ONLY = {"kvsparse_gpu_resident_bytes", "kvsparse_gpu_resident_capacity_bytes"}
+WORKER_ONLY = {"kvsparse_worker_store_shard_up", "kvsparse_worker_in_place_rows_total",
+               "kvsparse_worker_in_place_fallbacks_total"}
 SUBSTITUTE = {"$__rate_interval": "1m", "$job": ".+", "$instance": ".+"}
 
 
@@ -93,11 +95,12 @@ def main():
             print(f"ok      {what}: {len(finite)} series, e.g. {sample}"[:200])
             continue
         missing = metric_names(expr) - exported
-        if missing and missing <= PENDING | GPU_ONLY:
+        if missing and missing <= PENDING | GPU_ONLY | WORKER_ONLY:
             kind = "PENDING" if missing & PENDING else "SKIP"
             counts[kind] += 1
             print(f"{kind:7} {what}: empty; reads {sorted(missing)}, not exported by this server"
-                  + (" (to add: docs/DEPLOY.md)" if kind == "PENDING" else " (GPU engine only)"))
+                  + (" (to add: docs/DEPLOY.md)" if kind == "PENDING"
+                     else " (GPU engine only)" if missing <= GPU_ONLY else " (a split deployment's workers only)"))
             continue
         failures.append(f"{what}: {len(result)} series, none finite: {expr}")
         print(f"FAIL    {what}: {len(result)} series, none finite\n        {expr}")

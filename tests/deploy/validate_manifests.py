@@ -12,9 +12,15 @@ schemas written from the Prometheus Operator CRDs, jsonschema), and kvsparse's o
   - memory limit >= --capacity (role all/store, unless the arena is on a memory volume charged
     to it anyway) + --resident_capacity (role all/worker) + 1Gi;
     terminationGracePeriodSeconds > --shutdown_grace; --gpu=on asks for nvidia.com/gpu;
-    a memory-backed emptyDir holding --arena_file has room for two arena files of --capacity;
+    a memory-backed emptyDir holding --arena_file has room for one arena file of --capacity, two
+    where a worker of the pod maps it (--store_arena_file: a restarted store's new file beside
+    the old one);
     a worker's --store_arena_file is on such a volume, mounted read-only, that a container of
     the pod keeps its --arena_file on;
+  - sharded stores: a StatefulSet's --shard_count equals its replicas and each pod's
+    --shard_index is its ordinal (the pod-index label through the downward API); a worker's
+    --store lists exactly that many shards, the StatefulSet's pods through its headless Service,
+    in ordinal order;
   - every Service and PodDisruptionBudget selects a pod template; every ServiceMonitor port is
     a port of some selected Service; the PrometheusRule's groups equal
     deploy/prometheus/kvsparse.rules.yml.
@@ -28,6 +34,8 @@ import re
 import subprocess
 import sys
 
+import importlib.util
+
 import jsonschema
 import kubernetes_validate
 import yaml
@@ -38,6 +46,11 @@ SCHEMAS = {
     "PrometheusRule": ROOT / "deploy/schemas/prometheusrule-monitoring.coreos.com-v1.json",
 }
 RULES = ROOT / "deploy/prometheus/kvsparse.rules.yml"
+# The shard-list syntax of the server's --store, from the Python package (loaded alone: the
+# package's __init__ needs grpc, which this tool's environment does not have).
+_spec = importlib.util.spec_from_file_location("placement", ROOT / "client/python/kvsparse/placement.py")
+placement = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(placement)
 # Flags the manifests use that the server does not have yet (docs/DEPLOY.md, "Pending").
 PENDING_FLAGS: set[str] = set()
 GI = 1 << 30
@@ -151,14 +164,15 @@ def check_workload(c, obj, configmaps, known_flags):
             c.expect(parse_bytes(lim["memory"]) >= need,
                      f"{w}: memory limit {lim['memory']} < flags' {need / GI:.0f}Gi")
         if arena_in_memory:
-            # Room for two arena files: a restarted store's new one while a worker still maps
-            # the old one (kvstore/shared_arena.h).
-            want = 2 * arena_file_bytes(parse_bytes(flags.get("capacity", "4G")))
+            # Room for two arena files where a worker of the pod maps it: a restarted store's
+            # new one while the worker still maps the old one (kvstore/shared_arena.h).
+            mapped = any("store_arena_file" in container_flags(spec, o, configmaps) for o in spec["containers"])
+            want = (2 if mapped else 1) * arena_file_bytes(parse_bytes(flags.get("capacity", "4G")))
             for m in ct["volumeMounts"]:
                 if m["name"] in memory_volumes and flags["arena_file"].startswith(m["mountPath"]):
                     size = memory_volumes[m["name"]].get("sizeLimit")
                     c.expect(size and parse_bytes(size) >= want,
-                             f"{w}: arena volume sizeLimit {size} < two arena files ({want} bytes)")
+                             f"{w}: arena volume sizeLimit {size} < {'two arena files' if mapped else 'the arena file'} ({want} bytes)")
         if "store_arena_file" in flags:
             c.expect(role == "worker", f"{w}: --store_arena_file without --role=worker")
             under = [m for m in ct.get("volumeMounts", [])
@@ -181,6 +195,52 @@ def check_workload(c, obj, configmaps, known_flags):
         if role == "worker":
             c.expect(flags.get("store"), f"{w}: --role=worker without --store")
         c.expect(":" in ct["image"] or "@" in ct["image"], f"{w}: image {ct['image']} has no tag")
+
+
+def check_shards(c, workloads, configmaps):
+    """Sharded stores and the workers' lists of them (see the module's docstring)."""
+    shard_sets = {}  # StatefulSet name -> (replicas, headless service)
+    for obj in workloads:
+        spec = obj["spec"]["template"]["spec"]
+        for ct in spec["containers"]:
+            flags = container_flags(spec, ct, configmaps)
+            count = int(flags.get("shard_count", "1"))
+            if flags.get("role", "all") not in ("all", "store") or count <= 1:
+                continue
+            w = f"{obj['kind']}/{obj['metadata']['name']}/{ct['name']}"
+            if not c.expect(obj["kind"] == "StatefulSet", f"{w}: --shard_count={count} outside a StatefulSet"):
+                continue
+            replicas = obj["spec"].get("replicas", 1)
+            c.expect(replicas == count, f"{w}: --shard_count={count} but {replicas} replicas")
+            env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in ct.get("env", [])}
+            index = flags.get("shard_index", "")
+            var = re.fullmatch(r"\$\((\w+)\)", index)
+            c.expect(var and env.get(var.group(1)) == "metadata.labels['apps.kubernetes.io/pod-index']",
+                     f"{w}: --shard_index={index!r} is not the pod's ordinal (the pod-index label)")
+            shard_sets[obj["metadata"]["name"]] = (count, obj["spec"].get("serviceName"),
+                                                   int(flags.get("listen", ":50051").rsplit(":", 1)[1]))
+    for obj in workloads:
+        spec = obj["spec"]["template"]["spec"]
+        for ct in spec["containers"]:
+            flags = container_flags(spec, ct, configmaps)
+            if flags.get("role") != "worker" or not flags.get("store"):
+                continue
+            w = f"{obj['kind']}/{obj['metadata']['name']}/{ct['name']}"
+            try:
+                shards = placement.expand_shard_list(flags["store"])
+            except ValueError as e:
+                c.expect(False, f"{w}: --store: {e}")
+                continue
+            if len(shards) == 1 and not shard_sets:
+                continue
+            matched = False
+            for name, (count, service, port) in shard_sets.items():
+                want = [f"{name}-{i}.{service}:{port}" for i in range(count)]
+                hosts = [a.split(".", 1)[0] for a in shards]
+                if any(h.startswith(f"{name}-") for h in hosts):
+                    matched = True
+                    c.expect(shards == want, f"{w}: --store lists {shards}, the shards are {want}")
+            c.expect(matched or len(shards) == 1, f"{w}: --store lists {len(shards)} shards of no sharded StatefulSet")
 
 
 def selects(selector, labels):
@@ -235,6 +295,7 @@ def main():
                 for s in services:
                     c.expect(s["spec"].get("clusterIP") == "None" or any(p["name"].startswith("metrics") for p in s["spec"]["ports"]),
                              f"Service/{s['metadata']['name']}: selected by the ServiceMonitor without a metrics port")
+        check_shards(c, templates, configmaps)
         for kind in ("Deployment", "Service", "PodDisruptionBudget", "ConfigMap", "ServiceMonitor", "PrometheusRule"):
             c.expect(kind in counts, f"no {kind}")
         summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
