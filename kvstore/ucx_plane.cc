@@ -87,6 +87,8 @@ absl::StatusOr<ucp_worker_h> NewWorker(ucp_context_h context, ucs_thread_mode_t 
 // page; the store's progress thread copies the rows and the pages' generations into one reply.
 constexpr uint16_t kGatherAm = 11;
 constexpr uint16_t kReplyAm = 12;
+// Replies from this size on travel by rendezvous (see OnReply), smaller ones eagerly.
+constexpr size_t kRendezvousBytes = 256 << 10;
 struct GatherHeader {
   uint64_t secret;  // UcxArenaAddress::secret
   uint64_t id;
@@ -234,7 +236,8 @@ class UcxExportImpl final : public UcxExport {
     const auto* base = static_cast<const uint8_t*>(a.mapping());
     const uint64_t end = a.mapping_bytes();
     const ArenaLayout layout{end, a.data_offset(), a.granule()};
-    std::vector<uint8_t>* reply = nullptr;
+    uint8_t* reply = nullptr;  // new[]'d without zeroing: every byte is written below
+    size_t reply_bytes = 0;
     if (length == (n + h.pages) * sizeof(uint64_t) && row > 0 && 2 * row <= end) {
       const auto* offsets = static_cast<const uint64_t*>(data);
       bool inside = true;
@@ -246,16 +249,26 @@ class UcxExportImpl final : public UcxExport {
       }
       if (inside) {
         const uint64_t kinds = (want_k ? 1 : 0) + (want_v ? 1 : 0);
-        reply = new std::vector<uint8_t>(n * kinds * row + h.pages * sizeof(uint64_t));
-        uint8_t* k = reply->data();
-        uint8_t* v = reply->data() + (want_k ? n * row : 0);
+        reply_bytes = n * kinds * row + h.pages * sizeof(uint64_t);
+        reply = new uint8_t[reply_bytes];
+        uint8_t* k = reply;
+        uint8_t* v = reply + (want_k ? n * row : 0);
+        // Rows are scattered over the arena (a sparse method's selection): each is a cache and
+        // TLB miss, so the rows a few iterations ahead are fetched while this one is copied.
+        constexpr uint64_t kAhead = 8;
         for (uint64_t i = 0; i < n; ++i) {
+          if (i + kAhead < n) {
+            const uint8_t* next = base + offsets[i + kAhead] + (want_k ? 0 : row);
+            for (uint64_t b = 0; b < (want_k && want_v ? 2 : 1) * row; b += 64) {
+              __builtin_prefetch(next + b);
+            }
+          }
           const uint8_t* slot = base + offsets[i];
           if (want_k) std::memcpy(k + i * row, slot, row);
           if (want_v) std::memcpy(v + i * row, slot + row, row);
         }
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
-        auto* gens = reinterpret_cast<uint64_t*>(reply->data() + n * kinds * row);
+        auto* gens = reinterpret_cast<uint64_t*>(reply + n * kinds * row);
         for (uint64_t i = 0; i < h.pages; ++i) {
           gens[i] = __atomic_load_n(
               reinterpret_cast<const uint64_t*>(base + layout.GenerationOffset(offsets[n + i])),
@@ -265,16 +278,18 @@ class UcxExportImpl final : public UcxExport {
       }
     }
     ucp_request_param_t sp{};
-    sp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA;
+    sp.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
+    // A large reply by rendezvous: the reader has UCX receive it straight into its buffers.
+    sp.flags = reply_bytes >= kRendezvousBytes ? UCP_AM_SEND_FLAG_RNDV : UCP_AM_SEND_FLAG_EAGER;
     sp.cb.send = [](void* request, ucs_status_t, void* user) {
-      delete static_cast<std::vector<uint8_t>*>(user);
+      delete[] static_cast<uint8_t*>(user);
       ucp_request_free(request);
     };
     sp.user_data = reply;
-    ucs_status_ptr_t sent = ucp_am_send_nbx(param->reply_ep, kReplyAm, &r, sizeof(r),
-                                            reply != nullptr ? reply->data() : nullptr,
-                                            reply != nullptr ? reply->size() : 0, &sp);
-    if (!UCS_PTR_IS_PTR(sent)) delete reply;  // done at once, or failed: the callback won't run
+    ucs_status_ptr_t sent =
+        ucp_am_send_nbx(param->reply_ep, kReplyAm, &r, sizeof(r), reply, reply_bytes, &sp);
+    if (!UCS_PTR_IS_PTR(sent)) delete[] reply;  // done at once, or failed: the callback won't run
     return UCS_OK;
   }
 
@@ -455,7 +470,9 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
     size_t row_bytes = 0;
     uint64_t rows = 0;
     bool want_k = false, want_v = false;
-    std::vector<uint64_t> gens;  // sized to the pages asked for
+    std::vector<uint64_t> gens;     // sized to the pages asked for
+    std::vector<ucp_dt_iov_t> iov;  // a rendezvous reply's destinations (rows, generations)
+    void* receiving = nullptr;      // the rendezvous reply's receive, while in flight
     bool done = false;
     bool ok = false;  // the store answered, with exactly the bytes asked for
   };
@@ -463,7 +480,7 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
   // The store's reply to a gather: its rows go straight to the waiting read's buffers (none
   // waiting: the read timed out, the reply is dropped).
   static ucs_status_t OnReply(void* arg, const void* header, size_t header_length, void* data,
-                              size_t length, const ucp_am_recv_param_t*) {
+                              size_t length, const ucp_am_recv_param_t* param) {
     auto* self = static_cast<UcxReaderImpl*>(arg);
     if (header_length != sizeof(ReplyHeader)) return UCS_OK;
     ReplyHeader r;
@@ -471,10 +488,47 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
     auto it = self->pending_.find(r.id);
     if (it == self->pending_.end()) return UCS_OK;
     Pending& p = *it->second;
-    p.done = true;
     const uint64_t kinds = (p.want_k ? 1 : 0) + (p.want_v ? 1 : 0);
     const uint64_t row_part = p.rows * kinds * p.row_bytes;
-    if (r.ok == 0 || length != row_part + p.gens.size() * sizeof(uint64_t)) return UCS_OK;
+    if (r.ok == 0 || length != row_part + p.gens.size() * sizeof(uint64_t)) {
+      p.done = true;
+      return UCS_OK;  // (a rendezvous reply not received is dropped by UCX)
+    }
+    if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
+      // A large reply: UCX moves it straight into the read's buffers (K rows of every lane,
+      // V rows, the generations), with no copy of the whole message on this side.
+      for (int part = 0; part < 2; ++part) {
+        if (!(part == 0 ? p.want_k : p.want_v)) continue;
+        for (const LaneRead& l : p.lanes) {
+          if (l.tokens.empty()) continue;
+          p.iov.push_back({part == 0 ? l.k_out : l.v_out, l.tokens.size() * p.row_bytes});
+        }
+      }
+      if (!p.gens.empty()) p.iov.push_back({p.gens.data(), p.gens.size() * sizeof(uint64_t)});
+      ucp_request_param_t rp{};
+      rp.op_attr_mask =
+          UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
+      rp.datatype = UCP_DATATYPE_IOV;
+      rp.user_data = &p;
+      rp.cb.recv_am = [](void* request, ucs_status_t status, size_t, void* user) {
+        auto* q = static_cast<Pending*>(user);
+        q->ok = status == UCS_OK;
+        q->done = true;
+        q->receiving = nullptr;
+        ucp_request_free(request);
+      };
+      ucs_status_ptr_t got =
+          ucp_am_recv_data_nbx(self->worker_, data, p.iov.data(), p.iov.size(), &rp);
+      if (UCS_PTR_IS_ERR(got)) {
+        p.done = true;
+      } else if (got == nullptr) {
+        p.ok = p.done = true;
+      } else {
+        p.receiving = got;
+      }
+      return UCS_OK;
+    }
+    p.done = true;
     const auto* k = static_cast<const uint8_t*>(data);
     const uint8_t* v = k + (p.want_k ? p.rows * p.row_bytes : 0);
     size_t at = 0;
@@ -526,7 +580,8 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
     pending_[h.id] = &pending;
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
-    rp.flags = UCP_AM_SEND_FLAG_REPLY;
+    rp.flags =
+        UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_EAGER;  // the store's handler wants it whole
     ucs_status_ptr_t sent = ucp_am_send_nbx(arena.ep_, kGatherAm, &h, sizeof(h), payload.data(),
                                             payload.size() * sizeof(uint64_t), &rp);
     if (UCS_PTR_IS_ERR(sent)) {
@@ -545,6 +600,12 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
         if (UCS_PTR_IS_PTR(sent)) {
           ucp_request_cancel(worker_, sent);
           ucp_request_free(sent);
+        }
+        if (pending.receiving != nullptr) {
+          // The reply is landing in the caller's buffers: cancelled, and waited for (UCX ends
+          // it, cancelled or failed) before the buffers go back to the caller.
+          ucp_request_cancel(worker_, pending.receiving);
+          while (pending.receiving != nullptr) ucp_worker_progress(worker_);
         }
         arena.failed_->store(true);
         return absl::DeadlineExceededError("ucx: the store did not answer the gather in time");

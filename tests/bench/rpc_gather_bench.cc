@@ -4,6 +4,11 @@
 // (--reader=ucx, the store exporting the arena).
 //
 //   rpc_gather_bench [--pool_mb=1024] [--rows=4096,131072] [--calls=100] [--arena_file=PATH]
+//                    [--pattern=random|contiguous]
+//   # across hosts or network namespaces: the store and the echo on one side, the clients on the
+//   # other (the reader's arena file, with --reader=file, must be the same file)
+//   rpc_gather_bench --serve=ADDR --echo_listen=ADDR [--arena_file=PATH --reader=ucx ...] &
+//   rpc_gather_bench --connect=ADDR --echo=ADDR [--reader=ucx ...]
 //
 // One process runs the real kvsparse server (KvStore service) and a bare Echo service, each on
 // its own loopback port with the same message limits, and drives both with gRPC clients over
@@ -12,6 +17,7 @@
 // and gets back rows x 256 bytes. Reported: median latency and payload throughput of each, and
 // Gather's throughput as a fraction of Echo's.
 #include <grpcpp/grpcpp.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -44,6 +50,17 @@ ABSL_FLAG(std::string, reader, "file",
           "worker), ucx (UCX batched gathers) or ucx-rma (one-sided UCX gets per row); the store "
           "exports with --data_plane=ucx");
 ABSL_FLAG(std::string, ucx_transports, "", "--reader=ucx: UCX transports (UCX_TLS syntax)");
+ABSL_FLAG(std::string, pattern, "random",
+          "Which tokens a read asks for: random (a sparse method's selection) or contiguous (the "
+          "same number of consecutive tokens per kv head: the transport's best case for the "
+          "same bytes)");
+ABSL_FLAG(std::string, serve, "",
+          "Only serve: the store (filled) at this address and the echo at --echo_listen, until "
+          "killed; the clients run elsewhere with --connect");
+ABSL_FLAG(std::string, echo_listen, "127.0.0.1:0", "--serve: the echo service's address");
+ABSL_FLAG(std::string, connect, "",
+          "Only measure, against a --serve process's store at this address (and --echo)");
+ABSL_FLAG(std::string, echo, "", "--connect: the echo service's address");
 
 namespace {
 
@@ -101,14 +118,22 @@ int main(int argc, char** argv) {
   const uint64_t tokens =
       std::max<uint64_t>(1024, (absl::GetFlag(FLAGS_pool_mb) << 20) / token_bytes);
 
+  const std::string serve = absl::GetFlag(FLAGS_serve), connect = absl::GetFlag(FLAGS_connect);
+  const bool ucx_reader = absl::StartsWith(absl::GetFlag(FLAGS_reader), "ucx");
   kvsparse::server::ServerOptions so;
-  so.listen = "127.0.0.1:0";
+  so.listen = serve.empty() ? "127.0.0.1:0" : serve;
+  so.insecure = true;  // a benchmark between namespaces or hosts of a trusted test network
   so.metrics_listen = "";
   so.max_message_bytes = kMaxMessage;
   so.store.capacity_bytes = tokens * token_bytes + (256ull << 20);
   const std::string arena_path = absl::GetFlag(FLAGS_arena_file);
   std::unique_ptr<kv::MemoryResource> arena;
-  if (!arena_path.empty()) {
+  absl::StatusOr<std::unique_ptr<kvsparse::server::Server>> server =
+      absl::FailedPreconditionError("not started");
+  EchoService echo_service;
+  std::unique_ptr<grpc::Server> echo_server;
+  std::string store_target = connect, echo_target = absl::GetFlag(FLAGS_echo);
+  if (connect.empty() && !arena_path.empty()) {
     auto file = kv::NewFileMemoryResource(arena_path, so.store.capacity_bytes, so.store.page_bytes);
     if (!file.ok()) {
       std::fprintf(stderr, "%s\n", file.status().ToString().c_str());
@@ -116,52 +141,70 @@ int main(int argc, char** argv) {
     }
     arena = std::move(*file);
     so.store.memory = arena.get();
-    if (absl::StartsWith(absl::GetFlag(FLAGS_reader), "ucx")) {
+    if (ucx_reader) {
       so.data_plane = "ucx";
       so.data_plane_transports = absl::GetFlag(FLAGS_ucx_transports);
     }
   }
-  auto server = kvsparse::server::Server::Start(so);
-  if (!server.ok()) {
-    std::fprintf(stderr, "%s\n", server.status().ToString().c_str());
-    return 1;
-  }
-  EchoService echo_service;
-  grpc::ServerBuilder eb;
-  int echo_port = 0;
-  eb.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &echo_port);
-  eb.SetMaxReceiveMessageSize(kMaxMessage);
-  eb.SetMaxSendMessageSize(kMaxMessage);
-  eb.RegisterService(&echo_service);
-  std::unique_ptr<grpc::Server> echo_server = eb.BuildAndStart();
-  if (!echo_server) return 1;
-
-  // Fill the store in-process (setup, not measured).
-  if (absl::Status s = kvsparse::bench::FillSequence((*server)->store(), "bench", shape, tokens);
-      !s.ok()) {
-    std::fprintf(stderr, "%s\n", s.ToString().c_str());
-    return 1;
+  if (connect.empty()) {
+    server = kvsparse::server::Server::Start(so);
+    if (!server.ok()) {
+      std::fprintf(stderr, "%s\n", server.status().ToString().c_str());
+      return 1;
+    }
+    grpc::ServerBuilder eb;
+    int echo_port = 0;
+    const std::string echo_listen =
+        serve.empty() ? "127.0.0.1:0" : absl::GetFlag(FLAGS_echo_listen);
+    eb.AddListeningPort(echo_listen, grpc::InsecureServerCredentials(), &echo_port);
+    eb.SetMaxReceiveMessageSize(kMaxMessage);
+    eb.SetMaxSendMessageSize(kMaxMessage);
+    eb.RegisterService(&echo_service);
+    echo_server = eb.BuildAndStart();
+    if (!echo_server) return 1;
+    // Fill the store in-process (setup, not measured).
+    if (absl::Status s = kvsparse::bench::FillSequence((*server)->store(), "bench", shape, tokens);
+        !s.ok()) {
+      std::fprintf(stderr, "%s\n", s.ToString().c_str());
+      return 1;
+    }
+    if (!serve.empty()) {
+      std::printf("serving: store %s, echo %s, %lu tokens\n", serve.c_str(), echo_listen.c_str(),
+                  static_cast<unsigned long>(tokens));
+      std::fflush(stdout);
+      for (;;) pause();  // until killed
+    }
+    store_target = absl::StrCat("127.0.0.1:", (*server)->port());
+    echo_target = absl::StrCat("127.0.0.1:", echo_port);
   }
 
   kvsparse::client::ClientOptions co;
-  co.target = absl::StrCat("127.0.0.1:", (*server)->port());
+  co.target = store_target;
   co.max_message_bytes = kMaxMessage;
   auto client = kvsparse::client::KvStoreClient::Connect(co);
   if (!client.ok()) return 1;
+  uint64_t layer_tokens = tokens;
+  if (!connect.empty()) {
+    auto info = (*client)->GetSequenceInfo("bench");
+    if (!info.ok()) {
+      std::fprintf(stderr, "%s: %s\n", connect.c_str(), info.status().ToString().c_str());
+      return 1;
+    }
+    layer_tokens = info->layer_lengths(0);
+  }
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(kMaxMessage);
   args.SetMaxSendMessageSize(kMaxMessage);
-  auto echo = kvsparse::bench::Echo::NewStub(grpc::CreateCustomChannel(
-      absl::StrCat("127.0.0.1:", echo_port), grpc::InsecureChannelCredentials(), args));
+  auto echo = kvsparse::bench::Echo::NewStub(
+      grpc::CreateCustomChannel(echo_target, grpc::InsecureChannelCredentials(), args));
 
   std::unique_ptr<kvsparse::server::RemoteRowSource> in_place;
-  if (arena != nullptr) {
+  if (!arena_path.empty() || (!connect.empty() && ucx_reader)) {
     in_place = kvsparse::server::NewRemoteRowSource(
         grpc::CreateCustomChannel(co.target, grpc::InsecureChannelCredentials(), args),
-        absl::StartsWith(absl::GetFlag(FLAGS_reader), "ucx")
-            ? kvsparse::server::RemoteRowSourceOptions{"", "", absl::GetFlag(FLAGS_reader),
-                                                       absl::GetFlag(FLAGS_ucx_transports)}
-            : kvsparse::server::RemoteRowSourceOptions{"", arena_path, "", ""});
+        ucx_reader ? kvsparse::server::RemoteRowSourceOptions{"", "", absl::GetFlag(FLAGS_reader),
+                                                              absl::GetFlag(FLAGS_ucx_transports)}
+                   : kvsparse::server::RemoteRowSourceOptions{"", arena_path, "", ""});
   }
   std::printf("%-8s %-8s %11s %11s %8s %9s %11s %11s %8s %9s %7s %7s", "rows", "MB/resp",
               "gather p50", "gather p99", "MB/s", "mean MB/s", "echo p50", "echo p99", "MB/s",
@@ -179,14 +222,21 @@ int main(int argc, char** argv) {
     rows = per_head * shape.num_kv_heads;
     const size_t payload = rows * row;
     std::vector<kvsparse::v1::GatherRequest> reqs(8);
-    std::uniform_int_distribution<uint32_t> tok(0, static_cast<uint32_t>(tokens - 1));
+    std::uniform_int_distribution<uint32_t> tok(0, static_cast<uint32_t>(layer_tokens - 1));
+    const bool contiguous = absl::GetFlag(FLAGS_pattern) == "contiguous";
+    if (contiguous && per_head > layer_tokens) return 2;
+    std::uniform_int_distribution<uint32_t> first(
+        0, static_cast<uint32_t>(layer_tokens - std::min(per_head, layer_tokens)));
     for (size_t i = 0; i < reqs.size(); ++i) {
       reqs[i].set_sequence_id("bench");
       reqs[i].set_kind(kvsparse::v1::ROW_KIND_V);
       for (uint32_t h = 0; h < shape.num_kv_heads; ++h) {
         auto* sel = reqs[i].add_heads();
         sel->set_kv_head(h);
-        for (uint64_t j = 0; j < per_head; ++j) sel->add_token_indices(tok(rng));
+        const uint32_t t0 = contiguous ? first(rng) : 0;
+        for (uint64_t j = 0; j < per_head; ++j) {
+          sel->add_token_indices(contiguous ? t0 + static_cast<uint32_t>(j) : tok(rng));
+        }
       }
     }
     kvsparse::v1::GatherResponse gresp;
@@ -269,7 +319,7 @@ int main(int argc, char** argv) {
     }
     std::printf("\n");
   }
-  echo_server->Shutdown();
+  if (echo_server != nullptr) echo_server->Shutdown();
   if (in_place != nullptr) {
     const kvsparse::server::InPlaceStats st = in_place->in_place_stats();
     std::printf("direct (%s): %lu rows, %lu bytes, %lu GetPageTable calls, %lu fallbacks\n",
@@ -278,6 +328,6 @@ int main(int argc, char** argv) {
                 static_cast<unsigned long>(st.page_table_calls),
                 static_cast<unsigned long>(st.fallbacks));
   }
-  if (!arena_path.empty()) std::remove(arena_path.c_str());
+  if (!arena_path.empty() && connect.empty()) std::remove(arena_path.c_str());
   return 0;
 }
