@@ -17,6 +17,9 @@ one process on one GPU:
                   --role=worker decodes on the GPU and gathers the rows it selects from the
                   store (KvStore Gather RPC); the model appends to the store, decodes at the
                   worker
+  splitucx-<method>  the same with the UCX data plane: the store keeps its arena in a file on
+                  /dev/shm exported over UCX (--data_plane=ucx), the worker reads the rows it
+                  selects over UCX (--store_data_plane=ucx, TCP here) instead of the Gather RPC
 
 Methods: dense (every row from host memory), prop (S2ANTA-prop S=128, K on the GPU, V in host
 memory), hash (HashAttention top-k 1.25% per head from host memory, 4% row cache), vatt
@@ -36,6 +39,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -226,8 +230,10 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server)
     row = Row(n, batch, variant)
     kvsparse.hf.enable(model)
     target: Any = engines.get(transport)  # kvs, kvsr: an InProcessEngine
-    if transport == "split":
-        target = kvsparse.Client(server["worker"].target, store_target=server["store"].target, timeout=600)
+    if transport in ("split", "splitucx"):
+        target = kvsparse.Client(
+            server[f"{transport}-worker"].target, store_target=server[f"{transport}-store"].target, timeout=600
+        )
     elif transport.startswith("grpc"):
         target = server["all"].target
     cache = kvsparse.hf.KvSparseCache(cfg, target, method=method, stream=transport == "grpcs", seed=1)
@@ -304,20 +310,29 @@ def main() -> None:
             resident_capacity=args.gpu_capacity,
             startup_timeout=120,
         ).start()
-    if any(v.startswith(("split", "kvsr")) for v in variants):
+    if any(v.startswith(("split-", "kvsr")) for v in variants):
         server["store"] = kvsparse.LocalServer(role="store", capacity=args.store_capacity, startup_timeout=120).start()
+        server["split-store"] = server["store"]
+    if any(v.startswith("splitucx-") for v in variants):
+        server["splitucx-store"] = kvsparse.LocalServer(
+            role="store", capacity=args.store_capacity, arena_file=f"/dev/shm/kvsparse-e2e-{os.getpid()}",
+            data_plane="ucx", data_plane_transports="tcp", startup_timeout=120,
+        ).start()
     if any(v.startswith("kvsr") for v in variants):
         engines["kvsr"] = ops.InProcessEngine(
             gpu="on" if gpu else "off", store=server["store"].target, gpu_capacity=args.gpu_capacity
         )
-    if any(v.startswith("split") for v in variants):
-        server["worker"] = kvsparse.LocalServer(
-            role="worker",
-            store=server["store"].target,
-            gpu="on" if gpu else "off",
-            resident_capacity=args.gpu_capacity,
-            startup_timeout=120,
-        ).start()
+    for transport in ("split", "splitucx"):
+        if any(v.startswith(f"{transport}-") for v in variants):
+            ucx = {"store_data_plane": "ucx", "data_plane_transports": "tcp"} if transport == "splitucx" else {}
+            server[f"{transport}-worker"] = kvsparse.LocalServer(
+                role="worker",
+                store=server[f"{transport}-store"].target,
+                gpu="on" if gpu else "off",
+                resident_capacity=args.gpu_capacity,
+                startup_timeout=120,
+                **ucx,
+            ).start()
     skip = set(args.skip.split(",")) if args.skip else set()
     rows: list[Row] = []
     print("| n | B | variant | ms / step | tokens/s | x resident tok/s | KV GPU GB | host MB / token | fetched / dense | note |")
@@ -350,8 +365,10 @@ def main() -> None:
                 )
     for e in engines.values():
         e.close()
-    for srv in server.values():
+    for srv in {id(s): s for s in server.values()}.values():  # "store" and "split-store" are one
         srv.stop()
+    if os.path.exists(f"/dev/shm/kvsparse-e2e-{os.getpid()}"):
+        os.remove(f"/dev/shm/kvsparse-e2e-{os.getpid()}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=1)

@@ -18,7 +18,7 @@ bench=$build/bin/rpc_gather_bench
 ns_s=kvbs$$ ns_c=kvbc$$
 arena=/dev/shm/kvsparse-netns-bench-$$
 cleanup() {
-  [ -n "${server:-}" ] && kill "$server" 2>/dev/null && wait "$server" 2>/dev/null
+  [ -n "${server:-}" ] && kill -9 "$server" 2>/dev/null && wait "$server" 2>/dev/null
   ip netns del "$ns_s" 2>/dev/null || true
   ip netns del "$ns_c" 2>/dev/null || true
   rm -f "$arena" "$arena.log" "$arena.client.log"
@@ -46,7 +46,7 @@ for _ in $(seq 600); do grep -q "^serving" "$arena.log" 2>/dev/null && break; ki
 grep '^serving' "$arena.log" || { cat "$arena.log"; exit 1; }
 for pattern in random contiguous; do
   echo "## pattern $pattern"
-  ip netns exec "$ns_c" ${BENCH_WRAP:-} "$bench" --connect=10.216.0.2:50071 --echo=10.216.0.2:50072 --reader=ucx \
+  timeout 600 ip netns exec "$ns_c" ${BENCH_WRAP:-} "$bench" --connect=10.216.0.2:50071 --echo=10.216.0.2:50072 --reader=ucx \
     --ucx_transports=tcp --pattern="$pattern" "$@" 2>"$arena.client.log" || { tail -30 "$arena.client.log"; exit 1; }
 done
 rm -f "$arena.log" "$arena.client.log"
