@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import kvsparse
+import netns
 
 NS_W, NS_S = f"kvsw{os.getpid()}", f"kvss{os.getpid()}"
 STORE_ADDR = "10.213.0.2:50052"
@@ -56,62 +57,41 @@ DRIVER = textwrap.dedent(
 )
 
 
-def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(args), capture_output=True, text=True, check=check)
-
-
 HAVE_NETEM = False
+ENDS = [(NS_W, "vw"), (NS_S, "vs")]
 
 
 def impair(kind: str | None) -> None:
     """Clears the link's impairment, then sets one on both ends: "delay" (netem 100 ms; else a
     20 Mbit/s tbf), "loss" (20% of packets), "cut" (every packet dropped)."""
-    for ns, dev in ((NS_W, "vw"), (NS_S, "vs")):
-        sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
-        sh("ip", "netns", "exec", ns, "iptables", "-F", "OUTPUT", check=False)
-        if kind is None:
-            continue
-        if HAVE_NETEM:
-            spec = {"delay": "delay 100ms", "loss": "loss 20%", "cut": "loss 100%"}[kind]
-            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "netem", *spec.split())
-        elif kind == "delay":
-            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", "20mbit",
-               "burst", "32kbit", "latency", "400ms")
-        else:
-            rule = ["-m", "statistic", "--mode", "random", "--probability", "0.2"] if kind == "loss" else []
-            sh("ip", "netns", "exec", ns, "iptables", "-A", "OUTPUT", "-o", dev, *rule, "-j", "DROP")
+    if kind is None:
+        netns.impair(ENDS)
+    elif HAVE_NETEM:
+        netns.impair(ENDS, netem={"delay": "delay 100ms", "loss": "loss 20%", "cut": "loss 100%"}[kind])
+    elif kind == "delay":
+        netns.impair(ENDS, tbf="rate 20mbit burst 32kbit latency 400ms")
+    else:
+        netns.impair(ENDS, drop=0.2 if kind == "loss" else 1.0)
 
 
 @pytest.fixture(scope="module")
 def namespaces() -> Iterator[None]:
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("needs root, ip and tc")
-    if sh("ip", "netns", "add", NS_W, check=False).returncode != 0:
-        pytest.skip("cannot create network namespaces here")
+    netns.require(NS_W)
     try:
-        sh("ip", "netns", "add", NS_S)
-        sh("ip", "link", "add", "vw", "netns", NS_W, "type", "veth", "peer", "name", "vs", "netns", NS_S)
-        for ns, dev, addr in ((NS_W, "vw", "10.213.0.1/24"), (NS_S, "vs", "10.213.0.2/24")):
-            sh("ip", "-n", ns, "addr", "add", addr, "dev", dev)
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
+        netns.add(NS_S)
+        netns.link((NS_W, "vw", "10.213.0.1/24"), (NS_S, "vs", "10.213.0.2/24"))
         global HAVE_NETEM
-        probe = sh("ip", "netns", "exec", NS_W, "tc", "qdisc", "add", "dev", "vw", "root", "netem", "delay", "1ms",
-                   check=False)
-        HAVE_NETEM = probe.returncode == 0
+        HAVE_NETEM = netns.have_netem(NS_W, "vw")
         if not HAVE_NETEM and shutil.which("iptables") is None:
-            pytest.skip(f"neither netem ({probe.stderr.strip()}) nor iptables here")
+            pytest.skip("neither netem nor iptables here")
         impair(None)
         yield
     finally:
-        sh("ip", "netns", "del", NS_W, check=False)
-        sh("ip", "netns", "del", NS_S, check=False)
+        netns.remove(NS_W, NS_S)
 
 
 def start(ns: str, log: Path, *flags: str) -> subprocess.Popen[bytes]:
-    binary = kvsparse.local_server.find_server_binary()
-    return subprocess.Popen(["ip", "netns", "exec", ns, binary, "--gpu=off", "--metrics_listen=", *flags],
-                            stdout=subprocess.DEVNULL, stderr=log.open("wb"))
+    return netns.start(ns, log, "--metrics_listen=", *flags)
 
 
 def drive(tmp: Path, phase: str, worker: str, deadline: float) -> dict:

@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 
 import kvsparse
+import netns
 
 PID = os.getpid()
 NS_W, NS_S = f"kvfw{PID}", [f"kvf0{PID}", f"kvf1{PID}"]
@@ -121,90 +122,56 @@ DRIVER = textwrap.dedent(
 )
 
 
-def sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(args), capture_output=True, text=True, check=check)
-
-
 HAVE_NETEM = False
 
 
 def impair(shard: int, kind: str | None) -> None:
     """One shard's link: clear, then "loss" (10% of packets each way) or "slow" (netem 20 ms a
     way; else a 50 Mbit/s tbf)."""
-    for ns, dev in ((NS_W, f"vw{shard}"), (NS_S[shard], "vs")):
-        sh("ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", dev, "root", check=False)
-        sh("ip", "netns", "exec", ns, "iptables", "-F", "OUTPUT", check=False)
-        if kind is None:
-            continue
-        if HAVE_NETEM:
-            spec = {"slow": "delay 20ms", "loss": "loss 10%"}[kind]
-            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "netem", *spec.split())
-        elif kind == "slow":
-            sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", "50mbit",
-               "burst", "32kbit", "latency", "400ms")
-        else:
-            sh("ip", "netns", "exec", ns, "iptables", "-A", "OUTPUT", "-o", dev, "-m", "statistic", "--mode",
-               "random", "--probability", "0.1", "-j", "DROP")
+    ends = [(NS_W, f"vw{shard}"), (NS_S[shard], "vs")]
+    if kind is None:
+        netns.impair(ends)
+    elif HAVE_NETEM:
+        netns.impair(ends, netem={"slow": "delay 20ms", "loss": "loss 10%"}[kind])
+    elif kind == "slow":
+        netns.impair(ends, tbf="rate 50mbit burst 32kbit latency 400ms")
+    else:
+        netns.impair(ends, drop=0.1)
 
 
 @pytest.fixture(scope="module")
 def namespaces() -> Iterator[None]:
-    if os.geteuid() != 0 or shutil.which("ip") is None or shutil.which("tc") is None:
-        pytest.skip("needs root, ip and tc")
-    if sh("ip", "netns", "add", NS_W, check=False).returncode != 0:
-        pytest.skip("cannot create network namespaces here")
+    netns.require(NS_W)
     try:
-        sh("ip", "-n", NS_W, "link", "set", "lo", "up")
         for i, ns in enumerate(NS_S):
-            sh("ip", "netns", "add", ns)
-            sh("ip", "link", "add", f"vw{i}", "netns", NS_W, "type", "veth", "peer", "name", "vs", "netns", ns)
-            for n, dev, addr in ((NS_W, f"vw{i}", f"10.214.{i}.1/24"), (ns, "vs", f"10.214.{i}.2/24")):
-                sh("ip", "-n", n, "addr", "add", addr, "dev", dev)
-                sh("ip", "-n", n, "link", "set", dev, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
+            netns.add(ns)
+            netns.link((NS_W, f"vw{i}", f"10.214.{i}.1/24"), (ns, "vs", f"10.214.{i}.2/24"))
             # As a host's default route: UCX's TCP transport may connect from the worker's other
             # interface's address, and the answer must find its way back.
-            sh("ip", "-n", ns, "route", "add", "default", "via", f"10.214.{i}.1")
-        # The kernel reports a new veth "up" about a second after it is set up; UCX lists only
-        # interfaces that are, so the servers start once every end is.
-        links = [(NS_W, f"vw{i}") for i in range(2)] + [(ns, "vs") for ns in NS_S]
-        for _ in range(100):
-            states = [sh("ip", "netns", "exec", ns, "cat", f"/sys/class/net/{dev}/operstate").stdout.strip()
-                      for ns, dev in links]
-            if all(s == "up" for s in states):
-                break
-            time.sleep(0.1)
+            netns.sh("ip", "-n", ns, "route", "add", "default", "via", f"10.214.{i}.1")
+        netns.wait_up([(NS_W, f"vw{i}") for i in range(2)] + [(ns, "vs") for ns in NS_S])
         global HAVE_NETEM
-        probe = sh("ip", "netns", "exec", NS_W, "tc", "qdisc", "add", "dev", "vw0", "root", "netem", "delay", "1ms",
-                   check=False)
-        HAVE_NETEM = probe.returncode == 0
+        HAVE_NETEM = netns.have_netem(NS_W, "vw0")
         if not HAVE_NETEM and shutil.which("iptables") is None:
-            pytest.skip(f"neither netem ({probe.stderr.strip()}) nor iptables here")
+            pytest.skip("neither netem nor iptables here")
         impair(0, None)
         yield
     finally:
-        for ns in (NS_W, *NS_S):
-            sh("ip", "netns", "del", ns, check=False)
+        netns.remove(NS_W, *NS_S)
 
 
 def ucx_flags(store: bool) -> list[str]:
     """The UCX data plane's flags where the server binary has it (linked with libucp)."""
     binary = kvsparse.local_server.find_server_binary()
-    if "libucp" not in sh("ldd", binary, check=False).stdout:
+    if "libucp" not in netns.sh("ldd", binary, check=False).stdout:
         return []
     return ["--data_plane=ucx" if store else "--store_data_plane=ucx", "--data_plane_transports=tcp"]
-
-
-def start(ns: str, log: Path, *flags: str) -> subprocess.Popen[bytes]:
-    binary = kvsparse.local_server.find_server_binary()
-    return subprocess.Popen(["ip", "netns", "exec", ns, binary, "--gpu=off", *flags],
-                            stdout=subprocess.DEVNULL, stderr=log.open("ab"))
 
 
 def start_store(i: int, tmp: Path) -> subprocess.Popen[bytes]:
     arena = tmp / f"arena{i}"
     arena.unlink(missing_ok=True)
-    return start(NS_S[i], tmp / f"store{i}.log", "--role=store", f"--listen={STORES[i]}", "--insecure",
+    return netns.start(NS_S[i], tmp / f"store{i}.log", "--role=store", f"--listen={STORES[i]}", "--insecure",
                  "--metrics_listen=", "--capacity=128M", f"--arena_file={arena}", f"--shard_index={i}",
                  "--shard_count=2", *ucx_flags(True))
 
@@ -213,7 +180,7 @@ def wait_port(ns: str, address: str) -> None:
     host, port = address.rsplit(":", 1)
     probe = f"import socket; socket.create_connection(('{host}', {port}), 0.5).close()"
     for _ in range(300):
-        if sh("ip", "netns", "exec", ns, sys.executable, "-c", probe, check=False).returncode == 0:
+        if netns.sh("ip", "netns", "exec", ns, sys.executable, "-c", probe, check=False).returncode == 0:
             return
         time.sleep(0.1)
     raise AssertionError(f"nothing listens on {address} in {ns}")
@@ -236,10 +203,10 @@ def result(p: subprocess.Popen[str]) -> dict:
 
 def test_sharded_fleet_across_namespaces(namespaces: None, tmp_path: Path) -> None:
     stores = [start_store(i, tmp_path) for i in range(2)]
-    worker = start(NS_W, tmp_path / "worker.log", "--role=worker", f"--store={','.join(STORES)}",
+    worker = netns.start(NS_W, tmp_path / "worker.log", "--role=worker", f"--store={','.join(STORES)}",
                    f"--listen={WORKER}", f"--metrics_listen={METRICS}", "--default_deadline=30s",
                    *ucx_flags(False))
-    embedded = start(NS_W, tmp_path / "embedded.log", f"--listen={EMBEDDED}", "--metrics_listen=",
+    embedded = netns.start(NS_W, tmp_path / "embedded.log", f"--listen={EMBEDDED}", "--metrics_listen=",
                      "--capacity=256M")
     procs = [*stores, worker, embedded]
     try:

@@ -514,8 +514,8 @@ TEST(AttentionServiceTest, ShardedStoresEqualEmbedded) {
     return (*client::AttentionClient::Connect(At(port)))->Decode(Request(prob, c.method, 17));
   };
   const kernels::SyntheticProblem prob = Problem();
-  for (const MethodCase& c : Cases()) {
-    SCOPED_TRACE(c.name);
+  // The problem's sequences afresh in the embedded store and on their shards.
+  auto reload = [&](const MethodCase& c) {
     for (int b = 0; b < 2; ++b) {
       const std::string id = absl::StrCat("s", b);
       (void)(*ekv)->DropSequence(id);
@@ -523,6 +523,10 @@ TEST(AttentionServiceTest, ShardedStoresEqualEmbedded) {
     }
     Load(**ekv, prob, c.placement);
     Load(on_shard, prob, c.placement);
+  };
+  for (const MethodCase& c : Cases()) {
+    SCOPED_TRACE(c.name);
+    reload(c);
     auto ra = decode(embedded->port(), prob, c);
     auto rw = decode(worker->port(), prob, c);
     ASSERT_TRUE(ra.ok()) << ra.status();
@@ -556,13 +560,7 @@ TEST(AttentionServiceTest, ShardedStoresEqualEmbedded) {
 
   // Shard 1 goes away: s1's decodes fail with UNAVAILABLE, s0's go on, bit-identical.
   const MethodCase& c = Cases()[0];
-  for (int b = 0; b < 2; ++b) {
-    const std::string id = absl::StrCat("s", b);
-    (void)(*ekv)->DropSequence(id);
-    (void)(*shards)->For(id).DropSequence(id);
-  }
-  Load(**ekv, prob, c.placement);
-  Load(on_shard, prob, c.placement);
+  reload(c);
   const int port1 = stores[1]->port();
   stores[1].reset();
   auto both = decode(worker->port(), prob, c);
