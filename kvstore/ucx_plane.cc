@@ -16,8 +16,13 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <deque>
 #include <mutex>
 #include <thread>
+
+#include "absl/functional/function_ref.h"
+#include "absl/synchronization/blocking_counter.h"
+#include "absl/synchronization/mutex.h"
 #endif
 
 namespace kvsparse::kvstore {
@@ -26,7 +31,8 @@ namespace kvsparse::kvstore {
 
 bool UcxAvailable() { return false; }
 
-absl::StatusOr<std::unique_ptr<UcxExport>> UcxExport::Create(SharedArena*, const std::string&) {
+absl::StatusOr<std::unique_ptr<UcxExport>> UcxExport::Create(SharedArena*, const std::string&,
+                                                             int) {
   return absl::UnavailableError("this build has no UCX (install libucx-dev and rebuild)");
 }
 
@@ -153,8 +159,73 @@ struct UcxWorker {
   }
 };
 
+// Runs a copy over [0, n) in parts on the calling thread and `helpers` more, returning once
+// every part is done (so what the parts wrote happens-before what the caller does next).
+class ParallelCopy {
+ public:
+  explicit ParallelCopy(int helpers) {
+    for (int i = 0; i < helpers; ++i) threads_.emplace_back([this] { Serve(); });
+  }
+  ~ParallelCopy() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    for (std::thread& t : threads_) t.join();
+  }
+
+  void Run(uint64_t n, absl::FunctionRef<void(uint64_t, uint64_t)> copy) {
+    constexpr uint64_t kMinPart = 256;  // rows: below this a part costs more than it saves
+    const uint64_t parts =
+        std::min<uint64_t>(threads_.size() + 1, std::max<uint64_t>(1, n / kMinPart));
+    if (parts == 1) {
+      copy(0, n);
+      return;
+    }
+    const uint64_t per = (n + parts - 1) / parts;
+    absl::BlockingCounter done(static_cast<int>(parts - 1));
+    {
+      absl::MutexLock lock(&mu_);
+      for (uint64_t p = 1; p < parts; ++p) {
+        tasks_.push_back({p * per, std::min(n, (p + 1) * per), &copy, &done});
+      }
+    }
+    copy(0, per);
+    done.Wait();
+  }
+
+ private:
+  struct Task {
+    uint64_t begin, end;
+    absl::FunctionRef<void(uint64_t, uint64_t)>* copy;
+    absl::BlockingCounter* done;
+  };
+
+  void Serve() {
+    for (;;) {
+      Task t;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](ParallelCopy* self) { return self->stop_ || !self->tasks_.empty(); }, this));
+        if (tasks_.empty()) return;  // stopping
+        t = tasks_.front();
+        tasks_.pop_front();
+      }
+      if (t.begin < t.end) (*t.copy)(t.begin, t.end);
+      t.done->DecrementCount();
+    }
+  }
+
+  absl::Mutex mu_;
+  std::deque<Task> tasks_ ABSL_GUARDED_BY(mu_);
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> threads_;
+};
+
 class UcxExportImpl final : public UcxExport {
  public:
+  explicit UcxExportImpl(int copy_threads) : copier_(copy_threads) {}
   ~UcxExportImpl() override {
     if (progress_.joinable()) {
       const uint64_t one = 1;
@@ -254,19 +325,22 @@ class UcxExportImpl final : public UcxExport {
         uint8_t* k = reply;
         uint8_t* v = reply + (want_k ? n * row : 0);
         // Rows are scattered over the arena (a sparse method's selection): each is a cache and
-        // TLB miss, so the rows a few iterations ahead are fetched while this one is copied.
-        constexpr uint64_t kAhead = 8;
-        for (uint64_t i = 0; i < n; ++i) {
-          if (i + kAhead < n) {
-            const uint8_t* next = base + offsets[i + kAhead] + (want_k ? 0 : row);
-            for (uint64_t b = 0; b < (want_k && want_v ? 2 : 1) * row; b += 64) {
-              __builtin_prefetch(next + b);
+        // TLB miss, so the rows a few iterations ahead are fetched while this one is copied,
+        // and a large gather is copied in parts on several threads.
+        self->copier_.Run(n, [&](uint64_t begin, uint64_t end) {
+          constexpr uint64_t kAhead = 8;
+          for (uint64_t i = begin; i < end; ++i) {
+            if (i + kAhead < end) {
+              const uint8_t* next = base + offsets[i + kAhead] + (want_k ? 0 : row);
+              for (uint64_t b = 0; b < (want_k && want_v ? 2 : 1) * row; b += 64) {
+                __builtin_prefetch(next + b);
+              }
             }
+            const uint8_t* slot = base + offsets[i];
+            if (want_k) std::memcpy(k + i * row, slot, row);
+            if (want_v) std::memcpy(v + i * row, slot + row, row);
           }
-          const uint8_t* slot = base + offsets[i];
-          if (want_k) std::memcpy(k + i * row, slot, row);
-          if (want_v) std::memcpy(v + i * row, slot + row, row);
-        }
+        });
         __atomic_thread_fence(__ATOMIC_ACQUIRE);
         auto* gens = reinterpret_cast<uint64_t*>(reply + n * kinds * row);
         for (uint64_t i = 0; i < h.pages; ++i) {
@@ -309,6 +383,7 @@ class UcxExportImpl final : public UcxExport {
   }
 
   UcxWorker ucx_;
+  ParallelCopy copier_;
   SharedArena* arena_ = nullptr;
   ucp_mem_h memh_ = nullptr;
   int stop_fd_ = -1;
@@ -602,8 +677,9 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
           ucp_request_free(sent);
         }
         if (pending.receiving != nullptr) {
-          // The reply is landing in the caller's buffers: cancelled, and waited for (UCX ends
-          // it, cancelled or failed) before the buffers go back to the caller.
+          // The reply is landing in the caller's buffers: the buffers go back to the caller only
+          // once the receive has ended. (UCX 1.13 may not cancel it; it ends when the rows are in
+          // or when the connection fails, which UCX's peer failure detection bounds.)
           ucp_request_cancel(worker_, pending.receiving);
           while (pending.receiving != nullptr) ucp_worker_progress(worker_);
         }
@@ -690,11 +766,15 @@ absl::StatusOr<bool> UcxArena::Read(absl::Span<const LaneRead> lanes, uint32_t p
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<UcxExport>> UcxExport::Create(SharedArena* arena,
-                                                             const std::string& transports) {
+                                                             const std::string& transports,
+                                                             int copy_threads) {
   if (arena == nullptr) {
     return absl::FailedPreconditionError("the store's pages are not in an arena file");
   }
-  auto e = std::make_unique<UcxExportImpl>();
+  if (copy_threads < 0) {
+    copy_threads = std::min<int>(3, static_cast<int>(std::thread::hardware_concurrency()) / 4);
+  }
+  auto e = std::make_unique<UcxExportImpl>(copy_threads);
   if (absl::Status s = e->Init(arena, transports); !s.ok()) return s;
   return std::unique_ptr<UcxExport>(std::move(e));
 }

@@ -45,8 +45,12 @@ class UcxExport {
   // Registers the arena's mapping. transports: UCX_TLS-style list ("" = UCX's choice, e.g.
   // "posix,sysv,cma,tcp"). FAILED_PRECONDITION if the arena is not exportable; UNAVAILABLE if UCX
   // cannot start (or the build has none).
+  // copy_threads: threads besides the progress thread that copy a large gather's rows (scattered
+  // rows are each a cache and TLB miss: the copy is latency-bound and parallelises); -1: a
+  // quarter of the machine's cores, at most 3.
   static absl::StatusOr<std::unique_ptr<UcxExport>> Create(SharedArena* arena,
-                                                           const std::string& transports = "");
+                                                           const std::string& transports = "",
+                                                           int copy_threads = -1);
   virtual ~UcxExport() = default;
   virtual const UcxArenaAddress& address() const = 0;
 };

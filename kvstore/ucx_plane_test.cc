@@ -73,7 +73,8 @@ TEST_P(UcxPlaneTest, ReadsTheRowsGatherReturnsAndDetectsReuse) {
   ar.v = v;
   ASSERT_TRUE((*store)->Append(ar).ok());
 
-  auto exported = UcxExport::Create((*arena)->shared_arena(), transports());
+  // Three copy threads besides the progress thread: a large gather is copied in parts.
+  auto exported = UcxExport::Create((*arena)->shared_arena(), transports(), /*copy_threads=*/3);
   ASSERT_TRUE(exported.ok()) << exported.status();
   auto reader = UcxReader::Create(transports(), mode());
   ASSERT_TRUE(reader.ok()) << reader.status();
@@ -98,6 +99,21 @@ TEST_P(UcxPlaneTest, ReadsTheRowsGatherReturnsAndDetectsReuse) {
   EXPECT_EQ(v0, RowsOf(**store, "a", 1, 0, tokens, RowKind::kV));
   EXPECT_EQ(k1, RowsOf(**store, "a", 1, 1, tokens, RowKind::kK));
   EXPECT_EQ(v1, RowsOf(**store, "a", 1, 1, tokens, RowKind::kV));
+  // A large read (2 x 1200 rows, 600 KiB: the reply travels by rendezvous straight into these
+  // buffers, and the store copies it in four parts): the same rows as Gather's.
+  std::vector<uint32_t> many(1200);
+  for (size_t i = 0; i < many.size(); ++i) many[i] = static_cast<uint32_t>((i * 37) % n);
+  std::vector<uint8_t> bk0(many.size() * 128), bv0(bk0.size()), bk1(bk0.size()), bv1(bk0.size());
+  std::vector<LaneRead> big = {{table->lanes[0], many, bk0.data(), bv0.data()},
+                               {table->lanes[1], many, bk1.data(), bv1.data()}};
+  auto big_ok =
+      (*remote)->Read(big, table->page_tokens, 128, RowKind::kKV, absl::Now() + absl::Seconds(10));
+  ASSERT_TRUE(big_ok.ok()) << big_ok.status();
+  EXPECT_TRUE(*big_ok);
+  EXPECT_EQ(bk0, RowsOf(**store, "a", 1, 0, many, RowKind::kK));
+  EXPECT_EQ(bv0, RowsOf(**store, "a", 1, 0, many, RowKind::kV));
+  EXPECT_EQ(bk1, RowsOf(**store, "a", 1, 1, many, RowKind::kK));
+  EXPECT_EQ(bv1, RowsOf(**store, "a", 1, 1, many, RowKind::kV));
   EXPECT_FALSE((*remote)->HoldsPage(0, 8192));                                 // the header
   EXPECT_FALSE((*remote)->HoldsPage(1ull << 40, 8192));                        // past the file
   EXPECT_FALSE((*remote)->HoldsPage(table->lanes[0][0].offset + 4096, 8192));  // misaligned
