@@ -7,7 +7,6 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kvstore/placement.h"
 #include "server/attention_service.h"
@@ -138,8 +137,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       }
       absl::StatusOr<std::vector<std::string>> shards =
           kvstore::ExpandShardList(options.store_target);
-      if (!shards.ok())
+      if (!shards.ok()) {
         return absl::InvalidArgumentError(absl::StrCat("--store: ", shards.status().message()));
+      }
       if (shards->size() > 1 && !options.store_arena_file.empty()) {
         return absl::InvalidArgumentError(
             "--store_arena_file maps one store's arena; a worker of several store shards reads "
@@ -147,9 +147,17 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       }
       std::vector<std::unique_ptr<engine::RowSource>> sources;
       std::vector<StoreShardSource> metered;
+      std::vector<std::shared_ptr<grpc::Channel>> channels;
+      const absl::Time connect_by = absl::Now() + absl::Seconds(5);  // for all shards together
       for (const std::string& target : *shards) {
         auto channel = grpc::CreateCustomChannel(target, store_creds, args);
-        if (!channel->WaitForConnected(absl::ToChronoTime(absl::Now() + absl::Seconds(5)))) {
+        channel->GetState(/*try_to_connect=*/true);
+        channels.push_back(std::move(channel));
+      }
+      for (size_t i = 0; i < shards->size(); ++i) {
+        const std::string& target = (*shards)[i];
+        std::shared_ptr<grpc::Channel> channel = std::move(channels[i]);
+        if (!channel->WaitForConnected(absl::ToChronoTime(connect_by))) {
           KVSPARSE_LOG(Warning) << "store " << target
                                 << " not reachable yet; Decode calls of its sequences fail with "
                                    "UNAVAILABLE until it is";
