@@ -107,7 +107,7 @@ def main():
 
     print(f"check_queries: {len(checks)} queries ({len(checks) - len(records)} panel targets, "
           f"{len(records)} recording rules): {counts['ok']} ok, {counts['PENDING']} pending, "
-          f"{counts['SKIP']} skipped (GPU only), {len(failures)} failed; {len(targets)} targets, {loaded} rules loaded")
+          f"{counts['SKIP']} skipped (GPU engine or split workers only), {len(failures)} failed; {len(targets)} targets, {loaded} rules loaded")
     for f in failures:
         print(f"FAIL: {f}", file=sys.stderr)
     return 1 if failures else 0
