@@ -74,21 +74,44 @@ promtool test rules deploy/prometheus/tests/kvsparse.rules.test.yml
 
 step "live: kvsparse-server + Prometheus on loopback under the client workload"
 # The server runs the embedded overlay's flag file (its ConfigMap), with loopback addresses and a
-# small store (evict-lru) so that the workload fills it and evictions happen.
-"$py" - "$work/rendered/embedded.yaml" "$work/server.flags" <<'PY'
+# small store (evict-lru) so that the workload fills it and evictions happen. Beside it, the
+# sharded overlay's fleet with its own flag files: four store shards (arenas in files here,
+# exported over UCX) and a worker of all four (CPU engine), under a second workload.
+flagfile() {  # rendered overlay, ConfigMap name prefix, output file
+  "$py" - "$1" "$2" "$3" <<'PY'
 import sys, yaml
 cm = next(d for d in yaml.safe_load_all(open(sys.argv[1])) if d and d["kind"] == "ConfigMap"
-          and d["metadata"]["name"].startswith("kvsparse-flags"))
-open(sys.argv[2], "w").write(cm["data"]["server.flags"])
+          and d["metadata"]["name"].startswith(sys.argv[2] + "-"))
+open(sys.argv[3], "w").write(cm["data"]["server.flags"])
 PY
-"$server" --flagfile="$work/server.flags" --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 \
-  --port_file="$work/ports" --capacity=48M --resident_capacity=256M 2>"$work/server.log" &
-server_pid=$!
-pids+=("$server_pid")
-for _ in $(seq 100); do [ -s "$work/ports" ] && break; sleep 0.1; done
-[ -s "$work/ports" ] || { cat "$work/server.log"; fail "the server wrote no port file"; }
-read -r grpc_port metrics_port <"$work/ports"
-echo "server: gRPC 127.0.0.1:$grpc_port, metrics 127.0.0.1:$metrics_port $(grep -o "(role [^)]*)" "$work/server.log" | head -1)"
+}
+start_server() {  # name, flags...: started in the background, its ports read from its port file
+  local name=$1
+  shift
+  "$server" "$@" --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 --port_file="$work/$name.ports" \
+    2>"$work/$name.log" &
+  pids+=($!)
+  eval "${name}_pid=$!"
+  for _ in $(seq 100); do [ -s "$work/$name.ports" ] && break; sleep 0.1; done
+  [ -s "$work/$name.ports" ] || { cat "$work/$name.log"; fail "$name wrote no port file"; }
+  read -r "${name}_grpc" "${name}_metrics" <"$work/$name.ports"
+  echo "$name: gRPC 127.0.0.1:$(eval echo "\$${name}_grpc"), metrics 127.0.0.1:$(eval echo "\$${name}_metrics") $(grep -o "(role [^)]*)" "$work/$name.log" | head -1)"
+}
+flagfile "$work/rendered/embedded.yaml" kvsparse-flags "$work/server.flags"
+start_server server --flagfile="$work/server.flags" --capacity=48M --resident_capacity=256M
+grpc_port=$server_grpc metrics_port=$server_metrics
+flagfile "$work/rendered/sharded.yaml" kvsparse-store-flags "$work/store.flags"
+flagfile "$work/rendered/sharded.yaml" kvsparse-flags "$work/worker.flags"
+shards=()
+for i in 0 1 2 3; do
+  start_server "store$i" --flagfile="$work/store.flags" --shard_index=$i \
+    --arena_file="$work/arena$i" --capacity=48M
+  shards+=("127.0.0.1:$(eval echo "\$store${i}_grpc")")
+done
+start_server worker --flagfile="$work/worker.flags" --store="$(IFS=,; echo "${shards[*]}")" \
+  --gpu=off --resident_capacity=256M
+metrics_targets="\"127.0.0.1:$metrics_port\", \"127.0.0.1:$worker_metrics\""
+for i in 0 1 2 3; do metrics_targets+=", \"127.0.0.1:$(eval echo "\$store${i}_metrics")\""; done
 prom_port=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 cat >"$work/prometheus.yml" <<YML
 global:
@@ -99,7 +122,7 @@ rule_files:
 scrape_configs:
   - job_name: kvsparse
     static_configs:
-      - targets: ["127.0.0.1:$metrics_port"]
+      - targets: [$metrics_targets]
 YML
 promtool check config "$work/prometheus.yml" >/dev/null
 prometheus --config.file="$work/prometheus.yml" --storage.tsdb.path="$work/tsdb" \
@@ -113,22 +136,32 @@ t0=$(date +%s)
 bash tests/deploy/workload.sh "$cli" "127.0.0.1:$grpc_port" >"$work/workload.log" 2>&1 &
 workload_pid=$!
 pids+=("$workload_pid")
+bash tests/deploy/workload.sh "$cli" "$(IFS=,; echo "${shards[*]}")" "127.0.0.1:$worker_grpc" \
+  >"$work/workload-sharded.log" 2>&1 &
+sharded_pid=$!
+pids+=("$sharded_pid")
 # Enough rounds for evictions and enough scrapes for rate() over the dashboards' 1m windows.
 for _ in $(seq 120); do
   rounds=$(grep -c "round .* done" "$work/workload.log" || true)
   [ "$rounds" -ge 6 ] && [ $(($(date +%s) - t0)) -ge 25 ] && break
   kill -0 "$workload_pid" 2>/dev/null || { cat "$work/workload.log"; fail "the workload stopped"; }
+  kill -0 "$sharded_pid" 2>/dev/null ||
+    { cat "$work/workload-sharded.log" "$work/worker.log"; fail "the sharded workload stopped"; }
   sleep 1
 done
 [ "$rounds" -ge 6 ] || { tail "$work/workload.log"; fail "the workload did only $rounds rounds"; }
 sleep 3   # one more scrape and rule evaluation after the last round
 echo "workload: $rounds rounds in $(($(date +%s) - t0)) s; checking every query"
-"$py" tests/deploy/check_queries.py --prometheus "$prom" --metrics "http://127.0.0.1:$metrics_port/metrics"
+sharded_rounds=$(grep -c "round .* done" "$work/workload-sharded.log" || true)
+[ "$sharded_rounds" -ge 2 ] || { tail "$work/workload-sharded.log"; fail "the sharded workload did only $sharded_rounds rounds"; }
+echo "sharded workload: $sharded_rounds rounds over 4 store shards"
+"$py" tests/deploy/check_queries.py --prometheus "$prom" --metrics "http://127.0.0.1:$metrics_port/metrics" \
+  --metrics "http://127.0.0.1:$worker_metrics/metrics"
 if [ -n "${DEPLOY_RENDER_PNG:-}" ]; then
   "$py" deploy/grafana/render.py --prometheus "$prom" --start "$t0" --end "$(date +%s)" --out "$DEPLOY_RENDER_PNG"
 fi
-kill "$workload_pid" 2>/dev/null || true
-wait "$workload_pid" 2>/dev/null || true
+kill "$workload_pid" "$sharded_pid" 2>/dev/null || true
+wait "$workload_pid" "$sharded_pid" 2>/dev/null || true
 
 step "SIGTERM: graceful shutdown within --shutdown_grace"
 kill -TERM "$server_pid"

@@ -58,10 +58,11 @@ def metric_names(expr):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prometheus", required=True)
-    ap.add_argument("--metrics", required=True, help="the server's /metrics URL")
+    ap.add_argument("--metrics", required=True, action="append",
+                    help="a server's /metrics URL (repeat for several servers)")
     args = ap.parse_args()
     exported = {re.sub(r"_(bucket|sum|count)$", "", line.split("{")[0].split(" ")[0])
-                for line in get(args.metrics).splitlines() if line.startswith("kvsparse_")}
+                for url in args.metrics for line in get(url).splitlines() if line.startswith("kvsparse_")}
     dashboard = json.loads((ROOT / "deploy/monitoring/kvsparse-dashboard.json").read_text())
     rules = yaml.safe_load((ROOT / "deploy/prometheus/kvsparse.rules.yml").read_text())
     checks = list(panel_queries(dashboard))

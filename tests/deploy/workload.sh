@@ -4,11 +4,13 @@
 # 32-bit signatures), appends 1024 tokens, gathers and verifies rows, runs bench-gather, decodes
 # one layer with every method, sends a refused request and reads the stats. With a small
 # --capacity and evict-lru, older sequences get evicted.
-#   workload.sh CLI TARGET
+#   workload.sh CLI TARGET [WORKER]
+# TARGET may be a sharded fleet's store list (the CLI places each sequence on its shard); with
+# WORKER, decodes go to that worker (a split or sharded deployment).
 set -euo pipefail
-cli=$1 target=$2
+cli=$1 target=$2 worker=${3:-}
 iterations=${ITERATIONS:-1000000}
-c() { "$cli" --target="$target" --wait_for_ready=10s "$@" >/dev/null; }
+c() { "$cli" --target="$target" --wait_for_ready=10s ${worker:+--worker="$worker"} "$@" >/dev/null; }
 "$cli" --target="$target" --wait_for_ready=10s health
 for ((i = 0; i < iterations; i++)); do
   s=w$i
