@@ -91,14 +91,22 @@ TEST_P(UcxPlaneTest, ReadsTheRowsGatherReturnsAndDetectsReuse) {
   for (const LaneRead& l : lanes) {
     for (const PageRef& p : l.pages) EXPECT_TRUE((*remote)->HoldsPage(p.offset, 8192));
   }
-  auto ok = (*remote)->Read(lanes, table->page_tokens, 128, RowKind::kKV,
-                            absl::Now() + absl::Seconds(10));
-  ASSERT_TRUE(ok.ok()) << ok.status();
-  EXPECT_TRUE(*ok);
-  EXPECT_EQ(k0, RowsOf(**store, "a", 1, 0, tokens, RowKind::kK));
-  EXPECT_EQ(v0, RowsOf(**store, "a", 1, 0, tokens, RowKind::kV));
-  EXPECT_EQ(k1, RowsOf(**store, "a", 1, 1, tokens, RowKind::kK));
-  EXPECT_EQ(v1, RowsOf(**store, "a", 1, 1, tokens, RowKind::kV));
+  // Reads both lanes (kv heads 0 and 1 of layer 1) and checks the rows against Gather's.
+  auto read_matches_gather = [&](const std::vector<LaneRead>& read) {
+    auto ok = (*remote)->Read(read, table->page_tokens, 128, RowKind::kKV,
+                              absl::Now() + absl::Seconds(10));
+    ASSERT_TRUE(ok.ok()) << ok.status();
+    EXPECT_TRUE(*ok);
+    for (uint32_t h = 0; h < 2; ++h) {
+      const std::vector<uint32_t> tokens(read[h].tokens.begin(), read[h].tokens.end());
+      const size_t bytes = tokens.size() * 128;
+      const std::vector<uint8_t> k(read[h].k_out, read[h].k_out + bytes);
+      const std::vector<uint8_t> v(read[h].v_out, read[h].v_out + bytes);
+      EXPECT_EQ(k, RowsOf(**store, "a", 1, h, tokens, RowKind::kK)) << "head " << h;
+      EXPECT_EQ(v, RowsOf(**store, "a", 1, h, tokens, RowKind::kV)) << "head " << h;
+    }
+  };
+  read_matches_gather(lanes);
   // A large read (2 x 1200 rows, 600 KiB: the reply travels by rendezvous straight into these
   // buffers, and the store copies it in four parts): the same rows as Gather's.
   std::vector<uint32_t> many(1200);
@@ -106,14 +114,7 @@ TEST_P(UcxPlaneTest, ReadsTheRowsGatherReturnsAndDetectsReuse) {
   std::vector<uint8_t> bk0(many.size() * 128), bv0(bk0.size()), bk1(bk0.size()), bv1(bk0.size());
   std::vector<LaneRead> big = {{table->lanes[0], many, bk0.data(), bv0.data()},
                                {table->lanes[1], many, bk1.data(), bv1.data()}};
-  auto big_ok =
-      (*remote)->Read(big, table->page_tokens, 128, RowKind::kKV, absl::Now() + absl::Seconds(10));
-  ASSERT_TRUE(big_ok.ok()) << big_ok.status();
-  EXPECT_TRUE(*big_ok);
-  EXPECT_EQ(bk0, RowsOf(**store, "a", 1, 0, many, RowKind::kK));
-  EXPECT_EQ(bv0, RowsOf(**store, "a", 1, 0, many, RowKind::kV));
-  EXPECT_EQ(bk1, RowsOf(**store, "a", 1, 1, many, RowKind::kK));
-  EXPECT_EQ(bv1, RowsOf(**store, "a", 1, 1, many, RowKind::kV));
+  read_matches_gather(big);
   EXPECT_FALSE((*remote)->HoldsPage(0, 8192));                                 // the header
   EXPECT_FALSE((*remote)->HoldsPage(1ull << 40, 8192));                        // past the file
   EXPECT_FALSE((*remote)->HoldsPage(table->lanes[0][0].offset + 4096, 8192));  // misaligned
