@@ -333,6 +333,7 @@ class ShardedKvStoreClient:
         addresses = expand_shard_list(targets) if isinstance(targets, str) else list(targets)
         if not addresses:
             raise ValueError("no store shards")
+        self.targets = addresses  # in shard order
         self.shards = [KvStoreClient(a, timeout=timeout, credentials=credentials) for a in addresses]
 
     def __len__(self) -> int:
@@ -381,13 +382,13 @@ class ShardedKvStoreClient:
         """Raises ``FailedPrecondition`` unless shard i of this list says it is shard i of
         ``len(self)`` (``--shard_index``/``--shard_count``): a list out of order, or stores run
         without those flags, would place sequences where the workers do not look."""
-        for i, (c, st) in enumerate(zip(self.shards, self.stats(timeout))):
+        for i, (target, st) in enumerate(zip(self.targets, self.stats(timeout))):
             count = max(1, st.shard_count)
             if count != len(self.shards) or st.shard_index != i:
                 raise from_code(
                     grpc.StatusCode.FAILED_PRECONDITION,
-                    f"store {c.channel!r} (shard {i} of {len(self.shards)} in this list) says it is "
-                    f"shard {st.shard_index} of {count}",
+                    f"store {target} (shard {i} of {len(self.shards)} in this list) says it is "
+                    f"shard {st.shard_index} of {count} (--shard_index/--shard_count)",
                 )
 
     def close(self) -> None:

@@ -77,7 +77,7 @@ def test_sharded_fleet_decodes_like_one_server(fleet) -> None:  # type: ignore[n
         assert all(held)
         # A list in the other order is caught, and a store refuses another shard's sequence.
         with kvsparse.ShardedKvStoreClient([shards[1].target, shards[0].target]) as wrong:
-            with pytest.raises(kvsparse.FailedPrecondition):
+            with pytest.raises(kvsparse.FailedPrecondition, match=f"store {shards[1].target} .shard 0 of 2"):
                 wrong.check_placement()
             with pytest.raises(kvsparse.FailedPrecondition, match="belongs to store shard"):
                 wrong.create_sequence("new-one", SHAPE)
