@@ -541,13 +541,12 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
  private:
   // A gather waiting for its reply: where the rows go, and the generations that came back.
   struct Pending {
-    absl::Span<const LaneRead> lanes;
-    size_t row_bytes = 0;
-    uint64_t rows = 0;
-    bool want_k = false, want_v = false;
-    std::vector<uint64_t> gens;     // sized to the pages asked for
-    std::vector<ucp_dt_iov_t> iov;  // a rendezvous reply's destinations (rows, generations)
-    void* receiving = nullptr;      // the rendezvous reply's receive, while in flight
+    std::vector<uint64_t> gens;  // sized to the pages asked for
+    // Where the reply's bytes go, in its order: the K rows of every lane, the V rows of every
+    // lane, the generations.
+    std::vector<ucp_dt_iov_t> iov;
+    size_t reply_bytes = 0;     // the sum of iov's lengths
+    void* receiving = nullptr;  // a rendezvous reply's receive, while in flight
     bool done = false;
     bool ok = false;  // the store answered, with exactly the bytes asked for
   };
@@ -563,23 +562,13 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
     auto it = self->pending_.find(r.id);
     if (it == self->pending_.end()) return UCS_OK;
     Pending& p = *it->second;
-    const uint64_t kinds = (p.want_k ? 1 : 0) + (p.want_v ? 1 : 0);
-    const uint64_t row_part = p.rows * kinds * p.row_bytes;
-    if (r.ok == 0 || length != row_part + p.gens.size() * sizeof(uint64_t)) {
+    if (r.ok == 0 || length != p.reply_bytes) {
       p.done = true;
       return UCS_OK;  // (a rendezvous reply not received is dropped by UCX)
     }
     if (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) {
-      // A large reply: UCX moves it straight into the read's buffers (K rows of every lane,
-      // V rows, the generations), with no copy of the whole message on this side.
-      for (int part = 0; part < 2; ++part) {
-        if (!(part == 0 ? p.want_k : p.want_v)) continue;
-        for (const LaneRead& l : p.lanes) {
-          if (l.tokens.empty()) continue;
-          p.iov.push_back({part == 0 ? l.k_out : l.v_out, l.tokens.size() * p.row_bytes});
-        }
-      }
-      if (!p.gens.empty()) p.iov.push_back({p.gens.data(), p.gens.size() * sizeof(uint64_t)});
+      // A large reply: UCX moves it straight into the read's buffers, with no copy of the whole
+      // message on this side.
       ucp_request_param_t rp{};
       rp.op_attr_mask =
           UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_DATATYPE;
@@ -604,16 +593,11 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
       return UCS_OK;
     }
     p.done = true;
-    const auto* k = static_cast<const uint8_t*>(data);
-    const uint8_t* v = k + (p.want_k ? p.rows * p.row_bytes : 0);
-    size_t at = 0;
-    for (const LaneRead& l : p.lanes) {
-      const size_t bytes = l.tokens.size() * p.row_bytes;
-      if (p.want_k) std::memcpy(l.k_out, k + at * p.row_bytes, bytes);
-      if (p.want_v) std::memcpy(l.v_out, v + at * p.row_bytes, bytes);
-      at += l.tokens.size();
+    const auto* from = static_cast<const uint8_t*>(data);
+    for (const ucp_dt_iov_t& to : p.iov) {
+      std::memcpy(to.buffer, from, to.length);
+      from += to.length;
     }
-    std::memcpy(p.gens.data(), k + row_part, p.gens.size() * sizeof(uint64_t));
     p.ok = true;
     return UCS_OK;
   }
@@ -646,12 +630,18 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
                    static_cast<uint32_t>(row_bytes),
                    static_cast<uint32_t>(kind)};
     Pending pending;
-    pending.lanes = lanes;
-    pending.row_bytes = row_bytes;
-    pending.rows = rows;
-    pending.want_k = want_k;
-    pending.want_v = want_v;
     pending.gens.resize(pages.size());
+    for (const bool k : {true, false}) {
+      if (!(k ? want_k : want_v)) continue;
+      for (const LaneRead& l : lanes) {
+        if (l.tokens.empty()) continue;
+        pending.iov.push_back({k ? l.k_out : l.v_out, l.tokens.size() * row_bytes});
+      }
+    }
+    if (!pending.gens.empty()) {
+      pending.iov.push_back({pending.gens.data(), pending.gens.size() * sizeof(uint64_t)});
+    }
+    for (const ucp_dt_iov_t& to : pending.iov) pending.reply_bytes += to.length;
     pending_[h.id] = &pending;
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
