@@ -38,7 +38,7 @@ cli stats
 echo "== /metrics (kvsparse_ series):"
 python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:9464/metrics').read().decode())" \
   | grep -E '^kvsparse_(rpc_requests_total|store_|decode_fetched_bytes_total|decode_dense|resident_bytes)' \
-  | grep -v ' 0$' | head -40
+  | grep -v ' 0$' | sed -n 1,40p  # sed reads to the end: no SIGPIPE under pipefail
 echo "== SIGTERM: graceful shutdown"
 kill -TERM $pid
 wait $pid

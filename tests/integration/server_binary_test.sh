@@ -30,28 +30,37 @@ done
 [ -n "$port" ] || { echo "server did not report its port in 30 s"; cat "$work/server.log"; exit 1; }
 cli() { "$bin/kvsparse" --target=127.0.0.1:$port --wait_for_ready=10s "$@"; }
 
-cli health | grep -q SERVING
-cli create --seq=t1 --layers=2 --q_heads=8 --kv_heads=2 --head_dim=64 --dtype=fp16 | grep -q "t1:"
-cli append --seq=t1 --tokens=500 --seed=9 2>"$work/progress.log" | grep -q "appended 500 tokens"
+# Output is captured and then searched, never piped into `grep -q`: grep exits at its first
+# match, and under pipefail a writer still writing then dies of SIGPIPE and fails the test.
+expect() {  # expect REGEX COMMAND...: the command succeeds and its stdout matches REGEX
+  local re=$1 out; shift
+  out=$("$@") || { echo "failed: $*"; exit 1; }
+  grep -Eq -- "$re" <<<"$out" || { echo "no /$re/ in the output of: $*"; echo "$out"; exit 1; }
+}
+expect SERVING cli health
+expect "t1:" cli create --seq=t1 --layers=2 --q_heads=8 --kv_heads=2 --head_dim=64 --dtype=fp16
+expect "appended 500 tokens" cli append --seq=t1 --tokens=500 --seed=9 2>"$work/progress.log"
 grep -q "500/500 tokens" "$work/progress.log"     # progress output on stderr
-cli gather --seq=t1 --layer=1 --random_rows=64 --verify --seed=9 | grep -q verified
-cli gather --seq=t1 --layer=0 --indices=3,3,7 --unique --kind=v | grep -q "3(x2)"
-cli bench-gather --seq=t1 --rows=256 --iters=20 --warmup=2 --verify --seed=9 | grep -q "calls/s"
-cli info --seq=t1 | grep -q "500 tokens in every layer"
-cli stats | grep -q "sequences       1"
+expect verified cli gather --seq=t1 --layer=1 --random_rows=64 --verify --seed=9
+expect "3\(x2\)" cli gather --seq=t1 --layer=0 --indices=3,3,7 --unique --kind=v
+expect "calls/s" cli bench-gather --seq=t1 --rows=256 --iters=20 --warmup=2 --verify --seed=9
+expect "500 tokens in every layer" cli info --seq=t1
+expect "sequences +1$" cli stats
 # A bad request exits non-zero with the server's status, and the server keeps serving.
 if cli gather --seq=t1 --layer=9 2>"$work/err.log"; then echo "bad gather succeeded"; exit 1; fi
 grep -q INVALID_ARGUMENT "$work/err.log"
 if cli info --seq=nope 2>"$work/err.log"; then echo "unknown seq succeeded"; exit 1; fi
 grep -q NOT_FOUND "$work/err.log"
-cli health | grep -q SERVING
+expect SERVING cli health
 
 metrics=$(python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$mport/metrics').read().decode())")
-echo "$metrics" | grep -q 'kvsparse_rpc_requests_total{code="OK",method="Gather"}'
-echo "$metrics" | grep -q 'kvsparse_rpc_requests_total{code="INVALID_ARGUMENT",method="Gather"} 1'
-echo "$metrics" | grep -Eq '^kvsparse_store_appended_bytes_total [1-9]'
-echo "$metrics" | grep -Eq '^kvsparse_store_gathered_bytes_total\{tier="host"\} [1-9]'
-echo "$metrics" | grep -q "^kvsparse_serving 1"
+for re in 'kvsparse_rpc_requests_total\{code="OK",method="Gather"\}' \
+  'kvsparse_rpc_requests_total\{code="INVALID_ARGUMENT",method="Gather"\} 1$' \
+  '^kvsparse_store_appended_bytes_total [1-9]' \
+  '^kvsparse_store_gathered_bytes_total\{tier="host"\} [1-9]' \
+  '^kvsparse_serving 1$'; do
+  grep -Eq -- "$re" <<<"$metrics" || { echo "no /$re/ in /metrics"; exit 1; }
+done
 
 kill -TERM $pid
 # --shutdown_grace=5s bounds the drain; 15 s leaves room for a loaded machine (ctest -j).
