@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 from transformers import AttentionInterface
@@ -65,10 +65,11 @@ def _capture_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
                      attention_mask: torch.Tensor | None, *args: Any, **kwargs: Any) -> Any:
     """SDPA that also records the layer's post-RoPE query [B, H, T, d] and key [B, Hkv, T, d]."""
     if _recorder is not None:
-        _recorder.q.setdefault(module.layer_idx, []).append(query.detach().to(torch.bfloat16))
-        _recorder.k.setdefault(module.layer_idx, []).append(key.detach().to(torch.bfloat16))
+        layer_idx = cast(int, module.layer_idx)
+        _recorder.q.setdefault(layer_idx, []).append(query.detach().to(torch.bfloat16))
+        _recorder.k.setdefault(layer_idx, []).append(key.detach().to(torch.bfloat16))
         if _recorder.with_values:
-            _recorder.v.setdefault(module.layer_idx, []).append(value.detach().to(torch.bfloat16))
+            _recorder.v.setdefault(layer_idx, []).append(value.detach().to(torch.bfloat16))
     return sdpa_attention_forward(module, query, key, value, attention_mask, *args, **kwargs)
 
 

@@ -33,7 +33,7 @@ import threading
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 from transformers import AttentionInterface
@@ -309,7 +309,7 @@ class KvSparseCache(Cache):
                 f"this KvSparseCache is out of step with kvsparse after an earlier error "
                 f"({self._failed!r}): close it and make a new one"
             )
-        layer = self.layers[layer_idx]
+        layer = self._layer(layer_idx)
         pending = self._staged.get(layer_idx)
         if pending is not None:
             raise RuntimeError(
@@ -326,6 +326,9 @@ class KvSparseCache(Cache):
         layer.length += key.shape[-2]
         return key, value
 
+    def _layer(self, layer_idx: int) -> KvSparseLayer:
+        return cast(KvSparseLayer, self.layers[layer_idx])
+
     def _create(self, key: torch.Tensor) -> None:
         dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(key.dtype)
         if dtype is None:
@@ -340,7 +343,7 @@ class KvSparseCache(Cache):
         """Puts a layer's existing K/V ([B, Hkv, n, d], post-RoPE, no padding) into kvsparse
         without a forward pass: to move a context computed elsewhere (another cache, a stored
         prefix) under kvsparse. Every layer must get the same n before decoding."""
-        layer = self.layers[layer_idx]
+        layer = self._layer(layer_idx)
         if layer.length:
             raise RuntimeError(f"layer {layer_idx} already holds tokens")
         if not self.sequence_ids:
@@ -382,7 +385,7 @@ class KvSparseCache(Cache):
         returns the attention output [B, 1, H, d]."""
         q = query[:, :, 0, :]
         new_k, new_v = staged.key[:, :, 0, :], staged.value[:, :, 0, :]
-        position = self.layers[layer_idx].length
+        position = self._layer(layer_idx).length
         seed = _mix(self.seed, position, layer_idx)
         try:
             out, step = self.transport.decode(
@@ -438,16 +441,17 @@ def kvsparse_attention_forward(
     call's statistics: it cannot be captured in a CUDA graph yet)."""
     ref = getattr(_active, "cache", None)
     cache: KvSparseCache | None = ref() if ref is not None else None
-    staged = cache._take(module.layer_idx) if cache is not None else None
+    layer_idx = cast(int, module.layer_idx)
+    staged = cache._take(layer_idx) if cache is not None else None
     if staged is None or staged.key is not key:
         if staged is not None:  # not this call's: keep it for the call it belongs to
-            cache._staged[module.layer_idx] = staged  # type: ignore[union-attr]
+            cache._staged[layer_idx] = staged  # type: ignore[union-attr]
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if staged.prefill:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
-        cache._append_prefill(module.layer_idx, staged, attention_mask)  # type: ignore[union-attr]
+        cache._append_prefill(layer_idx, staged, attention_mask)  # type: ignore[union-attr]
         return out, None
-    return cache._decode(module.layer_idx, query, staged, scaling), None  # type: ignore[union-attr]
+    return cache._decode(layer_idx, query, staged, scaling), None  # type: ignore[union-attr]
 
 
 def register() -> None:

@@ -10,7 +10,7 @@ per-element Python loops.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Union, cast
 
 import grpc
 import ml_dtypes
@@ -45,7 +45,7 @@ def _is_torch(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def proto_dtype(dtype: Any) -> int:
+def proto_dtype(dtype: Any) -> tensor_pb2.DType:
     """The wire dtype of a name ("bf16", "fp16", "fp32"), a numpy dtype or a torch dtype."""
     name = str(dtype).replace("torch.", "")
     if name in _PROTO_BY_NAME:
@@ -68,7 +68,7 @@ def to_numpy(x: ArrayLike) -> np.ndarray:
     if _is_torch(x):
         import torch
 
-        t = x.detach()
+        t = cast(torch.Tensor, x).detach()
         if t.dtype == torch.bfloat16:
             arr = t.contiguous().view(torch.int16).cpu().numpy().view(ml_dtypes.bfloat16)
         else:
