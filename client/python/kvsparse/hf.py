@@ -249,6 +249,9 @@ class KvSparseCache(Cache):
         seed: base seed of the sampling methods (each layer and step draws its own).
         stream: (gRPC) send decode calls over one DecodeStream instead of unary calls.
         timeout: deadline of each call, seconds.
+        sequence_prefix: the store names batch row b's sequence ``sequence_prefix + str(b)``
+            (default ``"hf-<12 random hex digits>-"``); with sharded stores the name picks the
+            shard. Two live caches must not share a prefix.
     """
 
     def __init__(
@@ -261,6 +264,7 @@ class KvSparseCache(Cache):
         seed: int = 0,
         stream: bool = False,
         timeout: float = 60.0,
+        sequence_prefix: str | None = None,
     ) -> None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_layers = int(text.num_hidden_layers)
@@ -274,7 +278,7 @@ class KvSparseCache(Cache):
         self.seed = seed
         self.stats = CacheStats()
         self.sequence_ids: list[str] = []
-        self._prefix = f"hf-{uuid.uuid4().hex[:12]}-"
+        self._prefix = sequence_prefix if sequence_prefix is not None else f"hf-{uuid.uuid4().hex[:12]}-"
         self._staged: dict[int, _Staged] = {}
         self._failed: BaseException | None = None  # a failed kvsparse call leaves the cache unusable
         self._finalizer = weakref.finalize(self, self.transport.close, self.sequence_ids)

@@ -296,6 +296,32 @@ def test_split_deployment(gpu: str) -> None:
         assert not client.store.list_sequences()  # both caches dropped theirs
 
 
+def test_sharded_stores() -> None:
+    """Two store shards and a worker of both: the batch's sequences spread over the shards by
+    their names, and generation equals transformers' as with one server."""
+    model = tiny_llama()
+    ids, mask = prompt([120, 97, 64, 110], seed=11)
+    want = reference(model, ids, mask, new_tokens=16)
+    prefix = "hf-sharded-"
+    on = [kvsparse.shard_of(f"{prefix}{b}", 2) for b in range(4)]
+    assert sorted(set(on)) == [0, 1], on  # the test needs rows on both shards
+    with (
+        kvsparse.LocalServer(role="store", capacity="256M", shard_index=0, shard_count=2) as a,
+        kvsparse.LocalServer(role="store", capacity="256M", shard_index=1, shard_count=2) as b,
+        kvsparse.LocalServer(role="worker", store=f"{a.target},{b.target}", gpu="off") as worker,
+        kvsparse.Client(worker.target, store_target=f"{a.target},{b.target}", timeout=60.0) as client,
+    ):
+        with kvsparse.hf.KvSparseCache(model.config, client, sequence_prefix=prefix) as cache:
+            got = through_kvsparse(model, ids, mask, cache, new_tokens=16)
+            held = [sorted(i.sequence_id for i in s.list_sequences()) for s in client.store.shards]
+            assert held == [[f"{prefix}{r}" for r in range(4) if on[r] == i] for i in range(2)]
+            stats = cache.stats
+        assert torch.equal(got.sequences, want.sequences)
+        assert max_logit_diff(got, want) < 1e-4
+        assert stats.fetched_fraction == pytest.approx(1.0)
+        assert not client.store.list_sequences()  # dropped from both shards
+
+
 @pytest.mark.parametrize("gpu", ["off", pytest.param("on", marks=pytest.mark.gpu)])
 def test_inprocess_engine_over_a_remote_store(gpu: str) -> None:
     """The engine in the model server's process (kvsparse.ops) over a kvsparse-server store in
