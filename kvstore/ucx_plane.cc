@@ -16,13 +16,11 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <deque>
 #include <mutex>
 #include <thread>
 
 #include "absl/functional/function_ref.h"
-#include "absl/synchronization/blocking_counter.h"
-#include "absl/synchronization/mutex.h"
+#include "kvstore/worker_pool.h"
 #endif
 
 namespace kvsparse::kvstore {
@@ -139,16 +137,17 @@ std::vector<PageRef> PagesRead(absl::Span<const LaneRead> lanes, uint32_t page_t
   return pages;
 }
 
-// A UCX context and one single-threaded worker on it, released in reverse order.
+// A UCX context and one worker on it, released in reverse order. UCS_THREAD_MODE_SINGLE: one
+// thread uses the worker; UCS_THREAD_MODE_SERIALIZED: several, one at a time (the owner's lock).
 struct UcxWorker {
   ucp_context_h context = nullptr;
   ucp_worker_h worker = nullptr;
 
-  absl::Status Init(const std::string& transports) {
+  absl::Status Init(const std::string& transports, ucs_thread_mode_t mode) {
     absl::StatusOr<ucp_context_h> c = NewContext(transports);
     if (!c.ok()) return c.status();
     context = *c;
-    absl::StatusOr<ucp_worker_h> w = NewWorker(context, UCS_THREAD_MODE_SINGLE);
+    absl::StatusOr<ucp_worker_h> w = NewWorker(context, mode);
     if (!w.ok()) return w.status();
     worker = *w;
     return absl::OkStatus();
@@ -159,73 +158,18 @@ struct UcxWorker {
   }
 };
 
-// Runs a copy over [0, n) in parts on the calling thread and `helpers` more, returning once
-// every part is done (so what the parts wrote happens-before what the caller does next).
-class ParallelCopy {
- public:
-  explicit ParallelCopy(int helpers) {
-    for (int i = 0; i < helpers; ++i) threads_.emplace_back([this] { Serve(); });
-  }
-  ~ParallelCopy() {
-    {
-      absl::MutexLock lock(&mu_);
-      stop_ = true;
-    }
-    for (std::thread& t : threads_) t.join();
-  }
-
-  void Run(uint64_t n, absl::FunctionRef<void(uint64_t, uint64_t)> copy) {
-    constexpr uint64_t kMinPart = 256;  // rows: below this a part costs more than it saves
-    const uint64_t parts =
-        std::min<uint64_t>(threads_.size() + 1, std::max<uint64_t>(1, n / kMinPart));
-    if (parts == 1) {
-      copy(0, n);
-      return;
-    }
-    const uint64_t per = (n + parts - 1) / parts;
-    absl::BlockingCounter done(static_cast<int>(parts - 1));
-    {
-      absl::MutexLock lock(&mu_);
-      for (uint64_t p = 1; p < parts; ++p) {
-        tasks_.push_back({p * per, std::min(n, (p + 1) * per), &copy, &done});
-      }
-    }
-    copy(0, per);
-    done.Wait();
-  }
-
- private:
-  struct Task {
-    uint64_t begin, end;
-    absl::FunctionRef<void(uint64_t, uint64_t)>* copy;
-    absl::BlockingCounter* done;
-  };
-
-  void Serve() {
-    for (;;) {
-      Task t;
-      {
-        absl::MutexLock lock(&mu_);
-        mu_.Await(absl::Condition(
-            +[](ParallelCopy* self) { return self->stop_ || !self->tasks_.empty(); }, this));
-        if (tasks_.empty()) return;  // stopping
-        t = tasks_.front();
-        tasks_.pop_front();
-      }
-      if (t.begin < t.end) (*t.copy)(t.begin, t.end);
-      t.done->DecrementCount();
-    }
-  }
-
-  absl::Mutex mu_;
-  std::deque<Task> tasks_ ABSL_GUARDED_BY(mu_);
-  bool stop_ ABSL_GUARDED_BY(mu_) = false;
-  std::vector<std::thread> threads_;
-};
+// Runs a copy of rows [0, n) in parts on the calling thread and the pool's helpers.
+void CopyInParts(WorkerPool& pool, uint64_t n, absl::FunctionRef<void(uint64_t, uint64_t)> copy) {
+  constexpr uint64_t kMinPart = 256;  // rows: below this a part costs more than it saves
+  const uint64_t parts =
+      std::min<uint64_t>(pool.helpers() + 1, std::max<uint64_t>(1, n / kMinPart));
+  const uint64_t per = (n + parts - 1) / parts;
+  pool.Run(parts, [&](size_t p) { copy(p * per, std::min(n, (p + 1) * per)); });
+}
 
 class UcxExportImpl final : public UcxExport {
  public:
-  explicit UcxExportImpl(int copy_threads) : copier_(copy_threads) {}
+  explicit UcxExportImpl(int copy_threads) : copiers_(copy_threads) {}
   ~UcxExportImpl() override {
     if (progress_.joinable()) {
       const uint64_t one = 1;
@@ -238,7 +182,7 @@ class UcxExportImpl final : public UcxExport {
 
   absl::Status Init(SharedArena* arena, const std::string& transports) {
     // Only the progress thread uses the worker after Init.
-    if (absl::Status s = ucx_.Init(transports); !s.ok()) return s;
+    if (absl::Status s = ucx_.Init(transports, UCS_THREAD_MODE_SINGLE); !s.ok()) return s;
     ucp_context_h context = ucx_.context;
     ucp_worker_h worker = ucx_.worker;
     ucp_mem_map_params_t mp{};
@@ -307,8 +251,17 @@ class UcxExportImpl final : public UcxExport {
     const auto* base = static_cast<const uint8_t*>(a.mapping());
     const uint64_t end = a.mapping_bytes();
     const ArenaLayout layout{end, a.data_offset(), a.granule()};
-    uint8_t* reply = nullptr;  // new[]'d without zeroing: every byte is written below
+    // The reply's header and its rows in one new[]'d block (not zeroed: every byte is written
+    // below), alive until the send completes: UCX 1.13 reads the header of a send it could not
+    // start at once (a rendezvous reply queued behind another) later, when it goes out.
+    uint8_t* block = nullptr;
+    uint8_t* reply = nullptr;
     size_t reply_bytes = 0;
+    const auto reserve = [&](size_t bytes) {
+      reply_bytes = bytes;
+      block = new uint8_t[sizeof(ReplyHeader) + bytes];
+      reply = block + sizeof(ReplyHeader);
+    };
     if (length == (n + h.pages) * sizeof(uint64_t) && row > 0 && 2 * row <= end) {
       const auto* offsets = static_cast<const uint64_t*>(data);
       bool inside = true;
@@ -320,14 +273,13 @@ class UcxExportImpl final : public UcxExport {
       }
       if (inside) {
         const uint64_t kinds = (want_k ? 1 : 0) + (want_v ? 1 : 0);
-        reply_bytes = n * kinds * row + h.pages * sizeof(uint64_t);
-        reply = new uint8_t[reply_bytes];
+        reserve(n * kinds * row + h.pages * sizeof(uint64_t));
         uint8_t* k = reply;
         uint8_t* v = reply + (want_k ? n * row : 0);
         // Rows are scattered over the arena (a sparse method's selection): each is a cache and
         // TLB miss, so the rows a few iterations ahead are fetched while this one is copied,
         // and a large gather is copied in parts on several threads.
-        self->copier_.Run(n, [&](uint64_t begin, uint64_t end) {
+        CopyInParts(self->copiers_, n, [&](uint64_t begin, uint64_t end) {
           constexpr uint64_t kAhead = 8;
           for (uint64_t i = begin; i < end; ++i) {
             if (i + kAhead < end) {
@@ -351,6 +303,8 @@ class UcxExportImpl final : public UcxExport {
         r.ok = 1;
       }
     }
+    if (block == nullptr) reserve(0);
+    std::memcpy(block, &r, sizeof(r));
     ucp_request_param_t sp{};
     sp.op_attr_mask =
         UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FIELD_FLAGS;
@@ -360,10 +314,10 @@ class UcxExportImpl final : public UcxExport {
       delete[] static_cast<uint8_t*>(user);
       ucp_request_free(request);
     };
-    sp.user_data = reply;
-    ucs_status_ptr_t sent =
-        ucp_am_send_nbx(param->reply_ep, kReplyAm, &r, sizeof(r), reply, reply_bytes, &sp);
-    if (!UCS_PTR_IS_PTR(sent)) delete[] reply;  // done at once, or failed: the callback won't run
+    sp.user_data = block;
+    ucs_status_ptr_t sent = ucp_am_send_nbx(param->reply_ep, kReplyAm, block, sizeof(ReplyHeader),
+                                            reply, reply_bytes, &sp);
+    if (!UCS_PTR_IS_PTR(sent)) delete[] block;  // done at once, or failed: the callback won't run
     return UCS_OK;
   }
 
@@ -383,7 +337,7 @@ class UcxExportImpl final : public UcxExport {
   }
 
   UcxWorker ucx_;
-  ParallelCopy copier_;
+  WorkerPool copiers_;
   SharedArena* arena_ = nullptr;
   ucp_mem_h memh_ = nullptr;
   int stop_fd_ = -1;
@@ -428,7 +382,8 @@ class UcxArena final : public ArenaReader {
 class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_this<UcxReaderImpl> {
  public:
   absl::Status Init(const std::string& transports, UcxReadMode mode) {
-    if (absl::Status s = ucx_.Init(transports); !s.ok()) return s;
+    // The callers' threads take turns on the worker (mu_).
+    if (absl::Status s = ucx_.Init(transports, UCS_THREAD_MODE_SERIALIZED); !s.ok()) return s;
     worker_ = ucx_.worker;
     mode_ = mode;
     return SetAmHandler(worker_, kReplyAm, &UcxReaderImpl::OnReply, this);
@@ -622,7 +577,7 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
     const uint64_t rows = payload.size();
     const std::vector<PageRef> pages = PagesRead(lanes, page_tokens);
     for (const PageRef& p : pages) payload.push_back(p.offset);
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     GatherHeader h{arena.a_.secret,
                    ++next_id_,
                    static_cast<uint32_t>(rows),
@@ -658,9 +613,18 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
     auto sending = [&] {
       return UCS_PTR_IS_PTR(sent) && ucp_request_check_status(sent) == UCS_INPROGRESS;
     };
+    // Several reads may be in flight at once (the batch's sequences fetched side by side): a
+    // thread waiting for its reply progresses the worker, which lands whichever replies came
+    // (each in its own read's buffers), and now and then lets the others in to send theirs.
     while (!pending.done || sending()) {
-      if (ucp_worker_progress(worker_) == 0 && ++spins % 1024 == 0 &&
-          (absl::Now() > deadline || arena.failed_->load())) {
+      if (ucp_worker_progress(worker_) != 0) continue;
+      if (++spins % 64 == 0) {
+        lock.unlock();
+        std::this_thread::yield();
+        lock.lock();
+        if (pending.done && !sending()) break;
+      }
+      if (spins % 1024 == 0 && (absl::Now() > deadline || arena.failed_->load())) {
         pending_.erase(h.id);
         if (UCS_PTR_IS_PTR(sent)) {
           ucp_request_cancel(worker_, sent);
@@ -743,7 +707,7 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
   uint64_t next_id_ = 0;                             // under mu_
   absl::flat_hash_map<uint64_t, Pending*> pending_;  // under mu_ (and in OnReply)
   ucp_worker_h worker_ = nullptr;                    // ucx_.worker
-  std::mutex mu_;                                    // the worker is single-threaded
+  std::mutex mu_;  // held by the thread using the worker (UCS_THREAD_MODE_SERIALIZED)
 };
 
 UcxArena::~UcxArena() { reader_->Close(ep_, rkey_, failed_->load()); }
