@@ -145,6 +145,9 @@ ABSL_FLAG(double, gpu_row_cache, 0.04,
           "HashAttention on the GPU: rows per kv head kept on the GPU from one step to the next "
           "(a row cache: consecutive steps select mostly the same rows), as a fraction of each "
           "sequence's tokens; 0 = no cache, every selected row crosses each step");
+ABSL_FLAG(int, gpu_fetch_parallelism, 8,
+          "GPU worker with --store (K/V in another process): how many of a batch's sequences "
+          "have their selected rows fetched from the store at once (1: one after another)");
 ABSL_FLAG(int, gpu_stage_timing_every, 16,
           "GPU engine: time the selection / gather / compute stages (CUDA events) of one Decode "
           "call in this many (1: every call, 0: never); the events cost host time per call");
@@ -227,6 +230,11 @@ int main(int argc, char** argv) {
   options.gpu_device = absl::GetFlag(FLAGS_gpu_device);
   options.gpu_row_cache = absl::GetFlag(FLAGS_gpu_row_cache);
   options.gpu_stage_timing_every = std::max(0, absl::GetFlag(FLAGS_gpu_stage_timing_every));
+  options.gpu_fetch_parallelism = absl::GetFlag(FLAGS_gpu_fetch_parallelism);
+  if (options.gpu_fetch_parallelism < 1 || options.gpu_fetch_parallelism > 64) {
+    std::fprintf(stderr, "--gpu_fetch_parallelism must be in [1, 64]\n");
+    return 2;
+  }
   if (!(options.gpu_row_cache >= 0.0 && options.gpu_row_cache <= 1.0)) {
     std::fprintf(stderr, "--gpu_row_cache must be a fraction in [0, 1]\n");
     return 2;

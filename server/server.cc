@@ -176,6 +176,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
     go.capacity_bytes = options.engine.resident_capacity_bytes;
     go.row_cache_fraction = options.gpu_row_cache;
     go.stage_timing_every = options.gpu_stage_timing_every;
+    go.fetch_parallelism = options.gpu_fetch_parallelism;
     std::string cpu_reason;
     absl::StatusOr<std::unique_ptr<engine::DecodeBackend>> backend =
         engine::NewBackend(options.gpu, go, s->row_source_.get(), &cpu_reason);

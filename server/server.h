@@ -105,6 +105,7 @@ struct ServerOptions {
   // head, of the rows it selected at the last step (engine::GpuBackendOptions::row_cache_fraction).
   double gpu_row_cache = 0.04;
   int gpu_stage_timing_every = 16;  // engine::GpuBackendOptions::stage_timing_every
+  int gpu_fetch_parallelism = 8;    // engine::GpuBackendOptions::fetch_parallelism
   // The store's memory (store.memory) is pinned and CUDA-mapped
   // (kvstore::NewPinnedHostMemoryResource): the GPU reads host rows in place.
   bool store_pages_mapped = false;

@@ -37,7 +37,10 @@ RowsLayout RowsLayout::Of(int32_t hkv, int32_t cap, size_t row, bool with_slots)
 }
 
 DeviceState::DeviceState(DeviceStateOptions options, RowSource* source, cudaStream_t stream)
-    : options_(std::move(options)), source_(source), stream_(stream) {}
+    : options_(std::move(options)),
+      source_(source),
+      stream_(stream),
+      fetchers_(source->pages_device_visible() ? 0 : std::max(0, options_.fetch_parallelism - 1)) {}
 
 DeviceState::~DeviceState() {
   for (auto& [id, e] : entries_) FreeSequence(&e);

@@ -38,6 +38,7 @@
 #include "engine/signatures.h"
 #include "kernels/cuda/saap.h"
 #include "kvstore/store.h"
+#include "kvstore/worker_pool.h"
 
 namespace kvsparse::engine::gpu {
 
@@ -83,6 +84,7 @@ struct SyncedBatch {
 struct DeviceStateOptions {
   size_t capacity_bytes = 4ull << 30;  // per-sequence state (rows, signatures, page lists, caches)
   size_t max_fetch_bytes = 32 << 20;   // largest single read from the row source (sync, staging)
+  int fetch_parallelism = 8;           // GpuBackendOptions::fetch_parallelism
   double row_cache_fraction = 0.04;    // HashAttention's row cache, rows per kv head / tokens
   SignatureConfig signatures;          // SimHash seed and norm margin, or learned MLPs
 };
@@ -139,6 +141,9 @@ class DeviceState {
   RowSource* source() const { return source_; }
   PinnedBuf* row_staging() { return &row_staging_; }
   size_t max_fetch_bytes() const { return options_.max_fetch_bytes; }
+  // Runs the staging fetches of a batch's sequences side by side (fetch_parallelism - 1 helpers
+  // beside the calling thread; none when the pages are device-visible: nothing is fetched).
+  kvstore::WorkerPool* fetchers() { return &fetchers_; }
 
  private:
   absl::Status Alloc(DevBuf* b, size_t bytes);
@@ -182,6 +187,7 @@ class DeviceState {
   std::map<uint32_t, DevBuf> saap_;     // per layer (kernels::cuda::PackSaapLayer)
   DevBuf scratch_, sync_tmp_;
   PinnedBuf staging_, row_staging_;
+  kvstore::WorkerPool fetchers_;
 };
 
 }  // namespace kvsparse::engine::gpu

@@ -31,6 +31,7 @@ class GpuBackend final : public DecodeBackend {
     so.capacity_bytes = options_.capacity_bytes;
     so.max_fetch_bytes = options_.max_fetch_bytes;
     so.row_cache_fraction = options_.row_cache_fraction;
+    so.fetch_parallelism = options_.fetch_parallelism;
     so.signatures = options_.signatures;
     state_ = std::make_unique<gpu::DeviceState>(std::move(so), source_, stream_);
     for (cudaEvent_t& e : events_) cudaEventCreate(&e);

@@ -46,6 +46,9 @@ struct GpuBackendOptions {
   // Selection / gather / compute times from CUDA events on one call in this many (1: every
   // call; 0: never). Recording the events costs a few us of host time per call.
   int stage_timing_every = 16;
+  // A worker whose store is in another process: the rows of this many of a batch's sequences
+  // are fetched at once (each its own Gather or UCX read; 1: one after another).
+  int fetch_parallelism = 8;
   SignatureConfig signatures;  // as the engine's (same seed and margin, or learned MLPs)
 };
 

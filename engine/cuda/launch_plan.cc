@@ -215,15 +215,23 @@ absl::Status LaunchPlan::Stage(absl::Span<const std::vector<uint32_t>> lists,
   auto* vt = reinterpret_cast<const void**>(base + tab);
   uint8_t* k_rows = reinterpret_cast<uint8_t*>(base + 2 * tab);
   uint8_t* v_rows = k_rows + kb;
+  // Where each (b, j)'s rows land: lists in order, so a sequence's rows are contiguous.
+  std::vector<size_t> first(BK + 1, 0);
+  for (int32_t i = 0; i < BK; ++i) {
+    first[i + 1] = first[i] + lists[i].size();
+    kt[i] = k_rows + first[i] * row;
+    vt[i] = v_rows + first[i] * row;
+  }
   // Per sequence, one Gather for as many heads' lists (or parts of one) as fit in
-  // max_fetch_bytes; rows land in request order, so (b, j)'s list is contiguous from its start.
+  // max_fetch_bytes; rows land in request order. The batch's sequences are fetched side by side
+  // (a remote store's round trips overlap; each sequence's rows go to their own range).
   const size_t per_row = (k_host ? row : 0) + (v_host ? row : 0);
   const size_t batch_rows = std::max<size_t>(1, state_->max_fetch_bytes() / per_row);
-  std::vector<RowRequest> heads;
-  size_t at = 0;
-  for (int32_t b = 0; b < B; ++b) {
-    size_t batch_at = at, in_batch = 0;
-    heads.clear();
+  std::vector<absl::Status> fetched(B);
+  state_->fetchers()->Run(static_cast<size_t>(B), [&](size_t bi) {
+    const int32_t b = static_cast<int32_t>(bi);
+    std::vector<RowRequest> heads;
+    size_t batch_at = first[b * hkv], in_batch = 0;
     auto flush = [&]() -> absl::Status {
       if (in_batch == 0) return absl::OkStatus();
       absl::StatusOr<uint64_t> got = state_->source()->Gather(
@@ -240,22 +248,24 @@ absl::Status LaunchPlan::Stage(absl::Span<const std::vector<uint32_t>> lists,
       return absl::OkStatus();
     };
     for (int32_t j = 0; j < hkv; ++j) {
-      const int32_t i = b * hkv + j;
-      kt[i] = k_rows + at * row;
-      vt[i] = v_rows + at * row;
-      const absl::Span<const uint32_t> list(lists[i]);
+      const absl::Span<const uint32_t> list(lists[b * hkv + j]);
       for (size_t r = 0; r < list.size();) {
         const size_t take = std::min(list.size() - r, batch_rows - in_batch);
         heads.push_back({static_cast<uint32_t>(j), list.subspan(r, take)});
         in_batch += take;
         r += take;
         if (in_batch == batch_rows) {
-          if (absl::Status s = flush(); !s.ok()) return s;
+          if (absl::Status s = flush(); !s.ok()) {
+            fetched[b] = s;
+            return;
+          }
         }
       }
-      at += list.size();
     }
-    if (absl::Status s = flush(); !s.ok()) return s;
+    fetched[b] = flush();
+  });
+  for (const absl::Status& s : fetched) {
+    if (!s.ok()) return s;
   }
   if (k_host) {
     shape->k = nullptr;

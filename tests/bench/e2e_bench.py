@@ -20,6 +20,8 @@ one process on one GPU:
   splitucx-<method>  the same with the UCX data plane: the store keeps its arena in a file on
                   /dev/shm exported over UCX (--data_plane=ucx), the worker reads the rows it
                   selects over UCX (--store_data_plane=ucx, TCP here) instead of the Gather RPC
+  split1-<method>, splitucx1-<method>  the same two with --gpu_fetch_parallelism=1: the batch's
+                  sequences fetched one after another (the default fetches up to 8 at once)
 
 Methods: dense (every row from host memory), prop (S2ANTA-prop S=128, K on the GPU, V in host
 memory), hash (HashAttention top-k 1.25% per head from host memory, 4% row cache), vatt
@@ -54,6 +56,8 @@ import kvsparse
 import kvsparse.hf
 from kvsparse import ops
 
+# Split deployments (a worker over a store in another process); "1": --gpu_fetch_parallelism=1.
+SPLIT = ("split", "splitucx", "split1", "splitucx1")
 METHODS: dict[str, kvsparse.Method] = {
     "dense": kvsparse.Dense(),
     "prop": kvsparse.Santa(samples=128, allocation="prop"),
@@ -230,9 +234,11 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server)
     row = Row(n, batch, variant)
     kvsparse.hf.enable(model)
     target: Any = engines.get(transport)  # kvs, kvsr: an InProcessEngine
-    if transport in ("split", "splitucx"):
+    if transport in SPLIT:
         target = kvsparse.Client(
-            server[f"{transport}-worker"].target, store_target=server[f"{transport}-store"].target, timeout=600
+            server[f"{transport}-worker"].target,
+            store_target=server[f"{transport.rstrip('1')}-store"].target,
+            timeout=600,
         )
     elif transport.startswith("grpc"):
         target = server["all"].target
@@ -310,10 +316,10 @@ def main() -> None:
             resident_capacity=args.gpu_capacity,
             startup_timeout=120,
         ).start()
-    if any(v.startswith(("split-", "kvsr")) for v in variants):
+    if any(v.startswith(("split-", "split1-", "kvsr")) for v in variants):
         server["store"] = kvsparse.LocalServer(role="store", capacity=args.store_capacity, startup_timeout=120).start()
         server["split-store"] = server["store"]
-    if any(v.startswith("splitucx-") for v in variants):
+    if any(v.startswith(("splitucx-", "splitucx1-")) for v in variants):
         server["splitucx-store"] = kvsparse.LocalServer(
             role="store", capacity=args.store_capacity, arena_file=f"/dev/shm/kvsparse-e2e-{os.getpid()}",
             data_plane="ucx", data_plane_transports="tcp", startup_timeout=120,
@@ -322,16 +328,18 @@ def main() -> None:
         engines["kvsr"] = ops.InProcessEngine(
             gpu="on" if gpu else "off", store=server["store"].target, gpu_capacity=args.gpu_capacity
         )
-    for transport in ("split", "splitucx"):
+    for transport in SPLIT:
         if any(v.startswith(f"{transport}-") for v in variants):
-            ucx = {"store_data_plane": "ucx", "data_plane_transports": "tcp"} if transport == "splitucx" else {}
+            flags: dict[str, Any] = {"gpu_fetch_parallelism": 1} if transport.endswith("1") else {}
+            if transport.startswith("splitucx"):
+                flags.update(store_data_plane="ucx", data_plane_transports="tcp")
             server[f"{transport}-worker"] = kvsparse.LocalServer(
                 role="worker",
-                store=server[f"{transport}-store"].target,
+                store=server[f"{transport.rstrip('1')}-store"].target,
                 gpu="on" if gpu else "off",
                 resident_capacity=args.gpu_capacity,
                 startup_timeout=120,
-                **ucx,
+                **flags,
             ).start()
     skip = set(args.skip.split(",")) if args.skip else set()
     rows: list[Row] = []

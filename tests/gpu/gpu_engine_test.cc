@@ -5,6 +5,7 @@
 // and a small GPU tier evicts idle sequences. Skips without a GPU.
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -64,7 +65,7 @@ class ApartSource final : public RowSource {
     ++gathers;
     return inner_->Gather(id, layer, kind, heads, k_out, v_out, deadline);
   }
-  int gathers = 0;
+  std::atomic<int> gathers{0};  // the GPU engine fetches a batch's sequences side by side
 
  private:
   RowSource* const inner_;
@@ -489,11 +490,11 @@ TEST_F(GpuEngineTest, StoreInAnotherProcess) {
       const Method m = HashMethod(0.05f, 0, 16, 32);
       Compare(*rig, prob, m, {8e-3, true, 0}, "apart hash, placement " + std::to_string(pl));
       auto* src = static_cast<ApartSource*>(rig->source.get());
-      const int before = src->gathers;
+      const int before = src->gathers.load();
       auto h = rig->gpu->Decode(Call(prob, m));  // the same step: every row from the row cache
       ASSERT_TRUE(h.ok()) << h.status();
       EXPECT_GT(h->timing.launch_seconds, 0.0);
-      EXPECT_EQ(src->gathers, before) << "no row crossed";
+      EXPECT_EQ(src->gathers.load(), before) << "no row crossed";
       for (const HeadStats& hs : h->heads) {
         EXPECT_EQ(hs.rows_cached, hs.rows_fetched);
         EXPECT_EQ(hs.bytes[static_cast<int>(Tier::kRemote)], 0u);
