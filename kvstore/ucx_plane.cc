@@ -577,7 +577,7 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
     const uint64_t rows = payload.size();
     const std::vector<PageRef> pages = PagesRead(lanes, page_tokens);
     for (const PageRef& p : pages) payload.push_back(p.offset);
-    std::unique_lock<std::mutex> lock(mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     GatherHeader h{arena.a_.secret,
                    ++next_id_,
                    static_cast<uint32_t>(rows),
@@ -613,18 +613,13 @@ class UcxReaderImpl final : public UcxReader, public std::enable_shared_from_thi
     auto sending = [&] {
       return UCS_PTR_IS_PTR(sent) && ucp_request_check_status(sent) == UCS_INPROGRESS;
     };
-    // Several reads may be in flight at once (the batch's sequences fetched side by side): a
-    // thread waiting for its reply progresses the worker, which lands whichever replies came
-    // (each in its own read's buffers), and now and then lets the others in to send theirs.
+    // One read in flight per reader: its thread holds the worker until the reply is in. (Reads
+    // of several threads interleaved on the one worker and its one connection were slower, not
+    // faster: 374.5 against 308.8 ms a step in docs/PERF.md's batch of 4, the connection already
+    // moving what TCP moves; a sharded worker reads its shards side by side, a reader each.)
     while (!pending.done || sending()) {
-      if (ucp_worker_progress(worker_) != 0) continue;
-      if (++spins % 64 == 0) {
-        lock.unlock();
-        std::this_thread::yield();
-        lock.lock();
-        if (pending.done && !sending()) break;
-      }
-      if (spins % 1024 == 0 && (absl::Now() > deadline || arena.failed_->load())) {
+      if (ucp_worker_progress(worker_) == 0 && ++spins % 1024 == 0 &&
+          (absl::Now() > deadline || arena.failed_->load())) {
         pending_.erase(h.id);
         if (UCS_PTR_IS_PTR(sent)) {
           ucp_request_cancel(worker_, sent);

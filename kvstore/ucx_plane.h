@@ -62,9 +62,8 @@ class UcxExport {
 // is truly one-sided (RDMA); over TCP UCX emulates each get with messages (slow: docs/PERF.md).
 enum class UcxReadMode { kGather, kOneSided };
 
-// The reader's side: one UCX context and worker for every arena it reads. Thread-safe: batched
-// gathers of several threads are in flight at once (the threads take turns progressing the
-// worker); connects and one-sided reads run one at a time.
+// The reader's side: one UCX context and worker for every arena it reads. Thread-safe (calls are
+// serialised on the worker: one read in flight at a time).
 class UcxReader {
  public:
   static absl::StatusOr<std::unique_ptr<UcxReader>> Create(const std::string& transports = "",

@@ -1,11 +1,12 @@
 // The UCX data plane against the store's own Gather: a store on an arena file exported with
 // UcxExport, a UcxReader connected to it (two UCX workers of this process), over TCP and over
 // shared memory, reading by batched gather and by one-sided gets; rows equal Gather's, a freed
-// page is detected, a bad address is refused, reads of several threads at once land right.
+// page is detected, a bad address is refused, reads of several readers at once land right.
 #include "kvstore/ucx_plane.h"
 
 #include <atomic>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -117,9 +118,20 @@ TEST_P(UcxPlaneTest, ReadsTheRowsGatherReturnsAndDetectsReuse) {
   std::vector<LaneRead> big = {{table->lanes[0], many, bk0.data(), bv0.data()},
                                {table->lanes[1], many, bk1.data(), bv1.data()}};
   read_matches_gather(big);
-  // Reads of several threads in flight at once on the one reader, small (eager) and large
-  // (rendezvous) mixed: each lands in its own buffers, with the rows Gather returns.
+  // Six threads reading at once through three readers (as the workers of a fleet read one store:
+  // several replies in flight at the store, large ones queued behind others), small (eager) and
+  // large (rendezvous) mixed: each lands in its own buffers, with the rows Gather returns.
   if (mode() == UcxReadMode::kGather) {
+    std::vector<std::unique_ptr<UcxReader>> readers;
+    std::vector<std::shared_ptr<const ArenaReader>> arenas;
+    for (int r = 0; r < 3; ++r) {
+      auto reader = UcxReader::Create(transports(), mode());
+      ASSERT_TRUE(reader.ok()) << reader.status();
+      auto arena = (*reader)->Connect((*exported)->address(), absl::Seconds(10));
+      ASSERT_TRUE(arena.ok()) << arena.status();
+      readers.push_back(std::move(*reader));
+      arenas.push_back(std::move(*arena));
+    }
     std::vector<std::vector<uint8_t>> want_small, want_big;
     for (uint32_t h = 0; h < 2; ++h) {
       for (RowKind kind : {RowKind::kK, RowKind::kV}) {
@@ -137,8 +149,8 @@ TEST_P(UcxPlaneTest, ReadsTheRowsGatherReturnsAndDetectsReuse) {
           std::vector<std::vector<uint8_t>> out(4, std::vector<uint8_t>(rows.size() * 128));
           std::vector<LaneRead> read = {{table->lanes[0], rows, out[0].data(), out[1].data()},
                                         {table->lanes[1], rows, out[2].data(), out[3].data()}};
-          auto ok = (*remote)->Read(read, table->page_tokens, 128, RowKind::kKV,
-                                    absl::Now() + absl::Seconds(20));
+          auto ok = arenas[t % 3]->Read(read, table->page_tokens, 128, RowKind::kKV,
+                                        absl::Now() + absl::Seconds(20));
           if (!ok.ok() || !*ok || out != (large ? want_big : want_small)) ++failures;
           ++reads;
         }
@@ -146,6 +158,7 @@ TEST_P(UcxPlaneTest, ReadsTheRowsGatherReturnsAndDetectsReuse) {
     }
     for (std::thread& th : threads) th.join();
     EXPECT_EQ(failures.load(), 0) << "of " << reads.load() << " concurrent reads";
+    arenas.clear();  // before their readers
   }
   EXPECT_FALSE((*remote)->HoldsPage(0, 8192));                                 // the header
   EXPECT_FALSE((*remote)->HoldsPage(1ull << 40, 8192));                        // past the file
