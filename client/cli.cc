@@ -71,14 +71,22 @@ ABSL_FLAG(std::string, k_tier, "host", "create: where the worker keeps K: host o
 ABSL_FLAG(std::string, v_tier, "host", "create: where the worker keeps V: host or device");
 ABSL_FLAG(uint32_t, signature_bits, 0,
           "create: HashAttention signature bits kept per key (0: none)");
+ABSL_FLAG(uint32_t, compressed_key_bits, 0,
+          "create: bits per channel of the compressed keys kept per key for decode top_k "
+          "(0: none; 1, 2, 4 or 8)");
 // decode
-ABSL_FLAG(std::string, method, "dense", "decode: dense, santa, hash_top_k or vattention");
+ABSL_FLAG(std::string, method, "dense",
+          "decode: dense, santa, hash_top_k, vattention, saap or top_k");
 ABSL_FLAG(uint32_t, samples, 128, "decode santa: samples S per query head");
 ABSL_FLAG(std::string, allocation, "prop", "decode santa: global, prop or flash");
 ABSL_FLAG(uint32_t, tile_size, 0, "decode santa: tile size (0: server default)");
-ABSL_FLAG(uint32_t, sink, 128, "decode hash_top_k/vattention: sink tokens");
-ABSL_FLAG(uint32_t, local, 128, "decode hash_top_k/vattention: local window tokens");
-ABSL_FLAG(double, top_k_fraction, 0.05, "decode hash_top_k/vattention: top-k as a fraction of n");
+ABSL_FLAG(uint32_t, sink, 128, "decode hash_top_k/vattention/saap/top_k: sink tokens");
+ABSL_FLAG(uint32_t, local, 128, "decode hash_top_k/vattention/saap/top_k: local window tokens");
+ABSL_FLAG(double, top_k_fraction, 0.05,
+          "decode hash_top_k/vattention/top_k: top-k as a fraction of n");
+ABSL_FLAG(std::string, scores, "compressed",
+          "decode top_k: compressed (the sequence's compressed keys) or exact (oracle)");
+ABSL_FLAG(uint32_t, probes, 8, "decode saap: buckets visited per kv head");
 ABSL_FLAG(double, epsilon, 0.05, "decode vattention: relative error target");
 ABSL_FLAG(double, delta, 0.05, "decode vattention: failure probability");
 ABSL_FLAG(double, base_rate, 0.05, "decode vattention: base sample rate f_b");
@@ -228,6 +236,7 @@ int CmdCreate(KvStoreClient& c) {
     (placement.*set)(flag == "device" ? v1::TIER_DEVICE : v1::TIER_HOST);
   }
   placement.set_signature_bits(absl::GetFlag(FLAGS_signature_bits));
+  placement.set_compressed_key_bits(absl::GetFlag(FLAGS_compressed_key_bits));
   auto info = c.CreateSequence(absl::GetFlag(FLAGS_seq), shape, placement);
   if (!info.ok()) return Fail("create", info.status());
   PrintInfo(*info);
@@ -404,8 +413,27 @@ absl::StatusOr<v1::Method> MethodFromFlags() {
     v->set_base_rate(static_cast<float>(absl::GetFlag(FLAGS_base_rate)));
     v->set_predictor(absl::GetFlag(FLAGS_predictor) == "exact" ? v1::TOP_K_PREDICTOR_EXACT
                                                                : v1::TOP_K_PREDICTOR_HASH);
+  } else if (name == "saap") {
+    v1::SaapParams* s = m.mutable_saap();
+    s->set_probes(absl::GetFlag(FLAGS_probes));
+    s->set_sink_tokens(absl::GetFlag(FLAGS_sink));
+    s->set_local_tokens(absl::GetFlag(FLAGS_local));
+  } else if (name == "top_k") {
+    v1::TopKParams* t = m.mutable_top_k();
+    t->set_sink_tokens(absl::GetFlag(FLAGS_sink));
+    t->set_local_tokens(absl::GetFlag(FLAGS_local));
+    t->set_top_k_fraction(static_cast<float>(absl::GetFlag(FLAGS_top_k_fraction)));
+    const std::string scores = absl::GetFlag(FLAGS_scores);
+    if (scores == "exact") {
+      t->set_scores(v1::SCORE_SOURCE_EXACT);
+    } else if (scores == "compressed") {
+      t->set_scores(v1::SCORE_SOURCE_COMPRESSED_KEYS);
+    } else {
+      return absl::InvalidArgumentError("--scores must be compressed or exact");
+    }
   } else {
-    return absl::InvalidArgumentError("--method must be dense, santa, hash_top_k or vattention");
+    return absl::InvalidArgumentError(
+        "--method must be dense, santa, hash_top_k, vattention, saap or top_k");
   }
   return m;
 }
@@ -634,13 +662,14 @@ int main(int argc, char** argv) {
       "commands:\n"
       "  health                     grpc.health.v1 check\n"
       "  create --seq=ID [--layers --q_heads --kv_heads --head_dim --dtype --k_tier --v_tier\n"
-      "                  --signature_bits]\n"
+      "                  --signature_bits --compressed_key_bits]\n"
       "  drop --seq=ID\n"
       "  append --seq=ID --tokens=N [--seed]       synthetic K/V rows, with progress\n"
       "  gather --seq=ID [--layer --heads --indices|--random_rows --kind --unique --verify]\n"
       "  info --seq=ID | list | stats\n"
       "  bench-gather --seq=ID [--rows=4096 --iters --kind=v --heads]\n"
-      "  decode --seq=ID[,ID...] [--layer --method=dense|santa|hash_top_k|vattention ...]");
+      "  decode --seq=ID[,ID...] [--layer --method=dense|santa|hash_top_k|vattention|saap|top_k\n"
+      "                            ...]");
   kvsparse::server::HandleHelp(argc, argv, "client/cli.");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {

@@ -213,6 +213,15 @@ const kernels::SignatureView& CpuStep::KeySignatures(int32_t bits) {
   return view_;
 }
 
+absl::Span<const kernels::CompressedKeysView> CpuStep::CompressedKeys() {
+  compressed_.clear();
+  for (int32_t j = 0; j < hkv_; ++j) {
+    compressed_.push_back(res_->compressed_keys(j));
+    stats_[j].bytes[kDevice] += compressed_.back().bytes_read();
+  }
+  return compressed_;
+}
+
 absl::StatusOr<const FetchedRows*> CpuStep::FetchForSelection(
     std::vector<std::vector<uint32_t>> tokens) {
   const absl::Time t0 = absl::Now();

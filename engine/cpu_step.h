@@ -19,6 +19,7 @@
 #include "engine/methods/method_unit.h"
 #include "engine/resident_cache.h"
 #include "engine/row_source.h"
+#include "kernels/compressed_keys.h"
 #include "kernels/decode_problem.h"
 #include "kernels/hash_topk.h"
 #include "kernels/row_selection.h"
@@ -86,6 +87,9 @@ class CpuStep {
   const kernels::SignatureView& Signatures(int32_t bits);
   // The resident key signatures alone (no query signatures: view.q is null), counted as read.
   const kernels::SignatureView& KeySignatures(int32_t bits);
+  // The resident compressed keys of every kv head ([Hkv]), counted as read (device bytes).
+  // REQUIRES: the placement keeps them (placement.compressed_key_bits > 0).
+  absl::Span<const kernels::CompressedKeysView> CompressedKeys();
   // Reads the K and V rows of tokens[j] (ascending, distinct) of every kv head j for the
   // selection itself, resident halves in place; counted as gather time and fetched rows. The
   // gather after the selection reads only the selected rows not among them.
@@ -120,6 +124,7 @@ class CpuStep {
   std::vector<HeadStats> stats_;
   std::vector<uint8_t> k_all_;  // every K row, when the selection needs them, not resident
   std::vector<uint32_t> qsig_;
+  std::vector<kernels::CompressedKeysView> compressed_;
   kernels::SignatureView view_;
   FetchedRows base_;  // read for the selection
   FetchedRows rows_;  // the estimate's rows, per head in selection order

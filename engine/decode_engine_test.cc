@@ -14,6 +14,7 @@
 #include "kernels/dense.h"
 #include "kernels/philox.h"
 #include "kernels/saap.h"
+#include "kernels/score_topk.h"
 #include "kernels/synthetic.h"
 #include "kvstore/store.h"
 
@@ -296,6 +297,165 @@ TEST_F(EngineTest, VAttentionSelectsWhatTheReferenceSelects) {
       ExpectSame(*r, b, sel, out);
     }
   }
+}
+
+// Top-k by scores through the engine: from the sequence's compressed keys (resident, built as
+// the rows reach it) the engine selects and estimates exactly what the CPU reference does on
+// the same problem; only the selected K and V rows cross, and the compressed keys stay under 8%
+// of the K and V bytes. Exact scores (the oracle) with K resident or in host memory likewise.
+TEST_F(EngineTest, TopKSelectsWhatTheReferenceSelects) {
+  struct Case {
+    kernels::ScoreSource source;
+    kvstore::Placement placement;
+  };
+  kvstore::Placement compressed, k_device, host;
+  compressed.compressed_key_bits = 2;
+  k_device.k_tier = kvstore::Tier::kDevice;
+  for (const Case& c : {Case{kernels::ScoreSource::kCompressedKeys, compressed},
+                        Case{kernels::ScoreSource::kExact, k_device},
+                        Case{kernels::ScoreSource::kExact, host}}) {
+    SetUp();
+    kernels::SyntheticOptions o = Options();
+    o.head_dim = 128;
+    Load(o, c.placement);
+    Method m;
+    m.kind = MethodKind::kTopK;
+    m.top_k.sink_tokens = 16;
+    m.top_k.local_tokens = 32;
+    m.top_k.top_k = 40;
+    m.top_k.source = c.source;
+    auto r = engine_->Decode(Call(m));
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (int32_t b = 0; b < 2; ++b) {
+      std::vector<uint8_t> out;
+      kernels::DecodeProblem p = One(b, &out);
+      std::vector<kernels::CompressedKeys> keys;
+      std::vector<kernels::CompressedKeysView> views;
+      if (c.source == kernels::ScoreSource::kCompressedKeys) {
+        const size_t es = kernels::DTypeSize(p.dtype);
+        for (int32_t j = 0; j < p.num_kv_heads; ++j) {
+          keys.emplace_back(kernels::KeyCompression{2, kernels::kKeyGroupTokens}, p.head_dim,
+                            p.dtype);
+          for (int32_t t = 0; t < p.seq_lens[0]; ++t) {
+            keys.back().Append(static_cast<const uint8_t*>(p.k) +
+                               (j * p.kv_layout.head_stride + t * p.kv_layout.token_stride) * es);
+          }
+        }
+        for (const kernels::CompressedKeys& k : keys) views.push_back(k.view());
+      }
+      kernels::RowSelection sel;
+      ASSERT_TRUE(kernels::ScoreTopKDecodeCpu(p, m.top_k, views, &sel).ok());
+      ExpectSame(*r, b, sel, out);
+    }
+    const size_t row = shape_.row_bytes();
+    for (const HeadStats& hs : r->heads) {
+      const bool every_key_read =
+          c.source == kernels::ScoreSource::kExact && c.placement.k_tier == kvstore::Tier::kHost;
+      if (!every_key_read) {
+        EXPECT_LE(hs.rows_fetched, 16u + 32u + 4u * 40u);
+      }
+      if (c.placement.k_tier == kvstore::Tier::kHost) {
+        // Every K row is read for exact scores from host memory; the selected V rows after.
+        const uint64_t host_bytes = hs.bytes[static_cast<int>(kvstore::Tier::kHost)];
+        if (c.source == kernels::ScoreSource::kCompressedKeys) {
+          EXPECT_EQ(host_bytes, 2 * hs.rows_fetched * row);
+          EXPECT_GT(hs.bytes[static_cast<int>(kvstore::Tier::kDevice)], 0u);
+        } else {
+          EXPECT_GT(host_bytes, 2 * (16u + 32u + 4u * 40u) * row);
+        }
+      }
+    }
+    if (c.source == kernels::ScoreSource::kCompressedKeys) {
+      const uint64_t resident = engine_->resident().bytes();
+      EXPECT_GT(resident, 0u);
+      // Under 8% of K+V, beside one group of exact rows per (sequence, kv head) (the tokens of
+      // the still-filling group: a share that vanishes at long contexts).
+      const uint64_t open_groups = 2 * 2 * kernels::kKeyGroupTokens * row;
+      EXPECT_LT(resident, (700 + 1500) * 2 * 2 * row * 8 / 100 + open_groups);
+    }
+  }
+}
+
+// New tokens reach the compressed keys as they are appended (the still-filling group exact,
+// quantized when it closes): decoding step by step across a group boundary selects what the
+// reference selects over the grown sequence. Bad placements and a sequence without compressed
+// keys get clear codes.
+TEST_F(EngineTest, TopKFollowsAppendedTokensAndRefusesWhatItCannotServe) {
+  kvstore::Placement compressed;
+  compressed.compressed_key_bits = 4;
+  kernels::SyntheticOptions o = Options(1, {250});
+  o.head_dim = 64;
+  Load(o, compressed);
+  Method m;
+  m.kind = MethodKind::kTopK;
+  m.top_k.sink_tokens = 4;
+  m.top_k.local_tokens = 4;
+  m.top_k.top_k = 10;
+  const kernels::DecodeProblem& p0 = prob_.problem;
+  const size_t es = kernels::DTypeSize(p0.dtype);
+  const size_t token = static_cast<size_t>(p0.num_kv_heads) * p0.head_dim * es;
+  // Keys of the reference: the problem's rows, then the appended ones.
+  std::vector<uint8_t> k(prob_.k.begin(), prob_.k.begin() + 250 * token);
+  std::vector<uint8_t> v(prob_.v.begin(), prob_.v.begin() + 250 * token);
+  for (int step = 0; step < 12; ++step) {  // 250 -> 262 tokens: group 1 closes at 256
+    std::vector<uint8_t> nk(token), nv(token);
+    for (size_t i = 0; i < token; i += es) {  // a copy of an earlier token, scaled
+      kernels::StoreFromFloat(nk.data(), i / es, p0.dtype,
+                              1.5f * kernels::LoadAsFloat(k.data() + step * 17 * token, i / es, p0.dtype));
+      kernels::StoreFromFloat(nv.data(), i / es, p0.dtype,
+                              kernels::LoadAsFloat(v.data() + step * 13 * token, i / es, p0.dtype));
+    }
+    DecodeCall c = Call(m);
+    c.new_k = nk;
+    c.new_v = nv;
+    c.new_kv_dtype = p0.dtype;
+    auto r = engine_->Decode(c);
+    ASSERT_TRUE(r.ok()) << r.status();
+    k.insert(k.end(), nk.begin(), nk.end());
+    v.insert(v.end(), nv.begin(), nv.end());
+    const int32_t n = static_cast<int32_t>(k.size() / token);
+    kernels::DecodeProblem p = p0;
+    std::vector<uint8_t> out(static_cast<size_t>(p.num_q_heads) * p.head_dim * es);
+    p.k = k.data();
+    p.v = v.data();
+    p.seq_lens = &n;
+    p.kv_layout.batch_stride = 0;
+    p.out = out.data();
+    std::vector<kernels::CompressedKeys> keys;
+    std::vector<kernels::CompressedKeysView> views;
+    for (int32_t j = 0; j < p.num_kv_heads; ++j) {
+      keys.emplace_back(kernels::KeyCompression{4, kernels::kKeyGroupTokens}, p.head_dim, p.dtype);
+      for (int32_t t = 0; t < n; ++t) {
+        keys.back().Append(k.data() + (j * p.kv_layout.head_stride + t * p.kv_layout.token_stride) * es);
+      }
+    }
+    for (const kernels::CompressedKeys& x : keys) views.push_back(x.view());
+    kernels::RowSelection sel;
+    ASSERT_TRUE(kernels::ScoreTopKDecodeCpu(p, m.top_k, views, &sel).ok());
+    for (int32_t j = 0; j < p.num_kv_heads; ++j) {
+      const auto& want = sel.at(0, j).tokens;
+      const auto& got = r->heads[j].fetched_tokens;
+      ASSERT_EQ(got.size(), want.size()) << "step " << step;
+      for (size_t i = 0; i < want.size(); ++i) ASSERT_EQ(got[i], static_cast<uint32_t>(want[i]));
+    }
+    EXPECT_EQ(std::memcmp(r->output.data(), out.data(), out.size()), 0) << "step " << step;
+  }
+  using absl::StatusCode;
+  kvstore::Placement odd;
+  odd.compressed_key_bits = 3;
+  EXPECT_EQ(store_->CreateSequence("odd", shape_, odd).status().code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_TRUE(store_->CreateSequence("plain", shape_, {}).ok());
+  DecodeCall c = Call(m);
+  c.sequence_ids = {"plain"};
+  std::vector<uint8_t> nk(token, 0);
+  c.new_k = nk;
+  c.new_v = nk;
+  c.new_kv_dtype = p0.dtype;
+  auto r = engine_->Decode(c);
+  EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << r.status();
+  EXPECT_TRUE(absl::StrContains(r.status().message(), "compressed_key_bits")) << r.status();
+  EXPECT_EQ(store_->GetSequenceInfo("plain")->layer_lengths[kLayer], 0u) << "nothing appended";
 }
 
 // Many small reads instead of one large one give the same result (the catch-up of resident state

@@ -71,8 +71,13 @@ absl::Status ResidentCache::Reserve(Entry* self, ResidentLayer* l, const kvstore
   if (tokens <= l->capacity_) return absl::OkStatus();
   const uint64_t cap = GrowRows(tokens, l->capacity_, 256);
   const size_t hkv = shape.num_kv_heads;
-  const size_t new_bytes = hkv * cap * l->row_bytes_ * (l->has_k_ + l->has_v_) +
-                           static_cast<size_t>(l->key_heads_) * cap * l->words_ * 4;
+  size_t new_bytes = hkv * cap * l->row_bytes_ * (l->has_k_ + l->has_v_) +
+                     static_cast<size_t>(l->key_heads_) * cap * l->words_ * 4;
+  if (!l->compressed_.empty()) {
+    const kernels::KeyCompression c{l->key_bits_, kernels::kKeyGroupTokens};
+    new_bytes += hkv * kernels::CompressedKeyBytes(c, static_cast<int32_t>(shape.head_dim),
+                                                   l->row_bytes_, cap);
+  }
   const size_t delta = new_bytes - l->bytes();
   if (!ReserveBytes(self, delta)) {
     return absl::ResourceExhaustedError(absl::StrCat("device tier full: ", delta,
@@ -97,6 +102,7 @@ absl::Status ResidentCache::Reserve(Entry* self, ResidentLayer* l, const kvstore
     }
     l->sig_.swap(next);
   }
+  for (kernels::CompressedKeys& c : l->compressed_) c.Reserve(cap);
   l->capacity_ = cap;  // delta was added to bytes_ by ReserveBytes
   return absl::OkStatus();
 }
@@ -115,6 +121,7 @@ absl::Status ResidentCache::Append(Entry* self, ResidentLayer* l, uint32_t layer
       const size_t dst = (h * l->capacity_ + l->length_ + t) * row;
       if (l->has_k_) std::memcpy(l->k_.data() + dst, k + src, row);
       if (l->has_v_) std::memcpy(l->v_.data() + dst, v + src, row);
+      if (!l->compressed_.empty()) l->compressed_[h].Append(k + src);
     }
   }
   if (l->words_ > 0) {
@@ -203,12 +210,19 @@ absl::StatusOr<ResidentCache::Handle> ResidentCache::Acquire(const SequenceDesc&
     l.words_ = static_cast<int32_t>(desc.placement.signature_bits / 32);
     l.key_heads_ = l.words_ > 0 ? maker_->KeyHeads(shape) : 0;
     l.row_bytes_ = shape.row_bytes();
+    l.key_bits_ = static_cast<int32_t>(desc.placement.compressed_key_bits);
+    if (l.key_bits_ > 0) {
+      const kernels::KeyCompression c{l.key_bits_, kernels::kKeyGroupTokens};
+      const int32_t d = static_cast<int32_t>(shape.head_dim);
+      if (absl::Status s = kernels::ValidateKeyCompression(c, d); !s.ok()) return s;
+      l.compressed_.assign(shape.num_kv_heads, kernels::CompressedKeys(c, d, shape.dtype));
+    }
   }
-  if (!l.has_k_ && !l.has_v_ && l.words_ == 0) {
+  if (!l.has_k_ && !l.has_v_ && l.words_ == 0 && l.compressed_.empty()) {
     l.length_ = target;  // nothing to keep: trivially in sync
     return h;
   }
-  const bool need_k = l.has_k_ || l.words_ > 0;
+  const bool need_k = l.has_k_ || l.words_ > 0 || !l.compressed_.empty();
   const bool need_v = l.has_v_;
   const kvstore::RowKind kind = kvstore::RowKindOf(need_k, need_v);
   const size_t hkv = shape.num_kv_heads;

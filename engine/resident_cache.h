@@ -1,6 +1,6 @@
 // What the decode worker keeps on its device for each (sequence, layer), as the sequence's
-// placement asks: K rows (k_tier = device), V rows (v_tier = device) and key signatures
-// (signature_bits > 0). It is a cache of the store: built and extended from the store's rows on
+// placement asks: K rows (k_tier = device), V rows (v_tier = device), key signatures
+// (signature_bits > 0) and compressed keys (compressed_key_bits > 0). It is a cache of the store: built and extended from the store's rows on
 // demand (Acquire syncs to the store's length, which covers tokens appended straight to the
 // store, e.g. a prefill, and the split deployment), appended to directly when the engine
 // appends a token, and rebuilt when the store's sequence changes incarnation. Entries not in use
@@ -24,6 +24,7 @@
 #include "absl/status/statusor.h"
 #include "engine/row_source.h"
 #include "engine/signatures.h"
+#include "kernels/compressed_keys.h"
 
 namespace kvsparse::engine {
 
@@ -43,6 +44,11 @@ class ResidentLayer {
   bool has_k() const { return has_k_; }
   bool has_v() const { return has_v_; }
   bool has_signatures() const { return words_ > 0; }
+  bool has_compressed_keys() const { return !compressed_.empty(); }
+  // Compressed keys of kv head h (kernels/compressed_keys.h). REQUIRES: has_compressed_keys().
+  kernels::CompressedKeysView compressed_keys(uint32_t kv_head) const {
+    return compressed_[kv_head].view();
+  }
   // Rows [capacity][d] of kv head h, the sequence's dtype; token t at + t * d elements.
   const uint8_t* k(uint32_t kv_head) const { return k_.data() + kv_head * capacity_ * row_bytes_; }
   const uint8_t* v(uint32_t kv_head) const { return v_.data() + kv_head * capacity_ * row_bytes_; }
@@ -51,16 +57,22 @@ class ResidentLayer {
   const uint32_t* signatures() const { return sig_.data(); }
   int32_t words() const { return words_; }
   int32_t key_heads() const { return key_heads_; }
-  size_t bytes() const { return k_.size() + v_.size() + sig_.size() * 4; }
+  size_t bytes() const {
+    size_t b = k_.size() + v_.size() + sig_.size() * 4;
+    for (const kernels::CompressedKeys& c : compressed_) b += c.bytes();
+    return b;
+  }
 
  private:
   friend class ResidentCache;
   bool has_k_ = false, has_v_ = false;
   int32_t words_ = 0, key_heads_ = 0;
+  int32_t key_bits_ = 0;  // compressed keys' bits per channel (0: none)
   size_t row_bytes_ = 0;
   uint64_t length_ = 0, capacity_ = 0;
   std::vector<uint8_t> k_, v_;
   std::vector<uint32_t> sig_;
+  std::vector<kernels::CompressedKeys> compressed_;  // [Hkv], empty without the placement's
   std::vector<float> max_norm_;  // [Hkv] SimHash M, fixed at the first sync
 };
 

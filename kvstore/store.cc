@@ -148,7 +148,7 @@ absl::StatusOr<SequenceInfo> Store::CreateSequence(absl::string_view sequence_id
                                                    const Placement& placement) {
   if (absl::Status s = ValidateSequenceId(sequence_id); !s.ok()) return s;
   if (absl::Status s = ValidateModelShape(shape); !s.ok()) return s;
-  if (absl::Status s = ValidatePlacement(placement); !s.ok()) return s;
+  if (absl::Status s = ValidatePlacement(placement, shape); !s.ok()) return s;
   if (!options_.shard.Holds(sequence_id)) {
     return absl::FailedPreconditionError(
         absl::StrCat("sequence '", sequence_id, "' belongs to store shard ",

@@ -65,10 +65,20 @@ absl::Status ValidateModelShape(const ModelShape& s) {
   return absl::OkStatus();
 }
 
-absl::Status ValidatePlacement(const Placement& p) {
+absl::Status ValidatePlacement(const Placement& p, const ModelShape& shape) {
   if (p.signature_bits % 32 != 0 || p.signature_bits > 256) {
     return absl::InvalidArgumentError(absl::StrCat(
         "signature_bits must be 0 or a multiple of 32 up to 256, got ", p.signature_bits));
+  }
+  const uint32_t cb = p.compressed_key_bits;
+  if (cb != 0 && cb != 1 && cb != 2 && cb != 4 && cb != 8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("compressed_key_bits must be 0, 1, 2, 4 or 8, got ", cb));
+  }
+  if (static_cast<uint64_t>(shape.head_dim) * cb % 32 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("compressed_key_bits ", cb, " x head_dim ", shape.head_dim,
+                     " must be a multiple of 32 (whole 32-bit words of codes per key)"));
   }
   // The store always holds every row in its host tier; a placement says where the decode
   // worker keeps its own copy (device) or reads through the store (host).

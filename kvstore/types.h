@@ -39,12 +39,14 @@ struct ModelShape {
 
 // Where the decode worker keeps a sequence's rows. The store holds every row in its host tier
 // regardless; kDevice means the worker also keeps that half resident on its GPU (only selected
-// rows of a kHost half cross the boundary), and signature_bits > 0 means it keeps HashAttention
-// signatures of every key on the GPU.
+// rows of a kHost half cross the boundary), signature_bits > 0 means it keeps HashAttention
+// signatures of every key on the GPU, and compressed_key_bits > 0 every key quantized to that
+// many bits per channel (kernels/compressed_keys.h).
 struct Placement {
   Tier k_tier = Tier::kHost;    // kHost or kDevice
   Tier v_tier = Tier::kHost;    // kHost or kDevice
   uint32_t signature_bits = 0;  // 0, or a multiple of 32 up to 256
+  uint32_t compressed_key_bits = 0;  // 0, 1, 2, 4 or 8 (head_dim * bits a multiple of 32)
 };
 
 // What the store does when an append needs more bytes than its capacity allows.
@@ -66,8 +68,8 @@ inline constexpr size_t kMaxSequenceIdBytes = 128;
 [[nodiscard]] absl::Status ValidateSequenceId(absl::string_view id);
 // INVALID_ARGUMENT for a shape the store cannot hold (zero or too large dims, H % Hkv != 0).
 [[nodiscard]] absl::Status ValidateModelShape(const ModelShape& shape);
-// INVALID_ARGUMENT for bad signature bits or a remote tier.
-[[nodiscard]] absl::Status ValidatePlacement(const Placement& placement);
+// INVALID_ARGUMENT for bad signature or compressed key bits (for this shape) or a remote tier.
+[[nodiscard]] absl::Status ValidatePlacement(const Placement& placement, const ModelShape& shape);
 
 }  // namespace kvsparse::kvstore
 

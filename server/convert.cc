@@ -82,6 +82,7 @@ absl::StatusOr<kvstore::Placement> FromProto(const v1::Placement& placement) {
   p.k_tier = *k;
   p.v_tier = *v;
   p.signature_bits = placement.signature_bits();
+  p.compressed_key_bits = placement.compressed_key_bits();
   return p;
 }
 
@@ -187,6 +188,7 @@ void ToProto(const kvstore::SequenceInfo& info, v1::SequenceInfo* out) {
   p->set_k_tier(ToProto(info.placement.k_tier));
   p->set_v_tier(ToProto(info.placement.v_tier));
   p->set_signature_bits(info.placement.signature_bits);
+  p->set_compressed_key_bits(info.placement.compressed_key_bits);
   out->mutable_layer_lengths()->Assign(info.layer_lengths.begin(), info.layer_lengths.end());
   out->set_bytes_used(info.bytes_used);
   out->set_page_tokens(info.page_tokens);
@@ -284,6 +286,29 @@ absl::StatusOr<engine::Method> FromProto(const v1::Method& m) {
       out.hash.top_k_fraction = h.top_k_fraction();
       out.hash.bits = static_cast<int32_t>(h.bits());
       out.learned_signatures = h.source() == v1::SIGNATURE_SOURCE_LEARNED;
+      return out;
+    }
+    case v1::Method::kTopK: {
+      const v1::TopKParams& t = m.top_k();
+      out.kind = engine::MethodKind::kTopK;
+      if (t.sink_tokens() > (1u << 30) || t.local_tokens() > (1u << 30) || t.top_k() > (1u << 30)) {
+        return absl::InvalidArgumentError("top_k: a count is out of range");
+      }
+      out.top_k.sink_tokens = static_cast<int32_t>(t.sink_tokens());
+      out.top_k.local_tokens = static_cast<int32_t>(t.local_tokens());
+      out.top_k.top_k = static_cast<int32_t>(t.top_k());
+      out.top_k.top_k_fraction = t.top_k_fraction();
+      switch (t.scores()) {
+        case v1::SCORE_SOURCE_EXACT:
+          out.top_k.source = kernels::ScoreSource::kExact;
+          break;
+        case v1::SCORE_SOURCE_UNSPECIFIED:
+        case v1::SCORE_SOURCE_COMPRESSED_KEYS:
+          out.top_k.source = kernels::ScoreSource::kCompressedKeys;
+          break;
+        default:
+          return absl::InvalidArgumentError("top_k.scores: unknown value");
+      }
       return out;
     }
     case v1::Method::kSaap: {

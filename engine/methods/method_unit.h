@@ -60,6 +60,7 @@ const MethodUnit& SantaUnit();
 const MethodUnit& HashTopKUnit();
 const MethodUnit& VAttentionUnit();
 const MethodUnit& SaapUnit();
+const MethodUnit& TopKUnit();
 
 }  // namespace kvsparse::engine
 

@@ -23,6 +23,7 @@
 #include "kernels/hash_topk.h"
 #include "kernels/row_selection.h"
 #include "kernels/santa.h"
+#include "kernels/score_topk.h"
 #include "kernels/synthetic.h"
 #include "kernels/vattention.h"
 
@@ -69,31 +70,15 @@ bool Wanted(const std::vector<std::string>& groups, const std::string& g) {
          std::find(groups.begin(), groups.end(), g) != groups.end();
 }
 
-// Oracle top-k: sink + window + the k best tokens by exact logits, exact attention over them.
+// Oracle top-k: sink + window + the k best tokens by exact logits (kernels/score_topk.h).
 absl::Status OracleTopK(const DecodeProblem& p, int32_t sink, int32_t local, float fraction,
                         RowSelection* sel) {
-  const int32_t group = p.group_size();
-  sel->Reset(EstimateKind::kSoftmax, p.batch, p.num_kv_heads, group);
-  std::vector<float> q(p.head_dim), s;
-  std::vector<int32_t> chosen, scratch;
-  std::vector<HeadRows> rows(group);
-  for (int32_t b = 0; b < p.batch; ++b) {
-    const int32_t n = p.seq_lens[b];
-    absl::StatusOr<int32_t> k = ResolveTopK(0, fraction, n);
-    if (!k.ok()) return k.status();
-    s.resize(n);
-    for (int32_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
-      for (int32_t g = 0; g < group; ++g) {
-        LoadQuery(p, b, kvh * group + g, q.data());
-        ComputeScores(p, b, kvh * group + g, q.data(), s.data());
-        rows[g].Clear();
-        rows[g].budget = SelectSinkLocalTopK(s.data(), n, sink, local, *k, &chosen, &scratch);
-        for (int32_t t : chosen) rows[g].Push(t, 1, 1.f);
-      }
-      MergeGroup(rows, &sel->at(b, kvh));
-    }
-  }
-  return absl::OkStatus();
+  ScoreTopKParams params;
+  params.sink_tokens = sink;
+  params.local_tokens = local;
+  params.top_k_fraction = fraction;
+  params.source = ScoreSource::kExact;
+  return ScoreTopKSelectCpu(p, params, {}, sel);
 }
 
 std::vector<Config> MakeConfigs(const std::vector<std::string>& groups, const Signatures* sig32,

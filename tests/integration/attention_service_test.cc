@@ -210,6 +210,26 @@ std::vector<MethodCase> Cases() {
     c.placement.set_k_tier(v1::TIER_DEVICE);
     cases.push_back(c);
   }
+  {
+    MethodCase c{"top_k_compressed_keys", {}, {}, 0.25};
+    auto* t = c.method.mutable_top_k();
+    t->set_sink_tokens(32);
+    t->set_local_tokens(64);
+    t->set_top_k_fraction(0.2f);
+    t->set_scores(v1::SCORE_SOURCE_COMPRESSED_KEYS);
+    c.placement.set_compressed_key_bits(2);
+    cases.push_back(c);
+  }
+  {
+    MethodCase c{"top_k_exact", {}, {}, 0.25};
+    auto* t = c.method.mutable_top_k();
+    t->set_sink_tokens(32);
+    t->set_local_tokens(64);
+    t->set_top_k_fraction(0.2f);
+    t->set_scores(v1::SCORE_SOURCE_EXACT);
+    c.placement.set_k_tier(v1::TIER_DEVICE);
+    cases.push_back(c);
+  }
   return cases;
 }
 
@@ -251,7 +271,8 @@ TEST(AttentionServiceTest, EveryMethodEndToEnd) {
     // The store also served the resident state's first sync (K rows of every token, and
     // signatures are computed from K): that is the placement's one-off cost, not the step's.
     uint64_t sync_rows = 0;
-    if (c.placement.k_tier() == v1::TIER_DEVICE || c.placement.signature_bits() > 0) {
+    if (c.placement.k_tier() == v1::TIER_DEVICE || c.placement.signature_bits() > 0 ||
+        c.placement.compressed_key_bits() > 0) {
       sync_rows = (1200 + 2000) * 2;  // K rows of every token of both kv heads
     }
     EXPECT_EQ(served, host_rows + sync_rows);

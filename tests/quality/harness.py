@@ -17,7 +17,14 @@ model's own SDPA, its K/V appended to the store in bulk):
   delta), overall and for the worst (layer, head);
 - rows read per step: distinct rows fetched per kv head as a fraction of the context, and bytes
   crossing the host boundary as a fraction of what dense attention reads;
-- pass-key retrieval accuracy at several lengths and depths (greedy generation of the key);
+- pass-key retrieval accuracy at several lengths and depths (greedy generation of the key), and
+  the count of documents retrieved;
+- the perplexity change against dense with a 95% interval (paired per-token differences);
+- the worker's state for a sequence (GPU memory, or the CPU engine's resident state where the
+  method runs there) as a fraction of the sequence's K/V bytes ("gpu_kv_fraction"): resident K,
+  signatures, compressed keys, row caches, all of it;
+- the ceiling of top-k selection: oracle top-k (exact scores) at 1/32, 1/16 and 1/8, beside top-k
+  over compressed keys (1, 2 or 4 bits per channel on the worker instead of K);
 - learned HashAttention: the MLPs are trained on training-split windows (kvsparse.calibrate) and
   served through the engine's hash_weights; their top-k recall against SimHash at the same bits;
 - SAAP: partitions and query classifiers trained on the same windows (kvsparse.calibrate), served
@@ -52,16 +59,28 @@ import kvsparse  # noqa: E402
 import kvsparse.calibrate as calibrate  # noqa: E402
 import kvsparse.ops  # noqa: E402
 import kvsparse.hf as khf  # noqa: E402
-from kvsparse import Dense, HashTopK, Saap, Santa, VAttention  # noqa: E402
+from kvsparse import Dense, HashTopK, Placement, Saap, Santa, TopK, VAttention  # noqa: E402
 
 MEASURED = "kvsparse_measured"
 
 
+# Methods whose sequences keep something other than placement_for(method) gives.
+PLACEMENTS: dict[str, Placement] = {
+    "ckeys1-topk-1/32": Placement(compressed_key_bits=1),
+    "ckeys4-topk-1/64": Placement(compressed_key_bits=4),
+}
+
+
 def methods(smoke: bool) -> dict[str, Any]:
-    """Name -> method. Sink and local windows: 128 tokens each (the methods' defaults)."""
+    """Name -> method. Sink and local windows: 128 tokens each (the methods' defaults). The
+    oracle top-k rows (exact scores, the union over each GQA group as the engine reads it) are the
+    ceiling every top-k predictor is measured against; "ckeys<b>" rows score compressed keys of b
+    bits per channel (kernels/compressed_keys.h)."""
     if smoke:
         return {
             "dense": Dense(),
+            "oracle-topk-1/8": TopK(top_k_fraction=1 / 8, scores="exact", sink_tokens=8, local_tokens=8),
+            "ckeys2-topk-1/8": TopK(top_k_fraction=1 / 8, sink_tokens=8, local_tokens=8),
             "s2anta-prop-S128": Santa(samples=128, allocation="prop"),
             "hash-simhash-b32-1/8": HashTopK(top_k_fraction=1 / 8, bits=32, sink_tokens=8, local_tokens=8),
             "hash-learned-b32-1/8": HashTopK(top_k_fraction=1 / 8, bits=32, sink_tokens=8, local_tokens=8, learned=True),
@@ -73,6 +92,14 @@ def methods(smoke: bool) -> dict[str, Any]:
     # The settings the README recommends first (they carry the issue's targets), then the rest.
     out: dict[str, Any] = {
         "dense": Dense(),
+        "oracle-topk-1/32": TopK(top_k_fraction=1 / 32, scores="exact"),
+        "oracle-topk-1/16": TopK(top_k_fraction=1 / 16, scores="exact"),
+        "oracle-topk-1/8": TopK(top_k_fraction=1 / 8, scores="exact"),
+        "ckeys2-topk-1/32": TopK(top_k_fraction=1 / 32),
+        "ckeys2-topk-1/64": TopK(top_k_fraction=1 / 64),
+        "ckeys1-topk-1/32": TopK(top_k_fraction=1 / 32),
+        "ckeys4-topk-1/64": TopK(top_k_fraction=1 / 64),
+        "ckeys2-topk-1/16": TopK(top_k_fraction=1 / 16),
         "s2anta-prop-S256": Santa(samples=256, allocation="prop"),
         "vatt-exact-e0.05": VAttention(epsilon=0.05, delta=0.05, predictor="exact", top_k_fraction=1 / 32),
         "hash-learned-b32-1/32": HashTopK(top_k_fraction=1 / 32, bits=32, learned=True),
@@ -171,11 +198,25 @@ def register() -> None:
 
 
 @torch.no_grad()
+def kv_state_fraction(engine: Any, config: Any, batch: int, tokens: int) -> float:
+    """Bytes the worker keeps for the cache's sequences (GPU state: resident rows, signatures,
+    compressed keys, row caches; and the CPU engine's resident state, which stands in for the
+    GPU's where a method runs on the CPU engine) over the bytes of their K and V (bf16)."""
+    mem = engine.memory()
+    kv_heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = 2 * config.num_hidden_layers * kv_heads * head_dim * 2 * batch * tokens
+    return (mem["gpu_bytes"] + mem["cpu_resident_bytes"]) / kv
+
+
+@torch.no_grad()
 def teacher_forced(model: Any, tokens: torch.Tensor, n_decode: int, engine: Any, method: Any, seed: int,
-                   device: str) -> tuple[list[float], list[int], kvsparse.hf.CacheStats]:
+                   device: str, placement: Placement | None = None
+                   ) -> tuple[list[float], list[int], kvsparse.hf.CacheStats, float]:
     """Prefill all but the last n_decode + 1 tokens (SDPA), then one decode step per token through
-    `method`; returns each step's NLL of the next token, its argmax, and the cache's statistics.
-    method None: the model's own DynamicCache and SDPA (no kvsparse)."""
+    `method`; returns each step's NLL of the next token, its argmax, the cache's statistics and
+    the worker's state for the cache as a fraction of its K/V bytes (kv_state_fraction, at the
+    end). method None: the model's own DynamicCache and SDPA (no kvsparse)."""
     x = tokens.to(device)[None]
     p = x.shape[1] - n_decode - 1
     nll, top1 = [], []
@@ -189,17 +230,30 @@ def teacher_forced(model: Any, tokens: torch.Tensor, n_decode: int, engine: Any,
         cache: Any = DynamicCache(config=model.config)
         stats = kvsparse.hf.CacheStats()
     else:
-        cache = khf.KvSparseCache(model.config, engine, method=method, seed=seed)
+        cache = khf.KvSparseCache(model.config, engine, method=method, placement=placement, seed=seed)
         stats = cache.stats
+    fraction = 0.0
     try:
         out = model(x[:, :p], past_key_values=cache, use_cache=True)
         for i in range(n_decode):
             out = model(x[:, p + i : p + i + 1], past_key_values=cache, use_cache=True)
             step(out.logits, x[0, p + i + 1])
+        if method is not None:
+            fraction = kv_state_fraction(engine, model.config, 1, p + n_decode)
     finally:
         if method is not None:
             cache.close()
-    return nll, top1, stats
+    return nll, top1, stats, fraction
+
+
+def ppl_change_interval(nll: list[float], dense: list[float]) -> tuple[float, float, float]:
+    """The perplexity change against dense over the same tokens, exp(mean(nll - dense)) - 1, with
+    a 95% interval from the per-token paired differences (normal approximation: tokens of one
+    window are not independent, so it is narrower than a per-window interval would be)."""
+    diff = np.asarray(nll, dtype=np.float64) - np.asarray(dense, dtype=np.float64)
+    mean = float(diff.mean())
+    se = float(diff.std(ddof=1) / math.sqrt(len(diff))) if len(diff) > 1 else 0.0
+    return math.exp(mean) - 1, math.exp(mean - 1.96 * se) - 1, math.exp(mean + 1.96 * se) - 1
 
 
 # ---- Pass keys ----------------------------------------------------------------------------------
@@ -207,7 +261,7 @@ def teacher_forced(model: Any, tokens: torch.Tensor, n_decode: int, engine: Any,
 
 @torch.no_grad()
 def passkeys(model: Any, held: np.ndarray, lengths: list[int], depths: list[float], trials: int, engine: Any,
-             method: Any, device: str, seed: int) -> dict[str, float]:
+             method: Any, device: str, seed: int, placement: Placement | None = None) -> dict[str, float]:
     """Greedy generation of the pass key after its question, `trials` documents per (length,
     depth) in one batch (same length: no padding); accuracy per cell."""
     out: dict[str, float] = {}
@@ -221,7 +275,8 @@ def passkeys(model: Any, held: np.ndarray, lengths: list[int], depths: list[floa
             if method is None:
                 gen = model.generate(prompts, **kwargs)
             else:
-                with khf.KvSparseCache(model.config, engine, method=method, seed=seed) as cache:
+                with khf.KvSparseCache(model.config, engine, method=method, placement=placement,
+                                       seed=seed) as cache:
                     gen = model.generate(prompts, past_key_values=cache, **kwargs)
             ok = sum(bytes(gen[i, prompts.shape[1] :].tolist()).decode(errors="replace") == key
                      for i, (_, key) in enumerate(docs))
@@ -385,13 +440,14 @@ def main() -> int:
         results["training"] = json.loads((Path(args.model) / "metrics.json").read_text())
     dense_top1: dict[tuple[int, int], list[int]] = {}
     dense_nll: dict[int, float] = {}
+    dense_nlls: dict[int, list[float]] = {}
 
     # The model's own SDPA (no kvsparse): the reference dense through kvsparse must match.
     for ctx in args.contexts:
         nll = []
         for w, tokens in enumerate(windows_of(held, ctx, args.windows, 303 + ctx)):
             REC.active = False
-            n, _, _ = teacher_forced(model, tokens, args.decode_tokens, None, None, 0, device)
+            n, _, _, _ = teacher_forced(model, tokens, args.decode_tokens, None, None, 0, device)
             nll += n
         results.setdefault("sdpa", {})[str(ctx)] = {"ppl": math.exp(float(np.mean(nll)))}
         log(f"sdpa ctx {ctx}: ppl {results['sdpa'][str(ctx)]['ppl']:.4f}")
@@ -400,14 +456,18 @@ def main() -> int:
         m = table[name]
         eng = saap_engine if isinstance(m, Saap) else learned_engine if getattr(m, "learned", False) else engine
         eps = m.epsilon if isinstance(m, VAttention) else None
-        row: dict[str, Any] = {"method": repr(m), "contexts": {}}
+        placement = PLACEMENTS.get(name)
+        row: dict[str, Any] = {"method": repr(m), "placement": repr(placement or kvsparse.placement_for(m)),
+                               "contexts": {}}
         for ctx in args.contexts:
             t0 = time.time()
             REC.reset()
             REC.active = True
-            nll, agree, fetched, dense_eq = [], [], 0, 0
+            nll, agree, fetched, dense_eq, fractions = [], [], 0, 0, []
             for w, tokens in enumerate(windows_of(held, ctx, args.windows, 303 + ctx)):
-                n, top1, stats = teacher_forced(model, tokens, args.decode_tokens, eng, m, 1000 * w + 7, device)
+                n, top1, stats, frac = teacher_forced(model, tokens, args.decode_tokens, eng, m, 1000 * w + 7,
+                                                      device, placement)
+                fractions.append(frac)
                 nll += n
                 fetched += stats.bytes_fetched
                 dense_eq += stats.dense_equivalent_bytes
@@ -418,18 +478,24 @@ def main() -> int:
             mean_nll = float(np.mean(nll))
             if name == "dense":
                 dense_nll[ctx] = mean_nll
+                dense_nlls[ctx] = list(nll)
             c = summarise_errors(eps)
-            c.update(ppl=math.exp(mean_nll), ppl_change=math.exp(mean_nll - dense_nll[ctx]) - 1,
+            change, lo, hi = ppl_change_interval(nll, dense_nlls[ctx])
+            c.update(ppl=math.exp(mean_nll), ppl_change=change, ppl_change_ci95=[lo, hi],
                      top1_agreement=float(np.mean(agree)),
-                     bytes_fraction=fetched / dense_eq if dense_eq else 0.0, seconds=time.time() - t0)
+                     bytes_fraction=fetched / dense_eq if dense_eq else 0.0,
+                     gpu_kv_fraction=float(np.max(fractions)), seconds=time.time() - t0)
             row["contexts"][str(ctx)] = c
             extra = f", violations {c['violation_rate']:.3f} (worst head {c['worst_head_violation_rate']:.3f})" if eps else ""
-            log(f"{name} ctx {ctx}: ppl {c['ppl']:.4f} ({100 * c['ppl_change']:+.2f}%), top-1 {c['top1_agreement']:.3f}, "
+            log(f"{name} ctx {ctx}: ppl {c['ppl']:.4f} ({100 * c['ppl_change']:+.2f}%, 95% CI "
+                f"{100 * lo:+.2f}..{100 * hi:+.2f}%), gpu/kv {c['gpu_kv_fraction']:.4f}, top-1 {c['top1_agreement']:.3f}, "
                 f"rel L2 {c['rel_l2_mean']:.4f} (final layer {c['final_layer_rel_l2']:.4f}), rows {c['rows_fraction']:.4f}, "
                 f"bytes {c['bytes_fraction']:.4f}{extra} ({c['seconds']:.1f} s)")
         t0 = time.time()
         row["passkey"] = passkeys(model, held, args.passkey_lengths, args.passkey_depths, args.passkey_trials,
-                                  eng, m, device, seed=5)
+                                  eng, m, device, seed=5, placement=placement)
+        row["passkey_correct"] = round(sum(row["passkey"].values()) * args.passkey_trials)
+        row["passkey_documents"] = len(row["passkey"]) * args.passkey_trials
         log(f"{name} pass keys: {row['passkey']} ({time.time() - t0:.1f} s)")
         results["methods"][name] = row
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))
@@ -443,18 +509,22 @@ def main() -> int:
 
 def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
     ctxs = [str(c) for c in args.contexts]
-    lines = ["| method | " + " | ".join(f"ppl {c} (vs dense) | top-1 {c} | rel L2 mean / final layer {c} | rows {c} | bytes {c}" for c in ctxs)
-             + " | pass key (mean) |", "|---" * (1 + 5 * len(ctxs) + 1) + "|"]
+    lines = ["| method | GPU / KV bytes | " + " | ".join(
+        f"ppl {c} (vs dense, 95% CI) | top-1 {c} | rel L2 mean / final layer {c} | rows {c} | bytes {c}" for c in ctxs)
+             + " | pass keys |", "|---" * (2 + 5 * len(ctxs) + 1) + "|"]
     sd = results.get("sdpa", {})
-    lines.append("| SDPA (no kvsparse) | " + " | ".join(f"{sd[c]['ppl']:.4f} | | | | " for c in ctxs) + " | |")
+    lines.append("| SDPA (no kvsparse) | | " + " | ".join(f"{sd[c]['ppl']:.4f} | | | | " for c in ctxs) + " | |")
     for name, row in results["methods"].items():
         cells = []
         for c in ctxs:
             r = row["contexts"][c]
-            cells.append(f"{r['ppl']:.4f} ({100 * r['ppl_change']:+.2f}%) | {r['top1_agreement']:.3f} | "
+            lo, hi = r.get("ppl_change_ci95", [r["ppl_change"], r["ppl_change"]])
+            cells.append(f"{r['ppl']:.4f} ({100 * r['ppl_change']:+.2f}%, {100 * lo:+.2f}..{100 * hi:+.2f}) | "
+                         f"{r['top1_agreement']:.3f} | "
                          f"{r['rel_l2_mean']:.3f} / {r['final_layer_rel_l2']:.3f} | {r['rows_fraction']:.3f} | {r['bytes_fraction']:.3f}")
-        pk = row["passkey"]
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {np.mean(list(pk.values())):.2f} |")
+        gpu = max(r.get("gpu_kv_fraction", 0.0) for r in row["contexts"].values())
+        lines.append(f"| {name} | {gpu:.3f} | " + " | ".join(cells)
+                     + f" | {row.get('passkey_correct', '?')}/{row.get('passkey_documents', '?')} |")
     lines += ["", "| method | " + " | ".join(k for k in next(iter(results["methods"].values()))["passkey"]) + " |"]
     lines.append("|---" * (1 + len(next(iter(results["methods"].values()))["passkey"])) + "|")
     for name, row in results["methods"].items():

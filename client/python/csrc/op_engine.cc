@@ -86,6 +86,7 @@ class RemoteStoreEngine final : public OpEngine {
     p.set_k_tier(server::ToProto(placement.k_tier));
     p.set_v_tier(server::ToProto(placement.v_tier));
     p.set_signature_bits(placement.signature_bits);
+    p.set_compressed_key_bits(placement.compressed_key_bits);
     return store_->CreateSequence(id, s, p).status();
   }
   absl::Status Drop(const std::string& id) override { return store_->DropSequence(id).status(); }

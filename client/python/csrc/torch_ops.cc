@@ -175,13 +175,27 @@ en::Method ParseMethod(const std::string& name, const std::string& text) {
                                          : kernels::VerifyTarget::kOutput;
     v.bits = p.Int("bits", 0);
     m.learned_signatures = p.Number("learned", 0) != 0;
+  } else if (name == "top_k") {
+    m.kind = en::MethodKind::kTopK;
+    m.top_k.top_k = p.Int("top_k", 0);
+    m.top_k.top_k_fraction = static_cast<float>(p.Number("top_k_fraction", 1.0 / 32));
+    m.top_k.sink_tokens = p.Int("sink_tokens", 128);
+    m.top_k.local_tokens = p.Int("local_tokens", 128);
+    const std::string scores = p.Word("scores", "compressed");
+    if (scores == "exact") {
+      m.top_k.source = kernels::ScoreSource::kExact;
+    } else if (scores == "compressed") {
+      m.top_k.source = kernels::ScoreSource::kCompressedKeys;
+    } else {
+      Invalid("scores: compressed or exact, not " + scores);
+    }
   } else if (name == "saap") {
     m.kind = en::MethodKind::kSaap;
     m.saap.probes = p.Int("probes", 8);
     m.saap.sink_tokens = p.Int("sink_tokens", 128);
     m.saap.local_tokens = p.Int("local_tokens", 128);
   } else {
-    Invalid("unknown method " + name + " (dense, santa, hash_top_k, vattention, saap)");
+    Invalid("unknown method " + name + " (dense, santa, hash_top_k, vattention, saap, top_k)");
   }
   p.Done(name);
   return m;
@@ -281,9 +295,10 @@ std::vector<int64_t> EngineMemory(int64_t handle) {
 
 void CreateSequence(int64_t handle, const std::string& id, int64_t layers, int64_t q_heads,
                     int64_t kv_heads, int64_t head_dim, const std::string& dtype,
-                    const std::string& k_tier, const std::string& v_tier, int64_t signature_bits) {
+                    const std::string& k_tier, const std::string& v_tier, int64_t signature_bits,
+                    int64_t compressed_key_bits) {
   std::shared_ptr<OpEngine> e = Find(handle);
-  for (int64_t x : {layers, q_heads, kv_heads, head_dim, signature_bits}) {
+  for (int64_t x : {layers, q_heads, kv_heads, head_dim, signature_bits, compressed_key_bits}) {
     if (x < 0 || x > (1 << 20)) Invalid("model shape or signature bits out of range");
   }
   const kv::ModelShape shape{static_cast<uint32_t>(layers), static_cast<uint32_t>(q_heads),
@@ -293,6 +308,7 @@ void CreateSequence(int64_t handle, const std::string& id, int64_t layers, int64
   placement.k_tier = TierNamed(k_tier);
   placement.v_tier = TierNamed(v_tier);
   placement.signature_bits = static_cast<uint32_t>(signature_bits);
+  placement.compressed_key_bits = static_cast<uint32_t>(compressed_key_bits);
   Check(e->Create(id, shape, placement));
 }
 
@@ -434,7 +450,7 @@ TORCH_LIBRARY(kvsparse, m) {
   m.def(
       "create_sequence(int engine, str sequence_id, int num_layers, int num_q_heads, "
       "int num_kv_heads, int head_dim, str dtype, str k_tier, str v_tier, "
-      "int signature_bits) -> ()",
+      "int signature_bits, int compressed_key_bits=0) -> ()",
       &CreateSequence);
   m.def("drop_sequence(int engine, str sequence_id) -> ()", &DropSequence);
   m.def("sequence_lengths(int engine, str sequence_id) -> int[]", &SequenceLengths);

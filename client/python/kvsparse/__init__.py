@@ -54,6 +54,7 @@ from kvsparse.methods import (
     Placement,
     Saap,
     Santa,
+    TopK,
     VAttention,
     placement_for,
 )
@@ -95,6 +96,7 @@ __all__ = [
     "Unauthenticated",
     "Unavailable",
     "Unimplemented",
+    "TopK",
     "Unknown",
     "VAttention",
     "open_channel",

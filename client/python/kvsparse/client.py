@@ -188,6 +188,7 @@ class SequenceInfo:
                 tiers.get(m.placement.k_tier, "host"),  # type: ignore[arg-type]
                 tiers.get(m.placement.v_tier, "host"),  # type: ignore[arg-type]
                 m.placement.signature_bits,
+                m.placement.compressed_key_bits,
             ),
             layer_lengths=list(m.layer_lengths),
             bytes_used=m.bytes_used,

@@ -39,18 +39,21 @@ _TIERS = {"host": tensor_pb2.TIER_HOST, "device": tensor_pb2.TIER_DEVICE}
 
 @dataclass(frozen=True)
 class Placement:
-    """What the decode worker keeps on its device for a sequence: K and/or V rows, and bit
-    signatures of the keys (HashAttention, vAttention's hash predictor). The store always holds
-    every row in host memory."""
+    """What the decode worker keeps on its device for a sequence: K and/or V rows, bit
+    signatures of the keys (HashAttention, vAttention's hash predictor), and compressed keys
+    (every key quantized to ``compressed_key_bits`` bits per channel: 1, 2, 4 or 8; the
+    ``TopK`` method scores them). The store always holds every row in host memory."""
 
     k_tier: TierName = "host"
     v_tier: TierName = "host"
     signature_bits: int = 0
+    compressed_key_bits: int = 0
 
     def to_proto(self, out: tensor_pb2.Placement) -> None:
         out.k_tier = _TIERS[self.k_tier]
         out.v_tier = _TIERS[self.v_tier]
         out.signature_bits = self.signature_bits
+        out.compressed_key_bits = self.compressed_key_bits
 
 
 @dataclass(frozen=True)
@@ -167,7 +170,32 @@ class Saap:
         p.local_tokens = self.local_tokens
 
 
-Method = Union[Dense, Santa, HashTopK, VAttention, Saap]
+@dataclass(frozen=True)
+class TopK:
+    """Top-k by scores: sink + local window + the ``top_k`` tokens (or ``top_k_fraction`` of the
+    sequence) of highest score per query head, then exact attention over them. ``scores``:
+    "compressed" scores every key from the sequence's compressed keys
+    (``Placement(compressed_key_bits=2)``: a few bits per key on the device, only the chosen K and
+    V rows cross); "exact" scores every full-precision key: the oracle top-k."""
+
+    top_k: int = 0
+    top_k_fraction: float = 1 / 32
+    sink_tokens: int = 128
+    local_tokens: int = 128
+    scores: Literal["compressed", "exact"] = "compressed"
+
+    def to_proto(self, out: attention_pb2.Method) -> None:
+        p = out.top_k
+        p.top_k = self.top_k
+        p.top_k_fraction = self.top_k_fraction
+        p.sink_tokens = self.sink_tokens
+        p.local_tokens = self.local_tokens
+        p.scores = (
+            attention_pb2.SCORE_SOURCE_EXACT if self.scores == "exact" else attention_pb2.SCORE_SOURCE_COMPRESSED_KEYS
+        )
+
+
+Method = Union[Dense, Santa, HashTopK, VAttention, Saap, TopK]
 
 
 def _fill_selection(p: Any, m: "HashTopK | VAttention") -> None:
@@ -180,10 +208,11 @@ def _fill_selection(p: Any, m: "HashTopK | VAttention") -> None:
     p.source = attention_pb2.SIGNATURE_SOURCE_LEARNED if m.learned else attention_pb2.SIGNATURE_SOURCE_SIMHASH
 
 
-def placement_for(method: Method, signature_bits: int = 32) -> Placement:
+def placement_for(method: Method, signature_bits: int = 32, compressed_key_bits: int = 2) -> Placement:
     """The placement a method reads from: K on the device for SANTA (its scores stream every
-    key), key signatures for HashAttention and vAttention's hash predictor (K and V stay in host
-    memory, only selected rows cross), nothing for dense."""
+    key) and for exact top-k, key signatures for HashAttention and vAttention's hash predictor
+    (K and V stay in host memory, only selected rows cross), compressed keys for top-k over
+    compressed keys, nothing for dense."""
     if isinstance(method, Santa):
         return Placement(k_tier="device")
     if isinstance(method, HashTopK):
@@ -194,4 +223,8 @@ def placement_for(method: Method, signature_bits: int = 32) -> Placement:
         return Placement(signature_bits=method.bits or signature_bits)
     if isinstance(method, Saap):
         return Placement(signature_bits=32)  # each key's bucket
+    if isinstance(method, TopK):
+        if method.scores == "exact":
+            return Placement(k_tier="device")
+        return Placement(compressed_key_bits=compressed_key_bits)
     return Placement()

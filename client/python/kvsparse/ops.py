@@ -30,7 +30,7 @@ import grpc
 import torch
 
 from kvsparse.errors import KvSparseError, from_code
-from kvsparse.methods import Dense, HashTopK, Method, ModelShape, Placement, Saap, Santa, VAttention
+from kvsparse.methods import Dense, HashTopK, Method, ModelShape, Placement, Saap, Santa, TopK, VAttention
 
 _LIB_NAME = "libkvsparse_torch.so"
 _loaded: str | None = None
@@ -117,9 +117,14 @@ def _call(op: Any, *args: Any) -> Any:
 
 def method_spec(method: Method) -> tuple[str, str]:
     """The op's (method, params) strings of a kvsparse.methods dataclass."""
-    name = {Dense: "dense", Santa: "santa", HashTopK: "hash_top_k", VAttention: "vattention", Saap: "saap"}[
-        type(method)
-    ]
+    name = {
+        Dense: "dense",
+        Santa: "santa",
+        HashTopK: "hash_top_k",
+        VAttention: "vattention",
+        Saap: "saap",
+        TopK: "top_k",
+    }[type(method)]
     fields = dataclasses.asdict(method)
     parts = []
     for key, value in fields.items():
@@ -234,6 +239,7 @@ class InProcessEngine:
             placement.k_tier,
             placement.v_tier,
             placement.signature_bits,
+            placement.compressed_key_bits,
         )
 
     def drop_sequence(self, sequence_id: str) -> None:

@@ -1,0 +1,210 @@
+#include "kernels/compressed_keys.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "absl/strings/str_cat.h"
+
+namespace kvsparse::kernels {
+namespace {
+
+float Half(uint16_t bits) { return Fp16ToFloat(Fp16{bits}); }
+
+// fp16 nearest to x, saturated to the finite range.
+uint16_t HalfNearest(float x) {
+  const float kMax = 65504.f;
+  return FloatToFp16(std::clamp(x, -kMax, kMax)).bits;
+}
+
+// The smallest fp16 >= x (x >= 0), saturated to the largest finite one.
+uint16_t HalfUp(float x) {
+  uint16_t h = HalfNearest(x);
+  if (Half(h) < x && h < 0x7bffu) ++h;  // positive fp16 values order as their bits
+  return h;
+}
+
+// An fp16 upper bound of x >= 0: the smallest fp16 >= x, or +inf past the finite range.
+uint16_t HalfBound(double x) {
+  const float f = std::nextafter(static_cast<float>(x), std::numeric_limits<float>::infinity());
+  if (!(f <= 65504.f)) return 0x7c00u;
+  return HalfUp(f);
+}
+
+}  // namespace
+
+absl::Status ValidateKeyCompression(const KeyCompression& c, int32_t head_dim) {
+  if (c.bits != 1 && c.bits != 2 && c.bits != 4 && c.bits != 8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("compressed key bits must be 1, 2, 4 or 8, got ", c.bits));
+  }
+  if (head_dim <= 0 || (static_cast<int64_t>(head_dim) * c.bits) % 32 != 0) {
+    return absl::InvalidArgumentError(absl::StrCat("compressed keys: head_dim ", head_dim, " x ",
+                                                   c.bits, " bits is not a multiple of 32"));
+  }
+  if (c.group_tokens <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("compressed key group_tokens must be positive, got ", c.group_tokens));
+  }
+  return absl::OkStatus();
+}
+
+size_t CompressedKeyBytes(const KeyCompression& c, int32_t head_dim, size_t row_bytes,
+                          uint64_t tokens) {
+  if (tokens == 0) return 0;
+  const uint64_t groups = (tokens + c.group_tokens - 1) / c.group_tokens;
+  return tokens * (static_cast<size_t>(head_dim) * c.bits / 8 + sizeof(uint16_t)) +
+         groups * head_dim * 2 * sizeof(uint16_t) + static_cast<size_t>(c.group_tokens) * row_bytes;
+}
+
+size_t CompressedKeysView::bytes_read() const {
+  const size_t groups = group > 0 ? static_cast<size_t>(closed / group) : 0;
+  return static_cast<size_t>(closed) * (words() * 4 + sizeof(uint16_t)) +
+         groups * head_dim * 2 * sizeof(uint16_t) +
+         static_cast<size_t>(length - closed) * head_dim * DTypeSize(dtype);
+}
+
+CompressedKeys::CompressedKeys(KeyCompression c, int32_t head_dim, DType dtype)
+    : c_(c),
+      d_(head_dim),
+      dtype_(dtype),
+      row_bytes_(static_cast<size_t>(head_dim) * DTypeSize(dtype)),
+      words_(head_dim * c.bits / 32),
+      tail_(static_cast<size_t>(c.group_tokens) * row_bytes_) {}
+
+void CompressedKeys::Reserve(uint64_t tokens) {
+  if (tokens <= capacity_) return;
+  const uint64_t groups = (tokens + c_.group_tokens - 1) / c_.group_tokens;
+  codes_.reserve(tokens * words_);
+  err_.reserve(tokens);
+  lo_.reserve(groups * d_);
+  step_.reserve(groups * d_);
+  capacity_ = tokens;
+}
+
+size_t CompressedKeys::bytes() const {
+  return CompressedKeyBytes(c_, d_, row_bytes_, std::max<uint64_t>(capacity_, length_));
+}
+
+void CompressedKeys::Append(const void* row) {
+  const int64_t slot = length_ - closed_;
+  std::memcpy(tail_.data() + slot * row_bytes_, row, row_bytes_);
+  ++length_;
+  if (length_ - closed_ == c_.group_tokens) CloseGroup();
+}
+
+void CompressedKeys::CloseGroup() {
+  const int32_t G = c_.group_tokens, d = d_;
+  const uint32_t levels = (1u << c_.bits) - 1;
+  std::vector<float> k(static_cast<size_t>(G) * d);
+  for (int32_t t = 0; t < G; ++t) {
+    for (int32_t c = 0; c < d; ++c) k[t * d + c] = LoadAsFloat(tail_.data() + t * row_bytes_, c, dtype_);
+  }
+  std::vector<float> lo(d), step(d);
+  for (int32_t c = 0; c < d; ++c) {
+    float mn = k[c], mx = k[c];
+    for (int32_t t = 1; t < G; ++t) {
+      mn = std::min(mn, k[t * d + c]);
+      mx = std::max(mx, k[t * d + c]);
+    }
+    const uint16_t lo16 = HalfNearest(mn);
+    const float lof = Half(lo16);
+    const uint16_t step16 = HalfUp(std::max(0.f, (mx - lof) / static_cast<float>(levels)));
+    lo_.push_back(lo16);
+    step_.push_back(step16);
+    lo[c] = lof;
+    step[c] = Half(step16);
+  }
+  for (int32_t t = 0; t < G; ++t) {
+    const size_t base = codes_.size();
+    codes_.resize(base + words_, 0u);
+    double err2 = 0;
+    for (int32_t c = 0; c < d; ++c) {
+      const float x = k[t * d + c];
+      uint32_t code = 0;
+      if (step[c] > 0.f) {
+        const float r = std::nearbyint((x - lo[c]) / step[c]);
+        code = static_cast<uint32_t>(std::clamp(r, 0.f, static_cast<float>(levels)));
+      }
+      const int64_t bit = static_cast<int64_t>(c) * c_.bits;
+      codes_[base + bit / 32] |= code << (bit % 32);
+      const double e = static_cast<double>(x) - (lo[c] + step[c] * static_cast<float>(code));
+      err2 += e * e;
+    }
+    err_.push_back(HalfBound(std::sqrt(err2)));
+  }
+  closed_ += G;
+}
+
+CompressedKeysView CompressedKeys::view() const {
+  CompressedKeysView v;
+  v.bits = c_.bits;
+  v.group = c_.group_tokens;
+  v.head_dim = d_;
+  v.dtype = dtype_;
+  v.length = length_;
+  v.closed = closed_;
+  v.codes = codes_.data();
+  v.lo = lo_.data();
+  v.step = step_.data();
+  v.err = err_.data();
+  v.tail = tail_.data();
+  return v;
+}
+
+float KeyErrorBound(const CompressedKeysView& v, int64_t t) {
+  return t < v.closed ? Half(v.err[t]) : 0.f;
+}
+
+void DecompressKey(const CompressedKeysView& v, int64_t t, float* out) {
+  const int32_t d = v.head_dim;
+  if (t >= v.closed) {
+    const uint8_t* row = v.tail + (t - v.closed) * d * DTypeSize(v.dtype);
+    for (int32_t c = 0; c < d; ++c) out[c] = LoadAsFloat(row, c, v.dtype);
+    return;
+  }
+  const int64_t g = t / v.group;
+  const uint32_t* w = v.codes + t * v.words();
+  const uint32_t mask = (1u << v.bits) - 1;
+  for (int32_t c = 0; c < d; ++c) {
+    const int64_t bit = static_cast<int64_t>(c) * v.bits;
+    const uint32_t code = (w[bit / 32] >> (bit % 32)) & mask;
+    out[c] = Half(v.lo[g * d + c]) + Half(v.step[g * d + c]) * static_cast<float>(code);
+  }
+}
+
+void ApproximateScores(const CompressedKeysView& v, const float* q, float scale, float* out) {
+  const int32_t d = v.head_dim, words = v.words(), bits = v.bits;
+  const uint32_t mask = (1u << bits) - 1;
+  const int32_t per_word = 32 / bits;
+  std::vector<float> qs(d);
+  for (int64_t g = 0; g * v.group < v.closed; ++g) {
+    // q . k~_t = sum_c q_c lo_c + sum_c (q_c step_c) code_tc: one base per group.
+    float base = 0.f;
+    for (int32_t c = 0; c < d; ++c) {
+      base += q[c] * Half(v.lo[g * d + c]);
+      qs[c] = q[c] * Half(v.step[g * d + c]);
+    }
+    for (int64_t t = g * v.group; t < (g + 1) * v.group; ++t) {
+      const uint32_t* w = v.codes + t * words;
+      float s = 0.f;
+      for (int32_t i = 0; i < words; ++i) {
+        uint32_t x = w[i];
+        for (int32_t j = 0; j < per_word; ++j, x >>= bits) {
+          s += qs[i * per_word + j] * static_cast<float>(x & mask);
+        }
+      }
+      out[t] = (base + s) * scale;
+    }
+  }
+  const size_t row = static_cast<size_t>(d) * DTypeSize(v.dtype);
+  for (int64_t t = v.closed; t < v.length; ++t) {
+    const uint8_t* r = v.tail + (t - v.closed) * row;
+    float s = 0.f;
+    for (int32_t c = 0; c < d; ++c) s += q[c] * LoadAsFloat(r, c, v.dtype);
+    out[t] = s * scale;
+  }
+}
+
+}  // namespace kvsparse::kernels

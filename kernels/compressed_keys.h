@@ -1,0 +1,115 @@
+// Compressed keys: every key of a (sequence, kv head) kept on the decode worker's device in a
+// few bits, so that the scores of every token can be approximated in one pass without the
+// full-precision K (which stays in the store with V).
+//
+// Format (per-channel asymmetric quantization over groups of tokens, as KIVI quantizes keys):
+//   tokens are grouped by index, group g = tokens [g * group, (g + 1) * group);
+//   for a *closed* group (all `group` tokens present) and channel c:
+//     lo[g][c]   = fp16(min_t k[t][c])                       (rounded to nearest)
+//     step[g][c] = fp16 rounded up of (max_t k[t][c] - lo[g][c]) / (2^bits - 1)
+//     code[t][c] = clamp(round((k[t][c] - lo[g][c]) / step[g][c]), 0, 2^bits - 1)  (0 if step 0)
+//     k~[t][c]   = lo[g][c] + step[g][c] * code[t][c]       (fp32 arithmetic)
+//     err[t]     = |k_t - k~_t|_2 as fp16 rounded up (+inf past fp16's range), so that
+//                  |q.k - q.k~| <= |q| err holds for the stored value: the bound vAttention's
+//                  budget can rely on
+//   codes are packed little-end first into 32-bit words: channel c of token t at bit
+//   (c * bits) % 32 of word (c * bits) / 32 of the token's d * bits / 32 words;
+//   the tokens of the still-filling last group are kept exactly (the sequence's dtype) until
+//   the group closes, then quantized as above (a group's quantization never changes after).
+// bits is 1, 2, 4 or 8 and d * bits a multiple of 32. Bytes per token, amortised over a group:
+//   d * bits / 8 (codes) + 4 d / group (lo and step, fp16) + 2 (err), plus at most group - 1
+//   exact rows per (sequence, kv head): at d = 128, bits = 2, group = 128 that is 38 bytes per
+//   token, 7.4% of the 512 bytes of its bf16 K and V rows (1 bit: 22 bytes, 4.3%).
+#ifndef KVSPARSE_KERNELS_COMPRESSED_KEYS_H_
+#define KVSPARSE_KERNELS_COMPRESSED_KEYS_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "kernels/dtype.h"
+
+namespace kvsparse::kernels {
+
+struct KeyCompression {
+  int32_t bits = 2;            // per channel: 1, 2, 4 or 8
+  int32_t group_tokens = 128;  // tokens sharing one lo / step per channel
+};
+
+// The group size every placement uses (one place: the wire carries bits only).
+inline constexpr int32_t kKeyGroupTokens = 128;
+
+// INVALID_ARGUMENT naming the field when bits is not 1, 2, 4 or 8, d * bits is not a multiple
+// of 32, or the group is not positive.
+[[nodiscard]] absl::Status ValidateKeyCompression(const KeyCompression& c, int32_t head_dim);
+
+// Bytes of compressed state for `tokens` tokens of one (sequence, kv head) with room for the
+// exact rows of an open group (`row_bytes` each), as CompressedKeys holds them (0 for none).
+size_t CompressedKeyBytes(const KeyCompression& c, int32_t head_dim, size_t row_bytes,
+                          uint64_t tokens);
+
+// A read-only view of one (sequence, kv head)'s compressed keys.
+struct CompressedKeysView {
+  int32_t bits = 0;
+  int32_t group = 0;
+  int32_t head_dim = 0;
+  DType dtype = DType::kBf16;  // of the exact tail rows
+  int64_t length = 0;          // tokens held
+  int64_t closed = 0;          // tokens [0, closed) quantized (a multiple of group)
+  const uint32_t* codes = nullptr;  // shape: [closed, head_dim * bits / 32]
+  const uint16_t* lo = nullptr;     // fp16, shape: [closed / group, head_dim]
+  const uint16_t* step = nullptr;   // fp16, shape: [closed / group, head_dim]
+  const uint16_t* err = nullptr;    // fp16, shape: [closed]: |k_t - k~_t|_2, rounded up
+  const uint8_t* tail = nullptr;    // exact rows of tokens [closed, length): [length - closed, d]
+
+  int32_t words() const { return head_dim * bits / 32; }
+  // Bytes a pass over every token's compressed key reads (codes, scales, errors, tail rows).
+  size_t bytes_read() const;
+};
+
+// The compressed keys of one (sequence, kv head), appended token by token. Thread-compatible.
+class CompressedKeys {
+ public:
+  // REQUIRES: ValidateKeyCompression(c, head_dim).ok().
+  CompressedKeys(KeyCompression c, int32_t head_dim, DType dtype);
+
+  // Appends one token's key (head_dim elements of the dtype); closes and quantizes the group
+  // when it fills.
+  void Append(const void* row);
+  // Room for `tokens` tokens without reallocation.
+  void Reserve(uint64_t tokens);
+  CompressedKeysView view() const;
+  int64_t length() const { return length_; }
+  // CompressedKeyBytes of the reserved capacity: what the holder accounts for.
+  size_t bytes() const;
+
+ private:
+  void CloseGroup();
+
+  KeyCompression c_;
+  int32_t d_;
+  DType dtype_;
+  size_t row_bytes_;
+  int32_t words_;
+  int64_t length_ = 0, closed_ = 0;
+  uint64_t capacity_ = 0;
+  std::vector<uint32_t> codes_;
+  std::vector<uint16_t> lo_, step_;
+  std::vector<uint16_t> err_;
+  std::vector<uint8_t> tail_;  // [group][d] exact rows of the open group
+};
+
+// The stored error norm of token t (0 for the exact tail): |q.k_t - q.k~_t| <= |q| times it.
+float KeyErrorBound(const CompressedKeysView& v, int64_t t);
+
+// The dequantized key k~_t (t < closed) or the exact key (t >= closed), head_dim floats.
+void DecompressKey(const CompressedKeysView& v, int64_t t, float* out);
+
+// scale * q . k~_t for every token t < v.length (exact for the tail), fp32: out [v.length].
+// q: head_dim floats.
+void ApproximateScores(const CompressedKeysView& v, const float* q, float scale, float* out);
+
+}  // namespace kvsparse::kernels
+
+#endif  // KVSPARSE_KERNELS_COMPRESSED_KEYS_H_
