@@ -368,10 +368,13 @@ TEST_F(EngineTest, TopKSelectsWhatTheReferenceSelects) {
     if (c.source == kernels::ScoreSource::kCompressedKeys) {
       const uint64_t resident = engine_->resident().bytes();
       EXPECT_GT(resident, 0u);
-      // Under 8% of K+V, beside one group of exact rows per (sequence, kv head) (the tokens of
-      // the still-filling group: a share that vanishes at long contexts).
-      const uint64_t open_groups = 2 * 2 * kernels::kKeyGroupTokens * row;
-      EXPECT_LT(resident, (700 + 1500) * 2 * 2 * row * 8 / 100 + open_groups);
+      // Exactly the compressed keys' bytes: 38 a token at 2 bits and d = 128 (7.4% of K+V),
+      // and the still-filling groups' exact rows (60 and 92 tokens, in steps of 16 rows).
+      const kernels::KeyCompression kc{2, kernels::kKeyGroupTokens};
+      const uint64_t want = 2 * (kernels::CompressedKeyBytes(kc, 128, row, 700) +
+                                 kernels::CompressedKeyBytes(kc, 128, row, 1500));
+      EXPECT_EQ(resident, want);
+      EXPECT_LT(resident, (700 + 1500) * 2 * 2 * row * 8 / 100 + 2 * (64 + 96) * row);
     }
   }
 }

@@ -71,14 +71,9 @@ absl::Status ResidentCache::Reserve(Entry* self, ResidentLayer* l, const kvstore
   if (tokens <= l->capacity_) return absl::OkStatus();
   const uint64_t cap = GrowRows(tokens, l->capacity_, 256);
   const size_t hkv = shape.num_kv_heads;
-  size_t new_bytes = hkv * cap * l->row_bytes_ * (l->has_k_ + l->has_v_) +
-                     static_cast<size_t>(l->key_heads_) * cap * l->words_ * 4;
-  if (!l->compressed_.empty()) {
-    const kernels::KeyCompression c{l->key_bits_, kernels::kKeyGroupTokens};
-    new_bytes += hkv * kernels::CompressedKeyBytes(c, static_cast<int32_t>(shape.head_dim),
-                                                   l->row_bytes_, cap);
-  }
-  const size_t delta = new_bytes - l->bytes();
+  const size_t new_bytes = hkv * cap * l->row_bytes_ * (l->has_k_ + l->has_v_) +
+                           static_cast<size_t>(l->key_heads_) * cap * l->words_ * 4;
+  const size_t delta = new_bytes - l->array_bytes();
   if (!ReserveBytes(self, delta)) {
     return absl::ResourceExhaustedError(absl::StrCat("device tier full: ", delta,
                                                      " more bytes needed, ", bytes_.load(), " of ",
@@ -102,7 +97,6 @@ absl::Status ResidentCache::Reserve(Entry* self, ResidentLayer* l, const kvstore
     }
     l->sig_.swap(next);
   }
-  for (kernels::CompressedKeys& c : l->compressed_) c.Reserve(cap);
   l->capacity_ = cap;  // delta was added to bytes_ by ReserveBytes
   return absl::OkStatus();
 }
@@ -115,6 +109,16 @@ absl::Status ResidentCache::Append(Entry* self, ResidentLayer* l, uint32_t layer
   const size_t hkv = shape.num_kv_heads;
   const size_t row = l->row_bytes_;
   if (absl::Status s = Reserve(self, l, shape, l->length_ + n); !s.ok()) return s;
+  if (!l->compressed_.empty()) {
+    // Compressed keys grow by closed groups (no headroom): their bytes after these tokens.
+    const size_t before = l->compressed_[0].bytes(), after = l->compressed_[0].bytes_after(n);
+    if (after > before && !ReserveBytes(self, hkv * (after - before))) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "device tier full: ", hkv * (after - before), " more bytes of compressed keys needed, ",
+          bytes_.load(), " of ", capacity_, " in use by sequences in flight"));
+    }
+    if (after < before) bytes_ -= hkv * (before - after);  // a group closed: its exact rows go
+  }
   for (uint64_t t = 0; t < n; ++t) {
     for (size_t h = 0; h < hkv; ++h) {
       const size_t src = (t * hkv + h) * row;
@@ -192,7 +196,8 @@ absl::StatusOr<ResidentCache::Handle> ResidentCache::Acquire(const SequenceDesc&
   const kvstore::ModelShape& shape = desc.shape;
   if (e->incarnation != desc.incarnation) {  // new, evicted, or a re-created sequence
     bytes_ -= e->Bytes();
-    e->layers.assign(shape.num_layers, ResidentLayer());
+    e->layers.clear();
+    e->layers.resize(shape.num_layers);
     e->shape = shape;
     e->incarnation = desc.incarnation;
   }
@@ -215,7 +220,7 @@ absl::StatusOr<ResidentCache::Handle> ResidentCache::Acquire(const SequenceDesc&
       const kernels::KeyCompression c{l.key_bits_, kernels::kKeyGroupTokens};
       const int32_t d = static_cast<int32_t>(shape.head_dim);
       if (absl::Status s = kernels::ValidateKeyCompression(c, d); !s.ok()) return s;
-      l.compressed_.assign(shape.num_kv_heads, kernels::CompressedKeys(c, d, shape.dtype));
+      for (uint32_t j = 0; j < shape.num_kv_heads; ++j) l.compressed_.emplace_back(c, d, shape.dtype);
     }
   }
   if (!l.has_k_ && !l.has_v_ && l.words_ == 0 && l.compressed_.empty()) {

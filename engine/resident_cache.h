@@ -58,13 +58,15 @@ class ResidentLayer {
   int32_t words() const { return words_; }
   int32_t key_heads() const { return key_heads_; }
   size_t bytes() const {
-    size_t b = k_.size() + v_.size() + sig_.size() * 4;
+    size_t b = array_bytes();
     for (const kernels::CompressedKeys& c : compressed_) b += c.bytes();
     return b;
   }
 
  private:
   friend class ResidentCache;
+  // K, V and signature arrays (grown together by capacity); compressed keys grow on their own.
+  size_t array_bytes() const { return k_.size() + v_.size() + sig_.size() * 4; }
   bool has_k_ = false, has_v_ = false;
   int32_t words_ = 0, key_heads_ = 0;
   int32_t key_bits_ = 0;  // compressed keys' bits per channel (0: none)

@@ -50,18 +50,28 @@ absl::Status ValidateKeyCompression(const KeyCompression& c, int32_t head_dim) {
   return absl::OkStatus();
 }
 
+size_t KeyGroupBytes(const KeyCompression& c, int32_t head_dim) {
+  return static_cast<size_t>(c.group_tokens) * (static_cast<size_t>(head_dim) * c.bits / 8) +
+         static_cast<size_t>(head_dim) * 2 * sizeof(uint16_t) +
+         static_cast<size_t>(c.group_tokens) * sizeof(uint16_t);
+}
+
+namespace {
+
+// Rows of exact-tail capacity for `rows` open-group tokens: steps of 16.
+uint64_t TailRows(uint64_t rows) { return (rows + 15) / 16 * 16; }
+
+}  // namespace
+
 size_t CompressedKeyBytes(const KeyCompression& c, int32_t head_dim, size_t row_bytes,
                           uint64_t tokens) {
-  if (tokens == 0) return 0;
-  const uint64_t groups = (tokens + c.group_tokens - 1) / c.group_tokens;
-  return tokens * (static_cast<size_t>(head_dim) * c.bits / 8 + sizeof(uint16_t)) +
-         groups * head_dim * 2 * sizeof(uint16_t) + static_cast<size_t>(c.group_tokens) * row_bytes;
+  const uint64_t groups = tokens / c.group_tokens;
+  return groups * KeyGroupBytes(c, head_dim) + TailRows(tokens % c.group_tokens) * row_bytes;
 }
 
 size_t CompressedKeysView::bytes_read() const {
-  const size_t groups = group > 0 ? static_cast<size_t>(closed / group) : 0;
-  return static_cast<size_t>(closed) * (words() * 4 + sizeof(uint16_t)) +
-         groups * head_dim * 2 * sizeof(uint16_t) +
+  const KeyCompression c{bits, group};
+  return static_cast<size_t>(closed / group) * KeyGroupBytes(c, head_dim) +
          static_cast<size_t>(length - closed) * head_dim * DTypeSize(dtype);
 }
 
@@ -70,26 +80,19 @@ CompressedKeys::CompressedKeys(KeyCompression c, int32_t head_dim, DType dtype)
       d_(head_dim),
       dtype_(dtype),
       row_bytes_(static_cast<size_t>(head_dim) * DTypeSize(dtype)),
-      words_(head_dim * c.bits / 32),
-      tail_(static_cast<size_t>(c.group_tokens) * row_bytes_) {}
+      words_(head_dim * c.bits / 32) {}
 
-void CompressedKeys::Reserve(uint64_t tokens) {
-  if (tokens <= capacity_) return;
-  const uint64_t groups = (tokens + c_.group_tokens - 1) / c_.group_tokens;
-  codes_.reserve(tokens * words_);
-  err_.reserve(tokens);
-  lo_.reserve(groups * d_);
-  step_.reserve(groups * d_);
-  capacity_ = tokens;
-}
+size_t CompressedKeys::bytes() const { return CompressedKeyBytes(c_, d_, row_bytes_, length_); }
 
-size_t CompressedKeys::bytes() const {
-  return CompressedKeyBytes(c_, d_, row_bytes_, std::max<uint64_t>(capacity_, length_));
+size_t CompressedKeys::bytes_after(uint64_t tokens) const {
+  return CompressedKeyBytes(c_, d_, row_bytes_, length_ + tokens);
 }
 
 void CompressedKeys::Append(const void* row) {
-  const int64_t slot = length_ - closed_;
-  std::memcpy(tail_.data() + slot * row_bytes_, row, row_bytes_);
+  const size_t open = static_cast<size_t>(length_ - closed_);
+  if ((open + 1) * row_bytes_ > tail_.capacity()) tail_.reserve(TailRows(open + 1) * row_bytes_);
+  tail_.resize((open + 1) * row_bytes_);
+  std::memcpy(tail_.data() + open * row_bytes_, row, row_bytes_);
   ++length_;
   if (length_ - closed_ == c_.group_tokens) CloseGroup();
 }
@@ -99,8 +102,16 @@ void CompressedKeys::CloseGroup() {
   const uint32_t levels = (1u << c_.bits) - 1;
   std::vector<float> k(static_cast<size_t>(G) * d);
   for (int32_t t = 0; t < G; ++t) {
-    for (int32_t c = 0; c < d; ++c) k[t * d + c] = LoadAsFloat(tail_.data() + t * row_bytes_, c, dtype_);
+    for (int32_t c = 0; c < d; ++c) {
+      k[t * d + c] = LoadAsFloat(tail_.data() + t * row_bytes_, c, dtype_);
+    }
   }
+  const size_t block_bytes = KeyGroupBytes(c_, d);
+  std::unique_ptr<uint8_t[]> block(new uint8_t[block_bytes]());
+  uint32_t* codes = reinterpret_cast<uint32_t*>(block.get());
+  uint16_t* lo16 = reinterpret_cast<uint16_t*>(block.get() + static_cast<size_t>(G) * words_ * 4);
+  uint16_t* step16 = lo16 + d;
+  uint16_t* err16 = lo16 + 2 * d;
   std::vector<float> lo(d), step(d);
   for (int32_t c = 0; c < d; ++c) {
     float mn = k[c], mx = k[c];
@@ -108,17 +119,13 @@ void CompressedKeys::CloseGroup() {
       mn = std::min(mn, k[t * d + c]);
       mx = std::max(mx, k[t * d + c]);
     }
-    const uint16_t lo16 = HalfNearest(mn);
-    const float lof = Half(lo16);
-    const uint16_t step16 = HalfUp(std::max(0.f, (mx - lof) / static_cast<float>(levels)));
-    lo_.push_back(lo16);
-    step_.push_back(step16);
-    lo[c] = lof;
-    step[c] = Half(step16);
+    lo16[c] = HalfNearest(mn);
+    lo[c] = Half(lo16[c]);
+    step16[c] = HalfUp(std::max(0.f, (mx - lo[c]) / static_cast<float>(levels)));
+    step[c] = Half(step16[c]);
   }
   for (int32_t t = 0; t < G; ++t) {
-    const size_t base = codes_.size();
-    codes_.resize(base + words_, 0u);
+    uint32_t* w = codes + static_cast<size_t>(t) * words_;
     double err2 = 0;
     for (int32_t c = 0; c < d; ++c) {
       const float x = k[t * d + c];
@@ -128,13 +135,17 @@ void CompressedKeys::CloseGroup() {
         code = static_cast<uint32_t>(std::clamp(r, 0.f, static_cast<float>(levels)));
       }
       const int64_t bit = static_cast<int64_t>(c) * c_.bits;
-      codes_[base + bit / 32] |= code << (bit % 32);
+      w[bit / 32] |= code << (bit % 32);
       const double e = static_cast<double>(x) - (lo[c] + step[c] * static_cast<float>(code));
       err2 += e * e;
     }
-    err_.push_back(HalfBound(std::sqrt(err2)));
+    err16[t] = HalfBound(std::sqrt(err2));
   }
+  block_ptrs_.push_back(block.get());
+  blocks_.push_back(std::move(block));
   closed_ += G;
+  tail_.clear();
+  tail_.shrink_to_fit();
 }
 
 CompressedKeysView CompressedKeys::view() const {
@@ -145,16 +156,13 @@ CompressedKeysView CompressedKeys::view() const {
   v.dtype = dtype_;
   v.length = length_;
   v.closed = closed_;
-  v.codes = codes_.data();
-  v.lo = lo_.data();
-  v.step = step_.data();
-  v.err = err_.data();
+  v.groups = block_ptrs_.data();
   v.tail = tail_.data();
   return v;
 }
 
 float KeyErrorBound(const CompressedKeysView& v, int64_t t) {
-  return t < v.closed ? Half(v.err[t]) : 0.f;
+  return t < v.closed ? Half(v.err(t / v.group)[t % v.group]) : 0.f;
 }
 
 void DecompressKey(const CompressedKeysView& v, int64_t t, float* out) {
@@ -165,12 +173,13 @@ void DecompressKey(const CompressedKeysView& v, int64_t t, float* out) {
     return;
   }
   const int64_t g = t / v.group;
-  const uint32_t* w = v.codes + t * v.words();
+  const uint32_t* w = v.codes(g) + (t % v.group) * v.words();
+  const uint16_t *lo = v.lo(g), *step = v.step(g);
   const uint32_t mask = (1u << v.bits) - 1;
   for (int32_t c = 0; c < d; ++c) {
     const int64_t bit = static_cast<int64_t>(c) * v.bits;
     const uint32_t code = (w[bit / 32] >> (bit % 32)) & mask;
-    out[c] = Half(v.lo[g * d + c]) + Half(v.step[g * d + c]) * static_cast<float>(code);
+    out[c] = Half(lo[c]) + Half(step[c]) * static_cast<float>(code);
   }
 }
 
@@ -181,13 +190,15 @@ void ApproximateScores(const CompressedKeysView& v, const float* q, float scale,
   std::vector<float> qs(d);
   for (int64_t g = 0; g * v.group < v.closed; ++g) {
     // q . k~_t = sum_c q_c lo_c + sum_c (q_c step_c) code_tc: one base per group.
+    const uint16_t *lo = v.lo(g), *step = v.step(g);
     float base = 0.f;
     for (int32_t c = 0; c < d; ++c) {
-      base += q[c] * Half(v.lo[g * d + c]);
-      qs[c] = q[c] * Half(v.step[g * d + c]);
+      base += q[c] * Half(lo[c]);
+      qs[c] = q[c] * Half(step[c]);
     }
+    const uint32_t* codes = v.codes(g);
     for (int64_t t = g * v.group; t < (g + 1) * v.group; ++t) {
-      const uint32_t* w = v.codes + t * words;
+      const uint32_t* w = codes + (t - g * v.group) * words;
       float s = 0.f;
       for (int32_t i = 0; i < words; ++i) {
         uint32_t x = w[i];

@@ -16,15 +16,20 @@
 //   (c * bits) % 32 of word (c * bits) / 32 of the token's d * bits / 32 words;
 //   the tokens of the still-filling last group are kept exactly (the sequence's dtype) until
 //   the group closes, then quantized as above (a group's quantization never changes after).
+// Storage: one block per closed group (a page: appends never move a closed group), laid out
+//   codes [group, d * bits / 32] u32 | lo [d] fp16 | step [d] fp16 | err [group] fp16,
+// and the open group's exact rows, held in steps of 16 rows.
 // bits is 1, 2, 4 or 8 and d * bits a multiple of 32. Bytes per token, amortised over a group:
-//   d * bits / 8 (codes) + 4 d / group (lo and step, fp16) + 2 (err), plus at most group - 1
-//   exact rows per (sequence, kv head): at d = 128, bits = 2, group = 128 that is 38 bytes per
-//   token, 7.4% of the 512 bytes of its bf16 K and V rows (1 bit: 22 bytes, 4.3%).
+//   d * bits / 8 (codes) + 4 d / group (lo and step, fp16) + 2 (err), plus the open group's
+//   exact rows (fewer than group, rounded up to 16) per (sequence, kv head): at d = 128,
+//   bits = 2, group = 128 that is 38 bytes per token, 7.4% of the 512 bytes of its bf16 K and V
+//   rows (1 bit: 22 bytes, 4.3%).
 #ifndef KVSPARSE_KERNELS_COMPRESSED_KEYS_H_
 #define KVSPARSE_KERNELS_COMPRESSED_KEYS_H_
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -44,8 +49,11 @@ inline constexpr int32_t kKeyGroupTokens = 128;
 // of 32, or the group is not positive.
 [[nodiscard]] absl::Status ValidateKeyCompression(const KeyCompression& c, int32_t head_dim);
 
-// Bytes of compressed state for `tokens` tokens of one (sequence, kv head) with room for the
-// exact rows of an open group (`row_bytes` each), as CompressedKeys holds them (0 for none).
+// Bytes of one closed group's block.
+size_t KeyGroupBytes(const KeyCompression& c, int32_t head_dim);
+
+// Bytes CompressedKeys holds for `tokens` tokens of one (sequence, kv head): the closed groups'
+// blocks and the open group's exact rows (`row_bytes` each, in steps of 16 rows).
 size_t CompressedKeyBytes(const KeyCompression& c, int32_t head_dim, size_t row_bytes,
                           uint64_t tokens);
 
@@ -57,13 +65,19 @@ struct CompressedKeysView {
   DType dtype = DType::kBf16;  // of the exact tail rows
   int64_t length = 0;          // tokens held
   int64_t closed = 0;          // tokens [0, closed) quantized (a multiple of group)
-  const uint32_t* codes = nullptr;  // shape: [closed, head_dim * bits / 32]
-  const uint16_t* lo = nullptr;     // fp16, shape: [closed / group, head_dim]
-  const uint16_t* step = nullptr;   // fp16, shape: [closed / group, head_dim]
-  const uint16_t* err = nullptr;    // fp16, shape: [closed]: |k_t - k~_t|_2, rounded up
-  const uint8_t* tail = nullptr;    // exact rows of tokens [closed, length): [length - closed, d]
+  const uint8_t* const* groups = nullptr;  // [closed / group] blocks (layout above)
+  const uint8_t* tail = nullptr;  // exact rows of tokens [closed, length): [length - closed, d]
 
   int32_t words() const { return head_dim * bits / 32; }
+  // Group g's parts. REQUIRES: g < closed / group.
+  const uint32_t* codes(int64_t g) const {
+    return reinterpret_cast<const uint32_t*>(groups[g]);
+  }
+  const uint16_t* lo(int64_t g) const {
+    return reinterpret_cast<const uint16_t*>(groups[g] + static_cast<size_t>(group) * words() * 4);
+  }
+  const uint16_t* step(int64_t g) const { return lo(g) + head_dim; }
+  const uint16_t* err(int64_t g) const { return lo(g) + 2 * head_dim; }
   // Bytes a pass over every token's compressed key reads (codes, scales, errors, tail rows).
   size_t bytes_read() const;
 };
@@ -74,15 +88,18 @@ class CompressedKeys {
   // REQUIRES: ValidateKeyCompression(c, head_dim).ok().
   CompressedKeys(KeyCompression c, int32_t head_dim, DType dtype);
 
+  CompressedKeys(CompressedKeys&&) = default;
+  CompressedKeys& operator=(CompressedKeys&&) = default;
+
   // Appends one token's key (head_dim elements of the dtype); closes and quantizes the group
   // when it fills.
   void Append(const void* row);
-  // Room for `tokens` tokens without reallocation.
-  void Reserve(uint64_t tokens);
   CompressedKeysView view() const;
   int64_t length() const { return length_; }
-  // CompressedKeyBytes of the reserved capacity: what the holder accounts for.
+  // Bytes held: CompressedKeyBytes(length()), what the holder accounts for.
   size_t bytes() const;
+  // bytes() after `tokens` more appends (a holder reserves them first).
+  size_t bytes_after(uint64_t tokens) const;
 
  private:
   void CloseGroup();
@@ -93,11 +110,9 @@ class CompressedKeys {
   size_t row_bytes_;
   int32_t words_;
   int64_t length_ = 0, closed_ = 0;
-  uint64_t capacity_ = 0;
-  std::vector<uint32_t> codes_;
-  std::vector<uint16_t> lo_, step_;
-  std::vector<uint16_t> err_;
-  std::vector<uint8_t> tail_;  // [group][d] exact rows of the open group
+  std::vector<std::unique_ptr<uint8_t[]>> blocks_;  // one per closed group
+  std::vector<const uint8_t*> block_ptrs_;          // the view's table of them
+  std::vector<uint8_t> tail_;  // exact rows of the open group, capacity in steps of 16 rows
 };
 
 // The stored error norm of token t (0 for the exact tail): |q.k_t - q.k~_t| <= |q| times it.

@@ -171,8 +171,10 @@ def check_bf16(model, ids, mask, got) -> None:
         kvsparse.Santa(samples=512, allocation="flash", tile_size=64),
         kvsparse.HashTopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16),
         kvsparse.VAttention(epsilon=0.1, delta=0.1, sink_tokens=4, local_tokens=16, top_k_fraction=0.1),
+        kvsparse.TopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16),
+        kvsparse.TopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16, scores="exact"),
     ],
-    ids=["santa-prop", "santa-flash", "hash-top-k", "vattention"],
+    ids=["santa-prop", "santa-flash", "hash-top-k", "vattention", "top-k-compressed", "top-k-exact"],
 )
 def test_sparse_methods_generate(target, method: kvsparse.Method) -> None:
     model = tiny_llama()
@@ -184,7 +186,9 @@ def test_sparse_methods_generate(target, method: kvsparse.Method) -> None:
     assert all(torch.isfinite(x).all() for x in got.logits)
     assert stats.decode_calls == 7 * 3
     assert stats.dense_equivalent_bytes > 0 and stats.bytes_fetched + stats.bytes_device > 0
-    if isinstance(method, (kvsparse.Santa, kvsparse.HashTopK)):
+    if isinstance(method, (kvsparse.Santa, kvsparse.HashTopK)) or (
+        isinstance(method, kvsparse.TopK) and method.scores == "compressed"
+    ):
         assert stats.fetched_fraction < 0.75, stats
 
 
@@ -229,8 +233,12 @@ def test_server_errors_surface(server: kvsparse.LocalServer) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "method",
-    [kvsparse.Dense(), kvsparse.HashTopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16)],
-    ids=["dense", "hash-top-k"],
+    [
+        kvsparse.Dense(),
+        kvsparse.HashTopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16),
+        kvsparse.TopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16),
+    ],
+    ids=["dense", "hash-top-k", "top-k-compressed"],
 )
 def test_gpu_generation_in_process(method: kvsparse.Method) -> None:
     """The model and the engine on one GPU: decode through the GPU backend with q and the

@@ -75,6 +75,10 @@ def test_errors_are_kvsparse_exceptions(engine: ops.InProcessEngine) -> None:
         engine.decode(1, ids, q.to(torch.int32))
     with pytest.raises(kvsparse.FailedPrecondition):
         engine.decode(1, ids, q, kvsparse.HashTopK())  # no signatures kept
+    with pytest.raises(kvsparse.FailedPrecondition, match="compressed_key_bits"):
+        engine.decode(1, ids, q, kvsparse.TopK())  # no compressed keys kept
+    with pytest.raises(kvsparse.InvalidArgument, match="compressed_key_bits"):
+        engine.create_sequence("odd", SHAPE, kvsparse.Placement(compressed_key_bits=3))
     with pytest.raises(kvsparse.AlreadyExists):
         engine.create_sequence("s0", SHAPE)
     with pytest.raises(kvsparse.FailedPrecondition):  # a retried append
@@ -90,8 +94,10 @@ def test_errors_are_kvsparse_exceptions(engine: ops.InProcessEngine) -> None:
         kvsparse.Santa(samples=64, tile_size=64),
         kvsparse.HashTopK(top_k_fraction=0.05, sink_tokens=8, local_tokens=16),
         kvsparse.VAttention(epsilon=0.1, delta=0.1, sink_tokens=8, local_tokens=16),
+        kvsparse.TopK(top_k_fraction=0.05, sink_tokens=8, local_tokens=16),
+        kvsparse.TopK(top_k_fraction=0.05, sink_tokens=8, local_tokens=16, scores="exact"),
     ],
-    ids=["santa", "hash", "vattention"],
+    ids=["santa", "hash", "vattention", "top-k-compressed", "top-k-exact"],
 )
 def test_sparse_methods_same_rows_as_the_server(
     engine: ops.InProcessEngine, server: kvsparse.LocalServer, method: kvsparse.Method
