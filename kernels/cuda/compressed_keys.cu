@@ -1,0 +1,98 @@
+#include <algorithm>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/compressed_keys.h"
+
+namespace kvsparse::kernels::cuda {
+namespace {
+
+__device__ __forceinline__ float Half(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
+
+// One block per (group or the open group, query head, sequence), one thread per token. The
+// arithmetic follows kernels/compressed_keys.cc ApproximateScores term by term (single roundings).
+template <typename T>
+__global__ void CompressedScoresKernel(CompressedScoreParams p) {
+  extern __shared__ float smem[];
+  float* qf = smem;                  // [d] q as floats
+  float* qs = smem + p.head_dim;     // [d] q_c * step_c of the group
+  float* base = qs + p.head_dim;     // [1] sum_c q_c lo_c
+  const int32_t b = blockIdx.z, h = blockIdx.y, g = blockIdx.x;
+  const int32_t n = p.seq_lens[b];
+  const int32_t closed_groups = n / p.group;
+  if (g > closed_groups) return;
+  const int32_t d = p.head_dim, hkv = p.num_kv_heads, j = h / (p.num_q_heads / hkv);
+  const void* q = static_cast<const char*>(p.q) +
+                  (static_cast<int64_t>(b) * p.num_q_heads + h) * d * sizeof(T);
+  for (int32_t c = threadIdx.x; c < d; c += blockDim.x) qf[c] = LoadElem<T>(q, c);
+  float* out = p.scores + (static_cast<int64_t>(b) * p.num_q_heads + h) * p.score_stride;
+  const int64_t slot = static_cast<int64_t>(b) * hkv + j;
+  if (g == closed_groups) {  // the open group: exact rows
+    __syncthreads();
+    const int32_t open = n - closed_groups * p.group;
+    const void* rows = p.tails[slot];
+    for (int32_t i = threadIdx.x; i < open; i += blockDim.x) {
+      const void* row = static_cast<const char*>(rows) + static_cast<int64_t>(i) * d * sizeof(T);
+      float s = 0.f;
+      for (int32_t c = 0; c < d; ++c) s = __fadd_rn(s, __fmul_rn(qf[c], LoadElem<T>(row, c)));
+      out[closed_groups * p.group + i] = __fmul_rn(s, p.scale);
+    }
+    return;
+  }
+  const uint8_t* block = p.group_blocks[slot * p.max_groups + g];
+  const int32_t words = d * p.bits / 32;
+  const uint32_t* codes = reinterpret_cast<const uint32_t*>(block);
+  const uint16_t* lo = reinterpret_cast<const uint16_t*>(block + static_cast<int64_t>(p.group) * words * 4);
+  const uint16_t* step = lo + d;
+  __syncthreads();
+  for (int32_t c = threadIdx.x; c < d; c += blockDim.x) qs[c] = __fmul_rn(qf[c], Half(step[c]));
+  if (threadIdx.x == 0) {
+    float s = 0.f;
+    for (int32_t c = 0; c < d; ++c) s = __fadd_rn(s, __fmul_rn(qf[c], Half(lo[c])));
+    *base = s;
+  }
+  __syncthreads();
+  const uint32_t mask = (1u << p.bits) - 1;
+  const int32_t per_word = 32 / p.bits;
+  for (int32_t i = threadIdx.x; i < p.group; i += blockDim.x) {
+    const uint32_t* w = codes + static_cast<int64_t>(i) * words;
+    float s = 0.f;
+    for (int32_t k = 0; k < words; ++k) {
+      uint32_t x = w[k];
+      for (int32_t l = 0; l < per_word; ++l, x >>= p.bits) {
+        s = __fadd_rn(s, __fmul_rn(qs[k * per_word + l], static_cast<float>(x & mask)));
+      }
+    }
+    out[static_cast<int64_t>(g) * p.group + i] = __fmul_rn(__fadd_rn(*base, s), p.scale);
+  }
+}
+
+}  // namespace
+
+cudaError_t CompressedScores(const CompressedScoreParams& p, cudaStream_t stream) {
+  if (p.num_seqs < 0 || p.num_kv_heads <= 0 || p.num_q_heads <= 0 ||
+      p.num_q_heads % p.num_kv_heads != 0 || p.head_dim <= 0 || p.head_dim > 1024 ||
+      (p.bits != 1 && p.bits != 2 && p.bits != 4 && p.bits != 8) ||
+      (p.head_dim * p.bits) % 32 != 0 || p.group <= 0 || p.group > 1024 || p.max_groups < 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.num_seqs == 0) return cudaSuccess;
+  const dim3 grid(p.max_groups + 1, p.num_q_heads, p.num_seqs);
+  const int threads = std::min(p.group, 256);
+  const size_t smem = (2 * static_cast<size_t>(p.head_dim) + 1) * sizeof(float);
+  switch (p.dtype) {
+    case DType::kBf16:
+      CompressedScoresKernel<Bf16><<<grid, threads, smem, stream>>>(p);
+      break;
+    case DType::kFp16:
+      CompressedScoresKernel<Fp16><<<grid, threads, smem, stream>>>(p);
+      break;
+    case DType::kFp32:
+      CompressedScoresKernel<float><<<grid, threads, smem, stream>>>(p);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace kvsparse::kernels::cuda

@@ -1,0 +1,46 @@
+// Approximate scores from compressed keys on the GPU (CPU reference: kernels/compressed_keys.h,
+// ApproximateScores): scale * q . k~_t for every token of every (sequence, query head), the
+// closed groups from their blocks (the host layout, one block per group, uploaded verbatim), the
+// open group's tokens from their exact rows. The scores equal the CPU reference's bit for bit:
+// each is evaluated in the reference's order with single roundings (no fused multiply-add), so
+// a top-k over them selects the same rows.
+// The launcher never allocates or synchronises; a fixed-shape call can be captured in a graph.
+#ifndef KVSPARSE_KERNELS_CUDA_COMPRESSED_KEYS_H_
+#define KVSPARSE_KERNELS_CUDA_COMPRESSED_KEYS_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "kernels/dtype.h"
+
+namespace kvsparse::kernels::cuda {
+
+struct CompressedScoreParams {
+  int32_t num_seqs = 0;      // B
+  int32_t num_q_heads = 0;   // H, a multiple of num_kv_heads
+  int32_t num_kv_heads = 0;  // Hkv
+  int32_t head_dim = 0;      // d, with d * bits a multiple of 32
+  int32_t bits = 2;          // 1, 2, 4 or 8
+  int32_t group = 128;       // tokens per closed group, at most 1024
+  int32_t max_groups = 0;    // the largest closed-group count of any (sequence, kv head)
+  DType dtype = DType::kBf16;  // of q and of the open group's exact rows
+  float scale = 0.f;
+  const void* q = nullptr;  // device, shape: [B, H, d]
+  // device, shape: [B * Hkv, max_groups]: block of closed group g of (b, kv head j) at
+  // group_blocks[(b * Hkv + j) * max_groups + g] (kernels/compressed_keys.h's layout).
+  const uint8_t* const* group_blocks = nullptr;
+  // device, shape: [B * Hkv]: the open group's exact rows [open, d] of (b, j).
+  const void* const* tails = nullptr;
+  const int32_t* seq_lens = nullptr;  // device, shape: [B]: tokens scored (closed + open)
+  // device, shape: [B, H, score_stride]: scores of tokens [0, seq_lens[b]) of (b, h).
+  float* scores = nullptr;
+  int64_t score_stride = 0;
+};
+
+// Checks the shape parameters (not the pointers' contents): cudaErrorInvalidValue if wrong.
+cudaError_t CompressedScores(const CompressedScoreParams& p, cudaStream_t stream);
+
+}  // namespace kvsparse::kernels::cuda
+
+#endif  // KVSPARSE_KERNELS_CUDA_COMPRESSED_KEYS_H_
