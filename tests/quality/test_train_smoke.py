@@ -22,7 +22,7 @@ def test_smoke_run_writes_a_loadable_checkpoint(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stderr[-2000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["steps"] > 10
+    assert metrics["steps"] == 40  # --smoke trains a fixed number of steps, however fast the machine
     assert metrics["final_train_loss"] < 4.0  # from ln(258) = 5.55 at the start
     assert metrics["held_out_ppl_at_context"] > 1.0
     assert set(metrics["passkey_accuracy"]) == {"256@0.1", "256@0.5", "256@0.9"}

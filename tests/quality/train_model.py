@@ -166,8 +166,11 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny model, CPU, a few steps: checks the harness")
     args = p.parse_args()
     if args.smoke:
-        args.minutes, args.context, args.batch, args.layers, args.hidden = 0.05, 256, 2, 2, 64
+        # A fixed number of steps, not a time budget: the same work on a fast or a loaded machine
+        # (the time budget is then only a safety stop).
+        args.minutes, args.context, args.batch, args.layers, args.hidden = 10.0, 256, 2, 2, 64
         args.heads, args.head_dim, args.ffn, args.corpus_mb = 4, 16, 128, 2
+        args.steps = args.steps or 40
     device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
