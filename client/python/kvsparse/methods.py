@@ -116,7 +116,8 @@ class HashTopK:
 @dataclass(frozen=True)
 class VAttention:
     """vAttention: sink + local + predicted top-k, plus a uniform sample of the rest sized so that
-    the output is (epsilon, delta)-accurate."""
+    the output is (epsilon, delta)-accurate: a guarantee with ``predictor="exact"``, a target with
+    ``predictor="hash"`` (a head whose heavy token the signatures miss is not covered)."""
 
     epsilon: float = 0.05
     delta: float = 0.05
