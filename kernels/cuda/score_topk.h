@@ -1,0 +1,44 @@
+// Sink + local window + top-k by float scores on the GPU, per (sequence, query head): the
+// selection rule of kernels/hash_topk.h SelectSinkLocalTopK (score descending, ties to the lower
+// token index), exactly, so that with the scores of CompressedScores (kernels/cuda/
+// compressed_keys.h, equal to the CPU's bit for bit) it selects the rows of the CPU reference
+// (kernels/score_topk.h). A radix select of the k-th largest score (four 8-bit passes over the
+// scores), then one ordered compaction pass. Its output is HashTopK's, so the union over the
+// GQA group and the selected-rows path (row cache, fetch, estimate) take it as they are.
+// The launcher never allocates or synchronises.
+#ifndef KVSPARSE_KERNELS_CUDA_SCORE_TOPK_H_
+#define KVSPARSE_KERNELS_CUDA_SCORE_TOPK_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace kvsparse::kernels::cuda {
+
+struct ScoreTopKParams {
+  int32_t batch = 0;                  // B
+  int32_t num_q_heads = 0;            // H
+  const float* scores = nullptr;      // device, shape: [B, H, score_stride] (finite)
+  int64_t score_stride = 0;
+  const int32_t* seq_lens = nullptr;  // device, shape: [B]
+  int32_t max_seq_len = 0;            // host upper bound of seq_lens
+  int32_t sink_tokens = 128;
+  int32_t local_tokens = 128;
+  // k beyond sink and window; 0: top_k_fraction * n rounded to nearest (ResolveTopK; k > n is
+  // the caller's to refuse, here it is clamped to the tokens outside sink and window).
+  int32_t top_k = 0;
+  float top_k_fraction = 0.f;
+  // device, shape: [B, H, max(1, MaxSelected())]: the chosen tokens, ascending, in the first
+  // counts[b, h] entries (the rest untouched).
+  int32_t* indices = nullptr;
+  int32_t* counts = nullptr;   // device, shape: [B, H]
+  int32_t* budgets = nullptr;  // optional device [B, H]: top-k rows chosen (without sink/window)
+
+  int32_t MaxSelected() const;
+};
+
+cudaError_t ScoreTopK(const ScoreTopKParams& p, cudaStream_t stream);
+
+}  // namespace kvsparse::kernels::cuda
+
+#endif  // KVSPARSE_KERNELS_CUDA_SCORE_TOPK_H_
