@@ -54,19 +54,27 @@ template int32_t SelectSinkLocalTopK<int32_t>(const int32_t*, int32_t, int32_t, 
 template int32_t SelectSinkLocalTopK<float>(const float*, int32_t, int32_t, int32_t, int32_t,
                                             std::vector<int32_t>*, std::vector<int32_t>*);
 
-absl::Status ValidateHashTopKParams(const HashTopKParams& params) {
-  if (params.sink_tokens < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("sink_tokens ", params.sink_tokens, " < 0"));
+absl::Status ValidateSinkLocalTopK(int32_t sink_tokens, int32_t local_tokens, int32_t top_k,
+                                   float top_k_fraction) {
+  if (sink_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("sink_tokens ", sink_tokens, " < 0"));
   }
-  if (params.local_tokens < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("local_tokens ", params.local_tokens, " < 0"));
+  if (local_tokens < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("local_tokens ", local_tokens, " < 0"));
   }
-  if (params.top_k < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("top_k ", params.top_k, " < 0"));
-  }
-  if (params.top_k == 0 && !(params.top_k_fraction >= 0.f && params.top_k_fraction <= 1.f)) {
+  if (top_k < 0) return absl::InvalidArgumentError(absl::StrCat("top_k ", top_k, " < 0"));
+  if (top_k == 0 && !(top_k_fraction >= 0.f && top_k_fraction <= 1.f)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("top_k_fraction must be in [0, 1], got ", params.top_k_fraction));
+        absl::StrCat("top_k_fraction must be in [0, 1], got ", top_k_fraction));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ValidateHashTopKParams(const HashTopKParams& params) {
+  if (absl::Status s = ValidateSinkLocalTopK(params.sink_tokens, params.local_tokens,
+                                             params.top_k, params.top_k_fraction);
+      !s.ok()) {
+    return s;
   }
   return ValidateSignatureBits(params.bits);
 }

@@ -9,20 +9,8 @@
 namespace kvsparse::kernels {
 
 absl::Status ValidateScoreTopKParams(const ScoreTopKParams& params) {
-  if (params.sink_tokens < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("sink_tokens ", params.sink_tokens, " < 0"));
-  }
-  if (params.local_tokens < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("local_tokens ", params.local_tokens, " < 0"));
-  }
-  if (params.top_k < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("top_k ", params.top_k, " < 0"));
-  }
-  if (params.top_k == 0 && !(params.top_k_fraction >= 0.f && params.top_k_fraction <= 1.f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_k_fraction must be in [0, 1], got ", params.top_k_fraction));
-  }
-  return absl::OkStatus();
+  return ValidateSinkLocalTopK(params.sink_tokens, params.local_tokens, params.top_k,
+                               params.top_k_fraction);
 }
 
 absl::Status ScoreTopKSelectCpu(const DecodeProblem& p, const ScoreTopKParams& params,

@@ -250,6 +250,50 @@ TEST_P(VAttentionStatisticsTest, SampledPartUnbiased) {
               mean_b, zmax);
 }
 
+// Dense attention of one head over logits s and values v ([n, dv]), in double: the weights
+// x_t = e^(s_t - max s), their sum, the output and its norm.
+struct DenseHead {
+  std::vector<double> x, out;
+  double sum = 0, norm = 0;
+};
+
+DenseHead MakeDenseHead(const std::vector<float>& s, const std::vector<float>& v, int dv) {
+  DenseHead d;
+  const double smax = *std::max_element(s.begin(), s.end());
+  d.x.resize(s.size());
+  d.out.assign(dv, 0.0);
+  for (size_t t = 0; t < s.size(); ++t) {
+    d.x[t] = std::exp(s[t] - smax);
+    d.sum += d.x[t];
+    for (int a = 0; a < dv; ++a) d.out[a] += d.x[t] * v[t * dv + a];
+  }
+  for (double& o : d.out) {
+    o /= d.sum;
+    d.norm += o * o;
+  }
+  d.norm = std::sqrt(d.norm);
+  return d;
+}
+
+// The relative error of vAttention's estimate (fixed rows weight 1, the sample n_s / b) against
+// dense: of the denominator or of the whole output.
+double EstimateError(const DenseHead& d, const VAttentionHeadResult& r, const std::vector<float>& v,
+                     int dv, VerifyTarget target) {
+  const double w = static_cast<double>(r.stats.n_s) / r.b;
+  double dh = 0;
+  std::vector<double> nh(dv, 0.0);
+  auto add = [&](int32_t t, double wt) {
+    dh += wt * d.x[t];
+    for (int a = 0; a < dv; ++a) nh[a] += wt * d.x[t] * v[static_cast<size_t>(t) * dv + a];
+  };
+  for (int32_t t : r.fixed) add(t, 1.0);
+  for (int32_t t : r.dyn) add(t, w);
+  if (target == VerifyTarget::kDenominator) return std::fabs(dh - d.sum) / d.sum;
+  double e2 = 0;
+  for (int a = 0; a < dv; ++a) e2 += (nh[a] / dh - d.out[a]) * (nh[a] / dh - d.out[a]);
+  return std::sqrt(e2) / d.norm;
+}
+
 // Violation rates: fraction of trials with relative error > epsilon, 400 trials per setting,
 // n = 8192, d = 64, epsilon = 0.1 (denominator) / 0.2 (output), delta = 0.1. With the
 // Hoeffding bound and exact statistics (the setting the theory covers: Hoeffding for sampling
@@ -268,20 +312,7 @@ TEST_P(VAttentionStatisticsTest, ViolationRates) {
   CaseData(
       c, 900 + static_cast<int>(c.family), 64, rng, [&](int a) { return mean[a]; }, &s, &v, &dv);
   if (HasFatalFailure()) return;
-  const double smax = *std::max_element(s.begin(), s.end());
-  std::vector<double> x(c.n), dense(dv, 0.0);
-  double dsum = 0;
-  for (int32_t t = 0; t < c.n; ++t) {
-    x[t] = std::exp(s[t] - smax);
-    dsum += x[t];
-    for (int a = 0; a < dv; ++a) dense[a] += x[t] * v[static_cast<size_t>(t) * dv + a];
-  }
-  double dnorm = 0;
-  for (double& o : dense) {
-    o /= dsum;
-    dnorm += o * o;
-  }
-  dnorm = std::sqrt(dnorm);
+  const DenseHead dense = MakeDenseHead(s, v, dv);
   const double tol = 0.1 + 3 * std::sqrt(0.1 * 0.9 / kTrials);
   for (VerifyTarget target : {VerifyTarget::kDenominator, VerifyTarget::kOutput}) {
     double clt_output_b[2] = {0, 0};  // mean b of CLT, target output, [exact_stats]
@@ -325,24 +356,7 @@ TEST_P(VAttentionStatisticsTest, ViolationRates) {
           r.fixed = plan.fixed;
           VAttentionSampleHead(c.n, params, access, 100 + trial, 0, 0, &r);
           mean_b += static_cast<double>(r.b) / kTrials;
-          const double w = static_cast<double>(r.stats.n_s) / r.b;
-          double dh = 0;
-          std::vector<double> nh(dv, 0.0);
-          auto add = [&](int32_t t, double wt) {
-            dh += wt * x[t];
-            for (int a = 0; a < dv; ++a) nh[a] += wt * x[t] * v[static_cast<size_t>(t) * dv + a];
-          };
-          for (int32_t t : r.fixed) add(t, 1.0);
-          for (int32_t t : r.dyn) add(t, w);
-          double err;
-          if (target == VerifyTarget::kDenominator) {
-            err = std::fabs(dh - dsum) / dsum;
-          } else {
-            double e2 = 0;
-            for (int a = 0; a < dv; ++a) e2 += (nh[a] / dh - dense[a]) * (nh[a] / dh - dense[a]);
-            err = std::sqrt(e2) / dnorm;
-          }
-          violations += err > params.epsilon;
+          violations += EstimateError(dense, r, v, dv, target) > params.epsilon;
         }
         const double rate = static_cast<double>(violations) / kTrials;
         const char* tname = target == VerifyTarget::kDenominator ? "denominator" : "output";
@@ -401,20 +415,7 @@ TEST(VAttentionTest, APredictorThatMissesTheSpikeBreaksThePromise) {
   for (int a = 0; a < dv; ++a) v[static_cast<size_t>(spike) * dv + a] -= 2.f * mu[a];  // it matters
   std::vector<float> missed = s;
   missed[spike] = 0.f;  // what the predictor saw
-  const double smax = 9.0;
-  std::vector<double> x(n), dense(dv, 0.0);
-  double dsum = 0;
-  for (int32_t t = 0; t < n; ++t) {
-    x[t] = std::exp(s[t] - smax);
-    dsum += x[t];
-    for (int a = 0; a < dv; ++a) dense[a] += x[t] * v[static_cast<size_t>(t) * dv + a];
-  }
-  double dnorm = 0;
-  for (double& o : dense) {
-    o /= dsum;
-    dnorm += o * o;
-  }
-  dnorm = std::sqrt(dnorm);
+  const DenseHead dense = MakeDenseHead(s, v, dv);
   // Violations of the output target over kTrials seeds, for a predictor that saw `pred`.
   auto rate = [&](const std::vector<float>& pred, BudgetBound bound, bool exact_stats) {
     VAttentionParams params;
@@ -441,18 +442,7 @@ TEST(VAttentionTest, APredictorThatMissesTheSpikeBreaksThePromise) {
     for (int trial = 0; trial < kTrials; ++trial) {
       r.fixed = plan.fixed;
       VAttentionSampleHead(n, params, access, 500 + trial, 0, 0, &r);
-      const double w = static_cast<double>(r.stats.n_s) / r.b;
-      double dh = 0;
-      std::vector<double> nh(dv, 0.0);
-      auto add = [&](int32_t t, double wt) {
-        dh += wt * x[t];
-        for (int a = 0; a < dv; ++a) nh[a] += wt * x[t] * v[static_cast<size_t>(t) * dv + a];
-      };
-      for (int32_t t : r.fixed) add(t, 1.0);
-      for (int32_t t : r.dyn) add(t, w);
-      double e2 = 0;
-      for (int a = 0; a < dv; ++a) e2 += (nh[a] / dh - dense[a]) * (nh[a] / dh - dense[a]);
-      violations += std::sqrt(e2) / dnorm > params.epsilon;
+      violations += EstimateError(dense, r, v, dv, VerifyTarget::kOutput) > params.epsilon;
     }
     return violations;
   };

@@ -320,6 +320,25 @@ __device__ __forceinline__ uint4 Pack8(const float (&f)[8]) {
 
 __device__ __forceinline__ float Exp2OrZero(float x) { return x == kNegInf ? 0.f : exp2f(x); }
 
+// How many threads before this one in the block have `flag` set (exclusive prefix count), and
+// the block's total in *total (the same in every thread). wcount: a __shared__ int[kWarps].
+// Every thread of the block (kWarps full warps) must call it: it synchronises the block twice.
+template <int kWarps>
+__device__ __forceinline__ int BlockPrefixCount(bool flag, int* wcount, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
+  if (lane == 0) wcount[warp] = __popc(ballot);
+  __syncthreads();
+  int before = 0, sum = 0;
+  for (int k = 0; k < kWarps; ++k) {
+    if (k < warp) before += wcount[k];
+    sum += wcount[k];
+  }
+  __syncthreads();  // wcount is rewritten by the next call
+  *total = sum;
+  return before + __popc(ballot & ((1u << lane) - 1));
+}
+
 // One round of a block-wide stream compaction: each thread offers `value`, kept if `keep`; the
 // kept values of the block go to out[written, written + returned) in thread order. Returns how
 // many the block kept (the same in every thread). wcount: a __shared__ int[kWarps]. Every thread
@@ -327,17 +346,9 @@ __device__ __forceinline__ float Exp2OrZero(float x) { return x == kNegInf ? 0.f
 template <int kWarps>
 __device__ __forceinline__ int BlockCompactRound(bool keep, int32_t value, int32_t* out,
                                                  int written, int* wcount) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const unsigned ballot = __ballot_sync(0xffffffffu, keep);
-  if (lane == 0) wcount[warp] = __popc(ballot);
-  __syncthreads();
-  int before = 0, total = 0;
-  for (int k = 0; k < kWarps; ++k) {
-    if (k < warp) before += wcount[k];
-    total += wcount[k];
-  }
-  if (keep) out[written + before + __popc(ballot & ((1u << lane) - 1))] = value;
-  __syncthreads();  // wcount is rewritten by the next round
+  int total = 0;
+  const int at = BlockPrefixCount<kWarps>(keep, wcount, &total);
+  if (keep) out[written + at] = value;
   return total;
 }
 

@@ -4,6 +4,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/hash_topk.h"
+#include "kernels/hash_topk.h"
 
 namespace kvsparse::kernels::cuda {
 namespace {
@@ -523,12 +524,7 @@ cudaError_t DispatchWords(int bits, Body&& body) {
 }  // namespace
 
 int32_t HashTopKParams::MaxSelected() const {
-  const int64_t k = top_k > 0 ? top_k
-                              : static_cast<int64_t>(std::floor(
-                                    static_cast<double>(top_k_fraction) * max_seq_len + 0.5));
-  const int64_t total = static_cast<int64_t>(std::max(sink_tokens, 0)) + std::max(local_tokens, 0) +
-                        std::max<int64_t>(k, 0);
-  return static_cast<int32_t>(std::min<int64_t>(total, max_seq_len));
+  return MaxSinkLocalTopKRows(sink_tokens, local_tokens, top_k, top_k_fraction, max_seq_len);
 }
 
 cudaError_t SimHashSign(const SimHashSignParams& p, cudaStream_t stream) {

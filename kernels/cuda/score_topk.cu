@@ -3,6 +3,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/score_topk.h"
+#include "kernels/hash_topk.h"
 
 namespace kvsparse::kernels::cuda {
 namespace {
@@ -15,23 +16,6 @@ constexpr int kWarps = kThreads / 32;
 __device__ __forceinline__ uint32_t OrderedKey(float f) {
   const uint32_t u = __float_as_uint(f + 0.f);
   return (u >> 31) != 0 ? ~u : (u | 0x80000000u);
-}
-
-// The exclusive count of `flag` over the threads before this one in the block, and the block's
-// total in *total. wcount: __shared__ int[kWarps]. Every thread calls it; it synchronises twice.
-__device__ __forceinline__ int BlockPrefixCount(bool flag, int* wcount, int* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const unsigned ballot = __ballot_sync(0xffffffffu, flag);
-  if (lane == 0) wcount[warp] = __popc(ballot);
-  __syncthreads();
-  int before = 0, sum = 0;
-  for (int k = 0; k < kWarps; ++k) {
-    if (k < warp) before += wcount[k];
-    sum += wcount[k];
-  }
-  __syncthreads();
-  *total = sum;
-  return before + __popc(ballot & ((1u << lane) - 1));
 }
 
 __global__ void __launch_bounds__(kThreads) ScoreTopKKernel(ScoreTopKParams p, int32_t max_out) {
@@ -95,7 +79,7 @@ __global__ void __launch_bounds__(kThreads) ScoreTopKKernel(ScoreTopKParams p, i
       const uint32_t key = valid ? OrderedKey(scores[t]) : 0u;
       const bool eq = valid && key == threshold;
       int eq_total = 0;
-      const int eq_before = BlockPrefixCount(eq, wcount, &eq_total);
+      const int eq_before = BlockPrefixCount<kWarps>(eq, wcount, &eq_total);
       const bool keep = (valid && key > threshold) || (eq && eq_taken + eq_before < need);
       written += BlockCompactRound<kWarps>(keep, t, out, written, wcount);
       eq_taken += eq_total;
@@ -112,12 +96,7 @@ __global__ void __launch_bounds__(kThreads) ScoreTopKKernel(ScoreTopKParams p, i
 }  // namespace
 
 int32_t ScoreTopKParams::MaxSelected() const {
-  const int64_t k = top_k > 0 ? top_k
-                              : static_cast<int64_t>(std::floor(
-                                    static_cast<double>(top_k_fraction) * max_seq_len + 0.5));
-  const int64_t total = static_cast<int64_t>(std::max(sink_tokens, 0)) + std::max(local_tokens, 0) +
-                        std::max<int64_t>(k, 0);
-  return static_cast<int32_t>(std::min<int64_t>(total, max_seq_len));
+  return MaxSinkLocalTopKRows(sink_tokens, local_tokens, top_k, top_k_fraction, max_seq_len);
 }
 
 cudaError_t ScoreTopK(const ScoreTopKParams& p, cudaStream_t stream) {
