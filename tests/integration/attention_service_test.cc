@@ -88,7 +88,8 @@ void Load(absl::FunctionRef<client::KvStoreClient&(const std::string&)> store,
     shape.set_num_kv_heads(p.num_kv_heads);
     shape.set_head_dim(p.head_dim);
     shape.set_dtype(ProtoDType(p.dtype));
-    ASSERT_TRUE(kv.CreateSequence(id, shape, placement).ok());
+    const auto created = kv.CreateSequence(id, shape, placement);
+    ASSERT_TRUE(created.ok()) << id << ": " << created.status();
     const size_t n = prob.seq_lens[b];
     const size_t bytes = n * p.num_kv_heads * p.head_dim * es;
     v1::AppendRequest r;
@@ -458,7 +459,7 @@ TEST_P(DirectReadTest, WorkerReadsRowsWithoutGather) {
   });
   ASSERT_NE(store, nullptr);
   const kernels::SyntheticProblem prob = Problem();
-  const MethodCase& c = Cases()[0];
+  const MethodCase c = Cases()[0];  // a copy: Cases() is a temporary
   for (server::Server* s : {embedded.get(), store.get()}) {
     auto kv = client::KvStoreClient::Connect(At(s->port()));
     ASSERT_TRUE(kv.ok());
@@ -580,7 +581,7 @@ TEST(AttentionServiceTest, ShardedStoresEqualEmbedded) {
             StatusCode::kFailedPrecondition);
 
   // Shard 1 goes away: s1's decodes fail with UNAVAILABLE, s0's go on, bit-identical.
-  const MethodCase& c = Cases()[0];
+  const MethodCase c = Cases()[0];  // a copy: Cases() is a temporary
   reload(c);
   const int port1 = stores[1]->port();
   stores[1].reset();
