@@ -197,15 +197,16 @@ def register() -> None:
 # ---- Perplexity ---------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def kv_state_fraction(engine: Any, config: Any, batch: int, tokens: int) -> float:
+def kv_state_fraction(engine: Any, model: Any, batch: int, tokens: int) -> float:
     """Bytes the worker keeps for the cache's sequences (GPU state: resident rows, signatures,
     compressed keys, row caches; and the CPU engine's resident state, which stands in for the
-    GPU's where a method runs on the CPU engine) over the bytes of their K and V (bf16)."""
+    GPU's where a method runs on the CPU engine) over the bytes of their K and V (the model's
+    dtype)."""
     mem = engine.memory()
+    config = model.config
     kv_heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv = 2 * config.num_hidden_layers * kv_heads * head_dim * 2 * batch * tokens
+    kv = 2 * config.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize * batch * tokens
     return (mem["gpu_bytes"] + mem["cpu_resident_bytes"]) / kv
 
 
@@ -239,7 +240,7 @@ def teacher_forced(model: Any, tokens: torch.Tensor, n_decode: int, engine: Any,
             out = model(x[:, p + i : p + i + 1], past_key_values=cache, use_cache=True)
             step(out.logits, x[0, p + i + 1])
         if method is not None:
-            fraction = kv_state_fraction(engine, model.config, 1, p + n_decode)
+            fraction = kv_state_fraction(engine, model, 1, p + n_decode)
     finally:
         if method is not None:
             cache.close()
