@@ -275,6 +275,17 @@ DenseHead MakeDenseHead(const std::vector<float>& s, const std::vector<float>& v
   return d;
 }
 
+// Row access over logits s and values v ([n, dv]); both must outlive it.
+VAttentionRowAccess RowsOf(const std::vector<float>& s, const std::vector<float>& v, int dv) {
+  VAttentionRowAccess access;
+  access.dv = dv;
+  access.logit = [&s](int32_t t) { return s[t]; };
+  access.load_v = [&v, dv](int32_t t, float* out) {
+    std::copy_n(&v[static_cast<size_t>(t) * dv], dv, out);
+  };
+  return access;
+}
+
 // The relative error of vAttention's estimate (fixed rows weight 1, the sample n_s / b) against
 // dense: of the denominator or of the whole output.
 double EstimateError(const DenseHead& d, const VAttentionHeadResult& r, const std::vector<float>& v,
@@ -330,12 +341,7 @@ TEST_P(VAttentionStatisticsTest, ViolationRates) {
         params.bound = bound;
         params.target = target;
         params.exact_statistics = exact_stats;
-        VAttentionRowAccess access;
-        access.dv = dv;
-        access.logit = [&](int32_t t) { return s[t]; };
-        access.load_v = [&](int32_t t, float* out) {
-          std::copy_n(&v[static_cast<size_t>(t) * dv], dv, out);
-        };
+        VAttentionRowAccess access = RowsOf(s, v, dv);
         VAttentionHeadResult plan, r;
         std::vector<int32_t> scratch;
         VAttentionPlanFixed(s.data(), c.n, static_cast<int32_t>(0.01 * c.n), params, &plan,
@@ -429,12 +435,7 @@ TEST(VAttentionTest, APredictorThatMissesTheSpikeBreaksThePromise) {
     params.bound = bound;
     params.target = VerifyTarget::kOutput;
     params.exact_statistics = exact_stats;
-    VAttentionRowAccess access;
-    access.dv = dv;
-    access.logit = [&](int32_t t) { return s[t]; };
-    access.load_v = [&](int32_t t, float* out) {
-      std::copy_n(&v[static_cast<size_t>(t) * dv], dv, out);
-    };
+    const VAttentionRowAccess access = RowsOf(s, v, dv);
     VAttentionHeadResult plan, r;
     std::vector<int32_t> scratch;
     VAttentionPlanFixed(pred.data(), n, n / 32, params, &plan, &scratch);
