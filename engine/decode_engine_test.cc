@@ -311,9 +311,9 @@ TEST_F(EngineTest, TopKSelectsWhatTheReferenceSelects) {
   kvstore::Placement compressed, k_device, host;
   compressed.compressed_key_bits = 2;
   k_device.k_tier = kvstore::Tier::kDevice;
-  for (const Case& c : {Case{kernels::ScoreSource::kCompressedKeys, compressed},
-                        Case{kernels::ScoreSource::kExact, k_device},
-                        Case{kernels::ScoreSource::kExact, host}}) {
+  for (const Case& c :
+       {Case{kernels::ScoreSource::kCompressedKeys, compressed},
+        Case{kernels::ScoreSource::kExact, k_device}, Case{kernels::ScoreSource::kExact, host}}) {
     SetUp();
     kernels::SyntheticOptions o = Options();
     o.head_dim = 128;
@@ -403,8 +403,9 @@ TEST_F(EngineTest, TopKFollowsAppendedTokensAndRefusesWhatItCannotServe) {
   for (int step = 0; step < 12; ++step) {  // 250 -> 262 tokens: group 1 closes at 256
     std::vector<uint8_t> nk(token), nv(token);
     for (size_t i = 0; i < token; i += es) {  // a copy of an earlier token, scaled
-      kernels::StoreFromFloat(nk.data(), i / es, p0.dtype,
-                              1.5f * kernels::LoadAsFloat(k.data() + step * 17 * token, i / es, p0.dtype));
+      kernels::StoreFromFloat(
+          nk.data(), i / es, p0.dtype,
+          1.5f * kernels::LoadAsFloat(k.data() + step * 17 * token, i / es, p0.dtype));
       kernels::StoreFromFloat(nv.data(), i / es, p0.dtype,
                               kernels::LoadAsFloat(v.data() + step * 13 * token, i / es, p0.dtype));
     }
@@ -429,7 +430,8 @@ TEST_F(EngineTest, TopKFollowsAppendedTokensAndRefusesWhatItCannotServe) {
     for (int32_t j = 0; j < p.num_kv_heads; ++j) {
       keys.emplace_back(kernels::KeyCompression{4, kernels::kKeyGroupTokens}, p.head_dim, p.dtype);
       for (int32_t t = 0; t < n; ++t) {
-        keys.back().Append(k.data() + (j * p.kv_layout.head_stride + t * p.kv_layout.token_stride) * es);
+        keys.back().Append(k.data() +
+                           (j * p.kv_layout.head_stride + t * p.kv_layout.token_stride) * es);
       }
     }
     for (const kernels::CompressedKeys& x : keys) views.push_back(x.view());

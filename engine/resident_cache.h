@@ -1,11 +1,12 @@
 // What the decode worker keeps on its device for each (sequence, layer), as the sequence's
 // placement asks: K rows (k_tier = device), V rows (v_tier = device), key signatures
-// (signature_bits > 0) and compressed keys (compressed_key_bits > 0). It is a cache of the store: built and extended from the store's rows on
-// demand (Acquire syncs to the store's length, which covers tokens appended straight to the
-// store, e.g. a prefill, and the split deployment), appended to directly when the engine
-// appends a token, and rebuilt when the store's sequence changes incarnation. Entries not in use
-// are evicted, least recently used first, to stay under the capacity. In this CPU build the
-// "device" is host memory owned by the worker; a CUDA backend keeps the same state on the GPU.
+// (signature_bits > 0) and compressed keys (compressed_key_bits > 0). It is a cache of the store:
+// built and extended from the store's rows on demand (Acquire syncs to the store's length, which
+// covers tokens appended straight to the store, e.g. a prefill, and the split deployment), appended
+// to directly when the engine appends a token, and rebuilt when the store's sequence changes
+// incarnation. Entries not in use are evicted, least recently used first, to stay under the
+// capacity. In this CPU build the "device" is host memory owned by the worker; a CUDA backend keeps
+// the same state on the GPU.
 //
 // Thread-safe. Lock order: an entry's mutex, then the cache's map mutex (never the reverse; the
 // map mutex is never held while waiting for an entry).
@@ -69,13 +70,12 @@ class ResidentLayer {
   size_t array_bytes() const { return k_.size() + v_.size() + sig_.size() * 4; }
   bool has_k_ = false, has_v_ = false;
   int32_t words_ = 0, key_heads_ = 0;
-  int32_t key_bits_ = 0;  // compressed keys' bits per channel (0: none)
   size_t row_bytes_ = 0;
   uint64_t length_ = 0, capacity_ = 0;
   std::vector<uint8_t> k_, v_;
   std::vector<uint32_t> sig_;
   std::vector<kernels::CompressedKeys> compressed_;  // [Hkv], empty without the placement's
-  std::vector<float> max_norm_;  // [Hkv] SimHash M, fixed at the first sync
+  std::vector<float> max_norm_;                      // [Hkv] SimHash M, fixed at the first sync
 };
 
 struct SyncStats {

@@ -62,17 +62,15 @@ struct CompressedKeysView {
   int32_t bits = 0;
   int32_t group = 0;
   int32_t head_dim = 0;
-  DType dtype = DType::kBf16;  // of the exact tail rows
-  int64_t length = 0;          // tokens held
-  int64_t closed = 0;          // tokens [0, closed) quantized (a multiple of group)
+  DType dtype = DType::kBf16;              // of the exact tail rows
+  int64_t length = 0;                      // tokens held
+  int64_t closed = 0;                      // tokens [0, closed) quantized (a multiple of group)
   const uint8_t* const* groups = nullptr;  // [closed / group] blocks (layout above)
   const uint8_t* tail = nullptr;  // exact rows of tokens [closed, length): [length - closed, d]
 
   int32_t words() const { return head_dim * bits / 32; }
   // Group g's parts. REQUIRES: g < closed / group.
-  const uint32_t* codes(int64_t g) const {
-    return reinterpret_cast<const uint32_t*>(groups[g]);
-  }
+  const uint32_t* codes(int64_t g) const { return reinterpret_cast<const uint32_t*>(groups[g]); }
   const uint16_t* lo(int64_t g) const {
     return reinterpret_cast<const uint16_t*>(groups[g] + static_cast<size_t>(group) * words() * 4);
   }

@@ -334,8 +334,9 @@ TEST(ScoreTopKTest, CompressedKeysRecallTheOracleOnRealAttention) {
       ASSERT_TRUE(ScoreTopKDecodeCpu(p, params, views, &got).ok());
       const double recall = Recall(oracle, got);
       const double err = RelativeL2(dense, OutputAsDouble(p));
-      std::printf("layer %d, %d bits: recall of the oracle's rows %.3f, rel L2 %.4f (oracle %.4f)\n",
-                  layer, bits, recall, err, oracle_err);
+      std::printf(
+          "layer %d, %d bits: recall of the oracle's rows %.3f, rel L2 %.4f (oracle %.4f)\n", layer,
+          bits, recall, err, oracle_err);
       EXPECT_GE(recall, bits == 8 ? 0.95 : 0.75) << "layer " << layer << ", " << bits << " bits";
       EXPECT_LE(err, 2 * oracle_err + 0.01) << "layer " << layer << ", " << bits << " bits";
     }

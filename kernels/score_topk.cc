@@ -21,9 +21,9 @@ absl::Status ScoreTopKSelectCpu(const DecodeProblem& p, const ScoreTopKParams& p
     return s;
   }
   if (!exact && keys.size() != static_cast<size_t>(p.batch) * p.num_kv_heads) {
-    return absl::InvalidArgumentError(absl::StrCat("compressed keys: ", keys.size(),
-                                                   " views for ", p.batch, " x ",
-                                                   p.num_kv_heads, " (sequence, kv head) pairs"));
+    return absl::InvalidArgumentError(absl::StrCat("compressed keys: ", keys.size(), " views for ",
+                                                   p.batch, " x ", p.num_kv_heads,
+                                                   " (sequence, kv head) pairs"));
   }
   const int32_t group = p.group_size();
   sel->Reset(EstimateKind::kSoftmax, p.batch, p.num_kv_heads, group);
@@ -37,10 +37,9 @@ absl::Status ScoreTopKSelectCpu(const DecodeProblem& p, const ScoreTopKParams& p
     for (int32_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
       const CompressedKeysView* view = exact ? nullptr : &keys[b * p.num_kv_heads + kvh];
       if (view != nullptr && (view->length < n || view->head_dim != p.head_dim)) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("compressed keys of sequence ", b, ", kv head ", kvh, " hold ",
-                         view->length, " tokens of dim ", view->head_dim, ", need ", n, " of ",
-                         p.head_dim));
+        return absl::InvalidArgumentError(absl::StrCat(
+            "compressed keys of sequence ", b, ", kv head ", kvh, " hold ", view->length,
+            " tokens of dim ", view->head_dim, ", need ", n, " of ", p.head_dim));
       }
       for (int32_t g = 0; g < group; ++g) {
         const int32_t h = kvh * group + g;

@@ -36,14 +36,12 @@ struct ScoreTopKParams {
 // Selection stage. kExact reads p.q and p.k; kCompressedKeys reads p.q and keys ([B * Hkv],
 // index b * Hkv + kv_head, each holding at least seq_lens[b] tokens; its first seq_lens[b] are
 // scored). Fills `sel`.
-[[nodiscard]] absl::Status ScoreTopKSelectCpu(const DecodeProblem& p,
-                                              const ScoreTopKParams& params,
+[[nodiscard]] absl::Status ScoreTopKSelectCpu(const DecodeProblem& p, const ScoreTopKParams& params,
                                               absl::Span<const CompressedKeysView> keys,
                                               RowSelection* sel);
 
 // Selection then EstimateInPlace (reads p.k and p.v, writes p.out). `sel` may be null.
-[[nodiscard]] absl::Status ScoreTopKDecodeCpu(const DecodeProblem& p,
-                                              const ScoreTopKParams& params,
+[[nodiscard]] absl::Status ScoreTopKDecodeCpu(const DecodeProblem& p, const ScoreTopKParams& params,
                                               absl::Span<const CompressedKeysView> keys,
                                               RowSelection* sel = nullptr);
 

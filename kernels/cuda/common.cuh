@@ -320,6 +320,27 @@ __device__ __forceinline__ uint4 Pack8(const float (&f)[8]) {
 
 __device__ __forceinline__ float Exp2OrZero(float x) { return x == kNegInf ? 0.f : exp2f(x); }
 
+// The sink + local window + top-k geometry of a sequence of n tokens (kernels/hash_topk.h's
+// rule): k resolved as ResolveTopK does, sink [0, s_end), window [w_begin, n), the rest between,
+// and kk = the top-k rows that fit in the rest.
+struct SinkLocalTopK {
+  int n, k, s_end, w_begin, rest, kk;
+};
+
+__device__ __forceinline__ SinkLocalTopK MakeSinkLocalTopK(int n, int sink, int local, int top_k,
+                                                           float top_k_fraction) {
+  SinkLocalTopK g;
+  g.n = n;
+  g.k = top_k > 0 ? top_k
+                  : static_cast<int>(floor(static_cast<double>(top_k_fraction) * n + 0.5));
+  g.k = min(max(g.k, 0), n);
+  g.s_end = min(max(sink, 0), n);
+  g.w_begin = max(g.s_end, n - max(local, 0));
+  g.rest = g.w_begin - g.s_end;
+  g.kk = min(g.k, g.rest);
+  return g;
+}
+
 // How many threads before this one in the block have `flag` set (exclusive prefix count), and
 // the block's total in *total (the same in every thread). wcount: a __shared__ int[kWarps].
 // Every thread of the block (kWarps full warps) must call it: it synchronises the block twice.

@@ -6,23 +6,25 @@
 namespace kvsparse::kernels::cuda {
 namespace {
 
-__device__ __forceinline__ float Half(uint16_t bits) { return __half2float(__ushort_as_half(bits)); }
+__device__ __forceinline__ float Half(uint16_t bits) {
+  return __half2float(__ushort_as_half(bits));
+}
 
 // One block per (group or the open group, query head, sequence), one thread per token. The
 // arithmetic follows kernels/compressed_keys.cc ApproximateScores term by term (single roundings).
 template <typename T>
 __global__ void CompressedScoresKernel(CompressedScoreParams p) {
   extern __shared__ float smem[];
-  float* qf = smem;                  // [d] q as floats
-  float* qs = smem + p.head_dim;     // [d] q_c * step_c of the group
-  float* base = qs + p.head_dim;     // [1] sum_c q_c lo_c
+  float* qf = smem;               // [d] q as floats
+  float* qs = smem + p.head_dim;  // [d] q_c * step_c of the group
+  float* base = qs + p.head_dim;  // [1] sum_c q_c lo_c
   const int32_t b = blockIdx.z, h = blockIdx.y, g = blockIdx.x;
   const int32_t n = p.seq_lens[b];
   const int32_t closed_groups = n / p.group;
   if (g > closed_groups) return;
   const int32_t d = p.head_dim, hkv = p.num_kv_heads, j = h / (p.num_q_heads / hkv);
-  const void* q = static_cast<const char*>(p.q) +
-                  (static_cast<int64_t>(b) * p.num_q_heads + h) * d * sizeof(T);
+  const void* q =
+      static_cast<const char*>(p.q) + (static_cast<int64_t>(b) * p.num_q_heads + h) * d * sizeof(T);
   for (int32_t c = threadIdx.x; c < d; c += blockDim.x) qf[c] = LoadElem<T>(q, c);
   float* out = p.scores + (static_cast<int64_t>(b) * p.num_q_heads + h) * p.score_stride;
   const int64_t slot = static_cast<int64_t>(b) * hkv + j;
@@ -41,7 +43,8 @@ __global__ void CompressedScoresKernel(CompressedScoreParams p) {
   const uint8_t* block = p.group_blocks[slot * p.max_groups + g];
   const int32_t words = d * p.bits / 32;
   const uint32_t* codes = reinterpret_cast<const uint32_t*>(block);
-  const uint16_t* lo = reinterpret_cast<const uint16_t*>(block + static_cast<int64_t>(p.group) * words * 4);
+  const uint16_t* lo =
+      reinterpret_cast<const uint16_t*>(block + static_cast<int64_t>(p.group) * words * 4);
   const uint16_t* step = lo + d;
   __syncthreads();
   for (int32_t c = threadIdx.x; c < d; c += blockDim.x) qs[c] = __fmul_rn(qf[c], Half(step[c]));

@@ -17,13 +17,13 @@
 namespace kvsparse::kernels::cuda {
 
 struct CompressedScoreParams {
-  int32_t num_seqs = 0;      // B
-  int32_t num_q_heads = 0;   // H, a multiple of num_kv_heads
-  int32_t num_kv_heads = 0;  // Hkv
-  int32_t head_dim = 0;      // d, with d * bits a multiple of 32
-  int32_t bits = 2;          // 1, 2, 4 or 8
-  int32_t group = 128;       // tokens per closed group, at most 1024
-  int32_t max_groups = 0;    // the largest closed-group count of any (sequence, kv head)
+  int32_t num_seqs = 0;        // B
+  int32_t num_q_heads = 0;     // H, a multiple of num_kv_heads
+  int32_t num_kv_heads = 0;    // Hkv
+  int32_t head_dim = 0;        // d, with d * bits a multiple of 32
+  int32_t bits = 2;            // 1, 2, 4 or 8
+  int32_t group = 128;         // tokens per closed group, at most 1024
+  int32_t max_groups = 0;      // the largest closed-group count of any (sequence, kv head)
   DType dtype = DType::kBf16;  // of q and of the open group's exact rows
   float scale = 0.f;
   const void* q = nullptr;  // device, shape: [B, H, d]

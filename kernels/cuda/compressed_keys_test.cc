@@ -87,7 +87,8 @@ TEST(CompressedScoresCudaTest, EqualsTheCpuReference) {
         std::vector<float> qf(d), want(1024);
         for (int32_t b = 0; b < B; ++b) {
           for (int32_t h = 0; h < H; ++h) {
-            for (int32_t c = 0; c < d; ++c) qf[c] = LoadAsFloat(q.data() + (b * H + h) * row, c, dt);
+            for (int32_t c = 0; c < d; ++c)
+              qf[c] = LoadAsFloat(q.data() + (b * H + h) * row, c, dt);
             ApproximateScores(keys[b * hkv + h / G].view(), qf.data(), 0.125f, want.data());
             for (int32_t t = 0; t < lens[b]; ++t) {
               const float g = got[(static_cast<int64_t>(b) * H + h) * stride + t];

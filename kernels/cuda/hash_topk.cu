@@ -157,21 +157,11 @@ __device__ __forceinline__ void LoadSig(const uint32_t* k, uint32_t (&out)[W]) {
   for (int w = 0; w < W; ++w) out[w] = __ldg(k + w);
 }
 
-struct TopkGeom {
-  int n, k, s_end, w_begin, rest, kk;
-};
+using TopkGeom = SinkLocalTopK;
 
 __device__ __forceinline__ TopkGeom MakeGeom(const HashTopKParams& p, int b) {
-  TopkGeom g;
-  g.n = p.seq_lens[b];
-  g.k = p.top_k > 0 ? p.top_k
-                    : static_cast<int>(floor(static_cast<double>(p.top_k_fraction) * g.n + 0.5));
-  g.k = min(max(g.k, 0), g.n);
-  g.s_end = min(max(p.sink_tokens, 0), g.n);
-  g.w_begin = max(g.s_end, g.n - max(p.local_tokens, 0));
-  g.rest = g.w_begin - g.s_end;
-  g.kk = min(g.k, g.rest);
-  return g;
+  return MakeSinkLocalTopK(p.seq_lens[b], p.sink_tokens, p.local_tokens, p.top_k,
+                           p.top_k_fraction);
 }
 
 template <int W>

@@ -24,16 +24,11 @@ __global__ void __launch_bounds__(kThreads) ScoreTopKKernel(ScoreTopKParams p, i
   __shared__ uint32_t s_prefix;
   __shared__ int s_remaining;
   const int32_t b = blockIdx.y, h = blockIdx.x;
-  const int32_t n = p.seq_lens[b];
+  const SinkLocalTopK g =
+      MakeSinkLocalTopK(p.seq_lens[b], p.sink_tokens, p.local_tokens, p.top_k, p.top_k_fraction);
+  const int32_t n = g.n, s_end = g.s_end, w_begin = g.w_begin, rest = g.rest, chosen = g.kk;
   const float* scores = p.scores + (static_cast<int64_t>(b) * p.num_q_heads + h) * p.score_stride;
   int32_t* out = p.indices + (static_cast<int64_t>(b) * p.num_q_heads + h) * max_out;
-  const int32_t s_end = min(max(p.sink_tokens, 0), n);
-  const int32_t w_begin = max(s_end, n - max(p.local_tokens, 0));
-  const int32_t rest = w_begin - s_end;
-  const int64_t k64 = p.top_k > 0 ? p.top_k
-                                  : static_cast<int64_t>(floor(
-                                        static_cast<double>(p.top_k_fraction) * n + 0.5));
-  const int32_t chosen = k64 <= 0 ? 0 : k64 >= rest ? rest : static_cast<int32_t>(k64);
   for (int32_t t = threadIdx.x; t < s_end; t += kThreads) out[t] = t;
   int written = s_end;
   if (chosen == rest) {

@@ -16,9 +16,9 @@
 namespace kvsparse::kernels::cuda {
 
 struct ScoreTopKParams {
-  int32_t batch = 0;                  // B
-  int32_t num_q_heads = 0;            // H
-  const float* scores = nullptr;      // device, shape: [B, H, score_stride] (finite)
+  int32_t batch = 0;              // B
+  int32_t num_q_heads = 0;        // H
+  const float* scores = nullptr;  // device, shape: [B, H, score_stride] (finite)
   int64_t score_stride = 0;
   const int32_t* seq_lens = nullptr;  // device, shape: [B]
   int32_t max_seq_len = 0;            // host upper bound of seq_lens

@@ -26,9 +26,9 @@ TEST(ScoreTopKCudaTest, EqualsTheCpuRule) {
   for (const Case& c : {Case{128, 128, 0, 1.f / 32}, Case{16, 64, 37, 0.f}, Case{0, 0, 0, 0.5f},
                         Case{4, 4, 0, 0.f}, Case{8, 8, 50000, 0.f}, Case{0, 300, 0, 1.f}}) {
     for (int values : {3, 50, 0}) {  // 0: continuous scores (few ties)
-      SCOPED_TRACE(testing::Message() << "sink " << c.sink << " local " << c.local << " top_k "
-                                      << c.top_k << " fraction " << c.fraction << " values "
-                                      << values);
+      SCOPED_TRACE(testing::Message()
+                   << "sink " << c.sink << " local " << c.local << " top_k " << c.top_k
+                   << " fraction " << c.fraction << " values " << values);
       std::mt19937 rng(c.sink * 7 + c.local + values);
       std::normal_distribution<float> z;
       std::uniform_int_distribution<int> pick(0, std::max(values - 1, 0));
@@ -63,9 +63,10 @@ TEST(ScoreTopKCudaTest, EqualsTheCpuRule) {
       std::vector<int32_t> want, scratch;
       for (int32_t b = 0; b < B; ++b) {
         const int32_t n = lens[b];
-        const int32_t k = c.top_k > 0 ? c.top_k
-                                      : static_cast<int32_t>(std::floor(
-                                            static_cast<double>(c.fraction) * n + 0.5));
+        const int32_t k =
+            c.top_k > 0
+                ? c.top_k
+                : static_cast<int32_t>(std::floor(static_cast<double>(c.fraction) * n + 0.5));
         for (int32_t h = 0; h < H; ++h) {
           const float* s = scores.data() + (static_cast<size_t>(b) * H + h) * n_max;
           const int32_t chosen = SelectSinkLocalTopK(s, n, c.sink, c.local, k, &want, &scratch);
