@@ -97,53 +97,60 @@ void CompressedKeys::Append(const void* row) {
   if (length_ - closed_ == c_.group_tokens) CloseGroup();
 }
 
-void CompressedKeys::CloseGroup() {
-  const int32_t G = c_.group_tokens, d = d_;
-  const uint32_t levels = (1u << c_.bits) - 1;
+void CompressKeyGroup(const KeyCompression& c, int32_t head_dim, DType dtype, const void* rows,
+                      uint8_t* block) {
+  const int32_t G = c.group_tokens, d = head_dim;
+  const int32_t words = d * c.bits / 32;
+  const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(dtype);
+  const uint32_t levels = (1u << c.bits) - 1;
   std::vector<float> k(static_cast<size_t>(G) * d);
   for (int32_t t = 0; t < G; ++t) {
-    for (int32_t c = 0; c < d; ++c) {
-      k[t * d + c] = LoadAsFloat(tail_.data() + t * row_bytes_, c, dtype_);
+    for (int32_t ch = 0; ch < d; ++ch) {
+      k[t * d + ch] = LoadAsFloat(static_cast<const uint8_t*>(rows) + t * row_bytes, ch, dtype);
     }
   }
-  const size_t block_bytes = KeyGroupBytes(c_, d);
-  std::unique_ptr<uint8_t[]> block(new uint8_t[block_bytes]());
-  uint32_t* codes = reinterpret_cast<uint32_t*>(block.get());
-  uint16_t* lo16 = reinterpret_cast<uint16_t*>(block.get() + static_cast<size_t>(G) * words_ * 4);
+  std::memset(block, 0, KeyGroupBytes(c, d));
+  uint32_t* codes = reinterpret_cast<uint32_t*>(block);
+  uint16_t* lo16 = reinterpret_cast<uint16_t*>(block + static_cast<size_t>(G) * words * 4);
   uint16_t* step16 = lo16 + d;
   uint16_t* err16 = lo16 + 2 * d;
   std::vector<float> lo(d), step(d);
-  for (int32_t c = 0; c < d; ++c) {
-    float mn = k[c], mx = k[c];
+  for (int32_t ch = 0; ch < d; ++ch) {
+    float mn = k[ch], mx = k[ch];
     for (int32_t t = 1; t < G; ++t) {
-      mn = std::min(mn, k[t * d + c]);
-      mx = std::max(mx, k[t * d + c]);
+      mn = std::min(mn, k[t * d + ch]);
+      mx = std::max(mx, k[t * d + ch]);
     }
-    lo16[c] = HalfNearest(mn);
-    lo[c] = Half(lo16[c]);
-    step16[c] = HalfUp(std::max(0.f, (mx - lo[c]) / static_cast<float>(levels)));
-    step[c] = Half(step16[c]);
+    lo16[ch] = HalfNearest(mn);
+    lo[ch] = Half(lo16[ch]);
+    step16[ch] = HalfUp(std::max(0.f, (mx - lo[ch]) / static_cast<float>(levels)));
+    step[ch] = Half(step16[ch]);
   }
   for (int32_t t = 0; t < G; ++t) {
-    uint32_t* w = codes + static_cast<size_t>(t) * words_;
+    uint32_t* w = codes + static_cast<size_t>(t) * words;
     double err2 = 0;
-    for (int32_t c = 0; c < d; ++c) {
-      const float x = k[t * d + c];
+    for (int32_t ch = 0; ch < d; ++ch) {
+      const float x = k[t * d + ch];
       uint32_t code = 0;
-      if (step[c] > 0.f) {
-        const float r = std::nearbyint((x - lo[c]) / step[c]);
+      if (step[ch] > 0.f) {
+        const float r = std::nearbyint((x - lo[ch]) / step[ch]);
         code = static_cast<uint32_t>(std::clamp(r, 0.f, static_cast<float>(levels)));
       }
-      const int64_t bit = static_cast<int64_t>(c) * c_.bits;
+      const int64_t bit = static_cast<int64_t>(ch) * c.bits;
       w[bit / 32] |= code << (bit % 32);
-      const double e = static_cast<double>(x) - (lo[c] + step[c] * static_cast<float>(code));
+      const double e = static_cast<double>(x) - (lo[ch] + step[ch] * static_cast<float>(code));
       err2 += e * e;
     }
     err16[t] = HalfBound(std::sqrt(err2));
   }
+}
+
+void CompressedKeys::CloseGroup() {
+  std::unique_ptr<uint8_t[]> block(new uint8_t[KeyGroupBytes(c_, d_)]);
+  CompressKeyGroup(c_, d_, dtype_, tail_.data(), block.get());
   block_ptrs_.push_back(block.get());
   blocks_.push_back(std::move(block));
-  closed_ += G;
+  closed_ += c_.group_tokens;
   tail_.clear();
   tail_.shrink_to_fit();
 }

@@ -57,6 +57,13 @@ size_t KeyGroupBytes(const KeyCompression& c, int32_t head_dim);
 size_t CompressedKeyBytes(const KeyCompression& c, int32_t head_dim, size_t row_bytes,
                           uint64_t tokens);
 
+// Quantizes one closed group: `rows` holds its c.group_tokens keys ([group, head_dim] of the
+// dtype), `block` receives KeyGroupBytes(c, head_dim) bytes in the layout above. What
+// CompressedKeys does as a group fills; a holder that keeps the blocks elsewhere (the GPU
+// worker's device) calls it directly, so both hold the same bits.
+void CompressKeyGroup(const KeyCompression& c, int32_t head_dim, DType dtype, const void* rows,
+                      uint8_t* block);
+
 // A read-only view of one (sequence, kv head)'s compressed keys.
 struct CompressedKeysView {
   int32_t bits = 0;

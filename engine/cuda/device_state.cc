@@ -2,9 +2,12 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/compressed_keys.h"
 #include "kernels/cuda/hash_topk.h"
 #include "kernels/hash_signatures.h"
 
@@ -69,7 +72,9 @@ void DeviceState::Free(DevBuf* b) {
 
 void DeviceState::FreeSequence(DeviceSequence* e) {
   for (DeviceLayer& l : e->layers) {
-    for (DevBuf* b : {&l.k, &l.v, &l.sig, &l.norms, &l.pages, &l.cache}) Free(b);
+    for (DevBuf* b : {&l.k, &l.v, &l.sig, &l.norms, &l.pages, &l.cache, &l.ck, &l.ck_tail}) {
+      Free(b);
+    }
   }
   e->layers.clear();
   bytes_ -= e->bytes;
@@ -368,15 +373,16 @@ absl::Status DeviceState::SyncRows(DeviceSequence* e, uint32_t layer_index,
   const bool has_k = desc.placement.k_tier == kvstore::Tier::kDevice;
   const bool has_v = desc.placement.v_tier == kvstore::Tier::kDevice;
   const int32_t words = static_cast<int32_t>(desc.placement.signature_bits / 32);
+  const bool compressed = desc.placement.compressed_key_bits > 0;
   const size_t hkv = desc.shape.num_kv_heads;
   const size_t row = desc.shape.row_bytes();
-  if (!has_k && !has_v && words == 0) {
+  if (!has_k && !has_v && words == 0 && !compressed) {
     l.length = target;
     return absl::OkStatus();
   }
   if (l.length >= target) return absl::OkStatus();
   if (absl::Status s = ReserveRows(e, &l, desc, target, busy); !s.ok()) return s;
-  const bool need_k = has_k || words > 0;
+  const bool need_k = has_k || words > 0 || compressed;
   const kvstore::RowKind kind = kvstore::RowKindOf(need_k, has_v);
   // Chunks of the rows read, as the CPU engine's ResidentCache takes them: the SimHash M is the
   // first chunk's, so both engines sign with the same M only if their chunks agree.
@@ -409,9 +415,79 @@ absl::Status DeviceState::SyncRows(DeviceSequence* e, uint32_t layer_index,
         return s;
       }
     }
+    if (compressed) {
+      if (absl::Status s = CompressKeys(e, &l, desc, t0, cnt, k_host, busy); !s.ok()) return s;
+    }
     KVS_CUDA_OK(cudaStreamSynchronize(stream_), "sync upload");  // staging is reused
     l.length += cnt;
     result->sync_bytes += kb + vb;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DeviceState::CompressKeys(DeviceSequence* e, DeviceLayer* l, const SequenceDesc& desc,
+                                       uint64_t t0, uint64_t cnt, const uint8_t* k_host,
+                                       absl::Span<const DeviceSequence* const> busy) {
+  const kernels::KeyCompression c{static_cast<int32_t>(desc.placement.compressed_key_bits),
+                                  kernels::kKeyGroupTokens};
+  const int32_t d = static_cast<int32_t>(desc.shape.head_dim);
+  const uint64_t G = static_cast<uint64_t>(c.group_tokens);
+  const size_t hkv = desc.shape.num_kv_heads, row = desc.shape.row_bytes();
+  const size_t block = kernels::KeyGroupBytes(c, d);
+  const uint64_t end = t0 + cnt;
+  const uint64_t g0 = t0 / G, g1 = end / G;  // groups [g0, g1) close with this chunk
+  auto no_copy = [](const DevBuf&, const DevBuf&) { return cudaSuccess; };
+  if (l->ck_tail.ptr == nullptr) {
+    if (absl::Status s = Regrow(e, &l->ck_tail, hkv * G * row, busy, no_copy); !s.ok()) return s;
+  }
+  if (g1 > l->ck_cap) {
+    const uint64_t cap = GrowRows(g1, l->ck_cap, 8), old_cap = l->ck_cap;
+    auto keep = [&](const DevBuf& to, const DevBuf& from) {
+      return g0 == 0 ? cudaSuccess
+                     : cudaMemcpy2DAsync(to.ptr, cap * block, from.ptr, old_cap * block, g0 * block,
+                                         hkv, cudaMemcpyDeviceToDevice, stream_);
+    };
+    if (absl::Status s = Regrow(e, &l->ck, hkv * cap * block, busy, keep); !s.ok()) return s;
+    l->ck_cap = cap;
+  }
+  if (g1 > g0) {
+    // The open group's rows before this chunk are on the device only: read them back.
+    const uint64_t before = t0 - g0 * G;
+    std::vector<uint8_t> head(hkv * before * row);
+    if (before > 0) {
+      KVS_CUDA_OK(cudaMemcpy2DAsync(head.data(), before * row, l->ck_tail.ptr, G * row,
+                                    before * row, hkv, cudaMemcpyDeviceToHost, stream_),
+                  "open group read-back");
+      KVS_CUDA_OK(cudaStreamSynchronize(stream_), "open group read-back");
+    }
+    // Each closing group quantized as the CPU engine's CompressedKeys does, heads and groups
+    // side by side on the fetch helpers.
+    const uint64_t groups = g1 - g0;
+    std::vector<uint8_t> blocks(hkv * groups * block);
+    fetchers_.Run(hkv * groups, [&](size_t i) {
+      const size_t j = i / groups;
+      const uint64_t g = g0 + i % groups;
+      std::vector<uint8_t> rows(G * row);
+      for (uint64_t t = g * G; t < (g + 1) * G; ++t) {
+        const uint8_t* src = t < t0 ? head.data() + (j * before + (t - g0 * G)) * row
+                                    : k_host + (j * cnt + (t - t0)) * row;
+        std::memcpy(rows.data() + (t - g * G) * row, src, row);
+      }
+      kernels::CompressKeyGroup(c, d, desc.shape.dtype, rows.data(), blocks.data() + i * block);
+    });
+    // From pageable memory: the copy has read `blocks` when it returns.
+    KVS_CUDA_OK(
+        cudaMemcpy2DAsync(l->ck.as<uint8_t>() + g0 * block, l->ck_cap * block, blocks.data(),
+                          groups * block, groups * block, hkv, cudaMemcpyHostToDevice, stream_),
+        "compressed keys upload");
+  }
+  // The chunk's tokens of the (new) open group, exact.
+  const uint64_t open = g1 * G, from = std::max(t0, open);
+  if (end > from) {
+    KVS_CUDA_OK(cudaMemcpy2DAsync(l->ck_tail.as<uint8_t>() + (from - open) * row, G * row,
+                                  k_host + (from - t0) * row, cnt * row, (end - from) * row, hkv,
+                                  cudaMemcpyHostToDevice, stream_),
+                "open group upload");
   }
   return absl::OkStatus();
 }

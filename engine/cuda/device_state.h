@@ -7,7 +7,10 @@
 //     kv head: kernels read the selected rows in place over the host link (zero-copy, no staging
 //     copy; the store's memory must be pinned and mapped);
 //   - HashAttention's row cache: the rows selected at the last step, a fraction of the tokens
-//     per kv head (consecutive steps select mostly the same rows, which then stay on the device).
+//     per kv head (consecutive steps select mostly the same rows, which then stay on the device);
+//   - compressed keys (compressed_key_bits > 0): a few bits per key channel, quantized on the
+//     host as each group of tokens closes (kernels::CompressKeyGroup: the CPU engine's bits), the
+//     open group's rows exact, so top-k scores every token without K on the device.
 // All of it is a cache of the store: brought up to the store's length on demand (a prefill
 // written straight to the store, or the engine's appended token), rebuilt when the sequence's
 // incarnation changes; idle sequences are evicted, least recently used first, to stay under the
@@ -53,6 +56,11 @@ struct DeviceLayer {
   // says.
   DevBuf cache;
   int32_t cache_cap = 0;
+  // Compressed keys (placement.compressed_key_bits > 0): the closed groups' blocks per kv head,
+  // [Hkv][ck_cap][KeyGroupBytes] (kernels/compressed_keys.h's layout; every group of tokens
+  // [0, length) that is full is closed), and the open group's exact rows [Hkv][group][d].
+  DevBuf ck, ck_tail;
+  uint64_t ck_cap = 0;  // blocks allocated per kv head
 };
 
 struct DeviceSequence {
@@ -171,6 +179,11 @@ class DeviceState {
   absl::Status SignKeys(DeviceSequence* e, DeviceLayer* l, uint32_t layer_index,
                         const SequenceDesc& desc, uint64_t t0, uint64_t cnt, const uint8_t* k_host,
                         absl::Span<const DeviceSequence* const> busy);
+  // Compresses the keys of tokens [t0, t0 + cnt) of a layer (K rows in k_host, head-major):
+  // quantizes the groups that close, keeps the open group's rows exact.
+  absl::Status CompressKeys(DeviceSequence* e, DeviceLayer* l, const SequenceDesc& desc,
+                            uint64_t t0, uint64_t cnt, const uint8_t* k_host,
+                            absl::Span<const DeviceSequence* const> busy);
   // Brings a host half's page list up to `target` tokens.
   absl::Status SyncPages(DeviceSequence* e, uint32_t layer_index, const SequenceDesc& desc,
                          const kvstore::PageView& view, uint64_t target,

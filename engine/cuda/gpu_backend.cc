@@ -57,6 +57,7 @@ class GpuBackend final : public DecodeBackend {
     for (const SequenceDesc& d : descs) {
       if (d.placement.k_tier != d0.placement.k_tier || d.placement.v_tier != d0.placement.v_tier ||
           d.placement.signature_bits != d0.placement.signature_bits ||
+          d.placement.compressed_key_bits != d0.placement.compressed_key_bits ||
           d.page_tokens != d0.page_tokens || !SupportsShape(call, d) ||
           !runner->Supports(call.method, d, caps_)) {
         return false;

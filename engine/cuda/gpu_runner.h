@@ -95,6 +95,7 @@ const GpuRunner& SantaRunner();
 const GpuRunner& HashTopKRunner();
 const GpuRunner& VAttentionRunner();
 const GpuRunner& SaapRunner();
+const GpuRunner& TopKRunner();
 
 }  // namespace kvsparse::engine::gpu
 

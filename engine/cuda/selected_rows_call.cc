@@ -52,6 +52,7 @@ void SelectedRowsCall::FillTables(LaunchPlan& lp) {
       t[4][i] = cb + cl.v + row * j * l.cache_cap;
     }
   }
+  FillSelectionTables(lp);
 }
 
 absl::Status SelectedRowsCall::Enqueue(LaunchPlan& lp, Carver& c) {
@@ -168,7 +169,6 @@ void SelectedRowsCall::FillScratchTables(LaunchPlan& lp) {
 void SelectedRowsCall::Stats(const LaunchPlan& lp, int32_t b, int32_t j, HeadStats* hs) const {
   const int32_t* st = lp.host_stats();
   const int32_t BH = lp.BH, i = b * lp.hkv + j;
-  const uint64_t n = static_cast<uint64_t>(lp.len(b));
   const uint64_t fetched = static_cast<uint64_t>(st[i]);  // the union's rows
   const uint64_t hits = static_cast<uint64_t>(st[3 * BH + i]);
   for (int32_t g = 0; g < lp.G; ++g) {
@@ -177,7 +177,7 @@ void SelectedRowsCall::Stats(const LaunchPlan& lp, int32_t b, int32_t j, HeadSta
   }
   hs->rows_fetched = fetched;
   hs->rows_cached = hits;
-  hs->bytes[kDeviceTier] += n * lp.words * 4 + hits * 2 * lp.row;
+  hs->bytes[kDeviceTier] += SelectionDeviceBytes(lp, b) + hits * 2 * lp.row;
   hs->bytes[lp.k_tier()] += (fetched - hits) * lp.row;
   hs->bytes[lp.v_tier()] += (fetched - hits) * lp.row;
 }

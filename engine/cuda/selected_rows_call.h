@@ -48,6 +48,13 @@ class SelectedRowsCall : public MethodCall {
   virtual absl::StatusOr<int32_t> PlanSelection(LaunchPlan& lp) = 0;
   // Carves the selection's own buffers and, in the run pass, enqueues its kernels.
   virtual absl::Status EnqueueSelection(LaunchPlan& lp, Carver& c, const Selection& s) = 0;
+  // The entries of host tables the selection added in PlanSelection (after the shared ones).
+  virtual void FillSelectionTables(LaunchPlan& lp) {}
+  // Device bytes the selection reads for sequence b per kv head: by default every token's key
+  // signature (hash top-k, SAAP buckets).
+  virtual uint64_t SelectionDeviceBytes(const LaunchPlan& lp, int32_t b) const {
+    return static_cast<uint64_t>(lp.len(b)) * lp.words * 4;
+  }
 
  private:
   // The row cache's tables per (b, j), in this order: tokens, slots, count, K rows, V rows.

@@ -21,8 +21,8 @@ absl::Span<const MethodEntry> Table() {
       {MethodKind::kVAttention, "vattention", &VAttentionUnit(),
        KVSPARSE_GPU_RUNNER(VAttentionRunner)},
       {MethodKind::kSaap, "saap", &SaapUnit(), KVSPARSE_GPU_RUNNER(SaapRunner)},
-      // No GPU path yet: the CPU engine serves it (with compressed keys in the worker's memory).
-      {MethodKind::kTopK, "top_k", &TopKUnit(), nullptr},
+      // Compressed-key scores on the GPU; exact scores (the oracle) on the CPU engine.
+      {MethodKind::kTopK, "top_k", &TopKUnit(), KVSPARSE_GPU_RUNNER(TopKRunner)},
   };
   return kMethods;
 }

@@ -40,7 +40,7 @@ __global__ void CompressedScoresKernel(CompressedScoreParams p) {
     }
     return;
   }
-  const uint8_t* block = p.group_blocks[slot * p.max_groups + g];
+  const uint8_t* block = p.group_heads[slot] + static_cast<int64_t>(g) * p.block_bytes;
   const int32_t words = d * p.bits / 32;
   const uint32_t* codes = reinterpret_cast<const uint32_t*>(block);
   const uint16_t* lo =
@@ -75,7 +75,10 @@ cudaError_t CompressedScores(const CompressedScoreParams& p, cudaStream_t stream
   if (p.num_seqs < 0 || p.num_kv_heads <= 0 || p.num_q_heads <= 0 ||
       p.num_q_heads % p.num_kv_heads != 0 || p.head_dim <= 0 || p.head_dim > 1024 ||
       (p.bits != 1 && p.bits != 2 && p.bits != 4 && p.bits != 8) ||
-      (p.head_dim * p.bits) % 32 != 0 || p.group <= 0 || p.group > 1024 || p.max_groups < 0) {
+      (p.head_dim * p.bits) % 32 != 0 || p.group <= 0 || p.group > 1024 || p.max_groups < 0 ||
+      p.block_bytes % 4 != 0 ||
+      p.block_bytes < static_cast<int64_t>(p.group) * (p.head_dim * p.bits / 8 + 2) +
+                          4 * static_cast<int64_t>(p.head_dim)) {
     return cudaErrorInvalidValue;
   }
   if (p.num_seqs == 0) return cudaSuccess;

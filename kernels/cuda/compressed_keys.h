@@ -27,9 +27,10 @@ struct CompressedScoreParams {
   DType dtype = DType::kBf16;  // of q and of the open group's exact rows
   float scale = 0.f;
   const void* q = nullptr;  // device, shape: [B, H, d]
-  // device, shape: [B * Hkv, max_groups]: block of closed group g of (b, kv head j) at
-  // group_blocks[(b * Hkv + j) * max_groups + g] (kernels/compressed_keys.h's layout).
-  const uint8_t* const* group_blocks = nullptr;
+  // device, shape: [B * Hkv]: the closed groups' blocks of (b, kv head j), contiguous: group
+  // g's block (kernels/compressed_keys.h's layout) at group_heads[b * Hkv + j] + g * block_bytes.
+  const uint8_t* const* group_heads = nullptr;
+  int64_t block_bytes = 0;  // KeyGroupBytes({bits, group}, head_dim), or more (a multiple of 4)
   // device, shape: [B * Hkv]: the open group's exact rows [open, d] of (b, j).
   const void* const* tails = nullptr;
   const int32_t* seq_lens = nullptr;  // device, shape: [B]: tokens scored (closed + open)

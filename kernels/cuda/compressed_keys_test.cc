@@ -42,17 +42,19 @@ TEST(CompressedScoresCudaTest, EqualsTheCpuReference) {
           }
           max_groups = std::max(max_groups, lens[b] / kKeyGroupTokens);
         }
+        // Each (b, j)'s blocks contiguous, max_groups of them (the device state's layout).
         const size_t block = KeyGroupBytes({bits, kKeyGroupTokens}, d);
         std::vector<DeviceBuffer> bufs;
-        std::vector<const uint8_t*> block_ptrs(keys.size() * max_groups, nullptr);
+        std::vector<const uint8_t*> head_ptrs(keys.size(), nullptr);
         std::vector<const void*> tail_ptrs(keys.size(), nullptr);
         for (size_t s = 0; s < keys.size(); ++s) {
           const CompressedKeysView v = keys[s].view();
+          std::vector<uint8_t> blocks(std::max<size_t>(1, max_groups) * block, 0);
           for (int64_t g = 0; g < v.closed / v.group; ++g) {
-            bufs.emplace_back(block);
-            ASSERT_EQ(bufs.back().Upload(v.groups[g], block), cudaSuccess);
-            block_ptrs[s * max_groups + g] = bufs.back().as<uint8_t>();
+            std::memcpy(blocks.data() + g * block, v.groups[g], block);
           }
+          bufs.push_back(ToDevice(blocks));
+          head_ptrs[s] = bufs.back().as<uint8_t>();
           const size_t open = static_cast<size_t>(v.length - v.closed);
           bufs.emplace_back(std::max<size_t>(open * row, 16));
           if (open > 0) {
@@ -60,7 +62,7 @@ TEST(CompressedScoresCudaTest, EqualsTheCpuReference) {
           }
           tail_ptrs[s] = bufs.back().get();
         }
-        DeviceBuffer dq = ToDevice(q), dblocks = ToDevice(block_ptrs), dtails = ToDevice(tail_ptrs);
+        DeviceBuffer dq = ToDevice(q), dheads = ToDevice(head_ptrs), dtails = ToDevice(tail_ptrs);
         DeviceBuffer dlens = ToDevice(lens);
         const int64_t stride = 1024;
         DeviceBuffer dscores(static_cast<size_t>(B) * H * stride * sizeof(float));
@@ -76,7 +78,8 @@ TEST(CompressedScoresCudaTest, EqualsTheCpuReference) {
         p.dtype = dt;
         p.scale = 0.125f;
         p.q = dq.get();
-        p.group_blocks = dblocks.as<const uint8_t*>();
+        p.group_heads = dheads.as<const uint8_t*>();
+        p.block_bytes = static_cast<int64_t>(block);
         p.tails = dtails.as<const void*>();
         p.seq_lens = dlens.as<int32_t>();
         p.scores = dscores.as<float>();
@@ -108,6 +111,7 @@ TEST(CompressedScoresCudaTest, RefusesBadShapes) {
   p.num_q_heads = 8;
   p.num_kv_heads = 3;
   p.head_dim = 128;
+  p.block_bytes = 1 << 20;  // only the parameter under test is wrong below
   EXPECT_EQ(CompressedScores(p, nullptr), cudaErrorInvalidValue);
   p.num_kv_heads = 2;
   p.bits = 3;
@@ -115,6 +119,14 @@ TEST(CompressedScoresCudaTest, RefusesBadShapes) {
   p.bits = 1;
   p.head_dim = 48;  // 48 bits: not whole words
   EXPECT_EQ(CompressedScores(p, nullptr), cudaErrorInvalidValue);
+  p.head_dim = 128;
+  p.block_bytes = static_cast<int64_t>(KeyGroupBytes({1, p.group}, 128)) - 4;  // blocks overlap
+  EXPECT_EQ(CompressedScores(p, nullptr), cudaErrorInvalidValue);
+  p.block_bytes += 6;  // large enough, not a multiple of 4: the codes' words misaligned
+  EXPECT_EQ(CompressedScores(p, nullptr), cudaErrorInvalidValue);
+  p.block_bytes -= 2;
+  p.num_seqs = 0;  // a valid shape with nothing to score: accepted, nothing launched
+  EXPECT_EQ(CompressedScores(p, nullptr), cudaSuccess);
 }
 
 }  // namespace

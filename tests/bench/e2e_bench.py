@@ -25,7 +25,8 @@ one process on one GPU:
 
 Methods: dense (every row from host memory), prop (S2ANTA-prop S=128, K on the GPU, V in host
 memory), hash (HashAttention top-k 1.25% per head from host memory, 4% row cache), vatt
-(vAttention eps = delta = 0.05, hash predictor).
+(vAttention eps = delta = 0.05, hash predictor), ckeys (top-k 1/32 per head by 2-bit compressed
+keys on the GPU, K and V in host memory, 4% row cache).
 
 Each variant's cache is filled with n random tokens per sequence and layer (the context a
 prefill would leave; not timed), then decoding runs `--warmup` untimed and `--steps` timed
@@ -63,6 +64,7 @@ METHODS: dict[str, kvsparse.Method] = {
     "prop": kvsparse.Santa(samples=128, allocation="prop"),
     "hash": kvsparse.HashTopK(top_k_fraction=0.0125, sink_tokens=128, local_tokens=128),
     "vatt": kvsparse.VAttention(epsilon=0.05, delta=0.05),
+    "ckeys": kvsparse.TopK(top_k_fraction=1 / 32, sink_tokens=128, local_tokens=128),
 }
 
 
@@ -371,15 +373,15 @@ def main() -> None:
                     f"{row.kv_gpu_gb:.2f} | {row.host_mb_per_token:.1f} | {row.fetched_fraction:.3f} | {row.note} |",
                     flush=True,
                 )
+                if args.json:  # after every row: a run cut short keeps what it measured
+                    with open(args.json, "w") as f:
+                        json.dump([asdict(r) for r in rows], f, indent=1)
     for e in engines.values():
         e.close()
     for srv in {id(s): s for s in server.values()}.values():  # "store" and "split-store" are one
         srv.stop()
     if os.path.exists(f"/dev/shm/kvsparse-e2e-{os.getpid()}"):
         os.remove(f"/dev/shm/kvsparse-e2e-{os.getpid()}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in rows], f, indent=1)
 
 
 if __name__ == "__main__":

@@ -221,6 +221,19 @@ Method VAttentionMethod() {
   return m;
 }
 
+// Top-k by scores: sink and window as given, top-k a fraction (or a count) of the tokens.
+Method TopKMethod(float top_k_fraction, int32_t top_k = 0, int32_t sink = 16, int32_t local = 32,
+                  kernels::ScoreSource source = kernels::ScoreSource::kCompressedKeys) {
+  Method m;
+  m.kind = MethodKind::kTopK;
+  m.top_k.sink_tokens = sink;
+  m.top_k.local_tokens = local;
+  m.top_k.top_k_fraction = top_k_fraction;
+  m.top_k.top_k = top_k;
+  m.top_k.source = source;
+  return m;
+}
+
 // SANTA variant 0: iid; 1: S2ANTA-prop; 2: S2ANTA-flash; S samples per query head.
 Method SantaMethod(int variant, int32_t samples) {
   Method m;
@@ -328,6 +341,42 @@ TEST_F(GpuEngineTest, HashTopKAndTheRowCache) {
     // only rows and output are compared.)
     Compare(*rig, prob, HashMethod(0.f, 10, 16, 32), {8e-3, false, 0},
             "hash, smaller selection, placement " + std::to_string(pl));
+  }
+}
+
+// Top-k by compressed-key scores with K and V in host memory (the offloaded case) and on the
+// device: the GPU's scores equal the CPU reference's bit for bit, so both engines select the same
+// rows, fetch them and count the same bytes (the compressed keys' blocks and open rows read on
+// the device); lengths below one group, on a group boundary and ragged; a repeated step reads
+// every row from the row cache. Exact scores (the oracle reads every key) stay on the CPU engine.
+TEST_F(GpuEngineTest, TopKByCompressedKeys) {
+  for (int pl = 0; pl < 3; ++pl) {
+    // pl 1: the store read in chunks of 400 tokens (100 KB of fp16 K rows, d = 64, 2 kv heads):
+    // groups of 128 straddle the chunks (part of a closing group is read back from the device).
+    auto rig = Rig::Make(1ull << 30, 1.0, false, pl == 1 ? 100 << 10 : 32 << 20);
+    ASSERT_NE(rig, nullptr);
+    kvstore::Placement p;
+    p.compressed_key_bits = pl == 0 ? 2 : pl == 1 ? 1 : 4;
+    if (pl == 2) p.k_tier = p.v_tier = Tier::kDevice;
+    auto prob =
+        Problem({4000, 50, 1792, 128}, pl == 1 ? DType::kFp16 : DType::kBf16, pl == 1 ? 64 : 128);
+    rig->Load(prob, p);
+    const std::string what = "top-k, compressed keys, placement " + std::to_string(pl);
+    const Method m = TopKMethod(0.05f);
+    Compare(*rig, prob, m, {8e-3, true, 0}, what);
+    auto g = rig->gpu->Decode(Call(prob, m));
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_GT(g->timing.launch_seconds, 0.0) << what << ": on the GPU";
+    for (const HeadStats& hs : g->heads) {
+      EXPECT_EQ(hs.rows_cached, hs.rows_fetched) << what;
+      EXPECT_EQ(hs.bytes[static_cast<int>(Tier::kHost)], 0u) << what;
+    }
+    Compare(*rig, prob, TopKMethod(0.f, 10), {8e-3, false, 0}, what + ", smaller selection");
+    const Method oracle = TopKMethod(0.05f, 0, 16, 32, kernels::ScoreSource::kExact);
+    Compare(*rig, prob, oracle, {8e-3, true, 0}, what + ", exact scores");
+    auto o = rig->gpu->Decode(Call(prob, oracle));
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_EQ(o->timing.launch_seconds, 0.0) << what << ": exact scores on the CPU engine";
   }
 }
 
@@ -478,6 +527,7 @@ TEST_F(GpuEngineTest, StoreInAnotherProcess) {
     p.k_tier = pl == 1 || pl == 2 ? Tier::kDevice : Tier::kHost;
     p.v_tier = pl == 2 ? Tier::kDevice : Tier::kHost;
     p.signature_bits = pl == 0 || pl == 3 ? 32 : 0;
+    p.compressed_key_bits = pl == 0 || pl == 3 ? 2 : 0;
     auto prob = Problem({3000, 1, 700});
     rig->Load(prob, p);
     Compare(*rig, prob, Method{}, {6e-3, true, 0}, "apart dense placement " + std::to_string(pl));
@@ -499,6 +549,12 @@ TEST_F(GpuEngineTest, StoreInAnotherProcess) {
         EXPECT_EQ(hs.rows_cached, hs.rows_fetched);
         EXPECT_EQ(hs.bytes[static_cast<int>(Tier::kRemote)], 0u);
       }
+      // Top-k by compressed keys: the selected rows staged from the store.
+      const Method tk = TopKMethod(0.05f);
+      Compare(*rig, prob, tk, {8e-3, true, 0}, "apart top-k, placement " + std::to_string(pl));
+      auto t = rig->gpu->Decode(Call(prob, tk));
+      ASSERT_TRUE(t.ok()) << t.status();
+      EXPECT_GT(t->timing.launch_seconds, 0.0) << "top-k over a remote store on the GPU";
       // vAttention: both parts of the union staged from the store, on the GPU.
       const Method v = VAttentionMethod();
       Compare(*rig, prob, v, {0.02, false, 0.02},
@@ -543,7 +599,9 @@ TEST_F(GpuEngineTest, AppendedTokensAreSynced) {
   kvstore::Placement p;
   p.k_tier = Tier::kDevice;
   p.signature_bits = 32;
-  auto prob = Problem({255, 1024});  // page and capacity boundaries are crossed
+  p.compressed_key_bits = 2;
+  // Page and capacity boundaries are crossed, and a compressed-key group closes (token 255).
+  auto prob = Problem({255, 1024});
   a->Load(prob, p);
   b->Load(prob, p);
   const kernels::DecodeProblem& dp = prob.problem;
@@ -555,13 +613,15 @@ TEST_F(GpuEngineTest, AppendedTokensAreSynced) {
       kernels::StoreFromFloat(nk.data(), i, DType::kBf16, x);
       kernels::StoreFromFloat(nv.data(), i, DType::kBf16, y);
     }
-    for (int method = 0; method < 3; ++method) {
+    for (int method = 0; method < 4; ++method) {
       Method m;
       if (method == 1) {
         m.kind = MethodKind::kSanta;
         m.santa.samples = 64;
       } else if (method == 2) {
         m = HashMethod(0.f, 20, 4, 8);
+      } else if (method == 3) {
+        m = TopKMethod(0.f, 20, 4, 8);
       }
       DecodeCall ca = Call(prob, m), cb = Call(prob, m);
       if (method == 0) {  // one appending call per step
