@@ -33,7 +33,7 @@ import threading
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import AttentionInterface
@@ -41,10 +41,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvsparse.client import Client, DecodeStream
 from kvsparse.methods import Dense, Method, ModelShape, Placement, placement_for
+from kvsparse.transport import Transport, make_transport, step_seed
 
 if TYPE_CHECKING:
+    from kvsparse.client import Client
     from kvsparse.ops import InProcessEngine
 
 ATTN_IMPLEMENTATION = "kvsparse"
@@ -77,105 +78,6 @@ class CacheStats:
     def fetched_fraction(self) -> float:
         """Bytes fetched over what dense attention would have read (1.0 for dense from host)."""
         return self.bytes_fetched / self.dense_equivalent_bytes if self.dense_equivalent_bytes else 0.0
-
-
-@dataclass
-class StepStats:
-    """What one decode call read: bytes fetched across the boundary (host memory, another
-    process), bytes read on the worker's device, dense-equivalent bytes, rows fetched."""
-
-    bytes_fetched: int = 0
-    bytes_device: int = 0
-    dense_equivalent_bytes: int = 0
-    rows_fetched: int = 0
-
-
-class Transport(Protocol):
-    """How a KvSparseCache reaches kvsparse: gRPC or the in-process engine."""
-
-    def create(self, sequence_id: str, shape: ModelShape, placement: Placement) -> None: ...
-    def append(self, sequence_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, expected: int) -> None: ...
-    def decode(
-        self, layer: int, ids: list[str], q: torch.Tensor, method: Method,
-        new_k: torch.Tensor, new_v: torch.Tensor, seed: int, scale: float,
-    ) -> tuple[torch.Tensor, StepStats]: ...
-    def lengths(self, sequence_id: str) -> list[int]: ...
-    def close(self, sequence_ids: list[str]) -> None: ...
-
-
-class GrpcTransport:
-    """kvsparse-server over gRPC: q, new K/V and the output cross as protobuf."""
-
-    def __init__(self, target: str | Client, timeout: float, stream: bool) -> None:
-        self.own = not isinstance(target, Client)
-        self.client = Client(target, timeout=timeout) if isinstance(target, str) else target
-        self.stream: DecodeStream | None = self.client.attention.stream() if stream else None
-
-    def create(self, sequence_id: str, shape: ModelShape, placement: Placement) -> None:
-        self.client.store.create_sequence(sequence_id, shape, placement)
-
-    def append(self, sequence_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, expected: int) -> None:
-        self.client.store.append(sequence_id, k[None], v[None], first_layer=layer, expected_length=expected)
-
-    def decode(self, layer, ids, q, method, new_k, new_v, seed, scale):  # type: ignore[no-untyped-def]
-        call = self.stream.decode if self.stream is not None else self.client.attention.decode
-        r = call(layer, ids, q, method, new_k=new_k, new_v=new_v, seed=seed, scale=scale)
-        s = StepStats(r.bytes_fetched, r.bytes_device, r.dense_equivalent_bytes, r.rows_fetched)
-        return r.output, s
-
-    def lengths(self, sequence_id: str) -> list[int]:
-        return self.client.store.sequence_info(sequence_id).layer_lengths
-
-    def close(self, sequence_ids: list[str]) -> None:
-        try:
-            if self.stream is not None:
-                self.stream.close()
-            for sid in sequence_ids:
-                try:
-                    self.client.store.drop_sequence(sid)
-                except Exception:  # the server may be gone; nothing else to free
-                    pass
-        finally:
-            if self.own:
-                self.client.close()
-
-
-class InProcessTransport:
-    """The engine in this process (kvsparse.ops): CUDA q and output stay on the device."""
-
-    def __init__(self, engine: "InProcessEngine") -> None:
-        self.engine = engine
-
-    def create(self, sequence_id: str, shape: ModelShape, placement: Placement) -> None:
-        self.engine.create_sequence(sequence_id, shape, placement)
-
-    def append(self, sequence_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, expected: int) -> None:
-        self.engine.append(sequence_id, layer, k, v, expected)
-
-    def decode(self, layer, ids, q, method, new_k, new_v, seed, scale):  # type: ignore[no-untyped-def]
-        out, stats = self.engine.decode(layer, ids, q, method, new_k=new_k, new_v=new_v, seed=seed, scale=scale)
-        col = stats.sum(0).tolist()  # STAT_COLUMNS
-        return out, StepStats(col[3] + col[5], col[4], col[6], col[1])
-
-    def lengths(self, sequence_id: str) -> list[int]:
-        return self.engine.layer_lengths(sequence_id)
-
-    def close(self, sequence_ids: list[str]) -> None:
-        for sid in sequence_ids:
-            try:
-                self.engine.drop_sequence(sid)
-            except Exception:  # the engine may be closed already
-                pass
-
-
-def make_transport(target: Any, timeout: float, stream: bool) -> Transport:
-    if isinstance(target, (str, Client)):
-        return GrpcTransport(target, timeout, stream)
-    from kvsparse.ops import InProcessEngine
-
-    if isinstance(target, InProcessEngine):
-        return InProcessTransport(target)
-    raise TypeError(f"target must be an address, a kvsparse.Client or an InProcessEngine, not {type(target)}")
 
 
 class KvSparseLayer(CacheLayerMixin):
@@ -390,7 +292,7 @@ class KvSparseCache(Cache):
         q = query[:, :, 0, :]
         new_k, new_v = staged.key[:, :, 0, :], staged.value[:, :, 0, :]
         position = self._layer(layer_idx).length
-        seed = _mix(self.seed, position, layer_idx)
+        seed = step_seed(self.seed, position, layer_idx)
         try:
             out, step = self.transport.decode(
                 layer_idx, self.sequence_ids, q, self.method, new_k, new_v, seed, float(scaling) if scaling else 0.0
@@ -405,17 +307,6 @@ class KvSparseCache(Cache):
         s.dense_equivalent_bytes += step.dense_equivalent_bytes
         s.rows_fetched += step.rows_fetched
         return out.to(query.dtype).unsqueeze(1)
-
-
-def _mix(seed: int, position: int, layer: int) -> int:
-    """A 63-bit seed per (step, layer) from the cache's seed (splitmix64 finaliser; 63 bits so
-    that both transports take it as it is)."""
-    x = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + layer * 0x94D049BB133111EB) & (2**64 - 1)
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & (2**64 - 1)
-    return (x ^ (x >> 31)) & (2**63 - 1)
 
 
 def _valid_keys(attention_mask: torch.Tensor, key: torch.Tensor) -> torch.Tensor:

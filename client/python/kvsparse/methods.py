@@ -7,8 +7,9 @@ method needs of a sequence is ``placement_for(method)``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Any, Literal, Union, cast
 
 from kvsparse.tensors import proto_dtype
 from kvsparse.v1 import attention_pb2, tensor_pb2
@@ -229,3 +230,44 @@ def placement_for(method: Method, signature_bits: int = 32, compressed_key_bits:
             return Placement(k_tier="device")
         return Placement(compressed_key_bits=compressed_key_bits)
     return Placement()
+
+
+METHOD_NAMES: dict[str, type] = {
+    "dense": Dense,
+    "santa": Santa,
+    "hash_top_k": HashTopK,
+    "vattention": VAttention,
+    "saap": Saap,
+    "top_k": TopK,
+}
+
+
+def parse_method(spec: str) -> Method:
+    """A method from its text form, ``name`` or ``name:field=value,field=value`` with the names
+    of the server's metrics labels (``dense``, ``santa``, ``hash_top_k``, ``vattention``,
+    ``saap``, ``top_k``) and the dataclass's fields, e.g. ``top_k:top_k_fraction=0.03125`` or
+    ``santa:samples=256,allocation=prop``. ValueError names what is wrong."""
+    name, _, params = spec.strip().partition(":")
+    cls = METHOD_NAMES.get(name.strip())
+    if cls is None:
+        raise ValueError(f"unknown method {name!r}: one of {', '.join(METHOD_NAMES)}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    defaults = cls()
+    kwargs: dict[str, Any] = {}
+    for part in filter(None, (p.strip() for p in params.split(","))):
+        key, eq, text = part.partition("=")
+        key = key.strip()
+        if not eq or key not in fields:
+            raise ValueError(f"{name}: {part!r} is not field=value of {', '.join(fields)}")
+        kind = type(getattr(defaults, key))
+        text = text.strip()
+        try:
+            if kind is bool:
+                if text.lower() not in ("0", "1", "true", "false"):
+                    raise ValueError(text)
+                kwargs[key] = text.lower() in ("1", "true")
+            else:
+                kwargs[key] = kind(text)
+        except ValueError:
+            raise ValueError(f"{name}: {key}={text!r} is not a {kind.__name__}") from None
+    return cast(Method, cls(**kwargs))

@@ -1,0 +1,121 @@
+"""The attention backend of kvsparse's vLLM plugin (kvsparse.vllm_plugin says how it is enabled
+and what it does): vLLM's CPU attention backend whose decode rows are answered by kvsparse.
+Imported by vLLM (through the backend registry) in its worker process only."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+
+from kvsparse.methods import ModelShape
+from kvsparse.transport import step_seed
+from kvsparse.vllm_plugin import BACKEND_NAME, ENV_SEED, WORKER
+
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class KvSparseImpl(CPUAttentionBackendImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes: Any = None, sliding_window: int | None = None, kv_cache_dtype: str = "auto",
+                 logits_soft_cap: float | None = None, *args: Any, **kwargs: Any) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                         logits_soft_cap, *args, **kwargs)
+        refused = {
+            "ALiBi": alibi_slopes is not None,
+            "sliding windows": sliding_window is not None,
+            "logits soft-capping": bool(logits_soft_cap),
+            "attention sinks": kwargs.get("sinks") is not None,
+            f"KV cache dtype {kv_cache_dtype}": kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"),
+        }
+        for what, present in refused.items():
+            if present:
+                raise NotImplementedError(f"kvsparse's vLLM plugin does not support {what} in this version")
+        config = get_current_vllm_config()
+        if config.cache_config.enable_prefix_caching:
+            raise ValueError(
+                "kvsparse's vLLM plugin needs prefix caching off (--no-enable-prefix-caching, or "
+                "enable_prefix_caching=False): a prefix vLLM reuses is not in the request's kvsparse sequence"
+            )
+        WORKER.num_layers = config.model_config.get_num_layers(config.parallel_config)
+        self.seed = int(os.environ.get(ENV_SEED, "0"))
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: Any, output: torch.Tensor, output_scale: Any = None,
+                output_block_scale: Any = None) -> torch.Tensor:
+        if attn_metadata is None:  # profiling run
+            return output
+        w = WORKER
+        li = extract_layer_index(layer.layer_name)
+        qsl = attn_metadata.query_start_loc.tolist()
+        seq_lens = attn_metadata.seq_lens.tolist()
+        rows = w.batch[: len(seq_lens)]
+        if len(rows) != len(seq_lens):
+            raise RuntimeError(f"kvsparse: {len(seq_lens)} rows in the batch, {len(rows)} request ids recorded")
+        shape = ModelShape(w.num_layers, self.num_heads, self.num_kv_heads, self.head_size, _DTYPES[query.dtype])
+        transport = w.transport()
+        decode: list[int] = []  # rows answered by kvsparse
+        prefill = False
+        for i, rid in enumerate(rows):
+            a, b = qsl[i], qsl[i + 1]
+            start = seq_lens[i] - (b - a)  # tokens before this step's
+            seq = w.sequence(rid, shape)
+            if seq.lengths[li] != start:
+                if start != 0:
+                    raise RuntimeError(
+                        f"kvsparse holds {seq.lengths[li]} tokens of request {rid} at layer {li}, vLLM's "
+                        f"context is {start}"
+                    )
+                seq = w.restart(rid, shape)  # preempted, recomputed from its first token
+            if b - a == 1 and start > 0:
+                decode.append(i)
+                continue
+            # A prompt (or a chunk of one): its K/V to the store, its attention vLLM's.
+            transport.append(seq.sequence_id, li, key[a:b], value[a:b], start)
+            seq.lengths[li] = start + b - a
+            prefill = True
+        if prefill or not decode:
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                            output_block_scale)
+        by_method: dict[Any, list[int]] = {}
+        for i in decode:
+            by_method.setdefault(w.sequences[rows[i]].method, []).append(i)
+        n = attn_metadata.num_actual_tokens
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        for method, idx in by_method.items():
+            tok = torch.tensor([qsl[i] for i in idx], dtype=torch.long)
+            ids = [w.sequences[rows[i]].sequence_id for i in idx]
+            q = query[tok].view(len(idx), self.num_heads, self.head_size)
+            new_k = key[tok].view(len(idx), self.num_kv_heads, self.head_size)
+            new_v = value[tok].view(len(idx), self.num_kv_heads, self.head_size)
+            result, _ = transport.decode(li, ids, q, method, new_k, new_v, step_seed(self.seed, w.step, li), self.scale)
+            out[tok] = result.to(out.dtype).view(len(idx), self.num_heads, self.head_size)
+            for i in idx:
+                w.sequences[rows[i]].lengths[li] += 1
+        return output
+
+
+class KvSparseMetadataBuilder(CPUAttentionMetadataBuilder):
+    pass
+
+
+class KvSparseBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return BACKEND_NAME
+
+    @staticmethod
+    def get_impl_cls() -> type:
+        return KvSparseImpl
+
+    @staticmethod
+    def get_builder_cls() -> type:
+        return KvSparseMetadataBuilder

@@ -1,0 +1,184 @@
+"""vLLM plugin: vLLM's decode attention through kvsparse, for dense (GQA) models.
+
+Install beside vLLM (``pip install "kvsparse[vllm]"``) and switch it on per deployment with
+environment variables (the plugin is a ``vllm.general_plugins`` entry point, loaded by every
+vLLM process; without ``KVSPARSE_VLLM_METHOD`` it does nothing):
+
+    KVSPARSE_VLLM_METHOD=top_k:top_k_fraction=0.03125   # the default method (parse_method's text)
+    KVSPARSE_VLLM_TARGET=127.0.0.1:50051                # a kvsparse-server, or "inprocess"
+    KVSPARSE_VLLM_SEED=0                                # the sampled methods' seed (default 0)
+    python -m vllm.entrypoints.openai.api_server --model ... --no-enable-prefix-caching
+
+A request may ask for another method: ``SamplingParams(extra_args={"kvsparse_method":
+"hash_top_k:top_k_fraction=0.05"})`` (``vllm_xargs`` in the OpenAI API).
+
+How it works (vLLM 0.32, the V1 model runner):
+- The attention backend (kvsparse.vllm_backend) is vLLM's own CPU backend with its decode rows
+  answered by kvsparse: each request of the batch has one kvsparse sequence (created the first
+  time the request is scheduled, with the placement its method reads); a prefill chunk's K/V
+  are appended to it in bulk and its attention is vLLM's; a decode row's query and new K/V go
+  to kvsparse in one Decode call per layer and method (the token is appended and attended to in
+  the same call), whose output replaces the row's.
+- Which request a batch row is comes from the model runner (its persistent batch's request
+  ids, recorded each step); requests that finish or are aborted have their sequences dropped
+  the step vLLM reports them; a request preempted and recomputed from its first token gets a
+  fresh sequence.
+- vLLM keeps its own paged KV cache as well: the plugin moves decode attention's reads to
+  kvsparse (bandwidth), not yet vLLM's KV budget (docs/VLLM.md says why, and what would).
+
+Limits of this version, each refused with a message: prefix caching (a prefix vLLM reuses
+would be missing from the request's sequence), sliding windows, ALiBi, logits soft-capping,
+attention sinks, quantized KV caches. The CPU platform only (vLLM's CPU build): on a CUDA vLLM
+the plugin refuses to start.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvsparse.methods import Method, ModelShape, parse_method, placement_for
+
+ENV_METHOD = "KVSPARSE_VLLM_METHOD"
+ENV_TARGET = "KVSPARSE_VLLM_TARGET"
+ENV_SEED = "KVSPARSE_VLLM_SEED"
+# The SamplingParams.extra_args key of a request's own method.
+EXTRA_ARG = "kvsparse_method"
+BACKEND_NAME = "KVSPARSE"
+BACKEND_PATH = "kvsparse.vllm_backend.KvSparseBackend"
+
+
+def enabled() -> bool:
+    return bool(os.environ.get(ENV_METHOD))
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: registers the attention backend when
+    KVSPARSE_VLLM_METHOD is set (checking it first), in each vLLM process; idempotent."""
+    if not enabled():
+        return
+    parse_method(os.environ[ENV_METHOD])  # a bad method stops vLLM here, with its reason
+    # The request ids of a batch come from the V1 model runner (the one vLLM's CPU build runs).
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    if not current_platform.is_cpu():
+        raise RuntimeError(
+            f"kvsparse's vLLM plugin runs on vLLM's CPU build in this version; unset {ENV_METHOD} "
+            "to run this vLLM without it"
+        )
+    if BACKEND_NAME not in AttentionBackendEnum.__members__:
+        register_backend(BACKEND_NAME, BACKEND_PATH)
+    # vLLM's CPU platform always answers its own backend (CPU_ATTN): point that name at ours.
+    register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
+    _record_batches()
+
+
+def _record_batches() -> None:
+    """Wraps the V1 model runner's per-step state update: after it, WORKER learns the batch's
+    request ids (the rows of the attention metadata, in order), the requests' methods and the
+    requests that finished."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    update = GPUModelRunner._update_states
+    if getattr(update, "_kvsparse", False):
+        return
+
+    def _update_states(self: Any, scheduler_output: Any) -> Any:
+        result = update(self, scheduler_output)
+        WORKER.on_step(list(self.input_batch.req_ids), scheduler_output.finished_req_ids, self.requests)
+        return result
+
+    _update_states._kvsparse = True  # type: ignore[attr-defined]
+    GPUModelRunner._update_states = _update_states
+
+
+@dataclass
+class _Sequence:
+    sequence_id: str
+    method: Method
+    lengths: list[int]  # tokens appended per layer
+
+
+@dataclass
+class Worker:
+    """The plugin's state in a vLLM worker process: the transport, each live request's
+    sequence, and the current batch's request ids."""
+
+    batch: list[str] = field(default_factory=list)
+    methods: dict[str, Method] = field(default_factory=dict)
+    sequences: dict[str, _Sequence] = field(default_factory=dict)
+    step: int = 0
+    num_layers: int = 0
+    _transport: Any = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def transport(self) -> Any:
+        if self._transport is None:
+            from kvsparse.transport import make_transport
+
+            target = os.environ.get(ENV_TARGET, "")
+            if not target:
+                raise RuntimeError(f"{ENV_TARGET} is not set: a kvsparse-server address, or 'inprocess'")
+            if target == "inprocess":
+                from kvsparse.ops import InProcessEngine
+
+                self._transport = make_transport(InProcessEngine(), timeout=60.0, stream=False)
+            else:
+                self._transport = make_transport(target, timeout=60.0, stream=False)
+            atexit.register(self.close)
+        return self._transport
+
+    def default_method(self) -> Method:
+        return parse_method(os.environ[ENV_METHOD])
+
+    def on_step(self, req_ids: list[str], finished: set[str], requests: dict[str, Any]) -> None:
+        with self._lock:
+            self.batch = req_ids
+            self.step += 1
+            for rid in finished:
+                self.drop(rid)
+                self.methods.pop(rid, None)
+            for rid in req_ids:
+                if rid not in self.methods:
+                    self.methods[rid] = self._method_of(requests.get(rid))
+
+    def _method_of(self, request: Any) -> Method:
+        params = getattr(request, "sampling_params", None)
+        extra = getattr(params, "extra_args", None) or {}
+        spec = extra.get(EXTRA_ARG)
+        return parse_method(spec) if spec else self.default_method()
+
+    def sequence(self, rid: str, shape: ModelShape) -> _Sequence:
+        seq = self.sequences.get(rid)
+        if seq is None:
+            method = self.methods.get(rid) or self.default_method()
+            sid = f"vllm-{uuid.uuid4().hex}"
+            self.transport().create(sid, shape, placement_for(method))
+            seq = _Sequence(sid, method, [0] * shape.num_layers)
+            self.sequences[rid] = seq
+        return seq
+
+    def restart(self, rid: str, shape: ModelShape) -> _Sequence:
+        """A request vLLM computes again from its first token (after a preemption)."""
+        self.drop(rid)
+        return self.sequence(rid, shape)
+
+    def drop(self, rid: str) -> None:
+        seq = self.sequences.pop(rid, None)
+        if seq is not None:
+            self.transport().drop([seq.sequence_id])
+
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.close([s.sequence_id for s in self.sequences.values()])
+            self.sequences.clear()
+            self._transport = None
+
+
+WORKER = Worker()

