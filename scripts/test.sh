@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Everything CI runs, on a fresh machine: install, build, all tests (GPU tests skip without a
-# GPU), the Python package's tests against the built server, then the kernels, the store and the
-# decode engine under AddressSanitizer+UBSan and the store and engine under ThreadSanitizer, the
-# libFuzzer targets of every request type for a few seconds each, and the layering check.
+# GPU), the Python package's tests against the built server, vLLM's CPU build generating through
+# kvsparse's plugin, then the kernels, the store and the decode engine under
+# AddressSanitizer+UBSan and the store and engine under ThreadSanitizer, the libFuzzer targets of
+# every request type for a few seconds each, and the layering check.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -22,6 +23,9 @@ ctest --test-dir build --output-on-failure -j "$(nproc)"
 
 step "Python package: client and Hugging Face generation against the server (build/venv)"
 bash scripts/python_test.sh
+
+step "vLLM plugin: vLLM's CPU build generating through the plugin and the server (build/vllm-venv)"
+bash scripts/vllm_test.sh
 
 step "ASan+UBSan: kernels, kvstore and the decode engine (build-asan/)"
 # UCX is not built with the sanitizers (its memory hooks and threads are not instrumented):
