@@ -1,7 +1,9 @@
 """One vLLM generation for the plugin tests (a process of its own: vLLM's backend registry and
 its engine are per process). Reads a JSON job from argv[1], prints one JSON line: the generated
 token ids per prompt, and seconds. The plugin is on when the environment enables it
-(KVSPARSE_VLLM_METHOD, KVSPARSE_VLLM_TARGET)."""
+(KVSPARSE_VLLM_METHOD, KVSPARSE_VLLM_TARGET); then it also reports how many requests the
+plugin began again after a preemption. "kv_cache_memory_bytes" in the job sizes vLLM's own KV
+cache (small: requests are preempted)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import os
 import sys
 import time
 
+JOB = json.loads(sys.argv[1])
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of vLLM's own KV cache
+if "kv_cache_memory_bytes" not in JOB:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of vLLM's own KV cache
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
@@ -20,7 +24,8 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 
 
 def main() -> None:
-    job = json.loads(sys.argv[1])
+    job = JOB
+    extra = {"kv_cache_memory_bytes": job["kv_cache_memory_bytes"]} if "kv_cache_memory_bytes" in job else {}
     llm = LLM(
         model=job["model"],
         dtype=job.get("dtype", "float32"),
@@ -32,6 +37,7 @@ def main() -> None:
         max_num_batched_tokens=job.get("max_num_batched_tokens", 256),
         block_size=32,
         seed=0,
+        **extra,
     )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
     methods = job.get("methods") or [None] * len(prompts)
@@ -43,7 +49,13 @@ def main() -> None:
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - t0
-    print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": seconds}))
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": seconds}
+    if os.environ.get("KVSPARSE_VLLM_METHOD"):  # the plugin ran in this process (one-process vLLM)
+        from kvsparse.vllm_plugin import WORKER
+
+        result["restarts"] = WORKER.restarts
+        result["timing"] = WORKER.timing
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

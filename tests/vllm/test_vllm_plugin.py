@@ -5,16 +5,22 @@ process of its own (tests/vllm/driver.py), with several requests of different le
 and leaving the batch and chunked prefill (256 tokens a step):
 - with the dense method the tokens equal vLLM's own attention backend's;
 - every sparse method generates, each request with its own method (SamplingParams.extra_args);
+- requests vLLM preempts and recomputes begin fresh sequences, and dense still gives vLLM's tokens;
 - finished requests leave no sequence in the store, also after 1,000 requests;
-- what the plugin cannot serve (prefix caching) stops vLLM with the reason.
+- what the plugin cannot serve (prefix caching) stops vLLM with the reason;
+- vLLM's OpenAI server (three processes) decodes through it, a request naming its method in
+  vllm_xargs, and kvsparse's counters appear on vLLM's /metrics.
 Run by scripts/vllm_test.sh (vLLM's venv); skipped where vLLM is not installed."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -108,6 +114,19 @@ def test_every_method_generates_each_request_its_own(model: str, server: kvspars
     store_is_empty(server.target)
 
 
+def test_preempted_requests_restart_in_fresh_sequences(model: str, server: kvsparse.LocalServer) -> None:
+    # vLLM's own KV cache holds 3,072 tokens (3 MiB at 1 KiB a token); 8 requests of 300 + 400
+    # tokens outgrow it, so vLLM preempts some and recomputes them from their first token.
+    job = dict(prompts=[[1] + [(7 * i + r) % 1000 + 3 for i in range(299)] for r in range(8)], max_tokens=[400] * 8,
+               kv_cache_memory_bytes=3 << 20, max_num_batched_tokens=512)
+    own = generate(model, None, **job)
+    through = generate(model, server.target, "dense", **job)
+    assert "error" not in own and "error" not in through, own.get("error", through.get("error"))
+    assert through["restarts"] > 0, "no request was preempted: the test needs a smaller cache"
+    assert through["tokens"] == own["tokens"]
+    store_is_empty(server.target)
+
+
 def test_a_thousand_requests_leave_no_sequence(model: str, server: kvsparse.LocalServer) -> None:
     prompts = [[1] + [(13 * i + r) % 1000 + 3 for i in range(7)] for r in range(1000)]
     out = generate(model, server.target, "top_k:top_k_fraction=0.5,sink_tokens=2,local_tokens=2", prompts=prompts,
@@ -123,3 +142,49 @@ def test_prefix_caching_is_refused_with_its_reason(model: str, server: kvsparse.
     assert "prefix caching" in out["error"]
     bad = generate(model, server.target, "top_k:no_such_field=1")
     assert "error" in bad and "no_such_field" in bad["error"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_openai_server_decodes_through_it_and_serves_its_metrics(model: str, server: kvsparse.LocalServer,
+                                                                  tmp_path: Path) -> None:
+    port = free_port()
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               PROMETHEUS_MULTIPROC_DIR=str(tmp_path), KVSPARSE_VLLM_METHOD="top_k:top_k_fraction=0.25",
+               KVSPARSE_VLLM_TARGET=server.target)
+    log = open(tmp_path / "api.log", "wb")
+    api = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype",
+                            "float32", "--max-model-len", "2048", "--enforce-eager", "--skip-tokenizer-init",
+                            "--no-enable-prefix-caching", "--port", str(port)], env=env, stdout=log,
+                           stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(base + "/health", timeout=2)
+                break
+            except OSError:
+                assert api.poll() is None, (tmp_path / "api.log").read_text()[-3000:]
+                time.sleep(1)
+        body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "return_token_ids": True,
+                "vllm_xargs": {"kvsparse_method": "dense"}}
+        req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
+                                     {"content-type": "application/json"})
+        answer = json.load(urllib.request.urlopen(req, timeout=120))
+        assert len(answer["choices"][0]["token_ids"]) == 8
+        metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+        # 7 decode steps (the first token comes from the prefill) x 2 layers, with the request's method.
+        assert 'kvsparse_decode_sequence_layers_total{method="dense"} 14.0' in metrics, metrics[-2000:]
+        assert 'kvsparse_decode_fetched_bytes_total{method="dense",tier="fetched"}' in metrics
+    finally:
+        api.terminate()
+        try:
+            api.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            api.kill()
+        log.close()
+    store_is_empty(server.target)

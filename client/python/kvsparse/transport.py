@@ -20,12 +20,14 @@ if TYPE_CHECKING:
 @dataclass
 class StepStats:
     """What one decode call read: bytes fetched across the boundary (host memory, another
-    process), bytes read on the worker's device, dense-equivalent bytes, rows fetched."""
+    process), bytes read on the worker's device, dense-equivalent bytes, rows fetched; and the
+    engine's own time for it where the transport reports it (gRPC: Timing.engine_seconds)."""
 
     bytes_fetched: int = 0
     bytes_device: int = 0
     dense_equivalent_bytes: int = 0
     rows_fetched: int = 0
+    engine_seconds: float = 0.0
 
 
 class Transport(Protocol):
@@ -59,7 +61,8 @@ class GrpcTransport:
     def decode(self, layer, ids, q, method, new_k, new_v, seed, scale):  # type: ignore[no-untyped-def]
         call = self.stream.decode if self.stream is not None else self.client.attention.decode
         r = call(layer, ids, q, method, new_k=new_k, new_v=new_v, seed=seed, scale=scale)
-        s = StepStats(r.bytes_fetched, r.bytes_device, r.dense_equivalent_bytes, r.rows_fetched)
+        s = StepStats(r.bytes_fetched, r.bytes_device, r.dense_equivalent_bytes, r.rows_fetched,
+                      r.timing.engine_seconds)
         return r.output, s
 
     def lengths(self, sequence_id: str) -> list[int]:

@@ -5,6 +5,7 @@ Imported by vLLM (through the backend registry) in its worker process only."""
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -53,7 +54,18 @@ class KvSparseImpl(CPUAttentionBackendImpl):
                 output_block_scale: Any = None) -> torch.Tensor:
         if attn_metadata is None:  # profiling run
             return output
+        t0 = time.perf_counter()
+        try:
+            return self._forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                 output_block_scale)
+        finally:
+            WORKER.timing["forward"] += time.perf_counter() - t0
+
+    def _forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, output_scale: Any,
+                 output_block_scale: Any) -> torch.Tensor:
         w = WORKER
+        timing = w.timing
         li = extract_layer_index(layer.layer_name)
         qsl = attn_metadata.query_start_loc.tolist()
         seq_lens = attn_metadata.seq_lens.tolist()
@@ -79,12 +91,16 @@ class KvSparseImpl(CPUAttentionBackendImpl):
                 decode.append(i)
                 continue
             # A prompt (or a chunk of one): its K/V to the store, its attention vLLM's.
+            t0 = time.perf_counter()
             transport.append(seq.sequence_id, li, key[a:b], value[a:b], start)
+            timing["transport"] += time.perf_counter() - t0
             seq.lengths[li] = start + b - a
             prefill = True
         if prefill or not decode:
+            t0 = time.perf_counter()
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                             output_block_scale)
+            timing["vllm_attention"] += time.perf_counter() - t0
         by_method: dict[Any, list[int]] = {}
         for i in decode:
             by_method.setdefault(w.sequences[rows[i]].method, []).append(i)
@@ -96,7 +112,12 @@ class KvSparseImpl(CPUAttentionBackendImpl):
             q = query[tok].view(len(idx), self.num_heads, self.head_size)
             new_k = key[tok].view(len(idx), self.num_kv_heads, self.head_size)
             new_v = value[tok].view(len(idx), self.num_kv_heads, self.head_size)
-            result, _ = transport.decode(li, ids, q, method, new_k, new_v, step_seed(self.seed, w.step, li), self.scale)
+            t0 = time.perf_counter()
+            result, stats = transport.decode(li, ids, q, method, new_k, new_v, step_seed(self.seed, w.step, li),
+                                             self.scale)
+            timing["transport"] += time.perf_counter() - t0
+            timing["engine"] += stats.engine_seconds
+            w.observe(method, len(idx), stats)
             out[tok] = result.to(out.dtype).view(len(idx), self.num_heads, self.head_size)
             for i in idx:
                 w.sequences[rows[i]].lengths[li] += 1

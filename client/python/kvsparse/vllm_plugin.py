@@ -41,7 +41,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvsparse.methods import Method, ModelShape, parse_method, placement_for
+from kvsparse.methods import METHOD_NAMES, Method, ModelShape, parse_method, placement_for
 
 ENV_METHOD = "KVSPARSE_VLLM_METHOD"
 ENV_TARGET = "KVSPARSE_VLLM_TARGET"
@@ -115,7 +115,15 @@ class Worker:
     sequences: dict[str, _Sequence] = field(default_factory=dict)
     step: int = 0
     num_layers: int = 0
+    restarts: int = 0  # sequences begun again: requests preempted and recomputed
+    # Seconds in the backend's forward (all layers and steps), split: vLLM's own attention
+    # (prompt rows), the transport's calls (append and decode: gRPC or the op), and the engine's
+    # time inside them as the transport reports it. What is left is the plugin's bookkeeping.
+    timing: dict[str, float] = field(
+        default_factory=lambda: {"forward": 0.0, "vllm_attention": 0.0, "transport": 0.0, "engine": 0.0}
+    )
     _transport: Any = None
+    _metrics: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def transport(self) -> Any:
@@ -166,6 +174,7 @@ class Worker:
 
     def restart(self, rid: str, shape: ModelShape) -> _Sequence:
         """A request vLLM computes again from its first token (after a preemption)."""
+        self.restarts += 1
         self.drop(rid)
         return self.sequence(rid, shape)
 
@@ -174,11 +183,48 @@ class Worker:
         if seq is not None:
             self.transport().drop([seq.sequence_id])
 
+    def observe(self, method: Method, sequences: int, stats: Any) -> None:
+        """One decode call's figures on the worker's Prometheus counters (the server's metric
+        names; the bytes by tier "device", read on the worker's device, and "fetched", read
+        across its boundary: host memory or the store's process)."""
+        if self._metrics is None:
+            self._metrics = _Metrics()
+        name = next(n for n, cls in METHOD_NAMES.items() if cls is type(method))
+        self._metrics.observe(name, sequences, stats)
+
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close([s.sequence_id for s in self.sequences.values()])
             self.sequences.clear()
             self._transport = None
+
+
+class _Metrics:
+    """kvsparse's decode counters in the vLLM worker's Prometheus registry. vLLM's /metrics
+    serves its API server's registry; the worker's counters reach it when vLLM runs with
+    PROMETHEUS_MULTIPROC_DIR set (prometheus_client's multiprocess mode), as docs/VLLM.md says."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter
+
+        self.calls = Counter("kvsparse_decode_sequence_layers", "Sequence-layers decoded through kvsparse",
+                             ["method"])
+        self.rows = Counter("kvsparse_decode_fetched_rows", "K and V rows read by kvsparse's decode steps",
+                            ["method"])
+        self.bytes = Counter("kvsparse_decode_fetched_bytes", "Bytes read by kvsparse's decode steps, by tier "
+                             "(device: on the worker's device; fetched: across its boundary)", ["method", "tier"])
+        self.dense = Counter("kvsparse_decode_dense_equivalent_bytes",
+                             "Bytes dense attention would have read for the same steps", ["method"])
+        self.engine = Counter("kvsparse_decode_engine_seconds", "kvsparse engine time of the decode calls",
+                              ["method"])
+
+    def observe(self, name: str, sequences: int, s: Any) -> None:
+        self.calls.labels(name).inc(sequences)
+        self.rows.labels(name).inc(s.rows_fetched)
+        self.bytes.labels(name, "device").inc(s.bytes_device)
+        self.bytes.labels(name, "fetched").inc(s.bytes_fetched)
+        self.dense.labels(name).inc(s.dense_equivalent_bytes)
+        self.engine.labels(name).inc(s.engine_seconds)
 
 
 WORKER = Worker()
