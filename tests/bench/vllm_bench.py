@@ -56,7 +56,8 @@ def main() -> None:
     p.add_argument("--gen", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--model", default="", help="a model directory (default: a tiny random Llama)")
-    p.add_argument("--methods", default="dense,top_k:top_k_fraction=0.125,sink_tokens=32,local_tokens=32")
+    p.add_argument("--methods", default="dense;top_k:top_k_fraction=0.125,sink_tokens=32,local_tokens=32",
+                   help="kvsparse methods (parse_method text), separated by ;")
     p.add_argument("--json", default="")
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="vllm-bench-")
