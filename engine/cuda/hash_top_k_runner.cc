@@ -61,25 +61,12 @@ class HashTopKCall final : public SelectedRowsCall {
     tk_.budgets = s.budgets;
     const size_t tw = kc::HashTopKWorkspaceBytes(tk_);
     void* tws = c.Take<char>(tw);
-    kc::UnionSelectedParams up;
-    up.batch = lp.B;
-    up.num_q_heads = lp.H;
-    up.num_kv_heads = lp.hkv;
-    up.indices = tk_.indices;
-    up.counts = tk_.counts;
-    up.max_selected = s.max_selected;
-    up.seq_lens = lp.shape().seq_lens;
-    up.max_seq_len = lp.n_max;
-    up.out = s.rows;
-    up.positions = s.positions;
-    const size_t uw = kc::UnionSelectedWorkspaceBytes(up);
-    void* uws = c.Take<char>(uw);
+    const Union un = PlanUnion(lp, c, s, tk_.indices, tk_.counts);
     if (!lp.running()) return absl::OkStatus();
     const cudaStream_t stream = lp.stream();
     if (absl::Status st = lp.SignQueries(qsig); !st.ok()) return st;
     KVS_CUDA_OK(kc::HashTopK(tk_, tws, tw, stream), "HashTopK");
-    KVS_CUDA_OK(kc::UnionSelected(up, uws, uw, stream), "UnionSelected");
-    return absl::OkStatus();
+    return EnqueueUnion(lp, un);
   }
 
   const kernels::HashTopKParams params_;

@@ -166,6 +166,32 @@ void SelectedRowsCall::FillScratchTables(LaunchPlan& lp) {
   }
 }
 
+SelectedRowsCall::Union SelectedRowsCall::PlanUnion(const LaunchPlan& lp, Carver& c,
+                                                    const Selection& s, const int32_t* indices,
+                                                    const int32_t* counts) {
+  Union u;
+  kc::UnionSelectedParams& up = u.params;
+  up.batch = lp.B;
+  up.num_q_heads = lp.H;
+  up.num_kv_heads = lp.hkv;
+  up.indices = indices;
+  up.counts = counts;
+  up.max_selected = s.max_selected;
+  up.seq_lens = lp.shape().seq_lens;
+  up.max_seq_len = lp.n_max;
+  up.out = s.rows;
+  up.positions = s.positions;
+  u.workspace_bytes = kc::UnionSelectedWorkspaceBytes(up);
+  u.workspace = c.Take<char>(u.workspace_bytes);
+  return u;
+}
+
+absl::Status SelectedRowsCall::EnqueueUnion(const LaunchPlan& lp, const Union& u) {
+  KVS_CUDA_OK(kc::UnionSelected(u.params, u.workspace, u.workspace_bytes, lp.stream()),
+              "UnionSelected");
+  return absl::OkStatus();
+}
+
 void SelectedRowsCall::Stats(const LaunchPlan& lp, int32_t b, int32_t j, HeadStats* hs) const {
   const int32_t* st = lp.host_stats();
   const int32_t BH = lp.BH, i = b * lp.hkv + j;

@@ -94,19 +94,7 @@ class TopKCall final : public SelectedRowsCall {
     tk_.indices = c.Take<int32_t>(BH * s.max_selected);
     tk_.counts = s.counts;
     tk_.budgets = s.budgets;
-    kc::UnionSelectedParams up;
-    up.batch = lp.B;
-    up.num_q_heads = lp.H;
-    up.num_kv_heads = lp.hkv;
-    up.indices = tk_.indices;
-    up.counts = tk_.counts;
-    up.max_selected = s.max_selected;
-    up.seq_lens = lp.shape().seq_lens;
-    up.max_seq_len = lp.n_max;
-    up.out = s.rows;
-    up.positions = s.positions;
-    const size_t uw = kc::UnionSelectedWorkspaceBytes(up);
-    void* uws = c.Take<char>(uw);
+    const Union un = PlanUnion(lp, c, s, tk_.indices, tk_.counts);
     if (!lp.running()) return absl::OkStatus();
     cs_.q = lp.shape().q;
     cs_.scale = lp.shape().scale;
@@ -117,8 +105,7 @@ class TopKCall final : public SelectedRowsCall {
     const cudaStream_t stream = lp.stream();
     KVS_CUDA_OK(kc::CompressedScores(cs_, stream), "CompressedScores");
     KVS_CUDA_OK(kc::ScoreTopK(tk_, stream), "ScoreTopK");
-    KVS_CUDA_OK(kc::UnionSelected(up, uws, uw, stream), "UnionSelected");
-    return absl::OkStatus();
+    return EnqueueUnion(lp, un);
   }
 
   // The selection reads every token's compressed key: the closed groups' blocks and the open
