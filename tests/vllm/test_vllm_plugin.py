@@ -6,6 +6,8 @@ and leaving the batch and chunked prefill (256 tokens a step):
 - with the dense method the tokens equal vLLM's own attention backend's;
 - every sparse method generates, each request with its own method (SamplingParams.extra_args);
 - requests vLLM preempts and recomputes begin fresh sequences, and dense still gives vLLM's tokens;
+- with the K/V in the store only, a batch over vLLM's own KV budget is served (vLLM's backend
+  refuses that budget), dense still with vLLM's tokens;
 - finished requests leave no sequence in the store, also after 1,000 requests;
 - what the plugin cannot serve (prefix caching) stops vLLM with the reason;
 - vLLM's OpenAI server (three processes) decodes through it, a request naming its method in
@@ -57,10 +59,10 @@ def server() -> Iterator[kvsparse.LocalServer]:
         yield s
 
 
-def generate(model: str, target: str | None, method: str | None = None, **job: object) -> dict:
+def generate(model: str, target: str | None, method: str | None = None, kv: str = "both", **job: object) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSPARSE_VLLM_")}
     if method is not None and target is not None:
-        env.update(KVSPARSE_VLLM_METHOD=method, KVSPARSE_VLLM_TARGET=target)
+        env.update(KVSPARSE_VLLM_METHOD=method, KVSPARSE_VLLM_TARGET=target, KVSPARSE_VLLM_KV=kv)
     spec = {"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, **job}
     run = subprocess.run([sys.executable, str(DRIVER), json.dumps(spec)], capture_output=True, text=True,
                          env=env, timeout=600)
@@ -124,6 +126,25 @@ def test_preempted_requests_restart_in_fresh_sequences(model: str, server: kvspa
     assert "error" not in own and "error" not in through, own.get("error", through.get("error"))
     assert through["restarts"] > 0, "no request was preempted: the test needs a smaller cache"
     assert through["tokens"] == own["tokens"]
+    store_is_empty(server.target)
+
+
+def test_store_only_serves_a_batch_over_vllms_kv_budget(model: str, server: kvsparse.LocalServer) -> None:
+    # 256 KiB of vLLM KV cache: 256 tokens of this model's fp32 K/V (1 KiB a token), less than one
+    # request of max_model_len 2048. vLLM's own backend refuses to start; with KVSPARSE_VLLM_KV=store
+    # vLLM's cache keeps 32 bytes a token (8,192 tokens), the K/V live in the store, prompt
+    # attention is the plugin's, and the batch (1,105 prompt tokens) is served with vLLM's tokens.
+    budget = {"kv_cache_memory_bytes": 256 << 10}
+    refused = generate(model, None, **budget)
+    assert "error" in refused and "KV cache" in refused["error"]
+    own = generate(model, None)
+    through = generate(model, server.target, "dense", kv="store", **budget)
+    sparse = generate(model, server.target, "top_k:top_k_fraction=0.25,sink_tokens=8,local_tokens=8", kv="store",
+                      **budget)
+    assert "error" not in through, through["error"]
+    assert through["tokens"] == own["tokens"]
+    assert "error" not in sparse, sparse["error"]
+    assert [len(t) for t in sparse["tokens"]] == MAX_TOKENS
     store_is_empty(server.target)
 
 

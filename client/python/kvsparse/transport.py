@@ -6,7 +6,7 @@ one ``Transport`` interface that the Hugging Face cache (kvsparse.hf) and the vL
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
@@ -40,6 +40,9 @@ class Transport(Protocol):
         new_k: torch.Tensor, new_v: torch.Tensor, seed: int, scale: float,
     ) -> tuple[torch.Tensor, StepStats]: ...
     def lengths(self, sequence_id: str) -> list[int]: ...
+    def rows(
+        self, sequence_id: str, layer: int, count: int, num_kv_heads: int, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
     def drop(self, sequence_ids: list[str]) -> None: ...
     def close(self, sequence_ids: list[str]) -> None: ...
 
@@ -67,6 +70,15 @@ class GrpcTransport:
 
     def lengths(self, sequence_id: str) -> list[int]:
         return self.client.store.sequence_info(sequence_id).layer_lengths
+
+    def rows(
+        self, sequence_id: str, layer: int, count: int, num_kv_heads: int, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of tokens [0, count) of one layer, [Hkv, count, d] each, like `like`."""
+        hkv = num_kv_heads
+        r = self.client.store.gather(sequence_id, layer, list(range(count)), kv_heads=range(hkv), like=like)
+        k, v = cast(torch.Tensor, r.k), cast(torch.Tensor, r.v)
+        return k.reshape(hkv, count, -1), v.reshape(hkv, count, -1)
 
     def drop(self, sequence_ids: list[str]) -> None:
         for sid in sequence_ids:
@@ -104,6 +116,11 @@ class InProcessTransport:
 
     def lengths(self, sequence_id: str) -> list[int]:
         return self.engine.layer_lengths(sequence_id)
+
+    def rows(
+        self, sequence_id: str, layer: int, count: int, num_kv_heads: int, like: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError("reading rows back from the in-process engine is not in the op yet")
 
     def drop(self, sequence_ids: list[str]) -> None:
         for sid in sequence_ids:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from kvsparse.methods import ModelShape
 from kvsparse.transport import step_seed
-from kvsparse.vllm_plugin import BACKEND_NAME, ENV_SEED, WORKER
+from kvsparse.vllm_plugin import BACKEND_NAME, ENV_SEED, WORKER, store_only
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -48,6 +49,7 @@ class KvSparseImpl(CPUAttentionBackendImpl):
             )
         WORKER.num_layers = config.model_config.get_num_layers(config.parallel_config)
         self.seed = int(os.environ.get(ENV_SEED, "0"))
+        self.store_only = store_only()
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: Any, output: torch.Tensor, output_scale: Any = None,
@@ -90,13 +92,17 @@ class KvSparseImpl(CPUAttentionBackendImpl):
             if b - a == 1 and start > 0:
                 decode.append(i)
                 continue
-            # A prompt (or a chunk of one): its K/V to the store, its attention vLLM's.
+            # A prompt (or a chunk of one): its K/V to the store; its attention vLLM's, or (store
+            # only) computed here over the store's rows of the prompt before it.
             t0 = time.perf_counter()
             transport.append(seq.sequence_id, li, key[a:b], value[a:b], start)
+            if self.store_only:
+                self._prompt_attention(transport, seq.sequence_id, li, start, query[a:b], key[a:b], value[a:b],
+                                       output[a:b])
             timing["transport"] += time.perf_counter() - t0
             seq.lengths[li] = start + b - a
             prefill = True
-        if prefill or not decode:
+        if not self.store_only and (prefill or not decode):
             t0 = time.perf_counter()
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                             output_block_scale)
@@ -124,6 +130,30 @@ class KvSparseImpl(CPUAttentionBackendImpl):
         return output
 
 
+    def _prompt_attention(self, transport: Any, sequence_id: str, layer: int, start: int, q: torch.Tensor,
+                          k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+        """Causal attention of a prompt chunk's queries (positions start ..) over the prompt's
+        tokens before the chunk (read back from the store) and the chunk's own, in fp32."""
+        n, hkv, d = k.shape
+        kk, vv = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, n, d]
+        if start > 0:
+            k0, v0 = transport.rows(sequence_id, layer, start, hkv, k)
+            kk, vv = torch.cat([k0.to(k.dtype), kk], 1), torch.cat([v0.to(v.dtype), vv], 1)
+        g = self.num_heads // hkv
+        qf = q.transpose(0, 1).float()  # [H, n, d]
+        kf = kk.float().repeat_interleave(g, 0)
+        vf = vv.float().repeat_interleave(g, 0)
+        allowed = torch.arange(start + n)[None, :] <= (start + torch.arange(n))[:, None]
+        o = torch.nn.functional.scaled_dot_product_attention(qf, kf, vf, attn_mask=allowed, scale=self.scale)
+        out.view(n, self.num_heads, d).copy_(o.transpose(0, 1).to(out.dtype))
+
+    def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        if self.store_only:  # vLLM's cache holds no K/V: the store has them
+            return
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+
+
 class KvSparseMetadataBuilder(CPUAttentionMetadataBuilder):
     pass
 
@@ -140,3 +170,11 @@ class KvSparseBackend(CPUAttentionBackend):
     @staticmethod
     def get_builder_cls() -> type:
         return KvSparseMetadataBuilder
+
+    @classmethod
+    def customize_spec(cls, spec: Any) -> Any:
+        """Store only: what vLLM's KV budget counts per token and kv head is a few bytes (vLLM's
+        block table still covers every token), so it admits requests by kvsparse's capacity."""
+        if not store_only():
+            return spec
+        return replace(spec, state_content_bytes=2 * spec.dtype.itemsize)

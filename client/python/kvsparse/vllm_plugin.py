@@ -7,6 +7,7 @@ vLLM process; without ``KVSPARSE_VLLM_METHOD`` it does nothing):
     KVSPARSE_VLLM_METHOD=top_k:top_k_fraction=0.03125   # the default method (parse_method's text)
     KVSPARSE_VLLM_TARGET=127.0.0.1:50051                # a kvsparse-server, or "inprocess"
     KVSPARSE_VLLM_SEED=0                                # the sampled methods' seed (default 0)
+    KVSPARSE_VLLM_KV=both                               # or "store": the K/V in kvsparse only
     python -m vllm.entrypoints.openai.api_server --model ... --no-enable-prefix-caching
 
 A request may ask for another method: ``SamplingParams(extra_args={"kvsparse_method":
@@ -23,8 +24,11 @@ How it works (vLLM 0.32, the V1 model runner):
   ids, recorded each step); requests that finish or are aborted have their sequences dropped
   the step vLLM reports them; a request preempted and recomputed from its first token gets a
   fresh sequence.
-- vLLM keeps its own paged KV cache as well: the plugin moves decode attention's reads to
-  kvsparse (bandwidth), not yet vLLM's KV budget (docs/VLLM.md says why, and what would).
+- By default vLLM keeps its own paged KV cache as well (the plugin moves decode attention's
+  reads to kvsparse: bandwidth). With KVSPARSE_VLLM_KV=store the K/V live in the store only:
+  vLLM's cache keeps 2 elements a token and kv head, so its KV budget admits requests by
+  kvsparse's capacity, and prompt attention is computed by the plugin over the rows read back
+  from the store (docs/VLLM.md, "Capacity").
 
 Limits of this version, each refused with a message: prefix caching (a prefix vLLM reuses
 would be missing from the request's sequence), sliding windows, ALiBi, logits soft-capping,
@@ -46,6 +50,18 @@ from kvsparse.methods import METHOD_NAMES, Method, ModelShape, parse_method, pla
 ENV_METHOD = "KVSPARSE_VLLM_METHOD"
 ENV_TARGET = "KVSPARSE_VLLM_TARGET"
 ENV_SEED = "KVSPARSE_VLLM_SEED"
+# Where prompts' K/V live: "both" (default: vLLM's paged cache too, prompt attention vLLM's) or
+# "store" (kvsparse's store only: vLLM's cache keeps a few bytes a token, prompt attention is
+# computed here over the rows read back from the store; vLLM's KV budget then admits
+# requests by kvsparse's capacity, not by its own).
+ENV_KV = "KVSPARSE_VLLM_KV"
+
+
+def store_only() -> bool:
+    kv = os.environ.get(ENV_KV, "both")
+    if kv not in ("both", "store"):
+        raise ValueError(f"{ENV_KV} must be 'both' or 'store', not {kv!r}")
+    return kv == "store"
 # The SamplingParams.extra_args key of a request's own method.
 EXTRA_ARG = "kvsparse_method"
 BACKEND_NAME = "KVSPARSE"
@@ -62,6 +78,7 @@ def register() -> None:
     if not enabled():
         return
     parse_method(os.environ[ENV_METHOD])  # a bad method stops vLLM here, with its reason
+    store_only()  # and a bad KVSPARSE_VLLM_KV
     # The request ids of a batch come from the V1 model runner (the one vLLM's CPU build runs).
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     from vllm.platforms import current_platform
