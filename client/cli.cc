@@ -90,7 +90,8 @@ ABSL_FLAG(uint32_t, probes, 8, "decode saap: buckets visited per kv head");
 ABSL_FLAG(double, epsilon, 0.05, "decode vattention: relative error target");
 ABSL_FLAG(double, delta, 0.05, "decode vattention: failure probability");
 ABSL_FLAG(double, base_rate, 0.05, "decode vattention: base sample rate f_b");
-ABSL_FLAG(std::string, predictor, "hash", "decode vattention: hash or exact");
+ABSL_FLAG(std::string, predictor, "hash",
+          "decode vattention: hash, exact or compressed (the sequence's compressed keys)");
 ABSL_FLAG(bool, compare_dense, true, "decode: also run dense and print the relative L2 error");
 ABSL_FLAG(std::string, query, "needle",
           "decode: needle (each query head aimed at one stored key: a peaked, retrieval-like "
@@ -411,8 +412,10 @@ absl::StatusOr<v1::Method> MethodFromFlags() {
     v->set_local_tokens(absl::GetFlag(FLAGS_local));
     v->set_top_k_fraction(static_cast<float>(absl::GetFlag(FLAGS_top_k_fraction)));
     v->set_base_rate(static_cast<float>(absl::GetFlag(FLAGS_base_rate)));
-    v->set_predictor(absl::GetFlag(FLAGS_predictor) == "exact" ? v1::TOP_K_PREDICTOR_EXACT
-                                                               : v1::TOP_K_PREDICTOR_HASH);
+    const std::string predictor = absl::GetFlag(FLAGS_predictor);
+    v->set_predictor(predictor == "exact"        ? v1::TOP_K_PREDICTOR_EXACT
+                     : predictor == "compressed" ? v1::TOP_K_PREDICTOR_COMPRESSED
+                                                 : v1::TOP_K_PREDICTOR_HASH);
   } else if (name == "saap") {
     v1::SaapParams* s = m.mutable_saap();
     s->set_probes(absl::GetFlag(FLAGS_probes));

@@ -264,12 +264,32 @@ TEST_F(EngineTest, HashTopKSelectsWhatTheReferenceSelects) {
   EXPECT_LT(resident, (700 + 1500) * 2 * 2 * row / 20);  // < 5% of the K+V layout
 }
 
+// The compressed keys of every kv head of a one-sequence problem, as the worker builds them.
+std::vector<kernels::CompressedKeysView> CompressedViewsOf(
+    const kernels::DecodeProblem& p, int32_t bits, std::vector<kernels::CompressedKeys>* keys) {
+  const size_t es = kernels::DTypeSize(p.dtype);
+  keys->clear();
+  for (int32_t j = 0; j < p.num_kv_heads; ++j) {
+    keys->emplace_back(kernels::KeyCompression{bits, kernels::kKeyGroupTokens}, p.head_dim,
+                       p.dtype);
+    for (int32_t t = 0; t < p.seq_lens[0]; ++t) {
+      keys->back().Append(static_cast<const uint8_t*>(p.k) +
+                          (j * p.kv_layout.head_stride + t * p.kv_layout.token_stride) * es);
+    }
+  }
+  std::vector<kernels::CompressedKeysView> views;
+  for (const kernels::CompressedKeys& k : *keys) views.push_back(k.view());
+  return views;
+}
+
 TEST_F(EngineTest, VAttentionSelectsWhatTheReferenceSelects) {
-  for (auto predictor : {kernels::TopKPredictor::kHash, kernels::TopKPredictor::kExact}) {
+  for (auto predictor : {kernels::TopKPredictor::kHash, kernels::TopKPredictor::kExact,
+                         kernels::TopKPredictor::kCompressed}) {
     SetUp();
     kvstore::Placement place;
     place.signature_bits = 32;
     if (predictor == kernels::TopKPredictor::kExact) place.k_tier = kvstore::Tier::kDevice;
+    if (predictor == kernels::TopKPredictor::kCompressed) place.compressed_key_bits = 2;
     Load(Options(), place);
     Method m;
     m.kind = MethodKind::kVAttention;
@@ -291,9 +311,15 @@ TEST_F(EngineTest, VAttentionSelectsWhatTheReferenceSelects) {
       ASSERT_TRUE(SimHash(p, 32, &sigs).ok());
       kernels::VAttentionParams vp = m.vattention;
       vp.bits = 32;
+      std::vector<kernels::CompressedKeys> keys;
+      const std::vector<kernels::CompressedKeysView> views =
+          predictor == kernels::TopKPredictor::kCompressed
+              ? CompressedViewsOf(p, 2, &keys)
+              : std::vector<kernels::CompressedKeysView>();
       kernels::RowSelection sel;
-      ASSERT_TRUE(
-          kernels::VAttentionDecodeCpu(p, vp, kernels::SequenceSeed(7, b), &sigs.view, &sel).ok());
+      ASSERT_TRUE(kernels::VAttentionDecodeCpu(p, vp, kernels::SequenceSeed(7, b), &sigs.view, &sel,
+                                               nullptr, views)
+                      .ok());
       ExpectSame(*r, b, sel, out);
     }
   }
@@ -331,18 +357,7 @@ TEST_F(EngineTest, TopKSelectsWhatTheReferenceSelects) {
       kernels::DecodeProblem p = One(b, &out);
       std::vector<kernels::CompressedKeys> keys;
       std::vector<kernels::CompressedKeysView> views;
-      if (c.source == kernels::ScoreSource::kCompressedKeys) {
-        const size_t es = kernels::DTypeSize(p.dtype);
-        for (int32_t j = 0; j < p.num_kv_heads; ++j) {
-          keys.emplace_back(kernels::KeyCompression{2, kernels::kKeyGroupTokens}, p.head_dim,
-                            p.dtype);
-          for (int32_t t = 0; t < p.seq_lens[0]; ++t) {
-            keys.back().Append(static_cast<const uint8_t*>(p.k) +
-                               (j * p.kv_layout.head_stride + t * p.kv_layout.token_stride) * es);
-          }
-        }
-        for (const kernels::CompressedKeys& k : keys) views.push_back(k.view());
-      }
+      if (c.source == kernels::ScoreSource::kCompressedKeys) views = CompressedViewsOf(p, 2, &keys);
       kernels::RowSelection sel;
       ASSERT_TRUE(kernels::ScoreTopKDecodeCpu(p, m.top_k, views, &sel).ok());
       ExpectSame(*r, b, sel, out);

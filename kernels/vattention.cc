@@ -77,7 +77,8 @@ absl::Status ValidateVAttentionParams(const VAttentionParams& params) {
     return absl::InvalidArgumentError(
         absl::StrCat("top_k_fraction must be in [0, 1], got ", params.top_k_fraction));
   }
-  if (params.predictor != TopKPredictor::kHash && params.predictor != TopKPredictor::kExact) {
+  if (params.predictor != TopKPredictor::kHash && params.predictor != TopKPredictor::kExact &&
+      params.predictor != TopKPredictor::kCompressed) {
     return absl::InvalidArgumentError("predictor: unknown value");
   }
   if (params.bound != BudgetBound::kClt && params.bound != BudgetBound::kHoeffding &&
@@ -347,15 +348,80 @@ void VAttentionBudgetAndSample(int32_t n, const VAttentionParams& params,
       n, r->fixed, r->b, &r->dyn, &r->scratch);
 }
 
+float CompressedLogitUpperBound(const CompressedKeysView& v, const float* q, float scale,
+                                const float* approx, const std::vector<int32_t>& fixed) {
+  const int32_t d = v.head_dim;
+  double qn = 0;
+  for (int32_t c = 0; c < d; ++c) qn += static_cast<double>(q[c]) * q[c];
+  qn = std::sqrt(qn);
+  const double levels = static_cast<double>((1u << v.bits) - 1);
+  // Rounding of s~_t (and of the exact logit the estimate uses), evaluated in float as d
+  // products and sums then one scaling: at most
+  // (d + 2) u times scale * sum_c |q_c| |k~_c| (u = 2^-24), and |k~_c| <= max(|lo_c|,
+  // |lo_c + levels step_c|) over the group; doubled for safety.
+  const double u = std::ldexp(1.0, -24);
+  std::vector<double> slack(static_cast<size_t>(v.group > 0 ? v.closed / v.group : 0));
+  for (size_t g = 0; g < slack.size(); ++g) {
+    const uint16_t* lo = v.lo(static_cast<int64_t>(g));
+    const uint16_t* step = v.step(static_cast<int64_t>(g));
+    double sum = 0;
+    for (int32_t c = 0; c < d; ++c) {
+      const double l = Fp16ToFloat(Fp16{lo[c]});
+      const double h = l + levels * Fp16ToFloat(Fp16{step[c]});
+      sum += std::fabs(q[c]) * std::max(std::fabs(l), std::fabs(h));
+    }
+    slack[g] = 2.0 * (d + 2) * u * std::fabs(scale) * sum;
+  }
+  double best = -std::numeric_limits<double>::infinity();
+  size_t e = 0;
+  for (int64_t t = 0; t < v.length; ++t) {
+    if (e < fixed.size() && fixed[e] == t) {
+      ++e;
+      continue;
+    }
+    double b = approx[t];
+    if (t < v.closed) {
+      b += std::fabs(scale) * qn * KeyErrorBound(v, t) + slack[static_cast<size_t>(t / v.group)];
+    } else {  // an exact row: only the rounding of its computed logit
+      const uint8_t* row = v.tail + (t - v.closed) * d * DTypeSize(v.dtype);
+      double sum = 0;
+      for (int32_t c = 0; c < d; ++c) sum += std::fabs(q[c] * LoadAsFloat(row, c, v.dtype));
+      b += 2.0 * (d + 2) * u * std::fabs(scale) * sum;
+    }
+    best = std::max(best, b);
+  }
+  // Rounded up to a float, so that the bound survives the conversion.
+  const float f = static_cast<float>(best);
+  return static_cast<double>(f) >= best ? f
+                                        : std::nextafter(f, std::numeric_limits<float>::infinity());
+}
+
 absl::Status VAttentionSelectCpu(const DecodeProblem& p, const VAttentionParams& params,
                                  uint64_t seed, const SignatureView* sigs, RowSelection* sel,
-                                 VAttentionStats* stats) {
+                                 VAttentionStats* stats,
+                                 absl::Span<const CompressedKeysView> keys) {
   if (absl::Status s = ValidateVAttentionParams(params); !s.ok()) return s;
   if (absl::Status s = ValidateProblemFor(p, ProblemNeeds{true, true, true, false}); !s.ok()) {
     return s;
   }
   const bool hash = params.predictor == TopKPredictor::kHash;
+  const bool compressed = params.predictor == TopKPredictor::kCompressed;
   const int32_t words = SignatureWords(params.bits);
+  if (compressed) {
+    if (keys.size() != static_cast<size_t>(p.batch) * p.num_kv_heads) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "predictor: kCompressed needs compressed keys per (sequence, kv head): ", keys.size(),
+          " for ", p.batch * p.num_kv_heads));
+    }
+    for (int32_t b = 0; b < p.batch; ++b) {
+      for (int32_t j = 0; j < p.num_kv_heads; ++j) {
+        const CompressedKeysView& v = keys[static_cast<size_t>(b) * p.num_kv_heads + j];
+        if (v.length < p.seq_lens[b] || v.head_dim != p.head_dim) {
+          return absl::InvalidArgumentError("compressed keys: fewer tokens or another head_dim");
+        }
+      }
+    }
+  }
   if (hash) {
     if (sigs == nullptr) {
       return absl::InvalidArgumentError("predictor: kHash needs signatures (sigs is null)");
@@ -402,6 +468,19 @@ absl::Status VAttentionSelectCpu(const DecodeProblem& p, const VAttentionParams&
           access.logit = [&](int32_t t) {
             return DotRow(q.data(), p.k, KvRowOffset(p, b, kvh, t), d, p.dtype) * p.scale;
           };
+        } else if (compressed) {
+          CompressedKeysView head = keys[static_cast<size_t>(b) * p.num_kv_heads + kvh];
+          head.length = n;  // its first seq_lens[b] tokens
+          head.closed = std::min<int64_t>(head.closed, n / head.group * head.group);
+          logits.resize(n);
+          ApproximateScores(head, q.data(), p.scale, logits.data());
+          VAttentionPlanFixed(logits.data(), n, *k, params, &res, &scratch);
+          access.logit = [&](int32_t t) {
+            return DotRow(q.data(), p.k, KvRowOffset(p, b, kvh, t), d, p.dtype) * p.scale;
+          };
+          const float bound =
+              CompressedLogitUpperBound(head, q.data(), p.scale, logits.data(), res.fixed);
+          if (std::isfinite(bound)) access.residual_logit_max = bound;
         } else {
           logits.resize(n);
           ComputeScores(p, b, h, q.data(), logits.data());
@@ -430,10 +509,13 @@ absl::Status VAttentionSelectCpu(const DecodeProblem& p, const VAttentionParams&
 
 absl::Status VAttentionDecodeCpu(const DecodeProblem& p, const VAttentionParams& params,
                                  uint64_t seed, const SignatureView* sigs, RowSelection* sel,
-                                 VAttentionStats* stats) {
+                                 VAttentionStats* stats,
+                                 absl::Span<const CompressedKeysView> keys) {
   RowSelection local;
   RowSelection* s = sel != nullptr ? sel : &local;
-  if (absl::Status st = VAttentionSelectCpu(p, params, seed, sigs, s, stats); !st.ok()) return st;
+  if (absl::Status st = VAttentionSelectCpu(p, params, seed, sigs, s, stats, keys); !st.ok()) {
+    return st;
+  }
   return EstimateInPlace(p, *s);
 }
 

@@ -8,7 +8,9 @@
 // x_t = e^{s_t - c} for a shift c, y_t = x_t V_t):
 //  1. Fixed set I_f = sink [0, min(sink, n)) u window [max(0, n - local), n) u top-k, where the
 //     top-k are the k best of the rest by the predictor (hash: bits - 2 Hamming of signatures;
-//     exact: s_t), k = top_k or top_k_fraction * n rounded to nearest (k > n: INVALID_ARGUMENT),
+//     exact: s_t; compressed: s~_t = scale q . k~_t over the compressed keys of
+//     kernels/compressed_keys.h), k = top_k or top_k_fraction * n rounded to nearest (k > n:
+//     INVALID_ARGUMENT),
 //     ties to the lower index (hash_topk.h ResolveTopK, SelectSinkLocalTopK). Sink and window
 //     are absolute token counts (the paper's experiments use 128 each), not fractions of n.
 //  2. Residual R = [0, n) \ I_f, n_s = |R|.
@@ -20,7 +22,9 @@
 //       mean_B(y), sigma^2 = sample variance_B(x) (divisor n_b - 1),  Tr(Sigma) = sum over the d
 //       coordinates of sample variance_B(y),  Tr(Sigma_z) = the same of z_t = y_t - o^ x_t with
 //       o^ = N^ / D^ (= Tr Sigma - 2 o^ . cov_B(x, y) + |o^|^2 sigma^2),  x_max = max x over R
-//       (exact when every logit is known, i.e. the exact predictor, else max over B),  y_max =
+//       (exact when every logit is known, i.e. the exact predictor; with the compressed
+//       predictor a sound upper bound from each residual token's stored error norm,
+//       s_t <= s~_t + scale |q| err_t: CompressedLogitUpperBound; else max over B),  y_max =
 //       x_max * max_B |V_t|.
 //     The shift c = max logit over I_f u B cancels in every ratio below.
 //  5. Budget for (eps, delta) and target T (D^ or |N^|), b(eps, delta) = (n_s a(delta) c / (eps
@@ -76,6 +80,8 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
+#include "kernels/compressed_keys.h"
 #include "kernels/decode_problem.h"
 #include "kernels/hash_topk.h"
 #include "kernels/philox.h"
@@ -84,7 +90,7 @@
 namespace kvsparse::kernels {
 
 // Numbering follows proto TopKPredictor / BudgetBound / VerifyTarget.
-enum class TopKPredictor : uint8_t { kHash = 1, kExact = 2 };
+enum class TopKPredictor : uint8_t { kHash = 1, kExact = 2, kCompressed = 3 };
 enum class BudgetBound : uint8_t { kClt = 1, kHoeffding = 2, kCltRatio = 3 };
 enum class VerifyTarget : uint8_t { kDenominator = 1, kNumerator = 2, kOutput = 3 };
 
@@ -174,6 +180,14 @@ struct VAttentionRowAccess {
   float residual_logit_max = std::numeric_limits<float>::quiet_NaN();
 };
 
+// The compressed predictor's bound on the residual's logits: the largest s~_t + scale |q| err_t
+// + the float rounding of s~_t over the tokens t < v.length not in `fixed` (ascending), where
+// approx[t] = s~_t (ApproximateScores over v with q and scale). Every true logit scale q . k_t
+// of those tokens is at most this (the open group's tokens are exact: err 0, their computed
+// logit, as the exact predictor takes it); -inf when the residual is empty.
+float CompressedLogitUpperBound(const CompressedKeysView& v, const float* q, float scale,
+                                const float* approx, const std::vector<int32_t>& fixed);
+
 // Step 3 after VAttentionPlanFixed: fills r->base (left empty with exact_statistics).
 // `sequence` and `head` (the query head) select the Philox streams.
 void VAttentionSampleBase(int32_t n, const VAttentionParams& params, uint64_t seed,
@@ -195,19 +209,22 @@ struct VAttentionStats {
 };
 
 // Selection on a DecodeProblem: reads q, the K rows the predictor needs (all for kExact) and
-// the K and V rows of I_f u B. sigs is required for kHash (its bits must equal params.bits).
-// Fills `sel` (kind kSoftmax, budgets[g] = b of query head g); `stats` may be null.
+// the K and V rows of I_f u B. sigs is required for kHash (its bits must equal params.bits);
+// keys for kCompressed ([B * Hkv], index b * Hkv + kv_head, each holding at least seq_lens[b]
+// tokens). Fills `sel` (kind kSoftmax, budgets[g] = b of query head g); `stats` may be null.
 [[nodiscard]] absl::Status VAttentionSelectCpu(const DecodeProblem& p,
                                                const VAttentionParams& params, uint64_t seed,
                                                const SignatureView* sigs, RowSelection* sel,
-                                               VAttentionStats* stats = nullptr);
+                                               VAttentionStats* stats = nullptr,
+                                               absl::Span<const CompressedKeysView> keys = {});
 
 // Selection then EstimateInPlace (writes p.out).
 [[nodiscard]] absl::Status VAttentionDecodeCpu(const DecodeProblem& p,
                                                const VAttentionParams& params, uint64_t seed,
                                                const SignatureView* sigs,
                                                RowSelection* sel = nullptr,
-                                               VAttentionStats* stats = nullptr);
+                                               VAttentionStats* stats = nullptr,
+                                               absl::Span<const CompressedKeysView> keys = {});
 
 }  // namespace kvsparse::kernels
 

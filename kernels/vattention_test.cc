@@ -4,12 +4,14 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "kernels/compressed_keys.h"
 #include "kernels/cpu_util.h"
 #include "kernels/dense.h"
 #include "kernels/synthetic.h"
@@ -401,10 +403,11 @@ TEST_P(VAttentionStatisticsTest, ViolationRates) {
 // hash predictor's can be). The budget then comes from a base sample that almost never holds the
 // spike: the CLT budget trusts a residual that looks flat, and the output is over epsilon in
 // most trials (measured: 196 of 200), a rate far above delta (one-sided binomial p-value of
-// "rate <= delta" below 1e-6). Hoeffding's budget on this head is every residual row. The (epsilon, delta) promise therefore needs every heavy token
-// in the fixed set or in the statistics: with the exact predictor (the spike is its top-1) or
-// with exact statistics the same head stays within delta. What the service promises per
-// predictor is written in docs/ACCURACY.md ("vAttention: what the promise covers").
+// "rate <= delta" below 1e-6). Hoeffding's budget on this head is every residual row. The (epsilon,
+// delta) promise therefore needs every heavy token in the fixed set or in the statistics: with the
+// exact predictor (the spike is its top-1) or with exact statistics the same head stays within
+// delta. What the service promises per predictor is written in docs/ACCURACY.md ("vAttention: what
+// the promise covers").
 TEST(VAttentionTest, APredictorThatMissesTheSpikeBreaksThePromise) {
   const int32_t n = 8192, dv = 32, spike = 3001;
   const int kTrials = 200;
@@ -451,8 +454,9 @@ TEST(VAttentionTest, APredictorThatMissesTheSpikeBreaksThePromise) {
   auto p_value = [&](int k) {
     double p = 0;
     for (int i = k; i <= kTrials; ++i) {
-      p += std::exp(std::lgamma(kTrials + 1.0) - std::lgamma(i + 1.0) - std::lgamma(kTrials - i + 1.0) +
-                    i * std::log(0.1) + (kTrials - i) * std::log(0.9));
+      p += std::exp(std::lgamma(kTrials + 1.0) - std::lgamma(i + 1.0) -
+                    std::lgamma(kTrials - i + 1.0) + i * std::log(0.1) +
+                    (kTrials - i) * std::log(0.9));
     }
     return p;
   };
@@ -462,15 +466,134 @@ TEST(VAttentionTest, APredictorThatMissesTheSpikeBreaksThePromise) {
     const int missed_base = rate(missed, bound, false);
     const int missed_exact = rate(missed, bound, true);
     const int seen = rate(s, bound, false);
-    std::printf("[vattention missed spike] %s: predictor misses it, base sample %d/%d over eps "
-                "(p %.2g); exact statistics %d/%d; predictor finds it %d/%d\n",
-                name, missed_base, kTrials, p_value(missed_base), missed_exact, kTrials, seen,
-                kTrials);
+    std::printf(
+        "[vattention missed spike] %s: predictor misses it, base sample %d/%d over eps "
+        "(p %.2g); exact statistics %d/%d; predictor finds it %d/%d\n",
+        name, missed_base, kTrials, p_value(missed_base), missed_exact, kTrials, seen, kTrials);
     if (bound == BudgetBound::kClt) {
       EXPECT_LT(p_value(missed_base), 1e-6) << "CLT: the missed spike breaks the promise";
     }  // Hoeffding's budget here is every residual row (no violation, no saving).
     EXPECT_LE(missed_exact, limit) << name << " with exact statistics";
     EXPECT_LE(seen, limit) << name << " with the spike in the fixed set";
+  }
+}
+
+// The compressed predictor (kernels/compressed_keys.h): ranked by the compressed keys' scores,
+// the spike the hash predictor missed above is in the fixed set, and the residual's logits are
+// bounded soundly from the stored error norms; the violation rate is then within delta (the
+// same binomial tolerance), at 1 and 2 bits, CLT and Hoeffding.
+TEST(VAttentionTest, TheCompressedPredictorKeepsThePromiseTheHashBroke) {
+  const int32_t n = 8192, dv = 32, d = 32, spike = 3001;
+  const int kTrials = 200;
+  std::mt19937_64 rng(21);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> s(n), v(static_cast<size_t>(n) * dv);
+  for (float& x : s) x = 0.5f * normal(rng);
+  s[spike] = 9.f;
+  std::vector<float> mu(dv);
+  for (float& m : mu) m = normal(rng);
+  for (size_t i = 0; i < v.size(); ++i) v[i] = mu[i % dv] + 0.5f * normal(rng);
+  for (int a = 0; a < dv; ++a) v[static_cast<size_t>(spike) * dv + a] -= 2.f * mu[a];
+  // Keys whose logit with q = e_0 (scale 1) is s_t exactly; the other channels carry noise.
+  std::vector<float> q(d, 0.f), key(d);
+  q[0] = 1.f;
+  const DenseHead dense = MakeDenseHead(s, v, dv);
+  const int limit = static_cast<int>(0.1 * kTrials + 3 * std::sqrt(0.1 * 0.9 * kTrials));
+  for (int32_t bits : {1, 2}) {
+    CompressedKeys ck({bits, kKeyGroupTokens}, d, DType::kFp32);
+    for (int32_t t = 0; t < n; ++t) {
+      key[0] = s[t];
+      for (int32_t c = 1; c < d; ++c) key[c] = normal(rng);
+      ck.Append(key.data());
+    }
+    const CompressedKeysView view = ck.view();
+    std::vector<float> approx(n);
+    ApproximateScores(view, q.data(), 1.f, approx.data());
+    for (BudgetBound bound : {BudgetBound::kClt, BudgetBound::kHoeffding}) {
+      VAttentionParams params;
+      params.sink_tokens = 16;
+      params.local_tokens = 64;
+      params.top_k_fraction = 1.f / 32;
+      params.base_rate = 0.02f;
+      params.epsilon = 0.1f;
+      params.delta = 0.1f;
+      params.predictor = TopKPredictor::kCompressed;
+      params.bound = bound;
+      params.target = VerifyTarget::kOutput;
+      VAttentionHeadResult plan, r;
+      std::vector<int32_t> scratch;
+      VAttentionPlanFixed(approx.data(), n, n / 32, params, &plan, &scratch);
+      ASSERT_TRUE(std::binary_search(plan.fixed.begin(), plan.fixed.end(), spike)) << bits;
+      VAttentionRowAccess access = RowsOf(s, v, dv);
+      access.residual_logit_max =
+          CompressedLogitUpperBound(view, q.data(), 1.f, approx.data(), plan.fixed);
+      size_t e = 0;
+      for (int32_t t = 0; t < n; ++t) {  // the bound holds for every residual token
+        if (e < plan.fixed.size() && plan.fixed[e] == t) {
+          ++e;
+        } else {
+          ASSERT_LE(s[t], access.residual_logit_max) << "token " << t;
+        }
+      }
+      int violations = 0;
+      int64_t rows = 0;
+      for (int trial = 0; trial < kTrials; ++trial) {
+        r.fixed = plan.fixed;
+        VAttentionSampleHead(n, params, access, 500 + trial, 0, 0, &r);
+        violations += EstimateError(dense, r, v, dv, VerifyTarget::kOutput) > params.epsilon;
+        rows += static_cast<int64_t>(r.fixed.size()) + r.b;
+      }
+      std::printf("[vattention compressed predictor] %d bits, %s: %d/%d over eps, rows %.3f of n\n",
+                  bits, bound == BudgetBound::kClt ? "CLT" : "Hoeffding", violations, kTrials,
+                  static_cast<double>(rows) / kTrials / n);
+      EXPECT_LE(violations, limit) << bits << " bits";
+    }
+  }
+}
+
+// CompressedLogitUpperBound is sound token by token: with every other token fixed, the bound of
+// the one left is at least its logit as the estimate computes it (a float dot product of the
+// exact key), over bits, dtypes, closed groups and the open group's exact rows; and it is not
+// looser than the stored error norm allows (plus rounding).
+TEST(VAttentionTest, CompressedLogitBoundHoldsTokenByToken) {
+  const int32_t n = 300, d = 64;  // 2 closed groups and 44 open rows
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  for (DType dt : {DType::kBf16, DType::kFp32}) {
+    for (int32_t bits : {1, 2, 4, 8}) {
+      const size_t es = DTypeSize(dt);
+      std::vector<uint8_t> k(static_cast<size_t>(n) * d * es);
+      for (int32_t i = 0; i < n * d; ++i)
+        StoreFromFloat(k.data(), i, dt, (i % 5 == 0 ? 3.f : 1.f) * normal(rng));
+      CompressedKeys ck({bits, kKeyGroupTokens}, d, dt);
+      for (int32_t t = 0; t < n; ++t) ck.Append(k.data() + static_cast<size_t>(t) * d * es);
+      const CompressedKeysView view = ck.view();
+      std::vector<float> q(d), approx(n), key(d);
+      for (float& x : q) x = normal(rng);
+      const float scale = 0.125f;
+      ApproximateScores(view, q.data(), scale, approx.data());
+      double qn = 0;
+      for (float x : q) qn += x * x;
+      qn = std::sqrt(qn);
+      for (int32_t t = 0; t < n; t += 7) {
+        std::vector<int32_t> fixed;
+        for (int32_t u = 0; u < n; ++u) {
+          if (u != t) fixed.push_back(u);
+        }
+        const float bound = CompressedLogitUpperBound(view, q.data(), scale, approx.data(), fixed);
+        float logit = 0.f;
+        for (int32_t c = 0; c < d; ++c)
+          logit += q[c] * LoadAsFloat(k.data() + static_cast<size_t>(t) * d * es, c, dt);
+        logit *= scale;
+        ASSERT_LE(logit, bound) << DTypeName(dt) << " bits " << bits << " token " << t;
+        EXPECT_LE(bound, approx[t] + scale * qn * KeyErrorBound(view, t) + 1e-3f) << "token " << t;
+      }
+      // Nothing left: no bound.
+      std::vector<int32_t> all(n);
+      for (int32_t u = 0; u < n; ++u) all[u] = u;
+      EXPECT_EQ(CompressedLogitUpperBound(view, q.data(), scale, approx.data(), all),
+                -std::numeric_limits<float>::infinity());
+    }
   }
 }
 

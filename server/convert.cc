@@ -337,8 +337,20 @@ absl::StatusOr<engine::Method> FromProto(const v1::Method& m) {
       p.local_tokens = static_cast<int32_t>(v.local_tokens());
       p.top_k = static_cast<int32_t>(v.top_k());
       p.top_k_fraction = v.top_k_fraction();
-      p.predictor = v.predictor() == v1::TOP_K_PREDICTOR_EXACT ? kernels::TopKPredictor::kExact
-                                                               : kernels::TopKPredictor::kHash;
+      switch (v.predictor()) {
+        case v1::TOP_K_PREDICTOR_EXACT:
+          p.predictor = kernels::TopKPredictor::kExact;
+          break;
+        case v1::TOP_K_PREDICTOR_COMPRESSED:
+          p.predictor = kernels::TopKPredictor::kCompressed;
+          break;
+        case v1::TOP_K_PREDICTOR_UNSPECIFIED:
+        case v1::TOP_K_PREDICTOR_HASH:
+          p.predictor = kernels::TopKPredictor::kHash;
+          break;
+        default:
+          return absl::InvalidArgumentError("vattention: unknown predictor");
+      }
       p.base_rate = v.base_rate();
       switch (v.bound()) {
         case v1::BUDGET_BOUND_HOEFFDING:

@@ -23,6 +23,29 @@ TEST(ConvertTest, TensorSizeMustMatchShapeAndDtype) {
   EXPECT_EQ(ValidateTensor(t, "t").code(), absl::StatusCode::kInvalidArgument);
 }
 
+// vAttention's predictor on the wire: each value maps to the engine's, unspecified to the hash
+// predictor, and a value this server does not know is refused (not read as another predictor).
+TEST(ConvertTest, VAttentionPredictors) {
+  v1::DecodeRequest req;
+  req.add_sequence_ids("s");
+  v1::Tensor* q = req.mutable_q();
+  q->set_dtype(v1::DTYPE_FP32);
+  for (int64_t dim : {1, 2, 4}) q->add_shape(dim);
+  q->set_data(std::string(1 * 2 * 4 * 4, '\0'));
+  auto predictor = [&](int value) -> absl::StatusOr<kernels::TopKPredictor> {
+    req.mutable_method()->mutable_vattention()->set_predictor(
+        static_cast<v1::TopKPredictor>(value));
+    absl::StatusOr<engine::DecodeCall> c = FromProto(req);
+    if (!c.ok()) return c.status();
+    return c->method.vattention.predictor;
+  };
+  EXPECT_EQ(*predictor(v1::TOP_K_PREDICTOR_UNSPECIFIED), kernels::TopKPredictor::kHash);
+  EXPECT_EQ(*predictor(v1::TOP_K_PREDICTOR_HASH), kernels::TopKPredictor::kHash);
+  EXPECT_EQ(*predictor(v1::TOP_K_PREDICTOR_EXACT), kernels::TopKPredictor::kExact);
+  EXPECT_EQ(*predictor(v1::TOP_K_PREDICTOR_COMPRESSED), kernels::TopKPredictor::kCompressed);
+  EXPECT_EQ(predictor(77).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ConvertTest, AppendNeedsRank4AndMatchingKV) {
   v1::AppendRequest r;
   r.set_sequence_id("s");

@@ -1,5 +1,6 @@
 // vAttention (kernels/vattention.h, Algorithm 1): per query head, sink + local window + the
-// predicted top-k (hash: signatures; exact: every key's score) as a fixed set I_f, a uniform base
+// predicted top-k (hash: signatures; exact: every key's score; compressed: the compressed keys'
+// scores, with a sound bound on the rest's) as a fixed set I_f, a uniform base
 // sample B of the rest whose statistics set the budget b for (epsilon, delta), then the final
 // uniform sample of b rows; the estimator re-weights the sampled part by n_s / b. The rows of
 // I_f u B are read during the selection (their K for the statistics), the final sample's after.
@@ -15,6 +16,9 @@ namespace kvsparse::engine {
 namespace {
 
 bool UsesHash(const Method& m) { return m.vattention.predictor == kernels::TopKPredictor::kHash; }
+bool UsesCompressed(const Method& m) {
+  return m.vattention.predictor == kernels::TopKPredictor::kCompressed;
+}
 
 class VAttention final : public MethodUnit {
  public:
@@ -26,12 +30,17 @@ class VAttention final : public MethodUnit {
   }
   absl::Status CheckFits(const Method& m, const SequenceDesc& desc,
                          const SignatureMaker& signatures) const override {
+    if (UsesCompressed(m) && desc.placement.compressed_key_bits == 0) {
+      return absl::FailedPreconditionError(
+          "vattention with the compressed predictor needs compressed keys: create the sequence "
+          "with placement.compressed_key_bits");
+    }
     if (!UsesHash(m)) return absl::OkStatus();
     return CheckSignatures(m, m.vattention.bits, "vattention (hash predictor)", desc, signatures);
   }
   CpuPlan Plan(const Method& m) const override {
     CpuPlan plan;
-    plan.all_keys = !UsesHash(m);  // the exact predictor scores every key
+    plan.all_keys = !UsesHash(m) && !UsesCompressed(m);  // the exact predictor scores every key
     return plan;
   }
   absl::Status Select(CpuStep& step, kernels::RowSelection* sel) const override;
@@ -46,6 +55,15 @@ absl::Status VAttention::Select(CpuStep& step, kernels::RowSelection* sel) const
   const uint64_t seed = step.seed();
   kernels::VAttentionParams params = step.method().vattention;
   const bool hash = UsesHash(step.method());
+  const bool compressed = UsesCompressed(step.method());
+  absl::Span<const kernels::CompressedKeysView> keys;
+  if (compressed) {
+    keys = step.CompressedKeys();
+    for (const kernels::CompressedKeysView& v : keys) {
+      if (v.length != n)
+        return absl::InternalError("compressed keys out of step with the sequence");
+    }
+  }
   kernels::SignatureView view;
   if (hash) {
     if (params.bits == 0) params.bits = static_cast<int32_t>(step.desc().placement.signature_bits);
@@ -57,6 +75,7 @@ absl::Status VAttention::Select(CpuStep& step, kernels::RowSelection* sel) const
   // Steps 1 and 3 per query head: fixed set and base sample, from the predictor alone.
   std::vector<kernels::VAttentionHeadResult> r(H);
   std::vector<std::vector<float>> logits(hash ? 0 : H);
+  std::vector<float> bounds(H);  // compressed: the residual's logit bound per query head
   const std::vector<float> qf = step.QueryFloats();
   std::vector<int32_t> sim, scratch;
   for (int32_t h = 0; h < H; ++h) {
@@ -71,6 +90,12 @@ absl::Status VAttention::Select(CpuStep& step, kernels::RowSelection* sel) const
         sim[t] = kernels::HammingSimilarity(qs, ks + static_cast<int64_t>(t) * words, words);
       }
       kernels::VAttentionPlanFixed(sim.data(), n, *k, params, &r[h], &scratch);
+    } else if (compressed) {
+      logits[h].resize(n);
+      kernels::ApproximateScores(keys[j], qf.data() + h * d, p.scale, logits[h].data());
+      kernels::VAttentionPlanFixed(logits[h].data(), n, *k, params, &r[h], &scratch);
+      bounds[h] = kernels::CompressedLogitUpperBound(keys[j], qf.data() + h * d, p.scale,
+                                                     logits[h].data(), r[h].fixed);
     } else {
       logits[h].resize(n);
       const uint8_t* kb = static_cast<const uint8_t*>(p.k);
@@ -112,10 +137,11 @@ absl::Status VAttention::Select(CpuStep& step, kernels::RowSelection* sel) const
       access.load_v = [&](int32_t t, float* o) {
         RowToFloat(base.VRow(j, base.Find(j, t), row), d, dt, o);
       };
-      if (hash) {
+      if (hash || compressed) {
         access.logit = [&](int32_t t) {
           return Logit(qh, base.KRow(j, base.Find(j, t), row), d, dt, p.scale);
         };
+        if (compressed && std::isfinite(bounds[h])) access.residual_logit_max = bounds[h];
       } else {
         const std::vector<float>& lg = logits[h];
         access.logit = [&](int32_t t) { return lg[t]; };

@@ -156,8 +156,10 @@ en::Method ParseMethod(const std::string& name, const std::string& text) {
     v.top_k_fraction = static_cast<float>(p.Number("top_k_fraction", 0.05));
     v.sink_tokens = p.Int("sink_tokens", 128);
     v.local_tokens = p.Int("local_tokens", 128);
-    v.predictor = p.Word("predictor", "hash") == "exact" ? kernels::TopKPredictor::kExact
-                                                         : kernels::TopKPredictor::kHash;
+    const std::string predictor = p.Word("predictor", "hash");
+    v.predictor = predictor == "exact"        ? kernels::TopKPredictor::kExact
+                  : predictor == "compressed" ? kernels::TopKPredictor::kCompressed
+                                              : kernels::TopKPredictor::kHash;
     v.base_rate = static_cast<float>(p.Number("base_rate", 0.05));
     const std::string bound = p.Word("bound", "clt");
     if (bound == "hoeffding") {

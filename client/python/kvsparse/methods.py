@@ -118,7 +118,10 @@ class HashTopK:
 class VAttention:
     """vAttention: sink + local + predicted top-k, plus a uniform sample of the rest sized so that
     the output is (epsilon, delta)-accurate: a guarantee with ``predictor="exact"``, a target with
-    ``predictor="hash"`` (a head whose heavy token the signatures miss is not covered)."""
+    ``predictor="hash"`` (a head whose heavy token the signatures miss is not covered).
+    ``predictor="compressed"`` ranks by the sequence's compressed keys
+    (``Placement(compressed_key_bits=2)``) and bounds every other token's score by their stored
+    error norms, so the budget's range of x is sound without K on the device."""
 
     epsilon: float = 0.05
     delta: float = 0.05
@@ -126,7 +129,7 @@ class VAttention:
     top_k_fraction: float = 0.05
     sink_tokens: int = 128
     local_tokens: int = 128
-    predictor: Literal["hash", "exact"] = "hash"
+    predictor: Literal["hash", "exact", "compressed"] = "hash"
     base_rate: float = 0.05
     bound: Literal["clt", "clt-ratio", "hoeffding"] = "clt"  # clt-ratio: the delta method on N^/D^
     target: Literal["output", "numerator", "denominator"] = "output"
@@ -138,9 +141,11 @@ class VAttention:
         _fill_selection(p, self)
         p.epsilon = self.epsilon
         p.delta = self.delta
-        p.predictor = (
-            attention_pb2.TOP_K_PREDICTOR_EXACT if self.predictor == "exact" else attention_pb2.TOP_K_PREDICTOR_HASH
-        )
+        p.predictor = {
+            "hash": attention_pb2.TOP_K_PREDICTOR_HASH,
+            "exact": attention_pb2.TOP_K_PREDICTOR_EXACT,
+            "compressed": attention_pb2.TOP_K_PREDICTOR_COMPRESSED,
+        }[self.predictor]
         p.base_rate = self.base_rate
         p.bound = {
             "clt": attention_pb2.BUDGET_BOUND_CLT,
@@ -222,6 +227,8 @@ def placement_for(method: Method, signature_bits: int = 32, compressed_key_bits:
     if isinstance(method, VAttention):
         if method.predictor == "exact":
             return Placement(k_tier="device")
+        if method.predictor == "compressed":
+            return Placement(compressed_key_bits=compressed_key_bits)
         return Placement(signature_bits=method.bits or signature_bits)
     if isinstance(method, Saap):
         return Placement(signature_bits=32)  # each key's bucket

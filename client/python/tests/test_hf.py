@@ -171,10 +171,16 @@ def check_bf16(model, ids, mask, got) -> None:
         kvsparse.Santa(samples=512, allocation="flash", tile_size=64),
         kvsparse.HashTopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16),
         kvsparse.VAttention(epsilon=0.1, delta=0.1, sink_tokens=4, local_tokens=16, top_k_fraction=0.1),
+        kvsparse.VAttention(
+            epsilon=0.1, delta=0.1, sink_tokens=4, local_tokens=16, top_k_fraction=0.1, predictor="compressed"
+        ),
         kvsparse.TopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16),
         kvsparse.TopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16, scores="exact"),
     ],
-    ids=["santa-prop", "santa-flash", "hash-top-k", "vattention", "top-k-compressed", "top-k-exact"],
+    ids=[
+        "santa-prop", "santa-flash", "hash-top-k", "vattention", "vattention-compressed", "top-k-compressed",
+        "top-k-exact",
+    ],
 )
 def test_sparse_methods_generate(target, method: kvsparse.Method) -> None:
     model = tiny_llama()
