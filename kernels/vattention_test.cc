@@ -398,6 +398,39 @@ TEST_P(VAttentionStatisticsTest, ViolationRates) {
   }
 }
 
+// The hard head of the two tests below: n = 8192 logits, one key at +9 over a flat N(0, 0.5^2)
+// rest holding about half the attention, values (dv = 32) with a common component (as real
+// ones have, and the synthetic families: the flat rest's output is far from zero, so the budget
+// it asks for is small) and the spike's different (it matters); and the parameters both use
+// (eps = delta = 0.1, output target, sink 16, window 64, top-k 1/32, base rate 0.02).
+struct SpikeHead {
+  static constexpr int32_t n = 8192, dv = 32, spike = 3001;
+  std::vector<float> s, v;
+  std::mt19937_64 rng{21};
+  SpikeHead() : s(n), v(static_cast<size_t>(n) * dv) {
+    std::normal_distribution<float> normal(0.f, 1.f);
+    for (float& x : s) x = 0.5f * normal(rng);
+    s[spike] = 9.f;
+    std::vector<float> mu(dv);
+    for (float& m : mu) m = normal(rng);
+    for (size_t i = 0; i < v.size(); ++i) v[i] = mu[i % dv] + 0.5f * normal(rng);
+    for (int a = 0; a < dv; ++a) v[static_cast<size_t>(spike) * dv + a] -= 2.f * mu[a];
+  }
+  static VAttentionParams Params(TopKPredictor predictor, BudgetBound bound) {
+    VAttentionParams params;
+    params.sink_tokens = 16;
+    params.local_tokens = 64;
+    params.top_k_fraction = 1.f / 32;
+    params.base_rate = 0.02f;
+    params.epsilon = 0.1f;
+    params.delta = 0.1f;
+    params.predictor = predictor;
+    params.bound = bound;
+    params.target = VerifyTarget::kOutput;
+    return params;
+  }
+};
+
 // A hard head: one key holds most of the attention (a spike of +9 over a flat rest) and the
 // predictor misses it (its top-k is chosen from scores in which the spike looks ordinary, as a
 // hash predictor's can be). The budget then comes from a base sample that almost never holds the
@@ -409,34 +442,16 @@ TEST_P(VAttentionStatisticsTest, ViolationRates) {
 // delta. What the service promises per predictor is written in docs/ACCURACY.md ("vAttention: what
 // the promise covers").
 TEST(VAttentionTest, APredictorThatMissesTheSpikeBreaksThePromise) {
-  const int32_t n = 8192, dv = 32, spike = 3001;
+  constexpr int32_t n = SpikeHead::n, dv = SpikeHead::dv, spike = SpikeHead::spike;
   const int kTrials = 200;
-  std::mt19937_64 rng(21);
-  std::normal_distribution<float> normal(0.f, 1.f);
-  std::vector<float> s(n), v(static_cast<size_t>(n) * dv);
-  for (float& x : s) x = 0.5f * normal(rng);
-  s[spike] = 9.f;
-  // Values with a common component (as real ones have, and the synthetic families): the flat
-  // rest's output is far from zero, so the budget it asks for is small.
-  std::vector<float> mu(dv);
-  for (float& m : mu) m = normal(rng);
-  for (size_t i = 0; i < v.size(); ++i) v[i] = mu[i % dv] + 0.5f * normal(rng);
-  for (int a = 0; a < dv; ++a) v[static_cast<size_t>(spike) * dv + a] -= 2.f * mu[a];  // it matters
+  const SpikeHead head;
+  const std::vector<float>&s = head.s, &v = head.v;
   std::vector<float> missed = s;
   missed[spike] = 0.f;  // what the predictor saw
   const DenseHead dense = MakeDenseHead(s, v, dv);
   // Violations of the output target over kTrials seeds, for a predictor that saw `pred`.
   auto rate = [&](const std::vector<float>& pred, BudgetBound bound, bool exact_stats) {
-    VAttentionParams params;
-    params.sink_tokens = 16;
-    params.local_tokens = 64;
-    params.top_k_fraction = 1.f / 32;
-    params.base_rate = 0.02f;
-    params.epsilon = 0.1f;
-    params.delta = 0.1f;
-    params.predictor = TopKPredictor::kExact;
-    params.bound = bound;
-    params.target = VerifyTarget::kOutput;
+    VAttentionParams params = SpikeHead::Params(TopKPredictor::kExact, bound);
     params.exact_statistics = exact_stats;
     const VAttentionRowAccess access = RowsOf(s, v, dv);
     VAttentionHeadResult plan, r;
@@ -483,17 +498,12 @@ TEST(VAttentionTest, APredictorThatMissesTheSpikeBreaksThePromise) {
 // bounded soundly from the stored error norms; the violation rate is then within delta (the
 // same binomial tolerance), at 1 and 2 bits, CLT and Hoeffding.
 TEST(VAttentionTest, TheCompressedPredictorKeepsThePromiseTheHashBroke) {
-  const int32_t n = 8192, dv = 32, d = 32, spike = 3001;
+  constexpr int32_t n = SpikeHead::n, dv = SpikeHead::dv, d = 32, spike = SpikeHead::spike;
   const int kTrials = 200;
-  std::mt19937_64 rng(21);
+  SpikeHead head;
+  const std::vector<float>&s = head.s, &v = head.v;
+  std::mt19937_64& rng = head.rng;
   std::normal_distribution<float> normal(0.f, 1.f);
-  std::vector<float> s(n), v(static_cast<size_t>(n) * dv);
-  for (float& x : s) x = 0.5f * normal(rng);
-  s[spike] = 9.f;
-  std::vector<float> mu(dv);
-  for (float& m : mu) m = normal(rng);
-  for (size_t i = 0; i < v.size(); ++i) v[i] = mu[i % dv] + 0.5f * normal(rng);
-  for (int a = 0; a < dv; ++a) v[static_cast<size_t>(spike) * dv + a] -= 2.f * mu[a];
   // Keys whose logit with q = e_0 (scale 1) is s_t exactly; the other channels carry noise.
   std::vector<float> q(d, 0.f), key(d);
   q[0] = 1.f;
@@ -510,16 +520,7 @@ TEST(VAttentionTest, TheCompressedPredictorKeepsThePromiseTheHashBroke) {
     std::vector<float> approx(n);
     ApproximateScores(view, q.data(), 1.f, approx.data());
     for (BudgetBound bound : {BudgetBound::kClt, BudgetBound::kHoeffding}) {
-      VAttentionParams params;
-      params.sink_tokens = 16;
-      params.local_tokens = 64;
-      params.top_k_fraction = 1.f / 32;
-      params.base_rate = 0.02f;
-      params.epsilon = 0.1f;
-      params.delta = 0.1f;
-      params.predictor = TopKPredictor::kCompressed;
-      params.bound = bound;
-      params.target = VerifyTarget::kOutput;
+      const VAttentionParams params = SpikeHead::Params(TopKPredictor::kCompressed, bound);
       VAttentionHeadResult plan, r;
       std::vector<int32_t> scratch;
       VAttentionPlanFixed(approx.data(), n, n / 32, params, &plan, &scratch);
