@@ -52,6 +52,15 @@ inline bool SignaturesOnGpu(const Method& m, const SequenceDesc& desc, const Gpu
   return caps.learned == nullptr || LearnedSignsOnGpu(*caps.learned, desc);
 }
 
+// Whether the selected-rows path (engine/cuda/selected_rows_call.h) can read a sequence's rows:
+// rows staged from a store in another process need K and V in the same tier (the fetch reads
+// both by list position).
+inline bool StagedRowsFit(const SequenceDesc& desc, const GpuCaps& caps) {
+  const kvstore::Placement& pl = desc.placement;
+  return !caps.staged_rows ||
+         (pl.k_tier == kvstore::Tier::kDevice) == (pl.v_tier == kvstore::Tier::kDevice);
+}
+
 // One Decode call of a method on the GPU (its state lives from Plan to Stats).
 class MethodCall {
  public:

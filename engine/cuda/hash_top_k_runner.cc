@@ -21,11 +21,7 @@ class HashTopKCall final : public SelectedRowsCall {
   // from a store in another process: K and V in the same tier (the fetch reads both by list
   // position).
   static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
-    const kvstore::Placement& pl = desc.placement;
-    if (caps.staged_rows &&
-        (pl.k_tier == kvstore::Tier::kDevice) != (pl.v_tier == kvstore::Tier::kDevice)) {
-      return false;
-    }
+    if (!StagedRowsFit(desc, caps)) return false;
     return SignaturesOnGpu(m, desc, caps);
   }
 

@@ -18,13 +18,11 @@ class SaapCall final : public SelectedRowsCall {
   // CPU engine would refuse stay there for their error. Rows staged from a store in another
   // process: K and V in the same tier (the fetch reads both by list position).
   static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
-    const kvstore::Placement& pl = desc.placement;
     if (caps.saap == nullptr || !SaapOnGpu(*caps.saap, desc) ||
         !kernels::ValidateSaapParams(m.saap, *caps.saap).ok()) {
       return false;
     }
-    return !caps.staged_rows ||
-           (pl.k_tier == kvstore::Tier::kDevice) == (pl.v_tier == kvstore::Tier::kDevice);
+    return StagedRowsFit(desc, caps);
   }
 
  private:

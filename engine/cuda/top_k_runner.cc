@@ -30,8 +30,7 @@ class TopKCall final : public SelectedRowsCall {
     if (m.top_k.source != kernels::ScoreSource::kCompressedKeys || pl.compressed_key_bits == 0) {
       return false;
     }
-    return !caps.staged_rows ||
-           (pl.k_tier == kvstore::Tier::kDevice) == (pl.v_tier == kvstore::Tier::kDevice);
+    return StagedRowsFit(desc, caps);
   }
 
  private:
