@@ -331,8 +331,7 @@ __device__ __forceinline__ SinkLocalTopK MakeSinkLocalTopK(int n, int sink, int 
                                                            float top_k_fraction) {
   SinkLocalTopK g;
   g.n = n;
-  g.k = top_k > 0 ? top_k
-                  : static_cast<int>(floor(static_cast<double>(top_k_fraction) * n + 0.5));
+  g.k = top_k > 0 ? top_k : static_cast<int>(floor(static_cast<double>(top_k_fraction) * n + 0.5));
   g.k = min(max(g.k, 0), n);
   g.s_end = min(max(sink, 0), n);
   g.w_begin = max(g.s_end, n - max(local, 0));

@@ -160,8 +160,7 @@ __device__ __forceinline__ void LoadSig(const uint32_t* k, uint32_t (&out)[W]) {
 using TopkGeom = SinkLocalTopK;
 
 __device__ __forceinline__ TopkGeom MakeGeom(const HashTopKParams& p, int b) {
-  return MakeSinkLocalTopK(p.seq_lens[b], p.sink_tokens, p.local_tokens, p.top_k,
-                           p.top_k_fraction);
+  return MakeSinkLocalTopK(p.seq_lens[b], p.sink_tokens, p.local_tokens, p.top_k, p.top_k_fraction);
 }
 
 template <int W>
