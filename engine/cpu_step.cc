@@ -53,7 +53,7 @@ CpuStep::CpuStep(const Env& env, const DecodeCall& call, uint32_t index, const S
       G_(H_ / hkv_),
       d_(static_cast<int32_t>(shape_.head_dim)),
       row_(shape_.row_bytes()),
-      seed_(kernels::SequenceSeed(call.seed, index)),
+      seed_(kernels::SequenceSeed(call.SeedOf(index), index)),
       src_tier_(static_cast<size_t>(env.source->tier())) {}
 
 absl::Status CpuStep::Run(const MethodUnit& unit, DecodeResult* result) {

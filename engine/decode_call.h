@@ -28,6 +28,9 @@ struct DecodeCall {
   kernels::DType new_kv_dtype = kernels::DType::kBf16;
   Method method;
   uint64_t seed = 0;
+  // Optional [B]: sequence b draws from SequenceSeed(seed + seed_offsets[b], b) instead of
+  // SequenceSeed(seed, b) (a step at position p draws as a captured step does: offset p).
+  std::vector<uint64_t> seed_offsets;
   float scale = 0.f;  // 0: 1/sqrt(d)
   bool return_indices = false;
   absl::Time deadline = absl::InfiniteFuture();
@@ -44,6 +47,10 @@ struct DecodeCall {
   void* stream = nullptr;
 
   bool on_device() const { return q_device != nullptr; }
+  // The base seed of sequence b's stream (kernels::SequenceSeed's argument).
+  uint64_t SeedOf(size_t b) const {
+    return b < seed_offsets.size() ? seed + seed_offsets[b] : seed;
+  }
 };
 
 struct HeadStats {

@@ -1,6 +1,7 @@
 #include "engine/decode_engine.h"
 
 #include <cmath>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -182,6 +183,17 @@ absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
                                                    options_.max_call_sequences));
   }
   if (absl::Status s = CheckDistinct(call.sequence_ids); !s.ok()) return s;
+  if (!call.seed_offsets.empty() && call.seed_offsets.size() != call.sequence_ids.size()) {
+    return absl::InvalidArgumentError("seed_offsets: one per sequence, or none");
+  }
+  for (const std::string& id : call.sequence_ids) {
+    if (Held(id)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence '", id,
+                       "' is held by a captured step's plan: commit and "
+                       "release the plan before eager calls on it"));
+    }
+  }
   if (start > call.deadline) return absl::DeadlineExceededError("deadline passed");
   const MethodUnit& unit = *FindMethod(call.method.kind).unit;
   if (absl::Status s = unit.Validate(call.method, options_); !s.ok()) return s;
@@ -227,6 +239,119 @@ absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
   }
   result.timing.engine_seconds = absl::ToDoubleSeconds(absl::Now() - start);
   return result;
+}
+
+namespace {
+
+// A plan that releases its sequences (DecodeEngine::held_) when destroyed, after the backend's
+// plan (which waits for its kernels) is gone.
+class HeldStep final : public StaticStep {
+ public:
+  HeldStep(std::unique_ptr<StaticStep> inner, std::function<void()> release)
+      : inner_(std::move(inner)), release_(std::move(release)) {}
+  ~HeldStep() override {
+    inner_.reset();
+    release_();
+  }
+  absl::Status Enqueue(uint32_t layer, const void* q, const void* new_k, const void* new_v,
+                       const int64_t* positions, void* out, void* stream) override {
+    return inner_->Enqueue(layer, q, new_k, new_v, positions, out, stream);
+  }
+  absl::StatusOr<std::vector<uint64_t>> Commit(void* stream) override {
+    return inner_->Commit(stream);
+  }
+  absl::Status CopyStats(int32_t* dst, void* stream) override {
+    return inner_->CopyStats(dst, stream);
+  }
+  uint32_t num_layers() const override { return inner_->num_layers(); }
+  uint32_t batch() const override { return inner_->batch(); }
+  uint32_t num_q_heads() const override { return inner_->num_q_heads(); }
+
+ private:
+  std::unique_ptr<StaticStep> inner_;
+  std::function<void()> release_;
+};
+
+}  // namespace
+
+bool DecodeEngine::Held(const std::string& sequence_id) const {
+  std::lock_guard<std::mutex> lock(held_mu_);
+  return held_.contains(sequence_id);
+}
+
+absl::StatusOr<std::unique_ptr<StaticStep>> DecodeEngine::PlanStatic(const StaticStepRequest& req) {
+  if (backend_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "captured steps run on the GPU backend; this engine has none");
+  }
+  if (req.sequence_ids.empty()) return absl::InvalidArgumentError("no sequences");
+  if (req.sequence_ids.size() > options_.max_call_sequences) {
+    return absl::InvalidArgumentError(absl::StrCat("a plan names ", req.sequence_ids.size(),
+                                                   " sequences; at most ",
+                                                   options_.max_call_sequences));
+  }
+  if (absl::Status s = CheckDistinct(req.sequence_ids); !s.ok()) return s;
+  if (req.max_tokens == 0 || req.max_tokens > (1u << 30)) {
+    return absl::InvalidArgumentError("max_tokens: 1 .. 2^30");
+  }
+  const MethodUnit& unit = *FindMethod(req.method.kind).unit;
+  if (absl::Status s = unit.Validate(req.method, options_); !s.ok()) return s;
+  absl::StatusOr<SequenceDesc> first =
+      source_->Describe(req.sequence_ids[0], absl::InfiniteFuture());
+  if (!first.ok()) return first.status();
+  // The plan's template call: validated as a call with q on the device (placeholder pointers,
+  // never read; each Enqueue gives the real ones).
+  static const char kPlaceholder = 0;
+  DecodeCall call;
+  call.sequence_ids = req.sequence_ids;
+  call.method = req.method;
+  call.seed = req.seed;
+  call.scale = req.scale;
+  call.q_dtype = req.dtype;
+  call.q_heads = first->shape.num_q_heads;
+  call.q_dim = first->shape.head_dim;
+  call.q_device = &kPlaceholder;
+  call.out_device = const_cast<char*>(&kPlaceholder);
+  absl::StatusOr<std::vector<SequenceDesc>> descs = Describe(call);
+  if (!descs.ok()) return descs.status();
+  for (const SequenceDesc& d : *descs) {
+    for (uint64_t n : d.layer_lengths) {
+      if (n != d.layer_lengths[0] || n == 0) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("sequence '", d.sequence_id,
+                         "': a captured step needs every layer at one length of at least 1 token"));
+      }
+    }
+    if (d.layer_lengths[0] > req.max_tokens) {
+      return absl::OutOfRangeError(absl::StrCat("sequence '", d.sequence_id, "' holds ",
+                                                d.layer_lengths[0], " tokens, past max_tokens ",
+                                                req.max_tokens));
+    }
+  }
+  if (!backend_->Supports(call, *descs)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(kNotOnBackend, " (method, placement or shape): no captured step"));
+  }
+  {
+    std::lock_guard<std::mutex> lock(held_mu_);
+    for (const std::string& id : req.sequence_ids) {
+      if (held_.contains(id)) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("sequence '", id, "' is already held by a captured step's plan"));
+      }
+    }
+    held_.insert(req.sequence_ids.begin(), req.sequence_ids.end());
+  }
+  auto release = [this, ids = req.sequence_ids] {
+    std::lock_guard<std::mutex> lock(held_mu_);
+    for (const std::string& id : ids) held_.erase(id);
+  };
+  absl::StatusOr<std::unique_ptr<StaticStep>> plan = backend_->PlanStatic(call, *descs, req);
+  if (!plan.ok()) {
+    release();
+    return plan.status();
+  }
+  return std::unique_ptr<StaticStep>(new HeldStep(std::move(*plan), std::move(release)));
 }
 
 }  // namespace kvsparse::engine

@@ -18,9 +18,11 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "engine/decode_call.h"
@@ -28,6 +30,7 @@
 #include "engine/resident_cache.h"
 #include "engine/row_source.h"
 #include "engine/signatures.h"
+#include "engine/static_step.h"
 
 namespace kvsparse::engine {
 
@@ -67,6 +70,13 @@ class DecodeBackend {
   // selection / gather / compute / sync seconds and sync_bytes. Thread-safe.
   virtual absl::Status Decode(const DecodeCall& call, absl::Span<const SequenceDesc> descs,
                               DecodeResult* result) = 0;
+  // A captured step's plan (engine/static_step.h) over descs (as the store holds them; call:
+  // the plan's template, validated, with placeholder device pointers); UNIMPLEMENTED where the
+  // backend has none. REQUIRES: Supports(call, descs).
+  virtual absl::StatusOr<std::unique_ptr<StaticStep>> PlanStatic(
+      const DecodeCall& call, absl::Span<const SequenceDesc> descs, const StaticStepRequest& req) {
+    return absl::UnimplementedError("this backend has no captured steps");
+  }
   // Frees what it holds of a sequence the store no longer has.
   virtual void Forget(const std::string& sequence_id) = 0;
   // Bytes of per-sequence state it holds on its device, and its capacity for them.
@@ -87,6 +97,14 @@ class DecodeEngine {
   // signatures), RESOURCE_EXHAUSTED (store or device tier full), DEADLINE_EXCEEDED; errors of the
   // row source pass through. Thread-safe; calls on one sequence serialise per layer.
   absl::StatusOr<DecodeResult> Decode(const DecodeCall& call);
+
+  // Plans a captured step (engine/static_step.h) on the GPU backend. FAILED_PRECONDITION: no
+  // GPU backend, a method or placement it cannot capture, a sequence already held by a plan or
+  // with layers of unequal or zero length; INVALID_ARGUMENT, NOT_FOUND as Decode; OUT_OF_RANGE:
+  // a sequence already past max_tokens. The sequences stay held until the plan is destroyed.
+  absl::StatusOr<std::unique_ptr<StaticStep>> PlanStatic(const StaticStepRequest& request);
+  // Whether a captured step's plan holds the sequence (its Decode calls and drops are refused).
+  bool Held(const std::string& sequence_id) const;
 
   // Frees what the engine keeps of a sequence (its resident state on the CPU engine and the
   // backend's device state): for an owner that drops the sequence from the store in the same
@@ -109,6 +127,8 @@ class DecodeEngine {
   SignatureMaker signatures_;
   ResidentCache cache_;
   std::unique_ptr<DecodeBackend> backend_;
+  mutable std::mutex held_mu_;
+  absl::flat_hash_set<std::string> held_;  // guarded by held_mu_: sequences of live plans
 };
 
 }  // namespace kvsparse::engine

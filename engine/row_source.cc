@@ -61,6 +61,14 @@ class LocalRowSource final : public RowSource {
     return store_->View(id);
   }
   bool pages_device_visible() const override { return mapped_; }
+  absl::StatusOr<std::unique_ptr<kvstore::Reservation>> Reserve(absl::string_view id,
+                                                                uint64_t tokens) override {
+    return store_->Reserve(id, tokens);
+  }
+  absl::Status CommitWritten(absl::string_view id, uint32_t num_layers, uint64_t expected_length,
+                             uint64_t num_tokens) override {
+    return store_->CommitWritten(id, 0, num_layers, expected_length, num_tokens).status();
+  }
 
  private:
   kvstore::Store* const store_;
@@ -90,6 +98,14 @@ class ShardedRowSource final : public RowSource {
     return For(id).View(id);
   }
   bool pages_device_visible() const override { return shards_.front()->pages_device_visible(); }
+  absl::StatusOr<std::unique_ptr<kvstore::Reservation>> Reserve(absl::string_view id,
+                                                                uint64_t tokens) override {
+    return For(id).Reserve(id, tokens);
+  }
+  absl::Status CommitWritten(absl::string_view id, uint32_t num_layers, uint64_t expected_length,
+                             uint64_t num_tokens) override {
+    return For(id).CommitWritten(id, num_layers, expected_length, num_tokens);
+  }
 
  private:
   RowSource& For(absl::string_view id) {
@@ -103,6 +119,14 @@ class ShardedRowSource final : public RowSource {
 
 absl::StatusOr<std::unique_ptr<kvstore::PageView>> RowSource::View(absl::string_view) {
   return absl::UnimplementedError("this row source has no zero-copy view of its pages");
+}
+
+absl::StatusOr<std::unique_ptr<kvstore::Reservation>> RowSource::Reserve(absl::string_view,
+                                                                         uint64_t) {
+  return absl::UnimplementedError("this row source's rows are not in this process");
+}
+absl::Status RowSource::CommitWritten(absl::string_view, uint32_t, uint64_t, uint64_t) {
+  return absl::UnimplementedError("this row source's rows are not in this process");
 }
 
 std::unique_ptr<RowSource> NewLocalRowSource(kvstore::Store* store, bool pages_device_visible) {

@@ -63,6 +63,13 @@ class RowSource {
   virtual absl::StatusOr<std::unique_ptr<kvstore::PageView>> View(absl::string_view sequence_id);
   // Whether the pages a View shows are device-visible (pinned, CUDA-mapped host memory).
   virtual bool pages_device_visible() const { return false; }
+  // Pages reserved ahead of the lengths for rows a device writes in place, and their commit
+  // (kvstore::Store::Reserve / CommitWritten). UNIMPLEMENTED where rows are not in this process
+  // (the default).
+  virtual absl::StatusOr<std::unique_ptr<kvstore::Reservation>> Reserve(
+      absl::string_view sequence_id, uint64_t tokens);
+  virtual absl::Status CommitWritten(absl::string_view sequence_id, uint32_t num_layers,
+                                     uint64_t expected_length, uint64_t num_tokens);
 };
 
 // Rows of a store in this process, copied straight into the engine's buffers.

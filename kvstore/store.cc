@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -284,8 +285,15 @@ absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
                                               " tokens exceeds max_tokens_per_layer ",
                                               options_.max_tokens_per_layer));
   }
-  const uint64_t pages_per_lane = seq.PagesFor(len0 + req.num_tokens) - seq.PagesFor(len0);
-  const size_t new_pages = pages_per_lane * req.num_layers * shape.num_kv_heads;
+  // Pages per lane of each layer still to add (a reservation may have added some already).
+  std::vector<uint64_t> lane_pages(req.num_layers);
+  size_t new_pages = 0;
+  for (uint32_t li = 0; li < req.num_layers; ++li) {
+    const uint64_t have = seq.lanes_[seq.Lane(req.first_layer + li, 0)].size();
+    const uint64_t need = seq.PagesFor(len0 + req.num_tokens);
+    lane_pages[li] = need > have ? need - have : 0;
+    new_pages += lane_pages[li] * shape.num_kv_heads;
+  }
   std::vector<uint8_t*> pages;
   if (new_pages > 0) {
     absl::Status got;
@@ -302,10 +310,10 @@ absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
   }
   // Nothing can fail from here on.
   size_t next_page = 0;
-  for (uint32_t l = req.first_layer; l < req.first_layer + req.num_layers; ++l) {
+  for (uint32_t li = 0; li < req.num_layers; ++li) {
     for (uint32_t h = 0; h < shape.num_kv_heads; ++h) {
-      auto& lane = seq.lanes_[seq.Lane(l, h)];
-      for (uint64_t p = 0; p < pages_per_lane; ++p) lane.push_back(pages[next_page++]);
+      auto& lane = seq.lanes_[seq.Lane(req.first_layer + li, h)];
+      for (uint64_t p = 0; p < lane_pages[li]; ++p) lane.push_back(pages[next_page++]);
     }
   }
   seq.pages_held_.fetch_add(new_pages);
@@ -428,6 +436,100 @@ absl::StatusOr<GatherResult> Store::Gather(const GatherRequest& req, GatherAlloc
   rows_gathered_[tier].fetch_add(rows * (want_k + want_v), std::memory_order_relaxed);
   bytes_gathered_[tier].fetch_add(bytes, std::memory_order_relaxed);
   return result;
+}
+
+struct Reservation::Impl {
+  Store::Pin pin;
+  uint64_t tokens = 0;
+};
+
+absl::StatusOr<std::unique_ptr<Reservation>> Store::Reserve(absl::string_view sequence_id,
+                                                            uint64_t tokens) {
+  absl::StatusOr<Pin> pin = Acquire(sequence_id);
+  if (!pin.ok()) return pin.status();
+  Sequence& seq = **pin;
+  if (tokens > options_.max_tokens_per_layer) {
+    return absl::OutOfRangeError(absl::StrCat("reservation of ", tokens,
+                                              " tokens exceeds max_tokens_per_layer ",
+                                              options_.max_tokens_per_layer));
+  }
+  std::unique_lock<std::shared_mutex> lock(seq.mu_);
+  const uint64_t need = seq.PagesFor(tokens);
+  size_t new_pages = 0;
+  for (const auto& lane : seq.lanes_) new_pages += need > lane.size() ? need - lane.size() : 0;
+  if (new_pages > 0) {
+    std::vector<uint8_t*> pages;
+    absl::Status got;
+    for (int attempt = 0; attempt < 4; ++attempt) {
+      got = MakeRoom(new_pages, &seq);
+      if (got.ok()) got = pool_.Allocate(new_pages, &pages);
+      if (got.ok() || !absl::IsResourceExhausted(got)) break;
+    }
+    if (!got.ok()) {
+      rejections_.fetch_add(1, std::memory_order_relaxed);
+      return got;
+    }
+    size_t next = 0;
+    for (auto& lane : seq.lanes_) {
+      while (lane.size() < need) lane.push_back(pages[next++]);
+    }
+    seq.pages_held_.fetch_add(new_pages);
+  }
+  uint64_t held = std::numeric_limits<uint64_t>::max();
+  for (const auto& lane : seq.lanes_) held = std::min<uint64_t>(held, lane.size());
+  lock.unlock();
+  auto impl = std::unique_ptr<Reservation::Impl>(
+      new Reservation::Impl{std::move(*pin), held * seq.page_tokens_});
+  return std::unique_ptr<Reservation>(new Reservation(std::move(impl)));
+}
+
+absl::StatusOr<AppendResult> Store::CommitWritten(absl::string_view sequence_id,
+                                                  uint32_t first_layer, uint32_t num_layers,
+                                                  uint64_t expected_length, uint64_t num_tokens) {
+  if (num_tokens == 0) return absl::InvalidArgumentError("commit of zero tokens");
+  absl::StatusOr<Pin> pin = Acquire(sequence_id);
+  if (!pin.ok()) return pin.status();
+  Sequence& seq = **pin;
+  const ModelShape& shape = seq.shape_;
+  if (num_layers == 0 || static_cast<uint64_t>(first_layer) + num_layers > shape.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layers [", first_layer, ", ",
+                                                   first_layer + num_layers,
+                                                   ") outside the sequence's ", shape.num_layers));
+  }
+  std::unique_lock<std::shared_mutex> lock(seq.mu_);
+  for (uint32_t l = first_layer; l < first_layer + num_layers; ++l) {
+    if (seq.lengths_[l] != expected_length) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "commit expects ", expected_length, " tokens but layer ", l, " holds ", seq.lengths_[l]));
+    }
+    for (uint32_t h = 0; h < shape.num_kv_heads; ++h) {
+      if (seq.lanes_[seq.Lane(l, h)].size() * seq.page_tokens_ < expected_length + num_tokens) {
+        return absl::OutOfRangeError(absl::StrCat("commit of tokens up to ",
+                                                  expected_length + num_tokens,
+                                                  " past the pages reserved for layer ", l));
+      }
+    }
+  }
+  for (uint32_t l = first_layer; l < first_layer + num_layers; ++l) {
+    seq.lengths_[l] = expected_length + num_tokens;
+  }
+  const uint64_t rows = static_cast<uint64_t>(num_layers) * num_tokens * shape.num_kv_heads;
+  rows_appended_.fetch_add(2 * rows, std::memory_order_relaxed);
+  bytes_appended_.fetch_add(2 * rows * seq.row_bytes_, std::memory_order_relaxed);
+  return AppendResult{expected_length, num_tokens, 2 * rows * seq.row_bytes_};
+}
+
+Reservation::Reservation(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Reservation::~Reservation() = default;
+uint64_t Reservation::tokens() const { return impl_->tokens; }
+uint32_t Reservation::page_tokens() const {
+  return static_cast<uint32_t>(impl_->pin->page_tokens_);
+}
+size_t Reservation::row_bytes() const { return impl_->pin->row_bytes_; }
+uint8_t* Reservation::Slot(uint32_t layer, uint32_t kv_head, uint64_t t) const {
+  const Sequence& s = *impl_->pin;
+  std::shared_lock<std::shared_mutex> lock(s.mu_);  // an append may grow the page lists
+  return s.Slot(s.lanes_[s.Lane(layer, kv_head)], t);
 }
 
 struct PageView::Impl {

@@ -196,6 +196,33 @@ class PageView {
   std::unique_ptr<Impl> impl_;
 };
 
+// Pages reserved ahead of a sequence's lengths, for a writer that puts the next tokens' rows in
+// place itself (e.g. a GPU kernel inside a captured CUDA graph writing pinned, mapped host
+// memory) and then commits them (Store::CommitWritten). While it lives the sequence is pinned:
+// never evicted, and if dropped its pages go back only when the reservation is released, so every
+// address it gives stays valid. It takes no lock: the reserved slots past a layer's length are
+// the writer's alone; the store's rows below the lengths never change.
+class Reservation {
+ public:
+  ~Reservation();
+  Reservation(const Reservation&) = delete;
+  Reservation& operator=(const Reservation&) = delete;
+
+  // Tokens every layer can hold without another page.
+  uint64_t tokens() const;
+  uint32_t page_tokens() const;
+  size_t row_bytes() const;
+  // Start of token t's slot in (layer, kv_head): its K row, then its V row at + row_bytes().
+  // REQUIRES: layer, kv_head in range; t < tokens().
+  uint8_t* Slot(uint32_t layer, uint32_t kv_head, uint64_t t) const;
+
+ private:
+  friend class Store;
+  struct Impl;
+  explicit Reservation(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
 class Store {
  public:
   // INVALID_ARGUMENT for options that cannot work (page size, capacity).
@@ -226,6 +253,20 @@ class Store {
   // layer's length), RESOURCE_EXHAUSTED (more than max_gather_bytes), DEADLINE_EXCEEDED.
   absl::StatusOr<GatherResult> Gather(const GatherRequest& request, GatherAllocator alloc);
 
+  // Adds pages so that every layer of the sequence holds `tokens` tokens without another
+  // allocation, counted against the capacity as appended pages are (they stay with the sequence;
+  // appends fill them), and pins it while the reservation lives. NOT_FOUND, OUT_OF_RANGE (past
+  // max_tokens_per_layer), RESOURCE_EXHAUSTED (capacity).
+  absl::StatusOr<std::unique_ptr<Reservation>> Reserve(absl::string_view sequence_id,
+                                                       uint64_t tokens);
+  // Tokens [length, length + num_tokens) of layers [first_layer, first_layer + num_layers) were
+  // written in place into reserved pages: their lengths advance (and the append counters).
+  // NOT_FOUND, INVALID_ARGUMENT (layers out of range, zero tokens), FAILED_PRECONDITION
+  // (layers of unequal length, expected_length mismatch), OUT_OF_RANGE (past the pages held).
+  absl::StatusOr<AppendResult> CommitWritten(absl::string_view sequence_id, uint32_t first_layer,
+                                             uint32_t num_layers, uint64_t expected_length,
+                                             uint64_t num_tokens);
+
   absl::StatusOr<SequenceInfo> GetSequenceInfo(absl::string_view sequence_id);
   // The pages of one layer from page index first_page on, with their generations.
   // FAILED_PRECONDITION when the store's memory is not a shared arena (no --arena_file);
@@ -241,6 +282,7 @@ class Store {
  private:
   class Pin;
   friend struct PageView::Impl;
+  friend struct Reservation::Impl;
   Store(StoreOptions options, std::unique_ptr<MemoryResource> owned_memory);
 
   // Looks up and pins a sequence, marking it used now. NOT_FOUND if absent.

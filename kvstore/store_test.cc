@@ -722,6 +722,82 @@ TEST(StoreTest, PageViewGivesRowAddressesAndHoldsTheSequence) {
   EXPECT_EQ(store->GetSequenceInfo("a").status().code(), absl::StatusCode::kNotFound);
 }
 
+// A reservation adds pages ahead of the lengths; rows written into its slots become the
+// sequence's when committed, later appends fill the reserved pages, and the reservation pins the
+// sequence (no eviction; a drop returns the pages only when it is released).
+TEST(StoreTest, ReservedPagesTakeRowsWrittenInPlace) {
+  auto store = NewStore(24 * kPage, CapacityPolicy::kEvictLru);
+  const ModelShape s = Shape(DType::kBf16);  // 32 tokens per page, 4 lanes
+  ASSERT_TRUE(store->CreateSequence("a", s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "a", s, 0, 2, 0, 40).ok());  // 2 pages per lane
+  EXPECT_EQ(store->Reserve("nope", 8).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(store->Reserve("a", 1ull << 30).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(store->Stats().pages_used, 8u);
+  auto r = store->Reserve("a", 70);  // 3 pages per lane
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ((*r)->tokens(), 96u);
+  EXPECT_EQ(store->Stats().pages_used, 12u);
+  EXPECT_EQ(store->GetSequenceInfo("a")->layer_lengths, (std::vector<uint64_t>{40, 40}));
+  // Tokens 40..44 written in place, as a device would, then committed.
+  const size_t row = s.row_bytes();
+  for (uint32_t l = 0; l < 2; ++l)
+    for (uint32_t h = 0; h < 2; ++h)
+      for (uint64_t t = 40; t < 45; ++t) {
+        uint8_t* slot = (*r)->Slot(l, h, t);
+        for (size_t b = 0; b < row; ++b) {
+          slot[b] = RowByte(l, h, t, 0, b);
+          slot[row + b] = RowByte(l, h, t, 1, b);
+        }
+      }
+  EXPECT_EQ(store->CommitWritten("a", 0, 2, 41, 5).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(store->CommitWritten("a", 0, 2, 40, 57).status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(store->CommitWritten("a", 1, 2, 40, 5).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(store->CommitWritten("a", 0, 2, 40, 5).ok());
+  EXPECT_EQ(store->GetSequenceInfo("a")->layer_lengths, (std::vector<uint64_t>{45, 45}));
+  std::vector<uint32_t> toks = {0, 39, 40, 44};
+  auto g = DoGather(*store, "a", 1, {{1, toks}});
+  ASSERT_TRUE(g.ok()) << g.status();
+  for (size_t i = 0; i < toks.size(); ++i) {
+    ExpectRow(s, g->k.data() + i * row, 1, 1, toks[i], 0);
+    ExpectRow(s, g->v.data() + i * row, 1, 1, toks[i], 1);
+  }
+  // An append into the reserved pages takes none more.
+  ASSERT_TRUE(AppendTokens(*store, "a", s, 0, 2, 45, 40).ok());
+  EXPECT_EQ(store->Stats().pages_used, 12u);
+  ASSERT_TRUE(AppendTokens(*store, "a", s, 0, 2, 85, 20).ok());  // past them: a fourth page
+  EXPECT_EQ(store->Stats().pages_used, 16u);
+  toks = {95, 96, 104};
+  g = DoGather(*store, "a", 0, {{0, toks}});
+  ASSERT_TRUE(g.ok()) << g.status();
+  for (size_t i = 0; i < toks.size(); ++i) ExpectRow(s, g->k.data() + i * row, 0, 0, toks[i], 0);
+  // Pinned: another sequence's append cannot evict "a".
+  ASSERT_TRUE(store->CreateSequence("b", s, {}).ok());
+  EXPECT_EQ(AppendTokens(*store, "b", s, 0, 2, 0, 100).code(),
+            absl::StatusCode::kResourceExhausted);
+  // Dropped while reserved: the pages go back when the reservation does.
+  ASSERT_TRUE(store->DropSequence("a").ok());
+  EXPECT_EQ(store->Stats().pages_used, 16u);
+  EXPECT_EQ((*r)->Slot(0, 0, 95)[0], RowByte(0, 0, 95, 0, 0));  // still readable
+  r->reset();
+  EXPECT_EQ(store->Stats().pages_used, 0u);
+  EXPECT_EQ(store->CommitWritten("a", 0, 2, 105, 1).status().code(), absl::StatusCode::kNotFound);
+}
+
+// A reservation that does not fit allocates nothing.
+TEST(StoreTest, ReservationPastCapacityTakesNothing) {
+  auto store = NewStore(8 * kPage);
+  const ModelShape s = Shape(DType::kBf16);
+  ASSERT_TRUE(store->CreateSequence("a", s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "a", s, 0, 2, 0, 10).ok());
+  EXPECT_EQ(store->Reserve("a", 96).status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(store->Stats().pages_used, 4u);
+  auto r = store->Reserve("a", 64);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(store->Stats().pages_used, 8u);
+}
+
 TEST(StoreTest, RejectsBadOptions) {
   StoreOptions o;
   o.page_bytes = 1000;

@@ -19,6 +19,11 @@ class DenseCall final : public MethodCall {
  public:
   explicit DenseCall(const Method&) {}
   static bool Supports(const Method&, const SequenceDesc&, const GpuCaps&) { return true; }
+  // Captured steps: K and V resident (staging every host row uploads a table per call).
+  static bool Capturable(const Method&, const SequenceDesc& d) {
+    return d.placement.k_tier == kvstore::Tier::kDevice &&
+           d.placement.v_tier == kvstore::Tier::kDevice;
+  }
 
   absl::Status Plan(LaunchPlan& lp) override {
     resident_ = std::all_of(lp.descs().begin(), lp.descs().end(), [](const SequenceDesc& s) {

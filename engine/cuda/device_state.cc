@@ -84,6 +84,10 @@ void DeviceState::FreeSequence(DeviceSequence* e) {
 void DeviceState::Forget(const std::string& sequence_id) {
   auto it = entries_.find(sequence_id);
   if (it == entries_.end()) return;
+  if (it->second.held > 0) {  // a captured step's plan uses it: freed when released
+    it->second.forgotten = true;
+    return;
+  }
   FreeSequence(&it->second);
   entries_.erase(it);
 }
@@ -94,7 +98,7 @@ absl::Status DeviceState::Charge(DeviceSequence* self, size_t delta,
     DeviceSequence* victim = nullptr;
     std::string victim_id;
     for (auto& [id, e] : entries_) {
-      if (&e == self || e.bytes == 0 || Contains(busy, &e)) continue;
+      if (&e == self || e.bytes == 0 || e.held > 0 || Contains(busy, &e)) continue;
       if (victim == nullptr || e.last_use < victim->last_use) {
         victim = &e;
         victim_id = id;
@@ -322,8 +326,9 @@ absl::Status DeviceState::Sync(const DecodeCall& call, absl::Span<const Sequence
         return absl::AbortedError("the sequence changed during the call; retry");
       }
       batch->views[b] = std::move(*v);
-      if (absl::Status s = SyncPages(batch->seqs[b], layer, desc, *batch->views[b], n, batch->busy);
-          !s.ok()) {
+      const kvstore::PageView& view = *batch->views[b];
+      auto slot = [&](uint32_t j, uint64_t t) { return view.KRow(layer, j, t); };
+      if (absl::Status s = SyncPages(batch->seqs[b], layer, desc, slot, n, batch->busy); !s.ok()) {
         return s;
       }
     }
@@ -599,8 +604,8 @@ absl::Status DeviceState::SignKeys(DeviceSequence* e, DeviceLayer* l, uint32_t l
 }
 
 absl::Status DeviceState::SyncPages(DeviceSequence* e, uint32_t layer_index,
-                                    const SequenceDesc& desc, const kvstore::PageView& view,
-                                    uint64_t target, absl::Span<const DeviceSequence* const> busy) {
+                                    const SequenceDesc& desc, SlotOf slot, uint64_t target,
+                                    absl::Span<const DeviceSequence* const> busy) {
   DeviceLayer& l = e->layers[layer_index];
   const uint64_t pt = desc.page_tokens;
   const uint64_t need = (target + pt - 1) / pt;
@@ -623,8 +628,7 @@ absl::Status DeviceState::SyncPages(DeviceSequence* e, uint32_t layer_index,
   auto* host = static_cast<const void**>(staging_.ptr());
   for (size_t j = 0; j < hkv; ++j) {
     for (uint64_t p = 0; p < add; ++p) {
-      host[j * add + p] =
-          view.KRow(layer_index, static_cast<uint32_t>(j), (l.pages_known + p) * pt);
+      host[j * add + p] = slot(static_cast<uint32_t>(j), (l.pages_known + p) * pt);
     }
   }
   KVS_CUDA_OK(cudaMemcpy2DAsync(l.pages.as<uint8_t>() + l.pages_known * unit, l.page_cap * unit,
@@ -633,6 +637,29 @@ absl::Status DeviceState::SyncPages(DeviceSequence* e, uint32_t layer_index,
   KVS_CUDA_OK(cudaStreamSynchronize(stream_), "page list upload");
   l.pages_known = need;
   return absl::OkStatus();
+}
+
+absl::Status DeviceState::HoldForSteps(DeviceSequence* e, uint32_t layer, const SequenceDesc& desc,
+                                       const kvstore::Reservation& reservation, uint64_t max_tokens,
+                                       absl::Span<const DeviceSequence* const> busy) {
+  DeviceLayer& l = e->layers[layer];
+  if (reservation.tokens() < max_tokens) {
+    return absl::InternalError("the store reserved fewer tokens than the plan's bound");
+  }
+  if (absl::Status s = ReserveRows(e, &l, desc, max_tokens, busy); !s.ok()) return s;
+  auto slot = [&](uint32_t j, uint64_t t) -> const uint8_t* {
+    return reservation.Slot(layer, j, t);
+  };
+  return SyncPages(e, layer, desc, slot, max_tokens, busy);
+}
+
+void DeviceState::Release(const std::string& sequence_id) {
+  auto it = entries_.find(sequence_id);
+  if (it == entries_.end() || it->second.held == 0) return;
+  if (--it->second.held == 0 && it->second.forgotten) {
+    FreeSequence(&it->second);
+    entries_.erase(it);
+  }
 }
 
 }  // namespace kvsparse::engine::gpu

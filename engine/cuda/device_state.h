@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "absl/container/node_hash_map.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
@@ -70,6 +71,9 @@ struct DeviceSequence {
   std::vector<DeviceLayer> layers;
   uint64_t last_use = 0;
   size_t bytes = 0;
+  // Captured steps' plans holding it (never evicted; a Forget waits for the last release).
+  int32_t held = 0;
+  bool forgotten = false;
 };
 
 // Rows of Hkv heads, cap per head, in one allocation: ascending tokens, (a row cache's) the slot
@@ -138,7 +142,16 @@ class DeviceState {
   // The call's device scratch, at least `bytes` (contents not kept across calls).
   absl::StatusOr<char*> Scratch(size_t bytes);
 
-  // Frees what it holds of a sequence.
+  // A captured step's hold (engine/cuda/static_step.cc) on a sequence synced for one of its
+  // layers (Sync): that layer's rows and signatures grown to max_tokens and its page list to the
+  // store's reservation (every slot a step may write or read). Hold once per plan, not per layer.
+  absl::Status HoldForSteps(DeviceSequence* e, uint32_t layer, const SequenceDesc& desc,
+                            const kvstore::Reservation& reservation, uint64_t max_tokens,
+                            absl::Span<const DeviceSequence* const> busy);
+  void Hold(DeviceSequence* e) { ++e->held; }
+  void Release(const std::string& sequence_id);
+
+  // Frees what it holds of a sequence (after the last hold is released, if held).
   void Forget(const std::string& sequence_id);
   size_t bytes() const { return bytes_; }
   size_t capacity() const { return options_.capacity_bytes; }
@@ -185,8 +198,10 @@ class DeviceState {
                             uint64_t t0, uint64_t cnt, const uint8_t* k_host,
                             absl::Span<const DeviceSequence* const> busy);
   // Brings a host half's page list up to `target` tokens.
+  // slot(kv_head, token): the store's slot of a token (a PageView's or a Reservation's).
+  using SlotOf = absl::FunctionRef<const uint8_t*(uint32_t, uint64_t)>;
   absl::Status SyncPages(DeviceSequence* e, uint32_t layer_index, const SequenceDesc& desc,
-                         const kvstore::PageView& view, uint64_t target,
+                         SlotOf slot, uint64_t target,
                          absl::Span<const DeviceSequence* const> busy);
 
   const DeviceStateOptions options_;

@@ -11,6 +11,7 @@
 #include "engine/cuda/device_state.h"
 #include "engine/cuda/gpu_runner.h"
 #include "engine/cuda/launch_plan.h"
+#include "engine/cuda/static_step.h"
 #include "engine/methods/registry.h"
 
 namespace kvsparse::engine {
@@ -68,6 +69,12 @@ class GpuBackend final : public DecodeBackend {
 
   absl::Status Decode(const DecodeCall& call, absl::Span<const SequenceDesc> descs,
                       DecodeResult* result) override;
+
+  absl::StatusOr<std::unique_ptr<StaticStep>> PlanStatic(const DecodeCall& call,
+                                                         absl::Span<const SequenceDesc> descs,
+                                                         const StaticStepRequest& req) override {
+    return gpu::NewGpuStaticStep(&mu_, state_.get(), options_.device, call, descs, req);
+  }
 
   void Forget(const std::string& sequence_id) override {
     std::lock_guard<std::mutex> lock(mu_);

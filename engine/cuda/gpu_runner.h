@@ -64,6 +64,12 @@ inline bool StagedRowsFit(const SequenceDesc& desc, const GpuCaps& caps) {
 // One Decode call of a method on the GPU (its state lives from Plan to Stats).
 class MethodCall {
  public:
+  // Whether a call of `m` over a sequence like `desc` can run as a captured step
+  // (engine/cuda/static_step.cc): its Enqueue needs nothing of the host after Plan (no row counts
+  // read back, no staging) and reads the step's lengths from the device, and every per-sequence
+  // state it reads is what the step's token append (kernels::cuda::StepAppend) keeps up to date. A
+  // runner's call type hides this to say yes.
+  static bool Capturable(const Method&, const SequenceDesc&) { return false; }
   virtual ~MethodCall() = default;
   virtual absl::Status Plan(LaunchPlan& lp) { return absl::OkStatus(); }
   virtual void FillTables(LaunchPlan& lp) {}
@@ -82,6 +88,7 @@ class GpuRunner {
   // are the backend's.
   virtual bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) const = 0;
   virtual std::unique_ptr<MethodCall> Begin(const Method& m) const = 0;
+  virtual bool Capturable(const Method& m, const SequenceDesc& desc) const = 0;
 };
 
 // The runner of one MethodCall type, which provides
@@ -95,6 +102,9 @@ class RunnerOf final : public GpuRunner {
   }
   std::unique_ptr<MethodCall> Begin(const Method& m) const override {
     return std::make_unique<Call>(m);
+  }
+  bool Capturable(const Method& m, const SequenceDesc& desc) const override {
+    return Call::Capturable(m, desc);
   }
 };
 

@@ -64,7 +64,7 @@ absl::Status LaunchPlan::BuildTables(PinnedBuf* host) {
   std::memcpy(host_ + lens_off_, batch_->lens.data(), sizeof(int32_t) * B);
   for (int32_t b = 0; b < B; ++b) {
     HostTable<uint64_t>(seeds_off_)[b] =
-        kernels::SequenceSeed(call_.seed, static_cast<uint32_t>(b));
+        kernels::SequenceSeed(call_.SeedOf(b), static_cast<uint32_t>(b));
     const DeviceLayer& l = layer(b);
     for (int32_t j = 0; j < hkv; ++j) {
       const int32_t i = b * hkv + j;

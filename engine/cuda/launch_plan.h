@@ -48,7 +48,10 @@ class LaunchPlan {
   const Method& method() const { return call_.method; }
   absl::Span<const SequenceDesc> descs() const { return descs_; }
   DeviceState& state() { return *state_; }
-  cudaStream_t stream() const { return state_->stream(); }
+  // The stream every copy and kernel of the call goes on: the backend's, or the caller's for a
+  // captured step (engine/cuda/static_step.cc), set before a pass.
+  cudaStream_t stream() const { return stream_ != nullptr ? stream_ : state_->stream(); }
+  void set_stream(cudaStream_t s) { stream_ = s; }
   const int32_t B, H, hkv, G, d;
   const kernels::DType dtype;
   const size_t es, row;  // element and row bytes
@@ -99,6 +102,15 @@ class LaunchPlan {
   // Device tables: the per-sequence seeds [B]; key signatures per (b, j) [B * Hkv].
   const uint64_t* seeds() const { return Dev<const uint64_t>(seeds_off_); }
   const uint32_t* const* sig_heads() const { return Dev<const uint32_t* const>(sig_heads_off_); }
+  // The shared tables a captured step writes on the device (run pass): lengths [B], seeds [B],
+  // resident K / V row bases and page lists per (b, j) [B * Hkv] (null entries where a sequence
+  // keeps none).
+  int32_t* lens_table() const { return Dev<int32_t>(lens_off_); }
+  uint64_t* seeds_table() const { return Dev<uint64_t>(seeds_off_); }
+  void* const* k_heads_table() const { return Dev<void* const>(k_heads_off_); }
+  void* const* v_heads_table() const { return Dev<void* const>(v_heads_off_); }
+  const void* const* const* page_lists() const { return Dev<const void* const* const>(pages_off_); }
+  size_t stats_bytes() const { return sizeof(int32_t) * kStatBlocks * static_cast<size_t>(BH); }
   // The statistics block on the device; null in the sizing pass.
   int32_t* stats() const {
     return base_ == nullptr ? nullptr : reinterpret_cast<int32_t*>(base_ + stats_off_);
@@ -146,6 +158,7 @@ class LaunchPlan {
   DeviceState* const state_;
   const size_t k_tier_, v_tier_;
   const bool staged_;
+  cudaStream_t stream_ = nullptr;
   absl::Status Stage(absl::Span<const std::vector<uint32_t>> lists,
                      kernels::cuda::DecodeShape* shape);
   Carver host_carver_{nullptr};

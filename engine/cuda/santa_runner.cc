@@ -21,6 +21,10 @@ class SantaCall final : public MethodCall {
       : params_(m.santa),
         iid_(params_.sampler == kernels::SantaSampler::kIid),
         prop_(params_.allocation == kernels::SantaAllocation::kProp) {}
+  // Captured steps: prop and flash (iid's row count is counted on the host).
+  static bool Capturable(const Method& m, const SequenceDesc&) {
+    return m.santa.sampler != kernels::SantaSampler::kIid;
+  }
   // K resident (the scores stream it); tiles of kSantaTile; no Bernoulli qK^T; iid with global
   // allocation, or systematic with prop or flash. V from a store in another process is staged.
   static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {

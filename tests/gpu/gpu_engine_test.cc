@@ -727,5 +727,201 @@ TEST_F(GpuEngineTest, WithoutTheRowCacheOnlySignaturesStay) {
   EXPECT_LE(held, 2u * 2 * 3000 * 4 + 4096);
 }
 
+// A device buffer for the captured-step tests.
+struct Dev {
+  void* p = nullptr;
+  explicit Dev(size_t bytes) { EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess); }
+  ~Dev() { cudaFree(p); }
+  template <typename X>
+  X* as() const {
+    return static_cast<X*>(p);
+  }
+};
+
+// Captured steps (engine/static_step.h) against eager calls: one rig decodes every layer of each
+// step eagerly, appending the step's token (seed + position, as a step draws), the other plans
+// the batch once, captures all layers of a step in one CUDA graph and replays it step after
+// step. Outputs agree, the committed rows are the eager ones, the plan's sequences are held,
+// and after the plan the eager path goes on from the committed rows.
+void CapturedStepsEqualEagerCalls(const Method& m, const kvstore::Placement& p,
+                                  std::vector<int32_t> lens, double tol, const std::string& what) {
+  auto a = Rig::Make(), b = Rig::Make();
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  auto prob = Problem(lens);
+  a->Load(prob, p);
+  b->Load(prob, p);
+  const kernels::DecodeProblem& dp = prob.problem;
+  const int32_t B = dp.batch;
+  const size_t row = static_cast<size_t>(dp.head_dim) * 2;
+  const size_t q_bytes = static_cast<size_t>(B) * dp.num_q_heads * row;
+  const size_t kv_bytes = static_cast<size_t>(B) * dp.num_kv_heads * row;
+  StaticStepRequest req;
+  for (int32_t i = 0; i < B; ++i) req.sequence_ids.push_back("s" + std::to_string(i));
+  req.method = m;
+  req.max_tokens = 2048;
+  req.seed = 77;
+  auto plan = b->gpu->PlanStatic(req);
+  ASSERT_TRUE(plan.ok()) << what << ": " << plan.status();
+  StaticStep& step = **plan;
+  // Held: eager calls, a second plan and evictions leave the sequences alone.
+  EXPECT_EQ(b->gpu->Decode(Call(prob, m)).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(b->gpu->PlanStatic(req).status().code(), absl::StatusCode::kFailedPrecondition);
+
+  Dev q(q_bytes), nk(kv_bytes), nv(kv_bytes), pos(sizeof(int64_t) * B), out(kLayers * q_bytes);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    absl::Status s =
+        step.Enqueue(l, q.p, nk.p, nv.p, pos.as<int64_t>(), out.as<char>() + l * q_bytes, stream);
+    EXPECT_TRUE(s.ok()) << what << ": " << s;
+  }
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess) << what;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess) << what;
+
+  constexpr int kSteps = 10;
+  std::vector<uint8_t> hk(kv_bytes), hv(kv_bytes), hq(prob.q);
+  std::vector<int64_t> hp(B);
+  for (int st = 0; st < kSteps; ++st) {
+    for (size_t i = 0; i < kv_bytes / 2; ++i) {
+      kernels::StoreFromFloat(hk.data(), i, DType::kBf16, std::sin(0.37f * i + st));
+      kernels::StoreFromFloat(hv.data(), i, DType::kBf16, std::cos(0.11f * i - st));
+    }
+    for (size_t i = 0; i < q_bytes / 2; ++i) {  // the query drifts from step to step
+      const float x = kernels::LoadAsFloat(prob.q.data(), i, DType::kBf16);
+      kernels::StoreFromFloat(hq.data(), i, DType::kBf16, x + 0.05f * std::sin(0.7f * i + st));
+    }
+    for (int32_t i = 0; i < B; ++i) hp[i] = lens[i] + st;
+    ASSERT_EQ(cudaMemcpy(q.p, hq.data(), q_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(nk.p, hk.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(nv.p, hv.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(pos.p, hp.data(), sizeof(int64_t) * B, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    std::string got(kLayers * q_bytes, '\0');
+    ASSERT_EQ(cudaMemcpy(got.data(), out.p, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      DecodeCall c = Call(prob, m);
+      c.layer = l;
+      c.q = hq;
+      c.new_k = hk;
+      c.new_v = hv;
+      // Equal positions where it matters (the sampling methods' batches).
+      c.seed = 77 + (static_cast<uint64_t>(l) << 32) + static_cast<uint64_t>(hp[0]);
+      auto e = a->gpu->Decode(c);
+      ASSERT_TRUE(e.ok()) << what << ": " << e.status();
+      EXPECT_LT(RelL2(got.substr(l * q_bytes, q_bytes), e->output, DType::kBf16), tol)
+          << what << " step " << st << " layer " << l;
+    }
+  }
+  // The statistics stay on the device until asked for.
+  Dev stats(sizeof(int32_t) * kLayers * StaticStep::kStatBlocks * B * dp.num_q_heads);
+  ASSERT_TRUE(step.CopyStats(stats.as<int32_t>(), stream).ok());
+  auto lengths = step.Commit(stream);
+  ASSERT_TRUE(lengths.ok()) << what << ": " << lengths.status();
+  for (int32_t i = 0; i < B; ++i) {
+    EXPECT_EQ((*lengths)[i], static_cast<uint64_t>(lens[i] + kSteps)) << what;
+    auto info = b->store->GetSequenceInfo("s" + std::to_string(i));
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->layer_lengths,
+              std::vector<uint64_t>(kLayers, static_cast<uint64_t>(lens[i] + kSteps)));
+  }
+  // The committed rows are the eager ones, byte for byte.
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    for (int32_t i = 0; i < B; ++i) {
+      std::vector<uint32_t> toks;
+      for (int st = -2; st < kSteps; ++st) toks.push_back(static_cast<uint32_t>(lens[i] + st));
+      std::vector<RowRequest> heads;
+      for (uint32_t j = 0; j < static_cast<uint32_t>(dp.num_kv_heads); ++j) {
+        heads.push_back({j, toks});
+      }
+      const size_t n = toks.size() * dp.num_kv_heads * row;
+      std::vector<uint8_t> ka(n), va(n), kb(n), vb(n);
+      const std::string id = "s" + std::to_string(i);
+      ASSERT_TRUE(a->source
+                      ->Gather(id, l, kvstore::RowKind::kKV, heads, ka.data(), va.data(),
+                               absl::InfiniteFuture())
+                      .ok());
+      ASSERT_TRUE(b->source
+                      ->Gather(id, l, kvstore::RowKind::kKV, heads, kb.data(), vb.data(),
+                               absl::InfiniteFuture())
+                      .ok());
+      EXPECT_EQ(ka, kb) << what << " layer " << l << " sequence " << i;
+      EXPECT_EQ(va, vb) << what << " layer " << l << " sequence " << i;
+    }
+  }
+  // A position outside the window: that sequence's output is zeros, Commit says OUT_OF_RANGE.
+  hp[B - 1] = lens[B - 1] + kSteps;
+  hp[0] = lens[0] + kSteps + 5;
+  ASSERT_EQ(cudaMemcpy(pos.p, hp.data(), sizeof(int64_t) * B, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  EXPECT_EQ(step.Commit(stream).status().code(), absl::StatusCode::kOutOfRange) << what;
+  std::vector<uint16_t> first(dp.num_q_heads * dp.head_dim);
+  ASSERT_EQ(cudaMemcpy(first.data(), out.p, first.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (uint16_t x : first) ASSERT_EQ(x, 0) << what;
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  plan->reset();
+  // Released: the eager path goes on from the committed rows (the other sequence took one more).
+  if (B == 1) {
+    DecodeCall c = Call(prob, m);
+    c.seed = 5;
+    auto ra = a->gpu->Decode(c), rb = b->gpu->Decode(c);
+    ASSERT_TRUE(ra.ok() && rb.ok()) << ra.status() << rb.status();
+    EXPECT_LT(RelL2(rb->output, ra->output, DType::kBf16), tol) << what;
+  }
+}
+
+TEST_F(GpuEngineTest, CapturedStepsDenseResident) {
+  kvstore::Placement p;
+  p.k_tier = p.v_tier = Tier::kDevice;
+  CapturedStepsEqualEagerCalls(Method{}, p, {380, 1000}, 6e-3, "dense, uneven lengths");
+  CapturedStepsEqualEagerCalls(Method{}, p, {1020}, 6e-3, "dense, one sequence");
+}
+
+TEST_F(GpuEngineTest, CapturedStepsS2antaVInHost) {
+  kvstore::Placement p;
+  p.k_tier = Tier::kDevice;
+  p.signature_bits = 32;  // kept beside, re-synced after the plan
+  CapturedStepsEqualEagerCalls(SantaMethod(1, 64), p, {1000, 1000}, 0.02, "S2ANTA-prop");
+  CapturedStepsEqualEagerCalls(SantaMethod(2, 64), p, {1000}, 0.02, "S2ANTA-flash");
+}
+
+TEST_F(GpuEngineTest, CapturedStepsRefuseWhatTheyCannotCapture) {
+  auto rig = Rig::Make();
+  ASSERT_NE(rig, nullptr);
+  kvstore::Placement p;
+  p.signature_bits = 32;
+  auto prob = Problem({500});
+  rig->Load(prob, p);
+  StaticStepRequest req;
+  req.sequence_ids = {"s0"};
+  req.max_tokens = 1024;
+  req.method = HashMethod(0.05f);  // the new key's signature is not written by a step
+  EXPECT_EQ(rig->gpu->PlanStatic(req).status().code(), absl::StatusCode::kFailedPrecondition);
+  req.method = Method{};  // dense with K and V in host memory stages every row
+  EXPECT_EQ(rig->gpu->PlanStatic(req).status().code(), absl::StatusCode::kFailedPrecondition);
+  req.method = SantaMethod(0, 64);  // iid counts its rows on the host
+  EXPECT_EQ(rig->gpu->PlanStatic(req).status().code(), absl::StatusCode::kFailedPrecondition);
+  req.method = SantaMethod(1, 64);  // K not on the device: the GPU path needs it there
+  EXPECT_EQ(rig->gpu->PlanStatic(req).status().code(), absl::StatusCode::kFailedPrecondition);
+  req.max_tokens = 100;  // already longer
+  EXPECT_EQ(rig->gpu->PlanStatic(req).status().code(), absl::StatusCode::kOutOfRange);
+  req.sequence_ids = {"nope"};
+  EXPECT_EQ(rig->gpu->PlanStatic(req).status().code(), absl::StatusCode::kNotFound);
+  // Nothing stays held after a refused plan.
+  EXPECT_FALSE(rig->gpu->Held("s0"));
+  EXPECT_TRUE(rig->gpu->Decode(Call(prob, Method{})).ok());
+  // The CPU engine has no captured steps.
+  req.sequence_ids = {"s0"};
+  req.max_tokens = 1024;
+  EXPECT_EQ(rig->cpu->PlanStatic(req).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
 }  // namespace
 }  // namespace kvsparse::engine

@@ -263,7 +263,10 @@ int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capac
   return handle;
 }
 
+void ReleaseEnginePlans(int64_t engine);
+
 void EngineDestroy(int64_t handle) {
+  ReleaseEnginePlans(handle);  // a plan holds its engine's sequences
   std::shared_ptr<OpEngine> e;
   {
     std::lock_guard<std::mutex> lock(engines_mu);
@@ -316,6 +319,10 @@ void CreateSequence(int64_t handle, const std::string& id, int64_t layers, int64
 
 void DropSequence(int64_t handle, const std::string& id) {
   std::shared_ptr<OpEngine> e = Find(handle);
+  if (e->engine().Held(id)) {
+    Raise(absl::FailedPreconditionError(
+        absl::StrCat("sequence '", id, "' is held by a step plan: release the plan first")));
+  }
   Check(e->Drop(id));
   e->engine().Forget(id);  // its GPU state too, at once
 }
@@ -380,23 +387,14 @@ at::Tensor StatsTensor(const en::DecodeResult& r) {
   return stats;
 }
 
-std::tuple<at::Tensor, at::Tensor> Decode(int64_t handle, int64_t layer,
-                                          const std::vector<std::string>& sequence_ids,
-                                          const at::Tensor& q_in,
-                                          const std::optional<at::Tensor>& new_k,
-                                          const std::optional<at::Tensor>& new_v,
-                                          const std::string& method, const std::string& params,
-                                          int64_t seed, double scale) {
-  std::shared_ptr<OpEngine> e = Find(handle);
+// One decode call (call: layer, sequences, method, seeds and scale set) over torch tensors: on
+// the GPU backend when q is on its device and it takes the call, else on the CPU engine.
+std::tuple<at::Tensor, at::Tensor> DecodeWith(OpEngine* e, en::DecodeCall call,
+                                              const at::Tensor& q_in,
+                                              const std::optional<at::Tensor>& new_k,
+                                              const std::optional<at::Tensor>& new_v) {
   if (q_in.dim() != 3) Invalid("q must be [B, H, d]");
   if (new_k.has_value() != new_v.has_value()) Invalid("new_k and new_v come together");
-  if (layer < 0 || layer > (1 << 20) || !(scale >= 0.0)) Invalid("layer or scale out of range");
-  en::DecodeCall call;
-  call.layer = static_cast<uint32_t>(layer);
-  call.sequence_ids = sequence_ids;
-  call.method = ParseMethod(method, params);
-  call.seed = static_cast<uint64_t>(seed);
-  call.scale = static_cast<float>(scale);
   call.q_dtype = DTypeOf(q_in, "q");
   call.q_heads = static_cast<uint32_t>(q_in.size(1));
   call.q_dim = static_cast<uint32_t>(q_in.size(2));
@@ -438,6 +436,231 @@ std::tuple<at::Tensor, at::Tensor> Decode(int64_t handle, int64_t layer,
   return {out.to(q_in.device()), StatsTensor(*r)};
 }
 
+std::tuple<at::Tensor, at::Tensor> Decode(int64_t handle, int64_t layer,
+                                          const std::vector<std::string>& sequence_ids,
+                                          const at::Tensor& q_in,
+                                          const std::optional<at::Tensor>& new_k,
+                                          const std::optional<at::Tensor>& new_v,
+                                          const std::string& method, const std::string& params,
+                                          int64_t seed, double scale) {
+  std::shared_ptr<OpEngine> e = Find(handle);
+  if (layer < 0 || layer > (1 << 20) || !(scale >= 0.0)) Invalid("layer or scale out of range");
+  en::DecodeCall call;
+  call.layer = static_cast<uint32_t>(layer);
+  call.sequence_ids = sequence_ids;
+  call.method = ParseMethod(method, params);
+  call.seed = static_cast<uint64_t>(seed);
+  call.scale = static_cast<float>(scale);
+  return DecodeWith(e.get(), std::move(call), q_in, new_k, new_v);
+}
+
+// ---- Step plans (engine/static_step.h) ------------------------------------------------------
+
+// A plan of decode steps over a fixed batch: captured (the GPU backend's static step: every
+// layer's call can be recorded in a CUDA graph) or, where the engine cannot capture the method,
+// placement or device, eager (each layer's call an ordinary decode call that appends the step's
+// token at its position and draws as a captured step would).
+struct StepPlan {
+  std::shared_ptr<OpEngine> engine;
+  int64_t engine_handle = 0;
+  std::unique_ptr<en::StaticStep> captured;  // null: eager
+  std::string eager_reason;
+  en::StaticStepRequest request;
+};
+
+std::mutex plans_mu;
+std::map<int64_t, std::shared_ptr<StepPlan>> plans;  // guarded by plans_mu
+int64_t next_plan = 1;                               // guarded by plans_mu
+
+std::shared_ptr<StepPlan> FindPlan(int64_t engine, int64_t handle) {
+  std::lock_guard<std::mutex> lock(plans_mu);
+  auto it = plans.find(handle);
+  if (it == plans.end() || it->second->engine_handle != engine) {
+    Raise(absl::NotFoundError(
+        absl::StrCat("no step plan ", handle, " of engine ", engine, " (released?)")));
+  }
+  return it->second;
+}
+
+int64_t PlanSteps(int64_t handle, const std::vector<std::string>& sequence_ids,
+                  const std::string& method, const std::string& params, int64_t max_tokens,
+                  int64_t seed, double scale, const std::string& dtype, bool eager) {
+  std::shared_ptr<OpEngine> e = Find(handle);
+  if (max_tokens <= 0 || max_tokens > (int64_t{1} << 30) || !(scale >= 0.0)) {
+    Invalid("max_tokens (1 .. 2^30) or scale out of range");
+  }
+  auto plan = std::make_shared<StepPlan>();
+  plan->engine = e;
+  plan->engine_handle = handle;
+  en::StaticStepRequest& r = plan->request;
+  r.sequence_ids = sequence_ids;
+  r.method = ParseMethod(method, params);
+  r.max_tokens = static_cast<uint64_t>(max_tokens);
+  r.seed = static_cast<uint64_t>(seed);
+  r.scale = static_cast<float>(scale);
+  r.dtype = DTypeNamed(dtype);
+  if (eager) {
+    plan->eager_reason = "eager steps asked for";
+  } else if (e->device() < 0) {
+    plan->eager_reason = "no GPU backend";
+  } else {
+    absl::StatusOr<std::unique_ptr<en::StaticStep>> s = e->engine().PlanStatic(r);
+    if (s.ok()) {
+      plan->captured = std::move(*s);
+    } else if (absl::IsFailedPrecondition(s.status()) &&
+               !absl::StrContains(s.status().message(), "held")) {
+      plan->eager_reason = std::string(s.status().message());
+    } else {
+      Raise(s.status());
+    }
+  }
+  if (plan->captured == nullptr) {  // eager: the sequences must exist and be free
+    for (const std::string& id : sequence_ids) {
+      if (e->engine().Held(id)) Raise(absl::FailedPreconditionError("'" + id + "' is held"));
+      Check(e->Lengths(id).status());
+    }
+  }
+  std::lock_guard<std::mutex> lock(plans_mu);
+  const int64_t id = next_plan++;
+  plans[id] = std::move(plan);
+  return id;
+}
+
+// "captured", or "eager: <why>".
+std::string StepPlanMode(int64_t engine, int64_t handle) {
+  std::shared_ptr<StepPlan> p = FindPlan(engine, handle);
+  return p->captured != nullptr ? std::string("captured") : "eager: " + p->eager_reason;
+}
+
+void ReleaseSteps(int64_t engine, int64_t handle) {
+  std::shared_ptr<StepPlan> p;
+  {
+    std::lock_guard<std::mutex> lock(plans_mu);
+    auto it = plans.find(handle);
+    if (it == plans.end() || it->second->engine_handle != engine) return;
+    p = std::move(it->second);
+    plans.erase(it);
+  }
+}
+
+void ReleaseEnginePlans(int64_t engine) {
+  std::vector<std::shared_ptr<StepPlan>> gone;
+  std::lock_guard<std::mutex> lock(plans_mu);
+  for (auto it = plans.begin(); it != plans.end();) {
+    if (it->second->engine_handle == engine) {
+      gone.push_back(std::move(it->second));
+      it = plans.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+// One layer of a planned step: q [B, H, d], new_k / new_v [B, Hkv, d], positions [B] int64 (each
+// sequence's length before the step). Returns the output [B, H, d].
+at::Tensor StepDecode(int64_t engine, int64_t handle, int64_t layer, const at::Tensor& q,
+                      const at::Tensor& new_k, const at::Tensor& new_v,
+                      const at::Tensor& positions) {
+  std::shared_ptr<StepPlan> p = FindPlan(engine, handle);
+  const en::StaticStepRequest& r = p->request;
+  const int64_t B = static_cast<int64_t>(r.sequence_ids.size());
+  if (layer < 0 || layer > (1 << 20)) Invalid("layer out of range");
+  if (q.dim() != 3 || q.size(0) != B || new_k.dim() != 3 || new_k.size(0) != B ||
+      !new_k.sizes().equals(new_v.sizes())) {
+    Invalid(absl::StrCat("q must be [", B, ", H, d] and new_k, new_v [", B, ", Hkv, d]"));
+  }
+  if (positions.dim() != 1 || positions.size(0) != B || positions.scalar_type() != at::kLong) {
+    Invalid(absl::StrCat("positions must be [", B, "] int64"));
+  }
+#if KVSPARSE_TORCH_CUDA
+  if (p->captured != nullptr) {
+    const int dev = p->engine->device();
+    for (const at::Tensor* t : {&q, &new_k, &new_v, &positions}) {
+      if (!t->is_cuda() || t->get_device() != dev) {
+        Invalid(absl::StrCat("a captured step's tensors live on cuda:", dev));
+      }
+    }
+    if (q.scalar_type() != new_k.scalar_type() || new_k.scalar_type() != new_v.scalar_type() ||
+        DTypeOf(q, "q") != r.dtype) {
+      Invalid("q, new_k and new_v: the plan's dtype");
+    }
+    const at::Tensor qc = q.contiguous(), kc = new_k.contiguous(), vc = new_v.contiguous();
+    const at::Tensor pc = positions.contiguous();
+    at::Tensor out = at::empty_like(qc);
+    Check(p->captured->Enqueue(static_cast<uint32_t>(layer), qc.data_ptr(), kc.data_ptr(),
+                               vc.data_ptr(), pc.data_ptr<int64_t>(), out.data_ptr(),
+                               at::cuda::getCurrentCUDAStream(dev).stream()));
+    return out;
+  }
+#endif
+  // Eager: the step's token goes in at the end of each sequence's layer.
+  const at::Tensor pos = positions.to(at::kCPU).contiguous();
+  en::DecodeCall call;
+  call.layer = static_cast<uint32_t>(layer);
+  call.sequence_ids = r.sequence_ids;
+  call.method = r.method;
+  call.seed = r.seed + (static_cast<uint64_t>(layer) << 32);  // as a captured step draws
+  call.scale = r.scale;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t at = pos.data_ptr<int64_t>()[b];
+    absl::StatusOr<std::vector<uint64_t>> lengths = p->engine->Lengths(r.sequence_ids[b]);
+    Check(lengths.status());
+    if (static_cast<size_t>(layer) >= lengths->size() || at < 0 ||
+        static_cast<uint64_t>(at) != (*lengths)[layer] ||
+        static_cast<uint64_t>(at) >= r.max_tokens) {
+      Raise(absl::OutOfRangeError(absl::StrCat(
+          "sequence '", r.sequence_ids[b], "': an eager step appends at the layer's length (",
+          static_cast<size_t>(layer) < lengths->size() ? (*lengths)[layer] : 0,
+          ") below max_tokens, not at ", at)));
+    }
+    call.seed_offsets.push_back(static_cast<uint64_t>(at));
+  }
+  return std::get<0>(DecodeWith(p->engine.get(), std::move(call), q, new_k, new_v));
+}
+
+// Commits the rows the steps wrote (captured; eager steps are committed as they run); returns
+// each sequence's length.
+std::vector<int64_t> CommitSteps(int64_t engine, int64_t handle) {
+  std::shared_ptr<StepPlan> p = FindPlan(engine, handle);
+  std::vector<int64_t> out;
+#if KVSPARSE_TORCH_CUDA
+  if (p->captured != nullptr) {
+    absl::StatusOr<std::vector<uint64_t>> n =
+        p->captured->Commit(at::cuda::getCurrentCUDAStream(p->engine->device()).stream());
+    Check(n.status());
+    for (uint64_t x : *n) out.push_back(static_cast<int64_t>(x));
+    return out;
+  }
+#endif
+  for (const std::string& id : p->request.sequence_ids) {
+    absl::StatusOr<std::vector<uint64_t>> lengths = p->engine->Lengths(id);
+    Check(lengths.status());
+    out.push_back(static_cast<int64_t>(lengths->empty() ? 0 : (*lengths)[0]));
+  }
+  return out;
+}
+
+// A captured plan's statistics [layers, 4, B * H] int32 on its device (rows read per (sequence,
+// kv head) in the first B * Hkv entries of block 0, for the sampling methods), copied on the
+// current stream without a synchronisation.
+at::Tensor StepStats(int64_t engine, int64_t handle) {
+  std::shared_ptr<StepPlan> p = FindPlan(engine, handle);
+  if (p->captured == nullptr) {
+    Raise(absl::FailedPreconditionError("an eager plan's statistics come with each decode call"));
+  }
+#if KVSPARSE_TORCH_CUDA
+  en::StaticStep& s = *p->captured;
+  const int dev = p->engine->device();
+  at::Tensor stats = at::empty({static_cast<int64_t>(s.num_layers()), en::StaticStep::kStatBlocks,
+                                static_cast<int64_t>(s.batch()) * s.num_q_heads()},
+                               at::TensorOptions().dtype(at::kInt).device(at::kCUDA, dev));
+  Check(s.CopyStats(stats.data_ptr<int32_t>(), at::cuda::getCurrentCUDAStream(dev).stream()));
+  return stats;
+#else
+  Raise(absl::InternalError("built without CUDA"));
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvsparse, m) {
@@ -462,6 +685,17 @@ TORCH_LIBRARY(kvsparse, m) {
   m.def(
       "decode(int engine, int layer, str[] sequence_ids, Tensor q, Tensor? new_k, Tensor? new_v, "
       "str method, str params, int seed, float scale) -> (Tensor, Tensor)");
+  m.def(
+      "plan_steps(int engine, str[] sequence_ids, str method, str params, int max_tokens, "
+      "int seed, float scale, str dtype, bool eager=False) -> int",
+      &PlanSteps);
+  m.def("step_plan_mode(int engine, int plan) -> str", &StepPlanMode);
+  m.def("release_steps(int engine, int plan) -> ()", &ReleaseSteps);
+  m.def("commit_steps(int engine, int plan) -> int[]", &CommitSteps);
+  m.def("step_stats(int engine, int plan) -> Tensor", &StepStats);
+  m.def(
+      "step_decode(int engine, int plan, int layer, Tensor q, Tensor new_k, Tensor new_v, "
+      "Tensor positions) -> Tensor");
 }
 
 // The tensor ops by device, so that torch.compile sees them as opaque (their fake
@@ -469,10 +703,12 @@ TORCH_LIBRARY(kvsparse, m) {
 TORCH_LIBRARY_IMPL(kvsparse, CPU, m) {
   m.impl("append", &Append);
   m.impl("decode", &Decode);
+  m.impl("step_decode", &StepDecode);
 }
 TORCH_LIBRARY_IMPL(kvsparse, CUDA, m) {
   m.impl("append", &Append);
   m.impl("decode", &Decode);
+  m.impl("step_decode", &StepDecode);
 }
 
 }  // namespace kvsparse::torch_ops

@@ -92,6 +92,10 @@ def _register_fakes() -> None:
             rows = torch.library.get_ctx().new_dynamic_size()
         return torch.empty_like(q), torch.empty((rows, len(STAT_COLUMNS)), dtype=torch.long, device="cpu")
 
+    @torch.library.register_fake("kvsparse::step_decode")
+    def _(engine, plan, layer, q, new_k, new_v, positions):  # type: ignore[no-untyped-def]
+        return torch.empty_like(q)
+
     @torch.library.register_fake("kvsparse::append")
     def _(engine, sequence_id, layer, k, v, expected_length):  # type: ignore[no-untyped-def]
         return None
@@ -262,6 +266,21 @@ class InProcessEngine:
             -1 if expected_length is None else expected_length,
         )
 
+    def plan_steps(
+        self,
+        sequence_ids: list[str],
+        method: Method = Dense(),
+        *,
+        max_tokens: int,
+        seed: int = 0,
+        scale: float = 0.0,
+        dtype: str = "bf16",
+        eager: bool = False,
+    ) -> "DecodeSteps":
+        """Plans decode steps over a fixed batch of sequences (each already holding its prompt in
+        every layer) whose lengths stay at or below ``max_tokens``: see ``DecodeSteps``."""
+        return DecodeSteps(self, sequence_ids, method, max_tokens=max_tokens, seed=seed, scale=scale, dtype=dtype, eager=eager)
+
     def decode(
         self,
         layer: int,
@@ -291,3 +310,101 @@ class InProcessEngine:
             seed & (2**63 - 1),
             float(scale),
         )
+
+
+class DecodeSteps:
+    """Decode steps over a fixed batch, each layer's call capturable in a CUDA graph.
+
+    Planned once (``InProcessEngine.plan_steps``): on the GPU backend the store reserves the
+    sequences' pages up to ``max_tokens``, the device state makes room for as many rows, and every
+    layer's tables are built in device memory of the plan's own. ``decode(layer, q, new_k, new_v,
+    positions)`` is then one layer of a step with nothing of the host: a kernel writes the step's
+    token at ``positions`` (a CUDA int64 tensor: each sequence's length before the step) into the
+    store's pinned pages and the resident rows, and the method's kernels run, on the current
+    stream. It can be recorded in ``torch.cuda.CUDAGraph`` (or by ``torch.compile``'s CUDA graphs)
+    and replayed step after step with new positions, queries and tokens in the same tensors.
+    ``commit()`` (outside a graph) waits for the stream and makes the written rows the store's;
+    ``stats()`` copies the GPU's statistics without a synchronisation.
+
+    Where the engine cannot capture the method, placement or device (``mode`` says why: no GPU,
+    hash methods, vAttention, SAAP, dense with a half in host memory), the same calls run as
+    ordinary decode calls that append at each layer's end (positions must equal the lengths).
+    Either way layer l of a step at position p draws its random numbers as an eager ``decode``
+    with seed ``seed + l * 2**32 + p``. While a captured plan lives, its sequences' own decode calls and drops are
+    refused; ``close`` (or leaving the ``with`` block) releases them.
+    """
+
+    def __init__(
+        self,
+        engine: InProcessEngine,
+        sequence_ids: list[str],
+        method: Method = Dense(),
+        *,
+        max_tokens: int,
+        seed: int = 0,
+        scale: float = 0.0,
+        dtype: str = "bf16",
+        eager: bool = False,
+    ) -> None:
+        name, params = method_spec(method)
+        self._engine = engine
+        self.sequence_ids = list(sequence_ids)
+        self.max_tokens = max_tokens
+        self._plan: int | None = _call(
+            torch.ops.kvsparse.plan_steps,
+            engine.handle,
+            self.sequence_ids,
+            name,
+            params,
+            max_tokens,
+            seed & (2**63 - 1),
+            float(scale),
+            dtype,
+            eager,
+        )
+        self.mode: str = torch.ops.kvsparse.step_plan_mode(engine.handle, self._plan)
+
+    @property
+    def captured(self) -> bool:
+        """Whether the steps can be recorded in a CUDA graph (else they run as eager calls)."""
+        return self.mode == "captured"
+
+    @property
+    def plan(self) -> int:
+        if self._plan is None:
+            raise from_code(grpc.StatusCode.FAILED_PRECONDITION, "these steps are closed")
+        return self._plan
+
+    def decode(
+        self, layer: int, q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """One layer of a step: q [B, H, d], new_k / new_v [B, Hkv, d] (the step's token),
+        positions [B] int64 (the lengths before the step). Returns the output [B, H, d]."""
+        return _call(torch.ops.kvsparse.step_decode, self._engine.handle, self.plan, layer, q, new_k, new_v, positions)
+
+    def commit(self) -> list[int]:
+        """Makes the rows the steps wrote the store's (waits for the current stream); returns each
+        sequence's length. OutOfRange if a step's position was refused since the last commit."""
+        return list(_call(torch.ops.kvsparse.commit_steps, self._engine.handle, self.plan))
+
+    def stats(self) -> torch.Tensor:
+        """The last step's GPU statistics, [layers, 4, B * H] int32 on the device: the first
+        B * Hkv entries of block 0 are the V rows each (sequence, kv head) read (S2ANTA)."""
+        return _call(torch.ops.kvsparse.step_stats, self._engine.handle, self.plan)
+
+    def close(self) -> None:
+        if self._plan is not None and self._engine._handle is not None:
+            torch.ops.kvsparse.release_steps(self._engine.handle, self._plan)
+        self._plan = None
+
+    def __enter__(self) -> "DecodeSteps":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

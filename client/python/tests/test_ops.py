@@ -176,3 +176,127 @@ def test_remote_store_takes_a_long_prefill_and_decodes(server: kvsparse.LocalSer
             rows = store.gather(ids[0], 1, [0, 20000, n - 1], kv_heads=[1], like=k)
             assert torch.equal(rows.k.reshape(3, 64), k[0, [0, 20000, n - 1], 1])
         engine.drop_sequence(ids[0])
+
+
+def _step_tokens(step: int, batch: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    q = torch.randn(batch, 8, 64, generator=gen).to(torch.bfloat16)
+    nk = torch.randn(batch, 2, 64, generator=gen).to(torch.bfloat16)
+    nv = torch.randn(batch, 2, 64, generator=gen).to(torch.bfloat16)
+    return q.to(device), nk.to(device), nv.to(device)
+
+
+def _load_all_layers(engine: ops.InProcessEngine, n: int, device: str, placement=kvsparse.Placement()) -> None:
+    gen = torch.Generator().manual_seed(n)
+    engine.create_sequence("s0", SHAPE, placement)
+    for layer in range(SHAPE.num_layers):
+        k = torch.randn(n, 2, 64, generator=gen).to(torch.bfloat16)
+        v = torch.randn(n, 2, 64, generator=gen).to(torch.bfloat16)
+        engine.append("s0", layer, k.to(device), v.to(device))
+
+
+def test_planned_steps_equal_decode_calls() -> None:
+    """Planned steps without a GPU run as eager calls: each layer appends the step's token at its
+    position and draws as a decode call with seed + position does."""
+    method = kvsparse.Santa(samples=16)
+    with ops.InProcessEngine(store_capacity="256M", gpu="off") as a, ops.InProcessEngine(
+        store_capacity="256M", gpu="off"
+    ) as b:
+        _load_all_layers(a, 100, "cpu")
+        _load_all_layers(b, 100, "cpu")
+        with b.plan_steps(["s0"], method, max_tokens=200, seed=9) as steps:
+            assert not steps.captured and steps.mode.startswith("eager")
+            for step in range(3):
+                q, nk, nv = _step_tokens(step, 1, "cpu")
+                pos = torch.tensor([100 + step])
+                for layer in range(SHAPE.num_layers):
+                    got = steps.decode(layer, q, nk, nv, pos)
+                    want, _ = a.decode(layer, ["s0"], q, method, new_k=nk, new_v=nv, seed=9 + (layer << 32) + 100 + step)
+                    assert torch.equal(got, want)
+            assert steps.commit() == [103]
+            # A position other than the layer's length is refused and appends nothing.
+            with pytest.raises(kvsparse.OutOfRange):
+                steps.decode(0, q, nk, nv, torch.tensor([101]))
+            assert b.layer_lengths("s0") == [103, 103]
+        with pytest.raises(kvsparse.FailedPrecondition):  # closed
+            steps.decode(0, q, nk, nv, torch.tensor([103]))
+
+
+def test_compiled_step_has_no_graph_break() -> None:
+    """A whole step (every layer) through the planned op compiles as one graph (fullgraph) and
+    equals the eager step."""
+    with ops.InProcessEngine(store_capacity="256M", gpu="off") as a, ops.InProcessEngine(
+        store_capacity="256M", gpu="off"
+    ) as b:
+        _load_all_layers(a, 64, "cpu")
+        _load_all_layers(b, 64, "cpu")
+        sa = a.plan_steps(["s0"], kvsparse.Dense(), max_tokens=100)
+        sb = b.plan_steps(["s0"], kvsparse.Dense(), max_tokens=100)
+
+        def make_step(steps: ops.DecodeSteps):
+            def step(x: torch.Tensor, nk: torch.Tensor, nv: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+                for layer in range(SHAPE.num_layers):
+                    x = steps.decode(layer, x, nk, nv, pos) * 1.5
+                return x
+
+            return step
+
+        compiled = torch.compile(make_step(sb), backend="aot_eager", fullgraph=True)
+        for step in range(3):
+            q, nk, nv = _step_tokens(step, 1, "cpu")
+            pos = torch.tensor([64 + step])
+            assert torch.equal(make_step(sa)(q, nk, nv, pos), compiled(q, nk, nv, pos))
+        explained = torch._dynamo.explain(make_step(sb))(*_step_tokens(9, 1, "cpu"), torch.tensor([67]))
+        assert explained.graph_break_count == 0 and explained.graph_count == 1
+        assert b.layer_lengths("s0") == [68, 68]
+        sa.close()
+        sb.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "method,placement",
+    [
+        (kvsparse.Dense(), kvsparse.Placement(k_tier="device", v_tier="device")),
+        (kvsparse.Santa(samples=32), kvsparse.Placement(k_tier="device")),
+    ],
+)
+def test_captured_steps_replay_in_a_cuda_graph(method, placement) -> None:
+    """Every layer of a step recorded once in a CUDA graph and replayed step after step equals
+    eager decode calls on a twin engine; the committed rows are the store's."""
+    with ops.InProcessEngine(store_capacity="1G", gpu="on") as a, ops.InProcessEngine(
+        store_capacity="1G", gpu="on"
+    ) as b:
+        _load_all_layers(a, 700, "cuda", placement)
+        _load_all_layers(b, 700, "cuda", placement)
+        steps = b.plan_steps(["s0"], method, max_tokens=1024, seed=3)
+        assert steps.captured, steps.mode
+        with pytest.raises(kvsparse.FailedPrecondition):  # held while planned
+            b.drop_sequence("s0")
+        q, nk, nv = (t.clone() for t in _step_tokens(0, 1, "cuda"))
+        pos = torch.tensor([700], device="cuda")
+        outs: list[torch.Tensor] = []
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side), torch.cuda.graph(graph, stream=side):
+            for layer in range(SHAPE.num_layers):
+                outs.append(steps.decode(layer, q, nk, nv, pos))
+        for step in range(6):
+            tq, tk, tv = _step_tokens(step, 1, "cuda")
+            q.copy_(tq)
+            nk.copy_(tk)
+            nv.copy_(tv)
+            pos.fill_(700 + step)
+            graph.replay()
+            torch.cuda.synchronize()
+            for layer in range(SHAPE.num_layers):
+                want, _ = a.decode(layer, ["s0"], tq, method, new_k=tk, new_v=tv, seed=3 + (layer << 32) + 700 + step)
+                err = (outs[layer].double() - want.double()).norm() / want.double().norm()
+                assert err < 2e-2, (step, layer, float(err))
+        stats = steps.stats()
+        assert stats.shape == (SHAPE.num_layers, 4, 8) and stats.is_cuda
+        assert steps.commit() == [706]
+        steps.close()
+        assert b.layer_lengths("s0") == [706, 706]
+        b.drop_sequence("s0")  # released

@@ -1,0 +1,301 @@
+#include "engine/cuda/static_step.h"
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "engine/cuda/cuda_util.h"
+#include "engine/cuda/gpu_runner.h"
+#include "engine/cuda/launch_plan.h"
+#include "engine/methods/registry.h"
+#include "kernels/cuda/step_append.h"
+
+namespace kvsparse::engine::gpu {
+namespace {
+
+namespace kc = kernels::cuda;
+
+// A device allocation of the plan's own (freed with it).
+struct OwnedDev {
+  void* ptr = nullptr;
+  ~OwnedDev() {
+    if (ptr != nullptr) cudaFree(ptr);
+  }
+};
+
+class GpuStaticStep final : public StaticStep {
+ public:
+  GpuStaticStep(std::mutex* mu, DeviceState* state, int device, const DecodeCall& call,
+                absl::Span<const SequenceDesc> descs, const StaticStepRequest& req)
+      : mu_(mu),
+        state_(state),
+        device_(device),
+        descs_(descs.begin(), descs.end()),
+        req_(req),
+        B_(static_cast<int32_t>(descs.size())),
+        L_(descs[0].shape.num_layers),
+        template_(call) {}
+
+  ~GpuStaticStep() override {
+    std::lock_guard<std::mutex> lock(*mu_);
+    // Kernels of this plan may still be writing the store's pages: let them finish before the
+    // reservations (which keep those pages alive) go.
+    cudaSetDevice(device_);
+    cudaDeviceSynchronize();
+    if (held_) {
+      for (const SequenceDesc& d : descs_) state_->Release(d.sequence_id);
+    }
+    layers_.clear();
+  }
+
+  // Under the backend's lock: reserve, sync, hold, plan every layer.
+  absl::Status Init() {
+    KVS_CUDA_OK(cudaSetDevice(device_), "cudaSetDevice");
+    RowSource* source = state_->source();
+    for (const SequenceDesc& d : descs_) {
+      absl::StatusOr<std::unique_ptr<kvstore::Reservation>> r =
+          source->Reserve(d.sequence_id, req_.max_tokens);
+      if (!r.ok()) return r.status();
+      reservations_.push_back(std::move(*r));
+    }
+    const Method& m = req_.method;
+    const GpuRunner* runner = FindMethod(m.kind).gpu;
+    layers_.reserve(L_);
+    for (uint32_t l = 0; l < L_; ++l) {
+      auto layer = std::make_unique<Layer>();
+      layer->call = template_;
+      layer->call.layer = l;
+      DecodeResult scratch_result;
+      if (absl::Status s = state_->Sync(layer->call, descs_, &layer->batch, &scratch_result);
+          !s.ok()) {
+        return s;
+      }
+      layer->batch.views.clear();  // the store's read locks: the plan holds reservations instead
+      if (l == 0) {                // held from here on (released by the destructor)
+        for (DeviceSequence* e : layer->batch.seqs) state_->Hold(e);
+        held_ = true;
+      }
+      for (int32_t b = 0; b < B_; ++b) {
+        if (absl::Status s =
+                state_->HoldForSteps(layer->batch.seqs[b], l, descs_[b], *reservations_[b],
+                                     req_.max_tokens, layer->batch.busy);
+            !s.ok()) {
+          return s;
+        }
+        // Every length may reach the bound: the kernels' grids and buffers are sized for it.
+        layer->batch.lens[b] = static_cast<int32_t>(req_.max_tokens);
+      }
+      layer->lp = std::make_unique<LaunchPlan>(layer->call, descs_, &layer->batch, state_);
+      layer->mc = runner->Begin(m);
+      LaunchPlan& lp = *layer->lp;
+      if (absl::Status s = layer->mc->Plan(lp); !s.ok()) return s;
+      if (absl::Status s = lp.BuildTables(&host_tables_); !s.ok()) return s;
+      layer->mc->FillTables(lp);
+      lp.BeginPass(nullptr, nullptr);
+      if (absl::Status s = Carve(*layer, &layer->method_bytes); !s.ok()) return s;
+      const size_t bytes = lp.method_offset() + layer->method_bytes;
+      KVS_CUDA_OK(cudaMalloc(&layer->scratch.ptr, bytes), "captured step scratch");
+      lp.BeginPass(static_cast<char*>(layer->scratch.ptr), nullptr);
+      layer->mc->FillScratchTables(lp);
+      if (absl::Status s = lp.Upload(); !s.ok()) return s;
+      KVS_CUDA_OK(cudaStreamSynchronize(lp.stream()), "captured step tables");
+      layers_.push_back(std::move(layer));
+    }
+    // Floors and tops: the committed lengths.
+    std::vector<int64_t> ctl(static_cast<size_t>(B_) * (L_ + 1) + 1, 0);
+    for (int32_t b = 0; b < B_; ++b) {
+      const int64_t n = static_cast<int64_t>(descs_[b].layer_lengths[0]);
+      floor_host_.push_back(static_cast<uint64_t>(n));
+      for (uint32_t l = 0; l <= L_; ++l) ctl[static_cast<size_t>(l) * B_ + b] = n;
+    }
+    KVS_CUDA_OK(cudaMalloc(&ctl_.ptr, sizeof(int64_t) * ctl.size()), "captured step control");
+    KVS_CUDA_OK(
+        cudaMemcpy(ctl_.ptr, ctl.data(), sizeof(int64_t) * ctl.size(), cudaMemcpyHostToDevice),
+        "captured step control");
+    return absl::OkStatus();
+  }
+
+  absl::Status Enqueue(uint32_t layer, const void* q, const void* new_k, const void* new_v,
+                       const int64_t* positions, void* out, void* stream) override {
+    if (layer >= L_) return absl::InvalidArgumentError("layer out of range");
+    if (q == nullptr || new_k == nullptr || new_v == nullptr || positions == nullptr ||
+        out == nullptr) {
+      return absl::InvalidArgumentError("a captured step needs q, new_k, new_v, positions, out");
+    }
+    std::lock_guard<std::mutex> lock(*mu_);
+    int current = -1;
+    if (cudaGetDevice(&current) != cudaSuccess || current != device_) {
+      KVS_CUDA_OK(cudaSetDevice(device_), "cudaSetDevice");
+    }
+    Layer& ly = *layers_[layer];
+    LaunchPlan& lp = *ly.lp;
+    ly.call.q_device = q;
+    ly.call.out_device = out;
+    lp.set_stream(static_cast<cudaStream_t>(stream));
+    lp.BeginPass(static_cast<char*>(ly.scratch.ptr), nullptr);
+    KVS_CUDA_OK(cudaMemsetAsync(lp.stats(), 0, lp.stats_bytes(), lp.stream()), "statistics");
+    kc::StepAppendParams p;
+    p.batch = B_;
+    p.num_kv_heads = lp.hkv;
+    p.row_bytes = static_cast<int32_t>(lp.row);
+    p.positions = positions;
+    p.new_k = new_k;
+    p.new_v = new_v;
+    p.k_heads = lp.k_tier() == kDeviceTier ? lp.k_heads_table() : nullptr;
+    p.v_heads = lp.v_tier() == kDeviceTier ? lp.v_heads_table() : nullptr;
+    p.pages.tables = lp.page_lists();
+    p.pages.page_shift = Log2(descs_[0].page_tokens);
+    p.pages.slot_bytes = static_cast<int32_t>(2 * lp.row);
+    p.floor = floor();
+    p.top = top(layer);
+    p.max_tokens = static_cast<int64_t>(req_.max_tokens);
+    p.error = error();
+    p.seq_lens = lp.lens_table();
+    p.seeds = lp.seeds_table();
+    p.seed = req_.seed + (static_cast<uint64_t>(layer) << 32);  // layers draw apart
+    KVS_CUDA_OK(kc::StepAppend(p, lp.stream()), "StepAppend");
+    size_t bytes = 0;
+    if (absl::Status s = Carve(ly, &bytes); !s.ok()) return s;
+    if (bytes != ly.method_bytes) {
+      return absl::InternalError("a captured step's buffers changed size between plan and run");
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<std::vector<uint64_t>> Commit(void* stream) override {
+    std::lock_guard<std::mutex> lock(*mu_);
+    KVS_CUDA_OK(cudaSetDevice(device_), "cudaSetDevice");
+    KVS_CUDA_OK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "the steps");
+    std::vector<int64_t> ctl(static_cast<size_t>(B_) * (L_ + 1) + 1);
+    KVS_CUDA_OK(
+        cudaMemcpy(ctl.data(), ctl_.ptr, sizeof(int64_t) * ctl.size(), cudaMemcpyDeviceToHost),
+        "captured step control");
+    const int32_t refused = reinterpret_cast<const int32_t*>(&ctl.back())[0];
+    absl::Status status;
+    for (int32_t b = 0; b < B_; ++b) {
+      const int64_t t = ctl[static_cast<size_t>(B_) + b];  // layer 0's top
+      bool even = true;
+      for (uint32_t l = 1; l < L_; ++l) even &= ctl[static_cast<size_t>(l + 1) * B_ + b] == t;
+      const std::string& id = descs_[b].sequence_id;
+      if (!even) {
+        status.Update(absl::FailedPreconditionError(
+            absl::StrCat("sequence '", id,
+                         "': its layers stand at different lengths (a step did not run "
+                         "every layer); not committed")));
+        continue;
+      }
+      const uint64_t n = static_cast<uint64_t>(t);
+      if (n > floor_host_[b]) {
+        if (absl::Status s =
+                state_->source()->CommitWritten(id, L_, floor_host_[b], n - floor_host_[b]);
+            !s.ok()) {
+          status.Update(s);
+          continue;
+        }
+        floor_host_[b] = n;
+        ctl[b] = t;
+      }
+    }
+    if (refused != 0) {
+      ctl.back() = 0;
+      status.Update(absl::OutOfRangeError(
+          "a step's position was outside [committed length, one past the last row written] or "
+          "at or past max_tokens: that sequence's output was zeros and its row not written"));
+    }
+    // New floors (and the cleared error word) back to the device.
+    KVS_CUDA_OK(cudaMemcpy(ctl_.ptr, ctl.data(), sizeof(int64_t) * B_, cudaMemcpyHostToDevice),
+                "floors");
+    KVS_CUDA_OK(cudaMemcpy(error(), &ctl.back(), sizeof(int64_t), cudaMemcpyHostToDevice),
+                "error word");
+    if (!status.ok()) return status;
+    return floor_host_;
+  }
+
+  absl::Status CopyStats(int32_t* dst, void* stream) override {
+    std::lock_guard<std::mutex> lock(*mu_);
+    for (uint32_t l = 0; l < L_; ++l) {
+      const LaunchPlan& lp = *layers_[l]->lp;
+      const size_t bytes = lp.stats_bytes();
+      KVS_CUDA_OK(
+          cudaMemcpyAsync(reinterpret_cast<char*>(dst) + l * bytes,
+                          static_cast<char*>(layers_[l]->scratch.ptr) + lp.stats_offset(), bytes,
+                          cudaMemcpyDeviceToDevice, static_cast<cudaStream_t>(stream)),
+          "statistics copy");
+    }
+    return absl::OkStatus();
+  }
+  uint32_t num_layers() const override { return L_; }
+  uint32_t batch() const override { return static_cast<uint32_t>(B_); }
+  uint32_t num_q_heads() const override { return descs_[0].shape.num_q_heads; }
+
+ private:
+  struct Layer {
+    DecodeCall call;
+    SyncedBatch batch;
+    std::unique_ptr<LaunchPlan> lp;
+    std::unique_ptr<MethodCall> mc;
+    OwnedDev scratch;
+    size_t method_bytes = 0;
+  };
+
+  // One pass of the method over the layer's plan (sizing when the pass has no base).
+  static absl::Status Carve(Layer& ly, size_t* bytes) {
+    LaunchPlan& lp = *ly.lp;
+    Carver c(lp.base() == nullptr ? nullptr : lp.base() + lp.method_offset());
+    if (absl::Status s = ly.mc->Enqueue(lp, c); !s.ok()) return s;
+    *bytes = c.used();
+    return absl::OkStatus();
+  }
+  // The control block: floors [B], tops [L][B], the error word.
+  int64_t* floor() const { return static_cast<int64_t*>(ctl_.ptr); }
+  int64_t* top(uint32_t l) const { return floor() + static_cast<size_t>(l + 1) * B_; }
+  int32_t* error() const {
+    return reinterpret_cast<int32_t*>(floor() + static_cast<size_t>(L_ + 1) * B_);
+  }
+
+  std::mutex* const mu_;
+  DeviceState* const state_;
+  const int device_;
+  const std::vector<SequenceDesc> descs_;
+  const StaticStepRequest req_;
+  const int32_t B_;
+  const uint32_t L_;
+  const DecodeCall template_;
+  std::vector<std::unique_ptr<kvstore::Reservation>> reservations_;
+  std::vector<std::unique_ptr<Layer>> layers_;
+  std::vector<uint64_t> floor_host_;
+  PinnedBuf host_tables_;
+  OwnedDev ctl_;
+  bool held_ = false;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<StaticStep>> NewGpuStaticStep(std::mutex* mu, DeviceState* state,
+                                                             int device, const DecodeCall& call,
+                                                             absl::Span<const SequenceDesc> descs,
+                                                             const StaticStepRequest& request) {
+  for (const SequenceDesc& d : descs) {
+    if (!FindMethod(call.method.kind).gpu->Capturable(call.method, d)) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "this method and placement have no captured step (dense with K and V on the device, "
+          "S2ANTA prop or flash do); run it as eager calls"));
+    }
+  }
+  if (!state->source()->pages_device_visible()) {
+    return absl::FailedPreconditionError(
+        "captured steps write the store's pages from the GPU: the store must be in this process "
+        "with pinned, mapped memory");
+  }
+  std::unique_lock<std::mutex> lock(*mu);
+  auto step = std::make_unique<GpuStaticStep>(mu, state, device, call, descs, request);
+  if (absl::Status s = step->Init(); !s.ok()) {
+    lock.unlock();  // the destructor takes the lock
+    return s;
+  }
+  return std::unique_ptr<StaticStep>(std::move(step));
+}
+
+}  // namespace kvsparse::engine::gpu

@@ -1,0 +1,75 @@
+// A decode step that can be captured in a CUDA graph (a compiled model server's step with no
+// graph break): planned once on the host for a fixed batch of sequences, a method and a bound
+// on their lengths, then run layer by layer with nothing of the host per call.
+//
+//   plan (host, once):  the store reserves every sequence's pages up to max_tokens (pinned; rows
+//                       written in place), the GPU backend brings its device state up to the
+//                       sequences' lengths, holds room for max_tokens rows, and builds each
+//                       layer's tables in device memory of the plan's own;
+//   Enqueue (per layer, capturable): one kernel writes the step's token where the engine keeps
+//                       it (the store's reserved slot, the resident rows) at the caller's
+//                       positions (a device tensor: the lengths before the step), derives the
+//                       step's lengths and seeds (layer l at position p draws as an eager call
+//                       with seed + l * 2^32 + p does), and the method's kernels run over them;
+//                       statistics stay on the device;
+//   Commit (host, when the caller wants): waits for the caller's stream and advances the
+//                       store's lengths over the rows the steps wrote.
+// While a plan lives its sequences are held: Decode calls and drops of them are refused
+// (FAILED_PRECONDITION) and neither the store nor the GPU tier evicts them. Positions outside
+// [committed length, one past the last row written] or at or past max_tokens write nothing;
+// that sequence's output is zeros and Commit reports OUT_OF_RANGE.
+//
+// Methods: those whose GPU runner says Capturable (dense with K and V resident; S2ANTA prop and
+// flash); the others are FAILED_PRECONDITION at plan time and run as eager calls. The store must
+// be in this process with pages the GPU can read (the PyTorch op's embedded store).
+#ifndef KVSPARSE_ENGINE_STATIC_STEP_H_
+#define KVSPARSE_ENGINE_STATIC_STEP_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "engine/method.h"
+#include "kernels/dtype.h"
+
+namespace kvsparse::engine {
+
+struct StaticStepRequest {
+  std::vector<std::string> sequence_ids;  // B, distinct, each holding >= 1 token in every layer
+  Method method;
+  uint64_t max_tokens = 0;  // every sequence's length stays at or below this while planned
+  uint64_t seed = 0;        // layer l at position p draws as an eager call with seed + l * 2^32 + p
+  float scale = 0.f;        // 0: 1/sqrt(d)
+  kernels::DType dtype = kernels::DType::kBf16;  // of q, the new K/V and the output
+};
+
+class StaticStep {
+ public:
+  // Statistics per layer: int32 blocks of B * H each (rows read per (b, kv head) in the first
+  // B * Hkv entries of block 0, as the eager call's statistics block).
+  static constexpr int kStatBlocks = 4;
+
+  virtual ~StaticStep() = default;
+  // One layer of the step on `stream` (a cudaStream_t), capturable: q and out [B, H, d], new_k
+  // and new_v [B, Hkv, d] (contiguous, the sequences' dtype), positions [B] int64, all device
+  // memory that stays valid while a captured graph replays.
+  virtual absl::Status Enqueue(uint32_t layer, const void* q, const void* new_k, const void* new_v,
+                               const int64_t* positions, void* out, void* stream) = 0;
+  // Waits for `stream`, then commits the rows the steps wrote; returns each sequence's length.
+  // OUT_OF_RANGE when a step was refused since the last commit (its sequence's output was zeros);
+  // FAILED_PRECONDITION when the layers of a sequence stand at different lengths (a step that
+  // did not run every layer): that sequence is not committed.
+  virtual absl::StatusOr<std::vector<uint64_t>> Commit(void* stream) = 0;
+  // Copies the statistics of every layer, [layers, kStatBlocks, B * H] int32, to device memory
+  // dst on `stream` (capturable).
+  virtual absl::Status CopyStats(int32_t* dst, void* stream) = 0;
+  virtual uint32_t num_layers() const = 0;
+  virtual uint32_t batch() const = 0;
+  virtual uint32_t num_q_heads() const = 0;
+};
+
+}  // namespace kvsparse::engine
+
+#endif  // KVSPARSE_ENGINE_STATIC_STEP_H_
