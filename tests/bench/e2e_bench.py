@@ -9,6 +9,10 @@ one process on one GPU:
                   memory, the GPU backend; q and the output stay on the GPU
   kvsc-<method>   the same with the model compiled (torch.compile, default mode: the kvsparse
                   attention calls are graph breaks; no CUDA graphs, the op synchronises)
+  kvsg-<method>   the same with planned decode steps (KvSparseCache(max_tokens=...)): the whole
+                  step compiled with torch.compile(mode="reduce-overhead", fullgraph=True) and
+                  replayed as one CUDA graph (methods the GPU backend captures: prop; dense
+                  needs K and V resident and is the compiled row's work)
   grpc-<method>   kvsparse-server on loopback (unary calls), grpcs-<method> over a DecodeStream
   kvsr-<method>   the engine in process (q and the output on the GPU) over a store in another
                   process: kvsparse.ops.InProcessEngine(store=...) against kvsparse-server
@@ -228,7 +232,8 @@ def finish(row: Row) -> Row:
 
 def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server) -> Row:
     transport, method_name = variant.split("-", 1)
-    compiled = transport == "kvsc"
+    planned = transport == "kvsg"
+    compiled = transport in ("kvsc", "kvsg")
     transport = "kvs" if compiled else transport
     method = METHODS[method_name]
     cfg = model.config
@@ -244,7 +249,11 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server)
         )
     elif transport.startswith("grpc"):
         target = server["all"].target
-    cache = kvsparse.hf.KvSparseCache(cfg, target, method=method, stream=transport == "grpcs", seed=1)
+    steps_total = max(args.warmup, 3 if compiled else 0) + args.steps
+    cache = kvsparse.hf.KvSparseCache(
+        cfg, target, method=method, stream=transport == "grpcs", seed=1,
+        max_tokens=n + steps_total + 8 if planned else None,
+    )
     t0 = time.perf_counter()
     for layer in range(L):
         k, v = random_kv(batch, hkv, n, d, str(model.device), layer)
@@ -255,20 +264,32 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server)
     # recompiles, past dynamo's recompile limit.
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
     call = torch.compile(model) if compiled else None
+    if planned:
+        if cache.steps is None or not cache.steps.captured:
+            raise RuntimeError(f"{variant}: no captured plan ({cache.steps.mode if cache.steps else 'none'})")
+        call = torch.compile(model, mode="reduce-overhead", fullgraph=True)
     t0 = time.perf_counter()
     row.steps_ms = decode_loop(model, cache, batch, n, max(args.warmup, 3 if compiled else 0), args.steps, call)
     warm_s = time.perf_counter() - t0
     if args.profile == variant and n == int(args.lens.split(",")[0]):
         profile_steps(model, cache, batch, n, max(args.warmup, 3) + args.steps, call, args.profile_out)
-    steps = max(args.warmup, 3 if compiled else 0) + args.steps
+    steps = steps_total
     s = cache.stats
     # Bytes over the whole run (the warm-up steps read as the timed ones do, after the first).
     row.host_mb_per_token = s.bytes_fetched / (steps * batch) / 1e6
     row.fetched_fraction = s.fetched_fraction
+    if planned:  # the last step's rows read from host memory, from the GPU's statistics
+        stats = cache.step_stats()
+        lengths = cache.commit()
+        if isinstance(method, kvsparse.Santa):
+            rows = int(stats[:, 0, : batch * hkv].sum())  # V rows read per (layer, sequence, kv head)
+            row.host_mb_per_token = rows * d * 2 / batch / 1e6
+            row.fetched_fraction = rows * d * 2 / (2 * L * hkv * d * 2 * sum(lengths))
+        row.note = f"{cache.steps.mode}; "
     mem = target.memory() if transport in engines else None
     if mem is not None:
         row.kv_gpu_gb = mem["gpu_bytes"] / 1e9
-    row.note = f"load {load_s:.0f} s" + (f", compile+run {warm_s:.0f} s" if compiled else "")
+    row.note += f"load {load_s:.0f} s" + (f", compile+run {warm_s:.0f} s" if compiled else "")
     cache.close()
     if isinstance(target, kvsparse.Client):
         target.close()
@@ -306,7 +327,7 @@ def main() -> None:
     log(f"# model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
     variants = args.variants.split(",")
     engines: dict[str, ops.InProcessEngine] = {}  # by transport
-    if any(v.startswith(("kvs-", "kvsc-")) for v in variants):
+    if any(v.startswith(("kvs-", "kvsc-", "kvsg-")) for v in variants):
         engines["kvs"] = ops.InProcessEngine(
             gpu="on" if gpu else "off", store_capacity=args.store_capacity, gpu_capacity=args.gpu_capacity
         )
@@ -345,11 +366,14 @@ def main() -> None:
             ).start()
     skip = set(args.skip.split(",")) if args.skip else set()
     rows: list[Row] = []
-    print("| n | B | variant | ms / step | tokens/s | x resident tok/s | KV GPU GB | host MB / token | fetched / dense | note |")
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print(
+        "| n | B | variant | ms / step | tokens/s | x resident tok/s | x compiled tok/s | KV GPU GB | "
+        "host MB / token | fetched / dense | note |"
+    )
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for n in (int(x) for x in args.lens.split(",")):
         for batch in (int(x) for x in args.batches.split(",")):
-            base = None
+            base = base_compiled = None
             for variant in variants:
                 if f"{n}:{batch}:{variant}" in skip:
                     continue
@@ -367,9 +391,13 @@ def main() -> None:
                 rows.append(row)
                 if variant == "resident" and row.tokens_per_s:
                     base = row.tokens_per_s
+                if variant == "compiled" and row.tokens_per_s:
+                    base_compiled = row.tokens_per_s
                 rel = f"{row.tokens_per_s / base:.2f}" if base and row.tokens_per_s else ""
+                rel_c = f"{row.tokens_per_s / base_compiled:.2f}" if base_compiled and row.tokens_per_s else ""
                 print(
                     f"| {n // 1024}k | {batch} | {variant} | {row.ms_per_step:.1f} | {row.tokens_per_s:.1f} | {rel} | "
+                    f"{rel_c} | "
                     f"{row.kv_gpu_gb:.2f} | {row.host_mb_per_token:.1f} | {row.fetched_fraction:.3f} | {row.note} |",
                     flush=True,
                 )

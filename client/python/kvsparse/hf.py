@@ -25,6 +25,16 @@ How it works:
 ``kvsparse.ops.InProcessEngine`` (the engine in this process: on a CUDA device q and the output
 stay on the GPU, on the caller's stream). Beam search and cache cropping (assisted decoding) are
 not supported.
+
+Compiled decoding (``max_tokens``, in-process engine only): once every layer holds the prompt,
+the cache plans its decode steps (``kvsparse.ops.DecodeSteps``: the store reserves each row's
+pages up to ``max_tokens``) and the decode steps become traceable: the cache's ``update`` only
+counts the step in a device tensor, and the attention function calls the planned op with the
+row positions the model already has (``position_ids``), so a whole step compiles into one graph
+with no break (``torch.compile(model, mode="reduce-overhead", fullgraph=True)``); on the GPU
+backend, for the methods it captures (dense with K and V resident, S2ANTA prop or flash), that
+graph is replayed as a CUDA graph. One such cache decodes at a time in a process; its rows become
+the store's at ``commit()`` (also done by ``layer_lengths`` and ``close``).
 """
 
 from __future__ import annotations
@@ -46,7 +56,7 @@ from kvsparse.transport import Transport, make_transport, step_seed
 
 if TYPE_CHECKING:
     from kvsparse.client import Client
-    from kvsparse.ops import InProcessEngine
+    from kvsparse.ops import DecodeSteps, InProcessEngine
 
 ATTN_IMPLEMENTATION = "kvsparse"
 
@@ -61,6 +71,12 @@ _APPEND_BYTES = 16 * 1024 * 1024
 # that follows it in the same attention layer (transformers passes the layer's cache to
 # update(), not to the attention function).
 _active = threading.local()
+
+# The planned cache of this process (max_tokens; one at a time) and its decode steps: what a
+# compiled decode step's attention calls (a global, so that the traced code reads no
+# thread-local or weak reference).
+_planned_cache: "KvSparseCache | None" = None
+_planned_steps: "DecodeSteps | None" = None
 
 
 @dataclass
@@ -88,11 +104,14 @@ class KvSparseLayer(CacheLayerMixin):
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, cache: "KvSparseCache", layer_idx: int) -> None:
+    def __init__(self, cache: "KvSparseCache", layer_idx: int, compileable: bool = False) -> None:
         super().__init__()
         self._cache = weakref.proxy(cache)
         self.layer_idx = layer_idx
         self.length = 0  # tokens per row as the model counts them (left padding included)
+        self.is_compileable = compileable
+        self.planned = False  # decode steps through the cache's plan (traceable)
+        self.steps_done: torch.Tensor | None = None  # planned steps since the plan, on the device
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -101,14 +120,23 @@ class KvSparseLayer(CacheLayerMixin):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.planned and key_states.shape[-2] == 1:
+            # Traceable: the step's token goes in through the attention function's planned op.
+            cast(torch.Tensor, self.steps_done).add_(1)
+            return key_states, value_states
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         return self._cache._update(self.layer_idx, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.planned:  # decode steps ignore the mask: a constant size, no recompiles
+            return query_length + 1, 0
         return self.length + query_length, 0
 
     def get_seq_length(self) -> int:
+        if self.planned and self.steps_done is not None:
+            # A 0-dim device tensor, as transformers' StaticLayer answers (traceable, no sync).
+            return cast(int, self.steps_done + self.length)
         return self.length
 
     def get_max_length(self) -> int:
@@ -154,6 +182,9 @@ class KvSparseCache(Cache):
         sequence_prefix: the store names batch row b's sequence ``sequence_prefix + str(b)``
             (default ``"hf-<12 random hex digits>-"``); with sharded stores the name picks the
             shard. Two live caches must not share a prefix.
+        max_tokens: plan the decode steps once the prompt is in (in-process engine only): each
+            row's length stays at or below it; the decode steps compile without graph breaks and
+            capture in CUDA graphs where the GPU backend can (see the module's text).
     """
 
     def __init__(
@@ -167,13 +198,23 @@ class KvSparseCache(Cache):
         stream: bool = False,
         timeout: float = 60.0,
         sequence_prefix: str | None = None,
+        max_tokens: int | None = None,
     ) -> None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_layers = int(text.num_hidden_layers)
         self.num_q_heads = int(text.num_attention_heads)
         self.num_kv_heads = int(getattr(text, "num_key_value_heads", None) or self.num_q_heads)
         self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.num_q_heads)
-        super().__init__(layers=[KvSparseLayer(self, i) for i in range(self.num_layers)])
+        from kvsparse.ops import InProcessEngine
+
+        if max_tokens is not None and not isinstance(target, InProcessEngine):
+            raise ValueError("max_tokens (planned, compileable decode steps) needs an InProcessEngine target")
+        self.max_tokens = max_tokens
+        self._engine = target if max_tokens is not None else None
+        self.steps: DecodeSteps | None = None
+        super().__init__(
+            layers=[KvSparseLayer(self, i, compileable=max_tokens is not None) for i in range(self.num_layers)]
+        )
         self.transport = make_transport(target, timeout, stream)
         self.method = method
         self.placement = placement if placement is not None else placement_for(method)
@@ -189,7 +230,54 @@ class KvSparseCache(Cache):
 
     def close(self) -> None:
         """Drops the sequences from the store (also done when the cache is garbage-collected)."""
+        self._release_plan()
         self._finalizer()
+
+    # ---- Planned decode steps (max_tokens) ---------------------------------------------------
+
+    def _plan(self) -> None:
+        """Plans the decode steps once every layer holds the prompt (max_tokens caches)."""
+        global _planned_cache, _planned_steps
+        if self.max_tokens is None or self.steps is not None:
+            return
+        if any(self._layer(i).length == 0 for i in range(self.num_layers)):
+            return
+        if _planned_cache is not None:
+            raise RuntimeError("another KvSparseCache with max_tokens is decoding in this process: close it first")
+        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self._layer(0).dtype]
+        self.steps = cast("InProcessEngine", self._engine).plan_steps(
+            self.sequence_ids, self.method, max_tokens=self.max_tokens, seed=self.seed, dtype=dtype
+        )
+        for i in range(self.num_layers):
+            layer = self._layer(i)
+            layer.steps_done = torch.zeros((), dtype=torch.long, device=layer.device)
+            torch._dynamo.mark_static_address(layer.steps_done)
+            layer.planned = True
+        _planned_cache, _planned_steps = self, self.steps
+
+    def commit(self) -> list[int]:
+        """Makes the planned steps' rows the store's (waits for the device); returns each row's
+        length. Nothing to do without a plan."""
+        if self.steps is None:
+            return [self.transport.lengths(sid)[0] for sid in self.sequence_ids]
+        return self.steps.commit()
+
+    def step_stats(self) -> torch.Tensor | None:
+        """The last planned step's GPU statistics (``DecodeSteps.stats``); None without a
+        captured plan."""
+        return self.steps.stats() if self.steps is not None and self.steps.captured else None
+
+    def _release_plan(self) -> None:
+        global _planned_cache, _planned_steps
+        if self.steps is None:
+            return
+        try:
+            self.steps.commit()
+        finally:
+            self.steps.close()
+            self.steps = None
+            if _planned_cache is self:
+                _planned_cache, _planned_steps = None, None
 
     def __enter__(self) -> "KvSparseCache":
         return self
@@ -210,6 +298,8 @@ class KvSparseCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self._finalizer.alive:
             raise RuntimeError("this KvSparseCache is closed")
+        if _planned_cache is not None and _planned_cache is not self and key.shape[-2] == 1:
+            raise RuntimeError("a KvSparseCache with max_tokens is decoding in this process: close it first")
         if self._failed is not None:
             raise RuntimeError(
                 f"this KvSparseCache is out of step with kvsparse after an earlier error "
@@ -259,9 +349,12 @@ class KvSparseCache(Cache):
         layer.lazy_initialization(key, value)
         self._append_prefill(layer_idx, _Staged(key, value, True), None)
         layer.length = key.shape[-2]
+        self._plan()
 
     def layer_lengths(self, row: int) -> list[int]:
         """Tokens the store holds per layer for batch row `row` (its own, without padding)."""
+        if self.steps is not None:
+            self.steps.commit()
         return self.transport.lengths(self.sequence_ids[row])
 
     def _take(self, layer_idx: int) -> _Staged | None:
@@ -319,7 +412,6 @@ def _valid_keys(attention_mask: torch.Tensor, key: torch.Tensor) -> torch.Tensor
     return (last == 0).expand(b, t)
 
 
-@torch.compiler.disable
 def kvsparse_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -331,9 +423,31 @@ def kvsparse_attention_forward(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """The attention function registered as "kvsparse": prefill through SDPA (and its K/V into
-    the store), decode through kvsparse. Calls without a KvSparseCache are plain SDPA. In a
-    compiled model it is a graph break (the op it calls synchronises with the host to read the
-    call's statistics: it cannot be captured in a CUDA graph yet)."""
+    the store), decode through kvsparse. Calls without a KvSparseCache are plain SDPA. A planned
+    cache's decode steps (max_tokens) call the planned op, traceable and capturable; the others
+    go through the host (a graph break in a compiled model)."""
+    steps = _planned_steps
+    if steps is not None and query.shape[2] == 1:
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            raise RuntimeError("a planned KvSparseCache decodes at the model's position_ids: pass them")
+        layer_idx = cast(int, module.layer_idx)
+        out = steps.decode(layer_idx, query[:, :, 0, :], key[:, :, 0, :], value[:, :, 0, :], position_ids[:, -1])
+        return out.unsqueeze(1), None
+    return _attention_through_host(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+
+
+@torch.compiler.disable
+def _attention_through_host(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     ref = getattr(_active, "cache", None)
     cache: KvSparseCache | None = ref() if ref is not None else None
     layer_idx = cast(int, module.layer_idx)
@@ -345,6 +459,7 @@ def kvsparse_attention_forward(
     if staged.prefill:
         out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         cache._append_prefill(layer_idx, staged, attention_mask)  # type: ignore[union-attr]
+        cache._plan()  # type: ignore[union-attr]
         return out, None
     return cache._decode(layer_idx, query, staged, scaling), None  # type: ignore[union-attr]
 

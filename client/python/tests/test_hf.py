@@ -372,3 +372,98 @@ def test_inprocess_engine_over_a_remote_store(gpu: str) -> None:
         assert all(torch.isfinite(x).all() for x in got.logits)
         assert 0 < stats.fetched_fraction < 0.75
         assert not store_client.list_sequences()  # dropped with the caches
+
+
+def test_planned_cache_generates_as_transformers() -> None:
+    """A planned cache (max_tokens): decode steps through the planned op, the same generation."""
+    if not ops.available():
+        pytest.skip("libkvsparse_torch.so not built")
+    model = tiny_llama()
+    ids, mask = prompt([40, 23, 31], seed=2)
+    want = reference(model, ids, mask)
+    with ops.InProcessEngine(store_capacity="1G", gpu="off") as engine:
+        with kvsparse.hf.KvSparseCache(model.config, engine, method=kvsparse.Dense(), max_tokens=128) as cache:
+            got = through_kvsparse(model, ids, mask, cache)
+            assert cache.steps is not None and cache.steps.mode.startswith("eager")
+            lengths = [cache.layer_lengths(b)[0] for b in range(3)]
+            assert cache.get_seq_length() == ids.shape[1] + NEW_TOKENS - 1
+        assert kvsparse.hf._planned_steps is None  # released with the cache
+    assert torch.equal(got.sequences, want.sequences)
+    assert max_logit_diff(got, want) < 1e-4
+    assert lengths == [40 + NEW_TOKENS - 1, 23 + NEW_TOKENS - 1, 31 + NEW_TOKENS - 1]
+
+
+def _decode_step(model, cache, token: torch.Tensor, position: int):
+    return model(
+        input_ids=token,
+        past_key_values=cache,
+        position_ids=torch.full((token.shape[0], 1), position, dtype=torch.long, device=token.device),
+        cache_position=torch.tensor([position], device=token.device),
+        use_cache=True,
+        logits_to_keep=1,
+    ).logits[:, -1]
+
+
+def test_planned_decode_step_compiles_whole() -> None:
+    """A planned cache's decode step (every layer) traces as one graph with no break, and the
+    compiled steps give the eager steps' logits."""
+    if not ops.available():
+        pytest.skip("libkvsparse_torch.so not built")
+    model = kvsparse.hf.enable(tiny_llama())
+    ids, mask = prompt([40], seed=3)
+    logits = {}
+    with ops.InProcessEngine(store_capacity="1G", gpu="off") as engine:
+        for mode in ("eager", "compiled"):
+            with kvsparse.hf.KvSparseCache(model.config, engine, method=kvsparse.Santa(samples=8), max_tokens=64) as cache:
+                with torch.no_grad():
+                    model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+                    assert cache.steps is not None
+                    call = model if mode == "eager" else torch.compile(model, backend="aot_eager", fullgraph=True)
+                    token = ids[:, -1:]
+                    out = []
+                    for t in range(4):
+                        out.append(_decode_step(call, cache, token, 40 + t))
+                        token = out[-1].argmax(-1, keepdim=True)
+                    if mode == "compiled":
+                        explained = torch._dynamo.explain(model)(
+                            input_ids=token, past_key_values=cache,
+                            position_ids=torch.tensor([[44]]), cache_position=torch.tensor([44]),
+                            use_cache=True, logits_to_keep=1,
+                        )
+                        assert explained.graph_break_count == 0, explained.break_reasons
+                logits[mode] = torch.stack(out)
+                assert cache.layer_lengths(0) == [44 + (mode == "compiled")] * 3
+    assert torch.allclose(logits["eager"], logits["compiled"], atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_planned_cache_replays_cuda_graphs() -> None:
+    """On the GPU backend a planned cache's decode steps are captured: the whole step compiled
+    with mode="reduce-overhead" (CUDA graphs, fullgraph) decodes as transformers does."""
+    model = kvsparse.hf.enable(tiny_llama(torch.bfloat16, head_dim=64, device="cuda"))
+    ids, mask = prompt([400], seed=5, device="cuda")
+    placement = kvsparse.Placement(k_tier="device", v_tier="device")
+    with ops.InProcessEngine(store_capacity="2G", gpu="on") as engine:
+        with kvsparse.hf.KvSparseCache(
+            model.config, engine, method=kvsparse.Dense(), placement=placement, max_tokens=512
+        ) as cache:
+            with torch.no_grad():
+                first = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1]
+            assert cache.steps is not None and cache.steps.captured, cache.steps and cache.steps.mode
+            compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+            tokens = [first.argmax(-1, keepdim=True)]
+            logits = [first]
+            with torch.no_grad():
+                for t in range(12):
+                    logits.append(_decode_step(compiled, cache, tokens[-1], 400 + t))
+                    tokens.append(logits[-1].argmax(-1, keepdim=True))
+            assert cache.layer_lengths(0) == [412] * 3
+    sequences = torch.cat([ids] + tokens, 1)
+
+    class Out:  # what check_bf16 reads of a generate() result
+        pass
+
+    got = Out()
+    got.sequences = sequences
+    got.logits = tuple(logits)
+    check_bf16(model, ids, mask, got)
