@@ -455,7 +455,8 @@ def test_gpu_planned_cache_replays_cuda_graphs() -> None:
             logits = [first]
             with torch.no_grad():
                 for t in range(12):
-                    logits.append(_decode_step(compiled, cache, tokens[-1], 400 + t))
+                    # A CUDA graph's outputs are overwritten by its next replay: keep copies.
+                    logits.append(_decode_step(compiled, cache, tokens[-1], 400 + t).clone())
                     tokens.append(logits[-1].argmax(-1, keepdim=True))
             assert cache.layer_lengths(0) == [412] * 3
     sequences = torch.cat([ids] + tokens, 1)
