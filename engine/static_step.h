@@ -15,13 +15,14 @@
 //   Commit (host, when the caller wants): waits for the caller's stream and advances the
 //                       store's lengths over the rows the steps wrote.
 // While a plan lives its sequences are held: Decode calls and drops of them are refused
-// (FAILED_PRECONDITION) and neither the store nor the GPU tier evicts them. Positions outside
-// [committed length, one past the last row written] or at or past max_tokens write nothing;
-// that sequence's output is zeros and Commit reports OUT_OF_RANGE.
+// (FAILED_PRECONDITION) and neither the store nor the GPU tier evicts them. A step writes at
+// each sequence's next row (one past the last written); any other position, or one at or past
+// max_tokens, writes nothing: that sequence's output is zeros and Commit reports OUT_OF_RANGE.
 //
 // Methods: those whose GPU runner says Capturable (dense with K and V resident; S2ANTA prop and
-// flash); the others are FAILED_PRECONDITION at plan time and run as eager calls. The store must
-// be in this process with pages the GPU can read (the PyTorch op's embedded store).
+// flash; hash top-k with SimHash signatures); the others are FAILED_PRECONDITION at plan time
+// and run as eager calls. The store must be in this process with pages the GPU can read (the
+// PyTorch op's embedded store).
 #ifndef KVSPARSE_ENGINE_STATIC_STEP_H_
 #define KVSPARSE_ENGINE_STATIC_STEP_H_
 

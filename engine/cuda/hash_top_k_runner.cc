@@ -24,6 +24,10 @@ class HashTopKCall final : public SelectedRowsCall {
     if (!StagedRowsFit(desc, caps)) return false;
     return SignaturesOnGpu(m, desc, caps);
   }
+  // Captured steps: SimHash signatures (the step signs its key as the backend's sync does; the
+  // learned MLPs' key signing is not in the step yet). The selection reads the step's lengths on
+  // the device; the row cache never holds a stale row (steps never rewrite one).
+  static bool Capturable(const Method& m, const SequenceDesc&) { return !m.learned_signatures; }
 
  private:
   absl::StatusOr<int32_t> PlanSelection(LaunchPlan& lp) override {

@@ -103,12 +103,13 @@ class LaunchPlan {
   const uint64_t* seeds() const { return Dev<const uint64_t>(seeds_off_); }
   const uint32_t* const* sig_heads() const { return Dev<const uint32_t* const>(sig_heads_off_); }
   // The shared tables a captured step writes on the device (run pass): lengths [B], seeds [B],
-  // resident K / V row bases and page lists per (b, j) [B * Hkv] (null entries where a sequence
-  // keeps none).
+  // resident K / V row bases, signature bases and page lists per (b, j) [B * Hkv] (null entries
+  // where a sequence keeps none).
   int32_t* lens_table() const { return Dev<int32_t>(lens_off_); }
   uint64_t* seeds_table() const { return Dev<uint64_t>(seeds_off_); }
   void* const* k_heads_table() const { return Dev<void* const>(k_heads_off_); }
   void* const* v_heads_table() const { return Dev<void* const>(v_heads_off_); }
+  uint32_t* const* sig_heads_table() const { return Dev<uint32_t* const>(sig_heads_off_); }
   const void* const* const* page_lists() const { return Dev<const void* const* const>(pages_off_); }
   size_t stats_bytes() const { return sizeof(int32_t) * kStatBlocks * static_cast<size_t>(BH); }
   // The statistics block on the device; null in the sizing pass.

@@ -10,6 +10,7 @@
 #include "engine/cuda/gpu_runner.h"
 #include "engine/cuda/launch_plan.h"
 #include "engine/methods/registry.h"
+#include "kernels/cuda/hash_topk.h"
 #include "kernels/cuda/step_append.h"
 
 namespace kvsparse::engine::gpu {
@@ -62,6 +63,16 @@ class GpuStaticStep final : public StaticStep {
     }
     const Method& m = req_.method;
     const GpuRunner* runner = FindMethod(m.kind).gpu;
+    // The hash methods read the new key's signature in the step that appends it: the step signs
+    // it (SimHash, as DeviceState::SignKeys does). Other methods leave the resident signatures
+    // behind; they are brought up to date from the store after the plan.
+    words_ = static_cast<int32_t>(descs_[0].placement.signature_bits / 32);
+    sign_keys_ = words_ > 0 && m.kind == MethodKind::kHashTopK;
+    if (sign_keys_) {
+      KVS_CUDA_OK(
+          cudaMalloc(&sigs_.ptr, sizeof(uint32_t) * B_ * descs_[0].shape.num_kv_heads * words_),
+          "captured step signatures");
+    }
     layers_.reserve(L_);
     for (uint32_t l = 0; l < L_; ++l) {
       auto layer = std::make_unique<Layer>();
@@ -86,6 +97,19 @@ class GpuStaticStep final : public StaticStep {
         }
         // Every length may reach the bound: the kernels' grids and buffers are sized for it.
         layer->batch.lens[b] = static_cast<int32_t>(req_.max_tokens);
+      }
+      if (sign_keys_) {  // SimHash planes of the layer and each sequence's M (fixed by now)
+        absl::StatusOr<const float*> planes =
+            state_->Planes(l, static_cast<int32_t>(descs_[0].shape.num_kv_heads), words_ * 32,
+                           static_cast<int32_t>(descs_[0].shape.head_dim));
+        if (!planes.ok()) return planes.status();
+        layer->planes = *planes;
+        for (DeviceSequence* e : layer->batch.seqs) {
+          if (e->layers[l].norms.ptr == nullptr) {
+            return absl::InternalError("a signed sequence without its SimHash M");
+          }
+          layer->norms.push_back(e->layers[l].norms.as<float>());
+        }
       }
       layer->lp = std::make_unique<LaunchPlan>(layer->call, descs_, &layer->batch, state_);
       layer->mc = runner->Begin(m);
@@ -155,6 +179,28 @@ class GpuStaticStep final : public StaticStep {
     p.seq_lens = lp.lens_table();
     p.seeds = lp.seeds_table();
     p.seed = req_.seed + (static_cast<uint64_t>(layer) << 32);  // layers draw apart
+    if (sign_keys_) {
+      const size_t row_stride = static_cast<size_t>(lp.hkv) * lp.row;
+      for (int32_t b = 0; b < B_; ++b) {
+        kc::SimHashSignParams sp;
+        sp.num_seqs = 1;
+        sp.heads = lp.hkv;
+        sp.group = 1;
+        sp.dim = lp.d;
+        sp.bits = words_ * 32;
+        sp.dtype = lp.dtype;
+        sp.x = static_cast<const char*>(new_k) + b * row_stride;
+        sp.planes = ly.planes;
+        sp.max_norm = ly.norms[b];
+        sp.out = static_cast<uint32_t*>(sigs_.ptr) + static_cast<size_t>(b) * lp.hkv * words_;
+        sp.out_batch_stride = static_cast<int64_t>(lp.hkv) * words_;
+        sp.out_head_stride = words_;
+        KVS_CUDA_OK(kc::SimHashSign(sp, lp.stream()), "SimHashSign (the step's keys)");
+      }
+      p.new_sigs = static_cast<const uint32_t*>(sigs_.ptr);
+      p.sig_heads = lp.sig_heads_table();
+      p.sig_words = words_;
+    }
     KVS_CUDA_OK(kc::StepAppend(p, lp.stream()), "StepAppend");
     size_t bytes = 0;
     if (absl::Status s = Carve(ly, &bytes); !s.ok()) return s;
@@ -238,6 +284,8 @@ class GpuStaticStep final : public StaticStep {
     std::unique_ptr<MethodCall> mc;
     OwnedDev scratch;
     size_t method_bytes = 0;
+    const float* planes = nullptr;    // SimHash planes of the layer (sign_keys_)
+    std::vector<const float*> norms;  // each sequence's M of the layer (sign_keys_)
   };
 
   // One pass of the method over the layer's plan (sizing when the pass has no base).
@@ -268,6 +316,9 @@ class GpuStaticStep final : public StaticStep {
   std::vector<uint64_t> floor_host_;
   PinnedBuf host_tables_;
   OwnedDev ctl_;
+  OwnedDev sigs_;  // the step's key signatures [B * Hkv][words] (sign_keys_)
+  int32_t words_ = 0;
+  bool sign_keys_ = false;
   bool held_ = false;
 };
 
@@ -281,7 +332,8 @@ absl::StatusOr<std::unique_ptr<StaticStep>> NewGpuStaticStep(std::mutex* mu, Dev
     if (!FindMethod(call.method.kind).gpu->Capturable(call.method, d)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "this method and placement have no captured step (dense with K and V on the device, "
-          "S2ANTA prop or flash do); run it as eager calls"));
+          "S2ANTA prop or flash, hash top-k with SimHash signatures do); run it as eager "
+          "calls"));
     }
   }
   if (!state->source()->pages_device_visible()) {

@@ -9,7 +9,7 @@ constexpr int kThreads = 64;
 // Whether sequence b's position is one a step may write.
 __device__ __forceinline__ bool Writable(int64_t pos, int64_t floor, int64_t top,
                                          int64_t max_tokens) {
-  return pos >= floor && pos <= top && pos < max_tokens;
+  return pos >= floor && pos == top && pos < max_tokens;
 }
 
 // One block per (sequence, kv head); a block's threads copy the K and V rows 16 bytes at a time.
@@ -35,6 +35,10 @@ __global__ void __launch_bounds__(kThreads) StepAppendKernel(StepAppendParams p)
       p.v_heads == nullptr
           ? nullptr
           : reinterpret_cast<uint4*>(static_cast<char*>(p.v_heads[i]) + pos * p.row_bytes);
+  if (p.new_sigs != nullptr && static_cast<int>(threadIdx.x) < p.sig_words) {
+    p.sig_heads[i][pos * p.sig_words + threadIdx.x] =
+        p.new_sigs[static_cast<size_t>(i) * p.sig_words + threadIdx.x];
+  }
 #pragma unroll 1
   for (int c = threadIdx.x; c < chunks; c += kThreads) {
     const uint4 k = k_src[c], v = v_src[c];
@@ -71,7 +75,9 @@ cudaError_t StepAppend(const StepAppendParams& p, cudaStream_t stream) {
       p.positions == nullptr || p.new_k == nullptr || p.new_v == nullptr || !p.pages.enabled() ||
       p.floor == nullptr || p.top == nullptr || p.error == nullptr || p.seq_lens == nullptr ||
       p.max_tokens <= 0 || p.max_tokens > (int64_t{1} << 30) ||
-      p.pages.slot_bytes < 2 * p.row_bytes) {
+      p.pages.slot_bytes < 2 * p.row_bytes ||
+      (p.new_sigs != nullptr &&
+       (p.sig_heads == nullptr || p.sig_words <= 0 || p.sig_words > kThreads))) {
     return cudaErrorInvalidValue;
   }
   StepAppendKernel<<<p.batch * p.num_kv_heads, kThreads, 0, stream>>>(p);

@@ -31,11 +31,16 @@ struct StepAppendParams {
   void* const* k_heads = nullptr;
   void* const* v_heads = nullptr;
   PagedRows pages;
-  // device, shape: [B]: the lowest position a step may write (the store's committed length) and
-  // the next one it may write (one past the last written; a step may rewrite an uncommitted
-  // row, which discards the rows after it). A position outside [floor, top] or at or past
-  // max_tokens writes nothing: the sequence's length becomes 0 for the step (its output zeros)
-  // and *error gets 1.
+  // Optional key signatures: the new keys' words ([B * Hkv][sig_words], signed by the caller
+  // before this launch) copied to sig_heads[b * Hkv + j] + t * sig_words.
+  const uint32_t* new_sigs = nullptr;
+  uint32_t* const* sig_heads = nullptr;
+  int32_t sig_words = 0;
+  // device, shape: [B]: the store's committed length (floor) and the next row a step may write
+  // (top: one past the last written). A step writes exactly at top: any other position, or one
+  // at or past max_tokens, writes nothing: the sequence's length becomes 0 for the step (its
+  // output zeros) and *error gets 1. (Rows are never rewritten, so nothing a row cache holds
+  // goes stale.)
   const int64_t* floor = nullptr;
   int64_t* top = nullptr;
   int64_t max_tokens = 0;  // host: rows every destination holds per (b, j)

@@ -20,6 +20,7 @@ namespace {
 
 constexpr int B = 2, Hkv = 2, kRow = 128, kPageTokens = 8, kPages = 4;
 constexpr int kSlot = 2 * kRow;
+constexpr int kWords = 2;
 constexpr int64_t kMaxTokens = kPageTokens * kPages;
 
 struct Fixture {
@@ -29,7 +30,9 @@ struct Fixture {
   std::vector<const void*> page_list;  // [B * Hkv][kPages]
   DeviceBuffer pages, lanes, k_rows, v_rows, k_heads, v_heads;
   DeviceBuffer positions, floor, top, error, lens, seeds, new_k, new_v;
+  DeviceBuffer sigs, sig_heads, new_sigs;  // kWords words per key
   std::vector<uint8_t> nk, nv;
+  std::vector<uint32_t> ns;
 
   void Init() {
     const size_t lane_bytes = static_cast<size_t>(kPages) * kPageTokens * kSlot;
@@ -62,6 +65,12 @@ struct Fixture {
     }
     k_heads = ToDevice(kh);
     v_heads = ToDevice(vh);
+    sigs = DeviceBuffer(sizeof(uint32_t) * B * Hkv * kMaxTokens * kWords);
+    ASSERT_EQ(sigs.Poison(0), cudaSuccess);
+    std::vector<uint32_t*> sh;
+    for (int i = 0; i < B * Hkv; ++i) sh.push_back(sigs.as<uint32_t>() + i * kMaxTokens * kWords);
+    sig_heads = ToDevice(sh);
+    new_sigs = DeviceBuffer(sizeof(uint32_t) * B * Hkv * kWords);
     floor = ToDevice(std::vector<int64_t>{3, 10});
     top = ToDevice(std::vector<int64_t>{3, 10});
     error = ToDevice(std::vector<int32_t>{0});
@@ -87,6 +96,9 @@ struct Fixture {
     p.pages.tables = lanes.as<const void* const*>();
     p.pages.page_shift = 3;
     p.pages.slot_bytes = kSlot;
+    p.new_sigs = new_sigs.as<uint32_t>();
+    p.sig_heads = sig_heads.as<uint32_t*>();
+    p.sig_words = kWords;
     p.floor = floor.as<int64_t>();
     p.top = top.as<int64_t>();
     p.max_tokens = kMaxTokens;
@@ -105,6 +117,9 @@ struct Fixture {
     for (auto& x : nv) x = static_cast<uint8_t>(rng());
     ASSERT_EQ(new_k.Upload(nk.data(), nk.size()), cudaSuccess);
     ASSERT_EQ(new_v.Upload(nv.data(), nv.size()), cudaSuccess);
+    ns.resize(static_cast<size_t>(B) * Hkv * kWords);
+    for (auto& x : ns) x = static_cast<uint32_t>(rng());
+    ASSERT_EQ(new_sigs.Upload(ns.data(), ns.size() * sizeof(uint32_t)), cudaSuccess);
   }
   const uint8_t* Slot(int i, int64_t t) const {
     const size_t lane_bytes = static_cast<size_t>(kPages) * kPageTokens * kSlot;
@@ -114,6 +129,7 @@ struct Fixture {
   void ExpectWritten(const int64_t pos[B]) {
     std::vector<uint8_t> kd = ToHost<uint8_t>(k_rows, k_rows.size());
     std::vector<uint8_t> vd = ToHost<uint8_t>(v_rows, v_rows.size());
+    std::vector<uint32_t> sd = ToHost<uint32_t>(sigs, sigs.size() / sizeof(uint32_t));
     for (int b = 0; b < B; ++b) {
       for (int j = 0; j < Hkv; ++j) {
         const int i = b * Hkv + j;
@@ -124,6 +140,11 @@ struct Fixture {
         const size_t at = (static_cast<size_t>(i) * kMaxTokens + pos[b]) * kRow;
         EXPECT_EQ(std::memcmp(kd.data() + at, ek, kRow), 0) << "device K " << b << " " << j;
         EXPECT_EQ(std::memcmp(vd.data() + at, ev, kRow), 0) << "device V " << b << " " << j;
+        for (int w = 0; w < kWords; ++w) {
+          EXPECT_EQ(sd[(static_cast<size_t>(i) * kMaxTokens + pos[b]) * kWords + w],
+                    ns[static_cast<size_t>(i) * kWords + w])
+              << "signature " << b << " " << j;
+        }
       }
     }
   }
@@ -159,22 +180,13 @@ TEST(StepAppendTest, WritesTheTokenWhereItBelongsAndRefusesOutsideTheWindow) {
     }
     EXPECT_EQ(ToHost<int32_t>(f.error, 1)[0], 0);
   }
-  // Rewriting the last uncommitted row is allowed (a step run again) and moves the top back.
-  {
-    const int64_t pos[B] = {14, 21};
-    ASSERT_EQ(f.positions.Upload(pos, sizeof(pos)), cudaSuccess);
-    f.NewRows(100);
-    KVSPARSE_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
-    KVSPARSE_ASSERT_CUDA(cudaStreamSynchronize(stream));
-    f.ExpectWritten(pos);
-    EXPECT_EQ(ToHost<int64_t>(f.top, B), (std::vector<int64_t>{15, 22}));
-    EXPECT_EQ(ToHost<int32_t>(f.error, 1)[0], 0);
-  }
-  // Below the floor (committed rows), a hole past the top, past the reservation: nothing
-  // written, length 0, error raised; the other sequence of the step goes on.
+  // Below the floor (committed rows), a row written already, a hole past the top, past the
+  // reservation: nothing written, length 0, error raised; the other sequence goes on.
   const std::vector<uint8_t> before(f.Slot(0, 2), f.Slot(0, 2) + kSlot);
-  for (const int64_t bad : {int64_t{2}, int64_t{17}, kMaxTokens}) {
-    const int64_t pos[B] = {bad, 22};
+  const std::vector<uint8_t> written(f.Slot(0, 14), f.Slot(0, 14) + kSlot);
+  int64_t next = 22;
+  for (const int64_t bad : {int64_t{2}, int64_t{14}, int64_t{17}, kMaxTokens}) {
+    const int64_t pos[B] = {bad, next++};
     ASSERT_EQ(f.positions.Upload(pos, sizeof(pos)), cudaSuccess);
     ASSERT_EQ(f.error.Poison(0), cudaSuccess);
     f.NewRows(200);
@@ -183,10 +195,11 @@ TEST(StepAppendTest, WritesTheTokenWhereItBelongsAndRefusesOutsideTheWindow) {
     EXPECT_EQ(ToHost<int32_t>(f.error, 1)[0], 1) << bad;
     const std::vector<int32_t> lens = ToHost<int32_t>(f.lens, B);
     EXPECT_EQ(lens[0], 0) << bad;
-    EXPECT_EQ(lens[1], 23) << bad;
+    EXPECT_EQ(lens[1], next) << bad;
     EXPECT_EQ(ToHost<int64_t>(f.top, B)[0], 15) << bad;
   }
   EXPECT_EQ(std::memcmp(before.data(), f.Slot(0, 2), kSlot), 0);
+  EXPECT_EQ(std::memcmp(written.data(), f.Slot(0, 14), kSlot), 0);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);

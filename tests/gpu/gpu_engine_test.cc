@@ -892,6 +892,14 @@ TEST_F(GpuEngineTest, CapturedStepsS2antaVInHost) {
   CapturedStepsEqualEagerCalls(SantaMethod(2, 64), p, {1000}, 0.02, "S2ANTA-flash");
 }
 
+TEST_F(GpuEngineTest, CapturedStepsHashTopK) {
+  kvstore::Placement p;
+  p.signature_bits = 64;  // K and V in host memory; each step signs its key on the device
+  // A short window: the steps' own tokens leave it and are chosen by their signatures.
+  CapturedStepsEqualEagerCalls(HashMethod(0.05f, 0, 4, 4), p, {700, 1000}, 8e-3, "hash top-k");
+  CapturedStepsEqualEagerCalls(HashMethod(0.f, 24, 4, 2), p, {900}, 8e-3, "hash top-24");
+}
+
 TEST_F(GpuEngineTest, CapturedStepsRefuseWhatTheyCannotCapture) {
   auto rig = Rig::Make();
   ASSERT_NE(rig, nullptr);
@@ -902,7 +910,7 @@ TEST_F(GpuEngineTest, CapturedStepsRefuseWhatTheyCannotCapture) {
   StaticStepRequest req;
   req.sequence_ids = {"s0"};
   req.max_tokens = 1024;
-  req.method = HashMethod(0.05f);  // the new key's signature is not written by a step
+  req.method = VAttentionMethod();  // its base sample's size is counted on the host
   EXPECT_EQ(rig->gpu->PlanStatic(req).status().code(), absl::StatusCode::kFailedPrecondition);
   req.method = Method{};  // dense with K and V in host memory stages every row
   EXPECT_EQ(rig->gpu->PlanStatic(req).status().code(), absl::StatusCode::kFailedPrecondition);

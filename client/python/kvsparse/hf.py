@@ -32,8 +32,8 @@ pages up to ``max_tokens``) and the decode steps become traceable: the cache's `
 counts the step in a device tensor, and the attention function calls the planned op with the
 row positions the model already has (``position_ids``), so a whole step compiles into one graph
 with no break (``torch.compile(model, mode="reduce-overhead", fullgraph=True)``); on the GPU
-backend, for the methods it captures (dense with K and V resident, S2ANTA prop or flash), that
-graph is replayed as a CUDA graph. One such cache decodes at a time in a process; its rows become
+backend, for the methods it captures (dense with K and V resident, S2ANTA prop or flash, hash
+top-k with SimHash signatures), that graph is replayed as a CUDA graph. One such cache decodes at a time in a process; its rows become
 the store's at ``commit()`` (also done by ``layer_lengths`` and ``close``).
 """
 

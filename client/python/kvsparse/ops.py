@@ -326,9 +326,13 @@ class DecodeSteps:
     ``commit()`` (outside a graph) waits for the stream and makes the written rows the store's;
     ``stats()`` copies the GPU's statistics without a synchronisation.
 
-    Where the engine cannot capture the method, placement or device (``mode`` says why: no GPU,
-    hash methods, vAttention, SAAP, dense with a half in host memory), the same calls run as
-    ordinary decode calls that append at each layer's end (positions must equal the lengths).
+    Captured: dense with K and V on the GPU, S2ANTA prop and flash, hash top-k with SimHash
+    signatures (each step signs its key on the device). Where the engine cannot capture the
+    method, placement or device (``mode`` says why: no GPU, vAttention, SAAP, top-k by compressed
+    keys, learned signatures, dense with a half in host memory), the same calls run as ordinary
+    decode calls that append at each layer's end (positions must equal the lengths). A captured
+    step writes exactly at each sequence's next row (``positions`` = its length); any other
+    position writes nothing, gives that sequence zeros and makes ``commit`` raise OutOfRange.
     Either way layer l of a step at position p draws its random numbers as an eager ``decode``
     with seed ``seed + l * 2**32 + p``. While a captured plan lives, its sequences' own decode calls and drops are
     refused; ``close`` (or leaving the ``with`` block) releases them.

@@ -259,7 +259,9 @@ def test_compiled_step_has_no_graph_break() -> None:
     [
         (kvsparse.Dense(), kvsparse.Placement(k_tier="device", v_tier="device")),
         (kvsparse.Santa(samples=32), kvsparse.Placement(k_tier="device")),
+        (kvsparse.HashTopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=4), kvsparse.Placement(signature_bits=32)),
     ],
+    ids=["dense-resident", "prop", "hash-host"],
 )
 def test_captured_steps_replay_in_a_cuda_graph(method, placement) -> None:
     """Every layer of a step recorded once in a CUDA graph and replayed step after step equals
