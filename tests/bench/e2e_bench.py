@@ -281,10 +281,15 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server)
     if planned:  # the last step's rows read from host memory, from the GPU's statistics
         stats = cache.step_stats()
         lengths = cache.commit()
-        if isinstance(method, kvsparse.Santa):
-            rows = int(stats[:, 0, : batch * hkv].sum())  # V rows read per (layer, sequence, kv head)
-            row.host_mb_per_token = rows * d * 2 / batch / 1e6
-            row.fetched_fraction = rows * d * 2 / (2 * L * hkv * d * 2 * sum(lengths))
+        host_bytes = None
+        if isinstance(method, kvsparse.Santa):  # V rows read per (layer, sequence, kv head)
+            host_bytes = int(stats[:, 0, : batch * hkv].sum()) * d * 2
+        elif isinstance(method, kvsparse.HashTopK):  # rows of the union less the row cache's hits
+            misses = stats[:, 0, : batch * hkv].sum() - stats[:, 3, : batch * hkv].sum()
+            host_bytes = int(misses) * 2 * d * 2
+        if host_bytes is not None:
+            row.host_mb_per_token = host_bytes / batch / 1e6
+            row.fetched_fraction = host_bytes / (2 * L * hkv * d * 2 * sum(lengths))
         row.note = f"{cache.steps.mode}; "
     mem = target.memory() if transport in engines else None
     if mem is not None:
