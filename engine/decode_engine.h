@@ -102,6 +102,9 @@ class DecodeEngine {
   // GPU backend, a method or placement it cannot capture, a sequence already held by a plan or
   // with layers of unequal or zero length; INVALID_ARGUMENT, NOT_FOUND as Decode; OUT_OF_RANGE:
   // a sequence already past max_tokens. The sequences stay held until the plan is destroyed.
+  // REQUIRES: the plan is destroyed before the engine. Its device memory (per-layer tables and
+  // scratch sized for max_tokens) is the caller's, outside the GPU tier's capacity; the rows it
+  // reserves are charged (the store's pages to the store, resident rows to the GPU tier).
   absl::StatusOr<std::unique_ptr<StaticStep>> PlanStatic(const StaticStepRequest& request);
   // Whether a captured step's plan holds the sequence (its Decode calls and drops are refused).
   bool Held(const std::string& sequence_id) const;

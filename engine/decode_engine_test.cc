@@ -648,6 +648,40 @@ TEST_F(EngineTest, EveryMethodRefusesEmptyLayersNonFiniteQAndRepeats) {
 // SAAP through the engine: keys get their buckets as they reach the resident state, and a
 // decode selects and estimates exactly what the CPU reference does on the same problem; the hash
 // methods are refused on such a server, and so is SAAP on a server without partitions.
+// Per-sequence seed offsets: sequence b draws from SequenceSeed(seed + seed_offsets[b], b), as
+// a captured step at position seed_offsets[b] does; a wrong count is refused. Without a GPU
+// backend there are no captured steps.
+TEST_F(EngineTest, SeedOffsetsMoveEachSequencesDrawsAndCpuEnginePlansNoSteps) {
+  kvstore::Placement kdev;
+  kdev.k_tier = kvstore::Tier::kDevice;
+  Load(Options(), kdev);
+  Method m;
+  m.kind = MethodKind::kSanta;
+  m.santa.samples = 32;
+  m.santa.tile_size = 128;
+  DecodeCall c = Call(m, 99);
+  c.seed_offsets = {5, 1000};
+  auto r = engine_->Decode(c);
+  ASSERT_TRUE(r.ok()) << r.status();
+  for (int32_t b = 0; b < 2; ++b) {
+    std::vector<uint8_t> out;
+    kernels::DecodeProblem p = One(b, &out);
+    kernels::RowSelection sel;
+    const uint64_t base = 99 + c.seed_offsets[b];
+    ASSERT_TRUE(kernels::SantaDecodeCpu(p, m.santa, kernels::SequenceSeed(base, b), &sel).ok());
+    ExpectSame(*r, b, sel, out);
+  }
+  c.seed_offsets = {5};
+  EXPECT_EQ(engine_->Decode(c).status().code(), absl::StatusCode::kInvalidArgument);
+
+  StaticStepRequest req;
+  req.sequence_ids = {"s0", "s1"};
+  req.method = m;
+  req.max_tokens = 4096;
+  EXPECT_EQ(engine_->PlanStatic(req).status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_FALSE(engine_->Held("s0"));
+}
+
 TEST_F(EngineTest, SaapSelectsWhatTheReferenceSelects) {
   kvstore::Placement p;
   p.signature_bits = 32;
