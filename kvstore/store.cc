@@ -230,6 +230,19 @@ absl::Status Store::MakeRoom(size_t pages, const Sequence* requester) {
   return absl::OkStatus();
 }
 
+absl::Status Store::AllocatePages(size_t n, const Sequence* requester,
+                                  std::vector<uint8_t*>* pages) {
+  absl::Status got;
+  // Another append may take the room between MakeRoom and Allocate: try a few times.
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    got = MakeRoom(n, requester);
+    if (got.ok()) got = pool_.Allocate(n, pages);
+    if (got.ok() || !absl::IsResourceExhausted(got)) break;
+  }
+  if (!got.ok()) rejections_.fetch_add(1, std::memory_order_relaxed);
+  return got;
+}
+
 absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
   if (req.num_tokens == 0) return absl::InvalidArgumentError("append of zero tokens");
   if (req.num_layers == 0) return absl::InvalidArgumentError("append to zero layers");
@@ -296,17 +309,7 @@ absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
   }
   std::vector<uint8_t*> pages;
   if (new_pages > 0) {
-    absl::Status got;
-    // Another append may take the room between MakeRoom and Allocate: try a few times.
-    for (int attempt = 0; attempt < 4; ++attempt) {
-      got = MakeRoom(new_pages, &seq);
-      if (got.ok()) got = pool_.Allocate(new_pages, &pages);
-      if (got.ok() || !absl::IsResourceExhausted(got)) break;
-    }
-    if (!got.ok()) {
-      rejections_.fetch_add(1, std::memory_order_relaxed);
-      return got;
-    }
+    if (absl::Status got = AllocatePages(new_pages, &seq, &pages); !got.ok()) return got;
   }
   // Nothing can fail from here on.
   size_t next_page = 0;
@@ -459,16 +462,7 @@ absl::StatusOr<std::unique_ptr<Reservation>> Store::Reserve(absl::string_view se
   for (const auto& lane : seq.lanes_) new_pages += need > lane.size() ? need - lane.size() : 0;
   if (new_pages > 0) {
     std::vector<uint8_t*> pages;
-    absl::Status got;
-    for (int attempt = 0; attempt < 4; ++attempt) {
-      got = MakeRoom(new_pages, &seq);
-      if (got.ok()) got = pool_.Allocate(new_pages, &pages);
-      if (got.ok() || !absl::IsResourceExhausted(got)) break;
-    }
-    if (!got.ok()) {
-      rejections_.fetch_add(1, std::memory_order_relaxed);
-      return got;
-    }
+    if (absl::Status got = AllocatePages(new_pages, &seq, &pages); !got.ok()) return got;
     size_t next = 0;
     for (auto& lane : seq.lanes_) {
       while (lane.size() < need) lane.push_back(pages[next++]);

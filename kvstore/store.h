@@ -289,6 +289,10 @@ class Store {
   absl::StatusOr<Pin> Acquire(absl::string_view sequence_id) ABSL_LOCKS_EXCLUDED(mu_);
   // Makes `pages` pages fit under the capacity, evicting idle sequences if the policy allows.
   absl::Status MakeRoom(size_t pages, const Sequence* requester) ABSL_LOCKS_EXCLUDED(mu_);
+  // MakeRoom, then `n` pages from the pool into *pages (counted as a rejection when they do not
+  // come). REQUIRES: the requester's lock held (its pages are not freed under it).
+  absl::Status AllocatePages(size_t n, const Sequence* requester, std::vector<uint8_t*>* pages)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   const StoreOptions options_;
   std::unique_ptr<MemoryResource> owned_memory_;

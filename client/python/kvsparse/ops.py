@@ -24,7 +24,7 @@ import dataclasses
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -146,7 +146,29 @@ def _bytes(x: int | str) -> int:
     return int(float(s[:-1]) * units[s[-1]]) if s and s[-1] in units else int(s)
 
 
-class InProcessEngine:
+_Self = TypeVar("_Self", bound="_Closing")
+
+
+class _Closing:
+    """``close()`` on leaving a ``with`` block and when collected."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self: _Self) -> _Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+class InProcessEngine(_Closing):
     """A decode engine in this process over a store in this process (see the module's text) or,
     with ``store``, over a ``kvsparse-server`` store in another (``--role=store``): sequences are
     created, appended and dropped there, and each decode call gathers the rows it needs through the
@@ -211,18 +233,6 @@ class InProcessEngine:
         if self._handle is not None:
             torch.ops.kvsparse.engine_destroy(self._handle)
             self._handle = None
-
-    def __enter__(self) -> "InProcessEngine":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
 
     def memory(self) -> dict[str, int]:
         """Bytes held: GPU memory for sequences (and its capacity), the store's pages (and its
@@ -312,7 +322,7 @@ class InProcessEngine:
         )
 
 
-class DecodeSteps:
+class DecodeSteps(_Closing):
     """Decode steps over a fixed batch, each layer's call capturable in a CUDA graph.
 
     Planned once (``InProcessEngine.plan_steps``): on the GPU backend the store reserves the
@@ -400,15 +410,3 @@ class DecodeSteps:
         if self._plan is not None and self._engine._handle is not None:
             torch.ops.kvsparse.release_steps(self._engine.handle, self._plan)
         self._plan = None
-
-    def __enter__(self) -> "DecodeSteps":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
