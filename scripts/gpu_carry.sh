@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Builds the GPU programs here (nvcc, sm_90) and copies them, stripped of debug info, with the
-# non-system shared libraries they load (gRPC, protobuf, Abseil, prometheus-cpp: the GPU
-# machine's image has none of them), into .carry/dev (git-ignored): the folder
-# scripts/gpu_check.sh runs from on the GPU machine, packed as .carry/pack/dev.tar.xz (carry
-# [".carry/pack"]), its libraries and server alone as .carry/qpack/dev.tar.xz, and its GPU tests
+# For a GPU host without network access: build and pack here, copy the tree to the host, run
+# scripts/gpu_check.sh there. Builds the GPU programs here (nvcc, sm_90) and copies them, stripped
+# of debug info, with the non-system shared libraries they load (gRPC, protobuf, Abseil,
+# prometheus-cpp: the GPU host's image has none of them), into .carry/dev (git-ignored): the
+# folder scripts/gpu_check.sh runs from on the GPU host, packed as .carry/pack/dev.tar.xz (every
+# GPU program), its libraries and server alone as .carry/qpack/dev.tar.xz, and its GPU tests
 # alone as .carry/tpack/dev.tar.xz.
-# With the PyTorch extension configured (scripts/python_test.sh does), libkvsparse_torch.so travels
-# too, with the libraries it needs beside torch's own (those the GPU machine's torch has).
+# With the PyTorch extension configured (scripts/python_test.sh does), libkvsparse_torch.so is
+# packed too, with the libraries it needs beside torch's own (those the GPU host's torch has).
 #   BUILD: build directory (default build, the README's full build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,16 +28,15 @@ for f in .carry/dev/bin/* .carry/dev/lib/*.so; do
     | grep -v site-packages \
     || true
 done | sort -u | while read -r lib; do cp -L "$lib" .carry/dev/lib/; done
-# One compressed pack: the carried tree is limited to 64 MiB, and the CUDA code in every binary
-# compresses well. scripts/gpu_check.sh unpacks it on the GPU machine.
+# The full pack: every GPU program, compressed (the CUDA code in every binary compresses well).
+# scripts/gpu_check.sh unpacks it on the GPU host.
 mkdir -p .carry/pack .carry/qpack
 tar -C .carry -cf - dev | xz -T2 -6 > .carry/pack/dev.tar.xz
 # The quality pack: the libraries and the server only (no test binaries), small enough to travel
-# beside a model checkpoint (carry [".carry/qpack", ".whl", "build/quality/model"]).
+# beside a model checkpoint (build/quality/model) and the wheels (.whl, scripts/gpu_wheels.sh).
 tar -C .carry --exclude=libkvsparse_cuda_capi.so -cf - dev/lib dev/bin/kvsparse-server \
   | xz -T2 -9 > .carry/qpack/dev.tar.xz
-# The test pack: the GPU tests alone (carry [".carry/tpack"]), for when the full pack and the
-# working tree (its real-attention data included) pass the 64 MiB carry limit.
+# The test pack: the GPU tests alone, with the libraries they load, for test runs.
 mkdir -p .carry/tpack
 tar -C .carry --exclude=libkvsparse_torch.so -cf - dev/lib dev/bin/kernels_cuda_test \
   dev/bin/gpu_engine_test dev/bin/gpu_host_tier_test | xz -T2 -6 > .carry/tpack/dev.tar.xz

@@ -1,20 +1,22 @@
 #!/usr/bin/env bash
-# One device call: GPU tests, compute-sanitizer (memcheck, racecheck), and the kernel benchmark.
-# Runs on the GPU machine from the repository root with prebuilt binaries in $CARRY
+# On a GPU host without network access: GPU tests, compute-sanitizer (memcheck, racecheck), and
+# the kernel benchmark by default (STEPS below). Runs on the GPU host from the repository root (the
+# tree copied there) with the binaries scripts/gpu_carry.sh built and packed, unpacked into $CARRY
 # (default .carry/dev: bin/kernels_cuda_test, lib/*.so), writes logs to $OUT and prints a short
 # summary last. Optional hooks, when present in $CARRY (never committed):
 #   fi.tar.xz       a Python site tree (e.g. FlashInfer) unpacked to /tmp/site for the benchmark;
 #   santa/build.py  builds the S2ANTA reference kernels as torch extensions ($CARRY/santa_so
-#                   holds prebuilt ones from an earlier call).
+#                   holds prebuilt ones from an earlier run).
 # Environment: STEPS (default "tests sanitize bench"; also "engine": the GPU backend's tests,
 # "enginebench": tests/gpu/engine_bench with ENGINE_ARGS, "engineab": the same with an earlier
 # build's engine_bench ($CARRY_OLD/bin/engine_bench, unpacked from .carry/pack/old.tar.xz) and
 # this one's alternating, AB_ROUNDS (default 2) rounds of new then old, "rpc": rpc_decode_bench
-# --gpu with RPC_ARGS, "python": the Python package's tests with the wheels carried in .whl (the
-# package and what the image lacks) and libkvsparse_torch.so, PYTEST_ARGS; "e2e":
-# tests/bench/e2e_bench.py with E2E_ARGS; "pyrpc": tests/bench/py_rpc_bench.py --gpu with
-# PYRPC_ARGS; "train": tests/quality/train_model.py with TRAIN_ARGS into $MODEL (default
-# build/quality/model: it stays on the machine for the next call while the machine is warm);
+# --gpu with RPC_ARGS, "python": the Python package's tests with the wheels in .whl
+# (scripts/gpu_wheels.sh: the package and what the image lacks) and libkvsparse_torch.so,
+# PYTEST_ARGS; "e2e": tests/bench/e2e_bench.py with E2E_ARGS; "pyrpc":
+# tests/bench/py_rpc_bench.py --gpu with PYRPC_ARGS; "train": tests/quality/train_model.py with
+# TRAIN_ARGS into $MODEL (default build/quality/model: it stays there for a later "quality" run on
+# the same host);
 # "quality": tests/quality/harness.py over $MODEL with QUALITY_ARGS, into $OUT/quality),
 # BENCH_ARGS (extra kernel_bench.py args),
 # REFS=0 (benchmark without FlashInfer and the S2ANTA reference kernels: SDPA and ours only),
@@ -31,7 +33,7 @@ summary=()
 note() { summary+=("[$(date +%T)] $*"); echo "== $*"; }
 t0=$(date +%s)
 
-# The binaries travel packed (scripts/gpu_carry.sh).
+# The binaries come packed (scripts/gpu_carry.sh): unpack them unless already there.
 for pack in .carry/pack/dev.tar.xz .carry/qpack/dev.tar.xz .carry/tpack/dev.tar.xz; do
   if [ -f "$pack" ] && [ ! -d "$CARRY/bin" ]; then mkdir -p .carry && tar -xJf "$pack" -C .carry; fi
 done
@@ -102,7 +104,7 @@ fi
 
 if [[ " $STEPS " =~ " "(python|e2e|pyrpc|train|quality)" " ]]; then
   # The image has torch and transformers; the kvsparse package, grpcio and protobuf of the
-  # versions its stubs need travel as wheels (scripts/gpu_wheels.sh).
+  # versions its stubs need come as wheels in .whl (scripts/gpu_wheels.sh).
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl > "$OUT/pip.log" 2>&1
   export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
@@ -129,8 +131,8 @@ if [[ " $STEPS " == *" train "* ]]; then
     | grep -v "^Loading" > "$OUT/train.log"
   note "train_model rc=${PIPESTATUS[0]}: $(grep -E '^ "(steps|final_train_loss|held_out)' "$OUT/train.log" | tr -d '\n')"
   cp "$MODEL/metrics.json" "$OUT/train_metrics.json" 2>/dev/null
-  # TRAIN_KEEP=1: the checkpoint comes back (42 MiB), to carry into the next call as
-  # build/quality/model with the quality pack (scripts/gpu_carry.sh).
+  # TRAIN_KEEP=1: a copy of the checkpoint (42 MiB) in $OUT/model, to run the quality step
+  # elsewhere with it as build/quality/model and the quality pack (scripts/gpu_carry.sh).
   [ "${TRAIN_KEEP:-0}" = 1 ] && cp -r "$MODEL" "$OUT/model"
 fi
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The Python wheels a GPU machine call needs beside its image's torch and transformers, into .whl
-# (git-ignored; carry [".whl"]): the kvsparse package (its stubs built here) and the grpcio,
-# protobuf, health-checking and ml_dtypes versions the stubs need, for the machine's Python 3.12.
+# For a GPU host without network access: the Python wheels it needs beside its image's torch and
+# transformers, downloaded here into .whl (git-ignored; copied to the host with the tree, where
+# scripts/gpu_check.sh installs them): the kvsparse package (its stubs built here) and the grpcio,
+# protobuf, health-checking and ml_dtypes versions the stubs need, for the host's Python 3.12.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "engine/cuda/cuda_util.h"
 #include "engine/cuda/gpu_runner.h"
 #include "engine/cuda/launch_plan.h"
@@ -60,6 +61,14 @@ class GpuStaticStep final : public StaticStep {
           source->Reserve(d.sequence_id, req_.max_tokens);
       if (!r.ok()) return r.status();
       reservations_.push_back(std::move(*r));
+      // A call that began before the plan held the sequence may have appended since it was
+      // described: the steps would then write over a committed row.
+      absl::StatusOr<SequenceDesc> now = source->Describe(d.sequence_id, absl::InfiniteFuture());
+      if (!now.ok()) return now.status();
+      if (now->layer_lengths != d.layer_lengths || now->incarnation != d.incarnation) {
+        return absl::AbortedError(
+            absl::StrCat("sequence '", d.sequence_id, "' changed while the plan was made; retry"));
+      }
     }
     const Method& m = req_.method;
     const GpuRunner* runner = FindMethod(m.kind).gpu;

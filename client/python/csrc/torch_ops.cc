@@ -350,6 +350,10 @@ void Append(int64_t handle, const std::string& id, int64_t layer, const at::Tens
     Invalid("k and v must be [tokens, kv_heads, head_dim] of one shape and dtype");
   }
   if (layer < 0 || layer > (1 << 20)) Invalid("layer out of range");
+  if (e->engine().Held(id)) {  // its next rows belong to the plan's steps
+    Raise(absl::FailedPreconditionError(
+        absl::StrCat("sequence '", id, "' is held by a step plan: release the plan first")));
+  }
   const at::Tensor kh = ToHost(k), vh = ToHost(v);
   kv::AppendRequest r;
   r.sequence_id = id;

@@ -275,6 +275,8 @@ def test_captured_steps_replay_in_a_cuda_graph(method, placement) -> None:
         assert steps.captured, steps.mode
         with pytest.raises(kvsparse.FailedPrecondition):  # held while planned
             b.drop_sequence("s0")
+        with pytest.raises(kvsparse.FailedPrecondition):  # its next rows are the steps'
+            b.append("s0", 0, *(t[0, None] for t in _step_tokens(0, 1, "cuda")[1:]))
         q, nk, nv = (t.clone() for t in _step_tokens(0, 1, "cuda"))
         pos = torch.tensor([700], device="cuda")
         outs: list[torch.Tensor] = []
