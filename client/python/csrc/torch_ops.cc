@@ -503,6 +503,12 @@ int64_t PlanSteps(int64_t handle, const std::vector<std::string>& sequence_ids,
   r.seed = static_cast<uint64_t>(seed);
   r.scale = static_cast<float>(scale);
   r.dtype = DTypeNamed(dtype);
+  for (const std::string& id : sequence_ids) {  // one plan per sequence at a time
+    if (e->engine().Held(id)) {
+      Raise(absl::FailedPreconditionError(
+          absl::StrCat("sequence '", id, "' is held by another step plan")));
+    }
+  }
   if (eager) {
     plan->eager_reason = "eager steps asked for";
   } else if (e->device() < 0) {
@@ -511,18 +517,14 @@ int64_t PlanSteps(int64_t handle, const std::vector<std::string>& sequence_ids,
     absl::StatusOr<std::unique_ptr<en::StaticStep>> s = e->engine().PlanStatic(r);
     if (s.ok()) {
       plan->captured = std::move(*s);
-    } else if (absl::IsFailedPrecondition(s.status()) &&
-               !absl::StrContains(s.status().message(), "held")) {
+    } else if (absl::IsFailedPrecondition(s.status())) {  // not capturable: eager calls
       plan->eager_reason = std::string(s.status().message());
     } else {
       Raise(s.status());
     }
   }
-  if (plan->captured == nullptr) {  // eager: the sequences must exist and be free
-    for (const std::string& id : sequence_ids) {
-      if (e->engine().Held(id)) Raise(absl::FailedPreconditionError("'" + id + "' is held"));
-      Check(e->Lengths(id).status());
-    }
+  if (plan->captured == nullptr) {  // eager: the sequences must exist
+    for (const std::string& id : sequence_ids) Check(e->Lengths(id).status());
   }
   std::lock_guard<std::mutex> lock(plans_mu);
   const int64_t id = next_plan++;
