@@ -237,11 +237,24 @@ absl::StatusOr<Caller> TokenAuth::Identify(const grpc::ServerContextBase& ctx) c
     return absl::UnauthenticatedError(
         "this server requires a bearer token (metadata \"authorization: Bearer <token>\")");
   }
-  absl::string_view value(it->second.data(), it->second.size());
-  if (!absl::ConsumePrefix(&value, kBearerPrefix)) {
+  absl::StatusOr<absl::string_view> token =
+      BearerToken(absl::string_view(it->second.data(), it->second.size()));
+  if (!token.ok()) return token.status();
+  return IdentifyToken(*token);
+}
+
+absl::StatusOr<absl::string_view> BearerToken(absl::string_view authorization) {
+  constexpr absl::string_view kScheme = "bearer";
+  if (authorization.size() <= kScheme.size() ||
+      !absl::EqualsIgnoreCase(authorization.substr(0, kScheme.size()), kScheme) ||
+      authorization[kScheme.size()] != ' ') {
     return absl::UnauthenticatedError("the authorization metadata is not \"Bearer <token>\"");
   }
-  return IdentifyToken(value);
+  absl::string_view token = authorization.substr(kScheme.size());
+  while (absl::ConsumePrefix(&token, " ")) {
+  }
+  if (token.empty()) return absl::UnauthenticatedError("the authorization metadata has no token");
+  return token;
 }
 
 absl::StatusOr<Caller> TokenAuth::IdentifyToken(absl::string_view token) const {

@@ -64,6 +64,10 @@ Role RoleNeeded(absl::string_view method);
 // The metadata key and prefix clients send a token in.
 inline constexpr char kAuthMetadataKey[] = "authorization";
 inline constexpr char kBearerPrefix[] = "Bearer ";
+// The token of an authorization value "<scheme> <token>" whose scheme is "Bearer" in any case
+// (RFC 6750 / RFC 7235: the scheme is case-insensitive), after one or more spaces; the token
+// itself is taken as sent. UNAUTHENTICATED otherwise.
+absl::StatusOr<absl::string_view> BearerToken(absl::string_view authorization);
 
 // Tenants: a token may carry a tenant; its calls then see only the sequences of that tenant,
 // stored as "<tenant>:<id>" (tenant names have no ':', so no id of one tenant is another's).

@@ -59,6 +59,20 @@ TEST(SecurityTest, TokenFile) {
 
 // Reload swaps a changed file in whole, keeps a kept token's in-flight count and its own table
 // when the new file does not parse, and reports a bad text once.
+// RFC 6750: the scheme is case-insensitive ("bearer <token>" was refused before), one or more
+// spaces follow it, the token is taken as sent.
+TEST(SecurityTest, BearerSchemeIsCaseInsensitive) {
+  for (absl::string_view v : {"Bearer abc", "bearer abc", "BEARER abc", "bEaReR   abc"}) {
+    absl::StatusOr<absl::string_view> t = BearerToken(v);
+    ASSERT_TRUE(t.ok()) << v << ": " << t.status();
+    EXPECT_EQ(*t, "abc") << v;
+  }
+  EXPECT_EQ(*BearerToken("Bearer AbC"), "AbC");
+  for (absl::string_view v : {"", "Bearer", "Bearer ", "Bearerabc", "Basic abc", "Bearer\tabc"}) {
+    EXPECT_EQ(BearerToken(v).status().code(), absl::StatusCode::kUnauthenticated) << v;
+  }
+}
+
 TEST(SecurityTest, TokenFileReload) {
   const std::string path = ::testing::TempDir() + "/reload_tokens.txt";
   auto write = [&](const char* text) {
