@@ -17,9 +17,37 @@ PagePool::~PagePool() {
   for (const Slab& s : slabs_) resource_->Deallocate(s.base, s.bytes);
 }
 
-bool PagePool::Fits(size_t n) const {
+bool PagePool::FitsLocked(size_t n, size_t bytes) const {
+  if (in_use_ + n > capacity_pages_) return false;
+  return (in_use_ + n) * options_.page_bytes + charged_ + bytes <= options_.capacity_bytes;
+}
+
+bool PagePool::Fits(size_t n, size_t bytes) const {
   std::lock_guard<std::mutex> lock(mu_);
-  return in_use_ + n <= capacity_pages_;
+  return FitsLocked(n, bytes);
+}
+
+absl::Status PagePool::Charge(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!FitsLocked(0, bytes)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "store full: ", bytes, " more bytes needed, ",
+        options_.capacity_bytes -
+            std::min(options_.capacity_bytes, in_use_ * options_.page_bytes + charged_),
+        " free"));
+  }
+  charged_ += bytes;
+  return absl::OkStatus();
+}
+
+void PagePool::Uncharge(size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  charged_ -= bytes;
+}
+
+size_t PagePool::charged_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return charged_;
 }
 
 size_t PagePool::pages_in_use() const {
@@ -29,10 +57,11 @@ size_t PagePool::pages_in_use() const {
 
 absl::Status PagePool::Allocate(size_t n, std::vector<uint8_t*>* out) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (in_use_ + n > capacity_pages_) {
+  if (!FitsLocked(n, 0)) {
     return absl::ResourceExhaustedError(
         absl::StrCat("store full: ", n, " more pages of ", options_.page_bytes, " bytes needed, ",
-                     capacity_pages_ - in_use_, " of ", capacity_pages_, " free"));
+                     capacity_pages_ - in_use_, " of ", capacity_pages_, " free (", charged_,
+                     " bytes of sequences' bookkeeping beside them)"));
   }
   const size_t first = out->size();
   out->reserve(first + n);

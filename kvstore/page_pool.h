@@ -37,8 +37,14 @@ class PagePool {
   // REQUIRES: every page came from this pool and is in use.
   void Free(const std::vector<uint8_t*>& pages);
 
-  // Whether n more pages fit under the capacity right now.
-  bool Fits(size_t n) const;
+  // Bytes counted against the capacity that are not pages (a sequence's bookkeeping, held from
+  // its creation to its end): RESOURCE_EXHAUSTED when they do not fit beside the pages in use.
+  [[nodiscard]] absl::Status Charge(size_t bytes);
+  void Uncharge(size_t bytes);
+  size_t charged_bytes() const;
+
+  // Whether n more pages and `bytes` more charged bytes fit under the capacity right now.
+  bool Fits(size_t n, size_t bytes = 0) const;
   size_t page_bytes() const { return options_.page_bytes; }
   size_t capacity_pages() const { return capacity_pages_; }
   size_t pages_in_use() const;
@@ -50,6 +56,9 @@ class PagePool {
 
   mutable std::mutex mu_;
   size_t in_use_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t charged_ ABSL_GUARDED_BY(mu_) = 0;  // bytes (Charge)
+  // Whether n more pages and `bytes` more charged bytes fit. REQUIRES: mu_ held.
+  bool FitsLocked(size_t n, size_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<uint8_t*> free_ ABSL_GUARDED_BY(mu_);
   struct Slab {
     uint8_t* base;

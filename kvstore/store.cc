@@ -12,8 +12,19 @@ namespace kvsparse::kvstore {
 // One sequence's pages and lengths. Internal to the store.
 class Sequence {
  public:
+  // What a sequence of this shape costs before its first token: the object, its id, a length
+  // per layer and a page list per (layer, kv head) lane. Charged to the store's capacity (the
+  // pool) from creation to destruction: a wide shape's bookkeeping is memory a client makes the
+  // store hold.
+  static size_t BookkeepingBytes(const ModelShape& shape, size_t id_bytes) {
+    return sizeof(Sequence) + id_bytes + shape.num_layers * sizeof(uint64_t) +
+           static_cast<size_t>(shape.num_layers) * shape.num_kv_heads *
+               sizeof(std::vector<uint8_t*>);
+  }
+
+  // REQUIRES: bookkeeping_bytes charged to the pool (given back by the destructor).
   Sequence(std::string id, const ModelShape& shape, const Placement& placement, size_t page_bytes,
-           PagePool* pool)
+           PagePool* pool, size_t bookkeeping_bytes)
       : id_(std::move(id)),
         shape_(shape),
         placement_(placement),
@@ -21,6 +32,7 @@ class Sequence {
         slot_bytes_(2 * row_bytes_),
         page_tokens_(page_bytes / slot_bytes_),
         pool_(pool),
+        bookkeeping_bytes_(bookkeeping_bytes),
         lengths_(shape.num_layers, 0),
         lanes_(static_cast<size_t>(shape.num_layers) * shape.num_kv_heads) {}
 
@@ -28,6 +40,7 @@ class Sequence {
     std::vector<uint8_t*> all;
     for (auto& lane : lanes_) all.insert(all.end(), lane.begin(), lane.end());
     pool_->Free(all);
+    pool_->Uncharge(bookkeeping_bytes_);
   }
 
   Sequence(const Sequence&) = delete;
@@ -49,7 +62,7 @@ class Sequence {
     info.shape = shape_;
     info.placement = placement_;
     info.layer_lengths = lengths_;
-    info.bytes_used = pages_held_.load() * page_bytes;
+    info.bytes_used = bytes_held(page_bytes);
     info.page_tokens = static_cast<uint32_t>(page_tokens_);
     info.incarnation = incarnation_;
     return info;
@@ -62,6 +75,12 @@ class Sequence {
   const size_t slot_bytes_;
   const size_t page_tokens_;
   PagePool* const pool_;
+  const size_t bookkeeping_bytes_;
+
+  // Pages and bookkeeping: what dropping it gives back.
+  uint64_t bytes_held(size_t page_bytes) const {
+    return pages_held_.load() * page_bytes + bookkeeping_bytes_;
+  }
 
   mutable std::shared_mutex mu_;
   std::vector<uint64_t> lengths_ ABSL_GUARDED_BY(mu_);  // [num_layers]
@@ -157,8 +176,23 @@ absl::StatusOr<SequenceInfo> Store::CreateSequence(absl::string_view sequence_id
                      "; this is shard ", options_.shard.index,
                      " (the caller's list of store shards differs from the fleet's)"));
   }
+  // The sequence's bookkeeping is charged before it exists (evicting idle sequences if the
+  // policy allows, as an append's pages are); the sequence gives it back when destroyed.
+  const size_t bookkeeping = Sequence::BookkeepingBytes(shape, sequence_id.size());
+  absl::Status charged;
+  for (int attempt = 0; attempt < 4; ++attempt) {
+    charged = MakeRoom(0, nullptr, bookkeeping);
+    if (charged.ok()) charged = pool_.Charge(bookkeeping);
+    if (charged.ok() || !absl::IsResourceExhausted(charged)) break;
+  }
+  if (!charged.ok()) {
+    rejections_.fetch_add(1, std::memory_order_relaxed);
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "a sequence of ", shape.num_layers, " layers x ", shape.num_kv_heads, " kv heads holds ",
+        bookkeeping, " bytes before its first token: ", charged.message()));
+  }
   auto seq = std::make_shared<Sequence>(std::string(sequence_id), shape, placement,
-                                        options_.page_bytes, &pool_);
+                                        options_.page_bytes, &pool_, bookkeeping);
   seq->incarnation_ = next_incarnation_.fetch_add(1) + 1;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -187,8 +221,8 @@ absl::StatusOr<uint64_t> Store::DropSequence(absl::string_view sequence_id) {
     seq = std::move(it->second);
     sequences_.erase(it);
   }
-  // Pages go back when the last pin is released (here if none is held).
-  return seq->pages_held_.load() * options_.page_bytes;
+  // Pages and bookkeeping go back when the last pin is released (here if none is held).
+  return seq->bytes_held(options_.page_bytes);
 }
 
 absl::StatusOr<Store::Pin> Store::Acquire(absl::string_view sequence_id) {
@@ -204,13 +238,15 @@ absl::StatusOr<Store::Pin> Store::Acquire(absl::string_view sequence_id) {
   return Pin(this, it->second);
 }
 
-absl::Status Store::MakeRoom(size_t pages, const Sequence* requester) {
+absl::Status Store::MakeRoom(size_t pages, const Sequence* requester, size_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
-  while (!pool_.Fits(pages)) {
+  while (!pool_.Fits(pages, bytes)) {
     if (options_.policy == CapacityPolicy::kReject) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "store full (policy reject): append needs ", pages * options_.page_bytes, " more bytes; ",
-          pool_.pages_in_use() * options_.page_bytes, " of ", options_.capacity_bytes, " in use"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat("store full (policy reject): ", pages * options_.page_bytes + bytes,
+                       " more bytes needed; ",
+                       pool_.pages_in_use() * options_.page_bytes + pool_.charged_bytes(), " of ",
+                       options_.capacity_bytes, " in use"));
     }
     // Least recently used idle sequence other than the requester.
     auto victim = sequences_.end();
@@ -221,8 +257,8 @@ absl::Status Store::MakeRoom(size_t pages, const Sequence* requester) {
     }
     if (victim == sequences_.end()) {
       return absl::ResourceExhaustedError(
-          absl::StrCat("store full (policy evict-lru): append needs ", pages * options_.page_bytes,
-                       " more bytes and every other sequence has a call in flight"));
+          absl::StrCat("store full (policy evict-lru): ", pages * options_.page_bytes + bytes,
+                       " more bytes needed and every other sequence has a call in flight"));
     }
     sequences_.erase(victim);  // unpinned: this frees its pages now
     evictions_.fetch_add(1, std::memory_order_relaxed);
@@ -618,7 +654,7 @@ StoreStats Store::Stats() const {
   s.capacity_bytes = options_.capacity_bytes;
   s.page_bytes = options_.page_bytes;
   s.pages_used = pool_.pages_in_use();
-  s.bytes_used = s.pages_used * options_.page_bytes;
+  s.bytes_used = s.pages_used * options_.page_bytes + pool_.charged_bytes();
   s.policy = options_.policy;
   s.shard = options_.shard;
   {

@@ -287,8 +287,10 @@ class Store {
 
   // Looks up and pins a sequence, marking it used now. NOT_FOUND if absent.
   absl::StatusOr<Pin> Acquire(absl::string_view sequence_id) ABSL_LOCKS_EXCLUDED(mu_);
-  // Makes `pages` pages fit under the capacity, evicting idle sequences if the policy allows.
-  absl::Status MakeRoom(size_t pages, const Sequence* requester) ABSL_LOCKS_EXCLUDED(mu_);
+  // Makes `pages` pages (and `bytes` more charged bytes: a new sequence's bookkeeping) fit under
+  // the capacity, evicting idle sequences if the policy allows.
+  absl::Status MakeRoom(size_t pages, const Sequence* requester, size_t bytes = 0)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // MakeRoom, then `n` pages from the pool into *pages (counted as a rejection when they do not
   // come). REQUIRES: the requester's lock held (its pages are not freed under it).
   absl::Status AllocatePages(size_t n, const Sequence* requester, std::vector<uint8_t*>* pages)

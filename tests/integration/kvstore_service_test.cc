@@ -330,7 +330,9 @@ TEST_F(ServiceTest, CapacityRejectShowsInMetrics) {
 
 TEST_F(ServiceTest, EvictLruServesNewSequencesAndReportsEvictions) {
   server_.reset();
-  StartServer(1 << 20, kvstore::CapacityPolicy::kEvictLru);  // 64 pages of 16 KiB
+  // 64 pages of 16 KiB, and 8 KiB for the sequences' bookkeeping (a few hundred bytes each,
+  // charged to the capacity from creation).
+  StartServer((1 << 20) + (8 << 10), kvstore::CapacityPolicy::kEvictLru);
   // A 16 KiB page holds 64 tokens of 2 x 128 B, so 100 tokens take 2 pages in each of
   // 4 layers x 2 kv heads: 16 pages a sequence, 4 sequences fit.
   for (int i = 0; i < 12; ++i) {
