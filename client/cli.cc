@@ -255,6 +255,9 @@ int CmdDrop(KvStoreClient& c) {
 
 int CmdAppend(KvStoreClient& c) {
   if (absl::Status s = RequireSeq(); !s.ok()) return Fail("append", s);
+  if (absl::GetFlag(FLAGS_tokens) == 0) {
+    return Fail("append", absl::InvalidArgumentError("--tokens must be at least 1"));
+  }
   const std::string id = absl::GetFlag(FLAGS_seq);
   auto info = c.GetSequenceInfo(id);
   if (!info.ok()) return Fail("append", info.status());
@@ -680,6 +683,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string cmd = args[1];
+  // An unknown command is answered before any connection is tried.
+  static const char* const kCommands[] = {"health", "create", "drop",  "append",       "gather",
+                                          "info",   "list",   "stats", "bench-gather", "decode"};
+  if (std::find(std::begin(kCommands), std::end(kCommands), cmd) == std::end(kCommands)) {
+    std::fprintf(stderr, "unknown command '%s'\n%s\n", cmd.c_str(),
+                 std::string(absl::ProgramUsageMessage()).c_str());
+    return 2;
+  }
   using namespace kvsparse::client;
   ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);

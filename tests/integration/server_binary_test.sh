@@ -51,6 +51,14 @@ if cli gather --seq=t1 --layer=9 2>"$work/err.log"; then echo "bad gather succee
 grep -q INVALID_ARGUMENT "$work/err.log"
 if cli info --seq=nope 2>"$work/err.log"; then echo "unknown seq succeeded"; exit 1; fi
 grep -q NOT_FOUND "$work/err.log"
+# Appending no tokens is an error, not "appended 0 tokens".
+if cli append --seq=t1 --tokens=0 2>"$work/err.log"; then echo "append of 0 tokens succeeded"; exit 1; fi
+grep -q INVALID_ARGUMENT "$work/err.log"
+# An unknown command is answered with the usage and exit code 2 before any connection (no
+# server on port 1: it used to wait --wait_for_ready first, then fail to connect).
+rc=0; "$bin/kvsparse" --target=127.0.0.1:1 --wait_for_ready=30s frobnicate 2>"$work/err.log" || rc=$?
+[ $rc -eq 2 ] || { echo "unknown command exited $rc"; cat "$work/err.log"; exit 1; }
+grep -q "unknown command 'frobnicate'" "$work/err.log"
 expect SERVING cli health
 
 metrics=$(python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$mport/metrics').read().decode())")
