@@ -39,8 +39,10 @@ ABSL_FLAG(bool, insecure, false,
           "Allow a non-loopback --listen without TLS (a network you trust: K/V cross in clear)");
 ABSL_FLAG(
     std::string, auth_tokens, "",
-    "File of bearer tokens, one \"<token> <role>\" per line (role: read, write, admin): every "
-    "call must carry one (metadata \"authorization: Bearer <token>\"); empty: no tokens");
+    "File of bearer tokens, one \"<token> <role> [tenant]\" per line (token: 16-512 printable "
+    "characters, no spaces; role: read, write, admin; tenant: 1-64 of [A-Za-z0-9._-], its "
+    "calls then see only its own sequences; '#' comments): every call must carry one (metadata "
+    "\"authorization: Bearer <token>\"); empty: no tokens");
 ABSL_FLAG(absl::Duration, auth_tokens_reload, absl::Seconds(10),
           "How often the --auth_tokens file is re-read; changed tokens apply without a restart "
           "(a file that does not parse is logged and the old tokens kept); 0: never");

@@ -234,10 +234,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       << ") listening on " << options.listen << " (port " << s->port_ << "), "
       << (tls ? (options.tls.ca.empty() ? "TLS" : "mutual TLS") : "plaintext")
       << (s->auth_ ? absl::StrCat(", ", s->auth_->size(), " bearer tokens") : std::string())
-      << ", metrics on "
-      << (options.metrics_listen.empty()
-              ? std::string("(off)")
-              : absl::StrCat(options.metrics_listen, " (port ", s->metrics_->port(), ")"))
+      << (options.metrics_listen.empty() ? std::string(", metrics off")
+                                         : absl::StrCat(", metrics on ", options.metrics_listen,
+                                                        " (port ", s->metrics_->port(), ")"))
       << (s->store_
               ? absl::StrCat("; store capacity ", options.store.capacity_bytes, " bytes, policy ",
                              kvstore::CapacityPolicyName(options.store.policy),

@@ -51,6 +51,10 @@ if cli gather --seq=t1 --layer=9 2>"$work/err.log"; then echo "bad gather succee
 grep -q INVALID_ARGUMENT "$work/err.log"
 if cli info --seq=nope 2>"$work/err.log"; then echo "unknown seq succeeded"; exit 1; fi
 grep -q NOT_FOUND "$work/err.log"
+# A layer the sequence does not have: the server's answer (the CLI used to say FAILED_PRECONDITION
+# "the layer holds no tokens" itself).
+if cli decode --seq=t1 --layer=5 2>"$work/err.log"; then echo "decode of layer 5 succeeded"; exit 1; fi
+grep -q "INVALID_ARGUMENT.*layer 5" "$work/err.log" || { cat "$work/err.log"; exit 1; }
 # Appending no tokens is an error, not "appended 0 tokens".
 if cli append --seq=t1 --tokens=0 2>"$work/err.log"; then echo "append of 0 tokens succeeded"; exit 1; fi
 grep -q INVALID_ARGUMENT "$work/err.log"
