@@ -266,6 +266,8 @@ class HeldStep final : public StaticStep {
   uint32_t num_layers() const override { return inner_->num_layers(); }
   uint32_t batch() const override { return inner_->batch(); }
   uint32_t num_q_heads() const override { return inner_->num_q_heads(); }
+  uint32_t num_kv_heads() const override { return inner_->num_kv_heads(); }
+  uint32_t head_dim() const override { return inner_->head_dim(); }
 
  private:
   std::unique_ptr<StaticStep> inner_;

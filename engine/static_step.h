@@ -69,6 +69,8 @@ class StaticStep {
   virtual uint32_t num_layers() const = 0;
   virtual uint32_t batch() const = 0;
   virtual uint32_t num_q_heads() const = 0;
+  virtual uint32_t num_kv_heads() const = 0;
+  virtual uint32_t head_dim() const = 0;
 };
 
 }  // namespace kvsparse::engine

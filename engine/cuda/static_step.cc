@@ -284,6 +284,8 @@ class GpuStaticStep final : public StaticStep {
   uint32_t num_layers() const override { return L_; }
   uint32_t batch() const override { return static_cast<uint32_t>(B_); }
   uint32_t num_q_heads() const override { return descs_[0].shape.num_q_heads; }
+  uint32_t num_kv_heads() const override { return descs_[0].shape.num_kv_heads; }
+  uint32_t head_dim() const override { return descs_[0].shape.head_dim; }
 
  private:
   struct Layer {

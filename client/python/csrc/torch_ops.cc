@@ -590,6 +590,13 @@ at::Tensor StepDecode(int64_t engine, int64_t handle, int64_t layer, const at::T
         DTypeOf(q, "q") != r.dtype) {
       Invalid("q, new_k and new_v: the plan's dtype");
     }
+    const en::StaticStep& st = *p->captured;  // the kernels read exactly the plan's shapes
+    if (q.size(1) != int64_t{st.num_q_heads()} || q.size(2) != int64_t{st.head_dim()} ||
+        new_k.size(1) != int64_t{st.num_kv_heads()} || new_k.size(2) != int64_t{st.head_dim()}) {
+      Invalid(absl::StrCat("the plan's sequences take q [", B, ", ", st.num_q_heads(), ", ",
+                           st.head_dim(), "] and new_k, new_v [", B, ", ", st.num_kv_heads(), ", ",
+                           st.head_dim(), "]"));
+    }
     const at::Tensor qc = q.contiguous(), kc = new_k.contiguous(), vc = new_v.contiguous();
     const at::Tensor pc = positions.contiguous();
     at::Tensor out = at::empty_like(qc);

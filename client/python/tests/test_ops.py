@@ -277,6 +277,9 @@ def test_captured_steps_replay_in_a_cuda_graph(method, placement) -> None:
             b.drop_sequence("s0")
         with pytest.raises(kvsparse.FailedPrecondition):  # its next rows are the steps'
             b.append("s0", 0, *(t[0, None] for t in _step_tokens(0, 1, "cuda")[1:]))
+        bad = torch.zeros(1, 4, 64, dtype=torch.bfloat16, device="cuda")  # 4 query heads, not 8
+        with pytest.raises(kvsparse.InvalidArgument):
+            steps.decode(0, bad, *_step_tokens(0, 1, "cuda")[1:], torch.tensor([700], device="cuda"))
         q, nk, nv = (t.clone() for t in _step_tokens(0, 1, "cuda"))
         pos = torch.tensor([700], device="cuda")
         outs: list[torch.Tensor] = []
