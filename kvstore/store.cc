@@ -179,14 +179,9 @@ absl::StatusOr<SequenceInfo> Store::CreateSequence(absl::string_view sequence_id
   // The sequence's bookkeeping is charged before it exists (evicting idle sequences if the
   // policy allows, as an append's pages are); the sequence gives it back when destroyed.
   const size_t bookkeeping = Sequence::BookkeepingBytes(shape, sequence_id.size());
-  absl::Status charged;
-  for (int attempt = 0; attempt < 4; ++attempt) {
-    charged = MakeRoom(0, nullptr, bookkeeping);
-    if (charged.ok()) charged = pool_.Charge(bookkeeping);
-    if (charged.ok() || !absl::IsResourceExhausted(charged)) break;
-  }
-  if (!charged.ok()) {
-    rejections_.fetch_add(1, std::memory_order_relaxed);
+  if (absl::Status charged =
+          TakeRoom(0, bookkeeping, nullptr, [&] { return pool_.Charge(bookkeeping); });
+      !charged.ok()) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "a sequence of ", shape.num_layers, " layers x ", shape.num_kv_heads, " kv heads holds ",
         bookkeeping, " bytes before its first token: ", charged.message()));
@@ -266,13 +261,13 @@ absl::Status Store::MakeRoom(size_t pages, const Sequence* requester, size_t byt
   return absl::OkStatus();
 }
 
-absl::Status Store::AllocatePages(size_t n, const Sequence* requester,
-                                  std::vector<uint8_t*>* pages) {
+absl::Status Store::TakeRoom(size_t pages, size_t bytes, const Sequence* requester,
+                             absl::FunctionRef<absl::Status()> take) {
   absl::Status got;
-  // Another append may take the room between MakeRoom and Allocate: try a few times.
+  // Another call may take the room between MakeRoom and `take`: try a few times.
   for (int attempt = 0; attempt < 4; ++attempt) {
-    got = MakeRoom(n, requester);
-    if (got.ok()) got = pool_.Allocate(n, pages);
+    got = MakeRoom(pages, requester, bytes);
+    if (got.ok()) got = take();
     if (got.ok() || !absl::IsResourceExhausted(got)) break;
   }
   if (!got.ok()) rejections_.fetch_add(1, std::memory_order_relaxed);
@@ -345,7 +340,10 @@ absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
   }
   std::vector<uint8_t*> pages;
   if (new_pages > 0) {
-    if (absl::Status got = AllocatePages(new_pages, &seq, &pages); !got.ok()) return got;
+    if (absl::Status got =
+            TakeRoom(new_pages, 0, &seq, [&] { return pool_.Allocate(new_pages, &pages); });
+        !got.ok())
+      return got;
   }
   // Nothing can fail from here on.
   size_t next_page = 0;
@@ -498,7 +496,10 @@ absl::StatusOr<std::unique_ptr<Reservation>> Store::Reserve(absl::string_view se
   for (const auto& lane : seq.lanes_) new_pages += need > lane.size() ? need - lane.size() : 0;
   if (new_pages > 0) {
     std::vector<uint8_t*> pages;
-    if (absl::Status got = AllocatePages(new_pages, &seq, &pages); !got.ok()) return got;
+    if (absl::Status got =
+            TakeRoom(new_pages, 0, &seq, [&] { return pool_.Allocate(new_pages, &pages); });
+        !got.ok())
+      return got;
     size_t next = 0;
     for (auto& lane : seq.lanes_) {
       while (lane.size() < need) lane.push_back(pages[next++]);

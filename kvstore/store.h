@@ -291,10 +291,11 @@ class Store {
   // the capacity, evicting idle sequences if the policy allows.
   absl::Status MakeRoom(size_t pages, const Sequence* requester, size_t bytes = 0)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // MakeRoom, then `n` pages from the pool into *pages (counted as a rejection when they do not
-  // come). REQUIRES: the requester's lock held (its pages are not freed under it).
-  absl::Status AllocatePages(size_t n, const Sequence* requester, std::vector<uint8_t*>* pages)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // MakeRoom for `pages` pages and `bytes` charged bytes, then `take` (the pool's Allocate or
+  // Charge), tried a few times (another call may take the room in between); a failure counts as
+  // a rejection. REQUIRES for an append or reservation: the requester's lock held.
+  absl::Status TakeRoom(size_t pages, size_t bytes, const Sequence* requester,
+                        absl::FunctionRef<absl::Status()> take) ABSL_LOCKS_EXCLUDED(mu_);
 
   const StoreOptions options_;
   std::unique_ptr<MemoryResource> owned_memory_;

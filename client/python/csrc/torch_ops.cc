@@ -317,12 +317,18 @@ void CreateSequence(int64_t handle, const std::string& id, int64_t layers, int64
   Check(e->Create(id, shape, placement));
 }
 
-void DropSequence(int64_t handle, const std::string& id) {
-  std::shared_ptr<OpEngine> e = Find(handle);
-  if (e->engine().Held(id)) {
+// FAILED_PRECONDITION for a sequence a step plan holds (drops, appends and other plans wait for
+// its release).
+void RefuseHeld(OpEngine& e, const std::string& id) {
+  if (e.engine().Held(id)) {
     Raise(absl::FailedPreconditionError(
         absl::StrCat("sequence '", id, "' is held by a step plan: release the plan first")));
   }
+}
+
+void DropSequence(int64_t handle, const std::string& id) {
+  std::shared_ptr<OpEngine> e = Find(handle);
+  RefuseHeld(*e, id);  // a plan's steps write its pages
   Check(e->Drop(id));
   e->engine().Forget(id);  // its GPU state too, at once
 }
@@ -350,10 +356,7 @@ void Append(int64_t handle, const std::string& id, int64_t layer, const at::Tens
     Invalid("k and v must be [tokens, kv_heads, head_dim] of one shape and dtype");
   }
   if (layer < 0 || layer > (1 << 20)) Invalid("layer out of range");
-  if (e->engine().Held(id)) {  // its next rows belong to the plan's steps
-    Raise(absl::FailedPreconditionError(
-        absl::StrCat("sequence '", id, "' is held by a step plan: release the plan first")));
-  }
+  RefuseHeld(*e, id);  // its next rows belong to the plan's steps
   const at::Tensor kh = ToHost(k), vh = ToHost(v);
   kv::AppendRequest r;
   r.sequence_id = id;
@@ -503,12 +506,7 @@ int64_t PlanSteps(int64_t handle, const std::vector<std::string>& sequence_ids,
   r.seed = static_cast<uint64_t>(seed);
   r.scale = static_cast<float>(scale);
   r.dtype = DTypeNamed(dtype);
-  for (const std::string& id : sequence_ids) {  // one plan per sequence at a time
-    if (e->engine().Held(id)) {
-      Raise(absl::FailedPreconditionError(
-          absl::StrCat("sequence '", id, "' is held by another step plan")));
-    }
-  }
+  for (const std::string& id : sequence_ids) RefuseHeld(*e, id);  // one plan per sequence
   if (eager) {
     plan->eager_reason = "eager steps asked for";
   } else if (e->device() < 0) {
