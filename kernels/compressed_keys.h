@@ -37,6 +37,10 @@
 
 namespace kvsparse::kernels {
 
+// Where a method's selection takes its scores from (top-k, S2ANTA): exact q . K over every
+// full-precision key, or q . k~ over the compressed keys below.
+enum class ScoreSource : uint8_t { kExact = 0, kCompressedKeys = 1 };
+
 struct KeyCompression {
   int32_t bits = 2;            // per channel: 1, 2, 4 or 8
   int32_t group_tokens = 128;  // tokens sharing one lo / step per channel

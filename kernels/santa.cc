@@ -71,6 +71,23 @@ void SystematicTile(const SantaHeadPlan& plan, int32_t t, float inv_delta, float
   }
 }
 
+// kRatio: the linear weights w_j of draws from softmax(s~) become kSoftmax weights
+// w'_j = e^{ln w_j - s~_j - c}, c = max_j (ln w_j - s~_j), so that the estimate's
+// sum w' e^{s} V / sum w' e^{s} is the ratio estimator of the header (w' in (0, 1]).
+void ToRatioWeights(absl::Span<const float> approx, HeadRows* rows) {
+  double c = -std::numeric_limits<double>::infinity();
+  for (size_t i = 0; i < rows->tokens.size(); ++i) {
+    if (rows->weights[i] > 0.f) {
+      c = std::max(c, std::log(static_cast<double>(rows->weights[i])) - approx[rows->tokens[i]]);
+    }
+  }
+  for (size_t i = 0; i < rows->tokens.size(); ++i) {
+    const double w = rows->weights[i];
+    rows->weights[i] =
+        w > 0.0 ? static_cast<float>(std::exp(std::log(w) - approx[rows->tokens[i]] - c)) : 0.f;
+  }
+}
+
 }  // namespace
 
 absl::Status ValidateSantaParams(const SantaParams& params) {
@@ -100,6 +117,20 @@ absl::Status ValidateSantaParams(const SantaParams& params) {
   if (params.bernoulli_qk_samples < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("bernoulli_qk_samples must be >= 0, got ", params.bernoulli_qk_samples));
+  }
+  if (params.scores != ScoreSource::kExact && params.scores != ScoreSource::kCompressedKeys) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("scores: unknown value ", static_cast<int>(params.scores)));
+  }
+  if (params.correction != SantaCorrection::kRatio &&
+      params.correction != SantaCorrection::kNone) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("correction: unknown value ", static_cast<int>(params.correction)));
+  }
+  if (params.scores == ScoreSource::kCompressedKeys && params.bernoulli_qk_samples > 0) {
+    return absl::InvalidArgumentError(
+        "bernoulli_qk_samples: Bernoulli qK^T estimates scores from K's features; with "
+        "compressed-key scores ask for one or the other");
   }
   return absl::OkStatus();
 }
@@ -287,14 +318,24 @@ void SantaExpectedWeights(const SantaHeadPlan& plan, const SantaParams& params,
 }
 
 absl::Status SantaSelectCpu(const DecodeProblem& p, const SantaParams& params, uint64_t seed,
-                            RowSelection* sel, SantaStats* stats) {
+                            RowSelection* sel, SantaStats* stats,
+                            absl::Span<const CompressedKeysView> keys) {
   if (absl::Status s = ValidateSantaParams(params); !s.ok()) return s;
-  if (absl::Status s = ValidateProblemFor(p, ProblemNeeds{true, true, false, false}); !s.ok()) {
+  const bool compressed = params.scores == ScoreSource::kCompressedKeys;
+  if (absl::Status s = ValidateProblemFor(p, ProblemNeeds{true, !compressed, false, false});
+      !s.ok()) {
     return s;
   }
+  if (compressed && keys.size() != static_cast<size_t>(p.batch) * p.num_kv_heads) {
+    return absl::InvalidArgumentError(absl::StrCat("compressed keys: ", keys.size(), " views for ",
+                                                   p.batch, " x ", p.num_kv_heads,
+                                                   " (sequence, kv head) pairs"));
+  }
+  const bool ratio = compressed && params.correction == SantaCorrection::kRatio;
   const int32_t group = p.group_size();
   const int d = p.head_dim;
-  sel->Reset(EstimateKind::kLinear, p.batch, p.num_kv_heads, group);
+  sel->Reset(ratio ? EstimateKind::kSoftmax : EstimateKind::kLinear, p.batch, p.num_kv_heads,
+             group);
   if (stats != nullptr) {
     stats->key_feature_fraction_head.assign(static_cast<size_t>(p.batch) * p.num_kv_heads, 1.0);
     stats->key_feature_fraction_group.assign(static_cast<size_t>(p.batch) * p.num_kv_heads, 1.0);
@@ -310,6 +351,12 @@ absl::Status SantaSelectCpu(const DecodeProblem& p, const SantaParams& params, u
     const int32_t n = p.seq_lens[b];
     scores.resize(n);
     for (int32_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
+      const CompressedKeysView* view = compressed ? &keys[b * p.num_kv_heads + kvh] : nullptr;
+      if (view != nullptr && (view->length < n || view->head_dim != p.head_dim)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "compressed keys of sequence ", b, ", kv head ", kvh, " hold ", view->length,
+            " tokens of dim ", view->head_dim, ", need ", n, " of ", p.head_dim));
+      }
       for (int32_t g = 0; g < group; ++g) LoadQuery(p, b, kvh * group + g, &qg[g * d]);
       if (params.bernoulli_qk_samples > 0) {
         if (absl::Status s = SampleBernoulliQuery(qg, group, d, bq, seed, b, kvh, &bquery);
@@ -331,11 +378,16 @@ absl::Status SantaSelectCpu(const DecodeProblem& p, const SantaParams& params, u
                                      KvRowOffset(p, b, kvh, t), p.dtype) *
                         p.scale;
           }
+        } else if (view != nullptr) {
+          scores.resize(view->length);
+          ApproximateScores(*view, &qg[g * d], p.scale, scores.data());
+          scores.resize(n);  // the view may hold more tokens than the step reads
         } else {
           ComputeScores(p, b, h, &qg[g * d], scores.data());
         }
         if (absl::Status s = PlanSantaHead(scores, params, &plan); !s.ok()) return s;
         SampleSantaHead(plan, params, seed, b, h, kvh, &rows[g], &scratch);
+        if (ratio) ToRatioWeights(scores, &rows[g]);
       }
       MergeGroup(rows, &sel->at(b, kvh));
     }
@@ -344,10 +396,11 @@ absl::Status SantaSelectCpu(const DecodeProblem& p, const SantaParams& params, u
 }
 
 absl::Status SantaDecodeCpu(const DecodeProblem& p, const SantaParams& params, uint64_t seed,
-                            RowSelection* sel, SantaStats* stats) {
+                            RowSelection* sel, SantaStats* stats,
+                            absl::Span<const CompressedKeysView> keys) {
   RowSelection local;
   RowSelection* s = sel != nullptr ? sel : &local;
-  if (absl::Status st = SantaSelectCpu(p, params, seed, s, stats); !st.ok()) return st;
+  if (absl::Status st = SantaSelectCpu(p, params, seed, s, stats, keys); !st.ok()) return st;
   return EstimateInPlace(p, *s);
 }
 

@@ -67,6 +67,29 @@
 //   selection lists those rows too (as the fused GPU kernel reads them), even where W_t / Z
 //   underflows to a zero weight; a worker may skip rows whose weights are all zero.
 //
+// Scores from compressed keys (params.scores = kCompressedKeys; kernels/compressed_keys.h):
+// the sequence keeps every key in a few bits per channel instead of K, and the sampler runs
+// unchanged on the approximate scores s~_j = scale * q . k~_j, i.e. it draws from
+// p~ = softmax(s~). Every allocation above is a linear estimator unbiased for p~:
+// E[sum_j w_j f_j] = sum_j p~_j f_j for any f. Two estimates follow (params.correction):
+//   kNone   out = sum_j w_j V_j, as above: only V rows cross, but it estimates softmax(s~) V, not
+//           softmax(s) V (bias: (p~ - p) V, of the order of the score error; measured in
+//           kernels/santa_test.cc, stated in docs/ACCURACY.md).
+//   kRatio  the sampled K rows cross too, give the exact s_j, and with r_j = e^{s_j - s~_j}:
+//             out = sum_j w_j r_j V_j / sum_j w_j r_j.
+//           N = sum w r V and D = sum w r are unbiased for (Z / Z~) softmax(s) V and Z / Z~
+//           (Z = sum e^s, Z~ = sum e^s~), so out is the ratio (self-normalised importance)
+//           estimator of softmax(s) V: consistent, with bias
+//             E[out] - O = E[(out - O)(E[D] - D)] / E[D],  |E[out] - O| <= rmse(out) * cv(D)
+//           per coordinate (Cauchy-Schwarz; cv = sd / mean), i.e. O(1/S); with exact keys
+//           (r = 1, D = sum w = 1) it is the estimator above, exactly. Both N and D are the
+//           same systematic sums as the sampler's, so cv(D) is small where r varies slowly
+//           over the sample (the error bound |s - s~| <= scale |q| err_j of the stored error
+//           norms bounds ln r per row).
+//           As a selection it is kind kSoftmax with weights w'_j = e^{ln w_j - s~_j - c} (c the
+//           head's largest ln w - s~, so w' is in (0, 1]): the estimate stage forms
+//           sum w' e^{s} V / sum w' e^{s}, which is the ratio above.
+//
 // GPU agreement: given bit-identical scores and these fp32 operations (compile the sampling
 // arithmetic without FMA contraction, e.g. __fmul_rn/__fadd_rn), the CUDA kernels reproduce
 // the indices exactly. With scores rounded differently, an index can differ only where a
@@ -80,6 +103,7 @@
 #include "absl/status/status.h"
 #include "absl/types/span.h"
 #include "kernels/bernoulli_qk.h"
+#include "kernels/compressed_keys.h"
 #include "kernels/decode_problem.h"
 #include "kernels/row_selection.h"
 
@@ -101,6 +125,12 @@ enum class SantaAllocation : uint8_t {
   kFlash = 3,   // S2ANTA-flash: uniform tile budgets, deferred merge
 };
 
+// The estimate when the scores are approximate (compressed keys); see the header comment.
+enum class SantaCorrection : uint8_t {
+  kRatio = 0,  // fetch the sampled K rows: self-normalised importance weights e^{s - s~}
+  kNone = 1,   // V rows only: estimates softmax(s~) V
+};
+
 struct SantaParams {
   SantaSampler sampler = SantaSampler::kSystematic;
   SantaAllocation allocation = SantaAllocation::kProp;
@@ -110,11 +140,14 @@ struct SantaParams {
   int32_t bernoulli_qk_samples = 0;
   BernoulliQkMode bernoulli_mode = BernoulliQkMode::kMeanGroupQuery;
   BernoulliSampler bernoulli_sampler = BernoulliSampler::kStratified;
+  // Exact scores (K read where selection runs) or the sequence's compressed keys.
+  ScoreSource scores = ScoreSource::kExact;
+  SantaCorrection correction = SantaCorrection::kRatio;  // compressed scores only
 };
 
 // INVALID_ARGUMENT naming the field: samples < 1, tile_size < 1 (tiled allocations), a sampler
 // other than kSystematic with kProp / kFlash (the GPU kernels implement systematic only),
-// unknown enum values, bernoulli_qk_samples < 0.
+// unknown enum values, bernoulli_qk_samples < 0, Bernoulli qK^T with compressed-key scores.
 [[nodiscard]] absl::Status ValidateSantaParams(const SantaParams& params);
 
 // What the per-head sampler needs from one head's scores, computed once (the "prepared" form:
@@ -174,15 +207,20 @@ struct SantaStats {
 };
 
 // Selection stage: reads q and every K row (or the Bernoulli-selected features of them), never
-// V. Fills `sel` (kind kLinear; budgets[g] = samples drawn by query head g).
+// V. Fills `sel` (kind kLinear; budgets[g] = samples drawn by query head g). With compressed
+// scores it reads q and `keys` instead of p.k ([B * Hkv], index b * Hkv + kv_head, each holding
+// at least seq_lens[b] tokens, as ScoreTopKSelectCpu), and with kRatio the selection is kind
+// kSoftmax (the estimate then reads the selected K rows).
 [[nodiscard]] absl::Status SantaSelectCpu(const DecodeProblem& p, const SantaParams& params,
                                           uint64_t seed, RowSelection* sel,
-                                          SantaStats* stats = nullptr);
+                                          SantaStats* stats = nullptr,
+                                          absl::Span<const CompressedKeysView> keys = {});
 
 // Selection then EstimateInPlace: writes p.out. `sel` and `stats` may be null.
 [[nodiscard]] absl::Status SantaDecodeCpu(const DecodeProblem& p, const SantaParams& params,
                                           uint64_t seed, RowSelection* sel = nullptr,
-                                          SantaStats* stats = nullptr);
+                                          SantaStats* stats = nullptr,
+                                          absl::Span<const CompressedKeysView> keys = {});
 
 }  // namespace kvsparse::kernels
 

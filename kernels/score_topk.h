@@ -21,8 +21,6 @@
 
 namespace kvsparse::kernels {
 
-enum class ScoreSource : uint8_t { kExact = 0, kCompressedKeys = 1 };
-
 struct ScoreTopKParams {
   int32_t sink_tokens = 128;
   int32_t local_tokens = 128;

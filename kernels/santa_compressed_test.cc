@@ -1,0 +1,400 @@
+// S2ANTA over compressed keys (kernels/santa.h, "Scores from compressed keys"): the sampler draws
+// from softmax(s~) of the compressed keys' scores; kRatio corrects with the sampled rows' exact
+// scores (the ratio estimator), kNone does not. What is tested:
+//   - the selection is the estimator the header states (kRatio's decode is N / D computed here
+//     from the kNone selection's rows and weights; kNone's is sum w V), and bad input is refused;
+//   - over 2,000 seeds per head, on the synthetic families and the real-attention dumps of the
+//     model trained here, with 2- and 8-bit keys kRatio's mean sits within 4 standard errors of
+//     dense (and inside its stated bound rmse * cv(D)); with 1-bit keys its bias is measurable
+//     and at most the estimate's own rmse; kNone's bias is visible at 1 and 2 bits. The printed
+//     table gives the measured bias of both in standard errors (docs/ACCURACY.md quotes it).
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/compressed_keys.h"
+#include "kernels/cpu_util.h"
+#include "kernels/dense.h"
+#include "kernels/santa.h"
+#include "kernels/synthetic.h"
+
+namespace kvsparse::kernels {
+namespace {
+
+// Compressed keys of every (sequence, kv head) of a problem (K rows read in place).
+std::vector<CompressedKeys> CompressProblem(const DecodeProblem& p, int32_t bits) {
+  std::vector<CompressedKeys> out;
+  const size_t es = DTypeSize(p.dtype);
+  for (int32_t b = 0; b < p.batch; ++b) {
+    for (int32_t j = 0; j < p.num_kv_heads; ++j) {
+      out.emplace_back(KeyCompression{bits, kKeyGroupTokens}, p.head_dim, p.dtype);
+      for (int32_t t = 0; t < p.seq_lens[b]; ++t) {
+        out.back().Append(static_cast<const uint8_t*>(p.k) + KvRowOffset(p, b, j, t) * es);
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<CompressedKeysView> Views(const std::vector<CompressedKeys>& c) {
+  std::vector<CompressedKeysView> v;
+  for (const CompressedKeys& x : c) v.push_back(x.view());
+  return v;
+}
+
+SantaParams Config(SantaSampler sampler, SantaAllocation allocation, int32_t S,
+                   SantaCorrection correction) {
+  SantaParams p;
+  p.sampler = sampler;
+  p.allocation = allocation;
+  p.samples = S;
+  p.tile_size = 256;
+  p.scores = ScoreSource::kCompressedKeys;
+  p.correction = correction;
+  return p;
+}
+
+std::vector<SantaParams> AllAllocations(int32_t S, SantaCorrection c) {
+  return {Config(SantaSampler::kIid, SantaAllocation::kGlobal, S, c),
+          Config(SantaSampler::kSystematic, SantaAllocation::kGlobal, S, c),
+          Config(SantaSampler::kSystematic, SantaAllocation::kProp, S, c),
+          Config(SantaSampler::kSystematic, SantaAllocation::kFlash, S, c)};
+}
+
+TEST(SantaCompressedTest, RefusesWhatItCannotServe) {
+  SyntheticOptions o;
+  o.num_q_heads = 4;
+  o.num_kv_heads = 2;
+  o.head_dim = 32;
+  o.seq_lens = {300};
+  SyntheticProblem sp = SyntheticProblem::Make(o);
+  SantaParams p = Config(SantaSampler::kSystematic, SantaAllocation::kProp, 16,
+                         SantaCorrection::kRatio);
+  RowSelection sel;
+  EXPECT_EQ(SantaSelectCpu(sp.problem, p, 1, &sel).code(), absl::StatusCode::kInvalidArgument)
+      << "one view per (sequence, kv head)";
+  std::vector<CompressedKeys> c = CompressProblem(sp.problem, 2);
+  EXPECT_TRUE(SantaSelectCpu(sp.problem, p, 1, &sel, nullptr, Views(c)).ok());
+  EXPECT_EQ(sel.kind, EstimateKind::kSoftmax);
+  p.bernoulli_qk_samples = 4;
+  EXPECT_EQ(ValidateSantaParams(p).code(), absl::StatusCode::kInvalidArgument);
+  p.bernoulli_qk_samples = 0;
+  p.correction = static_cast<SantaCorrection>(7);
+  EXPECT_EQ(ValidateSantaParams(p).code(), absl::StatusCode::kInvalidArgument);
+  p.correction = SantaCorrection::kNone;
+  p.scores = static_cast<ScoreSource>(9);
+  EXPECT_EQ(ValidateSantaParams(p).code(), absl::StatusCode::kInvalidArgument);
+  // Views shorter than the sequence.
+  std::vector<CompressedKeys> short_keys;
+  for (int i = 0; i < 2; ++i) short_keys.emplace_back(KeyCompression{2, 128}, 32, DType::kBf16);
+  p.scores = ScoreSource::kCompressedKeys;
+  EXPECT_EQ(SantaSelectCpu(sp.problem, p, 1, &sel, nullptr, Views(short_keys)).code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+// kNone's decode is sum_j w_j V_j over draws from softmax(s~); kRatio's, with the same rows and
+// the same linear weights w_j, is sum w r V / sum w r with r = e^{s - s~} (exact s from the
+// rows' K). Computed here in float64 from the kNone selection, for every allocation, a ragged
+// batch and 1 and 2 bits.
+TEST(SantaCompressedTest, TheSelectionIsTheRatioEstimator) {
+  SyntheticOptions o;
+  o.family = ScoreFamily::kPeaked;
+  o.batch = 2;
+  o.num_q_heads = 4;
+  o.num_kv_heads = 2;
+  o.head_dim = 32;
+  o.seq_lens = {1000, 300};
+  o.dtype = DType::kFp32;
+  SyntheticProblem sp = SyntheticProblem::Make(o);
+  const DecodeProblem& p = sp.problem;
+  const int32_t d = p.head_dim, G = p.group_size();
+  for (int32_t bits : {1, 2}) {
+    std::vector<CompressedKeys> c = CompressProblem(p, bits);
+    const std::vector<CompressedKeysView> views = Views(c);
+    for (const SantaParams& ratio : AllAllocations(48, SantaCorrection::kRatio)) {
+      SantaParams none = ratio;
+      none.correction = SantaCorrection::kNone;
+      for (uint64_t seed : {3u, 4u}) {
+        RowSelection lin, sel;
+        ASSERT_TRUE(SantaDecodeCpu(p, none, seed, &lin, nullptr, views).ok());
+        ASSERT_EQ(lin.kind, EstimateKind::kLinear);
+        const std::vector<double> none_out = OutputAsDouble(p);
+        ASSERT_TRUE(SantaDecodeCpu(p, ratio, seed, &sel, nullptr, views).ok());
+        ASSERT_EQ(sel.kind, EstimateKind::kSoftmax);
+        const std::vector<double> ratio_out = OutputAsDouble(p);
+        std::vector<float> q(d), s, sa, v(d), k(d);
+        for (int32_t b = 0; b < p.batch; ++b) {
+          const int32_t n = p.seq_lens[b];
+          for (int32_t j = 0; j < p.num_kv_heads; ++j) {
+            const KvHeadSelection& a = lin.at(b, j);
+            const KvHeadSelection& r = sel.at(b, j);
+            ASSERT_EQ(a.tokens, r.tokens);
+            ASSERT_EQ(a.head_counts, r.head_counts);
+            for (int32_t g = 0; g < G; ++g) {
+              const int32_t h = j * G + g;
+              LoadQuery(p, b, h, q.data());
+              s.resize(n);
+              ComputeScores(p, b, h, q.data(), s.data());
+              sa.resize(views[b * p.num_kv_heads + j].length);
+              ApproximateScores(views[b * p.num_kv_heads + j], q.data(), p.scale, sa.data());
+              std::vector<double> lin_sum(d, 0.0), num(d, 0.0);
+              double den = 0.0;
+              for (int32_t i = 0; i < a.num_rows(); ++i) {
+                const double w = a.weights[g * a.num_rows() + i];
+                if (w == 0.0) continue;
+                const int32_t t = a.tokens[i];
+                LoadRowAsFloat(p.v, KvRowOffset(p, b, j, t), d, p.dtype, v.data());
+                const double rr = std::exp(static_cast<double>(s[t]) - sa[t]);
+                for (int32_t x = 0; x < d; ++x) {
+                  lin_sum[x] += w * v[x];
+                  num[x] += w * rr * v[x];
+                }
+                den += w * rr;
+              }
+              for (int32_t x = 0; x < d; ++x) {
+                const size_t at = (static_cast<size_t>(b) * p.num_q_heads + h) * d + x;
+                EXPECT_NEAR(none_out[at], lin_sum[x], 1e-4 * (1 + std::fabs(lin_sum[x])));
+                EXPECT_NEAR(ratio_out[at], num[x] / den, 1e-4 * (1 + std::fabs(num[x] / den)))
+                    << bits << " bits, seed " << seed << ", b " << b << ", head " << h;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---- Statistics over seeds ------------------------------------------------------------------
+
+// One query head of one sequence, prepared once: exact and compressed-key scores, the sampler's
+// plan over the compressed ones, V rows, dense output and three projections of it.
+struct Unit {
+  int32_t b = 0, h = 0, kv_head = 0;
+  std::vector<float> s, sa;  // exact and approximate scaled logits [n]
+  std::vector<float> v;      // [n, d]
+  SantaHeadPlan plan;
+  std::vector<std::vector<double>> proj;  // [3][d] unit vectors
+  double dense[3] = {0, 0, 0};            // projections of softmax(s) V (float64)
+};
+
+std::vector<Unit> MakeUnits(const DecodeProblem& p, absl::Span<const CompressedKeysView> views,
+                            absl::Span<const int32_t> batches, const SantaParams& params) {
+  std::vector<Unit> units;
+  const int32_t d = p.head_dim, G = p.group_size();
+  std::mt19937 rng(17);
+  std::normal_distribution<double> z;
+  std::vector<float> q(d);
+  for (int32_t b : batches) {
+    const int32_t n = p.seq_lens[b];
+    for (int32_t h = 0; h < p.num_q_heads; ++h) {
+      Unit u;
+      u.b = b;
+      u.h = h;
+      u.kv_head = h / G;
+      const CompressedKeysView& view = views[b * p.num_kv_heads + u.kv_head];
+      LoadQuery(p, b, h, q.data());
+      u.s.resize(n);
+      ComputeScores(p, b, h, q.data(), u.s.data());
+      u.sa.resize(view.length);
+      ApproximateScores(view, q.data(), p.scale, u.sa.data());
+      u.sa.resize(n);
+      EXPECT_TRUE(PlanSantaHead(u.sa, params, &u.plan).ok());
+      u.v.resize(static_cast<size_t>(n) * d);
+      for (int32_t t = 0; t < n; ++t) {
+        LoadRowAsFloat(p.v, KvRowOffset(p, b, u.kv_head, t), d, p.dtype, &u.v[t * d]);
+      }
+      const double m = *std::max_element(u.s.begin(), u.s.end());
+      std::vector<double> o(d, 0.0);
+      double zsum = 0.0;
+      for (int32_t t = 0; t < n; ++t) {
+        const double e = std::exp(u.s[t] - m);
+        zsum += e;
+        for (int32_t x = 0; x < d; ++x) o[x] += e * u.v[t * d + x];
+      }
+      for (int i = 0; i < 3; ++i) {
+        std::vector<double> pr(d);
+        double norm = 0.0;
+        for (double& x : pr) {
+          x = z(rng);
+          norm += x * x;
+        }
+        for (double& x : pr) x /= std::sqrt(norm);
+        for (int32_t x = 0; x < d; ++x) u.dense[i] += pr[x] * o[x] / zsum;
+        u.proj.push_back(std::move(pr));
+      }
+      units.push_back(std::move(u));
+    }
+  }
+  return units;
+}
+
+// Per (unit, projection) over `trials` seeds: the ratio estimate's and the uncorrected one's
+// mean, standard error, rmse, and the bound rmse * cv(D).
+struct Moments {
+  double sum = 0, sum2 = 0, sq_err = 0;
+  void Add(double x, double truth) {
+    sum += x;
+    sum2 += x * x;
+    sq_err += (x - truth) * (x - truth);
+  }
+  double Mean(int n) const { return sum / n; }
+  double Se(int n) const {
+    const double m = Mean(n);
+    return std::sqrt(std::max(0.0, (sum2 / n - m * m) * n / (n - 1)) / n);
+  }
+  double Rmse(int n) const { return std::sqrt(sq_err / n); }
+};
+
+struct Verdict {
+  double max_z_ratio = 0, max_z_none = 0;  // |mean - dense| / SE, worst projection
+  double max_bound_ratio = 0;              // worst (|bias| - 4 SE) / bound; <= 1 holds
+  double max_bias_rmse = 0;                // worst |bias| / rmse of the ratio estimate
+  double mean_rmse_ratio = 0, mean_rmse_none = 0;  // rmse / |dense| averaged
+  int violations = 0;                      // projections with |bias| > 4 SE + bound
+  int projections = 0;
+};
+
+Verdict Measure(const std::vector<Unit>& units, const SantaParams& params, int trials,
+                int32_t d) {
+  Verdict out;
+  HeadRows rows;
+  std::vector<int32_t> scratch;
+  for (const Unit& u : units) {
+    Moments ratio[3], none[3];
+    double d_sum = 0, d_sum2 = 0;
+    std::vector<double> num(d), lin(d);
+    for (int trial = 0; trial < trials; ++trial) {
+      SampleSantaHead(u.plan, params, 5000 + trial, u.b, u.h, u.kv_head, &rows, &scratch);
+      std::fill(num.begin(), num.end(), 0.0);
+      std::fill(lin.begin(), lin.end(), 0.0);
+      double den = 0.0;
+      for (size_t i = 0; i < rows.tokens.size(); ++i) {
+        const int32_t t = rows.tokens[i];
+        const double w = rows.weights[i];
+        const double wr = w * std::exp(static_cast<double>(u.s[t]) - u.sa[t]);
+        const float* v = &u.v[static_cast<size_t>(t) * d];
+        for (int32_t x = 0; x < d; ++x) {
+          num[x] += wr * v[x];
+          lin[x] += w * v[x];
+        }
+        den += wr;
+      }
+      d_sum += den;
+      d_sum2 += den * den;
+      for (int i = 0; i < 3; ++i) {
+        double r = 0, l = 0;
+        for (int32_t x = 0; x < d; ++x) {
+          r += u.proj[i][x] * num[x] / den;
+          l += u.proj[i][x] * lin[x];
+        }
+        ratio[i].Add(r, u.dense[i]);
+        none[i].Add(l, u.dense[i]);
+      }
+    }
+    const double dm = d_sum / trials;
+    const double cv = std::sqrt(std::max(0.0, d_sum2 / trials - dm * dm)) / dm;
+    for (int i = 0; i < 3; ++i) {
+      ++out.projections;
+      const double bias = std::fabs(ratio[i].Mean(trials) - u.dense[i]);
+      const double se = std::max(ratio[i].Se(trials), 1e-12);
+      const double bound = ratio[i].Rmse(trials) * cv;
+      out.max_z_ratio = std::max(out.max_z_ratio, bias / se);
+      out.max_z_none = std::max(
+          out.max_z_none,
+          std::fabs(none[i].Mean(trials) - u.dense[i]) / std::max(none[i].Se(trials), 1e-12));
+      out.max_bound_ratio = std::max(out.max_bound_ratio, (bias - 4 * se) / std::max(bound, 1e-15));
+      if (bias > 4 * se + bound) ++out.violations;
+      out.max_bias_rmse = std::max(out.max_bias_rmse, bias / ratio[i].Rmse(trials));
+      out.mean_rmse_ratio += ratio[i].Rmse(trials);
+      out.mean_rmse_none += none[i].Rmse(trials);
+    }
+  }
+  return out;
+}
+
+void Check(const char* name, const std::vector<Unit>& units, const SantaParams& params,
+           int32_t bits, int32_t d) {
+  const int kTrials = 2000;
+  const Verdict v = Measure(units, params, kTrials, d);
+  std::printf(
+      "[santa compressed] %-14s %d bit%s: ratio max|z| %6.2f (bias <= 4 SE + rmse cv(D): %d of %d "
+      "over), uncorrected max|z| %7.2f, bias/rmse %.3f, rmse ratio %.4f none %.4f\n",
+      name, bits, bits == 1 ? " " : "s", v.max_z_ratio, v.violations, v.projections,
+      v.max_z_none, v.max_bias_rmse, v.mean_rmse_ratio / v.projections, v.mean_rmse_none / v.projections);
+  if (bits >= 2) {
+    // The target: the ratio estimate's mean within 4 SE of dense (and inside its bound).
+    EXPECT_LE(v.max_z_ratio, 4.0) << name << ", " << bits << " bits";
+    EXPECT_EQ(v.violations, 0) << name << ", " << bits << " bits";
+  } else {
+    // 1 bit: the proposal is too far from softmax(s) for the ratio's O(1/S) bias to vanish at
+    // S = 128 (and D's heavy tail makes 2,000 seeds' estimate of the bound unreliable): the bias
+    // is stated instead, measured at most 0.87 of the estimate's own rmse.
+    EXPECT_LE(v.max_bias_rmse, 1.0) << name << ", 1 bit";
+  }
+  if (bits <= 2) {
+    EXPECT_GT(v.max_z_none, 4.0) << name << ": without the correction the estimate is biased";
+  }
+}
+
+// S2ANTA-prop S = 128 (the shipped configuration) and S2ANTA-sys (global) over compressed keys,
+// 2,000 seeds per query head, on the synthetic families (4096 tokens, 8 query heads over 2 kv
+// heads, d = 128, bf16) and 1, 2 and 8 bits.
+TEST(SantaCompressedStatisticsTest, RatioBiasWithinItsBoundOnSyntheticFamilies) {
+  for (ScoreFamily family : {ScoreFamily::kNearUniform, ScoreFamily::kPeaked, ScoreFamily::kZipf}) {
+    SyntheticOptions o;
+    o.family = family;
+    o.num_q_heads = 8;
+    o.num_kv_heads = 2;
+    o.seq_lens = {4096};
+    SyntheticProblem sp = SyntheticProblem::Make(o);
+    const char* name = family == ScoreFamily::kNearUniform ? "near_uniform"
+                       : family == ScoreFamily::kPeaked    ? "peaked"
+                                                           : "zipf";
+    for (int32_t bits : {1, 2, 8}) {
+      std::vector<CompressedKeys> c = CompressProblem(sp.problem, bits);
+      for (SantaAllocation a : {SantaAllocation::kProp, SantaAllocation::kGlobal}) {
+        const SantaParams params =
+            Config(SantaSampler::kSystematic, a, 128, SantaCorrection::kRatio);
+        const std::vector<int32_t> batches = {0};
+        const std::vector<Unit> units = MakeUnits(sp.problem, Views(c), batches, params);
+        const std::string label =
+            std::string(name) + (a == SantaAllocation::kProp ? " prop" : " sys");
+        Check(label.c_str(), units, params, bits, sp.problem.head_dim);
+      }
+    }
+  }
+}
+
+// The same on the real-attention dumps (tests/data/realattn: layers 1, 3, 5 of the model trained
+// here, 8192 tokens), the last query and one from the middle of the 32, each of the 4 heads.
+TEST(SantaCompressedStatisticsTest, RatioBiasWithinItsBoundOnRealAttention) {
+  for (int32_t layer : kRealAttentionLayers) {
+    absl::StatusOr<RealAttention> r = LoadRealAttention(RealAttentionPath(layer));
+    if (!r.ok()) {
+      GTEST_SKIP() << r.status();
+    }
+    SyntheticProblem sp = RealAttentionProblem(*r);
+    const DecodeProblem& p = sp.problem;
+    const size_t es = DTypeSize(p.dtype);
+    for (int32_t bits : {1, 2, 8}) {
+      CompressedKeys c(KeyCompression{bits, kKeyGroupTokens}, p.head_dim, p.dtype);
+      for (int32_t t = 0; t < r->n; ++t) {
+        c.Append(static_cast<const uint8_t*>(p.k) + t * p.kv_layout.token_stride * es);
+      }
+      const std::vector<CompressedKeysView> views(p.batch, c.view());
+      const SantaParams params = Config(SantaSampler::kSystematic, SantaAllocation::kProp, 128,
+                                        SantaCorrection::kRatio);
+      const std::vector<int32_t> batches = {r->queries / 2, r->queries - 1};
+      const std::vector<Unit> units = MakeUnits(p, views, batches, params);
+      const std::string label = "real L" + std::to_string(layer) + " prop";
+      Check(label.c_str(), units, params, bits, p.head_dim);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace kvsparse::kernels
