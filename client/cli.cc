@@ -85,8 +85,13 @@ ABSL_FLAG(uint32_t, sink, 128, "decode hash_top_k/vattention/saap/top_k: sink to
 ABSL_FLAG(uint32_t, local, 128, "decode hash_top_k/vattention/saap/top_k: local window tokens");
 ABSL_FLAG(double, top_k_fraction, 0.05,
           "decode hash_top_k/vattention/top_k: top-k as a fraction of n");
-ABSL_FLAG(std::string, scores, "compressed",
-          "decode top_k: compressed (the sequence's compressed keys) or exact (oracle)");
+ABSL_FLAG(std::string, scores, "",
+          "decode top_k/santa: compressed (the sequence's compressed keys) or exact (the oracle "
+          "for top_k); empty: the method's default (top_k compressed, santa exact)");
+ABSL_FLAG(std::string, correction, "ratio",
+          "decode santa with --scores=compressed: ratio (fetch the sampled K rows, weight by "
+          "exact over approximate) or none (V rows only, estimates softmax of the approximate "
+          "scores)");
 ABSL_FLAG(uint32_t, probes, 8, "decode saap: buckets visited per kv head");
 ABSL_FLAG(double, epsilon, 0.05, "decode vattention: relative error target");
 ABSL_FLAG(double, delta, 0.05, "decode vattention: failure probability");
@@ -403,6 +408,22 @@ absl::StatusOr<v1::Method> MethodFromFlags() {
     } else {
       return absl::InvalidArgumentError("--allocation must be global, prop or flash");
     }
+    const std::string scores = absl::GetFlag(FLAGS_scores);
+    if (scores == "compressed") {
+      s->set_scores(v1::SCORE_SOURCE_COMPRESSED_KEYS);
+    } else if (scores == "exact" || scores.empty()) {
+      s->set_scores(v1::SCORE_SOURCE_EXACT);
+    } else {
+      return absl::InvalidArgumentError("--scores must be compressed or exact");
+    }
+    const std::string correction = absl::GetFlag(FLAGS_correction);
+    if (correction == "ratio") {
+      s->set_correction(v1::SANTA_CORRECTION_RATIO);
+    } else if (correction == "none") {
+      s->set_correction(v1::SANTA_CORRECTION_NONE);
+    } else {
+      return absl::InvalidArgumentError("--correction must be ratio or none");
+    }
   } else if (name == "hash_top_k") {
     v1::HashTopKParams* h = m.mutable_hash_top_k();
     h->set_sink_tokens(absl::GetFlag(FLAGS_sink));
@@ -417,9 +438,15 @@ absl::StatusOr<v1::Method> MethodFromFlags() {
     v->set_top_k_fraction(static_cast<float>(absl::GetFlag(FLAGS_top_k_fraction)));
     v->set_base_rate(static_cast<float>(absl::GetFlag(FLAGS_base_rate)));
     const std::string predictor = absl::GetFlag(FLAGS_predictor);
-    v->set_predictor(predictor == "exact"        ? v1::TOP_K_PREDICTOR_EXACT
-                     : predictor == "compressed" ? v1::TOP_K_PREDICTOR_COMPRESSED
-                                                 : v1::TOP_K_PREDICTOR_HASH);
+    if (predictor == "hash") {
+      v->set_predictor(v1::TOP_K_PREDICTOR_HASH);
+    } else if (predictor == "exact") {
+      v->set_predictor(v1::TOP_K_PREDICTOR_EXACT);
+    } else if (predictor == "compressed") {
+      v->set_predictor(v1::TOP_K_PREDICTOR_COMPRESSED);
+    } else {
+      return absl::InvalidArgumentError("--predictor must be hash, exact or compressed");
+    }
   } else if (name == "saap") {
     v1::SaapParams* s = m.mutable_saap();
     s->set_probes(absl::GetFlag(FLAGS_probes));
@@ -433,7 +460,7 @@ absl::StatusOr<v1::Method> MethodFromFlags() {
     const std::string scores = absl::GetFlag(FLAGS_scores);
     if (scores == "exact") {
       t->set_scores(v1::SCORE_SOURCE_EXACT);
-    } else if (scores == "compressed") {
+    } else if (scores == "compressed" || scores.empty()) {
       t->set_scores(v1::SCORE_SOURCE_COMPRESSED_KEYS);
     } else {
       return absl::InvalidArgumentError("--scores must be compressed or exact");

@@ -282,6 +282,57 @@ std::vector<kernels::CompressedKeysView> CompressedViewsOf(
   return views;
 }
 
+// S2ANTA over compressed keys (K and V in host memory, 2-bit keys on the worker): the same
+// rows and output as the reference for both corrections; the ratio correction fetches the
+// sampled K rows with their V rows, "none" only V rows; no K row is read to select. A sequence
+// without compressed keys is refused before anything is appended.
+TEST_F(EngineTest, SantaOverCompressedKeysSelectsWhatTheReferenceSelects) {
+  for (auto correction : {kernels::SantaCorrection::kRatio, kernels::SantaCorrection::kNone}) {
+    SetUp();
+    kernels::SyntheticOptions o = Options();
+    o.head_dim = 128;
+    kvstore::Placement place;
+    place.compressed_key_bits = 2;
+    Load(o, place);
+    Method m;
+    m.kind = MethodKind::kSanta;
+    m.santa.samples = 64;
+    m.santa.tile_size = 128;
+    m.santa.scores = kernels::ScoreSource::kCompressedKeys;
+    m.santa.correction = correction;
+    auto r = engine_->Decode(Call(m));
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (int32_t b = 0; b < 2; ++b) {
+      std::vector<uint8_t> out;
+      kernels::DecodeProblem p = One(b, &out);
+      std::vector<kernels::CompressedKeys> keys;
+      const std::vector<kernels::CompressedKeysView> views = CompressedViewsOf(p, 2, &keys);
+      kernels::RowSelection sel;
+      ASSERT_TRUE(kernels::SantaDecodeCpu(p, m.santa, kernels::SequenceSeed(99, b), &sel, nullptr,
+                                          views)
+                      .ok());
+      EXPECT_EQ(sel.kind, correction == kernels::SantaCorrection::kRatio
+                              ? kernels::EstimateKind::kSoftmax
+                              : kernels::EstimateKind::kLinear);
+      ExpectSame(*r, b, sel, out);
+    }
+    const size_t row = shape_.row_bytes();
+    const uint64_t per_row = correction == kernels::SantaCorrection::kRatio ? 2 * row : row;
+    for (const HeadStats& hs : r->heads) {
+      EXPECT_EQ(hs.rows_fetched, hs.fetched_tokens.size());
+      EXPECT_LE(hs.rows_fetched, 4u * 64u);
+      EXPECT_EQ(hs.bytes[static_cast<int>(kvstore::Tier::kHost)], hs.rows_fetched * per_row);
+      EXPECT_GT(hs.bytes[static_cast<int>(kvstore::Tier::kDevice)], 0u);  // the compressed keys
+    }
+  }
+  SetUp();
+  Load(Options(), {});  // no compressed keys
+  Method m;
+  m.kind = MethodKind::kSanta;
+  m.santa.scores = kernels::ScoreSource::kCompressedKeys;
+  EXPECT_EQ(engine_->Decode(Call(m)).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
 TEST_F(EngineTest, VAttentionSelectsWhatTheReferenceSelects) {
   for (auto predictor : {kernels::TopKPredictor::kHash, kernels::TopKPredictor::kExact,
                          kernels::TopKPredictor::kCompressed}) {

@@ -271,6 +271,28 @@ absl::StatusOr<engine::Method> FromProto(const v1::Method& m) {
       p.bernoulli_sampler = s.bernoulli_sampler() == v1::BERNOULLI_SAMPLER_IID
                                 ? kernels::BernoulliSampler::kIid
                                 : kernels::BernoulliSampler::kStratified;
+      switch (s.scores()) {
+        case v1::SCORE_SOURCE_UNSPECIFIED:
+        case v1::SCORE_SOURCE_EXACT:
+          p.scores = kernels::ScoreSource::kExact;
+          break;
+        case v1::SCORE_SOURCE_COMPRESSED_KEYS:
+          p.scores = kernels::ScoreSource::kCompressedKeys;
+          break;
+        default:
+          return absl::InvalidArgumentError("santa.scores: unknown value");
+      }
+      switch (s.correction()) {
+        case v1::SANTA_CORRECTION_UNSPECIFIED:
+        case v1::SANTA_CORRECTION_RATIO:
+          p.correction = kernels::SantaCorrection::kRatio;
+          break;
+        case v1::SANTA_CORRECTION_NONE:
+          p.correction = kernels::SantaCorrection::kNone;
+          break;
+        default:
+          return absl::InvalidArgumentError("santa.correction: unknown value");
+      }
       return out;
     }
     case v1::Method::kHashTopK: {

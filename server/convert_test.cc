@@ -46,6 +46,38 @@ TEST(ConvertTest, VAttentionPredictors) {
   EXPECT_EQ(predictor(77).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// S2ANTA's score source and correction on the wire: unspecified reads as exact scores and the
+// ratio correction (the older clients' meaning), unknown values are refused.
+TEST(ConvertTest, SantaScoresAndCorrection) {
+  v1::DecodeRequest req;
+  req.add_sequence_ids("s");
+  v1::Tensor* q = req.mutable_q();
+  q->set_dtype(v1::DTYPE_FP32);
+  for (int64_t dim : {1, 2, 4}) q->add_shape(dim);
+  q->set_data(std::string(1 * 2 * 4 * 4, '\0'));
+  auto convert = [&](int scores, int correction) -> absl::StatusOr<kernels::SantaParams> {
+    v1::SantaParams* s = req.mutable_method()->mutable_santa();
+    s->set_samples(8);
+    s->set_scores(static_cast<v1::ScoreSource>(scores));
+    s->set_correction(static_cast<v1::SantaCorrection>(correction));
+    absl::StatusOr<engine::DecodeCall> c = FromProto(req);
+    if (!c.ok()) return c.status();
+    return c->method.santa;
+  };
+  absl::StatusOr<kernels::SantaParams> p = convert(0, 0);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->scores, kernels::ScoreSource::kExact);
+  EXPECT_EQ(p->correction, kernels::SantaCorrection::kRatio);
+  p = convert(v1::SCORE_SOURCE_COMPRESSED_KEYS, v1::SANTA_CORRECTION_NONE);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->scores, kernels::ScoreSource::kCompressedKeys);
+  EXPECT_EQ(p->correction, kernels::SantaCorrection::kNone);
+  EXPECT_EQ(convert(v1::SCORE_SOURCE_EXACT, v1::SANTA_CORRECTION_RATIO)->scores,
+            kernels::ScoreSource::kExact);
+  EXPECT_EQ(convert(9, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(convert(0, 9).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ConvertTest, AppendNeedsRank4AndMatchingKV) {
   v1::AppendRequest r;
   r.set_sequence_id("s");

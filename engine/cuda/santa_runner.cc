@@ -3,7 +3,8 @@
 // kernel sequence that scores the resident K and reads only the sampled V rows (in place, from
 // host pages when V is offloaded; from a store in another process, the sampled rows are listed
 // by a first run, gathered into pinned staging and read by token: DecodeShape::v_listed). Tiles
-// of kernels::cuda::kSantaTile tokens only; Bernoulli qK^T runs on the CPU engine.
+// of kernels::cuda::kSantaTile tokens only; Bernoulli qK^T and scores from compressed keys run on
+// the CPU engine.
 #include <algorithm>
 #include <vector>
 
@@ -25,13 +26,14 @@ class SantaCall final : public MethodCall {
   static bool Capturable(const Method& m, const SequenceDesc&) {
     return m.santa.sampler != kernels::SantaSampler::kIid;
   }
-  // K resident (the scores stream it); tiles of kSantaTile; no Bernoulli qK^T; iid with global
+  // K resident (the scores stream it); tiles of kSantaTile; exact scores, no Bernoulli qK^T; iid
+  // with global
   // allocation, or systematic with prop or flash. V from a store in another process is staged.
   static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
     const kernels::SantaParams& p = m.santa;
     const int32_t tile = p.tile_size == 0 ? caps.default_tile_size : p.tile_size;
     if (desc.placement.k_tier != kvstore::Tier::kDevice || tile != kc::kSantaTile ||
-        p.bernoulli_qk_samples != 0) {
+        p.bernoulli_qk_samples != 0 || p.scores != kernels::ScoreSource::kExact) {
       return false;
     }
     return (p.sampler == kernels::SantaSampler::kIid &&

@@ -110,6 +110,18 @@ class Params {
     values_.erase(it);
     return w;
   }
+  // One of `words` (the first is the default when the key is absent); INVALID_ARGUMENT naming
+  // the parameter and its words for any other.
+  template <typename E>
+  E Choice(const std::string& key, std::initializer_list<std::pair<const char*, E>> words) {
+    const std::string w = Word(key, words.begin()->first);
+    std::string all;
+    for (const auto& [name, value] : words) {
+      if (w == name) return value;
+      absl::StrAppend(&all, all.empty() ? "" : ", ", name);
+    }
+    Invalid(absl::StrCat("method parameter ", key, ": one of ", all, ", not ", w));
+  }
   void Done(const std::string& method) {
     if (!values_.empty()) {
       Invalid(absl::StrCat(method, ": unknown parameter ", values_.begin()->first));
@@ -128,17 +140,21 @@ en::Method ParseMethod(const std::string& name, const std::string& text) {
     m.kind = en::MethodKind::kDense;
   } else if (name == "santa") {
     m.kind = en::MethodKind::kSanta;
-    const std::string sampler = p.Word("sampler", "systematic");
-    const std::string alloc = p.Word("allocation", "prop");
-    m.santa.sampler = sampler == "iid"          ? kernels::SantaSampler::kIid
-                      : sampler == "stratified" ? kernels::SantaSampler::kStratified
-                                                : kernels::SantaSampler::kSystematic;
-    m.santa.allocation = alloc == "global"  ? kernels::SantaAllocation::kGlobal
-                         : alloc == "flash" ? kernels::SantaAllocation::kFlash
-                                            : kernels::SantaAllocation::kProp;
+    using S = kernels::SantaSampler;
+    using A = kernels::SantaAllocation;
+    m.santa.sampler = p.Choice<S>(
+        "sampler", {{"systematic", S::kSystematic}, {"iid", S::kIid}, {"stratified", S::kStratified}});
+    m.santa.allocation = p.Choice<A>(
+        "allocation", {{"prop", A::kProp}, {"global", A::kGlobal}, {"flash", A::kFlash}});
     m.santa.samples = p.Int("samples", 128);
     m.santa.tile_size = p.Int("tile_size", 0);
     m.santa.bernoulli_qk_samples = p.Int("bernoulli_qk_samples", 0);
+    m.santa.scores = p.Choice<kernels::ScoreSource>(
+        "scores",
+        {{"exact", kernels::ScoreSource::kExact}, {"compressed", kernels::ScoreSource::kCompressedKeys}});
+    m.santa.correction = p.Choice<kernels::SantaCorrection>(
+        "correction",
+        {{"ratio", kernels::SantaCorrection::kRatio}, {"none", kernels::SantaCorrection::kNone}});
   } else if (name == "hash_top_k") {
     m.kind = en::MethodKind::kHashTopK;
     m.hash.top_k = p.Int("top_k", 0);
@@ -156,25 +172,17 @@ en::Method ParseMethod(const std::string& name, const std::string& text) {
     v.top_k_fraction = static_cast<float>(p.Number("top_k_fraction", 0.05));
     v.sink_tokens = p.Int("sink_tokens", 128);
     v.local_tokens = p.Int("local_tokens", 128);
-    const std::string predictor = p.Word("predictor", "hash");
-    v.predictor = predictor == "exact"        ? kernels::TopKPredictor::kExact
-                  : predictor == "compressed" ? kernels::TopKPredictor::kCompressed
-                                              : kernels::TopKPredictor::kHash;
+    using P = kernels::TopKPredictor;
+    v.predictor = p.Choice<P>(
+        "predictor", {{"hash", P::kHash}, {"exact", P::kExact}, {"compressed", P::kCompressed}});
     v.base_rate = static_cast<float>(p.Number("base_rate", 0.05));
-    const std::string bound = p.Word("bound", "clt");
-    if (bound == "hoeffding") {
-      v.bound = kernels::BudgetBound::kHoeffding;
-    } else if (bound == "clt-ratio") {
-      v.bound = kernels::BudgetBound::kCltRatio;
-    } else if (bound == "clt") {
-      v.bound = kernels::BudgetBound::kClt;
-    } else {
-      Invalid("bound: clt, clt-ratio or hoeffding, not " + bound);
-    }
-    const std::string target = p.Word("target", "output");
-    v.target = target == "numerator"     ? kernels::VerifyTarget::kNumerator
-               : target == "denominator" ? kernels::VerifyTarget::kDenominator
-                                         : kernels::VerifyTarget::kOutput;
+    using Bd = kernels::BudgetBound;
+    v.bound = p.Choice<Bd>(
+        "bound", {{"clt", Bd::kClt}, {"clt-ratio", Bd::kCltRatio}, {"hoeffding", Bd::kHoeffding}});
+    using T = kernels::VerifyTarget;
+    v.target = p.Choice<T>("target", {{"output", T::kOutput},
+                                      {"numerator", T::kNumerator},
+                                      {"denominator", T::kDenominator}});
     v.bits = p.Int("bits", 0);
     m.learned_signatures = p.Number("learned", 0) != 0;
   } else if (name == "top_k") {
@@ -183,14 +191,9 @@ en::Method ParseMethod(const std::string& name, const std::string& text) {
     m.top_k.top_k_fraction = static_cast<float>(p.Number("top_k_fraction", 1.0 / 32));
     m.top_k.sink_tokens = p.Int("sink_tokens", 128);
     m.top_k.local_tokens = p.Int("local_tokens", 128);
-    const std::string scores = p.Word("scores", "compressed");
-    if (scores == "exact") {
-      m.top_k.source = kernels::ScoreSource::kExact;
-    } else if (scores == "compressed") {
-      m.top_k.source = kernels::ScoreSource::kCompressedKeys;
-    } else {
-      Invalid("scores: compressed or exact, not " + scores);
-    }
+    m.top_k.source = p.Choice<kernels::ScoreSource>(
+        "scores",
+        {{"compressed", kernels::ScoreSource::kCompressedKeys}, {"exact", kernels::ScoreSource::kExact}});
   } else if (name == "saap") {
     m.kind = en::MethodKind::kSaap;
     m.saap.probes = p.Int("probes", 8);

@@ -75,19 +75,40 @@ _ALLOCATIONS = {
     "prop": attention_pb2.SANTA_ALLOCATION_PROP,
     "flash": attention_pb2.SANTA_ALLOCATION_FLASH,
 }
+_SCORE_SOURCES = {
+    "exact": attention_pb2.SCORE_SOURCE_EXACT,
+    "compressed": attention_pb2.SCORE_SOURCE_COMPRESSED_KEYS,
+}
+_CORRECTIONS = {
+    "ratio": attention_pb2.SANTA_CORRECTION_RATIO,
+    "none": attention_pb2.SANTA_CORRECTION_NONE,
+}
+
+
+def _word(table: dict[str, int], field: str, value: str) -> int:
+    """The wire value of an enum field's word; ValueError names the field and the words."""
+    if value not in table:
+        raise ValueError(f"{field}: {value!r} is not one of {', '.join(table)}")
+    return table[value]
 
 
 @dataclass(frozen=True)
 class Santa:
     """SANTA / S2ANTA: ``samples`` rows of V per query head drawn from softmax(qK^T)
-    (i.i.d., stratified or systematic; global, proportional or flash tile allocation). The scores
-    read every key: the sequence keeps K on the device; only sampled V rows cross."""
+    (i.i.d., stratified or systematic; global, proportional or flash tile allocation).
+    ``scores="exact"`` reads every key: the sequence keeps K on the device; only sampled V rows
+    cross. ``scores="compressed"`` draws from the scores of the sequence's compressed keys (K
+    stays in host memory); ``correction="ratio"`` then fetches the sampled K rows too and
+    weights each row by exp(exact - approximate score), normalised (the ratio estimator of
+    softmax(qK^T) V), ``"none"`` reads V rows only and estimates softmax(qK~^T) V."""
 
     samples: int = 128
     sampler: Literal["iid", "stratified", "systematic"] = "systematic"
     allocation: Literal["global", "prop", "flash"] = "prop"
     tile_size: int = 0  # 0: the server's default
     bernoulli_qk_samples: int = 0  # 0: exact scores
+    scores: Literal["exact", "compressed"] = "exact"
+    correction: Literal["ratio", "none"] = "ratio"
 
     def to_proto(self, out: attention_pb2.Method) -> None:
         p = out.santa
@@ -96,6 +117,8 @@ class Santa:
         p.samples = self.samples
         p.tile_size = self.tile_size
         p.bernoulli_qk_samples = self.bernoulli_qk_samples
+        p.scores = _word(_SCORE_SOURCES, "scores", self.scores)
+        p.correction = _word(_CORRECTIONS, "correction", self.correction)
 
 
 @dataclass(frozen=True)
@@ -197,9 +220,7 @@ class TopK:
         p.top_k_fraction = self.top_k_fraction
         p.sink_tokens = self.sink_tokens
         p.local_tokens = self.local_tokens
-        p.scores = (
-            attention_pb2.SCORE_SOURCE_EXACT if self.scores == "exact" else attention_pb2.SCORE_SOURCE_COMPRESSED_KEYS
-        )
+        p.scores = _word(_SCORE_SOURCES, "scores", self.scores)
 
 
 Method = Union[Dense, Santa, HashTopK, VAttention, Saap, TopK]
@@ -216,11 +237,13 @@ def _fill_selection(p: Any, m: "HashTopK | VAttention") -> None:
 
 
 def placement_for(method: Method, signature_bits: int = 32, compressed_key_bits: int = 2) -> Placement:
-    """The placement a method reads from: K on the device for SANTA (its scores stream every
-    key) and for exact top-k, key signatures for HashAttention and vAttention's hash predictor
-    (K and V stay in host memory, only selected rows cross), compressed keys for top-k over
-    compressed keys, nothing for dense."""
+    """The placement a method reads from: K on the device for SANTA with exact scores (they
+    stream every key) and for exact top-k, key signatures for HashAttention and vAttention's hash predictor
+    (K and V stay in host memory, only selected rows cross), compressed keys for top-k and SANTA
+    over compressed keys, nothing for dense."""
     if isinstance(method, Santa):
+        if method.scores == "compressed":
+            return Placement(compressed_key_bits=compressed_key_bits)
         return Placement(k_tier="device")
     if isinstance(method, HashTopK):
         return Placement(signature_bits=method.bits or signature_bits)

@@ -176,10 +176,11 @@ def check_bf16(model, ids, mask, got) -> None:
         ),
         kvsparse.TopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16),
         kvsparse.TopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16, scores="exact"),
+        kvsparse.Santa(samples=64, tile_size=64, scores="compressed"),
     ],
     ids=[
         "santa-prop", "santa-flash", "hash-top-k", "vattention", "vattention-compressed", "top-k-compressed",
-        "top-k-exact",
+        "top-k-exact", "santa-compressed",
     ],
 )
 def test_sparse_methods_generate(target, method: kvsparse.Method) -> None:

@@ -79,6 +79,12 @@ def test_errors_are_kvsparse_exceptions(engine: ops.InProcessEngine) -> None:
         engine.decode(1, ids, q, kvsparse.TopK())  # no compressed keys kept
     with pytest.raises(kvsparse.InvalidArgument, match="compressed_key_bits"):
         engine.create_sequence("odd", SHAPE, kvsparse.Placement(compressed_key_bits=3))
+    # A word the op does not know is refused, not read as the parameter's default.
+    for spec in ("santa", "sampler=strat"), ("vattention", "predictor=hahs"), ("top_k", "scores=oracle"):
+        with pytest.raises(kvsparse.InvalidArgument, match=spec[1].split("=")[0]):
+            ops._call(torch.ops.kvsparse.decode, engine.handle, 1, ids, q, None, None, spec[0], spec[1], 0, 0.125)
+    with pytest.raises(kvsparse.InvalidArgument, match="correction"):
+        engine.decode(1, ids, q, kvsparse.Santa(correction="exact"))  # type: ignore[arg-type]
     with pytest.raises(kvsparse.AlreadyExists):
         engine.create_sequence("s0", SHAPE)
     with pytest.raises(kvsparse.FailedPrecondition):  # a retried append
@@ -96,8 +102,10 @@ def test_errors_are_kvsparse_exceptions(engine: ops.InProcessEngine) -> None:
         kvsparse.VAttention(epsilon=0.1, delta=0.1, sink_tokens=8, local_tokens=16),
         kvsparse.TopK(top_k_fraction=0.05, sink_tokens=8, local_tokens=16),
         kvsparse.TopK(top_k_fraction=0.05, sink_tokens=8, local_tokens=16, scores="exact"),
+        kvsparse.Santa(samples=64, tile_size=64, scores="compressed"),
+        kvsparse.Santa(samples=64, tile_size=64, scores="compressed", correction="none"),
     ],
-    ids=["santa", "hash", "vattention", "top-k-compressed", "top-k-exact"],
+    ids=["santa", "hash", "vattention", "top-k-compressed", "top-k-exact", "santa-compressed", "santa-uncorrected"],
 )
 def test_sparse_methods_same_rows_as_the_server(
     engine: ops.InProcessEngine, server: kvsparse.LocalServer, method: kvsparse.Method
