@@ -68,6 +68,8 @@ MEASURED = "kvsparse_measured"
 PLACEMENTS: dict[str, Placement] = {
     "ckeys1-topk-1/32": Placement(compressed_key_bits=1),
     "ckeys4-topk-1/64": Placement(compressed_key_bits=4),
+    "ckeys1-s2anta-prop-S128": Placement(compressed_key_bits=1),
+    "ckeys8-s2anta-prop-S128": Placement(compressed_key_bits=8),
 }
 
 
@@ -82,6 +84,7 @@ def methods(smoke: bool) -> dict[str, Any]:
             "oracle-topk-1/8": TopK(top_k_fraction=1 / 8, scores="exact", sink_tokens=8, local_tokens=8),
             "ckeys2-topk-1/8": TopK(top_k_fraction=1 / 8, sink_tokens=8, local_tokens=8),
             "s2anta-prop-S128": Santa(samples=128, allocation="prop"),
+            "ckeys2-s2anta-prop-S128": Santa(samples=128, allocation="prop", scores="compressed"),
             "hash-simhash-b32-1/8": HashTopK(top_k_fraction=1 / 8, bits=32, sink_tokens=8, local_tokens=8),
             "hash-learned-b32-1/8": HashTopK(top_k_fraction=1 / 8, bits=32, sink_tokens=8, local_tokens=8, learned=True),
             "vatt-exact-e0.1": VAttention(epsilon=0.1, delta=0.1, predictor="exact", sink_tokens=8, local_tokens=8),
@@ -100,6 +103,17 @@ def methods(smoke: bool) -> dict[str, Any]:
         "ckeys1-topk-1/32": TopK(top_k_fraction=1 / 32),
         "ckeys4-topk-1/64": TopK(top_k_fraction=1 / 64),
         "ckeys2-topk-1/16": TopK(top_k_fraction=1 / 16),
+        # S2ANTA drawing from compressed keys' scores: the ratio correction (sampled K rows
+        # fetched, exact over approximate), and without it (V rows only).
+        "ckeys2-s2anta-prop-S128": Santa(samples=128, scores="compressed"),
+        "ckeys2-s2anta-prop-S256": Santa(samples=256, scores="compressed"),
+        "ckeys1-s2anta-prop-S128": Santa(samples=128, scores="compressed"),
+        "ckeys8-s2anta-prop-S128": Santa(samples=128, scores="compressed"),
+        "ckeys2-s2anta-prop-S128-none": Santa(samples=128, scores="compressed", correction="none"),
+        # vAttention's predictor from compressed keys (its residual's largest logit bounded by
+        # the stored error norms).
+        "vatt-ckeys2-e0.05": VAttention(epsilon=0.05, delta=0.05, predictor="compressed", top_k_fraction=1 / 32),
+        "vatt-ckeys2-e0.1": VAttention(epsilon=0.1, delta=0.1, predictor="compressed", top_k_fraction=1 / 32),
         "s2anta-prop-S256": Santa(samples=256, allocation="prop"),
         "vatt-exact-e0.05": VAttention(epsilon=0.05, delta=0.05, predictor="exact", top_k_fraction=1 / 32),
         "hash-learned-b32-1/32": HashTopK(top_k_fraction=1 / 32, bits=32, learned=True),
@@ -397,29 +411,38 @@ def main() -> int:
     train_text, held = train_model.corpus(48 << 20 if not args.smoke else 2 << 20)
     log(f"model {args.model} on {device}; held-out text {len(held)} tokens")
 
-    # Learned HashAttention: trained on training-split windows, recall measured on held-out ones.
-    calib_ctx = args.calib_context or min(max(args.contexts), 8192)
-    cal_train = windows_of(train_text, calib_ctx, args.calib_windows, 101)
-    pk_rng = random.Random(303)
-    n_passkey = round(args.calib_passkey_share * len(cal_train))
-    for i in range(n_passkey):
-        cal_train[i] = torch.tensor(train_model.passkey_doc(pk_rng, train_text, calib_ctx)[0][:calib_ctx])
-    log(f"calibration: {len(cal_train)} windows of {calib_ctx} tokens ({n_passkey} pass-key documents)")
-    cal_eval = windows_of(held, calib_ctx, 2, 202)
-    model.set_attn_implementation("sdpa")
-    captured = calibrate.capture_both(model, cal_train, cal_eval)  # once, for the hash MLPs and SAAP
-    layers, recall_rows = calibrate.calibrate(model, cal_train, cal_eval, captured=captured, bits=32,
-                                              steps=args.calib_steps,
-                                              top_fraction=1 / 32, log=log)
-    weights = out_dir / "hash-b32.bin"
-    calibrate.write_hash_weights(weights, layers)
-    clusters = 8 if args.smoke else 128
-    sink_local = 8 if args.smoke else 128
-    saap, saap_rows, inv_freq, rope_scale = calibrate.calibrate_saap(
-        model, cal_train, cal_eval, captured=captured, clusters=clusters, hidden=32 if args.smoke else 256, steps=args.calib_steps,
-        probes=2 if args.smoke else 4, sink=sink_local, local=sink_local, log=log)
-    saap_path = out_dir / f"saap-C{clusters}.bin"
-    calibrate.write_saap(saap_path, saap, inv_freq, rope_scale)
+    table = methods(args.smoke)
+    names = [n for n in table if args.only is None or n in args.only or n == "dense"]
+    learned = any(getattr(table[n], "learned", False) for n in names)
+    partitioned = any(isinstance(table[n], Saap) for n in names)
+    recall_rows: list[dict[str, Any]] = []
+    saap_rows: list[dict[str, Any]] = []
+    weights = saap_path = None
+    if learned or partitioned:
+        # Learned HashAttention and SAAP: trained on training-split windows, measured on held-out
+        # ones (only when a method of the run reads them).
+        calib_ctx = args.calib_context or min(max(args.contexts), 8192)
+        cal_train = windows_of(train_text, calib_ctx, args.calib_windows, 101)
+        pk_rng = random.Random(303)
+        n_passkey = round(args.calib_passkey_share * len(cal_train))
+        for i in range(n_passkey):
+            cal_train[i] = torch.tensor(train_model.passkey_doc(pk_rng, train_text, calib_ctx)[0][:calib_ctx])
+        log(f"calibration: {len(cal_train)} windows of {calib_ctx} tokens ({n_passkey} pass-key documents)")
+        cal_eval = windows_of(held, calib_ctx, 2, 202)
+        model.set_attn_implementation("sdpa")
+        captured = calibrate.capture_both(model, cal_train, cal_eval)  # once, for the hash MLPs and SAAP
+        layers, recall_rows = calibrate.calibrate(model, cal_train, cal_eval, captured=captured, bits=32,
+                                                  steps=args.calib_steps,
+                                                  top_fraction=1 / 32, log=log)
+        weights = out_dir / "hash-b32.bin"
+        calibrate.write_hash_weights(weights, layers)
+        clusters = 8 if args.smoke else 128
+        sink_local = 8 if args.smoke else 128
+        saap, saap_rows, inv_freq, rope_scale = calibrate.calibrate_saap(
+            model, cal_train, cal_eval, captured=captured, clusters=clusters, hidden=32 if args.smoke else 256,
+            steps=args.calib_steps, probes=2 if args.smoke else 4, sink=sink_local, local=sink_local, log=log)
+        saap_path = out_dir / f"saap-C{clusters}.bin"
+        calibrate.write_saap(saap_path, saap, inv_freq, rope_scale)
     if args.dump_layers:
         ctx = min(args.dump_context, max(args.contexts)) if args.smoke else args.dump_context
         for path in dump_qkv(model, windows_of(held, ctx, 1, 404)[0], args.dump_layers, 0, args.dump_queries, out_dir):
@@ -427,14 +450,13 @@ def main() -> int:
 
     gpu = "off" if args.smoke else args.gpu
     engine = kvsparse.ops.InProcessEngine(gpu=gpu, store_capacity="8G", gpu_capacity="16G")
-    learned_engine = kvsparse.ops.InProcessEngine(gpu=gpu, store_capacity="8G", hash_weights=str(weights))
-    saap_engine = kvsparse.ops.InProcessEngine(gpu=gpu, store_capacity="8G", saap_weights=str(saap_path))
+    learned_engine = (kvsparse.ops.InProcessEngine(gpu=gpu, store_capacity="8G", hash_weights=str(weights))
+                      if weights is not None else engine)
+    saap_engine = (kvsparse.ops.InProcessEngine(gpu=gpu, store_capacity="8G", saap_weights=str(saap_path))
+                   if saap_path is not None else engine)
     log(f"engines: {engine.backend} (SimHash), {learned_engine.backend} (learned weights), "
         f"{saap_engine.backend} (SAAP partitions)")
     model.set_attn_implementation(MEASURED)
-
-    table = methods(args.smoke)
-    names = [n for n in table if args.only is None or n in args.only or n == "dense"]
     results: dict[str, Any] = {"model": json.loads((Path(args.model) / "config.json").read_text()),
                                "recall": recall_rows, "saap_coverage": saap_rows, "methods": {}, "args": vars(args)}
     if (Path(args.model) / "metrics.json").exists():
@@ -500,9 +522,8 @@ def main() -> int:
         log(f"{name} pass keys: {row['passkey']} ({time.time() - t0:.1f} s)")
         results["methods"][name] = row
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    engine.close()
-    learned_engine.close()
-    saap_engine.close()
+    for e in {id(x): x for x in (engine, learned_engine, saap_engine)}.values():
+        e.close()
     (out_dir / "results.md").write_text(markdown(results, args))
     log(f"wrote {out_dir / 'results.json'} and results.md")
     return 0
