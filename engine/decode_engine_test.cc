@@ -308,9 +308,9 @@ TEST_F(EngineTest, SantaOverCompressedKeysSelectsWhatTheReferenceSelects) {
       std::vector<kernels::CompressedKeys> keys;
       const std::vector<kernels::CompressedKeysView> views = CompressedViewsOf(p, 2, &keys);
       kernels::RowSelection sel;
-      ASSERT_TRUE(kernels::SantaDecodeCpu(p, m.santa, kernels::SequenceSeed(99, b), &sel, nullptr,
-                                          views)
-                      .ok());
+      ASSERT_TRUE(
+          kernels::SantaDecodeCpu(p, m.santa, kernels::SequenceSeed(99, b), &sel, nullptr, views)
+              .ok());
       EXPECT_EQ(sel.kind, correction == kernels::SantaCorrection::kRatio
                               ? kernels::EstimateKind::kSoftmax
                               : kernels::EstimateKind::kLinear);

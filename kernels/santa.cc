@@ -122,8 +122,7 @@ absl::Status ValidateSantaParams(const SantaParams& params) {
     return absl::InvalidArgumentError(
         absl::StrCat("scores: unknown value ", static_cast<int>(params.scores)));
   }
-  if (params.correction != SantaCorrection::kRatio &&
-      params.correction != SantaCorrection::kNone) {
+  if (params.correction != SantaCorrection::kRatio && params.correction != SantaCorrection::kNone) {
     return absl::InvalidArgumentError(
         absl::StrCat("correction: unknown value ", static_cast<int>(params.correction)));
   }

@@ -71,8 +71,8 @@ TEST(SantaCompressedTest, RefusesWhatItCannotServe) {
   o.head_dim = 32;
   o.seq_lens = {300};
   SyntheticProblem sp = SyntheticProblem::Make(o);
-  SantaParams p = Config(SantaSampler::kSystematic, SantaAllocation::kProp, 16,
-                         SantaCorrection::kRatio);
+  SantaParams p =
+      Config(SantaSampler::kSystematic, SantaAllocation::kProp, 16, SantaCorrection::kRatio);
   RowSelection sel;
   EXPECT_EQ(SantaSelectCpu(sp.problem, p, 1, &sel).code(), absl::StatusCode::kInvalidArgument)
       << "one view per (sequence, kv head)";
@@ -250,16 +250,15 @@ struct Moments {
 };
 
 struct Verdict {
-  double max_z_ratio = 0, max_z_none = 0;  // |mean - dense| / SE, worst projection
-  double max_bound_ratio = 0;              // worst (|bias| - 4 SE) / bound; <= 1 holds
-  double max_bias_rmse = 0;                // worst |bias| / rmse of the ratio estimate
+  double max_z_ratio = 0, max_z_none = 0;          // |mean - dense| / SE, worst projection
+  double max_bound_ratio = 0;                      // worst (|bias| - 4 SE) / bound; <= 1 holds
+  double max_bias_rmse = 0;                        // worst |bias| / rmse of the ratio estimate
   double mean_rmse_ratio = 0, mean_rmse_none = 0;  // rmse / |dense| averaged
-  int violations = 0;                      // projections with |bias| > 4 SE + bound
+  int violations = 0;                              // projections with |bias| > 4 SE + bound
   int projections = 0;
 };
 
-Verdict Measure(const std::vector<Unit>& units, const SantaParams& params, int trials,
-                int32_t d) {
+Verdict Measure(const std::vector<Unit>& units, const SantaParams& params, int trials, int32_t d) {
   Verdict out;
   HeadRows rows;
   std::vector<int32_t> scratch;
@@ -303,9 +302,8 @@ Verdict Measure(const std::vector<Unit>& units, const SantaParams& params, int t
       const double se = std::max(ratio[i].Se(trials), 1e-12);
       const double bound = ratio[i].Rmse(trials) * cv;
       out.max_z_ratio = std::max(out.max_z_ratio, bias / se);
-      out.max_z_none = std::max(
-          out.max_z_none,
-          std::fabs(none[i].Mean(trials) - u.dense[i]) / std::max(none[i].Se(trials), 1e-12));
+      out.max_z_none = std::max(out.max_z_none, std::fabs(none[i].Mean(trials) - u.dense[i]) /
+                                                    std::max(none[i].Se(trials), 1e-12));
       out.max_bound_ratio = std::max(out.max_bound_ratio, (bias - 4 * se) / std::max(bound, 1e-15));
       if (bias > 4 * se + bound) ++out.violations;
       out.max_bias_rmse = std::max(out.max_bias_rmse, bias / ratio[i].Rmse(trials));
@@ -323,8 +321,8 @@ void Check(const char* name, const std::vector<Unit>& units, const SantaParams& 
   std::printf(
       "[santa compressed] %-14s %d bit%s: ratio max|z| %6.2f (bias <= 4 SE + rmse cv(D): %d of %d "
       "over), uncorrected max|z| %7.2f, bias/rmse %.3f, rmse ratio %.4f none %.4f\n",
-      name, bits, bits == 1 ? " " : "s", v.max_z_ratio, v.violations, v.projections,
-      v.max_z_none, v.max_bias_rmse, v.mean_rmse_ratio / v.projections, v.mean_rmse_none / v.projections);
+      name, bits, bits == 1 ? " " : "s", v.max_z_ratio, v.violations, v.projections, v.max_z_none,
+      v.max_bias_rmse, v.mean_rmse_ratio / v.projections, v.mean_rmse_none / v.projections);
   if (bits >= 2) {
     // The target: the ratio estimate's mean within 4 SE of dense (and inside its bound).
     EXPECT_LE(v.max_z_ratio, 4.0) << name << ", " << bits << " bits";
@@ -386,8 +384,8 @@ TEST(SantaCompressedStatisticsTest, RatioBiasWithinItsBoundOnRealAttention) {
         c.Append(static_cast<const uint8_t*>(p.k) + t * p.kv_layout.token_stride * es);
       }
       const std::vector<CompressedKeysView> views(p.batch, c.view());
-      const SantaParams params = Config(SantaSampler::kSystematic, SantaAllocation::kProp, 128,
-                                        SantaCorrection::kRatio);
+      const SantaParams params =
+          Config(SantaSampler::kSystematic, SantaAllocation::kProp, 128, SantaCorrection::kRatio);
       const std::vector<int32_t> batches = {r->queries / 2, r->queries - 1};
       const std::vector<Unit> units = MakeUnits(p, views, batches, params);
       const std::string label = "real L" + std::to_string(layer) + " prop";

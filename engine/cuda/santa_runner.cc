@@ -3,12 +3,13 @@
 // kernel sequence that scores the resident K and reads only the sampled V rows (in place, from
 // host pages when V is offloaded; from a store in another process, the sampled rows are listed
 // by a first run, gathered into pinned staging and read by token: DecodeShape::v_listed). Tiles
-// of kernels::cuda::kSantaTile tokens only; Bernoulli qK^T and scores from compressed keys run on
-// the CPU engine.
+// of kernels::cuda::kSantaTile tokens only; Bernoulli qK^T runs on the CPU engine. Scores from
+// compressed keys: engine/cuda/santa_compressed_call.h.
 #include <algorithm>
 #include <vector>
 
 #include "engine/cuda/gpu_runner.h"
+#include "engine/cuda/santa_compressed_call.h"
 #include "kernels/cuda/santa.h"
 
 namespace kvsparse::engine::gpu {
@@ -140,10 +141,30 @@ class SantaCall final : public MethodCall {
   Downloaded<int32_t> iid_indices_;  // iid: the samples [B, H, S]
 };
 
+// Exact scores (K resident) are SantaCall's; scores from compressed keys are
+// engine/cuda/santa_compressed_call.h's.
+class SantaRunnerOfBoth final : public GpuRunner {
+ public:
+  bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) const override {
+    return Exact(m) ? SantaCall::Supports(m, desc, caps)
+                    : SantaOverCompressedKeysSupports(m, desc, caps);
+  }
+  std::unique_ptr<MethodCall> Begin(const Method& m) const override {
+    if (Exact(m)) return std::make_unique<SantaCall>(m);
+    return BeginSantaOverCompressedKeys(m);
+  }
+  bool Capturable(const Method& m, const SequenceDesc& desc) const override {
+    return Exact(m) && SantaCall::Capturable(m, desc);
+  }
+
+ private:
+  static bool Exact(const Method& m) { return m.santa.scores == kernels::ScoreSource::kExact; }
+};
+
 }  // namespace
 
 const GpuRunner& SantaRunner() {
-  static const RunnerOf<SantaCall> runner;
+  static const SantaRunnerOfBoth runner;
   return runner;
 }
 

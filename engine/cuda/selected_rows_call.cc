@@ -79,6 +79,7 @@ absl::Status SelectedRowsCall::Enqueue(LaunchPlan& lp, Carver& c) {
   sel.positions = c.Take<int32_t>(static_cast<size_t>(BH) * max_sel_);
   sel.counts = stats == nullptr ? nullptr : stats + BH;
   sel.budgets = stats == nullptr ? nullptr : stats + 2 * BH;
+  sel.log2_weights = RowWeights() ? c.Take<float>(static_cast<size_t>(BH) * max_sel_) : nullptr;
 
   kc::PlaceRowsParams pp;
   pp.batch = lp.B;
@@ -129,6 +130,7 @@ absl::Status SelectedRowsCall::Enqueue(LaunchPlan& lp, Carver& c) {
   srp.positions = sel.positions;
   srp.counts = sel.counts;
   srp.max_selected = max_sel_;
+  srp.log2_weights = sel.log2_weights;
   const size_t sw = kc::SelectedRowsWorkspaceBytes(srp);
   void* sws = c.Take<char>(sw);
 

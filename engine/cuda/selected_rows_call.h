@@ -1,5 +1,6 @@
 // The GPU path of a method that selects rows per (sequence, kv head) and takes exact softmax
-// attention over them (hash top-k, SAAP). The method's selection kernels write, per (b, j), the
+// attention over them, optionally weighted (hash top-k, SAAP, top-k by compressed keys, S2ANTA
+// over compressed keys). The method's selection kernels write, per (b, j), the
 // union of its query heads' rows and each head's positions in it (kernels/cuda/selected_rows.h);
 // the rest is shared and lives here:
 //   PlaceRows           which rows the row cache holds from the last step, and which must cross;
@@ -42,6 +43,9 @@ class SelectedRowsCall : public MethodCall {
     int32_t* counts = nullptr;
     int32_t* budgets = nullptr;
     int32_t max_selected = 0;
+    // [B, H, max_selected] beside the selection's indices, when RowWeights(): each row's weight
+    // in log2 units (SelectedRowsParams::log2_weights).
+    float* log2_weights = nullptr;
   };
   // The union over each GQA group of per-query-head selections (indices [B, H, max_selected],
   // ascending, and counts [B, H], on the device) into the selection's row sets and positions:
@@ -62,6 +66,8 @@ class SelectedRowsCall : public MethodCall {
   virtual absl::Status EnqueueSelection(LaunchPlan& lp, Carver& c, const Selection& s) = 0;
   // The entries of host tables the selection added in PlanSelection (after the shared ones).
   virtual void FillSelectionTables(LaunchPlan& lp) {}
+  // Whether the selection weights its rows (Selection::log2_weights); else every weight is 1.
+  virtual bool RowWeights() const { return false; }
   // Device bytes the selection reads for sequence b per kv head: by default every token's key
   // signature (hash top-k, SAAP buckets).
   virtual uint64_t SelectionDeviceBytes(const LaunchPlan& lp, int32_t b) const {

@@ -2,16 +2,17 @@
 // them: a few bits per key channel, the open group's rows exact), then the shared
 // selected-rows path (engine/cuda/selected_rows_call.h: row cache, fetch, estimate):
 //   CompressedScores  scale * q . k~ for every token of every query head (the CPU reference's
-//                     scores bit for bit, so both engines select the same rows);
+//                     scores bit for bit, so both engines select the same rows;
+//                     engine/cuda/compressed_scoring.h);
 //   ScoreTopK         sink + local window + top-k by score per query head;
 //   UnionSelected     the union over each GQA group (each row once per kv head).
 // Only the selected K and V rows cross the host link. Exact scores (the oracle, which reads
 // every key) stay on the CPU engine.
 #include <algorithm>
 
+#include "engine/cuda/compressed_scoring.h"
 #include "engine/cuda/selected_rows_call.h"
 #include "kernels/compressed_keys.h"
-#include "kernels/cuda/compressed_keys.h"
 #include "kernels/cuda/score_topk.h"
 #include "kernels/hash_topk.h"
 
@@ -35,26 +36,12 @@ class TopKCall final : public SelectedRowsCall {
 
  private:
   absl::StatusOr<int32_t> PlanSelection(LaunchPlan& lp) override {
-    int32_t max_groups = 0;
     for (int32_t b = 0; b < lp.B; ++b) {
       absl::StatusOr<int32_t> k =
           kernels::ResolveTopK(params_.top_k, params_.top_k_fraction, lp.len(b));
       if (!k.ok()) return k.status();
-      max_groups = std::max(max_groups, lp.len(b) / kernels::kKeyGroupTokens);
     }
-    const kernels::KeyCompression c{
-        static_cast<int32_t>(lp.descs()[0].placement.compressed_key_bits),
-        kernels::kKeyGroupTokens};
-    cs_.num_seqs = lp.B;
-    cs_.num_q_heads = lp.H;
-    cs_.num_kv_heads = lp.hkv;
-    cs_.head_dim = lp.d;
-    cs_.bits = c.bits;
-    cs_.group = c.group_tokens;
-    cs_.max_groups = max_groups;
-    cs_.dtype = lp.dtype;
-    cs_.block_bytes = static_cast<int64_t>(kernels::KeyGroupBytes(c, lp.d));
-    cs_.score_stride = lp.n_max;
+    scoring_.Plan(lp);
     tk_.batch = lp.B;
     tk_.num_q_heads = lp.H;
     tk_.score_stride = lp.n_max;
@@ -63,27 +50,10 @@ class TopKCall final : public SelectedRowsCall {
     tk_.local_tokens = params_.local_tokens;
     tk_.top_k = params_.top_k;
     tk_.top_k_fraction = params_.top_k_fraction;
-    heads_off_ = lp.AddHostTable<const void*>(lp.BK);
-    tails_off_ = lp.AddHostTable<const void*>(lp.BK);
     return std::max(1, tk_.MaxSelected());
   }
 
-  void FillSelectionTables(LaunchPlan& lp) override {
-    const size_t row = lp.row, block = static_cast<size_t>(cs_.block_bytes);
-    const size_t group = static_cast<size_t>(cs_.group);
-    for (int32_t b = 0; b < lp.B; ++b) {
-      const DeviceLayer& l = lp.layer(b);
-      for (int32_t j = 0; j < lp.hkv; ++j) {
-        const int32_t i = b * lp.hkv + j;
-        if (l.ck.ptr != nullptr) {
-          lp.HostTable<const void*>(heads_off_)[i] = l.ck.as<uint8_t>() + j * l.ck_cap * block;
-        }
-        if (l.ck_tail.ptr != nullptr) {
-          lp.HostTable<const void*>(tails_off_)[i] = l.ck_tail.as<uint8_t>() + j * group * row;
-        }
-      }
-    }
-  }
+  void FillSelectionTables(LaunchPlan& lp) override { scoring_.FillTables(lp); }
 
   absl::Status EnqueueSelection(LaunchPlan& lp, Carver& c, const Selection& s) override {
     const size_t BH = static_cast<size_t>(lp.BH);
@@ -95,29 +65,19 @@ class TopKCall final : public SelectedRowsCall {
     tk_.budgets = s.budgets;
     const Union un = PlanUnion(lp, c, s, tk_.indices, tk_.counts);
     if (!lp.running()) return absl::OkStatus();
-    cs_.q = lp.shape().q;
-    cs_.scale = lp.shape().scale;
-    cs_.group_heads = lp.Dev<const uint8_t* const>(heads_off_);
-    cs_.tails = lp.Dev<const void* const>(tails_off_);
-    cs_.seq_lens = lp.shape().seq_lens;
-    cs_.scores = scores;
-    const cudaStream_t stream = lp.stream();
-    KVS_CUDA_OK(kc::CompressedScores(cs_, stream), "CompressedScores");
-    KVS_CUDA_OK(kc::ScoreTopK(tk_, stream), "ScoreTopK");
+    if (absl::Status st = scoring_.Enqueue(lp, scores); !st.ok()) return st;
+    KVS_CUDA_OK(kc::ScoreTopK(tk_, lp.stream()), "ScoreTopK");
     return EnqueueUnion(lp, un);
   }
 
-  // The selection reads every token's compressed key: the closed groups' blocks and the open
-  // group's exact rows (CompressedKeysView::bytes_read, as the CPU engine counts it).
+  // The selection reads every token's compressed key.
   uint64_t SelectionDeviceBytes(const LaunchPlan& lp, int32_t b) const override {
-    const uint64_t n = static_cast<uint64_t>(lp.len(b)), g = static_cast<uint64_t>(cs_.group);
-    return n / g * static_cast<uint64_t>(cs_.block_bytes) + n % g * lp.row;
+    return scoring_.DeviceBytes(lp, b);
   }
 
   const kernels::ScoreTopKParams params_;
-  kc::CompressedScoreParams cs_;
+  CompressedScoring scoring_;
   kc::ScoreTopKParams tk_;
-  size_t heads_off_ = 0, tails_off_ = 0;
 };
 
 }  // namespace

@@ -338,7 +338,9 @@ __global__ void __launch_bounds__(kRowThreads, 2)
       for (int o = L / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
       if (!ok[u]) continue;
       Unpack8<T>(vr[u], vf);
-      const float sc = dot * scale;
+      const float lw =
+          p.log2_weights != nullptr ? p.log2_weights[bh * p.max_selected + g0 + u * R + row] : 0.f;
+      const float sc = dot * scale + lw;
       const float mn = fmaxf(m, sc);
       const float a = Exp2OrZero(m - mn);
       const float pw = exp2f(sc - mn);

@@ -10,7 +10,7 @@
 //      read in place, e.g. the store's pinned host pages), to consecutive rows or to the
 //      locations PlaceRows gave;
 //   4. SelectedRowsDecode: per query head, exact softmax attention over its own rows (fp32,
-//      output in the dtype).
+//      output in the dtype), optionally with a weight per row (log2_weights).
 // CPU reference: kernels/row_selection.h (EstimateFromGathered with a softmax RowSelection).
 #ifndef KVSPARSE_KERNELS_CUDA_SELECTED_ROWS_H_
 #define KVSPARSE_KERNELS_CUDA_SELECTED_ROWS_H_
@@ -130,6 +130,9 @@ struct SelectedRowsParams {
   const int32_t* positions = nullptr;
   const int32_t* counts = nullptr;
   int32_t max_selected = 0;
+  // Optional, device [B, H, max_selected]: added to each row's score in log2 units (the row's
+  // weight w in w e^{s} / sum w e^{s}: S2ANTA's ratio weights, santa_scores.h), beside positions.
+  const float* log2_weights = nullptr;
 };
 size_t SelectedRowsWorkspaceBytes(const SelectedRowsParams& p);
 cudaError_t SelectedRowsDecode(const SelectedRowsParams& p, void* workspace, size_t workspace_bytes,

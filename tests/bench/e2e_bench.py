@@ -30,7 +30,9 @@ one process on one GPU:
 Methods: dense (every row from host memory), prop (S2ANTA-prop S=128, K on the GPU, V in host
 memory), hash (HashAttention top-k 1.25% per head from host memory, 4% row cache), vatt
 (vAttention eps = delta = 0.05, hash predictor), ckeys (top-k 1/32 per head by 2-bit compressed
-keys on the GPU, K and V in host memory, 4% row cache).
+keys on the GPU, K and V in host memory, 4% row cache), ckeys64 (the same at 1/64), ckprop
+(S2ANTA-prop S=128 drawing from the 2-bit compressed keys' scores, the sampled K and V rows from
+host memory: the ratio correction).
 
 Each variant's cache is filled with n random tokens per sequence and layer (the context a
 prefill would leave; not timed), then decoding runs `--warmup` untimed and `--steps` timed
@@ -69,6 +71,8 @@ METHODS: dict[str, kvsparse.Method] = {
     "hash": kvsparse.HashTopK(top_k_fraction=0.0125, sink_tokens=128, local_tokens=128),
     "vatt": kvsparse.VAttention(epsilon=0.05, delta=0.05),
     "ckeys": kvsparse.TopK(top_k_fraction=1 / 32, sink_tokens=128, local_tokens=128),
+    "ckeys64": kvsparse.TopK(top_k_fraction=1 / 64, sink_tokens=128, local_tokens=128),
+    "ckprop": kvsparse.Santa(samples=128, allocation="prop", scores="compressed"),
 }
 
 

@@ -380,6 +380,55 @@ TEST_F(GpuEngineTest, TopKByCompressedKeys) {
   }
 }
 
+// S2ANTA over compressed keys (the ratio correction, prop) with K and V in host memory and on the
+// device: the GPU samples from the compressed keys' scores (bit for bit the CPU's) with the CPU
+// reference's arithmetic, so nearly every head reads the rows the CPU engine reads (a sample can
+// move where expf's last bit differs) and the outputs agree; the sampled K and V rows cross. The
+// uncorrected estimate stays on the CPU engine.
+TEST_F(GpuEngineTest, SantaOverCompressedKeys) {
+  for (int pl = 0; pl < 3; ++pl) {
+    auto rig = Rig::Make(1ull << 30, 1.0, false, pl == 1 ? 100 << 10 : 32 << 20);
+    ASSERT_NE(rig, nullptr);
+    kvstore::Placement p;
+    p.compressed_key_bits = pl == 0 ? 2 : pl == 1 ? 1 : 4;
+    if (pl == 2) p.k_tier = p.v_tier = Tier::kDevice;
+    auto prob =
+        Problem({4000, 50, 1792, 128}, pl == 1 ? DType::kFp16 : DType::kBf16, pl == 1 ? 64 : 128);
+    rig->Load(prob, p);
+    const std::string what = "S2ANTA over compressed keys, placement " + std::to_string(pl);
+    Method m = SantaMethod(1, 128);
+    m.santa.scores = kernels::ScoreSource::kCompressedKeys;
+    auto c = rig->cpu->Decode(Call(prob, m));
+    ASSERT_TRUE(c.ok()) << what << ": " << c.status();
+    auto g = rig->gpu->Decode(Call(prob, m));
+    ASSERT_TRUE(g.ok()) << what << ": " << g.status();
+    EXPECT_GT(g->timing.launch_seconds, 0.0) << what << ": on the GPU";
+    ASSERT_EQ(g->heads.size(), c->heads.size());
+    size_t same = 0;
+    const size_t row = prob.problem.head_dim * kernels::DTypeSize(prob.problem.dtype);
+    for (size_t i = 0; i < c->heads.size(); ++i) {
+      const HeadStats& hc = c->heads[i];
+      const HeadStats& hg = g->heads[i];
+      same += hg.rows_fetched == hc.rows_fetched;
+      EXPECT_LE(std::fabs(static_cast<double>(hg.rows_fetched) - hc.rows_fetched),
+                0.02 * hc.rows_fetched + 1)
+          << what << " head " << i;
+      EXPECT_EQ(hg.budgets, hc.budgets) << what << " head " << i;
+      // The first step: every sampled row crosses (K and V), from where the placement keeps it.
+      const uint64_t crossed = hg.bytes[static_cast<int>(Tier::kHost)] +
+                               (pl == 2 ? hg.bytes[static_cast<int>(Tier::kDevice)] : 0);
+      EXPECT_GE(crossed, 2 * hg.rows_fetched * row) << what << " head " << i;
+    }
+    EXPECT_GE(same, c->heads.size() * 9 / 10) << what << ": heads reading the CPU's rows";
+    EXPECT_LT(RelL2(g->output, c->output, prob.problem.dtype), 0.05) << what;
+    Method none = m;
+    none.santa.correction = kernels::SantaCorrection::kNone;
+    auto n = rig->gpu->Decode(Call(prob, none));
+    ASSERT_TRUE(n.ok()) << n.status();
+    EXPECT_EQ(n->timing.launch_seconds, 0.0) << what << ": uncorrected on the CPU engine";
+  }
+}
+
 // Learned hash weights (random MLPs of HashAttention's shape): hash top-k and vAttention's hash
 // predictor sign keys and queries with them on the GPU (LearnedSign), selecting row for row
 // what the CPU engine selects; weights with one key MLP per query head stay on the CPU engine.

@@ -143,15 +143,16 @@ en::Method ParseMethod(const std::string& name, const std::string& text) {
     using S = kernels::SantaSampler;
     using A = kernels::SantaAllocation;
     m.santa.sampler = p.Choice<S>(
-        "sampler", {{"systematic", S::kSystematic}, {"iid", S::kIid}, {"stratified", S::kStratified}});
+        "sampler",
+        {{"systematic", S::kSystematic}, {"iid", S::kIid}, {"stratified", S::kStratified}});
     m.santa.allocation = p.Choice<A>(
         "allocation", {{"prop", A::kProp}, {"global", A::kGlobal}, {"flash", A::kFlash}});
     m.santa.samples = p.Int("samples", 128);
     m.santa.tile_size = p.Int("tile_size", 0);
     m.santa.bernoulli_qk_samples = p.Int("bernoulli_qk_samples", 0);
     m.santa.scores = p.Choice<kernels::ScoreSource>(
-        "scores",
-        {{"exact", kernels::ScoreSource::kExact}, {"compressed", kernels::ScoreSource::kCompressedKeys}});
+        "scores", {{"exact", kernels::ScoreSource::kExact},
+                   {"compressed", kernels::ScoreSource::kCompressedKeys}});
     m.santa.correction = p.Choice<kernels::SantaCorrection>(
         "correction",
         {{"ratio", kernels::SantaCorrection::kRatio}, {"none", kernels::SantaCorrection::kNone}});
@@ -180,9 +181,9 @@ en::Method ParseMethod(const std::string& name, const std::string& text) {
     v.bound = p.Choice<Bd>(
         "bound", {{"clt", Bd::kClt}, {"clt-ratio", Bd::kCltRatio}, {"hoeffding", Bd::kHoeffding}});
     using T = kernels::VerifyTarget;
-    v.target = p.Choice<T>("target", {{"output", T::kOutput},
-                                      {"numerator", T::kNumerator},
-                                      {"denominator", T::kDenominator}});
+    v.target = p.Choice<T>(
+        "target",
+        {{"output", T::kOutput}, {"numerator", T::kNumerator}, {"denominator", T::kDenominator}});
     v.bits = p.Int("bits", 0);
     m.learned_signatures = p.Number("learned", 0) != 0;
   } else if (name == "top_k") {
@@ -192,8 +193,8 @@ en::Method ParseMethod(const std::string& name, const std::string& text) {
     m.top_k.sink_tokens = p.Int("sink_tokens", 128);
     m.top_k.local_tokens = p.Int("local_tokens", 128);
     m.top_k.source = p.Choice<kernels::ScoreSource>(
-        "scores",
-        {{"compressed", kernels::ScoreSource::kCompressedKeys}, {"exact", kernels::ScoreSource::kExact}});
+        "scores", {{"compressed", kernels::ScoreSource::kCompressedKeys},
+                   {"exact", kernels::ScoreSource::kExact}});
   } else if (name == "saap") {
     m.kind = en::MethodKind::kSaap;
     m.saap.probes = p.Int("probes", 8);

@@ -1,0 +1,65 @@
+#include "engine/cuda/compressed_scoring.h"
+
+#include <algorithm>
+
+#include "kernels/compressed_keys.h"
+
+namespace kvsparse::engine::gpu {
+
+namespace kc = kernels::cuda;
+
+void CompressedScoring::Plan(LaunchPlan& lp) {
+  int32_t max_groups = 0;
+  for (int32_t b = 0; b < lp.B; ++b) {
+    max_groups = std::max(max_groups, lp.len(b) / kernels::kKeyGroupTokens);
+  }
+  const kernels::KeyCompression c{static_cast<int32_t>(lp.descs()[0].placement.compressed_key_bits),
+                                  kernels::kKeyGroupTokens};
+  cs_.num_seqs = lp.B;
+  cs_.num_q_heads = lp.H;
+  cs_.num_kv_heads = lp.hkv;
+  cs_.head_dim = lp.d;
+  cs_.bits = c.bits;
+  cs_.group = c.group_tokens;
+  cs_.max_groups = max_groups;
+  cs_.dtype = lp.dtype;
+  cs_.block_bytes = static_cast<int64_t>(kernels::KeyGroupBytes(c, lp.d));
+  cs_.score_stride = lp.n_max;
+  heads_off_ = lp.AddHostTable<const void*>(lp.BK);
+  tails_off_ = lp.AddHostTable<const void*>(lp.BK);
+}
+
+void CompressedScoring::FillTables(LaunchPlan& lp) {
+  const size_t row = lp.row, block = static_cast<size_t>(cs_.block_bytes);
+  const size_t group = static_cast<size_t>(cs_.group);
+  for (int32_t b = 0; b < lp.B; ++b) {
+    const DeviceLayer& l = lp.layer(b);
+    for (int32_t j = 0; j < lp.hkv; ++j) {
+      const int32_t i = b * lp.hkv + j;
+      if (l.ck.ptr != nullptr) {
+        lp.HostTable<const void*>(heads_off_)[i] = l.ck.as<uint8_t>() + j * l.ck_cap * block;
+      }
+      if (l.ck_tail.ptr != nullptr) {
+        lp.HostTable<const void*>(tails_off_)[i] = l.ck_tail.as<uint8_t>() + j * group * row;
+      }
+    }
+  }
+}
+
+absl::Status CompressedScoring::Enqueue(LaunchPlan& lp, float* scores) {
+  cs_.q = lp.shape().q;
+  cs_.scale = lp.shape().scale;
+  cs_.group_heads = lp.Dev<const uint8_t* const>(heads_off_);
+  cs_.tails = lp.Dev<const void* const>(tails_off_);
+  cs_.seq_lens = lp.shape().seq_lens;
+  cs_.scores = scores;
+  KVS_CUDA_OK(kc::CompressedScores(cs_, lp.stream()), "CompressedScores");
+  return absl::OkStatus();
+}
+
+uint64_t CompressedScoring::DeviceBytes(const LaunchPlan& lp, int32_t b) const {
+  const uint64_t n = static_cast<uint64_t>(lp.len(b)), g = static_cast<uint64_t>(cs_.group);
+  return n / g * static_cast<uint64_t>(cs_.block_bytes) + n % g * lp.row;
+}
+
+}  // namespace kvsparse::engine::gpu

@@ -1,0 +1,81 @@
+#include "engine/cuda/santa_compressed_call.h"
+
+#include "engine/cuda/compressed_scoring.h"
+#include "engine/cuda/selected_rows_call.h"
+#include "kernels/cuda/santa.h"
+#include "kernels/cuda/santa_scores.h"
+
+namespace kvsparse::engine::gpu {
+namespace {
+
+namespace kc = kernels::cuda;
+
+class SantaCompressedCall final : public SelectedRowsCall {
+ public:
+  explicit SantaCompressedCall(const Method& m) : params_(m.santa) {}
+
+ private:
+  absl::StatusOr<int32_t> PlanSelection(LaunchPlan& lp) override {
+    scoring_.Plan(lp);
+    ps_.batch = lp.B;
+    ps_.num_q_heads = lp.H;
+    ps_.num_kv_heads = lp.hkv;
+    ps_.score_stride = lp.n_max;
+    ps_.max_seq_len = lp.n_max;
+    ps_.num_samples = params_.samples;
+    ps_.tile_size = kc::kSantaTile;
+    ps_.max_selected = params_.samples + 1;  // systematic rounding can hand out S + 1 draws
+    return ps_.max_selected;
+  }
+
+  void FillSelectionTables(LaunchPlan& lp) override { scoring_.FillTables(lp); }
+  bool RowWeights() const override { return true; }
+
+  absl::Status EnqueueSelection(LaunchPlan& lp, Carver& c, const Selection& s) override {
+    const size_t BH = static_cast<size_t>(lp.BH);
+    float* scores = c.Take<float>(BH * lp.n_max);
+    ps_.scores = scores;
+    ps_.seq_lens = lp.shape().seq_lens;
+    ps_.seeds = lp.seeds();
+    ps_.indices = c.Take<int32_t>(BH * s.max_selected);
+    ps_.counts = s.counts;
+    ps_.budgets = s.budgets;
+    ps_.log2_weights = s.log2_weights;
+    const size_t wb = kc::PropFromScoresWorkspaceBytes(ps_);
+    void* ws = c.Take<char>(wb);
+    const Union un = PlanUnion(lp, c, s, ps_.indices, ps_.counts);
+    if (!lp.running()) return absl::OkStatus();
+    if (absl::Status st = scoring_.Enqueue(lp, scores); !st.ok()) return st;
+    KVS_CUDA_OK(kc::PropFromScores(ps_, ws, wb, lp.stream()), "PropFromScores");
+    return EnqueueUnion(lp, un);
+  }
+
+  // The selection reads every token's compressed key.
+  uint64_t SelectionDeviceBytes(const LaunchPlan& lp, int32_t b) const override {
+    return scoring_.DeviceBytes(lp, b);
+  }
+
+  const kernels::SantaParams params_;
+  CompressedScoring scoring_;
+  kc::PropFromScoresParams ps_;
+};
+
+}  // namespace
+
+bool SantaOverCompressedKeysSupports(const Method& m, const SequenceDesc& desc,
+                                     const GpuCaps& caps) {
+  const kernels::SantaParams& p = m.santa;
+  const int32_t tile = p.tile_size == 0 ? caps.default_tile_size : p.tile_size;
+  return p.scores == kernels::ScoreSource::kCompressedKeys &&
+         p.correction == kernels::SantaCorrection::kRatio &&
+         p.sampler == kernels::SantaSampler::kSystematic &&
+         p.allocation == kernels::SantaAllocation::kProp && tile == kc::kSantaTile &&
+         p.bernoulli_qk_samples == 0 && desc.placement.compressed_key_bits != 0 &&
+         StagedRowsFit(desc, caps);
+}
+
+std::unique_ptr<MethodCall> BeginSantaOverCompressedKeys(const Method& m) {
+  return std::make_unique<SantaCompressedCall>(m);
+}
+
+}  // namespace kvsparse::engine::gpu

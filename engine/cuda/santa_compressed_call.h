@@ -1,0 +1,27 @@
+// S2ANTA over compressed keys on the GPU (kernels/santa.h, "Scores from compressed keys"; the
+// ratio correction, prop allocation): the sequence's compressed keys score every token
+// (engine/cuda/compressed_scoring.h), PropFromScores samples S rows per query head from those
+// scores as the CPU reference does (kernels/cuda/santa_scores.h), UnionSelected merges each GQA
+// group's rows, and the selected-rows path (engine/cuda/selected_rows_call.h) fetches the sampled
+// K and V rows (through the row cache) and takes the ratio estimate: the softmax over the rows of
+// the exact score plus log2(count) - s~. The santa runner (engine/cuda/santa_runner.cc) hands
+// these calls here; other allocations and correction "none" run on the CPU engine.
+#ifndef KVSPARSE_ENGINE_CUDA_SANTA_COMPRESSED_CALL_H_
+#define KVSPARSE_ENGINE_CUDA_SANTA_COMPRESSED_CALL_H_
+
+#include <memory>
+
+#include "engine/cuda/gpu_runner.h"
+
+namespace kvsparse::engine::gpu {
+
+// Scores from compressed keys that the sequence keeps, the ratio correction, systematic sampling
+// with prop allocation over tiles of kernels::cuda::kSantaTile (as the santa runner's); rows
+// staged from a store in another process need K and V in one tier.
+bool SantaOverCompressedKeysSupports(const Method& m, const SequenceDesc& desc,
+                                     const GpuCaps& caps);
+std::unique_ptr<MethodCall> BeginSantaOverCompressedKeys(const Method& m);
+
+}  // namespace kvsparse::engine::gpu
+
+#endif  // KVSPARSE_ENGINE_CUDA_SANTA_COMPRESSED_CALL_H_

@@ -1,0 +1,55 @@
+// S2ANTA-prop over precomputed scores on the GPU: the sampler of kernels/santa.h run on scores a
+// kernel wrote before (CompressedScores: the sequence's compressed keys), for S2ANTA over
+// compressed keys with the ratio correction ("Scores from compressed keys" there). Per
+// (sequence, query head), one block follows the CPU reference's arithmetic step for step:
+//   tile statistics m_t, ell_t (fp32, ascending tokens), W_t, Z (double, ascending tiles), the
+//   fixed-point quotas and their prefix sums, the budgets S_t by systematic rounding with the GQA
+//   group's offset (RngTag::kPropRounding of the kv head), then systematic sampling inside each
+//   tile (RngTag::kPropTileOffset, one draw per tile), without fused multiply-adds;
+// and writes the sampled rows ascending (distinct), as UnionSelected reads them, with each row's
+// ratio log-weight log2(c) - s~ log2(e) (c its count), which SelectedRowsDecode adds to the exact
+// score: its softmax over the rows is then sum c e^{s - s~} V / sum c e^{s - s~}. The rows equal
+// the CPU's except where expf's last bit (CUDA's and the C library's differ by an ulp at most)
+// moves a threshold across a cumulative sum.
+#ifndef KVSPARSE_KERNELS_CUDA_SANTA_SCORES_H_
+#define KVSPARSE_KERNELS_CUDA_SANTA_SCORES_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace kvsparse::kernels::cuda {
+
+struct PropFromScoresParams {
+  int32_t batch = 0;         // B
+  int32_t num_q_heads = 0;   // H
+  int32_t num_kv_heads = 0;  // Hkv
+  // device, shape: [B * H, score_stride]: scaled logits of tokens 0 .. seq_lens[b] - 1.
+  const float* scores = nullptr;
+  int64_t score_stride = 0;
+  const int32_t* seq_lens = nullptr;  // device [B]
+  int32_t max_seq_len = 0;            // host bound of seq_lens
+  int32_t num_samples = 128;          // S, >= 1
+  int32_t tile_size = 256;            // tokens per tile, >= 1
+  // Random numbers: streams (seeds[b], tag, 0, head) when seeds (device [B]) is given, else
+  // (seed, tag, b, head): as kernels::SantaSelectCpu draws for sequence b of a batch-1 call.
+  uint64_t seed = 0;
+  const uint64_t* seeds = nullptr;
+  // Outputs, device: rows per (b, h) ascending in indices [B, H, max_selected] (max_selected >=
+  // num_samples + 1: systematic rounding can hand out one draw more than S), their number in
+  // counts [B, H], S in budgets [B, H] (optional), log2 weights [B, H, max_selected].
+  int32_t max_selected = 0;
+  int32_t* indices = nullptr;
+  int32_t* counts = nullptr;
+  int32_t* budgets = nullptr;
+  float* log2_weights = nullptr;
+};
+
+size_t PropFromScoresWorkspaceBytes(const PropFromScoresParams& p);
+cudaError_t PropFromScores(const PropFromScoresParams& p, void* workspace, size_t workspace_bytes,
+                           cudaStream_t stream);
+
+}  // namespace kvsparse::kernels::cuda
+
+#endif  // KVSPARSE_KERNELS_CUDA_SANTA_SCORES_H_
