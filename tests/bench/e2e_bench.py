@@ -258,6 +258,22 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server)
         cfg, target, method=method, stream=transport == "grpcs", seed=1,
         max_tokens=n + steps_total + 8 if planned else None,
     )
+    try:
+        return measure_kvsparse(row, variant, method, model, n, batch, args, cache, target, engines, transport,
+                                planned, compiled, steps_total)
+    finally:  # also when the variant fails: its sequences leave the store and the GPU
+        cache.close()
+        if isinstance(target, kvsparse.Client):
+            target.close()
+        model.set_attn_implementation("sdpa")
+
+
+def measure_kvsparse(row: Row, variant: str, method: kvsparse.Method, model, n: int, batch: int, args,
+                     cache: "kvsparse.hf.KvSparseCache", target: Any, engines, transport: str, planned: bool,
+                     compiled: bool, steps_total: int) -> Row:
+    """Loads the context into kvsparse and times the decode steps (run_kvsparse's body)."""
+    cfg = model.config
+    L, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     t0 = time.perf_counter()
     for layer in range(L):
         k, v = random_kv(batch, hkv, n, d, str(model.device), layer)
@@ -286,7 +302,7 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server)
         stats = cache.step_stats()
         lengths = cache.commit()
         host_bytes = None
-        if isinstance(method, kvsparse.Santa):  # V rows read per (layer, sequence, kv head)
+        if isinstance(method, kvsparse.Santa) and method.scores == "exact":  # V rows per (layer, b, kv head)
             host_bytes = int(stats[:, 0, : batch * hkv].sum()) * d * 2
         elif isinstance(method, kvsparse.HashTopK):  # rows of the union less the row cache's hits
             misses = stats[:, 0, : batch * hkv].sum() - stats[:, 3, : batch * hkv].sum()
@@ -299,10 +315,6 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server)
     if mem is not None:
         row.kv_gpu_gb = mem["gpu_bytes"] / 1e9
     row.note += f"load {load_s:.0f} s" + (f", compile+run {warm_s:.0f} s" if compiled else "")
-    cache.close()
-    if isinstance(target, kvsparse.Client):
-        target.close()
-    model.set_attn_implementation("sdpa")
     return finish(row)
 
 
@@ -387,13 +399,18 @@ def main() -> None:
                 if f"{n}:{batch}:{variant}" in skip:
                     continue
                 log(f"== n={n} B={batch} {variant}")
+                failed = None
                 try:
                     if variant in ("resident", "compiled", "offloaded"):
                         row = run_transformers(variant, model, n, batch, args)
                     else:
                         row = run_kvsparse(variant, model, n, batch, args, engines, server)
                 except (torch.cuda.OutOfMemoryError, RuntimeError, kvsparse.KvSparseError) as e:
-                    row = Row(n, batch, variant, note=f"failed: {type(e).__name__}: {str(e)[:160]}")
+                    failed = f"failed: {type(e).__name__}: {str(e)[:160]}"
+                if failed is not None:
+                    # Outside the handler: the exception's frames (and the tensors they hold) are
+                    # gone, so the next variant finds the GPU memory free.
+                    row = Row(n, batch, variant, note=failed)
                     gc.collect()
                     if gpu:
                         torch.cuda.empty_cache()
