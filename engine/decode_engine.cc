@@ -79,19 +79,19 @@ absl::Status CheckDistinct(const std::vector<std::string>& ids) {
   return absl::OkStatus();
 }
 
-// q in host memory must be finite (one rule for every method: a NaN or infinite score has no
-// softmax). q on the device is not scanned (that would cost the call a device sync).
+// q in host memory must hold finite values below 2^32 (one rule for every method and for K and
+// V, kernels::FirstUnacceptedValue: no score can be infinite or NaN). q on the device is not
+// scanned (that would cost the call a device sync).
 absl::Status CheckFiniteQ(const DecodeCall& call, const kvstore::ModelShape& shape) {
   if (call.on_device()) return absl::OkStatus();
   const size_t n = call.q.size() / kernels::DTypeSize(call.q_dtype);
-  const size_t per_head = shape.head_dim;
-  for (size_t i = 0; i < n; ++i) {
-    if (!std::isfinite(kernels::LoadAsFloat(call.q.data(), i, call.q_dtype))) {
-      const size_t head = i / per_head;
-      return absl::InvalidArgumentError(absl::StrCat("q has a NaN or infinite value (sequence ",
-                                                     head / shape.num_q_heads, ", head ",
-                                                     head % shape.num_q_heads, ")"));
-    }
+  const int64_t bad = kernels::FirstUnacceptedValue(call.q.data(), n, call.q_dtype);
+  if (bad >= 0) {
+    const size_t head = static_cast<size_t>(bad) / shape.head_dim;
+    return absl::InvalidArgumentError(
+        absl::StrCat("q has a NaN, an infinity or a value of magnitude 2^32 or more (sequence ",
+                     head / shape.num_q_heads, ", head ", head % shape.num_q_heads,
+                     "): kvsparse accepts finite values below 2^32"));
   }
   return absl::OkStatus();
 }

@@ -659,7 +659,7 @@ TEST_F(EngineTest, EveryMethodRefusesEmptyLayersNonFiniteQAndRepeats) {
     auto r = engine_->Decode(c);
     EXPECT_EQ(r.status().code(), StatusCode::kFailedPrecondition) << what << ": " << r.status();
     EXPECT_TRUE(absl::StrContains(r.status().message(), "holds no tokens")) << r.status();
-    for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
+    for (float bad : {std::nanf(""), std::numeric_limits<float>::infinity(), 3e38f, 4.3e9f}) {
       DecodeCall q = Call(m);
       std::vector<uint8_t> qb(q.q.begin(), q.q.end());
       kernels::StoreFromFloat(qb.data(), 77, q.q_dtype, bad);
@@ -668,15 +668,27 @@ TEST_F(EngineTest, EveryMethodRefusesEmptyLayersNonFiniteQAndRepeats) {
       EXPECT_EQ(rq.status().code(), StatusCode::kInvalidArgument) << what << ": " << rq.status();
     }
   }
-  // With the new token in the same call there is a layer to attend to.
+  // With the new token in the same call there is a layer to attend to; a new token whose K or V
+  // holds a NaN, an infinity or a value of 2^32 or more is refused and not appended.
   DecodeCall c = Call(Method{});
   c.sequence_ids = {"empty"};
   c.q = c.q.subspan(0, c.q.size() / 2);
   const size_t token = static_cast<size_t>(shape_.num_kv_heads) * shape_.row_bytes();
   std::vector<uint8_t> nk(token, 0);
+  c.new_kv_dtype = shape_.dtype;
+  for (float bad : {std::nanf(""), -std::numeric_limits<float>::infinity(), 5e9f}) {
+    std::vector<uint8_t> poisoned = nk;
+    kernels::StoreFromFloat(poisoned.data(), 3, shape_.dtype, bad);
+    for (bool in_v : {false, true}) {
+      c.new_k = in_v ? absl::Span<const uint8_t>(nk) : absl::Span<const uint8_t>(poisoned);
+      c.new_v = in_v ? absl::Span<const uint8_t>(poisoned) : absl::Span<const uint8_t>(nk);
+      auto rn = engine_->Decode(c);
+      EXPECT_EQ(rn.status().code(), StatusCode::kInvalidArgument) << rn.status();
+      EXPECT_EQ(store_->GetSequenceInfo("empty")->layer_lengths[kLayer], 0u);
+    }
+  }
   c.new_k = nk;
   c.new_v = nk;
-  c.new_kv_dtype = shape_.dtype;
   EXPECT_TRUE(engine_->Decode(c).ok());
   DecodeCall twice = Call(Method{});
   twice.sequence_ids = {"s0", "s0"};

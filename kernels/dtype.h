@@ -168,6 +168,49 @@ inline void ConvertElements(const void* src, DType from, void* dst, DType to, si
   for (size_t i = 0; i < n; ++i) StoreFromFloat(dst, i, to, LoadAsFloat(src, i, from));
 }
 
+// The values kvsparse accepts in q, K and V: finite, of magnitude below 2^32 (every attention
+// score of such values, scale * sum_d q k over head dims up to 1024, stays far inside fp32's range:
+// |s| < 2^74, so softmax, sampling and estimates never meet an infinity or a NaN).
+// Whether all n elements at `data` are such values. Host-side, eight bytes at a time (SWAR): in
+// each 16- or 32-bit lane, (x & ~sign) + (2^(w-1) - limit) sets the lane's top bit exactly when
+// |x|'s bits reach `limit` (a float's magnitude orders as its bits; no carry leaves a lane), so
+// one OR over the words decides. Loads go through memcpy: `data` may be any byte address.
+inline bool AcceptedValues(const void* data, size_t n, DType t) {
+  const unsigned char* b = static_cast<const unsigned char*>(data);
+  const size_t es = DTypeSize(t);
+  // fp32 and bf16: 2^32 and above, +-inf and NaN; fp16: every finite value is below 65504, so
+  // only +-inf and NaN (exponent all ones).
+  const uint32_t limit = t == DType::kFp32 ? 0x4F800000u : t == DType::kFp16 ? 0x7C00u : 0x4F80u;
+  const uint64_t top = es == 4 ? 0x8000000080000000ull : 0x8000800080008000ull;
+  const uint64_t add = es == 4 ? (0x80000000ull - limit) * 0x0000000100000001ull
+                               : (0x8000ull - limit) * 0x0001000100010001ull;
+  const size_t words = n * es / 8;
+  uint64_t any = 0;
+  for (size_t w = 0; w < words; ++w) {
+    uint64_t x;
+    std::memcpy(&x, b + 8 * w, 8);
+    any |= (x & ~top) + add;
+  }
+  for (size_t i = words * 8 / es; i < n; ++i) {
+    uint32_t x = 0;
+    std::memcpy(&x, b + es * i, es);
+    if ((x & (es == 4 ? 0x7FFFFFFFu : 0x7FFFu)) >= limit) return false;
+  }
+  return (any & top) == 0;
+}
+
+// The index of the first of n elements at `data` that is not an accepted value, or -1.
+inline int64_t FirstUnacceptedValue(const void* data, size_t n, DType t) {
+  if (AcceptedValues(data, n, t)) return -1;
+  const size_t es = DTypeSize(t);
+  for (size_t i = 0; i < n; ++i) {
+    if (!AcceptedValues(static_cast<const unsigned char*>(data) + es * i, 1, t)) {
+      return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
+}
+
 }  // namespace kvsparse::kernels
 
 #endif  // KVSPARSE_KERNELS_DTYPE_H_

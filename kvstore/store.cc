@@ -274,6 +274,28 @@ absl::Status Store::TakeRoom(size_t pages, size_t bytes, const Sequence* request
   return got;
 }
 
+namespace {
+
+// INVALID_ARGUMENT naming the first K or V value of an append that is not finite or not below
+// 2^32 (kernels::AcceptedValues): the error path, so the slow scan is fine.
+absl::Status UnacceptedValues(const AppendRequest& req, const ModelShape& shape) {
+  const size_t n = req.k.size() / kernels::DTypeSize(shape.dtype);
+  for (const auto& [what, bytes] : {std::pair{"k", req.k}, std::pair{"v", req.v}}) {
+    const int64_t bad = kernels::FirstUnacceptedValue(bytes.data(), n, shape.dtype);
+    if (bad < 0) continue;
+    const uint64_t row = static_cast<uint64_t>(bad) / shape.head_dim;
+    const uint64_t h = row % shape.num_kv_heads, t = row / shape.num_kv_heads % req.num_tokens;
+    const uint64_t l = req.first_layer + row / shape.num_kv_heads / req.num_tokens;
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " holds a NaN, an infinity or a value of magnitude 2^32 or more (layer ",
+                     l, ", token ", t, " of the append, kv head ", h, ", element ",
+                     bad % shape.head_dim, "): kvsparse accepts finite values below 2^32"));
+  }
+  return absl::InvalidArgumentError("k or v holds a value kvsparse does not accept");
+}
+
+}  // namespace
+
 absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
   if (req.num_tokens == 0) return absl::InvalidArgumentError("append of zero tokens");
   if (req.num_layers == 0) return absl::InvalidArgumentError("append to zero layers");
@@ -345,7 +367,6 @@ absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
         !got.ok())
       return got;
   }
-  // Nothing can fail from here on.
   size_t next_page = 0;
   for (uint32_t li = 0; li < req.num_layers; ++li) {
     for (uint32_t h = 0; h < shape.num_kv_heads; ++h) {
@@ -353,19 +374,42 @@ absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
       for (uint64_t p = 0; p < lane_pages[li]; ++p) lane.push_back(pages[next_page++]);
     }
   }
-  seq.pages_held_.fetch_add(new_pages);
+  // Copy the rows past the layers' lengths (invisible until the lengths move), checking each row
+  // just before its copy, while it is in cache: one rule for every way in (Append, Decode's new
+  // token, the in-process op), K and V values finite and below 2^32 (kernels::AcceptedValues),
+  // so no score or output of the sequence can become infinite or NaN.
   const size_t row = seq.row_bytes_;
-  for (uint32_t li = 0; li < req.num_layers; ++li) {
+  const size_t row_elems = shape.head_dim;
+  bool accepted = true;
+  for (uint32_t li = 0; li < req.num_layers && accepted; ++li) {
     const uint32_t l = req.first_layer + li;
-    for (uint64_t t = 0; t < req.num_tokens; ++t) {
+    for (uint64_t t = 0; t < req.num_tokens && accepted; ++t) {
       for (uint32_t h = 0; h < shape.num_kv_heads; ++h) {
         const size_t src = ((li * req.num_tokens + t) * shape.num_kv_heads + h) * row;
+        if (!kernels::AcceptedValues(req.k.data() + src, row_elems, shape.dtype) ||
+            !kernels::AcceptedValues(req.v.data() + src, row_elems, shape.dtype)) {
+          accepted = false;
+          break;
+        }
         uint8_t* slot = seq.Slot(seq.lanes_[seq.Lane(l, h)], len0 + t);
         std::memcpy(slot, req.k.data() + src, row);
         std::memcpy(slot + row, req.v.data() + src, row);
       }
     }
-    seq.lengths_[l] = len0 + req.num_tokens;
+  }
+  if (!accepted) {  // give the new pages back; the sequence holds what it held
+    for (uint32_t li = 0; li < req.num_layers; ++li) {
+      for (uint32_t h = 0; h < shape.num_kv_heads; ++h) {
+        auto& lane = seq.lanes_[seq.Lane(req.first_layer + li, h)];
+        lane.resize(lane.size() - lane_pages[li]);
+      }
+    }
+    if (!pages.empty()) pool_.Free(pages);
+    return UnacceptedValues(req, shape);
+  }
+  seq.pages_held_.fetch_add(new_pages);
+  for (uint32_t li = 0; li < req.num_layers; ++li) {
+    seq.lengths_[req.first_layer + li] = len0 + req.num_tokens;
   }
   const uint64_t rows = req.num_layers * req.num_tokens * shape.num_kv_heads;
   rows_appended_.fetch_add(2 * rows, std::memory_order_relaxed);  // K rows + V rows

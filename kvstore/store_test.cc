@@ -1,15 +1,18 @@
 #include "kvstore/store.h"
 
 #include <atomic>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <iterator>
+#include <limits>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "kvstore/memory_resource.h"
 #include "kvstore/shared_arena.h"
@@ -25,7 +28,10 @@ uint8_t RowByte(uint32_t layer, uint32_t head, uint64_t token, int kv, size_t b)
                (b * 2654435761ull);
   x ^= x >> 29;
   x *= 0xbf58476d1ce4e5b9ull;
-  return static_cast<uint8_t>(x >> 32);
+  // Odd bytes hold every element's top byte (2- and 4-byte little-endian elements): without bit 6
+  // the exponent stays small, so every element is a value the store accepts (finite, < 2^32).
+  const uint8_t byte = static_cast<uint8_t>(x >> 32);
+  return b % 2 == 1 ? static_cast<uint8_t>(byte & 0xBF) : byte;
 }
 
 // K and V for tokens [t0, t0 + n) of layers [l0, l0 + nl): [nl, n, Hkv, row_bytes] each.
@@ -194,6 +200,63 @@ TEST(StoreTest, AppendsLayerByLayer) {
   auto g = DoGather(*store, "a", 3, {{1, std::vector<uint32_t>{2}}});
   ASSERT_TRUE(g.ok());
   ExpectRow(s, g->k.data(), 3, 1, 2, 0);
+}
+
+// K and V values must be finite and below 2^32 in magnitude (kernels::FirstUnacceptedValue): an
+// append holding a NaN, an infinity or a huge finite value is INVALID_ARGUMENT naming the row, in
+// every dtype, and the sequence keeps exactly what it held (before: accepted; dense then returned
+// NaN outputs with status OK and every S2ANTA call on the sequence failed).
+TEST(StoreTest, AppendRefusesNonFiniteAndHugeValues) {
+  for (DType dt : {DType::kFp32, DType::kFp16, DType::kBf16}) {
+    auto store = NewStore();
+    const ModelShape s = Shape(dt, 2);
+    ASSERT_TRUE(store->CreateSequence("a", s, {}).ok());
+    ASSERT_TRUE(AppendTokens(*store, "a", s, 0, 2, 0, 3).ok());
+    const uint64_t used = store->Stats().bytes_used;
+    std::vector<float> bads = {std::nanf(""), std::numeric_limits<float>::infinity(),
+                               -std::numeric_limits<float>::infinity()};
+    if (dt != DType::kFp16) bads.push_back(3e38f);  // fp16 has no finite value that large
+    if (dt == DType::kFp32) bads.push_back(-4.3e9f);
+    for (float bad : bads) {
+      for (int which = 0; which < 2; ++which) {
+        std::vector<uint8_t> k, v;
+        MakeRows(s, 0, 2, 3, 2, &k, &v);
+        // Layer 1, token 1 of the append, kv head 1, element 5.
+        const size_t at = ((1 * 2 + 1) * s.num_kv_heads + 1) * s.head_dim + 5;
+        kvsparse::kernels::StoreFromFloat(which == 0 ? k.data() : v.data(), at, dt, bad);
+        AppendRequest r;
+        r.sequence_id = "a";
+        r.first_layer = 0;
+        r.num_layers = 2;
+        r.num_tokens = 2;
+        SetShape(s, &r);
+        r.k = k;
+        r.v = v;
+        absl::StatusOr<AppendResult> got = store->Append(r);
+        EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument)
+            << DTypeName(dt) << " " << bad;
+        EXPECT_TRUE(absl::StrContains(got.status().message(),
+                                      "layer 1, token 1 of the append, kv head 1, element 5"))
+            << got.status();
+        EXPECT_TRUE(absl::StartsWith(got.status().message(), which == 0 ? "k " : "v "))
+            << got.status();
+      }
+    }
+    EXPECT_EQ(store->GetSequenceInfo("a")->layer_lengths, std::vector<uint64_t>(2, 3));
+    EXPECT_EQ(store->Stats().bytes_used, used);
+    // The largest accepted values still append.
+    std::vector<uint8_t> k, v;
+    MakeRows(s, 0, 2, 3, 1, &k, &v);
+    kvsparse::kernels::StoreFromFloat(k.data(), 0, dt, dt == DType::kFp16 ? 65504.f : 4.2e9f);
+    AppendRequest r;
+    r.sequence_id = "a";
+    r.num_layers = 2;
+    r.num_tokens = 1;
+    SetShape(s, &r);
+    r.k = k;
+    r.v = v;
+    EXPECT_TRUE(store->Append(r).ok()) << DTypeName(dt);
+  }
 }
 
 TEST(StoreTest, RecreatedSequenceHasNewIncarnation) {

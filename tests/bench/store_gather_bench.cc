@@ -1,6 +1,8 @@
 // In-process sparse gather of the store against a contiguous memcpy of the same bytes.
 //
-//   store_gather_bench [--pool=2G] [--rows=4096,131072] [--reps=40]
+//   store_gather_bench [--pool=2G] [--rows=4096,131072] [--reps=40] [--append_tokens=64]
+//
+// Then the cost of an Append call and of its value check (finite, below 2^32) within it.
 //
 // The store holds a sequence of `pool` bytes (16 layers x 8 kv heads, d=128 bf16: K and V rows
 // of 256 B). Each rep gathers V rows at random tokens, spread evenly over the 8 kv heads, from
@@ -20,12 +22,14 @@
 #include "absl/flags/parse.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "kernels/dtype.h"
 #include "kvstore/store.h"
 #include "tests/bench/bench_fill.h"
 
 ABSL_FLAG(std::string, pool, "2G", "Bytes of K+V held by the store (K, M, G suffixes)");
 ABSL_FLAG(std::string, rows, "4096,131072", "Rows per gather call");
 ABSL_FLAG(int, reps, 40, "Timed calls per configuration (median reported)");
+ABSL_FLAG(uint64_t, append_tokens, 64, "Tokens per timed Append call (every layer and kv head)");
 
 namespace {
 
@@ -134,6 +138,54 @@ int main(int argc, char** argv) {
     std::printf("%-8lu %-10.2f %14.1f %10.2f %14.1f %10.2f %7.0f%%\n",
                 static_cast<unsigned long>(rows), bytes / 1e6, g, bytes / g / 1e3, m,
                 bytes / m / 1e3, 100.0 * m / g);
+  }
+  // Append: what the value check (finite, below 2^32: kernels::FirstUnacceptedValue) costs an
+  // append. Calls of `append_tokens` tokens x every layer and kv head into a fresh sequence
+  // (pages allocated as it grows), each timed whole; the check alone timed over the same bytes.
+  const uint64_t chunk = absl::GetFlag(FLAGS_append_tokens);
+  const size_t chunk_bytes = shape.num_layers * chunk * shape.num_kv_heads * row;
+  std::vector<uint8_t> k(chunk_bytes), v(chunk_bytes);
+  for (size_t i = 0; i < chunk_bytes; ++i) {  // values the store accepts (odd bytes without bit 6)
+    k[i] = static_cast<uint8_t>(rng() & (i % 2 == 1 ? 0xBF : 0xFF));
+    v[i] = static_cast<uint8_t>(rng() & (i % 2 == 1 ? 0xBF : 0xFF));
+  }
+  if (!(*store)->DropSequence("bench").ok() || !(*store)->CreateSequence("app", shape, {}).ok()) {
+    return 1;
+  }
+  std::vector<double> a_us, c_us;
+  for (int rep = -2; rep < reps && (rep + 3) * chunk * token_bytes < o.capacity_bytes / 2; ++rep) {
+    kv::AppendRequest r;
+    r.sequence_id = "app";
+    r.num_layers = shape.num_layers;
+    r.num_tokens = chunk;
+    r.num_kv_heads = shape.num_kv_heads;
+    r.head_dim = shape.head_dim;
+    r.dtype = shape.dtype;
+    r.k = k;
+    r.v = v;
+    const auto t0 = Clock::now();
+    if (auto a = (*store)->Append(r); !a.ok()) {
+      std::fprintf(stderr, "append: %s\n", a.status().ToString().c_str());
+      return 1;
+    }
+    const auto t1 = Clock::now();
+    const size_t n = chunk_bytes / 2;
+    const bool bad = kvsparse::kernels::FirstUnacceptedValue(k.data(), n, shape.dtype) >= 0 ||
+                     kvsparse::kernels::FirstUnacceptedValue(v.data(), n, shape.dtype) >= 0;
+    const auto t2 = Clock::now();
+    if (bad) return 1;
+    if (rep >= 0) {
+      a_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+      c_us.push_back(std::chrono::duration<double, std::micro>(t2 - t1).count());
+    }
+  }
+  if (!a_us.empty()) {
+    const double a = Median(a_us), c = Median(c_us);
+    std::printf(
+        "append of %lu tokens (%.1f MB of K+V): %.1f us (%.2f GB/s), of which the value "
+        "check %.1f us (%.1f%%), median of %zu\n",
+        static_cast<unsigned long>(chunk), 2 * chunk_bytes / 1e6, a, 2 * chunk_bytes / a / 1e3, c,
+        100.0 * c / a, a_us.size());
   }
   return 0;
 }

@@ -218,8 +218,18 @@ def test_bad_input_raises_the_right_exception(client: kvsparse.Client) -> None:
     nan_q = q.copy()
     nan_q[0, 3, 5] = np.nan
     for method in (kvsparse.Dense(), kvsparse.Santa(samples=8), kvsparse.VAttention(predictor="exact")):
-        with pytest.raises(kvsparse.InvalidArgument, match="NaN or infinite"):  # every method alike
+        with pytest.raises(kvsparse.InvalidArgument, match="NaN, an infinity"):  # every method alike
             client.attention.decode(0, ["bad"], nan_q, method)
+    # K and V: finite and below 2^32, or the append is refused naming the row, and nothing is kept.
+    before = client.store.sequence_info("bad").layer_lengths[0]
+    for bad in (np.nan, np.inf, -np.inf, 3e38):
+        k = np.zeros((1, 2, 2, 64), np.float32)
+        k[0, 1, 1, 7] = bad
+        with pytest.raises(kvsparse.InvalidArgument, match=r"token 1 of the append, kv head 1, element 7"):
+            client.store.append("bad", k, np.zeros_like(k))
+        with pytest.raises(kvsparse.InvalidArgument, match="v holds"):
+            client.store.append("bad", np.zeros_like(k), k)
+    assert client.store.sequence_info("bad").layer_lengths[0] == before
     client.store.create_sequence("hollow", SHAPE, kvsparse.Placement(k_tier="device"))
     for method in (kvsparse.Dense(), kvsparse.Santa(samples=8), kvsparse.VAttention(predictor="exact", base_rate=1e-6)):
         with pytest.raises(kvsparse.FailedPrecondition, match="holds no tokens"):

@@ -85,6 +85,12 @@ def test_errors_are_kvsparse_exceptions(engine: ops.InProcessEngine) -> None:
             ops._call(torch.ops.kvsparse.decode, engine.handle, 1, ids, q, None, None, spec[0], spec[1], 0, 0.125)
     with pytest.raises(kvsparse.InvalidArgument, match="correction"):
         engine.decode(1, ids, q, kvsparse.Santa(correction="exact"))  # type: ignore[arg-type]
+    nan_k = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
+    nan_k[0, 1, 3] = float("nan")
+    length = engine.layer_lengths("s0")[1]
+    with pytest.raises(kvsparse.InvalidArgument, match="kv head 1, element 3"):  # the store's rule
+        engine.append("s0", 1, nan_k, torch.zeros(1, 2, 64, dtype=torch.bfloat16))
+    assert engine.layer_lengths("s0")[1] == length
     with pytest.raises(kvsparse.AlreadyExists):
         engine.create_sequence("s0", SHAPE)
     with pytest.raises(kvsparse.FailedPrecondition):  # a retried append
