@@ -186,29 +186,6 @@ TEST(CompressedKeysTest, ClosedGroupsNeverChange) {
 
 // ---- Top-k by scores ---------------------------------------------------------------------------
 
-std::vector<CompressedKeysView> Views(const std::vector<CompressedKeys>& c) {
-  std::vector<CompressedKeysView> v;
-  for (const CompressedKeys& x : c) v.push_back(x.view());
-  return v;
-}
-
-// Compressed keys of every (sequence, kv head) of a sequence-major synthetic problem.
-std::vector<CompressedKeys> CompressProblem(const DecodeProblem& p, int32_t bits) {
-  std::vector<CompressedKeys> out;
-  const size_t es = DTypeSize(p.dtype);
-  for (int32_t b = 0; b < p.batch; ++b) {
-    for (int32_t j = 0; j < p.num_kv_heads; ++j) {
-      out.emplace_back(KeyCompression{bits, kKeyGroupTokens}, p.head_dim, p.dtype);
-      for (int32_t t = 0; t < p.seq_lens[b]; ++t) {
-        const int64_t off = b * p.kv_layout.batch_stride + j * p.kv_layout.head_stride +
-                            t * p.kv_layout.token_stride;
-        out.back().Append(static_cast<const uint8_t*>(p.k) + off * es);
-      }
-    }
-  }
-  return out;
-}
-
 // Fraction of the oracle's rows (every kv head's union) that `got` selected too.
 double Recall(const RowSelection& oracle, const RowSelection& got) {
   size_t hit = 0, total = 0;
@@ -240,8 +217,8 @@ TEST(ScoreTopKTest, ValidatesParamsAndViews) {
   p.source = ScoreSource::kCompressedKeys;
   EXPECT_EQ(ScoreTopKSelectCpu(sp.problem, p, {}, &sel).code(), absl::StatusCode::kInvalidArgument)
       << "one view per (sequence, kv head)";
-  std::vector<CompressedKeys> c = CompressProblem(sp.problem, 2);
-  EXPECT_TRUE(ScoreTopKSelectCpu(sp.problem, p, Views(c), &sel).ok());
+  std::vector<CompressedKeys> c = CompressProblemKeys(sp.problem, 2);
+  EXPECT_TRUE(ScoreTopKSelectCpu(sp.problem, p, ViewsOf(c), &sel).ok());
 }
 
 // Oracle top-k with every token selected is dense attention.
@@ -255,11 +232,11 @@ TEST(ScoreTopKTest, EveryRowSelectedIsDense) {
   ASSERT_TRUE(DenseDecodeCpu(sp.problem).ok());
   const std::vector<double> dense = OutputAsDouble(sp.problem);
   for (ScoreSource src : {ScoreSource::kExact, ScoreSource::kCompressedKeys}) {
-    std::vector<CompressedKeys> c = CompressProblem(sp.problem, 1);
+    std::vector<CompressedKeys> c = CompressProblemKeys(sp.problem, 1);
     ScoreTopKParams p;
     p.top_k_fraction = 1.f;
     p.source = src;
-    ASSERT_TRUE(ScoreTopKDecodeCpu(sp.problem, p, Views(c)).ok());
+    ASSERT_TRUE(ScoreTopKDecodeCpu(sp.problem, p, ViewsOf(c)).ok());
     EXPECT_LT(RelativeL2(dense, OutputAsDouble(sp.problem)), 1e-3);
   }
 }

@@ -24,27 +24,6 @@
 namespace kvsparse::kernels {
 namespace {
 
-// Compressed keys of every (sequence, kv head) of a problem (K rows read in place).
-std::vector<CompressedKeys> CompressProblem(const DecodeProblem& p, int32_t bits) {
-  std::vector<CompressedKeys> out;
-  const size_t es = DTypeSize(p.dtype);
-  for (int32_t b = 0; b < p.batch; ++b) {
-    for (int32_t j = 0; j < p.num_kv_heads; ++j) {
-      out.emplace_back(KeyCompression{bits, kKeyGroupTokens}, p.head_dim, p.dtype);
-      for (int32_t t = 0; t < p.seq_lens[b]; ++t) {
-        out.back().Append(static_cast<const uint8_t*>(p.k) + KvRowOffset(p, b, j, t) * es);
-      }
-    }
-  }
-  return out;
-}
-
-std::vector<CompressedKeysView> Views(const std::vector<CompressedKeys>& c) {
-  std::vector<CompressedKeysView> v;
-  for (const CompressedKeys& x : c) v.push_back(x.view());
-  return v;
-}
-
 SantaParams Config(SantaSampler sampler, SantaAllocation allocation, int32_t S,
                    SantaCorrection correction) {
   SantaParams p;
@@ -76,8 +55,8 @@ TEST(SantaCompressedTest, RefusesWhatItCannotServe) {
   RowSelection sel;
   EXPECT_EQ(SantaSelectCpu(sp.problem, p, 1, &sel).code(), absl::StatusCode::kInvalidArgument)
       << "one view per (sequence, kv head)";
-  std::vector<CompressedKeys> c = CompressProblem(sp.problem, 2);
-  EXPECT_TRUE(SantaSelectCpu(sp.problem, p, 1, &sel, nullptr, Views(c)).ok());
+  std::vector<CompressedKeys> c = CompressProblemKeys(sp.problem, 2);
+  EXPECT_TRUE(SantaSelectCpu(sp.problem, p, 1, &sel, nullptr, ViewsOf(c)).ok());
   EXPECT_EQ(sel.kind, EstimateKind::kSoftmax);
   p.bernoulli_qk_samples = 4;
   EXPECT_EQ(ValidateSantaParams(p).code(), absl::StatusCode::kInvalidArgument);
@@ -91,7 +70,7 @@ TEST(SantaCompressedTest, RefusesWhatItCannotServe) {
   std::vector<CompressedKeys> short_keys;
   for (int i = 0; i < 2; ++i) short_keys.emplace_back(KeyCompression{2, 128}, 32, DType::kBf16);
   p.scores = ScoreSource::kCompressedKeys;
-  EXPECT_EQ(SantaSelectCpu(sp.problem, p, 1, &sel, nullptr, Views(short_keys)).code(),
+  EXPECT_EQ(SantaSelectCpu(sp.problem, p, 1, &sel, nullptr, ViewsOf(short_keys)).code(),
             absl::StatusCode::kInvalidArgument);
 }
 
@@ -112,8 +91,8 @@ TEST(SantaCompressedTest, TheSelectionIsTheRatioEstimator) {
   const DecodeProblem& p = sp.problem;
   const int32_t d = p.head_dim, G = p.group_size();
   for (int32_t bits : {1, 2}) {
-    std::vector<CompressedKeys> c = CompressProblem(p, bits);
-    const std::vector<CompressedKeysView> views = Views(c);
+    std::vector<CompressedKeys> c = CompressProblemKeys(p, bits);
+    const std::vector<CompressedKeysView> views = ViewsOf(c);
     for (const SantaParams& ratio : AllAllocations(48, SantaCorrection::kRatio)) {
       SantaParams none = ratio;
       none.correction = SantaCorrection::kNone;
@@ -353,12 +332,12 @@ TEST(SantaCompressedStatisticsTest, RatioBiasWithinItsBoundOnSyntheticFamilies) 
                        : family == ScoreFamily::kPeaked    ? "peaked"
                                                            : "zipf";
     for (int32_t bits : {1, 2, 8}) {
-      std::vector<CompressedKeys> c = CompressProblem(sp.problem, bits);
+      std::vector<CompressedKeys> c = CompressProblemKeys(sp.problem, bits);
       for (SantaAllocation a : {SantaAllocation::kProp, SantaAllocation::kGlobal}) {
         const SantaParams params =
             Config(SantaSampler::kSystematic, a, 128, SantaCorrection::kRatio);
         const std::vector<int32_t> batches = {0};
-        const std::vector<Unit> units = MakeUnits(sp.problem, Views(c), batches, params);
+        const std::vector<Unit> units = MakeUnits(sp.problem, ViewsOf(c), batches, params);
         const std::string label =
             std::string(name) + (a == SantaAllocation::kProp ? " prop" : " sys");
         Check(label.c_str(), units, params, bits, sp.problem.head_dim);

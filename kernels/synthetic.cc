@@ -7,6 +7,7 @@
 #include <random>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu_util.h"
 
 namespace kvsparse::kernels {
 
@@ -201,6 +202,26 @@ SaapWeights RandomSaapWeights(int32_t layers, int32_t q_heads, int32_t kv_heads,
   fill(&w.w2, lq * clusters * hidden);
   fill(&w.b2, lq * clusters);
   return w;
+}
+
+std::vector<CompressedKeys> CompressProblemKeys(const DecodeProblem& p, int32_t bits) {
+  std::vector<CompressedKeys> out;
+  const size_t es = DTypeSize(p.dtype);
+  for (int32_t b = 0; b < p.batch; ++b) {
+    for (int32_t j = 0; j < p.num_kv_heads; ++j) {
+      out.emplace_back(KeyCompression{bits, kKeyGroupTokens}, p.head_dim, p.dtype);
+      for (int32_t t = 0; t < p.seq_lens[b]; ++t) {
+        out.back().Append(static_cast<const uint8_t*>(p.k) + KvRowOffset(p, b, j, t) * es);
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<CompressedKeysView> ViewsOf(const std::vector<CompressedKeys>& keys) {
+  std::vector<CompressedKeysView> v;
+  for (const CompressedKeys& x : keys) v.push_back(x.view());
+  return v;
 }
 
 std::vector<float> RealAttention::Scores(int32_t i, int32_t g) const {

@@ -11,6 +11,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/compressed_keys.h"
 #include "kernels/decode_problem.h"
 #include "kernels/saap.h"
 
@@ -77,6 +78,11 @@ double RelativeL2(const std::vector<double>& ref, const std::vector<double>& got
 // RoPE frequencies of base 10000, classifier weights and biases N(0, 0.1^2); for tests.
 SaapWeights RandomSaapWeights(int32_t layers, int32_t q_heads, int32_t kv_heads, int32_t head_dim,
                               int32_t clusters, int32_t hidden, uint32_t seed);
+
+// Compressed keys (kernels/compressed_keys.h) of every (sequence, kv head) of a problem, index
+// b * Hkv + j, as a worker builds them from the K rows; and their views.
+std::vector<CompressedKeys> CompressProblemKeys(const DecodeProblem& p, int32_t bits);
+std::vector<CompressedKeysView> ViewsOf(const std::vector<CompressedKeys>& keys);
 
 // ---- Real attention: the model trained here -------------------------------------------------
 

@@ -23,15 +23,21 @@ TEST(ConvertTest, TensorSizeMustMatchShapeAndDtype) {
   EXPECT_EQ(ValidateTensor(t, "t").code(), absl::StatusCode::kInvalidArgument);
 }
 
-// vAttention's predictor on the wire: each value maps to the engine's, unspecified to the hash
-// predictor, and a value this server does not know is refused (not read as another predictor).
-TEST(ConvertTest, VAttentionPredictors) {
+// A decode of one sequence "s" with a zero fp32 q of 2 heads of dim 4 (the method left to set).
+v1::DecodeRequest OneSequenceRequest() {
   v1::DecodeRequest req;
   req.add_sequence_ids("s");
   v1::Tensor* q = req.mutable_q();
   q->set_dtype(v1::DTYPE_FP32);
   for (int64_t dim : {1, 2, 4}) q->add_shape(dim);
   q->set_data(std::string(1 * 2 * 4 * 4, '\0'));
+  return req;
+}
+
+// vAttention's predictor on the wire: each value maps to the engine's, unspecified to the hash
+// predictor, and a value this server does not know is refused (not read as another predictor).
+TEST(ConvertTest, VAttentionPredictors) {
+  v1::DecodeRequest req = OneSequenceRequest();
   auto predictor = [&](int value) -> absl::StatusOr<kernels::TopKPredictor> {
     req.mutable_method()->mutable_vattention()->set_predictor(
         static_cast<v1::TopKPredictor>(value));
@@ -49,12 +55,7 @@ TEST(ConvertTest, VAttentionPredictors) {
 // S2ANTA's score source and correction on the wire: unspecified reads as exact scores and the
 // ratio correction (the older clients' meaning), unknown values are refused.
 TEST(ConvertTest, SantaScoresAndCorrection) {
-  v1::DecodeRequest req;
-  req.add_sequence_ids("s");
-  v1::Tensor* q = req.mutable_q();
-  q->set_dtype(v1::DTYPE_FP32);
-  for (int64_t dim : {1, 2, 4}) q->add_shape(dim);
-  q->set_data(std::string(1 * 2 * 4 * 4, '\0'));
+  v1::DecodeRequest req = OneSequenceRequest();
   auto convert = [&](int scores, int correction) -> absl::StatusOr<kernels::SantaParams> {
     v1::SantaParams* s = req.mutable_method()->mutable_santa();
     s->set_samples(8);

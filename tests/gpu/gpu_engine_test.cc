@@ -344,6 +344,28 @@ TEST_F(GpuEngineTest, HashTopKAndTheRowCache) {
   }
 }
 
+// The compressed-key tests' placements: 0: 2-bit keys, K and V in host memory (bf16, d = 128);
+// 1: 1-bit keys, fp16, d = 64, the store read in chunks of 400 tokens (100 KB of K rows of 2 kv
+// heads: groups of 128 straddle the chunks, part of a closing group is read back from the
+// device); 2: 4-bit keys with K and V on the device.
+struct CompressedCase {
+  kvstore::Placement placement;
+  DType dtype = DType::kBf16;
+  int32_t head_dim = 128;
+  uint64_t read_chunk_bytes = 32 << 20;
+};
+CompressedCase CompressedCaseOf(int pl) {
+  CompressedCase c;
+  c.placement.compressed_key_bits = pl == 0 ? 2 : pl == 1 ? 1 : 4;
+  if (pl == 2) c.placement.k_tier = c.placement.v_tier = Tier::kDevice;
+  if (pl == 1) {
+    c.dtype = DType::kFp16;
+    c.head_dim = 64;
+    c.read_chunk_bytes = 100 << 10;
+  }
+  return c;
+}
+
 // Top-k by compressed-key scores with K and V in host memory (the offloaded case) and on the
 // device: the GPU's scores equal the CPU reference's bit for bit, so both engines select the same
 // rows, fetch them and count the same bytes (the compressed keys' blocks and open rows read on
@@ -351,16 +373,11 @@ TEST_F(GpuEngineTest, HashTopKAndTheRowCache) {
 // every row from the row cache. Exact scores (the oracle reads every key) stay on the CPU engine.
 TEST_F(GpuEngineTest, TopKByCompressedKeys) {
   for (int pl = 0; pl < 3; ++pl) {
-    // pl 1: the store read in chunks of 400 tokens (100 KB of fp16 K rows, d = 64, 2 kv heads):
-    // groups of 128 straddle the chunks (part of a closing group is read back from the device).
-    auto rig = Rig::Make(1ull << 30, 1.0, false, pl == 1 ? 100 << 10 : 32 << 20);
+    const CompressedCase cc = CompressedCaseOf(pl);
+    auto rig = Rig::Make(1ull << 30, 1.0, false, cc.read_chunk_bytes);
     ASSERT_NE(rig, nullptr);
-    kvstore::Placement p;
-    p.compressed_key_bits = pl == 0 ? 2 : pl == 1 ? 1 : 4;
-    if (pl == 2) p.k_tier = p.v_tier = Tier::kDevice;
-    auto prob =
-        Problem({4000, 50, 1792, 128}, pl == 1 ? DType::kFp16 : DType::kBf16, pl == 1 ? 64 : 128);
-    rig->Load(prob, p);
+    auto prob = Problem({4000, 50, 1792, 128}, cc.dtype, cc.head_dim);
+    rig->Load(prob, cc.placement);
     const std::string what = "top-k, compressed keys, placement " + std::to_string(pl);
     const Method m = TopKMethod(0.05f);
     Compare(*rig, prob, m, {8e-3, true, 0}, what);
@@ -387,14 +404,11 @@ TEST_F(GpuEngineTest, TopKByCompressedKeys) {
 // uncorrected estimate stays on the CPU engine.
 TEST_F(GpuEngineTest, SantaOverCompressedKeys) {
   for (int pl = 0; pl < 3; ++pl) {
-    auto rig = Rig::Make(1ull << 30, 1.0, false, pl == 1 ? 100 << 10 : 32 << 20);
+    const CompressedCase cc = CompressedCaseOf(pl);
+    auto rig = Rig::Make(1ull << 30, 1.0, false, cc.read_chunk_bytes);
     ASSERT_NE(rig, nullptr);
-    kvstore::Placement p;
-    p.compressed_key_bits = pl == 0 ? 2 : pl == 1 ? 1 : 4;
-    if (pl == 2) p.k_tier = p.v_tier = Tier::kDevice;
-    auto prob =
-        Problem({4000, 50, 1792, 128}, pl == 1 ? DType::kFp16 : DType::kBf16, pl == 1 ? 64 : 128);
-    rig->Load(prob, p);
+    auto prob = Problem({4000, 50, 1792, 128}, cc.dtype, cc.head_dim);
+    rig->Load(prob, cc.placement);
     const std::string what = "S2ANTA over compressed keys, placement " + std::to_string(pl);
     Method m = SantaMethod(1, 128);
     m.santa.scores = kernels::ScoreSource::kCompressedKeys;
