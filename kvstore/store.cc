@@ -362,6 +362,15 @@ absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
   }
   std::vector<uint8_t*> pages;
   if (new_pages > 0) {
+    // Under evict-lru making room can evict another sequence: a refused append must not, so its
+    // values are checked in full first (elsewhere each row is checked as it is copied, below).
+    if (options_.policy == CapacityPolicy::kEvictLru) {
+      const size_t n = want / kernels::DTypeSize(shape.dtype);
+      if (!kernels::AcceptedValues(req.k.data(), n, shape.dtype) ||
+          !kernels::AcceptedValues(req.v.data(), n, shape.dtype)) {
+        return UnacceptedValues(req, shape);
+      }
+    }
     if (absl::Status got =
             TakeRoom(new_pages, 0, &seq, [&] { return pool_.Allocate(new_pages, &pages); });
         !got.ok())

@@ -259,6 +259,44 @@ TEST(StoreTest, AppendRefusesNonFiniteAndHugeValues) {
   }
 }
 
+// Under evict-lru a refused append (a NaN in K) evicts nobody to make room for itself: the idle
+// sequence that an accepted append of the same size evicts is still there after the refusal.
+TEST(StoreTest, RefusedAppendEvictsNothing) {
+  const ModelShape s = Shape(DType::kBf16, 2);  // 32 tokens a page per (layer, kv head)
+  size_t bookkeeping = 0;
+  {
+    auto probe = NewStore();
+    ASSERT_TRUE(probe->CreateSequence("idle", s, {}).ok());
+    ASSERT_TRUE(probe->CreateSequence("a", s, {}).ok());
+    bookkeeping = probe->Stats().bytes_used;
+  }
+  // Room for exactly 64 tokens of each sequence (8 pages each).
+  auto store = NewStore(bookkeeping + 16 * 8192, CapacityPolicy::kEvictLru);
+  ASSERT_TRUE(store->CreateSequence("idle", s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "idle", s, 0, 2, 0, 64).ok());
+  ASSERT_TRUE(store->CreateSequence("a", s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "a", s, 0, 2, 0, 64).ok());
+  ASSERT_EQ(store->Stats().evictions, 0u);
+  std::vector<uint8_t> k, v;
+  MakeRows(s, 0, 2, 64, 64, &k, &v);  // needs 8 more pages: room only by evicting "idle"
+  kvsparse::kernels::StoreFromFloat(k.data(), 9, s.dtype, std::nanf(""));
+  AppendRequest r;
+  r.sequence_id = "a";
+  r.num_layers = 2;
+  r.num_tokens = 64;
+  SetShape(s, &r);
+  r.k = k;
+  r.v = v;
+  EXPECT_EQ(store->Append(r).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->Stats().evictions, 0u);
+  EXPECT_TRUE(store->GetSequenceInfo("idle").ok());
+  // The same append with accepted values does evict it (the test's premise).
+  MakeRows(s, 0, 2, 64, 64, &k, &v);
+  r.k = k;
+  EXPECT_TRUE(store->Append(r).ok());
+  EXPECT_EQ(store->Stats().evictions, 1u);
+}
+
 TEST(StoreTest, RecreatedSequenceHasNewIncarnation) {
   auto store = NewStore();
   const ModelShape s = Shape(DType::kBf16);
