@@ -55,6 +55,17 @@ grep -q NOT_FOUND "$work/err.log"
 # "the layer holds no tokens" itself).
 if cli decode --seq=t1 --layer=5 2>"$work/err.log"; then echo "decode of layer 5 succeeded"; exit 1; fi
 grep -q "INVALID_ARGUMENT.*layer 5" "$work/err.log" || { cat "$work/err.log"; exit 1; }
+# A word the CLI does not know for --predictor is refused (it used to be read as hash).
+if cli decode --seq=t1 --layer=1 --method=vattention --predictor=hahs 2>"$work/err.log"; then
+  echo "unknown predictor accepted"; exit 1
+fi
+grep -q "predictor must be hash, exact or compressed" "$work/err.log" || { cat "$work/err.log"; exit 1; }
+# S2ANTA over compressed keys from the CLI: a sequence keeping 2-bit keys, the ratio correction.
+expect "t2:" cli create --seq=t2 --layers=2 --q_heads=8 --kv_heads=2 --head_dim=64 --dtype=fp16 \
+  --compressed_key_bits=2
+expect "appended 600 tokens" cli append --seq=t2 --tokens=600 --seed=4 2>/dev/null
+expect "relative L2 error against dense" cli decode --seq=t2 --layer=1 --method=santa \
+  --scores=compressed --samples=256
 # Appending no tokens is an error, not "appended 0 tokens".
 if cli append --seq=t1 --tokens=0 2>"$work/err.log"; then echo "append of 0 tokens succeeded"; exit 1; fi
 grep -q INVALID_ARGUMENT "$work/err.log"
