@@ -199,6 +199,13 @@ inline bool AcceptedValues(const void* data, size_t n, DType t) {
   return (any & top) == 0;
 }
 
+// Byte i of a buffer of elements (any dtype) made part of an accepted value: odd bytes hold every
+// 2- and 4-byte little-endian element's top byte, and without its bit 6 the exponent stays small.
+// For tests and benchmarks that fill K and V rows with arbitrary bytes.
+inline uint8_t AcceptedByte(uint8_t byte, size_t i) {
+  return i % 2 == 1 ? static_cast<uint8_t>(byte & 0xBF) : byte;
+}
+
 // The index of the first of n elements at `data` that is not an accepted value, or -1.
 inline int64_t FirstUnacceptedValue(const void* data, size_t n, DType t) {
   if (AcceptedValues(data, n, t)) return -1;

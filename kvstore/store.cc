@@ -361,10 +361,11 @@ absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
     new_pages += lane_pages[li] * shape.num_kv_heads;
   }
   std::vector<uint8_t*> pages;
+  // Under evict-lru making room can evict another sequence: a refused append must not, so its
+  // values are checked in full first; otherwise each row is checked as it is copied, below.
+  const bool checked_first = new_pages > 0 && options_.policy == CapacityPolicy::kEvictLru;
   if (new_pages > 0) {
-    // Under evict-lru making room can evict another sequence: a refused append must not, so its
-    // values are checked in full first (elsewhere each row is checked as it is copied, below).
-    if (options_.policy == CapacityPolicy::kEvictLru) {
+    if (checked_first) {
       const size_t n = want / kernels::DTypeSize(shape.dtype);
       if (!kernels::AcceptedValues(req.k.data(), n, shape.dtype) ||
           !kernels::AcceptedValues(req.v.data(), n, shape.dtype)) {
@@ -384,7 +385,8 @@ absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
     }
   }
   // Copy the rows past the layers' lengths (invisible until the lengths move), checking each row
-  // just before its copy, while it is in cache: one rule for every way in (Append, Decode's new
+  // just before its copy, while it is in cache (unless checked in full above): one rule for every
+  // way in (Append, Decode's new
   // token, the in-process op), K and V values finite and below 2^32 (kernels::AcceptedValues),
   // so no score or output of the sequence can become infinite or NaN.
   const size_t row = seq.row_bytes_;
@@ -395,8 +397,9 @@ absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
     for (uint64_t t = 0; t < req.num_tokens && accepted; ++t) {
       for (uint32_t h = 0; h < shape.num_kv_heads; ++h) {
         const size_t src = ((li * req.num_tokens + t) * shape.num_kv_heads + h) * row;
-        if (!kernels::AcceptedValues(req.k.data() + src, row_elems, shape.dtype) ||
-            !kernels::AcceptedValues(req.v.data() + src, row_elems, shape.dtype)) {
+        if (!checked_first &&
+            (!kernels::AcceptedValues(req.k.data() + src, row_elems, shape.dtype) ||
+             !kernels::AcceptedValues(req.v.data() + src, row_elems, shape.dtype))) {
           accepted = false;
           break;
         }

@@ -28,10 +28,7 @@ uint8_t RowByte(uint32_t layer, uint32_t head, uint64_t token, int kv, size_t b)
                (b * 2654435761ull);
   x ^= x >> 29;
   x *= 0xbf58476d1ce4e5b9ull;
-  // Odd bytes hold every element's top byte (2- and 4-byte little-endian elements): without bit 6
-  // the exponent stays small, so every element is a value the store accepts (finite, < 2^32).
-  const uint8_t byte = static_cast<uint8_t>(x >> 32);
-  return b % 2 == 1 ? static_cast<uint8_t>(byte & 0xBF) : byte;
+  return kernels::AcceptedByte(static_cast<uint8_t>(x >> 32), b);  // a value the store accepts
 }
 
 // K and V for tokens [t0, t0 + n) of layers [l0, l0 + nl): [nl, n, Hkv, row_bytes] each.
@@ -74,10 +71,9 @@ void SetShape(const ModelShape& s, AppendRequest* r) {
   r->head_dim = s.head_dim;
 }
 
-absl::Status AppendTokens(Store& store, absl::string_view id, const ModelShape& s, uint32_t l0,
-                          uint32_t nl, uint64_t t0, uint64_t n) {
-  std::vector<uint8_t> k, v;
-  MakeRows(s, l0, nl, t0, n, &k, &v);
+// An append of n tokens to layers [l0, l0 + nl) with the rows k and v (which must outlive it).
+AppendRequest RequestOf(absl::string_view id, const ModelShape& s, uint32_t l0, uint32_t nl,
+                        uint64_t n, const std::vector<uint8_t>& k, const std::vector<uint8_t>& v) {
   AppendRequest r;
   r.sequence_id = id;
   r.first_layer = l0;
@@ -86,7 +82,14 @@ absl::Status AppendTokens(Store& store, absl::string_view id, const ModelShape& 
   SetShape(s, &r);
   r.k = k;
   r.v = v;
-  return store.Append(r).status();
+  return r;
+}
+
+absl::Status AppendTokens(Store& store, absl::string_view id, const ModelShape& s, uint32_t l0,
+                          uint32_t nl, uint64_t t0, uint64_t n) {
+  std::vector<uint8_t> k, v;
+  MakeRows(s, l0, nl, t0, n, &k, &v);
+  return store.Append(RequestOf(id, s, l0, nl, n, k, v)).status();
 }
 
 struct Gathered {
@@ -224,15 +227,7 @@ TEST(StoreTest, AppendRefusesNonFiniteAndHugeValues) {
         // Layer 1, token 1 of the append, kv head 1, element 5.
         const size_t at = ((1 * 2 + 1) * s.num_kv_heads + 1) * s.head_dim + 5;
         kvsparse::kernels::StoreFromFloat(which == 0 ? k.data() : v.data(), at, dt, bad);
-        AppendRequest r;
-        r.sequence_id = "a";
-        r.first_layer = 0;
-        r.num_layers = 2;
-        r.num_tokens = 2;
-        SetShape(s, &r);
-        r.k = k;
-        r.v = v;
-        absl::StatusOr<AppendResult> got = store->Append(r);
+        absl::StatusOr<AppendResult> got = store->Append(RequestOf("a", s, 0, 2, 2, k, v));
         EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument)
             << DTypeName(dt) << " " << bad;
         EXPECT_TRUE(absl::StrContains(got.status().message(),
@@ -248,14 +243,7 @@ TEST(StoreTest, AppendRefusesNonFiniteAndHugeValues) {
     std::vector<uint8_t> k, v;
     MakeRows(s, 0, 2, 3, 1, &k, &v);
     kvsparse::kernels::StoreFromFloat(k.data(), 0, dt, dt == DType::kFp16 ? 65504.f : 4.2e9f);
-    AppendRequest r;
-    r.sequence_id = "a";
-    r.num_layers = 2;
-    r.num_tokens = 1;
-    SetShape(s, &r);
-    r.k = k;
-    r.v = v;
-    EXPECT_TRUE(store->Append(r).ok()) << DTypeName(dt);
+    EXPECT_TRUE(store->Append(RequestOf("a", s, 0, 2, 1, k, v)).ok()) << DTypeName(dt);
   }
 }
 
@@ -280,20 +268,13 @@ TEST(StoreTest, RefusedAppendEvictsNothing) {
   std::vector<uint8_t> k, v;
   MakeRows(s, 0, 2, 64, 64, &k, &v);  // needs 8 more pages: room only by evicting "idle"
   kvsparse::kernels::StoreFromFloat(k.data(), 9, s.dtype, std::nanf(""));
-  AppendRequest r;
-  r.sequence_id = "a";
-  r.num_layers = 2;
-  r.num_tokens = 64;
-  SetShape(s, &r);
-  r.k = k;
-  r.v = v;
-  EXPECT_EQ(store->Append(r).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(store->Append(RequestOf("a", s, 0, 2, 64, k, v)).status().code(),
+            absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(store->Stats().evictions, 0u);
   EXPECT_TRUE(store->GetSequenceInfo("idle").ok());
   // The same append with accepted values does evict it (the test's premise).
   MakeRows(s, 0, 2, 64, 64, &k, &v);
-  r.k = k;
-  EXPECT_TRUE(store->Append(r).ok());
+  EXPECT_TRUE(store->Append(RequestOf("a", s, 0, 2, 64, k, v)).ok());
   EXPECT_EQ(store->Stats().evictions, 1u);
 }
 

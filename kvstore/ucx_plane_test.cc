@@ -63,9 +63,8 @@ TEST_P(UcxPlaneTest, ReadsTheRowsGatherReturnsAndDetectsReuse) {
   const uint64_t n = 300;
   std::vector<uint8_t> k(2 * n * 2 * 128), v(k.size());
   for (size_t i = 0; i < k.size(); ++i) {
-    // Odd bytes (each bf16 element's top) without bit 6: values the store accepts.
-    k[i] = static_cast<uint8_t>((i * 7 + 1) & (i % 2 == 1 ? 0xBF : 0xFF));
-    v[i] = static_cast<uint8_t>((i * 13 + 5) & (i % 2 == 1 ? 0xBF : 0xFF));
+    k[i] = kvsparse::kernels::AcceptedByte(static_cast<uint8_t>(i * 7 + 1), i);
+    v[i] = kvsparse::kernels::AcceptedByte(static_cast<uint8_t>(i * 13 + 5), i);
   }
   AppendRequest ar;
   ar.sequence_id = "a";

@@ -24,9 +24,9 @@ inline absl::Status FillSequence(kvstore::Store* store, const char* id,
   constexpr uint64_t kChunk = 512;
   std::vector<uint8_t> block(shape.num_layers * kChunk * shape.num_kv_heads * row);
   std::mt19937_64 rng(1);
-  // Random bytes without bit 6 of each odd (an element's top) byte: values the store accepts.
+  // Random values the store accepts.
   for (size_t i = 0; i < block.size(); ++i) {
-    block[i] = static_cast<uint8_t>(rng() & (i % 2 == 1 ? 0xBF : 0xFF));
+    block[i] = kernels::AcceptedByte(static_cast<uint8_t>(rng()), i);
   }
   for (uint64_t t = 0; t < tokens; t += kChunk) {
     kvstore::AppendRequest r;

@@ -145,9 +145,9 @@ int main(int argc, char** argv) {
   const uint64_t chunk = absl::GetFlag(FLAGS_append_tokens);
   const size_t chunk_bytes = shape.num_layers * chunk * shape.num_kv_heads * row;
   std::vector<uint8_t> k(chunk_bytes), v(chunk_bytes);
-  for (size_t i = 0; i < chunk_bytes; ++i) {  // values the store accepts (odd bytes without bit 6)
-    k[i] = static_cast<uint8_t>(rng() & (i % 2 == 1 ? 0xBF : 0xFF));
-    v[i] = static_cast<uint8_t>(rng() & (i % 2 == 1 ? 0xBF : 0xFF));
+  for (size_t i = 0; i < chunk_bytes; ++i) {  // random values the store accepts
+    k[i] = kvsparse::kernels::AcceptedByte(static_cast<uint8_t>(rng()), i);
+    v[i] = kvsparse::kernels::AcceptedByte(static_cast<uint8_t>(rng()), i);
   }
   if (!(*store)->DropSequence("bench").ok() || !(*store)->CreateSequence("app", shape, {}).ok()) {
     return 1;

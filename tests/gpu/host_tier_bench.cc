@@ -68,9 +68,9 @@ int main(int argc, char** argv) {
     const uint64_t chunk = 1024;
     std::vector<uint8_t> block(layers * chunk * 8 * row);
     std::mt19937_64 rng(1);
-    // Random bytes without bit 6 of each odd (an element's top) byte: values the store accepts.
+    // Random values the store accepts.
     for (size_t i = 0; i < block.size(); ++i) {
-      block[i] = static_cast<uint8_t>(rng() & (i % 2 == 1 ? 0xBF : 0xFF));
+      block[i] = kvsparse::kernels::AcceptedByte(static_cast<uint8_t>(rng()), i);
     }
     for (uint64_t t = 0; t < static_cast<uint64_t>(tokens); t += chunk) {
       kv::AppendRequest r;
