@@ -98,6 +98,9 @@ ABSL_FLAG(double, delta, 0.05, "decode vattention: failure probability");
 ABSL_FLAG(double, base_rate, 0.05, "decode vattention: base sample rate f_b");
 ABSL_FLAG(std::string, predictor, "hash",
           "decode vattention: hash, exact or compressed (the sequence's compressed keys)");
+ABSL_FLAG(std::string, residual_sampler, "uniform",
+          "decode vattention: uniform (the paper's) or importance (draws proportional to the "
+          "predictor's scores; --predictor=exact or compressed)");
 ABSL_FLAG(bool, compare_dense, true, "decode: also run dense and print the relative L2 error");
 ABSL_FLAG(std::string, query, "needle",
           "decode: needle (each query head aimed at one stored key: a peaked, retrieval-like "
@@ -446,6 +449,14 @@ absl::StatusOr<v1::Method> MethodFromFlags() {
       v->set_predictor(v1::TOP_K_PREDICTOR_COMPRESSED);
     } else {
       return absl::InvalidArgumentError("--predictor must be hash, exact or compressed");
+    }
+    const std::string sampler = absl::GetFlag(FLAGS_residual_sampler);
+    if (sampler == "uniform") {
+      v->set_sampler(v1::RESIDUAL_SAMPLER_UNIFORM);
+    } else if (sampler == "importance") {
+      v->set_sampler(v1::RESIDUAL_SAMPLER_IMPORTANCE);
+    } else {
+      return absl::InvalidArgumentError("--residual_sampler must be uniform or importance");
     }
   } else if (name == "saap") {
     v1::SaapParams* s = m.mutable_saap();

@@ -334,8 +334,15 @@ TEST_F(EngineTest, SantaOverCompressedKeysSelectsWhatTheReferenceSelects) {
 }
 
 TEST_F(EngineTest, VAttentionSelectsWhatTheReferenceSelects) {
-  for (auto predictor : {kernels::TopKPredictor::kHash, kernels::TopKPredictor::kExact,
-                         kernels::TopKPredictor::kCompressed}) {
+  using Sampler = kernels::ResidualSampler;
+  const std::pair<kernels::TopKPredictor, Sampler> cases[] = {
+      {kernels::TopKPredictor::kHash, Sampler::kUniform},
+      {kernels::TopKPredictor::kExact, Sampler::kUniform},
+      {kernels::TopKPredictor::kCompressed, Sampler::kUniform},
+      {kernels::TopKPredictor::kExact, Sampler::kImportance},
+      {kernels::TopKPredictor::kCompressed, Sampler::kImportance}};
+  for (const auto& [predictor, sampler] : cases) {
+    SCOPED_TRACE(static_cast<int>(predictor) * 10 + static_cast<int>(sampler));
     SetUp();
     kvstore::Placement place;
     place.signature_bits = 32;
@@ -352,6 +359,7 @@ TEST_F(EngineTest, VAttentionSelectsWhatTheReferenceSelects) {
     m.vattention.top_k_fraction = 0.02f;
     m.vattention.base_rate = 0.05f;
     m.vattention.predictor = predictor;
+    m.vattention.sampler = sampler;
     m.vattention.bits = 0;
     auto r = engine_->Decode(Call(m, 7));
     ASSERT_TRUE(r.ok()) << r.status();

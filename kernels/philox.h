@@ -37,6 +37,9 @@
 //   kFlashTileOffset  head h   Uniform(t): a0_{h,t} of Algorithm 7 (flash), tile t.
 //   kVattBase         head h   Draw64(n): priority key of token n for the base sample.
 //   kVattDynamic      head h   Draw64(n): priority key of token n for the final sample.
+//   kVattImportanceBase    head h   Draw64(j): j-th i.i.d. draw of vAttention's importance base
+//                     sample, u = (Draw64(j) >> 11) * 2^-53 into the proposal's cumulative sums.
+//   kVattImportanceDynamic head h   Draw64(j): the same for the final sample.
 //   kBernoulliHead    head h   lane = feature i, Uniform(r), r in [0, B): r-th Bernoulli draw.
 //   kBernoulliGroup   kv head  lane = feature i, Uniform(r): mean-group-query draws.
 //   kSimHashPlane     key = signature seed, sequence = layer, head = signature head,
@@ -111,7 +114,9 @@ enum class RngTag : uint16_t {
   kBernoulliGroup = 9,
   kSimHashPlane = 10,
   kSequenceSeed = 11,
-  kPropRounding = 12,  // S2ANTA-prop: the offset of the tile budgets' systematic rounding
+  kPropRounding = 12,           // S2ANTA-prop: the offset of the tile budgets' systematic rounding
+  kVattImportanceBase = 13,     // vAttention, importance sampler: base sample draws
+  kVattImportanceDynamic = 14,  // vAttention, importance sampler: final sample draws
 };
 
 // 2^-24 and 2^-53 as exact constants.

@@ -89,6 +89,24 @@ absl::Status ValidateVAttentionParams(const VAttentionParams& params) {
       params.target != VerifyTarget::kOutput) {
     return absl::InvalidArgumentError("target: unknown value");
   }
+  if (params.sampler != ResidualSampler::kUniform &&
+      params.sampler != ResidualSampler::kImportance) {
+    return absl::InvalidArgumentError("sampler: unknown value");
+  }
+  if (params.sampler == ResidualSampler::kImportance) {
+    if (params.predictor == TopKPredictor::kHash) {
+      return absl::InvalidArgumentError(
+          "sampler: importance sampling needs a score for every token (predictor exact or "
+          "compressed), not the hash predictor");
+    }
+    if (params.bound == BudgetBound::kHoeffding) {
+      return absl::InvalidArgumentError(
+          "sampler: importance sampling has no Hoeffding range; use bound clt or clt-ratio");
+    }
+    if (params.exact_statistics) {
+      return absl::InvalidArgumentError("sampler: importance sampling has no exact_statistics");
+    }
+  }
   if (params.predictor == TopKPredictor::kHash) return ValidateSignatureBits(params.bits);
   return absl::OkStatus();
 }
@@ -201,9 +219,60 @@ void SampleWithoutReplacement(const PhiloxStream& stream, int32_t n,
   }
 }
 
+float ImportanceProposal::Score(int32_t t) const {
+  const auto it = std::lower_bound(tokens.begin(), tokens.end(), t);
+  return scores[static_cast<size_t>(it - tokens.begin())];
+}
+
+void ImportanceProposal::Draw(const PhiloxStream& stream, int64_t count,
+                              std::vector<int32_t>* out) const {
+  out->clear();
+  if (count <= 0 || cdf.empty()) return;
+  out->reserve(static_cast<size_t>(count));
+  const double total = cdf.back();
+  for (int64_t j = 0; j < count; ++j) {
+    const double u =
+        static_cast<double>(stream.Draw64(static_cast<uint32_t>(j)) >> 11) * kTwoPowMinus53 * total;
+    const size_t i =
+        std::min(static_cast<size_t>(std::upper_bound(cdf.begin(), cdf.end(), u) - cdf.begin()),
+                 cdf.size() - 1);
+    out->push_back(tokens[i]);
+  }
+  std::sort(out->begin(), out->end());
+}
+
 void VAttentionHeadResult::ToHeadRows(HeadRows* out) const {
   out->Clear();
   out->budget = b;
+  if (!proposal.tokens.empty()) {  // the importance sampler: repeats in base and dyn
+    const double per_draw =
+        b > 0 && !residual_exact ? static_cast<double>(stats.n_s) / static_cast<double>(b) : 0.0;
+    size_t i = 0, j = 0, k = 0;
+    while (i < fixed.size() || j < dyn.size() || k < base.size()) {
+      const int32_t ti = i < fixed.size() ? fixed[i] : INT32_MAX;
+      const int32_t tj = j < dyn.size() ? dyn[j] : INT32_MAX;
+      const int32_t tk = k < base.size() ? base[k] : INT32_MAX;
+      const int32_t t = std::min({ti, tj, tk});
+      int32_t m = 0;
+      for (; j < dyn.size() && dyn[j] == t; ++j) ++m;
+      for (; k < base.size() && base[k] == t; ++k) {
+      }
+      if (t == ti) {
+        out->Push(t, 1, 1.f);
+        ++i;
+      } else if (m > 0) {
+        const double w =
+            residual_exact
+                ? 1.0
+                : m * per_draw *
+                      std::exp(proposal.log_scale - static_cast<double>(proposal.Score(t)));
+        out->Push(t, m, static_cast<float>(w));
+      } else {
+        out->Push(t, 0, 0.f);
+      }
+    }
+    return;
+  }
   const float w_dyn =
       b > 0 ? static_cast<float>(static_cast<double>(stats.n_s) / static_cast<double>(b)) : 0.f;
   size_t i = 0, j = 0, k = 0;
@@ -228,14 +297,44 @@ void VAttentionHeadResult::ToHeadRows(HeadRows* out) const {
 }
 
 void VAttentionSampleBase(int32_t n, const VAttentionParams& params, uint64_t seed,
-                          int32_t sequence, int32_t head, VAttentionHeadResult* r) {
+                          int32_t sequence, int32_t head, VAttentionHeadResult* r,
+                          const float* scores) {
   r->base.clear();
+  r->residual_exact = false;
+  ImportanceProposal& prop = r->proposal;
+  prop.tokens.clear();
+  prop.scores.clear();
+  prop.cdf.clear();
   const int64_t n_s = n - static_cast<int64_t>(r->fixed.size());
   if (params.exact_statistics || n_s <= 0) return;
   const int64_t n_b = std::min<int64_t>(
       n_s,
       std::max<int64_t>(
           2, static_cast<int64_t>(std::floor(static_cast<double>(params.base_rate) * n_s + 0.5))));
+  if (params.sampler == ResidualSampler::kImportance) {
+    float m = -std::numeric_limits<float>::infinity();
+    size_t e = 0;
+    for (int32_t t = 0; t < n; ++t) {
+      if (e < r->fixed.size() && r->fixed[e] == t) {
+        ++e;
+        continue;
+      }
+      prop.tokens.push_back(t);
+      prop.scores.push_back(scores[t]);
+      m = std::max(m, scores[t]);
+    }
+    double sum = 0;
+    prop.cdf.reserve(prop.scores.size());
+    for (float sc : prop.scores) {
+      sum += std::exp(static_cast<double>(sc) - m);
+      prop.cdf.push_back(sum);
+    }
+    prop.log_scale = m + std::log(sum) - std::log(static_cast<double>(n_s));
+    prop.Draw(PhiloxStream::Make(seed, RngTag::kVattImportanceBase, static_cast<uint32_t>(sequence),
+                                 static_cast<uint32_t>(head)),
+              n_b, &r->base);
+    return;
+  }
   SampleWithoutReplacement(
       PhiloxStream::Make(seed, RngTag::kVattBase, static_cast<uint32_t>(sequence),
                          static_cast<uint32_t>(head)),
@@ -244,8 +343,8 @@ void VAttentionSampleBase(int32_t n, const VAttentionParams& params, uint64_t se
 
 void VAttentionSampleHead(int32_t n, const VAttentionParams& params,
                           const VAttentionRowAccess& rows, uint64_t seed, int32_t sequence,
-                          int32_t head, VAttentionHeadResult* r) {
-  VAttentionSampleBase(n, params, seed, sequence, head, r);
+                          int32_t head, VAttentionHeadResult* r, const float* scores) {
+  VAttentionSampleBase(n, params, seed, sequence, head, r, scores);
   VAttentionBudgetAndSample(n, params, rows, seed, sequence, head, r);
 }
 
@@ -275,10 +374,17 @@ void VAttentionBudgetAndSample(int32_t n, const VAttentionParams& params,
   float c = -std::numeric_limits<float>::infinity();
   for (size_t i = 0; i < r->fixed.size(); ++i)
     c = std::max(c, logit_f[i] = rows.logit(r->fixed[i]));
+  const bool importance = params.sampler == ResidualSampler::kImportance;
+  const ImportanceProposal& prop = r->proposal;
   for (size_t i = 0; i < stat_rows->size(); ++i) {
-    c = std::max(c, logit_b[i] = rows.logit((*stat_rows)[i]));
+    const int32_t t = (*stat_rows)[i];
+    // The importance sampler's effective logit s_t - s~_t + L (the header's derivation).
+    logit_b[i] = importance ? static_cast<float>(static_cast<double>(rows.logit(t)) -
+                                                 prop.Score(t) + prop.log_scale)
+                            : rows.logit(t);
+    c = std::max(c, logit_b[i]);
   }
-  const bool rmax_known = !std::isnan(rows.residual_logit_max);
+  const bool rmax_known = !importance && !std::isnan(rows.residual_logit_max);
   if (rmax_known) c = std::max(c, rows.residual_logit_max);
   if (!std::isfinite(c)) c = 0.f;
   std::vector<float> v(dv);
@@ -341,6 +447,17 @@ void VAttentionBudgetAndSample(int32_t n, const VAttentionParams& params,
     const double lower = params.exact_statistics ? 1.0 : static_cast<double>(r->base.size());
     const double raw = std::isfinite(r->budget.raw) ? std::ceil(r->budget.raw) : ns;
     r->b = static_cast<int64_t>(std::min(ns, std::max(lower, raw)));
+  }
+  if (importance) {
+    r->residual_exact = n_s > 0 && r->b >= n_s;
+    if (r->residual_exact) {
+      r->dyn = prop.tokens;
+    } else {
+      prop.Draw(PhiloxStream::Make(seed, RngTag::kVattImportanceDynamic,
+                                   static_cast<uint32_t>(sequence), static_cast<uint32_t>(head)),
+                r->b, &r->dyn);
+    }
+    return;
   }
   SampleWithoutReplacement(
       PhiloxStream::Make(seed, RngTag::kVattDynamic, static_cast<uint32_t>(sequence),
@@ -497,7 +614,7 @@ absl::Status VAttentionSelectCpu(const DecodeProblem& p, const VAttentionParams&
           }
           if (std::isfinite(rmax)) access.residual_logit_max = rmax;
         }
-        VAttentionSampleHead(n, params, access, seed, b, h, &res);
+        VAttentionSampleHead(n, params, access, seed, b, h, &res, hash ? nullptr : logits.data());
         res.ToHeadRows(&rows[g]);
         if (stats != nullptr) stats->heads[static_cast<size_t>(b) * p.num_q_heads + h] = res;
       }

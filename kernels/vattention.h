@@ -63,6 +63,23 @@
 //     kSoftmax RowSelection with weight 1 on I_f, n_s / b on I_dyn, 0 on base-only rows.
 // b = n_s selects every row: the output is dense attention.
 //
+// The importance sampler (sampler = kImportance; an extension of the paper, which samples the
+// residual uniformly; exact or compressed predictor, CLT or CLT-ratio bound). The predictor's
+// logit s~_t is known for every token, so the residual is sampled i.i.d. WITH replacement from
+// the proposal p_t = e^{s~_t} / Z~ (Z~ = sum_R e^{s~}) instead of uniformly: draw j picks the
+// token whose cumulative share of Z~ first exceeds u_j = (Draw64(j) >> 11) 2^-53 (RngTag
+// kVattImportanceBase for B, kVattImportanceDynamic for I_dyn). Each draw of token t estimates
+// the residual sums by (e^{s_t} / p_t, e^{s_t} V_t / p_t), unbiased for sum_R x and sum_R y
+// given b; with r_t = e^{s_t - s~_t} this is Z~ r_t (1, V_t), whose spread is that of r (near 1
+// when s~ is near s) times V's under the attention distribution, not that of e^{s} over uniform
+// tokens. Steps 4-5 are unchanged once each draw's logit is replaced by its effective logit
+//   s'_t = s_t - s~_t + L,  L = ln(Z~ / n_s),
+// so that n_s e^{s'_t - c} = Z~ r_t e^{-c}: every statistic, the CLT budgets and b keep their
+// formulas (b = number of draws). Step 6: if b >= n_s the whole residual is read with weight 1
+// (exact residual: cheaper than b draws); else b fresh draws. Step 7: a token drawn m times
+// has weight m (n_s / b) e^{L - s~_t} = m / (b p_t). Hoeffding needs a range of r over R that
+// a sample cannot give (INVALID_ARGUMENT).
+//
 // Stages: selection needs the predictor's input (signatures, or all K for the exact
 // predictor) and then the K and V rows of I_f u B (for the budget) before it can draw I_dyn;
 // the estimate needs K and V of I_f u I_dyn. So a worker fetches twice: I_f u B, then the rows
@@ -93,6 +110,7 @@ namespace kvsparse::kernels {
 enum class TopKPredictor : uint8_t { kHash = 1, kExact = 2, kCompressed = 3 };
 enum class BudgetBound : uint8_t { kClt = 1, kHoeffding = 2, kCltRatio = 3 };
 enum class VerifyTarget : uint8_t { kDenominator = 1, kNumerator = 2, kOutput = 3 };
+enum class ResidualSampler : uint8_t { kUniform = 1, kImportance = 2 };
 
 struct VAttentionParams {
   float epsilon = 0.05f;  // relative error target, in (0, 1)
@@ -105,14 +123,16 @@ struct VAttentionParams {
   float base_rate = 0.05f;  // f_b, in (0, 1)
   BudgetBound bound = BudgetBound::kClt;
   VerifyTarget target = VerifyTarget::kOutput;
-  int32_t bits = 32;  // hash predictor signature bits
+  int32_t bits = 32;                                    // hash predictor signature bits
+  ResidualSampler sampler = ResidualSampler::kUniform;  // how the residual is sampled (above)
   // Testing only: compute the step-4 statistics exactly over the whole residual (reads every
   // row) instead of from a base sample; no base sample is drawn and b >= 1.
   bool exact_statistics = false;
 };
 
 // INVALID_ARGUMENT naming the field: epsilon or delta outside (0, 1), base_rate outside (0, 1),
-// negative sink / local / top_k, top_k_fraction outside [0, 1], unknown enums, bad bits.
+// negative sink / local / top_k, top_k_fraction outside [0, 1], unknown enums, bad bits, the
+// importance sampler with the hash predictor, the Hoeffding bound or exact_statistics.
 [[nodiscard]] absl::Status ValidateVAttentionParams(const VAttentionParams& params);
 
 // Phi^{-1}(p) for p in (0, 1), accurate to ~1e-15 (Acklam's rational approximation plus one
@@ -140,17 +160,32 @@ struct VAttentionBudget {
 VAttentionBudget ComputeVAttentionBudget(const VAttentionStatistics& st,
                                          const VAttentionParams& params);
 
+// The importance sampler's proposal over one head's residual (built by VAttentionSampleBase).
+struct ImportanceProposal {
+  std::vector<int32_t> tokens;  // the residual R, ascending
+  std::vector<float> scores;    // [|R|] the predictor's s~_t
+  std::vector<double> cdf;      // [|R|] cumulative sums of e^{s~_t - max s~}
+  double log_scale = 0;         // L = ln(Z~ / n_s)
+
+  // s~ of residual token t (t must be in `tokens`).
+  float Score(int32_t t) const;
+  // `count` i.i.d. draws from p (Draw64(j) of `stream`, j < count), ascending with repeats.
+  void Draw(const PhiloxStream& stream, int64_t count, std::vector<int32_t>* out) const;
+};
+
 // Everything about one head's selection.
 struct VAttentionHeadResult {
-  std::vector<int32_t> fixed;  // I_f, ascending
-  std::vector<int32_t> base;   // B, ascending
-  std::vector<int32_t> dyn;    // I_dyn, ascending
+  std::vector<int32_t> fixed;   // I_f, ascending
+  std::vector<int32_t> base;    // B, ascending (importance sampler: with repeats, one per draw)
+  std::vector<int32_t> dyn;     // I_dyn, ascending (importance sampler: as base)
+  ImportanceProposal proposal;  // importance sampler only
+  bool residual_exact = false;  // importance sampler: b >= n_s, I_dyn is R with weight 1
   int32_t top_k_chosen = 0;
   VAttentionStatistics stats;
   VAttentionBudget budget;
   int64_t b = 0;  // the final sample size (the reported per-head budget)
-  // Rows for the RowSelection: I_f (count 1, weight 1), I_dyn (count 1, weight n_s / b), base
-  // rows not in I_dyn (count 0, weight 0).
+  // Rows for the RowSelection: I_f (count 1, weight 1), I_dyn (count 1, weight n_s / b; the
+  // importance sampler: count m, weight m / (b p_t)), base rows not in I_dyn (count 0, weight 0).
   void ToHeadRows(HeadRows* out) const;
 
   // Workspace reused across calls (priority keys); no meaning to callers.
@@ -175,8 +210,8 @@ struct VAttentionRowAccess {
   std::function<float(int32_t)> logit;
   std::function<void(int32_t, float*)> load_v;
   int32_t dv = 0;
-  // Optional: the max logit over the residual when every logit is known (exact predictor);
-  // NaN when unknown.
+  // Optional: the max logit over the residual when every logit is known (exact predictor) or
+  // bounded (compressed); NaN when unknown. The importance sampler does not use it.
   float residual_logit_max = std::numeric_limits<float>::quiet_NaN();
 };
 
@@ -189,9 +224,12 @@ float CompressedLogitUpperBound(const CompressedKeysView& v, const float* q, flo
                                 const float* approx, const std::vector<int32_t>& fixed);
 
 // Step 3 after VAttentionPlanFixed: fills r->base (left empty with exact_statistics).
-// `sequence` and `head` (the query head) select the Philox streams.
+// `sequence` and `head` (the query head) select the Philox streams. The importance sampler needs
+// `scores`, the predictor's logits s~ of all n tokens (the same array VAttentionPlanFixed ranked),
+// and builds r->proposal from them; the uniform sampler ignores them.
 void VAttentionSampleBase(int32_t n, const VAttentionParams& params, uint64_t seed,
-                          int32_t sequence, int32_t head, VAttentionHeadResult* r);
+                          int32_t sequence, int32_t head, VAttentionHeadResult* r,
+                          const float* scores = nullptr);
 
 // Steps 4-6 after VAttentionSampleBase: statistics from the rows of r->fixed and r->base (every
 // residual row with exact_statistics), the budget r->b, and the final sample r->dyn.
@@ -202,7 +240,7 @@ void VAttentionBudgetAndSample(int32_t n, const VAttentionParams& params,
 // VAttentionSampleBase then VAttentionBudgetAndSample.
 void VAttentionSampleHead(int32_t n, const VAttentionParams& params,
                           const VAttentionRowAccess& rows, uint64_t seed, int32_t sequence,
-                          int32_t head, VAttentionHeadResult* r);
+                          int32_t head, VAttentionHeadResult* r, const float* scores = nullptr);
 
 struct VAttentionStats {
   std::vector<VAttentionHeadResult> heads;  // [B * H], index b * H + h (rows and budgets)

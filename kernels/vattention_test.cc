@@ -7,6 +7,7 @@
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -288,19 +289,21 @@ VAttentionRowAccess RowsOf(const std::vector<float>& s, const std::vector<float>
   return access;
 }
 
-// The relative error of vAttention's estimate (fixed rows weight 1, the sample n_s / b) against
-// dense: of the denominator or of the whole output.
+// The relative error of vAttention's estimate (the weights of ToHeadRows: fixed rows 1, the
+// sample n_s / b or, importance sampler, m / (b p_t)) against dense: of the denominator or of
+// the whole output.
 double EstimateError(const DenseHead& d, const VAttentionHeadResult& r, const std::vector<float>& v,
                      int dv, VerifyTarget target) {
-  const double w = static_cast<double>(r.stats.n_s) / r.b;
+  HeadRows rows;
+  r.ToHeadRows(&rows);
   double dh = 0;
   std::vector<double> nh(dv, 0.0);
-  auto add = [&](int32_t t, double wt) {
+  for (size_t i = 0; i < rows.tokens.size(); ++i) {
+    const double wt = rows.weights[i];
+    const int32_t t = rows.tokens[i];
     dh += wt * d.x[t];
     for (int a = 0; a < dv; ++a) nh[a] += wt * d.x[t] * v[static_cast<size_t>(t) * dv + a];
-  };
-  for (int32_t t : r.fixed) add(t, 1.0);
-  for (int32_t t : r.dyn) add(t, w);
+  }
   if (target == VerifyTarget::kDenominator) return std::fabs(dh - d.sum) / d.sum;
   double e2 = 0;
   for (int a = 0; a < dv; ++a) e2 += (nh[a] / dh - d.out[a]) * (nh[a] / dh - d.out[a]);
@@ -395,6 +398,174 @@ TEST_P(VAttentionStatisticsTest, ViolationRates) {
         }
       }
     }
+  }
+}
+
+// A predictor that is off by N(0, sigma^2) per token: s~_t = s_t + noise (the importance
+// sampler's proposal; with sigma = 0.5 its weights r_t = e^{s_t - s~_t} spread over about a
+// factor of e either way).
+std::vector<float> NoisyScores(const std::vector<float>& s, float sigma, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.f, sigma);
+  std::vector<float> out(s);
+  for (float& x : out) x += normal(rng);
+  return out;
+}
+
+// The importance sampler (kernels/vattention.h) is unbiased for the residual's sums given b:
+// over 2000 seeds, with a predictor off by N(0, 0.5^2) per token, the mean of the sample's
+// denominator and of 3 projections of its numerator (ToHeadRows' weights m / (b p_t) on the
+// exact x_t) is within 4 SE of the residual sums, through the full pipeline (base draws,
+// CLT-ratio output budget, fresh draws). 4 statistics x 12 cases = 48 checks at 4 SE:
+// family-wise false alarm < 0.4% (Bonferroni).
+TEST_P(VAttentionStatisticsTest, ImportanceSamplerUnbiased) {
+  const Case c = GetParam();
+  const int kSeeds = 2000;
+  std::mt19937_64 rng(9);
+  std::vector<float> s, v;
+  int dv = 0;
+  CaseData(
+      c, 500 + c.n, 3, rng, [](int a) { return a == 0 ? 0.5f : -0.2f; }, &s, &v, &dv);
+  if (HasFatalFailure()) return;
+  if (c.real_layer >= 0) {  // three coordinates of the real V rows are the tested projections
+    std::vector<float> v3(static_cast<size_t>(c.n) * 3);
+    for (int32_t t = 0; t < c.n; ++t) {
+      for (int a = 0; a < 3; ++a) v3[t * 3 + a] = v[static_cast<size_t>(t) * dv + a * 7];
+    }
+    v.swap(v3);
+    dv = 3;
+  }
+  const std::vector<float> pred = NoisyScores(s, 0.5f, 31 + c.n);
+  VAttentionParams params;
+  params.sink_tokens = 16;
+  params.local_tokens = 64;
+  params.top_k_fraction = 0.02f;
+  params.base_rate = 0.02f;
+  params.epsilon = 0.3f;  // loose, so that b < n_s: the test is about bias, not accuracy
+  params.delta = 0.2f;
+  params.predictor = TopKPredictor::kExact;
+  params.sampler = ResidualSampler::kImportance;
+  params.bound = BudgetBound::kCltRatio;
+  ASSERT_TRUE(ValidateVAttentionParams(params).ok());
+  const VAttentionRowAccess access = RowsOf(s, v, dv);
+  VAttentionHeadResult plan, r;
+  std::vector<int32_t> scratch;
+  absl::StatusOr<int32_t> k = ResolveTopK(0, params.top_k_fraction, c.n);
+  ASSERT_TRUE(k.ok());
+  VAttentionPlanFixed(pred.data(), c.n, *k, params, &plan, &scratch);
+  const double smax = *std::max_element(s.begin(), s.end());
+  std::vector<bool> fixed(c.n, false);
+  for (int32_t t : plan.fixed) fixed[t] = true;
+  double target[4] = {0, 0, 0, 0};
+  std::vector<double> xs(c.n);
+  for (int32_t t = 0; t < c.n; ++t) {
+    xs[t] = std::exp(s[t] - smax);
+    if (fixed[t]) continue;
+    target[0] += xs[t];
+    for (int a = 0; a < dv; ++a) target[1 + a] += xs[t] * v[static_cast<size_t>(t) * dv + a];
+  }
+  std::vector<double> est[4];
+  for (auto& e : est) e.resize(kSeeds);
+  double mean_b = 0;
+  int exact_residual = 0;
+  HeadRows rows;
+  for (int seed = 0; seed < kSeeds; ++seed) {
+    r.fixed = plan.fixed;
+    VAttentionSampleHead(c.n, params, access, seed, 0, 5, &r, pred.data());
+    r.ToHeadRows(&rows);
+    double e[4] = {0, 0, 0, 0};
+    for (size_t i = 0; i < rows.tokens.size(); ++i) {
+      const int32_t t = rows.tokens[i];
+      if (fixed[t]) continue;
+      const double x = rows.weights[i] * xs[t];
+      e[0] += x;
+      for (int a = 0; a < dv; ++a) e[1 + a] += x * v[static_cast<size_t>(t) * dv + a];
+    }
+    for (int a = 0; a <= dv; ++a) est[a][seed] = e[a];
+    mean_b += static_cast<double>(r.b) / kSeeds;
+    exact_residual += r.residual_exact;
+  }
+  double zmax = 0;
+  for (int a = 0; a <= dv; ++a) {
+    double m = 0, ss = 0;
+    for (double x : est[a]) m += x / kSeeds;
+    for (double x : est[a]) ss += (x - m) * (x - m);
+    const double se = std::sqrt(ss / (kSeeds - 1) / kSeeds);
+    EXPECT_LT(std::fabs(m - target[a]), 4 * se + 1e-6 * std::fabs(target[a]))
+        << (a == 0 ? "denominator" : "numerator projection") << " " << a;
+    if (se > 1e-6 * std::fabs(target[a])) zmax = std::max(zmax, std::fabs(m - target[a]) / se);
+  }
+  EXPECT_LT(exact_residual, kSeeds) << "every budget covered the residual: nothing was sampled";
+  std::printf(
+      "[vattention importance unbiased] n=%d %-12s n_s=%lld mean b=%.1f (draws), exact "
+      "residual in %d seeds  max|z|=%.2f\n",
+      c.n, Label(c).c_str(), static_cast<long long>(c.n - plan.fixed.size()), mean_b,
+      exact_residual, zmax);
+}
+
+// The importance sampler's violation rates on the same heads (n = 8192; output target, eps =
+// 0.2, delta = 0.1, top-k 1/100 by the predictor, base draws 2% of the residual), with a
+// predictor off by N(0, 0.5^2) per token, against the uniform sampler on the same fixed set:
+// with the CLT-ratio bound from the base draws the rate is within delta's binomial 3-sigma
+// tolerance (0.145) on every family and real head, and the importance sampler reads fewer
+// distinct rows than the uniform one on each heavy-tailed head (printed for all).
+TEST_P(VAttentionStatisticsTest, ImportanceViolationRates) {
+  const Case c = GetParam();
+  if (c.n != 8192) GTEST_SKIP() << "violation rates run at n = 8192 only";
+  const int kTrials = 400;
+  std::mt19937_64 rng(10);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::vector<float> mean(64), s, v;
+  for (float& m : mean) m = 0.5f * normal(rng);
+  int dv = 0;
+  CaseData(
+      c, 900 + static_cast<int>(c.family), 64, rng, [&](int a) { return mean[a]; }, &s, &v, &dv);
+  if (HasFatalFailure()) return;
+  const std::vector<float> pred = NoisyScores(s, 0.5f, 41);
+  const DenseHead dense = MakeDenseHead(s, v, dv);
+  const double tol = 0.1 + 3 * std::sqrt(0.1 * 0.9 / kTrials);
+  double rows_read[2] = {0, 0};  // [importance]
+  for (ResidualSampler sampler : {ResidualSampler::kUniform, ResidualSampler::kImportance}) {
+    VAttentionParams params;
+    params.sink_tokens = 16;
+    params.local_tokens = 64;
+    params.top_k_fraction = 0.01f;
+    params.base_rate = 0.02f;
+    params.epsilon = 0.2f;
+    params.delta = 0.1f;
+    params.predictor = TopKPredictor::kExact;
+    params.bound = BudgetBound::kCltRatio;
+    params.target = VerifyTarget::kOutput;
+    params.sampler = sampler;
+    const VAttentionRowAccess access = RowsOf(s, v, dv);
+    VAttentionHeadResult plan, r;
+    std::vector<int32_t> scratch;
+    VAttentionPlanFixed(pred.data(), c.n, static_cast<int32_t>(0.01 * c.n), params, &plan,
+                        &scratch);
+    int violations = 0;
+    HeadRows rows;
+    for (int trial = 0; trial < kTrials; ++trial) {
+      r.fixed = plan.fixed;
+      VAttentionSampleHead(c.n, params, access, 100 + trial, 0, 0, &r, pred.data());
+      violations += EstimateError(dense, r, v, dv, VerifyTarget::kOutput) > params.epsilon;
+      r.ToHeadRows(&rows);
+      rows_read[sampler == ResidualSampler::kImportance] +=
+          static_cast<double>(rows.tokens.size()) / kTrials / c.n;
+    }
+    const double rate = static_cast<double>(violations) / kTrials;
+    const bool imp = sampler == ResidualSampler::kImportance;
+    std::printf(
+        "[vattention importance violations] %-12s %-10s CLT-ratio eps=0.20 delta=0.10 "
+        "rate=%.4f  rows read %.4f of n\n",
+        Label(c).c_str(), imp ? "importance" : "uniform", rate, rows_read[imp]);
+    RecordProperty(absl::StrCat("violation_output_", imp ? "importance" : "uniform"),
+                   absl::StrCat(rate));
+    if (imp) {
+      EXPECT_LE(rate, tol) << "importance sampler, CLT-ratio";
+    }
+  }
+  if (c.family != ScoreFamily::kNearUniform || c.real_layer >= 0) {
+    EXPECT_LT(rows_read[1], rows_read[0]) << "importance reads fewer rows than uniform";
   }
 }
 
@@ -519,8 +690,13 @@ TEST(VAttentionTest, TheCompressedPredictorKeepsThePromiseTheHashBroke) {
     const CompressedKeysView view = ck.view();
     std::vector<float> approx(n);
     ApproximateScores(view, q.data(), 1.f, approx.data());
-    for (BudgetBound bound : {BudgetBound::kClt, BudgetBound::kHoeffding}) {
-      const VAttentionParams params = SpikeHead::Params(TopKPredictor::kCompressed, bound);
+    for (auto [bound, sampler] :
+         {std::pair{BudgetBound::kClt, ResidualSampler::kUniform},
+          std::pair{BudgetBound::kHoeffding, ResidualSampler::kUniform},
+          std::pair{BudgetBound::kClt, ResidualSampler::kImportance},
+          std::pair{BudgetBound::kCltRatio, ResidualSampler::kImportance}}) {
+      VAttentionParams params = SpikeHead::Params(TopKPredictor::kCompressed, bound);
+      params.sampler = sampler;
       VAttentionHeadResult plan, r;
       std::vector<int32_t> scratch;
       VAttentionPlanFixed(approx.data(), n, n / 32, params, &plan, &scratch);
@@ -540,13 +716,21 @@ TEST(VAttentionTest, TheCompressedPredictorKeepsThePromiseTheHashBroke) {
       int64_t rows = 0;
       for (int trial = 0; trial < kTrials; ++trial) {
         r.fixed = plan.fixed;
-        VAttentionSampleHead(n, params, access, 500 + trial, 0, 0, &r);
+        VAttentionSampleHead(n, params, access, 500 + trial, 0, 0, &r, approx.data());
         violations += EstimateError(dense, r, v, dv, VerifyTarget::kOutput) > params.epsilon;
-        rows += static_cast<int64_t>(r.fixed.size()) + r.b;
+        HeadRows read;
+        r.ToHeadRows(&read);
+        rows += static_cast<int64_t>(read.tokens.size());
       }
-      std::printf("[vattention compressed predictor] %d bits, %s: %d/%d over eps, rows %.3f of n\n",
-                  bits, bound == BudgetBound::kClt ? "CLT" : "Hoeffding", violations, kTrials,
-                  static_cast<double>(rows) / kTrials / n);
+      std::printf(
+          "[vattention compressed predictor] %d bits, %s, %s sampler: %d/%d over eps, rows "
+          "%.3f of n\n",
+          bits,
+          bound == BudgetBound::kClt        ? "CLT"
+          : bound == BudgetBound::kCltRatio ? "CLT-ratio"
+                                            : "Hoeffding",
+          sampler == ResidualSampler::kImportance ? "importance" : "uniform", violations, kTrials,
+          static_cast<double>(rows) / kTrials / n);
       EXPECT_LE(violations, limit) << bits << " bits";
     }
   }
@@ -618,13 +802,17 @@ TEST(VAttentionTest, SelectionShapeAndDeterminism) {
   ASSERT_TRUE(ComputeSimHashSignatures(sp.problem, SimHashConfig{4, 0, 64, {}}, &sigs).ok());
   std::vector<double> dense;
   ASSERT_TRUE(DenseDecodeFloat64(sp.problem, &dense).ok());
-  for (TopKPredictor pred : {TopKPredictor::kHash, TopKPredictor::kExact}) {
+  for (auto [pred, sampler] : {std::pair{TopKPredictor::kHash, ResidualSampler::kUniform},
+                               std::pair{TopKPredictor::kExact, ResidualSampler::kUniform},
+                               std::pair{TopKPredictor::kExact, ResidualSampler::kImportance}}) {
     VAttentionParams params;
     params.sink_tokens = 8;
     params.local_tokens = 32;
     params.top_k_fraction = 0.02f;
     params.bits = 64;
     params.predictor = pred;
+    params.sampler = sampler;
+    const bool imp = sampler == ResidualSampler::kImportance;
     RowSelection sel, again;
     VAttentionStats stats;
     ASSERT_TRUE(VAttentionDecodeCpu(sp.problem, params, 17, &sigs.view, &sel, &stats).ok());
@@ -643,15 +831,20 @@ TEST(VAttentionTest, SelectionShapeAndDeterminism) {
         EXPECT_EQ(r.base.size(),
                   static_cast<size_t>(std::max<int64_t>(2, std::llround(0.05 * r.stats.n_s))));
         EXPECT_GE(r.b, static_cast<int64_t>(r.base.size()));
+        // The importance sampler draws with repeats: b draws, the row counts sum to them.
         expect_selected += static_cast<int64_t>(r.fixed.size()) + r.b;
+        if (imp) {
+          EXPECT_TRUE(std::is_sorted(r.dyn.begin(), r.dyn.end()));
+          EXPECT_EQ(static_cast<int64_t>(r.dyn.size()), r.residual_exact ? r.stats.n_s : r.b);
+        }
         used.insert(used.end(), r.fixed.begin(), r.fixed.end());
         used.insert(used.end(), r.dyn.begin(), r.dyn.end());
         base.insert(base.end(), r.base.begin(), r.base.end());
         std::printf(
-            "[vattention e2e] %s predictor head %d: |I_f|=%zu n_b=%zu b=%lld (raw %.1f) "
+            "[vattention e2e] %s predictor%s head %d: |I_f|=%zu n_b=%zu b=%lld (raw %.1f) "
             "of n_s=%lld\n",
-            pred == TopKPredictor::kHash ? "hash" : "exact", kvh * 2 + g, r.fixed.size(),
-            r.base.size(), static_cast<long long>(r.b), r.budget.raw,
+            pred == TopKPredictor::kHash ? "hash" : "exact", imp ? " (importance)" : "",
+            kvh * 2 + g, r.fixed.size(), r.base.size(), static_cast<long long>(r.b), r.budget.raw,
             static_cast<long long>(r.stats.n_s));
       }
       EXPECT_EQ(h.rows_selected(), expect_selected);
@@ -666,8 +859,9 @@ TEST(VAttentionTest, SelectionShapeAndDeterminism) {
       EXPECT_EQ(zero_rows, base_only);
     }
     std::printf(
-        "[vattention e2e] %s predictor: rel L2 vs dense %.4f, rows fetched kv0 %d of 3000\n",
-        pred == TopKPredictor::kHash ? "hash" : "exact", err, sel.at(0, 0).num_rows());
+        "[vattention e2e] %s predictor%s: rel L2 vs dense %.4f, rows fetched kv0 %d of 3000\n",
+        pred == TopKPredictor::kHash ? "hash" : "exact", imp ? " (importance)" : "", err,
+        sel.at(0, 0).num_rows());
     EXPECT_LT(err, 0.2);
   }
 }
@@ -787,6 +981,16 @@ TEST(VAttentionTest, RejectsBadParameters) {
   expect_invalid(p, "predictor", nullptr);
   p.predictor = TopKPredictor::kExact;
   EXPECT_TRUE(VAttentionDecodeCpu(sp.problem, p, 1, nullptr).ok());
+  p.sampler = ResidualSampler::kImportance;
+  EXPECT_TRUE(VAttentionDecodeCpu(sp.problem, p, 1, nullptr).ok());
+  p.bound = BudgetBound::kHoeffding;  // no range of r from a sample
+  expect_invalid(p, "sampler", nullptr);
+  p = VAttentionParams{};
+  p.sampler = ResidualSampler::kImportance;  // the hash predictor has no scores to sample by
+  expect_invalid(p, "sampler", &sigs.view);
+  p.predictor = TopKPredictor::kExact;
+  p.sampler = static_cast<ResidualSampler>(9);
+  expect_invalid(p, "sampler", nullptr);
 }
 
 }  // namespace

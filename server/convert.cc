@@ -389,6 +389,18 @@ absl::StatusOr<engine::Method> FromProto(const v1::Method& m) {
           return absl::InvalidArgumentError(
               absl::StrCat("method.vattention.bound: unknown value ", v.bound()));
       }
+      switch (v.sampler()) {
+        case v1::RESIDUAL_SAMPLER_IMPORTANCE:
+          p.sampler = kernels::ResidualSampler::kImportance;
+          break;
+        case v1::RESIDUAL_SAMPLER_UNSPECIFIED:
+        case v1::RESIDUAL_SAMPLER_UNIFORM:
+          p.sampler = kernels::ResidualSampler::kUniform;
+          break;
+        default:
+          return absl::InvalidArgumentError(
+              absl::StrCat("method.vattention.sampler: unknown value ", v.sampler()));
+      }
       switch (v.target()) {
         case v1::VERIFY_TARGET_DENOMINATOR:
           p.target = kernels::VerifyTarget::kDenominator;

@@ -52,6 +52,23 @@ TEST(ConvertTest, VAttentionPredictors) {
   EXPECT_EQ(predictor(77).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
+// vAttention's residual sampler on the wire: unspecified reads as the paper's uniform sampler,
+// unknown values are refused.
+TEST(ConvertTest, VAttentionResidualSampler) {
+  v1::DecodeRequest req = OneSequenceRequest();
+  auto sampler = [&](int value) -> absl::StatusOr<kernels::ResidualSampler> {
+    req.mutable_method()->mutable_vattention()->set_sampler(
+        static_cast<v1::ResidualSampler>(value));
+    absl::StatusOr<engine::DecodeCall> c = FromProto(req);
+    if (!c.ok()) return c.status();
+    return c->method.vattention.sampler;
+  };
+  EXPECT_EQ(*sampler(v1::RESIDUAL_SAMPLER_UNSPECIFIED), kernels::ResidualSampler::kUniform);
+  EXPECT_EQ(*sampler(v1::RESIDUAL_SAMPLER_UNIFORM), kernels::ResidualSampler::kUniform);
+  EXPECT_EQ(*sampler(v1::RESIDUAL_SAMPLER_IMPORTANCE), kernels::ResidualSampler::kImportance);
+  EXPECT_EQ(sampler(5).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 // S2ANTA's score source and correction on the wire: unspecified reads as exact scores and the
 // ratio correction (the older clients' meaning), unknown values are refused.
 TEST(ConvertTest, SantaScoresAndCorrection) {

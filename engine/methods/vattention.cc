@@ -1,8 +1,9 @@
 // vAttention (kernels/vattention.h, Algorithm 1): per query head, sink + local window + the
 // predicted top-k (hash: signatures; exact: every key's score; compressed: the compressed keys'
-// scores, with a sound bound on the rest's) as a fixed set I_f, a uniform base
-// sample B of the rest whose statistics set the budget b for (epsilon, delta), then the final
-// uniform sample of b rows; the estimator re-weights the sampled part by n_s / b. The rows of
+// scores, with a sound bound on the rest's) as a fixed set I_f, a base sample B of the rest
+// (uniform, or i.i.d. from the predictor's softmax with the importance sampler) whose statistics
+// set the budget b for (epsilon, delta), then the final sample of b rows; the estimator
+// re-weights the sampled part by n_s / b (importance: 1 / (b p_t) per draw). The rows of
 // I_f u B are read during the selection (their K for the statistics), the final sample's after.
 #include <algorithm>
 #include <cmath>
@@ -106,7 +107,7 @@ absl::Status VAttention::Select(CpuStep& step, kernels::RowSelection* sel) const
       }
       kernels::VAttentionPlanFixed(logits[h].data(), n, *k, params, &r[h], &scratch);
     }
-    kernels::VAttentionSampleBase(n, params, seed, 0, h, &r[h]);
+    kernels::VAttentionSampleBase(n, params, seed, 0, h, &r[h], hash ? nullptr : logits[h].data());
   }
 
   // Read I_f u B of each kv head (K and V).

@@ -66,6 +66,13 @@ expect "t2:" cli create --seq=t2 --layers=2 --q_heads=8 --kv_heads=2 --head_dim=
 expect "appended 600 tokens" cli append --seq=t2 --tokens=600 --seed=4 2>/dev/null
 expect "relative L2 error against dense" cli decode --seq=t2 --layer=1 --method=santa \
   --scores=compressed --samples=256
+# vAttention drawing its residual in proportion to the compressed keys' scores.
+expect "relative L2 error against dense" cli decode --seq=t2 --layer=1 --method=vattention \
+  --predictor=compressed --residual_sampler=importance --epsilon=0.1 --delta=0.1
+if cli decode --seq=t2 --layer=1 --method=vattention --residual_sampler=strat 2>"$work/err.log"; then
+  echo "unknown residual sampler accepted"; exit 1
+fi
+grep -q "residual_sampler must be uniform or importance" "$work/err.log" || { cat "$work/err.log"; exit 1; }
 # Appending no tokens is an error, not "appended 0 tokens".
 if cli append --seq=t1 --tokens=0 2>"$work/err.log"; then echo "append of 0 tokens succeeded"; exit 1; fi
 grep -q INVALID_ARGUMENT "$work/err.log"

@@ -114,6 +114,14 @@ def methods(smoke: bool) -> dict[str, Any]:
         # the stored error norms).
         "vatt-ckeys2-e0.05": VAttention(epsilon=0.05, delta=0.05, predictor="compressed", top_k_fraction=1 / 32),
         "vatt-ckeys2-e0.1": VAttention(epsilon=0.1, delta=0.1, predictor="compressed", top_k_fraction=1 / 32),
+        # The same with the residual drawn in proportion to the compressed keys' softmax
+        # (importance sampler) instead of uniformly, CLT-ratio budget, base draws 2% of the
+        # residual: the budget's variance is that of exact over approximate, not of e^s over
+        # uniform tokens.
+        "vatt-ckeys2-imp-e0.1": VAttention(epsilon=0.1, delta=0.1, predictor="compressed", sampler="importance",
+                                           bound="clt-ratio", base_rate=0.02, top_k_fraction=1 / 32),
+        "vatt-ckeys2-imp-e0.05": VAttention(epsilon=0.05, delta=0.05, predictor="compressed", sampler="importance",
+                                            bound="clt-ratio", base_rate=0.02, top_k_fraction=1 / 32),
         "s2anta-prop-S256": Santa(samples=256, allocation="prop"),
         "vatt-exact-e0.05": VAttention(epsilon=0.05, delta=0.05, predictor="exact", top_k_fraction=1 / 32),
         "hash-learned-b32-1/32": HashTopK(top_k_fraction=1 / 32, bits=32, learned=True),

@@ -185,6 +185,8 @@ en::Method ParseMethod(const std::string& name, const std::string& text) {
         "target",
         {{"output", T::kOutput}, {"numerator", T::kNumerator}, {"denominator", T::kDenominator}});
     v.bits = p.Int("bits", 0);
+    using S = kernels::ResidualSampler;
+    v.sampler = p.Choice<S>("sampler", {{"uniform", S::kUniform}, {"importance", S::kImportance}});
     m.learned_signatures = p.Number("learned", 0) != 0;
   } else if (name == "top_k") {
     m.kind = en::MethodKind::kTopK;

@@ -144,7 +144,11 @@ class VAttention:
     ``predictor="hash"`` (a head whose heavy token the signatures miss is not covered).
     ``predictor="compressed"`` ranks by the sequence's compressed keys
     (``Placement(compressed_key_bits=2)``) and bounds every other token's score by their stored
-    error norms, so the budget's range of x is sound without K on the device."""
+    error norms, so the budget's range of x is sound without K on the device.
+    ``sampler="importance"`` (exact or compressed predictor, ``bound`` clt or clt-ratio) draws
+    the residual i.i.d. in proportion to the predictor's softmax and weights each draw by exact
+    over predicted, instead of the paper's uniform sample: far fewer rows where attention is
+    heavy-tailed."""
 
     epsilon: float = 0.05
     delta: float = 0.05
@@ -158,6 +162,7 @@ class VAttention:
     target: Literal["output", "numerator", "denominator"] = "output"
     bits: int = 0
     learned: bool = False
+    sampler: Literal["uniform", "importance"] = "uniform"
 
     def to_proto(self, out: attention_pb2.Method) -> None:
         p = out.vattention
@@ -180,6 +185,14 @@ class VAttention:
             "numerator": attention_pb2.VERIFY_TARGET_NUMERATOR,
             "denominator": attention_pb2.VERIFY_TARGET_DENOMINATOR,
         }[self.target]
+        p.sampler = _word(
+            {
+                "uniform": attention_pb2.RESIDUAL_SAMPLER_UNIFORM,
+                "importance": attention_pb2.RESIDUAL_SAMPLER_IMPORTANCE,
+            },
+            "sampler",
+            self.sampler,
+        )
 
 
 @dataclass(frozen=True)

@@ -177,10 +177,14 @@ def check_bf16(model, ids, mask, got) -> None:
         kvsparse.TopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16),
         kvsparse.TopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16, scores="exact"),
         kvsparse.Santa(samples=64, tile_size=64, scores="compressed"),
+        kvsparse.VAttention(
+            epsilon=0.1, delta=0.1, sink_tokens=4, local_tokens=16, top_k_fraction=0.1, predictor="compressed",
+            sampler="importance", bound="clt-ratio",
+        ),
     ],
     ids=[
         "santa-prop", "santa-flash", "hash-top-k", "vattention", "vattention-compressed", "top-k-compressed",
-        "top-k-exact", "santa-compressed",
+        "top-k-exact", "santa-compressed", "vattention-importance",
     ],
 )
 def test_sparse_methods_generate(target, method: kvsparse.Method) -> None:

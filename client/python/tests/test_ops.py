@@ -80,11 +80,18 @@ def test_errors_are_kvsparse_exceptions(engine: ops.InProcessEngine) -> None:
     with pytest.raises(kvsparse.InvalidArgument, match="compressed_key_bits"):
         engine.create_sequence("odd", SHAPE, kvsparse.Placement(compressed_key_bits=3))
     # A word the op does not know is refused, not read as the parameter's default.
-    for spec in ("santa", "sampler=strat"), ("vattention", "predictor=hahs"), ("top_k", "scores=oracle"):
+    for spec in (
+        ("santa", "sampler=strat"),
+        ("vattention", "predictor=hahs"),
+        ("vattention", "sampler=stratified"),
+        ("top_k", "scores=oracle"),
+    ):
         with pytest.raises(kvsparse.InvalidArgument, match=spec[1].split("=")[0]):
             ops._call(torch.ops.kvsparse.decode, engine.handle, 1, ids, q, None, None, spec[0], spec[1], 0, 0.125)
     with pytest.raises(kvsparse.InvalidArgument, match="correction"):
         engine.decode(1, ids, q, kvsparse.Santa(correction="exact"))  # type: ignore[arg-type]
+    with pytest.raises(kvsparse.InvalidArgument, match="sampler"):  # hash predictor: no scores
+        engine.decode(1, ids, q, kvsparse.VAttention(sampler="importance"))
     nan_k = torch.zeros(1, 2, 64, dtype=torch.bfloat16)
     nan_k[0, 1, 3] = float("nan")
     length = engine.layer_lengths("s0")[1]
@@ -110,8 +117,14 @@ def test_errors_are_kvsparse_exceptions(engine: ops.InProcessEngine) -> None:
         kvsparse.TopK(top_k_fraction=0.05, sink_tokens=8, local_tokens=16, scores="exact"),
         kvsparse.Santa(samples=64, tile_size=64, scores="compressed"),
         kvsparse.Santa(samples=64, tile_size=64, scores="compressed", correction="none"),
+        kvsparse.VAttention(
+            epsilon=0.1, delta=0.1, sink_tokens=8, local_tokens=16, predictor="compressed", sampler="importance"
+        ),
     ],
-    ids=["santa", "hash", "vattention", "top-k-compressed", "top-k-exact", "santa-compressed", "santa-uncorrected"],
+    ids=[
+        "santa", "hash", "vattention", "top-k-compressed", "top-k-exact", "santa-compressed", "santa-uncorrected",
+        "vattention-importance",
+    ],
 )
 def test_sparse_methods_same_rows_as_the_server(
     engine: ops.InProcessEngine, server: kvsparse.LocalServer, method: kvsparse.Method
