@@ -58,6 +58,7 @@ CpuStep::CpuStep(const Env& env, const DecodeCall& call, uint32_t index, const S
 
 absl::Status CpuStep::Run(const MethodUnit& unit, DecodeResult* result) {
   if (absl::Status s = Sync(result); !s.ok()) return s;
+  if (absl::Status s = call_.CheckLive(); !s.ok()) return s;
   if (res_->length() > static_cast<uint64_t>(std::numeric_limits<int32_t>::max())) {
     return absl::OutOfRangeError("sequence longer than 2^31 tokens");
   }
@@ -65,6 +66,7 @@ absl::Status CpuStep::Run(const MethodUnit& unit, DecodeResult* result) {
   MakeProblem();
   if (unit.Plan(method()).all_keys) {
     if (absl::Status s = ProvideKeys(); !s.ok()) return s;
+    if (absl::Status s = call_.CheckLive(); !s.ok()) return s;
   }
 
   absl::Time t0 = absl::Now();
@@ -74,7 +76,9 @@ absl::Status CpuStep::Run(const MethodUnit& unit, DecodeResult* result) {
   // Rows the selection read itself count as gather time.
   const double selection_s = Seconds(t0, absl::Now()) - (gather_seconds_ - gather_before);
 
+  if (absl::Status s = call_.CheckLive(); !s.ok()) return s;
   if (absl::Status s = GatherSelected(sel); !s.ok()) return s;
+  if (absl::Status s = call_.CheckLive(); !s.ok()) return s;
 
   t0 = absl::Now();
   if (absl::Status s = Estimate(sel, result); !s.ok()) return s;

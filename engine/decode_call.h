@@ -4,9 +4,11 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "engine/method.h"
@@ -34,6 +36,10 @@ struct DecodeCall {
   float scale = 0.f;  // 0: 1/sqrt(d)
   bool return_indices = false;
   absl::Time deadline = absl::InfiniteFuture();
+  // Optional: true once the caller has gone (its RPC cancelled, or the server shutting down
+  // past its grace). The engine checks it with the deadline (CheckLive) before each sequence
+  // and between the stages of a step on both backends, so abandoned work stops there.
+  std::function<bool()> cancelled;
   // An in-process caller whose q and output live on the GPU backend's device (the PyTorch op):
   // q_device and out_device, [B, H, d] each, contiguous, 16-byte aligned, in q_dtype, which must
   // be the sequences' dtype; `q` stays empty and the result's output is not filled. The call's
@@ -47,6 +53,12 @@ struct DecodeCall {
   void* stream = nullptr;
 
   bool on_device() const { return q_device != nullptr; }
+  // DEADLINE_EXCEEDED past the deadline, CANCELLED once `cancelled` says so, else OK.
+  absl::Status CheckLive() const {
+    if (absl::Now() > deadline) return absl::DeadlineExceededError("deadline passed");
+    if (cancelled && cancelled()) return absl::CancelledError("the caller cancelled the call");
+    return absl::OkStatus();
+  }
   // The base seed of sequence b's stream (kernels::SequenceSeed's argument).
   uint64_t SeedOf(size_t b) const {
     return b < seed_offsets.size() ? seed + seed_offsets[b] : seed;

@@ -194,7 +194,7 @@ absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
                        "release the plan before eager calls on it"));
     }
   }
-  if (start > call.deadline) return absl::DeadlineExceededError("deadline passed");
+  if (absl::Status s = call.CheckLive(); !s.ok()) return s;
   const MethodUnit& unit = *FindMethod(call.method.kind).unit;
   if (absl::Status s = unit.Validate(call.method, options_); !s.ok()) return s;
   absl::StatusOr<std::vector<SequenceDesc>> descs = Describe(call);
@@ -209,6 +209,7 @@ absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
   // half-done within a sequence (each append is all-or-nothing in the store).
   const bool append = !call.new_k.empty() || !call.new_v.empty();
   if (append) {
+    if (absl::Status s = call.CheckLive(); !s.ok()) return s;
     if (absl::Status s = AppendNewTokens(call, *descs); !s.ok()) return s;
   }
   const kvstore::ModelShape& shape = (*descs)[0].shape;
@@ -231,6 +232,8 @@ absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
   }
   const CpuStep::Env env{source_, &cache_, &signatures_, &options_};
   for (size_t b = 0; b < B; ++b) {
+    // A caller gone or out of time stops the work here and between the step's stages.
+    if (absl::Status s = call.CheckLive(); !s.ok()) return s;
     CpuStep step(env, call, static_cast<uint32_t>(b), (*descs)[b]);
     if (absl::Status s = step.Run(unit, &result); !s.ok()) {
       return absl::Status(s.code(),

@@ -601,6 +601,41 @@ TEST_F(EngineTest, NewTokenIsAppendedToStoreAndResidentState) {
   EXPECT_EQ(r2->sync_bytes, 0u);  // in sync: nothing read back
 }
 
+// A caller that goes away stops the work (issue 28, defect 2): the engine checks
+// DecodeCall::cancelled with the deadline before each sequence and between a step's stages
+// (sync, all keys, selection, gather, estimate), so a call whose caller leaves at any of those
+// points computes nothing further and answers CANCELLED; one past its deadline,
+// DEADLINE_EXCEEDED. Before the checks the engine asked nothing and ran every sequence.
+TEST_F(EngineTest, CancelledCallsStopBetweenSequencesAndStages) {
+  Load(Options(), {});
+  Method vatt;
+  vatt.kind = MethodKind::kVAttention;
+  vatt.vattention.predictor = kernels::TopKPredictor::kExact;  // a step with every stage
+  vatt.vattention.epsilon = 0.1f;
+  vatt.vattention.delta = 0.1f;
+  int checks = 0;
+  DecodeCall c = Call(vatt);
+  c.cancelled = [&] {
+    ++checks;
+    return false;
+  };
+  ASSERT_TRUE(engine_->Decode(c).ok());
+  const int full = checks;
+  EXPECT_GE(full, 1 + 2 * 5) << "the start, then each of 2 sequences before and between stages";
+  for (int stop_at = 1; stop_at <= full; ++stop_at) {
+    checks = 0;
+    c.cancelled = [&] { return ++checks >= stop_at; };
+    const absl::Status s = engine_->Decode(c).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kCancelled) << stop_at << ": " << s;
+    EXPECT_EQ(checks, stop_at) << "the engine went on after the caller had gone";
+  }
+  c.cancelled = nullptr;
+  c.deadline = absl::Now() - absl::Seconds(1);
+  EXPECT_EQ(engine_->Decode(c).status().code(), absl::StatusCode::kDeadlineExceeded);
+  c.deadline = absl::InfiniteFuture();
+  EXPECT_TRUE(engine_->Decode(c).ok());
+}
+
 TEST_F(EngineTest, BadRequestsGetClearCodes) {
   Load(Options(), {});
   using absl::StatusCode;

@@ -17,11 +17,12 @@ AttentionService::AttentionService(engine::DecodeEngine* engine, const RpcRunner
 
 absl::Status AttentionService::Run(const v1::DecodeRequest& req, absl::string_view tenant,
                                    absl::Time start, absl::Time deadline,
-                                   v1::DecodeResponse* resp) {
+                                   const grpc::ServerContext* ctx, v1::DecodeResponse* resp) {
   absl::StatusOr<engine::DecodeCall> call = FromProto(req);
   if (!call.ok()) return call.status();
   for (std::string& id : call->sequence_ids) id = ScopedId(tenant, id);
   call->deadline = deadline;
+  call->cancelled = [ctx] { return ctx->IsCancelled(); };
   absl::StatusOr<engine::DecodeResult> result = engine_->Decode(*call);
   if (!result.ok()) return result.status();
   decode_metrics_.Record(call->method.kind, *result);
@@ -35,7 +36,7 @@ grpc::Status AttentionService::Decode(grpc::ServerContext* ctx, const v1::Decode
                                       v1::DecodeResponse* resp) {
   const absl::Time start = absl::Now();
   return rpc_->Run(decode_, ctx, [&](absl::Time deadline, const Caller& caller) {
-    return Run(*req, caller.tenant, start, deadline, resp);
+    return Run(*req, caller.tenant, start, deadline, ctx, resp);
   });
 }
 
@@ -54,7 +55,7 @@ grpc::Status AttentionService::DecodeStream(
     // Each step gets the server's default deadline, bounded by the stream's own.
     const absl::Time start = absl::Now();
     grpc::Status st = rpc_->RunStep(stream_, ctx, [&](absl::Time deadline, const Caller& caller) {
-      return Run(req, caller.tenant, start, deadline, &resp);
+      return Run(req, caller.tenant, start, deadline, ctx, &resp);
     });
     if (!st.ok()) return st;
     if (!stream->Write(resp)) {

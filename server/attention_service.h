@@ -32,9 +32,10 @@ class AttentionService final : public v1::Attention::Service {
 
  private:
   // tenant: the caller's (its sequence ids are scoped to it); start: when the handler was
-  // entered (reported as timing.server_seconds).
+  // entered (reported as timing.server_seconds); ctx: the call's (or stream's), whose
+  // cancellation stops the engine's work (engine::DecodeCall::cancelled).
   absl::Status Run(const v1::DecodeRequest& req, absl::string_view tenant, absl::Time start,
-                   absl::Time deadline, v1::DecodeResponse* resp);
+                   absl::Time deadline, const grpc::ServerContext* ctx, v1::DecodeResponse* resp);
 
   engine::DecodeEngine* const engine_;
   const RpcRunner* const rpc_;

@@ -301,6 +301,8 @@ absl::Status DeviceState::Sync(const DecodeCall& call, absl::Span<const Sequence
   }
   const bool appended = !call.new_k.empty();
   for (size_t b = 0; b < B; ++b) {
+    // A caller gone or out of time stops the sync between sequences (each is whole).
+    if (absl::Status s = call.CheckLive(); !s.ok()) return s;
     const SequenceDesc& desc = descs[b];
     const uint64_t n = static_cast<uint64_t>(batch->lens[b]);
     // The token appended by this call is synced on its own after the rest, as the CPU engine

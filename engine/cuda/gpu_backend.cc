@@ -6,6 +6,7 @@
 #include <mutex>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "engine/cuda/cuda_util.h"
 #include "engine/cuda/device_state.h"
@@ -151,8 +152,8 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
   gpu::SyncedBatch batch;
   if (absl::Status s = state_->Sync(call, descs, &batch, result); !s.ok()) return s;
   const absl::Time synced = absl::Now();
-  if (synced > call.deadline) {
-    return absl::DeadlineExceededError("deadline passed while syncing the GPU state");
+  if (absl::Status s = call.CheckLive(); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(s.message(), " while syncing the GPU state"));
   }
   result->timing.sync_seconds += absl::ToDoubleSeconds(synced - start);
 

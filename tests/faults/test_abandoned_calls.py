@@ -1,0 +1,90 @@
+"""Fault: a caller that goes away (issue 28, defect 2). The contract (docs/RELIABILITY.md): the
+engine checks the call's deadline and cancellation before each sequence and between the stages of
+a step, so work stops soon after the caller has gone; the call's slot (--max_concurrent_calls)
+frees when the work stops; on SIGTERM a call in flight is cancelled at the end of
+--shutdown_grace and the process exits soon after, not when the call would have finished.
+
+The work: one Decode of 16 sequences x 8192 tokens with vAttention's exact predictor (every key
+scored), several seconds on the CPU engine of a 2-core machine. Before the checks the handler ran
+every sequence after the deadline had passed and logged "Decode OK", and a SIGTERM waited for it."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvsparse
+
+SHAPE = kvsparse.ModelShape(1, 32, 8, 128, "fp16")
+TOKENS, SEQUENCES = 8192, 16
+GRACE_S = 1.0
+METHOD = kvsparse.VAttention(epsilon=0.05, delta=0.05, predictor="exact")
+
+
+def load(c: kvsparse.Client) -> list[str]:
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((1, TOKENS, 8, 128)).astype(np.float16)
+    ids = [f"s{b}" for b in range(SEQUENCES)]
+    for sid in ids:
+        c.store.create_sequence(sid, SHAPE)
+        c.store.append(sid, k, k)
+    return ids
+
+
+def wait_for(server: kvsparse.LocalServer, text: str, timeout: float = 60.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if text in server.log():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_work_stops_when_the_caller_has_gone() -> None:
+    server = kvsparse.LocalServer(
+        gpu="off", capacity="2G", max_concurrent_calls=1, shutdown_grace=f"{GRACE_S:g}s", log_level="debug"
+    ).start()
+    assert server.process is not None
+    q = np.ones((SEQUENCES, 32, 128), np.float16)
+    try:
+        with kvsparse.Client(server.target, timeout=120.0) as c:
+            ids = load(c)
+            # The work outlasts its deadline: the handler stops at the next check and says so
+            # (before: it ran on and logged "Decode OK"), and the slot is free for the next call.
+            with pytest.raises(kvsparse.DeadlineExceeded):
+                c.attention.decode(0, ids, q, METHOD, timeout=0.2)
+            assert wait_for(server, "deadline passed"), server.log()[-3000:]
+            assert "Decode OK" not in server.log(), "the engine finished the abandoned work"
+            time.sleep(0.2)  # the slot is released as the handler returns, just after its log line
+            out = c.attention.decode(0, ids[:1], q[:1], kvsparse.Dense())
+            assert out.output.shape == (1, 32, 128)
+
+            # SIGTERM with the same work in flight: cancelled at the end of the grace, the
+            # process exits within a stage of it.
+            errors: list[BaseException] = []
+
+            def run() -> None:
+                try:
+                    c.attention.decode(0, ids, q, METHOD)
+                except kvsparse.KvSparseError as e:
+                    errors.append(e)
+
+            t = threading.Thread(target=run)
+            t.start()
+            time.sleep(0.3)  # the call is in the engine
+            sent = time.monotonic()
+            server.process.send_signal(signal.SIGTERM)
+            code = server.process.wait(timeout=60)
+            exit_s = time.monotonic() - sent
+            t.join(timeout=30)
+        log = server.log()
+    finally:
+        server.stop()
+    assert code == 0, log[-2000:]
+    assert exit_s <= GRACE_S + 3.0, f"exited {exit_s:.2f} s after SIGTERM (grace {GRACE_S} s)"
+    assert len(errors) == 1, "the call in flight at SIGTERM did not fail"
+    print(f"[abandoned] exit {exit_s:.2f} s after SIGTERM (grace {GRACE_S} s): {type(errors[0]).__name__}")
