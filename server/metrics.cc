@@ -74,9 +74,19 @@ Metrics::Metrics()
                     .Name("kvsparse_serving")
                     .Help("1 while health is SERVING, 0 from shutdown on")
                     .Register(*registry_)
-                    .Add({})) {}
+                    .Add({})),
+      reloads_(&prometheus::BuildCounter()
+                    .Name("kvsparse_config_reloads_total")
+                    .Help("Files re-read while serving (tls, auth_tokens) whose change was "
+                          "applied or refused (the last good one kept)")
+                    .Register(*registry_)) {}
 
 void Metrics::SetServing(bool serving) { serving_->Set(serving ? 1.0 : 0.0); }
+
+void Metrics::CountReload(absl::string_view file, bool applied) {
+  reloads_->Add({{"file", std::string(file)}, {"result", applied ? "applied" : "refused"}})
+      .Increment();
+}
 
 Metrics::~Metrics() = default;
 

@@ -102,6 +102,9 @@ class Metrics {
   // kvsparse_serving: 1 while the server's health is SERVING, 0 once it shuts down (alerts tell a
   // draining worker from a dead one).
   void SetServing(bool serving);
+  // kvsparse_config_reloads_total{file, result}: a file re-read while serving ("tls",
+  // "auth_tokens") whose change was applied, or refused (the last good one kept).
+  void CountReload(absl::string_view file, bool applied);
 
   prometheus::Registry& registry() { return *registry_; }
   // The bound port of /metrics, or 0 when there is no endpoint.
@@ -115,6 +118,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Histogram>* latency_;
   prometheus::Gauge* serving_;
+  prometheus::Family<prometheus::Counter>* reloads_;
   absl::Mutex mu_;
   std::vector<std::unique_ptr<RpcMetric>> rpcs_ ABSL_GUARDED_BY(mu_);
 };

@@ -2,8 +2,17 @@
 
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_credentials_options.h>
+#include <openssl/bio.h>
+#include <openssl/err.h>
+#include <openssl/evp.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
+#include <stdlib.h>
+#include <sys/stat.h>
 
 #include <algorithm>
+#include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -55,6 +64,110 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
 }
 
 }  // namespace
+
+absl::Status CheckCertificates(absl::string_view cert_pem, absl::string_view key_pem) {
+  struct Free {
+    void operator()(BIO* b) const { BIO_free(b); }
+    void operator()(X509* x) const { X509_free(x); }
+    void operator()(EVP_PKEY* k) const { EVP_PKEY_free(k); }
+  };
+  auto bio = [](absl::string_view pem) {
+    return std::unique_ptr<BIO, Free>(BIO_new_mem_buf(pem.data(), static_cast<int>(pem.size())));
+  };
+  std::unique_ptr<BIO, Free> cb = bio(cert_pem);
+  std::unique_ptr<X509, Free> cert(PEM_read_bio_X509(cb.get(), nullptr, nullptr, nullptr));
+  absl::Status status;
+  if (cert == nullptr) {
+    status = absl::InvalidArgumentError("no certificate in PEM form");
+  } else if (!key_pem.empty()) {
+    std::unique_ptr<BIO, Free> kb = bio(key_pem);
+    std::unique_ptr<EVP_PKEY, Free> key(
+        PEM_read_bio_PrivateKey(kb.get(), nullptr, nullptr, nullptr));
+    if (key == nullptr) {
+      status = absl::InvalidArgumentError("no private key in PEM form");
+    } else if (X509_check_private_key(cert.get(), key.get()) != 1) {
+      status = absl::InvalidArgumentError("the private key is not the certificate's");
+    }
+  }
+  ERR_clear_error();  // OpenSSL's error queue is per thread: leave it empty
+  return status;
+}
+
+absl::StatusOr<std::unique_ptr<TlsFileGuard>> TlsFileGuard::Create(const TlsFiles& files) {
+  std::unique_ptr<TlsFileGuard> g(new TlsFileGuard());
+  g->files_ = files;
+  std::string tmpl = (std::filesystem::temp_directory_path() / "kvsparse-tls-XXXXXX").string();
+  if (mkdtemp(tmpl.data()) == nullptr) {
+    return absl::InternalError(absl::StrCat("cannot make a directory for the TLS files: ", tmpl));
+  }
+  g->dir_ = tmpl;  // mkdtemp makes it 0700
+  g->served_ = files;
+  g->served_.cert = g->dir_ + "/cert.pem";
+  g->served_.key = g->dir_ + "/key.pem";
+  if (!files.ca.empty()) g->served_.ca = g->dir_ + "/ca.pem";
+  g->served_.reload = absl::Seconds(1);
+  absl::StatusOr<bool> first = g->Reload();
+  if (!first.ok()) return first.status();
+  return g;
+}
+
+TlsFileGuard::~TlsFileGuard() {
+  std::error_code ec;
+  std::filesystem::remove_all(dir_, ec);
+}
+
+absl::StatusOr<bool> TlsFileGuard::Reload() {
+  const char* names[3] = {"--tls_cert", "--tls_key", "--tls_client_ca"};
+  const std::string* paths[3] = {&files_.cert, &files_.key, &files_.ca};
+  std::string text[3];
+  for (int i = 0; i < 3; ++i) {
+    if (paths[i]->empty()) continue;
+    absl::StatusOr<std::string> t = ReadFile(*paths[i]);
+    if (!t.ok()) {  // reported once until it changes, as a refused text
+      const std::string what = absl::StrCat(names[i], ": ", t.status().message());
+      if (last_text_ == what) return false;
+      last_text_ = what;
+      return absl::InvalidArgumentError(what);
+    }
+    text[i] = *std::move(t);
+  }
+  std::string all =
+      absl::StrCat(text[0].size(), ":", text[0], text[1].size(), ":", text[1], text[2]);
+  if (all == last_text_) return false;
+  last_text_ = std::move(all);
+  if (absl::Status s = CheckCertificates(text[0], text[1]); !s.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--tls_cert ", files_.cert, " / --tls_key ", files_.key, ": ", s.message()));
+  }
+  if (!files_.ca.empty()) {
+    if (absl::Status s = CheckCertificates(text[2]); !s.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--tls_client_ca ", files_.ca, ": ", s.message()));
+    }
+  }
+  if (absl::Status s = Write(text[0], text[1], text[2]); !s.ok()) return s;
+  return true;
+}
+
+absl::Status TlsFileGuard::Write(const std::string& cert, const std::string& key,
+                                 const std::string& ca) {
+  // Each copy is written aside and renamed over the old one, so gRPC never reads half a file.
+  auto put = [&](const std::string& path, const std::string& text) -> absl::Status {
+    const std::string tmp = path + ".new";
+    std::FILE* f = std::fopen(tmp.c_str(), "wb");
+    if (f == nullptr) return absl::InternalError(absl::StrCat("cannot write ", tmp));
+    chmod(tmp.c_str(), 0600);
+    const bool ok = std::fwrite(text.data(), 1, text.size(), f) == text.size();
+    if (std::fclose(f) != 0 || !ok || std::rename(tmp.c_str(), path.c_str()) != 0) {
+      return absl::InternalError(absl::StrCat("cannot write ", path));
+    }
+    return absl::OkStatus();
+  };
+  if (absl::Status s = put(served_.key, key); !s.ok()) return s;
+  if (absl::Status s = put(served_.cert, cert); !s.ok()) return s;
+  if (!served_.ca.empty()) return put(served_.ca, ca);
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsServerCredentials(const TlsFiles& f) {
   if (f.cert.empty() || f.key.empty()) {

@@ -2,7 +2,8 @@
 //   - TLS and mutual TLS from PEM files, for the server's port and for a client's channel (a
 //     worker's to its store, the C++ clients'); the files are watched and re-read every
 //     `reload` (gRPC's FileWatcherCertificateProvider): a renewed certificate is served to new
-//     connections without a restart;
+//     connections without a restart; the server's own files pass TlsFileGuard first, so a bad
+//     one is refused and the last good pair kept;
 //   - bearer tokens ("authorization: Bearer <token>" metadata) from a file, each with a role,
 //     compared in constant time, checked for every call of both services in one place
 //     (RpcRunner, server/rpc.h); grpc.health.v1 and reflection stay open (probes, tooling); the
@@ -44,6 +45,42 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsServerCredentials(co
 // Client: ca required (the server is verified, its name against the target's host); cert + key
 // optional (mTLS).
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsChannelCredentials(const TlsFiles& f);
+
+// INVALID_ARGUMENT naming what fails unless `cert_pem` holds at least one certificate,
+// `key_pem` a private key, and the key is the first certificate's (OpenSSL). An empty `key_pem`
+// checks the certificates alone (a CA file).
+absl::Status CheckCertificates(absl::string_view cert_pem, absl::string_view key_pem = {});
+
+// The server's TLS files, checked before gRPC reads them: gRPC watches copies in a private
+// directory (mode 0700, files 0600) that hold only a certificate and key that parse and match
+// (and a CA file that parses). Reload re-reads the operator's files and, when their text changed
+// and passes, replaces the copies (gRPC re-reads them every second); when it fails, the copies
+// keep the last good files, so a bad certificate never reaches a handshake. Not thread-safe: one
+// reloader thread.
+class TlsFileGuard {
+ public:
+  // INVALID_ARGUMENT (naming the flag) unless the files pass now.
+  static absl::StatusOr<std::unique_ptr<TlsFileGuard>> Create(const TlsFiles& files);
+  ~TlsFileGuard();  // removes the copies
+  TlsFileGuard(const TlsFileGuard&) = delete;
+  TlsFileGuard& operator=(const TlsFileGuard&) = delete;
+
+  // The copies, for TlsServerCredentials (reload: 1 s).
+  const TlsFiles& served() const { return served_; }
+  // true: the files changed and passed, the copies were replaced; false: unchanged since the
+  // last Reload or Create (a refused text is not refused again until it changes); an error:
+  // they changed and fail, the copies are as they were.
+  absl::StatusOr<bool> Reload();
+
+ private:
+  TlsFileGuard() = default;
+  absl::Status Write(const std::string& cert, const std::string& key, const std::string& ca);
+
+  TlsFiles files_;   // the operator's
+  TlsFiles served_;  // the copies
+  std::string dir_;
+  std::string last_text_;  // cert + key + ca as last read (applied or refused)
+};
 
 // Whether a listen address (host:port) binds only the loopback interface: 127.0.0.0/8, [::1],
 // localhost. 0.0.0.0, [::], other hosts: no.

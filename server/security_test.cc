@@ -158,5 +158,25 @@ TEST(SecurityTest, TlsFilesAreCheckedAtStart) {
   EXPECT_NE(r.status().message().find("no PEM block"), std::string::npos) << r.status();
 }
 
+// The checks TlsFileGuard runs before gRPC sees a file (the matching pair is exercised through
+// the server in test_security.py, with certificates the openssl tool makes).
+TEST(SecurityTest, CertificateChecksRefuseWhatIsNotAPair) {
+  const std::string fake = "-----BEGIN CERTIFICATE-----\nZ2FyYmFnZQ==\n-----END CERTIFICATE-----\n";
+  absl::Status s = CheckCertificates(fake);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("no certificate"), std::string::npos) << s;
+  EXPECT_EQ(CheckCertificates("").code(), absl::StatusCode::kInvalidArgument);
+  TlsFiles f;
+  f.cert = testing::TempDir() + "/fake-cert.pem";
+  f.key = testing::TempDir() + "/fake-key.pem";
+  std::ofstream(f.cert) << fake;
+  std::ofstream(f.key) << "-----BEGIN PRIVATE KEY-----\nZ2FyYmFnZQ==\n-----END PRIVATE KEY-----\n";
+  auto g = TlsFileGuard::Create(f);
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(g.status().message().find("--tls_cert"), std::string::npos) << g.status();
+  f.cert = "/nonexistent/cert.pem";
+  EXPECT_EQ(TlsFileGuard::Create(f).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace kvsparse::server

@@ -49,8 +49,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   // Transport security first: a server that would expose K/V in clear text refuses to start.
   const bool tls = !options.tls.cert.empty() || !options.tls.key.empty();
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  std::unique_ptr<TlsFileGuard> tls_files;
   if (tls) {
-    absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> c = TlsServerCredentials(options.tls);
+    if (options.tls.cert.empty() || options.tls.key.empty()) {
+      return absl::InvalidArgumentError("TLS needs both --tls_cert and --tls_key");
+    }
+    absl::StatusOr<std::unique_ptr<TlsFileGuard>> guard = TlsFileGuard::Create(options.tls);
+    if (!guard.ok()) return guard.status();
+    tls_files = *std::move(guard);
+    absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> c =
+        TlsServerCredentials(tls_files->served());
     if (!c.ok()) return c.status();
     creds = *c;
   } else if (!options.tls.ca.empty()) {
@@ -63,6 +71,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   }
   std::unique_ptr<Server> s(new Server());
   s->options_ = options;
+  s->tls_files_ = std::move(tls_files);
   if (!options.auth_tokens_file.empty()) {
     absl::StatusOr<std::unique_ptr<TokenAuth>> auth = TokenAuth::Load(options.auth_tokens_file);
     if (!auth.ok()) {
@@ -226,6 +235,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   if (s->auth_ != nullptr && options.auth_tokens_reload > absl::ZeroDuration()) {
     s->token_reload_ = std::thread([server = s.get()] { server->ReloadTokens(); });
   }
+  if (s->tls_files_ != nullptr && options.tls.reload > absl::ZeroDuration()) {
+    s->tls_reload_ = std::thread([server = s.get()] { server->ReloadTls(); });
+  }
   KVSPARSE_LOG(Info)
       << "kvsparse-server (role " << RoleName(options.role) << ", "
       << (s->engine_ ? s->engine_->backend() : "no") << " decode engine"
@@ -250,10 +262,9 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
 
 Server::~Server() {
   Shutdown();
-  if (token_reload_.joinable()) {
-    stop_reload_.Notify();
-    token_reload_.join();
-  }
+  if (token_reload_.joinable() || tls_reload_.joinable()) stop_reload_.Notify();
+  if (token_reload_.joinable()) token_reload_.join();
+  if (tls_reload_.joinable()) tls_reload_.join();
 }
 
 void Server::ReloadTokens() {
@@ -263,12 +274,29 @@ void Server::ReloadTokens() {
     if (swapped.ok()) {
       last_error.clear();
       if (*swapped) {
+        metrics_->CountReload("auth_tokens", true);
         KVSPARSE_LOG(Info) << "--auth_tokens: " << options_.auth_tokens_file << " reloaded, "
                            << auth_->size() << " bearer tokens";
       }
     } else if (std::string(swapped.status().message()) != last_error) {
       last_error = std::string(swapped.status().message());
+      metrics_->CountReload("auth_tokens", false);
       KVSPARSE_LOG(Warning) << "--auth_tokens: keeping the tokens loaded before: "
+                            << swapped.status();
+    }
+  }
+}
+
+void Server::ReloadTls() {
+  // A refused text is reported once (TlsFileGuard::Reload answers false until it changes).
+  while (!stop_reload_.WaitForNotificationWithTimeout(options_.tls.reload)) {
+    absl::StatusOr<bool> swapped = tls_files_->Reload();
+    if (swapped.ok() && *swapped) {
+      metrics_->CountReload("tls", true);
+      KVSPARSE_LOG(Info) << "TLS: new certificate files applied (" << options_.tls.cert << ")";
+    } else if (!swapped.ok()) {
+      metrics_->CountReload("tls", false);
+      KVSPARSE_LOG(Warning) << "TLS: keeping the last good certificate and key: "
                             << swapped.status();
     }
   }

@@ -134,6 +134,8 @@ class Server {
   Server() = default;
   // Re-reads the token file every options_.auth_tokens_reload until stop_reload_.
   void ReloadTokens();
+  // Re-reads the TLS files every options_.tls.reload until stop_reload_ (TlsFileGuard).
+  void ReloadTls();
 
   ServerOptions options_;
   std::unique_ptr<kvstore::Store> store_;
@@ -151,7 +153,9 @@ class Server {
   absl::Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::Notification stop_reload_;
-  std::thread token_reload_;  // runs ReloadTokens; joined in ~Server
+  std::thread token_reload_;                 // runs ReloadTokens; joined in ~Server
+  std::unique_ptr<TlsFileGuard> tls_files_;  // with TLS: the checked copies gRPC serves
+  std::thread tls_reload_;                   // runs ReloadTls; joined in ~Server
 };
 
 }  // namespace kvsparse::server

@@ -119,6 +119,49 @@ def test_certificate_reload_without_restart(pki: dict[str, tuple[Path, Path]], t
         assert server.process is not None and server.process.poll() is None, "no restart"
 
 
+def _wait_log(server: kvsparse.LocalServer, text: str, count: int = 1, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while server.log().count(text) < count:
+        assert time.monotonic() < deadline, f"no {text!r} in the log:\n{server.log()[-2000:]}"
+        time.sleep(0.2)
+
+
+def test_bad_certificate_on_reload_keeps_the_last_good_one(pki: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
+    # Replacing the certificate with garbage, or with a certificate that is not the key's, is
+    # refused (logged, counted): new connections keep getting the last good pair. Before, gRPC
+    # served the bad files and every new handshake failed until good ones returned.
+    cert, key = tmp_path / "server.crt", tmp_path / "server.key"
+    shutil.copy(pki["server1"][0], cert)
+    shutil.copy(pki["server1"][1], key)
+    first = kvsparse.Credentials(ca=str(pki["ca1"][0]))
+    second = kvsparse.Credentials(ca=str(pki["ca2"][0]))
+    with kvsparse.LocalServer(
+        gpu="off", tls_cert=cert, tls_key=key, tls_reload="1s", credentials=first, log_level="info"
+    ) as server:
+        cert.write_text("-----BEGIN CERTIFICATE-----\ngarbage\n-----END CERTIFICATE-----\n")
+        _wait_log(server, "keeping the last good certificate and key")
+        time.sleep(1.5)  # gRPC re-reads its copies every second: they must still be the good pair
+        with kvsparse.Client(server.target, credentials=first, timeout=5) as c:
+            _roundtrip(c, "after-garbage")
+        shutil.copy(pki["server2"][0], cert)  # CA 2's certificate with CA 1's key: no pair
+        _wait_log(server, "the private key is not the certificate's")
+        time.sleep(1.5)
+        with kvsparse.Client(server.target, credentials=first, timeout=5) as c:
+            _roundtrip(c, "after-mismatch")
+        shutil.copy(pki["server2"][1], key)  # now the pair matches: applied
+        _wait_log(server, "new certificate files applied")
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with kvsparse.Client(server.target, credentials=second, timeout=3) as c:
+                    _roundtrip(c, "after-renewal")
+                break
+            except kvsparse.Unavailable:
+                assert time.monotonic() < deadline
+                time.sleep(0.5)
+        assert server.log().count("keeping the last good certificate and key") == 2, "each refusal logged once"
+
+
 def test_bearer_tokens_and_roles(tmp_path: Path) -> None:
     tokens = tmp_path / "tokens"
     tokens.write_text("# token role\nreader-0123456789abcdef read\nwriter-0123456789abcdef write\n")
