@@ -193,8 +193,28 @@ grpc::Status KvStoreService::ListSequences(grpc::ServerContext* ctx,
 
 grpc::Status KvStoreService::GetStats(grpc::ServerContext* ctx, const v1::GetStatsRequest*,
                                       v1::StoreStats* resp) {
-  return rpc_->Run(stats_, ctx, [&](absl::Time, const Caller&) -> absl::Status {
+  return rpc_->Run(stats_, ctx, [&](absl::Time, const Caller& caller) -> absl::Status {
     ToProto(store_->Stats(), resp);
+    if (!caller.tenant.empty()) {
+      // A tenant's token sees its own sequences and bytes; the whole store's traffic counters
+      // (another tenant's activity) stay 0. Capacity, policy, page size and shard stay: they
+      // are the deployment's, not another tenant's.
+      uint64_t sequences = 0, bytes = 0;
+      std::string id;
+      for (const kvstore::SequenceInfo& info : store_->ListSequences()) {
+        if (!UnscopedId(caller.tenant, info.sequence_id, &id)) continue;
+        ++sequences;
+        bytes += info.bytes_used;
+      }
+      resp->set_num_sequences(sequences);
+      resp->set_bytes_used(bytes);
+      resp->set_pages_used(resp->page_bytes() > 0 ? bytes / resp->page_bytes() : 0);
+      resp->set_evictions(0);
+      resp->set_rejections(0);
+      resp->set_rows_appended(0);
+      resp->set_rows_gathered(0);
+      resp->set_bytes_gathered(0);
+    }
     return absl::OkStatus();
   });
 }

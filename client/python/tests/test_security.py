@@ -218,6 +218,16 @@ def test_tenants_see_only_their_sequences(tmp_path: Path) -> None:
             with pytest.raises(kvsparse.NotFound):
                 alice.store.sequence_info("bob:s")  # no way into another tenant's namespace
             assert sorted(i.sequence_id for i in ops.store.list_sequences()) == ["alice:s", "bob:s"]
+            # Statistics: a tenant sees its own sequences and bytes, no store-wide traffic; the
+            # untenanted admin, the whole store (before: every tenant saw the whole store).
+            bob.store.create_sequence("t", SHAPE)
+            mine, whole = bob.store.stats(), ops.store.stats()
+            assert (mine.num_sequences, whole.num_sequences) == (2, 3)
+            assert mine.bytes_used == bob.store.sequence_info("s").bytes_used + bob.store.sequence_info("t").bytes_used
+            assert whole.bytes_used > mine.bytes_used and whole.rows_appended > 0
+            assert mine.rows_appended == mine.rows_gathered == mine.evictions == 0
+            assert mine.capacity_bytes == whole.capacity_bytes
+            bob.store.drop_sequence("t")
             ops.store.drop_sequence("bob:s")  # admin: drop of another's sequence
             assert bob.store.list_sequences() == []
             assert [i.sequence_id for i in alice.store.list_sequences()] == ["s"]
