@@ -62,8 +62,17 @@ absl::Status KvStoreClient::WaitForReady(absl::Duration timeout) {
   if (channel_->WaitForConnected(absl::ToChronoTime(absl::Now() + timeout))) {
     return absl::OkStatus();
   }
-  return absl::UnavailableError(absl::StrCat("could not connect to ", options_.target, " within ",
-                                             absl::FormatDuration(timeout)));
+  // The channel's state says nothing of why; one call that does not wait for a connection
+  // carries gRPC's last connection error (a refused port, a TLS handshake's failure).
+  grpc::ClientContext ctx;
+  PrepareCall(&ctx);
+  ctx.set_deadline(absl::ToChronoTime(absl::Now() + absl::Seconds(5)));
+  grpc::health::v1::HealthCheckRequest req;
+  grpc::health::v1::HealthCheckResponse resp;
+  const grpc::Status why = health_->Check(&ctx, req, &resp);
+  return absl::UnavailableError(absl::StrCat(
+      "could not connect to ", options_.target, " within ", absl::FormatDuration(timeout),
+      why.ok() || why.error_message().empty() ? std::string() : ": " + why.error_message()));
 }
 
 absl::Status KvStoreClient::CheckHealth(const std::string& service) {

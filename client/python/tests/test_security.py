@@ -92,6 +92,21 @@ def test_mutual_tls(pki: dict[str, tuple[Path, Path]]) -> None:
                 c.store.list_sequences()
 
 
+def test_cli_names_the_handshake_failure(pki: dict[str, tuple[Path, Path]]) -> None:
+    # The CLI trusting another CA: it says why it could not connect (before: only "could not
+    # connect ... within 2s", while the Python client showed the handshake error).
+    cli = Path(kvsparse.local_server.find_server_binary()).parent / "kvsparse"
+    if not cli.exists():
+        pytest.skip("no kvsparse CLI beside the server binary")
+    first = kvsparse.Credentials(ca=str(pki["ca1"][0]))
+    with kvsparse.LocalServer(gpu="off", tls_cert=pki["server1"][0], tls_key=pki["server1"][1], credentials=first) as s:
+        run = subprocess.run([str(cli), f"--target={s.target}", f"--tls_ca={pki['ca2'][0]}", "--wait_for_ready=2s",
+                              "health"], capture_output=True, text=True, timeout=60)
+    assert run.returncode != 0
+    last = run.stderr.strip().splitlines()[-1]
+    assert "could not connect" in last and "certificate verify failed" in last, run.stderr
+
+
 def test_certificate_reload_without_restart(pki: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
     # The server starts with a certificate of CA 1; the client trusts CA 2 only. Replacing the
     # files with CA 2's certificate lets the client in after the next re-read (--tls_reload=1s).
