@@ -15,6 +15,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -26,6 +27,7 @@
 #include "client/kvstore_client.h"
 #include "client/synthetic.h"
 #include "kernels/dtype.h"
+#include "server/build_info.h"
 #include "server/flags_help.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051",
@@ -715,6 +717,9 @@ int main(int argc, char** argv) {
       "  bench-gather --seq=ID [--rows=4096 --iters --kind=v --heads]\n"
       "  decode --seq=ID[,ID...] [--layer --method=dense|santa|hash_top_k|vattention|saap|top_k\n"
       "                            ...]");
+  absl::FlagsUsageConfig usage;
+  usage.version_string = [] { return kvsparse::BuildInfoLine("kvsparse") + "\n"; };
+  absl::SetFlagsUsageConfig(usage);
   kvsparse::server::HandleHelp(argc, argv, "client/cli.");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {

@@ -14,6 +14,15 @@ bool AbslParseFlag(absl::string_view text, ByteSize* out, std::string* error) {
     *error = "empty byte size";
     return false;
   }
+  // An optional "B" after a unit, and Kubernetes' "Ki", "Mi", "Gi", "Ti": the same binary
+  // multiples ("8Gi" = "8G" = "8GiB" = 8 x 2^30).
+  const absl::string_view number = text;
+  if (text.size() > 1 && absl::ascii_toupper(text.back()) == 'B') text.remove_suffix(1);
+  bool binary_i = false;
+  if (text.size() > 1 && text.back() == 'i') {
+    text.remove_suffix(1);
+    binary_i = true;
+  }
   double mult = 1;
   const char last = absl::ascii_toupper(text.back());
   const char* const kUnits = "KMGT";
@@ -24,10 +33,11 @@ bool AbslParseFlag(absl::string_view text, ByteSize* out, std::string* error) {
       break;
     }
   }
+  if (mult == 1 && binary_i) text = number;  // an "i" needs a unit before it
   double value;
   if (!absl::SimpleAtod(text, &value) || value < 0 || !std::isfinite(value) ||
       value * mult > 1.8e19) {
-    *error = absl::StrCat("not a byte size: '", text, "' (want e.g. 4096, 64K, 256M, 8G)");
+    *error = absl::StrCat("not a byte size: '", number, "' (want e.g. 4096, 64K, 256Mi, 8G)");
     return false;
   }
   out->bytes = static_cast<uint64_t>(value * mult);

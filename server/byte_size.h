@@ -1,4 +1,5 @@
-// A byte count flag type: "64K", "256M", "8G", "1T" (binary multiples), "4096", "1.5G".
+// A byte count flag type: "64K", "256M", "8G", "1T" (binary multiples), "4096", "1.5G"; also
+// Kubernetes' "256Mi", "8Gi" and "8GiB" (the same binary multiples).
 #ifndef KVSPARSE_SERVER_BYTE_SIZE_H_
 #define KVSPARSE_SERVER_BYTE_SIZE_H_
 

@@ -11,12 +11,14 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/time/time.h"
 #include "engine/gpu_mode.h"
 #include "kernels/hash_signatures.h"
 #include "kernels/saap.h"
 #include "kvstore/memory_resource.h"
 #include "kvstore/shared_arena.h"
+#include "server/build_info.h"
 #include "server/byte_size.h"
 #include "server/flags_help.h"
 #include "server/logging.h"
@@ -165,6 +167,9 @@ int main(int argc, char** argv) {
       "kvsparse-server: KV-offloaded sparse decoding service.\n"
       "  kvsparse-server --listen=127.0.0.1:50051 --metrics_listen=127.0.0.1:9464 "
       "--capacity=8G --capacity_policy=evict-lru");
+  absl::FlagsUsageConfig usage;
+  usage.version_string = [] { return kvsparse::BuildInfoLine("kvsparse-server") + "\n"; };
+  absl::SetFlagsUsageConfig(usage);
   kvsparse::server::HandleHelp(argc, argv, "server/main.");
   absl::ParseCommandLine(argc, argv);
 

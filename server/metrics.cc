@@ -7,6 +7,7 @@
 #include "engine/methods/registry.h"
 #include "kvstore/store.h"
 #include "prometheus/metric_family.h"
+#include "server/build_info.h"
 #include "server/remote_row_source.h"
 
 namespace kvsparse::server {
@@ -79,7 +80,16 @@ Metrics::Metrics()
                     .Name("kvsparse_config_reloads_total")
                     .Help("Files re-read while serving (tls, auth_tokens) whose change was "
                           "applied or refused (the last good one kept)")
-                    .Register(*registry_)) {}
+                    .Register(*registry_)) {
+  prometheus::BuildGauge()
+      .Name("kvsparse_build_info")
+      .Help("1, labelled with the build's version, git commit and whether CUDA was built")
+      .Register(*registry_)
+      .Add({{"version", BuildVersion()},
+            {"commit", BuildCommit()},
+            {"cuda", BuildCuda() ? "on" : "off"}})
+      .Set(1);
+}
 
 void Metrics::SetServing(bool serving) { serving_->Set(serving ? 1.0 : 0.0); }
 

@@ -38,6 +38,11 @@ expect() {  # expect REGEX COMMAND...: the command succeeds and its stdout match
   grep -Eq -- "$re" <<<"$out" || { echo "no /$re/ in the output of: $*"; echo "$out"; exit 1; }
 }
 expect SERVING cli health
+# --version names the version and the commit the binaries were built from.
+for b in kvsparse-server kvsparse; do
+  "$bin/$b" --version | grep -Eq "^$b [0-9.]+ \(commit ([0-9a-f]{12}(-dirty)?|unknown), CUDA (on|off)\)$" \
+    || { echo "$b --version: $("$bin/$b" --version)"; exit 1; }
+done
 expect "t1:" cli create --seq=t1 --layers=2 --q_heads=8 --kv_heads=2 --head_dim=64 --dtype=fp16
 expect "appended 500 tokens" cli append --seq=t1 --tokens=500 --seed=9 2>"$work/progress.log"
 grep -q "500/500 tokens" "$work/progress.log"     # progress output on stderr
@@ -88,7 +93,8 @@ for re in 'kvsparse_rpc_requests_total\{code="OK",method="Gather"\}' \
   'kvsparse_rpc_requests_total\{code="INVALID_ARGUMENT",method="Gather"\} 1$' \
   '^kvsparse_store_appended_bytes_total [1-9]' \
   '^kvsparse_store_gathered_bytes_total\{tier="host"\} [1-9]' \
-  '^kvsparse_serving 1$'; do
+  '^kvsparse_serving 1$' \
+  '^kvsparse_build_info\{commit="([0-9a-f]{12}(-dirty)?|unknown)",cuda="(on|off)",version="[0-9.]+"\} 1$'; do
   grep -Eq -- "$re" <<<"$metrics" || { echo "no /$re/ in /metrics"; exit 1; }
 done
 

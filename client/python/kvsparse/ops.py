@@ -142,7 +142,9 @@ def _bytes(x: int | str) -> int:
     if isinstance(x, int):
         return x
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    s = x.strip().upper().rstrip("B")
+    s = x.strip().upper().removesuffix("B")
+    if len(s) > 1 and s[-1] == "I" and s[-2] in units:  # Kubernetes' "8Gi": the same binary unit
+        s = s[:-1]
     return int(float(s[:-1]) * units[s[-1]]) if s and s[-1] in units else int(s)
 
 

@@ -334,3 +334,8 @@ def test_captured_steps_replay_in_a_cuda_graph(method, placement) -> None:
         steps.close()
         assert b.layer_lengths("s0") == [706, 706]
         b.drop_sequence("s0")  # released
+
+
+def test_sizes_take_kubernetes_spelling() -> None:
+    assert ops._bytes("8Gi") == ops._bytes("8G") == ops._bytes("8GiB") == 8 << 30
+    assert ops._bytes("256Mi") == 256 << 20 and ops._bytes(4096) == ops._bytes("4096") == 4096
