@@ -9,6 +9,9 @@
   python deploy/generate.py            write both
   python deploy/generate.py --check    exit 1 if a committed file differs (scripts/deploy_check.sh)
 
+Either way every alert must carry runbook_url: docs/DEPLOY.md#<name in lower case> and have its
+row (with that anchor) in docs/DEPLOY.md's alert table.
+
 Every panel query is also run against a live server by tests/deploy/check_queries.py.
 """
 import argparse
@@ -100,14 +103,19 @@ def panels():
                      p50_p99("kvsparse_rpc_duration_seconds", "method"))
     yield timeseries("Errors by code", "Calls not OK, by method and gRPC code (client mistakes included)", "reqps",
                      [(f'sum by (method, code) (rate(kvsparse_rpc_requests_total{{{SEL}, code!="OK"}}[{RATE}]))', "{{method}} {{code}}")])
+    yield timeseries("Calls in flight and refused", "Unary calls holding a server slot and open decode streams; calls refused at admission (RESOURCE_EXHAUSTED: server busy) by the limit they hit (alert KvsparseCallsRefusedBusy)", "short",
+                     [(f"sum by (kind) (kvsparse_rpc_in_flight{{{SEL}}})", "in flight {{kind}}"),
+                      (f"sum by (limit) (rate(kvsparse_rpc_admission_refusals_total{{{SEL}}}[{RATE}])) or vector(0)", "refused/s {{limit}}")])
     yield timeseries("Server-side error ratio by method", "Recording rule kvsparse:rpc_errors:ratio_rate5m (alert KvsparseRpcErrorRatioHigh above 5%)", "percentunit",
                      [(f'kvsparse:rpc_errors:ratio_rate5m{{job=~"$job"}}', "{{job}} {{method}}")])
 
     yield "row", "Decode"
     yield timeseries("Decode throughput by method", "Sequence-layers decoded per second (one per sequence of a Decode call)", "ops",
                      [(f"sum by (method) (rate(kvsparse_decode_sequence_layers_total{{{SEL}}}[{RATE}]))", "{{method}}")])
-    yield timeseries("Decode engine time p50 / p99 by stage", "selection, gather, compute, and engine (the whole call); the GPU engine times one call in --gpu_stage_timing_every", "s",
-                     p50_p99("kvsparse_decode_stage_seconds", "stage"))
+    yield timeseries("Decode engine time p50 / p99 by stage", "selection, gather, compute (parts of a call; the GPU engine times one call in --gpu_stage_timing_every) and the whole engine time per call", "s",
+                     p50_p99("kvsparse_decode_stage_seconds", "stage")
+                     + [(f"histogram_quantile({q}, sum by (le) (rate(kvsparse_decode_engine_seconds_bucket{{{SEL}}}[{RATE}])))", f"p{n} engine")
+                        for q, n in (("0.5", "50"), ("0.99", "99"))])
     yield timeseries("Bytes read per tier against dense", "Bytes decode steps read from each tier, and what dense attention would read, per method", "Bps",
                      [(f"sum by (method, tier) (rate(kvsparse_decode_fetched_bytes_total{{{SEL}}}[{RATE}]))", "{{method}} {{tier}}"),
                       (dense, "{{method}} dense")])
@@ -118,9 +126,9 @@ def panels():
     yield timeseries("Row-cache hit rate by method", "Fetched rows found in the GPU's row cache (HashAttention; 0 on the CPU engine)", "percentunit",
                      [(f"sum by (method) (rate(kvsparse_decode_cached_rows_total{{{SEL}}}[{RATE}])) / (sum by (method) (rate(kvsparse_decode_fetched_rows_total{{{SEL}}}[{RATE}])) > 0)", "{{method}}")])
     yield timeseries("Budgets per query head", "Mean budget per method (S, k, or vAttention's verified sample b) and vAttention's p50 / p99", "short",
-                     [(f"sum by (method) (rate(kvsparse_decode_budget_sum{{{SEL}}}[{RATE}])) / (sum by (method) (rate(kvsparse_decode_budget_count{{{SEL}}}[{RATE}])) > 0)", "mean {{method}}"),
-                      (f'histogram_quantile(0.5, sum by (le) (rate(kvsparse_decode_budget_bucket{{{SEL}, method="vattention"}}[{RATE}])))', "vattention p50"),
-                      (f'histogram_quantile(0.99, sum by (le) (rate(kvsparse_decode_budget_bucket{{{SEL}, method="vattention"}}[{RATE}])))', "vattention p99")])
+                     [(f"sum by (method) (rate(kvsparse_decode_budget_rows_sum{{{SEL}}}[{RATE}])) / (sum by (method) (rate(kvsparse_decode_budget_rows_count{{{SEL}}}[{RATE}])) > 0)", "mean {{method}}"),
+                      (f'histogram_quantile(0.5, sum by (le) (rate(kvsparse_decode_budget_rows_bucket{{{SEL}, method="vattention"}}[{RATE}])))', "vattention p50"),
+                      (f'histogram_quantile(0.99, sum by (le) (rate(kvsparse_decode_budget_rows_bucket{{{SEL}, method="vattention"}}[{RATE}])))', "vattention p99")])
 
     yield "row", "Store and device state"
     yield timeseries("Store fill", "Bytes of pages in use / --capacity, per process", "percentunit",
@@ -174,10 +182,32 @@ def dashboard_text():
     return json.dumps(board.build(), cls=JSONEncoder, indent=2, sort_keys=True) + "\n"
 
 
+def runbook_problems():
+    """Alerts without a runbook_url to their row in docs/DEPLOY.md, or whose row is missing."""
+    deploy_md = (DEPLOY.parent / "docs" / "DEPLOY.md").read_text()
+    problems = []
+    for group in yaml.safe_load(RULES.read_text())["groups"]:
+        for rule in group["rules"]:
+            if "alert" not in rule:
+                continue
+            name = rule["alert"]
+            want = f"docs/DEPLOY.md#{name.lower()}"
+            if rule.get("annotations", {}).get("runbook_url") != want:
+                problems.append(f"{name}: runbook_url should be {want}")
+            if f'<a id="{name.lower()}"></a>`{name}`' not in deploy_md:
+                problems.append(f"{name}: no row in docs/DEPLOY.md's alert table")
+    return problems
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--check", action="store_true", help="fail if a generated file is stale")
     args = ap.parse_args()
+    problems = runbook_problems()
+    if problems:
+        for p in problems:
+            print(f"RUNBOOK: {p}", file=sys.stderr)
+        return 1
     stale = []
     for path, text in ((PROMETHEUS_RULE, prometheus_rule_text()), (DASHBOARD, dashboard_text())):
         if args.check:

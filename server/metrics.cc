@@ -45,8 +45,19 @@ prometheus::Histogram::BucketBoundaries LatencyBuckets() {
 }  // namespace
 
 RpcMetric::RpcMetric(std::string method, prometheus::Family<prometheus::Counter>* requests,
-                     prometheus::Histogram* latency)
-    : method_(std::move(method)), requests_(requests), latency_(latency) {}
+                     prometheus::Histogram* latency,
+                     prometheus::Family<prometheus::Counter>* refusals)
+    : method_(std::move(method)), requests_(requests), latency_(latency), refusals_(refusals) {
+  // Zero-valued from the start, so rate() and the alert see a series before the first refusal.
+  for (const char* limit :
+       {"max_concurrent_calls", "max_concurrent_streams", "max_calls_per_token"}) {
+    refusals_->Add({{"method", method_}, {"limit", limit}});
+  }
+}
+
+void RpcMetric::RecordRefusal(absl::string_view limit) {
+  refusals_->Add({{"method", method_}, {"limit", std::string(limit)}}).Increment();
+}
 
 void RpcMetric::Record(absl::StatusCode code, double seconds) {
   const int i = static_cast<int>(code) < kNumCodes ? static_cast<int>(code) : 2;
@@ -76,6 +87,11 @@ Metrics::Metrics()
                     .Help("1 while health is SERVING, 0 from shutdown on")
                     .Register(*registry_)
                     .Add({})),
+      refusals_(&prometheus::BuildCounter()
+                     .Name("kvsparse_rpc_admission_refusals_total")
+                     .Help("Calls and streams refused at admission (RESOURCE_EXHAUSTED: server "
+                           "busy), by method and the limit (flag) they hit")
+                     .Register(*registry_)),
       reloads_(&prometheus::BuildCounter()
                     .Name("kvsparse_config_reloads_total")
                     .Help("Files re-read while serving (tls, auth_tokens) whose change was "
@@ -92,6 +108,40 @@ Metrics::Metrics()
 }
 
 void Metrics::SetServing(bool serving) { serving_->Set(serving ? 1.0 : 0.0); }
+
+namespace {
+
+class InFlightCollector final : public prometheus::Collectable {
+ public:
+  InFlightCollector(std::shared_ptr<const std::atomic<size_t>> calls,
+                    std::shared_ptr<const std::atomic<size_t>> streams)
+      : calls_(std::move(calls)), streams_(std::move(streams)) {}
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    prometheus::MetricFamily f{"kvsparse_rpc_in_flight",
+                               "Unary calls holding a server slot (kind=calls, bound "
+                               "--max_concurrent_calls) and open decode streams (kind=streams)",
+                               prometheus::MetricType::Gauge,
+                               {}};
+    for (const auto& [kind, count] :
+         {std::pair{"calls", calls_.get()}, std::pair{"streams", streams_.get()}}) {
+      prometheus::ClientMetric m;
+      m.label.push_back({"kind", kind});
+      m.gauge.value = static_cast<double>(count->load(std::memory_order_relaxed));
+      f.metric.push_back(std::move(m));
+    }
+    return {std::move(f)};
+  }
+
+ private:
+  const std::shared_ptr<const std::atomic<size_t>> calls_, streams_;
+};
+
+}  // namespace
+
+void Metrics::WatchInFlight(std::shared_ptr<const std::atomic<size_t>> calls,
+                            std::shared_ptr<const std::atomic<size_t>> streams) {
+  AddCollectable(std::make_shared<InFlightCollector>(std::move(calls), std::move(streams)));
+}
 
 void Metrics::CountReload(absl::string_view file, bool applied) {
   reloads_->Add({{"file", std::string(file)}, {"result", applied ? "applied" : "refused"}})
@@ -120,7 +170,7 @@ RpcMetric* Metrics::Rpc(absl::string_view method) {
     if (r->method() == method) return r.get();
   }
   prometheus::Histogram* h = &latency_->Add({{"method", std::string(method)}}, LatencyBuckets());
-  rpcs_.push_back(std::make_unique<RpcMetric>(std::string(method), requests_, h));
+  rpcs_.push_back(std::make_unique<RpcMetric>(std::string(method), requests_, h, refusals_));
   return rpcs_.back().get();
 }
 
@@ -239,13 +289,21 @@ DecodeMetrics::DecodeMetrics(prometheus::Registry& registry)
                        .Register(registry)),
       stage_(prometheus::BuildHistogram()
                  .Name("kvsparse_decode_stage_seconds")
-                 .Help("Engine time per Decode call, by stage (stages: the calls timed, one in "
-                       "--gpu_stage_timing_every on the GPU engine)")
+                 .Help("Engine time per Decode call by stage: selection, gather, compute (the "
+                       "calls timed: one in --gpu_stage_timing_every on the GPU engine); the "
+                       "whole is kvsparse_decode_engine_seconds")
                  .Register(registry)),
       budget_(prometheus::BuildHistogram()
-                  .Name("kvsparse_decode_budget")
-                  .Help("Per query head budget: samples S, top-k k, or the vAttention sample b")
-                  .Register(registry)) {
+                  .Name("kvsparse_decode_budget_rows")
+                  .Help("Per query head budget, in rows: samples S, top-k k, or the vAttention "
+                        "sample b")
+                  .Register(registry)),
+      engine_(&prometheus::BuildHistogram()
+                   .Name("kvsparse_decode_engine_seconds")
+                   .Help("Whole engine time per Decode call (the stages of "
+                         "kvsparse_decode_stage_seconds are parts of it)")
+                   .Register(registry)
+                   .Add({}, LatencyBuckets())) {
   for (const engine::MethodEntry& m : engine::AllMethods()) {
     PerMethod& pm = per_method_.emplace_back();
     for (int t = 0; t < kTiers; ++t) {
@@ -261,7 +319,6 @@ DecodeMetrics::DecodeMetrics(prometheus::Registry& registry)
   selection_ = &stage_.Add({{"stage", "selection"}}, LatencyBuckets());
   gather_ = &stage_.Add({{"stage", "gather"}}, LatencyBuckets());
   compute_ = &stage_.Add({{"stage", "compute"}}, LatencyBuckets());
-  engine_ = &stage_.Add({{"stage", "engine"}}, LatencyBuckets());
 }
 
 void DecodeMetrics::Record(engine::MethodKind method, const engine::DecodeResult& r) {

@@ -38,9 +38,12 @@ class RemoteRowSource;
 class RpcMetric {
  public:
   RpcMetric(std::string method, prometheus::Family<prometheus::Counter>* requests,
-            prometheus::Histogram* latency);
+            prometheus::Histogram* latency, prometheus::Family<prometheus::Counter>* refusals);
   // Counts one finished call with its status code and duration.
   void Record(absl::StatusCode code, double seconds);
+  // Counts one call or stream refused at admission (RESOURCE_EXHAUSTED) by `limit`, the flag
+  // whose bound it hit: kvsparse_rpc_admission_refusals_total{method, limit}.
+  void RecordRefusal(absl::string_view limit);
   const std::string& method() const { return method_; }
 
  private:
@@ -48,6 +51,7 @@ class RpcMetric {
   const std::string method_;
   prometheus::Family<prometheus::Counter>* const requests_;
   prometheus::Histogram* const latency_;
+  prometheus::Family<prometheus::Counter>* const refusals_;
   std::array<std::atomic<prometheus::Counter*>, kNumCodes> by_code_{};
 };
 
@@ -82,7 +86,7 @@ class DecodeMetrics {
   prometheus::Histogram* selection_;
   prometheus::Histogram* gather_;
   prometheus::Histogram* compute_;
-  prometheus::Histogram* engine_;
+  prometheus::Histogram* engine_;  // the whole engine time: its own metric (stages overlap it)
 };
 
 class Metrics {
@@ -102,6 +106,10 @@ class Metrics {
   // kvsparse_serving: 1 while the server's health is SERVING, 0 once it shuts down (alerts tell a
   // draining worker from a dead one).
   void SetServing(bool serving);
+  // kvsparse_rpc_in_flight{kind}: unary calls holding a server slot ("calls") and open decode
+  // streams ("streams"), read at scrape time from the two counters.
+  void WatchInFlight(std::shared_ptr<const std::atomic<size_t>> calls,
+                     std::shared_ptr<const std::atomic<size_t>> streams);
   // kvsparse_config_reloads_total{file, result}: a file re-read while serving ("tls",
   // "auth_tokens") whose change was applied, or refused (the last good one kept).
   void CountReload(absl::string_view file, bool applied);
@@ -118,6 +126,7 @@ class Metrics {
   prometheus::Family<prometheus::Counter>* requests_;
   prometheus::Family<prometheus::Histogram>* latency_;
   prometheus::Gauge* serving_;
+  prometheus::Family<prometheus::Counter>* refusals_;
   prometheus::Family<prometheus::Counter>* reloads_;
   absl::Mutex mu_;
   std::vector<std::unique_ptr<RpcMetric>> rpcs_ ABSL_GUARDED_BY(mu_);

@@ -50,7 +50,7 @@ class RpcRunner {
       : default_deadline_(default_deadline), limits_(limits), auth_(auth) {}
 
   // One of `max` slots of a counter, held until destroyed; empty (false) when all were taken.
-  // max == 0 or no counter: always granted, nothing held.
+  // max == 0: always granted (and counted); no counter: always granted, nothing held.
   class Slot {
    public:
     Slot() = default;
@@ -70,8 +70,9 @@ class RpcRunner {
 
    private:
     void Take(std::atomic<size_t>* count, size_t max) {
-      if (max == 0 || count == nullptr) return;
-      if (count->fetch_add(1) >= max) {
+      if (count == nullptr) return;
+      // Counted even without a bound (max 0): kvsparse_rpc_in_flight reads the counter.
+      if (count->fetch_add(1) >= max && max != 0) {
         count->fetch_sub(1);
         full_ = true;
         return;
@@ -96,14 +97,16 @@ class RpcRunner {
     const absl::Time start = absl::Now();
     Caller caller;
     absl::Status status = Identify(*ctx, metric->method(), &caller);
-    OpenedStream open{grpc::Status::OK, Slot(&streams_, limits_.max_streams),
+    OpenedStream open{grpc::Status::OK, Slot(streams_, limits_.max_streams),
                       status.ok() ? TokenSlot(caller) : Slot()};
     if (!status.ok()) {
       // refused before any slot matters
     } else if (!open.stream) {
+      metric->RecordRefusal("max_concurrent_streams");
       status = absl::ResourceExhaustedError(absl::StrCat(
           "server busy: ", limits_.max_streams, " decode streams open (--max_concurrent_streams)"));
     } else if (!open.token) {
+      metric->RecordRefusal("max_calls_per_token");
       status = TokenBusy();
     }
     if (!status.ok()) open.status = Finish(metric, *ctx, start, status);
@@ -119,6 +122,11 @@ class RpcRunner {
     }
     return deadline;
   }
+
+  // The counters of unary calls holding a slot and of open decode streams
+  // (Metrics::WatchInFlight reads them at scrape time).
+  std::shared_ptr<const std::atomic<size_t>> calls_in_flight() const { return calls_; }
+  std::shared_ptr<const std::atomic<size_t>> streams_open() const { return streams_; }
 
   // Runs body(deadline, caller) -> absl::Status for one unary call, which holds one of the
   // server's call slots and one of its token's.
@@ -162,14 +170,16 @@ class RpcRunner {
     const absl::Time deadline = Deadline(*ctx, start);
     Caller caller;
     absl::Status status = Identify(*ctx, metric->method(), &caller);
-    const Slot slot(&calls_, limits_.max_calls);
+    const Slot slot(calls_, limits_.max_calls);
     const Slot token = status.ok() && token_slot ? TokenSlot(caller) : Slot();
     if (!status.ok()) {
       // refused before any work (the token is checked first)
     } else if (!slot) {
+      metric->RecordRefusal("max_concurrent_calls");
       status = absl::ResourceExhaustedError(absl::StrCat(
           "server busy: ", limits_.max_calls, " calls in flight (--max_concurrent_calls)"));
     } else if (!token) {
+      metric->RecordRefusal("max_calls_per_token");
       status = TokenBusy();
     } else if (ctx->IsCancelled()) {
       status = absl::CancelledError("call cancelled before it started");
@@ -218,7 +228,9 @@ class RpcRunner {
   const absl::Duration default_deadline_;
   const RpcLimits limits_;
   const TokenAuth* const auth_;
-  mutable std::atomic<size_t> calls_{0}, streams_{0};
+  // Shared with the in-flight gauge's collector, which may outlive the runner.
+  const std::shared_ptr<std::atomic<size_t>> calls_ = std::make_shared<std::atomic<size_t>>(0);
+  const std::shared_ptr<std::atomic<size_t>> streams_ = std::make_shared<std::atomic<size_t>>(0);
   mutable LogEvery refusal_log_{kRefusalLogPeriod};
 };
 

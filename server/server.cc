@@ -87,6 +87,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       RpcLimits{options.max_concurrent_calls, options.max_concurrent_streams,
                 options.max_calls_per_token},
       s->auth_.get());
+  s->metrics_->WatchInFlight(s->rpc_->calls_in_flight(), s->rpc_->streams_open());
   if (options.role != ServerRole::kWorker) {
     absl::StatusOr<std::unique_ptr<kvstore::Store>> store = kvstore::Store::Create(options.store);
     if (!store.ok()) return store.status();

@@ -10,9 +10,11 @@ every sequence after the deadline had passed and logged "Decode OK", and a SIGTE
 
 from __future__ import annotations
 
+import re
 import signal
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -35,10 +37,10 @@ def load(c: kvsparse.Client) -> list[str]:
     return ids
 
 
-def wait_for(server: kvsparse.LocalServer, text: str, timeout: float = 60.0) -> bool:
+def wait_for(server: kvsparse.LocalServer, text: str, timeout: float = 60.0, count: int = 1) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        if text in server.log():
+        if server.log().count(text) >= count:
             return True
         time.sleep(0.05)
     return False
@@ -46,7 +48,8 @@ def wait_for(server: kvsparse.LocalServer, text: str, timeout: float = 60.0) -> 
 
 def test_work_stops_when_the_caller_has_gone() -> None:
     server = kvsparse.LocalServer(
-        gpu="off", capacity="2G", max_concurrent_calls=1, shutdown_grace=f"{GRACE_S:g}s", log_level="debug"
+        gpu="off", capacity="2G", max_concurrent_calls=1, shutdown_grace=f"{GRACE_S:g}s", log_level="debug",
+        metrics_listen="127.0.0.1:0",
     ).start()
     assert server.process is not None
     q = np.ones((SEQUENCES, 32, 128), np.float16)
@@ -62,6 +65,25 @@ def test_work_stops_when_the_caller_has_gone() -> None:
             time.sleep(0.2)  # the slot is released as the handler returns, just after its log line
             out = c.attention.decode(0, ids[:1], q[:1], kvsparse.Dense())
             assert out.output.shape == (1, 32, 128)
+
+            # While the work holds the one slot, another call is refused and counted, and the
+            # slot shows in kvsparse_rpc_in_flight.
+            port = re.search(r"metrics on 127\.0\.0\.1:0 \(port (\d+)\)", server.log())
+            assert port, server.log()[:2000]
+            metrics_url = f"http://127.0.0.1:{port.group(1)}/metrics"
+            busy = threading.Thread(target=lambda: pytest.raises(
+                kvsparse.DeadlineExceeded, c.attention.decode, 0, ids, q, METHOD, timeout=2.0))
+            busy.start()
+            time.sleep(0.3)
+            with pytest.raises(kvsparse.ResourceExhausted, match="server busy"):
+                c.attention.decode(0, ids[:1], q[:1], kvsparse.Dense())
+            scraped = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
+            busy.join(timeout=60)
+            assert 'kvsparse_rpc_in_flight{kind="calls"} 1' in scraped, scraped[:3000]
+            assert re.search(r'kvsparse_rpc_admission_refusals_total\{limit="max_concurrent_calls",method="Decode"\} 1\b',
+                             scraped), scraped[:3000]
+            assert wait_for(server, "deadline passed", count=2)  # the busy call's work stopped too
+            time.sleep(0.2)
 
             # SIGTERM with the same work in flight: cancelled at the end of the grace, the
             # process exits within a stage of it.
@@ -86,5 +108,5 @@ def test_work_stops_when_the_caller_has_gone() -> None:
         server.stop()
     assert code == 0, log[-2000:]
     assert exit_s <= GRACE_S + 3.0, f"exited {exit_s:.2f} s after SIGTERM (grace {GRACE_S} s)"
-    assert len(errors) == 1, "the call in flight at SIGTERM did not fail"
+    assert len(errors) == 1 and not isinstance(errors[0], kvsparse.ResourceExhausted), errors
     print(f"[abandoned] exit {exit_s:.2f} s after SIGTERM (grace {GRACE_S} s): {type(errors[0]).__name__}")
