@@ -3,7 +3,8 @@
 # packages and PyPI. Fails on the first problem.
 #   1. hadolint on docker/Dockerfile
 #   2. deploy/generate.py --check: the PrometheusRule and the dashboard match their sources
-#   3. kubectl kustomize of every overlay, validated (tests/deploy/validate_manifests.py)
+#   3. kubectl kustomize of every overlay, without Prometheus Operator kinds, and with the
+#      optional deploy/monitoring component, validated (tests/deploy/validate_manifests.py)
 #   4. promtool check rules + promtool test rules (a unit test per alert)
 #   5. a real kvsparse-server (with the embedded overlay's flag file) and a real Prometheus on
 #      loopback while tests/deploy/workload.sh runs: every dashboard query and every recording
@@ -60,11 +61,30 @@ step "generated files are current (deploy/generate.py --check)"
 "$py" deploy/generate.py --check
 
 step "kustomize: render and validate every overlay (Kubernetes $k8s_version schemas, strict)"
+# Each overlay as it is (no Prometheus Operator kinds: it applies to a cluster without their
+# CRDs) and with the optional monitoring component added, as docs/DEPLOY.md shows.
 mkdir -p "$work/rendered"
 for overlay in deploy/overlays/*/; do
   name=$(basename "$overlay")
   "$kubectl" kustomize "$overlay" >"$work/rendered/$name.yaml"
-  echo "rendered $overlay: $(grep -c '^kind:' "$work/rendered/$name.yaml") objects"
+  if grep -q "monitoring.coreos.com" "$work/rendered/$name.yaml"; then
+    fail "$overlay renders Prometheus Operator kinds without the monitoring component"
+  fi
+  with="$work/with-monitoring/$name"
+  mkdir -p "$with"
+  ns=$(sed -n 's/^namespace: //p' "$overlay/kustomization.yaml")
+  cat >"$with/kustomization.yaml" <<EOF2
+apiVersion: kustomize.config.k8s.io/v1beta1
+kind: Kustomization
+${ns:+namespace: $ns}
+resources:
+  - $(realpath --relative-to="$with" "$overlay")
+components:
+  - $(realpath --relative-to="$with" deploy/monitoring)
+EOF2
+  "$kubectl" kustomize --load-restrictor=LoadRestrictionsNone "$with" >"$work/rendered/$name+monitoring.yaml"
+  echo "rendered $overlay: $(grep -c '^kind:' "$work/rendered/$name.yaml") objects," \
+    "$(grep -c '^kind:' "$work/rendered/$name+monitoring.yaml") with deploy/monitoring"
 done
 "$py" tests/deploy/validate_manifests.py --server "$server" --k8s-version "$k8s_version" "$work"/rendered/*.yaml
 

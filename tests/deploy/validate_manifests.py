@@ -21,6 +21,8 @@ schemas written from the Prometheus Operator CRDs, jsonschema), and kvsparse's o
     --shard_index is its ordinal (the pod-index label through the downward API); a worker's
     --store lists exactly that many shards, the StatefulSet's pods through its headless Service,
     in ordinal order;
+  - every overlay has a NetworkPolicy; Prometheus Operator kinds only in a file rendered with the
+    monitoring component (<overlay>+monitoring.yaml);
   - every Service and PodDisruptionBudget selects a pod template; every ServiceMonitor port is
     a port of some selected Service; the PrometheusRule's groups equal
     deploy/prometheus/kvsparse.rules.yml.
@@ -296,8 +298,14 @@ def main():
                     c.expect(s["spec"].get("clusterIP") == "None" or any(p["name"].startswith("metrics") for p in s["spec"]["ports"]),
                              f"Service/{s['metadata']['name']}: selected by the ServiceMonitor without a metrics port")
         check_shards(c, templates, configmaps)
-        for kind in ("Deployment", "Service", "PodDisruptionBudget", "ConfigMap", "ServiceMonitor", "PrometheusRule"):
+        # An overlay as it is holds no Prometheus Operator kinds (it applies without their CRDs);
+        # rendered with deploy/monitoring ("<overlay>+monitoring.yaml") it holds both.
+        monitored = pathlib.Path(file).stem.endswith("+monitoring")
+        for kind in ("Deployment", "Service", "PodDisruptionBudget", "ConfigMap", "NetworkPolicy"):
             c.expect(kind in counts, f"no {kind}")
+        for kind in ("ServiceMonitor", "PrometheusRule"):
+            c.expect((kind in counts) == monitored,
+                     f"{kind}: {'missing with' if monitored else 'present without'} the monitoring component")
         summary = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
         if c.errors:
             failed += 1
