@@ -1,5 +1,8 @@
-// A small leveled logger to stderr: "I1121 12:41:07.123456 tid file:line] message".
-// Abseil 20220623 (Debian 12) predates absl/log; this is the minimum the server needs.
+// A small leveled logger to stderr, one line per message: text, "I1121 12:41:07.123456 tid
+// file:line] message", or JSON (--log_format=json), {"time": RFC 3339 UTC with microseconds,
+// "level", "thread", "source": "file:line", "message"}, written by protobuf's JSON printer (a
+// google.protobuf.Struct) for log collectors. Abseil 20220623 (Debian 12) predates absl/log;
+// this is the minimum the server needs.
 #ifndef KVSPARSE_SERVER_LOGGING_H_
 #define KVSPARSE_SERVER_LOGGING_H_
 
@@ -18,6 +21,10 @@ enum class LogLevel { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3 };
 void SetMinLogLevel(LogLevel level);
 bool LogEnabled(LogLevel level);
 
+enum class LogFormat { kText = 0, kJson = 1 };
+// How every following line is written (text by default). Thread-safe.
+void SetLogFormat(LogFormat format);
+
 // Collects one message and writes it, whole, when destroyed.
 class LogMessage {
  public:
@@ -29,6 +36,9 @@ class LogMessage {
 
  private:
   LogLevel level_;
+  const char* file_;  // the base name
+  int line_;
+  absl::Time time_;
   std::ostringstream stream_;
 };
 

@@ -121,6 +121,9 @@ ABSL_FLAG(absl::Duration, default_deadline, absl::Seconds(30),
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(10),
           "On SIGTERM/SIGINT, how long in-flight calls may take before they are cancelled");
 ABSL_FLAG(std::string, log_level, "info", "debug, info, warning or error");
+ABSL_FLAG(std::string, log_format, "text",
+          "text (\"I1127 05:50:00.123456 tid file:line] message\") or json (one object a line: "
+          "time in RFC 3339 UTC, level, thread, source, message)");
 ABSL_FLAG(std::string, role, "all",
           "all: store + decode worker in one process; store: KvStore service only; worker: "
           "Attention service only, reading rows from --store");
@@ -183,6 +186,13 @@ int main(int argc, char** argv) {
     kvsparse::server::SetMinLogLevel(LogLevel::kError);
   } else if (level != "info") {
     std::fprintf(stderr, "--log_level must be debug, info, warning or error\n");
+    return 2;
+  }
+  const std::string log_format = absl::GetFlag(FLAGS_log_format);
+  if (log_format == "json") {
+    kvsparse::server::SetLogFormat(kvsparse::server::LogFormat::kJson);
+  } else if (log_format != "text") {
+    std::fprintf(stderr, "--log_format must be text or json\n");
     return 2;
   }
 
