@@ -37,10 +37,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence, cast
 
-import torch
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from kvsparse._extras import needs
+
+with needs("kvsparse.calibrate", "hf", "torch", "transformers"):
+    import torch
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 MAGIC = b"KVSPHASH"
 VERSION = 1

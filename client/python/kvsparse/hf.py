@@ -48,11 +48,14 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-import torch
-from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from kvsparse._extras import needs
+
+with needs("kvsparse.hf", "hf", "torch", "transformers"):
+    import torch
+    from transformers import AttentionInterface
+    from transformers.cache_utils import Cache, CacheLayerMixin
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvsparse.methods import Dense, Method, ModelShape, Placement, placement_for
 from kvsparse.transport import Transport, make_transport, step_seed

@@ -27,7 +27,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-import torch
+
+from kvsparse._extras import needs
+
+with needs("kvsparse.ops", "torch", "torch"):
+    import torch
 
 from kvsparse.errors import KvSparseError, from_code
 from kvsparse.methods import Dense, HashTopK, Method, ModelShape, Placement, Saap, Santa, TopK, VAttention
