@@ -2,7 +2,8 @@
 # Deployment and observability checks (docs/DEPLOY.md), no GPU and no network beyond Debian's
 # packages and PyPI. Fails on the first problem.
 #   1. hadolint on docker/Dockerfile
-#   2. deploy/generate.py --check: the PrometheusRule and the dashboard match their sources
+#   2. deploy/generate.py --check: the PrometheusRule and the dashboard match their sources;
+#      scripts/plot_e2e.py --check: the README's picture matches the JSON it was drawn from
 #   3. kubectl kustomize of every overlay, without Prometheus Operator kinds, and with the
 #      optional deploy/monitoring component, validated (tests/deploy/validate_manifests.py)
 #   4. promtool check rules + promtool test rules (a unit test per alert)
@@ -57,8 +58,9 @@ step "hadolint docker/Dockerfile"
 "$venv/bin/hadolint" docker/Dockerfile
 echo "hadolint: no findings"
 
-step "generated files are current (deploy/generate.py --check)"
+step "generated files are current (deploy/generate.py --check, scripts/plot_e2e.py --check)"
 "$py" deploy/generate.py --check
+"$py" scripts/plot_e2e.py --check docs/data/e2e-2026-11-26-kvsg-h100.json docs/img/e2e-tokens-per-s.png
 
 step "kustomize: render and validate every overlay (Kubernetes $k8s_version schemas, strict)"
 # Each overlay as it is (no Prometheus Operator kinds: it applies to a cluster without their
