@@ -244,54 +244,33 @@ void ImportanceProposal::Draw(const PhiloxStream& stream, int64_t count,
 void VAttentionHeadResult::ToHeadRows(HeadRows* out) const {
   out->Clear();
   out->budget = b;
-  if (!proposal.tokens.empty()) {  // the importance sampler: repeats in base and dyn
-    const double per_draw =
-        b > 0 && !residual_exact ? static_cast<double>(stats.n_s) / static_cast<double>(b) : 0.0;
-    size_t i = 0, j = 0, k = 0;
-    while (i < fixed.size() || j < dyn.size() || k < base.size()) {
-      const int32_t ti = i < fixed.size() ? fixed[i] : INT32_MAX;
-      const int32_t tj = j < dyn.size() ? dyn[j] : INT32_MAX;
-      const int32_t tk = k < base.size() ? base[k] : INT32_MAX;
-      const int32_t t = std::min({ti, tj, tk});
-      int32_t m = 0;
-      for (; j < dyn.size() && dyn[j] == t; ++j) ++m;
-      for (; k < base.size() && base[k] == t; ++k) {
-      }
-      if (t == ti) {
-        out->Push(t, 1, 1.f);
-        ++i;
-      } else if (m > 0) {
-        const double w =
-            residual_exact
-                ? 1.0
-                : m * per_draw *
-                      std::exp(proposal.log_scale - static_cast<double>(proposal.Score(t)));
-        out->Push(t, m, static_cast<float>(w));
-      } else {
-        out->Push(t, 0, 0.f);
-      }
-    }
-    return;
-  }
-  const float w_dyn =
-      b > 0 ? static_cast<float>(static_cast<double>(stats.n_s) / static_cast<double>(b)) : 0.f;
+  const bool importance = !proposal.tokens.empty();
+  // Per draw: n_s / b (the importance sampler then times e^{L - s~_t}); 1 over an exact residual.
+  const double per_draw =
+      b > 0 && !residual_exact ? static_cast<double>(stats.n_s) / static_cast<double>(b) : 0.0;
   size_t i = 0, j = 0, k = 0;
-  // Three ascending lists; fixed is disjoint from both samples.
+  // Three ascending lists (dyn and base with repeats under the importance sampler); fixed is
+  // disjoint from both samples.
   while (i < fixed.size() || j < dyn.size() || k < base.size()) {
     const int32_t ti = i < fixed.size() ? fixed[i] : INT32_MAX;
     const int32_t tj = j < dyn.size() ? dyn[j] : INT32_MAX;
     const int32_t tk = k < base.size() ? base[k] : INT32_MAX;
     const int32_t t = std::min({ti, tj, tk});
+    int32_t m = 0;  // draws of t in the final sample
+    for (; j < dyn.size() && dyn[j] == t; ++j) ++m;
+    for (; k < base.size() && base[k] == t; ++k) {
+    }
     if (t == ti) {
       out->Push(t, 1, 1.f);
       ++i;
-    } else if (t == tj) {
-      out->Push(t, 1, w_dyn);
-      ++j;
-      if (tk == t) ++k;
+    } else if (m > 0) {
+      double w = residual_exact ? 1.0 : m * per_draw;
+      if (importance && !residual_exact) {
+        w *= std::exp(proposal.log_scale - static_cast<double>(proposal.Score(t)));
+      }
+      out->Push(t, m, static_cast<float>(w));
     } else {
-      out->Push(t, 0, 0.f);
-      ++k;
+      out->Push(t, 0, 0.f);  // read for the budget only
     }
   }
 }

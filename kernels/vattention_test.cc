@@ -165,6 +165,39 @@ void CaseData(const Case& c, uint64_t seed, int dv, std::mt19937_64& rng,
 
 class VAttentionStatisticsTest : public testing::TestWithParam<Case> {};
 
+// The unbiasedness tests' data: the case's scores, and V as 3 columns (synthetic: means 0.5,
+// -0.2, -0.2 plus N(0, 1) noise; real rows: coordinates 0, 7 and 14 of the real V).
+void ProjectedCaseData(const Case& c, std::vector<float>* s, std::vector<float>* v, int* dv) {
+  std::mt19937_64 rng(9);
+  CaseData(
+      c, 500 + c.n, 3, rng, [](int a) { return a == 0 ? 0.5f : -0.2f; }, s, v, dv);
+  if (c.real_layer < 0) return;
+  std::vector<float> v3(static_cast<size_t>(c.n) * 3);
+  for (int32_t t = 0; t < c.n; ++t) {
+    for (int a = 0; a < 3; ++a) v3[t * 3 + a] = (*v)[static_cast<size_t>(t) * *dv + a * 7];
+  }
+  v->swap(v3);
+  *dv = 3;
+}
+
+// Each statistic's mean over the seeds (est[a][seed]) within 4 SE of target[a] (plus a relative
+// floor for rounding); returns the largest |z|.
+double ExpectMeansWithin4SE(const std::vector<double> (&est)[4], const double (&target)[4], int dv,
+                            double rel_floor) {
+  double zmax = 0;
+  for (int a = 0; a <= dv; ++a) {
+    const double n = static_cast<double>(est[a].size());
+    double m = 0, ss = 0;
+    for (double x : est[a]) m += x / n;
+    for (double x : est[a]) ss += (x - m) * (x - m);
+    const double se = std::sqrt(ss / (n - 1) / n);
+    EXPECT_LT(std::fabs(m - target[a]), 4 * se + rel_floor * std::fabs(target[a]))
+        << (a == 0 ? "denominator" : "numerator projection") << " " << a;
+    if (se > rel_floor * std::fabs(target[a])) zmax = std::max(zmax, std::fabs(m - target[a]) / se);
+  }
+  return zmax;
+}
+
 // The sampled part is unbiased: over 2000 seeds, the mean of (n_s/b) sum_{I_dyn} x_t (the
 // dynamic denominator) and of 3 fixed projections of (n_s/b) sum_{I_dyn} x_t V_t (the dynamic
 // numerator) is within 4 SE of the residual sums, with the full adaptive pipeline (base sample,
@@ -173,20 +206,10 @@ class VAttentionStatisticsTest : public testing::TestWithParam<Case> {};
 TEST_P(VAttentionStatisticsTest, SampledPartUnbiased) {
   const Case c = GetParam();
   const int kSeeds = 2000;
-  std::mt19937_64 rng(9);
   std::vector<float> s, v;
   int dv = 0;
-  CaseData(
-      c, 500 + c.n, 3, rng, [](int a) { return a == 0 ? 0.5f : -0.2f; }, &s, &v, &dv);
+  ProjectedCaseData(c, &s, &v, &dv);
   if (HasFatalFailure()) return;
-  if (c.real_layer >= 0) {  // three coordinates of the real V rows are the tested projections
-    std::vector<float> v3(static_cast<size_t>(c.n) * 3);
-    for (int32_t t = 0; t < c.n; ++t) {
-      for (int a = 0; a < 3; ++a) v3[t * 3 + a] = v[static_cast<size_t>(t) * dv + a * 7];
-    }
-    v.swap(v3);
-    dv = 3;
-  }
   VAttentionParams params;
   params.sink_tokens = 16;
   params.local_tokens = 64;
@@ -238,16 +261,7 @@ TEST_P(VAttentionStatisticsTest, SampledPartUnbiased) {
     for (int a = 0; a <= dv; ++a) est[a][seed] = e[a];
     mean_b += static_cast<double>(r.b) / kSeeds;
   }
-  double zmax = 0;
-  for (int a = 0; a <= dv; ++a) {
-    double m = 0, ss = 0;
-    for (double x : est[a]) m += x / kSeeds;
-    for (double x : est[a]) ss += (x - m) * (x - m);
-    const double se = std::sqrt(ss / (kSeeds - 1) / kSeeds);
-    EXPECT_LT(std::fabs(m - target[a]), 4 * se + 1e-9 * std::fabs(target[a]))
-        << (a == 0 ? "denominator" : "numerator projection") << " " << a;
-    if (se > 1e-9 * std::fabs(target[a])) zmax = std::max(zmax, std::fabs(m - target[a]) / se);
-  }
+  const double zmax = ExpectMeansWithin4SE(est, target, dv, 1e-9);
   std::printf("[vattention unbiased] n=%d %-12s n_f=%zu n_s=%lld mean b=%.1f  max|z|=%.2f\n", c.n,
               Label(c).c_str(), plan.fixed.size(), static_cast<long long>(c.n - plan.fixed.size()),
               mean_b, zmax);
@@ -421,20 +435,10 @@ std::vector<float> NoisyScores(const std::vector<float>& s, float sigma, uint64_
 TEST_P(VAttentionStatisticsTest, ImportanceSamplerUnbiased) {
   const Case c = GetParam();
   const int kSeeds = 2000;
-  std::mt19937_64 rng(9);
   std::vector<float> s, v;
   int dv = 0;
-  CaseData(
-      c, 500 + c.n, 3, rng, [](int a) { return a == 0 ? 0.5f : -0.2f; }, &s, &v, &dv);
+  ProjectedCaseData(c, &s, &v, &dv);
   if (HasFatalFailure()) return;
-  if (c.real_layer >= 0) {  // three coordinates of the real V rows are the tested projections
-    std::vector<float> v3(static_cast<size_t>(c.n) * 3);
-    for (int32_t t = 0; t < c.n; ++t) {
-      for (int a = 0; a < 3; ++a) v3[t * 3 + a] = v[static_cast<size_t>(t) * dv + a * 7];
-    }
-    v.swap(v3);
-    dv = 3;
-  }
   const std::vector<float> pred = NoisyScores(s, 0.5f, 31 + c.n);
   VAttentionParams params;
   params.sink_tokens = 16;
@@ -485,16 +489,7 @@ TEST_P(VAttentionStatisticsTest, ImportanceSamplerUnbiased) {
     mean_b += static_cast<double>(r.b) / kSeeds;
     exact_residual += r.residual_exact;
   }
-  double zmax = 0;
-  for (int a = 0; a <= dv; ++a) {
-    double m = 0, ss = 0;
-    for (double x : est[a]) m += x / kSeeds;
-    for (double x : est[a]) ss += (x - m) * (x - m);
-    const double se = std::sqrt(ss / (kSeeds - 1) / kSeeds);
-    EXPECT_LT(std::fabs(m - target[a]), 4 * se + 1e-6 * std::fabs(target[a]))
-        << (a == 0 ? "denominator" : "numerator projection") << " " << a;
-    if (se > 1e-6 * std::fabs(target[a])) zmax = std::max(zmax, std::fabs(m - target[a]) / se);
-  }
+  const double zmax = ExpectMeansWithin4SE(est, target, dv, 1e-6);
   EXPECT_LT(exact_residual, kSeeds) << "every budget covered the residual: nothing was sampled";
   std::printf(
       "[vattention importance unbiased] n=%d %-12s n_s=%lld mean b=%.1f (draws), exact "

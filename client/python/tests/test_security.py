@@ -64,6 +64,21 @@ def _roundtrip(client: kvsparse.Client, seq: str = "s") -> None:
     client.store.drop_sequence(seq)
 
 
+def _wait_served(server: kvsparse.LocalServer, creds: kvsparse.Credentials, timeout: float = 20.0) -> None:
+    """Until a client with `creds` gets through (the server re-reads its certificate files), a
+    round trip at most `timeout` seconds from now."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with kvsparse.Client(server.target, credentials=creds, timeout=3) as c:
+                _roundtrip(c, "served")
+            return
+        except kvsparse.Unavailable:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+
+
 def test_tls_and_plaintext_refused(pki: dict[str, tuple[Path, Path]]) -> None:
     cert, key = pki["server1"]
     tls = kvsparse.Credentials(ca=str(pki["ca1"][0]))
@@ -121,16 +136,7 @@ def test_certificate_reload_without_restart(pki: dict[str, tuple[Path, Path]], t
         # Key first, then certificate: the watcher reads both; a half-written pair is retried.
         shutil.copy(pki["server2"][1], key)
         shutil.copy(pki["server2"][0], cert)
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with kvsparse.Client(server.target, credentials=second, timeout=3) as c:
-                    c.store.list_sequences()
-                break
-            except kvsparse.Unavailable:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+        _wait_served(server, second)
         assert server.process is not None and server.process.poll() is None, "no restart"
 
 
@@ -165,15 +171,7 @@ def test_bad_certificate_on_reload_keeps_the_last_good_one(pki: dict[str, tuple[
             _roundtrip(c, "after-mismatch")
         shutil.copy(pki["server2"][1], key)  # now the pair matches: applied
         _wait_log(server, "new certificate files applied")
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                with kvsparse.Client(server.target, credentials=second, timeout=3) as c:
-                    _roundtrip(c, "after-renewal")
-                break
-            except kvsparse.Unavailable:
-                assert time.monotonic() < deadline
-                time.sleep(0.5)
+        _wait_served(server, second)
         assert server.log().count("keeping the last good certificate and key") == 2, "each refusal logged once"
 
 
