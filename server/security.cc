@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <vector>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -96,11 +97,25 @@ absl::Status CheckCertificates(absl::string_view cert_pem, absl::string_view key
 absl::StatusOr<std::unique_ptr<TlsFileGuard>> TlsFileGuard::Create(const TlsFiles& files) {
   std::unique_ptr<TlsFileGuard> g(new TlsFileGuard());
   g->files_ = files;
-  std::string tmpl = (std::filesystem::temp_directory_path() / "kvsparse-tls-XXXXXX").string();
-  if (mkdtemp(tmpl.data()) == nullptr) {
-    return absl::InternalError(absl::StrCat("cannot make a directory for the TLS files: ", tmpl));
+  // Memory first (/dev/shm: the key never reaches a disk, and it is writable in a container
+  // whose root filesystem is read-only), then the temporary directory.
+  std::error_code ec;
+  std::vector<std::filesystem::path> candidates = {"/dev/shm"};
+  if (std::filesystem::path t = std::filesystem::temp_directory_path(ec); !ec)
+    candidates.push_back(t);
+  std::string tried;
+  for (const std::filesystem::path& base : candidates) {
+    std::string tmpl = (base / "kvsparse-tls-XXXXXX").string();
+    if (mkdtemp(tmpl.data()) != nullptr) {
+      g->dir_ = tmpl;  // mkdtemp makes it 0700
+      break;
+    }
+    absl::StrAppend(&tried, tried.empty() ? "" : ", ", base.string());
   }
-  g->dir_ = tmpl;  // mkdtemp makes it 0700
+  if (g->dir_.empty()) {
+    return absl::InternalError(
+        absl::StrCat("cannot make a private directory for the TLS files under ", tried));
+  }
   g->served_ = files;
   g->served_.cert = g->dir_ + "/cert.pem";
   g->served_.key = g->dir_ + "/key.pem";

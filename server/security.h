@@ -52,7 +52,8 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsChannelCredentials(
 absl::Status CheckCertificates(absl::string_view cert_pem, absl::string_view key_pem = {});
 
 // The server's TLS files, checked before gRPC reads them: gRPC watches copies in a private
-// directory (mode 0700, files 0600) that hold only a certificate and key that parse and match
+// directory (mode 0700 under /dev/shm, in memory, or else the temporary directory) that hold
+// only a certificate and key that parse and match
 // (and a CA file that parses). Reload re-reads the operator's files and, when their text changed
 // and passes, replaces the copies (gRPC re-reads them every second); when it fails, the copies
 // keep the last good files, so a bad certificate never reaches a handshake. Not thread-safe: one
