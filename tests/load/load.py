@@ -23,9 +23,11 @@ import argparse
 import json
 import os
 import random
+import re
 import sys
 import threading
 import time
+import urllib.request
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -159,6 +161,42 @@ def pct(x: list[float], p: float) -> float:
     return float(np.percentile(np.array(x) * 1e3, p)) if x else 0.0
 
 
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float | None:
+    """Prometheus' histogram_quantile over cumulative (upper bound, count) buckets: linear
+    within the bucket the rank falls in."""
+    buckets = sorted(buckets)
+    total = buckets[-1][1] if buckets else 0
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if upper == float("inf"):
+                return lower
+            return lower + (upper - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = upper, count
+    return lower
+
+
+def server_latency_ms(url: str) -> dict[str, dict[str, float | None]]:
+    """p50 / p99 of the server's own time per call by RPC method, from its /metrics."""
+    per: dict[str, list[tuple[float, float]]] = {}
+    try:
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+    except OSError:
+        return {}
+    for m in re.finditer(r"^kvsparse_rpc_duration_seconds_bucket\{([^}]*)\} (\S+)$", text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        le = float("inf") if labels["le"] == "+Inf" else float(labels["le"])
+        per.setdefault(labels["method"], []).append((le, float(m.group(2))))
+    out = {}
+    for method, buckets in per.items():
+        p50, p99 = histogram_quantile(0.5, buckets), histogram_quantile(0.99, buckets)
+        if p99 is not None:
+            out[method] = {"p50": round(1000 * p50, 3) if p50 is not None else None, "p99": round(1000 * p99, 3)}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default="", help="a running server (default: start one here)")
@@ -175,14 +213,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--report_every", type=float, default=10.0, help="progress and memory, seconds")
     p.add_argument("--out", default="", help="write the summary as JSON here")
+    p.add_argument("--metrics", default="",
+                   help="the server's /metrics URL (with --target), for its own time per call; a "
+                        "server started here is read on its own")
     args = p.parse_args(argv)
 
     server = None
     target = args.target
+    metrics_url = args.metrics
     if not target:
         flags = dict(kv.split("=", 1) for kv in args.server_flags.split(",") if kv)
+        flags.setdefault("metrics_listen", "127.0.0.1:0")  # the server's own time per call
+        flags.setdefault("log_level", "info")  # its start-up line names the metrics port
         server = kvsparse.LocalServer(**flags).start()
         target = server.target
+        port = re.search(r"metrics on [^ ]+ \(port (\d+)\)", server.log())
+        if port and not metrics_url:
+            metrics_url = f"http://127.0.0.1:{port.group(1)}/metrics"
     stats = Stats()
     start = time.monotonic()
     stop = start + args.seconds
@@ -204,6 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         for t in threads:
             t.join()
     finally:
+        # The server's own time per call (handler entry to status: kvsparse_rpc_duration_seconds),
+        # read before it stops: what the clients saw beyond it is theirs (their threads, the
+        # interpreter lock, the cores they share with the server).
+        server_ms = server_latency_ms(metrics_url) if metrics_url else {}
         code = server.stop() if server is not None else None
     elapsed = time.monotonic() - start
     summary = {
@@ -212,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         "calls_per_second": {op: round(len(v) / elapsed, 1) for op, v in stats.latency.items()},
         "latency_ms": {op: {"p50": pct(v, 50), "p99": pct(v, 99), "p999": pct(v, 99.9)}
                        for op, v in stats.latency.items()},
+        "server_latency_ms": server_ms,
         "rows_checked": stats.rows_checked,
         "rows_wrong": stats.rows_wrong,
         "outputs_checked": stats.outputs_checked,
