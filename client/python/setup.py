@@ -7,7 +7,9 @@ from setuptools import setup
 from setuptools.command.build_py import build_py
 
 HERE = pathlib.Path(__file__).resolve().parent
-PROTO_ROOT = HERE.parent.parent / "proto"
+# The repository's proto/ through the link client/python/proto (a copy of this directory made
+# with links resolved, and the sdist, carry the .proto files themselves).
+PROTO_ROOT = HERE / "proto"
 PROTOS = ["kvsparse/v1/tensor.proto", "kvsparse/v1/kvstore.proto", "kvsparse/v1/attention.proto"]
 
 

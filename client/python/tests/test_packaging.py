@@ -1,0 +1,70 @@
+"""The package builds from a copy of client/python alone (links resolved: its LICENSE and proto/
+are links into the repository): `python -m build` makes an sdist carrying the .proto files and the
+generated stubs and a wheel built from that sdist, which installs into a clean venv and imports;
+and `pip install ./client/python` from the repository leaves `git status` as it was. Needs PyPI
+(the builds' isolated environments); skipped without it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tarfile
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1]
+REPO = PACKAGE.parents[1]
+
+
+def _pypi() -> bool:
+    try:
+        urllib.request.urlopen("https://pypi.org/simple/build/", timeout=5).close()
+        return True
+    except OSError:
+        return False
+
+
+pytestmark = pytest.mark.skipif(not _pypi(), reason="needs PyPI for the builds' isolated environments")
+
+
+def _run(*args: str, cwd: Path | None = None) -> str:
+    r = subprocess.run(list(args), cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, f"{' '.join(args)}:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+    return r.stdout
+
+
+def test_a_copy_of_the_package_directory_builds_and_installs(tmp_path: Path) -> None:
+    copy = tmp_path / "python"
+    generated = {PACKAGE / "build", PACKAGE / "kvsparse.egg-info", PACKAGE / "kvsparse" / "v1", PACKAGE / "tests"}
+
+    def ignore(folder: str, names: list[str]) -> list[str]:  # what a fresh clone does not have
+        return [n for n in names if Path(folder) / n in generated or n == "__pycache__"]
+
+    shutil.copytree(PACKAGE, copy, symlinks=False, ignore=ignore)  # links resolved, as `cp -rL`
+    assert not (copy / "kvsparse" / "v1").exists()  # no generated stubs: they come from proto/
+    tools = tmp_path / "tools"
+    _run(sys.executable, "-m", "venv", str(tools))
+    _run(str(tools / "bin" / "pip"), "install", "-q", "build")
+    _run(str(tools / "bin" / "python"), "-m", "build", str(copy), "-o", str(tmp_path / "dist"))
+    sdist = next((tmp_path / "dist").glob("kvsparse-*.tar.gz"))
+    wheel = next((tmp_path / "dist").glob("kvsparse-*.whl"))
+    names = tarfile.open(sdist).getnames()
+    assert any(n.endswith("proto/kvsparse/v1/attention.proto") for n in names), names
+    assert any(n.endswith("kvsparse/v1/attention_pb2.py") for n in names), names
+    clean = tmp_path / "clean"
+    _run(sys.executable, "-m", "venv", str(clean))
+    _run(str(clean / "bin" / "pip"), "install", "-q", str(wheel))
+    out = _run(str(clean / "bin" / "python"), "-c",
+               "import kvsparse, kvsparse.v1.attention_pb2 as a; print(kvsparse.Client.__name__, a.DESCRIPTOR.package)")
+    assert out.split() == ["Client", "kvsparse.v1"]
+
+
+def test_installing_from_the_repository_leaves_git_status_as_it_was(tmp_path: Path) -> None:
+    if shutil.which("git") is None or not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    before = _run("git", "status", "--porcelain", cwd=REPO)
+    _run(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "site"), str(PACKAGE))
+    assert _run("git", "status", "--porcelain", cwd=REPO) == before
