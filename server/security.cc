@@ -95,6 +95,9 @@ absl::Status CheckCertificates(absl::string_view cert_pem, absl::string_view key
 }
 
 absl::StatusOr<std::unique_ptr<TlsFileGuard>> TlsFileGuard::Create(const TlsFiles& files) {
+  if (files.cert.empty() || files.key.empty()) {
+    return absl::InvalidArgumentError("TLS needs both --tls_cert and --tls_key");
+  }
   std::unique_ptr<TlsFileGuard> g(new TlsFileGuard());
   g->files_ = files;
   // Memory first (/dev/shm: the key never reaches a disk, and it is writable in a container

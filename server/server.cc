@@ -51,9 +51,6 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
   std::unique_ptr<TlsFileGuard> tls_files;
   if (tls) {
-    if (options.tls.cert.empty() || options.tls.key.empty()) {
-      return absl::InvalidArgumentError("TLS needs both --tls_cert and --tls_key");
-    }
     absl::StatusOr<std::unique_ptr<TlsFileGuard>> guard = TlsFileGuard::Create(options.tls);
     if (!guard.ok()) return guard.status();
     tls_files = *std::move(guard);
