@@ -17,7 +17,8 @@
 # tests/bench/py_rpc_bench.py --gpu with PYRPC_ARGS; "train": tests/quality/train_model.py with
 # TRAIN_ARGS into $MODEL (default build/quality/model: it stays there for a later "quality" run on
 # the same host);
-# "quality": tests/quality/harness.py over $MODEL with QUALITY_ARGS, into $OUT/quality),
+# "quality": tests/quality/harness.py over $MODEL with QUALITY_ARGS, into $OUT/quality;
+# "hashrecall": tests/quality/hash_recall.py over $MODEL with HASH_ARGS, into $OUT/hash),
 # BENCH_ARGS (extra kernel_bench.py args),
 # REFS=0 (benchmark without FlashInfer and the S2ANTA reference kernels: SDPA and ours only),
 # NCU_ARGS (kernel_bench.py args of the profiled run; default B=8, n=32k).
@@ -102,7 +103,7 @@ if [[ " $STEPS " == *" rpc "* ]]; then
   note "rpc_decode_bench rc=${PIPESTATUS[0]}"
 fi
 
-if [[ " $STEPS " =~ " "(python|e2e|pyrpc|train|quality)" " ]]; then
+if [[ " $STEPS " =~ " "(python|e2e|pyrpc|train|quality|hashrecall)" " ]]; then
   # The image has torch and transformers; the kvsparse package, grpcio and protobuf of the
   # versions its stubs need come as wheels in .whl (scripts/gpu_wheels.sh).
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -134,6 +135,12 @@ if [[ " $STEPS " == *" train "* ]]; then
   # TRAIN_KEEP=1: a copy of the checkpoint (42 MiB) in $OUT/model, to run the quality step
   # elsewhere with it as build/quality/model and the quality pack (scripts/gpu_carry.sh).
   [ "${TRAIN_KEEP:-0}" = 1 ] && cp -r "$MODEL" "$OUT/model"
+fi
+
+if [[ " $STEPS " == *" hashrecall "* ]]; then
+  timeout ${HASH_TIMEOUT:-560} python3 tests/quality/hash_recall.py --model "$MODEL" --out "$OUT/hash" \
+    ${HASH_ARGS:-} 2>&1 | grep -vE "^Loading" > "$OUT/hash_recall.log"
+  note "hash_recall rc=${PIPESTATUS[0]}: $(tail -1 "$OUT/hash_recall.log")"
 fi
 
 if [[ " $STEPS " == *" quality "* ]]; then

@@ -389,6 +389,8 @@ def main() -> int:
     p.add_argument("--only", nargs="*", default=None, help="methods to run (names; default all)")
     p.add_argument("--calib_windows", type=int, default=8)
     p.add_argument("--calib_steps", type=int, default=1500)
+    p.add_argument("--calib_recipe", choices=sorted(calibrate.RECIPES), default="kvsparse",
+                   help="the learned hash MLPs' training recipe (kvsparse.calibrate.RECIPES)")
     p.add_argument("--calib_context", type=int, default=0,
                    help="tokens per calibration window (0: the largest context, at most 8192)")
     p.add_argument("--calib_passkey_share", type=float, default=0.0,
@@ -440,7 +442,7 @@ def main() -> int:
         model.set_attn_implementation("sdpa")
         captured = calibrate.capture_both(model, cal_train, cal_eval)  # once, for the hash MLPs and SAAP
         layers, recall_rows = calibrate.calibrate(model, cal_train, cal_eval, captured=captured, bits=32,
-                                                  steps=args.calib_steps,
+                                                  steps=args.calib_steps, recipe=args.calib_recipe,
                                                   top_fraction=1 / 32, log=log)
         weights = out_dir / "hash-b32.bin"
         calibrate.write_hash_weights(weights, layers)

@@ -64,3 +64,18 @@ def test_harness_smoke(smoke_model: Path, tmp_path: Path) -> None:
     g, d = cfg["num_attention_heads"] // cfg["num_key_value_heads"], cfg["head_dim"]
     assert dump.read_bytes()[:8] == b"KVSPQKV1"
     assert dump.stat().st_size == 8 + 24 + 2 * (32 * g * d + 2 * 256 * d)
+
+
+def test_hash_recall_smoke(smoke_model: Path, tmp_path: Path) -> None:
+    # hash_recall.py trains each configuration (both recipes, key MLPs per kv and per query head)
+    # and writes every layer's recall measures, learned and SimHash, each a share in [0, 1].
+    run = subprocess.run([sys.executable, str(HERE / "hash_recall.py"), "--smoke", "--model", str(smoke_model),
+                          "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, env=os.environ)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert [(x["recipe"], x["key_mlps"]) for x in r["runs"]] == [("kvsparse", "kv"), ("hashattention", "query")]
+    for run_ in r["runs"]:
+        assert len(run_["layers"]) == 2
+        for key in ("oracle_recall", "oracle_mass", "recall", "mass", "top32_in_1_16", "top32_in_1_32"):
+            for name in ("learned", "simhash"):
+                assert 0.0 <= run_["mean"][f"{name}_{key}"] <= 1.0 + 1e-6, (key, run_["mean"])

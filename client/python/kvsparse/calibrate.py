@@ -9,12 +9,15 @@ calibration text in windows of ``--context`` tokens, records every layer's post-
 keys, and trains per layer one MLP per query head and one per kv head (Linear-SiLU-Linear-SiLU-
 Linear, as HashAttention's released models) so that the Hamming similarity of their sign bits
 ranks a query's keys by attention score. The loss is HashAttention's: weighted binary cross-
-entropy of "the key is among the query's top-k" (k a fraction of the causal prefix), predicted
-from the relaxed (tanh) similarity of the two signatures, positives weighted by ``alpha`` (5 here,
-20 in HashAttention's runs: on keys with a shared offset, as real keys have, 5 with a learning rate
-of 1e-2 reached a higher recall in 400 steps than 20 with 1e-3).
-Writes the version-1 file of ``kernels/hash_signatures.h``; prints each layer's held-out recall of
-the true top-k against SimHash at the same bits.
+entropy of "the key is among the query's top keys", predicted from the relaxed (tanh) similarity
+of the two signatures. Two recipes (``RECIPES``, ``--recipe``): ``kvsparse`` labels the top
+fraction of the whole causal prefix (positives x5, lr 1e-2 with cosine decay); ``hashattention``
+is the paper's released training (the top 32 keys beyond the sink and the local window, positives
+x20, Adam 1e-3). ``--key_mlps query`` trains one key MLP per query head as the paper does (the
+CPU engine serves it; the GPU engine signs keys with one MLP per kv head).
+Writes the version-1 file of ``kernels/hash_signatures.h``; prints each layer's held-out recall
+(``topk_recall``: of the true top-k, and of the oracle top-k row the engine would read) against
+SimHash at the same bits.
 
 With ``--saap_out`` it also writes SAAP partitions (``kernels/saap.h``): per layer and kv head a
 spherical k-means of the keys before RoPE into ``--clusters`` buckets, and per query head a
@@ -33,7 +36,7 @@ import math
 import struct
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Sequence, cast
 
@@ -146,71 +149,141 @@ class LayerHash:
     key: HashMlps
 
 
-def _topk_labels(scores: torch.Tensor, prefix: torch.Tensor, fraction: float, min_k: int) -> torch.Tensor:
+def _topk_labels(scores: torch.Tensor, prefix: torch.Tensor, fraction: float, min_top_k: int) -> torch.Tensor:
     """scores [..., Q, T] (-inf beyond each query's causal prefix), prefix [Q] lengths: bool of
     the top ceil(fraction * prefix) keys per query (at least min_k)."""
-    m = torch.clamp(torch.ceil(prefix.float() * fraction).long(), min=min_k)
-    m = torch.minimum(m, prefix)
+    m = torch.clamp(torch.ceil(prefix.float() * fraction).long(), min=min_top_k)
+    return _top_m(scores, torch.minimum(m, prefix))
+
+
+def _top_m(scores: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """scores [..., Q, T] (-inf where a key may not be chosen), m [Q] >= 1: bool of the m[q]
+    highest finite scores of each query (every key tied with the m-th too)."""
     ordered = scores.sort(dim=-1, descending=True).values
     idx = (m - 1).view(*([1] * (scores.dim() - 2)), -1, 1).expand(*scores.shape[:-1], 1)
     threshold = ordered.gather(-1, idx)
     return (scores >= threshold) & torch.isfinite(scores)
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """How train_layer labels the keys of a query and weighs its loss: the one place that names
+    the two training recipes (RECIPES) and their defaults."""
+
+    # Labels: the label_top_k keys of highest q.k (fixed k) or, with label_top_k = 0, the top
+    # ceil(top_fraction * prefix) (at least min_top_k) of the causal prefix.
+    label_top_k: int
+    top_fraction: float
+    min_top_k: int
+    # Keys neither labelled nor in the loss: the first exclude_sink tokens and each query's last
+    # exclude_local (the attention sink and local window, which HashTopK reads anyway).
+    exclude_sink: int
+    exclude_local: int
+    alpha: float  # weight of a positive in the binary cross-entropy (negatives 1)
+    lr: float  # Adam's learning rate
+    cosine: bool  # cosine decay to 5% of lr over the steps, else constant
+    # The logit: learned scale * (tanh similarity / bits) + learned bias, or the raw tanh dot
+    # product (in [-bits, bits]) with threshold 0, as HashAttention's released training.
+    learned_scale: bool
+    queries_per_step: int
+    min_position: int  # queries at positions >= this (and past sink + local + label_top_k)
+
+
+RECIPES: dict[str, Recipe] = {
+    # kvsparse's first recipe: rank the top 1/32 of the whole prefix (what top_k_fraction = 1/32
+    # reads, sink and window included), positives x5, lr 1e-2 with cosine decay (on keys with a
+    # shared offset 5 with 1e-2 reached a higher recall in 400 steps than 20 with 1e-3).
+    "kvsparse": Recipe(label_top_k=0, top_fraction=1 / 32, min_top_k=16, exclude_sink=0, exclude_local=0,
+                       alpha=5.0, lr=1e-2, cosine=True, learned_scale=True, queries_per_step=64,
+                       min_position=256),
+    # HashAttention's released training (xAlg-ai/HashAttention-1.0, train_hashattention.py):
+    # labels the top 32 keys by q.k with the first 128 and the query's last 128 tokens masked out
+    # of labels and loss, positives x20, sigmoid of the raw tanh dot product, Adam 1e-3 constant,
+    # 128 queries per step (theirs: a 128-token prefill chunk every 1024 tokens; here 128 random
+    # positions), fp32 (theirs bf16).
+    "hashattention": Recipe(label_top_k=32, top_fraction=0.0, min_top_k=32, exclude_sink=128, exclude_local=128,
+                            alpha=20.0, lr=1e-3, cosine=False, learned_scale=False, queries_per_step=128,
+                            min_position=0),
+}
+
+# Key MLPs per layer: one per kv head, shared by its query heads (what the engine's GPU path
+# signs), or one per query head (HashAttention's layout: the keys repeated per query head).
+KEY_MLPS = ("kv", "query")
+
+
+def _expand_keys(k: torch.Tensor, heads: int) -> torch.Tensor:
+    """k [Hkv, T, d] -> [heads, T, d]: each kv head's keys repeated for its query heads (heads =
+    H), or k itself (heads = Hkv)."""
+    return k if heads == k.shape[0] else k.repeat_interleave(heads // k.shape[0], dim=0)
+
+
 def train_layer(
     q: torch.Tensor,
     k: torch.Tensor,
     *,
+    recipe: str | Recipe = "kvsparse",
     bits: int = 32,
     hidden: int = 128,
     linears: int = 3,
     steps: int = 400,
-    queries_per_step: int = 64,
-    top_fraction: float = 1 / 32,
-    min_top_k: int = 16,
-    alpha: float = 5.0,
-    lr: float = 1e-2,
-    min_position: int = 256,
+    key_mlps: str = "kv",
     seed: int = 0,
     log: Callable[[str], None] | None = None,
+    **overrides: Any,
 ) -> LayerHash:
-    """Trains one layer's MLPs on its queries q [W, H, T, d] and keys k [W, Hkv, T, d]."""
+    """Trains one layer's MLPs on its queries q [W, H, T, d] and keys k [W, Hkv, T, d] with a
+    recipe (RECIPES' name or a Recipe; `overrides` replace its fields, e.g. alpha=20)."""
+    r = RECIPES[recipe] if isinstance(recipe, str) else recipe
+    if overrides:
+        r = replace(r, **overrides)
+    if key_mlps not in KEY_MLPS:
+        raise ValueError(f"key_mlps must be one of {KEY_MLPS}, not {key_mlps!r}")
     w_count, h, t, d = q.shape
     hkv = k.shape[1]
     g = h // hkv
     device = q.device
     gen = torch.Generator().manual_seed(seed)
     dims = [d] + [hidden] * (linears - 1) + [bits]
-    qm, km = HashMlps(h, dims, gen).to(device), HashMlps(hkv, dims, gen).to(device)
+    kh = h if key_mlps == "query" else hkv
+    qm, km = HashMlps(h, dims, gen).to(device), HashMlps(kh, dims, gen).to(device)
+    params = list(qm.parameters()) + list(km.parameters())
     scale = torch.nn.Parameter(torch.tensor(8.0, device=device))
     bias = torch.nn.Parameter(torch.tensor(-2.0, device=device))
-    params = list(qm.parameters()) + list(km.parameters()) + [scale, bias]
-    opt = torch.optim.Adam(params, lr=lr)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps, eta_min=lr * 0.05)
+    if r.learned_scale:
+        params += [scale, bias]
+    opt = torch.optim.Adam(params, lr=r.lr)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps, eta_min=r.lr * 0.05) if r.cosine else None
     pick = torch.Generator(device="cpu").manual_seed(seed + 1)
-    lo = min(min_position, t - 1)
+    lo = min(max(r.min_position, r.exclude_sink + r.exclude_local + r.label_top_k), t - 1)
     keys = torch.arange(t, device=device)
     for step in range(steps):
         w = int(torch.randint(w_count, (1,), generator=pick))
-        pos = torch.randint(lo, t, (queries_per_step,), generator=pick).to(device)
+        pos = torch.randint(lo, t, (r.queries_per_step,), generator=pick).to(device)
         qx = q[w][:, pos].float()  # [H, Q, d]
         kx = k[w].float()  # [Hkv, T, d]
         with torch.no_grad():
             s = torch.einsum("kgqd,ktd->kgqt", qx.view(hkv, g, -1, d), kx)
             causal = keys[None, :] <= pos[:, None]  # [Q, T]
-            s = s.masked_fill(~causal, float("-inf"))
-            labels = _topk_labels(s, pos + 1, top_fraction, min_top_k).float()
+            # What is labelled and in the loss: the causal prefix less the sink and the window.
+            scored = causal & (keys[None, :] >= r.exclude_sink) & (keys[None, :] <= pos[:, None] - r.exclude_local)
+            s = s.masked_fill(~scored, float("-inf"))
+            if r.label_top_k > 0:
+                m = torch.clamp(scored.sum(-1), max=r.label_top_k)
+                labels = _top_m(s, m).float()
+            else:
+                labels = _topk_labels(s, pos + 1, r.top_fraction, r.min_top_k).float()
         fq = torch.tanh(qm(qx)).view(hkv, g, -1, bits)
-        fk = torch.tanh(km(kx))
-        sim = torch.einsum("kgqb,ktb->kgqt", fq, fk) / bits
-        logits = scale * sim + bias
-        weight = (labels * (alpha - 1) + 1) * causal
+        fk = torch.tanh(km(_expand_keys(kx, kh))).view(hkv, kh // hkv, t, bits)
+        dot = torch.einsum("kgqb,kgtb->kgqt", fq, fk.expand(hkv, g, t, bits))
+        logits = scale * dot / bits + bias if r.learned_scale else dot
+        weight = (labels * (r.alpha - 1) + 1) * scored
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels, weight=weight, reduction="sum")
         loss = loss / weight.sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        sched.step()
+        if sched is not None:
+            sched.step()
         if log is not None and (step + 1) % max(1, steps // 4) == 0:
             log(f"  step {step + 1}/{steps}: loss {loss.item():.4f}")
     return LayerHash(qm.eval(), km.eval())
@@ -226,8 +299,10 @@ def sign_bits(x: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def learned_signatures(layer: LayerHash, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [H, N, d], k [Hkv, T, d] -> +-1 signatures [H, N, bits], [Hkv, T, bits]."""
-    return sign_bits(layer.query(q.float())), sign_bits(layer.key(k.float()))
+    """q [H, N, d], k [Hkv, T, d] -> +-1 signatures [H, N, bits] and [Hk, T, bits] (Hk: the
+    layer's key MLPs, Hkv or H)."""
+    kh = layer.key.weights[0].shape[0]
+    return sign_bits(layer.query(q.float())), sign_bits(layer.key(_expand_keys(k.float(), kh)))
 
 
 @torch.no_grad()
@@ -251,12 +326,22 @@ def simhash_signatures(q: torch.Tensor, k: torch.Tensor, bits: int, seed: int = 
 @torch.no_grad()
 def topk_recall(
     q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, sq: torch.Tensor, sk: torch.Tensor,
-    fraction: float = 1 / 32, min_top_k: int = 16, seed: int = 0,
+    fraction: float = 1 / 32, min_top_k: int = 16, seed: int = 0, sink: int = 128, local: int = 128,
 ) -> dict[str, float]:
     """For queries q [H, Q, d] at positions pos [Q] over keys k [Hkv, T, d] with signatures
-    sq [H, Q, bits], sk [Hkv, T, bits]: the mean fraction of the true top-m keys (m = fraction of
-    the causal prefix) among the m keys of highest signature similarity (ties broken at random),
-    and the share of the softmax mass those m keys hold against the true top-m's."""
+    sq [H, Q, bits] and sk [Hkv or H, T, bits] (ties of signature similarity broken at random),
+    the mean over queries and heads of:
+    - recall, mass: the share of the true top-m keys of the causal prefix (m = fraction of the
+      prefix) among the m keys of highest similarity, and the softmax mass those m keys hold
+      against the true top-m's (sink and window ranked like any key);
+    - oracle_recall, oracle_mass: against the oracle top-k row as the engine reads it (TopK with
+      exact scores: the first `sink` tokens, the last `local`, and the k = round(fraction * n)
+      keys of the rest with the highest score): the share of the oracle's k keys among the k the
+      signatures rank first in the rest, and the softmax mass of HashTopK's rows (sink + window +
+      those k) against the oracle's; boundary_ties: the keys of the rest whose similarity equals
+      the k-th highest (a tie broken at random), per key chosen;
+    - top32_in_1_16, top32_in_1_32: HashAttention's own measure, the share of the true top 32 of
+      the rest among the n/16 (n/32) keys of the rest the signatures rank first."""
     h, nq, d = q.shape
     hkv, t, _ = k.shape
     g = h // hkv
@@ -264,16 +349,41 @@ def topk_recall(
     causal = keys[None, :] <= pos[:, None]
     s = torch.einsum("kgqd,ktd->kgqt", q.float().view(hkv, g, nq, d), k.float()) / math.sqrt(d)
     s = s.masked_fill(~causal, float("-inf"))
-    true = _topk_labels(s, pos + 1, fraction, min_top_k)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     noise = torch.rand(s.shape, generator=gen).to(q.device) * 0.5  # ties among equal Hamming scores
-    sim = torch.einsum("kgqb,ktb->kgqt", sq.view(hkv, g, nq, -1), sk) + noise
-    sim = sim.masked_fill(~causal, float("-inf"))
+    sk4 = sk.view(hkv, sk.shape[0] // hkv, t, -1).expand(hkv, g, t, sk.shape[-1])
+    sim0 = torch.einsum("kgqb,kgtb->kgqt", sq.view(hkv, g, nq, -1), sk4)
+    sim = (sim0 + noise).masked_fill(~causal, float("-inf"))
+    true = _topk_labels(s, pos + 1, fraction, min_top_k)
     picked = _topk_labels(sim, pos + 1, fraction, min_top_k)
-    recall = (true & picked).sum(-1).float() / true.sum(-1).float()
     p = torch.softmax(s, -1)
-    mass = (p * picked).sum(-1) / (p * true).sum(-1)
-    return {"recall": float(recall.mean()), "mass": float(mass.mean())}
+    out = {
+        "recall": float(((true & picked).sum(-1).float() / true.sum(-1).float()).mean()),
+        "mass": float(((p * picked).sum(-1) / (p * true).sum(-1)).mean()),
+    }
+    n = pos + 1
+    always = causal & ((keys[None, :] < sink) | (keys[None, :] >= n[:, None] - local))
+    rest = causal & ~always
+    n_rest = rest.sum(-1)
+    sr, simr = s.masked_fill(~rest, float("-inf")), sim.masked_fill(~rest, float("-inf"))
+    ok = n_rest > 0  # queries with a rest to choose from
+    kq = torch.clamp(torch.minimum(torch.floor(n.double() * fraction + 0.5).long(), n_rest), min=1)
+    oracle, hashed = _top_m(sr, kq), _top_m(simr, kq)
+    rec = (oracle & hashed).sum(-1).float() / oracle.sum(-1).float()
+    mass = (p * (hashed | always)).sum(-1) / (p * (oracle | always)).sum(-1)
+    out["oracle_recall"] = float(rec[..., ok].mean())
+    out["oracle_mass"] = float(mass[..., ok].mean())
+    # Resolution: the keys of the rest whose similarity equals the k-th highest (the tie that the
+    # random break decides), per key chosen.
+    sim0r = sim0.masked_fill(~rest, float("-inf"))
+    kth = sim0r.sort(dim=-1, descending=True).values.gather(-1, (kq - 1).view(1, 1, -1, 1).expand(hkv, g, nq, 1))
+    ties = (sim0r == kth).sum(-1).float() / kq.float()
+    out["boundary_ties"] = float(ties[..., ok].mean())
+    top32 = _top_m(sr, torch.clamp(torch.minimum(n_rest, torch.full_like(n_rest, 32)), min=1))
+    for name, frac in (("top32_in_1_16", 1 / 16), ("top32_in_1_32", 1 / 32)):
+        budget = _top_m(simr, torch.clamp(torch.minimum(torch.floor(n.double() * frac).long(), n_rest), min=1))
+        out[name] = float(((top32 & budget).sum(-1).float() / top32.sum(-1).float())[..., ok].mean())
+    return out
 
 
 # ---- The file ------------------------------------------------------------------------------------
@@ -519,15 +629,20 @@ def calibrate(
     linears: int = 3,
     steps: int = 400,
     top_fraction: float = 1 / 32,
-    alpha: float = 5.0,
+    recipe: str | Recipe = "kvsparse",
+    key_mlps: str = "kv",
     seed: int = 0,
     log: Callable[[str], None] = print,
     captured: Captured | None = None,
+    **overrides: Any,
 ) -> tuple[list[LayerHash], list[dict[str, float]]]:
-    """Trains every layer's MLPs on `train_windows` and measures recall on `eval_windows`
-    (learned and SimHash, same bits); returns the layers and one recall row per layer.
-    `captured`: the windows' queries and keys if already taken (capture_both)."""
+    """Trains every layer's MLPs on `train_windows` with `recipe` (RECIPES; `overrides` replace
+    its fields) and measures on `eval_windows` the recall of selection at `top_fraction`
+    (topk_recall's measures, learned and SimHash at the same bits); returns the layers and one
+    row per layer. `captured`: the windows' queries and keys if already taken (capture_both)."""
     t0 = time.time()
+    if (RECIPES[recipe] if isinstance(recipe, str) else recipe).label_top_k == 0:
+        overrides.setdefault("top_fraction", top_fraction)  # labels: the fraction served
     qk, ev = captured or capture_both(model, train_windows, eval_windows)
     log(f"captured {len(qk)} layers' queries and keys of {len(train_windows)} + {len(eval_windows)} windows "
         f"({time.time() - t0:.1f} s)")
@@ -535,8 +650,8 @@ def calibrate(
     for i, (q, k) in enumerate(qk):
         t1 = time.time()
         log(f"layer {i}: training {q.shape[1]} query and {k.shape[1]} key MLPs")
-        layer = train_layer(q, k, bits=bits, hidden=hidden, linears=linears, steps=steps,
-                            top_fraction=top_fraction, alpha=alpha, seed=seed + i, log=log)
+        layer = train_layer(q, k, recipe=recipe, bits=bits, hidden=hidden, linears=linears, steps=steps,
+                            key_mlps=key_mlps, seed=seed + i, log=log, **overrides)
         layers.append(layer)
         qe, ke = ev[i]
         t = qe.shape[2]
@@ -544,7 +659,7 @@ def calibrate(
         pos = torch.randint(min(256, t - 1), t, (128,), generator=gen).to(qe.device)
         agg: dict[str, float] = {"layer": i}
         for name in ("learned", "simhash"):
-            r_sum = {"recall": 0.0, "mass": 0.0}
+            r_sum: dict[str, float] = {}
             for w in range(qe.shape[0]):
                 qq, kk = qe[w][:, pos], ke[w]
                 if name == "learned":
@@ -552,14 +667,14 @@ def calibrate(
                 else:
                     sq, sk = simhash_signatures(qq, kk, bits, seed=seed + i)
                 r = topk_recall(qq, kk, pos, sq, sk, top_fraction, seed=seed + w)
-                for key in r_sum:
-                    r_sum[key] += r[key] / qe.shape[0]
-            agg[f"{name}_recall"] = r_sum["recall"]
-            agg[f"{name}_mass"] = r_sum["mass"]
+                for key, x in r.items():
+                    r_sum[key] = r_sum.get(key, 0.0) + x / qe.shape[0]
+            agg.update({f"{name}_{key}": x for key, x in r_sum.items()})
         rows.append(agg)
         log(f"layer {i}: top-{top_fraction:.4g} recall learned {agg['learned_recall']:.3f} "
-            f"(mass {agg['learned_mass']:.3f}), SimHash {agg['simhash_recall']:.3f} "
-            f"(mass {agg['simhash_mass']:.3f}) ({time.time() - t1:.1f} s)")
+            f"(mass {agg['learned_mass']:.3f}; of the oracle row's {agg['learned_oracle_recall']:.3f}), SimHash "
+            f"{agg['simhash_recall']:.3f} (mass {agg['simhash_mass']:.3f}; {agg['simhash_oracle_recall']:.3f}) "
+            f"({time.time() - t1:.1f} s)")
     return layers, rows
 
 
@@ -587,8 +702,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--hidden", type=int, default=128, help="hidden width of the MLPs")
     p.add_argument("--linears", type=int, default=3, help="linear layers per MLP")
     p.add_argument("--steps", type=int, default=400, help="optimiser steps per layer")
-    p.add_argument("--top_fraction", type=float, default=1 / 32, help="top-k fraction the bits learn to rank")
-    p.add_argument("--alpha", type=float, default=5.0, help="weight of the positives in the BCE")
+    p.add_argument("--top_fraction", type=float, default=1 / 32,
+                   help="top-k fraction served (recall is measured there; the kvsparse recipe's labels)")
+    p.add_argument("--recipe", choices=sorted(RECIPES), default="kvsparse",
+                   help="training recipe: kvsparse (rank the top fraction of the prefix) or hashattention "
+                        "(HashAttention's released training: top 32 beyond sink and window, positives x20, "
+                        "lr 1e-3)")
+    p.add_argument("--key_mlps", choices=KEY_MLPS, default="kv",
+                   help="one key MLP per kv head (the GPU engine signs these) or per query head (the paper's)")
+    p.add_argument("--alpha", type=float, default=None, help="weight of the positives in the BCE (default: the recipe's)")
     p.add_argument("--saap_out", default="", help="also write SAAP partitions (kernels/saap.h) here")
     p.add_argument("--clusters", type=int, default=128, help="SAAP: key buckets per kv head")
     p.add_argument("--saap_hidden", type=int, default=256, help="SAAP: query classifier width")
@@ -613,8 +735,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     captured = capture_both(model, windows[: args.windows], windows[args.windows :])
     layers, rows = calibrate(
         model, windows[: args.windows], windows[args.windows :], bits=args.bits, hidden=args.hidden,
-        linears=args.linears, steps=args.steps, top_fraction=args.top_fraction, alpha=args.alpha,
-        seed=args.seed, log=lambda s: print(s, flush=True), captured=captured,
+        linears=args.linears, steps=args.steps, top_fraction=args.top_fraction, recipe=args.recipe,
+        key_mlps=args.key_mlps, seed=args.seed, log=lambda s: print(s, flush=True), captured=captured,
+        **({"alpha": args.alpha} if args.alpha is not None else {}),
     )
     size = write_hash_weights(args.out, layers)
     mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0] if k != "layer"}

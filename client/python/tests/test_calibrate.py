@@ -18,14 +18,17 @@ import kvsparse  # noqa: E402
 import kvsparse.calibrate as cal  # noqa: E402
 
 
-def _layers(n_layers: int, h: int, hkv: int, dims: list[int], seed: int) -> list[cal.LayerHash]:
+def _layers(n_layers: int, h: int, hk: int, dims: list[int], seed: int) -> list[cal.LayerHash]:
     gen = torch.Generator().manual_seed(seed)
-    return [cal.LayerHash(cal.HashMlps(h, dims, gen), cal.HashMlps(hkv, dims, gen)) for _ in range(n_layers)]
+    return [cal.LayerHash(cal.HashMlps(h, dims, gen), cal.HashMlps(hk, dims, gen)) for _ in range(n_layers)]
 
 
-def test_the_server_selects_what_the_python_mlps_rank_first(tmp_path: Path) -> None:
+@pytest.mark.parametrize("key_mlps", cal.KEY_MLPS)
+def test_the_server_selects_what_the_python_mlps_rank_first(tmp_path: Path, key_mlps: str) -> None:
+    # Key MLPs per kv head (shared by its query heads) or per query head (HashAttention's layout).
     layers_n, h, hkv, d, bits, n, top = 2, 4, 2, 16, 256, 96, 6
-    layers = _layers(layers_n, h, hkv, [d, 24, bits], seed=3)
+    hk = hkv if key_mlps == "kv" else h
+    layers = _layers(layers_n, h, hk, [d, 24, bits], seed=3)
     path = tmp_path / "hash.bin"
     size = cal.write_hash_weights(path, layers)
     assert size == path.stat().st_size
@@ -41,9 +44,10 @@ def test_the_server_selects_what_the_python_mlps_rank_first(tmp_path: Path) -> N
         for trial in range(300):
             q = rng.standard_normal((1, h, d)).astype(np.float32)
             layer = trial % layers_n
-            sq = cal.sign_bits(layers[layer].query(torch.from_numpy(q[0])[:, None, :])).detach()  # [H, 1, bits]
-            sk = cal.sign_bits(layers[layer].key(torch.from_numpy(k[layer]).transpose(0, 1).contiguous())).detach()
-            sim = torch.einsum("kgb,ktb->kgt", sq.view(hkv, h // hkv, bits), sk)  # [Hkv, G, n]
+            sq, sk = cal.learned_signatures(layers[layer], torch.from_numpy(q[0])[:, None, :],
+                                            torch.from_numpy(k[layer]).transpose(0, 1).contiguous())
+            sk = sk.view(hkv, hk // hkv, n, bits).expand(hkv, h // hkv, n, bits)  # each query head's keys
+            sim = torch.einsum("kgb,kgtb->kgt", sq.view(hkv, h // hkv, bits), sk)  # [Hkv, G, n]
             ordered = sim.sort(-1, descending=True).values
             if bool((ordered[..., top - 1] == ordered[..., top]).any()):
                 continue  # a tie at the boundary: either key is a correct selection
@@ -75,6 +79,42 @@ def test_training_beats_simhash_on_keys_with_a_shared_offset() -> None:
     simhash = cal.topk_recall(qe, ke, pos, *cal.simhash_signatures(qe, ke, 32), fraction=1 / 16, min_top_k=4)
     assert learned["recall"] > simhash["recall"] + 0.1, (learned, simhash)
     assert learned["mass"] > simhash["mass"] and math.isfinite(simhash["mass"])
+
+
+def test_the_recall_measures_are_one_for_signatures_that_rank_as_the_scores() -> None:
+    # "Signatures" q and k themselves (bits = d, scaled far above the tie-breaking noise) rank the
+    # keys exactly by score: every measure against the true and oracle sets is 1.
+    torch.manual_seed(0)
+    h, hkv, t, d = 4, 2, 2048, 16
+    q, k = torch.randn(h, 8, d) * 100, torch.randn(hkv, t, d)
+    pos = torch.tensor([1500, 1600, 1700, 1800, 1900, 2000, 2040, 2047])
+    r = cal.topk_recall(q, k, pos, q, k)
+    ties = r.pop("boundary_ties")  # the k-th key alone holds its similarity: 1 per k chosen
+    assert all(abs(x - 1) < 1e-6 for x in r.values()) and 0 < ties < 0.05, (r, ties)
+    # Random 32-bit signatures find about the share they read, and many keys tie with the k-th
+    # (33 similarity values over ~1,500 keys).
+    sq, sk = torch.randn(h, 8, 32).sign(), torch.randn(hkv, t, 32).sign()
+    r = cal.topk_recall(q, k, pos, sq, sk)
+    assert r["oracle_recall"] < 0.2 and r["top32_in_1_16"] < 0.25 and r["boundary_ties"] > 0.3, r
+
+
+@pytest.mark.parametrize("key_mlps", cal.KEY_MLPS)
+def test_hashattention_recipe_beats_simhash_on_keys_with_a_shared_offset(key_mlps: str) -> None:
+    # HashAttention's released recipe (top 32 beyond sink and window, positives x20, lr 1e-3).
+    torch.manual_seed(0)
+    w, h, t, d = 4, 4, 1024, 16
+    spread = torch.linspace(0.2, 2, d)
+    k = (torch.randn(w, 2, t, d) * spread + 1.5)
+    q = torch.randn(w, h, t, d) * spread
+    layer = cal.train_layer(q, k, recipe="hashattention", bits=32, hidden=64, steps=300, key_mlps=key_mlps,
+                            queries_per_step=32, seed=1)
+    assert layer.key.weights[0].shape[0] == (2 if key_mlps == "kv" else h)
+    pos = torch.arange(512, 1024, 16)
+    qe, ke = q[0][:, pos], k[0]
+    learned = cal.topk_recall(qe, ke, pos, *cal.learned_signatures(layer, qe, ke))
+    simhash = cal.topk_recall(qe, ke, pos, *cal.simhash_signatures(qe, ke, 32))
+    assert learned["top32_in_1_16"] > simhash["top32_in_1_16"] + 0.1, (learned, simhash)
+    assert learned["oracle_recall"] > simhash["oracle_recall"], (learned, simhash)
 
 
 def test_unrope_inverts_transformers_rope() -> None:
