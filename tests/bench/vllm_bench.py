@@ -2,18 +2,26 @@
 the Python of scripts/install_vllm_cpu.sh's venv): B requests of P prompt tokens each generate G
 tokens greedily (tests/vllm/driver.py: one vLLM engine in one process, a tiny Llama with random
 weights: the model of tests/vllm unless --model), once with vLLM's backend and once per kvsparse
-method through a kvsparse-server on loopback (CPU engine). Printed per row: seconds of
-generate(), output tokens/s, and for the plugin where its time went: the backend's forward in
-all, vLLM's own attention (prompt rows), the engine's time inside kvsparse's calls (as the
-server reports it), and the rest, the plugin's own overhead (its bookkeeping, the gRPC calls and
-tensor conversions), as a share of generate()'s time.
+method through a kvsparse-server on loopback (CPU engine), or with --target inprocess through
+the engine in vLLM's process (the PyTorch op, KVSPARSE_VLLM_TARGET=inprocess: KVSPARSE_TORCH_LIB
+must name a libkvsparse_torch.so built against the venv's torch). Printed per row: seconds of generate(), output tokens/s, and for the
+plugin where its time went: the backend's forward in all, vLLM's own attention (prompt rows),
+kvsparse's calls (gRPC: the engine's time inside them as the server reports it; in process: the
+op calls, engine included), and the rest, the plugin's own overhead (its bookkeeping, and over
+gRPC the calls, the server's handling and the tensor conversions), as a share of generate()'s time.
 
     build/vllm-venv/bin/python tests/bench/vllm_bench.py --batch 8 --prompt 512 --gen 128 --json out.json
+    cmake -S . -B build-vllm-op -G Ninja -DKVSPARSE_ENABLE_CUDA=OFF \
+        -DKVSPARSE_TORCH_PREFIX=$(build/vllm-venv/bin/python -c "import torch; print(torch.utils.cmake_prefix_path)")
+    cmake --build build-vllm-op --target kvsparse_torch
+    KVSPARSE_TORCH_LIB=$PWD/build-vllm-op/lib/libkvsparse_torch.so \
+        build/vllm-venv/bin/python tests/bench/vllm_bench.py --target inprocess --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -58,6 +66,8 @@ def main() -> None:
     p.add_argument("--model", default="", help="a model directory (default: a tiny random Llama)")
     p.add_argument("--methods", default="dense;top_k:top_k_fraction=0.125,sink_tokens=32,local_tokens=32",
                    help="kvsparse methods (parse_method text), separated by ;")
+    p.add_argument("--target", choices=("server", "inprocess"), default="server",
+                   help="a kvsparse-server on loopback, or the engine in vLLM's process (the op)")
     p.add_argument("--json", default="")
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="vllm-bench-")
@@ -68,20 +78,26 @@ def main() -> None:
     job = {"model": model, "prompts": prompts, "max_tokens": [args.gen] * args.batch, "max_num_seqs": args.batch,
            "max_num_batched_tokens": 2048, "max_model_len": args.prompt + args.gen + 16}
     rows = []
-    print("| variant | s | output tok/s | forward s | vLLM attention s | engine s | plugin's own s (share) |")
+    inproc = args.target == "inprocess"
+    print(f"| variant | s | output tok/s | forward s | vLLM attention s | {'op calls' if inproc else 'engine'} s | "
+          "plugin's own s (share) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
-    with kvsparse.LocalServer(capacity="4G", gpu="off") as server:
+    with contextlib.ExitStack() as stack:
+        target = "inprocess" if inproc else stack.enter_context(kvsparse.LocalServer(capacity="4G", gpu="off")).target
         for method in [None, *[m for m in args.methods.split(";") if m]]:
-            r = run(job, method, server.target)
+            r = run(job, method, target)
             t = r.get("timing", {})
-            own = t.get("forward", 0.0) - t.get("vllm_attention", 0.0) - t.get("engine", 0.0) if t else 0.0
-            row = {"variant": method or "vLLM's backend", "seconds": r["seconds"],
+            # In process the op's time (the engine inside) is the transport's; over gRPC the
+            # engine's time is the server's report and the rest of the call is the plugin's.
+            kvs = t.get("transport" if inproc else "engine", 0.0)
+            own = t.get("forward", 0.0) - t.get("vllm_attention", 0.0) - kvs if t else 0.0
+            row = {"variant": method or "vLLM's backend", "target": args.target, "seconds": r["seconds"],
                    "tokens_per_s": args.batch * args.gen / r["seconds"], "timing": t,
                    "plugin_own_seconds": own, "plugin_own_share": own / r["seconds"] if t else 0.0,
                    "batch": args.batch, "prompt": args.prompt, "gen": args.gen, "layers": args.layers}
             rows.append(row)
             print(f"| {row['variant']} | {r['seconds']:.2f} | {row['tokens_per_s']:.1f} | {t.get('forward', 0):.2f} | "
-                  f"{t.get('vllm_attention', 0):.2f} | {t.get('engine', 0):.2f} | "
+                  f"{t.get('vllm_attention', 0):.2f} | {kvs:.2f} | "
                   f"{own:.2f} ({row['plugin_own_share']:.0%}) |", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
