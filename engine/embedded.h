@@ -38,6 +38,8 @@ class Embedded {
 
   kvstore::Store& store() { return *store_; }
   DecodeEngine& engine() { return *engine_; }
+  // The engine's view of the store (rows read as a decode call reads them).
+  RowSource& source() { return *source_; }
   // "cuda" or "cpu", and the device of the GPU backend (-1 without one).
   const char* backend() const { return engine_->backend(); }
   int device() const { return device_; }

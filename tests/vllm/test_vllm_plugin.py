@@ -4,7 +4,8 @@ random weights (built here from a config, no download) generates greedily, each 
 process of its own (tests/vllm/driver.py), with several requests of different lengths joining
 and leaving the batch and chunked prefill (256 tokens a step):
 - with the dense method the tokens equal vLLM's own attention backend's, over gRPC and in
-  process (KVSPARSE_VLLM_TARGET=inprocess: the op in vLLM's worker, built against vLLM's torch);
+  process (KVSPARSE_VLLM_TARGET=inprocess: the op in vLLM's worker, built against vLLM's torch,
+  also with the K/V in its store only);
 - every sparse method generates, each request with its own method (SamplingParams.extra_args);
 - requests vLLM preempts and recomputes begin fresh sequences, and dense still gives vLLM's tokens;
 - with the K/V in the store only, a batch over vLLM's own KV budget is served (vLLM's backend
@@ -103,7 +104,8 @@ def test_dense_through_the_plugin_generates_vllms_tokens(model: str, server: kvs
                     reason="needs KVSPARSE_TORCH_LIB: the op built against vLLM's torch (scripts/vllm_test.sh)")
 def test_dense_in_process_generates_vllms_tokens(model: str) -> None:
     # KVSPARSE_VLLM_TARGET=inprocess: the engine in vLLM's worker through the PyTorch op, no
-    # server; a sparse method generates there too.
+    # server; a sparse method generates there too, and with the K/V in the (worker's) store only
+    # a batch over vLLM's own KV budget is served (prompt chunks read back through the op).
     own = generate(model, None)
     through = generate(model, "inprocess", "dense")
     assert "error" not in through, through["error"]
@@ -111,6 +113,9 @@ def test_dense_in_process_generates_vllms_tokens(model: str) -> None:
     sparse = generate(model, "inprocess", "top_k:top_k_fraction=0.25,sink_tokens=8,local_tokens=8")
     assert "error" not in sparse, sparse["error"]
     assert [len(t) for t in sparse["tokens"]] == MAX_TOKENS
+    stored = generate(model, "inprocess", "dense", kv="store", kv_cache_memory_bytes=256 << 10)
+    assert "error" not in stored, stored["error"]
+    assert stored["tokens"] == own["tokens"]
 
 
 def test_every_method_generates_each_request_its_own(model: str, server: kvsparse.LocalServer) -> None:

@@ -20,6 +20,7 @@ class LocalEngine final : public OpEngine {
  public:
   explicit LocalEngine(std::unique_ptr<en::Embedded> e) : e_(std::move(e)) {}
   en::DecodeEngine& engine() override { return e_->engine(); }
+  en::RowSource& source() override { return e_->source(); }
   int device() const override { return e_->device(); }
   absl::Status Create(const std::string& id, const kv::ModelShape& shape,
                       const kv::Placement& placement) override {
@@ -73,6 +74,7 @@ class RemoteStoreEngine final : public OpEngine {
   }
 
   en::DecodeEngine& engine() override { return *engine_; }
+  en::RowSource& source() override { return *source_; }
   int device() const override { return device_; }
   absl::Status Create(const std::string& id, const kv::ModelShape& shape,
                       const kv::Placement& placement) override {

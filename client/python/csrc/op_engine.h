@@ -23,6 +23,8 @@ class OpEngine {
  public:
   virtual ~OpEngine() = default;
   virtual engine::DecodeEngine& engine() = 0;
+  // The store's rows as the engine reads them (Describe, Gather).
+  virtual engine::RowSource& source() = 0;
   // The GPU backend's device, -1 without one.
   virtual int device() const = 0;
   virtual absl::Status Create(const std::string& id, const kvstore::ModelShape& shape,

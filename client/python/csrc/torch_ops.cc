@@ -345,6 +345,40 @@ std::vector<int64_t> SequenceLengths(int64_t handle, const std::string& id) {
   return std::vector<int64_t>(lengths->begin(), lengths->end());
 }
 
+// K and V of tokens [0, count) of one layer, [Hkv, count, d] each on the CPU in the sequence's
+// dtype (a prompt's earlier chunks, for attention computed outside kvsparse). OUT_OF_RANGE past
+// the layer's length.
+std::tuple<at::Tensor, at::Tensor> ReadRows(int64_t handle, const std::string& id, int64_t layer,
+                                            int64_t count) {
+  std::shared_ptr<OpEngine> e = Find(handle);
+  const absl::Time deadline = absl::Now() + absl::Seconds(60);
+  absl::StatusOr<en::SequenceDesc> d = e->source().Describe(id, deadline);
+  Check(d.status());
+  const kv::ModelShape& s = d->shape;
+  if (layer < 0 || layer >= static_cast<int64_t>(s.num_layers)) Invalid("layer out of range");
+  if (count < 0 || static_cast<uint64_t>(count) > d->layer_lengths[layer]) {
+    Raise(absl::OutOfRangeError(
+        absl::StrCat("the layer holds ", d->layer_lengths[layer], " tokens, not ", count)));
+  }
+  const int64_t hkv = s.num_kv_heads;
+  const at::ScalarType type = s.dtype == DType::kBf16   ? at::kBFloat16
+                              : s.dtype == DType::kFp16 ? at::kHalf
+                                                        : at::kFloat;
+  at::Tensor k = at::empty({hkv, count, static_cast<int64_t>(s.head_dim)}, type);
+  at::Tensor v = at::empty_like(k);
+  if (count == 0) return {k, v};
+  std::vector<uint32_t> tokens(static_cast<size_t>(count));
+  for (uint32_t t = 0; t < tokens.size(); ++t) tokens[t] = t;
+  std::vector<en::RowRequest> heads(static_cast<size_t>(hkv));
+  for (uint32_t j = 0; j < heads.size(); ++j) heads[j] = {j, tokens};
+  Check(e->source()
+            .Gather(id, static_cast<uint32_t>(layer), kv::RowKind::kKV, heads,
+                    static_cast<uint8_t*>(k.data_ptr()), static_cast<uint8_t*>(v.data_ptr()),
+                    deadline)
+            .status());
+  return {k, v};
+}
+
 // A contiguous host copy of t: CUDA tensors through pinned staging from torch's caching host
 // allocator (a device-to-host copy at the link's speed, with no fresh pinning per call).
 at::Tensor ToHost(const at::Tensor& t) {
@@ -696,6 +730,8 @@ TORCH_LIBRARY(kvsparse, m) {
       &CreateSequence);
   m.def("drop_sequence(int engine, str sequence_id) -> ()", &DropSequence);
   m.def("sequence_lengths(int engine, str sequence_id) -> int[]", &SequenceLengths);
+  m.def("read_rows(int engine, str sequence_id, int layer, int count) -> (Tensor, Tensor)",
+        &ReadRows);
   m.def(
       "append(int engine, str sequence_id, int layer, Tensor k, Tensor v, int expected_length) "
       "-> ()");

@@ -268,6 +268,12 @@ class InProcessEngine(_Closing):
     def layer_lengths(self, sequence_id: str) -> list[int]:
         return list(_call(torch.ops.kvsparse.sequence_lengths, self.handle, sequence_id))
 
+    def read_rows(self, sequence_id: str, layer: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of tokens [0, count) of one layer as the store holds them: [Hkv, count, d]
+        each, on the CPU in the sequence's dtype (OutOfRange past the layer's length)."""
+        k, v = _call(torch.ops.kvsparse.read_rows, self.handle, sequence_id, layer, count)
+        return k, v
+
     def append(
         self, sequence_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, expected_length: int | None = None
     ) -> None:

@@ -120,7 +120,9 @@ class InProcessTransport:
     def rows(
         self, sequence_id: str, layer: int, count: int, num_kv_heads: int, like: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError("reading rows back from the in-process engine is not in the op yet")
+        """K and V of tokens [0, count) of one layer, [Hkv, count, d] each, like `like`."""
+        k, v = self.engine.read_rows(sequence_id, layer, count)
+        return k.to(device=like.device, dtype=like.dtype), v.to(device=like.device, dtype=like.dtype)
 
     def drop(self, sequence_ids: list[str]) -> None:
         for sid in sequence_ids:

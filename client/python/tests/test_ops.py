@@ -64,6 +64,22 @@ def test_new_token_appended(engine: ops.InProcessEngine) -> None:
     assert (out.double() - want).abs().max() < 1e-2
 
 
+def test_read_rows_returns_what_was_appended(engine: ops.InProcessEngine) -> None:
+    # What a caller computing attention outside kvsparse reads back (the vLLM plugin's prompt
+    # chunks in store mode): [Hkv, count, d] in the sequence's dtype, a prefix of the layer.
+    ids, k, v = load(engine, 70, 1, "cpu")  # k [1, 70, Hkv, d]
+    rk, rv = engine.read_rows(ids[0], 1, 40)
+    assert rk.dtype == torch.bfloat16 and rk.shape == (2, 40, 64)
+    assert torch.equal(rk, k[0, :40].transpose(0, 1)) and torch.equal(rv, v[0, :40].transpose(0, 1))
+    assert engine.read_rows(ids[0], 0, 0)[0].shape == (2, 0, 64)
+    with pytest.raises(kvsparse.OutOfRange):
+        engine.read_rows(ids[0], 1, 71)
+    with pytest.raises(kvsparse.InvalidArgument):
+        engine.read_rows(ids[0], 9, 1)
+    with pytest.raises(kvsparse.NotFound):
+        engine.read_rows("nope", 1, 1)
+
+
 def test_errors_are_kvsparse_exceptions(engine: ops.InProcessEngine) -> None:
     ids, _, _ = load(engine, 10, 1, "cpu")
     q = torch.zeros(1, 8, 64, dtype=torch.bfloat16)
@@ -202,6 +218,8 @@ def test_remote_store_takes_a_long_prefill_and_decodes(server: kvsparse.LocalSer
         with kvsparse.KvStoreClient(server.target) as store:
             rows = store.gather(ids[0], 1, [0, 20000, n - 1], kv_heads=[1], like=k)
             assert torch.equal(rows.k.reshape(3, 64), k[0, [0, 20000, n - 1], 1])
+        rk, rv = engine.read_rows(ids[0], 1, 5)  # through the engine's view of the remote store
+        assert torch.equal(rk, k[0, :5].transpose(0, 1)) and torch.equal(rv, v[0, :5].transpose(0, 1))
         engine.drop_sequence(ids[0])
 
 
