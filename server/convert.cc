@@ -483,6 +483,7 @@ void ToProto(engine::DecodeResult&& r, const engine::DecodeCall& call, v1::Decod
     s->set_kv_head(h.kv_head);
     s->set_rows_selected(h.rows_selected);
     s->set_rows_fetched(h.rows_fetched);
+    s->set_rows_cached(h.rows_cached);
     s->mutable_budgets()->Add(h.budgets.begin(), h.budgets.end());
     s->set_bytes_host(h.bytes[static_cast<int>(kvstore::Tier::kHost)]);
     s->set_bytes_device(h.bytes[static_cast<int>(kvstore::Tier::kDevice)]);

@@ -221,6 +221,12 @@ def test_openai_server_decodes_through_it_and_serves_its_metrics(model: str, ser
         # 7 decode steps (the first token comes from the prefill) x 2 layers, with the request's method.
         assert 'kvsparse_decode_sequence_layers_total{method="dense"} 14.0' in metrics, metrics[-2000:]
         assert 'kvsparse_decode_fetched_bytes_total{method="dense",tier="fetched"}' in metrics
+        # The engine's time as the server's histogram of that name (same buckets), 14 calls; the
+        # row cache's hits (none: the CPU engine keeps no row cache).
+        assert 'kvsparse_decode_engine_seconds_count{method="dense"} 14.0' in metrics, metrics[-2000:]
+        buckets = [x for x in metrics.splitlines() if x.startswith("kvsparse_decode_engine_seconds_bucket{")]
+        assert len(buckets) == 23 and all('method="dense"' in x for x in buckets), buckets  # 22 + Inf
+        assert 'kvsparse_decode_cached_rows_total{method="dense"} 0.0' in metrics
     finally:
         api.terminate()
         try:

@@ -420,6 +420,7 @@ class HeadStats:
     bytes_remote: int
     dense_equivalent_bytes: int
     fetched_tokens: list[int]
+    rows_cached: int = 0  # of rows_fetched: found in the GPU's row cache
 
     @property
     def bytes_read(self) -> int:
@@ -452,19 +453,21 @@ class DecodeResult:
                 h.bytes_remote,
                 h.dense_equivalent_bytes,
                 list(h.fetched_tokens),
+                h.rows_cached,
             )
             for h in self.head_stats
         ]
 
     @functools.cached_property
-    def _totals(self) -> tuple[int, int, int, int]:
-        fetched = device = dense = rows = 0
+    def _totals(self) -> tuple[int, int, int, int, int]:
+        fetched = device = dense = rows = cached = 0
         for h in self.head_stats:
             fetched += h.bytes_host + h.bytes_remote
             device += h.bytes_device
             dense += h.dense_equivalent_bytes
             rows += h.rows_fetched
-        return fetched, device, dense, rows
+            cached += h.rows_cached
+        return fetched, device, dense, rows, cached
 
     @property
     def bytes_fetched(self) -> int:
@@ -483,6 +486,11 @@ class DecodeResult:
     @property
     def rows_fetched(self) -> int:
         return self._totals[3]
+
+    @property
+    def rows_cached(self) -> int:
+        """Of rows_fetched, the rows found in the GPU's row cache (read on the device)."""
+        return self._totals[4]
 
 
 def _decode_request(

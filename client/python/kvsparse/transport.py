@@ -21,13 +21,17 @@ if TYPE_CHECKING:
 class StepStats:
     """What one decode call read: bytes fetched across the boundary (host memory, another
     process), bytes read on the worker's device, dense-equivalent bytes, rows fetched; and the
-    engine's own time for it where the transport reports it (gRPC: Timing.engine_seconds)."""
+    engine's own time for it and its selection stage's where the transport reports them (gRPC:
+    Timing.engine_seconds; Timing.selection_seconds, which the GPU engine fills in one call of
+    its --gpu_stage_timing_every and the others leave 0); rows found in the GPU's row cache."""
 
     bytes_fetched: int = 0
     bytes_device: int = 0
     dense_equivalent_bytes: int = 0
     rows_fetched: int = 0
     engine_seconds: float = 0.0
+    rows_cached: int = 0
+    selection_seconds: float = 0.0
 
 
 class Transport(Protocol):
@@ -65,7 +69,7 @@ class GrpcTransport:
         call = self.stream.decode if self.stream is not None else self.client.attention.decode
         r = call(layer, ids, q, method, new_k=new_k, new_v=new_v, seed=seed, scale=scale)
         s = StepStats(r.bytes_fetched, r.bytes_device, r.dense_equivalent_bytes, r.rows_fetched,
-                      r.timing.engine_seconds)
+                      r.timing.engine_seconds, r.rows_cached, r.timing.selection_seconds)
         return r.output, s
 
     def lengths(self, sequence_id: str) -> list[int]:
@@ -112,7 +116,7 @@ class InProcessTransport:
     def decode(self, layer, ids, q, method, new_k, new_v, seed, scale):  # type: ignore[no-untyped-def]
         out, stats = self.engine.decode(layer, ids, q, method, new_k=new_k, new_v=new_v, seed=seed, scale=scale)
         col = stats.sum(0).tolist()  # STAT_COLUMNS
-        return out, StepStats(col[3] + col[5], col[4], col[6], col[1])
+        return out, StepStats(col[3] + col[5], col[4], col[6], col[1], rows_cached=col[2])
 
     def lengths(self, sequence_id: str) -> list[int]:
         return self.engine.layer_lengths(sequence_id)

@@ -222,7 +222,7 @@ class _Metrics:
     PROMETHEUS_MULTIPROC_DIR set (prometheus_client's multiprocess mode), as docs/VLLM.md says."""
 
     def __init__(self) -> None:
-        from prometheus_client import Counter
+        from prometheus_client import Counter, Histogram
 
         self.calls = Counter("kvsparse_decode_sequence_layers", "Sequence-layers decoded through kvsparse",
                              ["method"])
@@ -232,8 +232,15 @@ class _Metrics:
                              "(device: on the worker's device; fetched: across its boundary)", ["method", "tier"])
         self.dense = Counter("kvsparse_decode_dense_equivalent_bytes",
                              "Bytes dense attention would have read for the same steps", ["method"])
-        self.engine = Counter("kvsparse_decode_engine_seconds", "kvsparse engine time of the decode calls",
-                              ["method"])
+        self.cached = Counter("kvsparse_decode_cached_rows", "Fetched rows found in the GPU's row cache "
+                              "(read on the device, not fetched)", ["method"])
+        # Histograms as the server's: its latency buckets (10 us doubling up to 30 s).
+        buckets = [10e-6 * 2**i for i in range(22)]
+        self.engine = Histogram("kvsparse_decode_engine_seconds", "Whole engine time per decode call "
+                                "(where the transport reports it: gRPC)", ["method"], buckets=buckets)
+        self.stage = Histogram("kvsparse_decode_stage_seconds", "Engine time per decode call by stage (the GPU "
+                               "engine times one call in its --gpu_stage_timing_every)", ["method", "stage"],
+                               buckets=buckets)
 
     def observe(self, name: str, sequences: int, s: Any) -> None:
         self.calls.labels(name).inc(sequences)
@@ -241,7 +248,11 @@ class _Metrics:
         self.bytes.labels(name, "device").inc(s.bytes_device)
         self.bytes.labels(name, "fetched").inc(s.bytes_fetched)
         self.dense.labels(name).inc(s.dense_equivalent_bytes)
-        self.engine.labels(name).inc(s.engine_seconds)
+        self.cached.labels(name).inc(s.rows_cached)
+        if s.engine_seconds > 0:
+            self.engine.labels(name).observe(s.engine_seconds)
+        if s.selection_seconds > 0:
+            self.stage.labels(name, "selection").observe(s.selection_seconds)
 
 
 WORKER = Worker()

@@ -108,6 +108,7 @@ def test_dense_decode_matches_reference(client: kvsparse.Client) -> None:
     np.testing.assert_allclose(res.output[1], dense_reference(q[1], k[1, :120], v[1, :120]), rtol=0, atol=2e-5)
     assert len(res.heads) == 4 and res.heads[0].rows_fetched == 300 and res.heads[2].rows_fetched == 120
     assert res.dense_equivalent_bytes == 2 * 2 * 64 * 4 * (300 + 120)
+    assert res.rows_cached == 0 and [h.rows_cached for h in res.heads] == [0] * 4  # the CPU engine: no row cache
 
 
 def test_decode_appends_the_new_token(client: kvsparse.Client) -> None:
