@@ -370,10 +370,7 @@ def dump_qkv(model: Any, tokens: torch.Tensor, layers: list[int], kv_head: int, 
     return paths
 
 
-def windows_of(held: np.ndarray, context: int, count: int, seed: int) -> list[torch.Tensor]:
-    rng = random.Random(seed)
-    return [torch.tensor(held[s : s + context].tolist()) for s in
-            (rng.randrange(0, len(held) - context - 1) for _ in range(count))]
+windows_of = train_model.windows_of
 
 
 def main() -> int:
@@ -407,14 +404,7 @@ def main() -> int:
         args.contexts, args.windows, args.decode_tokens = [256], 1, 6
         args.passkey_lengths, args.passkey_depths, args.passkey_trials = [256], [0.5], 2
         args.calib_windows, args.calib_steps = 4, 60
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    t_start = time.time()
-
-    def log(s: str) -> None:
-        print(f"[{time.time() - t_start:6.1f} s] {s}", flush=True)
-
+    device, out_dir, log = train_model.measurement_run(args.out, args.smoke)
     register()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 import time
 from pathlib import Path
@@ -35,12 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_model  # noqa: E402  (the corpus of the training run)
 
 import kvsparse.calibrate as calibrate  # noqa: E402
-
-
-def windows(text: Any, context: int, count: int, seed: int) -> list[torch.Tensor]:
-    rng = random.Random(seed)
-    return [torch.tensor(text[s : s + context].tolist()) for s in
-            (rng.randrange(0, len(text) - context - 1) for _ in range(count))]
 
 
 def parse_config(s: str) -> dict[str, Any]:
@@ -76,20 +69,14 @@ def main() -> int:
     if args.smoke:
         args.context, args.train_windows, args.eval_windows, args.eval_queries = 512, 2, 1, 16
         args.configs = [parse_config(c) for c in ("kvsparse:32:kv:4", "hashattention:64:query:4")]
-    device = "cuda" if torch.cuda.is_available() and not args.smoke else "cpu"
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-
-    def log(s: str) -> None:
-        print(f"[{time.time() - t_start:6.1f} s] {s}", flush=True)
-
+    device, out_dir, log = train_model.measurement_run(args.out, args.smoke)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
     model.set_attn_implementation("sdpa")
     train_text, held = train_model.corpus(48 << 20 if not args.smoke else 2 << 20)
-    cal_train = windows(train_text, args.context, args.train_windows, 101)
-    cal_eval = windows(held, args.context, args.eval_windows, 202)
+    cal_train = train_model.windows_of(train_text, args.context, args.train_windows, 101)
+    cal_eval = train_model.windows_of(held, args.context, args.eval_windows, 202)
     captured = calibrate.capture_both(model, cal_train, cal_eval)
     log(f"model {args.model} on {device}: captured {len(captured[0])} layers over {args.train_windows} + "
         f"{args.eval_windows} windows of {args.context} tokens")

@@ -26,6 +26,7 @@ import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -111,6 +112,27 @@ def make_model(args: argparse.Namespace) -> transformers.LlamaForCausalLM:
 
 
 @torch.no_grad()
+def windows_of(text: np.ndarray, context: int, count: int, seed: int) -> list[torch.Tensor]:
+    """`count` windows of `context` tokens at random starts of `text` (the same for a seed)."""
+    rng = random.Random(seed)
+    return [torch.tensor(text[s : s + context].tolist()) for s in
+            (rng.randrange(0, len(text) - context - 1) for _ in range(count))]
+
+
+def measurement_run(out: str, smoke: bool) -> tuple[str, Path, Callable[[str], None]]:
+    """A measuring script's device (CUDA unless --smoke or none), its output directory (made) and
+    a log that prefixes the seconds since this call."""
+    device = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+
+    def log(s: str) -> None:
+        print(f"[{time.time() - t_start:6.1f} s] {s}", flush=True)
+
+    return device, out_dir, log
+
+
 def held_out_ppl(model, held: np.ndarray, t: int, windows: int, device: str) -> float:
     rng = random.Random(7)
     nll, count = 0.0, 0

@@ -151,7 +151,7 @@ class LayerHash:
 
 def _topk_labels(scores: torch.Tensor, prefix: torch.Tensor, fraction: float, min_top_k: int) -> torch.Tensor:
     """scores [..., Q, T] (-inf beyond each query's causal prefix), prefix [Q] lengths: bool of
-    the top ceil(fraction * prefix) keys per query (at least min_k)."""
+    the top ceil(fraction * prefix) keys per query (at least min_top_k)."""
     m = torch.clamp(torch.ceil(prefix.float() * fraction).long(), min=min_top_k)
     return _top_m(scores, torch.minimum(m, prefix))
 
