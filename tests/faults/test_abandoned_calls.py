@@ -68,9 +68,8 @@ def test_work_stops_when_the_caller_has_gone() -> None:
 
             # While the work holds the one slot, another call is refused and counted, and the
             # slot shows in kvsparse_rpc_in_flight.
-            port = re.search(r"metrics on 127\.0\.0\.1:0 \(port (\d+)\)", server.log())
-            assert port, server.log()[:2000]
-            metrics_url = f"http://127.0.0.1:{port.group(1)}/metrics"
+            metrics_url = server.metrics_url
+            assert metrics_url, server.log()[:2000]
             busy = threading.Thread(target=lambda: pytest.raises(
                 kvsparse.DeadlineExceeded, c.attention.decode, 0, ids, q, METHOD, timeout=2.0))
             busy.start()

@@ -224,12 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     if not target:
         flags = dict(kv.split("=", 1) for kv in args.server_flags.split(",") if kv)
         flags.setdefault("metrics_listen", "127.0.0.1:0")  # the server's own time per call
-        flags.setdefault("log_level", "info")  # its start-up line names the metrics port
         server = kvsparse.LocalServer(**flags).start()
         target = server.target
-        port = re.search(r"metrics on [^ ]+ \(port (\d+)\)", server.log())
-        if port and not metrics_url:
-            metrics_url = f"http://127.0.0.1:{port.group(1)}/metrics"
+        metrics_url = metrics_url or server.metrics_url
     stats = Stats()
     start = time.monotonic()
     stop = start + args.seconds

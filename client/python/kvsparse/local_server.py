@@ -53,12 +53,18 @@ class LocalServer:
         self.startup_timeout = startup_timeout
         self.process: subprocess.Popen[bytes] | None = None
         self.port = 0
+        self.metrics_port = 0  # with metrics_listen set (e.g. "127.0.0.1:0"): the port it bound
         self._log = tempfile.TemporaryFile()  # the server's stderr (never a pipe that fills)
         self._dir = tempfile.TemporaryDirectory(prefix="kvsparse-server-")  # its port file
 
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def metrics_url(self) -> str:
+        """The server's /metrics, or "" without metrics_listen."""
+        return f"http://127.0.0.1:{self.metrics_port}/metrics" if self.metrics_port else ""
 
     def start(self) -> "LocalServer":
         # Port 0: the server binds a free port and writes it to --port_file (no window in which
@@ -85,7 +91,10 @@ class LocalServer:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"no port after {self.startup_timeout} s")
             time.sleep(0.02)
-        self.port = int(port_file.read_text().split()[0])
+        # The port file: "<gRPC port> <metrics port, 0 without metrics>".
+        ports = port_file.read_text().split()
+        self.port = int(ports[0])
+        self.metrics_port = int(ports[1]) if len(ports) > 1 else 0
         with KvStoreClient(self.target, timeout=2.0, credentials=self.credentials) as client:
             while time.monotonic() < deadline:
                 if self.process is not None and self.process.poll() is not None:
