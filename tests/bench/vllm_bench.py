@@ -4,9 +4,9 @@ tokens greedily (tests/vllm/driver.py: one vLLM engine in one process, a tiny Ll
 weights: the model of tests/vllm unless --model), once with vLLM's backend and once per kvsparse
 method through a kvsparse-server on loopback (CPU engine), or with --target inprocess through
 the engine in vLLM's process (the PyTorch op, KVSPARSE_VLLM_TARGET=inprocess: KVSPARSE_TORCH_LIB
-must name a libkvsparse_torch.so built against the venv's torch). Printed per row: seconds of generate(), output tokens/s, and for the
-plugin where its time went: the backend's forward in all, vLLM's own attention (prompt rows),
-kvsparse's calls (gRPC: the engine's time inside them as the server reports it; in process: the
+must name a libkvsparse_torch.so built against the venv's torch). Printed per row: seconds of
+generate(), output tokens/s, and for the plugin where its time went: the backend's forward in
+all, vLLM's own attention (prompt rows), kvsparse's calls (gRPC: the engine's time inside them as the server reports it; in process: the
 op calls, engine included), and the rest, the plugin's own overhead (its bookkeeping, and over
 gRPC the calls, the server's handling and the tensor conversions), as a share of generate()'s time.
 

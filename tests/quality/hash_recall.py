@@ -100,17 +100,12 @@ def main() -> int:
             row: dict[str, Any] = {"layer": i}
             # Held out, and the first training windows (as many): how well the MLPs fit what
             # they were trained on against how they carry to text they did not see.
+            held = captured[1][i]
             fit = (q[: args.eval_windows], k[: args.eval_windows])
-            for name, (qe, ke) in (("learned", captured[1][i]), ("simhash", captured[1][i]), ("fit", fit)):
-                acc: dict[str, float] = {}
-                for w in range(qe.shape[0]):
-                    qq, kk = qe[w][:, pos], ke[w]
-                    sig = (calibrate.simhash_signatures(qq, kk, cfg["bits"], seed=args.seed + i) if name == "simhash"
-                           else calibrate.learned_signatures(layer, qq, kk))
-                    for key, x in calibrate.topk_recall(qq, kk, pos, *sig, fraction=args.fraction,
-                                                        seed=args.seed + w).items():
-                        acc[key] = acc.get(key, 0.0) + x / qe.shape[0]
-                row.update({f"{name}_{key}": round(x, 4) for key, x in acc.items()})
+            for name, learned, (qe, ke) in (("learned", layer, held), ("simhash", None, held), ("fit", layer, fit)):
+                r = calibrate.windows_recall(learned, qe, ke, pos, bits=cfg["bits"], fraction=args.fraction,
+                                             seed=args.seed, simhash_seed=args.seed + i)
+                row.update({f"{name}_{key}": round(x, 4) for key, x in r.items()})
             rows.append(row)
             log(f"{cfg['recipe']}:{cfg['bits']}:{cfg['key_mlps']}:{cfg['steps']} layer {i}: oracle-row recall "
                 f"learned {row['learned_oracle_recall']:.3f} (mass {row['learned_oracle_mass']:.3f}; on training "

@@ -386,6 +386,23 @@ def topk_recall(
     return out
 
 
+@torch.no_grad()
+def windows_recall(
+    layer: LayerHash | None, q: torch.Tensor, k: torch.Tensor, pos: torch.Tensor, *, bits: int, fraction: float,
+    seed: int, simhash_seed: int,
+) -> dict[str, float]:
+    """topk_recall's measures averaged over windows: queries q [W, H, T, d] at positions pos over
+    keys k [W, Hkv, T, d], signed by `layer`'s MLPs, or by SimHash at `bits` (its planes from
+    simhash_seed) when layer is None; window w breaks ties with seed + w."""
+    out: dict[str, float] = {}
+    for w in range(q.shape[0]):
+        qq, kk = q[w][:, pos], k[w]
+        sig = simhash_signatures(qq, kk, bits, seed=simhash_seed) if layer is None else learned_signatures(layer, qq, kk)
+        for key, x in topk_recall(qq, kk, pos, *sig, fraction, seed=seed + w).items():
+            out[key] = out.get(key, 0.0) + x / q.shape[0]
+    return out
+
+
 # ---- The file ------------------------------------------------------------------------------------
 
 
@@ -658,18 +675,9 @@ def calibrate(
         gen = torch.Generator().manual_seed(seed + 1000 + i)
         pos = torch.randint(min(256, t - 1), t, (128,), generator=gen).to(qe.device)
         agg: dict[str, float] = {"layer": i}
-        for name in ("learned", "simhash"):
-            r_sum: dict[str, float] = {}
-            for w in range(qe.shape[0]):
-                qq, kk = qe[w][:, pos], ke[w]
-                if name == "learned":
-                    sq, sk = learned_signatures(layer, qq, kk)
-                else:
-                    sq, sk = simhash_signatures(qq, kk, bits, seed=seed + i)
-                r = topk_recall(qq, kk, pos, sq, sk, top_fraction, seed=seed + w)
-                for key, x in r.items():
-                    r_sum[key] = r_sum.get(key, 0.0) + x / qe.shape[0]
-            agg.update({f"{name}_{key}": x for key, x in r_sum.items()})
+        for name, learned in (("learned", layer), ("simhash", None)):
+            r = windows_recall(learned, qe, ke, pos, bits=bits, fraction=top_fraction, seed=seed, simhash_seed=seed + i)
+            agg.update({f"{name}_{key}": x for key, x in r.items()})
         rows.append(agg)
         log(f"layer {i}: top-{top_fraction:.4g} recall learned {agg['learned_recall']:.3f} "
             f"(mass {agg['learned_mass']:.3f}; of the oracle row's {agg['learned_oracle_recall']:.3f}), SimHash "
