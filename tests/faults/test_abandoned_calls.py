@@ -4,9 +4,13 @@ a step, so work stops soon after the caller has gone; the call's slot (--max_con
 frees when the work stops; on SIGTERM a call in flight is cancelled at the end of
 --shutdown_grace and the process exits soon after, not when the call would have finished.
 
-The work: one Decode of 16 sequences x 8192 tokens with vAttention's exact predictor (every key
-scored), several seconds on the CPU engine of a 2-core machine. Before the checks the handler ran
-every sequence after the deadline had passed and logged "Decode OK", and a SIGTERM waited for it."""
+The work: one Decode of 128 sequences x 8192 tokens (64 query heads over one kv head, so 512 MiB
+hold it) with vAttention's exact predictor (every key scored): about 0.6 s a sequence and over a
+minute a call on the CPU engine of a 2-core machine, so every deadline here (0.2 s, 2 s, the 1 s
+grace) passes long before the work could end on any machine, while one stage stays short. Before
+the checks the handler ran every sequence after the deadline had passed and logged "Decode OK",
+and a SIGTERM waited for it. (With 16 sequences of 8 kv heads, a machine 3x faster than the
+2-core one finished the busy call inside its 2 s deadline and the test failed.)"""
 
 from __future__ import annotations
 
@@ -21,15 +25,15 @@ import pytest
 
 import kvsparse
 
-SHAPE = kvsparse.ModelShape(1, 32, 8, 128, "fp16")
-TOKENS, SEQUENCES = 8192, 16
+SHAPE = kvsparse.ModelShape(1, 64, 1, 128, "fp16")
+TOKENS, SEQUENCES = 8192, 128
 GRACE_S = 1.0
 METHOD = kvsparse.VAttention(epsilon=0.05, delta=0.05, predictor="exact")
 
 
 def load(c: kvsparse.Client) -> list[str]:
     rng = np.random.default_rng(0)
-    k = rng.standard_normal((1, TOKENS, 8, 128)).astype(np.float16)
+    k = rng.standard_normal((1, TOKENS, 1, 128)).astype(np.float16)
     ids = [f"s{b}" for b in range(SEQUENCES)]
     for sid in ids:
         c.store.create_sequence(sid, SHAPE)
@@ -52,7 +56,7 @@ def test_work_stops_when_the_caller_has_gone() -> None:
         metrics_listen="127.0.0.1:0",
     ).start()
     assert server.process is not None
-    q = np.ones((SEQUENCES, 32, 128), np.float16)
+    q = np.ones((SEQUENCES, 64, 128), np.float16)
     try:
         with kvsparse.Client(server.target, timeout=120.0) as c:
             ids = load(c)
@@ -64,20 +68,28 @@ def test_work_stops_when_the_caller_has_gone() -> None:
             assert "Decode OK" not in server.log(), "the engine finished the abandoned work"
             time.sleep(0.2)  # the slot is released as the handler returns, just after its log line
             out = c.attention.decode(0, ids[:1], q[:1], kvsparse.Dense())
-            assert out.output.shape == (1, 32, 128)
+            assert out.output.shape == (1, 64, 128)
 
             # While the work holds the one slot, another call is refused and counted, and the
             # slot shows in kvsparse_rpc_in_flight.
             metrics_url = server.metrics_url
             assert metrics_url, server.log()[:2000]
-            busy = threading.Thread(target=lambda: pytest.raises(
-                kvsparse.DeadlineExceeded, c.attention.decode, 0, ids, q, METHOD, timeout=2.0))
+            busy_outcome: list[object] = []
+
+            def busy_call() -> None:
+                try:
+                    busy_outcome.append(c.attention.decode(0, ids, q, METHOD, timeout=2.0))
+                except kvsparse.KvSparseError as e:
+                    busy_outcome.append(e)
+
+            busy = threading.Thread(target=busy_call)
             busy.start()
             time.sleep(0.3)
             with pytest.raises(kvsparse.ResourceExhausted, match="server busy"):
                 c.attention.decode(0, ids[:1], q[:1], kvsparse.Dense())
             scraped = urllib.request.urlopen(metrics_url, timeout=10).read().decode()
             busy.join(timeout=60)
+            assert len(busy_outcome) == 1 and isinstance(busy_outcome[0], kvsparse.DeadlineExceeded), busy_outcome
             assert 'kvsparse_rpc_in_flight{kind="calls"} 1' in scraped, scraped[:3000]
             assert re.search(r'kvsparse_rpc_admission_refusals_total\{limit="max_concurrent_calls",method="Decode"\} 1\b',
                              scraped), scraped[:3000]
