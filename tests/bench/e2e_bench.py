@@ -30,7 +30,8 @@ one process on one GPU:
 Methods: dense (every row from host memory), prop (S2ANTA-prop S=128, K on the GPU, V in host
 memory), hash (HashAttention top-k 1.25% per head from host memory, 4% row cache), vatt
 (vAttention eps = delta = 0.05, hash predictor), ckeys (top-k 1/32 per head by 2-bit compressed
-keys on the GPU, K and V in host memory, 4% row cache), ckeys64 (the same at 1/64), ckprop
+keys on the GPU, K and V in host memory, 4% row cache), ckeys64 (the same at 1/64), ckeys1 and
+ckeys1-64 (1-bit keys at 1/32 and 1/64; the row cache is --gpu_row_cache's), ckprop
 (S2ANTA-prop S=128 drawing from the 2-bit compressed keys' scores, the sampled K and V rows from
 host memory: the ratio correction).
 
@@ -72,7 +73,14 @@ METHODS: dict[str, kvsparse.Method] = {
     "vatt": kvsparse.VAttention(epsilon=0.05, delta=0.05),
     "ckeys": kvsparse.TopK(top_k_fraction=1 / 32, sink_tokens=128, local_tokens=128),
     "ckeys64": kvsparse.TopK(top_k_fraction=1 / 64, sink_tokens=128, local_tokens=128),
+    "ckeys1": kvsparse.TopK(top_k_fraction=1 / 32, sink_tokens=128, local_tokens=128),
+    "ckeys1-64": kvsparse.TopK(top_k_fraction=1 / 64, sink_tokens=128, local_tokens=128),
     "ckprop": kvsparse.Santa(samples=128, allocation="prop", scores="compressed"),
+}
+# What a method's sequences keep on the worker's GPU when it is not placement_for(method)'s.
+PLACEMENTS: dict[str, kvsparse.Placement] = {
+    "ckeys1": kvsparse.Placement(compressed_key_bits=1),
+    "ckeys1-64": kvsparse.Placement(compressed_key_bits=1),
 }
 
 
@@ -255,7 +263,7 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server)
         target = server["all"].target
     steps_total = max(args.warmup, 3 if compiled else 0) + args.steps
     cache = kvsparse.hf.KvSparseCache(
-        cfg, target, method=method, stream=transport == "grpcs", seed=1,
+        cfg, target, method=method, placement=PLACEMENTS.get(method_name), stream=transport == "grpcs", seed=1,
         max_tokens=n + steps_total + 8 if planned else None,
     )
     try:
@@ -333,6 +341,8 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--store_capacity", default="100G")
     p.add_argument("--gpu_capacity", default="40G")
+    p.add_argument("--gpu_row_cache", type=float, default=0.04,
+                   help="the in-process engine's row cache (hash, ckeys*): rows per kv head as a fraction of the tokens")
     p.add_argument("--skip", default="", help="n:B:variant,... combinations to leave out")
     p.add_argument("--json", default="")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the harness")
@@ -350,7 +360,8 @@ def main() -> None:
     engines: dict[str, ops.InProcessEngine] = {}  # by transport
     if any(v.startswith(("kvs-", "kvsc-", "kvsg-")) for v in variants):
         engines["kvs"] = ops.InProcessEngine(
-            gpu="on" if gpu else "off", store_capacity=args.store_capacity, gpu_capacity=args.gpu_capacity
+            gpu="on" if gpu else "off", store_capacity=args.store_capacity, gpu_capacity=args.gpu_capacity,
+            gpu_row_cache=args.gpu_row_cache,
         )
     server: dict[str, kvsparse.LocalServer] = {}
     if any(v.startswith("grpc") for v in variants):
