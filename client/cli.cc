@@ -1,7 +1,9 @@
 // kvsparse: command-line client of kvsparse-server.
 //
-//   kvsparse [--target=HOST:PORT] [--timeout=30s] COMMAND [flags]
+//   kvsparse [--target=HOST:PORT] [--store_target=HOST:PORT[,...]] [--timeout=30s] COMMAND [flags]
 //
+// --target is the server called (for decode: the worker); --store_target the store when it is
+// another server (a split deployment), as the Python client's Client(target, store_target=...).
 // Commands: health, create, drop, append, gather, info, list, stats, bench-gather, decode.
 // Run `kvsparse --help` for every flag.
 #include <algorithm>
@@ -31,12 +33,16 @@
 #include "server/flags_help.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051",
-          "kvsparse-server address (host:port), or a sharded fleet's store shards in shard "
-          "order (A:P,B:P or NAME-{0..3}.SERVICE:P, as the worker's --store)");
+          "the kvsparse-server to call (host:port): decode goes to it (in a split deployment, the "
+          "worker), every other command too unless --store_target names the store");
+ABSL_FLAG(std::string, store_target, "",
+          "the store in a split deployment (host:port), or a sharded fleet's store shards in shard "
+          "order (A:P,B:P or NAME-{0..3}.SERVICE:P, as the worker's --store): every command but "
+          "decode goes there, and decode reads its needle rows there; default: --target (as the "
+          "Python client's Client(target, store_target=...))");
 ABSL_FLAG(absl::Duration, timeout, absl::Seconds(30), "Deadline of each call");
 ABSL_FLAG(std::string, worker, "",
-          "decode: the decode worker's address in a split deployment (--target is then the store); "
-          "default: --target");
+          "gone: a split deployment is --target=WORKER --store_target=STORE (refused if set)");
 ABSL_FLAG(std::string, tls_ca, "",
           "PEM CA of the server's certificate: TLS (a server with --tls_cert)");
 ABSL_FLAG(std::string, tls_cert, "",
@@ -549,9 +555,10 @@ int CmdDecode(KvStoreClient& c) {
   *req.mutable_method() = *method;
   req.set_seed(absl::GetFlag(FLAGS_seed));
   std::unique_ptr<AttentionClient> attn;
-  if (const std::string worker = absl::GetFlag(FLAGS_worker); !worker.empty()) {
+  if (!absl::GetFlag(FLAGS_store_target).empty() &&
+      absl::GetFlag(FLAGS_store_target) != absl::GetFlag(FLAGS_target)) {
     ClientOptions o = c.options();
-    o.target = worker;
+    o.target = absl::GetFlag(FLAGS_target);  // the worker; c is the sequence's store
     auto connected = AttentionClient::Connect(o);
     if (!connected.ok()) return Fail("decode", connected.status());
     attn = std::move(*connected);
@@ -705,7 +712,7 @@ int CmdBenchGather(KvStoreClient& c) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "kvsparse [--target=HOST:PORT] COMMAND [flags]\n"
+      "kvsparse [--target=HOST:PORT] [--store_target=STORE] COMMAND [flags]\n"
       "commands:\n"
       "  health                     grpc.health.v1 check\n"
       "  create --seq=ID [--layers --q_heads --kv_heads --head_dim --dtype --k_tier --v_tier\n"
@@ -736,8 +743,16 @@ int main(int argc, char** argv) {
     return 2;
   }
   using namespace kvsparse::client;
+  if (!absl::GetFlag(FLAGS_worker).empty()) {
+    std::fprintf(stderr,
+                 "--worker is gone: name the worker with --target and the store with "
+                 "--store_target (as the Python client's Client(target, store_target=...))\n");
+    return 2;
+  }
   ClientOptions options;
-  options.target = absl::GetFlag(FLAGS_target);
+  // Every command but decode talks to the store: --store_target, or --target when that is both.
+  options.target = absl::GetFlag(FLAGS_store_target).empty() ? absl::GetFlag(FLAGS_target)
+                                                             : absl::GetFlag(FLAGS_store_target);
   options.timeout = absl::GetFlag(FLAGS_timeout);
   options.tls.ca = absl::GetFlag(FLAGS_tls_ca);
   options.tls.cert = absl::GetFlag(FLAGS_tls_cert);
@@ -747,8 +762,8 @@ int main(int argc, char** argv) {
     if (!token.ok()) return Fail("--token_file", token.status());
     options.token = *token;
   }
-  // --target may name a sharded fleet of stores: each command goes to its sequence's shard, and
-  // list, stats and health to every shard.
+  // The store may be a sharded fleet: each command goes to its sequence's shard, and list, stats
+  // and health to every shard.
   auto shards = StoreShards::Connect(options);
   if (!shards.ok()) return Fail(cmd.c_str(), shards.status());
   for (size_t i = 0; i < (*shards)->size(); ++i) {

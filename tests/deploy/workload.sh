@@ -4,14 +4,16 @@
 # 32-bit signatures), appends 1024 tokens, gathers and verifies rows, runs bench-gather, decodes
 # one layer with every method, sends a refused request and reads the stats. With a small
 # --capacity and evict-lru, older sequences get evicted.
-#   workload.sh CLI TARGET [WORKER]
-# TARGET may be a sharded fleet's store list (the CLI places each sequence on its shard); with
-# WORKER, decodes go to that worker (a split or sharded deployment).
+#   workload.sh CLI STORE [WORKER]
+# STORE may be a sharded fleet's store list (the CLI places each sequence on its shard); with
+# WORKER, decodes go to that worker (a split or sharded deployment: --target=WORKER
+# --store_target=STORE).
 set -euo pipefail
-cli=$1 target=$2 worker=${3:-}
+cli=$1 store=$2 worker=${3:-}
 iterations=${ITERATIONS:-1000000}
-c() { "$cli" --target="$target" --wait_for_ready=10s ${worker:+--worker="$worker"} "$@" >/dev/null; }
-"$cli" --target="$target" --wait_for_ready=10s health
+if [ -n "$worker" ]; then ends=(--target="$worker" --store_target="$store"); else ends=(--target="$store"); fi
+c() { "$cli" "${ends[@]}" --wait_for_ready=10s "$@" >/dev/null; }
+"$cli" --target="$store" --wait_for_ready=10s health
 for ((i = 0; i < iterations; i++)); do
   s=w$i
   c create --seq=$s --layers=4 --q_heads=32 --kv_heads=8 --head_dim=128 --dtype=bf16 \

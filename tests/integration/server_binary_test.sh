@@ -5,7 +5,7 @@
 set -euo pipefail
 bin=${1:?bin dir}
 work=$(mktemp -d)
-trap 'kill -9 ${pid:-} 2>/dev/null || true; rm -rf "$work"' EXIT
+trap 'kill -9 ${pid:-} ${wpid:-} 2>/dev/null || true; rm -rf "$work"' EXIT
 
 # --help prints the flags and exits 0, for both programs.
 "$bin/kvsparse" --help | grep -- "--target" >/dev/null
@@ -78,6 +78,26 @@ if cli decode --seq=t2 --layer=1 --method=vattention --residual_sampler=strat 2>
   echo "unknown residual sampler accepted"; exit 1
 fi
 grep -q "residual_sampler must be uniform or importance" "$work/err.log" || { cat "$work/err.log"; exit 1; }
+# A split deployment from the CLI, named as the Python client names it: --target is the server
+# called (for decode, the worker), --store_target the store; the worker reads the rows from the
+# store ("remote" bytes). The old --worker flag is refused, naming the new spelling.
+"$bin/kvsparse-server" --role=worker --store=127.0.0.1:$port --listen=127.0.0.1:0 \
+  --metrics_listen=127.0.0.1:0 --gpu=off 2>"$work/worker.log" &
+wpid=$!
+wport=
+for _ in $(seq 300); do
+  line=$(grep -m1 "listening on" "$work/worker.log" || true)
+  [ -n "$line" ] && { wport=$(sed -E 's/.*listening on [^ ]+ \(port ([0-9]+)\).*/\1/' <<<"$line"); break; }
+  kill -0 $wpid 2>/dev/null || { echo "worker exited"; cat "$work/worker.log"; exit 1; }
+  sleep 0.1
+done
+[ -n "$wport" ] || { echo "worker did not report its port in 30 s"; cat "$work/worker.log"; exit 1; }
+split() { "$bin/kvsparse" --target=127.0.0.1:$wport --store_target=127.0.0.1:$port --wait_for_ready=10s "$@"; }
+expect "remote [1-9][0-9]*;" split decode --seq=t2 --layer=1 --method=dense
+expect "600 tokens in every layer" split info --seq=t2  # store commands go to --store_target
+rc=0; "$bin/kvsparse" --target=127.0.0.1:$port --worker=127.0.0.1:$wport health 2>"$work/err.log" || rc=$?
+[ $rc -eq 2 ] && grep -q -- "--store_target" "$work/err.log" || { echo "--worker exited $rc"; cat "$work/err.log"; exit 1; }
+kill -TERM $wpid; wait $wpid || true
 # Appending no tokens is an error, not "appended 0 tokens".
 if cli append --seq=t1 --tokens=0 2>"$work/err.log"; then echo "append of 0 tokens succeeded"; exit 1; fi
 grep -q INVALID_ARGUMENT "$work/err.log"
