@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+import kvsparse
+
 PACKAGE = Path(__file__).resolve().parents[1]
 REPO = PACKAGE.parents[1]
 
@@ -68,3 +70,60 @@ def test_installing_from_the_repository_leaves_git_status_as_it_was(tmp_path: Pa
     before = _run("git", "status", "--porcelain", cwd=REPO)
     _run(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(tmp_path / "site"), str(PACKAGE))
     assert _run("git", "status", "--porcelain", cwd=REPO) == before
+
+
+# Against the real server: create, append, health and a dense decode equal to numpy's attention.
+_SMOKE = """
+import sys
+import numpy as np
+import google.protobuf, grpc
+import kvsparse
+with kvsparse.Client(sys.argv[1], timeout=60) as c:
+    assert c.store.health() == "SERVING"
+    c.store.create_sequence("floors", kvsparse.ModelShape(1, 4, 2, 64, "fp32"))
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((1, 300, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((1, 300, 2, 64)).astype(np.float32)
+    c.store.append("floors", k, v)
+    q = rng.standard_normal((1, 4, 64)).astype(np.float32)
+    out = c.attention.decode(0, ["floors"], q, kvsparse.Dense()).output
+    s = np.einsum("hd,thd->ht", q[0], np.repeat(k[0], 2, axis=1)) / 8.0
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    ref = np.einsum("ht,thd->hd", p / p.sum(axis=1, keepdims=True), np.repeat(v[0], 2, axis=1))
+    assert np.allclose(out[0], ref, atol=1e-4), np.abs(out[0] - ref).max()
+    c.store.drop_sequence("floors")
+print(google.protobuf.__version__, grpc.__version__)
+"""
+
+
+def _floors() -> dict[str, str]:
+    """The package's least grpcio, grpcio-health-checking and protobuf (pyproject.toml)."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        pytest.skip("tomllib needs Python 3.11")
+    deps = tomllib.loads((PACKAGE / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = {}
+    for d in deps:
+        name, _, rest = d.partition(">=")
+        if name in ("grpcio", "grpcio-health-checking", "protobuf"):
+            floors[name] = rest.split(",")[0]
+    assert set(floors) == {"grpcio", "grpcio-health-checking", "protobuf"}, deps
+    return floors
+
+
+@pytest.mark.parametrize("runtimes", ["floors", "newest"])
+def test_the_client_works_at_its_dependency_floors_and_the_newest(
+    runtimes: str, tmp_path: Path, server: "kvsparse.LocalServer"
+) -> None:
+    """The stubs' gencode (grpcio-tools pinned in pyproject.toml) runs on the oldest grpcio and
+    protobuf the package accepts and on the newest PyPI serves: a real round trip on each."""
+    _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(tmp_path / "dist"), str(PACKAGE))
+    wheel = next((tmp_path / "dist").glob("kvsparse-*.whl"))
+    venv = tmp_path / "venv"
+    _run(sys.executable, "-m", "venv", str(venv))
+    pins = [f"{n}=={v}" for n, v in _floors().items()] if runtimes == "floors" else []
+    _run(str(venv / "bin" / "pip"), "install", "-q", str(wheel), *pins)
+    out = _run(str(venv / "bin" / "python"), "-W", "error::UserWarning", "-c", _SMOKE, server.target).split()
+    if runtimes == "floors":
+        assert out == [_floors()["protobuf"], _floors()["grpcio"]], out
