@@ -13,9 +13,11 @@ does not run) the same calls run on the CPU engine.
     engine.append("s", layer, k, v)                  # [tokens, Hkv, d] CUDA or CPU tensors
     out, stats = engine.decode(layer, ["s"], q, kvsparse.HashTopK(top_k_fraction=0.02))
 
-Build the extension with ``cmake -DKVSPARSE_TORCH_PREFIX=$(python -c "import torch;
-print(torch.utils.cmake_prefix_path)")`` (scripts/python_test.sh does); ``load_library`` finds it
-through $KVSPARSE_TORCH_LIB or the repository's build/lib.
+Build the extension with ``bash scripts/install_op.sh`` (``PYTHON=...`` for another interpreter):
+it builds against this environment's torch and puts the library into the installed package. Or
+``cmake -DKVSPARSE_TORCH_PREFIX=$(python -c "import torch; print(torch.utils.cmake_prefix_path)")``
+(scripts/python_test.sh does). ``load_library`` finds it through $KVSPARSE_TORCH_LIB, then
+beside this module, then in the repository's build/lib.
 """
 
 from __future__ import annotations
@@ -61,7 +63,10 @@ def find_library() -> str:
     repo = Path(__file__).resolve().parents[3] / "build" / "lib" / _LIB_NAME
     if repo.exists():
         return str(repo)
-    raise FileNotFoundError(f"{_LIB_NAME} not found: build it (cmake -DKVSPARSE_TORCH_PREFIX=...) and set KVSPARSE_TORCH_LIB")
+    raise FileNotFoundError(
+        f"{_LIB_NAME} not found: build it into this package with `bash scripts/install_op.sh` from the "
+        "repository (PYTHON=... for another interpreter), or set KVSPARSE_TORCH_LIB"
+    )
 
 
 def load_library(path: str | None = None) -> str:
