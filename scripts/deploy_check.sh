@@ -3,7 +3,8 @@
 # packages and PyPI. Fails on the first problem.
 #   1. hadolint on docker/Dockerfile
 #   2. deploy/generate.py --check: the PrometheusRule and the dashboard match their sources;
-#      scripts/plot_e2e.py --check: the README's picture matches the JSON it was drawn from
+#      scripts/plot_e2e.py --check: the README's picture matches the JSON it was drawn from (and
+#      scripts/plot_quality.py --check: docs/ACCURACY.md's, from the quality runs' JSON)
 #   3. kubectl kustomize of every overlay, without Prometheus Operator kinds, and with the
 #      optional deploy/monitoring component, validated (tests/deploy/validate_manifests.py)
 #   4. promtool check rules + promtool test rules (a unit test per alert)
@@ -58,9 +59,10 @@ step "hadolint docker/Dockerfile"
 "$venv/bin/hadolint" docker/Dockerfile
 echo "hadolint: no findings"
 
-step "generated files are current (deploy/generate.py --check, scripts/plot_e2e.py --check)"
+step "generated files are current (deploy/generate.py, scripts/plot_e2e.py, scripts/plot_quality.py: --check)"
 "$py" deploy/generate.py --check
 "$py" scripts/plot_e2e.py --check docs/data/e2e-2026-11-26-kvsg-h100.json docs/img/e2e-tokens-per-s.png
+"$py" scripts/plot_quality.py --check docs/img/quality-gpu-share.png
 
 step "kustomize: render and validate every overlay (Kubernetes $k8s_version schemas, strict)"
 # Each overlay as it is (no Prometheus Operator kinds: it applies to a cluster without their
