@@ -61,7 +61,9 @@ echo "hadolint: no findings"
 
 step "generated files are current (deploy/generate.py, scripts/plot_e2e.py, scripts/plot_quality.py: --check)"
 "$py" deploy/generate.py --check
-"$py" scripts/plot_e2e.py --check docs/data/e2e-2026-11-26-kvsg-h100.json docs/img/e2e-tokens-per-s.png
+"$py" scripts/plot_e2e.py --check docs/data/e2e-2026-11-26-kvsg-h100.json \
+  docs/data/e2e-2026-11-26-kvsg-hash-h100.json \
+  docs/data/e2e-2026-11-26-kvsg-hash-b8-h100.json docs/img/e2e-tokens-per-s.png
 "$py" scripts/plot_quality.py --check docs/img/quality-gpu-share.png
 
 step "kustomize: render and validate every overlay (Kubernetes $k8s_version schemas, strict)"
