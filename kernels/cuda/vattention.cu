@@ -3,6 +3,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/hash_topk.h"
+#include "kernels/cuda/score_topk.h"
 #include "kernels/cuda/selected_rows.h"
 #include "kernels/cuda/vattention.h"
 #include "kernels/philox.h"
@@ -29,6 +30,13 @@ struct Layout {
   int64_t* budget = nullptr;
   uint64_t* keys = nullptr;
   float* logits = nullptr;
+  // Importance mode only (p.scores set): per (b, h), the residual's tokens in order and the
+  // float64 cumulative sums of e^{s~ - m} over them (cdf aliases keys, which this mode does not
+  // use), draws per residual rank, and L = ln(Z~ / n_s).
+  int32_t* prop_tok = nullptr;
+  double* cdf = nullptr;
+  int32_t* draws = nullptr;
+  double* log_scale = nullptr;
   // The union of each (b, j)'s G query heads' rows (every row read once for the group), in two
   // parts: A = U_g (I_f u B) (read for the statistics), then R = U_g (I_f u I_dyn) \ A (read
   // for the estimate). Per (b, j) = k: membership bits and exclusive popcount prefixes over
@@ -83,11 +91,27 @@ HashTopKParams TopkParams(const VAttentionParams& p) {
   return t;
 }
 
+ScoreTopKParams ScoreParams(const VAttentionParams& p) {
+  ScoreTopKParams t;
+  t.batch = p.shape.batch;
+  t.num_q_heads = p.shape.num_q_heads;
+  t.scores = p.scores;
+  t.score_stride = p.scores_stride;
+  t.seq_lens = p.shape.seq_lens;
+  t.max_seq_len = p.shape.max_seq_len;
+  t.sink_tokens = p.sink_tokens;
+  t.local_tokens = p.local_tokens;
+  t.top_k = p.top_k;
+  t.top_k_fraction = p.top_k_fraction;
+  return t;
+}
+
 Layout MakeLayout(const VAttentionParams& p, void* base) {
   Layout l;
   const size_t bh = static_cast<size_t>(p.shape.batch) * p.shape.num_q_heads;
+  const bool importance = p.scores != nullptr;
   const HashTopKParams tp = TopkParams(p);
-  l.fixed_stride = std::max(1, tp.MaxSelected());
+  l.fixed_stride = std::max(1, importance ? ScoreParams(p).MaxSelected() : tp.MaxSelected());
   l.list_stride = std::max(1, p.shape.max_seq_len);
   char* c = static_cast<char*>(base);
   size_t used = 0;
@@ -106,6 +130,12 @@ Layout MakeLayout(const VAttentionParams& p, void* base) {
   l.keys = static_cast<uint64_t*>(take(bh * l.list_stride * 8));
   l.logits = static_cast<float*>(
       take(bh * (static_cast<size_t>(l.fixed_stride) + static_cast<size_t>(l.list_stride)) * 4));
+  if (importance) {
+    l.cdf = reinterpret_cast<double*>(l.keys);
+    l.prop_tok = static_cast<int32_t*>(take(bh * l.list_stride * 4));
+    l.draws = static_cast<int32_t*>(take(bh * l.list_stride * 4));
+    l.log_scale = static_cast<double*>(take(bh * 8));
+  }
   const size_t bk = static_cast<size_t>(p.shape.batch) * p.shape.num_kv_heads;
   const size_t row_bytes = static_cast<size_t>(p.shape.head_dim) * DTypeSize(p.shape.dtype);
   l.words = (l.list_stride + 31) / 32;
@@ -129,7 +159,7 @@ Layout MakeLayout(const VAttentionParams& p, void* base) {
   l.tab_k = static_cast<void**>(take(2 * bk * sizeof(void*)));
   l.tab_v = static_cast<void**>(take(2 * bk * sizeof(void*)));
   l.tab_dest = static_cast<int32_t**>(take(bk * sizeof(void*)));
-  l.topk_bytes = HashTopKWorkspaceBytes(tp);
+  l.topk_bytes = importance ? 0 : HashTopKWorkspaceBytes(tp);
   l.topk_ws = take(l.topk_bytes);
   l.total = used;
   return l;
@@ -298,6 +328,192 @@ __global__ void __launch_bounds__(kSampleThreads)
   if (tid == 0) out_count[bh] = carry;
 }
 
+// Block-wide exclusive scan of doubles for kSampleThreads threads (ws: 32 doubles). Ends with a
+// barrier.
+__device__ __forceinline__ double ScanExclusive1024D(double v, double* ws, double* total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  double x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const double y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) ws[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    double y = ws[lane];
+#pragma unroll
+    for (int o = 1; o < 32; o *= 2) {
+      const double z = __shfl_up_sync(0xffffffffu, y, o);
+      if (lane >= o) y += z;
+    }
+    ws[lane] = y;
+  }
+  __syncthreads();
+  const double r = (warp > 0 ? ws[warp - 1] : 0.0) + x - v;
+  *total = ws[31];
+  __syncthreads();
+  return r;
+}
+
+// Importance mode, the proposal (one block per (b, h), after the fixed set): the residual's
+// tokens in order (prop_tok[r] for rank r), cdf[r] = sum over ranks <= r of e^{s~_t - m} in
+// float64 (m: the residual's largest s~, as the CPU's ImportanceProposal), and
+// L = m + ln(Z~) - ln(n_s) with Z~ = cdf[n_s - 1].
+__global__ void __launch_bounds__(kSampleThreads) VattProposalKernel(VAttentionParams p, Layout l) {
+  extern __shared__ uint32_t pbitmap[];  // fixed-set membership
+  __shared__ int ws[32];
+  __shared__ double dws[32];
+  __shared__ float fred[32];
+  const int64_t bh = blockIdx.x;
+  const int b = static_cast<int>(bh / p.shape.num_q_heads);
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  const int n = p.shape.seq_lens[b];
+  const int words = (n + 31) / 32;
+  const int fcount = l.fixed_count[bh];
+  const int n_s = n - fcount;
+  if (n_s <= 0) {
+    if (tid == 0) l.log_scale[bh] = 0.0;
+    return;
+  }
+  for (int i = tid; i < words; i += kSampleThreads) pbitmap[i] = 0u;
+  __syncthreads();
+  const int32_t* fx = l.fixed + bh * l.fixed_stride;
+  for (int i = tid; i < fcount; i += kSampleThreads)
+    atomicOr(&pbitmap[fx[i] / 32], 1u << (fx[i] % 32));
+  __syncthreads();
+  auto residual = [&](int t) { return ((pbitmap[t / 32] >> (t % 32)) & 1u) == 0; };
+  const float* sc = p.scores + bh * p.scores_stride;
+  float mx = -HUGE_VALF;
+  for (int t = tid; t < n; t += kSampleThreads) {
+    if (residual(t)) mx = fmaxf(mx, sc[t]);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  if (lane == 0) fred[warp] = mx;
+  __syncthreads();
+  float m = -HUGE_VALF;
+  for (int w = 0; w < kSampleThreads / 32; ++w) m = fmaxf(m, fred[w]);
+  const double md = static_cast<double>(m);
+  int32_t* tok = l.prop_tok + bh * l.list_stride;
+  double* cdf = l.cdf + bh * l.list_stride;
+  constexpr int kPer = 4;
+  int rcarry = 0;
+  double dcarry = 0.0;
+  for (int c0 = 0; c0 < n; c0 += kSampleThreads * kPer) {
+    const int t0 = c0 + tid * kPer;
+    double e[kPer];
+    int flags = 0, cnt = 0;
+    double part = 0.0;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int t = t0 + i;
+      e[i] = 0.0;
+      if (t < n && residual(t)) {
+        e[i] = exp(static_cast<double>(sc[t]) - md);
+        part += e[i];
+        flags |= 1 << i;
+        ++cnt;
+      }
+    }
+    int rtot = 0;
+    int r = rcarry + ScanExclusive1024(cnt, ws, &rtot);
+    double dtot = 0.0;
+    double acc = dcarry + ScanExclusive1024D(part, dws, &dtot);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      if (flags & (1 << i)) {
+        acc += e[i];
+        cdf[r] = acc;
+        tok[r++] = t0 + i;
+      }
+    }
+    rcarry += rtot;
+    dcarry += dtot;
+  }
+  __syncthreads();  // cdf[n_s - 1] written
+  if (tid == 0) {
+    l.log_scale[bh] = md + log(cdf[n_s - 1]) - log(static_cast<double>(n_s));
+  }
+}
+
+// Importance mode, a sample (one block per (b, h)): `count` i.i.d. draws from the proposal,
+// draw j the first rank whose cdf exceeds u_j = (Draw64(j) >> 11) 2^-53 Z~ (the CPU's
+// ImportanceProposal::Draw), written as tokens ascending with repeats. kBase: count = min(n_s,
+// max(2, round(rate n_s))); otherwise count = budget[bh], and b >= n_s lists the residual once.
+template <bool kBase>
+__global__ void __launch_bounds__(kSampleThreads)
+    VattDrawKernel(VAttentionParams p, Layout l, int32_t* __restrict__ out,
+                   int32_t* __restrict__ out_count) {
+  __shared__ int ws[32];
+  const int64_t bh = blockIdx.x;
+  const int b = static_cast<int>(bh / p.shape.num_q_heads);
+  const int h = static_cast<int>(bh % p.shape.num_q_heads);
+  const int tid = threadIdx.x;
+  const int n = p.shape.seq_lens[b];
+  const int n_s = n - l.fixed_count[bh];
+  int64_t count;
+  if (kBase) {
+    count = min(
+        static_cast<int64_t>(n_s),
+        max(int64_t{2}, static_cast<int64_t>(floor(static_cast<double>(p.base_rate) * n_s + 0.5))));
+  } else {
+    count = l.budget[bh];
+  }
+  int32_t* dst = out + bh * l.list_stride;
+  if (n_s <= 0 || count <= 0) {
+    if (tid == 0) out_count[bh] = 0;
+    return;
+  }
+  const int32_t* tok = l.prop_tok + bh * l.list_stride;
+  const double* cdf = l.cdf + bh * l.list_stride;
+  if (!kBase && count >= n_s) {  // the exact residual, weight 1
+    for (int r = tid; r < n_s; r += kSampleThreads) dst[r] = tok[r];
+    if (tid == 0) out_count[bh] = n_s;
+    return;
+  }
+  int32_t* dr = l.draws + bh * l.list_stride;
+  for (int r = tid; r < n_s; r += kSampleThreads) dr[r] = 0;
+  __syncthreads();
+  const double total = cdf[n_s - 1];
+  const PhiloxStream rng = SequenceStream(
+      {p.seed, p.seeds}, kBase ? RngTag::kVattImportanceBase : RngTag::kVattImportanceDynamic, b, h);
+  for (int64_t j = tid; j < count; j += kSampleThreads) {
+    const double u =
+        static_cast<double>(rng.Draw64(static_cast<uint32_t>(j)) >> 11) * 0x1p-53 * total;
+    int lo = 0, hi = n_s;  // the first rank with cdf > u
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (cdf[mid] > u) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    atomicAdd(&dr[min(lo, n_s - 1)], 1);
+  }
+  __syncthreads();
+  constexpr int kPer = 4;
+  int carry = 0;
+  for (int c0 = 0; c0 < n_s; c0 += kSampleThreads * kPer) {
+    const int r0 = c0 + tid * kPer;
+    int m[kPer], local = 0;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      m[i] = r0 + i < n_s ? dr[r0 + i] : 0;
+      local += m[i];
+    }
+    int total_c = 0;
+    int pos = carry + ScanExclusive1024(local, ws, &total_c);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      for (int k = 0; k < m[i]; ++k) dst[pos++] = tok[r0 + i];
+    }
+    carry += total_c;
+  }
+  if (tid == 0) out_count[bh] = carry;
+}
+
 // The rows a (b, j) reads, once for its G query heads (one block per (b, j)). Part A (kDyn
 // false): A = U_g (I_f u B); writes A's tokens (ascending) and each fixed and base row's location
 // in the row set (its rank in A). Part R (kDyn true): R = U_g I_dyn \ A, placed after A's rows
@@ -461,6 +677,11 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
   const int32_t* fx = l.pos_fixed + bh * l.fixed_stride;
   const int32_t* bs = l.pos_base + bh * l.list_stride;
   float* logits = l.logits + bh * (static_cast<int64_t>(l.fixed_stride) + l.list_stride);
+  // Importance mode: a base draw's effective logit s_t - s~_t + L (its token from the list).
+  const bool importance = p.scores != nullptr;
+  const int32_t* base_tok = l.base + bh * l.list_stride;
+  const float* approx = importance ? p.scores + bh * p.scores_stride : nullptr;
+  const double log_scale = importance ? l.log_scale[bh] : 0.0;
   const int64_t set = (static_cast<int64_t>(b) * s.num_kv_heads + h / G) * l.list_stride;
   const uint16_t* krows = static_cast<const uint16_t*>(l.rows_k) + set * D + lr * 8;
   const uint16_t* vrows = static_cast<const uint16_t*>(l.rows_v) + set * D + lr * 8;
@@ -484,6 +705,9 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
 #pragma unroll
     for (int o = L / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
     dot *= s.scale;
+    if (importance && valid && i >= nf) {
+      dot = static_cast<float>(static_cast<double>(dot) - approx[base_tok[i - nf]] + log_scale);
+    }
     if (valid) {
       if (lr == 0) logits[i] = dot;
       mx = fmaxf(mx, dot);
@@ -661,6 +885,12 @@ __global__ void __launch_bounds__(kRowThreads, 2) VattEstimateKernel(VAttentionP
   const int nf = l.fixed_count[bh], nd = l.dyn_count[bh];
   const int64_t bud = l.budget[bh];
   const float w_dyn = bud > 0 ? static_cast<float>(static_cast<double>(n - nf) / bud) : 0.f;
+  // Importance mode with b < n_s: a draw of token t weighs (n_s / b) e^{L - s~_t} = 1 / (b p_t).
+  const bool reweight = p.scores != nullptr && bud < n - nf;
+  const double per_draw = bud > 0 ? static_cast<double>(n - nf) / bud : 0.0;
+  const int32_t* dyn_tok = l.dyn + bh * l.list_stride;
+  const float* approx = p.scores != nullptr ? p.scores + bh * p.scores_stride : nullptr;
+  const double log_scale = p.scores != nullptr ? l.log_scale[bh] : 0.0;
   // Rows from the group's row set: locations, not tokens.
   const int32_t* fx = l.pos_fixed + bh * l.fixed_stride;
   const int32_t* dy = l.pos_dyn + bh * l.list_stride;
@@ -676,7 +906,10 @@ __global__ void __launch_bounds__(kRowThreads, 2) VattEstimateKernel(VAttentionP
     const int i = i0 + row;
     const bool valid = i < rows;
     const int loc = !valid ? 0 : i < nf ? fx[i] : dy[i - nf];
-    const float w = i < nf ? 1.f : w_dyn;
+    float w = i < nf ? 1.f : w_dyn;
+    if (reweight && valid && i >= nf) {
+      w = static_cast<float>(per_draw * exp(log_scale - approx[dyn_tok[i - nf]]));
+    }
     float kf[8], vf[8];
     Unpack8<T>(valid ? LoadStream16(krows + static_cast<int64_t>(loc) * D) : make_uint4(0, 0, 0, 0),
                kf);
@@ -721,6 +954,20 @@ struct RowKernels {
   }
 };
 
+cudaError_t LaunchProposal(const VAttentionParams& p, const Layout& l, cudaStream_t stream) {
+  const size_t smem = static_cast<size_t>((p.shape.max_seq_len + 31) / 32) * 4 + 64;
+  KVSPARSE_CUDA_RETURN_IF_ERROR(SetMaxDynamicSmem(
+      reinterpret_cast<const void*>(&VattProposalKernel), static_cast<int>(smem)));
+  VattProposalKernel<<<p.shape.batch * p.shape.num_q_heads, kSampleThreads, smem, stream>>>(p, l);
+  return cudaGetLastError();
+}
+
+// A sample of the residual: uniform without replacement (priority keys), or in importance mode
+// i.i.d. draws from the proposal.
+template <bool kBase>
+cudaError_t LaunchResidualSample(const VAttentionParams& p, const Layout& l, int32_t* out,
+                                 int32_t* out_count, cudaStream_t stream);
+
 template <bool kBase>
 cudaError_t LaunchSample(const VAttentionParams& p, const Layout& l, int32_t* out,
                          int32_t* out_count, cudaStream_t stream) {
@@ -730,6 +977,15 @@ cudaError_t LaunchSample(const VAttentionParams& p, const Layout& l, int32_t* ou
       reinterpret_cast<const void*>(&VattSampleKernel<kBase>), static_cast<int>(smem)));
   VattSampleKernel<kBase>
       <<<p.shape.batch * p.shape.num_q_heads, kSampleThreads, smem, stream>>>(p, l, out, out_count);
+  return cudaGetLastError();
+}
+
+template <bool kBase>
+cudaError_t LaunchResidualSample(const VAttentionParams& p, const Layout& l, int32_t* out,
+                                 int32_t* out_count, cudaStream_t stream) {
+  if (p.scores == nullptr) return LaunchSample<kBase>(p, l, out, out_count, stream);
+  VattDrawKernel<kBase>
+      <<<p.shape.batch * p.shape.num_q_heads, kSampleThreads, 0, stream>>>(p, l, out, out_count);
   return cudaGetLastError();
 }
 
@@ -767,6 +1023,9 @@ cudaError_t CheckCall(const VAttentionParams& p, void* workspace, size_t workspa
       !(p.base_rate > 0.f && p.base_rate < 1.f) || (p.bound < 1 || p.bound > 3) || p.target < 1 ||
       p.target > 3 || p.shape.max_seq_len > kMaxLen || DTypeSize(p.shape.dtype) != 2) {
     return cudaErrorInvalidValue;
+  }
+  if (p.scores != nullptr && (p.bound == 2 || p.scores_stride < p.shape.max_seq_len)) {
+    return cudaErrorInvalidValue;  // importance mode: no Hoeffding range from a sample
   }
   if (p.shape.batch > 0 &&
       (workspace == nullptr || workspace_bytes < MakeLayout(p, nullptr).total)) {
@@ -810,11 +1069,19 @@ cudaError_t VAttentionSelect(const VAttentionParams& p, void* workspace, size_t 
   KVSPARSE_CUDA_RETURN_IF_ERROR(CheckCall(p, workspace, workspace_bytes));
   if (p.shape.batch == 0) return cudaSuccess;
   const Layout l = MakeLayout(p, workspace);
-  HashTopKParams tp = TopkParams(p);
-  tp.indices = l.fixed;
-  tp.counts = l.fixed_count;
-  KVSPARSE_CUDA_RETURN_IF_ERROR(HashTopK(tp, l.topk_ws, l.topk_bytes, stream));
-  KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchSample<true>(p, l, l.base, l.base_count, stream));
+  if (p.scores != nullptr) {
+    ScoreTopKParams sp = ScoreParams(p);
+    sp.indices = l.fixed;
+    sp.counts = l.fixed_count;
+    KVSPARSE_CUDA_RETURN_IF_ERROR(ScoreTopK(sp, stream));
+    KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchProposal(p, l, stream));
+  } else {
+    HashTopKParams tp = TopkParams(p);
+    tp.indices = l.fixed;
+    tp.counts = l.fixed_count;
+    KVSPARSE_CUDA_RETURN_IF_ERROR(HashTopK(tp, l.topk_ws, l.topk_bytes, stream));
+  }
+  KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchResidualSample<true>(p, l, l.base, l.base_count, stream));
   VattUnionKernel<false><<<p.shape.batch * p.shape.num_kv_heads, kSampleThreads, 0, stream>>>(p, l);
   return cudaGetLastError();
 }
@@ -828,7 +1095,7 @@ cudaError_t VAttentionVerify(const VAttentionParams& p, const VAttentionRowSourc
   const DecodeShape& s = p.shape;
   KVSPARSE_CUDA_RETURN_IF_ERROR(
       DispatchDecode(s.dtype, s.head_dim, 1, RowKernels{p, l, false, stream}));
-  KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchSample<false>(p, l, l.dyn, l.dyn_count, stream));
+  KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchResidualSample<false>(p, l, l.dyn, l.dyn_count, stream));
   VattUnionKernel<true><<<s.batch * s.num_kv_heads, kSampleThreads, 0, stream>>>(p, l);
   return cudaGetLastError();
 }

@@ -8,6 +8,15 @@
 //      output target minimises over the same delta grid as the reference);
 //   4. final sample: the b residual tokens with the smallest kVattDynamic keys;
 //   5. estimate: out = (sum_{I_f} e^s V + (n_s / b) sum_{I_dyn} e^s V) / (same without V).
+// Importance mode (VAttentionParams::scores set: the compressed predictor with the importance
+// sampler, kernels/vattention.h "The importance sampler"): step 1 takes sink + window + the top-k
+// by the given scores s~ (ScoreTopK's rule, the CPU's SelectSinkLocalTopK); steps 2 and 4 draw
+// i.i.d. from p_t = e^{s~_t} / Z~ over the residual (a float64 cumulative sum per head, then
+// binary searches of u_j = (Draw64(j) >> 11) 2^-53 Z~, RngTag kVattImportanceBase / Dynamic),
+// lists ascending with repeats; step 3's statistics use the effective logits s_t - s~_t + L
+// (L = ln(Z~ / n_s)); b >= n_s reads the residual once with weight 1, otherwise a draw of token
+// t weighs (n_s / b) e^{L - s~_t} = 1 / (b p_t). A draw lands on another token than the CPU's
+// only where u_j falls within the rounding of the two cumulative sums (summed in another order).
 // The sampled sets equal the CPU reference's exactly (same Philox keys, same total order); b
 // can differ only where the float64 statistics, summed in another order, put b_raw within
 // rounding of an integer. One block per (sequence, query head) for the sampling and statistics
@@ -54,6 +63,11 @@ struct VAttentionParams {
   int64_t k_head_stride = 0;
   int64_t k_token_stride = 0;
   int32_t key_heads = 0;
+  // Importance mode (above): device [B * H, scores_stride] (scores_stride >= max_seq_len), the
+  // predictor's logits s~ of every token, scale included (CompressedScores' output). The
+  // signatures are then unused; bound must be 1 or 3 (a sample gives no Hoeffding range).
+  const float* scores = nullptr;
+  int64_t scores_stride = 0;
 };
 
 // The workspace holds, besides the lists, a row set of max_seq_len K and V rows per (b, kv head).

@@ -1,6 +1,7 @@
 // GPU vAttention against the CPU reference (kernels/vattention.h): the fixed set, the base sample
 // and the final sample token for token, the budget b (up to one where float64 sums in another
-// order land b_raw on the other side of an integer) and the output.
+// order land b_raw on the other side of an integer) and the output; with the hash predictor, and
+// in importance mode (the compressed predictor's scores, the importance sampler).
 #include "kernels/cuda/vattention.h"
 
 #include <cuda_runtime_api.h>
@@ -12,6 +13,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/compressed_keys.h"
+#include "kernels/cpu_util.h"
 #include "kernels/cuda/cuda_test_util.h"
 #include "kernels/hash_topk.h"
 #include "kernels/synthetic.h"
@@ -161,6 +164,161 @@ void RunCase(const Config& c, int seed) {
   const double err = RelativeL2(OutputAsDouble(cpu_p), d.OutputAsDouble(&bad));
   EXPECT_EQ(bad, 0) << what;
   EXPECT_LT(err, b_off_by_one == 0 ? 2e-2 : 0.1) << what;
+}
+
+// Importance mode: the CPU reference with the compressed predictor and the importance sampler
+// over keys quantized to `bits`, and the GPU with the same approximate scores (ApproximateScores,
+// which the GPU's CompressedScores equals bit for bit) uploaded. Fixed sets equal; base and
+// final draws equal where the two float64 cumulative sums put no draw across a boundary (all
+// heads here but at most one); budgets within one; the output close.
+void RunImportanceCase(const Config& c, int bits, int seed) {
+  const std::string what = std::string(DTypeName(c.dtype)) + " d=" + std::to_string(c.d) +
+                           " G=" + std::to_string(c.g) + " bound " + std::to_string(c.bound) +
+                           " target " + std::to_string(c.target) + " bits " + std::to_string(bits);
+  SyntheticOptions o;
+  o.family = ScoreFamily::kPeaked;
+  o.batch = static_cast<int32_t>(c.lens.size());
+  o.num_kv_heads = 2;
+  o.num_q_heads = 2 * c.g;
+  o.head_dim = c.d;
+  o.seq_lens = c.lens;
+  o.dtype = c.dtype;
+  o.seed = 500 + seed;
+  SyntheticProblem sp = SyntheticProblem::Make(o);
+  DecodeProblem& p = sp.problem;
+  const int B = p.batch, H = p.num_q_heads, hkv = p.num_kv_heads, G = c.g;
+  int32_t max_len = 0;
+  for (int32_t n : c.lens) max_len = std::max(max_len, n);
+  std::vector<CompressedKeys> keys;
+  std::vector<CompressedKeysView> views;
+  const size_t esize = DTypeSize(p.dtype);
+  for (int b = 0; b < B; ++b) {
+    for (int j = 0; j < hkv; ++j) {
+      keys.emplace_back(KeyCompression{bits, kKeyGroupTokens}, p.head_dim, p.dtype);
+      for (int32_t t = 0; t < p.seq_lens[b]; ++t) {
+        keys.back().Append(static_cast<const uint8_t*>(p.k) + KvRowOffset(p, b, j, t) * esize);
+      }
+    }
+  }
+  for (const CompressedKeys& k : keys) views.push_back(k.view());
+  // The scores the GPU selects from: [B * H, max_len].
+  std::vector<float> scores(static_cast<size_t>(B) * H * max_len, 0.f), q(p.head_dim);
+  for (int b = 0; b < B; ++b) {
+    for (int h = 0; h < H; ++h) {
+      LoadQuery(p, b, h, q.data());
+      ApproximateScores(views[static_cast<size_t>(b) * hkv + h / G], q.data(), p.scale,
+                        scores.data() + (static_cast<size_t>(b) * H + h) * max_len);
+    }
+  }
+  kernels::VAttentionParams cp;
+  cp.sink_tokens = 16;
+  cp.local_tokens = 32;
+  cp.top_k_fraction = 0.05f;
+  cp.base_rate = 0.1f;
+  cp.epsilon = 0.1f;
+  cp.delta = 0.1f;
+  cp.bound = static_cast<BudgetBound>(c.bound);
+  cp.target = static_cast<VerifyTarget>(c.target);
+  cp.predictor = TopKPredictor::kCompressed;
+  cp.sampler = ResidualSampler::kImportance;
+  const uint64_t rng_seed = 91 + seed;
+  std::vector<uint8_t> cpu_out(sp.out.size());
+  DecodeProblem cpu_p = p;
+  cpu_p.out = cpu_out.data();
+  VAttentionStats stats;
+  ASSERT_TRUE(VAttentionDecodeCpu(cpu_p, cp, rng_seed, nullptr, nullptr, &stats, views).ok())
+      << what;
+
+  DeviceProblem d = DeviceProblem::Upload(p, sp.k.size() / esize);
+  DeviceBuffer dscores = ToDevice(scores);
+  VAttentionParams gp;
+  gp.shape = d.shape;
+  gp.seed = rng_seed;
+  gp.epsilon = cp.epsilon;
+  gp.delta = cp.delta;
+  gp.sink_tokens = cp.sink_tokens;
+  gp.local_tokens = cp.local_tokens;
+  gp.top_k = cp.top_k;
+  gp.top_k_fraction = cp.top_k_fraction;
+  gp.base_rate = cp.base_rate;
+  gp.bound = c.bound;
+  gp.target = c.target;
+  gp.scores = dscores.as<float>();
+  gp.scores_stride = max_len;
+  DeviceBuffer ws(VAttentionWorkspaceBytes(gp));
+  ASSERT_EQ(ws.Poison(), cudaSuccess);
+  ASSERT_EQ(VAttentionDecode(gp, ws.get(), ws.size(), nullptr), cudaSuccess) << what;
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+  const VAttentionSelectionView v = VAttentionSelection(gp, ws.get());
+  const int bh = B * H;
+  auto host_i32 = [](const int32_t* dp, size_t count) {
+    std::vector<int32_t> r(count);
+    EXPECT_EQ(cudaMemcpy(r.data(), dp, count * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+    return r;
+  };
+  const auto fixed = host_i32(v.fixed, static_cast<size_t>(bh) * v.fixed_stride);
+  const auto fixed_n = host_i32(v.fixed_count, bh);
+  const auto base = host_i32(v.base, static_cast<size_t>(bh) * v.max_list);
+  const auto base_n = host_i32(v.base_count, bh);
+  const auto dyn = host_i32(v.dyn, static_cast<size_t>(bh) * v.max_list);
+  const auto dyn_n = host_i32(v.dyn_count, bh);
+  std::vector<int64_t> budget(bh);
+  ASSERT_EQ(cudaMemcpy(budget.data(), v.budget, bh * 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  auto slice = [](const std::vector<int32_t>& a, int i, int stride, int count) {
+    return std::vector<int32_t>(a.begin() + static_cast<int64_t>(i) * stride,
+                                a.begin() + static_cast<int64_t>(i) * stride + std::max(count, 0));
+  };
+  int base_differs = 0, b_off = 0, dyn_differs = 0, exact_residual = 0, repeats = 0;
+  for (int i = 0; i < bh; ++i) {
+    const VAttentionHeadResult& r = stats.heads[i];
+    EXPECT_EQ(slice(fixed, i, v.fixed_stride, fixed_n[i]), r.fixed) << what << " head " << i;
+    const auto gb = slice(base, i, v.max_list, base_n[i]);
+    EXPECT_EQ(gb.size(), r.base.size()) << what << " head " << i;
+    base_differs += gb != r.base;
+    EXPECT_TRUE(std::is_sorted(gb.begin(), gb.end())) << what << " head " << i;
+    repeats += std::adjacent_find(gb.begin(), gb.end()) != gb.end();
+    EXPECT_LE(std::llabs(budget[i] - r.b), 1) << what << " head " << i;
+    if (budget[i] != r.b) {
+      ++b_off;
+      continue;
+    }
+    exact_residual += r.residual_exact;
+    const auto gd = slice(dyn, i, v.max_list, dyn_n[i]);
+    EXPECT_EQ(static_cast<int64_t>(gd.size()),
+              r.residual_exact ? static_cast<int64_t>(r.dyn.size()) : r.b)
+        << what << " head " << i;
+    dyn_differs += gd != r.dyn;
+  }
+  EXPECT_LE(base_differs, 1) << what;
+  EXPECT_LE(dyn_differs, 1) << what;
+  EXPECT_LE(b_off, std::max(1, bh / 20)) << what;
+  int64_t bad = 0;
+  const double err = RelativeL2(OutputAsDouble(cpu_p), d.OutputAsDouble(&bad));
+  EXPECT_EQ(bad, 0) << what;
+  EXPECT_LT(err, b_off + base_differs + dyn_differs == 0 ? 2e-2 : 0.1) << what;
+  std::printf("[importance] %s: %d heads, %d with repeated draws, %d read the residual exactly, "
+              "rel L2 %.2e\n",
+              what.c_str(), bh, repeats, exact_residual, err);
+}
+
+TEST(VAttentionCudaTest, ImportanceModeMatchesCpu) {
+  KVSPARSE_REQUIRE_GPU();
+  const std::vector<Config> configs = {
+      {DType::kBf16, 128, 4, {5000, 1, 300, 57}, 1, 3},
+      {DType::kFp16, 64, 1, {2000, 129}, 3, 3},
+      {DType::kBf16, 128, 4, {9000, 700}, 3, 3},
+      {DType::kFp16, 128, 2, {700, 4000}, 1, 1},
+  };
+  int seed = 0;
+  for (const Config& c : configs) {
+    for (int bits : {1, 2}) RunImportanceCase(c, bits, seed++);
+  }
+  // Hoeffding has no range from a sample: refused.
+  VAttentionParams bad;
+  bad.bound = 2;
+  bad.scores = reinterpret_cast<const float*>(16);
+  bad.scores_stride = 0;
+  EXPECT_EQ(VAttentionDecode(bad, nullptr, 0, nullptr), cudaErrorInvalidValue);
 }
 
 TEST(VAttentionCudaTest, MatchesCpuSelectionAndOutput) {
