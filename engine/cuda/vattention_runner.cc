@@ -1,10 +1,17 @@
-// vAttention on the GPU with the hash predictor: the query signatures, then VAttentionDecode
-// (fixed set from the signatures, base sample, budget for (epsilon, delta), final sample,
-// estimate), which reads each row once per GQA group (the union of the group's lists, copied
-// into a row set). The exact predictor runs on the CPU engine.
+// vAttention on the GPU, two predictors:
+//   hash        the query signatures, then VAttentionDecode (fixed set from the signatures,
+//               uniform base sample, budget for (epsilon, delta), uniform final sample, estimate);
+//   compressed  with the importance sampler: every token's score from the sequence's compressed
+//               keys (engine/cuda/compressed_scoring.h, the CPU's scores bit for bit), then
+//               VAttentionDecode in importance mode (fixed set by those scores, draws from their
+//               softmax, weights 1 / (b p_t); kernels/cuda/vattention.h).
+// Each reads each row once per GQA group (the union of the group's lists, copied into a row set).
+// The exact predictor, and the compressed one with the uniform sampler (its residual bound),
+// run on the CPU engine.
 #include <algorithm>
 #include <vector>
 
+#include "engine/cuda/compressed_scoring.h"
 #include "engine/cuda/gpu_runner.h"
 #include "kernels/cuda/vattention.h"
 #include "kernels/hash_topk.h"
@@ -16,15 +23,22 @@ namespace kc = kernels::cuda;
 
 class VAttentionCall final : public MethodCall {
  public:
-  explicit VAttentionCall(const Method& m) : params_(m.vattention) {}
-  // The hash predictor over signatures on the device (SimHash, or learned MLPs that fit). Rows
-  // from a store in another process are staged part by part (K and V in the same tier: the
+  explicit VAttentionCall(const Method& m)
+      : params_(m.vattention),
+        compressed_(m.vattention.predictor == kernels::TopKPredictor::kCompressed) {}
+  // The hash predictor over signatures on the device (SimHash, or learned MLPs that fit), or the
+  // compressed predictor with the importance sampler over a sequence that keeps compressed keys.
+  // Rows from a store in another process are staged part by part (K and V in the same tier: the
   // fetch reads both by list position).
   static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
-    if (!StagedRowsFit(desc, caps)) return false;
+    if (!StagedRowsFit(desc, caps) || m.vattention.exact_statistics) return false;
+    if (m.vattention.predictor == kernels::TopKPredictor::kCompressed) {
+      return m.vattention.sampler == kernels::ResidualSampler::kImportance &&
+             m.vattention.bound != kernels::BudgetBound::kHoeffding &&
+             desc.placement.compressed_key_bits != 0;
+    }
     return SignaturesOnGpu(m, desc, caps) &&
-           m.vattention.predictor == kernels::TopKPredictor::kHash &&
-           !m.vattention.exact_statistics;
+           m.vattention.predictor == kernels::TopKPredictor::kHash;
   }
 
   absl::Status Plan(LaunchPlan& lp) override {
@@ -33,12 +47,21 @@ class VAttentionCall final : public MethodCall {
           kernels::ResolveTopK(params_.top_k, params_.top_k_fraction, lp.len(b));
       if (!k.ok()) return k.status();
     }
+    if (compressed_) {
+      scoring_.Plan(lp);
+      return absl::OkStatus();
+    }
     return lp.LoadPlanes();
+  }
+
+  void FillTables(LaunchPlan& lp) override {
+    if (compressed_) scoring_.FillTables(lp);
   }
 
   absl::Status Enqueue(LaunchPlan& lp, Carver& c) override {
     const int32_t BH = lp.BH;
-    uint32_t* qsig = c.Take<uint32_t>(static_cast<size_t>(BH) * lp.words);
+    uint32_t* qsig = compressed_ ? nullptr : c.Take<uint32_t>(static_cast<size_t>(BH) * lp.words);
+    float* scores = compressed_ ? c.Take<float>(static_cast<size_t>(BH) * lp.n_max) : nullptr;
     kc::VAttentionParams vp;
     vp.shape = lp.shape();
     vp.seeds = lp.seeds();
@@ -51,16 +74,25 @@ class VAttentionCall final : public MethodCall {
     vp.base_rate = params_.base_rate;
     vp.bound = static_cast<int32_t>(params_.bound);
     vp.target = static_cast<int32_t>(params_.target);
-    vp.bits = lp.words * 32;
-    vp.q_sigs = qsig;
-    vp.k_sig_heads = lp.sig_heads();
-    vp.k_token_stride = lp.words;
-    vp.key_heads = lp.hkv;
+    if (compressed_) {
+      vp.scores = scores;
+      vp.scores_stride = lp.n_max;
+    } else {
+      vp.bits = lp.words * 32;
+      vp.q_sigs = qsig;
+      vp.k_sig_heads = lp.sig_heads();
+      vp.k_token_stride = lp.words;
+      vp.key_heads = lp.hkv;
+    }
     const size_t wb = kc::VAttentionWorkspaceBytes(vp);
     void* ws = c.Take<char>(wb);
     if (!lp.running()) return absl::OkStatus();
     const cudaStream_t stream = lp.stream();
-    if (absl::Status s = lp.SignQueries(qsig); !s.ok()) return s;
+    if (compressed_) {
+      if (absl::Status s = scoring_.Enqueue(lp, scores); !s.ok()) return s;
+    } else if (absl::Status s = lp.SignQueries(qsig); !s.ok()) {
+      return s;
+    }
     KVS_CUDA_OK(kc::VAttentionSelect(vp, ws, wb, stream), "VAttentionSelect");
     // Stages: selection, then no gather stage of its own (the rows are read in both later
     // phases, beside the statistics and the estimate): all of it counts as compute.
@@ -115,13 +147,16 @@ class VAttentionCall final : public MethodCall {
       hs->budgets.push_back(static_cast<uint64_t>(std::max<int64_t>(budgets_.host[bh], 0)));
     }
     hs->rows_fetched = static_cast<uint64_t>(st[3 * BH + b * lp.hkv + j]);  // the union
-    hs->bytes[kDeviceTier] += n * lp.words * 4;
+    // The predictor's reads: every key's compressed form, or every key's signature.
+    hs->bytes[kDeviceTier] += compressed_ ? scoring_.DeviceBytes(lp, b) : n * lp.words * 4;
     hs->bytes[lp.k_tier()] += hs->rows_fetched * lp.row;
     hs->bytes[lp.v_tier()] += hs->rows_fetched * lp.row;
   }
 
  private:
   const kernels::VAttentionParams params_;
+  const bool compressed_;
+  CompressedScoring scoring_;    // the compressed predictor's scores
   Downloaded<int64_t> budgets_;  // the budgets b [B, H]
 };
 

@@ -476,8 +476,9 @@ __global__ void __launch_bounds__(kSampleThreads)
   for (int r = tid; r < n_s; r += kSampleThreads) dr[r] = 0;
   __syncthreads();
   const double total = cdf[n_s - 1];
-  const PhiloxStream rng = SequenceStream(
-      {p.seed, p.seeds}, kBase ? RngTag::kVattImportanceBase : RngTag::kVattImportanceDynamic, b, h);
+  const PhiloxStream rng =
+      SequenceStream({p.seed, p.seeds},
+                     kBase ? RngTag::kVattImportanceBase : RngTag::kVattImportanceDynamic, b, h);
   for (int64_t j = tid; j < count; j += kSampleThreads) {
     const double u =
         static_cast<double>(rng.Draw64(static_cast<uint32_t>(j)) >> 11) * 0x1p-53 * total;

@@ -296,9 +296,10 @@ void RunImportanceCase(const Config& c, int bits, int seed) {
   const double err = RelativeL2(OutputAsDouble(cpu_p), d.OutputAsDouble(&bad));
   EXPECT_EQ(bad, 0) << what;
   EXPECT_LT(err, b_off + base_differs + dyn_differs == 0 ? 2e-2 : 0.1) << what;
-  std::printf("[importance] %s: %d heads, %d with repeated draws, %d read the residual exactly, "
-              "rel L2 %.2e\n",
-              what.c_str(), bh, repeats, exact_residual, err);
+  std::printf(
+      "[importance] %s: %d heads, %d with repeated draws, %d read the residual exactly, "
+      "rel L2 %.2e\n",
+      what.c_str(), bh, repeats, exact_residual, err);
 }
 
 TEST(VAttentionCudaTest, ImportanceModeMatchesCpu) {

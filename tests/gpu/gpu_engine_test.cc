@@ -443,6 +443,60 @@ TEST_F(GpuEngineTest, SantaOverCompressedKeys) {
   }
 }
 
+// vAttention with the compressed predictor and the importance sampler, K and V in host memory
+// and on the device: the GPU scores every token from the compressed keys (the CPU's scores bit
+// for bit), takes the CPU reference's fixed set and draws from the same proposal, so the heads
+// whose budgets agree read the CPU engine's rows and count its bytes (a draw can land elsewhere
+// where the two float64 cumulative sums round apart); the outputs agree. The uniform sampler
+// with this predictor (its residual bound) stays on the CPU engine.
+TEST_F(GpuEngineTest, VAttentionOverCompressedKeys) {
+  for (int pl = 0; pl < 3; ++pl) {
+    const CompressedCase cc = CompressedCaseOf(pl);
+    auto rig = Rig::Make(1ull << 30, 1.0, false, cc.read_chunk_bytes);
+    ASSERT_NE(rig, nullptr);
+    auto prob = Problem({4000, 50, 1792, 128}, cc.dtype, cc.head_dim);
+    rig->Load(prob, cc.placement);
+    const std::string what = "vAttention over compressed keys, placement " + std::to_string(pl);
+    Method m = VAttentionMethod();
+    m.vattention.predictor = kernels::TopKPredictor::kCompressed;
+    m.vattention.sampler = kernels::ResidualSampler::kImportance;
+    m.vattention.bound = kernels::BudgetBound::kCltRatio;
+    m.vattention.epsilon = m.vattention.delta = 0.1f;
+    auto c = rig->cpu->Decode(Call(prob, m));
+    ASSERT_TRUE(c.ok()) << what << ": " << c.status();
+    auto g = rig->gpu->Decode(Call(prob, m));
+    ASSERT_TRUE(g.ok()) << what << ": " << g.status();
+    EXPECT_GT(g->timing.launch_seconds, 0.0) << what << ": on the GPU";
+    ASSERT_EQ(g->heads.size(), c->heads.size());
+    size_t agree = 0, same = 0;
+    for (size_t i = 0; i < c->heads.size(); ++i) {
+      const HeadStats& hc = c->heads[i];
+      const HeadStats& hg = g->heads[i];
+      ASSERT_EQ(hg.budgets.size(), hc.budgets.size()) << what << " head " << i;
+      for (size_t k = 0; k < hc.budgets.size(); ++k) {
+        EXPECT_NEAR(static_cast<double>(hg.budgets[k]), static_cast<double>(hc.budgets[k]), 1.0)
+            << what << " head " << i;
+      }
+      if (hg.budgets != hc.budgets) continue;
+      ++agree;
+      const bool rows = hg.rows_fetched == hc.rows_fetched && hg.rows_selected == hc.rows_selected;
+      bool bytes = true;
+      for (int t = 0; t < kvstore::kNumTiers; ++t) bytes &= hg.bytes[t] == hc.bytes[t];
+      same += rows && bytes;
+      EXPECT_LE(hg.rows_fetched, static_cast<uint64_t>(prob.seq_lens[hg.sequence_index]))
+          << what << " head " << i;
+    }
+    EXPECT_GE(agree, c->heads.size() * 9 / 10) << what << ": heads whose budgets agree";
+    EXPECT_GE(same, agree * 9 / 10) << what << ": of those, heads reading the CPU's rows and bytes";
+    EXPECT_LT(RelL2(g->output, c->output, prob.problem.dtype), 0.05) << what;
+    Method uniform = m;
+    uniform.vattention.sampler = kernels::ResidualSampler::kUniform;
+    auto u = rig->gpu->Decode(Call(prob, uniform));
+    ASSERT_TRUE(u.ok()) << u.status();
+    EXPECT_EQ(u->timing.launch_seconds, 0.0) << what << ": the uniform sampler on the CPU engine";
+  }
+}
+
 // Learned hash weights (random MLPs of HashAttention's shape): hash top-k and vAttention's hash
 // predictor sign keys and queries with them on the GPU (LearnedSign), selecting row for row
 // what the CPU engine selects; weights with one key MLP per query head stay on the CPU engine.
