@@ -963,12 +963,6 @@ cudaError_t LaunchProposal(const VAttentionParams& p, const Layout& l, cudaStrea
   return cudaGetLastError();
 }
 
-// A sample of the residual: uniform without replacement (priority keys), or in importance mode
-// i.i.d. draws from the proposal.
-template <bool kBase>
-cudaError_t LaunchResidualSample(const VAttentionParams& p, const Layout& l, int32_t* out,
-                                 int32_t* out_count, cudaStream_t stream);
-
 template <bool kBase>
 cudaError_t LaunchSample(const VAttentionParams& p, const Layout& l, int32_t* out,
                          int32_t* out_count, cudaStream_t stream) {
@@ -981,6 +975,8 @@ cudaError_t LaunchSample(const VAttentionParams& p, const Layout& l, int32_t* ou
   return cudaGetLastError();
 }
 
+// A sample of the residual: uniform without replacement (priority keys), or in importance mode
+// i.i.d. draws from the proposal.
 template <bool kBase>
 cudaError_t LaunchResidualSample(const VAttentionParams& p, const Layout& l, int32_t* out,
                                  int32_t* out_count, cudaStream_t stream) {

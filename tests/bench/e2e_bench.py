@@ -33,7 +33,8 @@ memory), hash (HashAttention top-k 1.25% per head from host memory, 4% row cache
 keys on the GPU, K and V in host memory, 4% row cache), ckeys64 (the same at 1/64), ckeys1 and
 ckeys1-64 (1-bit keys at 1/32 and 1/64; the row cache is --gpu_row_cache's), ckprop
 (S2ANTA-prop S=128 drawing from the 2-bit compressed keys' scores, the sampled K and V rows from
-host memory: the ratio correction).
+host memory: the ratio correction), ckvatt (vAttention eps = delta = 0.1 over 2-bit compressed
+keys with the importance sampler and the CLT-ratio bound).
 
 Each variant's cache is filled with n random tokens per sequence and layer (the context a
 prefill would leave; not timed), then decoding runs `--warmup` untimed and `--steps` timed
@@ -76,6 +77,8 @@ METHODS: dict[str, kvsparse.Method] = {
     "ckeys1": kvsparse.TopK(top_k_fraction=1 / 32, sink_tokens=128, local_tokens=128),
     "ckeys1-64": kvsparse.TopK(top_k_fraction=1 / 64, sink_tokens=128, local_tokens=128),
     "ckprop": kvsparse.Santa(samples=128, allocation="prop", scores="compressed"),
+    "ckvatt": kvsparse.VAttention(epsilon=0.1, delta=0.1, predictor="compressed", sampler="importance",
+                                  bound="clt-ratio"),
 }
 # What a method's sequences keep on the worker's GPU when it is not placement_for(method)'s.
 PLACEMENTS: dict[str, kvsparse.Placement] = {
