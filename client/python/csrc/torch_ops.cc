@@ -34,6 +34,7 @@
 #include "kernels/dtype.h"
 #include "kernels/hash_signatures.h"
 #include "kernels/saap.h"
+#include "kernels/sale.h"
 
 namespace kvsparse::torch_ops {
 namespace {
@@ -712,6 +713,58 @@ at::Tensor StepStats(int64_t engine, int64_t handle) {
 #endif
 }
 
+// SALE prefill (kernels/sale.h) of one prompt: q [H, n, d], k and v [Hkv, n, d] (a leading
+// batch dimension of 1 is accepted), one threshold per query head. Returns the output
+// [H, n, d] and per head the causal blocks and those computed ([H, 2], int64). The CPU
+// reference; the CUDA kernels are issue 31's next step, so CUDA tensors are refused.
+std::tuple<at::Tensor, at::Tensor> SalePrefill(const at::Tensor& q_in, const at::Tensor& k_in,
+                                               const at::Tensor& v_in, at::ArrayRef<double> tau,
+                                               double scale, int64_t block_q, int64_t block_k,
+                                               int64_t sink_tokens, int64_t local_tokens) {
+  auto squeeze = [](const at::Tensor& t, const char* name) {
+    at::Tensor r = t.dim() == 4 && t.size(0) == 1 ? t.squeeze(0) : t;
+    if (r.dim() != 3) Invalid(absl::StrCat(name, ": [heads, tokens, head_dim] (or [1, ...])"));
+    if (r.device().is_cuda()) {
+      Raise(absl::UnimplementedError(
+          "sale_prefill: no CUDA kernel yet (CPU tensors run the reference, kernels/sale.h)"));
+    }
+    return r.contiguous();
+  };
+  const at::Tensor q = squeeze(q_in, "q"), k = squeeze(k_in, "k"), v = squeeze(v_in, "v");
+  const DType dt = DTypeOf(q, "q");
+  if (DTypeOf(k, "k") != dt || DTypeOf(v, "v") != dt) Invalid("q, k and v need one dtype");
+  if (k.sizes() != v.sizes() || q.size(1) != k.size(1) || q.size(2) != k.size(2)) {
+    Invalid("k and v [Hkv, n, d] must match q [H, n, d] in tokens and head_dim");
+  }
+  at::Tensor out = at::empty_like(q);
+  kernels::SalePrefill p;
+  p.tokens = static_cast<int32_t>(q.size(1));
+  p.num_q_heads = static_cast<int32_t>(q.size(0));
+  p.num_kv_heads = static_cast<int32_t>(k.size(0));
+  p.head_dim = static_cast<int32_t>(q.size(2));
+  p.dtype = dt;
+  p.scale = static_cast<float>(scale);
+  p.q = q.data_ptr();
+  p.k = k.data_ptr();
+  p.v = v.data_ptr();
+  p.out = out.data_ptr();
+  kernels::SaleParams params;
+  params.block_q = static_cast<int32_t>(block_q);
+  params.block_k = static_cast<int32_t>(block_k);
+  params.sink_tokens = static_cast<int32_t>(sink_tokens);
+  params.local_tokens = static_cast<int32_t>(local_tokens);
+  const std::vector<float> thresholds(tau.begin(), tau.end());
+  kernels::SaleMask mask;
+  Check(kernels::SaleSelect(p, params, thresholds, &mask));
+  Check(kernels::SaleAttend(p, params, mask));
+  at::Tensor blocks = at::empty({p.num_q_heads, 2}, at::TensorOptions().dtype(at::kLong));
+  for (int32_t h = 0; h < p.num_q_heads; ++h) {
+    blocks[h][0] = mask.causal_blocks[h];
+    blocks[h][1] = mask.selected_blocks[h];
+  }
+  return {out, blocks};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvsparse, m) {
@@ -749,6 +802,10 @@ TORCH_LIBRARY(kvsparse, m) {
   m.def(
       "step_decode(int engine, int plan, int layer, Tensor q, Tensor new_k, Tensor new_v, "
       "Tensor positions) -> Tensor");
+  m.def(
+      "sale_prefill(Tensor q, Tensor k, Tensor v, float[] tau, float scale, int block_q, "
+      "int block_k, int sink_tokens, int local_tokens) -> (Tensor, Tensor)",
+      &SalePrefill);
 }
 
 // The tensor ops by device, so that torch.compile sees them as opaque (their fake

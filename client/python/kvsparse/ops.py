@@ -427,3 +427,44 @@ class DecodeSteps(_Closing):
         if self._plan is not None and self._engine._handle is not None:
             torch.ops.kvsparse.release_steps(self._engine.handle, self._plan)
         self._plan = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SaleParams:
+    """SALE's block geometry (kernels/sale.h): query blocks of ``block_q`` tokens, key blocks of
+    ``block_k``, the sink (first ``sink_tokens``) and local (last ``local_tokens`` up to each
+    query block) regions computed exactly. The paper's values are the defaults."""
+
+    block_q: int = 64
+    block_k: int = 32
+    sink_tokens: int = 32
+    local_tokens: int = 256
+
+
+def sale_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    tau: float | list[float],
+    *,
+    scale: float | None = None,
+    params: SaleParams = SaleParams(),
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention of one prompt through SALE's block-sparse prefill: ``q`` ``[H, n, d]``,
+    ``k`` and ``v`` ``[Hkv, n, d]`` (or each with a leading batch dimension of 1), ``tau`` one
+    threshold for every query head or one per head (0: dense). Returns the output shaped as
+    ``q`` and, per query head, the share of the causal blocks skipped.
+
+    CPU tensors run the reference (kernels/sale.h, exact arithmetic, for tests and calibration);
+    the CUDA kernels are not written yet, so CUDA tensors raise ``Unimplemented``."""
+    load_library()
+    heads = q.shape[-3]
+    taus = [float(tau)] * heads if isinstance(tau, (int, float)) else [float(t) for t in tau]
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    out, blocks = _call(
+        torch.ops.kvsparse.sale_prefill, q, k, v, taus, float(scale), params.block_q, params.block_k,
+        params.sink_tokens, params.local_tokens,
+    )
+    skipped = 1.0 - blocks[:, 1].double() / blocks[:, 0].clamp(min=1).double()
+    return out.reshape(q.shape), skipped
