@@ -765,6 +765,56 @@ std::tuple<at::Tensor, at::Tensor> SalePrefill(const at::Tensor& q_in, const at:
   return {out, blocks};
 }
 
+// SALE's per-head calibration (kernels::SaleCalibrate) over the samples of one layer: each
+// sample's q [H, n, d], k and v [Hkv, n, d] (CPU tensors). Returns per head tau, the worst
+// sample's L1 error per token at it, the mean share of blocks skipped and the halvings.
+std::tuple<std::vector<double>, std::vector<double>, std::vector<double>, std::vector<int64_t>>
+SaleCalibrate(at::TensorList qs, at::TensorList ks, at::TensorList vs, double theta, double tau0,
+              int64_t max_halvings, double scale, int64_t block_q, int64_t block_k,
+              int64_t sink_tokens, int64_t local_tokens) {
+  if (qs.size() != ks.size() || qs.size() != vs.size()) Invalid("q, k and v: one of each a sample");
+  std::vector<at::Tensor> keep;
+  std::vector<kernels::SalePrefill> samples;
+  for (size_t i = 0; i < qs.size(); ++i) {
+    auto host = [&](const at::Tensor& t, const char* name) {
+      at::Tensor r = t.dim() == 4 && t.size(0) == 1 ? t.squeeze(0) : t;
+      if (r.dim() != 3) Invalid(absl::StrCat(name, ": [heads, tokens, head_dim] (or [1, ...])"));
+      if (r.device().is_cuda()) Invalid(absl::StrCat(name, ": calibration runs on CPU tensors"));
+      keep.push_back(r.contiguous());
+      return keep.back();
+    };
+    const at::Tensor q = host(qs[i], "q"), k = host(ks[i], "k"), v = host(vs[i], "v");
+    keep.push_back(at::empty_like(q));
+    kernels::SalePrefill p;
+    p.tokens = static_cast<int32_t>(q.size(1));
+    p.num_q_heads = static_cast<int32_t>(q.size(0));
+    p.num_kv_heads = static_cast<int32_t>(k.size(0));
+    p.head_dim = static_cast<int32_t>(q.size(2));
+    p.dtype = DTypeOf(q, "q");
+    if (DTypeOf(k, "k") != p.dtype || DTypeOf(v, "v") != p.dtype || k.sizes() != v.sizes() ||
+        k.size(1) != q.size(1) || k.size(2) != q.size(2)) {
+      Invalid("a sample's q, k and v need one dtype, and k, v [Hkv, n, d] to match q [H, n, d]");
+    }
+    p.scale = static_cast<float>(scale);
+    p.q = q.data_ptr();
+    p.k = k.data_ptr();
+    p.v = v.data_ptr();
+    p.out = keep.back().data_ptr();
+    samples.push_back(p);
+  }
+  kernels::SaleParams params;
+  params.block_q = static_cast<int32_t>(block_q);
+  params.block_k = static_cast<int32_t>(block_k);
+  params.sink_tokens = static_cast<int32_t>(sink_tokens);
+  params.local_tokens = static_cast<int32_t>(local_tokens);
+  absl::StatusOr<kernels::SaleCalibration> c =
+      kernels::SaleCalibrate(samples, params, theta, static_cast<float>(tau0),
+                             static_cast<int32_t>(max_halvings));
+  if (!c.ok()) Raise(c.status());
+  return {std::vector<double>(c->tau.begin(), c->tau.end()), c->error, c->sparsity,
+          std::vector<int64_t>(c->halvings.begin(), c->halvings.end())};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(kvsparse, m) {
@@ -806,6 +856,11 @@ TORCH_LIBRARY(kvsparse, m) {
       "sale_prefill(Tensor q, Tensor k, Tensor v, float[] tau, float scale, int block_q, "
       "int block_k, int sink_tokens, int local_tokens) -> (Tensor, Tensor)",
       &SalePrefill);
+  m.def(
+      "sale_calibrate(Tensor[] q, Tensor[] k, Tensor[] v, float theta, float tau0, "
+      "int max_halvings, float scale, int block_q, int block_k, int sink_tokens, "
+      "int local_tokens) -> (float[], float[], float[], int[])",
+      &SaleCalibrate);
 }
 
 // The tensor ops by device, so that torch.compile sees them as opaque (their fake

@@ -63,6 +63,7 @@ from kvsparse.transport import Transport, make_transport, step_seed
 if TYPE_CHECKING:
     from kvsparse.client import Client
     from kvsparse.ops import DecodeSteps, InProcessEngine
+    from kvsparse.sale import SalePrefill
 
 ATTN_IMPLEMENTATION = "kvsparse"
 
@@ -95,6 +96,8 @@ class CacheStats:
     dense_equivalent_bytes: int = 0  # what dense attention over every row would have read
     rows_fetched: int = 0
     prefill_bytes_appended: int = 0
+    sale_prefills: int = 0  # (layer, row) prompts attended through SALE
+    sale_skipped: float = 0.0  # their shares of causal blocks skipped, summed (mean: / sale_prefills)
 
     @property
     def fetched_fraction(self) -> float:
@@ -191,6 +194,10 @@ class KvSparseCache(Cache):
         max_tokens: plan the decode steps once the prompt is in (in-process engine only): each
             row's length stays at or below it; the decode steps compile without graph breaks and
             capture in CUDA graphs where the GPU backend can (see the module's text).
+        prefill: SALE's calibrated thresholds (``kvsparse.sale.SalePrefill``): the prompt's
+            attention through SALE's block-sparse prefill instead of SDPA, for prompts without
+            padding (a padded batch prefills through SDPA). Off by default; today the op runs
+            SALE's CPU reference only (kvsparse/sale.py).
     """
 
     def __init__(
@@ -205,6 +212,7 @@ class KvSparseCache(Cache):
         timeout: float = 60.0,
         sequence_prefix: str | None = None,
         max_tokens: int | None = None,
+        prefill: "SalePrefill | None" = None,
     ) -> None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_layers = int(text.num_hidden_layers)
@@ -216,6 +224,9 @@ class KvSparseCache(Cache):
         if max_tokens is not None and not isinstance(target, InProcessEngine):
             raise ValueError("max_tokens (planned, compileable decode steps) needs an InProcessEngine target")
         self.max_tokens = max_tokens
+        if prefill is not None and len(prefill.thresholds) != self.num_layers:
+            raise ValueError(f"prefill: thresholds for {len(prefill.thresholds)} layers, the model has {self.num_layers}")
+        self.prefill = prefill
         self._engine = target if max_tokens is not None else None
         self.steps: DecodeSteps | None = None
         super().__init__(
@@ -385,6 +396,21 @@ class KvSparseCache(Cache):
                     raise
             self.stats.prefill_bytes_appended += n * per_token
 
+    def _sale_prefill(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      scaling: float | None) -> torch.Tensor:
+        """The prompt's attention through SALE, row by row: [B, n, H, d] as SDPA's forward returns."""
+        from kvsparse import ops
+
+        assert self.prefill is not None
+        rows = []
+        for b in range(query.shape[0]):
+            out, skipped = ops.sale_prefill(query[b], key[b], value[b], self.prefill.layer(layer_idx),
+                                            scale=scaling, params=self.prefill.params)
+            rows.append(out)
+            self.stats.sale_prefills += 1
+            self.stats.sale_skipped += float(skipped.mean())
+        return torch.stack(rows).transpose(1, 2).contiguous()
+
     def _decode(self, layer_idx: int, query: torch.Tensor, staged: _Staged, scaling: float | None) -> torch.Tensor:
         """One decode step of one layer: q [B, H, 1, d], the new token's K/V [B, Hkv, 1, d];
         returns the attention output [B, 1, H, d]."""
@@ -463,7 +489,12 @@ def _attention_through_host(
             cache._staged[layer_idx] = staged  # type: ignore[union-attr]
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if staged.prefill:
-        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+        sale = cache.prefill is not None and query.shape[2] == key.shape[2] and (  # type: ignore[union-attr]
+            attention_mask is None or bool(_valid_keys(attention_mask, key).all()))
+        if sale:
+            out = cache._sale_prefill(layer_idx, query, key, value, scaling)  # type: ignore[union-attr]
+        else:
+            out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         cache._append_prefill(layer_idx, staged, attention_mask)  # type: ignore[union-attr]
         cache._plan()  # type: ignore[union-attr]
         return out, None

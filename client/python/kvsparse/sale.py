@@ -1,0 +1,187 @@
+"""SALE prefill for Hugging Face models (../shared/seeds, SALE; kernels/sale.h): the prompt's
+attention computed over the blocks that low-bit estimates mark as important, one threshold per
+layer and query head, calibrated offline by the paper's halving search.
+
+    kvsparse-sale-calibrate --model DIR --random_tokens 4096 --samples 4 --theta 0.4 --out sale.json
+
+    prefill = kvsparse.sale.SalePrefill.load("sale.json")
+    with kvsparse.hf.KvSparseCache(model.config, engine, method=..., prefill=prefill) as cache:
+        model.generate(ids, past_key_values=cache, ...)
+
+The calibration runs the model over sample prompts, records each layer's post-RoPE q, k and v,
+and per layer halves every head's threshold from tau0 until the head's L1 error against dense
+attention, ``||O - O~||_1 / n``, is at most theta on every sample (``kernels::SaleCalibrate``
+through the op). The file is JSON: the block geometry, theta, tau0 and ``thresholds[layer][head]``
+with the error and share of blocks skipped at each.
+
+SALE is off by default (a cache without ``prefill`` prefills through SDPA). Today the op runs
+SALE's CPU reference only: a model on a CUDA device gets the op's ``Unimplemented`` until the
+kernels of issue 31 land.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Sequence
+
+from kvsparse._extras import needs
+
+with needs("kvsparse.sale", "hf", "torch", "transformers"):
+    import torch
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from kvsparse import ops
+from kvsparse.ops import SaleParams
+
+FORMAT = "kvsparse-sale-thresholds/1"
+
+
+@dataclass(frozen=True)
+class SalePrefill:
+    """SALE's thresholds for a model: ``thresholds[layer][query head]`` in [0, 1) (0: that
+    head's prompt attention is dense), with the block geometry they were calibrated for."""
+
+    thresholds: list[list[float]]
+    params: SaleParams = SaleParams()
+    theta: float | None = None  # the L1 bound of the calibration, for the record
+    report: dict[str, Any] = field(default_factory=dict)  # per layer: error, skipped, halvings
+
+    def layer(self, i: int) -> list[float]:
+        return self.thresholds[i]
+
+    def save(self, path: str | pathlib.Path) -> None:
+        doc = {"format": FORMAT, "params": asdict(self.params), "theta": self.theta,
+               "thresholds": self.thresholds, "report": self.report}
+        pathlib.Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | pathlib.Path) -> "SalePrefill":
+        doc = json.loads(pathlib.Path(path).read_text())
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a SALE thresholds file (format {doc.get('format')!r}, want {FORMAT!r})")
+        thresholds = [[float(t) for t in row] for row in doc["thresholds"]]
+        if any(not 0.0 <= t < 1.0 for row in thresholds for t in row):
+            raise ValueError(f"{path}: thresholds must be in [0, 1)")
+        return cls(thresholds, SaleParams(**doc["params"]), doc.get("theta"), doc.get("report", {}))
+
+
+# ---- Recording each layer's prompt attention inputs ------------------------------------------
+
+_RECORD = "kvsparse_sale_record"
+_records: dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+_scales: dict[int, float] = {}
+
+
+def _record_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                    attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                    **kwargs: Any) -> tuple[torch.Tensor, None]:
+    layer = int(module.layer_idx)
+    _scales[layer] = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+    for b in range(query.shape[0]):
+        _records.setdefault(layer, []).append(
+            (query[b].detach().float().cpu(), key[b].detach().float().cpu(), value[b].detach().float().cpu()))
+    out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
+    return out, None
+
+
+def record(model: Any, prompts: Sequence[torch.Tensor]
+           ) -> tuple[dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], dict[int, float]]:
+    """Runs the model over each prompt (token ids [1, n]) and returns, per layer, each prompt's
+    (q [H, n, d], k [Hkv, n, d], v) after RoPE, as float32 CPU tensors, and the layer's softmax
+    scale."""
+    AttentionInterface.register(_RECORD, _record_forward)
+    AttentionMaskInterface.register(_RECORD, sdpa_mask)
+    before = model.config._attn_implementation
+    _records.clear()
+    _scales.clear()
+    try:
+        model.set_attn_implementation(_RECORD)
+        with torch.no_grad():
+            for ids in prompts:
+                model(ids.to(model.device), use_cache=False)
+        return dict(_records), dict(_scales)
+    finally:
+        model.set_attn_implementation(before)
+        _records.clear()
+        _scales.clear()
+
+
+def calibrate(model: Any, prompts: Sequence[torch.Tensor], *, theta: float = 0.4, tau0: float = 0.008,
+              max_halvings: int = 24, params: SaleParams = SaleParams()) -> SalePrefill:
+    """Per-layer, per-head thresholds for `model` over the sample `prompts` (the header)."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    records, scales = record(model, prompts)
+    ops.load_library()
+    thresholds: list[list[float]] = []
+    report: dict[str, Any] = {"error": [], "skipped": [], "halvings": []}
+    for layer in range(int(text.num_hidden_layers)):
+        samples = records[layer]
+        tau, err, skipped, halvings = ops._call(
+            torch.ops.kvsparse.sale_calibrate, [s[0] for s in samples], [s[1] for s in samples],
+            [s[2] for s in samples], float(theta), float(tau0), int(max_halvings), scales[layer],
+            params.block_q, params.block_k, params.sink_tokens, params.local_tokens,
+        )
+        thresholds.append([float(t) for t in tau])
+        report["error"].append([float(e) for e in err])
+        report["skipped"].append([float(x) for x in skipped])
+        report["halvings"].append([int(h) for h in halvings])
+    return SalePrefill(thresholds, params, theta, report)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="kvsparse-sale-calibrate",
+        description="Per-layer, per-head SALE thresholds for a Hugging Face causal LM (the halving "
+                    "search of the SALE paper), written as a file kvsparse.sale.SalePrefill.load reads.",
+    )
+    ap.add_argument("--model", required=True, help="a transformers model directory (or hub id in the cache)")
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--text", type=pathlib.Path, help="a UTF-8 text file: samples are consecutive windows of it")
+    src.add_argument("--random_tokens", action="store_true", help="samples of uniformly random token ids (a smoke run)")
+    ap.add_argument("--tokens", type=int, default=4096, help="tokens per sample")
+    ap.add_argument("--samples", type=int, default=4, help="sample prompts (the paper: 5)")
+    ap.add_argument("--theta", type=float, default=0.4, help="L1 error bound per token and head (the paper: 0.4 for Llama-3.1)")
+    ap.add_argument("--tau0", type=float, default=0.008, help="first threshold, halved until the bound holds")
+    ap.add_argument("--max_halvings", type=int, default=24, help="then the head is dense (threshold 0)")
+    ap.add_argument("--block_q", type=int, default=SaleParams.block_q)
+    ap.add_argument("--block_k", type=int, default=SaleParams.block_k)
+    ap.add_argument("--sink_tokens", type=int, default=SaleParams.sink_tokens)
+    ap.add_argument("--local_tokens", type=int, default=SaleParams.local_tokens)
+    ap.add_argument("--device", default="cpu", help="where the model runs to record q, k and v")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True, type=pathlib.Path)
+    args = ap.parse_args(argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device).eval()
+    g = torch.Generator().manual_seed(args.seed)
+    if args.text is not None:
+        ids = AutoTokenizer.from_pretrained(args.model)(args.text.read_text(), return_tensors="pt").input_ids[0]
+        if ids.numel() < args.samples * args.tokens:
+            ap.error(f"{args.text}: {ids.numel()} tokens, fewer than --samples x --tokens")
+        prompts = [ids[i * args.tokens:(i + 1) * args.tokens][None] for i in range(args.samples)]
+    else:
+        vocab = int(model.config.get_text_config().vocab_size)
+        prompts = [torch.randint(0, vocab, (1, args.tokens), generator=g) for _ in range(args.samples)]
+    params = SaleParams(args.block_q, args.block_k, args.sink_tokens, args.local_tokens)
+    print(f"calibrating {args.model}: {args.samples} samples x {args.tokens} tokens, theta {args.theta}",
+          file=sys.stderr)
+    result = calibrate(model, prompts, theta=args.theta, tau0=args.tau0, max_halvings=args.max_halvings,
+                       params=params)
+    result.save(args.out)
+    for layer, taus in enumerate(result.thresholds):
+        skipped = result.report["skipped"][layer]
+        print(f"layer {layer}: tau {' '.join(f'{t:.2g}' for t in taus)}; "
+              f"blocks skipped {100 * sum(skipped) / len(skipped):.1f}% (mean over heads)", file=sys.stderr)
+    print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""SALE in the Hugging Face path (kvsparse.sale, KvSparseCache(prefill=...)) with a small random
+Llama on the CPU: kvsparse-sale-calibrate records each layer's prompt q/k/v and writes
+per-layer, per-head thresholds within the bound; the file round-trips; a cache with all
+thresholds 0 generates dense prefill's tokens through SALE, and the calibrated one generates
+with its layers' prompts through SALE (counted in the cache's stats); a padded batch falls
+back to SDPA."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import kvsparse  # noqa: E402
+import kvsparse.hf  # noqa: E402
+from kvsparse import ops  # noqa: E402
+from kvsparse import sale  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not ops.available(), reason="libkvsparse_torch.so not built")
+
+LAYERS = 2
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=4096)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+def load(path: pathlib.Path) -> "transformers.LlamaForCausalLM":
+    return transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def generate(model, ids: torch.Tensor, prefill: "sale.SalePrefill | None", mask: torch.Tensor | None = None):
+    engine = ops.InProcessEngine(gpu="off", store_capacity="256M")
+    try:
+        kvsparse.hf.enable(model)
+        with kvsparse.hf.KvSparseCache(model.config, engine, prefill=prefill) as cache:
+            out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False)
+            return out[:, ids.shape[1]:], cache.stats
+    finally:
+        engine.close()
+
+
+def test_calibrate_then_generate(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    out_file = tmp_path / "sale.json"
+    assert sale.main(["--model", str(model_dir), "--random_tokens", "--tokens", "700", "--samples", "2",
+                      "--theta", "0.4", "--out", str(out_file)]) == 0
+    doc = json.loads(out_file.read_text())
+    assert doc["format"] == sale.FORMAT and doc["theta"] == 0.4
+    assert len(doc["thresholds"]) == LAYERS and all(len(row) == 4 for row in doc["thresholds"])
+    assert all(e <= 0.4 for row in doc["report"]["error"] for e in row), doc["report"]["error"]
+    prefill = sale.SalePrefill.load(out_file)
+    assert prefill.thresholds == doc["thresholds"] and prefill.params == ops.SaleParams()
+
+    model = load(model_dir)
+    ids = torch.randint(0, 300, (1, 500), generator=torch.Generator().manual_seed(1))
+    dense, stats = generate(model, ids, None)
+    assert stats.sale_prefills == 0
+    zero = sale.SalePrefill([[0.0] * 4 for _ in range(LAYERS)])
+    through, stats = generate(model, ids, zero)
+    assert stats.sale_prefills == LAYERS and stats.sale_skipped == 0.0
+    assert torch.equal(through, dense), (through, dense)  # every block: dense attention
+    tokens, stats = generate(model, ids, prefill)
+    assert stats.sale_prefills == LAYERS and tokens.shape == dense.shape
+    # A padded batch prefills through SDPA (SALE takes unpadded prompts).
+    batch = torch.cat([ids[:, :400], ids[:, :400]])
+    mask = torch.ones_like(batch)
+    mask[1, :50] = 0
+    _, stats = generate(model, batch, zero, mask)
+    assert stats.sale_prefills == 0
+
+
+def test_bad_files_and_shapes_are_refused(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "something-else"}))
+    with pytest.raises(ValueError, match="not a SALE thresholds file"):
+        sale.SalePrefill.load(bad)
+    model = load(model_dir)
+    engine = ops.InProcessEngine(gpu="off", store_capacity="64M")
+    try:
+        with pytest.raises(ValueError, match="thresholds for 1 layers"):
+            kvsparse.hf.KvSparseCache(model.config, engine, prefill=sale.SalePrefill([[0.0] * 4]))
+    finally:
+        engine.close()
