@@ -1,5 +1,5 @@
 """The optional parts say which extra they need: importing kvsparse.ops / kvsparse.hf /
-kvsparse.calibrate without torch or transformers names `pip install "kvsparse[...]"` (a bare
+kvsparse.calibrate / kvsparse.sale without torch or transformers names `pip install "kvsparse[...]"` (a bare
 ModuleNotFoundError before), while the gRPC client itself imports without either."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def test_the_client_imports_without_torch_or_transformers() -> None:
         ("kvsparse.hf", ["torch"], "hf"),
         ("kvsparse.hf", ["transformers"], "hf"),
         ("kvsparse.calibrate", ["transformers"], "hf"),
+        ("kvsparse.sale", ["transformers"], "hf"),
     ],
 )
 def test_a_missing_extra_is_named(module: str, blocked: list[str], extra: str) -> None:
