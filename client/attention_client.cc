@@ -5,6 +5,7 @@
 #include <grpcpp/support/channel_arguments.h>
 
 #include "absl/time/clock.h"
+#include "rpc/status.h"
 
 namespace kvsparse::client {
 
@@ -28,7 +29,7 @@ absl::Status AttentionClient::Decode(const v1::DecodeRequest& request,
                                      v1::DecodeResponse* response) {
   grpc::ClientContext ctx;
   PrepareContext(options_, &ctx);
-  return FromGrpcStatus(stub_->Decode(&ctx, request, response));
+  return rpc::FromGrpcStatus(stub_->Decode(&ctx, request, response));
 }
 
 absl::StatusOr<v1::DecodeResponse> AttentionClient::Decode(const v1::DecodeRequest& request) {
@@ -69,7 +70,7 @@ absl::Status DecodeSession::Close() {
   v1::DecodeResponse drain;
   while (stream_->Read(&drain)) {
   }
-  return FromGrpcStatus(stream_->Finish());
+  return rpc::FromGrpcStatus(stream_->Finish());
 }
 
 }  // namespace kvsparse::client

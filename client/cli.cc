@@ -29,8 +29,8 @@
 #include "client/kvstore_client.h"
 #include "client/synthetic.h"
 #include "kernels/dtype.h"
-#include "server/build_info.h"
-#include "server/flags_help.h"
+#include "rpc/build_info.h"
+#include "rpc/flags_help.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051",
           "the kvsparse-server to call (host:port): decode goes to it (in a split deployment, the "
@@ -727,7 +727,7 @@ int main(int argc, char** argv) {
   absl::FlagsUsageConfig usage;
   usage.version_string = [] { return kvsparse::BuildInfoLine("kvsparse") + "\n"; };
   absl::SetFlagsUsageConfig(usage);
-  kvsparse::server::HandleHelp(argc, argv, "client/cli.");
+  kvsparse::rpc::HandleHelp(argc, argv, "client/cli.");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     std::fprintf(stderr, "%s\n", std::string(absl::ProgramUsageMessage()).c_str());
@@ -758,7 +758,7 @@ int main(int argc, char** argv) {
   options.tls.cert = absl::GetFlag(FLAGS_tls_cert);
   options.tls.key = absl::GetFlag(FLAGS_tls_key);
   if (const std::string f = absl::GetFlag(FLAGS_token_file); !f.empty()) {
-    absl::StatusOr<std::string> token = kvsparse::server::ReadTokenFile(f);
+    absl::StatusOr<std::string> token = kvsparse::rpc::ReadTokenFile(f);
     if (!token.ok()) return Fail("--token_file", token.status());
     options.token = *token;
   }

@@ -6,13 +6,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvstore/placement.h"
+#include "rpc/status.h"
 
 namespace kvsparse::client {
-
-absl::Status FromGrpcStatus(const grpc::Status& status) {
-  if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
-}
 
 KvStoreClient::KvStoreClient(ClientOptions options) : options_(std::move(options)) {}
 
@@ -38,7 +34,7 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> OpenChannel(const ClientOptions& 
   std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
   if (!options.tls.ca.empty() || !options.tls.cert.empty()) {
     absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> tls =
-        server::TlsChannelCredentials(options.tls);
+        rpc::TlsChannelCredentials(options.tls);
     if (!tls.ok()) return tls.status();
     creds = *tls;
   }
@@ -52,7 +48,7 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> OpenChannel(const ClientOptions& 
 void PrepareContext(const ClientOptions& options, grpc::ClientContext* ctx) {
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + options.timeout));
   if (!options.token.empty()) {
-    ctx->AddMetadata(server::kAuthMetadataKey, absl::StrCat(server::kBearerPrefix, options.token));
+    ctx->AddMetadata(rpc::kAuthMetadataKey, absl::StrCat(rpc::kBearerPrefix, options.token));
   }
 }
 
@@ -81,7 +77,7 @@ absl::Status KvStoreClient::CheckHealth(const std::string& service) {
   grpc::health::v1::HealthCheckRequest req;
   req.set_service(service);
   grpc::health::v1::HealthCheckResponse resp;
-  absl::Status s = FromGrpcStatus(health_->Check(&ctx, req, &resp));
+  absl::Status s = rpc::FromGrpcStatus(health_->Check(&ctx, req, &resp));
   if (!s.ok()) return s;
   if (resp.status() != grpc::health::v1::HealthCheckResponse::SERVING) {
     return absl::UnavailableError(absl::StrCat(
@@ -100,7 +96,7 @@ absl::StatusOr<v1::SequenceInfo> KvStoreClient::CreateSequence(const std::string
   *req.mutable_shape() = shape;
   *req.mutable_placement() = placement;
   v1::SequenceInfo resp;
-  absl::Status s = FromGrpcStatus(stub_->CreateSequence(&ctx, req, &resp));
+  absl::Status s = rpc::FromGrpcStatus(stub_->CreateSequence(&ctx, req, &resp));
   if (!s.ok()) return s;
   return resp;
 }
@@ -112,7 +108,7 @@ absl::StatusOr<v1::DropSequenceResponse> KvStoreClient::DropSequence(
   v1::DropSequenceRequest req;
   req.set_sequence_id(sequence_id);
   v1::DropSequenceResponse resp;
-  absl::Status s = FromGrpcStatus(stub_->DropSequence(&ctx, req, &resp));
+  absl::Status s = rpc::FromGrpcStatus(stub_->DropSequence(&ctx, req, &resp));
   if (!s.ok()) return s;
   return resp;
 }
@@ -121,7 +117,7 @@ absl::StatusOr<v1::AppendResponse> KvStoreClient::Append(const v1::AppendRequest
   grpc::ClientContext ctx;
   PrepareCall(&ctx);
   v1::AppendResponse resp;
-  absl::Status s = FromGrpcStatus(stub_->Append(&ctx, request, &resp));
+  absl::Status s = rpc::FromGrpcStatus(stub_->Append(&ctx, request, &resp));
   if (!s.ok()) return s;
   return resp;
 }
@@ -129,7 +125,7 @@ absl::StatusOr<v1::AppendResponse> KvStoreClient::Append(const v1::AppendRequest
 absl::Status KvStoreClient::Gather(const v1::GatherRequest& request, v1::GatherResponse* response) {
   grpc::ClientContext ctx;
   PrepareCall(&ctx);
-  return FromGrpcStatus(stub_->Gather(&ctx, request, response));
+  return rpc::FromGrpcStatus(stub_->Gather(&ctx, request, response));
 }
 
 absl::StatusOr<v1::GatherResponse> KvStoreClient::Gather(const v1::GatherRequest& request) {
@@ -145,7 +141,7 @@ absl::StatusOr<v1::SequenceInfo> KvStoreClient::GetSequenceInfo(const std::strin
   v1::GetSequenceInfoRequest req;
   req.set_sequence_id(sequence_id);
   v1::SequenceInfo resp;
-  absl::Status s = FromGrpcStatus(stub_->GetSequenceInfo(&ctx, req, &resp));
+  absl::Status s = rpc::FromGrpcStatus(stub_->GetSequenceInfo(&ctx, req, &resp));
   if (!s.ok()) return s;
   return resp;
 }
@@ -154,7 +150,7 @@ absl::StatusOr<std::vector<v1::SequenceInfo>> KvStoreClient::ListSequences() {
   grpc::ClientContext ctx;
   PrepareCall(&ctx);
   v1::ListSequencesResponse resp;
-  absl::Status s = FromGrpcStatus(stub_->ListSequences(&ctx, {}, &resp));
+  absl::Status s = rpc::FromGrpcStatus(stub_->ListSequences(&ctx, {}, &resp));
   if (!s.ok()) return s;
   return std::vector<v1::SequenceInfo>(resp.sequences().begin(), resp.sequences().end());
 }
@@ -163,7 +159,7 @@ absl::StatusOr<v1::StoreStats> KvStoreClient::GetStats() {
   grpc::ClientContext ctx;
   PrepareCall(&ctx);
   v1::StoreStats resp;
-  absl::Status s = FromGrpcStatus(stub_->GetStats(&ctx, {}, &resp));
+  absl::Status s = rpc::FromGrpcStatus(stub_->GetStats(&ctx, {}, &resp));
   if (!s.ok()) return s;
   return resp;
 }

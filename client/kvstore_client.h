@@ -23,7 +23,7 @@
 #include "absl/time/time.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "kvsparse/v1/kvstore.grpc.pb.h"
-#include "server/security.h"
+#include "rpc/security.h"
 
 namespace kvsparse::client {
 
@@ -34,7 +34,7 @@ struct ClientOptions {
   int max_message_bytes = 256 << 20;
   // TLS towards a server with --tls_cert (ca: the server's CA; cert + key: this client's
   // certificate for --tls_client_ca); all empty: plaintext.
-  server::TlsFiles tls;
+  rpc::TlsFiles tls;
   std::string token;  // bearer token for a server with --auth_tokens; empty: none
 };
 
@@ -99,9 +99,6 @@ class StoreShards {
  private:
   std::vector<std::unique_ptr<KvStoreClient>> shards_;
 };
-
-// grpc::Status -> absl::Status (same code and message).
-absl::Status FromGrpcStatus(const grpc::Status& status);
 
 }  // namespace kvsparse::client
 

@@ -2,7 +2,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "engine/decode_engine.h"
-#include "server/convert.h"
+#include "rpc/convert.h"
 
 namespace kvsparse::server {
 
@@ -18,15 +18,15 @@ AttentionService::AttentionService(engine::DecodeEngine* engine, const RpcRunner
 absl::Status AttentionService::Run(const v1::DecodeRequest& req, absl::string_view tenant,
                                    absl::Time start, absl::Time deadline,
                                    const grpc::ServerContext* ctx, v1::DecodeResponse* resp) {
-  absl::StatusOr<engine::DecodeCall> call = FromProto(req);
+  absl::StatusOr<engine::DecodeCall> call = rpc::FromProto(req);
   if (!call.ok()) return call.status();
-  for (std::string& id : call->sequence_ids) id = ScopedId(tenant, id);
+  for (std::string& id : call->sequence_ids) id = rpc::ScopedId(tenant, id);
   call->deadline = deadline;
   call->cancelled = [ctx] { return ctx->IsCancelled(); };
   absl::StatusOr<engine::DecodeResult> result = engine_->Decode(*call);
   if (!result.ok()) return result.status();
   decode_metrics_.Record(call->method.kind, *result);
-  ToProto(std::move(*result), *call, resp);
+  rpc::ToProto(std::move(*result), *call, resp);
   resp->set_request_id(req.request_id());
   resp->mutable_timing()->set_server_seconds(absl::ToDoubleSeconds(absl::Now() - start));
   return absl::OkStatus();
@@ -35,7 +35,7 @@ absl::Status AttentionService::Run(const v1::DecodeRequest& req, absl::string_vi
 grpc::Status AttentionService::Decode(grpc::ServerContext* ctx, const v1::DecodeRequest* req,
                                       v1::DecodeResponse* resp) {
   const absl::Time start = absl::Now();
-  return rpc_->Run(decode_, ctx, [&](absl::Time deadline, const Caller& caller) {
+  return rpc_->Run(decode_, ctx, [&](absl::Time deadline, const rpc::Caller& caller) {
     return Run(*req, caller.tenant, start, deadline, ctx, resp);
   });
 }
@@ -54,9 +54,10 @@ grpc::Status AttentionService::DecodeStream(
     resp.Clear();
     // Each step gets the server's default deadline, bounded by the stream's own.
     const absl::Time start = absl::Now();
-    grpc::Status st = rpc_->RunStep(stream_, ctx, [&](absl::Time deadline, const Caller& caller) {
-      return Run(req, caller.tenant, start, deadline, ctx, &resp);
-    });
+    grpc::Status st =
+        rpc_->RunStep(stream_, ctx, [&](absl::Time deadline, const rpc::Caller& caller) {
+          return Run(req, caller.tenant, start, deadline, ctx, &resp);
+        });
     if (!st.ok()) return st;
     if (!stream->Write(resp)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");

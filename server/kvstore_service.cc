@@ -1,7 +1,7 @@
 #include "server/kvstore_service.h"
 
-#include "server/convert.h"
-#include "server/security.h"
+#include "rpc/convert.h"
+#include "rpc/security.h"
 
 namespace kvsparse::server {
 
@@ -21,15 +21,15 @@ KvStoreService::KvStoreService(kvstore::Store* store, const RpcRunner* rpc, Metr
 grpc::Status KvStoreService::CreateSequence(grpc::ServerContext* ctx,
                                             const v1::CreateSequenceRequest* req,
                                             v1::SequenceInfo* resp) {
-  return rpc_->Run(create_, ctx, [&](absl::Time, const Caller& caller) -> absl::Status {
-    absl::StatusOr<kvstore::ModelShape> shape = FromProto(req->shape());
+  return rpc_->Run(create_, ctx, [&](absl::Time, const rpc::Caller& caller) -> absl::Status {
+    absl::StatusOr<kvstore::ModelShape> shape = rpc::FromProto(req->shape());
     if (!shape.ok()) return shape.status();
-    absl::StatusOr<kvstore::Placement> placement = FromProto(req->placement());
+    absl::StatusOr<kvstore::Placement> placement = rpc::FromProto(req->placement());
     if (!placement.ok()) return placement.status();
-    absl::StatusOr<kvstore::SequenceInfo> info =
-        store_->CreateSequence(ScopedId(caller.tenant, req->sequence_id()), *shape, *placement);
+    absl::StatusOr<kvstore::SequenceInfo> info = store_->CreateSequence(
+        rpc::ScopedId(caller.tenant, req->sequence_id()), *shape, *placement);
     if (!info.ok()) return info.status();
-    ToProto(*info, resp);
+    rpc::ToProto(*info, resp);
     resp->set_sequence_id(req->sequence_id());
     return absl::OkStatus();
   });
@@ -38,8 +38,8 @@ grpc::Status KvStoreService::CreateSequence(grpc::ServerContext* ctx,
 grpc::Status KvStoreService::DropSequence(grpc::ServerContext* ctx,
                                           const v1::DropSequenceRequest* req,
                                           v1::DropSequenceResponse* resp) {
-  return rpc_->Run(drop_, ctx, [&](absl::Time, const Caller& caller) -> absl::Status {
-    const std::string id = ScopedId(caller.tenant, req->sequence_id());
+  return rpc_->Run(drop_, ctx, [&](absl::Time, const rpc::Caller& caller) -> absl::Status {
+    const std::string id = rpc::ScopedId(caller.tenant, req->sequence_id());
     absl::StatusOr<uint64_t> freed = store_->DropSequence(id);
     if (!freed.ok()) return freed.status();
     if (on_drop_) on_drop_(id);
@@ -50,76 +50,79 @@ grpc::Status KvStoreService::DropSequence(grpc::ServerContext* ctx,
 
 grpc::Status KvStoreService::Append(grpc::ServerContext* ctx, const v1::AppendRequest* req,
                                     v1::AppendResponse* resp) {
-  return rpc_->Run(append_, ctx, [&](absl::Time deadline, const Caller& caller) -> absl::Status {
-    absl::StatusOr<kvstore::AppendRequest> r = FromProto(*req);
-    if (!r.ok()) return r.status();
-    const std::string id = ScopedId(caller.tenant, r->sequence_id);  // r holds a view
-    r->sequence_id = id;
-    r->deadline = deadline;
-    absl::StatusOr<kvstore::AppendResult> res = store_->Append(*r);
-    if (!res.ok()) return res.status();
-    resp->set_first_token(res->first_token);
-    resp->set_num_tokens(res->num_tokens);
-    resp->set_bytes_appended(res->bytes_appended);
-    return absl::OkStatus();
-  });
+  return rpc_->Run(
+      append_, ctx, [&](absl::Time deadline, const rpc::Caller& caller) -> absl::Status {
+        absl::StatusOr<kvstore::AppendRequest> r = rpc::FromProto(*req);
+        if (!r.ok()) return r.status();
+        const std::string id = rpc::ScopedId(caller.tenant, r->sequence_id);  // r holds a view
+        r->sequence_id = id;
+        r->deadline = deadline;
+        absl::StatusOr<kvstore::AppendResult> res = store_->Append(*r);
+        if (!res.ok()) return res.status();
+        resp->set_first_token(res->first_token);
+        resp->set_num_tokens(res->num_tokens);
+        resp->set_bytes_appended(res->bytes_appended);
+        return absl::OkStatus();
+      });
 }
 
 grpc::Status KvStoreService::Gather(grpc::ServerContext* ctx, const v1::GatherRequest* req,
                                     v1::GatherResponse* resp) {
-  return rpc_->Run(gather_, ctx, [&](absl::Time deadline, const Caller& caller) -> absl::Status {
-    absl::StatusOr<GatherArgs> args = FromProto(*req);
-    if (!args.ok()) return args.status();
-    const std::string id = ScopedId(caller.tenant, args->request.sequence_id);  // a view
-    args->request.sequence_id = id;
-    args->request.deadline = deadline;
-    const bool want_k = args->request.kind != kvstore::RowKind::kV;
-    const bool want_v = args->request.kind != kvstore::RowKind::kK;
-    // Rows are copied straight into the response's byte fields.
-    auto alloc = [&](uint64_t rows, size_t row_bytes) -> absl::StatusOr<kvstore::GatherBuffers> {
-      kvstore::GatherBuffers b;
-      if (want_k) {
-        std::string* k = resp->mutable_k()->mutable_data();
-        k->resize(rows * row_bytes);
-        b.k = reinterpret_cast<uint8_t*>(k->data());
-      }
-      if (want_v) {
-        std::string* v = resp->mutable_v()->mutable_data();
-        v->resize(rows * row_bytes);
-        b.v = reinterpret_cast<uint8_t*>(v->data());
-      }
-      return b;
-    };
-    absl::StatusOr<kvstore::GatherResult> res = store_->Gather(args->request, alloc);
-    if (!res.ok()) return res.status();
-    for (v1::Tensor* t :
-         {want_k ? resp->mutable_k() : nullptr, want_v ? resp->mutable_v() : nullptr}) {
-      if (t == nullptr) continue;
-      t->set_dtype(ToProto(res->dtype));
-      t->add_shape(static_cast<int64_t>(res->rows));
-      t->add_shape(res->head_dim);
-    }
-    for (kvstore::HeadRows& h : res->heads) {
-      v1::HeadRows* out = resp->add_heads();
-      out->set_kv_head(h.kv_head);
-      out->set_row_offset(h.row_offset);
-      out->set_row_count(h.row_count);
-      out->mutable_token_indices()->Add(h.token_indices.begin(), h.token_indices.end());
-      out->mutable_counts()->Add(h.counts.begin(), h.counts.end());
-    }
-    resp->set_layer_length(res->layer_length);
-    return absl::OkStatus();
-  });
+  return rpc_->Run(
+      gather_, ctx, [&](absl::Time deadline, const rpc::Caller& caller) -> absl::Status {
+        absl::StatusOr<rpc::GatherArgs> args = rpc::FromProto(*req);
+        if (!args.ok()) return args.status();
+        const std::string id = rpc::ScopedId(caller.tenant, args->request.sequence_id);  // a view
+        args->request.sequence_id = id;
+        args->request.deadline = deadline;
+        const bool want_k = args->request.kind != kvstore::RowKind::kV;
+        const bool want_v = args->request.kind != kvstore::RowKind::kK;
+        // Rows are copied straight into the response's byte fields.
+        auto alloc = [&](uint64_t rows,
+                         size_t row_bytes) -> absl::StatusOr<kvstore::GatherBuffers> {
+          kvstore::GatherBuffers b;
+          if (want_k) {
+            std::string* k = resp->mutable_k()->mutable_data();
+            k->resize(rows * row_bytes);
+            b.k = reinterpret_cast<uint8_t*>(k->data());
+          }
+          if (want_v) {
+            std::string* v = resp->mutable_v()->mutable_data();
+            v->resize(rows * row_bytes);
+            b.v = reinterpret_cast<uint8_t*>(v->data());
+          }
+          return b;
+        };
+        absl::StatusOr<kvstore::GatherResult> res = store_->Gather(args->request, alloc);
+        if (!res.ok()) return res.status();
+        for (v1::Tensor* t :
+             {want_k ? resp->mutable_k() : nullptr, want_v ? resp->mutable_v() : nullptr}) {
+          if (t == nullptr) continue;
+          t->set_dtype(rpc::ToProto(res->dtype));
+          t->add_shape(static_cast<int64_t>(res->rows));
+          t->add_shape(res->head_dim);
+        }
+        for (kvstore::HeadRows& h : res->heads) {
+          v1::HeadRows* out = resp->add_heads();
+          out->set_kv_head(h.kv_head);
+          out->set_row_offset(h.row_offset);
+          out->set_row_count(h.row_count);
+          out->mutable_token_indices()->Add(h.token_indices.begin(), h.token_indices.end());
+          out->mutable_counts()->Add(h.counts.begin(), h.counts.end());
+        }
+        resp->set_layer_length(res->layer_length);
+        return absl::OkStatus();
+      });
 }
 
 grpc::Status KvStoreService::GetSequenceInfo(grpc::ServerContext* ctx,
                                              const v1::GetSequenceInfoRequest* req,
                                              v1::SequenceInfo* resp) {
-  return rpc_->Run(info_, ctx, [&](absl::Time, const Caller& caller) -> absl::Status {
+  return rpc_->Run(info_, ctx, [&](absl::Time, const rpc::Caller& caller) -> absl::Status {
     absl::StatusOr<kvstore::SequenceInfo> info =
-        store_->GetSequenceInfo(ScopedId(caller.tenant, req->sequence_id()));
+        store_->GetSequenceInfo(rpc::ScopedId(caller.tenant, req->sequence_id()));
     if (!info.ok()) return info.status();
-    ToProto(*info, resp);
+    rpc::ToProto(*info, resp);
     resp->set_sequence_id(req->sequence_id());
     return absl::OkStatus();
   });
@@ -127,9 +130,9 @@ grpc::Status KvStoreService::GetSequenceInfo(grpc::ServerContext* ctx,
 
 grpc::Status KvStoreService::GetPageTable(grpc::ServerContext* ctx,
                                           const v1::GetPageTableRequest* req, v1::PageTable* resp) {
-  return rpc_->Run(page_table_, ctx, [&](absl::Time, const Caller& caller) -> absl::Status {
+  return rpc_->Run(page_table_, ctx, [&](absl::Time, const rpc::Caller& caller) -> absl::Status {
     absl::StatusOr<kvstore::LayerPageTable> t = store_->PageTable(
-        ScopedId(caller.tenant, req->sequence_id()), req->layer(), req->first_page());
+        rpc::ScopedId(caller.tenant, req->sequence_id()), req->layer(), req->first_page());
     if (!t.ok()) return t.status();
     resp->set_arena_id(t->arena_id);
     resp->set_incarnation(t->incarnation);
@@ -153,38 +156,39 @@ grpc::Status KvStoreService::GetPageTable(grpc::ServerContext* ctx,
 
 grpc::Status KvStoreService::GetDataPlane(grpc::ServerContext* ctx, const v1::GetDataPlaneRequest*,
                                           v1::DataPlane* resp) {
-  return rpc_->Run(data_plane_rpc_, ctx, [&](absl::Time, const Caller& caller) -> absl::Status {
-    if (!caller.tenant.empty()) {
-      return absl::PermissionDeniedError(
-          "the data plane reads every tenant's rows: it needs a token without a tenant");
-    }
-    if (data_plane_ == nullptr) {
-      return absl::FailedPreconditionError(
-          "this store exports no data plane (start it with --arena_file and --data_plane=ucx)");
-    }
-    const kvstore::UcxArenaAddress& a = data_plane_->address();
-    resp->set_transport("ucx");
-    resp->set_arena_id(a.arena_id);
-    resp->set_worker_address(a.worker_address);
-    resp->set_rkey(a.rkey);
-    resp->set_base_address(a.base_address);
-    resp->set_arena_bytes(a.arena_bytes);
-    resp->set_data_offset(a.data_offset);
-    resp->set_granule(a.granule);
-    resp->set_secret(a.secret);
-    return absl::OkStatus();
-  });
+  return rpc_->Run(
+      data_plane_rpc_, ctx, [&](absl::Time, const rpc::Caller& caller) -> absl::Status {
+        if (!caller.tenant.empty()) {
+          return absl::PermissionDeniedError(
+              "the data plane reads every tenant's rows: it needs a token without a tenant");
+        }
+        if (data_plane_ == nullptr) {
+          return absl::FailedPreconditionError(
+              "this store exports no data plane (start it with --arena_file and --data_plane=ucx)");
+        }
+        const kvstore::UcxArenaAddress& a = data_plane_->address();
+        resp->set_transport("ucx");
+        resp->set_arena_id(a.arena_id);
+        resp->set_worker_address(a.worker_address);
+        resp->set_rkey(a.rkey);
+        resp->set_base_address(a.base_address);
+        resp->set_arena_bytes(a.arena_bytes);
+        resp->set_data_offset(a.data_offset);
+        resp->set_granule(a.granule);
+        resp->set_secret(a.secret);
+        return absl::OkStatus();
+      });
 }
 
 grpc::Status KvStoreService::ListSequences(grpc::ServerContext* ctx,
                                            const v1::ListSequencesRequest*,
                                            v1::ListSequencesResponse* resp) {
-  return rpc_->Run(list_, ctx, [&](absl::Time, const Caller& caller) -> absl::Status {
+  return rpc_->Run(list_, ctx, [&](absl::Time, const rpc::Caller& caller) -> absl::Status {
     std::string id;
     for (const kvstore::SequenceInfo& info : store_->ListSequences()) {
-      if (!UnscopedId(caller.tenant, info.sequence_id, &id)) continue;  // another tenant's
+      if (!rpc::UnscopedId(caller.tenant, info.sequence_id, &id)) continue;  // another tenant's
       v1::SequenceInfo* out = resp->add_sequences();
-      ToProto(info, out);
+      rpc::ToProto(info, out);
       out->set_sequence_id(id);
     }
     return absl::OkStatus();
@@ -193,8 +197,8 @@ grpc::Status KvStoreService::ListSequences(grpc::ServerContext* ctx,
 
 grpc::Status KvStoreService::GetStats(grpc::ServerContext* ctx, const v1::GetStatsRequest*,
                                       v1::StoreStats* resp) {
-  return rpc_->Run(stats_, ctx, [&](absl::Time, const Caller& caller) -> absl::Status {
-    ToProto(store_->Stats(), resp);
+  return rpc_->Run(stats_, ctx, [&](absl::Time, const rpc::Caller& caller) -> absl::Status {
+    rpc::ToProto(store_->Stats(), resp);
     if (!caller.tenant.empty()) {
       // A tenant's token sees its own sequences and bytes; the whole store's traffic counters
       // (another tenant's activity) stay 0. Capacity, policy, page size and shard stay: they
@@ -202,7 +206,7 @@ grpc::Status KvStoreService::GetStats(grpc::ServerContext* ctx, const v1::GetSta
       uint64_t sequences = 0, bytes = 0;
       std::string id;
       for (const kvstore::SequenceInfo& info : store_->ListSequences()) {
-        if (!UnscopedId(caller.tenant, info.sequence_id, &id)) continue;
+        if (!rpc::UnscopedId(caller.tenant, info.sequence_id, &id)) continue;
         ++sequences;
         bytes += info.bytes_used;
       }

@@ -18,10 +18,10 @@
 #include "kernels/saap.h"
 #include "kvstore/memory_resource.h"
 #include "kvstore/shared_arena.h"
-#include "server/build_info.h"
+#include "rpc/build_info.h"
+#include "rpc/flags_help.h"
+#include "rpc/logging.h"
 #include "server/byte_size.h"
-#include "server/flags_help.h"
-#include "server/logging.h"
 #include "server/server.h"
 
 using kvsparse::server::ByteSize;
@@ -173,24 +173,24 @@ int main(int argc, char** argv) {
   absl::FlagsUsageConfig usage;
   usage.version_string = [] { return kvsparse::BuildInfoLine("kvsparse-server") + "\n"; };
   absl::SetFlagsUsageConfig(usage);
-  kvsparse::server::HandleHelp(argc, argv, "server/main.");
+  kvsparse::rpc::HandleHelp(argc, argv, "server/main.");
   absl::ParseCommandLine(argc, argv);
 
   const std::string level = absl::GetFlag(FLAGS_log_level);
-  using kvsparse::server::LogLevel;
+  using kvsparse::rpc::LogLevel;
   if (level == "debug") {
-    kvsparse::server::SetMinLogLevel(LogLevel::kDebug);
+    kvsparse::rpc::SetMinLogLevel(kvsparse::rpc::LogLevel::kDebug);
   } else if (level == "warning") {
-    kvsparse::server::SetMinLogLevel(LogLevel::kWarning);
+    kvsparse::rpc::SetMinLogLevel(kvsparse::rpc::LogLevel::kWarning);
   } else if (level == "error") {
-    kvsparse::server::SetMinLogLevel(LogLevel::kError);
+    kvsparse::rpc::SetMinLogLevel(kvsparse::rpc::LogLevel::kError);
   } else if (level != "info") {
     std::fprintf(stderr, "--log_level must be debug, info, warning or error\n");
     return 2;
   }
   const std::string log_format = absl::GetFlag(FLAGS_log_format);
   if (log_format == "json") {
-    kvsparse::server::SetLogFormat(kvsparse::server::LogFormat::kJson);
+    kvsparse::rpc::SetLogFormat(kvsparse::rpc::LogFormat::kJson);
   } else if (log_format != "text") {
     std::fprintf(stderr, "--log_format must be text or json\n");
     return 2;
@@ -222,7 +222,7 @@ int main(int argc, char** argv) {
   options.store_tls = {absl::GetFlag(FLAGS_store_tls_cert), absl::GetFlag(FLAGS_store_tls_key),
                        absl::GetFlag(FLAGS_store_tls_ca), tls_reload};
   if (const std::string f = absl::GetFlag(FLAGS_store_token_file); !f.empty()) {
-    absl::StatusOr<std::string> token = kvsparse::server::ReadTokenFile(f);
+    absl::StatusOr<std::string> token = kvsparse::rpc::ReadTokenFile(f);
     if (!token.ok()) {
       std::fprintf(stderr, "--store_token_file: %s\n",
                    std::string(token.status().message()).c_str());

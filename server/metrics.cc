@@ -7,8 +7,8 @@
 #include "engine/methods/registry.h"
 #include "kvstore/store.h"
 #include "prometheus/metric_family.h"
-#include "server/build_info.h"
-#include "server/remote_row_source.h"
+#include "rpc/build_info.h"
+#include "rpc/remote_row_source.h"
 
 namespace kvsparse::server {
 namespace {
@@ -438,7 +438,7 @@ class StoreShardCollector final : public prometheus::Collectable {
          prometheus::MetricType::Counter,
          {}}};
     for (size_t i = 0; i < shards_.size(); ++i) {
-      const InPlaceStats s = shards_[i].source->in_place_stats();
+      const rpc::InPlaceStats s = shards_[i].source->in_place_stats();
       const double values[] = {shards_[i].source->reachable() ? 1.0 : 0.0,
                                static_cast<double>(s.rows), static_cast<double>(s.bytes),
                                static_cast<double>(s.fallbacks),

@@ -30,9 +30,11 @@ struct DecodeResult;
 enum class MethodKind;
 }  // namespace kvsparse::engine
 
-namespace kvsparse::server {
-
+namespace kvsparse::rpc {
 class RemoteRowSource;
+}  // namespace kvsparse::rpc
+
+namespace kvsparse::server {
 
 // Counters and a latency histogram for one RPC method. Thread-safe.
 class RpcMetric {
@@ -143,7 +145,7 @@ std::shared_ptr<prometheus::Collectable> NewStoreCollector(const kvstore::Store*
 // One store shard of a worker: its address (as in --store) and the source reading it.
 struct StoreShardSource {
   std::string address;
-  const RemoteRowSource* source = nullptr;
+  const rpc::RemoteRowSource* source = nullptr;
 };
 // A worker's store shards, labelled shard="INDEX" and address: whether its channel is up
 // (kvsparse_worker_store_shard_up), and the reads of its arena in place (--store_arena_file or

@@ -22,10 +22,10 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
-#include "server/logging.h"
+#include "rpc/logging.h"
+#include "rpc/security.h"
+#include "rpc/status.h"
 #include "server/metrics.h"
-#include "server/security.h"
-#include "server/status.h"
 
 namespace kvsparse::server {
 
@@ -46,7 +46,7 @@ class RpcRunner {
   // default_deadline: applied to calls that carry no deadline of their own.
   // auth: the tokens every call must carry (null: none needed); must outlive the runner.
   explicit RpcRunner(absl::Duration default_deadline, RpcLimits limits = RpcLimits(),
-                     const TokenAuth* auth = nullptr)
+                     const rpc::TokenAuth* auth = nullptr)
       : default_deadline_(default_deadline), limits_(limits), auth_(auth) {}
 
   // One of `max` slots of a counter, held until destroyed; empty (false) when all were taken.
@@ -95,7 +95,7 @@ class RpcRunner {
   // beyond --max_concurrent_streams or --max_calls_per_token). Its steps then go through RunStep.
   OpenedStream OpenStream(RpcMetric* metric, grpc::ServerContext* ctx) const {
     const absl::Time start = absl::Now();
-    Caller caller;
+    rpc::Caller caller;
     absl::Status status = Identify(*ctx, metric->method(), &caller);
     OpenedStream open{grpc::Status::OK, Slot(streams_, limits_.max_streams),
                       status.ok() ? TokenSlot(caller) : Slot()};
@@ -131,7 +131,7 @@ class RpcRunner {
   // Runs body(deadline, caller) -> absl::Status for one unary call, which holds one of the
   // server's call slots and one of its token's.
   // caller: whom the token names, its role covering the method; its tenant scopes the sequence
-  // ids the call sees (server/security.h ScopedId). Without tokens: Caller() (admin, no
+  // ids the call sees (rpc/security.h ScopedId). Without tokens: Caller() (admin, no
   // tenant: the whole namespace).
   template <typename Body>
   grpc::Status Run(RpcMetric* metric, grpc::ServerContext* ctx, Body&& body) const {
@@ -147,14 +147,14 @@ class RpcRunner {
  private:
   // The caller the call's token names, its role checked against the method (no tokens: admin).
   absl::Status Identify(const grpc::ServerContextBase& ctx, absl::string_view method,
-                        Caller* caller) const {
+                        rpc::Caller* caller) const {
     if (auth_ == nullptr) return absl::OkStatus();
-    absl::StatusOr<Caller> checked = auth_->Check(ctx, method);
+    absl::StatusOr<rpc::Caller> checked = auth_->Check(ctx, method);
     if (!checked.ok()) return checked.status();
     *caller = *std::move(checked);
     return absl::OkStatus();
   }
-  Slot TokenSlot(const Caller& caller) const {
+  Slot TokenSlot(const rpc::Caller& caller) const {
     return Slot(caller.in_flight, limits_.max_per_token);
   }
   absl::Status TokenBusy() const {
@@ -168,7 +168,7 @@ class RpcRunner {
                      Body&& body) const {
     const absl::Time start = absl::Now();
     const absl::Time deadline = Deadline(*ctx, start);
-    Caller caller;
+    rpc::Caller caller;
     absl::Status status = Identify(*ctx, metric->method(), &caller);
     const Slot slot(calls_, limits_.max_calls);
     const Slot token = status.ok() && token_slot ? TokenSlot(caller) : Slot();
@@ -207,7 +207,7 @@ class RpcRunner {
         // Refused credentials are an operator's concern, but anyone can send them on every
         // call: one line per period, each refusal still counted in kvsparse_rpc_requests_total.
         int64_t dropped = 0;
-        if (LogEnabled(LogLevel::kWarning) && refusal_log_.ShouldLog(&dropped)) {
+        if (rpc::LogEnabled(rpc::LogLevel::kWarning) && refusal_log_.ShouldLog(&dropped)) {
           KVSPARSE_LOG(Warning) << metric->method() << " from " << ctx.peer() << ": " << status
                                 << (dropped > 0 ? absl::StrCat(" (and ", dropped,
                                                                " refusals since the last line)")
@@ -222,16 +222,16 @@ class RpcRunner {
     } else {
       KVSPARSE_LOG(Debug) << metric->method() << " OK in " << seconds * 1e6 << " us";
     }
-    return ToGrpcStatus(status);
+    return rpc::ToGrpcStatus(status);
   }
 
   const absl::Duration default_deadline_;
   const RpcLimits limits_;
-  const TokenAuth* const auth_;
+  const rpc::TokenAuth* const auth_;
   // Shared with the in-flight gauge's collector, which may outlive the runner.
   const std::shared_ptr<std::atomic<size_t>> calls_ = std::make_shared<std::atomic<size_t>>(0);
   const std::shared_ptr<std::atomic<size_t>> streams_ = std::make_shared<std::atomic<size_t>>(0);
-  mutable LogEvery refusal_log_{kRefusalLogPeriod};
+  mutable rpc::LogEvery refusal_log_{kRefusalLogPeriod};
 };
 
 }  // namespace kvsparse::server

@@ -9,10 +9,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvstore/placement.h"
+#include "rpc/data_plane.h"
+#include "rpc/logging.h"
+#include "rpc/remote_row_source.h"
 #include "server/attention_service.h"
 #include "server/kvstore_service.h"
-#include "server/logging.h"
-#include "server/remote_row_source.h"
 #if KVSPARSE_WITH_CUDA
 #endif
 
@@ -49,18 +50,19 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   // Transport security first: a server that would expose K/V in clear text refuses to start.
   const bool tls = !options.tls.cert.empty() || !options.tls.key.empty();
   std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
-  std::unique_ptr<TlsFileGuard> tls_files;
+  std::unique_ptr<rpc::TlsFileGuard> tls_files;
   if (tls) {
-    absl::StatusOr<std::unique_ptr<TlsFileGuard>> guard = TlsFileGuard::Create(options.tls);
+    absl::StatusOr<std::unique_ptr<rpc::TlsFileGuard>> guard =
+        rpc::TlsFileGuard::Create(options.tls);
     if (!guard.ok()) return guard.status();
     tls_files = *std::move(guard);
     absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> c =
-        TlsServerCredentials(tls_files->served());
+        rpc::TlsServerCredentials(tls_files->served());
     if (!c.ok()) return c.status();
     creds = *c;
   } else if (!options.tls.ca.empty()) {
     return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert and --tls_key");
-  } else if (!IsLoopbackAddress(options.listen) && !options.insecure) {
+  } else if (!rpc::IsLoopbackAddress(options.listen) && !options.insecure) {
     return absl::InvalidArgumentError(absl::StrCat(
         "refusing to listen on ", options.listen,
         " without TLS: K/V and queries would cross the network in clear text; give --tls_cert "
@@ -70,7 +72,8 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   s->options_ = options;
   s->tls_files_ = std::move(tls_files);
   if (!options.auth_tokens_file.empty()) {
-    absl::StatusOr<std::unique_ptr<TokenAuth>> auth = TokenAuth::Load(options.auth_tokens_file);
+    absl::StatusOr<std::unique_ptr<rpc::TokenAuth>> auth =
+        rpc::TokenAuth::Load(options.auth_tokens_file);
     if (!auth.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("--auth_tokens: ", auth.status().message()));
     }
@@ -131,16 +134,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       std::shared_ptr<grpc::ChannelCredentials> store_creds = grpc::InsecureChannelCredentials();
       if (!options.store_tls.ca.empty() || !options.store_tls.cert.empty()) {
         absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> c =
-            TlsChannelCredentials(options.store_tls);
+            rpc::TlsChannelCredentials(options.store_tls);
         if (!c.ok()) {
           return absl::InvalidArgumentError(absl::StrCat("--store_tls_*: ", c.status().message()));
         }
         store_creds = *c;
       }
-      if (!options.store_data_plane.empty() && options.store_data_plane != "gather" &&
-          options.store_data_plane != "ucx" && options.store_data_plane != "ucx-rma") {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "--store_data_plane: '", options.store_data_plane, "' is not gather, ucx or ucx-rma"));
+      if (absl::StatusOr<rpc::StoreDataPlane> plane =
+              rpc::ParseStoreDataPlane(options.store_data_plane);
+          !plane.ok()) {
+        return plane.status();
       }
       absl::StatusOr<std::vector<std::string>> shards =
           kvstore::ExpandShardList(options.store_target);
@@ -169,7 +172,7 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
                                 << " not reachable yet; Decode calls of its sequences fail with "
                                    "UNAVAILABLE until it is";
         }
-        std::unique_ptr<RemoteRowSource> remote = NewRemoteRowSource(
+        std::unique_ptr<rpc::RemoteRowSource> remote = rpc::NewRemoteRowSource(
             std::move(channel), {options.store_token, options.store_arena_file,
                                  options.store_data_plane, options.data_plane_transports});
         metered.push_back({target, remote.get()});

@@ -23,9 +23,9 @@
 #include "engine/gpu_mode.h"
 #include "kvstore/store.h"
 #include "kvstore/ucx_plane.h"
+#include "rpc/security.h"
 #include "server/metrics.h"
 #include "server/rpc.h"
-#include "server/security.h"
 #include "server/stream_reaper.h"
 
 namespace kvsparse::server {
@@ -71,19 +71,19 @@ struct ServerOptions {
   absl::Duration shutdown_grace = absl::Seconds(10);
   // TLS on the gRPC port (cert + key; ca: mutual TLS, clients must present a certificate it
   // signed). Without TLS the server listens on loopback addresses only, unless `insecure`.
-  TlsFiles tls;
+  rpc::TlsFiles tls;
   bool insecure = false;
-  // Bearer tokens with roles every call must carry (server/security.h TokenAuth); empty: none.
+  // Bearer tokens with roles every call must carry (rpc/security.h TokenAuth); empty: none.
   std::string auth_tokens_file;
   // The token file is re-read this often and, when its text changed, swapped in whole (a file that
   // does not parse is logged and the old tokens kept); 0: read once at start.
   absl::Duration auth_tokens_reload = absl::Seconds(10);
   // kWorker: TLS towards the store (ca: the store's CA; cert + key: this worker's identity for
   // a store with mutual TLS) and the token sent to it.
-  TlsFiles store_tls;
+  rpc::TlsFiles store_tls;
   std::string store_token;
   // kWorker: the store's --arena_file as mounted in this process (the shared-arena pod): rows are
-  // copied from its pages in place instead of through Gather (server/remote_row_source.h).
+  // copied from its pages in place instead of through Gather (rpc/remote_row_source.h).
   std::string store_arena_file;
   // kWorker: "ucx" reads rows over UCX from a store exporting its arena (data_plane below), on
   // any host, one batched gather message per read; "ucx-rma" with one-sided gets per row;
@@ -141,7 +141,7 @@ class Server {
   std::unique_ptr<kvstore::Store> store_;
   std::unique_ptr<kvstore::UcxExport> data_plane_;  // exports store_'s arena (data_plane=ucx)
   std::unique_ptr<Metrics> metrics_;
-  std::unique_ptr<TokenAuth> auth_;
+  std::unique_ptr<rpc::TokenAuth> auth_;
   std::unique_ptr<RpcRunner> rpc_;
   std::unique_ptr<StreamReaper> reaper_;
   std::unique_ptr<KvStoreService> kvstore_service_;
@@ -153,9 +153,9 @@ class Server {
   absl::Mutex mu_;
   bool shut_down_ ABSL_GUARDED_BY(mu_) = false;
   absl::Notification stop_reload_;
-  std::thread token_reload_;                 // runs ReloadTokens; joined in ~Server
-  std::unique_ptr<TlsFileGuard> tls_files_;  // with TLS: the checked copies gRPC serves
-  std::thread tls_reload_;                   // runs ReloadTls; joined in ~Server
+  std::thread token_reload_;                      // runs ReloadTokens; joined in ~Server
+  std::unique_ptr<rpc::TlsFileGuard> tls_files_;  // with TLS: the checked copies gRPC serves
+  std::thread tls_reload_;                        // runs ReloadTls; joined in ~Server
 };
 
 }  // namespace kvsparse::server

@@ -3,7 +3,7 @@
 #include <algorithm>
 
 #include "absl/time/clock.h"
-#include "server/logging.h"
+#include "rpc/logging.h"
 
 namespace kvsparse::server {
 

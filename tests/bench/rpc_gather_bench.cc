@@ -35,7 +35,7 @@
 #include "client/kvstore_client.h"
 #include "echo.grpc.pb.h"
 #include "kvstore/shared_arena.h"
-#include "server/remote_row_source.h"
+#include "rpc/remote_row_source.h"
 #include "server/server.h"
 #include "tests/bench/bench_fill.h"
 
@@ -198,13 +198,13 @@ int main(int argc, char** argv) {
   auto echo = kvsparse::bench::Echo::NewStub(
       grpc::CreateCustomChannel(echo_target, grpc::InsecureChannelCredentials(), args));
 
-  std::unique_ptr<kvsparse::server::RemoteRowSource> in_place;
+  std::unique_ptr<kvsparse::rpc::RemoteRowSource> in_place;
   if (!arena_path.empty() || (!connect.empty() && ucx_reader)) {
-    in_place = kvsparse::server::NewRemoteRowSource(
+    in_place = kvsparse::rpc::NewRemoteRowSource(
         grpc::CreateCustomChannel(co.target, grpc::InsecureChannelCredentials(), args),
-        ucx_reader ? kvsparse::server::RemoteRowSourceOptions{"", "", absl::GetFlag(FLAGS_reader),
-                                                              absl::GetFlag(FLAGS_ucx_transports)}
-                   : kvsparse::server::RemoteRowSourceOptions{"", arena_path, "", ""});
+        ucx_reader ? kvsparse::rpc::RemoteRowSourceOptions{"", "", absl::GetFlag(FLAGS_reader),
+                                                           absl::GetFlag(FLAGS_ucx_transports)}
+                   : kvsparse::rpc::RemoteRowSourceOptions{"", arena_path, "", ""});
   }
   std::printf("%-8s %-8s %11s %11s %8s %9s %11s %11s %8s %9s %7s %7s", "rows", "MB/resp",
               "gather p50", "gather p99", "MB/s", "mean MB/s", "echo p50", "echo p99", "MB/s",
@@ -321,7 +321,7 @@ int main(int argc, char** argv) {
   }
   if (echo_server != nullptr) echo_server->Shutdown();
   if (in_place != nullptr) {
-    const kvsparse::server::InPlaceStats st = in_place->in_place_stats();
+    const kvsparse::rpc::InPlaceStats st = in_place->in_place_stats();
     std::printf("direct (%s): %lu rows, %lu bytes, %lu GetPageTable calls, %lu fallbacks\n",
                 absl::GetFlag(FLAGS_reader).c_str(), static_cast<unsigned long>(st.rows),
                 static_cast<unsigned long>(st.bytes),

@@ -21,7 +21,7 @@
 #include "kvsparse/v1/kvstore.grpc.pb.h"
 #include "kvstore/shared_arena.h"
 #include "kvstore/ucx_plane.h"
-#include "server/remote_row_source.h"
+#include "rpc/remote_row_source.h"
 #include "server/server.h"
 #include "tests/integration/http_get.h"
 
@@ -364,7 +364,7 @@ class DirectReadTest : public ::testing::TestWithParam<DirectCase> {
       o.store_arena_file = broken ? ::testing::TempDir() + "/no-such-arena" : path;
     }
   }
-  server::RemoteRowSourceOptions SourceOptions(const std::string& path) const {
+  rpc::RemoteRowSourceOptions SourceOptions(const std::string& path) const {
     if (GetParam().ucx) return {"", "", "ucx", "tcp"};
     return {"", path, "", ""};
   }
@@ -631,7 +631,7 @@ TEST_P(DirectReadTest, RowSourceKeepsTheStoresAnswers) {
   ASSERT_NE(store, nullptr);
   auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", store->port()),
                                      grpc::InsecureChannelCredentials());
-  auto source = server::NewRemoteRowSource(channel, SourceOptions(path));
+  auto source = rpc::NewRemoteRowSource(channel, SourceOptions(path));
   auto kv = client::KvStoreClient::Connect(At(store->port()));
   ASSERT_TRUE(kv.ok());
   const kernels::SyntheticProblem prob = Problem(2, {1200, 300});

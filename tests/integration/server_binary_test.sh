@@ -106,7 +106,7 @@ grep -q INVALID_ARGUMENT "$work/err.log"
 rc=0; "$bin/kvsparse" --target=127.0.0.1:1 --wait_for_ready=30s frobnicate 2>"$work/err.log" || rc=$?
 [ $rc -eq 2 ] || { echo "unknown command exited $rc"; cat "$work/err.log"; exit 1; }
 grep -q "unknown command 'frobnicate'" "$work/err.log"
-# --log_format takes text or json only (server/logging.h; LoggingTest.JsonLinesParseBackToTheMessage).
+# --log_format takes text or json only (rpc/logging.h; LoggingTest.JsonLinesParseBackToTheMessage).
 rc=0; "$bin/kvsparse-server" --log_format=xml 2>"$work/err.log" || rc=$?
 [ $rc -eq 2 ] && grep -q "log_format must be text or json" "$work/err.log" || { cat "$work/err.log"; exit 1; }
 expect SERVING cli health

@@ -5,8 +5,8 @@
 #include "absl/time/clock.h"
 #include "client/kvstore_client.h"
 #include "engine/gpu_mode.h"
-#include "server/convert.h"
-#include "server/remote_row_source.h"
+#include "rpc/convert.h"
+#include "rpc/remote_row_source.h"
 
 namespace kvsparse::torch_ops {
 namespace {
@@ -63,7 +63,7 @@ class RemoteStoreEngine final : public OpEngine {
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(co.max_message_bytes);
     args.SetMaxSendMessageSize(co.max_message_bytes);
-    r->source_ = server::NewRemoteRowSource(
+    r->source_ = rpc::NewRemoteRowSource(
         grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
     absl::StatusOr<std::unique_ptr<en::DecodeBackend>> backend =
         en::NewBackend(mode, go, r->source_.get());
@@ -83,10 +83,10 @@ class RemoteStoreEngine final : public OpEngine {
     s.set_num_q_heads(shape.num_q_heads);
     s.set_num_kv_heads(shape.num_kv_heads);
     s.set_head_dim(shape.head_dim);
-    s.set_dtype(server::ToProto(shape.dtype));
+    s.set_dtype(rpc::ToProto(shape.dtype));
     v1::Placement p;
-    p.set_k_tier(server::ToProto(placement.k_tier));
-    p.set_v_tier(server::ToProto(placement.v_tier));
+    p.set_k_tier(rpc::ToProto(placement.k_tier));
+    p.set_v_tier(rpc::ToProto(placement.v_tier));
     p.set_signature_bits(placement.signature_bits);
     p.set_compressed_key_bits(placement.compressed_key_bits);
     return store_->CreateSequence(id, s, p).status();

@@ -1,4 +1,4 @@
-#include "server/security.h"
+#include "rpc/security.h"
 
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_credentials_options.h>
@@ -24,7 +24,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 
-namespace kvsparse::server {
+namespace kvsparse::rpc {
 namespace {
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
@@ -452,4 +452,4 @@ absl::StatusOr<std::string> ReadTokenFile(const std::string& path) {
   return std::string(first);
 }
 
-}  // namespace kvsparse::server
+}  // namespace kvsparse::rpc

@@ -1,4 +1,4 @@
-#include "server/remote_row_source.h"
+#include "rpc/remote_row_source.h"
 
 #include <algorithm>
 #include <atomic>
@@ -11,13 +11,13 @@
 #include "absl/synchronization/mutex.h"
 #include "kvsparse/v1/kvstore.grpc.pb.h"
 #include "kvstore/shared_arena.h"
-#include "kvstore/ucx_plane.h"
-#include "server/convert.h"
-#include "server/logging.h"
-#include "server/security.h"
-#include "server/status.h"
+#include "rpc/convert.h"
+#include "rpc/data_plane.h"
+#include "rpc/logging.h"
+#include "rpc/security.h"
+#include "rpc/status.h"
 
-namespace kvsparse::server {
+namespace kvsparse::rpc {
 namespace {
 
 // Page-table entries held for all sequences together; past this the tables are dropped and
@@ -58,26 +58,28 @@ struct SequenceState {
 class RemoteRowSourceImpl final : public RemoteRowSource {
  public:
   RemoteRowSourceImpl(std::shared_ptr<grpc::Channel> channel, RemoteRowSourceOptions options)
-      : channel_(channel),
-        stub_(v1::KvStore::NewStub(channel)),
-        token_(std::move(options.token)),
-        arena_file_(std::move(options.arena_file)) {
-    if (options.data_plane == "ucx" || options.data_plane == "ucx-rma") {
-      absl::StatusOr<std::unique_ptr<kvstore::UcxReader>> r = kvstore::UcxReader::Create(
-          options.data_plane_transports, options.data_plane == "ucx-rma"
-                                             ? kvstore::UcxReadMode::kOneSided
-                                             : kvstore::UcxReadMode::kGather);
-      if (r.ok()) {
-        ucx_ = std::move(*r);
+      : channel_(channel), stub_(v1::KvStore::NewStub(channel)), token_(std::move(options.token)) {
+    // The plane: UCX when asked for and it starts, else the mapped arena file when given.
+    absl::StatusOr<StoreDataPlane> kind = ParseStoreDataPlane(options.data_plane);
+    if (!kind.ok()) {
+      KVSPARSE_LOG(Warning) << kind.status().message() << "; rows travel through Gather";
+    } else if (*kind != StoreDataPlane::kGather) {
+      absl::StatusOr<std::unique_ptr<DataPlane>> p =
+          NewUcxPlane(options.data_plane_transports, *kind == StoreDataPlane::kUcxRma);
+      if (p.ok()) {
+        plane_ = std::move(*p);
       } else {
-        KVSPARSE_LOG(Warning) << "--store_data_plane=ucx: " << r.status().message()
+        KVSPARSE_LOG(Warning) << "--store_data_plane=ucx: " << p.status().message()
                               << "; rows travel through Gather";
       }
     }
+    if (plane_ == nullptr && !options.arena_file.empty()) {
+      plane_ = NewMappedFilePlane(std::move(options.arena_file));
+    }
   }
 
-  // Whether rows are read without Gather when possible (a mapped arena file or UCX).
-  bool direct() const { return !arena_file_.empty() || ucx_ != nullptr; }
+  // Whether rows are read without Gather when possible (a data plane).
+  bool direct() const { return plane_ != nullptr; }
 
   kvstore::Tier tier() const override { return kvstore::Tier::kRemote; }
 
@@ -438,9 +440,7 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
     if (!r.ok()) {
       int64_t dropped = 0;
       if (open_log_.ShouldLog(&dropped)) {
-        KVSPARSE_LOG(Warning) << (ucx_ != nullptr ? "--store_data_plane=ucx: "
-                                                  : "--store_arena_file: ")
-                              << r.status().message()
+        KVSPARSE_LOG(Warning) << plane_->name() << ": " << r.status().message()
                               << "; reading rows through Gather until it can be opened";
       }
       return nullptr;
@@ -452,33 +452,8 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
   }
 
   absl::StatusOr<std::shared_ptr<const kvstore::ArenaReader>> Open(absl::Time deadline) {
-    if (ucx_ == nullptr) {
-      absl::StatusOr<std::unique_ptr<kvstore::ArenaMapping>> m =
-          kvstore::ArenaMapping::Open(arena_file_);
-      if (!m.ok()) return m.status();
-      return std::shared_ptr<const kvstore::ArenaReader>(std::move(*m));
-    }
-    grpc::ClientContext ctx;
-    Prepare(&ctx, deadline);
-    v1::DataPlane dp;
-    if (absl::Status s = Remote(stub_->GetDataPlane(&ctx, v1::GetDataPlaneRequest(), &dp));
-        !s.ok()) {
-      return s;
-    }
-    if (dp.transport() != "ucx") {
-      return absl::FailedPreconditionError(
-          absl::StrCat("the store's data plane is '", dp.transport(), "', not ucx"));
-    }
-    kvstore::UcxArenaAddress a;
-    a.arena_id = dp.arena_id();
-    a.worker_address = dp.worker_address();
-    a.rkey = dp.rkey();
-    a.base_address = dp.base_address();
-    a.arena_bytes = dp.arena_bytes();
-    a.data_offset = dp.data_offset();
-    a.granule = dp.granule();
-    a.secret = dp.secret();
-    return ucx_->Connect(a, std::min(absl::Seconds(5), deadline - absl::Now()));
+    return plane_->Open(
+        *stub_, [&](grpc::ClientContext* ctx) { Prepare(ctx, deadline); }, deadline);
   }
 
   // The store made a new arena (it restarted): open again. Null when what opens is still not the
@@ -527,10 +502,9 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
   const std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvStore::Stub> stub_;
   const std::string token_;
-  const std::string arena_file_;
+  std::unique_ptr<DataPlane> plane_;  // null: every read through Gather
 
   absl::Mutex mu_;
-  std::unique_ptr<kvstore::UcxReader> ucx_;  // --store_data_plane=ucx
   std::shared_ptr<const kvstore::ArenaReader> reader_ ABSL_GUARDED_BY(mu_);
   absl::Time next_open_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
   absl::Time next_check_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
@@ -552,4 +526,4 @@ std::unique_ptr<RemoteRowSource> NewRemoteRowSource(std::shared_ptr<grpc::Channe
   return std::make_unique<RemoteRowSourceImpl>(std::move(channel), std::move(options));
 }
 
-}  // namespace kvsparse::server
+}  // namespace kvsparse::rpc

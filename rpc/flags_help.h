@@ -3,8 +3,8 @@
 // absl::ParseCommandLine. --help lists the flags defined in files whose path contains
 // `own_flags_file`, --helpfull every flag linked in. The human-readable printer is Abseil's
 // (absl/flags/internal/usage.h).
-#ifndef KVSPARSE_SERVER_FLAGS_HELP_H_
-#define KVSPARSE_SERVER_FLAGS_HELP_H_
+#ifndef KVSPARSE_RPC_FLAGS_HELP_H_
+#define KVSPARSE_RPC_FLAGS_HELP_H_
 
 #include <cstdlib>
 #include <iostream>
@@ -15,7 +15,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/string_view.h"
 
-namespace kvsparse::server {
+namespace kvsparse::rpc {
 
 inline void HandleHelp(int argc, char** argv, absl::string_view own_flags_file) {
   for (int i = 1; i < argc; ++i) {
@@ -30,6 +30,6 @@ inline void HandleHelp(int argc, char** argv, absl::string_view own_flags_file) 
   }
 }
 
-}  // namespace kvsparse::server
+}  // namespace kvsparse::rpc
 
-#endif  // KVSPARSE_SERVER_FLAGS_HELP_H_
+#endif  // KVSPARSE_RPC_FLAGS_HELP_H_

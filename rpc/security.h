@@ -8,8 +8,8 @@
 //     compared in constant time, checked for every call of both services in one place
 //     (RpcRunner, server/rpc.h); grpc.health.v1 and reflection stay open (probes, tooling); the
 //     token file may be re-read while serving (TokenAuth::Reload).
-#ifndef KVSPARSE_SERVER_SECURITY_H_
-#define KVSPARSE_SERVER_SECURITY_H_
+#ifndef KVSPARSE_RPC_SECURITY_H_
+#define KVSPARSE_RPC_SECURITY_H_
 
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/security/server_credentials.h>
@@ -27,7 +27,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
-namespace kvsparse::server {
+namespace kvsparse::rpc {
 
 // PEM files. Server side: cert + key (its identity), ca: the CA that signs client certificates
 // (set: mutual TLS, a client without a valid certificate is refused). Client side: ca: the CA
@@ -175,6 +175,6 @@ class TokenAuth {
 // A token from a file (its first line, trimmed): what clients and workers send.
 absl::StatusOr<std::string> ReadTokenFile(const std::string& path);
 
-}  // namespace kvsparse::server
+}  // namespace kvsparse::rpc
 
-#endif  // KVSPARSE_SERVER_SECURITY_H_
+#endif  // KVSPARSE_RPC_SECURITY_H_

@@ -3,8 +3,8 @@
 // store keeps its pages in an arena file this process can map (--store_arena_file, the
 // shared-arena pod), rows copied straight from the mapped pages, with one GetPageTable RPC per
 // layer when the table it holds no longer covers the rows asked for (every page_tokens tokens).
-#ifndef KVSPARSE_SERVER_REMOTE_ROW_SOURCE_H_
-#define KVSPARSE_SERVER_REMOTE_ROW_SOURCE_H_
+#ifndef KVSPARSE_RPC_REMOTE_ROW_SOURCE_H_
+#define KVSPARSE_RPC_REMOTE_ROW_SOURCE_H_
 
 #include <grpcpp/channel.h>
 
@@ -13,7 +13,7 @@
 
 #include "engine/row_source.h"
 
-namespace kvsparse::server {
+namespace kvsparse::rpc {
 
 // The channel's message limits must allow the largest gather (see ServerOptions). token: sent as
 // a bearer token with every call (a store with --auth_tokens); empty: none.
@@ -28,7 +28,8 @@ struct RemoteRowSourceOptions {
   // "ucx": read rows over UCX from the store's exported arena (the store runs with --arena_file
   // and --data_plane=ucx; GetDataPlane gives the address), the store on any host, one batched
   // gather message per read; "ucx-rma": the same with one-sided gets per row (for RDMA). Reads
-  // fall back to Gather while it cannot connect. "" or "gather": Gather (or arena_file).
+  // fall back to Gather while it cannot connect. "" or "gather": Gather (or arena_file). The
+  // planes: rpc/data_plane.h.
   std::string data_plane;
   std::string data_plane_transports;  // UCX_TLS-style; "": UCX's choice
 };
@@ -52,6 +53,6 @@ class RemoteRowSource : public engine::RowSource {
 std::unique_ptr<RemoteRowSource> NewRemoteRowSource(std::shared_ptr<grpc::Channel> channel,
                                                     RemoteRowSourceOptions options = {});
 
-}  // namespace kvsparse::server
+}  // namespace kvsparse::rpc
 
-#endif  // KVSPARSE_SERVER_REMOTE_ROW_SOURCE_H_
+#endif  // KVSPARSE_RPC_REMOTE_ROW_SOURCE_H_

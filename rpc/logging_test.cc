@@ -1,4 +1,4 @@
-#include "server/logging.h"
+#include "rpc/logging.h"
 
 #include <cstdint>
 #include <string>
@@ -9,7 +9,7 @@
 #include "google/protobuf/util/json_util.h"
 #include "gtest/gtest.h"
 
-namespace kvsparse::server {
+namespace kvsparse::rpc {
 namespace {
 
 TEST(LoggingTest, LogEveryLetsOneLineThroughPerPeriodAndCountsTheRest) {
@@ -54,4 +54,4 @@ TEST(LoggingTest, JsonLinesParseBackToTheMessage) {
 }
 
 }  // namespace
-}  // namespace kvsparse::server
+}  // namespace kvsparse::rpc

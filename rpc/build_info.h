@@ -3,8 +3,8 @@
 // were built. Printed by --version of kvsparse-server and kvsparse and exported as the
 // kvsparse_build_info metric. The definitions are generated at build time
 // (cmake/KvsparseBuildInfo.cmake).
-#ifndef KVSPARSE_SERVER_BUILD_INFO_H_
-#define KVSPARSE_SERVER_BUILD_INFO_H_
+#ifndef KVSPARSE_RPC_BUILD_INFO_H_
+#define KVSPARSE_RPC_BUILD_INFO_H_
 
 #include <string>
 
@@ -22,4 +22,4 @@ inline std::string BuildInfoLine(const std::string& program) {
 
 }  // namespace kvsparse
 
-#endif  // KVSPARSE_SERVER_BUILD_INFO_H_
+#endif  // KVSPARSE_RPC_BUILD_INFO_H_

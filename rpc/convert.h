@@ -1,7 +1,7 @@
 // Conversions between kvsparse.v1 messages and the engine's types, with validation. Every
 // function returns INVALID_ARGUMENT naming the offending field for a malformed message.
-#ifndef KVSPARSE_SERVER_CONVERT_H_
-#define KVSPARSE_SERVER_CONVERT_H_
+#ifndef KVSPARSE_RPC_CONVERT_H_
+#define KVSPARSE_RPC_CONVERT_H_
 
 #include <vector>
 
@@ -13,7 +13,7 @@
 #include "kvsparse/v1/tensor.pb.h"
 #include "kvstore/store.h"
 
-namespace kvsparse::server {
+namespace kvsparse::rpc {
 
 absl::StatusOr<kernels::DType> FromProto(v1::DType dtype, const char* field);
 v1::DType ToProto(kernels::DType dtype);
@@ -49,6 +49,6 @@ void ToProto(engine::DecodeResult&& result, const engine::DecodeCall& call,
 void ToProto(const kvstore::SequenceInfo& info, v1::SequenceInfo* out);
 void ToProto(const kvstore::StoreStats& stats, v1::StoreStats* out);
 
-}  // namespace kvsparse::server
+}  // namespace kvsparse::rpc
 
-#endif  // KVSPARSE_SERVER_CONVERT_H_
+#endif  // KVSPARSE_RPC_CONVERT_H_

@@ -1,4 +1,4 @@
-#include "server/security.h"
+#include "rpc/security.h"
 
 #include <cstdio>
 #include <fstream>
@@ -6,7 +6,7 @@
 
 #include "gtest/gtest.h"
 
-namespace kvsparse::server {
+namespace kvsparse::rpc {
 namespace {
 
 TEST(SecurityTest, LoopbackAddresses) {
@@ -179,4 +179,4 @@ TEST(SecurityTest, CertificateChecksRefuseWhatIsNotAPair) {
 }
 
 }  // namespace
-}  // namespace kvsparse::server
+}  // namespace kvsparse::rpc

@@ -1,4 +1,4 @@
-#include "server/logging.h"
+#include "rpc/logging.h"
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -14,7 +14,7 @@
 #include "google/protobuf/struct.pb.h"
 #include "google/protobuf/util/json_util.h"
 
-namespace kvsparse::server {
+namespace kvsparse::rpc {
 namespace {
 std::atomic<int> min_level{static_cast<int>(LogLevel::kInfo)};
 std::atomic<int> format{static_cast<int>(LogFormat::kText)};
@@ -68,4 +68,4 @@ bool LogEvery::ShouldLogAt(absl::Time now, int64_t* dropped) {
   return true;
 }
 
-}  // namespace kvsparse::server
+}  // namespace kvsparse::rpc

@@ -1,8 +1,8 @@
-#include "server/status.h"
+#include "rpc/status.h"
 
 #include <string>
 
-namespace kvsparse::server {
+namespace kvsparse::rpc {
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
@@ -14,4 +14,4 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
 }
 
-}  // namespace kvsparse::server
+}  // namespace kvsparse::rpc

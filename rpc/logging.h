@@ -3,8 +3,8 @@
 // "level", "thread", "source": "file:line", "message"}, written by protobuf's JSON printer (a
 // google.protobuf.Struct) for log collectors. Abseil 20220623 (Debian 12) predates absl/log;
 // this is the minimum the server needs.
-#ifndef KVSPARSE_SERVER_LOGGING_H_
-#define KVSPARSE_SERVER_LOGGING_H_
+#ifndef KVSPARSE_RPC_LOGGING_H_
+#define KVSPARSE_RPC_LOGGING_H_
 
 #include <atomic>
 #include <cstdint>
@@ -13,7 +13,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
-namespace kvsparse::server {
+namespace kvsparse::rpc {
 
 enum class LogLevel { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3 };
 
@@ -62,12 +62,11 @@ class LogEvery {
   std::atomic<int64_t> dropped_{0};
 };
 
-}  // namespace kvsparse::server
+}  // namespace kvsparse::rpc
 
-#define KVSPARSE_LOG(level)                                                                    \
-  if (!::kvsparse::server::LogEnabled(::kvsparse::server::LogLevel::k##level)) {               \
-  } else                                                                                       \
-    ::kvsparse::server::LogMessage(::kvsparse::server::LogLevel::k##level, __FILE__, __LINE__) \
-        .stream()
+#define KVSPARSE_LOG(level)                                                \
+  if (!::kvsparse::rpc::LogEnabled(::kvsparse::rpc::LogLevel::k##level)) { \
+  } else                                                                   \
+    ::kvsparse::rpc::LogMessage(::kvsparse::rpc::LogLevel::k##level, __FILE__, __LINE__).stream()
 
-#endif  // KVSPARSE_SERVER_LOGGING_H_
+#endif  // KVSPARSE_RPC_LOGGING_H_

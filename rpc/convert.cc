@@ -1,10 +1,10 @@
-#include "server/convert.h"
+#include "rpc/convert.h"
 
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
 
-namespace kvsparse::server {
+namespace kvsparse::rpc {
 
 using kernels::DType;
 
@@ -500,4 +500,4 @@ void ToProto(engine::DecodeResult&& r, const engine::DecodeCall& call, v1::Decod
   out->set_sync_bytes(r.sync_bytes);
 }
 
-}  // namespace kvsparse::server
+}  // namespace kvsparse::rpc
