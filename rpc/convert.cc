@@ -216,8 +216,6 @@ void ToProto(const kvstore::StoreStats& st, v1::StoreStats* out) {
   out->set_shard_count(st.shard.count);
 }
 
-namespace {
-
 absl::StatusOr<engine::Method> FromProto(const v1::Method& m) {
   engine::Method out;
   switch (m.kind_case()) {
@@ -418,8 +416,6 @@ absl::StatusOr<engine::Method> FromProto(const v1::Method& m) {
   }
   return absl::InvalidArgumentError("method: unknown kind");
 }
-
-}  // namespace
 
 absl::StatusOr<engine::DecodeCall> FromProto(const v1::DecodeRequest& msg) {
   engine::DecodeCall c;

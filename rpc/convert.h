@@ -39,6 +39,11 @@ struct GatherArgs {
 };
 absl::StatusOr<GatherArgs> FromProto(const v1::GatherRequest& msg);
 
+// The wire's method -> the engine's, its defaults filled (no kind: dense); unknown enum values
+// are INVALID_ARGUMENT naming the field. The one codec of a method: the server's Decode and the
+// PyTorch op (which receives the same message serialized) both use it.
+absl::StatusOr<engine::Method> FromProto(const v1::Method& m);
+
 // Validates and maps a DecodeRequest (method parameters are checked by the engine); the spans
 // point into `msg`, which must outlive the result. No method given means dense.
 absl::StatusOr<engine::DecodeCall> FromProto(const v1::DecodeRequest& msg);

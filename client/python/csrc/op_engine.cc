@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/strings/escaping.h"
 #include "absl/time/clock.h"
 #include "client/kvstore_client.h"
 #include "engine/gpu_mode.h"
@@ -143,6 +144,16 @@ class RemoteStoreEngine final : public OpEngine {
 };
 
 }  // namespace
+
+absl::StatusOr<engine::Method> MethodFromWire(const std::string& base64) {
+  std::string bytes;
+  v1::Method m;
+  if (!absl::Base64Unescape(base64, &bytes) || !m.ParseFromString(bytes)) {
+    return absl::InvalidArgumentError(
+        "method: not a base64 serialized kvsparse.v1.Method (kvsparse.ops.method_wire)");
+  }
+  return rpc::FromProto(m);
+}
 
 absl::StatusOr<std::unique_ptr<OpEngine>> NewLocalOpEngine(engine::EmbeddedOptions options) {
   absl::StatusOr<std::unique_ptr<en::Embedded>> e = en::Embedded::Create(std::move(options));

@@ -40,6 +40,12 @@ class OpEngine {
   virtual absl::StatusOr<std::pair<uint64_t, uint64_t>> StoreBytes() = 0;
 };
 
+// The engine's method from the op's method string: a serialized kvsparse.v1.Method, base64 (the
+// Python package's kvsparse.ops.method_wire), decoded and defaulted by the server's codec
+// (rpc::FromProto), so the op and the gRPC service read a method the same way. INVALID_ARGUMENT
+// for anything else, or for what the codec refuses (naming the field).
+absl::StatusOr<engine::Method> MethodFromWire(const std::string& base64);
+
 // The store and the engine in this process.
 absl::StatusOr<std::unique_ptr<OpEngine>> NewLocalOpEngine(engine::EmbeddedOptions options);
 

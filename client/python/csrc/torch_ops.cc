@@ -26,9 +26,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_split.h"
 #include "client/python/csrc/op_engine.h"
 #include "engine/embedded.h"
 #include "kernels/dtype.h"
@@ -80,134 +78,12 @@ kv::Tier TierNamed(const std::string& name) {
   Invalid("tier must be host or device, got " + name);
 }
 
-// "key=value,key=value" -> values; every key must be consumed by the method's parser.
-class Params {
- public:
-  explicit Params(const std::string& text) {
-    for (absl::string_view item : absl::StrSplit(text, ',', absl::SkipEmpty())) {
-      std::pair<std::string, std::string> kv = absl::StrSplit(item, absl::MaxSplits('=', 1));
-      values_[kv.first] = kv.second;
-    }
-  }
-  double Number(const std::string& key, double fallback) {
-    auto it = values_.find(key);
-    if (it == values_.end()) return fallback;
-    double x = 0;
-    if (!absl::SimpleAtod(it->second, &x)) Invalid("method parameter " + key + ": not a number");
-    values_.erase(it);
-    return x;
-  }
-  int32_t Int(const std::string& key, int32_t fallback) {
-    const double x = Number(key, fallback);
-    if (x < 0 || x > (1 << 30) || x != static_cast<int32_t>(x)) {
-      Invalid("method parameter " + key + ": not a count");
-    }
-    return static_cast<int32_t>(x);
-  }
-  std::string Word(const std::string& key, const std::string& fallback) {
-    auto it = values_.find(key);
-    if (it == values_.end()) return fallback;
-    std::string w = it->second;
-    values_.erase(it);
-    return w;
-  }
-  // One of `words` (the first is the default when the key is absent); INVALID_ARGUMENT naming
-  // the parameter and its words for any other.
-  template <typename E>
-  E Choice(const std::string& key, std::initializer_list<std::pair<const char*, E>> words) {
-    const std::string w = Word(key, words.begin()->first);
-    std::string all;
-    for (const auto& [name, value] : words) {
-      if (w == name) return value;
-      absl::StrAppend(&all, all.empty() ? "" : ", ", name);
-    }
-    Invalid(absl::StrCat("method parameter ", key, ": one of ", all, ", not ", w));
-  }
-  void Done(const std::string& method) {
-    if (!values_.empty()) {
-      Invalid(absl::StrCat(method, ": unknown parameter ", values_.begin()->first));
-    }
-  }
-
- private:
-  std::map<std::string, std::string> values_;
-};
-
-// The engine's method from the op's (method, params) strings (the names of kvsparse.methods).
-en::Method ParseMethod(const std::string& name, const std::string& text) {
-  Params p(text);
-  en::Method m;
-  if (name == "dense") {
-    m.kind = en::MethodKind::kDense;
-  } else if (name == "santa") {
-    m.kind = en::MethodKind::kSanta;
-    using S = kernels::SantaSampler;
-    using A = kernels::SantaAllocation;
-    m.santa.sampler = p.Choice<S>(
-        "sampler",
-        {{"systematic", S::kSystematic}, {"iid", S::kIid}, {"stratified", S::kStratified}});
-    m.santa.allocation = p.Choice<A>(
-        "allocation", {{"prop", A::kProp}, {"global", A::kGlobal}, {"flash", A::kFlash}});
-    m.santa.samples = p.Int("samples", 128);
-    m.santa.tile_size = p.Int("tile_size", 0);
-    m.santa.bernoulli_qk_samples = p.Int("bernoulli_qk_samples", 0);
-    m.santa.scores = p.Choice<kernels::ScoreSource>(
-        "scores", {{"exact", kernels::ScoreSource::kExact},
-                   {"compressed", kernels::ScoreSource::kCompressedKeys}});
-    m.santa.correction = p.Choice<kernels::SantaCorrection>(
-        "correction",
-        {{"ratio", kernels::SantaCorrection::kRatio}, {"none", kernels::SantaCorrection::kNone}});
-  } else if (name == "hash_top_k") {
-    m.kind = en::MethodKind::kHashTopK;
-    m.hash.top_k = p.Int("top_k", 0);
-    m.hash.top_k_fraction = static_cast<float>(p.Number("top_k_fraction", 0.05));
-    m.hash.sink_tokens = p.Int("sink_tokens", 128);
-    m.hash.local_tokens = p.Int("local_tokens", 128);
-    m.hash.bits = p.Int("bits", 0);
-    m.learned_signatures = p.Number("learned", 0) != 0;
-  } else if (name == "vattention") {
-    m.kind = en::MethodKind::kVAttention;
-    kernels::VAttentionParams& v = m.vattention;
-    v.epsilon = static_cast<float>(p.Number("epsilon", 0.05));
-    v.delta = static_cast<float>(p.Number("delta", 0.05));
-    v.top_k = p.Int("top_k", 0);
-    v.top_k_fraction = static_cast<float>(p.Number("top_k_fraction", 0.05));
-    v.sink_tokens = p.Int("sink_tokens", 128);
-    v.local_tokens = p.Int("local_tokens", 128);
-    using P = kernels::TopKPredictor;
-    v.predictor = p.Choice<P>(
-        "predictor", {{"hash", P::kHash}, {"exact", P::kExact}, {"compressed", P::kCompressed}});
-    v.base_rate = static_cast<float>(p.Number("base_rate", 0.05));
-    using Bd = kernels::BudgetBound;
-    v.bound = p.Choice<Bd>(
-        "bound", {{"clt", Bd::kClt}, {"clt-ratio", Bd::kCltRatio}, {"hoeffding", Bd::kHoeffding}});
-    using T = kernels::VerifyTarget;
-    v.target = p.Choice<T>(
-        "target",
-        {{"output", T::kOutput}, {"numerator", T::kNumerator}, {"denominator", T::kDenominator}});
-    v.bits = p.Int("bits", 0);
-    using S = kernels::ResidualSampler;
-    v.sampler = p.Choice<S>("sampler", {{"uniform", S::kUniform}, {"importance", S::kImportance}});
-    m.learned_signatures = p.Number("learned", 0) != 0;
-  } else if (name == "top_k") {
-    m.kind = en::MethodKind::kTopK;
-    m.top_k.top_k = p.Int("top_k", 0);
-    m.top_k.top_k_fraction = static_cast<float>(p.Number("top_k_fraction", 1.0 / 32));
-    m.top_k.sink_tokens = p.Int("sink_tokens", 128);
-    m.top_k.local_tokens = p.Int("local_tokens", 128);
-    m.top_k.source = p.Choice<kernels::ScoreSource>(
-        "scores", {{"compressed", kernels::ScoreSource::kCompressedKeys},
-                   {"exact", kernels::ScoreSource::kExact}});
-  } else if (name == "saap") {
-    m.kind = en::MethodKind::kSaap;
-    m.saap.probes = p.Int("probes", 8);
-    m.saap.sink_tokens = p.Int("sink_tokens", 128);
-    m.saap.local_tokens = p.Int("local_tokens", 128);
-  } else {
-    Invalid("unknown method " + name + " (dense, santa, hash_top_k, vattention, saap, top_k)");
-  }
-  p.Done(name);
-  return m;
+// The engine's method from the op's `method` string: a serialized kvsparse.v1.Method in base64,
+// decoded and defaulted by the same codec as the server's (rpc::FromProto, op_engine.h).
+en::Method MethodOf(const std::string& wire) {
+  absl::StatusOr<en::Method> m = MethodFromWire(wire);
+  if (!m.ok()) Raise(m.status());
+  return *std::move(m);
 }
 
 // ---- Engines --------------------------------------------------------------------------------
@@ -489,14 +365,13 @@ std::tuple<at::Tensor, at::Tensor> Decode(int64_t handle, int64_t layer,
                                           const at::Tensor& q_in,
                                           const std::optional<at::Tensor>& new_k,
                                           const std::optional<at::Tensor>& new_v,
-                                          const std::string& method, const std::string& params,
-                                          int64_t seed, double scale) {
+                                          const std::string& method, int64_t seed, double scale) {
   std::shared_ptr<OpEngine> e = Find(handle);
   if (layer < 0 || layer > (1 << 20) || !(scale >= 0.0)) Invalid("layer or scale out of range");
   en::DecodeCall call;
   call.layer = static_cast<uint32_t>(layer);
   call.sequence_ids = sequence_ids;
-  call.method = ParseMethod(method, params);
+  call.method = MethodOf(method);
   call.seed = static_cast<uint64_t>(seed);
   call.scale = static_cast<float>(scale);
   return DecodeWith(e.get(), std::move(call), q_in, new_k, new_v);
@@ -531,8 +406,8 @@ std::shared_ptr<StepPlan> FindPlan(int64_t engine, int64_t handle) {
 }
 
 int64_t PlanSteps(int64_t handle, const std::vector<std::string>& sequence_ids,
-                  const std::string& method, const std::string& params, int64_t max_tokens,
-                  int64_t seed, double scale, const std::string& dtype, bool eager) {
+                  const std::string& method, int64_t max_tokens, int64_t seed, double scale,
+                  const std::string& dtype, bool eager) {
   std::shared_ptr<OpEngine> e = Find(handle);
   if (max_tokens <= 0 || max_tokens > (int64_t{1} << 30) || !(scale >= 0.0)) {
     Invalid("max_tokens (1 .. 2^30) or scale out of range");
@@ -542,7 +417,7 @@ int64_t PlanSteps(int64_t handle, const std::vector<std::string>& sequence_ids,
   plan->engine_handle = handle;
   en::StaticStepRequest& r = plan->request;
   r.sequence_ids = sequence_ids;
-  r.method = ParseMethod(method, params);
+  r.method = MethodOf(method);
   r.max_tokens = static_cast<uint64_t>(max_tokens);
   r.seed = static_cast<uint64_t>(seed);
   r.scale = static_cast<float>(scale);
@@ -807,9 +682,8 @@ SaleCalibrate(at::TensorList qs, at::TensorList ks, at::TensorList vs, double th
   params.block_k = static_cast<int32_t>(block_k);
   params.sink_tokens = static_cast<int32_t>(sink_tokens);
   params.local_tokens = static_cast<int32_t>(local_tokens);
-  absl::StatusOr<kernels::SaleCalibration> c =
-      kernels::SaleCalibrate(samples, params, theta, static_cast<float>(tau0),
-                             static_cast<int32_t>(max_halvings));
+  absl::StatusOr<kernels::SaleCalibration> c = kernels::SaleCalibrate(
+      samples, params, theta, static_cast<float>(tau0), static_cast<int32_t>(max_halvings));
   if (!c.ok()) Raise(c.status());
   return {std::vector<double>(c->tau.begin(), c->tau.end()), c->error, c->sparsity,
           std::vector<int64_t>(c->halvings.begin(), c->halvings.end())};
@@ -840,9 +714,9 @@ TORCH_LIBRARY(kvsparse, m) {
       "-> ()");
   m.def(
       "decode(int engine, int layer, str[] sequence_ids, Tensor q, Tensor? new_k, Tensor? new_v, "
-      "str method, str params, int seed, float scale) -> (Tensor, Tensor)");
+      "str method, int seed, float scale) -> (Tensor, Tensor)");
   m.def(
-      "plan_steps(int engine, str[] sequence_ids, str method, str params, int max_tokens, "
+      "plan_steps(int engine, str[] sequence_ids, str method, int max_tokens, "
       "int seed, float scale, str dtype, bool eager=False) -> int",
       &PlanSteps);
   m.def("step_plan_mode(int engine, int plan) -> str", &StepPlanMode);

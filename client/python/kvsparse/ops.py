@@ -22,6 +22,7 @@ beside this module, then in the repository's build/lib.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import os
 import re
@@ -36,7 +37,8 @@ with needs("kvsparse.ops", "torch", "torch"):
     import torch
 
 from kvsparse.errors import KvSparseError, from_code
-from kvsparse.methods import Dense, HashTopK, Method, ModelShape, Placement, Saap, Santa, TopK, VAttention
+from kvsparse.methods import Dense, Method, ModelShape, Placement
+from kvsparse.v1 import attention_pb2
 
 _LIB_NAME = "libkvsparse_torch.so"
 _loaded: str | None = None
@@ -93,7 +95,7 @@ def _register_fakes() -> None:
     """Shapes of the tensor ops for torch.compile's tracing (no engine call)."""
 
     @torch.library.register_fake("kvsparse::decode")
-    def _(engine, layer, sequence_ids, q, new_k, new_v, method, params, seed, scale):  # type: ignore[no-untyped-def]
+    def _(engine, layer, sequence_ids, q, new_k, new_v, method, seed, scale):  # type: ignore[no-untyped-def]
         # One statistics row per (sequence, kv head): Hkv is new_k's, or unknown to the tracer.
         if new_k is not None:
             rows = len(sequence_ids) * new_k.shape[1]
@@ -128,23 +130,12 @@ def _call(op: Any, *args: Any) -> Any:
         raise _translate(e) from None
 
 
-def method_spec(method: Method) -> tuple[str, str]:
-    """The op's (method, params) strings of a kvsparse.methods dataclass."""
-    name = {
-        Dense: "dense",
-        Santa: "santa",
-        HashTopK: "hash_top_k",
-        VAttention: "vattention",
-        Saap: "saap",
-        TopK: "top_k",
-    }[type(method)]
-    fields = dataclasses.asdict(method)
-    parts = []
-    for key, value in fields.items():
-        if isinstance(value, bool):
-            value = int(value)
-        parts.append(f"{key}={value}")
-    return name, ",".join(parts)
+def method_wire(method: Method) -> str:
+    """The op's method argument: the method as the wire's kvsparse.v1.Method, serialized and in
+    base64, so the op decodes and defaults it with the server's codec (rpc::FromProto)."""
+    m = attention_pb2.Method()
+    method.to_proto(m)
+    return base64.b64encode(m.SerializeToString()).decode("ascii")
 
 
 def _bytes(x: int | str) -> int:
@@ -323,7 +314,6 @@ class InProcessEngine(_Closing):
         """One layer of one decode step: q [B, H, d]; new_k / new_v [B, Hkv, d] appended first.
         Returns the output [B, H, d] (q's dtype and device) and the statistics [B * Hkv, 7]
         (int64 on the CPU; columns STAT_COLUMNS)."""
-        name, params = method_spec(method)
         return _call(
             torch.ops.kvsparse.decode,
             self.handle,
@@ -332,8 +322,7 @@ class InProcessEngine(_Closing):
             q,
             new_k,
             new_v,
-            name,
-            params,
+            method_wire(method),
             seed & (2**63 - 1),
             float(scale),
         )
@@ -377,7 +366,6 @@ class DecodeSteps(_Closing):
         dtype: str = "bf16",
         eager: bool = False,
     ) -> None:
-        name, params = method_spec(method)
         self._engine = engine
         self.sequence_ids = list(sequence_ids)
         self.max_tokens = max_tokens
@@ -385,8 +373,7 @@ class DecodeSteps(_Closing):
             torch.ops.kvsparse.plan_steps,
             engine.handle,
             self.sequence_ids,
-            name,
-            params,
+            method_wire(method),
             max_tokens,
             seed & (2**63 - 1),
             float(scale),

@@ -3,12 +3,15 @@ CUDA device the GPU backend with q and the output on the device, tests marked gp
 
 from __future__ import annotations
 
+import base64
+
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import kvsparse  # noqa: E402
 from kvsparse import ops  # noqa: E402
+from kvsparse.v1 import attention_pb2  # noqa: E402
 
 if not ops.available():
     pytest.skip("libkvsparse_torch.so not built (cmake -DKVSPARSE_TORCH_PREFIX=...)", allow_module_level=True)
@@ -95,16 +98,24 @@ def test_errors_are_kvsparse_exceptions(engine: ops.InProcessEngine) -> None:
         engine.decode(1, ids, q, kvsparse.TopK())  # no compressed keys kept
     with pytest.raises(kvsparse.InvalidArgument, match="compressed_key_bits"):
         engine.create_sequence("odd", SHAPE, kvsparse.Placement(compressed_key_bits=3))
-    # A word the op does not know is refused, not read as the parameter's default.
-    for spec in (
-        ("santa", "sampler=strat"),
-        ("vattention", "predictor=hahs"),
-        ("vattention", "sampler=stratified"),
-        ("top_k", "scores=oracle"),
+    # The op reads the wire's Method with the server's codec: a value it does not know is refused
+    # naming the field, not read as the field's default; what is not a Method at all is refused.
+    for field, value in (
+        ("santa.sampler", 99),
+        ("vattention.predictor", 99),
+        ("vattention.sampler", 99),
+        ("top_k.scores", 99),
     ):
-        with pytest.raises(kvsparse.InvalidArgument, match=spec[1].split("=")[0]):
-            ops._call(torch.ops.kvsparse.decode, engine.handle, 1, ids, q, None, None, spec[0], spec[1], 0, 0.125)
-    with pytest.raises(kvsparse.InvalidArgument, match="correction"):
+        m = attention_pb2.Method()
+        kind, name = field.split(".")
+        setattr(getattr(m, kind), name, value)
+        wire = base64.b64encode(m.SerializeToString()).decode()
+        with pytest.raises(kvsparse.InvalidArgument, match=name):
+            ops._call(torch.ops.kvsparse.decode, engine.handle, 1, ids, q, None, None, wire, 0, 0.125)
+    for junk in ("dense", "not base64!", base64.b64encode(b"\xff\xff\xff").decode()):
+        with pytest.raises(kvsparse.InvalidArgument, match="kvsparse.v1.Method"):
+            ops._call(torch.ops.kvsparse.decode, engine.handle, 1, ids, q, None, None, junk, 0, 0.125)
+    with pytest.raises(ValueError, match="correction"):  # refused by the method's to_proto, as over gRPC
         engine.decode(1, ids, q, kvsparse.Santa(correction="exact"))  # type: ignore[arg-type]
     with pytest.raises(kvsparse.InvalidArgument, match="sampler"):  # hash predictor: no scores
         engine.decode(1, ids, q, kvsparse.VAttention(sampler="importance"))
@@ -181,7 +192,7 @@ def test_opcheck_schema_and_fake() -> None:
         e.create_sequence("s", SHAPE)
         e.append("s", 1, torch.randn(64, 2, 64).to(torch.bfloat16), torch.randn(64, 2, 64).to(torch.bfloat16))
         q = torch.randn(1, 8, 64).to(torch.bfloat16)
-        args = (e.handle, 1, ["s"], q, None, None, "dense", "", 0, 0.0)
+        args = (e.handle, 1, ["s"], q, None, None, ops.method_wire(kvsparse.Dense()), 0, 0.0)
         torch.library.opcheck(
             torch.ops.kvsparse.decode.default, args, test_utils=("test_schema", "test_faketensor")
         )
