@@ -165,28 +165,30 @@ Layout MakeLayout(const VAttentionParams& p, void* base) {
   return l;
 }
 
-// Block-wide exclusive scan for kSampleThreads threads (ws: 32 ints). Ends with a barrier.
-__device__ __forceinline__ int ScanExclusive1024(int v, int* ws, int* total) {
+// Block-wide exclusive scan for kSampleThreads threads (ws: 32 values; int counts, or float64
+// sums for the importance proposal). Ends with a barrier.
+template <typename T>
+__device__ __forceinline__ T ScanExclusive1024(T v, T* ws, T* total) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int x = v;
+  T x = v;
 #pragma unroll
   for (int o = 1; o < 32; o *= 2) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    const T y = __shfl_up_sync(0xffffffffu, x, o);
     if (lane >= o) x += y;
   }
   if (lane == 31) ws[warp] = x;
   __syncthreads();
   if (warp == 0) {
-    int y = ws[lane];
+    T y = ws[lane];
 #pragma unroll
     for (int o = 1; o < 32; o *= 2) {
-      const int z = __shfl_up_sync(0xffffffffu, y, o);
+      const T z = __shfl_up_sync(0xffffffffu, y, o);
       if (lane >= o) y += z;
     }
     ws[lane] = y;
   }
   __syncthreads();
-  const int r = (warp > 0 ? ws[warp - 1] : 0) + x - v;
+  const T r = (warp > 0 ? ws[warp - 1] : T{0}) + x - v;
   *total = ws[31];
   __syncthreads();
   return r;
@@ -328,34 +330,6 @@ __global__ void __launch_bounds__(kSampleThreads)
   if (tid == 0) out_count[bh] = carry;
 }
 
-// Block-wide exclusive scan of doubles for kSampleThreads threads (ws: 32 doubles). Ends with a
-// barrier.
-__device__ __forceinline__ double ScanExclusive1024D(double v, double* ws, double* total) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  double x = v;
-#pragma unroll
-  for (int o = 1; o < 32; o *= 2) {
-    const double y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) ws[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    double y = ws[lane];
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const double z = __shfl_up_sync(0xffffffffu, y, o);
-      if (lane >= o) y += z;
-    }
-    ws[lane] = y;
-  }
-  __syncthreads();
-  const double r = (warp > 0 ? ws[warp - 1] : 0.0) + x - v;
-  *total = ws[31];
-  __syncthreads();
-  return r;
-}
-
 // Importance mode, the proposal (one block per (b, h), after the fixed set): the residual's
 // tokens in order (prop_tok[r] for rank r), cdf[r] = sum over ranks <= r of e^{s~_t - m} in
 // float64 (m: the residual's largest s~, as the CPU's ImportanceProposal), and
@@ -419,7 +393,7 @@ __global__ void __launch_bounds__(kSampleThreads) VattProposalKernel(VAttentionP
     int rtot = 0;
     int r = rcarry + ScanExclusive1024(cnt, ws, &rtot);
     double dtot = 0.0;
-    double acc = dcarry + ScanExclusive1024D(part, dws, &dtot);
+    double acc = dcarry + ScanExclusive1024(part, dws, &dtot);
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       if (flags & (1 << i)) {

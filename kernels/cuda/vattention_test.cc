@@ -30,6 +30,64 @@ struct Config {
   int bound, target;
 };
 
+// The GPU parameters matching the CPU reference's (thresholds, rates, bound and target).
+VAttentionParams GpuParamsOf(const kernels::VAttentionParams& cp, const DecodeShape& shape,
+                             uint64_t seed) {
+  VAttentionParams gp;
+  gp.shape = shape;
+  gp.seed = seed;
+  gp.epsilon = cp.epsilon;
+  gp.delta = cp.delta;
+  gp.sink_tokens = cp.sink_tokens;
+  gp.local_tokens = cp.local_tokens;
+  gp.top_k = cp.top_k;
+  gp.top_k_fraction = cp.top_k_fraction;
+  gp.base_rate = cp.base_rate;
+  gp.bound = static_cast<int32_t>(cp.bound);
+  gp.target = static_cast<int32_t>(cp.target);
+  return gp;
+}
+
+std::vector<int32_t> HostInts(const int32_t* dp, size_t count) {
+  std::vector<int32_t> r(count);
+  EXPECT_EQ(cudaMemcpy(r.data(), dp, count * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  return r;
+}
+
+// A finished VAttentionDecode's selection, on the host: per query head i its fixed set, base
+// and final samples and budget; per (b, kv head) k the union parts and the rows fetched.
+struct HostSelection {
+  HostSelection(const VAttentionParams& gp, const void* ws, int bh, int bk)
+      : v(VAttentionSelection(gp, ws)),
+        fixed(HostInts(v.fixed, static_cast<size_t>(bh) * v.fixed_stride)),
+        fixed_n(HostInts(v.fixed_count, bh)),
+        base(HostInts(v.base, static_cast<size_t>(bh) * v.max_list)),
+        base_n(HostInts(v.base_count, bh)),
+        dyn(HostInts(v.dyn, static_cast<size_t>(bh) * v.max_list)),
+        dyn_n(HostInts(v.dyn_count, bh)),
+        ua(HostInts(v.union_a, static_cast<size_t>(bk) * v.max_list)),
+        ua_n(HostInts(v.union_a_count, bk)),
+        ur(HostInts(v.union_r, static_cast<size_t>(bk) * v.max_list)),
+        ur_n(HostInts(v.union_r_count, bk)),
+        fetched(HostInts(v.fetched, bk)),
+        budget(bh) {
+    EXPECT_EQ(cudaMemcpy(budget.data(), v.budget, bh * 8, cudaMemcpyDeviceToHost), cudaSuccess);
+  }
+  static std::vector<int32_t> Slice(const std::vector<int32_t>& a, int i, int stride, int count) {
+    return std::vector<int32_t>(a.begin() + static_cast<int64_t>(i) * stride,
+                                a.begin() + static_cast<int64_t>(i) * stride + std::max(count, 0));
+  }
+  std::vector<int32_t> Fixed(int i) const { return Slice(fixed, i, v.fixed_stride, fixed_n[i]); }
+  std::vector<int32_t> Base(int i) const { return Slice(base, i, v.max_list, base_n[i]); }
+  std::vector<int32_t> Dyn(int i) const { return Slice(dyn, i, v.max_list, dyn_n[i]); }
+  std::vector<int32_t> UnionA(int k) const { return Slice(ua, k, v.max_list, ua_n[k]); }
+  std::vector<int32_t> UnionR(int k) const { return Slice(ur, k, v.max_list, ur_n[k]); }
+
+  const VAttentionSelectionView v;
+  const std::vector<int32_t> fixed, fixed_n, base, base_n, dyn, dyn_n, ua, ua_n, ur, ur_n, fetched;
+  std::vector<int64_t> budget;
+};
+
 void RunCase(const Config& c, int seed) {
   const std::string what = std::string(DTypeName(c.dtype)) + " d=" + std::to_string(c.d) +
                            " G=" + std::to_string(c.g) + " bound " + std::to_string(c.bound) +
@@ -69,18 +127,7 @@ void RunCase(const Config& c, int seed) {
 
   DeviceProblem d = DeviceProblem::Upload(p, sp.k.size() / DTypeSize(c.dtype));
   DeviceBuffer qs = ToDevice(sigs.q), ks = ToDevice(sigs.k);
-  VAttentionParams gp;
-  gp.shape = d.shape;
-  gp.seed = rng_seed;
-  gp.epsilon = cp.epsilon;
-  gp.delta = cp.delta;
-  gp.sink_tokens = cp.sink_tokens;
-  gp.local_tokens = cp.local_tokens;
-  gp.top_k = cp.top_k;
-  gp.top_k_fraction = cp.top_k_fraction;
-  gp.base_rate = cp.base_rate;
-  gp.bound = c.bound;
-  gp.target = c.target;
+  VAttentionParams gp = GpuParamsOf(cp, d.shape, rng_seed);
   gp.bits = 32;
   gp.q_sigs = qs.as<uint32_t>();
   gp.k_sigs = ks.as<uint32_t>();
@@ -92,33 +139,16 @@ void RunCase(const Config& c, int seed) {
   ASSERT_EQ(ws.Poison(), cudaSuccess);
   ASSERT_EQ(VAttentionDecode(gp, ws.get(), ws.size(), nullptr), cudaSuccess) << what;
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
-  const VAttentionSelectionView v = VAttentionSelection(gp, ws.get());
-  const int bh = p.batch * p.num_q_heads;
-  auto host_i32 = [](const int32_t* dp, size_t count) {
-    std::vector<int32_t> r(count);
-    EXPECT_EQ(cudaMemcpy(r.data(), dp, count * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    return r;
-  };
-  const auto fixed = host_i32(v.fixed, static_cast<size_t>(bh) * v.fixed_stride);
-  const auto fixed_n = host_i32(v.fixed_count, bh);
-  const auto base = host_i32(v.base, static_cast<size_t>(bh) * v.max_list);
-  const auto base_n = host_i32(v.base_count, bh);
-  const auto dyn = host_i32(v.dyn, static_cast<size_t>(bh) * v.max_list);
-  const auto dyn_n = host_i32(v.dyn_count, bh);
-  std::vector<int64_t> budget(bh);
-  ASSERT_EQ(cudaMemcpy(budget.data(), v.budget, bh * 8, cudaMemcpyDeviceToHost), cudaSuccess);
-  auto slice = [](const std::vector<int32_t>& a, int i, int stride, int count) {
-    return std::vector<int32_t>(a.begin() + static_cast<int64_t>(i) * stride,
-                                a.begin() + static_cast<int64_t>(i) * stride + std::max(count, 0));
-  };
+  const int bh = p.batch * p.num_q_heads, bk = p.batch * p.num_kv_heads;
+  const HostSelection sel(gp, ws.get(), bh, bk);
   int b_off_by_one = 0;
   for (int i = 0; i < bh; ++i) {
     const VAttentionHeadResult& r = stats.heads[i];
-    EXPECT_EQ(slice(fixed, i, v.fixed_stride, fixed_n[i]), r.fixed) << what << " head " << i;
-    EXPECT_EQ(slice(base, i, v.max_list, base_n[i]), r.base) << what << " head " << i;
-    EXPECT_LE(std::llabs(budget[i] - r.b), 1) << what << " head " << i;
-    if (budget[i] == r.b) {
-      EXPECT_EQ(slice(dyn, i, v.max_list, dyn_n[i]), r.dyn) << what << " head " << i;
+    EXPECT_EQ(sel.Fixed(i), r.fixed) << what << " head " << i;
+    EXPECT_EQ(sel.Base(i), r.base) << what << " head " << i;
+    EXPECT_LE(std::llabs(sel.budget[i] - r.b), 1) << what << " head " << i;
+    if (sel.budget[i] == r.b) {
+      EXPECT_EQ(sel.Dyn(i), r.dyn) << what << " head " << i;
     } else {
       ++b_off_by_one;
     }
@@ -126,12 +156,7 @@ void RunCase(const Config& c, int seed) {
   EXPECT_LE(b_off_by_one, std::max(1, bh / 20)) << what;
   // Each (b, kv head) reads the union of its group's rows once: A = U (fixed u base), then
   // R = U dyn \ A.
-  const int bk = p.batch * p.num_kv_heads, G = c.g;
-  const auto ua = host_i32(v.union_a, static_cast<size_t>(bk) * v.max_list);
-  const auto ua_n = host_i32(v.union_a_count, bk);
-  const auto ur = host_i32(v.union_r, static_cast<size_t>(bk) * v.max_list);
-  const auto ur_n = host_i32(v.union_r_count, bk);
-  const auto fetched = host_i32(v.fetched, bk);
+  const int G = c.g;
   int64_t union_rows = 0, head_rows = 0;
   for (int k = 0; k < bk; ++k) {
     std::set<int32_t> a, r;
@@ -140,22 +165,21 @@ void RunCase(const Config& c, int seed) {
     };
     for (int g = 0; g < G; ++g) {
       const int i = head(g);
-      for (int32_t t : slice(fixed, i, v.fixed_stride, fixed_n[i])) a.insert(t);
-      for (int32_t t : slice(base, i, v.max_list, base_n[i])) a.insert(t);
-      head_rows += fixed_n[i] + base_n[i] + std::max(dyn_n[i], 0);
+      for (int32_t t : sel.Fixed(i)) a.insert(t);
+      for (int32_t t : sel.Base(i)) a.insert(t);
+      head_rows += sel.fixed_n[i] + sel.base_n[i] + std::max(sel.dyn_n[i], 0);
     }
     for (int g = 0; g < G; ++g) {
       const int i = head(g);
-      for (int32_t t : slice(dyn, i, v.max_list, dyn_n[i])) {
+      for (int32_t t : sel.Dyn(i)) {
         if (!a.count(t)) r.insert(t);
       }
     }
-    EXPECT_EQ(slice(ua, k, v.max_list, ua_n[k]), std::vector<int32_t>(a.begin(), a.end()))
+    EXPECT_EQ(sel.UnionA(k), std::vector<int32_t>(a.begin(), a.end())) << what << " kv head " << k;
+    EXPECT_EQ(sel.UnionR(k), std::vector<int32_t>(r.begin(), r.end())) << what << " kv head " << k;
+    EXPECT_EQ(sel.fetched[k], static_cast<int32_t>(a.size() + r.size()))
         << what << " kv head " << k;
-    EXPECT_EQ(slice(ur, k, v.max_list, ur_n[k]), std::vector<int32_t>(r.begin(), r.end()))
-        << what << " kv head " << k;
-    EXPECT_EQ(fetched[k], static_cast<int32_t>(a.size() + r.size())) << what << " kv head " << k;
-    union_rows += fetched[k];
+    union_rows += sel.fetched[k];
   }
   if (G > 1) {
     EXPECT_LT(union_rows, head_rows) << what;
@@ -231,59 +255,31 @@ void RunImportanceCase(const Config& c, int bits, int seed) {
 
   DeviceProblem d = DeviceProblem::Upload(p, sp.k.size() / esize);
   DeviceBuffer dscores = ToDevice(scores);
-  VAttentionParams gp;
-  gp.shape = d.shape;
-  gp.seed = rng_seed;
-  gp.epsilon = cp.epsilon;
-  gp.delta = cp.delta;
-  gp.sink_tokens = cp.sink_tokens;
-  gp.local_tokens = cp.local_tokens;
-  gp.top_k = cp.top_k;
-  gp.top_k_fraction = cp.top_k_fraction;
-  gp.base_rate = cp.base_rate;
-  gp.bound = c.bound;
-  gp.target = c.target;
+  VAttentionParams gp = GpuParamsOf(cp, d.shape, rng_seed);
   gp.scores = dscores.as<float>();
   gp.scores_stride = max_len;
   DeviceBuffer ws(VAttentionWorkspaceBytes(gp));
   ASSERT_EQ(ws.Poison(), cudaSuccess);
   ASSERT_EQ(VAttentionDecode(gp, ws.get(), ws.size(), nullptr), cudaSuccess) << what;
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
-  const VAttentionSelectionView v = VAttentionSelection(gp, ws.get());
   const int bh = B * H;
-  auto host_i32 = [](const int32_t* dp, size_t count) {
-    std::vector<int32_t> r(count);
-    EXPECT_EQ(cudaMemcpy(r.data(), dp, count * 4, cudaMemcpyDeviceToHost), cudaSuccess);
-    return r;
-  };
-  const auto fixed = host_i32(v.fixed, static_cast<size_t>(bh) * v.fixed_stride);
-  const auto fixed_n = host_i32(v.fixed_count, bh);
-  const auto base = host_i32(v.base, static_cast<size_t>(bh) * v.max_list);
-  const auto base_n = host_i32(v.base_count, bh);
-  const auto dyn = host_i32(v.dyn, static_cast<size_t>(bh) * v.max_list);
-  const auto dyn_n = host_i32(v.dyn_count, bh);
-  std::vector<int64_t> budget(bh);
-  ASSERT_EQ(cudaMemcpy(budget.data(), v.budget, bh * 8, cudaMemcpyDeviceToHost), cudaSuccess);
-  auto slice = [](const std::vector<int32_t>& a, int i, int stride, int count) {
-    return std::vector<int32_t>(a.begin() + static_cast<int64_t>(i) * stride,
-                                a.begin() + static_cast<int64_t>(i) * stride + std::max(count, 0));
-  };
+  const HostSelection sel(gp, ws.get(), bh, B * hkv);
   int base_differs = 0, b_off = 0, dyn_differs = 0, exact_residual = 0, repeats = 0;
   for (int i = 0; i < bh; ++i) {
     const VAttentionHeadResult& r = stats.heads[i];
-    EXPECT_EQ(slice(fixed, i, v.fixed_stride, fixed_n[i]), r.fixed) << what << " head " << i;
-    const auto gb = slice(base, i, v.max_list, base_n[i]);
+    EXPECT_EQ(sel.Fixed(i), r.fixed) << what << " head " << i;
+    const std::vector<int32_t> gb = sel.Base(i);
     EXPECT_EQ(gb.size(), r.base.size()) << what << " head " << i;
     base_differs += gb != r.base;
     EXPECT_TRUE(std::is_sorted(gb.begin(), gb.end())) << what << " head " << i;
     repeats += std::adjacent_find(gb.begin(), gb.end()) != gb.end();
-    EXPECT_LE(std::llabs(budget[i] - r.b), 1) << what << " head " << i;
-    if (budget[i] != r.b) {
+    EXPECT_LE(std::llabs(sel.budget[i] - r.b), 1) << what << " head " << i;
+    if (sel.budget[i] != r.b) {
       ++b_off;
       continue;
     }
     exact_residual += r.residual_exact;
-    const auto gd = slice(dyn, i, v.max_list, dyn_n[i]);
+    const std::vector<int32_t> gd = sel.Dyn(i);
     EXPECT_EQ(static_cast<int64_t>(gd.size()),
               r.residual_exact ? static_cast<int64_t>(r.dyn.size()) : r.b)
         << what << " head " << i;
