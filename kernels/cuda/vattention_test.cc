@@ -30,6 +30,21 @@ struct Config {
   int bound, target;
 };
 
+// The reference's parameters of a case: sink 16, window 32, top-k 5%, base rate 0.1,
+// eps = delta = 0.1, the case's bound and target.
+kernels::VAttentionParams CpuParamsOf(const Config& c) {
+  kernels::VAttentionParams cp;
+  cp.sink_tokens = 16;
+  cp.local_tokens = 32;
+  cp.top_k_fraction = 0.05f;
+  cp.base_rate = 0.1f;
+  cp.epsilon = 0.1f;
+  cp.delta = 0.1f;
+  cp.bound = static_cast<BudgetBound>(c.bound);
+  cp.target = static_cast<VerifyTarget>(c.target);
+  return cp;
+}
+
 // The GPU parameters matching the CPU reference's (thresholds, rates, bound and target).
 VAttentionParams GpuParamsOf(const kernels::VAttentionParams& cp, const DecodeShape& shape,
                              uint64_t seed) {
@@ -108,15 +123,7 @@ void RunCase(const Config& c, int seed) {
   sh.bits = 32;
   Signatures sigs;
   ASSERT_TRUE(ComputeSimHashSignatures(p, sh, &sigs).ok());
-  kernels::VAttentionParams cp;
-  cp.sink_tokens = 16;
-  cp.local_tokens = 32;
-  cp.top_k_fraction = 0.05f;
-  cp.base_rate = 0.1f;
-  cp.epsilon = 0.1f;
-  cp.delta = 0.1f;
-  cp.bound = static_cast<BudgetBound>(c.bound);
-  cp.target = static_cast<VerifyTarget>(c.target);
+  kernels::VAttentionParams cp = CpuParamsOf(c);
   cp.predictor = TopKPredictor::kHash;
   const uint64_t rng_seed = 77 + seed;
   std::vector<uint8_t> cpu_out(sp.out.size());
@@ -234,15 +241,7 @@ void RunImportanceCase(const Config& c, int bits, int seed) {
                         scores.data() + (static_cast<size_t>(b) * H + h) * max_len);
     }
   }
-  kernels::VAttentionParams cp;
-  cp.sink_tokens = 16;
-  cp.local_tokens = 32;
-  cp.top_k_fraction = 0.05f;
-  cp.base_rate = 0.1f;
-  cp.epsilon = 0.1f;
-  cp.delta = 0.1f;
-  cp.bound = static_cast<BudgetBound>(c.bound);
-  cp.target = static_cast<VerifyTarget>(c.target);
+  kernels::VAttentionParams cp = CpuParamsOf(c);
   cp.predictor = TopKPredictor::kCompressed;
   cp.sampler = ResidualSampler::kImportance;
   const uint64_t rng_seed = 91 + seed;
