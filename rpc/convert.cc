@@ -216,205 +216,178 @@ void ToProto(const kvstore::StoreStats& st, v1::StoreStats* out) {
   out->set_shard_count(st.shard.count);
 }
 
+namespace {
+
+// An enum field of a method: the engine's value for the wire's, from `table` ({wire, engine}
+// pairs); UNSPECIFIED (0) is the field's default `unset`. INVALID_ARGUMENT naming the field for
+// any other value (a newer client's, or a malformed message).
+template <typename W, typename E>
+absl::StatusOr<E> EnumOf(W value, const char* field, E unset,
+                         std::initializer_list<std::pair<W, E>> table) {
+  if (static_cast<int>(value) == 0) return unset;
+  for (const auto& [wire, engine] : table) {
+    if (value == wire) return engine;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("method.", field, ": unknown value ", static_cast<int>(value)));
+}
+
+// A count of a method's message: at most `max`, else INVALID_ARGUMENT naming it.
+absl::StatusOr<int32_t> CountOf(uint32_t value, const char* field, uint32_t max) {
+  if (value > max) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("method.", field, ": ", value, " is out of range (at most ", max, ")"));
+  }
+  return static_cast<int32_t>(value);
+}
+
+#define KVS_ASSIGN(lhs, expr)                       \
+  do {                                              \
+    auto kvs_value = (expr);                        \
+    if (!kvs_value.ok()) return kvs_value.status(); \
+    lhs = *kvs_value;                               \
+  } while (0)
+
+constexpr uint32_t kMaxTokens = 1u << 30;
+
+absl::Status SantaFromProto(const v1::SantaParams& s, kernels::SantaParams* p) {
+  using kernels::SantaAllocation;
+  using kernels::SantaSampler;
+  KVS_ASSIGN(p->sampler, EnumOf(s.sampler(), "santa.sampler", SantaSampler::kSystematic,
+                                {{v1::SANTA_SAMPLER_IID, SantaSampler::kIid},
+                                 {v1::SANTA_SAMPLER_STRATIFIED, SantaSampler::kStratified},
+                                 {v1::SANTA_SAMPLER_SYSTEMATIC, SantaSampler::kSystematic}}));
+  KVS_ASSIGN(p->allocation, EnumOf(s.allocation(), "santa.allocation", SantaAllocation::kProp,
+                                   {{v1::SANTA_ALLOCATION_GLOBAL, SantaAllocation::kGlobal},
+                                    {v1::SANTA_ALLOCATION_PROP, SantaAllocation::kProp},
+                                    {v1::SANTA_ALLOCATION_FLASH, SantaAllocation::kFlash}}));
+  KVS_ASSIGN(p->samples, CountOf(s.samples(), "santa.samples", 1u << 24));
+  KVS_ASSIGN(p->tile_size, CountOf(s.tile_size(), "santa.tile_size", 1u << 24));  // 0: default
+  KVS_ASSIGN(p->bernoulli_qk_samples,
+             CountOf(s.bernoulli_qk_samples(), "santa.bernoulli_qk_samples", 1024));
+  KVS_ASSIGN(
+      p->bernoulli_mode,
+      EnumOf(
+          s.bernoulli_mode(), "santa.bernoulli_mode", kernels::BernoulliQkMode::kMeanGroupQuery,
+          {{v1::BERNOULLI_QK_MODE_PER_HEAD, kernels::BernoulliQkMode::kPerHead},
+           {v1::BERNOULLI_QK_MODE_MEAN_GROUP_QUERY, kernels::BernoulliQkMode::kMeanGroupQuery}}));
+  KVS_ASSIGN(p->bernoulli_sampler,
+             EnumOf(s.bernoulli_sampler(), "santa.bernoulli_sampler",
+                    kernels::BernoulliSampler::kStratified,
+                    {{v1::BERNOULLI_SAMPLER_IID, kernels::BernoulliSampler::kIid},
+                     {v1::BERNOULLI_SAMPLER_STRATIFIED, kernels::BernoulliSampler::kStratified}}));
+  KVS_ASSIGN(p->scores,
+             EnumOf(s.scores(), "santa.scores", kernels::ScoreSource::kExact,
+                    {{v1::SCORE_SOURCE_EXACT, kernels::ScoreSource::kExact},
+                     {v1::SCORE_SOURCE_COMPRESSED_KEYS, kernels::ScoreSource::kCompressedKeys}}));
+  KVS_ASSIGN(p->correction,
+             EnumOf(s.correction(), "santa.correction", kernels::SantaCorrection::kRatio,
+                    {{v1::SANTA_CORRECTION_RATIO, kernels::SantaCorrection::kRatio},
+                     {v1::SANTA_CORRECTION_NONE, kernels::SantaCorrection::kNone}}));
+  return absl::OkStatus();
+}
+
+absl::Status HashTopKFromProto(const v1::HashTopKParams& h, engine::Method* out) {
+  KVS_ASSIGN(out->hash.sink_tokens, CountOf(h.sink_tokens(), "hash_top_k.sink_tokens", kMaxTokens));
+  KVS_ASSIGN(out->hash.local_tokens,
+             CountOf(h.local_tokens(), "hash_top_k.local_tokens", kMaxTokens));
+  KVS_ASSIGN(out->hash.top_k, CountOf(h.top_k(), "hash_top_k.top_k", kMaxTokens));
+  KVS_ASSIGN(out->hash.bits, CountOf(h.bits(), "hash_top_k.bits", 256));
+  out->hash.top_k_fraction = h.top_k_fraction();
+  out->learned_signatures = h.source() == v1::SIGNATURE_SOURCE_LEARNED;
+  return absl::OkStatus();
+}
+
+absl::Status TopKFromProto(const v1::TopKParams& t, kernels::ScoreTopKParams* p) {
+  KVS_ASSIGN(p->sink_tokens, CountOf(t.sink_tokens(), "top_k.sink_tokens", kMaxTokens));
+  KVS_ASSIGN(p->local_tokens, CountOf(t.local_tokens(), "top_k.local_tokens", kMaxTokens));
+  KVS_ASSIGN(p->top_k, CountOf(t.top_k(), "top_k.top_k", kMaxTokens));
+  p->top_k_fraction = t.top_k_fraction();
+  KVS_ASSIGN(p->source,
+             EnumOf(t.scores(), "top_k.scores", kernels::ScoreSource::kCompressedKeys,
+                    {{v1::SCORE_SOURCE_EXACT, kernels::ScoreSource::kExact},
+                     {v1::SCORE_SOURCE_COMPRESSED_KEYS, kernels::ScoreSource::kCompressedKeys}}));
+  return absl::OkStatus();
+}
+
+absl::Status SaapFromProto(const v1::SaapParams& s, kernels::SaapParams* p) {
+  KVS_ASSIGN(p->probes, CountOf(s.probes(), "saap.probes", 1u << 20));
+  if (p->probes == 0) p->probes = 8;  // the paper's default
+  KVS_ASSIGN(p->sink_tokens, CountOf(s.sink_tokens(), "saap.sink_tokens", kMaxTokens));
+  KVS_ASSIGN(p->local_tokens, CountOf(s.local_tokens(), "saap.local_tokens", kMaxTokens));
+  return absl::OkStatus();
+}
+
+absl::Status VAttentionFromProto(const v1::VAttentionParams& v, engine::Method* out) {
+  using kernels::BudgetBound;
+  using kernels::ResidualSampler;
+  using kernels::TopKPredictor;
+  using kernels::VerifyTarget;
+  kernels::VAttentionParams& p = out->vattention;
+  p.epsilon = v.epsilon();
+  p.delta = v.delta();
+  p.base_rate = v.base_rate();
+  p.top_k_fraction = v.top_k_fraction();
+  KVS_ASSIGN(p.sink_tokens, CountOf(v.sink_tokens(), "vattention.sink_tokens", kMaxTokens));
+  KVS_ASSIGN(p.local_tokens, CountOf(v.local_tokens(), "vattention.local_tokens", kMaxTokens));
+  KVS_ASSIGN(p.top_k, CountOf(v.top_k(), "vattention.top_k", kMaxTokens));
+  KVS_ASSIGN(p.bits, CountOf(v.bits(), "vattention.bits", 256));
+  KVS_ASSIGN(p.predictor, EnumOf(v.predictor(), "vattention.predictor", TopKPredictor::kHash,
+                                 {{v1::TOP_K_PREDICTOR_EXACT, TopKPredictor::kExact},
+                                  {v1::TOP_K_PREDICTOR_COMPRESSED, TopKPredictor::kCompressed},
+                                  {v1::TOP_K_PREDICTOR_HASH, TopKPredictor::kHash}}));
+  KVS_ASSIGN(p.bound, EnumOf(v.bound(), "vattention.bound", BudgetBound::kClt,
+                             {{v1::BUDGET_BOUND_HOEFFDING, BudgetBound::kHoeffding},
+                              {v1::BUDGET_BOUND_CLT_RATIO, BudgetBound::kCltRatio},
+                              {v1::BUDGET_BOUND_CLT, BudgetBound::kClt}}));
+  KVS_ASSIGN(p.sampler, EnumOf(v.sampler(), "vattention.sampler", ResidualSampler::kUniform,
+                               {{v1::RESIDUAL_SAMPLER_IMPORTANCE, ResidualSampler::kImportance},
+                                {v1::RESIDUAL_SAMPLER_UNIFORM, ResidualSampler::kUniform}}));
+  KVS_ASSIGN(p.target, EnumOf(v.target(), "vattention.target", VerifyTarget::kOutput,
+                              {{v1::VERIFY_TARGET_DENOMINATOR, VerifyTarget::kDenominator},
+                               {v1::VERIFY_TARGET_NUMERATOR, VerifyTarget::kNumerator},
+                               {v1::VERIFY_TARGET_OUTPUT, VerifyTarget::kOutput}}));
+  out->learned_signatures = v.source() == v1::SIGNATURE_SOURCE_LEARNED;
+  return absl::OkStatus();
+}
+
+#undef KVS_ASSIGN
+
+}  // namespace
+
 absl::StatusOr<engine::Method> FromProto(const v1::Method& m) {
   engine::Method out;
+  absl::Status s;
   switch (m.kind_case()) {
     case v1::Method::KIND_NOT_SET:
     case v1::Method::kDense:
       out.kind = engine::MethodKind::kDense;
       return out;
-    case v1::Method::kSanta: {
-      const v1::SantaParams& s = m.santa();
+    case v1::Method::kSanta:
       out.kind = engine::MethodKind::kSanta;
-      kernels::SantaParams& p = out.santa;
-      switch (s.sampler()) {
-        case v1::SANTA_SAMPLER_IID:
-          p.sampler = kernels::SantaSampler::kIid;
-          break;
-        case v1::SANTA_SAMPLER_STRATIFIED:
-          p.sampler = kernels::SantaSampler::kStratified;
-          break;
-        case v1::SANTA_SAMPLER_UNSPECIFIED:
-        case v1::SANTA_SAMPLER_SYSTEMATIC:
-          p.sampler = kernels::SantaSampler::kSystematic;
-          break;
-        default:
-          return absl::InvalidArgumentError("santa.sampler: unknown value");
-      }
-      switch (s.allocation()) {
-        case v1::SANTA_ALLOCATION_GLOBAL:
-          p.allocation = kernels::SantaAllocation::kGlobal;
-          break;
-        case v1::SANTA_ALLOCATION_UNSPECIFIED:
-        case v1::SANTA_ALLOCATION_PROP:
-          p.allocation = kernels::SantaAllocation::kProp;
-          break;
-        case v1::SANTA_ALLOCATION_FLASH:
-          p.allocation = kernels::SantaAllocation::kFlash;
-          break;
-        default:
-          return absl::InvalidArgumentError("santa.allocation: unknown value");
-      }
-      if (s.samples() > (1u << 24) || s.tile_size() > (1u << 24) ||
-          s.bernoulli_qk_samples() > 1024) {
-        return absl::InvalidArgumentError(
-            "santa: samples and tile_size must be below 2^24, bernoulli_qk_samples at most 1024");
-      }
-      p.samples = static_cast<int32_t>(s.samples());
-      p.tile_size = static_cast<int32_t>(s.tile_size());  // 0: the engine's default
-      p.bernoulli_qk_samples = static_cast<int32_t>(s.bernoulli_qk_samples());
-      p.bernoulli_mode = s.bernoulli_mode() == v1::BERNOULLI_QK_MODE_PER_HEAD
-                             ? kernels::BernoulliQkMode::kPerHead
-                             : kernels::BernoulliQkMode::kMeanGroupQuery;
-      p.bernoulli_sampler = s.bernoulli_sampler() == v1::BERNOULLI_SAMPLER_IID
-                                ? kernels::BernoulliSampler::kIid
-                                : kernels::BernoulliSampler::kStratified;
-      switch (s.scores()) {
-        case v1::SCORE_SOURCE_UNSPECIFIED:
-        case v1::SCORE_SOURCE_EXACT:
-          p.scores = kernels::ScoreSource::kExact;
-          break;
-        case v1::SCORE_SOURCE_COMPRESSED_KEYS:
-          p.scores = kernels::ScoreSource::kCompressedKeys;
-          break;
-        default:
-          return absl::InvalidArgumentError("santa.scores: unknown value");
-      }
-      switch (s.correction()) {
-        case v1::SANTA_CORRECTION_UNSPECIFIED:
-        case v1::SANTA_CORRECTION_RATIO:
-          p.correction = kernels::SantaCorrection::kRatio;
-          break;
-        case v1::SANTA_CORRECTION_NONE:
-          p.correction = kernels::SantaCorrection::kNone;
-          break;
-        default:
-          return absl::InvalidArgumentError("santa.correction: unknown value");
-      }
-      return out;
-    }
-    case v1::Method::kHashTopK: {
-      const v1::HashTopKParams& h = m.hash_top_k();
+      s = SantaFromProto(m.santa(), &out.santa);
+      break;
+    case v1::Method::kHashTopK:
       out.kind = engine::MethodKind::kHashTopK;
-      if (h.sink_tokens() > (1u << 30) || h.local_tokens() > (1u << 30) || h.top_k() > (1u << 30) ||
-          h.bits() > 256) {
-        return absl::InvalidArgumentError("hash_top_k: a count is out of range");
-      }
-      out.hash.sink_tokens = static_cast<int32_t>(h.sink_tokens());
-      out.hash.local_tokens = static_cast<int32_t>(h.local_tokens());
-      out.hash.top_k = static_cast<int32_t>(h.top_k());
-      out.hash.top_k_fraction = h.top_k_fraction();
-      out.hash.bits = static_cast<int32_t>(h.bits());
-      out.learned_signatures = h.source() == v1::SIGNATURE_SOURCE_LEARNED;
-      return out;
-    }
-    case v1::Method::kTopK: {
-      const v1::TopKParams& t = m.top_k();
+      s = HashTopKFromProto(m.hash_top_k(), &out);
+      break;
+    case v1::Method::kTopK:
       out.kind = engine::MethodKind::kTopK;
-      if (t.sink_tokens() > (1u << 30) || t.local_tokens() > (1u << 30) || t.top_k() > (1u << 30)) {
-        return absl::InvalidArgumentError("top_k: a count is out of range");
-      }
-      out.top_k.sink_tokens = static_cast<int32_t>(t.sink_tokens());
-      out.top_k.local_tokens = static_cast<int32_t>(t.local_tokens());
-      out.top_k.top_k = static_cast<int32_t>(t.top_k());
-      out.top_k.top_k_fraction = t.top_k_fraction();
-      switch (t.scores()) {
-        case v1::SCORE_SOURCE_EXACT:
-          out.top_k.source = kernels::ScoreSource::kExact;
-          break;
-        case v1::SCORE_SOURCE_UNSPECIFIED:
-        case v1::SCORE_SOURCE_COMPRESSED_KEYS:
-          out.top_k.source = kernels::ScoreSource::kCompressedKeys;
-          break;
-        default:
-          return absl::InvalidArgumentError("top_k.scores: unknown value");
-      }
-      return out;
-    }
-    case v1::Method::kSaap: {
-      const v1::SaapParams& s = m.saap();
+      s = TopKFromProto(m.top_k(), &out.top_k);
+      break;
+    case v1::Method::kSaap:
       out.kind = engine::MethodKind::kSaap;
-      if (s.probes() > (1u << 20) || s.sink_tokens() > (1u << 30) ||
-          s.local_tokens() > (1u << 30)) {
-        return absl::InvalidArgumentError("saap: a count is out of range");
-      }
-      out.saap.probes = s.probes() == 0 ? 8 : static_cast<int32_t>(s.probes());
-      out.saap.sink_tokens = static_cast<int32_t>(s.sink_tokens());
-      out.saap.local_tokens = static_cast<int32_t>(s.local_tokens());
-      return out;
-    }
-    case v1::Method::kVattention: {
-      const v1::VAttentionParams& v = m.vattention();
+      s = SaapFromProto(m.saap(), &out.saap);
+      break;
+    case v1::Method::kVattention:
       out.kind = engine::MethodKind::kVAttention;
-      kernels::VAttentionParams& p = out.vattention;
-      if (v.sink_tokens() > (1u << 30) || v.local_tokens() > (1u << 30) || v.top_k() > (1u << 30) ||
-          v.bits() > 256) {
-        return absl::InvalidArgumentError("vattention: a count is out of range");
-      }
-      p.epsilon = v.epsilon();
-      p.delta = v.delta();
-      p.sink_tokens = static_cast<int32_t>(v.sink_tokens());
-      p.local_tokens = static_cast<int32_t>(v.local_tokens());
-      p.top_k = static_cast<int32_t>(v.top_k());
-      p.top_k_fraction = v.top_k_fraction();
-      switch (v.predictor()) {
-        case v1::TOP_K_PREDICTOR_EXACT:
-          p.predictor = kernels::TopKPredictor::kExact;
-          break;
-        case v1::TOP_K_PREDICTOR_COMPRESSED:
-          p.predictor = kernels::TopKPredictor::kCompressed;
-          break;
-        case v1::TOP_K_PREDICTOR_UNSPECIFIED:
-        case v1::TOP_K_PREDICTOR_HASH:
-          p.predictor = kernels::TopKPredictor::kHash;
-          break;
-        default:
-          return absl::InvalidArgumentError("vattention: unknown predictor");
-      }
-      p.base_rate = v.base_rate();
-      switch (v.bound()) {
-        case v1::BUDGET_BOUND_HOEFFDING:
-          p.bound = kernels::BudgetBound::kHoeffding;
-          break;
-        case v1::BUDGET_BOUND_CLT_RATIO:
-          p.bound = kernels::BudgetBound::kCltRatio;
-          break;
-        case v1::BUDGET_BOUND_UNSPECIFIED:
-        case v1::BUDGET_BOUND_CLT:
-          p.bound = kernels::BudgetBound::kClt;
-          break;
-        default:
-          return absl::InvalidArgumentError(
-              absl::StrCat("method.vattention.bound: unknown value ", v.bound()));
-      }
-      switch (v.sampler()) {
-        case v1::RESIDUAL_SAMPLER_IMPORTANCE:
-          p.sampler = kernels::ResidualSampler::kImportance;
-          break;
-        case v1::RESIDUAL_SAMPLER_UNSPECIFIED:
-        case v1::RESIDUAL_SAMPLER_UNIFORM:
-          p.sampler = kernels::ResidualSampler::kUniform;
-          break;
-        default:
-          return absl::InvalidArgumentError(
-              absl::StrCat("method.vattention.sampler: unknown value ", v.sampler()));
-      }
-      switch (v.target()) {
-        case v1::VERIFY_TARGET_DENOMINATOR:
-          p.target = kernels::VerifyTarget::kDenominator;
-          break;
-        case v1::VERIFY_TARGET_NUMERATOR:
-          p.target = kernels::VerifyTarget::kNumerator;
-          break;
-        default:
-          p.target = kernels::VerifyTarget::kOutput;
-      }
-      p.bits = static_cast<int32_t>(v.bits());
-      out.learned_signatures = v.source() == v1::SIGNATURE_SOURCE_LEARNED;
-      return out;
-    }
+      s = VAttentionFromProto(m.vattention(), &out);
+      break;
+    default:
+      return absl::InvalidArgumentError("method: unknown kind");
   }
-  return absl::InvalidArgumentError("method: unknown kind");
+  if (!s.ok()) return s;
+  return out;
 }
 
 absl::StatusOr<engine::DecodeCall> FromProto(const v1::DecodeRequest& msg) {

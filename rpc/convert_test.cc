@@ -1,5 +1,10 @@
 #include "rpc/convert.h"
 
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 
 namespace kvsparse::rpc {
@@ -114,6 +119,57 @@ TEST(ConvertTest, AppendNeedsRank4AndMatchingKV) {
   r.set_num_layers(1);
   r.mutable_v()->set_dtype(v1::DTYPE_BF16);
   EXPECT_EQ(FromProto(r).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The method codec: unset fields take the method's defaults, every enum value it does not know
+// is refused naming the field (vattention.target used to fall back to output silently), and a
+// count out of range names its field.
+TEST(ConvertTest, MethodDefaultsAndRefusals) {
+  v1::Method m;
+  absl::StatusOr<engine::Method> dense = FromProto(m);
+  ASSERT_TRUE(dense.ok());
+  EXPECT_EQ(dense->kind, engine::MethodKind::kDense);
+  m.mutable_saap();
+  absl::StatusOr<engine::Method> saap = FromProto(m);
+  ASSERT_TRUE(saap.ok());
+  EXPECT_EQ(saap->saap.probes, 8);
+  m.mutable_vattention();
+  absl::StatusOr<engine::Method> v = FromProto(m);
+  ASSERT_TRUE(v.ok());
+  EXPECT_EQ(v->vattention.predictor, kernels::TopKPredictor::kHash);
+  EXPECT_EQ(v->vattention.target, kernels::VerifyTarget::kOutput);
+  EXPECT_EQ(v->vattention.sampler, kernels::ResidualSampler::kUniform);
+  struct Bad {
+    const char* field;
+    std::function<void(v1::Method*)> set;
+  };
+  const std::vector<Bad> bad = {
+      {"santa.sampler",
+       [](v1::Method* x) { x->mutable_santa()->set_sampler(static_cast<v1::SantaSampler>(99)); }},
+      {"santa.samples", [](v1::Method* x) { x->mutable_santa()->set_samples(1u << 25); }},
+      {"santa.bernoulli_mode",
+       [](v1::Method* x) {
+         x->mutable_santa()->set_bernoulli_mode(static_cast<v1::BernoulliQkMode>(9));
+       }},
+      {"top_k.scores",
+       [](v1::Method* x) { x->mutable_top_k()->set_scores(static_cast<v1::ScoreSource>(9)); }},
+      {"vattention.target",
+       [](v1::Method* x) {
+         x->mutable_vattention()->set_target(static_cast<v1::VerifyTarget>(9));
+       }},
+      {"vattention.bits", [](v1::Method* x) { x->mutable_vattention()->set_bits(512); }},
+      {"hash_top_k.top_k", [](v1::Method* x) { x->mutable_hash_top_k()->set_top_k(2u << 30); }},
+      {"saap.probes", [](v1::Method* x) { x->mutable_saap()->set_probes(1u << 21); }},
+  };
+  for (const Bad& b : bad) {
+    v1::Method x;
+    b.set(&x);
+    absl::StatusOr<engine::Method> r = FromProto(x);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << b.field;
+    EXPECT_THAT(std::string(r.status().message()),
+                ::testing::HasSubstr(std::string("method.") + b.field))
+        << r.status();
+  }
 }
 
 }  // namespace
