@@ -12,6 +12,8 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "engine/gpu_mode.h"
 #include "kernels/hash_signatures.h"
@@ -165,6 +167,175 @@ ABSL_FLAG(double, signature_norm_margin, 1.0,
 ABSL_FLAG(std::string, hash_weights, "",
           "Learned HashAttention MLP weights (kernels/hash_signatures.h format); empty = SimHash");
 
+namespace {
+
+namespace kv = kvsparse::kvstore;
+namespace rpc = kvsparse::rpc;
+namespace srv = kvsparse::server;
+
+// What the flags ask for that must outlive Server::Start: the store's memory (host pages, or
+// the arena file of a store that shares it).
+struct Resources {
+  std::unique_ptr<kv::MemoryResource> host;
+  std::unique_ptr<kv::MemoryResource> arena;
+};
+
+// A flag's error: INVALID_ARGUMENT (exit code 2) with the message the user sees.
+absl::Status Bad(absl::string_view message) { return absl::InvalidArgumentError(message); }
+
+absl::Status LoggingFromFlags() {
+  const std::string level = absl::GetFlag(FLAGS_log_level);
+  if (level == "debug") {
+    rpc::SetMinLogLevel(rpc::LogLevel::kDebug);
+  } else if (level == "warning") {
+    rpc::SetMinLogLevel(rpc::LogLevel::kWarning);
+  } else if (level == "error") {
+    rpc::SetMinLogLevel(rpc::LogLevel::kError);
+  } else if (level != "info") {
+    return Bad("--log_level must be debug, info, warning or error");
+  }
+  const std::string format = absl::GetFlag(FLAGS_log_format);
+  if (format == "json") {
+    rpc::SetLogFormat(rpc::LogFormat::kJson);
+  } else if (format != "text") {
+    return Bad("--log_format must be text or json");
+  }
+  return absl::OkStatus();
+}
+
+// Ports, limits, keepalive, TLS and tokens, and how a worker reaches its store.
+absl::Status NetworkFromFlags(srv::ServerOptions* o) {
+  o->listen = absl::GetFlag(FLAGS_listen);
+  o->metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  o->max_message_bytes = absl::GetFlag(FLAGS_max_message_size).bytes;
+  o->default_deadline = absl::GetFlag(FLAGS_default_deadline);
+  o->max_concurrent_calls = absl::GetFlag(FLAGS_max_concurrent_calls);
+  o->max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
+  o->max_calls_per_token = absl::GetFlag(FLAGS_max_calls_per_token);
+  o->keepalive_time = absl::GetFlag(FLAGS_keepalive_time);
+  o->keepalive_timeout = absl::GetFlag(FLAGS_keepalive_timeout);
+  o->min_client_ping_interval = absl::GetFlag(FLAGS_min_client_ping_interval);
+  o->max_connection_idle = absl::GetFlag(FLAGS_max_connection_idle);
+  o->stream_idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
+  o->shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
+  const absl::Duration tls_reload = absl::GetFlag(FLAGS_tls_reload);
+  o->tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
+            absl::GetFlag(FLAGS_tls_client_ca), tls_reload};
+  o->insecure = absl::GetFlag(FLAGS_insecure);
+  o->auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens);
+  o->auth_tokens_reload = absl::GetFlag(FLAGS_auth_tokens_reload);
+  o->store_tls = {absl::GetFlag(FLAGS_store_tls_cert), absl::GetFlag(FLAGS_store_tls_key),
+                  absl::GetFlag(FLAGS_store_tls_ca), tls_reload};
+  if (const std::string f = absl::GetFlag(FLAGS_store_token_file); !f.empty()) {
+    absl::StatusOr<std::string> token = rpc::ReadTokenFile(f);
+    if (!token.ok()) return Bad(absl::StrCat("--store_token_file: ", token.status().message()));
+    o->store_token = *token;
+  }
+  o->store_arena_file = absl::GetFlag(FLAGS_store_arena_file);
+  o->store_data_plane = absl::GetFlag(FLAGS_store_data_plane);
+  o->data_plane = absl::GetFlag(FLAGS_data_plane);
+  o->data_plane_transports = absl::GetFlag(FLAGS_data_plane_transports);
+  return absl::OkStatus();
+}
+
+// The role, the store (capacity, pages, policy, shard, its memory) and the worker's store.
+absl::Status StoreFromFlags(srv::ServerOptions* o, Resources* r) {
+  o->store.max_sequences = absl::GetFlag(FLAGS_max_sequences);
+  o->store.shard = {absl::GetFlag(FLAGS_shard_index), absl::GetFlag(FLAGS_shard_count)};
+  o->store.capacity_bytes = absl::GetFlag(FLAGS_capacity).bytes;
+  o->store.page_bytes = absl::GetFlag(FLAGS_page_size).bytes;
+  absl::StatusOr<kv::CapacityPolicy> policy =
+      kv::ParseCapacityPolicy(absl::GetFlag(FLAGS_capacity_policy));
+  if (!policy.ok()) return Bad(absl::StrCat("--capacity_policy: ", policy.status().message()));
+  o->store.policy = *policy;
+  absl::StatusOr<srv::ServerRole> role = srv::ParseServerRole(absl::GetFlag(FLAGS_role));
+  if (!role.ok()) return Bad(absl::StrCat("--role: ", role.status().message()));
+  o->role = *role;
+  o->store_target = absl::GetFlag(FLAGS_store);
+  if (!o->store_arena_file.empty() && o->role != srv::ServerRole::kWorker) {
+    return Bad("--store_arena_file needs --role=worker");
+  }
+  // Pinned, CUDA-mapped pages when the GPU backend may run: it reads the rows it selects in
+  // place (not a flag error when it fails: exit code 1).
+  kv::HostMemoryOptions host;
+  host.huge_pages = absl::GetFlag(FLAGS_huge_pages);
+  absl::StatusOr<kvsparse::engine::HostMemory> memory =
+      kvsparse::engine::NewHostMemory(o->gpu, host);
+  if (!memory.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--gpu=", absl::GetFlag(FLAGS_gpu), ": ", memory.status().ToString()));
+  }
+  o->store_pages_mapped = memory->mapped;
+  r->host = std::move(memory->resource);
+  o->store.memory = r->host.get();
+  if (const std::string f = absl::GetFlag(FLAGS_arena_file); !f.empty()) {
+    if (o->role != srv::ServerRole::kStore) return Bad("--arena_file needs --role=store");
+    absl::StatusOr<std::unique_ptr<kv::MemoryResource>> file =
+        kv::NewFileMemoryResource(f, o->store.capacity_bytes, o->store.page_bytes);
+    if (!file.ok()) return Bad(file.status().message());
+    r->arena = std::move(*file);
+    o->store.memory = r->arena.get();
+    o->store_pages_mapped = false;
+  }
+  return absl::OkStatus();
+}
+
+// The GPU backend's flags (read before the store's memory, which depends on --gpu).
+absl::Status GpuFromFlags(srv::ServerOptions* o) {
+  absl::StatusOr<kvsparse::engine::GpuMode> gpu =
+      kvsparse::engine::ParseGpuMode(absl::GetFlag(FLAGS_gpu));
+  if (!gpu.ok()) return Bad(absl::StrCat("--gpu: ", gpu.status().message()));
+  o->gpu = *gpu;
+  o->gpu_device = absl::GetFlag(FLAGS_gpu_device);
+  o->gpu_row_cache = absl::GetFlag(FLAGS_gpu_row_cache);
+  o->gpu_stage_timing_every = std::max(0, absl::GetFlag(FLAGS_gpu_stage_timing_every));
+  o->gpu_fetch_parallelism = absl::GetFlag(FLAGS_gpu_fetch_parallelism);
+  if (o->gpu_fetch_parallelism < 1 || o->gpu_fetch_parallelism > 64) {
+    return Bad("--gpu_fetch_parallelism must be in [1, 64]");
+  }
+  if (!(o->gpu_row_cache >= 0.0 && o->gpu_row_cache <= 1.0)) {
+    return Bad("--gpu_row_cache must be a fraction in [0, 1]");
+  }
+  return absl::OkStatus();
+}
+
+// The engine's limits, defaults and signature keys (SimHash, or learned or SAAP weights).
+absl::Status EngineFromFlags(srv::ServerOptions* o) {
+  o->engine.max_call_bytes = absl::GetFlag(FLAGS_max_decode_bytes).bytes;
+  o->engine.resident_capacity_bytes = absl::GetFlag(FLAGS_resident_capacity).bytes;
+  o->engine.max_call_sequences = absl::GetFlag(FLAGS_max_call_sequences);
+  o->engine.default_tile_size = static_cast<int32_t>(absl::GetFlag(FLAGS_default_tile_size));
+  o->engine.signatures.simhash_seed = absl::GetFlag(FLAGS_signature_seed);
+  o->engine.signatures.norm_margin = static_cast<float>(absl::GetFlag(FLAGS_signature_norm_margin));
+  if (const std::string f = absl::GetFlag(FLAGS_hash_weights); !f.empty()) {
+    auto weights = kvsparse::kernels::ReadLearnedHashWeights(f);
+    if (!weights.ok()) return Bad(absl::StrCat("--hash_weights: ", weights.status().ToString()));
+    o->engine.signatures.learned =
+        std::make_shared<const kvsparse::kernels::LearnedHashWeights>(std::move(*weights));
+  }
+  if (const std::string f = absl::GetFlag(FLAGS_saap_weights); !f.empty()) {
+    auto saap = kvsparse::kernels::ReadSaapWeights(f);
+    if (!saap.ok()) return Bad(absl::StrCat("--saap_weights: ", saap.status().ToString()));
+    if (o->engine.signatures.learned != nullptr) {
+      return Bad("--saap_weights and --hash_weights exclude each other");
+    }
+    o->engine.signatures.saap =
+        std::make_shared<const kvsparse::kernels::SaapWeights>(std::move(*saap));
+  }
+  return absl::OkStatus();
+}
+
+// "PORT METRICS_PORT\n" into --port_file (written whole: a temporary file renamed).
+bool WritePortFile(const std::string& path, int port, int metrics_port) {
+  const std::string tmp = path + ".tmp";
+  std::ofstream f(tmp, std::ios::trunc);
+  f << port << " " << metrics_port << "\n";
+  f.close();
+  return f && std::rename(tmp.c_str(), path.c_str()) == 0;
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "kvsparse-server: KV-offloaded sparse decoding service.\n"
@@ -173,159 +344,17 @@ int main(int argc, char** argv) {
   absl::FlagsUsageConfig usage;
   usage.version_string = [] { return kvsparse::BuildInfoLine("kvsparse-server") + "\n"; };
   absl::SetFlagsUsageConfig(usage);
-  kvsparse::rpc::HandleHelp(argc, argv, "server/main.");
+  rpc::HandleHelp(argc, argv, "server/main.");
   absl::ParseCommandLine(argc, argv);
 
-  const std::string level = absl::GetFlag(FLAGS_log_level);
-  using kvsparse::rpc::LogLevel;
-  if (level == "debug") {
-    kvsparse::rpc::SetMinLogLevel(kvsparse::rpc::LogLevel::kDebug);
-  } else if (level == "warning") {
-    kvsparse::rpc::SetMinLogLevel(kvsparse::rpc::LogLevel::kWarning);
-  } else if (level == "error") {
-    kvsparse::rpc::SetMinLogLevel(kvsparse::rpc::LogLevel::kError);
-  } else if (level != "info") {
-    std::fprintf(stderr, "--log_level must be debug, info, warning or error\n");
-    return 2;
-  }
-  const std::string log_format = absl::GetFlag(FLAGS_log_format);
-  if (log_format == "json") {
-    kvsparse::rpc::SetLogFormat(kvsparse::rpc::LogFormat::kJson);
-  } else if (log_format != "text") {
-    std::fprintf(stderr, "--log_format must be text or json\n");
-    return 2;
-  }
-
-  kvsparse::server::ServerOptions options;
-  options.listen = absl::GetFlag(FLAGS_listen);
-  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
-  options.max_message_bytes = absl::GetFlag(FLAGS_max_message_size).bytes;
-  options.default_deadline = absl::GetFlag(FLAGS_default_deadline);
-  options.max_concurrent_calls = absl::GetFlag(FLAGS_max_concurrent_calls);
-  options.max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);
-  options.max_calls_per_token = absl::GetFlag(FLAGS_max_calls_per_token);
-  options.keepalive_time = absl::GetFlag(FLAGS_keepalive_time);
-  options.keepalive_timeout = absl::GetFlag(FLAGS_keepalive_timeout);
-  options.min_client_ping_interval = absl::GetFlag(FLAGS_min_client_ping_interval);
-  options.max_connection_idle = absl::GetFlag(FLAGS_max_connection_idle);
-  options.stream_idle_timeout = absl::GetFlag(FLAGS_stream_idle_timeout);
-  options.store.max_sequences = absl::GetFlag(FLAGS_max_sequences);
-  options.store.shard = {absl::GetFlag(FLAGS_shard_index), absl::GetFlag(FLAGS_shard_count)};
-  options.engine.max_call_bytes = absl::GetFlag(FLAGS_max_decode_bytes).bytes;
-  options.shutdown_grace = absl::GetFlag(FLAGS_shutdown_grace);
-  const absl::Duration tls_reload = absl::GetFlag(FLAGS_tls_reload);
-  options.tls = {absl::GetFlag(FLAGS_tls_cert), absl::GetFlag(FLAGS_tls_key),
-                 absl::GetFlag(FLAGS_tls_client_ca), tls_reload};
-  options.insecure = absl::GetFlag(FLAGS_insecure);
-  options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens);
-  options.auth_tokens_reload = absl::GetFlag(FLAGS_auth_tokens_reload);
-  options.store_tls = {absl::GetFlag(FLAGS_store_tls_cert), absl::GetFlag(FLAGS_store_tls_key),
-                       absl::GetFlag(FLAGS_store_tls_ca), tls_reload};
-  if (const std::string f = absl::GetFlag(FLAGS_store_token_file); !f.empty()) {
-    absl::StatusOr<std::string> token = kvsparse::rpc::ReadTokenFile(f);
-    if (!token.ok()) {
-      std::fprintf(stderr, "--store_token_file: %s\n",
-                   std::string(token.status().message()).c_str());
-      return 2;
+  srv::ServerOptions options;
+  Resources resources;
+  for (absl::Status s : {LoggingFromFlags(), NetworkFromFlags(&options), GpuFromFlags(&options),
+                         StoreFromFlags(&options, &resources), EngineFromFlags(&options)}) {
+    if (!s.ok()) {
+      std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+      return s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
     }
-    options.store_token = *token;
-  }
-  options.store_arena_file = absl::GetFlag(FLAGS_store_arena_file);
-  options.store_data_plane = absl::GetFlag(FLAGS_store_data_plane);
-  options.data_plane = absl::GetFlag(FLAGS_data_plane);
-  options.data_plane_transports = absl::GetFlag(FLAGS_data_plane_transports);
-  options.store.capacity_bytes = absl::GetFlag(FLAGS_capacity).bytes;
-  options.store.page_bytes = absl::GetFlag(FLAGS_page_size).bytes;
-  kvsparse::kvstore::HostMemoryOptions host;
-  host.huge_pages = absl::GetFlag(FLAGS_huge_pages);
-  auto gpu = kvsparse::engine::ParseGpuMode(absl::GetFlag(FLAGS_gpu));
-  if (!gpu.ok()) {
-    std::fprintf(stderr, "--gpu: %s\n", std::string(gpu.status().message()).c_str());
-    return 2;
-  }
-  options.gpu = *gpu;
-  options.gpu_device = absl::GetFlag(FLAGS_gpu_device);
-  options.gpu_row_cache = absl::GetFlag(FLAGS_gpu_row_cache);
-  options.gpu_stage_timing_every = std::max(0, absl::GetFlag(FLAGS_gpu_stage_timing_every));
-  options.gpu_fetch_parallelism = absl::GetFlag(FLAGS_gpu_fetch_parallelism);
-  if (options.gpu_fetch_parallelism < 1 || options.gpu_fetch_parallelism > 64) {
-    std::fprintf(stderr, "--gpu_fetch_parallelism must be in [1, 64]\n");
-    return 2;
-  }
-  if (!(options.gpu_row_cache >= 0.0 && options.gpu_row_cache <= 1.0)) {
-    std::fprintf(stderr, "--gpu_row_cache must be a fraction in [0, 1]\n");
-    return 2;
-  }
-  // Pinned, CUDA-mapped pages when the GPU backend may run: it reads the rows it selects in place.
-  auto memory = kvsparse::engine::NewHostMemory(options.gpu, host);
-  if (!memory.ok()) {
-    std::fprintf(stderr, "--gpu=%s: %s\n", absl::GetFlag(FLAGS_gpu).c_str(),
-                 memory.status().ToString().c_str());
-    return 1;
-  }
-  options.store_pages_mapped = memory->mapped;
-  options.store.memory = memory->resource.get();
-  auto policy = kvsparse::kvstore::ParseCapacityPolicy(absl::GetFlag(FLAGS_capacity_policy));
-  if (!policy.ok()) {
-    std::fprintf(stderr, "--capacity_policy: %s\n", std::string(policy.status().message()).c_str());
-    return 2;
-  }
-  options.store.policy = *policy;
-  auto role = kvsparse::server::ParseServerRole(absl::GetFlag(FLAGS_role));
-  if (!role.ok()) {
-    std::fprintf(stderr, "--role: %s\n", std::string(role.status().message()).c_str());
-    return 2;
-  }
-  options.role = *role;
-  options.store_target = absl::GetFlag(FLAGS_store);
-  if (!options.store_arena_file.empty() && options.role != kvsparse::server::ServerRole::kWorker) {
-    std::fprintf(stderr, "--store_arena_file needs --role=worker\n");
-    return 2;
-  }
-  std::unique_ptr<kvsparse::kvstore::MemoryResource> arena;
-  if (const std::string f = absl::GetFlag(FLAGS_arena_file); !f.empty()) {
-    if (options.role != kvsparse::server::ServerRole::kStore) {
-      std::fprintf(stderr, "--arena_file needs --role=store\n");
-      return 2;
-    }
-    auto file = kvsparse::kvstore::NewFileMemoryResource(f, options.store.capacity_bytes,
-                                                         options.store.page_bytes);
-    if (!file.ok()) {
-      std::fprintf(stderr, "%s\n", std::string(file.status().message()).c_str());
-      return 2;
-    }
-    arena = std::move(*file);
-    options.store.memory = arena.get();
-    options.store_pages_mapped = false;
-  }
-  options.engine.resident_capacity_bytes = absl::GetFlag(FLAGS_resident_capacity).bytes;
-  options.engine.max_call_sequences = absl::GetFlag(FLAGS_max_call_sequences);
-  options.engine.default_tile_size = static_cast<int32_t>(absl::GetFlag(FLAGS_default_tile_size));
-  options.engine.signatures.simhash_seed = absl::GetFlag(FLAGS_signature_seed);
-  options.engine.signatures.norm_margin =
-      static_cast<float>(absl::GetFlag(FLAGS_signature_norm_margin));
-  if (!absl::GetFlag(FLAGS_hash_weights).empty()) {
-    auto weights = kvsparse::kernels::ReadLearnedHashWeights(absl::GetFlag(FLAGS_hash_weights));
-    if (!weights.ok()) {
-      std::fprintf(stderr, "--hash_weights: %s\n", weights.status().ToString().c_str());
-      return 2;
-    }
-    options.engine.signatures.learned =
-        std::make_shared<const kvsparse::kernels::LearnedHashWeights>(std::move(*weights));
-  }
-
-  if (!absl::GetFlag(FLAGS_saap_weights).empty()) {
-    auto saap = kvsparse::kernels::ReadSaapWeights(absl::GetFlag(FLAGS_saap_weights));
-    if (!saap.ok()) {
-      std::fprintf(stderr, "--saap_weights: %s\n", saap.status().ToString().c_str());
-      return 2;
-    }
-    if (options.engine.signatures.learned != nullptr) {
-      std::fprintf(stderr, "--saap_weights and --hash_weights exclude each other\n");
-      return 2;
-    }
-    options.engine.signatures.saap =
-        std::make_shared<const kvsparse::kernels::SaapWeights>(std::move(*saap));
   }
 
   // Signals are taken by sigwait below, so block them before any thread starts.
@@ -335,18 +364,14 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  auto server = kvsparse::server::Server::Start(options);
+  auto server = srv::Server::Start(options);
   if (!server.ok()) {
     KVSPARSE_LOG(Error) << "cannot start: " << server.status();
     return 1;
   }
   if (const std::string path = absl::GetFlag(FLAGS_port_file); !path.empty()) {
-    const std::string tmp = path + ".tmp";
-    std::ofstream f(tmp, std::ios::trunc);
-    f << (*server)->port() << " "
-      << (absl::GetFlag(FLAGS_metrics_listen).empty() ? 0 : (*server)->metrics_port()) << "\n";
-    f.close();
-    if (!f || std::rename(tmp.c_str(), path.c_str()) != 0) {
+    const int metrics = absl::GetFlag(FLAGS_metrics_listen).empty() ? 0 : (*server)->metrics_port();
+    if (!WritePortFile(path, (*server)->port(), metrics)) {
       KVSPARSE_LOG(Error) << "--port_file: cannot write " << path;
       (*server)->Shutdown();
       (*server)->Wait();

@@ -31,6 +31,30 @@ namespace {
 const char* RoleName(ServerRole r) {
   return r == ServerRole::kAll ? "all" : r == ServerRole::kStore ? "store" : "worker";
 }
+
+// The listening port's credentials: TLS from checked copies of --tls_cert / --tls_key (kept in
+// *tls_files for the reloads), or plaintext on a loopback address or with --insecure.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
+    const ServerOptions& options, std::unique_ptr<rpc::TlsFileGuard>* tls_files) {
+  if (!options.tls.cert.empty() || !options.tls.key.empty()) {
+    absl::StatusOr<std::unique_ptr<rpc::TlsFileGuard>> guard =
+        rpc::TlsFileGuard::Create(options.tls);
+    if (!guard.ok()) return guard.status();
+    *tls_files = *std::move(guard);
+    return rpc::TlsServerCredentials((*tls_files)->served());
+  }
+  if (!options.tls.ca.empty()) {
+    return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert and --tls_key");
+  }
+  if (!rpc::IsLoopbackAddress(options.listen) && !options.insecure) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "refusing to listen on ", options.listen,
+        " without TLS: K/V and queries would cross the network in clear text; give --tls_cert "
+        "and --tls_key, or --insecure on a network you trust"));
+  }
+  return grpc::InsecureServerCredentials();
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
@@ -49,25 +73,10 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
 
   // Transport security first: a server that would expose K/V in clear text refuses to start.
   const bool tls = !options.tls.cert.empty() || !options.tls.key.empty();
-  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
   std::unique_ptr<rpc::TlsFileGuard> tls_files;
-  if (tls) {
-    absl::StatusOr<std::unique_ptr<rpc::TlsFileGuard>> guard =
-        rpc::TlsFileGuard::Create(options.tls);
-    if (!guard.ok()) return guard.status();
-    tls_files = *std::move(guard);
-    absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> c =
-        rpc::TlsServerCredentials(tls_files->served());
-    if (!c.ok()) return c.status();
-    creds = *c;
-  } else if (!options.tls.ca.empty()) {
-    return absl::InvalidArgumentError("--tls_client_ca needs --tls_cert and --tls_key");
-  } else if (!rpc::IsLoopbackAddress(options.listen) && !options.insecure) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "refusing to listen on ", options.listen,
-        " without TLS: K/V and queries would cross the network in clear text; give --tls_cert "
-        "and --tls_key, or --insecure on a network you trust"));
-  }
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds =
+      ServerCredentialsFor(options, &tls_files);
+  if (!creds.ok()) return creds.status();
   std::unique_ptr<Server> s(new Server());
   s->options_ = options;
   s->tls_files_ = std::move(tls_files);
@@ -89,127 +98,16 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
       s->auth_.get());
   s->metrics_->WatchInFlight(s->rpc_->calls_in_flight(), s->rpc_->streams_open());
   if (options.role != ServerRole::kWorker) {
-    absl::StatusOr<std::unique_ptr<kvstore::Store>> store = kvstore::Store::Create(options.store);
-    if (!store.ok()) return store.status();
-    s->store_ = std::move(*store);
-    s->metrics_->AddCollectable(NewStoreCollector(s->store_.get()));
-    s->kvstore_service_ =
-        std::make_unique<KvStoreService>(s->store_.get(), s->rpc_.get(), s->metrics_.get());
-    if (options.data_plane == "ucx") {
-      kvstore::SharedArena* arena =
-          options.store.memory != nullptr ? options.store.memory->shared_arena() : nullptr;
-      if (arena == nullptr) {
-        return absl::InvalidArgumentError("--data_plane=ucx needs --arena_file");
-      }
-      absl::StatusOr<std::unique_ptr<kvstore::UcxExport>> plane =
-          kvstore::UcxExport::Create(arena, options.data_plane_transports);
-      if (!plane.ok()) {
-        return absl::UnavailableError(absl::StrCat("--data_plane=ucx: ", plane.status().message()));
-      }
-      s->data_plane_ = std::move(*plane);
-      s->kvstore_service_->set_data_plane(s->data_plane_.get());
-    } else if (!options.data_plane.empty() && options.data_plane != "none") {
-      return absl::InvalidArgumentError(
-          absl::StrCat("--data_plane: '", options.data_plane, "' is not none or ucx"));
-    }
+    if (absl::Status st = s->StartStore(); !st.ok()) return st;
   }
   if (options.role != ServerRole::kStore) {
-    if (options.role == ServerRole::kAll) {
-      s->row_source_ = engine::NewLocalRowSource(s->store_.get(), options.store_pages_mapped);
-    } else {
-      grpc::ChannelArguments args;
-      args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
-      args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
-      // Reads of the store are safe to retry: gRPC retries them on UNAVAILABLE (a dropped
-      // connection, a store restarting) within each call's deadline. Appends are not retried
-      // here (their expected_length makes a retry safe, but a lost acknowledgement would turn
-      // into FAILED_PRECONDITION); the model server retries a failed Decode.
-      args.SetServiceConfigJSON(R"({"methodConfig": [{
-          "name": [{"service": "kvsparse.v1.KvStore", "method": "Gather"},
-                   {"service": "kvsparse.v1.KvStore", "method": "GetPageTable"},
-                   {"service": "kvsparse.v1.KvStore", "method": "GetDataPlane"},
-                   {"service": "kvsparse.v1.KvStore", "method": "GetSequenceInfo"}],
-          "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.05s", "maxBackoff": "1s",
-                          "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]})");
-      std::shared_ptr<grpc::ChannelCredentials> store_creds = grpc::InsecureChannelCredentials();
-      if (!options.store_tls.ca.empty() || !options.store_tls.cert.empty()) {
-        absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> c =
-            rpc::TlsChannelCredentials(options.store_tls);
-        if (!c.ok()) {
-          return absl::InvalidArgumentError(absl::StrCat("--store_tls_*: ", c.status().message()));
-        }
-        store_creds = *c;
-      }
-      if (absl::StatusOr<rpc::StoreDataPlane> plane =
-              rpc::ParseStoreDataPlane(options.store_data_plane);
-          !plane.ok()) {
-        return plane.status();
-      }
-      absl::StatusOr<std::vector<std::string>> shards =
-          kvstore::ExpandShardList(options.store_target);
-      if (!shards.ok()) {
-        return absl::InvalidArgumentError(absl::StrCat("--store: ", shards.status().message()));
-      }
-      if (shards->size() > 1 && !options.store_arena_file.empty()) {
-        return absl::InvalidArgumentError(
-            "--store_arena_file maps one store's arena; a worker of several store shards reads "
-            "through --store_data_plane=ucx or gather");
-      }
-      std::vector<std::unique_ptr<engine::RowSource>> sources;
-      std::vector<StoreShardSource> metered;
-      std::vector<std::shared_ptr<grpc::Channel>> channels;
-      const absl::Time connect_by = absl::Now() + absl::Seconds(5);  // for all shards together
-      for (const std::string& target : *shards) {
-        auto channel = grpc::CreateCustomChannel(target, store_creds, args);
-        channel->GetState(/*try_to_connect=*/true);
-        channels.push_back(std::move(channel));
-      }
-      for (size_t i = 0; i < shards->size(); ++i) {
-        const std::string& target = (*shards)[i];
-        std::shared_ptr<grpc::Channel> channel = std::move(channels[i]);
-        if (!channel->WaitForConnected(absl::ToChronoTime(connect_by))) {
-          KVSPARSE_LOG(Warning) << "store " << target
-                                << " not reachable yet; Decode calls of its sequences fail with "
-                                   "UNAVAILABLE until it is";
-        }
-        std::unique_ptr<rpc::RemoteRowSource> remote = rpc::NewRemoteRowSource(
-            std::move(channel), {options.store_token, options.store_arena_file,
-                                 options.store_data_plane, options.data_plane_transports});
-        metered.push_back({target, remote.get()});
-        sources.push_back(std::move(remote));
-      }
-      s->metrics_->AddCollectable(NewStoreShardCollector(std::move(metered)));
-      s->row_source_ = engine::NewShardedRowSource(std::move(sources));
-    }
-    engine::GpuBackendOptions go = engine::BackendOptionsFor(options.engine);
-    go.device = options.gpu_device;
-    go.capacity_bytes = options.engine.resident_capacity_bytes;
-    go.row_cache_fraction = options.gpu_row_cache;
-    go.stage_timing_every = options.gpu_stage_timing_every;
-    go.fetch_parallelism = options.gpu_fetch_parallelism;
-    std::string cpu_reason;
-    absl::StatusOr<std::unique_ptr<engine::DecodeBackend>> backend =
-        engine::NewBackend(options.gpu, go, s->row_source_.get(), &cpu_reason);
-    if (!backend.ok()) return backend.status();
-    if (!cpu_reason.empty()) {
-      KVSPARSE_LOG(Info) << "decoding on the CPU: " << cpu_reason;
-    }
-    s->engine_ = std::make_unique<engine::DecodeEngine>(options.engine, s->row_source_.get(),
-                                                        std::move(*backend));
-    s->metrics_->AddCollectable(NewResidentCollector(s->engine_.get()));
-    if (s->kvstore_service_ != nullptr) {  // one process: a drop frees the engine's state too
-      engine::DecodeEngine* e = s->engine_.get();
-      s->kvstore_service_->set_drop_listener([e](const std::string& id) { e->Forget(id); });
-    }
-    s->reaper_ = std::make_unique<StreamReaper>(options.stream_idle_timeout);
-    s->attention_service_ = std::make_unique<AttentionService>(s->engine_.get(), s->rpc_.get(),
-                                                               s->metrics_.get(), s->reaper_.get());
+    if (absl::Status st = s->StartEngine(); !st.ok()) return st;
   }
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen, creds, &s->port_);
+  builder.AddListeningPort(options.listen, *creds, &s->port_);
   builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
   builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
   auto ms = [](absl::Duration d) { return static_cast<int>(absl::ToInt64Milliseconds(d)); };
@@ -259,6 +157,138 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
                                  : std::string())
               : std::string());
   return s;
+}
+
+// The store (role store or all): the store, its collector and service, and the UCX export of
+// its arena (--data_plane=ucx).
+absl::Status Server::StartStore() {
+  absl::StatusOr<std::unique_ptr<kvstore::Store>> store = kvstore::Store::Create(options_.store);
+  if (!store.ok()) return store.status();
+  store_ = std::move(*store);
+  metrics_->AddCollectable(NewStoreCollector(store_.get()));
+  kvstore_service_ = std::make_unique<KvStoreService>(store_.get(), rpc_.get(), metrics_.get());
+  if (options_.data_plane == "ucx") {
+    kvstore::SharedArena* arena =
+        options_.store.memory != nullptr ? options_.store.memory->shared_arena() : nullptr;
+    if (arena == nullptr) {
+      return absl::InvalidArgumentError("--data_plane=ucx needs --arena_file");
+    }
+    absl::StatusOr<std::unique_ptr<kvstore::UcxExport>> plane =
+        kvstore::UcxExport::Create(arena, options_.data_plane_transports);
+    if (!plane.ok()) {
+      return absl::UnavailableError(absl::StrCat("--data_plane=ucx: ", plane.status().message()));
+    }
+    data_plane_ = std::move(*plane);
+    kvstore_service_->set_data_plane(data_plane_.get());
+  } else if (!options_.data_plane.empty() && options_.data_plane != "none") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--data_plane: '", options_.data_plane, "' is not none or ucx"));
+  }
+  return absl::OkStatus();
+}
+
+// A worker's row source over its store (one shard, or several by rendezvous placement): a
+// channel per shard (reads retried on UNAVAILABLE within the call's deadline), each a remote row
+// source over the chosen data plane, metered per shard.
+absl::StatusOr<std::unique_ptr<engine::RowSource>> Server::RemoteStoreSource() {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(options_.max_message_bytes));
+  args.SetMaxSendMessageSize(static_cast<int>(options_.max_message_bytes));
+  // Reads of the store are safe to retry: gRPC retries them on UNAVAILABLE (a dropped
+  // connection, a store restarting) within each call's deadline. Appends are not retried
+  // here (their expected_length makes a retry safe, but a lost acknowledgement would turn
+  // into FAILED_PRECONDITION); the model server retries a failed Decode.
+  args.SetServiceConfigJSON(R"({"methodConfig": [{
+      "name": [{"service": "kvsparse.v1.KvStore", "method": "Gather"},
+               {"service": "kvsparse.v1.KvStore", "method": "GetPageTable"},
+               {"service": "kvsparse.v1.KvStore", "method": "GetDataPlane"},
+               {"service": "kvsparse.v1.KvStore", "method": "GetSequenceInfo"}],
+      "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.05s", "maxBackoff": "1s",
+                      "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]})");
+  std::shared_ptr<grpc::ChannelCredentials> store_creds = grpc::InsecureChannelCredentials();
+  if (!options_.store_tls.ca.empty() || !options_.store_tls.cert.empty()) {
+    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> c =
+        rpc::TlsChannelCredentials(options_.store_tls);
+    if (!c.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("--store_tls_*: ", c.status().message()));
+    }
+    store_creds = *c;
+  }
+  if (absl::StatusOr<rpc::StoreDataPlane> plane =
+          rpc::ParseStoreDataPlane(options_.store_data_plane);
+      !plane.ok()) {
+    return plane.status();
+  }
+  absl::StatusOr<std::vector<std::string>> shards = kvstore::ExpandShardList(options_.store_target);
+  if (!shards.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat("--store: ", shards.status().message()));
+  }
+  if (shards->size() > 1 && !options_.store_arena_file.empty()) {
+    return absl::InvalidArgumentError(
+        "--store_arena_file maps one store's arena; a worker of several store shards reads "
+        "through --store_data_plane=ucx or gather");
+  }
+  std::vector<std::unique_ptr<engine::RowSource>> sources;
+  std::vector<StoreShardSource> metered;
+  std::vector<std::shared_ptr<grpc::Channel>> channels;
+  const absl::Time connect_by = absl::Now() + absl::Seconds(5);  // for all shards together
+  for (const std::string& target : *shards) {
+    auto channel = grpc::CreateCustomChannel(target, store_creds, args);
+    channel->GetState(/*try_to_connect=*/true);
+    channels.push_back(std::move(channel));
+  }
+  for (size_t i = 0; i < shards->size(); ++i) {
+    const std::string& target = (*shards)[i];
+    std::shared_ptr<grpc::Channel> channel = std::move(channels[i]);
+    if (!channel->WaitForConnected(absl::ToChronoTime(connect_by))) {
+      KVSPARSE_LOG(Warning) << "store " << target
+                            << " not reachable yet; Decode calls of its sequences fail with "
+                               "UNAVAILABLE until it is";
+    }
+    std::unique_ptr<rpc::RemoteRowSource> remote = rpc::NewRemoteRowSource(
+        std::move(channel), {options_.store_token, options_.store_arena_file,
+                             options_.store_data_plane, options_.data_plane_transports});
+    metered.push_back({target, remote.get()});
+    sources.push_back(std::move(remote));
+  }
+  metrics_->AddCollectable(NewStoreShardCollector(std::move(metered)));
+  return engine::NewShardedRowSource(std::move(sources));
+}
+
+// The decode engine (role worker or all): its row source (the store here, or the remote
+// store's), the GPU backend or the CPU engine, and the Attention service.
+absl::Status Server::StartEngine() {
+  if (options_.role == ServerRole::kAll) {
+    row_source_ = engine::NewLocalRowSource(store_.get(), options_.store_pages_mapped);
+  } else {
+    absl::StatusOr<std::unique_ptr<engine::RowSource>> remote = RemoteStoreSource();
+    if (!remote.ok()) return remote.status();
+    row_source_ = *std::move(remote);
+  }
+  engine::GpuBackendOptions go = engine::BackendOptionsFor(options_.engine);
+  go.device = options_.gpu_device;
+  go.capacity_bytes = options_.engine.resident_capacity_bytes;
+  go.row_cache_fraction = options_.gpu_row_cache;
+  go.stage_timing_every = options_.gpu_stage_timing_every;
+  go.fetch_parallelism = options_.gpu_fetch_parallelism;
+  std::string cpu_reason;
+  absl::StatusOr<std::unique_ptr<engine::DecodeBackend>> backend =
+      engine::NewBackend(options_.gpu, go, row_source_.get(), &cpu_reason);
+  if (!backend.ok()) return backend.status();
+  if (!cpu_reason.empty()) {
+    KVSPARSE_LOG(Info) << "decoding on the CPU: " << cpu_reason;
+  }
+  engine_ = std::make_unique<engine::DecodeEngine>(options_.engine, row_source_.get(),
+                                                   std::move(*backend));
+  metrics_->AddCollectable(NewResidentCollector(engine_.get()));
+  if (kvstore_service_ != nullptr) {  // one process: a drop frees the engine's state too
+    engine::DecodeEngine* e = engine_.get();
+    kvstore_service_->set_drop_listener([e](const std::string& id) { e->Forget(id); });
+  }
+  reaper_ = std::make_unique<StreamReaper>(options_.stream_idle_timeout);
+  attention_service_ =
+      std::make_unique<AttentionService>(engine_.get(), rpc_.get(), metrics_.get(), reaper_.get());
+  return absl::OkStatus();
 }
 
 Server::~Server() {

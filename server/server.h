@@ -132,6 +132,10 @@ class Server {
 
  private:
   Server() = default;
+  // The steps of Start, over options_.
+  absl::Status StartStore();
+  absl::Status StartEngine();
+  absl::StatusOr<std::unique_ptr<engine::RowSource>> RemoteStoreSource();
   // Re-reads the token file every options_.auth_tokens_reload until stop_reload_.
   void ReloadTokens();
   // Re-reads the TLS files every options_.tls.reload until stop_reload_ (TlsFileGuard).
