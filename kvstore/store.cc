@@ -294,15 +294,11 @@ absl::Status UnacceptedValues(const AppendRequest& req, const ModelShape& shape)
   return absl::InvalidArgumentError("k or v holds a value kvsparse does not accept");
 }
 
-}  // namespace
-
-absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
-  if (req.num_tokens == 0) return absl::InvalidArgumentError("append of zero tokens");
-  if (req.num_layers == 0) return absl::InvalidArgumentError("append to zero layers");
-  absl::StatusOr<Pin> pin = Acquire(req.sequence_id);
-  if (!pin.ok()) return pin.status();
-  Sequence& seq = **pin;
-  const ModelShape& shape = seq.shape_;
+// The bytes of K (and of V) an append carries, once its layers, shape, length limit, size limit
+// and payload sizes check out against the sequence's `shape` (nothing locked: these do not
+// depend on the sequence's state).
+absl::StatusOr<uint64_t> AppendBytes(const AppendRequest& req, const ModelShape& shape,
+                                     size_t row_bytes, const StoreOptions& options) {
   if (static_cast<uint64_t>(req.first_layer) + req.num_layers > shape.num_layers) {
     return absl::InvalidArgumentError(absl::StrCat("layers [", req.first_layer, ", ",
                                                    req.first_layer + req.num_layers,
@@ -315,15 +311,15 @@ absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
         " kv heads of dim ", req.head_dim, " to a sequence of ", kernels::DTypeName(shape.dtype),
         " with ", shape.num_kv_heads, " kv heads of dim ", shape.head_dim));
   }
-  if (req.num_tokens > options_.max_tokens_per_layer) {
+  if (req.num_tokens > options.max_tokens_per_layer) {
     return absl::OutOfRangeError(absl::StrCat("append of ", req.num_tokens,
                                               " tokens exceeds max_tokens_per_layer ",
-                                              options_.max_tokens_per_layer));
+                                              options.max_tokens_per_layer));
   }
-  const uint64_t want = req.num_layers * req.num_tokens * shape.num_kv_heads * seq.row_bytes_;
-  if (want > options_.max_append_bytes) {
+  const uint64_t want = req.num_layers * req.num_tokens * shape.num_kv_heads * row_bytes;
+  if (want > options.max_append_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "append of ", 2 * want, " bytes exceeds the limit of ", options_.max_append_bytes));
+        "append of ", 2 * want, " bytes exceeds the limit of ", options.max_append_bytes));
   }
   if (req.k.size() != want || req.v.size() != want) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -331,6 +327,21 @@ absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
         shape.head_dim, "] ", kernels::DTypeName(shape.dtype), " = ", want, " bytes each; got ",
         req.k.size(), " and ", req.v.size()));
   }
+  return want;
+}
+
+}  // namespace
+
+absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
+  if (req.num_tokens == 0) return absl::InvalidArgumentError("append of zero tokens");
+  if (req.num_layers == 0) return absl::InvalidArgumentError("append to zero layers");
+  absl::StatusOr<Pin> pin = Acquire(req.sequence_id);
+  if (!pin.ok()) return pin.status();
+  Sequence& seq = **pin;
+  const ModelShape& shape = seq.shape_;
+  absl::StatusOr<uint64_t> bytes = AppendBytes(req, shape, seq.row_bytes_, options_);
+  if (!bytes.ok()) return bytes.status();
+  const uint64_t want = *bytes;
   if (absl::Now() > req.deadline) return absl::DeadlineExceededError("deadline passed");
 
   std::unique_lock<std::shared_mutex> lock(seq.mu_);

@@ -73,8 +73,8 @@ constexpr const char* kTokens[] = {"fuzz-admin-0123456789",
                                    "fuzz-t1-reader-0123456",
                                    "",
                                    "fuzz-unknown-012345678"};
-constexpr int kCallers = 6;
-constexpr char kTokenFile[] =
+[[maybe_unused]] constexpr int kCallers = 6;
+[[maybe_unused]] constexpr char kTokenFile[] =
     "fuzz-admin-0123456789 admin\nfuzz-t1-writer-0123456 write t1\n"
     "fuzz-t2-writer-0123456 write t2\nfuzz-t1-reader-0123456 read t1\n";
 
