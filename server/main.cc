@@ -349,12 +349,15 @@ int main(int argc, char** argv) {
 
   srv::ServerOptions options;
   Resources resources;
-  for (absl::Status s : {LoggingFromFlags(), NetworkFromFlags(&options), GpuFromFlags(&options),
-                         StoreFromFlags(&options, &resources), EngineFromFlags(&options)}) {
-    if (!s.ok()) {
-      std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
-      return s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
-    }
+  // In order, stopping at the first error: --gpu decides the store's memory.
+  absl::Status s = LoggingFromFlags();
+  if (s.ok()) s = NetworkFromFlags(&options);
+  if (s.ok()) s = GpuFromFlags(&options);
+  if (s.ok()) s = StoreFromFlags(&options, &resources);
+  if (s.ok()) s = EngineFromFlags(&options);
+  if (!s.ok()) {
+    std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
+    return s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;
   }
 
   // Signals are taken by sigwait below, so block them before any thread starts.
