@@ -1,6 +1,5 @@
 // The mapped-file plane: the store's arena file mapped read-only in this process (the
 // shared-arena pod: store and worker share a volume); the rows are copied from its pages.
-#include "absl/strings/str_cat.h"
 #include "rpc/data_plane.h"
 
 namespace kvsparse::rpc {
@@ -26,14 +25,6 @@ class MappedFilePlane final : public DataPlane {
 
 std::unique_ptr<DataPlane> NewMappedFilePlane(std::string path) {
   return std::make_unique<MappedFilePlane>(std::move(path));
-}
-
-absl::StatusOr<StoreDataPlane> ParseStoreDataPlane(absl::string_view name) {
-  if (name.empty() || name == "gather") return StoreDataPlane::kGather;
-  if (name == "ucx") return StoreDataPlane::kUcx;
-  if (name == "ucx-rma") return StoreDataPlane::kUcxRma;
-  return absl::InvalidArgumentError(
-      absl::StrCat("--store_data_plane: '", name, "' is not gather, ucx or ucx-rma"));
 }
 
 }  // namespace kvsparse::rpc

@@ -70,18 +70,13 @@ struct Layout {
   size_t total = 0;
 };
 
-HashTopKParams TopkParams(const VAttentionParams& p) {
-  HashTopKParams t;
+// The fields the two top-k selectors (HashTopKParams, ScoreTopKParams) share: shape, lengths,
+// sink, window and k.
+template <typename T>
+T SelectorParams(const VAttentionParams& p) {
+  T t;
   t.batch = p.shape.batch;
   t.num_q_heads = p.shape.num_q_heads;
-  t.key_heads = p.key_heads;
-  t.bits = p.bits;
-  t.q_sigs = p.q_sigs;
-  t.k_sigs = p.k_sigs;
-  t.k_sig_heads = p.k_sig_heads;
-  t.k_batch_stride = p.k_batch_stride;
-  t.k_head_stride = p.k_head_stride;
-  t.k_token_stride = p.k_token_stride;
   t.seq_lens = p.shape.seq_lens;
   t.max_seq_len = p.shape.max_seq_len;
   t.sink_tokens = p.sink_tokens;
@@ -91,18 +86,23 @@ HashTopKParams TopkParams(const VAttentionParams& p) {
   return t;
 }
 
+HashTopKParams TopkParams(const VAttentionParams& p) {
+  HashTopKParams t = SelectorParams<HashTopKParams>(p);
+  t.key_heads = p.key_heads;
+  t.bits = p.bits;
+  t.q_sigs = p.q_sigs;
+  t.k_sigs = p.k_sigs;
+  t.k_sig_heads = p.k_sig_heads;
+  t.k_batch_stride = p.k_batch_stride;
+  t.k_head_stride = p.k_head_stride;
+  t.k_token_stride = p.k_token_stride;
+  return t;
+}
+
 ScoreTopKParams ScoreParams(const VAttentionParams& p) {
-  ScoreTopKParams t;
-  t.batch = p.shape.batch;
-  t.num_q_heads = p.shape.num_q_heads;
+  ScoreTopKParams t = SelectorParams<ScoreTopKParams>(p);
   t.scores = p.scores;
   t.score_stride = p.scores_stride;
-  t.seq_lens = p.shape.seq_lens;
-  t.max_seq_len = p.shape.max_seq_len;
-  t.sink_tokens = p.sink_tokens;
-  t.local_tokens = p.local_tokens;
-  t.top_k = p.top_k;
-  t.top_k_fraction = p.top_k_fraction;
   return t;
 }
 
@@ -194,6 +194,22 @@ __device__ __forceinline__ T ScanExclusive1024(T v, T* ws, T* total) {
   return r;
 }
 
+// (b, h)'s fixed set (fcount tokens at fx) as a bitmap of `words` 32-token words in shared memory.
+// Ends with a barrier: every thread sees the whole set.
+__device__ void MarkFixed(uint32_t* bitmap, int words, const int32_t* fx, int fcount) {
+  for (int i = threadIdx.x; i < words; i += blockDim.x) bitmap[i] = 0u;
+  __syncthreads();
+  for (int i = threadIdx.x; i < fcount; i += blockDim.x) {
+    atomicOr(&bitmap[fx[i] / 32], 1u << (fx[i] % 32));
+  }
+  __syncthreads();
+}
+
+// Whether token t is in the residual (not in the fixed set MarkFixed drew).
+__device__ __forceinline__ bool Residual(const uint32_t* bitmap, int t) {
+  return ((bitmap[t / 32] >> (t % 32)) & 1u) == 0;
+}
+
 // Uniform sample without replacement of `count` residual tokens ([0, n) minus the fixed set):
 // the count smallest (Draw64(t), t) pairs of the (tag, b, h) stream, written ascending (the
 // CPU reference's SampleWithoutReplacement). kBase: count = min(n_s, max(2, round(rate n_s)));
@@ -232,15 +248,10 @@ __global__ void __launch_bounds__(kSampleThreads)
     return;
   }
   const bool all = count >= n_s;
-  for (int i = tid; i < words; i += kSampleThreads) bitmap[i] = 0u;
   for (int i = tid; i < kBuckets; i += kSampleThreads) hist[i] = 0;
   if (tid == 0) sm_ncand = 0;
-  __syncthreads();
-  const int32_t* fx = l.fixed + bh * l.fixed_stride;
-  for (int i = tid; i < fcount; i += kSampleThreads)
-    atomicOr(&bitmap[fx[i] / 32], 1u << (fx[i] % 32));
-  __syncthreads();
-  auto residual = [&](int t) { return ((bitmap[t / 32] >> (t % 32)) & 1u) == 0; };
+  MarkFixed(bitmap, words, l.fixed + bh * l.fixed_stride, fcount);
+  auto residual = [&](int t) { return Residual(bitmap, t); };
   uint64_t* keys = l.keys + bh * l.list_stride;
   const PhiloxStream rng =
       SequenceStream({p.seed, p.seeds}, kBase ? RngTag::kVattBase : RngTag::kVattDynamic, b, h);
@@ -350,13 +361,8 @@ __global__ void __launch_bounds__(kSampleThreads) VattProposalKernel(VAttentionP
     if (tid == 0) l.log_scale[bh] = 0.0;
     return;
   }
-  for (int i = tid; i < words; i += kSampleThreads) pbitmap[i] = 0u;
-  __syncthreads();
-  const int32_t* fx = l.fixed + bh * l.fixed_stride;
-  for (int i = tid; i < fcount; i += kSampleThreads)
-    atomicOr(&pbitmap[fx[i] / 32], 1u << (fx[i] % 32));
-  __syncthreads();
-  auto residual = [&](int t) { return ((pbitmap[t / 32] >> (t % 32)) & 1u) == 0; };
+  MarkFixed(pbitmap, words, l.fixed + bh * l.fixed_stride, fcount);
+  auto residual = [&](int t) { return Residual(pbitmap, t); };
   const float* sc = p.scores + bh * p.scores_stride;
   float mx = -HUGE_VALF;
   for (int t = tid; t < n; t += kSampleThreads) {
