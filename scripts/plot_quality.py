@@ -35,6 +35,8 @@ RUNS = [
     "quality-2026-11-27-vatt-imp.json",
     "quality-2026-11-27-vatt-imp-2.json",
     "quality-2026-11-27-ckeys1-32windows-c.json",
+    "quality-2026-11-27-ckeys1-64windows-d.json",
+    "quality-2026-11-27-vatt-imp-gpu-d.json",
 ]
 # Method families by the harness's method-name prefix, in the legend's order.
 FAMILIES = [

@@ -34,7 +34,8 @@ keys on the GPU, K and V in host memory, 4% row cache), ckeys64 (the same at 1/6
 ckeys1-64 (1-bit keys at 1/32 and 1/64; the row cache is --gpu_row_cache's), ckprop
 (S2ANTA-prop S=128 drawing from the 2-bit compressed keys' scores, the sampled K and V rows from
 host memory: the ratio correction), ckvatt (vAttention eps = delta = 0.1 over 2-bit compressed
-keys with the importance sampler and the CLT-ratio bound).
+keys with the importance sampler and the CLT-ratio bound; on these random weights its budget
+covers every row: docs/PERF.md).
 
 Each variant's cache is filled with n random tokens per sequence and layer (the context a
 prefill would leave; not timed), then decoding runs `--warmup` untimed and `--steps` timed
