@@ -15,7 +15,7 @@
 
 #include "absl/status/statusor.h"
 #include "engine/decode_call.h"
-#include "engine/decode_engine.h"
+#include "engine/engine_options.h"
 #include "engine/methods/method_unit.h"
 #include "engine/resident_cache.h"
 #include "engine/row_source.h"

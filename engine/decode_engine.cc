@@ -174,8 +174,21 @@ absl::Status DecodeEngine::AppendNewTokens(const DecodeCall& call,
   return absl::OkStatus();
 }
 
-absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& call) {
+absl::StatusOr<DecodeResult> DecodeEngine::Decode(const DecodeCall& request) {
   const absl::Time start = absl::Now();
+  // The method with the engine's defaults filled (MethodUnit::Resolve): what both backends see.
+  // The call is copied only when a default applies.
+  Method method = request.method;
+  if (FindMethod(method.kind).unit->Resolve(&method, options_)) {
+    DecodeCall call = request;
+    call.method = std::move(method);
+    return DecodeResolved(call, start);
+  }
+  return DecodeResolved(request, start);
+}
+
+absl::StatusOr<DecodeResult> DecodeEngine::DecodeResolved(const DecodeCall& call,
+                                                          absl::Time start) {
   if (call.sequence_ids.empty()) return absl::InvalidArgumentError("no sequences");
   if (call.sequence_ids.size() > options_.max_call_sequences) {
     return absl::InvalidArgumentError(absl::StrCat("a call names ", call.sequence_ids.size(),
@@ -300,7 +313,9 @@ absl::StatusOr<std::unique_ptr<StaticStep>> DecodeEngine::PlanStatic(const Stati
     return absl::InvalidArgumentError("max_tokens: 1 .. 2^30");
   }
   const MethodUnit& unit = *FindMethod(req.method.kind).unit;
-  if (absl::Status s = unit.Validate(req.method, options_); !s.ok()) return s;
+  Method method = req.method;
+  unit.Resolve(&method, options_);  // the engine's defaults, as for Decode
+  if (absl::Status s = unit.Validate(method, options_); !s.ok()) return s;
   absl::StatusOr<SequenceDesc> first =
       source_->Describe(req.sequence_ids[0], absl::InfiniteFuture());
   if (!first.ok()) return first.status();
@@ -309,7 +324,7 @@ absl::StatusOr<std::unique_ptr<StaticStep>> DecodeEngine::PlanStatic(const Stati
   static const char kPlaceholder = 0;
   DecodeCall call;
   call.sequence_ids = req.sequence_ids;
-  call.method = req.method;
+  call.method = std::move(method);
   call.seed = req.seed;
   call.scale = req.scale;
   call.q_dtype = req.dtype;

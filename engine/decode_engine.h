@@ -26,6 +26,7 @@
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
 #include "engine/decode_call.h"
+#include "engine/engine_options.h"
 #include "engine/method.h"
 #include "engine/resident_cache.h"
 #include "engine/row_source.h"
@@ -37,20 +38,6 @@ namespace kvsparse::engine {
 // The start of the FAILED_PRECONDITION message of a call with q on the device that the GPU backend
 // does not take (nothing was appended; the caller may retry with q in host memory).
 inline constexpr char kNotOnBackend[] = "this call cannot run on the GPU backend";
-
-struct EngineOptions {
-  int32_t default_tile_size = 256;              // S2ANTA tile when a request gives 0
-  size_t resident_capacity_bytes = 4ull << 30;  // device-tier state (K, V, signatures)
-  // Largest single read from the row source when many rows are needed at once (the resident
-  // state's catch-up, or every K row when K is not resident): far under the message limit.
-  size_t max_fetch_bytes = 32 << 20;
-  SignatureConfig signatures;
-  // Most sequences one Decode call may name (each distinct): bounds the work of one call.
-  size_t max_call_sequences = 1024;
-  // Most K+V bytes one Decode call may cover (its dense-equivalent bytes: what the CPU engine
-  // may gather for it); more is RESOURCE_EXHAUSTED. 0: no bound.
-  uint64_t max_call_bytes = 64ull << 30;
-};
 
 // Where a validated call is computed when not on the CPU: the GPU backend
 // (engine/cuda/gpu_backend.h) of a worker that has a GPU. The engine validates the call and
@@ -119,6 +106,8 @@ class DecodeEngine {
   const char* backend() const { return backend_ != nullptr ? backend_->name() : "cpu"; }
 
  private:
+  // Decode of a call whose method the unit has resolved; start: when Decode began.
+  absl::StatusOr<DecodeResult> DecodeResolved(const DecodeCall& call, absl::Time start);
   // The sequences of the call as the store holds them, checked against the call and the
   // method (steps 1 and 2 above, before anything is appended).
   absl::StatusOr<std::vector<SequenceDesc>> Describe(const DecodeCall& call);

@@ -212,6 +212,60 @@ TEST_F(EngineTest, SantaSelectsWhatTheReferenceSelectsAndFetchesOnlyV) {
   }
 }
 
+// A backend that takes no call and records the method each call showed it.
+class RecordingBackend final : public DecodeBackend {
+ public:
+  explicit RecordingBackend(std::vector<Method>* seen) : seen_(seen) {}
+  const char* name() const override { return "recording"; }
+  bool Supports(const DecodeCall& call, absl::Span<const SequenceDesc>) const override {
+    seen_->push_back(call.method);
+    return false;
+  }
+  absl::Status Decode(const DecodeCall&, absl::Span<const SequenceDesc>, DecodeResult*) override {
+    return absl::InternalError("never taken");
+  }
+  void Forget(const std::string&) override {}
+  size_t resident_bytes() const override { return 0; }
+  size_t resident_capacity() const override { return 0; }
+
+ private:
+  std::vector<Method>* seen_;
+};
+
+// A request's tile size 0 is the engine's default, resolved once before either backend sees the
+// call: the backend is shown the default, and the CPU engine's rows are the reference's at it.
+TEST_F(EngineTest, SantaTileSizeZeroIsTheEnginesDefaultOnBothBackends) {
+  kvstore::Placement kdev;
+  kdev.k_tier = kvstore::Tier::kDevice;
+  Load(Options(), kdev);
+  std::vector<Method> seen;
+  EngineOptions eo;
+  eo.default_tile_size = 128;  // not the kernels' or the struct's default (256)
+  DecodeEngine engine(eo, source_.get(), std::make_unique<RecordingBackend>(&seen));
+  Method m;
+  m.kind = MethodKind::kSanta;
+  m.santa.samples = 64;
+  m.santa.tile_size = 0;
+  auto r = engine.Decode(Call(m));
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(seen.size(), 1u);
+  EXPECT_EQ(seen[0].santa.tile_size, 128);
+  Method want = m;
+  want.santa.tile_size = 128;
+  for (int32_t b = 0; b < 2; ++b) {
+    std::vector<uint8_t> out;
+    kernels::DecodeProblem p = One(b, &out);
+    kernels::RowSelection sel;
+    ASSERT_TRUE(kernels::SantaDecodeCpu(p, want.santa, kernels::SequenceSeed(99, b), &sel).ok());
+    ExpectSame(*r, b, sel, out);
+  }
+  // A tile size the request gives is left as it is.
+  m.santa.tile_size = 64;
+  ASSERT_TRUE(engine.Decode(Call(m)).ok());
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen[1].santa.tile_size, 64);
+}
+
 TEST_F(EngineTest, SantaWithKInHostFetchesAllKForTheScores) {
   Load(Options(1, {900}), {});
   Method m;

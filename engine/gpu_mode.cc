@@ -38,7 +38,6 @@ absl::StatusOr<HostMemory> NewHostMemory(GpuMode mode, const kvstore::HostMemory
 GpuBackendOptions BackendOptionsFor(const EngineOptions& engine) {
   GpuBackendOptions go;
   go.max_fetch_bytes = engine.max_fetch_bytes;
-  go.default_tile_size = engine.default_tile_size;
   go.signatures = engine.signatures;
   return go;
 }

@@ -27,8 +27,8 @@ class GpuBackend final : public DecodeBackend {
       : options_(std::move(options)),
         source_(source),
         stream_(stream),
-        caps_{options_.default_tile_size, options_.signatures.learned.get(),
-              options_.signatures.saap.get(), !source->pages_device_visible()} {
+        caps_{options_.signatures.learned.get(), options_.signatures.saap.get(),
+              !source->pages_device_visible()} {
     gpu::DeviceStateOptions so;
     so.capacity_bytes = options_.capacity_bytes;
     so.max_fetch_bytes = options_.max_fetch_bytes;

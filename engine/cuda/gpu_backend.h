@@ -39,7 +39,6 @@ struct GpuBackendOptions {
   size_t capacity_bytes = 4ull << 30;  // per-sequence state on the device (rows, signatures,
                                        // page lists, row caches)
   size_t max_fetch_bytes = 32 << 20;   // largest single read from the row source while syncing
-  int32_t default_tile_size = 256;     // S2ANTA tile of a request that gives 0 (GPU: 256 only)
   // HashAttention's row cache, in rows per kv head as a fraction of the sequence's tokens (0: no
   // cache, every selected row crosses each step).
   double row_cache_fraction = 0.04;

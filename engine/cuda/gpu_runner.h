@@ -28,9 +28,9 @@
 
 namespace kvsparse::engine::gpu {
 
-// What the backend can do, for the runners' Supports.
+// What the backend can do, for the runners' Supports. (A method's defaults are the engine's,
+// filled before a runner sees it: MethodUnit::Resolve.)
 struct GpuCaps {
-  int32_t default_tile_size = 256;  // S2ANTA tile of a request that gives 0
   // The deployment's learned hash weights (null: SimHash); the GPU signs with them where they
   // fit a sequence (LearnedSignsOnGpu).
   const kernels::LearnedHashWeights* learned = nullptr;

@@ -65,11 +65,10 @@ class SantaCompressedCall final : public SelectedRowsCall {
 bool SantaOverCompressedKeysSupports(const Method& m, const SequenceDesc& desc,
                                      const GpuCaps& caps) {
   const kernels::SantaParams& p = m.santa;
-  const int32_t tile = p.tile_size == 0 ? caps.default_tile_size : p.tile_size;
   return p.scores == kernels::ScoreSource::kCompressedKeys &&
          p.correction == kernels::SantaCorrection::kRatio &&
          p.sampler == kernels::SantaSampler::kSystematic &&
-         p.allocation == kernels::SantaAllocation::kProp && tile == kc::kSantaTile &&
+         p.allocation == kernels::SantaAllocation::kProp && p.tile_size == kc::kSantaTile &&
          p.bernoulli_qk_samples == 0 && desc.placement.compressed_key_bits != 0 &&
          StagedRowsFit(desc, caps);
 }

@@ -32,8 +32,7 @@ class SantaCall final : public MethodCall {
   // allocation, or systematic with prop or flash. V from a store in another process is staged.
   static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
     const kernels::SantaParams& p = m.santa;
-    const int32_t tile = p.tile_size == 0 ? caps.default_tile_size : p.tile_size;
-    if (desc.placement.k_tier != kvstore::Tier::kDevice || tile != kc::kSantaTile ||
+    if (desc.placement.k_tier != kvstore::Tier::kDevice || p.tile_size != kc::kSantaTile ||
         p.bernoulli_qk_samples != 0 || p.scores != kernels::ScoreSource::kExact) {
       return false;
     }

@@ -1,6 +1,8 @@
 // One selection method behind one interface: what it accepts, what it needs of a sequence, and
 // its CPU reference selection. The engine drives every method through it, in the spirit of
 // FlashInfer's plan/run split:
+//   Resolve    the engine's defaults for what the request left to it (S2ANTA's tile size), once
+//              per call before anything else: both backends see the resolved method;
 //   Validate   the call's parameters alone (before any sequence is looked up);
 //   CheckFits  what the method needs of each sequence's placement and shape (before anything is
 //              appended);
@@ -16,7 +18,7 @@
 #include <cstdint>
 
 #include "absl/status/status.h"
-#include "engine/decode_engine.h"
+#include "engine/engine_options.h"
 #include "engine/method.h"
 #include "engine/row_source.h"
 #include "engine/signatures.h"
@@ -35,6 +37,8 @@ struct CpuPlan {
 class MethodUnit {
  public:
   virtual ~MethodUnit() = default;
+  // Fills what m left to the engine from options; true when it changed anything.
+  virtual bool Resolve(Method* m, const EngineOptions& options) const { return false; }
   // INVALID_ARGUMENT for parameters no sequence could serve (per-sequence parts, such as
   // k <= n, are checked by the selection).
   virtual absl::Status Validate(const Method& m, const EngineOptions& options) const = 0;

@@ -10,19 +10,18 @@
 namespace kvsparse::engine {
 namespace {
 
-// The request's parameters with the engine's default tile size for a 0.
-kernels::SantaParams Resolve(const Method& m, const EngineOptions& options) {
-  kernels::SantaParams p = m.santa;
-  if (p.tile_size == 0) p.tile_size = options.default_tile_size;
-  return p;
-}
-
 bool Compressed(const Method& m) { return m.santa.scores == kernels::ScoreSource::kCompressedKeys; }
 
 class Santa final : public MethodUnit {
  public:
-  absl::Status Validate(const Method& m, const EngineOptions& options) const override {
-    return kernels::ValidateSantaParams(Resolve(m, options));
+  // The engine's tile size for a request's 0.
+  bool Resolve(Method* m, const EngineOptions& options) const override {
+    if (m->santa.tile_size != 0) return false;
+    m->santa.tile_size = options.default_tile_size;
+    return true;
+  }
+  absl::Status Validate(const Method& m, const EngineOptions&) const override {
+    return kernels::ValidateSantaParams(m.santa);
   }
   absl::Status CheckFits(const Method& m, const SequenceDesc& desc,
                          const SignatureMaker&) const override {
@@ -40,7 +39,7 @@ class Santa final : public MethodUnit {
   }
   absl::Status Select(CpuStep& step, kernels::RowSelection* sel) const override {
     const Method& m = step.method();
-    const kernels::SantaParams p = Resolve(m, step.options());
+    const kernels::SantaParams& p = m.santa;
     if (!Compressed(m)) return kernels::SantaSelectCpu(step.problem(), p, step.seed(), sel);
     return kernels::SantaSelectCpu(step.problem(), p, step.seed(), sel, nullptr,
                                    step.CompressedKeys());
