@@ -61,11 +61,97 @@ double Pct(std::vector<double> v, double p) {
   return v[static_cast<size_t>(p * (v.size() - 1))];
 }
 
+namespace v1 = kvsparse::v1;
+
+// B sequences "b<B>-<b>" of `tokens` tokens from the synthetic problem, with K resident on the
+// worker (the S2ANTA placement) and V in the host tier. false on error.
+bool LoadSequences(kvsparse::client::KvStoreClient& kv,
+                   const kvsparse::kernels::SyntheticProblem& prob, int B, int tokens) {
+  const auto& p = prob.problem;
+  v1::Placement place;
+  place.set_k_tier(v1::TIER_DEVICE);
+  for (int b = 0; b < B; ++b) {
+    const std::string id = absl::StrCat("b", B, "-", b);
+    v1::ModelShape shape;
+    shape.set_num_layers(1);
+    shape.set_num_q_heads(p.num_q_heads);
+    shape.set_num_kv_heads(p.num_kv_heads);
+    shape.set_head_dim(p.head_dim);
+    shape.set_dtype(v1::DTYPE_BF16);
+    if (!kv.CreateSequence(id, shape, place).ok()) return false;
+    v1::AppendRequest r;
+    r.set_sequence_id(id);
+    const size_t bytes = static_cast<size_t>(tokens) * p.num_kv_heads * p.head_dim * 2;
+    for (auto [t, src] :
+         {std::pair{r.mutable_k(), prob.k.data()}, {r.mutable_v(), prob.v.data()}}) {
+      t->set_dtype(v1::DTYPE_BF16);
+      for (int64_t d : {int64_t{1}, int64_t{tokens}, int64_t{p.num_kv_heads}, int64_t{p.head_dim}})
+        t->add_shape(d);
+      t->set_data(src + b * p.kv_layout.batch_stride * 2, bytes);
+    }
+    if (!kv.Append(r).ok()) return false;
+  }
+  return true;
+}
+
+// One row of the table: `calls` Decode calls of method `mname` over the B sequences, then as
+// many echoes of the same request and response sizes. false on error.
+bool MeasureMethod(const char* mname, int B, const kvsparse::kernels::SyntheticProblem& prob,
+                   kvsparse::client::AttentionClient& attn, kvsparse::bench::Echo::Stub& echo) {
+  const auto& p = prob.problem;
+  v1::DecodeRequest req;
+  for (int b = 0; b < B; ++b) req.add_sequence_ids(absl::StrCat("b", B, "-", b));
+  req.mutable_q()->set_dtype(v1::DTYPE_BF16);
+  for (int64_t d : {int64_t{B}, int64_t{p.num_q_heads}, int64_t{p.head_dim}})
+    req.mutable_q()->add_shape(d);
+  req.mutable_q()->set_data(prob.q.data(), prob.q.size());
+  if (std::string(mname) == "dense") {
+    req.mutable_method()->mutable_dense();
+  } else {
+    req.mutable_method()->mutable_santa()->set_samples(128);
+  }
+  std::vector<double> dec, eng, ech, srv;
+  v1::DecodeResponse resp;
+  for (int i = -10; i < absl::GetFlag(FLAGS_calls); ++i) {
+    req.set_seed(i);
+    resp.Clear();
+    const auto t0 = Clock::now();
+    absl::Status s = attn.Decode(req, &resp);
+    const auto t1 = Clock::now();
+    if (!s.ok()) {
+      std::fprintf(stderr, "decode: %s\n", s.ToString().c_str());
+      return false;
+    }
+    if (i >= 0) {
+      dec.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+      eng.push_back(resp.timing().engine_seconds() * 1e6);
+      srv.push_back((resp.timing().server_seconds() - resp.timing().engine_seconds()) * 1e6);
+    }
+  }
+  // The echo carries the same request bytes and returns the same response bytes.
+  kvsparse::bench::EchoRequest ereq;
+  ereq.set_payload(std::string(req.ByteSizeLong(), 'q'));
+  ereq.set_response_bytes(resp.ByteSizeLong());
+  kvsparse::bench::EchoResponse eresp;
+  for (int i = -10; i < absl::GetFlag(FLAGS_calls); ++i) {
+    grpc::ClientContext ctx;
+    eresp.Clear();
+    const auto t0 = Clock::now();
+    grpc::Status s = echo.Echo(&ctx, ereq, &eresp);
+    const auto t1 = Clock::now();
+    if (!s.ok()) return false;
+    if (i >= 0) ech.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+  }
+  const double d50 = Pct(dec, 0.5), e50 = Pct(eng, 0.5), x50 = Pct(ech, 0.5);
+  std::printf("%-11s %3d %10.0f %10.0f %10.0f %10.0f %10.0f %15.1f %13.0f\n", mname, B, d50,
+              Pct(dec, 0.99), e50, x50, Pct(ech, 0.99), Pct(srv, 0.5), d50 - e50 - x50);
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  namespace v1 = kvsparse::v1;
   const int tokens = absl::GetFlag(FLAGS_tokens);
   kvsparse::server::ServerOptions so;
   so.listen = "127.0.0.1:0";
@@ -124,79 +210,9 @@ int main(int argc, char** argv) {
     o.batch = B;
     o.seq_lens.assign(B, tokens);
     auto prob = kvsparse::kernels::SyntheticProblem::Make(o);
-    const auto& p = prob.problem;
-    // Sequences with K resident on the worker (the S2ANTA placement), V in the host tier.
-    v1::Placement place;
-    place.set_k_tier(v1::TIER_DEVICE);
-    for (int b = 0; b < B; ++b) {
-      const std::string id = absl::StrCat("b", B, "-", b);
-      v1::ModelShape shape;
-      shape.set_num_layers(1);
-      shape.set_num_q_heads(p.num_q_heads);
-      shape.set_num_kv_heads(p.num_kv_heads);
-      shape.set_head_dim(p.head_dim);
-      shape.set_dtype(v1::DTYPE_BF16);
-      if (!(*kv)->CreateSequence(id, shape, place).ok()) return 1;
-      v1::AppendRequest r;
-      r.set_sequence_id(id);
-      const size_t bytes = static_cast<size_t>(tokens) * p.num_kv_heads * p.head_dim * 2;
-      for (auto [t, src] :
-           {std::pair{r.mutable_k(), prob.k.data()}, {r.mutable_v(), prob.v.data()}}) {
-        t->set_dtype(v1::DTYPE_BF16);
-        for (int64_t d :
-             {int64_t{1}, int64_t{tokens}, int64_t{p.num_kv_heads}, int64_t{p.head_dim}})
-          t->add_shape(d);
-        t->set_data(src + b * p.kv_layout.batch_stride * 2, bytes);
-      }
-      if (!(*kv)->Append(r).ok()) return 1;
-    }
+    if (!LoadSequences(**kv, prob, B, tokens)) return 1;
     for (const char* mname : {"dense", "santa_prop"}) {
-      v1::DecodeRequest req;
-      for (int b = 0; b < B; ++b) req.add_sequence_ids(absl::StrCat("b", B, "-", b));
-      req.mutable_q()->set_dtype(v1::DTYPE_BF16);
-      for (int64_t d : {int64_t{B}, int64_t{p.num_q_heads}, int64_t{p.head_dim}})
-        req.mutable_q()->add_shape(d);
-      req.mutable_q()->set_data(prob.q.data(), prob.q.size());
-      if (std::string(mname) == "dense") {
-        req.mutable_method()->mutable_dense();
-      } else {
-        req.mutable_method()->mutable_santa()->set_samples(128);
-      }
-      std::vector<double> dec, eng, ech, srv;
-      v1::DecodeResponse resp;
-      for (int i = -10; i < absl::GetFlag(FLAGS_calls); ++i) {
-        req.set_seed(i);
-        resp.Clear();
-        const auto t0 = Clock::now();
-        absl::Status s = (*attn)->Decode(req, &resp);
-        const auto t1 = Clock::now();
-        if (!s.ok()) {
-          std::fprintf(stderr, "decode: %s\n", s.ToString().c_str());
-          return 1;
-        }
-        if (i >= 0) {
-          dec.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-          eng.push_back(resp.timing().engine_seconds() * 1e6);
-          srv.push_back((resp.timing().server_seconds() - resp.timing().engine_seconds()) * 1e6);
-        }
-      }
-      // The echo carries the same request bytes and returns the same response bytes.
-      kvsparse::bench::EchoRequest ereq;
-      ereq.set_payload(std::string(req.ByteSizeLong(), 'q'));
-      ereq.set_response_bytes(resp.ByteSizeLong());
-      kvsparse::bench::EchoResponse eresp;
-      for (int i = -10; i < absl::GetFlag(FLAGS_calls); ++i) {
-        grpc::ClientContext ctx;
-        eresp.Clear();
-        const auto t0 = Clock::now();
-        grpc::Status s = echo->Echo(&ctx, ereq, &eresp);
-        const auto t1 = Clock::now();
-        if (!s.ok()) return 1;
-        if (i >= 0) ech.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-      }
-      const double d50 = Pct(dec, 0.5), e50 = Pct(eng, 0.5), x50 = Pct(ech, 0.5);
-      std::printf("%-11s %3d %10.0f %10.0f %10.0f %10.0f %10.0f %15.1f %13.0f\n", mname, B, d50,
-                  Pct(dec, 0.99), e50, x50, Pct(ech, 0.99), Pct(srv, 0.5), d50 - e50 - x50);
+      if (!MeasureMethod(mname, B, prob, **attn, *echo)) return 1;
     }
   }
   echo_server->Shutdown();

@@ -107,19 +107,25 @@ Stat Measure(int calls, size_t payload, Call&& call) {
   return {p50, us[(us.size() * 99) / 100], payload / p50, payload * us.size() / total};
 }
 
-}  // namespace
+namespace kv = kvsparse::kvstore;
 
-int main(int argc, char** argv) {
-  absl::ParseCommandLine(argc, argv);
-  namespace kv = kvsparse::kvstore;
-  const kv::ModelShape shape{16, 32, 8, 128, kv::DType::kBf16};
-  const size_t row = shape.row_bytes();
-  const uint64_t token_bytes = 2ull * shape.num_layers * shape.num_kv_heads * row;
-  const uint64_t tokens =
-      std::max<uint64_t>(1024, (absl::GetFlag(FLAGS_pool_mb) << 20) / token_bytes);
+// The model shape the store holds (one sequence "bench").
+const kv::ModelShape kShape{16, 32, 8, 128, kv::DType::kBf16};
 
-  const std::string serve = absl::GetFlag(FLAGS_serve), connect = absl::GetFlag(FLAGS_connect);
-  const bool ucx_reader = absl::StartsWith(absl::GetFlag(FLAGS_reader), "ucx");
+// The processes' endpoints: the store and the echo started here (unless --connect), or those of
+// a --serve process.
+struct Endpoints {
+  std::unique_ptr<kv::MemoryResource> arena;  // --arena_file: the store's pages
+  std::unique_ptr<kvsparse::server::Server> server;
+  std::unique_ptr<EchoService> echo_service;
+  std::unique_ptr<grpc::Server> echo_server;
+  std::string store_target, echo_target;
+};
+
+// Starts the store (filled with `tokens` tokens) and the echo service; with --serve, serves
+// until killed. Errors are printed; false on failure.
+bool StartServers(uint64_t tokens, uint64_t token_bytes, Endpoints* ep) {
+  const std::string serve = absl::GetFlag(FLAGS_serve);
   kvsparse::server::ServerOptions so;
   so.listen = serve.empty() ? "127.0.0.1:0" : serve;
   so.insecure = true;  // a benchmark between namespaces or hosts of a trusted test network
@@ -127,59 +133,192 @@ int main(int argc, char** argv) {
   so.max_message_bytes = kMaxMessage;
   so.store.capacity_bytes = tokens * token_bytes + (256ull << 20);
   const std::string arena_path = absl::GetFlag(FLAGS_arena_file);
-  std::unique_ptr<kv::MemoryResource> arena;
-  absl::StatusOr<std::unique_ptr<kvsparse::server::Server>> server =
-      absl::FailedPreconditionError("not started");
-  EchoService echo_service;
-  std::unique_ptr<grpc::Server> echo_server;
-  std::string store_target = connect, echo_target = absl::GetFlag(FLAGS_echo);
-  if (connect.empty() && !arena_path.empty()) {
+  if (!arena_path.empty()) {
     auto file = kv::NewFileMemoryResource(arena_path, so.store.capacity_bytes, so.store.page_bytes);
     if (!file.ok()) {
       std::fprintf(stderr, "%s\n", file.status().ToString().c_str());
-      return 1;
+      return false;
     }
-    arena = std::move(*file);
-    so.store.memory = arena.get();
-    if (ucx_reader) {
+    ep->arena = std::move(*file);
+    so.store.memory = ep->arena.get();
+    if (absl::StartsWith(absl::GetFlag(FLAGS_reader), "ucx")) {
       so.data_plane = "ucx";
       so.data_plane_transports = absl::GetFlag(FLAGS_ucx_transports);
     }
   }
-  if (connect.empty()) {
-    server = kvsparse::server::Server::Start(so);
-    if (!server.ok()) {
-      std::fprintf(stderr, "%s\n", server.status().ToString().c_str());
-      return 1;
-    }
-    grpc::ServerBuilder eb;
-    int echo_port = 0;
-    const std::string echo_listen =
-        serve.empty() ? "127.0.0.1:0" : absl::GetFlag(FLAGS_echo_listen);
-    eb.AddListeningPort(echo_listen, grpc::InsecureServerCredentials(), &echo_port);
-    eb.SetMaxReceiveMessageSize(kMaxMessage);
-    eb.SetMaxSendMessageSize(kMaxMessage);
-    eb.RegisterService(&echo_service);
-    echo_server = eb.BuildAndStart();
-    if (!echo_server) return 1;
-    // Fill the store in-process (setup, not measured).
-    if (absl::Status s = kvsparse::bench::FillSequence((*server)->store(), "bench", shape, tokens);
-        !s.ok()) {
-      std::fprintf(stderr, "%s\n", s.ToString().c_str());
-      return 1;
-    }
-    if (!serve.empty()) {
-      std::printf("serving: store %s, echo %s, %lu tokens\n", serve.c_str(), echo_listen.c_str(),
-                  static_cast<unsigned long>(tokens));
-      std::fflush(stdout);
-      for (;;) pause();  // until killed
-    }
-    store_target = absl::StrCat("127.0.0.1:", (*server)->port());
-    echo_target = absl::StrCat("127.0.0.1:", echo_port);
+  auto server = kvsparse::server::Server::Start(so);
+  if (!server.ok()) {
+    std::fprintf(stderr, "%s\n", server.status().ToString().c_str());
+    return false;
   }
+  ep->server = std::move(*server);
+  ep->echo_service = std::make_unique<EchoService>();
+  grpc::ServerBuilder eb;
+  int echo_port = 0;
+  const std::string echo_listen = serve.empty() ? "127.0.0.1:0" : absl::GetFlag(FLAGS_echo_listen);
+  eb.AddListeningPort(echo_listen, grpc::InsecureServerCredentials(), &echo_port);
+  eb.SetMaxReceiveMessageSize(kMaxMessage);
+  eb.SetMaxSendMessageSize(kMaxMessage);
+  eb.RegisterService(ep->echo_service.get());
+  ep->echo_server = eb.BuildAndStart();
+  if (!ep->echo_server) return false;
+  // Fill the store in-process (setup, not measured).
+  if (absl::Status s = kvsparse::bench::FillSequence(ep->server->store(), "bench", kShape, tokens);
+      !s.ok()) {
+    std::fprintf(stderr, "%s\n", s.ToString().c_str());
+    return false;
+  }
+  if (!serve.empty()) {
+    std::printf("serving: store %s, echo %s, %lu tokens\n", serve.c_str(), echo_listen.c_str(),
+                static_cast<unsigned long>(tokens));
+    std::fflush(stdout);
+    for (;;) pause();  // until killed
+  }
+  ep->store_target = absl::StrCat("127.0.0.1:", ep->server->port());
+  ep->echo_target = absl::StrCat("127.0.0.1:", echo_port);
+  return true;
+}
+
+// 8 Gather requests of `per_head` V rows per kv head (--pattern) over `layer_tokens` tokens.
+std::vector<kvsparse::v1::GatherRequest> MakeRequests(uint64_t per_head, uint64_t layer_tokens,
+                                                      std::mt19937_64& rng) {
+  std::vector<kvsparse::v1::GatherRequest> reqs(8);
+  std::uniform_int_distribution<uint32_t> tok(0, static_cast<uint32_t>(layer_tokens - 1));
+  const bool contiguous = absl::GetFlag(FLAGS_pattern) == "contiguous";
+  std::uniform_int_distribution<uint32_t> first(
+      0, static_cast<uint32_t>(layer_tokens - std::min(per_head, layer_tokens)));
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    reqs[i].set_sequence_id("bench");
+    reqs[i].set_kind(kvsparse::v1::ROW_KIND_V);
+    for (uint32_t h = 0; h < kShape.num_kv_heads; ++h) {
+      auto* sel = reqs[i].add_heads();
+      sel->set_kv_head(h);
+      const uint32_t t0 = contiguous ? first(rng) : 0;
+      for (uint64_t j = 0; j < per_head; ++j) {
+        sel->add_token_indices(contiguous ? t0 + static_cast<uint32_t>(j) : tok(rng));
+      }
+    }
+  }
+  return reqs;
+}
+
+// The same requests through the direct reader: the page tables are fetched by the warm-up calls
+// (one per layer), then every read is a copy. Checks that no read fell back to Gather and that
+// the rows equal the Gather RPC's; *failed on any error.
+Stat MeasureDirect(kvsparse::rpc::RemoteRowSource& in_place,
+                   kvsparse::client::KvStoreClient& client,
+                   std::vector<kvsparse::v1::GatherRequest>& reqs, int calls, size_t payload,
+                   bool* failed) {
+  std::vector<std::vector<std::vector<uint32_t>>> tokens_of(reqs.size());
+  for (size_t i = 0; i < reqs.size(); ++i) {
+    for (const auto& sel : reqs[i].heads()) {
+      tokens_of[i].emplace_back(sel.token_indices().begin(), sel.token_indices().end());
+    }
+  }
+  std::vector<uint8_t> out(payload);
+  const uint64_t fallbacks = in_place.in_place_stats().fallbacks;
+  const Stat p = Measure(calls, payload, [&](int i) {
+    const auto& toks = tokens_of[i % reqs.size()];
+    std::vector<kvsparse::engine::RowRequest> heads;
+    for (uint32_t h = 0; h < toks.size(); ++h) heads.push_back({h, toks[h]});
+    auto r = in_place.Gather("bench", i % kShape.num_layers, kv::RowKind::kV, heads, nullptr,
+                             out.data(), absl::Now() + absl::Seconds(30));
+    if (!r.ok()) {
+      std::fprintf(stderr, "in-place read failed: %s\n", r.status().ToString().c_str());
+      *failed = true;
+    }
+  });
+  if (in_place.in_place_stats().fallbacks != fallbacks) {
+    std::fprintf(stderr, "in-place reads fell back to Gather\n");
+    *failed = true;
+  }
+  // The rows equal the Gather RPC's (the first request, at layer 3).
+  kvsparse::v1::GatherRequest& req = reqs[0];
+  req.set_layer(3);
+  kvsparse::v1::GatherResponse gresp;
+  std::vector<kvsparse::engine::RowRequest> heads;
+  for (uint32_t h = 0; h < tokens_of[0].size(); ++h) heads.push_back({h, tokens_of[0][h]});
+  if (!client.Gather(req, &gresp).ok() ||
+      !in_place
+           .Gather("bench", 3, kv::RowKind::kV, heads, nullptr, out.data(),
+                   absl::Now() + absl::Seconds(30))
+           .ok() ||
+      gresp.v().data() != std::string(out.begin(), out.end())) {
+    std::fprintf(stderr, "in-place rows differ from the Gather RPC's\n");
+    *failed = true;
+  }
+  return p;
+}
+
+// One row of the table: Gather and Echo (and the direct reader) for `rows` rows. false on error.
+bool MeasureRows(uint64_t rows, uint64_t layer_tokens, kvsparse::client::KvStoreClient& client,
+                 kvsparse::bench::Echo::Stub& echo, kvsparse::rpc::RemoteRowSource* in_place,
+                 std::mt19937_64& rng) {
+  const size_t row = kShape.row_bytes();
+  const int calls = absl::GetFlag(FLAGS_calls);
+  const uint64_t per_head = rows / kShape.num_kv_heads;
+  rows = per_head * kShape.num_kv_heads;
+  const size_t payload = rows * row;
+  std::vector<kvsparse::v1::GatherRequest> reqs = MakeRequests(per_head, layer_tokens, rng);
+  kvsparse::v1::GatherResponse gresp;
+  bool failed = false;
+  const Stat g = Measure(calls, payload, [&](int i) {
+    auto& req = reqs[i % reqs.size()];
+    req.set_layer(i % kShape.num_layers);
+    gresp.Clear();
+    absl::Status s = client.Gather(req, &gresp);
+    if (!s.ok() || gresp.v().data().size() != payload) {
+      std::fprintf(stderr, "gather failed: %s\n", s.ToString().c_str());
+      failed = true;
+    }
+  });
+  kvsparse::bench::EchoRequest ereq;
+  ereq.set_response_bytes(payload);
+  ereq.set_payload(std::string(rows * 4, 'i'));  // the size of the gather's index list
+  kvsparse::bench::EchoResponse eresp;
+  const Stat e = Measure(calls, payload, [&](int) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    eresp.Clear();
+    grpc::Status s = echo.Echo(&ctx, ereq, &eresp);
+    if (!s.ok() || eresp.payload().size() != payload) {
+      std::fprintf(stderr, "echo failed: %s\n", s.error_message().c_str());
+      failed = true;
+    }
+  });
+  Stat p{};
+  if (in_place != nullptr) p = MeasureDirect(*in_place, client, reqs, calls * 4, payload, &failed);
+  if (failed) return false;
+  std::printf("%-8lu %-8.2f %11.0f %11.0f %8.0f %9.0f %11.0f %11.0f %8.0f %9.0f %6.0f%% %6.0f%%",
+              static_cast<unsigned long>(rows), payload / 1e6, g.p50_us, g.p99_us, g.mb_per_s,
+              g.mean_mb_per_s, e.p50_us, e.p99_us, e.mb_per_s, e.mean_mb_per_s,
+              100.0 * g.mb_per_s / e.mb_per_s, 100.0 * g.mean_mb_per_s / e.mean_mb_per_s);
+  if (in_place != nullptr) {
+    std::printf(" %11.0f %11.0f %8.0f %9.1fx", p.p50_us, p.p99_us, p.mb_per_s,
+                p.mb_per_s / g.mb_per_s);
+  }
+  std::printf("\n");
+  return true;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  const size_t row = kShape.row_bytes();
+  const uint64_t token_bytes = 2ull * kShape.num_layers * kShape.num_kv_heads * row;
+  const uint64_t tokens =
+      std::max<uint64_t>(1024, (absl::GetFlag(FLAGS_pool_mb) << 20) / token_bytes);
+  const std::string connect = absl::GetFlag(FLAGS_connect);
+  const std::string arena_path = absl::GetFlag(FLAGS_arena_file);
+  const bool ucx_reader = absl::StartsWith(absl::GetFlag(FLAGS_reader), "ucx");
+  Endpoints ep;
+  ep.store_target = connect;
+  ep.echo_target = absl::GetFlag(FLAGS_echo);
+  if (connect.empty() && !StartServers(tokens, token_bytes, &ep)) return 1;
 
   kvsparse::client::ClientOptions co;
-  co.target = store_target;
+  co.target = ep.store_target;
   co.max_message_bytes = kMaxMessage;
   auto client = kvsparse::client::KvStoreClient::Connect(co);
   if (!client.ok()) return 1;
@@ -196,7 +335,7 @@ int main(int argc, char** argv) {
   args.SetMaxReceiveMessageSize(kMaxMessage);
   args.SetMaxSendMessageSize(kMaxMessage);
   auto echo = kvsparse::bench::Echo::NewStub(
-      grpc::CreateCustomChannel(echo_target, grpc::InsecureChannelCredentials(), args));
+      grpc::CreateCustomChannel(ep.echo_target, grpc::InsecureChannelCredentials(), args));
 
   std::unique_ptr<kvsparse::rpc::RemoteRowSource> in_place;
   if (!arena_path.empty() || (!connect.empty() && ucx_reader)) {
@@ -214,112 +353,15 @@ int main(int argc, char** argv) {
   }
   std::printf("\n");
   std::mt19937_64 rng(7);
-  const int calls = absl::GetFlag(FLAGS_calls);
   for (absl::string_view rs : absl::StrSplit(absl::GetFlag(FLAGS_rows), ',')) {
     uint64_t rows = 0;
     if (!absl::SimpleAtoi(rs, &rows) || rows == 0) return 2;
-    const uint64_t per_head = rows / shape.num_kv_heads;
-    rows = per_head * shape.num_kv_heads;
-    const size_t payload = rows * row;
-    std::vector<kvsparse::v1::GatherRequest> reqs(8);
-    std::uniform_int_distribution<uint32_t> tok(0, static_cast<uint32_t>(layer_tokens - 1));
-    const bool contiguous = absl::GetFlag(FLAGS_pattern) == "contiguous";
-    if (contiguous && per_head > layer_tokens) return 2;
-    std::uniform_int_distribution<uint32_t> first(
-        0, static_cast<uint32_t>(layer_tokens - std::min(per_head, layer_tokens)));
-    for (size_t i = 0; i < reqs.size(); ++i) {
-      reqs[i].set_sequence_id("bench");
-      reqs[i].set_kind(kvsparse::v1::ROW_KIND_V);
-      for (uint32_t h = 0; h < shape.num_kv_heads; ++h) {
-        auto* sel = reqs[i].add_heads();
-        sel->set_kv_head(h);
-        const uint32_t t0 = contiguous ? first(rng) : 0;
-        for (uint64_t j = 0; j < per_head; ++j) {
-          sel->add_token_indices(contiguous ? t0 + static_cast<uint32_t>(j) : tok(rng));
-        }
-      }
+    if (absl::GetFlag(FLAGS_pattern) == "contiguous" && rows / kShape.num_kv_heads > layer_tokens) {
+      return 2;
     }
-    kvsparse::v1::GatherResponse gresp;
-    bool failed = false;
-    const Stat g = Measure(calls, payload, [&](int i) {
-      auto& req = reqs[i % reqs.size()];
-      req.set_layer(i % shape.num_layers);
-      gresp.Clear();
-      absl::Status s = (*client)->Gather(req, &gresp);
-      if (!s.ok() || gresp.v().data().size() != payload) {
-        std::fprintf(stderr, "gather failed: %s\n", s.ToString().c_str());
-        failed = true;
-      }
-    });
-    kvsparse::bench::EchoRequest ereq;
-    ereq.set_response_bytes(payload);
-    ereq.set_payload(std::string(rows * 4, 'i'));  // the size of the gather's index list
-    kvsparse::bench::EchoResponse eresp;
-    const Stat e = Measure(calls, payload, [&](int) {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-      eresp.Clear();
-      grpc::Status s = echo->Echo(&ctx, ereq, &eresp);
-      if (!s.ok() || eresp.payload().size() != payload) {
-        std::fprintf(stderr, "echo failed: %s\n", s.error_message().c_str());
-        failed = true;
-      }
-    });
-    Stat p{};
-    if (in_place != nullptr) {
-      // The same requests through the row source: the page tables are fetched by the warm-up
-      // calls (one per layer), then every read is a copy from the mapped file.
-      std::vector<std::vector<std::vector<uint32_t>>> tokens_of(reqs.size());
-      for (size_t i = 0; i < reqs.size(); ++i) {
-        for (const auto& sel : reqs[i].heads()) {
-          tokens_of[i].emplace_back(sel.token_indices().begin(), sel.token_indices().end());
-        }
-      }
-      std::vector<uint8_t> out(payload);
-      const uint64_t fallbacks = in_place->in_place_stats().fallbacks;
-      p = Measure(calls * 4, payload, [&](int i) {
-        const auto& toks = tokens_of[i % reqs.size()];
-        std::vector<kvsparse::engine::RowRequest> heads;
-        for (uint32_t h = 0; h < toks.size(); ++h) heads.push_back({h, toks[h]});
-        auto r = in_place->Gather("bench", i % shape.num_layers, kv::RowKind::kV, heads, nullptr,
-                                  out.data(), absl::Now() + absl::Seconds(30));
-        if (!r.ok()) {
-          std::fprintf(stderr, "in-place read failed: %s\n", r.status().ToString().c_str());
-          failed = true;
-        }
-      });
-      if (in_place->in_place_stats().fallbacks != fallbacks) {
-        std::fprintf(stderr, "in-place reads fell back to Gather\n");
-        failed = true;
-      }
-      // The rows equal the Gather RPC's (the last request of each).
-      kvsparse::v1::GatherRequest& req = reqs[0];
-      req.set_layer(3);
-      gresp.Clear();
-      std::vector<kvsparse::engine::RowRequest> heads;
-      for (uint32_t h = 0; h < tokens_of[0].size(); ++h) heads.push_back({h, tokens_of[0][h]});
-      if (!(*client)->Gather(req, &gresp).ok() ||
-          !in_place
-               ->Gather("bench", 3, kv::RowKind::kV, heads, nullptr, out.data(),
-                        absl::Now() + absl::Seconds(30))
-               .ok() ||
-          gresp.v().data() != std::string(out.begin(), out.end())) {
-        std::fprintf(stderr, "in-place rows differ from the Gather RPC's\n");
-        failed = true;
-      }
-    }
-    if (failed) return 1;
-    std::printf("%-8lu %-8.2f %11.0f %11.0f %8.0f %9.0f %11.0f %11.0f %8.0f %9.0f %6.0f%% %6.0f%%",
-                static_cast<unsigned long>(rows), payload / 1e6, g.p50_us, g.p99_us, g.mb_per_s,
-                g.mean_mb_per_s, e.p50_us, e.p99_us, e.mb_per_s, e.mean_mb_per_s,
-                100.0 * g.mb_per_s / e.mb_per_s, 100.0 * g.mean_mb_per_s / e.mean_mb_per_s);
-    if (in_place != nullptr) {
-      std::printf(" %11.0f %11.0f %8.0f %9.1fx", p.p50_us, p.p99_us, p.mb_per_s,
-                  p.mb_per_s / g.mb_per_s);
-    }
-    std::printf("\n");
+    if (!MeasureRows(rows, layer_tokens, **client, *echo, in_place.get(), rng)) return 1;
   }
-  if (echo_server != nullptr) echo_server->Shutdown();
+  if (ep.echo_server != nullptr) ep.echo_server->Shutdown();
   if (in_place != nullptr) {
     const kvsparse::rpc::InPlaceStats st = in_place->in_place_stats();
     std::printf("direct (%s): %lu rows, %lu bytes, %lu GetPageTable calls, %lu fallbacks\n",

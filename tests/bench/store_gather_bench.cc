@@ -57,6 +57,61 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// Append: what the value check (finite, below 2^32: kernels::FirstUnacceptedValue) costs an
+// append. Calls of --append_tokens tokens x every layer and kv head into a fresh sequence
+// (pages allocated as it grows), each timed whole; the check alone timed over the same bytes.
+// Drops the gather's sequence first. false on error.
+bool MeasureAppend(kv::Store& store, const kv::ModelShape& shape, uint64_t token_bytes,
+                   uint64_t capacity_bytes, int reps, std::mt19937_64& rng) {
+  const size_t row = shape.row_bytes();
+  const uint64_t chunk = absl::GetFlag(FLAGS_append_tokens);
+  const size_t chunk_bytes = shape.num_layers * chunk * shape.num_kv_heads * row;
+  std::vector<uint8_t> k(chunk_bytes), v(chunk_bytes);
+  for (size_t i = 0; i < chunk_bytes; ++i) {  // random values the store accepts
+    k[i] = kvsparse::kernels::AcceptedByte(static_cast<uint8_t>(rng()), i);
+    v[i] = kvsparse::kernels::AcceptedByte(static_cast<uint8_t>(rng()), i);
+  }
+  if (!store.DropSequence("bench").ok() || !store.CreateSequence("app", shape, {}).ok()) {
+    return false;
+  }
+  std::vector<double> a_us, c_us;
+  for (int rep = -2; rep < reps && (rep + 3) * chunk * token_bytes < capacity_bytes / 2; ++rep) {
+    kv::AppendRequest r;
+    r.sequence_id = "app";
+    r.num_layers = shape.num_layers;
+    r.num_tokens = chunk;
+    r.num_kv_heads = shape.num_kv_heads;
+    r.head_dim = shape.head_dim;
+    r.dtype = shape.dtype;
+    r.k = k;
+    r.v = v;
+    const auto t0 = Clock::now();
+    if (auto a = store.Append(r); !a.ok()) {
+      std::fprintf(stderr, "append: %s\n", a.status().ToString().c_str());
+      return false;
+    }
+    const auto t1 = Clock::now();
+    const size_t n = chunk_bytes / 2;
+    const bool bad = kvsparse::kernels::FirstUnacceptedValue(k.data(), n, shape.dtype) >= 0 ||
+                     kvsparse::kernels::FirstUnacceptedValue(v.data(), n, shape.dtype) >= 0;
+    const auto t2 = Clock::now();
+    if (bad) return false;
+    if (rep >= 0) {
+      a_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+      c_us.push_back(std::chrono::duration<double, std::micro>(t2 - t1).count());
+    }
+  }
+  if (!a_us.empty()) {
+    const double a = Median(a_us), c = Median(c_us);
+    std::printf(
+        "append of %lu tokens (%.1f MB of K+V): %.1f us (%.2f GB/s), of which the value "
+        "check %.1f us (%.1f%%), median of %zu\n",
+        static_cast<unsigned long>(chunk), 2 * chunk_bytes / 1e6, a, 2 * chunk_bytes / a / 1e3, c,
+        100.0 * c / a, a_us.size());
+  }
+  return true;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -139,53 +194,5 @@ int main(int argc, char** argv) {
                 static_cast<unsigned long>(rows), bytes / 1e6, g, bytes / g / 1e3, m,
                 bytes / m / 1e3, 100.0 * m / g);
   }
-  // Append: what the value check (finite, below 2^32: kernels::FirstUnacceptedValue) costs an
-  // append. Calls of `append_tokens` tokens x every layer and kv head into a fresh sequence
-  // (pages allocated as it grows), each timed whole; the check alone timed over the same bytes.
-  const uint64_t chunk = absl::GetFlag(FLAGS_append_tokens);
-  const size_t chunk_bytes = shape.num_layers * chunk * shape.num_kv_heads * row;
-  std::vector<uint8_t> k(chunk_bytes), v(chunk_bytes);
-  for (size_t i = 0; i < chunk_bytes; ++i) {  // random values the store accepts
-    k[i] = kvsparse::kernels::AcceptedByte(static_cast<uint8_t>(rng()), i);
-    v[i] = kvsparse::kernels::AcceptedByte(static_cast<uint8_t>(rng()), i);
-  }
-  if (!(*store)->DropSequence("bench").ok() || !(*store)->CreateSequence("app", shape, {}).ok()) {
-    return 1;
-  }
-  std::vector<double> a_us, c_us;
-  for (int rep = -2; rep < reps && (rep + 3) * chunk * token_bytes < o.capacity_bytes / 2; ++rep) {
-    kv::AppendRequest r;
-    r.sequence_id = "app";
-    r.num_layers = shape.num_layers;
-    r.num_tokens = chunk;
-    r.num_kv_heads = shape.num_kv_heads;
-    r.head_dim = shape.head_dim;
-    r.dtype = shape.dtype;
-    r.k = k;
-    r.v = v;
-    const auto t0 = Clock::now();
-    if (auto a = (*store)->Append(r); !a.ok()) {
-      std::fprintf(stderr, "append: %s\n", a.status().ToString().c_str());
-      return 1;
-    }
-    const auto t1 = Clock::now();
-    const size_t n = chunk_bytes / 2;
-    const bool bad = kvsparse::kernels::FirstUnacceptedValue(k.data(), n, shape.dtype) >= 0 ||
-                     kvsparse::kernels::FirstUnacceptedValue(v.data(), n, shape.dtype) >= 0;
-    const auto t2 = Clock::now();
-    if (bad) return 1;
-    if (rep >= 0) {
-      a_us.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-      c_us.push_back(std::chrono::duration<double, std::micro>(t2 - t1).count());
-    }
-  }
-  if (!a_us.empty()) {
-    const double a = Median(a_us), c = Median(c_us);
-    std::printf(
-        "append of %lu tokens (%.1f MB of K+V): %.1f us (%.2f GB/s), of which the value "
-        "check %.1f us (%.1f%%), median of %zu\n",
-        static_cast<unsigned long>(chunk), 2 * chunk_bytes / 1e6, a, 2 * chunk_bytes / a / 1e3, c,
-        100.0 * c / a, a_us.size());
-  }
-  return 0;
+  return MeasureAppend(**store, shape, token_bytes, o.capacity_bytes, reps, rng) ? 0 : 1;
 }
