@@ -39,6 +39,52 @@ std::vector<uint8_t> RowsOf(Store& store, const std::string& id, uint32_t layer,
   return out;
 }
 
+// Six threads reading at once through three readers of `exported`, small (eager) and large
+// (rendezvous) reads of layer 1's two lanes mixed: each lands in its own buffers, with the rows
+// Gather returns.
+void ExpectConcurrentReadsLand(const UcxExport& exported, Store& store, const LayerPageTable& table,
+                               const std::vector<uint32_t>& tokens,
+                               const std::vector<uint32_t>& many, const char* transports,
+                               UcxReadMode mode) {
+  std::vector<std::unique_ptr<UcxReader>> readers;
+  std::vector<std::shared_ptr<const ArenaReader>> arenas;
+  for (int r = 0; r < 3; ++r) {
+    auto reader = UcxReader::Create(transports, mode);
+    ASSERT_TRUE(reader.ok()) << reader.status();
+    auto arena = (*reader)->Connect(exported.address(), absl::Seconds(10));
+    ASSERT_TRUE(arena.ok()) << arena.status();
+    readers.push_back(std::move(*reader));
+    arenas.push_back(std::move(*arena));
+  }
+  std::vector<std::vector<uint8_t>> want_small, want_big;
+  for (uint32_t h = 0; h < 2; ++h) {
+    for (RowKind kind : {RowKind::kK, RowKind::kV}) {
+      want_small.push_back(RowsOf(store, "a", 1, h, tokens, kind));
+      want_big.push_back(RowsOf(store, "a", 1, h, many, kind));
+    }
+  }
+  std::atomic<int> failures{0}, reads{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 6; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 12; ++i) {
+        const bool large = (i + t) % 3 == 0;
+        const std::vector<uint32_t>& rows = large ? many : tokens;
+        std::vector<std::vector<uint8_t>> out(4, std::vector<uint8_t>(rows.size() * 128));
+        std::vector<LaneRead> read = {{table.lanes[0], rows, out[0].data(), out[1].data()},
+                                      {table.lanes[1], rows, out[2].data(), out[3].data()}};
+        auto ok = arenas[t % 3]->Read(read, table.page_tokens, 128, RowKind::kKV,
+                                      absl::Now() + absl::Seconds(20));
+        if (!ok.ok() || !*ok || out != (large ? want_big : want_small)) ++failures;
+        ++reads;
+      }
+    });
+  }
+  for (std::thread& th : threads) th.join();
+  EXPECT_EQ(failures.load(), 0) << "of " << reads.load() << " concurrent reads";
+  arenas.clear();  // before their readers
+}
+
 class UcxPlaneTest : public testing::TestWithParam<std::tuple<const char*, UcxReadMode>> {
  protected:
   const char* transports() const { return std::get<0>(GetParam()); }
@@ -119,46 +165,9 @@ TEST_P(UcxPlaneTest, ReadsTheRowsGatherReturnsAndDetectsReuse) {
                                {table->lanes[1], many, bk1.data(), bv1.data()}};
   read_matches_gather(big);
   // Six threads reading at once through three readers (as the workers of a fleet read one store:
-  // several replies in flight at the store, large ones queued behind others), small (eager) and
-  // large (rendezvous) mixed: each lands in its own buffers, with the rows Gather returns.
+  // several replies in flight at the store, large ones queued behind others).
   if (mode() == UcxReadMode::kGather) {
-    std::vector<std::unique_ptr<UcxReader>> readers;
-    std::vector<std::shared_ptr<const ArenaReader>> arenas;
-    for (int r = 0; r < 3; ++r) {
-      auto reader = UcxReader::Create(transports(), mode());
-      ASSERT_TRUE(reader.ok()) << reader.status();
-      auto arena = (*reader)->Connect((*exported)->address(), absl::Seconds(10));
-      ASSERT_TRUE(arena.ok()) << arena.status();
-      readers.push_back(std::move(*reader));
-      arenas.push_back(std::move(*arena));
-    }
-    std::vector<std::vector<uint8_t>> want_small, want_big;
-    for (uint32_t h = 0; h < 2; ++h) {
-      for (RowKind kind : {RowKind::kK, RowKind::kV}) {
-        want_small.push_back(RowsOf(**store, "a", 1, h, tokens, kind));
-        want_big.push_back(RowsOf(**store, "a", 1, h, many, kind));
-      }
-    }
-    std::atomic<int> failures{0}, reads{0};
-    std::vector<std::thread> threads;
-    for (int t = 0; t < 6; ++t) {
-      threads.emplace_back([&, t] {
-        for (int i = 0; i < 12; ++i) {
-          const bool large = (i + t) % 3 == 0;
-          const std::vector<uint32_t>& rows = large ? many : tokens;
-          std::vector<std::vector<uint8_t>> out(4, std::vector<uint8_t>(rows.size() * 128));
-          std::vector<LaneRead> read = {{table->lanes[0], rows, out[0].data(), out[1].data()},
-                                        {table->lanes[1], rows, out[2].data(), out[3].data()}};
-          auto ok = arenas[t % 3]->Read(read, table->page_tokens, 128, RowKind::kKV,
-                                        absl::Now() + absl::Seconds(20));
-          if (!ok.ok() || !*ok || out != (large ? want_big : want_small)) ++failures;
-          ++reads;
-        }
-      });
-    }
-    for (std::thread& th : threads) th.join();
-    EXPECT_EQ(failures.load(), 0) << "of " << reads.load() << " concurrent reads";
-    arenas.clear();  // before their readers
+    ExpectConcurrentReadsLand(**exported, **store, *table, tokens, many, transports(), mode());
   }
   EXPECT_FALSE((*remote)->HoldsPage(0, 8192));                                 // the header
   EXPECT_FALSE((*remote)->HoldsPage(1ull << 40, 8192));                        // past the file

@@ -54,9 +54,9 @@ struct Row {
 struct Config {
   std::string group, method, budget;
   // Runs one trial. k_all: the method reads every K row (scores over all tokens).
-  std::function<absl::Status(const DecodeProblem&, uint64_t seed, RowSelection* sel,
-                             std::string* note)>
-      run;
+  using Run = std::function<absl::Status(const DecodeProblem&, uint64_t seed, RowSelection* sel,
+                                         std::string* note)>;
+  Run run;
   bool k_all = false;  // reads every K row (scores over all tokens)
   float eps = 0.f;     // > 0: also report the fraction of query heads with error > eps
 };
@@ -81,24 +81,25 @@ absl::Status OracleTopK(const DecodeProblem& p, int32_t sink, int32_t local, flo
   return ScoreTopKSelectCpu(p, params, {}, sel);
 }
 
-std::vector<Config> MakeConfigs(const std::vector<std::string>& groups, const Signatures* sig32,
-                                const Signatures* sig128) {
-  std::vector<Config> c;
-  auto santa = [](SantaParams params) {
-    return [params](const DecodeProblem& p, uint64_t seed, RowSelection* sel, std::string* note) {
-      SantaStats stats;
-      absl::Status s = SantaDecodeCpu(p, params, seed, sel, &stats);
-      if (s.ok() && params.bernoulli_qk_samples > 0) {
-        double fh = 0, fg = 0;
-        for (size_t i = 0; i < stats.key_feature_fraction_head.size(); ++i) {
-          fh += stats.key_feature_fraction_head[i] / stats.key_feature_fraction_head.size();
-          fg += stats.key_feature_fraction_group[i] / stats.key_feature_fraction_group.size();
-        }
-        *note = absl::StrFormat("K features read: %.2f per head, %.2f per group", fh, fg);
+// One trial of SANTA / S2ANTA with `params`, noting Bernoulli qK^T's K-feature reads.
+Config::Run SantaRun(SantaParams params) {
+  return [params](const DecodeProblem& p, uint64_t seed, RowSelection* sel, std::string* note) {
+    SantaStats stats;
+    absl::Status s = SantaDecodeCpu(p, params, seed, sel, &stats);
+    if (s.ok() && params.bernoulli_qk_samples > 0) {
+      double fh = 0, fg = 0;
+      for (size_t i = 0; i < stats.key_feature_fraction_head.size(); ++i) {
+        fh += stats.key_feature_fraction_head[i] / stats.key_feature_fraction_head.size();
+        fg += stats.key_feature_fraction_group[i] / stats.key_feature_fraction_group.size();
       }
-      return s;
-    };
+      *note = absl::StrFormat("K features read: %.2f per head, %.2f per group", fh, fg);
+    }
+    return s;
   };
+}
+
+// The SANTA / S2ANTA groups: santa (global allocation), prop, flash, bernoulli.
+void SantaConfigs(const std::vector<std::string>& groups, std::vector<Config>* c) {
   if (Wanted(groups, "santa")) {
     const std::pair<SantaSampler, const char*> samplers[] = {
         {SantaSampler::kIid, "SANTA iid (global)"},
@@ -110,7 +111,7 @@ std::vector<Config> MakeConfigs(const std::vector<std::string>& groups, const Si
         p.allocation = SantaAllocation::kGlobal;
         p.sampler = sampler;
         p.samples = S;
-        c.push_back({"santa", name, absl::StrCat("S=", S), santa(p), true});
+        c->push_back({"santa", name, absl::StrCat("S=", S), SantaRun(p), true});
       }
     }
   }
@@ -120,7 +121,7 @@ std::vector<Config> MakeConfigs(const std::vector<std::string>& groups, const Si
       p.allocation = SantaAllocation::kProp;
       p.samples = S;
       p.tile_size = 256;
-      c.push_back({"prop", "S2ANTA-prop (tile 256)", absl::StrCat("S=", S), santa(p), true});
+      c->push_back({"prop", "S2ANTA-prop (tile 256)", absl::StrCat("S=", S), SantaRun(p), true});
     }
   }
   if (Wanted(groups, "flash")) {
@@ -129,7 +130,7 @@ std::vector<Config> MakeConfigs(const std::vector<std::string>& groups, const Si
       p.allocation = SantaAllocation::kFlash;
       p.samples = S;
       p.tile_size = 256;
-      c.push_back({"flash", "S2ANTA-flash (tile 256)", absl::StrCat("S=", S), santa(p), true});
+      c->push_back({"flash", "S2ANTA-flash (tile 256)", absl::StrCat("S=", S), SantaRun(p), true});
     }
   }
   if (Wanted(groups, "bernoulli")) {
@@ -139,19 +140,24 @@ std::vector<Config> MakeConfigs(const std::vector<std::string>& groups, const Si
       p.sampler = SantaSampler::kSystematic;
       p.samples = 1024;
       p.bernoulli_qk_samples = B;
-      c.push_back({"bernoulli", "S2ANTA-sys + Bernoulli qK^T (mean group)",
-                   absl::StrCat("S=1024, B=", B), santa(p), true});
+      c->push_back({"bernoulli", "S2ANTA-sys + Bernoulli qK^T (mean group)",
+                    absl::StrCat("S=1024, B=", B), SantaRun(p), true});
     }
   }
+}
+
+// Top-k by exact scores (the oracle) and HashAttention top-k over SimHash signatures.
+void TopKConfigs(const std::vector<std::string>& groups, const Signatures* sig32,
+                 const Signatures* sig128, std::vector<Config>* c) {
   if (Wanted(groups, "topk")) {
     for (float f : {0.01f, 0.05f, 0.10f}) {
-      c.push_back({"topk", "oracle top-k (exact scores)",
-                   absl::StrFormat("sink+local 128, k=%.0f%%", 100 * f),
-                   [f](const DecodeProblem& p, uint64_t, RowSelection* sel, std::string*) {
-                     absl::Status s = OracleTopK(p, 128, 128, f, sel);
-                     return s.ok() ? EstimateInPlace(p, *sel) : s;
-                   },
-                   true});
+      c->push_back({"topk", "oracle top-k (exact scores)",
+                    absl::StrFormat("sink+local 128, k=%.0f%%", 100 * f),
+                    [f](const DecodeProblem& p, uint64_t, RowSelection* sel, std::string*) {
+                      absl::Status s = OracleTopK(p, 128, 128, f, sel);
+                      return s.ok() ? EstimateInPlace(p, *sel) : s;
+                    },
+                    true});
     }
   }
   if (Wanted(groups, "hash")) {
@@ -162,14 +168,19 @@ std::vector<Config> MakeConfigs(const std::vector<std::string>& groups, const Si
         hp.local_tokens = 128;
         hp.top_k_fraction = f;
         hp.bits = bits;
-        c.push_back({"hash", absl::StrCat("HashAttention top-k (SimHash ", bits, " bits)"),
-                     absl::StrFormat("sink+local 128, k=%.0f%%", 100 * f),
-                     [hp, sig](const DecodeProblem& p, uint64_t, RowSelection* sel, std::string*) {
-                       return HashTopKDecodeCpu(p, hp, sig->view, sel);
-                     }});
+        c->push_back({"hash", absl::StrCat("HashAttention top-k (SimHash ", bits, " bits)"),
+                      absl::StrFormat("sink+local 128, k=%.0f%%", 100 * f),
+                      [hp, sig](const DecodeProblem& p, uint64_t, RowSelection* sel, std::string*) {
+                        return HashTopKDecodeCpu(p, hp, sig->view, sel);
+                      }});
       }
     }
   }
+}
+
+// vAttention with the hash and exact predictors, CLT and Hoeffding bounds.
+void VAttentionConfigs(const std::vector<std::string>& groups, const Signatures* sig32,
+                       std::vector<Config>* c) {
   if (Wanted(groups, "vattention")) {
     struct V {
       TopKPredictor pred;
@@ -202,24 +213,32 @@ std::vector<Config> MakeConfigs(const std::vector<std::string>& groups, const Si
           absl::StrCat("vAttention (", v.pred == TopKPredictor::kHash ? "hash 32 bits" : "exact",
                        " top-k, ", v.bound == BudgetBound::kClt ? "CLT" : "Hoeffding", ", ",
                        v.target == VerifyTarget::kOutput ? "output" : "denominator", ")");
-      c.push_back({"vattention", name, absl::StrFormat("eps=%.2f delta=0.05", v.eps),
-                   [vp, sig32](const DecodeProblem& p, uint64_t seed, RowSelection* sel,
-                               std::string* note) {
-                     VAttentionStats stats;
-                     absl::Status s = VAttentionDecodeCpu(p, vp, seed, &sig32->view, sel, &stats);
-                     if (!s.ok()) return s;
-                     double b = 0, ns = 0;
-                     for (const VAttentionHeadResult& r : stats.heads) {
-                       b += static_cast<double>(r.b) / stats.heads.size();
-                       ns += static_cast<double>(r.stats.n_s) / stats.heads.size();
-                     }
-                     *note = absl::StrFormat("mean b = %.0f of n_s = %.0f", b, ns);
-                     return s;
-                   },
-                   v.pred == TopKPredictor::kExact,
-                   v.target == VerifyTarget::kOutput ? v.eps : 0.f});
+      c->push_back({"vattention", name, absl::StrFormat("eps=%.2f delta=0.05", v.eps),
+                    [vp, sig32](const DecodeProblem& p, uint64_t seed, RowSelection* sel,
+                                std::string* note) {
+                      VAttentionStats stats;
+                      absl::Status s = VAttentionDecodeCpu(p, vp, seed, &sig32->view, sel, &stats);
+                      if (!s.ok()) return s;
+                      double b = 0, ns = 0;
+                      for (const VAttentionHeadResult& r : stats.heads) {
+                        b += static_cast<double>(r.b) / stats.heads.size();
+                        ns += static_cast<double>(r.stats.n_s) / stats.heads.size();
+                      }
+                      *note = absl::StrFormat("mean b = %.0f of n_s = %.0f", b, ns);
+                      return s;
+                    },
+                    v.pred == TopKPredictor::kExact,
+                    v.target == VerifyTarget::kOutput ? v.eps : 0.f});
     }
   }
+}
+
+std::vector<Config> MakeConfigs(const std::vector<std::string>& groups, const Signatures* sig32,
+                                const Signatures* sig128) {
+  std::vector<Config> c;
+  SantaConfigs(groups, &c);
+  TopKConfigs(groups, sig32, sig128, &c);
+  VAttentionConfigs(groups, sig32, &c);
   return c;
 }
 

@@ -481,6 +481,37 @@ TEST_P(DirectReadTest, WorkerReadsRowsWithoutGather) {
   std::remove(path.c_str());
 }
 
+// Each of the two shards holds its own one of "s0" (shard 0) and "s1" (shard 1)
+// (kvstore/placement_test.cc), read over UCX when `ucx` (no Gather served); a list in the other
+// order is caught, and a store refuses another shard's sequence.
+void ExpectShardsPlaceAsTheClient(client::StoreShards& shards, client::ClientOptions co, int port0,
+                                  int port1, bool ucx) {
+  // "s0" lives on shard 0 and "s1" on shard 1 (kvstore/placement_test.cc), one each.
+  for (int i = 0; i < 2; ++i) {
+    auto st = shards.shard(i).GetStats();
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(st->num_sequences(), 1u);
+    EXPECT_EQ(st->shard_index(), static_cast<uint32_t>(i));
+    EXPECT_TRUE(shards.shard(i).GetSequenceInfo(absl::StrCat("s", i)).ok());
+    if (ucx) {
+      EXPECT_EQ(st->bytes_gathered(), 0u) << "shard " << i << " served Gather";
+    }
+  }
+  // A list in the other order is caught, and a store refuses another shard's sequence.
+  co.target = absl::StrCat("127.0.0.1:", port1, ",127.0.0.1:", port0);
+  auto reversed = client::StoreShards::Connect(co);
+  ASSERT_TRUE(reversed.ok());
+  EXPECT_EQ((*reversed)->CheckPlacement().code(), StatusCode::kFailedPrecondition);
+  v1::ModelShape shape;
+  shape.set_num_layers(1);
+  shape.set_num_q_heads(8);
+  shape.set_num_kv_heads(2);
+  shape.set_head_dim(64);
+  shape.set_dtype(v1::DTYPE_BF16);
+  EXPECT_EQ(shards.shard(1).CreateSequence("s0", shape).status().code(),
+            StatusCode::kFailedPrecondition);
+}
+
 // Two store shards (--shard_index/--shard_count) and a worker with both (--store=A,B): each
 // sequence on the shard placement gives it (the client's StoreShards and the worker agree), every
 // method bit-identical to the embedded deployment, rows read over UCX where this build has it. A
@@ -555,30 +586,7 @@ TEST(AttentionServiceTest, ShardedStoresEqualEmbedded) {
     ASSERT_TRUE(rw.ok()) << rw.status();
     EXPECT_EQ(ra->output().data(), rw->output().data());
   }
-  // "s0" lives on shard 0 and "s1" on shard 1 (kvstore/placement_test.cc), one each.
-  for (int i = 0; i < 2; ++i) {
-    auto st = (*shards)->shard(i).GetStats();
-    ASSERT_TRUE(st.ok());
-    EXPECT_EQ(st->num_sequences(), 1u);
-    EXPECT_EQ(st->shard_index(), static_cast<uint32_t>(i));
-    EXPECT_TRUE((*shards)->shard(i).GetSequenceInfo(absl::StrCat("s", i)).ok());
-    if (ucx) {
-      EXPECT_EQ(st->bytes_gathered(), 0u) << "shard " << i << " served Gather";
-    }
-  }
-  // A list in the other order is caught, and a store refuses another shard's sequence.
-  co.target = absl::StrCat("127.0.0.1:", stores[1]->port(), ",127.0.0.1:", stores[0]->port());
-  auto reversed = client::StoreShards::Connect(co);
-  ASSERT_TRUE(reversed.ok());
-  EXPECT_EQ((*reversed)->CheckPlacement().code(), StatusCode::kFailedPrecondition);
-  v1::ModelShape shape;
-  shape.set_num_layers(1);
-  shape.set_num_q_heads(8);
-  shape.set_num_kv_heads(2);
-  shape.set_head_dim(64);
-  shape.set_dtype(v1::DTYPE_BF16);
-  EXPECT_EQ((*shards)->shard(1).CreateSequence("s0", shape).status().code(),
-            StatusCode::kFailedPrecondition);
+  ExpectShardsPlaceAsTheClient(**shards, co, stores[0]->port(), stores[1]->port(), ucx);
 
   // Shard 1 goes away: s1's decodes fail with UNAVAILABLE, s0's go on, bit-identical.
   const MethodCase c = Cases()[0];  // a copy: Cases() is a temporary
