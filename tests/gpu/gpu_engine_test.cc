@@ -855,6 +855,35 @@ struct Dev {
   }
 };
 
+// The rows of both rigs' sequences "s<i>" from two tokens before their first length to the
+// last of `steps` appended ones, in every layer: equal byte for byte.
+void ExpectSameRows(Rig& a, Rig& b, const std::vector<int32_t>& lens, int steps, int32_t kv_heads,
+                    size_t row, const std::string& what) {
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    for (size_t i = 0; i < lens.size(); ++i) {
+      std::vector<uint32_t> toks;
+      for (int st = -2; st < steps; ++st) toks.push_back(static_cast<uint32_t>(lens[i] + st));
+      std::vector<RowRequest> heads;
+      for (uint32_t j = 0; j < static_cast<uint32_t>(kv_heads); ++j) {
+        heads.push_back({j, toks});
+      }
+      const size_t n = toks.size() * kv_heads * row;
+      std::vector<uint8_t> ka(n), va(n), kb(n), vb(n);
+      const std::string id = "s" + std::to_string(i);
+      ASSERT_TRUE(a.source
+                      ->Gather(id, l, kvstore::RowKind::kKV, heads, ka.data(), va.data(),
+                               absl::InfiniteFuture())
+                      .ok());
+      ASSERT_TRUE(b.source
+                      ->Gather(id, l, kvstore::RowKind::kKV, heads, kb.data(), vb.data(),
+                               absl::InfiniteFuture())
+                      .ok());
+      EXPECT_EQ(ka, kb) << what << " layer " << l << " sequence " << i;
+      EXPECT_EQ(va, vb) << what << " layer " << l << " sequence " << i;
+    }
+  }
+}
+
 // Captured steps (engine/static_step.h) against eager calls: one rig decodes every layer of each
 // step eagerly, appending the step's token (seed + position, as a step draws), the other plans
 // the batch once, captures all layers of a step in one CUDA graph and replays it step after
@@ -947,30 +976,7 @@ void CapturedStepsEqualEagerCalls(const Method& m, const kvstore::Placement& p,
     EXPECT_EQ(info->layer_lengths,
               std::vector<uint64_t>(kLayers, static_cast<uint64_t>(lens[i] + kSteps)));
   }
-  // The committed rows are the eager ones, byte for byte.
-  for (uint32_t l = 0; l < kLayers; ++l) {
-    for (int32_t i = 0; i < B; ++i) {
-      std::vector<uint32_t> toks;
-      for (int st = -2; st < kSteps; ++st) toks.push_back(static_cast<uint32_t>(lens[i] + st));
-      std::vector<RowRequest> heads;
-      for (uint32_t j = 0; j < static_cast<uint32_t>(dp.num_kv_heads); ++j) {
-        heads.push_back({j, toks});
-      }
-      const size_t n = toks.size() * dp.num_kv_heads * row;
-      std::vector<uint8_t> ka(n), va(n), kb(n), vb(n);
-      const std::string id = "s" + std::to_string(i);
-      ASSERT_TRUE(a->source
-                      ->Gather(id, l, kvstore::RowKind::kKV, heads, ka.data(), va.data(),
-                               absl::InfiniteFuture())
-                      .ok());
-      ASSERT_TRUE(b->source
-                      ->Gather(id, l, kvstore::RowKind::kKV, heads, kb.data(), vb.data(),
-                               absl::InfiniteFuture())
-                      .ok());
-      EXPECT_EQ(ka, kb) << what << " layer " << l << " sequence " << i;
-      EXPECT_EQ(va, vb) << what << " layer " << l << " sequence " << i;
-    }
-  }
+  ExpectSameRows(*a, *b, lens, kSteps, dp.num_kv_heads, row, what);
   // A position outside the window: that sequence's output is zeros, Commit says OUT_OF_RANGE.
   hp[B - 1] = lens[B - 1] + kSteps;
   hp[0] = lens[0] + kSteps + 5;
