@@ -85,6 +85,32 @@ void ExpectConcurrentReadsLand(const UcxExport& exported, Store& store, const La
   arenas.clear();  // before their readers
 }
 
+// Reads the store must refuse: a page outside the arena (a corrupt or forged table) is
+// DATA_LOSS, and a gather without the export's secret gets no answer (the read times out).
+void ExpectForgedReadsRefused(const ArenaReader& remote, UcxReader& reader,
+                              const UcxExport& exported, const LayerPageTable& table,
+                              uint64_t mapping_bytes, const std::vector<uint32_t>& tokens,
+                              const std::vector<LaneRead>& lanes) {
+  std::vector<PageRef> forged(table.lanes[0].begin(), table.lanes[0].end());
+  forged[0].offset = mapping_bytes + 8192;
+  std::vector<uint8_t> k0(tokens.size() * 128), v0(k0.size());
+  std::vector<LaneRead> bad = {{forged, tokens, k0.data(), v0.data()}};
+  EXPECT_EQ(remote.Read(bad, table.page_tokens, 128, RowKind::kKV, absl::Now() + absl::Seconds(10))
+                .status()
+                .code(),
+            absl::StatusCode::kDataLoss);
+  UcxArenaAddress wrong = exported.address();
+  wrong.secret ^= 1;
+  auto impostor = reader.Connect(wrong, absl::Seconds(10));
+  ASSERT_TRUE(impostor.ok()) << impostor.status();
+  EXPECT_EQ(
+      (*impostor)
+          ->Read(lanes, table.page_tokens, 128, RowKind::kKV, absl::Now() + absl::Milliseconds(300))
+          .status()
+          .code(),
+      absl::StatusCode::kDeadlineExceeded);
+}
+
 class UcxPlaneTest : public testing::TestWithParam<std::tuple<const char*, UcxReadMode>> {
  protected:
   const char* transports() const { return std::get<0>(GetParam()); }
@@ -173,31 +199,9 @@ TEST_P(UcxPlaneTest, ReadsTheRowsGatherReturnsAndDetectsReuse) {
   EXPECT_FALSE((*remote)->HoldsPage(1ull << 40, 8192));                        // past the file
   EXPECT_FALSE((*remote)->HoldsPage(table->lanes[0][0].offset + 4096, 8192));  // misaligned
 
-  // A page outside the arena (a corrupt or forged table): the store refuses to read it.
   if (mode() == UcxReadMode::kGather) {
-    std::vector<PageRef> forged(table->lanes[0].begin(), table->lanes[0].end());
-    forged[0].offset = (*arena)->shared_arena()->mapping_bytes() + 8192;
-    std::vector<LaneRead> bad = {{forged, tokens, k0.data(), v0.data()}};
-    EXPECT_EQ(
-        (*remote)
-            ->Read(bad, table->page_tokens, 128, RowKind::kKV, absl::Now() + absl::Seconds(10))
-            .status()
-            .code(),
-        absl::StatusCode::kDataLoss);
-  }
-
-  // A gather without the export's secret gets no answer (the read times out and fails).
-  if (mode() == UcxReadMode::kGather) {
-    UcxArenaAddress wrong = (*exported)->address();
-    wrong.secret ^= 1;
-    auto impostor = (*reader)->Connect(wrong, absl::Seconds(10));
-    ASSERT_TRUE(impostor.ok()) << impostor.status();
-    EXPECT_EQ((*impostor)
-                  ->Read(lanes, table->page_tokens, 128, RowKind::kKV,
-                         absl::Now() + absl::Milliseconds(300))
-                  .status()
-                  .code(),
-              absl::StatusCode::kDeadlineExceeded);
+    ExpectForgedReadsRefused(**remote, **reader, **exported, *table,
+                             (*arena)->shared_arena()->mapping_bytes(), tokens, lanes);
   }
 
   // Freed pages (the sequence dropped): the read says so.

@@ -12,8 +12,9 @@ step() { echo; echo "== $* ($(( $(date +%s) - start )) s)"; }
 step "dependencies"
 bash scripts/install_deps.sh
 
-step "layering"
+step "layering and function length"
 bash scripts/check_layering.sh
+bash scripts/check_function_length.sh
 
 step "build (build/)"
 bash scripts/build.sh

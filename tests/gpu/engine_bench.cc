@@ -304,362 +304,426 @@ int Capacity(double h2d_gbs) {
   return 0;
 }
 
+// What every (n, B) configuration shares: the flags, the L2 thrash, the timing events and the
+// bulk copy rate.
+struct Env {
+  int reps = 20;
+  std::string methods;
+  Thrash thrash;
+  cudaEvent_t e0 = nullptr, e1 = nullptr;
+  double h2d_gbs = 0;
+  bool want(const char* m) const {
+    return methods == "all" || methods.find(m) != std::string::npos;
+  }
+  // The median over env.reps calls of body's GPU time (CUDA events), three untimed first.
+  template <typename Body>
+  double TimeEvents(Body&& body) {
+    std::vector<double> us;
+    for (int r = -3; r < reps; ++r) {
+      thrash.Run();
+      CK(cudaEventRecord(e0));
+      body();
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float ms;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      if (r >= 0) us.push_back(ms * 1e3);
+    }
+    return Median(us);
+  }
+};
+
+constexpr int kH = 32, kHkv = 8, kD = 128;
+constexpr size_t kRow = kD * 2;
+
+// One (n, B) configuration: B copies of the synthetic sequence under three placements in one
+// store ("dev": K and V on the GPU, with signatures; "kdev": K on the GPU; "host": K and V in
+// host memory, with signatures), the engine over it (and SAAP's own engine), and the queries.
+class Config {
+ public:
+  Config(Env& env, const kk::SyntheticProblem& sp, int n, int B)
+      : env_(env), sp_(sp), n_(n), B_(B), seq_bytes_(static_cast<size_t>(n) * kHkv * kRow) {}
+
+  // The store, its sequences and the engines; false on error (printed).
+  bool Load() {
+    auto mem = kv::NewPinnedHostMemoryResource();
+    if (!mem.ok()) {
+      std::fprintf(stderr, "%s\n", mem.status().ToString().c_str());
+      return false;
+    }
+    mem_ = std::move(*mem);
+    kv::StoreOptions sto;
+    sto.capacity_bytes = 3 * 2 * B_ * seq_bytes_ + (256ull << 20);
+    sto.max_append_bytes = 1ull << 34;
+    sto.memory = mem_.get();
+    auto store = kv::Store::Create(sto);
+    if (!store.ok()) return false;
+    store_ = std::move(*store);
+    source_ = ks::NewLocalRowSource(store_.get(), /*pages_device_visible=*/true);
+    const kv::ModelShape shape{1, kH, kHkv, kD, kk::DType::kBf16};
+    kv::Placement dev, kdev, host;
+    dev.k_tier = dev.v_tier = kv::Tier::kDevice;
+    dev.signature_bits = 32;  // hash top-k over resident rows too
+    kdev.k_tier = kv::Tier::kDevice;
+    host.signature_bits = 32;
+    const std::pair<const char*, kv::Placement> sets[] = {
+        {"dev", dev}, {"kdev", kdev}, {"host", host}};
+    std::fprintf(stderr, "loading %d sequences x 3 placements (%.1f GB pinned)...\n", B_,
+                 3.0 * 2 * B_ * seq_bytes_ / 1e9);
+    for (const auto& [name, placement] : sets) {
+      for (int b = 0; b < B_; ++b) {
+        const std::string id = std::string(name) + std::to_string(b);
+        if (!store_->CreateSequence(id, shape, placement).ok()) return false;
+        if (!AppendLayer(store_.get(), id, 0, sp_)) return false;
+      }
+    }
+    return MakeEngines();
+  }
+
+  // GPU bytes per token of each placement, after its first call syncs it.
+  void PrintPlacementBytes() {
+    const char* sets[] = {"dev", "kdev", "host"};
+    std::vector<double> bytes_per_token(3);
+    for (int i = 0; i < 3; ++i) {
+      const size_t before = engine_->device_backend()->resident_bytes();
+      ks::Method m;
+      if (i == 2) {  // signatures and the row sets the hash path keeps
+        m.kind = ks::MethodKind::kHashTopK;
+        m.hash.top_k_fraction = static_cast<float>(absl::GetFlag(FLAGS_hash_fraction));
+      }
+      std::fprintf(stderr, "syncing placement %s...\n", sets[i]);
+      (void)Decode(Call(sets[i], m, q_));
+      bytes_per_token[i] =
+          static_cast<double>(engine_->device_backend()->resident_bytes() - before) / (B_ * n_);
+    }
+    const double resident_layout = 2.0 * kHkv * kRow;  // K and V of one token, one layer
+    std::printf(
+        "# GPU bytes per token and layer: K+V resident %.0f (layout %.0f); K resident "
+        "%.0f; host placement (signatures + row cache) %.1f = %.2f%% of the layout\n",
+        bytes_per_token[0], resident_layout, bytes_per_token[1], bytes_per_token[2],
+        100.0 * bytes_per_token[2] / resident_layout);
+  }
+
+  // The kernel rows on a contiguous [B, n, Hkv, d] cache (GPU-resident, and bulk-copied from
+  // pinned memory), without the engine; returns the GPU-resident dense time, every row's
+  // reference.
+  double KernelRows() {
+    void *dk = nullptr, *dv = nullptr, *dq = nullptr, *dout = nullptr, *dlens = nullptr;
+    void *hk = nullptr, *hv = nullptr, *ws = nullptr;
+    const size_t bytes = B_ * seq_bytes_;
+    CK(cudaMalloc(&dk, bytes));
+    CK(cudaMalloc(&dv, bytes));
+    CK(cudaMallocHost(&hk, bytes));
+    CK(cudaMallocHost(&hv, bytes));
+    for (int b = 0; b < B_; ++b) {
+      std::memcpy(static_cast<char*>(hk) + b * seq_bytes_, sp_.k.data(), seq_bytes_);
+      std::memcpy(static_cast<char*>(hv) + b * seq_bytes_, sp_.v.data(), seq_bytes_);
+    }
+    CK(cudaMemcpy(dk, hk, bytes, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dv, hv, bytes, cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&dq, q_.size()));
+    CK(cudaMemcpy(dq, q_.data(), q_.size(), cudaMemcpyHostToDevice));
+    CK(cudaMalloc(&dout, q_.size()));
+    std::vector<int32_t> lens(B_, n_);
+    CK(cudaMalloc(&dlens, B_ * 4));
+    CK(cudaMemcpy(dlens, lens.data(), B_ * 4, cudaMemcpyHostToDevice));
+    kk::cuda::DecodeShape ds;
+    ds.batch = B_;
+    ds.num_q_heads = kH;
+    ds.num_kv_heads = kHkv;
+    ds.head_dim = kD;
+    ds.q = dq;
+    ds.k = dk;
+    ds.v = dv;
+    ds.kv = {static_cast<int64_t>(n_) * kHkv * kD, kD, kHkv * kD};
+    ds.seq_lens = static_cast<int32_t*>(dlens);
+    ds.max_seq_len = n_;
+    ds.scale = 1.f / std::sqrt(static_cast<float>(kD));
+    ds.out = dout;
+    const size_t wsb = kk::cuda::DenseDecodeWorkspaceBytes(ds);
+    CK(cudaMalloc(&ws, std::max<size_t>(wsb, 256)));
+    const double dense_us =
+        env_.TimeEvents([&] { CK(kk::cuda::DenseDecode(ds, ws, wsb, nullptr)); });
+    Print({"kernel dense, KV resident on the GPU", dense_us}, dense_us, env_.h2d_gbs, n_);
+    const double bulk_us = env_.TimeEvents([&] {
+      CK(cudaMemcpyAsync(dk, hk, bytes, cudaMemcpyHostToDevice, nullptr));
+      CK(cudaMemcpyAsync(dv, hv, bytes, cudaMemcpyHostToDevice, nullptr));
+      CK(kk::cuda::DenseDecode(ds, ws, wsb, nullptr));
+    });
+    Row bulk{"kernel dense, every row bulk-copied from host", bulk_us};
+    bulk.host_mb = 2.0 * bytes / 1e6;
+    Print(bulk, dense_us, env_.h2d_gbs, n_);
+    SantaKernelRows(ds, dense_us);
+    for (void* p : {dk, dv, dq, dout, dlens, ws}) CK(cudaFree(p));
+    CK(cudaFreeHost(hk));
+    CK(cudaFreeHost(hv));
+    return dense_us;
+  }
+
+  // The engine rows: each method on the placements it serves, against the engine's dense output
+  // for the same q.
+  void EngineRows(double dense_us) {
+    dense_us_ = dense_us;
+    const std::string dense_ref = Decode(Call("dev", ks::Method{}, q_)).output;
+    if (env_.want("dense")) {
+      TimeEngine("dev", ks::Method{}, dense_ref, false, "engine dense / K,V on GPU");
+      TimeEngine("host", ks::Method{}, dense_ref, false, "engine dense / K,V in host (zero-copy)");
+    }
+    for (const char* set : {"kdev", "dev"}) {
+      for (int variant = 0; variant < 2; ++variant) {
+        if (!env_.want(variant == 0 ? "prop" : "flash")) continue;
+        ks::Method m;
+        m.kind = ks::MethodKind::kSanta;
+        m.santa.allocation =
+            variant == 0 ? kk::SantaAllocation::kProp : kk::SantaAllocation::kFlash;
+        m.santa.samples = variant == 0 ? 128 : 2048;
+        TimeEngine(set, m, dense_ref, false,
+                   std::string("engine S2ANTA-") + (variant == 0 ? "prop S=128" : "flash S=2048") +
+                       (std::string(set) == "kdev" ? " / K GPU, V host" : " / K,V on GPU"));
+      }
+    }
+    if (env_.want("hash")) {
+      ks::Method m;
+      m.kind = ks::MethodKind::kHashTopK;
+      m.hash.top_k_fraction = static_cast<float>(absl::GetFlag(FLAGS_hash_fraction));
+      TimeEngine("host", m, dense_ref, false, "engine hash top-k / host, fresh q");
+      TimeEngine("host", m, dense_ref, true, "engine hash top-k / host, drifting q");
+      TimeEngine("dev", m, dense_ref, true, "engine hash top-k / K,V on GPU, drifting q");
+    }
+    if (saap_engine_ != nullptr) {
+      ks::Method m;
+      m.kind = ks::MethodKind::kSaap;
+      m.saap.probes = absl::GetFlag(FLAGS_saap_probes);
+      active_ = saap_engine_.get();
+      const std::string name = "engine SAAP C=128 probes=" + std::to_string(m.saap.probes);
+      TimeEngine("host", m, dense_ref, false, name + " / host, fresh q");
+      TimeEngine("host", m, dense_ref, true, name + " / host, drifting q");
+      TimeEngine("dev", m, dense_ref, true, name + " / K,V on GPU, drifting q");
+      active_ = engine_.get();
+    }
+    if (env_.want("vatt")) {
+      ks::Method m;
+      m.kind = ks::MethodKind::kVAttention;
+      m.vattention.top_k_fraction = 0.01f;
+      TimeEngine("host", m, dense_ref, false, "engine vAttention eps=delta=0.05 / host");
+    }
+  }
+
+ private:
+  // The engine, and SAAP's own (random partitions of C = 128 and classifiers of width 128: they
+  // replace the SimHash signatures) over the same store; the queries.
+  bool MakeEngines() {
+    ks::EngineOptions eo;
+    eo.resident_capacity_bytes = 64ull << 30;
+    ks::GpuBackendOptions go;
+    go.capacity_bytes = 64ull << 30;
+    go.signatures = eo.signatures;
+    go.row_cache_fraction = absl::GetFlag(FLAGS_row_cache);
+    go.stage_timing_every = absl::GetFlag(FLAGS_stage_timing_every);
+    auto backend = ks::NewGpuBackend(go, source_.get());
+    if (!backend.ok()) {
+      std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
+      return false;
+    }
+    engine_ = std::make_unique<ks::DecodeEngine>(eo, source_.get(), std::move(*backend));
+    active_ = engine_.get();
+    if (env_.want("saap")) {
+      ks::EngineOptions so = eo;
+      so.signatures.saap = std::make_shared<const kk::SaapWeights>(
+          kk::RandomSaapWeights(1, kH, kHkv, kD, 128, 128, 23));
+      ks::GpuBackendOptions sgo = go;
+      sgo.signatures = so.signatures;
+      auto sb = ks::NewGpuBackend(sgo, source_.get());
+      if (!sb.ok()) {
+        std::fprintf(stderr, "%s\n", sb.status().ToString().c_str());
+        return false;
+      }
+      saap_engine_ = std::make_unique<ks::DecodeEngine>(so, source_.get(), std::move(*sb));
+    }
+    // q for B sequences: the synthetic anchor query with a little per-sequence noise.
+    qf_.resize(static_cast<size_t>(B_) * kH * kD);
+    for (int b = 0; b < B_; ++b) {
+      for (size_t i = 0; i < static_cast<size_t>(kH) * kD; ++i) {
+        qf_[b * kH * kD + i] =
+            kk::LoadAsFloat(sp_.q.data(), i, kk::DType::kBf16) + 0.02f * normal_(rng_);
+      }
+    }
+    q_ = QBytes(qf_);
+    return true;
+  }
+
+  // The same S2ANTA kernels on the contiguous GPU-resident cache, without the engine.
+  void SantaKernelRows(const kk::cuda::DecodeShape& ds, double dense_us) {
+    for (int variant = 0; variant < 2; ++variant) {
+      if (!env_.want(variant == 0 ? "prop" : "flash")) continue;
+      kk::cuda::SantaParams p;
+      p.shape = ds;
+      p.num_samples = variant == 0 ? 128 : 2048;
+      p.seed = 5;
+      const size_t wb = variant == 0 ? kk::cuda::S2antaPropWorkspaceBytes(p)
+                                     : kk::cuda::S2antaFlashWorkspaceBytes(p);
+      void* sws = nullptr;
+      CK(cudaMalloc(&sws, std::max<size_t>(wb, 256)));
+      const double us = env_.TimeEvents([&] {
+        CK(variant == 0 ? kk::cuda::S2antaProp(p, sws, wb, nullptr)
+                        : kk::cuda::S2antaFlash(p, sws, wb, nullptr));
+      });
+      Print({variant == 0 ? "kernel S2ANTA-prop S=128, GPU-resident"
+                          : "kernel S2ANTA-flash S=2048, GPU-resident",
+             us},
+            dense_us, env_.h2d_gbs, n_);
+      CK(cudaFree(sws));
+    }
+  }
+
+  static std::vector<uint8_t> QBytes(const std::vector<float>& f) {
+    std::vector<uint8_t> q(f.size() * 2);
+    for (size_t i = 0; i < f.size(); ++i) kk::StoreFromFloat(q.data(), i, kk::DType::kBf16, f[i]);
+    return q;
+  }
+
+  ks::DecodeCall Call(const char* set, const ks::Method& m, const std::vector<uint8_t>& qb) const {
+    ks::DecodeCall c;
+    c.layer = 0;
+    for (int b = 0; b < B_; ++b) c.sequence_ids.push_back(std::string(set) + std::to_string(b));
+    c.q_dtype = kk::DType::kBf16;
+    c.q = qb;
+    c.method = m;
+    c.seed = 5;
+    return c;
+  }
+
+  // A call on the active engine; exits on error.
+  ks::DecodeResult Decode(const ks::DecodeCall& c) {
+    auto r = active_->Decode(c);
+    if (!r.ok()) {
+      std::fprintf(stderr, "decode: %s\n", r.status().ToString().c_str());
+      std::exit(1);
+    }
+    return std::move(*r);
+  }
+
+  // One engine row: env.reps timed calls (three untimed first) of m on placement `set`; the
+  // selection methods with signatures take a fresh random q each call around the anchor, or
+  // (drift) a small step from the last, and are compared with the engine's dense output for
+  // the same q; the others with ref.
+  void TimeEngine(const char* set, const ks::Method& m, const std::string& ref, bool drift,
+                  const std::string& name) {
+    const bool signed_q = m.kind == ks::MethodKind::kHashTopK || m.kind == ks::MethodKind::kSaap;
+    std::vector<double> us, gpu, gather, eng, syn, lau, wai;
+    double host = 0, rows = 0, hits = 0, fetched = 0, err = 0;
+    std::vector<float> qd = qf_;
+    std::mt19937_64 qr(99);
+    double ms = 0;
+    for (float x : qf_) ms += static_cast<double>(x) * x;
+    const float q_rms = static_cast<float>(std::sqrt(ms / qf_.size()));
+    const float step = static_cast<float>(absl::GetFlag(FLAGS_drift));
+    int counted = 0;
+    for (int i = -3; i < env_.reps; ++i) {
+      std::vector<uint8_t> qb = q_;
+      if (signed_q) {
+        for (size_t k = 0; k < qd.size(); ++k) {
+          qd[k] = drift ? qd[k] + step * q_rms * normal_(qr) : qf_[k] + q_rms * normal_(qr);
+        }
+        qb = QBytes(qd);
+      }
+      env_.thrash.Run();
+      const auto t0 = Clock::now();
+      ks::DecodeResult res = Decode(Call(set, m, qb));
+      const double t = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
+      if (i < 0) continue;
+      us.push_back(t);
+      if (res.timing.stage_weight > 0) {  // a timed call
+        gpu.push_back((res.timing.selection_seconds + res.timing.gather_seconds +
+                       res.timing.compute_seconds) *
+                      1e6);
+        gather.push_back(res.timing.gather_seconds * 1e6);
+      }
+      eng.push_back(res.timing.engine_seconds * 1e6);
+      syn.push_back(res.timing.sync_seconds * 1e6);
+      lau.push_back(res.timing.launch_seconds * 1e6);
+      wai.push_back(res.timing.wait_seconds * 1e6);
+      for (const ks::HeadStats& hs : res.heads) {
+        host += hs.bytes[static_cast<int>(kv::Tier::kHost)];
+        rows += hs.rows_fetched;
+        hits += hs.rows_cached;
+        fetched += hs.rows_fetched;
+      }
+      if (signed_q) {
+        ks::DecodeEngine* was = active_;
+        active_ = engine_.get();
+        err += RelL2(res.output, Decode(Call("dev", ks::Method{}, qb)).output);
+        active_ = was;
+      } else {
+        err += RelL2(res.output, ref);
+      }
+      ++counted;
+    }
+    Row r;
+    r.name = name;
+    r.us = Median(us);
+    r.gpu_us = Median(gpu);
+    r.gather_us = Median(gather);
+    r.engine_us = Median(eng);
+    r.launch_us = Median(lau);
+    r.wait_us = Median(wai);
+    r.sync_us = Median(syn);
+    r.err = err / counted;
+    r.host_mb = host / counted / 1e6;
+    r.rows_per_head = rows / counted / (B_ * kHkv);
+    if (signed_q) r.hit = fetched > 0 ? hits / fetched : 0;
+    Print(r, dense_us_, env_.h2d_gbs, n_);
+  }
+
+  Env& env_;
+  const kk::SyntheticProblem& sp_;
+  const int n_, B_;
+  const size_t seq_bytes_;  // K (or V) of one sequence
+  std::unique_ptr<kv::MemoryResource> mem_;
+  std::unique_ptr<kv::Store> store_;
+  std::unique_ptr<ks::RowSource> source_;
+  std::unique_ptr<ks::DecodeEngine> engine_, saap_engine_;
+  ks::DecodeEngine* active_ = nullptr;  // the engine Decode calls
+  std::mt19937_64 rng_{11};
+  std::normal_distribution<float> normal_;
+  std::vector<float> qf_;
+  std::vector<uint8_t> q_;
+  double dense_us_ = 0;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
   absl::ParseCommandLine(argc, argv);
-  const int reps = absl::GetFlag(FLAGS_reps);
-  const std::string methods = absl::GetFlag(FLAGS_methods);
-  auto want = [&](const char* m) {
-    return methods == "all" || methods.find(m) != std::string::npos;
-  };
+  Env env;
+  env.reps = absl::GetFlag(FLAGS_reps);
+  env.methods = absl::GetFlag(FLAGS_methods);
   cudaDeviceProp prop;
   CK(cudaGetDeviceProperties(&prop, 0));
-  constexpr int H = 32, hkv = 8, d = 128;
-  constexpr size_t row = d * 2;
-  Thrash thrash;
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
+  CK(cudaEventCreate(&env.e0));
+  CK(cudaEventCreate(&env.e1));
   // Bulk host-to-device bandwidth (pinned, 256 MiB), the reference for rows that cross.
-  const double h2d_gbs = kvsparse::bench::BulkHostToDeviceGBs();
+  env.h2d_gbs = kvsparse::bench::BulkHostToDeviceGBs();
   std::printf("# device %s (%d SMs); bulk host-to-device copy %.1f GB/s\n", prop.name,
-              prop.multiProcessorCount, h2d_gbs);
+              prop.multiProcessorCount, env.h2d_gbs);
   const kvsparse::bench::ApiCost api = kvsparse::bench::MeasureApiCost();
   std::printf(
       "# host cost per CUDA call (us): event record %.2f, memset launch %.2f, 4 KB H2D copy "
       "%.2f, 4 KB D2H copy %.2f, idle stream sync %.2f\n",
       api.event_record, api.memset_launch, api.small_h2d, api.small_d2h, api.sync_idle);
 
-  if (absl::GetFlag(FLAGS_capacity_batch) > 0) return Capacity(h2d_gbs);
+  if (absl::GetFlag(FLAGS_capacity_batch) > 0) return Capacity(env.h2d_gbs);
   for (int n : Ints(absl::GetFlag(FLAGS_lens))) {
     std::fprintf(stderr, "n=%d: making the synthetic sequence...\n", n);
     kk::SyntheticProblem sp = kk::SyntheticProblem::Make(LlamaSequence(n));
-    const size_t seq_bytes = static_cast<size_t>(n) * hkv * row;  // K (or V) of one sequence
     for (int B : Ints(absl::GetFlag(FLAGS_batches))) {
       std::printf("\n## n = %d, B = %d (K+V per layer: %.1f MB)\n", n, B,
-                  2.0 * B * seq_bytes / 1e6);
-      auto mem = kv::NewPinnedHostMemoryResource();
-      if (!mem.ok()) {
-        std::fprintf(stderr, "%s\n", mem.status().ToString().c_str());
-        return 1;
-      }
-      kv::StoreOptions sto;
-      sto.capacity_bytes = 3 * 2 * B * seq_bytes + (256ull << 20);
-      sto.max_append_bytes = 1ull << 34;
-      sto.memory = mem->get();
-      auto store = kv::Store::Create(sto);
-      if (!store.ok()) return 1;
-      auto source = ks::NewLocalRowSource(store->get(), /*pages_device_visible=*/true);
-      const kv::ModelShape shape{1, H, hkv, d, kk::DType::kBf16};
-      struct Set {
-        const char* name;
-        kv::Placement placement;
-      };
-      std::vector<Set> sets(3);
-      sets[0].name = "dev";
-      sets[0].placement.k_tier = sets[0].placement.v_tier = kv::Tier::kDevice;
-      sets[0].placement.signature_bits = 32;  // hash top-k over resident rows too
-      sets[1].name = "kdev";
-      sets[1].placement.k_tier = kv::Tier::kDevice;
-      sets[2].name = "host";
-      sets[2].placement.signature_bits = 32;
-      std::fprintf(stderr, "loading %d sequences x 3 placements (%.1f GB pinned)...\n", B,
-                   3.0 * 2 * B * seq_bytes / 1e9);
-      for (const Set& s : sets) {
-        for (int b = 0; b < B; ++b) {
-          const std::string id = std::string(s.name) + std::to_string(b);
-          if (!(*store)->CreateSequence(id, shape, s.placement).ok()) return 1;
-          if (!AppendLayer(store->get(), id, 0, sp)) return 1;
-        }
-      }
-      ks::EngineOptions eo;
-      eo.resident_capacity_bytes = 64ull << 30;
-      ks::GpuBackendOptions go;
-      go.capacity_bytes = 64ull << 30;
-      go.signatures = eo.signatures;
-      go.row_cache_fraction = absl::GetFlag(FLAGS_row_cache);
-      go.stage_timing_every = absl::GetFlag(FLAGS_stage_timing_every);
-      auto backend = ks::NewGpuBackend(go, source.get());
-      if (!backend.ok()) {
-        std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
-        return 1;
-      }
-      ks::DecodeEngine engine(eo, source.get(), std::move(*backend));
-      // SAAP rows: an engine of their own (the partitions replace the SimHash signatures), over
-      // the same store; random partitions of C = 128 and classifiers of width 128.
-      std::unique_ptr<ks::DecodeEngine> saap_engine;
-      if (want("saap")) {
-        ks::EngineOptions so = eo;
-        so.signatures.saap = std::make_shared<const kk::SaapWeights>(
-            kk::RandomSaapWeights(1, H, hkv, d, 128, 128, 23));
-        ks::GpuBackendOptions sgo = go;
-        sgo.signatures = so.signatures;
-        auto sb = ks::NewGpuBackend(sgo, source.get());
-        if (!sb.ok()) {
-          std::fprintf(stderr, "%s\n", sb.status().ToString().c_str());
-          return 1;
-        }
-        saap_engine = std::make_unique<ks::DecodeEngine>(so, source.get(), std::move(*sb));
-      }
-      ks::DecodeEngine* active = &engine;  // the engine `decode` calls
-      std::mt19937_64 rng(11);
-      std::normal_distribution<float> normal;
-      // q for B sequences: the synthetic anchor query with a little per-sequence noise.
-      const size_t q_elems = static_cast<size_t>(B) * H * d;
-      std::vector<float> qf(q_elems);
-      for (int b = 0; b < B; ++b) {
-        for (size_t i = 0; i < static_cast<size_t>(H) * d; ++i) {
-          qf[b * H * d + i] =
-              kk::LoadAsFloat(sp.q.data(), i, kk::DType::kBf16) + 0.02f * normal(rng);
-        }
-      }
-      auto q_bytes = [&](const std::vector<float>& f) {
-        std::vector<uint8_t> q(f.size() * 2);
-        for (size_t i = 0; i < f.size(); ++i)
-          kk::StoreFromFloat(q.data(), i, kk::DType::kBf16, f[i]);
-        return q;
-      };
-      std::vector<uint8_t> q = q_bytes(qf);
-      auto call = [&](const char* set, const ks::Method& m, const std::vector<uint8_t>& qb) {
-        ks::DecodeCall c;
-        c.layer = 0;
-        for (int b = 0; b < B; ++b) c.sequence_ids.push_back(std::string(set) + std::to_string(b));
-        c.q_dtype = kk::DType::kBf16;
-        c.q = qb;
-        c.method = m;
-        c.seed = 5;
-        return c;
-      };
-      // GPU bytes per token of each placement (after its first call syncs it).
-      auto decode = [&](const ks::DecodeCall& c) {
-        auto r = active->Decode(c);
-        if (!r.ok()) {
-          std::fprintf(stderr, "decode: %s\n", r.status().ToString().c_str());
-          std::exit(1);
-        }
-        return std::move(*r);
-      };
-      std::vector<double> bytes_per_token(3);
-      for (int i = 0; i < 3; ++i) {
-        const size_t before = engine.device_backend()->resident_bytes();
-        ks::Method m;
-        if (i == 2) {  // signatures and the row sets the hash path keeps
-          m.kind = ks::MethodKind::kHashTopK;
-          m.hash.top_k_fraction = static_cast<float>(absl::GetFlag(FLAGS_hash_fraction));
-        }
-        std::fprintf(stderr, "syncing placement %s...\n", sets[i].name);
-        (void)decode(call(sets[i].name, m, q));
-        bytes_per_token[i] =
-            static_cast<double>(engine.device_backend()->resident_bytes() - before) / (B * n);
-      }
-      const double resident_layout = 2.0 * hkv * row;  // K and V of one token, one layer
-      std::printf(
-          "# GPU bytes per token and layer: K+V resident %.0f (layout %.0f); K resident "
-          "%.0f; host placement (signatures + row cache) %.1f = %.2f%% of the layout\n",
-          bytes_per_token[0], resident_layout, bytes_per_token[1], bytes_per_token[2],
-          100.0 * bytes_per_token[2] / resident_layout);
-
-      // ---- Kernel baselines: contiguous [B, n, Hkv, d] cache on the GPU / in pinned memory. ----
-      void *dk = nullptr, *dvv = nullptr, *dq = nullptr, *dout = nullptr, *dlens = nullptr;
-      void *hk = nullptr, *hv = nullptr;
-      CK(cudaMalloc(&dk, B * seq_bytes));
-      CK(cudaMalloc(&dvv, B * seq_bytes));
-      CK(cudaMallocHost(&hk, B * seq_bytes));
-      CK(cudaMallocHost(&hv, B * seq_bytes));
-      for (int b = 0; b < B; ++b) {
-        std::memcpy(static_cast<char*>(hk) + b * seq_bytes, sp.k.data(), seq_bytes);
-        std::memcpy(static_cast<char*>(hv) + b * seq_bytes, sp.v.data(), seq_bytes);
-      }
-      CK(cudaMemcpy(dk, hk, B * seq_bytes, cudaMemcpyHostToDevice));
-      CK(cudaMemcpy(dvv, hv, B * seq_bytes, cudaMemcpyHostToDevice));
-      CK(cudaMalloc(&dq, q.size()));
-      CK(cudaMemcpy(dq, q.data(), q.size(), cudaMemcpyHostToDevice));
-      CK(cudaMalloc(&dout, q.size()));
-      std::vector<int32_t> lens(B, n);
-      CK(cudaMalloc(&dlens, B * 4));
-      CK(cudaMemcpy(dlens, lens.data(), B * 4, cudaMemcpyHostToDevice));
-      kk::cuda::DecodeShape ds;
-      ds.batch = B;
-      ds.num_q_heads = H;
-      ds.num_kv_heads = hkv;
-      ds.head_dim = d;
-      ds.q = dq;
-      ds.k = dk;
-      ds.v = dvv;
-      ds.kv = {static_cast<int64_t>(n) * hkv * d, d, hkv * d};
-      ds.seq_lens = static_cast<int32_t*>(dlens);
-      ds.max_seq_len = n;
-      ds.scale = 1.f / std::sqrt(static_cast<float>(d));
-      ds.out = dout;
-      void* ws = nullptr;
-      const size_t wsb = kk::cuda::DenseDecodeWorkspaceBytes(ds);
-      CK(cudaMalloc(&ws, std::max<size_t>(wsb, 256)));
-      auto time_events = [&](auto&& body) {
-        std::vector<double> us;
-        for (int r = -3; r < reps; ++r) {
-          thrash.Run();
-          CK(cudaEventRecord(e0));
-          body();
-          CK(cudaEventRecord(e1));
-          CK(cudaEventSynchronize(e1));
-          float ms;
-          CK(cudaEventElapsedTime(&ms, e0, e1));
-          if (r >= 0) us.push_back(ms * 1e3);
-        }
-        return Median(us);
-      };
-      const double dense_us = time_events([&] { CK(kk::cuda::DenseDecode(ds, ws, wsb, nullptr)); });
-      Print({"kernel dense, KV resident on the GPU", dense_us}, dense_us, h2d_gbs, n);
-      const double bulk_us = time_events([&] {
-        CK(cudaMemcpyAsync(dk, hk, B * seq_bytes, cudaMemcpyHostToDevice, nullptr));
-        CK(cudaMemcpyAsync(dvv, hv, B * seq_bytes, cudaMemcpyHostToDevice, nullptr));
-        CK(kk::cuda::DenseDecode(ds, ws, wsb, nullptr));
-      });
-      Row bulk{"kernel dense, every row bulk-copied from host", bulk_us};
-      bulk.host_mb = 2.0 * B * seq_bytes / 1e6;
-      Print(bulk, dense_us, h2d_gbs, n);
-
-      // The same sparse kernels on the contiguous GPU-resident cache, without the engine.
-      for (int variant = 0; variant < 2; ++variant) {
-        if (!want(variant == 0 ? "prop" : "flash")) continue;
-        kk::cuda::SantaParams p;
-        p.shape = ds;
-        p.num_samples = variant == 0 ? 128 : 2048;
-        p.seed = 5;
-        const size_t wb = variant == 0 ? kk::cuda::S2antaPropWorkspaceBytes(p)
-                                       : kk::cuda::S2antaFlashWorkspaceBytes(p);
-        void* sws = nullptr;
-        CK(cudaMalloc(&sws, std::max<size_t>(wb, 256)));
-        const double us = time_events([&] {
-          CK(variant == 0 ? kk::cuda::S2antaProp(p, sws, wb, nullptr)
-                          : kk::cuda::S2antaFlash(p, sws, wb, nullptr));
-        });
-        Print({variant == 0 ? "kernel S2ANTA-prop S=128, GPU-resident"
-                            : "kernel S2ANTA-flash S=2048, GPU-resident",
-               us},
-              dense_us, h2d_gbs, n);
-        CK(cudaFree(sws));
-      }
-
-      // ---- Engine rows. ----
-      auto time_engine = [&](const char* set, const ks::Method& m, const std::string& ref,
-                             bool drift, const std::string& name) {
-        Row r;
-        r.name = name;
-        std::vector<double> us, gpu, gather, eng, syn, lau, wai;
-        double host = 0, rows = 0, hits = 0, fetched = 0, err = 0;
-        std::vector<float> qd = qf;
-        std::mt19937_64 qr(99);
-        double ms = 0;
-        for (float x : qf) ms += static_cast<double>(x) * x;
-        const float q_rms = static_cast<float>(std::sqrt(ms / qf.size()));
-        const float step = static_cast<float>(absl::GetFlag(FLAGS_drift));
-        int counted = 0;
-        for (int i = -3; i < reps; ++i) {
-          std::vector<uint8_t> qb = q;
-          if (m.kind == ks::MethodKind::kHashTopK || m.kind == ks::MethodKind::kSaap) {
-            // A fresh random query around the anchor each call, or a small step from the last.
-            for (size_t k = 0; k < qd.size(); ++k) {
-              qd[k] = drift ? qd[k] + step * q_rms * normal(qr) : qf[k] + q_rms * normal(qr);
-            }
-            qb = q_bytes(qd);
-          }
-          thrash.Run();
-          const auto t0 = Clock::now();
-          ks::DecodeResult res = decode(call(set, m, qb));
-          const double t = std::chrono::duration<double, std::micro>(Clock::now() - t0).count();
-          if (i < 0) continue;
-          us.push_back(t);
-          if (res.timing.stage_weight > 0) {  // a timed call
-            gpu.push_back((res.timing.selection_seconds + res.timing.gather_seconds +
-                           res.timing.compute_seconds) *
-                          1e6);
-            gather.push_back(res.timing.gather_seconds * 1e6);
-          }
-          eng.push_back(res.timing.engine_seconds * 1e6);
-          syn.push_back(res.timing.sync_seconds * 1e6);
-          lau.push_back(res.timing.launch_seconds * 1e6);
-          wai.push_back(res.timing.wait_seconds * 1e6);
-          for (const ks::HeadStats& hs : res.heads) {
-            host += hs.bytes[static_cast<int>(kv::Tier::kHost)];
-            rows += hs.rows_fetched;
-            hits += hs.rows_cached;
-            fetched += hs.rows_fetched;
-          }
-          if (m.kind == ks::MethodKind::kHashTopK || m.kind == ks::MethodKind::kSaap) {
-            ks::DecodeEngine* was = active;
-            active = &engine;
-            err += RelL2(res.output, decode(call("dev", ks::Method{}, qb)).output);
-            active = was;
-          } else {
-            err += RelL2(res.output, ref);
-          }
-          ++counted;
-        }
-        r.us = Median(us);
-        r.gpu_us = Median(gpu);
-        r.gather_us = Median(gather);
-        r.engine_us = Median(eng);
-        r.launch_us = Median(lau);
-        r.wait_us = Median(wai);
-        r.sync_us = Median(syn);
-        r.err = err / counted;
-        r.host_mb = host / counted / 1e6;
-        r.rows_per_head = rows / counted / (B * hkv);
-        if (m.kind == ks::MethodKind::kHashTopK || m.kind == ks::MethodKind::kSaap) {
-          r.hit = fetched > 0 ? hits / fetched : 0;
-        }
-        Print(r, dense_us, h2d_gbs, n);
-      };
-      const std::string dense_ref = decode(call("dev", ks::Method{}, q)).output;
-      if (want("dense")) {
-        time_engine("dev", ks::Method{}, dense_ref, false, "engine dense / K,V on GPU");
-        time_engine("host", ks::Method{}, dense_ref, false,
-                    "engine dense / K,V in host (zero-copy)");
-      }
-      for (const char* set : {"kdev", "dev"}) {
-        for (int variant = 0; variant < 2; ++variant) {
-          if (!want(variant == 0 ? "prop" : "flash")) continue;
-          ks::Method m;
-          m.kind = ks::MethodKind::kSanta;
-          m.santa.allocation =
-              variant == 0 ? kk::SantaAllocation::kProp : kk::SantaAllocation::kFlash;
-          m.santa.samples = variant == 0 ? 128 : 2048;
-          time_engine(set, m, dense_ref, false,
-                      std::string("engine S2ANTA-") +
-                          (variant == 0 ? "prop S=128" : "flash S=2048") +
-                          (std::string(set) == "kdev" ? " / K GPU, V host" : " / K,V on GPU"));
-        }
-      }
-      if (want("hash")) {
-        ks::Method m;
-        m.kind = ks::MethodKind::kHashTopK;
-        m.hash.top_k_fraction = static_cast<float>(absl::GetFlag(FLAGS_hash_fraction));
-        time_engine("host", m, dense_ref, false, "engine hash top-k / host, fresh q");
-        time_engine("host", m, dense_ref, true, "engine hash top-k / host, drifting q");
-        time_engine("dev", m, dense_ref, true, "engine hash top-k / K,V on GPU, drifting q");
-      }
-      if (saap_engine != nullptr) {
-        ks::Method m;
-        m.kind = ks::MethodKind::kSaap;
-        m.saap.probes = absl::GetFlag(FLAGS_saap_probes);
-        active = saap_engine.get();
-        const std::string name = "engine SAAP C=128 probes=" + std::to_string(m.saap.probes);
-        time_engine("host", m, dense_ref, false, name + " / host, fresh q");
-        time_engine("host", m, dense_ref, true, name + " / host, drifting q");
-        time_engine("dev", m, dense_ref, true, name + " / K,V on GPU, drifting q");
-        active = &engine;
-      }
-      if (want("vatt")) {
-        ks::Method m;
-        m.kind = ks::MethodKind::kVAttention;
-        m.vattention.top_k_fraction = 0.01f;
-        time_engine("host", m, dense_ref, false, "engine vAttention eps=delta=0.05 / host");
-      }
-      for (void* p : {dk, dvv, dq, dout, dlens, ws}) CK(cudaFree(p));
-      CK(cudaFreeHost(hk));
-      CK(cudaFreeHost(hv));
+                  2.0 * B * n * kHkv * kRow / 1e6);
+      Config config(env, sp, n, B);
+      if (!config.Load()) return 1;
+      config.PrintPlacementBytes();
+      const double dense_us = config.KernelRows();
+      config.EngineRows(dense_us);
     }
   }
   return 0;
