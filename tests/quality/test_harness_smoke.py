@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-ops = pytest.importorskip("kvsparse.ops")
+ops = pytest.importorskip("kvsparse.torch.ops")
 
 HERE = Path(__file__).resolve().parent
 

@@ -5,7 +5,7 @@ machine with Python; no download), with a share of synthetic retrieval documents
 buried in filler text and asked for at the end) so that it learns retrieval heads.
 
 Bytes are tokens (vocabulary 256 + 2 specials), so no tokenizer is needed. The model is a
-transformers LlamaForCausalLM (what kvsparse.hf plugs into); the checkpoint is written in
+transformers LlamaForCausalLM (what kvsparse.torch.hf plugs into); the checkpoint is written in
 bf16 safetensors shards of at most 15 MB (what comes back from the GPU machine: files of at most
 16 MiB, 64 MiB in all). Printed at the end and written to metrics.json: training loss, held-out
 perplexity at the training context (dense attention), and pass-key accuracy over lengths and

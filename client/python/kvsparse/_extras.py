@@ -1,5 +1,5 @@
 """Import-time help for the optional parts of the package: a module that needs an extra
-(``pip install "kvsparse[torch]"`` or ``"kvsparse[hf]"``) says which one when the import fails,
+(``pip install "kvsparse[torch]"``, ``"kvsparse[hf]"`` or ``"kvsparse[tools]"``) says which one when the import fails,
 instead of a bare ``ModuleNotFoundError: No module named 'torch'``."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 @contextmanager
 def needs(module: str, extra: str, *packages: str) -> Iterator[None]:
-    """Wraps the imports of ``module`` (e.g. "kvsparse.ops") that need ``packages``, which the
+    """Wraps the imports of ``module`` (e.g. "kvsparse.torch.ops") that need ``packages``, which the
     extra ``extra`` of pyproject.toml brings."""
     try:
         yield

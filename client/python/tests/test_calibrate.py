@@ -1,4 +1,4 @@
-"""kvsparse.calibrate: the weight file it writes is what kvsparse-server's --hash_weights reads,
+"""kvsparse.tools.calibrate: the weight file it writes is what kvsparse-server's --hash_weights reads,
 with the same MLP semantics (a decode with learned signatures selects exactly the keys the
 Python MLPs rank first), and training raises top-k recall above SimHash's on keys with a shared
 offset. SAAP: un-RoPE inverts transformers' RoPE, and the partitions cover the attention."""
@@ -15,7 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import kvsparse  # noqa: E402
-import kvsparse.calibrate as cal  # noqa: E402
+import kvsparse.tools.calibrate as cal  # noqa: E402
 
 
 def _layers(n_layers: int, h: int, hk: int, dims: list[int], seed: int) -> list[cal.LayerHash]:
@@ -155,7 +155,7 @@ def test_saap_partitions_cover_the_attention(tmp_path: Path) -> None:
 
 
 def test_saap_through_the_server(tmp_path: Path) -> None:
-    # Partitions written by kvsparse.calibrate load in kvsparse-server (--saap_weights): SAAP
+    # Partitions written by kvsparse.tools.calibrate load in kvsparse-server (--saap_weights): SAAP
     # decodes read a subset of the rows, all buckets give dense attention, and the hash methods
     # are refused on such a server.
     torch.manual_seed(3)

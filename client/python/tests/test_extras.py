@@ -1,6 +1,7 @@
-"""The optional parts say which extra they need: importing kvsparse.ops / kvsparse.hf /
-kvsparse.calibrate / kvsparse.sale without torch or transformers names `pip install "kvsparse[...]"` (a bare
-ModuleNotFoundError before), while the gRPC client itself imports without either."""
+"""The optional parts say which extra they need: importing kvsparse.torch.ops / .hf / .sale or
+kvsparse.tools.calibrate / .sale_calibrate without torch or transformers names
+`pip install "kvsparse[...]"` (a bare ModuleNotFoundError before), while the gRPC client itself
+imports without either."""
 
 from __future__ import annotations
 
@@ -25,11 +26,12 @@ def test_the_client_imports_without_torch_or_transformers() -> None:
 @pytest.mark.parametrize(
     "module, blocked, extra",
     [
-        ("kvsparse.ops", ["torch"], "torch"),
-        ("kvsparse.hf", ["torch"], "hf"),
-        ("kvsparse.hf", ["transformers"], "hf"),
-        ("kvsparse.calibrate", ["transformers"], "hf"),
-        ("kvsparse.sale", ["transformers"], "hf"),
+        ("kvsparse.torch.ops", ["torch"], "torch"),
+        ("kvsparse.torch.hf", ["torch"], "hf"),
+        ("kvsparse.torch.hf", ["transformers"], "hf"),
+        ("kvsparse.tools.calibrate", ["transformers"], "tools"),
+        ("kvsparse.tools.sale_calibrate", ["transformers"], "tools"),
+        ("kvsparse.torch.sale", ["torch"], "torch"),
     ],
 )
 def test_a_missing_extra_is_named(module: str, blocked: list[str], extra: str) -> None:

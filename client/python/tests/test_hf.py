@@ -12,8 +12,8 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import kvsparse  # noqa: E402
-import kvsparse.hf  # noqa: E402
-from kvsparse import ops  # noqa: E402
+import kvsparse.torch.hf  # noqa: E402
+from kvsparse.torch import ops  # noqa: E402
 
 NEW_TOKENS = 32
 
@@ -62,7 +62,7 @@ def reference(model, ids, mask, new_tokens=NEW_TOKENS):
 
 
 def through_kvsparse(model, ids, mask, cache, new_tokens=NEW_TOKENS):
-    kvsparse.hf.enable(model)
+    kvsparse.torch.hf.enable(model)
     with torch.no_grad():
         return model.generate(
             ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
@@ -90,7 +90,7 @@ def test_dense_matches_transformers_fp32(target) -> None:
     model = tiny_llama()
     ids, mask = prompt([40])
     want = reference(model, ids, mask)
-    with kvsparse.hf.KvSparseCache(model.config, target, method=kvsparse.Dense()) as cache:
+    with kvsparse.torch.hf.KvSparseCache(model.config, target, method=kvsparse.Dense()) as cache:
         got = through_kvsparse(model, ids, mask, cache)
         stats = cache.stats
     assert got.sequences.shape[1] == ids.shape[1] + NEW_TOKENS
@@ -105,11 +105,11 @@ def test_dense_matches_transformers_fp32(target) -> None:
 def test_prefill_crosses_in_chunks(server: kvsparse.LocalServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prefill larger than one Append message crosses in several (8 tokens each here), each
     expecting the length the ones before it left: the same generation."""
-    monkeypatch.setattr(kvsparse.hf, "_APPEND_BYTES", 4096)
+    monkeypatch.setattr(kvsparse.torch.hf, "_APPEND_BYTES", 4096)
     model = tiny_llama()
     ids, mask = prompt([40])
     want = reference(model, ids, mask, new_tokens=4)
-    with kvsparse.hf.KvSparseCache(model.config, server.target, method=kvsparse.Dense()) as cache:
+    with kvsparse.torch.hf.KvSparseCache(model.config, server.target, method=kvsparse.Dense()) as cache:
         got = through_kvsparse(model, ids, mask, cache, new_tokens=4)
     assert torch.equal(got.sequences, want.sequences)
     assert max_logit_diff(got, want) < 1e-4
@@ -119,7 +119,7 @@ def test_dense_batch_with_left_padding(target) -> None:
     model = tiny_llama()
     ids, mask = prompt([40, 23, 31], seed=2)
     want = reference(model, ids, mask)
-    with kvsparse.hf.KvSparseCache(model.config, target, method=kvsparse.Dense(), stream=True) as cache:
+    with kvsparse.torch.hf.KvSparseCache(model.config, target, method=kvsparse.Dense(), stream=True) as cache:
         got = through_kvsparse(model, ids, mask, cache)
         lengths = [cache.layer_lengths(b) for b in range(len(cache.sequence_ids))]
     assert torch.equal(got.sequences, want.sequences)
@@ -144,7 +144,7 @@ def teacher_forced_logits(model, sequences: torch.Tensor, prompt_mask: torch.Ten
 def test_dense_bf16(target) -> None:
     model = tiny_llama(torch.bfloat16)
     ids, mask = prompt([40, 33], seed=3)
-    with kvsparse.hf.KvSparseCache(model.config, target) as cache:
+    with kvsparse.torch.hf.KvSparseCache(model.config, target) as cache:
         got = through_kvsparse(model, ids, mask, cache)
     check_bf16(model, ids, mask, got)
 
@@ -190,7 +190,7 @@ def check_bf16(model, ids, mask, got) -> None:
 def test_sparse_methods_generate(target, method: kvsparse.Method) -> None:
     model = tiny_llama()
     ids, mask = prompt([400, 300], seed=4)
-    with kvsparse.hf.KvSparseCache(model.config, target, method=method, seed=11) as cache:
+    with kvsparse.torch.hf.KvSparseCache(model.config, target, method=method, seed=11) as cache:
         got = through_kvsparse(model, ids, mask, cache, new_tokens=8)
         stats = cache.stats
     assert got.sequences.shape == (2, 400 + 8)
@@ -206,7 +206,7 @@ def test_sparse_methods_generate(target, method: kvsparse.Method) -> None:
 def test_sequences_dropped_when_the_cache_goes(server: kvsparse.LocalServer) -> None:
     model = tiny_llama()
     ids, mask = prompt([20])
-    cache = kvsparse.hf.KvSparseCache(model.config, server.target)
+    cache = kvsparse.torch.hf.KvSparseCache(model.config, server.target)
     through_kvsparse(model, ids, mask, cache, new_tokens=3)
     ids_held = list(cache.sequence_ids)
     with kvsparse.KvStoreClient(server.target) as store:
@@ -219,7 +219,7 @@ def test_sequences_dropped_when_the_cache_goes(server: kvsparse.LocalServer) -> 
 def test_model_not_switched_to_kvsparse_is_refused(server: kvsparse.LocalServer) -> None:
     model = tiny_llama()
     ids, mask = prompt([20])
-    with kvsparse.hf.KvSparseCache(model.config, server.target) as cache:
+    with kvsparse.torch.hf.KvSparseCache(model.config, server.target) as cache:
         model.set_attn_implementation("sdpa")
         with pytest.raises(RuntimeError, match='attn_implementation="kvsparse"'):
             with torch.no_grad():
@@ -230,7 +230,7 @@ def test_server_errors_surface(server: kvsparse.LocalServer) -> None:
     model = tiny_llama()
     ids, mask = prompt([20])
     # Hash top-k over sequences made without signatures: the server refuses the first decode.
-    cache = kvsparse.hf.KvSparseCache(
+    cache = kvsparse.torch.hf.KvSparseCache(
         model.config, server.target, method=kvsparse.HashTopK(), placement=kvsparse.Placement()
     )
     with cache:
@@ -258,7 +258,7 @@ def test_gpu_generation_in_process(method: kvsparse.Method) -> None:
     ids, mask = prompt([400, 333], seed=5, device="cuda")
     with ops.InProcessEngine(store_capacity="2G", gpu="on") as engine:
         assert engine.backend == "cuda:0"
-        with kvsparse.hf.KvSparseCache(model.config, engine, method=method) as cache:
+        with kvsparse.torch.hf.KvSparseCache(model.config, engine, method=method) as cache:
             got = through_kvsparse(model, ids, mask, cache)
             stats = cache.stats
     assert stats.decode_calls == (NEW_TOKENS - 1) * 3
@@ -288,7 +288,7 @@ def test_split_deployment(gpu: str) -> None:
         ) as worker,
         kvsparse.Client(worker.target, store_target=store.target, timeout=60.0) as client,
     ):
-        with kvsparse.hf.KvSparseCache(model.config, client, method=kvsparse.Dense()) as cache:
+        with kvsparse.torch.hf.KvSparseCache(model.config, client, method=kvsparse.Dense()) as cache:
             got = through_kvsparse(model, ids, mask, cache)
             stats = cache.stats
         if on_gpu:
@@ -297,7 +297,7 @@ def test_split_deployment(gpu: str) -> None:
             assert torch.equal(got.sequences, want.sequences)
             assert max_logit_diff(got, want) < 1e-4
         assert stats.fetched_fraction == pytest.approx(1.0)
-        with kvsparse.hf.KvSparseCache(model.config, client, method=hash_method) as cache:
+        with kvsparse.torch.hf.KvSparseCache(model.config, client, method=hash_method) as cache:
             got = through_kvsparse(model, ids, mask, cache, new_tokens=8)
             stats = cache.stats
             assert all(torch.isfinite(x).all() for x in got.logits)
@@ -330,7 +330,7 @@ def test_sharded_stores() -> None:
         kvsparse.LocalServer(role="worker", store=f"{a.target},{b.target}", gpu="off") as worker,
         kvsparse.Client(worker.target, store_target=f"{a.target},{b.target}", timeout=60.0) as client,
     ):
-        with kvsparse.hf.KvSparseCache(model.config, client, sequence_prefix=prefix) as cache:
+        with kvsparse.torch.hf.KvSparseCache(model.config, client, sequence_prefix=prefix) as cache:
             got = through_kvsparse(model, ids, mask, cache, new_tokens=16)
             held = [sorted(i.sequence_id for i in s.list_sequences()) for s in client.store.shards]
             assert held == [[f"{prefix}{r}" for r in range(4) if on[r] == i] for i in range(2)]
@@ -343,7 +343,7 @@ def test_sharded_stores() -> None:
 
 @pytest.mark.parametrize("gpu", ["off", pytest.param("on", marks=pytest.mark.gpu)])
 def test_inprocess_engine_over_a_remote_store(gpu: str) -> None:
-    """The engine in the model server's process (kvsparse.ops) over a kvsparse-server store in
+    """The engine in the model server's process (kvsparse.torch.ops) over a kvsparse-server store in
     another: sequences created, appended and dropped there; rows through its Gather RPC (staged
     for the kernels with gpu=on); q and the output stay in this process."""
     if not ops.available():
@@ -358,7 +358,7 @@ def test_inprocess_engine_over_a_remote_store(gpu: str) -> None:
         kvsparse.KvStoreClient(store.target) as store_client,
     ):
         assert engine.backend == ("cuda:0" if on_gpu else "cpu")
-        with kvsparse.hf.KvSparseCache(model.config, engine, method=kvsparse.Dense()) as cache:
+        with kvsparse.torch.hf.KvSparseCache(model.config, engine, method=kvsparse.Dense()) as cache:
             got = through_kvsparse(model, ids, mask, cache)
             stats = cache.stats
             held = {s.sequence_id for s in store_client.list_sequences()}
@@ -371,7 +371,7 @@ def test_inprocess_engine_over_a_remote_store(gpu: str) -> None:
             assert max_logit_diff(got, want) < 1e-4
         assert stats.fetched_fraction == pytest.approx(1.0)
         method = kvsparse.HashTopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=16)
-        with kvsparse.hf.KvSparseCache(model.config, engine, method=method) as cache:
+        with kvsparse.torch.hf.KvSparseCache(model.config, engine, method=method) as cache:
             got = through_kvsparse(model, ids, mask, cache, new_tokens=8)
             stats = cache.stats
         assert all(torch.isfinite(x).all() for x in got.logits)
@@ -387,12 +387,12 @@ def test_planned_cache_generates_as_transformers() -> None:
     ids, mask = prompt([40, 23, 31], seed=2)
     want = reference(model, ids, mask)
     with ops.InProcessEngine(store_capacity="1G", gpu="off") as engine:
-        with kvsparse.hf.KvSparseCache(model.config, engine, method=kvsparse.Dense(), max_tokens=128) as cache:
+        with kvsparse.torch.hf.KvSparseCache(model.config, engine, method=kvsparse.Dense(), max_tokens=128) as cache:
             got = through_kvsparse(model, ids, mask, cache)
             assert cache.steps is not None and cache.steps.mode.startswith("eager")
             lengths = [cache.layer_lengths(b)[0] for b in range(3)]
             assert cache.get_seq_length() == ids.shape[1] + NEW_TOKENS - 1
-        assert kvsparse.hf._planned_steps is None  # released with the cache
+        assert kvsparse.torch.hf._planned_steps is None  # released with the cache
     assert torch.equal(got.sequences, want.sequences)
     assert max_logit_diff(got, want) < 1e-4
     assert lengths == [40 + NEW_TOKENS - 1, 23 + NEW_TOKENS - 1, 31 + NEW_TOKENS - 1]
@@ -414,12 +414,12 @@ def test_planned_decode_step_compiles_whole() -> None:
     compiled steps give the eager steps' logits."""
     if not ops.available():
         pytest.skip("libkvsparse_torch.so not built")
-    model = kvsparse.hf.enable(tiny_llama())
+    model = kvsparse.torch.hf.enable(tiny_llama())
     ids, mask = prompt([40], seed=3)
     logits = {}
     with ops.InProcessEngine(store_capacity="1G", gpu="off") as engine:
         for mode in ("eager", "compiled"):
-            with kvsparse.hf.KvSparseCache(model.config, engine, method=kvsparse.Santa(samples=8), max_tokens=64) as cache:
+            with kvsparse.torch.hf.KvSparseCache(model.config, engine, method=kvsparse.Santa(samples=8), max_tokens=64) as cache:
                 with torch.no_grad():
                     model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
                     assert cache.steps is not None
@@ -445,11 +445,11 @@ def test_planned_decode_step_compiles_whole() -> None:
 def test_gpu_planned_cache_replays_cuda_graphs() -> None:
     """On the GPU backend a planned cache's decode steps are captured: the whole step compiled
     with mode="reduce-overhead" (CUDA graphs, fullgraph) decodes as transformers does."""
-    model = kvsparse.hf.enable(tiny_llama(torch.bfloat16, head_dim=64, device="cuda"))
+    model = kvsparse.torch.hf.enable(tiny_llama(torch.bfloat16, head_dim=64, device="cuda"))
     ids, mask = prompt([400], seed=5, device="cuda")
     placement = kvsparse.Placement(k_tier="device", v_tier="device")
     with ops.InProcessEngine(store_capacity="2G", gpu="on") as engine:
-        with kvsparse.hf.KvSparseCache(
+        with kvsparse.torch.hf.KvSparseCache(
             model.config, engine, method=kvsparse.Dense(), placement=placement, max_tokens=512
         ) as cache:
             with torch.no_grad():

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import kvsparse  # noqa: E402
-from kvsparse import ops  # noqa: E402
+from kvsparse.torch import ops  # noqa: E402
 from kvsparse.v1 import attention_pb2  # noqa: E402
 
 if not ops.available():

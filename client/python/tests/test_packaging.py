@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tarfile
 import urllib.request
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -56,6 +57,11 @@ def test_a_copy_of_the_package_directory_builds_and_installs(tmp_path: Path) -> 
     names = tarfile.open(sdist).getnames()
     assert any(n.endswith("proto/kvsparse/v1/attention.proto") for n in names), names
     assert any(n.endswith("kvsparse/v1/attention_pb2.py") for n in names), names
+    # Every module of the package's subpackages (grpc, torch, vllm, tools) is in the wheel.
+    sources = {p.relative_to(PACKAGE).as_posix() for p in (PACKAGE / "kvsparse").rglob("*.py")
+               if "v1" not in p.parts and "__pycache__" not in p.parts}
+    missing = sources - set(zipfile.ZipFile(wheel).namelist())
+    assert not missing, sorted(missing)
     clean = tmp_path / "clean"
     _run(sys.executable, "-m", "venv", str(clean))
     _run(str(clean / "bin" / "pip"), "install", "-q", str(wheel))

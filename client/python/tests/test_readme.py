@@ -14,7 +14,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 tokenizers = pytest.importorskip("tokenizers")
 
-from kvsparse import ops  # noqa: E402
+from kvsparse.torch import ops  # noqa: E402
 
 README = Path(__file__).resolve().parents[3] / "README.md"
 MODEL = "meta-llama/Llama-3.1-8B"

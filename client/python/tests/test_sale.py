@@ -1,4 +1,4 @@
-"""SALE prefill through the op (kvsparse.ops.sale_prefill, the CPU reference of kernels/sale.h):
+"""SALE prefill through the op (kvsparse.torch.ops.sale_prefill, the CPU reference of kernels/sale.h):
 at tau 0 it is torch's causal scaled-dot-product attention (GQA, a ragged length, bf16 and
 fp32); on a prompt with a sink and a few planted keys a threshold skips blocks while the output
 stays close; bad input raises kvsparse's errors."""
@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 import kvsparse  # noqa: E402
-from kvsparse import ops  # noqa: E402
+from kvsparse.torch import ops  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="libkvsparse_torch.so not built")
 

@@ -1,4 +1,4 @@
-"""SALE in the Hugging Face path (kvsparse.sale, KvSparseCache(prefill=...)) with a small random
+"""SALE in the Hugging Face path (kvsparse.torch.sale, KvSparseCache(prefill=...)) with a small random
 Llama on the CPU: kvsparse-sale-calibrate records each layer's prompt q/k/v and writes
 per-layer, per-head thresholds within the bound; the file round-trips; a cache with all
 thresholds 0 generates dense prefill's tokens through SALE, and the calibrated one generates
@@ -16,9 +16,10 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 import kvsparse  # noqa: E402
-import kvsparse.hf  # noqa: E402
-from kvsparse import ops  # noqa: E402
-from kvsparse import sale  # noqa: E402
+import kvsparse.torch.hf  # noqa: E402
+from kvsparse.torch import ops  # noqa: E402
+from kvsparse.torch import sale  # noqa: E402
+from kvsparse.tools import sale_calibrate  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ops.available(), reason="libkvsparse_torch.so not built")
 
@@ -43,8 +44,8 @@ def load(path: pathlib.Path) -> "transformers.LlamaForCausalLM":
 def generate(model, ids: torch.Tensor, prefill: "sale.SalePrefill | None", mask: torch.Tensor | None = None):
     engine = ops.InProcessEngine(gpu="off", store_capacity="256M")
     try:
-        kvsparse.hf.enable(model)
-        with kvsparse.hf.KvSparseCache(model.config, engine, prefill=prefill) as cache:
+        kvsparse.torch.hf.enable(model)
+        with kvsparse.torch.hf.KvSparseCache(model.config, engine, prefill=prefill) as cache:
             out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False)
             return out[:, ids.shape[1]:], cache.stats
     finally:
@@ -53,7 +54,7 @@ def generate(model, ids: torch.Tensor, prefill: "sale.SalePrefill | None", mask:
 
 def test_calibrate_then_generate(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:
     out_file = tmp_path / "sale.json"
-    assert sale.main(["--model", str(model_dir), "--random_tokens", "--tokens", "700", "--samples", "2",
+    assert sale_calibrate.main(["--model", str(model_dir), "--random_tokens", "--tokens", "700", "--samples", "2",
                       "--theta", "0.4", "--out", str(out_file)]) == 0
     doc = json.loads(out_file.read_text())
     assert doc["format"] == sale.FORMAT and doc["theta"] == 0.4
@@ -89,6 +90,6 @@ def test_bad_files_and_shapes_are_refused(model_dir: pathlib.Path, tmp_path: pat
     engine = ops.InProcessEngine(gpu="off", store_capacity="64M")
     try:
         with pytest.raises(ValueError, match="thresholds for 1 layers"):
-            kvsparse.hf.KvSparseCache(model.config, engine, prefill=sale.SalePrefill([[0.0] * 4]))
+            kvsparse.torch.hf.KvSparseCache(model.config, engine, prefill=sale.SalePrefill([[0.0] * 4]))
     finally:
         engine.close()

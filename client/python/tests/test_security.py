@@ -110,7 +110,7 @@ def test_mutual_tls(pki: dict[str, tuple[Path, Path]]) -> None:
 def test_cli_names_the_handshake_failure(pki: dict[str, tuple[Path, Path]]) -> None:
     # The CLI trusting another CA: it says why it could not connect (before: only "could not
     # connect ... within 2s", while the Python client showed the handshake error).
-    cli = Path(kvsparse.local_server.find_server_binary()).parent / "kvsparse"
+    cli = Path(kvsparse.grpc.local_server.find_server_binary()).parent / "kvsparse"
     if not cli.exists():
         pytest.skip("no kvsparse CLI beside the server binary")
     first = kvsparse.Credentials(ca=str(pki["ca1"][0]))
@@ -247,7 +247,7 @@ def test_tenants_see_only_their_sequences(tmp_path: Path) -> None:
 
 
 def test_refuses_clear_text_beyond_loopback(tmp_path: Path) -> None:
-    binary = kvsparse.local_server.find_server_binary()
+    binary = kvsparse.grpc.local_server.find_server_binary()
     run = subprocess.run([binary, "--listen=0.0.0.0:0", "--metrics_listen=", "--gpu=off"],
                          capture_output=True, text=True, timeout=30)
     assert run.returncode != 0

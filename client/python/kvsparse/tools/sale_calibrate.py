@@ -1,74 +1,33 @@
-"""SALE prefill for Hugging Face models (../shared/seeds, SALE; kernels/sale.h): the prompt's
-attention computed over the blocks that low-bit estimates mark as important, one threshold per
-layer and query head, calibrated offline by the paper's halving search.
+"""``kvsparse-sale-calibrate``: SALE's per-layer, per-head thresholds for a Hugging Face causal LM
+(the SALE paper's halving search), written as a file ``kvsparse.torch.sale.SalePrefill.load``
+reads (needs the ``tools`` extra: torch and transformers).
 
-    kvsparse-sale-calibrate --model DIR --random_tokens 4096 --samples 4 --theta 0.4 --out sale.json
-
-    prefill = kvsparse.sale.SalePrefill.load("sale.json")
-    with kvsparse.hf.KvSparseCache(model.config, engine, method=..., prefill=prefill) as cache:
-        model.generate(ids, past_key_values=cache, ...)
+    kvsparse-sale-calibrate --model DIR --random_tokens --tokens 4096 --samples 4 --theta 0.4 --out sale.json
 
 The calibration runs the model over sample prompts, records each layer's post-RoPE q, k and v,
 and per layer halves every head's threshold from tau0 until the head's L1 error against dense
 attention, ``||O - O~||_1 / n``, is at most theta on every sample (``kernels::SaleCalibrate``
-through the op). The file is JSON: the block geometry, theta, tau0 and ``thresholds[layer][head]``
-with the error and share of blocks skipped at each.
-
-SALE is off by default (a cache without ``prefill`` prefills through SDPA). Today the op runs
-SALE's CPU reference only: a model on a CUDA device gets the op's ``Unimplemented`` until the
-kernels of issue 31 land.
+through the op).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
-from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from kvsparse._extras import needs
 
-with needs("kvsparse.sale", "hf", "torch", "transformers"):
+with needs("kvsparse.tools.sale_calibrate", "tools", "torch", "transformers"):
     import torch
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from kvsparse import ops
-from kvsparse.ops import SaleParams
-
-FORMAT = "kvsparse-sale-thresholds/1"
-
-
-@dataclass(frozen=True)
-class SalePrefill:
-    """SALE's thresholds for a model: ``thresholds[layer][query head]`` in [0, 1) (0: that
-    head's prompt attention is dense), with the block geometry they were calibrated for."""
-
-    thresholds: list[list[float]]
-    params: SaleParams = SaleParams()
-    theta: float | None = None  # the L1 bound of the calibration, for the record
-    report: dict[str, Any] = field(default_factory=dict)  # per layer: error, skipped, halvings
-
-    def layer(self, i: int) -> list[float]:
-        return self.thresholds[i]
-
-    def save(self, path: str | pathlib.Path) -> None:
-        doc = {"format": FORMAT, "params": asdict(self.params), "theta": self.theta,
-               "thresholds": self.thresholds, "report": self.report}
-        pathlib.Path(path).write_text(json.dumps(doc, indent=1) + "\n")
-
-    @classmethod
-    def load(cls, path: str | pathlib.Path) -> "SalePrefill":
-        doc = json.loads(pathlib.Path(path).read_text())
-        if doc.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a SALE thresholds file (format {doc.get('format')!r}, want {FORMAT!r})")
-        thresholds = [[float(t) for t in row] for row in doc["thresholds"]]
-        if any(not 0.0 <= t < 1.0 for row in thresholds for t in row):
-            raise ValueError(f"{path}: thresholds must be in [0, 1)")
-        return cls(thresholds, SaleParams(**doc["params"]), doc.get("theta"), doc.get("report", {}))
+from kvsparse.torch import ops
+from kvsparse.torch.ops import SaleParams
+from kvsparse.torch.sale import SalePrefill
 
 
 # ---- Recording each layer's prompt attention inputs ------------------------------------------
@@ -138,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="kvsparse-sale-calibrate",
         description="Per-layer, per-head SALE thresholds for a Hugging Face causal LM (the halving "
-                    "search of the SALE paper), written as a file kvsparse.sale.SalePrefill.load reads.",
+                    "search of the SALE paper), written as a file kvsparse.torch.sale.SalePrefill.load reads.",
     )
     ap.add_argument("--model", required=True, help="a transformers model directory (or hub id in the cache)")
     src = ap.add_mutually_exclusive_group(required=True)

@@ -1,9 +1,9 @@
 """Hugging Face transformers integration: ``model.generate`` with its KV cache in kvsparse.
 
-    import kvsparse.hf
+    import kvsparse.torch.hf
     model = AutoModelForCausalLM.from_pretrained(...)        # a Llama-architecture model
-    kvsparse.hf.enable(model)                                 # attn_implementation="kvsparse"
-    with kvsparse.hf.KvSparseCache(model.config, target="127.0.0.1:50051",
+    kvsparse.torch.hf.enable(model)                                 # attn_implementation="kvsparse"
+    with kvsparse.torch.hf.KvSparseCache(model.config, target="127.0.0.1:50051",
                                    method=kvsparse.HashTopK(top_k_fraction=0.02)) as cache:
         out = model.generate(input_ids, attention_mask=mask, past_key_values=cache,
                              max_new_tokens=64, do_sample=False)
@@ -22,12 +22,12 @@ How it works:
 - The sequences are dropped from the store when the cache is closed or garbage-collected.
 
 ``target`` is the transport: a server address or ``Client`` (gRPC), or a
-``kvsparse.ops.InProcessEngine`` (the engine in this process: on a CUDA device q and the output
+``kvsparse.torch.ops.InProcessEngine`` (the engine in this process: on a CUDA device q and the output
 stay on the GPU, on the caller's stream). Beam search and cache cropping (assisted decoding) are
 not supported.
 
 Compiled decoding (``max_tokens``, in-process engine only): once every layer holds the prompt,
-the cache plans its decode steps (``kvsparse.ops.DecodeSteps``: the store reserves each row's
+the cache plans its decode steps (``kvsparse.torch.ops.DecodeSteps``: the store reserves each row's
 pages up to ``max_tokens``) and the decode steps become traceable: the cache's ``update`` only
 counts the step in a device tensor, and the attention function calls the planned op with the
 row positions the model already has (``position_ids``), so a whole step compiles into one graph
@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 from kvsparse._extras import needs
 
-with needs("kvsparse.hf", "hf", "torch", "transformers"):
+with needs("kvsparse.torch.hf", "hf", "torch", "transformers"):
     import torch
     from transformers import AttentionInterface
     from transformers.cache_utils import Cache, CacheLayerMixin
@@ -58,12 +58,12 @@ with needs("kvsparse.hf", "hf", "torch", "transformers"):
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvsparse.methods import Dense, Method, ModelShape, Placement, placement_for
-from kvsparse.transport import Transport, make_transport, step_seed
+from kvsparse.torch.transport import Transport, make_transport, step_seed
 
 if TYPE_CHECKING:
-    from kvsparse.client import Client
-    from kvsparse.ops import DecodeSteps, InProcessEngine
-    from kvsparse.sale import SalePrefill
+    from kvsparse.grpc.client import Client
+    from kvsparse.torch.ops import DecodeSteps, InProcessEngine
+    from kvsparse.torch.sale import SalePrefill
 
 ATTN_IMPLEMENTATION = "kvsparse"
 
@@ -180,7 +180,7 @@ class KvSparseCache(Cache):
     Args:
         config: the model's config (layers, heads, head dim).
         target: kvsparse-server's address ("host:port"), a ``Client``, or a
-            ``kvsparse.ops.InProcessEngine``.
+            ``kvsparse.torch.ops.InProcessEngine``.
         method: the selection method of the decode steps (``kvsparse.Dense()``,
             ``HashTopK(...)``, ``Santa(...)``, ``VAttention(...)``).
         placement: what the worker keeps on its device per sequence; default: what the method
@@ -194,10 +194,10 @@ class KvSparseCache(Cache):
         max_tokens: plan the decode steps once the prompt is in (in-process engine only): each
             row's length stays at or below it; the decode steps compile without graph breaks and
             capture in CUDA graphs where the GPU backend can (see the module's text).
-        prefill: SALE's calibrated thresholds (``kvsparse.sale.SalePrefill``): the prompt's
+        prefill: SALE's calibrated thresholds (``kvsparse.torch.sale.SalePrefill``): the prompt's
             attention through SALE's block-sparse prefill instead of SDPA, for prompts without
             padding (a padded batch prefills through SDPA). Off by default; today the op runs
-            SALE's CPU reference only (kvsparse/sale.py).
+            SALE's CPU reference only (kernels/sale.h).
     """
 
     def __init__(
@@ -219,7 +219,7 @@ class KvSparseCache(Cache):
         self.num_q_heads = int(text.num_attention_heads)
         self.num_kv_heads = int(getattr(text, "num_key_value_heads", None) or self.num_q_heads)
         self.head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // self.num_q_heads)
-        from kvsparse.ops import InProcessEngine
+        from kvsparse.torch.ops import InProcessEngine
 
         if max_tokens is not None and not isinstance(target, InProcessEngine):
             raise ValueError("max_tokens (planned, compileable decode steps) needs an InProcessEngine target")
@@ -327,7 +327,7 @@ class KvSparseCache(Cache):
         if pending is not None:
             raise RuntimeError(
                 "layer %d's previous K/V never reached kvsparse: the model must run with "
-                'attn_implementation="kvsparse" (kvsparse.hf.enable(model))' % layer_idx
+                'attn_implementation="kvsparse" (kvsparse.torch.hf.enable(model))' % layer_idx
             )
         prefill = layer.length == 0 or key.shape[-2] > 1
         if prefill and layer.length > 0:
@@ -399,7 +399,7 @@ class KvSparseCache(Cache):
     def _sale_prefill(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       scaling: float | None) -> torch.Tensor:
         """The prompt's attention through SALE, row by row: [B, n, H, d] as SDPA's forward returns."""
-        from kvsparse import ops
+        from kvsparse.torch import ops
 
         assert self.prefill is not None
         rows = []

@@ -7,7 +7,7 @@ CUDA tensors, ordered on the caller's current CUDA stream; the store is this pro
 host memory, whose rows the GPU reads in place. Without a device (or a method the GPU backend
 does not run) the same calls run on the CPU engine.
 
-    engine = kvsparse.ops.InProcessEngine(store_capacity="64G")
+    engine = kvsparse.torch.ops.InProcessEngine(store_capacity="64G")
     engine.create_sequence("s", kvsparse.ModelShape(32, 32, 8, 128, "bf16"),
                            kvsparse.Placement(signature_bits=32))
     engine.append("s", layer, k, v)                  # [tokens, Hkv, d] CUDA or CPU tensors
@@ -33,7 +33,7 @@ import grpc
 
 from kvsparse._extras import needs
 
-with needs("kvsparse.ops", "torch", "torch"):
+with needs("kvsparse.torch.ops", "torch", "torch"):
     import torch
 
 from kvsparse.errors import KvSparseError, from_code
@@ -62,7 +62,7 @@ def find_library() -> str:
     here = Path(__file__).resolve().parent / _LIB_NAME
     if here.exists():
         return str(here)
-    repo = Path(__file__).resolve().parents[3] / "build" / "lib" / _LIB_NAME
+    repo = Path(__file__).resolve().parents[4] / "build" / "lib" / _LIB_NAME
     if repo.exists():
         return str(repo)
     raise FileNotFoundError(
@@ -186,7 +186,7 @@ class InProcessEngine(_Closing):
         gpu_capacity: GPU memory for per-sequence state (signatures, resident rows, row caches).
         gpu_row_cache: HashAttention's row cache, rows per kv head as a fraction of the tokens.
         resident_capacity: the CPU engine's device-tier state.
-        hash_weights: a learned HashAttention weight file (``kvsparse.calibrate``): hash top-k and
+        hash_weights: a learned HashAttention weight file (``kvsparse.tools.calibrate``): hash top-k and
             vAttention's hash predictor then sign with its MLPs (``learned=True`` in the method),
             as kvsparse-server's ``--hash_weights``.
         saap_weights: SAAP partitions (``kvsparse-calibrate --saap_out``) for the ``Saap`` method,

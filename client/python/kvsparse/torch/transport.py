@@ -1,7 +1,7 @@
 """How a client of kvsparse reaches it for a model's decode steps: a ``kvsparse-server`` over gRPC
-(``GrpcTransport``) or the engine in this process (``InProcessTransport``, kvsparse.ops), behind
-one ``Transport`` interface that the Hugging Face cache (kvsparse.hf) and the vLLM plugin
-(kvsparse.vllm_plugin) share."""
+(``GrpcTransport``) or the engine in this process (``InProcessTransport``, kvsparse.torch.ops), behind
+one ``Transport`` interface that the Hugging Face cache (kvsparse.torch.hf) and the vLLM plugin
+(kvsparse.vllm.plugin) share."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import torch
 
-from kvsparse.client import Client, DecodeStream
+from kvsparse.grpc.client import Client, DecodeStream
 from kvsparse.methods import Method, ModelShape, Placement
 
 if TYPE_CHECKING:
-    from kvsparse.ops import InProcessEngine
+    from kvsparse.torch.ops import InProcessEngine
 
 
 @dataclass
@@ -102,7 +102,7 @@ class GrpcTransport:
 
 
 class InProcessTransport:
-    """The engine in this process (kvsparse.ops): CUDA q and output stay on the device."""
+    """The engine in this process (kvsparse.torch.ops): CUDA q and output stay on the device."""
 
     def __init__(self, engine: "InProcessEngine") -> None:
         self.engine = engine
@@ -142,7 +142,7 @@ class InProcessTransport:
 def make_transport(target: Any, timeout: float, stream: bool) -> Transport:
     if isinstance(target, (str, Client)):
         return GrpcTransport(target, timeout, stream)
-    from kvsparse.ops import InProcessEngine
+    from kvsparse.torch.ops import InProcessEngine
 
     if isinstance(target, InProcessEngine):
         return InProcessTransport(target)

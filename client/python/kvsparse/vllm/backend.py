@@ -1,4 +1,4 @@
-"""The attention backend of kvsparse's vLLM plugin (kvsparse.vllm_plugin says how it is enabled
+"""The attention backend of kvsparse's vLLM plugin (kvsparse.vllm.plugin says how it is enabled
 and what it does): vLLM's CPU attention backend whose decode rows are answered by kvsparse.
 Imported by vLLM (through the backend registry) in its worker process only."""
 
@@ -19,8 +19,8 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 
 from kvsparse.methods import ModelShape
-from kvsparse.transport import step_seed
-from kvsparse.vllm_plugin import BACKEND_NAME, ENV_SEED, WORKER, store_only
+from kvsparse.torch.transport import step_seed
+from kvsparse.vllm.plugin import BACKEND_NAME, ENV_SEED, WORKER, store_only
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 

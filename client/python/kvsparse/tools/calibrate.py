@@ -1,6 +1,6 @@
 """Calibration: learned HashAttention bit signatures for a model, from its own queries and keys.
 
-    python -m kvsparse.calibrate --model DIR --text a.txt b.txt --out hash.bin      # or
+    python -m kvsparse.tools.calibrate --model DIR --text a.txt b.txt --out hash.bin      # or
     kvsparse-calibrate --model DIR --text corpus/*.txt --out hash.bin --bits 32
     kvsparse-server --hash_weights hash.bin ...      # HashTopK(learned=True) / VAttention(learned=True)
 
@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence, cast
 
 from kvsparse._extras import needs
 
-with needs("kvsparse.calibrate", "hf", "torch", "transformers"):
+with needs("kvsparse.tools.calibrate", "tools", "torch", "transformers"):
     import torch
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward

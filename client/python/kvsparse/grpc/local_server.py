@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvsparse.client import Credentials, KvStoreClient
+from kvsparse.grpc.client import Credentials, KvStoreClient
 from kvsparse.errors import KvSparseError
 
 
@@ -27,7 +27,7 @@ def find_server_binary() -> str:
     on_path = shutil.which("kvsparse-server")
     if on_path:
         return on_path
-    repo = Path(__file__).resolve().parents[3]
+    repo = Path(__file__).resolve().parents[4]
     candidate = repo / "build" / "bin" / "kvsparse-server"
     if candidate.exists():
         return str(candidate)

@@ -14,7 +14,7 @@ A request may ask for another method: ``SamplingParams(extra_args={"kvsparse_met
 "hash_top_k:top_k_fraction=0.05"})`` (``vllm_xargs`` in the OpenAI API).
 
 How it works (vLLM 0.32, the V1 model runner):
-- The attention backend (kvsparse.vllm_backend) is vLLM's own CPU backend with its decode rows
+- The attention backend (kvsparse.vllm.backend) is vLLM's own CPU backend with its decode rows
   answered by kvsparse: each request of the batch has one kvsparse sequence (created the first
   time the request is scheduled, with the placement its method reads); a prefill chunk's K/V
   are appended to it in bulk and its attention is vLLM's; a decode row's query and new K/V go
@@ -65,7 +65,7 @@ def store_only() -> bool:
 # The SamplingParams.extra_args key of a request's own method.
 EXTRA_ARG = "kvsparse_method"
 BACKEND_NAME = "KVSPARSE"
-BACKEND_PATH = "kvsparse.vllm_backend.KvSparseBackend"
+BACKEND_PATH = "kvsparse.vllm.backend.KvSparseBackend"
 
 
 def enabled() -> bool:
@@ -145,13 +145,13 @@ class Worker:
 
     def transport(self) -> Any:
         if self._transport is None:
-            from kvsparse.transport import make_transport
+            from kvsparse.torch.transport import make_transport
 
             target = os.environ.get(ENV_TARGET, "")
             if not target:
                 raise RuntimeError(f"{ENV_TARGET} is not set: a kvsparse-server address, or 'inprocess'")
             if target == "inprocess":
-                from kvsparse.ops import InProcessEngine
+                from kvsparse.torch.ops import InProcessEngine
 
                 self._transport = make_transport(InProcessEngine(), timeout=60.0, stream=False)
             else:
