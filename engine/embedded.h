@@ -20,17 +20,13 @@ namespace kvsparse::engine {
 struct EmbeddedOptions {
   kvstore::StoreOptions store;  // store.memory is ignored: the embedded store owns its memory
   kvstore::HostMemoryOptions host;
-  EngineOptions engine;
-  GpuMode gpu = GpuMode::kAuto;  // of device gpu_device
-  int gpu_device = 0;
-  size_t gpu_capacity_bytes = 4ull << 30;  // GPU memory for per-sequence state
-  double gpu_row_cache = 0.04;             // GpuBackendOptions::row_cache_fraction
-  int gpu_stage_timing_every = 16;         // GpuBackendOptions::stage_timing_every
+  EngineOptions engine;  // engine.gpu: where it decodes
 };
 
 class Embedded {
  public:
   // INVALID_ARGUMENT for bad store options; FAILED_PRECONDITION for GpuMode::kOn without a device.
+  // Pages that cannot be pinned and mapped (kAuto) decode on the CPU engine.
   static absl::StatusOr<std::unique_ptr<Embedded>> Create(EmbeddedOptions options);
   Embedded(const Embedded&) = delete;
   Embedded& operator=(const Embedded&) = delete;

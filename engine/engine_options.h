@@ -1,7 +1,8 @@
-// The decode engine's options: the defaults a request may leave to the engine (resolved once per
-// call by the method's unit, MethodUnit::Resolve, before either backend sees the call) and the
-// bounds of one call's work. Set by the server's flags (server/main.cc), the embedded engine and
-// the in-process op.
+// The decode engine's options, the one struct every assembly of an engine takes (kvsparse-server's
+// flags in server/main.cc, engine::Embedded, the PyTorch op; engine/gpu_mode.h AssembleEngine):
+// the defaults a request may leave to the engine (resolved once per call by the method's unit,
+// MethodUnit::Resolve, before either backend sees the call), the bounds of one call's work, and
+// where it decodes (GpuOptions).
 #ifndef KVSPARSE_ENGINE_ENGINE_OPTIONS_H_
 #define KVSPARSE_ENGINE_ENGINE_OPTIONS_H_
 
@@ -11,6 +12,22 @@
 #include "engine/signatures.h"
 
 namespace kvsparse::engine {
+
+// kAuto: the GPU backend when the build has CUDA and the device is usable; kOn: fail without
+// it; kOff: the CPU engine.
+enum class GpuMode { kAuto, kOn, kOff };
+
+// The GPU backend's options (engine/cuda/gpu_backend.h GpuBackendOptions, filled from these by
+// BackendOptionsFor).
+struct GpuOptions {
+  GpuMode mode = GpuMode::kAuto;
+  int device = 0;                      // CUDA device ordinal
+  size_t capacity_bytes = 4ull << 30;  // GPU memory for per-sequence state
+  // Rows per kv head kept from the last step's selection, as a fraction of the tokens (0: none).
+  double row_cache = 0.04;
+  int stage_timing_every = 16;  // selection / gather / compute events on one call in this many
+  int fetch_parallelism = 8;    // helper threads reading rows from another process's store
+};
 
 struct EngineOptions {
   int32_t default_tile_size = 256;              // S2ANTA tile when a request gives 0
@@ -24,6 +41,7 @@ struct EngineOptions {
   // Most K+V bytes one Decode call may cover (its dense-equivalent bytes: what the CPU engine
   // may gather for it); more is RESOURCE_EXHAUSTED. 0: no bound.
   uint64_t max_call_bytes = 64ull << 30;
+  GpuOptions gpu;  // where the engine decodes
 };
 
 }  // namespace kvsparse::engine

@@ -39,6 +39,11 @@ GpuBackendOptions BackendOptionsFor(const EngineOptions& engine) {
   GpuBackendOptions go;
   go.max_fetch_bytes = engine.max_fetch_bytes;
   go.signatures = engine.signatures;
+  go.device = engine.gpu.device;
+  go.capacity_bytes = engine.gpu.capacity_bytes;
+  go.row_cache_fraction = engine.gpu.row_cache;
+  go.stage_timing_every = engine.gpu.stage_timing_every;
+  go.fetch_parallelism = engine.gpu.fetch_parallelism;
   return go;
 }
 
@@ -57,6 +62,16 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> NewBackend(GpuMode mode,
   if (cpu_reason != nullptr) *cpu_reason = "this build has no CUDA";
   return nullptr;
 #endif
+}
+
+absl::StatusOr<AssembledEngine> AssembleEngine(const EngineOptions& options, RowSource* source) {
+  AssembledEngine a;
+  absl::StatusOr<std::unique_ptr<DecodeBackend>> backend =
+      NewBackend(options.gpu.mode, BackendOptionsFor(options), source, &a.cpu_reason);
+  if (!backend.ok()) return backend.status();
+  if (*backend != nullptr) a.device = options.gpu.device;
+  a.engine = std::make_unique<DecodeEngine>(options, source, std::move(*backend));
+  return a;
 }
 
 }  // namespace kvsparse::engine

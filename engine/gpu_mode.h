@@ -1,6 +1,7 @@
 // Where an engine decodes and what its store's memory must be for that, decided in one place for
-// every assembly of store and engine (kvsparse-server's main and Server, engine::Embedded): the
-// GPU backend when the build has CUDA and the device is there, the CPU engine otherwise.
+// every assembly of store and engine (kvsparse-server's main and Server, engine::Embedded, the
+// PyTorch op): the GPU backend when the build has CUDA and the device is there, the CPU engine
+// otherwise. AssembleEngine is the one assembly of an engine over a row source.
 #ifndef KVSPARSE_ENGINE_GPU_MODE_H_
 #define KVSPARSE_ENGINE_GPU_MODE_H_
 
@@ -16,10 +17,6 @@
 
 namespace kvsparse::engine {
 
-// kAuto: the GPU backend when the build has CUDA and the device is usable; kOn: fail without
-// it; kOff: the CPU engine.
-enum class GpuMode { kAuto, kOn, kOff };
-
 // "auto", "on" or "off"; INVALID_ARGUMENT otherwise.
 absl::StatusOr<GpuMode> ParseGpuMode(absl::string_view name);
 
@@ -32,8 +29,8 @@ struct HostMemory {
 };
 absl::StatusOr<HostMemory> NewHostMemory(GpuMode mode, const kvstore::HostMemoryOptions& options);
 
-// The GPU backend options an engine's options imply (fetch size, tile, signatures); the caller
-// sets the device, capacity, row cache and timing.
+// The GPU backend options an engine's options imply (fetch size, signatures, and engine.gpu's
+// device, capacity, row cache, timing and fetch helpers).
 GpuBackendOptions BackendOptionsFor(const EngineOptions& engine);
 
 // The GPU backend over `source` for `mode`, or null for the CPU engine (kOff; kAuto without a
@@ -42,6 +39,15 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> NewBackend(GpuMode mode,
                                                           const GpuBackendOptions& options,
                                                           RowSource* source,
                                                           std::string* cpu_reason = nullptr);
+
+// An engine over `source` as `options` say: the GPU backend of options.gpu.mode
+// (BackendOptionsFor, NewBackend) or the CPU engine. REQUIRES: source outlives the engine.
+struct AssembledEngine {
+  std::unique_ptr<DecodeEngine> engine;
+  int device = -1;         // the GPU backend's device, -1 on the CPU engine
+  std::string cpu_reason;  // why kAuto decodes on the CPU (empty otherwise)
+};
+absl::StatusOr<AssembledEngine> AssembleEngine(const EngineOptions& options, RowSource* source);
 
 }  // namespace kvsparse::engine
 

@@ -260,7 +260,7 @@ absl::Status StoreFromFlags(srv::ServerOptions* o, Resources* r) {
   kv::HostMemoryOptions host;
   host.huge_pages = absl::GetFlag(FLAGS_huge_pages);
   absl::StatusOr<kvsparse::engine::HostMemory> memory =
-      kvsparse::engine::NewHostMemory(o->gpu, host);
+      kvsparse::engine::NewHostMemory(o->engine.gpu.mode, host);
   if (!memory.ok()) {
     return absl::FailedPreconditionError(
         absl::StrCat("--gpu=", absl::GetFlag(FLAGS_gpu), ": ", memory.status().ToString()));
@@ -285,15 +285,16 @@ absl::Status GpuFromFlags(srv::ServerOptions* o) {
   absl::StatusOr<kvsparse::engine::GpuMode> gpu =
       kvsparse::engine::ParseGpuMode(absl::GetFlag(FLAGS_gpu));
   if (!gpu.ok()) return Bad(absl::StrCat("--gpu: ", gpu.status().message()));
-  o->gpu = *gpu;
-  o->gpu_device = absl::GetFlag(FLAGS_gpu_device);
-  o->gpu_row_cache = absl::GetFlag(FLAGS_gpu_row_cache);
-  o->gpu_stage_timing_every = std::max(0, absl::GetFlag(FLAGS_gpu_stage_timing_every));
-  o->gpu_fetch_parallelism = absl::GetFlag(FLAGS_gpu_fetch_parallelism);
-  if (o->gpu_fetch_parallelism < 1 || o->gpu_fetch_parallelism > 64) {
+  kvsparse::engine::GpuOptions& g = o->engine.gpu;
+  g.mode = *gpu;
+  g.device = absl::GetFlag(FLAGS_gpu_device);
+  g.row_cache = absl::GetFlag(FLAGS_gpu_row_cache);
+  g.stage_timing_every = std::max(0, absl::GetFlag(FLAGS_gpu_stage_timing_every));
+  g.fetch_parallelism = absl::GetFlag(FLAGS_gpu_fetch_parallelism);
+  if (g.fetch_parallelism < 1 || g.fetch_parallelism > 64) {
     return Bad("--gpu_fetch_parallelism must be in [1, 64]");
   }
-  if (!(o->gpu_row_cache >= 0.0 && o->gpu_row_cache <= 1.0)) {
+  if (!(g.row_cache >= 0.0 && g.row_cache <= 1.0)) {
     return Bad("--gpu_row_cache must be a fraction in [0, 1]");
   }
   return absl::OkStatus();
@@ -302,7 +303,10 @@ absl::Status GpuFromFlags(srv::ServerOptions* o) {
 // The engine's limits, defaults and signature keys (SimHash, or learned or SAAP weights).
 absl::Status EngineFromFlags(srv::ServerOptions* o) {
   o->engine.max_call_bytes = absl::GetFlag(FLAGS_max_decode_bytes).bytes;
+  // One bound for the device-tier state on either backend: the CPU engine's resident cache, or
+  // the GPU backend's memory.
   o->engine.resident_capacity_bytes = absl::GetFlag(FLAGS_resident_capacity).bytes;
+  o->engine.gpu.capacity_bytes = o->engine.resident_capacity_bytes;
   o->engine.max_call_sequences = absl::GetFlag(FLAGS_max_call_sequences);
   o->engine.default_tile_size = static_cast<int32_t>(absl::GetFlag(FLAGS_default_tile_size));
   o->engine.signatures.simhash_seed = absl::GetFlag(FLAGS_signature_seed);

@@ -265,21 +265,13 @@ absl::Status Server::StartEngine() {
     if (!remote.ok()) return remote.status();
     row_source_ = *std::move(remote);
   }
-  engine::GpuBackendOptions go = engine::BackendOptionsFor(options_.engine);
-  go.device = options_.gpu_device;
-  go.capacity_bytes = options_.engine.resident_capacity_bytes;
-  go.row_cache_fraction = options_.gpu_row_cache;
-  go.stage_timing_every = options_.gpu_stage_timing_every;
-  go.fetch_parallelism = options_.gpu_fetch_parallelism;
-  std::string cpu_reason;
-  absl::StatusOr<std::unique_ptr<engine::DecodeBackend>> backend =
-      engine::NewBackend(options_.gpu, go, row_source_.get(), &cpu_reason);
-  if (!backend.ok()) return backend.status();
-  if (!cpu_reason.empty()) {
-    KVSPARSE_LOG(Info) << "decoding on the CPU: " << cpu_reason;
+  absl::StatusOr<engine::AssembledEngine> assembled =
+      engine::AssembleEngine(options_.engine, row_source_.get());
+  if (!assembled.ok()) return assembled.status();
+  if (!assembled->cpu_reason.empty()) {
+    KVSPARSE_LOG(Info) << "decoding on the CPU: " << assembled->cpu_reason;
   }
-  engine_ = std::make_unique<engine::DecodeEngine>(options_.engine, row_source_.get(),
-                                                   std::move(*backend));
+  engine_ = std::move(assembled->engine);
   metrics_->AddCollectable(NewResidentCollector(engine_.get()));
   if (kvstore_service_ != nullptr) {  // one process: a drop frees the engine's state too
     engine::DecodeEngine* e = engine_.get();

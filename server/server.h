@@ -95,17 +95,10 @@ struct ServerOptions {
   // UCX transports of both sides (UCX_TLS syntax, e.g. "tcp" or "sm"); empty: UCX's choice.
   std::string data_plane_transports;
   kvstore::StoreOptions store;
+  // The decode engine's options, where it decodes among them (engine.gpu: in builds with CUDA,
+  // kAuto uses the GPU backend when a CUDA device is present, kOn refuses to start without one,
+  // kOff never uses it).
   engine::EngineOptions engine;
-  // The decode engine's GPU backend (engine/cuda/gpu_backend.h), in builds with CUDA: kAuto uses it
-  // when a CUDA device is present, kOn refuses to start without one, kOff never uses it.
-  using Gpu = engine::GpuMode;
-  Gpu gpu = Gpu::kAuto;
-  int gpu_device = 0;
-  // HashAttention on the GPU keeps up to this fraction of each (sequence, layer)'s tokens, per kv
-  // head, of the rows it selected at the last step (engine::GpuBackendOptions::row_cache_fraction).
-  double gpu_row_cache = 0.04;
-  int gpu_stage_timing_every = 16;  // engine::GpuBackendOptions::stage_timing_every
-  int gpu_fetch_parallelism = 8;    // engine::GpuBackendOptions::fetch_parallelism
   // The store's memory (store.memory) is pinned and CUDA-mapped
   // (kvstore::NewPinnedHostMemoryResource): the GPU reads host rows in place.
   bool store_pages_mapped = false;

@@ -157,7 +157,7 @@ int main(int argc, char** argv) {
   so.listen = "127.0.0.1:0";
   so.metrics_listen = "127.0.0.1:0";
   so.store.capacity_bytes = 4ull << 30;
-  so.gpu = kvsparse::server::ServerOptions::Gpu::kOff;
+  so.engine.gpu.mode = kvsparse::engine::GpuMode::kOff;
   std::unique_ptr<kvsparse::kvstore::MemoryResource> memory;
 #if KVSPARSE_WITH_CUDA
   if (absl::GetFlag(FLAGS_gpu)) {
@@ -169,7 +169,7 @@ int main(int argc, char** argv) {
     memory = std::move(*pinned);
     so.store.memory = memory.get();
     so.store_pages_mapped = true;
-    so.gpu = kvsparse::server::ServerOptions::Gpu::kOn;
+    so.engine.gpu.mode = kvsparse::engine::GpuMode::kOn;
   }
 #endif
   auto server = kvsparse::server::Server::Start(so);

@@ -210,7 +210,7 @@ extern "C" int LLVMFuzzerInitialize(int* argc, char*** argv) {
   o.store.capacity_bytes = 64ull << 20;
   o.store.policy = kvsparse::kvstore::CapacityPolicy::kEvictLru;
   o.max_message_bytes = 16 << 20;
-  o.gpu = kvsparse::server::ServerOptions::Gpu::kOff;
+  o.engine.gpu.mode = kvsparse::engine::GpuMode::kOff;
   o.default_deadline = absl::Seconds(20);
   // The store's pages in an arena file (so GetPageTable has tables to give), unlinked at once:
   // the mapping keeps it, and nothing is left behind.

@@ -51,8 +51,6 @@ class LocalEngine final : public OpEngine {
 class RemoteStoreEngine final : public OpEngine {
  public:
   static absl::StatusOr<std::unique_ptr<OpEngine>> Create(const std::string& target,
-                                                          en::GpuMode mode,
-                                                          const en::GpuBackendOptions& go,
                                                           const en::EngineOptions& eo) {
     std::unique_ptr<RemoteStoreEngine> r(new RemoteStoreEngine());
     client::ClientOptions co;
@@ -66,11 +64,10 @@ class RemoteStoreEngine final : public OpEngine {
     args.SetMaxSendMessageSize(co.max_message_bytes);
     r->source_ = rpc::NewRemoteRowSource(
         grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
-    absl::StatusOr<std::unique_ptr<en::DecodeBackend>> backend =
-        en::NewBackend(mode, go, r->source_.get());
-    if (!backend.ok()) return backend.status();
-    if (*backend != nullptr) r->device_ = go.device;
-    r->engine_ = std::make_unique<en::DecodeEngine>(eo, r->source_.get(), std::move(*backend));
+    absl::StatusOr<en::AssembledEngine> a = en::AssembleEngine(eo, r->source_.get());
+    if (!a.ok()) return a.status();
+    r->engine_ = std::move(a->engine);
+    r->device_ = a->device;
     return std::unique_ptr<OpEngine>(std::move(r));
   }
 
@@ -150,7 +147,7 @@ absl::StatusOr<engine::Method> MethodFromWire(const std::string& base64) {
   v1::Method m;
   if (!absl::Base64Unescape(base64, &bytes) || !m.ParseFromString(bytes)) {
     return absl::InvalidArgumentError(
-        "method: not a base64 serialized kvsparse.v1.Method (kvsparse.ops.method_wire)");
+        "method: not a base64 serialized kvsparse.v1.Method (kvsparse.torch.ops.method_wire)");
   }
   return rpc::FromProto(m);
 }
@@ -163,12 +160,7 @@ absl::StatusOr<std::unique_ptr<OpEngine>> NewLocalOpEngine(engine::EmbeddedOptio
 
 absl::StatusOr<std::unique_ptr<OpEngine>> NewRemoteOpEngine(
     const std::string& target, const engine::EmbeddedOptions& options) {
-  en::GpuBackendOptions go = en::BackendOptionsFor(options.engine);
-  go.device = options.gpu_device;
-  go.capacity_bytes = options.gpu_capacity_bytes;
-  go.row_cache_fraction = options.gpu_row_cache;
-  go.stage_timing_every = options.gpu_stage_timing_every;
-  return RemoteStoreEngine::Create(target, options.gpu, go, options.engine);
+  return RemoteStoreEngine::Create(target, options.engine);
 }
 
 }  // namespace kvsparse::torch_ops

@@ -41,7 +41,7 @@ class OpEngine {
 };
 
 // The engine's method from the op's method string: a serialized kvsparse.v1.Method, base64 (the
-// Python package's kvsparse.ops.method_wire), decoded and defaulted by the server's codec
+// Python package's kvsparse.torch.ops.method_wire), decoded and defaulted by the server's codec
 // (rpc::FromProto), so the op and the gRPC service read a method the same way. INVALID_ARGUMENT
 // for anything else, or for what the codec refuses (naming the field).
 absl::StatusOr<engine::Method> MethodFromWire(const std::string& base64);

@@ -3,12 +3,12 @@
 // the caller's current stream (q and the output never pass through host memory). The store is
 // the process's pinned host arena (engine/embedded.h), or a kvsparse-server store in another
 // process (engine_create's store_target: sequences through the C++ client, rows through the
-// store's Gather RPC, which the GPU backend stages for the kernels). Python's kvsparse.ops wraps
-// these ops (and registers their fake implementations for torch.compile).
+// store's Gather RPC, which the GPU backend stages for the kernels). Python's kvsparse.torch.ops
+// wraps these ops (and registers their fake implementations for torch.compile).
 //
 // Engines are named by an integer handle (kvsparse::engine_create), sequences by their ids.
-// Failures raise RuntimeError("kvsparse <CODE>: <message>"), which kvsparse.ops turns into the
-// kvsparse exception of that code.
+// Failures raise RuntimeError("kvsparse <CODE>: <message>"), which kvsparse.torch.ops turns into
+// the kvsparse exception of that code.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 #if __has_include(<ATen/cuda/CUDAContext.h>)
@@ -110,19 +110,19 @@ int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capac
   en::EmbeddedOptions o;
   absl::StatusOr<en::GpuMode> mode = en::ParseGpuMode(gpu);
   Check(mode.status());
-  o.gpu = *mode;
+  o.engine.gpu.mode = *mode;
   if (store_capacity <= 0 || gpu_capacity <= 0 || resident_capacity <= 0 || device < 0) {
     Invalid("capacities must be positive and the device non-negative");
   }
   if (!(gpu_row_cache >= 0.0 && gpu_row_cache <= 1.0)) Invalid("gpu_row_cache: a fraction");
-  o.gpu_device = static_cast<int>(device);
+  o.engine.gpu.device = static_cast<int>(device);
   o.store.capacity_bytes = static_cast<size_t>(store_capacity);
   absl::StatusOr<kv::CapacityPolicy> policy = kv::ParseCapacityPolicy(capacity_policy);
   Check(policy.status());
   o.store.policy = *policy;
   o.host.huge_pages = huge_pages;
-  o.gpu_capacity_bytes = static_cast<size_t>(gpu_capacity);
-  o.gpu_row_cache = gpu_row_cache;
+  o.engine.gpu.capacity_bytes = static_cast<size_t>(gpu_capacity);
+  o.engine.gpu.row_cache = gpu_row_cache;
   o.engine.resident_capacity_bytes = static_cast<size_t>(resident_capacity);
   if (!hash_weights.empty()) {
     absl::StatusOr<kernels::LearnedHashWeights> weights =
@@ -738,7 +738,7 @@ TORCH_LIBRARY(kvsparse, m) {
 }
 
 // The tensor ops by device, so that torch.compile sees them as opaque (their fake
-// implementations are registered in Python, kvsparse/ops.py).
+// implementations are registered in Python, kvsparse/torch/ops.py).
 TORCH_LIBRARY_IMPL(kvsparse, CPU, m) {
   m.impl("append", &Append);
   m.impl("decode", &Decode);
