@@ -17,6 +17,7 @@
 #include "kernels/score_topk.h"
 #include "kernels/synthetic.h"
 #include "kvstore/store.h"
+#include "kvstore/synthetic_store.h"
 
 namespace kvsparse::engine {
 namespace {
@@ -45,34 +46,8 @@ class EngineTest : public ::testing::Test {
   // Makes the synthetic problem and loads its sequences as "s0", "s1", ... with `placement`.
   void Load(kernels::SyntheticOptions o, const kvstore::Placement& placement) {
     prob_ = kernels::SyntheticProblem::Make(o);
-    const kernels::DecodeProblem& p = prob_.problem;
-    shape_ = {kLayers, static_cast<uint32_t>(p.num_q_heads), static_cast<uint32_t>(p.num_kv_heads),
-              static_cast<uint32_t>(p.head_dim), p.dtype};
-    const size_t es = kernels::DTypeSize(p.dtype);
-    for (int32_t b = 0; b < p.batch; ++b) {
-      const std::string id = "s" + std::to_string(b);
-      ASSERT_TRUE(store_->CreateSequence(id, shape_, placement).ok());
-      const size_t n = prob_.seq_lens[b];
-      // Layout [B, n_max, Hkv, d]: sequence b's rows are token-major already.
-      const size_t bytes = n * p.num_kv_heads * p.head_dim * es;
-      std::vector<uint8_t> k(kLayers * bytes), v(kLayers * bytes);
-      for (uint32_t l = 0; l < kLayers; ++l) {
-        std::memcpy(k.data() + l * bytes, prob_.k.data() + b * p.kv_layout.batch_stride * es,
-                    bytes);
-        std::memcpy(v.data() + l * bytes, prob_.v.data() + b * p.kv_layout.batch_stride * es,
-                    bytes);
-      }
-      kvstore::AppendRequest r;
-      r.sequence_id = id;
-      r.num_layers = kLayers;
-      r.num_tokens = n;
-      r.dtype = p.dtype;
-      r.num_kv_heads = p.num_kv_heads;
-      r.head_dim = p.head_dim;
-      r.k = k;
-      r.v = v;
-      ASSERT_TRUE(store_->Append(r).ok());
-    }
+    shape_ = kvstore::ShapeOf(prob_, kLayers);
+    ASSERT_TRUE(kvstore::LoadSynthetic(*store_, prob_, placement, kLayers).ok());
   }
 
   DecodeCall Call(const Method& m, uint64_t seed = 99) {
@@ -924,31 +899,10 @@ TEST(EngineConcurrencyTest, ConcurrentDecodesWithEvictions) {
   auto source = NewLocalRowSource(store->get());
   kernels::SyntheticOptions o = Options(3, {600, 800, 1000});
   auto prob = kernels::SyntheticProblem::Make(o);
-  const auto& p = prob.problem;
-  const kvstore::ModelShape shape{kLayers, 8, 2, 64, DType::kBf16};
   kvstore::Placement place;
   place.k_tier = kvstore::Tier::kDevice;
   place.signature_bits = 32;
-  for (int32_t b = 0; b < 3; ++b) {
-    const std::string id = "s" + std::to_string(b);
-    ASSERT_TRUE((*store)->CreateSequence(id, shape, place).ok());
-    const size_t bytes = static_cast<size_t>(prob.seq_lens[b]) * 2 * 64 * 2;
-    std::vector<uint8_t> k(kLayers * bytes), v(kLayers * bytes);
-    for (uint32_t l = 0; l < kLayers; ++l) {
-      std::memcpy(k.data() + l * bytes, prob.k.data() + b * p.kv_layout.batch_stride * 2, bytes);
-      std::memcpy(v.data() + l * bytes, prob.v.data() + b * p.kv_layout.batch_stride * 2, bytes);
-    }
-    kvstore::AppendRequest r;
-    r.sequence_id = id;
-    r.num_layers = kLayers;
-    r.num_tokens = prob.seq_lens[b];
-    r.dtype = DType::kBf16;
-    r.num_kv_heads = 2;
-    r.head_dim = 64;
-    r.k = k;
-    r.v = v;
-    ASSERT_TRUE((*store)->Append(r).ok());
-  }
+  ASSERT_TRUE(kvstore::LoadSynthetic(**store, prob, place, kLayers).ok());
   std::vector<Method> methods(3);
   methods[0].kind = MethodKind::kSanta;
   methods[0].santa.samples = 64;

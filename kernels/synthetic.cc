@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <numeric>
 #include <random>
@@ -89,6 +90,17 @@ void Bind(SyntheticProblem* sp, int32_t batch, int32_t q_heads, int32_t kv_heads
 }
 
 }  // namespace
+
+std::vector<uint8_t> SyntheticProblem::LayerRows(const std::vector<uint8_t>& kv, int32_t b,
+                                                 uint32_t layers) const {
+  const size_t es = DTypeSize(problem.dtype);
+  const size_t bytes =
+      static_cast<size_t>(seq_lens[b]) * problem.num_kv_heads * problem.head_dim * es;
+  const uint8_t* first = kv.data() + b * problem.kv_layout.batch_stride * es;
+  std::vector<uint8_t> out(layers * bytes);
+  for (uint32_t l = 0; l < layers; ++l) std::memcpy(out.data() + l * bytes, first, bytes);
+  return out;
+}
 
 SyntheticProblem SyntheticProblem::Make(const SyntheticOptions& o) {
   SyntheticProblem sp;

@@ -61,6 +61,11 @@ struct SyntheticProblem {
   // Builds one. `out` is zeroed. problem.scale = 1/sqrt(d).
   static SyntheticProblem Make(const SyntheticOptions& options);
 
+  // Sequence b's rows of `kv` (k or v) repeated for `layers` layers: [layers, n_b, Hkv, d] in the
+  // problem's dtype, the layout a store's append takes (the tests load the same rows in every
+  // layer: kvstore/synthetic_store.h, and the integration tests through the KvStore API).
+  std::vector<uint8_t> LayerRows(const std::vector<uint8_t>& kv, int32_t b, uint32_t layers) const;
+
   SyntheticProblem() = default;
   SyntheticProblem(const SyntheticProblem&) = delete;
   SyntheticProblem& operator=(const SyntheticProblem&) = delete;

@@ -22,6 +22,7 @@
 #include "kernels/synthetic.h"
 #include "kvstore/cuda_host_memory.h"
 #include "kvstore/store.h"
+#include "kvstore/synthetic_store.h"
 
 namespace kvsparse::engine {
 namespace {
@@ -121,32 +122,8 @@ struct Rig {
 
   void Load(const kernels::SyntheticProblem& prob, const kvstore::Placement& placement,
             const std::string& prefix = "s") {
-    const kernels::DecodeProblem& p = prob.problem;
-    const kvstore::ModelShape shape{kLayers, static_cast<uint32_t>(p.num_q_heads),
-                                    static_cast<uint32_t>(p.num_kv_heads),
-                                    static_cast<uint32_t>(p.head_dim), p.dtype};
-    const size_t es = kernels::DTypeSize(p.dtype);
-    for (int32_t b = 0; b < p.batch; ++b) {
-      const std::string id = prefix + std::to_string(b);
-      ASSERT_TRUE(store->CreateSequence(id, shape, placement).ok());
-      const size_t n = prob.seq_lens[b];
-      const size_t bytes = n * p.num_kv_heads * p.head_dim * es;
-      std::vector<uint8_t> k(kLayers * bytes), v(kLayers * bytes);
-      for (uint32_t l = 0; l < kLayers; ++l) {
-        std::memcpy(k.data() + l * bytes, prob.k.data() + b * p.kv_layout.batch_stride * es, bytes);
-        std::memcpy(v.data() + l * bytes, prob.v.data() + b * p.kv_layout.batch_stride * es, bytes);
-      }
-      kvstore::AppendRequest r;
-      r.sequence_id = id;
-      r.num_layers = kLayers;
-      r.num_tokens = n;
-      r.dtype = p.dtype;
-      r.num_kv_heads = p.num_kv_heads;
-      r.head_dim = p.head_dim;
-      r.k = k;
-      r.v = v;
-      ASSERT_TRUE(store->Append(r).ok());
-    }
+    absl::Status s = kvstore::LoadSynthetic(*store, prob, placement, kLayers, prefix);
+    ASSERT_TRUE(s.ok()) << s;
   }
 };
 

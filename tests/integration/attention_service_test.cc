@@ -78,7 +78,6 @@ v1::DType ProtoDType(DType d) {
 void Load(absl::FunctionRef<client::KvStoreClient&(const std::string&)> store,
           const kernels::SyntheticProblem& prob, const v1::Placement& placement) {
   const kernels::DecodeProblem& p = prob.problem;
-  const size_t es = kernels::DTypeSize(p.dtype);
   for (int32_t b = 0; b < p.batch; ++b) {
     const std::string id = absl::StrCat("s", b);
     client::KvStoreClient& kv = store(id);
@@ -91,21 +90,17 @@ void Load(absl::FunctionRef<client::KvStoreClient&(const std::string&)> store,
     const auto created = kv.CreateSequence(id, shape, placement);
     ASSERT_TRUE(created.ok()) << id << ": " << created.status();
     const size_t n = prob.seq_lens[b];
-    const size_t bytes = n * p.num_kv_heads * p.head_dim * es;
     v1::AppendRequest r;
     r.set_sequence_id(id);
     r.set_num_layers(kLayers);
-    for (auto [t, src] :
-         {std::pair{r.mutable_k(), prob.k.data()}, {r.mutable_v(), prob.v.data()}}) {
+    for (auto [t, src] : {std::pair{r.mutable_k(), &prob.k}, {r.mutable_v(), &prob.v}}) {
       t->set_dtype(ProtoDType(p.dtype));
       for (int64_t d : {int64_t{kLayers}, static_cast<int64_t>(n), int64_t{p.num_kv_heads},
                         int64_t{p.head_dim}}) {
         t->add_shape(d);
       }
-      std::string* data = t->mutable_data();
-      for (uint32_t l = 0; l < kLayers; ++l) {
-        data->append(reinterpret_cast<const char*>(src + b * p.kv_layout.batch_stride * es), bytes);
-      }
+      const std::vector<uint8_t> rows = prob.LayerRows(*src, b, kLayers);
+      t->set_data(rows.data(), rows.size());
     }
     auto a = kv.Append(r);
     ASSERT_TRUE(a.ok()) << a.status();
