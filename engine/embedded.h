@@ -1,5 +1,5 @@
 // The store and the decode engine in one process, without any RPC: what an in-process user
-// (the PyTorch op, client/python/csrc/) holds. With a CUDA device (and a CUDA build) the store's
+// (the PyTorch op, op/) holds. With a CUDA device (and a CUDA build) the store's
 // pages are pinned and CUDA-mapped and the engine decodes on the GPU backend, which reads the
 // selected host rows in place; otherwise everything runs on the CPU engine.
 #ifndef KVSPARSE_ENGINE_EMBEDDED_H_

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Fails if a module includes a layer above it (docs/DESIGN.md, "Layers"):
-#   kernels < kvstore < engine < rpc < server, rpc < client; kernels knows nothing of gRPC,
+#   kernels < kvstore < engine < rpc < server, rpc < client < op (the PyTorch op, which nothing
+#   includes and which never includes the server); kernels knows nothing of gRPC,
 #   protobuf, the store or libtorch; kvstore knows nothing of gRPC, the engine or the server; the
 #   engine knows nothing of gRPC, protobuf, Prometheus or the server (an in-process user links it
 #   alone); rpc (what the server and the clients share) knows neither of them; the clients know
@@ -15,11 +16,12 @@ check() {  # dir, forbidden include regex
          --include='*.cuh' || true)
   if [ -n "$hits" ]; then echo "layering: $1 must not include $2:"; echo "$hits"; bad=1; fi
 }
-check kernels 'grpc|grpcpp|google/protobuf|kvsparse/v1|kvstore/|engine/|rpc/|server/|client/|torch|ATen|prometheus'
-check kvstore 'grpc|grpcpp|google/protobuf|kvsparse/v1|engine/|rpc/|server/|client/|prometheus'
-check engine  'grpc|grpcpp|google/protobuf|kvsparse/v1|rpc/|server/|client/|prometheus'
-check rpc     'server/|client/|prometheus'
-check server  'client/'
-check client  'server/'
+check kernels 'grpc|grpcpp|google/protobuf|kvsparse/v1|kvstore/|engine/|rpc/|server/|client/|op/|torch|ATen|prometheus'
+check kvstore 'grpc|grpcpp|google/protobuf|kvsparse/v1|engine/|rpc/|server/|client/|op/|prometheus'
+check engine  'grpc|grpcpp|google/protobuf|kvsparse/v1|rpc/|server/|client/|op/|prometheus'
+check rpc     'server/|client/|op/|prometheus'
+check server  'client/|op/'
+check client  'server/|op/'
+check op      'server/'
 [ $bad -eq 0 ] && echo "layering: OK"
 exit $bad

@@ -1,5 +1,5 @@
 """The decode engine in this process, over torch tensors: ``torch.ops.kvsparse.*`` (the
-libtorch extension ``libkvsparse_torch.so`` built from client/python/csrc) and ``InProcessEngine``,
+libtorch extension ``libkvsparse_torch.so`` built from the repository's op/) and ``InProcessEngine``,
 its Python face.
 
 On a CUDA device the engine decodes on the GPU backend: q and the output stay in the caller's

@@ -1,4 +1,4 @@
-#include "client/python/csrc/op_engine.h"
+#include "op/op_engine.h"
 
 #include <grpcpp/grpcpp.h>
 

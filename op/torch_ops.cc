@@ -27,7 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "client/python/csrc/op_engine.h"
+#include "op/op_engine.h"
 #include "engine/embedded.h"
 #include "kernels/dtype.h"
 #include "kernels/hash_signatures.h"

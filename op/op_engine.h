@@ -2,8 +2,8 @@
 // the store in this process (engine::Embedded) or a kvsparse-server store in another process.
 // Kept apart from torch_ops.cc: the remote store's gRPC and protobuf headers must not meet
 // torch's (it ships its own, older protobuf headers), so this header shows neither.
-#ifndef KVSPARSE_CLIENT_PYTHON_CSRC_OP_ENGINE_H_
-#define KVSPARSE_CLIENT_PYTHON_CSRC_OP_ENGINE_H_
+#ifndef KVSPARSE_OP_OP_ENGINE_H_
+#define KVSPARSE_OP_OP_ENGINE_H_
 
 #include <cstdint>
 #include <memory>
@@ -57,4 +57,4 @@ absl::StatusOr<std::unique_ptr<OpEngine>> NewRemoteOpEngine(const std::string& t
 
 }  // namespace kvsparse::torch_ops
 
-#endif  // KVSPARSE_CLIENT_PYTHON_CSRC_OP_ENGINE_H_
+#endif  // KVSPARSE_OP_OP_ENGINE_H_
