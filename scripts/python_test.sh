@@ -22,4 +22,5 @@ cmake --build "$build" -j "${JOBS:-$(nproc)}" --target kvsparse_torch
 "$venv/bin/python" -c "import sys, torch; torch.ops.load_library(sys.argv[1])" \
   "$PWD/$build/lib/libkvsparse_torch.so"
 KVSPARSE_SERVER="$PWD/$build/bin/kvsparse-server" KVSPARSE_TORCH_LIB="$PWD/$build/lib/libkvsparse_torch.so" \
-  "$venv/bin/python" -m pytest -q client/python/tests tests/quality tests/load tests/faults tests/scale "$@"
+  "$venv/bin/python" -m pytest -q client/python/tests tests/quality tests/load tests/faults tests/scale \
+  tests/bench "$@"

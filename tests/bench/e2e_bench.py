@@ -44,6 +44,11 @@ position, argmax as the next token. Printed per row: ms per step (median) and to
 step), GPU memory held for KV, bytes crossing per token from host memory.
 
     python3 tests/bench/e2e_bench.py --lens 32768 --batches 1 --variants resident,kvs-hash
+
+With --rounds N each (n, B) passes over its variants N times, every other pass in reverse order,
+and prints each pass's ratios against resident and compiled of the same pass: the GPU host's
+speed drifts between runs by more than the variants differ (docs/PERF.md), ratios within a
+pass cancel it, and the spread over the passes shows it.
 """
 
 from __future__ import annotations
@@ -100,6 +105,19 @@ class Row:
     fetched_fraction: float = 0.0  # of what dense attention over every row reads
     steps_ms: list[float] = field(default_factory=list)
     note: str = ""
+    round: int = 0  # --rounds: which pass over the variants measured it
+
+
+def pass_summary(n: int, batch: int, rnd: int, rows: list[Row]) -> str:
+    """One pass's tokens/s of each variant against resident's and compiled's in the same pass."""
+    tps = {r.variant: r.tokens_per_s for r in rows if r.tokens_per_s}
+    parts = []
+    for r in rows:
+        if not r.tokens_per_s:
+            continue
+        rel = [f"{r.tokens_per_s / tps[b]:.2f}x {b}" for b in ("resident", "compiled") if b in tps and b != r.variant]
+        parts.append(f"{r.variant} {r.ms_per_step:.1f} ms" + (f" ({', '.join(rel)})" if rel else ""))
+    return f"<!-- pass {rnd + 1}, n={n} B={batch}: " + "; ".join(parts) + " -->"
 
 
 def log(*a: Any) -> None:
@@ -348,6 +366,10 @@ def main() -> None:
     p.add_argument("--gpu_row_cache", type=float, default=0.04,
                    help="the in-process engine's row cache (hash, ckeys*): rows per kv head as a fraction of the tokens")
     p.add_argument("--skip", default="", help="n:B:variant,... combinations to leave out")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="pass over each (n, B)'s variants this many times, every other pass in reverse order; "
+                        "after each pass its tokens/s against resident's and compiled's of the same pass (the "
+                        "spread between passes is the host's drift, which ratios within a pass cancel)")
     p.add_argument("--json", default="")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the harness")
     p.add_argument("--profile", default="", help="a kvsparse variant to profile (torch.profiler, 3 steps)")
@@ -409,42 +431,50 @@ def main() -> None:
     print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for n in (int(x) for x in args.lens.split(",")):
         for batch in (int(x) for x in args.batches.split(",")):
-            base = base_compiled = None
-            for variant in variants:
-                if f"{n}:{batch}:{variant}" in skip:
-                    continue
-                log(f"== n={n} B={batch} {variant}")
-                failed = None
-                try:
-                    if variant in ("resident", "compiled", "offloaded"):
-                        row = run_transformers(variant, model, n, batch, args)
-                    else:
-                        row = run_kvsparse(variant, model, n, batch, args, engines, server)
-                except (torch.cuda.OutOfMemoryError, RuntimeError, kvsparse.KvSparseError) as e:
-                    failed = f"failed: {type(e).__name__}: {str(e)[:160]}"
-                if failed is not None:
-                    # Outside the handler: the exception's frames (and the tensors they hold) are
-                    # gone, so the next variant finds the GPU memory free.
-                    row = Row(n, batch, variant, note=failed)
-                    gc.collect()
-                    if gpu:
-                        torch.cuda.empty_cache()
-                rows.append(row)
-                if variant == "resident" and row.tokens_per_s:
-                    base = row.tokens_per_s
-                if variant == "compiled" and row.tokens_per_s:
-                    base_compiled = row.tokens_per_s
-                rel = f"{row.tokens_per_s / base:.2f}" if base and row.tokens_per_s else ""
-                rel_c = f"{row.tokens_per_s / base_compiled:.2f}" if base_compiled and row.tokens_per_s else ""
-                print(
-                    f"| {n // 1024}k | {batch} | {variant} | {row.ms_per_step:.1f} | {row.tokens_per_s:.1f} | {rel} | "
-                    f"{rel_c} | "
-                    f"{row.kv_gpu_gb:.2f} | {row.host_mb_per_token:.1f} | {row.fetched_fraction:.3f} | {row.note} |",
-                    flush=True,
-                )
-                if args.json:  # after every row: a run cut short keeps what it measured
-                    with open(args.json, "w") as f:
-                        json.dump([asdict(r) for r in rows], f, indent=1)
+            for rnd in range(args.rounds):
+                base = base_compiled = None
+                order = variants if rnd % 2 == 0 else variants[::-1]
+                pass_rows: list[Row] = []
+                for variant in order:
+                    if f"{n}:{batch}:{variant}" in skip:
+                        continue
+                    of = f" (pass {rnd + 1} of {args.rounds})" if args.rounds > 1 else ""
+                    log(f"== n={n} B={batch} {variant}{of}")
+                    failed = None
+                    try:
+                        if variant in ("resident", "compiled", "offloaded"):
+                            row = run_transformers(variant, model, n, batch, args)
+                        else:
+                            row = run_kvsparse(variant, model, n, batch, args, engines, server)
+                    except (torch.cuda.OutOfMemoryError, RuntimeError, kvsparse.KvSparseError) as e:
+                        failed = f"failed: {type(e).__name__}: {str(e)[:160]}"
+                    if failed is not None:
+                        # Outside the handler: the exception's frames (and the tensors they hold) are
+                        # gone, so the next variant finds the GPU memory free.
+                        row = Row(n, batch, variant, note=failed)
+                        gc.collect()
+                        if gpu:
+                            torch.cuda.empty_cache()
+                    row.round = rnd
+                    rows.append(row)
+                    pass_rows.append(row)
+                    if variant == "resident" and row.tokens_per_s:
+                        base = row.tokens_per_s
+                    if variant == "compiled" and row.tokens_per_s:
+                        base_compiled = row.tokens_per_s
+                    rel = f"{row.tokens_per_s / base:.2f}" if base and row.tokens_per_s else ""
+                    rel_c = f"{row.tokens_per_s / base_compiled:.2f}" if base_compiled and row.tokens_per_s else ""
+                    print(
+                        f"| {n // 1024}k | {batch} | {variant} | {row.ms_per_step:.1f} | {row.tokens_per_s:.1f} | {rel} | "
+                        f"{rel_c} | "
+                        f"{row.kv_gpu_gb:.2f} | {row.host_mb_per_token:.1f} | {row.fetched_fraction:.3f} | {row.note} |",
+                        flush=True,
+                    )
+                    if args.json:  # after every row: a run cut short keeps what it measured
+                        with open(args.json, "w") as f:
+                            json.dump([asdict(r) for r in rows], f, indent=1)
+                if args.rounds > 1:
+                    print(pass_summary(n, batch, rnd, pass_rows), flush=True)
     for e in engines.values():
         e.close()
     for srv in {id(s): s for s in server.values()}.values():  # "store" and "split-store" are one
