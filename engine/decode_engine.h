@@ -82,7 +82,8 @@ class DecodeEngine {
   // INVALID_ARGUMENT (shapes, dtypes, method parameters), NOT_FOUND (unknown sequence),
   // FAILED_PRECONDITION (method needs what the placement does not keep, e.g. hash top-k without
   // signatures), RESOURCE_EXHAUSTED (store or device tier full), DEADLINE_EXCEEDED; errors of the
-  // row source pass through. Thread-safe; calls on one sequence serialise per layer.
+  // row source pass through. Thread-safe; calls on one sequence serialise per layer. What the
+  // method leaves to the engine (MethodUnit::Resolve: S2ANTA's tile size 0) is filled first.
   absl::StatusOr<DecodeResult> Decode(const DecodeCall& call);
 
   // Plans a captured step (engine/static_step.h) on the GPU backend. FAILED_PRECONDITION: no
