@@ -77,6 +77,18 @@ class EngineTest : public ::testing::Test {
     return p;
   }
 
+  // The engine's result for every sequence equals SANTA's CPU reference with `params` (the
+  // call's seed 99).
+  void ExpectSantaReference(const DecodeResult& got, const kernels::SantaParams& params) {
+    for (int32_t b = 0; b < prob_.problem.batch; ++b) {
+      std::vector<uint8_t> out;
+      kernels::DecodeProblem p = One(b, &out);
+      kernels::RowSelection sel;
+      ASSERT_TRUE(kernels::SantaDecodeCpu(p, params, kernels::SequenceSeed(99, b), &sel).ok());
+      ExpectSame(got, b, sel, out);
+    }
+  }
+
   // The engine's result for sequence b equals the reference's: rows and output bytes.
   void ExpectSame(const DecodeResult& got, int32_t b, const kernels::RowSelection& want_sel,
                   const std::vector<uint8_t>& want_out) {
@@ -170,13 +182,7 @@ TEST_F(EngineTest, SantaSelectsWhatTheReferenceSelectsAndFetchesOnlyV) {
     m.santa.tile_size = 128;
     auto r = engine_->Decode(Call(m));
     ASSERT_TRUE(r.ok()) << r.status();
-    for (int32_t b = 0; b < 2; ++b) {
-      std::vector<uint8_t> out;
-      kernels::DecodeProblem p = One(b, &out);
-      kernels::RowSelection sel;
-      ASSERT_TRUE(kernels::SantaDecodeCpu(p, m.santa, kernels::SequenceSeed(99, b), &sel).ok());
-      ExpectSame(*r, b, sel, out);
-    }
+    ExpectSantaReference(*r, m.santa);
     const size_t row = shape_.row_bytes();
     for (const HeadStats& hs : r->heads) {
       // Only the sampled V rows cross from the host; K is read where it lives (device).
@@ -227,13 +233,7 @@ TEST_F(EngineTest, SantaTileSizeZeroIsTheEnginesDefaultOnBothBackends) {
   EXPECT_EQ(seen[0].santa.tile_size, 128);
   Method want = m;
   want.santa.tile_size = 128;
-  for (int32_t b = 0; b < 2; ++b) {
-    std::vector<uint8_t> out;
-    kernels::DecodeProblem p = One(b, &out);
-    kernels::RowSelection sel;
-    ASSERT_TRUE(kernels::SantaDecodeCpu(p, want.santa, kernels::SequenceSeed(99, b), &sel).ok());
-    ExpectSame(*r, b, sel, out);
-  }
+  ExpectSantaReference(*r, want.santa);
   // A tile size the request gives is left as it is.
   m.santa.tile_size = 64;
   ASSERT_TRUE(engine.Decode(Call(m)).ok());

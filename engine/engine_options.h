@@ -18,7 +18,7 @@ namespace kvsparse::engine {
 enum class GpuMode { kAuto, kOn, kOff };
 
 // The GPU backend's options (engine/cuda/gpu_backend.h GpuBackendOptions, filled from these by
-// BackendOptionsFor).
+// AssembleEngine, engine/gpu_mode.h).
 struct GpuOptions {
   GpuMode mode = GpuMode::kAuto;
   int device = 0;                      // CUDA device ordinal

@@ -35,6 +35,9 @@ absl::StatusOr<HostMemory> NewHostMemory(GpuMode mode, const kvstore::HostMemory
   return m;
 }
 
+namespace {
+
+// The GPU backend options the engine's options imply.
 GpuBackendOptions BackendOptionsFor(const EngineOptions& engine) {
   GpuBackendOptions go;
   go.max_fetch_bytes = engine.max_fetch_bytes;
@@ -47,6 +50,8 @@ GpuBackendOptions BackendOptionsFor(const EngineOptions& engine) {
   return go;
 }
 
+// The GPU backend over `source` for `mode`, or null for the CPU engine (the reason in
+// *cpu_reason). kOn: the error.
 absl::StatusOr<std::unique_ptr<DecodeBackend>> NewBackend(GpuMode mode,
                                                           const GpuBackendOptions& options,
                                                           RowSource* source,
@@ -63,6 +68,8 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> NewBackend(GpuMode mode,
   return nullptr;
 #endif
 }
+
+}  // namespace
 
 absl::StatusOr<AssembledEngine> AssembleEngine(const EngineOptions& options, RowSource* source) {
   AssembledEngine a;

@@ -29,19 +29,10 @@ struct HostMemory {
 };
 absl::StatusOr<HostMemory> NewHostMemory(GpuMode mode, const kvstore::HostMemoryOptions& options);
 
-// The GPU backend options an engine's options imply (fetch size, signatures, and engine.gpu's
-// device, capacity, row cache, timing and fetch helpers).
-GpuBackendOptions BackendOptionsFor(const EngineOptions& engine);
-
-// The GPU backend over `source` for `mode`, or null for the CPU engine (kOff; kAuto without a
-// usable device or build, with the reason in *cpu_reason when given). kOn: the error.
-absl::StatusOr<std::unique_ptr<DecodeBackend>> NewBackend(GpuMode mode,
-                                                          const GpuBackendOptions& options,
-                                                          RowSource* source,
-                                                          std::string* cpu_reason = nullptr);
-
-// An engine over `source` as `options` say: the GPU backend of options.gpu.mode
-// (BackendOptionsFor, NewBackend) or the CPU engine. REQUIRES: source outlives the engine.
+// An engine over `source` as `options` say: the GPU backend of options.gpu.mode (its options from
+// the engine's: fetch size, signatures, and options.gpu's device, capacity, row cache, timing
+// and fetch helpers), or the CPU engine (kOff; kAuto without a usable device or build, saying
+// why in cpu_reason). kOn without a device: the error. REQUIRES: source outlives the engine.
 struct AssembledEngine {
   std::unique_ptr<DecodeEngine> engine;
   int device = -1;         // the GPU backend's device, -1 on the CPU engine

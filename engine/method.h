@@ -17,7 +17,7 @@ enum class MethodKind { kDense, kSanta, kHashTopK, kVAttention, kSaap, kTopK };
 
 struct Method {
   MethodKind kind = MethodKind::kDense;
-  kernels::SantaParams santa;            // kSanta (tile_size 0: EngineOptions::default_tile_size, filled by MethodUnit::Resolve)
+  kernels::SantaParams santa;            // kSanta (tile_size 0: the engine's, MethodUnit::Resolve)
   kernels::HashTopKParams hash;          // kHashTopK (bits 0: the sequence's signature bits)
   kernels::VAttentionParams vattention;  // kVAttention (bits 0: the sequence's)
   kernels::SaapParams saap;              // kSaap (the server's partitions: --saap_weights)

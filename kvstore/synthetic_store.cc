@@ -19,6 +19,7 @@ absl::Status LoadSynthetic(Store& store, const kernels::SyntheticProblem& prob,
   for (int32_t b = 0; b < p.batch; ++b) {
     const std::string id = absl::StrCat(prefix, b);
     absl::Status s = store.CreateSequence(id, ShapeOf(prob, layers), placement).status();
+    if (!s.ok()) return absl::Status(s.code(), absl::StrCat("sequence ", id, ": ", s.message()));
     const std::vector<uint8_t> k = prob.LayerRows(prob.k, b, layers);
     const std::vector<uint8_t> v = prob.LayerRows(prob.v, b, layers);
     AppendRequest r;
@@ -30,7 +31,7 @@ absl::Status LoadSynthetic(Store& store, const kernels::SyntheticProblem& prob,
     r.head_dim = static_cast<uint32_t>(p.head_dim);
     r.k = k;
     r.v = v;
-    if (s.ok()) s = store.Append(r).status();
+    s = store.Append(r).status();
     if (!s.ok()) return absl::Status(s.code(), absl::StrCat("sequence ", id, ": ", s.message()));
   }
   return absl::OkStatus();

@@ -27,12 +27,12 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "op/op_engine.h"
 #include "engine/embedded.h"
 #include "kernels/dtype.h"
 #include "kernels/hash_signatures.h"
 #include "kernels/saap.h"
 #include "kernels/sale.h"
+#include "op/op_engine.h"
 
 namespace kvsparse::torch_ops {
 namespace {
