@@ -96,6 +96,9 @@ struct DecodeResult {
   std::vector<HeadStats> heads;  // [B * Hkv]
   DecodeTiming timing;
   uint64_t sync_bytes = 0;  // rows read to bring resident state up to date (not per-step cost)
+  // Why an engine with a GPU backend computed the call on the CPU (its backend's refusal,
+  // DecodeBackend::Supports); empty when the backend computed it or the engine has none.
+  std::string not_on_backend;
 };
 
 }  // namespace kvsparse::engine

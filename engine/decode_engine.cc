@@ -213,10 +213,13 @@ absl::StatusOr<DecodeResult> DecodeEngine::DecodeResolved(const DecodeCall& call
   absl::StatusOr<std::vector<SequenceDesc>> descs = Describe(call);
   if (!descs.ok()) return descs.status();
   // Only the backend reads q on the device: decided before anything is appended.
-  const bool on_backend = backend_ != nullptr && backend_->Supports(call, *descs);
+  const absl::Status backend_takes =
+      backend_ != nullptr ? backend_->Supports(call, *descs)
+                          : absl::FailedPreconditionError("this engine has no GPU backend");
+  const bool on_backend = backend_takes.ok();
   if (call.on_device() && !on_backend) {
     return absl::FailedPreconditionError(
-        absl::StrCat(kNotOnBackend, " (method, placement or shape): pass q in host memory"));
+        absl::StrCat(kNotOnBackend, ": ", backend_takes.message(), "; pass q in host memory"));
   }
   // Every sequence's new token goes in before any compute, so a failure leaves nothing
   // half-done within a sequence (each append is all-or-nothing in the store).
@@ -234,6 +237,8 @@ absl::StatusOr<DecodeResult> DecodeEngine::DecodeResolved(const DecodeCall& call
     result.output.resize(B * shape.num_q_heads * shape.head_dim * kernels::DTypeSize(call.q_dtype));
   }
   result.heads.reserve(B * shape.num_kv_heads);
+  if (backend_ != nullptr && !on_backend)
+    result.not_on_backend = std::string(backend_takes.message());
   if (on_backend) {
     std::vector<SequenceDesc> now = *descs;  // as the store holds them now
     if (append) {
@@ -348,9 +353,9 @@ absl::StatusOr<std::unique_ptr<StaticStep>> DecodeEngine::PlanStatic(const Stati
                                                 req.max_tokens));
     }
   }
-  if (!backend_->Supports(call, *descs)) {
+  if (absl::Status s = backend_->Supports(call, *descs); !s.ok()) {
     return absl::FailedPreconditionError(
-        absl::StrCat(kNotOnBackend, " (method, placement or shape): no captured step"));
+        absl::StrCat(kNotOnBackend, ": ", s.message(), "; no captured step"));
   }
   {
     std::lock_guard<std::mutex> lock(held_mu_);

@@ -48,9 +48,10 @@ class DecodeBackend {
   virtual ~DecodeBackend() = default;
   virtual const char* name() const = 0;
   // Whether this backend computes `call` for its sequences, described by descs (method,
-  // placements, shapes, dtype; not lengths); the CPU computes the rest. Asked before the call's
-  // new tokens are appended.
-  virtual bool Supports(const DecodeCall& call, absl::Span<const SequenceDesc> descs) const = 0;
+  // placements, shapes, dtype; not lengths): OK, or FAILED_PRECONDITION saying why not; the CPU
+  // computes the rest. Asked before the call's new tokens are appended.
+  virtual absl::Status Supports(const DecodeCall& call,
+                                absl::Span<const SequenceDesc> descs) const = 0;
   // REQUIRES: Supports(call, descs).
   // descs[b]: sequence b of the call as the store holds it now (the new token included).
   // Fills result->output ([B, H, d] in q's dtype), heads ([B * Hkv] in order), the timing's

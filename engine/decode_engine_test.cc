@@ -198,9 +198,9 @@ class RecordingBackend final : public DecodeBackend {
  public:
   explicit RecordingBackend(std::vector<Method>* seen) : seen_(seen) {}
   const char* name() const override { return "recording"; }
-  bool Supports(const DecodeCall& call, absl::Span<const SequenceDesc>) const override {
+  absl::Status Supports(const DecodeCall& call, absl::Span<const SequenceDesc>) const override {
     seen_->push_back(call.method);
-    return false;
+    return absl::FailedPreconditionError("the recording backend takes no call");
   }
   absl::Status Decode(const DecodeCall&, absl::Span<const SequenceDesc>, DecodeResult*) override {
     return absl::InternalError("never taken");
@@ -239,6 +239,40 @@ TEST_F(EngineTest, SantaTileSizeZeroIsTheEnginesDefaultOnBothBackends) {
   ASSERT_TRUE(engine.Decode(Call(m)).ok());
   ASSERT_EQ(seen.size(), 2u);
   EXPECT_EQ(seen[1].santa.tile_size, 64);
+}
+
+// A backend's refusal says why: the result of a call computed on the CPU carries it, and a call
+// whose q is on the device is refused with it, before anything is appended.
+TEST_F(EngineTest, ABackendsRefusalIsTheReasonGiven) {
+  Load(Options(), {});
+  std::vector<Method> seen;
+  DecodeEngine engine(EngineOptions(), source_.get(), std::make_unique<RecordingBackend>(&seen));
+  Method m;
+  m.kind = MethodKind::kDense;
+  auto r = engine.Decode(Call(m));
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->not_on_backend, "the recording backend takes no call");
+  // Without a backend there is nothing to explain.
+  auto plain = engine_->Decode(Call(m));
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_EQ(plain->not_on_backend, "");
+  DecodeCall on_device = Call(m);
+  const uint64_t before = store_->GetSequenceInfo("s0")->layer_lengths[kLayer];
+  std::vector<uint8_t> row(prob_.problem.batch * shape_.num_kv_heads * shape_.row_bytes());
+  on_device.new_k = row;
+  on_device.new_v = row;
+  on_device.new_kv_dtype = shape_.dtype;
+  int device_q = 0, device_out = 0;  // never touched: the call is refused first
+  on_device.q = {};
+  on_device.q_device = &device_q;
+  on_device.out_device = &device_out;
+  on_device.q_heads = shape_.num_q_heads;
+  on_device.q_dim = shape_.head_dim;
+  auto refused = engine.Decode(on_device);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "the recording backend takes no call"))
+      << refused.status();
+  EXPECT_EQ(store_->GetSequenceInfo("s0")->layer_lengths[kLayer], before);  // nothing appended
 }
 
 TEST_F(EngineTest, SantaWithKInHostFetchesAllKForTheScores) {

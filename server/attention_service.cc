@@ -3,6 +3,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/decode_engine.h"
 #include "rpc/convert.h"
+#include "rpc/logging.h"
 
 namespace kvsparse::server {
 
@@ -26,6 +27,12 @@ absl::Status AttentionService::Run(const v1::DecodeRequest& req, absl::string_vi
   absl::StatusOr<engine::DecodeResult> result = engine_->Decode(*call);
   if (!result.ok()) return result.status();
   decode_metrics_.Record(call->method.kind, *result);
+  if (!result->not_on_backend.empty()) {
+    if (int64_t dropped = 0; on_cpu_log_.ShouldLog(&dropped)) {
+      KVSPARSE_LOG(Info) << "a Decode ran on the CPU engine: " << result->not_on_backend << " ("
+                         << dropped << " such lines held back)";
+    }
+  }
   rpc::ToProto(std::move(*result), *call, resp);
   resp->set_request_id(req.request_id());
   resp->mutable_timing()->set_server_seconds(absl::ToDoubleSeconds(absl::Now() - start));

@@ -4,7 +4,9 @@
 #ifndef KVSPARSE_SERVER_ATTENTION_SERVICE_H_
 #define KVSPARSE_SERVER_ATTENTION_SERVICE_H_
 
+#include "absl/time/time.h"
 #include "kvsparse/v1/attention.grpc.pb.h"
+#include "rpc/logging.h"
 #include "server/metrics.h"
 #include "server/rpc.h"
 #include "server/stream_reaper.h"
@@ -43,6 +45,9 @@ class AttentionService final : public v1::Attention::Service {
   DecodeMetrics decode_metrics_;
   RpcMetric* const decode_;
   RpcMetric* const stream_;
+  // "a Decode ran on the CPU engine: <why>" where the server has a GPU backend: once a minute at
+  // most (a client's every call may cause it).
+  rpc::LogEvery on_cpu_log_{absl::Minutes(1)};
 };
 
 }  // namespace kvsparse::server

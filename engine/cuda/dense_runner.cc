@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "engine/cuda/gpu_runner.h"
+#include "engine/cuda/row_cache.h"
 #include "kernels/cuda/dense_decode.h"
 #include "kernels/cuda/selected_rows.h"
 
@@ -18,7 +19,9 @@ namespace kc = kernels::cuda;
 class DenseCall final : public MethodCall {
  public:
   explicit DenseCall(const Method&) {}
-  static bool Supports(const Method&, const SequenceDesc&, const GpuCaps&) { return true; }
+  static absl::Status Supports(const Method&, const SequenceDesc&, const GpuCaps&) {
+    return absl::OkStatus();
+  }
   // Captured steps: K and V resident (staging every host row uploads a table per call).
   static bool Capturable(const Method&, const SequenceDesc& d) {
     return d.placement.k_tier == kvstore::Tier::kDevice &&

@@ -51,21 +51,23 @@ class GpuBackend final : public DecodeBackend {
 
   const char* name() const override { return "cuda"; }
 
-  bool Supports(const DecodeCall& call, absl::Span<const SequenceDesc> descs) const override {
+  absl::Status Supports(const DecodeCall& call,
+                        absl::Span<const SequenceDesc> descs) const override {
     // The sequences of a call are decoded together: they must share their placement.
     const SequenceDesc& d0 = descs[0];
     const gpu::GpuRunner* runner = FindMethod(call.method.kind).gpu;
-    if (runner == nullptr) return false;  // a method with no GPU path
+    if (runner == nullptr) return gpu::NotOnGpu("the method has no GPU path");
     for (const SequenceDesc& d : descs) {
       if (d.placement.k_tier != d0.placement.k_tier || d.placement.v_tier != d0.placement.v_tier ||
           d.placement.signature_bits != d0.placement.signature_bits ||
           d.placement.compressed_key_bits != d0.placement.compressed_key_bits ||
-          d.page_tokens != d0.page_tokens || !SupportsShape(call, d) ||
-          !runner->Supports(call.method, d, caps_)) {
-        return false;
+          d.page_tokens != d0.page_tokens) {
+        return gpu::NotOnGpu("the call's sequences differ in placement or page size");
       }
+      if (absl::Status s = SupportsShape(call, d); !s.ok()) return s;
+      if (absl::Status s = runner->Supports(call.method, d, caps_); !s.ok()) return s;
     }
-    return true;
+    return absl::OkStatus();
   }
 
   absl::Status Decode(const DecodeCall& call, absl::Span<const SequenceDesc> descs,
@@ -91,17 +93,28 @@ class GpuBackend final : public DecodeBackend {
   // What every GPU method needs of a call and a sequence: dtype, head dim, group size, and for a
   // half kept in host memory pages the GPU can read in place (power-of-two pages) or a runner
   // that gathers its rows into staging (GpuCaps::staged_rows).
-  bool SupportsShape(const DecodeCall& call, const SequenceDesc& desc) const {
+  absl::Status SupportsShape(const DecodeCall& call, const SequenceDesc& desc) const {
     const kvstore::ModelShape& s = desc.shape;
-    if (call.return_indices) return false;  // the CPU engine lists the rows it read
-    if (s.dtype != kernels::DType::kBf16 && s.dtype != kernels::DType::kFp16) return false;
-    if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256) return false;
+    if (call.return_indices) {  // the CPU engine lists the rows it read
+      return gpu::NotOnGpu("the call asks for the rows read (return_indices)");
+    }
+    if (s.dtype != kernels::DType::kBf16 && s.dtype != kernels::DType::kFp16) {
+      return gpu::NotOnGpu("the GPU kernels take bf16 or fp16 rows");
+    }
+    if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256) {
+      return gpu::NotOnGpu(absl::StrCat("head dim ", s.head_dim, " (the GPU's: 64, 128, 256)"));
+    }
     const uint32_t g = s.num_q_heads / s.num_kv_heads;
-    if (g != 1 && g != 2 && g != 4 && g != 8) return false;
+    if (g != 1 && g != 2 && g != 4 && g != 8) {
+      return gpu::NotOnGpu(absl::StrCat("GQA group of ", g, " (the GPU's: 1, 2, 4, 8)"));
+    }
     const kvstore::Placement& pl = desc.placement;
     const bool host_half =
         pl.k_tier != kvstore::Tier::kDevice || pl.v_tier != kvstore::Tier::kDevice;
-    return !host_half || caps_.staged_rows || gpu::IsPow2(desc.page_tokens);
+    if (host_half && !caps_.staged_rows && !gpu::IsPow2(desc.page_tokens)) {
+      return gpu::NotOnGpu("a host half read in place needs a power-of-two page size");
+    }
+    return absl::OkStatus();
   }
   // One pass over the method's launch sequence, framed by the start and end events; *carved:
   // the method's scratch bytes.

@@ -19,6 +19,7 @@
 #include <memory>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "engine/cuda/cuda_util.h"
 #include "engine/cuda/device_state.h"
 #include "engine/cuda/launch_plan.h"
@@ -43,22 +44,40 @@ struct GpuCaps {
   bool staged_rows = false;
 };
 
+// A runner's refusal of a call: FAILED_PRECONDITION saying why the GPU path does not compute
+// it. The engine then computes the call on the CPU, or refuses a call whose q is on the device
+// with this reason; the reason names what would have to change (method parameter, placement,
+// deployment).
+inline absl::Status NotOnGpu(absl::string_view why) { return absl::FailedPreconditionError(why); }
+
 // Whether the GPU signs the keys and queries a hash method of `m` reads: the sequence keeps
 // signatures, the request asks for the deployment's kind (a mismatch is the CPU engine's error to
 // give), and learned MLPs fit the sequence.
-inline bool SignaturesOnGpu(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
-  if (desc.placement.signature_bits == 0 || caps.saap != nullptr) return false;
-  if (m.learned_signatures != (caps.learned != nullptr)) return false;
-  return caps.learned == nullptr || LearnedSignsOnGpu(*caps.learned, desc);
+inline absl::Status SignaturesOnGpu(const Method& m, const SequenceDesc& desc,
+                                    const GpuCaps& caps) {
+  if (desc.placement.signature_bits == 0) return NotOnGpu("the placement keeps no signatures");
+  if (caps.saap != nullptr) return NotOnGpu("the deployment's signatures are SAAP buckets");
+  if (m.learned_signatures != (caps.learned != nullptr)) {
+    return NotOnGpu(caps.learned != nullptr
+                        ? "the call asks for SimHash signatures; the deployment's are learned"
+                        : "the call asks for learned signatures; the deployment has none");
+  }
+  if (caps.learned != nullptr && !LearnedSignsOnGpu(*caps.learned, desc)) {
+    return NotOnGpu("the learned MLPs do not fit the sequence's shape on the GPU");
+  }
+  return absl::OkStatus();
 }
 
 // Whether the selected-rows path (engine/cuda/selected_rows_call.h) can read a sequence's rows:
 // rows staged from a store in another process need K and V in the same tier (the fetch reads
 // both by list position).
-inline bool StagedRowsFit(const SequenceDesc& desc, const GpuCaps& caps) {
+inline absl::Status StagedRowsFit(const SequenceDesc& desc, const GpuCaps& caps) {
   const kvstore::Placement& pl = desc.placement;
-  return !caps.staged_rows ||
-         (pl.k_tier == kvstore::Tier::kDevice) == (pl.v_tier == kvstore::Tier::kDevice);
+  if (caps.staged_rows &&
+      (pl.k_tier == kvstore::Tier::kDevice) != (pl.v_tier == kvstore::Tier::kDevice)) {
+    return NotOnGpu("rows staged from a store in another process need K and V in one tier");
+  }
+  return absl::OkStatus();
 }
 
 // One Decode call of a method on the GPU (its state lives from Plan to Stats).
@@ -83,21 +102,23 @@ class MethodCall {
 class GpuRunner {
  public:
   virtual ~GpuRunner() = default;
-  // Whether the GPU path computes `m` for a sequence: its parameters and what the placement
-  // keeps. The checks every method shares (dtype, head dim, group size, pages the GPU can read)
-  // are the backend's.
-  virtual bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) const = 0;
+  // Whether the GPU path computes `m` for a sequence (OK), or why not (NotOnGpu): its
+  // parameters and what the placement keeps. The checks every method shares (dtype, head dim,
+  // group size, pages the GPU can read) are the backend's.
+  virtual absl::Status Supports(const Method& m, const SequenceDesc& desc,
+                                const GpuCaps& caps) const = 0;
   virtual std::unique_ptr<MethodCall> Begin(const Method& m) const = 0;
   virtual bool Capturable(const Method& m, const SequenceDesc& desc) const = 0;
 };
 
 // The runner of one MethodCall type, which provides
-//   static bool Supports(const Method&, const SequenceDesc&, const GpuCaps&);
+//   static absl::Status Supports(const Method&, const SequenceDesc&, const GpuCaps&);
 //   explicit Call(const Method&);
 template <typename Call>
 class RunnerOf final : public GpuRunner {
  public:
-  bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) const override {
+  absl::Status Supports(const Method& m, const SequenceDesc& desc,
+                        const GpuCaps& caps) const override {
     return Call::Supports(m, desc, caps);
   }
   std::unique_ptr<MethodCall> Begin(const Method& m) const override {

@@ -20,8 +20,8 @@ class HashTopKCall final : public SelectedRowsCall {
   // Signatures on the device (SimHash, or learned MLPs that fit: SignaturesOnGpu). Rows staged
   // from a store in another process: K and V in the same tier (the fetch reads both by list
   // position).
-  static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
-    if (!StagedRowsFit(desc, caps)) return false;
+  static absl::Status Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
+    if (absl::Status s = StagedRowsFit(desc, caps); !s.ok()) return s;
     return SignaturesOnGpu(m, desc, caps);
   }
   // Captured steps: SimHash signatures (the step signs its key as the backend's sync does; the

@@ -133,17 +133,17 @@ absl::Status LaunchPlan::Mark(int i) {
 }
 
 absl::Status LaunchPlan::LoadPlanes() {
-  absl::StatusOr<const float*> planes = state_->options().signatures.learned != nullptr
-                                            ? state_->LearnedMlps(call_.layer)
-                                            : state_->Planes(call_.layer, hkv, words * 32, d);
+  absl::StatusOr<const float*> planes =
+      state_->learned() != nullptr ? state_->learned()->Mlps(call_.layer)
+                                   : state_->simhash().Planes(call_.layer, hkv, words * 32, d);
   if (!planes.ok()) return planes.status();
   planes_ = *planes;
   return absl::OkStatus();
 }
 
 absl::Status LaunchPlan::SignQueries(uint32_t* out) const {
-  if (const kernels::LearnedHashWeights* w = state_->options().signatures.learned.get();
-      w != nullptr) {
+  if (const LearnedSigning* learned = state_->learned(); learned != nullptr) {
+    const kernels::LearnedHashWeights* w = &learned->weights();
     kc::LearnedSignParams p;
     p.num_seqs = B;
     p.heads = H;

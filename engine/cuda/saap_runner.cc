@@ -17,17 +17,22 @@ class SaapCall final : public SelectedRowsCall {
   // The deployment's partitions fit the sequence and the kernels (SaapOnGpu); parameters the
   // CPU engine would refuse stay there for their error. Rows staged from a store in another
   // process: K and V in the same tier (the fetch reads both by list position).
-  static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
-    if (caps.saap == nullptr || !SaapOnGpu(*caps.saap, desc) ||
-        !kernels::ValidateSaapParams(m.saap, *caps.saap).ok()) {
-      return false;
+  static absl::Status Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
+    if (caps.saap == nullptr) return NotOnGpu("the deployment has no SAAP partitions");
+    if (!SaapOnGpu(*caps.saap, desc)) {
+      return NotOnGpu("the SAAP partitions do not fit the sequence's shape on the GPU");
+    }
+    if (!kernels::ValidateSaapParams(m.saap, *caps.saap).ok()) {
+      return NotOnGpu("the call's SAAP parameters do not fit the partitions");
     }
     return StagedRowsFit(desc, caps);
   }
 
  private:
   absl::StatusOr<int32_t> PlanSelection(LaunchPlan& lp) override {
-    absl::StatusOr<kc::SaapLayerWeights> w = lp.state().SaapLayer(lp.call().layer);
+    SaapSigning* saap = lp.state().saap();
+    if (saap == nullptr) return absl::FailedPreconditionError("no SAAP partitions");
+    absl::StatusOr<kc::SaapLayerWeights> w = saap->Layer(lp.call().layer);
     if (!w.ok()) return w.status();
     weights_ = *w;
     return lp.n_max;  // the probed buckets may hold every key

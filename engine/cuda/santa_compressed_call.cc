@@ -62,15 +62,22 @@ class SantaCompressedCall final : public SelectedRowsCall {
 
 }  // namespace
 
-bool SantaOverCompressedKeysSupports(const Method& m, const SequenceDesc& desc,
-                                     const GpuCaps& caps) {
+absl::Status SantaOverCompressedKeysSupports(const Method& m, const SequenceDesc& desc,
+                                             const GpuCaps& caps) {
   const kernels::SantaParams& p = m.santa;
-  return p.scores == kernels::ScoreSource::kCompressedKeys &&
-         p.correction == kernels::SantaCorrection::kRatio &&
-         p.sampler == kernels::SantaSampler::kSystematic &&
-         p.allocation == kernels::SantaAllocation::kProp && p.tile_size == kc::kSantaTile &&
-         p.bernoulli_qk_samples == 0 && desc.placement.compressed_key_bits != 0 &&
-         StagedRowsFit(desc, caps);
+  if (p.scores != kernels::ScoreSource::kCompressedKeys) {
+    return NotOnGpu("S2ANTA without K on the device scores compressed keys only");
+  }
+  if (absl::Status s = SantaCommonOnGpu(p); !s.ok()) return s;
+  if (p.correction != kernels::SantaCorrection::kRatio ||
+      p.sampler != kernels::SantaSampler::kSystematic ||
+      p.allocation != kernels::SantaAllocation::kProp) {
+    return NotOnGpu("S2ANTA over compressed keys on the GPU: systematic, prop, ratio correction");
+  }
+  if (desc.placement.compressed_key_bits == 0) {
+    return NotOnGpu("the placement keeps no compressed keys");
+  }
+  return StagedRowsFit(desc, caps);
 }
 
 std::unique_ptr<MethodCall> BeginSantaOverCompressedKeys(const Method& m) {

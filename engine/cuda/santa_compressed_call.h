@@ -11,15 +11,29 @@
 
 #include <memory>
 
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "engine/cuda/gpu_runner.h"
+#include "kernels/cuda/santa.h"
 
 namespace kvsparse::engine::gpu {
+
+// What both S2ANTA paths on the GPU need: tiles of kernels::cuda::kSantaTile (the engine's
+// default, MethodUnit::Resolve) and no Bernoulli qK^T scores (a CPU path).
+inline absl::Status SantaCommonOnGpu(const kernels::SantaParams& p) {
+  if (p.tile_size != kernels::cuda::kSantaTile) {
+    return NotOnGpu(absl::StrCat("S2ANTA on the GPU takes tiles of ", kernels::cuda::kSantaTile,
+                                 " tokens, not ", p.tile_size));
+  }
+  if (p.bernoulli_qk_samples != 0) return NotOnGpu("Bernoulli qK^T scores run on the CPU");
+  return absl::OkStatus();
+}
 
 // Scores from compressed keys that the sequence keeps, the ratio correction, systematic sampling
 // with prop allocation over tiles of kernels::cuda::kSantaTile (as the santa runner's); rows
 // staged from a store in another process need K and V in one tier.
-bool SantaOverCompressedKeysSupports(const Method& m, const SequenceDesc& desc,
-                                     const GpuCaps& caps);
+absl::Status SantaOverCompressedKeysSupports(const Method& m, const SequenceDesc& desc,
+                                             const GpuCaps& caps);
 std::unique_ptr<MethodCall> BeginSantaOverCompressedKeys(const Method& m);
 
 }  // namespace kvsparse::engine::gpu

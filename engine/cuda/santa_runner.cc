@@ -30,17 +30,23 @@ class SantaCall final : public MethodCall {
   // K resident (the scores stream it); tiles of kSantaTile; exact scores, no Bernoulli qK^T; iid
   // with global
   // allocation, or systematic with prop or flash. V from a store in another process is staged.
-  static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
+  static absl::Status Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
     const kernels::SantaParams& p = m.santa;
-    if (desc.placement.k_tier != kvstore::Tier::kDevice || p.tile_size != kc::kSantaTile ||
-        p.bernoulli_qk_samples != 0 || p.scores != kernels::ScoreSource::kExact) {
-      return false;
+    if (desc.placement.k_tier != kvstore::Tier::kDevice) {
+      return NotOnGpu("S2ANTA over exact scores on the GPU needs K on the device");
     }
-    return (p.sampler == kernels::SantaSampler::kIid &&
-            p.allocation == kernels::SantaAllocation::kGlobal) ||
-           (p.sampler == kernels::SantaSampler::kSystematic &&
-            (p.allocation == kernels::SantaAllocation::kProp ||
-             p.allocation == kernels::SantaAllocation::kFlash));
+    if (absl::Status s = SantaCommonOnGpu(p); !s.ok()) return s;
+    const bool iid_global = p.sampler == kernels::SantaSampler::kIid &&
+                            p.allocation == kernels::SantaAllocation::kGlobal;
+    const bool sys_prop_or_flash = p.sampler == kernels::SantaSampler::kSystematic &&
+                                   (p.allocation == kernels::SantaAllocation::kProp ||
+                                    p.allocation == kernels::SantaAllocation::kFlash);
+    if (!iid_global && !sys_prop_or_flash) {
+      return NotOnGpu(
+          "S2ANTA on the GPU: iid with global allocation, or systematic with prop or "
+          "flash");
+    }
+    return absl::OkStatus();
   }
 
   absl::Status Enqueue(LaunchPlan& lp, Carver& c) override {
@@ -144,7 +150,8 @@ class SantaCall final : public MethodCall {
 // engine/cuda/santa_compressed_call.h's.
 class SantaRunnerOfBoth final : public GpuRunner {
  public:
-  bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) const override {
+  absl::Status Supports(const Method& m, const SequenceDesc& desc,
+                        const GpuCaps& caps) const override {
     return Exact(m) ? SantaCall::Supports(m, desc, caps)
                     : SantaOverCompressedKeysSupports(m, desc, caps);
   }

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "engine/cuda/row_cache.h"
+
 namespace kvsparse::engine::gpu {
 
 namespace kc = kernels::cuda;
@@ -14,10 +16,11 @@ absl::Status SelectedRowsCall::Plan(LaunchPlan& lp) {
   min_cache_ = rows_cap_;
   for (int32_t b = 0; b < lp.B; ++b) {
     DeviceLayer& l = lp.layer(b);
-    const int32_t want = lp.state().CacheSlots(lp.len(b), rows_cap_);
+    const int32_t want =
+        RowCacheSlots(lp.state().options().row_cache_fraction, lp.len(b), rows_cap_);
     if (l.cache_cap < want) {
-      if (absl::Status s =
-              lp.state().GrowCache(lp.sequence(b), &l, lp.hkv, want, lp.row, lp.busy());
+      if (absl::Status s = GrowRowCache(&lp.state().memory(), lp.sequence(b), &l, lp.hkv, want,
+                                        lp.row, lp.busy());
           !s.ok()) {
         return s;
       }

@@ -109,8 +109,8 @@ class GpuStaticStep final : public StaticStep {
       }
       if (sign_keys_) {  // SimHash planes of the layer and each sequence's M (fixed by now)
         absl::StatusOr<const float*> planes =
-            state_->Planes(l, static_cast<int32_t>(descs_[0].shape.num_kv_heads), words_ * 32,
-                           static_cast<int32_t>(descs_[0].shape.head_dim));
+            state_->simhash().Planes(l, static_cast<int32_t>(descs_[0].shape.num_kv_heads),
+                                     words_ * 32, static_cast<int32_t>(descs_[0].shape.head_dim));
         if (!planes.ok()) return planes.status();
         layer->planes = *planes;
         for (DeviceSequence* e : layer->batch.seqs) {

@@ -26,10 +26,12 @@ class TopKCall final : public SelectedRowsCall {
   explicit TopKCall(const Method& m) : params_(m.top_k) {}
   // Compressed-key scores of a sequence that keeps compressed keys. Rows staged from a store in
   // another process: K and V in the same tier (the fetch reads both by list position).
-  static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
-    const kvstore::Placement& pl = desc.placement;
-    if (m.top_k.source != kernels::ScoreSource::kCompressedKeys || pl.compressed_key_bits == 0) {
-      return false;
+  static absl::Status Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
+    if (m.top_k.source != kernels::ScoreSource::kCompressedKeys) {
+      return NotOnGpu("top-k on the GPU scores compressed keys only");
+    }
+    if (desc.placement.compressed_key_bits == 0) {
+      return NotOnGpu("the placement keeps no compressed keys");
     }
     return StagedRowsFit(desc, caps);
   }

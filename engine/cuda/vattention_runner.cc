@@ -30,15 +30,26 @@ class VAttentionCall final : public MethodCall {
   // compressed predictor with the importance sampler over a sequence that keeps compressed keys.
   // Rows from a store in another process are staged part by part (K and V in the same tier: the
   // fetch reads both by list position).
-  static bool Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
-    if (!StagedRowsFit(desc, caps) || m.vattention.exact_statistics) return false;
-    if (m.vattention.predictor == kernels::TopKPredictor::kCompressed) {
-      return m.vattention.sampler == kernels::ResidualSampler::kImportance &&
-             m.vattention.bound != kernels::BudgetBound::kHoeffding &&
-             desc.placement.compressed_key_bits != 0;
+  static absl::Status Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
+    const kernels::VAttentionParams& p = m.vattention;
+    if (absl::Status s = StagedRowsFit(desc, caps); !s.ok()) return s;
+    if (p.exact_statistics) return NotOnGpu("vAttention's exact statistics run on the CPU");
+    if (p.predictor == kernels::TopKPredictor::kCompressed) {
+      if (p.sampler != kernels::ResidualSampler::kImportance ||
+          p.bound == kernels::BudgetBound::kHoeffding) {
+        return NotOnGpu(
+            "vAttention over compressed keys on the GPU: the importance sampler, "
+            "not the Hoeffding bound");
+      }
+      if (desc.placement.compressed_key_bits == 0) {
+        return NotOnGpu("the placement keeps no compressed keys");
+      }
+      return absl::OkStatus();
     }
-    return SignaturesOnGpu(m, desc, caps) &&
-           m.vattention.predictor == kernels::TopKPredictor::kHash;
+    if (p.predictor != kernels::TopKPredictor::kHash) {
+      return NotOnGpu("vAttention on the GPU predicts with signatures or compressed keys");
+    }
+    return SignaturesOnGpu(m, desc, caps);
   }
 
   absl::Status Plan(LaunchPlan& lp) override {

@@ -125,6 +125,18 @@ int NumSms();
 // limits but not this record; nothing here resets the device.)
 cudaError_t SetMaxDynamicSmem(const void* kernel, int bytes);
 
+// Launches `kernel` with `smem` bytes of dynamic shared memory, raising its limit first where
+// needed (SetMaxDynamicSmem), and returns the launch's error: the launch every kernel with
+// dynamic shared memory goes through.
+template <typename... KernelArgs, typename... Args>
+cudaError_t LaunchWithSmem(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                           cudaStream_t stream, Args&&... args) {
+  KVSPARSE_CUDA_RETURN_IF_ERROR(
+      SetMaxDynamicSmem(reinterpret_cast<const void*>(kernel), static_cast<int>(smem)));
+  kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+  return cudaGetLastError();
+}
+
 // Programmatic dependent launch (sm_90): launches `kernel` so that it may start while the
 // previous kernel on the stream is still finishing (its blocks are scheduled once every block of
 // that kernel has called AllowDependents() or exited). The kernel must call GridDependencyWait()
@@ -338,6 +350,48 @@ __device__ __forceinline__ SinkLocalTopK MakeSinkLocalTopK(int n, int sink, int 
   g.rest = g.w_begin - g.s_end;
   g.kk = min(g.k, g.rest);
   return g;
+}
+
+// ---- Scans and compaction: the one copy of each, for every kernel. ----
+
+// Inclusive prefix sum over the lanes of a warp (lane i gets v_0 + ... + v_i).
+template <typename T>
+__device__ __forceinline__ T WarpInclusiveSum(T v, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o *= 2) {
+    const T y = __shfl_up_sync(0xffffffffu, v, o);
+    if (lane >= o) v += y;
+  }
+  return v;
+}
+
+// Exclusive prefix sum over the lanes of a warp (lane i gets v_0 + ... + v_{i-1}, as the
+// inclusive sum less v).
+template <typename T>
+__device__ __forceinline__ T WarpExclusiveSum(T v, int lane) {
+  return WarpInclusiveSum(v, lane) - v;
+}
+
+// Exclusive prefix sum over the block's kWarps full warps (int counts, or float / double sums in
+// a fixed order: per warp, then over the warps' totals in warp 0); *total gets the block's sum
+// (the same in every thread). ws: a __shared__ T[kWarps]. Every thread of the block must call it:
+// it synchronises the block three times, the last so that ws may be reused at once.
+template <int kWarps, typename T>
+__device__ __forceinline__ T BlockExclusiveSum(T v, T* ws, T* total) {
+  static_assert(kWarps >= 1 && kWarps <= 32, "one warp scans the warps' totals");
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const T x = WarpInclusiveSum(v, lane);
+  if (lane == 31) ws[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    const T y = WarpInclusiveSum(lane < kWarps ? ws[lane] : T{0}, lane);
+    if (lane < kWarps) ws[lane] = y;
+  }
+  __syncthreads();
+  const T r = (warp > 0 ? ws[warp - 1] : T{0}) + x - v;
+  *total = ws[kWarps - 1];
+  __syncthreads();
+  return r;
 }
 
 // How many threads before this one in the block have `flag` set (exclusive prefix count), and

@@ -429,20 +429,15 @@ struct DenseLaunch {
     const dim3 grid(s.num_kv_heads, plan.num_splits, s.batch);
     if constexpr (D <= 128) {
       using Cfg = DenseMmaCfg<D, G>;
-      auto* kernel = &DenseMmaKernel<T, D, G>;
-      KVSPARSE_CUDA_RETURN_IF_ERROR(SetMaxDynamicSmem(reinterpret_cast<const void*>(kernel),
-                                                      static_cast<int>(Cfg::kStageBytes)));
-      kernel<<<grid, Cfg::kThreads, Cfg::kStageBytes, stream>>>(s, plan.chunk_len, plan.num_splits,
-                                                                part_o, part_lse);
+      KVSPARSE_CUDA_RETURN_IF_ERROR(
+          LaunchWithSmem(&DenseMmaKernel<T, D, G>, grid, dim3(Cfg::kThreads), Cfg::kStageBytes,
+                         stream, s, plan.chunk_len, plan.num_splits, part_o, part_lse));
     } else {
       using Cfg = DenseCfg<D, G>;
-      auto* kernel = &DenseSplitKernel<T, D, G>;
-      KVSPARSE_CUDA_RETURN_IF_ERROR(SetMaxDynamicSmem(reinterpret_cast<const void*>(kernel),
-                                                      static_cast<int>(Cfg::kStageBytes)));
-      kernel<<<grid, Cfg::kThreads, Cfg::kStageBytes, stream>>>(s, plan.chunk_len, plan.num_splits,
-                                                                part_o, part_lse);
+      KVSPARSE_CUDA_RETURN_IF_ERROR(
+          LaunchWithSmem(&DenseSplitKernel<T, D, G>, grid, dim3(Cfg::kThreads), Cfg::kStageBytes,
+                         stream, s, plan.chunk_len, plan.num_splits, part_o, part_lse));
     }
-    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
     if (plan.num_splits > 1) {
       MergeKernel<T><<<s.batch * s.num_q_heads, 128, 0, stream>>>(part_o, part_lse, plan.num_splits,
                                                                   D, static_cast<uint16_t*>(s.out));

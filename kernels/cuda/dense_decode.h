@@ -39,6 +39,14 @@ cudaError_t DenseDecode(const DecodeShape& shape, void* workspace, size_t worksp
 cudaError_t MergePartials(const float* partial_o, const float* partial_lse, int32_t num_rows,
                           int32_t num_splits, int32_t head_dim, DType dtype, void* out,
                           cudaStream_t stream);
+// The end of a split launch: MergePartials where there are several splits; with one, the kernel
+// wrote `out` itself and nothing is launched.
+inline cudaError_t MergeSplits(const float* partial_o, const float* partial_lse, int32_t num_rows,
+                               int32_t num_splits, int32_t head_dim, DType dtype, void* out,
+                               cudaStream_t stream) {
+  if (num_splits <= 1) return cudaSuccess;
+  return MergePartials(partial_o, partial_lse, num_rows, num_splits, head_dim, dtype, out, stream);
+}
 
 }  // namespace kvsparse::kernels::cuda
 

@@ -345,29 +345,6 @@ __global__ void __launch_bounds__(kTopkThreads)
   }
 }
 
-// Exclusive scan over the block; *total gets the block sum. Ends with a barrier.
-__device__ __forceinline__ int BlockExclusiveScan(int v, int* ws, int* total) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int x = v;
-#pragma unroll
-  for (int o = 1; o < 32; o *= 2) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) ws[warp] = x;
-  __syncthreads();
-  int before = 0, all = 0;
-#pragma unroll
-  for (int w = 0; w < kTopkWarps; ++w) {
-    const int y = ws[w];
-    before += w < warp ? y : 0;
-    all += y;
-  }
-  *total = all;
-  __syncthreads();
-  return before + x - v;
-}
-
 // Four blocks per SM for one-word signatures and groups up to 4 (the common case: every block of
 // a B = 1, 128k, Hkv = 8 call resident in one wave); two otherwise (registers for the words).
 constexpr int TopkSelectMinBlocks(int w, int gs) { return w == 1 && gs <= 4 ? 4 : 2; }
@@ -443,7 +420,7 @@ __global__ void __launch_bounds__(kTopkThreads, TopkSelectMinBlocks(W, GS))
         tie += sims[i] == thr[h] ? 1 : 0;
       }
       int tot = 0;
-      const int excl = BlockExclusiveScan((gt << 16) | tie, ws, &tot);
+      const int excl = BlockExclusiveSum<kTopkWarps>((gt << 16) | tie, ws, &tot);
       int seen_tie = carry_tie[h] + (excl & 0xffff);
       int pos = carry_gt[h] + (excl >> 16) + min(seen_tie, need[h]);
       int32_t* topk_out = p.indices + (bh0 + h) * max_out + g.s_end;

@@ -200,7 +200,7 @@ __device__ __forceinline__ float WarpPrefix(const float (&u)[kPerLane], int lane
     acc = __fadd_rn(acc, u[i]);
     run[i] = acc;
   }
-  const float excl = WarpExclusiveScan(acc, lane);
+  const float excl = WarpExclusiveSum(acc, lane);
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) run[i] = __fadd_rn(run[i], excl);
   float4* dst = reinterpret_cast<float4*>(p + lane * kPerLane);
@@ -969,12 +969,9 @@ struct Pass1Launch {
   cudaError_t operator()() const {
     const dim3 grid(s.num_kv_heads, plan.num_parts, s.batch);
     using Cfg = Pass1Cfg<D, G>;
-    auto* kernel = &Pass1Kernel<T, D, G, kOut>;
-    KVSPARSE_CUDA_RETURN_IF_ERROR(
-        SetMaxDynamicSmem(reinterpret_cast<const void*>(kernel), int{Cfg::kSmem}));
-    kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(
-        s, seed, plan.tiles_per_block, plan.max_tiles, m_tiles, l_tiles, out, zero, zero_words);
-    return cudaGetLastError();
+    return LaunchWithSmem(&Pass1Kernel<T, D, G, kOut>, grid, dim3(Cfg::kThreads), Cfg::kSmem,
+                          stream, s, seed, plan.tiles_per_block, plan.max_tiles, m_tiles, l_tiles,
+                          out, zero, zero_words);
   }
 };
 
@@ -1017,14 +1014,9 @@ struct IidLaunch {
     const size_t smem = (static_cast<size_t>(max_tiles) + 4) * sizeof(double) +
                         (static_cast<size_t>(p.num_samples) + 4) * sizeof(int);
     if (smem > 200 * 1024) return cudaErrorInvalidValue;
-    auto* kernel = &IidSampleKernel<T, D>;
-    if (smem > 48 * 1024) {
-      KVSPARSE_CUDA_RETURN_IF_ERROR(
-          SetMaxDynamicSmem(reinterpret_cast<const void*>(kernel), static_cast<int>(smem)));
-    }
-    kernel<<<p.shape.batch * p.shape.num_q_heads, kSmallThreads, smem, stream>>>(
-        p, max_tiles, ws.m_tiles, ws.l_tiles, ws.stash);
-    return cudaGetLastError();
+    return LaunchWithSmem(&IidSampleKernel<T, D>, dim3(p.shape.batch * p.shape.num_q_heads),
+                          dim3(kSmallThreads), smem, stream, p, max_tiles, ws.m_tiles, ws.l_tiles,
+                          ws.stash);
   }
 };
 
@@ -1040,15 +1032,10 @@ struct FlashLaunch {
     const dim3 grid(s.num_kv_heads, plan.num_parts, s.batch);
     constexpr size_t kSmem = ScoreStageBytes<TileCfg<D, G>::kWarps, kFlashBufs>();
     KVSPARSE_CUDA_RETURN_IF_ERROR(
-        SetMaxDynamicSmem(reinterpret_cast<const void*>(&FlashKernel<T, D, G>), int{kSmem}));
-    FlashKernel<T, D, G><<<grid, TileCfg<D, G>::kThreads, kSmem, stream>>>(
-        p, plan.tiles_per_block, plan.num_parts, part_o, part_lse);
-    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    if (plan.num_parts > 1) {
-      return MergePartials(part_o, part_lse, s.batch * s.num_q_heads, plan.num_parts, D, s.dtype,
-                           s.out, stream);
-    }
-    return cudaSuccess;
+        LaunchWithSmem(&FlashKernel<T, D, G>, grid, dim3(TileCfg<D, G>::kThreads), kSmem, stream, p,
+                       plan.tiles_per_block, plan.num_parts, part_o, part_lse));
+    return MergeSplits(part_o, part_lse, s.batch * s.num_q_heads, plan.num_parts, D, s.dtype, s.out,
+                       stream);
   }
 };
 

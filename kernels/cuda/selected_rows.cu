@@ -376,8 +376,7 @@ struct SelectedRowsLaunch {
     SelectedRowsKernel<T, D><<<dim3(static_cast<unsigned>(bh), splits), kRowThreads, 0, stream>>>(
         p, splits, part_o, part_lse);
     KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    if (splits == 1) return cudaSuccess;
-    return MergePartials(part_o, part_lse, bh, splits, D, s.dtype, s.out, stream);
+    return MergeSplits(part_o, part_lse, bh, splits, D, s.dtype, s.out, stream);
   }
 };
 

@@ -328,26 +328,6 @@ __device__ __forceinline__ float WarpSum(float v) {
   for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-__device__ __forceinline__ float WarpExclusiveScan(float v, int lane) {
-  float x = v;
-#pragma unroll
-  for (int o = 1; o < 32; o *= 2) {
-    const float y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  return x - v;
-}
-
-// Inclusive prefix sum of an int over the lanes of a warp (lane i gets v_0 + ... + v_i).
-__device__ __forceinline__ int WarpInclusiveSum(int v, int lane) {
-#pragma unroll
-  for (int o = 1; o < 32; o *= 2) {
-    const int y = __shfl_up_sync(0xffffffffu, v, o);
-    if (lane >= o) v += y;
-  }
-  return v;
-}
-
 // Per-head statistics of one tile (one warp): lane owns tokens lane*8 .. lane*8+7.
 // m2 = max score (log2 units), ell = sum of u, u[i] = 2^(s - m2) (0 for masked tokens).
 __device__ __forceinline__ void HeadStats(const float* s, int lane, float& m2, float& ell,
@@ -386,7 +366,7 @@ __device__ __forceinline__ void SystematicCounts(const float (&u)[kPerLane], flo
     x[i] = __fmul_rn(inv_delta, u[i]);
     local = __fadd_rn(local, x[i]);
   }
-  float p = WarpExclusiveScan(local, lane);
+  float p = WarpExclusiveSum(local, lane);
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     const float f0 = __fadd_rn(a0, p);

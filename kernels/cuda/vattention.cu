@@ -12,6 +12,7 @@ namespace kvsparse::kernels::cuda {
 namespace {
 
 constexpr int kSampleThreads = 1024;
+constexpr int kSampleWarps = kSampleThreads / 32;
 constexpr int kBuckets = 4096;  // top 12 bits of the 64-bit priority keys
 constexpr int kCand = 2048;     // keys in the threshold bucket we can resolve
 constexpr int kRowThreads = 256;
@@ -165,35 +166,6 @@ Layout MakeLayout(const VAttentionParams& p, void* base) {
   return l;
 }
 
-// Block-wide exclusive scan for kSampleThreads threads (ws: 32 values; int counts, or float64
-// sums for the importance proposal). Ends with a barrier.
-template <typename T>
-__device__ __forceinline__ T ScanExclusive1024(T v, T* ws, T* total) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  T x = v;
-#pragma unroll
-  for (int o = 1; o < 32; o *= 2) {
-    const T y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) ws[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    T y = ws[lane];
-#pragma unroll
-    for (int o = 1; o < 32; o *= 2) {
-      const T z = __shfl_up_sync(0xffffffffu, y, o);
-      if (lane >= o) y += z;
-    }
-    ws[lane] = y;
-  }
-  __syncthreads();
-  const T r = (warp > 0 ? ws[warp - 1] : T{0}) + x - v;
-  *total = ws[31];
-  __syncthreads();
-  return r;
-}
-
 // (b, h)'s fixed set (fcount tokens at fx) as a bitmap of `words` 32-token words in shared memory.
 // Ends with a barrier: every thread sees the whole set.
 __device__ void MarkFixed(uint32_t* bitmap, int words, const int32_t* fx, int fcount) {
@@ -269,7 +241,7 @@ __global__ void __launch_bounds__(kSampleThreads)
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) local += hist[tid * kPerThread + i];
     int total = 0;
-    int cum = ScanExclusive1024(local, ws, &total);
+    int cum = BlockExclusiveSum<kSampleWarps>(local, ws, &total);
 #pragma unroll
     for (int i = 0; i < kPerThread; ++i) {
       const int c = hist[tid * kPerThread + i];
@@ -331,7 +303,7 @@ __global__ void __launch_bounds__(kSampleThreads)
       }
     }
     int total = 0;
-    int pos = carry + ScanExclusive1024(local, ws, &total);
+    int pos = carry + BlockExclusiveSum<kSampleWarps>(local, ws, &total);
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       if (flags & (1 << i)) dst[pos++] = t0 + i;
@@ -397,9 +369,9 @@ __global__ void __launch_bounds__(kSampleThreads) VattProposalKernel(VAttentionP
       }
     }
     int rtot = 0;
-    int r = rcarry + ScanExclusive1024(cnt, ws, &rtot);
+    int r = rcarry + BlockExclusiveSum<kSampleWarps>(cnt, ws, &rtot);
     double dtot = 0.0;
-    double acc = dcarry + ScanExclusive1024(part, dws, &dtot);
+    double acc = dcarry + BlockExclusiveSum<kSampleWarps>(part, dws, &dtot);
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       if (flags & (1 << i)) {
@@ -485,7 +457,7 @@ __global__ void __launch_bounds__(kSampleThreads)
       local += m[i];
     }
     int total_c = 0;
-    int pos = carry + ScanExclusive1024(local, ws, &total_c);
+    int pos = carry + BlockExclusiveSum<kSampleWarps>(local, ws, &total_c);
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       for (int k = 0; k < m[i]; ++k) dst[pos++] = tok[r0 + i];
@@ -549,7 +521,7 @@ __global__ void __launch_bounds__(kSampleThreads) VattUnionKernel(VAttentionPara
     const int w = w0 + tid;
     const uint32_t word = w < words ? bits[w] : 0u;
     int total = 0;
-    int pos = carry + ScanExclusive1024(__popc(word), ws, &total);
+    int pos = carry + BlockExclusiveSum<kSampleWarps>(__popc(word), ws, &total);
     if (w < words) pref[w] = pos;
     for (uint32_t x = word; x != 0u; x &= x - 1u) {
       const int t = w * 32 + __ffs(x) - 1;
@@ -937,10 +909,8 @@ struct RowKernels {
 
 cudaError_t LaunchProposal(const VAttentionParams& p, const Layout& l, cudaStream_t stream) {
   const size_t smem = static_cast<size_t>((p.shape.max_seq_len + 31) / 32) * 4 + 64;
-  KVSPARSE_CUDA_RETURN_IF_ERROR(SetMaxDynamicSmem(
-      reinterpret_cast<const void*>(&VattProposalKernel), static_cast<int>(smem)));
-  VattProposalKernel<<<p.shape.batch * p.shape.num_q_heads, kSampleThreads, smem, stream>>>(p, l);
-  return cudaGetLastError();
+  return LaunchWithSmem(&VattProposalKernel, dim3(p.shape.batch * p.shape.num_q_heads),
+                        dim3(kSampleThreads), smem, stream, p, l);
 }
 
 template <bool kBase>
@@ -948,11 +918,8 @@ cudaError_t LaunchSample(const VAttentionParams& p, const Layout& l, int32_t* ou
                          int32_t* out_count, cudaStream_t stream) {
   const size_t smem = static_cast<size_t>((p.shape.max_seq_len + 31) / 32) * 4 + kBuckets * 4 +
                       kCand * (8 + 4) + 64;
-  KVSPARSE_CUDA_RETURN_IF_ERROR(SetMaxDynamicSmem(
-      reinterpret_cast<const void*>(&VattSampleKernel<kBase>), static_cast<int>(smem)));
-  VattSampleKernel<kBase>
-      <<<p.shape.batch * p.shape.num_q_heads, kSampleThreads, smem, stream>>>(p, l, out, out_count);
-  return cudaGetLastError();
+  return LaunchWithSmem(&VattSampleKernel<kBase>, dim3(p.shape.batch * p.shape.num_q_heads),
+                        dim3(kSampleThreads), smem, stream, p, l, out, out_count);
 }
 
 // A sample of the residual: uniform without replacement (priority keys), or in importance mode

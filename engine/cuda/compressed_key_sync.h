@@ -1,0 +1,27 @@
+// Compressed keys on the device (placement.compressed_key_bits > 0), kept up to the synced
+// length as rows are synced (DeviceState::Sync): each group of tokens quantized on the host as
+// it closes (kernels::CompressKeyGroup: the CPU engine's bits) into DeviceLayer::ck, the open
+// group's rows exact in DeviceLayer::ck_tail, so top-k scores every token without K on the
+// device (engine/cuda/compressed_scoring.h reads them).
+#ifndef KVSPARSE_ENGINE_CUDA_COMPRESSED_KEY_SYNC_H_
+#define KVSPARSE_ENGINE_CUDA_COMPRESSED_KEY_SYNC_H_
+
+#include <cstdint>
+
+#include "absl/status/status.h"
+#include "engine/cuda/device_memory.h"
+#include "kvstore/worker_pool.h"
+
+namespace kvsparse::engine::gpu {
+
+// Compresses the keys of tokens [t0, t0 + cnt) of a layer (K rows in k_host, head-major, cnt
+// rows per kv head): quantizes the groups that close (side by side on `workers`), keeps the open
+// group's rows exact. REQUIRES: tokens [0, t0) were appended before.
+absl::Status AppendCompressedKeys(DeviceMemory* memory, kvstore::WorkerPool* workers,
+                                  DeviceSequence* e, DeviceLayer* l, const SequenceDesc& desc,
+                                  uint64_t t0, uint64_t cnt, const uint8_t* k_host,
+                                  BusySequences busy);
+
+}  // namespace kvsparse::engine::gpu
+
+#endif  // KVSPARSE_ENGINE_CUDA_COMPRESSED_KEY_SYNC_H_
