@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "engine/cuda/gpu_backend.h"
 #include "engine/decode_engine.h"
 #include "gtest/gtest.h"
@@ -1017,7 +1018,14 @@ TEST_F(GpuEngineTest, CapturedStepsRefuseWhatTheyCannotCapture) {
   req.method = SantaMethod(0, 64);  // iid counts its rows on the host
   EXPECT_EQ(rig->gpu->PlanStatic(req).status().code(), absl::StatusCode::kFailedPrecondition);
   req.method = SantaMethod(1, 64);  // K not on the device: the GPU path needs it there
-  EXPECT_EQ(rig->gpu->PlanStatic(req).status().code(), absl::StatusCode::kFailedPrecondition);
+  const absl::Status no_k = rig->gpu->PlanStatic(req).status();
+  EXPECT_EQ(no_k.code(), absl::StatusCode::kFailedPrecondition);
+  // The refusal names the runner's reason, and an eager call run on the CPU carries it.
+  EXPECT_TRUE(absl::StrContains(no_k.message(), "needs K on the device")) << no_k;
+  auto on_cpu = rig->gpu->Decode(Call(prob, SantaMethod(1, 64)));
+  ASSERT_TRUE(on_cpu.ok()) << on_cpu.status();
+  EXPECT_TRUE(absl::StrContains(on_cpu->not_on_backend, "needs K on the device"))
+      << on_cpu->not_on_backend;
   req.max_tokens = 100;  // already longer
   EXPECT_EQ(rig->gpu->PlanStatic(req).status().code(), absl::StatusCode::kOutOfRange);
   req.sequence_ids = {"nope"};
