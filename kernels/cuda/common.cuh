@@ -72,6 +72,25 @@ cudaError_t DispatchDecode(DType dtype, int head_dim, int group, Body&& body) {
   }
 }
 
+// Runtime dtype -> element type, for kernels templated on the element type alone (the
+// signature and quantization kernels): calls body(tag) with a value of Bf16, Fp16 or float and
+// returns the launch's error.
+template <typename Body>
+cudaError_t ByDtype(DType t, Body&& body) {
+  switch (t) {
+    case DType::kBf16:
+      body(Bf16{});
+      break;
+    case DType::kFp16:
+      body(Fp16{});
+      break;
+    case DType::kFp32:
+      body(0.f);
+      break;
+  }
+  return cudaGetLastError();
+}
+
 // Checks what every decode launcher relies on; cudaSuccess if the shape is supported.
 // accepts_paged: which of K and V the launcher can read from pages (DecodeShape::k_pages /
 // v_pages); paged rows given to a launcher that cannot read them are cudaErrorInvalidValue.

@@ -307,23 +307,6 @@ bool ViewOk(const SaapLayerWeights& w) {
          w.w2 != nullptr && w.b2 != nullptr;
 }
 
-// body.template operator()<T>() with T the element type of t.
-template <typename Body>
-cudaError_t ByDtype(DType t, Body&& body) {
-  switch (t) {
-    case DType::kBf16:
-      body(Bf16{});
-      break;
-    case DType::kFp16:
-      body(Fp16{});
-      break;
-    case DType::kFp32:
-      body(0.f);
-      break;
-  }
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 bool SaapSupports(const SaapWeights& w) {

@@ -1,0 +1,312 @@
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/sale.h"
+
+namespace kvsparse::kernels::cuda {
+namespace {
+
+constexpr int kSelectThreads = 256;
+constexpr int kSelectWarps = kSelectThreads / 32;
+constexpr int kMaxBlock = 64;  // block_q and block_k
+
+int32_t Blocks(int32_t n, int32_t b) { return (n + b - 1) / b; }
+
+// The quantized operands in the workspace.
+struct Operands {
+  float* mean = nullptr;     // [Hkv, d]
+  float* k_scale = nullptr;  // [Hkv, k_blocks]
+  float* q_scale = nullptr;  // [H, n]
+  float* q_mean = nullptr;   // [H, n]: q_r . mean of its kv head
+  int8_t* k = nullptr;       // [Hkv, n, d], smoothed
+  int8_t* q = nullptr;       // [H, n, d]
+  size_t bytes = 0;
+};
+
+Operands Carve(const SaleSelectParams& p, void* base) {
+  const size_t n = std::max(p.tokens, 0), d = std::max(p.head_dim, 0);
+  const size_t H = std::max(p.num_q_heads, 0), hkv = std::max(p.num_kv_heads, 0);
+  const size_t kb = p.blocks.block_k > 0 ? Blocks(static_cast<int32_t>(n), p.blocks.block_k) : 0;
+  Operands o;
+  size_t at = 0;
+  auto take = [&](size_t bytes) {
+    void* ptr = base == nullptr ? nullptr : static_cast<char*>(base) + at;
+    at += AlignUp(bytes, 256);
+    return ptr;
+  };
+  o.mean = static_cast<float*>(take(hkv * d * sizeof(float)));
+  o.k_scale = static_cast<float*>(take(hkv * kb * sizeof(float)));
+  o.q_scale = static_cast<float*>(take(H * n * sizeof(float)));
+  o.q_mean = static_cast<float*>(take(H * n * sizeof(float)));
+  o.k = static_cast<int8_t*>(take(hkv * n * d));
+  o.q = static_cast<int8_t*>(take(H * n * d));
+  o.bytes = at;
+  return o;
+}
+
+// The reference's Round8: round to nearest even, clamped to [-127, 127].
+__device__ __forceinline__ int8_t Round8(float x) {
+  return static_cast<int8_t>(fminf(fmaxf(rintf(x), -127.f), 127.f));
+}
+
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ double WarpSumDouble(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// Block-wide max of non-negative floats (every thread calls it; red: kSelectWarps floats).
+__device__ __forceinline__ float BlockMaxNonNegative(float v, float* red) {
+  v = WarpMax(v);
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float m = 0.f;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) m = fmaxf(m, red[w]);
+  __syncthreads();
+  return m;
+}
+
+// mean[j, e] = (sum over tokens, in order, in double) / n, as the reference. Grid Hkv, block d.
+template <typename T>
+__global__ void KeyMeanKernel(const void* k, int32_t n, int32_t d, float* mean) {
+  const int j = blockIdx.x, e = threadIdx.x;
+  if (e >= d) return;
+  double sum = 0.0;
+  for (int32_t t = 0; t < n; ++t) sum += LoadElem<T>(k, (static_cast<int64_t>(j) * n + t) * d + e);
+  mean[j * d + e] = static_cast<float>(sum / n);
+}
+
+// Per (kv head, key block): the block's scale max |k - mean| / 127 and its int8 keys. Grid
+// (k_blocks, Hkv).
+template <typename T>
+__global__ void QuantizeKeysKernel(const void* k, const float* mean, int32_t n, int32_t d,
+                                   int32_t bk, int8_t* kq, float* k_scale) {
+  __shared__ float red[32];
+  const int blk = blockIdx.x, j = blockIdx.y;
+  const int32_t t0 = blk * bk, t1 = min(n, t0 + bk);
+  const int64_t base = (static_cast<int64_t>(j) * n + t0) * d;
+  const int32_t count = (t1 - t0) * d;
+  const float* m = mean + static_cast<int64_t>(j) * d;
+  float amax = 0.f;
+  for (int32_t x = threadIdx.x; x < count; x += blockDim.x) {
+    amax = fmaxf(amax, fabsf(__fsub_rn(LoadElem<T>(k, base + x), m[x % d])));
+  }
+  amax = BlockMaxNonNegative(amax, red);
+  const float s = amax > 0.f ? amax / 127.f : 1.f;
+  if (threadIdx.x == 0) k_scale[static_cast<int64_t>(j) * gridDim.x + blk] = s;
+  for (int32_t x = threadIdx.x; x < count; x += blockDim.x) {
+    kq[base + x] = Round8(__fsub_rn(LoadElem<T>(k, base + x), m[x % d]) / s);
+  }
+}
+
+// Per (query head, token), one warp: the scale max |q| / 127, the int8 query and q . mean (a
+// sequential fp32 dot product, as the reference's). Grid (ceil(n / 8), H), block 256.
+template <typename T>
+__global__ void QuantizeQueriesKernel(const void* q, const float* mean, int32_t n, int32_t d,
+                                      int32_t group, int8_t* qq, float* q_scale, float* q_mean) {
+  const int lane = threadIdx.x & 31;
+  const int32_t t = blockIdx.x * kSelectWarps + (threadIdx.x >> 5);
+  const int h = blockIdx.y;
+  if (t >= n) return;
+  const int64_t row = static_cast<int64_t>(h) * n + t;
+  float amax = 0.f;
+  for (int e = lane; e < d; e += 32) amax = fmaxf(amax, fabsf(LoadElem<T>(q, row * d + e)));
+  amax = WarpMax(amax);
+  const float s = amax > 0.f ? amax / 127.f : 1.f;
+  for (int e = lane; e < d; e += 32) qq[row * d + e] = Round8(LoadElem<T>(q, row * d + e) / s);
+  if (lane == 0) {
+    const float* m = mean + static_cast<int64_t>(h / group) * d;
+    float acc = 0.f;
+    for (int e = 0; e < d; ++e) acc = __fadd_rn(acc, __fmul_rn(LoadElem<T>(q, row * d + e), m[e]));
+    q_scale[row] = s;
+    q_mean[row] = acc;
+  }
+}
+
+struct SelectGeometry {
+  int32_t n, d, group, bq, bk, sink_blocks, local_blocks, k_blocks, score_cap;
+  float scale;
+};
+
+// The key blocks of query block i that the exact regions cover: [0, sink_end) and
+// [local_first, last] (the reference's RegionsOf).
+struct Regions {
+  int32_t sink_end, local_first, last;
+};
+__device__ __forceinline__ Regions RegionsOf(const SelectGeometry& g, int32_t i) {
+  const int32_t row_end = min(g.n, (i + 1) * g.bq);
+  Regions r;
+  r.last = (row_end - 1) / g.bk;
+  r.local_first = max(0, r.last + 1 - g.local_blocks);
+  r.sink_end = min(g.sink_blocks, r.last + 1);
+  return r;
+}
+
+// Step 1 for one row (one warp): m_r and the threshold m_r + ln(tau l_r) over the exact
+// regions' keys c <= r, the scores sequential fp32 dot products (no fused multiply-adds).
+template <typename T>
+__device__ void ExactRowThreshold(const SelectGeometry& g, const Regions& rg, const void* q,
+                                  const void* k, int h, int32_t r, float tau, float* qrow,
+                                  float* sc, float* thr_out) {
+  const int lane = threadIdx.x & 31;
+  const int j = h / g.group;
+  const int64_t qbase = (static_cast<int64_t>(h) * g.n + r) * g.d;
+  for (int e = lane; e < g.d; e += 32) qrow[e] = LoadElem<T>(q, qbase + e);
+  __syncwarp();
+  // Keys: [0, a_end) then [b_begin, b_end), each clipped to c <= r (the union of the regions,
+  // ascending, as the reference walks the blocks).
+  const int32_t a_end = min(rg.sink_end * g.bk, r + 1);
+  const int32_t b_begin = max(rg.local_first, rg.sink_end) * g.bk;
+  const int32_t b_end = min((rg.last + 1) * g.bk, r + 1);
+  const int32_t count = a_end + max(0, b_end - b_begin);
+  float mr = kNegInf;
+  for (int32_t x = lane; x < count; x += 32) {
+    const int32_t c = x < a_end ? x : b_begin + (x - a_end);
+    const int64_t kbase = (static_cast<int64_t>(j) * g.n + c) * g.d;
+    float acc = 0.f;
+    for (int e = 0; e < g.d; ++e)
+      acc = __fadd_rn(acc, __fmul_rn(qrow[e], LoadElem<T>(k, kbase + e)));
+    const float s = __fmul_rn(g.scale, acc);
+    sc[x] = s;
+    mr = fmaxf(mr, s);
+  }
+  mr = WarpMax(mr);
+  double lr = 0.0;
+  for (int32_t x = lane; x < count; x += 32) lr += exp(static_cast<double>(sc[x]) - mr);
+  lr = WarpSumDouble(lr);
+  if (lane == 0) {
+    *thr_out =
+        tau > 0.f ? static_cast<float>(static_cast<double>(mr) + log(static_cast<double>(tau) * lr))
+                  : kNegInf;
+  }
+  __syncwarp();
+}
+
+// One (query block, query head) per block: the exact regions' thresholds per row, then each
+// middle key block estimated from int8 Q and K (one comparison per element), the block's row of
+// the mask written whole.
+template <typename T>
+__global__ void __launch_bounds__(kSelectThreads)
+    SelectKernel(SelectGeometry g, const void* q, const void* k, const float* tau, Operands ops,
+                 uint8_t* mask) {
+  extern __shared__ __align__(16) char smem[];
+  const int i = blockIdx.x, h = blockIdx.y, j = h / g.group;
+  const int warp = threadIdx.x >> 5;
+  const Regions rg = RegionsOf(g, i);
+  const int32_t r0 = i * g.bq, rows = min(g.n, r0 + g.bq) - r0;
+  const int words = g.d / 4;
+  int* q8 = reinterpret_cast<int*>(smem);                         // [bq][d / 4]
+  int* k8 = q8 + kMaxBlock * words;                               // [bk][d / 4]
+  float* thr = reinterpret_cast<float*>(k8 + kMaxBlock * words);  // [bq]
+  float* qs = thr + kMaxBlock;                                    // [bq]
+  float* qm = qs + kMaxBlock;                                     // [bq]
+  float* qrow = qm + kMaxBlock;                                   // [warps][d]
+  float* sc = qrow + kSelectWarps * g.d;                          // [warps][score_cap]
+  uint8_t* out = mask + (static_cast<int64_t>(h) * gridDim.x + i) * g.k_blocks;
+  for (int32_t blk = threadIdx.x; blk < g.k_blocks; blk += blockDim.x) {
+    const bool exact = blk <= rg.last && (blk < rg.sink_end || blk >= rg.local_first);
+    out[blk] = exact ? 1 : 0;  // the middle blocks are written below
+  }
+  for (int32_t r = warp; r < rows; r += kSelectWarps) {
+    ExactRowThreshold<T>(g, rg, q, k, h, r0 + r, tau[h], qrow + warp * g.d, sc + warp * g.score_cap,
+                         &thr[r]);
+  }
+  const int* qsrc =
+      reinterpret_cast<const int*>(ops.q + (static_cast<int64_t>(h) * g.n + r0) * g.d);
+  for (int x = threadIdx.x; x < rows * words; x += blockDim.x) q8[x] = qsrc[x];
+  for (int x = threadIdx.x; x < rows; x += blockDim.x) {
+    qs[x] = ops.q_scale[static_cast<int64_t>(h) * g.n + r0 + x];
+    qm[x] = ops.q_mean[static_cast<int64_t>(h) * g.n + r0 + x];
+  }
+  // Threads per row and the keys each takes.
+  const int per_row = kSelectThreads / kMaxBlock;
+  const int r = threadIdx.x / per_row, sub = threadIdx.x % per_row;
+  for (int32_t blk = rg.sink_end; blk < rg.local_first; ++blk) {
+    __syncthreads();  // q8 / thr ready; k8 free
+    const int* ksrc =
+        reinterpret_cast<const int*>(ops.k + (static_cast<int64_t>(j) * g.n + blk * g.bk) * g.d);
+    for (int x = threadIdx.x; x < g.bk * words; x += blockDim.x) k8[x] = ksrc[x];
+    __syncthreads();
+    const float ks = ops.k_scale[static_cast<int64_t>(j) * g.k_blocks + blk];
+    bool hit = false;
+    if (r < rows) {
+      const float a = __fmul_rn(qs[r], ks);
+      const int* qr = q8 + r * words;
+      for (int c = sub; c < g.bk && !hit; c += per_row) {
+        const int* kr = k8 + c * words;
+        int acc = 0;
+        for (int w = 0; w < words; ++w) acc = __dp4a(qr[w], kr[w], acc);
+        const float est =
+            __fmul_rn(g.scale, __fadd_rn(__fmul_rn(a, static_cast<float>(acc)), qm[r]));
+        hit = est >= thr[r];
+      }
+    }
+    if (__syncthreads_or(hit) && threadIdx.x == 0) out[blk] = 1;
+  }
+}
+
+size_t SelectSmem(const SelectGeometry& g) {
+  const size_t words = g.d / 4;
+  return 2 * kMaxBlock * words * sizeof(int) + 3 * kMaxBlock * sizeof(float) +
+         static_cast<size_t>(kSelectWarps) * (g.d + g.score_cap) * sizeof(float);
+}
+
+}  // namespace
+
+bool SaleSupports(const SaleParams& b, int32_t head_dim) {
+  return b.block_q >= 1 && b.block_q <= kMaxBlock && b.block_k >= 1 && b.block_k <= kMaxBlock &&
+         b.block_q % b.block_k == 0 && b.sink_tokens >= 0 && b.sink_tokens % b.block_k == 0 &&
+         b.local_tokens >= b.block_q && b.local_tokens % b.block_k == 0 &&
+         b.sink_tokens + b.local_tokens <= 1024 && head_dim >= 4 && head_dim <= 256 &&
+         head_dim % 4 == 0;
+}
+
+size_t SaleSelectWorkspaceBytes(const SaleSelectParams& p) { return Carve(p, nullptr).bytes; }
+
+cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t workspace_bytes,
+                       cudaStream_t stream) {
+  if (!SaleSupports(p.blocks, p.head_dim) || p.tokens < 0 || p.num_kv_heads < 1 ||
+      p.num_q_heads < 1 || p.num_q_heads % p.num_kv_heads != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.tokens == 0) return cudaSuccess;
+  if (p.q == nullptr || p.k == nullptr || p.tau == nullptr || p.mask == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const Operands ops = Carve(p, workspace);
+  if (workspace == nullptr || workspace_bytes < ops.bytes) return cudaErrorInvalidValue;
+  const int32_t n = p.tokens, d = p.head_dim, H = p.num_q_heads, hkv = p.num_kv_heads;
+  SelectGeometry g;
+  g.n = n;
+  g.d = d;
+  g.group = H / hkv;
+  g.bq = p.blocks.block_q;
+  g.bk = p.blocks.block_k;
+  g.sink_blocks = p.blocks.sink_tokens / g.bk;
+  g.local_blocks = p.blocks.local_tokens / g.bk;
+  g.k_blocks = Blocks(n, g.bk);
+  g.score_cap = p.blocks.sink_tokens + p.blocks.local_tokens + g.bk;
+  g.scale = p.scale;
+  const dim3 select_grid(Blocks(n, g.bq), H);
+  cudaError_t select_err = cudaSuccess;
+  KVSPARSE_CUDA_RETURN_IF_ERROR(ByDtype(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    KeyMeanKernel<T><<<hkv, d, 0, stream>>>(p.k, n, d, ops.mean);
+    QuantizeKeysKernel<T>
+        <<<dim3(g.k_blocks, hkv), 128, 0, stream>>>(p.k, ops.mean, n, d, g.bk, ops.k, ops.k_scale);
+    QuantizeQueriesKernel<T><<<dim3(Blocks(n, kSelectWarps), H), kSelectThreads, 0, stream>>>(
+        p.q, ops.mean, n, d, g.group, ops.q, ops.q_scale, ops.q_mean);
+    select_err = LaunchWithSmem(&SelectKernel<T>, select_grid, dim3(kSelectThreads), SelectSmem(g),
+                                stream, g, p.q, p.k, p.tau, ops, p.mask);
+  }));
+  return select_err;
+}
+
+}  // namespace kvsparse::kernels::cuda

@@ -1,0 +1,62 @@
+// SALE's selection pass on the GPU (kernels/sale.h is the reference and the oracle): for one
+// prompt, the block mask of every (query head, query block), from the sink and local regions
+// computed exactly and the middle key blocks estimated from int8 Q and K, with the reference's
+// quantization (K smoothed by its per-(kv head, channel) mean, per-block K scales, per-token Q
+// scales) and its threshold test S~ >= m_r + ln(tau_h l_r).
+//
+// Int8 on Hopper: the estimate needs only the sign of S~ - threshold per element, and Hopper's
+// tensor cores run int8 at twice the rate of bf16 (fp8 as fast, but its 3-bit mantissa makes the
+// estimate coarser than int8's 7 bits at the same speed), so this pass uses int8, as the
+// reference does. This first kernel is the correctness step: its middle-block products are
+// __dp4a, one thread per (row, 8 keys); the tensor-core version follows with the same outputs.
+//
+// Arithmetic follows the reference step for step where it decides a block: the exact scores
+// are sequential fp32 dot products without fused multiply-adds, the int8 products exact
+// integers, the estimate's scaling in the reference's order without fused multiply-adds; only
+// l_r's double sum runs in another order (a threshold moves by an ulp at most), so the masks
+// differ only where an estimate sits within rounding of its threshold (kernels/cuda/sale_test.cc
+// measures it).
+//
+// Launchers never allocate or synchronise: the quantized operands live in the caller's
+// workspace (SaleSelectWorkspaceBytes), so the pass can be captured in a CUDA graph.
+#ifndef KVSPARSE_KERNELS_CUDA_SALE_H_
+#define KVSPARSE_KERNELS_CUDA_SALE_H_
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/dtype.h"
+#include "kernels/sale.h"
+
+namespace kvsparse::kernels::cuda {
+
+struct SaleSelectParams {
+  // One prompt, head-major as kernels::SalePrefill: q [H, n, d], k [Hkv, n, d], device.
+  int32_t tokens = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;  // a multiple of 4, at most 256
+  DType dtype = DType::kBf16;
+  float scale = 0.f;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const float* tau = nullptr;  // device [H], each in [0, 1)
+  SaleParams blocks;           // block_q at most 64
+  // device [H, q_blocks, k_blocks], every byte written: 1 where query head h's query block i
+  // attends key block j (the sink and local blocks always, no block past the diagonal), as
+  // kernels::SaleMask::selected.
+  uint8_t* mask = nullptr;
+};
+
+size_t SaleSelectWorkspaceBytes(const SaleSelectParams& p);
+// cudaErrorInvalidValue for a shape or geometry it does not take (SaleSupports).
+cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t workspace_bytes,
+                       cudaStream_t stream);
+// Whether SaleSelect takes this geometry and head dim (the reference takes more).
+bool SaleSupports(const SaleParams& blocks, int32_t head_dim);
+
+}  // namespace kvsparse::kernels::cuda
+
+#endif  // KVSPARSE_KERNELS_CUDA_SALE_H_
