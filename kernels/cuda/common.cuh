@@ -371,6 +371,29 @@ __device__ __forceinline__ SinkLocalTopK MakeSinkLocalTopK(int n, int sink, int 
   return g;
 }
 
+// d[16 x 8] += a[16 x 16] b[16 x 8] on the tensor cores, T in {Bf16, Fp16}, fp32 accumulation
+// (mma.sync.m16n8k16, row-major a, column-major b). With g = lane / 4 and t = lane % 4: a0 holds
+// row g, columns 2t and 2t + 1 (the lower column in the low half), a1 row g + 8, a2 and a3 the
+// same rows at columns 2t + 8 and 2t + 9; b0 rows 2t and 2t + 1 of column g, b1 rows 2t + 8 and
+// 2t + 9; c[0..1] row g, columns 2t and 2t + 1, c[2..3] row g + 8.
+template <typename T>
+__device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  if constexpr (std::is_same_v<T, Bf16>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  }
+}
+
 // ---- Scans and compaction: the one copy of each, for every kernel. ----
 
 // Inclusive prefix sum over the lanes of a warp (lane i gets v_0 + ... + v_i).

@@ -258,6 +258,168 @@ size_t SelectSmem(const SelectGeometry& g) {
          static_cast<size_t>(kSelectWarps) * (g.d + g.score_cap) * sizeof(float);
 }
 
+// ---- The computation pass ----------------------------------------------------------------
+
+constexpr int kAttendWarps = 4;  // 16 query rows each: a 64-row query block
+constexpr int kAttendBq = 64, kAttendBk = 32;
+
+template <typename T>
+__device__ __forceinline__ uint32_t PackPair(float lo, float hi) {
+  return static_cast<uint32_t>(FloatToBits<T>(lo)) |
+         (static_cast<uint32_t>(FloatToBits<T>(hi)) << 16);
+}
+
+struct AttendGeometry {
+  int32_t n, group, k_blocks, q_blocks;
+  float scale_log2;  // scale * log2(e)
+};
+
+// One (query block i, query head h) per block: Q's fragments in registers, each selected key
+// block's K and V rows staged in shared memory (zero past the prompt), S = Q K^T and O += P V on
+// the tensor cores with an online softmax per row.
+template <typename T, int D>
+__global__ void __launch_bounds__(kAttendWarps * 32)
+    AttendKernel(AttendGeometry g, const void* q, const void* k, const void* v, void* out,
+                 const uint8_t* mask) {
+  constexpr int kStride = D + 8;  // halves per staged row (padding against bank conflicts)
+  __shared__ __align__(16) uint16_t ks[kAttendBk * kStride];
+  __shared__ __align__(16) uint16_t vs[kAttendBk * kStride];
+  const int i = blockIdx.x, h = blockIdx.y, j = h / g.group;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
+  const int32_t row0 = i * kAttendBq + warp * 16 + gr, row1 = row0 + 8;
+  const uint16_t* qh = static_cast<const uint16_t*>(q) + static_cast<int64_t>(h) * g.n * D;
+  const uint16_t* kh = static_cast<const uint16_t*>(k) + static_cast<int64_t>(j) * g.n * D;
+  const uint16_t* vh = static_cast<const uint16_t*>(v) + static_cast<int64_t>(j) * g.n * D;
+  // Q's A fragments: rows row0 / row1, dims 16 kk + 2 tq (+1) and + 8.
+  uint32_t qa[D / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const int c = kk * 16 + 2 * tq;
+    auto word = [&](int32_t r, int col) -> uint32_t {
+      return r < g.n ? *reinterpret_cast<const uint32_t*>(qh + static_cast<int64_t>(r) * D + col)
+                     : 0u;
+    };
+    qa[kk][0] = word(row0, c);
+    qa[kk][1] = word(row1, c);
+    qa[kk][2] = word(row0, c + 8);
+    qa[kk][3] = word(row1, c + 8);
+  }
+  float o[D / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
+  const int32_t last = (min(g.n, (i + 1) * kAttendBq) - 1) / kAttendBk;
+  const uint8_t* mrow = mask + (static_cast<int64_t>(h) * g.q_blocks + i) * g.k_blocks;
+  for (int32_t blk = 0; blk <= last; ++blk) {
+    if (mrow[blk] == 0) continue;  // uniform over the block
+    __syncthreads();               // the previous block's K and V are read
+    const int32_t c0 = blk * kAttendBk;
+    for (int x = threadIdx.x; x < kAttendBk * D / 8; x += blockDim.x) {
+      const int r = x / (D / 8), e = (x % (D / 8)) * 8;
+      const bool in = c0 + r < g.n;
+      const int64_t at = static_cast<int64_t>(c0 + r) * D + e;
+      *reinterpret_cast<uint4*>(ks + r * kStride + e) =
+          in ? *reinterpret_cast<const uint4*>(kh + at) : make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(vs + r * kStride + e) =
+          in ? *reinterpret_cast<const uint4*>(vh + at) : make_uint4(0, 0, 0, 0);
+    }
+    __syncthreads();
+    // S = Q K^T: four 8-key tiles.
+    float sc[kAttendBk / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kAttendBk / 8; ++nt) {
+      sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+      const uint16_t* kr = ks + (nt * 8 + gr) * kStride + 2 * tq;
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + kk * 16);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + kk * 16 + 8);
+        Mma16816<T>(sc[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b0, b1);
+      }
+    }
+    // Scale (log2 units) and mask: keys past the row (causal) or past the prompt.
+    float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+    for (int nt = 0; nt < kAttendBk / 8; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int32_t c = c0 + nt * 8 + 2 * tq + (e & 1);
+        const int32_t r = e < 2 ? row0 : row1;
+        sc[nt][e] = c <= r && c < g.n ? sc[nt][e] * g.scale_log2 : kNegInf;
+      }
+      mx0 = fmaxf(mx0, fmaxf(sc[nt][0], sc[nt][1]));
+      mx1 = fmaxf(mx1, fmaxf(sc[nt][2], sc[nt][3]));
+    }
+#pragma unroll
+    for (int off = 1; off <= 2; off *= 2) {
+      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+    }
+    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
+    // A row with no key yet keeps a zero state (its exponent base is then 0, not -inf).
+    const float b0 = n0 == kNegInf ? 0.f : n0, b1 = n1 == kNegInf ? 0.f : n1;
+    const float f0 = exp2f(m0 - b0), f1 = exp2f(m1 - b1);
+    m0 = n0;
+    m1 = n1;
+    l0 *= f0;
+    l1 *= f1;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      o[dt][0] *= f0;
+      o[dt][1] *= f0;
+      o[dt][2] *= f1;
+      o[dt][3] *= f1;
+    }
+#pragma unroll
+    for (int nt = 0; nt < kAttendBk / 8; ++nt) {
+      sc[nt][0] = exp2f(sc[nt][0] - b0);
+      sc[nt][1] = exp2f(sc[nt][1] - b0);
+      sc[nt][2] = exp2f(sc[nt][2] - b1);
+      sc[nt][3] = exp2f(sc[nt][3] - b1);
+      l0 += sc[nt][0] + sc[nt][1];
+      l1 += sc[nt][2] + sc[nt][3];
+    }
+    // O += P V: two 16-key steps; P's A fragments from the score tiles, V's B fragments from
+    // the staged rows (keys 2 tq, 2 tq + 1 of column gr).
+#pragma unroll
+    for (int kstep = 0; kstep < kAttendBk / 16; ++kstep) {
+      const float* p0 = sc[2 * kstep];
+      const float* p1 = sc[2 * kstep + 1];
+      const uint32_t a0 = PackPair<T>(p0[0], p0[1]), a1 = PackPair<T>(p0[2], p0[3]);
+      const uint32_t a2 = PackPair<T>(p1[0], p1[1]), a3 = PackPair<T>(p1[2], p1[3]);
+      const uint16_t* v0 = vs + (kstep * 16 + 2 * tq) * kStride + gr;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        const uint16_t* vc = v0 + dt * 8;
+        const uint32_t vb0 =
+            static_cast<uint32_t>(vc[0]) | (static_cast<uint32_t>(vc[kStride]) << 16);
+        const uint32_t vb1 =
+            static_cast<uint32_t>(vc[8 * kStride]) | (static_cast<uint32_t>(vc[9 * kStride]) << 16);
+        Mma16816<T>(o[dt], a0, a1, a2, a3, vb0, vb1);
+      }
+    }
+  }
+#pragma unroll
+  for (int off = 1; off <= 2; off *= 2) {
+    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
+    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  }
+  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+  uint16_t* oh = static_cast<uint16_t*>(out) + static_cast<int64_t>(h) * g.n * D;
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    const int col = dt * 8 + 2 * tq;
+    if (row0 < g.n) {
+      *reinterpret_cast<uint32_t*>(oh + static_cast<int64_t>(row0) * D + col) =
+          PackPair<T>(o[dt][0] * inv0, o[dt][1] * inv0);
+    }
+    if (row1 < g.n) {
+      *reinterpret_cast<uint32_t*>(oh + static_cast<int64_t>(row1) * D + col) =
+          PackPair<T>(o[dt][2] * inv1, o[dt][3] * inv1);
+    }
+  }
+}
+
 }  // namespace
 
 bool SaleSupports(const SaleParams& b, int32_t head_dim) {
@@ -307,6 +469,37 @@ cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t worksp
                                 stream, g, p.q, p.k, p.tau, ops, p.mask);
   }));
   return select_err;
+}
+
+bool SaleAttendSupports(const SaleParams& b, int32_t head_dim, DType dtype) {
+  return b.block_q == kAttendBq && b.block_k == kAttendBk && (head_dim == 64 || head_dim == 128) &&
+         (dtype == DType::kBf16 || dtype == DType::kFp16);
+}
+
+cudaError_t SaleAttend(const SaleAttendParams& p, cudaStream_t stream) {
+  if (!SaleAttendSupports(p.blocks, p.head_dim, p.dtype) || p.tokens < 0 || p.num_kv_heads < 1 ||
+      p.num_q_heads < 1 || p.num_q_heads % p.num_kv_heads != 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.tokens == 0) return cudaSuccess;
+  if (p.q == nullptr || p.k == nullptr || p.v == nullptr || p.out == nullptr || p.mask == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  AttendGeometry g;
+  g.n = p.tokens;
+  g.group = p.num_q_heads / p.num_kv_heads;
+  g.k_blocks = Blocks(p.tokens, kAttendBk);
+  g.q_blocks = Blocks(p.tokens, kAttendBq);
+  g.scale_log2 = p.scale * kLog2e;
+  const dim3 grid(g.q_blocks, p.num_q_heads), block(kAttendWarps * 32);
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, block, 0, stream>>>(g, p.q, p.k, p.v, p.out, p.mask);
+    return cudaGetLastError();
+  };
+  if (p.dtype == DType::kBf16) {
+    return p.head_dim == 64 ? launch(&AttendKernel<Bf16, 64>) : launch(&AttendKernel<Bf16, 128>);
+  }
+  return p.head_dim == 64 ? launch(&AttendKernel<Fp16, 64>) : launch(&AttendKernel<Fp16, 128>);
 }
 
 }  // namespace kvsparse::kernels::cuda

@@ -57,6 +57,31 @@ cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t worksp
 // Whether SaleSelect takes this geometry and head dim (the reference takes more).
 bool SaleSupports(const SaleParams& blocks, int32_t head_dim);
 
+// The computation pass: per row r, softmax attention over the keys c <= r of the key blocks its
+// query block's mask row selects (kernels::SaleAttend's rows), fp32 accumulation on the tensor
+// cores (scores from bf16 / fp16 Q and K, the probabilities rounded to the dtype for P V, as
+// FlashAttention does). One block per (query block, query head), four warps of 16 rows, the
+// selected key blocks in ascending order with an online softmax. With every causal block
+// selected it is dense causal attention.
+struct SaleAttendParams {
+  int32_t tokens = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;        // 64 or 128
+  DType dtype = DType::kBf16;  // bf16 or fp16
+  float scale = 0.f;
+  const void* q = nullptr;        // device [H, n, d]
+  const void* k = nullptr;        // device [Hkv, n, d]
+  const void* v = nullptr;        // device [Hkv, n, d]
+  void* out = nullptr;            // device [H, n, d]
+  SaleParams blocks;              // block_q 64, block_k 32
+  const uint8_t* mask = nullptr;  // device [H, q_blocks, k_blocks], as SaleSelect writes it
+};
+
+bool SaleAttendSupports(const SaleParams& blocks, int32_t head_dim, DType dtype);
+// cudaErrorInvalidValue for what SaleAttendSupports refuses.
+cudaError_t SaleAttend(const SaleAttendParams& p, cudaStream_t stream);
+
 }  // namespace kvsparse::kernels::cuda
 
 #endif  // KVSPARSE_KERNELS_CUDA_SALE_H_

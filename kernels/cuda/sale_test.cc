@@ -1,13 +1,17 @@
-// SALE's selection pass on the GPU (kernels/cuda/sale.h) against the CPU reference
+// SALE on the GPU (kernels/cuda/sale.h) against the CPU reference (kernels/sale.h). Selection
 // (kernels::SaleSelect): on prompts with heavy keys scattered among ordinary ones, the masks
 // agree block for block wherever the pass decides nothing near a threshold, the sink, local and
 // past-the-diagonal blocks always, every head at tau = 0 selects every causal block; bf16 and
 // fp16, GQA, prompts shorter than sink + local, one block, and a ragged last query block.
+// Computation (kernels::SaleAttend): the same output over the reference's mask, and dense
+// causal attention with every block selected.
 #include "kernels/cuda/sale.h"
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <random>
 #include <string>
 #include <vector>
@@ -79,7 +83,7 @@ Compared Compare(const Prompt& pr, const SaleParams& params, const std::vector<f
   p.q = pr.q.data();
   p.k = pr.k.data();
   SaleMask want;
-  EXPECT_TRUE(SaleSelect(p, params, tau, &want).ok());
+  EXPECT_TRUE(kernels::SaleSelect(p, params, tau, &want).ok());
   DeviceBuffer dq(pr.q.size()), dk(pr.k.size()), dtau(tau.size() * sizeof(float));
   EXPECT_EQ(dq.Upload(pr.q.data(), pr.q.size()), cudaSuccess);
   EXPECT_EQ(dk.Upload(pr.k.data(), pr.k.size()), cudaSuccess);
@@ -181,6 +185,108 @@ TEST(SaleCudaTest, DenseAtTauZeroAndShortPrompts) {
   EXPECT_LE(c.mismatched, c.middle / 500 + 1);
 }
 
+// Prompt `pr` with its v, the GPU computation pass over `mask` (as the CPU's) against
+// kernels::SaleAttend; returns the relative L2 error of the output.
+double AttendError(const Prompt& pr, const SaleParams& params, const SaleMask& mask,
+                   uint32_t seed) {
+  const size_t es = DTypeSize(pr.dtype);
+  std::vector<uint8_t> v(pr.k.size()), want(pr.q.size()), got(pr.q.size());
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (size_t x = 0; x < v.size() / es; ++x) StoreFromFloat(v.data(), x, pr.dtype, nd(rng));
+  SalePrefill p;
+  p.tokens = pr.n;
+  p.num_q_heads = pr.H;
+  p.num_kv_heads = pr.hkv;
+  p.head_dim = pr.d;
+  p.dtype = pr.dtype;
+  p.scale = 1.f / std::sqrt(static_cast<float>(pr.d));
+  p.q = pr.q.data();
+  p.k = pr.k.data();
+  p.v = v.data();
+  p.out = want.data();
+  EXPECT_TRUE(kernels::SaleAttend(p, params, mask).ok());
+  DeviceBuffer dq(pr.q.size()), dk(pr.k.size()), dv(v.size()), dout(got.size()),
+      dmask(mask.selected.size());
+  EXPECT_EQ(dq.Upload(pr.q.data(), pr.q.size()), cudaSuccess);
+  EXPECT_EQ(dk.Upload(pr.k.data(), pr.k.size()), cudaSuccess);
+  EXPECT_EQ(dv.Upload(v.data(), v.size()), cudaSuccess);
+  EXPECT_EQ(dmask.Upload(mask.selected.data(), mask.selected.size()), cudaSuccess);
+  EXPECT_EQ(dout.Poison(), cudaSuccess);
+  SaleAttendParams ap;
+  ap.tokens = pr.n;
+  ap.num_q_heads = pr.H;
+  ap.num_kv_heads = pr.hkv;
+  ap.head_dim = pr.d;
+  ap.dtype = pr.dtype;
+  ap.scale = p.scale;
+  ap.q = dq.get();
+  ap.k = dk.get();
+  ap.v = dv.get();
+  ap.out = dout.get();
+  ap.blocks = params;
+  ap.mask = dmask.as<uint8_t>();
+  EXPECT_EQ(cuda::SaleAttend(ap, nullptr), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(dout.Download(got.data(), got.size()), cudaSuccess);
+  double num = 0, den = 0;
+  for (size_t x = 0; x < got.size() / es; ++x) {
+    const double a = LoadAsFloat(got.data(), x, pr.dtype),
+                 b = LoadAsFloat(want.data(), x, pr.dtype);
+    num += (a - b) * (a - b);
+    den += b * b;
+  }
+  return std::sqrt(num / std::max(den, 1e-30));
+}
+
+SaleMask CpuMask(const Prompt& pr, const SaleParams& params, const std::vector<float>& tau) {
+  SalePrefill p;
+  p.tokens = pr.n;
+  p.num_q_heads = pr.H;
+  p.num_kv_heads = pr.hkv;
+  p.head_dim = pr.d;
+  p.dtype = pr.dtype;
+  p.scale = 1.f / std::sqrt(static_cast<float>(pr.d));
+  p.q = pr.q.data();
+  p.k = pr.k.data();
+  SaleMask m;
+  EXPECT_TRUE(kernels::SaleSelect(p, params, tau, &m).ok());
+  return m;
+}
+
+// The computation pass equals the reference's over the same blocks (within the dtype's rounding
+// of P and of the output), and with every block selected, dense causal attention.
+TEST(SaleCudaTest, AttendMatchesTheCpuReferenceOverTheSameBlocks) {
+  KVSPARSE_REQUIRE_GPU();
+  SaleParams params;
+  for (DType dtype : {DType::kBf16, DType::kFp16}) {
+    for (int32_t d : {64, 128}) {
+      for (int32_t n : {1, 40, 777, 1500}) {
+        const Prompt pr = MakePrompt(n, 8, 2, d, dtype, 17 + n + d);
+        const std::vector<float> tau = {0.f, 1e-4f, 1e-3f, 4e-3f, 8e-3f, 2e-2f, 5e-2f, 0.2f};
+        const SaleMask sparse = CpuMask(pr, params, tau);
+        const double tol = dtype == DType::kBf16 ? 1.5e-2 : 4e-3;
+        const double e_sparse = AttendError(pr, params, sparse, 3);
+        EXPECT_LT(e_sparse, tol) << "sparse, n " << n << " d " << d;
+        SalePrefill shape;
+        shape.tokens = n;
+        shape.num_q_heads = pr.H;
+        shape.num_kv_heads = pr.hkv;
+        shape.head_dim = d;
+        const double e_dense = AttendError(pr, params, SaleFullMask(shape, params), 4);
+        EXPECT_LT(e_dense, tol) << "dense, n " << n << " d " << d;
+        if (n == 1500) {
+          std::printf(
+              "SALE attend %s d=%d n=%d: rel L2 %.2e sparse (%.0f%% of blocks skipped), "
+              "%.2e dense\n",
+              dtype == DType::kBf16 ? "bf16" : "fp16", d, n, e_sparse, 100.0 * sparse.sparsity(),
+              e_dense);
+        }
+      }
+    }
+  }
+}
+
 TEST(SaleCudaTest, RefusesWhatItDoesNotTake) {
   SaleSelectParams sp;
   sp.tokens = 10;
@@ -192,6 +298,14 @@ TEST(SaleCudaTest, RefusesWhatItDoesNotTake) {
   sp.blocks.block_q = 128;  // more than the kernel's 64
   EXPECT_EQ(SaleSelect(sp, nullptr, 0, nullptr), cudaErrorInvalidValue);
   EXPECT_FALSE(SaleSupports(sp.blocks, 64));
+  SaleAttendParams ap;
+  ap.tokens = 10;
+  ap.num_q_heads = 2;
+  ap.num_kv_heads = 1;
+  ap.head_dim = 96;  // the pass takes 64 and 128
+  EXPECT_EQ(cuda::SaleAttend(ap, nullptr), cudaErrorInvalidValue);
+  EXPECT_FALSE(SaleAttendSupports(ap.blocks, 96, DType::kBf16));
+  EXPECT_FALSE(SaleAttendSupports(ap.blocks, 128, DType::kFp32));
 }
 
 }  // namespace
