@@ -4,6 +4,7 @@
 
 #include "kernels/cuda/dense_decode.h"
 #include "kernels/cuda/hash_topk.h"
+#include "kernels/cuda/sale.h"
 #include "kernels/cuda/santa.h"
 
 namespace {
@@ -107,6 +108,45 @@ int32_t kvs_hash_topk(int32_t batch, int32_t num_q_heads, int32_t num_kv_heads, 
   p.counts = counts;
   if (workspace == nullptr) return static_cast<int32_t>(kc::HashTopKWorkspaceBytes(p));
   return kc::HashTopK(p, workspace, workspace_bytes, static_cast<cudaStream_t>(stream));
+}
+
+int32_t kvs_sale_select(int32_t tokens, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
+                        int32_t dtype, float scale, const void* q, const void* k, const float* tau,
+                        int32_t sink, int32_t local, uint8_t* mask, void* workspace,
+                        size_t workspace_bytes, void* stream) {
+  kc::SaleSelectParams p;
+  p.tokens = tokens;
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.dtype = static_cast<DType>(dtype);
+  p.scale = scale;
+  p.q = q;
+  p.k = k;
+  p.tau = tau;
+  p.blocks.sink_tokens = sink;
+  p.blocks.local_tokens = local;
+  p.mask = mask;
+  if (workspace == nullptr) return static_cast<int32_t>(kc::SaleSelectWorkspaceBytes(p));
+  return kc::SaleSelect(p, workspace, workspace_bytes, static_cast<cudaStream_t>(stream));
+}
+
+int32_t kvs_sale_attend(int32_t tokens, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
+                        int32_t dtype, float scale, const void* q, const void* k, const void* v,
+                        void* out, const uint8_t* mask, void* stream) {
+  kc::SaleAttendParams p;
+  p.tokens = tokens;
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.dtype = static_cast<DType>(dtype);
+  p.scale = scale;
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.out = out;
+  p.mask = mask;
+  return kc::SaleAttend(p, static_cast<cudaStream_t>(stream));
 }
 
 const char* kvs_error_string(int32_t err) {

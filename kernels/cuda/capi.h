@@ -41,6 +41,18 @@ int32_t kvs_hash_topk(int32_t batch, int32_t num_q_heads, int32_t num_kv_heads, 
                       int32_t sink, int32_t window, int32_t top_k, int32_t* indices,
                       int32_t* counts, void* workspace, size_t workspace_bytes, void* stream);
 
+// SALE prefill of one prompt (see sale.h), the paper's blocks (64 query, 32 key) with `sink` and
+// `local` tokens: q and out [H, n, d], k and v [Hkv, n, d] (dtype as KvsDecodeArgs), tau [H]
+// floats, mask [H, ceil(n / 64), ceil(n / 32)] bytes. kvs_sale_select with workspace == NULL
+// returns the workspace bytes it needs (no launch).
+int32_t kvs_sale_select(int32_t tokens, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
+                        int32_t dtype, float scale, const void* q, const void* k, const float* tau,
+                        int32_t sink, int32_t local, uint8_t* mask, void* workspace,
+                        size_t workspace_bytes, void* stream);
+int32_t kvs_sale_attend(int32_t tokens, int32_t num_q_heads, int32_t num_kv_heads, int32_t head_dim,
+                        int32_t dtype, float scale, const void* q, const void* k, const void* v,
+                        void* out, const uint8_t* mask, void* stream);
+
 const char* kvs_error_string(int32_t err);
 
 #ifdef __cplusplus

@@ -10,6 +10,19 @@ namespace {
 constexpr int kSelectThreads = 256;
 constexpr int kSelectWarps = kSelectThreads / 32;
 constexpr int kMaxBlock = 64;  // block_q and block_k
+constexpr int kMaxHeadDim = 256;
+
+// c[16 x 8] += a[16 x 32] b[32 x 8], int8 operands, exact int32 sums (mma.m16n8k32; with
+// g = lane / 4 and t = lane % 4: a0 row g, columns 4t .. 4t + 3, a1 row g + 8, a2 and a3 the same
+// rows at columns 16 + 4t; b0 rows 4t .. 4t + 3 of column g, b1 rows 16 + 4t; c as Mma16816's).
+__device__ __forceinline__ void MmaInt8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
 
 int32_t Blocks(int32_t n, int32_t b) { return (n + b - 1) / b; }
 
@@ -202,13 +215,13 @@ __global__ void __launch_bounds__(kSelectThreads)
   const Regions rg = RegionsOf(g, i);
   const int32_t r0 = i * g.bq, rows = min(g.n, r0 + g.bq) - r0;
   const int words = g.d / 4;
-  int* q8 = reinterpret_cast<int*>(smem);                         // [bq][d / 4]
-  int* k8 = q8 + kMaxBlock * words;                               // [bk][d / 4]
-  float* thr = reinterpret_cast<float*>(k8 + kMaxBlock * words);  // [bq]
-  float* qs = thr + kMaxBlock;                                    // [bq]
-  float* qm = qs + kMaxBlock;                                     // [bq]
-  float* qrow = qm + kMaxBlock;                                   // [warps][d]
-  float* sc = qrow + kSelectWarps * g.d;                          // [warps][score_cap]
+  const int qstride = words + 1;           // words per staged int8 row (+1 against conflicts)
+  int* q8 = reinterpret_cast<int*>(smem);  // [bq][qstride]
+  float* thr = reinterpret_cast<float*>(q8 + kMaxBlock * qstride);  // [bq]
+  float* qs = thr + kMaxBlock;                                      // [bq]
+  float* qm = qs + kMaxBlock;                                       // [bq]
+  float* qrow = qm + kMaxBlock;                                     // [warps][d]
+  float* sc = qrow + kSelectWarps * g.d;                            // [warps][score_cap]
   uint8_t* out = mask + (static_cast<int64_t>(h) * gridDim.x + i) * g.k_blocks;
   for (int32_t blk = threadIdx.x; blk < g.k_blocks; blk += blockDim.x) {
     const bool exact = blk <= rg.last && (blk < rg.sink_end || blk >= rg.local_first);
@@ -220,41 +233,65 @@ __global__ void __launch_bounds__(kSelectThreads)
   }
   const int* qsrc =
       reinterpret_cast<const int*>(ops.q + (static_cast<int64_t>(h) * g.n + r0) * g.d);
-  for (int x = threadIdx.x; x < rows * words; x += blockDim.x) q8[x] = qsrc[x];
+  for (int x = threadIdx.x; x < rows * words; x += blockDim.x) {
+    q8[(x / words) * qstride + x % words] = qsrc[x];
+  }
   for (int x = threadIdx.x; x < rows; x += blockDim.x) {
     qs[x] = ops.q_scale[static_cast<int64_t>(h) * g.n + r0 + x];
     qm[x] = ops.q_mean[static_cast<int64_t>(h) * g.n + r0 + x];
   }
-  // Threads per row and the keys each takes.
-  const int per_row = kSelectThreads / kMaxBlock;
-  const int r = threadIdx.x / per_row, sub = threadIdx.x % per_row;
-  for (int32_t blk = rg.sink_end; blk < rg.local_first; ++blk) {
-    __syncthreads();  // q8 / thr ready; k8 free
-    const int* ksrc =
-        reinterpret_cast<const int*>(ops.k + (static_cast<int64_t>(j) * g.n + blk * g.bk) * g.d);
-    for (int x = threadIdx.x; x < g.bk * words; x += blockDim.x) k8[x] = ksrc[x];
-    __syncthreads();
+  __syncthreads();  // q8, qs, qm and thr ready
+  // Each warp estimates whole middle blocks on its own (blocks sink_end + warp, + 8, ...):
+  // S~ tiles of 16 rows x 8 keys with mma.m16n8k32 (int8, exact int32 sums), A from the staged
+  // rows, B straight from the block's int8 keys; a block stops at its first element over the
+  // threshold.
+  const int lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
+  const int row_tiles = (rows + 15) / 16, ksteps = g.d / 32;
+  for (int32_t blk = rg.sink_end + warp; blk < rg.local_first; blk += kSelectWarps) {
+    const int8_t* kb = ops.k + (static_cast<int64_t>(j) * g.n + blk * g.bk) * g.d;
     const float ks = ops.k_scale[static_cast<int64_t>(j) * g.k_blocks + blk];
     bool hit = false;
-    if (r < rows) {
-      const float a = __fmul_rn(qs[r], ks);
-      const int* qr = q8 + r * words;
-      for (int c = sub; c < g.bk && !hit; c += per_row) {
-        const int* kr = k8 + c * words;
-        int acc = 0;
-        for (int w = 0; w < words; ++w) acc = __dp4a(qr[w], kr[w], acc);
-        const float est =
-            __fmul_rn(g.scale, __fadd_rn(__fmul_rn(a, static_cast<float>(acc)), qm[r]));
-        hit = est >= thr[r];
+    for (int kt = 0; kt < g.bk / 8 && !hit; ++kt) {
+      uint32_t bf[kMaxHeadDim / 32][2];
+      const int8_t* kr = kb + static_cast<int64_t>(kt * 8 + gr) * g.d + 4 * tq;
+#pragma unroll
+      for (int x = 0; x < kMaxHeadDim / 32; ++x) {
+        if (x < ksteps) {
+          bf[x][0] = *reinterpret_cast<const uint32_t*>(kr + 32 * x);
+          bf[x][1] = *reinterpret_cast<const uint32_t*>(kr + 32 * x + 16);
+        }
+      }
+      for (int rt = 0; rt < row_tiles && !hit; ++rt) {
+        int acc[4] = {0, 0, 0, 0};
+        const int* qa = q8 + (rt * 16 + gr) * qstride + tq;
+#pragma unroll
+        for (int x = 0; x < kMaxHeadDim / 32; ++x) {
+          if (x < ksteps) {
+            MmaInt8(acc, qa[8 * x], qa[8 * qstride + 8 * x], qa[8 * x + 4],
+                    qa[8 * qstride + 8 * x + 4], bf[x][0], bf[x][1]);
+          }
+        }
+        bool any = false;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = rt * 16 + gr + (e >= 2 ? 8 : 0);
+          if (r < rows) {
+            const float a = __fmul_rn(qs[r], ks);
+            const float est =
+                __fmul_rn(g.scale, __fadd_rn(__fmul_rn(a, static_cast<float>(acc[e])), qm[r]));
+            any |= est >= thr[r];
+          }
+        }
+        hit = __any_sync(0xffffffffu, any);
       }
     }
-    if (__syncthreads_or(hit) && threadIdx.x == 0) out[blk] = 1;
+    if (hit && lane == 0) out[blk] = 1;
   }
 }
 
 size_t SelectSmem(const SelectGeometry& g) {
   const size_t words = g.d / 4;
-  return 2 * kMaxBlock * words * sizeof(int) + 3 * kMaxBlock * sizeof(float) +
+  return kMaxBlock * (words + 1) * sizeof(int) + 3 * kMaxBlock * sizeof(float) +
          static_cast<size_t>(kSelectWarps) * (g.d + g.score_cap) * sizeof(float);
 }
 
@@ -426,8 +463,8 @@ bool SaleSupports(const SaleParams& b, int32_t head_dim) {
   return b.block_q >= 1 && b.block_q <= kMaxBlock && b.block_k >= 1 && b.block_k <= kMaxBlock &&
          b.block_q % b.block_k == 0 && b.sink_tokens >= 0 && b.sink_tokens % b.block_k == 0 &&
          b.local_tokens >= b.block_q && b.local_tokens % b.block_k == 0 &&
-         b.sink_tokens + b.local_tokens <= 1024 && head_dim >= 4 && head_dim <= 256 &&
-         head_dim % 4 == 0;
+         b.sink_tokens + b.local_tokens <= 1024 && b.block_k % 8 == 0 && head_dim >= 32 &&
+         head_dim <= kMaxHeadDim && head_dim % 32 == 0;
 }
 
 size_t SaleSelectWorkspaceBytes(const SaleSelectParams& p) { return Carve(p, nullptr).bytes; }

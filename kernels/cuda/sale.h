@@ -7,8 +7,8 @@
 // Int8 on Hopper: the estimate needs only the sign of S~ - threshold per element, and Hopper's
 // tensor cores run int8 at twice the rate of bf16 (fp8 as fast, but its 3-bit mantissa makes the
 // estimate coarser than int8's 7 bits at the same speed), so this pass uses int8, as the
-// reference does. This first kernel is the correctness step: its middle-block products are
-// __dp4a, one thread per (row, 8 keys); the tensor-core version follows with the same outputs.
+// reference does: each warp estimates whole middle blocks with mma.m16n8k32 (exact int32 sums),
+// stopping a block at its first element over the threshold.
 //
 // Arithmetic follows the reference step for step where it decides a block: the exact scores
 // are sequential fp32 dot products without fused multiply-adds, the int8 products exact
@@ -37,13 +37,13 @@ struct SaleSelectParams {
   int32_t tokens = 0;
   int32_t num_q_heads = 0;
   int32_t num_kv_heads = 0;
-  int32_t head_dim = 0;  // a multiple of 4, at most 256
+  int32_t head_dim = 0;  // a multiple of 32, at most 256
   DType dtype = DType::kBf16;
   float scale = 0.f;
   const void* q = nullptr;
   const void* k = nullptr;
   const float* tau = nullptr;  // device [H], each in [0, 1)
-  SaleParams blocks;           // block_q at most 64
+  SaleParams blocks;           // block_q and block_k at most 64, block_k a multiple of 8
   // device [H, q_blocks, k_blocks], every byte written: 1 where query head h's query block i
   // attends key block j (the sink and local blocks always, no block past the diagonal), as
   // kernels::SaleMask::selected.
