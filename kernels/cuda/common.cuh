@@ -396,6 +396,20 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1
 
 // ---- Scans and compaction: the one copy of each, for every kernel. ----
 
+// The max and the sum over the lanes of a warp (a butterfly: every lane gets the result; the sum
+// in the same order in every lane).
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+template <typename T>
+__device__ __forceinline__ T WarpSum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
 // Inclusive prefix sum over the lanes of a warp (lane i gets v_0 + ... + v_i).
 template <typename T>
 __device__ __forceinline__ T WarpInclusiveSum(T v, int lane) {

@@ -63,18 +63,6 @@ __device__ __forceinline__ int8_t Round8(float x) {
   return static_cast<int8_t>(fminf(fmaxf(rintf(x), -127.f), 127.f));
 }
 
-__device__ __forceinline__ float WarpMax(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-
-__device__ __forceinline__ double WarpSumDouble(double v) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
-
 // Block-wide max of non-negative floats (every thread calls it; red: kSelectWarps floats).
 __device__ __forceinline__ float BlockMaxNonNegative(float v, float* red) {
   v = WarpMax(v);
@@ -193,7 +181,7 @@ __device__ void ExactRowThreshold(const SelectGeometry& g, const Regions& rg, co
   mr = WarpMax(mr);
   double lr = 0.0;
   for (int32_t x = lane; x < count; x += 32) lr += exp(static_cast<double>(sc[x]) - mr);
-  lr = WarpSumDouble(lr);
+  lr = WarpSum(lr);
   if (lane == 0) {
     *thr_out =
         tau > 0.f ? static_cast<float>(static_cast<double>(mr) + log(static_cast<double>(tau) * lr))

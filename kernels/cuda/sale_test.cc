@@ -63,6 +63,20 @@ Prompt MakePrompt(int32_t n, int32_t H, int32_t hkv, int32_t d, DType dtype, uin
   return p;
 }
 
+// The reference's view of a prompt (no v, no output).
+SalePrefill PrefillOf(const Prompt& pr) {
+  SalePrefill p;
+  p.tokens = pr.n;
+  p.num_q_heads = pr.H;
+  p.num_kv_heads = pr.hkv;
+  p.head_dim = pr.d;
+  p.dtype = pr.dtype;
+  p.scale = 1.f / std::sqrt(static_cast<float>(pr.d));
+  p.q = pr.q.data();
+  p.k = pr.k.data();
+  return p;
+}
+
 struct Compared {
   int64_t middle = 0, mismatched = 0, selected_cpu = 0, selected_gpu = 0;
   int64_t unwritten = 0;    // mask bytes the pass left as they were
@@ -73,15 +87,7 @@ struct Compared {
 // the middle blocks where they differ.
 Compared Compare(const Prompt& pr, const SaleParams& params, const std::vector<float>& tau) {
   Compared out;
-  SalePrefill p;
-  p.tokens = pr.n;
-  p.num_q_heads = pr.H;
-  p.num_kv_heads = pr.hkv;
-  p.head_dim = pr.d;
-  p.dtype = pr.dtype;
-  p.scale = 1.f / std::sqrt(static_cast<float>(pr.d));
-  p.q = pr.q.data();
-  p.k = pr.k.data();
+  SalePrefill p = PrefillOf(pr);
   SaleMask want;
   EXPECT_TRUE(kernels::SaleSelect(p, params, tau, &want).ok());
   DeviceBuffer dq(pr.q.size()), dk(pr.k.size()), dtau(tau.size() * sizeof(float));
@@ -194,15 +200,7 @@ double AttendError(const Prompt& pr, const SaleParams& params, const SaleMask& m
   std::mt19937 rng(seed);
   std::normal_distribution<float> nd(0.f, 1.f);
   for (size_t x = 0; x < v.size() / es; ++x) StoreFromFloat(v.data(), x, pr.dtype, nd(rng));
-  SalePrefill p;
-  p.tokens = pr.n;
-  p.num_q_heads = pr.H;
-  p.num_kv_heads = pr.hkv;
-  p.head_dim = pr.d;
-  p.dtype = pr.dtype;
-  p.scale = 1.f / std::sqrt(static_cast<float>(pr.d));
-  p.q = pr.q.data();
-  p.k = pr.k.data();
+  SalePrefill p = PrefillOf(pr);
   p.v = v.data();
   p.out = want.data();
   EXPECT_TRUE(kernels::SaleAttend(p, params, mask).ok());
@@ -240,15 +238,7 @@ double AttendError(const Prompt& pr, const SaleParams& params, const SaleMask& m
 }
 
 SaleMask CpuMask(const Prompt& pr, const SaleParams& params, const std::vector<float>& tau) {
-  SalePrefill p;
-  p.tokens = pr.n;
-  p.num_q_heads = pr.H;
-  p.num_kv_heads = pr.hkv;
-  p.head_dim = pr.d;
-  p.dtype = pr.dtype;
-  p.scale = 1.f / std::sqrt(static_cast<float>(pr.d));
-  p.q = pr.q.data();
-  p.k = pr.k.data();
+  SalePrefill p = PrefillOf(pr);
   SaleMask m;
   EXPECT_TRUE(kernels::SaleSelect(p, params, tau, &m).ok());
   return m;

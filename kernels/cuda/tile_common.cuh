@@ -300,16 +300,6 @@ __device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-__device__ __forceinline__ float WarpMax(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-  return v;
-}
-__device__ __forceinline__ float WarpSum(float v) {
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
 // Per-head statistics of one tile (one warp): lane owns tokens lane*8 .. lane*8+7.
 // m2 = max score (log2 units), ell = sum of u, u[i] = 2^(s - m2) (0 for masked tokens).
 __device__ __forceinline__ void HeadStats(const float* s, int lane, float& m2, float& ell,
