@@ -190,6 +190,81 @@ __device__ void ExactRowThreshold(const SelectGeometry& g, const Regions& rg, co
   __syncwarp();
 }
 
+// Step 1 on the tensor cores (T bf16 or fp16): warp w scores row tile w % 4 (16 rows of the
+// query block, staged as `qb`, row stride qb_stride halves) against every other exact key block
+// (from w / 4: the two halves of the warps split the blocks), S = Q K^T with mma.m16n8k16 and K's
+// fragments read from global memory, an online max and sum per row (fp32, natural units, the
+// reference's scale), written as partials pm / pl [2][kMaxBlock] for the kernel to merge. The
+// sums run in another order than the reference's sequential dots: a threshold may move by an
+// ulp.
+template <typename T>
+__device__ void ExactPartialsMma(const SelectGeometry& g, const Regions& rg, const void* k, int j,
+                                 int32_t r0, int rows, const uint16_t* qb, int qb_stride, float* pm,
+                                 float* pl) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
+  const int rt = warp & 3, parity = warp >> 2;
+  if (rt * 16 >= rows) return;  // the whole warp: a row tile past the prompt
+  const int ra = rt * 16 + gr, rb = ra + 8;
+  const int32_t tile_last_row = r0 + rt * 16 + 15;
+  const uint16_t* kh = static_cast<const uint16_t*>(k) + static_cast<int64_t>(j) * g.n * g.d;
+  const uint16_t* qa = qb + ra * qb_stride + 2 * tq;
+  float ma = kNegInf, mb = kNegInf, la = 0.f, lb = 0.f;
+  const int32_t b_first = max(rg.local_first, rg.sink_end);
+  const int32_t nx = rg.sink_end + (rg.last + 1 - b_first);
+  for (int32_t x = parity; x < nx; x += 2) {
+    const int32_t blk = x < rg.sink_end ? x : b_first + (x - rg.sink_end);
+    for (int kt = 0; kt < g.bk / 8; ++kt) {
+      const int32_t c0 = blk * g.bk + kt * 8;
+      if (c0 > tile_last_row || c0 >= g.n) break;  // causal: no row of the tile reaches it
+      const int32_t key = min(c0 + gr, g.n - 1);   // loads stay in the prompt; masked below
+      const uint16_t* kr = kh + static_cast<int64_t>(key) * g.d + 2 * tq;
+      float acc[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int ks = 0; ks < g.d / 16; ++ks) {
+        const int e = 16 * ks;
+        Mma16816<T>(acc, *reinterpret_cast<const uint32_t*>(qa + e),
+                    *reinterpret_cast<const uint32_t*>(qa + 8 * qb_stride + e),
+                    *reinterpret_cast<const uint32_t*>(qa + e + 8),
+                    *reinterpret_cast<const uint32_t*>(qa + 8 * qb_stride + e + 8),
+                    *reinterpret_cast<const uint32_t*>(kr + e),
+                    *reinterpret_cast<const uint32_t*>(kr + e + 8));
+      }
+      float sv[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int32_t c = c0 + 2 * tq + (e & 1);
+        const int32_t r = r0 + (e < 2 ? ra : rb);
+        sv[e] = c <= r && c < g.n ? __fmul_rn(g.scale, acc[e]) : kNegInf;
+      }
+      float ta = fmaxf(sv[0], sv[1]), tb = fmaxf(sv[2], sv[3]);
+#pragma unroll
+      for (int off = 1; off <= 2; off *= 2) {
+        ta = fmaxf(ta, __shfl_xor_sync(0xffffffffu, ta, off));
+        tb = fmaxf(tb, __shfl_xor_sync(0xffffffffu, tb, off));
+      }
+      const float na = fmaxf(ma, ta), nb = fmaxf(mb, tb);
+      if (na != kNegInf) {
+        la = la * expf(ma - na) + expf(sv[0] - na) + expf(sv[1] - na);
+        ma = na;
+      }
+      if (nb != kNegInf) {
+        lb = lb * expf(mb - nb) + expf(sv[2] - nb) + expf(sv[3] - nb);
+        mb = nb;
+      }
+    }
+  }
+#pragma unroll
+  for (int off = 1; off <= 2; off *= 2) {
+    la += __shfl_xor_sync(0xffffffffu, la, off);
+    lb += __shfl_xor_sync(0xffffffffu, lb, off);
+  }
+  if (tq == 0) {
+    pm[parity * kMaxBlock + ra] = ma;
+    pl[parity * kMaxBlock + ra] = la;
+    pm[parity * kMaxBlock + rb] = mb;
+    pl[parity * kMaxBlock + rb] = lb;
+  }
+}
+
 // One (query block, query head) per block: the exact regions' thresholds per row, then each
 // middle key block estimated from int8 Q and K (one comparison per element), the block's row of
 // the mask written whole.
@@ -208,16 +283,44 @@ __global__ void __launch_bounds__(kSelectThreads)
   float* thr = reinterpret_cast<float*>(q8 + kMaxBlock * qstride);  // [bq]
   float* qs = thr + kMaxBlock;                                      // [bq]
   float* qm = qs + kMaxBlock;                                       // [bq]
-  float* qrow = qm + kMaxBlock;                                     // [warps][d]
-  float* sc = qrow + kSelectWarps * g.d;                            // [warps][score_cap]
+  // Step 1's staging (a union): fp32 prompts, the rows and scores of the sequential dots;
+  // bf16 / fp16, the query block's rows for the tensor cores and the two halves' partials.
+  float* qrow = qm + kMaxBlock;                                    // [warps][d]
+  float* sc = qrow + kSelectWarps * g.d;                           // [warps][score_cap]
+  float* pm = qm + kMaxBlock;                                      // [2][bq]
+  float* pl = pm + 2 * kMaxBlock;                                  // [2][bq]
+  uint16_t* qb = reinterpret_cast<uint16_t*>(pl + 2 * kMaxBlock);  // [bq][d + 8]
+  const int qb_stride = g.d + 8;
   uint8_t* out = mask + (static_cast<int64_t>(h) * gridDim.x + i) * g.k_blocks;
   for (int32_t blk = threadIdx.x; blk < g.k_blocks; blk += blockDim.x) {
     const bool exact = blk <= rg.last && (blk < rg.sink_end || blk >= rg.local_first);
     out[blk] = exact ? 1 : 0;  // the middle blocks are written below
   }
-  for (int32_t r = warp; r < rows; r += kSelectWarps) {
-    ExactRowThreshold<T>(g, rg, q, k, h, r0 + r, tau[h], qrow + warp * g.d, sc + warp * g.score_cap,
-                         &thr[r]);
+  if constexpr (std::is_same_v<T, float>) {
+    for (int32_t r = warp; r < rows; r += kSelectWarps) {
+      ExactRowThreshold<T>(g, rg, q, k, h, r0 + r, tau[h], qrow + warp * g.d,
+                           sc + warp * g.score_cap, &thr[r]);
+    }
+  } else {
+    const uint16_t* qsrc16 =
+        static_cast<const uint16_t*>(q) + (static_cast<int64_t>(h) * g.n + r0) * g.d;
+    for (int x = threadIdx.x; x < kMaxBlock * (g.d / 8); x += blockDim.x) {
+      const int r = x / (g.d / 8), e = (x % (g.d / 8)) * 8;
+      *reinterpret_cast<uint4*>(qb + r * qb_stride + e) =
+          r < rows ? *reinterpret_cast<const uint4*>(qsrc16 + static_cast<int64_t>(r) * g.d + e)
+                   : make_uint4(0, 0, 0, 0);
+    }
+    __syncthreads();
+    ExactPartialsMma<T>(g, rg, k, j, r0, rows, qb, qb_stride, pm, pl);
+    __syncthreads();
+    const float t = tau[h];
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+      const float m0 = pm[r], m1 = pm[kMaxBlock + r], m = fmaxf(m0, m1);
+      const float l = pl[r] * expf(m0 - m) + pl[kMaxBlock + r] * expf(m1 - m);
+      thr[r] = t > 0.f ? static_cast<float>(static_cast<double>(m) +
+                                            log(static_cast<double>(t) * static_cast<double>(l)))
+                       : kNegInf;
+    }
   }
   const int* qsrc =
       reinterpret_cast<const int*>(ops.q + (static_cast<int64_t>(h) * g.n + r0) * g.d);
@@ -279,8 +382,10 @@ __global__ void __launch_bounds__(kSelectThreads)
 
 size_t SelectSmem(const SelectGeometry& g) {
   const size_t words = g.d / 4;
+  const size_t sequential = static_cast<size_t>(kSelectWarps) * (g.d + g.score_cap) * sizeof(float);
+  const size_t mma = 4 * kMaxBlock * sizeof(float) + kMaxBlock * (g.d + 8) * sizeof(uint16_t);
   return kMaxBlock * (words + 1) * sizeof(int) + 3 * kMaxBlock * sizeof(float) +
-         static_cast<size_t>(kSelectWarps) * (g.d + g.score_cap) * sizeof(float);
+         std::max(sequential, mma);
 }
 
 // ---- The computation pass ----------------------------------------------------------------

@@ -10,12 +10,12 @@
 // reference does: each warp estimates whole middle blocks with mma.m16n8k32 (exact int32 sums),
 // stopping a block at its first element over the threshold.
 //
-// Arithmetic follows the reference step for step where it decides a block: the exact scores
-// are sequential fp32 dot products without fused multiply-adds, the int8 products exact
-// integers, the estimate's scaling in the reference's order without fused multiply-adds; only
-// l_r's double sum runs in another order (a threshold moves by an ulp at most), so the masks
-// differ only where an estimate sits within rounding of its threshold (kernels/cuda/sale_test.cc
-// measures it).
+// Arithmetic: the exact regions' scores on the bf16 / fp16 tensor cores (fp32 sums in another
+// order than the reference's sequential dots, so a threshold may move by an ulp; fp32 prompts
+// take the reference's sequential dots), the int8 products exact, the estimate's scaling in the
+// reference's order without fused multiply-adds: the masks differ from the reference's only
+// where an estimate sits within rounding of its threshold (kernels/cuda/sale_test.cc measures
+// it).
 //
 // Launchers never allocate or synchronise: the quantized operands live in the caller's
 // workspace (SaleSelectWorkspaceBytes), so the pass can be captured in a CUDA graph.

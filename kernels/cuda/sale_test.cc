@@ -144,7 +144,8 @@ Compared Compare(const Prompt& pr, const SaleParams& params, const std::vector<f
 
 TEST(SaleCudaTest, SelectionMatchesTheCpuReference) {
   KVSPARSE_REQUIRE_GPU();
-  for (DType dtype : {DType::kBf16, DType::kFp16}) {
+  // bf16 and fp16 score the exact regions on the tensor cores; fp32 as the reference does.
+  for (DType dtype : {DType::kBf16, DType::kFp16, DType::kFp32}) {
     const Prompt pr = MakePrompt(1500, 8, 2, 128, dtype, 11);
     SaleParams params;  // the paper's geometry: 64 / 32, sink 32, local 256
     // One head of each kind: dense (tau 0), permissive, the paper's default, strict.
@@ -154,15 +155,17 @@ TEST(SaleCudaTest, SelectionMatchesTheCpuReference) {
     // Between all and none: the thresholds decide something here.
     EXPECT_GT(c.selected_cpu, c.middle / 16);
     EXPECT_LT(c.selected_cpu, c.middle);
-    // Rounding (l_r's double sum in another order) may flip a block whose estimate sits on its
-    // threshold; on these prompts none or almost none does.
+    // Rounding (the exact regions' sums in another order) may flip a block whose estimate sits
+    // on its threshold; on these prompts none or almost none does.
     EXPECT_LE(c.mismatched, c.middle / 500 + 1)
         << c.mismatched << " of " << c.middle << " middle blocks differ";
     std::printf(
         "SALE selection %s: %lld of %lld middle blocks differ; selected cpu %lld gpu %lld\n",
-        dtype == DType::kBf16 ? "bf16" : "fp16", static_cast<long long>(c.mismatched),
-        static_cast<long long>(c.middle), static_cast<long long>(c.selected_cpu),
-        static_cast<long long>(c.selected_gpu));
+        dtype == DType::kBf16   ? "bf16"
+        : dtype == DType::kFp16 ? "fp16"
+                                : "fp32",
+        static_cast<long long>(c.mismatched), static_cast<long long>(c.middle),
+        static_cast<long long>(c.selected_cpu), static_cast<long long>(c.selected_gpu));
   }
 }
 
