@@ -15,7 +15,7 @@ computation pass with every block selected (the same work as dense: its efficien
 (selection pass, then the computation pass over its mask) at each --tau, with the block sparsity
 and the relative L2 error of the output against cuDNN's. CUDA events around each call on torch's
 current stream; the medians of --iters timed calls after --warmup. The selection pass is timed
-once per tau (its first, correctness-first kernel is slow; see docs/PERF.md).
+once per tau (one call; docs/PERF.md "SALE prefill on the GPU" has the runs).
 
 Usage: python3 tests/bench/sale_bench.py --lib build/lib/libkvsparse_cuda_capi.so \
            [--lens 32768 65536] [--dense-only-lens 131072] [--tau 0.001 0.008] [--json out.json]

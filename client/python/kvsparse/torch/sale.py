@@ -11,8 +11,8 @@ The file is JSON: the block geometry, theta, tau0 and ``thresholds[layer][head]`
 and share of blocks skipped at each.
 
 SALE is off by default (a cache without ``prefill`` prefills through SDPA). Today the op runs
-SALE's CPU reference only: a model on a CUDA device gets the op's ``Unimplemented`` until the
-kernels of issue 31 land.
+SALE's CPU reference only: a model on a CUDA device gets the op's ``Unimplemented`` until the op
+calls the CUDA kernels (kernels/cuda/sale.h, measured in docs/PERF.md; issue 31).
 """
 
 from __future__ import annotations
