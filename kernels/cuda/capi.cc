@@ -42,6 +42,21 @@ kc::SantaParams ToSanta(const KvsDecodeArgs& a, int32_t samples, uint64_t seed,
   return p;
 }
 
+kvsparse::kernels::SalePrefill SalePrompt(int32_t tokens, int32_t num_q_heads, int32_t num_kv_heads,
+                                          int32_t head_dim, int32_t dtype, float scale,
+                                          const void* q, const void* k) {
+  kvsparse::kernels::SalePrefill p;
+  p.tokens = tokens;
+  p.num_q_heads = num_q_heads;
+  p.num_kv_heads = num_kv_heads;
+  p.head_dim = head_dim;
+  p.dtype = static_cast<DType>(dtype);
+  p.scale = scale;
+  p.q = q;
+  p.k = k;
+  return p;
+}
+
 }  // namespace
 
 extern "C" {
@@ -115,14 +130,7 @@ int32_t kvs_sale_select(int32_t tokens, int32_t num_q_heads, int32_t num_kv_head
                         int32_t sink, int32_t local, uint8_t* mask, void* workspace,
                         size_t workspace_bytes, void* stream) {
   kc::SaleSelectParams p;
-  p.tokens = tokens;
-  p.num_q_heads = num_q_heads;
-  p.num_kv_heads = num_kv_heads;
-  p.head_dim = head_dim;
-  p.dtype = static_cast<DType>(dtype);
-  p.scale = scale;
-  p.q = q;
-  p.k = k;
+  p.prompt = SalePrompt(tokens, num_q_heads, num_kv_heads, head_dim, dtype, scale, q, k);
   p.tau = tau;
   p.blocks.sink_tokens = sink;
   p.blocks.local_tokens = local;
@@ -135,16 +143,9 @@ int32_t kvs_sale_attend(int32_t tokens, int32_t num_q_heads, int32_t num_kv_head
                         int32_t dtype, float scale, const void* q, const void* k, const void* v,
                         void* out, const uint8_t* mask, void* stream) {
   kc::SaleAttendParams p;
-  p.tokens = tokens;
-  p.num_q_heads = num_q_heads;
-  p.num_kv_heads = num_kv_heads;
-  p.head_dim = head_dim;
-  p.dtype = static_cast<DType>(dtype);
-  p.scale = scale;
-  p.q = q;
-  p.k = k;
-  p.v = v;
-  p.out = out;
+  p.prompt = SalePrompt(tokens, num_q_heads, num_kv_heads, head_dim, dtype, scale, q, k);
+  p.prompt.v = v;
+  p.prompt.out = out;
   p.mask = mask;
   return kc::SaleAttend(p, static_cast<cudaStream_t>(stream));
 }

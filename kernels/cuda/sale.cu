@@ -38,8 +38,9 @@ struct Operands {
 };
 
 Operands Carve(const SaleSelectParams& p, void* base) {
-  const size_t n = std::max(p.tokens, 0), d = std::max(p.head_dim, 0);
-  const size_t H = std::max(p.num_q_heads, 0), hkv = std::max(p.num_kv_heads, 0);
+  const SalePrefill& pr = p.prompt;
+  const size_t n = std::max(pr.tokens, 0), d = std::max(pr.head_dim, 0);
+  const size_t H = std::max(pr.num_q_heads, 0), hkv = std::max(pr.num_kv_heads, 0);
   const size_t kb = p.blocks.block_k > 0 ? Blocks(static_cast<int32_t>(n), p.blocks.block_k) : 0;
   Operands o;
   size_t at = 0;
@@ -550,6 +551,12 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
   }
 }
 
+// The prompt's token and head counts (what both launchers check beside their own limits).
+bool HeadsOk(const SalePrefill& pr) {
+  return pr.tokens >= 0 && pr.num_kv_heads >= 1 && pr.num_q_heads >= 1 &&
+         pr.num_q_heads % pr.num_kv_heads == 0;
+}
+
 }  // namespace
 
 bool SaleSupports(const SaleParams& b, int32_t head_dim) {
@@ -564,17 +571,15 @@ size_t SaleSelectWorkspaceBytes(const SaleSelectParams& p) { return Carve(p, nul
 
 cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t workspace_bytes,
                        cudaStream_t stream) {
-  if (!SaleSupports(p.blocks, p.head_dim) || p.tokens < 0 || p.num_kv_heads < 1 ||
-      p.num_q_heads < 1 || p.num_q_heads % p.num_kv_heads != 0) {
-    return cudaErrorInvalidValue;
-  }
-  if (p.tokens == 0) return cudaSuccess;
-  if (p.q == nullptr || p.k == nullptr || p.tau == nullptr || p.mask == nullptr) {
+  const SalePrefill& pr = p.prompt;
+  if (!SaleSupports(p.blocks, pr.head_dim) || !HeadsOk(pr)) return cudaErrorInvalidValue;
+  if (pr.tokens == 0) return cudaSuccess;
+  if (pr.q == nullptr || pr.k == nullptr || p.tau == nullptr || p.mask == nullptr) {
     return cudaErrorInvalidValue;
   }
   const Operands ops = Carve(p, workspace);
   if (workspace == nullptr || workspace_bytes < ops.bytes) return cudaErrorInvalidValue;
-  const int32_t n = p.tokens, d = p.head_dim, H = p.num_q_heads, hkv = p.num_kv_heads;
+  const int32_t n = pr.tokens, d = pr.head_dim, H = pr.num_q_heads, hkv = pr.num_kv_heads;
   SelectGeometry g;
   g.n = n;
   g.d = d;
@@ -585,18 +590,18 @@ cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t worksp
   g.local_blocks = p.blocks.local_tokens / g.bk;
   g.k_blocks = Blocks(n, g.bk);
   g.score_cap = p.blocks.sink_tokens + p.blocks.local_tokens + g.bk;
-  g.scale = p.scale;
+  g.scale = pr.scale;
   const dim3 select_grid(Blocks(n, g.bq), H);
   cudaError_t select_err = cudaSuccess;
-  KVSPARSE_CUDA_RETURN_IF_ERROR(ByDtype(p.dtype, [&](auto tag) {
+  KVSPARSE_CUDA_RETURN_IF_ERROR(ByDtype(pr.dtype, [&](auto tag) {
     using T = decltype(tag);
-    KeyMeanKernel<T><<<hkv, d, 0, stream>>>(p.k, n, d, ops.mean);
+    KeyMeanKernel<T><<<hkv, d, 0, stream>>>(pr.k, n, d, ops.mean);
     QuantizeKeysKernel<T>
-        <<<dim3(g.k_blocks, hkv), 128, 0, stream>>>(p.k, ops.mean, n, d, g.bk, ops.k, ops.k_scale);
+        <<<dim3(g.k_blocks, hkv), 128, 0, stream>>>(pr.k, ops.mean, n, d, g.bk, ops.k, ops.k_scale);
     QuantizeQueriesKernel<T><<<dim3(Blocks(n, kSelectWarps), H), kSelectThreads, 0, stream>>>(
-        p.q, ops.mean, n, d, g.group, ops.q, ops.q_scale, ops.q_mean);
+        pr.q, ops.mean, n, d, g.group, ops.q, ops.q_scale, ops.q_mean);
     select_err = LaunchWithSmem(&SelectKernel<T>, select_grid, dim3(kSelectThreads), SelectSmem(g),
-                                stream, g, p.q, p.k, p.tau, ops, p.mask);
+                                stream, g, pr.q, pr.k, p.tau, ops, p.mask);
   }));
   return select_err;
 }
@@ -607,29 +612,30 @@ bool SaleAttendSupports(const SaleParams& b, int32_t head_dim, DType dtype) {
 }
 
 cudaError_t SaleAttend(const SaleAttendParams& p, cudaStream_t stream) {
-  if (!SaleAttendSupports(p.blocks, p.head_dim, p.dtype) || p.tokens < 0 || p.num_kv_heads < 1 ||
-      p.num_q_heads < 1 || p.num_q_heads % p.num_kv_heads != 0) {
+  const SalePrefill& pr = p.prompt;
+  if (!SaleAttendSupports(p.blocks, pr.head_dim, pr.dtype) || !HeadsOk(pr)) {
     return cudaErrorInvalidValue;
   }
-  if (p.tokens == 0) return cudaSuccess;
-  if (p.q == nullptr || p.k == nullptr || p.v == nullptr || p.out == nullptr || p.mask == nullptr) {
+  if (pr.tokens == 0) return cudaSuccess;
+  if (pr.q == nullptr || pr.k == nullptr || pr.v == nullptr || pr.out == nullptr ||
+      p.mask == nullptr) {
     return cudaErrorInvalidValue;
   }
   AttendGeometry g;
-  g.n = p.tokens;
-  g.group = p.num_q_heads / p.num_kv_heads;
-  g.k_blocks = Blocks(p.tokens, kAttendBk);
-  g.q_blocks = Blocks(p.tokens, kAttendBq);
-  g.scale_log2 = p.scale * kLog2e;
-  const dim3 grid(g.q_blocks, p.num_q_heads), block(kAttendWarps * 32);
+  g.n = pr.tokens;
+  g.group = pr.num_q_heads / pr.num_kv_heads;
+  g.k_blocks = Blocks(pr.tokens, kAttendBk);
+  g.q_blocks = Blocks(pr.tokens, kAttendBq);
+  g.scale_log2 = pr.scale * kLog2e;
+  const dim3 grid(g.q_blocks, pr.num_q_heads), block(kAttendWarps * 32);
   auto launch = [&](auto kernel) {
-    kernel<<<grid, block, 0, stream>>>(g, p.q, p.k, p.v, p.out, p.mask);
+    kernel<<<grid, block, 0, stream>>>(g, pr.q, pr.k, pr.v, pr.out, p.mask);
     return cudaGetLastError();
   };
-  if (p.dtype == DType::kBf16) {
-    return p.head_dim == 64 ? launch(&AttendKernel<Bf16, 64>) : launch(&AttendKernel<Bf16, 128>);
+  if (pr.dtype == DType::kBf16) {
+    return pr.head_dim == 64 ? launch(&AttendKernel<Bf16, 64>) : launch(&AttendKernel<Bf16, 128>);
   }
-  return p.head_dim == 64 ? launch(&AttendKernel<Fp16, 64>) : launch(&AttendKernel<Fp16, 128>);
+  return pr.head_dim == 64 ? launch(&AttendKernel<Fp16, 64>) : launch(&AttendKernel<Fp16, 128>);
 }
 
 }  // namespace kvsparse::kernels::cuda

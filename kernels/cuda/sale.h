@@ -33,15 +33,9 @@
 namespace kvsparse::kernels::cuda {
 
 struct SaleSelectParams {
-  // One prompt, head-major as kernels::SalePrefill: q [H, n, d], k [Hkv, n, d], device.
-  int32_t tokens = 0;
-  int32_t num_q_heads = 0;
-  int32_t num_kv_heads = 0;
-  int32_t head_dim = 0;  // a multiple of 32, at most 256
-  DType dtype = DType::kBf16;
-  float scale = 0.f;
-  const void* q = nullptr;
-  const void* k = nullptr;
+  // One prompt as the reference takes it, its q and k on the device (v and out unread); head
+  // dim a multiple of 32, at most 256.
+  SalePrefill prompt;
   const float* tau = nullptr;  // device [H], each in [0, 1)
   SaleParams blocks;           // block_q and block_k at most 64, block_k a multiple of 8
   // device [H, q_blocks, k_blocks], every byte written: 1 where query head h's query block i
@@ -64,16 +58,9 @@ bool SaleSupports(const SaleParams& blocks, int32_t head_dim);
 // selected key blocks in ascending order with an online softmax. With every causal block
 // selected it is dense causal attention.
 struct SaleAttendParams {
-  int32_t tokens = 0;
-  int32_t num_q_heads = 0;
-  int32_t num_kv_heads = 0;
-  int32_t head_dim = 0;        // 64 or 128
-  DType dtype = DType::kBf16;  // bf16 or fp16
-  float scale = 0.f;
-  const void* q = nullptr;        // device [H, n, d]
-  const void* k = nullptr;        // device [Hkv, n, d]
-  const void* v = nullptr;        // device [Hkv, n, d]
-  void* out = nullptr;            // device [H, n, d]
+  // One prompt as the reference takes it, q, k, v and out on the device; head dim 64 or 128,
+  // bf16 or fp16.
+  SalePrefill prompt;
   SaleParams blocks;              // block_q 64, block_k 32
   const uint8_t* mask = nullptr;  // device [H, q_blocks, k_blocks], as SaleSelect writes it
 };

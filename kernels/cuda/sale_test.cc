@@ -20,6 +20,7 @@
 #include "kernels/cuda/cuda_test_util.h"
 #include "kernels/dtype.h"
 #include "kernels/sale.h"
+#include "kernels/synthetic.h"
 
 namespace kvsparse::kernels::cuda {
 namespace {
@@ -97,14 +98,9 @@ Compared Compare(const Prompt& pr, const SaleParams& params, const std::vector<f
   DeviceBuffer dmask(want.selected.size());
   EXPECT_EQ(dmask.Poison(0xAB), cudaSuccess);
   SaleSelectParams sp;
-  sp.tokens = pr.n;
-  sp.num_q_heads = pr.H;
-  sp.num_kv_heads = pr.hkv;
-  sp.head_dim = pr.d;
-  sp.dtype = pr.dtype;
-  sp.scale = p.scale;
-  sp.q = dq.get();
-  sp.k = dk.get();
+  sp.prompt = p;
+  sp.prompt.q = dq.get();
+  sp.prompt.k = dk.get();
   sp.tau = dtau.as<float>();
   sp.blocks = params;
   sp.mask = dmask.as<uint8_t>();
@@ -215,29 +211,22 @@ double AttendError(const Prompt& pr, const SaleParams& params, const SaleMask& m
   EXPECT_EQ(dmask.Upload(mask.selected.data(), mask.selected.size()), cudaSuccess);
   EXPECT_EQ(dout.Poison(), cudaSuccess);
   SaleAttendParams ap;
-  ap.tokens = pr.n;
-  ap.num_q_heads = pr.H;
-  ap.num_kv_heads = pr.hkv;
-  ap.head_dim = pr.d;
-  ap.dtype = pr.dtype;
-  ap.scale = p.scale;
-  ap.q = dq.get();
-  ap.k = dk.get();
-  ap.v = dv.get();
-  ap.out = dout.get();
+  ap.prompt = p;
+  ap.prompt.q = dq.get();
+  ap.prompt.k = dk.get();
+  ap.prompt.v = dv.get();
+  ap.prompt.out = dout.get();
   ap.blocks = params;
   ap.mask = dmask.as<uint8_t>();
   EXPECT_EQ(cuda::SaleAttend(ap, nullptr), cudaSuccess);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(dout.Download(got.data(), got.size()), cudaSuccess);
-  double num = 0, den = 0;
-  for (size_t x = 0; x < got.size() / es; ++x) {
-    const double a = LoadAsFloat(got.data(), x, pr.dtype),
-                 b = LoadAsFloat(want.data(), x, pr.dtype);
-    num += (a - b) * (a - b);
-    den += b * b;
+  std::vector<double> ref(got.size() / es), out(got.size() / es);
+  for (size_t x = 0; x < ref.size(); ++x) {
+    ref[x] = LoadAsFloat(want.data(), x, pr.dtype);
+    out[x] = LoadAsFloat(got.data(), x, pr.dtype);
   }
-  return std::sqrt(num / std::max(den, 1e-30));
+  return RelativeL2(ref, out);
 }
 
 SaleMask CpuMask(const Prompt& pr, const SaleParams& params, const std::vector<float>& tau) {
@@ -261,12 +250,7 @@ TEST(SaleCudaTest, AttendMatchesTheCpuReferenceOverTheSameBlocks) {
         const double tol = dtype == DType::kBf16 ? 1.5e-2 : 4e-3;
         const double e_sparse = AttendError(pr, params, sparse, 3);
         EXPECT_LT(e_sparse, tol) << "sparse, n " << n << " d " << d;
-        SalePrefill shape;
-        shape.tokens = n;
-        shape.num_q_heads = pr.H;
-        shape.num_kv_heads = pr.hkv;
-        shape.head_dim = d;
-        const double e_dense = AttendError(pr, params, SaleFullMask(shape, params), 4);
+        const double e_dense = AttendError(pr, params, SaleFullMask(PrefillOf(pr), params), 4);
         EXPECT_LT(e_dense, tol) << "dense, n " << n << " d " << d;
         if (n == 1500) {
           std::printf(
@@ -282,20 +266,18 @@ TEST(SaleCudaTest, AttendMatchesTheCpuReferenceOverTheSameBlocks) {
 
 TEST(SaleCudaTest, RefusesWhatItDoesNotTake) {
   SaleSelectParams sp;
-  sp.tokens = 10;
-  sp.num_q_heads = 2;
-  sp.num_kv_heads = 1;
-  sp.head_dim = 66;  // not a multiple of 4
+  sp.prompt.tokens = 10;
+  sp.prompt.num_q_heads = 2;
+  sp.prompt.num_kv_heads = 1;
+  sp.prompt.head_dim = 66;  // not a multiple of 32
   EXPECT_EQ(SaleSelect(sp, nullptr, 0, nullptr), cudaErrorInvalidValue);
-  sp.head_dim = 64;
+  sp.prompt.head_dim = 64;
   sp.blocks.block_q = 128;  // more than the kernel's 64
   EXPECT_EQ(SaleSelect(sp, nullptr, 0, nullptr), cudaErrorInvalidValue);
   EXPECT_FALSE(SaleSupports(sp.blocks, 64));
   SaleAttendParams ap;
-  ap.tokens = 10;
-  ap.num_q_heads = 2;
-  ap.num_kv_heads = 1;
-  ap.head_dim = 96;  // the pass takes 64 and 128
+  ap.prompt = sp.prompt;
+  ap.prompt.head_dim = 96;  // the pass takes 64 and 128
   EXPECT_EQ(cuda::SaleAttend(ap, nullptr), cudaErrorInvalidValue);
   EXPECT_FALSE(SaleAttendSupports(ap.blocks, 96, DType::kBf16));
   EXPECT_FALSE(SaleAttendSupports(ap.blocks, 128, DType::kFp32));
