@@ -111,12 +111,8 @@ SaleMask EmptyMask(const SalePrefill& p, const SaleParams& params) {
   m.q_blocks = (p.tokens + params.block_q - 1) / params.block_q;
   m.k_blocks = (p.tokens + params.block_k - 1) / params.block_k;
   m.selected.assign(static_cast<size_t>(m.heads) * m.q_blocks * m.k_blocks, 0);
-  m.causal_blocks.assign(m.heads, 0);
+  m.causal_blocks.assign(m.heads, SaleCausalBlocks(p.tokens, params));
   m.selected_blocks.assign(m.heads, 0);
-  for (int32_t h = 0; h < m.heads; ++h) {
-    for (int32_t i = 0; i < m.q_blocks; ++i)
-      m.causal_blocks[h] += RegionsOf(params, p.tokens, i).last + 1;
-  }
   return m;
 }
 
@@ -166,6 +162,12 @@ double SaleMask::sparsity() const {
     sel += selected_blocks[h];
   }
   return causal > 0 ? 1.0 - static_cast<double>(sel) / static_cast<double>(causal) : 0.0;
+}
+
+int64_t SaleCausalBlocks(int32_t tokens, const SaleParams& params) {
+  int64_t blocks = 0;
+  for (int32_t i = 0; i * params.block_q < tokens; ++i) blocks += RegionsOf(params, tokens, i).last + 1;
+  return blocks;
 }
 
 SaleMask SaleFullMask(const SalePrefill& p, const SaleParams& params) {

@@ -88,6 +88,9 @@ struct SaleMask {
 [[nodiscard]] absl::Status SaleSelect(const SalePrefill& p, const SaleParams& params,
                                       absl::Span<const float> tau, SaleMask* mask);
 
+// The blocks at or before the causal diagonal of one head (SaleMask::causal_blocks' entries).
+int64_t SaleCausalBlocks(int32_t tokens, const SaleParams& params);
+
 // Every causal block selected (dense attention through SaleAttend).
 SaleMask SaleFullMask(const SalePrefill& p, const SaleParams& params);
 

@@ -13,6 +13,7 @@
 #include <torch/library.h>
 #if __has_include(<ATen/cuda/CUDAContext.h>)
 #include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
 #define KVSPARSE_TORCH_CUDA 1
 #endif
 
@@ -33,6 +34,9 @@
 #include "kernels/saap.h"
 #include "kernels/sale.h"
 #include "op/op_engine.h"
+#if defined(KVSPARSE_WITH_CUDA)
+#include "kernels/cuda/sale.h"
+#endif
 
 namespace kvsparse::torch_ops {
 namespace {
@@ -588,21 +592,95 @@ at::Tensor StepStats(int64_t engine, int64_t handle) {
 #endif
 }
 
+// SALE's block geometry from the op's arguments.
+kernels::SaleParams SaleParamsOf(int64_t block_q, int64_t block_k, int64_t sink_tokens,
+                                 int64_t local_tokens) {
+  kernels::SaleParams params;
+  params.block_q = static_cast<int32_t>(block_q);
+  params.block_k = static_cast<int32_t>(block_k);
+  params.sink_tokens = static_cast<int32_t>(sink_tokens);
+  params.local_tokens = static_cast<int32_t>(local_tokens);
+  Check(kernels::ValidateSaleParams(params));
+  return params;
+}
+
+// SALE's CPU reference over host tensors; blocks as the op returns them.
+at::Tensor SalePrefillHost(const kernels::SalePrefill& p, const kernels::SaleParams& params,
+                           at::ArrayRef<double> tau) {
+  const std::vector<float> thresholds(tau.begin(), tau.end());
+  kernels::SaleMask mask;
+  Check(kernels::SaleSelect(p, params, thresholds, &mask));
+  Check(kernels::SaleAttend(p, params, mask));
+  at::Tensor blocks = at::empty({p.num_q_heads, 2}, at::TensorOptions().dtype(at::kLong));
+  for (int32_t h = 0; h < p.num_q_heads; ++h) {
+    blocks[h][0] = mask.causal_blocks[h];
+    blocks[h][1] = mask.selected_blocks[h];
+  }
+  return blocks;
+}
+
+#if KVSPARSE_TORCH_CUDA && defined(KVSPARSE_WITH_CUDA)
+void CheckCuda(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    Raise(absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorString(e))));
+  }
+}
+
+// SALE's CUDA kernels (kernels/cuda/sale.h) on the caller's current stream: the thresholds, the
+// mask and the selection's workspace come from torch's allocators, nothing synchronises, and
+// blocks stays on the device. What the kernels do not take is Unimplemented, naming it.
+at::Tensor SalePrefillCuda(const at::Tensor& q, const kernels::SalePrefill& p,
+                           const kernels::SaleParams& params, at::ArrayRef<double> tau) {
+  namespace kc = kernels::cuda;
+  if (!kc::SaleSupports(params, p.head_dim) ||
+      !kc::SaleAttendSupports(params, p.head_dim, p.dtype)) {
+    Raise(absl::UnimplementedError(absl::StrCat(
+        "sale_prefill on CUDA takes bf16 or fp16, head_dim 64 or 128, block_q 64, block_k 32 and "
+        "sink + local at most 1024 tokens (got ", kernels::DTypeName(p.dtype), ", head_dim ",
+        p.head_dim, ", block_q ", params.block_q, ", block_k ", params.block_k, ", sink ",
+        params.sink_tokens, ", local ", params.local_tokens, "); CPU tensors run any of them")));
+  }
+  const c10::cuda::CUDAGuard guard(q.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream(q.get_device()).stream();
+  const at::TensorOptions bytes = q.options().dtype(at::kByte);
+  const at::Tensor tau_host =
+      at::tensor(std::vector<float>(tau.begin(), tau.end()), at::kFloat).pin_memory();
+  const at::Tensor tau_dev = tau_host.to(q.device(), /*non_blocking=*/true);
+  const int64_t q_blocks = (p.tokens + params.block_q - 1) / params.block_q;
+  const int64_t k_blocks = (p.tokens + params.block_k - 1) / params.block_k;
+  at::Tensor mask = at::empty({p.num_q_heads, q_blocks, k_blocks}, bytes);
+  kc::SaleSelectParams sp;
+  sp.prompt = p;
+  sp.tau = tau_dev.data_ptr<float>();
+  sp.blocks = params;
+  sp.mask = mask.data_ptr<uint8_t>();
+  const size_t ws_bytes = kc::SaleSelectWorkspaceBytes(sp);
+  at::Tensor ws = at::empty({static_cast<int64_t>(ws_bytes)}, bytes);
+  CheckCuda(kc::SaleSelect(sp, ws.data_ptr(), ws_bytes, stream), "sale_prefill selection");
+  kc::SaleAttendParams ap;
+  ap.prompt = p;
+  ap.blocks = params;
+  ap.mask = mask.data_ptr<uint8_t>();
+  CheckCuda(kc::SaleAttend(ap, stream), "sale_prefill computation");
+  const at::Tensor selected = mask.sum({1, 2}, /*keepdim=*/false, at::kLong);
+  return at::stack({at::full_like(selected, kernels::SaleCausalBlocks(p.tokens, params)),
+                    selected},
+                   1);
+}
+#endif
+
 // SALE prefill (kernels/sale.h) of one prompt: q [H, n, d], k and v [Hkv, n, d] (a leading
 // batch dimension of 1 is accepted), one threshold per query head. Returns the output
-// [H, n, d] and per head the causal blocks and those computed ([H, 2], int64). The CPU
-// reference; the CUDA kernels are issue 31's next step, so CUDA tensors are refused.
+// [H, n, d] and per head the causal blocks and those computed ([H, 2], int64, on q's device).
+// CPU tensors run the reference; CUDA tensors SALE's kernels (SalePrefillCuda).
 std::tuple<at::Tensor, at::Tensor> SalePrefill(const at::Tensor& q_in, const at::Tensor& k_in,
                                                const at::Tensor& v_in, at::ArrayRef<double> tau,
                                                double scale, int64_t block_q, int64_t block_k,
                                                int64_t sink_tokens, int64_t local_tokens) {
-  auto squeeze = [](const at::Tensor& t, const char* name) {
+  auto squeeze = [&](const at::Tensor& t, const char* name) {
     at::Tensor r = t.dim() == 4 && t.size(0) == 1 ? t.squeeze(0) : t;
     if (r.dim() != 3) Invalid(absl::StrCat(name, ": [heads, tokens, head_dim] (or [1, ...])"));
-    if (r.device().is_cuda()) {
-      Raise(absl::UnimplementedError(
-          "sale_prefill: no CUDA kernel yet (CPU tensors run the reference, kernels/sale.h)"));
-    }
+    if (r.device() != q_in.device()) Invalid("q, k and v must be on one device");
     return r.contiguous();
   };
   const at::Tensor q = squeeze(q_in, "q"), k = squeeze(k_in, "k"), v = squeeze(v_in, "v");
@@ -611,6 +689,7 @@ std::tuple<at::Tensor, at::Tensor> SalePrefill(const at::Tensor& q_in, const at:
   if (k.sizes() != v.sizes() || q.size(1) != k.size(1) || q.size(2) != k.size(2)) {
     Invalid("k and v [Hkv, n, d] must match q [H, n, d] in tokens and head_dim");
   }
+  if (static_cast<int64_t>(tau.size()) != q.size(0)) Invalid("tau: one threshold per query head");
   at::Tensor out = at::empty_like(q);
   kernels::SalePrefill p;
   p.tokens = static_cast<int32_t>(q.size(1));
@@ -623,21 +702,17 @@ std::tuple<at::Tensor, at::Tensor> SalePrefill(const at::Tensor& q_in, const at:
   p.k = k.data_ptr();
   p.v = v.data_ptr();
   p.out = out.data_ptr();
-  kernels::SaleParams params;
-  params.block_q = static_cast<int32_t>(block_q);
-  params.block_k = static_cast<int32_t>(block_k);
-  params.sink_tokens = static_cast<int32_t>(sink_tokens);
-  params.local_tokens = static_cast<int32_t>(local_tokens);
-  const std::vector<float> thresholds(tau.begin(), tau.end());
-  kernels::SaleMask mask;
-  Check(kernels::SaleSelect(p, params, thresholds, &mask));
-  Check(kernels::SaleAttend(p, params, mask));
-  at::Tensor blocks = at::empty({p.num_q_heads, 2}, at::TensorOptions().dtype(at::kLong));
-  for (int32_t h = 0; h < p.num_q_heads; ++h) {
-    blocks[h][0] = mask.causal_blocks[h];
-    blocks[h][1] = mask.selected_blocks[h];
+  Check(kernels::ValidateSalePrefill(p));
+  const kernels::SaleParams params = SaleParamsOf(block_q, block_k, sink_tokens, local_tokens);
+  for (double t : tau) {
+    if (!(t >= 0.0 && t < 1.0)) Invalid(absl::StrCat("tau: each threshold in [0, 1), got ", t));
   }
-  return {out, blocks};
+  if (!q.is_cuda()) return {out, SalePrefillHost(p, params, tau)};
+#if KVSPARSE_TORCH_CUDA && defined(KVSPARSE_WITH_CUDA)
+  return {out, SalePrefillCuda(q, p, params, tau)};
+#else
+  Raise(absl::UnimplementedError("sale_prefill: this build has no CUDA kernels"));
+#endif
 }
 
 // SALE's per-head calibration (kernels::SaleCalibrate) over the samples of one layer: each
@@ -677,11 +752,7 @@ SaleCalibrate(at::TensorList qs, at::TensorList ks, at::TensorList vs, double th
     p.out = keep.back().data_ptr();
     samples.push_back(p);
   }
-  kernels::SaleParams params;
-  params.block_q = static_cast<int32_t>(block_q);
-  params.block_k = static_cast<int32_t>(block_k);
-  params.sink_tokens = static_cast<int32_t>(sink_tokens);
-  params.local_tokens = static_cast<int32_t>(local_tokens);
+  const kernels::SaleParams params = SaleParamsOf(block_q, block_k, sink_tokens, local_tokens);
   absl::StatusOr<kernels::SaleCalibration> c = kernels::SaleCalibrate(
       samples, params, theta, static_cast<float>(tau0), static_cast<int32_t>(max_halvings));
   if (!c.ok()) Raise(c.status());

@@ -18,7 +18,9 @@
 # TRAIN_ARGS into $MODEL (default build/quality/model: it stays there for a later "quality" run on
 # the same host);
 # "quality": tests/quality/harness.py over $MODEL with QUALITY_ARGS, into $OUT/quality;
-# "hashrecall": tests/quality/hash_recall.py over $MODEL with HASH_ARGS, into $OUT/hash),
+# "hashrecall": tests/quality/hash_recall.py over $MODEL with HASH_ARGS, into $OUT/hash;
+# "sale": tests/quality/sale_quality.py (SALE prefill against dense) over $MODEL with SALE_ARGS,
+# into $OUT/sale),
 # BENCH_ARGS (extra kernel_bench.py args),
 # REFS=0 (benchmark without FlashInfer and the S2ANTA reference kernels: SDPA and ours only),
 # NCU_ARGS (kernel_bench.py args of the profiled run; default B=8, n=32k).
@@ -103,7 +105,7 @@ if [[ " $STEPS " == *" rpc "* ]]; then
   note "rpc_decode_bench rc=${PIPESTATUS[0]}"
 fi
 
-if [[ " $STEPS " =~ " "(python|e2e|pyrpc|train|quality|hashrecall)" " ]]; then
+if [[ " $STEPS " =~ " "(python|e2e|pyrpc|train|quality|hashrecall|sale)" " ]]; then
   # The image has torch and transformers; the kvsparse package, grpcio and protobuf of the
   # versions its stubs need come as wheels in .whl (scripts/gpu_wheels.sh).
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -147,6 +149,12 @@ if [[ " $STEPS " == *" quality "* ]]; then
   timeout ${QUALITY_TIMEOUT:-560} python3 tests/quality/harness.py --model "$MODEL" --out "$OUT/quality" \
     ${QUALITY_ARGS:-} 2>&1 | grep -vE "^(Loading|  step )" > "$OUT/quality.log"
   note "harness rc=${PIPESTATUS[0]}: $(tail -1 "$OUT/quality.log")"
+fi
+
+if [[ " $STEPS " == *" sale "* ]]; then
+  timeout ${SALE_TIMEOUT:-560} python3 tests/quality/sale_quality.py --model "$MODEL" --out "$OUT/sale" \
+    ${SALE_ARGS:-} 2>&1 | grep -vE "^Loading" > "$OUT/sale_quality.log"
+  note "sale_quality rc=${PIPESTATUS[0]}: $(tail -1 "$OUT/sale_quality.log")"
 fi
 
 if [[ " $STEPS " == *" e2e "* ]]; then

@@ -283,9 +283,12 @@ def ppl_change_interval(nll: list[float], dense: list[float]) -> tuple[float, fl
 
 @torch.no_grad()
 def passkeys(model: Any, held: np.ndarray, lengths: list[int], depths: list[float], trials: int, engine: Any,
-             method: Any, device: str, seed: int, placement: Placement | None = None) -> dict[str, float]:
+             method: Any, device: str, seed: int, placement: Placement | None = None, prefill: Any = None,
+             stats: list[khf.CacheStats] | None = None) -> dict[str, float]:
     """Greedy generation of the pass key after its question, `trials` documents per (length,
-    depth) in one batch (same length: no padding); accuracy per cell."""
+    depth) in one batch (same length: no padding); accuracy per cell. `prefill`: SALE's
+    thresholds for the prompt (KvSparseCache's prefill); each cache's statistics are appended to
+    `stats` when given."""
     out: dict[str, float] = {}
     for n in lengths:
         for depth in depths:
@@ -298,8 +301,10 @@ def passkeys(model: Any, held: np.ndarray, lengths: list[int], depths: list[floa
                 gen = model.generate(prompts, **kwargs)
             else:
                 with khf.KvSparseCache(model.config, engine, method=method, placement=placement,
-                                       seed=seed) as cache:
+                                       seed=seed, prefill=prefill) as cache:
                     gen = model.generate(prompts, past_key_values=cache, **kwargs)
+                if stats is not None:
+                    stats.append(cache.stats)
             ok = sum(bytes(gen[i, prompts.shape[1] :].tolist()).decode(errors="replace") == key
                      for i, (_, key) in enumerate(docs))
             out[f"{n}@{depth:.1f}"] = ok / trials

@@ -79,3 +79,25 @@ def test_hash_recall_smoke(smoke_model: Path, tmp_path: Path) -> None:
         for key in ("oracle_recall", "oracle_mass", "recall", "mass", "top32_in_1_16", "top32_in_1_32"):
             for name in ("learned", "simhash"):
                 assert 0.0 <= run_["mean"][f"{name}_{key}"] <= 1.0 + 1e-6, (key, run_["mean"])
+
+
+def test_sale_quality_smoke(smoke_model: Path, tmp_path: Path) -> None:
+    """SALE prefill's quality script (sale_quality.py --smoke, the CPU reference): thresholds
+    calibrated and saved, the prompt and decode perplexities against dense prefill with their
+    intervals, pass keys of both, the table written."""
+    if not ops.available():
+        pytest.skip("the in-process op (libkvsparse_torch.so) is not built")
+    run = subprocess.run([sys.executable, str(HERE / "sale_quality.py"), "--smoke", "--model", str(smoke_model),
+                          "--out", str(tmp_path), "--theta", "0.05"], capture_output=True, text=True,
+                         timeout=600, env=os.environ)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert set(r["dense"]["passkey"]) == {"640@0.5"} and r["dense"]["contexts"]["640"]["skipped"] == 0.0
+    sale = r["runs"]["SALE theta=0.05"]
+    assert len(sale["thresholds"]) == r["model"]["num_hidden_layers"]
+    c = sale["contexts"]["640"]
+    assert c["prompt"]["ppl"] > 1.0 and c["decode"]["ppl"] > 1.0
+    lo, hi = c["prompt"]["ppl_change_ci95"]
+    assert lo <= c["prompt"]["ppl_change"] <= hi
+    assert 0.0 <= c["skipped"] < 1.0 and set(sale["passkey"]) == {"640@0.5"}
+    assert (tmp_path / "sale-theta0.05.json").exists() and "SALE theta=0.05" in (tmp_path / "results.md").read_text()

@@ -1,7 +1,8 @@
-"""SALE prefill through the op (kvsparse.torch.ops.sale_prefill, the CPU reference of kernels/sale.h):
-at tau 0 it is torch's causal scaled-dot-product attention (GQA, a ragged length, bf16 and
-fp32); on a prompt with a sink and a few planted keys a threshold skips blocks while the output
-stays close; bad input raises kvsparse's errors."""
+"""SALE prefill through the op (kvsparse.torch.ops.sale_prefill): on CPU tensors the reference of
+kernels/sale.h, on CUDA tensors the kernels of kernels/cuda/sale.h. At tau 0 it is torch's causal
+scaled-dot-product attention (GQA, a ragged length, short prompts, bf16 / fp16 / fp32); on a
+prompt with a sink and a few planted keys a threshold skips blocks while the output stays
+close, the CUDA kernels skipping the reference's blocks; bad input raises kvsparse's errors."""
 
 from __future__ import annotations
 
@@ -65,11 +66,94 @@ def test_bad_input_is_refused() -> None:
         ops.sale_prefill(q, k[:, :50], k[:, :50], 0.1)
 
 
-@pytest.mark.gpu
-def test_cuda_tensors_say_the_kernel_is_not_there_yet() -> None:
+def cuda_or_skip() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
-    q = torch.randn(4, 100, 16, device="cuda")
-    k = torch.randn(2, 100, 16, device="cuda")
-    with pytest.raises(kvsparse.KvSparseError, match="no CUDA kernel yet"):
+
+
+def peaked_prompt(n: int, d: int, dtype: torch.dtype, seed: int = 0, heads: int = 8, kv_heads: int = 2):
+    """A sink every query attends to (logit about 17), a few planted keys, noise elsewhere."""
+    g = torch.Generator().manual_seed(seed)
+    q = 0.3 * torch.randn(heads, n, d, generator=g)
+    k = 0.3 * torch.randn(kv_heads, n, d, generator=g)
+    v = torch.randn(kv_heads, n, d, generator=g)
+    sink = torch.randn(d, generator=g) / d**0.5
+    k[:, 0] += 14 * d**0.5 * sink
+    q += 1.2 * sink
+    for t in torch.randint(300, n, (6,), generator=g).tolist():  # a few heavy keys in the middle
+        k[:, t] += 10 * d**0.5 * sink
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d,n", [(128, 1500), (64, 700), (64, 200), (128, 40)])
+def test_cuda_kernels_at_tau_zero_are_causal_attention(dtype: torch.dtype, d: int, n: int) -> None:
+    """On CUDA tensors the op runs SALE's kernels: every block at tau 0 (a ragged last block, a
+    prompt shorter than sink + local, one block), GQA groups of 4, output on the device."""
+    cuda_or_skip()
+    q, k, v = (t.cuda() for t in peaked_prompt(n, d, dtype, seed=n))
+    out, skipped = ops.sale_prefill(q, k, v, 0.0)
+    assert out.device == q.device and out.dtype == dtype and out.shape == q.shape
+    assert skipped.device == q.device and torch.all(skipped == 0)
+    torch.testing.assert_close(out.float(), sdpa(q, k, v), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_kernels_skip_the_blocks_the_reference_skips(dtype: torch.dtype) -> None:
+    """At a threshold the CUDA selection skips the reference's blocks (int8 estimates on both
+    sides; a block may differ only where an estimate sits within rounding of its threshold) and
+    the output stays as close to dense attention as the reference's."""
+    cuda_or_skip()
+    q, k, v = peaked_prompt(2048, 128, dtype, seed=3)
+    out_cpu, skipped_cpu = ops.sale_prefill(q, k, v, 0.004)
+    out, skipped = ops.sale_prefill(q.cuda(), k.cuda(), v.cuda(), 0.004)
+    assert float(skipped_cpu.min()) > 0.2, skipped_cpu
+    torch.testing.assert_close(skipped.cpu(), skipped_cpu, atol=2e-3, rtol=0)
+    torch.testing.assert_close(out.cpu().float(), out_cpu.float(), atol=2e-2, rtol=2e-2)
+    dense = sdpa(q, k, v)
+    err = (out.cpu().float() - dense).abs().sum(dim=(1, 2)) / q.shape[1]
+    err_cpu = (out_cpu.float() - dense).abs().sum(dim=(1, 2)) / q.shape[1]
+    assert float(err.max()) < 0.4 and float(err.max()) < 1.5 * float(err_cpu.max()) + 0.05, (err, err_cpu)
+
+
+@pytest.mark.gpu
+def test_cuda_refusals_name_what_the_kernels_take() -> None:
+    cuda_or_skip()
+    q = torch.randn(4, 100, 16, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(2, 100, 16, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(kvsparse.KvSparseError, match="head_dim 64 or 128"):
         ops.sale_prefill(q, k, k, 0.1)
+    q32 = torch.randn(4, 100, 64, device="cuda")
+    k32 = torch.randn(2, 100, 64, device="cuda")
+    with pytest.raises(kvsparse.KvSparseError, match="bf16 or fp16"):
+        ops.sale_prefill(q32, k32, k32, 0.1)
+    with pytest.raises(kvsparse.InvalidArgument, match="one device"):
+        ops.sale_prefill(q32, k32.cpu(), k32, 0.1)
+
+
+@pytest.mark.gpu
+def test_cuda_calibration_is_the_references_search() -> None:
+    """kvsparse-sale-calibrate's search on the CUDA kernels (calibrate_layer_cuda) against the
+    reference's (kernels::SaleCalibrate) on the same bf16 prompts: each head's error at its
+    threshold within theta, the same thresholds (a head may end one halving apart only where its
+    error sits within rounding of theta)."""
+    cuda_or_skip()
+    from kvsparse.tools import sale_calibrate
+
+    samples = [peaked_prompt(1536, 128, torch.bfloat16, seed=s) for s in (5, 6)]
+    scale = 128**-0.5
+    tau_c, err_c, skip_c, halv_c = ops._call(
+        torch.ops.kvsparse.sale_calibrate, [s[0] for s in samples], [s[1] for s in samples],
+        [s[2] for s in samples], 0.1, 0.008, 24, scale, 64, 32, 32, 256)
+    cuda = [tuple(t.cuda() for t in s) for s in samples]
+    tau, err, skipped, halvings = sale_calibrate.calibrate_layer_cuda(
+        cuda, scale, theta=0.1, tau0=0.008, max_halvings=24, params=ops.SaleParams())
+    assert all(e <= 0.1 for t, e in zip(tau, err) if t > 0), err
+    assert max(halv_c) > 0 and any(s > 0.1 for s in skipped), (halv_c, skipped)  # the search did work
+    moved = [abs(a - b) for a, b in zip(halvings, halv_c)]
+    assert max(moved) <= 1 and sum(moved) <= 2, (halvings, halv_c, err, err_c)
+    for h, (a, b) in enumerate(zip(halvings, halv_c)):
+        if a == b:
+            assert tau[h] == pytest.approx(tau_c[h]) and skipped[h] == pytest.approx(skip_c[h], abs=5e-3)

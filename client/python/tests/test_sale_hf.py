@@ -2,8 +2,8 @@
 Llama on the CPU: kvsparse-sale-calibrate records each layer's prompt q/k/v and writes
 per-layer, per-head thresholds within the bound; the file round-trips; a cache with all
 thresholds 0 generates dense prefill's tokens through SALE, and the calibrated one generates
-with its layers' prompts through SALE (counted in the cache's stats); a padded batch falls
-back to SDPA."""
+with its layers' prompts through SALE (counted in the cache's stats); a left-padded batch goes
+through SALE row by row, a mask with holes through SDPA; on a CUDA device the kernels run."""
 
 from __future__ import annotations
 
@@ -73,12 +73,52 @@ def test_calibrate_then_generate(model_dir: pathlib.Path, tmp_path: pathlib.Path
     assert torch.equal(through, dense), (through, dense)  # every block: dense attention
     tokens, stats = generate(model, ids, prefill)
     assert stats.sale_prefills == LAYERS and tokens.shape == dense.shape
-    # A padded batch prefills through SDPA (SALE takes unpadded prompts).
+    # A left-padded batch: each row through SALE over its own tokens, dense prefill's tokens at tau 0.
     batch = torch.cat([ids[:, :400], ids[:, :400]])
     mask = torch.ones_like(batch)
     mask[1, :50] = 0
+    dense, _ = generate(model, batch, None, mask)
+    through, stats = generate(model, batch, zero, mask)
+    assert stats.sale_prefills == 2 * LAYERS
+    assert torch.equal(through, dense), (through, dense)
+    # Tokens that are not one span (a hole in the mask) prefill through SDPA.
+    mask[0, 100:110] = 0
     _, stats = generate(model, batch, zero, mask)
     assert stats.sale_prefills == 0
+
+
+@pytest.mark.gpu
+def test_cuda_model_prefills_through_the_kernels(model_dir: pathlib.Path) -> None:
+    """A bf16 model on a CUDA device with the GPU engine: the prompt's attention through SALE's
+    CUDA kernels (tau 0: within bf16 rounding of SDPA's first logits; a threshold: blocks
+    skipped, finite logits), a left-padded batch included."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=512,
+                                      num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                      head_dim=64, max_position_embeddings=4096, initializer_range=0.08)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).cuda().eval()
+    ids = torch.randint(0, 300, (2, 1200), generator=torch.Generator().manual_seed(2)).cuda()
+    mask = torch.ones_like(ids)
+    mask[1, :300] = 0
+
+    def first_logits(prefill):
+        with ops.InProcessEngine(gpu="on", store_capacity="256M") as engine:
+            kvsparse.torch.hf.enable(model)
+            with kvsparse.torch.hf.KvSparseCache(model.config, engine, prefill=prefill) as cache:
+                out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2,
+                                     do_sample=False, output_logits=True, return_dict_in_generate=True)
+                return out.logits[0].float(), cache.stats
+
+    dense, stats = first_logits(None)
+    assert stats.sale_prefills == 0
+    zero, stats = first_logits(sale.SalePrefill([[0.0] * 4 for _ in range(LAYERS)]))
+    assert stats.sale_prefills == 2 * LAYERS and stats.sale_skipped == 0.0
+    assert float((zero - dense).abs().max()) < 0.15
+    sparse, stats = first_logits(sale.SalePrefill([[0.05] * 4 for _ in range(LAYERS)]))
+    assert stats.sale_prefills == 2 * LAYERS and stats.sale_skipped > 0.0
+    assert torch.isfinite(sparse).all()
 
 
 def test_bad_files_and_shapes_are_refused(model_dir: pathlib.Path, tmp_path: pathlib.Path) -> None:

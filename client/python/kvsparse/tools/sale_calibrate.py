@@ -6,8 +6,11 @@ reads (needs the ``tools`` extra: torch and transformers).
 
 The calibration runs the model over sample prompts, records each layer's post-RoPE q, k and v,
 and per layer halves every head's threshold from tau0 until the head's L1 error against dense
-attention, ``||O - O~||_1 / n``, is at most theta on every sample (``kernels::SaleCalibrate``
-through the op).
+attention, ``||O - O~||_1 / n``, is at most theta on every sample. A model on the CPU searches
+with the reference (``kernels::SaleCalibrate`` through the op, exact arithmetic); a bf16 / fp16
+model on a CUDA device with SALE's CUDA kernels (the same search, ``calibrate_layer_cuda``: the
+error of the kernels' output at each threshold against their own output with every block), which
+takes seconds where the reference takes hours at 16k-token samples.
 """
 
 from __future__ import annotations
@@ -43,17 +46,26 @@ def _record_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     layer = int(module.layer_idx)
     _scales[layer] = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
     for b in range(query.shape[0]):
-        _records.setdefault(layer, []).append(
-            (query[b].detach().float().cpu(), key[b].detach().float().cpu(), value[b].detach().float().cpu()))
+        if _on_device(query):  # kept as they are, for SALE's CUDA kernels
+            _records.setdefault(layer, []).append((query[b].detach().clone(), key[b].detach().clone(),
+                                                   value[b].detach().clone()))
+        else:
+            _records.setdefault(layer, []).append(
+                (query[b].detach().float().cpu(), key[b].detach().float().cpu(), value[b].detach().float().cpu()))
     out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     return out, None
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    """Whether the search runs on SALE's CUDA kernels: bf16 / fp16 tensors on a CUDA device."""
+    return t.is_cuda and t.dtype in (torch.bfloat16, torch.float16)
 
 
 def record(model: Any, prompts: Sequence[torch.Tensor]
            ) -> tuple[dict[int, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], dict[int, float]]:
     """Runs the model over each prompt (token ids [1, n]) and returns, per layer, each prompt's
-    (q [H, n, d], k [Hkv, n, d], v) after RoPE, as float32 CPU tensors, and the layer's softmax
-    scale."""
+    (q [H, n, d], k [Hkv, n, d], v) after RoPE, and the layer's softmax scale: float32 CPU tensors,
+    or for a bf16 / fp16 model on a CUDA device the model's own tensors there."""
     AttentionInterface.register(_RECORD, _record_forward)
     AttentionMaskInterface.register(_RECORD, sdpa_mask)
     before = model.config._attn_implementation
@@ -71,6 +83,49 @@ def record(model: Any, prompts: Sequence[torch.Tensor]
         _scales.clear()
 
 
+def calibrate_layer_cuda(samples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], scale: float, *,
+                         theta: float, tau0: float, max_halvings: int, params: SaleParams
+                         ) -> tuple[list[float], list[float], list[float], list[int]]:
+    """kernels::SaleCalibrate's search with SALE's CUDA kernels: each round runs every sample at
+    the heads' current thresholds; a head whose worst sample's L1 error per token (against the
+    kernels' output with every block) is at most theta keeps its threshold, the others halve it,
+    and a head still over theta after max_halvings halvings is dense (0). Returns per head tau,
+    the worst sample's error at it, the mean share of blocks skipped and the halvings."""
+    if not (theta >= 0 and 0 < tau0 < 1 and max_halvings >= 0):
+        raise ValueError("theta >= 0, tau0 in (0, 1) and max_halvings >= 0")
+    heads = samples[0][0].shape[0]
+    dense = [ops.sale_prefill(q, k, v, 0.0, scale=scale, params=params)[0].float() for q, k, v in samples]
+    tau = [float(tau0)] * heads
+    error, skipped_mean, halvings = [0.0] * heads, [0.0] * heads, [0] * heads
+    done = [False] * heads
+    for _ in range(max_halvings + 2):
+        worst = torch.zeros(heads, dtype=torch.float64, device=samples[0][0].device)
+        skipped = torch.zeros_like(worst)
+        for (q, k, v), d in zip(samples, dense):
+            out, skip = ops.sale_prefill(q, k, v, tau, scale=scale, params=params)
+            err = (out.float() - d).abs().sum(dim=(1, 2)).double() / q.shape[1]
+            worst = torch.maximum(worst, err)
+            skipped += skip.double()
+        worst_h, skipped_h = worst.tolist(), (skipped / len(samples)).tolist()
+        finished = True
+        for h in range(heads):
+            if done[h]:
+                continue
+            error[h], skipped_mean[h] = worst_h[h], skipped_h[h]
+            if worst_h[h] <= theta or tau[h] == 0.0:
+                done[h] = True
+                continue
+            finished = False
+            if halvings[h] < max_halvings:
+                tau[h] *= 0.5  # exact in float32 as in double
+                halvings[h] += 1
+            else:
+                tau[h] = 0.0  # dense: no threshold met theta
+        if finished:
+            break
+    return tau, error, skipped_mean, halvings
+
+
 def calibrate(model: Any, prompts: Sequence[torch.Tensor], *, theta: float = 0.4, tau0: float = 0.008,
               max_halvings: int = 24, params: SaleParams = SaleParams()) -> SalePrefill:
     """Per-layer, per-head thresholds for `model` over the sample `prompts` (the header)."""
@@ -81,11 +136,15 @@ def calibrate(model: Any, prompts: Sequence[torch.Tensor], *, theta: float = 0.4
     report: dict[str, Any] = {"error": [], "skipped": [], "halvings": []}
     for layer in range(int(text.num_hidden_layers)):
         samples = records[layer]
-        tau, err, skipped, halvings = ops._call(
-            torch.ops.kvsparse.sale_calibrate, [s[0] for s in samples], [s[1] for s in samples],
-            [s[2] for s in samples], float(theta), float(tau0), int(max_halvings), scales[layer],
-            params.block_q, params.block_k, params.sink_tokens, params.local_tokens,
-        )
+        if _on_device(samples[0][0]):
+            tau, err, skipped, halvings = calibrate_layer_cuda(
+                samples, scales[layer], theta=theta, tau0=tau0, max_halvings=max_halvings, params=params)
+        else:
+                tau, err, skipped, halvings = ops._call(
+                torch.ops.kvsparse.sale_calibrate, [s[0] for s in samples], [s[1] for s in samples],
+                [s[2] for s in samples], float(theta), float(tau0), int(max_halvings), scales[layer],
+                params.block_q, params.block_k, params.sink_tokens, params.local_tokens,
+            )
         thresholds.append([float(t) for t in tau])
         report["error"].append([float(e) for e in err])
         report["skipped"].append([float(x) for x in skipped])
@@ -112,13 +171,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block_k", type=int, default=SaleParams.block_k)
     ap.add_argument("--sink_tokens", type=int, default=SaleParams.sink_tokens)
     ap.add_argument("--local_tokens", type=int, default=SaleParams.local_tokens)
-    ap.add_argument("--device", default="cpu", help="where the model runs to record q, k and v")
+    ap.add_argument("--device", default="cpu",
+                    help="where the model runs: cpu (the reference's search, float32) or cuda (SALE's kernels, --dtype)")
+    ap.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16",
+                    help="the model's dtype on a CUDA device")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True, type=pathlib.Path)
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).to(args.device).eval()
+    dtype = getattr(torch, args.dtype) if str(args.device).startswith("cuda") else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(args.device).eval()
     g = torch.Generator().manual_seed(args.seed)
     if args.text is not None:
         ids = AutoTokenizer.from_pretrained(args.model)(args.text.read_text(), return_tensors="pt").input_ids[0]

@@ -195,9 +195,10 @@ class KvSparseCache(Cache):
             row's length stays at or below it; the decode steps compile without graph breaks and
             capture in CUDA graphs where the GPU backend can (see the module's text).
         prefill: SALE's calibrated thresholds (``kvsparse.torch.sale.SalePrefill``): the prompt's
-            attention through SALE's block-sparse prefill instead of SDPA, for prompts without
-            padding (a padded batch prefills through SDPA). Off by default; today the op runs
-            SALE's CPU reference only (kernels/sale.h).
+            attention through SALE's block-sparse prefill instead of SDPA, each row over its own
+            tokens (left- or right-padded batches too). Off by default. On a CUDA device the op
+            runs SALE's kernels (bf16 / fp16, head_dim 64 or 128, the paper's block geometry);
+            on the CPU its reference (kernels/sale.h).
     """
 
     def __init__(
@@ -397,19 +398,26 @@ class KvSparseCache(Cache):
             self.stats.prefill_bytes_appended += n * per_token
 
     def _sale_prefill(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      scaling: float | None) -> torch.Tensor:
-        """The prompt's attention through SALE, row by row: [B, n, H, d] as SDPA's forward returns."""
+                      scaling: float | None, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """The prompt's attention through SALE, row by row over each row's tokens
+        ``spans[b] = (first, end)`` (a padded row's padding positions get zeros, which nothing
+        reads): [B, n, H, d] as SDPA's forward returns."""
         from kvsparse.torch import ops
 
         assert self.prefill is not None
+        out = torch.zeros_like(query) if any(s != (0, query.shape[2]) for s in spans) else None
         rows = []
-        for b in range(query.shape[0]):
-            out, skipped = ops.sale_prefill(query[b], key[b], value[b], self.prefill.layer(layer_idx),
-                                            scale=scaling, params=self.prefill.params)
-            rows.append(out)
+        for b, (t0, t1) in enumerate(spans):
+            row, skipped = ops.sale_prefill(query[b, :, t0:t1], key[b, :, t0:t1], value[b, :, t0:t1],
+                                            self.prefill.layer(layer_idx), scale=scaling,
+                                            params=self.prefill.params)
+            if out is None:
+                rows.append(row)
+            else:
+                out[b, :, t0:t1] = row
             self.stats.sale_prefills += 1
             self.stats.sale_skipped += float(skipped.mean())
-        return torch.stack(rows).transpose(1, 2).contiguous()
+        return (torch.stack(rows) if out is None else out).transpose(1, 2).contiguous()
 
     def _decode(self, layer_idx: int, query: torch.Tensor, staged: _Staged, scaling: float | None) -> torch.Tensor:
         """One decode step of one layer: q [B, H, 1, d], the new token's K/V [B, Hkv, 1, d];
@@ -442,6 +450,24 @@ def _valid_keys(attention_mask: torch.Tensor, key: torch.Tensor) -> torch.Tensor
     if last.dtype == torch.bool:
         return last.expand(b, t)
     return (last == 0).expand(b, t)
+
+
+def _token_spans(attention_mask: torch.Tensor | None, key: torch.Tensor) -> list[tuple[int, int]] | None:
+    """Each row's prompt tokens as one span ``(first, end)`` (left or right padding outside it),
+    or None where a row's tokens are not contiguous (SDPA prefills such a batch)."""
+    b, _, t, _ = key.shape
+    if attention_mask is None:
+        return [(0, t)] * b
+    spans = []
+    for row in _valid_keys(attention_mask, key).cpu():
+        idx = row.nonzero().flatten()
+        if idx.numel() == 0:
+            return None
+        first, end = int(idx[0]), int(idx[-1]) + 1
+        if end - first != idx.numel():
+            return None
+        spans.append((first, end))
+    return spans
 
 
 def kvsparse_attention_forward(
@@ -489,10 +515,11 @@ def _attention_through_host(
             cache._staged[layer_idx] = staged  # type: ignore[union-attr]
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
     if staged.prefill:
-        sale = cache.prefill is not None and query.shape[2] == key.shape[2] and (  # type: ignore[union-attr]
-            attention_mask is None or bool(_valid_keys(attention_mask, key).all()))
-        if sale:
-            out = cache._sale_prefill(layer_idx, query, key, value, scaling)  # type: ignore[union-attr]
+        spans = None
+        if cache.prefill is not None and query.shape[2] == key.shape[2]:  # type: ignore[union-attr]
+            spans = _token_spans(attention_mask, key)
+        if spans is not None:
+            out = cache._sale_prefill(layer_idx, query, key, value, scaling, spans)  # type: ignore[union-attr]
         else:
             out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout, scaling, **kwargs)
         cache._append_prefill(layer_idx, staged, attention_mask)  # type: ignore[union-attr]

@@ -443,7 +443,9 @@ def sale_prefill(
     ``q`` and, per query head, the share of the causal blocks skipped.
 
     CPU tensors run the reference (kernels/sale.h, exact arithmetic, for tests and calibration);
-    the CUDA kernels are not written yet, so CUDA tensors raise ``Unimplemented``."""
+    CUDA tensors SALE's kernels (kernels/cuda/sale.h: bf16 or fp16, head_dim 64 or 128, block_q 64
+    and block_k 32; other shapes raise ``Unimplemented``) on the current stream, without a
+    synchronisation (the shares skipped stay on the device)."""
     load_library()
     heads = q.shape[-3]
     taus = [float(tau)] * heads if isinstance(tau, (int, float)) else [float(t) for t in tau]

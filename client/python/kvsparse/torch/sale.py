@@ -10,9 +10,10 @@ threshold per layer and query head, calibrated offline by the paper's halving se
 The file is JSON: the block geometry, theta, tau0 and ``thresholds[layer][head]`` with the error
 and share of blocks skipped at each.
 
-SALE is off by default (a cache without ``prefill`` prefills through SDPA). Today the op runs
-SALE's CPU reference only: a model on a CUDA device gets the op's ``Unimplemented`` until the op
-calls the CUDA kernels (kernels/cuda/sale.h, measured in docs/PERF.md; issue 31).
+SALE is off by default (a cache without ``prefill`` prefills through SDPA). A model on a CUDA
+device prefills through SALE's kernels (kernels/cuda/sale.h, measured in docs/PERF.md: bf16 or
+fp16, head_dim 64 or 128, the paper's block geometry); on the CPU through its reference
+(kernels/sale.h).
 """
 
 from __future__ import annotations
