@@ -87,6 +87,18 @@ def passkeys(model: Any, held: np.ndarray, args: argparse.Namespace, engine: Any
     return acc, sum(s.sale_skipped for s in stats) / n if n else 0.0
 
 
+def summary(results: dict[str, Any]) -> dict[str, Any]:
+    """results without the per-token NLL lists (their count and mean instead): what results.json
+    keeps."""
+    out = json.loads(json.dumps(results))
+    for row in [out.get("dense", {}), *out["runs"].values()]:
+        for c in row.get("contexts", {}).values():
+            for k in ("prompt_nll", "decode_nll"):
+                v = c.pop(k)
+                c[k.replace("_nll", "_tokens")], c[k + "_mean"] = len(v), float(np.mean(v))
+    return out
+
+
 def markdown(results: dict[str, Any]) -> str:
     rows = ["| prefill | blocks skipped (calibration) | ctx | blocks skipped | prompt ppl vs dense [95% CI] "
             "| decode ppl vs dense [95% CI] | pass keys (skipped) |", "|---|---|---|---|---|---|---|"]
@@ -160,7 +172,7 @@ def main() -> int:
                 decode += b
                 skipped += stats.sale_skipped
                 prefills_n += stats.sale_prefills
-            row["contexts"][str(ctx)] = {"prompt_nll": prompt, "decode_nll": decode,
+            row["contexts"][str(ctx)] = {"prompt_nll": prompt, "decode_nll": decode,  # per token: dropped on writing
                                          "skipped": skipped / prefills_n if prefills_n else 0.0,
                                          "seconds": time.time() - t0}
             log(f"{name} ctx {ctx}: prompt ppl {math.exp(np.mean(prompt)):.4f}, decode ppl "
@@ -181,7 +193,7 @@ def main() -> int:
                     f"{[round(100 * x, 3) for x in c['prompt']['ppl_change_ci95']]}, decode ppl "
                     f"{100 * c['decode']['ppl_change']:+.3f}% {[round(100 * x, 3) for x in c['decode']['ppl_change_ci95']]}")
             results["runs"][name] = row
-        (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+        (out_dir / "results.json").write_text(json.dumps(summary(results), indent=1))
     engine.close()
     (out_dir / "results.md").write_text(markdown(results))
     log(f"wrote {out_dir / 'results.json'} and results.md")

@@ -80,7 +80,7 @@ def peaked_prompt(n: int, d: int, dtype: torch.dtype, seed: int = 0, heads: int 
     sink = torch.randn(d, generator=g) / d**0.5
     k[:, 0] += 14 * d**0.5 * sink
     q += 1.2 * sink
-    for t in torch.randint(300, n, (6,), generator=g).tolist():  # a few heavy keys in the middle
+    for t in torch.randint(min(300, n // 2), n, (6,), generator=g).tolist():  # a few heavy keys past the start
         k[:, t] += 10 * d**0.5 * sink
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
@@ -115,7 +115,7 @@ def test_cuda_kernels_skip_the_blocks_the_reference_skips(dtype: torch.dtype) ->
     dense = sdpa(q, k, v)
     err = (out.cpu().float() - dense).abs().sum(dim=(1, 2)) / q.shape[1]
     err_cpu = (out_cpu.float() - dense).abs().sum(dim=(1, 2)) / q.shape[1]
-    assert float(err.max()) < 0.4 and float(err.max()) < 1.5 * float(err_cpu.max()) + 0.05, (err, err_cpu)
+    torch.testing.assert_close(err, err_cpu, atol=0.02, rtol=0.05)
 
 
 @pytest.mark.gpu
