@@ -94,6 +94,11 @@ class CpuStep {
   // selection itself, resident halves in place; counted as gather time and fetched rows. The
   // gather after the selection reads only the selected rows not among them.
   absl::StatusOr<const FetchedRows*> FetchForSelection(std::vector<std::vector<uint32_t>> tokens);
+  // Bernoulli qK^T's K-feature reads of kv head j (HeadStats::key_features_head / _group).
+  void CountKeyFeatures(int32_t j, uint64_t head_pairs, uint64_t group_features) {
+    stats_[j].key_features_head = head_pairs;
+    stats_[j].key_features_group = group_features;
+  }
 
  private:
   // The resident state synced, the new token appended to it.

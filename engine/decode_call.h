@@ -75,6 +75,11 @@ struct HeadStats {
   std::array<uint64_t, kvstore::kNumTiers> bytes{};  // read from each tier
   uint64_t dense_equivalent_bytes = 0;               // K and V of every row
   std::vector<uint32_t> fetched_tokens;              // with return_indices: the estimate's rows
+  // Bernoulli qK^T (S2ANTA with bernoulli_qk_samples): the (query head, K feature) pairs the
+  // group's score estimates read, and the K features read for the group (their union); 0 for
+  // exact scores, which read all head_dim features of every query head.
+  uint64_t key_features_head = 0;
+  uint64_t key_features_group = 0;
 };
 
 struct DecodeTiming {

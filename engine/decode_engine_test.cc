@@ -294,6 +294,37 @@ TEST_F(EngineTest, SantaWithKInHostFetchesAllKForTheScores) {
   }
 }
 
+// Bernoulli qK^T scores: the reference's rows, and the K features its estimates read reported
+// per kv head (the reference's counts; exact scores report none).
+TEST_F(EngineTest, SantaOverBernoulliScoresReportsTheKeyFeaturesRead) {
+  Load(Options(1, {900}), {});
+  Method m;
+  m.kind = MethodKind::kSanta;
+  m.santa.samples = 32;
+  m.santa.bernoulli_qk_samples = 2;
+  auto r = engine_->Decode(Call(m));
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::vector<uint8_t> out;
+  kernels::DecodeProblem p = One(0, &out);
+  kernels::RowSelection sel;
+  kernels::SantaStats stats;
+  ASSERT_TRUE(kernels::SantaSelectCpu(p, m.santa, kernels::SequenceSeed(99, 0), &sel, &stats).ok());
+  ASSERT_TRUE(kernels::SantaDecodeCpu(p, m.santa, kernels::SequenceSeed(99, 0), &sel).ok());
+  ExpectSame(*r, 0, sel, out);
+  const int32_t d = p.head_dim, gd = p.group_size() * d;
+  for (const HeadStats& hs : r->heads) {
+    EXPECT_EQ(hs.key_features_head, std::llround(stats.key_feature_fraction_head[hs.kv_head] * gd));
+    EXPECT_EQ(hs.key_features_group,
+              std::llround(stats.key_feature_fraction_group[hs.kv_head] * d));
+    EXPECT_GT(hs.key_features_head, 0u);
+    EXPECT_LT(hs.key_features_head, static_cast<uint64_t>(gd));  // B = 2 leaves features unread
+  }
+  m.santa.bernoulli_qk_samples = 0;
+  auto exact = engine_->Decode(Call(m));
+  ASSERT_TRUE(exact.ok()) << exact.status();
+  for (const HeadStats& hs : exact->heads) EXPECT_EQ(hs.key_features_head, 0u);
+}
+
 TEST_F(EngineTest, HashTopKSelectsWhatTheReferenceSelects) {
   kvstore::Placement sig;
   sig.signature_bits = 64;

@@ -7,24 +7,6 @@
 #include "kernels/philox.h"
 
 namespace kvsparse::kernels {
-namespace {
-
-// Number of ones among B draws of Bernoulli(p) from stream s (lane already set).
-int32_t CountOnes(const PhiloxStream& s, float p, int32_t samples, BernoulliSampler sampler) {
-  int32_t c = 0;
-  if (sampler == BernoulliSampler::kIid) {
-    for (int32_t r = 0; r < samples; ++r) c += s.Uniform(r) < p ? 1 : 0;
-  } else {
-    const float pb = p * static_cast<float>(samples);
-    for (int32_t r = 0; r < samples; ++r) {
-      const float t = static_cast<float>(r) + s.Uniform(r);
-      c += t < pb ? 1 : 0;
-    }
-  }
-  return c;
-}
-
-}  // namespace
 
 double BernoulliQuery::head_fraction() const {
   if (group == 0 || dim == 0) return 0.0;
@@ -73,7 +55,7 @@ absl::Status SampleBernoulliQuery(absl::Span<const float> q, int32_t group, int3
                                                    static_cast<uint32_t>(kv_head * group + g));
       for (int32_t i = 0; i < dim; ++i) {
         const float p = std::fabs(qg[i]) / norm;
-        const int32_t c = CountOnes(base.WithLane(i), p, params.samples, params.sampler);
+        const int32_t c = BernoulliCountOnes(base.WithLane(i), p, params.samples, params.sampler);
         if (c == 0) continue;
         const float mag = norm * static_cast<float>(c) / fb;
         out->q_eff[static_cast<size_t>(g) * dim + i] = qg[i] < 0.f ? -mag : mag;
@@ -99,7 +81,7 @@ absl::Status SampleBernoulliQuery(absl::Span<const float> q, int32_t group, int3
   for (int32_t i = 0; i < dim; ++i) {
     if (!(m[i] > 0.f)) continue;
     const float p = m[i] / norm;
-    const int32_t c = CountOnes(base.WithLane(i), p, params.samples, params.sampler);
+    const int32_t c = BernoulliCountOnes(base.WithLane(i), p, params.samples, params.sampler);
     if (c == 0) continue;
     const float m_hat = norm * static_cast<float>(c) / fb;
     out->group_touched[i] = 1;

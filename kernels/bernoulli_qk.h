@@ -25,6 +25,11 @@
 //
 // Softmax of estimated scores is *not* an unbiased attention weight: SANTA on p_hat samples
 // from softmax(scale * p_hat), which differs from softmax(scale * q.K) (Jensen).
+//
+// Precision: SANTA's selection (kernels/santa.h) rounds q_eff to the problem's dtype before it
+// scores (a bf16 / fp16 problem's query is of that dtype, and the GPU's scoring reads it so:
+// kernels/cuda/bernoulli_qk.h), a relative change of at most 2^-9 (bf16) per feature, the
+// rounding q itself had; SampleBernoulliQuery returns the fp32 values.
 #ifndef KVSPARSE_KERNELS_BERNOULLI_QK_H_
 #define KVSPARSE_KERNELS_BERNOULLI_QK_H_
 
@@ -33,6 +38,7 @@
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
+#include "kernels/philox.h"
 
 namespace kvsparse::kernels {
 
@@ -51,6 +57,23 @@ struct BernoulliQkParams {
   BernoulliQkMode mode = BernoulliQkMode::kMeanGroupQuery;
   BernoulliSampler sampler = BernoulliSampler::kStratified;
 };
+
+// Ones among `samples` draws of Bernoulli(p) from stream s (its lane already set), by the
+// sampler's rule above; shared by the reference and the CUDA kernel.
+KVSPARSE_HD int32_t BernoulliCountOnes(const PhiloxStream& s, float p, int32_t samples,
+                                       BernoulliSampler sampler) {
+  int32_t c = 0;
+  if (sampler == BernoulliSampler::kIid) {
+    for (int32_t r = 0; r < samples; ++r) c += s.Uniform(r) < p ? 1 : 0;
+  } else {
+    const float pb = p * static_cast<float>(samples);
+    for (int32_t r = 0; r < samples; ++r) {
+      const float t = static_cast<float>(r) + s.Uniform(r);
+      c += t < pb ? 1 : 0;
+    }
+  }
+  return c;
+}
 
 // The sampled queries of one kv head's group. Estimated (unscaled) scores are
 // p_hat[g, n] = sum_{i : touched} q_eff[g, i] * K[n, i].

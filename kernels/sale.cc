@@ -166,7 +166,8 @@ double SaleMask::sparsity() const {
 
 int64_t SaleCausalBlocks(int32_t tokens, const SaleParams& params) {
   int64_t blocks = 0;
-  for (int32_t i = 0; i * params.block_q < tokens; ++i) blocks += RegionsOf(params, tokens, i).last + 1;
+  for (int32_t i = 0; i * params.block_q < tokens; ++i)
+    blocks += RegionsOf(params, tokens, i).last + 1;
   return blocks;
 }
 

@@ -362,6 +362,13 @@ absl::Status SantaSelectCpu(const DecodeProblem& p, const SantaParams& params, u
             !s.ok()) {
           return s;
         }
+        if (p.dtype != DType::kFp32) {  // the effective query in q's dtype (bernoulli_qk.h)
+          for (float& x : bquery.q_eff) {
+            uint16_t r[2] = {0, 0};  // room for any dtype's element
+            StoreFromFloat(r, 0, p.dtype, x);
+            x = LoadAsFloat(r, 0, p.dtype);
+          }
+        }
         if (stats != nullptr) {
           stats->key_feature_fraction_head[b * p.num_kv_heads + kvh] = bquery.head_fraction();
           stats->key_feature_fraction_group[b * p.num_kv_heads + kvh] = bquery.group_fraction();

@@ -636,9 +636,10 @@ at::Tensor SalePrefillCuda(const at::Tensor& q, const kernels::SalePrefill& p,
       !kc::SaleAttendSupports(params, p.head_dim, p.dtype)) {
     Raise(absl::UnimplementedError(absl::StrCat(
         "sale_prefill on CUDA takes bf16 or fp16, head_dim 64 or 128, block_q 64, block_k 32 and "
-        "sink + local at most 1024 tokens (got ", kernels::DTypeName(p.dtype), ", head_dim ",
-        p.head_dim, ", block_q ", params.block_q, ", block_k ", params.block_k, ", sink ",
-        params.sink_tokens, ", local ", params.local_tokens, "); CPU tensors run any of them")));
+        "sink + local at most 1024 tokens (got ",
+        kernels::DTypeName(p.dtype), ", head_dim ", p.head_dim, ", block_q ", params.block_q,
+        ", block_k ", params.block_k, ", sink ", params.sink_tokens, ", local ",
+        params.local_tokens, "); CPU tensors run any of them")));
   }
   const c10::cuda::CUDAGuard guard(q.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream(q.get_device()).stream();
@@ -663,8 +664,7 @@ at::Tensor SalePrefillCuda(const at::Tensor& q, const kernels::SalePrefill& p,
   ap.mask = mask.data_ptr<uint8_t>();
   CheckCuda(kc::SaleAttend(ap, stream), "sale_prefill computation");
   const at::Tensor selected = mask.sum({1, 2}, /*keepdim=*/false, at::kLong);
-  return at::stack({at::full_like(selected, kernels::SaleCausalBlocks(p.tokens, params)),
-                    selected},
+  return at::stack({at::full_like(selected, kernels::SaleCausalBlocks(p.tokens, params)), selected},
                    1);
 }
 #endif

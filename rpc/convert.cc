@@ -459,6 +459,8 @@ void ToProto(engine::DecodeResult&& r, const engine::DecodeCall& call, v1::Decod
     s->set_bytes_remote(h.bytes[static_cast<int>(kvstore::Tier::kRemote)]);
     s->set_dense_equivalent_bytes(h.dense_equivalent_bytes);
     s->mutable_fetched_tokens()->Add(h.fetched_tokens.begin(), h.fetched_tokens.end());
+    s->set_key_features_head(h.key_features_head);
+    s->set_key_features_group(h.key_features_group);
   }
   v1::Timing* t = out->mutable_timing();
   t->set_selection_seconds(r.timing.selection_seconds);

@@ -68,7 +68,8 @@ absl::Status SantaOverCompressedKeysSupports(const Method& m, const SequenceDesc
   if (p.scores != kernels::ScoreSource::kCompressedKeys) {
     return NotOnGpu("S2ANTA without K on the device scores compressed keys only");
   }
-  if (absl::Status s = SantaCommonOnGpu(p); !s.ok()) return s;
+  if (absl::Status s = SantaTilesOnGpu(p); !s.ok()) return s;
+  // Bernoulli qK^T with compressed-key scores is refused by ValidateSantaParams.
   if (p.correction != kernels::SantaCorrection::kRatio ||
       p.sampler != kernels::SantaSampler::kSystematic ||
       p.allocation != kernels::SantaAllocation::kProp) {

@@ -19,13 +19,12 @@
 namespace kvsparse::engine::gpu {
 
 // What both S2ANTA paths on the GPU need: tiles of kernels::cuda::kSantaTile (the engine's
-// default, MethodUnit::Resolve) and no Bernoulli qK^T scores (a CPU path).
-inline absl::Status SantaCommonOnGpu(const kernels::SantaParams& p) {
+// default, MethodUnit::Resolve).
+inline absl::Status SantaTilesOnGpu(const kernels::SantaParams& p) {
   if (p.tile_size != kernels::cuda::kSantaTile) {
     return NotOnGpu(absl::StrCat("S2ANTA on the GPU takes tiles of ", kernels::cuda::kSantaTile,
                                  " tokens, not ", p.tile_size));
   }
-  if (p.bernoulli_qk_samples != 0) return NotOnGpu("Bernoulli qK^T scores run on the CPU");
   return absl::OkStatus();
 }
 

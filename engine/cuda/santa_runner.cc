@@ -3,13 +3,16 @@
 // kernel sequence that scores the resident K and reads only the sampled V rows (in place, from
 // host pages when V is offloaded; from a store in another process, the sampled rows are listed
 // by a first run, gathered into pinned staging and read by token: DecodeShape::v_listed). Tiles
-// of kernels::cuda::kSantaTile tokens only; Bernoulli qK^T runs on the CPU engine. Scores from
-// compressed keys: engine/cuda/santa_compressed_call.h.
+// of kernels::cuda::kSantaTile tokens only. Bernoulli qK^T: a kernel first writes the group's
+// effective queries (kernels/cuda/bernoulli_qk.h) and the sampler scores them in place of q;
+// the K features they read come back in the statistics. Scores from compressed keys:
+// engine/cuda/santa_compressed_call.h.
 #include <algorithm>
 #include <vector>
 
 #include "engine/cuda/gpu_runner.h"
 #include "engine/cuda/santa_compressed_call.h"
+#include "kernels/cuda/bernoulli_qk.h"
 #include "kernels/cuda/santa.h"
 
 namespace kvsparse::engine::gpu {
@@ -22,20 +25,22 @@ class SantaCall final : public MethodCall {
   explicit SantaCall(const Method& m)
       : params_(m.santa),
         iid_(params_.sampler == kernels::SantaSampler::kIid),
-        prop_(params_.allocation == kernels::SantaAllocation::kProp) {}
-  // Captured steps: prop and flash (iid's row count is counted on the host).
+        prop_(params_.allocation == kernels::SantaAllocation::kProp),
+        bernoulli_(params_.bernoulli_qk_samples > 0) {}
+  // Captured steps: prop and flash (iid's row count is counted on the host), exact scores
+  // (Bernoulli qK^T's feature counts are downloaded per call).
   static bool Capturable(const Method& m, const SequenceDesc&) {
-    return m.santa.sampler != kernels::SantaSampler::kIid;
+    return m.santa.sampler != kernels::SantaSampler::kIid && m.santa.bernoulli_qk_samples == 0;
   }
-  // K resident (the scores stream it); tiles of kSantaTile; exact scores, no Bernoulli qK^T; iid
-  // with global
-  // allocation, or systematic with prop or flash. V from a store in another process is staged.
+  // K resident (the scores stream it); tiles of kSantaTile; exact or Bernoulli qK^T scores; iid
+  // with global allocation, or systematic with prop or flash. V from a store in another process
+  // is staged.
   static absl::Status Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
     const kernels::SantaParams& p = m.santa;
     if (desc.placement.k_tier != kvstore::Tier::kDevice) {
       return NotOnGpu("S2ANTA over exact scores on the GPU needs K on the device");
     }
-    if (absl::Status s = SantaCommonOnGpu(p); !s.ok()) return s;
+    if (absl::Status s = SantaTilesOnGpu(p); !s.ok()) return s;
     const bool iid_global = p.sampler == kernels::SantaSampler::kIid &&
                             p.allocation == kernels::SantaAllocation::kGlobal;
     const bool sys_prop_or_flash = p.sampler == kernels::SantaSampler::kSystematic &&
@@ -58,6 +63,24 @@ class SantaCall final : public MethodCall {
     sp.rows_read = iid_ ? nullptr : lp.stats();
     sp.indices = iid_ ? c.Take<int32_t>(static_cast<size_t>(lp.BH) * params_.samples) : nullptr;
     iid_indices_.device = sp.indices;
+    if (bernoulli_) {  // the effective queries, scored in place of q
+      kc::BernoulliQueriesParams bp;
+      bp.batch = lp.B;
+      bp.num_q_heads = lp.H;
+      bp.num_kv_heads = lp.hkv;
+      bp.head_dim = lp.d;
+      bp.dtype = lp.dtype;
+      bp.q = sp.shape.q;
+      bp.q_eff = c.Take<char>(static_cast<size_t>(lp.BH) * lp.d * lp.es);
+      bp.params = {params_.bernoulli_qk_samples, params_.bernoulli_mode, params_.bernoulli_sampler};
+      bp.seed = sp.seed;
+      bp.seeds = sp.seeds;
+      bp.features = c.Take<int32_t>(static_cast<size_t>(lp.BK) * 2);
+      features_.device = bp.features;
+      if (lp.running())
+        KVS_CUDA_OK(kc::SampleBernoulliQueries(bp, lp.stream()), "SampleBernoulliQueries");
+      sp.shape.q = bp.q_eff;
+    }
     const size_t wb = iid_    ? kc::SantaIidWorkspaceBytes(sp)
                       : prop_ ? kc::S2antaPropWorkspaceBytes(sp)
                               : kc::S2antaFlashWorkspaceBytes(sp);
@@ -117,6 +140,11 @@ class SantaCall final : public MethodCall {
   }
 
   absl::Status Download(LaunchPlan& lp) override {
+    if (bernoulli_) {
+      if (absl::Status s = features_.Fetch(static_cast<size_t>(lp.BK) * 2, lp.stream()); !s.ok()) {
+        return s;
+      }
+    }
     if (!iid_) return absl::OkStatus();
     return iid_indices_.Fetch(static_cast<size_t>(lp.BH) * params_.samples, lp.stream());
   }
@@ -138,12 +166,18 @@ class SantaCall final : public MethodCall {
     hs->budgets.assign(G, n > 0 ? params_.samples : 0);
     hs->bytes[kDeviceTier] += n * lp.row;  // every K row is scored
     hs->bytes[lp.v_tier()] += rows * lp.row;
+    if (bernoulli_) {
+      const size_t at = 2 * (static_cast<size_t>(b) * lp.hkv + j);
+      hs->key_features_head = static_cast<uint64_t>(features_.host[at]);
+      hs->key_features_group = static_cast<uint64_t>(features_.host[at + 1]);
+    }
   }
 
  private:
   const kernels::SantaParams params_;
-  const bool iid_, prop_;
+  const bool iid_, prop_, bernoulli_;
   Downloaded<int32_t> iid_indices_;  // iid: the samples [B, H, S]
+  Downloaded<int32_t> features_;     // Bernoulli qK^T: K features read [B, Hkv, 2]
 };
 
 // Exact scores (K resident) are SantaCall's; scores from compressed keys are

@@ -4,6 +4,9 @@
 // row is fetched first; only the sampled V rows cross. Scores from the sequence's compressed keys
 // (placement.compressed_key_bits) read no K row for the selection; the ratio correction then
 // gathers the sampled K rows with their V rows (kernels/santa.h, "Scores from compressed keys").
+// Bernoulli qK^T's scores report the K features they read (HeadStats::key_features_*).
+#include <cmath>
+
 #include "engine/cpu_step.h"
 #include "engine/methods/method_unit.h"
 
@@ -40,9 +43,27 @@ class Santa final : public MethodUnit {
   absl::Status Select(CpuStep& step, kernels::RowSelection* sel) const override {
     const Method& m = step.method();
     const kernels::SantaParams& p = m.santa;
-    if (!Compressed(m)) return kernels::SantaSelectCpu(step.problem(), p, step.seed(), sel);
-    return kernels::SantaSelectCpu(step.problem(), p, step.seed(), sel, nullptr,
-                                   step.CompressedKeys());
+    if (Compressed(m)) {
+      return kernels::SantaSelectCpu(step.problem(), p, step.seed(), sel, nullptr,
+                                     step.CompressedKeys());
+    }
+    if (p.bernoulli_qk_samples == 0) {
+      return kernels::SantaSelectCpu(step.problem(), p, step.seed(), sel);
+    }
+    kernels::SantaStats stats;
+    if (absl::Status s = kernels::SantaSelectCpu(step.problem(), p, step.seed(), sel, &stats);
+        !s.ok()) {
+      return s;
+    }
+    // The fractions back to counts (exact: each is a count over G * d or d).
+    const kernels::DecodeProblem& q = step.problem();
+    const double d = q.head_dim, gd = static_cast<double>(q.group_size()) * q.head_dim;
+    for (int32_t j = 0; j < q.num_kv_heads; ++j) {
+      step.CountKeyFeatures(
+          j, static_cast<uint64_t>(std::llround(stats.key_feature_fraction_head[j] * gd)),
+          static_cast<uint64_t>(std::llround(stats.key_feature_fraction_group[j] * d)));
+    }
+    return absl::OkStatus();
   }
 };
 

@@ -295,6 +295,46 @@ TEST_F(GpuEngineTest, SantaKOnDeviceVInHostOrDevice) {
   }
 }
 
+// Bernoulli qK^T (the S2ANTA paper, Section 5): S2ANTA-sys over the mean group query's
+// stratified feature samples (and per-head, iid), against the CPU engine for the same seed: the
+// same K features read, the rows and the output within the rounding of exact-score S2ANTA.
+TEST_F(GpuEngineTest, SantaOverBernoulliScores) {
+  auto rig = Rig::Make();
+  ASSERT_NE(rig, nullptr);
+  kvstore::Placement p;
+  p.k_tier = Tier::kDevice;
+  p.v_tier = Tier::kHost;
+  auto prob = Problem({5000, 300, 2600});
+  rig->Load(prob, p);
+  for (int variant = 1; variant < 3; ++variant) {
+    for (bool per_head : {false, true}) {
+      Method m = SantaMethod(variant, 128);
+      m.santa.tile_size = 256;
+      m.santa.bernoulli_qk_samples = per_head ? 2 : 4;
+      m.santa.bernoulli_mode =
+          per_head ? kernels::BernoulliQkMode::kPerHead : kernels::BernoulliQkMode::kMeanGroupQuery;
+      m.santa.bernoulli_sampler =
+          per_head ? kernels::BernoulliSampler::kIid : kernels::BernoulliSampler::kStratified;
+      const std::string what =
+          "bernoulli variant " + std::to_string(variant) + (per_head ? " per head" : " mean group");
+      Compare(*rig, prob, m, {0.05, false, 0.02}, what);
+      auto c = rig->cpu->Decode(Call(prob, m));
+      auto g = rig->gpu->Decode(Call(prob, m));
+      ASSERT_TRUE(c.ok() && g.ok()) << what;
+      EXPECT_TRUE(g->not_on_backend.empty()) << what << ": " << g->not_on_backend;
+      uint64_t read = 0;
+      for (size_t i = 0; i < c->heads.size(); ++i) {
+        EXPECT_EQ(g->heads[i].key_features_head, c->heads[i].key_features_head) << what << i;
+        EXPECT_EQ(g->heads[i].key_features_group, c->heads[i].key_features_group) << what << i;
+        EXPECT_LE(c->heads[i].key_features_group, static_cast<uint64_t>(prob.problem.head_dim));
+        read += c->heads[i].key_features_head;
+      }
+      EXPECT_GT(read, 0u) << what;  // features were sampled, and fewer than all of them
+      EXPECT_LT(read, c->heads.size() * prob.problem.group_size() * prob.problem.head_dim) << what;
+    }
+  }
+}
+
 TEST_F(GpuEngineTest, HashTopKAndTheRowCache) {
   for (int pl = 0; pl < 2; ++pl) {
     auto rig = Rig::Make();

@@ -36,6 +36,10 @@ class HeadStats:
     dense_equivalent_bytes: int
     fetched_tokens: list[int]
     rows_cached: int = 0  # of rows_fetched: found in the GPU's row cache
+    # Bernoulli qK^T: (query head, K feature) pairs the estimates read, and K features read for the
+    # group (0 for exact scores, which read every feature).
+    key_features_head: int = 0
+    key_features_group: int = 0
 
     @property
     def bytes_read(self) -> int:
@@ -69,6 +73,8 @@ class DecodeResult:
                 h.dense_equivalent_bytes,
                 list(h.fetched_tokens),
                 h.rows_cached,
+                h.key_features_head,
+                h.key_features_group,
             )
             for h in self.head_stats
         ]
