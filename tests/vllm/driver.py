@@ -55,6 +55,7 @@ def main() -> None:
 
         result["restarts"] = WORKER.restarts
         result["timing"] = WORKER.timing
+        result["sale"] = {"prefills": WORKER.sale_prefills, "skipped": WORKER.sale_skipped}
     print(json.dumps(result))
 
 

@@ -9,7 +9,8 @@ and leaving the batch and chunked prefill (256 tokens a step):
 - every sparse method generates, each request with its own method (SamplingParams.extra_args);
 - requests vLLM preempts and recomputes begin fresh sequences, and dense still gives vLLM's tokens;
 - with the K/V in the store only, a batch over vLLM's own KV budget is served (vLLM's backend
-  refuses that budget), dense still with vLLM's tokens;
+  refuses that budget), dense still with vLLM's tokens; prompts prefill through SALE when
+  KVSPARSE_VLLM_SALE names thresholds (vLLM's tokens at tau 0, blocks skipped at a threshold);
 - finished requests leave no sequence in the store, also after 1,000 requests;
 - what the plugin cannot serve (prefix caching) stops vLLM with the reason;
 - vLLM's OpenAI server (three processes) decodes through it, a request naming its method in
@@ -61,10 +62,13 @@ def server() -> Iterator[kvsparse.LocalServer]:
         yield s
 
 
-def generate(model: str, target: str | None, method: str | None = None, kv: str = "both", **job: object) -> dict:
+def generate(model: str, target: str | None, method: str | None = None, kv: str = "both", sale: str | None = None,
+             **job: object) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSPARSE_VLLM_")}
     if method is not None and target is not None:
         env.update(KVSPARSE_VLLM_METHOD=method, KVSPARSE_VLLM_TARGET=target, KVSPARSE_VLLM_KV=kv)
+    if sale is not None:
+        env.update(KVSPARSE_VLLM_SALE=sale)
     spec = {"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, **job}
     run = subprocess.run([sys.executable, str(DRIVER), json.dumps(spec)], capture_output=True, text=True,
                          env=env, timeout=600)
@@ -175,6 +179,33 @@ def test_store_only_serves_a_batch_over_vllms_kv_budget(model: str, server: kvsp
     assert through["tokens"] == own["tokens"]
     assert "error" not in sparse, sparse["error"]
     assert [len(t) for t in sparse["tokens"]] == MAX_TOKENS
+    store_is_empty(server.target)
+
+
+@pytest.mark.skipif(not _op_found(),
+                    reason="needs the op built against vLLM's torch (scripts/install_op.sh, as scripts/vllm_test.sh runs it)")
+def test_store_only_prefills_prompts_through_sale(model: str, server: kvsparse.LocalServer, tmp_path: Path) -> None:
+    # KVSPARSE_VLLM_SALE with the K/V in the store: prompts prefilled in one chunk (2,048 tokens a
+    # step here, so no prompt is chunked) attend through SALE. At tau 0 every block is computed: vLLM's tokens. At a
+    # threshold blocks of the 699-token prompt are skipped and every request still generates.
+    # Without the store, the setting is refused with its reason.
+    from kvsparse.torch.sale import SalePrefill
+
+    zero, sparse = tmp_path / "zero.json", tmp_path / "sparse.json"
+    SalePrefill([[0.0] * 8, [0.0] * 8]).save(zero)
+    SalePrefill([[0.05] * 8, [0.05] * 8]).save(sparse)
+    one_chunk = {"max_num_batched_tokens": 2048}
+    own = generate(model, None, **one_chunk)
+    through = generate(model, server.target, "dense", kv="store", sale=str(zero), **one_chunk)
+    assert "error" not in through, through["error"]
+    assert through["tokens"] == own["tokens"]
+    assert through["sale"]["prefills"] == 2 * len(PROMPTS) and through["sale"]["skipped"] == 0.0
+    skipping = generate(model, server.target, "dense", kv="store", sale=str(sparse), **one_chunk)
+    assert "error" not in skipping, skipping["error"]
+    assert [len(t) for t in skipping["tokens"]] == MAX_TOKENS
+    assert skipping["sale"]["prefills"] == 2 * len(PROMPTS) and skipping["sale"]["skipped"] > 0.0
+    refused = generate(model, server.target, "dense", sale=str(zero))
+    assert "error" in refused and "KVSPARSE_VLLM_KV=store" in refused["error"]
     store_is_empty(server.target)
 
 

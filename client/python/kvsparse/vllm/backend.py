@@ -133,8 +133,19 @@ class KvSparseImpl(CPUAttentionBackendImpl):
     def _prompt_attention(self, transport: Any, sequence_id: str, layer: int, start: int, q: torch.Tensor,
                           k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
         """Causal attention of a prompt chunk's queries (positions start ..) over the prompt's
-        tokens before the chunk (read back from the store) and the chunk's own, in fp32."""
+        tokens before the chunk (read back from the store) and the chunk's own, in fp32; a whole
+        prompt (start 0) through SALE when KVSPARSE_VLLM_SALE names its thresholds."""
         n, hkv, d = k.shape
+        sale = WORKER.sale(WORKER.num_layers) if start == 0 else None
+        if sale is not None:
+            from kvsparse.torch import ops
+
+            o, skipped = ops.sale_prefill(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                          sale.layer(layer), scale=self.scale, params=sale.params)
+            out.view(n, self.num_heads, d).copy_(o.transpose(0, 1).to(out.dtype))
+            WORKER.sale_prefills += 1
+            WORKER.sale_skipped += float(skipped.mean())
+            return
         kk, vv = k.transpose(0, 1), v.transpose(0, 1)  # [Hkv, n, d]
         if start > 0:
             k0, v0 = transport.rows(sequence_id, layer, start, hkv, k)

@@ -8,6 +8,7 @@ vLLM process; without ``KVSPARSE_VLLM_METHOD`` it does nothing):
     KVSPARSE_VLLM_TARGET=127.0.0.1:50051                # a kvsparse-server, or "inprocess"
     KVSPARSE_VLLM_SEED=0                                # the sampled methods' seed (default 0)
     KVSPARSE_VLLM_KV=both                               # or "store": the K/V in kvsparse only
+    KVSPARSE_VLLM_SALE=sale.json                        # with "store": prompts through SALE
     python -m vllm.entrypoints.openai.api_server --model ... --no-enable-prefix-caching
 
 A request may ask for another method: ``SamplingParams(extra_args={"kvsparse_method":
@@ -29,6 +30,11 @@ How it works (vLLM 0.32, the V1 model runner):
   vLLM's cache keeps 2 elements a token and kv head, so its KV budget admits requests by
   kvsparse's capacity, and prompt attention is computed by the plugin over the rows read back
   from the store (docs/VLLM.md, "Capacity").
+- With the K/V in the store only, KVSPARSE_VLLM_SALE names SALE's thresholds file
+  (``kvsparse-sale-calibrate``, kvsparse.torch.sale): a prompt prefilled in one chunk (its length
+  at most vLLM's max_num_batched_tokens) attends through SALE's block-sparse prefill
+  (``torch.ops.kvsparse.sale_prefill``: the CPU reference on vLLM's CPU build); the later chunks
+  of a chunked prompt attend densely over the store's rows, as without it.
 
 Limits of this version, each refused with a message: prefix caching (a prefix vLLM reuses
 would be missing from the request's sequence), sliding windows, ALiBi, logits soft-capping,
@@ -55,6 +61,8 @@ ENV_SEED = "KVSPARSE_VLLM_SEED"
 # computed here over the rows read back from the store; vLLM's KV budget then admits
 # requests by kvsparse's capacity, not by its own).
 ENV_KV = "KVSPARSE_VLLM_KV"
+# SALE's thresholds file for the prompts (store only: the plugin computes prompt attention then).
+ENV_SALE = "KVSPARSE_VLLM_SALE"
 
 
 def store_only() -> bool:
@@ -62,6 +70,17 @@ def store_only() -> bool:
     if kv not in ("both", "store"):
         raise ValueError(f"{ENV_KV} must be 'both' or 'store', not {kv!r}")
     return kv == "store"
+
+
+def sale_path() -> str | None:
+    """KVSPARSE_VLLM_SALE, checked: SALE prefills prompts only where the plugin computes their
+    attention (KVSPARSE_VLLM_KV=store)."""
+    path = os.environ.get(ENV_SALE) or None
+    if path is not None and not store_only():
+        raise ValueError(f"{ENV_SALE} needs {ENV_KV}=store: with vLLM's own cache, prompt attention is vLLM's")
+    return path
+
+
 # The SamplingParams.extra_args key of a request's own method.
 EXTRA_ARG = "kvsparse_method"
 BACKEND_NAME = "KVSPARSE"
@@ -79,6 +98,11 @@ def register() -> None:
         return
     parse_method(os.environ[ENV_METHOD])  # a bad method stops vLLM here, with its reason
     store_only()  # and a bad KVSPARSE_VLLM_KV
+    path = sale_path()  # and SALE without the store, or a thresholds file that does not load
+    if path is not None:
+        from kvsparse.torch.sale import SalePrefill
+
+        SalePrefill.load(path)
     # The request ids of a batch come from the V1 model runner (the one vLLM's CPU build runs).
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     from vllm.platforms import current_platform
@@ -139,6 +163,11 @@ class Worker:
     timing: dict[str, float] = field(
         default_factory=lambda: {"forward": 0.0, "vllm_attention": 0.0, "transport": 0.0, "engine": 0.0}
     )
+    # SALE prefill (KVSPARSE_VLLM_SALE): (prompt, layer) pairs attended through it, and their shares
+    # of causal blocks skipped, summed (mean: / sale_prefills).
+    sale_prefills: int = 0
+    sale_skipped: float = 0.0
+    _sale: Any = None
     _transport: Any = None
     _metrics: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -158,6 +187,21 @@ class Worker:
                 self._transport = make_transport(target, timeout=60.0, stream=False)
             atexit.register(self.close)
         return self._transport
+
+    def sale(self, num_layers: int) -> Any:
+        """SALE's thresholds (kvsparse.torch.sale.SalePrefill) when KVSPARSE_VLLM_SALE names them,
+        checked against the model's layers; else None."""
+        path = sale_path()
+        if path is None:
+            return None
+        if self._sale is None:
+            from kvsparse.torch.sale import SalePrefill
+
+            sale = SalePrefill.load(path)
+            if len(sale.thresholds) != num_layers:
+                raise ValueError(f"{path}: thresholds for {len(sale.thresholds)} layers, the model has {num_layers}")
+            self._sale = sale
+        return self._sale
 
     def default_method(self) -> Method:
         return parse_method(os.environ[ENV_METHOD])
