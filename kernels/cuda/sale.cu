@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <climits>
 #include <cmath>
 
 #include "kernels/cuda/common.cuh"
@@ -266,6 +267,124 @@ __device__ void ExactPartialsMma(const SelectGeometry& g, const Regions& rg, con
   }
 }
 
+// The middle blocks with the warp's operands in registers, for the paper's geometry (head_dim
+// at most 128, block_k at most 32): A (the query block's int8 rows) loaded once from the staged
+// rows, each block's B (its int8 keys, every 8-key tile) loaded whole, the warp's next block
+// loaded before the current one is estimated (its loads overlap the tensor-core work), and each
+// row's scale, mean term and threshold held per thread. The arithmetic of the test is the
+// general loop's (the same products, in the same order), applied to each row's largest sum in
+// the block (the test is monotone in it): the same mask.
+constexpr int kFastKs = 4;               // 32-dim steps: head_dim <= 128
+constexpr int kFastKt = 4;               // 8-key tiles: block_k <= 32
+constexpr int kFastRt = kMaxBlock / 16;  // 16-row tiles of the query block
+using KeyFrags = uint32_t[kFastKt][kFastKs][2];
+
+__device__ __forceinline__ void LoadKeyFrags(const int8_t* kb, int d, int tiles, int ksteps, int gr,
+                                             int tq, KeyFrags& b) {
+#pragma unroll
+  for (int kt = 0; kt < kFastKt; ++kt) {
+    const int8_t* kr = kb + static_cast<int64_t>(kt * 8 + gr) * d + 4 * tq;
+#pragma unroll
+    for (int x = 0; x < kFastKs; ++x) {
+      if (kt < tiles && x < ksteps) {
+        b[kt][x][0] = __ldg(reinterpret_cast<const uint32_t*>(kr + 32 * x));
+        b[kt][x][1] = __ldg(reinterpret_cast<const uint32_t*>(kr + 32 * x + 16));
+      }
+    }
+  }
+}
+
+__device__ void MiddleBlocksInRegisters(const SelectGeometry& g, const Regions& rg,
+                                        const Operands& ops, int j, int rows, const int* q8,
+                                        int qstride, const float* thr, const float* qs,
+                                        const float* qm, uint8_t* out) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
+  const int ksteps = g.d / 32, tiles = g.bk / 8;
+  uint32_t qa[kFastRt][kFastKs][4];
+  float rthr[2 * kFastRt], rqs[2 * kFastRt], rqm[2 * kFastRt];
+#pragma unroll
+  for (int rt = 0; rt < kFastRt; ++rt) {
+    const int* pa = q8 + (rt * 16 + gr) * qstride + tq;
+#pragma unroll
+    for (int x = 0; x < kFastKs; ++x) {
+      if (x < ksteps) {
+        qa[rt][x][0] = pa[8 * x];
+        qa[rt][x][1] = pa[8 * qstride + 8 * x];
+        qa[rt][x][2] = pa[8 * x + 4];
+        qa[rt][x][3] = pa[8 * qstride + 8 * x + 4];
+      }
+    }
+#pragma unroll
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = rt * 16 + gr + 8 * hf;
+      const bool ok = r < rows;  // rows past the prompt never pass
+      rthr[2 * rt + hf] = ok ? thr[r] : -kNegInf;
+      rqs[2 * rt + hf] = ok ? qs[r] : 0.f;
+      rqm[2 * rt + hf] = ok ? qm[r] : 0.f;
+    }
+  }
+  const int8_t* kh = ops.k + static_cast<int64_t>(j) * g.n * g.d;
+  const int64_t block_bytes = static_cast<int64_t>(g.bk) * g.d;
+  KeyFrags cur, next;
+  int32_t blk = rg.sink_end + warp;
+  if (blk < rg.local_first) LoadKeyFrags(kh + blk * block_bytes, g.d, tiles, ksteps, gr, tq, cur);
+  for (; blk < rg.local_first; blk += kSelectWarps) {
+    const int32_t nb = blk + kSelectWarps;
+    if (nb < rg.local_first) LoadKeyFrags(kh + nb * block_bytes, g.d, tiles, ksteps, gr, tq, next);
+    const float ks = ops.k_scale[static_cast<int64_t>(j) * g.k_blocks + blk];
+    float a[2 * kFastRt];
+#pragma unroll
+    for (int x = 0; x < 2 * kFastRt; ++x) a[x] = __fmul_rn(rqs[x], ks);
+    // The test is monotone in the integer sum (every step a correctly rounded product or sum
+    // with non-negative factors: a = q_scale k_scale >= 0, scale > 0), so a row passes somewhere
+    // in the block if and only if it passes at its largest sum: each thread keeps its rows'
+    // maxima and tests them after every two 8-key tiles (a block stops there once it hit).
+    int mx[2 * kFastRt];
+#pragma unroll
+    for (int x = 0; x < 2 * kFastRt; ++x) mx[x] = INT_MIN;
+    bool hit = false;
+#pragma unroll
+    for (int kt = 0; kt < kFastKt; ++kt) {
+      if (kt < tiles && !hit) {
+#pragma unroll
+        for (int rt = 0; rt < kFastRt; ++rt) {
+          if (rt * 16 < rows) {
+            int acc[4] = {0, 0, 0, 0};
+#pragma unroll
+            for (int x = 0; x < kFastKs; ++x) {
+              if (x < ksteps) {
+                MmaInt8(acc, qa[rt][x][0], qa[rt][x][1], qa[rt][x][2], qa[rt][x][3], cur[kt][x][0],
+                        cur[kt][x][1]);
+              }
+            }
+            mx[2 * rt] = max(mx[2 * rt], max(acc[0], acc[1]));
+            mx[2 * rt + 1] = max(mx[2 * rt + 1], max(acc[2], acc[3]));
+          }
+        }
+        if (kt % 2 == 1 || kt == tiles - 1) {
+          bool any = false;
+#pragma unroll
+          for (int x = 0; x < 2 * kFastRt; ++x) {
+            const float est =
+                __fmul_rn(g.scale, __fadd_rn(__fmul_rn(a[x], static_cast<float>(mx[x])), rqm[x]));
+            any |= est >= rthr[x];
+          }
+          hit = __any_sync(0xffffffffu, any);
+        }
+      }
+    }
+    if (hit && lane == 0) out[blk] = 1;
+#pragma unroll
+    for (int kt = 0; kt < kFastKt; ++kt) {
+#pragma unroll
+      for (int x = 0; x < kFastKs; ++x) {
+        cur[kt][x][0] = next[kt][x][0];
+        cur[kt][x][1] = next[kt][x][1];
+      }
+    }
+  }
+}
+
 // One (query block, query head) per block: the exact regions' thresholds per row, then each
 // middle key block estimated from int8 Q and K (one comparison per element), the block's row of
 // the mask written whole.
@@ -336,7 +455,11 @@ __global__ void __launch_bounds__(kSelectThreads)
   // Each warp estimates whole middle blocks on its own (blocks sink_end + warp, + 8, ...):
   // S~ tiles of 16 rows x 8 keys with mma.m16n8k32 (int8, exact int32 sums), A from the staged
   // rows, B straight from the block's int8 keys; a block stops at its first element over the
-  // threshold.
+  // threshold. The paper's geometry keeps the operands in registers (MiddleBlocksInRegisters).
+  if (g.d <= 32 * kFastKs && g.bk <= 8 * kFastKt && g.scale > 0.f) {
+    MiddleBlocksInRegisters(g, rg, ops, j, rows, q8, qstride, thr, qs, qm, out);
+    return;
+  }
   const int lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
   const int row_tiles = (rows + 15) / 16, ksteps = g.d / 32;
   for (int32_t blk = rg.sink_end + warp; blk < rg.local_first; blk += kSelectWarps) {
