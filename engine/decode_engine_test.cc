@@ -311,11 +311,10 @@ TEST_F(EngineTest, SantaOverBernoulliScoresReportsTheKeyFeaturesRead) {
   ASSERT_TRUE(kernels::SantaSelectCpu(p, m.santa, kernels::SequenceSeed(99, 0), &sel, &stats).ok());
   ASSERT_TRUE(kernels::SantaDecodeCpu(p, m.santa, kernels::SequenceSeed(99, 0), &sel).ok());
   ExpectSame(*r, 0, sel, out);
-  const int32_t d = p.head_dim, gd = p.group_size() * d;
+  const int32_t gd = p.group_size() * p.head_dim;
   for (const HeadStats& hs : r->heads) {
-    EXPECT_EQ(hs.key_features_head, std::llround(stats.key_feature_fraction_head[hs.kv_head] * gd));
-    EXPECT_EQ(hs.key_features_group,
-              std::llround(stats.key_feature_fraction_group[hs.kv_head] * d));
+    EXPECT_EQ(hs.key_features_head, static_cast<uint64_t>(stats.key_features_head[hs.kv_head]));
+    EXPECT_EQ(hs.key_features_group, static_cast<uint64_t>(stats.key_features_group[hs.kv_head]));
     EXPECT_GT(hs.key_features_head, 0u);
     EXPECT_LT(hs.key_features_head, static_cast<uint64_t>(gd));  // B = 2 leaves features unread
   }

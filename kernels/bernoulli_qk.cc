@@ -8,18 +8,26 @@
 
 namespace kvsparse::kernels {
 
+int64_t BernoulliQuery::head_features() const {
+  int64_t s = 0;
+  for (uint8_t x : head_touched) s += x;
+  return s;
+}
+
+int64_t BernoulliQuery::group_features() const {
+  int64_t s = 0;
+  for (uint8_t x : group_touched) s += x;
+  return s;
+}
+
 double BernoulliQuery::head_fraction() const {
   if (group == 0 || dim == 0) return 0.0;
-  double s = 0;
-  for (uint8_t x : head_touched) s += x;
-  return s / (static_cast<double>(group) * dim);
+  return static_cast<double>(head_features()) / (static_cast<double>(group) * dim);
 }
 
 double BernoulliQuery::group_fraction() const {
   if (dim == 0) return 0.0;
-  double s = 0;
-  for (uint8_t x : group_touched) s += x;
-  return s / dim;
+  return static_cast<double>(group_features()) / dim;
 }
 
 absl::Status ValidateBernoulliQkParams(const BernoulliQkParams& params) {

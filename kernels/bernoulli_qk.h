@@ -85,6 +85,10 @@ struct BernoulliQuery {
   std::vector<uint8_t> group_touched;          // [d]: union over the group (what the kv head reads)
   std::vector<std::vector<int32_t>> features;  // [G][*]: touched features of head g, ascending
 
+  // (query head, feature) pairs touched, over the group's heads.
+  int64_t head_features() const;
+  // Features touched by the group.
+  int64_t group_features() const;
   // Mean over the group of (features touched by head g) / d.
   double head_fraction() const;
   // (features touched by the group) / d.

@@ -158,6 +158,19 @@ inline void StoreFromFloat(void* row, size_t i, DType t, float x) {
   }
 }
 
+// x rounded to dtype t and back (x itself for fp32).
+inline float RoundToDType(float x, DType t) {
+  switch (t) {
+    case DType::kFp32:
+      return x;
+    case DType::kFp16:
+      return Fp16ToFloat(FloatToFp16(x));
+    case DType::kBf16:
+      return Bf16ToFloat(FloatToBf16(x));
+  }
+  return x;
+}
+
 // n elements of dtype `from` at src to dtype `to` at dst, through fp32 (a copy when the two
 // agree). Host-side.
 inline void ConvertElements(const void* src, DType from, void* dst, DType to, size_t n) {

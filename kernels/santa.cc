@@ -336,8 +336,11 @@ absl::Status SantaSelectCpu(const DecodeProblem& p, const SantaParams& params, u
   sel->Reset(ratio ? EstimateKind::kSoftmax : EstimateKind::kLinear, p.batch, p.num_kv_heads,
              group);
   if (stats != nullptr) {
-    stats->key_feature_fraction_head.assign(static_cast<size_t>(p.batch) * p.num_kv_heads, 1.0);
-    stats->key_feature_fraction_group.assign(static_cast<size_t>(p.batch) * p.num_kv_heads, 1.0);
+    stats->group = group;
+    stats->dim = d;
+    stats->key_features_head.assign(static_cast<size_t>(p.batch) * p.num_kv_heads,
+                                    static_cast<int64_t>(group) * d);
+    stats->key_features_group.assign(static_cast<size_t>(p.batch) * p.num_kv_heads, d);
   }
   const BernoulliQkParams bq{params.bernoulli_qk_samples, params.bernoulli_mode,
                              params.bernoulli_sampler};
@@ -362,16 +365,10 @@ absl::Status SantaSelectCpu(const DecodeProblem& p, const SantaParams& params, u
             !s.ok()) {
           return s;
         }
-        if (p.dtype != DType::kFp32) {  // the effective query in q's dtype (bernoulli_qk.h)
-          for (float& x : bquery.q_eff) {
-            uint16_t r[2] = {0, 0};  // room for any dtype's element
-            StoreFromFloat(r, 0, p.dtype, x);
-            x = LoadAsFloat(r, 0, p.dtype);
-          }
-        }
+        for (float& x : bquery.q_eff) x = RoundToDType(x, p.dtype);  // q's dtype (bernoulli_qk.h)
         if (stats != nullptr) {
-          stats->key_feature_fraction_head[b * p.num_kv_heads + kvh] = bquery.head_fraction();
-          stats->key_feature_fraction_group[b * p.num_kv_heads + kvh] = bquery.group_fraction();
+          stats->key_features_head[b * p.num_kv_heads + kvh] = bquery.head_features();
+          stats->key_features_group[b * p.num_kv_heads + kvh] = bquery.group_features();
         }
       }
       for (int32_t g = 0; g < group; ++g) {

@@ -200,10 +200,17 @@ void SantaExpectedWeights(const SantaHeadPlan& plan, const SantaParams& params,
 
 // Per-head statistics of a SANTA selection.
 struct SantaStats {
-  // Bernoulli qK^T only, shape [B * Hkv]: fraction of key features read per head (mean over the
-  // group) and by the group (union).
-  std::vector<double> key_feature_fraction_head;
-  std::vector<double> key_feature_fraction_group;
+  int32_t group = 0, dim = 0;  // G and head_dim of the problem
+  // Shape [B * Hkv]: the (query head, key feature) pairs the group's scores read (G * d with
+  // exact scores), and the key features read for the group, their union (d with exact scores).
+  std::vector<int64_t> key_features_head;
+  std::vector<int64_t> key_features_group;
+
+  // Entry i's fraction of key features read per head (mean over the group) and by the group.
+  double head_fraction(size_t i) const {
+    return static_cast<double>(key_features_head[i]) / (static_cast<double>(group) * dim);
+  }
+  double group_fraction(size_t i) const { return static_cast<double>(key_features_group[i]) / dim; }
 };
 
 // Selection stage: reads q and every K row (or the Bernoulli-selected features of them), never

@@ -714,9 +714,9 @@ TEST(BernoulliQkTest, SantaWithBernoulliScores) {
     ASSERT_TRUE(SantaDecodeCpu(sp.problem, params, 3, nullptr, &stats).ok());
     const double err = RelativeL2(dense, OutputAsDouble(sp.problem));
     std::printf("[santa+bernoulli] B=%d rel L2=%.4f key features per head %.3f per group %.3f\n", B,
-                err, stats.key_feature_fraction_head[0], stats.key_feature_fraction_group[0]);
+                err, stats.head_fraction(0), stats.group_fraction(0));
     if (B == 4) {
-      EXPECT_LT(stats.key_feature_fraction_group[0], 1.0);
+      EXPECT_LT(stats.group_fraction(0), 1.0);
     }
     EXPECT_LT(err, 0.5);
   }

@@ -5,8 +5,6 @@
 // (placement.compressed_key_bits) read no K row for the selection; the ratio correction then
 // gathers the sampled K rows with their V rows (kernels/santa.h, "Scores from compressed keys").
 // Bernoulli qK^T's scores report the K features they read (HeadStats::key_features_*).
-#include <cmath>
-
 #include "engine/cpu_step.h"
 #include "engine/methods/method_unit.h"
 
@@ -55,13 +53,9 @@ class Santa final : public MethodUnit {
         !s.ok()) {
       return s;
     }
-    // The fractions back to counts (exact: each is a count over G * d or d).
-    const kernels::DecodeProblem& q = step.problem();
-    const double d = q.head_dim, gd = static_cast<double>(q.group_size()) * q.head_dim;
-    for (int32_t j = 0; j < q.num_kv_heads; ++j) {
-      step.CountKeyFeatures(
-          j, static_cast<uint64_t>(std::llround(stats.key_feature_fraction_head[j] * gd)),
-          static_cast<uint64_t>(std::llround(stats.key_feature_fraction_group[j] * d)));
+    for (int32_t j = 0; j < step.problem().num_kv_heads; ++j) {
+      step.CountKeyFeatures(j, static_cast<uint64_t>(stats.key_features_head[j]),
+                            static_cast<uint64_t>(stats.key_features_group[j]));
     }
     return absl::OkStatus();
   }

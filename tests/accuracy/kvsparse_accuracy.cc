@@ -88,9 +88,10 @@ Config::Run SantaRun(SantaParams params) {
     absl::Status s = SantaDecodeCpu(p, params, seed, sel, &stats);
     if (s.ok() && params.bernoulli_qk_samples > 0) {
       double fh = 0, fg = 0;
-      for (size_t i = 0; i < stats.key_feature_fraction_head.size(); ++i) {
-        fh += stats.key_feature_fraction_head[i] / stats.key_feature_fraction_head.size();
-        fg += stats.key_feature_fraction_group[i] / stats.key_feature_fraction_group.size();
+      const size_t n = stats.key_features_head.size();
+      for (size_t i = 0; i < n; ++i) {
+        fh += stats.head_fraction(i) / n;
+        fg += stats.group_fraction(i) / n;
       }
       *note = absl::StrFormat("K features read: %.2f per head, %.2f per group", fh, fg);
     }
