@@ -40,7 +40,9 @@ struct BernoulliQueriesParams {
   int32_t* features = nullptr;
 };
 
-// cudaErrorInvalidValue for a shape, dtype or parameter it does not take.
+// cudaErrorInvalidValue for a shape, dtype or parameter it does not take (samples < 1, as
+// kernels::ValidateBernoulliQkParams refuses: checked here, the CUDA library linking no host
+// library).
 cudaError_t SampleBernoulliQueries(const BernoulliQueriesParams& p, cudaStream_t stream);
 
 }  // namespace kvsparse::kernels::cuda

@@ -94,5 +94,26 @@ TEST(BernoulliQkCudaTest, EffectiveQueriesAreTheReferences) {
   }
 }
 
+// What the launcher refuses before touching the device: kernels::ValidateBernoulliQkParams's
+// samples < 1, fp32, a head dim it does not take.
+TEST(BernoulliQkCudaTest, RefusesWhatItDoesNotTake) {
+  uint16_t q = 0, out = 0;
+  BernoulliQueriesParams p;
+  p.batch = 1;
+  p.num_q_heads = 4;
+  p.num_kv_heads = 1;
+  p.head_dim = 64;
+  p.q = &q;
+  p.q_eff = &out;
+  p.params.samples = 0;
+  EXPECT_EQ(SampleBernoulliQueries(p, nullptr), cudaErrorInvalidValue);
+  p.params.samples = 4;
+  p.dtype = DType::kFp32;
+  EXPECT_EQ(SampleBernoulliQueries(p, nullptr), cudaErrorInvalidValue);
+  p.dtype = DType::kBf16;
+  p.head_dim = 48;
+  EXPECT_EQ(SampleBernoulliQueries(p, nullptr), cudaErrorInvalidValue);
+}
+
 }  // namespace
 }  // namespace kvsparse::kernels::cuda

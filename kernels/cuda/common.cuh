@@ -403,6 +403,18 @@ __device__ __forceinline__ float WarpMax(float v) {
   for (int o = 16; o > 0; o /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
   return v;
 }
+// The max over the block (every thread calls it and gets it; red: shared, one float per warp,
+// free before and after the call).
+__device__ __forceinline__ float BlockMax(float v, float* red) {
+  v = WarpMax(v);
+  __syncthreads();
+  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+  __syncthreads();
+  float m = kNegInf;
+  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) m = fmaxf(m, red[w]);
+  __syncthreads();
+  return m;
+}
 template <typename T>
 __device__ __forceinline__ T WarpSum(T v) {
 #pragma unroll

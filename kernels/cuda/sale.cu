@@ -65,17 +65,6 @@ __device__ __forceinline__ int8_t Round8(float x) {
   return static_cast<int8_t>(fminf(fmaxf(rintf(x), -127.f), 127.f));
 }
 
-// Block-wide max of non-negative floats (every thread calls it; red: kSelectWarps floats).
-__device__ __forceinline__ float BlockMaxNonNegative(float v, float* red) {
-  v = WarpMax(v);
-  if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
-  __syncthreads();
-  float m = 0.f;
-  for (int w = 0; w < static_cast<int>(blockDim.x >> 5); ++w) m = fmaxf(m, red[w]);
-  __syncthreads();
-  return m;
-}
-
 // mean[j, e] = (sum over tokens, in order, in double) / n, as the reference. Grid Hkv, block d.
 template <typename T>
 __global__ void KeyMeanKernel(const void* k, int32_t n, int32_t d, float* mean) {
@@ -101,7 +90,7 @@ __global__ void QuantizeKeysKernel(const void* k, const float* mean, int32_t n, 
   for (int32_t x = threadIdx.x; x < count; x += blockDim.x) {
     amax = fmaxf(amax, fabsf(__fsub_rn(LoadElem<T>(k, base + x), m[x % d])));
   }
-  amax = BlockMaxNonNegative(amax, red);
+  amax = BlockMax(amax, red);
   const float s = amax > 0.f ? amax / 127.f : 1.f;
   if (threadIdx.x == 0) k_scale[static_cast<int64_t>(j) * gridDim.x + blk] = s;
   for (int32_t x = threadIdx.x; x < count; x += blockDim.x) {
@@ -273,7 +262,7 @@ __device__ void ExactPartialsMma(const SelectGeometry& g, const Regions& rg, con
 // loaded before the current one is estimated (its loads overlap the tensor-core work), and each
 // row's scale, mean term and threshold held per thread. The arithmetic of the test is the
 // general loop's (the same products, in the same order), applied to each row's largest sum in
-// the block (the test is monotone in it): the same mask.
+// the block (the test is monotone in it, the launcher having checked scale > 0): the same mask.
 constexpr int kFastKs = 4;               // 32-dim steps: head_dim <= 128
 constexpr int kFastKt = 4;               // 8-key tiles: block_k <= 32
 constexpr int kFastRt = kMaxBlock / 16;  // 16-row tiles of the query block
@@ -456,7 +445,7 @@ __global__ void __launch_bounds__(kSelectThreads)
   // S~ tiles of 16 rows x 8 keys with mma.m16n8k32 (int8, exact int32 sums), A from the staged
   // rows, B straight from the block's int8 keys; a block stops at its first element over the
   // threshold. The paper's geometry keeps the operands in registers (MiddleBlocksInRegisters).
-  if (g.d <= 32 * kFastKs && g.bk <= 8 * kFastKt && g.scale > 0.f) {
+  if (g.d <= 32 * kFastKs && g.bk <= 8 * kFastKt) {
     MiddleBlocksInRegisters(g, rg, ops, j, rows, q8, qstride, thr, qs, qm, out);
     return;
   }
@@ -674,10 +663,11 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
   }
 }
 
-// The prompt's token and head counts (what both launchers check beside their own limits).
-bool HeadsOk(const SalePrefill& pr) {
+// What kernels::ValidateSalePrefill asks of a prompt's counts and scale (both launchers check it
+// beside their own limits; the CUDA library links no host library to call it).
+bool PromptOk(const SalePrefill& pr) {
   return pr.tokens >= 0 && pr.num_kv_heads >= 1 && pr.num_q_heads >= 1 &&
-         pr.num_q_heads % pr.num_kv_heads == 0;
+         pr.num_q_heads % pr.num_kv_heads == 0 && std::isfinite(pr.scale) && pr.scale > 0.f;
 }
 
 }  // namespace
@@ -695,7 +685,7 @@ size_t SaleSelectWorkspaceBytes(const SaleSelectParams& p) { return Carve(p, nul
 cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t workspace_bytes,
                        cudaStream_t stream) {
   const SalePrefill& pr = p.prompt;
-  if (!SaleSupports(p.blocks, pr.head_dim) || !HeadsOk(pr)) return cudaErrorInvalidValue;
+  if (!SaleSupports(p.blocks, pr.head_dim) || !PromptOk(pr)) return cudaErrorInvalidValue;
   if (pr.tokens == 0) return cudaSuccess;
   if (pr.q == nullptr || pr.k == nullptr || p.tau == nullptr || p.mask == nullptr) {
     return cudaErrorInvalidValue;
@@ -736,7 +726,7 @@ bool SaleAttendSupports(const SaleParams& b, int32_t head_dim, DType dtype) {
 
 cudaError_t SaleAttend(const SaleAttendParams& p, cudaStream_t stream) {
   const SalePrefill& pr = p.prompt;
-  if (!SaleAttendSupports(p.blocks, pr.head_dim, pr.dtype) || !HeadsOk(pr)) {
+  if (!SaleAttendSupports(p.blocks, pr.head_dim, pr.dtype) || !PromptOk(pr)) {
     return cudaErrorInvalidValue;
   }
   if (pr.tokens == 0) return cudaSuccess;

@@ -269,12 +269,21 @@ TEST(SaleCudaTest, RefusesWhatItDoesNotTake) {
   sp.prompt.tokens = 10;
   sp.prompt.num_q_heads = 2;
   sp.prompt.num_kv_heads = 1;
+  sp.prompt.scale = 0.125f;
   sp.prompt.head_dim = 66;  // not a multiple of 32
   EXPECT_EQ(SaleSelect(sp, nullptr, 0, nullptr), cudaErrorInvalidValue);
   sp.prompt.head_dim = 64;
   sp.blocks.block_q = 128;  // more than the kernel's 64
   EXPECT_EQ(SaleSelect(sp, nullptr, 0, nullptr), cudaErrorInvalidValue);
   EXPECT_FALSE(SaleSupports(sp.blocks, 64));
+  sp.blocks.block_q = 64;
+  sp.prompt.tokens =
+      0;  // an empty prompt is nothing to do, but not with a scale the reference refuses
+  EXPECT_EQ(SaleSelect(sp, nullptr, 0, nullptr), cudaSuccess);
+  sp.prompt.scale = 0.f;
+  EXPECT_EQ(SaleSelect(sp, nullptr, 0, nullptr), cudaErrorInvalidValue);
+  sp.prompt.scale = 0.125f;
+  sp.prompt.tokens = 10;
   SaleAttendParams ap;
   ap.prompt = sp.prompt;
   ap.prompt.head_dim = 96;  // the pass takes 64 and 128

@@ -333,15 +333,6 @@ __global__ void __launch_bounds__(Pass1Cfg<D, G>::kThreads, Pass1Cfg<D, G>::kMin
 
 // Block-wide reductions for 256-thread blocks.
 constexpr int kSmallThreads = 256;
-__device__ __forceinline__ float BlockMax(float v, float* red) {
-  v = WarpMax(v);
-  __syncthreads();
-  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
-  __syncthreads();
-  float r = kNegInf;
-  for (int i = 0; i < kSmallThreads / 32; ++i) r = fmaxf(r, red[i]);
-  return r;
-}
 __device__ __forceinline__ double BlockSumD(double v, double* red) {
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) v += __shfl_xor_sync(0xffffffffu, v, o);
