@@ -290,6 +290,27 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// ldmatrix.x4: four 8 x 8 tiles of 16-bit elements (or 8 rows of 16 bytes) from shared memory;
+// lanes 8m .. 8m + 7 give the row addresses of tile m (16-byte aligned), and each lane gets,
+// in r[m], the 32-bit word lane % 4 of row lane / 4 of tile m.
+__device__ __forceinline__ void LdMatrixX4(uint32_t& r0, uint32_t& r1, uint32_t& r2, uint32_t& r3,
+                                           const void* smem_row) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(s));
+}
+
+// ldmatrix.x4.trans: as LdMatrixX4, each tile transposed: r[m] holds elements (2 (lane % 4),
+// lane / 4) and (2 (lane % 4) + 1, lane / 4) of tile m (row, column of the rows as addressed).
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                                uint32_t& r3, const void* smem_row) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(s));
+}
+
 __device__ __forceinline__ void Bf16x2ToFloat2(uint32_t w, float& lo, float& hi) {
   lo = __uint_as_float(w << 16);
   hi = __uint_as_float(w & 0xffff0000u);

@@ -28,11 +28,15 @@ __device__ __forceinline__ void MmaInt8(int (&c)[4], uint32_t a0, uint32_t a1, u
 int32_t Blocks(int32_t n, int32_t b) { return (n + b - 1) / b; }
 
 // The quantized operands in the workspace.
+constexpr int32_t kMeanChunk = 512;  // tokens per partial sum of the key mean
+
 struct Operands {
-  float* mean = nullptr;     // [Hkv, d]
+  double* mean_part = nullptr;  // [Hkv, mean chunks, d]: the key mean's partial sums
+  float* mean = nullptr;        // [Hkv, d]
   float* k_scale = nullptr;  // [Hkv, k_blocks]
   float* q_scale = nullptr;  // [H, n]
   float* q_mean = nullptr;   // [H, n]: q_r . mean of its kv head
+  float* thr = nullptr;      // [H, n]: each row's threshold m_r + ln(tau l_r)
   int8_t* k = nullptr;       // [Hkv, n, d], smoothed
   int8_t* q = nullptr;       // [H, n, d]
   size_t bytes = 0;
@@ -50,10 +54,13 @@ Operands Carve(const SaleSelectParams& p, void* base) {
     at += AlignUp(bytes, 256);
     return ptr;
   };
+  o.mean_part = static_cast<double*>(take(hkv * Blocks(static_cast<int32_t>(n), kMeanChunk) * d *
+                                           sizeof(double)));
   o.mean = static_cast<float*>(take(hkv * d * sizeof(float)));
   o.k_scale = static_cast<float*>(take(hkv * kb * sizeof(float)));
   o.q_scale = static_cast<float*>(take(H * n * sizeof(float)));
   o.q_mean = static_cast<float*>(take(H * n * sizeof(float)));
+  o.thr = static_cast<float*>(take(H * n * sizeof(float)));
   o.k = static_cast<int8_t*>(take(hkv * n * d));
   o.q = static_cast<int8_t*>(take(H * n * d));
   o.bytes = at;
@@ -65,13 +72,29 @@ __device__ __forceinline__ int8_t Round8(float x) {
   return static_cast<int8_t>(fminf(fmaxf(rintf(x), -127.f), 127.f));
 }
 
-// mean[j, e] = (sum over tokens, in order, in double) / n, as the reference. Grid Hkv, block d.
+// mean[j, e] = (sum over tokens in double) / n, as the reference, the sum in two levels: each
+// chunk of kMeanChunk tokens in order (KeyMeanPartialKernel, grid (Hkv, chunks), block d), then
+// the chunks' sums in order (KeyMeanKernel, grid Hkv, block d). The reference adds the tokens
+// in one sequence; the two orders differ by double rounding, far below the float the mean is
+// stored as (kernels/cuda/sale_test.cc compares the masks).
 template <typename T>
-__global__ void KeyMeanKernel(const void* k, int32_t n, int32_t d, float* mean) {
+__global__ void KeyMeanPartialKernel(const void* k, int32_t n, int32_t d, double* part) {
+  const int j = blockIdx.x, c = blockIdx.y, e = threadIdx.x;
+  if (e >= d) return;
+  const int32_t t1 = min(n, (c + 1) * kMeanChunk);
+  double sum = 0.0;
+  for (int32_t t = c * kMeanChunk; t < t1; ++t) {
+    sum += LoadElem<T>(k, (static_cast<int64_t>(j) * n + t) * d + e);
+  }
+  part[(static_cast<int64_t>(j) * gridDim.y + c) * d + e] = sum;
+}
+
+__global__ void KeyMeanKernel(const double* part, int32_t chunks, int32_t n, int32_t d,
+                              float* mean) {
   const int j = blockIdx.x, e = threadIdx.x;
   if (e >= d) return;
   double sum = 0.0;
-  for (int32_t t = 0; t < n; ++t) sum += LoadElem<T>(k, (static_cast<int64_t>(j) * n + t) * d + e);
+  for (int32_t c = 0; c < chunks; ++c) sum += part[(static_cast<int64_t>(j) * chunks + c) * d + e];
   mean[j * d + e] = static_cast<float>(sum / n);
 }
 
@@ -98,33 +121,37 @@ __global__ void QuantizeKeysKernel(const void* k, const float* mean, int32_t n, 
   }
 }
 
-// Per (query head, token), one warp: the scale max |q| / 127, the int8 query and q . mean (a
-// sequential fp32 dot product, as the reference's). Grid (ceil(n / 8), H), block 256.
+// Per (query head, token): the scale max |q| / 127 and the int8 query (one warp per token), and
+// q . mean (a sequential fp32 dot product, as the reference's; one lane per token, the warp's
+// 32 tokens at once). Grid (ceil(n / 256), H), block 256: warp w takes 32 tokens.
 template <typename T>
 __global__ void QuantizeQueriesKernel(const void* q, const float* mean, int32_t n, int32_t d,
                                       int32_t group, int8_t* qq, float* q_scale, float* q_mean) {
   const int lane = threadIdx.x & 31;
-  const int32_t t = blockIdx.x * kSelectWarps + (threadIdx.x >> 5);
+  const int32_t t0 = (blockIdx.x * kSelectWarps + (threadIdx.x >> 5)) * 32;
   const int h = blockIdx.y;
+  for (int32_t t = t0; t < min(n, t0 + 32); ++t) {  // uniform over the warp
+    const int64_t row = static_cast<int64_t>(h) * n + t;
+    float amax = 0.f;
+    for (int e = lane; e < d; e += 32) amax = fmaxf(amax, fabsf(LoadElem<T>(q, row * d + e)));
+    amax = WarpMax(amax);
+    const float s = amax > 0.f ? amax / 127.f : 1.f;
+    for (int e = lane; e < d; e += 32) qq[row * d + e] = Round8(LoadElem<T>(q, row * d + e) / s);
+    if (lane == 0) q_scale[row] = s;
+  }
+  const int32_t t = t0 + lane;
   if (t >= n) return;
   const int64_t row = static_cast<int64_t>(h) * n + t;
-  float amax = 0.f;
-  for (int e = lane; e < d; e += 32) amax = fmaxf(amax, fabsf(LoadElem<T>(q, row * d + e)));
-  amax = WarpMax(amax);
-  const float s = amax > 0.f ? amax / 127.f : 1.f;
-  for (int e = lane; e < d; e += 32) qq[row * d + e] = Round8(LoadElem<T>(q, row * d + e) / s);
-  if (lane == 0) {
-    const float* m = mean + static_cast<int64_t>(h / group) * d;
-    float acc = 0.f;
-    for (int e = 0; e < d; ++e) acc = __fadd_rn(acc, __fmul_rn(LoadElem<T>(q, row * d + e), m[e]));
-    q_scale[row] = s;
-    q_mean[row] = acc;
-  }
+  const float* m = mean + static_cast<int64_t>(h / group) * d;
+  float acc = 0.f;
+  for (int e = 0; e < d; ++e) acc = __fadd_rn(acc, __fmul_rn(LoadElem<T>(q, row * d + e), m[e]));
+  q_mean[row] = acc;
 }
 
 struct SelectGeometry {
   int32_t n, d, group, bq, bk, sink_blocks, local_blocks, k_blocks, score_cap;
   float scale;
+  bool middle_apart;  // SelectKernel writes the thresholds; MiddleKernel estimates the middle
 };
 
 // The key blocks of query block i that the exact regions cover: [0, sink_end) and
@@ -256,127 +283,177 @@ __device__ void ExactPartialsMma(const SelectGeometry& g, const Regions& rg, con
   }
 }
 
-// The middle blocks with the warp's operands in registers, for the paper's geometry (head_dim
-// at most 128, block_k at most 32): A (the query block's int8 rows) loaded once from the staged
-// rows, each block's B (its int8 keys, every 8-key tile) loaded whole, the warp's next block
-// loaded before the current one is estimated (its loads overlap the tensor-core work), and each
-// row's scale, mean term and threshold held per thread. The arithmetic of the test is the
-// general loop's (the same products, in the same order), applied to each row's largest sum in
-// the block (the test is monotone in it, the launcher having checked scale > 0): the same mask.
+// The middle blocks for the paper's geometry (head_dim at most 128, block_k at most 32), a
+// kernel of their own after SelectKernel has written every row's threshold: one CTA per
+// (kQueryTile query blocks, kHeadTile query heads of one kv head), where kHeadTile *
+// kQueryTile = 8 (GQA groups of 4: 4 heads x 2 query blocks), warp w estimating query head
+// w % kHeadTile's query block w / kHeadTile. Each middle key block's int8 keys are staged once
+// in shared memory for the eight warps (cp.async, kMidStages deep), so the keys are read from
+// L2 once per CTA instead of once per warp; B fragments by ldmatrix; each warp's A (its query
+// block's int8 rows), scales, mean terms and thresholds stay in registers. The test is applied
+// to each row's largest integer sum in the block: S~ >= threshold is monotone in the sum
+// (every step a correctly rounded product or sum with non-negative factors, a = q_scale
+// k_scale >= 0, scale > 0), so a row passes somewhere in the block if and only if it passes at
+// its largest sum; the arithmetic is the general loop's, so the mask is the same.
 constexpr int kFastKs = 4;               // 32-dim steps: head_dim <= 128
 constexpr int kFastKt = 4;               // 8-key tiles: block_k <= 32
 constexpr int kFastRt = kMaxBlock / 16;  // 16-row tiles of the query block
-using KeyFrags = uint32_t[kFastKt][kFastKs][2];
+constexpr int kMidStages = 4;            // key blocks in flight per CTA
+constexpr int kKeyPitch = 32 * kFastKs + 16;  // bytes per staged key: ldmatrix rows in distinct banks
+constexpr int kStageBytes = 8 * kFastKt * kKeyPitch;
 
-__device__ __forceinline__ void LoadKeyFrags(const int8_t* kb, int d, int tiles, int ksteps, int gr,
-                                             int tq, KeyFrags& b) {
-#pragma unroll
-  for (int kt = 0; kt < kFastKt; ++kt) {
-    const int8_t* kr = kb + static_cast<int64_t>(kt * 8 + gr) * d + 4 * tq;
-#pragma unroll
-    for (int x = 0; x < kFastKs; ++x) {
-      if (kt < tiles && x < ksteps) {
-        b[kt][x][0] = __ldg(reinterpret_cast<const uint32_t*>(kr + 32 * x));
-        b[kt][x][1] = __ldg(reinterpret_cast<const uint32_t*>(kr + 32 * x + 16));
-      }
-    }
-  }
-}
+struct MiddleTile {
+  int head_tile;  // query heads per CTA, a power of two dividing both the group and 8
+  int q_blocks;   // query blocks of the prompt
+};
 
-__device__ void MiddleBlocksInRegisters(const SelectGeometry& g, const Regions& rg,
-                                        const Operands& ops, int j, int rows, const int* q8,
-                                        int qstride, const float* thr, const float* qs,
-                                        const float* qm, uint8_t* out) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
-  const int ksteps = g.d / 32, tiles = g.bk / 8;
-  uint32_t qa[kFastRt][kFastKs][4];
-  float rthr[2 * kFastRt], rqs[2 * kFastRt], rqm[2 * kFastRt];
+// A warp's query block: its A fragments in registers; in shared memory (thr, qs, qm:
+// [kMaxBlock] each, the warp's own) the rows' thresholds, query scales and mean terms. Rows past
+// the prompt never pass.
+template <int KS>
+struct WarpRows {
+  uint32_t qa[kFastRt][KS][4];
+  float* thr;
+  float* qs;
+  float* qm;
+};
+
+template <int KS>
+__device__ __forceinline__ void LoadWarpRows(const SelectGeometry& g, const Operands& ops, int h,
+                                             int32_t r0, int rows, WarpRows<KS>& w) {
+  const int lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
+  const int64_t base = static_cast<int64_t>(h) * g.n + r0;
 #pragma unroll
   for (int rt = 0; rt < kFastRt; ++rt) {
-    const int* pa = q8 + (rt * 16 + gr) * qstride + tq;
-#pragma unroll
-    for (int x = 0; x < kFastKs; ++x) {
-      if (x < ksteps) {
-        qa[rt][x][0] = pa[8 * x];
-        qa[rt][x][1] = pa[8 * qstride + 8 * x];
-        qa[rt][x][2] = pa[8 * x + 4];
-        qa[rt][x][3] = pa[8 * qstride + 8 * x + 4];
-      }
-    }
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
       const int r = rt * 16 + gr + 8 * hf;
-      const bool ok = r < rows;  // rows past the prompt never pass
-      rthr[2 * rt + hf] = ok ? thr[r] : -kNegInf;
-      rqs[2 * rt + hf] = ok ? qs[r] : 0.f;
-      rqm[2 * rt + hf] = ok ? qm[r] : 0.f;
+      const bool ok = r < rows;
+      const int* words = reinterpret_cast<const int*>(ops.q + (base + min(r, rows - 1)) * g.d);
+#pragma unroll
+      for (int x = 0; x < KS; ++x) {
+        w.qa[rt][x][hf] = ok ? words[8 * x + tq] : 0;
+        w.qa[rt][x][2 + hf] = ok ? words[8 * x + 4 + tq] : 0;
+      }
     }
   }
-  const int8_t* kh = ops.k + static_cast<int64_t>(j) * g.n * g.d;
-  const int64_t block_bytes = static_cast<int64_t>(g.bk) * g.d;
-  KeyFrags cur, next;
-  int32_t blk = rg.sink_end + warp;
-  if (blk < rg.local_first) LoadKeyFrags(kh + blk * block_bytes, g.d, tiles, ksteps, gr, tq, cur);
-  for (; blk < rg.local_first; blk += kSelectWarps) {
-    const int32_t nb = blk + kSelectWarps;
-    if (nb < rg.local_first) LoadKeyFrags(kh + nb * block_bytes, g.d, tiles, ksteps, gr, tq, next);
-    const float ks = ops.k_scale[static_cast<int64_t>(j) * g.k_blocks + blk];
-    float a[2 * kFastRt];
+  for (int r = lane; r < kMaxBlock; r += 32) {
+    w.thr[r] = r < rows ? ops.thr[base + r] : -kNegInf;
+    w.qs[r] = r < rows ? ops.q_scale[base + r] : 0.f;
+    w.qm[r] = r < rows ? ops.q_mean[base + r] : 0.f;
+  }
+  __syncwarp();
+}
+
+// Whether any of the warp's rows passes somewhere in the staged key block `sk` (key scale ks):
+// every 8-key tile's sums (the four row tiles' MMA chains independent, every row tile computed:
+// rows past the prompt have zero queries and never pass), each row's largest tested once at the
+// end (a block is far more often skipped than taken, so testing early saves less than it
+// costs). KS: 32-dim steps, head_dim / 32.
+template <int KS>
+__device__ __forceinline__ bool EstimateStagedBlock(const SelectGeometry& g, const WarpRows<KS>& w,
+                                                    const int8_t* sk, float ks) {
+  const int lane = threadIdx.x & 31;
+  const int tiles = g.bk / 8;
+  int mx[2 * kFastRt];
 #pragma unroll
-    for (int x = 0; x < 2 * kFastRt; ++x) a[x] = __fmul_rn(rqs[x], ks);
-    // The test is monotone in the integer sum (every step a correctly rounded product or sum
-    // with non-negative factors: a = q_scale k_scale >= 0, scale > 0), so a row passes somewhere
-    // in the block if and only if it passes at its largest sum: each thread keeps its rows'
-    // maxima and tests them after every two 8-key tiles (a block stops there once it hit).
-    int mx[2 * kFastRt];
+  for (int x = 0; x < 2 * kFastRt; ++x) mx[x] = INT_MIN;
 #pragma unroll
-    for (int x = 0; x < 2 * kFastRt; ++x) mx[x] = INT_MIN;
-    bool hit = false;
+  for (int kt = 0; kt < kFastKt; ++kt) {
+    if (kt < tiles) {
+      // B of the 8-key tile: lane l gives the address of key kt * 8 + l % 8's bytes
+      // [16 (l / 8), + 16) (and + 64): tiles 0..3 are b0 / b1 of k-steps 0 and 1 (2 and 3).
+      uint32_t b[4][2];
+      const int8_t* at = sk + (kt * 8 + (lane & 7)) * kKeyPitch + 16 * (lane >> 3);
+      LdMatrixX4(b[0][0], b[0][1], b[1][0], b[1][1], at);
+      if constexpr (KS > 2) LdMatrixX4(b[2][0], b[2][1], b[3][0], b[3][1], at + 64);
+      int acc[kFastRt][4] = {};
 #pragma unroll
-    for (int kt = 0; kt < kFastKt; ++kt) {
-      if (kt < tiles && !hit) {
+      for (int x = 0; x < KS; ++x) {
 #pragma unroll
         for (int rt = 0; rt < kFastRt; ++rt) {
-          if (rt * 16 < rows) {
-            int acc[4] = {0, 0, 0, 0};
-#pragma unroll
-            for (int x = 0; x < kFastKs; ++x) {
-              if (x < ksteps) {
-                MmaInt8(acc, qa[rt][x][0], qa[rt][x][1], qa[rt][x][2], qa[rt][x][3], cur[kt][x][0],
-                        cur[kt][x][1]);
-              }
-            }
-            mx[2 * rt] = max(mx[2 * rt], max(acc[0], acc[1]));
-            mx[2 * rt + 1] = max(mx[2 * rt + 1], max(acc[2], acc[3]));
-          }
+          MmaInt8(acc[rt], w.qa[rt][x][0], w.qa[rt][x][1], w.qa[rt][x][2], w.qa[rt][x][3],
+                  b[x][0], b[x][1]);
         }
-        if (kt % 2 == 1 || kt == tiles - 1) {
-          bool any = false;
+      }
 #pragma unroll
-          for (int x = 0; x < 2 * kFastRt; ++x) {
-            const float est =
-                __fmul_rn(g.scale, __fadd_rn(__fmul_rn(a[x], static_cast<float>(mx[x])), rqm[x]));
-            any |= est >= rthr[x];
-          }
-          hit = __any_sync(0xffffffffu, any);
-        }
+      for (int rt = 0; rt < kFastRt; ++rt) {
+        mx[2 * rt] = max(mx[2 * rt], max(acc[rt][0], acc[rt][1]));
+        mx[2 * rt + 1] = max(mx[2 * rt + 1], max(acc[rt][2], acc[rt][3]));
       }
     }
-    if (hit && lane == 0) out[blk] = 1;
+  }
+  bool any = false;
 #pragma unroll
-    for (int kt = 0; kt < kFastKt; ++kt) {
+  for (int x = 0; x < 2 * kFastRt; ++x) {
+    const int r = (x / 2) * 16 + (lane >> 2) + 8 * (x % 2);
+    const float a = __fmul_rn(w.qs[r], ks);
+    const float est =
+        __fmul_rn(g.scale, __fadd_rn(__fmul_rn(a, static_cast<float>(mx[x])), w.qm[r]));
+    any |= est >= w.thr[r];
+  }
+  return __any_sync(0xffffffffu, any);
+}
+
+template <int KS>
+__global__ void __launch_bounds__(kSelectThreads, 1)
+    MiddleKernel(SelectGeometry g, MiddleTile mt, Operands ops, uint8_t* mask) {
+  __shared__ __align__(128) int8_t stage[kMidStages][kStageBytes];
+  __shared__ float row_vals[kSelectWarps][3][kMaxBlock];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int q_tile = kSelectWarps / mt.head_tile;
+  // The last query blocks (the longest rows) first.
+  const int32_t i0 = (gridDim.x - 1 - blockIdx.x) * q_tile;
+  const int h = blockIdx.y * mt.head_tile + warp % mt.head_tile, j = h / g.group;
+  const int32_t i = i0 + warp / mt.head_tile;
+  const bool live = i < mt.q_blocks;
+  // The CTA's key blocks: from the first query block's sink end to the last one's local start
+  // (both grow with the query block).
+  const int32_t lo = RegionsOf(g, i0).sink_end;
+  const int32_t hi = RegionsOf(g, min(mt.q_blocks - 1, i0 + q_tile - 1)).local_first;
+  if (lo >= hi) return;  // uniform: no middle block
+  const Regions rg = RegionsOf(g, live ? i : i0);
+  const int32_t r0 = i * g.bq;
+  const int rows = live ? min(g.n, r0 + g.bq) - r0 : 0;
+  WarpRows<KS> w;
+  w.thr = row_vals[warp][0];
+  w.qs = row_vals[warp][1];
+  w.qm = row_vals[warp][2];
+  if (live) LoadWarpRows(g, ops, h, r0, rows, w);
+  const int8_t* kh = ops.k + static_cast<int64_t>(j) * g.n * g.d;
+  constexpr int chunks_per_key = 2 * KS;  // 16-byte pieces of a key
+  auto stage_block = [&](int32_t x) {
+    const int32_t blk = lo + x;
+    int8_t* dst = stage[x % kMidStages];
+    for (int c = threadIdx.x; c < g.bk * chunks_per_key; c += blockDim.x) {
+      const int key = c / chunks_per_key, col = (c % chunks_per_key) * 16;
+      const int32_t t = blk * g.bk + key;  // middle keys precede every row: t < n
+      CpAsync16(dst + key * kKeyPitch + col, kh + static_cast<int64_t>(t) * g.d + col, true);
+    }
+  };
+  const int32_t count = hi - lo;
 #pragma unroll
-      for (int x = 0; x < kFastKs; ++x) {
-        cur[kt][x][0] = next[kt][x][0];
-        cur[kt][x][1] = next[kt][x][1];
-      }
+  for (int x = 0; x < kMidStages - 1; ++x) {
+    if (x < count) stage_block(x);
+    CpAsyncCommit();
+  }
+  uint8_t* out = mask + (static_cast<int64_t>(h) * mt.q_blocks + (live ? i : 0)) * g.k_blocks;
+  for (int32_t x = 0; x < count; ++x) {
+    CpAsyncWait<kMidStages - 2>();
+    __syncthreads();  // block x staged; every warp is past block x - 1, whose stage is refilled
+    if (x + kMidStages - 1 < count) stage_block(x + kMidStages - 1);
+    CpAsyncCommit();
+    const int32_t blk = lo + x;
+    if (live && blk >= rg.sink_end && blk < rg.local_first) {
+      const float ks = ops.k_scale[static_cast<int64_t>(j) * g.k_blocks + blk];
+      if (EstimateStagedBlock<KS>(g, w, stage[x % kMidStages], ks) && lane == 0) out[blk] = 1;
     }
   }
 }
 
-// One (query block, query head) per block: the exact regions' thresholds per row, then each
-// middle key block estimated from int8 Q and K (one comparison per element), the block's row of
-// the mask written whole.
+// One (query block, query head) per block: the exact regions' thresholds per row, then (unless
+// MiddleKernel does it) each middle key block estimated from int8 Q and K, the block's row of
+// the mask written whole (the middle blocks 0 until they pass).
 template <typename T>
 __global__ void __launch_bounds__(kSelectThreads)
     SelectKernel(SelectGeometry g, const void* q, const void* k, const float* tau, Operands ops,
@@ -431,6 +508,13 @@ __global__ void __launch_bounds__(kSelectThreads)
                        : kNegInf;
     }
   }
+  if (g.middle_apart) {
+    __syncthreads();  // thr ready
+    for (int r = threadIdx.x; r < rows; r += blockDim.x) {
+      ops.thr[static_cast<int64_t>(h) * g.n + r0 + r] = thr[r];
+    }
+    return;
+  }
   const int* qsrc =
       reinterpret_cast<const int*>(ops.q + (static_cast<int64_t>(h) * g.n + r0) * g.d);
   for (int x = threadIdx.x; x < rows * words; x += blockDim.x) {
@@ -444,11 +528,7 @@ __global__ void __launch_bounds__(kSelectThreads)
   // Each warp estimates whole middle blocks on its own (blocks sink_end + warp, + 8, ...):
   // S~ tiles of 16 rows x 8 keys with mma.m16n8k32 (int8, exact int32 sums), A from the staged
   // rows, B straight from the block's int8 keys; a block stops at its first element over the
-  // threshold. The paper's geometry keeps the operands in registers (MiddleBlocksInRegisters).
-  if (g.d <= 32 * kFastKs && g.bk <= 8 * kFastKt) {
-    MiddleBlocksInRegisters(g, rg, ops, j, rows, q8, qstride, thr, qs, qm, out);
-    return;
-  }
+  // threshold (the paper's geometry has a kernel of its own, MiddleKernel).
   const int lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
   const int row_tiles = (rows + 15) / 16, ksteps = g.d / 32;
   for (int32_t blk = rg.sink_end + warp; blk < rg.local_first; blk += kSelectWarps) {
@@ -517,16 +597,38 @@ struct AttendGeometry {
   float scale_log2;  // scale * log2(e)
 };
 
-// One (query block i, query head h) per block: Q's fragments in registers, each selected key
-// block's K and V rows staged in shared memory (zero past the prompt), S = Q K^T and O += P V on
-// the tensor cores with an online softmax per row.
+// The selected blocks of one mask row in ascending order, 32 mask bytes per warp vote (every
+// warp of the block walks the same row: the walk is uniform).
+struct SelectedBlocks {
+  const uint8_t* row;
+  int32_t last;      // the row's last causal block
+  int32_t base = -32;
+  uint32_t bits = 0;
+  // The next selected block, or -1 past the last.
+  __device__ __forceinline__ int32_t Next() {
+    while (bits == 0) {
+      base += 32;
+      if (base > last) return -1;
+      const int32_t b = base + static_cast<int32_t>(threadIdx.x & 31);
+      bits = __ballot_sync(0xffffffffu, b <= last && row[b] != 0);
+    }
+    const int x = __ffs(bits) - 1;
+    bits &= bits - 1;
+    return base + x;
+  }
+};
+
+// One (query block i, query head h) per block: Q's fragments in registers, the selected key
+// blocks' K and V rows staged in shared memory two deep (cp.async: the next block's copy
+// overlaps this block's arithmetic; zero past the prompt), S = Q K^T and O += P V on the tensor
+// cores (B fragments by ldmatrix, V's transposed) with an online softmax per row.
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttendWarps * 32)
     AttendKernel(AttendGeometry g, const void* q, const void* k, const void* v, void* out,
                  const uint8_t* mask) {
-  constexpr int kStride = D + 8;  // halves per staged row (padding against bank conflicts)
-  __shared__ __align__(16) uint16_t ks[kAttendBk * kStride];
-  __shared__ __align__(16) uint16_t vs[kAttendBk * kStride];
+  constexpr int kStride = D + 8;  // halves per staged row (ldmatrix rows in distinct banks)
+  __shared__ __align__(16) uint16_t ks_buf[2][kAttendBk * kStride];
+  __shared__ __align__(16) uint16_t vs_buf[2][kAttendBk * kStride];
   const int i = blockIdx.x, h = blockIdx.y, j = h / g.group;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
   const int32_t row0 = i * kAttendBq + warp * 16 + gr, row1 = row0 + 8;
@@ -551,33 +653,45 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
   float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
-  const int32_t last = (min(g.n, (i + 1) * kAttendBq) - 1) / kAttendBk;
-  const uint8_t* mrow = mask + (static_cast<int64_t>(h) * g.q_blocks + i) * g.k_blocks;
-  for (int32_t blk = 0; blk <= last; ++blk) {
-    if (mrow[blk] == 0) continue;  // uniform over the block
-    __syncthreads();               // the previous block's K and V are read
+  SelectedBlocks walk;
+  walk.row = mask + (static_cast<int64_t>(h) * g.q_blocks + i) * g.k_blocks;
+  walk.last = (min(g.n, (i + 1) * kAttendBq) - 1) / kAttendBk;
+  auto stage = [&](int32_t blk, int buf) {
     const int32_t c0 = blk * kAttendBk;
     for (int x = threadIdx.x; x < kAttendBk * D / 8; x += blockDim.x) {
       const int r = x / (D / 8), e = (x % (D / 8)) * 8;
       const bool in = c0 + r < g.n;
-      const int64_t at = static_cast<int64_t>(c0 + r) * D + e;
-      *reinterpret_cast<uint4*>(ks + r * kStride + e) =
-          in ? *reinterpret_cast<const uint4*>(kh + at) : make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(vs + r * kStride + e) =
-          in ? *reinterpret_cast<const uint4*>(vh + at) : make_uint4(0, 0, 0, 0);
+      const int64_t at = static_cast<int64_t>(in ? c0 + r : 0) * D + e;
+      CpAsync16(ks_buf[buf] + r * kStride + e, kh + at, in);
+      CpAsync16(vs_buf[buf] + r * kStride + e, vh + at, in);
     }
-    __syncthreads();
-    // S = Q K^T: four 8-key tiles.
+  };
+  int32_t blk = walk.Next();
+  if (blk >= 0) stage(blk, 0);
+  CpAsyncCommit();
+  for (int buf = 0; blk >= 0; buf ^= 1) {
+    const int32_t next = walk.Next();
+    if (next >= 0) stage(next, buf ^ 1);
+    CpAsyncCommit();
+    CpAsyncWait<1>();
+    __syncthreads();  // this block's K and V are staged
+    const uint16_t* ks = ks_buf[buf];
+    const uint16_t* vs = vs_buf[buf];
+    const int32_t c0 = blk * kAttendBk;
+    // S = Q K^T: four 8-key tiles; lane l addresses key nt * 8 + l % 8 at dims 16 kk + 8 (l / 8):
+    // b0 / b1 of k-steps kk and kk + 1.
     float sc[kAttendBk / 8][4];
 #pragma unroll
     for (int nt = 0; nt < kAttendBk / 8; ++nt) {
       sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
-      const uint16_t* kr = ks + (nt * 8 + gr) * kStride + 2 * tq;
+      const uint16_t* kr = ks + (nt * 8 + (lane & 7)) * kStride + 8 * (lane >> 3);
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr + kk * 16);
-        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(kr + kk * 16 + 8);
-        Mma16816<T>(sc[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b0, b1);
+      for (int kk = 0; kk < D / 16; kk += 2) {
+        uint32_t b[4];
+        LdMatrixX4(b[0], b[1], b[2], b[3], kr + kk * 16);
+        Mma16816<T>(sc[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
+        Mma16816<T>(sc[nt], qa[kk + 1][0], qa[kk + 1][1], qa[kk + 1][2], qa[kk + 1][3], b[2],
+                    b[3]);
       }
     }
     // Scale (log2 units) and mask: keys past the row (causal) or past the prompt.
@@ -622,25 +736,27 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
       l0 += sc[nt][0] + sc[nt][1];
       l1 += sc[nt][2] + sc[nt][3];
     }
-    // O += P V: two 16-key steps; P's A fragments from the score tiles, V's B fragments from
-    // the staged rows (keys 2 tq, 2 tq + 1 of column gr).
+    // O += P V: two 16-key steps; P's A fragments from the score tiles, V's B fragments
+    // (keys 2 tq, 2 tq + 1 (+ 8) of column gr) by a transposing ldmatrix: lane l addresses key
+    // 16 kstep + 8 ((l / 8) % 2) + l % 8 at dims 8 dt + 8 (l / 16), b0 / b1 of dt and dt + 1.
 #pragma unroll
     for (int kstep = 0; kstep < kAttendBk / 16; ++kstep) {
       const float* p0 = sc[2 * kstep];
       const float* p1 = sc[2 * kstep + 1];
       const uint32_t a0 = PackPair<T>(p0[0], p0[1]), a1 = PackPair<T>(p0[2], p0[3]);
       const uint32_t a2 = PackPair<T>(p1[0], p1[1]), a3 = PackPair<T>(p1[2], p1[3]);
-      const uint16_t* v0 = vs + (kstep * 16 + 2 * tq) * kStride + gr;
+      const uint16_t* v0 =
+          vs + (kstep * 16 + 8 * ((lane >> 3) & 1) + (lane & 7)) * kStride + 8 * (lane >> 4);
 #pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        const uint16_t* vc = v0 + dt * 8;
-        const uint32_t vb0 =
-            static_cast<uint32_t>(vc[0]) | (static_cast<uint32_t>(vc[kStride]) << 16);
-        const uint32_t vb1 =
-            static_cast<uint32_t>(vc[8 * kStride]) | (static_cast<uint32_t>(vc[9 * kStride]) << 16);
-        Mma16816<T>(o[dt], a0, a1, a2, a3, vb0, vb1);
+      for (int dt = 0; dt < D / 8; dt += 2) {
+        uint32_t vb[4];
+        LdMatrixX4Trans(vb[0], vb[1], vb[2], vb[3], v0 + dt * 8);
+        Mma16816<T>(o[dt], a0, a1, a2, a3, vb[0], vb[1]);
+        Mma16816<T>(o[dt + 1], a0, a1, a2, a3, vb[2], vb[3]);
       }
     }
+    __syncthreads();  // every warp is done with this buffer before the next stage refills it
+    blk = next;
   }
 #pragma unroll
   for (int off = 1; off <= 2; off *= 2) {
@@ -704,19 +820,38 @@ cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t worksp
   g.k_blocks = Blocks(n, g.bk);
   g.score_cap = p.blocks.sink_tokens + p.blocks.local_tokens + g.bk;
   g.scale = pr.scale;
-  const dim3 select_grid(Blocks(n, g.bq), H);
+  g.middle_apart = d <= 32 * kFastKs && g.bk <= 8 * kFastKt;
+  MiddleTile mt;
+  mt.q_blocks = Blocks(n, g.bq);
+  mt.head_tile = 1;
+  while (mt.head_tile < kSelectWarps && g.group % (2 * mt.head_tile) == 0) mt.head_tile *= 2;
+  const dim3 select_grid(mt.q_blocks, H);
+  const int32_t mean_chunks = Blocks(n, kMeanChunk);
   cudaError_t select_err = cudaSuccess;
   KVSPARSE_CUDA_RETURN_IF_ERROR(ByDtype(pr.dtype, [&](auto tag) {
     using T = decltype(tag);
-    KeyMeanKernel<T><<<hkv, d, 0, stream>>>(pr.k, n, d, ops.mean);
+    KeyMeanPartialKernel<T><<<dim3(hkv, mean_chunks), d, 0, stream>>>(pr.k, n, d, ops.mean_part);
+    KeyMeanKernel<<<hkv, d, 0, stream>>>(ops.mean_part, mean_chunks, n, d, ops.mean);
     QuantizeKeysKernel<T>
         <<<dim3(g.k_blocks, hkv), 128, 0, stream>>>(pr.k, ops.mean, n, d, g.bk, ops.k, ops.k_scale);
-    QuantizeQueriesKernel<T><<<dim3(Blocks(n, kSelectWarps), H), kSelectThreads, 0, stream>>>(
+    QuantizeQueriesKernel<T><<<dim3(Blocks(n, kSelectThreads), H), kSelectThreads, 0, stream>>>(
         pr.q, ops.mean, n, d, g.group, ops.q, ops.q_scale, ops.q_mean);
     select_err = LaunchWithSmem(&SelectKernel<T>, select_grid, dim3(kSelectThreads), SelectSmem(g),
                                 stream, g, pr.q, pr.k, p.tau, ops, p.mask);
   }));
-  return select_err;
+  KVSPARSE_CUDA_RETURN_IF_ERROR(select_err);
+  if (!g.middle_apart) return cudaSuccess;
+  const dim3 middle_grid(Blocks(mt.q_blocks, kSelectWarps / mt.head_tile), H / mt.head_tile);
+  auto middle = [&](auto kernel) {
+    kernel<<<middle_grid, kSelectThreads, 0, stream>>>(g, mt, ops, p.mask);
+    return cudaGetLastError();
+  };
+  switch (d / 32) {
+    case 1: return middle(&MiddleKernel<1>);
+    case 2: return middle(&MiddleKernel<2>);
+    case 3: return middle(&MiddleKernel<3>);
+    default: return middle(&MiddleKernel<4>);
+  }
 }
 
 bool SaleAttendSupports(const SaleParams& b, int32_t head_dim, DType dtype) {

@@ -165,6 +165,29 @@ TEST(SaleCudaTest, SelectionMatchesTheCpuReference) {
   }
 }
 
+// The paper's geometry estimates the middle blocks in tiles of query heads of one kv head and
+// query blocks (8 per tile: heads x blocks): every GQA group size takes another tiling (1: 1 x
+// 8, 2: 2 x 4, 3: 1 x 8, 8: 8 x 1), and prompts whose last tile is partly past the prompt.
+TEST(SaleCudaTest, SelectionMatchesTheCpuReferenceForEveryGroupSize) {
+  KVSPARSE_REQUIRE_GPU();
+  SaleParams params;
+  struct Case {
+    int32_t H, hkv, n;
+  };
+  for (const Case& cs : {Case{2, 2, 1100}, Case{4, 2, 1250}, Case{6, 2, 1000}, Case{8, 1, 1400}}) {
+    const Prompt pr = MakePrompt(cs.n, cs.H, cs.hkv, 128, DType::kBf16, 29 + cs.H);
+    std::vector<float> tau(cs.H);
+    for (int32_t h = 0; h < cs.H; ++h) tau[h] = h % 2 == 0 ? 2e-2f : 0.2f;
+    const Compared c = Compare(pr, params, tau);
+    ASSERT_GT(c.middle, 0);
+    // Between all and none: the thresholds decide something here.
+    EXPECT_GT(c.selected_cpu, 0) << "H " << cs.H << " Hkv " << cs.hkv;
+    EXPECT_LT(c.selected_cpu, c.middle) << "H " << cs.H << " Hkv " << cs.hkv;
+    EXPECT_LE(c.mismatched, c.middle / 500 + 1)
+        << "H " << cs.H << " Hkv " << cs.hkv << ": " << c.mismatched << " of " << c.middle;
+  }
+}
+
 TEST(SaleCudaTest, DenseAtTauZeroAndShortPrompts) {
   KVSPARSE_REQUIRE_GPU();
   SaleParams params;
@@ -262,6 +285,29 @@ TEST(SaleCudaTest, AttendMatchesTheCpuReferenceOverTheSameBlocks) {
       }
     }
   }
+}
+
+// A long prompt's rows with few selected blocks (whole runs of 32 and more key blocks skipped,
+// what the pass's mask walk steps over a vote at a time): the same output as the reference.
+TEST(SaleCudaTest, AttendOverSparseRowsOfALongPrompt) {
+  KVSPARSE_REQUIRE_GPU();
+  SaleParams params;
+  const Prompt pr = MakePrompt(4100, 4, 1, 128, DType::kBf16, 41);
+  SaleMask mask = SaleFullMask(PrefillOf(pr), params);
+  std::mt19937 rng(7);
+  std::bernoulli_distribution keep(0.03);
+  for (int32_t h = 0; h < mask.heads; ++h) {
+    for (int32_t i = 0; i < mask.q_blocks; ++i) {
+      // Keep the first and the last two blocks of the row's causal span, a few between.
+      const int32_t last = (std::min(pr.n, (i + 1) * params.block_q) - 1) / params.block_k;
+      for (int32_t blk = 1; blk + 2 <= last; ++blk) {
+        uint8_t& x = mask.selected[(static_cast<size_t>(h) * mask.q_blocks + i) * mask.k_blocks +
+                                   blk];
+        x = keep(rng) ? 1 : 0;
+      }
+    }
+  }
+  EXPECT_LT(AttendError(pr, params, mask, 5), 1.5e-2);
 }
 
 TEST(SaleCudaTest, RefusesWhatItDoesNotTake) {
