@@ -354,33 +354,30 @@ template <int KS>
 __device__ __forceinline__ bool EstimateStagedBlock(const SelectGeometry& g, const WarpRows<KS>& w,
                                                     const int8_t* sk, float ks) {
   const int lane = threadIdx.x & 31;
-  const int tiles = g.bk / 8;
   int mx[2 * kFastRt];
 #pragma unroll
   for (int x = 0; x < 2 * kFastRt; ++x) mx[x] = INT_MIN;
 #pragma unroll
   for (int kt = 0; kt < kFastKt; ++kt) {
-    if (kt < tiles) {
-      // B of the 8-key tile: lane l gives the address of key kt * 8 + l % 8's bytes
-      // [16 (l / 8), + 16) (and + 64): tiles 0..3 are b0 / b1 of k-steps 0 and 1 (2 and 3).
-      uint32_t b[4][2];
-      const int8_t* at = sk + (kt * 8 + (lane & 7)) * kKeyPitch + 16 * (lane >> 3);
-      LdMatrixX4(b[0][0], b[0][1], b[1][0], b[1][1], at);
-      if constexpr (KS > 2) LdMatrixX4(b[2][0], b[2][1], b[3][0], b[3][1], at + 64);
-      int acc[kFastRt][4] = {};
+    // B of the 8-key tile: lane l gives the address of key kt * 8 + l % 8's bytes
+    // [16 (l / 8), + 16) (and + 64): tiles 0..3 are b0 / b1 of k-steps 0 and 1 (2 and 3).
+    uint32_t b[4][2];
+    const int8_t* at = sk + (kt * 8 + (lane & 7)) * kKeyPitch + 16 * (lane >> 3);
+    LdMatrixX4(b[0][0], b[0][1], b[1][0], b[1][1], at);
+    if constexpr (KS > 2) LdMatrixX4(b[2][0], b[2][1], b[3][0], b[3][1], at + 64);
+    int acc[kFastRt][4] = {};
 #pragma unroll
-      for (int x = 0; x < KS; ++x) {
-#pragma unroll
-        for (int rt = 0; rt < kFastRt; ++rt) {
-          MmaInt8(acc[rt], w.qa[rt][x][0], w.qa[rt][x][1], w.qa[rt][x][2], w.qa[rt][x][3],
-                  b[x][0], b[x][1]);
-        }
-      }
+    for (int x = 0; x < KS; ++x) {
 #pragma unroll
       for (int rt = 0; rt < kFastRt; ++rt) {
-        mx[2 * rt] = max(mx[2 * rt], max(acc[rt][0], acc[rt][1]));
-        mx[2 * rt + 1] = max(mx[2 * rt + 1], max(acc[rt][2], acc[rt][3]));
+        MmaInt8(acc[rt], w.qa[rt][x][0], w.qa[rt][x][1], w.qa[rt][x][2], w.qa[rt][x][3], b[x][0],
+                b[x][1]);
       }
+    }
+#pragma unroll
+    for (int rt = 0; rt < kFastRt; ++rt) {
+      mx[2 * rt] = max(mx[2 * rt], max(acc[rt][0], acc[rt][1]));
+      mx[2 * rt + 1] = max(mx[2 * rt + 1], max(acc[rt][2], acc[rt][3]));
     }
   }
   bool any = false;
@@ -395,8 +392,11 @@ __device__ __forceinline__ bool EstimateStagedBlock(const SelectGeometry& g, con
   return __any_sync(0xffffffffu, any);
 }
 
+// Two CTAs per multiprocessor for head_dim 128 (measured on an H100: 16 warps hide the MMA
+// chains' latency better than one CTA with more registers); head_dim 64 fits its schedule in
+// 128 registers only with spills, so it keeps one.
 template <int KS>
-__global__ void __launch_bounds__(kSelectThreads, 1)
+__global__ void __launch_bounds__(kSelectThreads, KS == 4 ? 2 : 1)
     MiddleKernel(SelectGeometry g, MiddleTile mt, Operands ops, uint8_t* mask) {
   __shared__ __align__(128) int8_t stage[kMidStages][kStageBytes];
   __shared__ float row_vals[kSelectWarps][3][kMaxBlock];
@@ -412,7 +412,10 @@ __global__ void __launch_bounds__(kSelectThreads, 1)
   const int32_t lo = RegionsOf(g, i0).sink_end;
   const int32_t hi = RegionsOf(g, min(mt.q_blocks - 1, i0 + q_tile - 1)).local_first;
   if (lo >= hi) return;  // uniform: no middle block
+  // The warp's own blocks, as steps x of the CTA's walk [0, count).
   const Regions rg = RegionsOf(g, live ? i : i0);
+  const int32_t count = hi - lo;
+  const int32_t x_begin = live ? rg.sink_end - lo : count, x_end = live ? rg.local_first - lo : 0;
   const int32_t r0 = i * g.bq;
   const int rows = live ? min(g.n, r0 + g.bq) - r0 : 0;
   WarpRows<KS> w;
@@ -420,33 +423,29 @@ __global__ void __launch_bounds__(kSelectThreads, 1)
   w.qs = row_vals[warp][1];
   w.qm = row_vals[warp][2];
   if (live) LoadWarpRows(g, ops, h, r0, rows, w);
-  const int8_t* kh = ops.k + static_cast<int64_t>(j) * g.n * g.d;
-  constexpr int chunks_per_key = 2 * KS;  // 16-byte pieces of a key
-  auto stage_block = [&](int32_t x) {
-    const int32_t blk = lo + x;
-    int8_t* dst = stage[x % kMidStages];
-    for (int c = threadIdx.x; c < g.bk * chunks_per_key; c += blockDim.x) {
-      const int key = c / chunks_per_key, col = (c % chunks_per_key) * 16;
-      const int32_t t = blk * g.bk + key;  // middle keys precede every row: t < n
-      CpAsync16(dst + key * kKeyPitch + col, kh + static_cast<int64_t>(t) * g.d + col, true);
-    }
-  };
-  const int32_t count = hi - lo;
+  // Each thread copies one 16-byte piece of every staged block (32 keys of KS * 32 bytes: 256
+  // or 128 pieces); middle keys precede every row, so every piece is in the prompt.
+  constexpr int kPieces = 8 * kFastKt * 2 * KS;
+  const bool copies = threadIdx.x < kPieces;
+  const int key = threadIdx.x / (2 * KS), col = (threadIdx.x % (2 * KS)) * 16;
+  const int8_t* src = ops.k + (static_cast<int64_t>(j) * g.n + lo * 8 * kFastKt + key) * g.d + col;
+  const int dst = key * kKeyPitch + col;
+  const int64_t src_step = static_cast<int64_t>(8 * kFastKt) * g.d;
 #pragma unroll
   for (int x = 0; x < kMidStages - 1; ++x) {
-    if (x < count) stage_block(x);
+    if (copies && x < count) CpAsync16(&stage[x][dst], src + x * src_step, true);
     CpAsyncCommit();
   }
-  uint8_t* out = mask + (static_cast<int64_t>(h) * mt.q_blocks + (live ? i : 0)) * g.k_blocks;
+  const float* kscale = ops.k_scale + static_cast<int64_t>(j) * g.k_blocks + lo;
+  uint8_t* out = mask + (static_cast<int64_t>(h) * mt.q_blocks + (live ? i : 0)) * g.k_blocks + lo;
   for (int32_t x = 0; x < count; ++x) {
     CpAsyncWait<kMidStages - 2>();
     __syncthreads();  // block x staged; every warp is past block x - 1, whose stage is refilled
-    if (x + kMidStages - 1 < count) stage_block(x + kMidStages - 1);
+    const int32_t nx = x + kMidStages - 1;
+    if (copies && nx < count) CpAsync16(&stage[nx % kMidStages][dst], src + nx * src_step, true);
     CpAsyncCommit();
-    const int32_t blk = lo + x;
-    if (live && blk >= rg.sink_end && blk < rg.local_first) {
-      const float ks = ops.k_scale[static_cast<int64_t>(j) * g.k_blocks + blk];
-      if (EstimateStagedBlock<KS>(g, w, stage[x % kMidStages], ks) && lane == 0) out[blk] = 1;
+    if (x >= x_begin && x < x_end) {
+      if (EstimateStagedBlock<KS>(g, w, stage[x % kMidStages], kscale[x]) && lane == 0) out[x] = 1;
     }
   }
 }
@@ -820,7 +819,7 @@ cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t worksp
   g.k_blocks = Blocks(n, g.bk);
   g.score_cap = p.blocks.sink_tokens + p.blocks.local_tokens + g.bk;
   g.scale = pr.scale;
-  g.middle_apart = d <= 32 * kFastKs && g.bk <= 8 * kFastKt;
+  g.middle_apart = (d == 64 || d == 128) && g.bk == 8 * kFastKt;
   MiddleTile mt;
   mt.q_blocks = Blocks(n, g.bq);
   mt.head_tile = 1;
@@ -846,12 +845,7 @@ cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t worksp
     kernel<<<middle_grid, kSelectThreads, 0, stream>>>(g, mt, ops, p.mask);
     return cudaGetLastError();
   };
-  switch (d / 32) {
-    case 1: return middle(&MiddleKernel<1>);
-    case 2: return middle(&MiddleKernel<2>);
-    case 3: return middle(&MiddleKernel<3>);
-    default: return middle(&MiddleKernel<4>);
-  }
+  return d == 64 ? middle(&MiddleKernel<2>) : middle(&MiddleKernel<4>);
 }
 
 bool SaleAttendSupports(const SaleParams& b, int32_t head_dim, DType dtype) {
