@@ -282,11 +282,6 @@ __device__ __forceinline__ void CpAsync16(void* smem, const void* gmem, bool pre
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(n)
                : "memory");
 }
-// cp.async of 4 bytes (through L1) into shared memory.
-__device__ __forceinline__ void CpAsync4(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(s), "l"(gmem) : "memory");
-}
 __device__ __forceinline__ void CpAsyncCommit() {
   asm volatile("cp.async.commit_group;" ::: "memory");
 }

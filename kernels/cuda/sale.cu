@@ -283,15 +283,15 @@ __device__ void ExactPartialsMma(const SelectGeometry& g, const Regions& rg, con
   }
 }
 
-// The middle blocks for the paper's geometry (head_dim 64 or 128, block_k 32), a kernel of
-// their own after SelectKernel has written every row's threshold: one CTA per (query blocks x
-// query heads of one kv head: 8 pairs; GQA groups of 4: 4 heads x 2 query blocks). Each
-// middle key block's int8 keys are staged once in shared memory for the CTA (cp.async,
-// kMidStages deep), so the keys are read from L2 once per 8 pairs. Two kernels: MiddleKernel
-// (mma.sync, any sm_90 build), warp w estimating pair w with its query block's int8 rows as A
-// fragments in registers and B fragments by ldmatrix; and on Hopper's warpgroup MMA
-// (MiddleKernelWgmma, builds for sm_90a, head_dim 128), each warpgroup four pairs. The test is
-// applied to each row's largest integer sum in the block: S~ >= threshold is monotone in the sum
+// The middle blocks for the paper's geometry (head_dim at most 128, block_k at most 32), a
+// kernel of their own after SelectKernel has written every row's threshold: one CTA per
+// (kQueryTile query blocks, kHeadTile query heads of one kv head), where kHeadTile *
+// kQueryTile = 8 (GQA groups of 4: 4 heads x 2 query blocks), warp w estimating query head
+// w % kHeadTile's query block w / kHeadTile. Each middle key block's int8 keys are staged once
+// in shared memory for the eight warps (cp.async, kMidStages deep), so the keys are read from
+// L2 once per CTA instead of once per warp; B fragments by ldmatrix; each warp's A (its query
+// block's int8 rows), scales, mean terms and thresholds stay in registers. The test is applied
+// to each row's largest integer sum in the block: S~ >= threshold is monotone in the sum
 // (every step a correctly rounded product or sum with non-negative factors, a = q_scale
 // k_scale >= 0, scale > 0), so a row passes somewhere in the block if and only if it passes at
 // its largest sum; the arithmetic is the general loop's, so the mask is the same.
@@ -449,216 +449,6 @@ __global__ void __launch_bounds__(kSelectThreads, KS == 4 ? 2 : 1)
     }
   }
 }
-
-#if defined(KVSPARSE_CUDA_SM90A)
-// ---- The middle blocks on Hopper's warpgroup MMA (sm_90a, head_dim 128, block_k 32) -------
-// Per CTA the same 8 pairs and staged keys as MiddleKernel, four warpgroups (512 threads);
-// warpgroup wg estimates pairs 2 wg and 2 wg + 1: per pair and key block four wgmma.m64n32k32
-// (int8, exact int32 sums), A (the pair's 64 int8 query rows, 16 per warp, mma.m16n8k32's fragment layout) in
-// registers, B (the 32 staged keys) from shared memory in the 128-byte swizzle. Each thread
-// tests the largest of its 8 sums per row (a row passes if any thread's part of it does).
-constexpr int kWgPairs = 2;             // pairs per warpgroup
-constexpr int kWgThreads = 4 * 128;     // four warpgroups: 8 pairs
-constexpr int kSwizzledKeyBytes = 128;  // head_dim 128: one 128-byte swizzle row per key
-
-// The shared-memory descriptor of K-major int8 keys in the 128-byte swizzle (rows of 128
-// bytes, 8-row atoms 1024 bytes apart, the block 1024-aligned); a k-step of 32 bytes adds 2.
-__device__ __forceinline__ uint64_t SwizzledKeysDesc(const void* smem) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  return static_cast<uint64_t>((a & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
-}
-
-// d = a b (first) or d += a b: one m64n32k32 int8 step of the warpgroup.
-template <bool kFirst>
-__device__ __forceinline__ void WgmmaS8(int (&d)[16], const uint32_t (&a)[4], uint64_t desc) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  if constexpr (kFirst) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-        "{%16, %17, %18, %19}, %20, p;\n}\n"
-        : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3]), "=r"(d[4]), "=r"(d[5]), "=r"(d[6]),
-          "=r"(d[7]), "=r"(d[8]), "=r"(d[9]), "=r"(d[10]), "=r"(d[11]), "=r"(d[12]),
-          "=r"(d[13]), "=r"(d[14]), "=r"(d[15])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-        "{%16, %17, %18, %19}, %20, p;\n}\n"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
-          "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]),
-          "+r"(d[13]), "+r"(d[14]), "+r"(d[15])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
-  }
-#endif
-}
-__device__ __forceinline__ void WgmmaFence() {
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void WgmmaCommitAndWait() {
-  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
-}
-// The cp.async copies (generic proxy) made visible to wgmma's reads (async proxy).
-__device__ __forceinline__ void FenceProxyAsync() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-// One pair's pair-local values: its query head and block, and its steps [xb, xe) of the walk.
-struct WgPair {
-  int h;
-  int32_t i, xb, xe;
-};
-
-__device__ __forceinline__ WgPair PairOf(const SelectGeometry& g, const MiddleTile& mt, int p,
-                                         int32_t i0, int32_t lo) {
-  WgPair r;
-  r.h = blockIdx.y * mt.head_tile + p % mt.head_tile;
-  r.i = i0 + p / mt.head_tile;
-  if (r.i < mt.q_blocks) {
-    const Regions rg = RegionsOf(g, r.i);
-    r.xb = rg.sink_end - lo;
-    r.xe = rg.local_first - lo;
-  } else {
-    r.xb = r.xe = 0;  // past the prompt: no step
-  }
-  return r;
-}
-
-// The pair's row maxima (sums d, rows 16 wq + g and + 8 of the pair's block) against its rows'
-// thresholds; a passing warp marks the block.
-__device__ __forceinline__ void TestPairRows(const SelectGeometry& g, const int (&d)[16],
-                                             const float (&vals)[3][kMaxBlock], float ks,
-                                             uint8_t* out) {
-  const int lane = threadIdx.x & 31, wq = (threadIdx.x >> 5) & 3;
-  int m[2] = {max(max(d[0], d[1]), max(d[4], d[5])), max(max(d[2], d[3]), max(d[6], d[7]))};
-  m[0] = max(m[0], max(max(d[8], d[9]), max(d[12], d[13])));
-  m[1] = max(m[1], max(max(d[10], d[11]), max(d[14], d[15])));
-  bool any = false;
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int r = 16 * wq + (lane >> 2) + 8 * hf;
-    const float a = __fmul_rn(vals[1][r], ks);
-    const float est =
-        __fmul_rn(g.scale, __fadd_rn(__fmul_rn(a, static_cast<float>(m[hf])), vals[2][r]));
-    any |= est >= vals[0][r];
-  }
-  if (__any_sync(0xffffffffu, any) && lane == 0) *out = 1;
-}
-
-__global__ void __launch_bounds__(kWgThreads, 1)
-    MiddleKernelWgmma(SelectGeometry g, MiddleTile mt, Operands ops, uint8_t* mask) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  __shared__ __align__(1024) int8_t stage[kMidStages][8 * kFastKt * kSwizzledKeyBytes];
-  __shared__ float row_vals[kSelectWarps][3][kMaxBlock];  // per pair: thr, q_scale, q_mean
-  __shared__ int32_t steps[kSelectWarps][2];              // per pair: its steps [xb, xe)
-  __shared__ float stage_scale[kMidStages];                // the staged blocks' key scales
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
-  const int wg = warp >> 2, wq = warp & 3;
-  const int q_tile = kSelectWarps / mt.head_tile;
-  const int32_t i0 = (gridDim.x - 1 - blockIdx.x) * q_tile;  // the longest rows first
-  const int32_t lo = RegionsOf(g, i0).sink_end;
-  const int32_t hi = RegionsOf(g, min(mt.q_blocks - 1, i0 + q_tile - 1)).local_first;
-  if (lo >= hi) return;  // uniform: no middle block
-  const int32_t count = hi - lo;
-  const int j = (blockIdx.y * mt.head_tile) / g.group;
-  if (warp < kSelectWarps) {  // warp w stages pair w's row values (rows past the prompt never pass)
-    const WgPair pr = PairOf(g, mt, warp, i0, lo);
-    const int32_t r0 = pr.i * g.bq;
-    const int rows = pr.i < mt.q_blocks ? min(g.n, r0 + g.bq) - r0 : 0;
-    const int64_t base = static_cast<int64_t>(pr.h) * g.n + r0;
-    if (lane == 0) {
-      steps[warp][0] = pr.xb;
-      steps[warp][1] = pr.xe;
-    }
-    for (int r = lane; r < kMaxBlock; r += 32) {
-      row_vals[warp][0][r] = r < rows ? ops.thr[base + r] : -kNegInf;
-      row_vals[warp][1][r] = r < rows ? ops.q_scale[base + r] : 0.f;
-      row_vals[warp][2][r] = r < rows ? ops.q_mean[base + r] : 0.f;
-    }
-  }
-  // This warp's A fragments of its warpgroup's pairs: rows 16 wq + gr (+ 8) of each block.
-  uint32_t qa[kWgPairs][4][4];
-#pragma unroll
-  for (int pp = 0; pp < kWgPairs; ++pp) {
-    const WgPair pr = PairOf(g, mt, kWgPairs * wg + pp, i0, lo);
-    const int32_t r0 = pr.i * g.bq;
-    const int rows = pr.i < mt.q_blocks ? min(g.n, r0 + g.bq) - r0 : 0;
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int r = 16 * wq + gr + 8 * hf;
-      const bool ok = r < rows;
-      const int* words = reinterpret_cast<const int*>(
-          ops.q + (static_cast<int64_t>(pr.h) * g.n + r0 + (ok ? r : 0)) * g.d);
-#pragma unroll
-      for (int x = 0; x < 4; ++x) {
-        qa[pp][x][hf] = ok ? words[8 * x + tq] : 0;
-        qa[pp][x][2 + hf] = ok ? words[8 * x + 4 + tq] : 0;
-      }
-    }
-  }
-  // Thread t < 256 copies 16-byte piece t % 8 of key t / 8 of every staged block, swizzled.
-  const bool copies = threadIdx.x < 8 * kFastKt * 8;
-  const int key = (threadIdx.x >> 3) & (8 * kFastKt - 1), piece = threadIdx.x & 7;
-  const int8_t* src =
-      ops.k + (static_cast<int64_t>(j) * g.n + lo * 8 * kFastKt + key) * g.d + piece * 16;
-  const int dst = key * kSwizzledKeyBytes + ((piece ^ (key & 7)) << 4);
-  const int64_t src_step = static_cast<int64_t>(8 * kFastKt) * g.d;
-  // The blocks' key scales travel with them (thread 0, 4 bytes each).
-  const float* kscale = ops.k_scale + static_cast<int64_t>(j) * g.k_blocks + lo;
-#pragma unroll
-  for (int x = 0; x < kMidStages - 1; ++x) {
-    if (copies && x < count) {
-      CpAsync16(&stage[x][dst], src + x * src_step, true);
-      if (threadIdx.x == 0) CpAsync4(&stage_scale[x], kscale + x);
-    }
-    CpAsyncCommit();
-  }
-  for (int32_t x = 0; x < count; ++x) {
-    CpAsyncWait<kMidStages - 2>();
-    FenceProxyAsync();
-    __syncthreads();  // block x staged (and row_vals); every warp is past block x - 1
-    const float ks = stage_scale[x % kMidStages];
-    const int32_t nx = x + kMidStages - 1;
-    if (copies && nx < count) {
-      CpAsync16(&stage[nx % kMidStages][dst], src + nx * src_step, true);
-      if (threadIdx.x == 0) CpAsync4(&stage_scale[nx % kMidStages], kscale + nx);
-    }
-    CpAsyncCommit();
-    const uint64_t desc = SwizzledKeysDesc(stage[x % kMidStages]);
-    {
-      const int pa = 0, pb = 1;
-      const int32_t* sa = steps[kWgPairs * wg + pa];
-      const int32_t* sb = steps[kWgPairs * wg + pb];
-      const bool on_a = x >= sa[0] && x < sa[1], on_b = x >= sb[0] && x < sb[1];
-      // Both pairs always (a step outside a pair's range, a few at the ends of a CTA's walk,
-      // is estimated and not tested): a branch between the fence and the wait would have
-      // ptxas serialize every wgmma.
-      int da[16], db[16];
-      WgmmaFence();
-      WgmmaS8<true>(da, qa[pa][0], desc);
-#pragma unroll
-      for (int s = 1; s < 4; ++s) WgmmaS8<false>(da, qa[pa][s], desc + 2 * s);
-      WgmmaS8<true>(db, qa[pb][0], desc);
-#pragma unroll
-      for (int s = 1; s < 4; ++s) WgmmaS8<false>(db, qa[pb][s], desc + 2 * s);
-      WgmmaCommitAndWait();
-      auto out_of = [&](int pp) {
-        const WgPair pr = PairOf(g, mt, kWgPairs * wg + pp, i0, lo);
-        return mask + (static_cast<int64_t>(pr.h) * mt.q_blocks + pr.i) * g.k_blocks + lo + x;
-      };
-      if (on_a) TestPairRows(g, da, row_vals[kWgPairs * wg + pa], ks, out_of(pa));
-      if (on_b) TestPairRows(g, db, row_vals[kWgPairs * wg + pb], ks, out_of(pb));
-    }
-  }
-#else
-  __trap();  // launched only from builds for sm_90a
-#endif
-}
-#endif  // KVSPARSE_CUDA_SM90A
 
 // One (query block, query head) per block: the exact regions' thresholds per row, then (unless
 // MiddleKernel does it) each middle key block estimated from int8 Q and K, the block's row of
@@ -1055,12 +845,6 @@ cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t worksp
     kernel<<<middle_grid, kSelectThreads, 0, stream>>>(g, mt, ops, p.mask);
     return cudaGetLastError();
   };
-#if defined(KVSPARSE_CUDA_SM90A)
-  if (d == 128) {
-    MiddleKernelWgmma<<<middle_grid, kWgThreads, 0, stream>>>(g, mt, ops, p.mask);
-    return cudaGetLastError();
-  }
-#endif
   return d == 64 ? middle(&MiddleKernel<2>) : middle(&MiddleKernel<4>);
 }
 
