@@ -33,12 +33,12 @@ constexpr int32_t kMeanChunk = 512;  // tokens per partial sum of the key mean
 struct Operands {
   double* mean_part = nullptr;  // [Hkv, mean chunks, d]: the key mean's partial sums
   float* mean = nullptr;        // [Hkv, d]
-  float* k_scale = nullptr;  // [Hkv, k_blocks]
-  float* q_scale = nullptr;  // [H, n]
-  float* q_mean = nullptr;   // [H, n]: q_r . mean of its kv head
-  float* thr = nullptr;      // [H, n]: each row's threshold m_r + ln(tau l_r)
-  int8_t* k = nullptr;       // [Hkv, n, d], smoothed
-  int8_t* q = nullptr;       // [H, n, d]
+  float* k_scale = nullptr;     // [Hkv, k_blocks]
+  float* q_scale = nullptr;     // [H, n]
+  float* q_mean = nullptr;      // [H, n]: q_r . mean of its kv head
+  float* thr = nullptr;         // [H, n]: each row's threshold m_r + ln(tau l_r)
+  int8_t* k = nullptr;          // [Hkv, n, d], smoothed
+  int8_t* q = nullptr;          // [H, n, d]
   size_t bytes = 0;
 };
 
@@ -54,8 +54,8 @@ Operands Carve(const SaleSelectParams& p, void* base) {
     at += AlignUp(bytes, 256);
     return ptr;
   };
-  o.mean_part = static_cast<double*>(take(hkv * Blocks(static_cast<int32_t>(n), kMeanChunk) * d *
-                                           sizeof(double)));
+  o.mean_part = static_cast<double*>(
+      take(hkv * Blocks(static_cast<int32_t>(n), kMeanChunk) * d * sizeof(double)));
   o.mean = static_cast<float*>(take(hkv * d * sizeof(float)));
   o.k_scale = static_cast<float*>(take(hkv * kb * sizeof(float)));
   o.q_scale = static_cast<float*>(take(H * n * sizeof(float)));
@@ -283,23 +283,25 @@ __device__ void ExactPartialsMma(const SelectGeometry& g, const Regions& rg, con
   }
 }
 
-// The middle blocks for the paper's geometry (head_dim at most 128, block_k at most 32), a
-// kernel of their own after SelectKernel has written every row's threshold: one CTA per
-// (kQueryTile query blocks, kHeadTile query heads of one kv head), where kHeadTile *
-// kQueryTile = 8 (GQA groups of 4: 4 heads x 2 query blocks), warp w estimating query head
-// w % kHeadTile's query block w / kHeadTile. Each middle key block's int8 keys are staged once
-// in shared memory for the eight warps (cp.async, kMidStages deep), so the keys are read from
-// L2 once per CTA instead of once per warp; B fragments by ldmatrix; each warp's A (its query
-// block's int8 rows), scales, mean terms and thresholds stay in registers. The test is applied
+// The middle blocks for the paper's geometry (head_dim 64 or 128, block_k 32), a kernel of
+// their own after SelectKernel has written every row's threshold: one CTA per (query blocks x
+// query heads of one kv head), 8 (head, block) pairs (MiddleTile: GQA groups of 4 take 4 heads
+// x 2 query blocks), warp w estimating pair w. Each middle key block's int8 keys are staged
+// once in shared memory for the eight warps (cp.async, kMidStages deep), so the keys are read
+// from L2 once per 8 pairs instead of once per warp; B fragments by ldmatrix; each warp's A (its
+// query block's int8 rows) stays in registers, its rows' scales, mean terms and thresholds in
+// shared memory. (A version on Hopper's warpgroup MMA measured slower on an H100: docs/PERF.md,
+// "SALE's selection per GQA tile".) The test is applied
 // to each row's largest integer sum in the block: S~ >= threshold is monotone in the sum
 // (every step a correctly rounded product or sum with non-negative factors, a = q_scale
 // k_scale >= 0, scale > 0), so a row passes somewhere in the block if and only if it passes at
 // its largest sum; the arithmetic is the general loop's, so the mask is the same.
-constexpr int kFastKs = 4;               // 32-dim steps: head_dim <= 128
-constexpr int kFastKt = 4;               // 8-key tiles: block_k <= 32
+constexpr int kFastKs = 4;               // 32-dim steps: head_dim 128 (64: 2 of them)
+constexpr int kFastKt = 4;               // 8-key tiles: block_k 32
 constexpr int kFastRt = kMaxBlock / 16;  // 16-row tiles of the query block
 constexpr int kMidStages = 4;            // key blocks in flight per CTA
-constexpr int kKeyPitch = 32 * kFastKs + 16;  // bytes per staged key: ldmatrix rows in distinct banks
+constexpr int kKeyPitch =
+    32 * kFastKs + 16;  // bytes per staged key: ldmatrix rows in distinct banks
 constexpr int kStageBytes = 8 * kFastKt * kKeyPitch;
 
 struct MiddleTile {
@@ -600,7 +602,7 @@ struct AttendGeometry {
 // warp of the block walks the same row: the walk is uniform).
 struct SelectedBlocks {
   const uint8_t* row;
-  int32_t last;      // the row's last causal block
+  int32_t last;  // the row's last causal block
   int32_t base = -32;
   uint32_t bits = 0;
   // The next selected block, or -1 past the last.
@@ -689,8 +691,7 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
         uint32_t b[4];
         LdMatrixX4(b[0], b[1], b[2], b[3], kr + kk * 16);
         Mma16816<T>(sc[nt], qa[kk][0], qa[kk][1], qa[kk][2], qa[kk][3], b[0], b[1]);
-        Mma16816<T>(sc[nt], qa[kk + 1][0], qa[kk + 1][1], qa[kk + 1][2], qa[kk + 1][3], b[2],
-                    b[3]);
+        Mma16816<T>(sc[nt], qa[kk + 1][0], qa[kk + 1][1], qa[kk + 1][2], qa[kk + 1][3], b[2], b[3]);
       }
     }
     // Scale (log2 units) and mask: keys past the row (causal) or past the prompt.

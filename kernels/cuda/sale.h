@@ -7,10 +7,11 @@
 // Int8 on Hopper: the estimate needs only the sign of S~ - threshold per element, and Hopper's
 // tensor cores run int8 at twice the rate of bf16 (fp8 as fast, but its 3-bit mantissa makes the
 // estimate coarser than int8's 7 bits at the same speed), so this pass uses int8, as the
-// reference does: each warp estimates whole middle blocks with mma.m16n8k32 (exact int32 sums),
-// stopping a block once an element is over the threshold (for head_dim <= 128 and block_k <= 32
-// the warp's operands stay in registers and each row's largest sum in the block is tested: the
-// test is monotone in the sum, so the mask is the same).
+// reference does: the middle blocks are estimated with mma.m16n8k32 (exact int32 sums). For
+// the paper's geometry (head_dim 64 or 128, block_k 32) one CTA takes 8 (query head, query
+// block) pairs of one kv head, stages each key block once in shared memory for them, and tests
+// each row's largest sum in the block (the test is monotone in the sum, so the mask is the
+// same); other geometries estimate tile by tile, stopping a block at its first hit.
 //
 // Arithmetic: the exact regions' scores on the bf16 / fp16 tensor cores (fp32 sums in another
 // order than the reference's sequential dots, so a threshold may move by an ulp; fp32 prompts

@@ -301,8 +301,8 @@ TEST(SaleCudaTest, AttendOverSparseRowsOfALongPrompt) {
       // Keep the first and the last two blocks of the row's causal span, a few between.
       const int32_t last = (std::min(pr.n, (i + 1) * params.block_q) - 1) / params.block_k;
       for (int32_t blk = 1; blk + 2 <= last; ++blk) {
-        uint8_t& x = mask.selected[(static_cast<size_t>(h) * mask.q_blocks + i) * mask.k_blocks +
-                                   blk];
+        uint8_t& x =
+            mask.selected[(static_cast<size_t>(h) * mask.q_blocks + i) * mask.k_blocks + blk];
         x = keep(rng) ? 1 : 0;
       }
     }

@@ -14,8 +14,9 @@ Per length: the dense baselines (torch SDPA with the cuDNN and flash backends, c
 computation pass with every block selected (the same work as dense: its efficiency), and SALE
 (selection pass, then the computation pass over its mask) at each --tau, with the block sparsity
 and the relative L2 error of the output against cuDNN's. CUDA events around each call on torch's
-current stream; the medians of --iters timed calls after --warmup. The selection pass is timed
-once per tau (one call; docs/PERF.md "SALE prefill on the GPU" has the runs).
+current stream; the medians of --iters timed calls after --warmup. The selection pass: the
+median of 3 calls after one, per tau (docs/PERF.md "SALE prefill on the GPU" and the sections
+after it have the runs).
 
 Usage: python3 tests/bench/sale_bench.py --lib build/lib/libkvsparse_cuda_capi.so \
            [--lens 32768 65536] [--dense-only-lens 131072] [--tau 0.001 0.008] [--json out.json]
