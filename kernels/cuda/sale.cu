@@ -291,17 +291,17 @@ __device__ void ExactPartialsMma(const SelectGeometry& g, const Regions& rg, con
 // from L2 once per 8 pairs instead of once per warp; B fragments by ldmatrix; each warp's A (its
 // query block's int8 rows) stays in registers, its rows' scales, mean terms and thresholds in
 // shared memory. (A version on Hopper's warpgroup MMA measured slower on an H100: docs/PERF.md,
-// "SALE's selection per GQA tile".) The test is applied
-// to each row's largest integer sum in the block: S~ >= threshold is monotone in the sum
-// (every step a correctly rounded product or sum with non-negative factors, a = q_scale
-// k_scale >= 0, scale > 0), so a row passes somewhere in the block if and only if it passes at
-// its largest sum; the arithmetic is the general loop's, so the mask is the same.
+// "SALE's selection per GQA tile".) The test is applied to each row's largest integer sum in
+// the block: S~ >= threshold is monotone in the sum (every step a correctly rounded product or
+// sum with non-negative factors, a = q_scale k_scale >= 0, scale > 0), so a row passes
+// somewhere in the block if and only if it passes at its largest sum; the arithmetic is the
+// general loop's, so the mask is the same.
 constexpr int kFastKs = 4;               // 32-dim steps: head_dim 128 (64: 2 of them)
 constexpr int kFastKt = 4;               // 8-key tiles: block_k 32
 constexpr int kFastRt = kMaxBlock / 16;  // 16-row tiles of the query block
 constexpr int kMidStages = 4;            // key blocks in flight per CTA
-constexpr int kKeyPitch =
-    32 * kFastKs + 16;  // bytes per staged key: ldmatrix rows in distinct banks
+// Bytes per staged key: 16 past the key, so the 8 rows of an ldmatrix tile fall in distinct banks.
+constexpr int kKeyPitch = 32 * kFastKs + 16;
 constexpr int kStageBytes = 8 * kFastKt * kKeyPitch;
 
 struct MiddleTile {
