@@ -58,7 +58,7 @@ with needs("kvsparse.torch.hf", "hf", "torch", "transformers"):
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvsparse.methods import Dense, Method, ModelShape, Placement, placement_for
-from kvsparse.torch.transport import Transport, make_transport, step_seed
+from kvsparse.torch.transport import make_transport, step_seed
 
 if TYPE_CHECKING:
     from kvsparse.grpc.client import Client
