@@ -296,8 +296,9 @@ void Append(int64_t handle, const std::string& id, int64_t layer, const at::Tens
 // ---- Decode ---------------------------------------------------------------------------------
 
 // Per kv head of each sequence: rows selected, rows fetched, rows found in the row cache, bytes
-// read from host memory, from the device and from another process, dense-equivalent bytes.
-constexpr int64_t kStatColumns = 7;
+// read from host memory, from the device and from another process, dense-equivalent bytes, and
+// Bernoulli qK^T's K-feature reads per head and for the group's mean query (HeadStats).
+constexpr int64_t kStatColumns = 9;
 
 at::Tensor StatsTensor(const en::DecodeResult& r) {
   at::Tensor stats = at::empty({static_cast<int64_t>(r.heads.size()), kStatColumns}, at::kLong);
@@ -309,7 +310,9 @@ at::Tensor StatsTensor(const en::DecodeResult& r) {
                                            h.bytes[static_cast<int>(kv::Tier::kHost)],
                                            h.bytes[static_cast<int>(kv::Tier::kDevice)],
                                            h.bytes[static_cast<int>(kv::Tier::kRemote)],
-                                           h.dense_equivalent_bytes};
+                                           h.dense_equivalent_bytes,
+                                           h.key_features_head,
+                                           h.key_features_group};
     for (uint64_t x : values) *s++ = static_cast<int64_t>(x);
   }
   return stats;

@@ -147,10 +147,11 @@ def test_errors_are_kvsparse_exceptions(engine: ops.InProcessEngine) -> None:
         kvsparse.VAttention(
             epsilon=0.1, delta=0.1, sink_tokens=8, local_tokens=16, predictor="compressed", sampler="importance"
         ),
+        kvsparse.Santa(samples=64, tile_size=64, bernoulli_qk_samples=16),
     ],
     ids=[
         "santa", "hash", "vattention", "top-k-compressed", "top-k-exact", "santa-compressed", "santa-uncorrected",
-        "vattention-importance",
+        "vattention-importance", "santa-bernoulli-qk",
     ],
 )
 def test_sparse_methods_same_rows_as_the_server(
@@ -171,7 +172,13 @@ def test_sparse_methods_same_rows_as_the_server(
             for sid in ids:
                 c.store.drop_sequence(sid)
     assert torch.equal(out, r.output)
-    assert stats[:, 1].tolist() == [h.rows_fetched for h in r.heads]
+    col = {name: stats[:, x].tolist() for x, name in enumerate(ops.STAT_COLUMNS)}
+    assert col["rows_fetched"] == [h.rows_fetched for h in r.heads]
+    # Bernoulli qK^T's K-feature reads as the server reports them (zero for the other methods).
+    assert col["key_features_head"] == [h.key_features_head for h in r.heads]
+    assert col["key_features_group"] == [h.key_features_group for h in r.heads]
+    if getattr(method, "bernoulli_qk_samples", 0):
+        assert sum(col["key_features_head"]) > 0
 
 
 def test_compiled_function_calls_the_op(engine: ops.InProcessEngine) -> None:

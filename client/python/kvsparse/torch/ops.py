@@ -52,6 +52,8 @@ STAT_COLUMNS = (
     "bytes_device",
     "bytes_remote",
     "dense_equivalent_bytes",
+    "key_features_head",  # Bernoulli qK^T's K-feature reads (Santa(bernoulli_qk_samples=...))
+    "key_features_group",
 )
 
 
