@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # For a GPU host without network access: build and pack here, copy the tree to the host, run
-# scripts/gpu_check.sh there. Builds the GPU programs here (nvcc, sm_90) and copies them, stripped
+# scripts/gpu_check.sh there. Builds the GPU programs here (nvcc, sm_90a) and copies them, stripped
 # of debug info, with the non-system shared libraries they load (gRPC, protobuf, Abseil,
 # prometheus-cpp: the GPU host's image has none of them), into .carry/dev (git-ignored): the
 # folder scripts/gpu_check.sh runs from on the GPU host, packed as .carry/pack/dev.tar.xz (every

@@ -3,7 +3,7 @@
 # kvsparse.torch.ops.InProcessEngine and the Hugging Face / vLLM in-process paths) against the torch of
 # PYTHON's environment and copies it into that environment's installed kvsparse.torch package, where
 # kvsparse.torch.ops finds it without $KVSPARSE_TORCH_LIB. CUDA kernels are built when nvcc is found and
-# that torch is a CUDA build (sm_90 by default: CMAKE_CUDA_ARCHITECTURES overrides it;
+# that torch is a CUDA build (sm_90a by default: CMAKE_CUDA_ARCHITECTURES overrides it;
 # KVSPARSE_ENABLE_CUDA=OFF or ON decides instead), else the op runs the CPU engine. Needs the build dependencies of the C++ tree (scripts/install_deps.sh)
 # and the package installed first (pip install "./client/python[torch]"). Reinstalling the
 # package removes the op: run this again.
@@ -27,7 +27,7 @@ if [ -z "$cuda" ]; then
   if [ "$torch_cuda" = ON ] && command -v nvcc > /dev/null; then cuda=ON; fi
 fi
 cmake -S . -B "$op_build" -G Ninja -DKVSPARSE_ENABLE_CUDA="$cuda" \
-  -DCMAKE_CUDA_ARCHITECTURES="${CMAKE_CUDA_ARCHITECTURES:-90}" -DKVSPARSE_TORCH_PREFIX="$prefix" > /dev/null
+  -DCMAKE_CUDA_ARCHITECTURES="${CMAKE_CUDA_ARCHITECTURES:-90a}" -DKVSPARSE_TORCH_PREFIX="$prefix" > /dev/null
 cmake --build "$op_build" --target kvsparse_torch
 install -m 755 "$op_build/lib/libkvsparse_torch.so" "$dest/libkvsparse_torch.so"
 "$py" -c "import kvsparse.torch.ops as o; print('kvsparse op (CUDA $cuda):', o.load_library())"

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "kernels/cuda/common.cuh"
+#include "kernels/cuda/hopper.cuh"
 #include "kernels/cuda/sale.h"
 
 namespace kvsparse::kernels::cuda {
@@ -99,10 +100,12 @@ __global__ void KeyMeanKernel(const double* part, int32_t chunks, int32_t n, int
 }
 
 // Per (kv head, key block): the block's scale max |k - mean| / 127 and its int8 keys. Grid
-// (k_blocks, Hkv).
+// (k_blocks, Hkv). swizzle128 (head_dim 128, block_k a multiple of 8): each key's 16-byte
+// chunk c stored at chunk c ^ (token % 8), the layout Hopper's warpgroup MMA reads a 128-byte
+// swizzled tile in, so that a key block lands in shared memory ready with one bulk copy.
 template <typename T>
 __global__ void QuantizeKeysKernel(const void* k, const float* mean, int32_t n, int32_t d,
-                                   int32_t bk, int8_t* kq, float* k_scale) {
+                                   int32_t bk, bool swizzle128, int8_t* kq, float* k_scale) {
   __shared__ float red[32];
   const int blk = blockIdx.x, j = blockIdx.y;
   const int32_t t0 = blk * bk, t1 = min(n, t0 + bk);
@@ -117,35 +120,65 @@ __global__ void QuantizeKeysKernel(const void* k, const float* mean, int32_t n, 
   const float s = amax > 0.f ? amax / 127.f : 1.f;
   if (threadIdx.x == 0) k_scale[static_cast<int64_t>(j) * gridDim.x + blk] = s;
   for (int32_t x = threadIdx.x; x < count; x += blockDim.x) {
-    kq[base + x] = Round8(__fsub_rn(LoadElem<T>(k, base + x), m[x % d]) / s);
+    const int32_t at = swizzle128 ? (x & ~127) | ((((x >> 4) ^ (x >> 7)) & 7) << 4) | (x & 15) : x;
+    kq[base + at] = Round8(__fsub_rn(LoadElem<T>(k, base + x), m[x % d]) / s);
   }
 }
 
-// Per (query head, token): the scale max |q| / 127 and the int8 query (one warp per token), and
-// q . mean (a sequential fp32 dot product, as the reference's; one lane per token, the warp's
-// 32 tokens at once). Grid (ceil(n / 256), H), block 256: warp w takes 32 tokens.
+// Per (query head, token): the scale max |q| / 127 and the int8 query, and q . mean (a
+// sequential fp32 dot product, as the reference's). Each warp takes 32 tokens: it copies their
+// rows into shared memory (16-byte loads; rows padded to an odd number of words, so that the
+// lane-per-token reads below fall in distinct banks), then per token the scale and int8 row
+// (lanes over the channels), then q . mean with one lane per token. Grid (ceil(n / (32
+// kQuantWarps)), H), block 32 kQuantWarps, QuantizeQueriesSmem bytes of shared memory.
+constexpr int kQuantWarps = 4;
+
+int QuantRowWords(int32_t d, DType dtype) { return d * (dtype == DType::kFp32 ? 4 : 2) / 4 + 1; }
+size_t QuantizeQueriesSmem(int32_t d, DType dtype) {
+  return static_cast<size_t>(kQuantWarps) * 32 * QuantRowWords(d, dtype) * sizeof(uint32_t);
+}
+
 template <typename T>
-__global__ void QuantizeQueriesKernel(const void* q, const float* mean, int32_t n, int32_t d,
-                                      int32_t group, int8_t* qq, float* q_scale, float* q_mean) {
-  const int lane = threadIdx.x & 31;
-  const int32_t t0 = (blockIdx.x * kSelectWarps + (threadIdx.x >> 5)) * 32;
+__global__ void __launch_bounds__(kQuantWarps * 32)
+    QuantizeQueriesKernel(const void* q, const float* mean, int32_t n, int32_t d, int32_t group,
+                          int8_t* qq, float* q_scale, float* q_mean) {
+  extern __shared__ __align__(16) uint32_t rows_smem[];
+  constexpr int kElemBytes = std::is_same_v<T, float> ? 4 : 2;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int row_words = d * kElemBytes / 4, stride = row_words + 1;
+  uint32_t* buf = rows_smem + warp * 32 * stride;
+  const int32_t t0 = (blockIdx.x * kQuantWarps + warp) * 32;
   const int h = blockIdx.y;
-  for (int32_t t = t0; t < min(n, t0 + 32); ++t) {  // uniform over the warp
-    const int64_t row = static_cast<int64_t>(h) * n + t;
+  const int tokens = min(32, n - t0);
+  if (tokens <= 0) return;  // uniform over the warp
+  const int64_t row0 = static_cast<int64_t>(h) * n + t0;
+  const uint4* src =
+      reinterpret_cast<const uint4*>(static_cast<const char*>(q) + row0 * d * kElemBytes);
+  for (int x = lane; x < tokens * (row_words / 4); x += 32) {
+    const int r = x / (row_words / 4), c = 4 * (x % (row_words / 4));
+    const uint4 v = src[x];
+    uint32_t* dst = buf + r * stride + c;
+    dst[0] = v.x;
+    dst[1] = v.y;
+    dst[2] = v.z;
+    dst[3] = v.w;
+  }
+  __syncwarp();
+  for (int r = 0; r < tokens; ++r) {  // uniform over the warp
+    const uint32_t* row = buf + r * stride;
     float amax = 0.f;
-    for (int e = lane; e < d; e += 32) amax = fmaxf(amax, fabsf(LoadElem<T>(q, row * d + e)));
+    for (int e = lane; e < d; e += 32) amax = fmaxf(amax, fabsf(LoadElem<T>(row, e)));
     amax = WarpMax(amax);
     const float s = amax > 0.f ? amax / 127.f : 1.f;
-    for (int e = lane; e < d; e += 32) qq[row * d + e] = Round8(LoadElem<T>(q, row * d + e) / s);
-    if (lane == 0) q_scale[row] = s;
+    for (int e = lane; e < d; e += 32) qq[(row0 + r) * d + e] = Round8(LoadElem<T>(row, e) / s);
+    if (lane == 0) q_scale[row0 + r] = s;
   }
-  const int32_t t = t0 + lane;
-  if (t >= n) return;
-  const int64_t row = static_cast<int64_t>(h) * n + t;
+  if (lane >= tokens) return;
+  const uint32_t* row = buf + lane * stride;
   const float* m = mean + static_cast<int64_t>(h / group) * d;
   float acc = 0.f;
-  for (int e = 0; e < d; ++e) acc = __fadd_rn(acc, __fmul_rn(LoadElem<T>(q, row * d + e), m[e]));
-  q_mean[row] = acc;
+  for (int e = 0; e < d; ++e) acc = __fadd_rn(acc, __fmul_rn(LoadElem<T>(row, e), m[e]));
+  q_mean[row0 + lane] = acc;
 }
 
 struct SelectGeometry {
@@ -208,52 +241,92 @@ __device__ void ExactRowThreshold(const SelectGeometry& g, const Regions& rg, co
   __syncwarp();
 }
 
-// Step 1 on the tensor cores (T bf16 or fp16): warp w scores row tile w % 4 (16 rows of the
-// query block, staged as `qb`, row stride qb_stride halves) against every other exact key block
-// (from w / 4: the two halves of the warps split the blocks), S = Q K^T with mma.m16n8k16 and K's
-// fragments read from global memory, an online max and sum per row (fp32, natural units, the
-// reference's scale), written as partials pm / pl [2][kMaxBlock] for the kernel to merge. The
-// sums run in another order than the reference's sequential dots: a threshold may move by an
-// ulp.
+// Step 1 on the tensor cores (T bf16 or fp16): the exact key blocks staged in shared memory one
+// after another (`kb`: two buffers of bk rows of d + 8 halves, cp.async, the next block's copy
+// overlapping this one's arithmetic); warp w scores row tile w % 4 (16 rows of the query block,
+// staged as `qb`, row stride qb_stride halves) against the block's 8-key tiles t with t % 2 ==
+// w / 4 (the two halves of the warps split the tiles), S = Q K^T with mma.m16n8k16 and K's
+// fragments by ldmatrix, an online max and sum per row (fp32, natural units, the reference's
+// scale), written as partials pm / pl [2][kMaxBlock] for the kernel to merge. The sums run in
+// another order than the reference's sequential dots: a threshold may move by an ulp. Every
+// thread of the block calls it (the staging is shared).
+constexpr int kExactTiles = kMaxBlock / 16;  // a warp's 8-key tiles per block, at most
+
+size_t ExactStageBytes(const SelectGeometry& g) {
+  return 2 * static_cast<size_t>(g.bk) * (g.d + 8) * sizeof(uint16_t);
+}
+
 template <typename T>
 __device__ void ExactPartialsMma(const SelectGeometry& g, const Regions& rg, const void* k, int j,
-                                 int32_t r0, int rows, const uint16_t* qb, int qb_stride, float* pm,
-                                 float* pl) {
+                                 int32_t r0, int rows, const uint16_t* qb, int qb_stride,
+                                 uint16_t* kb, float* pm, float* pl) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
   const int rt = warp & 3, parity = warp >> 2;
-  if (rt * 16 >= rows) return;  // the whole warp: a row tile past the prompt
+  const bool active = rt * 16 < rows;  // a row tile past the prompt only stages
   const int ra = rt * 16 + gr, rb = ra + 8;
   const int32_t tile_last_row = r0 + rt * 16 + 15;
+  const int kstride = g.d + 8, buf_elems = g.bk * kstride, tiles = (g.bk / 8 - parity + 1) / 2;
   const uint16_t* kh = static_cast<const uint16_t*>(k) + static_cast<int64_t>(j) * g.n * g.d;
   const uint16_t* qa = qb + ra * qb_stride + 2 * tq;
-  float ma = kNegInf, mb = kNegInf, la = 0.f, lb = 0.f;
   const int32_t b_first = max(rg.local_first, rg.sink_end);
   const int32_t nx = rg.sink_end + (rg.last + 1 - b_first);
-  for (int32_t x = parity; x < nx; x += 2) {
-    const int32_t blk = x < rg.sink_end ? x : b_first + (x - rg.sink_end);
-    for (int kt = 0; kt < g.bk / 8; ++kt) {
-      const int32_t c0 = blk * g.bk + kt * 8;
-      if (c0 > tile_last_row || c0 >= g.n) break;  // causal: no row of the tile reaches it
-      const int32_t key = min(c0 + gr, g.n - 1);   // loads stay in the prompt; masked below
-      const uint16_t* kr = kh + static_cast<int64_t>(key) * g.d + 2 * tq;
-      float acc[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int ks = 0; ks < g.d / 16; ++ks) {
-        const int e = 16 * ks;
-        Mma16816<T>(acc, *reinterpret_cast<const uint32_t*>(qa + e),
-                    *reinterpret_cast<const uint32_t*>(qa + 8 * qb_stride + e),
-                    *reinterpret_cast<const uint32_t*>(qa + e + 8),
-                    *reinterpret_cast<const uint32_t*>(qa + 8 * qb_stride + e + 8),
-                    *reinterpret_cast<const uint32_t*>(kr + e),
-                    *reinterpret_cast<const uint32_t*>(kr + e + 8));
-      }
-      float sv[4];
+  auto block_of = [&](int32_t x) { return x < rg.sink_end ? x : b_first + (x - rg.sink_end); };
+  auto stage = [&](int32_t x) {
+    const int32_t c0 = block_of(x) * g.bk;
+    uint16_t* dst = kb + (x & 1) * buf_elems;
+    for (int e = threadIdx.x; e < g.bk * (g.d / 8); e += blockDim.x) {
+      const int r = e / (g.d / 8), c = (e % (g.d / 8)) * 8;
+      const bool in = c0 + r < g.n;
+      CpAsync16(dst + r * kstride + c, kh + static_cast<int64_t>(in ? c0 + r : 0) * g.d + c, in);
+    }
+  };
+  float ma = kNegInf, mb = kNegInf, la = 0.f, lb = 0.f;
+  if (nx > 0) stage(0);
+  CpAsyncCommit();
+  for (int32_t x = 0; x < nx; ++x) {
+    if (x + 1 < nx) stage(x + 1);
+    CpAsyncCommit();
+    CpAsyncWait<1>();
+    __syncthreads();  // block x staged
+    const int32_t c_blk = block_of(x) * g.bk;
+    if (active && c_blk <= tile_last_row) {
+      const uint16_t* kx = kb + (x & 1) * buf_elems;
+      float acc[kExactTiles][4] = {};
+      for (int kk = 0; kk < g.d / 16; kk += 2) {
+        const int e = 16 * kk;
+        uint32_t a[2][4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int32_t c = c0 + 2 * tq + (e & 1);
-        const int32_t r = r0 + (e < 2 ? ra : rb);
-        sv[e] = c <= r && c < g.n ? __fmul_rn(g.scale, acc[e]) : kNegInf;
+        for (int s2 = 0; s2 < 2; ++s2) {
+          a[s2][0] = *reinterpret_cast<const uint32_t*>(qa + e + 16 * s2);
+          a[s2][1] = *reinterpret_cast<const uint32_t*>(qa + 8 * qb_stride + e + 16 * s2);
+          a[s2][2] = *reinterpret_cast<const uint32_t*>(qa + e + 16 * s2 + 8);
+          a[s2][3] = *reinterpret_cast<const uint32_t*>(qa + 8 * qb_stride + e + 16 * s2 + 8);
+        }
+#pragma unroll
+        for (int t = 0; t < kExactTiles; ++t) {
+          if (t < tiles) {
+            // lane l addresses key (2 t + parity) 8 + l % 8 at dims e + 8 (l / 8): b0 / b1 of
+            // k-steps kk and kk + 1.
+            uint32_t b[4];
+            LdMatrixX4(b[0], b[1], b[2], b[3],
+                       kx + ((2 * t + parity) * 8 + (lane & 7)) * kstride + e + 8 * (lane >> 3));
+            Mma16816<T>(acc[t], a[0][0], a[0][1], a[0][2], a[0][3], b[0], b[1]);
+            Mma16816<T>(acc[t], a[1][0], a[1][1], a[1][2], a[1][3], b[2], b[3]);
+          }
+        }
       }
-      float ta = fmaxf(sv[0], sv[1]), tb = fmaxf(sv[2], sv[3]);
+      float ta = kNegInf, tb = kNegInf;
+#pragma unroll
+      for (int t = 0; t < kExactTiles; ++t) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int32_t c = c_blk + (2 * t + parity) * 8 + 2 * tq + (e & 1);
+          const int32_t r = r0 + (e < 2 ? ra : rb);
+          acc[t][e] = t < tiles && c <= r && c < g.n ? __fmul_rn(g.scale, acc[t][e]) : kNegInf;
+        }
+        ta = fmaxf(ta, fmaxf(acc[t][0], acc[t][1]));
+        tb = fmaxf(tb, fmaxf(acc[t][2], acc[t][3]));
+      }
 #pragma unroll
       for (int off = 1; off <= 2; off *= 2) {
         ta = fmaxf(ta, __shfl_xor_sync(0xffffffffu, ta, off));
@@ -261,15 +334,21 @@ __device__ void ExactPartialsMma(const SelectGeometry& g, const Regions& rg, con
       }
       const float na = fmaxf(ma, ta), nb = fmaxf(mb, tb);
       if (na != kNegInf) {
-        la = la * expf(ma - na) + expf(sv[0] - na) + expf(sv[1] - na);
+        la *= expf(ma - na);
+#pragma unroll
+        for (int t = 0; t < kExactTiles; ++t) la += expf(acc[t][0] - na) + expf(acc[t][1] - na);
         ma = na;
       }
       if (nb != kNegInf) {
-        lb = lb * expf(mb - nb) + expf(sv[2] - nb) + expf(sv[3] - nb);
+        lb *= expf(mb - nb);
+#pragma unroll
+        for (int t = 0; t < kExactTiles; ++t) lb += expf(acc[t][2] - nb) + expf(acc[t][3] - nb);
         mb = nb;
       }
     }
+    __syncthreads();  // every warp is done with block x's buffer before block x + 2 refills it
   }
+  if (!active) return;
 #pragma unroll
   for (int off = 1; off <= 2; off *= 2) {
     la += __shfl_xor_sync(0xffffffffu, la, off);
@@ -290,12 +369,12 @@ __device__ void ExactPartialsMma(const SelectGeometry& g, const Regions& rg, con
 // once in shared memory for the eight warps (cp.async, kMidStages deep), so the keys are read
 // from L2 once per 8 pairs instead of once per warp; B fragments by ldmatrix; each warp's A (its
 // query block's int8 rows) stays in registers, its rows' scales, mean terms and thresholds in
-// shared memory. (A version on Hopper's warpgroup MMA measured slower on an H100: docs/PERF.md,
-// "SALE's selection per GQA tile".) The test is applied to each row's largest integer sum in
-// the block: S~ >= threshold is monotone in the sum (every step a correctly rounded product or
-// sum with non-negative factors, a = q_scale k_scale >= 0, scale > 0), so a row passes
-// somewhere in the block if and only if it passes at its largest sum; the arithmetic is the
-// general loop's, so the mask is the same.
+// shared memory. Builds for sm_90a run head_dim 128 on MiddleKernelWg (Hopper's warpgroup MMA)
+// instead; this kernel keeps head_dim 64 and builds for other archs. The test is applied to each
+// row's largest integer sum in the block: S~ >= threshold is monotone in the sum (every step a
+// correctly rounded product or sum with non-negative factors, a = q_scale k_scale >= 0, scale > 0),
+// so a row passes somewhere in the block if and only if it passes at its largest sum; the
+// arithmetic is the general loop's, so the mask is the same.
 constexpr int kFastKs = 4;               // 32-dim steps: head_dim 128 (64: 2 of them)
 constexpr int kFastKt = 4;               // 8-key tiles: block_k 32
 constexpr int kFastRt = kMaxBlock / 16;  // 16-row tiles of the query block
@@ -452,6 +531,201 @@ __global__ void __launch_bounds__(kSelectThreads, KS == 4 ? 2 : 1)
   }
 }
 
+#if defined(KVSPARSE_CUDA_SM90A)
+// ---- The middle blocks on Hopper's warpgroup MMA (sm_90a builds, head_dim 128, block_k 32) ----
+// The same CTA tiles as MiddleKernel (8 (head, query block) pairs of one kv head, the key blocks
+// [lo, hi) walked once) with the loads apart from the arithmetic: thread 0 copies each key
+// block (32 keys of 128 bytes, 4 KB, which QuantizeKeysKernel stores already in the 128-byte
+// swizzle) into a ring of kWgStages buffers with one bulk copy that completes on the buffer's
+// "full" barrier; four warpgroups (two pairs each) wait on it, run four wgmma.m64n32k32 per pair
+// (A: the pair's 64 int8 query rows in registers), release the buffer on its "empty" barrier and
+// test each row's largest sum, first by a three-instruction screen, exactly only where the
+// screen lets a row through. No CTA-wide barrier per block: the warpgroups drift apart by up to
+// a few blocks, one's tests running while another's MMAs do. Measured on an H100 at 64k
+// (docs/PERF.md, "SALE's selection on Hopper's warpgroup MMA"): this order (the producer's copy
+// at the top of a step, both pairs in one batch, the tests after the release) beat loading each
+// block's key scale a step ahead, the producer two steps behind instead of one, and testing
+// pair 0 while pair 1's MMAs run (each 1.3-2.2 ms slower).
+constexpr int kWgConsumers = 4;                        // warpgroups
+constexpr int kWgPairs = kSelectWarps / kWgConsumers;  // pairs per warpgroup
+constexpr int kWgThreads = kWgConsumers * 128;
+constexpr int kWgStages = 8;                              // key blocks in flight
+constexpr int kWgKeyBytes = 128;                          // head_dim 128, int8
+constexpr int kWgBlockBytes = 8 * kFastKt * kWgKeyBytes;  // one 32-key block
+
+// One pair as a consumer thread holds it: the A fragments of its rows 16 (warp % 4) + lane / 4
+// and + 8; in shared memory (vals: [3][16], the warp's own) its warp's 16 rows' thresholds,
+// query scales and mean terms (rows past the prompt never pass); for the screen (WgRowsMayPass)
+// its two rows' scale x q_scale, scale x q_mean and lowered threshold; its steps [xb, xe) of
+// the CTA's walk and its mask row at block lo.
+struct WgPairRows {
+  uint32_t qa[kFastKs][4];
+  float sq[2], sm[2], lo[2];
+  const float* vals;
+  int32_t xb, xe;
+  uint8_t* out;
+};
+
+__device__ __forceinline__ void LoadWgPair(const SelectGeometry& g, const MiddleTile& mt,
+                                           const Operands& ops, uint8_t* mask, int p, int32_t i0,
+                                           int32_t lo, int32_t count, float* vals, WgPairRows& w) {
+  const int lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3, wq = (threadIdx.x >> 5) & 3;
+  const int h = blockIdx.y * mt.head_tile + p % mt.head_tile;
+  const int32_t i = i0 + p / mt.head_tile;
+  const bool live = i < mt.q_blocks;
+  const Regions rg = RegionsOf(g, live ? i : i0);
+  w.xb = live ? rg.sink_end - lo : count;
+  w.xe = live ? rg.local_first - lo : 0;
+  const int32_t r0 = (live ? i : 0) * g.bq;
+  const int rows = live ? min(g.n, r0 + g.bq) - r0 : 0;
+  const int64_t base = static_cast<int64_t>(h) * g.n + r0;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = 16 * wq + gr + 8 * hf;
+    const bool ok = r < rows;
+    const int* words = reinterpret_cast<const int*>(ops.q + (base + (ok ? r : 0)) * g.d);
+#pragma unroll
+    for (int x = 0; x < kFastKs; ++x) {
+      w.qa[x][hf] = ok ? words[8 * x + tq] : 0;
+      w.qa[x][2 + hf] = ok ? words[8 * x + 4 + tq] : 0;
+    }
+  }
+  if (lane < 16) {
+    const int r = 16 * wq + lane;
+    const bool ok = r < rows;
+    vals[lane] = ok ? ops.thr[base + r] : -kNegInf;
+    vals[16 + lane] = ok ? ops.q_scale[base + r] : 0.f;
+    vals[32 + lane] = ok ? ops.q_mean[base + r] : 0.f;
+  }
+  __syncwarp();
+  w.vals = vals;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = gr + 8 * hf;
+    const float thr = vals[r];
+    w.sq[hf] = g.scale * vals[16 + r];
+    w.sm[hf] = g.scale * vals[32 + r];
+    w.lo[hf] = thr == -kNegInf ? thr : thr - 0x1p-16f * (fabsf(thr) + fabsf(w.sm[hf]));
+  }
+  w.out = mask + (static_cast<int64_t>(h) * mt.q_blocks + (live ? i : 0)) * g.k_blocks + lo;
+}
+
+// The thread's two rows' largest sums of the block (d: the pair's sums, the thread's columns
+// 8 i + 2 (lane % 4) (+1) of rows lane / 4 and + 8), by three-way maxima (one instruction each
+// on Hopper).
+__device__ __forceinline__ void WgRowMaxima(const int (&d)[16], int (&m)[2]) {
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int* e = d + 2 * hf;
+    m[hf] = __vimax3_s32(__vimax3_s32(__vimax3_s32(e[0], e[1], e[4]), e[5], e[8]), e[9], e[12]);
+    m[hf] = max(m[hf], e[13]);
+  }
+}
+
+// A screen for WgRowsPass, three instructions a row: a row that passes there passes here. It
+// evaluates the same real quantity, scale (q_scale k_scale m + q_mean), with three roundings
+// instead of four and in another order, so the two differ by a few ulps of the largest term;
+// where the row passes, that term is at most about |threshold| + |scale q_mean| (or the row
+// passes by far), and lowering the threshold by 2^-16 of that sum covers the difference many
+// times over. Rows past the prompt (threshold +inf) never pass.
+__device__ __forceinline__ bool WgRowsMayPass(const int (&m)[2], const WgPairRows& w, float ks) {
+  bool any = false;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    any |= fmaf(ks * w.sq[hf], static_cast<float>(m[hf]), w.sm[hf]) >= w.lo[hf];
+  }
+  return any;
+}
+
+// Whether any of the thread's two rows passes at its largest sum m of the block: the general
+// loop's arithmetic, so the mask is the reference's.
+__device__ __forceinline__ bool WgRowsPass(const SelectGeometry& g, const int (&m)[2],
+                                           const WgPairRows& w, float ks) {
+  bool any = false;
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int r = ((threadIdx.x & 31) >> 2) + 8 * hf;
+    const float a = __fmul_rn(w.vals[16 + r], ks);
+    const float est =
+        __fmul_rn(g.scale, __fadd_rn(__fmul_rn(a, static_cast<float>(m[hf])), w.vals[32 + r]));
+    any |= est >= w.vals[r];
+  }
+  return any;
+}
+
+__global__ void __launch_bounds__(kWgThreads, 1)
+    MiddleKernelWg(SelectGeometry g, MiddleTile mt, Operands ops, uint8_t* mask) {
+  __shared__ __align__(1024) int8_t stage[kWgStages][kWgBlockBytes];
+  __shared__ uint64_t full[kWgStages], empty[kWgStages];
+  __shared__ float row_vals[kWgConsumers * 4][kWgPairs][3 * 16];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int q_tile = kSelectWarps / mt.head_tile;
+  const int32_t i0 = (gridDim.x - 1 - blockIdx.x) * q_tile;  // the longest rows first
+  const int32_t lo = RegionsOf(g, i0).sink_end;
+  const int32_t hi = RegionsOf(g, min(mt.q_blocks - 1, i0 + q_tile - 1)).local_first;
+  if (lo >= hi) return;  // uniform: no middle block
+  const int32_t count = hi - lo;
+  const int j = (blockIdx.y * mt.head_tile) / g.group;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kWgStages; ++s) {
+      BarrierInit(&full[s], 1);
+      BarrierInit(&empty[s], kWgConsumers * 4);  // every consumer warp
+    }
+    BarrierInitFence();
+  }
+  __syncthreads();
+  // The producer, thread 0: the first kWgStages blocks now, the others in the walk below.
+  const int8_t* src = ops.k + (static_cast<int64_t>(j) * g.n + lo * 8 * kFastKt) * kWgKeyBytes;
+  auto produce = [&](int32_t x) {
+    const int s = x % kWgStages;
+    if (x >= kWgStages) BarrierWait(&empty[s], (x / kWgStages - 1) & 1);
+    BarrierArriveExpectTx(&full[s], kWgBlockBytes);
+    BulkCopyToShared(stage[s], src + static_cast<int64_t>(x) * kWgBlockBytes, kWgBlockBytes,
+                     &full[s]);
+  };
+  if (threadIdx.x == 0) {
+    for (int32_t x = 0; x < min(count, kWgStages); ++x) produce(x);
+  }
+  WgPairRows w[kWgPairs];
+#pragma unroll
+  for (int pp = 0; pp < kWgPairs; ++pp) {
+    LoadWgPair(g, mt, ops, mask, kWgPairs * (warp >> 2) + pp, i0, lo, count, row_vals[warp][pp],
+               w[pp]);
+  }
+  const float* kscale = ops.k_scale + static_cast<int64_t>(j) * g.k_blocks + lo;
+  int d[kWgPairs][16] = {};
+  const uint64_t desc0 = Swizzled128Desc(stage[0]);
+  for (int32_t x = 0; x < count; ++x) {
+    // Block x - 1 + kWgStages into block x - 1's buffer, once every warp has released it.
+    if (threadIdx.x == 0 && x >= 1 && x - 1 + kWgStages < count) produce(x - 1 + kWgStages);
+    const int s = x % kWgStages;
+    const float ks = kscale[x];
+    BarrierWait(&full[s], (x / kWgStages) & 1);
+    const uint64_t desc = desc0 + s * (kWgBlockBytes >> 4);
+    WgmmaFence();
+#pragma unroll
+    for (int pp = 0; pp < kWgPairs; ++pp) {
+#pragma unroll
+      for (int k = 0; k < kFastKs; ++k) WgmmaS8(d[pp], w[pp].qa[k], desc + 2 * k, k);
+    }
+    WgmmaCommitAndWaitAll();
+    __syncwarp();
+    if (lane == 0) BarrierArrive(&empty[s]);
+#pragma unroll
+    for (int pp = 0; pp < kWgPairs; ++pp) {
+      int m[2];
+      WgRowMaxima(d[pp], m);
+      const bool on = x >= w[pp].xb && x < w[pp].xe;                     // uniform over the warp
+      if (__any_sync(0xffffffffu, on && WgRowsMayPass(m, w[pp], ks))) {  // rarely
+        if (__any_sync(0xffffffffu, WgRowsPass(g, m, w[pp], ks)) && lane == 0) {
+          w[pp].out[x] = 1;
+        }
+      }
+    }
+  }
+}
+#endif  // KVSPARSE_CUDA_SM90A
+
 // One (query block, query head) per block: the exact regions' thresholds per row, then (unless
 // MiddleKernel does it) each middle key block estimated from int8 Q and K, the block's row of
 // the mask written whole (the middle blocks 0 until they pass).
@@ -477,6 +751,7 @@ __global__ void __launch_bounds__(kSelectThreads)
   float* pm = qm + kMaxBlock;                                      // [2][bq]
   float* pl = pm + 2 * kMaxBlock;                                  // [2][bq]
   uint16_t* qb = reinterpret_cast<uint16_t*>(pl + 2 * kMaxBlock);  // [bq][d + 8]
+  uint16_t* kb = qb + kMaxBlock * (g.d + 8);                       // [2][bk][d + 8]
   const int qb_stride = g.d + 8;
   uint8_t* out = mask + (static_cast<int64_t>(h) * gridDim.x + i) * g.k_blocks;
   for (int32_t blk = threadIdx.x; blk < g.k_blocks; blk += blockDim.x) {
@@ -498,7 +773,7 @@ __global__ void __launch_bounds__(kSelectThreads)
                    : make_uint4(0, 0, 0, 0);
     }
     __syncthreads();
-    ExactPartialsMma<T>(g, rg, k, j, r0, rows, qb, qb_stride, pm, pl);
+    ExactPartialsMma<T>(g, rg, k, j, r0, rows, qb, qb_stride, kb, pm, pl);
     __syncthreads();
     const float t = tau[h];
     for (int r = threadIdx.x; r < rows; r += blockDim.x) {
@@ -577,7 +852,8 @@ __global__ void __launch_bounds__(kSelectThreads)
 size_t SelectSmem(const SelectGeometry& g) {
   const size_t words = g.d / 4;
   const size_t sequential = static_cast<size_t>(kSelectWarps) * (g.d + g.score_cap) * sizeof(float);
-  const size_t mma = 4 * kMaxBlock * sizeof(float) + kMaxBlock * (g.d + 8) * sizeof(uint16_t);
+  const size_t mma =
+      4 * kMaxBlock * sizeof(float) + kMaxBlock * (g.d + 8) * sizeof(uint16_t) + ExactStageBytes(g);
   return kMaxBlock * (words + 1) * sizeof(int) + 3 * kMaxBlock * sizeof(float) +
          std::max(sequential, mma);
 }
@@ -821,6 +1097,11 @@ cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t worksp
   g.score_cap = p.blocks.sink_tokens + p.blocks.local_tokens + g.bk;
   g.scale = pr.scale;
   g.middle_apart = (d == 64 || d == 128) && g.bk == 8 * kFastKt;
+#if defined(KVSPARSE_CUDA_SM90A)
+  const bool wgmma_middle = g.middle_apart && d == 128;  // MiddleKernelWg
+#else
+  const bool wgmma_middle = false;
+#endif
   MiddleTile mt;
   mt.q_blocks = Blocks(n, g.bq);
   mt.head_tile = 1;
@@ -832,10 +1113,12 @@ cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t worksp
     using T = decltype(tag);
     KeyMeanPartialKernel<T><<<dim3(hkv, mean_chunks), d, 0, stream>>>(pr.k, n, d, ops.mean_part);
     KeyMeanKernel<<<hkv, d, 0, stream>>>(ops.mean_part, mean_chunks, n, d, ops.mean);
-    QuantizeKeysKernel<T>
-        <<<dim3(g.k_blocks, hkv), 128, 0, stream>>>(pr.k, ops.mean, n, d, g.bk, ops.k, ops.k_scale);
-    QuantizeQueriesKernel<T><<<dim3(Blocks(n, kSelectThreads), H), kSelectThreads, 0, stream>>>(
-        pr.q, ops.mean, n, d, g.group, ops.q, ops.q_scale, ops.q_mean);
+    QuantizeKeysKernel<T><<<dim3(g.k_blocks, hkv), 128, 0, stream>>>(
+        pr.k, ops.mean, n, d, g.bk, wgmma_middle, ops.k, ops.k_scale);
+    select_err = LaunchWithSmem(&QuantizeQueriesKernel<T>, dim3(Blocks(n, 32 * kQuantWarps), H),
+                                dim3(32 * kQuantWarps), QuantizeQueriesSmem(d, pr.dtype), stream,
+                                pr.q, ops.mean, n, d, g.group, ops.q, ops.q_scale, ops.q_mean);
+    if (select_err != cudaSuccess) return;
     select_err = LaunchWithSmem(&SelectKernel<T>, select_grid, dim3(kSelectThreads), SelectSmem(g),
                                 stream, g, pr.q, pr.k, p.tau, ops, p.mask);
   }));
@@ -846,6 +1129,12 @@ cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t worksp
     kernel<<<middle_grid, kSelectThreads, 0, stream>>>(g, mt, ops, p.mask);
     return cudaGetLastError();
   };
+#if defined(KVSPARSE_CUDA_SM90A)
+  if (wgmma_middle) {
+    MiddleKernelWg<<<middle_grid, kWgThreads, 0, stream>>>(g, mt, ops, p.mask);
+    return cudaGetLastError();
+  }
+#endif
   return d == 64 ? middle(&MiddleKernel<2>) : middle(&MiddleKernel<4>);
 }
 

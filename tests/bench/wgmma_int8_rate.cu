@@ -14,38 +14,13 @@
 #include <cstdlib>
 #include <vector>
 
-__device__ __forceinline__ uint64_t Desc(const void* smem, int sbo) {
-  const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  uint64_t d = 0;
-  d |= static_cast<uint64_t>((a & 0x3FFFF) >> 4);
-  d |= static_cast<uint64_t>(1) << 16;         // LBO (unused for swizzled K-major)
-  d |= static_cast<uint64_t>(sbo >> 4) << 32;  // SBO: 8 rows x 128 B
-  d |= static_cast<uint64_t>(1) << 62;         // 128B swizzle
-  return d;
-}
+#include "kernels/cuda/hopper.cuh"
 
-__device__ __forceinline__ void Wgmma(int (&d)[16], const uint32_t (&a)[4], uint64_t desc,
-                                      int scale_d) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
-      "{%16, %17, %18, %19}, %20, p;\n}\n"
-      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
-        "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]),
-        "+r"(d[14]), "+r"(d[15])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(scale_d));
-}
-__device__ __forceinline__ void WgFence() {
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void WgCommit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void WgWait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
+using kvsparse::kernels::cuda::Swizzled128Desc;
+using kvsparse::kernels::cuda::WgmmaCommitAndWaitAll;
+using kvsparse::kernels::cuda::WgmmaFence;
+using kvsparse::kernels::cuda::WgmmaS8;
+
 __device__ __forceinline__ void FenceProxyAsync() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 }
@@ -70,10 +45,9 @@ __global__ void Check(const int8_t* A, const int8_t* B, int* D) {
   }
   int d[16];
   for (int i = 0; i < 16; ++i) d[i] = 0;
-  WgFence();
-  for (int s = 0; s < 4; ++s) Wgmma(d, a[s], Desc(sb + 32 * s, 1024), s > 0);
-  WgCommit();
-  WgWait<0>();
+  WgmmaFence();
+  for (int s = 0; s < 4; ++s) WgmmaS8(d, a[s], Swizzled128Desc(sb + 32 * s), s > 0);
+  WgmmaCommitAndWaitAll();
   for (int i = 0; i < 4; ++i) {
     D[ra * 32 + 8 * i + 2 * t] = d[4 * i];
     D[ra * 32 + 8 * i + 2 * t + 1] = d[4 * i + 1];
@@ -103,14 +77,13 @@ __global__ void __launch_bounds__(256, 2) Rate(const int8_t* A, int iters, int* 
   for (int it = 0; it < iters; ++it) {
     const int8_t* b = sb[it & 3];
     int d[PAIRS][16];
-    WgFence();
+    WgmmaFence();
 #pragma unroll
     for (int p = 0; p < PAIRS; ++p) {
 #pragma unroll
-      for (int s = 0; s < 4; ++s) Wgmma(d[p], a[p][s], Desc(b + 32 * s, 1024), s > 0);
+      for (int s = 0; s < 4; ++s) WgmmaS8(d[p], a[p][s], Swizzled128Desc(b + 32 * s), s > 0);
     }
-    WgCommit();
-    WgWait<0>();
+    WgmmaCommitAndWaitAll();
 #pragma unroll
     for (int p = 0; p < PAIRS; ++p) {
 #pragma unroll

@@ -1,0 +1,115 @@
+// Hopper's asynchronous machinery for the kernels that use it (device code; builds for
+// sm_90a define KVSPARSE_CUDA_SM90A and compile the bodies, other builds never launch a kernel
+// that calls these): shared-memory barriers (mbarrier) with transaction counts, bulk copies from
+// global to shared memory that complete on such a barrier, and the int8 warpgroup MMA
+// (wgmma.m64n32k32) with A in registers and B in shared memory in the 128-byte swizzle.
+#pragma once
+
+#include <cstdint>
+
+namespace kvsparse::kernels::cuda {
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- Barriers in shared memory ----------------------------------------------------------------
+
+__device__ __forceinline__ void BarrierInit(uint64_t* bar, uint32_t count) {
+#if defined(KVSPARSE_CUDA_SM90A)
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(SmemAddr(bar)), "r"(count)
+               : "memory");
+#endif
+}
+// The barriers' initialization made visible to the async proxy (bulk copies complete on them).
+__device__ __forceinline__ void BarrierInitFence() {
+#if defined(KVSPARSE_CUDA_SM90A)
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+#endif
+}
+// One arrival.
+__device__ __forceinline__ void BarrierArrive(uint64_t* bar) {
+#if defined(KVSPARSE_CUDA_SM90A)
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(SmemAddr(bar)) : "memory");
+#endif
+}
+// One arrival that also expects `bytes` of transactions (bulk copies) before the phase ends.
+__device__ __forceinline__ void BarrierArriveExpectTx(uint64_t* bar, uint32_t bytes) {
+#if defined(KVSPARSE_CUDA_SM90A)
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(SmemAddr(bar)),
+               "r"(bytes)
+               : "memory");
+#endif
+}
+// Waits until the phase of parity `parity` has completed.
+__device__ __forceinline__ void BarrierWait(uint64_t* bar, uint32_t parity) {
+#if defined(KVSPARSE_CUDA_SM90A)
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(SmemAddr(bar)), "r"(parity)
+        : "memory");
+  }
+#endif
+}
+
+// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global to shared memory, the
+// transfer counted on `bar`.
+__device__ __forceinline__ void BulkCopyToShared(void* smem, const void* gmem, uint32_t bytes,
+                                                 uint64_t* bar) {
+#if defined(KVSPARSE_CUDA_SM90A)
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(SmemAddr(smem)),
+      "l"(gmem), "r"(bytes), "r"(SmemAddr(bar))
+      : "memory");
+#endif
+}
+
+// ---- Warpgroup MMA, int8 ----------------------------------------------------------------------
+
+// The shared-memory descriptor of K-major int8 rows of 128 bytes in the 128-byte swizzle (16-byte
+// chunk c of row r at r * 128 + ((c ^ (r % 8)) * 16), 8-row atoms 1024 bytes apart, the tile
+// 1024-aligned); a k-step of 32 bytes adds 2 to it.
+__device__ __forceinline__ uint64_t Swizzled128Desc(const void* smem) {
+  return static_cast<uint64_t>((SmemAddr(smem) & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
+         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+// d (+)= a b over one 32-deep k-step: d [64 x 32] int32 (thread t of the warpgroup: rows
+// 16 (t / 32) + (t % 32) / 4 and + 8, columns 8 i + 2 (t % 4) (+1) in d[4i .. 4i + 3] as
+// mma.m16n8k32's C), a [64 x 32] int8 in registers (mma.m16n8k32's A fragment of the warp's 16
+// rows), b [32 keys x 32] from shared memory by `desc`. accumulate = 0 overwrites d.
+__device__ __forceinline__ void WgmmaS8(int (&d)[16], const uint32_t (&a)[4], uint64_t desc,
+                                        int accumulate) {
+#if defined(KVSPARSE_CUDA_SM90A) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k32.s32.s8.s8 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+      "{%16, %17, %18, %19}, %20, p;\n}\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
+        "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]),
+        "+r"(d[14]), "+r"(d[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+#elif defined(KVSPARSE_CUDA_SM90A) && defined(__CUDA_ARCH__)
+  __trap();  // device code for an arch without warpgroup MMA: never a silent no-op
+#endif
+}
+// Before the first wgmma that reads registers other instructions wrote.
+__device__ __forceinline__ void WgmmaFence() {
+#if defined(KVSPARSE_CUDA_SM90A)
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+// Ends the batch of wgmma issued since the last commit and waits for every batch to finish.
+__device__ __forceinline__ void WgmmaCommitAndWaitAll() {
+#if defined(KVSPARSE_CUDA_SM90A)
+  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
+#endif
+}
+
+}  // namespace kvsparse::kernels::cuda
