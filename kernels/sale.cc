@@ -236,13 +236,11 @@ absl::Status SaleSelect(const SalePrefill& p, const SaleParams& params, absl::Sp
         for (int32_t r = r0; r < r1 && !hit; ++r) {
           const size_t qr = static_cast<size_t>(h) * n + r;
           const int8_t* qq = z.q.data() + qr * d;
-          const float a = z.q_scale[qr] * ks;
           for (int32_t c = blk * bk; c < std::min(n, (blk + 1) * bk) && !hit; ++c) {
             const int8_t* kk = z.k.data() + (static_cast<size_t>(j) * n + c) * d;
             int32_t acc = 0;
             for (int32_t e = 0; e < d; ++e) acc += static_cast<int32_t>(qq[e]) * kk[e];
-            const float est = p.scale * (a * static_cast<float>(acc) + z.q_mean[qr]);
-            hit = est >= thr[r - r0];
+            hit = SaleEstimatePasses(p.scale, z.q_scale[qr], ks, acc, z.q_mean[qr], thr[r - r0]);
           }
         }
         if (hit) Set(mask, h, i, blk);

@@ -28,6 +28,7 @@
 #ifndef KVSPARSE_KERNELS_SALE_H_
 #define KVSPARSE_KERNELS_SALE_H_
 
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -116,6 +117,46 @@ struct SaleCalibration {
                                                             const SaleParams& params, double theta,
                                                             float tau0 = 0.008f,
                                                             int32_t max_halvings = 24);
+
+// The selection's test of one row against one middle key block (step 2 above) in the
+// reference's arithmetic, one rounding a step: scale (s_q s_k m + q . mean) >= threshold, m the
+// row's largest integer sum over the block's keys (the test is monotone in the sum, its factors
+// non-negative, so the block passes for the row iff it passes at m). The CPU reference and the
+// CUDA kernels share it.
+KVSPARSE_HD bool SaleEstimatePasses(float scale, float q_scale, float k_scale, int32_t m,
+                                    float q_mean, float threshold) {
+#if defined(__CUDA_ARCH__)
+  const float a = __fmul_rn(q_scale, k_scale);
+  return __fmul_rn(scale, __fadd_rn(__fmul_rn(a, static_cast<float>(m)), q_mean)) >= threshold;
+#else
+  const float a = q_scale * k_scale;
+  return scale * (a * static_cast<float>(m) + q_mean) >= threshold;
+#endif
+}
+
+// A screen for SaleEstimatePasses that a kernel evaluates in three instructions a row: a row
+// that passes there passes here (kernels/sale_test.cc checks it at and around the threshold). It
+// evaluates the same real quantity with three roundings in another order, fma(s_k sq, m, sm)
+// with sq = scale s_q and sm = scale q . mean, so the two differ by a few ulps of the largest
+// term; where the row passes, that term is at most about |threshold| + |sm| (or the row passes
+// by far), and the screen's threshold is lowered by 2^-16 of that sum, far more than the
+// difference. A threshold of +inf (a row past the prompt) never passes.
+struct SaleScreen {
+  float sq, sm, lo;
+};
+
+KVSPARSE_HD SaleScreen MakeSaleScreen(float scale, float q_scale, float q_mean, float threshold) {
+  SaleScreen s;
+  s.sq = scale * q_scale;
+  s.sm = scale * q_mean;
+  s.lo =
+      threshold == INFINITY ? threshold : threshold - 0x1p-16f * (fabsf(threshold) + fabsf(s.sm));
+  return s;
+}
+
+KVSPARSE_HD bool SaleScreenMayPass(const SaleScreen& s, float k_scale, int32_t m) {
+  return fmaf(k_scale * s.sq, static_cast<float>(m), s.sm) >= s.lo;
+}
 
 }  // namespace kvsparse::kernels
 

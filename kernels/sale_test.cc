@@ -309,6 +309,48 @@ TEST(SaleTest, CalibratedThresholdsAreSparseWithinTheBound) {
   }
 }
 
+// The CUDA selection screens each row with SaleScreen before the exact test; a row the screen
+// turned away that the exact test would pass would drop a block the reference selects. Drawn
+// over the estimate's factors (scales over four decades, sums of either sign up to 2^21, mean
+// terms of either sign, including ones that cancel the product), with the threshold at the
+// estimate itself and a few ulps on either side, where the two evaluations' roundings matter.
+TEST(SaleTest, ScreenNeverTurnsAwayARowThatPasses) {
+  std::mt19937 rng(20261128);
+  std::uniform_real_distribution<float> unit(0.f, 1.f);
+  auto decades = [&](float lo_exp, float hi_exp) {
+    return std::pow(10.f, lo_exp + (hi_exp - lo_exp) * unit(rng));
+  };
+  std::uniform_int_distribution<int32_t> sum(-(1 << 21), 1 << 21);
+  int64_t at_threshold = 0, passed = 0;
+  for (int draw = 0; draw < 200000; ++draw) {
+    const float scale = draw % 3 == 0 ? 1.f / std::sqrt(128.f) : decades(-2.f, 0.f);
+    const float q_scale = decades(-4.f, 0.f), k_scale = decades(-4.f, 0.f);
+    const int32_t m = sum(rng);
+    const float product = q_scale * k_scale * static_cast<float>(m);
+    const float q_mean = draw % 4 == 0 ? -product * (1.f + 1e-3f * (unit(rng) - 0.5f))
+                                       : (unit(rng) - 0.5f) * decades(-3.f, 3.f);
+    const float est = scale * (q_scale * k_scale * static_cast<float>(m) + q_mean);
+    const SaleScreen screen = MakeSaleScreen(scale, q_scale, q_mean, est);
+    ASSERT_TRUE(SaleEstimatePasses(scale, q_scale, k_scale, m, q_mean, est));
+    ++at_threshold;
+    float thr = est;
+    for (int ulp = 0; ulp < 4; ++ulp) thr = std::nextafter(thr, -INFINITY);
+    for (int step = 0; step < 9; ++step, thr = std::nextafter(thr, INFINITY)) {
+      if (!SaleEstimatePasses(scale, q_scale, k_scale, m, q_mean, thr)) continue;
+      ++passed;
+      ASSERT_TRUE(SaleScreenMayPass(MakeSaleScreen(scale, q_scale, q_mean, thr), k_scale, m))
+          << "scale " << scale << " q_scale " << q_scale << " k_scale " << k_scale << " m " << m
+          << " q_mean " << q_mean << " threshold " << thr;
+    }
+    ASSERT_TRUE(SaleScreenMayPass(screen, k_scale, m));
+    // Rows past the prompt (threshold +inf) never pass; tau = 0 (threshold -inf) always does.
+    ASSERT_FALSE(SaleScreenMayPass(MakeSaleScreen(scale, q_scale, q_mean, INFINITY), k_scale, m));
+    ASSERT_TRUE(SaleScreenMayPass(MakeSaleScreen(scale, q_scale, q_mean, -INFINITY), k_scale, m));
+  }
+  EXPECT_EQ(at_threshold, 200000);
+  EXPECT_GE(passed, 5 * at_threshold);  // the thresholds at and just under each estimate
+}
+
 TEST(SaleTest, RefusesBadInput) {
   Prompt pr = MakePrompt(100, 4, 2, 16, DType::kFp32, 1, false);
   SalePrefill p = pr.prefill();

@@ -465,10 +465,7 @@ __device__ __forceinline__ bool EstimateStagedBlock(const SelectGeometry& g, con
 #pragma unroll
   for (int x = 0; x < 2 * kFastRt; ++x) {
     const int r = (x / 2) * 16 + (lane >> 2) + 8 * (x % 2);
-    const float a = __fmul_rn(w.qs[r], ks);
-    const float est =
-        __fmul_rn(g.scale, __fadd_rn(__fmul_rn(a, static_cast<float>(mx[x])), w.qm[r]));
-    any |= est >= w.thr[r];
+    any |= SaleEstimatePasses(g.scale, w.qs[r], ks, mx[x], w.qm[r], w.thr[r]);
   }
   return __any_sync(0xffffffffu, any);
 }
@@ -555,12 +552,12 @@ constexpr int kWgBlockBytes = 8 * kFastKt * kWgKeyBytes;  // one 32-key block
 
 // One pair as a consumer thread holds it: the A fragments of its rows 16 (warp % 4) + lane / 4
 // and + 8; in shared memory (vals: [3][16], the warp's own) its warp's 16 rows' thresholds,
-// query scales and mean terms (rows past the prompt never pass); for the screen (WgRowsMayPass)
-// its two rows' scale x q_scale, scale x q_mean and lowered threshold; its steps [xb, xe) of
-// the CTA's walk and its mask row at block lo.
+// query scales and mean terms (rows past the prompt never pass); its two rows' screens
+// (kernels/sale.h's SaleScreen); its steps [xb, xe) of the CTA's walk and its mask row at block
+// lo.
 struct WgPairRows {
   uint32_t qa[kFastKs][4];
-  float sq[2], sm[2], lo[2];
+  SaleScreen screen[2];
   const float* vals;
   int32_t xb, xe;
   uint8_t* out;
@@ -602,10 +599,7 @@ __device__ __forceinline__ void LoadWgPair(const SelectGeometry& g, const Middle
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int r = gr + 8 * hf;
-    const float thr = vals[r];
-    w.sq[hf] = g.scale * vals[16 + r];
-    w.sm[hf] = g.scale * vals[32 + r];
-    w.lo[hf] = thr == -kNegInf ? thr : thr - 0x1p-16f * (fabsf(thr) + fabsf(w.sm[hf]));
+    w.screen[hf] = MakeSaleScreen(g.scale, vals[16 + r], vals[32 + r], vals[r]);
   }
   w.out = mask + (static_cast<int64_t>(h) * mt.q_blocks + (live ? i : 0)) * g.k_blocks + lo;
 }
@@ -622,19 +616,10 @@ __device__ __forceinline__ void WgRowMaxima(const int (&d)[16], int (&m)[2]) {
   }
 }
 
-// A screen for WgRowsPass, three instructions a row: a row that passes there passes here. It
-// evaluates the same real quantity, scale (q_scale k_scale m + q_mean), with three roundings
-// instead of four and in another order, so the two differ by a few ulps of the largest term;
-// where the row passes, that term is at most about |threshold| + |scale q_mean| (or the row
-// passes by far), and lowering the threshold by 2^-16 of that sum covers the difference many
-// times over. Rows past the prompt (threshold +inf) never pass.
+// Whether either of the thread's two rows gets through its screen (a row that passes
+// WgRowsPass always does).
 __device__ __forceinline__ bool WgRowsMayPass(const int (&m)[2], const WgPairRows& w, float ks) {
-  bool any = false;
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    any |= fmaf(ks * w.sq[hf], static_cast<float>(m[hf]), w.sm[hf]) >= w.lo[hf];
-  }
-  return any;
+  return SaleScreenMayPass(w.screen[0], ks, m[0]) | SaleScreenMayPass(w.screen[1], ks, m[1]);
 }
 
 // Whether any of the thread's two rows passes at its largest sum m of the block: the general
@@ -645,10 +630,7 @@ __device__ __forceinline__ bool WgRowsPass(const SelectGeometry& g, const int (&
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int r = ((threadIdx.x & 31) >> 2) + 8 * hf;
-    const float a = __fmul_rn(w.vals[16 + r], ks);
-    const float est =
-        __fmul_rn(g.scale, __fadd_rn(__fmul_rn(a, static_cast<float>(m[hf])), w.vals[32 + r]));
-    any |= est >= w.vals[r];
+    any |= SaleEstimatePasses(g.scale, w.vals[16 + r], ks, m[hf], w.vals[32 + r], w.vals[r]);
   }
   return any;
 }
@@ -835,12 +817,7 @@ __global__ void __launch_bounds__(kSelectThreads)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int r = rt * 16 + gr + (e >= 2 ? 8 : 0);
-          if (r < rows) {
-            const float a = __fmul_rn(qs[r], ks);
-            const float est =
-                __fmul_rn(g.scale, __fadd_rn(__fmul_rn(a, static_cast<float>(acc[e])), qm[r]));
-            any |= est >= thr[r];
-          }
+          if (r < rows) any |= SaleEstimatePasses(g.scale, qs[r], ks, acc[e], qm[r], thr[r]);
         }
         hit = __any_sync(0xffffffffu, any);
       }
