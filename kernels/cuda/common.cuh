@@ -91,6 +91,10 @@ cudaError_t ByDtype(DType t, Body&& body) {
   return cudaGetLastError();
 }
 
+// Whether a device pointer is off the 16-byte alignment the kernels' vector loads and cp.async
+// copies need (launchers refuse such operands with cudaErrorInvalidValue).
+inline bool Misaligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) != 0; }
+
 // Checks what every decode launcher relies on; cudaSuccess if the shape is supported.
 // accepts_paged: which of K and V the launcher can read from pages (DecodeShape::k_pages /
 // v_pages); paged rows given to a launcher that cannot read them are cudaErrorInvalidValue.
@@ -117,8 +121,7 @@ inline cudaError_t ValidateShape(const DecodeShape& s, bool k_paged_ok = false,
       s.seq_lens == nullptr) {
     return cudaErrorInvalidValue;
   }
-  auto misaligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) != 0; };
-  if (misaligned(s.q) || misaligned(s.k) || misaligned(s.v) || misaligned(s.out)) {
+  if (Misaligned16(s.q) || Misaligned16(s.k) || Misaligned16(s.v) || Misaligned16(s.out)) {
     return cudaErrorInvalidValue;
   }
   if (s.kv.batch_stride % 8 != 0 || s.kv.head_stride % 8 != 0 || s.kv.token_stride % 8 != 0) {

@@ -1056,7 +1056,8 @@ cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t worksp
   const SalePrefill& pr = p.prompt;
   if (!SaleSupports(p.blocks, pr.head_dim) || !PromptOk(pr)) return cudaErrorInvalidValue;
   if (pr.tokens == 0) return cudaSuccess;
-  if (pr.q == nullptr || pr.k == nullptr || p.tau == nullptr || p.mask == nullptr) {
+  if (pr.q == nullptr || pr.k == nullptr || p.tau == nullptr || p.mask == nullptr ||
+      Misaligned16(pr.q) || Misaligned16(pr.k)) {
     return cudaErrorInvalidValue;
   }
   const Operands ops = Carve(p, workspace);
@@ -1127,7 +1128,8 @@ cudaError_t SaleAttend(const SaleAttendParams& p, cudaStream_t stream) {
   }
   if (pr.tokens == 0) return cudaSuccess;
   if (pr.q == nullptr || pr.k == nullptr || pr.v == nullptr || pr.out == nullptr ||
-      p.mask == nullptr) {
+      p.mask == nullptr || Misaligned16(pr.q) || Misaligned16(pr.k) || Misaligned16(pr.v) ||
+      Misaligned16(pr.out)) {
     return cudaErrorInvalidValue;
   }
   AttendGeometry g;

@@ -48,7 +48,8 @@ struct SaleSelectParams {
 };
 
 size_t SaleSelectWorkspaceBytes(const SaleSelectParams& p);
-// cudaErrorInvalidValue for a shape or geometry it does not take (SaleSupports).
+// cudaErrorInvalidValue for a shape or geometry it does not take (SaleSupports) or q / k off
+// 16-byte alignment.
 cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t workspace_bytes,
                        cudaStream_t stream);
 // Whether SaleSelect takes this geometry and head dim (the reference takes more).
@@ -69,7 +70,8 @@ struct SaleAttendParams {
 };
 
 bool SaleAttendSupports(const SaleParams& blocks, int32_t head_dim, DType dtype);
-// cudaErrorInvalidValue for what SaleAttendSupports refuses.
+// cudaErrorInvalidValue for what SaleAttendSupports refuses or q / k / v / out off 16-byte
+// alignment.
 cudaError_t SaleAttend(const SaleAttendParams& p, cudaStream_t stream);
 
 }  // namespace kvsparse::kernels::cuda

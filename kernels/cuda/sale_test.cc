@@ -336,6 +336,22 @@ TEST(SaleCudaTest, RefusesWhatItDoesNotTake) {
   EXPECT_EQ(cuda::SaleAttend(ap, nullptr), cudaErrorInvalidValue);
   EXPECT_FALSE(SaleAttendSupports(ap.blocks, 96, DType::kBf16));
   EXPECT_FALSE(SaleAttendSupports(ap.blocks, 128, DType::kFp32));
+  // Operands off 16-byte alignment (the kernels' vector loads and cp.async need it): refused
+  // before anything is read (the pointers are never dereferenced).
+  alignas(16) static char base[64];
+  float tau = 0.01f;
+  uint8_t mask_byte = 0;
+  sp.prompt.q = base + 8;
+  sp.prompt.k = base;
+  sp.tau = &tau;
+  sp.mask = &mask_byte;
+  EXPECT_EQ(SaleSelect(sp, base, size_t{1} << 30, nullptr), cudaErrorInvalidValue);
+  ap.prompt = sp.prompt;
+  ap.prompt.head_dim = 64;
+  ap.prompt.v = base;
+  ap.prompt.out = base;
+  ap.mask = &mask_byte;
+  EXPECT_EQ(cuda::SaleAttend(ap, nullptr), cudaErrorInvalidValue);
 }
 
 }  // namespace
