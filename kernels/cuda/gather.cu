@@ -67,7 +67,7 @@ cudaError_t GatherRows(const GatherRowsParams& p, cudaStream_t stream) {
   if (p.num_rows == 0 || p.row_bytes == 0) return cudaSuccess;
   if (p.src == nullptr || p.dst == nullptr || p.rows == nullptr) return cudaErrorInvalidValue;
   const auto addr = [](const void* x) { return reinterpret_cast<uintptr_t>(x); };
-  const bool vec16 = p.row_bytes % 16 == 0 && addr(p.src) % 16 == 0 && addr(p.dst) % 16 == 0 &&
+  const bool vec16 = p.row_bytes % 16 == 0 && !Misaligned16(p.src) && !Misaligned16(p.dst) &&
                      p.src_row_stride % 16 == 0 && p.dst_row_stride % 16 == 0;
   if (!vec16 && (addr(p.src) % 4 != 0 || addr(p.dst) % 4 != 0 || p.src_row_stride % 4 != 0 ||
                  p.dst_row_stride % 4 != 0)) {
@@ -90,8 +90,7 @@ cudaError_t GatherRows(const GatherRowsParams& p, cudaStream_t stream) {
 cudaError_t GatherRowPtrs(const GatherRowPtrsParams& p, cudaStream_t stream) {
   if (p.num_rows < 0 || p.row_bytes < 0 || p.row_bytes % 16 != 0) return cudaErrorInvalidValue;
   if (p.num_rows == 0 || p.row_bytes == 0) return cudaSuccess;
-  if (p.rows == nullptr || p.dst == nullptr || reinterpret_cast<uintptr_t>(p.dst) % 16 != 0 ||
-      p.dst_row_stride % 16 != 0) {
+  if (p.rows == nullptr || p.dst == nullptr || Misaligned16(p.dst) || p.dst_row_stride % 16 != 0) {
     return cudaErrorInvalidValue;
   }
   const int chunks = p.row_bytes / 16;

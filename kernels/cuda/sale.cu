@@ -133,7 +133,7 @@ __global__ void QuantizeKeysKernel(const void* k, const float* mean, int32_t n, 
 // kQuantWarps)), H), block 32 kQuantWarps, QuantizeQueriesSmem bytes of shared memory.
 constexpr int kQuantWarps = 4;
 
-int QuantRowWords(int32_t d, DType dtype) { return d * (dtype == DType::kFp32 ? 4 : 2) / 4 + 1; }
+int QuantRowWords(int32_t d, DType dtype) { return d * static_cast<int>(DTypeSize(dtype)) / 4 + 1; }
 size_t QuantizeQueriesSmem(int32_t d, DType dtype) {
   return static_cast<size_t>(kQuantWarps) * 32 * QuantRowWords(d, dtype) * sizeof(uint32_t);
 }
@@ -143,7 +143,7 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
     QuantizeQueriesKernel(const void* q, const float* mean, int32_t n, int32_t d, int32_t group,
                           int8_t* qq, float* q_scale, float* q_mean) {
   extern __shared__ __align__(16) uint32_t rows_smem[];
-  constexpr int kElemBytes = std::is_same_v<T, float> ? 4 : 2;
+  constexpr int kElemBytes = sizeof(T);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int row_words = d * kElemBytes / 4, stride = row_words + 1;
   uint32_t* buf = rows_smem + warp * 32 * stride;
