@@ -134,28 +134,30 @@ KVSPARSE_HD bool SaleEstimatePasses(float scale, float q_scale, float k_scale, i
 #endif
 }
 
-// A screen for SaleEstimatePasses that a kernel evaluates in three instructions a row: a row
-// that passes there passes here (kernels/sale_test.cc checks it at and around the threshold). It
-// evaluates the same real quantity with three roundings in another order, fma(s_k sq, m, sm)
-// with sq = scale s_q and sm = scale q . mean, so the two differ by a few ulps of the largest
-// term; where the row passes, that term is at most about |threshold| + |sm| (or the row passes
-// by far), and the screen's threshold is lowered by 2^-16 of that sum, far more than the
-// difference. A threshold of +inf (a row past the prompt) never passes.
+// A screen for SaleEstimatePasses that a kernel evaluates in three instructions a row from two
+// registers: a row that passes there passes here (kernels/sale_test.cc checks it at and around
+// the threshold). It evaluates the same real quantity with other roundings in another order,
+// fma(s_k sq, m, c) >= 0 with sq = scale s_q and c = scale q . mean - lo, lo the threshold lowered
+// by 2^-16 of |threshold| + |scale q . mean|; the two evaluations differ by a few ulps of their
+// largest term, and where the row passes that term is at most about |threshold| + |scale
+// q . mean| (or the row passes by far), far less than the lowering. A threshold of +inf (a row
+// past the prompt) never passes, one of -inf (tau 0) always does.
 struct SaleScreen {
-  float sq, sm, lo;
+  float sq, c;
 };
 
 KVSPARSE_HD SaleScreen MakeSaleScreen(float scale, float q_scale, float q_mean, float threshold) {
   SaleScreen s;
   s.sq = scale * q_scale;
-  s.sm = scale * q_mean;
-  s.lo =
-      threshold == INFINITY ? threshold : threshold - 0x1p-16f * (fabsf(threshold) + fabsf(s.sm));
+  const float sm = scale * q_mean;
+  const float lo =
+      threshold == INFINITY ? threshold : threshold - 0x1p-16f * (fabsf(threshold) + fabsf(sm));
+  s.c = sm - lo;
   return s;
 }
 
 KVSPARSE_HD bool SaleScreenMayPass(const SaleScreen& s, float k_scale, int32_t m) {
-  return fmaf(k_scale * s.sq, static_cast<float>(m), s.sm) >= s.lo;
+  return fmaf(k_scale * s.sq, static_cast<float>(m), s.c) >= 0.f;
 }
 
 }  // namespace kvsparse::kernels

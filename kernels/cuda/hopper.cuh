@@ -2,7 +2,8 @@
 // sm_90a define KVSPARSE_CUDA_SM90A and compile the bodies, other builds never launch a kernel
 // that calls these): shared-memory barriers (mbarrier) with transaction counts, bulk copies from
 // global to shared memory that complete on such a barrier, and the int8 warpgroup MMA
-// (wgmma.m64n32k32) with A in registers and B in shared memory in the 128-byte swizzle.
+// (wgmma.m64n32k32 and m64n64k32) with A in registers and B in shared memory in the 128-byte
+// swizzle.
 #pragma once
 
 #include <cstdint>
@@ -97,6 +98,55 @@ __device__ __forceinline__ void WgmmaS8(int (&d)[16], const uint32_t (&a)[4], ui
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
 #elif defined(KVSPARSE_CUDA_SM90A) && defined(__CUDA_ARCH__)
   __trap();  // device code for an arch without warpgroup MMA: never a silent no-op
+#endif
+}
+// The same over 64 keys (b [64 x 32], two 32-key blocks one after the other in the swizzle):
+// d [64 x 64], the first 32 columns in d[0..15] as WgmmaS8's d, the next 32 in d[16..31].
+__device__ __forceinline__ void WgmmaS8N64(int (&d)[32], const uint32_t (&a)[4], uint64_t desc,
+                                           int accumulate) {
+#if defined(KVSPARSE_CUDA_SM90A) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p;\n}\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
+        "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]),
+        "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]),
+        "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]),
+        "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(accumulate));
+#elif defined(KVSPARSE_CUDA_SM90A) && defined(__CUDA_ARCH__)
+  __trap();  // device code for an arch without warpgroup MMA: never a silent no-op
+#endif
+}
+// WgmmaS8N64 with A [64 x 32] from shared memory too (`desc_a`: 64 K-major rows of 128 bytes in
+// the 128-byte swizzle, as Swizzled128Desc; a k-step adds 2).
+__device__ __forceinline__ void WgmmaS8N64Shared(int (&d)[32], uint64_t desc_a, uint64_t desc_b,
+                                                 int accumulate) {
+#if defined(KVSPARSE_CUDA_SM90A) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.s32.s8.s8 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "%32, %33, p;\n}\n"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3]), "+r"(d[4]), "+r"(d[5]), "+r"(d[6]),
+        "+r"(d[7]), "+r"(d[8]), "+r"(d[9]), "+r"(d[10]), "+r"(d[11]), "+r"(d[12]), "+r"(d[13]),
+        "+r"(d[14]), "+r"(d[15]), "+r"(d[16]), "+r"(d[17]), "+r"(d[18]), "+r"(d[19]), "+r"(d[20]),
+        "+r"(d[21]), "+r"(d[22]), "+r"(d[23]), "+r"(d[24]), "+r"(d[25]), "+r"(d[26]), "+r"(d[27]),
+        "+r"(d[28]), "+r"(d[29]), "+r"(d[30]), "+r"(d[31])
+      : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+#elif defined(KVSPARSE_CUDA_SM90A) && defined(__CUDA_ARCH__)
+  __trap();  // device code for an arch without warpgroup MMA: never a silent no-op
+#endif
+}
+// Generic-proxy writes to shared memory made visible to the async proxy (wgmma's operand reads,
+// bulk copies) before a barrier.
+__device__ __forceinline__ void FenceProxyAsyncShared() {
+#if defined(KVSPARSE_CUDA_SM90A)
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
 // Before the first wgmma that reads registers other instructions wrote.

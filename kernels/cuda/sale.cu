@@ -184,7 +184,9 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
 struct SelectGeometry {
   int32_t n, d, group, bq, bk, sink_blocks, local_blocks, k_blocks, score_cap;
   float scale;
-  bool middle_apart;  // SelectKernel writes the thresholds; MiddleKernel estimates the middle
+  // SelectKernel (fp32) or ThresholdsKernel (bf16 / fp16) writes the thresholds; MiddleKernel
+  // or MiddleKernelWg estimates the middle blocks.
+  bool middle_apart;
 };
 
 // The key blocks of query block i that the exact regions cover: [0, sink_end) and
@@ -256,6 +258,61 @@ size_t ExactStageBytes(const SelectGeometry& g) {
   return 2 * static_cast<size_t>(g.bk) * (g.d + 8) * sizeof(uint16_t);
 }
 
+// The running maximum and sum (fp32, natural units) of a warp's two rows of a 16-row tile: rows
+// ra and rb = ra + 8 of the thread (lane / 4 and + 8), reduced over the lane quad's keys.
+struct ExactRows {
+  float ma = kNegInf, mb = kNegInf, la = 0.f, lb = 0.f;
+};
+
+// Folds one key block's raw scores into `st`: acc[t] is 8-key tile t's m16n8 accumulator (the
+// thread's keys key0 + t * tile_stride + 2 (lane % 4) (+1) of rows row_a and row_b), the first
+// `tiles` of them in the block; each score scaled, masked past the row (causal) and the prompt.
+__device__ __forceinline__ void FoldExactTiles(const SelectGeometry& g,
+                                               float (&acc)[kExactTiles][4], int tiles,
+                                               int32_t key0, int tile_stride, int32_t row_a,
+                                               int32_t row_b, ExactRows& st) {
+  const int tq = threadIdx.x & 3;
+  float ta = kNegInf, tb = kNegInf;
+#pragma unroll
+  for (int t = 0; t < kExactTiles; ++t) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int32_t c = key0 + t * tile_stride + 2 * tq + (e & 1);
+      const int32_t r = e < 2 ? row_a : row_b;
+      acc[t][e] = t < tiles && c <= r && c < g.n ? __fmul_rn(g.scale, acc[t][e]) : kNegInf;
+    }
+    ta = fmaxf(ta, fmaxf(acc[t][0], acc[t][1]));
+    tb = fmaxf(tb, fmaxf(acc[t][2], acc[t][3]));
+  }
+#pragma unroll
+  for (int off = 1; off <= 2; off *= 2) {
+    ta = fmaxf(ta, __shfl_xor_sync(0xffffffffu, ta, off));
+    tb = fmaxf(tb, __shfl_xor_sync(0xffffffffu, tb, off));
+  }
+  const float na = fmaxf(st.ma, ta), nb = fmaxf(st.mb, tb);
+  if (na != kNegInf) {
+    st.la *= expf(st.ma - na);
+#pragma unroll
+    for (int t = 0; t < kExactTiles; ++t) st.la += expf(acc[t][0] - na) + expf(acc[t][1] - na);
+    st.ma = na;
+  }
+  if (nb != kNegInf) {
+    st.lb *= expf(st.mb - nb);
+#pragma unroll
+    for (int t = 0; t < kExactTiles; ++t) st.lb += expf(acc[t][2] - nb) + expf(acc[t][3] - nb);
+    st.mb = nb;
+  }
+}
+
+// The sums of `st` over the lane quad (each lane summed its own keys).
+__device__ __forceinline__ void SumExactRows(ExactRows& st) {
+#pragma unroll
+  for (int off = 1; off <= 2; off *= 2) {
+    st.la += __shfl_xor_sync(0xffffffffu, st.la, off);
+    st.lb += __shfl_xor_sync(0xffffffffu, st.lb, off);
+  }
+}
+
 template <typename T>
 __device__ void ExactPartialsMma(const SelectGeometry& g, const Regions& rg, const void* k, int j,
                                  int32_t r0, int rows, const uint16_t* qb, int qb_stride,
@@ -280,7 +337,7 @@ __device__ void ExactPartialsMma(const SelectGeometry& g, const Regions& rg, con
       CpAsync16(dst + r * kstride + c, kh + static_cast<int64_t>(in ? c0 + r : 0) * g.d + c, in);
     }
   };
-  float ma = kNegInf, mb = kNegInf, la = 0.f, lb = 0.f;
+  ExactRows st;
   if (nx > 0) stage(0);
   CpAsyncCommit();
   for (int32_t x = 0; x < nx; ++x) {
@@ -315,55 +372,22 @@ __device__ void ExactPartialsMma(const SelectGeometry& g, const Regions& rg, con
           }
         }
       }
-      float ta = kNegInf, tb = kNegInf;
-#pragma unroll
-      for (int t = 0; t < kExactTiles; ++t) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int32_t c = c_blk + (2 * t + parity) * 8 + 2 * tq + (e & 1);
-          const int32_t r = r0 + (e < 2 ? ra : rb);
-          acc[t][e] = t < tiles && c <= r && c < g.n ? __fmul_rn(g.scale, acc[t][e]) : kNegInf;
-        }
-        ta = fmaxf(ta, fmaxf(acc[t][0], acc[t][1]));
-        tb = fmaxf(tb, fmaxf(acc[t][2], acc[t][3]));
-      }
-#pragma unroll
-      for (int off = 1; off <= 2; off *= 2) {
-        ta = fmaxf(ta, __shfl_xor_sync(0xffffffffu, ta, off));
-        tb = fmaxf(tb, __shfl_xor_sync(0xffffffffu, tb, off));
-      }
-      const float na = fmaxf(ma, ta), nb = fmaxf(mb, tb);
-      if (na != kNegInf) {
-        la *= expf(ma - na);
-#pragma unroll
-        for (int t = 0; t < kExactTiles; ++t) la += expf(acc[t][0] - na) + expf(acc[t][1] - na);
-        ma = na;
-      }
-      if (nb != kNegInf) {
-        lb *= expf(mb - nb);
-#pragma unroll
-        for (int t = 0; t < kExactTiles; ++t) lb += expf(acc[t][2] - nb) + expf(acc[t][3] - nb);
-        mb = nb;
-      }
+      FoldExactTiles(g, acc, tiles, c_blk + parity * 8, 16, r0 + ra, r0 + rb, st);
     }
     __syncthreads();  // every warp is done with block x's buffer before block x + 2 refills it
   }
   if (!active) return;
-#pragma unroll
-  for (int off = 1; off <= 2; off *= 2) {
-    la += __shfl_xor_sync(0xffffffffu, la, off);
-    lb += __shfl_xor_sync(0xffffffffu, lb, off);
-  }
+  SumExactRows(st);
   if (tq == 0) {
-    pm[parity * kMaxBlock + ra] = ma;
-    pl[parity * kMaxBlock + ra] = la;
-    pm[parity * kMaxBlock + rb] = mb;
-    pl[parity * kMaxBlock + rb] = lb;
+    pm[parity * kMaxBlock + ra] = st.ma;
+    pl[parity * kMaxBlock + ra] = st.la;
+    pm[parity * kMaxBlock + rb] = st.mb;
+    pl[parity * kMaxBlock + rb] = st.lb;
   }
 }
 
 // The middle blocks for the paper's geometry (head_dim 64 or 128, block_k 32), a kernel of
-// their own after SelectKernel has written every row's threshold: one CTA per (query blocks x
+// their own after every row's threshold is written: one CTA per (query blocks x
 // query heads of one kv head), 8 (head, block) pairs (MiddleTile: GQA groups of 4 take 4 heads
 // x 2 query blocks), warp w estimating pair w. Each middle key block's int8 keys are staged
 // once in shared memory for the eight warps (cp.async, kMidStages deep), so the keys are read
@@ -531,43 +555,68 @@ __global__ void __launch_bounds__(kSelectThreads, KS == 4 ? 2 : 1)
 #if defined(KVSPARSE_CUDA_SM90A)
 // ---- The middle blocks on Hopper's warpgroup MMA (sm_90a builds, head_dim 128, block_k 32) ----
 // The same CTA tiles as MiddleKernel (8 (head, query block) pairs of one kv head, the key blocks
-// [lo, hi) walked once) with the loads apart from the arithmetic: thread 0 copies each key
-// block (32 keys of 128 bytes, 4 KB, which QuantizeKeysKernel stores already in the 128-byte
-// swizzle) into a ring of kWgStages buffers with one bulk copy that completes on the buffer's
-// "full" barrier; four warpgroups (two pairs each) wait on it, run four wgmma.m64n32k32 per pair
-// (A: the pair's 64 int8 query rows in registers), release the buffer on its "empty" barrier and
-// test each row's largest sum, first by a three-instruction screen, exactly only where the
-// screen lets a row through. No CTA-wide barrier per block: the warpgroups drift apart by up to
-// a few blocks, one's tests running while another's MMAs do. Measured on an H100 at 64k
-// (docs/PERF.md, "SALE's selection on Hopper's warpgroup MMA"): this order (the producer's copy
-// at the top of a step, both pairs in one batch, the tests after the release) beat loading each
-// block's key scale a step ahead, the producer two steps behind instead of one, and testing
-// pair 0 while pair 1's MMAs run (each 1.3-2.2 ms slower).
+// [lo, hi) walked once) with the loads apart from the arithmetic, two key blocks a step: thread
+// 0 copies each pair of key blocks (64 keys of 128 bytes, 8 KB, which QuantizeKeysKernel stores
+// already in the 128-byte swizzle) into a ring of kWgStages buffers with one bulk copy that
+// completes on the buffer's "full" barrier; four warpgroups (two (head, query block) pairs each)
+// wait on it, run four wgmma.m64n64k32 per pair (A: the first pair's 64 int8 query rows in
+// registers, the second's in shared memory, so that both pairs' two-block sums fit in 128
+// registers without spilling), release the buffer on its "empty" barrier and test each row's
+// largest sum in each of the two blocks, first by a three-instruction screen, exactly only where
+// the screen lets a row through. No CTA-wide barrier per step: the warpgroups drift apart by up
+// to a few steps, one's tests running while another's MMAs do. Measured on an H200 at 64k
+// (docs/PERF.md, "SALE on an H200: two key blocks a step, thresholds per kv head"): 14.2 ms
+// against 16.4 for one block a step (m64n32k32: a barrier wait, an MMA wait and a release per
+// block), the same as both pairs' A in registers with 80 bytes spilled; a ring of 16 or 32
+// single blocks, the refill 4 or 8 steps behind, one vote per step for both pairs, or the screens
+// in shared memory were each no faster or slower.
 constexpr int kWgConsumers = 4;  // warpgroups (measured best of 2, 4 and 8 for the 8 pairs)
 constexpr int kWgPairs = kSelectWarps / kWgConsumers;  // pairs per warpgroup
 constexpr int kWgThreads = kWgConsumers * 128;
-constexpr int kWgStages = 8;                              // key blocks in flight
+constexpr int kWgStages = 8;                              // steps (block pairs) in flight
 constexpr int kWgKeyBytes = 128;                          // head_dim 128, int8
 constexpr int kWgBlockBytes = 8 * kFastKt * kWgKeyBytes;  // one 32-key block
+constexpr int kWgStepBytes = 2 * kWgBlockBytes;           // the two blocks of a step
+constexpr int kWgTileBytes = 64 * kWgKeyBytes;            // a pair's 64 int8 query rows
+constexpr int kWgAlign = 1024;                            // the 128-byte swizzle's atom
+constexpr size_t kMiddleWgSmem =
+    kWgStages * kWgStepBytes + kWgConsumers * kWgTileBytes + kWgAlign;  // dynamic, MiddleKernelWg
 
-// One pair as a consumer thread holds it: the A fragments of its rows 16 (warp % 4) + lane / 4
-// and + 8; in shared memory (vals: [3][16], the warp's own) its warp's 16 rows' thresholds,
-// query scales and mean terms (rows past the prompt never pass); its two rows' screens
-// (kernels/sale.h's SaleScreen); its steps [xb, xe) of the CTA's walk and its mask row at block
-// lo.
+// One pair as a consumer thread holds it through the walk: the A fragments of its rows
+// 16 (warp % 4) + lane / 4 and + 8 (or none: its rows in shared memory), their screens
+// (kernels/sale.h's SaleScreen) and its steps [xb, xe) of the CTA's walk (in blocks). Its warp's 16
+// rows' thresholds, query scales and mean terms stay in shared memory (`vals`, [3][16]: the warp's
+// own for the pair) and its mask row is found again (WgPairMaskRow): only the rare exact test needs
+// them, and registers are what bounds this kernel (two blocks' sums of two pairs take 64 of its
+// 128).
 struct WgPairRows {
   uint32_t qa[kFastKs][4];
   SaleScreen screen[2];
-  const float* vals;
   int32_t xb, xe;
-  uint8_t* out;
 };
 
+// The query head of the CTA's pair p (p = kWgPairs (warp / 4) + the warpgroup's pair; its query
+// block is i0 + p / head_tile).
+__device__ __forceinline__ int WgPairHead(const MiddleTile& mt, int p) {
+  return blockIdx.y * mt.head_tile + p % mt.head_tile;
+}
+
+// Its mask row at block lo (a live pair's: one whose query block is in the prompt).
+__device__ __forceinline__ uint8_t* WgPairMaskRow(const SelectGeometry& g, const MiddleTile& mt,
+                                                  uint8_t* mask, int p, int32_t i0, int32_t lo) {
+  const int32_t i = i0 + p / mt.head_tile;
+  return mask + (static_cast<int64_t>(WgPairHead(mt, p)) * mt.q_blocks + i) * g.k_blocks + lo;
+}
+
+// Rows past the prompt never pass (threshold +inf, zero queries). With a_tile, the pair's 64
+// int8 query rows go there instead of into w.qa (the warpgroup's tile, 8 KB, 1024-aligned: the
+// 128-byte swizzle, as wgmma reads A from shared memory; the caller fences and syncs).
 __device__ __forceinline__ void LoadWgPair(const SelectGeometry& g, const MiddleTile& mt,
-                                           const Operands& ops, uint8_t* mask, int p, int32_t i0,
-                                           int32_t lo, int32_t count, float* vals, WgPairRows& w) {
+                                           const Operands& ops, int p, int32_t i0, int32_t lo,
+                                           int32_t count, float* vals, int8_t* a_tile,
+                                           WgPairRows& w) {
   const int lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3, wq = (threadIdx.x >> 5) & 3;
-  const int h = blockIdx.y * mt.head_tile + p % mt.head_tile;
+  const int h = WgPairHead(mt, p);
   const int32_t i = i0 + p / mt.head_tile;
   const bool live = i < mt.q_blocks;
   const Regions rg = RegionsOf(g, live ? i : i0);
@@ -576,15 +625,25 @@ __device__ __forceinline__ void LoadWgPair(const SelectGeometry& g, const Middle
   const int32_t r0 = (live ? i : 0) * g.bq;
   const int rows = live ? min(g.n, r0 + g.bq) - r0 : 0;
   const int64_t base = static_cast<int64_t>(h) * g.n + r0;
+  if (a_tile != nullptr) {
+    const int4* rows16 = reinterpret_cast<const int4*>(ops.q + base * kWgKeyBytes);
 #pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int r = 16 * wq + gr + 8 * hf;
-    const bool ok = r < rows;
-    const int* words = reinterpret_cast<const int*>(ops.q + (base + (ok ? r : 0)) * g.d);
+    for (int e = 0; e < 4; ++e) {  // the warp's 16 rows, 16-byte chunk lane % 8 of each
+      const int r = 16 * wq + 4 * e + (lane >> 3), c = lane & 7;
+      *reinterpret_cast<int4*>(a_tile + r * kWgKeyBytes + ((c ^ (r & 7)) << 4)) =
+          r < rows ? rows16[r * (kWgKeyBytes / 16) + c] : make_int4(0, 0, 0, 0);
+    }
+  } else {
 #pragma unroll
-    for (int x = 0; x < kFastKs; ++x) {
-      w.qa[x][hf] = ok ? words[8 * x + tq] : 0;
-      w.qa[x][2 + hf] = ok ? words[8 * x + 4 + tq] : 0;
+    for (int hf = 0; hf < 2; ++hf) {
+      const int r = 16 * wq + gr + 8 * hf;
+      const bool ok = r < rows;
+      const int* words = reinterpret_cast<const int*>(ops.q + (base + (ok ? r : 0)) * g.d);
+#pragma unroll
+      for (int x = 0; x < kFastKs; ++x) {
+        w.qa[x][hf] = ok ? words[8 * x + tq] : 0;
+        w.qa[x][2 + hf] = ok ? words[8 * x + 4 + tq] : 0;
+      }
     }
   }
   if (lane < 16) {
@@ -595,19 +654,17 @@ __device__ __forceinline__ void LoadWgPair(const SelectGeometry& g, const Middle
     vals[32 + lane] = ok ? ops.q_mean[base + r] : 0.f;
   }
   __syncwarp();
-  w.vals = vals;
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int r = gr + 8 * hf;
     w.screen[hf] = MakeSaleScreen(g.scale, vals[16 + r], vals[32 + r], vals[r]);
   }
-  w.out = mask + (static_cast<int64_t>(h) * mt.q_blocks + (live ? i : 0)) * g.k_blocks + lo;
 }
 
-// The thread's two rows' largest sums of the block (d: the pair's sums, the thread's columns
-// 8 i + 2 (lane % 4) (+1) of rows lane / 4 and + 8), by three-way maxima (one instruction each
-// on Hopper).
-__device__ __forceinline__ void WgRowMaxima(const int (&d)[16], int (&m)[2]) {
+// The thread's two rows' largest sums of one block (d: the pair's sums over the block, the
+// thread's columns 8 i + 2 (lane % 4) (+1) of rows lane / 4 and + 8), by three-way maxima (one
+// instruction each on Hopper).
+__device__ __forceinline__ void WgRowMaxima(const int* d, int (&m)[2]) {
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int* e = d + 2 * hf;
@@ -622,31 +679,38 @@ __device__ __forceinline__ bool WgRowsMayPass(const int (&m)[2], const WgPairRow
   return SaleScreenMayPass(w.screen[0], ks, m[0]) | SaleScreenMayPass(w.screen[1], ks, m[1]);
 }
 
-// Whether any of the thread's two rows passes at its largest sum m of the block: the general
-// loop's arithmetic, so the mask is the reference's.
+// Whether any of the thread's two rows passes at its largest sum m of the block (vals: the
+// pair's, as LoadWgPair wrote them): the general loop's arithmetic, so the mask is the
+// reference's.
 __device__ __forceinline__ bool WgRowsPass(const SelectGeometry& g, const int (&m)[2],
-                                           const WgPairRows& w, float ks) {
+                                           const float* vals, float ks) {
   bool any = false;
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
     const int r = ((threadIdx.x & 31) >> 2) + 8 * hf;
-    any |= SaleEstimatePasses(g.scale, w.vals[16 + r], ks, m[hf], w.vals[32 + r], w.vals[r]);
+    any |= SaleEstimatePasses(g.scale, vals[16 + r], ks, m[hf], vals[32 + r], vals[r]);
   }
   return any;
 }
 
 __global__ void __launch_bounds__(kWgThreads, 1)
     MiddleKernelWg(SelectGeometry g, MiddleTile mt, Operands ops, uint8_t* mask) {
-  __shared__ __align__(1024) int8_t stage[kWgStages][kWgBlockBytes];
+  // Dynamic shared memory (MiddleWgSmem): the ring of key blocks, then each warpgroup's query
+  // tile, both 1024-aligned (the swizzle's atom).
+  extern __shared__ __align__(16) int8_t wg_smem[];
+  int8_t* ring = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(wg_smem) + kWgAlign - 1) &
+                                           ~uintptr_t{kWgAlign - 1});
+  auto stage = [&](int s) { return ring + s * kWgStepBytes; };
+  int8_t* qtile = ring + kWgStages * kWgStepBytes + (threadIdx.x >> 7) * kWgTileBytes;
   __shared__ uint64_t full[kWgStages], empty[kWgStages];
-  __shared__ float row_vals[kWgConsumers * 4][kWgPairs][3 * 16];
+  __shared__ float row_vals[kWgConsumers * 4][kWgPairs][3 * 16];  // each warp's, each pair's vals
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int q_tile = kSelectWarps / mt.head_tile;
   const int32_t i0 = (gridDim.x - 1 - blockIdx.x) * q_tile;  // the longest rows first
   const int32_t lo = RegionsOf(g, i0).sink_end;
   const int32_t hi = RegionsOf(g, min(mt.q_blocks - 1, i0 + q_tile - 1)).local_first;
   if (lo >= hi) return;  // uniform: no middle block
-  const int32_t count = hi - lo;
+  const int32_t count = hi - lo, steps = (count + 1) / 2;
   const int j = (blockIdx.y * mt.head_tile) / g.group;
   if (threadIdx.x == 0) {
     for (int s = 0; s < kWgStages; ++s) {
@@ -656,51 +720,69 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     BarrierInitFence();
   }
   __syncthreads();
-  // The producer, thread 0: the first kWgStages blocks now, the others in the walk below.
+  // The producer, thread 0: step y's blocks 2y and 2y + 1 (the second only inside the walk: past
+  // it the buffer's second half keeps stale keys, whose sums are never tested). The first
+  // kWgStages steps now, the others in the walk below.
   const int8_t* src = ops.k + (static_cast<int64_t>(j) * g.n + lo * 8 * kFastKt) * kWgKeyBytes;
-  auto produce = [&](int32_t x) {
-    const int s = x % kWgStages;
-    if (x >= kWgStages) BarrierWait(&empty[s], (x / kWgStages - 1) & 1);
-    BarrierArriveExpectTx(&full[s], kWgBlockBytes);
-    BulkCopyToShared(stage[s], src + static_cast<int64_t>(x) * kWgBlockBytes, kWgBlockBytes,
-                     &full[s]);
+  auto produce = [&](int32_t y) {
+    const int s = y % kWgStages;
+    if (y >= kWgStages) BarrierWait(&empty[s], (y / kWgStages - 1) & 1);
+    const uint32_t bytes = 2 * y + 1 < count ? kWgStepBytes : kWgBlockBytes;
+    BarrierArriveExpectTx(&full[s], bytes);
+    BulkCopyToShared(stage(s), src + static_cast<int64_t>(y) * kWgStepBytes, bytes, &full[s]);
   };
   if (threadIdx.x == 0) {
-    for (int32_t x = 0; x < min(count, kWgStages); ++x) produce(x);
+    for (int32_t y = 0; y < min(steps, kWgStages); ++y) produce(y);
   }
+  // Each warpgroup's last pair keeps its A in shared memory (qtile) instead of registers: the
+  // registers this frees keep both pairs' two-block sums out of local memory.
   WgPairRows w[kWgPairs];
 #pragma unroll
   for (int pp = 0; pp < kWgPairs; ++pp) {
-    LoadWgPair(g, mt, ops, mask, kWgPairs * (warp >> 2) + pp, i0, lo, count, row_vals[warp][pp],
-               w[pp]);
+    LoadWgPair(g, mt, ops, kWgPairs * (warp >> 2) + pp, i0, lo, count, row_vals[warp][pp],
+               pp + 1 < kWgPairs ? nullptr : qtile, w[pp]);
   }
+  FenceProxyAsyncShared();  // the last pairs' query tiles, for wgmma's reads
+  __syncthreads();
   const float* kscale = ops.k_scale + static_cast<int64_t>(j) * g.k_blocks + lo;
-  int d[kWgPairs][16] = {};
-  const uint64_t desc0 = Swizzled128Desc(stage[0]);
-  for (int32_t x = 0; x < count; ++x) {
-    // Block x - 1 + kWgStages into block x - 1's buffer, once every warp has released it.
-    if (threadIdx.x == 0 && x >= 1 && x - 1 + kWgStages < count) produce(x - 1 + kWgStages);
-    const int s = x % kWgStages;
-    const float ks = kscale[x];
-    BarrierWait(&full[s], (x / kWgStages) & 1);
-    const uint64_t desc = desc0 + s * (kWgBlockBytes >> 4);
+  int d[kWgPairs][32];  // the pair's sums: the step's first block in d[0..15], its second after
+  const uint64_t desc0 = Swizzled128Desc(stage(0));
+  const uint64_t qdesc = Swizzled128Desc(qtile);
+  for (int32_t y = 0; y < steps; ++y) {
+    // Step y - 1 + kWgStages into step y - 1's buffer, once every warp has released it.
+    if (threadIdx.x == 0 && y >= 1 && y - 1 + kWgStages < steps) produce(y - 1 + kWgStages);
+    const int32_t x = 2 * y;  // the step's first block
+    const int s = y % kWgStages;
+    const float ks[2] = {kscale[x], kscale[min(x + 1, count - 1)]};
+    BarrierWait(&full[s], (y / kWgStages) & 1);
+    const uint64_t desc = desc0 + s * (kWgStepBytes >> 4);
     WgmmaFence();
 #pragma unroll
     for (int pp = 0; pp < kWgPairs; ++pp) {
 #pragma unroll
-      for (int k = 0; k < kFastKs; ++k) WgmmaS8(d[pp], w[pp].qa[k], desc + 2 * k, k);
+      for (int k = 0; k < kFastKs; ++k) {
+        if (pp + 1 < kWgPairs) {
+          WgmmaS8N64(d[pp], w[pp].qa[k], desc + 2 * k, k);
+        } else {
+          WgmmaS8N64Shared(d[pp], qdesc + 2 * k, desc + 2 * k, k);
+        }
+      }
     }
     WgmmaCommitAndWaitAll();
     __syncwarp();
     if (lane == 0) BarrierArrive(&empty[s]);
 #pragma unroll
-    for (int pp = 0; pp < kWgPairs; ++pp) {
-      int m[2];
-      WgRowMaxima(d[pp], m);
-      const bool on = x >= w[pp].xb && x < w[pp].xe;                     // uniform over the warp
-      if (__any_sync(0xffffffffu, on && WgRowsMayPass(m, w[pp], ks))) {  // rarely
-        if (__any_sync(0xffffffffu, WgRowsPass(g, m, w[pp], ks)) && lane == 0) {
-          w[pp].out[x] = 1;
+    for (int b = 0; b < 2; ++b) {
+#pragma unroll
+      for (int pp = 0; pp < kWgPairs; ++pp) {
+        int m[2];
+        WgRowMaxima(d[pp] + 16 * b, m);
+        const bool on = x + b >= w[pp].xb && x + b < w[pp].xe;  // uniform over the warp
+        if (__any_sync(0xffffffffu, on && WgRowsMayPass(m, w[pp], ks[b]))) {  // rarely
+          const int p = kWgPairs * (warp >> 2) + pp;
+          if (__any_sync(0xffffffffu, WgRowsPass(g, m, row_vals[warp][pp], ks[b])) && lane == 0) {
+            WgPairMaskRow(g, mt, mask, p, i0, lo)[x + b] = 1;
+          }
         }
       }
     }
@@ -824,6 +906,116 @@ __global__ void __launch_bounds__(kSelectThreads)
     }
     if (hit && lane == 0) out[blk] = 1;
   }
+}
+
+// Step 1 for the paper's geometry (SelectGeometry::middle_apart) on bf16 / fp16 prompts, instead
+// of SelectKernel: the thresholds of kHeads query heads of one kv head per CTA, so each exact key
+// block is staged in shared memory once for all of them (cp.async, kThrStages deep, one CTA
+// barrier a block). Warp w scores head h0 + w / 4's row tile w % 4 (16 rows; A fragments in
+// registers, loaded once) against every 8-key tile of the block (mma.m16n8k16, B by ldmatrix),
+// an online max and sum per row in fp32 natural units (another order of sums than the
+// reference's sequential dots: a threshold may move by an ulp, as in ExactPartialsMma), then
+// writes the row's threshold m + ln(tau l) (in double, as the reference). Every middle block of
+// the rows' masks is written 0 (the middle kernel sets the taken ones), every exact one 1.
+// Measured on an H200 at 64k (docs/PERF.md): 1.33 ms with two heads a CTA, 1.44 with four (one
+// CTA a multiprocessor at 96 registers), 2.38 for SelectKernel's one head.
+constexpr int kThrStages = 3;
+constexpr int kThrHeads = 2;  // query heads a CTA where the GQA group is even
+
+size_t ThresholdsSmem(const SelectGeometry& g) {
+  return static_cast<size_t>(kThrStages) * g.bk * (g.d + 8) * sizeof(uint16_t);
+}
+
+template <typename T, int D, int kHeads>
+__global__ void __launch_bounds__(kHeads * 128)
+    ThresholdsKernel(SelectGeometry g, const void* q, const void* k, const float* tau, Operands ops,
+                     uint8_t* mask) {
+  extern __shared__ __align__(16) char smem[];
+  uint16_t* kb = reinterpret_cast<uint16_t*>(smem);  // [kThrStages][bk][D + 8]
+  constexpr int kStride = D + 8;
+  const int i = blockIdx.x, h0 = blockIdx.y * kHeads, j = h0 / g.group;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
+  const int h = h0 + warp / 4, rt = warp % 4;
+  const Regions rg = RegionsOf(g, i);
+  const int32_t r0 = i * g.bq, rows = min(g.n, r0 + g.bq) - r0;
+  for (int x = threadIdx.x; x < kHeads * g.k_blocks; x += blockDim.x) {
+    const int hh = x / g.k_blocks;
+    const int32_t blk = x - hh * g.k_blocks;
+    const bool exact = blk <= rg.last && (blk < rg.sink_end || blk >= rg.local_first);
+    mask[(static_cast<int64_t>(h0 + hh) * gridDim.x + i) * g.k_blocks + blk] = exact ? 1 : 0;
+  }
+  const bool active = rt * 16 < rows;  // a row tile past the prompt only stages
+  const int ra = rt * 16 + gr, rb = ra + 8;
+  const int32_t tile_last_row = r0 + rt * 16 + 15;
+  uint32_t a[D / 16][4];
+  {
+    const uint32_t* qa =
+        static_cast<const uint32_t*>(q) + ((static_cast<int64_t>(h) * g.n + r0) * D) / 2;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      a[kk][0] = ra < rows ? qa[ra * (D / 2) + 8 * kk + tq] : 0u;
+      a[kk][1] = rb < rows ? qa[rb * (D / 2) + 8 * kk + tq] : 0u;
+      a[kk][2] = ra < rows ? qa[ra * (D / 2) + 8 * kk + 4 + tq] : 0u;
+      a[kk][3] = rb < rows ? qa[rb * (D / 2) + 8 * kk + 4 + tq] : 0u;
+    }
+  }
+  const uint16_t* kh = static_cast<const uint16_t*>(k) + static_cast<int64_t>(j) * g.n * D;
+  const int32_t b_first = max(rg.local_first, rg.sink_end);
+  const int32_t nx = rg.sink_end + (rg.last + 1 - b_first);
+  auto block_of = [&](int32_t x) { return x < rg.sink_end ? x : b_first + (x - rg.sink_end); };
+  auto stage = [&](int32_t x) {
+    const int32_t c0 = block_of(x) * g.bk;
+    uint16_t* dst = kb + (x % kThrStages) * g.bk * kStride;
+    for (int e = threadIdx.x; e < g.bk * (D / 8); e += blockDim.x) {
+      const int r = e / (D / 8), c = (e % (D / 8)) * 8;
+      const bool in = c0 + r < g.n;
+      CpAsync16(dst + r * kStride + c, kh + static_cast<int64_t>(in ? c0 + r : 0) * D + c, in);
+    }
+  };
+  ExactRows st;
+#pragma unroll
+  for (int x = 0; x < kThrStages - 1; ++x) {
+    if (x < nx) stage(x);
+    CpAsyncCommit();
+  }
+  for (int32_t x = 0; x < nx; ++x) {
+    CpAsyncWait<kThrStages - 2>();
+    __syncthreads();  // block x staged; every warp is past block x - 1, whose buffer is refilled
+    if (x + kThrStages - 1 < nx) stage(x + kThrStages - 1);
+    CpAsyncCommit();
+    const int32_t c_blk = block_of(x) * g.bk;
+    if (!active || c_blk > tile_last_row) continue;
+    const uint16_t* kx = kb + (x % kThrStages) * g.bk * kStride;
+    float acc[kExactTiles][4] = {};
+#pragma unroll
+    for (int t = 0; t < kExactTiles; ++t) {
+      if (t < g.bk / 8) {
+#pragma unroll
+        for (int kk = 0; kk < D / 16; kk += 2) {
+          // lane l addresses key t * 8 + l % 8 at dims 16 kk + 8 (l / 8): b0 / b1 of k-steps kk
+          // and kk + 1.
+          uint32_t b[4];
+          LdMatrixX4(b[0], b[1], b[2], b[3],
+                     kx + (t * 8 + (lane & 7)) * kStride + 16 * kk + 8 * (lane >> 3));
+          Mma16816<T>(acc[t], a[kk][0], a[kk][1], a[kk][2], a[kk][3], b[0], b[1]);
+          Mma16816<T>(acc[t], a[kk + 1][0], a[kk + 1][1], a[kk + 1][2], a[kk + 1][3], b[2], b[3]);
+        }
+      }
+    }
+    // middle_apart: block_k 32, so the block's four 8-key tiles are kExactTiles.
+    FoldExactTiles(g, acc, g.bk / 8, c_blk, 8, r0 + ra, r0 + rb, st);
+  }
+  if (!active) return;
+  SumExactRows(st);
+  const float t = tau[h];
+  auto threshold = [&](float m, float l) {
+    return t > 0.f ? static_cast<float>(static_cast<double>(m) +
+                                        log(static_cast<double>(t) * static_cast<double>(l)))
+                   : kNegInf;
+  };
+  float* thr = ops.thr + static_cast<int64_t>(h) * g.n + r0;
+  if (tq == 0 && ra < rows) thr[ra] = threshold(st.ma, st.la);
+  if (tq == 0 && rb < rows) thr[rb] = threshold(st.mb, st.lb);
 }
 
 size_t SelectSmem(const SelectGeometry& g) {
@@ -1097,6 +1289,23 @@ cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t worksp
                                 dim3(32 * kQuantWarps), QuantizeQueriesSmem(d, pr.dtype), stream,
                                 pr.q, ops.mean, n, d, g.group, ops.q, ops.q_scale, ops.q_mean);
     if (select_err != cudaSuccess) return;
+    if constexpr (!std::is_same_v<T, float>) {
+      if (g.middle_apart) {  // ThresholdsKernel, kThrHeads query heads a CTA where the group allows
+        auto thresholds = [&](auto kernel, int heads) {
+          return LaunchWithSmem(kernel, dim3(mt.q_blocks, H / heads), dim3(heads * 128),
+                                ThresholdsSmem(g), stream, g, pr.q, pr.k, p.tau, ops, p.mask);
+        };
+        const bool two = mt.head_tile >= kThrHeads;
+        if (d == 128) {
+          select_err = two ? thresholds(&ThresholdsKernel<T, 128, kThrHeads>, kThrHeads)
+                           : thresholds(&ThresholdsKernel<T, 128, 1>, 1);
+        } else {
+          select_err = two ? thresholds(&ThresholdsKernel<T, 64, kThrHeads>, kThrHeads)
+                           : thresholds(&ThresholdsKernel<T, 64, 1>, 1);
+        }
+        return;
+      }
+    }
     select_err = LaunchWithSmem(&SelectKernel<T>, select_grid, dim3(kSelectThreads), SelectSmem(g),
                                 stream, g, pr.q, pr.k, p.tau, ops, p.mask);
   }));
@@ -1109,8 +1318,8 @@ cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t worksp
   };
 #if defined(KVSPARSE_CUDA_SM90A)
   if (wgmma_middle) {
-    MiddleKernelWg<<<middle_grid, kWgThreads, 0, stream>>>(g, mt, ops, p.mask);
-    return cudaGetLastError();
+    return LaunchWithSmem(&MiddleKernelWg, middle_grid, dim3(kWgThreads), kMiddleWgSmem, stream, g,
+                          mt, ops, p.mask);
   }
 #endif
   return d == 64 ? middle(&MiddleKernel<2>) : middle(&MiddleKernel<4>);

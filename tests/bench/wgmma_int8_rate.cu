@@ -16,14 +16,12 @@
 
 #include "kernels/cuda/hopper.cuh"
 
+using kvsparse::kernels::cuda::FenceProxyAsyncShared;
 using kvsparse::kernels::cuda::Swizzled128Desc;
 using kvsparse::kernels::cuda::WgmmaCommitAndWaitAll;
 using kvsparse::kernels::cuda::WgmmaFence;
 using kvsparse::kernels::cuda::WgmmaS8;
 
-__device__ __forceinline__ void FenceProxyAsync() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
 
 __global__ void Check(const int8_t* A, const int8_t* B, int* D) {
   __shared__ __align__(1024) int8_t sb[32 * 128];
@@ -33,7 +31,7 @@ __global__ void Check(const int8_t* A, const int8_t* B, int* D) {
     *reinterpret_cast<int4*>(sb + r * 128 + ((c ^ (r & 7)) << 4)) =
         *reinterpret_cast<const int4*>(B + r * 128 + c * 16);
   }
-  FenceProxyAsync();
+  FenceProxyAsyncShared();
   __syncthreads();
   uint32_t a[4][4];
   const int ra = 16 * warp + g, rb = ra + 8;
@@ -64,7 +62,7 @@ __global__ void __launch_bounds__(256, 2) Rate(const int8_t* A, int iters, int* 
   const int tid = threadIdx.x, lane = tid % 32, g = lane / 4, t = lane % 4, warp = (tid / 32) % 4;
   for (int x = tid; x < 4 * 32 * 128 / 16; x += 256)
     reinterpret_cast<int4*>(&sb[0][0])[x] = reinterpret_cast<const int4*>(A)[x];
-  FenceProxyAsync();
+  FenceProxyAsyncShared();
   __syncthreads();
   uint32_t a[PAIRS][4][4];
   for (int p = 0; p < PAIRS; ++p)
