@@ -138,10 +138,10 @@ KVSPARSE_HD bool SaleEstimatePasses(float scale, float q_scale, float k_scale, i
 // registers: a row that passes there passes here (kernels/sale_test.cc checks it at and around
 // the threshold). It evaluates the same real quantity with other roundings in another order,
 // fma(s_k sq, m, c) >= 0 with sq = scale s_q and c = scale q . mean - lo, lo the threshold lowered
-// by 2^-16 of |threshold| + |scale q . mean|; the two evaluations differ by a few ulps of their
-// largest term, and where the row passes that term is at most about |threshold| + |scale
-// q . mean| (or the row passes by far), far less than the lowering. A threshold of +inf (a row
-// past the prompt) never passes, one of -inf (tau 0) always does.
+// by 2^-16 of |threshold| + |scale q . mean|. The two evaluations differ by a few ulps of their
+// largest term, which where the row passes is at most about |threshold| + |scale q . mean| (or
+// the row passes by far): far less than the lowering. A threshold of +inf (a row past the
+// prompt) never passes, one of -inf (tau 0) always does.
 struct SaleScreen {
   float sq, c;
 };
