@@ -258,6 +258,31 @@ size_t ExactStageBytes(const SelectGeometry& g) {
   return 2 * static_cast<size_t>(g.bk) * (g.d + 8) * sizeof(uint16_t);
 }
 
+// The exact regions' key blocks of a query block in the order the thresholds kernels walk them
+// (the reference's): [0, sink_end), then [max(local_first, sink_end), last].
+struct ExactBlocks {
+  int32_t sink_end, b_first, count;
+  __device__ __forceinline__ int32_t operator[](int32_t x) const {
+    return x < sink_end ? x : b_first + (x - sink_end);
+  }
+};
+__device__ __forceinline__ ExactBlocks ExactBlocksOf(const Regions& rg) {
+  const int32_t b_first = max(rg.local_first, rg.sink_end);
+  return {rg.sink_end, b_first, rg.sink_end + (rg.last + 1 - b_first)};
+}
+
+// Copies key block blk (bk rows of d halves from kh, one kv head's keys; rows past the prompt
+// zero) into dst, rows `stride` halves apart, by cp.async: every thread of the CTA a share.
+__device__ __forceinline__ void StageKeyBlock(const SelectGeometry& g, const uint16_t* kh, int d,
+                                              int32_t blk, uint16_t* dst, int stride) {
+  const int32_t c0 = blk * g.bk;
+  for (int e = threadIdx.x; e < g.bk * (d / 8); e += blockDim.x) {
+    const int r = e / (d / 8), c = (e % (d / 8)) * 8;
+    const bool in = c0 + r < g.n;
+    CpAsync16(dst + r * stride + c, kh + static_cast<int64_t>(in ? c0 + r : 0) * d + c, in);
+  }
+}
+
 // The running maximum and sum (fp32, natural units) of a warp's two rows of a 16-row tile: rows
 // ra and rb = ra + 8 of the thread (lane / 4 and + 8), reduced over the lane quad's keys.
 struct ExactRows {
@@ -325,17 +350,10 @@ __device__ void ExactPartialsMma(const SelectGeometry& g, const Regions& rg, con
   const int kstride = g.d + 8, buf_elems = g.bk * kstride, tiles = (g.bk / 8 - parity + 1) / 2;
   const uint16_t* kh = static_cast<const uint16_t*>(k) + static_cast<int64_t>(j) * g.n * g.d;
   const uint16_t* qa = qb + ra * qb_stride + 2 * tq;
-  const int32_t b_first = max(rg.local_first, rg.sink_end);
-  const int32_t nx = rg.sink_end + (rg.last + 1 - b_first);
-  auto block_of = [&](int32_t x) { return x < rg.sink_end ? x : b_first + (x - rg.sink_end); };
+  const ExactBlocks blocks = ExactBlocksOf(rg);
+  const int32_t nx = blocks.count;
   auto stage = [&](int32_t x) {
-    const int32_t c0 = block_of(x) * g.bk;
-    uint16_t* dst = kb + (x & 1) * buf_elems;
-    for (int e = threadIdx.x; e < g.bk * (g.d / 8); e += blockDim.x) {
-      const int r = e / (g.d / 8), c = (e % (g.d / 8)) * 8;
-      const bool in = c0 + r < g.n;
-      CpAsync16(dst + r * kstride + c, kh + static_cast<int64_t>(in ? c0 + r : 0) * g.d + c, in);
-    }
+    StageKeyBlock(g, kh, g.d, blocks[x], kb + (x & 1) * buf_elems, kstride);
   };
   ExactRows st;
   if (nx > 0) stage(0);
@@ -345,7 +363,7 @@ __device__ void ExactPartialsMma(const SelectGeometry& g, const Regions& rg, con
     CpAsyncCommit();
     CpAsyncWait<1>();
     __syncthreads();  // block x staged
-    const int32_t c_blk = block_of(x) * g.bk;
+    const int32_t c_blk = blocks[x] * g.bk;
     if (active && c_blk <= tile_last_row) {
       const uint16_t* kx = kb + (x & 1) * buf_elems;
       float acc[kExactTiles][4] = {};
@@ -695,8 +713,8 @@ __device__ __forceinline__ bool WgRowsPass(const SelectGeometry& g, const int (&
 
 __global__ void __launch_bounds__(kWgThreads, 1)
     MiddleKernelWg(SelectGeometry g, MiddleTile mt, Operands ops, uint8_t* mask) {
-  // Dynamic shared memory (MiddleWgSmem): the ring of key blocks, then each warpgroup's query
-  // tile, both 1024-aligned (the swizzle's atom).
+  // Dynamic shared memory (kMiddleWgSmem bytes): the ring of key blocks, then each warpgroup's
+  // query tile, both 1024-aligned (the swizzle's atom).
   extern __shared__ __align__(16) int8_t wg_smem[];
   int8_t* ring = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(wg_smem) + kWgAlign - 1) &
                                            ~uintptr_t{kWgAlign - 1});
@@ -960,17 +978,10 @@ __global__ void __launch_bounds__(kHeads * 128)
     }
   }
   const uint16_t* kh = static_cast<const uint16_t*>(k) + static_cast<int64_t>(j) * g.n * D;
-  const int32_t b_first = max(rg.local_first, rg.sink_end);
-  const int32_t nx = rg.sink_end + (rg.last + 1 - b_first);
-  auto block_of = [&](int32_t x) { return x < rg.sink_end ? x : b_first + (x - rg.sink_end); };
+  const ExactBlocks blocks = ExactBlocksOf(rg);
+  const int32_t nx = blocks.count;
   auto stage = [&](int32_t x) {
-    const int32_t c0 = block_of(x) * g.bk;
-    uint16_t* dst = kb + (x % kThrStages) * g.bk * kStride;
-    for (int e = threadIdx.x; e < g.bk * (D / 8); e += blockDim.x) {
-      const int r = e / (D / 8), c = (e % (D / 8)) * 8;
-      const bool in = c0 + r < g.n;
-      CpAsync16(dst + r * kStride + c, kh + static_cast<int64_t>(in ? c0 + r : 0) * D + c, in);
-    }
+    StageKeyBlock(g, kh, D, blocks[x], kb + (x % kThrStages) * g.bk * kStride, kStride);
   };
   ExactRows st;
 #pragma unroll
@@ -983,7 +994,7 @@ __global__ void __launch_bounds__(kHeads * 128)
     __syncthreads();  // block x staged; every warp is past block x - 1, whose buffer is refilled
     if (x + kThrStages - 1 < nx) stage(x + kThrStages - 1);
     CpAsyncCommit();
-    const int32_t c_blk = block_of(x) * g.bk;
+    const int32_t c_blk = blocks[x] * g.bk;
     if (!active || c_blk > tile_last_row) continue;
     const uint16_t* kx = kb + (x % kThrStages) * g.bk * kStride;
     float acc[kExactTiles][4] = {};

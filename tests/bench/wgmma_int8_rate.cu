@@ -22,7 +22,6 @@ using kvsparse::kernels::cuda::WgmmaCommitAndWaitAll;
 using kvsparse::kernels::cuda::WgmmaFence;
 using kvsparse::kernels::cuda::WgmmaS8;
 
-
 __global__ void Check(const int8_t* A, const int8_t* B, int* D) {
   __shared__ __align__(1024) int8_t sb[32 * 128];
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
