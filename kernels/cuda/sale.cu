@@ -1054,24 +1054,79 @@ struct AttendGeometry {
   float scale_log2;  // scale * log2(e)
 };
 
-// The selected blocks of one mask row in ascending order, 32 mask bytes per warp vote (every
-// warp of the block walks the same row: the walk is uniform).
-struct SelectedBlocks {
-  const uint8_t* row;
-  int32_t last;  // the row's last causal block
-  int32_t base = -32;
+// The selected blocks of one mask row in ascending order, compacted into shared memory
+// kListChunk mask bytes at a time: every thread reads 16 bytes of the row at once (one memory
+// latency per 2048 blocks, where a walk of 32-byte votes waited on one per 32 blocks), and a
+// scan over the CTA places each selected block. Every thread of the CTA walks the same row (the
+// walk is uniform: Next() synchronizes the CTA when it refills the list).
+constexpr int kAttendThreads = kAttendWarps * 32;
+constexpr int kListChunk = kAttendThreads * 16;
+
+struct BlockList {
+  int32_t blocks[kListChunk];
+  int32_t warp_total[kAttendWarps];
+};
+
+// The nonzero bytes of 16 as bits 0-15.
+__device__ __forceinline__ uint32_t NonzeroBytes(const uint4& w) {
+  const uint32_t x[4] = {w.x, w.y, w.z, w.w};
   uint32_t bits = 0;
+#pragma unroll
+  for (int e = 0; e < 16; ++e) bits |= ((x[e / 4] >> (8 * (e % 4))) & 0xffu) != 0 ? 1u << e : 0u;
+  return bits;
+}
+
+struct SelectedBlocks {
+  BlockList* list;
+  const uint8_t* row;
+  int32_t len;    // the row's causal blocks
+  int32_t at;     // the next chunk's first position (negative: the row's 16-byte-aligned start)
+  int32_t pos = 0, count = 0;
+  __device__ __forceinline__ SelectedBlocks(BlockList* l, const uint8_t* r, int32_t n)
+      : list(l), row(r), len(n), at(-static_cast<int32_t>(reinterpret_cast<uintptr_t>(r) & 15)) {}
   // The next selected block, or -1 past the last.
   __device__ __forceinline__ int32_t Next() {
-    while (bits == 0) {
-      base += 32;
-      if (base > last) return -1;
-      const int32_t b = base + static_cast<int32_t>(threadIdx.x & 31);
-      bits = __ballot_sync(0xffffffffu, b <= last && row[b] != 0);
+    while (pos == count) {
+      if (at >= len) return -1;
+      Fill();
     }
-    const int x = __ffs(bits) - 1;
-    bits &= bits - 1;
-    return base + x;
+    return list->blocks[pos++];
+  }
+  // Positions [at, at + kListChunk) of the row into the list.
+  __device__ void Fill() {
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const int32_t p0 = at + 16 * t;
+    uint32_t bits = 0;
+    if (p0 >= 0 && p0 + 16 <= len) {
+      bits = NonzeroBytes(__ldg(reinterpret_cast<const uint4*>(row + p0)));
+    } else {
+#pragma unroll
+      for (int e = 0; e < 16; ++e) {
+        if (p0 + e >= 0 && p0 + e < len && row[p0 + e] != 0) bits |= 1u << e;
+      }
+    }
+    const int n = __popc(bits);
+    int incl = n;  // inclusive scan over the warp
+#pragma unroll
+    for (int off = 1; off < 32; off *= 2) {
+      const int y = __shfl_up_sync(0xffffffffu, incl, off);
+      if (lane >= off) incl += y;
+    }
+    __syncthreads();  // every thread has read the previous chunk's list
+    if (lane == 31) list->warp_total[warp] = incl;
+    __syncthreads();
+    int base = incl - n;
+    count = 0;
+#pragma unroll
+    for (int w = 0; w < kAttendWarps; ++w) {
+      const int tw = list->warp_total[w];
+      base += w < warp ? tw : 0;
+      count += tw;
+    }
+    for (; bits != 0; bits &= bits - 1) list->blocks[base++] = p0 + __ffs(bits) - 1;
+    __syncthreads();
+    pos = 0;
+    at += kListChunk;
   }
 };
 
@@ -1080,12 +1135,13 @@ struct SelectedBlocks {
 // overlaps this block's arithmetic; zero past the prompt), S = Q K^T and O += P V on the tensor
 // cores (B fragments by ldmatrix, V's transposed) with an online softmax per row.
 template <typename T, int D>
-__global__ void __launch_bounds__(kAttendWarps * 32)
+__global__ void __launch_bounds__(kAttendThreads)
     AttendKernel(AttendGeometry g, const void* q, const void* k, const void* v, void* out,
                  const uint8_t* mask) {
   constexpr int kStride = D + 8;  // halves per staged row (ldmatrix rows in distinct banks)
   __shared__ __align__(16) uint16_t ks_buf[2][kAttendBk * kStride];
   __shared__ __align__(16) uint16_t vs_buf[2][kAttendBk * kStride];
+  __shared__ BlockList list;
   const int i = blockIdx.x, h = blockIdx.y, j = h / g.group;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
   const int32_t row0 = i * kAttendBq + warp * 16 + gr, row1 = row0 + 8;
@@ -1110,9 +1166,8 @@ __global__ void __launch_bounds__(kAttendWarps * 32)
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
   float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
-  SelectedBlocks walk;
-  walk.row = mask + (static_cast<int64_t>(h) * g.q_blocks + i) * g.k_blocks;
-  walk.last = (min(g.n, (i + 1) * kAttendBq) - 1) / kAttendBk;
+  SelectedBlocks walk(&list, mask + (static_cast<int64_t>(h) * g.q_blocks + i) * g.k_blocks,
+                      (min(g.n, (i + 1) * kAttendBq) - 1) / kAttendBk + 1);
   auto stage = [&](int32_t blk, int buf) {
     const int32_t c0 = blk * kAttendBk;
     for (int x = threadIdx.x; x < kAttendBk * D / 8; x += blockDim.x) {
@@ -1358,7 +1413,7 @@ cudaError_t SaleAttend(const SaleAttendParams& p, cudaStream_t stream) {
   g.k_blocks = Blocks(pr.tokens, kAttendBk);
   g.q_blocks = Blocks(pr.tokens, kAttendBq);
   g.scale_log2 = pr.scale * kLog2e;
-  const dim3 grid(g.q_blocks, pr.num_q_heads), block(kAttendWarps * 32);
+  const dim3 grid(g.q_blocks, pr.num_q_heads), block(kAttendThreads);
   auto launch = [&](auto kernel) {
     kernel<<<grid, block, 0, stream>>>(g, pr.q, pr.k, pr.v, pr.out, p.mask);
     return cudaGetLastError();

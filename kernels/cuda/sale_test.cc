@@ -287,8 +287,8 @@ TEST(SaleCudaTest, AttendMatchesTheCpuReferenceOverTheSameBlocks) {
   }
 }
 
-// A long prompt's rows with few selected blocks (whole runs of 32 and more key blocks skipped,
-// what the pass's mask walk steps over a vote at a time): the same output as the reference.
+// A long prompt's rows with few selected blocks (whole runs of key blocks skipped between the
+// ones the pass's compacted block list holds): the same output as the reference.
 TEST(SaleCudaTest, AttendOverSparseRowsOfALongPrompt) {
   KVSPARSE_REQUIRE_GPU();
   SaleParams params;
@@ -308,6 +308,29 @@ TEST(SaleCudaTest, AttendOverSparseRowsOfALongPrompt) {
     }
   }
   EXPECT_LT(AttendError(pr, params, mask, 5), 1.5e-2);
+}
+
+// Rows longer than the computation pass's block list holds at once (2,048 mask bytes a refill,
+// from the row's 16-byte-aligned start): blocks on both sides of every refill, rows at each
+// alignment (2,100 blocks a row), the same output as the reference.
+TEST(SaleCudaTest, AttendWalksRowsLongerThanOneBlockList) {
+  KVSPARSE_REQUIRE_GPU();
+  SaleParams params;
+  const int32_t k_blocks = 2100;
+  const Prompt pr = MakePrompt(k_blocks * params.block_k, 1, 1, 64, DType::kBf16, 43);
+  SaleMask mask = SaleFullMask(PrefillOf(pr), params);
+  ASSERT_EQ(mask.k_blocks, k_blocks);
+  std::mt19937 rng(9);
+  std::bernoulli_distribution keep(0.01), near(0.5);
+  for (int32_t i = 0; i < mask.q_blocks; ++i) {
+    const int32_t last = (std::min(pr.n, (i + 1) * params.block_q) - 1) / params.block_k;
+    for (int32_t blk = 1; blk + 2 <= last; ++blk) {
+      const bool at_refill = std::abs(blk - 2040) < 24;  // the refill falls in 2,033-2,048
+      mask.selected[static_cast<size_t>(i) * mask.k_blocks + blk] =
+          (at_refill ? near(rng) : keep(rng)) ? 1 : 0;
+    }
+  }
+  EXPECT_LT(AttendError(pr, params, mask, 6), 1.5e-2);
 }
 
 TEST(SaleCudaTest, RefusesWhatItDoesNotTake) {
