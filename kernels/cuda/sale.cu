@@ -1063,7 +1063,7 @@ constexpr int kAttendThreads = kAttendWarps * 32;
 constexpr int kListChunk = kAttendThreads * 16;
 
 struct BlockList {
-  int32_t blocks[kListChunk];
+  uint16_t blocks[kListChunk];  // positions in the chunk
   int32_t warp_total[kAttendWarps];
 };
 
@@ -1079,8 +1079,8 @@ __device__ __forceinline__ uint32_t NonzeroBytes(const uint4& w) {
 struct SelectedBlocks {
   BlockList* list;
   const uint8_t* row;
-  int32_t len;    // the row's causal blocks
-  int32_t at;     // the next chunk's first position (negative: the row's 16-byte-aligned start)
+  int32_t len;  // the row's causal blocks
+  int32_t at;   // the next chunk's first position (negative: the row's 16-byte-aligned start)
   int32_t pos = 0, count = 0;
   __device__ __forceinline__ SelectedBlocks(BlockList* l, const uint8_t* r, int32_t n)
       : list(l), row(r), len(n), at(-static_cast<int32_t>(reinterpret_cast<uintptr_t>(r) & 15)) {}
@@ -1090,7 +1090,7 @@ struct SelectedBlocks {
       if (at >= len) return -1;
       Fill();
     }
-    return list->blocks[pos++];
+    return at - kListChunk + list->blocks[pos++];
   }
   // Positions [at, at + kListChunk) of the row into the list.
   __device__ void Fill() {
@@ -1123,12 +1123,108 @@ struct SelectedBlocks {
       base += w < warp ? tw : 0;
       count += tw;
     }
-    for (; bits != 0; bits &= bits - 1) list->blocks[base++] = p0 + __ffs(bits) - 1;
+    for (; bits != 0; bits &= bits - 1) list->blocks[base++] = 16 * t + __ffs(bits) - 1;
     __syncthreads();
     pos = 0;
     at += kListChunk;
   }
 };
+
+// The two query rows a thread holds in the computation pass (row0 and row1 = row0 + 8 of its
+// warp's 16: mma.m16n8's C layout) and their online-softmax state.
+struct AttendRows {
+  int32_t row0, row1;
+  float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
+};
+
+// One key block's scores `sc` (keys c0 + 8 nt + 2 tq (+1), the C layout) into unnormalized
+// probabilities: scaled (log2 units), keys past the row (causal) or past the prompt masked, the
+// rows' maxima raised over the quad, o and l rescaled to them and l += the rows' probabilities.
+template <int DT>
+__device__ __forceinline__ void SoftmaxBlock(const AttendGeometry& g, int32_t c0, int tq,
+                                             float (&sc)[kAttendBk / 8][4], float (&o)[DT][4],
+                                             AttendRows& st) {
+  float mx0 = kNegInf, mx1 = kNegInf;
+#pragma unroll
+  for (int nt = 0; nt < kAttendBk / 8; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int32_t c = c0 + nt * 8 + 2 * tq + (e & 1);
+      const int32_t r = e < 2 ? st.row0 : st.row1;
+      sc[nt][e] = c <= r && c < g.n ? sc[nt][e] * g.scale_log2 : kNegInf;
+    }
+    mx0 = fmaxf(mx0, fmaxf(sc[nt][0], sc[nt][1]));
+    mx1 = fmaxf(mx1, fmaxf(sc[nt][2], sc[nt][3]));
+  }
+#pragma unroll
+  for (int off = 1; off <= 2; off *= 2) {
+    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
+    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
+  }
+  const float n0 = fmaxf(st.m0, mx0), n1 = fmaxf(st.m1, mx1);
+  // A row with no key yet keeps a zero state (its exponent base is then 0, not -inf).
+  const float b0 = n0 == kNegInf ? 0.f : n0, b1 = n1 == kNegInf ? 0.f : n1;
+  const float f0 = exp2f(st.m0 - b0), f1 = exp2f(st.m1 - b1);
+  st.m0 = n0;
+  st.m1 = n1;
+  st.l0 *= f0;
+  st.l1 *= f1;
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt) {
+    o[dt][0] *= f0;
+    o[dt][1] *= f0;
+    o[dt][2] *= f1;
+    o[dt][3] *= f1;
+  }
+#pragma unroll
+  for (int nt = 0; nt < kAttendBk / 8; ++nt) {
+    sc[nt][0] = exp2f(sc[nt][0] - b0);
+    sc[nt][1] = exp2f(sc[nt][1] - b0);
+    sc[nt][2] = exp2f(sc[nt][2] - b1);
+    sc[nt][3] = exp2f(sc[nt][3] - b1);
+    st.l0 += sc[nt][0] + sc[nt][1];
+    st.l1 += sc[nt][2] + sc[nt][3];
+  }
+}
+
+// P's A fragments (mma.m16n8k16's) for the block's 16-key step `kstep`.
+template <typename T>
+__device__ __forceinline__ void ProbabilityFragments(const float (&sc)[kAttendBk / 8][4], int kstep,
+                                                     uint32_t (&a)[4]) {
+  const float* p0 = sc[2 * kstep];
+  const float* p1 = sc[2 * kstep + 1];
+  a[0] = PackPair<T>(p0[0], p0[1]);
+  a[1] = PackPair<T>(p0[2], p0[3]);
+  a[2] = PackPair<T>(p1[0], p1[1]);
+  a[3] = PackPair<T>(p1[2], p1[3]);
+}
+
+// The rows' sums over the quad, then o / l into head h's output rows (rows past the prompt
+// skipped; a row with no key writes zeros).
+template <typename T, int D>
+__device__ __forceinline__ void StoreAttendRows(const AttendGeometry& g, int h, int tq,
+                                                const float (&o)[D / 8][4], AttendRows st,
+                                                void* out) {
+#pragma unroll
+  for (int off = 1; off <= 2; off *= 2) {
+    st.l0 += __shfl_xor_sync(0xffffffffu, st.l0, off);
+    st.l1 += __shfl_xor_sync(0xffffffffu, st.l1, off);
+  }
+  const float inv0 = st.l0 > 0.f ? 1.f / st.l0 : 0.f, inv1 = st.l1 > 0.f ? 1.f / st.l1 : 0.f;
+  uint16_t* oh = static_cast<uint16_t*>(out) + static_cast<int64_t>(h) * g.n * D;
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    const int col = dt * 8 + 2 * tq;
+    if (st.row0 < g.n) {
+      *reinterpret_cast<uint32_t*>(oh + static_cast<int64_t>(st.row0) * D + col) =
+          PackPair<T>(o[dt][0] * inv0, o[dt][1] * inv0);
+    }
+    if (st.row1 < g.n) {
+      *reinterpret_cast<uint32_t*>(oh + static_cast<int64_t>(st.row1) * D + col) =
+          PackPair<T>(o[dt][2] * inv1, o[dt][3] * inv1);
+    }
+  }
+}
 
 // One (query block i, query head h) per block: Q's fragments in registers, the selected key
 // blocks' K and V rows staged in shared memory two deep (cp.async: the next block's copy
@@ -1144,7 +1240,10 @@ __global__ void __launch_bounds__(kAttendThreads)
   __shared__ BlockList list;
   const int i = blockIdx.x, h = blockIdx.y, j = h / g.group;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3;
-  const int32_t row0 = i * kAttendBq + warp * 16 + gr, row1 = row0 + 8;
+  AttendRows st;
+  st.row0 = i * kAttendBq + warp * 16 + gr;
+  st.row1 = st.row0 + 8;
+  const int32_t row0 = st.row0, row1 = st.row1;
   const uint16_t* qh = static_cast<const uint16_t*>(q) + static_cast<int64_t>(h) * g.n * D;
   const uint16_t* kh = static_cast<const uint16_t*>(k) + static_cast<int64_t>(j) * g.n * D;
   const uint16_t* vh = static_cast<const uint16_t*>(v) + static_cast<int64_t>(j) * g.n * D;
@@ -1165,7 +1264,6 @@ __global__ void __launch_bounds__(kAttendThreads)
   float o[D / 8][4];
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
-  float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
   SelectedBlocks walk(&list, mask + (static_cast<int64_t>(h) * g.q_blocks + i) * g.k_blocks,
                       (min(g.n, (i + 1) * kAttendBq) - 1) / kAttendBk + 1);
   auto stage = [&](int32_t blk, int buf) {
@@ -1205,89 +1303,127 @@ __global__ void __launch_bounds__(kAttendThreads)
         Mma16816<T>(sc[nt], qa[kk + 1][0], qa[kk + 1][1], qa[kk + 1][2], qa[kk + 1][3], b[2], b[3]);
       }
     }
-    // Scale (log2 units) and mask: keys past the row (causal) or past the prompt.
-    float mx0 = kNegInf, mx1 = kNegInf;
-#pragma unroll
-    for (int nt = 0; nt < kAttendBk / 8; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int32_t c = c0 + nt * 8 + 2 * tq + (e & 1);
-        const int32_t r = e < 2 ? row0 : row1;
-        sc[nt][e] = c <= r && c < g.n ? sc[nt][e] * g.scale_log2 : kNegInf;
-      }
-      mx0 = fmaxf(mx0, fmaxf(sc[nt][0], sc[nt][1]));
-      mx1 = fmaxf(mx1, fmaxf(sc[nt][2], sc[nt][3]));
-    }
-#pragma unroll
-    for (int off = 1; off <= 2; off *= 2) {
-      mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-      mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-    }
-    const float n0 = fmaxf(m0, mx0), n1 = fmaxf(m1, mx1);
-    // A row with no key yet keeps a zero state (its exponent base is then 0, not -inf).
-    const float b0 = n0 == kNegInf ? 0.f : n0, b1 = n1 == kNegInf ? 0.f : n1;
-    const float f0 = exp2f(m0 - b0), f1 = exp2f(m1 - b1);
-    m0 = n0;
-    m1 = n1;
-    l0 *= f0;
-    l1 *= f1;
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      o[dt][0] *= f0;
-      o[dt][1] *= f0;
-      o[dt][2] *= f1;
-      o[dt][3] *= f1;
-    }
-#pragma unroll
-    for (int nt = 0; nt < kAttendBk / 8; ++nt) {
-      sc[nt][0] = exp2f(sc[nt][0] - b0);
-      sc[nt][1] = exp2f(sc[nt][1] - b0);
-      sc[nt][2] = exp2f(sc[nt][2] - b1);
-      sc[nt][3] = exp2f(sc[nt][3] - b1);
-      l0 += sc[nt][0] + sc[nt][1];
-      l1 += sc[nt][2] + sc[nt][3];
-    }
+    SoftmaxBlock(g, c0, tq, sc, o, st);
     // O += P V: two 16-key steps; P's A fragments from the score tiles, V's B fragments
     // (keys 2 tq, 2 tq + 1 (+ 8) of column gr) by a transposing ldmatrix: lane l addresses key
     // 16 kstep + 8 ((l / 8) % 2) + l % 8 at dims 8 dt + 8 (l / 16), b0 / b1 of dt and dt + 1.
 #pragma unroll
     for (int kstep = 0; kstep < kAttendBk / 16; ++kstep) {
-      const float* p0 = sc[2 * kstep];
-      const float* p1 = sc[2 * kstep + 1];
-      const uint32_t a0 = PackPair<T>(p0[0], p0[1]), a1 = PackPair<T>(p0[2], p0[3]);
-      const uint32_t a2 = PackPair<T>(p1[0], p1[1]), a3 = PackPair<T>(p1[2], p1[3]);
+      uint32_t a[4];
+      ProbabilityFragments<T>(sc, kstep, a);
       const uint16_t* v0 =
           vs + (kstep * 16 + 8 * ((lane >> 3) & 1) + (lane & 7)) * kStride + 8 * (lane >> 4);
 #pragma unroll
       for (int dt = 0; dt < D / 8; dt += 2) {
         uint32_t vb[4];
         LdMatrixX4Trans(vb[0], vb[1], vb[2], vb[3], v0 + dt * 8);
-        Mma16816<T>(o[dt], a0, a1, a2, a3, vb[0], vb[1]);
-        Mma16816<T>(o[dt + 1], a0, a1, a2, a3, vb[2], vb[3]);
+        Mma16816<T>(o[dt], a[0], a[1], a[2], a[3], vb[0], vb[1]);
+        Mma16816<T>(o[dt + 1], a[0], a[1], a[2], a[3], vb[2], vb[3]);
       }
     }
     __syncthreads();  // every warp is done with this buffer before the next stage refills it
     blk = next;
   }
-#pragma unroll
-  for (int off = 1; off <= 2; off *= 2) {
-    l0 += __shfl_xor_sync(0xffffffffu, l0, off);
-    l1 += __shfl_xor_sync(0xffffffffu, l1, off);
+  StoreAttendRows<T, D>(g, h, tq, o, st, out);
+}
+
+// ---- The computation pass on the warpgroup MMA (sm_90a, head_dim 128) ----------------------
+
+constexpr int kAttendWgDim = 128;
+constexpr int kAttendWgRowBytes = kAttendWgDim * 2;            // one 16-bit row
+constexpr int kAttendWgTile = kAttendBq * kAttendWgRowBytes;   // Q: 16 KB
+constexpr int kAttendWgBlock = kAttendBk * kAttendWgRowBytes;  // one key block's K (or V): 8 KB
+constexpr int kAttendWgStages = 2;                             // K/V blocks in flight
+constexpr size_t kAttendWgSmem =
+    kAttendWgTile + kAttendWgStages * 2 * kAttendWgBlock + kWgAlign;  // dynamic, AttendKernelWg
+
+// Rows [first, first + rows) of a head's 16-bit [n x 128] matrix into `tile` in the 128-byte
+// swizzle, as two 64-dim atoms' columns (dims 64 hf + 8 c of row r at
+// hf * rows * 128 + r * 128 + ((c ^ (r % 8)) * 16)); rows past the prompt zero. K-major for Q and K
+// (Swizzled128Desc), MN-major for V (Swizzled128MnDesc): the one layout serves both.
+__device__ __forceinline__ void StageSwizzledRows(uint8_t* tile, int rows, const uint16_t* src,
+                                                  int32_t first, int32_t n) {
+  for (int x = threadIdx.x; x < rows * 16; x += kAttendThreads) {
+    const int r = x >> 4, c = x & 15;  // 16 chunks of 16 bytes a row
+    const bool in = first + r < n;
+    const uint16_t* from = src + static_cast<int64_t>(in ? first + r : 0) * kAttendWgDim + c * 8;
+    CpAsync16(tile + (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4), from, in);
   }
-  const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-  uint16_t* oh = static_cast<uint16_t*>(out) + static_cast<int64_t>(h) * g.n * D;
+}
+
+// AttendKernel's work for head_dim 128 on one warpgroup: Q, and each selected block's K and V,
+// staged in shared memory in the 128-byte swizzle (cp.async, the next block's copy overlapping
+// this block's arithmetic), S = Q K^T by eight m64n32k16 steps from shared memory, the same
+// online softmax in registers (the accumulators' layout is mma.m16n8's), O += P V by two
+// m64n128k16 steps with P from registers and V transposed by the instruction.
+template <typename T>
+__global__ void __launch_bounds__(kAttendThreads, 4)
+    AttendKernelWg(AttendGeometry g, const void* q, const void* k, const void* v, void* out,
+                   const uint8_t* mask) {
+  constexpr int D = kAttendWgDim;
+  constexpr bool kBf16 = std::is_same_v<T, Bf16>;
+  extern __shared__ __align__(16) uint8_t attend_smem[];
+  uint8_t* qs = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(attend_smem) + kWgAlign - 1) & ~uintptr_t{kWgAlign - 1});
+  auto ks_at = [&](int buf) { return qs + kAttendWgTile + buf * 2 * kAttendWgBlock; };
+  auto vs_at = [&](int buf) { return ks_at(buf) + kAttendWgBlock; };
+  __shared__ BlockList list;
+  const int i = blockIdx.x, h = blockIdx.y, j = h / g.group;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
+  AttendRows st;
+  st.row0 = i * kAttendBq + warp * 16 + (lane >> 2);
+  st.row1 = st.row0 + 8;
+  const uint16_t* qh = static_cast<const uint16_t*>(q) + static_cast<int64_t>(h) * g.n * D;
+  const uint16_t* kh = static_cast<const uint16_t*>(k) + static_cast<int64_t>(j) * g.n * D;
+  const uint16_t* vh = static_cast<const uint16_t*>(v) + static_cast<int64_t>(j) * g.n * D;
+  auto stage = [&](int32_t blk, int buf) {
+    StageSwizzledRows(ks_at(buf), kAttendBk, kh, blk * kAttendBk, g.n);
+    StageSwizzledRows(vs_at(buf), kAttendBk, vh, blk * kAttendBk, g.n);
+  };
+  StageSwizzledRows(qs, kAttendBq, qh, i * kAttendBq, g.n);
+  float o[D / 8][4];
 #pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) {
-    const int col = dt * 8 + 2 * tq;
-    if (row0 < g.n) {
-      *reinterpret_cast<uint32_t*>(oh + static_cast<int64_t>(row0) * D + col) =
-          PackPair<T>(o[dt][0] * inv0, o[dt][1] * inv0);
+  for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  SelectedBlocks walk(&list, mask + (static_cast<int64_t>(h) * g.q_blocks + i) * g.k_blocks,
+                      (min(g.n, (i + 1) * kAttendBq) - 1) / kAttendBk + 1);
+  int32_t blk = walk.Next();
+  if (blk >= 0) stage(blk, 0);
+  CpAsyncCommit();  // with Q's rows
+  // A 16-deep k-step: 32 bytes within a 64-dim atom (2 in the descriptor's 16-byte units), the
+  // next atom a tile's rows * 128 bytes on.
+  auto k_step = [](int kk, int rows) { return (kk / 4) * (rows * 128 >> 4) + (kk % 4) * 2; };
+  const uint64_t q_desc = Swizzled128Desc(qs);
+  for (int buf = 0; blk >= 0; buf ^= 1) {
+    const int32_t next = walk.Next();
+    if (next >= 0) stage(next, buf ^ 1);
+    CpAsyncCommit();
+    CpAsyncWait<1>();
+    FenceProxyAsyncShared();  // the staged rows visible to the MMA's operand reads
+    __syncthreads();
+    float sc[kAttendBk / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < kAttendBk / 8; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
+    const uint64_t k_desc = Swizzled128Desc(ks_at(buf));
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      Wgmma16N32<kBf16>(sc, q_desc + k_step(kk, kAttendBq), k_desc + k_step(kk, kAttendBk), kk > 0);
     }
-    if (row1 < g.n) {
-      *reinterpret_cast<uint32_t*>(oh + static_cast<int64_t>(row1) * D + col) =
-          PackPair<T>(o[dt][2] * inv1, o[dt][3] * inv1);
+    WgmmaCommitAndWaitAll();
+    SoftmaxBlock(g, blk * kAttendBk, tq, sc, o, st);
+    const uint64_t v_desc = Swizzled128MnDesc(vs_at(buf), kAttendBk * 128);
+    WgmmaFence();
+#pragma unroll
+    for (int kstep = 0; kstep < kAttendBk / 16; ++kstep) {
+      uint32_t a[4];
+      ProbabilityFragments<T>(sc, kstep, a);
+      Wgmma16N128RegA<kBf16>(o, a, v_desc + kstep * (16 * 128 >> 4), 1);
     }
+    WgmmaCommitAndWaitAll();
+    __syncthreads();  // every warp is done with this buffer before the next stage refills it
+    blk = next;
   }
+  StoreAttendRows<T, D>(g, h, tq, o, st, out);
 }
 
 // What kernels::ValidateSalePrefill asks of a prompt's counts and scale (both launchers check it
@@ -1418,6 +1554,16 @@ cudaError_t SaleAttend(const SaleAttendParams& p, cudaStream_t stream) {
     kernel<<<grid, block, 0, stream>>>(g, pr.q, pr.k, pr.v, pr.out, p.mask);
     return cudaGetLastError();
   };
+#if defined(KVSPARSE_CUDA_SM90A)
+  if (pr.head_dim == kAttendWgDim) {
+    auto launch_wg = [&](auto kernel) {
+      return LaunchWithSmem(kernel, grid, block, kAttendWgSmem, stream, g, pr.q, pr.k, pr.v, pr.out,
+                            p.mask);
+    };
+    return pr.dtype == DType::kBf16 ? launch_wg(&AttendKernelWg<Bf16>)
+                                    : launch_wg(&AttendKernelWg<Fp16>);
+  }
+#endif
   if (pr.dtype == DType::kBf16) {
     return pr.head_dim == 64 ? launch(&AttendKernel<Bf16, 64>) : launch(&AttendKernel<Bf16, 128>);
   }
