@@ -128,8 +128,8 @@ __global__ void QuantizeKeysKernel(const void* k, const float* mean, int32_t n, 
 // Per (query head, token): the scale max |q| / 127 and the int8 query, and q . mean (a
 // sequential fp32 dot product, as the reference's). Each warp takes 32 tokens: it copies their
 // rows into shared memory (16-byte loads; rows padded to an odd number of words, so that the
-// lane-per-token reads below fall in distinct banks), then per token the scale and int8 row
-// (lanes over the channels), then q . mean with one lane per token. Grid (ceil(n / (32
+// lane-per-token reads below fall in distinct banks), then the scales and int8 rows (four
+// lanes a row, eight rows at once), then q . mean with one lane per token. Grid (ceil(n / (32
 // kQuantWarps)), H), block 32 kQuantWarps, QuantizeQueriesSmem bytes of shared memory.
 constexpr int kQuantWarps = 4;
 
@@ -164,14 +164,31 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
     dst[3] = v.w;
   }
   __syncwarp();
-  for (int r = 0; r < tokens; ++r) {  // uniform over the warp
+  // Quantization: four lanes a row (d / 4 consecutive elements each, stored 8 bytes at a time),
+  // eight rows at once.
+  const int sub = lane & 3, per = d / 4;
+  for (int r = lane >> 2; r < 32; r += 8) {  // uniform over the warp (the quad's max)
+    const bool valid = r < tokens;
     const uint32_t* row = buf + r * stride;
     float amax = 0.f;
-    for (int e = lane; e < d; e += 32) amax = fmaxf(amax, fabsf(LoadElem<T>(row, e)));
-    amax = WarpMax(amax);
+    if (valid) {
+      for (int e = sub * per; e < (sub + 1) * per; ++e)
+        amax = fmaxf(amax, fabsf(LoadElem<T>(row, e)));
+    }
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    if (!valid) continue;
     const float s = amax > 0.f ? amax / 127.f : 1.f;
-    for (int e = lane; e < d; e += 32) qq[(row0 + r) * d + e] = Round8(LoadElem<T>(row, e) / s);
-    if (lane == 0) q_scale[row0 + r] = s;
+    for (int e = sub * per; e < (sub + 1) * per; e += 8) {
+      uint32_t w[2] = {0u, 0u};
+#pragma unroll
+      for (int x = 0; x < 8; ++x) {
+        w[x / 4] |= static_cast<uint32_t>(static_cast<uint8_t>(Round8(LoadElem<T>(row, e + x) / s)))
+                    << (8 * (x % 4));
+      }
+      *reinterpret_cast<uint2*>(qq + (row0 + r) * d + e) = make_uint2(w[0], w[1]);
+    }
+    if (sub == 0) q_scale[row0 + r] = s;
   }
   if (lane >= tokens) return;
   const uint32_t* row = buf + lane * stride;
@@ -1455,7 +1472,9 @@ cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t worksp
     return cudaErrorInvalidValue;
   }
   const Operands ops = Carve(p, workspace);
-  if (workspace == nullptr || workspace_bytes < ops.bytes) return cudaErrorInvalidValue;
+  if (workspace == nullptr || workspace_bytes < ops.bytes || Misaligned16(workspace)) {
+    return cudaErrorInvalidValue;
+  }
   const int32_t n = pr.tokens, d = pr.head_dim, H = pr.num_q_heads, hkv = pr.num_kv_heads;
   SelectGeometry g;
   g.n = n;

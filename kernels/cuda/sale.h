@@ -48,8 +48,8 @@ struct SaleSelectParams {
 };
 
 size_t SaleSelectWorkspaceBytes(const SaleSelectParams& p);
-// cudaErrorInvalidValue for a shape or geometry it does not take (SaleSupports) or q / k off
-// 16-byte alignment.
+// cudaErrorInvalidValue for a shape or geometry it does not take (SaleSupports) or q / k /
+// workspace off 16-byte alignment.
 cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t workspace_bytes,
                        cudaStream_t stream);
 // Whether SaleSelect takes this geometry and head dim (the reference takes more).

@@ -369,6 +369,9 @@ TEST(SaleCudaTest, RefusesWhatItDoesNotTake) {
   sp.tau = &tau;
   sp.mask = &mask_byte;
   EXPECT_EQ(SaleSelect(sp, base, size_t{1} << 30, nullptr), cudaErrorInvalidValue);
+  sp.prompt.q = base;
+  EXPECT_EQ(SaleSelect(sp, base + 8, size_t{1} << 30, nullptr), cudaErrorInvalidValue);
+  sp.prompt.q = base + 8;
   ap.prompt = sp.prompt;
   ap.prompt.head_dim = 64;
   ap.prompt.v = base;
