@@ -59,8 +59,9 @@ bool SaleSupports(const SaleParams& blocks, int32_t head_dim);
 // query block's mask row selects (kernels::SaleAttend's rows), fp32 accumulation on the tensor
 // cores (scores from bf16 / fp16 Q and K, the probabilities rounded to the dtype for P V, as
 // FlashAttention does). One block per (query block, query head), four warps of 16 rows, the
-// selected key blocks in ascending order with an online softmax. With every causal block
-// selected it is dense causal attention.
+// selected key blocks in ascending order with an online softmax: on the warpgroup MMA for
+// head_dim 128 in sm_90a builds, mma.sync otherwise. With every causal block selected it is
+// dense causal attention.
 struct SaleAttendParams {
   // One prompt as the reference takes it, q, k, v and out on the device; head dim 64 or 128,
   // bf16 or fp16.
