@@ -99,7 +99,34 @@ __global__ void KeyMeanKernel(const double* part, int32_t chunks, int32_t n, int
   mean[j * d + e] = static_cast<float>(sum / n);
 }
 
-// Per (kv head, key block): the block's scale max |k - mean| / 127 and its int8 keys. Grid
+// Elements [i, i + 16) of x (T in {float, Bf16, Fp16}; x + i 16-byte aligned) as floats,
+// exactly, by 16-byte loads.
+template <typename T>
+__device__ __forceinline__ void Load16AsFloat(const void* x, int64_t i, float (&f)[16]) {
+  if constexpr (std::is_same_v<T, float>) {
+    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(x) + i);
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const float4 w = p[v];
+      f[4 * v] = w.x;
+      f[4 * v + 1] = w.y;
+      f[4 * v + 2] = w.z;
+      f[4 * v + 3] = w.w;
+    }
+  } else {
+    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(x) + i);
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      float h[8];
+      Unpack8<T>(p[v], h);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) f[8 * v + e] = h[e];
+    }
+  }
+}
+
+// Per (kv head, key block): the block's scale max |k - mean| / 127 and its int8 keys, each
+// thread 16 consecutive elements at a time (16-byte loads, one 16-byte store). Grid
 // (k_blocks, Hkv). swizzle128 (head_dim 128, block_k a multiple of 8): each key's 16-byte
 // chunk c stored at chunk c ^ (token % 8), the layout Hopper's warpgroup MMA reads a 128-byte
 // swizzled tile in, so that a key block lands in shared memory ready with one bulk copy.
@@ -110,18 +137,32 @@ __global__ void QuantizeKeysKernel(const void* k, const float* mean, int32_t n, 
   const int blk = blockIdx.x, j = blockIdx.y;
   const int32_t t0 = blk * bk, t1 = min(n, t0 + bk);
   const int64_t base = (static_cast<int64_t>(j) * n + t0) * d;
-  const int32_t count = (t1 - t0) * d;
+  const int32_t chunks = (t1 - t0) * d / 16;  // d is a multiple of 32
   const float* m = mean + static_cast<int64_t>(j) * d;
   float amax = 0.f;
-  for (int32_t x = threadIdx.x; x < count; x += blockDim.x) {
-    amax = fmaxf(amax, fabsf(__fsub_rn(LoadElem<T>(k, base + x), m[x % d])));
+  for (int32_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    float v[16], mv[16];
+    Load16AsFloat<T>(k, base + 16 * c, v);
+    Load16AsFloat<float>(m, (16 * c) % d, mv);
+#pragma unroll
+    for (int e = 0; e < 16; ++e) amax = fmaxf(amax, fabsf(__fsub_rn(v[e], mv[e])));
   }
   amax = BlockMax(amax, red);
   const float s = amax > 0.f ? amax / 127.f : 1.f;
   if (threadIdx.x == 0) k_scale[static_cast<int64_t>(j) * gridDim.x + blk] = s;
-  for (int32_t x = threadIdx.x; x < count; x += blockDim.x) {
-    const int32_t at = swizzle128 ? (x & ~127) | ((((x >> 4) ^ (x >> 7)) & 7) << 4) | (x & 15) : x;
-    kq[base + at] = Round8(__fsub_rn(LoadElem<T>(k, base + x), m[x % d]) / s);
+  for (int32_t c = threadIdx.x; c < chunks; c += blockDim.x) {
+    float v[16], mv[16];
+    Load16AsFloat<T>(k, base + 16 * c, v);
+    Load16AsFloat<float>(m, (16 * c) % d, mv);
+    uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      w[e / 4] |= static_cast<uint32_t>(static_cast<uint8_t>(Round8(__fsub_rn(v[e], mv[e]) / s)))
+                  << (8 * (e % 4));
+    }
+    const int32_t x = 16 * c;
+    const int32_t at = swizzle128 ? (x & ~127) | ((((x >> 4) ^ (x >> 7)) & 7) << 4) : x;
+    *reinterpret_cast<uint4*>(kq + base + at) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 
@@ -943,6 +984,46 @@ __global__ void __launch_bounds__(kSelectThreads)
   }
 }
 
+// ---- 16-bit rows of head_dim 128 in the 128-byte swizzle (the warpgroup-MMA kernels) ---------
+
+constexpr int kSwizzledDim = 128;
+constexpr int kSwizzledRowBytes = kSwizzledDim * 2;     // one 16-bit row
+constexpr int kSwizzledTile = 64 * kSwizzledRowBytes;   // 64 query rows: 16 KB
+constexpr int kSwizzledBlock = 32 * kSwizzledRowBytes;  // one 32-key block: 8 KB
+
+// Rows [first, first + rows) of a head's 16-bit [n x 128] matrix into `tile` in the 128-byte
+// swizzle, as two 64-dim atoms' columns (dims 64 hf + 8 c of row r at
+// hf * rows * 128 + r * 128 + ((c ^ (r % 8)) * 16)); rows past the prompt zero; thread `tid` of
+// `threads` a share (cp.async). K-major for Q and K (Swizzled128Desc), MN-major for V
+// (Swizzled128MnDesc): the one layout serves both.
+__device__ __forceinline__ void StageSwizzledRows(uint8_t* tile, int rows, const uint16_t* src,
+                                                  int32_t first, int32_t n, int tid, int threads) {
+  for (int x = tid; x < rows * 16; x += threads) {
+    const int r = x >> 4, c = x & 15;  // 16 chunks of 16 bytes a row
+    const bool in = first + r < n;
+    const uint16_t* from = src + static_cast<int64_t>(in ? first + r : 0) * kSwizzledDim + c * 8;
+    CpAsync16(tile + (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4), from, in);
+  }
+}
+
+// The descriptor offset (16-byte units) of 16-deep k-step kk in such a tile of `rows` rows: 32
+// bytes within a 64-dim atom, the next atom rows * 128 bytes on.
+__host__ __device__ constexpr int SwizzledKStep(int kk, int rows) {
+  return (kk / 4) * (rows * 128 >> 4) + (kk % 4) * 2;
+}
+
+// Query block i's mask rows of heads [h0, h0 + heads): every exact block 1, every other 0 (the
+// middle kernel then sets the middle blocks it takes). Every thread of the CTA a share.
+__device__ __forceinline__ void WriteExactMaskRows(const SelectGeometry& g, const Regions& rg,
+                                                   int h0, int heads, int32_t i, uint8_t* mask) {
+  for (int x = threadIdx.x; x < heads * g.k_blocks; x += blockDim.x) {
+    const int hh = x / g.k_blocks;
+    const int32_t blk = x - hh * g.k_blocks;
+    const bool exact = blk <= rg.last && (blk < rg.sink_end || blk >= rg.local_first);
+    mask[(static_cast<int64_t>(h0 + hh) * gridDim.x + i) * g.k_blocks + blk] = exact ? 1 : 0;
+  }
+}
+
 // Step 1 for the paper's geometry (SelectGeometry::middle_apart) on bf16 / fp16 prompts, instead
 // of SelectKernel: the thresholds of kHeads query heads of one kv head per CTA, so each exact key
 // block is staged in shared memory once for all of them (cp.async, kThrStages deep, one CTA
@@ -973,12 +1054,7 @@ __global__ void __launch_bounds__(kHeads * 128)
   const int h = h0 + warp / 4, rt = warp % 4;
   const Regions rg = RegionsOf(g, i);
   const int32_t r0 = i * g.bq, rows = min(g.n, r0 + g.bq) - r0;
-  for (int x = threadIdx.x; x < kHeads * g.k_blocks; x += blockDim.x) {
-    const int hh = x / g.k_blocks;
-    const int32_t blk = x - hh * g.k_blocks;
-    const bool exact = blk <= rg.last && (blk < rg.sink_end || blk >= rg.local_first);
-    mask[(static_cast<int64_t>(h0 + hh) * gridDim.x + i) * g.k_blocks + blk] = exact ? 1 : 0;
-  }
+  WriteExactMaskRows(g, rg, h0, kHeads, i, mask);
   const bool active = rt * 16 < rows;  // a row tile past the prompt only stages
   const int ra = rt * 16 + gr, rb = ra + 8;
   const int32_t tile_last_row = r0 + rt * 16 + 15;
@@ -1044,6 +1120,78 @@ __global__ void __launch_bounds__(kHeads * 128)
   float* thr = ops.thr + static_cast<int64_t>(h) * g.n + r0;
   if (tq == 0 && ra < rows) thr[ra] = threshold(st.ma, st.la);
   if (tq == 0 && rb < rows) thr[rb] = threshold(st.mb, st.lb);
+}
+
+// ThresholdsKernel's work for head_dim 128 on the warpgroup MMA (sm_90a): warpgroup w takes
+// query head h0 + w, its 64 rows staged once in shared memory in the 128-byte swizzle; each exact
+// key block is staged once for all kHeads (cp.async, kThrStages deep) and scored by eight
+// m64n32k16 steps from shared memory, then folded as ThresholdsKernel folds it (FoldExactTiles:
+// the accumulators' layout is mma.m16n8's). The sums' order is the tensor cores' again: a
+// threshold may move by an ulp.
+constexpr size_t ThresholdsWgSmem(int heads) {
+  return kThrStages * kSwizzledBlock + heads * kSwizzledTile + kWgAlign;
+}
+
+template <typename T, int kHeads>
+__global__ void __launch_bounds__(kHeads * 128)
+    ThresholdsKernelWg(SelectGeometry g, const void* q, const void* k, const float* tau,
+                       Operands ops, uint8_t* mask) {
+  constexpr bool kBf16 = std::is_same_v<T, Bf16>;
+  extern __shared__ __align__(16) uint8_t thr_smem[];
+  uint8_t* kbuf = reinterpret_cast<uint8_t*>(
+      (reinterpret_cast<uintptr_t>(thr_smem) + kWgAlign - 1) & ~uintptr_t{kWgAlign - 1});
+  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
+  uint8_t* qs = kbuf + kThrStages * kSwizzledBlock + wg * kSwizzledTile;
+  const int i = blockIdx.x, h0 = blockIdx.y * kHeads, j = h0 / g.group, h = h0 + wg;
+  const Regions rg = RegionsOf(g, i);
+  const int32_t r0 = i * g.bq, rows = min(g.n, r0 + g.bq) - r0;
+  WriteExactMaskRows(g, rg, h0, kHeads, i, mask);
+  const uint16_t* qh =
+      static_cast<const uint16_t*>(q) + static_cast<int64_t>(h) * g.n * kSwizzledDim;
+  const uint16_t* kh =
+      static_cast<const uint16_t*>(k) + static_cast<int64_t>(j) * g.n * kSwizzledDim;
+  StageSwizzledRows(qs, 64, qh, r0, g.n, threadIdx.x & 127, 128);
+  const ExactBlocks blocks = ExactBlocksOf(rg);
+  const int32_t nx = blocks.count;
+  auto stage = [&](int32_t x) {
+    StageSwizzledRows(kbuf + (x % kThrStages) * kSwizzledBlock, 32, kh, blocks[x] * 32, g.n,
+                      threadIdx.x, kHeads * 128);
+  };
+#pragma unroll
+  for (int x = 0; x < kThrStages - 1; ++x) {
+    if (x < nx) stage(x);
+    CpAsyncCommit();  // the first with Q's rows
+  }
+  const int ra = warp * 16 + (lane >> 2), rb = ra + 8;
+  const uint64_t q_desc = Swizzled128Desc(qs);
+  ExactRows st;
+  for (int32_t x = 0; x < nx; ++x) {
+    CpAsyncWait<kThrStages - 2>();
+    FenceProxyAsyncShared();  // the staged rows visible to the MMA's operand reads
+    __syncthreads();  // block x staged; every warp is past block x - 1, whose buffer is refilled
+    if (x + kThrStages - 1 < nx) stage(x + kThrStages - 1);
+    CpAsyncCommit();
+    const uint64_t k_desc = Swizzled128Desc(kbuf + (x % kThrStages) * kSwizzledBlock);
+    float acc[kExactTiles][4] = {};
+    WgmmaFence();
+#pragma unroll
+    for (int kk = 0; kk < kSwizzledDim / 16; ++kk) {
+      Wgmma16N32<kBf16>(acc, q_desc + SwizzledKStep(kk, 64), k_desc + SwizzledKStep(kk, 32),
+                        kk > 0);
+    }
+    WgmmaCommitAndWaitAll();
+    FoldExactTiles(g, acc, 4, blocks[x] * 32, 8, r0 + ra, r0 + rb, st);
+  }
+  SumExactRows(st);
+  const float t = tau[h];
+  auto threshold = [&](float m, float l) {
+    return t > 0.f ? static_cast<float>(static_cast<double>(m) +
+                                        log(static_cast<double>(t) * static_cast<double>(l)))
+                   : kNegInf;
+  };
+  float* thr = ops.thr + static_cast<int64_t>(h) * g.n + r0;
+  if ((lane & 3) == 0 && ra < rows) thr[ra] = threshold(st.ma, st.la);
+  if ((lane & 3) == 0 && rb < rows) thr[rb] = threshold(st.mb, st.lb);
 }
 
 size_t SelectSmem(const SelectGeometry& g) {
@@ -1346,27 +1494,9 @@ __global__ void __launch_bounds__(kAttendThreads)
 
 // ---- The computation pass on the warpgroup MMA (sm_90a, head_dim 128) ----------------------
 
-constexpr int kAttendWgDim = 128;
-constexpr int kAttendWgRowBytes = kAttendWgDim * 2;            // one 16-bit row
-constexpr int kAttendWgTile = kAttendBq * kAttendWgRowBytes;   // Q: 16 KB
-constexpr int kAttendWgBlock = kAttendBk * kAttendWgRowBytes;  // one key block's K (or V): 8 KB
-constexpr int kAttendWgStages = 2;                             // K/V blocks in flight
+constexpr int kAttendWgStages = 2;  // K/V blocks in flight
 constexpr size_t kAttendWgSmem =
-    kAttendWgTile + kAttendWgStages * 2 * kAttendWgBlock + kWgAlign;  // dynamic, AttendKernelWg
-
-// Rows [first, first + rows) of a head's 16-bit [n x 128] matrix into `tile` in the 128-byte
-// swizzle, as two 64-dim atoms' columns (dims 64 hf + 8 c of row r at
-// hf * rows * 128 + r * 128 + ((c ^ (r % 8)) * 16)); rows past the prompt zero. K-major for Q and K
-// (Swizzled128Desc), MN-major for V (Swizzled128MnDesc): the one layout serves both.
-__device__ __forceinline__ void StageSwizzledRows(uint8_t* tile, int rows, const uint16_t* src,
-                                                  int32_t first, int32_t n) {
-  for (int x = threadIdx.x; x < rows * 16; x += kAttendThreads) {
-    const int r = x >> 4, c = x & 15;  // 16 chunks of 16 bytes a row
-    const bool in = first + r < n;
-    const uint16_t* from = src + static_cast<int64_t>(in ? first + r : 0) * kAttendWgDim + c * 8;
-    CpAsync16(tile + (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4), from, in);
-  }
-}
+    kSwizzledTile + kAttendWgStages * 2 * kSwizzledBlock + kWgAlign;  // dynamic, AttendKernelWg
 
 // AttendKernel's work for head_dim 128 on one warpgroup: Q, and each selected block's K and V,
 // staged in shared memory in the 128-byte swizzle (cp.async, the next block's copy overlapping
@@ -1377,13 +1507,13 @@ template <typename T>
 __global__ void __launch_bounds__(kAttendThreads, 4)
     AttendKernelWg(AttendGeometry g, const void* q, const void* k, const void* v, void* out,
                    const uint8_t* mask) {
-  constexpr int D = kAttendWgDim;
+  constexpr int D = kSwizzledDim;
   constexpr bool kBf16 = std::is_same_v<T, Bf16>;
   extern __shared__ __align__(16) uint8_t attend_smem[];
   uint8_t* qs = reinterpret_cast<uint8_t*>(
       (reinterpret_cast<uintptr_t>(attend_smem) + kWgAlign - 1) & ~uintptr_t{kWgAlign - 1});
-  auto ks_at = [&](int buf) { return qs + kAttendWgTile + buf * 2 * kAttendWgBlock; };
-  auto vs_at = [&](int buf) { return ks_at(buf) + kAttendWgBlock; };
+  auto ks_at = [&](int buf) { return qs + kSwizzledTile + buf * 2 * kSwizzledBlock; };
+  auto vs_at = [&](int buf) { return ks_at(buf) + kSwizzledBlock; };
   __shared__ BlockList list;
   const int i = blockIdx.x, h = blockIdx.y, j = h / g.group;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
@@ -1394,10 +1524,10 @@ __global__ void __launch_bounds__(kAttendThreads, 4)
   const uint16_t* kh = static_cast<const uint16_t*>(k) + static_cast<int64_t>(j) * g.n * D;
   const uint16_t* vh = static_cast<const uint16_t*>(v) + static_cast<int64_t>(j) * g.n * D;
   auto stage = [&](int32_t blk, int buf) {
-    StageSwizzledRows(ks_at(buf), kAttendBk, kh, blk * kAttendBk, g.n);
-    StageSwizzledRows(vs_at(buf), kAttendBk, vh, blk * kAttendBk, g.n);
+    StageSwizzledRows(ks_at(buf), kAttendBk, kh, blk * kAttendBk, g.n, threadIdx.x, kAttendThreads);
+    StageSwizzledRows(vs_at(buf), kAttendBk, vh, blk * kAttendBk, g.n, threadIdx.x, kAttendThreads);
   };
-  StageSwizzledRows(qs, kAttendBq, qh, i * kAttendBq, g.n);
+  StageSwizzledRows(qs, kAttendBq, qh, i * kAttendBq, g.n, threadIdx.x, kAttendThreads);
   float o[D / 8][4];
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
@@ -1406,9 +1536,6 @@ __global__ void __launch_bounds__(kAttendThreads, 4)
   int32_t blk = walk.Next();
   if (blk >= 0) stage(blk, 0);
   CpAsyncCommit();  // with Q's rows
-  // A 16-deep k-step: 32 bytes within a 64-dim atom (2 in the descriptor's 16-byte units), the
-  // next atom a tile's rows * 128 bytes on.
-  auto k_step = [](int kk, int rows) { return (kk / 4) * (rows * 128 >> 4) + (kk % 4) * 2; };
   const uint64_t q_desc = Swizzled128Desc(qs);
   for (int buf = 0; blk >= 0; buf ^= 1) {
     const int32_t next = walk.Next();
@@ -1424,7 +1551,8 @@ __global__ void __launch_bounds__(kAttendThreads, 4)
     WgmmaFence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
-      Wgmma16N32<kBf16>(sc, q_desc + k_step(kk, kAttendBq), k_desc + k_step(kk, kAttendBk), kk > 0);
+      Wgmma16N32<kBf16>(sc, q_desc + SwizzledKStep(kk, kAttendBq),
+                        k_desc + SwizzledKStep(kk, kAttendBk), kk > 0);
     }
     WgmmaCommitAndWaitAll();
     SoftmaxBlock(g, blk * kAttendBk, tq, sc, o, st);
@@ -1517,6 +1645,18 @@ cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t worksp
                                 ThresholdsSmem(g), stream, g, pr.q, pr.k, p.tau, ops, p.mask);
         };
         const bool two = mt.head_tile >= kThrHeads;
+#if defined(KVSPARSE_CUDA_SM90A)
+        if (d == kSwizzledDim) {  // ThresholdsKernelWg
+          auto thresholds_wg = [&](auto kernel, int heads) {
+            return LaunchWithSmem(kernel, dim3(mt.q_blocks, H / heads), dim3(heads * 128),
+                                  ThresholdsWgSmem(heads), stream, g, pr.q, pr.k, p.tau, ops,
+                                  p.mask);
+          };
+          select_err = two ? thresholds_wg(&ThresholdsKernelWg<T, kThrHeads>, kThrHeads)
+                           : thresholds_wg(&ThresholdsKernelWg<T, 1>, 1);
+          return;
+        }
+#endif
         if (d == 128) {
           select_err = two ? thresholds(&ThresholdsKernel<T, 128, kThrHeads>, kThrHeads)
                            : thresholds(&ThresholdsKernel<T, 128, 1>, 1);
@@ -1574,7 +1714,7 @@ cudaError_t SaleAttend(const SaleAttendParams& p, cudaStream_t stream) {
     return cudaGetLastError();
   };
 #if defined(KVSPARSE_CUDA_SM90A)
-  if (pr.head_dim == kAttendWgDim) {
+  if (pr.head_dim == kSwizzledDim) {
     auto launch_wg = [&](auto kernel) {
       return LaunchWithSmem(kernel, grid, block, kAttendWgSmem, stream, g, pr.q, pr.k, pr.v, pr.out,
                             p.mask);
