@@ -1013,14 +1013,27 @@ __host__ __device__ constexpr int SwizzledKStep(int kk, int rows) {
 }
 
 // Query block i's mask rows of heads [h0, h0 + heads): every exact block 1, every other 0 (the
-// middle kernel then sets the middle blocks it takes). Every thread of the CTA a share.
+// middle kernel then sets the middle blocks it takes). Every thread of the CTA a share, 16 bytes
+// a store between the row's unaligned ends.
 __device__ __forceinline__ void WriteExactMaskRows(const SelectGeometry& g, const Regions& rg,
                                                    int h0, int heads, int32_t i, uint8_t* mask) {
-  for (int x = threadIdx.x; x < heads * g.k_blocks; x += blockDim.x) {
-    const int hh = x / g.k_blocks;
-    const int32_t blk = x - hh * g.k_blocks;
-    const bool exact = blk <= rg.last && (blk < rg.sink_end || blk >= rg.local_first);
-    mask[(static_cast<int64_t>(h0 + hh) * gridDim.x + i) * g.k_blocks + blk] = exact ? 1 : 0;
+  auto flag = [&](int32_t blk) -> uint32_t {
+    return blk <= rg.last && (blk < rg.sink_end || blk >= rg.local_first) ? 1u : 0u;
+  };
+  for (int hh = 0; hh < heads; ++hh) {
+    uint8_t* row = mask + (static_cast<int64_t>(h0 + hh) * gridDim.x + i) * g.k_blocks;
+    const int32_t lead =
+        min(g.k_blocks, static_cast<int32_t>((16 - (reinterpret_cast<uintptr_t>(row) & 15)) & 15));
+    const int32_t vecs = (g.k_blocks - lead) / 16, tail = lead + 16 * vecs;
+    for (int32_t x = threadIdx.x; x < lead; x += blockDim.x) row[x] = flag(x);
+    for (int32_t v = threadIdx.x; v < vecs; v += blockDim.x) {
+      const int32_t b0 = lead + 16 * v;
+      uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int e = 0; e < 16; ++e) w[e / 4] |= flag(b0 + e) << (8 * (e % 4));
+      *reinterpret_cast<uint4*>(row + b0) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    for (int32_t x = tail + threadIdx.x; x < g.k_blocks; x += blockDim.x) row[x] = flag(x);
   }
 }
 
