@@ -341,6 +341,16 @@ __device__ __forceinline__ void StageKeyBlock(const SelectGeometry& g, const uin
   }
 }
 
+// The maxima of a thread's two row values (mma.m16n8's C layout: rows lane / 4 and + 8) over the
+// lane quad that holds the rows' other keys.
+__device__ __forceinline__ void QuadMax(float& a, float& b) {
+#pragma unroll
+  for (int off = 1; off <= 2; off *= 2) {
+    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, off));
+    b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, off));
+  }
+}
+
 // The running maximum and sum (fp32, natural units) of a warp's two rows of a 16-row tile: rows
 // ra and rb = ra + 8 of the thread (lane / 4 and + 8), reduced over the lane quad's keys.
 struct ExactRows {
@@ -367,11 +377,7 @@ __device__ __forceinline__ void FoldExactTiles(const SelectGeometry& g,
     ta = fmaxf(ta, fmaxf(acc[t][0], acc[t][1]));
     tb = fmaxf(tb, fmaxf(acc[t][2], acc[t][3]));
   }
-#pragma unroll
-  for (int off = 1; off <= 2; off *= 2) {
-    ta = fmaxf(ta, __shfl_xor_sync(0xffffffffu, ta, off));
-    tb = fmaxf(tb, __shfl_xor_sync(0xffffffffu, tb, off));
-  }
+  QuadMax(ta, tb);
   const float na = fmaxf(st.ma, ta), nb = fmaxf(st.mb, tb);
   if (na != kNegInf) {
     st.la *= expf(st.ma - na);
@@ -394,6 +400,22 @@ __device__ __forceinline__ void SumExactRows(ExactRows& st) {
     st.la += __shfl_xor_sync(0xffffffffu, st.la, off);
     st.lb += __shfl_xor_sync(0xffffffffu, st.lb, off);
   }
+}
+
+// The thresholds m + ln(tau l) (in double, as the reference; -inf at tau 0) of a thread's rows
+// ra and ra + 8 of a query block (`thr` its first row's), from `st` summed over the lane quad;
+// rows past `rows` (the prompt's end) are not written.
+__device__ __forceinline__ void StoreRowThresholds(float tau, float* thr, int32_t rows, int ra,
+                                                   ExactRows st) {
+  SumExactRows(st);
+  auto threshold = [&](float m, float l) {
+    return tau > 0.f ? static_cast<float>(static_cast<double>(m) +
+                                          log(static_cast<double>(tau) * static_cast<double>(l)))
+                     : kNegInf;
+  };
+  if ((threadIdx.x & 3) != 0) return;
+  if (ra < rows) thr[ra] = threshold(st.ma, st.la);
+  if (ra + 8 < rows) thr[ra + 8] = threshold(st.mb, st.lb);
 }
 
 template <typename T>
@@ -1123,16 +1145,7 @@ __global__ void __launch_bounds__(kHeads * 128)
     FoldExactTiles(g, acc, g.bk / 8, c_blk, 8, r0 + ra, r0 + rb, st);
   }
   if (!active) return;
-  SumExactRows(st);
-  const float t = tau[h];
-  auto threshold = [&](float m, float l) {
-    return t > 0.f ? static_cast<float>(static_cast<double>(m) +
-                                        log(static_cast<double>(t) * static_cast<double>(l)))
-                   : kNegInf;
-  };
-  float* thr = ops.thr + static_cast<int64_t>(h) * g.n + r0;
-  if (tq == 0 && ra < rows) thr[ra] = threshold(st.ma, st.la);
-  if (tq == 0 && rb < rows) thr[rb] = threshold(st.mb, st.lb);
+  StoreRowThresholds(tau[h], ops.thr + static_cast<int64_t>(h) * g.n + r0, rows, ra, st);
 }
 
 // ThresholdsKernel's work for head_dim 128 on the warpgroup MMA (sm_90a): warpgroup w takes
@@ -1195,16 +1208,7 @@ __global__ void __launch_bounds__(kHeads * 128)
     WgmmaCommitAndWaitAll();
     FoldExactTiles(g, acc, 4, blocks[x] * 32, 8, r0 + ra, r0 + rb, st);
   }
-  SumExactRows(st);
-  const float t = tau[h];
-  auto threshold = [&](float m, float l) {
-    return t > 0.f ? static_cast<float>(static_cast<double>(m) +
-                                        log(static_cast<double>(t) * static_cast<double>(l)))
-                   : kNegInf;
-  };
-  float* thr = ops.thr + static_cast<int64_t>(h) * g.n + r0;
-  if ((lane & 3) == 0 && ra < rows) thr[ra] = threshold(st.ma, st.la);
-  if ((lane & 3) == 0 && rb < rows) thr[rb] = threshold(st.mb, st.lb);
+  StoreRowThresholds(tau[h], ops.thr + static_cast<int64_t>(h) * g.n + r0, rows, ra, st);
 }
 
 size_t SelectSmem(const SelectGeometry& g) {
@@ -1334,11 +1338,7 @@ __device__ __forceinline__ void SoftmaxBlock(const AttendGeometry& g, int32_t c0
     mx0 = fmaxf(mx0, fmaxf(sc[nt][0], sc[nt][1]));
     mx1 = fmaxf(mx1, fmaxf(sc[nt][2], sc[nt][3]));
   }
-#pragma unroll
-  for (int off = 1; off <= 2; off *= 2) {
-    mx0 = fmaxf(mx0, __shfl_xor_sync(0xffffffffu, mx0, off));
-    mx1 = fmaxf(mx1, __shfl_xor_sync(0xffffffffu, mx1, off));
-  }
+  QuadMax(mx0, mx1);
   const float n0 = fmaxf(st.m0, mx0), n1 = fmaxf(st.m1, mx1);
   // A row with no key yet keeps a zero state (its exponent base is then 0, not -inf).
   const float b0 = n0 == kNegInf ? 0.f : n0, b1 = n1 == kNegInf ? 0.f : n1;
