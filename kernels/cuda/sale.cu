@@ -1153,7 +1153,8 @@ __global__ void __launch_bounds__(kHeads * 128)
 // key block is staged once for all kHeads (cp.async, kThrStages deep) and scored by eight
 // m64n32k16 steps from shared memory, then folded as ThresholdsKernel folds it (FoldExactTiles:
 // the accumulators' layout is mma.m16n8's). The sums' order is the tensor cores' again: a
-// threshold may move by an ulp.
+// threshold may move by an ulp. Launched for middle_apart geometries only: block_k is 32 (the
+// literal 32-key blocks and four 8-key tiles below).
 constexpr size_t ThresholdsWgSmem(int heads) {
   return kThrStages * kSwizzledBlock + heads * kSwizzledTile + kWgAlign;
 }
