@@ -237,6 +237,30 @@ __device__ __forceinline__ void WgmmaFence() {
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #endif
 }
+// Ends the batch of wgmma issued since the last commit.
+__device__ __forceinline__ void WgmmaCommit() {
+#if defined(KVSPARSE_CUDA_SM90A)
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+// Waits until at most kPending committed batches are still running (they finish in order).
+template <int kPending>
+__device__ __forceinline__ void WgmmaWait() {
+#if defined(KVSPARSE_CUDA_SM90A)
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
+#endif
+}
+// Pins accumulator registers at this point of the program: the compiler sees each read and
+// written here, so no read or write of them moves across (after a wait, and before a wgmma that
+// uses them, where nothing else orders plain arithmetic against the asynchronous MMA).
+template <int N, int M>
+__device__ __forceinline__ void FenceAccumulators(float (&r)[N][M]) {
+#pragma unroll
+  for (int x = 0; x < N; ++x) {
+#pragma unroll
+    for (int y = 0; y < M; ++y) asm volatile("" : "+f"(r[x][y])::"memory");
+  }
+}
 // Ends the batch of wgmma issued since the last commit and waits for every batch to finish.
 __device__ __forceinline__ void WgmmaCommitAndWaitAll() {
 #if defined(KVSPARSE_CUDA_SM90A)

@@ -1322,11 +1322,11 @@ struct AttendRows {
 
 // One key block's scores `sc` (keys c0 + 8 nt + 2 tq (+1), the C layout) into unnormalized
 // probabilities: scaled (log2 units), keys past the row (causal) or past the prompt masked, the
-// rows' maxima raised over the quad, o and l rescaled to them and l += the rows' probabilities.
-template <int DT>
-__device__ __forceinline__ void SoftmaxBlock(const AttendGeometry& g, int32_t c0, int tq,
-                                             float (&sc)[kAttendBk / 8][4], float (&o)[DT][4],
-                                             AttendRows& st) {
+// rows' maxima raised over the quad, l rescaled to them and l += the rows' probabilities. Returns
+// the factors o must be rescaled by (RescaleRows) before this block's P V is added to it.
+__device__ __forceinline__ float2 ScoresToProbabilities(const AttendGeometry& g, int32_t c0, int tq,
+                                                        float (&sc)[kAttendBk / 8][4],
+                                                        AttendRows& st) {
   float mx0 = kNegInf, mx1 = kNegInf;
 #pragma unroll
   for (int nt = 0; nt < kAttendBk / 8; ++nt) {
@@ -1349,13 +1349,6 @@ __device__ __forceinline__ void SoftmaxBlock(const AttendGeometry& g, int32_t c0
   st.l0 *= f0;
   st.l1 *= f1;
 #pragma unroll
-  for (int dt = 0; dt < DT; ++dt) {
-    o[dt][0] *= f0;
-    o[dt][1] *= f0;
-    o[dt][2] *= f1;
-    o[dt][3] *= f1;
-  }
-#pragma unroll
   for (int nt = 0; nt < kAttendBk / 8; ++nt) {
     sc[nt][0] = exp2f(sc[nt][0] - b0);
     sc[nt][1] = exp2f(sc[nt][1] - b0);
@@ -1363,6 +1356,19 @@ __device__ __forceinline__ void SoftmaxBlock(const AttendGeometry& g, int32_t c0
     sc[nt][3] = exp2f(sc[nt][3] - b1);
     st.l0 += sc[nt][0] + sc[nt][1];
     st.l1 += sc[nt][2] + sc[nt][3];
+  }
+  return make_float2(f0, f1);
+}
+
+// o's rows (row0 in [.][0..1], row1 in [.][2..3]) times f.x and f.y.
+template <int DT>
+__device__ __forceinline__ void RescaleRows(float (&o)[DT][4], float2 f) {
+#pragma unroll
+  for (int dt = 0; dt < DT; ++dt) {
+    o[dt][0] *= f.x;
+    o[dt][1] *= f.x;
+    o[dt][2] *= f.y;
+    o[dt][3] *= f.y;
   }
 }
 
@@ -1482,7 +1488,7 @@ __global__ void __launch_bounds__(kAttendThreads)
         Mma16816<T>(sc[nt], qa[kk + 1][0], qa[kk + 1][1], qa[kk + 1][2], qa[kk + 1][3], b[2], b[3]);
       }
     }
-    SoftmaxBlock(g, c0, tq, sc, o, st);
+    RescaleRows(o, ScoresToProbabilities(g, c0, tq, sc, st));
     // O += P V: two 16-key steps; P's A fragments from the score tiles, V's B fragments
     // (keys 2 tq, 2 tq + 1 (+ 8) of column gr) by a transposing ldmatrix: lane l addresses key
     // 16 kstep + 8 ((l / 8) % 2) + l % 8 at dims 8 dt + 8 (l / 16), b0 / b1 of dt and dt + 1.
@@ -1508,17 +1514,19 @@ __global__ void __launch_bounds__(kAttendThreads)
 
 // ---- The computation pass on the warpgroup MMA (sm_90a, head_dim 128) ----------------------
 
-constexpr int kAttendWgStages = 2;  // K/V blocks in flight
+constexpr int kAttendWgStages = 3;  // K/V blocks in flight
 constexpr size_t kAttendWgSmem =
     kSwizzledTile + kAttendWgStages * 2 * kSwizzledBlock + kWgAlign;  // dynamic, AttendKernelWg
 
 // AttendKernel's work for head_dim 128 on one warpgroup: Q, and each selected block's K and V,
-// staged in shared memory in the 128-byte swizzle (cp.async, the next block's copy overlapping
-// this block's arithmetic), S = Q K^T by eight m64n32k16 steps from shared memory, the same
-// online softmax in registers (the accumulators' layout is mma.m16n8's), O += P V by two
-// m64n128k16 steps with P from registers and V transposed by the instruction.
+// staged in shared memory in the 128-byte swizzle (cp.async, kAttendWgStages blocks: the one
+// being scored, the one whose P V is running, the next one arriving), S = Q K^T by eight
+// m64n32k16 steps from shared memory, the same online softmax in registers (the accumulators'
+// layout is mma.m16n8's), O += P V by two m64n128k16 steps with P from registers and V
+// transposed by the instruction. A block's S is issued with the previous block's P V, so its
+// softmax runs while that P V is on the tensor cores; o is rescaled once the P V is done.
 template <typename T>
-__global__ void __launch_bounds__(kAttendThreads, 4)
+__global__ void __launch_bounds__(kAttendThreads, 3)
     AttendKernelWg(AttendGeometry g, const void* q, const void* k, const void* v, void* out,
                    const uint8_t* mask) {
   constexpr int D = kSwizzledDim;
@@ -1538,8 +1546,13 @@ __global__ void __launch_bounds__(kAttendThreads, 4)
   const uint16_t* kh = static_cast<const uint16_t*>(k) + static_cast<int64_t>(j) * g.n * D;
   const uint16_t* vh = static_cast<const uint16_t*>(v) + static_cast<int64_t>(j) * g.n * D;
   auto stage = [&](int32_t blk, int buf) {
-    StageSwizzledRows(ks_at(buf), kAttendBk, kh, blk * kAttendBk, g.n, threadIdx.x, kAttendThreads);
-    StageSwizzledRows(vs_at(buf), kAttendBk, vh, blk * kAttendBk, g.n, threadIdx.x, kAttendThreads);
+    if (blk >= 0) {
+      StageSwizzledRows(ks_at(buf), kAttendBk, kh, blk * kAttendBk, g.n, threadIdx.x,
+                        kAttendThreads);
+      StageSwizzledRows(vs_at(buf), kAttendBk, vh, blk * kAttendBk, g.n, threadIdx.x,
+                        kAttendThreads);
+    }
+    CpAsyncCommit();
   };
   StageSwizzledRows(qs, kAttendBq, qh, i * kAttendBq, g.n, threadIdx.x, kAttendThreads);
   float o[D / 8][4];
@@ -1548,40 +1561,79 @@ __global__ void __launch_bounds__(kAttendThreads, 4)
   SelectedBlocks walk(&list, mask + (static_cast<int64_t>(h) * g.q_blocks + i) * g.k_blocks,
                       (min(g.n, (i + 1) * kAttendBq) - 1) / kAttendBk + 1);
   int32_t blk = walk.Next();
-  if (blk >= 0) stage(blk, 0);
-  CpAsyncCommit();  // with Q's rows
+  stage(blk, 0);  // with Q's rows
+  if (blk < 0) {  // uniform: no block selected (a caller's mask may say so): zeros
+    CpAsyncWait<0>();
+    StoreAttendRows<T, D>(g, h, tq, o, st, out);
+    return;
+  }
   const uint64_t q_desc = Swizzled128Desc(qs);
-  for (int buf = 0; blk >= 0; buf ^= 1) {
-    const int32_t next = walk.Next();
-    if (next >= 0) stage(next, buf ^ 1);
-    CpAsyncCommit();
-    CpAsyncWait<1>();
+  float sc[kAttendBk / 8][4];
+  // Waits for the block in `buf`, stages the next selected block in the buffer after it (the
+  // block two back's: every warp is past its P V at the barrier), and issues S = Q K^T (one
+  // batch); returns the next block.
+  auto begin_block = [&](int buf) {
+    CpAsyncWait<0>();
     FenceProxyAsyncShared();  // the staged rows visible to the MMA's operand reads
     __syncthreads();
-    float sc[kAttendBk / 8][4];
+    const int32_t ahead = walk.Next();
+    stage(ahead, buf + 1 == kAttendWgStages ? 0 : buf + 1);
 #pragma unroll
     for (int nt = 0; nt < kAttendBk / 8; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
     const uint64_t k_desc = Swizzled128Desc(ks_at(buf));
+    FenceAccumulators(sc);
+    FenceAccumulators(o);
     WgmmaFence();
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       Wgmma16N32<kBf16>(sc, q_desc + SwizzledKStep(kk, kAttendBq),
                         k_desc + SwizzledKStep(kk, kAttendBk), kk > 0);
     }
-    WgmmaCommitAndWaitAll();
-    SoftmaxBlock(g, blk * kAttendBk, tq, sc, o, st);
+    WgmmaCommit();
+    return ahead;
+  };
+  uint32_t pa[kAttendBk / 16][4];  // the previous block's P fragments
+  // O += P V of the block in `buf` (one batch).
+  auto add_pv = [&](int buf) {
     const uint64_t v_desc = Swizzled128MnDesc(vs_at(buf), kAttendBk * 128);
-    WgmmaFence();
 #pragma unroll
     for (int kstep = 0; kstep < kAttendBk / 16; ++kstep) {
-      uint32_t a[4];
-      ProbabilityFragments<T>(sc, kstep, a);
-      Wgmma16N128RegA<kBf16>(o, a, v_desc + kstep * (16 * 128 >> 4), 1);
+      Wgmma16N128RegA<kBf16>(o, pa[kstep], v_desc + kstep * (16 * 128 >> 4), 1);
     }
-    WgmmaCommitAndWaitAll();
-    __syncthreads();  // every warp is done with this buffer before the next stage refills it
+    WgmmaCommit();
+  };
+  auto take_probabilities = [&]() {
+#pragma unroll
+    for (int kstep = 0; kstep < kAttendBk / 16; ++kstep) {
+      ProbabilityFragments<T>(sc, kstep, pa[kstep]);
+    }
+  };
+  // The first block apart: inside the loop every step has a P V in flight, so no branch
+  // separates an asynchronous MMA from the accumulators it writes.
+  int32_t next = begin_block(0);
+  WgmmaWait<0>();
+  FenceAccumulators(sc);
+  RescaleRows(o, ScoresToProbabilities(g, blk * kAttendBk, tq, sc, st));
+  take_probabilities();
+  int prev_buf = 0;
+  for (int buf = 1; next >= 0; buf = buf + 1 == kAttendWgStages ? 0 : buf + 1) {
     blk = next;
+    next = begin_block(buf);
+    add_pv(prev_buf);
+    WgmmaWait<1>();  // S (the previous block's P V may still run)
+    FenceAccumulators(sc);
+    const float2 f = ScoresToProbabilities(g, blk * kAttendBk, tq, sc, st);
+    WgmmaWait<0>();
+    FenceAccumulators(o);
+    RescaleRows(o, f);
+    take_probabilities();
+    prev_buf = buf;
   }
+  FenceAccumulators(o);
+  WgmmaFence();
+  add_pv(prev_buf);
+  WgmmaWait<0>();
+  FenceAccumulators(o);
   StoreAttendRows<T, D>(g, h, tq, o, st, out);
 }
 
