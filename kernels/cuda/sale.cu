@@ -1515,6 +1515,9 @@ __global__ void __launch_bounds__(kAttendThreads)
 // ---- The computation pass on the warpgroup MMA (sm_90a, head_dim 128) ----------------------
 
 constexpr int kAttendWgStages = 3;  // K/V blocks in flight
+// AttendKernelWg stages block j + 1 while block j - 1's P V still reads its V: a ring of two
+// would overwrite it (outputs wrong on rows of three or more blocks).
+static_assert(kAttendWgStages >= 3, "AttendKernelWg's ring: scored, in P V, arriving");
 constexpr size_t kAttendWgSmem =
     kSwizzledTile + kAttendWgStages * 2 * kSwizzledBlock + kWgAlign;  // dynamic, AttendKernelWg
 
