@@ -73,12 +73,20 @@ __device__ __forceinline__ void BulkCopyToShared(void* smem, const void* gmem, u
 
 // ---- Warpgroup MMA, int8 ----------------------------------------------------------------------
 
-// The shared-memory descriptor of K-major int8 rows of 128 bytes in the 128-byte swizzle (16-byte
-// chunk c of row r at r * 128 + ((c ^ (r % 8)) * 16), 8-row atoms 1024 bytes apart, the tile
-// 1024-aligned); a k-step of 32 bytes adds 2 to it.
+// The shared-memory descriptor of a tile of 128-byte rows in the 128-byte swizzle (16-byte chunk
+// c of row r at r * 128 + ((c ^ (r % 8)) * 16), 8-row atoms 1024 bytes apart, the tile
+// 1024-aligned). `lead_bytes` is the descriptor's leading byte offset: unused by K-major tiles
+// (16, as below), the stride of the 64-element atoms along N for MN-major ones
+// (Swizzled128MnDesc).
+__device__ __forceinline__ uint64_t Swizzled128Descriptor(const void* smem, uint32_t lead_bytes) {
+  return static_cast<uint64_t>((SmemAddr(smem) & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>(lead_bytes >> 4) << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
+         (static_cast<uint64_t>(1) << 62);
+}
+// The descriptor of such a tile read K-major (int8 rows of 128 bytes, or one 64-element atom of
+// 16-bit rows); a k-step of 32 bytes adds 2 to it.
 __device__ __forceinline__ uint64_t Swizzled128Desc(const void* smem) {
-  return static_cast<uint64_t>((SmemAddr(smem) & 0x3FFFF) >> 4) | (static_cast<uint64_t>(1) << 16) |
-         (static_cast<uint64_t>(1024 >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+  return Swizzled128Descriptor(smem, 16);
 }
 
 // d (+)= a b over one 32-deep k-step: d [64 x 32] int32 (thread t of the warpgroup: rows
@@ -151,9 +159,7 @@ __device__ __forceinline__ void WgmmaS8N64Shared(int (&d)[32], uint64_t desc_a, 
 // r * 128 + ((c ^ (r % 8)) * 16), 8-row groups 1024 bytes apart, the atoms along N
 // `atom_bytes` apart, the tile 1024-aligned); a 16-deep k-step adds 2048 bytes to the start.
 __device__ __forceinline__ uint64_t Swizzled128MnDesc(const void* smem, uint32_t atom_bytes) {
-  return static_cast<uint64_t>((SmemAddr(smem) & 0x3FFFF) >> 4) |
-         (static_cast<uint64_t>(atom_bytes >> 4) << 16) | (static_cast<uint64_t>(1024 >> 4) << 32) |
-         (static_cast<uint64_t>(1) << 62);
+  return Swizzled128Descriptor(smem, atom_bytes);
 }
 
 // d (+)= a b over one 16-deep k-step, a [64 x 16] and b [16 x 32] (32 columns) bf16 (kBf16) or fp16
@@ -250,6 +256,11 @@ __device__ __forceinline__ void WgmmaWait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
 #endif
 }
+// Ends the batch of wgmma issued since the last commit and waits for every batch to finish.
+__device__ __forceinline__ void WgmmaCommitAndWaitAll() {
+  WgmmaCommit();
+  WgmmaWait<0>();
+}
 // Pins accumulator registers at this point of the program: the compiler sees each read and
 // written here, so no read or write of them moves across (after a wait, and before a wgmma that
 // uses them, where nothing else orders plain arithmetic against the asynchronous MMA).
@@ -260,12 +271,6 @@ __device__ __forceinline__ void FenceAccumulators(float (&r)[N][M]) {
 #pragma unroll
     for (int y = 0; y < M; ++y) asm volatile("" : "+f"(r[x][y])::"memory");
   }
-}
-// Ends the batch of wgmma issued since the last commit and waits for every batch to finish.
-__device__ __forceinline__ void WgmmaCommitAndWaitAll() {
-#if defined(KVSPARSE_CUDA_SM90A)
-  asm volatile("wgmma.commit_group.sync.aligned;\nwgmma.wait_group.sync.aligned 0;" ::: "memory");
-#endif
 }
 
 }  // namespace kvsparse::kernels::cuda

@@ -261,6 +261,13 @@ __device__ __forceinline__ Regions RegionsOf(const SelectGeometry& g, int32_t i)
   return r;
 }
 
+// A row's threshold m + ln(tau l) over its exact regions (maximum m, sum l of exp(s - m)), in
+// double as the reference; -inf at tau 0 (every middle block then taken).
+__device__ __forceinline__ float RowThreshold(float m, double l, float tau) {
+  return tau > 0.f ? static_cast<float>(static_cast<double>(m) + log(static_cast<double>(tau) * l))
+                   : kNegInf;
+}
+
 // Step 1 for one row (one warp): m_r and the threshold m_r + ln(tau l_r) over the exact
 // regions' keys c <= r, the scores sequential fp32 dot products (no fused multiply-adds).
 template <typename T>
@@ -293,11 +300,7 @@ __device__ void ExactRowThreshold(const SelectGeometry& g, const Regions& rg, co
   double lr = 0.0;
   for (int32_t x = lane; x < count; x += 32) lr += exp(static_cast<double>(sc[x]) - mr);
   lr = WarpSum(lr);
-  if (lane == 0) {
-    *thr_out =
-        tau > 0.f ? static_cast<float>(static_cast<double>(mr) + log(static_cast<double>(tau) * lr))
-                  : kNegInf;
-  }
+  if (lane == 0) *thr_out = RowThreshold(mr, lr, tau);
   __syncwarp();
 }
 
@@ -408,14 +411,9 @@ __device__ __forceinline__ void SumExactRows(ExactRows& st) {
 __device__ __forceinline__ void StoreRowThresholds(float tau, float* thr, int32_t rows, int ra,
                                                    ExactRows st) {
   SumExactRows(st);
-  auto threshold = [&](float m, float l) {
-    return tau > 0.f ? static_cast<float>(static_cast<double>(m) +
-                                          log(static_cast<double>(tau) * static_cast<double>(l)))
-                     : kNegInf;
-  };
   if ((threadIdx.x & 3) != 0) return;
-  if (ra < rows) thr[ra] = threshold(st.ma, st.la);
-  if (ra + 8 < rows) thr[ra + 8] = threshold(st.mb, st.lb);
+  if (ra < rows) thr[ra] = RowThreshold(st.ma, st.la, tau);
+  if (ra + 8 < rows) thr[ra + 8] = RowThreshold(st.mb, st.lb, tau);
 }
 
 template <typename T>
@@ -941,9 +939,7 @@ __global__ void __launch_bounds__(kSelectThreads)
     for (int r = threadIdx.x; r < rows; r += blockDim.x) {
       const float m0 = pm[r], m1 = pm[kMaxBlock + r], m = fmaxf(m0, m1);
       const float l = pl[r] * expf(m0 - m) + pl[kMaxBlock + r] * expf(m1 - m);
-      thr[r] = t > 0.f ? static_cast<float>(static_cast<double>(m) +
-                                            log(static_cast<double>(t) * static_cast<double>(l)))
-                       : kNegInf;
+      thr[r] = RowThreshold(m, l, t);
     }
   }
   if (g.middle_apart) {
