@@ -264,12 +264,14 @@ __device__ __forceinline__ void WgmmaCommitAndWaitAll() {
 // Pins accumulator registers at this point of the program: the compiler sees each read and
 // written here, so no read or write of them moves across (after a wait, and before a wgmma that
 // uses them, where nothing else orders plain arithmetic against the asynchronous MMA).
-template <int N, int M>
-__device__ __forceinline__ void FenceAccumulators(float (&r)[N][M]) {
+__device__ __forceinline__ void FenceRegister(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void FenceRegister(int& r) { asm volatile("" : "+r"(r)::"memory"); }
+template <typename T, int N, int M>
+__device__ __forceinline__ void FenceAccumulators(T (&r)[N][M]) {
 #pragma unroll
   for (int x = 0; x < N; ++x) {
 #pragma unroll
-    for (int y = 0; y < M; ++y) asm volatile("" : "+f"(r[x][y])::"memory");
+    for (int y = 0; y < M; ++y) FenceRegister(r[x][y]);
   }
 }
 

@@ -865,6 +865,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       }
     }
     WgmmaCommitAndWaitAll();
+    FenceAccumulators(d);
     __syncwarp();
     if (lane == 0) BarrierArrive(&empty[s]);
 #pragma unroll
@@ -1203,6 +1204,7 @@ __global__ void __launch_bounds__(kHeads * 128)
                         kk > 0);
     }
     WgmmaCommitAndWaitAll();
+    FenceAccumulators(acc);
     FoldExactTiles(g, acc, 4, blocks[x] * 32, 8, r0 + ra, r0 + rb, st);
   }
   StoreRowThresholds(tau[h], ops.thr + static_cast<int64_t>(h) * g.n + r0, rows, ra, st);
