@@ -684,7 +684,12 @@ std::tuple<at::Tensor, at::Tensor> SalePrefill(const at::Tensor& q_in, const at:
     at::Tensor r = t.dim() == 4 && t.size(0) == 1 ? t.squeeze(0) : t;
     if (r.dim() != 3) Invalid(absl::StrCat(name, ": [heads, tokens, head_dim] (or [1, ...])"));
     if (r.device() != q_in.device()) Invalid("q, k and v must be on one device");
-    return r.contiguous();
+    r = r.contiguous();
+    // SALE's CUDA kernels read rows 16 bytes at a time: a view that starts off a 16-byte
+    // boundary (a slice of a larger buffer) is copied to a fresh tensor, as contiguous() copies a
+    // strided one.
+    if (reinterpret_cast<uintptr_t>(r.data_ptr()) % 16 != 0) r = r.clone();
+    return r;
   };
   const at::Tensor q = squeeze(q_in, "q"), k = squeeze(k_in, "k"), v = squeeze(v_in, "v");
   const DType dt = DTypeOf(q, "q");

@@ -119,6 +119,28 @@ def test_cuda_kernels_skip_the_blocks_the_reference_skips(dtype: torch.dtype) ->
 
 
 @pytest.mark.gpu
+def test_cuda_kernels_take_views_at_any_offset() -> None:
+    """q, k and v may be views that start off a 16-byte boundary (slices of a larger buffer): the
+    op copies them and returns what it returns for the same values in fresh tensors."""
+    cuda_or_skip()
+    q, k, v = (t.cuda() for t in peaked_prompt(700, 128, torch.bfloat16, seed=5))
+
+    def at_offset(t: torch.Tensor, elements: int) -> torch.Tensor:
+        buf = torch.empty(t.numel() + elements, dtype=t.dtype, device=t.device)
+        view = buf[elements:].view(t.shape)
+        view.copy_(t)
+        return view
+
+    out, skipped = ops.sale_prefill(q, k, v, 0.004)
+    for e in (1, 3, 4):  # 2, 6 and 8 bytes past the buffer's start
+        qv, kv, vv = at_offset(q, e), at_offset(k, e), at_offset(v, e)
+        assert qv.data_ptr() % 16 != 0
+        out_v, skipped_v = ops.sale_prefill(qv, kv, vv, 0.004)
+        torch.testing.assert_close(out_v, out, atol=0, rtol=0)
+        torch.testing.assert_close(skipped_v, skipped, atol=0, rtol=0)
+
+
+@pytest.mark.gpu
 def test_cuda_refusals_name_what_the_kernels_take() -> None:
     cuda_or_skip()
     q = torch.randn(4, 100, 16, device="cuda", dtype=torch.bfloat16)
