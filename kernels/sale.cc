@@ -310,57 +310,31 @@ std::vector<double> SaleHeadL1Error(const SalePrefill& p, absl::Span<const float
   return err;
 }
 
-absl::StatusOr<SaleCalibration> SaleCalibrate(absl::Span<const SalePrefill> samples,
-                                              const SaleParams& params, double theta, float tau0,
-                                              int32_t max_halvings) {
-  if (samples.empty()) return absl::InvalidArgumentError("calibration needs a sample");
+absl::StatusOr<SaleCalibration> SaleHalvingSearch(int32_t num_q_heads, double theta, float tau0,
+                                                  int32_t max_halvings, SaleRoundFn round) {
   if (!(theta >= 0.0) || !(tau0 > 0.f && tau0 < 1.f) || max_halvings < 0) {
     return absl::InvalidArgumentError("theta >= 0, tau0 in (0, 1) and max_halvings >= 0");
   }
-  const int32_t H = samples[0].num_q_heads;
-  for (const SalePrefill& p : samples) {
-    if (p.num_q_heads != H || p.head_dim != samples[0].head_dim) {
-      return absl::InvalidArgumentError("samples: every sample needs the same heads and head_dim");
-    }
-  }
-  // Dense outputs, once per sample.
-  std::vector<std::vector<float>> dense(samples.size());
-  for (size_t x = 0; x < samples.size(); ++x) {
-    const SalePrefill& p = samples[x];
-    if (absl::Status s = SaleAttend(p, params, SaleFullMask(p, params)); !s.ok()) return s;
-    const size_t count = static_cast<size_t>(H) * p.tokens * p.head_dim;
-    dense[x].resize(count);
-    for (size_t i = 0; i < count; ++i) dense[x][i] = LoadAsFloat(p.out, i, p.dtype);
-  }
+  const int32_t H = num_q_heads;
   SaleCalibration cal;
   cal.tau.assign(H, tau0);
   cal.error.assign(H, 0.0);
   cal.sparsity.assign(H, 0.0);
   cal.halvings.assign(H, 0);
   std::vector<bool> done(H, false);
-  for (int32_t round = 0; round <= max_halvings + 1; ++round) {
-    std::vector<double> worst(H, 0.0), skipped(H, 0.0);
-    for (size_t x = 0; x < samples.size(); ++x) {
-      const SalePrefill& p = samples[x];
-      SaleMask mask;
-      if (absl::Status s = SaleSelect(p, params, cal.tau, &mask); !s.ok()) return s;
-      if (absl::Status s = SaleAttend(p, params, mask); !s.ok()) return s;
-      const size_t count = static_cast<size_t>(H) * p.tokens * p.head_dim;
-      std::vector<float> out(count);
-      for (size_t i = 0; i < count; ++i) out[i] = LoadAsFloat(p.out, i, p.dtype);
-      const std::vector<double> e = SaleHeadL1Error(p, out, dense[x]);
-      for (int32_t h = 0; h < H; ++h) {
-        worst[h] = std::max(worst[h], e[h]);
-        const double causal = static_cast<double>(mask.causal_blocks[h]);
-        skipped[h] += causal > 0 ? 1.0 - mask.selected_blocks[h] / causal : 0.0;
-      }
+  for (int32_t r = 0; r <= max_halvings + 1; ++r) {
+    absl::StatusOr<SaleRound> m = round(cal.tau);
+    if (!m.ok()) return m.status();
+    if (static_cast<int32_t>(m->error.size()) != H ||
+        static_cast<int32_t>(m->skipped.size()) != H) {
+      return absl::InternalError("a calibration round measured another number of heads");
     }
     bool all = true;
     for (int32_t h = 0; h < H; ++h) {
       if (done[h]) continue;
-      cal.error[h] = worst[h];
-      cal.sparsity[h] = skipped[h] / static_cast<double>(samples.size());
-      if (worst[h] <= theta || cal.tau[h] == 0.f) {
+      cal.error[h] = m->error[h];
+      cal.sparsity[h] = m->skipped[h];
+      if (m->error[h] <= theta || cal.tau[h] == 0.f) {
         done[h] = true;
         continue;
       }
@@ -375,6 +349,49 @@ absl::StatusOr<SaleCalibration> SaleCalibrate(absl::Span<const SalePrefill> samp
     if (all) break;
   }
   return cal;
+}
+
+absl::StatusOr<SaleCalibration> SaleCalibrate(absl::Span<const SalePrefill> samples,
+                                              const SaleParams& params, double theta, float tau0,
+                                              int32_t max_halvings) {
+  if (samples.empty()) return absl::InvalidArgumentError("calibration needs a sample");
+  const int32_t H = samples[0].num_q_heads;
+  for (const SalePrefill& p : samples) {
+    if (p.num_q_heads != H || p.head_dim != samples[0].head_dim) {
+      return absl::InvalidArgumentError("samples: every sample needs the same heads and head_dim");
+    }
+  }
+  auto outputs = [](const SalePrefill& p) {
+    const size_t count = static_cast<size_t>(p.num_q_heads) * p.tokens * p.head_dim;
+    std::vector<float> out(count);
+    for (size_t i = 0; i < count; ++i) out[i] = LoadAsFloat(p.out, i, p.dtype);
+    return out;
+  };
+  std::vector<std::vector<float>> dense;  // per sample, computed in the first round
+  auto round = [&](absl::Span<const float> tau) -> absl::StatusOr<SaleRound> {
+    if (dense.empty()) {
+      for (const SalePrefill& p : samples) {
+        if (absl::Status s = SaleAttend(p, params, SaleFullMask(p, params)); !s.ok()) return s;
+        dense.push_back(outputs(p));
+      }
+    }
+    SaleRound m{std::vector<double>(H, 0.0), std::vector<double>(H, 0.0)};
+    for (size_t x = 0; x < samples.size(); ++x) {
+      const SalePrefill& p = samples[x];
+      SaleMask mask;
+      if (absl::Status s = SaleSelect(p, params, tau, &mask); !s.ok()) return s;
+      if (absl::Status s = SaleAttend(p, params, mask); !s.ok()) return s;
+      const std::vector<double> e = SaleHeadL1Error(p, outputs(p), dense[x]);
+      for (int32_t h = 0; h < H; ++h) {
+        m.error[h] = std::max(m.error[h], e[h]);
+        const double causal = static_cast<double>(mask.causal_blocks[h]);
+        m.skipped[h] += (causal > 0 ? 1.0 - mask.selected_blocks[h] / causal : 0.0) /
+                        static_cast<double>(samples.size());
+      }
+    }
+    return m;
+  };
+  return SaleHalvingSearch(H, theta, tau0, max_halvings, round);
 }
 
 }  // namespace kvsparse::kernels

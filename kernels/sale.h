@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/types/span.h"
@@ -110,9 +111,26 @@ struct SaleCalibration {
   std::vector<int32_t> halvings;  // [num_q_heads]
 };
 
+// What one round of the calibration measured at the heads' thresholds, per query head: the worst
+// sample's L1 error per token against dense attention, and the share of the causal blocks skipped,
+// the samples' mean.
+struct SaleRound {
+  std::vector<double> error;
+  std::vector<double> skipped;
+};
+using SaleRoundFn = absl::FunctionRef<absl::StatusOr<SaleRound>(absl::Span<const float> tau)>;
+
+// The paper's halving search, whatever runs its rounds (the reference in SaleCalibrate, SALE's
+// CUDA kernels in the op's calibration): every head starts at tau0; after each round a head whose
+// error is at most theta keeps its threshold, the others halve theirs, and a head still over
+// theta after max_halvings halvings is dense (0). Rounds run until every head is settled.
+[[nodiscard]] absl::StatusOr<SaleCalibration> SaleHalvingSearch(int32_t num_q_heads, double theta,
+                                                                float tau0, int32_t max_halvings,
+                                                                SaleRoundFn round);
+
 // Per-head thresholds for the samples (same heads and head_dim; their out buffers are
-// overwritten): tau_h = tau0 / 2^k for the least k <= max_halvings with every sample's error at
-// most theta, or 0 (dense) when none is.
+// overwritten) by SaleHalvingSearch on the reference: tau_h = tau0 / 2^k for the least
+// k <= max_halvings with every sample's error at most theta, or 0 (dense) when none is.
 [[nodiscard]] absl::StatusOr<SaleCalibration> SaleCalibrate(absl::Span<const SalePrefill> samples,
                                                             const SaleParams& params, double theta,
                                                             float tau0 = 0.008f,

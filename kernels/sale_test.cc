@@ -314,6 +314,48 @@ TEST(SaleTest, CalibratedThresholdsAreSparseWithinTheBound) {
 // over the estimate's factors (scales over four decades, sums of either sign up to 2^21, mean
 // terms of either sign, including ones that cancel the product), with the threshold at the
 // estimate itself and a few ulps on either side, where the two evaluations' roundings matter.
+// The search alone, on rounds whose errors are a known function of tau: head 0 meets theta at
+// once, head 1 after three halvings, head 2 never (dense after max_halvings), head 3 only at tau 0.
+TEST(SaleTest, HalvingSearchHalvesEachHeadUntilItsErrorMeetsTheBound) {
+  const double theta = 1.0;
+  const float tau0 = 0.008f;
+  std::vector<std::vector<float>> seen;
+  auto round = [&](absl::Span<const float> tau) -> absl::StatusOr<SaleRound> {
+    seen.emplace_back(tau.begin(), tau.end());
+    SaleRound m;
+    m.error = {0.5, tau[1] / tau0 * 5.0, 2.0, tau[3] > 0 ? 3.0 : 0.25};
+    m.skipped = {0.9, tau[1] / tau0, 0.1, tau[3] > 0 ? 0.5 : 0.0};
+    return m;
+  };
+  absl::StatusOr<SaleCalibration> cal = SaleHalvingSearch(4, theta, tau0, 5, round);
+  ASSERT_TRUE(cal.ok()) << cal.status();
+  EXPECT_EQ(cal->tau, (std::vector<float>{tau0, tau0 / 8, 0.f, 0.f}));
+  EXPECT_EQ(cal->halvings, (std::vector<int32_t>{0, 3, 5, 5}));
+  EXPECT_EQ(cal->error, (std::vector<double>{0.5, 5.0 / 8, 2.0, 0.25}));
+  EXPECT_EQ(cal->sparsity, (std::vector<double>{0.9, 1.0 / 8, 0.1, 0.0}));
+  // Five halvings, then one round at tau 0 for the heads that never met theta.
+  ASSERT_EQ(seen.size(), 7u);
+  EXPECT_EQ(seen[0], (std::vector<float>(4, tau0)));
+  EXPECT_EQ(seen[6][2], 0.f);
+
+  // A failing round stops the search with its status; a bad bound runs no round.
+  auto failing = [](absl::Span<const float>) -> absl::StatusOr<SaleRound> {
+    return absl::UnavailableError("device lost");
+  };
+  EXPECT_EQ(SaleHalvingSearch(2, theta, tau0, 5, failing).status().code(),
+            absl::StatusCode::kUnavailable);
+  seen.clear();
+  EXPECT_FALSE(SaleHalvingSearch(4, -1.0, tau0, 5, round).ok());
+  EXPECT_FALSE(SaleHalvingSearch(4, theta, 1.5f, 5, round).ok());
+  EXPECT_FALSE(SaleHalvingSearch(4, theta, tau0, -1, round).ok());
+  EXPECT_TRUE(seen.empty());
+  auto short_round = [](absl::Span<const float>) -> absl::StatusOr<SaleRound> {
+    return SaleRound{{0.0}, {0.0}};
+  };
+  EXPECT_EQ(SaleHalvingSearch(4, theta, tau0, 5, short_round).status().code(),
+            absl::StatusCode::kInternal);
+}
+
 TEST(SaleTest, ScreenNeverTurnsAwayARowThatPasses) {
   std::mt19937 rng(20261128);
   std::uniform_real_distribution<float> unit(0.f, 1.f);

@@ -17,6 +17,7 @@
 #define KVSPARSE_TORCH_CUDA 1
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -672,14 +673,14 @@ at::Tensor SalePrefillCuda(const at::Tensor& q, const kernels::SalePrefill& p,
 }
 #endif
 
-// SALE prefill (kernels/sale.h) of one prompt: q [H, n, d], k and v [Hkv, n, d] (a leading
-// batch dimension of 1 is accepted), one threshold per query head. Returns the output
-// [H, n, d] and per head the causal blocks and those computed ([H, 2], int64, on q's device).
-// CPU tensors run the reference; CUDA tensors SALE's kernels (SalePrefillCuda).
-std::tuple<at::Tensor, at::Tensor> SalePrefill(const at::Tensor& q_in, const at::Tensor& k_in,
-                                               const at::Tensor& v_in, at::ArrayRef<double> tau,
-                                               double scale, int64_t block_q, int64_t block_k,
-                                               int64_t sink_tokens, int64_t local_tokens) {
+// One prompt's tensors for SALE (kernels/sale.h): q [H, n, d], k and v [Hkv, n, d] (a leading
+// batch dimension of 1 is accepted), contiguous, on one device, with the output allocated.
+struct SaleOperands {
+  at::Tensor q, k, v, out;
+  kernels::SalePrefill p;
+};
+SaleOperands SaleOperandsOf(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                            double scale) {
   auto squeeze = [&](const at::Tensor& t, const char* name) {
     at::Tensor r = t.dim() == 4 && t.size(0) == 1 ? t.squeeze(0) : t;
     if (r.dim() != 3) Invalid(absl::StrCat(name, ": [heads, tokens, head_dim] (or [1, ...])"));
@@ -691,78 +692,131 @@ std::tuple<at::Tensor, at::Tensor> SalePrefill(const at::Tensor& q_in, const at:
     if (reinterpret_cast<uintptr_t>(r.data_ptr()) % 16 != 0) r = r.clone();
     return r;
   };
-  const at::Tensor q = squeeze(q_in, "q"), k = squeeze(k_in, "k"), v = squeeze(v_in, "v");
-  const DType dt = DTypeOf(q, "q");
-  if (DTypeOf(k, "k") != dt || DTypeOf(v, "v") != dt) Invalid("q, k and v need one dtype");
-  if (k.sizes() != v.sizes() || q.size(1) != k.size(1) || q.size(2) != k.size(2)) {
+  SaleOperands o;
+  o.q = squeeze(q_in, "q");
+  o.k = squeeze(k_in, "k");
+  o.v = squeeze(v_in, "v");
+  const DType dt = DTypeOf(o.q, "q");
+  if (DTypeOf(o.k, "k") != dt || DTypeOf(o.v, "v") != dt) Invalid("q, k and v need one dtype");
+  if (o.k.sizes() != o.v.sizes() || o.q.size(1) != o.k.size(1) || o.q.size(2) != o.k.size(2)) {
     Invalid("k and v [Hkv, n, d] must match q [H, n, d] in tokens and head_dim");
   }
-  if (static_cast<int64_t>(tau.size()) != q.size(0)) Invalid("tau: one threshold per query head");
-  at::Tensor out = at::empty_like(q);
-  kernels::SalePrefill p;
-  p.tokens = static_cast<int32_t>(q.size(1));
-  p.num_q_heads = static_cast<int32_t>(q.size(0));
-  p.num_kv_heads = static_cast<int32_t>(k.size(0));
-  p.head_dim = static_cast<int32_t>(q.size(2));
+  o.out = at::empty_like(o.q);
+  kernels::SalePrefill& p = o.p;
+  p.tokens = static_cast<int32_t>(o.q.size(1));
+  p.num_q_heads = static_cast<int32_t>(o.q.size(0));
+  p.num_kv_heads = static_cast<int32_t>(o.k.size(0));
+  p.head_dim = static_cast<int32_t>(o.q.size(2));
   p.dtype = dt;
   p.scale = static_cast<float>(scale);
-  p.q = q.data_ptr();
-  p.k = k.data_ptr();
-  p.v = v.data_ptr();
-  p.out = out.data_ptr();
+  p.q = o.q.data_ptr();
+  p.k = o.k.data_ptr();
+  p.v = o.v.data_ptr();
+  p.out = o.out.data_ptr();
   Check(kernels::ValidateSalePrefill(p));
+  return o;
+}
+
+// SALE prefill (kernels/sale.h) of one prompt (SaleOperandsOf), one threshold per query head.
+// Returns the output [H, n, d] and per head the causal blocks and those computed ([H, 2], int64,
+// on q's device). CPU tensors run the reference; CUDA tensors SALE's kernels (SalePrefillCuda).
+std::tuple<at::Tensor, at::Tensor> SalePrefill(const at::Tensor& q_in, const at::Tensor& k_in,
+                                               const at::Tensor& v_in, at::ArrayRef<double> tau,
+                                               double scale, int64_t block_q, int64_t block_k,
+                                               int64_t sink_tokens, int64_t local_tokens) {
+  const SaleOperands o = SaleOperandsOf(q_in, k_in, v_in, scale);
+  if (static_cast<int64_t>(tau.size()) != o.q.size(0)) {
+    Invalid("tau: one threshold per query head");
+  }
   const kernels::SaleParams params = SaleParamsOf(block_q, block_k, sink_tokens, local_tokens);
   for (double t : tau) {
     if (!(t >= 0.0 && t < 1.0)) Invalid(absl::StrCat("tau: each threshold in [0, 1), got ", t));
   }
-  if (!q.is_cuda()) return {out, SalePrefillHost(p, params, tau)};
+  if (!o.q.is_cuda()) return {o.out, SalePrefillHost(o.p, params, tau)};
 #if KVSPARSE_TORCH_CUDA && defined(KVSPARSE_WITH_CUDA)
-  return {out, SalePrefillCuda(q, p, params, tau)};
+  return {o.out, SalePrefillCuda(o.q, o.p, params, tau)};
 #else
   Raise(absl::UnimplementedError("sale_prefill: this build has no CUDA kernels"));
 #endif
 }
 
-// SALE's per-head calibration (kernels::SaleCalibrate) over the samples of one layer: each
-// sample's q [H, n, d], k and v [Hkv, n, d] (CPU tensors). Returns per head tau, the worst
-// sample's L1 error per token at it, the mean share of blocks skipped and the halvings.
+#if KVSPARSE_TORCH_CUDA && defined(KVSPARSE_WITH_CUDA)
+// SALE's halving search (kernels::SaleHalvingSearch) with each round on SALE's CUDA kernels: the
+// errors are against the kernels' own output with every block selected (tau 0), computed on the
+// device; one synchronisation a round brings the per-head figures to the search.
+absl::StatusOr<kernels::SaleCalibration> SaleCalibrateCuda(const std::vector<SaleOperands>& samples,
+                                                           const kernels::SaleParams& params,
+                                                           double theta, float tau0,
+                                                           int32_t max_halvings) {
+  const int32_t H = samples[0].p.num_q_heads;
+  std::vector<at::Tensor> dense;  // per sample, computed in the first round
+  auto round = [&](absl::Span<const float> tau) -> absl::StatusOr<kernels::SaleRound> {
+    if (dense.empty()) {
+      const std::vector<double> zero(H, 0.0);
+      for (const SaleOperands& o : samples) {
+        SalePrefillCuda(o.q, o.p, params, zero);
+        dense.push_back(o.out.to(at::kFloat));
+      }
+    }
+    const std::vector<double> t(tau.begin(), tau.end());
+    at::Tensor worst, skipped;
+    for (size_t x = 0; x < samples.size(); ++x) {
+      const SaleOperands& o = samples[x];
+      const at::Tensor blocks = SalePrefillCuda(o.q, o.p, params, t).to(at::kDouble);
+      const at::Tensor err = (o.out.to(at::kFloat) - dense[x]).abs().sum({1, 2}).to(at::kDouble) /
+                             std::max<int32_t>(o.p.tokens, 1);
+      const at::Tensor causal = blocks.select(1, 0);
+      const at::Tensor skip =
+          at::where(causal > 0, 1.0 - blocks.select(1, 1) / causal.clamp_min(1), 0.0);
+      worst = x == 0 ? err : at::maximum(worst, err);
+      skipped = x == 0 ? skip : skipped + skip;
+    }
+    skipped = skipped / static_cast<double>(samples.size());
+    const at::Tensor e = worst.cpu(), s = skipped.cpu();
+    return kernels::SaleRound{std::vector<double>(e.data_ptr<double>(), e.data_ptr<double>() + H),
+                              std::vector<double>(s.data_ptr<double>(), s.data_ptr<double>() + H)};
+  };
+  return kernels::SaleHalvingSearch(H, theta, tau0, max_halvings, round);
+}
+#endif
+
+// SALE's per-head calibration over the samples of one layer (each sample's q [H, n, d], k and v
+// [Hkv, n, d], all on the CPU or all on one CUDA device): kernels::SaleCalibrate, the reference,
+// on CPU tensors; on CUDA tensors the same search on SALE's kernels (SaleCalibrateCuda). Returns
+// per head tau, the worst sample's L1 error per token at it, the mean share of blocks skipped and
+// the halvings.
 std::tuple<std::vector<double>, std::vector<double>, std::vector<double>, std::vector<int64_t>>
 SaleCalibrate(at::TensorList qs, at::TensorList ks, at::TensorList vs, double theta, double tau0,
               int64_t max_halvings, double scale, int64_t block_q, int64_t block_k,
               int64_t sink_tokens, int64_t local_tokens) {
   if (qs.size() != ks.size() || qs.size() != vs.size()) Invalid("q, k and v: one of each a sample");
-  std::vector<at::Tensor> keep;
-  std::vector<kernels::SalePrefill> samples;
+  if (qs.empty()) Invalid("calibration needs a sample");
+  std::vector<SaleOperands> samples;
   for (size_t i = 0; i < qs.size(); ++i) {
-    auto host = [&](const at::Tensor& t, const char* name) {
-      at::Tensor r = t.dim() == 4 && t.size(0) == 1 ? t.squeeze(0) : t;
-      if (r.dim() != 3) Invalid(absl::StrCat(name, ": [heads, tokens, head_dim] (or [1, ...])"));
-      if (r.device().is_cuda()) Invalid(absl::StrCat(name, ": calibration runs on CPU tensors"));
-      keep.push_back(r.contiguous());
-      return keep.back();
-    };
-    const at::Tensor q = host(qs[i], "q"), k = host(ks[i], "k"), v = host(vs[i], "v");
-    keep.push_back(at::empty_like(q));
-    kernels::SalePrefill p;
-    p.tokens = static_cast<int32_t>(q.size(1));
-    p.num_q_heads = static_cast<int32_t>(q.size(0));
-    p.num_kv_heads = static_cast<int32_t>(k.size(0));
-    p.head_dim = static_cast<int32_t>(q.size(2));
-    p.dtype = DTypeOf(q, "q");
-    if (DTypeOf(k, "k") != p.dtype || DTypeOf(v, "v") != p.dtype || k.sizes() != v.sizes() ||
-        k.size(1) != q.size(1) || k.size(2) != q.size(2)) {
-      Invalid("a sample's q, k and v need one dtype, and k, v [Hkv, n, d] to match q [H, n, d]");
+    samples.push_back(SaleOperandsOf(qs[i], ks[i], vs[i], scale));
+    const kernels::SalePrefill& p = samples.back().p;
+    if (samples.back().q.device() != samples[0].q.device()) {
+      Invalid("samples: every sample on one device");
     }
-    p.scale = static_cast<float>(scale);
-    p.q = q.data_ptr();
-    p.k = k.data_ptr();
-    p.v = v.data_ptr();
-    p.out = keep.back().data_ptr();
-    samples.push_back(p);
+    if (p.num_q_heads != samples[0].p.num_q_heads || p.head_dim != samples[0].p.head_dim) {
+      Invalid("samples: every sample needs the same heads and head_dim");
+    }
   }
   const kernels::SaleParams params = SaleParamsOf(block_q, block_k, sink_tokens, local_tokens);
-  absl::StatusOr<kernels::SaleCalibration> c = kernels::SaleCalibrate(
-      samples, params, theta, static_cast<float>(tau0), static_cast<int32_t>(max_halvings));
+  absl::StatusOr<kernels::SaleCalibration> c;
+  if (!samples[0].q.is_cuda()) {
+    std::vector<kernels::SalePrefill> prompts;
+    for (const SaleOperands& o : samples) prompts.push_back(o.p);
+    c = kernels::SaleCalibrate(prompts, params, theta, static_cast<float>(tau0),
+                               static_cast<int32_t>(max_halvings));
+  } else {
+#if KVSPARSE_TORCH_CUDA && defined(KVSPARSE_WITH_CUDA)
+    c = SaleCalibrateCuda(samples, params, theta, static_cast<float>(tau0),
+                          static_cast<int32_t>(max_halvings));
+#else
+    Raise(absl::UnimplementedError("sale_calibrate: this build has no CUDA kernels"));
+#endif
+  }
   if (!c.ok()) Raise(c.status());
   return {std::vector<double>(c->tau.begin(), c->tau.end()), c->error, c->sparsity,
           std::vector<int64_t>(c->halvings.begin(), c->halvings.end())};

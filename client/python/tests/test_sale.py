@@ -66,6 +66,31 @@ def test_bad_input_is_refused() -> None:
         ops.sale_prefill(q, k[:, :50], k[:, :50], 0.1)
 
 
+def test_calibration_halves_each_head_to_its_bound() -> None:
+    """kvsparse-sale-calibrate's search (calibrate_layer) on CPU samples runs on the reference:
+    every head with a threshold meets theta on every sample, and one halving fewer would not."""
+    from kvsparse.tools import sale_calibrate
+
+    samples = [peaked_prompt(1024, 64, torch.float32, seed=s, heads=4) for s in (1, 2)]
+    scale, theta = 64**-0.5, 0.05
+    tau, err, skipped, halvings = sale_calibrate.calibrate_layer(
+        samples, scale, theta=theta, tau0=0.008, max_halvings=12, params=ops.SaleParams())
+    assert len(tau) == 4 and all(t > 0 for t in tau), tau
+    assert all(e <= theta for e in err), err
+    assert max(halvings) > 0 and min(skipped) > 0.1, (halvings, skipped)
+    for h, t in enumerate(tau):
+        if halvings[h] == 0:
+            continue
+        looser = list(tau)
+        looser[h] = 2 * t
+        worst = 0.0
+        for q, k, v in samples:
+            dense, _ = ops.sale_prefill(q, k, v, 0.0, scale=scale)
+            out, _ = ops.sale_prefill(q, k, v, looser, scale=scale)
+            worst = max(worst, float((out[h] - dense[h]).abs().sum()) / q.shape[1])
+        assert worst > theta, (h, t, worst)
+
+
 def cuda_or_skip() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -153,12 +178,18 @@ def test_cuda_refusals_name_what_the_kernels_take() -> None:
         ops.sale_prefill(q32, k32, k32, 0.1)
     with pytest.raises(kvsparse.InvalidArgument, match="one device"):
         ops.sale_prefill(q32, k32.cpu(), k32, 0.1)
+    from kvsparse.tools import sale_calibrate
+
+    qb, kb = q32.bfloat16(), k32.bfloat16()
+    with pytest.raises(kvsparse.InvalidArgument, match="every sample on one device"):
+        sale_calibrate.calibrate_layer([(qb, kb, kb), (qb.cpu(), kb.cpu(), kb.cpu())], 0.125, theta=0.1,
+                                       tau0=0.008, max_halvings=4, params=ops.SaleParams())
 
 
 @pytest.mark.gpu
 def test_cuda_calibration_is_the_references_search() -> None:
-    """kvsparse-sale-calibrate's search on the CUDA kernels (calibrate_layer_cuda) against the
-    reference's (kernels::SaleCalibrate) on the same bf16 prompts: each head's error at its
+    """kvsparse-sale-calibrate's search (calibrate_layer) with its rounds on the CUDA kernels
+    against the same search on the reference, on the same bf16 prompts: each head's error at its
     threshold within theta, the same thresholds (a head may end one halving apart only where its
     error sits within rounding of theta)."""
     cuda_or_skip()
@@ -166,12 +197,10 @@ def test_cuda_calibration_is_the_references_search() -> None:
 
     samples = [peaked_prompt(1536, 128, torch.bfloat16, seed=s) for s in (5, 6)]
     scale = 128**-0.5
-    tau_c, err_c, skip_c, halv_c = ops._call(
-        torch.ops.kvsparse.sale_calibrate, [s[0] for s in samples], [s[1] for s in samples],
-        [s[2] for s in samples], 0.1, 0.008, 24, scale, 64, 32, 32, 256)
+    search = dict(theta=0.1, tau0=0.008, max_halvings=24, params=ops.SaleParams())
+    tau_c, err_c, skip_c, halv_c = sale_calibrate.calibrate_layer(samples, scale, **search)
     cuda = [tuple(t.cuda() for t in s) for s in samples]
-    tau, err, skipped, halvings = sale_calibrate.calibrate_layer_cuda(
-        cuda, scale, theta=0.1, tau0=0.008, max_halvings=24, params=ops.SaleParams())
+    tau, err, skipped, halvings = sale_calibrate.calibrate_layer(cuda, scale, **search)
     assert all(e <= 0.1 for t, e in zip(tau, err) if t > 0), err
     assert max(halv_c) > 0 and any(s > 0.1 for s in skipped), (halv_c, skipped)  # the search did work
     moved = [abs(a - b) for a, b in zip(halvings, halv_c)]

@@ -6,11 +6,12 @@ reads (needs the ``tools`` extra: torch and transformers).
 
 The calibration runs the model over sample prompts, records each layer's post-RoPE q, k and v,
 and per layer halves every head's threshold from tau0 until the head's L1 error against dense
-attention, ``||O - O~||_1 / n``, is at most theta on every sample. A model on the CPU searches
-with the reference (``kernels::SaleCalibrate`` through the op, exact arithmetic); a bf16 / fp16
-model on a CUDA device with SALE's CUDA kernels (the same search, ``calibrate_layer_cuda``: the
-error of the kernels' output at each threshold against their own output with every block), which
-takes seconds where the reference takes hours at 16k-token samples.
+attention, ``||O - O~||_1 / n``, is at most theta on every sample. The search is
+``kernels::SaleHalvingSearch``, reached through ``torch.ops.kvsparse.sale_calibrate``
+(``calibrate_layer``): a model on the CPU runs its rounds on the reference (exact arithmetic); a
+bf16 / fp16 model on a CUDA device on SALE's CUDA kernels (the error of the kernels' output at
+each threshold against their own output with every block), which takes seconds where the
+reference takes hours at 16k-token samples.
 """
 
 from __future__ import annotations
@@ -83,47 +84,20 @@ def record(model: Any, prompts: Sequence[torch.Tensor]
         _scales.clear()
 
 
-def calibrate_layer_cuda(samples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], scale: float, *,
-                         theta: float, tau0: float, max_halvings: int, params: SaleParams
-                         ) -> tuple[list[float], list[float], list[float], list[int]]:
-    """kernels::SaleCalibrate's search with SALE's CUDA kernels: each round runs every sample at
-    the heads' current thresholds; a head whose worst sample's L1 error per token (against the
-    kernels' output with every block) is at most theta keeps its threshold, the others halve it,
-    and a head still over theta after max_halvings halvings is dense (0). Returns per head tau,
-    the worst sample's error at it, the mean share of blocks skipped and the halvings."""
-    if not (theta >= 0 and 0 < tau0 < 1 and max_halvings >= 0):
-        raise ValueError("theta >= 0, tau0 in (0, 1) and max_halvings >= 0")
-    heads = samples[0][0].shape[0]
-    dense = [ops.sale_prefill(q, k, v, 0.0, scale=scale, params=params)[0].float() for q, k, v in samples]
-    tau = [float(tau0)] * heads
-    error, skipped_mean, halvings = [0.0] * heads, [0.0] * heads, [0] * heads
-    done = [False] * heads
-    for _ in range(max_halvings + 2):
-        worst = torch.zeros(heads, dtype=torch.float64, device=samples[0][0].device)
-        skipped = torch.zeros_like(worst)
-        for (q, k, v), d in zip(samples, dense):
-            out, skip = ops.sale_prefill(q, k, v, tau, scale=scale, params=params)
-            err = (out.float() - d).abs().sum(dim=(1, 2)).double() / q.shape[1]
-            worst = torch.maximum(worst, err)
-            skipped += skip.double()
-        worst_h, skipped_h = worst.tolist(), (skipped / len(samples)).tolist()
-        finished = True
-        for h in range(heads):
-            if done[h]:
-                continue
-            error[h], skipped_mean[h] = worst_h[h], skipped_h[h]
-            if worst_h[h] <= theta or tau[h] == 0.0:
-                done[h] = True
-                continue
-            finished = False
-            if halvings[h] < max_halvings:
-                tau[h] *= 0.5  # exact in float32 as in double
-                halvings[h] += 1
-            else:
-                tau[h] = 0.0  # dense: no threshold met theta
-        if finished:
-            break
-    return tau, error, skipped_mean, halvings
+def calibrate_layer(samples: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], scale: float, *,
+                    theta: float, tau0: float, max_halvings: int, params: SaleParams
+                    ) -> tuple[list[float], list[float], list[float], list[int]]:
+    """The halving search over one layer's samples (q [H, n, d], k and v [Hkv, n, d], all on the
+    CPU or all on one CUDA device): every head starts at tau0; a head whose worst sample's L1
+    error per token is at most theta keeps its threshold, the others halve it, and a head still
+    over theta after max_halvings halvings is dense (0). Returns per head tau, the worst sample's
+    error at it, the mean share of blocks skipped and the halvings."""
+    tau, err, skipped, halvings = ops._call(
+        torch.ops.kvsparse.sale_calibrate, [s[0] for s in samples], [s[1] for s in samples],
+        [s[2] for s in samples], float(theta), float(tau0), int(max_halvings), float(scale),
+        params.block_q, params.block_k, params.sink_tokens, params.local_tokens,
+    )
+    return [float(t) for t in tau], [float(e) for e in err], [float(x) for x in skipped], [int(h) for h in halvings]
 
 
 def calibrate(model: Any, prompts: Sequence[torch.Tensor], *, theta: float = 0.4, tau0: float = 0.008,
@@ -135,20 +109,12 @@ def calibrate(model: Any, prompts: Sequence[torch.Tensor], *, theta: float = 0.4
     thresholds: list[list[float]] = []
     report: dict[str, Any] = {"error": [], "skipped": [], "halvings": []}
     for layer in range(int(text.num_hidden_layers)):
-        samples = records[layer]
-        if _on_device(samples[0][0]):
-            tau, err, skipped, halvings = calibrate_layer_cuda(
-                samples, scales[layer], theta=theta, tau0=tau0, max_halvings=max_halvings, params=params)
-        else:
-                tau, err, skipped, halvings = ops._call(
-                torch.ops.kvsparse.sale_calibrate, [s[0] for s in samples], [s[1] for s in samples],
-                [s[2] for s in samples], float(theta), float(tau0), int(max_halvings), scales[layer],
-                params.block_q, params.block_k, params.sink_tokens, params.local_tokens,
-            )
-        thresholds.append([float(t) for t in tau])
-        report["error"].append([float(e) for e in err])
-        report["skipped"].append([float(x) for x in skipped])
-        report["halvings"].append([int(h) for h in halvings])
+        tau, err, skipped, halvings = calibrate_layer(
+            records[layer], scales[layer], theta=theta, tau0=tau0, max_halvings=max_halvings, params=params)
+        thresholds.append(tau)
+        report["error"].append(err)
+        report["skipped"].append(skipped)
+        report["halvings"].append(halvings)
     return SalePrefill(thresholds, params, theta, report)
 
 
