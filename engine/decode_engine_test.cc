@@ -424,6 +424,22 @@ TEST_F(EngineTest, SantaOverCompressedKeysSelectsWhatTheReferenceSelects) {
   m.kind = MethodKind::kSanta;
   m.santa.scores = kernels::ScoreSource::kCompressedKeys;
   EXPECT_EQ(engine_->Decode(Call(m)).status().code(), absl::StatusCode::kFailedPrecondition);
+  // 1-bit keys: refused, naming the keys' bits and what to use instead (the estimate's bias
+  // there is far beyond its standard error); 2 bits and more are served.
+  SetUp();
+  kvstore::Placement one_bit;
+  one_bit.compressed_key_bits = 1;
+  kernels::SyntheticOptions o = Options();
+  o.head_dim = 128;
+  Load(o, one_bit);
+  const absl::Status refused = engine_->Decode(Call(m)).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StrContains(refused.message(), "1-bit keys")) << refused;
+  EXPECT_TRUE(absl::StrContains(refused.message(), "compressed_key_bits >= 2")) << refused;
+  m.kind = MethodKind::kTopK;  // top-k over the same keys is served
+  m.top_k.source = kernels::ScoreSource::kCompressedKeys;
+  m.top_k.top_k_fraction = 0.1f;
+  EXPECT_TRUE(engine_->Decode(Call(m)).ok());
 }
 
 TEST_F(EngineTest, VAttentionSelectsWhatTheReferenceSelects) {

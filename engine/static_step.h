@@ -20,7 +20,9 @@
 // max_tokens, writes nothing: that sequence's output is zeros and Commit reports OUT_OF_RANGE.
 //
 // Methods: those whose GPU runner says Capturable (dense with K and V resident; S2ANTA prop and
-// flash; hash top-k with SimHash signatures); the others are FAILED_PRECONDITION at plan time
+// flash; hash top-k with SimHash signatures; top-k and S2ANTA-prop over compressed keys, whose
+// step appends its key to the compressed keys on the device, closing a group where it fills);
+// the others are FAILED_PRECONDITION at plan time
 // and run as eager calls. The store must be in this process with pages the GPU can read (the
 // PyTorch op's embedded store).
 #ifndef KVSPARSE_ENGINE_STATIC_STEP_H_

@@ -6,33 +6,11 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/key_quantization.h"
 
 namespace kvsparse::kernels {
-namespace {
 
-float Half(uint16_t bits) { return Fp16ToFloat(Fp16{bits}); }
-
-// fp16 nearest to x, saturated to the finite range.
-uint16_t HalfNearest(float x) {
-  const float kMax = 65504.f;
-  return FloatToFp16(std::clamp(x, -kMax, kMax)).bits;
-}
-
-// The smallest fp16 >= x (x >= 0), saturated to the largest finite one.
-uint16_t HalfUp(float x) {
-  uint16_t h = HalfNearest(x);
-  if (Half(h) < x && h < 0x7bffu) ++h;  // positive fp16 values order as their bits
-  return h;
-}
-
-// An fp16 upper bound of x >= 0: the smallest fp16 >= x, or +inf past the finite range.
-uint16_t HalfBound(double x) {
-  const float f = std::nextafter(static_cast<float>(x), std::numeric_limits<float>::infinity());
-  if (!(f <= 65504.f)) return 0x7c00u;
-  return HalfUp(f);
-}
-
-}  // namespace
+using keyq::Half;
 
 absl::Status ValidateKeyCompression(const KeyCompression& c, int32_t head_dim) {
   if (c.bits != 1 && c.bits != 2 && c.bits != 4 && c.bits != 8) {
@@ -121,27 +99,23 @@ void CompressKeyGroup(const KeyCompression& c, int32_t head_dim, DType dtype, co
       mn = std::min(mn, k[t * d + ch]);
       mx = std::max(mx, k[t * d + ch]);
     }
-    lo16[ch] = HalfNearest(mn);
-    lo[ch] = Half(lo16[ch]);
-    step16[ch] = HalfUp(std::max(0.f, (mx - lo[ch]) / static_cast<float>(levels)));
-    step[ch] = Half(step16[ch]);
+    const keyq::ChannelScale sc = keyq::ScaleOf(mn, mx, levels);
+    lo16[ch] = sc.lo16;
+    step16[ch] = sc.step16;
+    lo[ch] = Half(sc.lo16);
+    step[ch] = Half(sc.step16);
   }
   for (int32_t t = 0; t < G; ++t) {
     uint32_t* w = codes + static_cast<size_t>(t) * words;
     double err2 = 0;
     for (int32_t ch = 0; ch < d; ++ch) {
       const float x = k[t * d + ch];
-      uint32_t code = 0;
-      if (step[ch] > 0.f) {
-        const float r = std::nearbyint((x - lo[ch]) / step[ch]);
-        code = static_cast<uint32_t>(std::clamp(r, 0.f, static_cast<float>(levels)));
-      }
+      const uint32_t code = keyq::CodeOf(x, lo[ch], step[ch], levels);
       const int64_t bit = static_cast<int64_t>(ch) * c.bits;
       w[bit / 32] |= code << (bit % 32);
-      const double e = static_cast<double>(x) - (lo[ch] + step[ch] * static_cast<float>(code));
-      err2 += e * e;
+      err2 = keyq::AddSquaredError(err2, x, lo[ch], step[ch], code);
     }
-    err16[t] = HalfBound(std::sqrt(err2));
+    err16[t] = keyq::HalfBound(keyq::Sqrt(err2));
   }
 }
 

@@ -4,8 +4,8 @@
 # of debug info, with the non-system shared libraries they load (gRPC, protobuf, Abseil,
 # prometheus-cpp: the GPU host's image has none of them), into .carry/dev (git-ignored): the
 # folder scripts/gpu_check.sh runs from on the GPU host, packed as .carry/pack/dev.tar.xz (every
-# GPU program), its libraries and server alone as .carry/qpack/dev.tar.xz, and its GPU tests
-# alone as .carry/tpack/dev.tar.xz.
+# GPU program), its libraries and server alone as .carry/qpack/dev.tar.xz, and its GPU tests with
+# the PyTorch op as .carry/tpack/dev.tar.xz.
 # With the PyTorch extension configured (scripts/python_test.sh does), libkvsparse_torch.so is
 # packed too, with the libraries it needs beside torch's own (those the GPU host's torch has).
 #   BUILD: build directory (default build, the README's full build)
@@ -36,8 +36,9 @@ tar -C .carry -cf - dev | xz -T2 -6 > .carry/pack/dev.tar.xz
 # beside a model checkpoint (build/quality/model) and the wheels (.whl, scripts/gpu_wheels.sh).
 tar -C .carry --exclude=libkvsparse_cuda_capi.so -cf - dev/lib dev/bin/kvsparse-server \
   | xz -T2 -9 > .carry/qpack/dev.tar.xz
-# The test pack: the GPU tests alone, with the libraries they load, for test runs.
+# The test pack: the GPU tests and the PyTorch op (when built) with the libraries they load, for
+# test, Python and end-to-end runs (small enough to travel beside the wheels).
 mkdir -p .carry/tpack
-tar -C .carry --exclude=libkvsparse_torch.so -cf - dev/lib dev/bin/kernels_cuda_test \
+tar -C .carry --exclude=libkvsparse_cuda_capi.so -cf - dev/lib dev/bin/kernels_cuda_test \
   dev/bin/gpu_engine_test dev/bin/gpu_host_tier_test | xz -T2 -6 > .carry/tpack/dev.tar.xz
 du -sh .carry/dev .carry/pack/dev.tar.xz .carry/qpack/dev.tar.xz .carry/tpack/dev.tar.xz

@@ -8,40 +8,61 @@
 #include "kernels/compressed_keys.h"
 
 namespace kvsparse::engine::gpu {
+namespace {
+
+kernels::KeyCompression CompressionOf(const SequenceDesc& desc) {
+  return {static_cast<int32_t>(desc.placement.compressed_key_bits), kernels::kKeyGroupTokens};
+}
+
+}  // namespace
+
+absl::Status ReserveCompressedKeys(DeviceMemory* memory, DeviceSequence* e, DeviceLayer* l,
+                                   const SequenceDesc& desc, uint64_t tokens, BusySequences busy) {
+  const kernels::KeyCompression c = CompressionOf(desc);
+  const uint64_t G = static_cast<uint64_t>(c.group_tokens);
+  const size_t hkv = desc.shape.num_kv_heads, row = desc.shape.row_bytes();
+  const size_t block = kernels::KeyGroupBytes(c, static_cast<int32_t>(desc.shape.head_dim));
+  if (l->ck_tail.ptr == nullptr) {
+    if (absl::Status s = memory->Regrow(e, &l->ck_tail, hkv * G * row, busy, NoCopy); !s.ok()) {
+      return s;
+    }
+  }
+  const uint64_t groups = tokens / G;  // the groups `tokens` tokens close
+  if (groups <= l->ck_cap) return absl::OkStatus();
+  const uint64_t cap = GrowRows(groups, l->ck_cap, 8), old_cap = l->ck_cap;
+  const uint64_t kept = l->ck_length / G;
+  auto keep = [&](const DevBuf& to, const DevBuf& from) {
+    return kept == 0 ? cudaSuccess
+                     : cudaMemcpy2DAsync(to.ptr, cap * block, from.ptr, old_cap * block,
+                                         kept * block, hkv, cudaMemcpyDeviceToDevice,
+                                         memory->stream());
+  };
+  if (absl::Status s = memory->Regrow(e, &l->ck, hkv * cap * block, busy, keep); !s.ok()) {
+    return s;
+  }
+  l->ck_cap = cap;
+  return absl::OkStatus();
+}
 
 absl::Status AppendCompressedKeys(DeviceMemory* memory, kvstore::WorkerPool* workers,
                                   DeviceSequence* e, DeviceLayer* l, const SequenceDesc& desc,
                                   uint64_t t0, uint64_t cnt, const uint8_t* k_host,
                                   BusySequences busy) {
-  const kernels::KeyCompression c{static_cast<int32_t>(desc.placement.compressed_key_bits),
-                                  kernels::kKeyGroupTokens};
+  const kernels::KeyCompression c = CompressionOf(desc);
   const int32_t d = static_cast<int32_t>(desc.shape.head_dim);
   const uint64_t G = static_cast<uint64_t>(c.group_tokens);
   const size_t hkv = desc.shape.num_kv_heads, row = desc.shape.row_bytes();
   const size_t block = kernels::KeyGroupBytes(c, d);
   const cudaStream_t stream = memory->stream();
   const uint64_t end = t0 + cnt;
-  const uint64_t g0 = t0 / G, g1 = end / G;  // groups [g0, g1) close with this chunk
-  if (l->ck_tail.ptr == nullptr) {
-    if (absl::Status s = memory->Regrow(e, &l->ck_tail, hkv * G * row, busy, NoCopy); !s.ok()) {
-      return s;
-    }
-  }
-  if (g1 > l->ck_cap) {
-    const uint64_t cap = GrowRows(g1, l->ck_cap, 8), old_cap = l->ck_cap;
-    auto keep = [&](const DevBuf& to, const DevBuf& from) {
-      return g0 == 0 ? cudaSuccess
-                     : cudaMemcpy2DAsync(to.ptr, cap * block, from.ptr, old_cap * block, g0 * block,
-                                         hkv, cudaMemcpyDeviceToDevice, stream);
-    };
-    if (absl::Status s = memory->Regrow(e, &l->ck, hkv * cap * block, busy, keep); !s.ok()) {
-      return s;
-    }
-    l->ck_cap = cap;
-  }
+  // Tokens captured steps already appended on the device are held: start after them.
+  const uint64_t start = std::max(t0, l->ck_length);
+  if (start >= end) return absl::OkStatus();
+  if (absl::Status s = ReserveCompressedKeys(memory, e, l, desc, end, busy); !s.ok()) return s;
+  const uint64_t g0 = start / G, g1 = end / G;  // groups [g0, g1) close with this chunk
   if (g1 > g0) {
     // The open group's rows before this chunk are on the device only: read them back.
-    const uint64_t before = t0 - g0 * G;
+    const uint64_t before = start - g0 * G;
     std::vector<uint8_t> head(hkv * before * row);
     if (before > 0) {
       KVS_CUDA_OK(cudaMemcpy2DAsync(head.data(), before * row, l->ck_tail.ptr, G * row,
@@ -58,8 +79,8 @@ absl::Status AppendCompressedKeys(DeviceMemory* memory, kvstore::WorkerPool* wor
       const uint64_t g = g0 + i % groups;
       std::vector<uint8_t> rows(G * row);
       for (uint64_t t = g * G; t < (g + 1) * G; ++t) {
-        const uint8_t* src = t < t0 ? head.data() + (j * before + (t - g0 * G)) * row
-                                    : k_host + (j * cnt + (t - t0)) * row;
+        const uint8_t* src = t < start ? head.data() + (j * before + (t - g0 * G)) * row
+                                       : k_host + (j * cnt + (t - t0)) * row;
         std::memcpy(rows.data() + (t - g * G) * row, src, row);
       }
       kernels::CompressKeyGroup(c, d, desc.shape.dtype, rows.data(), blocks.data() + i * block);
@@ -71,13 +92,14 @@ absl::Status AppendCompressedKeys(DeviceMemory* memory, kvstore::WorkerPool* wor
         "compressed keys upload");
   }
   // The chunk's tokens of the (new) open group, exact.
-  const uint64_t open = g1 * G, from = std::max(t0, open);
+  const uint64_t open = g1 * G, from = std::max(start, open);
   if (end > from) {
     KVS_CUDA_OK(cudaMemcpy2DAsync(l->ck_tail.as<uint8_t>() + (from - open) * row, G * row,
                                   k_host + (from - t0) * row, cnt * row, (end - from) * row, hkv,
                                   cudaMemcpyHostToDevice, stream),
                 "open group upload");
   }
+  l->ck_length = end;
   return absl::OkStatus();
 }
 

@@ -2,7 +2,8 @@
 // length as rows are synced (DeviceState::Sync): each group of tokens quantized on the host as
 // it closes (kernels::CompressKeyGroup: the CPU engine's bits) into DeviceLayer::ck, the open
 // group's rows exact in DeviceLayer::ck_tail, so top-k scores every token without K on the
-// device (engine/cuda/compressed_scoring.h reads them).
+// device (engine/cuda/compressed_scoring.h reads them). A captured step appends its token on
+// the device (kernels::cuda::AppendCompressedKeyStep, the same bits) into room reserved here.
 #ifndef KVSPARSE_ENGINE_CUDA_COMPRESSED_KEY_SYNC_H_
 #define KVSPARSE_ENGINE_CUDA_COMPRESSED_KEY_SYNC_H_
 
@@ -14,9 +15,15 @@
 
 namespace kvsparse::engine::gpu {
 
+// Room for the compressed keys of `tokens` tokens of a layer: the open group's rows and the
+// blocks of every group they close (what a captured step's appends write into).
+absl::Status ReserveCompressedKeys(DeviceMemory* memory, DeviceSequence* e, DeviceLayer* l,
+                                   const SequenceDesc& desc, uint64_t tokens, BusySequences busy);
+
 // Compresses the keys of tokens [t0, t0 + cnt) of a layer (K rows in k_host, head-major, cnt
 // rows per kv head): quantizes the groups that close (side by side on `workers`), keeps the open
-// group's rows exact. REQUIRES: tokens [0, t0) were appended before.
+// group's rows exact; tokens below l->ck_length (held already) are left as they are.
+// REQUIRES: tokens [0, t0) were appended before.
 absl::Status AppendCompressedKeys(DeviceMemory* memory, kvstore::WorkerPool* workers,
                                   DeviceSequence* e, DeviceLayer* l, const SequenceDesc& desc,
                                   uint64_t t0, uint64_t cnt, const uint8_t* k_host,

@@ -25,32 +25,13 @@ void CompressedScoring::Plan(LaunchPlan& lp) {
   cs_.dtype = lp.dtype;
   cs_.block_bytes = static_cast<int64_t>(kernels::KeyGroupBytes(c, lp.d));
   cs_.score_stride = lp.n_max;
-  heads_off_ = lp.AddHostTable<const void*>(lp.BK);
-  tails_off_ = lp.AddHostTable<const void*>(lp.BK);
-}
-
-void CompressedScoring::FillTables(LaunchPlan& lp) {
-  const size_t row = lp.row, block = static_cast<size_t>(cs_.block_bytes);
-  const size_t group = static_cast<size_t>(cs_.group);
-  for (int32_t b = 0; b < lp.B; ++b) {
-    const DeviceLayer& l = lp.layer(b);
-    for (int32_t j = 0; j < lp.hkv; ++j) {
-      const int32_t i = b * lp.hkv + j;
-      if (l.ck.ptr != nullptr) {
-        lp.HostTable<const void*>(heads_off_)[i] = l.ck.as<uint8_t>() + j * l.ck_cap * block;
-      }
-      if (l.ck_tail.ptr != nullptr) {
-        lp.HostTable<const void*>(tails_off_)[i] = l.ck_tail.as<uint8_t>() + j * group * row;
-      }
-    }
-  }
 }
 
 absl::Status CompressedScoring::Enqueue(LaunchPlan& lp, float* scores) {
   cs_.q = lp.shape().q;
   cs_.scale = lp.shape().scale;
-  cs_.group_heads = lp.Dev<const uint8_t* const>(heads_off_);
-  cs_.tails = lp.Dev<const void* const>(tails_off_);
+  cs_.group_heads = lp.ck_heads_table();
+  cs_.tails = lp.ck_tails_table();
   cs_.seq_lens = lp.shape().seq_lens;
   cs_.scores = scores;
   KVS_CUDA_OK(kc::CompressedScores(cs_, lp.stream()), "CompressedScores");

@@ -17,11 +17,9 @@ namespace kvsparse::engine::gpu {
 
 class CompressedScoring {
  public:
-  // In the call's Plan: the kernel's shape and its host tables (the blocks' and open rows' bases
-  // per (b, kv head)).
+  // In the call's Plan: the kernel's shape (it reads the blocks' and open rows' bases per
+  // (b, kv head) from the plan's shared tables).
   void Plan(LaunchPlan& lp);
-  // The tables' entries, once the layers are placed.
-  void FillTables(LaunchPlan& lp);
   // In the run pass: scale * q . k~ into scores [B * H, lp.n_max] (device).
   absl::Status Enqueue(LaunchPlan& lp, float* scores);
   // Device bytes one pass reads for sequence b per kv head: the closed groups' blocks and the
@@ -30,7 +28,6 @@ class CompressedScoring {
 
  private:
   kernels::cuda::CompressedScoreParams cs_;
-  size_t heads_off_ = 0, tails_off_ = 0;
 };
 
 }  // namespace kvsparse::engine::gpu

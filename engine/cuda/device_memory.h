@@ -38,9 +38,12 @@ struct DeviceLayer {
   int32_t cache_cap = 0;
   // Compressed keys (placement.compressed_key_bits > 0): the closed groups' blocks per kv head,
   // [Hkv][ck_cap][KeyGroupBytes] (kernels/compressed_keys.h's layout; every group of tokens
-  // [0, length) that is full is closed), and the open group's exact rows [Hkv][group][d].
+  // [0, ck_length) that is full is closed), and the open group's exact rows [Hkv][group][d].
   DevBuf ck, ck_tail;
   uint64_t ck_cap = 0;  // blocks allocated per kv head
+  // Tokens whose compressed keys are held: `length` after a sync, ahead of it after captured
+  // steps appended on the device (a later sync of those rows leaves them be).
+  uint64_t ck_length = 0;
 };
 
 struct DeviceSequence {

@@ -269,6 +269,11 @@ absl::Status DeviceState::HoldForSteps(DeviceSequence* e, uint32_t layer, const 
     return absl::InternalError("the store reserved fewer tokens than the plan's bound");
   }
   if (absl::Status s = ReserveRows(e, &l, desc, max_tokens, busy); !s.ok()) return s;
+  if (desc.placement.compressed_key_bits > 0) {
+    if (absl::Status s = ReserveCompressedKeys(&memory_, e, &l, desc, max_tokens, busy); !s.ok()) {
+      return s;
+    }
+  }
   auto slot = [&](uint32_t j, uint64_t t) -> const uint8_t* {
     return reservation.Slot(layer, j, t);
   };

@@ -86,8 +86,9 @@ class DeviceState {
   absl::StatusOr<char*> Scratch(size_t bytes);
 
   // A captured step's hold (engine/cuda/static_step.cc) on a sequence synced for one of its
-  // layers (Sync): that layer's rows and signatures grown to max_tokens and its page list to the
-  // store's reservation (every slot a step may write or read). Hold once per plan, not per layer.
+  // layers (Sync): that layer's rows, signatures and compressed keys grown to max_tokens and its
+  // page list to the store's reservation (every slot a step may write or read). Hold once per
+  // plan, not per layer.
   absl::Status HoldForSteps(DeviceSequence* e, uint32_t layer, const SequenceDesc& desc,
                             const kvstore::Reservation& reservation, uint64_t max_tokens,
                             BusySequences busy);

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <numeric>
 
+#include "kernels/compressed_keys.h"
 #include "kernels/dtype.h"
 #include "kernels/philox.h"
 
@@ -14,6 +15,13 @@ namespace {
 namespace kc = kernels::cuda;
 
 }  // namespace
+
+size_t CompressedKeyBlockBytes(const SequenceDesc& desc) {
+  const uint32_t bits = desc.placement.compressed_key_bits;
+  if (bits == 0) return 0;
+  return kernels::KeyGroupBytes({static_cast<int32_t>(bits), kernels::kKeyGroupTokens},
+                                static_cast<int32_t>(desc.shape.head_dim));
+}
 
 LaunchPlan::LaunchPlan(const DecodeCall& call, absl::Span<const SequenceDesc> descs,
                        SyncedBatch* batch, DeviceState* state)
@@ -49,6 +57,8 @@ LaunchPlan::LaunchPlan(const DecodeCall& call, absl::Span<const SequenceDesc> de
   v_heads_off_ = AddHostTable<const void*>(BK);
   pages_off_ = AddHostTable<const void*>(BK);
   sig_heads_off_ = AddHostTable<const void*>(BK);
+  ck_heads_off_ = AddHostTable<const void*>(BK);
+  ck_tails_off_ = AddHostTable<const void*>(BK);
 }
 
 absl::Status LaunchPlan::BuildTables(PinnedBuf* host) {
@@ -62,6 +72,7 @@ absl::Status LaunchPlan::BuildTables(PinnedBuf* host) {
                              static_cast<size_t>(BH) * d);
   }
   std::memcpy(host_ + lens_off_, batch_->lens.data(), sizeof(int32_t) * B);
+  const size_t ck_block = CompressedKeyBlockBytes(descs_[0]);
   for (int32_t b = 0; b < B; ++b) {
     HostTable<uint64_t>(seeds_off_)[b] =
         kernels::SequenceSeed(call_.SeedOf(b), static_cast<uint32_t>(b));
@@ -79,6 +90,13 @@ absl::Status LaunchPlan::BuildTables(PinnedBuf* host) {
       if (l.sig.ptr != nullptr) {
         HostTable<const void*>(sig_heads_off_)[i] =
             l.sig.as<uint8_t>() + j * l.capacity * words * 4;
+      }
+      if (l.ck.ptr != nullptr) {
+        HostTable<const void*>(ck_heads_off_)[i] = l.ck.as<uint8_t>() + j * l.ck_cap * ck_block;
+      }
+      if (l.ck_tail.ptr != nullptr) {
+        HostTable<const void*>(ck_tails_off_)[i] =
+            l.ck_tail.as<uint8_t>() + j * kernels::kKeyGroupTokens * row;
       }
     }
   }

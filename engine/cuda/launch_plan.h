@@ -2,7 +2,8 @@
 //   - the call's dimensions and its synced sequences;
 //   - host tables in one pinned buffer, uploaded in one copy: q in the sequences' dtype, the
 //     lengths, the per-sequence seeds, per (sequence, kv head) the device addresses of the
-//     resident K / V rows, page lists and key signatures, then the method's own tables
+//     resident K / V rows, page lists, key signatures and compressed keys, then the method's own
+//     tables
 //     (AddHostTable), then the statistics block (zeroed by the upload);
 //   - the device scratch laid out as [tables | output | method buffers]; the method carves its
 //     buffers twice, first to size them (base null), then to place them (PlaceScratch);
@@ -31,6 +32,9 @@ namespace kvsparse::engine::gpu {
 // Indices of HeadStats::bytes.
 inline constexpr size_t kDeviceTier = static_cast<size_t>(kvstore::Tier::kDevice);
 inline constexpr size_t kHostTier = static_cast<size_t>(kvstore::Tier::kHost);
+
+// Bytes of one closed group's block of a sequence's compressed keys (0: it keeps none).
+size_t CompressedKeyBlockBytes(const SequenceDesc& desc);
 
 class LaunchPlan {
  public:
@@ -111,6 +115,11 @@ class LaunchPlan {
   void* const* v_heads_table() const { return Dev<void* const>(v_heads_off_); }
   uint32_t* const* sig_heads_table() const { return Dev<uint32_t* const>(sig_heads_off_); }
   const void* const* const* page_lists() const { return Dev<const void* const* const>(pages_off_); }
+  // Compressed keys per (b, j) [B * Hkv] (null entries where a sequence keeps none): the base of
+  // the closed groups' blocks (block g at + g * CompressedKeyBlockBytes) and the open group's
+  // exact rows ([kKeyGroupTokens, d]).
+  uint8_t* const* ck_heads_table() const { return Dev<uint8_t* const>(ck_heads_off_); }
+  void* const* ck_tails_table() const { return Dev<void* const>(ck_tails_off_); }
   size_t stats_bytes() const { return sizeof(int32_t) * kStatBlocks * static_cast<size_t>(BH); }
   // The statistics block on the device; null in the sizing pass.
   int32_t* stats() const {
@@ -165,6 +174,7 @@ class LaunchPlan {
   Carver host_carver_{nullptr};
   size_t q_off_ = 0, lens_off_ = 0, seeds_off_ = 0;
   size_t k_heads_off_ = 0, v_heads_off_ = 0, pages_off_ = 0, sig_heads_off_ = 0;
+  size_t ck_heads_off_ = 0, ck_tails_off_ = 0;
   size_t stats_off_ = 0, table_bytes_ = 0, out_off_ = 0, method_off_ = 0;
   char* host_ = nullptr;  // pinned host tables
   char* base_ = nullptr;  // the pass's scratch base (null: sizing)

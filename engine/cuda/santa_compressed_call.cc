@@ -28,7 +28,6 @@ class SantaCompressedCall final : public SelectedRowsCall {
     return ps_.max_selected;
   }
 
-  void FillSelectionTables(LaunchPlan& lp) override { scoring_.FillTables(lp); }
   bool RowWeights() const override { return true; }
 
   absl::Status EnqueueSelection(LaunchPlan& lp, Carver& c, const Selection& s) override {
@@ -79,6 +78,10 @@ absl::Status SantaOverCompressedKeysSupports(const Method& m, const SequenceDesc
     return NotOnGpu("the placement keeps no compressed keys");
   }
   return StagedRowsFit(desc, caps);
+}
+
+bool SantaOverCompressedKeysCapturable(const Method& m, const SequenceDesc& desc) {
+  return SantaOverCompressedKeysSupports(m, desc, GpuCaps{}).ok();
 }
 
 std::unique_ptr<MethodCall> BeginSantaOverCompressedKeys(const Method& m) {

@@ -34,6 +34,9 @@ inline absl::Status SantaTilesOnGpu(const kernels::SantaParams& p) {
 absl::Status SantaOverCompressedKeysSupports(const Method& m, const SequenceDesc& desc,
                                              const GpuCaps& caps);
 std::unique_ptr<MethodCall> BeginSantaOverCompressedKeys(const Method& m);
+// Captured steps: what Supports takes over compressed keys the sequence keeps (the step appends
+// its key to them on the device; the sampler reads the step's lengths and seeds there).
+bool SantaOverCompressedKeysCapturable(const Method& m, const SequenceDesc& desc);
 
 }  // namespace kvsparse::engine::gpu
 

@@ -194,7 +194,7 @@ class SantaRunnerOfBoth final : public GpuRunner {
     return BeginSantaOverCompressedKeys(m);
   }
   bool Capturable(const Method& m, const SequenceDesc& desc) const override {
-    return Exact(m) && SantaCall::Capturable(m, desc);
+    return Exact(m) ? SantaCall::Capturable(m, desc) : SantaOverCompressedKeysCapturable(m, desc);
   }
 
  private:

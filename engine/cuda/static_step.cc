@@ -11,6 +11,8 @@
 #include "engine/cuda/gpu_runner.h"
 #include "engine/cuda/launch_plan.h"
 #include "engine/methods/registry.h"
+#include "kernels/compressed_keys.h"
+#include "kernels/cuda/compressed_keys.h"
 #include "kernels/cuda/hash_topk.h"
 #include "kernels/cuda/step_append.h"
 
@@ -47,7 +49,14 @@ class GpuStaticStep final : public StaticStep {
     cudaSetDevice(device_);
     cudaDeviceSynchronize();
     if (held_) {
-      for (const SequenceDesc& d : descs_) state_->Release(d.sequence_id);
+      const std::vector<bool> stale = Uncommitted();
+      for (int32_t b = 0; b < B_; ++b) {
+        state_->Release(descs_[b].sequence_id);
+        // Rows the steps wrote past the store's length (never committed) may have moved the
+        // device state past the store's (an open group of compressed keys): rebuilt from the
+        // store at its next use.
+        if (stale[b]) state_->Forget(descs_[b].sequence_id);
+      }
     }
     layers_.clear();
   }
@@ -77,6 +86,7 @@ class GpuStaticStep final : public StaticStep {
     // behind; they are brought up to date from the store after the plan.
     words_ = static_cast<int32_t>(descs_[0].placement.signature_bits / 32);
     sign_keys_ = words_ > 0 && m.kind == MethodKind::kHashTopK;
+    ck_block_bytes_ = CompressedKeyBlockBytes(descs_[0]);
     if (sign_keys_) {
       KVS_CUDA_OK(
           cudaMalloc(&sigs_.ptr, sizeof(uint32_t) * B_ * descs_[0].shape.num_kv_heads * words_),
@@ -211,6 +221,21 @@ class GpuStaticStep final : public StaticStep {
       p.sig_words = words_;
     }
     KVS_CUDA_OK(kc::StepAppend(p, lp.stream()), "StepAppend");
+    if (ck_block_bytes_ > 0) {  // the placement keeps compressed keys: the step's key joins them
+      kc::CompressedKeyStepParams cp;
+      cp.batch = B_;
+      cp.num_kv_heads = lp.hkv;
+      cp.head_dim = lp.d;
+      cp.bits = static_cast<int32_t>(descs_[0].placement.compressed_key_bits);
+      cp.group = kernels::kKeyGroupTokens;
+      cp.dtype = lp.dtype;
+      cp.new_k = new_k;
+      cp.seq_lens = lp.lens_table();
+      cp.tails = lp.ck_tails_table();
+      cp.group_heads = lp.ck_heads_table();
+      cp.block_bytes = static_cast<int64_t>(ck_block_bytes_);
+      KVS_CUDA_OK(kc::AppendCompressedKeyStep(cp, lp.stream()), "AppendCompressedKeyStep");
+    }
     size_t bytes = 0;
     if (absl::Status s = Carve(ly, &bytes); !s.ok()) return s;
     if (bytes != ly.method_bytes) {
@@ -251,6 +276,9 @@ class GpuStaticStep final : public StaticStep {
         }
         floor_host_[b] = n;
         ctl[b] = t;
+        // The steps appended these tokens' compressed keys on the device: a later sync of the
+        // committed rows leaves them be (it would re-read an open group the steps moved past).
+        for (uint32_t l = 0; l < L_; ++l) layers_[l]->batch.seqs[b]->layers[l].ck_length = n;
       }
     }
     if (refused != 0) {
@@ -299,6 +327,24 @@ class GpuStaticStep final : public StaticStep {
     std::vector<const float*> norms;  // each sequence's M of the layer (sign_keys_)
   };
 
+  // Per sequence, whether a step wrote a row of some layer past the committed length (the
+  // control block read back; true where it cannot be read). REQUIRES: the device is idle.
+  std::vector<bool> Uncommitted() const {
+    std::vector<bool> stale(B_, true);
+    if (ctl_.ptr == nullptr) return std::vector<bool>(B_, false);  // no step ran
+    std::vector<int64_t> ctl(static_cast<size_t>(B_) * (L_ + 1));
+    if (cudaMemcpy(ctl.data(), ctl_.ptr, sizeof(int64_t) * ctl.size(), cudaMemcpyDeviceToHost) !=
+        cudaSuccess) {
+      return stale;
+    }
+    for (int32_t b = 0; b < B_; ++b) {
+      stale[b] = false;
+      for (uint32_t l = 0; l < L_; ++l) {
+        stale[b] = stale[b] || ctl[static_cast<size_t>(l + 1) * B_ + b] > ctl[b];
+      }
+    }
+    return stale;
+  }
   // One pass of the method over the layer's plan (sizing when the pass has no base).
   static absl::Status Carve(Layer& ly, size_t* bytes) {
     LaunchPlan& lp = *ly.lp;
@@ -330,6 +376,7 @@ class GpuStaticStep final : public StaticStep {
   OwnedDev sigs_;  // the step's key signatures [B * Hkv][words] (sign_keys_)
   int32_t words_ = 0;
   bool sign_keys_ = false;
+  size_t ck_block_bytes_ = 0;  // of the placement's compressed keys (0: it keeps none)
   bool held_ = false;
 };
 
@@ -343,8 +390,8 @@ absl::StatusOr<std::unique_ptr<StaticStep>> NewGpuStaticStep(std::mutex* mu, Dev
     if (!FindMethod(call.method.kind).gpu->Capturable(call.method, d)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "this method and placement have no captured step (dense with K and V on the device, "
-          "S2ANTA prop or flash, hash top-k with SimHash signatures do); run it as eager "
-          "calls"));
+          "S2ANTA prop or flash, hash top-k with SimHash signatures, top-k and S2ANTA-prop over "
+          "compressed keys do); run it as eager calls"));
     }
   }
   if (!state->source()->pages_device_visible()) {

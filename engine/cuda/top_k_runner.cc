@@ -35,6 +35,13 @@ class TopKCall final : public SelectedRowsCall {
     }
     return StagedRowsFit(desc, caps);
   }
+  // Captured steps: the step appends its key to the compressed keys on the device
+  // (kernels::cuda::AppendCompressedKeyStep), the scores and the selection read the step's
+  // lengths there, and the row cache never holds a stale row (steps never rewrite one).
+  static bool Capturable(const Method& m, const SequenceDesc& desc) {
+    return m.top_k.source == kernels::ScoreSource::kCompressedKeys &&
+           desc.placement.compressed_key_bits > 0;
+  }
 
  private:
   absl::StatusOr<int32_t> PlanSelection(LaunchPlan& lp) override {
@@ -54,8 +61,6 @@ class TopKCall final : public SelectedRowsCall {
     tk_.top_k_fraction = params_.top_k_fraction;
     return std::max(1, tk_.MaxSelected());
   }
-
-  void FillSelectionTables(LaunchPlan& lp) override { scoring_.FillTables(lp); }
 
   absl::Status EnqueueSelection(LaunchPlan& lp, Carver& c, const Selection& s) override {
     const size_t BH = static_cast<size_t>(lp.BH);

@@ -65,10 +65,6 @@ class VAttentionCall final : public MethodCall {
     return lp.LoadPlanes();
   }
 
-  void FillTables(LaunchPlan& lp) override {
-    if (compressed_) scoring_.FillTables(lp);
-  }
-
   absl::Status Enqueue(LaunchPlan& lp, Carver& c) override {
     const int32_t BH = lp.BH;
     uint32_t* qsig = compressed_ ? nullptr : c.Take<uint32_t>(static_cast<size_t>(BH) * lp.words);

@@ -5,6 +5,7 @@
 // (placement.compressed_key_bits) read no K row for the selection; the ratio correction then
 // gathers the sampled K rows with their V rows (kernels/santa.h, "Scores from compressed keys").
 // Bernoulli qK^T's scores report the K features they read (HeadStats::key_features_*).
+#include "absl/strings/str_cat.h"
 #include "engine/cpu_step.h"
 #include "engine/methods/method_unit.h"
 
@@ -12,6 +13,10 @@ namespace kvsparse::engine {
 namespace {
 
 bool Compressed(const Method& m) { return m.santa.scores == kernels::ScoreSource::kCompressedKeys; }
+
+// The fewest bits per key channel S2ANTA draws from (kernels/santa.h, "Scores from compressed
+// keys"): 1-bit keys are refused.
+constexpr uint32_t kMinSantaKeyBits = 2;
 
 class Santa final : public MethodUnit {
  public:
@@ -30,6 +35,16 @@ class Santa final : public MethodUnit {
       return absl::FailedPreconditionError(
           "santa with compressed-key scores needs compressed keys: create the sequence with "
           "placement.compressed_key_bits (or ask for exact scores)");
+    }
+    if (Compressed(m) && desc.placement.compressed_key_bits < kMinSantaKeyBits) {
+      // The ratio correction cannot make up for 1-bit scores: on the trained model S2ANTA S=128
+      // over 1-bit keys kept 42 of 90 pass keys with perplexity +87% (docs/ACCURACY.md).
+      return absl::FailedPreconditionError(absl::StrCat(
+          "santa with compressed-key scores is not served over ",
+          desc.placement.compressed_key_bits, "-bit keys (sequence '", desc.sequence_id,
+          "'): its estimate's bias there is far beyond its standard error; create the sequence "
+          "with placement.compressed_key_bits >= ",
+          kMinSantaKeyBits, ", or use top_k over these keys"));
     }
     return absl::OkStatus();
   }

@@ -2,6 +2,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/compressed_keys.h"
+#include "kernels/key_quantization.h"
 
 namespace kvsparse::kernels::cuda {
 namespace {
@@ -69,7 +70,96 @@ __global__ void CompressedScoresKernel(CompressedScoreParams p) {
   }
 }
 
+constexpr int kStepThreads = 128;
+
+// One block per (sequence, kv head): the new key into its open group's row, then, where the
+// group fills, its quantization (kernels/compressed_keys.cc, CompressKeyGroup, operation for
+// operation: channel ranges in token order, codes and the squared error in channel order).
+template <typename T>
+__global__ void __launch_bounds__(kStepThreads) CompressedKeyStepKernel(CompressedKeyStepParams p) {
+  extern __shared__ float scale[];  // lo [d], then step [d], as floats
+  const int32_t i = blockIdx.x, b = i / p.num_kv_heads;
+  const int32_t n = p.seq_lens[b];
+  if (n <= 0) return;
+  const int32_t d = p.head_dim, G = p.group;
+  const int64_t row = static_cast<int64_t>(d) * sizeof(T);
+  char* tail = static_cast<char*>(p.tails[i]);
+  const T* src = reinterpret_cast<const T*>(static_cast<const char*>(p.new_k) + i * row);
+  T* dst = reinterpret_cast<T*>(tail + static_cast<int64_t>((n - 1) % G) * row);
+  for (int32_t c = threadIdx.x; c < d; c += blockDim.x) dst[c] = src[c];
+  if (n % G != 0) return;
+  __syncthreads();  // the block's writes of the row, visible to its threads
+  uint8_t* block = p.group_heads[i] + static_cast<int64_t>(n / G - 1) * p.block_bytes;
+  const keyq::GroupLayout lay = keyq::LayoutOf(G, d, p.bits);
+  auto* lo16 = reinterpret_cast<uint16_t*>(block + lay.lo);
+  auto* step16 = reinterpret_cast<uint16_t*>(block + lay.step);
+  auto* err16 = reinterpret_cast<uint16_t*>(block + lay.err);
+  float* lo = scale;
+  float* step = scale + d;
+  const uint32_t levels = (1u << p.bits) - 1;
+  for (int32_t c = threadIdx.x; c < d; c += blockDim.x) {
+    float mn = LoadElem<T>(tail, c), mx = mn;
+    for (int32_t t = 1; t < G; ++t) {
+      const float x = LoadElem<T>(tail + t * row, c);
+      mn = x < mn ? x : mn;  // std::min's and std::max's comparisons, for signed zeros
+      mx = mx < x ? x : mx;
+    }
+    const keyq::ChannelScale sc = keyq::ScaleOf(mn, mx, levels);
+    lo16[c] = sc.lo16;
+    step16[c] = sc.step16;
+    lo[c] = keyq::Half(sc.lo16);
+    step[c] = keyq::Half(sc.step16);
+  }
+  __syncthreads();
+  const int32_t words = d * p.bits / 32, per_word = 32 / p.bits;
+  for (int32_t t = threadIdx.x; t < G; t += blockDim.x) {
+    const char* k = tail + t * row;
+    uint32_t* w = reinterpret_cast<uint32_t*>(block) + static_cast<int64_t>(t) * words;
+    double err2 = 0;
+    for (int32_t x = 0; x < words; ++x) {
+      uint32_t word = 0;
+      for (int32_t l = 0; l < per_word; ++l) {
+        const int32_t c = x * per_word + l;
+        const float v = LoadElem<T>(k, c);
+        const uint32_t code = keyq::CodeOf(v, lo[c], step[c], levels);
+        word |= code << (l * p.bits);
+        err2 = keyq::AddSquaredError(err2, v, lo[c], step[c], code);
+      }
+      w[x] = word;
+    }
+    err16[t] = keyq::HalfBound(keyq::Sqrt(err2));
+  }
+}
+
 }  // namespace
+
+cudaError_t AppendCompressedKeyStep(const CompressedKeyStepParams& p, cudaStream_t stream) {
+  if (p.batch <= 0 || p.num_kv_heads <= 0 || p.head_dim <= 0 || p.head_dim > 1024 ||
+      (p.bits != 1 && p.bits != 2 && p.bits != 4 && p.bits != 8) ||
+      (p.head_dim * p.bits) % 32 != 0 || p.group <= 0 || p.group > 1024 || p.new_k == nullptr ||
+      p.seq_lens == nullptr || p.tails == nullptr || p.group_heads == nullptr ||
+      p.block_bytes % 4 != 0 ||
+      p.block_bytes < static_cast<int64_t>(p.group) * (p.head_dim * p.bits / 8 + 2) +
+                          4 * static_cast<int64_t>(p.head_dim)) {
+    return cudaErrorInvalidValue;
+  }
+  const int blocks = p.batch * p.num_kv_heads;
+  const size_t smem = 2 * static_cast<size_t>(p.head_dim) * sizeof(float);
+  switch (p.dtype) {
+    case DType::kBf16:
+      CompressedKeyStepKernel<Bf16><<<blocks, kStepThreads, smem, stream>>>(p);
+      break;
+    case DType::kFp16:
+      CompressedKeyStepKernel<Fp16><<<blocks, kStepThreads, smem, stream>>>(p);
+      break;
+    case DType::kFp32:
+      CompressedKeyStepKernel<float><<<blocks, kStepThreads, smem, stream>>>(p);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
 
 cudaError_t CompressedScores(const CompressedScoreParams& p, cudaStream_t stream) {
   if (p.num_seqs < 0 || p.num_kv_heads <= 0 || p.num_q_heads <= 0 ||

@@ -1,4 +1,5 @@
-// Approximate scores from compressed keys on the GPU (CPU reference: kernels/compressed_keys.h,
+// Compressed keys on the GPU: a decode step's append (AppendCompressedKeyStep) and the
+// approximate scores they give (CPU reference: kernels/compressed_keys.h,
 // ApproximateScores): scale * q . k~_t for every token of every (sequence, query head), the
 // closed groups from their blocks (the host layout, one block per group, uploaded verbatim), the
 // open group's tokens from their exact rows. The scores equal the CPU reference's bit for bit:
@@ -41,6 +42,34 @@ struct CompressedScoreParams {
 
 // Checks the shape parameters (not the pointers' contents): cudaErrorInvalidValue if wrong.
 cudaError_t CompressedScores(const CompressedScoreParams& p, cudaStream_t stream);
+
+// A decode step's key into the compressed keys, on the device (a captured step has no host
+// quantization; CPU reference: CompressedKeys::Append): each (sequence, kv head)'s new key is
+// written as row (n - 1) % group of its open group, and where that row fills the group (n a
+// multiple of group) the group closes: its rows are quantized into block n / group - 1 by the
+// arithmetic of kernels/key_quantization.h, the bits CompressKeyGroup gives on the host.
+struct CompressedKeyStepParams {
+  int32_t batch = 0;           // B
+  int32_t num_kv_heads = 0;    // Hkv
+  int32_t head_dim = 0;        // d, with d * bits a multiple of 32, at most 1024
+  int32_t bits = 2;            // 1, 2, 4 or 8
+  int32_t group = 128;         // tokens per closed group, at most 1024
+  DType dtype = DType::kBf16;  // of new_k and of the open group's rows
+  const void* new_k = nullptr;  // device, shape: [B, Hkv, d]
+  // device, shape: [B]: each sequence's length after the step (n); 0 (a refused step): nothing
+  // is written for it.
+  const int32_t* seq_lens = nullptr;
+  // device, shape: [B * Hkv]: the open group's rows [group, d] of (b, kv head j).
+  void* const* tails = nullptr;
+  // device, shape: [B * Hkv]: the closed groups' blocks of (b, j), block g at
+  // group_heads[b * Hkv + j] + g * block_bytes; REQUIRES: room for block n / group - 1.
+  uint8_t* const* group_heads = nullptr;
+  int64_t block_bytes = 0;  // KeyGroupBytes({bits, group}, head_dim), or more (a multiple of 4)
+};
+
+// Checks the shape parameters: cudaErrorInvalidValue if wrong. Capturable (no allocation, no
+// synchronisation).
+cudaError_t AppendCompressedKeyStep(const CompressedKeyStepParams& p, cudaStream_t stream);
 
 }  // namespace kvsparse::kernels::cuda
 

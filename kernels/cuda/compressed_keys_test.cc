@@ -129,5 +129,121 @@ TEST(CompressedScoresCudaTest, RefusesBadShapes) {
   EXPECT_EQ(CompressedScores(p, nullptr), cudaSuccess);
 }
 
+// A captured step's append on the device closes each group with the bits the CPU reference's
+// CompressedKeys gives (kernels/key_quantization.h on both), byte for byte, and keeps the open
+// group's rows exact: over bits, dtypes and head dims, keys with an outlier channel, a constant
+// channel (step 0) and a channel of signed zeros (min and max compare as std::min / std::max do),
+// two groups closed and one left open; a sequence whose step is refused (length 0) writes
+// nothing (its buffers keep their poison where the reference holds nothing).
+TEST(CompressedKeyStepCudaTest, ClosesGroupsWithTheCpuBits) {
+  KVSPARSE_REQUIRE_GPU();
+  const int32_t B = 2, hkv = 3, G = kKeyGroupTokens, steps = 2 * G + 37;
+  for (DType dt : {DType::kBf16, DType::kFp16, DType::kFp32}) {
+    for (int32_t bits : {1, 2, 4, 8}) {
+      for (int32_t d : {64, 128}) {
+        SCOPED_TRACE(testing::Message() << DTypeName(dt) << " bits " << bits << " d " << d);
+        const size_t es = DTypeSize(dt), row = static_cast<size_t>(d) * es;
+        const size_t block = KeyGroupBytes({bits, G}, d);
+        std::mt19937 rng(bits * 17 + d + static_cast<int>(dt));
+        std::normal_distribution<float> z;
+        std::vector<CompressedKeys> want;
+        std::vector<DeviceBuffer> bufs;
+        std::vector<uint8_t*> heads;
+        std::vector<void*> tails;
+        for (int32_t i = 0; i < B * hkv; ++i) {
+          want.emplace_back(KeyCompression{bits, G}, d, dt);
+          bufs.emplace_back(2 * block);  // room for the two groups the steps close
+          ASSERT_EQ(bufs.back().Poison(), cudaSuccess);
+          heads.push_back(bufs.back().as<uint8_t>());
+          bufs.emplace_back(G * row);
+          ASSERT_EQ(bufs.back().Poison(), cudaSuccess);
+          tails.push_back(bufs.back().get());
+        }
+        DeviceBuffer dheads = ToDevice(heads), dtails = ToDevice(tails);
+        DeviceBuffer dk(static_cast<size_t>(B) * hkv * row), dlens(sizeof(int32_t) * B);
+        std::vector<uint8_t> k(static_cast<size_t>(B) * hkv * row);
+        std::vector<int32_t> lens(B, 0);
+        for (int32_t st = 0; st < steps; ++st) {
+          for (size_t x = 0; x < k.size() / es; ++x) {
+            const int32_t c = static_cast<int32_t>(x % d);
+            float v = (c % 7 == 0 ? 4.f : 1.f) * z(rng);
+            if (c % 11 == 3) v = (rng() & 1) ? 0.f : -0.f;
+            if (c % 13 == 5) v = 0.75f;
+            StoreFromFloat(k.data(), x, dt, v);
+          }
+          // Sequence 1 takes a token every other step; its refused steps write nothing.
+          std::vector<int32_t> after(B);
+          for (int32_t b = 0; b < B; ++b) {
+            const bool takes = b == 0 || st % 2 == 0;
+            if (takes) ++lens[b];
+            after[b] = takes ? lens[b] : 0;
+            for (int32_t j = 0; j < hkv && takes; ++j) {
+              want[b * hkv + j].Append(k.data() + (b * hkv + j) * row);
+            }
+          }
+          ASSERT_EQ(dk.Upload(k.data(), k.size()), cudaSuccess);
+          ASSERT_EQ(dlens.Upload(after.data(), sizeof(int32_t) * B), cudaSuccess);
+          CompressedKeyStepParams p;
+          p.batch = B;
+          p.num_kv_heads = hkv;
+          p.head_dim = d;
+          p.bits = bits;
+          p.group = G;
+          p.dtype = dt;
+          p.new_k = dk.get();
+          p.seq_lens = dlens.as<int32_t>();
+          p.tails = dtails.as<void*>();
+          p.group_heads = dheads.as<uint8_t*>();
+          p.block_bytes = static_cast<int64_t>(block);
+          KVSPARSE_ASSERT_CUDA(AppendCompressedKeyStep(p, nullptr));
+        }
+        KVSPARSE_ASSERT_CUDA(cudaDeviceSynchronize());
+        for (int32_t i = 0; i < B * hkv; ++i) {
+          const CompressedKeysView v = want[i].view();
+          const std::vector<uint8_t> got = ToHost<uint8_t>(bufs[2 * i], 2 * block);
+          for (int64_t g = 0; g < v.closed / G; ++g) {
+            for (size_t x = 0; x < block; ++x) {
+              ASSERT_EQ(got[g * block + x], v.groups[g][x])
+                  << "(b, j) " << i << " group " << g << " byte " << x;
+            }
+          }
+          for (size_t x = (v.closed / G) * block; x < 2 * block; ++x) {
+            ASSERT_EQ(got[x], 0xFF) << "(b, j) " << i << ": a group not closed was written";
+          }
+          const size_t open = static_cast<size_t>(v.length - v.closed);
+          const std::vector<uint8_t> tail = ToHost<uint8_t>(bufs[2 * i + 1], G * row);
+          ASSERT_EQ(std::memcmp(tail.data(), v.tail, open * row), 0) << "(b, j) " << i;
+        }
+      }
+    }
+  }
+}
+
+TEST(CompressedKeyStepCudaTest, RefusesBadShapes) {
+  int32_t lens = 1;
+  void* tail = &lens;
+  uint8_t* head = reinterpret_cast<uint8_t*>(&lens);
+  CompressedKeyStepParams p;
+  p.batch = 1;
+  p.num_kv_heads = 1;
+  p.head_dim = 128;
+  p.new_k = &lens;  // pointers only checked for null: nothing is launched below
+  p.seq_lens = &lens;
+  p.tails = &tail;
+  p.group_heads = &head;
+  p.block_bytes = static_cast<int64_t>(KeyGroupBytes({2, p.group}, 128));
+  p.bits = 3;
+  EXPECT_EQ(AppendCompressedKeyStep(p, nullptr), cudaErrorInvalidValue);
+  p.bits = 1;
+  p.head_dim = 48;  // 48 bits: not whole words
+  EXPECT_EQ(AppendCompressedKeyStep(p, nullptr), cudaErrorInvalidValue);
+  p.head_dim = 128;
+  p.block_bytes = static_cast<int64_t>(KeyGroupBytes({1, p.group}, 128)) - 4;  // too small
+  EXPECT_EQ(AppendCompressedKeyStep(p, nullptr), cudaErrorInvalidValue);
+  p.block_bytes += 4;
+  p.tails = nullptr;
+  EXPECT_EQ(AppendCompressedKeyStep(p, nullptr), cudaErrorInvalidValue);
+}
+
 }  // namespace
 }  // namespace kvsparse::kernels::cuda

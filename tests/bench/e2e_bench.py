@@ -2,6 +2,13 @@
 speed does not depend on the values) with its KV cache held five ways, measured side by side in
 one process on one GPU:
 
+  flash           the floor a vLLM user gets (floor_decode.py): KV resident in preallocated buffers,
+                  decode attention over exactly each row's length by FlashAttention-2's split-KV
+                  varlen kernel (as PyTorch ships it), the whole step one CUDA graph
+                  (torch.compile(mode="reduce-overhead", fullgraph=True)); every ratio the docs give
+                  is against this row
+  weights         the same step at a context of 16 tokens: the non-attention floor (weights, norms,
+                  logits), whatever the row's n
   resident        transformers, DynamicCache on the GPU, eager
   compiled        transformers, StaticCache on the GPU, torch.compile(mode="reduce-overhead")
   offloaded       transformers, DynamicCache(offloading=True): KV in host memory, layer prefetch
@@ -11,8 +18,9 @@ one process on one GPU:
                   attention calls are graph breaks; no CUDA graphs, the op synchronises)
   kvsg-<method>   the same with planned decode steps (KvSparseCache(max_tokens=...)): the whole
                   step compiled with torch.compile(mode="reduce-overhead", fullgraph=True) and
-                  replayed as one CUDA graph (methods the GPU backend captures: prop; dense
-                  needs K and V resident and is the compiled row's work)
+                  replayed as one CUDA graph (methods the GPU backend captures: prop, hash,
+                  ckeys*, ckprop*: a compressed-key step quantizes a closing group on the GPU;
+                  dense needs K and V resident and is the flash row's work)
   grpc-<method>   kvsparse-server on loopback (unary calls), grpcs-<method> over a DecodeStream
   kvsr-<method>   the engine in process (q and the output on the GPU) over a store in another
                   process: kvsparse.torch.ops.InProcessEngine(store=...) against kvsparse-server
@@ -33,7 +41,7 @@ memory), hash (HashAttention top-k 1.25% per head from host memory, 4% row cache
 keys on the GPU, K and V in host memory, 4% row cache), ckeys64 (the same at 1/64), ckeys1 and
 ckeys1-64 (1-bit keys at 1/32 and 1/64; the row cache is --gpu_row_cache's), ckprop
 (S2ANTA-prop S=128 drawing from the 2-bit compressed keys' scores, the sampled K and V rows from
-host memory: the ratio correction), ckvatt (vAttention eps = delta = 0.1 over 2-bit compressed
+host memory: the ratio correction; ckprop256 the same at S=256), ckvatt (vAttention eps = delta = 0.1 over 2-bit compressed
 keys with the importance sampler and the CLT-ratio bound; on these random weights its budget
 covers every row: docs/PERF.md).
 
@@ -43,10 +51,10 @@ steps of one token for the whole batch: one forward pass of the model with logit
 position, argmax as the next token. Printed per row: ms per step (median) and tokens/s (B /
 step), GPU memory held for KV, bytes crossing per token from host memory.
 
-    python3 tests/bench/e2e_bench.py --lens 32768 --batches 1 --variants resident,kvs-hash
+    python3 tests/bench/e2e_bench.py --lens 32768 --batches 1 --variants flash,weights,kvsg-ckprop
 
 With --rounds N each (n, B) passes over its variants N times, every other pass in reverse order,
-and prints each pass's ratios against resident and compiled of the same pass: the GPU host's
+and prints each pass's ratios against flash, resident and compiled of the same pass: the GPU host's
 speed drifts between runs by more than the variants differ (docs/PERF.md), ratios within a
 pass cancel it, and the spread over the passes shows it.
 """
@@ -71,6 +79,14 @@ import kvsparse
 import kvsparse.torch.hf
 from kvsparse.torch import ops
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import floor_decode  # noqa: E402  (the floor baseline beside this file)
+
+# Baselines a pass's ratios are taken against, strongest first.
+BASELINES = ("flash", "resident", "compiled")
+# The weights row's context: long enough for a step, short enough that attention costs nothing.
+WEIGHTS_CONTEXT = 16
+
 # Split deployments (a worker over a store in another process); "1": --gpu_fetch_parallelism=1.
 SPLIT = ("split", "splitucx", "split1", "splitucx1")
 METHODS: dict[str, kvsparse.Method] = {
@@ -83,6 +99,7 @@ METHODS: dict[str, kvsparse.Method] = {
     "ckeys1": kvsparse.TopK(top_k_fraction=1 / 32, sink_tokens=128, local_tokens=128),
     "ckeys1-64": kvsparse.TopK(top_k_fraction=1 / 64, sink_tokens=128, local_tokens=128),
     "ckprop": kvsparse.Santa(samples=128, allocation="prop", scores="compressed"),
+    "ckprop256": kvsparse.Santa(samples=256, allocation="prop", scores="compressed"),
     "ckvatt": kvsparse.VAttention(epsilon=0.1, delta=0.1, predictor="compressed", sampler="importance",
                                   bound="clt-ratio"),
 }
@@ -109,13 +126,14 @@ class Row:
 
 
 def pass_summary(n: int, batch: int, rnd: int, rows: list[Row]) -> str:
-    """One pass's tokens/s of each variant against resident's and compiled's in the same pass."""
+    """One pass's tokens/s of each variant against the baselines' (flash, resident, compiled) in the same
+    pass."""
     tps = {r.variant: r.tokens_per_s for r in rows if r.tokens_per_s}
     parts = []
     for r in rows:
         if not r.tokens_per_s:
             continue
-        rel = [f"{r.tokens_per_s / tps[b]:.2f}x {b}" for b in ("resident", "compiled") if b in tps and b != r.variant]
+        rel = [f"{r.tokens_per_s / tps[b]:.2f}x {b}" for b in BASELINES if b in tps and b != r.variant]
         parts.append(f"{r.variant} {r.ms_per_step:.1f} ms" + (f" ({', '.join(rel)})" if rel else ""))
     return f"<!-- pass {rnd + 1}, n={n} B={batch}: " + "; ".join(parts) + " -->"
 
@@ -202,9 +220,9 @@ def profile_steps(model, cache, batch: int, n: int, first: int, call, path: str)
             torch.cuda.synchronize()
     with open(path, "w") as f:
         f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
-        if gpu:
+        if gpu:  # the kernels, by their own time on the device
             f.write("\n\n")
-            f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+            f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=50, max_name_column_width=90))
     log(f"# profile of 3 steps written to {path}")
 
 
@@ -252,6 +270,34 @@ def run_transformers(variant: str, model, n: int, batch: int, args) -> Row:
         row.host_mb_per_token = kv_bytes(L, batch, hkv, n, d) / batch / 1e6
         row.steps_ms = decode_loop(model, cache, batch, n, args.warmup, args.steps)
     del cache
+    return finish(row)
+
+
+def run_floor(variant: str, model, n: int, batch: int, args) -> Row:
+    """The floor baseline (floor_decode.py): `flash` over n tokens, `weights` over WEIGHTS_CONTEXT."""
+    cfg = model.config
+    L, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+    ctx = n if variant == "flash" else WEIGHTS_CONTEXT
+    row = Row(n, batch, variant)
+    steps_total = max(args.warmup, 3) + args.steps
+    floor_decode.register()
+    model.set_attn_implementation(floor_decode.ATTN)
+    device = str(model.device)
+    try:
+        with floor_decode.FloorCache(cfg, batch, ctx + steps_total + 8, device) as cache:
+            for layer in range(L):
+                k, v = random_kv(batch, hkv, ctx, d, device, layer)
+                cache.load(layer, k, v)
+                del k, v
+            row.kv_gpu_gb = cache.bytes() / 1e9
+            gpu = model.device.type == "cuda"
+            call = torch.compile(model, mode="reduce-overhead", fullgraph=True) if gpu else None
+            t0 = time.perf_counter()
+            row.steps_ms = decode_loop(model, cache, batch, ctx, max(args.warmup, 3), args.steps, call=call)
+            row.note = (f"context {ctx}; " if ctx != n else "") + (
+                f"compile+warmup {time.perf_counter() - t0:.0f} s" if gpu else "eager (CPU)")
+    finally:
+        model.set_attn_implementation("sdpa")
     return finish(row)
 
 
@@ -334,7 +380,9 @@ def measure_kvsparse(row: Row, variant: str, method: kvsparse.Method, model, n: 
         host_bytes = None
         if isinstance(method, kvsparse.Santa) and method.scores == "exact":  # V rows per (layer, b, kv head)
             host_bytes = int(stats[:, 0, : batch * hkv].sum()) * d * 2
-        elif isinstance(method, kvsparse.HashTopK):  # rows of the union less the row cache's hits
+        elif isinstance(method, (kvsparse.HashTopK, kvsparse.TopK, kvsparse.Santa)):
+            # The selected-rows path (hash top-k, top-k and S2ANTA over compressed keys): K and V
+            # of the union's rows less the row cache's hits.
             misses = stats[:, 0, : batch * hkv].sum() - stats[:, 3, : batch * hkv].sum()
             host_bytes = int(misses) * 2 * d * 2
         if host_bytes is not None:
@@ -425,14 +473,14 @@ def main() -> None:
     skip = set(args.skip.split(",")) if args.skip else set()
     rows: list[Row] = []
     print(
-        "| n | B | variant | ms / step | tokens/s | x resident tok/s | x compiled tok/s | KV GPU GB | "
+        "| n | B | variant | ms / step | tokens/s | x flash tok/s | x resident tok/s | x compiled tok/s | KV GPU GB | "
         "host MB / token | fetched / dense | note |"
     )
-    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+    print("| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for n in (int(x) for x in args.lens.split(",")):
         for batch in (int(x) for x in args.batches.split(",")):
             for rnd in range(args.rounds):
-                base = base_compiled = None
+                base = base_compiled = base_flash = None
                 order = variants if rnd % 2 == 0 else variants[::-1]
                 pass_rows: list[Row] = []
                 for variant in order:
@@ -442,7 +490,9 @@ def main() -> None:
                     log(f"== n={n} B={batch} {variant}{of}")
                     failed = None
                     try:
-                        if variant in ("resident", "compiled", "offloaded"):
+                        if variant in ("flash", "weights"):
+                            row = run_floor(variant, model, n, batch, args)
+                        elif variant in ("resident", "compiled", "offloaded"):
                             row = run_transformers(variant, model, n, batch, args)
                         else:
                             row = run_kvsparse(variant, model, n, batch, args, engines, server)
@@ -462,11 +512,14 @@ def main() -> None:
                         base = row.tokens_per_s
                     if variant == "compiled" and row.tokens_per_s:
                         base_compiled = row.tokens_per_s
+                    if variant == "flash" and row.tokens_per_s:
+                        base_flash = row.tokens_per_s
                     rel = f"{row.tokens_per_s / base:.2f}" if base and row.tokens_per_s else ""
                     rel_c = f"{row.tokens_per_s / base_compiled:.2f}" if base_compiled and row.tokens_per_s else ""
+                    rel_f = f"{row.tokens_per_s / base_flash:.2f}" if base_flash and row.tokens_per_s else ""
                     print(
-                        f"| {n // 1024}k | {batch} | {variant} | {row.ms_per_step:.1f} | {row.tokens_per_s:.1f} | {rel} | "
-                        f"{rel_c} | "
+                        f"| {n // 1024}k | {batch} | {variant} | {row.ms_per_step:.1f} | {row.tokens_per_s:.1f} | {rel_f} | "
+                        f"{rel} | {rel_c} | "
                         f"{row.kv_gpu_gb:.2f} | {row.host_mb_per_token:.1f} | {row.fetched_fraction:.3f} | {row.note} |",
                         flush=True,
                     )

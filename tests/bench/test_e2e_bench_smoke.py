@@ -38,3 +38,45 @@ def test_rounds_alternate_the_variants_and_tag_their_rows(tmp_path: Path) -> Non
     assert all(r["tokens_per_s"] > 0 and not r["note"].startswith("failed") for r in rows), rows
     summaries = [line for line in run.stdout.splitlines() if line.startswith("<!-- pass ")]
     assert len(summaries) == 3 and all("kvs-prop" in s and "x resident" in s for s in summaries), run.stdout
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_floor_cache_decodes_as_the_resident_cache(device: str) -> None:
+    """The floor baseline (floor_decode.py) computes the model's decode steps: its logits follow
+    transformers' own cache (DynamicCache, SDPA) over the same prompt K/V for rows of one length,
+    each step's token written at the model's positions (on a GPU: FlashAttention's varlen kernel
+    over exactly each row's length)."""
+    import torch
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    sys.path.insert(0, str(HERE))
+    import floor_decode
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=torch.bfloat16).eval()
+    B, n, steps = 2, 40, 4
+    dense = DynamicCache(config=cfg)
+    floor = floor_decode.FloorCache(cfg, B, n + steps + 8, device)
+    for layer in range(2):
+        k = torch.randn(B, 2, n, 64, device=device, dtype=torch.bfloat16)
+        v = torch.randn(B, 2, n, 64, device=device, dtype=torch.bfloat16)
+        dense.update(k, v, layer)
+        floor.load(layer, k, v)
+    floor_decode.register()
+    ids = torch.randint(0, 256, (B, 1), device=device)
+    with torch.no_grad(), floor:
+        for t in range(steps):
+            kw = dict(input_ids=ids, position_ids=torch.full((B, 1), n + t, device=device),
+                      cache_position=torch.tensor([n + t], device=device), use_cache=True, logits_to_keep=1)
+            model.set_attn_implementation("sdpa")
+            want = model(past_key_values=dense, **kw).logits.float()
+            model.set_attn_implementation(floor_decode.ATTN)
+            got = model(past_key_values=floor, **kw).logits.float()
+            err = ((got - want).norm() / want.norm()).item()
+            assert err < 2e-2, (t, err)
+            ids = want[:, -1:].argmax(-1)
+    assert floor_decode._cache is None  # released by the with block

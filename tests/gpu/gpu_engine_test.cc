@@ -422,7 +422,9 @@ TEST_F(GpuEngineTest, TopKByCompressedKeys) {
 // uncorrected estimate stays on the CPU engine.
 TEST_F(GpuEngineTest, SantaOverCompressedKeys) {
   for (int pl = 0; pl < 3; ++pl) {
-    const CompressedCase cc = CompressedCaseOf(pl);
+    CompressedCase cc = CompressedCaseOf(pl);
+    // S2ANTA refuses 1-bit keys (below): the chunked fp16 case at 2 bits.
+    if (pl == 1) cc.placement.compressed_key_bits = 2;
     auto rig = Rig::Make(1ull << 30, 1.0, false, cc.read_chunk_bytes);
     ASSERT_NE(rig, nullptr);
     auto prob = Problem({4000, 50, 1792, 128}, cc.dtype, cc.head_dim);
@@ -458,6 +460,19 @@ TEST_F(GpuEngineTest, SantaOverCompressedKeys) {
     auto n = rig->gpu->Decode(Call(prob, none));
     ASSERT_TRUE(n.ok()) << n.status();
     EXPECT_EQ(n->timing.launch_seconds, 0.0) << what << ": uncorrected on the CPU engine";
+  }
+  // 1-bit keys: refused by both engines, naming the keys' bits.
+  const CompressedCase one = CompressedCaseOf(1);
+  auto rig = Rig::Make(1ull << 30, 1.0, false, one.read_chunk_bytes);
+  ASSERT_NE(rig, nullptr);
+  auto prob = Problem({600}, one.dtype, one.head_dim);
+  rig->Load(prob, one.placement);
+  Method m = SantaMethod(1, 128);
+  m.santa.scores = kernels::ScoreSource::kCompressedKeys;
+  for (auto* engine : {rig->cpu.get(), rig->gpu.get()}) {
+    const absl::Status s = engine->Decode(Call(prob, m)).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+    EXPECT_TRUE(absl::StrContains(s.message(), "1-bit keys")) << s;
   }
 }
 
@@ -1039,6 +1054,27 @@ TEST_F(GpuEngineTest, CapturedStepsHashTopK) {
   // A short window: the steps' own tokens leave it and are chosen by their signatures.
   CapturedStepsEqualEagerCalls(HashMethod(0.05f, 0, 4, 4), p, {700, 1000}, 8e-3, "hash top-k");
   CapturedStepsEqualEagerCalls(HashMethod(0.f, 24, 4, 2), p, {900}, 8e-3, "hash top-24");
+}
+
+// Top-k and S2ANTA-prop (2 bits; 1 bit is refused) over compressed keys, K and V in host memory:
+// each step appends its key to the compressed keys on the device, closing a group where the
+// step fills one (250 -> 260 and 1020 -> 1030 cross 256 and 1024) with the bits the eager
+// path's host quantization gives, so the captured scores select the eager rows; a short window
+// and sink, so the steps' own tokens are chosen by their compressed scores.
+TEST_F(GpuEngineTest, CapturedStepsOverCompressedKeys) {
+  for (uint32_t bits : {2u, 1u}) {
+    kvstore::Placement p;
+    p.compressed_key_bits = bits;
+    const std::string b = ", " + std::to_string(bits) + "-bit keys";
+    CapturedStepsEqualEagerCalls(TopKMethod(0.05f, 0, 4, 4), p, {250, 1020}, 8e-3, "top-k" + b);
+    CapturedStepsEqualEagerCalls(TopKMethod(0.f, 24, 4, 2), p, {1020}, 8e-3, "top-24" + b);
+    if (bits == 1) continue;  // S2ANTA refuses 1-bit keys (engine/methods/santa.cc)
+    Method santa = SantaMethod(1, 64);
+    santa.santa.scores = kernels::ScoreSource::kCompressedKeys;
+    // Equal lengths: the eager rig draws every sequence of a call with one position's seed.
+    CapturedStepsEqualEagerCalls(santa, p, {250, 250}, 0.02, "S2ANTA-prop" + b);
+    CapturedStepsEqualEagerCalls(santa, p, {1020}, 0.02, "S2ANTA-prop, one sequence" + b);
+  }
 }
 
 TEST_F(GpuEngineTest, CapturedStepsRefuseWhatTheyCannotCapture) {

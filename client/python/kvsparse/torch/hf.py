@@ -33,7 +33,8 @@ counts the step in a device tensor, and the attention function calls the planned
 row positions the model already has (``position_ids``), so a whole step compiles into one graph
 with no break (``torch.compile(model, mode="reduce-overhead", fullgraph=True)``); on the GPU
 backend, for the methods it captures (dense with K and V resident, S2ANTA prop or flash, hash
-top-k with SimHash signatures), that graph is replayed as a CUDA graph. CUDA graphs need such a
+top-k with SimHash signatures, top-k and S2ANTA-prop over compressed keys), that graph is replayed
+as a CUDA graph. CUDA graphs need such a
 captured plan (``cache.steps.captured``; otherwise ``cache.steps.mode`` says why and the steps
 are eager calls: compile without ``mode="reduce-overhead"``). One such cache decodes at a time
 in a process, and it must be closed; its rows become the store's at ``commit()`` (also done by

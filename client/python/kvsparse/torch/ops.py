@@ -345,9 +345,10 @@ class DecodeSteps(_Closing):
     ``stats()`` copies the GPU's statistics without a synchronisation.
 
     Captured: dense with K and V on the GPU, S2ANTA prop and flash, hash top-k with SimHash
-    signatures (each step signs its key on the device). Where the engine cannot capture the
-    method, placement or device (``mode`` says why: no GPU, vAttention, SAAP, top-k by compressed
-    keys, learned signatures, dense with a half in host memory), the same calls run as ordinary
+    signatures (each step signs its key on the device), top-k and S2ANTA-prop over compressed keys
+    (each step appends its key to them on the device, quantizing a group where it closes). Where
+    the engine cannot capture the method, placement or device (``mode`` says why: no GPU,
+    vAttention, SAAP, learned signatures, dense with a half in host memory), the same calls run as ordinary
     decode calls that append at each layer's end (positions must equal the lengths). A captured
     step writes exactly at each sequence's next row (``positions`` = its length); any other
     position writes nothing, gives that sequence zeros and makes ``commit`` raise OutOfRange.
