@@ -4,7 +4,8 @@
 // closed groups from their blocks (the host layout, one block per group, uploaded verbatim), the
 // open group's tokens from their exact rows. The scores equal the CPU reference's bit for bit:
 // each is evaluated in the reference's order with single roundings (no fused multiply-add), so
-// a top-k over them selects the same rows.
+// a top-k over them selects the same rows. A thread scores one token for every query head of its
+// GQA group (the codes read and unpacked once).
 // The launcher never allocates or synchronises; a fixed-shape call can be captured in a graph.
 #ifndef KVSPARSE_KERNELS_CUDA_COMPRESSED_KEYS_H_
 #define KVSPARSE_KERNELS_CUDA_COMPRESSED_KEYS_H_
@@ -19,7 +20,7 @@ namespace kvsparse::kernels::cuda {
 
 struct CompressedScoreParams {
   int32_t num_seqs = 0;        // B
-  int32_t num_q_heads = 0;     // H, a multiple of num_kv_heads
+  int32_t num_q_heads = 0;     // H = G * Hkv, the GQA group G 1, 2, 4 or 8
   int32_t num_kv_heads = 0;    // Hkv
   int32_t head_dim = 0;        // d, with d * bits a multiple of 32
   int32_t bits = 2;            // 1, 2, 4 or 8

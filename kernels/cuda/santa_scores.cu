@@ -1,5 +1,7 @@
 #include <algorithm>
 #include <cmath>
+#include <cub/block/block_reduce.cuh>
+#include <cub/block/block_scan.cuh>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/santa_scores.h"
@@ -9,177 +11,366 @@
 namespace kvsparse::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+// The sampler runs in four launches, each spread over every (sequence, head) and tile so that a
+// batch of one keeps the device busy; the arithmetic of each value is the CPU reference's (the
+// order of every floating-point sum included), only independent values are computed side by side:
+//   TileStats  a warp per tile: m_t (a max: any order), then ell_t summed by one lane ascending;
+//   Budgets    a block per (b, h): m*, W_t side by side, Z summed by one thread ascending, the
+//              fixed-point quotas side by side and their prefix sums (integers: any order), the
+//              budgets, and where each budgeted tile may write its rows (at most S_t + 1 of them);
+//   Sample     a warp per budgeted tile (Budgets lists them): the x_n side by side, their running
+//              sum by one lane, the counts and the rows side by side;
+//   Compact    a block per (b, h): the tiles' rows ascending into the outputs.
+constexpr int kWarps = 8;  // tiles per block of TileStats and Sample
+constexpr int kTileThreads = 32 * kWarps;
+constexpr int kMaxTile = 512;  // tokens per tile a warp stages in shared memory
+constexpr int kScanThreads = 256;
+constexpr int kStagedTiles = 4096;  // tiles whose weights Budgets sums from shared memory
 constexpr float kLog2E = 1.4426950408889634f;
 
 struct Workspace {
   float* tile_max;                // [B * H, T_max]
   float* tile_sum;                // [B * H, T_max]
+  float* weight;                  // [B * H, T_max]: W_t
   unsigned long long* quota_cum;  // [B * H, T_max]
   int32_t* budget;                // [B * H, T_max]
-  int32_t* first;                 // [B * H, T_max]: the tile's first output row
+  int32_t* slot;                  // [B * H, T_max]: the tile's first row in the staging rows
+  int32_t* emitted;               // [B * H, T_max]: rows the tile sampled
+  int32_t* budgeted;              // [B * H, S + 1]: the budgeted tiles, ascending
+  int32_t* budgeted_count;        // [B * H]
+  int32_t* rows;                  // [B * H, RowsPerHead]: staged tokens
+  float* row_weight;              // [B * H, RowsPerHead]: their log2 weights
 };
 
-int32_t MaxTiles(const PropFromScoresParams& p) {
+__host__ __device__ inline int32_t MaxTiles(const PropFromScoresParams& p) {
   return (p.max_seq_len + p.tile_size - 1) / p.tile_size;
+}
+// Staged rows per (b, h): each budgeted tile holds at most S_t + 1 (systematic rounding inside a
+// tile hands out at most one draw more than its budget) and the budgets sum to at most S + 1.
+__host__ __device__ inline int64_t RowsPerHead(const PropFromScoresParams& p) {
+  return static_cast<int64_t>(p.num_samples) + 2 + MaxTiles(p);
+}
+
+template <typename T>
+T* Take(char*& c, size_t count) {
+  T* out = reinterpret_cast<T*>(c);
+  c += AlignUp(count * sizeof(T), 256);
+  return out;
 }
 
 Workspace Carve(const PropFromScoresParams& p, void* ws) {
-  const size_t cells = static_cast<size_t>(p.batch) * p.num_q_heads * MaxTiles(p);
+  const size_t bh = static_cast<size_t>(p.batch) * p.num_q_heads;
+  const size_t cells = bh * MaxTiles(p);
   char* c = static_cast<char*>(ws);
   Workspace w;
-  w.tile_max = reinterpret_cast<float*>(c);
-  c += AlignUp(cells * sizeof(float), 256);
-  w.tile_sum = reinterpret_cast<float*>(c);
-  c += AlignUp(cells * sizeof(float), 256);
-  w.quota_cum = reinterpret_cast<unsigned long long*>(c);
-  c += AlignUp(cells * sizeof(unsigned long long), 256);
-  w.budget = reinterpret_cast<int32_t*>(c);
-  c += AlignUp(cells * sizeof(int32_t), 256);
-  w.first = reinterpret_cast<int32_t*>(c);
+  w.tile_max = Take<float>(c, cells);
+  w.tile_sum = Take<float>(c, cells);
+  w.weight = Take<float>(c, cells);
+  w.quota_cum = Take<unsigned long long>(c, cells);
+  w.budget = Take<int32_t>(c, cells);
+  w.slot = Take<int32_t>(c, cells);
+  w.emitted = Take<int32_t>(c, cells);
+  w.budgeted = Take<int32_t>(c, bh * (p.num_samples + 1));
+  w.budgeted_count = Take<int32_t>(c, bh);
+  w.rows = Take<int32_t>(c, bh * RowsPerHead(p));
+  w.row_weight = Take<float>(c, bh * RowsPerHead(p));
   return w;
 }
 
-// Systematic sampling inside tile [lo, hi) as kernels/santa.cc's SystematicTile: calls emit(i, c)
-// for every token with c > 0, ascending.
-template <typename Emit>
-__device__ __forceinline__ void SampleTile(const float* s, int lo, int hi, float mt,
-                                           float inv_delta, float a0, Emit emit) {
-  float acc = 0.f;
-  for (int i = lo; i < hi; ++i) {
-    const float x = __fmul_rn(inv_delta, expf(s[i] - mt));
-    const float f0 = __fadd_rn(a0, acc);
-    const float f1 = __fadd_rn(f0, x);
-    const int c = static_cast<int>(floorf(f1)) - static_cast<int>(floorf(f0));
-    acc = __fadd_rn(acc, x);
-    if (c > 0) emit(i, c);
+size_t WorkspaceBytes(const PropFromScoresParams& p) {
+  const size_t bh = static_cast<size_t>(p.batch) * p.num_q_heads;
+  const size_t cells = bh * MaxTiles(p), rows = bh * RowsPerHead(p);
+  return 3 * AlignUp(cells * sizeof(float), 256) +
+         AlignUp(cells * sizeof(unsigned long long), 256) +
+         3 * AlignUp(cells * sizeof(int32_t), 256) +
+         AlignUp(bh * (p.num_samples + 1) * sizeof(int32_t), 256) +
+         AlignUp(bh * sizeof(int32_t), 256) + AlignUp(rows * sizeof(int32_t), 256) +
+         AlignUp(rows * sizeof(float), 256);
+}
+
+struct Head {
+  int64_t bh;
+  int b, h, kvh, n, tiles;
+};
+__device__ __forceinline__ Head HeadOf(const PropFromScoresParams& p, int64_t bh) {
+  Head x;
+  x.bh = bh;
+  x.b = static_cast<int>(bh / p.num_q_heads);
+  x.h = static_cast<int>(bh % p.num_q_heads);
+  x.kvh = x.h / (p.num_q_heads / p.num_kv_heads);
+  x.n = p.seq_lens[x.b];
+  x.tiles = (x.n + p.tile_size - 1) / p.tile_size;
+  return x;
+}
+
+// A warp per tile (blockIdx.y: the head): m_t over the tile's tokens, then u_n = e^{s_n - m_t}
+// side by side and ell_t their sum in ascending order by lane 0 (kernels/santa.cc,
+// TileStatistics). An empty (all -inf) tile has no mass.
+__global__ void __launch_bounds__(kTileThreads)
+    TileStatsKernel(PropFromScoresParams p, Workspace w, int32_t t_max) {
+  __shared__ float u[kWarps][kMaxTile];
+  const Head x = HeadOf(p, blockIdx.y);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int t = blockIdx.x * kWarps + warp;
+  if (t >= x.tiles) return;
+  const int lo = t * p.tile_size, hi = min(x.n, lo + p.tile_size);
+  const float* s = p.scores + x.bh * p.score_stride;
+  float m = -INFINITY;
+  for (int i = lo + lane; i < hi; i += 32) m = fmaxf(m, s[i]);
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float l = 0.f;
+  if (m != -INFINITY) {
+    for (int i = lo + lane; i < hi; i += 32) u[warp][i - lo] = expf(s[i] - m);
+    __syncwarp();
+    if (lane == 0) {
+#pragma unroll 8
+      for (int i = 0; i < hi - lo; ++i) l = __fadd_rn(l, u[warp][i]);
+    }
+  }
+  if (lane == 0) {
+    w.tile_max[x.bh * t_max + t] = m;
+    w.tile_sum[x.bh * t_max + t] = l;
   }
 }
 
-__global__ void __launch_bounds__(kThreads)
-    PropFromScoresKernel(PropFromScoresParams p, Workspace w, int32_t t_max) {
-  const int64_t bh = blockIdx.x;
-  const int b = static_cast<int>(bh / p.num_q_heads);
-  const int h = static_cast<int>(bh % p.num_q_heads);
-  const int kvh = h / (p.num_q_heads / p.num_kv_heads);
-  const int n = p.seq_lens[b];
-  const int bt = p.tile_size;
-  const int tiles = (n + bt - 1) / bt;
-  const float* s = p.scores + bh * p.score_stride;
-  float* tmax = w.tile_max + bh * t_max;
-  float* tsum = w.tile_sum + bh * t_max;
-  unsigned long long* qcum = w.quota_cum + bh * t_max;
-  int32_t* bud = w.budget + bh * t_max;
-  int32_t* first = w.first + bh * t_max;
+struct FMax {
+  __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+
+// Inclusive prefix sums of v[0, count) in place, the block's threads over chunks of kScanThreads.
+template <typename T, typename Scan>
+__device__ void BlockInclusiveSum(T* v, int count, typename Scan::TempStorage& tmp) {
+  T carry = 0;
+  for (int base = 0; base < count; base += kScanThreads) {
+    const int i = base + static_cast<int>(threadIdx.x);
+    T x = i < count ? v[i] : T(0);
+    T total;
+    Scan(tmp).InclusiveSum(x, x, total);
+    if (i < count) v[i] = x + carry;
+    carry += total;
+    __syncthreads();  // the temp storage is reused by the next chunk
+  }
+}
+
+// A block per (b, h): the budgets S_t of prop allocation (kernels/santa.cc, PlanSantaHead and
+// PropTileBudgets) and where each budgeted tile stages its rows.
+__global__ void __launch_bounds__(kScanThreads)
+    BudgetsKernel(PropFromScoresParams p, Workspace w, int32_t t_max) {
+  using ScanU = cub::BlockScan<unsigned long long, kScanThreads>;
+  using ScanI = cub::BlockScan<int32_t, kScanThreads>;
+  using MaxR = cub::BlockReduce<float, kScanThreads>;
+  __shared__ union {
+    typename ScanU::TempStorage u;
+    typename ScanI::TempStorage i;
+    typename MaxR::TempStorage m;
+  } tmp;
+  __shared__ float mstar_s;
+  __shared__ double z_s;
+  __shared__ unsigned long long off_s;
+  __shared__ float w_s[kStagedTiles];  // W_t of the first tiles, for the one-thread sum
+  const Head x = HeadOf(p, blockIdx.x);
   const int tid = threadIdx.x;
-  // Tile statistics (kernels/santa.cc TileStatistics): one thread per tile, ascending tokens.
-  for (int t = tid; t < tiles; t += kThreads) {
-    const int lo = t * bt, hi = min(n, lo + bt);
-    float m = -INFINITY;
-    for (int i = lo; i < hi; ++i) m = fmaxf(m, s[i]);
-    float l = 0.f;
-    if (m != -INFINITY) {
-      for (int i = lo; i < hi; ++i) l = __fadd_rn(l, expf(s[i] - m));
+  const float* tmax = w.tile_max + x.bh * t_max;
+  const float* tsum = w.tile_sum + x.bh * t_max;
+  float* wt = w.weight + x.bh * t_max;
+  unsigned long long* qcum = w.quota_cum + x.bh * t_max;
+  int32_t* bud = w.budget + x.bh * t_max;
+  int32_t* slot = w.slot + x.bh * t_max;
+  float m = -INFINITY;
+  for (int t = tid; t < x.tiles; t += kScanThreads) m = fmaxf(m, tmax[t]);
+  m = MaxR(tmp.m).Reduce(m, FMax());
+  if (tid == 0) mstar_s = m;
+  __syncthreads();
+  const float mstar = mstar_s;
+  int32_t* emitted = w.emitted + x.bh * t_max;
+  if (mstar == -INFINITY) {  // no mass anywhere (or no tokens): no samples
+    for (int t = tid; t < x.tiles; t += kScanThreads) {
+      bud[t] = 0;
+      slot[t] = 0;
+      emitted[t] = 0;
     }
-    tmax[t] = m;
-    tsum[t] = l;
+    if (tid == 0) {
+      w.budgeted_count[x.bh] = 0;
+      if (p.budgets != nullptr) p.budgets[x.bh] = x.n > 0 ? p.num_samples : 0;
+    }
+    return;
+  }
+  for (int t = tid; t < x.tiles; t += kScanThreads) {
+    const float v = __fmul_rn(expf(tmax[t] - mstar), tsum[t]);
+    wt[t] = v;
+    if (t < kStagedTiles) w_s[t] = v;
+    emitted[t] = 0;  // Sample writes the budgeted tiles'
   }
   __syncthreads();
-  // W_t, Z (double, ascending tiles), quotas in fixed point and the budgets: one thread, as the
-  // CPU does (T is n / 256: a few hundred steps).
   if (tid == 0) {
-    float mstar = -INFINITY;
-    for (int t = 0; t < tiles; ++t) mstar = fmaxf(mstar, tmax[t]);
-    if (mstar != -INFINITY) {
-      double z = 0.0;
-      for (int t = 0; t < tiles; ++t)
-        z += static_cast<double>(__fmul_rn(expf(tmax[t] - mstar), tsum[t]));
-      unsigned long long c = 0;
-      for (int t = 0; t < tiles; ++t) {
-        const double wt = static_cast<double>(__fmul_rn(expf(tmax[t] - mstar), tsum[t])) / z;
-        const double q = static_cast<double>(p.num_samples) * wt;
-        c += static_cast<unsigned long long>(llround(q * kPropFixedOne));
-        qcum[t] = c;
-      }
-      const SeedSource seeds{p.seed, p.seeds};
-      const float u = SequenceStream(seeds, RngTag::kPropRounding, b, kvh).Uniform(0);
-      const unsigned long long off =
-          static_cast<unsigned long long>(static_cast<double>(u) * kPropFixedOne);
-      unsigned long long before = off >> 32;
-      for (int t = 0; t < tiles; ++t) {
-        const unsigned long long upto = (qcum[t] + off) >> 32;
-        bud[t] = static_cast<int32_t>(upto - before);
-        before = upto;
-      }
-    } else {
-      for (int t = 0; t < tiles; ++t) bud[t] = 0;  // no mass anywhere: no samples
-    }
+    double z = 0.0;
+    const int staged = min(x.tiles, kStagedTiles);
+#pragma unroll 8
+    for (int t = 0; t < staged; ++t) z += static_cast<double>(w_s[t]);
+    for (int t = staged; t < x.tiles; ++t) z += static_cast<double>(wt[t]);
+    z_s = z;
+    const SeedSource seeds{p.seed, p.seeds};
+    const float u = SequenceStream(seeds, RngTag::kPropRounding, x.b, x.kvh).Uniform(0);
+    off_s = static_cast<unsigned long long>(static_cast<double>(u) * kPropFixedOne);
   }
   __syncthreads();
+  const double z = z_s;
+  for (int t = tid; t < x.tiles; t += kScanThreads) {
+    const double q = static_cast<double>(p.num_samples) * (static_cast<double>(wt[t]) / z);
+    qcum[t] = static_cast<unsigned long long>(llround(q * kPropFixedOne));
+  }
+  __syncthreads();
+  BlockInclusiveSum<unsigned long long, ScanU>(qcum, x.tiles, tmp.u);
+  const unsigned long long off = off_s;
+  for (int t = tid; t < x.tiles; t += kScanThreads) {
+    const unsigned long long before = ((t == 0 ? 0ull : qcum[t - 1]) + off) >> 32;
+    const int32_t b = static_cast<int32_t>(((qcum[t] + off) >> 32) - before);
+    bud[t] = b;
+    slot[t] = b > 0 ? b + 1 : 0;  // rows the tile may stage; made offsets below
+  }
+  __syncthreads();
+  BlockInclusiveSum<int32_t, ScanI>(slot, x.tiles, tmp.i);
+  // The budgeted tiles, ascending (at most S + 1: the budgets sum to S or S + 1), for Sample.
+  int32_t* list = w.budgeted + x.bh * (p.num_samples + 1);
+  int32_t carry = 0;
+  for (int t0 = 0; t0 < x.tiles; t0 += kScanThreads) {
+    const int t = t0 + tid;
+    const int32_t has = t < x.tiles && bud[t] > 0 ? 1 : 0;
+    if (t < x.tiles) slot[t] -= has ? bud[t] + 1 : 0;  // inclusive -> exclusive
+    int32_t at = 0, total = 0;
+    ScanI(tmp.i).ExclusiveSum(has, at, total);
+    if (has && carry + at <= p.num_samples) list[carry + at] = t;
+    carry += total;
+    __syncthreads();
+  }
+  if (tid == 0) {
+    w.budgeted_count[x.bh] = min(carry, p.num_samples + 1);
+    if (p.budgets != nullptr) p.budgets[x.bh] = x.n > 0 ? p.num_samples : 0;
+  }
+}
+
+// A warp per tile (blockIdx.y: the head): systematic sampling inside a budgeted tile
+// (kernels/santa.cc, SystematicTile). The x_n side by side; the running sum p_n (the sum of x
+// before n, in ascending order) by lane 0; then side by side each token's f0 = a0 + p_n,
+// f1 = f0 + x_n and count c = floor(f1) - floor(f0), the rows with c > 0 staged ascending at the
+// tile's slot (their ranks from the warp's ballots) with their ratio log-weights.
+__global__ void __launch_bounds__(kTileThreads)
+    SampleKernel(PropFromScoresParams p, Workspace w, int32_t t_max) {
+  __shared__ float xs[kWarps][kMaxTile];
+  __shared__ float ps[kWarps][kMaxTile];
+  const Head x = HeadOf(p, blockIdx.y);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int k = blockIdx.x * kWarps + warp;  // the head's k-th budgeted tile
+  if (k >= w.budgeted_count[x.bh]) return;
+  const int t = w.budgeted[x.bh * (p.num_samples + 1) + k];
+  const int64_t cell = x.bh * t_max + t;
+  const int32_t bud = w.budget[cell];
+  const int lo = t * p.tile_size, len = min(x.n, lo + p.tile_size) - lo;
+  const float* s = p.scores + x.bh * p.score_stride + lo;
+  const float mt = w.tile_max[cell];
+  const float inv_delta = static_cast<float>(bud) / w.tile_sum[cell];
+  float* xw = xs[warp];
+  float* pw = ps[warp];
+  for (int i = lane; i < len; i += 32) xw[i] = __fmul_rn(inv_delta, expf(s[i] - mt));
+  __syncwarp();
+  if (lane == 0) {
+    float acc = 0.f;
+#pragma unroll 8
+    for (int i = 0; i < len; ++i) {
+      pw[i] = acc;
+      acc = __fadd_rn(acc, xw[i]);
+    }
+  }
+  __syncwarp();
   const SeedSource seeds{p.seed, p.seeds};
-  const PhiloxStream st = SequenceStream(seeds, RngTag::kPropTileOffset, b, h);
-  // Rows each tile samples (distinct tokens), then where each tile's rows start.
-  for (int t = tid; t < tiles; t += kThreads) {
-    int rows = 0;
-    if (bud[t] > 0) {
-      const int lo = t * bt, hi = min(n, lo + bt);
-      const float inv_delta = static_cast<float>(bud[t]) / tsum[t];
-      SampleTile(s, lo, hi, tmax[t], inv_delta, st.Uniform(t), [&](int, int) { ++rows; });
+  const float a0 = SequenceStream(seeds, RngTag::kPropTileOffset, x.b, x.h).Uniform(t);
+  const int64_t base = x.bh * RowsPerHead(p) + w.slot[cell];
+  int32_t* rows = w.rows + base;
+  float* lw = w.row_weight + base;
+  int32_t r = 0;  // rows with c > 0 before this round
+  for (int i0 = 0; i0 < len; i0 += 32) {
+    const int i = i0 + lane;
+    int c = 0;
+    if (i < len) {
+      const float f0 = __fadd_rn(a0, pw[i]);
+      const float f1 = __fadd_rn(f0, xw[i]);
+      c = static_cast<int>(floorf(f1)) - static_cast<int>(floorf(f0));
     }
-    first[t] = rows;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    int at = 0;
-    for (int t = 0; t < tiles; ++t) {
-      const int r = first[t];
-      first[t] = at;
-      at += r;
+    const unsigned hit = __ballot_sync(0xffffffffu, c > 0);
+    const int at = r + __popc(hit & ((1u << lane) - 1u));
+    if (c > 0 && at <= bud) {  // a tile stages at most bud + 1 rows
+      rows[at] = lo + i;
+      lw[at] = log2f(static_cast<float>(c)) - s[i] * kLog2E;
     }
-    p.counts[bh] = min(at, p.max_selected);
-    if (p.budgets != nullptr) p.budgets[bh] = n > 0 ? p.num_samples : 0;
+    r += __popc(hit);
   }
-  __syncthreads();
-  int32_t* idx = p.indices + bh * p.max_selected;
-  float* lw = p.log2_weights + bh * p.max_selected;
-  for (int t = tid; t < tiles; t += kThreads) {
-    if (bud[t] <= 0) continue;
-    const int lo = t * bt, hi = min(n, lo + bt);
-    const float inv_delta = static_cast<float>(bud[t]) / tsum[t];
-    int at = first[t];
-    SampleTile(s, lo, hi, tmax[t], inv_delta, st.Uniform(t), [&](int i, int c) {
-      if (at < p.max_selected) {
-        idx[at] = i;
-        lw[at] = log2f(static_cast<float>(c)) - s[i] * kLog2E;
-      }
-      ++at;
-    });
+  if (lane == 0) w.emitted[cell] = min(r, bud + 1);
+}
+
+// A block per (b, h): each tile's staged rows, in tile order, into the outputs (at most
+// max_selected, as the reference writes them).
+__global__ void __launch_bounds__(kScanThreads)
+    CompactKernel(PropFromScoresParams p, Workspace w, int32_t t_max) {
+  using ScanI = cub::BlockScan<int32_t, kScanThreads>;
+  __shared__ typename ScanI::TempStorage tmp;
+  const Head x = HeadOf(p, blockIdx.x);
+  const int tid = threadIdx.x;
+  const int32_t* emitted = w.emitted + x.bh * t_max;
+  const int32_t* slot = w.slot + x.bh * t_max;
+  const int64_t base = x.bh * RowsPerHead(p);
+  int32_t* idx = p.indices + x.bh * p.max_selected;
+  float* lw = p.log2_weights + x.bh * p.max_selected;
+  int32_t carry = 0;
+  for (int t0 = 0; t0 < x.tiles; t0 += kScanThreads) {
+    const int t = t0 + tid;
+    const int32_t e = t < x.tiles ? emitted[t] : 0;
+    int32_t at = 0, total = 0;
+    ScanI(tmp).ExclusiveSum(e, at, total);
+    at += carry;
+    for (int32_t r = 0; r < e && at + r < p.max_selected; ++r) {
+      idx[at + r] = w.rows[base + slot[t] + r];
+      lw[at + r] = w.row_weight[base + slot[t] + r];
+    }
+    carry += total;
+    __syncthreads();
   }
+  if (tid == 0) p.counts[x.bh] = min(carry, p.max_selected);
 }
 
 }  // namespace
 
 size_t PropFromScoresWorkspaceBytes(const PropFromScoresParams& p) {
-  if (p.tile_size < 1) return 0;
-  const size_t cells = static_cast<size_t>(std::max(p.batch, 0)) * std::max(p.num_q_heads, 0) *
-                       std::max(MaxTiles(p), 0);
-  return 4 * AlignUp(cells * sizeof(float), 256) + AlignUp(cells * sizeof(unsigned long long), 256);
+  if (p.tile_size < 1 || p.batch < 0 || p.num_q_heads < 0 || p.num_samples < 0) return 0;
+  return WorkspaceBytes(p);
 }
 
 cudaError_t PropFromScores(const PropFromScoresParams& p, void* workspace, size_t workspace_bytes,
                            cudaStream_t stream) {
   if (p.batch < 0 || p.num_q_heads < 1 || p.num_kv_heads < 1 ||
       p.num_q_heads % p.num_kv_heads != 0 || p.num_samples < 1 || p.tile_size < 1 ||
-      p.max_selected < p.num_samples + 1 || p.scores == nullptr || p.seq_lens == nullptr ||
-      p.indices == nullptr || p.counts == nullptr || p.log2_weights == nullptr ||
-      p.score_stride < p.max_seq_len || workspace_bytes < PropFromScoresWorkspaceBytes(p) ||
+      p.tile_size > kMaxTile || p.max_selected < p.num_samples + 1 || p.scores == nullptr ||
+      p.seq_lens == nullptr || p.indices == nullptr || p.counts == nullptr ||
+      p.log2_weights == nullptr || p.score_stride < p.max_seq_len ||
+      workspace_bytes < PropFromScoresWorkspaceBytes(p) ||
       (PropFromScoresWorkspaceBytes(p) > 0 && workspace == nullptr)) {
     return cudaErrorInvalidValue;
   }
   if (p.batch == 0) return cudaSuccess;
   const int64_t bh = static_cast<int64_t>(p.batch) * p.num_q_heads;
-  PropFromScoresKernel<<<static_cast<unsigned>(bh), kThreads, 0, stream>>>(p, Carve(p, workspace),
-                                                                           MaxTiles(p));
+  const int32_t t_max = MaxTiles(p);
+  if (bh > 65535) return cudaErrorInvalidValue;  // the heads ride blockIdx.y below
+  const Workspace w = Carve(p, workspace);
+  const dim3 tiles_grid(static_cast<unsigned>(std::max(1, (t_max + kWarps - 1) / kWarps)),
+                        static_cast<unsigned>(bh));
+  TileStatsKernel<<<tiles_grid, kTileThreads, 0, stream>>>(p, w, t_max);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  BudgetsKernel<<<static_cast<unsigned>(bh), kScanThreads, 0, stream>>>(p, w, t_max);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  const dim3 sample_grid(static_cast<unsigned>((p.num_samples + 1 + kWarps - 1) / kWarps),
+                         static_cast<unsigned>(bh));
+  SampleKernel<<<sample_grid, kTileThreads, 0, stream>>>(p, w, t_max);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  CompactKernel<<<static_cast<unsigned>(bh), kScanThreads, 0, stream>>>(p, w, t_max);
   return cudaGetLastError();
 }
 

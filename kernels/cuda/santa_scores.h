@@ -1,11 +1,14 @@
 // S2ANTA-prop over precomputed scores on the GPU: the sampler of kernels/santa.h run on scores a
 // kernel wrote before (CompressedScores: the sequence's compressed keys), for S2ANTA over
 // compressed keys with the ratio correction ("Scores from compressed keys" there). Per
-// (sequence, query head), one block follows the CPU reference's arithmetic step for step:
+// (sequence, query head) it follows the CPU reference's arithmetic step for step, spread over
+// the tiles (a warp per tile, a block per head where the tiles meet; santa_scores.cu):
 //   tile statistics m_t, ell_t (fp32, ascending tokens), W_t, Z (double, ascending tiles), the
 //   fixed-point quotas and their prefix sums, the budgets S_t by systematic rounding with the GQA
 //   group's offset (RngTag::kPropRounding of the kv head), then systematic sampling inside each
-//   tile (RngTag::kPropTileOffset, one draw per tile), without fused multiply-adds;
+//   tile (RngTag::kPropTileOffset, one draw per tile), without fused multiply-adds; every
+//   floating-point sum in the reference's order (one lane or thread adds it up), independent
+//   values side by side;
 // and writes the sampled rows ascending (distinct), as UnionSelected reads them, with each row's
 // ratio log-weight log2(c) - s~ log2(e) (c its count), which SelectedRowsDecode adds to the exact
 // score: its softmax over the rows is then sum c e^{s - s~} V / sum c e^{s - s~}. The rows equal
@@ -31,7 +34,7 @@ struct PropFromScoresParams {
   const int32_t* seq_lens = nullptr;  // device [B]
   int32_t max_seq_len = 0;            // host bound of seq_lens
   int32_t num_samples = 128;          // S, >= 1
-  int32_t tile_size = 256;            // tokens per tile, >= 1
+  int32_t tile_size = 256;            // tokens per tile, 1 .. 512
   // Random numbers: streams (seeds[b], tag, 0, head) when seeds (device [B]) is given, else
   // (seed, tag, b, head): as kernels::SantaSelectCpu draws for sequence b of a batch-1 call.
   uint64_t seed = 0;
@@ -47,6 +50,8 @@ struct PropFromScoresParams {
 };
 
 size_t PropFromScoresWorkspaceBytes(const PropFromScoresParams& p);
+// Four launches on `stream`, capturable (no allocation, no synchronisation).
+// cudaErrorInvalidValue for a bad shape, or B * H over 65535.
 cudaError_t PropFromScores(const PropFromScoresParams& p, void* workspace, size_t workspace_bytes,
                            cudaStream_t stream);
 

@@ -15,11 +15,11 @@ namespace {
 // PropFromScores samples what the CPU reference (PlanSantaHead + SampleSantaHead, prop) samples
 // from the same scores: per (sequence, head) the same rows ascending, counts read back from the
 // log2 weights (log2(c) - s log2 e), the budget S. Ragged lengths (0, 1, under a tile, many
-// tiles), peaked and flat heads, a masked (-inf) tile, GQA group 4, per-sequence seeds. A head
+// tiles, more tiles than a block's threads: the budgets' scans in chunks), peaked and flat heads, a masked (-inf) tile, GQA group 4, per-sequence seeds. A head
 // may differ where expf's last bit moves a threshold: at most 1 in 100 heads.
 TEST(SantaScoresCudaTest, SamplesWhatTheCpuSamples) {
   KVSPARSE_REQUIRE_GPU();
-  const std::vector<int32_t> lens = {0, 1, 200, 3000, 20000};
+  const std::vector<int32_t> lens = {0, 1, 200, 3000, 20000, 70000};
   const int32_t B = static_cast<int32_t>(lens.size()), H = 8, Hkv = 2, S = 128;
   const int32_t n_max = *std::max_element(lens.begin(), lens.end());
   std::mt19937 rng(5);
