@@ -10,13 +10,7 @@ namespace kvsparse::kernels {
 
 absl::StatusOr<int32_t> ResolveTopK(int32_t top_k, float top_k_fraction, int32_t n) {
   if (top_k < 0) return absl::InvalidArgumentError(absl::StrCat("top_k ", top_k, " < 0"));
-  if (top_k > 0) {
-    if (top_k > n) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("top_k ", top_k, " exceeds the sequence length ", n));
-    }
-    return top_k;
-  }
+  if (top_k > 0) return std::min(top_k, n);  // a short sequence reads what it has
   if (!(top_k_fraction >= 0.f && top_k_fraction <= 1.f)) {
     return absl::InvalidArgumentError(
         absl::StrCat("top_k_fraction must be in [0, 1], got ", top_k_fraction));
@@ -34,7 +28,7 @@ int32_t SelectSinkLocalTopK(const T* scores, int32_t n, int32_t sink, int32_t lo
   // rest = [s_end, w_begin)
   scratch->clear();
   for (int32_t t = s_end; t < w_begin; ++t) scratch->push_back(t);
-  const int32_t chosen = std::min<int32_t>(std::max(k, 0), static_cast<int32_t>(scratch->size()));
+  const int32_t chosen = SinkLocalTopKRest(n, s_end, w_begin, k);
   auto better = [&](int32_t a, int32_t b) {
     return scores[a] != scores[b] ? scores[a] > scores[b] : a < b;
   };

@@ -5,12 +5,16 @@
 // Selection rule per query head h of a sequence with n tokens (shared with vAttention):
 //   sink   = [0, min(sink_tokens, n))
 //   window = [max(0, n - local_tokens), n)
-//   k      = top_k if top_k > 0, else floor(double(top_k_fraction) * n + 0.5) (the fraction of
-//            n rounded to nearest: a float fraction like 0.02f is slightly below 0.02, and a
-//            floor would lose a token); k > n is INVALID_ARGUMENT.
+//   k      = min(top_k, n) if top_k > 0, else floor(double(top_k_fraction) * n + 0.5) (the
+//            fraction of n rounded to nearest: a float fraction like 0.02f is slightly below
+//            0.02, and a floor would lose a token); a short sequence reads what it has;
 //   top-k  = the min(k, #rest) tokens of rest = [0, n) \ (sink u window) with the highest
 //            score; ties: higher score first, then the LOWER token index (a total order, so the
-//            GPU selection must return exactly this set).
+//            GPU selection must return exactly this set);
+//   never empty: where sink, window and top-k would select no row of a sequence that has one
+//            (all three 0, or a fraction that rounds to 0 without sink and window), top-k takes
+//            the one highest-scoring token (kernels/sink_local_topk.h): an output is always an
+//            estimate of attention.
 // Stages: selection needs only signatures (and seq_lens); the estimate (EstimateInPlace or
 // EstimateFromGathered, kind kSoftmax, every weight 1) needs the K and V rows of the union.
 // budgets[g] = number of top-k rows chosen for query head g (excluding sink and window).
@@ -29,6 +33,7 @@
 #include "kernels/decode_problem.h"
 #include "kernels/hash_signatures.h"
 #include "kernels/row_selection.h"
+#include "kernels/sink_local_topk.h"
 
 namespace kvsparse::kernels {
 
@@ -40,8 +45,8 @@ struct HashTopKParams {
   int32_t bits = 32;           // signature bits: multiple of 32 in [32, 256]
 };
 
-// k for a sequence of n tokens (see the header comment). INVALID_ARGUMENT naming top_k or
-// top_k_fraction when k > n, top_k < 0 or the fraction is outside [0, 1].
+// k for a sequence of n tokens (see the header comment): a top_k above n is n. INVALID_ARGUMENT
+// naming top_k or top_k_fraction when top_k < 0 or the fraction is outside [0, 1].
 [[nodiscard]] absl::StatusOr<int32_t> ResolveTopK(int32_t top_k, float top_k_fraction, int32_t n);
 
 // INVALID_ARGUMENT naming the field when a count of the selection rule is negative or the
@@ -58,9 +63,10 @@ inline int32_t MaxSinkLocalTopKRows(int32_t sink_tokens, int32_t local_tokens, i
                               : static_cast<int64_t>(std::floor(
                                     static_cast<double>(top_k_fraction) * max_seq_len + 0.5));
   const int64_t total = static_cast<int64_t>(std::max(sink_tokens, 0)) + std::max(local_tokens, 0) +
-                        std::max<int64_t>(k, 0);
+                        std::max<int64_t>(k, 1);  // never empty: at least one top-k row
   return static_cast<int32_t>(std::min<int64_t>(total, max_seq_len));
 }
+
 
 // Sink + window + top-k of `scores` ([n]) as above; the chosen tokens go to `out` ascending.
 // Returns the number of top-k tokens chosen. T is int32_t (Hamming similarity) or float.

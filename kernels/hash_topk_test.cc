@@ -137,6 +137,54 @@ SyntheticProblem Problem(DType dtype, std::vector<int32_t> lens, int32_t h = 8, 
   return SyntheticProblem::Make(o);
 }
 
+// A selection is never empty where the sequence has a token (issue 48: every output is an
+// estimate of attention, not zeros): sink, window and top-k all 0, or a fraction that rounds to
+// no token, take the one highest-scoring token; a top_k above a short sequence's length reads
+// what it has (it was INVALID_ARGUMENT before, for every decode of a prompt shorter than top_k).
+TEST(HashTopKTest, ShortSequencesReadWhatTheyHaveAndNoSelectionIsEmpty) {
+  std::vector<float> f = {1.f, 3.f, 5.f, 2.f, 4.f};
+  std::vector<int32_t> out, scratch;
+  EXPECT_EQ(SelectSinkLocalTopK(f.data(), 5, 0, 0, 0, &out, &scratch), 1);
+  EXPECT_EQ(out, (std::vector<int32_t>{2}));
+  absl::StatusOr<int32_t> k = ResolveTopK(0, 0.01f, 50);  // 0.5 rounds to 0 rows
+  ASSERT_TRUE(k.ok());
+  EXPECT_EQ(SelectSinkLocalTopK(f.data(), 5, 0, 0, *k, &out, &scratch), 1);
+  EXPECT_EQ(out, (std::vector<int32_t>{2}));
+  // With a sink or a window the rule needs no extra row.
+  EXPECT_EQ(SelectSinkLocalTopK(f.data(), 5, 1, 0, 0, &out, &scratch), 0);
+  EXPECT_EQ(out, (std::vector<int32_t>{0}));
+  EXPECT_EQ(SelectSinkLocalTopK(f.data(), 0, 0, 0, 0, &out, &scratch), 0);  // no token: none
+  EXPECT_TRUE(out.empty());
+  // top_k beyond the sequence: its length.
+  k = ResolveTopK(64, 0.f, 50);
+  ASSERT_TRUE(k.ok());
+  EXPECT_EQ(*k, 50);
+  // End to end: HashTopKParams{} (every field 0, as a request's defaults on the wire can be)
+  // and a top-k longer than the sequence with sink and window covering it.
+  SyntheticProblem sp = Problem(DType::kBf16, {50}, 4, 2);
+  Signatures sigs;
+  ASSERT_TRUE(ComputeSimHashSignatures(sp.problem, SimHashConfig{1, 0, 32, {}}, &sigs).ok());
+  HashTopKParams zero;
+  zero.sink_tokens = 0;
+  zero.local_tokens = 0;
+  zero.top_k = 0;
+  zero.top_k_fraction = 0.f;
+  RowSelection sel;
+  ASSERT_TRUE(HashTopKDecodeCpu(sp.problem, zero, sigs.view, &sel).ok());
+  double mass = 0;
+  for (int32_t j = 0; j < 2; ++j) EXPECT_GE(sel.at(0, j).num_rows(), 1) << "kv head " << j;
+  for (double x : OutputAsDouble(sp.problem)) mass += std::fabs(x);
+  EXPECT_GT(mass, 0.0) << "an output of zeros";
+  HashTopKParams over;
+  over.sink_tokens = 128;
+  over.local_tokens = 128;
+  over.top_k = 64;
+  ASSERT_TRUE(HashTopKDecodeCpu(sp.problem, over, sigs.view, &sel).ok());
+  std::vector<double> dense;
+  ASSERT_TRUE(DenseDecodeFloat64(sp.problem, &dense).ok());
+  EXPECT_LT(RelativeL2(dense, OutputAsDouble(sp.problem)), 8e-3);
+}
+
 // k = n selects every row: the output is dense attention.
 TEST(HashTopKTest, KEqualsNIsDense) {
   for (DType dt : {DType::kFp32, DType::kBf16}) {
@@ -431,7 +479,7 @@ TEST(HashTopKTest, RejectsBadParameters) {
     EXPECT_NE(std::string(s.message()).find(field), std::string::npos) << s.message();
   };
   HashTopKParams p;
-  p.top_k = 101;  // k > n
+  p.top_k = -1;
   expect_invalid(p, "top_k");
   p = HashTopKParams{};
   p.top_k_fraction = 1.5f;

@@ -9,8 +9,7 @@
 //  1. Fixed set I_f = sink [0, min(sink, n)) u window [max(0, n - local), n) u top-k, where the
 //     top-k are the k best of the rest by the predictor (hash: bits - 2 Hamming of signatures;
 //     exact: s_t; compressed: s~_t = scale q . k~_t over the compressed keys of
-//     kernels/compressed_keys.h), k = top_k or top_k_fraction * n rounded to nearest (k > n:
-//     INVALID_ARGUMENT),
+//     kernels/compressed_keys.h), k = min(top_k, n) or top_k_fraction * n rounded to nearest,
 //     ties to the lower index (hash_topk.h ResolveTopK, SelectSinkLocalTopK). Sink and window
 //     are absolute token counts (the paper's experiments use 128 each), not fractions of n.
 //  2. Residual R = [0, n) \ I_f, n_s = |R|.

@@ -964,7 +964,10 @@ TEST(VAttentionTest, RejectsBadParameters) {
   p.base_rate = 0.f;
   expect_invalid(p, "base_rate", &sigs.view);
   p = VAttentionParams{};
-  p.top_k = 101;
+  p.top_k = 101;  // above the 100 tokens: every row (kernels/hash_topk.h), not an error
+  EXPECT_TRUE(VAttentionDecodeCpu(sp.problem, p, 1, &sigs.view).ok());
+  p = VAttentionParams{};
+  p.top_k = -1;
   expect_invalid(p, "top_k", &sigs.view);
   p = VAttentionParams{};
   p.bits = 48;

@@ -15,6 +15,7 @@
 #include "kernels/cuda/decode_params.h"
 #include "kernels/dtype.h"
 #include "kernels/philox.h"
+#include "kernels/sink_local_topk.h"
 
 namespace kvsparse::kernels::cuda {
 
@@ -391,7 +392,7 @@ __device__ __forceinline__ SinkLocalTopK MakeSinkLocalTopK(int n, int sink, int 
   g.s_end = min(max(sink, 0), n);
   g.w_begin = max(g.s_end, n - max(local, 0));
   g.rest = g.w_begin - g.s_end;
-  g.kk = min(g.k, g.rest);
+  g.kk = SinkLocalTopKRest(n, g.s_end, g.w_begin, g.k);
   return g;
 }
 

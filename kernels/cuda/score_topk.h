@@ -24,8 +24,9 @@ struct ScoreTopKParams {
   int32_t max_seq_len = 0;            // host upper bound of seq_lens
   int32_t sink_tokens = 128;
   int32_t local_tokens = 128;
-  // k beyond sink and window; 0: top_k_fraction * n rounded to nearest (ResolveTopK; k > n is
-  // the caller's to refuse, here it is clamped to the tokens outside sink and window).
+  // k beyond sink and window; 0: top_k_fraction * n rounded to nearest (ResolveTopK), clamped
+  // to the tokens outside sink and window, at least one where those are empty
+  // (kernels/sink_local_topk.h).
   int32_t top_k = 0;
   float top_k_fraction = 0.f;
   // device, shape: [B, H, max(1, MaxSelected())]: the chosen tokens, ascending, in the first

@@ -1,0 +1,25 @@
+// The one rule of a sink + window + top-k selection that both devices apply per query head
+// (kernels/hash_topk.h's header states the whole rule): how many top-k rows a sequence takes
+// from the rest between its sink and its window. Header-only, host and device.
+#ifndef KVSPARSE_KERNELS_SINK_LOCAL_TOPK_H_
+#define KVSPARSE_KERNELS_SINK_LOCAL_TOPK_H_
+
+#include <cstdint>
+
+#include "kernels/dtype.h"
+
+namespace kvsparse::kernels {
+
+// The top-k rows of a sequence of n tokens whose sink ends at s_end and whose window begins at
+// w_begin (rest = [s_end, w_begin)), for a resolved k: min(k, rest), or 1 where sink, window and
+// top-k would leave the selection empty (so an output is always an estimate of attention).
+KVSPARSE_HD int32_t SinkLocalTopKRest(int32_t n, int32_t s_end, int32_t w_begin, int32_t k) {
+  const int32_t rest = w_begin - s_end;
+  int32_t kk = k < 0 ? 0 : (k < rest ? k : rest);
+  if (kk == 0 && rest > 0 && s_end == 0 && w_begin == n) kk = 1;
+  return kk;
+}
+
+}  // namespace kvsparse::kernels
+
+#endif  // KVSPARSE_KERNELS_SINK_LOCAL_TOPK_H_
