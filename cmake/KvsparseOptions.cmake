@@ -30,6 +30,8 @@ function(kvsparse_target_defaults target)
                                               $<INSTALL_INTERFACE:include>)
   target_compile_options(${target} PRIVATE
     $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Wno-unused-parameter -Wnon-virtual-dtor>
+    # __FILE__ relative to the repository (flags' --help, log lines): no build machine's paths.
+    $<$<COMPILE_LANGUAGE:CXX>:-fmacro-prefix-map=${PROJECT_SOURCE_DIR}/=>
     $<$<AND:$<COMPILE_LANGUAGE:CXX>,$<BOOL:${KVSPARSE_WERROR}>>:-Werror>
     $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>
     $<$<AND:$<COMPILE_LANGUAGE:CUDA>,$<BOOL:${KVSPARSE_WERROR}>>:-Werror=all-warnings>)

@@ -21,6 +21,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/strings/strip.h"
 
@@ -427,6 +428,12 @@ absl::StatusOr<Caller> TokenAuth::CheckToken(absl::string_view token,
 
 std::string ScopedId(absl::string_view tenant, absl::string_view id) {
   return tenant.empty() ? std::string(id) : absl::StrCat(tenant, ":", id);
+}
+
+absl::Status UnscopedStatus(absl::string_view tenant, const absl::Status& status) {
+  if (tenant.empty() || status.ok()) return status;
+  return absl::Status(status.code(), absl::StrReplaceAll(status.message(),
+                                                         {{absl::StrCat("'", tenant, ":"), "'"}}));
 }
 
 bool UnscopedId(absl::string_view tenant, absl::string_view stored, std::string* id) {

@@ -113,6 +113,9 @@ absl::StatusOr<absl::string_view> BearerToken(absl::string_view authorization);
 std::string ScopedId(absl::string_view tenant, absl::string_view id);
 // The caller's id of a stored one; false when the stored id is not the tenant's.
 bool UnscopedId(absl::string_view tenant, absl::string_view stored, std::string* id);
+// A status as the tenant should read it: its message with the tenant's scoped ids ('t:id', the
+// way every message quotes an id) as the caller named them ('id'). Without a tenant: unchanged.
+absl::Status UnscopedStatus(absl::string_view tenant, const absl::Status& status);
 
 struct Caller {
   Role role = Role::kAdmin;

@@ -135,6 +135,13 @@ TEST(SecurityTest, Tenants) {
   EXPECT_FALSE(UnscopedId("alice", "alicex:s1", &id));
   EXPECT_FALSE(UnscopedId("alice", "alice:", &id));
   EXPECT_FALSE(UnscopedId("alice", "s1", &id));
+  // Errors name a tenant's ids as it named them (issue 48: 'tenantB:a2' leaked before).
+  const absl::Status scoped =
+      absl::NotFoundError("sequence 'alice:s1' not found (and 'alice:s2'; 'bob:s3')");
+  const absl::Status seen = UnscopedStatus("alice", scoped);
+  EXPECT_EQ(seen.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(seen.message(), "sequence 's1' not found (and 's2'; 'bob:s3')");
+  EXPECT_EQ(UnscopedStatus("", scoped), scoped);
   for (const char* bad : {"t-0123456789abcdefgh read a:b\n", "t-0123456789abcdefgh read a/b\n",
                           "t-0123456789abcdefgh read a b\n"}) {
     EXPECT_EQ(TokenAuth::Parse(bad, "tokens").status().code(), absl::StatusCode::kInvalidArgument)

@@ -56,7 +56,7 @@ grpc::Status AttentionService::DecodeStream(
       reaper_ == nullptr ? nullptr : reaper_->Add(ctx);
   v1::DecodeRequest req;
   v1::DecodeResponse resp;
-  while (stream->Read(&req)) {
+  for (uint64_t index = 0; stream->Read(&req); ++index) {
     if (watch) watch->Touch();
     resp.Clear();
     // Each step gets the server's default deadline, bounded by the stream's own.
@@ -65,7 +65,12 @@ grpc::Status AttentionService::DecodeStream(
         rpc_->RunStep(stream_, ctx, [&](absl::Time deadline, const rpc::Caller& caller) {
           return Run(req, caller.tenant, start, deadline, ctx, &resp);
         });
-    if (!st.ok()) return st;
+    if (!st.ok()) {
+      // The stream ends at its first failed message; the status says which one it was.
+      return grpc::Status(st.error_code(),
+                          absl::StrCat("DecodeStream message ", index, " (request_id ",
+                                       req.request_id(), "): ", st.error_message()));
+    }
     if (!stream->Write(resp)) {
       return grpc::Status(grpc::StatusCode::CANCELLED, "client went away");
     }

@@ -342,7 +342,7 @@ bool WritePortFile(const std::string& path, int port, int metrics_port) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "kvsparse-server: KV-offloaded sparse decoding service.\n"
+      "KV-offloaded sparse decoding service.\n"
       "  kvsparse-server --listen=127.0.0.1:50051 --metrics_listen=127.0.0.1:9464 "
       "--capacity=8G --capacity_policy=evict-lru");
   absl::FlagsUsageConfig usage;

@@ -186,7 +186,9 @@ class RpcRunner {
     } else if (deadline <= start) {
       status = absl::DeadlineExceededError("deadline passed before the call started");
     } else {
-      status = std::forward<Body>(body)(deadline, std::as_const(caller));
+      // A tenant reads its ids as it named them, never the store's scoped form.
+      status = rpc::UnscopedStatus(caller.tenant,
+                                   std::forward<Body>(body)(deadline, std::as_const(caller)));
     }
     return Finish(metric, *ctx, start, status);
   }

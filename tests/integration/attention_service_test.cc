@@ -755,6 +755,36 @@ TEST(AttentionServiceTest, StreamStepsAppendAndDecode) {
   EXPECT_EQ((*kv)->GetSequenceInfo("s0")->layer_lengths(0), 500u);
 }
 
+// A failed message ends a DecodeStream, and says which it was (issue 48, defect 4): good,
+// unknown sequence, good: the first is answered, the second fails NOT_FOUND naming message 1
+// and its request_id, the stream is then closed (the third gets the session's refusal, never a
+// silent nothing).
+TEST(AttentionServiceTest, AFailedStreamMessageEndsTheStreamNamingIt) {
+  const kernels::SyntheticProblem prob = Problem(1, {300});
+  auto server = StartServer(server::ServerRole::kAll);
+  auto kv = client::KvStoreClient::Connect(At(server->port()));
+  Load(**kv, prob, {});
+  auto attn = client::AttentionClient::Connect(At(server->port()));
+  auto session = (*attn)->OpenSession(absl::Seconds(60));
+  ASSERT_TRUE(session.ok());
+  v1::Method dense;
+  dense.mutable_dense();
+  v1::DecodeRequest good = Request(prob, dense);
+  good.set_request_id(7);
+  v1::DecodeRequest unknown = good;
+  unknown.set_sequence_ids(0, "nope");
+  unknown.set_request_id(8);
+  auto first = (*session)->Step(good);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->request_id(), 7u);
+  const absl::Status failed = (*session)->Step(unknown).status();
+  EXPECT_EQ(failed.code(), absl::StatusCode::kNotFound) << failed;
+  EXPECT_TRUE(absl::StrContains(failed.message(), "DecodeStream message 1 (request_id 8)"))
+      << failed;
+  EXPECT_TRUE(absl::StrContains(failed.message(), "nope")) << failed;
+  EXPECT_EQ((*session)->Step(good).status().code(), absl::StatusCode::kFailedPrecondition);
+}
+
 // --max_calls_per_token: one token's open streams take all its slots, its next stream and its
 // unary calls are refused with RESOURCE_EXHAUSTED naming the flag, while another token of the same
 // tenant still decodes; a closed stream gives its slot back.

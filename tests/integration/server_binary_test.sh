@@ -7,9 +7,14 @@ bin=${1:?bin dir}
 work=$(mktemp -d)
 trap 'kill -9 ${pid:-} ${wpid:-} 2>/dev/null || true; rm -rf "$work"' EXIT
 
-# --help prints the flags and exits 0, for both programs.
+# --help prints the flags and exits 0, for both programs: the program's name once, the flags'
+# files by their path in the repository (no build machine's path).
 "$bin/kvsparse" --help | grep -- "--target" >/dev/null
-"$bin/kvsparse-server" --help | grep -- "--listen" >/dev/null
+help=$("$bin/kvsparse-server" --help)
+grep -q -- "--listen" <<<"$help"
+if grep -q "kvsparse-server: kvsparse-server" <<<"$help" || ! grep -q "Flags from server/main.cc" <<<"$help"; then
+  echo "kvsparse-server --help:"; head -5 <<<"$help"; exit 1
+fi
 
 # Ports 0: the server binds free ones and logs them (no window in which another test could take
 # a port chosen here first, as under ctest -j).

@@ -228,8 +228,12 @@ def test_tenants_see_only_their_sequences(tmp_path: Path) -> None:
             np.testing.assert_allclose(a, -b, rtol=1e-6)  # each saw its own rows
             g = bob_reader.store.gather("s", 0, [0], kv_heads=[0])
             np.testing.assert_array_equal(g.v[0], -k[0, 0, 0])
-            with pytest.raises(kvsparse.NotFound):
+            with pytest.raises(kvsparse.NotFound) as e:
                 alice.store.sequence_info("bob:s")  # no way into another tenant's namespace
+            assert "'bob:s'" in str(e.value) and "alice:" not in str(e.value)  # her id, not the store's
+            with pytest.raises(kvsparse.NotFound) as e:
+                alice.attention.decode(0, ["gone"], q, kvsparse.Dense())
+            assert "'gone'" in str(e.value) and "alice:" not in str(e.value)
             assert sorted(i.sequence_id for i in ops.store.list_sequences()) == ["alice:s", "bob:s"]
             # Statistics: a tenant sees its own sequences and bytes, no store-wide traffic; the
             # untenanted admin, the whole store (before: every tenant saw the whole store).
