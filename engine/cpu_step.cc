@@ -235,7 +235,9 @@ absl::StatusOr<const FetchedRows*> CpuStep::FetchForSelection(
   base_.v.resize(base_.total * row_);
   std::vector<RowRequest> req;
   for (int32_t j = 0; j < hkv_; ++j) req.push_back({static_cast<uint32_t>(j), base_.tokens[j]});
-  const bool fetch_k = !res_->has_k(), fetch_v = !res_->has_v();
+  // Every K row read already (ProvideKeys): K from there, the tokens counted then.
+  const bool k_read = !k_all_.empty();
+  const bool fetch_k = !res_->has_k() && !k_read, fetch_v = !res_->has_v();
   if (fetch_k || fetch_v) {
     const kvstore::RowKind kind = kvstore::RowKindOf(fetch_k, fetch_v);
     absl::StatusOr<uint64_t> got = env_.source->Gather(
@@ -247,13 +249,18 @@ absl::StatusOr<const FetchedRows*> CpuStep::FetchForSelection(
     const size_t cnt = base_.tokens[j].size();
     for (size_t i = 0; i < cnt; ++i) {
       const uint32_t t = base_.tokens[j][i];
-      if (!fetch_k)
-        std::memcpy(base_.k.data() + (base_.offset[j] + i) * row_, res_->k(j) + t * row_, row_);
+      if (!fetch_k) {
+        const uint8_t* k = k_read ? k_all_.data() + (static_cast<size_t>(j) * n_ + t) * row_
+                                  : res_->k(j) + t * row_;
+        std::memcpy(base_.k.data() + (base_.offset[j] + i) * row_, k, row_);
+      }
       if (!fetch_v)
         std::memcpy(base_.v.data() + (base_.offset[j] + i) * row_, res_->v(j) + t * row_, row_);
     }
-    stats_[j].rows_fetched += cnt;
-    stats_[j].bytes[fetch_k ? src_tier_ : kDevice] += cnt * row_;
+    if (!k_read) {
+      stats_[j].rows_fetched += cnt;
+      stats_[j].bytes[fetch_k ? src_tier_ : kDevice] += cnt * row_;
+    }
     stats_[j].bytes[fetch_v ? src_tier_ : kDevice] += cnt * row_;
   }
   gather_seconds_ += Seconds(t0, absl::Now());
@@ -281,7 +288,10 @@ absl::Status CpuStep::GatherSelected(const kernels::RowSelection& sel) {
   extra.Layout();
   rows_.k.resize(need_k ? rows_.total * row_ : 0);
   rows_.v.resize(rows_.total * row_);
-  const bool fetch_k = need_k && !res_->has_k();
+  // Every K row was read for the selection (ProvideKeys, K not resident): the selected rows' K
+  // comes from there, and those tokens were counted as fetched then.
+  const bool k_read = !k_all_.empty();
+  const bool fetch_k = need_k && !res_->has_k() && !k_read;
   const bool fetch_v = !res_->has_v();
   if ((fetch_k || fetch_v) && extra.total > 0) {
     extra.k.resize(fetch_k ? extra.total * row_ : 0);
@@ -307,7 +317,12 @@ absl::Status CpuStep::GatherSelected(const kernels::RowSelection& sel) {
       uint8_t* dk = need_k ? rows_.k.data() + (rows_.offset[j] + i) * row_ : nullptr;
       uint8_t* dv = rows_.v.data() + (rows_.offset[j] + i) * row_;
       if (in_extra) {
-        if (dk) std::memcpy(dk, fetch_k ? extra.KRow(j, xi, row_) : res_->k(j) + t * row_, row_);
+        if (dk) {
+          const uint8_t* k = fetch_k  ? extra.KRow(j, xi, row_)
+                             : k_read ? k_all_.data() + (static_cast<size_t>(j) * n_ + t) * row_
+                                      : res_->k(j) + t * row_;
+          std::memcpy(dk, k, row_);
+        }
         std::memcpy(dv, fetch_v ? extra.VRow(j, xi, row_) : res_->v(j) + t * row_, row_);
         ++xi;
       } else {  // read for the selection already
@@ -317,8 +332,8 @@ absl::Status CpuStep::GatherSelected(const kernels::RowSelection& sel) {
       }
     }
     const uint64_t cnt = missing.size();
-    stats_[j].rows_fetched += cnt;
-    if (need_k) stats_[j].bytes[fetch_k ? src_tier_ : kDevice] += cnt * row_;
+    if (!k_read) stats_[j].rows_fetched += cnt;  // else counted by ProvideKeys (every token)
+    if (need_k && !k_read) stats_[j].bytes[fetch_k ? src_tier_ : kDevice] += cnt * row_;
     stats_[j].bytes[fetch_v ? src_tier_ : kDevice] += cnt * row_;
   }
   gather_seconds_ += Seconds(t0, absl::Now());

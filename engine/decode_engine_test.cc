@@ -289,8 +289,9 @@ TEST_F(EngineTest, SantaWithKInHostFetchesAllKForTheScores) {
   ExpectSame(*r, 0, sel, out);
   const size_t row = shape_.row_bytes();
   for (const HeadStats& hs : r->heads) {
-    EXPECT_EQ(hs.rows_fetched, 900 + hs.fetched_tokens.size());
-    EXPECT_EQ(hs.bytes[static_cast<int>(kvstore::Tier::kHost)], hs.rows_fetched * row);
+    EXPECT_EQ(hs.rows_fetched, 900u);  // every token read (its K), each counted once
+    EXPECT_EQ(hs.bytes[static_cast<int>(kvstore::Tier::kHost)],
+              (900 + hs.fetched_tokens.size()) * row);  // every K row, the sampled V rows
   }
 }
 
@@ -537,6 +538,45 @@ TEST_F(EngineTest, VAttentionSelectsWhatTheReferenceSelects) {
                       .ok());
       ExpectSame(*r, b, sel, out);
     }
+  }
+  // The exact predictor with K in host memory (issue 48): every K row is read once to score, the
+  // selected rows' K reused from there and only their V fetched; rows_fetched counts each token
+  // once (it said 2n for n tokens, and the bytes were 1.5x dense's).
+  SetUp();
+  kvstore::Placement host;
+  host.signature_bits = 32;
+  Load(Options(), host);
+  Method m;
+  m.kind = MethodKind::kVAttention;
+  m.vattention.epsilon = 0.1f;
+  m.vattention.delta = 0.1f;
+  m.vattention.predictor = kernels::TopKPredictor::kExact;
+  m.vattention.sink_tokens = 8;
+  m.vattention.local_tokens = 16;
+  m.vattention.top_k_fraction = 0.02f;
+  m.vattention.base_rate = 0.05f;
+  m.vattention.bits = 0;
+  auto r = engine_->Decode(Call(m, 7));
+  ASSERT_TRUE(r.ok()) << r.status();
+  const size_t row = shape_.row_bytes();
+  for (const HeadStats& hs : r->heads) {
+    const uint64_t n = hs.dense_equivalent_bytes / (2 * row);
+    EXPECT_EQ(hs.rows_fetched, n);
+    // Every K row, then the V rows of the selection (at most all of them): never over dense.
+    EXPECT_GT(hs.bytes[static_cast<int>(kvstore::Tier::kHost)], n * row);
+    EXPECT_LE(hs.bytes[static_cast<int>(kvstore::Tier::kHost)], hs.dense_equivalent_bytes);
+  }
+  for (int32_t b = 0; b < 2; ++b) {
+    std::vector<uint8_t> out;
+    kernels::DecodeProblem p = One(b, &out);
+    kernels::Signatures sigs;
+    ASSERT_TRUE(SimHash(p, 32, &sigs).ok());
+    kernels::VAttentionParams vp = m.vattention;
+    vp.bits = 32;
+    kernels::RowSelection sel;
+    ASSERT_TRUE(
+        kernels::VAttentionDecodeCpu(p, vp, kernels::SequenceSeed(7, b), &sigs.view, &sel).ok());
+    ExpectSame(*r, b, sel, out);
   }
 }
 
