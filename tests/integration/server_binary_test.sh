@@ -134,4 +134,27 @@ rc=0; wait $pid || rc=$?
 [ $rc -eq 0 ] || { echo "server exited $rc"; cat "$work/server.log"; exit 1; }
 grep -q "received Terminated" "$work/server.log"
 grep -q "shut down" "$work/server.log"
+
+# The README's CLI walk-through (its first sh block under "## The CLI") as written, against a
+# server on its defaults (ports apart): every line must succeed (issue 48: it ran past the
+# default capacity and dropped s1 before its bench-gather).
+readme="$(dirname "$0")/../../README.md"
+walk=$(awk '/^## The CLI/{f=1} f && /^```sh/{b=1; next} b && /^```/{exit} b' "$readme")
+[ -n "$walk" ] || { echo "no CLI block in README.md"; exit 1; }
+"$bin/kvsparse-server" --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:0 2>"$work/defaults.log" &
+pid=$!
+dport=
+for _ in $(seq 300); do
+  line=$(grep -m1 "listening on" "$work/defaults.log" || true)
+  [ -n "$line" ] && { dport=$(sed -E 's/.*listening on [^ ]+ \(port ([0-9]+)\).*/\1/' <<<"$line"); break; }
+  sleep 0.1
+done
+[ -n "$dport" ] || { echo "the server on its defaults did not start"; cat "$work/defaults.log"; exit 1; }
+while IFS= read -r line; do
+  cmd=$(sed -E -e "s#127\.0\.0\.1:50051#127.0.0.1:$dport#g" \
+    -e "s#(^|; *)kvsparse #\1$bin/kvsparse --target=127.0.0.1:$dport --wait_for_ready=10s #g" <<<"${line%%#*}")
+  [ -n "${cmd// /}" ] || continue
+  eval "$cmd" >"$work/walk.out" 2>&1 || { echo "README walk-through failed: $line"; cat "$work/walk.out"; exit 1; }
+done <<<"$walk"
+kill -TERM $pid; wait $pid || true
 echo "server_binary_test: OK"

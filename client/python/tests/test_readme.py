@@ -1,7 +1,9 @@
-"""The README's Python example runs as written, with three substitutions: a tiny Llama with random
-weights and a byte-level tokenizer saved here in place of Llama-3.1-8B (no download), the CPU in
-place of CUDA where there is no GPU, and a 1 GiB store in place of 64 GiB. It must generate its
-64 new tokens after the prompt (the model has no end-of-sequence token to stop at)."""
+"""The README's Python examples run as written. The first, with three substitutions: a tiny Llama
+with random weights and a byte-level tokenizer saved here in place of Llama-3.1-8B (no download),
+the CPU in place of CUDA where there is no GPU, and a 1 GiB store in place of 64 GiB; it must
+generate its 64 new tokens after the prompt (the model has no end-of-sequence token to stop at).
+The gRPC client's, against a real kvsparse-server at the address it names (substituted), on the
+plain install (no torch)."""
 
 from __future__ import annotations
 
@@ -42,6 +44,24 @@ def tiny_model(path: Path) -> None:
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")
     transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
                                          unk_token="<unk>").save_pretrained(path)
+
+
+def readme_block(containing: str) -> str:
+    """The README's ```python block that contains `containing`."""
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if containing in b]
+    assert len(blocks) == 1, f"README.md: {len(blocks)} python blocks contain {containing!r}"
+    return blocks[0]
+
+
+def test_the_readme_grpc_example_runs(server, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    code = readme_block("c.store.create_sequence(")
+    assert "kvsparse.torch" not in code and "import torch" not in code, "the plain install has no torch"
+    assert '"127.0.0.1:50051"' in code
+    scope: dict = {}
+    exec(compile(code.replace("127.0.0.1:50051", server.target), str(README), "exec"), scope)
+    assert scope["r"].output.shape == (1, 32, 128)
+    shape, rows = capsys.readouterr().out.split(") ")
+    assert shape == "(1, 32, 128" and 0 < int(rows) < 512  # hash top-k read a share of the rows
 
 
 def test_the_readme_example_generates(tmp_path: Path) -> None:
