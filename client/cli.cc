@@ -100,6 +100,9 @@ ABSL_FLAG(std::string, correction, "ratio",
           "decode santa with --scores=compressed: ratio (fetch the sampled K rows, weight by "
           "exact over approximate) or none (V rows only, estimates softmax of the approximate "
           "scores)");
+ABSL_FLAG(std::string, proposal, "head",
+          "decode santa with --scores=compressed: head (each query head draws its samples) or "
+          "group (the kv head draws them once from its heads' mean softmax: fewer rows)");
 ABSL_FLAG(uint32_t, probes, 8, "decode saap: buckets visited per kv head");
 ABSL_FLAG(double, epsilon, 0.05, "decode vattention: relative error target");
 ABSL_FLAG(double, delta, 0.05, "decode vattention: failure probability");
@@ -434,6 +437,14 @@ absl::StatusOr<v1::Method> MethodFromFlags() {
       s->set_correction(v1::SANTA_CORRECTION_NONE);
     } else {
       return absl::InvalidArgumentError("--correction must be ratio or none");
+    }
+    const std::string proposal = absl::GetFlag(FLAGS_proposal);
+    if (proposal == "head") {
+      s->set_proposal(v1::SANTA_PROPOSAL_PER_HEAD);
+    } else if (proposal == "group") {
+      s->set_proposal(v1::SANTA_PROPOSAL_GROUP);
+    } else {
+      return absl::InvalidArgumentError("--proposal must be head or group");
     }
   } else if (name == "hash_top_k") {
     v1::HashTopKParams* h = m.mutable_hash_top_k();

@@ -428,7 +428,12 @@ std::vector<kernels::CompressedKeysView> CompressedViewsOf(
 // sampled K rows with their V rows, "none" only V rows; no K row is read to select. A sequence
 // without compressed keys is refused before anything is appended.
 TEST_F(EngineTest, SantaOverCompressedKeysSelectsWhatTheReferenceSelects) {
-  for (auto correction : {kernels::SantaCorrection::kRatio, kernels::SantaCorrection::kNone}) {
+  using kernels::SantaCorrection;
+  using kernels::SantaProposal;
+  for (auto [correction, proposal] :
+       {std::pair{SantaCorrection::kRatio, SantaProposal::kPerHead},
+        std::pair{SantaCorrection::kNone, SantaProposal::kPerHead},
+        std::pair{SantaCorrection::kRatio, SantaProposal::kGroupMixture}}) {
     SetUp();
     kernels::SyntheticOptions o = Options();
     o.head_dim = 128;
@@ -441,6 +446,7 @@ TEST_F(EngineTest, SantaOverCompressedKeysSelectsWhatTheReferenceSelects) {
     m.santa.tile_size = 128;
     m.santa.scores = kernels::ScoreSource::kCompressedKeys;
     m.santa.correction = correction;
+    m.santa.proposal = proposal;
     auto r = engine_->Decode(Call(m));
     ASSERT_TRUE(r.ok()) << r.status();
     for (int32_t b = 0; b < 2; ++b) {
@@ -461,7 +467,8 @@ TEST_F(EngineTest, SantaOverCompressedKeysSelectsWhatTheReferenceSelects) {
     const uint64_t per_row = correction == kernels::SantaCorrection::kRatio ? 2 * row : row;
     for (const HeadStats& hs : r->heads) {
       EXPECT_EQ(hs.rows_fetched, hs.fetched_tokens.size());
-      EXPECT_LE(hs.rows_fetched, 4u * 64u);
+      // The group mixture: one sample of S (+1 from the systematic rounding) per kv head.
+      EXPECT_LE(hs.rows_fetched, proposal == SantaProposal::kGroupMixture ? 65u : 4u * 64u);
       EXPECT_EQ(hs.bytes[static_cast<int>(kvstore::Tier::kHost)], hs.rows_fetched * per_row);
       EXPECT_GT(hs.bytes[static_cast<int>(kvstore::Tier::kDevice)], 0u);  // the compressed keys
     }

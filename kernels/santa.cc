@@ -118,6 +118,17 @@ absl::Status ValidateSantaParams(const SantaParams& params) {
     return absl::InvalidArgumentError(
         absl::StrCat("bernoulli_qk_samples must be >= 0, got ", params.bernoulli_qk_samples));
   }
+  if (params.proposal != SantaProposal::kPerHead &&
+      params.proposal != SantaProposal::kGroupMixture) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("proposal: unknown value ", static_cast<int>(params.proposal)));
+  }
+  if (params.proposal == SantaProposal::kGroupMixture &&
+      (params.scores != ScoreSource::kCompressedKeys ||
+       params.correction != SantaCorrection::kRatio)) {
+    return absl::InvalidArgumentError(
+        "proposal: the group mixture takes compressed-key scores with the ratio correction");
+  }
   if (params.scores != ScoreSource::kExact && params.scores != ScoreSource::kCompressedKeys) {
     return absl::InvalidArgumentError(
         absl::StrCat("scores: unknown value ", static_cast<int>(params.scores)));
@@ -316,6 +327,51 @@ void SantaExpectedWeights(const SantaHeadPlan& plan, const SantaParams& params,
   }
 }
 
+namespace {
+
+// The group mixture proposal for one (sequence, kv head): the G heads' approximate scores, their
+// mixture's, one sample of S rows drawn from it (the streams of query head kv_head * G), its
+// ratio weights against the mixture, the same rows for every head.
+absl::Status SampleGroupMixture(const CompressedKeysView& view, const std::vector<float>& qg,
+                                int32_t group, int32_t n, float scale, const SantaParams& params,
+                                uint64_t seed, int32_t b, int32_t kvh, SantaHeadPlan* plan,
+                                std::vector<HeadRows>* rows, std::vector<int32_t>* scratch) {
+  const int32_t d = view.head_dim;
+  std::vector<std::vector<float>> heads(group, std::vector<float>(view.length));
+  std::vector<const float*> ptrs(group);
+  for (int32_t g = 0; g < group; ++g) {
+    ApproximateScores(view, &qg[static_cast<size_t>(g) * d], scale, heads[g].data());
+    ptrs[g] = heads[g].data();
+  }
+  std::vector<float> mix;
+  GroupMixtureScores(ptrs, n, &mix);
+  if (absl::Status s = PlanSantaHead(mix, params, plan); !s.ok()) return s;
+  SampleSantaHead(*plan, params, seed, b, kvh * group, kvh, &(*rows)[0], scratch);
+  ToRatioWeights(mix, &(*rows)[0]);
+  for (int32_t g = 1; g < group; ++g) (*rows)[g] = (*rows)[0];
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void GroupMixtureScores(absl::Span<const float* const> heads, int32_t n, std::vector<float>* out) {
+  const size_t G = heads.size();
+  std::vector<double> m(G, -std::numeric_limits<double>::infinity()), z(G, 0.0);
+  for (size_t g = 0; g < G; ++g) {
+    for (int32_t j = 0; j < n; ++j) m[g] = std::max(m[g], static_cast<double>(heads[g][j]));
+    if (m[g] == -std::numeric_limits<double>::infinity()) continue;  // a head with no mass
+    for (int32_t j = 0; j < n; ++j) z[g] += std::exp(static_cast<double>(heads[g][j]) - m[g]);
+  }
+  out->assign(n, -std::numeric_limits<float>::infinity());
+  for (int32_t j = 0; j < n; ++j) {
+    double pj = 0.0;
+    for (size_t g = 0; g < G; ++g) {
+      if (z[g] > 0.0) pj += std::exp(static_cast<double>(heads[g][j]) - m[g]) / z[g];
+    }
+    if (pj > 0.0) (*out)[j] = static_cast<float>(std::log(pj / static_cast<double>(G)));
+  }
+}
+
 absl::Status SantaSelectCpu(const DecodeProblem& p, const SantaParams& params, uint64_t seed,
                             RowSelection* sel, SantaStats* stats,
                             absl::Span<const CompressedKeysView> keys) {
@@ -370,6 +426,15 @@ absl::Status SantaSelectCpu(const DecodeProblem& p, const SantaParams& params, u
           stats->key_features_head[b * p.num_kv_heads + kvh] = bquery.head_features();
           stats->key_features_group[b * p.num_kv_heads + kvh] = bquery.group_features();
         }
+      }
+      if (params.proposal == SantaProposal::kGroupMixture) {
+        if (absl::Status s = SampleGroupMixture(*view, qg, group, n, p.scale, params, seed, b,
+                                                kvh, &plan, &rows, &scratch);
+            !s.ok()) {
+          return s;
+        }
+        MergeGroup(rows, &sel->at(b, kvh));
+        continue;
       }
       for (int32_t g = 0; g < group; ++g) {
         const int32_t h = kvh * group + g;

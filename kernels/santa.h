@@ -67,6 +67,13 @@
 //   selection lists those rows too (as the fused GPU kernel reads them), even where W_t / Z
 //   underflows to a zero weight; a worker may skip rows whose weights are all zero.
 //
+// The group mixture proposal (params.proposal = kGroupMixture, with kRatio): the kv head's G
+// query heads share one sample of S rows drawn from p = mean_h softmax(s~_h) (its scores
+// GroupMixtureScores(s~_1..G) = log p + const); each head h takes the ratio estimate over those
+// rows with its own exact scores, sum w_j e^{s_h,j - log p_j} V_j / sum w_j e^{s_h,j - log p_j}
+// (the same self-normalised importance estimator, proposal p instead of softmax(s~_h)): S rows
+// cross per kv head instead of the union of G heads' S.
+//
 // Scores from compressed keys (params.scores = kCompressedKeys; kernels/compressed_keys.h):
 // the sequence keeps every key in a few bits per channel instead of K, and the sampler runs
 // unchanged on the approximate scores s~_j = scale * q . k~_j, i.e. it draws from
@@ -131,6 +138,15 @@ enum class SantaCorrection : uint8_t {
   kNone = 1,   // V rows only: estimates softmax(s~) V
 };
 
+// What the samples of a kv head's query heads are drawn from (compressed scores, kRatio).
+enum class SantaProposal : uint8_t {
+  kPerHead = 0,       // each query head draws S from its own softmax(s~_h); the group reads the
+                      // union of its heads' rows (up to G S)
+  kGroupMixture = 1,  // the group draws S once from the mean of its heads' softmax(s~_h)
+                      // (GroupMixtureScores) and every head weights those rows by its own
+                      // exact scores: S rows per kv head
+};
+
 struct SantaParams {
   SantaSampler sampler = SantaSampler::kSystematic;
   SantaAllocation allocation = SantaAllocation::kProp;
@@ -143,7 +159,15 @@ struct SantaParams {
   // Exact scores (K read where selection runs) or the sequence's compressed keys.
   ScoreSource scores = ScoreSource::kExact;
   SantaCorrection correction = SantaCorrection::kRatio;  // compressed scores only
+  SantaProposal proposal = SantaProposal::kPerHead;      // compressed scores, kRatio only
 };
+
+// The group mixture proposal's scores: log of the mean over the G heads of softmax(s~_h), one
+// value per token (-inf where no head has mass): the sampler run on them draws from
+// p(j) = (1/G) sum_h softmax(s~_h)_j. heads: G arrays of n scores. Every p(j) >= p_h(j) / G, so
+// each head's importance weight e^{s_h - log p} is at most G e^{s_h - s~_h} Z~_h (a defensive
+// mixture: no head's mass is missed because another head's is elsewhere).
+void GroupMixtureScores(absl::Span<const float* const> heads, int32_t n, std::vector<float>* out);
 
 // INVALID_ARGUMENT naming the field: samples < 1, tile_size < 1 (tiled allocations), a sampler
 // other than kSystematic with kProp / kFlash (the GPU kernels implement systematic only),

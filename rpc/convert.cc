@@ -284,6 +284,10 @@ absl::Status SantaFromProto(const v1::SantaParams& s, kernels::SantaParams* p) {
              EnumOf(s.correction(), "santa.correction", kernels::SantaCorrection::kRatio,
                     {{v1::SANTA_CORRECTION_RATIO, kernels::SantaCorrection::kRatio},
                      {v1::SANTA_CORRECTION_NONE, kernels::SantaCorrection::kNone}}));
+  KVS_ASSIGN(p->proposal,
+             EnumOf(s.proposal(), "santa.proposal", kernels::SantaProposal::kPerHead,
+                    {{v1::SANTA_PROPOSAL_PER_HEAD, kernels::SantaProposal::kPerHead},
+                     {v1::SANTA_PROPOSAL_GROUP, kernels::SantaProposal::kGroupMixture}}));
   return absl::OkStatus();
 }
 

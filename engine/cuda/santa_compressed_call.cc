@@ -74,6 +74,9 @@ absl::Status SantaOverCompressedKeysSupports(const Method& m, const SequenceDesc
       p.allocation != kernels::SantaAllocation::kProp) {
     return NotOnGpu("S2ANTA over compressed keys on the GPU: systematic, prop, ratio correction");
   }
+  if (p.proposal != kernels::SantaProposal::kPerHead) {
+    return NotOnGpu("S2ANTA's group mixture proposal runs on the CPU engine");
+  }
   if (desc.placement.compressed_key_bits == 0) {
     return NotOnGpu("the placement keeps no compressed keys");
   }

@@ -76,6 +76,9 @@ expect "t2:" cli create --seq=t2 --layers=2 --q_heads=8 --kv_heads=2 --head_dim=
 expect "appended 600 tokens" cli append --seq=t2 --tokens=600 --seed=4 2>/dev/null
 expect "relative L2 error against dense" cli decode --seq=t2 --layer=1 --method=santa \
   --scores=compressed --samples=256
+# The group mixture: one sample of S rows per kv head (the union of 4 heads' would be up to 4 S).
+expect "relative L2 error against dense" cli decode --seq=t2 --layer=1 --method=santa \
+  --scores=compressed --samples=64 --proposal=group
 # vAttention drawing its residual in proportion to the compressed keys' scores.
 expect "relative L2 error against dense" cli decode --seq=t2 --layer=1 --method=vattention \
   --predictor=compressed --residual_sampler=importance --epsilon=0.1 --delta=0.1

@@ -108,6 +108,9 @@ def methods(smoke: bool) -> dict[str, Any]:
         # refused for S2ANTA (their S=128 row kept 42 of 90 pass keys at +87% perplexity).
         "ckeys2-s2anta-prop-S128": Santa(samples=128, scores="compressed"),
         "ckeys2-s2anta-prop-S256": Santa(samples=256, scores="compressed"),
+        # One sample per kv head from its query heads' mean softmax (S rows cross, not the union).
+        "ckeys2-s2anta-prop-S128-group": Santa(samples=128, scores="compressed", proposal="group"),
+        "ckeys2-s2anta-prop-S512-group": Santa(samples=512, scores="compressed", proposal="group"),
         "ckeys8-s2anta-prop-S128": Santa(samples=128, scores="compressed"),
         "ckeys2-s2anta-prop-S128-none": Santa(samples=128, scores="compressed", correction="none"),
         # vAttention's predictor from compressed keys (its residual's largest logit bounded by

@@ -83,6 +83,10 @@ _CORRECTIONS = {
     "ratio": attention_pb2.SANTA_CORRECTION_RATIO,
     "none": attention_pb2.SANTA_CORRECTION_NONE,
 }
+_PROPOSALS = {
+    "head": attention_pb2.SANTA_PROPOSAL_PER_HEAD,
+    "group": attention_pb2.SANTA_PROPOSAL_GROUP,
+}
 
 
 def _word(table: dict[str, int], field: str, value: str) -> int:
@@ -100,7 +104,11 @@ class Santa:
     cross. ``scores="compressed"`` draws from the scores of the sequence's compressed keys (K
     stays in host memory); ``correction="ratio"`` then fetches the sampled K rows too and
     weights each row by exp(exact - approximate score), normalised (the ratio estimator of
-    softmax(qK^T) V), ``"none"`` reads V rows only and estimates softmax(qK~^T) V."""
+    softmax(qK^T) V), ``"none"`` reads V rows only and estimates softmax(qK~^T) V.
+    ``proposal="group"`` (with compressed scores and the ratio correction) draws the ``samples``
+    once per kv head from the mean of its query heads' softmax, so S rows cross per kv head
+    instead of the union of each head's S; its bias shows where the heads attend apart
+    (docs/ACCURACY.md). The CPU engine serves it."""
 
     samples: int = 128
     sampler: Literal["iid", "stratified", "systematic"] = "systematic"
@@ -109,6 +117,7 @@ class Santa:
     bernoulli_qk_samples: int = 0  # 0: exact scores
     scores: Literal["exact", "compressed"] = "exact"
     correction: Literal["ratio", "none"] = "ratio"
+    proposal: Literal["head", "group"] = "head"
 
     def to_proto(self, out: attention_pb2.Method) -> None:
         p = out.santa
@@ -119,6 +128,7 @@ class Santa:
         p.bernoulli_qk_samples = self.bernoulli_qk_samples
         p.scores = _word(_SCORE_SOURCES, "scores", self.scores)
         p.correction = _word(_CORRECTIONS, "correction", self.correction)
+        p.proposal = _word(_PROPOSALS, "proposal", self.proposal)
 
 
 @dataclass(frozen=True)
