@@ -137,8 +137,14 @@ def test_decode_appends_the_new_token(client: kvsparse.Client) -> None:
         (kvsparse.VAttention(predictor="exact", sink_tokens=8, local_tokens=16, top_k_fraction=0.05), 0.1),
         (kvsparse.VAttention(predictor="exact", bound="clt-ratio", sink_tokens=8, local_tokens=16,
                              top_k_fraction=0.05), 0.1),
+        # Over 2-bit compressed keys: each head's own samples, and one sample per kv head (S = 256
+        # reads about the rows of the union of 4 heads' 64 here, with a smaller error: each query
+        # head of this test points at keys of its own).
+        (kvsparse.Santa(samples=64, tile_size=64, scores="compressed"), 0.5),
+        (kvsparse.Santa(samples=256, tile_size=64, scores="compressed", proposal="group"), 0.4),
     ],
-    ids=["prop", "flash", "iid", "hash", "vattention", "vattention-exact", "vattention-ratio"],
+    ids=["prop", "flash", "iid", "hash", "vattention", "vattention-exact", "vattention-ratio",
+         "compressed-prop", "compressed-group"],
 )
 def test_sparse_methods(client: kvsparse.Client, method: kvsparse.Method, max_rel: float | None) -> None:
     rng = np.random.default_rng(4)
@@ -163,6 +169,9 @@ def test_sparse_methods(client: kvsparse.Client, method: kvsparse.Method, max_re
         assert h.dense_equivalent_bytes == 2 * n * row and h.bytes_read > 0
     if not isinstance(method, kvsparse.VAttention):  # its budget may cover the whole residual
         assert sum(h.rows_fetched for h in res.heads) < 2 * n, "reads fewer rows than dense"
+    if isinstance(method, kvsparse.Santa) and method.proposal == "group":
+        # One sample of S (+1 from the rounding) per kv head, not the union of its 4 heads' S.
+        assert all(h.rows_fetched <= method.samples + 1 for h in res.heads)
     if isinstance(method, kvsparse.VAttention) and method.bound == "clt-ratio":
         # One normal approximation of the output: no larger a budget than Theorem 4.3's two.
         paper = client.attention.decode(1, ["m"], q, dataclasses.replace(method, bound="clt"), seed=7)
