@@ -306,8 +306,9 @@ Verdict Measure(const std::vector<Unit>& units, const SantaParams& params, int t
   return out;
 }
 
-void Check(const char* name, const std::vector<Unit>& units, const SantaParams& params,
-           int32_t bits, int32_t d) {
+// Returns the ratio estimate's worst |bias| / SE.
+double Check(const char* name, const std::vector<Unit>& units, const SantaParams& params,
+             int32_t bits, int32_t d) {
   const int kTrials = 2000;
   const Verdict v = Measure(units, params, kTrials, d);
   std::printf(
@@ -319,15 +320,14 @@ void Check(const char* name, const std::vector<Unit>& units, const SantaParams& 
     // The target: the ratio estimate's mean within 4 SE of dense (and inside its bound).
     EXPECT_LE(v.max_z_ratio, 4.0) << name << ", " << bits << " bits";
     EXPECT_EQ(v.violations, 0) << name << ", " << bits << " bits";
-  } else {
-    // 1 bit: the proposal is too far from softmax(s) for the ratio's O(1/S) bias to vanish at
-    // S = 128 (and D's heavy tail makes 2,000 seeds' estimate of the bound unreliable): the bias
-    // is stated instead, measured at most 0.87 of the estimate's own rmse.
-    EXPECT_LE(v.max_bias_rmse, 1.0) << name << ", 1 bit";
   }
+  // 1 bit: the proposal is too far from softmax(s) for the ratio's O(1/S) bias to vanish at
+  // S = 128; the engine refuses the pairing (engine/methods/santa.cc), and the tests below
+  // assert the bias that is the reason (max |bias| / SE over 4 on some 1-bit case).
   if (bits <= 2) {
     EXPECT_GT(v.max_z_none, 4.0) << name << ": without the correction the estimate is biased";
   }
+  return v.max_z_ratio;
 }
 
 // A synthetic family's problem of the statistics tests (4096 tokens, 8 query heads over 2 kv
@@ -369,6 +369,7 @@ void CheckRatio(const char* name, const std::vector<Unit>& units, const SantaPar
 // 2,000 seeds per query head, on the synthetic families (4096 tokens, 8 query heads over 2 kv
 // heads, d = 128, bf16) and 1, 2 and 8 bits.
 TEST(SantaCompressedStatisticsTest, RatioBiasWithinItsBoundOnSyntheticFamilies) {
+  double one_bit_z = 0.0;  // the worst 1-bit bias, in SE
   for (ScoreFamily family : {ScoreFamily::kNearUniform, ScoreFamily::kPeaked, ScoreFamily::kZipf}) {
     const char* name = nullptr;
     SyntheticProblem sp = FamilyProblem(family, &name);
@@ -381,10 +382,14 @@ TEST(SantaCompressedStatisticsTest, RatioBiasWithinItsBoundOnSyntheticFamilies) 
         const std::vector<Unit> units = MakeUnits(sp.problem, ViewsOf(c), batches, params);
         const std::string label =
             std::string(name) + (a == SantaAllocation::kProp ? " prop" : " sys");
-        Check(label.c_str(), units, params, bits, sp.problem.head_dim);
+        const double z = Check(label.c_str(), units, params, bits, sp.problem.head_dim);
+        if (bits == 1) one_bit_z = std::max(one_bit_z, z);
       }
     }
   }
+  // Why the engine refuses 1-bit keys for S2ANTA: the bias is far past its standard error
+  // (measured 14.6-18.1 SE on the peaked and Zipf families).
+  EXPECT_GT(one_bit_z, 8.0);
 }
 
 // The group mixture proposal (one sample of S rows per kv head, each query head weighting them by
@@ -414,6 +419,7 @@ TEST(SantaCompressedStatisticsTest, GroupMixtureWithinItsBoundOnSyntheticFamilie
 // The same on the real-attention dumps (tests/data/realattn: layers 1, 3, 5 of the model trained
 // here, 8192 tokens), the last query and one from the middle of the 32, each of the 4 heads.
 TEST(SantaCompressedStatisticsTest, RatioBiasWithinItsBoundOnRealAttention) {
+  double one_bit_z = 0.0;
   for (int32_t layer : kRealAttentionLayers) {
     absl::StatusOr<RealAttention> r = LoadRealAttention(RealAttentionPath(layer));
     if (!r.ok()) {
@@ -433,7 +439,8 @@ TEST(SantaCompressedStatisticsTest, RatioBiasWithinItsBoundOnRealAttention) {
       const std::vector<int32_t> batches = {r->queries / 2, r->queries - 1};
       const std::vector<Unit> units = MakeUnits(p, views, batches, params);
       const std::string label = "real L" + std::to_string(layer) + " prop";
-      Check(label.c_str(), units, params, bits, p.head_dim);
+      const double z = Check(label.c_str(), units, params, bits, p.head_dim);
+      if (bits == 1) one_bit_z = std::max(one_bit_z, z);
       if (bits != 2) continue;
       // The group mixture on real attention, where the group's heads attend apart: inside its
       // bound, but its O(1/S) bias shows (measured 2.2-20 SE at S = 128, at most 0.41 of its
@@ -448,6 +455,8 @@ TEST(SantaCompressedStatisticsTest, RatioBiasWithinItsBoundOnRealAttention) {
       }
     }
   }
+  // 1 bit (refused by the engine): measured 28.8-78.5 SE on these dumps.
+  EXPECT_GT(one_bit_z, 8.0);
 }
 
 }  // namespace
