@@ -4,8 +4,8 @@
 // closed groups from their blocks (the host layout, one block per group, uploaded verbatim), the
 // open group's tokens from their exact rows. The scores equal the CPU reference's bit for bit:
 // each is evaluated in the reference's order with single roundings (no fused multiply-add), so
-// a top-k over them selects the same rows. A thread scores one token for every query head of its
-// GQA group (the codes read and unpacked once).
+// a top-k over them selects the same rows. A lane scores four tokens for every query head of its
+// GQA group (the codes read and unpacked once, each channel's query terms read once for the four).
 // The launcher never allocates or synchronises; a fixed-shape call can be captured in a graph.
 #ifndef KVSPARSE_KERNELS_CUDA_COMPRESSED_KEYS_H_
 #define KVSPARSE_KERNELS_CUDA_COMPRESSED_KEYS_H_

@@ -257,23 +257,25 @@ __global__ void __launch_bounds__(kFetchThreads) FetchKernel(FetchRowsParams p, 
     dst[1][threadIdx.x] = static_cast<uint4*>(second ? p.second.v[i] : p.out.v[i]) + off;
   }
   __syncthreads();
-  const int total = 2 * rows * row_vecs;  // (kv, row, vector)
+  // (row, kv, vector): a row's K and V side by side in a warp's loads, where a paged store keeps
+  // them in one slot (one translation, one stretch of host memory for both).
+  const int per_row = 2 * row_vecs, total = rows * per_row;
   for (int e0 = threadIdx.x; e0 < total; e0 += kFetchThreads * kFetchIn) {
     uint4 v[kFetchIn];
 #pragma unroll
     for (int u = 0; u < kFetchIn; ++u) {
       const int e = e0 + u * kFetchThreads;
       if (e < total) {
-        const int kv = e / (rows * row_vecs), rv = e % (rows * row_vecs);
-        v[u] = LoadStream16(src[kv][rv / row_vecs] + rv % row_vecs);
+        const int r = e / per_row, x = e % per_row;
+        v[u] = LoadStream16(src[x / row_vecs][r] + x % row_vecs);
       }
     }
 #pragma unroll
     for (int u = 0; u < kFetchIn; ++u) {
       const int e = e0 + u * kFetchThreads;
       if (e < total) {
-        const int kv = e / (rows * row_vecs), rv = e % (rows * row_vecs);
-        dst[kv][rv / row_vecs][rv % row_vecs] = v[u];
+        const int r = e / per_row, x = e % per_row;
+        dst[x / row_vecs][r][x % row_vecs] = v[u];
       }
     }
   }
