@@ -289,6 +289,7 @@ class HeldStep final : public StaticStep {
   uint32_t num_q_heads() const override { return inner_->num_q_heads(); }
   uint32_t num_kv_heads() const override { return inner_->num_kv_heads(); }
   uint32_t head_dim() const override { return inner_->head_dim(); }
+  uint64_t device_bytes() const override { return inner_->device_bytes(); }
 
  private:
   std::unique_ptr<StaticStep> inner_;

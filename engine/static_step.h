@@ -73,6 +73,9 @@ class StaticStep {
   virtual uint32_t num_q_heads() const = 0;
   virtual uint32_t num_kv_heads() const = 0;
   virtual uint32_t head_dim() const = 0;
+  // Device memory the plan itself holds beside the engine's sequences (every layer's tables,
+  // statistics and buffers, the region the layers share, the control block).
+  virtual uint64_t device_bytes() const = 0;
 };
 
 }  // namespace kvsparse::engine

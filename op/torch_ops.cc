@@ -460,6 +460,12 @@ std::string StepPlanMode(int64_t engine, int64_t handle) {
   return p->captured != nullptr ? std::string("captured") : "eager: " + p->eager_reason;
 }
 
+// Device bytes a captured plan holds beside the engine's sequences (0 for an eager plan).
+int64_t StepDeviceBytes(int64_t engine, int64_t handle) {
+  std::shared_ptr<StepPlan> p = FindPlan(engine, handle);
+  return p->captured != nullptr ? static_cast<int64_t>(p->captured->device_bytes()) : 0;
+}
+
 void ReleaseSteps(int64_t engine, int64_t handle) {
   std::shared_ptr<StepPlan> p;
   {
@@ -853,6 +859,7 @@ TORCH_LIBRARY(kvsparse, m) {
       "int seed, float scale, str dtype, bool eager=False) -> int",
       &PlanSteps);
   m.def("step_plan_mode(int engine, int plan) -> str", &StepPlanMode);
+  m.def("step_device_bytes(int engine, int plan) -> int", &StepDeviceBytes);
   m.def("release_steps(int engine, int plan) -> ()", &ReleaseSteps);
   m.def("commit_steps(int engine, int plan) -> int[]", &CommitSteps);
   m.def("step_stats(int engine, int plan) -> Tensor", &StepStats);

@@ -50,20 +50,38 @@ class PinnedBuf {
 
 // Consecutive 256-byte aligned regions of a buffer: sizes first (base null: Take returns null
 // and only counts), then the same Takes over the real base give the pointers.
+// TakeTransient is for a buffer whose contents end with the call's kernels (scores, a sampler's
+// workspace): with a second region (the two-argument constructor: the layers of a captured step
+// run one after another on one stream and share one) it comes from there, counted apart
+// (transient_used); otherwise it is a Take.
 class Carver {
  public:
   explicit Carver(void* base) : base_(static_cast<char*>(base)) {}
+  // shared: the transient region (null in a sizing pass, as base).
+  Carver(void* base, void* shared)
+      : base_(static_cast<char*>(base)), shared_(static_cast<char*>(shared)), split_(true) {}
   template <typename X>
   X* Take(size_t count) {
     X* r = base_ == nullptr ? nullptr : reinterpret_cast<X*>(base_ + used_);
-    used_ += (count * sizeof(X) + 255) / 256 * 256;
+    used_ += Aligned(count * sizeof(X));
+    return r;
+  }
+  template <typename X>
+  X* TakeTransient(size_t count) {
+    if (!split_) return Take<X>(count);
+    X* r = shared_ == nullptr ? nullptr : reinterpret_cast<X*>(shared_ + transient_used_);
+    transient_used_ += Aligned(count * sizeof(X));
     return r;
   }
   size_t used() const { return used_; }
+  size_t transient_used() const { return transient_used_; }
 
  private:
+  static size_t Aligned(size_t bytes) { return (bytes + 255) / 256 * 256; }
   char* base_;
-  size_t used_ = 0;
+  char* shared_ = nullptr;
+  bool split_ = false;
+  size_t used_ = 0, transient_used_ = 0;
 };
 
 // A device array of a call's scratch and its host copy, downloaded after the kernels.

@@ -32,7 +32,7 @@ class SantaCompressedCall final : public SelectedRowsCall {
 
   absl::Status EnqueueSelection(LaunchPlan& lp, Carver& c, const Selection& s) override {
     const size_t BH = static_cast<size_t>(lp.BH);
-    float* scores = c.Take<float>(BH * lp.n_max);
+    float* scores = c.TakeTransient<float>(BH * lp.n_max);
     ps_.scores = scores;
     ps_.seq_lens = lp.shape().seq_lens;
     ps_.seeds = lp.seeds();
@@ -41,7 +41,7 @@ class SantaCompressedCall final : public SelectedRowsCall {
     ps_.budgets = s.budgets;
     ps_.log2_weights = s.log2_weights;
     const size_t wb = kc::PropFromScoresWorkspaceBytes(ps_);
-    void* ws = c.Take<char>(wb);
+    void* ws = c.TakeTransient<char>(wb);
     const Union un = PlanUnion(lp, c, s, ps_.indices, ps_.counts);
     if (!lp.running()) return absl::OkStatus();
     if (absl::Status st = scoring_.Enqueue(lp, scores); !st.ok()) return st;

@@ -88,9 +88,8 @@ class GpuStaticStep final : public StaticStep {
     sign_keys_ = words_ > 0 && m.kind == MethodKind::kHashTopK;
     ck_block_bytes_ = CompressedKeyBlockBytes(descs_[0]);
     if (sign_keys_) {
-      KVS_CUDA_OK(
-          cudaMalloc(&sigs_.ptr, sizeof(uint32_t) * B_ * descs_[0].shape.num_kv_heads * words_),
-          "captured step signatures");
+      sig_bytes_ = sizeof(uint32_t) * B_ * descs_[0].shape.num_kv_heads * words_;
+      KVS_CUDA_OK(cudaMalloc(&sigs_.ptr, sig_bytes_), "captured step signatures");
     }
     layers_.reserve(L_);
     for (uint32_t l = 0; l < L_; ++l) {
@@ -137,7 +136,9 @@ class GpuStaticStep final : public StaticStep {
       if (absl::Status s = lp.BuildTables(&host_tables_); !s.ok()) return s;
       layer->mc->FillTables(lp);
       lp.BeginPass(nullptr, nullptr);
-      if (absl::Status s = Carve(*layer, &layer->method_bytes); !s.ok()) return s;
+      size_t transient = 0;
+      if (absl::Status s = Carve(*layer, &layer->method_bytes, &transient); !s.ok()) return s;
+      shared_bytes_ = std::max(shared_bytes_, transient);
       const size_t bytes = lp.method_offset() + layer->method_bytes;
       KVS_CUDA_OK(cudaMalloc(&layer->scratch.ptr, bytes), "captured step scratch");
       lp.BeginPass(static_cast<char*>(layer->scratch.ptr), nullptr);
@@ -146,6 +147,9 @@ class GpuStaticStep final : public StaticStep {
       KVS_CUDA_OK(cudaStreamSynchronize(lp.stream()), "captured step tables");
       layers_.push_back(std::move(layer));
     }
+    if (shared_bytes_ > 0) {
+      KVS_CUDA_OK(cudaMalloc(&shared_.ptr, shared_bytes_), "captured step shared scratch");
+    }
     // Floors and tops: the committed lengths.
     std::vector<int64_t> ctl(static_cast<size_t>(B_) * (L_ + 1) + 1, 0);
     for (int32_t b = 0; b < B_; ++b) {
@@ -153,7 +157,8 @@ class GpuStaticStep final : public StaticStep {
       floor_host_.push_back(static_cast<uint64_t>(n));
       for (uint32_t l = 0; l <= L_; ++l) ctl[static_cast<size_t>(l) * B_ + b] = n;
     }
-    KVS_CUDA_OK(cudaMalloc(&ctl_.ptr, sizeof(int64_t) * ctl.size()), "captured step control");
+    control_bytes_ = sizeof(int64_t) * ctl.size();
+    KVS_CUDA_OK(cudaMalloc(&ctl_.ptr, control_bytes_), "captured step control");
     KVS_CUDA_OK(
         cudaMemcpy(ctl_.ptr, ctl.data(), sizeof(int64_t) * ctl.size(), cudaMemcpyHostToDevice),
         "captured step control");
@@ -236,8 +241,8 @@ class GpuStaticStep final : public StaticStep {
       cp.block_bytes = static_cast<int64_t>(ck_block_bytes_);
       KVS_CUDA_OK(kc::AppendCompressedKeyStep(cp, lp.stream()), "AppendCompressedKeyStep");
     }
-    size_t bytes = 0;
-    if (absl::Status s = Carve(ly, &bytes); !s.ok()) return s;
+    size_t bytes = 0, transient = 0;
+    if (absl::Status s = Carve(ly, &bytes, &transient); !s.ok()) return s;
     if (bytes != ly.method_bytes) {
       return absl::InternalError("a captured step's buffers changed size between plan and run");
     }
@@ -314,6 +319,11 @@ class GpuStaticStep final : public StaticStep {
   uint32_t num_q_heads() const override { return descs_[0].shape.num_q_heads; }
   uint32_t num_kv_heads() const override { return descs_[0].shape.num_kv_heads; }
   uint32_t head_dim() const override { return descs_[0].shape.head_dim; }
+  uint64_t device_bytes() const override {
+    uint64_t bytes = shared_bytes_ + control_bytes_ + sig_bytes_;
+    for (const auto& ly : layers_) bytes += ly->lp->method_offset() + ly->method_bytes;
+    return bytes;
+  }
 
  private:
   struct Layer {
@@ -345,12 +355,19 @@ class GpuStaticStep final : public StaticStep {
     }
     return stale;
   }
-  // One pass of the method over the layer's plan (sizing when the pass has no base).
-  static absl::Status Carve(Layer& ly, size_t* bytes) {
+  // One pass of the method over the layer's plan (sizing when the pass has no base): *bytes of
+  // the layer's own scratch, *transient of the region the layers share (shared_, which holds
+  // the largest; null while sizing).
+  absl::Status Carve(Layer& ly, size_t* bytes, size_t* transient) const {
     LaunchPlan& lp = *ly.lp;
-    Carver c(lp.base() == nullptr ? nullptr : lp.base() + lp.method_offset());
+    const bool sizing = lp.base() == nullptr;
+    Carver c(sizing ? nullptr : lp.base() + lp.method_offset(), sizing ? nullptr : shared_.ptr);
     if (absl::Status s = ly.mc->Enqueue(lp, c); !s.ok()) return s;
     *bytes = c.used();
+    *transient = c.transient_used();
+    if (!sizing && *transient > shared_bytes_) {
+      return absl::InternalError("a layer's transient scratch outgrew the shared region");
+    }
     return absl::OkStatus();
   }
   // The control block: floors [B], tops [L][B], the error word.
@@ -374,6 +391,11 @@ class GpuStaticStep final : public StaticStep {
   PinnedBuf host_tables_;
   OwnedDev ctl_;
   OwnedDev sigs_;  // the step's key signatures [B * Hkv][words] (sign_keys_)
+  // The layers' transient buffers (Carver::TakeTransient: the scores of every token and head),
+  // one region for all layers: they run one after another on the caller's stream.
+  OwnedDev shared_;
+  size_t shared_bytes_ = 0;
+  size_t control_bytes_ = 0, sig_bytes_ = 0;  // ctl_'s and sigs_' sizes
   int32_t words_ = 0;
   bool sign_keys_ = false;
   size_t ck_block_bytes_ = 0;  // of the placement's compressed keys (0: it keeps none)

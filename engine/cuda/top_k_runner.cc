@@ -64,7 +64,7 @@ class TopKCall final : public SelectedRowsCall {
 
   absl::Status EnqueueSelection(LaunchPlan& lp, Carver& c, const Selection& s) override {
     const size_t BH = static_cast<size_t>(lp.BH);
-    float* scores = c.Take<float>(BH * lp.n_max);
+    float* scores = c.TakeTransient<float>(BH * lp.n_max);
     tk_.scores = scores;
     tk_.seq_lens = lp.shape().seq_lens;
     tk_.indices = c.Take<int32_t>(BH * s.max_selected);

@@ -118,6 +118,7 @@ class Row:
     ms_per_step: float = 0.0
     tokens_per_s: float = 0.0
     kv_gpu_gb: float = 0.0  # GPU memory held for the KV cache (or its selection state)
+    plan_gpu_gb: float = 0.0  # GPU memory a captured plan holds beside it (buffers, shared scratch)
     host_mb_per_token: float = 0.0  # bytes from host memory per generated token
     fetched_fraction: float = 0.0  # of what dense attention over every row reads
     steps_ms: list[float] = field(default_factory=list)
@@ -388,7 +389,8 @@ def measure_kvsparse(row: Row, variant: str, method: kvsparse.Method, model, n: 
         if host_bytes is not None:
             row.host_mb_per_token = host_bytes / batch / 1e6
             row.fetched_fraction = host_bytes / (2 * L * hkv * d * 2 * sum(lengths))
-        row.note = f"{cache.steps.mode}; "
+        row.plan_gpu_gb = cache.steps.device_bytes / 1e9
+        row.note = f"{cache.steps.mode}, plan {row.plan_gpu_gb:.3f} GB; "
     mem = target.memory() if transport in engines else None
     if mem is not None:
         row.kv_gpu_gb = mem["gpu_bytes"] / 1e9

@@ -1077,6 +1077,33 @@ TEST_F(GpuEngineTest, CapturedStepsOverCompressedKeys) {
   }
 }
 
+// The layers of a captured plan share one region for their scores (B x H x max_tokens floats
+// each): doubling max_tokens grows the plan's device memory by about one layer's scores, not by
+// one per layer.
+TEST_F(GpuEngineTest, CapturedLayersShareTheirScores) {
+  auto rig = Rig::Make();
+  ASSERT_NE(rig, nullptr);
+  kvstore::Placement p;
+  p.compressed_key_bits = 2;
+  auto prob = Problem({250, 250});
+  rig->Load(prob, p);
+  StaticStepRequest req;
+  req.sequence_ids = {"s0", "s1"};
+  req.method = SantaMethod(1, 64);
+  req.method.santa.scores = kernels::ScoreSource::kCompressedKeys;
+  uint64_t bytes[2];
+  for (int i = 0; i < 2; ++i) {
+    req.max_tokens = 2048u << i;
+    auto plan = rig->gpu->PlanStatic(req);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    bytes[i] = (*plan)->device_bytes();
+  }
+  const uint64_t layer_scores = 2ull * prob.problem.num_q_heads * 2048 * sizeof(float);
+  static_assert(kLayers >= 2);
+  EXPECT_GE(bytes[1] - bytes[0], layer_scores);
+  EXPECT_LT(bytes[1] - bytes[0], layer_scores * 3 / 2) << bytes[0] << " -> " << bytes[1];
+}
+
 TEST_F(GpuEngineTest, CapturedStepsRefuseWhatTheyCannotCapture) {
   auto rig = Rig::Make();
   ASSERT_NE(rig, nullptr);

@@ -269,6 +269,7 @@ def test_planned_steps_equal_decode_calls() -> None:
         _load_all_layers(b, 100, "cpu")
         with b.plan_steps(["s0"], method, max_tokens=200, seed=9) as steps:
             assert not steps.captured and steps.mode.startswith("eager")
+            assert steps.device_bytes == 0  # eager steps hold nothing on a device
             for step in range(3):
                 q, nk, nv = _step_tokens(step, 1, "cpu")
                 pos = torch.tensor([100 + step])
@@ -336,6 +337,7 @@ def test_captured_steps_replay_in_a_cuda_graph(method, placement) -> None:
         _load_all_layers(b, 700, "cuda", placement)
         steps = b.plan_steps(["s0"], method, max_tokens=1024, seed=3)
         assert steps.captured, steps.mode
+        assert steps.device_bytes > 0  # its tables and buffers
         with pytest.raises(kvsparse.FailedPrecondition):  # held while planned
             b.drop_sequence("s0")
         with pytest.raises(kvsparse.FailedPrecondition):  # its next rows are the steps'

@@ -408,6 +408,12 @@ class DecodeSteps(_Closing):
         sequence's length. OutOfRange if a step's position was refused since the last commit."""
         return list(_call(torch.ops.kvsparse.commit_steps, self._engine.handle, self.plan))
 
+    @property
+    def device_bytes(self) -> int:
+        """GPU memory this plan holds beside the engine's sequences (its per-layer tables and
+        buffers and the scratch its layers share); 0 for eager steps."""
+        return int(torch.ops.kvsparse.step_device_bytes(self._engine.handle, self.plan))
+
     def stats(self) -> torch.Tensor:
         """The last step's GPU statistics, [layers, 4, B * H] int32 on the device: the first
         B * Hkv entries of block 0 are the V rows each (sequence, kv head) read (S2ANTA)."""
