@@ -23,6 +23,11 @@ class MemoryResource {
   virtual absl::StatusOr<void*> Allocate(size_t bytes) = 0;
   // REQUIRES: p came from Allocate(bytes) on this resource and was not yet freed.
   virtual void Deallocate(void* p, size_t bytes) = 0;
+  // Gives the physical memory of [p, p + bytes), which lies inside an allocation and holds
+  // nothing anyone reads, back to the operating system while the range stays allocated: the next
+  // write there faults in zeroed pages. Resources whose pages must stay (pinned, shared with
+  // other processes) keep them: the default does nothing.
+  virtual void Release(void* p, size_t bytes) {}
   virtual absl::string_view name() const = 0;
   // The resource's pages as other processes see them (kvstore/shared_arena.h), or null when
   // they live in this process only.

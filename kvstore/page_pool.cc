@@ -1,6 +1,7 @@
 #include "kvstore/page_pool.h"
 
 #include <algorithm>
+#include <iterator>
 
 #include "absl/strings/str_cat.h"
 #include "kvstore/shared_arena.h"
@@ -55,6 +56,18 @@ size_t PagePool::pages_in_use() const {
   return in_use_;
 }
 
+size_t PagePool::released_slabs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (const Slab& s : slabs_) n += s.released ? 1 : 0;
+  return n;
+}
+
+PagePool::Slab& PagePool::SlabOf(const uint8_t* p) {
+  auto it = slab_of_.upper_bound(p);  // the first slab above p; p's is the one before
+  return slabs_[std::prev(it)->second];
+}
+
 absl::Status PagePool::Allocate(size_t n, std::vector<uint8_t*>* out) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!FitsLocked(n, 0)) {
@@ -90,11 +103,17 @@ absl::Status PagePool::Allocate(size_t n, std::vector<uint8_t*>* out) {
       out->resize(first);
       return slab.status();
     }
+    slab_of_[static_cast<uint8_t*>(*slab)] = slabs_.size();
     slabs_.push_back({static_cast<uint8_t*>(*slab), bytes});
     slab_total_pages_ += bytes / options_.page_bytes;
     fresh_next_ = static_cast<uint8_t*>(*slab);
     fresh_end_ = fresh_next_ + bytes;
     ++need;  // this iteration took no page
+  }
+  for (size_t i = first; i < out->size(); ++i) {
+    Slab& slab = SlabOf((*out)[i]);
+    ++slab.used;
+    slab.released = false;
   }
   in_use_ += n;
   return absl::OkStatus();
@@ -109,6 +128,16 @@ void PagePool::Free(const std::vector<uint8_t*>& pages) {
   std::lock_guard<std::mutex> lock(mu_);
   free_.insert(free_.end(), pages.rbegin(), pages.rend());
   in_use_ -= pages.size();
+  for (const uint8_t* p : pages) {
+    Slab& slab = SlabOf(p);
+    // The last page of a slab going: nothing on it is read any more, so its memory can go back
+    // (its pages stay in the free list and fault in again when reused). Under the lock, so no
+    // Allocate hands one of them out while they are being released.
+    if (--slab.used == 0 && !slab.released) {
+      resource_->Release(slab.base, slab.bytes);
+      slab.released = true;
+    }
+  }
 }
 
 }  // namespace kvsparse::kvstore

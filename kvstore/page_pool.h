@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <shared_mutex>
 #include <vector>
@@ -22,6 +23,10 @@ struct PagePoolOptions {
 
 // Thread-safe. Slabs are kept until the pool is destroyed; freed pages are reused first (LIFO),
 // and fresh pages of a slab are handed out in address order, so a bulk allocation is contiguous.
+// A slab none of whose pages is in use any more (e.g. after its sequences were dropped) is given
+// back to the operating system (MemoryResource::Release, under the pool's lock) and faults in
+// again as its pages are reused: memory the pool holds is at most the pages in use plus the
+// slabs that still hold one.
 // Lock order: PagePool::mu_ is a leaf (taken with no other lock ordering constraint after it).
 class PagePool {
  public:
@@ -48,6 +53,8 @@ class PagePool {
   size_t page_bytes() const { return options_.page_bytes; }
   size_t capacity_pages() const { return capacity_pages_; }
   size_t pages_in_use() const;
+  // Slabs given back to the operating system and not used since (for tests and statistics).
+  size_t released_slabs() const;
 
  private:
   MemoryResource* const resource_;
@@ -63,8 +70,13 @@ class PagePool {
   struct Slab {
     uint8_t* base;
     size_t bytes;
+    size_t used = 0;        // its pages in use
+    bool released = false;  // given back (Release) and not used since
   };
   std::vector<Slab> slabs_ ABSL_GUARDED_BY(mu_);
+  std::map<const uint8_t*, size_t> slab_of_ ABSL_GUARDED_BY(mu_);  // base -> index in slabs_
+  // The slab holding page p. REQUIRES: mu_ held, p from this pool.
+  Slab& SlabOf(const uint8_t* p) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   uint8_t* fresh_next_ ABSL_GUARDED_BY(mu_) = nullptr;  // next never-used page of the last slab
   uint8_t* fresh_end_ ABSL_GUARDED_BY(mu_) = nullptr;
   size_t slab_total_pages_ ABSL_GUARDED_BY(mu_) = 0;

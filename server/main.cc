@@ -24,6 +24,7 @@
 #include "rpc/flags_help.h"
 #include "rpc/logging.h"
 #include "server/byte_size.h"
+#include "server/memory_trimmer.h"
 #include "server/server.h"
 
 using kvsparse::server::ByteSize;
@@ -116,6 +117,9 @@ ABSL_FLAG(std::string, capacity_policy, "reject",
 ABSL_FLAG(ByteSize, page_size, ByteSize{64 << 10},
           "Bytes per store page (multiple of 4K); a page holds one (layer, kv head)'s rows");
 ABSL_FLAG(bool, huge_pages, true, "Ask for transparent huge pages on the host arena");
+ABSL_FLAG(absl::Duration, memory_trim_interval, absl::Seconds(10),
+          "How often the heap's free memory goes back to the system (server/memory_trimmer.h; "
+          "0: glibc's defaults, the RSS may stay above --capacity after bursts)");
 ABSL_FLAG(ByteSize, max_message_size, ByteSize{256 << 20},
           "Largest gRPC request or response; larger gathers/appends get RESOURCE_EXHAUSTED");
 ABSL_FLAG(absl::Duration, default_deadline, absl::Seconds(30),
@@ -371,6 +375,7 @@ int main(int argc, char** argv) {
   sigaddset(&signals, SIGINT);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
+  srv::MemoryTrimmer trimmer(absl::GetFlag(FLAGS_memory_trim_interval));
   auto server = srv::Server::Start(options);
   if (!server.ok()) {
     KVSPARSE_LOG(Error) << "cannot start: " << server.status();

@@ -1,0 +1,80 @@
+"""Fault: memory a client can make the server hold. The contract (docs/RELIABILITY.md, "Memory"):
+the store's pages and the sequences' bookkeeping stay within --capacity; what a drop or an
+eviction frees goes back to the system (whole slabs of pages at once, the heap every
+--memory_trim_interval), so the server's resident memory stays within its idle size plus the
+capacity plus the messages in flight, and returns close to its idle size once everything is
+dropped. Failed before: after churn and a drop of everything the RSS stayed at 1,362 of
+2,084 MiB (issue 48, defect 3)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+import kvsparse
+
+MIB = 1 << 20
+CAPACITY = 128 * MIB
+LAYERS, HKV, D = 4, 2, 64
+SHAPE = kvsparse.ModelShape(LAYERS, 4, HKV, D, "fp32")
+TOKEN_BYTES = LAYERS * HKV * D * 4 * 2  # K and V: 4 KiB
+
+
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def rows(tokens: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((LAYERS, tokens, HKV, D)).astype(np.float32)
+
+
+def test_rss_stays_within_capacity_and_returns_after_drops() -> None:
+    with kvsparse.LocalServer(
+        gpu="off", capacity="128M", capacity_policy="evict-lru", memory_trim_interval="1s"
+    ) as server:
+        assert server.process is not None
+        pid = server.process.pid
+        idle = rss(pid)
+        peak = [idle]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], rss(pid))
+                time.sleep(0.01)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        chunk = rows(256, 1)  # 1 MiB a chunk
+        try:
+            with kvsparse.Client(server.target, timeout=60.0) as c:
+                # Churn: 600 sequences of 1 MiB through a 128 MiB store (evict-lru makes room).
+                for i in range(600):
+                    c.store.create_sequence(f"churn{i}", SHAPE)
+                    c.store.append(f"churn{i}", chunk, chunk)
+                # Large appends, one after another: 16 MiB each into fresh sequences.
+                big = rows(4096, 2)
+                for i in range(8):
+                    c.store.create_sequence(f"big{i}", SHAPE)
+                    c.store.append(f"big{i}", big, big)
+                stats = c.store.stats()
+                assert stats.evictions > 0 and stats.bytes_used <= CAPACITY, stats
+                for info in c.store.list_sequences():
+                    c.store.drop_sequence(info.sequence_id)
+                assert c.store.stats().bytes_used == 0
+            time.sleep(2.5)  # two trims
+            after = rss(pid)
+        finally:
+            done.set()
+            sampler.join()
+    # Messages in flight: one 16 MiB append at a time, held as received and as parsed.
+    in_flight = 2 * 16 * MIB + 4 * TOKEN_BYTES * 4096
+    print(f"[memory] idle {idle / MIB:.0f} MiB, peak {peak[0] / MIB:.0f} MiB, after drops {after / MIB:.0f} MiB")
+    assert peak[0] <= idle + CAPACITY + in_flight + 32 * MIB, (idle, peak[0])
+    assert after <= idle + 16 * MIB, (idle, after)
