@@ -235,6 +235,27 @@ absl::StatusOr<Store::Pin> Store::Acquire(absl::string_view sequence_id) {
 
 absl::Status Store::MakeRoom(size_t pages, const Sequence* requester, size_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (options_.policy == CapacityPolicy::kEvictLru && !pool_.Fits(pages, bytes)) {
+    // Evict only when evicting every idle sequence would make room: a request larger than the
+    // store, or than what the calls in flight leave of it, is refused with nobody evicted.
+    uint64_t idle_pages = 0, idle_bytes = 0;
+    for (const auto& [id, seq] : sequences_) {
+      if (seq->pins_ > 0 || seq.get() == requester) continue;
+      idle_pages += seq->pages_held_.load();
+      idle_bytes += seq->bookkeeping_bytes_;
+    }
+    const uint64_t in_use = pool_.pages_in_use(), charged = pool_.charged_bytes();
+    const uint64_t pages_after = in_use + pages - std::min<uint64_t>(idle_pages, in_use + pages);
+    const uint64_t bytes_after = pages_after * options_.page_bytes + charged + bytes -
+                                 std::min<uint64_t>(idle_bytes, charged + bytes);
+    if (pages_after > pool_.capacity_pages() || bytes_after > options_.capacity_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "store full (policy evict-lru): ", pages * options_.page_bytes + bytes,
+          " more bytes needed, more than evicting every idle sequence would free (",
+          in_use * options_.page_bytes + charged, " of ", options_.capacity_bytes, " in use, ",
+          idle_pages * options_.page_bytes + idle_bytes, " idle); nothing was evicted"));
+    }
+  }
   while (!pool_.Fits(pages, bytes)) {
     if (options_.policy == CapacityPolicy::kReject) {
       return absl::ResourceExhaustedError(

@@ -613,6 +613,25 @@ TEST(StoreTest, EvictLruEvictsLeastRecentlyUsedIdleSequence) {
 
 // A sequence with a call in flight is never evicted: the gather allocator runs while the
 // gather holds its pin, and an append that needs room evicts the other, idle sequence.
+// An append that cannot fit even with every idle sequence evicted (larger than the store) is
+// refused and evicts nobody. Failed before: it evicted every idle sequence, then was refused.
+TEST(StoreTest, EvictLruRefusesWhatCannotFitWithoutEvicting) {
+  auto store = NewStore(64 * kPage, CapacityPolicy::kEvictLru);
+  const ModelShape s = Shape(DType::kBf16);  // 32 tokens a page per (layer, kv head): 4 lanes
+  for (const char* id : {"x", "y", "big"}) ASSERT_TRUE(store->CreateSequence(id, s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "x", s, 0, 2, 0, 64).ok());  // 8 pages each
+  ASSERT_TRUE(AppendTokens(*store, "y", s, 0, 2, 0, 64).ok());
+  const absl::Status too_big = AppendTokens(*store, "big", s, 0, 2, 0, 32 * 80);  // 320 pages
+  EXPECT_EQ(too_big.code(), absl::StatusCode::kResourceExhausted) << too_big;
+  EXPECT_TRUE(absl::StrContains(too_big.message(), "nothing was evicted")) << too_big;
+  EXPECT_EQ(store->Stats().evictions, 0u);
+  EXPECT_TRUE(store->GetSequenceInfo("x").ok());
+  EXPECT_TRUE(store->GetSequenceInfo("y").ok());
+  // One that fits once an idle sequence goes still evicts (40 pages of the 48 left + 8).
+  EXPECT_TRUE(AppendTokens(*store, "big", s, 0, 2, 0, 32 * 13).ok());
+  EXPECT_EQ(store->Stats().evictions, 1u);
+}
+
 TEST(StoreTest, EvictLruNeverEvictsASequenceInFlight) {
   auto store = NewStore(8 * kPage + kSlack, CapacityPolicy::kEvictLru);
   const ModelShape s = Shape(DType::kBf16);

@@ -73,8 +73,9 @@ def test_rss_stays_within_capacity_and_returns_after_drops() -> None:
         finally:
             done.set()
             sampler.join()
-    # Messages in flight: one 16 MiB append at a time, held as received and as parsed.
-    in_flight = 2 * 16 * MIB + 4 * TOKEN_BYTES * 4096
+    # Messages in flight: one 16 MiB append at a time, held as received and as parsed; slack:
+    # gRPC's buffers, thread stacks, the heap's fragmentation between trims.
+    in_flight, slack = 2 * 4096 * TOKEN_BYTES, 48 * MIB
     print(f"[memory] idle {idle / MIB:.0f} MiB, peak {peak[0] / MIB:.0f} MiB, after drops {after / MIB:.0f} MiB")
-    assert peak[0] <= idle + CAPACITY + in_flight + 32 * MIB, (idle, peak[0])
+    assert peak[0] <= idle + CAPACITY + in_flight + slack, (idle, peak[0])
     assert after <= idle + 16 * MIB, (idle, after)
