@@ -415,6 +415,40 @@ TEST_F(GpuEngineTest, TopKByCompressedKeys) {
   }
 }
 
+// Short sequences and selections that would be empty (issue 48, defects 1 and 2) on the GPU:
+// a top_k above a sequence's length reads what it has, and where sink, window and top-k select
+// nothing the one best-scoring token is taken (kernels/sink_local_topk.h), the rule the GPU's
+// selections share with the CPU references: the same rows and outputs as the CPU engine, never
+// an empty selection. S2ANTA's group mixture proposal runs on the CPU engine, saying why.
+TEST_F(GpuEngineTest, ShortSequencesAndEmptySelections) {
+  auto rig = Rig::Make(1ull << 30, 0.0);  // no row cache: each call's rows cross as the CPU's
+  ASSERT_NE(rig, nullptr);
+  kvstore::Placement p;
+  p.signature_bits = 32;
+  p.compressed_key_bits = 2;
+  auto prob = Problem({50, 300});
+  rig->Load(prob, p);
+  const std::vector<std::pair<std::string, Method>> methods = {
+      {"hash top-64, no sink or window", HashMethod(0.f, 64, 0, 0)},
+      {"hash top-k of 0.1%", HashMethod(0.001f, 0, 0, 0)},
+      {"top-64 over compressed keys", TopKMethod(0.f, 64, 0, 0)},
+      {"top-k of 0.1% over compressed keys", TopKMethod(0.001f, 0, 0, 0)},
+  };
+  for (const auto& [what, m] : methods) {
+    Compare(*rig, prob, m, {8e-3, true, 0}, what);
+    auto g = rig->gpu->Decode(Call(prob, m));
+    ASSERT_TRUE(g.ok()) << what << ": " << g.status();
+    EXPECT_TRUE(g->not_on_backend.empty()) << what << ": " << g->not_on_backend;
+    for (const HeadStats& hs : g->heads) EXPECT_GE(hs.rows_fetched, 1u) << what;
+  }
+  Method group = SantaMethod(1, 64);
+  group.santa.scores = kernels::ScoreSource::kCompressedKeys;
+  group.santa.proposal = kernels::SantaProposal::kGroupMixture;
+  auto g = rig->gpu->Decode(Call(prob, group));
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_TRUE(absl::StrContains(g->not_on_backend, "group mixture")) << g->not_on_backend;
+}
+
 // S2ANTA over compressed keys (the ratio correction, prop) with K and V in host memory and on the
 // device: the GPU samples from the compressed keys' scores (bit for bit the CPU's) with the CPU
 // reference's arithmetic, so nearly every head reads the rows the CPU engine reads (a sample can
