@@ -56,13 +56,6 @@ size_t PagePool::pages_in_use() const {
   return in_use_;
 }
 
-size_t PagePool::released_slabs() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  size_t n = 0;
-  for (const Slab& s : slabs_) n += s.released ? 1 : 0;
-  return n;
-}
-
 PagePool::Slab& PagePool::SlabOf(const uint8_t* p) {
   auto it = slab_of_.upper_bound(p);  // the first slab above p; p's is the one before
   return slabs_[std::prev(it)->second];

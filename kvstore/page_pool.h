@@ -53,8 +53,6 @@ class PagePool {
   size_t page_bytes() const { return options_.page_bytes; }
   size_t capacity_pages() const { return capacity_pages_; }
   size_t pages_in_use() const;
-  // Slabs given back to the operating system and not used since (for tests and statistics).
-  size_t released_slabs() const;
 
  private:
   MemoryResource* const resource_;
