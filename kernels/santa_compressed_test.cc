@@ -450,7 +450,8 @@ TEST(SantaCompressedStatisticsTest, RatioBiasWithinItsBoundOnRealAttention) {
         mix.samples = samples;
         mix.proposal = SantaProposal::kGroupMixture;
         const std::vector<Unit> mixed = MakeUnits(p, views, batches, mix);
-        const std::string ml = "real L" + std::to_string(layer) + " mix S" + std::to_string(samples);
+        const std::string ml =
+            "real L" + std::to_string(layer) + " mix S" + std::to_string(samples);
         CheckRatio(ml.c_str(), mixed, mix, bits, p.head_dim, samples == 128 ? 0.5 : 0.2);
       }
     }

@@ -50,12 +50,12 @@ cudaError_t CompressedScores(const CompressedScoreParams& p, cudaStream_t stream
 // multiple of group) the group closes: its rows are quantized into block n / group - 1 by the
 // arithmetic of kernels/key_quantization.h, the bits CompressKeyGroup gives on the host.
 struct CompressedKeyStepParams {
-  int32_t batch = 0;           // B
-  int32_t num_kv_heads = 0;    // Hkv
-  int32_t head_dim = 0;        // d, with d * bits a multiple of 32, at most 1024
-  int32_t bits = 2;            // 1, 2, 4 or 8
-  int32_t group = 128;         // tokens per closed group, at most 1024
-  DType dtype = DType::kBf16;  // of new_k and of the open group's rows
+  int32_t batch = 0;            // B
+  int32_t num_kv_heads = 0;     // Hkv
+  int32_t head_dim = 0;         // d, with d * bits a multiple of 32, at most 1024
+  int32_t bits = 2;             // 1, 2, 4 or 8
+  int32_t group = 128;          // tokens per closed group, at most 1024
+  DType dtype = DType::kBf16;   // of new_k and of the open group's rows
   const void* new_k = nullptr;  // device, shape: [B, Hkv, d]
   // device, shape: [B]: each sequence's length after the step (n); 0 (a refused step): nothing
   // is written for it.
