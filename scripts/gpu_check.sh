@@ -20,7 +20,10 @@
 # "quality": tests/quality/harness.py over $MODEL with QUALITY_ARGS, into $OUT/quality;
 # "hashrecall": tests/quality/hash_recall.py over $MODEL with HASH_ARGS, into $OUT/hash;
 # "sale": tests/quality/sale_quality.py (SALE prefill against dense) over $MODEL with SALE_ARGS,
-# into $OUT/sale),
+# into $OUT/sale; "vllm": vLLM's CUDA build installed from the parts in .vllm/parts
+# (scripts/gpu_vllm_wheels.sh, scripts/gpu_vllm_install.sh: a step that only gathers parts until the
+# last is there), then tests/vllm/test_vllm_cuda.py; "vllmbench": tests/bench/vllm_gpu_bench.py
+# with VLLM_BENCH_ARGS, into $OUT/vllm-gpu.json),
 # BENCH_ARGS (extra kernel_bench.py args),
 # REFS=0 (benchmark without FlashInfer and the S2ANTA reference kernels: SDPA and ours only),
 # NCU_ARGS (kernel_bench.py args of the profiled run; default B=8, n=32k).
@@ -105,7 +108,7 @@ if [[ " $STEPS " == *" rpc "* ]]; then
   note "rpc_decode_bench rc=${PIPESTATUS[0]}"
 fi
 
-if [[ " $STEPS " =~ " "(python|e2e|pyrpc|train|quality|hashrecall|sale)" " ]]; then
+if [[ " $STEPS " =~ " "(python|e2e|pyrpc|train|quality|hashrecall|sale|vllm|vllmbench)" " ]]; then
   # The image has torch and transformers; the kvsparse package, grpcio and protobuf of the
   # versions its stubs need come as wheels in .whl (scripts/gpu_wheels.sh).
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -155,6 +158,22 @@ if [[ " $STEPS " == *" sale "* ]]; then
   timeout ${SALE_TIMEOUT:-560} python3 tests/quality/sale_quality.py --model "$MODEL" --out "$OUT/sale" \
     ${SALE_ARGS:-} 2>&1 | grep -vE "^Loading" > "$OUT/sale_quality.log"
   note "sale_quality rc=${PIPESTATUS[0]}: $(tail -1 "$OUT/sale_quality.log")"
+fi
+
+if [[ " $STEPS " =~ " "(vllm|vllmbench)" " ]]; then
+  bash scripts/gpu_vllm_install.sh 2>&1 | tail -3 | tee "$OUT/vllm_install.log"
+  note "vllm install: $(tail -1 "$OUT/vllm_install.log")"
+  export PYTHONPATH="/tmp/vllm-site:${PYTHONPATH:-}" VLLM_CACHE_ROOT=/tmp/vllm-cache
+fi
+if [[ " $STEPS " == *" vllm "* ]] && grep -q "vllm: ready" "$OUT/vllm_install.log"; then
+  timeout ${VLLM_TEST_TIMEOUT:-500} python3 -m pytest -q -p no:cacheprovider tests/vllm/test_vllm_cuda.py \
+    ${PYTEST_ARGS:-} > "$OUT/vllm_pytest.log" 2>&1
+  note "vllm pytest rc=$?: $(tail -1 "$OUT/vllm_pytest.log")"
+fi
+if [[ " $STEPS " == *" vllmbench "* ]] && grep -q "vllm: ready" "$OUT/vllm_install.log"; then
+  timeout ${VLLM_BENCH_TIMEOUT:-560} python3 tests/bench/vllm_gpu_bench.py --out "$OUT/vllm-gpu.json" \
+    ${VLLM_BENCH_ARGS:-} 2>&1 | tee "$OUT/vllm_bench.log"
+  note "vllm_gpu_bench rc=${PIPESTATUS[0]}"
 fi
 
 if [[ " $STEPS " == *" e2e "* ]]; then

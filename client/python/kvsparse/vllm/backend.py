@@ -20,7 +20,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from kvsparse.methods import ModelShape
 from kvsparse.torch.transport import step_seed
-from kvsparse.vllm.plugin import BACKEND_NAME, ENV_SEED, WORKER, store_only
+from kvsparse.vllm.plugin import BACKEND_NAME, ENV_SEED, WORKER, refuse_unsupported, store_only
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -31,16 +31,7 @@ class KvSparseImpl(CPUAttentionBackendImpl):
                  logits_soft_cap: float | None = None, *args: Any, **kwargs: Any) -> None:
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                          logits_soft_cap, *args, **kwargs)
-        refused = {
-            "ALiBi": alibi_slopes is not None,
-            "sliding windows": sliding_window is not None,
-            "logits soft-capping": bool(logits_soft_cap),
-            "attention sinks": kwargs.get("sinks") is not None,
-            f"KV cache dtype {kv_cache_dtype}": kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"),
-        }
-        for what, present in refused.items():
-            if present:
-                raise NotImplementedError(f"kvsparse's vLLM plugin does not support {what} in this version")
+        refuse_unsupported(alibi_slopes, sliding_window, logits_soft_cap, kwargs.get("sinks"), kv_cache_dtype)
         config = get_current_vllm_config()
         if config.cache_config.enable_prefix_caching:
             raise ValueError(

@@ -38,8 +38,12 @@ How it works (vLLM 0.32, the V1 model runner):
 
 Limits of this version, each refused with a message: prefix caching (a prefix vLLM reuses
 would be missing from the request's sequence), sliding windows, ALiBi, logits soft-capping,
-attention sinks, quantized KV caches. The CPU platform only (vLLM's CPU build): on a CUDA vLLM
-the plugin refuses to start.
+attention sinks, quantized KV caches.
+
+On vLLM's CUDA build (vLLM 0.24.0) the backend is kvsparse.vllm.cuda_backend, in vLLM's custom
+backend slot, and the requests of a batch come from kvsparse's KV connector
+(kvsparse.vllm.connector); ``engine_args()`` gives the engine arguments that select both. The K/V
+stay in vLLM's paged cache too there (KVSPARSE_VLLM_KV=store and SALE are the CPU build's).
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ def sale_path() -> str | None:
 EXTRA_ARG = "kvsparse_method"
 BACKEND_NAME = "KVSPARSE"
 BACKEND_PATH = "kvsparse.vllm.backend.KvSparseBackend"
+CUDA_BACKEND_PATH = "kvsparse.vllm.cuda_backend.KvSparseCudaBackend"
 
 
 def enabled() -> bool:
@@ -93,7 +98,9 @@ def enabled() -> bool:
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: registers the attention backend when
-    KVSPARSE_VLLM_METHOD is set (checking it first), in each vLLM process; idempotent."""
+    KVSPARSE_VLLM_METHOD is set (checking it first), in each vLLM process; idempotent. On vLLM's
+    CUDA build, kvsparse.vllm.cuda_backend in vLLM's custom backend slot (selected by
+    ``engine_args()``); on its CPU build, kvsparse.vllm.backend in place of vLLM's CPU backend."""
     if not enabled():
         return
     parse_method(os.environ[ENV_METHOD])  # a bad method stops vLLM here, with its reason
@@ -103,21 +110,93 @@ def register() -> None:
         from kvsparse.torch.sale import SalePrefill
 
         SalePrefill.load(path)
-    # The request ids of a batch come from the V1 model runner (the one vLLM's CPU build runs).
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    if current_platform.is_cuda():
+        cuda_settings()  # bad capacities stop vLLM here
+        if store_only() or path is not None:
+            raise ValueError(f"{ENV_KV}=store and {ENV_SALE} run on vLLM's CPU build only in this version")
+        register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND_PATH)
+        return
     if not current_platform.is_cpu():
-        raise RuntimeError(
-            f"kvsparse's vLLM plugin runs on vLLM's CPU build in this version; unset {ENV_METHOD} "
-            "to run this vLLM without it"
-        )
+        raise RuntimeError(f"kvsparse's vLLM plugin runs on vLLM's CUDA and CPU builds; unset {ENV_METHOD} here")
+    # The request ids of a batch come from the V1 model runner (the one vLLM's CPU build runs).
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     if BACKEND_NAME not in AttentionBackendEnum.__members__:
         register_backend(BACKEND_NAME, BACKEND_PATH)
     # vLLM's CPU platform always answers its own backend (CPU_ATTN): point that name at ours.
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
     _record_batches()
+
+
+# The flagship: S2ANTA's proportional sample over 2-bit compressed keys on the GPU, the K/V in host
+# memory (docs/PERF.md); the method of engine_args() when KVSPARSE_VLLM_METHOD is not set.
+DEFAULT_CUDA_METHOD = "santa:samples=128,allocation=prop,scores=compressed"
+
+
+def engine_args(method: str | None = None, **kwargs: Any) -> dict[str, Any]:
+    """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` that decode through kvsparse on vLLM's
+    CUDA build: the custom attention backend, kvsparse's KV connector (request bookkeeping) and
+    prefix caching off; ``method`` (default: KVSPARSE_VLLM_METHOD, else DEFAULT_CUDA_METHOD) is
+    put in KVSPARSE_VLLM_METHOD for vLLM's worker processes. ``kwargs`` are added (and win).
+    The same from the command line: ``--attention-backend CUSTOM --no-enable-prefix-caching
+    --kv-transfer-config '{"kv_connector": "KvSparseConnector", "kv_connector_module_path":
+    "kvsparse.vllm.connector", "kv_role": "kv_both"}'``."""
+    text = method or os.environ.get(ENV_METHOD) or DEFAULT_CUDA_METHOD
+    parse_method(text)
+    os.environ[ENV_METHOD] = text
+    args: dict[str, Any] = {
+        "attention_backend": "CUSTOM",
+        "enable_prefix_caching": False,
+        "kv_transfer_config": {
+            "kv_connector": "KvSparseConnector",
+            "kv_connector_module_path": "kvsparse.vllm.connector",
+            "kv_role": "kv_both",
+        },
+    }
+    args.update(kwargs)
+    return args
+
+
+# Where the CUDA backend's engine keeps what (vLLM's CUDA build; the engine runs in the worker
+# process on vLLM's GPU): its host-memory store's capacity, the GPU memory for per-sequence state
+# (compressed keys, signatures, row caches), the row cache as a fraction of a sequence's tokens.
+ENV_STORE_CAPACITY = "KVSPARSE_VLLM_STORE_CAPACITY"
+ENV_GPU_CAPACITY = "KVSPARSE_VLLM_GPU_CAPACITY"
+ENV_ROW_CACHE = "KVSPARSE_VLLM_ROW_CACHE"
+CUDA_DEFAULTS = {ENV_STORE_CAPACITY: "32G", ENV_GPU_CAPACITY: "8G", ENV_ROW_CACHE: "0.005"}
+
+
+def cuda_settings() -> dict[str, Any]:
+    """InProcessEngine's arguments for the CUDA backend, from the environment (CUDA_DEFAULTS);
+    KVSPARSE_VLLM_TARGET, when it names a kvsparse-server store (host:port), holds the K/V there."""
+    get = lambda name: os.environ.get(name) or CUDA_DEFAULTS[name]  # noqa: E731
+    row_cache = float(get(ENV_ROW_CACHE))
+    if not 0 <= row_cache <= 1:
+        raise ValueError(f"{ENV_ROW_CACHE} must be a fraction in [0, 1], not {row_cache}")
+    settings: dict[str, Any] = {"gpu_capacity": get(ENV_GPU_CAPACITY), "gpu_row_cache": row_cache}
+    target = os.environ.get(ENV_TARGET, "inprocess")
+    if target == "inprocess":
+        settings["store_capacity"] = get(ENV_STORE_CAPACITY)
+    else:
+        settings["store"] = target
+    return settings
+
+
+def refuse_unsupported(alibi_slopes: Any, sliding_window: Any, logits_soft_cap: Any, sinks: Any,
+                       kv_cache_dtype: str) -> None:
+    """What neither backend implements, refused with its name when vLLM builds a layer."""
+    refused = {
+        "ALiBi": alibi_slopes is not None,
+        "sliding windows": sliding_window is not None,
+        "logits soft-capping": bool(logits_soft_cap),
+        "attention sinks": sinks is not None,
+        f"KV cache dtype {kv_cache_dtype}": kv_cache_dtype not in ("auto", "bfloat16", "float16", "float32"),
+    }
+    for what, present in refused.items():
+        if present:
+            raise NotImplementedError(f"kvsparse's vLLM plugin does not support {what} in this version")
 
 
 def _record_batches() -> None:

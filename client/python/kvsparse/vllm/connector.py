@@ -1,0 +1,107 @@
+"""The request side of kvsparse's backend for vLLM's CUDA build, through vLLM's KV-connector
+interface (``kv_transfer_config``; ``kvsparse.vllm.engine_args`` sets it): the scheduler's half
+tells the worker's half, each step, which request each row of the batch is, how many of its
+tokens vLLM has computed before the step, the methods of new requests, and which requests
+finished or were preempted. The worker's half hands that to the attention backend
+(kvsparse.vllm.cuda_backend). Loads and saves nothing: vLLM's own blocks are not touched.
+
+The row order is vLLM 0.24.0's V2 GPU model runner's (vllm/v1/worker/gpu/model_runner.py,
+``prepare_inputs``: the scheduled requests sorted by their token counts, decode rows first). That
+rule is vLLM's, not an interface: ``batch_order`` below is the one place it is written, and the
+backend checks every step that the batch it is handed has the token counts this order gives,
+failing with this module named when a vLLM changes it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvsparse.vllm.plugin import EXTRA_ARG
+
+VLLM_VERSION = "0.24.0"  # the vLLM whose batch order batch_order follows
+
+
+@dataclass
+class StepRows(KVConnectorMetadata):
+    """One step as the attention backend needs it: rows[i] = (request id, tokens vLLM computed
+    for it before the step, tokens it has in the step), in the batch's order; the method text of
+    each request new in this step that asked for one; requests to forget."""
+
+    rows: list[tuple[str, int, int]] = field(default_factory=list)
+    methods: dict[str, str] = field(default_factory=dict)
+    finished: set[str] = field(default_factory=set)
+    preempted: set[str] = field(default_factory=set)
+
+
+def batch_order(num_scheduled_tokens: dict[str, int]) -> list[str]:
+    """The order of a step's requests in vLLM 0.24.0's V2 model runner (its prepare_inputs):
+    a stable sort of the scheduler's requests by their token counts."""
+    return sorted(num_scheduled_tokens, key=num_scheduled_tokens.__getitem__)
+
+
+def step_rows(scheduler_output: Any) -> StepRows:
+    counts: dict[str, int] = scheduler_output.num_scheduled_tokens
+    computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+    methods = {}
+    for r in scheduler_output.scheduled_new_reqs:
+        extra = getattr(r.sampling_params, "extra_args", None) or {}
+        if extra.get(EXTRA_ARG):
+            methods[r.req_id] = str(extra[EXTRA_ARG])
+    return StepRows(
+        rows=[(rid, computed[rid], counts[rid]) for rid in batch_order(counts)],
+        methods=methods,
+        finished=set(scheduler_output.finished_req_ids),
+        preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()),
+    )
+
+
+class KvSparseConnector(KVConnectorBase_V1):
+    """vLLM's KV connector slot used for request bookkeeping only (``kv_role="kv_both"``)."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+
+    # Scheduler side.
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        return None
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return step_rows(scheduler_output)
+
+    # Worker side.
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        from kvsparse.vllm.cuda_backend import CUDA_WORKER
+
+        assert isinstance(connector_metadata, StepRows)
+        CUDA_WORKER.begin_step(connector_metadata)
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        from kvsparse.vllm.cuda_backend import CUDA_WORKER
+
+        CUDA_WORKER.end_step()
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None

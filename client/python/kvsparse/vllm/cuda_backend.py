@@ -1,0 +1,264 @@
+"""kvsparse's attention backend for vLLM's CUDA build (vLLM 0.24.0, its V2 GPU model runner),
+registered in vLLM's custom backend slot (``AttentionBackendEnum.CUSTOM``) by the plugin
+(kvsparse.vllm.plugin); ``kvsparse.vllm.engine_args()`` gives the engine arguments that select it.
+
+vLLM's FlashAttention backend with the decode rows answered by kvsparse's engine in the worker
+process (kvsparse.torch.ops.InProcessEngine, on vLLM's GPU): vLLM writes its paged KV cache and
+computes prompt attention as usual; each request's prompt K/V are appended to its kvsparse
+sequence (created with the placement its method reads: compressed keys on the GPU for the
+default method, the K/V in the engine's host-memory store); decode rows go through a
+``DecodeSteps`` plan per method over the requests decoding, re-planned when that set changes,
+one call per layer with no host synchronisation. The request of each row comes from the KV
+connector (kvsparse.vllm.connector).
+
+Attention runs outside vLLM's CUDA graphs (``AttentionCGSupport.NEVER``: vLLM captures the rest
+of each step piecewise); the plan's kernels are capturable, and taking them into vLLM's full
+decode graphs is the next step (a plan over batch slots, not over fixed sequences).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.attention.backends.flash_attn import (
+    FlashAttentionBackend,
+    FlashAttentionImpl,
+    FlashAttentionMetadataBuilder,
+)
+
+from kvsparse.methods import Method, ModelShape, parse_method, placement_for
+from kvsparse.vllm import plugin
+from kvsparse.vllm.connector import VLLM_VERSION, StepRows
+
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass
+class _Sequence:
+    sequence_id: str
+    method: Method
+    lengths: list[int]  # tokens appended per layer (decode steps included)
+
+
+@dataclass
+class _Group:
+    """The decode rows of one method in a step: their batch rows, request ids, token indices
+    and positions (each sequence's length before the step) on the device."""
+
+    rows: list[int]
+    rids: list[str]
+    tokens: torch.Tensor | slice
+    positions: torch.Tensor
+
+
+@dataclass
+class _Step:
+    prefill: list[tuple[int, str, int, int]]  # (row, request id, start, count)
+    groups: dict[str, _Group]  # by method text
+    token_starts: list[int]
+
+
+@dataclass
+class CudaWorker:
+    """The backend's state in a vLLM worker process: the engine, each live request's sequence,
+    the plan per method, and the step the connector bound."""
+
+    sequences: dict[str, _Sequence] = field(default_factory=dict)
+    methods: dict[str, str] = field(default_factory=dict)  # request id -> method text
+    plans: dict[str, tuple[list[str], Any]] = field(default_factory=dict)  # method text -> (rids, plan)
+    rows: StepRows | None = None
+    step: _Step | None = None
+    restarts: int = 0
+    replans: int = 0
+    _engine: Any = None
+
+    def engine(self) -> Any:
+        if self._engine is None:
+            from kvsparse.torch.ops import InProcessEngine
+
+            settings = plugin.cuda_settings()
+            device = torch.cuda.current_device()
+            self._engine = InProcessEngine(gpu="on", device=device, **settings)
+        return self._engine
+
+    def begin_step(self, rows: StepRows) -> None:
+        for rid in rows.finished | rows.preempted:
+            self.forget(rid)
+        for rid in rows.finished:
+            self.methods.pop(rid, None)
+        for rid, text in rows.methods.items():
+            parse_method(text)  # checked at admission by the plugin; a bad one stops here too
+            self.methods[rid] = text
+        self.rows = rows
+        self.step = None
+
+    def end_step(self) -> None:
+        self.rows = None
+        self.step = None
+
+    def method_text(self, rid: str) -> str:
+        return self.methods.get(rid) or os.environ[plugin.ENV_METHOD]
+
+    def sequence(self, rid: str, shape: ModelShape) -> _Sequence:
+        seq = self.sequences.get(rid)
+        if seq is None:
+            method = parse_method(self.method_text(rid))
+            sid = f"vllm-{uuid.uuid4().hex}"
+            self.engine().create_sequence(sid, shape, placement_for(method))
+            seq = _Sequence(sid, method, [0] * shape.num_layers)
+            self.sequences[rid] = seq
+        return seq
+
+    def forget(self, rid: str) -> None:
+        """Drops a request's sequence, first ending any plan that holds it."""
+        for text, (rids, _) in list(self.plans.items()):
+            if rid in rids:
+                self.close_plan(text)
+        seq = self.sequences.pop(rid, None)
+        if seq is not None:
+            self.engine().drop_sequence(seq.sequence_id)
+
+    def close_plan(self, text: str) -> None:
+        rids, plan = self.plans.pop(text)
+        try:
+            plan.commit()
+        finally:
+            plan.close()
+
+    def plan(self, text: str, rids: list[str], max_tokens: int, seed: int, scale: float, dtype: str) -> Any:
+        """The plan of a method over exactly these requests (in this order), re-planned when
+        the set changed since the last step."""
+        held = self.plans.get(text)
+        if held is not None and held[0] == rids:
+            return held[1]
+        if held is not None:
+            self.close_plan(text)
+        ids = [self.sequences[r].sequence_id for r in rids]
+        plan = self.engine().plan_steps(ids, self.sequences[rids[0]].method, max_tokens=max_tokens, seed=seed,
+                                        scale=scale, dtype=dtype)
+        self.plans[text] = (list(rids), plan)
+        self.replans += 1
+        return plan
+
+    def prepare(self, shape: ModelShape, num_tokens: int, device: torch.device) -> _Step:
+        """The bound step's rows sorted into prompt rows and decode groups (once per step)."""
+        if self.step is not None:
+            return self.step
+        assert self.rows is not None
+        starts, prefill, decode = [], [], {}
+        token = 0
+        for i, (rid, start, count) in enumerate(self.rows.rows):
+            starts.append(token)
+            seq = self.sequence(rid, shape)
+            if seq.lengths[0] != start:
+                if start != 0:
+                    raise RuntimeError(
+                        f"kvsparse holds {seq.lengths[0]} tokens of request {rid}, vLLM's context is {start}"
+                    )
+                self.restarts += 1
+                self.forget(rid)
+                seq = self.sequence(rid, shape)
+            if count == 1 and start > 0:
+                decode.setdefault(self.method_text(rid), []).append(i)
+            else:
+                prefill.append((i, rid, start, count))
+            token += count
+        if token != num_tokens:
+            raise RuntimeError(
+                f"kvsparse.vllm.connector's batch order (written against vLLM {VLLM_VERSION}) gives "
+                f"{token} tokens, vLLM's batch has {num_tokens}: this vLLM orders its batch differently"
+            )
+        groups = {}
+        for text, rows in decode.items():
+            rids = [self.rows.rows[i][0] for i in rows]
+            tok = [starts[i] for i in rows]
+            tokens: torch.Tensor | slice = (
+                slice(tok[0], tok[0] + len(tok)) if tok == list(range(tok[0], tok[0] + len(tok)))
+                else torch.tensor(tok, dtype=torch.long).to(device, non_blocking=True)
+            )
+            pos = torch.tensor([self.rows.rows[i][1] for i in rows], dtype=torch.long).pin_memory()
+            groups[text] = _Group(rows, rids, tokens, pos.to(device, non_blocking=True))
+        for text in [t for t in self.plans if t not in groups]:
+            self.close_plan(text)  # nobody decodes with it any more: its rows go to the store
+        self.step = _Step(prefill, groups, starts)
+        return self.step
+
+    def close(self) -> None:
+        for text in list(self.plans):
+            self.close_plan(text)
+        for rid in list(self.sequences):
+            self.forget(rid)
+
+
+CUDA_WORKER = CudaWorker()
+
+
+class KvSparseCudaImpl(FlashAttentionImpl):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int, alibi_slopes: Any,
+                 sliding_window: int | None, kv_cache_dtype: str, logits_soft_cap: float | None = None,
+                 *args: Any, **kwargs: Any) -> None:
+        super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
+                         logits_soft_cap, *args, **kwargs)
+        plugin.refuse_unsupported(alibi_slopes, sliding_window, logits_soft_cap, kwargs.get("sinks"),
+                                  kv_cache_dtype)
+        config = get_current_vllm_config()
+        self.num_layers = config.model_config.get_num_layers(config.parallel_config)
+        self.max_tokens = config.model_config.max_model_len
+        self.seed = int(os.environ.get(plugin.ENV_SEED, "0"))
+
+    def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, output_scale: Any = None,
+                output_block_scale: Any = None) -> torch.Tensor:
+        w = CUDA_WORKER
+        if attn_metadata is None or w.rows is None:  # profiling, warm-up and graph-capture runs
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        li = extract_layer_index(layer.layer_name)
+        shape = ModelShape(self.num_layers, self.num_heads, self.num_kv_heads, self.head_size, _DTYPES[query.dtype])
+        step = w.prepare(shape, attn_metadata.num_actual_tokens, query.device)
+        for row, rid, start, count in step.prefill:
+            a = step.token_starts[row]
+            seq = w.sequences[rid]
+            w.engine().append(seq.sequence_id, li, key[a:a + count], value[a:a + count], start)
+            seq.lengths[li] = start + count
+        if step.prefill or not step.groups:
+            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                            output_block_scale)
+        n = attn_metadata.num_actual_tokens
+        out = output[:n].view(n, self.num_heads, self.head_size)
+        for text, g in step.groups.items():
+            plan = w.plan(text, g.rids, self.max_tokens, self.seed, self.scale, shape.dtype)
+            b = len(g.rids)
+            q = query[g.tokens].view(b, self.num_heads, self.head_size)
+            k = key[g.tokens].view(b, self.num_kv_heads, self.head_size)
+            v = value[g.tokens].view(b, self.num_kv_heads, self.head_size)
+            out[g.tokens] = plan.decode(li, q, k, v, g.positions).to(out.dtype)
+            for rid in g.rids:
+                w.sequences[rid].lengths[li] += 1
+        return output
+
+
+class KvSparseCudaMetadataBuilder(FlashAttentionMetadataBuilder):
+    # Attention runs eagerly between vLLM's piecewise graphs (module text).
+    _cudagraph_support = AttentionCGSupport.NEVER
+
+
+class KvSparseCudaBackend(FlashAttentionBackend):
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type:
+        return KvSparseCudaImpl
+
+    @staticmethod
+    def get_builder_cls() -> type:
+        return KvSparseCudaMetadataBuilder

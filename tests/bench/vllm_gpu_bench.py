@@ -1,0 +1,104 @@
+"""vLLM's CUDA build, its FlashAttention backend against kvsparse's (kvsparse.vllm.cuda_backend), on
+a Llama-3.1-8B-shaped model with random weights (vLLM's load_format "dummy": only config.json is
+written), one prompt length and batch per row pair, each run in a process of its own
+(tests/vllm/cuda_driver.py): greedy decode of --steps tokens after the prompt; tokens/s from vLLM's
+own per-request timestamps (first to last generated token), so the prefill is not in it.
+
+Rows (JSON list, --out): n, batch, backend ("flash_attn" or "kvsparse:<method>"), tokens_per_s,
+ms_per_step, kv_gpu_bytes (vLLM's paged K/V of the batch's tokens, plus kvsparse's GPU state where
+it runs: with vLLM's cache kept, kvsparse adds GPU memory rather than saving it in this version),
+floor_ms (weights plus the batch's K/V at the GPU's HBM bandwidth, --hbm_gbps), and the
+command. Runs on a GPU host with vLLM's CUDA build (scripts/gpu_vllm_install.sh):
+
+    python3 tests/bench/vllm_gpu_bench.py --lens 32768,131072 --batches 1 --out vllm-gpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+DRIVER = Path(__file__).resolve().parents[1] / "vllm" / "cuda_driver.py"
+FLAGSHIP = "santa:samples=128,allocation=prop,scores=compressed"
+
+
+def write_config(path: Path, layers: int) -> None:
+    from transformers import LlamaConfig
+
+    LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=1 << 18,
+                rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+                torch_dtype="bfloat16").save_pretrained(path)
+
+
+def run(spec: dict, timeout: int) -> dict:
+    r = subprocess.run([sys.executable, str(DRIVER), json.dumps(spec)], capture_output=True, text=True,
+                       timeout=timeout)
+    if r.returncode != 0:
+        return {"error": r.stderr[-3000:]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--lens", default="32768")
+    ap.add_argument("--batches", default="1")
+    ap.add_argument("--steps", type=int, default=64, help="tokens generated per request")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--backends", default=f"flash_attn;kvsparse:{FLAGSHIP}",
+                    help="\";\"-separated: flash_attn, kvsparse:<method text>")
+    ap.add_argument("--gpu_memory_utilization", type=float, default=0.85)
+    ap.add_argument("--store_capacity", default="48G", help="kvsparse's host-memory store")
+    ap.add_argument("--row_cache", default="0.005")
+    ap.add_argument("--hbm_gbps", type=float, default=4800.0, help="H200: 4.8 TB/s")
+    ap.add_argument("--timeout", type=int, default=540)
+    ap.add_argument("--out", default="vllm-gpu-bench.json")
+    args = ap.parse_args()
+    command = "python3 tests/bench/vllm_gpu_bench.py " + " ".join(sys.argv[1:])
+    model = Path(tempfile.mkdtemp(prefix="llama8b-shape-"))
+    write_config(model, args.layers)
+    weights = 2 * (128256 * 4096 * 2 + args.layers * (4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336))
+    kv_token = 2 * args.layers * 8 * 128 * 2  # K and V, bf16, per token
+    rows = []
+    for n in [int(x) for x in args.lens.split(",")]:
+        for b in [int(x) for x in args.batches.split(",")]:
+            for backend in args.backends.split(";"):
+                method = backend.split(":", 1)[1] if backend.startswith("kvsparse") else None
+                spec = {
+                    "model": str(model), "load_format": "dummy", "prompt_len": n, "batch": b,
+                    "max_tokens": args.steps, "max_model_len": n + args.steps + 16, "max_num_seqs": max(b, 1),
+                    "max_num_batched_tokens": 8192, "gpu_memory_utilization": args.gpu_memory_utilization,
+                    "kvsparse": method,
+                    "kvsparse_env": {"KVSPARSE_VLLM_STORE_CAPACITY": args.store_capacity,
+                                     "KVSPARSE_VLLM_ROW_CACHE": args.row_cache},
+                }
+                out = run(spec, args.timeout)
+                row = {"n": n, "batch": b, "backend": backend, "command": command}
+                if "error" in out:
+                    row["error"] = out["error"]
+                    print(json.dumps(row)[:3000], flush=True)
+                    rows.append(row)
+                    continue
+                per_token = out["decode_seconds_per_token"]
+                step = max(per_token) if per_token else float("nan")  # requests decode together
+                gpu_state = out.get("kvsparse", {}).get("engine_memory", {}).get("gpu_bytes", 0)
+                row.update(
+                    tokens_per_s=b / step, ms_per_step=1e3 * step, kv_gpu_bytes=n * b * kv_token + gpu_state,
+                    kvsparse_gpu_state_bytes=gpu_state, vllm_kv_capacity_tokens=out["kv_cache_gpu_tokens"],
+                    floor_ms=1e3 * (weights + n * b * kv_token) / (args.hbm_gbps * 1e9),
+                    cudagraph_mode=out["cudagraph_mode"], kvsparse=out.get("kvsparse"),
+                )
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                Path(args.out).write_text(json.dumps(rows, indent=1))
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_CACHE_ROOT", "/tmp/vllm-cache")
+    main()

@@ -1,0 +1,115 @@
+"""One vLLM generation on vLLM's CUDA build for the GPU tests and the benchmark (a process of its
+own: vLLM's backend registry and engine are per process). Reads a JSON job from argv[1], prints
+one JSON line: the generated token ids per prompt, seconds, vLLM's CUDA-graph mode, the decode
+time per token of each request (vLLM's own timestamps: first to last token over the tokens after
+the first), with "logprobs": k vLLM's top-k log-probabilities at each generated position, and
+with "kvsparse" in the job (a method text) kvsparse's worker figures: the requests whose sequences
+are live at the end, plans made, requests restarted.
+
+vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the worker's state can be read.
+Job fields: model (a directory with config.json; load_format "dummy" gives random weights without
+weight files), prompts (token id lists) or prompt_len + batch (random prompts), max_tokens (a
+list or one number), dtype, max_model_len, gpu_memory_utilization, max_num_seqs,
+max_num_batched_tokens, enforce_eager, methods (per request), kvsparse (method text or absent:
+vLLM's FlashAttention), kvsparse_env (extra KVSPARSE_VLLM_* settings)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+JOB = json.loads(sys.argv[1])
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# vLLM imports FlashInfer for its top-k/top-p sampler on CUDA; greedy decoding does not need it,
+# and scripts/gpu_vllm_wheels.sh does not bring it.
+os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+for k in [k for k in os.environ if k.startswith("KVSPARSE_VLLM_")]:
+    del os.environ[k]
+os.environ.update(JOB.get("kvsparse_env", {}))
+
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+
+
+def prompts(job: dict) -> list[list[int]]:
+    if "prompts" in job:
+        return job["prompts"]
+    import random
+
+    rng = random.Random(0)
+    return [[1] + [rng.randrange(3, 30000) for _ in range(job["prompt_len"] - 1)] for _ in range(job["batch"])]
+
+
+def main() -> None:
+    job = JOB
+    extra: dict = {}
+    if job.get("kvsparse"):
+        from kvsparse.vllm import engine_args
+
+        extra = engine_args(job["kvsparse"])
+    else:
+        extra = {"attention_backend": job.get("backend", "FLASH_ATTN"), "enable_prefix_caching": False}
+    llm = LLM(
+        model=job["model"],
+        load_format=job.get("load_format", "auto"),
+        dtype=job.get("dtype", "bfloat16"),
+        max_model_len=job.get("max_model_len", 4096),
+        enforce_eager=job.get("enforce_eager", False),
+        skip_tokenizer_init=True,
+        gpu_memory_utilization=job.get("gpu_memory_utilization", 0.5),
+        max_num_seqs=job.get("max_num_seqs", 8),
+        max_num_batched_tokens=job.get("max_num_batched_tokens", 2048),
+        disable_log_stats=False,
+        seed=0,
+        **extra,
+    )
+    ps = prompts(job)
+    n = job["max_tokens"]
+    counts = n if isinstance(n, list) else [n] * len(ps)
+    methods = job.get("methods") or [None] * len(ps)
+    params = [
+        SamplingParams(temperature=0, max_tokens=c, ignore_eos=True, detokenize=False,
+                       logprobs=job.get("logprobs"), extra_args={"kvsparse_method": m} if m else None)
+        for c, m in zip(counts, methods)
+    ]
+    t0 = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    per_token = []
+    for o in outs:
+        m = o.metrics
+        k = len(o.outputs[0].token_ids)
+        if m is not None and k > 1 and m.last_token_ts > m.first_token_ts:
+            per_token.append((m.last_token_ts - m.first_token_ts) / (k - 1))
+    config = llm.llm_engine.vllm_config
+    result = {
+        "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "seconds": seconds,
+        "decode_seconds_per_token": per_token,
+        "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+        "attention_backend": str(config.attention_config.backend),
+        "kv_cache_gpu_tokens": int(getattr(config.cache_config, "num_gpu_blocks", 0) or 0)
+        * int(config.cache_config.block_size),
+    }
+    if job.get("logprobs"):  # per request and position: {token: logprob} of vLLM's top tokens
+        result["logprobs"] = [
+            [{str(t): float(lp.logprob) for t, lp in pos.items()} for pos in o.outputs[0].logprobs] for o in outs
+        ]
+    if job.get("kvsparse"):
+        from kvsparse.vllm.cuda_backend import CUDA_WORKER as w
+
+        result["kvsparse"] = {
+            "live_requests": sorted(w.sequences),
+            "last_finisher": outs[max(range(len(outs)), key=lambda i: counts[i])].request_id,
+            "plans_made": w.replans,
+            "restarts": w.restarts,
+            "engine_memory": w.engine().memory() if w._engine is not None else {},
+        }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

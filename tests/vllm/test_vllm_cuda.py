@@ -1,0 +1,111 @@
+"""kvsparse's backend for vLLM's CUDA build (kvsparse.vllm.cuda_backend, kvsparse.vllm.connector)
+in vLLM's real engine on a GPU: a tiny Llama-architecture model with random weights generates
+greedily in a process of its own per run (tests/vllm/cuda_driver.py), four requests of different
+lengths joining and leaving the batch, prompts prefilled in chunks, vLLM's CUDA graphs on (no
+enforce_eager):
+- dense through kvsparse gives vLLM's FlashAttention tokens (up to near-ties of the random
+  model's logits), and vLLM ran piecewise CUDA graphs;
+- every method generates, each request with its own; finished requests' sequences are dropped
+  (at the next step vLLM runs, when it tells the worker).
+Skipped without a GPU or without vLLM's CUDA build (scripts/gpu_vllm_wheels.sh brings it to a GPU
+host without network)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+vllm = pytest.importorskip("vllm")
+from vllm.platforms import current_platform  # noqa: E402
+
+if not current_platform.is_cuda():
+    pytest.skip("needs vLLM's CUDA build", allow_module_level=True)
+
+DRIVER = Path(__file__).with_name("cuda_driver.py")
+# Prompts of 5, 100, 300 and 700 tokens (the last two prefilled in chunks of 256), leaving the
+# batch after 12, 4, 9 and 16 generated tokens.
+PROMPTS = [[1] + [(7 * i + 3) % 1000 + 3 for i in range(n)] for n in (4, 99, 299, 699)]
+MAX_TOKENS = [12, 4, 9, 16]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=64, vocab_size=1024, max_position_embeddings=4096,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    return str(path)
+
+
+def generate(model: str, kvsparse: str | None = None, **job: object) -> dict:
+    spec = {"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "max_num_batched_tokens": 256,
+            "gpu_memory_utilization": 0.2, "kvsparse": kvsparse, **job}
+    env = {**os.environ, "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", "/tmp/vllm-cache")}
+    run = subprocess.run([sys.executable, str(DRIVER), json.dumps(spec)], capture_output=True, text=True, env=env,
+                         timeout=900)
+    if run.returncode != 0:
+        return {"error": run.stderr[-6000:]}
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+# Greedy tokens of a random tiny model meet near-ties (two tokens within bf16's rounding): where
+# kvsparse's dense token differs from vLLM's, vLLM must have ranked it second, this close behind.
+NEAR_TIE = 0.05  # nats
+
+
+def assert_same_tokens_up_to_near_ties(own: dict, through: dict) -> None:
+    for r, (a, b) in enumerate(zip(own["tokens"], through["tokens"])):
+        if a == b:
+            continue
+        i = next(j for j in range(len(a)) if a[j] != b[j])
+        top = own["logprobs"][r][i]
+        assert str(b[i]) in top, f"request {r} token {i}: {b[i]} is not in vLLM's top {top}"
+        gap = top[str(a[i])] - top[str(b[i])]
+        assert gap < NEAR_TIE, f"request {r} token {i}: kvsparse chose {b[i]}, {gap:.3f} nats below vLLM's {a[i]}"
+
+
+def live_ids(worker: dict) -> list[str]:
+    """The requests whose sequences are live, by the ids vLLM's LLM gave them (the engine's
+    internal ids add a suffix: "3-9f70adb9")."""
+    return [rid.rsplit("-", 1)[0] for rid in worker["live_requests"]]
+
+
+def test_dense_through_kvsparse_gives_vllms_tokens_with_cuda_graphs(model: str) -> None:
+    own = generate(model, logprobs=2)
+    assert "error" not in own, own["error"]
+    through = generate(model, "dense")
+    assert "error" not in through, through["error"]
+    assert [len(t) for t in through["tokens"]] == MAX_TOKENS
+    assert_same_tokens_up_to_near_ties(own, through)
+    assert sum(a == b for a, b in zip(own["tokens"], through["tokens"])) >= 3
+    assert "PIECEWISE" in through["cudagraph_mode"], through["cudagraph_mode"]
+    assert "CUSTOM" in through["attention_backend"]
+    w = through["kvsparse"]
+    # Every finished request's sequence is dropped at the next step vLLM runs: only the request
+    # that finished in the last step is still live when the engine goes idle.
+    assert live_ids(w) == [w["last_finisher"]]
+    assert w["plans_made"] >= 2  # the decoding set changed as requests left
+    assert w["restarts"] == 0
+
+
+def test_every_method_generates_each_request_its_own(model: str) -> None:
+    methods = ["santa:samples=64,allocation=prop,scores=compressed", "top_k:top_k_fraction=0.25",
+               "hash_top_k:top_k_fraction=0.25", "santa:samples=64"]
+    out = generate(model, "dense", methods=methods)
+    assert "error" not in out, out["error"]
+    assert [len(t) for t in out["tokens"]] == MAX_TOKENS
+    assert live_ids(out["kvsparse"]) == [out["kvsparse"]["last_finisher"]]
+
