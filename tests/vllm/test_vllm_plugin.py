@@ -14,7 +14,9 @@ and leaving the batch and chunked prefill (256 tokens a step):
 - finished requests leave no sequence in the store, also after 1,000 requests;
 - what the plugin cannot serve (prefix caching) stops vLLM with the reason;
 - vLLM's OpenAI server (three processes) decodes through it, a request naming its method in
-  vllm_xargs, and kvsparse's counters appear on vLLM's /metrics.
+  vllm_xargs, and kvsparse's counters appear on vLLM's /metrics; with kvsparse's admission check
+  (--middleware kvsparse.vllm.middleware.MethodCheck) a request naming an unknown method is
+  answered 400 and the server keeps serving.
 Run by scripts/vllm_test.sh (vLLM's venv); skipped where vLLM is not installed."""
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -241,7 +244,8 @@ def test_openai_server_decodes_through_it_and_serves_its_metrics(model: str, ser
     log = open(tmp_path / "api.log", "wb")
     api = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype",
                             "float32", "--max-model-len", "2048", "--enforce-eager", "--skip-tokenizer-init",
-                            "--no-enable-prefix-caching", "--port", str(port)], env=env, stdout=log,
+                            "--no-enable-prefix-caching", "--port", str(port),
+                            "--middleware", "kvsparse.vllm.middleware.MethodCheck"], env=env, stdout=log,
                            stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -252,6 +256,15 @@ def test_openai_server_decodes_through_it_and_serves_its_metrics(model: str, ser
             except OSError:
                 assert api.poll() is None, (tmp_path / "api.log").read_text()[-3000:]
                 time.sleep(1)
+        # A method kvsparse does not know: 400 naming the field, and the server keeps serving
+        # (without the admission check it reached vLLM's worker and stopped the engine).
+        bad = {"model": model, "prompt": PROMPTS[1], "max_tokens": 8, "vllm_xargs": {"kvsparse_method": "bogus"}}
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(urllib.request.Request(base + "/v1/completions", json.dumps(bad).encode(),
+                                                          {"content-type": "application/json"}), timeout=60)
+        assert refused.value.code == 400
+        error = json.load(refused.value)["error"]
+        assert error["param"] == "vllm_xargs.kvsparse_method" and "bogus" in error["message"], error
         body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "return_token_ids": True,
                 "vllm_xargs": {"kvsparse_method": "dense"}}
         req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),

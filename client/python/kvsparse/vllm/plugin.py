@@ -1,8 +1,9 @@
 """vLLM plugin: vLLM's decode attention through kvsparse, for dense (GQA) models.
 
-Install beside vLLM (``pip install "kvsparse[vllm]"``) and switch it on per deployment with
-environment variables (the plugin is a ``vllm.general_plugins`` entry point, loaded by every
-vLLM process; without ``KVSPARSE_VLLM_METHOD`` it does nothing):
+Install beside vLLM (``pip install ./client/python``; there is no ``kvsparse[vllm]`` extra,
+docs/VLLM.md says why) and switch it on per deployment with environment variables (the plugin
+is a ``vllm.general_plugins`` entry point, loaded by every vLLM process; without
+``KVSPARSE_VLLM_METHOD`` it does nothing):
 
     KVSPARSE_VLLM_METHOD=top_k:top_k_fraction=0.03125   # the default method (parse_method's text)
     KVSPARSE_VLLM_TARGET=127.0.0.1:50051                # a kvsparse-server, or "inprocess"

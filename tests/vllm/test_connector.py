@@ -1,0 +1,57 @@
+"""kvsparse's KV connector (kvsparse.vllm.connector): what its scheduler half tells the CUDA
+backend about a step, from a scheduler output of vLLM's own types. Runs wherever vLLM is
+installed (CI: vLLM's CPU build); the backend itself is tested on a GPU (test_vllm_cuda.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+from vllm import SamplingParams  # noqa: E402
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
+
+from kvsparse.vllm.connector import batch_order, step_rows  # noqa: E402
+
+
+def new_request(rid: str, computed: int, method: str | None = None) -> NewRequestData:
+    params = SamplingParams(max_tokens=4, extra_args={"kvsparse_method": method} if method else None)
+    fields = {f: None for f in NewRequestData.__dataclass_fields__}
+    fields.update(req_id=rid, prompt_token_ids=[1, 2, 3], mm_features=[], sampling_params=params,
+                  pooling_params=None, block_ids=([0],), num_computed_tokens=computed, lora_request=None)
+    return NewRequestData(**fields)
+
+
+def cached_requests(ids: list[str], computed: list[int]) -> CachedRequestData:
+    data = CachedRequestData.make_empty()
+    data.req_ids = ids
+    data.num_computed_tokens = computed
+    return data
+
+
+def scheduler_output(new: list[NewRequestData], cached: CachedRequestData, counts: dict[str, int],
+                     finished: set[str], preempted: set[str] | None = None) -> SchedulerOutput:
+    fields = {f: None for f in SchedulerOutput.__dataclass_fields__}
+    fields.update(scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=counts,
+                  total_num_scheduled_tokens=sum(counts.values()), scheduled_spec_decode_tokens={},
+                  scheduled_encoder_inputs={}, num_common_prefix_blocks=[0], finished_req_ids=finished,
+                  free_encoder_mm_hashes=[], preempted_req_ids=preempted)
+    return SchedulerOutput(**fields)
+
+
+def test_rows_follow_the_v2_runners_order_with_each_requests_context() -> None:
+    # b and d decode (one token each), a prefills a 300-token chunk after 256, c a new 40-token prompt.
+    out = scheduler_output(
+        new=[new_request("c", 0, "top_k:top_k_fraction=0.25")],
+        cached=cached_requests(["a", "b", "d"], [256, 1000, 17]),
+        counts={"a": 300, "b": 1, "c": 40, "d": 1},
+        finished={"x"},
+        preempted={"y"},
+    )
+    rows = step_rows(out)
+    assert rows.rows == [("b", 1000, 1), ("d", 17, 1), ("c", 0, 40), ("a", 256, 300)]
+    assert rows.methods == {"c": "top_k:top_k_fraction=0.25"}
+    assert rows.finished == {"x"} and rows.preempted == {"y"}
+
+
+def test_batch_order_is_stable_for_equal_counts() -> None:
+    assert batch_order({"r2": 1, "r0": 5, "r1": 1, "r3": 5}) == ["r2", "r1", "r0", "r3"]
