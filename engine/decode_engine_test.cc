@@ -491,6 +491,19 @@ TEST_F(EngineTest, SantaOverCompressedKeysSelectsWhatTheReferenceSelects) {
   EXPECT_EQ(refused.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(absl::StrContains(refused.message(), "1-bit keys")) << refused;
   EXPECT_TRUE(absl::StrContains(refused.message(), "compressed_key_bits >= 2")) << refused;
+  // vAttention's compressed predictor over the same keys: refused the same way (its (epsilon,
+  // delta) promise does not hold per head over 1-bit keys).
+  Method v;
+  v.kind = MethodKind::kVAttention;
+  v.vattention.epsilon = 0.1f;
+  v.vattention.delta = 0.1f;
+  v.vattention.top_k_fraction = 0.02f;
+  v.vattention.base_rate = 0.05f;
+  v.vattention.predictor = kernels::TopKPredictor::kCompressed;
+  const absl::Status vatt = engine_->Decode(Call(v)).status();
+  EXPECT_EQ(vatt.code(), absl::StatusCode::kFailedPrecondition) << vatt;
+  EXPECT_TRUE(absl::StrContains(vatt.message(), "vattention")) << vatt;
+  EXPECT_TRUE(absl::StrContains(vatt.message(), "1-bit keys")) << vatt;
   m.kind = MethodKind::kTopK;  // top-k over the same keys is served
   m.top_k.source = kernels::ScoreSource::kCompressedKeys;
   m.top_k.top_k_fraction = 0.1f;

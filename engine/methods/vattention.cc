@@ -10,6 +10,7 @@
 #include <limits>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "engine/cpu_step.h"
 #include "engine/methods/method_unit.h"
 
@@ -20,6 +21,11 @@ bool UsesHash(const Method& m) { return m.vattention.predictor == kernels::TopKP
 bool UsesCompressed(const Method& m) {
   return m.vattention.predictor == kernels::TopKPredictor::kCompressed;
 }
+
+// The fewest bits per key channel the compressed predictor reads (docs/ACCURACY.md, "Pairings
+// served over compressed keys"): over 1-bit keys the (epsilon, delta) promise fails per head on
+// ordinary heavy-tailed families, so the pairing is refused.
+constexpr uint32_t kMinVAttentionKeyBits = 2;
 
 class VAttention final : public MethodUnit {
  public:
@@ -35,6 +41,14 @@ class VAttention final : public MethodUnit {
       return absl::FailedPreconditionError(
           "vattention with the compressed predictor needs compressed keys: create the sequence "
           "with placement.compressed_key_bits");
+    }
+    if (UsesCompressed(m) && desc.placement.compressed_key_bits < kMinVAttentionKeyBits) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "vattention with the compressed predictor is not served over ",
+          desc.placement.compressed_key_bits, "-bit keys (sequence '", desc.sequence_id,
+          "'): its (epsilon, delta) promise does not hold per head there; create the sequence "
+          "with placement.compressed_key_bits >= ",
+          kMinVAttentionKeyBits, ", or use top_k over these keys"));
     }
     if (!UsesHash(m)) return absl::OkStatus();
     return CheckSignatures(m, m.vattention.bits, "vattention (hash predictor)", desc, signatures);
