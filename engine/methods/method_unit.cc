@@ -4,6 +4,25 @@
 
 namespace kvsparse::engine {
 
+absl::Status CheckCompressedKeys(const char* method, const SequenceDesc& desc, uint32_t min_bits,
+                                 const char* alternative, const char* why) {
+  const uint32_t bits = desc.placement.compressed_key_bits;
+  if (bits == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(method,
+                     " needs compressed keys: create the sequence with "
+                     "placement.compressed_key_bits",
+                     alternative != nullptr ? absl::StrCat(" (or ", alternative, ")") : ""));
+  }
+  if (bits < min_bits) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        method, " is not served over ", bits, "-bit keys (sequence '", desc.sequence_id,
+        "'): ", why, "; create the sequence with placement.compressed_key_bits >= ", min_bits,
+        ", or use top_k over these keys"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status CheckSignatures(const Method& m, int32_t bits, const char* method,
                              const SequenceDesc& desc, const SignatureMaker& signatures) {
   const uint32_t sig_bits = desc.placement.signature_bits;

@@ -58,6 +58,12 @@ class MethodUnit {
 absl::Status CheckSignatures(const Method& m, int32_t bits, const char* method,
                              const SequenceDesc& desc, const SignatureMaker& signatures);
 
+// CheckFits of a method that reads the sequence's compressed keys (`method` names it as a user
+// wrote it): they must be there (`alternative`, when not null, says what else to ask for), and
+// keys of fewer than `min_bits` bits are refused because `why` (its promise fails there).
+absl::Status CheckCompressedKeys(const char* method, const SequenceDesc& desc, uint32_t min_bits,
+                                 const char* alternative, const char* why);
+
 // The units, one per file of engine/methods/.
 const MethodUnit& DenseUnit();
 const MethodUnit& SantaUnit();

@@ -31,22 +31,12 @@ class Santa final : public MethodUnit {
   }
   absl::Status CheckFits(const Method& m, const SequenceDesc& desc,
                          const SignatureMaker&) const override {
-    if (Compressed(m) && desc.placement.compressed_key_bits == 0) {
-      return absl::FailedPreconditionError(
-          "santa with compressed-key scores needs compressed keys: create the sequence with "
-          "placement.compressed_key_bits (or ask for exact scores)");
-    }
-    if (Compressed(m) && desc.placement.compressed_key_bits < kMinSantaKeyBits) {
-      // The ratio correction cannot make up for 1-bit scores: on the trained model S2ANTA S=128
-      // over 1-bit keys kept 42 of 90 pass keys with perplexity +87% (docs/ACCURACY.md).
-      return absl::FailedPreconditionError(absl::StrCat(
-          "santa with compressed-key scores is not served over ",
-          desc.placement.compressed_key_bits, "-bit keys (sequence '", desc.sequence_id,
-          "'): its estimate's bias there is far beyond its standard error; create the sequence "
-          "with placement.compressed_key_bits >= ",
-          kMinSantaKeyBits, ", or use top_k over these keys"));
-    }
-    return absl::OkStatus();
+    if (!Compressed(m)) return absl::OkStatus();
+    // The ratio correction cannot make up for 1-bit scores: on the trained model S2ANTA S=128
+    // over 1-bit keys kept 42 of 90 pass keys with perplexity +87% (docs/ACCURACY.md).
+    return CheckCompressedKeys("santa with compressed-key scores", desc, kMinSantaKeyBits,
+                               "ask for exact scores",
+                               "its estimate's bias there is far beyond its standard error");
   }
   CpuPlan Plan(const Method& m) const override {
     CpuPlan plan;

@@ -18,12 +18,9 @@ class TopK final : public MethodUnit {
   }
   absl::Status CheckFits(const Method& m, const SequenceDesc& desc,
                          const SignatureMaker&) const override {
-    if (!Exact(m) && desc.placement.compressed_key_bits == 0) {
-      return absl::FailedPreconditionError(
-          "top_k with compressed-key scores needs compressed keys: create the sequence with "
-          "placement.compressed_key_bits (or ask for exact scores)");
-    }
-    return absl::OkStatus();
+    if (Exact(m)) return absl::OkStatus();
+    return CheckCompressedKeys("top_k with compressed-key scores", desc, 1, "ask for exact scores",
+                               "");
   }
   CpuPlan Plan(const Method& m) const override {
     CpuPlan plan;

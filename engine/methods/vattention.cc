@@ -10,7 +10,6 @@
 #include <limits>
 #include <vector>
 
-#include "absl/strings/str_cat.h"
 #include "engine/cpu_step.h"
 #include "engine/methods/method_unit.h"
 
@@ -37,18 +36,10 @@ class VAttention final : public MethodUnit {
   }
   absl::Status CheckFits(const Method& m, const SequenceDesc& desc,
                          const SignatureMaker& signatures) const override {
-    if (UsesCompressed(m) && desc.placement.compressed_key_bits == 0) {
-      return absl::FailedPreconditionError(
-          "vattention with the compressed predictor needs compressed keys: create the sequence "
-          "with placement.compressed_key_bits");
-    }
-    if (UsesCompressed(m) && desc.placement.compressed_key_bits < kMinVAttentionKeyBits) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "vattention with the compressed predictor is not served over ",
-          desc.placement.compressed_key_bits, "-bit keys (sequence '", desc.sequence_id,
-          "'): its (epsilon, delta) promise does not hold per head there; create the sequence "
-          "with placement.compressed_key_bits >= ",
-          kMinVAttentionKeyBits, ", or use top_k over these keys"));
+    if (UsesCompressed(m)) {
+      return CheckCompressedKeys("vattention with the compressed predictor", desc,
+                                 kMinVAttentionKeyBits, nullptr,
+                                 "its (epsilon, delta) promise does not hold per head there");
     }
     if (!UsesHash(m)) return absl::OkStatus();
     return CheckSignatures(m, m.vattention.bits, "vattention (hash predictor)", desc, signatures);

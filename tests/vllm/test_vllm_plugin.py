@@ -37,26 +37,14 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 import kvsparse  # noqa: E402
+from tiny_llama import MAX_TOKENS, PROMPTS, save_tiny_llama  # noqa: E402
 
 DRIVER = Path(__file__).with_name("driver.py")
-# Prompts of 5, 100, 300 and 700 tokens (the last two prefilled in chunks of 256), leaving the
-# batch after 12, 4, 9 and 16 generated tokens.
-PROMPTS = [[1] + [(7 * i + 3) % 1000 + 3 for i in range(n)] for n in (4, 99, 299, 699)]
-MAX_TOKENS = [12, 4, 9, 16]
 
 
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,
-                      num_key_value_heads=2, head_dim=32, vocab_size=1024, max_position_embeddings=4096,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
-    path = tmp_path_factory.mktemp("tiny-llama")
-    LlamaForCausalLM(cfg).save_pretrained(path)
-    return str(path)
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), head_dim=32)
 
 
 @pytest.fixture(scope="module")
