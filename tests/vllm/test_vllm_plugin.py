@@ -21,8 +21,10 @@ Run by scripts/vllm_test.sh (vLLM's venv); skipped where vLLM is not installed."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -31,6 +33,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -223,17 +226,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_openai_server_decodes_through_it_and_serves_its_metrics(model: str, server: kvsparse.LocalServer,
-                                                                  tmp_path: Path) -> None:
+@contextlib.contextmanager
+def api_server(model: str, tmp_path: Path, env_extra: dict[str, str], *args: str) -> Iterator[tuple[str, Any]]:
+    """vLLM's OpenAI server (three processes) on a free port, serving once /health answers."""
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               PROMETHEUS_MULTIPROC_DIR=str(tmp_path), KVSPARSE_VLLM_METHOD="top_k:top_k_fraction=0.25",
-               KVSPARSE_VLLM_TARGET=server.target)
+               **env_extra)
     log = open(tmp_path / "api.log", "wb")
     api = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype",
                             "float32", "--max-model-len", "2048", "--enforce-eager", "--skip-tokenizer-init",
-                            "--no-enable-prefix-caching", "--port", str(port),
-                            "--middleware", "kvsparse.vllm.middleware.MethodCheck"], env=env, stdout=log,
+                            "--no-enable-prefix-caching", "--port", str(port), *args], env=env, stdout=log,
                            stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
@@ -244,20 +246,38 @@ def test_openai_server_decodes_through_it_and_serves_its_metrics(model: str, ser
             except OSError:
                 assert api.poll() is None, (tmp_path / "api.log").read_text()[-3000:]
                 time.sleep(1)
+        yield base, api
+    finally:
+        api.terminate()
+        try:
+            api.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            api.kill()
+        log.close()
+
+
+def complete(base: str, body: dict) -> dict:
+    req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+    return json.load(urllib.request.urlopen(req, timeout=120))
+
+
+def test_openai_server_decodes_through_it_and_serves_its_metrics(model: str, server: kvsparse.LocalServer,
+                                                                  tmp_path: Path) -> None:
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path), "KVSPARSE_VLLM_METHOD": "top_k:top_k_fraction=0.25",
+           "KVSPARSE_VLLM_TARGET": server.target}
+    with api_server(model, tmp_path, env, "--middleware", "kvsparse.vllm.middleware.MethodCheck") as (base, _):
         # A method kvsparse does not know: 400 naming the field, and the server keeps serving
         # (without the admission check it reached vLLM's worker and stopped the engine).
         bad = {"model": model, "prompt": PROMPTS[1], "max_tokens": 8, "vllm_xargs": {"kvsparse_method": "bogus"}}
         with pytest.raises(urllib.error.HTTPError) as refused:
-            urllib.request.urlopen(urllib.request.Request(base + "/v1/completions", json.dumps(bad).encode(),
-                                                          {"content-type": "application/json"}), timeout=60)
+            complete(base, bad)
         assert refused.value.code == 400
         error = json.load(refused.value)["error"]
         assert error["param"] == "vllm_xargs.kvsparse_method" and "bogus" in error["message"], error
         body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "return_token_ids": True,
                 "vllm_xargs": {"kvsparse_method": "dense"}}
-        req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
-                                     {"content-type": "application/json"})
-        answer = json.load(urllib.request.urlopen(req, timeout=120))
+        answer = complete(base, body)
         assert len(answer["choices"][0]["token_ids"]) == 8
         metrics = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
         # 7 decode steps (the first token comes from the prefill) x 2 layers, with the request's method.
@@ -269,11 +289,61 @@ def test_openai_server_decodes_through_it_and_serves_its_metrics(model: str, ser
         buckets = [x for x in metrics.splitlines() if x.startswith("kvsparse_decode_engine_seconds_bucket{")]
         assert len(buckets) == 23 and all('method="dense"' in x for x in buckets), buckets  # 22 + Inf
         assert 'kvsparse_decode_cached_rows_total{method="dense"} 0.0' in metrics
-    finally:
-        api.terminate()
-        try:
-            api.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            api.kill()
-        log.close()
     store_is_empty(server.target)
+
+
+def test_a_server_outage_fails_its_requests_and_vllm_keeps_serving(model: str, tmp_path: Path) -> None:
+    """kvsparse-server stops while vLLM serves: the request that needs it fails with an error
+    (kvsparse's KV connector reports it to vLLM's scheduler as a failed load) and vLLM's engine
+    keeps running; once a server listens at the address again, requests are served again (gRPC
+    reconnects, new requests create their sequences there)."""
+    binary = os.environ.get("KVSPARSE_SERVER") or shutil.which("kvsparse-server")
+    assert binary, "kvsparse-server not found"
+    port = free_port()
+    target = f"127.0.0.1:{port}"
+
+    def start_store() -> subprocess.Popen:
+        store = subprocess.Popen([binary, f"--listen={target}", "--capacity=1G", "--gpu=off", "--log_level=warning"],
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for _ in range(100):
+            try:
+                with kvsparse.Client(target, timeout=1.0) as c:
+                    c.store.stats()
+                return store
+            except kvsparse.KvSparseError:
+                time.sleep(0.1)
+        raise AssertionError("kvsparse-server did not start")
+
+    connector = json.dumps({"kv_connector": "KvSparseConnector", "kv_connector_module_path": "kvsparse.vllm.connector",
+                            "kv_role": "kv_both"})
+    body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    store = start_store()
+    try:
+        env = {"KVSPARSE_VLLM_METHOD": "dense", "KVSPARSE_VLLM_TARGET": target}
+        with api_server(model, tmp_path, env, "--kv-transfer-config", connector) as (base, api):
+            assert len(complete(base, body)["choices"][0]["token_ids"]) == 8
+            store.terminate()
+            store.wait(timeout=30)
+            try:
+                answer = complete(base, body)
+                assert answer["choices"][0]["finish_reason"] not in ("length", "stop"), answer
+            except urllib.error.HTTPError as e:
+                assert e.code >= 500, e
+            urllib.request.urlopen(base + "/health", timeout=10)
+            assert api.poll() is None, (tmp_path / "api.log").read_text()[-3000:]
+            store = start_store()
+            # The worker's channel reconnects within its 2 s backoff; a request in that window
+            # fails as the one above did.
+            for _ in range(10):
+                try:
+                    answer = complete(base, body)
+                    break
+                except urllib.error.HTTPError:
+                    time.sleep(1)
+            assert len(answer["choices"][0]["token_ids"]) == 8
+            assert api.poll() is None
+            log = (tmp_path / "api.log").read_text()
+            assert "kvsparse: failing request" in log, log[-3000:]
+    finally:
+        store.terminate()
+        store.wait(timeout=30)

@@ -20,6 +20,10 @@ _MAX_MESSAGE = 512 * 1024 * 1024
 _CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", _MAX_MESSAGE),
     ("grpc.max_receive_message_length", _MAX_MESSAGE),
+    # After an outage, calls fail at once while the channel waits to reconnect: retry within 2 s
+    # (gRPC's default backoff grows to 120 s), so a server that is back is reached again soon.
+    ("grpc.initial_reconnect_backoff_ms", 250),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 
 T = TypeVar("T")

@@ -18,6 +18,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
+from kvsparse.errors import KvSparseError
 from kvsparse.methods import ModelShape
 from kvsparse.torch.transport import step_seed
 from kvsparse.vllm.plugin import BACKEND_NAME, ENV_SEED, WORKER, refuse_unsupported, store_only
@@ -68,29 +69,38 @@ class KvSparseImpl(CPUAttentionBackendImpl):
         shape = ModelShape(w.num_layers, self.num_heads, self.num_kv_heads, self.head_size, _DTYPES[query.dtype])
         transport = w.transport()
         decode: list[int] = []  # rows answered by kvsparse
+        failed: list[int] = []  # rows of requests kvsparse failed (WORKER.fail): zeros
         prefill = False
         for i, rid in enumerate(rows):
             a, b = qsl[i], qsl[i + 1]
-            start = seq_lens[i] - (b - a)  # tokens before this step's
-            seq = w.sequence(rid, shape)
-            if seq.lengths[li] != start:
-                if start != 0:
-                    raise RuntimeError(
-                        f"kvsparse holds {seq.lengths[li]} tokens of request {rid} at layer {li}, vLLM's "
-                        f"context is {start}"
-                    )
-                seq = w.restart(rid, shape)  # preempted, recomputed from its first token
-            if b - a == 1 and start > 0:
-                decode.append(i)
+            if rid in w.failed:
+                failed.append(i)
                 continue
-            # A prompt (or a chunk of one): its K/V to the store; its attention vLLM's, or (store
-            # only) computed here over the store's rows of the prompt before it.
-            t0 = time.perf_counter()
-            transport.append(seq.sequence_id, li, key[a:b], value[a:b], start)
-            if self.store_only:
-                self._prompt_attention(transport, seq.sequence_id, li, start, query[a:b], key[a:b], value[a:b],
-                                       output[a:b])
-            timing["transport"] += time.perf_counter() - t0
+            start = seq_lens[i] - (b - a)  # tokens before this step's
+            try:
+                seq = w.sequence(rid, shape)
+                if seq.lengths[li] != start:
+                    if start != 0:
+                        raise RuntimeError(
+                            f"kvsparse holds {seq.lengths[li]} tokens of request {rid} at layer {li}, vLLM's "
+                            f"context is {start}"
+                        )
+                    seq = w.restart(rid, shape)  # preempted, recomputed from its first token
+                if b - a == 1 and start > 0:
+                    decode.append(i)
+                    continue
+                # A prompt (or a chunk of one): its K/V to the store; its attention vLLM's, or
+                # (store only) computed here over the store's rows of the prompt before it.
+                t0 = time.perf_counter()
+                transport.append(seq.sequence_id, li, key[a:b], value[a:b], start)
+                if self.store_only:
+                    self._prompt_attention(transport, seq.sequence_id, li, start, query[a:b], key[a:b],
+                                           value[a:b], output[a:b])
+                timing["transport"] += time.perf_counter() - t0
+            except KvSparseError as e:
+                w.fail([rid], e)
+                failed.append(i)
+                continue
             seq.lengths[li] = start + b - a
             prefill = True
         if not self.store_only and (prefill or not decode):
@@ -110,14 +120,22 @@ class KvSparseImpl(CPUAttentionBackendImpl):
             new_k = key[tok].view(len(idx), self.num_kv_heads, self.head_size)
             new_v = value[tok].view(len(idx), self.num_kv_heads, self.head_size)
             t0 = time.perf_counter()
-            result, stats = transport.decode(li, ids, q, method, new_k, new_v, step_seed(self.seed, w.step, li),
-                                             self.scale)
-            timing["transport"] += time.perf_counter() - t0
+            try:
+                result, stats = transport.decode(li, ids, q, method, new_k, new_v,
+                                                 step_seed(self.seed, w.step, li), self.scale)
+            except KvSparseError as e:
+                w.fail([rows[i] for i in idx], e)
+                failed.extend(idx)
+                continue
+            finally:
+                timing["transport"] += time.perf_counter() - t0
             timing["engine"] += stats.engine_seconds
             w.observe(method, len(idx), stats)
             out[tok] = result.to(out.dtype).view(len(idx), self.num_heads, self.head_size)
             for i in idx:
                 w.sequences[rows[i]].lengths[li] += 1
+        for i in failed:  # vLLM discards these rows' tokens when it fails the requests
+            out[qsl[i]:qsl[i + 1]] = 0
         return output
 
 

@@ -1,9 +1,11 @@
-"""The request side of kvsparse's backend for vLLM's CUDA build, through vLLM's KV-connector
-interface (``kv_transfer_config``; ``kvsparse.vllm.engine_args`` sets it): the scheduler's half
-tells the worker's half, each step, which request each row of the batch is, how many of its
-tokens vLLM has computed before the step, the methods of new requests, and which requests
-finished or were preempted. The worker's half hands that to the attention backend
-(kvsparse.vllm.cuda_backend). Loads and saves nothing: vLLM's own blocks are not touched.
+"""kvsparse's requests in vLLM's KV-connector interface (``kv_transfer_config``;
+``kvsparse.vllm.engine_args`` sets it). On vLLM's CUDA build the scheduler's half tells the
+worker's half, each step, which request each row of the batch is, how many of its tokens vLLM
+has computed before the step, the methods of new requests, and which requests finished or were
+preempted; the worker's half hands that to the attention backend (kvsparse.vllm.cuda_backend).
+On both builds the worker's half reports the requests kvsparse could not serve (its server
+unreachable, a sequence lost) as blocks that failed to load, so vLLM fails those requests and
+keeps serving. Loads and saves nothing: vLLM's own blocks are not touched.
 
 The row order is vLLM 0.24.0's V2 GPU model runner's (vllm/v1/worker/gpu/model_runner.py,
 ``prepare_inputs``: the scheduled requests sorted by their token counts, decode rows first). That
@@ -64,6 +66,12 @@ def step_rows(scheduler_output: Any) -> StepRows:
     )
 
 
+def _on_cuda() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cuda())
+
+
 class KvSparseConnector(KVConnectorBase_V1):
     """vLLM's KV connector slot used for request bookkeeping only (``kv_role="kv_both"``)."""
 
@@ -80,19 +88,34 @@ class KvSparseConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return step_rows(scheduler_output)
 
-    # Worker side.
+    # Worker side. On vLLM's CPU build the plugin learns the batch from the V1 model runner
+    # (kvsparse.vllm.plugin) and uses the connector only to report failed requests.
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        from kvsparse.vllm.cuda_backend import CUDA_WORKER
+        if _on_cuda():
+            from kvsparse.vllm.cuda_backend import CUDA_WORKER
 
-        assert isinstance(connector_metadata, StepRows)
-        CUDA_WORKER.begin_step(connector_metadata)
+            assert isinstance(connector_metadata, StepRows)
+            CUDA_WORKER.begin_step(connector_metadata)
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()
-        from kvsparse.vllm.cuda_backend import CUDA_WORKER
+        if _on_cuda():
+            from kvsparse.vllm.cuda_backend import CUDA_WORKER
 
-        CUDA_WORKER.end_step()
+            CUDA_WORKER.end_step()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """The first block of each request kvsparse failed (its server unreachable, its sequence
+        lost): vLLM's scheduler, with kv_load_failure_policy "fail" (its default), ends those
+        requests with an error and keeps serving the rest."""
+        if _on_cuda():
+            from kvsparse.vllm.cuda_backend import CUDA_WORKER
+
+            return CUDA_WORKER.failed_blocks()
+        from kvsparse.vllm.plugin import WORKER
+
+        return WORKER.failed_blocks()
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None

@@ -190,6 +190,11 @@ class CudaWorker:
         self.step = _Step(prefill, groups, starts)
         return self.step
 
+    def failed_blocks(self) -> set[int]:
+        """Requests to fail (kvsparse.vllm.connector): none yet on the CUDA build, whose engine
+        runs in the worker; a remote store's outage still raises there (docs/VLLM.md)."""
+        return set()
+
     def close(self) -> None:
         for text in list(self.plans):
             self.close_plan(text)

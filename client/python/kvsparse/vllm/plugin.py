@@ -50,13 +50,17 @@ stay in vLLM's paged cache too there (KVSPARSE_VLLM_KV=store and SALE are the CP
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvsparse.errors import KvSparseError
 from kvsparse.methods import METHOD_NAMES, Method, ModelShape, parse_method, placement_for
+
+LOG = logging.getLogger("kvsparse.vllm")
 
 ENV_METHOD = "KVSPARSE_VLLM_METHOD"
 ENV_TARGET = "KVSPARSE_VLLM_TARGET"
@@ -237,6 +241,10 @@ class Worker:
     step: int = 0
     num_layers: int = 0
     restarts: int = 0  # sequences begun again: requests preempted and recomputed
+    # Requests kvsparse failed (request id -> reason) and each live request's first KV block in
+    # vLLM's cache (how the connector names a request to vLLM's scheduler).
+    failed: dict[str, str] = field(default_factory=dict)
+    first_blocks: dict[str, int] = field(default_factory=dict)
     # Seconds in the backend's forward (all layers and steps), split: vLLM's own attention
     # (prompt rows), the transport's calls (append and decode: gRPC or the op), and the engine's
     # time inside them as the transport reports it. What is left is the plugin's bookkeeping.
@@ -293,9 +301,32 @@ class Worker:
             for rid in finished:
                 self.drop(rid)
                 self.methods.pop(rid, None)
+                self.failed.pop(rid, None)
+                self.first_blocks.pop(rid, None)
             for rid in req_ids:
                 if rid not in self.methods:
                     self.methods[rid] = self._method_of(requests.get(rid))
+                blocks = getattr(requests.get(rid), "block_ids", None)
+                if blocks and blocks[0]:
+                    self.first_blocks[rid] = blocks[0][0]
+
+    def fail(self, rids: list[str], error: Exception) -> None:
+        """Requests kvsparse could not serve (the server unreachable, a sequence lost): their
+        sequences are forgotten, their rows answered with zeros from now on, and vLLM fails them
+        through the KV connector's load-error report (kvsparse.vllm.connector), so vLLM's engine
+        keeps serving the others. Without the connector configured vLLM is not told and the
+        requests run on with zeros; docs/VLLM.md says to configure it."""
+        for rid in rids:
+            if rid not in self.failed:
+                LOG.warning("kvsparse: failing request %s: %s", rid, error)
+                self.failed[rid] = str(error)
+            self.sequences.pop(rid, None)
+
+    def failed_blocks(self) -> set[int]:
+        """The first KV block of every failed request vLLM still runs: what the connector
+        reports as blocks that failed to load (vLLM's kv_load_failure_policy "fail" then ends
+        those requests with an error)."""
+        return {self.first_blocks[r] for r in self.failed if r in self.first_blocks}
 
     def _method_of(self, request: Any) -> Method:
         params = getattr(request, "sampling_params", None)
@@ -321,8 +352,12 @@ class Worker:
 
     def drop(self, rid: str) -> None:
         seq = self.sequences.pop(rid, None)
-        if seq is not None:
+        if seq is None:
+            return
+        try:
             self.transport().drop([seq.sequence_id])
+        except KvSparseError as e:  # the server is gone (or restarted): nothing left to free there
+            LOG.warning("kvsparse: dropping the sequence of request %s: %s", rid, e)
 
     def observe(self, method: Method, sequences: int, stats: Any) -> None:
         """One decode call's figures on the worker's Prometheus counters (the server's metric
