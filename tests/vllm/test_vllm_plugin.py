@@ -293,7 +293,8 @@ def test_openai_server_decodes_through_it_and_serves_its_metrics(model: str, ser
 
 
 def test_a_server_outage_fails_its_requests_and_vllm_keeps_serving(model: str, tmp_path: Path) -> None:
-    """kvsparse-server stops while vLLM serves: the request that needs it fails with an error
+    """With kvsparse's KV connector: a request naming a bad method fails alone; kvsparse-server
+    stops while vLLM serves: the request that needs it fails with an error
     (kvsparse's KV connector reports it to vLLM's scheduler as a failed load) and vLLM's engine
     keeps running; once a server listens at the address again, requests are served again (gRPC
     reconnects, new requests create their sequences there)."""
@@ -322,6 +323,13 @@ def test_a_server_outage_fails_its_requests_and_vllm_keeps_serving(model: str, t
         env = {"KVSPARSE_VLLM_METHOD": "dense", "KVSPARSE_VLLM_TARGET": target}
         with api_server(model, tmp_path, env, "--kv-transfer-config", connector) as (base, api):
             assert len(complete(base, body)["choices"][0]["token_ids"]) == 8
+            # Bad methods without the admission check: one that does not parse, one the server
+            # refuses (a fraction over 1): each fails its own request, vLLM keeps serving.
+            for method in ("bogus", "top_k:top_k_fraction=2"):
+                with pytest.raises(urllib.error.HTTPError) as failed:
+                    complete(base, {**body, "vllm_xargs": {"kvsparse_method": method}})
+                assert failed.value.code >= 500
+                assert len(complete(base, body)["choices"][0]["token_ids"]) == 8
             store.terminate()
             store.wait(timeout=30)
             try:

@@ -304,11 +304,15 @@ class Worker:
                 self.failed.pop(rid, None)
                 self.first_blocks.pop(rid, None)
             for rid in req_ids:
-                if rid not in self.methods:
-                    self.methods[rid] = self._method_of(requests.get(rid))
                 blocks = getattr(requests.get(rid), "block_ids", None)
                 if blocks and blocks[0]:
                     self.first_blocks[rid] = blocks[0][0]
+                if rid not in self.methods:
+                    try:
+                        self.methods[rid] = self._method_of(requests.get(rid))
+                    except ValueError as e:  # a method text that does not parse: this request fails
+                        self.methods[rid] = self.default_method()
+                        self.fail([rid], e)
 
     def fail(self, rids: list[str], error: Exception) -> None:
         """Requests kvsparse could not serve (the server unreachable, a sequence lost): their
