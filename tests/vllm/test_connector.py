@@ -55,3 +55,20 @@ def test_rows_follow_the_v2_runners_order_with_each_requests_context() -> None:
 
 def test_batch_order_is_stable_for_equal_counts() -> None:
     assert batch_order({"r2": 1, "r0": 5, "r1": 1, "r3": 5}) == ["r2", "r1", "r0", "r3"]
+
+
+def test_batch_order_is_vllms_own() -> None:
+    """The order the connector computes is the one vLLM's V2 model runner sorts its batch by,
+    where this vLLM has that rule as a function (vLLM 0.32's sort_batch_req_ids; in 0.24 it is
+    inline in prepare_inputs, and the CUDA backend checks the order at run time): without
+    speculative decoding, on batches of decode rows and prompt chunks of every size."""
+    runner = pytest.importorskip("vllm.v1.worker.gpu.model_runner")
+    sort = getattr(runner, "sort_batch_req_ids", None)
+    if sort is None:
+        pytest.skip("this vLLM sorts its batch inline (prepare_inputs)")
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        counts = {f"r{i}": rng.choice([1, 1, 1, 2, 7, 256, 300]) for i in range(rng.randint(1, 12))}
+        assert batch_order(counts) == sort(counts, {}, 1), counts

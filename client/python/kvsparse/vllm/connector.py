@@ -11,7 +11,9 @@ The row order is vLLM 0.24.0's V2 GPU model runner's (vllm/v1/worker/gpu/model_r
 ``prepare_inputs``: the scheduled requests sorted by their token counts, decode rows first). That
 rule is vLLM's, not an interface: ``batch_order`` below is the one place it is written, and the
 backend checks every step that the batch it is handed has the token counts this order gives,
-failing with this module named when a vLLM changes it.
+failing with this module named when a vLLM changes it; tests/vllm/test_connector.py compares it
+with vLLM's own sorting where a vLLM has it as a function (0.32's ``sort_batch_req_ids``: decode
+rows first, then by token count, which is the same order without speculative decoding).
 """
 
 from __future__ import annotations
