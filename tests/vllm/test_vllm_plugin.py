@@ -218,6 +218,10 @@ def test_prefix_caching_is_refused_with_its_reason(model: str, server: kvsparse.
     assert "prefix caching" in out["error"]
     bad = generate(model, server.target, "top_k:no_such_field=1")
     assert "error" in bad and "no_such_field" in bad["error"]
+    # A request's own bad method without kvsparse's KV connector: vLLM cannot be told to fail
+    # that request alone, so generation stops with the reason (never an answer of zeros).
+    own = generate(model, server.target, "dense", methods=[None, "bogus", None, None])
+    assert "error" in own and "bogus" in own["error"]
 
 
 def free_port() -> int:

@@ -21,7 +21,14 @@ from vllm.v1.attention.backends.cpu_attn import (
 from kvsparse.errors import KvSparseError
 from kvsparse.methods import ModelShape
 from kvsparse.torch.transport import step_seed
-from kvsparse.vllm.plugin import BACKEND_NAME, ENV_SEED, WORKER, refuse_unsupported, store_only
+from kvsparse.vllm.plugin import (
+    BACKEND_NAME,
+    ENV_SEED,
+    WORKER,
+    connector_configured,
+    refuse_unsupported,
+    store_only,
+)
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -40,6 +47,7 @@ class KvSparseImpl(CPUAttentionBackendImpl):
                 "enable_prefix_caching=False): a prefix vLLM reuses is not in the request's kvsparse sequence"
             )
         WORKER.num_layers = config.model_config.get_num_layers(config.parallel_config)
+        WORKER.connector = connector_configured(config)
         self.seed = int(os.environ.get(ENV_SEED, "0"))
         self.store_only = store_only()
 

@@ -95,6 +95,13 @@ EXTRA_ARG = "kvsparse_method"
 BACKEND_NAME = "KVSPARSE"
 BACKEND_PATH = "kvsparse.vllm.backend.KvSparseBackend"
 CUDA_BACKEND_PATH = "kvsparse.vllm.cuda_backend.KvSparseCudaBackend"
+CONNECTOR = "KvSparseConnector"  # kvsparse.vllm.connector's class, as kv_transfer_config names it
+
+
+def connector_configured(config: Any) -> bool:
+    """Whether vLLM runs kvsparse's KV connector (its kv_transfer_config names it)."""
+    kv = getattr(config, "kv_transfer_config", None)
+    return kv is not None and getattr(kv, "kv_connector", None) == CONNECTOR
 
 
 def enabled() -> bool:
@@ -155,7 +162,7 @@ def engine_args(method: str | None = None, **kwargs: Any) -> dict[str, Any]:
         "attention_backend": "CUSTOM",
         "enable_prefix_caching": False,
         "kv_transfer_config": {
-            "kv_connector": "KvSparseConnector",
+            "kv_connector": CONNECTOR,
             "kv_connector_module_path": "kvsparse.vllm.connector",
             "kv_role": "kv_both",
         },
@@ -245,6 +252,7 @@ class Worker:
     # vLLM's cache (how the connector names a request to vLLM's scheduler).
     failed: dict[str, str] = field(default_factory=dict)
     first_blocks: dict[str, int] = field(default_factory=dict)
+    connector: bool = False  # kvsparse's KV connector is configured: failures can be reported
     # Seconds in the backend's forward (all layers and steps), split: vLLM's own attention
     # (prompt rows), the transport's calls (append and decode: gRPC or the op), and the engine's
     # time inside them as the transport reports it. What is left is the plugin's bookkeeping.
@@ -315,11 +323,13 @@ class Worker:
                         self.fail([rid], e)
 
     def fail(self, rids: list[str], error: Exception) -> None:
-        """Requests kvsparse could not serve (the server unreachable, a sequence lost): their
-        sequences are forgotten, their rows answered with zeros from now on, and vLLM fails them
-        through the KV connector's load-error report (kvsparse.vllm.connector), so vLLM's engine
-        keeps serving the others. Without the connector configured vLLM is not told and the
-        requests run on with zeros; docs/VLLM.md says to configure it."""
+        """Requests kvsparse could not serve (the server unreachable, a sequence lost, a method
+        refused): their sequences are forgotten, their rows answered with zeros, and vLLM fails
+        them through the KV connector's load-error report (kvsparse.vllm.connector), so vLLM's
+        engine keeps serving the others. Without the connector vLLM could not be told, so the
+        error is raised (it stops vLLM's engine, with its reason) rather than answered with zeros."""
+        if not self.connector:
+            raise error
         for rid in rids:
             if rid not in self.failed:
                 LOG.warning("kvsparse: failing request %s: %s", rid, error)
