@@ -214,6 +214,16 @@ class KvSparseCudaImpl(FlashAttentionImpl):
         plugin.refuse_unsupported(alibi_slopes, sliding_window, logits_soft_cap, kwargs.get("sinks"),
                                   kv_cache_dtype)
         config = get_current_vllm_config()
+        if not plugin.connector_configured(config):
+            raise ValueError(
+                "kvsparse's CUDA backend learns each row's request from kvsparse's KV connector: run vLLM with "
+                "kvsparse.vllm.engine_args() (or --kv-transfer-config naming KvSparseConnector, docs/VLLM.md)"
+            )
+        if config.cache_config.enable_prefix_caching:
+            raise ValueError(
+                "kvsparse's vLLM plugin needs prefix caching off (--no-enable-prefix-caching, or "
+                "enable_prefix_caching=False): a prefix vLLM reuses is not in the request's kvsparse sequence"
+            )
         self.num_layers = config.model_config.get_num_layers(config.parallel_config)
         self.max_tokens = config.model_config.max_model_len
         self.seed = int(os.environ.get(plugin.ENV_SEED, "0"))
