@@ -26,6 +26,7 @@ from kvsparse.vllm.plugin import (
     ENV_SEED,
     WORKER,
     connector_configured,
+    refuse_prefix_caching,
     refuse_unsupported,
     store_only,
 )
@@ -41,11 +42,7 @@ class KvSparseImpl(CPUAttentionBackendImpl):
                          logits_soft_cap, *args, **kwargs)
         refuse_unsupported(alibi_slopes, sliding_window, logits_soft_cap, kwargs.get("sinks"), kv_cache_dtype)
         config = get_current_vllm_config()
-        if config.cache_config.enable_prefix_caching:
-            raise ValueError(
-                "kvsparse's vLLM plugin needs prefix caching off (--no-enable-prefix-caching, or "
-                "enable_prefix_caching=False): a prefix vLLM reuses is not in the request's kvsparse sequence"
-            )
+        refuse_prefix_caching(config)
         WORKER.num_layers = config.model_config.get_num_layers(config.parallel_config)
         WORKER.connector = connector_configured(config)
         self.seed = int(os.environ.get(ENV_SEED, "0"))

@@ -219,11 +219,7 @@ class KvSparseCudaImpl(FlashAttentionImpl):
                 "kvsparse's CUDA backend learns each row's request from kvsparse's KV connector: run vLLM with "
                 "kvsparse.vllm.engine_args() (or --kv-transfer-config naming KvSparseConnector, docs/VLLM.md)"
             )
-        if config.cache_config.enable_prefix_caching:
-            raise ValueError(
-                "kvsparse's vLLM plugin needs prefix caching off (--no-enable-prefix-caching, or "
-                "enable_prefix_caching=False): a prefix vLLM reuses is not in the request's kvsparse sequence"
-            )
+        plugin.refuse_prefix_caching(config)
         self.num_layers = config.model_config.get_num_layers(config.parallel_config)
         self.max_tokens = config.model_config.max_model_len
         self.seed = int(os.environ.get(plugin.ENV_SEED, "0"))

@@ -196,6 +196,16 @@ def cuda_settings() -> dict[str, Any]:
     return settings
 
 
+def refuse_prefix_caching(config: Any) -> None:
+    """Both backends need prefix caching off: a prefix vLLM reuses from another request's blocks
+    is not in this request's kvsparse sequence."""
+    if config.cache_config.enable_prefix_caching:
+        raise ValueError(
+            "kvsparse's vLLM plugin needs prefix caching off (--no-enable-prefix-caching, or "
+            "enable_prefix_caching=False): a prefix vLLM reuses is not in the request's kvsparse sequence"
+        )
+
+
 def refuse_unsupported(alibi_slopes: Any, sliding_window: Any, logits_soft_cap: Any, sinks: Any,
                        kv_cache_dtype: str) -> None:
     """What neither backend implements, refused with its name when vLLM builds a layer."""
