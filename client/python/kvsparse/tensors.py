@@ -63,6 +63,12 @@ def proto_dtype(dtype: Any) -> tensor_pb2.DType:
     )
 
 
+def dtype_name(dtype: Any) -> str:
+    """The name ("bf16", "fp16", "fp32") of a dtype as proto_dtype reads it (a name, a numpy or a
+    torch dtype), as ModelShape and the op take it."""
+    return NAME_BY_PROTO[proto_dtype(dtype)]
+
+
 def to_numpy(x: ArrayLike) -> np.ndarray:
     """A C-contiguous numpy array of x (torch tensors are copied to host memory)."""
     if _is_torch(x):

@@ -59,6 +59,7 @@ with needs("kvsparse.torch.hf", "hf", "torch", "transformers"):
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from kvsparse.methods import Dense, Method, ModelShape, Placement, placement_for
+from kvsparse.tensors import dtype_name
 from kvsparse.torch.transport import make_transport, step_seed
 
 if TYPE_CHECKING:
@@ -263,7 +264,7 @@ class KvSparseCache(Cache):
             return
         if _planned_cache is not None:
             raise RuntimeError("another KvSparseCache with max_tokens is decoding in this process: close it first")
-        dtype = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[self._layer(0).dtype]
+        dtype = dtype_name(self._layer(0).dtype)
         self.steps = cast("InProcessEngine", self._engine).plan_steps(
             self.sequence_ids, self.method, max_tokens=self.max_tokens, seed=self.seed, dtype=dtype
         )

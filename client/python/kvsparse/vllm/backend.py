@@ -20,6 +20,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 
 from kvsparse.errors import KvSparseError
 from kvsparse.methods import ModelShape
+from kvsparse.tensors import dtype_name
 from kvsparse.torch.transport import step_seed
 from kvsparse.vllm.plugin import (
     BACKEND_NAME,
@@ -31,7 +32,6 @@ from kvsparse.vllm.plugin import (
     store_only,
 )
 
-_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class KvSparseImpl(CPUAttentionBackendImpl):
@@ -47,6 +47,7 @@ class KvSparseImpl(CPUAttentionBackendImpl):
         WORKER.connector = connector_configured(config)
         self.seed = int(os.environ.get(ENV_SEED, "0"))
         self.store_only = store_only()
+        self.shape: ModelShape | None = None  # the sequences' shape, once the K/V dtype is seen
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: Any, output: torch.Tensor, output_scale: Any = None,
@@ -71,7 +72,10 @@ class KvSparseImpl(CPUAttentionBackendImpl):
         rows = w.batch[: len(seq_lens)]
         if len(rows) != len(seq_lens):
             raise RuntimeError(f"kvsparse: {len(seq_lens)} rows in the batch, {len(rows)} request ids recorded")
-        shape = ModelShape(w.num_layers, self.num_heads, self.num_kv_heads, self.head_size, _DTYPES[query.dtype])
+        if self.shape is None:
+            self.shape = ModelShape(w.num_layers, self.num_heads, self.num_kv_heads, self.head_size,
+                                    dtype_name(query.dtype))
+        shape = self.shape
         transport = w.transport()
         decode: list[int] = []  # rows answered by kvsparse
         failed: list[int] = []  # rows of requests kvsparse failed (WORKER.fail): zeros

@@ -19,7 +19,6 @@ decode graphs is the next step (a plan over batch slots, not over fixed sequence
 from __future__ import annotations
 
 import os
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,26 +32,19 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadataBuilder,
 )
 
-from kvsparse.methods import Method, ModelShape, parse_method, placement_for
+from kvsparse.methods import ModelShape, parse_method
+from kvsparse.tensors import dtype_name
 from kvsparse.vllm import plugin
 from kvsparse.vllm.connector import VLLM_VERSION, StepRows
+from kvsparse.vllm.plugin import RequestSequence
 
-_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-@dataclass
-class _Sequence:
-    sequence_id: str
-    method: Method
-    lengths: list[int]  # tokens appended per layer (decode steps included)
 
 
 @dataclass
 class _Group:
-    """The decode rows of one method in a step: their batch rows, request ids, token indices
-    and positions (each sequence's length before the step) on the device."""
+    """The decode rows of one method in a step: their request ids, token indices and positions
+    (each sequence's length before the step) on the device."""
 
-    rows: list[int]
     rids: list[str]
     tokens: torch.Tensor | slice
     positions: torch.Tensor
@@ -70,7 +62,7 @@ class CudaWorker:
     """The backend's state in a vLLM worker process: the engine, each live request's sequence,
     the plan per method, and the step the connector bound."""
 
-    sequences: dict[str, _Sequence] = field(default_factory=dict)
+    sequences: dict[str, RequestSequence] = field(default_factory=dict)
     methods: dict[str, str] = field(default_factory=dict)  # request id -> method text
     plans: dict[str, tuple[list[str], Any]] = field(default_factory=dict)  # method text -> (rids, plan)
     rows: StepRows | None = None
@@ -106,13 +98,11 @@ class CudaWorker:
     def method_text(self, rid: str) -> str:
         return self.methods.get(rid) or os.environ[plugin.ENV_METHOD]
 
-    def sequence(self, rid: str, shape: ModelShape) -> _Sequence:
+    def sequence(self, rid: str, shape: ModelShape) -> RequestSequence:
         seq = self.sequences.get(rid)
         if seq is None:
             method = parse_method(self.method_text(rid))
-            sid = f"vllm-{uuid.uuid4().hex}"
-            self.engine().create_sequence(sid, shape, placement_for(method))
-            seq = _Sequence(sid, method, [0] * shape.num_layers)
+            seq = RequestSequence.create(self.engine().create_sequence, method, shape)
             self.sequences[rid] = seq
         return seq
 
@@ -184,7 +174,7 @@ class CudaWorker:
                 else torch.tensor(tok, dtype=torch.long).to(device, non_blocking=True)
             )
             pos = torch.tensor([self.rows.rows[i][1] for i in rows], dtype=torch.long).pin_memory()
-            groups[text] = _Group(rows, rids, tokens, pos.to(device, non_blocking=True))
+            groups[text] = _Group(rids, tokens, pos.to(device, non_blocking=True))
         for text in [t for t in self.plans if t not in groups]:
             self.close_plan(text)  # nobody decodes with it any more: its rows go to the store
         self.step = _Step(prefill, groups, starts)
@@ -223,6 +213,7 @@ class KvSparseCudaImpl(FlashAttentionImpl):
         self.num_layers = config.model_config.get_num_layers(config.parallel_config)
         self.max_tokens = config.model_config.max_model_len
         self.seed = int(os.environ.get(plugin.ENV_SEED, "0"))
+        self.shape: ModelShape | None = None  # the sequences' shape, once the K/V dtype is seen
 
     def forward(self, layer: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, output_scale: Any = None,
@@ -232,7 +223,10 @@ class KvSparseCudaImpl(FlashAttentionImpl):
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         li = extract_layer_index(layer.layer_name)
-        shape = ModelShape(self.num_layers, self.num_heads, self.num_kv_heads, self.head_size, _DTYPES[query.dtype])
+        if self.shape is None:
+            self.shape = ModelShape(self.num_layers, self.num_heads, self.num_kv_heads, self.head_size,
+                                    dtype_name(query.dtype))
+        shape = self.shape
         step = w.prepare(shape, attn_metadata.num_actual_tokens, query.device)
         for row, rid, start, count in step.prefill:
             a = step.token_starts[row]

@@ -55,10 +55,10 @@ import os
 import threading
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from kvsparse.errors import KvSparseError
-from kvsparse.methods import METHOD_NAMES, Method, ModelShape, parse_method, placement_for
+from kvsparse.methods import METHOD_NAMES, Method, ModelShape, Placement, parse_method, placement_for
 
 LOG = logging.getLogger("kvsparse.vllm")
 
@@ -241,10 +241,21 @@ def _record_batches() -> None:
 
 
 @dataclass
-class _Sequence:
+class RequestSequence:
+    """A vLLM request's kvsparse sequence (both backends)."""
+
     sequence_id: str
     method: Method
     lengths: list[int]  # tokens appended per layer
+
+    @staticmethod
+    def create(create: Callable[[str, ModelShape, Placement], None], method: Method,
+               shape: ModelShape) -> "RequestSequence":
+        """A new sequence for a request, created through `create` (a transport's or an engine's)
+        with the placement its method reads."""
+        sid = f"vllm-{uuid.uuid4().hex}"
+        create(sid, shape, placement_for(method))
+        return RequestSequence(sid, method, [0] * shape.num_layers)
 
 
 @dataclass
@@ -254,7 +265,7 @@ class Worker:
 
     batch: list[str] = field(default_factory=list)
     methods: dict[str, Method] = field(default_factory=dict)
-    sequences: dict[str, _Sequence] = field(default_factory=dict)
+    sequences: dict[str, RequestSequence] = field(default_factory=dict)
     step: int = 0
     num_layers: int = 0
     restarts: int = 0  # sequences begun again: requests preempted and recomputed
@@ -358,17 +369,15 @@ class Worker:
         spec = extra.get(EXTRA_ARG)
         return parse_method(spec) if spec else self.default_method()
 
-    def sequence(self, rid: str, shape: ModelShape) -> _Sequence:
+    def sequence(self, rid: str, shape: ModelShape) -> RequestSequence:
         seq = self.sequences.get(rid)
         if seq is None:
             method = self.methods.get(rid) or self.default_method()
-            sid = f"vllm-{uuid.uuid4().hex}"
-            self.transport().create(sid, shape, placement_for(method))
-            seq = _Sequence(sid, method, [0] * shape.num_layers)
+            seq = RequestSequence.create(self.transport().create, method, shape)
             self.sequences[rid] = seq
         return seq
 
-    def restart(self, rid: str, shape: ModelShape) -> _Sequence:
+    def restart(self, rid: str, shape: ModelShape) -> RequestSequence:
         """A request vLLM computes again from its first token (after a preemption)."""
         self.restarts += 1
         self.drop(rid)
