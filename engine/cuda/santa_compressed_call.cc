@@ -17,14 +17,25 @@ class SantaCompressedCall final : public SelectedRowsCall {
  private:
   absl::StatusOr<int32_t> PlanSelection(LaunchPlan& lp) override {
     scoring_.Plan(lp);
+    const bool group = params_.proposal == kernels::SantaProposal::kGroupMixture;
     ps_.batch = lp.B;
-    ps_.num_q_heads = lp.H;
+    // The group mixture samples one row of scores per kv head for its G query heads.
+    ps_.num_q_heads = group ? lp.hkv : lp.H;
     ps_.num_kv_heads = lp.hkv;
+    ps_.heads_per_row = group ? lp.H / lp.hkv : 1;
     ps_.score_stride = lp.n_max;
     ps_.max_seq_len = lp.n_max;
     ps_.num_samples = params_.samples;
     ps_.tile_size = kc::kSantaTile;
     ps_.max_selected = params_.samples + 1;  // systematic rounding can hand out S + 1 draws
+    if (group) {
+      gm_.batch = lp.B;
+      gm_.num_q_heads = lp.H;
+      gm_.num_kv_heads = lp.hkv;
+      gm_.score_stride = lp.n_max;
+      gm_.max_seq_len = lp.n_max;
+      gm_.mixture_stride = lp.n_max;
+    }
     return ps_.max_selected;
   }
 
@@ -32,6 +43,7 @@ class SantaCompressedCall final : public SelectedRowsCall {
 
   absl::Status EnqueueSelection(LaunchPlan& lp, Carver& c, const Selection& s) override {
     const size_t BH = static_cast<size_t>(lp.BH);
+    const bool group = params_.proposal == kernels::SantaProposal::kGroupMixture;
     float* scores = c.TakeTransient<float>(BH * lp.n_max);
     ps_.scores = scores;
     ps_.seq_lens = lp.shape().seq_lens;
@@ -40,11 +52,24 @@ class SantaCompressedCall final : public SelectedRowsCall {
     ps_.counts = s.counts;
     ps_.budgets = s.budgets;
     ps_.log2_weights = s.log2_weights;
+    size_t gwb = 0;
+    void* gws = nullptr;
+    if (group) {
+      gm_.scores = scores;
+      gm_.seq_lens = lp.shape().seq_lens;
+      gm_.mixture = c.TakeTransient<float>(static_cast<size_t>(lp.B) * lp.hkv * lp.n_max);
+      ps_.scores = gm_.mixture;
+      gwb = kc::GroupMixtureWorkspaceBytes(gm_);
+      gws = c.TakeTransient<char>(gwb);
+    }
     const size_t wb = kc::PropFromScoresWorkspaceBytes(ps_);
     void* ws = c.TakeTransient<char>(wb);
     const Union un = PlanUnion(lp, c, s, ps_.indices, ps_.counts);
     if (!lp.running()) return absl::OkStatus();
     if (absl::Status st = scoring_.Enqueue(lp, scores); !st.ok()) return st;
+    if (group) {
+      KVS_CUDA_OK(kc::GroupMixtureFromScores(gm_, gws, gwb, lp.stream()), "GroupMixtureFromScores");
+    }
     KVS_CUDA_OK(kc::PropFromScores(ps_, ws, wb, lp.stream()), "PropFromScores");
     return EnqueueUnion(lp, un);
   }
@@ -57,6 +82,7 @@ class SantaCompressedCall final : public SelectedRowsCall {
   const kernels::SantaParams params_;
   CompressedScoring scoring_;
   kc::PropFromScoresParams ps_;
+  kc::GroupMixtureParams gm_;  // the group mixture proposal only
 };
 
 }  // namespace
@@ -73,9 +99,6 @@ absl::Status SantaOverCompressedKeysSupports(const Method& m, const SequenceDesc
       p.sampler != kernels::SantaSampler::kSystematic ||
       p.allocation != kernels::SantaAllocation::kProp) {
     return NotOnGpu("S2ANTA over compressed keys on the GPU: systematic, prop, ratio correction");
-  }
-  if (p.proposal != kernels::SantaProposal::kPerHead) {
-    return NotOnGpu("S2ANTA's group mixture proposal runs on the CPU engine");
   }
   if (desc.placement.compressed_key_bits == 0) {
     return NotOnGpu("the placement keeps no compressed keys");

@@ -12,15 +12,26 @@ __device__ __forceinline__ float Half(uint16_t bits) {
 }
 
 // A warp per (group or the open group, kv head, sequence), up to kGroupsPerBlock of a kv head's
-// groups to a block (they share the query; fewer where the shared memory would not fit); each lane
-// scores kTokensPerLane tokens for every query head of the GQA group side by side (G x
-// kTokensPerLane independent sums: a channel's q_c * step_c of the G heads is read from shared
-// memory once for the lane's tokens, the codes once for the heads). The arithmetic follows
-// kernels/compressed_keys.cc ApproximateScores term by term (single roundings, each sum in channel
-// order). What bounds it is the instruction issue of those sums (a multiplication and an addition
-// per token, head and channel: no fused multiply-add, which would round differently from the
-// reference): the shared-memory reads are amortised over the lane's tokens. BITS = 1, 2: the code
-// width as a constant (the loops unrolled); 0: any width at run time.
+// groups to a block (they share the query; fewer where the shared memory would not fit). The
+// open group's tokens are scored from their exact rows by the reference's arithmetic (single
+// roundings, each sum in channel order): ScoreOpenGroup, shared by both kernels below.
+//
+// Closed groups of 1- and 2-bit keys (CompressedScoresMmaKernel) on the tensor cores: with
+// w_c = q_c * step_c (the reference's product), q . k~_t - base = sum_c w_c code_tc is a
+// [group x d] by [d x G] product whose left operand, the codes, is exact in fp16. Each head's w
+// is scaled by 2^-e (e from frexp of max_c |w_c|, so |w| 2^-e < 1) and split into fp16 hi + lo
+// (|w 2^-e - hi - lo| <= 2^-23), so one mma.m16n8k16 takes 16 tokens x 16 channels against four
+// heads' hi and lo columns (n = 2h + part), its fp32 accumulators summing products that are exact
+// in fp32; the base sum_c q_c lo_c by a butterfly over the lanes. The score differs from the
+// reference's channel-order fp32 sums by rounding only (compressed_keys.h states the bound). The
+// group's lo, step and codes are staged in shared memory first (one round trip of cp.async). The codes go from a word to
+// fp16 pairs without a conversion: bits s and s + 16 of the word, masked, or'ed into 0x6400 (the
+// fp16 1024 + code) less 1024; MMA k-slots are ordered so that each lane's four channels of a
+// k-tile are two such pairs (MmaChannel).
+//
+// Closed groups of 4- and 8-bit keys (CompressedScoresKernel): each lane scores kTokensPerLane
+// tokens for every query head of the GQA group side by side, by the reference's arithmetic term
+// by term (bit for bit its scores): bound by the instruction issue of those sums.
 constexpr int kGroupsPerBlock = 4;
 constexpr int kTokensPerLane = 4;
 
@@ -51,6 +62,18 @@ __device__ __forceinline__ void LoadHeads(const float* p, float (&v)[G]) {
 __host__ __device__ constexpr int64_t ScoreSmemFloats(int64_t G, int64_t d, int64_t warps) {
   return G * d + warps * (G * d + 8);
 }
+// The tensor-core kernel's n-tiles (8 columns: four heads' hi and lo) and shared memory: qf
+// [d][G], then per warp a header (base [8], exponent scales [8]), the B fragments [d / 16]
+// [n-tiles][32 lanes] of two 32-bit registers, the group's lo and step (2 d fp16) and
+// kStageWords words of its codes (a chunk of its tokens, all of them for d * bits <= 256).
+constexpr int64_t kStageWords = 1024;
+__host__ __device__ constexpr int MmaNTiles(int64_t G) { return G > 4 ? 2 : 1; }
+__host__ __device__ constexpr int64_t MmaWarpFloats(int64_t G, int64_t d) {
+  return 16 + d / 16 * MmaNTiles(G) * 64 + d + kStageWords;
+}
+__host__ __device__ constexpr int64_t MmaSmemFloats(int64_t G, int64_t d, int64_t warps) {
+  return G * d + warps * MmaWarpFloats(G, d);
+}
 constexpr int64_t kScoreSmemBytes = 48 * 1024;  // what a block takes without opting in
 
 // The code as a float without a conversion instruction: 2^23 + code, less 2^23 (exact).
@@ -58,12 +81,229 @@ __device__ __forceinline__ float CodeAsFloat(uint32_t code) {
   return __fsub_rn(__uint_as_float(0x4B000000u | code), 8388608.f);
 }
 
+// The block's queries as floats, channel-major with the group's heads side by side ([d][G]: one
+// vector load gives a channel's G values), and where the (b, j)'s scores go.
+template <typename T, int G>
+__device__ __forceinline__ float* LoadGroupQueries(const CompressedScoreParams& p, float* qf) {
+  const int32_t d = p.head_dim, b = blockIdx.z, h0 = blockIdx.y * G;
+  const void* q = static_cast<const char*>(p.q) +
+                  (static_cast<int64_t>(b) * p.num_q_heads + h0) * d * sizeof(T);
+  for (int32_t x = threadIdx.x; x < G * d; x += blockDim.x) {
+    qf[(x % d) * G + x / d] = LoadElem<T>(q, x);  // q is [G][d]
+  }
+  return p.scores + (static_cast<int64_t>(b) * p.num_q_heads + h0) * p.score_stride;
+}
+
+// The open group's tokens [closed_groups * group, n) from their exact rows, a lane a token.
+template <typename T, int G>
+__device__ void ScoreOpenGroup(const CompressedScoreParams& p, const float* qf, float* out,
+                               int64_t slot, int32_t closed_groups, int32_t n, int lane) {
+  const int32_t d = p.head_dim;
+  const int32_t open = n - closed_groups * p.group;
+  const void* rows = p.tails[slot];
+  for (int32_t i = lane; i < open; i += 32) {
+    const void* row = static_cast<const char*>(rows) + static_cast<int64_t>(i) * d * sizeof(T);
+    float s[G];
+#pragma unroll
+    for (int h = 0; h < G; ++h) s[h] = 0.f;
+#pragma unroll 4
+    for (int32_t c = 0; c < d; ++c) {
+      const float k = LoadElem<T>(row, c);
+      float qc[G];
+      LoadHeads<G>(qf + c * G, qc);
+#pragma unroll
+      for (int h = 0; h < G; ++h) s[h] = __fadd_rn(s[h], __fmul_rn(qc[h], k));
+    }
+#pragma unroll
+    for (int h = 0; h < G; ++h) {
+      out[h * p.score_stride + closed_groups * p.group + i] = __fmul_rn(s[h], p.scale);
+    }
+  }
+}
+
+// The group's base sum_c q_c lo_c per head, one lane a head, in channel order.
+template <int G>
+__device__ __forceinline__ void GroupBase(const float* qf, const uint16_t* lo, int32_t d,
+                                          int lane, float* base) {
+  if (lane < G) {
+    float s = 0.f;
+#pragma unroll 8
+    for (int32_t c = 0; c < d; ++c) s = __fadd_rn(s, __fmul_rn(qf[c * G + lane], Half(lo[c])));
+    base[lane] = s;
+  }
+}
+
+// Copies `words` 32-bit words from global to shared memory over the warp: 16 bytes a lane and
+// instruction where both ends allow it (cp.async, waited for here), else word by word.
+__device__ __forceinline__ void StageWords(uint32_t* dst, const uint32_t* src, int32_t words,
+                                           int lane) {
+  if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0 &&
+      words % 4 == 0) {
+    for (int32_t i = lane * 4; i < words; i += 32 * 4) CpAsync16(dst + i, src + i, true);
+    CpAsyncCommit();
+    CpAsyncWait<0>();
+  } else {
+    for (int32_t i = lane; i < words; i += 32) dst[i] = src[i];
+  }
+  __syncwarp();
+}
+
+// Which channel of a word's k-tile m the MMA's k-slot `slot` of lane quad position t reads (the
+// A fragment's slots 2t, 2t + 1, 2t + 8, 2t + 9 are CodePair's low and high halves at code
+// offsets 2t + 8m and 2t + 1 + 8m): see the comment above.
+template <int BITS>
+__device__ __forceinline__ int32_t MmaChannel(int t, int m, int slot_pair, int high) {
+  return 2 * t + slot_pair + 8 * m + high * (16 / BITS);
+}
+
+// Codes number s and s + 16 / BITS of word x as an fp16 pair {low, high}.
+template <int BITS>
+__device__ __forceinline__ uint32_t CodePair(uint32_t x, int s) {
+  constexpr uint32_t kMask = (1u << BITS) - 1;
+  const uint32_t h = ((x >> (BITS * s)) & (kMask | (kMask << 16))) | 0x64006400u;
+  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&h), __float2half2_rn(1024.f));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+
 template <typename T, int G, int BITS>
+__global__ void __launch_bounds__(32 * kGroupsPerBlock)
+    CompressedScoresMmaKernel(CompressedScoreParams p) {
+  constexpr int NT = MmaNTiles(G), P = 32 / BITS, KPW = P / 16;
+  extern __shared__ __align__(16) float smem[];
+  const int32_t d = p.head_dim;
+  float* qf = smem;
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* base = qf + G * d + warp * MmaWarpFloats(G, d);
+  float* wscale = base + 8;                            // [G] 2^-e of each head
+  uint2* bfrag = reinterpret_cast<uint2*>(base + 16);  // [d / 16][NT][32]
+  uint16_t* lo = reinterpret_cast<uint16_t*>(base + 16 + d / 16 * NT * 64);  // [d], step [d]
+  const uint16_t* step = lo + d;
+  uint32_t* codes = reinterpret_cast<uint32_t*>(lo + 2 * d);  // [kStageWords]
+  const int32_t b = blockIdx.z, j = blockIdx.y;
+  const int32_t g = blockIdx.x * warps + warp;
+  const int32_t n = p.seq_lens[b];
+  const int32_t closed_groups = n / p.group;
+  if (static_cast<int32_t>(blockIdx.x) * warps > closed_groups) return;  // the whole block
+  float* out = LoadGroupQueries<T, G>(p, qf);
+  const int64_t slot = static_cast<int64_t>(b) * p.num_kv_heads + j;
+  __syncthreads();  // the block's last barrier: from here each warp goes its own way
+  if (g > closed_groups) return;
+  if (g == closed_groups) {
+    ScoreOpenGroup<T, G>(p, qf, out, slot, closed_groups, n, lane);
+    return;
+  }
+  const uint8_t* block = p.group_heads[slot] + static_cast<int64_t>(g) * p.block_bytes;
+  const int32_t words = d * BITS / 32;
+  const uint32_t* gcodes = reinterpret_cast<const uint32_t*>(block);
+  StageWords(reinterpret_cast<uint32_t*>(lo), gcodes + static_cast<int64_t>(p.group) * words, d,
+             lane);
+  // Each head's base, and its exponent: lane x covers head x % G (G divides 32); the sums over
+  // the lanes' channels by butterfly (an order of our own: within the bound, not the reference's).
+  float part[G], mx = 0.f;
+#pragma unroll
+  for (int h = 0; h < G; ++h) part[h] = 0.f;
+  for (int32_t c = lane; c < d; c += 32) {
+    const float l = Half(lo[c]);
+    float qc[G];
+    LoadHeads<G>(qf + c * G, qc);
+#pragma unroll
+    for (int h = 0; h < G; ++h) part[h] = __fadd_rn(part[h], __fmul_rn(qc[h], l));
+  }
+  for (int32_t x = lane; x < G * d; x += 32) {
+    mx = fmaxf(mx, fabsf(__fmul_rn(qf[x], Half(step[x / G]))));
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+    for (int h = 0; h < G; ++h) part[h] = __fadd_rn(part[h], __shfl_xor_sync(0xffffffffu, part[h], o));
+    if (o >= G) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  }
+  int e = 0;
+  frexpf(mx, &e);  // lane h < G: head h's
+#pragma unroll
+  for (int h = 0; h < G; ++h) {
+    if (lane == h) {
+      base[h] = part[h];
+      wscale[h] = ldexpf(1.f, -e);
+    }
+  }
+  __syncwarp();
+  // B fragments: lane (column c = lane / 4 of n-tile nt, t = lane % 4) holds k-slots 2t, 2t + 1
+  // and 2t + 8, 2t + 9 of column nt * 8 + c: head (nt * 8 + c) / 2, its hi (even) or lo part.
+  const int t = lane % 4, gid = lane / 4;
+  for (int32_t kt = 0; kt < d / 16; ++kt) {
+    const int32_t w0 = (kt / KPW) * P, m = kt % KPW;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int col = nt * 8 + gid, h = col / 2, part_lo = col % 2;
+      uint32_t r[2] = {0u, 0u};
+      if (h < G) {
+        const float sc = wscale[h];
+#pragma unroll
+        for (int pair = 0; pair < 2; ++pair) {
+          __half v[2];
+#pragma unroll
+          for (int high = 0; high < 2; ++high) {
+            const int32_t c = w0 + MmaChannel<BITS>(t, m, pair, high);
+            const float w = __fmul_rn(__fmul_rn(qf[c * G + h], Half(step[c])), sc);
+            const __half hi = __float2half_rn(w);
+            v[high] = part_lo == 0 ? hi : __float2half_rn(__fsub_rn(w, __half2float(hi)));
+          }
+          const __half2 hv = __halves2half2(v[0], v[1]);
+          r[pair] = *reinterpret_cast<const uint32_t*>(&hv);
+        }
+      }
+      bfrag[(kt * NT + nt) * 32 + lane] = make_uint2(r[0], r[1]);
+    }
+  }
+  // The head this lane writes (columns 2t, 2t + 1 of n-tile nt: head nt * 4 + t), its exponent.
+  int ex[NT];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) ex[nt] = __shfl_sync(0xffffffffu, e, min(nt * 4 + t, G - 1));
+  const int32_t chunk = min(p.group, static_cast<int32_t>(kStageWords) / words);
+  for (int32_t c0 = 0; c0 < p.group; c0 += chunk) {
+    __syncwarp();  // the previous chunk's reads done
+    StageWords(codes, gcodes + static_cast<int64_t>(c0) * words, chunk * words, lane);
+    for (int32_t mt = 0; mt < chunk / 16; ++mt) {
+      const int32_t r0 = mt * 16 + gid, r1 = r0 + 8;
+      float acc[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+#pragma unroll 4
+      for (int32_t kw = 0; kw < words; ++kw) {
+        const uint32_t x0 = codes[r0 * words + kw], x1 = codes[r1 * words + kw];
+#pragma unroll
+        for (int m = 0; m < KPW; ++m) {
+          const int s0 = 2 * t + 8 * m;
+          const uint32_t a0 = CodePair<BITS>(x0, s0), a1 = CodePair<BITS>(x1, s0);
+          const uint32_t a2 = CodePair<BITS>(x0, s0 + 1), a3 = CodePair<BITS>(x1, s0 + 1);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint2 bb = bfrag[((kw * KPW + m) * NT + nt) * 32 + lane];
+            Mma16816<Fp16>(acc[nt], a0, a1, a2, a3, bb.x, bb.y);
+          }
+        }
+      }
+      // acc[nt][0..1]: head nt * 4 + t's hi and lo columns at token r0; [2..3] at r1.
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const int h = nt * 4 + t;
+        if (h >= G) continue;
+        const int64_t at = h * p.score_stride + static_cast<int64_t>(g) * p.group + c0;
+        const float s0 = ldexpf(__fadd_rn(acc[nt][0], acc[nt][1]), ex[nt]);
+        const float s1 = ldexpf(__fadd_rn(acc[nt][2], acc[nt][3]), ex[nt]);
+        out[at + r0] = __fmul_rn(__fadd_rn(base[h], s0), p.scale);
+        out[at + r1] = __fmul_rn(__fadd_rn(base[h], s1), p.scale);
+      }
+    }
+  }
+}
+
+template <typename T, int G>
 __global__ void __launch_bounds__(32 * kGroupsPerBlock)
     CompressedScoresKernel(CompressedScoreParams p) {
   extern __shared__ __align__(16) float smem[];
   const int32_t d = p.head_dim;
-  // Channel-major, the group's heads side by side: one vector load gives a channel's G values.
   float* qf = smem;  // [d][G] the queries as floats
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* qs = qf + G * d + warp * (G * d + 8);  // [d][G] q_c * step_c of the warp's group
@@ -73,53 +313,23 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
   const int32_t n = p.seq_lens[b];
   const int32_t closed_groups = n / p.group;
   if (static_cast<int32_t>(blockIdx.x) * warps > closed_groups) return;  // the whole block
-  const int32_t h0 = j * G;
-  const void* q = static_cast<const char*>(p.q) +
-                  (static_cast<int64_t>(b) * p.num_q_heads + h0) * d * sizeof(T);
-  for (int32_t x = threadIdx.x; x < G * d; x += blockDim.x) {
-    qf[(x % d) * G + x / d] = LoadElem<T>(q, x);  // q is [G][d]
-  }
-  float* out = p.scores + (static_cast<int64_t>(b) * p.num_q_heads + h0) * p.score_stride;
+  float* out = LoadGroupQueries<T, G>(p, qf);
   const int64_t slot = static_cast<int64_t>(b) * p.num_kv_heads + j;
   __syncthreads();  // the block's last barrier: from here each warp goes its own way
   if (g > closed_groups) return;
-  if (g == closed_groups) {  // the open group: exact rows
-    const int32_t open = n - closed_groups * p.group;
-    const void* rows = p.tails[slot];
-    for (int32_t i = lane; i < open; i += 32) {
-      const void* row = static_cast<const char*>(rows) + static_cast<int64_t>(i) * d * sizeof(T);
-      float s[G];
-#pragma unroll
-      for (int h = 0; h < G; ++h) s[h] = 0.f;
-#pragma unroll 4
-      for (int32_t c = 0; c < d; ++c) {
-        const float k = LoadElem<T>(row, c);
-        float qc[G];
-        LoadHeads<G>(qf + c * G, qc);
-#pragma unroll
-        for (int h = 0; h < G; ++h) s[h] = __fadd_rn(s[h], __fmul_rn(qc[h], k));
-      }
-#pragma unroll
-      for (int h = 0; h < G; ++h) {
-        out[h * p.score_stride + closed_groups * p.group + i] = __fmul_rn(s[h], p.scale);
-      }
-    }
+  if (g == closed_groups) {
+    ScoreOpenGroup<T, G>(p, qf, out, slot, closed_groups, n, lane);
     return;
   }
   const uint8_t* block = p.group_heads[slot] + static_cast<int64_t>(g) * p.block_bytes;
-  const int32_t bits = BITS == 0 ? p.bits : BITS;
+  const int32_t bits = p.bits;
   const int32_t words = d * bits / 32;
   const uint32_t* codes = reinterpret_cast<const uint32_t*>(block);
   const uint16_t* lo =
       reinterpret_cast<const uint16_t*>(block + static_cast<int64_t>(p.group) * words * 4);
   const uint16_t* step = lo + d;
   for (int32_t x = lane; x < G * d; x += 32) qs[x] = __fmul_rn(qf[x], Half(step[x / G]));
-  if (lane < G) {  // one lane a head: the base's sum in channel order
-    float s = 0.f;
-#pragma unroll 8
-    for (int32_t c = 0; c < d; ++c) s = __fadd_rn(s, __fmul_rn(qf[c * G + lane], Half(lo[c])));
-    base[lane] = s;
-  }
+  GroupBase<G>(qf, lo, d, lane, base);
   __syncwarp();
   const uint32_t mask = (1u << bits) - 1;
   const int32_t per_word = 32 / bits;
@@ -142,29 +352,15 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
         x[t] = live[t] ? codes[i * words + k] : 0u;
       }
       const float* qk = qs + k * per_word * G;
-      if constexpr (BITS != 0) {
-#pragma unroll
-        for (int l = 0; l < 32 / BITS; ++l) {
-          float qc[G];
-          LoadHeads<G>(qk + l * G, qc);
-#pragma unroll
-          for (int t = 0; t < kTokensPerLane; ++t) {
-            const float code = CodeAsFloat((x[t] >> (l * BITS)) & ((1u << BITS) - 1));
-#pragma unroll
-            for (int h = 0; h < G; ++h) s[t][h] = __fadd_rn(s[t][h], __fmul_rn(qc[h], code));
-          }
-        }
-      } else {
 #pragma unroll 2
-        for (int32_t l = 0; l < per_word; ++l) {
-          float qc[G];
-          LoadHeads<G>(qk + l * G, qc);
+      for (int32_t l = 0; l < per_word; ++l) {
+        float qc[G];
+        LoadHeads<G>(qk + l * G, qc);
 #pragma unroll
-          for (int t = 0; t < kTokensPerLane; ++t) {
-            const float code = CodeAsFloat((x[t] >> (l * bits)) & mask);
+        for (int t = 0; t < kTokensPerLane; ++t) {
+          const float code = CodeAsFloat((x[t] >> (l * bits)) & mask);
 #pragma unroll
-            for (int h = 0; h < G; ++h) s[t][h] = __fadd_rn(s[t][h], __fmul_rn(qc[h], code));
-          }
+          for (int h = 0; h < G; ++h) s[t][h] = __fadd_rn(s[t][h], __fmul_rn(qc[h], code));
         }
       }
     }
@@ -181,22 +377,27 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
   }
 }
 
+// The tensor-core kernel takes 1- and 2-bit keys in groups of a multiple of 16 tokens.
+inline bool ScoresOnTensorCores(const CompressedScoreParams& p) {
+  return (p.bits == 1 || p.bits == 2) && p.group % 16 == 0;
+}
+
 template <typename T, int G>
 cudaError_t LaunchScoresG(const CompressedScoreParams& p, cudaStream_t stream) {
+  const bool mma = ScoresOnTensorCores(p);
+  auto smem_floats = [&](int w) {
+    return mma ? MmaSmemFloats(G, p.head_dim, w) : ScoreSmemFloats(G, p.head_dim, w);
+  };
   int warps = kGroupsPerBlock;
-  while (warps > 1 && ScoreSmemFloats(G, p.head_dim, warps) * 4 > kScoreSmemBytes) warps /= 2;
+  while (warps > 1 && smem_floats(warps) * 4 > kScoreSmemBytes) warps /= 2;
   const dim3 grid((p.max_groups + warps) / warps, p.num_kv_heads, p.num_seqs);
-  const size_t smem = ScoreSmemFloats(G, p.head_dim, warps) * sizeof(float);
-  switch (p.bits) {
-    case 1:
-      CompressedScoresKernel<T, G, 1><<<grid, 32 * warps, smem, stream>>>(p);
-      break;
-    case 2:
-      CompressedScoresKernel<T, G, 2><<<grid, 32 * warps, smem, stream>>>(p);
-      break;
-    default:
-      CompressedScoresKernel<T, G, 0><<<grid, 32 * warps, smem, stream>>>(p);
-      break;
+  const size_t smem = smem_floats(warps) * sizeof(float);
+  if (!mma) {
+    CompressedScoresKernel<T, G><<<grid, 32 * warps, smem, stream>>>(p);
+  } else if (p.bits == 1) {
+    CompressedScoresMmaKernel<T, G, 1><<<grid, 32 * warps, smem, stream>>>(p);
+  } else {
+    CompressedScoresMmaKernel<T, G, 2><<<grid, 32 * warps, smem, stream>>>(p);
   }
   return cudaGetLastError();
 }
@@ -311,7 +512,10 @@ cudaError_t AppendCompressedKeyStep(const CompressedKeyStepParams& p, cudaStream
 cudaError_t CompressedScores(const CompressedScoreParams& p, cudaStream_t stream) {
   if (p.num_seqs < 0 || p.num_kv_heads <= 0 || p.num_q_heads <= 0 ||
       p.num_q_heads % p.num_kv_heads != 0 || p.head_dim <= 0 || p.head_dim > 1024 ||
-      ScoreSmemFloats(p.num_q_heads / p.num_kv_heads, p.head_dim, 1) * 4 > kScoreSmemBytes ||
+      std::max(ScoreSmemFloats(p.num_q_heads / p.num_kv_heads, p.head_dim, 1),
+               MmaSmemFloats(p.num_q_heads / p.num_kv_heads, p.head_dim, 1)) *
+              4 >
+          kScoreSmemBytes ||
       (p.bits != 1 && p.bits != 2 && p.bits != 4 && p.bits != 8) ||
       (p.head_dim * p.bits) % 32 != 0 || p.group <= 0 || p.group > 1024 || p.max_groups < 0 ||
       p.block_bytes % 4 != 0 ||

@@ -133,6 +133,14 @@ __global__ void __launch_bounds__(kTileThreads)
   }
 }
 
+// The budget S of each query head row x serves.
+__device__ __forceinline__ void WriteBudgets(const PropFromScoresParams& p, const Head& x) {
+  if (p.budgets == nullptr) return;
+  for (int i = 0; i < p.heads_per_row; ++i) {
+    p.budgets[x.bh * p.heads_per_row + i] = x.n > 0 ? p.num_samples : 0;
+  }
+}
+
 struct FMax {
   __device__ float operator()(float a, float b) const { return fmaxf(a, b); }
 };
@@ -191,7 +199,7 @@ __global__ void __launch_bounds__(kScanThreads)
     }
     if (tid == 0) {
       w.budgeted_count[x.bh] = 0;
-      if (p.budgets != nullptr) p.budgets[x.bh] = x.n > 0 ? p.num_samples : 0;
+      WriteBudgets(p, x);
     }
     return;
   }
@@ -245,7 +253,7 @@ __global__ void __launch_bounds__(kScanThreads)
   }
   if (tid == 0) {
     w.budgeted_count[x.bh] = min(carry, p.num_samples + 1);
-    if (p.budgets != nullptr) p.budgets[x.bh] = x.n > 0 ? p.num_samples : 0;
+    WriteBudgets(p, x);
   }
 }
 
@@ -283,7 +291,8 @@ __global__ void __launch_bounds__(kTileThreads)
   }
   __syncwarp();
   const SeedSource seeds{p.seed, p.seeds};
-  const float a0 = SequenceStream(seeds, RngTag::kPropTileOffset, x.b, x.h).Uniform(t);
+  const float a0 =
+      SequenceStream(seeds, RngTag::kPropTileOffset, x.b, x.h * p.heads_per_row).Uniform(t);
   const int64_t base = x.bh * RowsPerHead(p) + w.slot[cell];
   int32_t* rows = w.rows + base;
   float* lw = w.row_weight + base;
@@ -318,8 +327,9 @@ __global__ void __launch_bounds__(kScanThreads)
   const int32_t* emitted = w.emitted + x.bh * t_max;
   const int32_t* slot = w.slot + x.bh * t_max;
   const int64_t base = x.bh * RowsPerHead(p);
-  int32_t* idx = p.indices + x.bh * p.max_selected;
-  float* lw = p.log2_weights + x.bh * p.max_selected;
+  const int k = p.heads_per_row;
+  int32_t* idx = p.indices + x.bh * k * p.max_selected;
+  float* lw = p.log2_weights + x.bh * k * p.max_selected;
   int32_t carry = 0;
   for (int t0 = 0; t0 < x.tiles; t0 += kScanThreads) {
     const int t = t0 + tid;
@@ -328,13 +338,126 @@ __global__ void __launch_bounds__(kScanThreads)
     ScanI(tmp).ExclusiveSum(e, at, total);
     at += carry;
     for (int32_t r = 0; r < e && at + r < p.max_selected; ++r) {
-      idx[at + r] = w.rows[base + slot[t] + r];
-      lw[at + r] = w.row_weight[base + slot[t] + r];
+      const int32_t row = w.rows[base + slot[t] + r];
+      const float weight = w.row_weight[base + slot[t] + r];
+      for (int i = 0; i < k; ++i) {  // the row's query heads (the group mixture's G)
+        idx[i * p.max_selected + at + r] = row;
+        lw[i * p.max_selected + at + r] = weight;
+      }
     }
     carry += total;
     __syncthreads();
   }
-  if (tid == 0) p.counts[x.bh] = min(carry, p.max_selected);
+  if (tid < k) p.counts[x.bh * k + tid] = min(carry, p.max_selected);
+}
+
+// The group mixture (GroupMixtureFromScores). LseKernel: a block per (chunk of kMixChunk tokens,
+// b, h): the chunk's max m_c and sum z_c of e^{s - m_c}. MixKernel: a block per (kMixTile
+// tokens, b, kv head): each head's lse from its chunks' partials (staged in shared memory), then
+// the tile's mixture scores, kMixPerThread tokens a thread with their loads issued together.
+constexpr int kMixChunk = 4096;
+constexpr int kMixThreads = 256;
+constexpr int kMixPerThread = 4;
+constexpr int kMixTile = kMixThreads * kMixPerThread;
+constexpr int kMixMaxChunks = 256;  // partials a MixKernel block stages per head (1M tokens)
+
+__host__ __device__ inline int32_t MixChunks(const GroupMixtureParams& p) {
+  return (p.max_seq_len + kMixChunk - 1) / kMixChunk;
+}
+
+__global__ void __launch_bounds__(kMixThreads)
+    LseKernel(GroupMixtureParams p, float* part_m, float* part_z) {
+  using Reduce = cub::BlockReduce<float, kMixThreads>;
+  __shared__ typename Reduce::TempStorage tmp;
+  __shared__ float m_s;
+  const int32_t chunks = MixChunks(p), c = blockIdx.x;
+  const int64_t bh = blockIdx.y;
+  const int32_t n = p.seq_lens[bh / p.num_q_heads];
+  const int32_t lo = c * kMixChunk, hi = min(n, lo + kMixChunk);
+  const float* s = p.scores + bh * p.score_stride;
+  float m = -INFINITY;
+  for (int32_t t = lo + threadIdx.x; t < hi; t += kMixThreads) m = fmaxf(m, s[t]);
+  m = Reduce(tmp).Reduce(m, FMax());
+  if (threadIdx.x == 0) m_s = m;
+  __syncthreads();
+  m = m_s;
+  float z = 0.f;
+  if (m != -INFINITY) {
+    for (int32_t t = lo + threadIdx.x; t < hi; t += kMixThreads) z += expf(s[t] - m);
+  }
+  __syncthreads();  // tmp is reused
+  z = Reduce(tmp).Sum(z);
+  if (threadIdx.x == 0) {
+    part_m[bh * chunks + c] = m;
+    part_z[bh * chunks + c] = z;
+  }
+}
+
+__global__ void __launch_bounds__(kMixThreads)
+    MixKernel(GroupMixtureParams p, const float* part_m, const float* part_z) {
+  __shared__ float pm_s[8][kMixMaxChunks];
+  __shared__ float pz_s[8][kMixMaxChunks];
+  __shared__ float lse_s[8];
+  const int32_t chunks = MixChunks(p);
+  const int32_t G = p.num_q_heads / p.num_kv_heads;
+  const int64_t bj = blockIdx.y;  // b * Hkv + j
+  const int64_t b = bj / p.num_kv_heads, h0 = b * p.num_q_heads + (bj % p.num_kv_heads) * G;
+  const int32_t n = p.seq_lens[b];
+  const int32_t lo = blockIdx.x * kMixTile;
+  if (lo >= n) return;  // the whole block
+  for (int32_t x = threadIdx.x; x < G * chunks; x += kMixThreads) {
+    const int g = x / chunks, k = x % chunks;
+    pm_s[g][k] = part_m[(h0 + g) * chunks + k];
+    pz_s[g][k] = part_z[(h0 + g) * chunks + k];
+  }
+  __syncthreads();
+  if (threadIdx.x < G) {  // head h0 + tid's lse over its chunks (+inf: no mass)
+    const int g = threadIdx.x;
+    float m = -INFINITY;
+    for (int32_t k = 0; k < chunks; ++k) m = fmaxf(m, pm_s[g][k]);
+    float z = 0.f;
+    if (m != -INFINITY) {
+      for (int32_t k = 0; k < chunks; ++k) {
+        if (pm_s[g][k] != -INFINITY) z += pz_s[g][k] * expf(pm_s[g][k] - m);
+      }
+    }
+    lse_s[g] = m == -INFINITY ? INFINITY : m + logf(z);
+  }
+  __syncthreads();
+  const float ln_g = logf(static_cast<float>(G));
+  float* out = p.mixture + bj * p.mixture_stride;
+  float mx[kMixPerThread], sum[kMixPerThread];
+#pragma unroll
+  for (int i = 0; i < kMixPerThread; ++i) {
+    mx[i] = -INFINITY;  // logsumexp over the heads, online
+    sum[i] = 0.f;
+  }
+  for (int g = 0; g < G; ++g) {
+    const float lse = lse_s[g];
+    if (lse == INFINITY) continue;  // a head with no mass
+    const float* s = p.scores + (h0 + g) * p.score_stride;
+    float a[kMixPerThread];
+#pragma unroll
+    for (int i = 0; i < kMixPerThread; ++i) {
+      const int32_t t = lo + i * kMixThreads + threadIdx.x;
+      a[i] = t < n ? s[t] - lse : -INFINITY;
+    }
+#pragma unroll
+    for (int i = 0; i < kMixPerThread; ++i) {
+      if (a[i] == -INFINITY) continue;
+      if (a[i] > mx[i]) {
+        sum[i] = sum[i] * expf(mx[i] - a[i]) + 1.f;
+        mx[i] = a[i];
+      } else {
+        sum[i] += expf(a[i] - mx[i]);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kMixPerThread; ++i) {
+    const int32_t t = lo + i * kMixThreads + threadIdx.x;
+    if (t < n) out[t] = mx[i] == -INFINITY ? -INFINITY : mx[i] + logf(sum[i]) - ln_g;
+  }
 }
 
 }  // namespace
@@ -347,7 +470,8 @@ size_t PropFromScoresWorkspaceBytes(const PropFromScoresParams& p) {
 cudaError_t PropFromScores(const PropFromScoresParams& p, void* workspace, size_t workspace_bytes,
                            cudaStream_t stream) {
   if (p.batch < 0 || p.num_q_heads < 1 || p.num_kv_heads < 1 ||
-      p.num_q_heads % p.num_kv_heads != 0 || p.num_samples < 1 || p.tile_size < 1 ||
+      p.num_q_heads % p.num_kv_heads != 0 || p.heads_per_row < 1 ||
+      p.heads_per_row > kScanThreads || p.num_samples < 1 || p.tile_size < 1 ||
       p.tile_size > kMaxTile || p.max_selected < p.num_samples + 1 || p.scores == nullptr ||
       p.seq_lens == nullptr || p.indices == nullptr || p.counts == nullptr ||
       p.log2_weights == nullptr || p.score_stride < p.max_seq_len ||
@@ -371,6 +495,37 @@ cudaError_t PropFromScores(const PropFromScoresParams& p, void* workspace, size_
   SampleKernel<<<sample_grid, kTileThreads, 0, stream>>>(p, w, t_max);
   if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
   CompactKernel<<<static_cast<unsigned>(bh), kScanThreads, 0, stream>>>(p, w, t_max);
+  return cudaGetLastError();
+}
+
+size_t GroupMixtureWorkspaceBytes(const GroupMixtureParams& p) {
+  if (p.batch < 0 || p.num_q_heads < 0 || p.max_seq_len < 0) return 0;
+  const size_t cells = static_cast<size_t>(p.batch) * p.num_q_heads * MixChunks(p);
+  return 2 * AlignUp(cells * sizeof(float), 256);
+}
+
+cudaError_t GroupMixtureFromScores(const GroupMixtureParams& p, void* workspace,
+                                   size_t workspace_bytes, cudaStream_t stream) {
+  if (p.batch < 0 || p.num_q_heads < 1 || p.num_kv_heads < 1 ||
+      p.num_q_heads % p.num_kv_heads != 0 || p.num_q_heads / p.num_kv_heads > 8 ||
+      p.max_seq_len < 0 || p.scores == nullptr || p.seq_lens == nullptr ||
+      p.mixture == nullptr || p.score_stride < p.max_seq_len ||
+      p.mixture_stride < p.max_seq_len || MixChunks(p) > kMixMaxChunks ||
+      workspace_bytes < GroupMixtureWorkspaceBytes(p) ||
+      (GroupMixtureWorkspaceBytes(p) > 0 && workspace == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  const int32_t chunks = MixChunks(p);
+  if (p.batch == 0 || chunks == 0) return cudaSuccess;
+  if (static_cast<int64_t>(p.batch) * p.num_q_heads > 65535) return cudaErrorInvalidValue;
+  char* c = static_cast<char*>(workspace);
+  const size_t cells = static_cast<size_t>(p.batch) * p.num_q_heads * chunks;
+  float* part_m = Take<float>(c, cells);
+  float* part_z = Take<float>(c, cells);
+  LseKernel<<<dim3(chunks, p.batch * p.num_q_heads), kMixThreads, 0, stream>>>(p, part_m, part_z);
+  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  const unsigned tiles = static_cast<unsigned>((p.max_seq_len + kMixTile - 1) / kMixTile);
+  MixKernel<<<dim3(tiles, p.batch * p.num_kv_heads), kMixThreads, 0, stream>>>(p, part_m, part_z);
   return cudaGetLastError();
 }
 

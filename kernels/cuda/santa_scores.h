@@ -12,8 +12,16 @@
 // and writes the sampled rows ascending (distinct), as UnionSelected reads them, with each row's
 // ratio log-weight log2(c) - s~ log2(e) (c its count), which SelectedRowsDecode adds to the exact
 // score: its softmax over the rows is then sum c e^{s - s~} V / sum c e^{s - s~}. The rows equal
-// the CPU's except where expf's last bit (CUDA's and the C library's differ by an ulp at most)
-// moves a threshold across a cumulative sum.
+// the CPU's except where expf's last bit (CUDA's and the C library's differ by an ulp at most), or
+// the scores' own rounding (kernels/cuda/compressed_keys.h), moves a threshold across a
+// cumulative sum.
+//
+// The group mixture proposal (kernels/santa.h, "The group mixture proposal"): GroupMixtureFromScores
+// turns the G query heads' score rows of each (sequence, kv head) into the mixture's scores, and
+// PropFromScores with heads_per_row = G samples those rows once per kv head (with the streams of
+// the kv head's first query head, as the CPU reference draws) and writes the sample to each of the
+// G heads' outputs: S + 1 rows at most per kv head, each head weighting them by its own exact
+// scores against the mixture's.
 #ifndef KVSPARSE_KERNELS_CUDA_SANTA_SCORES_H_
 #define KVSPARSE_KERNELS_CUDA_SANTA_SCORES_H_
 
@@ -26,8 +34,12 @@ namespace kvsparse::kernels::cuda {
 
 struct PropFromScoresParams {
   int32_t batch = 0;         // B
-  int32_t num_q_heads = 0;   // H
+  int32_t num_q_heads = 0;   // H: score rows per sequence
   int32_t num_kv_heads = 0;  // Hkv
+  // Query heads each score row serves (1, or G for the group mixture's rows, one per kv head
+  // with num_q_heads = num_kv_heads): row h draws with query head h * heads_per_row's streams
+  // and its outputs are written to heads h * heads_per_row .. (h + 1) * heads_per_row - 1.
+  int32_t heads_per_row = 1;
   // device, shape: [B * H, score_stride]: scaled logits of tokens 0 .. seq_lens[b] - 1.
   const float* scores = nullptr;
   int64_t score_stride = 0;
@@ -39,9 +51,10 @@ struct PropFromScoresParams {
   // (seed, tag, b, head): as kernels::SantaSelectCpu draws for sequence b of a batch-1 call.
   uint64_t seed = 0;
   const uint64_t* seeds = nullptr;
-  // Outputs, device: rows per (b, h) ascending in indices [B, H, max_selected] (max_selected >=
-  // num_samples + 1: systematic rounding can hand out one draw more than S), their number in
-  // counts [B, H], S in budgets [B, H] (optional), log2 weights [B, H, max_selected].
+  // Outputs, device, per query head (H * heads_per_row of them a sequence): rows ascending in
+  // indices [B, H', max_selected] (max_selected >= num_samples + 1: systematic rounding can hand
+  // out one draw more than S), their number in counts [B, H'], S in budgets [B, H'] (optional),
+  // log2 weights [B, H', max_selected].
   int32_t max_selected = 0;
   int32_t* indices = nullptr;
   int32_t* counts = nullptr;
@@ -54,6 +67,29 @@ size_t PropFromScoresWorkspaceBytes(const PropFromScoresParams& p);
 // cudaErrorInvalidValue for a bad shape, or B * H over 65535.
 cudaError_t PropFromScores(const PropFromScoresParams& p, void* workspace, size_t workspace_bytes,
                            cudaStream_t stream);
+
+// The group mixture's scores: per (sequence b, kv head j), over its G = H / Hkv query heads' rows,
+//   mix_t = log((1/G) sum_h softmax(s_h)_t) = logsumexp_h(s_h,t - lse_h) - ln G,
+//   lse_h = m_h + ln sum_t e^{s_h,t - m_h},
+// in fp32 (the CPU reference, kernels::GroupMixtureScores, in float64: the two agree to float
+// rounding); -inf where no head has mass. Two launches (each head's lse by chunks of tokens, then
+// the mixture), capturable.
+struct GroupMixtureParams {
+  int32_t batch = 0;         // B
+  int32_t num_q_heads = 0;   // H
+  int32_t num_kv_heads = 0;  // Hkv, dividing H with H / Hkv <= 8
+  const float* scores = nullptr;  // device, shape: [B * H, score_stride]
+  int64_t score_stride = 0;
+  const int32_t* seq_lens = nullptr;  // device [B]
+  int32_t max_seq_len = 0;            // host bound of seq_lens, at most 2^20
+  float* mixture = nullptr;           // device, shape: [B * Hkv, mixture_stride]
+  int64_t mixture_stride = 0;
+};
+
+size_t GroupMixtureWorkspaceBytes(const GroupMixtureParams& p);
+// cudaErrorInvalidValue for a bad shape.
+cudaError_t GroupMixtureFromScores(const GroupMixtureParams& p, void* workspace,
+                                   size_t workspace_bytes, cudaStream_t stream);
 
 }  // namespace kvsparse::kernels::cuda
 

@@ -99,5 +99,125 @@ TEST(SantaScoresCudaTest, SamplesWhatTheCpuSamples) {
   EXPECT_LE(differing, 1) << "heads whose rows differ from the CPU's";
 }
 
+// The group mixture on the GPU: GroupMixtureFromScores gives the CPU reference's mixture scores
+// (kernels::GroupMixtureScores, float64) to float rounding, -inf where no head has mass (a tile
+// every head masks); PropFromScores over the mixture rows with heads_per_row = G samples what the
+// CPU samples from those rows (the streams of the kv head's first query head) and writes the
+// sample to each of the group's G heads. Heads that attend apart (one peaked, one flat, a sink
+// in one head only), ragged lengths, G = 4.
+TEST(SantaScoresCudaTest, GroupMixtureSamplesOncePerKvHead) {
+  KVSPARSE_REQUIRE_GPU();
+  const std::vector<int32_t> lens = {0, 1, 300, 9000, 40000};
+  const int32_t B = static_cast<int32_t>(lens.size()), H = 8, Hkv = 2, G = H / Hkv, S = 128;
+  const int32_t n_max = *std::max_element(lens.begin(), lens.end());
+  std::mt19937 rng(11);
+  std::normal_distribution<float> z;
+  std::vector<float> scores(static_cast<size_t>(B) * H * n_max, 0.f);
+  for (int32_t b = 0; b < B; ++b) {
+    for (int32_t h = 0; h < H; ++h) {
+      float* s = &scores[(static_cast<size_t>(b) * H + h) * n_max];
+      for (int32_t t = 0; t < lens[b]; ++t) s[t] = (h % 2 == 0 ? 2.f : 0.3f) * z(rng) + h;
+      if (lens[b] > 10 && h % G == 1) s[7] = 30.f;  // a sink of one head of each group
+      if (lens[b] >= 9000) {
+        for (int32_t t = 1024; t < 1280; ++t) s[t] = -INFINITY;  // masked in every head
+      }
+    }
+  }
+  std::vector<uint64_t> seeds(B);
+  for (int32_t b = 0; b < B; ++b) seeds[b] = 77 + 5 * b;
+  DeviceBuffer ds = ToDevice(scores), dl = ToDevice(lens), dseed = ToDevice(seeds);
+  const size_t rows = static_cast<size_t>(B) * Hkv;
+  DeviceBuffer dmix(rows * n_max * sizeof(float));
+  ASSERT_EQ(dmix.Poison(), cudaSuccess);
+  GroupMixtureParams gm;
+  gm.batch = B;
+  gm.num_q_heads = H;
+  gm.num_kv_heads = Hkv;
+  gm.scores = ds.as<float>();
+  gm.score_stride = n_max;
+  gm.seq_lens = dl.as<int32_t>();
+  gm.max_seq_len = n_max;
+  gm.mixture = dmix.as<float>();
+  gm.mixture_stride = n_max;
+  DeviceBuffer gws(std::max<size_t>(1, GroupMixtureWorkspaceBytes(gm)));
+  KVSPARSE_ASSERT_CUDA(GroupMixtureFromScores(gm, gws.get(), gws.size(), nullptr));
+  PropFromScoresParams p;
+  p.batch = B;
+  p.num_q_heads = Hkv;
+  p.num_kv_heads = Hkv;
+  p.heads_per_row = G;
+  p.scores = dmix.as<float>();
+  p.score_stride = n_max;
+  p.seq_lens = dl.as<int32_t>();
+  p.max_seq_len = n_max;
+  p.num_samples = S;
+  p.tile_size = 256;
+  p.seeds = dseed.as<uint64_t>();
+  p.max_selected = S + 1;
+  const size_t cells = static_cast<size_t>(B) * H;
+  DeviceBuffer di(cells * p.max_selected * 4), dc(cells * 4), db(cells * 4),
+      dw(cells * p.max_selected * 4), ws(PropFromScoresWorkspaceBytes(p));
+  ASSERT_EQ(dc.Poison(), cudaSuccess);
+  ASSERT_EQ(db.Poison(), cudaSuccess);
+  p.indices = di.as<int32_t>();
+  p.counts = dc.as<int32_t>();
+  p.budgets = db.as<int32_t>();
+  p.log2_weights = dw.as<float>();
+  KVSPARSE_ASSERT_CUDA(PropFromScores(p, ws.get(), ws.size(), nullptr));
+  KVSPARSE_ASSERT_CUDA(cudaDeviceSynchronize());
+  const auto mix = ToHost<float>(dmix, rows * n_max);
+  const auto idx = ToHost<int32_t>(di, cells * p.max_selected);
+  const auto cnt = ToHost<int32_t>(dc, cells);
+  const auto bud = ToHost<int32_t>(db, cells);
+  const auto lw = ToHost<float>(dw, cells * p.max_selected);
+  SantaParams params;
+  params.samples = S;
+  params.tile_size = 256;
+  SantaHeadPlan plan;
+  HeadRows want;
+  int64_t masked = 0;
+  for (int32_t b = 0; b < B; ++b) {
+    const int32_t n = lens[b];
+    for (int32_t j = 0; j < Hkv; ++j) {
+      SCOPED_TRACE(testing::Message() << "b " << b << " kv head " << j);
+      std::vector<const float*> heads(G);
+      for (int32_t g = 0; g < G; ++g) {
+        heads[g] = &scores[(static_cast<size_t>(b) * H + j * G + g) * n_max];
+      }
+      std::vector<float> ref;
+      GroupMixtureScores(heads, n, &ref);
+      const float* got = &mix[(static_cast<size_t>(b) * Hkv + j) * n_max];
+      for (int32_t t = 0; t < n; ++t) {
+        if (std::isinf(ref[t])) {
+          ASSERT_EQ(got[t], ref[t]) << "t " << t;
+          ++masked;
+          continue;
+        }
+        ASSERT_NEAR(got[t], ref[t], 2e-5f * std::max(1.f, std::fabs(ref[t]))) << "t " << t;
+      }
+      if (n == 0) {
+        for (int32_t g = 0; g < G; ++g) EXPECT_EQ(cnt[b * H + j * G + g], 0);
+        continue;
+      }
+      // The sampler over the GPU's own mixture rows: the CPU's rows exactly.
+      const std::vector<float> row(got, got + n);
+      ASSERT_TRUE(PlanSantaHead(row, params, &plan).ok());
+      SampleSantaHead(plan, params, seeds[b], 0, j * G, j, &want);
+      for (int32_t g = 0; g < G; ++g) {
+        const size_t bh = static_cast<size_t>(b) * H + j * G + g;
+        EXPECT_EQ(bud[bh], S) << "head " << g;
+        const std::vector<int32_t> rows_g(idx.begin() + bh * p.max_selected,
+                                          idx.begin() + bh * p.max_selected + cnt[bh]);
+        ASSERT_EQ(rows_g, want.tokens) << "head " << g;
+        for (size_t r = 0; r < rows_g.size(); ++r) {
+          const float c = std::exp2(lw[bh * p.max_selected + r] + row[rows_g[r]] * 1.4426950408889634f);
+          EXPECT_NEAR(c, want.counts[r], 1e-3f * want.counts[r]) << "row " << rows_g[r];
+        }
+      }
+    }
+  }
+  EXPECT_GT(masked, 0) << "the masked tile's tokens are -inf in the mixture";
+}
+
 }  // namespace
 }  // namespace kvsparse::kernels::cuda

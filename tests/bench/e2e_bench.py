@@ -19,7 +19,7 @@ one process on one GPU:
   kvsg-<method>   the same with planned decode steps (KvSparseCache(max_tokens=...)): the whole
                   step compiled with torch.compile(mode="reduce-overhead", fullgraph=True) and
                   replayed as one CUDA graph (methods the GPU backend captures: prop, hash,
-                  ckeys*, ckprop*: a compressed-key step quantizes a closing group on the GPU;
+                  ckeys*, ckprop*, ckgroup*: a compressed-key step quantizes a closing group on the GPU;
                   dense needs K and V resident and is the flash row's work)
   grpc-<method>   kvsparse-server on loopback (unary calls), grpcs-<method> over a DecodeStream
   kvsr-<method>   the engine in process (q and the output on the GPU) over a store in another
@@ -41,7 +41,9 @@ memory), hash (HashAttention top-k 1.25% per head from host memory, 4% row cache
 keys on the GPU, K and V in host memory, 4% row cache), ckeys64 (the same at 1/64), ckeys1 and
 ckeys1-64 (1-bit keys at 1/32 and 1/64; the row cache is --gpu_row_cache's), ckprop
 (S2ANTA-prop S=128 drawing from the 2-bit compressed keys' scores, the sampled K and V rows from
-host memory: the ratio correction; ckprop256 the same at S=256), ckvatt (vAttention eps = delta = 0.1 over 2-bit compressed
+host memory: the ratio correction; ckprop256 the same at S=256), ckgroup, ckgroup256, ckgroup512
+(the same with the group mixture proposal, one sample of S = 128, 256, 512 rows per kv head for
+its query heads), ckvatt (vAttention eps = delta = 0.1 over 2-bit compressed
 keys with the importance sampler and the CLT-ratio bound; on these random weights its budget
 covers every row: docs/PERF.md).
 
@@ -100,6 +102,9 @@ METHODS: dict[str, kvsparse.Method] = {
     "ckeys1-64": kvsparse.TopK(top_k_fraction=1 / 64, sink_tokens=128, local_tokens=128),
     "ckprop": kvsparse.Santa(samples=128, allocation="prop", scores="compressed"),
     "ckprop256": kvsparse.Santa(samples=256, allocation="prop", scores="compressed"),
+    "ckgroup": kvsparse.Santa(samples=128, allocation="prop", scores="compressed", proposal="group"),
+    "ckgroup256": kvsparse.Santa(samples=256, allocation="prop", scores="compressed", proposal="group"),
+    "ckgroup512": kvsparse.Santa(samples=512, allocation="prop", scores="compressed", proposal="group"),
     "ckvatt": kvsparse.VAttention(epsilon=0.1, delta=0.1, predictor="compressed", sampler="importance",
                                   bound="clt-ratio"),
 }

@@ -419,7 +419,7 @@ TEST_F(GpuEngineTest, TopKByCompressedKeys) {
 // a top_k above a sequence's length reads what it has, and where sink, window and top-k select
 // nothing the one best-scoring token is taken (kernels/sink_local_topk.h), the rule the GPU's
 // selections share with the CPU references: the same rows and outputs as the CPU engine, never
-// an empty selection. S2ANTA's group mixture proposal runs on the CPU engine, saying why.
+// an empty selection. S2ANTA's group mixture proposal reads at most S + 1 rows a kv head.
 TEST_F(GpuEngineTest, ShortSequencesAndEmptySelections) {
   auto rig = Rig::Make(1ull << 30, 0.0);  // no row cache: each call's rows cross as the CPU's
   ASSERT_NE(rig, nullptr);
@@ -444,9 +444,14 @@ TEST_F(GpuEngineTest, ShortSequencesAndEmptySelections) {
   Method group = SantaMethod(1, 64);
   group.santa.scores = kernels::ScoreSource::kCompressedKeys;
   group.santa.proposal = kernels::SantaProposal::kGroupMixture;
+  Compare(*rig, prob, group, {0.05, false, 0.02}, "S2ANTA's group mixture");
   auto g = rig->gpu->Decode(Call(prob, group));
   ASSERT_TRUE(g.ok()) << g.status();
-  EXPECT_TRUE(absl::StrContains(g->not_on_backend, "group mixture")) << g->not_on_backend;
+  EXPECT_TRUE(g->not_on_backend.empty()) << g->not_on_backend;
+  for (const HeadStats& hs : g->heads) {
+    EXPECT_GE(hs.rows_fetched, 1u);
+    EXPECT_LE(hs.rows_fetched, 65u) << "the group mixture: at most S + 1 rows a kv head";
+  }
 }
 
 // S2ANTA over compressed keys (the ratio correction, prop) with K and V in host memory and on the
@@ -489,6 +494,16 @@ TEST_F(GpuEngineTest, SantaOverCompressedKeys) {
     }
     EXPECT_GE(same, c->heads.size() * 9 / 10) << what << ": heads reading the CPU's rows";
     EXPECT_LT(RelL2(g->output, c->output, prob.problem.dtype), 0.05) << what;
+    // The group mixture: one sample of S rows per kv head for its four query heads.
+    Method gm = m;
+    gm.santa.proposal = kernels::SantaProposal::kGroupMixture;
+    Compare(*rig, prob, gm, {0.05, false, 0.02}, what + ", group mixture");
+    auto gg = rig->gpu->Decode(Call(prob, gm));
+    ASSERT_TRUE(gg.ok()) << gg.status();
+    EXPECT_GT(gg->timing.launch_seconds, 0.0) << what << ", group mixture: on the GPU";
+    for (const HeadStats& hs : gg->heads) {
+      EXPECT_LE(hs.rows_fetched, 129u) << what << ", group mixture: at most S + 1 rows";
+    }
     Method none = m;
     none.santa.correction = kernels::SantaCorrection::kNone;
     auto n = rig->gpu->Decode(Call(prob, none));
@@ -1101,7 +1116,8 @@ TEST_F(GpuEngineTest, CapturedStepsHashTopK) {
   CapturedStepsEqualEagerCalls(HashMethod(0.f, 24, 4, 2), p, {900}, 8e-3, "hash top-24");
 }
 
-// Top-k and S2ANTA-prop (2 bits; 1 bit is refused) over compressed keys, K and V in host memory:
+// Top-k and S2ANTA-prop (2 bits; 1 bit is refused; per head and the group mixture) over
+// compressed keys, K and V in host memory:
 // each step appends its key to the compressed keys on the device, closing a group where the
 // step fills one (250 -> 260 and 1020 -> 1030 cross 256 and 1024) with the bits the eager
 // path's host quantization gives, so the captured scores select the eager rows; a short window
@@ -1119,6 +1135,8 @@ TEST_F(GpuEngineTest, CapturedStepsOverCompressedKeys) {
     // Equal lengths: the eager rig draws every sequence of a call with one position's seed.
     CapturedStepsEqualEagerCalls(santa, p, {250, 250}, 0.02, "S2ANTA-prop" + b);
     CapturedStepsEqualEagerCalls(santa, p, {1020}, 0.02, "S2ANTA-prop, one sequence" + b);
+    santa.santa.proposal = kernels::SantaProposal::kGroupMixture;
+    CapturedStepsEqualEagerCalls(santa, p, {1020}, 0.02, "S2ANTA-prop, group mixture" + b);
   }
 }
 

@@ -110,6 +110,7 @@ def methods(smoke: bool) -> dict[str, Any]:
         "ckeys2-s2anta-prop-S256": Santa(samples=256, scores="compressed"),
         # One sample per kv head from its query heads' mean softmax (S rows cross, not the union).
         "ckeys2-s2anta-prop-S128-group": Santa(samples=128, scores="compressed", proposal="group"),
+        "ckeys2-s2anta-prop-S256-group": Santa(samples=256, scores="compressed", proposal="group"),
         "ckeys2-s2anta-prop-S512-group": Santa(samples=512, scores="compressed", proposal="group"),
         "ckeys8-s2anta-prop-S128": Santa(samples=128, scores="compressed"),
         "ckeys2-s2anta-prop-S128-none": Santa(samples=128, scores="compressed", correction="none"),

@@ -108,7 +108,7 @@ class Santa:
     ``proposal="group"`` (with compressed scores and the ratio correction) draws the ``samples``
     once per kv head from the mean of its query heads' softmax, so S rows cross per kv head
     instead of the union of each head's S; its bias shows where the heads attend apart
-    (docs/ACCURACY.md). The CPU engine serves it."""
+    (docs/ACCURACY.md). Both engines serve it; the GPU in captured steps too."""
 
     samples: int = 128
     sampler: Literal["iid", "stratified", "systematic"] = "systematic"
