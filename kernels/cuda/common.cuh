@@ -419,6 +419,18 @@ __device__ __forceinline__ void Mma16816(float (&c)[4], uint32_t a0, uint32_t a1
   }
 }
 
+// c[16 x 8] += a[16 x 32] b[32 x 8], int8 operands, exact int32 sums (mma.m16n8k32; with
+// g = lane / 4 and t = lane % 4: a0 row g, columns 4t .. 4t + 3, a1 row g + 8, a2 and a3 the same
+// rows at columns 16 + 4t; b0 rows 4t .. 4t + 3 of column g, b1 rows 16 + 4t; c as Mma16816's).
+__device__ __forceinline__ void MmaInt8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
 // ---- Scans and compaction: the one copy of each, for every kernel. ----
 
 // The max and the sum over the lanes of a warp (a butterfly: every lane gets the result; the sum

@@ -18,16 +18,16 @@ __device__ __forceinline__ float Half(uint16_t bits) {
 //
 // Closed groups of 1- and 2-bit keys (CompressedScoresMmaKernel) on the tensor cores: with
 // w_c = q_c * step_c (the reference's product), q . k~_t - base = sum_c w_c code_tc is a
-// [group x d] by [d x G] product whose left operand, the codes, is exact in fp16. Each head's w
-// is scaled by 2^-e (e from frexp of max_c |w_c|, so |w| 2^-e < 1) and split into fp16 hi + lo
-// (|w 2^-e - hi - lo| <= 2^-23), so one mma.m16n8k16 takes 16 tokens x 16 channels against four
-// heads' hi and lo columns (n = 2h + part), its fp32 accumulators summing products that are exact
-// in fp32; the base sum_c q_c lo_c by a butterfly over the lanes. The score differs from the
-// reference's channel-order fp32 sums by rounding only (compressed_keys.h states the bound). The
-// group's lo, step and codes are staged in shared memory first (one round trip of cp.async). The codes go from a word to
-// fp16 pairs without a conversion: bits s and s + 16 of the word, masked, or'ed into 0x6400 (the
-// fp16 1024 + code) less 1024; MMA k-slots are ordered so that each lane's four channels of a
-// k-tile are two such pairs (MmaChannel).
+// [group x d] by [d x G] product whose left operand, the codes, is a small integer. Each head's
+// w is scaled by 2^-e (e from frexp of max_c |w_c|) and written as three base-128 int8 digits,
+// 64 w 2^-e = W1 + W2 / 128 + W3 / 128^2 + r (|W| <= 64, |r| <= 2^-15), so int8 mma.m16n8k32
+// takes 16 tokens x 32 channels against the heads' digit columns with exact int32 sums, and the
+// codes go to the A fragments without a conversion: (word >> shift) & 0x03030303 (0x01010101 for
+// one bit) puts four channels' codes in the four bytes of a register, the MMA's k-slots ordered
+// to match (KSlotChannel). The base sum_c q_c lo_c is a butterfly over the lanes. A score
+// differs from the reference's channel-order fp32 sums by rounding only (compressed_keys.h
+// states the bound). The group's lo, step and codes are staged in shared memory first (one
+// round trip of cp.async), its digits written once per group in the B fragments' order.
 //
 // Closed groups of 4- and 8-bit keys (CompressedScoresKernel): each lane scores kTokensPerLane
 // tokens for every query head of the GQA group side by side, by the reference's arithmetic term
@@ -62,14 +62,15 @@ __device__ __forceinline__ void LoadHeads(const float* p, float (&v)[G]) {
 __host__ __device__ constexpr int64_t ScoreSmemFloats(int64_t G, int64_t d, int64_t warps) {
   return G * d + warps * (G * d + 8);
 }
-// The tensor-core kernel's n-tiles (8 columns: four heads' hi and lo) and shared memory: qf
-// [d][G], then per warp a header (base [8], exponent scales [8]), the B fragments [d / 16]
-// [n-tiles][32 lanes] of two 32-bit registers, the group's lo and step (2 d fp16) and
-// kStageWords words of its codes (a chunk of its tokens, all of them for d * bits <= 256).
+// The tensor-core kernel's n-tiles (per four heads: digits 1 and 2 of each head in one tile,
+// digit 3 in the next) and shared memory: qf [d][G], then per warp a header (base [8], exponent
+// [8]), the B fragments [d / 32][n-tiles][32 lanes] of two 32-bit registers, the group's lo and
+// step (2 d fp16) and kStageWords words of its codes (a chunk of its tokens, all of them for
+// d * bits <= 256).
 constexpr int64_t kStageWords = 1024;
-__host__ __device__ constexpr int MmaNTiles(int64_t G) { return G > 4 ? 2 : 1; }
+__host__ __device__ constexpr int MmaNTiles(int64_t G) { return 2 * static_cast<int>((G + 3) / 4); }
 __host__ __device__ constexpr int64_t MmaWarpFloats(int64_t G, int64_t d) {
-  return 16 + d / 16 * MmaNTiles(G) * 64 + d + kStageWords;
+  return 16 + d / 32 * MmaNTiles(G) * 64 + d + kStageWords;
 }
 __host__ __device__ constexpr int64_t MmaSmemFloats(int64_t G, int64_t d, int64_t warps) {
   return G * d + warps * MmaWarpFloats(G, d);
@@ -148,35 +149,34 @@ __device__ __forceinline__ void StageWords(uint32_t* dst, const uint32_t* src, i
   __syncwarp();
 }
 
-// Which channel of a word's k-tile m the MMA's k-slot `slot` of lane quad position t reads (the
-// A fragment's slots 2t, 2t + 1, 2t + 8, 2t + 9 are CodePair's low and high halves at code
-// offsets 2t + 8m and 2t + 1 + 8m): see the comment above.
+// The channel (within its 32-channel k-tile) at k-slot 4t + i (half 0) or 16 + 4t + i (half 1)
+// of mma.m16n8k32: the byte i of CodeBytes' register for lane quad position t.
 template <int BITS>
-__device__ __forceinline__ int32_t MmaChannel(int t, int m, int slot_pair, int high) {
-  return 2 * t + slot_pair + 8 * m + high * (16 / BITS);
+__device__ __forceinline__ int32_t KSlotChannel(int t, int i, int half) {
+  return BITS == 2 ? 16 * half + 4 * i + t : 8 * i + t + 4 * half;
 }
 
-// Codes number s and s + 16 / BITS of word x as an fp16 pair {low, high}.
+// The A fragment register of k-tile half `half` for quad position t from the row's words of the
+// k-tile (two words of 16 channels at 2 bits, one word of 32 at 1 bit): four codes, one a byte.
 template <int BITS>
-__device__ __forceinline__ uint32_t CodePair(uint32_t x, int s) {
-  constexpr uint32_t kMask = (1u << BITS) - 1;
-  const uint32_t h = ((x >> (BITS * s)) & (kMask | (kMask << 16))) | 0x64006400u;
-  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&h), __float2half2_rn(1024.f));
-  return *reinterpret_cast<const uint32_t*>(&r);
+__device__ __forceinline__ uint32_t CodeBytes(uint32_t w0, uint32_t w1, int t, int half) {
+  if constexpr (BITS == 2) return ((half == 0 ? w0 : w1) >> (2 * t)) & 0x03030303u;
+  return (w0 >> (t + 4 * half)) & 0x01010101u;
 }
 
 template <typename T, int G, int BITS>
 __global__ void __launch_bounds__(32 * kGroupsPerBlock)
     CompressedScoresMmaKernel(CompressedScoreParams p) {
-  constexpr int NT = MmaNTiles(G), P = 32 / BITS, KPW = P / 16;
+  constexpr int NT = MmaNTiles(G), HG = NT / 2;  // n-tiles, groups of four heads
   extern __shared__ __align__(16) float smem[];
   const int32_t d = p.head_dim;
   float* qf = smem;
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* base = qf + G * d + warp * MmaWarpFloats(G, d);
-  float* wscale = base + 8;                            // [G] 2^-e of each head
-  uint2* bfrag = reinterpret_cast<uint2*>(base + 16);  // [d / 16][NT][32]
-  uint16_t* lo = reinterpret_cast<uint16_t*>(base + 16 + d / 16 * NT * 64);  // [d], step [d]
+  int* expo = reinterpret_cast<int*>(base + 8);         // [G]
+  uint32_t* bfrag = reinterpret_cast<uint32_t*>(base + 16);  // [d / 32][NT][32][2]
+  const int32_t bwords = d / 32 * NT * 64;
+  uint16_t* lo = reinterpret_cast<uint16_t*>(bfrag + bwords);  // [d], then step [d]
   const uint16_t* step = lo + d;
   uint32_t* codes = reinterpret_cast<uint32_t*>(lo + 2 * d);  // [kStageWords]
   const int32_t b = blockIdx.z, j = blockIdx.y;
@@ -197,6 +197,7 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
   const uint32_t* gcodes = reinterpret_cast<const uint32_t*>(block);
   StageWords(reinterpret_cast<uint32_t*>(lo), gcodes + static_cast<int64_t>(p.group) * words, d,
              lane);
+  for (int32_t x = lane; x < bwords; x += 32) bfrag[x] = 0u;  // digit 3, absent heads: zero
   // Each head's base, and its exponent: lane x covers head x % G (G divides 32); the sums over
   // the lanes' channels by butterfly (an order of our own: within the bound, not the reference's).
   float part[G], mx = 0.f;
@@ -224,74 +225,91 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
   for (int h = 0; h < G; ++h) {
     if (lane == h) {
       base[h] = part[h];
-      wscale[h] = ldexpf(1.f, -e);
+      expo[h] = e;
     }
   }
   __syncwarp();
-  // B fragments: lane (column c = lane / 4 of n-tile nt, t = lane % 4) holds k-slots 2t, 2t + 1
-  // and 2t + 8, 2t + 9 of column nt * 8 + c: head (nt * 8 + c) / 2, its hi (even) or lo part.
-  const int t = lane % 4, gid = lane / 4;
-  for (int32_t kt = 0; kt < d / 16; ++kt) {
-    const int32_t w0 = (kt / KPW) * P, m = kt % KPW;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int col = nt * 8 + gid, h = col / 2, part_lo = col % 2;
-      uint32_t r[2] = {0u, 0u};
-      if (h < G) {
-        const float sc = wscale[h];
-#pragma unroll
-        for (int pair = 0; pair < 2; ++pair) {
-          __half v[2];
-#pragma unroll
-          for (int high = 0; high < 2; ++high) {
-            const int32_t c = w0 + MmaChannel<BITS>(t, m, pair, high);
-            const float w = __fmul_rn(__fmul_rn(qf[c * G + h], Half(step[c])), sc);
-            const __half hi = __float2half_rn(w);
-            v[high] = part_lo == 0 ? hi : __float2half_rn(__fsub_rn(w, __half2float(hi)));
-          }
-          const __half2 hv = __halves2half2(v[0], v[1]);
-          r[pair] = *reinterpret_cast<const uint32_t*>(&hv);
-        }
+  // Digits: lane x takes (channel x / G, head x % G) and writes its three digits where the B
+  // fragments hold them: column 2 (h % 4) + (D % 2) of n-tile 2 (h / 4) + D / 2; for channel c,
+  // k-tile c / 32, lane 4 * column + t and register half, byte i (KSlotChannel's inverse).
+  {
+    const int h = lane % G;
+    const float sc = ldexpf(64.f, -expo[h]);
+    for (int32_t x = lane; x < G * d; x += 32) {
+      const int32_t c = x / G, cc = c % 32, kt = c / 32;
+      int t, i, half;
+      if constexpr (BITS == 2) {
+        half = cc / 16;
+        t = cc % 4;
+        i = (cc % 16) / 4;
+      } else {
+        half = (cc / 4) % 2;
+        t = cc % 4;
+        i = cc / 8;
       }
-      bfrag[(kt * NT + nt) * 32 + lane] = make_uint2(r[0], r[1]);
+      float y = __fmul_rn(__fmul_rn(qf[x], Half(step[c])), sc);  // |y| < 64
+      auto* bytes = reinterpret_cast<int8_t*>(bfrag);
+#pragma unroll
+      for (int D = 0; D < 3; ++D) {
+        const float w = rintf(y);
+        y = __fmul_rn(__fsub_rn(y, w), 128.f);  // exact: the remainder, scaled
+        const int col = 2 * (h % 4) + D % 2, nt = 2 * (h / 4) + D / 2;
+        bytes[(((kt * NT + nt) * 32 + col * 4 + t) * 2 + half) * 4 + i] = static_cast<int8_t>(w);
+      }
     }
   }
-  // The head this lane writes (columns 2t, 2t + 1 of n-tile nt: head nt * 4 + t), its exponent.
-  int ex[NT];
+  __syncwarp();
+  const int t = lane % 4, gid = lane / 4;
+  // The heads this lane writes (nt * 4 + t for each group of four), their exponents.
+  int ex[HG];
 #pragma unroll
-  for (int nt = 0; nt < NT; ++nt) ex[nt] = __shfl_sync(0xffffffffu, e, min(nt * 4 + t, G - 1));
+  for (int hg = 0; hg < HG; ++hg) ex[hg] = expo[min(hg * 4 + t, G - 1)] - 6;
   const int32_t chunk = min(p.group, static_cast<int32_t>(kStageWords) / words);
+  const uint2* bf = reinterpret_cast<const uint2*>(bfrag);
   for (int32_t c0 = 0; c0 < p.group; c0 += chunk) {
     __syncwarp();  // the previous chunk's reads done
     StageWords(codes, gcodes + static_cast<int64_t>(c0) * words, chunk * words, lane);
     for (int32_t mt = 0; mt < chunk / 16; ++mt) {
       const int32_t r0 = mt * 16 + gid, r1 = r0 + 8;
-      float acc[NT][4];
+      int acc[NT][4];
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.f;
+      for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
 #pragma unroll 4
-      for (int32_t kw = 0; kw < words; ++kw) {
-        const uint32_t x0 = codes[r0 * words + kw], x1 = codes[r1 * words + kw];
+      for (int32_t kt = 0; kt < d / 32; ++kt) {
+        uint32_t x0a, x0b = 0u, x1a, x1b = 0u;
+        if constexpr (BITS == 2) {
+          const uint2 y0 = *reinterpret_cast<const uint2*>(codes + r0 * words + 2 * kt);
+          const uint2 y1 = *reinterpret_cast<const uint2*>(codes + r1 * words + 2 * kt);
+          x0a = y0.x, x0b = y0.y, x1a = y1.x, x1b = y1.y;
+        } else {
+          x0a = codes[r0 * words + kt];
+          x1a = codes[r1 * words + kt];
+        }
+        const uint32_t a0 = CodeBytes<BITS>(x0a, x0b, t, 0), a1 = CodeBytes<BITS>(x1a, x1b, t, 0);
+        const uint32_t a2 = CodeBytes<BITS>(x0a, x0b, t, 1), a3 = CodeBytes<BITS>(x1a, x1b, t, 1);
 #pragma unroll
-        for (int m = 0; m < KPW; ++m) {
-          const int s0 = 2 * t + 8 * m;
-          const uint32_t a0 = CodePair<BITS>(x0, s0), a1 = CodePair<BITS>(x1, s0);
-          const uint32_t a2 = CodePair<BITS>(x0, s0 + 1), a3 = CodePair<BITS>(x1, s0 + 1);
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const uint2 bb = bfrag[((kw * KPW + m) * NT + nt) * 32 + lane];
-            Mma16816<Fp16>(acc[nt], a0, a1, a2, a3, bb.x, bb.y);
-          }
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint2 bb = bf[(kt * NT + nt) * 32 + lane];
+          MmaInt8(acc[nt], a0, a1, a2, a3, bb.x, bb.y);
         }
       }
-      // acc[nt][0..1]: head nt * 4 + t's hi and lo columns at token r0; [2..3] at r1.
+      // acc[2 hg][0..1]: head hg * 4 + t's digits 1 and 2 at token r0, acc[2 hg + 1][0] its
+      // digit 3; [2..3] at r1.
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const int h = nt * 4 + t;
+      for (int hg = 0; hg < HG; ++hg) {
+        const int h = hg * 4 + t;
         if (h >= G) continue;
         const int64_t at = h * p.score_stride + static_cast<int64_t>(g) * p.group + c0;
-        const float s0 = ldexpf(__fadd_rn(acc[nt][0], acc[nt][1]), ex[nt]);
-        const float s1 = ldexpf(__fadd_rn(acc[nt][2], acc[nt][3]), ex[nt]);
+        const int* d12 = acc[2 * hg];
+        const int* d3 = acc[2 * hg + 1];
+        const float s0 = ldexpf(
+            __fadd_rn(__fadd_rn(static_cast<float>(d12[0]), static_cast<float>(d12[1]) * 0x1p-7f),
+                      static_cast<float>(d3[0]) * 0x1p-14f),
+            ex[hg]);
+        const float s1 = ldexpf(
+            __fadd_rn(__fadd_rn(static_cast<float>(d12[2]), static_cast<float>(d12[3]) * 0x1p-7f),
+                      static_cast<float>(d3[2]) * 0x1p-14f),
+            ex[hg]);
         out[at + r0] = __fmul_rn(__fadd_rn(base[h], s0), p.scale);
         out[at + r1] = __fmul_rn(__fadd_rn(base[h], s1), p.scale);
       }
@@ -377,9 +395,10 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
   }
 }
 
-// The tensor-core kernel takes 1- and 2-bit keys in groups of a multiple of 16 tokens.
+// The tensor-core kernel takes 1- and 2-bit keys of a head_dim that is a multiple of 32 in groups
+// of a multiple of 16 tokens.
 inline bool ScoresOnTensorCores(const CompressedScoreParams& p) {
-  return (p.bits == 1 || p.bits == 2) && p.group % 16 == 0;
+  return (p.bits == 1 || p.bits == 2) && p.head_dim % 32 == 0 && p.group % 16 == 0;
 }
 
 template <typename T, int G>

@@ -2,14 +2,14 @@
 // approximate scores they give (CPU reference: kernels/compressed_keys.h,
 // ApproximateScores): scale * q . k~_t for every token of every (sequence, query head), the
 // closed groups from their blocks (the host layout, one block per group, uploaded verbatim), the
-// open group's tokens from their exact rows. 1- and 2-bit keys are scored on the tensor cores
-// (the codes exact in fp16, each head's q_c * step_c split into two fp16 parts after a power-of-2
-// scaling; the group's codes staged in shared memory): their scores differ from the reference's
-// by rounding only, within 2^-14 of scale * sum_c (|q_c lo_c| + code_max |q_c step_c|)
-// (compressed_keys_test.cc states the bound), so
-// a top-k over them can differ from the CPU's only between near-ties. 4- and 8-bit keys and the
-// open group's rows are scored by the reference's arithmetic, term by term in its order (single
-// roundings, no fused multiply-add): its scores bit for bit.
+// open group's tokens from their exact rows. 1- and 2-bit keys (head_dim a multiple of 32) are
+// scored on the tensor cores (int8 MMA: the codes against each head's q_c * step_c written as
+// three base-128 digits after a power-of-2 scaling; the group's codes staged in shared memory):
+// their scores differ from the reference's by rounding only, within scale * (code_max d 2^-20
+// max_c |q_c step_c| + 2^-14 sum_c (|q_c lo_c| + code_max |q_c step_c|)) (compressed_keys_test.cc
+// checks it), so a top-k over them can differ from the CPU's only between near-ties. Other
+// widths and the open group's rows are scored by the reference's arithmetic, term by term in its
+// order (single roundings, no fused multiply-add): its scores bit for bit.
 // The launcher never allocates or synchronises; a fixed-shape call can be captured in a graph.
 #ifndef KVSPARSE_KERNELS_CUDA_COMPRESSED_KEYS_H_
 #define KVSPARSE_KERNELS_CUDA_COMPRESSED_KEYS_H_

@@ -14,16 +14,20 @@ namespace kvsparse::kernels::cuda {
 namespace {
 
 // How far the tensor cores' score of a token of closed group g may be from the reference's
-// (compressed_keys.h): 2^-14 of scale * sum_c (|q_c lo_c| + code_max |q_c step_c|). A channel
-// read for another, or a code off by one, moves a score by about 1/d of that sum or more.
+// (compressed_keys.h): scale * (code_max d 2^-20 max_c |w_c| + 2^-14 sum_c (|q_c lo_c| +
+// code_max |w_c|)), w_c = q_c step_c: the digits' remainder and the fp32 sums' rounding. A
+// channel read for another, or a code off by one, moves a score by far more (checked below).
 float TensorCoreBound(const CompressedKeysView& v, int64_t g, const float* q, float scale) {
-  double base = 0, sum = 0;
+  double base = 0, sum = 0, mx = 0;
   for (int32_t c = 0; c < v.head_dim; ++c) {
+    const double w = std::fabs(static_cast<double>(q[c]) * keyq::Half(v.step(g)[c]));
     base += std::fabs(static_cast<double>(q[c]) * keyq::Half(v.lo(g)[c]));
-    sum += std::fabs(static_cast<double>(q[c]) * keyq::Half(v.step(g)[c]));
+    sum += w;
+    mx = std::max(mx, w);
   }
   const double code_max = (1 << v.bits) - 1;
-  return static_cast<float>(std::ldexp(scale * (base + code_max * sum), -14));
+  return static_cast<float>(scale * (code_max * v.head_dim * std::ldexp(mx, -20) +
+                                     std::ldexp(base + code_max * sum, -14)));
 }
 
 // The GPU's approximate scores of B = 3 sequences (ragged lengths: one shorter than a group, one
