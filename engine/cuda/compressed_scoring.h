@@ -1,6 +1,7 @@
 // The scores of every token of every query head from the sequences' compressed keys
-// (kernels/cuda/compressed_keys.h, CompressedScores: the CPU reference's scores bit for bit), for
-// the GPU runners that select from them: top-k and S2ANTA over compressed keys. DeviceState keeps
+// (kernels/cuda/compressed_keys.h, CompressedScores: the CPU reference's scores up to a stated
+// rounding bound), for the GPU runners that select from them: top-k, S2ANTA (per head and the
+// group mixture) and vAttention's compressed predictor over compressed keys. DeviceState keeps
 // the keys (a few bits per channel in closed groups of kKeyGroupTokens, the open group's rows
 // exact); this reads them where they live.
 #ifndef KVSPARSE_ENGINE_CUDA_COMPRESSED_SCORING_H_

@@ -2,8 +2,8 @@
 // them: a few bits per key channel, the open group's rows exact), then the shared
 // selected-rows path (engine/cuda/selected_rows_call.h: row cache, fetch, estimate):
 //   CompressedScores  scale * q . k~ for every token of every query head (the CPU reference's
-//                     scores bit for bit, so both engines select the same rows;
-//                     engine/cuda/compressed_scoring.h);
+//                     scores up to rounding, so both engines select the same rows except
+//                     between near-ties; engine/cuda/compressed_scoring.h);
 //   ScoreTopK         sink + local window + top-k by score per query head;
 //   UnionSelected     the union over each GQA group (each row once per kv head).
 // Only the selected K and V rows cross the host link. Exact scores (the oracle, which reads

@@ -2,7 +2,7 @@
 //   hash        the query signatures, then VAttentionDecode (fixed set from the signatures,
 //               uniform base sample, budget for (epsilon, delta), uniform final sample, estimate);
 //   compressed  with the importance sampler: every token's score from the sequence's compressed
-//               keys (engine/cuda/compressed_scoring.h, the CPU's scores bit for bit), then
+//               keys (engine/cuda/compressed_scoring.h, the CPU's scores up to rounding), then
 //               VAttentionDecode in importance mode (fixed set by those scores, draws from their
 //               softmax, weights 1 / (b p_t); kernels/cuda/vattention.h).
 // Each reads each row once per GQA group (the union of the group's lists, copied into a row set).

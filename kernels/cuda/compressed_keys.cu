@@ -124,8 +124,8 @@ __device__ void ScoreOpenGroup(const CompressedScoreParams& p, const float* qf, 
 
 // The group's base sum_c q_c lo_c per head, one lane a head, in channel order.
 template <int G>
-__device__ __forceinline__ void GroupBase(const float* qf, const uint16_t* lo, int32_t d,
-                                          int lane, float* base) {
+__device__ __forceinline__ void GroupBase(const float* qf, const uint16_t* lo, int32_t d, int lane,
+                                          float* base) {
   if (lane < G) {
     float s = 0.f;
 #pragma unroll 8
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
   float* qf = smem;
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* base = qf + G * d + warp * MmaWarpFloats(G, d);
-  int* expo = reinterpret_cast<int*>(base + 8);         // [G]
+  int* expo = reinterpret_cast<int*>(base + 8);              // [G]
   uint32_t* bfrag = reinterpret_cast<uint32_t*>(base + 16);  // [d / 32][NT][32][2]
   const int32_t bwords = d / 32 * NT * 64;
   uint16_t* lo = reinterpret_cast<uint16_t*>(bfrag + bwords);  // [d], then step [d]
@@ -216,7 +216,8 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
 #pragma unroll
-    for (int h = 0; h < G; ++h) part[h] = __fadd_rn(part[h], __shfl_xor_sync(0xffffffffu, part[h], o));
+    for (int h = 0; h < G; ++h)
+      part[h] = __fadd_rn(part[h], __shfl_xor_sync(0xffffffffu, part[h], o));
     if (o >= G) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   }
   int e = 0;

@@ -508,10 +508,9 @@ cudaError_t GroupMixtureFromScores(const GroupMixtureParams& p, void* workspace,
                                    size_t workspace_bytes, cudaStream_t stream) {
   if (p.batch < 0 || p.num_q_heads < 1 || p.num_kv_heads < 1 ||
       p.num_q_heads % p.num_kv_heads != 0 || p.num_q_heads / p.num_kv_heads > 8 ||
-      p.max_seq_len < 0 || p.scores == nullptr || p.seq_lens == nullptr ||
-      p.mixture == nullptr || p.score_stride < p.max_seq_len ||
-      p.mixture_stride < p.max_seq_len || MixChunks(p) > kMixMaxChunks ||
-      workspace_bytes < GroupMixtureWorkspaceBytes(p) ||
+      p.max_seq_len < 0 || p.scores == nullptr || p.seq_lens == nullptr || p.mixture == nullptr ||
+      p.score_stride < p.max_seq_len || p.mixture_stride < p.max_seq_len ||
+      MixChunks(p) > kMixMaxChunks || workspace_bytes < GroupMixtureWorkspaceBytes(p) ||
       (GroupMixtureWorkspaceBytes(p) > 0 && workspace == nullptr)) {
     return cudaErrorInvalidValue;
   }

@@ -16,12 +16,12 @@
 // the scores' own rounding (kernels/cuda/compressed_keys.h), moves a threshold across a
 // cumulative sum.
 //
-// The group mixture proposal (kernels/santa.h, "The group mixture proposal"): GroupMixtureFromScores
-// turns the G query heads' score rows of each (sequence, kv head) into the mixture's scores, and
-// PropFromScores with heads_per_row = G samples those rows once per kv head (with the streams of
-// the kv head's first query head, as the CPU reference draws) and writes the sample to each of the
-// G heads' outputs: S + 1 rows at most per kv head, each head weighting them by its own exact
-// scores against the mixture's.
+// The group mixture proposal (kernels/santa.h, "The group mixture proposal"):
+// GroupMixtureFromScores turns the G query heads' score rows of each (sequence, kv head) into the
+// mixture's scores, and PropFromScores with heads_per_row = G samples those rows once per kv head
+// (with the streams of the kv head's first query head, as the CPU reference draws) and writes the
+// sample to each of the G heads' outputs: S + 1 rows at most per kv head, each head weighting them
+// by its own exact scores against the mixture's.
 #ifndef KVSPARSE_KERNELS_CUDA_SANTA_SCORES_H_
 #define KVSPARSE_KERNELS_CUDA_SANTA_SCORES_H_
 
@@ -75,9 +75,9 @@ cudaError_t PropFromScores(const PropFromScoresParams& p, void* workspace, size_
 // rounding); -inf where no head has mass. Two launches (each head's lse by chunks of tokens, then
 // the mixture), capturable.
 struct GroupMixtureParams {
-  int32_t batch = 0;         // B
-  int32_t num_q_heads = 0;   // H
-  int32_t num_kv_heads = 0;  // Hkv, dividing H with H / Hkv <= 8
+  int32_t batch = 0;              // B
+  int32_t num_q_heads = 0;        // H
+  int32_t num_kv_heads = 0;       // Hkv, dividing H with H / Hkv <= 8
   const float* scores = nullptr;  // device, shape: [B * H, score_stride]
   int64_t score_stride = 0;
   const int32_t* seq_lens = nullptr;  // device [B]

@@ -15,8 +15,9 @@ namespace {
 // PropFromScores samples what the CPU reference (PlanSantaHead + SampleSantaHead, prop) samples
 // from the same scores: per (sequence, head) the same rows ascending, counts read back from the
 // log2 weights (log2(c) - s log2 e), the budget S. Ragged lengths (0, 1, under a tile, many
-// tiles, more tiles than a block's threads: the budgets' scans in chunks), peaked and flat heads, a masked (-inf) tile, GQA group 4, per-sequence seeds. A head
-// may differ where expf's last bit moves a threshold: at most 1 in 100 heads.
+// tiles, more tiles than a block's threads: the budgets' scans in chunks), peaked and flat heads, a
+// masked (-inf) tile, GQA group 4, per-sequence seeds. A head may differ where expf's last bit
+// moves a threshold: at most 1 in 100 heads.
 TEST(SantaScoresCudaTest, SamplesWhatTheCpuSamples) {
   KVSPARSE_REQUIRE_GPU();
   const std::vector<int32_t> lens = {0, 1, 200, 3000, 20000, 70000};
@@ -210,7 +211,8 @@ TEST(SantaScoresCudaTest, GroupMixtureSamplesOncePerKvHead) {
                                           idx.begin() + bh * p.max_selected + cnt[bh]);
         ASSERT_EQ(rows_g, want.tokens) << "head " << g;
         for (size_t r = 0; r < rows_g.size(); ++r) {
-          const float c = std::exp2(lw[bh * p.max_selected + r] + row[rows_g[r]] * 1.4426950408889634f);
+          const float c =
+              std::exp2(lw[bh * p.max_selected + r] + row[rows_g[r]] * 1.4426950408889634f);
           EXPECT_NEAR(c, want.counts[r], 1e-3f * want.counts[r]) << "row " << rows_g[r];
         }
       }

@@ -1,11 +1,11 @@
 // Sink + local window + top-k by float scores on the GPU, per (sequence, query head): the
 // selection rule of kernels/hash_topk.h SelectSinkLocalTopK (score descending, ties to the lower
 // token index), exactly, so that with the scores of CompressedScores (kernels/cuda/
-// compressed_keys.h, equal to the CPU's bit for bit) it selects the rows of the CPU reference
-// (kernels/score_topk.h). A radix select of the k-th largest score (four 8-bit passes over the
-// scores), then one ordered compaction pass. Its output is HashTopK's, so the union over the
-// GQA group and the selected-rows path (row cache, fetch, estimate) take it as they are.
-// The launcher never allocates or synchronises.
+// compressed_keys.h, the CPU's up to rounding) it selects the rows of the CPU reference
+// (kernels/score_topk.h) except between near-ties. A radix select of the k-th largest score (four
+// 8-bit passes over the scores), then one ordered compaction pass. Its output is HashTopK's, so the
+// union over the GQA group and the selected-rows path (row cache, fetch, estimate) take it as they
+// are. The launcher never allocates or synchronises.
 #ifndef KVSPARSE_KERNELS_CUDA_SCORE_TOPK_H_
 #define KVSPARSE_KERNELS_CUDA_SCORE_TOPK_H_
 

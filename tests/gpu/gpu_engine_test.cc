@@ -385,10 +385,11 @@ CompressedCase CompressedCaseOf(int pl) {
 }
 
 // Top-k by compressed-key scores with K and V in host memory (the offloaded case) and on the
-// device: the GPU's scores equal the CPU reference's bit for bit, so both engines select the same
-// rows, fetch them and count the same bytes (the compressed keys' blocks and open rows read on
-// the device); lengths below one group, on a group boundary and ragged; a repeated step reads
-// every row from the row cache. Exact scores (the oracle reads every key) stay on the CPU engine.
+// device: the GPU's scores equal the CPU reference's up to rounding (no near-ties here), so both
+// engines select the same rows, fetch them and count the same bytes (the compressed keys' blocks
+// and open rows read on the device); lengths below one group, on a group boundary and ragged; a
+// repeated step reads every row from the row cache. Exact scores (the oracle reads every key) stay
+// on the CPU engine.
 TEST_F(GpuEngineTest, TopKByCompressedKeys) {
   for (int pl = 0; pl < 3; ++pl) {
     const CompressedCase cc = CompressedCaseOf(pl);
@@ -455,10 +456,10 @@ TEST_F(GpuEngineTest, ShortSequencesAndEmptySelections) {
 }
 
 // S2ANTA over compressed keys (the ratio correction, prop) with K and V in host memory and on the
-// device: the GPU samples from the compressed keys' scores (bit for bit the CPU's) with the CPU
+// device: the GPU samples from the compressed keys' scores (the CPU's up to rounding) with the CPU
 // reference's arithmetic, so nearly every head reads the rows the CPU engine reads (a sample can
-// move where expf's last bit differs) and the outputs agree; the sampled K and V rows cross. The
-// uncorrected estimate stays on the CPU engine.
+// move where a score's or expf's last bits differ) and the outputs agree; the sampled K and V rows
+// cross. The uncorrected estimate stays on the CPU engine.
 TEST_F(GpuEngineTest, SantaOverCompressedKeys) {
   for (int pl = 0; pl < 3; ++pl) {
     CompressedCase cc = CompressedCaseOf(pl);
@@ -526,11 +527,11 @@ TEST_F(GpuEngineTest, SantaOverCompressedKeys) {
 }
 
 // vAttention with the compressed predictor and the importance sampler, K and V in host memory
-// and on the device: the GPU scores every token from the compressed keys (the CPU's scores bit
-// for bit), takes the CPU reference's fixed set and draws from the same proposal, so the heads
+// and on the device: the GPU scores every token from the compressed keys (the CPU's scores up to
+// rounding), takes the CPU reference's fixed set and draws from the same proposal, so the heads
 // whose budgets agree read the CPU engine's rows and count its bytes (a draw can land elsewhere
-// where the two float64 cumulative sums round apart); the outputs agree. The uniform sampler
-// with this predictor (its residual bound) stays on the CPU engine.
+// where the scores or the two float64 cumulative sums round apart); the outputs agree. The uniform
+// sampler with this predictor (its residual bound) stays on the CPU engine.
 TEST_F(GpuEngineTest, VAttentionOverCompressedKeys) {
   for (int pl = 0; pl < 3; ++pl) {
     const CompressedCase cc = CompressedCaseOf(pl);
