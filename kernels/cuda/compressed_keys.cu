@@ -122,6 +122,30 @@ __device__ void ScoreOpenGroup(const CompressedScoreParams& p, const float* qf, 
   }
 }
 
+// What both kernels do first: the block's queries into qf (every warp of a block with a group to
+// score takes part: the block's one barrier is here), the open group scored by the warp that has
+// it. The warp's closed group, or -1 where it has none left (then the warp returns); out and slot
+// are (b, kv head j)'s scores and compressed keys.
+template <typename T, int G>
+__device__ __forceinline__ int32_t ClosedGroupOfWarp(const CompressedScoreParams& p, float* qf,
+                                                     float*& out, int64_t& slot) {
+  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int32_t b = blockIdx.z, j = blockIdx.y;
+  const int32_t g = blockIdx.x * warps + warp;
+  const int32_t n = p.seq_lens[b];
+  const int32_t closed_groups = n / p.group;
+  if (static_cast<int32_t>(blockIdx.x) * warps > closed_groups) return -1;  // the whole block
+  out = LoadGroupQueries<T, G>(p, qf);
+  slot = static_cast<int64_t>(b) * p.num_kv_heads + j;
+  __syncthreads();  // the block's last barrier: from here each warp goes its own way
+  if (g > closed_groups) return -1;
+  if (g == closed_groups) {
+    ScoreOpenGroup<T, G>(p, qf, out, slot, closed_groups, n, lane);
+    return -1;
+  }
+  return g;
+}
+
 // The group's base sum_c q_c lo_c per head, one lane a head, in channel order.
 template <int G>
 __device__ __forceinline__ void GroupBase(const float* qf, const uint16_t* lo, int32_t d, int lane,
@@ -171,7 +195,7 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
   extern __shared__ __align__(16) float smem[];
   const int32_t d = p.head_dim;
   float* qf = smem;
-  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* base = qf + G * d + warp * MmaWarpFloats(G, d);
   int* expo = reinterpret_cast<int*>(base + 8);              // [G]
   uint32_t* bfrag = reinterpret_cast<uint32_t*>(base + 16);  // [d / 32][NT][32][2]
@@ -179,19 +203,10 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
   uint16_t* lo = reinterpret_cast<uint16_t*>(bfrag + bwords);  // [d], then step [d]
   const uint16_t* step = lo + d;
   uint32_t* codes = reinterpret_cast<uint32_t*>(lo + 2 * d);  // [kStageWords]
-  const int32_t b = blockIdx.z, j = blockIdx.y;
-  const int32_t g = blockIdx.x * warps + warp;
-  const int32_t n = p.seq_lens[b];
-  const int32_t closed_groups = n / p.group;
-  if (static_cast<int32_t>(blockIdx.x) * warps > closed_groups) return;  // the whole block
-  float* out = LoadGroupQueries<T, G>(p, qf);
-  const int64_t slot = static_cast<int64_t>(b) * p.num_kv_heads + j;
-  __syncthreads();  // the block's last barrier: from here each warp goes its own way
-  if (g > closed_groups) return;
-  if (g == closed_groups) {
-    ScoreOpenGroup<T, G>(p, qf, out, slot, closed_groups, n, lane);
-    return;
-  }
+  float* out = nullptr;
+  int64_t slot = 0;
+  const int32_t g = ClosedGroupOfWarp<T, G>(p, qf, out, slot);
+  if (g < 0) return;
   const uint8_t* block = p.group_heads[slot] + static_cast<int64_t>(g) * p.block_bytes;
   const int32_t words = d * BITS / 32;
   const uint32_t* gcodes = reinterpret_cast<const uint32_t*>(block);
@@ -324,22 +339,13 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
   extern __shared__ __align__(16) float smem[];
   const int32_t d = p.head_dim;
   float* qf = smem;  // [d][G] the queries as floats
-  const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   float* qs = qf + G * d + warp * (G * d + 8);  // [d][G] q_c * step_c of the warp's group
   float* base = qs + G * d;                     // [G] sum_c q_c lo_c
-  const int32_t b = blockIdx.z, j = blockIdx.y;
-  const int32_t g = blockIdx.x * warps + warp;
-  const int32_t n = p.seq_lens[b];
-  const int32_t closed_groups = n / p.group;
-  if (static_cast<int32_t>(blockIdx.x) * warps > closed_groups) return;  // the whole block
-  float* out = LoadGroupQueries<T, G>(p, qf);
-  const int64_t slot = static_cast<int64_t>(b) * p.num_kv_heads + j;
-  __syncthreads();  // the block's last barrier: from here each warp goes its own way
-  if (g > closed_groups) return;
-  if (g == closed_groups) {
-    ScoreOpenGroup<T, G>(p, qf, out, slot, closed_groups, n, lane);
-    return;
-  }
+  float* out = nullptr;
+  int64_t slot = 0;
+  const int32_t g = ClosedGroupOfWarp<T, G>(p, qf, out, slot);
+  if (g < 0) return;
   const uint8_t* block = p.group_heads[slot] + static_cast<int64_t>(g) * p.block_bytes;
   const int32_t bits = p.bits;
   const int32_t words = d * bits / 32;

@@ -12,6 +12,59 @@
 namespace kvsparse::kernels::cuda {
 namespace {
 
+// PropFromScores's outputs, read back: per query head its rows (max_selected a head), their
+// number, the budget S and the log2 weights.
+struct PropOutputs {
+  std::vector<int32_t> idx, cnt, bud;
+  std::vector<float> lw;
+  int32_t max_selected = 0;
+};
+
+// What PropFromScores samples, as the CPU reference's parameters.
+SantaParams PropParams(int32_t S) {
+  SantaParams params;
+  params.samples = S;
+  params.tile_size = 256;
+  return params;
+}
+
+// PropFromScores over `rows` device score rows a sequence ([B * rows, stride]), each serving
+// heads_per_row query heads, S samples in tiles of 256 with per-sequence seeds; the counts and
+// budgets poisoned first, so a head the kernel does not write shows.
+void RunProp(const float* scores, int32_t B, int32_t rows, int32_t hkv, int32_t heads_per_row,
+             int64_t stride, const int32_t* lens, const uint64_t* seeds, int32_t S,
+             PropOutputs* out) {
+  PropFromScoresParams p;
+  p.batch = B;
+  p.num_q_heads = rows;
+  p.num_kv_heads = hkv;
+  p.heads_per_row = heads_per_row;
+  p.scores = scores;
+  p.score_stride = stride;
+  p.seq_lens = lens;
+  p.max_seq_len = static_cast<int32_t>(stride);
+  p.num_samples = S;
+  p.tile_size = 256;
+  p.seeds = seeds;
+  p.max_selected = S + 1;
+  const size_t cells = static_cast<size_t>(B) * rows * heads_per_row;
+  DeviceBuffer di(cells * p.max_selected * 4), dc(cells * 4), db(cells * 4),
+      dw(cells * p.max_selected * 4), ws(PropFromScoresWorkspaceBytes(p));
+  ASSERT_EQ(dc.Poison(), cudaSuccess);
+  ASSERT_EQ(db.Poison(), cudaSuccess);
+  p.indices = di.as<int32_t>();
+  p.counts = dc.as<int32_t>();
+  p.budgets = db.as<int32_t>();
+  p.log2_weights = dw.as<float>();
+  KVSPARSE_ASSERT_CUDA(PropFromScores(p, ws.get(), ws.size(), nullptr));
+  KVSPARSE_ASSERT_CUDA(cudaDeviceSynchronize());
+  out->idx = ToHost<int32_t>(di, cells * p.max_selected);
+  out->cnt = ToHost<int32_t>(dc, cells);
+  out->bud = ToHost<int32_t>(db, cells);
+  out->lw = ToHost<float>(dw, cells * p.max_selected);
+  out->max_selected = p.max_selected;
+}
+
 // PropFromScores samples what the CPU reference (PlanSantaHead + SampleSantaHead, prop) samples
 // from the same scores: per (sequence, head) the same rows ascending, counts read back from the
 // log2 weights (log2(c) - s log2 e), the budget S. Ragged lengths (0, 1, under a tile, many
@@ -39,35 +92,10 @@ TEST(SantaScoresCudaTest, SamplesWhatTheCpuSamples) {
   std::vector<uint64_t> seeds(B);
   for (int32_t b = 0; b < B; ++b) seeds[b] = 1000 + 17 * b;
   DeviceBuffer ds = ToDevice(scores), dl = ToDevice(lens), dseed = ToDevice(seeds);
-  PropFromScoresParams p;
-  p.batch = B;
-  p.num_q_heads = H;
-  p.num_kv_heads = Hkv;
-  p.scores = ds.as<float>();
-  p.score_stride = n_max;
-  p.seq_lens = dl.as<int32_t>();
-  p.max_seq_len = n_max;
-  p.num_samples = S;
-  p.tile_size = 256;
-  p.seeds = dseed.as<uint64_t>();
-  p.max_selected = S + 1;
-  const size_t cells = static_cast<size_t>(B) * H;
-  DeviceBuffer di(cells * p.max_selected * 4), dc(cells * 4), db(cells * 4),
-      dw(cells * p.max_selected * 4), ws(PropFromScoresWorkspaceBytes(p));
-  ASSERT_EQ(dc.Poison(), cudaSuccess);
-  p.indices = di.as<int32_t>();
-  p.counts = dc.as<int32_t>();
-  p.budgets = db.as<int32_t>();
-  p.log2_weights = dw.as<float>();
-  KVSPARSE_ASSERT_CUDA(PropFromScores(p, ws.get(), ws.size(), nullptr));
-  KVSPARSE_ASSERT_CUDA(cudaDeviceSynchronize());
-  const auto idx = ToHost<int32_t>(di, cells * p.max_selected);
-  const auto cnt = ToHost<int32_t>(dc, cells);
-  const auto bud = ToHost<int32_t>(db, cells);
-  const auto lw = ToHost<float>(dw, cells * p.max_selected);
-  SantaParams params;
-  params.samples = S;
-  params.tile_size = 256;
+  PropOutputs o;
+  ASSERT_NO_FATAL_FAILURE(
+      RunProp(ds.as<float>(), B, H, Hkv, 1, n_max, dl.as<int32_t>(), dseed.as<uint64_t>(), S, &o));
+  const SantaParams params = PropParams(S);
   SantaHeadPlan plan;
   HeadRows rows;
   int differing = 0;
@@ -77,22 +105,22 @@ TEST(SantaScoresCudaTest, SamplesWhatTheCpuSamples) {
       SCOPED_TRACE(testing::Message() << "b " << b << " h " << h);
       const int32_t n = lens[b];
       if (n == 0) {
-        EXPECT_EQ(cnt[bh], 0);
-        EXPECT_EQ(bud[bh], 0);
+        EXPECT_EQ(o.cnt[bh], 0);
+        EXPECT_EQ(o.bud[bh], 0);
         continue;
       }
       const std::vector<float> s(scores.begin() + bh * n_max, scores.begin() + bh * n_max + n);
       ASSERT_TRUE(PlanSantaHead(s, params, &plan).ok());
       SampleSantaHead(plan, params, seeds[b], 0, h, h / (H / Hkv), &rows);
-      EXPECT_EQ(bud[bh], S);
-      std::vector<int32_t> got(idx.begin() + bh * p.max_selected,
-                               idx.begin() + bh * p.max_selected + cnt[bh]);
+      EXPECT_EQ(o.bud[bh], S);
+      std::vector<int32_t> got(o.idx.begin() + bh * o.max_selected,
+                               o.idx.begin() + bh * o.max_selected + o.cnt[bh]);
       if (got != rows.tokens) {
         ++differing;
         continue;
       }
       for (size_t r = 0; r < got.size(); ++r) {
-        const float c = std::exp2(lw[bh * p.max_selected + r] + s[got[r]] * 1.4426950408889634f);
+        const float c = std::exp2(o.lw[bh * o.max_selected + r] + s[got[r]] * 1.4426950408889634f);
         EXPECT_NEAR(c, rows.counts[r], 1e-3f * rows.counts[r]) << "row " << got[r];
       }
     }
@@ -142,38 +170,11 @@ TEST(SantaScoresCudaTest, GroupMixtureSamplesOncePerKvHead) {
   gm.mixture_stride = n_max;
   DeviceBuffer gws(std::max<size_t>(1, GroupMixtureWorkspaceBytes(gm)));
   KVSPARSE_ASSERT_CUDA(GroupMixtureFromScores(gm, gws.get(), gws.size(), nullptr));
-  PropFromScoresParams p;
-  p.batch = B;
-  p.num_q_heads = Hkv;
-  p.num_kv_heads = Hkv;
-  p.heads_per_row = G;
-  p.scores = dmix.as<float>();
-  p.score_stride = n_max;
-  p.seq_lens = dl.as<int32_t>();
-  p.max_seq_len = n_max;
-  p.num_samples = S;
-  p.tile_size = 256;
-  p.seeds = dseed.as<uint64_t>();
-  p.max_selected = S + 1;
-  const size_t cells = static_cast<size_t>(B) * H;
-  DeviceBuffer di(cells * p.max_selected * 4), dc(cells * 4), db(cells * 4),
-      dw(cells * p.max_selected * 4), ws(PropFromScoresWorkspaceBytes(p));
-  ASSERT_EQ(dc.Poison(), cudaSuccess);
-  ASSERT_EQ(db.Poison(), cudaSuccess);
-  p.indices = di.as<int32_t>();
-  p.counts = dc.as<int32_t>();
-  p.budgets = db.as<int32_t>();
-  p.log2_weights = dw.as<float>();
-  KVSPARSE_ASSERT_CUDA(PropFromScores(p, ws.get(), ws.size(), nullptr));
-  KVSPARSE_ASSERT_CUDA(cudaDeviceSynchronize());
+  PropOutputs o;
+  ASSERT_NO_FATAL_FAILURE(RunProp(dmix.as<float>(), B, Hkv, Hkv, G, n_max, dl.as<int32_t>(),
+                                  dseed.as<uint64_t>(), S, &o));
   const auto mix = ToHost<float>(dmix, rows * n_max);
-  const auto idx = ToHost<int32_t>(di, cells * p.max_selected);
-  const auto cnt = ToHost<int32_t>(dc, cells);
-  const auto bud = ToHost<int32_t>(db, cells);
-  const auto lw = ToHost<float>(dw, cells * p.max_selected);
-  SantaParams params;
-  params.samples = S;
-  params.tile_size = 256;
+  const SantaParams params = PropParams(S);
   SantaHeadPlan plan;
   HeadRows want;
   int64_t masked = 0;
@@ -197,7 +198,7 @@ TEST(SantaScoresCudaTest, GroupMixtureSamplesOncePerKvHead) {
         ASSERT_NEAR(got[t], ref[t], 2e-5f * std::max(1.f, std::fabs(ref[t]))) << "t " << t;
       }
       if (n == 0) {
-        for (int32_t g = 0; g < G; ++g) EXPECT_EQ(cnt[b * H + j * G + g], 0);
+        for (int32_t g = 0; g < G; ++g) EXPECT_EQ(o.cnt[b * H + j * G + g], 0);
         continue;
       }
       // The sampler over the GPU's own mixture rows: the CPU's rows exactly.
@@ -206,13 +207,13 @@ TEST(SantaScoresCudaTest, GroupMixtureSamplesOncePerKvHead) {
       SampleSantaHead(plan, params, seeds[b], 0, j * G, j, &want);
       for (int32_t g = 0; g < G; ++g) {
         const size_t bh = static_cast<size_t>(b) * H + j * G + g;
-        EXPECT_EQ(bud[bh], S) << "head " << g;
-        const std::vector<int32_t> rows_g(idx.begin() + bh * p.max_selected,
-                                          idx.begin() + bh * p.max_selected + cnt[bh]);
+        EXPECT_EQ(o.bud[bh], S) << "head " << g;
+        const std::vector<int32_t> rows_g(o.idx.begin() + bh * o.max_selected,
+                                          o.idx.begin() + bh * o.max_selected + o.cnt[bh]);
         ASSERT_EQ(rows_g, want.tokens) << "head " << g;
         for (size_t r = 0; r < rows_g.size(); ++r) {
           const float c =
-              std::exp2(lw[bh * p.max_selected + r] + row[rows_g[r]] * 1.4426950408889634f);
+              std::exp2(o.lw[bh * o.max_selected + r] + row[rows_g[r]] * 1.4426950408889634f);
           EXPECT_NEAR(c, want.counts[r], 1e-3f * want.counts[r]) << "row " << rows_g[r];
         }
       }
