@@ -18,7 +18,8 @@ namespace kvsparse::engine {
 enum class GpuMode { kAuto, kOn, kOff };
 
 // The GPU backend's options (engine/cuda/gpu_backend.h GpuBackendOptions, filled from these by
-// AssembleEngine, engine/gpu_mode.h).
+// AssembleEngine, engine/gpu_mode.h). The engine's defaults live here; GpuBackendOptions and
+// DeviceStateOptions take theirs from these structs.
 struct GpuOptions {
   GpuMode mode = GpuMode::kAuto;
   int device = 0;                      // CUDA device ordinal

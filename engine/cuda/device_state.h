@@ -35,6 +35,7 @@
 #include "engine/cuda/device_memory.h"
 #include "engine/cuda/key_signing.h"
 #include "engine/decode_call.h"
+#include "engine/engine_options.h"
 #include "engine/row_source.h"
 #include "engine/signatures.h"
 #include "kvstore/store.h"
@@ -52,12 +53,16 @@ struct SyncedBatch {
   std::vector<int32_t> lens;  // [B] tokens at the call's layer
 };
 
+// The GPU backend's options that the device state uses (engine/cuda/gpu_backend.h fills them);
+// the defaults are engine/engine_options.h's, their one home.
 struct DeviceStateOptions {
-  size_t capacity_bytes = 4ull << 30;  // per-sequence state (rows, signatures, page lists, caches)
-  size_t max_fetch_bytes = 32 << 20;   // largest single read from the row source (sync, staging)
-  int fetch_parallelism = 8;           // GpuBackendOptions::fetch_parallelism
-  double row_cache_fraction = 0.04;    // HashAttention's row cache, rows per kv head / tokens
-  SignatureConfig signatures;          // SimHash seed and norm margin, or learned MLPs
+  // Per-sequence state (rows, signatures, page lists, caches).
+  size_t capacity_bytes = GpuOptions{}.capacity_bytes;
+  // Largest single read from the row source (sync, staging).
+  size_t max_fetch_bytes = EngineOptions{}.max_fetch_bytes;
+  int fetch_parallelism = GpuOptions{}.fetch_parallelism;  // GpuBackendOptions::fetch_parallelism
+  double row_cache_fraction = GpuOptions{}.row_cache;  // the row cache, rows per kv head / tokens
+  SignatureConfig signatures;  // SimHash seed and norm margin, or learned MLPs
 };
 
 class DeviceState {

@@ -29,25 +29,29 @@
 
 #include "absl/status/statusor.h"
 #include "engine/decode_engine.h"
+#include "engine/engine_options.h"
 #include "engine/row_source.h"
 #include "engine/signatures.h"
 
 namespace kvsparse::engine {
 
+// What AssembleEngine (engine/gpu_mode.h) fills from EngineOptions; the defaults are those of
+// engine/engine_options.h, their one home.
 struct GpuBackendOptions {
-  int device = 0;                      // CUDA device ordinal
-  size_t capacity_bytes = 4ull << 30;  // per-sequence state on the device (rows, signatures,
-                                       // page lists, row caches)
-  size_t max_fetch_bytes = 32 << 20;   // largest single read from the row source while syncing
+  int device = GpuOptions{}.device;                     // CUDA device ordinal
+  size_t capacity_bytes = GpuOptions{}.capacity_bytes;  // per-sequence state on the device (rows,
+                                                        // signatures, page lists, row caches)
+  // Largest single read from the row source while syncing.
+  size_t max_fetch_bytes = EngineOptions{}.max_fetch_bytes;
   // HashAttention's row cache, in rows per kv head as a fraction of the sequence's tokens (0: no
   // cache, every selected row crosses each step).
-  double row_cache_fraction = 0.04;
+  double row_cache_fraction = GpuOptions{}.row_cache;
   // Selection / gather / compute times from CUDA events on one call in this many (1: every
   // call; 0: never). Recording the events costs a few us of host time per call.
-  int stage_timing_every = 16;
+  int stage_timing_every = GpuOptions{}.stage_timing_every;
   // A worker whose store is in another process: the rows of this many of a batch's sequences
   // are fetched at once (each its own Gather or UCX read; 1: one after another).
-  int fetch_parallelism = 8;
+  int fetch_parallelism = GpuOptions{}.fetch_parallelism;
   SignatureConfig signatures;  // as the engine's (same seed and margin, or learned MLPs)
 };
 
