@@ -5,6 +5,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -33,7 +34,7 @@ struct DecodeCall {
   // Optional [B]: sequence b draws from SequenceSeed(seed + seed_offsets[b], b) instead of
   // SequenceSeed(seed, b) (a step at position p draws as a captured step does: offset p).
   std::vector<uint64_t> seed_offsets;
-  float scale = 0.f;  // 0: 1/sqrt(d)
+  float scale = 0.f;  // 0: 1/sqrt(d); finite and >= 0 (CheckScale)
   bool return_indices = false;
   absl::Time deadline = absl::InfiniteFuture();
   // Optional: true once the caller has gone (its RPC cancelled, or the server shutting down
@@ -64,6 +65,15 @@ struct DecodeCall {
     return b < seed_offsets.size() ? seed + seed_offsets[b] : seed;
   }
 };
+
+// INVALID_ARGUMENT unless a call's or a plan's scale is finite and >= 0 (0: 1/sqrt(d)): the one
+// rule for every way in (the server's requests, the op's calls and plans), checked by the engine.
+inline absl::Status CheckScale(float scale) {
+  if (!(scale >= 0.f) || scale == std::numeric_limits<float>::infinity()) {
+    return absl::InvalidArgumentError("scale must be >= 0 and finite (0 = 1/sqrt(d))");
+  }
+  return absl::OkStatus();
+}
 
 struct HeadStats {
   uint32_t sequence_index = 0;

@@ -199,6 +199,7 @@ absl::StatusOr<DecodeResult> DecodeEngine::DecodeResolved(const DecodeCall& call
   if (!call.seed_offsets.empty() && call.seed_offsets.size() != call.sequence_ids.size()) {
     return absl::InvalidArgumentError("seed_offsets: one per sequence, or none");
   }
+  if (absl::Status s = CheckScale(call.scale); !s.ok()) return s;
   for (const std::string& id : call.sequence_ids) {
     if (Held(id)) {
       return absl::FailedPreconditionError(
@@ -318,6 +319,7 @@ absl::StatusOr<std::unique_ptr<StaticStep>> DecodeEngine::PlanStatic(const Stati
   if (req.max_tokens == 0 || req.max_tokens > (1u << 30)) {
     return absl::InvalidArgumentError("max_tokens: 1 .. 2^30");
   }
+  if (absl::Status s = CheckScale(req.scale); !s.ok()) return s;
   const MethodUnit& unit = *FindMethod(req.method.kind).unit;
   Method method = req.method;
   unit.Resolve(&method, options_);  // the engine's defaults, as for Decode

@@ -865,6 +865,15 @@ TEST_F(EngineTest, BadRequestsGetClearCodes) {
   c.new_k = nk;
   c.new_v = nk;
   EXPECT_EQ(engine_->Decode(c).status().code(), StatusCode::kInvalidArgument);
+  // The scale: one rule for the server and the op (issue 49: the op took an infinite scale).
+  for (float bad :
+       {std::numeric_limits<float>::infinity(), -1.f, std::numeric_limits<float>::quiet_NaN()}) {
+    c = Call(Method{});
+    c.scale = bad;
+    const absl::Status s = engine_->Decode(c).status();
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << bad;
+    EXPECT_TRUE(absl::StrContains(s.message(), "scale")) << s;
+  }
   // Nothing was appended by the refused calls.
   EXPECT_EQ(store_->GetSequenceInfo("s0")->layer_lengths[kLayer], 700u);
   EXPECT_TRUE(engine_->Decode(Call(Method{})).ok());

@@ -375,7 +375,7 @@ std::tuple<at::Tensor, at::Tensor> Decode(int64_t handle, int64_t layer,
                                           const std::optional<at::Tensor>& new_v,
                                           const std::string& method, int64_t seed, double scale) {
   std::shared_ptr<OpEngine> e = Find(handle);
-  if (layer < 0 || layer > (1 << 20) || !(scale >= 0.0)) Invalid("layer or scale out of range");
+  if (layer < 0 || layer > (1 << 20)) Invalid("layer out of range");  // scale: the engine's rule
   en::DecodeCall call;
   call.layer = static_cast<uint32_t>(layer);
   call.sequence_ids = sequence_ids;
@@ -417,8 +417,8 @@ int64_t PlanSteps(int64_t handle, const std::vector<std::string>& sequence_ids,
                   const std::string& method, int64_t max_tokens, int64_t seed, double scale,
                   const std::string& dtype, bool eager) {
   std::shared_ptr<OpEngine> e = Find(handle);
-  if (max_tokens <= 0 || max_tokens > (int64_t{1} << 30) || !(scale >= 0.0)) {
-    Invalid("max_tokens (1 .. 2^30) or scale out of range");
+  if (max_tokens <= 0 || max_tokens > (int64_t{1} << 30)) {  // scale: the engine's rule
+    Invalid("max_tokens (1 .. 2^30) out of range");
   }
   auto plan = std::make_shared<StepPlan>();
   plan->engine = e;

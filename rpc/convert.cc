@@ -435,9 +435,7 @@ absl::StatusOr<engine::DecodeCall> FromProto(const v1::DecodeRequest& msg) {
   if (!m.ok()) return m.status();
   c.method = *m;
   c.seed = msg.seed();
-  if (!(msg.scale() >= 0.f) || !std::isfinite(msg.scale())) {
-    return absl::InvalidArgumentError("scale must be >= 0 and finite (0 = 1/sqrt(d))");
-  }
+  if (absl::Status s = engine::CheckScale(msg.scale()); !s.ok()) return s;
   c.scale = msg.scale();
   c.return_indices = msg.return_indices();
   return c;

@@ -96,6 +96,10 @@ def test_errors_are_kvsparse_exceptions(engine: ops.InProcessEngine) -> None:
         engine.decode(1, ids, q, kvsparse.HashTopK())  # no signatures kept
     with pytest.raises(kvsparse.FailedPrecondition, match="compressed_key_bits"):
         engine.decode(1, ids, q, kvsparse.TopK())  # no compressed keys kept
+    # The scale: the engine's one rule, as the server's (the op took an infinite one before).
+    for bad in (float("inf"), 1e39, -1.0, float("nan")):
+        with pytest.raises(kvsparse.InvalidArgument, match="scale"):
+            engine.decode(1, ids, q, scale=bad)
     with pytest.raises(kvsparse.InvalidArgument, match="compressed_key_bits"):
         engine.create_sequence("odd", SHAPE, kvsparse.Placement(compressed_key_bits=3))
     # The op reads the wire's Method with the server's codec: a value it does not know is refused
