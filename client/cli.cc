@@ -30,6 +30,7 @@
 #include "client/synthetic.h"
 #include "kernels/dtype.h"
 #include "rpc/build_info.h"
+#include "rpc/dtype.h"
 #include "rpc/flags_help.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051",
@@ -127,28 +128,12 @@ int Fail(const char* cmd, const absl::Status& s) {
   return 1;
 }
 
+// --dtype by kernels::DTypeName's spelling.
 absl::StatusOr<DType> ParseDType(const std::string& s) {
-  if (s == "bf16") return DType::kBf16;
-  if (s == "fp16") return DType::kFp16;
-  if (s == "fp32") return DType::kFp32;
-  return absl::InvalidArgumentError(absl::StrCat("--dtype must be bf16, fp16 or fp32, got ", s));
-}
-
-v1::DType ToProtoDType(DType d) {
-  return d == DType::kBf16 ? v1::DTYPE_BF16 : d == DType::kFp16 ? v1::DTYPE_FP16 : v1::DTYPE_FP32;
-}
-
-absl::StatusOr<DType> FromProtoDType(v1::DType d) {
-  switch (d) {
-    case v1::DTYPE_BF16:
-      return DType::kBf16;
-    case v1::DTYPE_FP16:
-      return DType::kFp16;
-    case v1::DTYPE_FP32:
-      return DType::kFp32;
-    default:
-      return absl::InternalError("server returned an unknown dtype");
+  for (DType d : {DType::kBf16, DType::kFp16, DType::kFp32}) {
+    if (s == kernels::DTypeName(d)) return d;
   }
+  return absl::InvalidArgumentError(absl::StrCat("--dtype must be bf16, fp16 or fp32, got ", s));
 }
 
 absl::StatusOr<std::vector<uint32_t>> ParseList(const std::string& s, const char* flag) {
@@ -206,7 +191,7 @@ absl::StatusOr<std::vector<uint32_t>> Heads(const v1::SequenceInfo& info) {
 // Checks every returned row against the synthetic generator.
 absl::Status VerifyRows(const v1::GatherRequest& req, const v1::GatherResponse& resp,
                         const v1::SequenceInfo& info, uint64_t seed) {
-  absl::StatusOr<DType> dt = FromProtoDType(info.shape().dtype());
+  absl::StatusOr<DType> dt = rpc::FromProto(info.shape().dtype(), "shape.dtype");
   if (!dt.ok()) return dt.status();
   const uint32_t d = info.shape().head_dim();
   const size_t row = d * kernels::DTypeSize(*dt);
@@ -247,7 +232,7 @@ int CmdCreate(KvStoreClient& c) {
   shape.set_num_q_heads(absl::GetFlag(FLAGS_q_heads));
   shape.set_num_kv_heads(absl::GetFlag(FLAGS_kv_heads));
   shape.set_head_dim(absl::GetFlag(FLAGS_head_dim));
-  shape.set_dtype(ToProtoDType(*dt));
+  shape.set_dtype(rpc::ToProto(*dt));
   v1::Placement placement;
   for (auto [flag, set] : {std::pair{absl::GetFlag(FLAGS_k_tier), &v1::Placement::set_k_tier},
                            {absl::GetFlag(FLAGS_v_tier), &v1::Placement::set_v_tier}}) {
@@ -282,7 +267,7 @@ int CmdAppend(KvStoreClient& c) {
   auto info = c.GetSequenceInfo(id);
   if (!info.ok()) return Fail("append", info.status());
   const v1::ModelShape& shape = info->shape();
-  absl::StatusOr<DType> dt = FromProtoDType(shape.dtype());
+  absl::StatusOr<DType> dt = rpc::FromProto(shape.dtype(), "shape.dtype");
   if (!dt.ok()) return Fail("append", dt.status());
   const uint64_t start = info->layer_lengths_size() ? info->layer_lengths(0) : 0;
   const uint64_t total = absl::GetFlag(FLAGS_tokens);
@@ -530,7 +515,7 @@ int CmdDecode(KvStoreClient& c) {
   } else {
     // Query head h = 2.5 x the K row of one random token of its kv head, plus noise: that token
     // gets a logit near 2.5 |K|^2 / sqrt(d), the rest spread around 0.
-    absl::StatusOr<DType> dt = FromProtoDType(shape.dtype());
+    absl::StatusOr<DType> dt = rpc::FromProto(shape.dtype(), "shape.dtype");
     if (!dt.ok()) return Fail("decode", dt.status());
     for (size_t b = 0; b < ids.size(); ++b) {
       auto sinfo = c.GetSequenceInfo(ids[b]);

@@ -12,11 +12,10 @@
 #include "kvsparse/v1/kvstore.pb.h"
 #include "kvsparse/v1/tensor.pb.h"
 #include "kvstore/store.h"
+#include "rpc/dtype.h"  // FromProto / ToProto of the dtype
 
 namespace kvsparse::rpc {
 
-absl::StatusOr<kernels::DType> FromProto(v1::DType dtype, const char* field);
-v1::DType ToProto(kernels::DType dtype);
 absl::StatusOr<kvstore::Tier> FromProto(v1::Tier tier, const char* field);
 v1::Tier ToProto(kvstore::Tier tier);
 
