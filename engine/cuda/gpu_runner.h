@@ -89,6 +89,11 @@ class MethodCall {
   // state it reads is what the step's token append (kernels::cuda::StepAppend) keeps up to date. A
   // runner's call type hides this to say yes.
   static bool Capturable(const Method&, const SequenceDesc&) { return false; }
+  // Whether a captured step of `m` reads the signature of the key it appends in that same step
+  // (then the step signs it on the device, as DeviceState::SignKeys does; other methods leave the
+  // resident signatures to be brought up to date after the plan). A call type hides this to say
+  // yes.
+  static bool ReadsStepSignatures(const Method&) { return false; }
   virtual ~MethodCall() = default;
   virtual absl::Status Plan(LaunchPlan& lp) { return absl::OkStatus(); }
   virtual void FillTables(LaunchPlan& lp) {}
@@ -109,6 +114,8 @@ class GpuRunner {
                                 const GpuCaps& caps) const = 0;
   virtual std::unique_ptr<MethodCall> Begin(const Method& m) const = 0;
   virtual bool Capturable(const Method& m, const SequenceDesc& desc) const = 0;
+  // MethodCall::ReadsStepSignatures of the call Begin returns for `m`.
+  virtual bool ReadsStepSignatures(const Method& m) const { return false; }
 };
 
 // The runner of one MethodCall type, which provides
@@ -127,6 +134,7 @@ class RunnerOf final : public GpuRunner {
   bool Capturable(const Method& m, const SequenceDesc& desc) const override {
     return Call::Capturable(m, desc);
   }
+  bool ReadsStepSignatures(const Method& m) const override { return Call::ReadsStepSignatures(m); }
 };
 
 // The runners, one per file of engine/cuda/.

@@ -28,6 +28,8 @@ class HashTopKCall final : public SelectedRowsCall {
   // learned MLPs' key signing is not in the step yet). The selection reads the step's lengths on
   // the device; the row cache never holds a stale row (steps never rewrite one).
   static bool Capturable(const Method& m, const SequenceDesc&) { return !m.learned_signatures; }
+  // The selection ranks the step's own key by its signature.
+  static bool ReadsStepSignatures(const Method&) { return true; }
 
  private:
   absl::StatusOr<int32_t> PlanSelection(LaunchPlan& lp) override {

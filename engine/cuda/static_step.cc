@@ -81,11 +81,10 @@ class GpuStaticStep final : public StaticStep {
     }
     const Method& m = req_.method;
     const GpuRunner* runner = FindMethod(m.kind).gpu;
-    // The hash methods read the new key's signature in the step that appends it: the step signs
-    // it (SimHash, as DeviceState::SignKeys does). Other methods leave the resident signatures
-    // behind; they are brought up to date from the store after the plan.
+    // A method that reads the new key's signature in the step that appends it has the step sign
+    // it (MethodCall::ReadsStepSignatures).
     words_ = static_cast<int32_t>(descs_[0].placement.signature_bits / 32);
-    sign_keys_ = words_ > 0 && m.kind == MethodKind::kHashTopK;
+    sign_keys_ = words_ > 0 && runner->ReadsStepSignatures(m);
     ck_block_bytes_ = CompressedKeyBlockBytes(descs_[0]);
     if (sign_keys_) {
       sig_bytes_ = sizeof(uint32_t) * B_ * descs_[0].shape.num_kv_heads * words_;
