@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "absl/time/clock.h"
+#include "engine/methods/method_unit.h"
 #include "kernels/dense.h"
 #include "kernels/philox.h"
 

@@ -16,7 +16,6 @@
 #include "absl/status/statusor.h"
 #include "engine/decode_call.h"
 #include "engine/engine_options.h"
-#include "engine/methods/method_unit.h"
 #include "engine/resident_cache.h"
 #include "engine/row_source.h"
 #include "kernels/compressed_keys.h"
@@ -25,6 +24,8 @@
 #include "kernels/row_selection.h"
 
 namespace kvsparse::engine {
+
+class MethodUnit;  // engine/methods/method_unit.h: a unit includes this header, not the reverse
 
 // Rows of the kv heads of one sequence, fetched for one stage: per head, tokens (ascending) and
 // where their K / V rows sit in k / v ([total, d], the sequence's dtype).
