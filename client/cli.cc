@@ -128,11 +128,9 @@ int Fail(const char* cmd, const absl::Status& s) {
   return 1;
 }
 
-// --dtype by kernels::DTypeName's spelling.
 absl::StatusOr<DType> ParseDType(const std::string& s) {
-  for (DType d : {DType::kBf16, DType::kFp16, DType::kFp32}) {
-    if (s == kernels::DTypeName(d)) return d;
-  }
+  DType d;
+  if (kernels::DTypeFromName(s.c_str(), &d)) return d;
   return absl::InvalidArgumentError(absl::StrCat("--dtype must be bf16, fp16 or fp32, got ", s));
 }
 

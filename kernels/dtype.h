@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 
 #if defined(__CUDACC__)
 #define KVSPARSE_HD __host__ __device__ __forceinline__
@@ -34,6 +35,17 @@ constexpr const char* DTypeName(DType t) {
       return "bf16";
   }
   return "?";
+}
+
+// The DType DTypeName spells `name` (bf16, fp16, fp32); false for any other name. Host only.
+inline bool DTypeFromName(const char* name, DType* out) {
+  for (DType d : {DType::kBf16, DType::kFp16, DType::kFp32}) {
+    if (std::strcmp(name, DTypeName(d)) == 0) {
+      *out = d;
+      return true;
+    }
+  }
+  return false;
 }
 
 // Raw 16-bit storage types. Distinct structs so overloads and templates can tell them apart;

@@ -71,10 +71,11 @@ DType DTypeOf(const at::Tensor& t, const char* name) {
 }
 
 DType DTypeNamed(const std::string& name) {
-  if (name == "bf16") return DType::kBf16;
-  if (name == "fp16") return DType::kFp16;
-  if (name == "fp32") return DType::kFp32;
-  Invalid("dtype must be bf16, fp16 or fp32, got " + name);
+  DType d;
+  if (!kernels::DTypeFromName(name.c_str(), &d)) {
+    Invalid("dtype must be bf16, fp16 or fp32, got " + name);
+  }
+  return d;
 }
 
 kv::Tier TierNamed(const std::string& name) {
