@@ -72,7 +72,7 @@ class HashTopKCall final : public SelectedRowsCall {
   }
 
   const kernels::HashTopKParams params_;
-  kc::HashTopKParams tk_;
+  kc::HashTopKLaunchParams tk_;
 };
 
 }  // namespace

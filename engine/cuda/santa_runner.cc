@@ -55,7 +55,7 @@ class SantaCall final : public MethodCall {
   }
 
   absl::Status Enqueue(LaunchPlan& lp, Carver& c) override {
-    kc::SantaParams sp;
+    kc::SantaLaunchParams sp;
     sp.shape = lp.shape();
     sp.num_samples = params_.samples;
     sp.seeds = lp.seeds();
@@ -108,13 +108,13 @@ class SantaCall final : public MethodCall {
       rwb = kc::SampledRowsWorkspaceBytes(rp);
       rws = c.Take<char>(rwb);
     }
-    auto run = [&](const kc::SantaParams& x) {
+    auto run = [&](const kc::SantaLaunchParams& x) {
       return iid_    ? kc::SantaIid(x, ws, wb, lp.stream())
              : prop_ ? kc::S2antaProp(x, ws, wb, lp.stream())
                      : kc::S2antaFlash(x, ws, wb, lp.stream());
     };
     if (staged && lp.running()) {
-      kc::SantaParams dry = sp;
+      kc::SantaLaunchParams dry = sp;
       dry.rows_read = nullptr;
       dry.shape.v = nullptr;
       dry.shape.v_heads = sp.shape.k_heads;  // any readable rows of V's shape

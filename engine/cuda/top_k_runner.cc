@@ -84,7 +84,7 @@ class TopKCall final : public SelectedRowsCall {
 
   const kernels::ScoreTopKParams params_;
   CompressedScoring scoring_;
-  kc::ScoreTopKParams tk_;
+  kc::ScoreTopKLaunchParams tk_;
 };
 
 }  // namespace

@@ -69,7 +69,7 @@ class VAttentionCall final : public MethodCall {
     const int32_t BH = lp.BH;
     uint32_t* qsig = compressed_ ? nullptr : c.Take<uint32_t>(static_cast<size_t>(BH) * lp.words);
     float* scores = compressed_ ? c.Take<float>(static_cast<size_t>(BH) * lp.n_max) : nullptr;
-    kc::VAttentionParams vp;
+    kc::VAttentionLaunchParams vp;
     vp.shape = lp.shape();
     vp.seeds = lp.seeds();
     vp.epsilon = params_.epsilon;

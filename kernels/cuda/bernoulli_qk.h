@@ -31,7 +31,7 @@ struct BernoulliQueriesParams {
   void* q_eff = nullptr;       // device [B, H, d], every element written
   BernoulliQkParams params;
   // Random numbers: streams (seeds[b], tag, 0, head) when seeds (device [B]) is given, else
-  // (seed, tag, b, head), as kernels::cuda::SantaParams.
+  // (seed, tag, b, head), as kernels::cuda::SantaLaunchParams.
   uint64_t seed = 0;
   const uint64_t* seeds = nullptr;
   // Optional, device [B, Hkv, 2]: (query head, feature) pairs the group's heads read, and

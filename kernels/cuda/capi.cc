@@ -32,9 +32,9 @@ kc::DecodeShape ToShape(const KvsDecodeArgs& a) {
   return s;
 }
 
-kc::SantaParams ToSanta(const KvsDecodeArgs& a, int32_t samples, uint64_t seed,
-                        int32_t* rows_read) {
-  kc::SantaParams p;
+kc::SantaLaunchParams ToSanta(const KvsDecodeArgs& a, int32_t samples, uint64_t seed,
+                              int32_t* rows_read) {
+  kc::SantaLaunchParams p;
   p.shape = ToShape(a);
   p.num_samples = samples;
   p.seed = seed;
@@ -62,7 +62,7 @@ kvsparse::kernels::SalePrefill SalePrompt(int32_t tokens, int32_t num_q_heads, i
 extern "C" {
 
 size_t kvs_decode_workspace_bytes(const KvsDecodeArgs* args, int32_t method, int32_t samples) {
-  const kc::SantaParams p = ToSanta(*args, samples, 0, nullptr);
+  const kc::SantaLaunchParams p = ToSanta(*args, samples, 0, nullptr);
   switch (method) {
     case 0:
       return kc::DenseDecodeWorkspaceBytes(p.shape);
@@ -81,7 +81,7 @@ size_t kvs_decode_workspace_bytes(const KvsDecodeArgs* args, int32_t method, int
 
 int32_t kvs_decode(const KvsDecodeArgs* args, int32_t method, int32_t samples, uint64_t seed,
                    void* workspace, size_t workspace_bytes, int32_t* rows_read, void* stream) {
-  const kc::SantaParams p = ToSanta(*args, samples, seed, rows_read);
+  const kc::SantaLaunchParams p = ToSanta(*args, samples, seed, rows_read);
   const auto st = static_cast<cudaStream_t>(stream);
   switch (method) {
     case 0:
@@ -104,7 +104,7 @@ int32_t kvs_hash_topk(int32_t batch, int32_t num_q_heads, int32_t num_kv_heads, 
                       int64_t k_head_stride, const int32_t* seq_lens, int32_t max_seq_len,
                       int32_t sink, int32_t window, int32_t top_k, int32_t* indices,
                       int32_t* counts, void* workspace, size_t workspace_bytes, void* stream) {
-  kc::HashTopKParams p;
+  kc::HashTopKLaunchParams p;
   p.batch = batch;
   p.num_q_heads = num_q_heads;
   p.key_heads = num_kv_heads;

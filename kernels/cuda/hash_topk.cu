@@ -159,19 +159,19 @@ __device__ __forceinline__ void LoadSig(const uint32_t* k, uint32_t (&out)[W]) {
 
 using TopkGeom = SinkLocalTopK;
 
-__device__ __forceinline__ TopkGeom MakeGeom(const HashTopKParams& p, int b) {
+__device__ __forceinline__ TopkGeom MakeGeom(const HashTopKLaunchParams& p, int b) {
   return MakeSinkLocalTopK(p.seq_lens[b], p.sink_tokens, p.local_tokens, p.top_k, p.top_k_fraction);
 }
 
 template <int W>
-__device__ __forceinline__ void LoadQuerySig(const HashTopKParams& p, int64_t bh,
+__device__ __forceinline__ void LoadQuerySig(const HashTopKLaunchParams& p, int64_t bh,
                                              uint32_t (&q)[W]) {
 #pragma unroll
   for (int w = 0; w < W; ++w) q[w] = p.q_sigs[bh * W + w];
 }
 
 // Key signatures of signature head j of sequence b.
-__device__ __forceinline__ const uint32_t* KeySigs(const HashTopKParams& p, int b, int j) {
+__device__ __forceinline__ const uint32_t* KeySigs(const HashTopKLaunchParams& p, int b, int j) {
   if (p.k_sig_heads != nullptr) return p.k_sig_heads[static_cast<int64_t>(b) * p.key_heads + j];
   return p.k_sigs + b * p.k_batch_stride + j * p.k_head_stride;
 }
@@ -210,7 +210,7 @@ __device__ __forceinline__ void FindThreshold(const int* total, int kk, int lane
 }
 
 // Sink and window tokens of (b, h) at their output positions, the count and the budget.
-__device__ __forceinline__ void WriteSinkAndWindow(const HashTopKParams& p, const TopkGeom& g,
+__device__ __forceinline__ void WriteSinkAndWindow(const HashTopKLaunchParams& p, const TopkGeom& g,
                                                    int64_t bh, int32_t* out) {
   const int tid = threadIdx.x;
   for (int i = tid; i < g.s_end; i += kTopkThreads) out[i] = i;
@@ -223,7 +223,7 @@ __device__ __forceinline__ void WriteSinkAndWindow(const HashTopKParams& p, cons
 
 template <int W, int GS>
 __global__ void __launch_bounds__(kTopkThreads)
-    TopkHistKernel(HashTopKParams p, int chunk, int* __restrict__ hist) {
+    TopkHistKernel(HashTopKLaunchParams p, int chunk, int* __restrict__ hist) {
   constexpr int kBits = W * 32;
   constexpr int kBins = kBits + 1;
   __shared__ int sh[GS][kBins];
@@ -282,7 +282,7 @@ struct TopkInfo {
 
 template <int W>
 __global__ void __launch_bounds__(kTopkThreads)
-    TopkThreshKernel(HashTopKParams p, int num_chunks, const int* __restrict__ hist,
+    TopkThreshKernel(HashTopKLaunchParams p, int num_chunks, const int* __restrict__ hist,
                      TopkInfo* __restrict__ info, int2* __restrict__ offs) {
   constexpr int kBits = W * 32;
   constexpr int kBins = kBits + 1;
@@ -351,8 +351,8 @@ constexpr int TopkSelectMinBlocks(int w, int gs) { return w == 1 && gs <= 4 ? 4 
 
 template <int W, int GS>
 __global__ void __launch_bounds__(kTopkThreads, TopkSelectMinBlocks(W, GS))
-    TopkSelectKernel(HashTopKParams p, int chunk, int max_out, const TopkInfo* __restrict__ info,
-                     const int2* __restrict__ offs) {
+    TopkSelectKernel(HashTopKLaunchParams p, int chunk, int max_out,
+                     const TopkInfo* __restrict__ info, const int2* __restrict__ offs) {
   __shared__ int ws[kTopkWarps];
   __shared__ uint32_t sq[GS][W];  // query signatures of the group's heads
   const int c = blockIdx.x, num_chunks = gridDim.x;
@@ -444,7 +444,7 @@ struct TopkPlan {
   int chunk = kSub;
 };
 
-TopkPlan MakeTopkPlan(const HashTopKParams& p) {
+TopkPlan MakeTopkPlan(const HashTopKLaunchParams& p) {
   TopkPlan plan;
   const int64_t sets = std::max<int64_t>(1, static_cast<int64_t>(p.batch) * p.key_heads);
   const int64_t slots = static_cast<int64_t>(NumSms()) * 4;
@@ -461,7 +461,7 @@ TopkPlan MakeTopkPlan(const HashTopKParams& p) {
 // Workspace layout: hist [BH, C, bins] ints, offs [BH, C] int2, info [BH].
 struct TopkWorkspace {
   size_t hist = 0, offs = 0, info = 0, total = 0;
-  static TopkWorkspace Of(const HashTopKParams& p, const TopkPlan& plan) {
+  static TopkWorkspace Of(const HashTopKLaunchParams& p, const TopkPlan& plan) {
     TopkWorkspace w;
     const size_t bh = static_cast<size_t>(std::max(p.batch, 0)) * std::max(p.num_q_heads, 0);
     w.offs = AlignUp(bh * plan.chunks * (std::max(p.bits, 32) + 1) * sizeof(int), 256);
@@ -489,7 +489,7 @@ cudaError_t DispatchWords(int bits, Body&& body) {
 
 }  // namespace
 
-int32_t HashTopKParams::MaxSelected() const {
+int32_t HashTopKLaunchParams::MaxSelected() const {
   return MaxSinkLocalTopKRows(sink_tokens, local_tokens, top_k, top_k_fraction, max_seq_len);
 }
 
@@ -568,11 +568,11 @@ cudaError_t LearnedSign(const LearnedSignParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-size_t HashTopKWorkspaceBytes(const HashTopKParams& p) {
+size_t HashTopKWorkspaceBytes(const HashTopKLaunchParams& p) {
   return TopkWorkspace::Of(p, MakeTopkPlan(p)).total;
 }
 
-cudaError_t HashTopK(const HashTopKParams& p, void* workspace, size_t workspace_bytes,
+cudaError_t HashTopK(const HashTopKLaunchParams& p, void* workspace, size_t workspace_bytes,
                      cudaStream_t stream) {
   if (p.batch < 0 || p.num_q_heads <= 0 || p.key_heads <= 0 ||
       (p.key_heads != p.num_q_heads && p.num_q_heads % p.key_heads != 0) || p.top_k < 0 ||

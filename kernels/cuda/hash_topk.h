@@ -77,7 +77,7 @@ bool LearnedSignSupports(const std::vector<int32_t>& dims);
 cudaError_t LearnedSign(const LearnedSignParams& p, cudaStream_t stream);
 
 // Sink + local window + top-k by Hamming similarity, per (sequence, query head).
-struct HashTopKParams {
+struct HashTopKLaunchParams {
   int32_t batch = 0;                 // B
   int32_t num_q_heads = 0;           // H
   int32_t key_heads = 0;             // signature heads of the keys: Hkv (h / G) or H (h)
@@ -110,8 +110,8 @@ struct HashTopKParams {
 
 // Scratch: per (b, h) and chunk of the sequence a similarity histogram and the chunk's offsets
 // into the output, and per (b, h) the threshold.
-size_t HashTopKWorkspaceBytes(const HashTopKParams& p);
-cudaError_t HashTopK(const HashTopKParams& p, void* workspace, size_t workspace_bytes,
+size_t HashTopKWorkspaceBytes(const HashTopKLaunchParams& p);
+cudaError_t HashTopK(const HashTopKLaunchParams& p, void* workspace, size_t workspace_bytes,
                      cudaStream_t stream);
 
 }  // namespace kvsparse::kernels::cuda

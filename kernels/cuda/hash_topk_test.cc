@@ -46,7 +46,7 @@ void CheckTopK(const DecodeProblem& p, const Signatures& sigs, const kernels::Ha
   DeviceBuffer q = ToDevice(sigs.q);
   DeviceBuffer k = ToDevice(sigs.k);
   DeviceBuffer lens = ToDevice(std::vector<int32_t>(p.seq_lens, p.seq_lens + p.batch));
-  HashTopKParams gp;
+  HashTopKLaunchParams gp;
   gp.batch = p.batch;
   gp.num_q_heads = p.num_q_heads;
   gp.key_heads = sigs.view.key_heads;

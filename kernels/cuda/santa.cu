@@ -13,7 +13,9 @@ constexpr int kBlocksPerSm = 2;
 
 // PhiloxStream::Uniform(i) without the run-time index into the block's words (which would put
 // the block in local memory).
-__host__ __device__ inline SeedSource Seeds(const SantaParams& p) { return {p.seed, p.seeds}; }
+__host__ __device__ inline SeedSource Seeds(const SantaLaunchParams& p) {
+  return {p.seed, p.seeds};
+}
 
 __device__ __forceinline__ float PhiloxUniform(const PhiloxStream& st, uint64_t i) {
   const Philox4x32 r = st.Block(static_cast<uint32_t>(i >> 2));
@@ -41,7 +43,7 @@ TilePlan MakeTilePlan(const DecodeShape& s) {
   return plan;
 }
 
-cudaError_t ValidateSanta(const SantaParams& p) {
+cudaError_t ValidateSanta(const SantaLaunchParams& p) {
   KVSPARSE_CUDA_RETURN_IF_ERROR(ValidateShape(p.shape, /*k_paged_ok=*/false, /*v_paged_ok=*/true));
   if (p.num_samples < 1) return cudaErrorInvalidValue;
   return cudaSuccess;
@@ -72,7 +74,7 @@ constexpr int kFlashBufs = 2;  // K staging ring depth of the flash kernel
 // merges the blocks.
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(TileCfg<D, G>::kThreads, TileCfg<D, G>::kMinBlocks)
-    FlashKernel(SantaParams p, int tiles_per_block, int num_parts, float* __restrict__ part_o,
+    FlashKernel(SantaLaunchParams p, int tiles_per_block, int num_parts, float* __restrict__ part_o,
                 float* __restrict__ part_lse) {
   using Cfg = TileCfg<D, G>;
   constexpr int NW = Cfg::kWarps;
@@ -485,8 +487,8 @@ __device__ __forceinline__ void GatherEntries(int entry, int cnt, const RowReade
 }
 
 // Diagnostics of one list of samples (entries as in GatherEntries, one per lane).
-__device__ __forceinline__ void NoteEntry(const SantaParams& p, int entry, int64_t bh0, int tb0,
-                                          uint32_t* map, int count = 1) {
+__device__ __forceinline__ void NoteEntry(const SantaLaunchParams& p, int entry, int64_t bh0,
+                                          int tb0, uint32_t* map, int count = 1) {
   if (entry < 0) return;
   const int tok = entry >> 3;
   if (p.sample_counts != nullptr) {
@@ -534,8 +536,8 @@ __device__ __forceinline__ void WarpScoreTile(const DecodeShape& s, int b, int k
 // on each of its tokens (the same comparisons, so the same counts), and the distinct tokens go to
 // list as items (count << 11) | (token - t0) << 3 | g. Returns the number of items (<= kTile) on
 // every lane. One warp.
-__device__ __forceinline__ int HeadItems(const SantaParams& p, int b, int h, int g, int t, int len,
-                                         int budget, float* pre, int* list, int lane) {
+__device__ __forceinline__ int HeadItems(const SantaLaunchParams& p, int b, int h, int g, int t,
+                                         int len, int budget, float* pre, int* list, int lane) {
   float m2, ell, u[kPerLane];
   HeadStats(pre, lane, m2, ell, u);
   __syncwarp();
@@ -588,9 +590,10 @@ constexpr int kBigWarps = 8;  // kBigWarps * 32 tokens = one tile
 
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kBigWarps * 32, 1)
-    PropBigTileKernel(SantaParams p, int max_tiles, int max_big, const uint8_t* __restrict__ rec,
-                      const int* __restrict__ s_tiles, const int* __restrict__ big_count,
-                      const int* __restrict__ big_list, float* __restrict__ accum) {
+    PropBigTileKernel(SantaLaunchParams p, int max_tiles, int max_big,
+                      const uint8_t* __restrict__ rec, const int* __restrict__ s_tiles,
+                      const int* __restrict__ big_count, const int* __restrict__ big_list,
+                      float* __restrict__ accum) {
   static_assert(kBigWarps * 32 == kTile && G <= kBigWarps, "one token per thread, a warp a head");
   constexpr int L = D / 8;
   __shared__ __align__(16) float sc[G * kTile];
@@ -659,7 +662,7 @@ __global__ void __launch_bounds__(kBigWarps * 32, 1)
 
 template <typename T, int D, int G>
 __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
-    PropPass2Kernel(SantaParams p, int max_tiles, int num_parts, int nb,
+    PropPass2Kernel(SantaLaunchParams p, int max_tiles, int num_parts, int nb,
                     const uint8_t* __restrict__ rec, const int* __restrict__ s_tiles,
                     float* __restrict__ accum, unsigned* __restrict__ counters) {
   using Geo = Pass2Geom<D, G>;
@@ -755,7 +758,7 @@ __global__ void __launch_bounds__(kPass2Warps * 32, G >= 8 ? 2 : 3)
 // (tile by binary search, token by a scan of the stash), then the mean of the S V rows.
 template <typename T, int D>
 __global__ void __launch_bounds__(kSmallThreads)
-    IidSampleKernel(SantaParams p, int max_tiles, const float* __restrict__ m_tiles,
+    IidSampleKernel(SantaLaunchParams p, int max_tiles, const float* __restrict__ m_tiles,
                     const float* __restrict__ l_tiles, const float* __restrict__ stash) {
   constexpr int L = D / 8;
   constexpr int R = 32 / L;
@@ -917,13 +920,13 @@ struct PropSpace {
 
 // Most big tiles of one (b, kv head): each has a head with a budget of 8 or more, so at most
 // G * S / 8, and at most the number of tiles.
-int MaxBigTiles(const SantaParams& p, const TilePlan& plan) {
+int MaxBigTiles(const SantaLaunchParams& p, const TilePlan& plan) {
   return static_cast<int>(std::min<int64_t>(
       plan.max_tiles,
       static_cast<int64_t>(p.shape.group_size()) * (p.num_samples / (kRecMax + 1))));
 }
 
-PropSpace CarveProp(const SantaParams& p, const TilePlan& plan, void* base, size_t* bytes) {
+PropSpace CarveProp(const SantaLaunchParams& p, const TilePlan& plan, void* base, size_t* bytes) {
   const DecodeShape& s = p.shape;
   const size_t bh = static_cast<size_t>(s.batch) * s.num_q_heads;
   const size_t pairs = static_cast<size_t>(s.batch) * s.num_kv_heads;
@@ -967,7 +970,7 @@ struct Pass1Launch {
 };
 
 struct Pass2Launch {
-  const SantaParams& p;
+  const SantaLaunchParams& p;
   TilePlan plan;
   PropSpace ws;
   cudaStream_t stream;
@@ -996,7 +999,7 @@ struct Pass2Launch {
 };
 
 struct IidLaunch {
-  const SantaParams& p;
+  const SantaLaunchParams& p;
   int max_tiles;
   IidSpace ws;
   cudaStream_t stream;
@@ -1012,7 +1015,7 @@ struct IidLaunch {
 };
 
 struct FlashLaunch {
-  const SantaParams& p;
+  const SantaLaunchParams& p;
   TilePlan plan;
   float* part_o;
   float* part_lse;
@@ -1030,7 +1033,7 @@ struct FlashLaunch {
   }
 };
 
-cudaError_t LaunchBudget(const SantaParams& p, const TilePlan& plan, const PropSpace& ws,
+cudaError_t LaunchBudget(const SantaLaunchParams& p, const TilePlan& plan, const PropSpace& ws,
                          cudaStream_t stream) {
   const dim3 grid(p.shape.batch * p.shape.num_q_heads);
   return LaunchDependent(&PropBudgetKernel, grid, dim3(kSmallThreads), 0, stream, p.shape, Seeds(p),
@@ -1040,7 +1043,7 @@ cudaError_t LaunchBudget(const SantaParams& p, const TilePlan& plan, const PropS
 }
 
 struct BigTileLaunch {
-  const SantaParams& p;
+  const SantaLaunchParams& p;
   TilePlan plan;
   PropSpace ws;
   cudaStream_t stream;
@@ -1131,13 +1134,13 @@ cudaError_t SampledRows(const SampledRowsParams& p, void* workspace, size_t work
   return cudaGetLastError();
 }
 
-size_t SantaIidWorkspaceBytes(const SantaParams& p) {
+size_t SantaIidWorkspaceBytes(const SantaLaunchParams& p) {
   size_t bytes = 0;
   CarveIid(p.shape, MakeTilePlan(p.shape), nullptr, &bytes);
   return bytes;
 }
 
-cudaError_t SantaIid(const SantaParams& p, void* workspace, size_t workspace_bytes,
+cudaError_t SantaIid(const SantaLaunchParams& p, void* workspace, size_t workspace_bytes,
                      cudaStream_t stream) {
   KVSPARSE_CUDA_RETURN_IF_ERROR(ValidateSanta(p));
   if (p.shape.batch == 0) return cudaSuccess;
@@ -1153,13 +1156,13 @@ cudaError_t SantaIid(const SantaParams& p, void* workspace, size_t workspace_byt
                         IidLaunch{p, plan.max_tiles, ws, stream});
 }
 
-size_t S2antaPropWorkspaceBytes(const SantaParams& p) {
+size_t S2antaPropWorkspaceBytes(const SantaLaunchParams& p) {
   size_t bytes = 0;
   CarveProp(p, MakeTilePlan(p.shape), nullptr, &bytes);
   return bytes;
 }
 
-cudaError_t S2antaProp(const SantaParams& p, void* workspace, size_t workspace_bytes,
+cudaError_t S2antaProp(const SantaLaunchParams& p, void* workspace, size_t workspace_bytes,
                        cudaStream_t stream) {
   KVSPARSE_CUDA_RETURN_IF_ERROR(ValidateSanta(p));
   if (p.shape.batch == 0) return cudaSuccess;
@@ -1184,14 +1187,14 @@ cudaError_t S2antaProp(const SantaParams& p, void* workspace, size_t workspace_b
   return DispatchDecode(s.dtype, s.head_dim, s.group_size(), Pass2Launch{p, plan, ws, stream});
 }
 
-size_t S2antaFlashWorkspaceBytes(const SantaParams& p) {
+size_t S2antaFlashWorkspaceBytes(const SantaLaunchParams& p) {
   const TilePlan plan = MakeTilePlan(p.shape);
   if (plan.num_parts <= 1) return 0;
   const size_t rows = static_cast<size_t>(p.shape.batch) * p.shape.num_q_heads * plan.num_parts;
   return AlignUp(rows * p.shape.head_dim * sizeof(float), 256) + AlignUp(rows * sizeof(float), 256);
 }
 
-cudaError_t S2antaFlash(const SantaParams& p, void* workspace, size_t workspace_bytes,
+cudaError_t S2antaFlash(const SantaLaunchParams& p, void* workspace, size_t workspace_bytes,
                         cudaStream_t stream) {
   KVSPARSE_CUDA_RETURN_IF_ERROR(ValidateSanta(p));
   if (p.shape.batch == 0) return cudaSuccess;

@@ -31,7 +31,7 @@ namespace kvsparse::kernels::cuda {
 // Tokens per tile (B_tile) of the prop and flash kernels and of the i.i.d. sampler's pass 1.
 constexpr int kSantaTile = 256;
 
-struct SantaParams {
+struct SantaLaunchParams {
   DecodeShape shape;
   int32_t num_samples = 128;  // S per query head, >= 1
   uint64_t seed = 0;
@@ -49,17 +49,17 @@ struct SantaParams {
   int32_t* indices = nullptr;
 };
 
-size_t SantaIidWorkspaceBytes(const SantaParams& p);
-cudaError_t SantaIid(const SantaParams& p, void* workspace, size_t workspace_bytes,
+size_t SantaIidWorkspaceBytes(const SantaLaunchParams& p);
+cudaError_t SantaIid(const SantaLaunchParams& p, void* workspace, size_t workspace_bytes,
                      cudaStream_t stream);
 
 // Output summation over tiles uses fp32 atomics: results agree run to run up to rounding.
-size_t S2antaPropWorkspaceBytes(const SantaParams& p);
-cudaError_t S2antaProp(const SantaParams& p, void* workspace, size_t workspace_bytes,
+size_t S2antaPropWorkspaceBytes(const SantaLaunchParams& p);
+cudaError_t S2antaProp(const SantaLaunchParams& p, void* workspace, size_t workspace_bytes,
                        cudaStream_t stream);
 
-size_t S2antaFlashWorkspaceBytes(const SantaParams& p);
-cudaError_t S2antaFlash(const SantaParams& p, void* workspace, size_t workspace_bytes,
+size_t S2antaFlashWorkspaceBytes(const SantaLaunchParams& p);
+cudaError_t S2antaFlash(const SantaLaunchParams& p, void* workspace, size_t workspace_bytes,
                         cudaStream_t stream);
 
 // The distinct tokens a call sampled per (sequence, kv head), ascending: from the sample counts

@@ -21,8 +21,8 @@ struct PropOutputs {
 };
 
 // What PropFromScores samples, as the CPU reference's parameters.
-SantaParams PropParams(int32_t S) {
-  SantaParams params;
+kernels::SantaParams PropParams(int32_t S) {
+  kernels::SantaParams params;
   params.samples = S;
   params.tile_size = 256;
   return params;
@@ -95,7 +95,7 @@ TEST(SantaScoresCudaTest, SamplesWhatTheCpuSamples) {
   PropOutputs o;
   ASSERT_NO_FATAL_FAILURE(
       RunProp(ds.as<float>(), B, H, Hkv, 1, n_max, dl.as<int32_t>(), dseed.as<uint64_t>(), S, &o));
-  const SantaParams params = PropParams(S);
+  const kernels::SantaParams params = PropParams(S);
   SantaHeadPlan plan;
   HeadRows rows;
   int differing = 0;
@@ -174,7 +174,7 @@ TEST(SantaScoresCudaTest, GroupMixtureSamplesOncePerKvHead) {
   ASSERT_NO_FATAL_FAILURE(RunProp(dmix.as<float>(), B, Hkv, Hkv, G, n_max, dl.as<int32_t>(),
                                   dseed.as<uint64_t>(), S, &o));
   const auto mix = ToHost<float>(dmix, rows * n_max);
-  const SantaParams params = PropParams(S);
+  const kernels::SantaParams params = PropParams(S);
   SantaHeadPlan plan;
   HeadRows want;
   int64_t masked = 0;

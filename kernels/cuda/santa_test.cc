@@ -44,7 +44,7 @@ kernels::SantaParams CpuParams(Method m, int samples) {
   return c;
 }
 
-size_t WorkspaceBytes(Method m, const SantaParams& p) {
+size_t WorkspaceBytes(Method m, const SantaLaunchParams& p) {
   switch (m) {
     case Method::kIid:
       return SantaIidWorkspaceBytes(p);
@@ -56,7 +56,7 @@ size_t WorkspaceBytes(Method m, const SantaParams& p) {
   return 0;
 }
 
-cudaError_t RunMethod(Method m, const SantaParams& p, DeviceBuffer& ws, cudaStream_t stream) {
+cudaError_t RunMethod(Method m, const SantaLaunchParams& p, DeviceBuffer& ws, cudaStream_t stream) {
   switch (m) {
     case Method::kIid:
       return SantaIid(p, ws.get(), ws.size(), stream);
@@ -92,7 +92,7 @@ Outcome Compare(Method m, const DecodeProblem& hp, size_t kv_elems, int samples,
   DeviceProblem d = DeviceProblem::Upload(hp, kv_elems);
   const int64_t bh = static_cast<int64_t>(hp.batch) * hp.num_q_heads;
   const int32_t n_max = d.shape.max_seq_len;
-  SantaParams p;
+  SantaLaunchParams p;
   p.shape = d.shape;
   p.num_samples = samples;
   p.seed = seed;
@@ -249,7 +249,7 @@ TEST(SantaCudaTest, FlashPropAndIidAreUnbiasedOverSeeds) {
   ASSERT_TRUE(DenseDecodeFloat64(sp.problem, &dense).ok());
   for (Method m : {Method::kFlash, Method::kProp, Method::kIid}) {
     DeviceProblem d = DeviceProblem::Upload(sp.problem, sp.k.size() / 2);
-    SantaParams p;
+    SantaLaunchParams p;
     p.shape = d.shape;
     p.num_samples = 32;
     DeviceBuffer ws(WorkspaceBytes(m, p));
@@ -274,7 +274,7 @@ TEST(SantaCudaTest, GraphCaptureProp) {
   KVSPARSE_REQUIRE_GPU();
   SyntheticProblem sp = SyntheticProblem::Make(SmallGroups({5000, 700}));
   DeviceProblem d = DeviceProblem::Upload(sp.problem, sp.k.size() / 2);
-  SantaParams p;
+  SantaLaunchParams p;
   p.shape = d.shape;
   p.num_samples = 128;
   p.seed = 5;

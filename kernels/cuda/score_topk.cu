@@ -18,7 +18,8 @@ __device__ __forceinline__ uint32_t OrderedKey(float f) {
   return (u >> 31) != 0 ? ~u : (u | 0x80000000u);
 }
 
-__global__ void __launch_bounds__(kThreads) ScoreTopKKernel(ScoreTopKParams p, int32_t max_out) {
+__global__ void __launch_bounds__(kThreads)
+    ScoreTopKKernel(ScoreTopKLaunchParams p, int32_t max_out) {
   __shared__ int hist[256];
   __shared__ int wcount[kWarps];
   __shared__ uint32_t s_prefix;
@@ -90,11 +91,11 @@ __global__ void __launch_bounds__(kThreads) ScoreTopKKernel(ScoreTopKParams p, i
 
 }  // namespace
 
-int32_t ScoreTopKParams::MaxSelected() const {
+int32_t ScoreTopKLaunchParams::MaxSelected() const {
   return MaxSinkLocalTopKRows(sink_tokens, local_tokens, top_k, top_k_fraction, max_seq_len);
 }
 
-cudaError_t ScoreTopK(const ScoreTopKParams& p, cudaStream_t stream) {
+cudaError_t ScoreTopK(const ScoreTopKLaunchParams& p, cudaStream_t stream) {
   if (p.batch < 0 || p.num_q_heads <= 0 || p.max_seq_len < 0 || p.top_k < 0 ||
       !(p.top_k_fraction >= 0.f && p.top_k_fraction <= 1.f) || p.score_stride < p.max_seq_len) {
     return cudaErrorInvalidValue;

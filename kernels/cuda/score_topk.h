@@ -15,7 +15,7 @@
 
 namespace kvsparse::kernels::cuda {
 
-struct ScoreTopKParams {
+struct ScoreTopKLaunchParams {
   int32_t batch = 0;              // B
   int32_t num_q_heads = 0;        // H
   const float* scores = nullptr;  // device, shape: [B, H, score_stride] (finite)
@@ -38,7 +38,7 @@ struct ScoreTopKParams {
   int32_t MaxSelected() const;
 };
 
-cudaError_t ScoreTopK(const ScoreTopKParams& p, cudaStream_t stream);
+cudaError_t ScoreTopK(const ScoreTopKLaunchParams& p, cudaStream_t stream);
 
 }  // namespace kvsparse::kernels::cuda
 

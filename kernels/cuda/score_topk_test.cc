@@ -37,7 +37,7 @@ TEST(ScoreTopKCudaTest, EqualsTheCpuRule) {
       scores[5] = -0.f;  // a negative zero ties with +0
       scores[6] = 0.f;
       DeviceBuffer ds = ToDevice(scores), dl = ToDevice(lens);
-      ScoreTopKParams p;
+      ScoreTopKLaunchParams p;
       p.batch = B;
       p.num_q_heads = H;
       p.scores = ds.as<float>();
@@ -83,7 +83,7 @@ TEST(ScoreTopKCudaTest, EqualsTheCpuRule) {
 }
 
 TEST(ScoreTopKCudaTest, RefusesBadParameters) {
-  ScoreTopKParams p;
+  ScoreTopKLaunchParams p;
   p.batch = 1;
   p.num_q_heads = 1;
   p.max_seq_len = 100;

@@ -152,7 +152,7 @@ struct RowSets {
 };
 
 // Runs SANTA iid (method 0), S2ANTA-prop (1) or S2ANTA-flash (2) and waits for it.
-void RunSanta(int method, const SantaParams& p) {
+void RunSanta(int method, const SantaLaunchParams& p) {
   const size_t bytes = method == 0   ? SantaIidWorkspaceBytes(p)
                        : method == 1 ? S2antaPropWorkspaceBytes(p)
                                      : S2antaFlashWorkspaceBytes(p);
@@ -216,7 +216,7 @@ void RunHashPipeline(const HashCase& c) {
   const int B = p.batch, H = p.num_q_heads, hkv = p.num_kv_heads, sets = B * hkv;
   const int n_max = std::max(1, *std::max_element(c.lens.begin(), c.lens.end()));
   DeviceBuffer qs = ToDevice(sigs.q), ks = ToDevice(sigs.k);
-  HashTopKParams tp;
+  HashTopKLaunchParams tp;
   tp.batch = B;
   tp.num_q_heads = H;
   tp.key_heads = sigs.view.key_heads;
@@ -605,14 +605,14 @@ TEST(SelectedRowsCudaTest, SantaWithPerHeadKAndPagedVMatchesStrided) {
   }
   DeviceBuffer dkh = ToDevice(kh);
   for (int method = 0; method < 3; ++method) {
-    SantaParams a;
+    SantaLaunchParams a;
     a.shape = dp.shape;
     a.num_samples = 128;
     a.seed = 42;
     DeviceBuffer ca(sizeof(int32_t) * B * H * n_max), cb(sizeof(int32_t) * B * H * n_max);
     ASSERT_EQ(cudaMemset(ca.get(), 0, ca.size()), cudaSuccess);
     ASSERT_EQ(cudaMemset(cb.get(), 0, cb.size()), cudaSuccess);
-    SantaParams bp = a;
+    SantaLaunchParams bp = a;
     bp.shape.k = nullptr;
     bp.shape.v = nullptr;
     bp.shape.k_heads = dkh.as<const void*>();
@@ -635,7 +635,7 @@ TEST(SelectedRowsCudaTest, SantaWithPerHeadKAndPagedVMatchesStrided) {
     EXPECT_LT(RelativeL2(want, OutputAsDouble(hp)), 1e-5) << "method " << method;
   }
   // K read through pages is refused by the streaming kernels.
-  SantaParams bad;
+  SantaLaunchParams bad;
   bad.shape = dp.shape;
   bad.shape.k_pages = paged.k();
   EXPECT_EQ(S2antaProp(bad, nullptr, 0, nullptr), cudaErrorInvalidValue);
@@ -652,7 +652,7 @@ TEST(SelectedRowsCudaTest, VAttentionFromPagesMatchesStrided) {
   DeviceProblem dp = DeviceProblem::Upload(p, KvElements(p));
   PagedKv paged(p, 5, /*host=*/true, 4);
   DeviceBuffer qs = ToDevice(sigs.q), ks = ToDevice(sigs.k);
-  VAttentionParams a;
+  VAttentionLaunchParams a;
   a.shape = dp.shape;
   a.seed = 8;
   a.q_sigs = qs.as<uint32_t>();
@@ -661,7 +661,7 @@ TEST(SelectedRowsCudaTest, VAttentionFromPagesMatchesStrided) {
   a.k_head_stride = sigs.view.head_stride;
   a.k_token_stride = sigs.view.token_stride;
   a.key_heads = sigs.view.key_heads;
-  VAttentionParams bp = a;
+  VAttentionLaunchParams bp = a;
   bp.shape.k = bp.shape.v = nullptr;
   bp.shape.k_pages = paged.k();
   bp.shape.v_pages = paged.v();
@@ -691,7 +691,7 @@ TEST(SelectedRowsCudaTest, PerSequenceSeedsMatchBatchOneCalls) {
   const std::vector<uint64_t> seeds = {11, 0x9e3779b97f4a7c15ull, 5};
   DeviceBuffer dseeds = ToDevice(seeds);
   for (int method = 0; method < 3; ++method) {
-    SantaParams all;
+    SantaLaunchParams all;
     all.shape = dp.shape;
     all.num_samples = 64;
     all.seeds = dseeds.as<uint64_t>();
@@ -706,7 +706,7 @@ TEST(SelectedRowsCudaTest, PerSequenceSeedsMatchBatchOneCalls) {
     const auto counts_all = ToHost<int32_t>(c_all, c_all.size() / 4);
     const auto idx_host = ToHost<int32_t>(idx_all, idx_all.size() / 4);
     for (int b = 0; b < B; ++b) {
-      SantaParams one = all;
+      SantaLaunchParams one = all;
       one.seeds = nullptr;
       one.seed = seeds[b];
       one.shape.batch = 1;

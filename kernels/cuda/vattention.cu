@@ -71,10 +71,10 @@ struct Layout {
   size_t total = 0;
 };
 
-// The fields the two top-k selectors (HashTopKParams, ScoreTopKParams) share: shape, lengths,
-// sink, window and k.
+// The fields the two top-k selectors (HashTopKLaunchParams, ScoreTopKLaunchParams) share: shape,
+// lengths, sink, window and k.
 template <typename T>
-T SelectorParams(const VAttentionParams& p) {
+T SelectorParams(const VAttentionLaunchParams& p) {
   T t;
   t.batch = p.shape.batch;
   t.num_q_heads = p.shape.num_q_heads;
@@ -87,8 +87,8 @@ T SelectorParams(const VAttentionParams& p) {
   return t;
 }
 
-HashTopKParams TopkParams(const VAttentionParams& p) {
-  HashTopKParams t = SelectorParams<HashTopKParams>(p);
+HashTopKLaunchParams TopkParams(const VAttentionLaunchParams& p) {
+  HashTopKLaunchParams t = SelectorParams<HashTopKLaunchParams>(p);
   t.key_heads = p.key_heads;
   t.bits = p.bits;
   t.q_sigs = p.q_sigs;
@@ -100,18 +100,18 @@ HashTopKParams TopkParams(const VAttentionParams& p) {
   return t;
 }
 
-ScoreTopKParams ScoreParams(const VAttentionParams& p) {
-  ScoreTopKParams t = SelectorParams<ScoreTopKParams>(p);
+ScoreTopKLaunchParams ScoreParams(const VAttentionLaunchParams& p) {
+  ScoreTopKLaunchParams t = SelectorParams<ScoreTopKLaunchParams>(p);
   t.scores = p.scores;
   t.score_stride = p.scores_stride;
   return t;
 }
 
-Layout MakeLayout(const VAttentionParams& p, void* base) {
+Layout MakeLayout(const VAttentionLaunchParams& p, void* base) {
   Layout l;
   const size_t bh = static_cast<size_t>(p.shape.batch) * p.shape.num_q_heads;
   const bool importance = p.scores != nullptr;
-  const HashTopKParams tp = TopkParams(p);
+  const HashTopKLaunchParams tp = TopkParams(p);
   l.fixed_stride = std::max(1, importance ? ScoreParams(p).MaxSelected() : tp.MaxSelected());
   l.list_stride = std::max(1, p.shape.max_seq_len);
   char* c = static_cast<char*>(base);
@@ -188,7 +188,7 @@ __device__ __forceinline__ bool Residual(const uint32_t* bitmap, int t) {
 // otherwise count = budget[bh]. out_count[bh] = -1 if the threshold bucket overflows kCand.
 template <bool kBase>
 __global__ void __launch_bounds__(kSampleThreads)
-    VattSampleKernel(VAttentionParams p, Layout l, int32_t* __restrict__ out,
+    VattSampleKernel(VAttentionLaunchParams p, Layout l, int32_t* __restrict__ out,
                      int32_t* __restrict__ out_count) {
   extern __shared__ uint64_t dsm64[];
   uint64_t* ck = dsm64;                                             // [kCand] candidate keys
@@ -317,7 +317,8 @@ __global__ void __launch_bounds__(kSampleThreads)
 // tokens in order (prop_tok[r] for rank r), cdf[r] = sum over ranks <= r of e^{s~_t - m} in
 // float64 (m: the residual's largest s~, as the CPU's ImportanceProposal), and
 // L = m + ln(Z~) - ln(n_s) with Z~ = cdf[n_s - 1].
-__global__ void __launch_bounds__(kSampleThreads) VattProposalKernel(VAttentionParams p, Layout l) {
+__global__ void __launch_bounds__(kSampleThreads)
+    VattProposalKernel(VAttentionLaunchParams p, Layout l) {
   extern __shared__ uint32_t pbitmap[];  // fixed-set membership
   __shared__ int ws[32];
   __shared__ double dws[32];
@@ -395,7 +396,7 @@ __global__ void __launch_bounds__(kSampleThreads) VattProposalKernel(VAttentionP
 // max(2, round(rate n_s))); otherwise count = budget[bh], and b >= n_s lists the residual once.
 template <bool kBase>
 __global__ void __launch_bounds__(kSampleThreads)
-    VattDrawKernel(VAttentionParams p, Layout l, int32_t* __restrict__ out,
+    VattDrawKernel(VAttentionLaunchParams p, Layout l, int32_t* __restrict__ out,
                    int32_t* __restrict__ out_count) {
   __shared__ int ws[32];
   const int64_t bh = blockIdx.x;
@@ -473,7 +474,8 @@ __global__ void __launch_bounds__(kSampleThreads)
 // (I_f is in A); writes R's tokens, their destinations |A| + rank and each dyn row's location.
 // Also FetchRows' tables of the part and, after R, the rows fetched |A| + |R|.
 template <bool kDyn>
-__global__ void __launch_bounds__(kSampleThreads) VattUnionKernel(VAttentionParams p, Layout l) {
+__global__ void __launch_bounds__(kSampleThreads)
+    VattUnionKernel(VAttentionLaunchParams p, Layout l) {
   __shared__ int ws[32];
   const int k = blockIdx.x;
   const int hkv = p.shape.num_kv_heads, H = p.shape.num_q_heads, G = H / hkv;
@@ -608,7 +610,7 @@ __device__ double AlphaN(bool clt, double dl) {
 // Statistics of I_f and the base sample in float64 and the budget b (steps 4-5), one block per
 // (b, h). Logits are stashed in l.logits so that c = their max shifts every exponential.
 template <typename T, int D>
-__global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams p, Layout l) {
+__global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionLaunchParams p, Layout l) {
   constexpr int L = D / 8, R = 32 / L, NW = kRowThreads / 32;
   __shared__ float red[NW];
   __shared__ double dred[NW][6];
@@ -825,7 +827,8 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionParams 
 // Step 7: out = (sum_{I_f} e^s V + (n_s / b) sum_{I_dyn} e^s V) / (the same without V), fp32
 // with a running maximum per row slot, merged over the block.
 template <typename T, int D>
-__global__ void __launch_bounds__(kRowThreads, 2) VattEstimateKernel(VAttentionParams p, Layout l) {
+__global__ void __launch_bounds__(kRowThreads, 2)
+    VattEstimateKernel(VAttentionLaunchParams p, Layout l) {
   constexpr int L = D / 8, R = 32 / L, NW = kRowThreads / 32;
   __shared__ SlotSoftmax<D, NW * R, false> slots;
   const DecodeShape& s = p.shape;
@@ -891,7 +894,7 @@ __global__ void __launch_bounds__(kRowThreads, 2) VattEstimateKernel(VAttentionP
 }
 
 struct RowKernels {
-  const VAttentionParams& p;
+  const VAttentionLaunchParams& p;
   Layout l;
   bool estimate;
   cudaStream_t stream;
@@ -907,14 +910,14 @@ struct RowKernels {
   }
 };
 
-cudaError_t LaunchProposal(const VAttentionParams& p, const Layout& l, cudaStream_t stream) {
+cudaError_t LaunchProposal(const VAttentionLaunchParams& p, const Layout& l, cudaStream_t stream) {
   const size_t smem = static_cast<size_t>((p.shape.max_seq_len + 31) / 32) * 4 + 64;
   return LaunchWithSmem(&VattProposalKernel, dim3(p.shape.batch * p.shape.num_q_heads),
                         dim3(kSampleThreads), smem, stream, p, l);
 }
 
 template <bool kBase>
-cudaError_t LaunchSample(const VAttentionParams& p, const Layout& l, int32_t* out,
+cudaError_t LaunchSample(const VAttentionLaunchParams& p, const Layout& l, int32_t* out,
                          int32_t* out_count, cudaStream_t stream) {
   const size_t smem = static_cast<size_t>((p.shape.max_seq_len + 31) / 32) * 4 + kBuckets * 4 +
                       kCand * (8 + 4) + 64;
@@ -925,7 +928,7 @@ cudaError_t LaunchSample(const VAttentionParams& p, const Layout& l, int32_t* ou
 // A sample of the residual: uniform without replacement (priority keys), or in importance mode
 // i.i.d. draws from the proposal.
 template <bool kBase>
-cudaError_t LaunchResidualSample(const VAttentionParams& p, const Layout& l, int32_t* out,
+cudaError_t LaunchResidualSample(const VAttentionLaunchParams& p, const Layout& l, int32_t* out,
                                  int32_t* out_count, cudaStream_t stream) {
   if (p.scores == nullptr) return LaunchSample<kBase>(p, l, out, out_count, stream);
   VattDrawKernel<kBase>
@@ -935,9 +938,12 @@ cudaError_t LaunchResidualSample(const VAttentionParams& p, const Layout& l, int
 
 }  // namespace
 
-size_t VAttentionWorkspaceBytes(const VAttentionParams& p) { return MakeLayout(p, nullptr).total; }
+size_t VAttentionWorkspaceBytes(const VAttentionLaunchParams& p) {
+  return MakeLayout(p, nullptr).total;
+}
 
-VAttentionSelectionView VAttentionSelection(const VAttentionParams& p, const void* workspace) {
+VAttentionSelectionView VAttentionSelection(const VAttentionLaunchParams& p,
+                                            const void* workspace) {
   const Layout l = MakeLayout(p, const_cast<void*>(workspace));
   VAttentionSelectionView v;
   v.max_list = l.list_stride;
@@ -959,7 +965,7 @@ VAttentionSelectionView VAttentionSelection(const VAttentionParams& p, const voi
 
 namespace {
 
-cudaError_t CheckCall(const VAttentionParams& p, void* workspace, size_t workspace_bytes) {
+cudaError_t CheckCall(const VAttentionLaunchParams& p, void* workspace, size_t workspace_bytes) {
   // K and V are read by FetchRows alone (from p.shape or the caller's source).
   KVSPARSE_CUDA_RETURN_IF_ERROR(ValidateShape(p.shape, /*k_paged_ok=*/true, /*v_paged_ok=*/true,
                                               /*kv_required=*/false));
@@ -979,7 +985,7 @@ cudaError_t CheckCall(const VAttentionParams& p, void* workspace, size_t workspa
 }
 
 // Copies a part's rows (A or R) of every (b, j) into the row set.
-cudaError_t FetchPart(const VAttentionParams& p, const Layout& l, bool dyn,
+cudaError_t FetchPart(const VAttentionLaunchParams& p, const Layout& l, bool dyn,
                       const VAttentionRowSource& src, cudaStream_t stream) {
   const int64_t bk = static_cast<int64_t>(p.shape.batch) * p.shape.num_kv_heads;
   const int64_t e = dyn ? bk : 0;
@@ -1008,19 +1014,19 @@ cudaError_t FetchPart(const VAttentionParams& p, const Layout& l, bool dyn,
 
 }  // namespace
 
-cudaError_t VAttentionSelect(const VAttentionParams& p, void* workspace, size_t workspace_bytes,
-                             cudaStream_t stream) {
+cudaError_t VAttentionSelect(const VAttentionLaunchParams& p, void* workspace,
+                             size_t workspace_bytes, cudaStream_t stream) {
   KVSPARSE_CUDA_RETURN_IF_ERROR(CheckCall(p, workspace, workspace_bytes));
   if (p.shape.batch == 0) return cudaSuccess;
   const Layout l = MakeLayout(p, workspace);
   if (p.scores != nullptr) {
-    ScoreTopKParams sp = ScoreParams(p);
+    ScoreTopKLaunchParams sp = ScoreParams(p);
     sp.indices = l.fixed;
     sp.counts = l.fixed_count;
     KVSPARSE_CUDA_RETURN_IF_ERROR(ScoreTopK(sp, stream));
     KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchProposal(p, l, stream));
   } else {
-    HashTopKParams tp = TopkParams(p);
+    HashTopKLaunchParams tp = TopkParams(p);
     tp.indices = l.fixed;
     tp.counts = l.fixed_count;
     KVSPARSE_CUDA_RETURN_IF_ERROR(HashTopK(tp, l.topk_ws, l.topk_bytes, stream));
@@ -1030,7 +1036,7 @@ cudaError_t VAttentionSelect(const VAttentionParams& p, void* workspace, size_t 
   return cudaGetLastError();
 }
 
-cudaError_t VAttentionVerify(const VAttentionParams& p, const VAttentionRowSource& src,
+cudaError_t VAttentionVerify(const VAttentionLaunchParams& p, const VAttentionRowSource& src,
                              void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   KVSPARSE_CUDA_RETURN_IF_ERROR(CheckCall(p, workspace, workspace_bytes));
   if (p.shape.batch == 0) return cudaSuccess;
@@ -1044,7 +1050,7 @@ cudaError_t VAttentionVerify(const VAttentionParams& p, const VAttentionRowSourc
   return cudaGetLastError();
 }
 
-cudaError_t VAttentionEstimate(const VAttentionParams& p, const VAttentionRowSource& src,
+cudaError_t VAttentionEstimate(const VAttentionLaunchParams& p, const VAttentionRowSource& src,
                                void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   KVSPARSE_CUDA_RETURN_IF_ERROR(CheckCall(p, workspace, workspace_bytes));
   if (p.shape.batch == 0) return cudaSuccess;
@@ -1054,8 +1060,8 @@ cudaError_t VAttentionEstimate(const VAttentionParams& p, const VAttentionRowSou
   return DispatchDecode(s.dtype, s.head_dim, 1, RowKernels{p, l, true, stream});
 }
 
-cudaError_t VAttentionDecode(const VAttentionParams& p, void* workspace, size_t workspace_bytes,
-                             cudaStream_t stream) {
+cudaError_t VAttentionDecode(const VAttentionLaunchParams& p, void* workspace,
+                             size_t workspace_bytes, cudaStream_t stream) {
   KVSPARSE_CUDA_RETURN_IF_ERROR(VAttentionSelect(p, workspace, workspace_bytes, stream));
   KVSPARSE_CUDA_RETURN_IF_ERROR(VAttentionVerify(p, {}, workspace, workspace_bytes, stream));
   return VAttentionEstimate(p, {}, workspace, workspace_bytes, stream);

@@ -8,7 +8,7 @@
 //      output target minimises over the same delta grid as the reference);
 //   4. final sample: the b residual tokens with the smallest kVattDynamic keys;
 //   5. estimate: out = (sum_{I_f} e^s V + (n_s / b) sum_{I_dyn} e^s V) / (same without V).
-// Importance mode (VAttentionParams::scores set: the compressed predictor with the importance
+// Importance mode (VAttentionLaunchParams::scores set: the compressed predictor with the importance
 // sampler, kernels/vattention.h "The importance sampler"): step 1 takes sink + window + the top-k
 // by the given scores s~ (ScoreTopK's rule, the CPU's SelectSinkLocalTopK); steps 2 and 4 draw
 // i.i.d. from p_t = e^{s~_t} / Z~ over the residual (a float64 cumulative sum per head, then
@@ -37,7 +37,7 @@
 
 namespace kvsparse::kernels::cuda {
 
-struct VAttentionParams {
+struct VAttentionLaunchParams {
   DecodeShape shape;  // max_seq_len <= 2^22
   uint64_t seed = 0;
   // Optional, device, shape: [B]: sequence b draws its random numbers from seeds[b] as a batch-1
@@ -58,7 +58,7 @@ struct VAttentionParams {
   int32_t bits = 32;
   const uint32_t* q_sigs = nullptr;
   const uint32_t* k_sigs = nullptr;
-  const uint32_t* const* k_sig_heads = nullptr;  // optional, as HashTopKParams::k_sig_heads
+  const uint32_t* const* k_sig_heads = nullptr;  // optional, as HashTopKLaunchParams::k_sig_heads
   int64_t k_batch_stride = 0;
   int64_t k_head_stride = 0;
   int64_t k_token_stride = 0;
@@ -71,10 +71,10 @@ struct VAttentionParams {
 };
 
 // The workspace holds, besides the lists, a row set of max_seq_len K and V rows per (b, kv head).
-size_t VAttentionWorkspaceBytes(const VAttentionParams& p);
+size_t VAttentionWorkspaceBytes(const VAttentionLaunchParams& p);
 // Every stage, K and V read through p.shape's addressing.
-cudaError_t VAttentionDecode(const VAttentionParams& p, void* workspace, size_t workspace_bytes,
-                             cudaStream_t stream);
+cudaError_t VAttentionDecode(const VAttentionLaunchParams& p, void* workspace,
+                             size_t workspace_bytes, cudaStream_t stream);
 
 // The same in three calls, for a caller that stages the rows of each part itself (a store the
 // GPU cannot read): after VAttentionSelect the tokens of A are listed (VAttentionSelectionView's
@@ -85,11 +85,11 @@ struct VAttentionRowSource {
   const DecodeShape* shape = nullptr;
   bool by_position = false;
 };
-cudaError_t VAttentionSelect(const VAttentionParams& p, void* workspace, size_t workspace_bytes,
-                             cudaStream_t stream);
-cudaError_t VAttentionVerify(const VAttentionParams& p, const VAttentionRowSource& src,
+cudaError_t VAttentionSelect(const VAttentionLaunchParams& p, void* workspace,
+                             size_t workspace_bytes, cudaStream_t stream);
+cudaError_t VAttentionVerify(const VAttentionLaunchParams& p, const VAttentionRowSource& src,
                              void* workspace, size_t workspace_bytes, cudaStream_t stream);
-cudaError_t VAttentionEstimate(const VAttentionParams& p, const VAttentionRowSource& src,
+cudaError_t VAttentionEstimate(const VAttentionLaunchParams& p, const VAttentionRowSource& src,
                                void* workspace, size_t workspace_bytes, cudaStream_t stream);
 
 // Where the selection lives in the workspace after VAttentionDecode (device pointers), for tests
@@ -111,7 +111,7 @@ struct VAttentionSelectionView {
   const int32_t* union_r_count = nullptr;
   const int32_t* fetched = nullptr;
 };
-VAttentionSelectionView VAttentionSelection(const VAttentionParams& p, const void* workspace);
+VAttentionSelectionView VAttentionSelection(const VAttentionLaunchParams& p, const void* workspace);
 
 }  // namespace kvsparse::kernels::cuda
 

@@ -46,9 +46,9 @@ kernels::VAttentionParams CpuParamsOf(const Config& c) {
 }
 
 // The GPU parameters matching the CPU reference's (thresholds, rates, bound and target).
-VAttentionParams GpuParamsOf(const kernels::VAttentionParams& cp, const DecodeShape& shape,
-                             uint64_t seed) {
-  VAttentionParams gp;
+VAttentionLaunchParams GpuParamsOf(const kernels::VAttentionParams& cp, const DecodeShape& shape,
+                                   uint64_t seed) {
+  VAttentionLaunchParams gp;
   gp.shape = shape;
   gp.seed = seed;
   gp.epsilon = cp.epsilon;
@@ -72,7 +72,7 @@ std::vector<int32_t> HostInts(const int32_t* dp, size_t count) {
 // A finished VAttentionDecode's selection, on the host: per query head i its fixed set, base
 // and final samples and budget; per (b, kv head) k the union parts and the rows fetched.
 struct HostSelection {
-  HostSelection(const VAttentionParams& gp, const void* ws, int bh, int bk)
+  HostSelection(const VAttentionLaunchParams& gp, const void* ws, int bh, int bk)
       : v(VAttentionSelection(gp, ws)),
         fixed(HostInts(v.fixed, static_cast<size_t>(bh) * v.fixed_stride)),
         fixed_n(HostInts(v.fixed_count, bh)),
@@ -134,7 +134,7 @@ void RunCase(const Config& c, int seed) {
 
   DeviceProblem d = DeviceProblem::Upload(p, sp.k.size() / DTypeSize(c.dtype));
   DeviceBuffer qs = ToDevice(sigs.q), ks = ToDevice(sigs.k);
-  VAttentionParams gp = GpuParamsOf(cp, d.shape, rng_seed);
+  VAttentionLaunchParams gp = GpuParamsOf(cp, d.shape, rng_seed);
   gp.bits = 32;
   gp.q_sigs = qs.as<uint32_t>();
   gp.k_sigs = ks.as<uint32_t>();
@@ -254,7 +254,7 @@ void RunImportanceCase(const Config& c, int bits, int seed) {
 
   DeviceProblem d = DeviceProblem::Upload(p, sp.k.size() / esize);
   DeviceBuffer dscores = ToDevice(scores);
-  VAttentionParams gp = GpuParamsOf(cp, d.shape, rng_seed);
+  VAttentionLaunchParams gp = GpuParamsOf(cp, d.shape, rng_seed);
   gp.scores = dscores.as<float>();
   gp.scores_stride = max_len;
   DeviceBuffer ws(VAttentionWorkspaceBytes(gp));
@@ -310,7 +310,7 @@ TEST(VAttentionCudaTest, ImportanceModeMatchesCpu) {
     for (int bits : {1, 2}) RunImportanceCase(c, bits, seed++);
   }
   // Hoeffding has no range from a sample: refused.
-  VAttentionParams bad;
+  VAttentionLaunchParams bad;
   bad.bound = 2;
   bad.scores = reinterpret_cast<const float*>(16);
   bad.scores_stride = 0;

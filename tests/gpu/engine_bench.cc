@@ -556,7 +556,7 @@ class Config {
   void SantaKernelRows(const kk::cuda::DecodeShape& ds, double dense_us) {
     for (int variant = 0; variant < 2; ++variant) {
       if (!env_.want(variant == 0 ? "prop" : "flash")) continue;
-      kk::cuda::SantaParams p;
+      kk::cuda::SantaLaunchParams p;
       p.shape = ds;
       p.num_samples = variant == 0 ? 128 : 2048;
       p.seed = 5;
