@@ -12,23 +12,23 @@ namespace kc = kernels::cuda;
 
 class SantaCompressedCall final : public SelectedRowsCall {
  public:
-  explicit SantaCompressedCall(const Method& m) : params_(m.santa) {}
+  explicit SantaCompressedCall(const Method& m)
+      : params_(m.santa), group_(m.santa.proposal == kernels::SantaProposal::kGroupMixture) {}
 
  private:
   absl::StatusOr<int32_t> PlanSelection(LaunchPlan& lp) override {
     scoring_.Plan(lp);
-    const bool group = params_.proposal == kernels::SantaProposal::kGroupMixture;
     ps_.batch = lp.B;
     // The group mixture samples one row of scores per kv head for its G query heads.
-    ps_.num_q_heads = group ? lp.hkv : lp.H;
+    ps_.num_q_heads = group_ ? lp.hkv : lp.H;
     ps_.num_kv_heads = lp.hkv;
-    ps_.heads_per_row = group ? lp.H / lp.hkv : 1;
+    ps_.heads_per_row = group_ ? lp.H / lp.hkv : 1;
     ps_.score_stride = lp.n_max;
     ps_.max_seq_len = lp.n_max;
     ps_.num_samples = params_.samples;
     ps_.tile_size = kc::kSantaTile;
     ps_.max_selected = params_.samples + 1;  // systematic rounding can hand out S + 1 draws
-    if (group) {
+    if (group_) {
       gm_.batch = lp.B;
       gm_.num_q_heads = lp.H;
       gm_.num_kv_heads = lp.hkv;
@@ -43,7 +43,6 @@ class SantaCompressedCall final : public SelectedRowsCall {
 
   absl::Status EnqueueSelection(LaunchPlan& lp, Carver& c, const Selection& s) override {
     const size_t BH = static_cast<size_t>(lp.BH);
-    const bool group = params_.proposal == kernels::SantaProposal::kGroupMixture;
     float* scores = c.TakeTransient<float>(BH * lp.n_max);
     ps_.scores = scores;
     ps_.seq_lens = lp.shape().seq_lens;
@@ -54,7 +53,7 @@ class SantaCompressedCall final : public SelectedRowsCall {
     ps_.log2_weights = s.log2_weights;
     size_t gwb = 0;
     void* gws = nullptr;
-    if (group) {
+    if (group_) {
       gm_.scores = scores;
       gm_.seq_lens = lp.shape().seq_lens;
       gm_.mixture = c.TakeTransient<float>(static_cast<size_t>(lp.B) * lp.hkv * lp.n_max);
@@ -67,7 +66,7 @@ class SantaCompressedCall final : public SelectedRowsCall {
     const Union un = PlanUnion(lp, c, s, ps_.indices, ps_.counts);
     if (!lp.running()) return absl::OkStatus();
     if (absl::Status st = scoring_.Enqueue(lp, scores); !st.ok()) return st;
-    if (group) {
+    if (group_) {
       KVS_CUDA_OK(kc::GroupMixtureFromScores(gm_, gws, gwb, lp.stream()), "GroupMixtureFromScores");
     }
     KVS_CUDA_OK(kc::PropFromScores(ps_, ws, wb, lp.stream()), "PropFromScores");
@@ -80,6 +79,7 @@ class SantaCompressedCall final : public SelectedRowsCall {
   }
 
   const kernels::SantaParams params_;
+  const bool group_;  // the group mixture proposal: one row of scores sampled per kv head
   CompressedScoring scoring_;
   kc::PropFromScoresParams ps_;
   kc::GroupMixtureParams gm_;  // the group mixture proposal only

@@ -24,7 +24,7 @@ __device__ __forceinline__ float Half(uint16_t bits) {
 // takes 16 tokens x 32 channels against the heads' digit columns with exact int32 sums, and the
 // codes go to the A fragments without a conversion: (word >> shift) & 0x03030303 (0x01010101 for
 // one bit) puts four channels' codes in the four bytes of a register, the MMA's k-slots ordered
-// to match (KSlotChannel). The base sum_c q_c lo_c is a butterfly over the lanes. A score
+// to match (KSlotOf). The base sum_c q_c lo_c is a butterfly over the lanes. A score
 // differs from the reference's channel-order fp32 sums by rounding only (compressed_keys.h
 // states the bound). The group's lo, step and codes are staged in shared memory first (one
 // round trip of cp.async), its digits written once per group in the B fragments' order.
@@ -173,11 +173,16 @@ __device__ __forceinline__ void StageWords(uint32_t* dst, const uint32_t* src, i
   __syncwarp();
 }
 
-// The channel (within its 32-channel k-tile) at k-slot 4t + i (half 0) or 16 + 4t + i (half 1)
-// of mma.m16n8k32: the byte i of CodeBytes' register for lane quad position t.
+// Where channel cc (within its 32-channel k-tile) sits among mma.m16n8k32's k-slots: lane quad
+// position t, register half (k-slot 4t + i for half 0, 16 + 4t + i for half 1) and byte i, the
+// byte CodeBytes puts its code in.
+struct KSlot {
+  int t, i, half;
+};
 template <int BITS>
-__device__ __forceinline__ int32_t KSlotChannel(int t, int i, int half) {
-  return BITS == 2 ? 16 * half + 4 * i + t : 8 * i + t + 4 * half;
+__device__ __forceinline__ KSlot KSlotOf(int32_t cc) {
+  if constexpr (BITS == 2) return {cc % 4, (cc % 16) / 4, cc / 16};
+  return {cc % 4, cc / 8, (cc / 4) % 2};
 }
 
 // The A fragment register of k-tile half `half` for quad position t from the row's words of the
@@ -186,6 +191,14 @@ template <int BITS>
 __device__ __forceinline__ uint32_t CodeBytes(uint32_t w0, uint32_t w1, int t, int half) {
   if constexpr (BITS == 2) return ((half == 0 ? w0 : w1) >> (2 * t)) & 0x03030303u;
   return (w0 >> (t + 4 * half)) & 0x01010101u;
+}
+
+// A score's sum_c w_c code_c from its three digit columns' int32 sums: (d1 + d2 / 128 + d3 /
+// 128^2) 2^(e - 6) (each term exact in fp32, two roundings).
+__device__ __forceinline__ float DigitSum(int d1, int d2, int d3, int e) {
+  return ldexpf(__fadd_rn(__fadd_rn(static_cast<float>(d1), static_cast<float>(d2) * 0x1p-7f),
+                          static_cast<float>(d3) * 0x1p-14f),
+                e - 6);
 }
 
 template <typename T, int G, int BITS>
@@ -247,22 +260,13 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
   __syncwarp();
   // Digits: lane x takes (channel x / G, head x % G) and writes its three digits where the B
   // fragments hold them: column 2 (h % 4) + (D % 2) of n-tile 2 (h / 4) + D / 2; for channel c,
-  // k-tile c / 32, lane 4 * column + t and register half, byte i (KSlotChannel's inverse).
+  // k-tile c / 32, lane 4 * column + t and register half, byte i (KSlotOf).
   {
     const int h = lane % G;
     const float sc = ldexpf(64.f, -expo[h]);
     for (int32_t x = lane; x < G * d; x += 32) {
-      const int32_t c = x / G, cc = c % 32, kt = c / 32;
-      int t, i, half;
-      if constexpr (BITS == 2) {
-        half = cc / 16;
-        t = cc % 4;
-        i = (cc % 16) / 4;
-      } else {
-        half = (cc / 4) % 2;
-        t = cc % 4;
-        i = cc / 8;
-      }
+      const int32_t c = x / G, kt = c / 32;
+      const KSlot k = KSlotOf<BITS>(c % 32);
       float y = __fmul_rn(__fmul_rn(qf[x], Half(step[c])), sc);  // |y| < 64
       auto* bytes = reinterpret_cast<int8_t*>(bfrag);
 #pragma unroll
@@ -270,7 +274,8 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
         const float w = rintf(y);
         y = __fmul_rn(__fsub_rn(y, w), 128.f);  // exact: the remainder, scaled
         const int col = 2 * (h % 4) + D % 2, nt = 2 * (h / 4) + D / 2;
-        bytes[(((kt * NT + nt) * 32 + col * 4 + t) * 2 + half) * 4 + i] = static_cast<int8_t>(w);
+        bytes[(((kt * NT + nt) * 32 + col * 4 + k.t) * 2 + k.half) * 4 + k.i] =
+            static_cast<int8_t>(w);
       }
     }
   }
@@ -279,7 +284,7 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
   // The heads this lane writes (nt * 4 + t for each group of four), their exponents.
   int ex[HG];
 #pragma unroll
-  for (int hg = 0; hg < HG; ++hg) ex[hg] = expo[min(hg * 4 + t, G - 1)] - 6;
+  for (int hg = 0; hg < HG; ++hg) ex[hg] = expo[min(hg * 4 + t, G - 1)];
   const int32_t chunk = min(p.group, static_cast<int32_t>(kStageWords) / words);
   const uint2* bf = reinterpret_cast<const uint2*>(bfrag);
   for (int32_t c0 = 0; c0 < p.group; c0 += chunk) {
@@ -318,14 +323,8 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
         const int64_t at = h * p.score_stride + static_cast<int64_t>(g) * p.group + c0;
         const int* d12 = acc[2 * hg];
         const int* d3 = acc[2 * hg + 1];
-        const float s0 = ldexpf(
-            __fadd_rn(__fadd_rn(static_cast<float>(d12[0]), static_cast<float>(d12[1]) * 0x1p-7f),
-                      static_cast<float>(d3[0]) * 0x1p-14f),
-            ex[hg]);
-        const float s1 = ldexpf(
-            __fadd_rn(__fadd_rn(static_cast<float>(d12[2]), static_cast<float>(d12[3]) * 0x1p-7f),
-                      static_cast<float>(d3[2]) * 0x1p-14f),
-            ex[hg]);
+        const float s0 = DigitSum(d12[0], d12[1], d3[0], ex[hg]);
+        const float s1 = DigitSum(d12[2], d12[3], d3[2], ex[hg]);
         out[at + r0] = __fmul_rn(__fadd_rn(base[h], s0), p.scale);
         out[at + r1] = __fmul_rn(__fadd_rn(base[h], s1), p.scale);
       }
