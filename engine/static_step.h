@@ -46,6 +46,12 @@ struct StaticStepRequest {
   uint64_t seed = 0;        // layer l at position p draws as an eager call with seed + l * 2^32 + p
   float scale = 0.f;        // 0: 1/sqrt(d)
   kernels::DType dtype = kernels::DType::kBf16;  // of q, the new K/V and the output
+  // Where the K or V rows are in host memory: after each layer, a side stream reads one word of
+  // every page of the next layer, so that the host link's address translations of the rows the
+  // next layer fetches are warm (kernels::cuda::WarmPagedRows; the side stream joins the caller's
+  // at the end of the last layer, so a graph must capture whole steps). false: every layer's
+  // fetch translates cold.
+  bool warm_pages = true;
 };
 
 class StaticStep {

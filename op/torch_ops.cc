@@ -416,7 +416,7 @@ std::shared_ptr<StepPlan> FindPlan(int64_t engine, int64_t handle) {
 
 int64_t PlanSteps(int64_t handle, const std::vector<std::string>& sequence_ids,
                   const std::string& method, int64_t max_tokens, int64_t seed, double scale,
-                  const std::string& dtype, bool eager) {
+                  const std::string& dtype, bool eager, bool warm_pages) {
   std::shared_ptr<OpEngine> e = Find(handle);
   if (max_tokens <= 0 || max_tokens > (int64_t{1} << 30)) {  // scale: the engine's rule
     Invalid("max_tokens (1 .. 2^30) out of range");
@@ -431,6 +431,7 @@ int64_t PlanSteps(int64_t handle, const std::vector<std::string>& sequence_ids,
   r.seed = static_cast<uint64_t>(seed);
   r.scale = static_cast<float>(scale);
   r.dtype = DTypeNamed(dtype);
+  r.warm_pages = warm_pages;
   for (const std::string& id : sequence_ids) RefuseHeld(*e, id);  // one plan per sequence
   if (eager) {
     plan->eager_reason = "eager steps asked for";
@@ -857,7 +858,7 @@ TORCH_LIBRARY(kvsparse, m) {
       "str method, int seed, float scale) -> (Tensor, Tensor)");
   m.def(
       "plan_steps(int engine, str[] sequence_ids, str method, int max_tokens, "
-      "int seed, float scale, str dtype, bool eager=False) -> int",
+      "int seed, float scale, str dtype, bool eager=False, bool warm_pages=True) -> int",
       &PlanSteps);
   m.def("step_plan_mode(int engine, int plan) -> str", &StepPlanMode);
   m.def("step_device_bytes(int engine, int plan) -> int", &StepDeviceBytes);

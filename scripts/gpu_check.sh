@@ -182,7 +182,7 @@ if [[ " $STEPS " == *" e2e "* ]]; then
 fi
 
 if [[ " $STEPS " == *" sanitize "* ]]; then
-  FILTER=${SAN_FILTER:-"DenseDecodeCudaTest.Sweep*:DenseDecodeCudaTest.Graph*:SantaCudaTest.Matches*:SantaCudaTest.Graph*:HashTopKCudaTest.*:GatherCudaTest.*:VAttentionCudaTest.*:CompressedScoresCudaTest.*:CompressedKeyStepCudaTest.*:ScoreTopKCudaTest.*:StepAppendTest.*:SantaScoresCudaTest.*"}
+  FILTER=${SAN_FILTER:-"DenseDecodeCudaTest.Sweep*:DenseDecodeCudaTest.Graph*:SantaCudaTest.Matches*:SantaCudaTest.Graph*:HashTopKCudaTest.*:GatherCudaTest.*:VAttentionCudaTest.*:CompressedScoresCudaTest.*:CompressedKeyStepCudaTest.*:ScoreTopKCudaTest.*:StepAppendTest.*:SantaScoresCudaTest.*:SelectedRowsCudaTest.WarmPagedRows*"}
   for tool in memcheck racecheck; do
     timeout ${SAN_TIMEOUT:-150} compute-sanitizer --tool $tool --error-exitcode 99 --print-limit 20 \
       "$CARRY/bin/kernels_cuda_test" --gtest_brief=1 --gtest_filter="$FILTER" \

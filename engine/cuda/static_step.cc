@@ -14,12 +14,18 @@
 #include "kernels/compressed_keys.h"
 #include "kernels/cuda/compressed_keys.h"
 #include "kernels/cuda/hash_topk.h"
+#include "kernels/cuda/selected_rows.h"
 #include "kernels/cuda/step_append.h"
 
 namespace kvsparse::engine::gpu {
 namespace {
 
 namespace kc = kernels::cuda;
+
+// Reads in flight while a side stream warms the next layer's pages (kc::WarmPagedRows): on the
+// H200 here 64 chains warmed 18 pages/us and slowed a device-memory stream beside them by 3%
+// (128: 35%; unbounded: 85%; docs/PERF.md, "Cold translations").
+constexpr int32_t kWarmChains = 64;
 
 // A device allocation of the plan's own (freed with it).
 struct OwnedDev {
@@ -59,6 +65,9 @@ class GpuStaticStep final : public StaticStep {
       }
     }
     layers_.clear();
+    if (warm_join_ != nullptr) cudaEventDestroy(warm_join_);
+    if (warm_fork_ != nullptr) cudaEventDestroy(warm_fork_);
+    if (warm_stream_ != nullptr) cudaStreamDestroy(warm_stream_);
   }
 
   // Under the backend's lock: reserve, sync, hold, plan every layer.
@@ -144,13 +153,15 @@ class GpuStaticStep final : public StaticStep {
       layer->mc->FillScratchTables(lp);
       if (absl::Status s = lp.Upload(); !s.ok()) return s;
       KVS_CUDA_OK(cudaStreamSynchronize(lp.stream()), "captured step tables");
+      PlanWarm(*layer, l);
       layers_.push_back(std::move(layer));
     }
     if (shared_bytes_ > 0) {
       KVS_CUDA_OK(cudaMalloc(&shared_.ptr, shared_bytes_), "captured step shared scratch");
     }
-    // Floors and tops: the committed lengths.
-    std::vector<int64_t> ctl(static_cast<size_t>(B_) * (L_ + 1) + 1, 0);
+    if (absl::Status s = StartSideStream(); !s.ok()) return s;
+    // Floors and tops: the committed lengths; the error and progress words 0.
+    std::vector<int64_t> ctl(static_cast<size_t>(B_) * (L_ + 1) + 2, 0);
     for (int32_t b = 0; b < B_; ++b) {
       const int64_t n = static_cast<int64_t>(descs_[b].layer_lengths[0]);
       floor_host_.push_back(static_cast<uint64_t>(n));
@@ -158,6 +169,7 @@ class GpuStaticStep final : public StaticStep {
     }
     control_bytes_ = sizeof(int64_t) * ctl.size();
     KVS_CUDA_OK(cudaMalloc(&ctl_.ptr, control_bytes_), "captured step control");
+    for (auto& ly : layers_) ly->warm.stop = progress();
     KVS_CUDA_OK(
         cudaMemcpy(ctl_.ptr, ctl.data(), sizeof(int64_t) * ctl.size(), cudaMemcpyHostToDevice),
         "captured step control");
@@ -176,6 +188,7 @@ class GpuStaticStep final : public StaticStep {
     if (cudaGetDevice(&current) != cudaSuccess || current != device_) {
       KVS_CUDA_OK(cudaSetDevice(device_), "cudaSetDevice");
     }
+    cudaStream_t caller = static_cast<cudaStream_t>(stream);
     Layer& ly = *layers_[layer];
     LaunchPlan& lp = *ly.lp;
     ly.call.q_device = q;
@@ -202,6 +215,10 @@ class GpuStaticStep final : public StaticStep {
     p.seq_lens = lp.lens_table();
     p.seeds = lp.seeds_table();
     p.seed = req_.seed + (static_cast<uint64_t>(layer) << 32);  // layers draw apart
+    if (warm_) {  // stops the side stream's warm of this layer's pages (WarmNextLayer)
+      p.progress = progress();
+      p.layer = static_cast<int32_t>(layer);
+    }
     if (sign_keys_) {
       const size_t row_stride = static_cast<size_t>(lp.hkv) * lp.row;
       for (int32_t b = 0; b < B_; ++b) {
@@ -244,6 +261,11 @@ class GpuStaticStep final : public StaticStep {
     if (absl::Status s = Carve(ly, &bytes, &transient); !s.ok()) return s;
     if (bytes != ly.method_bytes) {
       return absl::InternalError("a captured step's buffers changed size between plan and run");
+    }
+    if (warm_ && layer + 1 < L_) return WarmNextLayer(layer + 1, caller);
+    if (warm_pending_) {  // the last layer: the side stream's work joins the caller's stream
+      KVS_CUDA_OK(cudaStreamWaitEvent(caller, warm_join_, 0), "side stream join");
+      warm_pending_ = false;
     }
     return absl::OkStatus();
   }
@@ -334,7 +356,51 @@ class GpuStaticStep final : public StaticStep {
     size_t method_bytes = 0;
     const float* planes = nullptr;    // SimHash planes of the layer (sign_keys_)
     std::vector<const float*> norms;  // each sequence's M of the layer (sign_keys_)
+    kc::WarmPagedRowsParams warm;     // its pages, read ahead by the previous layer (warm_)
   };
+
+  // Layer l's warm (WarmNextLayer) where its K or V rows are in the store's pages (host memory
+  // read over the host link) and the request asks for it.
+  void PlanWarm(Layer& layer, uint32_t l) {
+    const LaunchPlan& lp = *layer.lp;
+    warm_ = req_.warm_pages && (lp.k_tier() != kDeviceTier || lp.v_tier() != kDeviceTier);
+    layer.warm.batch = B_;
+    layer.warm.num_kv_heads = lp.hkv;
+    layer.warm.pages.tables = lp.page_lists();
+    layer.warm.pages.page_shift = Log2(descs_[0].page_tokens);
+    layer.warm.seq_lens = lp.lens_table();
+    layer.warm.max_seq_len = static_cast<int32_t>(req_.max_tokens);
+    layer.warm.chains = kWarmChains;
+    layer.warm.stop_at = static_cast<int32_t>(l);  // its step reached: too late to help
+  }
+  // The side stream and its events, where layers are warmed (more than one layer).
+  absl::Status StartSideStream() {
+    if (!warm_ || L_ < 2) {
+      warm_ = false;
+      return absl::OkStatus();
+    }
+    int lowest = 0, highest = 0;
+    KVS_CUDA_OK(cudaDeviceGetStreamPriorityRange(&lowest, &highest), "stream priorities");
+    KVS_CUDA_OK(cudaStreamCreateWithPriority(&warm_stream_, cudaStreamNonBlocking, lowest),
+                "captured step side stream");
+    KVS_CUDA_OK(cudaEventCreateWithFlags(&warm_fork_, cudaEventDisableTiming), "side event");
+    KVS_CUDA_OK(cudaEventCreateWithFlags(&warm_join_, cudaEventDisableTiming), "side event");
+    return absl::OkStatus();
+  }
+  // After layer l - 1's kernels, on the side stream: one read of each of layer l's pages
+  // (kernels::cuda::WarmPagedRows, kWarmChains at a time), so that the host link's address
+  // translations of its rows are warm when its FetchRows runs, while the caller's stream runs
+  // the model between the two layers' attention; it stops where layer l's step begins (the
+  // progress word StepAppend writes). The side stream joins the caller's at the end of the last
+  // layer: a graph captures whole steps, layers 0 .. L - 1 in order.
+  absl::Status WarmNextLayer(uint32_t l, cudaStream_t caller) {
+    KVS_CUDA_OK(cudaEventRecord(warm_fork_, caller), "side stream fork");
+    KVS_CUDA_OK(cudaStreamWaitEvent(warm_stream_, warm_fork_, 0), "side stream fork");
+    KVS_CUDA_OK(kc::WarmPagedRows(layers_[l]->warm, warm_stream_), "WarmPagedRows");
+    KVS_CUDA_OK(cudaEventRecord(warm_join_, warm_stream_), "side stream join");
+    warm_pending_ = true;
+    return absl::OkStatus();
+  }
 
   // Per sequence, whether a step wrote a row of some layer past the committed length (the
   // control block read back; true where it cannot be read). REQUIRES: the device is idle.
@@ -369,11 +435,15 @@ class GpuStaticStep final : public StaticStep {
     }
     return absl::OkStatus();
   }
-  // The control block: floors [B], tops [L][B], the error word.
+  // The control block: floors [B], tops [L][B], the error word, the progress word.
   int64_t* floor() const { return static_cast<int64_t*>(ctl_.ptr); }
   int64_t* top(uint32_t l) const { return floor() + static_cast<size_t>(l + 1) * B_; }
   int32_t* error() const {
     return reinterpret_cast<int32_t*>(floor() + static_cast<size_t>(L_ + 1) * B_);
+  }
+  // The layer whose step began last (StepAppendParams::progress).
+  int32_t* progress() const {
+    return reinterpret_cast<int32_t*>(floor() + static_cast<size_t>(L_ + 1) * B_ + 1);
   }
 
   std::mutex* const mu_;
@@ -399,6 +469,11 @@ class GpuStaticStep final : public StaticStep {
   bool sign_keys_ = false;
   size_t ck_block_bytes_ = 0;  // of the placement's compressed keys (0: it keeps none)
   bool held_ = false;
+  // Translation warming (WarmNextLayer): rows in host pages, more than one layer.
+  bool warm_ = false;
+  bool warm_pending_ = false;  // side work not yet joined to the caller's stream
+  cudaStream_t warm_stream_ = nullptr;
+  cudaEvent_t warm_fork_ = nullptr, warm_join_ = nullptr;
 };
 
 }  // namespace

@@ -281,6 +281,34 @@ __global__ void __launch_bounds__(kFetchThreads) FetchKernel(FetchRowsParams p, 
   }
 }
 
+// WarmPagedRows: each thread a chain over the (page, b, j) indices t, t + threads, ...; a page's
+// address depends on the previous read's value (laundered to zero), so a chain has one read in
+// flight.
+constexpr int kWarmThreads = 128;
+
+__global__ void __launch_bounds__(kWarmThreads)
+    WarmKernel(WarmPagedRowsParams p, int32_t max_pages, int64_t threads) {
+  const int lanes = p.batch * p.num_kv_heads;
+  const int64_t total = static_cast<int64_t>(lanes) * max_pages;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kWarmThreads + threadIdx.x;
+  if (t >= threads) return;
+  uint32_t dep = 0;
+  for (int64_t idx = t; idx < total; idx += threads) {
+    if (p.stop != nullptr && *reinterpret_cast<const volatile int32_t*>(p.stop) >= p.stop_at) {
+      break;
+    }
+    const int lane = static_cast<int>(idx % lanes);
+    const int page = static_cast<int>(idx / lanes);
+    const int len = min(p.seq_lens[lane / p.num_kv_heads], p.max_seq_len);
+    if (len <= 0 || page > ((len - 1) >> p.pages.page_shift)) continue;
+    const char* at = static_cast<const char*>(p.pages.tables[lane][page]) + dep;
+    uint32_t x;
+    asm volatile("ld.volatile.global.u32 %0, [%1];" : "=r"(x) : "l"(at) : "memory");
+    asm volatile("and.b32 %0, %1, 0;" : "=r"(dep) : "r"(x));
+    if (p.pages_read != nullptr) atomicAdd(p.pages_read + lane, 1);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // SelectedRowsDecode: blocks of (b, h, split); each warp takes U groups of R rows at a time (all
 // loads first), one running softmax per row slot, merged over the block; splits merged by
@@ -466,6 +494,22 @@ cudaError_t FetchRows(const FetchRowsParams& p, cudaStream_t stream) {
   const dim3 grid((p.max_rows + kFetchRows - 1) / kFetchRows,
                   static_cast<unsigned>(s.batch * s.num_kv_heads));
   FetchKernel<<<grid, kFetchThreads, 0, stream>>>(p, row_vecs);
+  return cudaGetLastError();
+}
+
+cudaError_t WarmPagedRows(const WarmPagedRowsParams& p, cudaStream_t stream) {
+  if (p.batch < 0 || p.num_kv_heads <= 0 || p.max_seq_len < 0 || p.chains < 0 ||
+      p.pages.page_shift < 0 || p.pages.page_shift > 30) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.batch == 0 || p.max_seq_len == 0) return cudaSuccess;
+  if (!p.pages.enabled() || p.seq_lens == nullptr) return cudaErrorInvalidValue;
+  const int32_t max_pages = ((p.max_seq_len - 1) >> p.pages.page_shift) + 1;
+  const int64_t total = static_cast<int64_t>(p.batch) * p.num_kv_heads * max_pages;
+  const int64_t threads = p.chains > 0 ? std::min<int64_t>(p.chains, total) : total;
+  const int64_t blocks = (threads + kWarmThreads - 1) / kWarmThreads;
+  if (blocks > INT32_MAX) return cudaErrorInvalidValue;
+  WarmKernel<<<static_cast<unsigned>(blocks), kWarmThreads, 0, stream>>>(p, max_pages, threads);
   return cudaGetLastError();
 }
 

@@ -121,6 +121,32 @@ struct FetchRowsParams {
 };
 cudaError_t FetchRows(const FetchRowsParams& p, cudaStream_t stream);
 
+// WarmPagedRows: one 4-byte read at the start of every page of paged rows, tokens 0 ..
+// seq_lens[b] - 1 of every (b, j). Where the pages are host memory read over the host link, the
+// first read of a page pays for its address translation: on the H200 here a FetchRows of 2 MB of
+// rows scattered over a layer's 537 MB took 82-88 us with cold translations and 46-47 us once
+// each page had been read (docs/PERF.md, "Cold translations"). Reading each page beforehand, on a
+// side stream while other work runs, leaves the later FetchRows the warm cost. Reads that wait
+// on translations hold the memory system's slots meanwhile: with thousands in flight a kernel
+// streaming device memory beside them ran at half speed; `chains` bounds them (at most that many
+// in flight: each chain reads its pages one after another, 18 pages/us at 64 chains here, with
+// the stream beside it 3% slower). Pages are taken in the order (page, b, j), so a warm that
+// stops early has covered every (b, j) evenly. No output but the optional counts. Capturable.
+struct WarmPagedRowsParams {
+  int32_t batch = 0;
+  int32_t num_kv_heads = 0;
+  PagedRows pages;                    // tables [B * Hkv] and page_shift used
+  const int32_t* seq_lens = nullptr;  // device [B]
+  int32_t max_seq_len = 0;            // host bound of every length
+  int32_t chains = 0;                 // > 0: reads in flight at most; 0: every page at once
+  // Optional: stop (before the next page) once *stop >= stop_at, e.g. when the caller's stream
+  // reaches the layer whose pages these are (device; read each page).
+  const int32_t* stop = nullptr;
+  int32_t stop_at = 0;
+  int32_t* pages_read = nullptr;  // optional device [B * Hkv]: pages read, added (zero it first)
+};
+cudaError_t WarmPagedRows(const WarmPagedRowsParams& p, cudaStream_t stream);
+
 struct SelectedRowsParams {
   DecodeShape shape;  // q, out, batch, heads, head_dim, dtype, scale (K/V fields not used)
   RowSetTables rows;  // k and v of each (b, j)

@@ -6,6 +6,7 @@
 //   - over a run of steps with drifting selections, PlaceRows with a row cache (large, and small
 //     enough to overflow) gives outputs bit-identical to the uncached path, the hits and the
 //     cache contents a host model of the policy predicts, and slots holding their tokens' rows;
+//   - WarmPagedRows reads each page a length covers once, and none after its stop word;
 //   - dense, S2ANTA (prop, flash, iid) and vAttention read through k_heads / v_heads / pages
 //     give what they give on the strided layout.
 #include "kernels/cuda/selected_rows.h"
@@ -585,6 +586,62 @@ TEST(SelectedRowsCudaTest, FetchAllTokensCopiesEveryRow) {
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   EXPECT_EQ(ToHost<int32_t>(rows.count, 4), (std::vector<int32_t>{1000, 1000, 77, 77}));
   EXPECT_EQ(ToHost<uint8_t>(dp.out, dp.out.size()), ToHost<uint8_t>(out2, out2.size()));
+}
+
+// WarmPagedRows reads one word of each page a sequence's length covers, per (b, j), once, all
+// at once or in chains (its counts; compute-sanitizer's memcheck sees the reads), the length
+// clipped to the host bound; it reads nothing once its stop word has reached stop_at; bad
+// parameters are refused.
+TEST(SelectedRowsCudaTest, WarmPagedRowsReadsEachCoveredPageOnce) {
+  KVSPARSE_REQUIRE_GPU();
+  SyntheticProblem sp = Problem128(4, 2, {1000, 64, 65, 1});
+  const DecodeProblem& p = sp.problem;
+  DeviceProblem dp = DeviceProblem::Upload(p, KvElements(p));
+  PagedKv paged(p, 6, /*host=*/true, 5);
+  DeviceBuffer read(sizeof(int32_t) * 8), stop(sizeof(int32_t));
+  WarmPagedRowsParams wp;
+  wp.batch = 4;
+  wp.num_kv_heads = 2;
+  wp.pages = paged.k();
+  wp.seq_lens = dp.seq_lens.as<int32_t>();
+  wp.pages_read = read.as<int32_t>();
+  const auto run = [&](const WarmPagedRowsParams& w) {
+    EXPECT_EQ(cudaMemset(read.get(), 0, read.size()), cudaSuccess);
+    EXPECT_EQ(WarmPagedRows(w, nullptr), cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return ToHost<int32_t>(read, 8);
+  };
+  const std::vector<int32_t> all{16, 16, 1, 1, 2, 2, 1, 1};
+  for (const int chains : {0, 1, 3, 64, 1000}) {
+    SCOPED_TRACE(chains);
+    wp.chains = chains;
+    wp.max_seq_len = 1000;
+    EXPECT_EQ(run(wp), all);
+    wp.max_seq_len = 100;  // lengths past the bound are read up to it
+    EXPECT_EQ(run(wp), (std::vector<int32_t>{2, 2, 1, 1, 2, 2, 1, 1}));
+  }
+  wp.max_seq_len = 1000;
+  wp.chains = 3;
+  wp.stop = stop.as<int32_t>();
+  wp.stop_at = 5;
+  const int32_t below = 4, at = 5;
+  ASSERT_EQ(cudaMemcpy(stop.get(), &below, sizeof below, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(run(wp), all);
+  ASSERT_EQ(cudaMemcpy(stop.get(), &at, sizeof at, cudaMemcpyHostToDevice), cudaSuccess);
+  EXPECT_EQ(run(wp), std::vector<int32_t>(8, 0));
+  WarmPagedRowsParams bad = wp;
+  bad.pages = PagedRows{};
+  EXPECT_EQ(WarmPagedRows(bad, nullptr), cudaErrorInvalidValue);
+  bad = wp;
+  bad.seq_lens = nullptr;
+  EXPECT_EQ(WarmPagedRows(bad, nullptr), cudaErrorInvalidValue);
+  bad = wp;
+  bad.num_kv_heads = 0;
+  EXPECT_EQ(WarmPagedRows(bad, nullptr), cudaErrorInvalidValue);
+  bad = wp;
+  bad.chains = -1;
+  EXPECT_EQ(WarmPagedRows(bad, nullptr), cudaErrorInvalidValue);
+  cudaGetLastError();
 }
 
 // Sample counts and outputs of the SANTA kernels with K through per-head bases and V read from

@@ -53,6 +53,7 @@ __global__ void __launch_bounds__(kThreads) StepAppendKernel(StepAppendParams p)
 // the step's length, seed and top, or length 0 and the error word.
 __global__ void StepLengthsKernel(StepAppendParams p) {
   const int32_t b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b == 0 && p.progress != nullptr) *p.progress = p.layer;
   if (b >= p.batch) return;
   const int64_t pos = p.positions[b];
   const bool ok = Writable(pos, p.floor[b], p.top[b], p.max_tokens);

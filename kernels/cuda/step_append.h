@@ -50,6 +50,10 @@ struct StepAppendParams {
   int32_t* seq_lens = nullptr;
   uint64_t* seeds = nullptr;  // may be null
   uint64_t seed = 0;
+  // Optional device word set to `layer` once the lengths are written: where a side stream's
+  // WarmPagedRows of this layer stops (its stop word).
+  int32_t* progress = nullptr;
+  int32_t layer = 0;
 };
 
 cudaError_t StepAppend(const StepAppendParams& p, cudaStream_t stream);

@@ -159,8 +159,13 @@ TEST(StepAppendTest, WritesTheTokenWhereItBelongsAndRefusesOutsideTheWindow) {
   KVSPARSE_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaGraph_t graph;
   cudaGraphExec_t exec;
+  DeviceBuffer progress(sizeof(int32_t));
+  ASSERT_EQ(progress.Poison(), cudaSuccess);
+  StepAppendParams params = f.Params();
+  params.progress = progress.as<int32_t>();
+  params.layer = 9;
   KVSPARSE_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  KVSPARSE_ASSERT_CUDA(StepAppend(f.Params(), stream));
+  KVSPARSE_ASSERT_CUDA(StepAppend(params, stream));
   KVSPARSE_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
   KVSPARSE_ASSERT_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   for (int step = 0; step < 12; ++step) {
@@ -179,6 +184,7 @@ TEST(StepAppendTest, WritesTheTokenWhereItBelongsAndRefusesOutsideTheWindow) {
       EXPECT_EQ(seeds[b], SequenceSeed(77 + pos[b], b));
     }
     EXPECT_EQ(ToHost<int32_t>(f.error, 1)[0], 0);
+    EXPECT_EQ(ToHost<int32_t>(progress, 1)[0], 9);  // the step's layer, for a side stream
   }
   // Below the floor (committed rows), a row written already, a hole past the top, past the
   // reservation: nothing written, length 0, error raised; the other sequence goes on.

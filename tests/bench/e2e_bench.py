@@ -21,6 +21,8 @@ one process on one GPU:
                   replayed as one CUDA graph (methods the GPU backend captures: prop, hash,
                   ckeys*, ckprop*, ckgroup*: a compressed-key step quantizes a closing group on the GPU;
                   dense needs K and V resident and is the flash row's work)
+  kvsgc-<method>  the same without warming the next layer's host-page translations
+                  (KvSparseCache(warm_pages=False): every layer's row fetch translates cold)
   grpc-<method>   kvsparse-server on loopback (unary calls), grpcs-<method> over a DecodeStream
   kvsr-<method>   the engine in process (q and the output on the GPU) over a store in another
                   process: kvsparse.torch.ops.InProcessEngine(store=...) against kvsparse-server
@@ -318,8 +320,9 @@ def finish(row: Row) -> Row:
 
 def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server) -> Row:
     transport, method_name = variant.split("-", 1)
-    planned = transport == "kvsg"
-    compiled = transport in ("kvsc", "kvsg")
+    planned = transport in ("kvsg", "kvsgc")
+    compiled = transport in ("kvsc", "kvsg", "kvsgc")
+    warm_pages = transport != "kvsgc"
     transport = "kvs" if compiled else transport
     method = METHODS[method_name]
     cfg = model.config
@@ -338,7 +341,7 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server)
     steps_total = max(args.warmup, 3 if compiled else 0) + args.steps
     cache = kvsparse.torch.hf.KvSparseCache(
         cfg, target, method=method, placement=PLACEMENTS.get(method_name), stream=transport == "grpcs", seed=1,
-        max_tokens=n + steps_total + 8 if planned else None,
+        max_tokens=n + steps_total + 8 if planned else None, warm_pages=warm_pages,
     )
     try:
         return measure_kvsparse(row, variant, method, model, n, batch, args, cache, target, engines, transport,
@@ -439,7 +442,7 @@ def main() -> None:
     log(f"# model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
     variants = args.variants.split(",")
     engines: dict[str, ops.InProcessEngine] = {}  # by transport
-    if any(v.startswith(("kvs-", "kvsc-", "kvsg-")) for v in variants):
+    if any(v.startswith(("kvs-", "kvsc-", "kvsg-", "kvsgc-")) for v in variants):
         engines["kvs"] = ops.InProcessEngine(
             gpu="on" if gpu else "off", store_capacity=args.store_capacity, gpu_capacity=args.gpu_capacity,
             gpu_row_cache=args.gpu_row_cache,

@@ -201,6 +201,9 @@ class KvSparseCache(Cache):
             tokens (left- or right-padded batches too). Off by default. On a CUDA device the op
             runs SALE's kernels (bf16 / fp16, head_dim 64 or 128, the paper's block geometry);
             on the CPU its reference (kernels/sale.h).
+        warm_pages: with ``max_tokens``, where K or V rows are in host memory, warm the next
+            layer's address translations on a side stream after each layer (``DecodeSteps``);
+            on by default.
     """
 
     def __init__(
@@ -216,6 +219,7 @@ class KvSparseCache(Cache):
         sequence_prefix: str | None = None,
         max_tokens: int | None = None,
         prefill: "SalePrefill | None" = None,
+        warm_pages: bool = True,
     ) -> None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_layers = int(text.num_hidden_layers)
@@ -227,6 +231,7 @@ class KvSparseCache(Cache):
         if max_tokens is not None and not isinstance(target, InProcessEngine):
             raise ValueError("max_tokens (planned, compileable decode steps) needs an InProcessEngine target")
         self.max_tokens = max_tokens
+        self.warm_pages = warm_pages
         if prefill is not None and len(prefill.thresholds) != self.num_layers:
             raise ValueError(f"prefill: thresholds for {len(prefill.thresholds)} layers, the model has {self.num_layers}")
         self.prefill = prefill
@@ -266,7 +271,8 @@ class KvSparseCache(Cache):
             raise RuntimeError("another KvSparseCache with max_tokens is decoding in this process: close it first")
         dtype = dtype_name(self._layer(0).dtype)
         self.steps = cast("InProcessEngine", self._engine).plan_steps(
-            self.sequence_ids, self.method, max_tokens=self.max_tokens, seed=self.seed, dtype=dtype
+            self.sequence_ids, self.method, max_tokens=self.max_tokens, seed=self.seed, dtype=dtype,
+            warm_pages=self.warm_pages,
         )
         for i in range(self.num_layers):
             layer = self._layer(i)

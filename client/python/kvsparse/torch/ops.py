@@ -296,10 +296,14 @@ class InProcessEngine(_Closing):
         scale: float = 0.0,
         dtype: str = "bf16",
         eager: bool = False,
+        warm_pages: bool = True,
     ) -> "DecodeSteps":
         """Plans decode steps over a fixed batch of sequences (each already holding its prompt in
         every layer) whose lengths stay at or below ``max_tokens``: see ``DecodeSteps``."""
-        return DecodeSteps(self, sequence_ids, method, max_tokens=max_tokens, seed=seed, scale=scale, dtype=dtype, eager=eager)
+        return DecodeSteps(
+            self, sequence_ids, method, max_tokens=max_tokens, seed=seed, scale=scale, dtype=dtype, eager=eager,
+            warm_pages=warm_pages,
+        )
 
     def decode(
         self,
@@ -353,7 +357,11 @@ class DecodeSteps(_Closing):
     step writes exactly at each sequence's next row (``positions`` = its length); any other
     position writes nothing, gives that sequence zeros and makes ``commit`` raise OutOfRange.
     Either way layer l of a step at position p draws its random numbers as an eager ``decode``
-    with seed ``seed + l * 2**32 + p``. While a captured plan lives, its sequences' own decode calls and drops are
+    with seed ``seed + l * 2**32 + p``. Where K or V rows are in host memory, a captured step
+    reads one word of each page of the next layer on a side stream after each layer
+    (``warm_pages``, on by default), so that the next layer's row fetch finds the host link's
+    address translations warm; the side stream joins at the last layer, so a graph must record
+    whole steps (layers 0 to L - 1 in order). While a captured plan lives, its sequences' own decode calls and drops are
     refused; ``close`` (or leaving the ``with`` block) releases them.
     """
 
@@ -368,6 +376,7 @@ class DecodeSteps(_Closing):
         scale: float = 0.0,
         dtype: str = "bf16",
         eager: bool = False,
+        warm_pages: bool = True,
     ) -> None:
         self._engine = engine
         self.sequence_ids = list(sequence_ids)
@@ -382,6 +391,7 @@ class DecodeSteps(_Closing):
             float(scale),
             dtype,
             eager,
+            warm_pages,
         )
         self.mode: str = torch.ops.kvsparse.step_plan_mode(engine.handle, self._plan)
 
