@@ -1,5 +1,7 @@
 #include "engine/cuda/santa_compressed_call.h"
 
+#include <algorithm>
+
 #include "engine/cuda/compressed_scoring.h"
 #include "engine/cuda/selected_rows_call.h"
 #include "kernels/cuda/santa.h"
@@ -40,6 +42,10 @@ class SantaCompressedCall final : public SelectedRowsCall {
   }
 
   bool RowWeights() const override { return true; }
+  // The group mixture gives the G heads of a kv head the same rows: the union is one head's.
+  int32_t UnionBound(const LaunchPlan& lp, int32_t max_sel) const override {
+    return group_ ? std::min(lp.n_max, max_sel) : SelectedRowsCall::UnionBound(lp, max_sel);
+  }
 
   absl::Status EnqueueSelection(LaunchPlan& lp, Carver& c, const Selection& s) override {
     const size_t BH = static_cast<size_t>(lp.BH);

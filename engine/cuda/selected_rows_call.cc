@@ -12,7 +12,7 @@ absl::Status SelectedRowsCall::Plan(LaunchPlan& lp) {
   absl::StatusOr<int32_t> max_sel = PlanSelection(lp);
   if (!max_sel.ok()) return max_sel.status();
   max_sel_ = std::max(1, *max_sel);
-  rows_cap_ = std::min(lp.n_max, lp.G * max_sel_);  // the longest union of a GQA group
+  rows_cap_ = UnionBound(lp, max_sel_);
   min_cache_ = rows_cap_;
   for (int32_t b = 0; b < lp.B; ++b) {
     DeviceLayer& l = lp.layer(b);
@@ -32,6 +32,10 @@ absl::Status SelectedRowsCall::Plan(LaunchPlan& lp) {
   cache_slots_off_ = lp.AddHostTable<int32_t>(lp.BK);
   for (size_t& o : call_off_) o = lp.AddHostTable<void*>(lp.BK);
   return absl::OkStatus();
+}
+
+int32_t SelectedRowsCall::UnionBound(const LaunchPlan& lp, int32_t max_sel) const {
+  return std::min(lp.n_max, lp.G * max_sel);
 }
 
 void SelectedRowsCall::FillTables(LaunchPlan& lp) {

@@ -66,6 +66,10 @@ class SelectedRowsCall : public MethodCall {
   virtual absl::Status EnqueueSelection(LaunchPlan& lp, Carver& c, const Selection& s) = 0;
   // The entries of host tables the selection added in PlanSelection (after the shared ones).
   virtual void FillSelectionTables(LaunchPlan& lp) {}
+  // The longest union of a GQA group's selections of at most max_sel rows each: by default
+  // the G heads' rows apart (at most the sequence); a selection shared by the group's heads
+  // says less (it sizes the union's buffers and the row cache, which holds the union).
+  virtual int32_t UnionBound(const LaunchPlan& lp, int32_t max_sel) const;
   // Whether the selection weights its rows (Selection::log2_weights); else every weight is 1.
   virtual bool RowWeights() const { return false; }
   // Device bytes the selection reads for sequence b per kv head: by default every token's key

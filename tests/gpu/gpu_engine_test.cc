@@ -1168,6 +1168,33 @@ TEST_F(GpuEngineTest, CapturedLayersShareTheirScores) {
   EXPECT_LT(bytes[1] - bytes[0], layer_scores * 3 / 2) << bytes[0] << " -> " << bytes[1];
 }
 
+// The group mixture gives a kv head's G query heads the same rows, so its plan sizes the
+// union (and the overflow rows beside the row cache) for one head's S + 1 rows, not G x (S + 1):
+// its plan is smaller than per-head sampling's although it adds the mixture's scores.
+TEST_F(GpuEngineTest, CapturedGroupMixturePlansOneHeadsUnion) {
+  auto rig = Rig::Make();
+  ASSERT_NE(rig, nullptr);
+  kvstore::Placement p;
+  p.compressed_key_bits = 2;
+  auto prob = Problem({1500, 1500});
+  ASSERT_GT(prob.problem.num_q_heads, prob.problem.num_kv_heads);
+  rig->Load(prob, p);
+  StaticStepRequest req;
+  req.sequence_ids = {"s0", "s1"};
+  req.max_tokens = 2048;
+  req.method = SantaMethod(1, 64);
+  req.method.santa.scores = kernels::ScoreSource::kCompressedKeys;
+  uint64_t bytes[2];
+  for (int i = 0; i < 2; ++i) {
+    req.method.santa.proposal =
+        i == 0 ? kernels::SantaProposal::kPerHead : kernels::SantaProposal::kGroupMixture;
+    auto plan = rig->gpu->PlanStatic(req);
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    bytes[i] = (*plan)->device_bytes();
+  }
+  EXPECT_LT(bytes[1], bytes[0]) << "per head " << bytes[0] << ", group mixture " << bytes[1];
+}
+
 TEST_F(GpuEngineTest, CapturedStepsRefuseWhatTheyCannotCapture) {
   auto rig = Rig::Make();
   ASSERT_NE(rig, nullptr);
