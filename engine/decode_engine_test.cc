@@ -6,10 +6,12 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <string>
 #include <thread>
 #include <tuple>
 
 #include "absl/strings/match.h"
+#include "engine/signatures.h"
 #include "gtest/gtest.h"
 #include "kernels/dense.h"
 #include "kernels/philox.h"
@@ -1141,6 +1143,28 @@ TEST(EngineConcurrencyTest, ConcurrentDecodesWithEvictions) {
   EXPECT_EQ(errors.load(), 0);
   EXPECT_EQ(mismatches.load(), 0);
   EXPECT_GT(engine.resident().evictions(), 0u);
+}
+
+// The signature weight files of a deployment, read by one function for the server's flags and
+// the op's arguments: SimHash without files; a file that does not read, or both kinds at once,
+// refused naming the setting as the caller spells it.
+TEST(SignatureWeightsTest, LoadNamesTheSettingOfEachRefusal) {
+  SignatureConfig config;
+  ASSERT_TRUE(LoadSignatureWeights("", "", "--hash_weights", "--saap_weights", &config).ok());
+  EXPECT_EQ(config.learned, nullptr);
+  EXPECT_EQ(config.saap, nullptr);
+  const std::string missing = ::testing::TempDir() + "/no-such-weights.bin";
+  absl::Status s = LoadSignatureWeights(missing, "", "--hash_weights", "--saap_weights", &config);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(s.message(), "--hash_weights: ")) << s;
+  s = LoadSignatureWeights("", missing, "hash_weights", "saap_weights", &config);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(s.message(), "saap_weights: ")) << s;
+  s = LoadSignatureWeights(missing, missing, "hash_weights", "saap_weights", &config);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "hash_weights and saap_weights exclude each other");
+  EXPECT_EQ(config.learned, nullptr);
+  EXPECT_EQ(config.saap, nullptr);
 }
 
 }  // namespace

@@ -3,9 +3,34 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/strings/str_cat.h"
 #include "kernels/dtype.h"
 
 namespace kvsparse::engine {
+
+absl::Status LoadSignatureWeights(const std::string& hash_path, const std::string& saap_path,
+                                  absl::string_view hash_name, absl::string_view saap_name,
+                                  SignatureConfig* config) {
+  if (!hash_path.empty() && !saap_path.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(hash_name, " and ", saap_name, " exclude each other"));
+  }
+  if (!hash_path.empty()) {
+    absl::StatusOr<kernels::LearnedHashWeights> w = kernels::ReadLearnedHashWeights(hash_path);
+    if (!w.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(hash_name, ": ", w.status().ToString()));
+    }
+    config->learned = std::make_shared<const kernels::LearnedHashWeights>(std::move(*w));
+  }
+  if (!saap_path.empty()) {
+    absl::StatusOr<kernels::SaapWeights> w = kernels::ReadSaapWeights(saap_path);
+    if (!w.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat(saap_name, ": ", w.status().ToString()));
+    }
+    config->saap = std::make_shared<const kernels::SaapWeights>(std::move(*w));
+  }
+  return absl::OkStatus();
+}
 
 int32_t SignatureMaker::KeyHeads(const kvstore::ModelShape& shape) const {
   return learned() ? config_.learned->num_key_mlps : static_cast<int32_t>(shape.num_kv_heads);

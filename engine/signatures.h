@@ -7,9 +7,12 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "kernels/hash_signatures.h"
 #include "kernels/saap.h"
 #include "kvstore/types.h"
@@ -29,6 +32,16 @@ struct SignatureConfig {
   // the saap method reads; the hash methods are refused (their signatures are not kept).
   std::shared_ptr<const kernels::SaapWeights> saap;
 };
+
+// The signature weights a deployment names by file (kvsparse-server's --hash_weights and
+// --saap_weights, the op's hash_weights and saap_weights): learned MLP weights or SAAP
+// partitions, at most one of them (empty paths: SimHash). INVALID_ARGUMENT naming the setting
+// (`hash_name` / `saap_name`) and the reader's reason when a file does not read or both are given.
+[[nodiscard]] absl::Status LoadSignatureWeights(const std::string& hash_path,
+                                                const std::string& saap_path,
+                                                absl::string_view hash_name,
+                                                absl::string_view saap_name,
+                                                SignatureConfig* config);
 
 // Makes signatures; caches SimHash planes per (layer, head, bits, dim). Thread-safe.
 class SignatureMaker {

@@ -30,6 +30,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "engine/embedded.h"
+#include "engine/signatures.h"
 #include "kernels/dtype.h"
 #include "kernels/hash_signatures.h"
 #include "kernels/saap.h"
@@ -130,19 +131,8 @@ int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capac
   o.engine.gpu.capacity_bytes = static_cast<size_t>(gpu_capacity);
   o.engine.gpu.row_cache = gpu_row_cache;
   o.engine.resident_capacity_bytes = static_cast<size_t>(resident_capacity);
-  if (!hash_weights.empty()) {
-    absl::StatusOr<kernels::LearnedHashWeights> weights =
-        kernels::ReadLearnedHashWeights(hash_weights);
-    Check(weights.status());
-    o.engine.signatures.learned =
-        std::make_shared<const kernels::LearnedHashWeights>(std::move(*weights));
-  }
-  if (!saap_weights.empty()) {
-    if (!hash_weights.empty()) Invalid("hash_weights and saap_weights exclude each other");
-    absl::StatusOr<kernels::SaapWeights> saap = kernels::ReadSaapWeights(saap_weights);
-    Check(saap.status());
-    o.engine.signatures.saap = std::make_shared<const kernels::SaapWeights>(std::move(*saap));
-  }
+  Check(en::LoadSignatureWeights(hash_weights, saap_weights, "hash_weights", "saap_weights",
+                                 &o.engine.signatures));
   absl::StatusOr<std::unique_ptr<OpEngine>> engine =
       store_target.empty() ? NewLocalOpEngine(std::move(o)) : NewRemoteOpEngine(store_target, o);
   Check(engine.status());

@@ -16,6 +16,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "engine/gpu_mode.h"
+#include "engine/signatures.h"
 #include "kernels/hash_signatures.h"
 #include "kernels/saap.h"
 #include "kvstore/memory_resource.h"
@@ -315,20 +316,11 @@ absl::Status EngineFromFlags(srv::ServerOptions* o) {
   o->engine.default_tile_size = static_cast<int32_t>(absl::GetFlag(FLAGS_default_tile_size));
   o->engine.signatures.simhash_seed = absl::GetFlag(FLAGS_signature_seed);
   o->engine.signatures.norm_margin = static_cast<float>(absl::GetFlag(FLAGS_signature_norm_margin));
-  if (const std::string f = absl::GetFlag(FLAGS_hash_weights); !f.empty()) {
-    auto weights = kvsparse::kernels::ReadLearnedHashWeights(f);
-    if (!weights.ok()) return Bad(absl::StrCat("--hash_weights: ", weights.status().ToString()));
-    o->engine.signatures.learned =
-        std::make_shared<const kvsparse::kernels::LearnedHashWeights>(std::move(*weights));
-  }
-  if (const std::string f = absl::GetFlag(FLAGS_saap_weights); !f.empty()) {
-    auto saap = kvsparse::kernels::ReadSaapWeights(f);
-    if (!saap.ok()) return Bad(absl::StrCat("--saap_weights: ", saap.status().ToString()));
-    if (o->engine.signatures.learned != nullptr) {
-      return Bad("--saap_weights and --hash_weights exclude each other");
-    }
-    o->engine.signatures.saap =
-        std::make_shared<const kvsparse::kernels::SaapWeights>(std::move(*saap));
+  if (absl::Status s = kvsparse::engine::LoadSignatureWeights(
+          absl::GetFlag(FLAGS_hash_weights), absl::GetFlag(FLAGS_saap_weights), "--hash_weights",
+          "--saap_weights", &o->engine.signatures);
+      !s.ok()) {
+    return Bad(s.message());
   }
   return absl::OkStatus();
 }
