@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "absl/strings/match.h"
+#include "engine/gpu_mode.h"
 #include "engine/signatures.h"
 #include "gtest/gtest.h"
 #include "kernels/dense.h"
@@ -1165,6 +1166,26 @@ TEST(SignatureWeightsTest, LoadNamesTheSettingOfEachRefusal) {
   EXPECT_EQ(s.message(), "hash_weights and saap_weights exclude each other");
   EXPECT_EQ(config.learned, nullptr);
   EXPECT_EQ(config.saap, nullptr);
+}
+
+// The GPU options' ranges, one check for kvsparse-server's flags and the op's arguments, naming
+// the setting as the caller spells it.
+TEST(GpuOptionsTest, CheckNamesTheSettingOutsideItsRange) {
+  GpuOptions g;
+  EXPECT_TRUE(CheckGpuOptions(g, "--gpu_").ok());
+  g.row_cache = 1.5;
+  absl::Status s = CheckGpuOptions(g, "--gpu_");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "--gpu_row_cache must be a fraction in [0, 1], not 1.5");
+  g.row_cache = std::numeric_limits<double>::quiet_NaN();
+  EXPECT_EQ(CheckGpuOptions(g, "gpu_").code(), absl::StatusCode::kInvalidArgument);
+  g.row_cache = 0.0;
+  g.fetch_parallelism = 65;
+  s = CheckGpuOptions(g, "gpu_");
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StartsWith(s.message(), "gpu_fetch_parallelism must be in [1, 64]")) << s;
+  g.fetch_parallelism = 0;
+  EXPECT_EQ(CheckGpuOptions(g, "gpu_").code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -15,6 +15,18 @@ absl::StatusOr<GpuMode> ParseGpuMode(absl::string_view name) {
       absl::StrCat("unknown GPU mode '", name, "' (want auto, on or off)"));
 }
 
+absl::Status CheckGpuOptions(const GpuOptions& options, absl::string_view prefix) {
+  if (!(options.row_cache >= 0.0 && options.row_cache <= 1.0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(prefix, "row_cache must be a fraction in [0, 1], not ", options.row_cache));
+  }
+  if (options.fetch_parallelism < 1 || options.fetch_parallelism > 64) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        prefix, "fetch_parallelism must be in [1, 64], not ", options.fetch_parallelism));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<HostMemory> NewHostMemory(GpuMode mode, const kvstore::HostMemoryOptions& options) {
   HostMemory m;
 #if KVSPARSE_ENGINE_CUDA

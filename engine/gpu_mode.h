@@ -8,10 +8,12 @@
 #include <memory>
 #include <string>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "engine/cuda/gpu_backend.h"
 #include "engine/decode_engine.h"
+#include "engine/engine_options.h"
 #include "engine/row_source.h"
 #include "kvstore/memory_resource.h"
 
@@ -19,6 +21,11 @@ namespace kvsparse::engine {
 
 // "auto", "on" or "off"; INVALID_ARGUMENT otherwise.
 absl::StatusOr<GpuMode> ParseGpuMode(absl::string_view name);
+
+// The GPU options' ranges (row_cache a fraction in [0, 1], fetch_parallelism in [1, 64]):
+// INVALID_ARGUMENT naming the first one outside as the caller spells its settings, the field's
+// name after `prefix` (kvsparse-server: "--gpu_", the op: "gpu_").
+absl::Status CheckGpuOptions(const GpuOptions& options, absl::string_view prefix);
 
 // Host memory for a store whose rows an engine of `mode` reads: pinned and CUDA-mapped (mapped
 // true: the GPU backend reads rows in place) unless kOff, or kAuto where pinning is not

@@ -30,6 +30,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "engine/embedded.h"
+#include "engine/gpu_mode.h"
 #include "engine/signatures.h"
 #include "kernels/dtype.h"
 #include "kernels/hash_signatures.h"
@@ -121,7 +122,6 @@ int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capac
   if (store_capacity <= 0 || gpu_capacity <= 0 || resident_capacity <= 0 || device < 0) {
     Invalid("capacities must be positive and the device non-negative");
   }
-  if (!(gpu_row_cache >= 0.0 && gpu_row_cache <= 1.0)) Invalid("gpu_row_cache: a fraction");
   o.engine.gpu.device = static_cast<int>(device);
   o.store.capacity_bytes = static_cast<size_t>(store_capacity);
   absl::StatusOr<kv::CapacityPolicy> policy = kv::ParseCapacityPolicy(capacity_policy);
@@ -130,6 +130,7 @@ int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capac
   o.host.huge_pages = huge_pages;
   o.engine.gpu.capacity_bytes = static_cast<size_t>(gpu_capacity);
   o.engine.gpu.row_cache = gpu_row_cache;
+  Check(en::CheckGpuOptions(o.engine.gpu, "gpu_"));
   o.engine.resident_capacity_bytes = static_cast<size_t>(resident_capacity);
   Check(en::LoadSignatureWeights(hash_weights, saap_weights, "hash_weights", "saap_weights",
                                  &o.engine.signatures));

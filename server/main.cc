@@ -296,13 +296,7 @@ absl::Status GpuFromFlags(srv::ServerOptions* o) {
   g.row_cache = absl::GetFlag(FLAGS_gpu_row_cache);
   g.stage_timing_every = std::max(0, absl::GetFlag(FLAGS_gpu_stage_timing_every));
   g.fetch_parallelism = absl::GetFlag(FLAGS_gpu_fetch_parallelism);
-  if (g.fetch_parallelism < 1 || g.fetch_parallelism > 64) {
-    return Bad("--gpu_fetch_parallelism must be in [1, 64]");
-  }
-  if (!(g.row_cache >= 0.0 && g.row_cache <= 1.0)) {
-    return Bad("--gpu_row_cache must be a fraction in [0, 1]");
-  }
-  return absl::OkStatus();
+  return kvsparse::engine::CheckGpuOptions(g, "--gpu_");
 }
 
 // The engine's limits, defaults and signature keys (SimHash, or learned or SAAP weights).

@@ -117,6 +117,10 @@ grep -q "unknown command 'frobnicate'" "$work/err.log"
 # --log_format takes text or json only (rpc/logging.h; LoggingTest.JsonLinesParseBackToTheMessage).
 rc=0; "$bin/kvsparse-server" --log_format=xml 2>"$work/err.log" || rc=$?
 [ $rc -eq 2 ] && grep -q "log_format must be text or json" "$work/err.log" || { cat "$work/err.log"; exit 1; }
+# The GPU options' ranges, checked by the engine's one check (engine::CheckGpuOptions).
+rc=0; "$bin/kvsparse-server" --gpu=off --gpu_row_cache=1.5 2>"$work/err.log" || rc=$?
+[ $rc -eq 2 ] && grep -q -- "--gpu_row_cache must be a fraction in \[0, 1\], not 1.5" "$work/err.log" \
+  || { cat "$work/err.log"; exit 1; }
 expect SERVING cli health
 
 metrics=$(python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:$mport/metrics').read().decode())")
