@@ -271,7 +271,7 @@ def test_planned_steps_equal_decode_calls() -> None:
     ) as b:
         _load_all_layers(a, 100, "cpu")
         _load_all_layers(b, 100, "cpu")
-        with b.plan_steps(["s0"], method, max_tokens=200, seed=9) as steps:
+        with b.plan_steps(["s0"], method, max_tokens=200, seed=9, warm_pages=False) as steps:
             assert not steps.captured and steps.mode.startswith("eager")
             assert steps.device_bytes == 0  # eager steps hold nothing on a device
             for step in range(3):
@@ -323,23 +323,26 @@ def test_compiled_step_has_no_graph_break() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "method,placement",
+    "method,placement,warm_pages",
     [
-        (kvsparse.Dense(), kvsparse.Placement(k_tier="device", v_tier="device")),
-        (kvsparse.Santa(samples=32), kvsparse.Placement(k_tier="device")),
-        (kvsparse.HashTopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=4), kvsparse.Placement(signature_bits=32)),
+        (kvsparse.Dense(), kvsparse.Placement(k_tier="device", v_tier="device"), True),
+        (kvsparse.Santa(samples=32), kvsparse.Placement(k_tier="device"), True),
+        (kvsparse.HashTopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=4), kvsparse.Placement(signature_bits=32), True),
+        (kvsparse.HashTopK(top_k_fraction=0.1, sink_tokens=4, local_tokens=4), kvsparse.Placement(signature_bits=32), False),
     ],
-    ids=["dense-resident", "prop", "hash-host"],
+    ids=["dense-resident", "prop", "hash-host", "hash-host-cold"],
 )
-def test_captured_steps_replay_in_a_cuda_graph(method, placement) -> None:
+def test_captured_steps_replay_in_a_cuda_graph(method, placement, warm_pages) -> None:
     """Every layer of a step recorded once in a CUDA graph and replayed step after step equals
-    eager decode calls on a twin engine; the committed rows are the store's."""
+    eager decode calls on a twin engine; the committed rows are the store's. With rows in host
+    memory the graph holds the side stream that warms the next layer's pages (or not:
+    warm_pages=False); the outputs are the same either way."""
     with ops.InProcessEngine(store_capacity="1G", gpu="on") as a, ops.InProcessEngine(
         store_capacity="1G", gpu="on"
     ) as b:
         _load_all_layers(a, 700, "cuda", placement)
         _load_all_layers(b, 700, "cuda", placement)
-        steps = b.plan_steps(["s0"], method, max_tokens=1024, seed=3)
+        steps = b.plan_steps(["s0"], method, max_tokens=1024, seed=3, warm_pages=warm_pages)
         assert steps.captured, steps.mode
         assert steps.device_bytes > 0  # its tables and buffers
         with pytest.raises(kvsparse.FailedPrecondition):  # held while planned
