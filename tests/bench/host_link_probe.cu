@@ -1,10 +1,10 @@
 // How fast can a GPU kernel read scattered rows of pinned host memory, depending on how that
-// memory was pinned and how far the rows are spread? A standalone probe (nvcc and the CUDA driver
-// only) for the question behind the flagship's FetchRows: its rows (512-byte K+V slots, a few
-// thousand a layer) lie anywhere in a store of up to tens of GB, and the GPU translates every
-// address it reads.
+// memory was pinned and how far the rows are spread? A standalone probe (nvcc, the CUDA driver and
+// tests/gpu/bench_util.h only) for the question behind the flagship's FetchRows: its rows (512-byte
+// K+V slots, a few thousand a layer) lie anywhere in a store of up to tens of GB, and the GPU
+// translates every address it reads.
 //
-//   nvcc -O3 -std=c++17 -arch=sm_90a tests/bench/host_link_probe.cu -lcuda -o host_link_probe
+//   nvcc -O3 -std=c++17 -arch=sm_90a -I. tests/bench/host_link_probe.cu -lcuda -o host_link_probe
 //   ./host_link_probe [pool GiB list, default 1,4,16] [rows per call, default 4064] [modes]
 //
 // Pinning modes: "thp" (mmap + MADV_HUGEPAGE + cudaHostRegister, the store's default), "4k"
@@ -32,14 +32,9 @@
 #include <string>
 #include <vector>
 
-#define CK(x)                                                                                 \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "tests/gpu/bench_util.h"
+
+#define CK(x) KVSPARSE_BENCH_CK(x)
 #define CU(x)                                                             \
   do {                                                                    \
     CUresult r_ = (x);                                                    \
@@ -138,6 +133,15 @@ void PrintHugePages(const char* mode) {
   std::fclose(f);
 }
 
+// Host memory h, mapped for the device, as the pool's.
+bool Mapped(Pool& p, void* h) {
+  void* d = nullptr;
+  CK(cudaHostGetDevicePointer(&d, h, 0));
+  p.host = h;
+  p.dev = d;
+  return true;
+}
+
 bool Allocate(Pool& p) {
   if (p.mode == "thp" || p.mode == "4k") {
     void* h = mmap(nullptr, p.bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -149,11 +153,7 @@ bool Allocate(Pool& p) {
         cudaSuccess) {
       return false;
     }
-    void* d = nullptr;
-    CK(cudaHostGetDevicePointer(&d, h, 0));
-    p.host = h;
-    p.dev = d;
-    return true;
+    return Mapped(p, h);
   }
   if (p.mode == "hostalloc") {
     void* h = nullptr;
@@ -161,11 +161,7 @@ bool Allocate(Pool& p) {
       return false;
     }
     std::memset(h, 1, p.bytes);
-    void* d = nullptr;
-    CK(cudaHostGetDevicePointer(&d, h, 0));
-    p.host = h;
-    p.dev = d;
-    return true;
+    return Mapped(p, h);
   }
   if (p.mode == "vmm") {
     CUmemAllocationProp prop = {};
@@ -214,10 +210,7 @@ void Free(Pool& p) {
   }
 }
 
-float Median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using kvsparse::bench::Median;
 
 // Rows within a cold 1/32 window of the pool (a layer's pages), with the window's translations
 // touched first at several strides, and with a stream of device memory between touch and gather.
@@ -359,26 +352,8 @@ int main(int argc, char** argv) {
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
-  {
-    void *h, *d;
-    const size_t n = 256 << 20;
-    CK(cudaMallocHost(&h, n));
-    CK(cudaMalloc(&d, n));
-    std::vector<float> ms;
-    for (int i = 0; i < 6; ++i) {
-      CK(cudaEventRecord(e0));
-      CK(cudaMemcpyAsync(d, h, n, cudaMemcpyHostToDevice));
-      CK(cudaEventRecord(e1));
-      CK(cudaEventSynchronize(e1));
-      float t;
-      CK(cudaEventElapsedTime(&t, e0, e1));
-      ms.push_back(t);
-    }
-    std::printf("%s, %d SMs; bulk host-to-device 256 MiB: %.1f GB/s\n", prop.name,
-                prop.multiProcessorCount, n / Median(ms) / 1e6);
-    CK(cudaFreeHost(h));
-    CK(cudaFree(d));
-  }
+  std::printf("%s, %d SMs; bulk host-to-device 256 MiB: %.1f GB/s\n", prop.name,
+              prop.multiProcessorCount, kvsparse::bench::BulkHostToDeviceGBs());
   int64_t* d_slots;
   uint4* d_out;
   CK(cudaMalloc(&d_slots, rows * sizeof(int64_t)));
