@@ -97,10 +97,11 @@
 //           head's largest ln w - s~, so w' is in (0, 1]): the estimate stage forms
 //           sum w' e^{s} V / sum w' e^{s}, which is the ratio above.
 //
-// GPU agreement: given bit-identical scores and these fp32 operations (compile the sampling
-// arithmetic without FMA contraction, e.g. __fmul_rn/__fadd_rn), the CUDA kernels reproduce
-// the indices exactly. With scores rounded differently, an index can differ only where a
-// threshold falls within rounding distance of a CDF boundary.
+// GPU agreement: the CUDA kernels compute these quantities without FMA contraction
+// (__fmul_rn/__fadd_rn) but add their sums in parallel orders of their own (fixed: the same
+// indices every call), so their sums differ from the ascending ones above by rounding; with the
+// scores also rounded differently, an index can differ only where a threshold falls within
+// rounding distance of a CDF boundary (the GPU tests allow about one head in a hundred).
 #ifndef KVSPARSE_KERNELS_SANTA_H_
 #define KVSPARSE_KERNELS_SANTA_H_
 

@@ -177,7 +177,7 @@ void SelectedRowsCall::FillScratchTables(LaunchPlan& lp) {
 
 SelectedRowsCall::Union SelectedRowsCall::PlanUnion(const LaunchPlan& lp, Carver& c,
                                                     const Selection& s, const int32_t* indices,
-                                                    const int32_t* counts) {
+                                                    const int32_t* counts) const {
   Union u;
   kc::UnionSelectedParams& up = u.params;
   up.batch = lp.B;
@@ -188,6 +188,7 @@ SelectedRowsCall::Union SelectedRowsCall::PlanUnion(const LaunchPlan& lp, Carver
   up.max_selected = s.max_selected;
   up.seq_lens = lp.shape().seq_lens;
   up.max_seq_len = lp.n_max;
+  up.max_union = rows_cap_;
   up.out = s.rows;
   up.positions = s.positions;
   u.workspace_bytes = kc::UnionSelectedWorkspaceBytes(up);

@@ -50,14 +50,15 @@ class SelectedRowsCall : public MethodCall {
   // The union over each GQA group of per-query-head selections (indices [B, H, max_selected],
   // ascending, and counts [B, H], on the device) into the selection's row sets and positions:
   // UnionSelected's parameters and workspace (carved from c; PlanUnion in both passes), then
-  // EnqueueUnion in the run pass, after the kernels that write the indices.
+  // EnqueueUnion in the run pass, after the kernels that write the indices. The row sets hold
+  // UnionBound's rows (the kernel is told so).
   struct Union {
     kernels::cuda::UnionSelectedParams params;
     void* workspace = nullptr;
     size_t workspace_bytes = 0;
   };
-  static Union PlanUnion(const LaunchPlan& lp, Carver& c, const Selection& s,
-                         const int32_t* indices, const int32_t* counts);
+  Union PlanUnion(const LaunchPlan& lp, Carver& c, const Selection& s, const int32_t* indices,
+                  const int32_t* counts) const;
   static absl::Status EnqueueUnion(const LaunchPlan& lp, const Union& u);
   // In Plan: the bound of any query head's rows (host), after the method's own checks and
   // uploads.

@@ -195,8 +195,9 @@ class GpuStaticStep final : public StaticStep {
     ly.call.out_device = out;
     lp.set_stream(static_cast<cudaStream_t>(stream));
     lp.BeginPass(static_cast<char*>(ly.scratch.ptr), nullptr);
-    KVS_CUDA_OK(cudaMemsetAsync(lp.stats(), 0, lp.stats_bytes(), lp.stream()), "statistics");
     kc::StepAppendParams p;
+    p.zero = lp.stats();  // the statistics, zeroed by the step
+    p.zero_words = static_cast<int32_t>(lp.stats_bytes() / sizeof(int32_t));
     p.batch = B_;
     p.num_kv_heads = lp.hkv;
     p.row_bytes = static_cast<int32_t>(lp.row);

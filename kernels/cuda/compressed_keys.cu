@@ -204,6 +204,7 @@ __device__ __forceinline__ float DigitSum(int d1, int d2, int d3, int e) {
 template <typename T, int G, int BITS>
 __global__ void __launch_bounds__(32 * kGroupsPerBlock)
     CompressedScoresMmaKernel(CompressedScoreParams p) {
+  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
   constexpr int NT = MmaNTiles(G), HG = NT / 2;  // n-tiles, groups of four heads
   extern __shared__ __align__(16) float smem[];
   const int32_t d = p.head_dim;
@@ -335,6 +336,7 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
 template <typename T, int G>
 __global__ void __launch_bounds__(32 * kGroupsPerBlock)
     CompressedScoresKernel(CompressedScoreParams p) {
+  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
   extern __shared__ __align__(16) float smem[];
   const int32_t d = p.head_dim;
   float* qf = smem;  // [d][G] the queries as floats
@@ -418,11 +420,14 @@ cudaError_t LaunchScoresG(const CompressedScoreParams& p, cudaStream_t stream) {
   const dim3 grid((p.max_groups + warps) / warps, p.num_kv_heads, p.num_seqs);
   const size_t smem = smem_floats(warps) * sizeof(float);
   if (!mma) {
-    CompressedScoresKernel<T, G><<<grid, 32 * warps, smem, stream>>>(p);
+    KVSPARSE_CUDA_RETURN_IF_ERROR(
+        LaunchDependent(&CompressedScoresKernel<T, G>, grid, dim3(32 * warps), smem, stream, p));
   } else if (p.bits == 1) {
-    CompressedScoresMmaKernel<T, G, 1><<<grid, 32 * warps, smem, stream>>>(p);
+    KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&CompressedScoresMmaKernel<T, G, 1>, grid,
+                                                  dim3(32 * warps), smem, stream, p));
   } else {
-    CompressedScoresMmaKernel<T, G, 2><<<grid, 32 * warps, smem, stream>>>(p);
+    KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&CompressedScoresMmaKernel<T, G, 2>, grid,
+                                                  dim3(32 * warps), smem, stream, p));
   }
   return cudaGetLastError();
 }
@@ -450,6 +455,7 @@ constexpr int kStepThreads = 128;
 // operation: channel ranges in token order, codes and the squared error in channel order).
 template <typename T>
 __global__ void __launch_bounds__(kStepThreads) CompressedKeyStepKernel(CompressedKeyStepParams p) {
+  GridDependencyWait();             // LaunchDependent: the earlier kernels' writes first
   extern __shared__ float scale[];  // lo [d], then step [d], as floats
   const int32_t i = blockIdx.x, b = i / p.num_kv_heads;
   const int32_t n = p.seq_lens[b];
@@ -520,13 +526,16 @@ cudaError_t AppendCompressedKeyStep(const CompressedKeyStepParams& p, cudaStream
   const size_t smem = 2 * static_cast<size_t>(p.head_dim) * sizeof(float);
   switch (p.dtype) {
     case DType::kBf16:
-      CompressedKeyStepKernel<Bf16><<<blocks, kStepThreads, smem, stream>>>(p);
+      KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&CompressedKeyStepKernel<Bf16>, dim3(blocks),
+                                                    dim3(kStepThreads), smem, stream, p));
       break;
     case DType::kFp16:
-      CompressedKeyStepKernel<Fp16><<<blocks, kStepThreads, smem, stream>>>(p);
+      KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&CompressedKeyStepKernel<Fp16>, dim3(blocks),
+                                                    dim3(kStepThreads), smem, stream, p));
       break;
     case DType::kFp32:
-      CompressedKeyStepKernel<float><<<blocks, kStepThreads, smem, stream>>>(p);
+      KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&CompressedKeyStepKernel<float>, dim3(blocks),
+                                                    dim3(kStepThreads), smem, stream, p));
       break;
     default:
       return cudaErrorInvalidValue;

@@ -401,6 +401,7 @@ __global__ void __launch_bounds__(DenseMmaCfg<D, G>::kThreads, 1)
 template <typename T>
 __global__ void MergeKernel(const float* __restrict__ po, const float* __restrict__ plse,
                             int num_splits, int d, uint16_t* __restrict__ out) {
+  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
   const int64_t r = blockIdx.x;
   const float* lse = plse + r * num_splits;
   float mx = kNegInf;
@@ -439,9 +440,9 @@ struct DenseLaunch {
                          stream, s, plan.chunk_len, plan.num_splits, part_o, part_lse));
     }
     if (plan.num_splits > 1) {
-      MergeKernel<T><<<s.batch * s.num_q_heads, 128, 0, stream>>>(part_o, part_lse, plan.num_splits,
-                                                                  D, static_cast<uint16_t*>(s.out));
-      KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+      KVSPARSE_CUDA_RETURN_IF_ERROR(
+          LaunchDependent(&MergeKernel<T>, dim3(s.batch * s.num_q_heads), dim3(128), 0, stream,
+                          part_o, part_lse, plan.num_splits, D, static_cast<uint16_t*>(s.out)));
     }
     return cudaSuccess;
   }
@@ -455,7 +456,9 @@ struct MergeLaunch {
   cudaStream_t stream;
   template <typename T, int D, int G>
   cudaError_t operator()() const {
-    MergeKernel<T><<<rows, 128, 0, stream>>>(po, plse, splits, d, static_cast<uint16_t*>(out));
+    KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&MergeKernel<T>, dim3(rows), dim3(128), 0, stream,
+                                                  po, plse, splits, d,
+                                                  static_cast<uint16_t*>(out)));
     return cudaGetLastError();
   }
 };

@@ -12,20 +12,24 @@ namespace kvsparse::kernels::cuda {
 namespace {
 
 // The sampler runs in four launches, each spread over every (sequence, head) and tile so that a
-// batch of one keeps the device busy; the arithmetic of each value is the CPU reference's (the
-// order of every floating-point sum included), only independent values are computed side by side:
-//   TileStats  a warp per tile: m_t (a max: any order), then ell_t summed by one lane ascending;
-//   Budgets    a block per (b, h): m*, W_t side by side, Z summed by one thread ascending, the
-//              fixed-point quotas side by side and their prefix sums (integers: any order), the
-//              budgets, and where each budgeted tile may write its rows (at most S_t + 1 of them);
-//   Sample     a warp per budgeted tile (Budgets lists them): the x_n side by side, their running
-//              sum by one lane, the counts and the rows side by side;
+// batch of one keeps the device busy. The statistics are the CPU reference's quantities; its
+// floating-point sums run in a fixed parallel order of their own (the same result every call, and
+// the CPU's to rounding), so that no sum waits on one lane:
+//   TileStats  a warp per tile: m_t (a max: any order), then ell_t as each lane's strided sum
+//              (tokens lane, lane + 32, ...) combined by a butterfly;
+//   Budgets    a block per (b, h): m*, W_t side by side, Z (double) as each thread's strided sum
+//              combined by a block reduction, the fixed-point quotas side by side and their
+//              prefix sums (integers: any order), the budgets, and where each budgeted tile may
+//              write its rows (at most S_t + 1 of them);
+//   Sample     a warp per budgeted tile (Budgets lists them): each lane owns a run of consecutive
+//              tokens, the x_n and their running sum there, the lanes' totals by a warp scan;
+//              the counts side by side and the rows ranked by a warp scan of each lane's hits;
 //   Compact    a block per (b, h): the tiles' rows ascending into the outputs.
 constexpr int kWarps = 8;  // tiles per block of TileStats and Sample
 constexpr int kTileThreads = 32 * kWarps;
-constexpr int kMaxTile = 512;  // tokens per tile a warp stages in shared memory
+constexpr int kMaxTile = 512;               // tokens per tile
+constexpr int kPerLaneMax = kMaxTile / 32;  // a tile's tokens a lane holds in registers
 constexpr int kScanThreads = 256;
-constexpr int kStagedTiles = 4096;  // tiles whose weights Budgets sums from shared memory
 constexpr float kLog2E = 1.4426950408889634f;
 
 struct Workspace {
@@ -103,29 +107,34 @@ __device__ __forceinline__ Head HeadOf(const PropFromScoresParams& p, int64_t bh
   return x;
 }
 
-// A warp per tile (blockIdx.y: the head): m_t over the tile's tokens, then u_n = e^{s_n - m_t}
-// side by side and ell_t their sum in ascending order by lane 0 (kernels/santa.cc,
-// TileStatistics). An empty (all -inf) tile has no mass.
+// A warp per tile (blockIdx.y: the head): m_t over the tile's tokens, u_n = e^{s_n - m_t} and
+// ell_t their sum (kernels/santa.cc, TileStatistics): lane l holds tokens l, l + 32, ... (one
+// coalesced load each, all issued together), adds its u ascending, and a butterfly adds the
+// lanes' sums. An empty (all -inf) tile has no mass.
 __global__ void __launch_bounds__(kTileThreads)
     TileStatsKernel(PropFromScoresParams p, Workspace w, int32_t t_max) {
-  __shared__ float u[kWarps][kMaxTile];
+  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
   const Head x = HeadOf(p, blockIdx.y);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int t = blockIdx.x * kWarps + warp;
   if (t >= x.tiles) return;
   const int lo = t * p.tile_size, hi = min(x.n, lo + p.tile_size);
   const float* s = p.scores + x.bh * p.score_stride;
+  float v[kPerLaneMax];
   float m = -INFINITY;
-  for (int i = lo + lane; i < hi; i += 32) m = fmaxf(m, s[i]);
+#pragma unroll
+  for (int k = 0; k < kPerLaneMax; ++k) {
+    const int i = lo + lane + 32 * k;
+    v[k] = i < hi ? s[i] : -INFINITY;
+    m = fmaxf(m, v[k]);
+  }
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   float l = 0.f;
   if (m != -INFINITY) {
-    for (int i = lo + lane; i < hi; i += 32) u[warp][i - lo] = expf(s[i] - m);
-    __syncwarp();
-    if (lane == 0) {
-#pragma unroll 8
-      for (int i = 0; i < hi - lo; ++i) l = __fadd_rn(l, u[warp][i]);
-    }
+#pragma unroll
+    for (int k = 0; k < kPerLaneMax; ++k)
+      l = __fadd_rn(l, v[k] == -INFINITY ? 0.f : expf(v[k] - m));
+    for (int o = 16; o > 0; o >>= 1) l = __fadd_rn(l, __shfl_xor_sync(0xffffffffu, l, o));
   }
   if (lane == 0) {
     w.tile_max[x.bh * t_max + t] = m;
@@ -164,18 +173,20 @@ __device__ void BlockInclusiveSum(T* v, int count, typename Scan::TempStorage& t
 // PropTileBudgets) and where each budgeted tile stages its rows.
 __global__ void __launch_bounds__(kScanThreads)
     BudgetsKernel(PropFromScoresParams p, Workspace w, int32_t t_max) {
+  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
   using ScanU = cub::BlockScan<unsigned long long, kScanThreads>;
   using ScanI = cub::BlockScan<int32_t, kScanThreads>;
   using MaxR = cub::BlockReduce<float, kScanThreads>;
+  using SumD = cub::BlockReduce<double, kScanThreads>;
   __shared__ union {
     typename ScanU::TempStorage u;
     typename ScanI::TempStorage i;
     typename MaxR::TempStorage m;
+    typename SumD::TempStorage d;
   } tmp;
   __shared__ float mstar_s;
   __shared__ double z_s;
   __shared__ unsigned long long off_s;
-  __shared__ float w_s[kStagedTiles];  // W_t of the first tiles, for the one-thread sum
   const Head x = HeadOf(p, blockIdx.x);
   const int tid = threadIdx.x;
   const float* tmax = w.tile_max + x.bh * t_max;
@@ -203,20 +214,16 @@ __global__ void __launch_bounds__(kScanThreads)
     }
     return;
   }
+  double zpart = 0.0;  // this thread's tiles' W_t, ascending; the block's sum below
   for (int t = tid; t < x.tiles; t += kScanThreads) {
     const float v = __fmul_rn(expf(tmax[t] - mstar), tsum[t]);
     wt[t] = v;
-    if (t < kStagedTiles) w_s[t] = v;
     emitted[t] = 0;  // Sample writes the budgeted tiles'
+    zpart += static_cast<double>(v);
   }
-  __syncthreads();
+  const double z_block = SumD(tmp.d).Sum(zpart);  // valid in thread 0
   if (tid == 0) {
-    double z = 0.0;
-    const int staged = min(x.tiles, kStagedTiles);
-#pragma unroll 8
-    for (int t = 0; t < staged; ++t) z += static_cast<double>(w_s[t]);
-    for (int t = staged; t < x.tiles; ++t) z += static_cast<double>(wt[t]);
-    z_s = z;
+    z_s = z_block;
     const SeedSource seeds{p.seed, p.seeds};
     const float u = SequenceStream(seeds, RngTag::kPropRounding, x.b, x.kvh).Uniform(0);
     off_s = static_cast<unsigned long long>(static_cast<double>(u) * kPropFixedOne);
@@ -258,14 +265,14 @@ __global__ void __launch_bounds__(kScanThreads)
 }
 
 // A warp per tile (blockIdx.y: the head): systematic sampling inside a budgeted tile
-// (kernels/santa.cc, SystematicTile). The x_n side by side; the running sum p_n (the sum of x
-// before n, in ascending order) by lane 0; then side by side each token's f0 = a0 + p_n,
-// f1 = f0 + x_n and count c = floor(f1) - floor(f0), the rows with c > 0 staged ascending at the
-// tile's slot (their ranks from the warp's ballots) with their ratio log-weights.
+// (kernels/santa.cc, SystematicTile). Lane l owns the run of `per` consecutive tokens from
+// l * per: their x_n, its running sum from a warp scan of the lanes' totals (p_n, the sum of x
+// before n), each token's f0 = a0 + p_n, f1 = f0 + x_n and count c = floor(f1) - floor(f0); the
+// rows with c > 0 staged ascending at the tile's slot (ranked by a warp scan of each lane's hits)
+// with their ratio log-weights.
 __global__ void __launch_bounds__(kTileThreads)
     SampleKernel(PropFromScoresParams p, Workspace w, int32_t t_max) {
-  __shared__ float xs[kWarps][kMaxTile];
-  __shared__ float ps[kWarps][kMaxTile];
+  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
   const Head x = HeadOf(p, blockIdx.y);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int k = blockIdx.x * kWarps + warp;  // the head's k-th budgeted tile
@@ -277,49 +284,54 @@ __global__ void __launch_bounds__(kTileThreads)
   const float* s = p.scores + x.bh * p.score_stride + lo;
   const float mt = w.tile_max[cell];
   const float inv_delta = static_cast<float>(bud) / w.tile_sum[cell];
-  float* xw = xs[warp];
-  float* pw = ps[warp];
-  for (int i = lane; i < len; i += 32) xw[i] = __fmul_rn(inv_delta, expf(s[i] - mt));
-  __syncwarp();
-  if (lane == 0) {
-    float acc = 0.f;
-#pragma unroll 8
-    for (int i = 0; i < len; ++i) {
-      pw[i] = acc;
-      acc = __fadd_rn(acc, xw[i]);
-    }
+  const int per = (len + 31) / 32, i0 = lane * per;
+  float sv[kPerLaneMax], xv[kPerLaneMax];
+  float run = 0.f;
+#pragma unroll
+  for (int j = 0; j < kPerLaneMax; ++j) {
+    const int i = i0 + j;
+    const bool in = j < per && i < len;
+    sv[j] = in ? s[i] : -INFINITY;
+    xv[j] = in ? __fmul_rn(inv_delta, expf(sv[j] - mt)) : 0.f;
+    run = __fadd_rn(run, xv[j]);  // + 0 past the run: exact
   }
-  __syncwarp();
+  float pn = WarpExclusiveSum(run, lane);
   const SeedSource seeds{p.seed, p.seeds};
   const float a0 =
       SequenceStream(seeds, RngTag::kPropTileOffset, x.b, x.h * p.heads_per_row).Uniform(t);
+  int cs[kPerLaneMax];
+  int hits = 0;
+#pragma unroll
+  for (int j = 0; j < kPerLaneMax; ++j) {
+    const float f0 = __fadd_rn(a0, pn);
+    const float f1 = __fadd_rn(f0, xv[j]);
+    cs[j] = static_cast<int>(floorf(f1)) - static_cast<int>(floorf(f0));  // 0 past the run
+    pn = __fadd_rn(pn, xv[j]);
+    hits += cs[j] > 0 ? 1 : 0;
+  }
+  int at = WarpExclusiveSum(hits, lane);
+  const int total = __shfl_sync(0xffffffffu, at + hits, 31);
   const int64_t base = x.bh * RowsPerHead(p) + w.slot[cell];
   int32_t* rows = w.rows + base;
   float* lw = w.row_weight + base;
-  int32_t r = 0;  // rows with c > 0 before this round
-  for (int i0 = 0; i0 < len; i0 += 32) {
-    const int i = i0 + lane;
-    int c = 0;
-    if (i < len) {
-      const float f0 = __fadd_rn(a0, pw[i]);
-      const float f1 = __fadd_rn(f0, xw[i]);
-      c = static_cast<int>(floorf(f1)) - static_cast<int>(floorf(f0));
+#pragma unroll
+  for (int j = 0; j < kPerLaneMax; ++j) {
+    if (cs[j] > 0) {
+      if (at <= bud) {  // a tile stages at most bud + 1 rows
+        rows[at] = lo + i0 + j;
+        lw[at] = log2f(static_cast<float>(cs[j])) - sv[j] * kLog2E;
+      }
+      ++at;
     }
-    const unsigned hit = __ballot_sync(0xffffffffu, c > 0);
-    const int at = r + __popc(hit & ((1u << lane) - 1u));
-    if (c > 0 && at <= bud) {  // a tile stages at most bud + 1 rows
-      rows[at] = lo + i;
-      lw[at] = log2f(static_cast<float>(c)) - s[i] * kLog2E;
-    }
-    r += __popc(hit);
   }
-  if (lane == 0) w.emitted[cell] = min(r, bud + 1);
+  if (lane == 0) w.emitted[cell] = min(total, bud + 1);
 }
 
 // A block per (b, h): each tile's staged rows, in tile order, into the outputs (at most
 // max_selected, as the reference writes them).
 __global__ void __launch_bounds__(kScanThreads)
     CompactKernel(PropFromScoresParams p, Workspace w, int32_t t_max) {
+  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
   using ScanI = cub::BlockScan<int32_t, kScanThreads>;
   __shared__ typename ScanI::TempStorage tmp;
   const Head x = HeadOf(p, blockIdx.x);
@@ -367,6 +379,7 @@ __host__ __device__ inline int32_t MixChunks(const GroupMixtureParams& p) {
 
 __global__ void __launch_bounds__(kMixThreads)
     LseKernel(GroupMixtureParams p, float* part_m, float* part_z) {
+  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
   using Reduce = cub::BlockReduce<float, kMixThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   __shared__ float m_s;
@@ -395,6 +408,7 @@ __global__ void __launch_bounds__(kMixThreads)
 
 __global__ void __launch_bounds__(kMixThreads)
     MixKernel(GroupMixtureParams p, const float* part_m, const float* part_z) {
+  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
   __shared__ float pm_s[8][kMixMaxChunks];
   __shared__ float pz_s[8][kMixMaxChunks];
   __shared__ float lse_s[8];
@@ -486,15 +500,16 @@ cudaError_t PropFromScores(const PropFromScoresParams& p, void* workspace, size_
   const Workspace w = Carve(p, workspace);
   const dim3 tiles_grid(static_cast<unsigned>(std::max(1, (t_max + kWarps - 1) / kWarps)),
                         static_cast<unsigned>(bh));
-  TileStatsKernel<<<tiles_grid, kTileThreads, 0, stream>>>(p, w, t_max);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  BudgetsKernel<<<static_cast<unsigned>(bh), kScanThreads, 0, stream>>>(p, w, t_max);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  KVSPARSE_CUDA_RETURN_IF_ERROR(
+      LaunchDependent(&TileStatsKernel, tiles_grid, dim3(kTileThreads), 0, stream, p, w, t_max));
+  KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&BudgetsKernel, dim3(static_cast<unsigned>(bh)),
+                                                dim3(kScanThreads), 0, stream, p, w, t_max));
   const dim3 sample_grid(static_cast<unsigned>((p.num_samples + 1 + kWarps - 1) / kWarps),
                          static_cast<unsigned>(bh));
-  SampleKernel<<<sample_grid, kTileThreads, 0, stream>>>(p, w, t_max);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  CompactKernel<<<static_cast<unsigned>(bh), kScanThreads, 0, stream>>>(p, w, t_max);
+  KVSPARSE_CUDA_RETURN_IF_ERROR(
+      LaunchDependent(&SampleKernel, sample_grid, dim3(kTileThreads), 0, stream, p, w, t_max));
+  KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&CompactKernel, dim3(static_cast<unsigned>(bh)),
+                                                dim3(kScanThreads), 0, stream, p, w, t_max));
   return cudaGetLastError();
 }
 
@@ -521,10 +536,11 @@ cudaError_t GroupMixtureFromScores(const GroupMixtureParams& p, void* workspace,
   const size_t cells = static_cast<size_t>(p.batch) * p.num_q_heads * chunks;
   float* part_m = Take<float>(c, cells);
   float* part_z = Take<float>(c, cells);
-  LseKernel<<<dim3(chunks, p.batch * p.num_q_heads), kMixThreads, 0, stream>>>(p, part_m, part_z);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
+  KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&LseKernel, dim3(chunks, p.batch * p.num_q_heads),
+                                                dim3(kMixThreads), 0, stream, p, part_m, part_z));
   const unsigned tiles = static_cast<unsigned>((p.max_seq_len + kMixTile - 1) / kMixTile);
-  MixKernel<<<dim3(tiles, p.batch * p.num_kv_heads), kMixThreads, 0, stream>>>(p, part_m, part_z);
+  KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&MixKernel, dim3(tiles, p.batch * p.num_kv_heads),
+                                                dim3(kMixThreads), 0, stream, p, part_m, part_z));
   return cudaGetLastError();
 }
 

@@ -1,20 +1,20 @@
 // S2ANTA-prop over precomputed scores on the GPU: the sampler of kernels/santa.h run on scores a
 // kernel wrote before (CompressedScores: the sequence's compressed keys), for S2ANTA over
 // compressed keys with the ratio correction ("Scores from compressed keys" there). Per
-// (sequence, query head) it follows the CPU reference's arithmetic step for step, spread over
-// the tiles (a warp per tile, a block per head where the tiles meet; santa_scores.cu):
-//   tile statistics m_t, ell_t (fp32, ascending tokens), W_t, Z (double, ascending tiles), the
-//   fixed-point quotas and their prefix sums, the budgets S_t by systematic rounding with the GQA
-//   group's offset (RngTag::kPropRounding of the kv head), then systematic sampling inside each
-//   tile (RngTag::kPropTileOffset, one draw per tile), without fused multiply-adds; every
-//   floating-point sum in the reference's order (one lane or thread adds it up), independent
-//   values side by side;
+// (sequence, query head) it computes the CPU reference's quantities, spread over the tiles (a
+// warp per tile, a block per head where the tiles meet; santa_scores.cu):
+//   tile statistics m_t, ell_t (fp32), W_t, Z (double), the fixed-point quotas and their prefix
+//   sums, the budgets S_t by systematic rounding with the GQA group's offset
+//   (RngTag::kPropRounding of the kv head), then systematic sampling inside each tile
+//   (RngTag::kPropTileOffset, one draw per tile), without fused multiply-adds; its
+//   floating-point sums run in a fixed parallel order (lanes' partial sums and warp or block
+//   reductions and scans: the same result every call), not the reference's ascending one;
 // and writes the sampled rows ascending (distinct), as UnionSelected reads them, with each row's
 // ratio log-weight log2(c) - s~ log2(e) (c its count), which SelectedRowsDecode adds to the exact
 // score: its softmax over the rows is then sum c e^{s - s~} V / sum c e^{s - s~}. The rows equal
-// the CPU's except where expf's last bit (CUDA's and the C library's differ by an ulp at most), or
-// the scores' own rounding (kernels/cuda/compressed_keys.h), moves a threshold across a
-// cumulative sum.
+// the CPU's except where the sums' rounding (their order, expf's last bit: CUDA's and the C
+// library's differ by an ulp at most), or the scores' own (kernels/cuda/compressed_keys.h), moves
+// a threshold across a cumulative sum.
 //
 // The group mixture proposal (kernels/santa.h, "The group mixture proposal"):
 // GroupMixtureFromScores turns the G query heads' score rows of each (sequence, kv head) into the

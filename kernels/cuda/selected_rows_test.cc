@@ -644,6 +644,74 @@ TEST(SelectedRowsCudaTest, WarmPagedRowsReadsEachCoveredPageOnce) {
   cudaGetLastError();
 }
 
+// The checks of UnionOfSharedSelectionsFitsOneHeadsRows for sequences of n tokens.
+void CheckSharedSelectionsUnion(int n) {
+  const int B = 2, H = 8, hkv = 2, G = H / hkv, max_sel = 6, sets = B * hkv;
+  std::vector<int32_t> idx(static_cast<size_t>(B) * H * max_sel), cnt(B * H, max_sel);
+  for (int bh = 0; bh < B * H; ++bh) {
+    const int set = (bh / H) * hkv + (bh % H) / G;
+    for (int r = 0; r < max_sel; ++r) idx[bh * max_sel + r] = 3 + 7 * r + set;
+  }
+  const std::vector<int32_t> lens(B, n);
+  DeviceBuffer di = ToDevice(idx), dc = ToDevice(cnt), dl = ToDevice(lens);
+  DeviceBuffer pos(sizeof(int32_t) * B * H * max_sel);
+  RowSets rows(sets, max_sel, 16);
+  UnionSelectedParams up;
+  up.batch = B;
+  up.num_q_heads = H;
+  up.num_kv_heads = hkv;
+  up.indices = di.as<int32_t>();
+  up.counts = dc.as<int32_t>();
+  up.max_selected = max_sel;
+  up.seq_lens = dl.as<int32_t>();
+  up.max_seq_len = n;
+  up.out = rows.tables;
+  up.positions = pos.as<int32_t>();
+  DeviceBuffer ws(UnionSelectedWorkspaceBytes(up));
+  EXPECT_EQ(UnionSelected(up, ws.get(), ws.size(), nullptr), cudaErrorInvalidValue);
+  cudaGetLastError();
+  up.max_union = max_sel;
+  ASSERT_EQ(UnionSelected(up, ws.get(), ws.size(), nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  auto toks = ToHost<int32_t>(rows.tokens, static_cast<size_t>(sets) * max_sel);
+  auto count = ToHost<int32_t>(rows.count, sets);
+  auto where = ToHost<int32_t>(pos, static_cast<size_t>(B) * H * max_sel);
+  for (int bh = 0; bh < B * H; ++bh) {
+    const int set = (bh / H) * hkv + (bh % H) / G;
+    ASSERT_EQ(count[set], max_sel);
+    for (int r = 0; r < max_sel; ++r) {
+      EXPECT_EQ(toks[set * max_sel + r], idx[bh * max_sel + r]) << "set " << set;
+      EXPECT_EQ(where[bh * max_sel + r], r) << "head " << bh;
+    }
+  }
+  // The last head of each group takes other tokens: a union of 2 max_sel rows, cut at max_sel.
+  for (int bh = G - 1; bh < B * H; bh += G) {
+    for (int r = 0; r < max_sel; ++r) idx[bh * max_sel + r] = 60 + r;
+  }
+  ASSERT_EQ(cudaMemcpy(di.get(), idx.data(), di.size(), cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(UnionSelected(up, ws.get(), ws.size(), nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  count = ToHost<int32_t>(rows.count, sets);
+  where = ToHost<int32_t>(pos, static_cast<size_t>(B) * H * max_sel);
+  for (int set = 0; set < sets; ++set) EXPECT_EQ(count[set], max_sel);
+  for (int bh = G - 1; bh < B * H; bh += G) {
+    for (int r = 0; r < max_sel; ++r) EXPECT_EQ(where[bh * max_sel + r], -1) << "head " << bh;
+  }
+}
+
+// A GQA group whose heads share one selection (S2ANTA's group mixture) has a union of one head's
+// rows: with max_union saying so, a union buffer of max_selected rows is enough, the union is the
+// shared list and every head's positions are 0, 1, ...; without it the same buffer is refused.
+// A promise the selections break is cut at the buffer (never written past: memcheck), not
+// overrun. A short and a long sequence (its bitmap in shared memory, and past what fits there).
+TEST(SelectedRowsCudaTest, UnionOfSharedSelectionsFitsOneHeadsRows) {
+  KVSPARSE_REQUIRE_GPU();
+  for (const int n : {100, 200000}) {
+    SCOPED_TRACE(n);
+    CheckSharedSelectionsUnion(n);
+  }
+}
+
 // Sample counts and outputs of the SANTA kernels with K through per-head bases and V read from
 // pages, against the same kernels on the strided layout.
 TEST(SelectedRowsCudaTest, SantaWithPerHeadKAndPagedVMatchesStrided) {

@@ -1,3 +1,4 @@
+#include "kernels/cuda/common.cuh"
 #include "kernels/cuda/step_append.h"
 #include "kernels/philox.h"
 
@@ -14,6 +15,7 @@ __device__ __forceinline__ bool Writable(int64_t pos, int64_t floor, int64_t top
 
 // One block per (sequence, kv head); a block's threads copy the K and V rows 16 bytes at a time.
 __global__ void __launch_bounds__(kThreads) StepAppendKernel(StepAppendParams p) {
+  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
   const int32_t i = blockIdx.x;
   const int32_t b = i / p.num_kv_heads;
   const int64_t pos = p.positions[b];
@@ -52,8 +54,10 @@ __global__ void __launch_bounds__(kThreads) StepAppendKernel(StepAppendParams p)
 // Per sequence, after every block read the old tops (blocks have no order, so a second kernel):
 // the step's length, seed and top, or length 0 and the error word.
 __global__ void StepLengthsKernel(StepAppendParams p) {
+  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
   const int32_t b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b == 0 && p.progress != nullptr) *p.progress = p.layer;
+  for (int32_t x = b; x < p.zero_words; x += gridDim.x * blockDim.x) p.zero[x] = 0;
   if (b >= p.batch) return;
   const int64_t pos = p.positions[b];
   const bool ok = Writable(pos, p.floor[b], p.top[b], p.max_tokens);
@@ -76,14 +80,16 @@ cudaError_t StepAppend(const StepAppendParams& p, cudaStream_t stream) {
       p.positions == nullptr || p.new_k == nullptr || p.new_v == nullptr || !p.pages.enabled() ||
       p.floor == nullptr || p.top == nullptr || p.error == nullptr || p.seq_lens == nullptr ||
       p.max_tokens <= 0 || p.max_tokens > (int64_t{1} << 30) ||
-      p.pages.slot_bytes < 2 * p.row_bytes ||
+      p.pages.slot_bytes < 2 * p.row_bytes || p.zero_words < 0 ||
+      (p.zero_words > 0 && p.zero == nullptr) ||
       (p.new_sigs != nullptr &&
        (p.sig_heads == nullptr || p.sig_words <= 0 || p.sig_words > kThreads))) {
     return cudaErrorInvalidValue;
   }
-  StepAppendKernel<<<p.batch * p.num_kv_heads, kThreads, 0, stream>>>(p);
-  if (cudaError_t e = cudaGetLastError(); e != cudaSuccess) return e;
-  StepLengthsKernel<<<(p.batch + 127) / 128, 128, 0, stream>>>(p);
+  KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&StepAppendKernel, dim3(p.batch * p.num_kv_heads),
+                                                dim3(kThreads), 0, stream, p));
+  KVSPARSE_CUDA_RETURN_IF_ERROR(
+      LaunchDependent(&StepLengthsKernel, dim3((p.batch + 127) / 128), dim3(128), 0, stream, p));
   return cudaGetLastError();
 }
 

@@ -54,6 +54,10 @@ struct StepAppendParams {
   // WarmPagedRows of this layer stops (its stop word).
   int32_t* progress = nullptr;
   int32_t layer = 0;
+  // Optional device words set to 0 by the step (the caller's per-step counters: one kernel
+  // instead of a memset node before it).
+  int32_t* zero = nullptr;
+  int32_t zero_words = 0;
 };
 
 cudaError_t StepAppend(const StepAppendParams& p, cudaStream_t stream);

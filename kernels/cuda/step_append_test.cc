@@ -1,7 +1,7 @@
 // StepAppend: the step's token lands in the store's pages (pinned, mapped host memory) and the
 // resident rows, the lengths and seeds follow the positions, and a position outside the
 // sequence's window writes nothing and raises the error word; captured in a CUDA graph, replays
-// follow the positions written before each replay.
+// follow the positions written before each replay, and the counters it is given are zeroed.
 #include "kernels/cuda/step_append.h"
 
 #include <cuda_runtime_api.h>
@@ -159,11 +159,13 @@ TEST(StepAppendTest, WritesTheTokenWhereItBelongsAndRefusesOutsideTheWindow) {
   KVSPARSE_ASSERT_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaGraph_t graph;
   cudaGraphExec_t exec;
-  DeviceBuffer progress(sizeof(int32_t));
+  DeviceBuffer progress(sizeof(int32_t)), zero(sizeof(int32_t) * 300);
   ASSERT_EQ(progress.Poison(), cudaSuccess);
   StepAppendParams params = f.Params();
   params.progress = progress.as<int32_t>();
   params.layer = 9;
+  params.zero = zero.as<int32_t>();  // the caller's counters, zeroed by every step
+  params.zero_words = 300;
   KVSPARSE_ASSERT_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   KVSPARSE_ASSERT_CUDA(StepAppend(params, stream));
   KVSPARSE_ASSERT_CUDA(cudaStreamEndCapture(stream, &graph));
@@ -172,6 +174,7 @@ TEST(StepAppendTest, WritesTheTokenWhereItBelongsAndRefusesOutsideTheWindow) {
     const int64_t pos[B] = {3 + step, 10 + step};  // crosses page boundaries
     ASSERT_EQ(f.positions.Upload(pos, sizeof(pos)), cudaSuccess);
     f.NewRows(step);
+    ASSERT_EQ(zero.Poison(), cudaSuccess);
     KVSPARSE_ASSERT_CUDA(cudaGraphLaunch(exec, stream));
     KVSPARSE_ASSERT_CUDA(cudaStreamSynchronize(stream));
     f.ExpectWritten(pos);
@@ -185,6 +188,7 @@ TEST(StepAppendTest, WritesTheTokenWhereItBelongsAndRefusesOutsideTheWindow) {
     }
     EXPECT_EQ(ToHost<int32_t>(f.error, 1)[0], 0);
     EXPECT_EQ(ToHost<int32_t>(progress, 1)[0], 9);  // the step's layer, for a side stream
+    EXPECT_EQ(ToHost<int32_t>(zero, 300), std::vector<int32_t>(300, 0));
   }
   // Below the floor (committed rows), a row written already, a hole past the top, past the
   // reservation: nothing written, length 0, error raised; the other sequence goes on.
