@@ -6,8 +6,10 @@
 #include "absl/time/clock.h"
 #include "client/kvstore_client.h"
 #include "engine/gpu_mode.h"
+#include "kvstore/placement.h"
 #include "rpc/convert.h"
 #include "rpc/remote_row_source.h"
+#include "rpc/store_connection.h"
 
 namespace kvsparse::torch_ops {
 namespace {
@@ -50,20 +52,29 @@ class LocalEngine final : public OpEngine {
 // A kvsparse-server store in another process (--role=store, or a server with both roles).
 class RemoteStoreEngine final : public OpEngine {
  public:
-  static absl::StatusOr<std::unique_ptr<OpEngine>> Create(const std::string& target,
+  static absl::StatusOr<std::unique_ptr<OpEngine>> Create(const rpc::StoreConnectionOptions& so,
                                                           const en::EngineOptions& eo) {
+    absl::StatusOr<std::vector<std::string>> shards = kv::ExpandShardList(so.target);
+    if (!shards.ok()) return shards.status();
+    if (shards->size() != 1) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "store_target: one kvsparse-server store (its sequences are created there), not a list "
+          "of ",
+          shards->size(), " shards"));
+    }
     std::unique_ptr<RemoteStoreEngine> r(new RemoteStoreEngine());
     client::ClientOptions co;
-    co.target = target;
+    co.target = so.target;
     co.timeout = kTimeout;
+    co.max_message_bytes = so.max_message_bytes;
+    co.tls = so.tls;
+    co.token = so.rows.token;
     absl::StatusOr<std::unique_ptr<client::KvStoreClient>> c = client::KvStoreClient::Connect(co);
     if (!c.ok()) return c.status();
     r->store_ = std::move(*c);
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(co.max_message_bytes);
-    args.SetMaxSendMessageSize(co.max_message_bytes);
-    r->source_ = rpc::NewRemoteRowSource(
-        grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args));
+    absl::StatusOr<rpc::StoreConnection> connection = rpc::ConnectStore(so);
+    if (!connection.ok()) return connection.status();
+    r->source_ = std::move(connection->source);
     absl::StatusOr<en::AssembledEngine> a = en::AssembleEngine(eo, r->source_.get());
     if (!a.ok()) return a.status();
     r->engine_ = std::move(a->engine);
@@ -159,8 +170,8 @@ absl::StatusOr<std::unique_ptr<OpEngine>> NewLocalOpEngine(engine::EmbeddedOptio
 }
 
 absl::StatusOr<std::unique_ptr<OpEngine>> NewRemoteOpEngine(
-    const std::string& target, const engine::EmbeddedOptions& options) {
-  return RemoteStoreEngine::Create(target, options.engine);
+    const rpc::StoreConnectionOptions& store, const engine::EmbeddedOptions& options) {
+  return RemoteStoreEngine::Create(store, options.engine);
 }
 
 }  // namespace kvsparse::torch_ops

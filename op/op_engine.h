@@ -16,6 +16,7 @@
 #include "engine/decode_engine.h"
 #include "engine/embedded.h"
 #include "kvstore/store.h"
+#include "rpc/store_connection.h"
 
 namespace kvsparse::torch_ops {
 
@@ -49,11 +50,13 @@ absl::StatusOr<engine::Method> MethodFromWire(const std::string& base64);
 // The store and the engine in this process.
 absl::StatusOr<std::unique_ptr<OpEngine>> NewLocalOpEngine(engine::EmbeddedOptions options);
 
-// The engine in this process over the kvsparse-server store at `target` (host:port): sequences
-// through the C++ client, rows through the store's Gather RPC (which the GPU backend stages for
-// its kernels). options: the engine's and the GPU backend's (its store fields are not used).
-absl::StatusOr<std::unique_ptr<OpEngine>> NewRemoteOpEngine(const std::string& target,
-                                                            const engine::EmbeddedOptions& options);
+// The engine in this process over the kvsparse-server store at store.target (host:port, one
+// store), reached as store says (TLS, bearer token; rpc/store_connection.h, as the server's
+// workers reach theirs): sequences through the C++ client, rows through the store's Gather RPC
+// (which the GPU backend stages for its kernels). options: the engine's and the GPU backend's
+// (its store fields are not used).
+absl::StatusOr<std::unique_ptr<OpEngine>> NewRemoteOpEngine(
+    const rpc::StoreConnectionOptions& store, const engine::EmbeddedOptions& options);
 
 }  // namespace kvsparse::torch_ops
 

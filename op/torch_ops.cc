@@ -110,11 +110,15 @@ std::shared_ptr<OpEngine> Find(int64_t handle) {
 }
 
 // store_target empty: the store in this process (store_capacity, capacity_policy and huge_pages
-// are its); otherwise the kvsparse-server store at that address.
+// are its); otherwise the kvsparse-server store at that address, over TLS when store_tls_ca is
+// given (store_tls_cert + store_tls_key: this side's certificate) and with store_token as the
+// bearer token when given.
 int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capacity,
                      const std::string& capacity_policy, int64_t gpu_capacity, double gpu_row_cache,
                      int64_t resident_capacity, bool huge_pages, const std::string& store_target,
-                     const std::string& hash_weights, const std::string& saap_weights) {
+                     const std::string& hash_weights, const std::string& saap_weights,
+                     const std::string& store_tls_ca, const std::string& store_tls_cert,
+                     const std::string& store_tls_key, const std::string& store_token) {
   en::EmbeddedOptions o;
   absl::StatusOr<en::GpuMode> mode = en::ParseGpuMode(gpu);
   Check(mode.status());
@@ -134,8 +138,14 @@ int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capac
   o.engine.resident_capacity_bytes = static_cast<size_t>(resident_capacity);
   Check(en::LoadSignatureWeights(hash_weights, saap_weights, "hash_weights", "saap_weights",
                                  &o.engine.signatures));
+  rpc::StoreConnectionOptions store;
+  store.target = store_target;
+  store.tls.ca = store_tls_ca;
+  store.tls.cert = store_tls_cert;
+  store.tls.key = store_tls_key;
+  store.rows.token = store_token;
   absl::StatusOr<std::unique_ptr<OpEngine>> engine =
-      store_target.empty() ? NewLocalOpEngine(std::move(o)) : NewRemoteOpEngine(store_target, o);
+      store_target.empty() ? NewLocalOpEngine(std::move(o)) : NewRemoteOpEngine(store, o);
   Check(engine.status());
   std::lock_guard<std::mutex> lock(engines_mu);
   const int64_t handle = next_engine++;
@@ -827,7 +837,8 @@ TORCH_LIBRARY(kvsparse, m) {
   m.def(
       "engine_create(str gpu, int device, int store_capacity, str capacity_policy, "
       "int gpu_capacity, float gpu_row_cache, int resident_capacity, bool huge_pages, "
-      "str store_target, str hash_weights, str saap_weights) -> int",
+      "str store_target, str hash_weights, str saap_weights, str store_tls_ca, "
+      "str store_tls_cert, str store_tls_key, str store_token) -> int",
       &EngineCreate);
   m.def("engine_destroy(int engine) -> ()", &EngineDestroy);
   m.def("engine_backend(int engine) -> str", &EngineBackend);

@@ -12,6 +12,7 @@
 #include "rpc/data_plane.h"
 #include "rpc/logging.h"
 #include "rpc/remote_row_source.h"
+#include "rpc/store_connection.h"
 #include "server/attention_service.h"
 #include "server/kvstore_service.h"
 #if KVSPARSE_WITH_CUDA
@@ -187,72 +188,26 @@ absl::Status Server::StartStore() {
   return absl::OkStatus();
 }
 
-// A worker's row source over its store (one shard, or several by rendezvous placement): a
-// channel per shard (reads retried on UNAVAILABLE within the call's deadline), each a remote row
-// source over the chosen data plane, metered per shard.
+// A worker's row source over its store (one shard, or several by rendezvous placement):
+// rpc::ConnectStore (a channel per shard, the chosen data plane), metered per shard.
 absl::StatusOr<std::unique_ptr<engine::RowSource>> Server::RemoteStoreSource() {
-  grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(static_cast<int>(options_.max_message_bytes));
-  args.SetMaxSendMessageSize(static_cast<int>(options_.max_message_bytes));
-  // Reads of the store are safe to retry: gRPC retries them on UNAVAILABLE (a dropped
-  // connection, a store restarting) within each call's deadline. Appends are not retried
-  // here (their expected_length makes a retry safe, but a lost acknowledgement would turn
-  // into FAILED_PRECONDITION); the model server retries a failed Decode.
-  args.SetServiceConfigJSON(R"({"methodConfig": [{
-      "name": [{"service": "kvsparse.v1.KvStore", "method": "Gather"},
-               {"service": "kvsparse.v1.KvStore", "method": "GetPageTable"},
-               {"service": "kvsparse.v1.KvStore", "method": "GetDataPlane"},
-               {"service": "kvsparse.v1.KvStore", "method": "GetSequenceInfo"}],
-      "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.05s", "maxBackoff": "1s",
-                      "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]})");
-  std::shared_ptr<grpc::ChannelCredentials> store_creds = grpc::InsecureChannelCredentials();
-  if (!options_.store_tls.ca.empty() || !options_.store_tls.cert.empty()) {
-    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> c =
-        rpc::TlsChannelCredentials(options_.store_tls);
-    if (!c.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("--store_tls_*: ", c.status().message()));
-    }
-    store_creds = *c;
+  rpc::StoreConnectionOptions o;
+  o.target = options_.store_target;
+  o.tls = options_.store_tls;
+  o.rows = {options_.store_token, options_.store_arena_file, options_.store_data_plane,
+            options_.data_plane_transports};
+  o.max_message_bytes = static_cast<int>(options_.max_message_bytes);
+  absl::StatusOr<rpc::StoreConnection> c = rpc::ConnectStore(o);
+  if (!c.ok()) {
+    return absl::Status(
+        c.status().code(),
+        absl::StrCat("the store (--store, --store_tls_*, --store_arena_file, --store_data_plane): ",
+                     c.status().message()));
   }
-  if (absl::StatusOr<rpc::StoreDataPlane> plane =
-          rpc::ParseStoreDataPlane(options_.store_data_plane);
-      !plane.ok()) {
-    return plane.status();
-  }
-  absl::StatusOr<std::vector<std::string>> shards = kvstore::ExpandShardList(options_.store_target);
-  if (!shards.ok()) {
-    return absl::InvalidArgumentError(absl::StrCat("--store: ", shards.status().message()));
-  }
-  if (shards->size() > 1 && !options_.store_arena_file.empty()) {
-    return absl::InvalidArgumentError(
-        "--store_arena_file maps one store's arena; a worker of several store shards reads "
-        "through --store_data_plane=ucx or gather");
-  }
-  std::vector<std::unique_ptr<engine::RowSource>> sources;
   std::vector<StoreShardSource> metered;
-  std::vector<std::shared_ptr<grpc::Channel>> channels;
-  const absl::Time connect_by = absl::Now() + absl::Seconds(5);  // for all shards together
-  for (const std::string& target : *shards) {
-    auto channel = grpc::CreateCustomChannel(target, store_creds, args);
-    channel->GetState(/*try_to_connect=*/true);
-    channels.push_back(std::move(channel));
-  }
-  for (size_t i = 0; i < shards->size(); ++i) {
-    const std::string& target = (*shards)[i];
-    std::shared_ptr<grpc::Channel> channel = std::move(channels[i]);
-    if (!channel->WaitForConnected(absl::ToChronoTime(connect_by))) {
-      KVSPARSE_LOG(Warning) << "store " << target
-                            << " not reachable yet; Decode calls of its sequences fail with "
-                               "UNAVAILABLE until it is";
-    }
-    std::unique_ptr<rpc::RemoteRowSource> remote = rpc::NewRemoteRowSource(
-        std::move(channel), {options_.store_token, options_.store_arena_file,
-                             options_.store_data_plane, options_.data_plane_transports});
-    metered.push_back({target, remote.get()});
-    sources.push_back(std::move(remote));
-  }
+  for (size_t i = 0; i < c->shards.size(); ++i) metered.push_back({c->targets[i], c->shards[i]});
   metrics_->AddCollectable(NewStoreShardCollector(std::move(metered)));
-  return engine::NewShardedRowSource(std::move(sources));
+  return std::move(c->source);
 }
 
 // The decode engine (role worker or all): its row source (the store here, or the remote

@@ -288,3 +288,45 @@ def test_split_deployment_over_mutual_tls_with_a_token(pki: dict[str, tuple[Path
                 c.store.append("s", k, k)
                 with pytest.raises(kvsparse.Internal, match="the store refused this worker"):
                     c.attention.decode(0, ["s"], np.ones((1, 4, 64), np.float32), kvsparse.Dense())
+
+
+def test_inprocess_engine_over_a_store_with_mutual_tls_and_a_token(
+    pki: dict[str, tuple[Path, Path]], tmp_path: Path
+) -> None:
+    """The op's engine (kvsparse.torch.ops) reaches a store that serves mutual TLS and asks for
+    tokens as a worker does (rpc/store_connection.h): sequences created and appended there, rows
+    read back over Gather, the output dense attention's; without the token, or in clear text, the
+    store refuses it."""
+    torch = pytest.importorskip("torch")
+    from kvsparse.torch import ops
+
+    if not ops.available():
+        pytest.skip("libkvsparse_torch.so not built")
+    ca = str(pki["ca1"][0])
+    tokens = tmp_path / "tokens"
+    tokens.write_text("op-token-0123456789 write\n")
+    creds = kvsparse.Credentials(ca=ca, cert=str(pki["client1"][0]), key=str(pki["client1"][1]),
+                                 token="op-token-0123456789")
+    server_tls = {"tls_cert": pki["server1"][0], "tls_key": pki["server1"][1], "tls_client_ca": ca}
+    shape = kvsparse.ModelShape(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype="fp32")
+    with kvsparse.LocalServer(gpu="off", role="store", auth_tokens=tokens, credentials=creds, **server_tls) as store:
+        with ops.InProcessEngine(gpu="off", store=store.target, store_credentials=creds) as engine:
+            engine.create_sequence("s", shape)
+            k, v = torch.randn(16, 2, 64), torch.randn(16, 2, 64)
+            engine.append("s", 0, k, v)
+            assert engine.layer_lengths("s") == [16]
+            q = torch.randn(1, 4, 64)
+            out, _ = engine.decode(0, ["s"], q)
+            kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)  # [16, 4, 64]
+            p = torch.softmax(torch.einsum("hd,nhd->hn", q[0], kk) / 8.0, dim=-1)
+            assert torch.allclose(out[0], torch.einsum("hn,nhd->hd", p, vv), atol=1e-5)
+            engine.drop_sequence("s")
+        no_token = kvsparse.Credentials(ca=creds.ca, cert=creds.cert, key=creds.key)
+        with ops.InProcessEngine(gpu="off", store=store.target, store_credentials=no_token) as engine:
+            with pytest.raises(kvsparse.Unauthenticated, match="requires a bearer token"):
+                engine.create_sequence("t", shape)
+        with ops.InProcessEngine(gpu="off", store=store.target) as engine:  # clear text
+            with pytest.raises(kvsparse.KvSparseError):
+                engine.create_sequence("t", shape)
+    with pytest.raises(ValueError, match="store='host:port'"):
+        ops.InProcessEngine(gpu="off", store_credentials=creds)

@@ -37,6 +37,7 @@ with needs("kvsparse.torch.ops", "torch", "torch"):
     import torch
 
 from kvsparse.errors import KvSparseError, from_code
+from kvsparse.grpc.channel import Credentials
 from kvsparse.methods import Dense, Method, ModelShape, Placement
 from kvsparse.v1 import attention_pb2
 
@@ -181,6 +182,10 @@ class InProcessEngine(_Closing):
 
     Args:
         store: "host:port" of a kvsparse-server store; None (default): a store in this process.
+        store_credentials: how that store is reached when it serves TLS or asks for tokens
+            (``kvsparse.Credentials``: ca, cert + key, token; as the gRPC clients take it and as
+            kvsparse-server's workers reach their store, ``--store_tls_*`` / ``--store_token``);
+            None: plaintext, no token.
         gpu: "auto" (the GPU backend when a CUDA device is there), "on" or "off".
         device: CUDA device of the GPU backend.
         store_capacity: bytes of K/V pages the store holds ("64G"; this process's store only).
@@ -207,9 +212,17 @@ class InProcessEngine(_Closing):
         resident_capacity: int | str = "4G",
         huge_pages: bool = True,
         store: str | None = None,
+        store_credentials: Credentials | None = None,
         hash_weights: str | None = None,
         saap_weights: str | None = None,
     ) -> None:
+        creds = store_credentials or Credentials()
+        if creds.server_name is not None:
+            raise ValueError(
+                "store_credentials.server_name: the op checks the store's name against its address only"
+            )
+        if store is None and store_credentials is not None:
+            raise ValueError("store_credentials: for a store in another process (store='host:port')")
         load_library()
         self._handle: int | None = _call(
             torch.ops.kvsparse.engine_create,
@@ -224,6 +237,10 @@ class InProcessEngine(_Closing):
             store or "",
             str(hash_weights or ""),
             str(saap_weights or ""),
+            str(creds.ca or ""),
+            str(creds.cert or ""),
+            str(creds.key or ""),
+            str(creds.token or ""),
         )
         self.backend: str = torch.ops.kvsparse.engine_backend(self._handle)
 
