@@ -120,6 +120,23 @@ SyntheticProblem Problem128(int32_t heads, int32_t kv_heads, std::vector<int32_t
 }
 
 // Row sets for every (b, j): one allocation each for tokens, counts, K and V, and the tables.
+// UnionSelected's parameters for B sequences of H query heads over hkv kv heads: their selections
+// (indices [B, H, max_sel], counts [B, H], device) of sequences no longer than max_seq_len.
+UnionSelectedParams UnionParams(int B, int H, int hkv, const int32_t* indices,
+                                const int32_t* counts, int max_sel, const int32_t* seq_lens,
+                                int max_seq_len) {
+  UnionSelectedParams up;
+  up.batch = B;
+  up.num_q_heads = H;
+  up.num_kv_heads = hkv;
+  up.indices = indices;
+  up.counts = counts;
+  up.max_selected = max_sel;
+  up.seq_lens = seq_lens;
+  up.max_seq_len = max_seq_len;
+  return up;
+}
+
 struct RowSets {
   DeviceBuffer tokens, count, k, v, t_tab, c_tab, k_tab, v_tab;
   RowSetTables tables;
@@ -243,15 +260,8 @@ void RunHashPipeline(const HashCase& c) {
   const size_t row = static_cast<size_t>(c.d) * DTypeSize(c.dtype);
   const int cap = std::min(n_max, c.g * max_sel);
   RowSets rows(sets, cap, row);
-  UnionSelectedParams up;
-  up.batch = B;
-  up.num_q_heads = H;
-  up.num_kv_heads = hkv;
-  up.indices = tp.indices;
-  up.counts = tp.counts;
-  up.max_selected = max_sel;
-  up.seq_lens = tp.seq_lens;
-  up.max_seq_len = n_max;
+  UnionSelectedParams up =
+      UnionParams(B, H, hkv, tp.indices, tp.counts, max_sel, tp.seq_lens, n_max);
   up.out = rows.tables;
   DeviceBuffer pos(sizeof(int32_t) * B * H * max_sel);
   up.positions = pos.as<int32_t>();
@@ -422,15 +432,8 @@ void RunCachedSteps(int C_per_cap_percent) {
       std::copy(sorted.begin(), sorted.end(), idx.begin() + static_cast<size_t>(bh) * max_sel);
     }
     DeviceBuffer didx = ToDevice(idx), dcnt = ToDevice(cnt);
-    UnionSelectedParams up;
-    up.batch = B;
-    up.num_q_heads = H;
-    up.num_kv_heads = hkv;
-    up.indices = didx.as<int32_t>();
-    up.counts = dcnt.as<int32_t>();
-    up.max_selected = max_sel;
-    up.seq_lens = dp.seq_lens.as<int32_t>();
-    up.max_seq_len = 3000;
+    UnionSelectedParams up = UnionParams(B, H, hkv, didx.as<int32_t>(), dcnt.as<int32_t>(), max_sel,
+                                         dp.seq_lens.as<int32_t>(), 3000);
     DeviceBuffer uws(UnionSelectedWorkspaceBytes(up));
     // Uncached: the union's rows into a full row set.
     up.out = full.tables;
@@ -656,15 +659,8 @@ void CheckSharedSelectionsUnion(int n) {
   DeviceBuffer di = ToDevice(idx), dc = ToDevice(cnt), dl = ToDevice(lens);
   DeviceBuffer pos(sizeof(int32_t) * B * H * max_sel);
   RowSets rows(sets, max_sel, 16);
-  UnionSelectedParams up;
-  up.batch = B;
-  up.num_q_heads = H;
-  up.num_kv_heads = hkv;
-  up.indices = di.as<int32_t>();
-  up.counts = dc.as<int32_t>();
-  up.max_selected = max_sel;
-  up.seq_lens = dl.as<int32_t>();
-  up.max_seq_len = n;
+  UnionSelectedParams up =
+      UnionParams(B, H, hkv, di.as<int32_t>(), dc.as<int32_t>(), max_sel, dl.as<int32_t>(), n);
   up.out = rows.tables;
   up.positions = pos.as<int32_t>();
   DeviceBuffer ws(UnionSelectedWorkspaceBytes(up));
