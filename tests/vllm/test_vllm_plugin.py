@@ -71,6 +71,15 @@ def generate(model: str, target: str | None, method: str | None = None, kv: str 
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def own_tokens(model: str) -> list[list[int]]:
+    """vLLM's own greedy tokens for PROMPTS (its CPU backend, no plugin), generated once for the
+    tests that compare dense through kvsparse with them."""
+    own = generate(model, None)
+    assert "error" not in own, own["error"]
+    return own["tokens"]
+
+
 def store_is_empty(target: str) -> None:
     with kvsparse.Client(target) as c:
         assert c.store.list_sequences() == []
@@ -83,14 +92,13 @@ def rows_appended(target: str) -> int:
         return int(c.store.stats().rows_appended)
 
 
-def test_dense_through_the_plugin_generates_vllms_tokens(model: str, server: kvsparse.LocalServer) -> None:
-    own = generate(model, None)
-    assert "error" not in own, own["error"]
+def test_dense_through_the_plugin_generates_vllms_tokens(model: str, server: kvsparse.LocalServer,
+                                                         own_tokens: list[list[int]]) -> None:
     before = rows_appended(server.target)
     through = generate(model, server.target, "dense")
     assert "error" not in through, through["error"]
     assert [len(t) for t in through["tokens"]] == MAX_TOKENS
-    assert through["tokens"] == own["tokens"]
+    assert through["tokens"] == own_tokens
     # Every prompt token and every generated token but the last went to the store: a K and a V
     # row per layer (2) and kv head (2).
     expected = 2 * 2 * 2 * sum(len(p) + n - 1 for p, n in zip(PROMPTS, MAX_TOKENS))
@@ -110,20 +118,19 @@ def _op_found() -> bool:
 
 @pytest.mark.skipif(not _op_found(),
                     reason="needs the op built against vLLM's torch (scripts/install_op.sh, as scripts/vllm_test.sh runs it)")
-def test_dense_in_process_generates_vllms_tokens(model: str) -> None:
+def test_dense_in_process_generates_vllms_tokens(model: str, own_tokens: list[list[int]]) -> None:
     # KVSPARSE_VLLM_TARGET=inprocess: the engine in vLLM's worker through the PyTorch op, no
     # server; a sparse method generates there too, and with the K/V in the (worker's) store only
     # a batch over vLLM's own KV budget is served (prompt chunks read back through the op).
-    own = generate(model, None)
     through = generate(model, "inprocess", "dense")
     assert "error" not in through, through["error"]
-    assert through["tokens"] == own["tokens"]
+    assert through["tokens"] == own_tokens
     sparse = generate(model, "inprocess", "top_k:top_k_fraction=0.25,sink_tokens=8,local_tokens=8")
     assert "error" not in sparse, sparse["error"]
     assert [len(t) for t in sparse["tokens"]] == MAX_TOKENS
     stored = generate(model, "inprocess", "dense", kv="store", kv_cache_memory_bytes=256 << 10)
     assert "error" not in stored, stored["error"]
-    assert stored["tokens"] == own["tokens"]
+    assert stored["tokens"] == own_tokens
 
 
 def test_every_method_generates_each_request_its_own(model: str, server: kvsparse.LocalServer) -> None:
@@ -157,7 +164,8 @@ def test_preempted_requests_restart_in_fresh_sequences(model: str, server: kvspa
     store_is_empty(server.target)
 
 
-def test_store_only_serves_a_batch_over_vllms_kv_budget(model: str, server: kvsparse.LocalServer) -> None:
+def test_store_only_serves_a_batch_over_vllms_kv_budget(model: str, server: kvsparse.LocalServer,
+                                                        own_tokens: list[list[int]]) -> None:
     # 256 KiB of vLLM KV cache: 256 tokens of this model's fp32 K/V (1 KiB a token), less than one
     # request of max_model_len 2048. vLLM's own backend refuses to start; with KVSPARSE_VLLM_KV=store
     # vLLM's cache keeps 32 bytes a token (8,192 tokens), the K/V live in the store, prompt
@@ -165,12 +173,11 @@ def test_store_only_serves_a_batch_over_vllms_kv_budget(model: str, server: kvsp
     budget = {"kv_cache_memory_bytes": 256 << 10}
     refused = generate(model, None, **budget)
     assert "error" in refused and "KV cache" in refused["error"]
-    own = generate(model, None)
     through = generate(model, server.target, "dense", kv="store", **budget)
     sparse = generate(model, server.target, "top_k:top_k_fraction=0.25,sink_tokens=8,local_tokens=8", kv="store",
                       **budget)
     assert "error" not in through, through["error"]
-    assert through["tokens"] == own["tokens"]
+    assert through["tokens"] == own_tokens
     assert "error" not in sparse, sparse["error"]
     assert [len(t) for t in sparse["tokens"]] == MAX_TOKENS
     store_is_empty(server.target)
