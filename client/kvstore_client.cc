@@ -31,14 +31,10 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> OpenChannel(const ClientOptions& 
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
-  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
-  if (!options.tls.ca.empty() || !options.tls.cert.empty()) {
-    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> tls =
-        rpc::TlsChannelCredentials(options.tls);
-    if (!tls.ok()) return tls.status();
-    creds = *tls;
-  }
-  auto channel = grpc::CreateCustomChannel(options.target, creds, args);
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds =
+      rpc::ChannelCredentialsFor(options.tls);
+  if (!creds.ok()) return creds.status();
+  auto channel = grpc::CreateCustomChannel(options.target, *creds, args);
   if (channel == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("cannot create a channel to ", options.target));
   }

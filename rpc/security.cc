@@ -1,5 +1,6 @@
 #include "rpc/security.h"
 
+#include <grpcpp/security/credentials.h>
 #include <grpcpp/security/tls_certificate_provider.h>
 #include <grpcpp/security/tls_credentials_options.h>
 #include <openssl/bio.h>
@@ -228,6 +229,11 @@ absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsChannelCredentials(
   if (!f.cert.empty()) options.watch_identity_key_cert_pairs();
   options.set_verify_server_certs(true);
   return grpc::experimental::TlsCredentials(options);
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(const TlsFiles& f) {
+  if (f.ca.empty() && f.cert.empty() && f.key.empty()) return grpc::InsecureChannelCredentials();
+  return TlsChannelCredentials(f);
 }
 
 bool IsLoopbackAddress(absl::string_view listen) {

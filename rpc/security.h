@@ -45,6 +45,9 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> TlsServerCredentials(co
 // Client: ca required (the server is verified, its name against the target's host); cert + key
 // optional (mTLS).
 absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> TlsChannelCredentials(const TlsFiles& f);
+// A client channel's credentials from its files: plaintext when none of ca, cert and key is
+// given, else TlsChannelCredentials (so a key or certificate without a CA is refused, not ignored).
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> ChannelCredentialsFor(const TlsFiles& f);
 
 // INVALID_ARGUMENT naming what fails unless `cert_pem` holds at least one certificate,
 // `key_pem` a private key, and the key is the first certificate's (OpenSSL). An empty `key_pem`

@@ -163,6 +163,14 @@ TEST(SecurityTest, TlsFilesAreCheckedAtStart) {
   std::ofstream(c.ca) << "hello\n";
   auto r = TlsChannelCredentials(c);
   EXPECT_NE(r.status().message().find("no PEM block"), std::string::npos) << r.status();
+  // A client channel: plaintext without files; a key without a CA is refused, not ignored.
+  auto plain = ChannelCredentialsFor(TlsFiles{});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_NE(*plain, nullptr);
+  TlsFiles key_only;
+  key_only.key = "/nonexistent/key.pem";
+  EXPECT_EQ(ChannelCredentialsFor(key_only).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(ChannelCredentialsFor(c).status().message().find("no PEM block"), std::string::npos);
 }
 
 // The checks TlsFileGuard runs before gRPC sees a file (the matching pair is exercised through

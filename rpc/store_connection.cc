@@ -26,14 +26,11 @@ absl::StatusOr<std::shared_ptr<grpc::Channel>> OpenStoreChannel(
                {"service": "kvsparse.v1.KvStore", "method": "GetSequenceInfo"}],
       "retryPolicy": {"maxAttempts": 4, "initialBackoff": "0.05s", "maxBackoff": "1s",
                       "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]})");
-  std::shared_ptr<grpc::ChannelCredentials> creds = grpc::InsecureChannelCredentials();
-  if (!options.tls.ca.empty() || !options.tls.cert.empty() || !options.tls.key.empty()) {
-    absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> c =
-        TlsChannelCredentials(options.tls);
-    if (!c.ok()) return absl::InvalidArgumentError(absl::StrCat("tls: ", c.status().message()));
-    creds = *std::move(c);
-  }
-  return grpc::CreateCustomChannel(target, creds, args);
+  absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> creds =
+      ChannelCredentialsFor(options.tls);
+  if (!creds.ok())
+    return absl::InvalidArgumentError(absl::StrCat("tls: ", creds.status().message()));
+  return grpc::CreateCustomChannel(target, *creds, args);
 }
 
 absl::StatusOr<StoreConnection> ConnectStore(const StoreConnectionOptions& options) {

@@ -420,16 +420,14 @@ cudaError_t LaunchScoresG(const CompressedScoreParams& p, cudaStream_t stream) {
   const dim3 grid((p.max_groups + warps) / warps, p.num_kv_heads, p.num_seqs);
   const size_t smem = smem_floats(warps) * sizeof(float);
   if (!mma) {
-    KVSPARSE_CUDA_RETURN_IF_ERROR(
-        LaunchDependent(&CompressedScoresKernel<T, G>, grid, dim3(32 * warps), smem, stream, p));
-  } else if (p.bits == 1) {
-    KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&CompressedScoresMmaKernel<T, G, 1>, grid,
-                                                  dim3(32 * warps), smem, stream, p));
-  } else {
-    KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&CompressedScoresMmaKernel<T, G, 2>, grid,
-                                                  dim3(32 * warps), smem, stream, p));
+    return LaunchDependent(&CompressedScoresKernel<T, G>, grid, dim3(32 * warps), smem, stream, p);
   }
-  return cudaGetLastError();
+  if (p.bits == 1) {
+    return LaunchDependent(&CompressedScoresMmaKernel<T, G, 1>, grid, dim3(32 * warps), smem,
+                           stream, p);
+  }
+  return LaunchDependent(&CompressedScoresMmaKernel<T, G, 2>, grid, dim3(32 * warps), smem, stream,
+                         p);
 }
 
 template <typename T>

@@ -456,10 +456,8 @@ struct MergeLaunch {
   cudaStream_t stream;
   template <typename T, int D, int G>
   cudaError_t operator()() const {
-    KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&MergeKernel<T>, dim3(rows), dim3(128), 0, stream,
-                                                  po, plse, splits, d,
-                                                  static_cast<uint16_t*>(out)));
-    return cudaGetLastError();
+    return LaunchDependent(&MergeKernel<T>, dim3(rows), dim3(128), 0, stream, po, plse, splits, d,
+                           static_cast<uint16_t*>(out));
   }
 };
 

@@ -508,9 +508,8 @@ cudaError_t PropFromScores(const PropFromScoresParams& p, void* workspace, size_
                          static_cast<unsigned>(bh));
   KVSPARSE_CUDA_RETURN_IF_ERROR(
       LaunchDependent(&SampleKernel, sample_grid, dim3(kTileThreads), 0, stream, p, w, t_max));
-  KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&CompactKernel, dim3(static_cast<unsigned>(bh)),
-                                                dim3(kScanThreads), 0, stream, p, w, t_max));
-  return cudaGetLastError();
+  return LaunchDependent(&CompactKernel, dim3(static_cast<unsigned>(bh)), dim3(kScanThreads), 0,
+                         stream, p, w, t_max);
 }
 
 size_t GroupMixtureWorkspaceBytes(const GroupMixtureParams& p) {
@@ -539,9 +538,8 @@ cudaError_t GroupMixtureFromScores(const GroupMixtureParams& p, void* workspace,
   KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&LseKernel, dim3(chunks, p.batch * p.num_q_heads),
                                                 dim3(kMixThreads), 0, stream, p, part_m, part_z));
   const unsigned tiles = static_cast<unsigned>((p.max_seq_len + kMixTile - 1) / kMixTile);
-  KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&MixKernel, dim3(tiles, p.batch * p.num_kv_heads),
-                                                dim3(kMixThreads), 0, stream, p, part_m, part_z));
-  return cudaGetLastError();
+  return LaunchDependent(&MixKernel, dim3(tiles, p.batch * p.num_kv_heads), dim3(kMixThreads), 0,
+                         stream, p, part_m, part_z);
 }
 
 }  // namespace kvsparse::kernels::cuda

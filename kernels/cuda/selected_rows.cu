@@ -468,10 +468,8 @@ cudaError_t UnionSelected(const UnionSelectedParams& p, void* workspace, size_t 
   auto* rank = reinterpret_cast<int32_t*>(static_cast<char*>(workspace) +
                                           AlignUp(sets * words * sizeof(uint32_t), 256));
   const auto kernel = words <= kUnionStagedWords ? &UnionKernel<true> : &UnionKernel<false>;
-  KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(kernel, dim3(static_cast<unsigned>(sets)),
-                                                dim3(kUnionThreads), 0, stream, p, words, bits,
-                                                rank));
-  return cudaGetLastError();
+  return LaunchDependent(kernel, dim3(static_cast<unsigned>(sets)), dim3(kUnionThreads), 0, stream,
+                         p, words, bits, rank);
 }
 
 size_t PlaceRowsWorkspaceBytes(const PlaceRowsParams& p) { return PlaceWorkspace::Of(p).total; }
@@ -494,10 +492,8 @@ cudaError_t PlaceRows(const PlaceRowsParams& p, void* workspace, size_t workspac
       (w.total > 0 && workspace == nullptr) || workspace_bytes < w.total) {
     return cudaErrorInvalidValue;
   }
-  KVSPARSE_CUDA_RETURN_IF_ERROR(
-      LaunchDependent(&PlaceKernel, dim3(static_cast<unsigned>(p.batch * p.num_kv_heads)),
-                      dim3(kPlaceThreads), 0, stream, p, w, static_cast<char*>(workspace)));
-  return cudaGetLastError();
+  return LaunchDependent(&PlaceKernel, dim3(static_cast<unsigned>(p.batch * p.num_kv_heads)),
+                         dim3(kPlaceThreads), 0, stream, p, w, static_cast<char*>(workspace));
 }
 
 cudaError_t FetchRows(const FetchRowsParams& p, cudaStream_t stream) {
@@ -519,9 +515,7 @@ cudaError_t FetchRows(const FetchRowsParams& p, cudaStream_t stream) {
   const int row_vecs = s.head_dim * static_cast<int>(DTypeSize(s.dtype)) / 16;
   const dim3 grid((p.max_rows + kFetchRows - 1) / kFetchRows,
                   static_cast<unsigned>(s.batch * s.num_kv_heads));
-  KVSPARSE_CUDA_RETURN_IF_ERROR(
-      LaunchDependent(&FetchKernel, grid, dim3(kFetchThreads), 0, stream, p, row_vecs));
-  return cudaGetLastError();
+  return LaunchDependent(&FetchKernel, grid, dim3(kFetchThreads), 0, stream, p, row_vecs);
 }
 
 cudaError_t WarmPagedRows(const WarmPagedRowsParams& p, cudaStream_t stream) {

@@ -88,9 +88,7 @@ cudaError_t StepAppend(const StepAppendParams& p, cudaStream_t stream) {
   }
   KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&StepAppendKernel, dim3(p.batch * p.num_kv_heads),
                                                 dim3(kThreads), 0, stream, p));
-  KVSPARSE_CUDA_RETURN_IF_ERROR(
-      LaunchDependent(&StepLengthsKernel, dim3((p.batch + 127) / 128), dim3(128), 0, stream, p));
-  return cudaGetLastError();
+  return LaunchDependent(&StepLengthsKernel, dim3((p.batch + 127) / 128), dim3(128), 0, stream, p);
 }
 
 }  // namespace kvsparse::kernels::cuda
