@@ -41,8 +41,13 @@ endfunction()
 # A GoogleTest binary registered with ctest, one ctest entry per binary (fast to list and run).
 # SLOW_FILTER: the binary's tests matching this gtest pattern run as a second entry,
 # <name>_slow, labelled slow (the sanitizer builds skip that label), and not in the first.
+# A binary labelled slow is not built at all in the sanitizer builds.
 function(kvsparse_test name)
   cmake_parse_arguments(ARG "" "TIMEOUT;SLOW_FILTER" "SOURCES;LIBS;LABELS" ${ARGN})
+  # The sanitizer builds run ctest -LE slow: tests labelled slow are not built there.
+  if("slow" IN_LIST ARG_LABELS AND KVSPARSE_SANITIZER_FLAGS)
+    return()
+  endif()
   add_executable(${name} ${ARG_SOURCES})
   kvsparse_target_defaults(${name})
   target_link_libraries(${name} PRIVATE ${ARG_LIBS} GTest::gtest GTest::gtest_main)

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <numeric>
@@ -11,6 +12,12 @@
 #include "kernels/cpu_util.h"
 
 namespace kvsparse::kernels {
+
+int StatisticalRepeats(int n) {
+  const char* env = std::getenv("KVSPARSE_TEST_REPEAT_DIVISOR");
+  const int divisor = env != nullptr ? std::max(1, std::atoi(env)) : 1;
+  return std::max(std::min(n, 2), n / divisor);
+}
 
 const char* ScoreFamilyName(ScoreFamily f) {
   switch (f) {

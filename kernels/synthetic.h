@@ -17,6 +17,12 @@
 
 namespace kvsparse::kernels {
 
+// How many seeds or trials a statistical test runs: n, divided by $KVSPARSE_TEST_REPEAT_DIVISOR
+// where that is set (an integer >= 1; at least 2 remain). The sanitizer builds set it: there the
+// tests drive the same code for memory errors, and their tolerances, written in standard errors
+// of the count actually run, stay valid (with less power).
+int StatisticalRepeats(int n);
+
 enum class ScoreFamily : uint8_t {
   // Logits ~ N(0, 0.5^2): attention spread almost evenly over all tokens.
   kNearUniform = 0,

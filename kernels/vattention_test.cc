@@ -205,7 +205,7 @@ double ExpectMeansWithin4SE(const std::vector<double> (&est)[4], const double (&
 // at 4 SE: family-wise false alarm < 0.2% (Bonferroni).
 TEST_P(VAttentionStatisticsTest, SampledPartUnbiased) {
   const Case c = GetParam();
-  const int kSeeds = 2000;
+  const int kSeeds = StatisticalRepeats(2000);
   std::vector<float> s, v;
   int dv = 0;
   ProjectedCaseData(c, &s, &v, &dv);
@@ -333,7 +333,7 @@ double EstimateError(const DenseHead& d, const VAttentionHeadResult& r, const st
 TEST_P(VAttentionStatisticsTest, ViolationRates) {
   const Case c = GetParam();
   if (c.n != 8192) GTEST_SKIP() << "violation rates run at n = 8192 only";
-  const int kTrials = 400;
+  const int kTrials = StatisticalRepeats(400);
   std::mt19937_64 rng(10);
   std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<float> mean(64), s, v;
@@ -434,7 +434,7 @@ std::vector<float> NoisyScores(const std::vector<float>& s, float sigma, uint64_
 // family-wise false alarm < 0.4% (Bonferroni).
 TEST_P(VAttentionStatisticsTest, ImportanceSamplerUnbiased) {
   const Case c = GetParam();
-  const int kSeeds = 2000;
+  const int kSeeds = StatisticalRepeats(2000);
   std::vector<float> s, v;
   int dv = 0;
   ProjectedCaseData(c, &s, &v, &dv);
@@ -507,7 +507,7 @@ TEST_P(VAttentionStatisticsTest, ImportanceSamplerUnbiased) {
 TEST_P(VAttentionStatisticsTest, ImportanceViolationRates) {
   const Case c = GetParam();
   if (c.n != 8192) GTEST_SKIP() << "violation rates run at n = 8192 only";
-  const int kTrials = 400;
+  const int kTrials = StatisticalRepeats(400);
   std::mt19937_64 rng(10);
   std::normal_distribution<float> normal(0.f, 1.f);
   std::vector<float> mean(64), s, v;

@@ -4,7 +4,7 @@
 # requests, FUZZ_SECONDS (default 20) each or FUZZ_RUNS executions each. A crash, a sanitizer
 # report, or an UNKNOWN / INTERNAL / UNAVAILABLE answer fails it; the reproducer is left in
 # build-fuzz/crashes/. FUZZ_TARGETS picks targets (default: all).
-#   bash scripts/fuzz.sh                                  # CI: 10 targets x 20 s
+#   bash scripts/fuzz.sh                                  # 10 targets x 20 s (CI: 8 s each)
 #   FUZZ_RUNS=10000000 bash scripts/fuzz.sh               # the long run (docs/RELIABILITY.md)
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -21,6 +21,8 @@ cmake --build "$build" -j "${JOBS:-$(nproc)}" --target kvsparse_torch
 # undefined symbol would otherwise turn a dozen tests into skips).
 "$venv/bin/python" -c "import sys, torch; torch.ops.load_library(sys.argv[1])" \
   "$PWD/$build/lib/libkvsparse_torch.so"
+# PYTEST_WORKERS processes (pytest-xdist, default 2), each test file whole in one of them (its
+# module fixtures built once); 1 runs them in this process.
 KVSPARSE_SERVER="$PWD/$build/bin/kvsparse-server" KVSPARSE_TORCH_LIB="$PWD/$build/lib/libkvsparse_torch.so" \
-  "$venv/bin/python" -m pytest -q client/python/tests tests/quality tests/load tests/faults tests/scale \
-  tests/bench "$@"
+  "$venv/bin/python" -m pytest -q -n "${PYTEST_WORKERS:-2}" --dist loadfile client/python/tests tests/quality \
+  tests/load tests/faults tests/scale tests/bench "$@"

@@ -1,8 +1,9 @@
 """One vLLM generation for the plugin tests (a process of its own: vLLM's backend registry and
 its engine are per process). Reads a JSON job from argv[1], prints one JSON line: the generated
-token ids per prompt, and seconds. The plugin is on when the environment enables it
-(KVSPARSE_VLLM_METHOD, KVSPARSE_VLLM_TARGET); then it also reports how many requests the
-plugin began again after a preemption. "kv_cache_memory_bytes" in the job sizes vLLM's own KV
+token ids per prompt, and seconds; "then_methods" in the job (a list of per-request method
+lists) generates the same prompts again in the same engine with each, their tokens in "then".
+The plugin is on when the environment enables it (KVSPARSE_VLLM_METHOD, KVSPARSE_VLLM_TARGET);
+then it also reports how many requests the plugin began again after a preemption. "kv_cache_memory_bytes" in the job sizes vLLM's own KV
 cache (small: requests are preempted)."""
 
 from __future__ import annotations
@@ -40,16 +41,21 @@ def main() -> None:
         **extra,
     )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
-    methods = job.get("methods") or [None] * len(prompts)
-    params = [
-        SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False,
-                       extra_args={"kvsparse_method": m} if m else None)
-        for n, m in zip(job["max_tokens"], methods)
-    ]
+
+    def generate(methods: list[str | None]) -> list[list[int]]:
+        params = [
+            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False,
+                           extra_args={"kvsparse_method": m} if m else None)
+            for n, m in zip(job["max_tokens"], methods)
+        ]
+        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": seconds}
+    result: dict = {"tokens": generate(job.get("methods") or [None] * len(prompts))}
+    result["seconds"] = time.perf_counter() - t0
+    # The same prompts again in the same engine, once per list of per-request methods
+    # (one engine start for several generations).
+    result["then"] = [generate(methods) for methods in job.get("then_methods", [])]
     if os.environ.get("KVSPARSE_VLLM_METHOD"):  # the plugin ran in this process (one-process vLLM)
         from kvsparse.vllm.plugin import WORKER
 

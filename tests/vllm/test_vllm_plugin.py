@@ -122,32 +122,31 @@ def test_dense_in_process_generates_vllms_tokens(model: str, own_tokens: list[li
     # KVSPARSE_VLLM_TARGET=inprocess: the engine in vLLM's worker through the PyTorch op, no
     # server; a sparse method generates there too, and with the K/V in the (worker's) store only
     # a batch over vLLM's own KV budget is served (prompt chunks read back through the op).
-    through = generate(model, "inprocess", "dense")
+    sparse = "top_k:top_k_fraction=0.25,sink_tokens=8,local_tokens=8"
+    through = generate(model, "inprocess", "dense", then_methods=[[sparse] * len(PROMPTS)])
     assert "error" not in through, through["error"]
     assert through["tokens"] == own_tokens
-    sparse = generate(model, "inprocess", "top_k:top_k_fraction=0.25,sink_tokens=8,local_tokens=8")
-    assert "error" not in sparse, sparse["error"]
-    assert [len(t) for t in sparse["tokens"]] == MAX_TOKENS
+    assert [len(t) for t in through["then"][0]] == MAX_TOKENS
     stored = generate(model, "inprocess", "dense", kv="store", kv_cache_memory_bytes=256 << 10)
     assert "error" not in stored, stored["error"]
     assert stored["tokens"] == own_tokens
 
 
-def test_every_method_generates_each_request_its_own(model: str, server: kvsparse.LocalServer) -> None:
+def test_every_method_generates_each_request_its_own(model: str, server: kvsparse.LocalServer,
+                                                    own_tokens: list[list[int]]) -> None:
     methods = [
         "top_k:top_k_fraction=0.05,sink_tokens=16,local_tokens=16",
         "hash_top_k:top_k_fraction=0.05,sink_tokens=16,local_tokens=16",
         "santa:samples=32",
         "vattention:sink_tokens=16,local_tokens=16,predictor=exact",
     ]
-    out = generate(model, server.target, "dense", methods=methods)
+    # Then, in the same engine, a budget of one row per head for every request: it changes what
+    # a random model says, so the decode ran sparse.
+    tiny = "top_k:top_k=1,sink_tokens=1,local_tokens=1"
+    out = generate(model, server.target, "dense", methods=methods, then_methods=[[tiny] * len(PROMPTS)])
     assert "error" not in out, out["error"]
     assert [len(t) for t in out["tokens"]] == MAX_TOKENS
-    # A budget of one row per head changes what a random model says: the decode ran sparse.
-    tiny = generate(model, server.target, "top_k:top_k=1,sink_tokens=1,local_tokens=1")
-    dense = generate(model, server.target, "dense")
-    assert "error" not in tiny and "error" not in dense
-    assert tiny["tokens"] != dense["tokens"]
+    assert out["then"][0] != own_tokens
     store_is_empty(server.target)
 
 
@@ -173,13 +172,11 @@ def test_store_only_serves_a_batch_over_vllms_kv_budget(model: str, server: kvsp
     budget = {"kv_cache_memory_bytes": 256 << 10}
     refused = generate(model, None, **budget)
     assert "error" in refused and "KV cache" in refused["error"]
-    through = generate(model, server.target, "dense", kv="store", **budget)
-    sparse = generate(model, server.target, "top_k:top_k_fraction=0.25,sink_tokens=8,local_tokens=8", kv="store",
-                      **budget)
+    sparse = "top_k:top_k_fraction=0.25,sink_tokens=8,local_tokens=8"
+    through = generate(model, server.target, "dense", kv="store", then_methods=[[sparse] * len(PROMPTS)], **budget)
     assert "error" not in through, through["error"]
     assert through["tokens"] == own_tokens
-    assert "error" not in sparse, sparse["error"]
-    assert [len(t) for t in sparse["tokens"]] == MAX_TOKENS
+    assert [len(t) for t in through["then"][0]] == MAX_TOKENS
     store_is_empty(server.target)
 
 
