@@ -9,10 +9,6 @@ cd "$(dirname "$0")/.."
 start=$(date +%s)
 step() { echo; echo "== $* ($(( $(date +%s) - start )) s)"; }
 
-# ccache keys on paths relative to the checkout, so the build directories (and clones) share
-# what they compile alike (the op against vLLM's torch recompiles the core the main build has).
-export CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1
-
 step "dependencies"
 bash scripts/install_deps.sh
 
