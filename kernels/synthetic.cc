@@ -243,6 +243,99 @@ std::vector<CompressedKeysView> ViewsOf(const std::vector<CompressedKeys>& keys)
   return v;
 }
 
+const char* AdversarialKeysName(AdversarialKeys family) {
+  return family == AdversarialKeys::kHiddenNeedle ? "hidden_needle" : "range_stretcher";
+}
+
+std::vector<float> AdversarialHead::Scores() const {
+  std::vector<float> s(n);
+  for (int32_t t = 0; t < n; ++t) {
+    float acc = 0.f;
+    for (int32_t c = 0; c < d; ++c) acc += q[c] * k[static_cast<size_t>(t) * d + c];
+    s[t] = scale * acc;
+  }
+  return s;
+}
+
+namespace {
+
+constexpr int32_t kAdvHigh = 8;  // channels [0, 8) of high magnitude; the rest low
+
+// Moves token `needle`'s low channels inside its group's rounding bins toward the query's sign
+// (module comment of AdversarialKeys::kHiddenNeedle).
+void HideNeedle(AdversarialHead* a, int32_t bits) {
+  const int32_t d = a->d, g0 = a->needle / kKeyGroupTokens * kKeyGroupTokens;
+  CompressedKeys group({bits, kKeyGroupTokens}, d, DType::kFp32);
+  for (int32_t t = g0; t < g0 + kKeyGroupTokens; ++t)
+    group.Append(&a->k[static_cast<size_t>(t) * d]);
+  const CompressedKeysView view = group.view();
+  const int32_t top = (1 << bits) - 1;
+  float* needle = &a->k[static_cast<size_t>(a->needle) * d];
+  const float* neighbour = needle - d;
+  for (int32_t c = kAdvHigh; c < d; ++c) {
+    const float lo = Fp16ToFloat(Fp16{view.lo(0)[c]}), step = Fp16ToFloat(Fp16{view.step(0)[c]});
+    float mn = lo, mx = lo;
+    for (int32_t t = g0; t < g0 + kKeyGroupTokens; ++t) {
+      mn = std::min(mn, a->k[static_cast<size_t>(t) * d + c]);
+      mx = std::max(mx, a->k[static_cast<size_t>(t) * d + c]);
+    }
+    const float code =
+        std::clamp(std::nearbyint((neighbour[c] - lo) / step), 0.f, static_cast<float>(top));
+    const float moved = lo + step * code + (a->q[c] > 0 ? 0.45f : -0.45f) * step;
+    needle[c] = std::clamp(moved, mn, mx);
+  }
+}
+
+}  // namespace
+
+AdversarialHead MakeAdversarialHead(AdversarialKeys family, int32_t n, int32_t bits,
+                                    uint64_t seed) {
+  AdversarialHead a;
+  a.n = n;
+  a.d = 64;
+  a.dv = 32;
+  a.scale = 0.125f;
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  a.q.resize(a.d);
+  for (int32_t c = 0; c < a.d; ++c) {
+    const float sign = rng() & 1 ? 1.f : -1.f;
+    a.q[c] = sign * (c < kAdvHigh ? 0.5f : 9.f);  // logits ~ N(0, 2.2^2)
+  }
+  a.k.resize(static_cast<size_t>(n) * a.d);
+  for (int32_t t = 0; t < n; ++t) {
+    for (int32_t c = 0; c < a.d; ++c) {
+      a.k[static_cast<size_t>(t) * a.d + c] = (c < kAdvHigh ? 2.f : 0.25f) * normal(rng);
+    }
+  }
+  std::vector<float> mu(a.dv);
+  for (float& m : mu) m = normal(rng);
+  a.v.resize(static_cast<size_t>(n) * a.dv);
+  for (size_t i = 0; i < a.v.size(); ++i) a.v[i] = mu[i % a.dv] + 0.5f * normal(rng);
+  if (family == AdversarialKeys::kHiddenNeedle) {
+    // Away from the sink and the window, not a group's first token (its neighbour shares its
+    // group), and next to a token of ordinary logit (within half a standard deviation of 0), so
+    // that no ranking by approximate score picks it: its moves inside the bins add about 5.8
+    // standard deviations, enough for it to hold most of the attention.
+    const int32_t groups = n / kKeyGroupTokens;
+    const std::vector<float> s = a.Scores();
+    do {
+      const int32_t g = 1 + static_cast<int32_t>(rng() % static_cast<uint64_t>(groups - 2));
+      a.needle = g * kKeyGroupTokens + 1 + static_cast<int32_t>(rng() % (kKeyGroupTokens - 1));
+    } while (std::fabs(s[a.needle - 1]) > 1.1f);
+    std::copy_n(&a.k[static_cast<size_t>(a.needle - 1) * a.d], a.d,
+                &a.k[static_cast<size_t>(a.needle) * a.d]);
+    HideNeedle(&a, bits);
+    for (int32_t c = 0; c < a.dv; ++c) a.v[static_cast<size_t>(a.needle) * a.dv + c] -= 2.f * mu[c];
+  } else {
+    for (int32_t g0 = 0; g0 < n; g0 += kKeyGroupTokens) {
+      float* delim = &a.k[static_cast<size_t>(g0 + 5) * a.d];
+      for (int32_t c = kAdvHigh; c < a.d; ++c) delim[c] = (a.q[c] > 0 ? -12.f : 12.f) * 0.25f;
+    }
+  }
+  return a;
+}
+
 std::vector<float> RealAttention::Scores(int32_t i, int32_t g) const {
   const int32_t keys = Keys(i);
   const float scale = 1.f / std::sqrt(static_cast<float>(d));

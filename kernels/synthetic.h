@@ -95,6 +95,36 @@ SaapWeights RandomSaapWeights(int32_t layers, int32_t q_heads, int32_t kv_heads,
 std::vector<CompressedKeys> CompressProblemKeys(const DecodeProblem& p, int32_t bits);
 std::vector<CompressedKeysView> ViewsOf(const std::vector<CompressedKeys>& keys);
 
+// ---- Keys built against per-channel quantization (issue 50) ----------------------------------
+
+// One head whose keys hide what matters from the compressed keys' scores (kernels/
+// compressed_keys.h, groups of kKeyGroupTokens): d = 64 channels, 8 of high magnitude (N(0, 2^2))
+// that the query weighs little (0.5), 56 of low magnitude (N(0, 0.25^2)) that it weighs most (9):
+// scaled logits about N(0, 2.2^2). Values N(mu, 0.5^2) per channel around a common mu.
+enum class AdversarialKeys : uint8_t {
+  // A needle: a copy of its neighbour's key moved by up to 0.45 of a step, on every low channel,
+  // toward the query's sign (clamped inside the group's range, so that the group's scales stay):
+  // its codes equal its neighbour's, its approximate score too, its true logit is higher by the
+  // sum of those moves (most of the attention). Its value row is mu - 2 mu + noise.
+  kHiddenNeedle = 0,
+  // A delimiter per group (its 6th token) with values of 12 sigma on the low channels, of the
+  // sign that makes its own logit low: every group's range on the channels the query weighs, and
+  // so its steps there, are stretched, and the other tokens' approximate scores are coarse.
+  kRangeStretcher = 1,
+};
+const char* AdversarialKeysName(AdversarialKeys family);
+
+struct AdversarialHead {
+  int32_t n = 0, d = 0, dv = 0;
+  float scale = 0;                    // 1 / sqrt(d)
+  std::vector<float> q;               // [d]
+  std::vector<float> k, v;            // [n, d], [n, dv] (fp32)
+  int32_t needle = -1;                // kHiddenNeedle: its token (its neighbour is needle - 1)
+  std::vector<float> Scores() const;  // scale q . k_t, t < n
+};
+// bits: the compression the keys are built against (1 or 2). n a multiple of kKeyGroupTokens.
+AdversarialHead MakeAdversarialHead(AdversarialKeys family, int32_t n, int32_t bits, uint64_t seed);
+
 // ---- Real attention: the model trained here -------------------------------------------------
 
 // One kv head of one layer of the model trained in the repository (tests/quality/train_model.py),

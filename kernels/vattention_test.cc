@@ -731,6 +731,100 @@ TEST(VAttentionTest, TheCompressedPredictorKeepsThePromiseTheHashBroke) {
   }
 }
 
+// P(X >= k) for X ~ Binomial(trials, p).
+double BinomialUpperTail(int k, int trials, double p) {
+  double tail = 0;
+  for (int i = k; i <= trials; ++i) {
+    tail +=
+        std::exp(std::lgamma(trials + 1.0) - std::lgamma(i + 1.0) - std::lgamma(trials - i + 1.0) +
+                 i * std::log(p) + (trials - i) * std::log(1 - p));
+  }
+  return tail;
+}
+
+// Issue 50: keys built against the compressed predictor (kernels/synthetic.h AdversarialKeys),
+// 8 heads (seeds) per family at n = 8192 over 2-bit keys, vAttention as documented for them
+// (compressed predictor, importance sampler, CLT-ratio, eps = delta = 0.1, SpikeHead's fixed
+// set and base rate), 200 trials a head; a head is rejected when its violation count's binomial
+// p-value of "rate <= delta" is below 0.01 / 8 (Bonferroni). Checks the families are what they
+// claim (the hidden needle's codes equal its neighbour's, it is outside the fixed set and holds
+// over a tenth of the attention, 12-90% on these seeds) and states what the method does on them
+// today (2026-11-30: the hidden needle, 8 of 8 heads rejected, every output over eps, 7.5% of
+// the rows read; the range stretcher, 5 of 8 rejected, 22% over eps): the budget never accounts
+// for a token whose approximate score understates its logit. The fix is issue 50's; this test
+// then asserts no head rejected.
+TEST(VAttentionTest, AdversarialKeysAgainstTheCompressedPredictor) {
+  constexpr int32_t n = 8192, kHeads = 8;
+  const int kTrials = StatisticalRepeats(200);
+  for (AdversarialKeys family :
+       {AdversarialKeys::kHiddenNeedle, AdversarialKeys::kRangeStretcher}) {
+    int rejected = 0;
+    double rate_sum = 0, rows_sum = 0;
+    for (int h = 0; h < kHeads; ++h) {
+      const AdversarialHead a = MakeAdversarialHead(family, n, 2, 1000 + h);
+      CompressedKeys ck({2, kKeyGroupTokens}, a.d, DType::kFp32);
+      for (int32_t t = 0; t < n; ++t) ck.Append(&a.k[static_cast<size_t>(t) * a.d]);
+      const CompressedKeysView view = ck.view();
+      std::vector<float> approx(n);
+      ApproximateScores(view, a.q.data(), a.scale, approx.data());
+      const std::vector<float> s = a.Scores();
+      const DenseHead dense = MakeDenseHead(s, a.v, a.dv);
+      VAttentionParams params =
+          SpikeHead::Params(TopKPredictor::kCompressed, BudgetBound::kCltRatio);
+      params.sampler = ResidualSampler::kImportance;
+      VAttentionHeadResult plan, r;
+      std::vector<int32_t> scratch;
+      VAttentionPlanFixed(approx.data(), n, n / 32, params, &plan, &scratch);
+      if (family == AdversarialKeys::kHiddenNeedle) {
+        std::vector<float> needle(a.d), neighbour(a.d);
+        DecompressKey(view, a.needle, needle.data());
+        DecompressKey(view, a.needle - 1, neighbour.data());
+        ASSERT_EQ(needle, neighbour) << "head " << h << ": the needle's codes are its neighbour's";
+        ASSERT_FALSE(std::binary_search(plan.fixed.begin(), plan.fixed.end(), a.needle)) << h;
+        // How far its stored error norm sets it apart: the share of tokens with a larger one.
+        int32_t larger = 0;
+        for (int32_t t = 0; t < n; ++t)
+          larger += KeyErrorBound(view, t) > KeyErrorBound(view, a.needle);
+        const float smax = *std::max_element(s.begin(), s.end());
+        double total = 0;
+        for (float x : s) total += std::exp(static_cast<double>(x - smax));
+        const double share = std::exp(static_cast<double>(s[a.needle] - smax)) / total;
+        EXPECT_GT(share, 0.1) << "head " << h << ": the needle holds a heavy share of attention";
+        std::printf(
+            "[vattention adversarial keys] hidden needle, head %d: %.3f of the attention, %.3f of "
+            "the tokens with a larger error norm\n",
+            h, share, static_cast<double>(larger) / n);
+      }
+      VAttentionRowAccess access = RowsOf(s, a.v, a.dv);
+      access.residual_logit_max =
+          CompressedLogitUpperBound(view, a.q.data(), a.scale, approx.data(), plan.fixed);
+      int violations = 0;
+      double rows = 0;
+      for (int trial = 0; trial < kTrials; ++trial) {
+        r.fixed = plan.fixed;
+        VAttentionSampleHead(n, params, access, 700 + trial, 0, h, &r, approx.data());
+        violations += EstimateError(dense, r, a.v, a.dv, VerifyTarget::kOutput) > params.epsilon;
+        HeadRows read;
+        r.ToHeadRows(&read);
+        rows += static_cast<double>(read.tokens.size()) / kTrials / n;
+      }
+      rejected += BinomialUpperTail(violations, kTrials, 0.1) < 0.01 / kHeads;
+      rate_sum += static_cast<double>(violations) / kTrials / kHeads;
+      rows_sum += rows / kHeads;
+    }
+    std::printf(
+        "[vattention adversarial keys] %-15s 2 bits, importance, CLT-ratio: %d of %d heads "
+        "rejected, mean rate over eps %.3f, rows read %.3f of n\n",
+        AdversarialKeysName(family), rejected, kHeads, rate_sum, rows_sum);
+    RecordProperty(absl::StrCat("rejected_", AdversarialKeysName(family)), rejected);
+    if (family == AdversarialKeys::kHiddenNeedle) {
+      EXPECT_EQ(rejected, kHeads) << "the hidden needle breaks the promise (issue 50, open)";
+    } else {
+      EXPECT_GT(rejected, 0) << "the range stretcher breaks the promise (issue 50, open)";
+    }
+  }
+}
+
 // CompressedLogitUpperBound is sound token by token: with every other token fixed, the bound of
 // the one left is at least its logit as the estimate computes it (a float dot product of the
 // exact key), over bits, dtypes, closed groups and the open group's exact rows; and it is not
