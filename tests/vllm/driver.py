@@ -3,8 +3,8 @@ its engine are per process). Reads a JSON job from argv[1], prints one JSON line
 token ids per prompt, and seconds; "then_methods" in the job (a list of per-request method
 lists) generates the same prompts again in the same engine with each, their tokens in "then".
 The plugin is on when the environment enables it (KVSPARSE_VLLM_METHOD, KVSPARSE_VLLM_TARGET);
-then it also reports how many requests the plugin began again after a preemption. "kv_cache_memory_bytes" in the job sizes vLLM's own KV
-cache (small: requests are preempted)."""
+then it also reports how many requests the plugin began again after a preemption.
+"kv_cache_memory_bytes" in the job sizes vLLM's own KV cache (small: requests are preempted)."""
 
 from __future__ import annotations
 
