@@ -11,6 +11,7 @@
 #include "gtest/gtest.h"
 #include "kernels/cpu_util.h"
 #include "kernels/dense.h"
+#include "kernels/hash_topk.h"
 #include "kernels/score_topk.h"
 #include "kernels/synthetic.h"
 
@@ -358,17 +359,11 @@ TEST(CompressedKeysTest, StoredBoundOnRealAttentionIsSoundAndLoose) {
           ++count;
           upper[t] = approx[t] + b;
         }
+        std::vector<int32_t> chosen, scratch;
+        SelectSinkLocalTopK(approx.data(), m, 128, 128, static_cast<int32_t>(m / 32.0 + 0.5),
+                            &chosen, &scratch);
         std::vector<char> fixed(m, 0);
-        for (int32_t t = 0; t < std::min(128, m); ++t) fixed[t] = 1;
-        for (int32_t t = std::max(0, m - 128); t < m; ++t) fixed[t] = 1;
-        std::vector<int32_t> rest;
-        for (int32_t t = 0; t < m; ++t) {
-          if (!fixed[t]) rest.push_back(t);
-        }
-        const int32_t k = static_cast<int32_t>(m / 32.0 + 0.5);
-        std::partial_sort(rest.begin(), rest.begin() + k, rest.end(),
-                          [&](int32_t a, int32_t b) { return approx[a] > approx[b]; });
-        for (int32_t j = 0; j < k; ++j) fixed[rest[j]] = 1;
+        for (int32_t t : chosen) fixed[t] = 1;
         const float smax = *std::max_element(s.begin(), s.begin() + m);
         double fixed_mass = 0;
         for (int32_t t = 0; t < m; ++t) {

@@ -198,17 +198,6 @@ TEST(RealAttentionTest, VAttentionGuaranteeAndRows) {
 // 0.96-0.98 of the rows; the ratio bound on base-sample statistics does not (worst head 0.19).
 // Asserted: exact statistics within delta per head (binomial 3 sigma), and the default's overall
 // rate within delta.
-// P(X >= k) for X ~ Binomial(n, p), summed in log space.
-double BinomialUpperTail(int k, int n, double p) {
-  if (k <= 0) return 1.0;
-  double sum = 0;
-  for (int i = k; i <= n; ++i) {
-    sum += std::exp(std::lgamma(n + 1.0) - std::lgamma(i + 1.0) - std::lgamma(n - i + 1.0) +
-                    i * std::log(p) + (n - i) * std::log1p(-p));
-  }
-  return std::min(1.0, sum);
-}
-
 // Per (layer, query head): its violations over seeds x queries, against (epsilon, delta). A
 // head's rate is a binomial count, so the worst of 12 heads sits above delta by chance alone;
 // the test of the guarantee is one-sided per head (H0: the head's rate <= delta, p-value

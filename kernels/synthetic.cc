@@ -19,6 +19,16 @@ int StatisticalRepeats(int n) {
   return std::max(std::min(n, 2), n / divisor);
 }
 
+double BinomialUpperTail(int k, int n, double p) {
+  if (k <= 0) return 1.0;
+  double sum = 0;
+  for (int i = k; i <= n; ++i) {
+    sum += std::exp(std::lgamma(n + 1.0) - std::lgamma(i + 1.0) - std::lgamma(n - i + 1.0) +
+                    i * std::log(p) + (n - i) * std::log1p(-p));
+  }
+  return std::min(1.0, sum);
+}
+
 const char* ScoreFamilyName(ScoreFamily f) {
   switch (f) {
     case ScoreFamily::kNearUniform:

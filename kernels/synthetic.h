@@ -23,6 +23,10 @@ namespace kvsparse::kernels {
 // of the count actually run, stay valid (with less power).
 int StatisticalRepeats(int n);
 
+// P(X >= k) for X ~ Binomial(n, p), summed in log space: the p-value of "rate <= p" for k events
+// in n trials (the per-head violation tests).
+double BinomialUpperTail(int k, int n, double p);
+
 enum class ScoreFamily : uint8_t {
   // Logits ~ N(0, 0.5^2): attention spread almost evenly over all tokens.
   kNearUniform = 0,

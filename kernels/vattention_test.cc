@@ -631,16 +631,6 @@ TEST(VAttentionTest, APredictorThatMissesTheSpikeBreaksThePromise) {
     }
     return violations;
   };
-  // P(X >= k) for X ~ Binomial(kTrials, 0.1): the p-value of "rate <= delta".
-  auto p_value = [&](int k) {
-    double p = 0;
-    for (int i = k; i <= kTrials; ++i) {
-      p += std::exp(std::lgamma(kTrials + 1.0) - std::lgamma(i + 1.0) -
-                    std::lgamma(kTrials - i + 1.0) + i * std::log(0.1) +
-                    (kTrials - i) * std::log(0.9));
-    }
-    return p;
-  };
   const int limit = static_cast<int>(0.1 * kTrials + 3 * std::sqrt(0.1 * 0.9 * kTrials));
   for (BudgetBound bound : {BudgetBound::kClt, BudgetBound::kHoeffding}) {
     const char* name = bound == BudgetBound::kClt ? "CLT" : "Hoeffding";
@@ -650,9 +640,11 @@ TEST(VAttentionTest, APredictorThatMissesTheSpikeBreaksThePromise) {
     std::printf(
         "[vattention missed spike] %s: predictor misses it, base sample %d/%d over eps "
         "(p %.2g); exact statistics %d/%d; predictor finds it %d/%d\n",
-        name, missed_base, kTrials, p_value(missed_base), missed_exact, kTrials, seen, kTrials);
+        name, missed_base, kTrials, BinomialUpperTail(missed_base, kTrials, 0.1), missed_exact,
+        kTrials, seen, kTrials);
     if (bound == BudgetBound::kClt) {
-      EXPECT_LT(p_value(missed_base), 1e-6) << "CLT: the missed spike breaks the promise";
+      EXPECT_LT(BinomialUpperTail(missed_base, kTrials, 0.1), 1e-6)
+          << "CLT: the missed spike breaks the promise";
     }  // Hoeffding's budget here is every residual row (no violation, no saving).
     EXPECT_LE(missed_exact, limit) << name << " with exact statistics";
     EXPECT_LE(seen, limit) << name << " with the spike in the fixed set";
@@ -729,17 +721,6 @@ TEST(VAttentionTest, TheCompressedPredictorKeepsThePromiseTheHashBroke) {
       EXPECT_LE(violations, limit) << bits << " bits";
     }
   }
-}
-
-// P(X >= k) for X ~ Binomial(trials, p).
-double BinomialUpperTail(int k, int trials, double p) {
-  double tail = 0;
-  for (int i = k; i <= trials; ++i) {
-    tail +=
-        std::exp(std::lgamma(trials + 1.0) - std::lgamma(i + 1.0) - std::lgamma(trials - i + 1.0) +
-                 i * std::log(p) + (trials - i) * std::log(1 - p));
-  }
-  return tail;
 }
 
 // Issue 50: keys built against the compressed predictor (kernels/synthetic.h AdversarialKeys),
