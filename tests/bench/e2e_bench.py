@@ -407,7 +407,7 @@ def measure_kvsparse(row: Row, variant: str, method: kvsparse.Method, model, n: 
     return finish(row)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lens", default="32768,131072")
     p.add_argument("--batches", default="1,8")
@@ -434,14 +434,12 @@ def main() -> None:
     p.add_argument("--profile", default="", help="a kvsparse variant to profile (torch.profiler, 3 steps)")
     p.add_argument("--profile_out", default="profile.txt")
     args = p.parse_args()
+    return args
 
-    device = args.device
-    gpu = device == "cuda"
-    name = torch.cuda.get_device_name() if gpu else "CPU"
-    log(f"# {name}, torch {torch.__version__}, transformers {transformers.__version__}")
-    model = make_model(args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab, device)
-    log(f"# model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
-    variants = args.variants.split(",")
+
+def start_transports(variants: list[str], args: argparse.Namespace, gpu: bool
+                     ) -> tuple[dict[str, ops.InProcessEngine], dict[str, kvsparse.LocalServer]]:
+    """The in-process engines (by transport) and the local servers the variants decode through."""
     engines: dict[str, ops.InProcessEngine] = {}  # by transport
     if any(v.startswith(("kvs-", "kvsc-", "kvsg-", "kvsgc-")) for v in variants):
         engines["kvs"] = ops.InProcessEngine(
@@ -481,6 +479,39 @@ def main() -> None:
                 startup_timeout=120,
                 **flags,
             ).start()
+    return engines, server
+
+
+def run_variant(variant: str, model: Any, n: int, batch: int, args: argparse.Namespace,
+                engines: dict[str, ops.InProcessEngine], server: dict[str, kvsparse.LocalServer], gpu: bool) -> Row:
+    """One row; a variant that fails (out of memory, refused) gives a row whose note says why."""
+    failed = None
+    try:
+        if variant in ("flash", "weights"):
+            return run_floor(variant, model, n, batch, args)
+        if variant in ("resident", "compiled", "offloaded"):
+            return run_transformers(variant, model, n, batch, args)
+        return run_kvsparse(variant, model, n, batch, args, engines, server)
+    except (torch.cuda.OutOfMemoryError, RuntimeError, kvsparse.KvSparseError) as e:
+        failed = f"failed: {type(e).__name__}: {str(e)[:160]}"
+    # Outside the handler: the exception's frames (and the tensors they hold) are gone, so the
+    # next variant finds the GPU memory free.
+    gc.collect()
+    if gpu:
+        torch.cuda.empty_cache()
+    return Row(n, batch, variant, note=failed)
+
+
+def main() -> None:
+    args = parse_args()
+    device = args.device
+    gpu = device == "cuda"
+    name = torch.cuda.get_device_name() if gpu else "CPU"
+    log(f"# {name}, torch {torch.__version__}, transformers {transformers.__version__}")
+    model = make_model(args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab, device)
+    log(f"# model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
+    variants = args.variants.split(",")
+    engines, server = start_transports(variants, args, gpu)
     skip = set(args.skip.split(",")) if args.skip else set()
     rows: list[Row] = []
     print(
@@ -499,23 +530,7 @@ def main() -> None:
                         continue
                     of = f" (pass {rnd + 1} of {args.rounds})" if args.rounds > 1 else ""
                     log(f"== n={n} B={batch} {variant}{of}")
-                    failed = None
-                    try:
-                        if variant in ("flash", "weights"):
-                            row = run_floor(variant, model, n, batch, args)
-                        elif variant in ("resident", "compiled", "offloaded"):
-                            row = run_transformers(variant, model, n, batch, args)
-                        else:
-                            row = run_kvsparse(variant, model, n, batch, args, engines, server)
-                    except (torch.cuda.OutOfMemoryError, RuntimeError, kvsparse.KvSparseError) as e:
-                        failed = f"failed: {type(e).__name__}: {str(e)[:160]}"
-                    if failed is not None:
-                        # Outside the handler: the exception's frames (and the tensors they hold) are
-                        # gone, so the next variant finds the GPU memory free.
-                        row = Row(n, batch, variant, note=failed)
-                        gc.collect()
-                        if gpu:
-                            torch.cuda.empty_cache()
+                    row = run_variant(variant, model, n, batch, args, engines, server, gpu)
                     row.round = rnd
                     rows.append(row)
                     pass_rows.append(row)
