@@ -23,8 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from kvsparse.methods import FLAGSHIP_TEXT
+
 DRIVER = Path(__file__).resolve().parents[1] / "vllm" / "cuda_driver.py"
-FLAGSHIP = "santa:samples=128,allocation=prop,scores=compressed"
 
 
 def write_config(path: Path, layers: int) -> None:
@@ -50,7 +51,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1")
     ap.add_argument("--steps", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--backends", default=f"flash_attn;kvsparse:{FLAGSHIP}",
+    ap.add_argument("--backends", default=f"flash_attn;kvsparse:{FLAGSHIP_TEXT}",
                     help="\";\"-separated: flash_attn, kvsparse:<method text>")
     ap.add_argument("--gpu_memory_utilization", type=float, default=0.85)
     ap.add_argument("--store_capacity", default="48G", help="kvsparse's host-memory store")

@@ -47,6 +47,8 @@ from kvsparse.errors import (
 from kvsparse.grpc.local_server import LocalServer
 from kvsparse.placement import shard_of
 from kvsparse.methods import (
+    FLAGSHIP,
+    FLAGSHIP_TEXT,
     Dense,
     HashTopK,
     Method,
@@ -56,6 +58,8 @@ from kvsparse.methods import (
     Santa,
     TopK,
     VAttention,
+    method_text,
+    parse_method,
     placement_for,
 )
 
@@ -74,6 +78,8 @@ __all__ = [
     "DecodeStream",
     "Dense",
     "FailedPrecondition",
+    "FLAGSHIP",
+    "FLAGSHIP_TEXT",
     "GatherResult",
     "HashTopK",
     "HeadStats",
@@ -99,7 +105,9 @@ __all__ = [
     "TopK",
     "Unknown",
     "VAttention",
+    "method_text",
     "open_channel",
+    "parse_method",
     "placement_for",
     "shard_of",
 ]

@@ -295,6 +295,22 @@ METHOD_NAMES: dict[str, type] = {
 }
 
 
+def method_text(method: Method) -> str:
+    """The text form parse_method reads: ``name`` and the fields that differ from the method's
+    defaults (``santa:samples=256,scores=compressed``); parse_method(method_text(m)) == m."""
+    names = {cls: name for name, cls in METHOD_NAMES.items()}
+    name = names.get(type(method))
+    if name is None:
+        raise ValueError(f"not a method: {method!r}")
+    defaults = type(method)()
+    parts = []
+    for f in dataclasses.fields(method):
+        value = getattr(method, f.name)
+        if value != getattr(defaults, f.name):
+            parts.append(f"{f.name}={str(value).lower() if isinstance(value, bool) else value!s}")
+    return name + (":" + ",".join(parts) if parts else "")
+
+
 def parse_method(spec: str) -> Method:
     """A method from its text form, ``name`` or ``name:field=value,field=value`` with the names
     of the server's metrics labels (``dense``, ``santa``, ``hash_top_k``, ``vattention``,
@@ -324,3 +340,13 @@ def parse_method(spec: str) -> Method:
         except ValueError:
             raise ValueError(f"{name}: {key}={text!r} is not a {kind.__name__}") from None
     return cast(Method, cls(**kwargs))
+
+
+# The flagship: the configuration the project measures against the memory floor and serves where
+# the K/V live in host memory with nothing named (vLLM's CUDA build): S2ANTA's proportional
+# sample of S = 128 per query head, drawn from the 2-bit compressed keys' scores, the sampled K
+# and V rows from host memory (the ratio correction). Its speed, its quality and what it misses
+# (a public model's perplexity): docs/PERF.md, docs/ACCURACY.md ("The flagship on SmolLM2 on an
+# H200", where the group mixture at S = 512 is the measured candidate to replace it).
+FLAGSHIP_TEXT = "santa:samples=128,allocation=prop,scores=compressed"
+FLAGSHIP = parse_method(FLAGSHIP_TEXT)

@@ -58,7 +58,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvsparse.errors import KvSparseError
-from kvsparse.methods import METHOD_NAMES, Method, ModelShape, Placement, parse_method, placement_for
+from kvsparse.methods import (
+    FLAGSHIP_TEXT,
+    METHOD_NAMES,
+    Method,
+    ModelShape,
+    Placement,
+    parse_method,
+    placement_for,
+)
 
 LOG = logging.getLogger("kvsparse.vllm")
 
@@ -142,9 +150,9 @@ def register() -> None:
     _record_batches()
 
 
-# The flagship: S2ANTA's proportional sample over 2-bit compressed keys on the GPU, the K/V in host
-# memory (docs/PERF.md); the method of engine_args() when KVSPARSE_VLLM_METHOD is not set.
-DEFAULT_CUDA_METHOD = "santa:samples=128,allocation=prop,scores=compressed"
+# The method of engine_args() when KVSPARSE_VLLM_METHOD is not set: the flagship
+# (kvsparse.methods.FLAGSHIP_TEXT).
+DEFAULT_CUDA_METHOD = FLAGSHIP_TEXT
 
 
 def engine_args(method: str | None = None, **kwargs: Any) -> dict[str, Any]:
