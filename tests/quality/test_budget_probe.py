@@ -69,3 +69,22 @@ def test_batched_teacher_forcing_gives_each_windows_figures() -> None:
         engine.close()
     assert got == pytest.approx(nll, abs=1e-4)  # dense through kvsparse is SDPA
     assert got_top1 == top1 and stats.decode_calls == 5 * 2 and fraction == 0.0
+
+
+def test_harness_without_pass_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """--passkey_trials 0 asks for no pass-key documents: none are measured and the tables are
+    written without them (the run crashed on an empty list of documents, and the table on a
+    method without pass keys)."""
+    sys.path.insert(0, str(HERE))
+    import harness  # noqa: E402
+
+    monkeypatch.setattr(sys, "argv", ["harness.py", "--model", "m", "--out", "o", "--contexts", "256",
+                                      "--passkey_trials", "0"])
+    args = harness.parse_args()
+    assert not args.want_passkeys
+    ctx = {"ppl": 2.0, "ppl_change": 0.01, "ppl_change_ci95": [0.0, 0.02], "top1_agreement": 0.9,
+           "rel_l2_mean": 0.1, "final_layer_rel_l2": 0.1, "rows_fraction": 0.1, "bytes_fraction": 0.1,
+           "gpu_kv_fraction": 0.05}
+    results = {"sdpa": {"256": {"ppl": 1.98}}, "methods": {"dense": {"contexts": {"256": ctx}}}, "recall": []}
+    table = harness.markdown(results, args)
+    assert "| dense | 0.050 | 2.0000 (+1.00%, +0.00..+2.00)" in table and "@" not in table
