@@ -209,7 +209,7 @@ def measured_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     norm = torch.linalg.vector_norm(exact, dim=-1).clamp_min(1e-30)
     REC.err.setdefault(layer, []).append((diff / norm).cpu())
     REC.cos.setdefault(layer, []).append(torch.nn.functional.cosine_similarity(got, exact, dim=-1).cpu())
-    if cache is not None:
+    if cache is not None and cache.steps is None:  # a planned cache's rows: teacher_forced
         b, hkv, n, _ = REC.k[layer].shape
         REC.rows_fraction.append((cache.stats.rows_fetched - rows_before) / (b * hkv * n))
     return out, None
@@ -237,18 +237,32 @@ def kv_state_fraction(engine: Any, model: Any, batch: int, tokens: int) -> float
     return (mem["gpu_bytes"] + mem["cpu_resident_bytes"]) / kv
 
 
+def planned_rows(cache: Any, batch: int, length: int) -> list[float]:
+    """A captured step's rows read per layer (the union each (sequence, kv head) fetched, block 0
+    of DecodeSteps.stats) as a fraction of the step's rows: batch * kv heads * length."""
+    stats = cache.step_stats()  # [layers, 4, B * H] int32 on the device
+    hkv = cache.num_kv_heads
+    rows = stats[:, 0, : batch * hkv].sum(-1).double() / (batch * hkv * length)
+    return rows.tolist()
+
+
 @torch.no_grad()
 def teacher_forced(model: Any, tokens: torch.Tensor, n_decode: int, engine: Any, method: Any, seed: int,
-                   device: str, placement: Placement | None = None
+                   device: str, placement: Placement | None = None, planned: bool = False
                    ) -> tuple[list[float], list[int], kvsparse.torch.hf.CacheStats, float]:
     """Windows of equal length as one batch ([W, n] tokens, or one window [n]): prefill all but
     the last n_decode + 1 tokens of each (SDPA), then one decode step per token through `method`
     for the whole batch; returns each step's NLL of the next token and its argmax (window-major:
     window 0's steps first), the cache's statistics and the worker's state for the cache as a
     fraction of its K/V bytes (kv_state_fraction, at the end). method None: the model's own
-    DynamicCache and SDPA (no kvsparse). One batch: one decode call per layer and step for all
-    windows, not one per window (on an H200 an eager step's time still grows with the batch's
-    tokens: 1.1 s a step for 24 windows of 2k on SmolLM2, docs/ACCURACY.md)."""
+    DynamicCache and SDPA (no kvsparse).
+
+    planned: the decode steps the product runs on a GPU (KvSparseCache(max_tokens=...): the
+    planned op, captured kernels where the backend captures the method; the caller checks that
+    it does, capture_mode), each step's rows from the plan's statistics into REC, and the cache's
+    statistics (bytes) left empty. Otherwise one decode call per layer and step through the host
+    (an eager step on an H200 took 1.1 s for 24 windows of 2k on SmolLM2, the planned one
+    milliseconds: docs/ACCURACY.md)."""
     x = tokens.to(device)
     x = x[None] if x.dim() == 1 else x
     p = x.shape[1] - n_decode - 1
@@ -258,16 +272,26 @@ def teacher_forced(model: Any, tokens: torch.Tensor, n_decode: int, engine: Any,
         cache: Any = DynamicCache(config=model.config)
         stats = kvsparse.torch.hf.CacheStats()
     else:
-        cache = khf.KvSparseCache(model.config, engine, method=method, placement=placement, seed=seed)
+        cache = khf.KvSparseCache(model.config, engine, method=method, placement=placement, seed=seed,
+                                  max_tokens=x.shape[1] if planned else None)
         stats = cache.stats
     fraction = 0.0
     try:
         model(x[:, :p], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if planned and not cache.steps.captured:
+            raise RuntimeError(f"{method!r}: the engine does not capture its steps ({cache.steps.mode})")
         for i in range(n_decode):
-            out = model(x[:, p + i : p + i + 1], past_key_values=cache, use_cache=True)
+            pos = p + i
+            kw: dict[str, Any] = {}
+            if planned:
+                kw = dict(position_ids=torch.full((x.shape[0], 1), pos, dtype=torch.long, device=x.device),
+                          cache_position=torch.tensor([pos], device=x.device))
+            out = model(x[:, pos : pos + 1], past_key_values=cache, use_cache=True, **kw)
             lf = out.logits[:, -1].float()
-            nll_steps.append(torch.nn.functional.cross_entropy(lf, x[:, p + i + 1], reduction="none"))
+            nll_steps.append(torch.nn.functional.cross_entropy(lf, x[:, pos + 1], reduction="none"))
             top1_steps.append(lf.argmax(-1))
+            if planned and REC.active:
+                REC.rows_fraction.extend(planned_rows(cache, x.shape[0], pos + 1))
         if method is not None:
             fraction = kv_state_fraction(engine, model, x.shape[0], p + n_decode)
     finally:
@@ -276,6 +300,22 @@ def teacher_forced(model: Any, tokens: torch.Tensor, n_decode: int, engine: Any,
     nll = torch.stack(nll_steps, 1).flatten().tolist()
     top1 = torch.stack(top1_steps, 1).flatten().tolist()
     return nll, top1, stats, fraction
+
+
+@torch.no_grad()
+def capture_mode(model: Any, engine: Any, method: Any, placement: Placement | None, device: str) -> str:
+    """How the engine runs `method`'s planned steps ("captured", or "eager: <why>"), read off a
+    plan over a short prompt (two rows of 256 tokens)."""
+    x = torch.zeros((2, 256), dtype=torch.long, device=device)
+    was, REC.active = REC.active, False
+    try:
+        with khf.KvSparseCache(model.config, engine, method=method, placement=placement, max_tokens=264) as cache:
+            model(x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            return cache.steps.mode if cache.steps is not None else "unplanned"
+    except (kvsparse.errors.KvSparseError, RuntimeError) as e:  # the op refused the plan
+        return f"eager: the plan failed ({e})"
+    finally:
+        REC.active = was
 
 
 def ppl_change_interval(nll: list[float], dense: list[float]) -> tuple[float, float, float]:
@@ -294,11 +334,11 @@ def ppl_change_interval(nll: list[float], dense: list[float]) -> tuple[float, fl
 @torch.no_grad()
 def passkeys(subject: subjects.Subject, lengths: list[int], depths: list[float], trials: int, engine: Any,
              method: Any, device: str, seed: int, placement: Placement | None = None, prefill: Any = None,
-             stats: list[khf.CacheStats] | None = None) -> dict[str, float]:
+             stats: list[khf.CacheStats] | None = None, planned: bool = False) -> dict[str, float]:
     """Greedy generation of the pass key after its question, `trials` documents per (length,
     depth) in one batch (prompts of one length: no padding); accuracy per cell. `prefill`: SALE's
     thresholds for the prompt (KvSparseCache's prefill); each cache's statistics are appended to
-    `stats` when given."""
+    `stats` when given. planned: the decode steps through a plan (max_tokens), as teacher_forced."""
     model = subject.model
     out: dict[str, float] = {}
     for n in lengths:
@@ -308,11 +348,18 @@ def passkeys(subject: subjects.Subject, lengths: list[int], depths: list[float],
             width = max(w for _, _, w in docs)
             prompts = torch.tensor([t for t, _, _ in docs], device=device)
             kwargs: dict[str, Any] = dict(max_new_tokens=width, do_sample=False, pad_token_id=subject.pad_id)
+            if planned:
+                # transformers compiles generate's steps for a compileable cache on CUDA: every
+                # planned cache is a new plan and a recompile, and past torch._dynamo's recompile
+                # limit the tokens came out wrong (H200, 2026-11-30: docs/ACCURACY.md). The
+                # planned op's kernels run eagerly here.
+                kwargs["disable_compile"] = True
             if method is None:
                 gen = model.generate(prompts, **kwargs)
             else:
-                with khf.KvSparseCache(model.config, engine, method=method, placement=placement,
-                                       seed=seed, prefill=prefill) as cache:
+                with khf.KvSparseCache(model.config, engine, method=method, placement=placement, seed=seed,
+                                       prefill=prefill, max_tokens=prompts.shape[1] + width if planned else None
+                                       ) as cache:
                     gen = model.generate(prompts, past_key_values=cache, **kwargs)
                 if stats is not None:
                     stats.append(cache.stats)
@@ -416,6 +463,11 @@ def parse_args() -> argparse.Namespace:
                    help="what each method is compared with: dense attention through kvsparse (every "
                         "row from the store), or the model's own SDPA, which it equals (dense then runs "
                         "only if --only names it; SDPA's pass keys are measured)")
+    p.add_argument("--steps", choices=("auto", "planned", "eager"), default="auto",
+                   help="how decode steps reach kvsparse: planned (KvSparseCache(max_tokens=...), the "
+                        "captured kernels a GPU deployment runs; refused for a method the engine does not "
+                        "capture), eager (one call per layer and step through the host), auto (planned "
+                        "where the engine captures the method, else eager)")
     p.add_argument("--dump_layers", type=int, nargs="*", default=[],
                    help="write real q/K/V of these layers (kv head 0, one held-out window) for the CPU tests")
     p.add_argument("--dump_context", type=int, default=8192)
@@ -508,14 +560,15 @@ def sdpa_reference(subject: subjects.Subject, args: argparse.Namespace, device: 
 
 
 def measure_context(subject: subjects.Subject, args: argparse.Namespace, ctx: int, name: str, m: Any, eng: Any,
-                    device: str, ref: Reference, log: Any) -> dict[str, Any]:
+                    device: str, ref: Reference, log: Any, planned: bool = False) -> dict[str, Any]:
     """One method at one context: perplexity against the reference with its interval, top-1
-    agreement, every layer's error, rows and bytes, the worker's state."""
+    agreement, every layer's error, rows and bytes (not measured for planned steps: None), the
+    worker's state."""
     t0 = time.time()
     REC.reset()
     REC.active = True
     nll, top1, stats, frac = teacher_forced(subject.model, torch.stack(windows_of(subject.held, ctx, args.windows, 303 + ctx)),
-                                            args.decode_tokens, eng, m, 7, device, PLACEMENTS.get(name))
+                                            args.decode_tokens, eng, m, 7, device, PLACEMENTS.get(name), planned)
     REC.active = False
     mean_nll = float(np.mean(nll))
     if name == "dense":
@@ -525,14 +578,31 @@ def measure_context(subject: subjects.Subject, args: argparse.Namespace, ctx: in
     change, lo, hi = ppl_change_interval(nll, ref.nlls[ctx])
     c.update(ppl=math.exp(mean_nll), ppl_change=change, ppl_change_ci95=[lo, hi],
              top1_agreement=float(np.mean([a == b for a, b in zip(top1, ref.top1[ctx])])),
-             bytes_fraction=stats.bytes_fetched / stats.dense_equivalent_bytes if stats.dense_equivalent_bytes else 0.0,
+             bytes_fraction=(None if planned else
+                             stats.bytes_fetched / stats.dense_equivalent_bytes if stats.dense_equivalent_bytes else 0.0),
              gpu_kv_fraction=frac, seconds=time.time() - t0)
     extra = f", violations {c['violation_rate']:.3f} (worst head {c['worst_head_violation_rate']:.3f})" if eps else ""
     log(f"{name} ctx {ctx}: ppl {c['ppl']:.4f} ({100 * c['ppl_change']:+.2f}%, 95% CI "
         f"{100 * lo:+.2f}..{100 * hi:+.2f}%), gpu/kv {c['gpu_kv_fraction']:.4f}, top-1 {c['top1_agreement']:.3f}, "
         f"rel L2 {c['rel_l2_mean']:.4f} (final layer {c['final_layer_rel_l2']:.4f}), rows {c['rows_fraction']:.4f}, "
-        f"bytes {c['bytes_fraction']:.4f}{extra} ({c['seconds']:.1f} s)")
+        f"bytes {fmt(c['bytes_fraction'])}{extra} ({c['seconds']:.1f} s)")
     return c
+
+
+def steps_planned(subject: subjects.Subject, args: argparse.Namespace, eng: Any, m: Any,
+                  placement: Placement | None, device: str, name: str, log: Any) -> bool:
+    """Whether `m`'s decode steps go through a plan (--steps; auto: where the engine captures it)."""
+    if args.steps == "eager":
+        return False
+    mode = capture_mode(subject.model, eng, m, placement, device)
+    log(f"{name}: planned steps {mode}")
+    if args.steps == "planned" and mode != "captured":
+        raise SystemExit(f"--steps planned: the engine does not capture {name} ({mode})")
+    return mode == "captured"
+
+
+def fmt(x: float | None, digits: int = 4) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
 
 
 def main() -> int:
@@ -575,13 +645,16 @@ def main() -> int:
         m = table[name]
         eng = saap_engine if isinstance(m, Saap) else learned_engine if getattr(m, "learned", False) else engine
         placement = PLACEMENTS.get(name)
+        planned = steps_planned(subject, args, eng, m, placement, device, name, log)
         row: dict[str, Any] = {"method": repr(m), "placement": repr(placement or kvsparse.placement_for(m)),
-                               "contexts": {str(ctx): measure_context(subject, args, ctx, name, m, eng, device, ref, log)
+                               "steps": "planned" if planned else "eager",
+                               "contexts": {str(ctx): measure_context(subject, args, ctx, name, m, eng, device, ref, log,
+                                                                      planned)
                                             for ctx in args.contexts}}
         if args.want_passkeys:
             t0 = time.time()
             row["passkey"] = passkeys(subject, args.passkey_lengths, args.passkey_depths, args.passkey_trials,
-                                      eng, m, device, seed=5, placement=placement)
+                                      eng, m, device, seed=5, placement=placement, planned=planned)
             row["passkey_correct"] = round(sum(row["passkey"].values()) * args.passkey_trials)
             row["passkey_documents"] = len(row["passkey"]) * args.passkey_trials
             log(f"{name} pass keys: {row['passkey']} ({time.time() - t0:.1f} s)")
@@ -611,7 +684,7 @@ def markdown(results: dict[str, Any], args: argparse.Namespace) -> str:
             lo, hi = r.get("ppl_change_ci95", [r["ppl_change"], r["ppl_change"]])
             cells.append(f"{r['ppl']:.4f} ({100 * r['ppl_change']:+.2f}%, {100 * lo:+.2f}..{100 * hi:+.2f}) | "
                          f"{r['top1_agreement']:.3f} | "
-                         f"{r['rel_l2_mean']:.3f} / {r['final_layer_rel_l2']:.3f} | {r['rows_fraction']:.3f} | {r['bytes_fraction']:.3f}")
+                         f"{r['rel_l2_mean']:.3f} / {r['final_layer_rel_l2']:.3f} | {r['rows_fraction']:.3f} | {fmt(r['bytes_fraction'], 3)}")
         gpu = max(r.get("gpu_kv_fraction", 0.0) for r in row["contexts"].values())
         lines.append(f"| {name} | {gpu:.3f} | " + " | ".join(cells)
                      + f" | {row.get('passkey_correct', '?')}/{row.get('passkey_documents', '?')} |")

@@ -39,6 +39,13 @@ captured plan (``cache.steps.captured``; otherwise ``cache.steps.mode`` says why
 are eager calls: compile without ``mode="reduce-overhead"``). One such cache decodes at a time
 in a process, and it must be closed; its rows become the store's at ``commit()`` (also done by
 ``layer_lengths`` and ``close``).
+
+Known defect (open, measured on an H200 on 2026-11-30, docs/ACCURACY.md): on CUDA,
+``model.generate`` compiles the model by itself for a compileable cache, as a planned cache is.
+Every planned cache is a new plan and so a recompile, and once torch._dynamo's recompile limit
+(8) was reached the generated tokens of S2ANTA over compressed keys came out wrong. Until it is
+fixed, generate through planned caches with ``disable_compile=True`` (the planned op's kernels
+then launch eagerly) or keep to fewer planned caches than the limit in one process.
 """
 
 from __future__ import annotations
