@@ -11,8 +11,12 @@
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "engine/decode_engine.h"
 #include "engine/embedded.h"
 #include "kvstore/store.h"
@@ -39,6 +43,18 @@ class OpEngine {
   virtual absl::Status Append(const kvstore::AppendRequest& r) = 0;
   // The store's bytes used and capacity.
   virtual absl::StatusOr<std::pair<uint64_t, uint64_t>> StoreBytes() = 0;
+
+  // Whether this engine has not yet said that its GPU backend refused a call for `why` (the
+  // op then warns once per engine and reason: the call runs on the CPU engine, q and the output
+  // through host memory).
+  bool FirstRefusal(absl::string_view why) ABSL_LOCKS_EXCLUDED(warned_mu_) {
+    absl::MutexLock lock(&warned_mu_);
+    return warned_.emplace(why).second;
+  }
+
+ private:
+  absl::Mutex warned_mu_;
+  absl::flat_hash_set<std::string> warned_ ABSL_GUARDED_BY(warned_mu_);
 };
 
 // The engine's method from the op's method string: a serialized kvsparse.v1.Method, base64 (the

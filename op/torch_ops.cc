@@ -29,6 +29,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/strings/strip.h"
 #include "engine/embedded.h"
 #include "engine/gpu_mode.h"
 #include "engine/signatures.h"
@@ -351,10 +353,18 @@ std::tuple<at::Tensor, at::Tensor> DecodeWith(OpEngine* e, en::DecodeCall call,
     call.stream = at::cuda::getCurrentCUDAStream(q.get_device()).stream();
     absl::StatusOr<en::DecodeResult> r = e->engine().Decode(call);
     if (r.ok()) return {out, StatsTensor(*r)};
-    // Refused before anything was appended: the method runs on the CPU engine (below).
+    // Refused before anything was appended: the method runs on the CPU engine (below), said
+    // once per engine and reason (a model whose GQA group the kernels do not take, a placement
+    // the backend does not read) so that a slow step is not a mystery.
     if (!absl::IsFailedPrecondition(r.status()) ||
         !absl::StartsWith(r.status().message(), en::kNotOnBackend)) {
       Raise(r.status());
+    }
+    if (const absl::string_view why =
+            absl::StripSuffix(r.status().message(), "; pass q in host memory");
+        e->FirstRefusal(why)) {
+      TORCH_WARN("kvsparse: decode calls run on the CPU engine, q and the output through host ",
+                 "memory: ", std::string(why));
     }
     call.q_device = nullptr;
     call.out_device = nullptr;

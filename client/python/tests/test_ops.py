@@ -4,6 +4,7 @@ CUDA device the GPU backend with q and the output on the device, tests marked gp
 from __future__ import annotations
 
 import base64
+import warnings
 
 import pytest
 
@@ -221,9 +222,14 @@ def test_cuda_q_and_output_stay_on_the_device() -> None:
         side.synchronize()
         assert out.device == q.device
         assert (out.double().cpu() - reference(q.cpu(), k, v)).abs().max() < 1e-2
-        # A method the GPU backend does not run (exact predictor) falls back to the CPU engine.
-        out2, _ = e.decode(1, ids, q, kvsparse.VAttention(predictor="exact"))
+        # A method the GPU backend does not run (exact predictor) falls back to the CPU engine,
+        # said once per engine and reason.
+        with pytest.warns(UserWarning, match="run on the CPU engine"):
+            out2, _ = e.decode(1, ids, q, kvsparse.VAttention(predictor="exact"))
         assert out2.device == q.device
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            e.decode(1, ids, q, kvsparse.VAttention(predictor="exact"))
 
 
 def test_remote_store_takes_a_long_prefill_and_decodes(server: kvsparse.LocalServer) -> None:
