@@ -66,6 +66,32 @@ def test_harness_without_pass_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     assert "| dense | 0.050 | 2.0000 (+1.00%, +0.00..+2.00)" in table and "@" not in table
 
 
+def test_planned_steps_refused_where_the_engine_does_not_capture() -> None:
+    """--steps planned asks for the captured kernels: on the CPU engine capture_mode says why
+    not, auto keeps the eager calls, and planned refuses the method, naming it."""
+    import argparse
+
+    import harness  # noqa: E402
+
+    if not ops.available():
+        pytest.skip("the in-process op (libkvsparse_torch.so) is not built")
+    harness.register()
+    model = tiny_llama()
+    model.set_attn_implementation(harness.MEASURED)
+    engine = ops.InProcessEngine(gpu="off", store_capacity="64M")
+    subject = type("S", (), {"model": model})()
+    method = harness.Santa(samples=8, scores="compressed")
+    try:
+        assert harness.capture_mode(model, engine, method, None, "cpu").startswith("eager")
+        auto = argparse.Namespace(steps="auto")
+        assert not harness.steps_planned(subject, auto, engine, method, None, "cpu", "m", lambda s: None)
+        with pytest.raises(SystemExit, match="does not capture m"):
+            harness.steps_planned(subject, argparse.Namespace(steps="planned"), engine, method, None, "cpu", "m",
+                                  lambda s: None)
+    finally:
+        engine.close()
+
+
 @pytest.mark.gpu
 def test_planned_steps_give_the_eager_steps_figures() -> None:
     """On a GPU the harness decodes through planned steps (the kernels a deployment captures).
