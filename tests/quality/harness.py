@@ -348,12 +348,6 @@ def passkeys(subject: subjects.Subject, lengths: list[int], depths: list[float],
             width = max(w for _, _, w in docs)
             prompts = torch.tensor([t for t, _, _ in docs], device=device)
             kwargs: dict[str, Any] = dict(max_new_tokens=width, do_sample=False, pad_token_id=subject.pad_id)
-            if planned:
-                # transformers compiles generate's steps for a compileable cache on CUDA: every
-                # planned cache is a new plan and a recompile, and past torch._dynamo's recompile
-                # limit the tokens came out wrong (H200, 2026-11-30: docs/ACCURACY.md). The
-                # planned op's kernels run eagerly here.
-                kwargs["disable_compile"] = True
             if method is None:
                 gen = model.generate(prompts, **kwargs)
             else:

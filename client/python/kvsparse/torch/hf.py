@@ -40,12 +40,12 @@ are eager calls: compile without ``mode="reduce-overhead"``). One such cache dec
 in a process, and it must be closed; its rows become the store's at ``commit()`` (also done by
 ``layer_lengths`` and ``close``).
 
-Known defect (open, measured on an H200 on 2026-11-30, docs/ACCURACY.md): on CUDA,
-``model.generate`` compiles the model by itself for a compileable cache, as a planned cache is.
-Every planned cache is a new plan and so a recompile, and once torch._dynamo's recompile limit
-(8) was reached the generated tokens of S2ANTA over compressed keys came out wrong. Until it is
-fixed, generate through planned caches with ``disable_compile=True`` (the planned op's kernels
-then launch eagerly) or keep to fewer planned caches than the limit in one process.
+A planned cache tells transformers it is not compileable, so ``model.generate`` does not
+compile its steps by itself (the planned op's kernels then launch eagerly, step by step): it did,
+one recompile per cache (every cache is a new plan), and once torch._dynamo's recompile limit (8)
+was reached the generated tokens of S2ANTA over compressed keys came out wrong (an H200,
+2026-11-30, docs/ACCURACY.md). Compiling the model yourself over more planned caches than that
+limit in one process may meet the same defect (open).
 """
 
 from __future__ import annotations
@@ -117,17 +117,18 @@ class CacheStats:
 class KvSparseLayer(CacheLayerMixin):
     """One layer of a KvSparseCache: tracks its length; the rows live in kvsparse."""
 
+    # False even for a planned cache: transformers' generate compiles by itself for a compileable
+    # cache, which gave wrong tokens past dynamo's recompile limit (the module's text).
     is_compileable = False
     is_sliding = False
     is_croppable = False
     supports_early_init = False
 
-    def __init__(self, cache: "KvSparseCache", layer_idx: int, compileable: bool = False) -> None:
+    def __init__(self, cache: "KvSparseCache", layer_idx: int) -> None:
         super().__init__()
         self._cache = weakref.proxy(cache)
         self.layer_idx = layer_idx
         self.length = 0  # tokens per row as the model counts them (left padding included)
-        self.is_compileable = compileable
         self.planned = False  # decode steps through the cache's plan (traceable)
         self.steps_done: torch.Tensor | None = None  # planned steps since the plan, on the device
 
@@ -245,7 +246,7 @@ class KvSparseCache(Cache):
         self._engine = target if max_tokens is not None else None
         self.steps: DecodeSteps | None = None
         super().__init__(
-            layers=[KvSparseLayer(self, i, compileable=max_tokens is not None) for i in range(self.num_layers)]
+            layers=[KvSparseLayer(self, i) for i in range(self.num_layers)]
         )
         self.transport = make_transport(target, timeout, stream)
         self.method = method
