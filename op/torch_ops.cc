@@ -29,8 +29,6 @@
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/string_view.h"
-#include "absl/strings/strip.h"
 #include "engine/embedded.h"
 #include "engine/gpu_mode.h"
 #include "engine/signatures.h"
@@ -360,11 +358,9 @@ std::tuple<at::Tensor, at::Tensor> DecodeWith(OpEngine* e, en::DecodeCall call,
         !absl::StartsWith(r.status().message(), en::kNotOnBackend)) {
       Raise(r.status());
     }
-    if (const absl::string_view why =
-            absl::StripSuffix(r.status().message(), "; pass q in host memory");
-        e->FirstRefusal(why)) {
+    if (e->FirstRefusal(r.status().message())) {
       TORCH_WARN("kvsparse: decode calls run on the CPU engine, q and the output through host ",
-                 "memory: ", std::string(why));
+                 "memory: ", std::string(r.status().message()));
     }
     call.q_device = nullptr;
     call.out_device = nullptr;
