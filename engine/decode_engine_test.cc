@@ -12,6 +12,7 @@
 
 #include "absl/strings/match.h"
 #include "engine/gpu_mode.h"
+#include "engine/gpu_shape.h"
 #include "engine/signatures.h"
 #include "gtest/gtest.h"
 #include "kernels/dense.h"
@@ -1186,6 +1187,26 @@ TEST(GpuOptionsTest, CheckNamesTheSettingOutsideItsRange) {
   EXPECT_TRUE(absl::StartsWith(s.message(), "gpu_fetch_parallelism must be in [1, 64]")) << s;
   g.fetch_parallelism = 0;
   EXPECT_EQ(CheckGpuOptions(g, "gpu_").code(), absl::StatusCode::kInvalidArgument);
+}
+
+// The shapes the GPU kernels take, one rule for the backend and for callers choosing before they
+// decode: every reason at once, so a model with two misfits hears of both.
+TEST(GpuShapeTest, NamesEveryReasonTheKernelsRefuseAShape) {
+  kvstore::ModelShape s{32, 32, 8, 128, kernels::DType::kBf16};  // Llama-3.1-8B: group 4
+  EXPECT_TRUE(GpuTakesShape(s).ok());
+  s.dtype = kernels::DType::kFp16;
+  EXPECT_TRUE(GpuTakesShape(s).ok());
+  const kvstore::ModelShape smollm2{30, 9, 3, 64, kernels::DType::kBf16};  // group 3
+  absl::Status why = GpuTakesShape(smollm2);
+  EXPECT_EQ(why.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(why.message(), "GQA group of 3 (the GPU's: 1, 2, 4, 8)");
+  const kvstore::ModelShape odd{2, 12, 2, 96, kernels::DType::kFp32};  // fp32, d 96, group 6
+  why = GpuTakesShape(odd);
+  EXPECT_EQ(why.message(),
+            "the GPU kernels take bf16 or fp16 rows; head dim 96 (the GPU's: 64, 128, 256); "
+            "GQA group of 6 (the GPU's: 1, 2, 4, 8)");
+  EXPECT_TRUE(absl::StrContains(GpuTakesShape({2, 8, 3, 64, kernels::DType::kBf16}).message(),
+                                "8 query heads over 3 kv heads"));
 }
 
 }  // namespace

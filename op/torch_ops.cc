@@ -31,6 +31,7 @@
 #include "absl/strings/str_cat.h"
 #include "engine/embedded.h"
 #include "engine/gpu_mode.h"
+#include "engine/gpu_shape.h"
 #include "engine/signatures.h"
 #include "kernels/dtype.h"
 #include "kernels/hash_signatures.h"
@@ -171,6 +172,24 @@ void EngineDestroy(int64_t handle) {
 std::string EngineBackend(int64_t handle) {
   std::shared_ptr<OpEngine> e = Find(handle);
   return e->device() >= 0 ? absl::StrCat("cuda:", e->device()) : std::string("cpu");
+}
+
+// Why the GPU kernels do not take sequences of this shape (engine::GpuTakesShape: every reason,
+// "; " between them), or "" where they do; no engine needed.
+std::string GpuShapeRefusal(int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                            const std::string& dtype) {
+  if (num_q_heads <= 0 || num_kv_heads <= 0 || head_dim <= 0 || num_q_heads > (1 << 20) ||
+      num_kv_heads > (1 << 20) || head_dim > (1 << 20)) {
+    Invalid("heads and head dim must be in [1, 2^20]");
+  }
+  kv::ModelShape shape;
+  shape.num_layers = 1;
+  shape.num_q_heads = static_cast<uint32_t>(num_q_heads);
+  shape.num_kv_heads = static_cast<uint32_t>(num_kv_heads);
+  shape.head_dim = static_cast<uint32_t>(head_dim);
+  shape.dtype = DTypeNamed(dtype);
+  const absl::Status taken = en::GpuTakesShape(shape);
+  return taken.ok() ? std::string() : std::string(taken.message());
 }
 
 // [GPU memory the GPU backend holds for sequences, its capacity, store bytes used, store
@@ -849,6 +868,8 @@ TORCH_LIBRARY(kvsparse, m) {
   m.def("engine_destroy(int engine) -> ()", &EngineDestroy);
   m.def("engine_backend(int engine) -> str", &EngineBackend);
   m.def("engine_memory(int engine) -> int[]", &EngineMemory);
+  m.def("gpu_shape_refusal(int num_q_heads, int num_kv_heads, int head_dim, str dtype) -> str",
+        &GpuShapeRefusal);
   m.def(
       "create_sequence(int engine, str sequence_id, int num_layers, int num_q_heads, "
       "int num_kv_heads, int head_dim, str dtype, str k_tier, str v_tier, "

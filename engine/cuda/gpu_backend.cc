@@ -13,6 +13,7 @@
 #include "engine/cuda/gpu_runner.h"
 #include "engine/cuda/launch_plan.h"
 #include "engine/cuda/static_step.h"
+#include "engine/gpu_shape.h"
 #include "engine/methods/registry.h"
 
 namespace kvsparse::engine {
@@ -98,16 +99,7 @@ class GpuBackend final : public DecodeBackend {
     if (call.return_indices) {  // the CPU engine lists the rows it read
       return gpu::NotOnGpu("the call asks for the rows read (return_indices)");
     }
-    if (s.dtype != kernels::DType::kBf16 && s.dtype != kernels::DType::kFp16) {
-      return gpu::NotOnGpu("the GPU kernels take bf16 or fp16 rows");
-    }
-    if (s.head_dim != 64 && s.head_dim != 128 && s.head_dim != 256) {
-      return gpu::NotOnGpu(absl::StrCat("head dim ", s.head_dim, " (the GPU's: 64, 128, 256)"));
-    }
-    const uint32_t g = s.num_q_heads / s.num_kv_heads;
-    if (g != 1 && g != 2 && g != 4 && g != 8) {
-      return gpu::NotOnGpu(absl::StrCat("GQA group of ", g, " (the GPU's: 1, 2, 4, 8)"));
-    }
+    if (absl::Status taken = GpuTakesShape(s); !taken.ok()) return taken;
     const kvstore::Placement& pl = desc.placement;
     const bool host_half =
         pl.k_tier != kvstore::Tier::kDevice || pl.v_tier != kvstore::Tier::kDevice;

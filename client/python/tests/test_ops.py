@@ -390,3 +390,16 @@ def test_captured_steps_replay_in_a_cuda_graph(method, placement, warm_pages) ->
 def test_sizes_take_kubernetes_spelling() -> None:
     assert ops._bytes("8Gi") == ops._bytes("8G") == ops._bytes("8GiB") == 8 << 30
     assert ops._bytes("256Mi") == 256 << 20 and ops._bytes(4096) == ops._bytes("4096") == 4096
+
+
+def test_gpu_shape_refusal_names_why_the_kernels_do_not_take_a_shape() -> None:
+    """The engine's rule for the shapes its GPU kernels take, asked before decoding (vLLM's CUDA
+    backend refuses a model by it): None where they do, every reason where they do not."""
+    if not ops.available():
+        pytest.skip("libkvsparse_torch.so not built")
+    assert ops.gpu_shape_refusal(kvsparse.ModelShape(32, 32, 8, 128, "bf16")) is None
+    assert ops.gpu_shape_refusal(kvsparse.ModelShape(30, 9, 3, 64, "bf16")) == "GQA group of 3 (the GPU's: 1, 2, 4, 8)"
+    why = ops.gpu_shape_refusal(kvsparse.ModelShape(2, 28, 4, 96, "fp32"))
+    assert why is not None and "bf16 or fp16" in why and "head dim 96" in why and "GQA group of 7" in why
+    with pytest.raises(ValueError, match="dtype"):
+        ops.gpu_shape_refusal(kvsparse.ModelShape(2, 8, 2, 64, "int8"))

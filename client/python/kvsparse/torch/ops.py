@@ -141,6 +141,16 @@ def method_wire(method: Method) -> str:
     return base64.b64encode(m.SerializeToString()).decode("ascii")
 
 
+def gpu_shape_refusal(shape: ModelShape) -> str | None:
+    """Why the GPU backend's kernels do not take sequences of this shape (every reason, e.g.
+    ``"GQA group of 3 (the GPU's: 1, 2, 4, 8)"``), or None where they do: the engine's own rule
+    (engine/gpu_shape.h), asked before decoding. Calls on such sequences run on the CPU engine."""
+    load_library()
+    why = _call(torch.ops.kvsparse.gpu_shape_refusal, shape.num_q_heads, shape.num_kv_heads, shape.head_dim,
+                shape.dtype)
+    return why or None
+
+
 def _bytes(x: int | str) -> int:
     if isinstance(x, int):
         return x

@@ -211,6 +211,12 @@ class KvSparseCudaImpl(FlashAttentionImpl):
             )
         plugin.refuse_prefix_caching(config)
         self.num_layers = config.model_config.get_num_layers(config.parallel_config)
+        from kvsparse.torch.ops import gpu_shape_refusal
+
+        why = gpu_shape_refusal(ModelShape(self.num_layers, num_heads, num_kv_heads, head_size,
+                                           dtype_name(config.model_config.dtype)))
+        if why is not None:  # its steps would not be captured inside vLLM's CUDA graphs
+            raise ValueError(f"kvsparse's CUDA backend cannot serve this model's attention: {why}")
         self.max_tokens = config.model_config.max_model_len
         self.seed = int(os.environ.get(plugin.ENV_SEED, "0"))
         self.shape: ModelShape | None = None  # the sequences' shape, once the K/V dtype is seen
