@@ -174,21 +174,26 @@ std::string EngineBackend(int64_t handle) {
   return e->device() >= 0 ? absl::StrCat("cuda:", e->device()) : std::string("cpu");
 }
 
+// A model shape from the op's arguments, each in [0, 2^20] (the engine checks the rest).
+kv::ModelShape ShapeOf(int64_t layers, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                       const std::string& dtype) {
+  for (int64_t x : {layers, q_heads, kv_heads, head_dim}) {
+    if (x < 0 || x > (1 << 20)) Invalid("model shape out of range");
+  }
+  return kv::ModelShape{static_cast<uint32_t>(layers), static_cast<uint32_t>(q_heads),
+                        static_cast<uint32_t>(kv_heads), static_cast<uint32_t>(head_dim),
+                        DTypeNamed(dtype)};
+}
+
 // Why the GPU kernels do not take sequences of this shape (engine::GpuTakesShape: every reason,
 // "; " between them), or "" where they do; no engine needed.
 std::string GpuShapeRefusal(int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                             const std::string& dtype) {
-  if (num_q_heads <= 0 || num_kv_heads <= 0 || head_dim <= 0 || num_q_heads > (1 << 20) ||
-      num_kv_heads > (1 << 20) || head_dim > (1 << 20)) {
+  if (num_q_heads <= 0 || num_kv_heads <= 0 || head_dim <= 0) {
     Invalid("heads and head dim must be in [1, 2^20]");
   }
-  kv::ModelShape shape;
-  shape.num_layers = 1;
-  shape.num_q_heads = static_cast<uint32_t>(num_q_heads);
-  shape.num_kv_heads = static_cast<uint32_t>(num_kv_heads);
-  shape.head_dim = static_cast<uint32_t>(head_dim);
-  shape.dtype = DTypeNamed(dtype);
-  const absl::Status taken = en::GpuTakesShape(shape);
+  const absl::Status taken =
+      en::GpuTakesShape(ShapeOf(1, num_q_heads, num_kv_heads, head_dim, dtype));
   return taken.ok() ? std::string() : std::string(taken.message());
 }
 
@@ -212,12 +217,10 @@ void CreateSequence(int64_t handle, const std::string& id, int64_t layers, int64
                     const std::string& k_tier, const std::string& v_tier, int64_t signature_bits,
                     int64_t compressed_key_bits) {
   std::shared_ptr<OpEngine> e = Find(handle);
-  for (int64_t x : {layers, q_heads, kv_heads, head_dim, signature_bits, compressed_key_bits}) {
-    if (x < 0 || x > (1 << 20)) Invalid("model shape or signature bits out of range");
+  for (int64_t x : {signature_bits, compressed_key_bits}) {
+    if (x < 0 || x > (1 << 20)) Invalid("signature bits out of range");
   }
-  const kv::ModelShape shape{static_cast<uint32_t>(layers), static_cast<uint32_t>(q_heads),
-                             static_cast<uint32_t>(kv_heads), static_cast<uint32_t>(head_dim),
-                             DTypeNamed(dtype)};
+  const kv::ModelShape shape = ShapeOf(layers, q_heads, kv_heads, head_dim, dtype);
   kv::Placement placement;
   placement.k_tier = TierNamed(k_tier);
   placement.v_tier = TierNamed(v_tier);
