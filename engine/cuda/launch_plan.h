@@ -53,7 +53,8 @@ class LaunchPlan {
   absl::Span<const SequenceDesc> descs() const { return descs_; }
   DeviceState& state() { return *state_; }
   // The stream every copy and kernel of the call goes on: the backend's, or the caller's for a
-  // captured step (engine/cuda/static_step.cc), set before a pass.
+  // captured step (engine/cuda/static_step.cc), set before a pass; null reads as "none set", so
+  // the caller's legacy default stream is set as cudaStreamLegacy.
   cudaStream_t stream() const { return stream_ != nullptr ? stream_ : state_->stream(); }
   void set_stream(cudaStream_t s) { stream_ = s; }
   const int32_t B, H, hkv, G, d;

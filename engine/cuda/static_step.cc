@@ -188,12 +188,17 @@ class GpuStaticStep final : public StaticStep {
     if (cudaGetDevice(&current) != cudaSuccess || current != device_) {
       KVS_CUDA_OK(cudaSetDevice(device_), "cudaSetDevice");
     }
-    cudaStream_t caller = static_cast<cudaStream_t>(stream);
+    // The caller's stream. Null is the legacy default stream (PyTorch's default stream), which
+    // LaunchPlan reads as "none given: the backend's own": passed on as cudaStreamLegacy, or the
+    // step's kernels ran on the backend's non-blocking stream, unordered with the caller's work
+    // before and after them (an H200, 2026-11-30: planned steps on PyTorch's default stream gave
+    // different tokens run to run; test_hf's planned-caches test, docs/data/planned-steps-race-*).
+    cudaStream_t caller = stream != nullptr ? static_cast<cudaStream_t>(stream) : cudaStreamLegacy;
     Layer& ly = *layers_[layer];
     LaunchPlan& lp = *ly.lp;
     ly.call.q_device = q;
     ly.call.out_device = out;
-    lp.set_stream(static_cast<cudaStream_t>(stream));
+    lp.set_stream(caller);
     lp.BeginPass(static_cast<char*>(ly.scratch.ptr), nullptr);
     kc::StepAppendParams p;
     p.zero = lp.stats();  // the statistics, zeroed by the step

@@ -493,9 +493,12 @@ def test_planned_cache_is_not_compiled_by_generate() -> None:
 @pytest.mark.gpu
 def test_gpu_generate_over_more_planned_caches_than_the_recompile_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """model.generate over one planned cache after another, more than torch._dynamo's recompile
-    limit: every cache gives the same tokens as the first (on an H200, while generate compiled
-    planned caches by itself, the caches past the limit gave three different wrong sequences;
-    docs/data/hf-generate-recompile-2026-11-30-h200.txt)."""
+    limit, on PyTorch's default stream: every cache gives the same tokens as the first (on an
+    H200, while generate compiled planned caches by itself, the caches past the limit gave three
+    different wrong sequences, docs/data/hf-generate-recompile-2026-11-30-h200.txt; with generate
+    no longer compiling, this test still failed, five caches five sequences: the planned steps'
+    kernels ran on the engine's own stream when called on the default stream,
+    docs/data/planned-steps-race-2026-11-30-h200/)."""
     torch._dynamo.reset()  # the code objects' compiled entries from earlier tests count toward the limit
     monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     model = kvsparse.torch.hf.enable(tiny_llama(torch.bfloat16, head_dim=64, device="cuda"))

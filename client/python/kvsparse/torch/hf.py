@@ -41,11 +41,13 @@ in a process, and it must be closed; its rows become the store's at ``commit()``
 ``layer_lengths`` and ``close``).
 
 A planned cache tells transformers it is not compileable, so ``model.generate`` does not
-compile its steps by itself (the planned op's kernels then launch eagerly, step by step): it did,
-one recompile per cache (every cache is a new plan), and once torch._dynamo's recompile limit (8)
-was reached the generated tokens of S2ANTA over compressed keys came out wrong (an H200,
-2026-11-30, docs/ACCURACY.md). Compiling the model yourself over more planned caches than that
-limit in one process may meet the same defect (open).
+compile its steps by itself (the planned op's kernels then launch eagerly, step by step): it
+did, one recompile per cache (every cache is a new plan). The wrong tokens seen once dynamo's
+recompile limit was reached (an H200, 2026-11-30) were not the compiler's: called on PyTorch's
+default stream (the legacy stream, handle 0) the planned steps' kernels ran on the engine's own
+stream, unordered with the model's kernels before and after them, which showed wherever the steps
+ran eagerly; they now run on the caller's stream, that one included (engine/cuda/static_step.cc;
+docs/ACCURACY.md).
 """
 
 from __future__ import annotations
@@ -118,7 +120,7 @@ class KvSparseLayer(CacheLayerMixin):
     """One layer of a KvSparseCache: tracks its length; the rows live in kvsparse."""
 
     # False even for a planned cache: transformers' generate compiles by itself for a compileable
-    # cache, which gave wrong tokens past dynamo's recompile limit (the module's text).
+    # cache, one recompile per planned cache (the module's text).
     is_compileable = False
     is_sliding = False
     is_croppable = False
