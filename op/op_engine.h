@@ -44,17 +44,26 @@ class OpEngine {
   // The store's bytes used and capacity.
   virtual absl::StatusOr<std::pair<uint64_t, uint64_t>> StoreBytes() = 0;
 
-  // Whether this engine has not yet said that its GPU backend refused a call for `why` (the
-  // op then warns once per engine and reason: the call runs on the CPU engine, q and the output
-  // through host memory).
-  bool FirstRefusal(absl::string_view why) ABSL_LOCKS_EXCLUDED(warned_mu_) {
+  // Notes that the GPU backend refused a call for `why` (it runs on the CPU engine, q and the
+  // output through host memory): the first time for each reason, the reason waits in
+  // TakeRefusals, which the Python package turns into one warning per engine and reason (a
+  // TORCH_WARN from an op reaches Python's warnings only as text on stderr).
+  void NoteRefusal(absl::string_view why) ABSL_LOCKS_EXCLUDED(warned_mu_) {
     absl::MutexLock lock(&warned_mu_);
-    return warned_.emplace(why).second;
+    if (warned_.emplace(why).second) pending_.emplace_back(why);
+  }
+  // The reasons noted since the last call, each once.
+  std::vector<std::string> TakeRefusals() ABSL_LOCKS_EXCLUDED(warned_mu_) {
+    absl::MutexLock lock(&warned_mu_);
+    std::vector<std::string> out;
+    out.swap(pending_);
+    return out;
   }
 
  private:
   absl::Mutex warned_mu_;
   absl::flat_hash_set<std::string> warned_ ABSL_GUARDED_BY(warned_mu_);
+  std::vector<std::string> pending_ ABSL_GUARDED_BY(warned_mu_);
 };
 
 // The engine's method from the op's method string: a serialized kvsparse.v1.Method, base64 (the

@@ -210,6 +210,10 @@ std::vector<int64_t> EngineMemory(int64_t handle) {
           static_cast<int64_t>(e->engine().resident().bytes())};
 }
 
+// The reasons the GPU backend refused decode calls since the last call, each once per engine
+// (OpEngine::NoteRefusal): the Python package warns with them.
+std::vector<std::string> EngineRefusals(int64_t handle) { return Find(handle)->TakeRefusals(); }
+
 // ---- Sequences --------------------------------------------------------------------------------
 
 void CreateSequence(int64_t handle, const std::string& id, int64_t layers, int64_t q_heads,
@@ -375,15 +379,12 @@ std::tuple<at::Tensor, at::Tensor> DecodeWith(OpEngine* e, en::DecodeCall call,
     if (r.ok()) return {out, StatsTensor(*r)};
     // Refused before anything was appended: the method runs on the CPU engine (below), said
     // once per engine and reason (a model whose GQA group the kernels do not take, a placement
-    // the backend does not read) so that a slow step is not a mystery.
+    // the backend does not read; engine_refusals) so that a slow step is not a mystery.
     if (!absl::IsFailedPrecondition(r.status()) ||
         !absl::StartsWith(r.status().message(), en::kNotOnBackend)) {
       Raise(r.status());
     }
-    if (e->FirstRefusal(r.status().message())) {
-      TORCH_WARN("kvsparse: decode calls run on the CPU engine, q and the output through host ",
-                 "memory: ", std::string(r.status().message()));
-    }
+    e->NoteRefusal(r.status().message());
     call.q_device = nullptr;
     call.out_device = nullptr;
     call.stream = nullptr;
@@ -871,6 +872,7 @@ TORCH_LIBRARY(kvsparse, m) {
   m.def("engine_destroy(int engine) -> ()", &EngineDestroy);
   m.def("engine_backend(int engine) -> str", &EngineBackend);
   m.def("engine_memory(int engine) -> int[]", &EngineMemory);
+  m.def("engine_refusals(int engine) -> str[]", &EngineRefusals);
   m.def("gpu_shape_refusal(int num_q_heads, int num_kv_heads, int head_dim, str dtype) -> str",
         &GpuShapeRefusal);
   m.def(

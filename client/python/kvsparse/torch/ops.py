@@ -26,6 +26,7 @@ import base64
 import dataclasses
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -346,8 +347,10 @@ class InProcessEngine(_Closing):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer of one decode step: q [B, H, d]; new_k / new_v [B, Hkv, d] appended first.
         Returns the output [B, H, d] (q's dtype and device) and the statistics [B * Hkv, 7]
-        (int64 on the CPU; columns STAT_COLUMNS)."""
-        return _call(
+        (int64 on the CPU; columns STAT_COLUMNS). q on the GPU backend's device stays there; a
+        call the backend does not take (a method or placement it does not run, a model shape its
+        kernels do not take) runs on the CPU engine, said by a warning once per engine and reason."""
+        result = _call(
             torch.ops.kvsparse.decode,
             self.handle,
             layer,
@@ -359,6 +362,11 @@ class InProcessEngine(_Closing):
             seed & (2**63 - 1),
             float(scale),
         )
+        if q.is_cuda:
+            for why in torch.ops.kvsparse.engine_refusals(self.handle):
+                warnings.warn(f"kvsparse: decode calls run on the CPU engine, q and the output through host "
+                              f"memory: {why}", UserWarning, stacklevel=2)
+        return result
 
 
 class DecodeSteps(_Closing):
