@@ -4,13 +4,19 @@ written), one prompt length and batch per row pair, each run in a process of its
 (tests/vllm/cuda_driver.py): greedy decode of --steps tokens after the prompt; tokens/s from vLLM's
 own per-request timestamps (first to last generated token), so the prefill is not in it.
 
-Rows (JSON list, --out): n, batch, backend ("flash_attn" or "kvsparse:<method>"), tokens_per_s,
-ms_per_step, kv_gpu_bytes (vLLM's paged K/V of the batch's tokens, plus kvsparse's GPU state where
-it runs: with vLLM's cache kept, kvsparse adds GPU memory rather than saving it in this version),
+Rows (JSON list, --out): n, batch, backend ("flash_attn", "kvsparse:<method>" with vLLM's paged
+cache kept, or "kvsparse-store:<method>" with the K/V in kvsparse's store only,
+KVSPARSE_VLLM_KV=store), tokens_per_s, ms_per_step, kv_gpu_bytes (the K/V of the batch's tokens
+in vLLM's paged cache as its spec counts them, plus kvsparse's GPU state where it runs: with
+vLLM's cache kept, kvsparse adds GPU memory rather than saving it), decoding_together (the most
+requests vLLM decoded at once: under a KV budget, --kv_cache_memory, what it could hold),
 floor_ms (weights plus the batch's K/V at the GPU's HBM bandwidth, --hbm_gbps), and the
 command. Runs on a GPU host with vLLM's CUDA build (scripts/gpu_vllm_install.sh):
 
     python3 tests/bench/vllm_gpu_bench.py --lens 32768,131072 --batches 1 --out vllm-gpu.json
+    # capacity: vLLM's KV budget for two 64k sequences; how many each backend decodes at once
+    python3 tests/bench/vllm_gpu_bench.py --lens 65536 --batches 8 --kv_cache_seqs 2 \
+        --backends "flash_attn;kvsparse-store:$FLAGSHIP" --store_kv_cache_memory 1G --store_capacity 90G
 """
 
 from __future__ import annotations
@@ -37,6 +43,11 @@ def write_config(path: Path, layers: int) -> None:
                 torch_dtype="bfloat16").save_pretrained(path)
 
 
+def _bytes(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
 def run(spec: dict, timeout: int) -> dict:
     r = subprocess.run([sys.executable, str(DRIVER), json.dumps(spec)], capture_output=True, text=True,
                        timeout=timeout)
@@ -56,6 +67,12 @@ def main() -> None:
     ap.add_argument("--gpu_memory_utilization", type=float, default=0.85)
     ap.add_argument("--store_capacity", default="48G", help="kvsparse's host-memory store")
     ap.add_argument("--row_cache", default="0.005")
+    ap.add_argument("--kv_cache_seqs", type=float, default=0,
+                    help="vLLM's KV budget (kv_cache_memory_bytes) for flash_attn and kvsparse rows: this many "
+                         "sequences of n + steps tokens in FlashAttention's spec (0: --gpu_memory_utilization's share)")
+    ap.add_argument("--store_kv_cache_memory", default="1G",
+                    help="vLLM's KV budget for kvsparse-store rows (its cache keeps 2 elements a token and kv head)")
+    ap.add_argument("--chunk", type=int, default=8192, help="vLLM's max_num_batched_tokens (prompt chunk)")
     ap.add_argument("--hbm_gbps", type=float, default=4800.0, help="H200: 4.8 TB/s")
     ap.add_argument("--timeout", type=int, default=540)
     ap.add_argument("--out", default="vllm-gpu-bench.json")
@@ -65,18 +82,23 @@ def main() -> None:
     write_config(model, args.layers)
     weights = 2 * (128256 * 4096 * 2 + args.layers * (4096 * (4096 + 2 * 1024 + 4096) + 3 * 4096 * 14336))
     kv_token = 2 * args.layers * 8 * 128 * 2  # K and V, bf16, per token
+    store_token = 2 * args.layers * 8 * 1 * 2  # kvsparse.vllm.patches.STORE_SLOT_HEAD_SIZE elements, bf16
     rows = []
     for n in [int(x) for x in args.lens.split(",")]:
         for b in [int(x) for x in args.batches.split(",")]:
             for backend in args.backends.split(";"):
                 method = backend.split(":", 1)[1] if backend.startswith("kvsparse") else None
+                store = backend.startswith("kvsparse-store:")
+                env = {"KVSPARSE_VLLM_STORE_CAPACITY": args.store_capacity, "KVSPARSE_VLLM_ROW_CACHE": args.row_cache}
+                budget = (_bytes(args.store_kv_cache_memory) if store
+                          else int(args.kv_cache_seqs * (n + args.steps + 16) * kv_token))
+                if store:
+                    env["KVSPARSE_VLLM_KV"] = "store"
                 spec = {
                     "model": str(model), "load_format": "dummy", "prompt_len": n, "batch": b,
                     "max_tokens": args.steps, "max_model_len": n + args.steps + 16, "max_num_seqs": max(b, 1),
-                    "max_num_batched_tokens": 8192, "gpu_memory_utilization": args.gpu_memory_utilization,
-                    "kvsparse": method,
-                    "kvsparse_env": {"KVSPARSE_VLLM_STORE_CAPACITY": args.store_capacity,
-                                     "KVSPARSE_VLLM_ROW_CACHE": args.row_cache},
+                    "max_num_batched_tokens": args.chunk, "gpu_memory_utilization": args.gpu_memory_utilization,
+                    "kv_cache_memory_bytes": budget or None, "kvsparse": method, "kvsparse_env": env,
                 }
                 out = run(spec, args.timeout)
                 row = {"n": n, "batch": b, "backend": backend, "command": command}
@@ -89,7 +111,11 @@ def main() -> None:
                 step = max(per_token) if per_token else float("nan")  # requests decode together
                 gpu_state = out.get("kvsparse", {}).get("engine_memory", {}).get("gpu_bytes", 0)
                 row.update(
-                    tokens_per_s=b / step, ms_per_step=1e3 * step, kv_gpu_bytes=n * b * kv_token + gpu_state,
+                    # requests decode together, as many as vLLM held at once
+                    tokens_per_s=min(b, max(out["decoding_together"], 1)) / step, ms_per_step=1e3 * step,
+                    kv_gpu_bytes=n * b * (store_token if store else kv_token) + gpu_state,
+                    vllm_kv_cache_memory_bytes=budget or None, decoding_together=out["decoding_together"],
+                    seconds=out["seconds"],
                     kvsparse_gpu_state_bytes=gpu_state, vllm_kv_capacity_tokens=out["kv_cache_gpu_tokens"],
                     floor_ms=1e3 * (weights + n * b * kv_token) / (args.hbm_gbps * 1e9),
                     cudagraph_mode=out["cudagraph_mode"], kvsparse=out.get("kvsparse"),

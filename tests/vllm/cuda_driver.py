@@ -10,8 +10,11 @@ vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the worker's sta
 Job fields: model (a directory with config.json; load_format "dummy" gives random weights without
 weight files), prompts (token id lists) or prompt_len + batch (random prompts), max_tokens (a
 list or one number), dtype, max_model_len, gpu_memory_utilization, max_num_seqs,
-max_num_batched_tokens, enforce_eager, methods (per request), kvsparse (method text or absent:
-vLLM's FlashAttention), kvsparse_env (extra KVSPARSE_VLLM_* settings)."""
+max_num_batched_tokens, kv_cache_memory_bytes (vLLM's KV budget instead of a share of the GPU),
+enforce_eager, methods (per request), kvsparse (method text or absent: vLLM's FlashAttention),
+kvsparse_env (extra KVSPARSE_VLLM_* settings). The result's "decoding_together" is the most
+requests whose decode intervals (first to last token, vLLM's timestamps) overlap: how many the
+engine served at once."""
 
 from __future__ import annotations
 
@@ -52,6 +55,8 @@ def main() -> None:
         extra = engine_args(job["kvsparse"])
     else:
         extra = {"attention_backend": job.get("backend", "FLASH_ATTN"), "enable_prefix_caching": False}
+    if job.get("kv_cache_memory_bytes"):
+        extra["kv_cache_memory_bytes"] = job["kv_cache_memory_bytes"]
     llm = LLM(
         model=job["model"],
         load_format=job.get("load_format", "auto"),
@@ -84,11 +89,14 @@ def main() -> None:
         k = len(o.outputs[0].token_ids)
         if m is not None and k > 1 and m.last_token_ts > m.first_token_ts:
             per_token.append((m.last_token_ts - m.first_token_ts) / (k - 1))
+    spans = [(o.metrics.first_token_ts, o.metrics.last_token_ts) for o in outs if o.metrics is not None]
+    together = max((sum(a <= t <= b for a, b in spans) for t, _ in spans), default=0)
     config = llm.llm_engine.vllm_config
     result = {
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "seconds": seconds,
         "decode_seconds_per_token": per_token,
+        "decoding_together": together,
         "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
         "attention_backend": str(config.attention_config.backend),
         "kv_cache_gpu_tokens": int(getattr(config.cache_config, "num_gpu_blocks", 0) or 0)
@@ -106,6 +114,8 @@ def main() -> None:
             "last_finisher": outs[max(range(len(outs)), key=lambda i: counts[i])].request_id,
             "plans_made": w.replans,
             "restarts": w.restarts,
+            "prompt_attentions": w.prompt_attentions,
+            "sale_prefills": w.sale_prefills,
             "engine_memory": w.engine().memory() if w._engine is not None else {},
         }
     print(json.dumps(result))

@@ -6,7 +6,10 @@ enforce_eager):
 - dense through kvsparse gives vLLM's FlashAttention tokens (up to near-ties of the random
   model's logits), and vLLM ran piecewise CUDA graphs;
 - every method generates, each request with its own; finished requests' sequences are dropped
-  (at the next step vLLM runs, when it tells the worker).
+  (at the next step vLLM runs, when it tells the worker);
+- with the K/V in kvsparse's store only (KVSPARSE_VLLM_KV=store), a KV budget in which vLLM's own
+  backend cannot hold one request serves the batch with vLLM's tokens, prompt attention computed
+  by the backend (over the store's rows for later chunks, through SALE's kernels at tau 0).
 Skipped without a GPU or without vLLM's CUDA build (scripts/gpu_vllm_wheels.sh brings it to a GPU
 host without network)."""
 
@@ -38,6 +41,14 @@ DRIVER = Path(__file__).with_name("cuda_driver.py")
 @pytest.fixture(scope="module")
 def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), head_dim=64)
+
+
+@pytest.fixture(scope="module")
+def own(model: str) -> dict:
+    """vLLM's own FlashAttention tokens and top-2 log-probabilities, with an ample KV budget."""
+    out = generate(model, logprobs=2)
+    assert "error" not in out, out["error"]
+    return out
 
 
 def generate(model: str, kvsparse: str | None = None, **job: object) -> dict:
@@ -73,9 +84,7 @@ def live_ids(worker: dict) -> list[str]:
     return [rid.rsplit("-", 1)[0] for rid in worker["live_requests"]]
 
 
-def test_dense_through_kvsparse_gives_vllms_tokens_with_cuda_graphs(model: str) -> None:
-    own = generate(model, logprobs=2)
-    assert "error" not in own, own["error"]
+def test_dense_through_kvsparse_gives_vllms_tokens_with_cuda_graphs(model: str, own: dict) -> None:
     through = generate(model, "dense")
     assert "error" not in through, through["error"]
     assert [len(t) for t in through["tokens"]] == MAX_TOKENS
@@ -99,3 +108,48 @@ def test_every_method_generates_each_request_its_own(model: str) -> None:
     assert [len(t) for t in out["tokens"]] == MAX_TOKENS
     assert live_ids(out["kvsparse"]) == [out["kvsparse"]["last_finisher"]]
 
+
+
+# The tiny model's K/V: 2 layers x 2 kv heads x 64 x (K and V) x 2 bytes = 1 KiB a token. 256 KiB
+# of vLLM's cache holds 256 tokens: less than one request of max_model_len 4,096 with
+# FlashAttention's own spec, 16,384 tokens with the store's 2 elements a token and kv head.
+SMALL_KV_BUDGET = 256 << 10
+STORE = {"KVSPARSE_VLLM_KV": "store"}
+
+
+def test_store_only_serves_a_batch_over_vllms_kv_budget(model: str, own: dict) -> None:
+    own_small = generate(model, kv_cache_memory_bytes=SMALL_KV_BUDGET)
+    assert "error" in own_small  # vLLM's own backend cannot hold one request in this budget
+    through = generate(model, "dense", kv_cache_memory_bytes=SMALL_KV_BUDGET, kvsparse_env=STORE)
+    assert "error" not in through, through["error"]
+    # kvsparse.vllm.patches.shrink_store_only_spec took effect: the budget holds the whole batch.
+    assert through["kv_cache_gpu_tokens"] >= sum(len(p) for p in PROMPTS) + sum(MAX_TOKENS)
+    assert [len(t) for t in through["tokens"]] == MAX_TOKENS
+    assert_same_tokens_up_to_near_ties(own, through)
+    assert sum(a == b for a, b in zip(own["tokens"], through["tokens"])) >= 3
+    w = through["kvsparse"]
+    # Every prompt chunk of both layers had its attention computed by the backend: the 300- and
+    # 700-token prompts in chunks of 256 (their later chunks over the store's rows).
+    assert w["prompt_attentions"] >= 2 * (1 + 1 + 2 + 3)
+    assert w["sale_prefills"] == 0 and w["restarts"] == 0
+    assert "PIECEWISE" in through["cudagraph_mode"]
+    assert through["decoding_together"] >= 2
+
+
+def test_store_only_with_sale_and_sparse_methods(model: str, own: dict, tmp_path: Path) -> None:
+    from kvsparse.torch.sale import SalePrefill
+
+    thresholds = tmp_path / "sale.json"
+    SalePrefill([[0.0] * 8, [0.0] * 8]).save(thresholds)  # tau 0: SALE's kernels, every block computed
+    env = {**STORE, "KVSPARSE_VLLM_SALE": str(thresholds)}
+    through = generate(model, "dense", kv_cache_memory_bytes=SMALL_KV_BUDGET, kvsparse_env=env)
+    assert "error" not in through, through["error"]
+    assert_same_tokens_up_to_near_ties(own, through)
+    # Each request's first chunk (a whole prompt, or the start of one) went through SALE in both
+    # layers; the later chunks attended over the store's rows.
+    assert through["kvsparse"]["sale_prefills"] == 2 * len(PROMPTS)
+    methods = ["santa:samples=64,allocation=prop,scores=compressed", "top_k:top_k_fraction=0.25",
+               "hash_top_k:top_k_fraction=0.25", "santa:samples=64"]
+    out = generate(model, "dense", methods=methods, kv_cache_memory_bytes=SMALL_KV_BUDGET, kvsparse_env=STORE)
+    assert "error" not in out, out["error"]
+    assert [len(t) for t in out["tokens"]] == MAX_TOKENS

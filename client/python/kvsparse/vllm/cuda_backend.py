@@ -11,6 +11,13 @@ default method, the K/V in the engine's host-memory store); decode rows go throu
 one call per layer with no host synchronisation. The request of each row comes from the KV
 connector (kvsparse.vllm.connector).
 
+With KVSPARSE_VLLM_KV=store the K/V live in kvsparse's store only: vLLM's paged cache keeps a few
+bytes a token (kvsparse.vllm.patches.shrink_store_only_spec), so vLLM admits requests by
+kvsparse's capacity, nothing is written there, and the backend computes each prompt chunk's
+causal attention itself: vLLM's FlashAttention over the chunk's K/V and the prompt's earlier rows
+read back from the store, or SALE's kernels for a request's first chunk (its prompt up to there:
+a prompt of its own) when KVSPARSE_VLLM_SALE names thresholds. Steps that mix prompt and decode rows then run no attention twice.
+
 Attention runs outside vLLM's CUDA graphs (``AttentionCGSupport.NEVER``: vLLM captures the rest
 of each step piecewise); the plan's kernels are capturable, and taking them into vLLM's full
 decode graphs is the next step (a plan over batch slots, not over fixed sequences).
@@ -26,6 +33,7 @@ import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
 from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend,
     FlashAttentionImpl,
@@ -69,6 +77,11 @@ class CudaWorker:
     step: _Step | None = None
     restarts: int = 0
     replans: int = 0
+    # Store only: (prompt chunk, layer) pairs whose attention the backend computed, and those of
+    # them SALE prefilled with their shares of causal blocks skipped, summed (on the device).
+    prompt_attentions: int = 0
+    sale_prefills: int = 0
+    sale_skipped: Any = 0.0
     _engine: Any = None
 
     def engine(self) -> Any:
@@ -218,6 +231,7 @@ class KvSparseCudaImpl(FlashAttentionImpl):
         if why is not None:  # its steps would not be captured inside vLLM's CUDA graphs
             raise ValueError(f"kvsparse's CUDA backend cannot serve this model's attention: {why}")
         self.max_tokens = config.model_config.max_model_len
+        self.store_only = plugin.store_only()
         self.seed = int(os.environ.get(plugin.ENV_SEED, "0"))
         self.shape: ModelShape | None = None  # the sequences' shape, once the K/V dtype is seen
 
@@ -226,6 +240,8 @@ class KvSparseCudaImpl(FlashAttentionImpl):
                 output_block_scale: Any = None) -> torch.Tensor:
         w = CUDA_WORKER
         if attn_metadata is None or w.rows is None:  # profiling, warm-up and graph-capture runs
+            if self.store_only:  # vLLM's cache holds no K/V to attend over; these outputs are not used
+                return output
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         li = extract_layer_index(layer.layer_name)
@@ -238,8 +254,11 @@ class KvSparseCudaImpl(FlashAttentionImpl):
             a = step.token_starts[row]
             seq = w.sequences[rid]
             w.engine().append(seq.sequence_id, li, key[a:a + count], value[a:a + count], start)
+            if self.store_only:
+                self._prompt_attention(w, seq.sequence_id, li, start, query[a:a + count], key[a:a + count],
+                                       value[a:a + count], output[a:a + count])
             seq.lengths[li] = start + count
-        if step.prefill or not step.groups:
+        if not self.store_only and (step.prefill or not step.groups):
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                             output_block_scale)
         n = attn_metadata.num_actual_tokens
@@ -254,6 +273,40 @@ class KvSparseCudaImpl(FlashAttentionImpl):
             for rid in g.rids:
                 w.sequences[rid].lengths[li] += 1
         return output
+
+    def _prompt_attention(self, w: CudaWorker, sequence_id: str, layer: int, start: int, q: torch.Tensor,
+                          k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
+        """Store only: causal attention of a prompt chunk's queries (positions start ..) over the
+        prompt's tokens before the chunk (read back from the store) and the chunk's own, by vLLM's
+        FlashAttention over contiguous K/V; a first chunk (start 0) through SALE's kernels when
+        KVSPARSE_VLLM_SALE names thresholds."""
+        n, h, hkv, d = q.shape[0], self.num_heads, self.num_kv_heads, self.head_size
+        q, k, v, o = q.view(n, h, d), k.view(n, hkv, d), v.view(n, hkv, d), out.view(n, h, d)
+        w.prompt_attentions += 1
+        sale = plugin.sale_thresholds(self.num_layers) if start == 0 else None
+        if sale is not None:
+            from kvsparse.torch import ops
+
+            res, skipped = ops.sale_prefill(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                            sale.layer(layer), scale=self.scale, params=sale.params)
+            o.copy_(res.transpose(0, 1))
+            w.sale_prefills += 1
+            w.sale_skipped = w.sale_skipped + skipped.mean()
+            return
+        if start > 0:
+            k0, v0 = w.engine().read_rows(sequence_id, layer, start)  # [Hkv, start, d], host memory
+            k = torch.cat([k0.transpose(0, 1).to(k.device, k.dtype), k])
+            v = torch.cat([v0.transpose(0, 1).to(v.device, v.dtype), v])
+        cu = torch.tensor([0, n, 0, start + n], dtype=torch.int32).to(q.device, non_blocking=True)
+        flash_attn_varlen_func(q=q, k=k, v=v, out=o, cu_seqlens_q=cu[:2], max_seqlen_q=n, cu_seqlens_k=cu[2:],
+                               max_seqlen_k=start + n, softmax_scale=self.scale, causal=True,
+                               fa_version=self.vllm_flash_attn_version)
+
+    def do_kv_cache_update(self, layer: Any, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor) -> None:
+        if self.store_only:  # vLLM's cache holds no K/V: the store has them
+            return
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
 
 class KvSparseCudaMetadataBuilder(FlashAttentionMetadataBuilder):

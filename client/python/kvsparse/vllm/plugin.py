@@ -43,8 +43,10 @@ attention sinks, quantized KV caches.
 
 On vLLM's CUDA build (vLLM 0.24.0) the backend is kvsparse.vllm.cuda_backend, in vLLM's custom
 backend slot, and the requests of a batch come from kvsparse's KV connector
-(kvsparse.vllm.connector); ``engine_args()`` gives the engine arguments that select both. The K/V
-stay in vLLM's paged cache too there (KVSPARSE_VLLM_KV=store and SALE are the CPU build's).
+(kvsparse.vllm.connector); ``engine_args()`` gives the engine arguments that select both. There
+too KVSPARSE_VLLM_KV=store keeps the K/V in kvsparse's store only (vLLM's cache a few bytes a
+token, kvsparse.vllm.patches says how on 0.24.0) and computes prompt attention in the backend,
+through SALE's CUDA kernels for whole prompts when KVSPARSE_VLLM_SALE names thresholds.
 """
 
 from __future__ import annotations
@@ -98,6 +100,26 @@ def sale_path() -> str | None:
     return path
 
 
+_SALE: dict[str, Any] = {}  # thresholds files loaded, by path
+
+
+def sale_thresholds(num_layers: int) -> Any:
+    """SALE's thresholds (kvsparse.torch.sale.SalePrefill) when KVSPARSE_VLLM_SALE names them,
+    checked against the model's layers (loaded once per process); else None. Both backends."""
+    path = sale_path()
+    if path is None:
+        return None
+    sale = _SALE.get(path)
+    if sale is None:
+        from kvsparse.torch.sale import SalePrefill
+
+        sale = SalePrefill.load(path)
+        if len(sale.thresholds) != num_layers:
+            raise ValueError(f"{path}: thresholds for {len(sale.thresholds)} layers, the model has {num_layers}")
+        _SALE[path] = sale
+    return sale
+
+
 # The SamplingParams.extra_args key of a request's own method.
 EXTRA_ARG = "kvsparse_method"
 BACKEND_NAME = "KVSPARSE"
@@ -133,11 +155,13 @@ def register() -> None:
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    from kvsparse.vllm import patches
+
     if current_platform.is_cuda():
         cuda_settings()  # bad capacities stop vLLM here
-        if store_only() or path is not None:
-            raise ValueError(f"{ENV_KV}=store and {ENV_SALE} run on vLLM's CPU build only in this version")
         register_backend(AttentionBackendEnum.CUSTOM, CUDA_BACKEND_PATH)
+        if store_only():
+            patches.shrink_store_only_spec()
         return
     if not current_platform.is_cpu():
         raise RuntimeError(f"kvsparse's vLLM plugin runs on vLLM's CUDA and CPU builds; unset {ENV_METHOD} here")
@@ -147,7 +171,7 @@ def register() -> None:
         register_backend(BACKEND_NAME, BACKEND_PATH)
     # vLLM's CPU platform always answers its own backend (CPU_ATTN): point that name at ours.
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND_PATH)
-    _record_batches()
+    patches.record_batches()
 
 
 # The method of engine_args() when KVSPARSE_VLLM_METHOD is not set: the flagship
@@ -229,25 +253,6 @@ def refuse_unsupported(alibi_slopes: Any, sliding_window: Any, logits_soft_cap: 
             raise NotImplementedError(f"kvsparse's vLLM plugin does not support {what} in this version")
 
 
-def _record_batches() -> None:
-    """Wraps the V1 model runner's per-step state update: after it, WORKER learns the batch's
-    request ids (the rows of the attention metadata, in order), the requests' methods and the
-    requests that finished."""
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-
-    update = GPUModelRunner._update_states
-    if getattr(update, "_kvsparse", False):
-        return
-
-    def _update_states(self: Any, scheduler_output: Any) -> Any:
-        result = update(self, scheduler_output)
-        WORKER.on_step(list(self.input_batch.req_ids), scheduler_output.finished_req_ids, self.requests)
-        return result
-
-    _update_states._kvsparse = True  # type: ignore[attr-defined]
-    GPUModelRunner._update_states = _update_states
-
-
 @dataclass
 class RequestSequence:
     """A vLLM request's kvsparse sequence (both backends)."""
@@ -292,7 +297,6 @@ class Worker:
     # of causal blocks skipped, summed (mean: / sale_prefills).
     sale_prefills: int = 0
     sale_skipped: float = 0.0
-    _sale: Any = None
     _transport: Any = None
     _metrics: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -314,19 +318,7 @@ class Worker:
         return self._transport
 
     def sale(self, num_layers: int) -> Any:
-        """SALE's thresholds (kvsparse.torch.sale.SalePrefill) when KVSPARSE_VLLM_SALE names them,
-        checked against the model's layers; else None."""
-        path = sale_path()
-        if path is None:
-            return None
-        if self._sale is None:
-            from kvsparse.torch.sale import SalePrefill
-
-            sale = SalePrefill.load(path)
-            if len(sale.thresholds) != num_layers:
-                raise ValueError(f"{path}: thresholds for {len(sale.thresholds)} layers, the model has {num_layers}")
-            self._sale = sale
-        return self._sale
+        return sale_thresholds(num_layers)
 
     def default_method(self) -> Method:
         return parse_method(os.environ[ENV_METHOD])
