@@ -94,6 +94,7 @@ def main() -> None:
     config = llm.llm_engine.vllm_config
     result = {
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
+        "finish_reasons": [str(o.outputs[0].finish_reason) for o in outs],
         "seconds": seconds,
         "decode_seconds_per_token": per_token,
         "decoding_together": together,
@@ -115,6 +116,7 @@ def main() -> None:
             "plans_made": w.replans,
             "restarts": w.restarts,
             "prompt_attentions": w.prompt_attentions,
+            "failed": sorted(w.failed),
             "sale_prefills": w.sale_prefills,
             "engine_memory": w.engine().memory() if w._engine is not None else {},
         }

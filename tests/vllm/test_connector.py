@@ -39,10 +39,14 @@ def scheduler_output(new: list[NewRequestData], cached: CachedRequestData, count
 
 
 def test_rows_follow_the_v2_runners_order_with_each_requests_context() -> None:
-    # b and d decode (one token each), a prefills a 300-token chunk after 256, c a new 40-token prompt.
+    # b and d decode (one token each), a prefills a 300-token chunk after 256 (resumed after a
+    # preemption: its blocks are new), c a new 40-token prompt.
+    cached = cached_requests(["a", "b", "d"], [256, 1000, 17])
+    cached.resumed_req_ids = {"a"}
+    cached.new_block_ids = [([5, 6],), ([9],), None]
     out = scheduler_output(
         new=[new_request("c", 0, "top_k:top_k_fraction=0.25")],
-        cached=cached_requests(["a", "b", "d"], [256, 1000, 17]),
+        cached=cached,
         counts={"a": 300, "b": 1, "c": 40, "d": 1},
         finished={"x"},
         preempted={"y"},
@@ -50,6 +54,8 @@ def test_rows_follow_the_v2_runners_order_with_each_requests_context() -> None:
     rows = step_rows(out)
     assert rows.rows == [("b", 1000, 1), ("d", 17, 1), ("c", 0, 40), ("a", 256, 300)]
     assert rows.methods == {"c": "top_k:top_k_fraction=0.25"}
+    # How a failed request is named to vLLM's scheduler: the first block of a new or resumed one.
+    assert rows.first_blocks == {"c": 0, "a": 5}
     assert rows.finished == {"x"} and rows.preempted == {"y"}
 
 

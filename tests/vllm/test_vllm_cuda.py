@@ -110,6 +110,22 @@ def test_every_method_generates_each_request_its_own(model: str) -> None:
 
 
 
+def test_a_request_kvsparse_cannot_serve_fails_alone(model: str, own: dict) -> None:
+    """With kvsparse's KV connector (engine_args), a request whose method does not parse and one
+    whose method the engine refuses (a fraction over 1) each end with an error, and the other
+    requests of the batch decode vLLM's tokens (no admission check here: the offline engine)."""
+    out = generate(model, "dense", methods=[None, "bogus", "top_k:top_k_fraction=2", None])
+    assert "error" not in out, out["error"]
+    reasons = out["finish_reasons"]
+    assert reasons[1] not in ("length", "stop") and reasons[2] not in ("length", "stop"), reasons
+    assert reasons[0] == reasons[3] == "length", reasons
+    for r in (0, 3):
+        assert len(out["tokens"][r]) == MAX_TOKENS[r]
+    kept = {"tokens": [out["tokens"][r] for r in (0, 3)]}
+    assert_same_tokens_up_to_near_ties({"tokens": [own["tokens"][r] for r in (0, 3)],
+                                        "logprobs": [own["logprobs"][r] for r in (0, 3)]}, kept)
+
+
 # The tiny model's K/V: 2 layers x 2 kv heads x 64 x (K and V) x 2 bytes = 1 KiB a token. 256 KiB
 # of vLLM's cache holds 256 tokens: less than one request of max_model_len 4,096 with
 # FlashAttention's own spec, 16,384 tokens with the store's 2 elements a token and kv head.

@@ -36,10 +36,13 @@ VLLM_VERSION = "0.24.0"  # the vLLM whose batch order batch_order follows
 class StepRows(KVConnectorMetadata):
     """One step as the attention backend needs it: rows[i] = (request id, tokens vLLM computed
     for it before the step, tokens it has in the step), in the batch's order; the method text of
-    each request new in this step that asked for one; requests to forget."""
+    each request new in this step that asked for one; the first KV block of each request new or
+    resumed in this step (how a failed request is named to vLLM's scheduler); requests to
+    forget."""
 
     rows: list[tuple[str, int, int]] = field(default_factory=list)
     methods: dict[str, str] = field(default_factory=dict)
+    first_blocks: dict[str, int] = field(default_factory=dict)
     finished: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
 
@@ -55,14 +58,22 @@ def step_rows(scheduler_output: Any) -> StepRows:
     computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
     cached = scheduler_output.scheduled_cached_reqs
     computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-    methods = {}
+    methods, first_blocks = {}, {}
     for r in scheduler_output.scheduled_new_reqs:
         extra = getattr(r.sampling_params, "extra_args", None) or {}
         if extra.get(EXTRA_ARG):
             methods[r.req_id] = str(extra[EXTRA_ARG])
+        blocks = getattr(r, "block_ids", None)
+        if blocks and blocks[0]:
+            first_blocks[r.req_id] = blocks[0][0]
+    resumed = getattr(cached, "resumed_req_ids", None) or set()
+    for rid, blocks in zip(cached.req_ids, getattr(cached, "new_block_ids", None) or ()):
+        if rid in resumed and blocks and blocks[0]:  # a resumed request's blocks are all new
+            first_blocks[rid] = blocks[0][0]
     return StepRows(
         rows=[(rid, computed[rid], counts[rid]) for rid in batch_order(counts)],
         methods=methods,
+        first_blocks=first_blocks,
         finished=set(scheduler_output.finished_req_ids),
         preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()),
     )

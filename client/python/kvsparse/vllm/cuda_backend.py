@@ -18,6 +18,9 @@ causal attention itself: vLLM's FlashAttention over the chunk's K/V and the prom
 read back from the store, or SALE's kernels for a request's first chunk (its prompt up to there:
 a prompt of its own) when KVSPARSE_VLLM_SALE names thresholds. Steps that mix prompt and decode rows then run no attention twice.
 
+A request kvsparse cannot serve fails alone (CudaWorker's text): vLLM learns it through the KV
+connector and ends it with an error; the others keep decoding.
+
 Attention runs outside vLLM's CUDA graphs (``AttentionCGSupport.NEVER``: vLLM captures the rest
 of each step piecewise); the plan's kernels are capturable, and taking them into vLLM's full
 decode graphs is the next step (a plan over batch slots, not over fixed sequences).
@@ -40,6 +43,7 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadataBuilder,
 )
 
+from kvsparse.errors import KvSparseError
 from kvsparse.methods import ModelShape, parse_method
 from kvsparse.tensors import dtype_name
 from kvsparse.vllm import plugin
@@ -63,12 +67,19 @@ class _Step:
     prefill: list[tuple[int, str, int, int]]  # (row, request id, start, count)
     groups: dict[str, _Group]  # by method text
     token_starts: list[int]
+    failed: list[tuple[int, int]] = field(default_factory=list)  # (first token, tokens): zeros
 
 
 @dataclass
 class CudaWorker:
     """The backend's state in a vLLM worker process: the engine, each live request's sequence,
-    the plan per method, and the step the connector bound."""
+    the plan per method, and the step the connector bound.
+
+    A request kvsparse cannot serve (a method that does not parse, or that the engine refuses; a
+    store over its capacity; a plan's step refused) fails alone: its rows are answered with zeros
+    and its first KV block is reported as a failed load through kvsparse's KV connector, so that
+    vLLM's scheduler ends it with an error (kv_load_failure_policy "fail", vLLM's default) and
+    keeps serving the others, as on the CPU build (kvsparse.vllm.plugin.Worker.fail)."""
 
     sequences: dict[str, RequestSequence] = field(default_factory=dict)
     methods: dict[str, str] = field(default_factory=dict)  # request id -> method text
@@ -82,6 +93,8 @@ class CudaWorker:
     prompt_attentions: int = 0
     sale_prefills: int = 0
     sale_skipped: Any = 0.0
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why
+    first_blocks: dict[str, int] = field(default_factory=dict)  # request id -> its first KV block
     _engine: Any = None
 
     def engine(self) -> Any:
@@ -98,11 +111,32 @@ class CudaWorker:
             self.forget(rid)
         for rid in rows.finished:
             self.methods.pop(rid, None)
+            self.failed.pop(rid, None)
+            self.first_blocks.pop(rid, None)
+        self.first_blocks.update(rows.first_blocks)
         for rid, text in rows.methods.items():
-            parse_method(text)  # checked at admission by the plugin; a bad one stops here too
+            try:
+                parse_method(text)  # checked at admission by the middleware where it runs
+            except ValueError as e:
+                self.fail([rid], e)
+                continue
             self.methods[rid] = text
         self.rows = rows
         self.step = None
+
+    def fail(self, rids: list[str], error: Exception) -> None:
+        """Requests kvsparse cannot serve (the class text): forgotten, answered with zeros until
+        vLLM ends them."""
+        for rid in rids:
+            if rid not in self.failed:
+                plugin.LOG.warning("kvsparse: failing request %s: %s", rid, error)
+                self.failed[rid] = str(error)
+        for rid in rids:
+            self.forget(rid)
+
+    def failed_blocks(self) -> set[int]:
+        """The first KV block of every failed request vLLM still runs (kvsparse.vllm.connector)."""
+        return {self.first_blocks[r] for r in self.failed if r in self.first_blocks}
 
     def end_step(self) -> None:
         self.rows = None
@@ -126,12 +160,22 @@ class CudaWorker:
                 self.close_plan(text)
         seq = self.sequences.pop(rid, None)
         if seq is not None:
-            self.engine().drop_sequence(seq.sequence_id)
+            try:
+                self.engine().drop_sequence(seq.sequence_id)
+            except KvSparseError as e:  # nothing left to free
+                plugin.LOG.warning("kvsparse: dropping the sequence of request %s: %s", rid, e)
 
     def close_plan(self, text: str) -> None:
+        """Ends a plan, its written rows the store's. A step it refused (its sequences no longer
+        whole) fails the plan's requests."""
         rids, plan = self.plans.pop(text)
         try:
             plan.commit()
+        except KvSparseError as e:
+            for rid in rids:
+                if rid not in self.failed:
+                    plugin.LOG.warning("kvsparse: failing request %s: %s", rid, e)
+                    self.failed[rid] = str(e)
         finally:
             plan.close()
 
@@ -155,24 +199,22 @@ class CudaWorker:
         if self.step is not None:
             return self.step
         assert self.rows is not None
-        starts, prefill, decode = [], [], {}
+        starts, prefill, decode, failed = [], [], {}, []
         token = 0
         for i, (rid, start, count) in enumerate(self.rows.rows):
             starts.append(token)
-            seq = self.sequence(rid, shape)
-            if seq.lengths[0] != start:
-                if start != 0:
-                    raise RuntimeError(
-                        f"kvsparse holds {seq.lengths[0]} tokens of request {rid}, vLLM's context is {start}"
-                    )
-                self.restarts += 1
-                self.forget(rid)
-                seq = self.sequence(rid, shape)
-            if count == 1 and start > 0:
+            token += count
+            if rid not in self.failed:
+                try:
+                    self._admit(rid, start, shape)
+                except (KvSparseError, ValueError) as e:  # a method the engine refuses, a full store
+                    self.fail([rid], e)
+            if rid in self.failed:
+                failed.append((starts[-1], count))
+            elif count == 1 and start > 0:
                 decode.setdefault(self.method_text(rid), []).append(i)
             else:
                 prefill.append((i, rid, start, count))
-            token += count
         if token != num_tokens:
             raise RuntimeError(
                 f"kvsparse.vllm.connector's batch order (written against vLLM {VLLM_VERSION}) gives "
@@ -190,13 +232,20 @@ class CudaWorker:
             groups[text] = _Group(rids, tokens, pos.to(device, non_blocking=True))
         for text in [t for t in self.plans if t not in groups]:
             self.close_plan(text)  # nobody decodes with it any more: its rows go to the store
-        self.step = _Step(prefill, groups, starts)
+        self.step = _Step(prefill, groups, starts, failed)
         return self.step
 
-    def failed_blocks(self) -> set[int]:
-        """Requests to fail (kvsparse.vllm.connector): none yet on the CUDA build, whose engine
-        runs in the worker; a remote store's outage still raises there (docs/VLLM.md)."""
-        return set()
+    def _admit(self, rid: str, start: int, shape: ModelShape) -> None:
+        """The request's sequence holding the tokens vLLM computed before this step (a fresh one
+        for a request vLLM computes again from its first token, after a preemption)."""
+        seq = self.sequence(rid, shape)
+        if seq.lengths[0] == start:
+            return
+        if start != 0:
+            raise ValueError(f"kvsparse holds {seq.lengths[0]} tokens of request {rid}, vLLM's context is {start}")
+        self.restarts += 1
+        self.forget(rid)
+        self.sequence(rid, shape)
 
     def close(self) -> None:
         for text in list(self.plans):
@@ -252,11 +301,18 @@ class KvSparseCudaImpl(FlashAttentionImpl):
         step = w.prepare(shape, attn_metadata.num_actual_tokens, query.device)
         for row, rid, start, count in step.prefill:
             a = step.token_starts[row]
+            if rid in w.failed:  # at an earlier layer of this step
+                continue
             seq = w.sequences[rid]
-            w.engine().append(seq.sequence_id, li, key[a:a + count], value[a:a + count], start)
-            if self.store_only:
-                self._prompt_attention(w, seq.sequence_id, li, start, query[a:a + count], key[a:a + count],
-                                       value[a:a + count], output[a:a + count])
+            try:
+                w.engine().append(seq.sequence_id, li, key[a:a + count], value[a:a + count], start)
+                if self.store_only:
+                    self._prompt_attention(w, seq.sequence_id, li, start, query[a:a + count], key[a:a + count],
+                                           value[a:a + count], output[a:a + count])
+            except KvSparseError as e:  # the store full, the sequence refused
+                w.fail([rid], e)
+                step.failed.append((a, count))
+                continue
             seq.lengths[li] = start + count
         if not self.store_only and (step.prefill or not step.groups):
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
@@ -264,15 +320,31 @@ class KvSparseCudaImpl(FlashAttentionImpl):
         n = attn_metadata.num_actual_tokens
         out = output[:n].view(n, self.num_heads, self.head_size)
         for text, g in step.groups.items():
-            plan = w.plan(text, g.rids, self.max_tokens, self.seed, self.scale, shape.dtype)
-            b = len(g.rids)
-            q = query[g.tokens].view(b, self.num_heads, self.head_size)
-            k = key[g.tokens].view(b, self.num_kv_heads, self.head_size)
-            v = value[g.tokens].view(b, self.num_kv_heads, self.head_size)
-            out[g.tokens] = plan.decode(li, q, k, v, g.positions).to(out.dtype)
-            for rid in g.rids:
-                w.sequences[rid].lengths[li] += 1
+            self._decode(w, li, text, g, query, key, value, out, shape.dtype)
+        for a, count in step.failed:  # vLLM ends these requests and drops their tokens
+            output[a:a + count] = 0
         return output
+
+    def _decode(self, w: CudaWorker, li: int, text: str, g: _Group, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, out: torch.Tensor, dtype: str) -> None:
+        """One layer of the decode rows of one method, through its plan. A failure fails every
+        request of the plan (their steps are no longer whole), whose rows get zeros."""
+        b = len(g.rids)
+        if not any(r in w.failed for r in g.rids):
+            try:
+                plan = w.plan(text, g.rids, self.max_tokens, self.seed, self.scale, dtype)
+                q = query[g.tokens].view(b, self.num_heads, self.head_size)
+                k = key[g.tokens].view(b, self.num_kv_heads, self.head_size)
+                v = value[g.tokens].view(b, self.num_kv_heads, self.head_size)
+                out[g.tokens] = plan.decode(li, q, k, v, g.positions).to(out.dtype)
+                for rid in g.rids:
+                    w.sequences[rid].lengths[li] += 1
+                return
+            except KvSparseError as e:
+                w.fail(g.rids, e)
+        else:
+            w.fail([r for r in g.rids if r not in w.failed], KvSparseError("a request of the same plan failed"))
+        out[g.tokens] = 0
 
     def _prompt_attention(self, w: CudaWorker, sequence_id: str, layer: int, start: int, q: torch.Tensor,
                           k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
