@@ -30,6 +30,7 @@ import tempfile
 from pathlib import Path
 
 from kvsparse.methods import FLAGSHIP_TEXT
+from kvsparse.torch.ops import _bytes  # sizes as the engine's settings take them ("1G", "8Gi")
 
 DRIVER = Path(__file__).resolve().parents[1] / "vllm" / "cuda_driver.py"
 
@@ -41,11 +42,6 @@ def write_config(path: Path, layers: int) -> None:
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=1 << 18,
                 rope_theta=500000.0, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
                 torch_dtype="bfloat16").save_pretrained(path)
-
-
-def _bytes(text: str) -> int:
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
 def run(spec: dict, timeout: int) -> dict:

@@ -128,11 +128,14 @@ class CudaWorker:
         """Requests kvsparse cannot serve (the class text): forgotten, answered with zeros until
         vLLM ends them."""
         for rid in rids:
-            if rid not in self.failed:
-                plugin.LOG.warning("kvsparse: failing request %s: %s", rid, error)
-                self.failed[rid] = str(error)
+            self._mark_failed(rid, error)
         for rid in rids:
             self.forget(rid)
+
+    def _mark_failed(self, rid: str, error: Exception) -> None:
+        if rid not in self.failed:
+            plugin.LOG.warning("kvsparse: failing request %s: %s", rid, error)
+            self.failed[rid] = str(error)
 
     def failed_blocks(self) -> set[int]:
         """The first KV block of every failed request vLLM still runs (kvsparse.vllm.connector)."""
@@ -173,9 +176,7 @@ class CudaWorker:
             plan.commit()
         except KvSparseError as e:
             for rid in rids:
-                if rid not in self.failed:
-                    plugin.LOG.warning("kvsparse: failing request %s: %s", rid, e)
-                    self.failed[rid] = str(e)
+                self._mark_failed(rid, e)
         finally:
             plan.close()
 
