@@ -428,6 +428,11 @@ struct StepPlan {
   std::unique_ptr<en::StaticStep> captured;  // null: eager
   std::string eager_reason;
   en::StaticStepRequest request;
+  // An eager plan's last step's statistics in a captured plan's layout ([layers, kStatBlocks,
+  // B * H] int32; block 0: rows fetched, block 3: of them found in the row cache, per (sequence,
+  // kv head) in the first B * Hkv entries), sized at its first step.
+  std::mutex eager_mu;
+  at::Tensor eager_stats;  // guarded by eager_mu
 };
 
 std::mutex plans_mu;
@@ -522,6 +527,27 @@ void ReleaseEnginePlans(int64_t engine) {
   }
 }
 
+// An eager step's per-(sequence, kv head) figures (StatsTensor's rows) into the plan's
+// statistics in a captured plan's layout (StepPlan::eager_stats).
+void NoteEagerStats(StepPlan* p, int64_t layer, int64_t heads, const at::Tensor& stats) {
+  const int64_t B = static_cast<int64_t>(p->request.sequence_ids.size());
+  absl::StatusOr<std::vector<uint64_t>> lengths = p->engine->Lengths(p->request.sequence_ids[0]);
+  Check(lengths.status());
+  const int64_t layers = static_cast<int64_t>(lengths->size());
+  std::lock_guard<std::mutex> lock(p->eager_mu);
+  if (!p->eager_stats.defined()) {
+    p->eager_stats = at::zeros({layers, en::StaticStep::kStatBlocks, B * heads}, at::kInt);
+  }
+  if (layer >= layers || stats.size(0) > B * heads) return;
+  int32_t* block =
+      p->eager_stats.data_ptr<int32_t>() + layer * en::StaticStep::kStatBlocks * B * heads;
+  const int64_t* s = stats.data_ptr<int64_t>();
+  for (int64_t i = 0; i < stats.size(0); ++i) {  // columns: StatsTensor's
+    block[i] = static_cast<int32_t>(s[i * kStatColumns + 1]);
+    block[3 * B * heads + i] = static_cast<int32_t>(s[i * kStatColumns + 2]);
+  }
+}
+
 // One layer of a planned step: q [B, H, d], new_k / new_v [B, Hkv, d], positions [B] int64 (each
 // sequence's length before the step). Returns the output [B, H, d].
 at::Tensor StepDecode(int64_t engine, int64_t handle, int64_t layer, const at::Tensor& q,
@@ -588,7 +614,9 @@ at::Tensor StepDecode(int64_t engine, int64_t handle, int64_t layer, const at::T
     }
     call.seed_offsets.push_back(static_cast<uint64_t>(at));
   }
-  return std::get<0>(DecodeWith(p->engine.get(), std::move(call), q, new_k, new_v));
+  auto [out, stats] = DecodeWith(p->engine.get(), std::move(call), q, new_k, new_v);
+  NoteEagerStats(p.get(), layer, q.size(1), stats);
+  return out;
 }
 
 // Commits the rows the steps wrote (captured; eager steps are committed as they run); returns
@@ -613,13 +641,16 @@ std::vector<int64_t> CommitSteps(int64_t engine, int64_t handle) {
   return out;
 }
 
-// A captured plan's statistics [layers, 4, B * H] int32 on its device (rows read per (sequence,
-// kv head) in the first B * Hkv entries of block 0, for the sampling methods), copied on the
-// current stream without a synchronisation.
+// A plan's last step's statistics [layers, 4, B * H] int32 (rows read per (sequence, kv head) in
+// the first B * Hkv entries of block 0; of them, for the methods that use the row cache, those
+// found there in block 3): a captured plan's on its device, copied on the current stream without
+// a synchronisation; an eager plan's in host memory (empty before its first step).
 at::Tensor StepStats(int64_t engine, int64_t handle) {
   std::shared_ptr<StepPlan> p = FindPlan(engine, handle);
   if (p->captured == nullptr) {
-    Raise(absl::FailedPreconditionError("an eager plan's statistics come with each decode call"));
+    std::lock_guard<std::mutex> lock(p->eager_mu);
+    if (p->eager_stats.defined()) return p->eager_stats.clone();
+    return at::zeros({0, en::StaticStep::kStatBlocks, 0}, at::kInt);
   }
 #if KVSPARSE_TORCH_CUDA
   en::StaticStep& s = *p->captured;

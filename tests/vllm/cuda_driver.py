@@ -4,7 +4,8 @@ one JSON line: the generated token ids per prompt, seconds, vLLM's CUDA-graph mo
 time per token of each request (vLLM's own timestamps: first to last token over the tokens after
 the first), with "logprobs": k vLLM's top-k log-probabilities at each generated position, and
 with "kvsparse" in the job (a method text) kvsparse's worker figures: the requests whose sequences
-are live at the end, plans made, requests restarted.
+are live at the end, plans made, requests restarted, and kvsparse's counters as vLLM's /metrics
+would serve them.
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the worker's state can be read.
 Job fields: model (a directory with config.json; load_format "dummy" gives random weights without
@@ -44,6 +45,25 @@ def prompts(job: dict) -> list[list[int]]:
 
     rng = random.Random(0)
     return [[1] + [rng.randrange(3, 30000) for _ in range(job["prompt_len"] - 1)] for _ in range(job["batch"])]
+
+
+def kvsparse_counters(w: object) -> dict:
+    """kvsparse's counters in this process's Prometheus registry (vLLM's worker runs here), after
+    the worker's pending figures: 'name{label=value,...}' -> value."""
+    from prometheus_client import REGISTRY, CollectorRegistry, multiprocess
+
+    w.flush_figures()  # type: ignore[attr-defined]
+    registry = REGISTRY
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+    out = {}
+    for metric in registry.collect():
+        for sample in metric.samples:
+            if sample.name.startswith("kvsparse_decode") and sample.name.endswith("_total"):
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}"] = sample.value
+    return out
 
 
 def main() -> None:
@@ -119,6 +139,7 @@ def main() -> None:
             "failed": sorted(w.failed),
             "sale_prefills": w.sale_prefills,
             "engine_memory": w.engine().memory() if w._engine is not None else {},
+            "metrics": kvsparse_counters(w),
         }
     print(json.dumps(result))
 

@@ -6,7 +6,9 @@ enforce_eager):
 - dense through kvsparse gives vLLM's FlashAttention tokens (up to near-ties of the random
   model's logits), and vLLM ran piecewise CUDA graphs;
 - every method generates, each request with its own; finished requests' sequences are dropped
-  (at the next step vLLM runs, when it tells the worker);
+  (at the next step vLLM runs, when it tells the worker); kvsparse's counters (vLLM's /metrics)
+  count every step's layers and rows under each method;
+- a request kvsparse cannot serve ends with an error while the others decode vLLM's tokens;
 - with the K/V in kvsparse's store only (KVSPARSE_VLLM_KV=store), a KV budget in which vLLM's own
   backend cannot hold one request serves the batch with vLLM's tokens, prompt attention computed
   by the backend (over the store's rows for later chunks, through SALE's kernels at tau 0).
@@ -107,6 +109,18 @@ def test_every_method_generates_each_request_its_own(model: str) -> None:
     assert "error" not in out, out["error"]
     assert [len(t) for t in out["tokens"]] == MAX_TOKENS
     assert live_ids(out["kvsparse"]) == [out["kvsparse"]["last_finisher"]]
+    # kvsparse's counters (what vLLM's /metrics serves): every decode step of every layer counted
+    # under its method, rows read, and bytes read across the host link within dense's.
+    counters = out["kvsparse"]["metrics"]
+    decoded = {"santa": MAX_TOKENS[0] - 1 + MAX_TOKENS[3] - 1, "top_k": MAX_TOKENS[1] - 1,
+               "hash_top_k": MAX_TOKENS[2] - 1}  # the first token of each comes from its prefill
+    for name, steps in decoded.items():
+        assert counters[f"kvsparse_decode_sequence_layers_total{{method={name}}}"] == 2 * steps, counters
+        assert counters[f"kvsparse_decode_fetched_rows_total{{method={name}}}"] > 0, counters
+        fetched = counters[f"kvsparse_decode_fetched_bytes_total{{method={name},tier=fetched}}"]
+        assert 0 < fetched <= counters[f"kvsparse_decode_dense_equivalent_bytes_total{{method={name}}}"], counters
+    santa_fetched = counters["kvsparse_decode_fetched_bytes_total{method=santa,tier=fetched}"]
+    assert santa_fetched < counters["kvsparse_decode_dense_equivalent_bytes_total{method=santa}"] / 2
 
 
 

@@ -270,7 +270,8 @@ def _load_all_layers(engine: ops.InProcessEngine, n: int, device: str, placement
 
 def test_planned_steps_equal_decode_calls() -> None:
     """Planned steps without a GPU run as eager calls: each layer appends the step's token at its
-    position and draws as a decode call with seed + position does."""
+    position and draws as a decode call with seed + position does, and the plan's statistics give
+    the last step's rows read per (sequence, kv head) in a captured plan's layout."""
     method = kvsparse.Santa(samples=16)
     with ops.InProcessEngine(store_capacity="256M", gpu="off") as a, ops.InProcessEngine(
         store_capacity="256M", gpu="off"
@@ -280,13 +281,20 @@ def test_planned_steps_equal_decode_calls() -> None:
         with b.plan_steps(["s0"], method, max_tokens=200, seed=9, warm_pages=False) as steps:
             assert not steps.captured and steps.mode.startswith("eager")
             assert steps.device_bytes == 0  # eager steps hold nothing on a device
+            assert steps.stats().numel() == 0  # before the first step
             for step in range(3):
                 q, nk, nv = _step_tokens(step, 1, "cpu")
                 pos = torch.tensor([100 + step])
+                rows = []
                 for layer in range(SHAPE.num_layers):
                     got = steps.decode(layer, q, nk, nv, pos)
-                    want, _ = a.decode(layer, ["s0"], q, method, new_k=nk, new_v=nv, seed=9 + (layer << 32) + 100 + step)
+                    want, st = a.decode(layer, ["s0"], q, method, new_k=nk, new_v=nv, seed=9 + (layer << 32) + 100 + step)
                     assert torch.equal(got, want)
+                    rows.append(st[:, 1].tolist())  # rows fetched per kv head
+                stats = steps.stats()
+                assert stats.shape == (SHAPE.num_layers, 4, 8) and stats.device.type == "cpu"
+                assert stats[:, 0, :2].tolist() == rows and stats[:, 0, 2:].eq(0).all()
+                assert stats[:, 0, :2].min() > 0
             assert steps.commit() == [103]
             # A position other than the layer's length is refused and appends nothing.
             with pytest.raises(kvsparse.OutOfRange):

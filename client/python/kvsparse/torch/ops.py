@@ -381,7 +381,7 @@ class DecodeSteps(_Closing):
     stream. It can be recorded in ``torch.cuda.CUDAGraph`` (or by ``torch.compile``'s CUDA graphs)
     and replayed step after step with new positions, queries and tokens in the same tensors.
     ``commit()`` (outside a graph) waits for the stream and makes the written rows the store's;
-    ``stats()`` copies the GPU's statistics without a synchronisation.
+    ``stats()`` gives the last step's rows read (a captured plan's without a synchronisation).
 
     Captured: dense with K and V on the GPU, S2ANTA prop and flash, hash top-k with SimHash
     signatures (each step signs its key on the device), top-k and S2ANTA-prop over compressed keys
@@ -460,8 +460,11 @@ class DecodeSteps(_Closing):
         return int(torch.ops.kvsparse.step_device_bytes(self._engine.handle, self.plan))
 
     def stats(self) -> torch.Tensor:
-        """The last step's GPU statistics, [layers, 4, B * H] int32 on the device: the first
-        B * Hkv entries of block 0 are the V rows each (sequence, kv head) read (S2ANTA)."""
+        """The last step's statistics, [layers, 4, B * H] int32: in the first B * Hkv entries of
+        block 0 the rows each (sequence, kv head) read, of block 3 those of them found in the GPU's
+        row cache (methods that select rows over compressed keys or signatures). A captured plan's
+        are on the device (copied without a synchronisation); an eager plan's in host memory
+        (empty before its first step)."""
         return _call(torch.ops.kvsparse.step_stats, self._engine.handle, self.plan)
 
     def close(self) -> None:

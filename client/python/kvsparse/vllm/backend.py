@@ -27,6 +27,7 @@ from kvsparse.vllm.plugin import (
     ENV_SEED,
     WORKER,
     connector_configured,
+    observe,
     refuse_prefix_caching,
     refuse_unsupported,
     store_only,
@@ -139,7 +140,7 @@ class KvSparseImpl(CPUAttentionBackendImpl):
             finally:
                 timing["transport"] += time.perf_counter() - t0
             timing["engine"] += stats.engine_seconds
-            w.observe(method, len(idx), stats)
+            observe(method, len(idx), stats)
             out[tok] = result.to(out.dtype).view(len(idx), self.num_heads, self.head_size)
             for i in idx:
                 w.sequences[rows[i]].lengths[li] += 1

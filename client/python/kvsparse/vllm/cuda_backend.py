@@ -19,7 +19,9 @@ read back from the store, or SALE's kernels for a request's first chunk (its pro
 a prompt of its own) when KVSPARSE_VLLM_SALE names thresholds. Steps that mix prompt and decode rows then run no attention twice.
 
 A request kvsparse cannot serve fails alone (CudaWorker's text): vLLM learns it through the KV
-connector and ends it with an error; the others keep decoding.
+connector and ends it with an error; the others keep decoding. Each method's plan steps are
+counted on the worker's Prometheus counters (plugin.observe, vLLM's /metrics): from the plans'
+statistics, summed on the GPU and read every FIGURES_EVERY steps and when a plan ends.
 
 Attention runs outside vLLM's CUDA graphs (``AttentionCGSupport.NEVER``: vLLM captures the rest
 of each step piecewise); the plan's kernels are capturable, and taking them into vLLM's full
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -44,7 +47,7 @@ from vllm.v1.attention.backends.flash_attn import (
 )
 
 from kvsparse.errors import KvSparseError
-from kvsparse.methods import ModelShape, parse_method
+from kvsparse.methods import ModelShape, parse_method, placement_for
 from kvsparse.tensors import dtype_name
 from kvsparse.vllm import plugin
 from kvsparse.vllm.connector import VLLM_VERSION, StepRows
@@ -68,6 +71,25 @@ class _Step:
     groups: dict[str, _Group]  # by method text
     token_starts: list[int]
     failed: list[tuple[int, int]] = field(default_factory=list)  # (first token, tokens): zeros
+
+
+@dataclass
+class _PlanFigures:
+    """A method's decode figures not yet on the worker's Prometheus counters (plugin.observe):
+    the rows its plans' steps read and, of them, those found in the GPU's row cache, summed where
+    the plan keeps its statistics (a captured plan's on the device: no synchronisation a step),
+    and the sequence-layers and dense-equivalent bytes, counted on the host."""
+
+    method: Any
+    row_bytes: int  # a row's halves in host memory (K and/or V of one kv head)
+    rows: Any = None  # [2] int64: rows read, row-cache hits
+    sequence_layers: int = 0
+    dense_bytes: int = 0
+    steps: int = 0
+
+
+# Steps of a method between two updates of the worker's counters (and whenever its plan ends).
+FIGURES_EVERY = 32
 
 
 @dataclass
@@ -95,6 +117,7 @@ class CudaWorker:
     sale_skipped: Any = 0.0
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why
     first_blocks: dict[str, int] = field(default_factory=dict)  # request id -> its first KV block
+    figures: dict[str, _PlanFigures] = field(default_factory=dict)  # by method text
     _engine: Any = None
 
     def engine(self) -> Any:
@@ -168,10 +191,44 @@ class CudaWorker:
             except KvSparseError as e:  # nothing left to free
                 plugin.LOG.warning("kvsparse: dropping the sequence of request %s: %s", rid, e)
 
+    def count_step(self, text: str, plan: Any, rids: list[str], shape: ModelShape, element_bytes: int) -> None:
+        """A step of a method's plan done (every layer): its figures into the method's
+        _PlanFigures, onto the counters every FIGURES_EVERY steps."""
+        f = self.figures.get(text)
+        if f is None:
+            method = self.sequences[rids[0]].method
+            p = placement_for(method)
+            halves = (p.k_tier == "host") + (p.v_tier == "host")
+            f = self.figures[text] = _PlanFigures(method, halves * shape.head_dim * element_bytes)
+        stats = plan.stats()  # [layers, 4, B * H]: block 0 rows read, block 3 row-cache hits
+        step = stats[:, [0, 3], : len(rids) * shape.num_kv_heads].sum(dim=(0, 2), dtype=torch.int64)
+        f.rows = step if f.rows is None else f.rows + step
+        f.sequence_layers += len(rids) * shape.num_layers
+        kv_row = 2 * shape.num_kv_heads * shape.head_dim * element_bytes  # K and V of a token
+        f.dense_bytes += sum(sum(self.sequences[r].lengths) for r in rids) * kv_row
+        f.steps += 1
+        if f.steps % FIGURES_EVERY == 0:
+            self.flush_figures(text)
+
+    def flush_figures(self, text: str | None = None) -> None:
+        """A method's figures (every method's: None) onto the worker's counters (one
+        synchronisation with the device)."""
+        for t in [text] if text is not None else list(self.figures):
+            f = self.figures.get(t)
+            if f is None or f.rows is None:
+                continue
+            rows, hits = (int(x) for x in f.rows.tolist())
+            plugin.observe(f.method, f.sequence_layers, SimpleNamespace(
+                rows_fetched=rows, rows_cached=hits, bytes_fetched=(rows - hits) * f.row_bytes,
+                bytes_device=hits * f.row_bytes, dense_equivalent_bytes=f.dense_bytes, engine_seconds=0.0,
+                selection_seconds=0.0))
+            f.rows, f.sequence_layers, f.dense_bytes = None, 0, 0
+
     def close_plan(self, text: str) -> None:
         """Ends a plan, its written rows the store's. A step it refused (its sequences no longer
         whole) fails the plan's requests."""
         rids, plan = self.plans.pop(text)
+        self.flush_figures(text)
         try:
             plan.commit()
         except KvSparseError as e:
@@ -340,6 +397,8 @@ class KvSparseCudaImpl(FlashAttentionImpl):
                 out[g.tokens] = plan.decode(li, q, k, v, g.positions).to(out.dtype)
                 for rid in g.rids:
                     w.sequences[rid].lengths[li] += 1
+                if li == self.num_layers - 1:
+                    w.count_step(text, plan, g.rids, self.shape, query.element_size())
                 return
             except KvSparseError as e:
                 w.fail(g.rids, e)

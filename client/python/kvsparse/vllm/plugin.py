@@ -298,7 +298,6 @@ class Worker:
     sale_prefills: int = 0
     sale_skipped: float = 0.0
     _transport: Any = None
-    _metrics: Any = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def transport(self) -> Any:
@@ -392,20 +391,24 @@ class Worker:
         except KvSparseError as e:  # the server is gone (or restarted): nothing left to free there
             LOG.warning("kvsparse: dropping the sequence of request %s: %s", rid, e)
 
-    def observe(self, method: Method, sequences: int, stats: Any) -> None:
-        """One decode call's figures on the worker's Prometheus counters (the server's metric
-        names; the bytes by tier "device", read on the worker's device, and "fetched", read
-        across its boundary: host memory or the store's process)."""
-        if self._metrics is None:
-            self._metrics = _Metrics()
-        name = next(n for n, cls in METHOD_NAMES.items() if cls is type(method))
-        self._metrics.observe(name, sequences, stats)
-
     def close(self) -> None:
         if self._transport is not None:
             self._transport.close([s.sequence_id for s in self.sequences.values()])
             self.sequences.clear()
             self._transport = None
+
+
+def observe(method: Method, sequences: int, stats: Any) -> None:
+    """Decode figures on the worker's Prometheus counters (both backends; the server's metric
+    names): `sequences` sequence-layers decoded, and `stats`' rows_fetched, rows_cached, bytes by
+    tier (bytes_device: read on the worker's device; bytes_fetched: read across its boundary,
+    host memory or the store's process), dense_equivalent_bytes, engine_seconds and
+    selection_seconds (0: not timed)."""
+    global _METRICS
+    if _METRICS is None:
+        _METRICS = _Metrics()
+    name = next(n for n, cls in METHOD_NAMES.items() if cls is type(method))
+    _METRICS.observe(name, sequences, stats)
 
 
 class _Metrics:
@@ -447,4 +450,5 @@ class _Metrics:
             self.stage.labels(name, "selection").observe(s.selection_seconds)
 
 
+_METRICS: _Metrics | None = None  # made at the first observation (a registry holds each name once)
 WORKER = Worker()
