@@ -4,8 +4,11 @@
 #include <grpcpp/security/credentials.h>
 #include <grpcpp/support/channel_arguments.h>
 
+#include <string>
+
 #include "absl/strings/str_cat.h"
 #include "kvstore/placement.h"
+#include "rpc/request_size.h"
 #include "rpc/status.h"
 
 namespace kvsparse::client {
@@ -112,6 +115,8 @@ absl::StatusOr<v1::DropSequenceResponse> KvStoreClient::DropSequence(
 absl::StatusOr<v1::AppendResponse> KvStoreClient::Append(const v1::AppendRequest& request) {
   grpc::ClientContext ctx;
   PrepareCall(&ctx);
+  // Its size, so that the server takes its share of the request budget before reading it.
+  ctx.AddMetadata(rpc::kRequestBytesHeader, std::to_string(request.ByteSizeLong()));
   v1::AppendResponse resp;
   absl::Status s = rpc::FromGrpcStatus(stub_->Append(&ctx, request, &resp));
   if (!s.ok()) return s;

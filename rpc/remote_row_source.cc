@@ -14,6 +14,7 @@
 #include "rpc/convert.h"
 #include "rpc/data_plane.h"
 #include "rpc/logging.h"
+#include "rpc/request_size.h"
 #include "rpc/security.h"
 #include "rpc/status.h"
 
@@ -127,6 +128,7 @@ class RemoteRowSourceImpl final : public RemoteRowSource {
       }
       t->set_data(data.data(), data.size());
     }
+    ctx.AddMetadata(kRequestBytesHeader, std::to_string(req.ByteSizeLong()));  // the budget's share
     v1::AppendResponse resp;
     absl::Status s = Remote(stub_->Append(&ctx, req, &resp));
     if (s.ok() && direct()) {

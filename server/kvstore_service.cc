@@ -1,13 +1,38 @@
 #include "server/kvstore_service.h"
 
+#include <algorithm>
+#include <optional>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
 #include "rpc/convert.h"
+#include "rpc/request_size.h"
 #include "rpc/security.h"
 
 namespace kvsparse::server {
+namespace {
 
-KvStoreService::KvStoreService(kvstore::Store* store, const RpcRunner* rpc, Metrics* metrics)
+// The request size the call declares (rpc::kRequestBytesHeader), or none.
+absl::StatusOr<std::optional<size_t>> DeclaredBytes(const grpc::ServerContext& ctx) {
+  const auto& md = ctx.client_metadata();
+  auto it = md.find(rpc::kRequestBytesHeader);
+  if (it == md.end()) return std::nullopt;
+  size_t n = 0;
+  if (!absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()), &n)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(rpc::kRequestBytesHeader, " must be the request's size in bytes"));
+  }
+  return n;
+}
+
+}  // namespace
+
+KvStoreService::KvStoreService(kvstore::Store* store, const RpcRunner* rpc, Metrics* metrics,
+                               RequestBudget* appends, size_t max_message_bytes)
     : store_(store),
       rpc_(rpc),
+      appends_(appends),
+      max_message_bytes_(max_message_bytes),
       create_(metrics->Rpc("CreateSequence")),
       drop_(metrics->Rpc("DropSequence")),
       append_(metrics->Rpc("Append")),
@@ -48,20 +73,51 @@ grpc::Status KvStoreService::DropSequence(grpc::ServerContext* ctx,
   });
 }
 
-grpc::Status KvStoreService::Append(grpc::ServerContext* ctx, const v1::AppendRequest* req,
-                                    v1::AppendResponse* resp) {
+grpc::Status KvStoreService::StreamedAppend(
+    grpc::ServerContext* ctx,
+    grpc::ServerUnaryStreamer<v1::AppendRequest, v1::AppendResponse>* stream) {
   return rpc_->Run(
       append_, ctx, [&](absl::Time deadline, const rpc::Caller& caller) -> absl::Status {
-        absl::StatusOr<kvstore::AppendRequest> r = rpc::FromProto(*req);
+        // The body's share of the request budget, taken before gRPC reads it.
+        absl::StatusOr<std::optional<size_t>> declared = DeclaredBytes(*ctx);
+        if (!declared.ok()) return declared.status();
+        if (declared->value_or(0) > max_message_bytes_) {
+          return absl::ResourceExhaustedError(
+              absl::StrCat("an append of ", **declared, " bytes is over --max_message_size (",
+                           max_message_bytes_, "): send it in smaller appends"));
+        }
+        absl::StatusOr<RequestBudget::Share> share = appends_->Take(
+            declared->value_or(max_message_bytes_), deadline, [ctx] { return ctx->IsCancelled(); });
+        if (!share.ok()) {
+          if (absl::IsResourceExhausted(share.status())) {
+            append_->RecordRefusal("max_append_bytes_in_flight");
+          }
+          return share.status();
+        }
+        v1::AppendRequest req;
+        if (!stream->Read(&req)) return absl::CancelledError("the append's message did not arrive");
+        // The server's default deadline runs from here, as for calls whose body gRPC reads
+        // before their handler (the caller's own deadline still bounds the whole call).
+        deadline = rpc_->Deadline(*ctx, absl::Now());
+        if (declared->has_value() && req.ByteSizeLong() > **declared) {
+          return absl::InvalidArgumentError(absl::StrCat("the append declared ", **declared,
+                                                         " bytes (", rpc::kRequestBytesHeader,
+                                                         ") and sent ", req.ByteSizeLong()));
+        }
+        absl::StatusOr<kvstore::AppendRequest> r = rpc::FromProto(req);
         if (!r.ok()) return r.status();
         const std::string id = rpc::ScopedId(caller.tenant, r->sequence_id);  // r holds a view
         r->sequence_id = id;
         r->deadline = deadline;
         absl::StatusOr<kvstore::AppendResult> res = store_->Append(*r);
         if (!res.ok()) return res.status();
-        resp->set_first_token(res->first_token);
-        resp->set_num_tokens(res->num_tokens);
-        resp->set_bytes_appended(res->bytes_appended);
+        v1::AppendResponse resp;
+        resp.set_first_token(res->first_token);
+        resp.set_num_tokens(res->num_tokens);
+        resp.set_bytes_appended(res->bytes_appended);
+        if (!stream->Write(resp)) {  // the rows are appended: a retry is told so (stale retry)
+          return absl::CancelledError("the caller left before the append's answer");
+        }
         return absl::OkStatus();
       });
 }

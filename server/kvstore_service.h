@@ -1,5 +1,9 @@
 // gRPC KvStore service: a thin layer over kvstore::Store. Each handler converts and validates
-// the request, calls the store, and fills the response; RpcRunner does the rest.
+// the request, calls the store, and fills the response; RpcRunner does the rest. Append is
+// served as a streamed unary method: its body is read only after the call has taken its share
+// of the server's request budget (request_budget.h), the size its client declares in the
+// kvsparse-request-bytes header (rpc/request_size.h), or the largest message when it declares
+// none.
 #ifndef KVSPARSE_SERVER_KVSTORE_SERVICE_H_
 #define KVSPARSE_SERVER_KVSTORE_SERVICE_H_
 
@@ -10,14 +14,18 @@
 #include "kvstore/store.h"
 #include "kvstore/ucx_plane.h"
 #include "server/metrics.h"
+#include "server/request_budget.h"
 #include "server/rpc.h"
 
 namespace kvsparse::server {
 
-class KvStoreService final : public v1::KvStore::Service {
+class KvStoreService final
+    : public v1::KvStore::WithStreamedUnaryMethod_Append<v1::KvStore::Service> {
  public:
-  // REQUIRES: store, rpc and metrics outlive the service.
-  KvStoreService(kvstore::Store* store, const RpcRunner* rpc, Metrics* metrics);
+  // REQUIRES: store, rpc, metrics and appends outlive the service. max_message_bytes: the
+  // server's receive limit (what an append that declares no size is charged).
+  KvStoreService(kvstore::Store* store, const RpcRunner* rpc, Metrics* metrics,
+                 RequestBudget* appends, size_t max_message_bytes);
 
   // Called with the id of each dropped sequence (a decode engine in the same process frees its
   // state of it at once). Set before the service serves.
@@ -32,8 +40,9 @@ class KvStoreService final : public v1::KvStore::Service {
                               v1::SequenceInfo* resp) override;
   grpc::Status DropSequence(grpc::ServerContext* ctx, const v1::DropSequenceRequest* req,
                             v1::DropSequenceResponse* resp) override;
-  grpc::Status Append(grpc::ServerContext* ctx, const v1::AppendRequest* req,
-                      v1::AppendResponse* resp) override;
+  grpc::Status StreamedAppend(
+      grpc::ServerContext* ctx,
+      grpc::ServerUnaryStreamer<v1::AppendRequest, v1::AppendResponse>* stream) override;
   grpc::Status Gather(grpc::ServerContext* ctx, const v1::GatherRequest* req,
                       v1::GatherResponse* resp) override;
   grpc::Status GetSequenceInfo(grpc::ServerContext* ctx, const v1::GetSequenceInfoRequest* req,
@@ -50,6 +59,8 @@ class KvStoreService final : public v1::KvStore::Service {
  private:
   kvstore::Store* const store_;
   const RpcRunner* const rpc_;
+  RequestBudget* const appends_;
+  const size_t max_message_bytes_;
   RpcMetric* const create_;
   RpcMetric* const drop_;
   RpcMetric* const append_;

@@ -123,6 +123,10 @@ ABSL_FLAG(absl::Duration, memory_trim_interval, absl::Seconds(10),
           "0: glibc's defaults, the RSS may stay above --capacity after bursts)");
 ABSL_FLAG(ByteSize, max_message_size, ByteSize{256 << 20},
           "Largest gRPC request or response; larger gathers/appends get RESOURCE_EXHAUSTED");
+ABSL_FLAG(ByteSize, max_append_bytes_in_flight, ByteSize{1ull << 30},
+          "Bytes of append messages read at once: each append takes the size its client declares "
+          "(kvsparse-request-bytes; the largest message when it declares none) before its body is "
+          "read and waits for room until its deadline; 0 = no bound");
 ABSL_FLAG(absl::Duration, default_deadline, absl::Seconds(30),
           "Deadline applied to calls that carry none");
 ABSL_FLAG(absl::Duration, shutdown_grace, absl::Seconds(10),
@@ -213,6 +217,7 @@ absl::Status NetworkFromFlags(srv::ServerOptions* o) {
   o->listen = absl::GetFlag(FLAGS_listen);
   o->metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   o->max_message_bytes = absl::GetFlag(FLAGS_max_message_size).bytes;
+  o->max_append_bytes_in_flight = absl::GetFlag(FLAGS_max_append_bytes_in_flight).bytes;
   o->default_deadline = absl::GetFlag(FLAGS_default_deadline);
   o->max_concurrent_calls = absl::GetFlag(FLAGS_max_concurrent_calls);
   o->max_concurrent_streams = absl::GetFlag(FLAGS_max_concurrent_streams);

@@ -49,8 +49,8 @@ RpcMetric::RpcMetric(std::string method, prometheus::Family<prometheus::Counter>
                      prometheus::Family<prometheus::Counter>* refusals)
     : method_(std::move(method)), requests_(requests), latency_(latency), refusals_(refusals) {
   // Zero-valued from the start, so rate() and the alert see a series before the first refusal.
-  for (const char* limit :
-       {"max_concurrent_calls", "max_concurrent_streams", "max_calls_per_token"}) {
+  for (const char* limit : {"max_concurrent_calls", "max_concurrent_streams", "max_calls_per_token",
+                            "max_append_bytes_in_flight"}) {
     refusals_->Add({{"method", method_}, {"limit", limit}});
   }
 }
@@ -136,11 +136,35 @@ class InFlightCollector final : public prometheus::Collectable {
   const std::shared_ptr<const std::atomic<size_t>> calls_, streams_;
 };
 
+class RequestBytesCollector final : public prometheus::Collectable {
+ public:
+  explicit RequestBytesCollector(std::shared_ptr<const std::atomic<size_t>> bytes)
+      : bytes_(std::move(bytes)) {}
+  std::vector<prometheus::MetricFamily> Collect() const override {
+    prometheus::MetricFamily f{"kvsparse_rpc_in_flight_request_bytes",
+                               "Bytes of append messages being read or parsed, held against "
+                               "--max_append_bytes_in_flight",
+                               prometheus::MetricType::Gauge,
+                               {}};
+    prometheus::ClientMetric m;
+    m.gauge.value = static_cast<double>(bytes_->load(std::memory_order_relaxed));
+    f.metric.push_back(std::move(m));
+    return {std::move(f)};
+  }
+
+ private:
+  const std::shared_ptr<const std::atomic<size_t>> bytes_;
+};
+
 }  // namespace
 
 void Metrics::WatchInFlight(std::shared_ptr<const std::atomic<size_t>> calls,
                             std::shared_ptr<const std::atomic<size_t>> streams) {
   AddCollectable(std::make_shared<InFlightCollector>(std::move(calls), std::move(streams)));
+}
+
+void Metrics::WatchRequestBytes(std::shared_ptr<const std::atomic<size_t>> bytes) {
+  AddCollectable(std::make_shared<RequestBytesCollector>(std::move(bytes)));
 }
 
 void Metrics::CountReload(absl::string_view file, bool applied) {

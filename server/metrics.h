@@ -112,6 +112,9 @@ class Metrics {
   // streams ("streams"), read at scrape time from the two counters.
   void WatchInFlight(std::shared_ptr<const std::atomic<size_t>> calls,
                      std::shared_ptr<const std::atomic<size_t>> streams);
+  // kvsparse_rpc_in_flight_request_bytes: bytes of append messages being read or parsed, held
+  // against --max_append_bytes_in_flight (server/request_budget.h).
+  void WatchRequestBytes(std::shared_ptr<const std::atomic<size_t>> bytes);
   // kvsparse_config_reloads_total{file, result}: a file re-read while serving ("tls",
   // "auth_tokens") whose change was applied, or refused (the last good one kept).
   void CountReload(absl::string_view file, bool applied);

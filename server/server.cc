@@ -67,6 +67,12 @@ absl::StatusOr<std::unique_ptr<Server>> Server::Start(ServerOptions options) {
   if (options.max_message_bytes < (1 << 20) || options.max_message_bytes > (1ull << 31) - 1) {
     return absl::InvalidArgumentError("max_message_bytes must be in 1 MiB .. 2 GiB - 1");
   }
+  if (options.max_append_bytes_in_flight != 0 &&
+      options.max_append_bytes_in_flight < options.max_message_bytes) {
+    // An append that declares no size is charged the largest message: it must fit.
+    return absl::InvalidArgumentError(
+        "--max_append_bytes_in_flight must be 0 (no bound) or at least --max_message_size");
+  }
   // Payload limits leave room for the message's other fields.
   const uint64_t payload_limit = options.max_message_bytes - (64 << 10);
   options.store.max_gather_bytes = std::min(options.store.max_gather_bytes, payload_limit);
@@ -167,7 +173,10 @@ absl::Status Server::StartStore() {
   if (!store.ok()) return store.status();
   store_ = std::move(*store);
   metrics_->AddCollectable(NewStoreCollector(store_.get()));
-  kvstore_service_ = std::make_unique<KvStoreService>(store_.get(), rpc_.get(), metrics_.get());
+  appends_ = std::make_unique<RequestBudget>(options_.max_append_bytes_in_flight);
+  metrics_->WatchRequestBytes(appends_->in_use_counter());
+  kvstore_service_ = std::make_unique<KvStoreService>(store_.get(), rpc_.get(), metrics_.get(),
+                                                      appends_.get(), options_.max_message_bytes);
   if (options_.data_plane == "ucx") {
     kvstore::SharedArena* arena =
         options_.store.memory != nullptr ? options_.store.memory->shared_arena() : nullptr;

@@ -25,6 +25,7 @@
 #include "kvstore/ucx_plane.h"
 #include "rpc/security.h"
 #include "server/metrics.h"
+#include "server/request_budget.h"
 #include "server/rpc.h"
 #include "server/stream_reaper.h"
 
@@ -48,6 +49,10 @@ struct ServerOptions {
   // Largest request or response message. Gathers and appends whose payload would not fit are
   // refused with RESOURCE_EXHAUSTED before any work is done.
   size_t max_message_bytes = 256ull << 20;
+  // Bytes of append messages read at once (server/request_budget.h): an append takes its
+  // declared size (or max_message_bytes when it declares none) before its body is read, and
+  // waits for room until its deadline; one over the whole budget is refused. 0: no bound.
+  size_t max_append_bytes_in_flight = 1ull << 30;
   // Deadline applied to calls that carry none.
   absl::Duration default_deadline = absl::Seconds(30);
   // Calls served at once and DecodeStreams open at once (RESOURCE_EXHAUSTED beyond); 0: no bound.
@@ -141,6 +146,7 @@ class Server {
   std::unique_ptr<rpc::TokenAuth> auth_;
   std::unique_ptr<RpcRunner> rpc_;
   std::unique_ptr<StreamReaper> reaper_;
+  std::unique_ptr<RequestBudget> appends_;  // the append bytes read at once (KvStoreService)
   std::unique_ptr<KvStoreService> kvstore_service_;
   std::unique_ptr<engine::RowSource> row_source_;
   std::unique_ptr<engine::DecodeEngine> engine_;

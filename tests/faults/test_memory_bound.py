@@ -8,6 +8,8 @@ dropped. Failed before: after churn and a drop of everything the RSS stayed at 1
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.synchronize
 import threading
 import time
 
@@ -79,3 +81,65 @@ def test_rss_stays_within_capacity_and_returns_after_drops() -> None:
     print(f"[memory] idle {idle / MIB:.0f} MiB, peak {peak[0] / MIB:.0f} MiB, after drops {after / MIB:.0f} MiB")
     assert peak[0] <= idle + CAPACITY + in_flight + slack, (idle, peak[0])
     assert after <= idle + 16 * MIB, (idle, after)
+
+
+
+APPENDERS, APPEND_TOKENS = 6, 16384  # 64 MiB a message
+
+
+def _append_once(target: str, i: int, ready: "multiprocessing.synchronize.Barrier") -> None:
+    """One appender process: its message built, then sent when every appender is ready."""
+    big = rows(APPEND_TOKENS, 3 + i)
+    with kvsparse.Client(target, timeout=120.0) as c:
+        c.store.create_sequence(f"c{i}", SHAPE)
+        ready.wait()
+        c.store.append(f"c{i}", big, big)
+
+
+def concurrent_appends_peak(budget: str) -> tuple[int, int]:
+    """APPENDERS processes each sending one 64 MiB append at the same moment into a 512 MiB
+    store, with --max_append_bytes_in_flight=budget: the server's idle and peak resident
+    memory."""
+    ctx = multiprocessing.get_context("spawn")
+    with kvsparse.LocalServer(
+        gpu="off", capacity="512M", max_message_size="80M", max_append_bytes_in_flight=budget,
+        memory_trim_interval="1s",
+    ) as server:
+        assert server.process is not None
+        pid = server.process.pid
+        idle = rss(pid)
+        peak = [idle]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], rss(pid))
+                time.sleep(0.005)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            ready = ctx.Barrier(APPENDERS)
+            procs = [ctx.Process(target=_append_once, args=(server.target, i, ready)) for i in range(APPENDERS)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(180)
+            assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+            with kvsparse.Client(server.target) as c:
+                assert c.store.stats().bytes_used >= APPENDERS * APPEND_TOKENS * TOKEN_BYTES  # and bookkeeping
+        finally:
+            done.set()
+            sampler.join()
+        return idle, peak[0]
+
+
+def test_concurrent_appends_are_read_within_the_request_budget() -> None:
+    """Appends at once hold at most --max_append_bytes_in_flight of messages (each twice: as
+    received and as parsed) beside the store's pages; the others wait for room. Failed before the
+    budget (the same run with no bound, --max_append_bytes_in_flight=0, reads every message at
+    once)."""
+    idle, peak = concurrent_appends_peak("80M")
+    stored, budget, slack = APPENDERS * APPEND_TOKENS * TOKEN_BYTES, 80 * MIB, 48 * MIB
+    print(f"[memory] concurrent appends: idle {idle / MIB:.0f} MiB, peak {peak / MIB:.0f} MiB")
+    assert peak <= idle + stored + 2 * budget + slack, (idle, peak)

@@ -1,8 +1,11 @@
 // The real kvsparse server on a loopback port, driven by the real client, with /metrics read
 // over HTTP.
 #include <fstream>
+#include <string>
 #include <thread>
+#include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/kvstore_client.h"
 #include "client/synthetic.h"
@@ -55,11 +58,13 @@ class ServiceTest : public ::testing::Test {
   void SetUp() override { StartServer(8 << 20, kvstore::CapacityPolicy::kReject); }
 
   void StartServer(size_t capacity, kvstore::CapacityPolicy policy,
-                   absl::Duration default_deadline = absl::Seconds(30)) {
+                   absl::Duration default_deadline = absl::Seconds(30),
+                   size_t append_budget = size_t{1} << 30) {
     server::ServerOptions o;
     o.listen = "127.0.0.1:0";
     o.metrics_listen = "127.0.0.1:0";
     o.max_message_bytes = 4 << 20;
+    o.max_append_bytes_in_flight = append_budget;
     o.default_deadline = default_deadline;
     o.shutdown_grace = absl::Seconds(2);
     o.store.capacity_bytes = capacity;
@@ -305,6 +310,85 @@ TEST_F(ServiceTest, BadRequestsGetClearCodesAndLoseNothing) {
       3);
   EXPECT_EQ(MetricValue(m, "kvsparse_rpc_requests_total", "code=\"INTERNAL\""), -1);
   EXPECT_EQ(MetricValue(m, "kvsparse_rpc_requests_total", "code=\"UNKNOWN\""), -1);
+}
+
+// --max_append_bytes_in_flight: an append takes the size its client declares (the C++ client
+// declares every append) before gRPC reads its body; appends that do not fit together wait for
+// each other instead of all being read at once; a size over --max_message_size is refused before
+// the body is read; a declaration that understates the message, or that is not a number, is
+// refused and appends nothing; an append that declares nothing is charged the largest message.
+TEST_F(ServiceTest, AppendsTakeTheirDeclaredShareOfTheRequestBudget) {
+  constexpr size_t kBudget = 4 << 20;  // the smallest the server takes: --max_message_size
+  StartServer(64 << 20, kvstore::CapacityPolicy::kReject, absl::Seconds(30), kBudget);
+  // 700 tokens: 700 x 4 layers x 2 kv heads x 64 x 2 bytes x (K and V) = 1.4 MB a message, so
+  // two fit at once and eight concurrent appends wait for room in turn.
+  std::vector<std::thread> threads;
+  std::vector<absl::Status> results(8);
+  for (int t = 0; t < 8; ++t) {
+    const std::string id = absl::StrCat("b", t);
+    ASSERT_TRUE(client_->CreateSequence(id, Shape()).ok());
+    threads.emplace_back([&, t, id] {
+      for (uint64_t first = 0; first < 2100 && results[t].ok(); first += 700) {
+        results[t] = client_->Append(AppendReq(id, first, 700)).status();
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int t = 0; t < 8; ++t) {
+    EXPECT_TRUE(results[t].ok()) << t << ": " << results[t];
+    auto info = client_->GetSequenceInfo(absl::StrCat("b", t));
+    ASSERT_TRUE(info.ok()) << info.status();
+    EXPECT_EQ(info->layer_lengths(0), 2100u);
+  }
+  const std::string metrics = Metrics();
+  EXPECT_EQ(MetricValue(metrics, "kvsparse_rpc_in_flight_request_bytes"), 0.0) << metrics;
+  EXPECT_EQ(MetricValue(metrics,
+                        "kvsparse_rpc_admission_refusals_total{limit=\"max_append_bytes_"
+                        "in_flight\",method=\"Append\"}"),
+            0.0);
+
+  // Raw calls with a declaration of their own.
+  auto channel = client_->channel();
+  auto stub = v1::KvStore::NewStub(channel);
+  auto raw_append = [&](const v1::AppendRequest& r, const char* declared) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+    if (declared != nullptr) ctx.AddMetadata("kvsparse-request-bytes", declared);
+    v1::AppendResponse resp;
+    return stub->Append(&ctx, r, &resp);
+  };
+  const v1::AppendRequest next = AppendReq("b0", 2100, 100);
+  grpc::Status s = raw_append(next, "1000");  // understated
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "declared 1000 bytes")) << s.error_message();
+  s = raw_append(next, "many");
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  s = raw_append(next, "5000000");  // over --max_message_size: refused before the body is read
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_TRUE(absl::StrContains(s.error_message(), "--max_message_size")) << s.error_message();
+  auto info = client_->GetSequenceInfo("b0");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->layer_lengths(0), 2100u);  // none of them appended
+  s = raw_append(next, nullptr);  // undeclared: charged 4 MiB, the whole budget, and served
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  s = raw_append(AppendReq("b0", 2200, 100), std::to_string(next.ByteSizeLong()).c_str());
+  EXPECT_TRUE(s.ok()) << s.error_message();
+  info = client_->GetSequenceInfo("b0");
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->layer_lengths(0), 2300u);
+  ExpectHealthy();
+}
+
+TEST(ServerOptionsTest, AnAppendBudgetBelowTheLargestMessageIsRefused) {
+  server::ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_listen = "";
+  o.store.capacity_bytes = 8 << 20;
+  o.max_message_bytes = 4 << 20;
+  o.max_append_bytes_in_flight = 2 << 20;
+  auto s = server::Server::Start(o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_TRUE(absl::StrContains(s.status().message(), "max_append_bytes_in_flight")) << s.status();
 }
 
 TEST_F(ServiceTest, CapacityRejectShowsInMetrics) {

@@ -57,6 +57,30 @@ def test_sequence_lifecycle(client: kvsparse.Client) -> None:
     assert isinstance(err.value, LookupError)
 
 
+def test_append_declares_its_size(server: kvsparse.LocalServer) -> None:
+    """Every append says its message's size in kvsparse-request-bytes, so that the server takes
+    that share of its request budget (--max_append_bytes_in_flight) before reading the body
+    rather than the largest message's."""
+    seen: list[tuple[str, dict[str, str], int]] = []
+
+    class Capture(grpc.UnaryUnaryClientInterceptor):
+        def intercept_unary_unary(self, continuation, details, request):  # type: ignore[no-untyped-def]
+            seen.append((details.method, dict(details.metadata or []), request.ByteSize()))
+            return continuation(details, request)
+
+    channel = grpc.intercept_channel(kvsparse.grpc.channel.open_channel(server.target), Capture())
+    with kvsparse.KvStoreClient(channel=channel) as store:
+        store.create_sequence("sized", SHAPE)
+        k = rows(np.random.default_rng(5), SHAPE.num_layers, 10)
+        assert store.append("sized", k, k).num_tokens == 10
+        store.drop_sequence("sized")
+    appends = [(md, size) for method, md, size in seen if method.endswith("/Append")]
+    assert len(appends) == 1
+    md, size = appends[0]
+    assert md.get("kvsparse-request-bytes") == str(size) and size > 2 * k.nbytes
+    channel.close()
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16"])
 def test_append_gather_round_trip(client: kvsparse.Client, dtype: str) -> None:
     rng = np.random.default_rng(1)

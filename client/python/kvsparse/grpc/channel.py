@@ -121,8 +121,11 @@ class _Base:
     def channel(self) -> grpc.Channel:
         return self._channel
 
-    def _call(self, fn: Callable[..., T], request: Any, timeout: float | None) -> T:
+    def _call(self, fn: Callable[..., T], request: Any, timeout: float | None,
+              metadata: tuple[tuple[str, str], ...] = ()) -> T:
         try:
+            if metadata:
+                return fn(request, timeout=self.timeout if timeout is None else timeout, metadata=metadata)
             return fn(request, timeout=self.timeout if timeout is None else timeout)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None

@@ -18,6 +18,9 @@ from kvsparse.placement import expand_shard_list, shard_of
 from kvsparse.tensors import ArrayLike
 from kvsparse.v1 import kvstore_pb2, kvstore_pb2_grpc, tensor_pb2
 
+# The metadata header in which an append declares its message's size (rpc/request_size.h).
+REQUEST_BYTES_HEADER = "kvsparse-request-bytes"
+
 
 @dataclass(frozen=True)
 class SequenceInfo:
@@ -118,7 +121,10 @@ class KvStoreClient(_Base):
         tensors.to_proto(v_arr, req.v)
         if expected_length is not None:
             req.expected_length = expected_length
-        return self._call(self._stub.Append, req, timeout)
+        # Its size, so that the server takes its share of its request budget before reading it
+        # (--max_append_bytes_in_flight; undeclared, an append is charged the largest message).
+        size = ((REQUEST_BYTES_HEADER, str(req.ByteSize())),)
+        return self._call(self._stub.Append, req, timeout, size)
 
     def gather(
         self,
