@@ -32,6 +32,30 @@ def rss(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
+class PeakRss:
+    """The peak resident memory of process pid, sampled every `period` seconds on a thread while
+    the `with` block runs (peak: at least the RSS when it began)."""
+
+    def __init__(self, pid: int, period: float = 0.01) -> None:
+        self.pid, self.period = pid, period
+        self.idle = self.peak = rss(pid)
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample)
+
+    def _sample(self) -> None:
+        while not self._done.is_set():
+            self.peak = max(self.peak, rss(self.pid))
+            time.sleep(self.period)
+
+    def __enter__(self) -> "PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 def rows(tokens: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((LAYERS, tokens, HKV, D)).astype(np.float32)
 
@@ -42,19 +66,8 @@ def test_rss_stays_within_capacity_and_returns_after_drops() -> None:
     ) as server:
         assert server.process is not None
         pid = server.process.pid
-        idle = rss(pid)
-        peak = [idle]
-        done = threading.Event()
-
-        def sample() -> None:
-            while not done.is_set():
-                peak[0] = max(peak[0], rss(pid))
-                time.sleep(0.01)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
         chunk = rows(256, 1)  # 1 MiB a chunk
-        try:
+        with PeakRss(pid) as sampled:
             with kvsparse.Client(server.target, timeout=60.0) as c:
                 # Churn: 600 sequences of 1 MiB through a 128 MiB store (evict-lru makes room).
                 for i in range(600):
@@ -72,16 +85,13 @@ def test_rss_stays_within_capacity_and_returns_after_drops() -> None:
                 assert c.store.stats().bytes_used == 0
             time.sleep(2.5)  # two trims
             after = rss(pid)
-        finally:
-            done.set()
-            sampler.join()
     # Messages in flight: one 16 MiB append at a time, held as received and as parsed; slack:
     # gRPC's buffers, thread stacks, the heap's fragmentation between trims.
     in_flight, slack = 2 * 4096 * TOKEN_BYTES, 48 * MIB
-    print(f"[memory] idle {idle / MIB:.0f} MiB, peak {peak[0] / MIB:.0f} MiB, after drops {after / MIB:.0f} MiB")
-    assert peak[0] <= idle + CAPACITY + in_flight + slack, (idle, peak[0])
+    idle, peak = sampled.idle, sampled.peak
+    print(f"[memory] idle {idle / MIB:.0f} MiB, peak {peak / MIB:.0f} MiB, after drops {after / MIB:.0f} MiB")
+    assert peak <= idle + CAPACITY + in_flight + slack, (idle, peak)
     assert after <= idle + 16 * MIB, (idle, after)
-
 
 
 APPENDERS, APPEND_TOKENS = 6, 16384  # 64 MiB a message
@@ -106,19 +116,7 @@ def concurrent_appends_peak(budget: str) -> tuple[int, int]:
         memory_trim_interval="1s",
     ) as server:
         assert server.process is not None
-        pid = server.process.pid
-        idle = rss(pid)
-        peak = [idle]
-        done = threading.Event()
-
-        def sample() -> None:
-            while not done.is_set():
-                peak[0] = max(peak[0], rss(pid))
-                time.sleep(0.005)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
+        with PeakRss(server.process.pid, period=0.005) as sampled:
             ready = ctx.Barrier(APPENDERS)
             procs = [ctx.Process(target=_append_once, args=(server.target, i, ready)) for i in range(APPENDERS)]
             for p in procs:
@@ -128,10 +126,7 @@ def concurrent_appends_peak(budget: str) -> tuple[int, int]:
             assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
             with kvsparse.Client(server.target) as c:
                 assert c.store.stats().bytes_used >= APPENDERS * APPEND_TOKENS * TOKEN_BYTES  # and bookkeeping
-        finally:
-            done.set()
-            sampler.join()
-        return idle, peak[0]
+        return sampled.idle, sampled.peak
 
 
 def test_concurrent_appends_are_read_within_the_request_budget() -> None:
