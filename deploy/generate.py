@@ -133,10 +133,11 @@ def panels():
     yield "row", "Store and device state"
     yield timeseries("Store fill", "Bytes of pages in use / --capacity, per process", "percentunit",
                      [(f"sum by (instance) (kvsparse_store_used_bytes{{{SEL}}}) / sum by (instance) (kvsparse_store_capacity_bytes{{{SEL}}})", "{{instance}}")])
-    yield timeseries("Store bytes and sequences", "Pages in use, --capacity and sequences held", "bytes",
+    yield timeseries("Store bytes and sequences", "Pages in use, --capacity and sequences held; append messages being read or parsed (within --max_append_bytes_in_flight)", "bytes",
                      [(f"sum by (instance) (kvsparse_store_used_bytes{{{SEL}}})", "used {{instance}}"),
                       (f"sum by (instance, policy) (kvsparse_store_capacity_bytes{{{SEL}}})", "capacity {{instance}} ({{policy}})"),
-                      (f"sum by (instance) (kvsparse_store_sequences{{{SEL}}})", "sequences {{instance}}")])
+                      (f"sum by (instance) (kvsparse_store_sequences{{{SEL}}})", "sequences {{instance}}"),
+                      (f"sum by (instance) (kvsparse_rpc_in_flight_request_bytes{{{SEL}}})", "appends in flight {{instance}}")])
     yield timeseries("Evictions and rejections", "Sequences evicted for room (evict-lru), appends refused (reject), idle resident entries evicted", "ops",
                      [(f"sum by (instance) (rate(kvsparse_store_evictions_total{{{SEL}}}[{RATE}]))", "store evictions {{instance}}"),
                       (f"sum by (instance) (rate(kvsparse_store_rejections_total{{{SEL}}}[{RATE}]))", "store rejections {{instance}}"),
