@@ -1,6 +1,5 @@
 #include "server/kvstore_service.h"
 
-#include <algorithm>
 #include <optional>
 
 #include "absl/strings/numbers.h"
