@@ -529,16 +529,14 @@ void ReleaseEnginePlans(int64_t engine) {
 
 // An eager step's per-(sequence, kv head) figures (StatsTensor's rows) into the plan's
 // statistics in a captured plan's layout (StepPlan::eager_stats).
-void NoteEagerStats(StepPlan* p, int64_t layer, int64_t heads, const at::Tensor& stats) {
+void NoteEagerStats(StepPlan* p, int64_t layer, int64_t layers, int64_t heads,
+                    const at::Tensor& stats) {
   const int64_t B = static_cast<int64_t>(p->request.sequence_ids.size());
-  absl::StatusOr<std::vector<uint64_t>> lengths = p->engine->Lengths(p->request.sequence_ids[0]);
-  Check(lengths.status());
-  const int64_t layers = static_cast<int64_t>(lengths->size());
   std::lock_guard<std::mutex> lock(p->eager_mu);
   if (!p->eager_stats.defined()) {
     p->eager_stats = at::zeros({layers, en::StaticStep::kStatBlocks, B * heads}, at::kInt);
   }
-  if (layer >= layers || stats.size(0) > B * heads) return;
+  if (layer >= p->eager_stats.size(0) || stats.size(0) > B * heads) return;
   int32_t* block =
       p->eager_stats.data_ptr<int32_t>() + layer * en::StaticStep::kStatBlocks * B * heads;
   const int64_t* s = stats.data_ptr<int64_t>();
@@ -600,10 +598,12 @@ at::Tensor StepDecode(int64_t engine, int64_t handle, int64_t layer, const at::T
   call.method = r.method;
   call.seed = r.seed + (static_cast<uint64_t>(layer) << 32);  // as a captured step draws
   call.scale = r.scale;
+  int64_t layers = 0;
   for (int64_t b = 0; b < B; ++b) {
     const int64_t at = pos.data_ptr<int64_t>()[b];
     absl::StatusOr<std::vector<uint64_t>> lengths = p->engine->Lengths(r.sequence_ids[b]);
     Check(lengths.status());
+    layers = static_cast<int64_t>(lengths->size());
     if (static_cast<size_t>(layer) >= lengths->size() || at < 0 ||
         static_cast<uint64_t>(at) != (*lengths)[layer] ||
         static_cast<uint64_t>(at) >= r.max_tokens) {
@@ -615,7 +615,7 @@ at::Tensor StepDecode(int64_t engine, int64_t handle, int64_t layer, const at::T
     call.seed_offsets.push_back(static_cast<uint64_t>(at));
   }
   auto [out, stats] = DecodeWith(p->engine.get(), std::move(call), q, new_k, new_v);
-  NoteEagerStats(p.get(), layer, q.size(1), stats);
+  NoteEagerStats(p.get(), layer, layers, q.size(1), stats);
   return out;
 }
 

@@ -124,9 +124,7 @@ class _Base:
     def _call(self, fn: Callable[..., T], request: Any, timeout: float | None,
               metadata: tuple[tuple[str, str], ...] = ()) -> T:
         try:
-            if metadata:
-                return fn(request, timeout=self.timeout if timeout is None else timeout, metadata=metadata)
-            return fn(request, timeout=self.timeout if timeout is None else timeout)
+            return fn(request, timeout=self.timeout if timeout is None else timeout, metadata=metadata or None)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
 
