@@ -73,6 +73,7 @@ import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -85,6 +86,7 @@ from kvsparse.torch import ops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import floor_decode  # noqa: E402  (the floor baseline beside this file)
+import trace_summary  # noqa: E402
 
 # Baselines a pass's ratios are taken against, strongest first.
 BASELINES = ("flash", "resident", "compiled")
@@ -217,22 +219,27 @@ def decode_loop(model, cache, batch: int, n: int, warmup: int, steps: int, call=
 
 def profile_steps(model, cache, batch: int, n: int, first: int, call, path: str) -> None:
     """Three more steps under torch.profiler: where a step's time goes (host and device)."""
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     gpu = model.device.type == "cuda"
     ids = torch.randint(2, model.config.vocab_size, (batch, 1), device=model.device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     with torch.no_grad(), profile(activities=activities) as prof:
         for t in range(first, first + 3):
-            ids = step(model, cache, ids, n + t, call)
-        if gpu:
-            torch.cuda.synchronize()
+            with record_function("e2e.step"):
+                ids = step(model, cache, ids, n + t, call)
+                if gpu:
+                    torch.cuda.synchronize()
+    trace = str(Path(path).with_suffix(".json.gz"))
+    prof.export_chrome_trace(trace)
+    summary = trace_summary.summarize(trace_summary.load(trace), 3, "e2e.step")
     with open(path, "w") as f:
+        f.write(json.dumps(summary, indent=1) + "\n\n")
         f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=40))
         if gpu:  # the kernels, by their own time on the device
             f.write("\n\n")
             f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=50, max_name_column_width=90))
-    log(f"# profile of 3 steps written to {path}")
+    log(f"# profile of 3 steps written to {path} (trace {trace}): {json.dumps(summary)[:600]}")
 
 
 def kv_bytes(layers: int, batch: int, kv_heads: int, n: int, d: int) -> int:

@@ -70,6 +70,9 @@ def main() -> None:
                     help="vLLM's KV budget for kvsparse-store rows (its cache keeps 2 elements a token and kv head)")
     ap.add_argument("--chunk", type=int, default=8192, help="vLLM's max_num_batched_tokens (prompt chunk)")
     ap.add_argument("--hbm_gbps", type=float, default=4800.0, help="H200: 4.8 TB/s")
+    ap.add_argument("--profile_steps", type=int, default=0,
+                    help="torch.profiler over this many decode steps of each row (after 8 of them): a Chrome "
+                         "trace beside --out and its summary in the row (tests/bench/trace_summary.py)")
     ap.add_argument("--timeout", type=int, default=540)
     ap.add_argument("--out", default="vllm-gpu-bench.json")
     args = ap.parse_args()
@@ -96,6 +99,10 @@ def main() -> None:
                     "max_num_batched_tokens": args.chunk, "gpu_memory_utilization": args.gpu_memory_utilization,
                     "kv_cache_memory_bytes": budget or None, "kvsparse": method, "kvsparse_env": env,
                 }
+                if args.profile_steps:
+                    name = backend.split(":", 1)[0]
+                    spec["profile"] = {"after": -(-n * b // args.chunk) + 8, "steps": args.profile_steps,
+                                       "trace": str(Path(args.out).with_name(f"trace-{n}-{b}-{name}.json.gz"))}
                 out = run(spec, args.timeout)
                 row = {"n": n, "batch": b, "backend": backend, "command": command}
                 if "error" in out:
@@ -115,6 +122,7 @@ def main() -> None:
                     kvsparse_gpu_state_bytes=gpu_state, vllm_kv_capacity_tokens=out["kv_cache_gpu_tokens"],
                     floor_ms=1e3 * (weights + n * b * kv_token) / (args.hbm_gbps * 1e9),
                     cudagraph_mode=out["cudagraph_mode"], kvsparse=out.get("kvsparse"),
+                    profile=out.get("profile"),
                 )
                 print(json.dumps(row), flush=True)
                 rows.append(row)

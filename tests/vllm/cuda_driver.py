@@ -66,8 +66,60 @@ def kvsparse_counters(w: object) -> dict:
     return out
 
 
+class StepProfiler:
+    """torch.profiler over `steps` of the engine's steps after the first `after` (the offline
+    engine's step, wrapped on the instance): each step the range "driver.step"."""
+
+    def __init__(self, llm: "LLM", after: int, steps: int, trace: str) -> None:
+        self.engine, self.after, self.steps, self.trace = llm.llm_engine, after, steps, trace
+        self.inner = self.engine.step
+        self.engine.step = self.step
+        self.n = 0
+        self.prof = None
+        self.summary: dict | None = None
+
+    def step(self):  # type: ignore[no-untyped-def]
+        import torch
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        if self.n == self.after:
+            self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            self.prof.__enter__()
+        self.n += 1
+        if self.prof is None or self.summary is not None:
+            return self.inner()
+        with record_function("driver.step"):
+            out = self.inner()
+        if self.n == self.after + self.steps:
+            torch.cuda.synchronize()
+            self.prof.__exit__(None, None, None)
+            self.prof.export_chrome_trace(self.trace)
+            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+            from trace_summary import load, summarize
+
+            self.summary = summarize(load(self.trace), self.steps, "driver.step")
+        return out
+
+
+def annotate_attention() -> None:
+    """kvsparse's attention calls as the profiler's range "kvsparse.attention" (profiled jobs)."""
+    from torch.profiler import record_function
+
+    from kvsparse.vllm import cuda_backend
+
+    forward = cuda_backend.KvSparseCudaImpl.forward
+
+    def annotated(self, *a, **k):  # type: ignore[no-untyped-def]
+        with record_function("kvsparse.attention"):
+            return forward(self, *a, **k)
+
+    cuda_backend.KvSparseCudaImpl.forward = annotated
+
+
 def main() -> None:
     job = JOB
+    if job.get("profile") and job.get("kvsparse"):
+        annotate_attention()
     extra: dict = {}
     if job.get("kvsparse"):
         from kvsparse.vllm import engine_args
@@ -91,6 +143,10 @@ def main() -> None:
         seed=0,
         **extra,
     )
+    profiler = None
+    if job.get("profile"):
+        pj = job["profile"]
+        profiler = StepProfiler(llm, pj["after"], pj["steps"], pj["trace"])
     ps = prompts(job)
     n = job["max_tokens"]
     counts = n if isinstance(n, list) else [n] * len(ps)
@@ -123,6 +179,8 @@ def main() -> None:
         "kv_cache_gpu_tokens": int(getattr(config.cache_config, "num_gpu_blocks", 0) or 0)
         * int(config.cache_config.block_size),
     }
+    if profiler is not None:
+        result["profile"] = profiler.summary
     if job.get("logprobs"):  # per request and position: {token: logprob} of vLLM's top tokens
         result["logprobs"] = [
             [{str(t): float(lp.logprob) for t, lp in pos.items()} for pos in o.outputs[0].logprobs] for o in outs
