@@ -291,6 +291,7 @@ class HeldStep final : public StaticStep {
   uint32_t num_kv_heads() const override { return inner_->num_kv_heads(); }
   uint32_t head_dim() const override { return inner_->head_dim(); }
   uint64_t device_bytes() const override { return inner_->device_bytes(); }
+  LayerGraphCounts layer_graph_counts() const override { return inner_->layer_graph_counts(); }
 
  private:
   std::unique_ptr<StaticStep> inner_;

@@ -52,6 +52,17 @@ struct StaticStepRequest {
   // at the end of the last layer, so a graph must capture whole steps). false: every layer's
   // fetch translates cold.
   bool warm_pages = true;
+  // With warm_pages: layer l + 1's warm starts where layer l's step begins instead of after its
+  // kernels, beside them (longer ahead of its fetch; its reads then share the host link's
+  // translations with layer l's fetch). Off by default: an experiment (docs/PERF.md).
+  bool warm_ahead = false;
+  // Enqueue called outside a stream capture (a model server running attention eagerly between
+  // its own graphs): the second call of a layer with the same q, new_k, new_v, positions and
+  // out records that layer's kernels as a CUDA graph, and later calls with them replay it, one
+  // launch instead of a dozen (the host's share of an eager step: docs/PERF.md, "The flagship
+  // inside vLLM: where the host's time went"). Calls inside a capture (the caller records whole
+  // steps) are unchanged. false: every call outside a capture launches its kernels.
+  bool layer_graphs = true;
 };
 
 class StaticStep {
@@ -82,6 +93,12 @@ class StaticStep {
   // Device memory the plan itself holds beside the engine's sequences (every layer's tables,
   // statistics and buffers, the region the layers share, the control block).
   virtual uint64_t device_bytes() const = 0;
+  // Layer graphs (StaticStepRequest::layer_graphs) recorded and replayed so far.
+  struct LayerGraphCounts {
+    uint64_t recorded = 0;
+    uint64_t replayed = 0;
+  };
+  virtual LayerGraphCounts layer_graph_counts() const = 0;
 };
 
 }  // namespace kvsparse::engine

@@ -451,7 +451,8 @@ std::shared_ptr<StepPlan> FindPlan(int64_t engine, int64_t handle) {
 
 int64_t PlanSteps(int64_t handle, const std::vector<std::string>& sequence_ids,
                   const std::string& method, int64_t max_tokens, int64_t seed, double scale,
-                  const std::string& dtype, bool eager, bool warm_pages) {
+                  const std::string& dtype, bool eager, bool warm_pages, bool layer_graphs,
+                  bool warm_ahead) {
   std::shared_ptr<OpEngine> e = Find(handle);
   if (max_tokens <= 0 || max_tokens > (int64_t{1} << 30)) {  // scale: the engine's rule
     Invalid("max_tokens (1 .. 2^30) out of range");
@@ -467,6 +468,8 @@ int64_t PlanSteps(int64_t handle, const std::vector<std::string>& sequence_ids,
   r.scale = static_cast<float>(scale);
   r.dtype = DTypeNamed(dtype);
   r.warm_pages = warm_pages;
+  r.layer_graphs = layer_graphs;
+  r.warm_ahead = warm_ahead;
   for (const std::string& id : sequence_ids) RefuseHeld(*e, id);  // one plan per sequence
   if (eager) {
     plan->eager_reason = "eager steps asked for";
@@ -546,11 +549,12 @@ void NoteEagerStats(StepPlan* p, int64_t layer, int64_t layers, int64_t heads,
   }
 }
 
-// One layer of a planned step: q [B, H, d], new_k / new_v [B, Hkv, d], positions [B] int64 (each
-// sequence's length before the step). Returns the output [B, H, d].
-at::Tensor StepDecode(int64_t engine, int64_t handle, int64_t layer, const at::Tensor& q,
-                      const at::Tensor& new_k, const at::Tensor& new_v,
-                      const at::Tensor& positions) {
+// One layer of a planned step into `out` (undefined: a new tensor): q [B, H, d], new_k / new_v
+// [B, Hkv, d], positions [B] int64 (each sequence's length before the step). Returns the output
+// [B, H, d].
+at::Tensor StepDecodeTo(int64_t engine, int64_t handle, int64_t layer, const at::Tensor& q,
+                        const at::Tensor& new_k, const at::Tensor& new_v,
+                        const at::Tensor& positions, at::Tensor out) {
   std::shared_ptr<StepPlan> p = FindPlan(engine, handle);
   const en::StaticStepRequest& r = p->request;
   const int64_t B = static_cast<int64_t>(r.sequence_ids.size());
@@ -583,7 +587,12 @@ at::Tensor StepDecode(int64_t engine, int64_t handle, int64_t layer, const at::T
     }
     const at::Tensor qc = q.contiguous(), kc = new_k.contiguous(), vc = new_v.contiguous();
     const at::Tensor pc = positions.contiguous();
-    at::Tensor out = at::empty_like(qc);
+    if (!out.defined()) {
+      out = at::empty_like(qc);
+    } else if (!out.is_contiguous() || !out.sizes().equals(q.sizes()) ||
+               out.scalar_type() != q.scalar_type() || out.device() != q.device()) {
+      Invalid("out must be contiguous, of q's shape, dtype and device");
+    }
     Check(p->captured->Enqueue(static_cast<uint32_t>(layer), qc.data_ptr(), kc.data_ptr(),
                                vc.data_ptr(), pc.data_ptr<int64_t>(), out.data_ptr(),
                                at::cuda::getCurrentCUDAStream(dev).stream()));
@@ -614,9 +623,34 @@ at::Tensor StepDecode(int64_t engine, int64_t handle, int64_t layer, const at::T
     }
     call.seed_offsets.push_back(static_cast<uint64_t>(at));
   }
-  auto [out, stats] = DecodeWith(p->engine.get(), std::move(call), q, new_k, new_v);
+  auto [res, stats] = DecodeWith(p->engine.get(), std::move(call), q, new_k, new_v);
   NoteEagerStats(p.get(), layer, layers, q.size(1), stats);
+  if (!out.defined()) return res;
+  out.copy_(res);
   return out;
+}
+
+at::Tensor StepDecode(int64_t engine, int64_t handle, int64_t layer, const at::Tensor& q,
+                      const at::Tensor& new_k, const at::Tensor& new_v,
+                      const at::Tensor& positions) {
+  return StepDecodeTo(engine, handle, layer, q, new_k, new_v, positions, at::Tensor());
+}
+
+// step_decode writing into out (a contiguous [B, H, d] of q's dtype and device): the caller's
+// buffer, no allocation or copy after the step.
+void StepDecodeInto(int64_t engine, int64_t handle, int64_t layer, const at::Tensor& q,
+                    const at::Tensor& new_k, const at::Tensor& new_v, const at::Tensor& positions,
+                    at::Tensor out) {
+  StepDecodeTo(engine, handle, layer, q, new_k, new_v, positions, out);
+}
+
+// A captured plan's layer graphs (StaticStepRequest::layer_graphs): [recorded, replayed]; an
+// eager plan's [0, 0].
+std::vector<int64_t> StepGraphCounts(int64_t engine, int64_t handle) {
+  std::shared_ptr<StepPlan> p = FindPlan(engine, handle);
+  if (p->captured == nullptr) return {0, 0};
+  const en::StaticStep::LayerGraphCounts c = p->captured->layer_graph_counts();
+  return {static_cast<int64_t>(c.recorded), static_cast<int64_t>(c.replayed)};
 }
 
 // Commits the rows the steps wrote (captured; eager steps are committed as they run); returns
@@ -923,16 +957,21 @@ TORCH_LIBRARY(kvsparse, m) {
       "str method, int seed, float scale) -> (Tensor, Tensor)");
   m.def(
       "plan_steps(int engine, str[] sequence_ids, str method, int max_tokens, "
-      "int seed, float scale, str dtype, bool eager=False, bool warm_pages=True) -> int",
+      "int seed, float scale, str dtype, bool eager=False, bool warm_pages=True, "
+      "bool layer_graphs=True, bool warm_ahead=False) -> int",
       &PlanSteps);
   m.def("step_plan_mode(int engine, int plan) -> str", &StepPlanMode);
   m.def("step_device_bytes(int engine, int plan) -> int", &StepDeviceBytes);
   m.def("release_steps(int engine, int plan) -> ()", &ReleaseSteps);
   m.def("commit_steps(int engine, int plan) -> int[]", &CommitSteps);
   m.def("step_stats(int engine, int plan) -> Tensor", &StepStats);
+  m.def("step_graph_counts(int engine, int plan) -> int[]", &StepGraphCounts);
   m.def(
       "step_decode(int engine, int plan, int layer, Tensor q, Tensor new_k, Tensor new_v, "
       "Tensor positions) -> Tensor");
+  m.def(
+      "step_decode_into(int engine, int plan, int layer, Tensor q, Tensor new_k, Tensor new_v, "
+      "Tensor positions, Tensor(a!) out) -> ()");
   m.def(
       "sale_prefill(Tensor q, Tensor k, Tensor v, float[] tau, float scale, int block_q, "
       "int block_k, int sink_tokens, int local_tokens) -> (Tensor, Tensor)",
@@ -950,11 +989,13 @@ TORCH_LIBRARY_IMPL(kvsparse, CPU, m) {
   m.impl("append", &Append);
   m.impl("decode", &Decode);
   m.impl("step_decode", &StepDecode);
+  m.impl("step_decode_into", &StepDecodeInto);
 }
 TORCH_LIBRARY_IMPL(kvsparse, CUDA, m) {
   m.impl("append", &Append);
   m.impl("decode", &Decode);
   m.impl("step_decode", &StepDecode);
+  m.impl("step_decode_into", &StepDecodeInto);
 }
 
 }  // namespace kvsparse::torch_ops

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <string>
 #include <vector>
 
@@ -64,7 +65,11 @@ class GpuStaticStep final : public StaticStep {
         if (stale[b]) state_->Forget(descs_[b].sequence_id);
       }
     }
+    for (const auto& ly : layers_) {
+      for (const LayerGraph& g : ly->graphs) cudaGraphExecDestroy(g.exec);
+    }
     layers_.clear();
+    if (graph_stream_ != nullptr) cudaStreamDestroy(graph_stream_);
     if (warm_join_ != nullptr) cudaEventDestroy(warm_join_);
     if (warm_fork_ != nullptr) cudaEventDestroy(warm_fork_);
     if (warm_stream_ != nullptr) cudaStreamDestroy(warm_stream_);
@@ -195,80 +200,14 @@ class GpuStaticStep final : public StaticStep {
     // different tokens run to run; test_hf's planned-caches test, docs/data/planned-steps-race-*).
     cudaStream_t caller = stream != nullptr ? static_cast<cudaStream_t>(stream) : cudaStreamLegacy;
     Layer& ly = *layers_[layer];
-    LaunchPlan& lp = *ly.lp;
-    ly.call.q_device = q;
-    ly.call.out_device = out;
-    lp.set_stream(caller);
-    lp.BeginPass(static_cast<char*>(ly.scratch.ptr), nullptr);
-    kc::StepAppendParams p;
-    p.zero = lp.stats();  // the statistics, zeroed by the step
-    p.zero_words = static_cast<int32_t>(lp.stats_bytes() / sizeof(int32_t));
-    p.batch = B_;
-    p.num_kv_heads = lp.hkv;
-    p.row_bytes = static_cast<int32_t>(lp.row);
-    p.positions = positions;
-    p.new_k = new_k;
-    p.new_v = new_v;
-    p.k_heads = lp.k_tier() == kDeviceTier ? lp.k_heads_table() : nullptr;
-    p.v_heads = lp.v_tier() == kDeviceTier ? lp.v_heads_table() : nullptr;
-    p.pages.tables = lp.page_lists();
-    p.pages.page_shift = Log2(descs_[0].page_tokens);
-    p.pages.slot_bytes = static_cast<int32_t>(2 * lp.row);
-    p.floor = floor();
-    p.top = top(layer);
-    p.max_tokens = static_cast<int64_t>(req_.max_tokens);
-    p.error = error();
-    p.seq_lens = lp.lens_table();
-    p.seeds = lp.seeds_table();
-    p.seed = req_.seed + (static_cast<uint64_t>(layer) << 32);  // layers draw apart
-    if (warm_) {  // stops the side stream's warm of this layer's pages (WarmNextLayer)
-      p.progress = progress();
-      p.layer = static_cast<int32_t>(layer);
+    const bool warm_next = warm_ && layer + 1 < L_;
+    if (warm_next && req_.warm_ahead) {
+      if (absl::Status s = WarmNextLayer(layer + 1, caller); !s.ok()) return s;
     }
-    if (sign_keys_) {
-      const size_t row_stride = static_cast<size_t>(lp.hkv) * lp.row;
-      for (int32_t b = 0; b < B_; ++b) {
-        kc::SimHashSignParams sp;
-        sp.num_seqs = 1;
-        sp.heads = lp.hkv;
-        sp.group = 1;
-        sp.dim = lp.d;
-        sp.bits = words_ * 32;
-        sp.dtype = lp.dtype;
-        sp.x = static_cast<const char*>(new_k) + b * row_stride;
-        sp.planes = ly.planes;
-        sp.max_norm = ly.norms[b];
-        sp.out = static_cast<uint32_t*>(sigs_.ptr) + static_cast<size_t>(b) * lp.hkv * words_;
-        sp.out_batch_stride = static_cast<int64_t>(lp.hkv) * words_;
-        sp.out_head_stride = words_;
-        KVS_CUDA_OK(kc::SimHashSign(sp, lp.stream()), "SimHashSign (the step's keys)");
-      }
-      p.new_sigs = static_cast<const uint32_t*>(sigs_.ptr);
-      p.sig_heads = lp.sig_heads_table();
-      p.sig_words = words_;
+    if (absl::Status s = RunLayer(ly, layer, {q, new_k, new_v, positions, out}, caller); !s.ok()) {
+      return s;
     }
-    KVS_CUDA_OK(kc::StepAppend(p, lp.stream()), "StepAppend");
-    if (ck_block_bytes_ > 0) {  // the placement keeps compressed keys: the step's key joins them
-      kc::CompressedKeyStepParams cp;
-      cp.batch = B_;
-      cp.num_kv_heads = lp.hkv;
-      cp.head_dim = lp.d;
-      cp.bits = static_cast<int32_t>(descs_[0].placement.compressed_key_bits);
-      cp.group = kernels::kKeyGroupTokens;
-      cp.dtype = lp.dtype;
-      cp.new_k = new_k;
-      cp.seq_lens = lp.lens_table();
-      cp.tails = lp.ck_tails_table();
-      cp.group_heads = lp.ck_heads_table();
-      cp.block_bytes = static_cast<int64_t>(ck_block_bytes_);
-      KVS_CUDA_OK(kc::AppendCompressedKeyStep(cp, lp.stream()), "AppendCompressedKeyStep");
-    }
-    size_t bytes = 0, transient = 0;
-    if (absl::Status s = Carve(ly, &bytes, &transient); !s.ok()) return s;
-    if (bytes != ly.method_bytes) {
-      return absl::InternalError("a captured step's buffers changed size between plan and run");
-    }
-    if (warm_ && layer + 1 < L_) return WarmNextLayer(layer + 1, caller);
+    if (warm_next) return req_.warm_ahead ? absl::OkStatus() : WarmNextLayer(layer + 1, caller);
     if (warm_pending_) {  // the last layer: the side stream's work joins the caller's stream
       KVS_CUDA_OK(cudaStreamWaitEvent(caller, warm_join_, 0), "side stream join");
       warm_pending_ = false;
@@ -346,6 +285,10 @@ class GpuStaticStep final : public StaticStep {
   uint32_t num_q_heads() const override { return descs_[0].shape.num_q_heads; }
   uint32_t num_kv_heads() const override { return descs_[0].shape.num_kv_heads; }
   uint32_t head_dim() const override { return descs_[0].shape.head_dim; }
+  LayerGraphCounts layer_graph_counts() const override {
+    std::lock_guard<std::mutex> lock(*mu_);
+    return graph_counts_;
+  }
   uint64_t device_bytes() const override {
     uint64_t bytes = shared_bytes_ + control_bytes_ + sig_bytes_;
     for (const auto& ly : layers_) bytes += ly->lp->method_offset() + ly->method_bytes;
@@ -353,6 +296,16 @@ class GpuStaticStep final : public StaticStep {
   }
 
  private:
+  // A layer call's buffers: q, new_k, new_v, positions, out.
+  using Buffers = std::array<const void*, 5>;
+
+  // A layer's kernels recorded for one set of buffers (RecordLayer).
+  struct LayerGraph {
+    Buffers io;
+    cudaGraphExec_t exec = nullptr;
+  };
+  static constexpr size_t kLayerGraphs = 4;
+
   struct Layer {
     DecodeCall call;
     SyncedBatch batch;
@@ -363,7 +316,152 @@ class GpuStaticStep final : public StaticStep {
     const float* planes = nullptr;    // SimHash planes of the layer (sign_keys_)
     std::vector<const float*> norms;  // each sequence's M of the layer (sign_keys_)
     kc::WarmPagedRowsParams warm;     // its pages, read ahead by the previous layer (warm_)
+    Buffers seen{};                   // the buffers of the last call without a graph
+    std::vector<LayerGraph> graphs;   // recorded for the buffers of earlier calls (layer_graphs)
   };
+
+  // The layer's kernels on `caller`: launched, or, outside a capture with layer graphs on,
+  // replayed from the layer's graph for these buffers (recorded at their second call: buffers
+  // seen once may not come back).
+  absl::Status RunLayer(Layer& ly, uint32_t layer, const Buffers& io, cudaStream_t caller) {
+    if (!req_.layer_graphs || Capturing(caller)) return LaunchLayer(ly, layer, io, caller);
+    for (const LayerGraph& g : ly.graphs) {
+      if (g.io == io) {
+        KVS_CUDA_OK(cudaGraphLaunch(g.exec, caller), "layer graph launch");
+        ++graph_counts_.replayed;
+        return absl::OkStatus();
+      }
+    }
+    if (ly.seen != io) {
+      ly.seen = io;
+      return LaunchLayer(ly, layer, io, caller);
+    }
+    return RecordLayer(ly, layer, io, caller);
+  }
+
+  // Records the layer's kernels for these buffers as a graph (on the plan's own stream, in a
+  // capture of this thread's), keeps it (kLayerGraphs a layer, the oldest dropped: an
+  // executable graph still in flight is freed when it completes) and launches it on `caller`.
+  absl::Status RecordLayer(Layer& ly, uint32_t layer, const Buffers& io, cudaStream_t caller) {
+    if (graph_stream_ == nullptr) {
+      KVS_CUDA_OK(cudaStreamCreateWithFlags(&graph_stream_, cudaStreamNonBlocking),
+                  "layer graph stream");
+    }
+    KVS_CUDA_OK(cudaStreamBeginCapture(graph_stream_, cudaStreamCaptureModeThreadLocal),
+                "layer graph capture");
+    const absl::Status launched = LaunchLayer(ly, layer, io, graph_stream_);
+    cudaGraph_t graph = nullptr;
+    const cudaError_t ended = cudaStreamEndCapture(graph_stream_, &graph);
+    if (!launched.ok() || ended != cudaSuccess) {
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      cudaGetLastError();
+      if (!launched.ok()) return launched;
+      KVS_CUDA_OK(ended, "layer graph capture");
+    }
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+    cudaGraphDestroy(graph);
+    KVS_CUDA_OK(made, "layer graph instantiate");
+    if (ly.graphs.size() == kLayerGraphs) {
+      cudaGraphExecDestroy(ly.graphs.front().exec);
+      ly.graphs.erase(ly.graphs.begin());
+    }
+    ly.graphs.push_back({io, exec});
+    ++graph_counts_.recorded;
+    KVS_CUDA_OK(cudaGraphLaunch(exec, caller), "layer graph launch");
+    ++graph_counts_.replayed;
+    return absl::OkStatus();
+  }
+
+  // Whether `s` is being captured (or cannot be asked: treated as captured, launched as is).
+  static bool Capturing(cudaStream_t s) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(s, &status) != cudaSuccess) {
+      cudaGetLastError();  // not left for the next launch's check
+      return true;
+    }
+    return status != cudaStreamCaptureStatusNone;
+  }
+
+  // The layer's kernels, launched on `stream`: the step's token appended, the method's kernels.
+  absl::Status LaunchLayer(Layer& ly, uint32_t layer, const Buffers& io, cudaStream_t stream) {
+    const auto [q, new_k, new_v, pos, out] = io;
+    const int64_t* positions = static_cast<const int64_t*>(pos);
+    LaunchPlan& lp = *ly.lp;
+    ly.call.q_device = q;
+    ly.call.out_device = const_cast<void*>(out);
+    lp.set_stream(stream);
+    lp.BeginPass(static_cast<char*>(ly.scratch.ptr), nullptr);
+    kc::StepAppendParams p;
+    p.zero = lp.stats();  // the statistics, zeroed by the step
+    p.zero_words = static_cast<int32_t>(lp.stats_bytes() / sizeof(int32_t));
+    p.batch = B_;
+    p.num_kv_heads = lp.hkv;
+    p.row_bytes = static_cast<int32_t>(lp.row);
+    p.positions = positions;
+    p.new_k = new_k;
+    p.new_v = new_v;
+    p.k_heads = lp.k_tier() == kDeviceTier ? lp.k_heads_table() : nullptr;
+    p.v_heads = lp.v_tier() == kDeviceTier ? lp.v_heads_table() : nullptr;
+    p.pages.tables = lp.page_lists();
+    p.pages.page_shift = Log2(descs_[0].page_tokens);
+    p.pages.slot_bytes = static_cast<int32_t>(2 * lp.row);
+    p.floor = floor();
+    p.top = top(layer);
+    p.max_tokens = static_cast<int64_t>(req_.max_tokens);
+    p.error = error();
+    p.seq_lens = lp.lens_table();
+    p.seeds = lp.seeds_table();
+    p.seed = req_.seed + (static_cast<uint64_t>(layer) << 32);  // layers draw apart
+    if (warm_) {  // stops the side stream's warm of this layer's pages (WarmNextLayer)
+      p.progress = progress();
+      p.layer = static_cast<int32_t>(layer);
+    }
+    if (sign_keys_) {
+      const size_t row_stride = static_cast<size_t>(lp.hkv) * lp.row;
+      for (int32_t b = 0; b < B_; ++b) {
+        kc::SimHashSignParams sp;
+        sp.num_seqs = 1;
+        sp.heads = lp.hkv;
+        sp.group = 1;
+        sp.dim = lp.d;
+        sp.bits = words_ * 32;
+        sp.dtype = lp.dtype;
+        sp.x = static_cast<const char*>(new_k) + b * row_stride;
+        sp.planes = ly.planes;
+        sp.max_norm = ly.norms[b];
+        sp.out = static_cast<uint32_t*>(sigs_.ptr) + static_cast<size_t>(b) * lp.hkv * words_;
+        sp.out_batch_stride = static_cast<int64_t>(lp.hkv) * words_;
+        sp.out_head_stride = words_;
+        KVS_CUDA_OK(kc::SimHashSign(sp, lp.stream()), "SimHashSign (the step's keys)");
+      }
+      p.new_sigs = static_cast<const uint32_t*>(sigs_.ptr);
+      p.sig_heads = lp.sig_heads_table();
+      p.sig_words = words_;
+    }
+    KVS_CUDA_OK(kc::StepAppend(p, lp.stream()), "StepAppend");
+    if (ck_block_bytes_ > 0) {  // the placement keeps compressed keys: the step's key joins them
+      kc::CompressedKeyStepParams cp;
+      cp.batch = B_;
+      cp.num_kv_heads = lp.hkv;
+      cp.head_dim = lp.d;
+      cp.bits = static_cast<int32_t>(descs_[0].placement.compressed_key_bits);
+      cp.group = kernels::kKeyGroupTokens;
+      cp.dtype = lp.dtype;
+      cp.new_k = new_k;
+      cp.seq_lens = lp.lens_table();
+      cp.tails = lp.ck_tails_table();
+      cp.group_heads = lp.ck_heads_table();
+      cp.block_bytes = static_cast<int64_t>(ck_block_bytes_);
+      KVS_CUDA_OK(kc::AppendCompressedKeyStep(cp, lp.stream()), "AppendCompressedKeyStep");
+    }
+    size_t bytes = 0, transient = 0;
+    if (absl::Status s = Carve(ly, &bytes, &transient); !s.ok()) return s;
+    if (bytes != ly.method_bytes) {
+      return absl::InternalError("a captured step's buffers changed size between plan and run");
+    }
+    return absl::OkStatus();
+  }
 
   // Layer l's warm (WarmNextLayer) where its K or V rows are in the store's pages (host memory
   // read over the host link) and the request asks for it.
@@ -480,6 +578,9 @@ class GpuStaticStep final : public StaticStep {
   bool warm_pending_ = false;  // side work not yet joined to the caller's stream
   cudaStream_t warm_stream_ = nullptr;
   cudaEvent_t warm_fork_ = nullptr, warm_join_ = nullptr;
+  // Layer graphs (RunLayer): the stream they are recorded on, and their counts.
+  cudaStream_t graph_stream_ = nullptr;
+  LayerGraphCounts graph_counts_;
 };
 
 }  // namespace

@@ -1080,6 +1080,8 @@ void CapturedStepsEqualEagerCalls(const Method& m, const kvstore::Placement& p,
   std::vector<uint16_t> first(dp.num_q_heads * dp.head_dim);
   ASSERT_EQ(cudaMemcpy(first.data(), out.p, first.size() * 2, cudaMemcpyDeviceToHost), cudaSuccess);
   for (uint16_t x : first) ASSERT_EQ(x, 0) << what;
+  // Called inside the caller's capture: no layer graphs of the plan's own.
+  EXPECT_EQ(step.layer_graph_counts().recorded, 0u) << what;
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
@@ -1139,6 +1141,93 @@ TEST_F(GpuEngineTest, CapturedStepsOverCompressedKeys) {
     santa.santa.proposal = kernels::SantaProposal::kGroupMixture;
     CapturedStepsEqualEagerCalls(santa, p, {1020}, 0.02, "S2ANTA-prop, group mixture" + b);
   }
+}
+
+// Layer graphs (StaticStepRequest::layer_graphs): the flagship's plan called layer by layer
+// outside any capture, the same buffers each step, records each layer's kernels at its second
+// call and replays them from then on; its outputs and committed rows are those of the same plan
+// with the graphs off (two rigs, the same sequences and seed). Another out buffer is launched
+// once, then recorded too.
+TEST_F(GpuEngineTest, LayerGraphsReplayTheLaunchedKernels) {
+  auto a = Rig::Make(), b = Rig::Make();
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  kvstore::Placement p;
+  p.compressed_key_bits = 2;
+  const std::vector<int32_t> lens = {250, 1020};
+  auto prob = Problem(lens);
+  a->Load(prob, p);
+  b->Load(prob, p);
+  const kernels::DecodeProblem& dp = prob.problem;
+  const int32_t B = dp.batch;
+  const size_t row = static_cast<size_t>(dp.head_dim) * 2;
+  const size_t q_bytes = static_cast<size_t>(B) * dp.num_q_heads * row;
+  const size_t kv_bytes = static_cast<size_t>(B) * dp.num_kv_heads * row;
+  StaticStepRequest req;
+  req.sequence_ids = {"s0", "s1"};
+  req.method = SantaMethod(1, 64);
+  req.method.santa.scores = kernels::ScoreSource::kCompressedKeys;
+  req.max_tokens = 2048;
+  req.seed = 77;
+  req.layer_graphs = false;
+  auto plan_a = a->gpu->PlanStatic(req);
+  req.layer_graphs = true;
+  auto plan_b = b->gpu->PlanStatic(req);
+  ASSERT_TRUE(plan_a.ok() && plan_b.ok()) << plan_a.status() << plan_b.status();
+  StaticStep &eager = **plan_a, &graphs = **plan_b;
+  Dev q(q_bytes), nk(kv_bytes), nv(kv_bytes), pos(sizeof(int64_t) * B);
+  Dev out_a(kLayers * q_bytes), out_b(2 * kLayers * q_bytes);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  constexpr int kSteps = 8, kMoved = 5;  // steps kMoved.. write the second half of out_b
+  std::vector<uint8_t> hk(kv_bytes), hv(kv_bytes), hq(prob.q);
+  std::vector<int64_t> hp(B);
+  for (int st = 0; st < kSteps; ++st) {
+    for (size_t i = 0; i < kv_bytes / 2; ++i) {
+      kernels::StoreFromFloat(hk.data(), i, DType::kBf16, std::sin(0.37f * i + st));
+      kernels::StoreFromFloat(hv.data(), i, DType::kBf16, std::cos(0.11f * i - st));
+    }
+    for (size_t i = 0; i < q_bytes / 2; ++i) {
+      const float x = kernels::LoadAsFloat(prob.q.data(), i, DType::kBf16);
+      kernels::StoreFromFloat(hq.data(), i, DType::kBf16, x + 0.05f * std::sin(0.7f * i + st));
+    }
+    for (int32_t i = 0; i < B; ++i) hp[i] = lens[i] + st;
+    ASSERT_EQ(cudaMemcpy(q.p, hq.data(), q_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(nk.p, hk.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(nv.p, hv.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(pos.p, hp.data(), sizeof(int64_t) * B, cudaMemcpyHostToDevice),
+              cudaSuccess);
+    char* ob = out_b.as<char>() + (st >= kMoved ? kLayers * q_bytes : 0);
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      ASSERT_TRUE(eager
+                      .Enqueue(l, q.p, nk.p, nv.p, pos.as<int64_t>(),
+                               out_a.as<char>() + l * q_bytes, stream)
+                      .ok());
+      ASSERT_TRUE(
+          graphs.Enqueue(l, q.p, nk.p, nv.p, pos.as<int64_t>(), ob + l * q_bytes, stream).ok());
+    }
+    ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    std::string ga(kLayers * q_bytes, '\0'), gb(kLayers * q_bytes, '\0');
+    ASSERT_EQ(cudaMemcpy(ga.data(), out_a.p, ga.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(gb.data(), ob, gb.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    for (uint32_t l = 0; l < kLayers; ++l) {
+      EXPECT_LT(
+          RelL2(gb.substr(l * q_bytes, q_bytes), ga.substr(l * q_bytes, q_bytes), DType::kBf16),
+          1e-5)
+          << "step " << st << " layer " << l;
+    }
+    // Recorded at the second call with the same buffers: steps 1 and kMoved + 1.
+    const uint64_t recorded = kLayers * ((st >= 1) + (st >= kMoved + 1));
+    const uint64_t replayed = kLayers * (st - (st >= kMoved ? 1 : 0));
+    EXPECT_EQ(graphs.layer_graph_counts().recorded, recorded) << "step " << st;
+    EXPECT_EQ(graphs.layer_graph_counts().replayed, replayed) << "step " << st;
+  }
+  EXPECT_EQ(eager.layer_graph_counts().recorded, 0u);
+  auto la = eager.Commit(stream), lb = graphs.Commit(stream);
+  ASSERT_TRUE(la.ok() && lb.ok()) << la.status() << lb.status();
+  EXPECT_EQ(*la, *lb);
+  ExpectSameRows(*a, *b, lens, kSteps, dp.num_kv_heads, row, "layer graphs");
+  cudaStreamDestroy(stream);
 }
 
 // The layers of a captured plan share one region for their scores (B x H x max_tokens floats

@@ -4,8 +4,8 @@ one JSON line: the generated token ids per prompt, seconds, vLLM's CUDA-graph mo
 time per token of each request (vLLM's own timestamps: first to last token over the tokens after
 the first), with "logprobs": k vLLM's top-k log-probabilities at each generated position, and
 with "kvsparse" in the job (a method text) kvsparse's worker figures: the requests whose sequences
-are live at the end, plans made, requests restarted, and kvsparse's counters as vLLM's /metrics
-would serve them.
+are live at the end, plans made, requests restarted, layer graphs recorded and replayed, and
+kvsparse's counters as vLLM's /metrics would serve them.
 
 vLLM runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) so the worker's state can be read.
 Job fields: model (a directory with config.json; load_format "dummy" gives random weights without
@@ -197,6 +197,8 @@ def main() -> None:
             "failed": sorted(w.failed),
             "sale_prefills": w.sale_prefills,
             "engine_memory": w.engine().memory() if w._engine is not None else {},
+            # recorded and replayed, by the plans closed and those still live
+            "layer_graphs": [sum(x) for x in zip(w.layer_graphs, *(p.steps.graph_counts() for p in w.plans.values()))],
             "metrics": kvsparse_counters(w),
         }
     print(json.dumps(result))

@@ -304,6 +304,30 @@ def test_planned_steps_equal_decode_calls() -> None:
             steps.decode(0, q, nk, nv, torch.tensor([103]))
 
 
+def test_planned_steps_write_into_out() -> None:
+    """decode(..., out=) writes the step's output into the caller's tensor (what the return
+    value would hold) and returns it; a tensor of another shape is refused."""
+    with ops.InProcessEngine(store_capacity="256M", gpu="off") as a, ops.InProcessEngine(
+        store_capacity="256M", gpu="off"
+    ) as b:
+        _load_all_layers(a, 64, "cpu")
+        _load_all_layers(b, 64, "cpu")
+        with a.plan_steps(["s0"], kvsparse.Dense(), max_tokens=100) as sa, b.plan_steps(
+            ["s0"], kvsparse.Dense(), max_tokens=100
+        ) as sb:
+            assert sb.graph_counts() == (0, 0)  # eager steps record no graphs
+            out = torch.full((1, 8, 64), float("nan"), dtype=torch.bfloat16)
+            for step in range(2):
+                q, nk, nv = _step_tokens(step, 1, "cpu")
+                pos = torch.tensor([64 + step])
+                for layer in range(SHAPE.num_layers):
+                    want = sa.decode(layer, q, nk, nv, pos)
+                    assert sb.decode(layer, q, nk, nv, pos, out=out) is out
+                    assert torch.equal(out, want)
+            with pytest.raises(RuntimeError):  # [1, 8, 32]: not q's shape
+                sb.decode(0, q, nk, nv, torch.tensor([66]), out=torch.empty(1, 8, 32, dtype=torch.bfloat16))
+
+
 def test_compiled_step_has_no_graph_break() -> None:
     """A whole step (every layer) through the planned op compiles as one graph (fullgraph) and
     equals the eager step."""
@@ -393,6 +417,53 @@ def test_captured_steps_replay_in_a_cuda_graph(method, placement, warm_pages) ->
         steps.close()
         assert b.layer_lengths("s0") == [706, 706]
         b.drop_sequence("s0")  # released
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stream", ["default", "side"])
+def test_eager_calls_of_a_captured_plan_replay_layer_graphs(stream: str) -> None:
+    """A captured plan called layer by layer outside any graph (as vLLM calls attention between
+    its piecewise graphs) with the same tensors each step, S2ANTA over 2-bit keys with K and V in
+    host memory: each layer's kernels are recorded as a CUDA graph at the second step and
+    replayed after; the outputs equal eager decode calls of a twin engine, on PyTorch's default
+    stream and on another; a plan with layer_graphs=False records none."""
+    method = kvsparse.Santa(samples=32, scores="compressed")
+    placement = kvsparse.Placement(compressed_key_bits=2)
+    with ops.InProcessEngine(store_capacity="1G", gpu="on") as a, ops.InProcessEngine(
+        store_capacity="1G", gpu="on"
+    ) as b:
+        _load_all_layers(a, 700, "cuda", placement)
+        _load_all_layers(b, 700, "cuda", placement)
+        side = torch.cuda.Stream() if stream == "side" else torch.cuda.current_stream()
+        with b.plan_steps(["s0"], method, max_tokens=1024, seed=3) as steps, torch.cuda.stream(side):
+            assert steps.captured, steps.mode
+            q, nk, nv = (t.clone() for t in _step_tokens(0, 1, "cuda"))
+            pos = torch.tensor([700], device="cuda")
+            outs = [torch.empty_like(q) for _ in range(SHAPE.num_layers)]
+            for step in range(5):
+                tq, tk, tv = _step_tokens(step, 1, "cuda")
+                q.copy_(tq)
+                nk.copy_(tk)
+                nv.copy_(tv)
+                pos.fill_(700 + step)
+                for layer in range(SHAPE.num_layers):
+                    steps.decode(layer, q, nk, nv, pos, out=outs[layer])
+                side.synchronize()
+                for layer in range(SHAPE.num_layers):
+                    want, _ = a.decode(layer, ["s0"], tq, method, new_k=tk, new_v=tv,
+                                       seed=3 + (layer << 32) + 700 + step)
+                    err = (outs[layer].double() - want.double()).norm() / want.double().norm()
+                    assert err < 2e-2, (step, layer, float(err))
+            L = SHAPE.num_layers
+            assert steps.graph_counts() == (L, 4 * L)  # recorded at step 1, replayed at steps 1-4
+            assert steps.commit() == [705]
+        with b.plan_steps(["s0"], method, max_tokens=1024, seed=3, layer_graphs=False) as steps:
+            for step in range(3):  # the same tensors again: launched each time
+                pos.fill_(705 + step)
+                for layer in range(SHAPE.num_layers):
+                    steps.decode(layer, q, nk, nv, pos, out=outs[layer])
+            assert steps.graph_counts() == (0, 0)
+            assert steps.commit() == [708]
 
 
 @pytest.mark.gpu

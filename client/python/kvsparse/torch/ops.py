@@ -111,6 +111,10 @@ def _register_fakes() -> None:
     def _(engine, plan, layer, q, new_k, new_v, positions):  # type: ignore[no-untyped-def]
         return torch.empty_like(q)
 
+    @torch.library.register_fake("kvsparse::step_decode_into")
+    def _(engine, plan, layer, q, new_k, new_v, positions, out):  # type: ignore[no-untyped-def]
+        return None
+
     @torch.library.register_fake("kvsparse::append")
     def _(engine, sequence_id, layer, k, v, expected_length):  # type: ignore[no-untyped-def]
         return None
@@ -325,12 +329,14 @@ class InProcessEngine(_Closing):
         dtype: str = "bf16",
         eager: bool = False,
         warm_pages: bool = True,
+        layer_graphs: bool = True,
+        warm_ahead: bool = False,
     ) -> "DecodeSteps":
         """Plans decode steps over a fixed batch of sequences (each already holding its prompt in
         every layer) whose lengths stay at or below ``max_tokens``: see ``DecodeSteps``."""
         return DecodeSteps(
             self, sequence_ids, method, max_tokens=max_tokens, seed=seed, scale=scale, dtype=dtype, eager=eager,
-            warm_pages=warm_pages,
+            warm_pages=warm_pages, layer_graphs=layer_graphs, warm_ahead=warm_ahead,
         )
 
     def decode(
@@ -395,9 +401,15 @@ class DecodeSteps(_Closing):
     with seed ``seed + l * 2**32 + p``. Where K or V rows are in host memory, a captured step
     reads one word of each page of the next layer on a side stream after each layer
     (``warm_pages``, on by default), so that the next layer's row fetch finds the host link's
-    address translations warm; the side stream joins at the last layer, so a graph must record
-    whole steps (layers 0 to L - 1 in order). While a captured plan lives, its sequences' own decode calls and drops are
-    refused; ``close`` (or leaving the ``with`` block) releases them.
+    address translations warm (``warm_ahead``: from the start of each layer instead, beside its
+    kernels; off by default); the side stream joins at the last layer, so a graph must record
+    whole steps (layers 0 to L - 1 in order). Called outside a graph (a model server running
+    attention eagerly between graphs of its own), a captured plan records a layer's kernels as a
+    CUDA graph the second time the layer is called with the same q, new_k, new_v, positions and
+    ``out`` tensors and replays it from then on: one launch instead of a dozen (``layer_graphs``,
+    on by default; ``graph_counts()`` says how many were recorded and replayed). While a captured
+    plan lives, its sequences' own decode calls and drops are refused; ``close`` (or leaving the
+    ``with`` block) releases them.
     """
 
     def __init__(
@@ -412,6 +424,8 @@ class DecodeSteps(_Closing):
         dtype: str = "bf16",
         eager: bool = False,
         warm_pages: bool = True,
+        layer_graphs: bool = True,
+        warm_ahead: bool = False,
     ) -> None:
         self._engine = engine
         self.sequence_ids = list(sequence_ids)
@@ -427,6 +441,8 @@ class DecodeSteps(_Closing):
             dtype,
             eager,
             warm_pages,
+            layer_graphs,
+            warm_ahead,
         )
         self.mode: str = torch.ops.kvsparse.step_plan_mode(engine.handle, self._plan)
 
@@ -442,11 +458,29 @@ class DecodeSteps(_Closing):
         return self._plan
 
     def decode(
-        self, layer: int, q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor, positions: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        new_k: torch.Tensor,
+        new_v: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One layer of a step: q [B, H, d], new_k / new_v [B, Hkv, d] (the step's token),
-        positions [B] int64 (the lengths before the step). Returns the output [B, H, d]."""
-        return _call(torch.ops.kvsparse.step_decode, self._engine.handle, self.plan, layer, q, new_k, new_v, positions)
+        positions [B] int64 (the lengths before the step). Returns the output [B, H, d]: ``out``
+        when given (contiguous, q's shape, dtype and device), written in place."""
+        if out is None:
+            return _call(torch.ops.kvsparse.step_decode, self._engine.handle, self.plan, layer, q, new_k, new_v,
+                         positions)
+        _call(torch.ops.kvsparse.step_decode_into, self._engine.handle, self.plan, layer, q, new_k, new_v, positions,
+              out)
+        return out
+
+    def graph_counts(self) -> tuple[int, int]:
+        """Layer graphs recorded and replayed by calls outside a graph (0, 0 for eager steps)."""
+        recorded, replayed = torch.ops.kvsparse.step_graph_counts(self._engine.handle, self.plan)
+        return int(recorded), int(replayed)
 
     def commit(self) -> list[int]:
         """Makes the rows the steps wrote the store's (waits for the current stream); returns each

@@ -58,10 +58,23 @@ from kvsparse.vllm.plugin import RequestSequence
 @dataclass
 class _Group:
     """The decode rows of one method in a step: their request ids, token indices and positions
-    (each sequence's length before the step) on the device."""
+    (each sequence's length before the step, pinned host memory until copied into the plan's
+    positions at the step's first layer)."""
 
     rids: list[str]
     tokens: torch.Tensor | slice
+    positions: torch.Tensor
+    staged: bool = False
+
+
+@dataclass
+class _Plan:
+    """A method's plan over its decoding requests, and the device tensor its steps read their
+    positions from (one tensor for the plan's life: its layers' calls see the same buffers step
+    after step and are replayed as CUDA graphs, kvsparse.torch.ops.DecodeSteps)."""
+
+    rids: list[str]
+    steps: Any
     positions: torch.Tensor
 
 
@@ -105,7 +118,7 @@ class CudaWorker:
 
     sequences: dict[str, RequestSequence] = field(default_factory=dict)
     methods: dict[str, str] = field(default_factory=dict)  # request id -> method text
-    plans: dict[str, tuple[list[str], Any]] = field(default_factory=dict)  # method text -> (rids, plan)
+    plans: dict[str, _Plan] = field(default_factory=dict)  # by method text
     rows: StepRows | None = None
     step: _Step | None = None
     restarts: int = 0
@@ -118,6 +131,7 @@ class CudaWorker:
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why
     first_blocks: dict[str, int] = field(default_factory=dict)  # request id -> its first KV block
     figures: dict[str, _PlanFigures] = field(default_factory=dict)  # by method text
+    layer_graphs: tuple[int, int] = (0, 0)  # layer graphs recorded and replayed by closed plans
     _engine: Any = None
 
     def engine(self) -> Any:
@@ -181,8 +195,8 @@ class CudaWorker:
 
     def forget(self, rid: str) -> None:
         """Drops a request's sequence, first ending any plan that holds it."""
-        for text, (rids, _) in list(self.plans.items()):
-            if rid in rids:
+        for text, held in list(self.plans.items()):
+            if rid in held.rids:
                 self.close_plan(text)
         seq = self.sequences.pop(rid, None)
         if seq is not None:
@@ -227,30 +241,37 @@ class CudaWorker:
     def close_plan(self, text: str) -> None:
         """Ends a plan, its written rows the store's. A step it refused (its sequences no longer
         whole) fails the plan's requests."""
-        rids, plan = self.plans.pop(text)
+        held = self.plans.pop(text)
         self.flush_figures(text)
+        recorded, replayed = held.steps.graph_counts()
+        self.layer_graphs = (self.layer_graphs[0] + recorded, self.layer_graphs[1] + replayed)
         try:
-            plan.commit()
+            held.steps.commit()
         except KvSparseError as e:
-            for rid in rids:
+            for rid in held.rids:
                 self._mark_failed(rid, e)
         finally:
-            plan.close()
+            held.steps.close()
 
-    def plan(self, text: str, rids: list[str], max_tokens: int, seed: int, scale: float, dtype: str) -> Any:
-        """The plan of a method over exactly these requests (in this order), re-planned when
-        the set changed since the last step."""
+    def plan(self, text: str, g: _Group, max_tokens: int, seed: int, scale: float, dtype: str,
+             device: torch.device) -> _Plan:
+        """The plan of a method over exactly the group's requests (in this order), re-planned
+        when the set changed since the last step; the group's positions in its positions tensor
+        (once a step)."""
         held = self.plans.get(text)
-        if held is not None and held[0] == rids:
-            return held[1]
-        if held is not None:
-            self.close_plan(text)
-        ids = [self.sequences[r].sequence_id for r in rids]
-        plan = self.engine().plan_steps(ids, self.sequences[rids[0]].method, max_tokens=max_tokens, seed=seed,
-                                        scale=scale, dtype=dtype)
-        self.plans[text] = (list(rids), plan)
-        self.replans += 1
-        return plan
+        if held is None or held.rids != g.rids:
+            if held is not None:
+                self.close_plan(text)
+            ids = [self.sequences[r].sequence_id for r in g.rids]
+            steps = self.engine().plan_steps(ids, self.sequences[g.rids[0]].method, max_tokens=max_tokens, seed=seed,
+                                             scale=scale, dtype=dtype)
+            held = self.plans[text] = _Plan(list(g.rids), steps, torch.empty(len(g.rids), dtype=torch.long,
+                                                                                device=device))
+            self.replans += 1
+        if not g.staged:
+            held.positions.copy_(g.positions, non_blocking=True)
+            g.staged = True
+        return held
 
     def prepare(self, shape: ModelShape, num_tokens: int, device: torch.device) -> _Step:
         """The bound step's rows sorted into prompt rows and decode groups (once per step)."""
@@ -287,7 +308,7 @@ class CudaWorker:
                 else torch.tensor(tok, dtype=torch.long).to(device, non_blocking=True)
             )
             pos = torch.tensor([self.rows.rows[i][1] for i in rows], dtype=torch.long).pin_memory()
-            groups[text] = _Group(rids, tokens, pos.to(device, non_blocking=True))
+            groups[text] = _Group(rids, tokens, pos)
         for text in [t for t in self.plans if t not in groups]:
             self.close_plan(text)  # nobody decodes with it any more: its rows go to the store
         self.step = _Step(prefill, groups, starts, failed)
@@ -390,15 +411,18 @@ class KvSparseCudaImpl(FlashAttentionImpl):
         b = len(g.rids)
         if not any(r in w.failed for r in g.rids):
             try:
-                plan = w.plan(text, g.rids, self.max_tokens, self.seed, self.scale, dtype)
+                held = w.plan(text, g, self.max_tokens, self.seed, self.scale, dtype, query.device)
                 q = query[g.tokens].view(b, self.num_heads, self.head_size)
                 k = key[g.tokens].view(b, self.num_kv_heads, self.head_size)
                 v = value[g.tokens].view(b, self.num_kv_heads, self.head_size)
-                out[g.tokens] = plan.decode(li, q, k, v, g.positions).to(out.dtype)
+                if isinstance(g.tokens, slice) and out.dtype == q.dtype:  # into vLLM's output rows
+                    held.steps.decode(li, q, k, v, held.positions, out=out[g.tokens])
+                else:
+                    out[g.tokens] = held.steps.decode(li, q, k, v, held.positions).to(out.dtype)
                 for rid in g.rids:
                     w.sequences[rid].lengths[li] += 1
                 if li == self.num_layers - 1:
-                    w.count_step(text, plan, g.rids, self.shape, query.element_size())
+                    w.count_step(text, held.steps, g.rids, self.shape, query.element_size())
                 return
             except KvSparseError as e:
                 w.fail(g.rids, e)
