@@ -215,7 +215,11 @@ class CudaWorker:
             halves = (p.k_tier == "host") + (p.v_tier == "host")
             f = self.figures[text] = _PlanFigures(method, halves * shape.head_dim * element_bytes)
         stats = plan.stats()  # [layers, 4, B * H]: block 0 rows read, block 3 row-cache hits
-        step = stats[:, [0, 3], : len(rids) * shape.num_kv_heads].sum(dim=(0, 2), dtype=torch.int64)
+        # Slices only: an index list ([0, 3]) would be copied to the GPU from pageable memory,
+        # which waits for every kernel queued before it (a synchronisation a step, 2.7 ms of the
+        # host's lead lost at 128k on an H200: docs/PERF.md, "The flagship inside vLLM").
+        m = len(rids) * shape.num_kv_heads
+        step = torch.stack((stats[:, 0, :m].sum(dtype=torch.int64), stats[:, 3, :m].sum(dtype=torch.int64)))
         f.rows = step if f.rows is None else f.rows + step
         f.sequence_layers += len(rids) * shape.num_layers
         kv_row = 2 * shape.num_kv_heads * shape.head_dim * element_bytes  # K and V of a token
@@ -305,7 +309,7 @@ class CudaWorker:
             tok = [starts[i] for i in rows]
             tokens: torch.Tensor | slice = (
                 slice(tok[0], tok[0] + len(tok)) if tok == list(range(tok[0], tok[0] + len(tok)))
-                else torch.tensor(tok, dtype=torch.long).to(device, non_blocking=True)
+                else torch.tensor(tok, dtype=torch.long).pin_memory().to(device, non_blocking=True)
             )
             pos = torch.tensor([self.rows.rows[i][1] for i in rows], dtype=torch.long).pin_memory()
             groups[text] = _Group(rids, tokens, pos)
