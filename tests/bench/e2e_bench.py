@@ -440,7 +440,8 @@ def parse_args() -> argparse.Namespace:
                         "spread between passes is the host's drift, which ratios within a pass cancel)")
     p.add_argument("--json", default="")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the harness")
-    p.add_argument("--profile", default="", help="a kvsparse variant to profile (torch.profiler, 3 steps)")
+    p.add_argument("--profile", default="", help="a kvsparse variant to profile (torch.profiler, 3 steps: the tables, "
+                   "the Chrome trace beside --profile_out and its summary, tests/bench/trace_summary.py)")
     p.add_argument("--profile_out", default="profile.txt")
     args = p.parse_args()
     return args
