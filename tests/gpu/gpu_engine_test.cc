@@ -949,6 +949,54 @@ struct Dev {
   }
 };
 
+// A step's inputs for the captured-step tests, in device buffers that stay the same from step to
+// step (q, nk, nv, pos) and on the host (hq, hk, hv, hp): the step's token K/V (a function of the
+// step), the problem's query drifting from step to step, positions lens + step.
+struct StepInputs {
+  StepInputs(const kernels::SyntheticProblem& prob, std::vector<int32_t> lens)
+      : prob(prob),
+        lens(std::move(lens)),
+        q_bytes(static_cast<size_t>(prob.problem.batch) * prob.problem.num_q_heads *
+                prob.problem.head_dim * 2),
+        kv_bytes(static_cast<size_t>(prob.problem.batch) * prob.problem.num_kv_heads *
+                 prob.problem.head_dim * 2),
+        q(q_bytes),
+        nk(kv_bytes),
+        nv(kv_bytes),
+        pos(sizeof(int64_t) * prob.problem.batch),
+        hk(kv_bytes),
+        hv(kv_bytes),
+        hq(prob.q),
+        hp(prob.problem.batch) {}
+
+  void Upload(int st) {
+    for (size_t i = 0; i < kv_bytes / 2; ++i) {
+      kernels::StoreFromFloat(hk.data(), i, DType::kBf16, std::sin(0.37f * i + st));
+      kernels::StoreFromFloat(hv.data(), i, DType::kBf16, std::cos(0.11f * i - st));
+    }
+    for (size_t i = 0; i < q_bytes / 2; ++i) {  // the query drifts from step to step
+      const float x = kernels::LoadAsFloat(prob.q.data(), i, DType::kBf16);
+      kernels::StoreFromFloat(hq.data(), i, DType::kBf16, x + 0.05f * std::sin(0.7f * i + st));
+    }
+    for (size_t i = 0; i < hp.size(); ++i) hp[i] = lens[i] + st;
+    UploadPositions();
+    ASSERT_EQ(cudaMemcpy(q.p, hq.data(), q_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(nk.p, hk.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(nv.p, hv.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  void UploadPositions() {
+    ASSERT_EQ(cudaMemcpy(pos.p, hp.data(), sizeof(int64_t) * hp.size(), cudaMemcpyHostToDevice),
+              cudaSuccess);
+  }
+
+  const kernels::SyntheticProblem& prob;
+  const std::vector<int32_t> lens;
+  const size_t q_bytes, kv_bytes;
+  Dev q, nk, nv, pos;
+  std::vector<uint8_t> hk, hv, hq;
+  std::vector<int64_t> hp;
+};
+
 // The rows of both rigs' sequences "s<i>" from two tokens before their first length to the
 // last of `steps` appended ones, in every layer: equal byte for byte.
 void ExpectSameRows(Rig& a, Rig& b, const std::vector<int32_t>& lens, int steps, int32_t kv_heads,
@@ -995,7 +1043,6 @@ void CapturedStepsEqualEagerCalls(const Method& m, const kvstore::Placement& p,
   const int32_t B = dp.batch;
   const size_t row = static_cast<size_t>(dp.head_dim) * 2;
   const size_t q_bytes = static_cast<size_t>(B) * dp.num_q_heads * row;
-  const size_t kv_bytes = static_cast<size_t>(B) * dp.num_kv_heads * row;
   StaticStepRequest req;
   for (int32_t i = 0; i < B; ++i) req.sequence_ids.push_back("s" + std::to_string(i));
   req.method = m;
@@ -1008,38 +1055,26 @@ void CapturedStepsEqualEagerCalls(const Method& m, const kvstore::Placement& p,
   EXPECT_EQ(b->gpu->Decode(Call(prob, m)).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(b->gpu->PlanStatic(req).status().code(), absl::StatusCode::kFailedPrecondition);
 
-  Dev q(q_bytes), nk(kv_bytes), nv(kv_bytes), pos(sizeof(int64_t) * B), out(kLayers * q_bytes);
+  StepInputs in(prob, lens);
+  Dev out(kLayers * q_bytes);
+  std::vector<uint8_t>&hq = in.hq, &hk = in.hk, &hv = in.hv;
+  std::vector<int64_t>& hp = in.hp;
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   cudaGraph_t graph;
   cudaGraphExec_t exec;
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
   for (uint32_t l = 0; l < kLayers; ++l) {
-    absl::Status s =
-        step.Enqueue(l, q.p, nk.p, nv.p, pos.as<int64_t>(), out.as<char>() + l * q_bytes, stream);
+    absl::Status s = step.Enqueue(l, in.q.p, in.nk.p, in.nv.p, in.pos.as<int64_t>(),
+                                  out.as<char>() + l * q_bytes, stream);
     EXPECT_TRUE(s.ok()) << what << ": " << s;
   }
   ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess) << what;
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess) << what;
 
   constexpr int kSteps = 10;
-  std::vector<uint8_t> hk(kv_bytes), hv(kv_bytes), hq(prob.q);
-  std::vector<int64_t> hp(B);
   for (int st = 0; st < kSteps; ++st) {
-    for (size_t i = 0; i < kv_bytes / 2; ++i) {
-      kernels::StoreFromFloat(hk.data(), i, DType::kBf16, std::sin(0.37f * i + st));
-      kernels::StoreFromFloat(hv.data(), i, DType::kBf16, std::cos(0.11f * i - st));
-    }
-    for (size_t i = 0; i < q_bytes / 2; ++i) {  // the query drifts from step to step
-      const float x = kernels::LoadAsFloat(prob.q.data(), i, DType::kBf16);
-      kernels::StoreFromFloat(hq.data(), i, DType::kBf16, x + 0.05f * std::sin(0.7f * i + st));
-    }
-    for (int32_t i = 0; i < B; ++i) hp[i] = lens[i] + st;
-    ASSERT_EQ(cudaMemcpy(q.p, hq.data(), q_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(nk.p, hk.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(nv.p, hv.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(pos.p, hp.data(), sizeof(int64_t) * B, cudaMemcpyHostToDevice),
-              cudaSuccess);
+    in.Upload(st);
     ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     std::string got(kLayers * q_bytes, '\0');
@@ -1074,7 +1109,7 @@ void CapturedStepsEqualEagerCalls(const Method& m, const kvstore::Placement& p,
   // A position outside the window: that sequence's output is zeros, Commit says OUT_OF_RANGE.
   hp[B - 1] = lens[B - 1] + kSteps;
   hp[0] = lens[0] + kSteps + 5;
-  ASSERT_EQ(cudaMemcpy(pos.p, hp.data(), sizeof(int64_t) * B, cudaMemcpyHostToDevice), cudaSuccess);
+  in.UploadPositions();
   ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
   EXPECT_EQ(step.Commit(stream).status().code(), absl::StatusCode::kOutOfRange) << what;
   std::vector<uint16_t> first(dp.num_q_heads * dp.head_dim);
@@ -1162,7 +1197,6 @@ TEST_F(GpuEngineTest, LayerGraphsReplayTheLaunchedKernels) {
   const int32_t B = dp.batch;
   const size_t row = static_cast<size_t>(dp.head_dim) * 2;
   const size_t q_bytes = static_cast<size_t>(B) * dp.num_q_heads * row;
-  const size_t kv_bytes = static_cast<size_t>(B) * dp.num_kv_heads * row;
   StaticStepRequest req;
   req.sequence_ids = {"s0", "s1"};
   req.method = SantaMethod(1, 64);
@@ -1175,36 +1209,23 @@ TEST_F(GpuEngineTest, LayerGraphsReplayTheLaunchedKernels) {
   auto plan_b = b->gpu->PlanStatic(req);
   ASSERT_TRUE(plan_a.ok() && plan_b.ok()) << plan_a.status() << plan_b.status();
   StaticStep &eager = **plan_a, &graphs = **plan_b;
-  Dev q(q_bytes), nk(kv_bytes), nv(kv_bytes), pos(sizeof(int64_t) * B);
+  StepInputs in(prob, lens);
   Dev out_a(kLayers * q_bytes), out_b(2 * kLayers * q_bytes);
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
   constexpr int kSteps = 8, kMoved = 5;  // steps kMoved.. write the second half of out_b
-  std::vector<uint8_t> hk(kv_bytes), hv(kv_bytes), hq(prob.q);
-  std::vector<int64_t> hp(B);
   for (int st = 0; st < kSteps; ++st) {
-    for (size_t i = 0; i < kv_bytes / 2; ++i) {
-      kernels::StoreFromFloat(hk.data(), i, DType::kBf16, std::sin(0.37f * i + st));
-      kernels::StoreFromFloat(hv.data(), i, DType::kBf16, std::cos(0.11f * i - st));
-    }
-    for (size_t i = 0; i < q_bytes / 2; ++i) {
-      const float x = kernels::LoadAsFloat(prob.q.data(), i, DType::kBf16);
-      kernels::StoreFromFloat(hq.data(), i, DType::kBf16, x + 0.05f * std::sin(0.7f * i + st));
-    }
-    for (int32_t i = 0; i < B; ++i) hp[i] = lens[i] + st;
-    ASSERT_EQ(cudaMemcpy(q.p, hq.data(), q_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(nk.p, hk.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(nv.p, hv.data(), kv_bytes, cudaMemcpyHostToDevice), cudaSuccess);
-    ASSERT_EQ(cudaMemcpy(pos.p, hp.data(), sizeof(int64_t) * B, cudaMemcpyHostToDevice),
-              cudaSuccess);
+    in.Upload(st);
     char* ob = out_b.as<char>() + (st >= kMoved ? kLayers * q_bytes : 0);
     for (uint32_t l = 0; l < kLayers; ++l) {
       ASSERT_TRUE(eager
-                      .Enqueue(l, q.p, nk.p, nv.p, pos.as<int64_t>(),
+                      .Enqueue(l, in.q.p, in.nk.p, in.nv.p, in.pos.as<int64_t>(),
                                out_a.as<char>() + l * q_bytes, stream)
                       .ok());
       ASSERT_TRUE(
-          graphs.Enqueue(l, q.p, nk.p, nv.p, pos.as<int64_t>(), ob + l * q_bytes, stream).ok());
+          graphs
+              .Enqueue(l, in.q.p, in.nk.p, in.nv.p, in.pos.as<int64_t>(), ob + l * q_bytes, stream)
+              .ok());
     }
     ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
     std::string ga(kLayers * q_bytes, '\0'), gb(kLayers * q_bytes, '\0');
