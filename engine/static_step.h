@@ -52,10 +52,6 @@ struct StaticStepRequest {
   // at the end of the last layer, so a graph must capture whole steps). false: every layer's
   // fetch translates cold.
   bool warm_pages = true;
-  // With warm_pages: layer l + 1's warm starts where layer l's step begins instead of after its
-  // kernels, beside them (longer ahead of its fetch; its reads then share the host link's
-  // translations with layer l's fetch). Off by default: an experiment (docs/PERF.md).
-  bool warm_ahead = false;
   // Enqueue called outside a stream capture (a model server running attention eagerly between
   // its own graphs): the second call of a layer with the same q, new_k, new_v, positions and
   // out records that layer's kernels as a CUDA graph, and later calls with them replay it, one

@@ -451,8 +451,7 @@ std::shared_ptr<StepPlan> FindPlan(int64_t engine, int64_t handle) {
 
 int64_t PlanSteps(int64_t handle, const std::vector<std::string>& sequence_ids,
                   const std::string& method, int64_t max_tokens, int64_t seed, double scale,
-                  const std::string& dtype, bool eager, bool warm_pages, bool layer_graphs,
-                  bool warm_ahead) {
+                  const std::string& dtype, bool eager, bool warm_pages, bool layer_graphs) {
   std::shared_ptr<OpEngine> e = Find(handle);
   if (max_tokens <= 0 || max_tokens > (int64_t{1} << 30)) {  // scale: the engine's rule
     Invalid("max_tokens (1 .. 2^30) out of range");
@@ -469,7 +468,6 @@ int64_t PlanSteps(int64_t handle, const std::vector<std::string>& sequence_ids,
   r.dtype = DTypeNamed(dtype);
   r.warm_pages = warm_pages;
   r.layer_graphs = layer_graphs;
-  r.warm_ahead = warm_ahead;
   for (const std::string& id : sequence_ids) RefuseHeld(*e, id);  // one plan per sequence
   if (eager) {
     plan->eager_reason = "eager steps asked for";
@@ -958,7 +956,7 @@ TORCH_LIBRARY(kvsparse, m) {
   m.def(
       "plan_steps(int engine, str[] sequence_ids, str method, int max_tokens, "
       "int seed, float scale, str dtype, bool eager=False, bool warm_pages=True, "
-      "bool layer_graphs=True, bool warm_ahead=False) -> int",
+      "bool layer_graphs=True) -> int",
       &PlanSteps);
   m.def("step_plan_mode(int engine, int plan) -> str", &StepPlanMode);
   m.def("step_device_bytes(int engine, int plan) -> int", &StepDeviceBytes);

@@ -200,14 +200,10 @@ class GpuStaticStep final : public StaticStep {
     // different tokens run to run; test_hf's planned-caches test, docs/data/planned-steps-race-*).
     cudaStream_t caller = stream != nullptr ? static_cast<cudaStream_t>(stream) : cudaStreamLegacy;
     Layer& ly = *layers_[layer];
-    const bool warm_next = warm_ && layer + 1 < L_;
-    if (warm_next && req_.warm_ahead) {
-      if (absl::Status s = WarmNextLayer(layer + 1, caller); !s.ok()) return s;
-    }
     if (absl::Status s = RunLayer(ly, layer, {q, new_k, new_v, positions, out}, caller); !s.ok()) {
       return s;
     }
-    if (warm_next) return req_.warm_ahead ? absl::OkStatus() : WarmNextLayer(layer + 1, caller);
+    if (warm_ && layer + 1 < L_) return WarmNextLayer(layer + 1, caller);
     if (warm_pending_) {  // the last layer: the side stream's work joins the caller's stream
       KVS_CUDA_OK(cudaStreamWaitEvent(caller, warm_join_, 0), "side stream join");
       warm_pending_ = false;

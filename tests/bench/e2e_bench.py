@@ -23,8 +23,6 @@ one process on one GPU:
                   dense needs K and V resident and is the flash row's work)
   kvsgc-<method>  the same without warming the next layer's host-page translations
                   (KvSparseCache(warm_pages=False): every layer's row fetch translates cold)
-  kvsgw-<method>  kvsg- with each layer's warm started where the layer before it begins
-                  (KvSparseCache(warm_ahead=True))
   grpc-<method>   kvsparse-server on loopback (unary calls), grpcs-<method> over a DecodeStream
   kvsr-<method>   the engine in process (q and the output on the GPU) over a store in another
                   process: kvsparse.torch.ops.InProcessEngine(store=...) against kvsparse-server
@@ -330,9 +328,9 @@ def finish(row: Row) -> Row:
 
 def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server) -> Row:
     transport, method_name = variant.split("-", 1)
-    planned = transport in ("kvsg", "kvsgc", "kvsgw")
-    compiled = transport in ("kvsc", "kvsg", "kvsgc", "kvsgw")
-    warm_pages, warm_ahead = transport != "kvsgc", transport == "kvsgw"
+    planned = transport in ("kvsg", "kvsgc")
+    compiled = transport in ("kvsc", "kvsg", "kvsgc")
+    warm_pages = transport != "kvsgc"
     transport = "kvs" if compiled else transport
     method = METHODS[method_name]
     cfg = model.config
@@ -351,7 +349,7 @@ def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server)
     steps_total = max(args.warmup, 3 if compiled else 0) + args.steps
     cache = kvsparse.torch.hf.KvSparseCache(
         cfg, target, method=method, placement=PLACEMENTS.get(method_name), stream=transport == "grpcs", seed=1,
-        max_tokens=n + steps_total + 8 if planned else None, warm_pages=warm_pages, warm_ahead=warm_ahead,
+        max_tokens=n + steps_total + 8 if planned else None, warm_pages=warm_pages,
     )
     try:
         return measure_kvsparse(row, variant, method, model, n, batch, args, cache, target, engines, transport,
@@ -451,7 +449,7 @@ def start_transports(variants: list[str], args: argparse.Namespace, gpu: bool
                      ) -> tuple[dict[str, ops.InProcessEngine], dict[str, kvsparse.LocalServer]]:
     """The in-process engines (by transport) and the local servers the variants decode through."""
     engines: dict[str, ops.InProcessEngine] = {}  # by transport
-    if any(v.startswith(("kvs-", "kvsc-", "kvsg-", "kvsgc-", "kvsgw-")) for v in variants):
+    if any(v.startswith(("kvs-", "kvsc-", "kvsg-", "kvsgc-")) for v in variants):
         engines["kvs"] = ops.InProcessEngine(
             gpu="on" if gpu else "off", store_capacity=args.store_capacity, gpu_capacity=args.gpu_capacity,
             gpu_row_cache=args.gpu_row_cache,

@@ -214,8 +214,6 @@ class KvSparseCache(Cache):
         warm_pages: with ``max_tokens``, where K or V rows are in host memory, warm the next
             layer's address translations on a side stream after each layer (``DecodeSteps``);
             on by default.
-        warm_ahead: with ``warm_pages``, start each layer's warm where the layer before it
-            begins instead of after its kernels (``DecodeSteps``); off by default.
     """
 
     def __init__(
@@ -232,7 +230,6 @@ class KvSparseCache(Cache):
         max_tokens: int | None = None,
         prefill: "SalePrefill | None" = None,
         warm_pages: bool = True,
-        warm_ahead: bool = False,
     ) -> None:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.num_layers = int(text.num_hidden_layers)
@@ -245,7 +242,6 @@ class KvSparseCache(Cache):
             raise ValueError("max_tokens (planned, compileable decode steps) needs an InProcessEngine target")
         self.max_tokens = max_tokens
         self.warm_pages = warm_pages
-        self.warm_ahead = warm_ahead
         if prefill is not None and len(prefill.thresholds) != self.num_layers:
             raise ValueError(f"prefill: thresholds for {len(prefill.thresholds)} layers, the model has {self.num_layers}")
         self.prefill = prefill
@@ -286,7 +282,7 @@ class KvSparseCache(Cache):
         dtype = dtype_name(self._layer(0).dtype)
         self.steps = cast("InProcessEngine", self._engine).plan_steps(
             self.sequence_ids, self.method, max_tokens=self.max_tokens, seed=self.seed, dtype=dtype,
-            warm_pages=self.warm_pages, warm_ahead=self.warm_ahead,
+            warm_pages=self.warm_pages,
         )
         for i in range(self.num_layers):
             layer = self._layer(i)

@@ -330,13 +330,12 @@ class InProcessEngine(_Closing):
         eager: bool = False,
         warm_pages: bool = True,
         layer_graphs: bool = True,
-        warm_ahead: bool = False,
     ) -> "DecodeSteps":
         """Plans decode steps over a fixed batch of sequences (each already holding its prompt in
         every layer) whose lengths stay at or below ``max_tokens``: see ``DecodeSteps``."""
         return DecodeSteps(
             self, sequence_ids, method, max_tokens=max_tokens, seed=seed, scale=scale, dtype=dtype, eager=eager,
-            warm_pages=warm_pages, layer_graphs=layer_graphs, warm_ahead=warm_ahead,
+            warm_pages=warm_pages, layer_graphs=layer_graphs,
         )
 
     def decode(
@@ -401,8 +400,7 @@ class DecodeSteps(_Closing):
     with seed ``seed + l * 2**32 + p``. Where K or V rows are in host memory, a captured step
     reads one word of each page of the next layer on a side stream after each layer
     (``warm_pages``, on by default), so that the next layer's row fetch finds the host link's
-    address translations warm (``warm_ahead``: from the start of each layer instead, beside its
-    kernels; off by default); the side stream joins at the last layer, so a graph must record
+    address translations warm; the side stream joins at the last layer, so a graph must record
     whole steps (layers 0 to L - 1 in order). Called outside a graph (a model server running
     attention eagerly between graphs of its own), a captured plan records a layer's kernels as a
     CUDA graph the second time the layer is called with the same q, new_k, new_v, positions and
@@ -425,7 +423,6 @@ class DecodeSteps(_Closing):
         eager: bool = False,
         warm_pages: bool = True,
         layer_graphs: bool = True,
-        warm_ahead: bool = False,
     ) -> None:
         self._engine = engine
         self.sequence_ids = list(sequence_ids)
@@ -442,7 +439,6 @@ class DecodeSteps(_Closing):
             eager,
             warm_pages,
             layer_graphs,
-            warm_ahead,
         )
         self.mode: str = torch.ops.kvsparse.step_plan_mode(engine.handle, self._plan)
 
