@@ -564,6 +564,10 @@ at::Tensor StepDecodeTo(int64_t engine, int64_t handle, int64_t layer, const at:
   if (positions.dim() != 1 || positions.size(0) != B || positions.scalar_type() != at::kLong) {
     Invalid(absl::StrCat("positions must be [", B, "] int64"));
   }
+  if (out.defined() && (!out.is_contiguous() || !out.sizes().equals(q.sizes()) ||
+                        out.scalar_type() != q.scalar_type() || out.device() != q.device())) {
+    Invalid("out must be contiguous, of q's shape, dtype and device");
+  }
 #if KVSPARSE_TORCH_CUDA
   if (p->captured != nullptr) {
     const int dev = p->engine->device();
@@ -585,12 +589,7 @@ at::Tensor StepDecodeTo(int64_t engine, int64_t handle, int64_t layer, const at:
     }
     const at::Tensor qc = q.contiguous(), kc = new_k.contiguous(), vc = new_v.contiguous();
     const at::Tensor pc = positions.contiguous();
-    if (!out.defined()) {
-      out = at::empty_like(qc);
-    } else if (!out.is_contiguous() || !out.sizes().equals(q.sizes()) ||
-               out.scalar_type() != q.scalar_type() || out.device() != q.device()) {
-      Invalid("out must be contiguous, of q's shape, dtype and device");
-    }
+    if (!out.defined()) out = at::empty_like(qc);
     Check(p->captured->Enqueue(static_cast<uint32_t>(layer), qc.data_ptr(), kc.data_ptr(),
                                vc.data_ptr(), pc.data_ptr<int64_t>(), out.data_ptr(),
                                at::cuda::getCurrentCUDAStream(dev).stream()));

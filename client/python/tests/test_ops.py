@@ -324,8 +324,10 @@ def test_planned_steps_write_into_out() -> None:
                     want = sa.decode(layer, q, nk, nv, pos)
                     assert sb.decode(layer, q, nk, nv, pos, out=out) is out
                     assert torch.equal(out, want)
-            with pytest.raises(RuntimeError):  # [1, 8, 32]: not q's shape
+            with pytest.raises(kvsparse.InvalidArgument):  # [1, 8, 32]: not q's shape
                 sb.decode(0, q, nk, nv, torch.tensor([66]), out=torch.empty(1, 8, 32, dtype=torch.bfloat16))
+            with pytest.raises(kvsparse.InvalidArgument):  # [2, 8, 64]: copy_ would broadcast into it
+                sb.decode(0, q, nk, nv, torch.tensor([66]), out=torch.empty(2, 8, 64, dtype=torch.bfloat16))
 
 
 def test_compiled_step_has_no_graph_break() -> None:
