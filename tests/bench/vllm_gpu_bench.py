@@ -124,7 +124,7 @@ def main() -> None:
                     cudagraph_mode=out["cudagraph_mode"], kvsparse=out.get("kvsparse"),
                     profile=out.get("profile"),
                 )
-                if args.profile_steps:  # the profiled steps (and the trace's export) are in its time
+                if args.profile_steps:  # the profiled steps and the profiler's stop are in its time
                     row["note"] = "profiled: tokens_per_s and ms_per_step include the profiler's steps"
                 print(json.dumps(row), flush=True)
                 rows.append(row)

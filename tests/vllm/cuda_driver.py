@@ -68,7 +68,8 @@ def kvsparse_counters(w: object) -> dict:
 
 class StepProfiler:
     """torch.profiler over `steps` of the engine's steps after the first `after` (the offline
-    engine's step, wrapped on the instance): each step the range "driver.step"."""
+    engine's step, wrapped on the instance): each step the range "driver.step". The trace is
+    written and summarised by finish(), after the generation."""
 
     def __init__(self, llm: "LLM", after: int, steps: int, trace: str) -> None:
         self.engine, self.after, self.steps, self.trace = llm.llm_engine, after, steps, trace
@@ -76,7 +77,7 @@ class StepProfiler:
         self.engine.step = self.step
         self.n = 0
         self.prof = None
-        self.summary: dict | None = None
+        self.stopped = False
 
     def step(self):  # type: ignore[no-untyped-def]
         import torch
@@ -86,19 +87,26 @@ class StepProfiler:
             self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
             self.prof.__enter__()
         self.n += 1
-        if self.prof is None or self.summary is not None:
+        if self.prof is None or self.stopped:
             return self.inner()
         with record_function("driver.step"):
             out = self.inner()
         if self.n == self.after + self.steps:
-            torch.cuda.synchronize()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             self.prof.__exit__(None, None, None)
-            self.prof.export_chrome_trace(self.trace)
-            sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-            from trace_summary import load, summarize
-
-            self.summary = summarize(load(self.trace), self.steps, "driver.step")
+            self.stopped = True
         return out
+
+    def finish(self) -> dict | None:
+        """The window's trace written to `trace` and its summary (None if it never closed)."""
+        if not self.stopped:
+            return None
+        self.prof.export_chrome_trace(self.trace)  # type: ignore[union-attr]
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+        from trace_summary import load, summarize
+
+        return summarize(load(self.trace), self.steps, "driver.step")
 
 
 def annotate_attention() -> None:
@@ -180,7 +188,7 @@ def main() -> None:
         * int(config.cache_config.block_size),
     }
     if profiler is not None:
-        result["profile"] = profiler.summary
+        result["profile"] = profiler.finish()
     if job.get("logprobs"):  # per request and position: {token: logprob} of vLLM's top tokens
         result["logprobs"] = [
             [{str(t): float(lp.logprob) for t, lp in pos.items()} for pos in o.outputs[0].logprobs] for o in outs
