@@ -13,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD:-build}
 bins=(kernels_cuda_test gpu_engine_test gpu_host_tier_test engine_bench host_tier_bench
-      rpc_decode_bench kvsparse-server)
+      selection_bench rpc_decode_bench kvsparse-server)
 cmake -S . -B "$BUILD" -G Ninja > /dev/null
 libs=(kvsparse_cuda_capi)
 grep -q "KVSPARSE_TORCH_PREFIX:PATH=." "$BUILD/CMakeCache.txt" && libs+=(kvsparse_torch)
@@ -37,8 +37,9 @@ tar -C .carry -cf - dev | xz -T2 -6 > .carry/pack/dev.tar.xz
 tar -C .carry --exclude=libkvsparse_cuda_capi.so -cf - dev/lib dev/bin/kvsparse-server \
   | xz -T2 -9 > .carry/qpack/dev.tar.xz
 # The test pack: the GPU tests and the PyTorch op (when built) with the libraries they load, for
-# test, Python and end-to-end runs (small enough to travel beside the wheels).
+# test, Python and end-to-end runs (small enough to travel beside the wheels), and the selection
+# kernels' benchmark.
 mkdir -p .carry/tpack
 tar -C .carry --exclude=libkvsparse_cuda_capi.so -cf - dev/lib dev/bin/kernels_cuda_test \
-  dev/bin/gpu_engine_test dev/bin/gpu_host_tier_test | xz -T2 -6 > .carry/tpack/dev.tar.xz
+  dev/bin/gpu_engine_test dev/bin/gpu_host_tier_test dev/bin/selection_bench | xz -T2 -6 > .carry/tpack/dev.tar.xz
 du -sh .carry/dev .carry/pack/dev.tar.xz .carry/qpack/dev.tar.xz .carry/tpack/dev.tar.xz

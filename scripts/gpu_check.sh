@@ -8,7 +8,9 @@
 #   santa/build.py  builds the S2ANTA reference kernels as torch extensions ($CARRY/santa_so
 #                   holds prebuilt ones from an earlier run).
 # Environment: STEPS (default "tests sanitize bench"; also "engine": the GPU backend's tests,
-# "enginebench": tests/gpu/engine_bench with ENGINE_ARGS, "engineab": the same with an earlier
+# "enginebench": tests/gpu/engine_bench with ENGINE_ARGS, "selbench": tests/gpu/selection_bench
+# (the flagship's selection kernels alone) with SEL_ARGS, and an earlier build's SEL_OLD (a path)
+# alternating with it, "engineab": the same with an earlier
 # build's engine_bench ($CARRY_OLD/bin/engine_bench, unpacked from .carry/pack/old.tar.xz) and
 # this one's alternating, AB_ROUNDS (default 2) rounds of new then old, "rpc": rpc_decode_bench
 # --gpu with RPC_ARGS, "python": the Python package's tests with the wheels in .whl
@@ -86,6 +88,17 @@ if [[ " $STEPS " == *" enginebench "* ]]; then
   timeout ${ENGINE_TIMEOUT:-400} "$CARRY/bin/engine_bench" ${ENGINE_ARGS:-} 2>&1 \
     | tee "$OUT/engine_bench.log"
   note "engine_bench rc=${PIPESTATUS[0]}"
+fi
+
+if [[ " $STEPS " == *" selbench "* ]]; then
+  for round in 1 2; do
+    for bin in "$CARRY/bin/selection_bench" ${SEL_OLD:-}; do
+      echo "== $bin (round $round)" >> "$OUT/selection_bench.log"
+      timeout 120 "$bin" ${SEL_ARGS:-} >> "$OUT/selection_bench.log" 2>&1
+      note "selection_bench $bin (round $round) rc=$?"
+    done
+  done
+  cat "$OUT/selection_bench.log"
 fi
 
 if [[ " $STEPS " == *" engineab "* ]]; then

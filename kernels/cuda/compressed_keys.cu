@@ -158,18 +158,22 @@ __device__ __forceinline__ void GroupBase(const float* qf, const uint16_t* lo, i
   }
 }
 
-// Copies `words` 32-bit words from global to shared memory over the warp: 16 bytes a lane and
-// instruction where both ends allow it (cp.async, waited for here), else word by word.
-__device__ __forceinline__ void StageWords(uint32_t* dst, const uint32_t* src, int32_t words,
+// Issues the copy of `words` 32-bit words from global to shared memory over the warp: 16 bytes a
+// lane and instruction where both ends allow it (cp.async: StageWait waits for it), else word by
+// word (done on return).
+__device__ __forceinline__ void StageIssue(uint32_t* dst, const uint32_t* src, int32_t words,
                                            int lane) {
   if (((reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) & 15) == 0 &&
       words % 4 == 0) {
     for (int32_t i = lane * 4; i < words; i += 32 * 4) CpAsync16(dst + i, src + i, true);
-    CpAsyncCommit();
-    CpAsyncWait<0>();
   } else {
     for (int32_t i = lane; i < words; i += 32) dst[i] = src[i];
   }
+}
+// Waits for every copy the lane issued, then for the warp's.
+__device__ __forceinline__ void StageWait() {
+  CpAsyncCommit();
+  CpAsyncWait<0>();
   __syncwarp();
 }
 
@@ -183,6 +187,14 @@ template <int BITS>
 __device__ __forceinline__ KSlot KSlotOf(int32_t cc) {
   if constexpr (BITS == 2) return {cc % 4, (cc % 16) / 4, cc / 16};
   return {cc % 4, cc / 8, (cc / 4) % 2};
+}
+
+// The channel (within its k-tile) at quad position t, register half `half` and byte i: KSlotOf's
+// inverse.
+template <int BITS>
+__device__ __forceinline__ int32_t ChannelOf(int t, int half, int i) {
+  if constexpr (BITS == 2) return 16 * half + 4 * i + t;
+  return 8 * i + 4 * half + t;
 }
 
 // The A fragment register of k-tile half `half` for quad position t from the row's words of the
@@ -224,12 +236,15 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
   const uint8_t* block = p.group_heads[slot] + static_cast<int64_t>(g) * p.block_bytes;
   const int32_t words = d * BITS / 32;
   const uint32_t* gcodes = reinterpret_cast<const uint32_t*>(block);
-  StageWords(reinterpret_cast<uint32_t*>(lo), gcodes + static_cast<int64_t>(p.group) * words, d,
+  const int32_t chunk = min(p.group, static_cast<int32_t>(kStageWords) / words);
+  // The group's lo and step, and its first chunk of codes, in one round trip.
+  StageIssue(reinterpret_cast<uint32_t*>(lo), gcodes + static_cast<int64_t>(p.group) * words, d,
              lane);
-  for (int32_t x = lane; x < bwords; x += 32) bfrag[x] = 0u;  // digit 3, absent heads: zero
-  // Each head's base, and its exponent: lane x covers head x % G (G divides 32); the sums over
-  // the lanes' channels by butterfly (an order of our own: within the bound, not the reference's).
-  float part[G], mx = 0.f;
+  StageIssue(codes, gcodes, chunk * words, lane);
+  StageWait();
+  // Each head's base: lane x covers head x % G (G divides 32); the sums over the lanes' channels
+  // by butterfly (an order of our own: within the bound, not the reference's).
+  float part[G];
 #pragma unroll
   for (int h = 0; h < G; ++h) part[h] = 0.f;
   for (int32_t c = lane; c < d; c += 32) {
@@ -239,58 +254,80 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
 #pragma unroll
     for (int h = 0; h < G; ++h) part[h] = __fadd_rn(part[h], __fmul_rn(qc[h], l));
   }
-  for (int32_t x = lane; x < G * d; x += 32) {
-    mx = fmaxf(mx, fabsf(__fmul_rn(qf[x], Half(step[x / G]))));
-  }
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) {
 #pragma unroll
     for (int h = 0; h < G; ++h)
       part[h] = __fadd_rn(part[h], __shfl_xor_sync(0xffffffffu, part[h], o));
-    if (o >= G) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   }
-  int e = 0;
-  frexpf(mx, &e);  // lane h < G: head h's
 #pragma unroll
   for (int h = 0; h < G; ++h) {
-    if (lane == h) {
-      base[h] = part[h];
-      expo[h] = e;
-    }
+    if (lane == h) base[h] = part[h];
   }
-  __syncwarp();
-  // Digits: lane x takes (channel x / G, head x % G) and writes its three digits where the B
-  // fragments hold them: column 2 (h % 4) + (D % 2) of n-tile 2 (h / 4) + D / 2; for channel c,
-  // k-tile c / 32, lane 4 * column + t and register half, byte i (KSlotOf).
-  {
-    const int h = lane % G;
-    const float sc = ldexpf(64.f, -expo[h]);
-    for (int32_t x = lane; x < G * d; x += 32) {
-      const int32_t c = x / G, kt = c / 32;
-      const KSlot k = KSlotOf<BITS>(c % 32);
-      float y = __fmul_rn(__fmul_rn(qf[x], Half(step[c])), sc);  // |y| < 64
-      auto* bytes = reinterpret_cast<int8_t*>(bfrag);
+  // The B fragments, each lane its own: in n-tile 2 hg + D / 2, column 2 (h % 4) + D % 2 holds
+  // digit D of head h = 4 hg + column / 2, so lane (column, t) needs, for its channels (KSlotOf),
+  // digits 1 and 3 (an even column) or digit 2 and zeros (an odd one). Each lane of a column
+  // pair computes the three digits of one register half's channels and the pair swaps halves.
+  const int t = lane % 4, gid = lane / 4, odd = gid & 1;
 #pragma unroll
-      for (int D = 0; D < 3; ++D) {
-        const float w = rintf(y);
-        y = __fmul_rn(__fsub_rn(y, w), 128.f);  // exact: the remainder, scaled
-        const int col = 2 * (h % 4) + D % 2, nt = 2 * (h / 4) + D / 2;
-        bytes[(((kt * NT + nt) * 32 + col * 4 + k.t) * 2 + k.half) * 4 + k.i] =
-            static_cast<int8_t>(w);
+  for (int hg = 0; hg < HG; ++hg) {
+    const int h = hg * 4 + gid / 2;
+    const bool live = h < G;
+    const int hq = live ? h : 0;
+    // The head's exponent: frexp of max_c |q_c step_c| over every channel (the lanes of its
+    // column pair hold them all).
+    float mx = 0.f;
+    for (int32_t kt = 0; kt < d / 32; ++kt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int32_t c = kt * 32 + ChannelOf<BITS>(t, odd, i);
+        mx = fmaxf(mx, fabsf(__fmul_rn(qf[c * G + hq], Half(step[c]))));
       }
     }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+    int e = 0;
+    frexpf(mx, &e);
+    if (live && t == 0 && odd == 0) expo[h] = e;
+    const float sc = ldexpf(64.f, -e);
+    for (int32_t kt = 0; kt < d / 32; ++kt) {
+      uint32_t d1 = 0u, d2 = 0u, d3 = 0u;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int32_t c = kt * 32 + ChannelOf<BITS>(t, odd, i);
+        // |y| < 64; an absent head's digits are zeros.
+        float y = live ? __fmul_rn(__fmul_rn(qf[c * G + hq], Half(step[c])), sc) : 0.f;
+        const float w1 = rintf(y);
+        y = __fmul_rn(__fsub_rn(y, w1), 128.f);  // exact: the remainder, scaled
+        const float w2 = rintf(y);
+        y = __fmul_rn(__fsub_rn(y, w2), 128.f);
+        const float w3 = rintf(y);
+        d1 |= (static_cast<uint32_t>(static_cast<int>(w1)) & 0xffu) << (8 * i);
+        d2 |= (static_cast<uint32_t>(static_cast<int>(w2)) & 0xffu) << (8 * i);
+        d3 |= (static_cast<uint32_t>(static_cast<int>(w3)) & 0xffu) << (8 * i);
+      }
+      // The even lane gets the odd one's digits 1 and 3 (its half 1), the odd lane the even
+      // one's digit 2 (its half 0).
+      const uint32_t r1 = __shfl_xor_sync(0xffffffffu, odd ? d1 : d2, 4);
+      const uint32_t r3 = __shfl_xor_sync(0xffffffffu, d3, 4);
+      uint2* frag = reinterpret_cast<uint2*>(bfrag) + (kt * NT + 2 * hg) * 32 + lane;
+      frag[0] = odd ? make_uint2(r1, d2) : make_uint2(d1, r1);
+      frag[32] = odd ? make_uint2(0u, 0u) : make_uint2(d3, r3);
+    }
   }
   __syncwarp();
-  const int t = lane % 4, gid = lane / 4;
   // The heads this lane writes (nt * 4 + t for each group of four), their exponents.
   int ex[HG];
 #pragma unroll
   for (int hg = 0; hg < HG; ++hg) ex[hg] = expo[min(hg * 4 + t, G - 1)];
-  const int32_t chunk = min(p.group, static_cast<int32_t>(kStageWords) / words);
   const uint2* bf = reinterpret_cast<const uint2*>(bfrag);
   for (int32_t c0 = 0; c0 < p.group; c0 += chunk) {
-    __syncwarp();  // the previous chunk's reads done
-    StageWords(codes, gcodes + static_cast<int64_t>(c0) * words, chunk * words, lane);
+    if (c0 > 0) {    // the first chunk came with lo and step
+      __syncwarp();  // the previous chunk's reads done
+      StageIssue(codes, gcodes + static_cast<int64_t>(c0) * words, chunk * words, lane);
+      StageWait();
+    }
     for (int32_t mt = 0; mt < chunk / 16; ++mt) {
       const int32_t r0 = mt * 16 + gid, r1 = r0 + 8;
       int acc[NT][4];
