@@ -135,6 +135,8 @@ def main() -> None:
         extra = engine_args(job["kvsparse"])
     else:
         extra = {"attention_backend": job.get("backend", "FLASH_ATTN"), "enable_prefix_caching": False}
+    if "enable_prefix_caching" in job:
+        extra["enable_prefix_caching"] = job["enable_prefix_caching"]
     if job.get("kv_cache_memory_bytes"):
         extra["kv_cache_memory_bytes"] = job["kv_cache_memory_bytes"]
     llm = LLM(
@@ -183,6 +185,7 @@ def main() -> None:
         "decode_seconds_per_token": per_token,
         "decoding_together": together,
         "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+        "prefix_caching": bool(config.cache_config.enable_prefix_caching),
         "attention_backend": str(config.attention_config.backend),
         "kv_cache_gpu_tokens": int(getattr(config.cache_config, "num_gpu_blocks", 0) or 0)
         * int(config.cache_config.block_size),
@@ -204,6 +207,10 @@ def main() -> None:
             "prompt_attentions": w.prompt_attentions,
             "failed": sorted(w.failed),
             "sale_prefills": w.sale_prefills,
+            "steps": w.steps,
+            "prompt_steps": w.prompt_steps,
+            "cache_writes": w.cache_writes,
+            "prefix_imports": w.prefix_imports,
             "engine_memory": w.engine().memory() if w._engine is not None else {},
             # recorded and replayed, by the plans closed and those still live
             "layer_graphs": [sum(x) for x in zip(w.layer_graphs, *(p.steps.graph_counts() for p in w.plans.values()))],

@@ -78,3 +78,16 @@ def test_batch_order_is_vllms_own() -> None:
     for _ in range(200):
         counts = {f"r{i}": rng.choice([1, 1, 1, 2, 7, 256, 300]) for i in range(rng.randint(1, 12))}
         assert batch_order(counts) == sort(counts, {}, 1), counts
+
+
+def test_engine_args_keep_vllms_prefix_caching_but_with_the_store_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvsparse.vllm import plugin
+
+    monkeypatch.setenv(plugin.ENV_METHOD, "dense")  # engine_args writes it: restored after the test
+    monkeypatch.delenv(plugin.ENV_KV, raising=False)
+    args = plugin.engine_args()
+    assert "enable_prefix_caching" not in args  # vLLM's default (on): the CUDA backend reads the prefix
+    assert args["attention_backend"] == "CUSTOM"
+    monkeypatch.setenv(plugin.ENV_KV, "store")
+    assert plugin.engine_args()["enable_prefix_caching"] is False  # vLLM's cache holds no prefix
+    assert plugin.engine_args(enable_prefix_caching=True)["enable_prefix_caching"] is True  # kwargs win

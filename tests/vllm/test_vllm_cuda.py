@@ -4,7 +4,9 @@ greedily in a process of its own per run (tests/vllm/cuda_driver.py), four reque
 lengths joining and leaving the batch, prompts prefilled in chunks, vLLM's CUDA graphs on (no
 enforce_eager):
 - dense through kvsparse gives vLLM's FlashAttention tokens (up to near-ties of the random
-  model's logits), and vLLM ran piecewise CUDA graphs;
+  model's logits), and vLLM ran piecewise CUDA graphs, with vLLM's prefix caching on (the prompts
+  are prefixes of each other: a later request starts after blocks vLLM reuses, read from its cache
+  into the request's sequence); with the K/V in the store only, prefix caching is refused;
 - every method generates, each request with its own; finished requests' sequences are dropped
   (at the next step vLLM runs, when it tells the worker); kvsparse's counters (vLLM's /metrics)
   count every step's layers and rows under each method;
@@ -104,6 +106,16 @@ def test_dense_through_kvsparse_gives_vllms_tokens_with_cuda_graphs(model: str, 
     # calls and record no layer graphs (an H200, 2026-11-30). The flagship's plans inside vLLM
     # record and replay them (tests/bench/vllm_gpu_bench.py's rows, docs/PERF.md).
     assert w["layer_graphs"] == [0, 0], w["layer_graphs"]
+    # vLLM's paged cache is written at every layer of the steps with prompt rows (its attention
+    # reads it there) and at none of the decode-only steps (kvsparse holds those tokens).
+    layers = 2  # tests/vllm/tiny_llama.py
+    assert 0 < w["prompt_steps"] < w["steps"], w
+    assert w["cache_writes"] == layers * w["prompt_steps"], w
+    # vLLM's prefix caching is on (kvsparse.vllm.engine_args keeps vLLM's default with its cache
+    # kept), and the 700-token request started after blocks the earlier prompts had filled (its
+    # prompt extends theirs): their K/V came from vLLM's cache into its sequence.
+    assert through["prefix_caching"] is True
+    assert w["prefix_imports"] > 0, w
 
 
 def test_every_method_generates_each_request_its_own(model: str) -> None:
@@ -168,6 +180,12 @@ def test_store_only_serves_a_batch_over_vllms_kv_budget(model: str, own: dict) -
     assert w["sale_prefills"] == 0 and w["restarts"] == 0
     assert "PIECEWISE" in through["cudagraph_mode"]
     assert through["decoding_together"] >= 2
+
+
+def test_store_only_refuses_prefix_caching_with_its_reason(model: str) -> None:
+    out = generate(model, "dense", enable_prefix_caching=True, kvsparse_env=STORE)
+    assert "error" in out
+    assert "prefix caching" in out["error"] and "KVSPARSE_VLLM_KV=store" in out["error"], out["error"][-2000:]
 
 
 def test_store_only_with_sale_and_sparse_methods(model: str, own: dict, tmp_path: Path) -> None:

@@ -3,8 +3,11 @@ registered in vLLM's custom backend slot (``AttentionBackendEnum.CUSTOM``) by th
 (kvsparse.vllm.plugin); ``kvsparse.vllm.engine_args()`` gives the engine arguments that select it.
 
 vLLM's FlashAttention backend with the decode rows answered by kvsparse's engine in the worker
-process (kvsparse.torch.ops.InProcessEngine, on vLLM's GPU): vLLM writes its paged KV cache and
-computes prompt attention as usual; each request's prompt K/V are appended to its kvsparse
+process (kvsparse.torch.ops.InProcessEngine, on vLLM's GPU): vLLM's paged KV cache is written and
+prompt attention computed as usual, the cache by the backend's forward
+(``forward_includes_kv_cache_update``) and only in steps where vLLM's attention reads it (steps
+with prompt rows: a decode-only step writes nothing there, kvsparse holds its tokens); each
+request's prompt K/V are appended to its kvsparse
 sequence (created with the placement its method reads: compressed keys on the GPU for the
 default method, the K/V in the engine's host-memory store); decode rows go through a
 ``DecodeSteps`` plan per method over the requests decoding, re-planned when that set changes,
@@ -17,6 +20,11 @@ kvsparse's capacity, nothing is written there, and the backend computes each pro
 causal attention itself: vLLM's FlashAttention over the chunk's K/V and the prompt's earlier rows
 read back from the store, or SALE's kernels for a request's first chunk (its prompt up to there:
 a prompt of its own) when KVSPARSE_VLLM_SALE names thresholds. Steps that mix prompt and decode rows then run no attention twice.
+
+vLLM's prefix caching works with vLLM's cache kept: a request that vLLM starts after a prefix it
+reused from another request's blocks gets that prefix's K/V read from vLLM's cache into its new
+sequence (layer by layer, before its first chunk); with the store only it must be off (refused at
+start with the reason).
 
 A request kvsparse cannot serve fails alone (CudaWorker's text): vLLM learns it through the KV
 connector and ends it with an error; the others keep decoding. Each method's plan steps are
@@ -84,6 +92,9 @@ class _Step:
     groups: dict[str, _Group]  # by method text
     token_starts: list[int]
     failed: list[tuple[int, int]] = field(default_factory=list)  # (first token, tokens): zeros
+    # Requests whose first rows follow a prefix vLLM reused from its prefix cache: the prefix's
+    # K/V are read from vLLM's paged cache into the request's sequence, layer by layer.
+    imports: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -132,6 +143,12 @@ class CudaWorker:
     first_blocks: dict[str, int] = field(default_factory=dict)  # request id -> its first KV block
     figures: dict[str, _PlanFigures] = field(default_factory=dict)  # by method text
     layer_graphs: tuple[int, int] = (0, 0)  # layer graphs recorded and replayed by closed plans
+    # Steps the connector bound, those with prompt rows, and layer calls that wrote vLLM's paged
+    # cache (only where vLLM's attention reads it: the module text).
+    steps: int = 0
+    prompt_steps: int = 0
+    cache_writes: int = 0
+    prefix_imports: int = 0  # prompt tokens read from vLLM's prefix cache into sequences
     _engine: Any = None
 
     def engine(self) -> Any:
@@ -282,19 +299,20 @@ class CudaWorker:
         if self.step is not None:
             return self.step
         assert self.rows is not None
-        starts, prefill, decode, failed = [], [], {}, []
+        starts, prefill, decode, failed, imports = [], [], {}, [], set()
         token = 0
         for i, (rid, start, count) in enumerate(self.rows.rows):
             starts.append(token)
             token += count
             if rid not in self.failed:
                 try:
-                    self._admit(rid, start, shape)
+                    if self._admit(rid, start, shape):
+                        imports.add(rid)
                 except (KvSparseError, ValueError) as e:  # a method the engine refuses, a full store
                     self.fail([rid], e)
             if rid in self.failed:
                 failed.append((starts[-1], count))
-            elif count == 1 and start > 0:
+            elif count == 1 and start > 0 and rid not in imports:
                 decode.setdefault(self.method_text(rid), []).append(i)
             else:
                 prefill.append((i, rid, start, count))
@@ -315,20 +333,27 @@ class CudaWorker:
             groups[text] = _Group(rids, tokens, pos)
         for text in [t for t in self.plans if t not in groups]:
             self.close_plan(text)  # nobody decodes with it any more: its rows go to the store
-        self.step = _Step(prefill, groups, starts, failed)
+        self.step = _Step(prefill, groups, starts, failed, imports)
+        self.steps += 1
+        self.prompt_steps += 1 if prefill else 0
         return self.step
 
-    def _admit(self, rid: str, start: int, shape: ModelShape) -> None:
+    def _admit(self, rid: str, start: int, shape: ModelShape) -> bool:
         """The request's sequence holding the tokens vLLM computed before this step (a fresh one
-        for a request vLLM computes again from its first token, after a preemption)."""
+        for a request vLLM computes again from its first token, after a preemption). True where
+        the sequence is new and vLLM starts the request after a prefix it reused from its prefix
+        cache (with vLLM's cache kept): the forward reads that prefix from vLLM's cache."""
         seq = self.sequence(rid, shape)
         if seq.lengths[0] == start:
-            return
+            return False
         if start != 0:
+            if seq.lengths[0] == 0 and not plugin.store_only():
+                return True
             raise ValueError(f"kvsparse holds {seq.lengths[0]} tokens of request {rid}, vLLM's context is {start}")
         self.restarts += 1
         self.forget(rid)
         self.sequence(rid, shape)
+        return False
 
     def close(self) -> None:
         for text in list(self.plans):
@@ -354,7 +379,11 @@ class KvSparseCudaImpl(FlashAttentionImpl):
                 "kvsparse's CUDA backend learns each row's request from kvsparse's KV connector: run vLLM with "
                 "kvsparse.vllm.engine_args() (or --kv-transfer-config naming KvSparseConnector, docs/VLLM.md)"
             )
-        plugin.refuse_prefix_caching(config)
+        if plugin.store_only() and config.cache_config.enable_prefix_caching:
+            raise ValueError(
+                "kvsparse's CUDA backend with the K/V in its store only (KVSPARSE_VLLM_KV=store) needs prefix "
+                "caching off (--no-enable-prefix-caching): vLLM's cache holds no K/V of a prefix to reuse"
+            )
         self.num_layers = config.model_config.get_num_layers(config.parallel_config)
         from kvsparse.torch.ops import gpu_shape_refusal
 
@@ -374,6 +403,8 @@ class KvSparseCudaImpl(FlashAttentionImpl):
         if attn_metadata is None or w.rows is None:  # profiling, warm-up and graph-capture runs
             if self.store_only:  # vLLM's cache holds no K/V to attend over; these outputs are not used
                 return output
+            if attn_metadata is not None:
+                self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
         li = extract_layer_index(layer.layer_name)
@@ -388,6 +419,10 @@ class KvSparseCudaImpl(FlashAttentionImpl):
                 continue
             seq = w.sequences[rid]
             try:
+                if rid in step.imports and seq.lengths[li] == 0:  # the prefix vLLM reused, first
+                    k0, v0 = self._cached_prefix(kv_cache, attn_metadata, row, start)
+                    w.engine().append(seq.sequence_id, li, k0, v0, 0)
+                    w.prefix_imports += start if li == 0 else 0
                 w.engine().append(seq.sequence_id, li, key[a:a + count], value[a:a + count], start)
                 if self.store_only:
                     self._prompt_attention(w, seq.sequence_id, li, start, query[a:a + count], key[a:a + count],
@@ -398,6 +433,10 @@ class KvSparseCudaImpl(FlashAttentionImpl):
                 continue
             seq.lengths[li] = start + count
         if not self.store_only and (step.prefill or not step.groups):
+            # vLLM's attention reads its cache: the step's rows go there first (decode rows too,
+            # whose outputs kvsparse's overwrite below). A decode-only step writes nothing there.
+            self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
+            w.cache_writes += 1
             super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                             output_block_scale)
         n = attn_metadata.num_actual_tokens
@@ -433,6 +472,18 @@ class KvSparseCudaImpl(FlashAttentionImpl):
         else:
             w.fail([r for r in g.rids if r not in w.failed], KvSparseError("a request of the same plan failed"))
         out[g.tokens] = 0
+
+    @staticmethod
+    def _cached_prefix(kv_cache: torch.Tensor, attn_metadata: Any, row: int,
+                       tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V ([tokens, Hkv, d], on the GPU) of a request's first `tokens` tokens from
+        vLLM's paged cache ([blocks, 2, block size, Hkv, d]), through the request's row of the
+        step's block table (the batch's order, which the connector's rows follow)."""
+        size = kv_cache.shape[2]
+        blocks = attn_metadata.block_table[row, :(tokens + size - 1) // size].long()
+        k, v = kv_cache.unbind(1)
+        shape = (-1, *k.shape[2:])
+        return k[blocks].reshape(shape)[:tokens], v[blocks].reshape(shape)[:tokens]
 
     def _prompt_attention(self, w: CudaWorker, sequence_id: str, layer: int, start: int, q: torch.Tensor,
                           k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
@@ -475,6 +526,10 @@ class KvSparseCudaMetadataBuilder(FlashAttentionMetadataBuilder):
 
 
 class KvSparseCudaBackend(FlashAttentionBackend):
+    # The impl's forward writes vLLM's paged cache where vLLM's attention will read it (module
+    # text): vLLM then calls no separate cache update per layer.
+    forward_includes_kv_cache_update: bool = True
+
     @staticmethod
     def get_name() -> str:
         return "CUSTOM"

@@ -181,24 +181,28 @@ DEFAULT_CUDA_METHOD = FLAGSHIP_TEXT
 
 def engine_args(method: str | None = None, **kwargs: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` that decode through kvsparse on vLLM's
-    CUDA build: the custom attention backend, kvsparse's KV connector (request bookkeeping) and
-    prefix caching off; ``method`` (default: KVSPARSE_VLLM_METHOD, else DEFAULT_CUDA_METHOD) is
-    put in KVSPARSE_VLLM_METHOD for vLLM's worker processes. ``kwargs`` are added (and win).
-    The same from the command line: ``--attention-backend CUSTOM --no-enable-prefix-caching
-    --kv-transfer-config '{"kv_connector": "KvSparseConnector", "kv_connector_module_path":
-    "kvsparse.vllm.connector", "kv_role": "kv_both"}'``."""
+    CUDA build: the custom attention backend and kvsparse's KV connector (request bookkeeping);
+    vLLM's prefix caching stays on (a prefix vLLM reuses is read from its cache into the
+    request's sequence), except with the K/V in kvsparse's store only (KVSPARSE_VLLM_KV=store),
+    where vLLM's cache holds no prefix and it is turned off. ``method`` (default:
+    KVSPARSE_VLLM_METHOD, else DEFAULT_CUDA_METHOD) is put in KVSPARSE_VLLM_METHOD for vLLM's
+    worker processes. ``kwargs`` are added (and win). The same from the command line:
+    ``--attention-backend CUSTOM --kv-transfer-config '{"kv_connector": "KvSparseConnector",
+    "kv_connector_module_path": "kvsparse.vllm.connector", "kv_role": "kv_both"}'`` (and
+    ``--no-enable-prefix-caching`` with the store only)."""
     text = method or os.environ.get(ENV_METHOD) or DEFAULT_CUDA_METHOD
     parse_method(text)
     os.environ[ENV_METHOD] = text
     args: dict[str, Any] = {
         "attention_backend": "CUSTOM",
-        "enable_prefix_caching": False,
         "kv_transfer_config": {
             "kv_connector": CONNECTOR,
             "kv_connector_module_path": "kvsparse.vllm.connector",
             "kv_role": "kv_both",
         },
     }
+    if store_only():
+        args["enable_prefix_caching"] = False
     args.update(kwargs)
     return args
 
@@ -229,8 +233,9 @@ def cuda_settings() -> dict[str, Any]:
 
 
 def refuse_prefix_caching(config: Any) -> None:
-    """Both backends need prefix caching off: a prefix vLLM reuses from another request's blocks
-    is not in this request's kvsparse sequence."""
+    """The CPU build's backend needs prefix caching off: a prefix vLLM reuses from another
+    request's blocks is not in this request's kvsparse sequence (the CUDA build's backend reads it
+    from vLLM's cache: kvsparse.vllm.cuda_backend)."""
     if config.cache_config.enable_prefix_caching:
         raise ValueError(
             "kvsparse's vLLM plugin needs prefix caching off (--no-enable-prefix-caching, or "
