@@ -112,8 +112,9 @@ def test_dense_through_kvsparse_gives_vllms_tokens_with_cuda_graphs(model: str, 
     assert 0 < w["prompt_steps"] < w["steps"], w
     assert w["cache_writes"] == layers * w["prompt_steps"], w
     # vLLM's prefix caching is on (kvsparse.vllm.engine_args keeps vLLM's default with its cache
-    # kept), and the 700-token request started after blocks the earlier prompts had filled (its
-    # prompt extends theirs): their K/V came from vLLM's cache into its sequence.
+    # kept), and a request admitted after the first step started after blocks the earlier prompts
+    # had filled (the prompts extend each other): their K/V came from vLLM's cache into its
+    # sequence.
     assert through["prefix_caching"] is True
     assert w["prefix_imports"] > 0, w
 
