@@ -24,7 +24,7 @@ __device__ __forceinline__ float Half(uint16_t bits) {
 // takes 16 tokens x 32 channels against the heads' digit columns with exact int32 sums, and the
 // codes go to the A fragments without a conversion: (word >> shift) & 0x03030303 (0x01010101 for
 // one bit) puts four channels' codes in the four bytes of a register, the MMA's k-slots ordered
-// to match (KSlotOf). The base sum_c q_c lo_c is a butterfly over the lanes. A score
+// to match (ChannelOf). The base sum_c q_c lo_c is a butterfly over the lanes. A score
 // differs from the reference's channel-order fp32 sums by rounding only (compressed_keys.h
 // states the bound). The group's lo, step and codes are staged in shared memory first (one
 // round trip of cp.async), its digits written once per group in the B fragments' order.
@@ -177,20 +177,10 @@ __device__ __forceinline__ void StageWait() {
   __syncwarp();
 }
 
-// Where channel cc (within its 32-channel k-tile) sits among mma.m16n8k32's k-slots: lane quad
-// position t, register half (k-slot 4t + i for half 0, 16 + 4t + i for half 1) and byte i, the
-// byte CodeBytes puts its code in.
-struct KSlot {
-  int t, i, half;
-};
-template <int BITS>
-__device__ __forceinline__ KSlot KSlotOf(int32_t cc) {
-  if constexpr (BITS == 2) return {cc % 4, (cc % 16) / 4, cc / 16};
-  return {cc % 4, cc / 8, (cc / 4) % 2};
-}
-
-// The channel (within its k-tile) at quad position t, register half `half` and byte i: KSlotOf's
-// inverse.
+// The channel (within its 32-channel k-tile) whose code sits at mma.m16n8k32's k-slot of lane
+// quad position t, register half `half` (k-slot 4t + i for half 0, 16 + 4t + i for half 1) and
+// byte i: the byte CodeBytes puts that channel's code in, and where the B fragments put its
+// digits.
 template <int BITS>
 __device__ __forceinline__ int32_t ChannelOf(int t, int half, int i) {
   if constexpr (BITS == 2) return 16 * half + 4 * i + t;
@@ -265,7 +255,7 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
     if (lane == h) base[h] = part[h];
   }
   // The B fragments, each lane its own: in n-tile 2 hg + D / 2, column 2 (h % 4) + D % 2 holds
-  // digit D of head h = 4 hg + column / 2, so lane (column, t) needs, for its channels (KSlotOf),
+  // digit D of head h = 4 hg + column / 2, so lane (column, t) needs, for its channels (ChannelOf),
   // digits 1 and 3 (an even column) or digit 2 and zeros (an odd one). Each lane of a column
   // pair computes the three digits of one register half's channels and the pair swaps halves.
   const int t = lane % 4, gid = lane / 4, odd = gid & 1;
