@@ -379,11 +379,10 @@ class KvSparseCudaImpl(FlashAttentionImpl):
                 "kvsparse's CUDA backend learns each row's request from kvsparse's KV connector: run vLLM with "
                 "kvsparse.vllm.engine_args() (or --kv-transfer-config naming KvSparseConnector, docs/VLLM.md)"
             )
-        if plugin.store_only() and config.cache_config.enable_prefix_caching:
-            raise ValueError(
-                "kvsparse's CUDA backend with the K/V in its store only (KVSPARSE_VLLM_KV=store) needs prefix "
-                "caching off (--no-enable-prefix-caching): vLLM's cache holds no K/V of a prefix to reuse"
-            )
+        if plugin.store_only():
+            plugin.refuse_prefix_caching(
+                config, "kvsparse's CUDA backend with the K/V in its store only (KVSPARSE_VLLM_KV=store)",
+                "vLLM's cache holds no K/V of a prefix to reuse")
         self.num_layers = config.model_config.get_num_layers(config.parallel_config)
         from kvsparse.torch.ops import gpu_shape_refusal
 

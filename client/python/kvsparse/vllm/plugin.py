@@ -232,15 +232,14 @@ def cuda_settings() -> dict[str, Any]:
     return settings
 
 
-def refuse_prefix_caching(config: Any) -> None:
-    """The CPU build's backend needs prefix caching off: a prefix vLLM reuses from another
-    request's blocks is not in this request's kvsparse sequence (the CUDA build's backend reads it
-    from vLLM's cache: kvsparse.vllm.cuda_backend)."""
+def refuse_prefix_caching(config: Any, who: str = "kvsparse's vLLM plugin",
+                          why: str = "a prefix vLLM reuses is not in the request's kvsparse sequence") -> None:
+    """Refuses vLLM's prefix caching where a backend cannot serve a reused prefix: the CPU build's
+    backend (the defaults) and the CUDA build's with the K/V in the store only (the CUDA build's
+    backend otherwise reads the prefix from vLLM's cache: kvsparse.vllm.cuda_backend)."""
     if config.cache_config.enable_prefix_caching:
-        raise ValueError(
-            "kvsparse's vLLM plugin needs prefix caching off (--no-enable-prefix-caching, or "
-            "enable_prefix_caching=False): a prefix vLLM reuses is not in the request's kvsparse sequence"
-        )
+        raise ValueError(f"{who} needs prefix caching off (--no-enable-prefix-caching, or "
+                         f"enable_prefix_caching=False): {why}")
 
 
 def refuse_unsupported(alibi_slopes: Any, sliding_window: Any, logits_soft_cap: Any, sinks: Any,
