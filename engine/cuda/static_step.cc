@@ -200,10 +200,19 @@ class GpuStaticStep final : public StaticStep {
     // different tokens run to run; test_hf's planned-caches test, docs/data/planned-steps-race-*).
     cudaStream_t caller = stream != nullptr ? static_cast<cudaStream_t>(stream) : cudaStreamLegacy;
     Layer& ly = *layers_[layer];
+    // The next layer's warm forks before this layer's kernels: it starts as soon as this layer's
+    // step begins (the previous warm stops there) and has this layer's attention as well as the
+    // model around it to read the next layer's pages. Except after layer 0, whose step resets the
+    // progress word (the previous step's layers left it past 1).
+    const bool warm_next = warm_ && layer + 1 < L_, early = warm_next && layer > 0;
+    if (early) {
+      if (absl::Status s = WarmNextLayer(layer + 1, caller); !s.ok()) return s;
+    }
     if (absl::Status s = RunLayer(ly, layer, {q, new_k, new_v, positions, out}, caller); !s.ok()) {
       return s;
     }
-    if (warm_ && layer + 1 < L_) return WarmNextLayer(layer + 1, caller);
+    if (warm_next && !early) return WarmNextLayer(layer + 1, caller);
+    if (warm_next) return absl::OkStatus();
     if (warm_pending_) {  // the last layer: the side stream's work joins the caller's stream
       KVS_CUDA_OK(cudaStreamWaitEvent(caller, warm_join_, 0), "side stream join");
       warm_pending_ = false;
@@ -487,12 +496,13 @@ class GpuStaticStep final : public StaticStep {
     KVS_CUDA_OK(cudaEventCreateWithFlags(&warm_join_, cudaEventDisableTiming), "side event");
     return absl::OkStatus();
   }
-  // After layer l - 1's kernels, on the side stream: one read of each of layer l's pages
-  // (kernels::cuda::WarmPagedRows, kWarmChains at a time), so that the host link's address
-  // translations of its rows are warm when its FetchRows runs, while the caller's stream runs
-  // the model between the two layers' attention; it stops where layer l's step begins (the
-  // progress word StepAppend writes). The side stream joins the caller's at the end of the last
-  // layer: a graph captures whole steps, layers 0 .. L - 1 in order.
+  // Before layer l - 1's kernels, on the side stream (after the previous warm, which stops where
+  // layer l - 1's step begins): one read of each of layer l's pages (kernels::cuda::WarmPagedRows,
+  // kWarmChains at a time), so that the host link's address translations of its rows are warm
+  // when its FetchRows runs, while the caller's stream runs layer l - 1's attention and the
+  // model up to layer l's; it stops where layer l's step begins (the progress word StepAppend
+  // writes). The side stream joins the caller's at the end of the last layer: a graph captures
+  // whole steps, layers 0 .. L - 1 in order.
   absl::Status WarmNextLayer(uint32_t l, cudaStream_t caller) {
     KVS_CUDA_OK(cudaEventRecord(warm_fork_, caller), "side stream fork");
     KVS_CUDA_OK(cudaStreamWaitEvent(warm_stream_, warm_fork_, 0), "side stream fork");

@@ -15,7 +15,8 @@
 // kernel with four 16-byte loads in flight per thread; median of 30 calls by CUDA events, beside
 // a bulk 256 MiB host-to-device copy. With a 16 GiB pool of the "thp" mode, the experiments
 // behind kernels::cuda::WarmPagedRows: the same gather after each page of its window was read
-// once (at 2 MiB, 64 KiB and 4 KiB strides; with 512 MiB of device memory streamed between),
+// once (at strides from 2 MiB down to 64 KiB, and 4 KiB; with 512 MiB of device memory streamed
+// between),
 // after the same rows were read once, and with the pages read by serial chains (a bounded number
 // of reads in flight) or by the copy engine, each beside a 512 MiB device-memory stream on another
 // stream, whose time shows what the reads in flight cost the rest of the GPU.
@@ -233,6 +234,10 @@ void Experiments(const Pool& p, int rows, int blocks, int64_t* d_slots, uint4* d
   };
   const Case cases[] = {{"cold", 0, false, false},
                         {"touch 2M", 2 << 20, false, false},
+                        {"touch 1M", 1 << 20, false, false},
+                        {"touch 512K", 512 << 10, false, false},
+                        {"touch 256K", 256 << 10, false, false},
+                        {"touch 128K", 128 << 10, false, false},
                         {"touch 64K", 64 << 10, false, false},
                         {"touch 4K", 4 << 10, false, false},
                         {"touch 64K+hbm", 64 << 10, true, false},
