@@ -7,19 +7,20 @@
 //   nvcc -O3 -std=c++17 -arch=sm_90a -I. tests/bench/host_link_probe.cu -lcuda -o host_link_probe
 //   ./host_link_probe [pool GiB list, default 1,4,16] [rows per call, default 4064] [modes]
 //
-// Pinning modes: "thp" (mmap + MADV_HUGEPAGE + cudaHostRegister, the store's default), "4k"
+// Pinning modes: "thp" (mmap + MADV_HUGEPAGE, written, then cudaHostRegister), "store" (the
+// store's order: 64 MiB slabs each madvised and registered before anything touches it, then
+// written: do its pages come as huge pages, and does a read every 256 KiB warm them?), "4k"
 // (mmap + MADV_NOHUGEPAGE + cudaHostRegister), "hostalloc" (cudaHostAlloc), "vmm" (cuMemCreate
 // on the host NUMA node at the allocation granularity the driver recommends, mapped for the
 // device). Per call: `rows` uniformly random 512-byte slots of the pool (anywhere in it, or
 // within a 1/32 window: one layer's pages of a 32-layer store), sorted, read by a grid-stride
 // kernel with four 16-byte loads in flight per thread; median of 30 calls by CUDA events, beside
-// a bulk 256 MiB host-to-device copy. With a 16 GiB pool of the "thp" mode, the experiments
-// behind kernels::cuda::WarmPagedRows: the same gather after each page of its window was read
-// once (at strides from 2 MiB down to 64 KiB, and 4 KiB; with 512 MiB of device memory streamed
-// between),
-// after the same rows were read once, and with the pages read by serial chains (a bounded number
-// of reads in flight) or by the copy engine, each beside a 512 MiB device-memory stream on another
-// stream, whose time shows what the reads in flight cost the rest of the GPU.
+// a bulk 256 MiB host-to-device copy. With a 16 GiB pool of the "thp" or "store" mode, the
+// experiments behind kernels::cuda::WarmPagedRows: the same gather after each page of its window
+// was read once (at strides from 2 MiB down to 64 KiB, and 4 KiB; with 512 MiB of device memory
+// streamed between), after the same rows were read once, and with the pages read by serial chains
+// (a bounded number of reads in flight) or by the copy engine, each beside a 512 MiB device-memory
+// stream on another stream, whose time shows what the reads in flight cost the rest of the GPU.
 // Results on the H200 here: docs/PERF.md, "Cold translations".
 #include <cuda.h>
 #include <cuda_runtime_api.h>
@@ -143,7 +144,33 @@ bool Mapped(Pool& p, void* h) {
   return true;
 }
 
+// The store's slabs (kvstore/cuda_host_memory.cc): each 64 MiB registered right after its mmap and
+// madvise, before anything touches it (the registration faults its pages in), then written.
+constexpr size_t kStoreSlab = 64ull << 20;
+
 bool Allocate(Pool& p) {
+  if (p.mode == "store") {
+    p.bytes = (p.bytes + kStoreSlab - 1) / kStoreSlab * kStoreSlab;
+    void* h = mmap(nullptr, p.bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (h == MAP_FAILED) return false;
+    for (size_t off = 0; off < p.bytes; off += kStoreSlab) {
+      char* slab = static_cast<char*>(h) + off;
+      madvise(slab, kStoreSlab, MADV_HUGEPAGE);
+      if (cudaHostRegister(slab, kStoreSlab, cudaHostRegisterMapped | cudaHostRegisterPortable) !=
+          cudaSuccess) {
+        return false;
+      }
+      void* d = nullptr;
+      CK(cudaHostGetDevicePointer(&d, slab, 0));
+      if (d != slab) return false;  // one contiguous device range needs the host's addresses
+    }
+    PrintHugePages("store, registered");
+    std::memset(h, 1, p.bytes);
+    PrintHugePages("store, written");
+    p.host = h;
+    p.dev = h;
+    return true;
+  }
   if (p.mode == "thp" || p.mode == "4k") {
     void* h = mmap(nullptr, p.bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (h == MAP_FAILED) return false;
@@ -199,7 +226,12 @@ bool Allocate(Pool& p) {
 }
 
 void Free(Pool& p) {
-  if (p.mode == "thp" || p.mode == "4k") {
+  if (p.mode == "store") {
+    for (size_t off = 0; off < p.bytes; off += kStoreSlab) {
+      cudaHostUnregister(static_cast<char*>(p.host) + off);
+    }
+    munmap(p.host, p.bytes);
+  } else if (p.mode == "thp" || p.mode == "4k") {
     cudaHostUnregister(p.host);
     munmap(p.host, p.bytes);
   } else if (p.mode == "hostalloc") {
@@ -244,7 +276,8 @@ void Experiments(const Pool& p, int rows, int blocks, int64_t* d_slots, uint4* d
                         {"touch 4K+hbm", 4 << 10, true, false},
                         {"same rows again", 0, false, true},
                         {"again+hbm", 0, true, true}};
-  std::printf("experiments: 16 GiB pool (thp), %d rows within a cold 1/32 window per call\n", rows);
+  std::printf("experiments: 16 GiB pool (%s), %d rows within a cold 1/32 window per call\n",
+              p.mode.c_str(), rows);
   for (const Case& k : cases) {
     std::vector<float> touch_ms, gather_ms;
     for (int rep = -3; rep < 30; ++rep) {
@@ -370,7 +403,7 @@ int main(int argc, char** argv) {
   std::printf("%-10s %6s %6s %8s %10s %8s\n", "mode", "GiB", "rows", "MB", "kernel us", "GB/s");
   std::mt19937_64 rng(7);
   for (double gib : gibs) {
-    for (const char* mode : {"thp", "4k", "hostalloc", "vmm"}) {
+    for (const char* mode : {"thp", "store", "4k", "hostalloc", "vmm"}) {
       if (argc > 3 && std::strstr(argv[3], mode) == nullptr) continue;  // modes asked for
       Pool p;
       p.mode = mode;
@@ -404,7 +437,9 @@ int main(int argc, char** argv) {
         std::printf("%-10s %6.0f %6d %8.2f %10.1f %8.1f  %s\n", mode, gib, rows, mb, m * 1e3,
                     mb / m, local ? "(rows within 1/32 of the pool)" : "(rows anywhere)");
       }
-      if (gib >= 16 && std::string(mode) == "thp") Experiments(p, rows, blocks, d_slots, d_out);
+      if (gib >= 16 && (std::string(mode) == "thp" || std::string(mode) == "store")) {
+        Experiments(p, rows, blocks, d_slots, d_out);
+      }
       Free(p);
     }
   }
