@@ -15,11 +15,12 @@
 // device). Per call: `rows` uniformly random 512-byte slots of the pool (anywhere in it, or
 // within a 1/32 window: one layer's pages of a 32-layer store), sorted, read by a grid-stride
 // kernel with four 16-byte loads in flight per thread; median of 30 calls by CUDA events, beside
-// a bulk 256 MiB host-to-device copy. With a 16 GiB pool of the "thp" or "store" mode, the
+// a bulk 256 MiB host-to-device copy. With a 16 GiB pool of the "thp", "store" or "4k" mode, the
 // experiments behind kernels::cuda::WarmPagedRows: the same gather after each page of its window
 // was read once (at strides from 2 MiB down to 64 KiB, and 4 KiB; with 512 MiB of device memory
 // streamed between), after the same rows were read once, and with the pages read by serial chains
-// (a bounded number of reads in flight) or by the copy engine, each beside a 512 MiB device-memory
+// (a bounded number of reads in flight) or by the copy engine (not over the "store" mode's slabs,
+// registered one by one: one copy across them is refused), each beside a 512 MiB device-memory
 // stream on another stream, whose time shows what the reads in flight cost the rest of the GPU.
 // Results on the H200 here: docs/PERF.md, "Cold translations".
 #include <cuda.h>
@@ -153,6 +154,8 @@ bool Allocate(Pool& p) {
     p.bytes = (p.bytes + kStoreSlab - 1) / kStoreSlab * kStoreSlab;
     void* h = mmap(nullptr, p.bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (h == MAP_FAILED) return false;
+    std::printf("  %s: mapped at %p (%s 2 MiB boundary)\n", p.mode.c_str(), h,
+                reinterpret_cast<uintptr_t>(h) % (2u << 20) == 0 ? "on a" : "off a");
     for (size_t off = 0; off < p.bytes; off += kStoreSlab) {
       char* slab = static_cast<char*>(h) + off;
       madvise(slab, kStoreSlab, MADV_HUGEPAGE);
@@ -164,9 +167,9 @@ bool Allocate(Pool& p) {
       CK(cudaHostGetDevicePointer(&d, slab, 0));
       if (d != slab) return false;  // one contiguous device range needs the host's addresses
     }
-    PrintHugePages("store, registered");
+    PrintHugePages((p.mode + ", registered").c_str());
     std::memset(h, 1, p.bytes);
-    PrintHugePages("store, written");
+    PrintHugePages((p.mode + ", written").c_str());
     p.host = h;
     p.dev = h;
     return true;
@@ -325,6 +328,8 @@ void Experiments(const Pool& p, int rows, int blocks, int64_t* d_slots, uint4* d
   CK(cudaMalloc(&ce_dst, (span * kSlot / (64 << 10)) * 16));
   // 0: stream alone; -1: parallel touch; -2: the copy engine (a 2D copy of 16 bytes every 64 KiB)
   for (const int chains : {0, 32, 64, 96, -1, -2}) {
+    // One copy over slabs registered one by one is refused (invalid argument): no copy engine.
+    if (chains == -2 && p.mode == "store") continue;
     std::vector<float> touch_ms, gather_ms, stream_ms;
     for (int rep = -3; rep < 20; ++rep) {
       const int64_t off = ((rep + 3) * 7 % 32) * span;
@@ -437,7 +442,8 @@ int main(int argc, char** argv) {
         std::printf("%-10s %6.0f %6d %8.2f %10.1f %8.1f  %s\n", mode, gib, rows, mb, m * 1e3,
                     mb / m, local ? "(rows within 1/32 of the pool)" : "(rows anywhere)");
       }
-      if (gib >= 16 && (std::string(mode) == "thp" || std::string(mode) == "store")) {
+      if (gib >= 16 && (std::string(mode) == "thp" || std::string(mode) == "store" ||
+                        std::string(mode) == "4k")) {
         Experiments(p, rows, blocks, d_slots, d_out);
       }
       Free(p);
