@@ -1,0 +1,244 @@
+// What vAttention over 2-bit compressed keys can know about keys built against per-channel
+// quantization (issue 50; docs/ACCURACY.md, "Adversarial keys: what the stored keys can tell").
+// CPU only. For each family of kernels::MakeAdversarialHead and each n:
+//   - the stored bound: beta_t = scale |q| err_t (CompressedLogitUpperBound's per-token term) over
+//     the residual, and how many residual tokens that bound leaves "possibly heavy" (an upper
+//     bound e^{s~_t + beta_t} at least 2.5% of the fixed set's exact mass);
+//   - the hidden needle's stored error norm against the others' (the share of tokens with a larger
+//     one) and its logit's excess over its approximate score;
+//   - vAttention (importance sampler, CLT-ratio, eps = delta = 0.1, the issue's setting) per head
+//     over --trials seeds: the rate of outputs over eps, the heads a binomial test rejects
+//     (Bonferroni over the heads), the rows read; with --rotate, the keys and the query turned
+//     by a randomized Walsh-Hadamard rotation (random signs, then the transform; a new one per
+//     trial) before the keys are compressed, so that the quantizer is not the one the keys were
+//     built against; and the rms of the logits' error s_t - s~_t over all tokens.
+//
+//   adversarial_keys_bench [--rotate] [--trials 50] [--lens 8192,32768] [--heads 8]
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_split.h"
+#include "kernels/compressed_keys.h"
+#include "kernels/dtype.h"
+#include "kernels/synthetic.h"
+#include "kernels/vattention.h"
+
+ABSL_FLAG(bool, rotate, false, "turn keys and query by a random rotation before compressing");
+ABSL_FLAG(int, trials, 50, "seeds per head");
+ABSL_FLAG(std::string, lens, "8192,32768", "sequence lengths (multiples of 128)");
+ABSL_FLAG(int, heads, 8, "heads (key sets) per family and length");
+
+namespace kvsparse::kernels {
+namespace {
+
+constexpr int kBits = 2;
+
+// x <- H diag(sign) x / sqrt(d), d a power of two: an orthogonal map.
+void Rotate(const std::vector<float>& sign, float* x) {
+  const int d = static_cast<int>(sign.size());
+  for (int i = 0; i < d; ++i) x[i] *= sign[i];
+  for (int h = 1; h < d; h <<= 1) {
+    for (int i = 0; i < d; i += 2 * h) {
+      for (int j = i; j < i + h; ++j) {
+        const float a = x[j], b = x[j + h];
+        x[j] = a + b;
+        x[j + h] = a - b;
+      }
+    }
+  }
+  const float s = 1.f / std::sqrt(static_cast<float>(d));
+  for (int i = 0; i < d; ++i) x[i] *= s;
+}
+
+VAttentionParams IssueParams() {
+  VAttentionParams p;
+  p.sink_tokens = 16;
+  p.local_tokens = 64;
+  p.top_k_fraction = 1.f / 32;
+  p.base_rate = 0.02f;
+  p.epsilon = 0.1f;
+  p.delta = 0.1f;
+  p.predictor = TopKPredictor::kCompressed;
+  p.bound = BudgetBound::kCltRatio;
+  p.target = VerifyTarget::kOutput;
+  p.sampler = ResidualSampler::kImportance;
+  return p;
+}
+
+struct Dense {
+  std::vector<double> x, out;  // e^{s - max}, the output
+  double sum = 0, norm = 0;
+};
+
+Dense DenseOf(const AdversarialHead& a, const std::vector<float>& s) {
+  Dense d;
+  const double m = *std::max_element(s.begin(), s.end());
+  d.out.assign(a.dv, 0.0);
+  for (int32_t t = 0; t < a.n; ++t) {
+    d.x.push_back(std::exp(s[t] - m));
+    d.sum += d.x.back();
+    for (int c = 0; c < a.dv; ++c) d.out[c] += d.x.back() * a.v[static_cast<size_t>(t) * a.dv + c];
+  }
+  for (double& o : d.out) o /= d.sum;
+  for (double o : d.out) d.norm += o * o;
+  d.norm = std::sqrt(d.norm);
+  return d;
+}
+
+double OutputError(const Dense& d, const AdversarialHead& a, const VAttentionHeadResult& r) {
+  HeadRows rows;
+  r.ToHeadRows(&rows);
+  double dh = 0;
+  std::vector<double> nh(a.dv, 0.0);
+  for (size_t i = 0; i < rows.tokens.size(); ++i) {
+    const int32_t t = rows.tokens[i];
+    dh += rows.weights[i] * d.x[t];
+    for (int c = 0; c < a.dv; ++c) {
+      nh[c] += rows.weights[i] * d.x[t] * a.v[static_cast<size_t>(t) * a.dv + c];
+    }
+  }
+  double e2 = 0;
+  for (int c = 0; c < a.dv; ++c) e2 += (nh[c] / dh - d.out[c]) * (nh[c] / dh - d.out[c]);
+  return std::sqrt(e2) / d.norm;
+}
+
+// The stored bound over one head's residual (unrotated keys).
+void PrintStoredBound(const AdversarialHead& a, const std::vector<float>& s, int h) {
+  CompressedKeys ck({kBits, kKeyGroupTokens}, a.d, DType::kFp32);
+  for (int32_t t = 0; t < a.n; ++t) ck.Append(&a.k[static_cast<size_t>(t) * a.d]);
+  const CompressedKeysView v = ck.view();
+  std::vector<float> approx(a.n);
+  ApproximateScores(v, a.q.data(), a.scale, approx.data());
+  VAttentionHeadResult plan;
+  std::vector<int32_t> scratch;
+  VAttentionPlanFixed(approx.data(), a.n, a.n / 32, IssueParams(), &plan, &scratch);
+  std::vector<char> fixed(a.n, 0);
+  for (int32_t t : plan.fixed) fixed[t] = 1;
+  double qn = 0;
+  for (float x : a.q) qn += double{x} * x;
+  qn = std::sqrt(qn);
+  const double m = *std::max_element(s.begin(), s.end());
+  double fixed_mass = 0;
+  for (int32_t t : plan.fixed) fixed_mass += std::exp(s[t] - m);
+  std::vector<double> beta;
+  int64_t possibly_heavy = 0;
+  for (int32_t t = 0; t < a.n; ++t) {
+    if (fixed[t]) continue;
+    beta.push_back(std::fabs(a.scale) * qn * KeyErrorBound(v, t));
+    possibly_heavy += std::exp(approx[t] + beta.back() - m) >= 0.025 * fixed_mass;
+  }
+  std::sort(beta.begin(), beta.end());
+  std::printf("  head %d: beta median %.1f, max %.1f nats; possibly heavy %lld of %zu residual", h,
+              beta[beta.size() / 2], beta.back(), static_cast<long long>(possibly_heavy),
+              beta.size());
+  if (a.needle >= 0) {
+    int64_t larger = 0;
+    for (int32_t t = 0; t < v.closed; ++t)
+      larger += KeyErrorBound(v, t) > KeyErrorBound(v, a.needle);
+    std::printf("; needle: logit - approx %.1f, share of tokens with a larger error norm %.3f",
+                s[a.needle] - approx[a.needle], static_cast<double>(larger) / a.n);
+  }
+  std::printf("\n");
+}
+
+double BinomialTail(int k, int n, double p) {
+  double sum = 0;
+  for (int i = k; i <= n; ++i) {
+    sum += std::exp(std::lgamma(n + 1.0) - std::lgamma(i + 1.0) - std::lgamma(n - i + 1.0) +
+                    i * std::log(p) + (n - i) * std::log1p(-p));
+  }
+  return sum;
+}
+
+void RunFamily(AdversarialKeys family, int32_t n, int heads, int trials, bool rotate) {
+  std::printf("%s, n = %d, %s keys:\n", AdversarialKeysName(family), n,
+              rotate ? "rotated" : "plain");
+  const VAttentionParams params = IssueParams();
+  int rejected = 0;
+  double rate = 0, rows_read = 0, needle_fixed = 0, rms = 0;
+  for (int h = 0; h < heads; ++h) {
+    const AdversarialHead a = MakeAdversarialHead(family, n, kBits, 1000 + h);
+    const std::vector<float> s = a.Scores();
+    if (!rotate) PrintStoredBound(a, s, h);
+    const Dense dense = DenseOf(a, s);
+    VAttentionRowAccess access;
+    access.dv = a.dv;
+    access.logit = [&s](int32_t t) { return s[t]; };
+    access.load_v = [&a](int32_t t, float* o) {
+      std::copy_n(&a.v[static_cast<size_t>(t) * a.dv], a.dv, o);
+    };
+    int violations = 0;
+    std::vector<float> k = a.k, q = a.q, approx(n);
+    for (int trial = 0; trial < trials; ++trial) {
+      if (rotate) {
+        std::mt19937_64 rng(77 + 131 * trial + h);
+        std::vector<float> sign(a.d);
+        for (float& x : sign) x = rng() & 1 ? 1.f : -1.f;
+        k = a.k;
+        q = a.q;
+        for (int32_t t = 0; t < n; ++t) Rotate(sign, &k[static_cast<size_t>(t) * a.d]);
+        Rotate(sign, q.data());
+      }
+      if (rotate || trial == 0) {
+        CompressedKeys ck({kBits, kKeyGroupTokens}, a.d, DType::kFp32);
+        for (int32_t t = 0; t < n; ++t) ck.Append(&k[static_cast<size_t>(t) * a.d]);
+        ApproximateScores(ck.view(), q.data(), a.scale, approx.data());
+        double e2 = 0;
+        for (int32_t t = 0; t < n; ++t) e2 += (s[t] - approx[t]) * (s[t] - approx[t]);
+        rms += std::sqrt(e2 / n) / heads / (rotate ? trials : 1);
+      }
+      VAttentionHeadResult r;
+      std::vector<int32_t> scratch;
+      VAttentionPlanFixed(approx.data(), n, n / 32, params, &r, &scratch);
+      if (a.needle >= 0) {
+        needle_fixed += std::binary_search(r.fixed.begin(), r.fixed.end(), a.needle);
+      }
+      VAttentionSampleHead(n, params, access, 700 + trial, 0, h, &r, approx.data());
+      violations += OutputError(dense, a, r) > params.epsilon;
+      HeadRows read;
+      r.ToHeadRows(&read);
+      rows_read += static_cast<double>(read.tokens.size()) / n / trials / heads;
+    }
+    rejected += BinomialTail(violations, trials, params.delta) < 0.01 / heads;
+    rate += static_cast<double>(violations) / trials / heads;
+  }
+  std::printf(
+      "  => %d of %d heads rejected, outputs over eps %.3f, rows read %.3f of n, rms of logit - "
+      "approx %.2f nats",
+      rejected, heads, rate, rows_read, rms);
+  if (family == AdversarialKeys::kHiddenNeedle) {
+    std::printf(", needle in the fixed set in %.3f of the trials",
+                needle_fixed / (static_cast<double>(trials) * heads));
+  }
+  std::printf("\n");
+}
+
+}  // namespace
+}  // namespace kvsparse::kernels
+
+int main(int argc, char** argv) {
+  absl::ParseCommandLine(argc, argv);
+  using kvsparse::kernels::AdversarialKeys;
+  for (AdversarialKeys family :
+       {AdversarialKeys::kHiddenNeedle, AdversarialKeys::kRangeStretcher}) {
+    for (absl::string_view len : absl::StrSplit(absl::GetFlag(FLAGS_lens), ',')) {
+      int32_t n = 0;
+      if (!absl::SimpleAtoi(len, &n) || n <= 0 || n % 128 != 0) {
+        std::fprintf(stderr, "--lens: %s is not a positive multiple of 128\n",
+                     std::string(len).c_str());
+        return 2;
+      }
+      kvsparse::kernels::RunFamily(family, n, absl::GetFlag(FLAGS_heads),
+                                   absl::GetFlag(FLAGS_trials), absl::GetFlag(FLAGS_rotate));
+    }
+  }
+  return 0;
+}
