@@ -129,6 +129,8 @@ def panels():
                      [(f"sum by (method) (rate(kvsparse_decode_budget_rows_sum{{{SEL}}}[{RATE}])) / (sum by (method) (rate(kvsparse_decode_budget_rows_count{{{SEL}}}[{RATE}])) > 0)", "mean {{method}}"),
                       (f'histogram_quantile(0.5, sum by (le) (rate(kvsparse_decode_budget_rows_bucket{{{SEL}, method="vattention"}}[{RATE}])))', "vattention p50"),
                       (f'histogram_quantile(0.99, sum by (le) (rate(kvsparse_decode_budget_rows_bucket{{{SEL}, method="vattention"}}[{RATE}])))', "vattention p99")])
+    yield timeseries("Stated standard error per query head", "The standard error each estimate states of itself, relative to its output's norm (S2ANTA on the CPU engine, HeadStats.standard_error): p50 / p99 by method", "percentunit",
+                     p50_p99("kvsparse_decode_standard_error", "method"))
 
     yield "row", "Store and device state"
     yield timeseries("Store fill", "Bytes of pages in use / --capacity, per process", "percentunit",

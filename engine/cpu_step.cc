@@ -65,7 +65,8 @@ absl::Status CpuStep::Run(const MethodUnit& unit, DecodeResult* result) {
   }
   n_ = static_cast<int32_t>(res_->length());
   MakeProblem();
-  if (unit.Plan(method()).all_keys) {
+  const CpuPlan plan = unit.Plan(method());
+  if (plan.all_keys) {
     if (absl::Status s = ProvideKeys(); !s.ok()) return s;
     if (absl::Status s = call_.CheckLive(); !s.ok()) return s;
   }
@@ -82,7 +83,7 @@ absl::Status CpuStep::Run(const MethodUnit& unit, DecodeResult* result) {
   if (absl::Status s = call_.CheckLive(); !s.ok()) return s;
 
   t0 = absl::Now();
-  if (absl::Status s = Estimate(sel, result); !s.ok()) return s;
+  if (absl::Status s = Estimate(sel, plan.states_standard_error, result); !s.ok()) return s;
   const double compute_s = Seconds(t0, absl::Now());
 
   for (int32_t j = 0; j < hkv_; ++j) {
@@ -341,7 +342,8 @@ absl::Status CpuStep::GatherSelected(const kernels::RowSelection& sel) {
   return absl::OkStatus();
 }
 
-absl::Status CpuStep::Estimate(const kernels::RowSelection& sel, DecodeResult* result) {
+absl::Status CpuStep::Estimate(const kernels::RowSelection& sel, bool standard_error,
+                               DecodeResult* result) {
   const bool need_k = sel.needs_k_rows();
   std::vector<kernels::GatheredRows> gathered(hkv_);
   for (int32_t j = 0; j < hkv_; ++j) {
@@ -349,7 +351,17 @@ absl::Status CpuStep::Estimate(const kernels::RowSelection& sel, DecodeResult* r
     gathered[j].v = rows_.v.data() + rows_.offset[j] * row_;
     gathered[j].row_stride = d_;
   }
-  if (absl::Status s = kernels::EstimateFromGathered(p_, sel, gathered); !s.ok()) return s;
+  std::vector<float> se;
+  if (absl::Status s =
+          kernels::EstimateFromGathered(p_, sel, gathered, standard_error ? &se : nullptr);
+      !s.ok()) {
+    return s;
+  }
+  if (standard_error) {  // batch 1: [H], query head j * G + g of kv head j
+    for (int32_t j = 0; j < hkv_; ++j) {
+      stats_[j].standard_error.assign(se.begin() + j * G_, se.begin() + (j + 1) * G_);
+    }
+  }
   const size_t hd = static_cast<size_t>(H_) * d_;
   kernels::ConvertElements(out_.data(), shape_.dtype,
                            reinterpret_cast<uint8_t*>(result->output.data()) +

@@ -100,6 +100,10 @@ class CpuStep {
     stats_[j].key_features_head = head_pairs;
     stats_[j].key_features_group = group_features;
   }
+  // vAttention's promised error of each query head of kv head j (HeadStats::epsilon).
+  void StateEpsilon(int32_t j, std::vector<float> per_head) {
+    stats_[j].epsilon = std::move(per_head);
+  }
 
  private:
   // The resident state synced, the new token appended to it.
@@ -110,7 +114,9 @@ class CpuStep {
   // The selected rows not read for the selection, in one Gather for all heads, assembled per
   // head in selection order.
   absl::Status GatherSelected(const kernels::RowSelection& sel);
-  absl::Status Estimate(const kernels::RowSelection& sel, DecodeResult* result);
+  // standard_error: also each query head's HeadStats::standard_error.
+  absl::Status Estimate(const kernels::RowSelection& sel, bool standard_error,
+                        DecodeResult* result);
 
   const Env env_;
   const DecodeCall& call_;

@@ -90,6 +90,15 @@ struct HeadStats {
   // exact scores, which read all head_dim features of every query head.
   uint64_t key_features_head = 0;
   uint64_t key_features_group = 0;
+  // Per query head of the group, the standard error the estimate states of itself, relative to
+  // its output's norm (kernels::EstimateFromGathered's draw_standard_errors): S2ANTA's, from its
+  // own draws, on the CPU engine; empty where a method or engine states none.
+  std::vector<float> standard_error;
+  // Per query head of the group, the relative error of its output vAttention's budget promises
+  // at probability 1 - delta: epsilon sqrt(b_needed / b) (at most the requested epsilon, below it
+  // where the base-rate floor drew more than the bound asked), 0 where the residual was read
+  // whole. The bound's own estimate from the base sample, on the CPU engine; empty elsewhere.
+  std::vector<float> epsilon;
 };
 
 struct DecodeTiming {

@@ -17,6 +17,7 @@ int64_t KvHeadSelection::rows_selected() const {
 
 void RowSelection::Reset(EstimateKind k, int32_t b, int32_t hkv, int32_t g) {
   kind = k;
+  ordered_draws = false;
   batch = b;
   num_kv_heads = hkv;
   group_size = g;
@@ -72,9 +73,68 @@ absl::Status SelectAllRows(const DecodeProblem& p, RowSelection* sel) {
 
 namespace {
 
-// Row accessor: (base pointer, element offset) of K or V row r of kv head (b, kvh).
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// The relative standard error of one query head's estimate `out` (d floats), its used rows taken
+// as draws (EstimateFromGathered in the header). e[r]: kSoftmax's e^{s_r - m} of row r (not read
+// for kLinear).
 template <typename RowFn>
-absl::Status Estimate(const DecodeProblem& p, const RowSelection& sel, RowFn row_of) {
+float DrawStandardError(const DecodeProblem& p, const RowSelection& sel, const KvHeadSelection& hs,
+                        int32_t b, int32_t kvh, int g, const float* e, const float* out,
+                        RowFn row_of) {
+  const int d = p.head_dim;
+  const size_t r_count = hs.tokens.size();
+  const int32_t* c = hs.head_counts.data() + g * r_count;
+  const float* w = hs.weights.data() + g * r_count;
+  const bool linear = sel.kind == EstimateKind::kLinear;
+  double m = 0, mass = 0;
+  for (size_t r = 0; r < r_count; ++r) {
+    if (c[r] <= 0) continue;
+    m += c[r];
+    mass += linear ? double{w[r]} : double{w[r]} * e[r];
+  }
+  double out2 = 0;
+  for (int i = 0; i < d; ++i) out2 += double{out[i]} * out[i];
+  if (m < 2) return out2 > 0 ? kInf : 0.f;
+  if (mass <= 0) return 0.f;
+  // Each draw's value z, whose mean over the m draws is the output's deviation from out: kLinear
+  // m a V - out (a = w / c), kSoftmax m a (V - out) / L (a = w e^{s} / c, L their sum: the
+  // ratio's linearisation).
+  std::vector<float> v(d);
+  std::vector<double> z(d), prev(d);
+  bool first = true;
+  double sum2 = 0;
+  for (size_t r = 0; r < r_count; ++r) {
+    if (c[r] <= 0) continue;
+    const auto [vbase, voff] = row_of(b, kvh, r, /*is_k=*/false);
+    LoadRowAsFloat(vbase, voff, d, p.dtype, v.data());
+    const double a = (linear ? double{w[r]} : double{w[r]} * e[r]) / c[r];
+    for (int i = 0; i < d; ++i) {
+      z[i] = linear ? m * a * v[i] - out[i] : m * a * (v[i] - double{out[i]}) / mass;
+    }
+    if (!sel.ordered_draws) {
+      double z2 = 0;
+      for (int i = 0; i < d; ++i) z2 += z[i] * z[i];
+      sum2 += c[r] * z2;  // linear: |z - mean z|^2 with mean 0; the ratio's mean is 0 too
+    } else {
+      // Successive differences in token order; a row drawn c times adds c - 1 zero ones.
+      double dz2 = 0;
+      for (int i = 0; i < d; ++i) dz2 += (z[i] - prev[i]) * (z[i] - prev[i]);
+      if (!first) sum2 += dz2 / 2;
+      prev = z;
+      first = false;
+    }
+  }
+  // i.i.d.: sum |z|^2 / (m (m - 1)); ordered: sum |dz|^2 / 2 over the m - 1 differences, the same.
+  const double var = sum2 / (m * (m - 1));
+  if (out2 <= 0) return var > 0 ? kInf : 0.f;
+  return static_cast<float>(std::sqrt(var / out2));
+}
+
+// rel_se: nullptr, or [B * H] filled with each query head's DrawStandardError.
+template <typename RowFn>
+absl::Status Estimate(const DecodeProblem& p, const RowSelection& sel, RowFn row_of,
+                      std::vector<float>* rel_se = nullptr) {
   if (sel.batch != p.batch || sel.num_kv_heads != p.num_kv_heads ||
       sel.group_size != p.group_size() ||
       sel.heads.size() != static_cast<size_t>(p.batch) * p.num_kv_heads) {
@@ -85,6 +145,7 @@ absl::Status Estimate(const DecodeProblem& p, const RowSelection& sel, RowFn row
   }
   const int d = p.head_dim;
   const int group = p.group_size();
+  if (rel_se != nullptr) rel_se->assign(static_cast<size_t>(p.batch) * p.num_q_heads, 0.f);
   std::vector<float> q(d), acc(d), s;
   for (int32_t b = 0; b < p.batch; ++b) {
     for (int32_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
@@ -127,6 +188,16 @@ absl::Status Estimate(const DecodeProblem& p, const RowSelection& sel, RowFn row
         }
         const int64_t o = (static_cast<int64_t>(b) * p.num_q_heads + h) * d;
         for (int i = 0; i < d; ++i) StoreFromFloat(p.out, o + i, p.dtype, acc[i] * norm);
+        if (rel_se != nullptr) {
+          for (int i = 0; i < d; ++i) acc[i] *= norm;  // the output, for the spread around it
+          if (sel.kind == EstimateKind::kSoftmax) {
+            float m = -kInf;
+            for (size_t r = 0; r < r_count; ++r) m = w[r] == 0.f ? m : std::max(m, s[r]);
+            for (size_t r = 0; r < r_count; ++r) s[r] = w[r] == 0.f ? 0.f : std::exp(s[r] - m);
+          }
+          (*rel_se)[static_cast<size_t>(b) * p.num_q_heads + h] =
+              DrawStandardError(p, sel, hs, b, kvh, g, s.data(), acc.data(), row_of);
+        }
       }
     }
   }
@@ -141,7 +212,8 @@ struct RowRef {
 }  // namespace
 
 absl::Status EstimateFromGathered(const DecodeProblem& p, const RowSelection& sel,
-                                  absl::Span<const GatheredRows> rows) {
+                                  absl::Span<const GatheredRows> rows,
+                                  std::vector<float>* draw_standard_errors) {
   if (absl::Status s =
           ValidateProblemFor(p, ProblemNeeds{/*q=*/true, /*k=*/false, /*v=*/false, /*out=*/true});
       !s.ok()) {
@@ -163,13 +235,17 @@ absl::Status EstimateFromGathered(const DecodeProblem& p, const RowSelection& se
           absl::StrCat("rows[", i, "].row_stride ", rows[i].row_stride, " < head_dim"));
     }
   }
-  return Estimate(p, sel, [&](int32_t b, int32_t kvh, size_t r, bool is_k) {
-    const GatheredRows& g = rows[static_cast<size_t>(b) * p.num_kv_heads + kvh];
-    return RowRef{is_k ? g.k : g.v, static_cast<int64_t>(r) * g.row_stride};
-  });
+  return Estimate(
+      p, sel,
+      [&](int32_t b, int32_t kvh, size_t r, bool is_k) {
+        const GatheredRows& g = rows[static_cast<size_t>(b) * p.num_kv_heads + kvh];
+        return RowRef{is_k ? g.k : g.v, static_cast<int64_t>(r) * g.row_stride};
+      },
+      draw_standard_errors);
 }
 
-absl::Status EstimateInPlace(const DecodeProblem& p, const RowSelection& sel) {
+absl::Status EstimateInPlace(const DecodeProblem& p, const RowSelection& sel,
+                             std::vector<float>* draw_standard_errors) {
   if (absl::Status s = ValidateProblemFor(
           p, ProblemNeeds{/*q=*/true, /*k=*/sel.needs_k_rows(), /*v=*/true, /*out=*/true});
       !s.ok()) {
@@ -187,10 +263,13 @@ absl::Status EstimateInPlace(const DecodeProblem& p, const RowSelection& sel) {
       }
     }
   }
-  return Estimate(p, sel, [&](int32_t b, int32_t kvh, size_t r, bool is_k) {
-    const int32_t t = sel.at(b, kvh).tokens[r];
-    return RowRef{is_k ? p.k : p.v, KvRowOffset(p, b, kvh, t)};
-  });
+  return Estimate(
+      p, sel,
+      [&](int32_t b, int32_t kvh, size_t r, bool is_k) {
+        const int32_t t = sel.at(b, kvh).tokens[r];
+        return RowRef{is_k ? p.k : p.v, KvRowOffset(p, b, kvh, t)};
+      },
+      draw_standard_errors);
 }
 
 }  // namespace kvsparse::kernels

@@ -74,6 +74,10 @@ struct RowSelection {
   int32_t num_kv_heads = 0;
   int32_t group_size = 0;
   std::vector<KvHeadSelection> heads;  // [B * Hkv], index b * Hkv + kv_head
+  // The draws were spread over the tokens in order (stratified or systematic designs, prop's and
+  // flash's tiles), not drawn independently: the stated standard error (EstimateFromGathered)
+  // then comes from successive differences. Reset leaves it false.
+  bool ordered_draws = false;
 
   bool needs_k_rows() const { return kind == EstimateKind::kSoftmax; }
   const KvHeadSelection& at(int32_t b, int32_t kv_head) const {
@@ -105,11 +109,32 @@ struct GatheredRows {
 // The estimate stage on gathered rows: writes p.out ([B, H, d], p.dtype) from p.q and the rows
 // in `rows` ([B * Hkv], index b * Hkv + kv_head). p.k and p.v are not read. fp32 accumulation.
 // A query head with no used row (sum of weights 0) gets zeros.
+//
+// draw_standard_errors (optional, [B * H] on return, index b * H + h): each query head's
+// standard error of its output relative to the output's norm, sqrt(Var^) / |out|, estimated from
+// its own rows taken as m = sum of its counts draws, a draw of row r weighing a_r = w_r / c_r
+// (kSoftmax: times e^{s_r}), each with a value z whose mean over the draws is the output's
+// deviation:
+//   kLinear   out = mean over the draws of m a V:  z = m a V - out
+//   kSoftmax  out = sum a V / L, L = sum_draws a:   z = m a (V - out) / L (the ratio linearised:
+//             the delta method, the self-normalised importance estimator's usual estimate)
+// Var^ = sum_draws |z|^2 / (m (m - 1)) for independent draws; for draws spread over the tokens
+// in order (sel.ordered_draws: stratified, systematic, prop's and flash's tiles) sum over the m -
+// 1 successive draws in token order of |z_{k+1} - z_k|^2 / 2, over m (m - 1): the successive-
+// difference estimator of systematic sampling, which keeps most of what the design removes.
+// Var^ estimates E|out - E out|^2 (the trace of the covariance): unbiased for i.i.d. draws
+// (kLinear), consistent for the ratio, an overstatement for the ordered designs
+// (kernels/santa_compressed_test.cc, SantaStandardErrorTest, measures both). It describes a
+// selection whose every used row is a draw (S2ANTA's): rows chosen for certain (a fixed set) are
+// no draws. Infinity where fewer than two draws stand behind a non-zero output; 0 for a zero
+// output with no spread.
 [[nodiscard]] absl::Status EstimateFromGathered(const DecodeProblem& p, const RowSelection& sel,
-                                                absl::Span<const GatheredRows> rows);
+                                                absl::Span<const GatheredRows> rows,
+                                                std::vector<float>* draw_standard_errors = nullptr);
 
 // The same, reading the selected rows in place from p.k / p.v (the embedded, zero-copy case).
-[[nodiscard]] absl::Status EstimateInPlace(const DecodeProblem& p, const RowSelection& sel);
+[[nodiscard]] absl::Status EstimateInPlace(const DecodeProblem& p, const RowSelection& sel,
+                                           std::vector<float>* draw_standard_errors = nullptr);
 
 }  // namespace kvsparse::kernels
 

@@ -391,6 +391,8 @@ absl::Status SantaSelectCpu(const DecodeProblem& p, const SantaParams& params, u
   const int d = p.head_dim;
   sel->Reset(ratio ? EstimateKind::kSoftmax : EstimateKind::kLinear, p.batch, p.num_kv_heads,
              group);
+  sel->ordered_draws =
+      params.allocation != SantaAllocation::kGlobal || params.sampler != SantaSampler::kIid;
   if (stats != nullptr) {
     stats->group = group;
     stats->dim = d;
@@ -428,8 +430,8 @@ absl::Status SantaSelectCpu(const DecodeProblem& p, const SantaParams& params, u
         }
       }
       if (params.proposal == SantaProposal::kGroupMixture) {
-        if (absl::Status s = SampleGroupMixture(*view, qg, group, n, p.scale, params, seed, b,
-                                                kvh, &plan, &rows, &scratch);
+        if (absl::Status s = SampleGroupMixture(*view, qg, group, n, p.scale, params, seed, b, kvh,
+                                                &plan, &rows, &scratch);
             !s.ok()) {
           return s;
         }

@@ -437,6 +437,8 @@ void ToProto(engine::DecodeResult&& r, const engine::DecodeCall& call, v1::Decod
     s->mutable_fetched_tokens()->Add(h.fetched_tokens.begin(), h.fetched_tokens.end());
     s->set_key_features_head(h.key_features_head);
     s->set_key_features_group(h.key_features_group);
+    for (float e : h.standard_error) s->add_standard_error(e);
+    for (float e : h.epsilon) s->add_epsilon(e);
   }
   v1::Timing* t = out->mutable_timing();
   t->set_selection_seconds(r.timing.selection_seconds);

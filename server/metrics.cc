@@ -1,5 +1,7 @@
 #include "server/metrics.h"
 
+#include <algorithm>
+#include <cmath>
 #include <exception>
 
 #include "absl/strings/str_cat.h"
@@ -279,6 +281,13 @@ prometheus::Histogram::BucketBoundaries BudgetBuckets() {
   return b;
 }
 
+// Relative standard errors: 2^-14 (6e-5) to 2 by doubling, then +Inf (also fewer than two draws).
+prometheus::Histogram::BucketBoundaries StandardErrorBuckets() {
+  prometheus::Histogram::BucketBoundaries b;
+  for (int e = -14; e <= 1; ++e) b.push_back(std::ldexp(1.0, e));
+  return b;
+}
+
 const char* kTierNames[] = {"host", "device", "remote"};
 
 }  // namespace
@@ -322,6 +331,12 @@ DecodeMetrics::DecodeMetrics(prometheus::Registry& registry)
                   .Help("Per query head budget, in rows: samples S, top-k k, or the vAttention "
                         "sample b")
                   .Register(registry)),
+      standard_error_(prometheus::BuildHistogram()
+                          .Name("kvsparse_decode_standard_error")
+                          .Help("Per query head, the standard error an estimate states of itself, "
+                                "relative to its output's norm (S2ANTA on the CPU engine: from its "
+                                "own draws; HeadStats.standard_error)")
+                          .Register(registry)),
       engine_(&prometheus::BuildHistogram()
                    .Name("kvsparse_decode_engine_seconds")
                    .Help("Whole engine time per Decode call (the stages of "
@@ -339,6 +354,7 @@ DecodeMetrics::DecodeMetrics(prometheus::Registry& registry)
     pm.sequences = &sequences_.Add({{"method", m.name}});
     pm.cached = &cached_rows_.Add({{"method", m.name}});
     pm.budget = &budget_.Add({{"method", m.name}}, BudgetBuckets());
+    pm.standard_error = &standard_error_.Add({{"method", m.name}}, StandardErrorBuckets());
   }
   selection_ = &stage_.Add({{"stage", "selection"}}, LatencyBuckets());
   gather_ = &stage_.Add({{"stage", "gather"}}, LatencyBuckets());
@@ -354,6 +370,9 @@ void DecodeMetrics::Record(engine::MethodKind method, const engine::DecodeResult
   double dense = 0, budget_sum = 0, cached = 0;
   static const prometheus::Histogram::BucketBoundaries kBudgetBounds = BudgetBuckets();
   std::vector<double> budget_buckets(kBudgetBounds.size() + 1, 0.0);
+  static const prometheus::Histogram::BucketBoundaries kErrorBounds = StandardErrorBuckets();
+  std::vector<double> error_buckets(kErrorBounds.size() + 1, 0.0);
+  double error_sum = 0, errors = 0;
   uint64_t seqs = 0;
   for (const engine::HeadStats& h : r.heads) {
     // Rows are counted on the tier most of the head's bytes came from.
@@ -371,6 +390,12 @@ void DecodeMetrics::Record(engine::MethodKind method, const engine::DecodeResult
       budget_buckets[std::lower_bound(kBudgetBounds.begin(), kBudgetBounds.end(), x) -
                      kBudgetBounds.begin()] += 1;
     }
+    for (float e : h.standard_error) {
+      ++errors;
+      if (std::isfinite(e)) error_sum += e;  // an infinite one lands in +Inf, not in the sum
+      error_buckets[std::lower_bound(kErrorBounds.begin(), kErrorBounds.end(), double{e}) -
+                    kErrorBounds.begin()] += 1;
+    }
     seqs = std::max<uint64_t>(seqs, h.sequence_index + 1);
   }
   for (int t = 0; t < kTiers; ++t) {
@@ -380,6 +405,7 @@ void DecodeMetrics::Record(engine::MethodKind method, const engine::DecodeResult
   pm.dense->Increment(dense);
   if (cached > 0) pm.cached->Increment(cached);
   pm.budget->ObserveMultiple(budget_buckets, budget_sum);
+  if (errors > 0) pm.standard_error->ObserveMultiple(error_buckets, error_sum);
   pm.sequences->Increment(static_cast<double>(seqs));
   if (r.timing.stage_weight > 0) {  // stage times of a timed call stand for stage_weight calls
     pm.gather->Increment(r.timing.gather_seconds * r.timing.stage_weight);

@@ -59,7 +59,7 @@ class RpcMetric {
 
 // Decode-step metrics: rows and bytes fetched per method and tier, dense-equivalent bytes (so
 // the saving is one query away), time per stage (GB/s = rate(fetched bytes) / rate(gather
-// seconds)), per-head budgets. Thread-safe.
+// seconds)), per-head budgets, the standard errors estimates state of themselves. Thread-safe.
 class DecodeMetrics {
  public:
   explicit DecodeMetrics(prometheus::Registry& registry);
@@ -76,6 +76,7 @@ class DecodeMetrics {
   prometheus::Family<prometheus::Counter>& cached_rows_;
   prometheus::Family<prometheus::Histogram>& stage_;
   prometheus::Family<prometheus::Histogram>& budget_;
+  prometheus::Family<prometheus::Histogram>& standard_error_;
   struct PerMethod {
     std::array<prometheus::Counter*, kTiers> rows{}, bytes{};
     prometheus::Counter* dense = nullptr;
@@ -83,6 +84,7 @@ class DecodeMetrics {
     prometheus::Counter* sequences = nullptr;
     prometheus::Counter* cached = nullptr;
     prometheus::Histogram* budget = nullptr;
+    prometheus::Histogram* standard_error = nullptr;
   };
   std::vector<PerMethod> per_method_;  // one per row of the method table, in its order
   prometheus::Histogram* selection_;

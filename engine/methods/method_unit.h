@@ -32,6 +32,9 @@ class CpuStep;
 struct CpuPlan {
   // Every K row of the layer (scores): read in place when resident, else fetched first.
   bool all_keys = false;
+  // The estimate states a standard error from its own draws (HeadStats::standard_error): the
+  // methods whose every used row is a draw.
+  bool states_standard_error = false;
 };
 
 class MethodUnit {

@@ -41,6 +41,7 @@ class Santa final : public MethodUnit {
   CpuPlan Plan(const Method& m) const override {
     CpuPlan plan;
     plan.all_keys = !Compressed(m);
+    plan.states_standard_error = true;  // every row S2ANTA uses is one of its draws
     return plan;
   }
   absl::Status Select(CpuStep& step, kernels::RowSelection* sel) const override {

@@ -52,6 +52,16 @@ class VAttention final : public MethodUnit {
   absl::Status Select(CpuStep& step, kernels::RowSelection* sel) const override;
 };
 
+// The relative error a head's final sample promises at probability 1 - delta: every bound's
+// budget grows as 1 / epsilon^2, so b rows give epsilon sqrt(b_needed / b); a residual read whole
+// (b = n_s, or the importance sampler's exact residual) gives 0.
+float PromisedEpsilon(const kernels::VAttentionParams& params,
+                      const kernels::VAttentionHeadResult& r) {
+  if (r.b <= 0 || r.b >= r.stats.n_s || r.residual_exact) return 0.f;
+  const double needed = std::min(r.budget.raw, static_cast<double>(r.b));
+  return static_cast<float>(params.epsilon * std::sqrt(std::max(needed, 0.0) / r.b));
+}
+
 absl::Status VAttention::Select(CpuStep& step, kernels::RowSelection* sel) const {
   const kernels::DecodeProblem& p = step.problem();
   const int32_t H = p.num_q_heads, hkv = p.num_kv_heads, G = H / hkv, d = p.head_dim;
@@ -134,6 +144,7 @@ absl::Status VAttention::Select(CpuStep& step, kernels::RowSelection* sel) const
 
   // Steps 4-6 per query head: statistics from the fetched rows, budget, final sample.
   std::vector<kernels::HeadRows> group_rows(G);
+  std::vector<float> epsilon(G);
   for (int32_t j = 0; j < hkv; ++j) {
     for (int32_t g = 0; g < G; ++g) {
       const int32_t h = j * G + g;
@@ -164,8 +175,10 @@ absl::Status VAttention::Select(CpuStep& step, kernels::RowSelection* sel) const
       }
       kernels::VAttentionBudgetAndSample(n, params, access, seed, 0, h, &r[h]);
       r[h].ToHeadRows(&group_rows[g]);
+      epsilon[g] = PromisedEpsilon(params, r[h]);
     }
     kernels::MergeGroup(group_rows, &sel->at(0, j));
+    step.StateEpsilon(j, epsilon);
   }
   return absl::OkStatus();
 }

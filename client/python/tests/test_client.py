@@ -193,6 +193,18 @@ def test_sparse_methods(client: kvsparse.Client, method: kvsparse.Method, max_re
         assert h.dense_equivalent_bytes == 2 * n * row and h.bytes_read > 0
     if not isinstance(method, kvsparse.VAttention):  # its budget may cover the whole residual
         assert sum(h.rows_fetched for h in res.heads) < 2 * n, "reads fewer rows than dense"
+    # S2ANTA states each query head's standard error relative to its output (issue 50): positive
+    # and finite; the other methods state none.
+    # vAttention states the error its budget promises at 1 - delta, at most the epsilon asked.
+    for h in res.heads:
+        if isinstance(method, kvsparse.Santa):
+            assert len(h.standard_error) == 4 and all(0 < e < float("inf") for e in h.standard_error)
+        else:
+            assert h.standard_error == []
+        if isinstance(method, kvsparse.VAttention):
+            assert len(h.epsilon) == 4 and all(0 <= e <= method.epsilon for e in h.epsilon)
+        else:
+            assert h.epsilon == []
     if isinstance(method, kvsparse.Santa) and method.proposal == "group":
         # One sample of S (+1 from the rounding) per kv head, not the union of its 4 heads' S.
         assert all(h.rows_fetched <= method.samples + 1 for h in res.heads)

@@ -40,6 +40,12 @@ class HeadStats:
     # group (0 for exact scores, which read every feature).
     key_features_head: int = 0
     key_features_group: int = 0
+    # Per query head of the group: the standard error the estimate states of itself, relative to
+    # the head's output norm (S2ANTA on the CPU engine; empty where none is stated).
+    standard_error: list[float] = field(default_factory=list)
+    # Per query head: the relative error vAttention's budget promises at probability 1 - delta
+    # (0 where its residual was read whole; the CPU engine; empty for other methods).
+    epsilon: list[float] = field(default_factory=list)
 
     @property
     def bytes_read(self) -> int:
@@ -75,6 +81,8 @@ class DecodeResult:
                 h.rows_cached,
                 h.key_features_head,
                 h.key_features_group,
+                list(h.standard_error),
+                list(h.epsilon),
             )
             for h in self.head_stats
         ]
