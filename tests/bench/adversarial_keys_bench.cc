@@ -149,15 +149,6 @@ void PrintStoredBound(const AdversarialHead& a, const std::vector<float>& s, int
   std::printf("\n");
 }
 
-double BinomialTail(int k, int n, double p) {
-  double sum = 0;
-  for (int i = k; i <= n; ++i) {
-    sum += std::exp(std::lgamma(n + 1.0) - std::lgamma(i + 1.0) - std::lgamma(n - i + 1.0) +
-                    i * std::log(p) + (n - i) * std::log1p(-p));
-  }
-  return sum;
-}
-
 void RunFamily(AdversarialKeys family, int32_t n, int heads, int trials, bool rotate) {
   std::printf("%s, n = %d, %s keys:\n", AdversarialKeysName(family), n,
               rotate ? "rotated" : "plain");
@@ -207,7 +198,7 @@ void RunFamily(AdversarialKeys family, int32_t n, int heads, int trials, bool ro
       r.ToHeadRows(&read);
       rows_read += static_cast<double>(read.tokens.size()) / n / trials / heads;
     }
-    rejected += BinomialTail(violations, trials, params.delta) < 0.01 / heads;
+    rejected += BinomialUpperTail(violations, trials, params.delta) < 0.01 / heads;
     rate += static_cast<double>(violations) / trials / heads;
   }
   std::printf(
