@@ -179,7 +179,8 @@ absl::Status Estimate(const DecodeProblem& p, const RowSelection& sel, RowFn row
           float l = 0.f;
           for (size_t r = 0; r < r_count; ++r) {
             if (w[r] == 0.f) continue;
-            const float e = w[r] * std::exp(s[r] - m);
+            s[r] = std::exp(s[r] - m);  // kept for DrawStandardError (unused rows stay 0)
+            const float e = w[r] * s[r];
             l += e;
             const auto [vbase, voff] = row_of(b, kvh, r, /*is_k=*/false);
             AxpyRow(e, vbase, voff, d, p.dtype, acc.data());
@@ -190,11 +191,6 @@ absl::Status Estimate(const DecodeProblem& p, const RowSelection& sel, RowFn row
         for (int i = 0; i < d; ++i) StoreFromFloat(p.out, o + i, p.dtype, acc[i] * norm);
         if (rel_se != nullptr) {
           for (int i = 0; i < d; ++i) acc[i] *= norm;  // the output, for the spread around it
-          if (sel.kind == EstimateKind::kSoftmax) {
-            float m = -kInf;
-            for (size_t r = 0; r < r_count; ++r) m = w[r] == 0.f ? m : std::max(m, s[r]);
-            for (size_t r = 0; r < r_count; ++r) s[r] = w[r] == 0.f ? 0.f : std::exp(s[r] - m);
-          }
           (*rel_se)[static_cast<size_t>(b) * p.num_q_heads + h] =
               DrawStandardError(p, sel, hs, b, kvh, g, s.data(), acc.data(), row_of);
         }

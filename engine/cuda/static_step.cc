@@ -211,8 +211,7 @@ class GpuStaticStep final : public StaticStep {
     if (absl::Status s = RunLayer(ly, layer, {q, new_k, new_v, positions, out}, caller); !s.ok()) {
       return s;
     }
-    if (warm_next && !early) return WarmNextLayer(layer + 1, caller);
-    if (warm_next) return absl::OkStatus();
+    if (warm_next) return early ? absl::OkStatus() : WarmNextLayer(layer + 1, caller);
     if (warm_pending_) {  // the last layer: the side stream's work joins the caller's stream
       KVS_CUDA_OK(cudaStreamWaitEvent(caller, warm_join_, 0), "side stream join");
       warm_pending_ = false;
