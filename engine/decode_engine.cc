@@ -263,17 +263,21 @@ absl::StatusOr<DecodeResult> DecodeEngine::DecodeResolved(const DecodeCall& call
   return result;
 }
 
-namespace {
-
 // A plan that releases its sequences (DecodeEngine::held_) when destroyed, after the backend's
-// plan (which waits for its kernels) is gone.
+// plan (which waits for its kernels) is gone; its Rebind checks and holds the new sequences as
+// PlanStatic does before the backend's plan moves to them.
 class HeldStep final : public StaticStep {
  public:
-  HeldStep(std::unique_ptr<StaticStep> inner, std::function<void()> release)
-      : inner_(std::move(inner)), release_(std::move(release)) {}
+  HeldStep(DecodeEngine* engine, std::unique_ptr<StaticStep> inner, DecodeCall call,
+           uint64_t max_tokens, SequenceDesc layout)
+      : engine_(engine),
+        inner_(std::move(inner)),
+        call_(std::move(call)),
+        max_tokens_(max_tokens),
+        layout_(std::move(layout)) {}
   ~HeldStep() override {
     inner_.reset();
-    release_();
+    engine_->ReleaseIds(call_.sequence_ids);
   }
   absl::Status Enqueue(uint32_t layer, const void* q, const void* new_k, const void* new_v,
                        const int64_t* positions, void* out, void* stream) override {
@@ -281,6 +285,50 @@ class HeldStep final : public StaticStep {
   }
   absl::StatusOr<std::vector<uint64_t>> Commit(void* stream) override {
     return inner_->Commit(stream);
+  }
+  absl::Status Rebind(const std::vector<std::string>& sequence_ids,
+                      const std::vector<uint64_t>& bounds, void* stream) override {
+    if (sequence_ids.size() != inner_->batch()) {
+      return absl::InvalidArgumentError(absl::StrCat("a plan of ", inner_->batch(),
+                                                     " sequences rebinds to as many, not ",
+                                                     sequence_ids.size()));
+    }
+    if (absl::Status s = CheckDistinct(sequence_ids); !s.ok()) return s;
+    // The plan's own sequences are free to take again (in any slot).
+    engine_->ReleaseIds(call_.sequence_ids);
+    absl::Status held = engine_->HoldIds(sequence_ids);
+    if (!held.ok()) {
+      (void)engine_->HoldIds(call_.sequence_ids);  // the plan keeps what it had
+      return held;
+    }
+    DecodeCall call = call_;
+    call.sequence_ids = sequence_ids;
+    absl::StatusOr<std::vector<SequenceDesc>> descs =
+        engine_->DescribePlanned(call, max_tokens_, bounds);
+    if (descs.ok()) {
+      for (const SequenceDesc& d : *descs) {
+        if (!SameLayout(d, layout_)) {
+          descs = absl::FailedPreconditionError(
+              absl::StrCat("sequence '", d.sequence_id,
+                           "' has another shape, dtype or placement than the plan's sequences"));
+          break;
+        }
+      }
+    }
+    absl::Status s = descs.ok() ? inner_->Rebind(sequence_ids, bounds, stream) : descs.status();
+    if (!s.ok()) {
+      // The backend's plan holds its old sequences where the new ones were refused before it
+      // moved, none where it failed moving (StaticStep::Rebind).
+      engine_->ReleaseIds(sequence_ids);
+      if (!descs.ok()) {
+        (void)engine_->HoldIds(call_.sequence_ids);
+        return s;
+      }
+      call_.sequence_ids.clear();
+      return s;
+    }
+    call_ = std::move(call);
+    return absl::OkStatus();
   }
   absl::Status CopyStats(int32_t* dst, void* stream) override {
     return inner_->CopyStats(dst, stream);
@@ -294,15 +342,67 @@ class HeldStep final : public StaticStep {
   LayerGraphCounts layer_graph_counts() const override { return inner_->layer_graph_counts(); }
 
  private:
+  DecodeEngine* const engine_;
   std::unique_ptr<StaticStep> inner_;
-  std::function<void()> release_;
+  DecodeCall call_;  // the plan's template: its sequences those held now
+  const uint64_t max_tokens_;
+  const SequenceDesc layout_;  // the first sequence planned: the layout every one must have
 };
-
-}  // namespace
 
 bool DecodeEngine::Held(const std::string& sequence_id) const {
   std::lock_guard<std::mutex> lock(held_mu_);
   return held_.contains(sequence_id);
+}
+
+absl::Status DecodeEngine::HoldIds(absl::Span<const std::string> ids) {
+  std::lock_guard<std::mutex> lock(held_mu_);
+  for (const std::string& id : ids) {
+    if (held_.contains(id)) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence '", id, "' is already held by a captured step's plan"));
+    }
+  }
+  held_.insert(ids.begin(), ids.end());
+  return absl::OkStatus();
+}
+
+void DecodeEngine::ReleaseIds(absl::Span<const std::string> ids) {
+  std::lock_guard<std::mutex> lock(held_mu_);
+  for (const std::string& id : ids) held_.erase(id);
+}
+
+absl::StatusOr<std::vector<SequenceDesc>> DecodeEngine::DescribePlanned(
+    const DecodeCall& call, uint64_t max_tokens, absl::Span<const uint64_t> bounds) {
+  if (!bounds.empty() && bounds.size() != call.sequence_ids.size()) {
+    return absl::InvalidArgumentError("bounds: none, or one per sequence");
+  }
+  absl::StatusOr<std::vector<SequenceDesc>> descs = Describe(call);
+  if (!descs.ok()) return descs.status();
+  for (size_t b = 0; b < descs->size(); ++b) {
+    const SequenceDesc& d = (*descs)[b];
+    const uint64_t bound = bounds.empty() || bounds[b] == 0 ? max_tokens : bounds[b];
+    if (bound > max_tokens) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence '", d.sequence_id, "': bound ",
+                                                     bound, " past max_tokens ", max_tokens));
+    }
+    for (uint64_t n : d.layer_lengths) {
+      if (n != d.layer_lengths[0] || n == 0) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("sequence '", d.sequence_id,
+                         "': a captured step needs every layer at one length of at least 1 token"));
+      }
+    }
+    if (d.layer_lengths[0] > bound) {
+      return absl::OutOfRangeError(absl::StrCat("sequence '", d.sequence_id, "' holds ",
+                                                d.layer_lengths[0], " tokens, past its bound ",
+                                                bound));
+    }
+  }
+  if (absl::Status s = backend_->Supports(call, *descs); !s.ok()) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(kNotOnBackend, ": ", s.message(), "; no captured step"));
+  }
+  return descs;
 }
 
 absl::StatusOr<std::unique_ptr<StaticStep>> DecodeEngine::PlanStatic(const StaticStepRequest& req) {
@@ -341,46 +441,17 @@ absl::StatusOr<std::unique_ptr<StaticStep>> DecodeEngine::PlanStatic(const Stati
   call.q_dim = first->shape.head_dim;
   call.q_device = &kPlaceholder;
   call.out_device = const_cast<char*>(&kPlaceholder);
-  absl::StatusOr<std::vector<SequenceDesc>> descs = Describe(call);
+  absl::StatusOr<std::vector<SequenceDesc>> descs =
+      DescribePlanned(call, req.max_tokens, req.bounds);
   if (!descs.ok()) return descs.status();
-  for (const SequenceDesc& d : *descs) {
-    for (uint64_t n : d.layer_lengths) {
-      if (n != d.layer_lengths[0] || n == 0) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("sequence '", d.sequence_id,
-                         "': a captured step needs every layer at one length of at least 1 token"));
-      }
-    }
-    if (d.layer_lengths[0] > req.max_tokens) {
-      return absl::OutOfRangeError(absl::StrCat("sequence '", d.sequence_id, "' holds ",
-                                                d.layer_lengths[0], " tokens, past max_tokens ",
-                                                req.max_tokens));
-    }
-  }
-  if (absl::Status s = backend_->Supports(call, *descs); !s.ok()) {
-    return absl::FailedPreconditionError(
-        absl::StrCat(kNotOnBackend, ": ", s.message(), "; no captured step"));
-  }
-  {
-    std::lock_guard<std::mutex> lock(held_mu_);
-    for (const std::string& id : req.sequence_ids) {
-      if (held_.contains(id)) {
-        return absl::FailedPreconditionError(
-            absl::StrCat("sequence '", id, "' is already held by a captured step's plan"));
-      }
-    }
-    held_.insert(req.sequence_ids.begin(), req.sequence_ids.end());
-  }
-  auto release = [this, ids = req.sequence_ids] {
-    std::lock_guard<std::mutex> lock(held_mu_);
-    for (const std::string& id : ids) held_.erase(id);
-  };
+  if (absl::Status s = HoldIds(req.sequence_ids); !s.ok()) return s;
   absl::StatusOr<std::unique_ptr<StaticStep>> plan = backend_->PlanStatic(call, *descs, req);
   if (!plan.ok()) {
-    release();
+    ReleaseIds(req.sequence_ids);
     return plan.status();
   }
-  return std::unique_ptr<StaticStep>(new HeldStep(std::move(*plan), std::move(release)));
+  return std::unique_ptr<StaticStep>(
+      new HeldStep(this, std::move(*plan), std::move(call), req.max_tokens, (*descs)[0]));
 }
 
 }  // namespace kvsparse::engine

@@ -95,6 +95,7 @@ class DecodeEngine {
   // scratch sized for max_tokens) is the caller's, outside the GPU tier's capacity; the rows it
   // reserves are charged (the store's pages to the store, resident rows to the GPU tier).
   absl::StatusOr<std::unique_ptr<StaticStep>> PlanStatic(const StaticStepRequest& request);
+  // The plan's Rebind (StaticStep::Rebind) checks the new sequences as this does.
   // Whether a captured step's plan holds the sequence (its Decode calls and drops are refused).
   bool Held(const std::string& sequence_id) const;
 
@@ -115,6 +116,17 @@ class DecodeEngine {
   absl::StatusOr<std::vector<SequenceDesc>> Describe(const DecodeCall& call);
   // Appends each sequence's new token to the store (all before any compute).
   absl::Status AppendNewTokens(const DecodeCall& call, absl::Span<const SequenceDesc> descs);
+  // A plan's sequences (call.sequence_ids) described and checked: every layer at one length of
+  // at least 1 token and at most its bound (bounds: StaticStepRequest::bounds), the backend's
+  // support (PlanStatic's errors).
+  absl::StatusOr<std::vector<SequenceDesc>> DescribePlanned(const DecodeCall& call,
+                                                            uint64_t max_tokens,
+                                                            absl::Span<const uint64_t> bounds);
+  // Marks ids held by a plan (FAILED_PRECONDITION naming one already held; then none is marked),
+  // and releases them.
+  absl::Status HoldIds(absl::Span<const std::string> ids);
+  void ReleaseIds(absl::Span<const std::string> ids);
+  friend class HeldStep;  // a plan's Rebind moves its ids (decode_engine.cc)
 
   const EngineOptions options_;
   RowSource* const source_;

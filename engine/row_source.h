@@ -30,6 +30,17 @@ struct SequenceDesc {
   uint32_t page_tokens = 0;
 };
 
+// Whether two sequences have the same shape, dtype, placement and page size (one captured
+// plan can hold either).
+inline bool SameLayout(const SequenceDesc& a, const SequenceDesc& b) {
+  return a.shape.num_layers == b.shape.num_layers && a.shape.num_q_heads == b.shape.num_q_heads &&
+         a.shape.num_kv_heads == b.shape.num_kv_heads && a.shape.head_dim == b.shape.head_dim &&
+         a.shape.dtype == b.shape.dtype && a.page_tokens == b.page_tokens &&
+         a.placement.k_tier == b.placement.k_tier && a.placement.v_tier == b.placement.v_tier &&
+         a.placement.signature_bits == b.placement.signature_bits &&
+         a.placement.compressed_key_bits == b.placement.compressed_key_bits;
+}
+
 // Tokens of one kv head to read.
 struct RowRequest {
   uint32_t kv_head = 0;

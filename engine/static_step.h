@@ -17,7 +17,13 @@
 // While a plan lives its sequences are held: Decode calls and drops of them are refused
 // (FAILED_PRECONDITION) and neither the store nor the GPU tier evicts them. A step writes at
 // each sequence's next row (one past the last written); any other position, or one at or past
-// max_tokens, writes nothing: that sequence's output is zeros and Commit reports OUT_OF_RANGE.
+// max_tokens, writes nothing: that sequence's output is zeros and Commit reports OUT_OF_RANGE;
+// a negative position marks the slot inactive for the step (nothing written, zeros, no error).
+//
+// Rebind moves a plan to another batch of as many sequences in the same device memory: a CUDA
+// graph recorded from its Enqueue calls replays over the new sequences (a model server's graphs,
+// captured once at start over placeholder sequences, serving whichever requests hold the batch's
+// slots; docs/VLLM.md).
 //
 // Methods: those whose GPU runner says Capturable (dense with K and V resident; S2ANTA prop and
 // flash; hash top-k with SimHash signatures; top-k and S2ANTA-prop over compressed keys, whose
@@ -59,6 +65,11 @@ struct StaticStepRequest {
   // inside vLLM: where the host's time went"). Calls inside a capture (the caller records whole
   // steps) are unchanged. false: every call outside a capture launches its kernels.
   bool layer_graphs = true;
+  // Optional, one per sequence: its own bound (0: max_tokens), the store pages reserved and the
+  // device room held for it; a step at or past it writes nothing (as past max_tokens). A slot
+  // kept idle (negative positions) can hold a placeholder sequence bound at its length, which
+  // then costs next to nothing; the kernels' grids stay sized for max_tokens.
+  std::vector<uint64_t> bounds;
 };
 
 class StaticStep {
@@ -78,6 +89,16 @@ class StaticStep {
   // FAILED_PRECONDITION when the layers of a sequence stand at different lengths (a step that
   // did not run every layer): that sequence is not committed.
   virtual absl::StatusOr<std::vector<uint64_t>> Commit(void* stream) = 0;
+  // Moves the plan to `sequence_ids` (as many as the plan's batch, distinct, none held by another
+  // plan, each holding >= 1 token in every layer and at most its bound; bounds as
+  // StaticStepRequest::bounds, empty: max_tokens for all): waits for `stream`,
+  // releases the sequences it held (rows written since the last Commit are dropped, as when a
+  // plan ends: Commit first to keep them) and binds the new ones in the same device memory, so
+  // that everything an Enqueue recorded (a CUDA graph) replays over them. On an error the plan
+  // holds no sequence: every step writes nothing and gives zeros (Commit: OUT_OF_RANGE) until a
+  // Rebind succeeds.
+  virtual absl::Status Rebind(const std::vector<std::string>& sequence_ids,
+                              const std::vector<uint64_t>& bounds, void* stream) = 0;
   // Copies the statistics of every layer, [layers, kStatBlocks, B * H] int32, to device memory
   // dst on `stream` (capturable).
   virtual absl::Status CopyStats(int32_t* dst, void* stream) = 0;

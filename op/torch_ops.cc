@@ -449,9 +449,23 @@ std::shared_ptr<StepPlan> FindPlan(int64_t engine, int64_t handle) {
   return it->second;
 }
 
+// Per-sequence bounds (StaticStepRequest::bounds) from the op's list: empty, or one per sequence
+// in 0 .. max_tokens.
+std::vector<uint64_t> BoundsOf(const std::vector<int64_t>& bounds, size_t sequences,
+                               int64_t max_tokens) {
+  if (!bounds.empty() && bounds.size() != sequences) Invalid("bounds: none, or one per sequence");
+  std::vector<uint64_t> out;
+  for (int64_t b : bounds) {
+    if (b < 0 || b > max_tokens) Invalid("a bound lies in 0 (max_tokens) .. max_tokens");
+    out.push_back(static_cast<uint64_t>(b));
+  }
+  return out;
+}
+
 int64_t PlanSteps(int64_t handle, const std::vector<std::string>& sequence_ids,
                   const std::string& method, int64_t max_tokens, int64_t seed, double scale,
-                  const std::string& dtype, bool eager, bool warm_pages, bool layer_graphs) {
+                  const std::string& dtype, bool eager, bool warm_pages, bool layer_graphs,
+                  const std::vector<int64_t>& bounds) {
   std::shared_ptr<OpEngine> e = Find(handle);
   if (max_tokens <= 0 || max_tokens > (int64_t{1} << 30)) {  // scale: the engine's rule
     Invalid("max_tokens (1 .. 2^30) out of range");
@@ -468,6 +482,7 @@ int64_t PlanSteps(int64_t handle, const std::vector<std::string>& sequence_ids,
   r.dtype = DTypeNamed(dtype);
   r.warm_pages = warm_pages;
   r.layer_graphs = layer_graphs;
+  r.bounds = BoundsOf(bounds, sequence_ids.size(), max_tokens);
   for (const std::string& id : sequence_ids) RefuseHeld(*e, id);  // one plan per sequence
   if (eager) {
     plan->eager_reason = "eager steps asked for";
@@ -490,6 +505,35 @@ int64_t PlanSteps(int64_t handle, const std::vector<std::string>& sequence_ids,
   const int64_t id = next_plan++;
   plans[id] = std::move(plan);
   return id;
+}
+
+// Moves a plan to other sequences, as many (StaticStep::Rebind): a captured plan binds them in
+// its device memory, so that graphs recorded from its calls replay over them (rows written
+// since the last commit_steps are dropped: commit first); an eager plan's calls name them from
+// now on. Not concurrently with the plan's steps.
+void RebindSteps(int64_t engine, int64_t handle, const std::vector<std::string>& sequence_ids,
+                 const std::vector<int64_t>& bounds) {
+  std::shared_ptr<StepPlan> p = FindPlan(engine, handle);
+  en::StaticStepRequest& r = p->request;
+  if (sequence_ids.size() != r.sequence_ids.size()) {
+    Invalid(absl::StrCat("a plan of ", r.sequence_ids.size(), " sequences rebinds to as many"));
+  }
+  std::vector<uint64_t> b = BoundsOf(bounds, sequence_ids.size(), r.max_tokens);
+#if KVSPARSE_TORCH_CUDA
+  if (p->captured != nullptr) {
+    Check(p->captured->Rebind(sequence_ids, b,
+                              at::cuda::getCurrentCUDAStream(p->engine->device()).stream()));
+    r.sequence_ids = sequence_ids;
+    r.bounds = std::move(b);
+    return;
+  }
+#endif
+  for (const std::string& id : sequence_ids) {
+    RefuseHeld(*p->engine, id);
+    Check(p->engine->Lengths(id).status());
+  }
+  r.sequence_ids = sequence_ids;
+  r.bounds = std::move(b);
 }
 
 // "captured", or "eager: <why>".
@@ -955,8 +999,10 @@ TORCH_LIBRARY(kvsparse, m) {
   m.def(
       "plan_steps(int engine, str[] sequence_ids, str method, int max_tokens, "
       "int seed, float scale, str dtype, bool eager=False, bool warm_pages=True, "
-      "bool layer_graphs=True) -> int",
+      "bool layer_graphs=True, int[] bounds=[]) -> int",
       &PlanSteps);
+  m.def("rebind_steps(int engine, int plan, str[] sequence_ids, int[] bounds=[]) -> ()",
+        &RebindSteps);
   m.def("step_plan_mode(int engine, int plan) -> str", &StepPlanMode);
   m.def("step_device_bytes(int engine, int plan) -> int", &StepDeviceBytes);
   m.def("release_steps(int engine, int plan) -> ()", &ReleaseSteps);

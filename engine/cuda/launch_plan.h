@@ -87,6 +87,9 @@ class LaunchPlan {
   // Carves the statistics block, then fills the shared tables in a pinned buffer of the
   // backend's (zeroed first).
   absl::Status BuildTables(PinnedBuf* host);
+  // Overwrites entry b of the lengths table in the host tables (after BuildTables: what the
+  // device's table holds before a captured step writes it; the plan's len(b) is unchanged).
+  void SetHostLength(int32_t b, int32_t n) { HostTable<int32_t>(lens_off_)[b] = n; }
   // A host table's entries, to fill (after BuildTables).
   template <typename T>
   T* HostTable(size_t off) const {

@@ -2,7 +2,9 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <array>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -47,7 +49,9 @@ class GpuStaticStep final : public StaticStep {
         req_(req),
         B_(static_cast<int32_t>(descs.size())),
         L_(descs[0].shape.num_layers),
-        template_(call) {}
+        template_(call) {
+    bounds_ = req.bounds;
+  }
 
   ~GpuStaticStep() override {
     std::lock_guard<std::mutex> lock(*mu_);
@@ -55,19 +59,8 @@ class GpuStaticStep final : public StaticStep {
     // reservations (which keep those pages alive) go.
     cudaSetDevice(device_);
     cudaDeviceSynchronize();
-    if (held_) {
-      const std::vector<bool> stale = Uncommitted();
-      for (int32_t b = 0; b < B_; ++b) {
-        state_->Release(descs_[b].sequence_id);
-        // Rows the steps wrote past the store's length (never committed) may have moved the
-        // device state past the store's (an open group of compressed keys): rebuilt from the
-        // store at its next use.
-        if (stale[b]) state_->Forget(descs_[b].sequence_id);
-      }
-    }
-    for (const auto& ly : layers_) {
-      for (const LayerGraph& g : ly->graphs) cudaGraphExecDestroy(g.exec);
-    }
+    ReleaseSequences();
+    for (const auto& ly : layers_) DropLayerGraphs(*ly);
     layers_.clear();
     if (graph_stream_ != nullptr) cudaStreamDestroy(graph_stream_);
     if (warm_join_ != nullptr) cudaEventDestroy(warm_join_);
@@ -75,109 +68,67 @@ class GpuStaticStep final : public StaticStep {
     if (warm_stream_ != nullptr) cudaStreamDestroy(warm_stream_);
   }
 
-  // Under the backend's lock: reserve, sync, hold, plan every layer.
+  // Under the backend's lock: the plan's device memory, laid out for its first sequences and
+  // bound to them (Bind).
   absl::Status Init() {
     KVS_CUDA_OK(cudaSetDevice(device_), "cudaSetDevice");
-    RowSource* source = state_->source();
-    for (const SequenceDesc& d : descs_) {
-      absl::StatusOr<std::unique_ptr<kvstore::Reservation>> r =
-          source->Reserve(d.sequence_id, req_.max_tokens);
-      if (!r.ok()) return r.status();
-      reservations_.push_back(std::move(*r));
-      // A call that began before the plan held the sequence may have appended since it was
-      // described: the steps would then write over a committed row.
-      absl::StatusOr<SequenceDesc> now = source->Describe(d.sequence_id, absl::InfiniteFuture());
-      if (!now.ok()) return now.status();
-      if (now->layer_lengths != d.layer_lengths || now->incarnation != d.incarnation) {
-        return absl::AbortedError(
-            absl::StrCat("sequence '", d.sequence_id, "' changed while the plan was made; retry"));
-      }
-    }
     const Method& m = req_.method;
-    const GpuRunner* runner = FindMethod(m.kind).gpu;
+    runner_ = FindMethod(m.kind).gpu;
     // A method that reads the new key's signature in the step that appends it has the step sign
     // it (MethodCall::ReadsStepSignatures).
     words_ = static_cast<int32_t>(descs_[0].placement.signature_bits / 32);
-    sign_keys_ = words_ > 0 && runner->ReadsStepSignatures(m);
+    sign_keys_ = words_ > 0 && runner_->ReadsStepSignatures(m);
     ck_block_bytes_ = CompressedKeyBlockBytes(descs_[0]);
+    const size_t hkv = descs_[0].shape.num_kv_heads;
     if (sign_keys_) {
-      sig_bytes_ = sizeof(uint32_t) * B_ * descs_[0].shape.num_kv_heads * words_;
+      sig_bytes_ = sizeof(uint32_t) * B_ * hkv * words_;
       KVS_CUDA_OK(cudaMalloc(&sigs_.ptr, sig_bytes_), "captured step signatures");
+      norm_bytes_ = sizeof(float) * L_ * B_ * hkv;
+      KVS_CUDA_OK(cudaMalloc(&norms_.ptr, norm_bytes_), "captured step SimHash M");
     }
-    layers_.reserve(L_);
-    for (uint32_t l = 0; l < L_; ++l) {
-      auto layer = std::make_unique<Layer>();
-      layer->call = template_;
-      layer->call.layer = l;
-      DecodeResult scratch_result;
-      if (absl::Status s = state_->Sync(layer->call, descs_, &layer->batch, &scratch_result);
-          !s.ok()) {
-        return s;
-      }
-      layer->batch.views.clear();  // the store's read locks: the plan holds reservations instead
-      if (l == 0) {                // held from here on (released by the destructor)
-        for (DeviceSequence* e : layer->batch.seqs) state_->Hold(e);
-        held_ = true;
-      }
-      for (int32_t b = 0; b < B_; ++b) {
-        if (absl::Status s =
-                state_->HoldForSteps(layer->batch.seqs[b], l, descs_[b], *reservations_[b],
-                                     req_.max_tokens, layer->batch.busy);
-            !s.ok()) {
-          return s;
-        }
-        // Every length may reach the bound: the kernels' grids and buffers are sized for it.
-        layer->batch.lens[b] = static_cast<int32_t>(req_.max_tokens);
-      }
-      if (sign_keys_) {  // SimHash planes of the layer and each sequence's M (fixed by now)
-        absl::StatusOr<const float*> planes =
-            state_->simhash().Planes(l, static_cast<int32_t>(descs_[0].shape.num_kv_heads),
-                                     words_ * 32, static_cast<int32_t>(descs_[0].shape.head_dim));
-        if (!planes.ok()) return planes.status();
-        layer->planes = *planes;
-        for (DeviceSequence* e : layer->batch.seqs) {
-          if (e->layers[l].norms.ptr == nullptr) {
-            return absl::InternalError("a signed sequence without its SimHash M");
-          }
-          layer->norms.push_back(e->layers[l].norms.as<float>());
-        }
-      }
-      layer->lp = std::make_unique<LaunchPlan>(layer->call, descs_, &layer->batch, state_);
-      layer->mc = runner->Begin(m);
-      LaunchPlan& lp = *layer->lp;
-      if (absl::Status s = layer->mc->Plan(lp); !s.ok()) return s;
-      if (absl::Status s = lp.BuildTables(&host_tables_); !s.ok()) return s;
-      layer->mc->FillTables(lp);
-      lp.BeginPass(nullptr, nullptr);
-      size_t transient = 0;
-      if (absl::Status s = Carve(*layer, &layer->method_bytes, &transient); !s.ok()) return s;
-      shared_bytes_ = std::max(shared_bytes_, transient);
-      const size_t bytes = lp.method_offset() + layer->method_bytes;
-      KVS_CUDA_OK(cudaMalloc(&layer->scratch.ptr, bytes), "captured step scratch");
-      lp.BeginPass(static_cast<char*>(layer->scratch.ptr), nullptr);
-      layer->mc->FillScratchTables(lp);
-      if (absl::Status s = lp.Upload(); !s.ok()) return s;
-      KVS_CUDA_OK(cudaStreamSynchronize(lp.stream()), "captured step tables");
-      PlanWarm(*layer, l);
-      layers_.push_back(std::move(layer));
-    }
+    control_bytes_ = sizeof(int64_t) * (static_cast<size_t>(B_) * (L_ + 2) + 2);
+    KVS_CUDA_OK(cudaMalloc(&ctl_.ptr, control_bytes_), "captured step control");
+    for (uint32_t l = 0; l < L_; ++l) layers_.push_back(std::make_unique<Layer>());
+    if (absl::Status s = Bind(/*first=*/true); !s.ok()) return s;
     if (shared_bytes_ > 0) {
       KVS_CUDA_OK(cudaMalloc(&shared_.ptr, shared_bytes_), "captured step shared scratch");
     }
-    if (absl::Status s = StartSideStream(); !s.ok()) return s;
-    // Floors and tops: the committed lengths; the error and progress words 0.
-    std::vector<int64_t> ctl(static_cast<size_t>(B_) * (L_ + 1) + 2, 0);
-    for (int32_t b = 0; b < B_; ++b) {
-      const int64_t n = static_cast<int64_t>(descs_[b].layer_lengths[0]);
-      floor_host_.push_back(static_cast<uint64_t>(n));
-      for (uint32_t l = 0; l <= L_; ++l) ctl[static_cast<size_t>(l) * B_ + b] = n;
+    return StartSideStream();
+  }
+
+  absl::Status Rebind(const std::vector<std::string>& sequence_ids,
+                      const std::vector<uint64_t>& bounds, void* stream) override {
+    if (sequence_ids.size() != static_cast<size_t>(B_) ||
+        (!bounds.empty() && bounds.size() != sequence_ids.size())) {
+      return absl::InvalidArgumentError("a plan rebinds to as many sequences as it has slots");
     }
-    control_bytes_ = sizeof(int64_t) * ctl.size();
-    KVS_CUDA_OK(cudaMalloc(&ctl_.ptr, control_bytes_), "captured step control");
-    for (auto& ly : layers_) ly->warm.stop = progress();
-    KVS_CUDA_OK(
-        cudaMemcpy(ctl_.ptr, ctl.data(), sizeof(int64_t) * ctl.size(), cudaMemcpyHostToDevice),
-        "captured step control");
+    std::lock_guard<std::mutex> lock(*mu_);
+    KVS_CUDA_OK(cudaSetDevice(device_), "cudaSetDevice");
+    // The caller's replays (and the side stream's warms they joined) read the old tables.
+    KVS_CUDA_OK(cudaStreamSynchronize(CallerStream(stream)), "the steps");
+    KVS_CUDA_OK(cudaDeviceSynchronize(), "the steps");
+    ReleaseSequences();
+    Disarm();
+    std::vector<SequenceDesc> descs;
+    for (const std::string& id : sequence_ids) {
+      absl::StatusOr<SequenceDesc> d = state_->source()->Describe(id, absl::InfiniteFuture());
+      if (!d.ok()) return d.status();
+      if (!SameLayout(*d, descs_[0])) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "sequence '", id, "': a plan rebinds to sequences of its shape and placement"));
+      }
+      descs.push_back(*std::move(d));
+    }
+    // In place: the layers' launch plans not yet rebuilt keep a view of this storage.
+    std::move(descs.begin(), descs.end(), descs_.begin());
+    bounds_ = bounds;
+    template_.sequence_ids = sequence_ids;
+    for (const auto& ly : layers_) DropLayerGraphs(*ly);
+    if (absl::Status s = Bind(/*first=*/false); !s.ok()) {
+      ReleaseSequences();
+      Disarm();
+      return s;
+    }
     return absl::OkStatus();
   }
 
@@ -198,7 +149,7 @@ class GpuStaticStep final : public StaticStep {
     // step's kernels ran on the backend's non-blocking stream, unordered with the caller's work
     // before and after them (an H200, 2026-11-30: planned steps on PyTorch's default stream gave
     // different tokens run to run; test_hf's planned-caches test, docs/data/planned-steps-race-*).
-    cudaStream_t caller = stream != nullptr ? static_cast<cudaStream_t>(stream) : cudaStreamLegacy;
+    cudaStream_t caller = CallerStream(stream);
     Layer& ly = *layers_[layer];
     // The next layer's warm forks before this layer's kernels: it starts as soon as this layer's
     // step begins (the previous warm stops there) and has this layer's attention as well as the
@@ -223,6 +174,11 @@ class GpuStaticStep final : public StaticStep {
     std::lock_guard<std::mutex> lock(*mu_);
     KVS_CUDA_OK(cudaSetDevice(device_), "cudaSetDevice");
     KVS_CUDA_OK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)), "the steps");
+    if (!held_) {
+      KVS_CUDA_OK(cudaMemset(error(), 0, sizeof(int32_t)), "error word");
+      return absl::FailedPreconditionError(
+          "the plan holds no sequences (its last Rebind failed): its steps wrote nothing");
+    }
     std::vector<int64_t> ctl(static_cast<size_t>(B_) * (L_ + 1) + 1);
     KVS_CUDA_OK(
         cudaMemcpy(ctl.data(), ctl_.ptr, sizeof(int64_t) * ctl.size(), cudaMemcpyDeviceToHost),
@@ -294,7 +250,7 @@ class GpuStaticStep final : public StaticStep {
     return graph_counts_;
   }
   uint64_t device_bytes() const override {
-    uint64_t bytes = shared_bytes_ + control_bytes_ + sig_bytes_;
+    uint64_t bytes = shared_bytes_ + control_bytes_ + sig_bytes_ + norm_bytes_;
     for (const auto& ly : layers_) bytes += ly->lp->method_offset() + ly->method_bytes;
     return bytes;
   }
@@ -316,7 +272,7 @@ class GpuStaticStep final : public StaticStep {
     std::unique_ptr<LaunchPlan> lp;
     std::unique_ptr<MethodCall> mc;
     OwnedDev scratch;
-    size_t method_bytes = 0;
+    size_t method_bytes = 0, scratch_bytes = 0;
     const float* planes = nullptr;    // SimHash planes of the layer (sign_keys_)
     std::vector<const float*> norms;  // each sequence's M of the layer (sign_keys_)
     kc::WarmPagedRowsParams warm;     // its pages, read ahead by the previous layer (warm_)
@@ -377,6 +333,167 @@ class GpuStaticStep final : public StaticStep {
     return absl::OkStatus();
   }
 
+  // Binds descs_: reserves each sequence's pages up to its bound, syncs and holds it, and builds
+  // every layer's tables in the plan's memory (first: allocates and sizes it; later: the layout
+  // must come out the same, or a graph recorded before would read the wrong places).
+  absl::Status Bind(bool first) {
+    RowSource* source = state_->source();
+    floor_host_.clear();
+    for (int32_t b = 0; b < B_; ++b) {
+      const SequenceDesc& d = descs_[b];
+      absl::StatusOr<std::unique_ptr<kvstore::Reservation>> r =
+          source->Reserve(d.sequence_id, Bound(b));
+      if (!r.ok()) return r.status();
+      reservations_.push_back(std::move(*r));
+      // A call that began before the plan held the sequence may have appended since it was
+      // described: the steps would then write over a committed row.
+      absl::StatusOr<SequenceDesc> now = source->Describe(d.sequence_id, absl::InfiniteFuture());
+      if (!now.ok()) return now.status();
+      if (now->layer_lengths != d.layer_lengths || now->incarnation != d.incarnation) {
+        return absl::AbortedError(
+            absl::StrCat("sequence '", d.sequence_id, "' changed while the plan was made; retry"));
+      }
+      floor_host_.push_back(d.layer_lengths[0]);
+    }
+    for (uint32_t l = 0; l < L_; ++l) {
+      if (absl::Status s = BindLayer(*layers_[l], l, first); !s.ok()) return s;
+    }
+    // Floors and tops: the committed lengths; the error and progress words 0; the limits.
+    std::vector<int64_t> ctl(control_bytes_ / sizeof(int64_t), 0);
+    for (int32_t b = 0; b < B_; ++b) {
+      const int64_t n = static_cast<int64_t>(floor_host_[b]);
+      for (uint32_t l = 0; l <= L_; ++l) ctl[static_cast<size_t>(l) * B_ + b] = n;
+      ctl[static_cast<size_t>(B_) * (L_ + 1) + 2 + b] = static_cast<int64_t>(Bound(b));
+    }
+    KVS_CUDA_OK(cudaMemcpy(ctl_.ptr, ctl.data(), control_bytes_, cudaMemcpyHostToDevice),
+                "captured step control");
+    return absl::OkStatus();
+  }
+
+  // Layer l of Bind.
+  absl::Status BindLayer(Layer& ly, uint32_t l, bool first) {
+    ly.call = template_;
+    ly.call.layer = l;
+    ly.batch = SyncedBatch{};
+    ly.norms.clear();
+    DecodeResult scratch_result;
+    if (absl::Status s = state_->Sync(ly.call, descs_, &ly.batch, &scratch_result); !s.ok()) {
+      return s;
+    }
+    ly.batch.views.clear();  // the store's read locks: the plan holds reservations instead
+    if (l == 0) {            // held from here on (released by ReleaseSequences)
+      for (DeviceSequence* e : ly.batch.seqs) state_->Hold(e);
+      held_ = true;
+    }
+    for (int32_t b = 0; b < B_; ++b) {
+      if (absl::Status s = state_->HoldForSteps(ly.batch.seqs[b], l, descs_[b], *reservations_[b],
+                                                Bound(b), ly.batch.busy);
+          !s.ok()) {
+        return s;
+      }
+      // Every length may reach the plan's bound: the kernels' grids and buffers are sized for
+      // it, whatever the sequence's own bound.
+      ly.batch.lens[b] = static_cast<int32_t>(req_.max_tokens);
+    }
+    if (sign_keys_) {  // SimHash planes of the layer and each sequence's M (fixed by now)
+      const int32_t hkv = static_cast<int32_t>(descs_[0].shape.num_kv_heads);
+      absl::StatusOr<const float*> planes = state_->simhash().Planes(
+          l, hkv, words_ * 32, static_cast<int32_t>(descs_[0].shape.head_dim));
+      if (!planes.ok()) return planes.status();
+      ly.planes = *planes;
+      for (int32_t b = 0; b < B_; ++b) {
+        const DeviceLayer& dl = ly.batch.seqs[b]->layers[l];
+        if (dl.norms.ptr == nullptr) return absl::InternalError("a signed sequence without its M");
+        // The plan's copy: the step's kernels read one address per slot, whichever sequence
+        // holds it.
+        float* mine = static_cast<float*>(norms_.ptr) + (static_cast<size_t>(l) * B_ + b) * hkv;
+        KVS_CUDA_OK(cudaMemcpy(mine, dl.norms.ptr, sizeof(float) * hkv, cudaMemcpyDeviceToDevice),
+                    "SimHash M");
+        ly.norms.push_back(mine);
+      }
+    }
+    ly.lp = std::make_unique<LaunchPlan>(ly.call, descs_, &ly.batch, state_);
+    ly.mc = runner_->Begin(req_.method);
+    LaunchPlan& lp = *ly.lp;
+    if (absl::Status s = ly.mc->Plan(lp); !s.ok()) return s;
+    if (absl::Status s = lp.BuildTables(&host_tables_); !s.ok()) return s;
+    ly.mc->FillTables(lp);
+    // Before the first step the side stream's warm reads pages up to each lengths entry: the
+    // committed lengths, within every sequence's reservation (the steps write theirs).
+    for (int32_t b = 0; b < B_; ++b) {
+      lp.SetHostLength(b, static_cast<int32_t>(floor_host_[b]));
+    }
+    lp.BeginPass(nullptr, nullptr);
+    size_t bytes = 0, transient = 0;
+    if (absl::Status s = Carve(ly, &bytes, &transient); !s.ok()) return s;
+    if (first) {
+      ly.method_bytes = bytes;
+      ly.scratch_bytes = lp.method_offset() + bytes;
+      shared_bytes_ = std::max(shared_bytes_, transient);
+      KVS_CUDA_OK(cudaMalloc(&ly.scratch.ptr, ly.scratch_bytes), "captured step scratch");
+    } else if (bytes != ly.method_bytes || lp.method_offset() + bytes != ly.scratch_bytes ||
+               transient > shared_bytes_) {
+      return absl::InternalError(
+          "a rebound plan's layout differs from the one its steps were recorded with");
+    }
+    lp.BeginPass(static_cast<char*>(ly.scratch.ptr), nullptr);
+    ly.mc->FillScratchTables(lp);
+    if (absl::Status s = lp.Upload(); !s.ok()) return s;
+    KVS_CUDA_OK(cudaStreamSynchronize(lp.stream()), "captured step tables");
+    PlanWarm(ly, l);
+    ly.warm.stop = progress();
+    return absl::OkStatus();
+  }
+
+  // The reservation bound of slot b's sequence: the request's bound for it, else max_tokens.
+  uint64_t Bound(int32_t b) const {
+    const uint64_t n = static_cast<size_t>(b) < bounds_.size() ? bounds_[b] : 0;
+    return n != 0 ? n : req_.max_tokens;
+  }
+
+  // Releases the sequences the plan holds (their rows written past the committed lengths
+  // dropped) and their reservations. REQUIRES: the device is idle.
+  void ReleaseSequences() {
+    if (held_) {
+      const std::vector<bool> stale = Uncommitted();
+      for (int32_t b = 0; b < B_; ++b) {
+        state_->Release(descs_[b].sequence_id);
+        // Rows the steps wrote past the store's length (never committed) may have moved the
+        // device state past the store's (an open group of compressed keys): rebuilt from the
+        // store at its next use.
+        if (stale[b]) state_->Forget(descs_[b].sequence_id);
+      }
+      held_ = false;
+    }
+    reservations_.clear();
+  }
+
+  // A plan holding no sequence: every position refused (no row written, lengths 0, so the
+  // kernels read nothing of the tables left behind), the lengths the next warm reads 0.
+  void Disarm() {
+    std::vector<int64_t> ctl(control_bytes_ / sizeof(int64_t), 0);
+    for (size_t i = 0; i < static_cast<size_t>(B_) * (L_ + 1); ++i) {
+      ctl[i] = std::numeric_limits<int64_t>::max();
+    }
+    cudaMemcpy(ctl_.ptr, ctl.data(), control_bytes_, cudaMemcpyHostToDevice);
+    for (const auto& ly : layers_) {
+      if (ly->lp != nullptr && ly->scratch.ptr != nullptr) {
+        ly->lp->BeginPass(static_cast<char*>(ly->scratch.ptr), nullptr);
+        cudaMemset(ly->lp->lens_table(), 0, sizeof(int32_t) * B_);
+      }
+    }
+  }
+
+  void DropLayerGraphs(Layer& ly) {
+    for (const LayerGraph& g : ly.graphs) cudaGraphExecDestroy(g.exec);
+    ly.graphs.clear();
+    ly.seen = {};
+  }
+
+  static cudaStream_t CallerStream(void* stream) {
+    return stream != nullptr ? static_cast<cudaStream_t>(stream) : cudaStreamLegacy;
+  }
+
   // Whether `s` is being captured (or cannot be asked: treated as captured, launched as is).
   static bool Capturing(cudaStream_t s) {
     cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
@@ -413,6 +530,7 @@ class GpuStaticStep final : public StaticStep {
     p.floor = floor();
     p.top = top(layer);
     p.max_tokens = static_cast<int64_t>(req_.max_tokens);
+    p.limits = limits();
     p.error = error();
     p.seq_lens = lp.lens_table();
     p.seeds = lp.seeds_table();
@@ -544,7 +662,8 @@ class GpuStaticStep final : public StaticStep {
     }
     return absl::OkStatus();
   }
-  // The control block: floors [B], tops [L][B], the error word, the progress word.
+  // The control block: floors [B], tops [L][B], the error word, the progress word, limits [B]
+  // (each slot's bound).
   int64_t* floor() const { return static_cast<int64_t*>(ctl_.ptr); }
   int64_t* top(uint32_t l) const { return floor() + static_cast<size_t>(l + 1) * B_; }
   int32_t* error() const {
@@ -554,26 +673,30 @@ class GpuStaticStep final : public StaticStep {
   int32_t* progress() const {
     return reinterpret_cast<int32_t*>(floor() + static_cast<size_t>(L_ + 1) * B_ + 1);
   }
+  const int64_t* limits() const { return floor() + static_cast<size_t>(L_ + 1) * B_ + 2; }
 
   std::mutex* const mu_;
   DeviceState* const state_;
   const int device_;
-  const std::vector<SequenceDesc> descs_;
+  std::vector<SequenceDesc> descs_;  // the sequences bound (Bind), one per slot
   const StaticStepRequest req_;
+  std::vector<uint64_t> bounds_;  // per slot, 0: max_tokens (StaticStepRequest::bounds)
   const int32_t B_;
   const uint32_t L_;
-  const DecodeCall template_;
+  DecodeCall template_;  // its sequence_ids: descs_'
+  const GpuRunner* runner_ = nullptr;
   std::vector<std::unique_ptr<kvstore::Reservation>> reservations_;
   std::vector<std::unique_ptr<Layer>> layers_;
   std::vector<uint64_t> floor_host_;
   PinnedBuf host_tables_;
   OwnedDev ctl_;
-  OwnedDev sigs_;  // the step's key signatures [B * Hkv][words] (sign_keys_)
+  OwnedDev sigs_;   // the step's key signatures [B * Hkv][words] (sign_keys_)
+  OwnedDev norms_;  // each slot's SimHash M per layer [L][B][Hkv] (sign_keys_)
   // The layers' transient buffers (Carver::TakeTransient: the scores of every token and head),
   // one region for all layers: they run one after another on the caller's stream.
   OwnedDev shared_;
   size_t shared_bytes_ = 0;
-  size_t control_bytes_ = 0, sig_bytes_ = 0;  // ctl_'s and sigs_' sizes
+  size_t control_bytes_ = 0, sig_bytes_ = 0, norm_bytes_ = 0;  // ctl_'s, sigs_', norms_' sizes
   int32_t words_ = 0;
   bool sign_keys_ = false;
   size_t ck_block_bytes_ = 0;  // of the placement's compressed keys (0: it keeps none)

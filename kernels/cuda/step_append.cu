@@ -8,9 +8,9 @@ namespace {
 constexpr int kThreads = 64;
 
 // Whether sequence b's position is one a step may write.
-__device__ __forceinline__ bool Writable(int64_t pos, int64_t floor, int64_t top,
-                                         int64_t max_tokens) {
-  return pos >= floor && pos == top && pos < max_tokens;
+__device__ __forceinline__ bool Writable(const StepAppendParams& p, int32_t b, int64_t pos) {
+  const int64_t limit = p.limits != nullptr ? min(p.limits[b], p.max_tokens) : p.max_tokens;
+  return pos >= p.floor[b] && pos == p.top[b] && pos < limit;
 }
 
 // One block per (sequence, kv head); a block's threads copy the K and V rows 16 bytes at a time.
@@ -19,7 +19,7 @@ __global__ void __launch_bounds__(kThreads) StepAppendKernel(StepAppendParams p)
   const int32_t i = blockIdx.x;
   const int32_t b = i / p.num_kv_heads;
   const int64_t pos = p.positions[b];
-  if (!Writable(pos, p.floor[b], p.top[b], p.max_tokens)) return;
+  if (!Writable(p, b, pos)) return;
   const int chunks = p.row_bytes / 16;
   const size_t src_off = static_cast<size_t>(i) * p.row_bytes;
   const auto* k_src = reinterpret_cast<const uint4*>(static_cast<const char*>(p.new_k) + src_off);
@@ -60,7 +60,7 @@ __global__ void StepLengthsKernel(StepAppendParams p) {
   for (int32_t x = b; x < p.zero_words; x += gridDim.x * blockDim.x) p.zero[x] = 0;
   if (b >= p.batch) return;
   const int64_t pos = p.positions[b];
-  const bool ok = Writable(pos, p.floor[b], p.top[b], p.max_tokens);
+  const bool ok = Writable(p, b, pos);
   p.seq_lens[b] = ok ? static_cast<int32_t>(pos + 1) : 0;
   if (p.seeds != nullptr) {
     p.seeds[b] =
@@ -68,7 +68,7 @@ __global__ void StepLengthsKernel(StepAppendParams p) {
   }
   if (ok) {
     p.top[b] = pos + 1;
-  } else {
+  } else if (pos >= 0) {  // a negative position is an inactive slot, not an error
     atomicExch(p.error, 1);
   }
 }

@@ -39,11 +39,15 @@ struct StepAppendParams {
   // device, shape: [B]: the store's committed length (floor) and the next row a step may write
   // (top: one past the last written). A step writes exactly at top: any other position, or one
   // at or past max_tokens, writes nothing: the sequence's length becomes 0 for the step (its
-  // output zeros) and *error gets 1. (Rows are never rewritten, so nothing a row cache holds
-  // goes stale.)
+  // output zeros) and *error gets 1. A negative position marks an inactive slot (a batch slot no
+  // request holds this step): nothing written, length 0, no error. (Rows are never rewritten, so
+  // nothing a row cache holds goes stale.)
   const int64_t* floor = nullptr;
   int64_t* top = nullptr;
   int64_t max_tokens = 0;  // host: rows every destination holds per (b, j)
+  // Optional device [B]: each sequence's own bound (at most max_tokens; its reservation's rows):
+  // a position at or past it writes nothing, as one past max_tokens.
+  const int64_t* limits = nullptr;
   int32_t* error = nullptr;
   // Written per sequence: the step's length (position + 1) and the seed its random numbers come
   // from, SequenceSeed(seed + position, b) (a step's draws equal an eager call's with that seed).

@@ -949,6 +949,30 @@ struct Dev {
   }
 };
 
+// One step of every layer recorded as a CUDA graph on `stream` (the plan's Enqueue per layer:
+// the step's inputs, layer l's output at out + l * q_bytes), destroyed with it.
+struct RecordedStep {
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  ~RecordedStep() {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+    if (graph != nullptr) cudaGraphDestroy(graph);
+  }
+};
+
+void RecordStep(StaticStep& plan, const Dev& q, const Dev& nk, const Dev& nv, const Dev& pos,
+                const Dev& out, size_t q_bytes, cudaStream_t stream, RecordedStep* r,
+                const std::string& what) {
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
+  for (uint32_t l = 0; l < kLayers; ++l) {
+    absl::Status s =
+        plan.Enqueue(l, q.p, nk.p, nv.p, pos.as<int64_t>(), out.as<char>() + l * q_bytes, stream);
+    EXPECT_TRUE(s.ok()) << what << ": " << s;
+  }
+  ASSERT_EQ(cudaStreamEndCapture(stream, &r->graph), cudaSuccess) << what;
+  ASSERT_EQ(cudaGraphInstantiate(&r->exec, r->graph, 0), cudaSuccess) << what;
+}
+
 // A step's inputs for the captured-step tests, in device buffers that stay the same from step to
 // step (q, nk, nv, pos) and on the host (hq, hk, hv, hp): the step's token K/V (a function of the
 // step), the problem's query drifting from step to step, positions lens + step.
@@ -1061,16 +1085,9 @@ void CapturedStepsEqualEagerCalls(const Method& m, const kvstore::Placement& p,
   std::vector<int64_t>& hp = in.hp;
   cudaStream_t stream;
   ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), cudaSuccess);
-  for (uint32_t l = 0; l < kLayers; ++l) {
-    absl::Status s = step.Enqueue(l, in.q.p, in.nk.p, in.nv.p, in.pos.as<int64_t>(),
-                                  out.as<char>() + l * q_bytes, stream);
-    EXPECT_TRUE(s.ok()) << what << ": " << s;
-  }
-  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess) << what;
-  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess) << what;
+  RecordedStep rec;
+  RecordStep(step, in.q, in.nk, in.nv, in.pos, out, q_bytes, stream, &rec, what);
+  cudaGraphExec_t exec = rec.exec;
 
   constexpr int kSteps = 10;
   for (int st = 0; st < kSteps; ++st) {
@@ -1117,8 +1134,6 @@ void CapturedStepsEqualEagerCalls(const Method& m, const kvstore::Placement& p,
   for (uint16_t x : first) ASSERT_EQ(x, 0) << what;
   // Called inside the caller's capture: no layer graphs of the plan's own.
   EXPECT_EQ(step.layer_graph_counts().recorded, 0u) << what;
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
   plan->reset();
   // Released: the eager path goes on from the committed rows (the other sequence took one more).
@@ -1303,6 +1318,229 @@ TEST_F(GpuEngineTest, CapturedGroupMixturePlansOneHeadsUnion) {
     bytes[i] = (*plan)->device_bytes();
   }
   EXPECT_LT(bytes[1], bytes[0]) << "per head " << bytes[0] << ", group mixture " << bytes[1];
+}
+
+// Two slots' step inputs in device buffers that stay the same (a recorded graph reads them):
+// q [2, H, d], the step's K / V [2, Hkv, d] (functions of the step), positions [2].
+struct SlotInputs {
+  SlotInputs(int32_t h, int32_t hkv, int32_t d)
+      : q_elems(2 * h * d),
+        kv_elems(2 * hkv * d),
+        q(q_elems * 2),
+        nk(kv_elems * 2),
+        nv(kv_elems * 2),
+        pos(2 * sizeof(int64_t)) {}
+  void Upload(int st, int64_t p0, int64_t p1) {
+    std::vector<uint8_t> hq(q_elems * 2), hk(kv_elems * 2), hv(kv_elems * 2);
+    for (size_t i = 0; i < q_elems; ++i) {
+      kernels::StoreFromFloat(hq.data(), i, DType::kBf16, std::sin(0.013f * i + 0.5f * st));
+    }
+    for (size_t i = 0; i < kv_elems; ++i) {
+      kernels::StoreFromFloat(hk.data(), i, DType::kBf16, std::sin(0.37f * i + st));
+      kernels::StoreFromFloat(hv.data(), i, DType::kBf16, std::cos(0.11f * i - st));
+    }
+    const int64_t hp[2] = {p0, p1};
+    ASSERT_EQ(cudaMemcpy(q.p, hq.data(), hq.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(nk.p, hk.data(), hk.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(nv.p, hv.data(), hv.size(), cudaMemcpyHostToDevice), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(pos.p, hp, sizeof(hp), cudaMemcpyHostToDevice), cudaSuccess);
+  }
+  const size_t q_elems, kv_elems;
+  Dev q, nk, nv, pos;
+};
+
+// Rebinds refused before the plan moves, which keeps its own sequences (s2 and s3 here): a
+// sequence another plan holds, one that does not exist, one of another placement.
+void ExpectRefusedRebindsKeepThePlan(Rig& rig, StaticStep& plan, StaticStepRequest req,
+                                     const kvstore::Placement& p,
+                                     const kernels::SyntheticProblem& prob, cudaStream_t stream,
+                                     const std::string& what) {
+  // Refused before the plan moves (it keeps its own): a sequence another plan holds, one that
+  // does not exist.
+  req.sequence_ids = {"s0"};
+  req.bounds = {};
+  auto other = rig.gpu->PlanStatic(req);
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_EQ(plan.Rebind({"s0", "s1"}, {}, stream).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(rig.gpu->Held("s2") && rig.gpu->Held("s3")) << what;
+  other->reset();
+  EXPECT_EQ(plan.Rebind({"s1", "nope"}, {}, stream).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(rig.gpu->Held("s2") && rig.gpu->Held("s3") && !rig.gpu->Held("s1")) << what;
+  // A sequence of another placement takes another plan.
+  kvstore::Placement other_placement = p;
+  other_placement.signature_bits = p.signature_bits == 64 ? 32 : 64;
+  rig.Load(prob, other_placement, "x");
+  EXPECT_EQ(plan.Rebind({"s1", "x0"}, {}, stream).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(rig.gpu->Held("s2") && rig.gpu->Held("s3") && !rig.gpu->Held("x0")) << what;
+}
+
+// Rebind (engine/static_step.h): one graph, recorded once over a placeholder sequence in an idle
+// slot (bound at its length) and a real one, replays over the batches the plan is moved to,
+// whichever slot a sequence takes; each batch's outputs and committed rows equal those of a
+// plan made for that batch on a twin rig. An idle slot's output is zeros and writes nothing;
+// refused rebinds leave the plan as it was.
+void RebindReplaysTheRecordedGraph(const Method& m, const kvstore::Placement& p,
+                                   const std::string& what) {
+  auto a = Rig::Make(), b = Rig::Make();
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);
+  // s0..s2 real, s3 a one-token placeholder.
+  const std::vector<int32_t> lens = {250, 1020, 600, 1};
+  auto prob = Problem(lens);
+  a->Load(prob, p);
+  b->Load(prob, p);
+  const kernels::DecodeProblem& dp = prob.problem;
+  const size_t q_bytes = 2 * static_cast<size_t>(dp.num_q_heads) * dp.head_dim * 2;
+  StaticStepRequest req;
+  req.method = m;
+  req.max_tokens = 2048;
+  req.seed = 77;
+  req.sequence_ids = {"s3", "s0"};
+  req.bounds = {1, 0};
+  auto moved = b->gpu->PlanStatic(req);
+  ASSERT_TRUE(moved.ok()) << what << ": " << moved.status();
+  StaticStep& plan = **moved;
+  SlotInputs in(dp.num_q_heads, dp.num_kv_heads, dp.head_dim);
+  Dev out(kLayers * q_bytes), ref_out(kLayers * q_bytes);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  RecordedStep rec;
+  RecordStep(plan, in.q, in.nk, in.nv, in.pos, out, q_bytes, stream, &rec, what);
+  cudaGraphExec_t exec = rec.exec;
+
+  int st = 0;  // steps taken, each with its own inputs
+  // Per batch: the graph's steps against a plan made for the batch on rig a, launched layer by
+  // layer with the same inputs. -1: the slot idle.
+  auto run = [&](const std::vector<std::string>& ids, const std::vector<uint64_t>& bounds,
+                 std::vector<int64_t> start, int steps) {
+    StaticStepRequest r = req;
+    r.sequence_ids = ids;
+    r.bounds = bounds;
+    auto ref = a->gpu->PlanStatic(r);
+    ASSERT_TRUE(ref.ok()) << what << ": " << ref.status();
+    for (int k = 0; k < steps; ++k, ++st) {
+      in.Upload(st, start[0] < 0 ? -1 : start[0] + k, start[1] < 0 ? -1 : start[1] + k);
+      ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        ASSERT_TRUE((*ref)
+                        ->Enqueue(l, in.q.p, in.nk.p, in.nv.p, in.pos.as<int64_t>(),
+                                  ref_out.as<char>() + l * q_bytes, stream)
+                        .ok());
+      }
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      std::string got(kLayers * q_bytes, '\0'), want(kLayers * q_bytes, '\0');
+      ASSERT_EQ(cudaMemcpy(got.data(), out.p, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+      ASSERT_EQ(cudaMemcpy(want.data(), ref_out.p, want.size(), cudaMemcpyDeviceToHost),
+                cudaSuccess);
+      for (uint32_t l = 0; l < kLayers; ++l) {
+        EXPECT_LT(RelL2(got.substr(l * q_bytes, q_bytes), want.substr(l * q_bytes, q_bytes),
+                        DType::kBf16),
+                  1e-5)
+            << what << " " << ids[0] << "," << ids[1] << " step " << k << " layer " << l;
+        for (int slot = 0; slot < 2; ++slot) {
+          if (start[slot] >= 0) continue;
+          const std::string half = got.substr(l * q_bytes + slot * q_bytes / 2, q_bytes / 2);
+          EXPECT_EQ(half, std::string(q_bytes / 2, '\0')) << what << " idle slot " << slot;
+        }
+      }
+    }
+    auto la = (*ref)->Commit(stream), lb = plan.Commit(stream);
+    ASSERT_TRUE(la.ok() && lb.ok()) << what << ": " << la.status() << lb.status();
+    EXPECT_EQ(*la, *lb) << what;
+    for (int slot = 0; slot < 2; ++slot) {
+      const uint64_t want = start[slot] < 0 ? (bounds.empty() || bounds[slot] == 0 ? 0 : 1)
+                                            : static_cast<uint64_t>(start[slot] + steps);
+      if (want != 0) {
+        EXPECT_EQ((*lb)[slot], want) << what << " slot " << slot;
+      }
+    }
+  };
+  run({"s3", "s0"}, {1, 0}, {-1, 250}, 3);
+  // s0 moves to another slot, s1 and s2 take the others in turn; the placeholder comes back.
+  ASSERT_TRUE(plan.Rebind({"s1", "s2"}, {}, stream).ok()) << what;
+  run({"s1", "s2"}, {}, {1020, 600}, 3);
+  ASSERT_TRUE(plan.Rebind({"s0", "s1"}, {}, stream).ok()) << what;
+  run({"s0", "s1"}, {}, {253, 1023}, 2);
+  ASSERT_TRUE(plan.Rebind({"s2", "s3"}, {0, 1}, stream).ok()) << what;
+  run({"s2", "s3"}, {0, 1}, {603, -1}, 2);
+  // The committed rows of every sequence are the reference's, byte for byte.
+  for (int i = 0; i < 3; ++i) {
+    auto info = b->store->GetSequenceInfo("s" + std::to_string(i));
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->layer_lengths, std::vector<uint64_t>(kLayers, lens[i] + 5)) << what << i;
+  }
+  ExpectSameRows(*a, *b, {lens[0], lens[1], lens[2]}, 5, dp.num_kv_heads,
+                 static_cast<size_t>(dp.head_dim) * 2, what);
+  auto info = b->store->GetSequenceInfo("s3");
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->layer_lengths[0], 1u) << what << ": the idle placeholder took no row";
+  ExpectRefusedRebindsKeepThePlan(*b, plan, req, p, prob, stream, what);
+  cudaStreamDestroy(stream);
+}
+
+// A rebind that fails while moving (the GPU tier too small for the new sequences' rows: dense
+// with K and V resident, each bound at 2048 rows, over 4 MiB, in a 7 MiB tier): the plan holds no
+// sequence, a replay of its graph writes nothing and gives zeros, Commit says why, and the next
+// rebind serves again.
+TEST_F(GpuEngineTest, ARebindThatFailsMovingLeavesAPlanThatWritesNothing) {
+  auto rig = Rig::Make(/*gpu_capacity=*/7 << 20);
+  ASSERT_NE(rig, nullptr);
+  kvstore::Placement p;
+  p.k_tier = p.v_tier = Tier::kDevice;
+  auto prob = Problem({250, 1020, 600, 1});
+  rig->Load(prob, p);
+  const kernels::DecodeProblem& dp = prob.problem;
+  const size_t q_bytes = 2 * static_cast<size_t>(dp.num_q_heads) * dp.head_dim * 2;
+  StaticStepRequest req;
+  req.max_tokens = 2048;
+  req.sequence_ids = {"s3", "s0"};
+  req.bounds = {1, 0};
+  auto made = rig->gpu->PlanStatic(req);
+  ASSERT_TRUE(made.ok()) << made.status();
+  StaticStep& plan = **made;
+  SlotInputs in(dp.num_q_heads, dp.num_kv_heads, dp.head_dim);
+  Dev out(kLayers * q_bytes);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  RecordedStep rec;
+  RecordStep(plan, in.q, in.nk, in.nv, in.pos, out, q_bytes, stream, &rec, "a failed rebind");
+  cudaGraphExec_t exec = rec.exec;
+  const absl::Status moved = plan.Rebind({"s1", "s2"}, {}, stream);
+  EXPECT_EQ(moved.code(), absl::StatusCode::kResourceExhausted) << moved;
+  EXPECT_FALSE(rig->gpu->Held("s0") || rig->gpu->Held("s1") || rig->gpu->Held("s2"));
+  in.Upload(0, 1020, 600);
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  std::string got(kLayers * q_bytes, '\0');
+  ASSERT_EQ(cudaMemcpy(got.data(), out.p, got.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(got, std::string(got.size(), '\0')) << "a plan holding nothing";
+  EXPECT_EQ(plan.Commit(stream).status().code(), absl::StatusCode::kFailedPrecondition);
+  for (const char* id : {"s1", "s2"}) {
+    EXPECT_EQ(rig->store->GetSequenceInfo(id)->layer_lengths[0], id[1] == '1' ? 1020u : 600u);
+  }
+  // Serves again: s0 takes a step from its length.
+  ASSERT_TRUE(plan.Rebind({"s3", "s0"}, {1, 0}, stream).ok());
+  in.Upload(1, -1, 250);
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  auto lengths = plan.Commit(stream);
+  ASSERT_TRUE(lengths.ok()) << lengths.status();
+  EXPECT_EQ((*lengths)[1], 251u);
+  cudaStreamDestroy(stream);
+}
+
+TEST_F(GpuEngineTest, RebindReplaysTheRecordedGraph) {
+  kvstore::Placement ck;
+  ck.compressed_key_bits = 2;
+  Method santa = SantaMethod(1, 64);
+  santa.santa.scores = kernels::ScoreSource::kCompressedKeys;
+  RebindReplaysTheRecordedGraph(santa, ck, "S2ANTA-prop over 2-bit keys");
+  RebindReplaysTheRecordedGraph(TopKMethod(0.05f, 0, 4, 4), ck, "top-k over 2-bit keys");
+  kvstore::Placement sig;
+  sig.signature_bits = 64;
+  RebindReplaysTheRecordedGraph(HashMethod(0.05f, 0, 4, 4), sig, "hash top-k");
+  kvstore::Placement resident;
+  resident.k_tier = resident.v_tier = Tier::kDevice;
+  RebindReplaysTheRecordedGraph(Method{}, resident, "dense, K and V resident");
 }
 
 TEST_F(GpuEngineTest, CapturedStepsRefuseWhatTheyCannotCapture) {

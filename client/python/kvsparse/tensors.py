@@ -69,6 +69,13 @@ def dtype_name(dtype: Any) -> str:
     return NAME_BY_PROTO[proto_dtype(dtype)]
 
 
+def torch_dtype(dtype: Any) -> Any:
+    """The torch dtype of a name ("bf16", "fp16", "fp32") or any dtype proto_dtype reads."""
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[dtype_name(dtype)]
+
+
 def to_numpy(x: ArrayLike) -> np.ndarray:
     """A C-contiguous numpy array of x (torch tensors are copied to host memory)."""
     if _is_torch(x):

@@ -304,6 +304,110 @@ def test_planned_steps_equal_decode_calls() -> None:
             steps.decode(0, q, nk, nv, torch.tensor([103]))
 
 
+def _load_sequence(engine: ops.InProcessEngine, sid: str, n: int, device: str,
+                   placement=kvsparse.Placement()) -> None:
+    gen = torch.Generator().manual_seed(n + len(sid))
+    engine.create_sequence(sid, SHAPE, placement)
+    for layer in range(SHAPE.num_layers):
+        k = torch.randn(n, 2, 64, generator=gen).to(torch.bfloat16)
+        v = torch.randn(n, 2, 64, generator=gen).to(torch.bfloat16)
+        engine.append(sid, layer, k.to(device), v.to(device))
+
+
+def test_eager_steps_rebind_to_other_sequences() -> None:
+    """rebind moves a plan to other sequences, as many: an eager plan's calls then name them
+    (its outputs are decode calls on them); a count other than the plan's or a sequence that does
+    not exist is refused and the plan keeps its own."""
+    with ops.InProcessEngine(store_capacity="256M", gpu="off") as a, ops.InProcessEngine(
+        store_capacity="256M", gpu="off"
+    ) as b:
+        for e in (a, b):
+            _load_sequence(e, "s0", 40, "cpu")
+            _load_sequence(e, "s1", 70, "cpu")
+        with b.plan_steps(["s0"], kvsparse.Dense(), max_tokens=100) as steps:
+            q, nk, nv = _step_tokens(0, 1, "cpu")
+            for layer in range(SHAPE.num_layers):
+                steps.decode(layer, q, nk, nv, torch.tensor([40]))
+            with pytest.raises(kvsparse.InvalidArgument):
+                steps.rebind(["s0", "s1"])
+            with pytest.raises(kvsparse.NotFound):
+                steps.rebind(["nope"])
+            assert steps.sequence_ids == ["s0"]
+            steps.rebind(["s1"])
+            assert steps.sequence_ids == ["s1"]
+            for layer in range(SHAPE.num_layers):
+                got = steps.decode(layer, q, nk, nv, torch.tensor([70]))
+                want, _ = a.decode(layer, ["s1"], q, kvsparse.Dense(), new_k=nk, new_v=nv)
+                assert torch.equal(got, want)
+            assert steps.commit() == [71]
+        assert b.layer_lengths("s0") == [41, 41] and b.layer_lengths("s1") == [71, 71]
+
+
+@pytest.mark.gpu
+def test_a_recorded_graph_replays_over_rebound_sequences() -> None:
+    """A model server's use of rebind: one torch.cuda.CUDAGraph recorded over a placeholder in an
+    idle slot (bound at its one token, position -1) and a real sequence, then replayed over the
+    batches the plan is moved to; each replay's outputs equal a twin engine's decode calls on the
+    sequences in those slots (dense, K and V on the GPU), an idle slot gives zeros and takes no
+    row."""
+    placement = kvsparse.Placement(k_tier="device", v_tier="device")
+    with ops.InProcessEngine(store_capacity="1G", gpu="on") as a, ops.InProcessEngine(
+        store_capacity="1G", gpu="on"
+    ) as b:
+        for e in (a, b):
+            for sid, n in (("s0", 300), ("s1", 500), ("s2", 200), ("idle", 1)):
+                _load_sequence(e, sid, n, "cuda", placement)
+        lengths = {"s0": 300, "s1": 500, "s2": 200}
+        with b.plan_steps(["idle", "s0"], kvsparse.Dense(), max_tokens=1024, bounds=[1, 0]) as steps:
+            assert steps.captured, steps.mode
+            q, nk, nv = (t.clone() for t in _step_tokens(0, 2, "cuda"))
+            pos = torch.tensor([-1, 300], device="cuda")
+            outs = [torch.empty_like(q) for _ in range(SHAPE.num_layers)]
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # a warm-up call outside the graph, as PyTorch advises
+                for layer in range(SHAPE.num_layers):
+                    steps.decode(layer, q, nk, nv, pos, out=outs[layer])
+            torch.cuda.current_stream().wait_stream(side)
+            for layer in range(SHAPE.num_layers):  # the twin takes the same token
+                a.decode(layer, ["s0"], q[1:], kvsparse.Dense(), new_k=nk[1:], new_v=nv[1:])
+            lengths["s0"] += 1
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for layer in range(SHAPE.num_layers):
+                    steps.decode(layer, q, nk, nv, pos, out=outs[layer])
+            step = 1
+            for batch in (["idle", "s0"], ["s1", "s2"], ["s0", "s1"], ["s2", "idle"]):
+                if batch != steps.sequence_ids:
+                    steps.commit()
+                    steps.rebind(batch, [1 if s == "idle" else 0 for s in batch])
+                for _ in range(2):
+                    tq, tk, tv = _step_tokens(step, 2, "cuda")
+                    q.copy_(tq)
+                    nk.copy_(tk)
+                    nv.copy_(tv)
+                    pos.copy_(torch.tensor([lengths.get(s, -1) for s in batch]))
+                    graph.replay()
+                    torch.cuda.synchronize()
+                    for slot, sid in enumerate(batch):
+                        for layer in range(SHAPE.num_layers):
+                            got = outs[layer][slot]
+                            if sid == "idle":
+                                assert got.eq(0).all()
+                                continue
+                            want, _ = a.decode(layer, [sid], tq[slot:slot + 1], kvsparse.Dense(),
+                                               new_k=tk[slot:slot + 1], new_v=tv[slot:slot + 1])
+                            err = (got.double() - want[0].double()).norm() / want.double().norm()
+                            assert err < 1e-2, (batch, sid, layer, float(err))
+                        if sid != "idle":
+                            lengths[sid] += 1
+                    step += 1
+            steps.commit()
+        assert b.layer_lengths("idle") == [1, 1]
+        for sid, n in lengths.items():
+            assert b.layer_lengths(sid) == [n, n] == a.layer_lengths(sid), sid
+
+
 def test_planned_steps_write_into_out() -> None:
     """decode(..., out=) writes the step's output into the caller's tensor (what the return
     value would hold) and returns it; a tensor of another shape is refused."""

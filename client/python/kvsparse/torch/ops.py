@@ -330,12 +330,14 @@ class InProcessEngine(_Closing):
         eager: bool = False,
         warm_pages: bool = True,
         layer_graphs: bool = True,
+        bounds: list[int] | None = None,
     ) -> "DecodeSteps":
-        """Plans decode steps over a fixed batch of sequences (each already holding its prompt in
-        every layer) whose lengths stay at or below ``max_tokens``: see ``DecodeSteps``."""
+        """Plans decode steps over a batch of sequences (each already holding its prompt in
+        every layer) whose lengths stay at or below ``max_tokens`` (or each one's ``bounds``
+        entry, where non-zero): see ``DecodeSteps``."""
         return DecodeSteps(
             self, sequence_ids, method, max_tokens=max_tokens, seed=seed, scale=scale, dtype=dtype, eager=eager,
-            warm_pages=warm_pages, layer_graphs=layer_graphs,
+            warm_pages=warm_pages, layer_graphs=layer_graphs, bounds=bounds,
         )
 
     def decode(
@@ -395,7 +397,9 @@ class DecodeSteps(_Closing):
     vAttention, SAAP, learned signatures, dense with a half in host memory), the same calls run as ordinary
     decode calls that append at each layer's end (positions must equal the lengths). A captured
     step writes exactly at each sequence's next row (``positions`` = its length); any other
-    position writes nothing, gives that sequence zeros and makes ``commit`` raise OutOfRange.
+    position writes nothing, gives that sequence zeros and makes ``commit`` raise OutOfRange; a
+    negative one leaves the slot idle for the step (nothing written, zeros, no error), and
+    ``rebind`` moves the plan to other sequences under graphs already recorded.
     Either way layer l of a step at position p draws its random numbers as an eager ``decode``
     with seed ``seed + l * 2**32 + p``. Where K or V rows are in host memory, a captured step
     reads one word of each page of the next layer on a side stream after each layer
@@ -423,6 +427,7 @@ class DecodeSteps(_Closing):
         eager: bool = False,
         warm_pages: bool = True,
         layer_graphs: bool = True,
+        bounds: list[int] | None = None,
     ) -> None:
         self._engine = engine
         self.sequence_ids = list(sequence_ids)
@@ -439,6 +444,7 @@ class DecodeSteps(_Closing):
             eager,
             warm_pages,
             layer_graphs,
+            list(bounds or []),
         )
         self.mode: str = torch.ops.kvsparse.step_plan_mode(engine.handle, self._plan)
 
@@ -472,6 +478,18 @@ class DecodeSteps(_Closing):
         _call(torch.ops.kvsparse.step_decode_into, self._engine.handle, self.plan, layer, q, new_k, new_v, positions,
               out)
         return out
+
+    def rebind(self, sequence_ids: list[str], bounds: list[int] | None = None) -> None:
+        """Moves the plan to other sequences, as many as it has (its batch slots). A captured
+        plan binds them in the same device memory, so a CUDA graph recorded from its ``decode``
+        calls replays over them: a model server captures its graphs once, over placeholder
+        sequences in idle slots (``bounds`` entry = their length: nothing reserved past it;
+        negative positions leave a slot idle: nothing written, zeros), and rebinds when its batch
+        changes. Waits for the current stream; rows written since the last ``commit`` are dropped
+        (commit first). On an error the plan holds no sequence: its steps write nothing and give
+        zeros until a rebind succeeds."""
+        _call(torch.ops.kvsparse.rebind_steps, self._engine.handle, self.plan, list(sequence_ids), list(bounds or []))
+        self.sequence_ids = list(sequence_ids)
 
     def graph_counts(self) -> tuple[int, int]:
         """Layer graphs recorded and replayed by calls outside a graph (0, 0 for eager steps)."""
