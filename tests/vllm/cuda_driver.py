@@ -206,6 +206,7 @@ def main() -> None:
             "restarts": w.restarts,
             "prompt_attentions": w.prompt_attentions,
             "failed": sorted(w.failed),
+            "failures": list(w.failures),
             "sale_prefills": w.sale_prefills,
             "steps": w.steps,
             "prompt_steps": w.prompt_steps,
@@ -214,6 +215,12 @@ def main() -> None:
             "engine_memory": w.engine().memory() if w._engine is not None else {},
             # recorded and replayed, by the plans closed and those still live
             "layer_graphs": [sum(x) for x in zip(w.layer_graphs, *(p.steps.graph_counts() for p in w.plans.values()))],
+            # vLLM's full decode graphs (kvsparse.vllm.slot_plan): whether the slot plan serves,
+            # its steps with decode rows, those of them run outside vLLM's graphs, its moves.
+            "full_graphs": w.slots is not None,
+            "slot_steps": w.slot_steps,
+            "slot_forward_steps": w.slot_forward_steps,
+            "slot_rebinds": w.slots.rebinds if w.slots is not None else 0,
             "metrics": kvsparse_counters(w),
         }
     print(json.dumps(result))

@@ -10,7 +10,7 @@ pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 
-from kvsparse.vllm.connector import batch_order, step_rows  # noqa: E402
+from kvsparse.vllm.connector import BlockLedger, batch_order, step_rows  # noqa: E402
 
 
 def new_request(rid: str, computed: int, method: str | None = None) -> NewRequestData:
@@ -54,9 +54,50 @@ def test_rows_follow_the_v2_runners_order_with_each_requests_context() -> None:
     rows = step_rows(out)
     assert rows.rows == [("b", 1000, 1), ("d", 17, 1), ("c", 0, 40), ("a", 256, 300)]
     assert rows.methods == {"c": "top_k:top_k_fraction=0.25"}
-    # How a failed request is named to vLLM's scheduler: the first block of a new or resumed one.
-    assert rows.first_blocks == {"c": 0, "a": 5}
+    # How a failed request is named to vLLM's scheduler: its newest block no other request holds
+    # (b's first step in this ledger: its new block; d got none).
+    assert rows.failure_blocks == {"c": 0, "a": 6, "b": 9}
     assert rows.finished == {"x"} and rows.preempted == {"y"}
+
+
+def test_a_request_after_a_reused_prefix_names_its_blocks() -> None:
+    """A new request vLLM starts after blocks of its prefix cache (num_computed_tokens > 0) comes
+    with all its blocks (where the backend reads that prefix when no forward runs: a full graph's
+    replay); a new request from its first token with none."""
+    reused = new_request("r", 32)
+    reused.block_ids = ([7, 8, 3],)
+    out = scheduler_output(new=[reused, new_request("n", 0)], cached=cached_requests([], []),
+                           counts={"r": 1, "n": 20}, finished=set())
+    rows = step_rows(out)
+    assert rows.prefix_blocks == {"r": [7, 8, 3]}
+    assert rows.failure_blocks == {"r": 3, "n": 0}
+
+
+def test_a_failed_request_is_named_by_a_block_no_other_request_holds() -> None:
+    """With prefix caching requests share their prefix's blocks, and vLLM ends every request that
+    holds a block reported as failed: each request is named by its newest block of its own,
+    across steps (blocks added, a request finished and its blocks released, one resumed with new
+    blocks). Naming the first block (before 2026-12-01) named the shared prefix: on an H200 a
+    request refused at admission ended the two others that shared its prompt's first blocks."""
+    ledger = BlockLedger()
+    p, q = new_request("p", 0), new_request("q", 32)
+    p.block_ids, q.block_ids = ([1, 2, 3],), ([1, 2, 4],)  # q reused p's first two blocks
+    rows = step_rows(scheduler_output([p, q], cached_requests([], []), {"p": 40, "q": 8}, set()), ledger)
+    assert rows.failure_blocks == {"p": 3, "q": 4}
+    # r reuses all of p's three (full) blocks; p's newest is then shared, its next block its own.
+    r = new_request("r", 48)
+    r.block_ids = ([1, 2, 3, 7],)
+    cached = cached_requests(["p", "q"], [40, 40])
+    cached.new_block_ids = [([5],), None]
+    rows = step_rows(scheduler_output([r], cached, {"p": 1, "q": 1, "r": 4}, set()), ledger)
+    assert rows.failure_blocks == {"p": 5, "q": 4, "r": 7}
+    # q finishes (its blocks released); p, preempted earlier, resumes with all-new blocks.
+    cached = cached_requests(["p", "r"], [0, 52])
+    cached.resumed_req_ids = {"p"}
+    cached.new_block_ids = [([8, 9],), None]
+    rows = step_rows(scheduler_output([], cached, {"p": 30, "r": 1}, {"q"}), ledger)
+    assert rows.failure_blocks == {"p": 9, "r": 7}
+    assert ledger.own_block("q") is None and ledger.holders[4] == 0
 
 
 def test_batch_order_is_stable_for_equal_counts() -> None:

@@ -141,6 +141,39 @@ def test_every_method_generates_each_request_its_own(model: str) -> None:
 
 
 
+def test_a_captured_method_decodes_inside_vllms_full_cuda_graphs(model: str) -> None:
+    """A deployment whose method has a captured step (top-k over 2-bit keys: deterministic, so
+    its tokens can be compared) decodes inside vLLM's full decode graphs (kvsparse.vllm.slot_plan):
+    vLLM keeps FULL_AND_PIECEWISE, most steps with decode rows replay inside vLLM's graph (no
+    forward runs), the plan moves as requests join and leave, and the tokens equal those of the
+    same method served between vLLM's piecewise graphs (KVSPARSE_VLLM_FULL_GRAPHS=0) up to
+    near-ties, with vLLM's prefix caching on (later prompts start after blocks of earlier ones). A
+    request asking for another method fails alone naming the setting, and the requests that share
+    its prompt's first blocks keep decoding: a failed request is named to vLLM by a block of its
+    own (kvsparse.vllm.connector.BlockLedger). Naming its first block, requests 2 and 3 ended with
+    request 1 on an H200 (docs/data/vllm-gpu-2026-12-01-full-graphs-h200/first-block-named.json)."""
+    method = "top_k:top_k_fraction=0.25"
+    outside = generate(model, method, logprobs=2, kvsparse_env={"KVSPARSE_VLLM_FULL_GRAPHS": "0"})
+    assert "error" not in outside, outside["error"]
+    assert outside["kvsparse"]["full_graphs"] is False
+    assert "PIECEWISE" in outside["cudagraph_mode"] and "FULL" not in outside["cudagraph_mode"]
+    inside = generate(model, method, methods=[None, "santa:samples=64", None, None])
+    assert "error" not in inside, inside["error"]
+    w = inside["kvsparse"]
+    assert w["full_graphs"] is True and inside["cudagraph_mode"].endswith("FULL_AND_PIECEWISE"), inside["cudagraph_mode"]
+    assert w["slot_rebinds"] >= 2, w
+    assert 0 < w["slot_forward_steps"] < w["slot_steps"], w  # the rest replayed inside vLLM's graphs
+    assert w["prefix_imports"] > 0, w
+    reasons = inside["finish_reasons"]
+    assert reasons[1] not in ("length", "stop") and all(reasons[r] == "length" for r in (0, 2, 3)), reasons
+    assert any("KVSPARSE_VLLM_FULL_GRAPHS" in f for f in w["failures"]), w["failures"]
+    keep = (0, 2, 3)
+    assert_same_tokens_up_to_near_ties({"tokens": [outside["tokens"][r] for r in keep],
+                                        "logprobs": [outside["logprobs"][r] for r in keep]},
+                                       {"tokens": [inside["tokens"][r] for r in keep]})
+    assert live_ids(w) == [w["last_finisher"]]
+
+
 def test_a_request_kvsparse_cannot_serve_fails_alone(model: str, own: dict) -> None:
     """With kvsparse's KV connector (engine_args), a request whose method does not parse and one
     whose method the engine refuses (a fraction over 1) each end with an error, and the other

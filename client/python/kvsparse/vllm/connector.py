@@ -18,6 +18,7 @@ rows first, then by token count, which is the same order without speculative dec
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,13 +37,16 @@ VLLM_VERSION = "0.24.0"  # the vLLM whose batch order batch_order follows
 class StepRows(KVConnectorMetadata):
     """One step as the attention backend needs it: rows[i] = (request id, tokens vLLM computed
     for it before the step, tokens it has in the step), in the batch's order; the method text of
-    each request new in this step that asked for one; the first KV block of each request new or
-    resumed in this step (how a failed request is named to vLLM's scheduler); requests to
-    forget."""
+    each request new in this step that asked for one; for each request of the step, a KV block no
+    other live request holds (BlockLedger: how a failed request is named to vLLM's scheduler);
+    requests to forget."""
 
     rows: list[tuple[str, int, int]] = field(default_factory=list)
     methods: dict[str, str] = field(default_factory=dict)
-    first_blocks: dict[str, int] = field(default_factory=dict)
+    failure_blocks: dict[str, int] = field(default_factory=dict)
+    # The blocks of each new request that starts after a prefix vLLM reused from its prefix
+    # cache (where the backend reads that prefix from, when no forward runs: a full graph).
+    prefix_blocks: dict[str, list[int]] = field(default_factory=dict)
     finished: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
 
@@ -53,27 +57,75 @@ def batch_order(num_scheduled_tokens: dict[str, int]) -> list[str]:
     return sorted(num_scheduled_tokens, key=num_scheduled_tokens.__getitem__)
 
 
-def step_rows(scheduler_output: Any) -> StepRows:
+class BlockLedger:
+    """Each live request's KV blocks (the first group's), kept from the scheduler's outputs step
+    after step, and which of them no other live request holds. vLLM ends every request that holds
+    a block reported as failed to load, and with prefix caching requests share the blocks of a
+    common prefix (a system prompt): a failed request is named by a block of its own, its newest
+    one not shared (a block being written, the newest, never is), so the requests sharing its
+    prefix keep decoding."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, list[int]] = {}
+        self.holders: Counter[int] = Counter()
+
+    def update(self, scheduler_output: Any) -> None:
+        gone = set(scheduler_output.finished_req_ids) | set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        for rid in gone:
+            self._drop(rid)
+        for r in scheduler_output.scheduled_new_reqs:
+            blocks = getattr(r, "block_ids", None)
+            self._drop(r.req_id)
+            self._add(r.req_id, list(blocks[0]) if blocks and blocks[0] else [])
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for rid, blocks in zip(cached.req_ids, getattr(cached, "new_block_ids", None) or ()):
+            if rid in resumed:  # a resumed request's blocks are all new
+                self._drop(rid)
+            if blocks and blocks[0]:
+                self._add(rid, list(blocks[0]))
+
+    def own_block(self, rid: str) -> int | None:
+        """The request's newest block no other live request holds (its newest where every one is
+        shared; None where it has none)."""
+        blocks = self.blocks.get(rid)
+        if not blocks:
+            return None
+        return next((b for b in reversed(blocks) if self.holders[b] == 1), blocks[-1])
+
+    def _add(self, rid: str, blocks: list[int]) -> None:
+        self.blocks.setdefault(rid, []).extend(blocks)
+        self.holders.update(blocks)
+
+    def _drop(self, rid: str) -> None:
+        for b in self.blocks.pop(rid, ()):
+            self.holders[b] -= 1
+            if self.holders[b] <= 0:
+                del self.holders[b]
+
+
+def step_rows(scheduler_output: Any, ledger: BlockLedger | None = None) -> StepRows:
+    """The step's StepRows; `ledger` (the connector's, kept across steps) updated with it."""
+    ledger = ledger if ledger is not None else BlockLedger()
+    ledger.update(scheduler_output)
     counts: dict[str, int] = scheduler_output.num_scheduled_tokens
     computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
     cached = scheduler_output.scheduled_cached_reqs
     computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-    methods, first_blocks = {}, {}
+    methods, prefix_blocks = {}, {}
     for r in scheduler_output.scheduled_new_reqs:
         extra = getattr(r.sampling_params, "extra_args", None) or {}
         if extra.get(EXTRA_ARG):
             methods[r.req_id] = str(extra[EXTRA_ARG])
         blocks = getattr(r, "block_ids", None)
-        if blocks and blocks[0]:
-            first_blocks[r.req_id] = blocks[0][0]
-    resumed = getattr(cached, "resumed_req_ids", None) or set()
-    for rid, blocks in zip(cached.req_ids, getattr(cached, "new_block_ids", None) or ()):
-        if rid in resumed and blocks and blocks[0]:  # a resumed request's blocks are all new
-            first_blocks[rid] = blocks[0][0]
+        if blocks and blocks[0] and r.num_computed_tokens > 0:
+            prefix_blocks[r.req_id] = list(blocks[0])
+    own = {rid: ledger.own_block(rid) for rid in counts}
     return StepRows(
         rows=[(rid, computed[rid], counts[rid]) for rid in batch_order(counts)],
         methods=methods,
-        first_blocks=first_blocks,
+        failure_blocks={rid: b for rid, b in own.items() if b is not None},
+        prefix_blocks=prefix_blocks,
         finished=set(scheduler_output.finished_req_ids),
         preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()),
     )
@@ -90,6 +142,7 @@ class KvSparseConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        self.ledger = BlockLedger()  # scheduler side
 
     # Scheduler side.
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -99,7 +152,7 @@ class KvSparseConnector(KVConnectorBase_V1):
         return None
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return step_rows(scheduler_output)
+        return step_rows(scheduler_output, self.ledger)
 
     # Worker side. On vLLM's CPU build the plugin learns the batch from the V1 model runner
     # (kvsparse.vllm.plugin) and uses the connector only to report failed requests.
@@ -119,9 +172,10 @@ class KvSparseConnector(KVConnectorBase_V1):
             CUDA_WORKER.end_step()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """The first block of each request kvsparse failed (its server unreachable, its sequence
-        lost): vLLM's scheduler, with kv_load_failure_policy "fail" (its default), ends those
-        requests with an error and keeps serving the rest."""
+        """A block of each request kvsparse failed (its server unreachable, its sequence lost):
+        vLLM's scheduler, with kv_load_failure_policy "fail" (its default), ends those requests
+        with an error and keeps serving the rest (on the CUDA build a block of the request's own,
+        BlockLedger; the CPU build, which refuses prefix caching, names its first)."""
         if _on_cuda():
             from kvsparse.vllm.cuda_backend import CUDA_WORKER
 

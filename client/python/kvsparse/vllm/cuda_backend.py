@@ -31,14 +31,21 @@ connector and ends it with an error; the others keep decoding. Each method's pla
 counted on the worker's Prometheus counters (plugin.observe, vLLM's /metrics): from the plans'
 statistics, summed on the GPU and read every FIGURES_EVERY steps and when a plan ends.
 
-Attention runs outside vLLM's CUDA graphs (``AttentionCGSupport.NEVER``: vLLM captures the rest
-of each step piecewise); the plan's kernels are capturable, and taking them into vLLM's full
-decode graphs is the next step (a plan over batch slots, not over fixed sequences).
+Inside vLLM's CUDA graphs: where the deployment's method has a captured step (the default, the
+flagship, and the other compressed-key, resident and signature methods; not dense over host
+memory, vAttention or SAAP) and KVSPARSE_VLLM_FULL_GRAPHS is not 0, the backend declares
+``UNIFORM_SINGLE_TOKEN_DECODE``: vLLM records each decode-only step whole in its full graphs,
+kvsparse's plan over its batch slots inside (kvsparse.vllm.slot_plan), and runs steps with prompt
+rows piecewise, their decode rows through the same plan. A request asking for another method then
+fails alone naming the setting. Otherwise (``AttentionCGSupport.NEVER``) attention runs between
+vLLM's piecewise graphs, the decode rows through a plan per method over the requests decoding,
+re-planned when that set changes.
 """
 
 from __future__ import annotations
 
 import os
+from collections import deque
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -60,6 +67,10 @@ from kvsparse.tensors import dtype_name
 from kvsparse.vllm import plugin
 from kvsparse.vllm.connector import VLLM_VERSION, StepRows
 from kvsparse.vllm.plugin import RequestSequence
+from kvsparse.vllm.slot_plan import SlotPlan
+
+# Set to 0 to serve decode rows outside vLLM's full graphs (per-request methods; module text).
+ENV_FULL_GRAPHS = "KVSPARSE_VLLM_FULL_GRAPHS"
 
 
 
@@ -95,6 +106,11 @@ class _Step:
     # Requests whose first rows follow a prefix vLLM reused from its prefix cache: the prefix's
     # K/V are read from vLLM's paged cache into the request's sequence, layer by layer.
     imports: set[str] = field(default_factory=set)
+    # The decode rows in the slot plan (CudaWorker.slot_rows): every row one of them, each its
+    # own slot (the batch in; vLLM's uniform decode), or their slots and tokens (device tensors).
+    slot_uniform: bool = False
+    slot_index: torch.Tensor | None = None
+    slot_tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -123,7 +139,8 @@ class CudaWorker:
 
     A request kvsparse cannot serve (a method that does not parse, or that the engine refuses; a
     store over its capacity; a plan's step refused) fails alone: its rows are answered with zeros
-    and its first KV block is reported as a failed load through kvsparse's KV connector, so that
+    (with vLLM's own attention in steps where that ran: its prompt's K/V in vLLM's cache stay
+    right for the requests that share them) and a KV block of its own is reported as a failed load through kvsparse's KV connector, so that
     vLLM's scheduler ends it with an error (kv_load_failure_policy "fail", vLLM's default) and
     keeps serving the others, as on the CPU build (kvsparse.vllm.plugin.Worker.fail)."""
 
@@ -140,7 +157,10 @@ class CudaWorker:
     sale_prefills: int = 0
     sale_skipped: Any = 0.0
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why
-    first_blocks: dict[str, int] = field(default_factory=dict)  # request id -> its first KV block
+    # The latest failures' reasons ("request id: why"), kept after vLLM ends the requests.
+    failures: deque[str] = field(default_factory=lambda: deque(maxlen=64))
+    # request id -> a KV block of its own (kvsparse.vllm.connector.BlockLedger)
+    failure_blocks: dict[str, int] = field(default_factory=dict)
     figures: dict[str, _PlanFigures] = field(default_factory=dict)  # by method text
     layer_graphs: tuple[int, int] = (0, 0)  # layer graphs recorded and replayed by closed plans
     # Steps the connector bound, those with prompt rows, and layer calls that wrote vLLM's paged
@@ -149,6 +169,16 @@ class CudaWorker:
     prompt_steps: int = 0
     cache_writes: int = 0
     prefix_imports: int = 0  # prompt tokens read from vLLM's prefix cache into sequences
+    # vLLM's full decode graphs (kvsparse.vllm.slot_plan): the plan over the batch slots, the
+    # step's decode rows in it (row = slot -> request id), steps with such rows and, of them,
+    # those whose attention ran outside vLLM's graphs (the rest replayed inside them).
+    slots: SlotPlan | None = None
+    slots_tried: bool = False
+    slot_rows: dict[int, str] = field(default_factory=dict)
+    slot_steps: int = 0
+    slot_forward_steps: int = 0
+    shape: ModelShape | None = None  # the model's, once its attention ran
+    layers: dict[int, Any] = field(default_factory=dict)  # vLLM's attention layers (their caches)
     _engine: Any = None
 
     def engine(self) -> Any:
@@ -161,22 +191,33 @@ class CudaWorker:
         return self._engine
 
     def begin_step(self, rows: StepRows) -> None:
-        for rid in rows.finished | rows.preempted:
+        gone = rows.finished | rows.preempted
+        self.unbind_slots({self.sequences[r].sequence_id for r in gone if r in self.sequences})
+        for rid in gone:
             self.forget(rid)
         for rid in rows.finished:
             self.methods.pop(rid, None)
             self.failed.pop(rid, None)
-            self.first_blocks.pop(rid, None)
-        self.first_blocks.update(rows.first_blocks)
+            self.failure_blocks.pop(rid, None)
+        self.failure_blocks.update(rows.failure_blocks)
         for rid, text in rows.methods.items():
             try:
-                parse_method(text)  # checked at admission by the middleware where it runs
+                method = parse_method(text)  # checked at admission by the middleware where it runs
             except ValueError as e:
                 self.fail([rid], e)
+                continue
+            if self.slots is not None and method != parse_method(self.slots.text):
+                self.fail([rid], ValueError(
+                    f"this deployment decodes inside vLLM's full CUDA graphs, with its method {self.slots.text!r} "
+                    f"only; the request asked for {text!r} (set {ENV_FULL_GRAPHS}=0 to serve per-request methods)"))
                 continue
             self.methods[rid] = text
         self.rows = rows
         self.step = None
+        self.slot_rows = {}
+        self.steps += 1
+        if self.slots is not None:
+            self.stage_slots()
 
     def fail(self, rids: list[str], error: Exception) -> None:
         """Requests kvsparse cannot serve (the class text): forgotten, answered with zeros until
@@ -190,14 +231,118 @@ class CudaWorker:
         if rid not in self.failed:
             plugin.LOG.warning("kvsparse: failing request %s: %s", rid, error)
             self.failed[rid] = str(error)
+            self.failures.append(f"{rid}: {error}")
 
     def failed_blocks(self) -> set[int]:
-        """The first KV block of every failed request vLLM still runs (kvsparse.vllm.connector)."""
-        return {self.first_blocks[r] for r in self.failed if r in self.first_blocks}
+        """A KV block of its own of every failed request vLLM still runs (kvsparse.vllm.connector)."""
+        return {self.failure_blocks[r] for r in self.failed if r in self.failure_blocks}
 
     def end_step(self) -> None:
+        if self.slots is not None:
+            rids = [rid for rid in self.slot_rows.values() if rid in self.sequences]
+            if rids and self.shape is not None:
+                s = self.slots
+                self.count_step(s.text, s.steps, rids, self.shape, s.q.element_size(),
+                                entries=s.slots * self.shape.num_kv_heads)
+            self.slots.idle()  # a replay vLLM runs without a step writes nothing
         self.rows = None
         self.step = None
+        self.slot_rows = {}
+
+    # ---- vLLM's full decode graphs: the plan over the batch slots (kvsparse.vllm.slot_plan). ----
+
+    def make_slots(self, impl: "KvSparseCudaImpl", device: torch.device) -> None:
+        """The deployment method's plan over vLLM's batch slots (once, at the first forward
+        outside a capture: vLLM's profiling run, so its memory counts there), unless
+        KVSPARSE_VLLM_FULL_GRAPHS is 0 or the method has no captured step here (logged)."""
+        self.slots_tried = True
+        if os.environ.get(ENV_FULL_GRAPHS, "1") == "0" or self.shape is None:
+            return
+        text = os.environ[plugin.ENV_METHOD]
+        why = ""
+        try:
+            slots = SlotPlan.create(self.engine(), text, self.shape, impl.max_num_seqs, max_tokens=impl.max_tokens,
+                                    seed=impl.seed, scale=impl.scale, device=device)
+        except (KvSparseError, ValueError) as e:
+            why = str(e)
+        else:
+            if slots.steps.captured:
+                self.slots = slots
+                plugin.LOG.info("kvsparse: %s decodes inside vLLM's full CUDA graphs over %d batch slots", text,
+                                slots.slots)
+                return
+            why = f"the method has no captured step here ({slots.steps.mode})"
+            slots.close(self.engine())
+        plugin.LOG.warning("kvsparse: %s decodes outside vLLM's full CUDA graphs: %s", text, why)
+
+    def stage_slots(self) -> None:
+        """The bound step's decode rows into the slot plan (slot i serves row i): each row's
+        request admitted (a prefix vLLM reused read from its cache first), the plan moved where
+        the rows changed, the positions staged, the sequences' lengths advanced by the step. The
+        other rows (prompts, failed requests) are idle slots; vLLM's forward takes the prompts."""
+        slots = self.slots
+        assert slots is not None and self.rows is not None
+        if self.shape is None:
+            return
+        want: list[str | None] = [None] * slots.slots
+        staged: dict[int, str] = {}
+        for i, (rid, start, count) in enumerate(self.rows.rows[:slots.slots]):
+            if rid in self.failed or count != 1 or start == 0:
+                continue
+            try:
+                if self._admit(rid, start, self.shape):
+                    self._import_prefix(rid, start)
+            except (KvSparseError, ValueError) as e:
+                self.fail([rid], e)
+                continue
+            want[i] = self.sequences[rid].sequence_id
+            staged[i] = rid
+        self._bind_slots(want)
+        staged = {i: rid for i, rid in staged.items() if rid not in self.failed}
+        slots.stage([self.rows.rows[i][1] if i in staged else -1 for i in range(slots.slots)])
+        for rid in staged.values():
+            seq = self.sequences[rid]
+            seq.lengths = [n + 1 for n in seq.lengths]
+        self.slot_rows = staged
+        self.slot_steps += 1 if staged else 0
+
+    def unbind_slots(self, sequence_ids: set[str]) -> None:
+        """Slots holding these sequences back to their placeholders (a plan holds its sequences:
+        before they are dropped)."""
+        if self.slots is not None and sequence_ids & set(self.slots.ids):
+            self._bind_slots([None if sid in sequence_ids else sid for sid in self.slots.ids])
+
+    def _bind_slots(self, want: list[str | None]) -> None:
+        slots = self.slots
+        assert slots is not None
+        by_sequence = {seq.sequence_id: rid for rid, seq in self.sequences.items()}
+        bound = [by_sequence[sid] for sid in slots.ids if sid in by_sequence]
+        try:
+            refused = slots.bind(want)
+        except KvSparseError as e:  # the plan holds none: the requests it was to hold fail
+            for rid in bound + [by_sequence[sid] for sid in want if sid in by_sequence]:
+                self._mark_failed(rid, e)
+            return
+        for rid in bound if refused is not None else []:  # a step refused since the last commit
+            self._mark_failed(rid, refused)
+
+    def _import_prefix(self, rid: str, start: int) -> None:
+        """A request whose first step is one token after a prefix vLLM reused from its prefix
+        cache: the prefix's K/V read from vLLM's paged cache (its blocks, from the connector)
+        into its sequence in every layer, before the step (a full graph's replay runs no
+        forward)."""
+        assert self.rows is not None and self.shape is not None
+        blocks = self.rows.prefix_blocks.get(rid)
+        if blocks is None or len(self.layers) < self.shape.num_layers:
+            raise ValueError(f"request {rid} starts after {start} tokens of vLLM's prefix cache, whose blocks "
+                             "kvsparse was not told")
+        seq = self.sequences[rid]
+        for li in range(self.shape.num_layers):
+            kv_cache = self.layers[li].kv_cache
+            k0, v0 = cached_prefix(kv_cache, torch.tensor(blocks, device=kv_cache.device), start)
+            self.engine().append(seq.sequence_id, li, k0, v0, 0)
+            seq.lengths[li] = start
+        self.prefix_imports += start
 
     def method_text(self, rid: str) -> str:
         return self.methods.get(rid) or os.environ[plugin.ENV_METHOD]
@@ -217,14 +362,17 @@ class CudaWorker:
                 self.close_plan(text)
         seq = self.sequences.pop(rid, None)
         if seq is not None:
+            self.unbind_slots({seq.sequence_id})
             try:
                 self.engine().drop_sequence(seq.sequence_id)
             except KvSparseError as e:  # nothing left to free
                 plugin.LOG.warning("kvsparse: dropping the sequence of request %s: %s", rid, e)
 
-    def count_step(self, text: str, plan: Any, rids: list[str], shape: ModelShape, element_bytes: int) -> None:
+    def count_step(self, text: str, plan: Any, rids: list[str], shape: ModelShape, element_bytes: int,
+                   entries: int | None = None) -> None:
         """A step of a method's plan done (every layer): its figures into the method's
-        _PlanFigures, onto the counters every FIGURES_EVERY steps."""
+        _PlanFigures, onto the counters every FIGURES_EVERY steps. entries: the statistics'
+        (sequence, kv head) entries to sum (default: the first len(rids) sequences')."""
         f = self.figures.get(text)
         if f is None:
             method = self.sequences[rids[0]].method
@@ -235,7 +383,7 @@ class CudaWorker:
         # Slices only: an index list ([0, 3]) would be copied to the GPU from pageable memory,
         # which waits for every kernel queued before it (a synchronisation a step, 2.7 ms of the
         # host's lead lost at 128k on an H200: docs/PERF.md, "The flagship inside vLLM").
-        m = len(rids) * shape.num_kv_heads
+        m = entries if entries is not None else len(rids) * shape.num_kv_heads
         step = torch.stack((stats[:, 0, :m].sum(dtype=torch.int64), stats[:, 3, :m].sum(dtype=torch.int64)))
         f.rows = step if f.rows is None else f.rows + step
         f.sequence_layers += len(rids) * shape.num_layers
@@ -304,6 +452,8 @@ class CudaWorker:
         for i, (rid, start, count) in enumerate(self.rows.rows):
             starts.append(token)
             token += count
+            if i in self.slot_rows:  # staged before the step (stage_slots)
+                continue
             if rid not in self.failed:
                 try:
                     if self._admit(rid, start, shape):
@@ -334,7 +484,13 @@ class CudaWorker:
         for text in [t for t in self.plans if t not in groups]:
             self.close_plan(text)  # nobody decodes with it any more: its rows go to the store
         self.step = _Step(prefill, groups, starts, failed, imports)
-        self.steps += 1
+        if self.slot_rows:
+            rows = sorted(self.slot_rows)
+            self.step.slot_uniform = len(rows) == len(self.rows.rows)  # one token a row: token i is row i
+            if not self.step.slot_uniform:
+                self.step.slot_index = torch.tensor(rows, dtype=torch.long).pin_memory().to(device, non_blocking=True)
+                self.step.slot_tokens = torch.tensor([starts[i] for i in rows], dtype=torch.long).pin_memory().to(
+                    device, non_blocking=True)
         self.prompt_steps += 1 if prefill else 0
         return self.step
 
@@ -358,8 +514,13 @@ class CudaWorker:
     def close(self) -> None:
         for text in list(self.plans):
             self.close_plan(text)
+        if self.slots is not None:
+            self.unbind_slots(set(self.slots.ids))
         for rid in list(self.sequences):
             self.forget(rid)
+        if self.slots is not None:
+            self.slots.close(self.engine())
+            self.slots = None
 
 
 CUDA_WORKER = CudaWorker()
@@ -391,6 +552,7 @@ class KvSparseCudaImpl(FlashAttentionImpl):
         if why is not None:  # its steps would not be captured inside vLLM's CUDA graphs
             raise ValueError(f"kvsparse's CUDA backend cannot serve this model's attention: {why}")
         self.max_tokens = config.model_config.max_model_len
+        self.max_num_seqs = config.scheduler_config.max_num_seqs  # the batch slots
         self.store_only = plugin.store_only()
         self.seed = int(os.environ.get(plugin.ENV_SEED, "0"))
         self.shape: ModelShape | None = None  # the sequences' shape, once the K/V dtype is seen
@@ -399,17 +561,27 @@ class KvSparseCudaImpl(FlashAttentionImpl):
                 kv_cache: torch.Tensor, attn_metadata: Any, output: torch.Tensor, output_scale: Any = None,
                 output_block_scale: Any = None) -> torch.Tensor:
         w = CUDA_WORKER
+        li = extract_layer_index(layer.layer_name)
+        if self.shape is None:
+            self.shape = ModelShape(self.num_layers, self.num_heads, self.num_kv_heads, self.head_size,
+                                    dtype_name(query.dtype))
+            w.shape = self.shape
+        w.layers.setdefault(li, layer)
+        if not w.slots_tried and not torch.cuda.is_current_stream_capturing():
+            w.make_slots(self, query.device)
         if attn_metadata is None or w.rows is None:  # profiling, warm-up and graph-capture runs
+            n = 0 if attn_metadata is None else attn_metadata.num_actual_tokens
+            if w.slots is not None and 0 < n <= w.slots.slots and attn_metadata.max_query_len == 1:
+                # vLLM's full decode graph of n rows (its capture, or the eager pass before it):
+                # the slot plan, every slot idle (positions -1) until a step binds them.
+                w.slots.decode_rows(li, query, key, value, output[:n].view(n, self.num_heads, self.head_size), n)
+                return output
             if self.store_only:  # vLLM's cache holds no K/V to attend over; these outputs are not used
                 return output
             if attn_metadata is not None:
                 self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
             return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
                                    output_block_scale)
-        li = extract_layer_index(layer.layer_name)
-        if self.shape is None:
-            self.shape = ModelShape(self.num_layers, self.num_heads, self.num_kv_heads, self.head_size,
-                                    dtype_name(query.dtype))
         shape = self.shape
         step = w.prepare(shape, attn_metadata.num_actual_tokens, query.device)
         for row, rid, start, count in step.prefill:
@@ -431,7 +603,8 @@ class KvSparseCudaImpl(FlashAttentionImpl):
                 step.failed.append((a, count))
                 continue
             seq.lengths[li] = start + count
-        if not self.store_only and (step.prefill or not step.groups):
+        vllm_attention = not self.store_only and bool(step.prefill or not (step.groups or w.slot_rows))
+        if vllm_attention:
             # vLLM's attention reads its cache: the step's rows go there first (decode rows too,
             # whose outputs kvsparse's overwrite below). A decode-only step writes nothing there.
             self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
@@ -442,7 +615,13 @@ class KvSparseCudaImpl(FlashAttentionImpl):
         out = output[:n].view(n, self.num_heads, self.head_size)
         for text, g in step.groups.items():
             self._decode(w, li, text, g, query, key, value, out, shape.dtype)
-        for a, count in step.failed:  # vLLM ends these requests and drops their tokens
+        if w.slot_rows:
+            self._decode_slots(w, li, step, query, key, value, out)
+        # vLLM ends these requests and drops their tokens. Where vLLM's attention computed their
+        # rows, its output stays: the next layers' K/V of a failed request's prompt go into vLLM's
+        # cache, where prefix caching hands them to the requests sharing that prompt (zeros there
+        # changed their tokens: tests/vllm/test_vllm_cuda.py, the full-graphs test).
+        for a, count in [] if vllm_attention else step.failed:
             output[a:a + count] = 0
         return output
 
@@ -472,17 +651,33 @@ class KvSparseCudaImpl(FlashAttentionImpl):
             w.fail([r for r in g.rids if r not in w.failed], KvSparseError("a request of the same plan failed"))
         out[g.tokens] = 0
 
+    def _decode_slots(self, w: CudaWorker, li: int, step: _Step, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, out: torch.Tensor) -> None:
+        """One layer of the step's decode rows through the slot plan, outside vLLM's graphs (a
+        step with prompt rows, or a batch vLLM has no full graph for). A failure fails every
+        request in the slots (their steps are no longer whole), whose rows get zeros."""
+        assert w.slots is not None
+        w.slot_forward_steps += 1 if li == 0 else 0
+        try:
+            if step.slot_uniform:
+                w.slots.decode_rows(li, query, key, value, out, len(w.slot_rows))
+            else:
+                w.slots.decode_gathered(li, query, key, value, out, step.slot_index, step.slot_tokens)
+        except KvSparseError as e:
+            rids = list(w.slot_rows.values())
+            for i in w.slot_rows:
+                out[step.token_starts[i]] = 0
+            w.slot_rows = {}
+            w.fail(rids, e)
+
     @staticmethod
     def _cached_prefix(kv_cache: torch.Tensor, attn_metadata: Any, row: int,
                        tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The K and V ([tokens, Hkv, d], on the GPU) of a request's first `tokens` tokens from
-        vLLM's paged cache ([blocks, 2, block size, Hkv, d]), through the request's row of the
-        step's block table (the batch's order, which the connector's rows follow)."""
+        vLLM's paged cache, through the request's row of the step's block table (the batch's
+        order, which the connector's rows follow)."""
         size = kv_cache.shape[2]
-        blocks = attn_metadata.block_table[row, :(tokens + size - 1) // size].long()
-        k, v = kv_cache.unbind(1)
-        shape = (-1, *k.shape[2:])
-        return k[blocks].reshape(shape)[:tokens], v[blocks].reshape(shape)[:tokens]
+        return cached_prefix(kv_cache, attn_metadata.block_table[row, :(tokens + size - 1) // size], tokens)
 
     def _prompt_attention(self, w: CudaWorker, sequence_id: str, layer: int, start: int, q: torch.Tensor,
                           k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
@@ -519,9 +714,28 @@ class KvSparseCudaImpl(FlashAttentionImpl):
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
 
+def cached_prefix(kv_cache: torch.Tensor, blocks: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V ([tokens, Hkv, d], on the GPU) of a request's first `tokens` tokens from
+    vLLM's paged cache ([blocks, 2, block size, Hkv, d]) through its block ids (at least the
+    blocks that hold them, in order)."""
+    size = kv_cache.shape[2]
+    blocks = blocks[:(tokens + size - 1) // size].long()
+    k, v = kv_cache.unbind(1)
+    shape = (-1, *k.shape[2:])
+    return k[blocks].reshape(shape)[:tokens], v[blocks].reshape(shape)[:tokens]
+
+
 class KvSparseCudaMetadataBuilder(FlashAttentionMetadataBuilder):
-    # Attention runs eagerly between vLLM's piecewise graphs (module text).
+    # Attention runs eagerly between vLLM's piecewise graphs, unless the slot plan exists (made
+    # at vLLM's profiling run, before vLLM asks): then vLLM's full decode graphs hold it (module
+    # text).
     _cudagraph_support = AttentionCGSupport.NEVER
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:
+        if CUDA_WORKER.slots is not None:
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return cls._cudagraph_support
 
 
 class KvSparseCudaBackend(FlashAttentionBackend):
