@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -347,12 +348,42 @@ at::Tensor StatsTensor(const en::DecodeResult& r) {
   return stats;
 }
 
+// Per query head of each sequence (row b * H + h): the relative error the call's method states
+// for its output (HeadStats), NaN where it states none: column 0 S2ANTA's standard error from its
+// own draws (HeadStats::standard_error), column 1 vAttention's promised epsilon at 1 - delta
+// (HeadStats::epsilon). `rows`: B * H.
+constexpr int64_t kErrorColumns = 2;
+
+at::Tensor ErrorsTensor(const en::DecodeResult& r, int64_t rows) {
+  at::Tensor errors =
+      at::full({rows, kErrorColumns}, std::numeric_limits<float>::quiet_NaN(), at::kFloat);
+  if (r.heads.empty() || rows % static_cast<int64_t>(r.heads.size()) != 0) return errors;
+  const int64_t group = rows / static_cast<int64_t>(r.heads.size());
+  float* e = errors.data_ptr<float>();
+  for (size_t i = 0; i < r.heads.size(); ++i) {
+    const en::HeadStats& h = r.heads[i];
+    for (int64_t g = 0; g < group; ++g) {
+      float* row = e + (static_cast<int64_t>(i) * group + g) * kErrorColumns;
+      if (static_cast<size_t>(g) < h.standard_error.size()) row[0] = h.standard_error[g];
+      if (static_cast<size_t>(g) < h.epsilon.size()) row[1] = h.epsilon[g];
+    }
+  }
+  return errors;
+}
+
+// A decode call's output, its statistics (StatsTensor) and its stated errors (ErrorsTensor).
+struct Decoded {
+  at::Tensor out, stats, errors;
+};
+
+Decoded DecodedOf(at::Tensor out, const en::DecodeResult& r, int64_t rows) {
+  return {std::move(out), StatsTensor(r), ErrorsTensor(r, rows)};
+}
+
 // One decode call (call: layer, sequences, method, seeds and scale set) over torch tensors: on
 // the GPU backend when q is on its device and it takes the call, else on the CPU engine.
-std::tuple<at::Tensor, at::Tensor> DecodeWith(OpEngine* e, en::DecodeCall call,
-                                              const at::Tensor& q_in,
-                                              const std::optional<at::Tensor>& new_k,
-                                              const std::optional<at::Tensor>& new_v) {
+Decoded DecodeWith(OpEngine* e, en::DecodeCall call, const at::Tensor& q_in,
+                   const std::optional<at::Tensor>& new_k, const std::optional<at::Tensor>& new_v) {
   if (q_in.dim() != 3) Invalid("q must be [B, H, d]");
   if (new_k.has_value() != new_v.has_value()) Invalid("new_k and new_v come together");
   call.q_dtype = DTypeOf(q_in, "q");
@@ -376,7 +407,7 @@ std::tuple<at::Tensor, at::Tensor> DecodeWith(OpEngine* e, en::DecodeCall call,
     call.out_device = out.data_ptr();
     call.stream = at::cuda::getCurrentCUDAStream(q.get_device()).stream();
     absl::StatusOr<en::DecodeResult> r = e->engine().Decode(call);
-    if (r.ok()) return {out, StatsTensor(*r)};
+    if (r.ok()) return DecodedOf(out, *r, q.size(0) * q.size(1));
     // Refused before anything was appended: the method runs on the CPU engine (below), said
     // once per engine and reason (a model whose GQA group the kernels do not take, a placement
     // the backend does not read; engine_refusals) so that a slow step is not a mystery.
@@ -396,15 +427,13 @@ std::tuple<at::Tensor, at::Tensor> DecodeWith(OpEngine* e, en::DecodeCall call,
   Check(r.status());
   at::Tensor out = at::empty(q_in.sizes(), qh.options());
   std::memcpy(out.data_ptr(), r->output.data(), r->output.size());
-  return {out.to(q_in.device()), StatsTensor(*r)};
+  return DecodedOf(out.to(q_in.device()), *r, q_in.size(0) * q_in.size(1));
 }
 
-std::tuple<at::Tensor, at::Tensor> Decode(int64_t handle, int64_t layer,
-                                          const std::vector<std::string>& sequence_ids,
-                                          const at::Tensor& q_in,
-                                          const std::optional<at::Tensor>& new_k,
-                                          const std::optional<at::Tensor>& new_v,
-                                          const std::string& method, int64_t seed, double scale) {
+Decoded DecodeCalled(int64_t handle, int64_t layer, const std::vector<std::string>& sequence_ids,
+                     const at::Tensor& q_in, const std::optional<at::Tensor>& new_k,
+                     const std::optional<at::Tensor>& new_v, const std::string& method,
+                     int64_t seed, double scale) {
   std::shared_ptr<OpEngine> e = Find(handle);
   if (layer < 0 || layer > (1 << 20)) Invalid("layer out of range");  // scale: the engine's rule
   en::DecodeCall call;
@@ -414,6 +443,25 @@ std::tuple<at::Tensor, at::Tensor> Decode(int64_t handle, int64_t layer,
   call.seed = static_cast<uint64_t>(seed);
   call.scale = static_cast<float>(scale);
   return DecodeWith(e.get(), std::move(call), q_in, new_k, new_v);
+}
+
+std::tuple<at::Tensor, at::Tensor> Decode(int64_t handle, int64_t layer,
+                                          const std::vector<std::string>& sequence_ids,
+                                          const at::Tensor& q_in,
+                                          const std::optional<at::Tensor>& new_k,
+                                          const std::optional<at::Tensor>& new_v,
+                                          const std::string& method, int64_t seed, double scale) {
+  Decoded d = DecodeCalled(handle, layer, sequence_ids, q_in, new_k, new_v, method, seed, scale);
+  return {std::move(d.out), std::move(d.stats)};
+}
+
+// decode with the errors its method states (ErrorsTensor) as a third output.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> DecodeWithErrors(
+    int64_t handle, int64_t layer, const std::vector<std::string>& sequence_ids,
+    const at::Tensor& q_in, const std::optional<at::Tensor>& new_k,
+    const std::optional<at::Tensor>& new_v, const std::string& method, int64_t seed, double scale) {
+  Decoded d = DecodeCalled(handle, layer, sequence_ids, q_in, new_k, new_v, method, seed, scale);
+  return {std::move(d.out), std::move(d.stats), std::move(d.errors)};
 }
 
 // ---- Step plans (engine/static_step.h) ------------------------------------------------------
@@ -664,10 +712,10 @@ at::Tensor StepDecodeTo(int64_t engine, int64_t handle, int64_t layer, const at:
     }
     call.seed_offsets.push_back(static_cast<uint64_t>(at));
   }
-  auto [res, stats] = DecodeWith(p->engine.get(), std::move(call), q, new_k, new_v);
-  NoteEagerStats(p.get(), layer, layers, q.size(1), stats);
-  if (!out.defined()) return res;
-  out.copy_(res);
+  Decoded d = DecodeWith(p->engine.get(), std::move(call), q, new_k, new_v);
+  NoteEagerStats(p.get(), layer, layers, q.size(1), d.stats);
+  if (!out.defined()) return d.out;
+  out.copy_(d.out);
   return out;
 }
 
@@ -997,6 +1045,9 @@ TORCH_LIBRARY(kvsparse, m) {
       "decode(int engine, int layer, str[] sequence_ids, Tensor q, Tensor? new_k, Tensor? new_v, "
       "str method, int seed, float scale) -> (Tensor, Tensor)");
   m.def(
+      "decode_with_errors(int engine, int layer, str[] sequence_ids, Tensor q, Tensor? new_k, "
+      "Tensor? new_v, str method, int seed, float scale) -> (Tensor, Tensor, Tensor)");
+  m.def(
       "plan_steps(int engine, str[] sequence_ids, str method, int max_tokens, "
       "int seed, float scale, str dtype, bool eager=False, bool warm_pages=True, "
       "bool layer_graphs=True, int[] bounds=[]) -> int",
@@ -1031,12 +1082,14 @@ TORCH_LIBRARY(kvsparse, m) {
 TORCH_LIBRARY_IMPL(kvsparse, CPU, m) {
   m.impl("append", &Append);
   m.impl("decode", &Decode);
+  m.impl("decode_with_errors", &DecodeWithErrors);
   m.impl("step_decode", &StepDecode);
   m.impl("step_decode_into", &StepDecodeInto);
 }
 TORCH_LIBRARY_IMPL(kvsparse, CUDA, m) {
   m.impl("append", &Append);
   m.impl("decode", &Decode);
+  m.impl("decode_with_errors", &DecodeWithErrors);
   m.impl("step_decode", &StepDecode);
   m.impl("step_decode_into", &StepDecodeInto);
 }

@@ -166,7 +166,7 @@ def test_sparse_methods_same_rows_as_the_server(
     placement = kvsparse.placement_for(method)
     ids, k, v = load(engine, 1024, 2, "cpu", placement)
     q = torch.randn(2, 8, 64).to(torch.bfloat16)
-    out, stats = engine.decode(1, ids, q, method, seed=5)
+    out, stats, errors = engine.decode(1, ids, q, method, seed=5, return_errors=True)
     with kvsparse.Client(server.target) as c:
         for b, sid in enumerate(ids):
             c.store.create_sequence(sid, SHAPE, placement)
@@ -184,6 +184,15 @@ def test_sparse_methods_same_rows_as_the_server(
     assert col["key_features_group"] == [h.key_features_group for h in r.heads]
     if getattr(method, "bernoulli_qk_samples", 0):
         assert sum(col["key_features_head"]) > 0
+    # The errors the method states, per query head, are the server's (NaN where it states none).
+    assert errors.shape == (2 * 8, len(ops.ERROR_COLUMNS)) and errors.dtype == torch.float32
+    group = 8 // 2
+    for x, name in enumerate(ops.ERROR_COLUMNS):
+        want = [getattr(h, name)[g] if getattr(h, name) else float("nan") for h in r.heads for g in range(group)]
+        assert torch.allclose(errors[:, x], torch.tensor(want), equal_nan=True), (name, errors[:, x], want)
+    stated = {name: bool(errors[:, x].isfinite().all()) for x, name in enumerate(ops.ERROR_COLUMNS)}
+    assert stated["standard_error"] == (isinstance(method, kvsparse.Santa) and method.samples > 0)
+    assert stated["epsilon"] == isinstance(method, kvsparse.VAttention)
 
 
 def test_compiled_function_calls_the_op(engine: ops.InProcessEngine) -> None:
@@ -205,9 +214,8 @@ def test_opcheck_schema_and_fake() -> None:
         e.append("s", 1, torch.randn(64, 2, 64).to(torch.bfloat16), torch.randn(64, 2, 64).to(torch.bfloat16))
         q = torch.randn(1, 8, 64).to(torch.bfloat16)
         args = (e.handle, 1, ["s"], q, None, None, ops.method_wire(kvsparse.Dense()), 0, 0.0)
-        torch.library.opcheck(
-            torch.ops.kvsparse.decode.default, args, test_utils=("test_schema", "test_faketensor")
-        )
+        for op in (torch.ops.kvsparse.decode.default, torch.ops.kvsparse.decode_with_errors.default):
+            torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.gpu

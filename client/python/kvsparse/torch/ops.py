@@ -57,6 +57,10 @@ STAT_COLUMNS = (
     "key_features_head",  # Bernoulli qK^T's K-feature reads (Santa(bernoulli_qk_samples=...))
     "key_features_group",
 )
+# The stated errors' columns (decode(..., return_errors=True)): per query head, the relative
+# error the method states for its output, NaN where it states none (engine HeadStats): S2ANTA's
+# standard error from its own draws, vAttention's promised epsilon at probability 1 - delta.
+ERROR_COLUMNS = ("standard_error", "epsilon")
 
 
 def find_library() -> str:
@@ -106,6 +110,15 @@ def _register_fakes() -> None:
         else:
             rows = torch.library.get_ctx().new_dynamic_size()
         return torch.empty_like(q), torch.empty((rows, len(STAT_COLUMNS)), dtype=torch.long, device="cpu")
+
+    @torch.library.register_fake("kvsparse::decode_with_errors")
+    def _(engine, layer, sequence_ids, q, new_k, new_v, method, seed, scale):  # type: ignore[no-untyped-def]
+        if new_k is not None:
+            rows = len(sequence_ids) * new_k.shape[1]
+        else:
+            rows = torch.library.get_ctx().new_dynamic_size()
+        errors = torch.empty((q.shape[0] * q.shape[1], len(ERROR_COLUMNS)), dtype=torch.float32, device="cpu")
+        return torch.empty_like(q), torch.empty((rows, len(STAT_COLUMNS)), dtype=torch.long, device="cpu"), errors
 
     @torch.library.register_fake("kvsparse::step_decode")
     def _(engine, plan, layer, q, new_k, new_v, positions):  # type: ignore[no-untyped-def]
@@ -351,14 +364,19 @@ class InProcessEngine(_Closing):
         new_v: torch.Tensor | None = None,
         seed: int = 0,
         scale: float = 0.0,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return_errors: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         """One layer of one decode step: q [B, H, d]; new_k / new_v [B, Hkv, d] appended first.
-        Returns the output [B, H, d] (q's dtype and device) and the statistics [B * Hkv, 7]
-        (int64 on the CPU; columns STAT_COLUMNS). q on the GPU backend's device stays there; a
-        call the backend does not take (a method or placement it does not run, a model shape its
-        kernels do not take) runs on the CPU engine, said by a warning once per engine and reason."""
+        Returns the output [B, H, d] (q's dtype and device) and the statistics [B * Hkv, 9]
+        (int64 on the CPU; columns STAT_COLUMNS), and with ``return_errors`` the errors the
+        method states for each query head's output, [B * H, 2] float32 on the CPU (columns
+        ERROR_COLUMNS: S2ANTA's standard error and vAttention's epsilon relative to the output's
+        norm, NaN where the method states none; the CPU engine states them, the GPU backend not
+        yet). q on the GPU backend's device stays there; a call the backend does not take (a
+        method or placement it does not run, a model shape its kernels do not take) runs on the
+        CPU engine, said by a warning once per engine and reason."""
         result = _call(
-            torch.ops.kvsparse.decode,
+            torch.ops.kvsparse.decode_with_errors if return_errors else torch.ops.kvsparse.decode,
             self.handle,
             layer,
             list(sequence_ids),
