@@ -192,9 +192,9 @@ class CudaWorker:
 
     def begin_step(self, rows: StepRows) -> None:
         gone = rows.finished | rows.preempted
-        self.unbind_slots({self.sequences[r].sequence_id for r in gone if r in self.sequences})
-        for rid in gone:
-            self.forget(rid)
+        if self.slots is None:
+            for rid in gone:
+                self.forget(rid)
         for rid in rows.finished:
             self.methods.pop(rid, None)
             self.failed.pop(rid, None)
@@ -217,7 +217,11 @@ class CudaWorker:
         self.slot_rows = {}
         self.steps += 1
         if self.slots is not None:
+            # The slots move off the requests gone (they have no rows) with the step's other
+            # changes, in one rebind; then their sequences, no longer held, are dropped.
             self.stage_slots()
+            for rid in gone:
+                self.forget(rid)
 
     def fail(self, rids: list[str], error: Exception) -> None:
         """Requests kvsparse cannot serve (the class text): forgotten, answered with zeros until
