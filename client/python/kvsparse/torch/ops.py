@@ -102,8 +102,7 @@ def available() -> bool:
 def _register_fakes() -> None:
     """Shapes of the tensor ops for torch.compile's tracing (no engine call)."""
 
-    @torch.library.register_fake("kvsparse::decode")
-    def _(engine, layer, sequence_ids, q, new_k, new_v, method, seed, scale):  # type: ignore[no-untyped-def]
+    def decoded(sequence_ids, q, new_k):  # type: ignore[no-untyped-def]
         # One statistics row per (sequence, kv head): Hkv is new_k's, or unknown to the tracer.
         if new_k is not None:
             rows = len(sequence_ids) * new_k.shape[1]
@@ -111,14 +110,14 @@ def _register_fakes() -> None:
             rows = torch.library.get_ctx().new_dynamic_size()
         return torch.empty_like(q), torch.empty((rows, len(STAT_COLUMNS)), dtype=torch.long, device="cpu")
 
+    @torch.library.register_fake("kvsparse::decode")
+    def _(engine, layer, sequence_ids, q, new_k, new_v, method, seed, scale):  # type: ignore[no-untyped-def]
+        return decoded(sequence_ids, q, new_k)
+
     @torch.library.register_fake("kvsparse::decode_with_errors")
     def _(engine, layer, sequence_ids, q, new_k, new_v, method, seed, scale):  # type: ignore[no-untyped-def]
-        if new_k is not None:
-            rows = len(sequence_ids) * new_k.shape[1]
-        else:
-            rows = torch.library.get_ctx().new_dynamic_size()
         errors = torch.empty((q.shape[0] * q.shape[1], len(ERROR_COLUMNS)), dtype=torch.float32, device="cpu")
-        return torch.empty_like(q), torch.empty((rows, len(STAT_COLUMNS)), dtype=torch.long, device="cpu"), errors
+        return (*decoded(sequence_ids, q, new_k), errors)
 
     @torch.library.register_fake("kvsparse::step_decode")
     def _(engine, plan, layer, q, new_k, new_v, positions):  # type: ignore[no-untyped-def]
