@@ -13,7 +13,14 @@
 //     trial) before the keys are compressed, so that the quantizer is not the one the keys were
 //     built against; and the rms of the logits' error s_t - s~_t over all tokens.
 //
+// With --santa, instead of vAttention: S2ANTA-prop over the same 2-bit keys (S = --samples,
+// systematic, the ratio correction e^{s - s~} on every drawn row: the flagship's estimator) per
+// head over --trials seeds: its bias in standard errors of the mean over the trials, worst of
+// three random unit projections of the output (issue 50's target: within 4 SE over 1000 seeds
+// on every family), and the relative bias |mean - dense| / |dense| of the whole output.
+//
 //   adversarial_keys_bench [--rotate] [--trials 50] [--lens 8192,32768] [--heads 8]
+//   adversarial_keys_bench --santa [--samples 128] [--trials 1000] [--lens 8192]
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -28,6 +35,7 @@
 #include "absl/strings/str_split.h"
 #include "kernels/compressed_keys.h"
 #include "kernels/dtype.h"
+#include "kernels/santa.h"
 #include "kernels/synthetic.h"
 #include "kernels/vattention.h"
 
@@ -35,6 +43,8 @@ ABSL_FLAG(bool, rotate, false, "turn keys and query by a random rotation before 
 ABSL_FLAG(int, trials, 50, "seeds per head");
 ABSL_FLAG(std::string, lens, "8192,32768", "sequence lengths (multiples of 128)");
 ABSL_FLAG(int, heads, 8, "heads (key sets) per family and length");
+ABSL_FLAG(bool, santa, false, "S2ANTA-prop over the 2-bit keys instead of vAttention");
+ABSL_FLAG(int, samples, 128, "S2ANTA's samples per head (--santa)");
 
 namespace kvsparse::kernels {
 namespace {
@@ -149,6 +159,90 @@ void PrintStoredBound(const AdversarialHead& a, const std::vector<float>& s, int
   std::printf("\n");
 }
 
+// S2ANTA-prop over one head's 2-bit keys with the ratio correction, `trials` seeds: the worst
+// |mean - dense| / SE over three random unit projections of the output, and the relative bias
+// of the whole output.
+struct SantaBias {
+  double max_z = 0, rel_bias = 0;
+};
+
+SantaBias SantaBiasOf(const AdversarialHead& a, const std::vector<float>& s, const Dense& dense,
+                      int32_t samples, int trials, int h) {
+  CompressedKeys ck({kBits, kKeyGroupTokens}, a.d, DType::kFp32);
+  for (int32_t t = 0; t < a.n; ++t) ck.Append(&a.k[static_cast<size_t>(t) * a.d]);
+  std::vector<float> approx(a.n);
+  ApproximateScores(ck.view(), a.q.data(), a.scale, approx.data());
+  SantaParams params;
+  params.sampler = SantaSampler::kSystematic;
+  params.allocation = SantaAllocation::kProp;
+  params.samples = samples;
+  params.tile_size = 256;
+  params.scores = ScoreSource::kCompressedKeys;
+  params.correction = SantaCorrection::kRatio;
+  SantaHeadPlan plan;
+  if (!PlanSantaHead(approx, params, &plan).ok()) return {};
+  std::mt19937_64 rng(31 + h);
+  std::normal_distribution<double> z(0.0, 1.0);
+  std::vector<std::vector<double>> proj(3, std::vector<double>(a.dv));
+  for (auto& pr : proj) {
+    double norm = 0;
+    for (double& x : pr) {
+      x = z(rng);
+      norm += x * x;
+    }
+    for (double& x : pr) x /= std::sqrt(norm);
+  }
+  std::vector<double> sum(3, 0), sum2(3, 0), mean_out(a.dv, 0), num(a.dv);
+  HeadRows rows;
+  std::vector<int32_t> scratch;
+  for (int trial = 0; trial < trials; ++trial) {
+    SampleSantaHead(plan, params, 9000 + trial, 0, h, 0, &rows, &scratch);
+    std::fill(num.begin(), num.end(), 0.0);
+    double den = 0;
+    for (size_t i = 0; i < rows.tokens.size(); ++i) {
+      const int32_t t = rows.tokens[i];
+      const double w = rows.weights[i] * std::exp(double{s[t]} - approx[t]);
+      den += w;
+      for (int c = 0; c < a.dv; ++c) num[c] += w * a.v[static_cast<size_t>(t) * a.dv + c];
+    }
+    for (int c = 0; c < a.dv; ++c) mean_out[c] += num[c] / den / trials;
+    for (int i = 0; i < 3; ++i) {
+      double x = 0;
+      for (int c = 0; c < a.dv; ++c) x += proj[i][c] * num[c] / den;
+      sum[i] += x;
+      sum2[i] += x * x;
+    }
+  }
+  SantaBias out;
+  for (int i = 0; i < 3; ++i) {
+    double truth = 0;
+    for (int c = 0; c < a.dv; ++c) truth += proj[i][c] * dense.out[c];
+    const double m = sum[i] / trials;
+    const double se = std::sqrt(std::max(0.0, (sum2[i] / trials - m * m) / (trials - 1)));
+    out.max_z = std::max(out.max_z, std::fabs(m - truth) / std::max(se, 1e-15));
+  }
+  double e2 = 0;
+  for (int c = 0; c < a.dv; ++c) e2 += (mean_out[c] - dense.out[c]) * (mean_out[c] - dense.out[c]);
+  out.rel_bias = std::sqrt(e2) / dense.norm;
+  return out;
+}
+
+void RunSanta(AdversarialKeys family, int32_t n, int heads, int trials, int32_t samples) {
+  std::printf("%s, n = %d, S2ANTA-prop S = %d over 2-bit keys, ratio correction, %d seeds:\n",
+              AdversarialKeysName(family), n, samples, trials);
+  double worst = 0;
+  int over = 0;
+  for (int h = 0; h < heads; ++h) {
+    const AdversarialHead a = MakeAdversarialHead(family, n, kBits, 1000 + h);
+    const std::vector<float> s = a.Scores();
+    const SantaBias b = SantaBiasOf(a, s, DenseOf(a, s), samples, trials, h);
+    std::printf("  head %d: bias max |z| %.1f SE, relative bias %.3f\n", h, b.max_z, b.rel_bias);
+    worst = std::max(worst, b.max_z);
+    over += b.max_z > 4;
+  }
+  std::printf("  => worst %.1f SE; %d of %d heads over 4 SE\n", worst, over, heads);
+}
+
 void RunFamily(AdversarialKeys family, int32_t n, int heads, int trials, bool rotate) {
   std::printf("%s, n = %d, %s keys:\n", AdversarialKeysName(family), n,
               rotate ? "rotated" : "plain");
@@ -227,8 +321,13 @@ int main(int argc, char** argv) {
                      std::string(len).c_str());
         return 2;
       }
-      kvsparse::kernels::RunFamily(family, n, absl::GetFlag(FLAGS_heads),
-                                   absl::GetFlag(FLAGS_trials), absl::GetFlag(FLAGS_rotate));
+      if (absl::GetFlag(FLAGS_santa)) {
+        kvsparse::kernels::RunSanta(family, n, absl::GetFlag(FLAGS_heads),
+                                    absl::GetFlag(FLAGS_trials), absl::GetFlag(FLAGS_samples));
+      } else {
+        kvsparse::kernels::RunFamily(family, n, absl::GetFlag(FLAGS_heads),
+                                     absl::GetFlag(FLAGS_trials), absl::GetFlag(FLAGS_rotate));
+      }
     }
   }
   return 0;
