@@ -258,12 +258,17 @@ class CudaWorker:
     def make_slots(self, impl: "KvSparseCudaImpl", device: torch.device) -> None:
         """The deployment method's plan over vLLM's batch slots (once, at the first forward
         outside a capture: vLLM's profiling run, so its memory counts there), unless
-        KVSPARSE_VLLM_FULL_GRAPHS is 0 or the method has no captured step here (logged)."""
+        KVSPARSE_VLLM_FULL_GRAPHS is 0, the method has no captured step here, or the plan would
+        be too large (SlotPlan.too_large; logged)."""
         self.slots_tried = True
         if os.environ.get(ENV_FULL_GRAPHS, "1") == "0" or self.shape is None:
             return
         text = os.environ[plugin.ENV_METHOD]
-        why = ""
+        why = SlotPlan.too_large(self.shape, impl.max_num_seqs, impl.max_tokens,
+                                 torch.cuda.get_device_properties(device).total_memory)
+        if why is not None:
+            plugin.LOG.warning("kvsparse: %s decodes outside vLLM's full CUDA graphs: %s", text, why)
+            return
         try:
             slots = SlotPlan.create(self.engine(), text, self.shape, impl.max_num_seqs, max_tokens=impl.max_tokens,
                                     seed=impl.seed, scale=impl.scale, device=device)

@@ -34,6 +34,12 @@ from kvsparse.tensors import torch_dtype
 
 PLACEHOLDER = "kvsparse-idle-{}"  # slot i's placeholder sequence
 
+# The most of the GPU's memory the plan's scores region (slots x query heads x max_model_len
+# floats, its largest buffer, sized for every slot at the longest length) may take; a deployment
+# over it (many slots at a long max_model_len) decodes between vLLM's piecewise graphs instead
+# (SlotPlan.too_large says why).
+MAX_SCORES_SHARE = 1 / 16
+
 
 @dataclass
 class SlotPlan:
@@ -55,21 +61,39 @@ class SlotPlan:
     def slots(self) -> int:
         return len(self.placeholders)
 
+    @staticmethod
+    def too_large(shape: ModelShape, slots: int, max_tokens: int, gpu_bytes: int) -> str | None:
+        """Why a plan of `slots` slots would hold too much of a GPU of `gpu_bytes`
+        (MAX_SCORES_SHARE), or None."""
+        scores = 4 * slots * shape.num_q_heads * max_tokens
+        if scores <= gpu_bytes * MAX_SCORES_SHARE:
+            return None
+        return (f"its scores region ({slots} slots x {shape.num_q_heads} heads x {max_tokens} tokens, "
+                f"{scores / 2**30:.1f} GiB) is over 1/{round(1 / MAX_SCORES_SHARE)} of the GPU's memory: "
+                "lower vLLM's max_num_seqs or max_model_len")
+
     @classmethod
     def create(cls, engine: Any, text: str, shape: ModelShape, slots: int, *, max_tokens: int, seed: int,
                scale: float, device: torch.device) -> "SlotPlan":
         """The plan over `slots` placeholders (created here: one token of zeros in every layer),
-        and its tensors. Outside any CUDA graph capture (it synchronises)."""
+        and its tensors. Outside any CUDA graph capture (it synchronises). On an error the
+        placeholders are dropped again."""
         method = parse_method(text)
         dtype = torch_dtype(shape.dtype)
         zeros = torch.zeros(1, shape.num_kv_heads, shape.head_dim, dtype=dtype, device=device)
-        placeholders = [PLACEHOLDER.format(i) for i in range(slots)]
-        for sid in placeholders:
-            engine.create_sequence(sid, shape, placement_for(method))
-            for layer in range(shape.num_layers):
-                engine.append(sid, layer, zeros, zeros)
-        steps = engine.plan_steps(placeholders, method, max_tokens=max_tokens, seed=seed, scale=scale,
-                                  dtype=shape.dtype, bounds=[1] * slots)
+        placeholders: list[str] = []
+        try:
+            for sid in (PLACEHOLDER.format(i) for i in range(slots)):
+                engine.create_sequence(sid, shape, placement_for(method))
+                placeholders.append(sid)
+                for layer in range(shape.num_layers):
+                    engine.append(sid, layer, zeros, zeros)
+            steps = engine.plan_steps(placeholders, method, max_tokens=max_tokens, seed=seed, scale=scale,
+                                      dtype=shape.dtype, bounds=[1] * slots)
+        except Exception:
+            for sid in placeholders:
+                engine.drop_sequence(sid)
+            raise
         h, hkv, d = shape.num_q_heads, shape.num_kv_heads, shape.head_dim
         return cls(
             text, shape, steps, placeholders, list(placeholders),
