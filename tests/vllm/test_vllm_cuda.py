@@ -10,6 +10,9 @@ enforce_eager):
 - every method generates, each request with its own; finished requests' sequences are dropped
   (at the next step vLLM runs, when it tells the worker); kvsparse's counters (vLLM's /metrics)
   count every step's layers and rows under each method;
+- a captured method (top-k over 2-bit keys) decodes inside vLLM's full decode graphs with the
+  tokens it gives between vLLM's piecewise graphs, a request asking for another method failing
+  alone while the requests sharing its prompt's blocks decode;
 - a request kvsparse cannot serve ends with an error while the others decode vLLM's tokens;
 - with the K/V in kvsparse's store only (KVSPARSE_VLLM_KV=store), a KV budget in which vLLM's own
   backend cannot hold one request serves the batch with vLLM's tokens, prompt attention computed
