@@ -371,19 +371,21 @@ at::Tensor ErrorsTensor(const en::DecodeResult& r, int64_t rows) {
   return errors;
 }
 
-// A decode call's output, its statistics (StatsTensor) and its stated errors (ErrorsTensor).
+// A decode call's output, its statistics (StatsTensor) and, when asked for, its stated errors
+// (ErrorsTensor; undefined otherwise: the plain decode and the eager steps build none).
 struct Decoded {
   at::Tensor out, stats, errors;
 };
 
-Decoded DecodedOf(at::Tensor out, const en::DecodeResult& r, int64_t rows) {
-  return {std::move(out), StatsTensor(r), ErrorsTensor(r, rows)};
+Decoded DecodedOf(at::Tensor out, const en::DecodeResult& r, int64_t rows, bool with_errors) {
+  return {std::move(out), StatsTensor(r), with_errors ? ErrorsTensor(r, rows) : at::Tensor()};
 }
 
 // One decode call (call: layer, sequences, method, seeds and scale set) over torch tensors: on
 // the GPU backend when q is on its device and it takes the call, else on the CPU engine.
 Decoded DecodeWith(OpEngine* e, en::DecodeCall call, const at::Tensor& q_in,
-                   const std::optional<at::Tensor>& new_k, const std::optional<at::Tensor>& new_v) {
+                   const std::optional<at::Tensor>& new_k, const std::optional<at::Tensor>& new_v,
+                   bool with_errors = false) {
   if (q_in.dim() != 3) Invalid("q must be [B, H, d]");
   if (new_k.has_value() != new_v.has_value()) Invalid("new_k and new_v come together");
   call.q_dtype = DTypeOf(q_in, "q");
@@ -407,7 +409,7 @@ Decoded DecodeWith(OpEngine* e, en::DecodeCall call, const at::Tensor& q_in,
     call.out_device = out.data_ptr();
     call.stream = at::cuda::getCurrentCUDAStream(q.get_device()).stream();
     absl::StatusOr<en::DecodeResult> r = e->engine().Decode(call);
-    if (r.ok()) return DecodedOf(out, *r, q.size(0) * q.size(1));
+    if (r.ok()) return DecodedOf(out, *r, q.size(0) * q.size(1), with_errors);
     // Refused before anything was appended: the method runs on the CPU engine (below), said
     // once per engine and reason (a model whose GQA group the kernels do not take, a placement
     // the backend does not read; engine_refusals) so that a slow step is not a mystery.
@@ -427,13 +429,13 @@ Decoded DecodeWith(OpEngine* e, en::DecodeCall call, const at::Tensor& q_in,
   Check(r.status());
   at::Tensor out = at::empty(q_in.sizes(), qh.options());
   std::memcpy(out.data_ptr(), r->output.data(), r->output.size());
-  return DecodedOf(out.to(q_in.device()), *r, q_in.size(0) * q_in.size(1));
+  return DecodedOf(out.to(q_in.device()), *r, q_in.size(0) * q_in.size(1), with_errors);
 }
 
 Decoded DecodeCalled(int64_t handle, int64_t layer, const std::vector<std::string>& sequence_ids,
                      const at::Tensor& q_in, const std::optional<at::Tensor>& new_k,
                      const std::optional<at::Tensor>& new_v, const std::string& method,
-                     int64_t seed, double scale) {
+                     int64_t seed, double scale, bool with_errors) {
   std::shared_ptr<OpEngine> e = Find(handle);
   if (layer < 0 || layer > (1 << 20)) Invalid("layer out of range");  // scale: the engine's rule
   en::DecodeCall call;
@@ -442,7 +444,7 @@ Decoded DecodeCalled(int64_t handle, int64_t layer, const std::vector<std::strin
   call.method = MethodOf(method);
   call.seed = static_cast<uint64_t>(seed);
   call.scale = static_cast<float>(scale);
-  return DecodeWith(e.get(), std::move(call), q_in, new_k, new_v);
+  return DecodeWith(e.get(), std::move(call), q_in, new_k, new_v, with_errors);
 }
 
 std::tuple<at::Tensor, at::Tensor> Decode(int64_t handle, int64_t layer,
@@ -451,7 +453,8 @@ std::tuple<at::Tensor, at::Tensor> Decode(int64_t handle, int64_t layer,
                                           const std::optional<at::Tensor>& new_k,
                                           const std::optional<at::Tensor>& new_v,
                                           const std::string& method, int64_t seed, double scale) {
-  Decoded d = DecodeCalled(handle, layer, sequence_ids, q_in, new_k, new_v, method, seed, scale);
+  Decoded d =
+      DecodeCalled(handle, layer, sequence_ids, q_in, new_k, new_v, method, seed, scale, false);
   return {std::move(d.out), std::move(d.stats)};
 }
 
@@ -460,7 +463,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> DecodeWithErrors(
     int64_t handle, int64_t layer, const std::vector<std::string>& sequence_ids,
     const at::Tensor& q_in, const std::optional<at::Tensor>& new_k,
     const std::optional<at::Tensor>& new_v, const std::string& method, int64_t seed, double scale) {
-  Decoded d = DecodeCalled(handle, layer, sequence_ids, q_in, new_k, new_v, method, seed, scale);
+  Decoded d =
+      DecodeCalled(handle, layer, sequence_ids, q_in, new_k, new_v, method, seed, scale, true);
   return {std::move(d.out), std::move(d.stats), std::move(d.errors)};
 }
 

@@ -600,7 +600,9 @@ class KvSparseCudaImpl(FlashAttentionImpl):
             seq = w.sequences[rid]
             try:
                 if rid in step.imports and seq.lengths[li] == 0:  # the prefix vLLM reused, first
-                    k0, v0 = self._cached_prefix(kv_cache, attn_metadata, row, start)
+                    # The request's row of the step's block table (the batch's order, which
+                    # the connector's rows follow).
+                    k0, v0 = cached_prefix(kv_cache, attn_metadata.block_table[row], start)
                     w.engine().append(seq.sequence_id, li, k0, v0, 0)
                     w.prefix_imports += start if li == 0 else 0
                 w.engine().append(seq.sequence_id, li, key[a:a + count], value[a:a + count], start)
@@ -678,15 +680,6 @@ class KvSparseCudaImpl(FlashAttentionImpl):
                 out[step.token_starts[i]] = 0
             w.slot_rows = {}
             w.fail(rids, e)
-
-    @staticmethod
-    def _cached_prefix(kv_cache: torch.Tensor, attn_metadata: Any, row: int,
-                       tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V ([tokens, Hkv, d], on the GPU) of a request's first `tokens` tokens from
-        vLLM's paged cache, through the request's row of the step's block table (the batch's
-        order, which the connector's rows follow)."""
-        size = kv_cache.shape[2]
-        return cached_prefix(kv_cache, attn_metadata.block_table[row, :(tokens + size - 1) // size], tokens)
 
     def _prompt_attention(self, w: CudaWorker, sequence_id: str, layer: int, start: int, q: torch.Tensor,
                           k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
