@@ -1,11 +1,10 @@
 #include "engine/cuda/compressed_key_sync.h"
 
 #include <algorithm>
-#include <cstring>
-#include <vector>
 
 #include "engine/resident_cache.h"
 #include "kernels/compressed_keys.h"
+#include "kernels/cuda/compressed_keys.h"
 
 namespace kvsparse::engine::gpu {
 namespace {
@@ -32,10 +31,10 @@ absl::Status ReserveCompressedKeys(DeviceMemory* memory, DeviceSequence* e, Devi
   const uint64_t cap = GrowRows(groups, l->ck_cap, 8), old_cap = l->ck_cap;
   const uint64_t kept = l->ck_length / G;
   auto keep = [&](const DevBuf& to, const DevBuf& from) {
-    return kept == 0 ? cudaSuccess
-                     : cudaMemcpy2DAsync(to.ptr, cap * block, from.ptr, old_cap * block,
-                                         kept * block, hkv, cudaMemcpyDeviceToDevice,
-                                         memory->stream());
+    return kept == 0
+               ? cudaSuccess
+               : cudaMemcpy2DAsync(to.ptr, cap * block, from.ptr, old_cap * block, kept * block,
+                                   hkv, cudaMemcpyDeviceToDevice, memory->stream());
   };
   if (absl::Status s = memory->Regrow(e, &l->ck, hkv * cap * block, busy, keep); !s.ok()) {
     return s;
@@ -44,10 +43,9 @@ absl::Status ReserveCompressedKeys(DeviceMemory* memory, DeviceSequence* e, Devi
   return absl::OkStatus();
 }
 
-absl::Status AppendCompressedKeys(DeviceMemory* memory, kvstore::WorkerPool* workers,
-                                  DeviceSequence* e, DeviceLayer* l, const SequenceDesc& desc,
-                                  uint64_t t0, uint64_t cnt, const uint8_t* k_host,
-                                  BusySequences busy) {
+absl::Status AppendCompressedKeys(DeviceMemory* memory, DevBuf* scratch, DeviceSequence* e,
+                                  DeviceLayer* l, const SequenceDesc& desc, uint64_t t0,
+                                  uint64_t cnt, const uint8_t* k_host, BusySequences busy) {
   const kernels::KeyCompression c = CompressionOf(desc);
   const int32_t d = static_cast<int32_t>(desc.shape.head_dim);
   const uint64_t G = static_cast<uint64_t>(c.group_tokens);
@@ -61,35 +59,36 @@ absl::Status AppendCompressedKeys(DeviceMemory* memory, kvstore::WorkerPool* wor
   if (absl::Status s = ReserveCompressedKeys(memory, e, l, desc, end, busy); !s.ok()) return s;
   const uint64_t g0 = start / G, g1 = end / G;  // groups [g0, g1) close with this chunk
   if (g1 > g0) {
-    // The open group's rows before this chunk are on the device only: read them back.
-    const uint64_t before = start - g0 * G;
-    std::vector<uint8_t> head(hkv * before * row);
-    if (before > 0) {
-      KVS_CUDA_OK(cudaMemcpy2DAsync(head.data(), before * row, l->ck_tail.ptr, G * row,
-                                    before * row, hkv, cudaMemcpyDeviceToHost, stream),
-                  "open group read-back");
-      KVS_CUDA_OK(cudaStreamSynchronize(stream), "open group read-back");
+    // The closing groups' rows side by side on the device, per kv head: the open group's rows
+    // before this chunk (on the device only) and the chunk's, then quantized there.
+    const uint64_t groups = g1 - g0, before = start - g0 * G;
+    const size_t span = groups * G * row;  // a kv head's rows
+    if (scratch->bytes < hkv * span) {
+      memory->Free(scratch);
+      if (absl::Status s = memory->Alloc(scratch, hkv * span); !s.ok()) return s;
     }
-    // Each closing group quantized as the CPU engine's CompressedKeys does, heads and groups
-    // side by side.
-    const uint64_t groups = g1 - g0;
-    std::vector<uint8_t> blocks(hkv * groups * block);
-    workers->Run(hkv * groups, [&](size_t i) {
-      const size_t j = i / groups;
-      const uint64_t g = g0 + i % groups;
-      std::vector<uint8_t> rows(G * row);
-      for (uint64_t t = g * G; t < (g + 1) * G; ++t) {
-        const uint8_t* src = t < start ? head.data() + (j * before + (t - g0 * G)) * row
-                                       : k_host + (j * cnt + (t - t0)) * row;
-        std::memcpy(rows.data() + (t - g * G) * row, src, row);
-      }
-      kernels::CompressKeyGroup(c, d, desc.shape.dtype, rows.data(), blocks.data() + i * block);
-    });
-    // From pageable memory: the copy has read `blocks` when it returns.
+    if (before > 0) {
+      KVS_CUDA_OK(cudaMemcpy2DAsync(scratch->ptr, span, l->ck_tail.ptr, G * row, before * row, hkv,
+                                    cudaMemcpyDeviceToDevice, stream),
+                  "open group rows");
+    }
     KVS_CUDA_OK(
-        cudaMemcpy2DAsync(l->ck.as<uint8_t>() + g0 * block, l->ck_cap * block, blocks.data(),
-                          groups * block, groups * block, hkv, cudaMemcpyHostToDevice, stream),
-        "compressed keys upload");
+        cudaMemcpy2DAsync(scratch->as<uint8_t>() + before * row, span, k_host + (start - t0) * row,
+                          cnt * row, (g1 * G - start) * row, hkv, cudaMemcpyHostToDevice, stream),
+        "closing groups' rows");
+    kernels::cuda::CompressKeyGroupsParams p;
+    p.num_kv_heads = static_cast<int32_t>(hkv);
+    p.groups = static_cast<int32_t>(groups);
+    p.head_dim = d;
+    p.bits = c.bits;
+    p.group = c.group_tokens;
+    p.dtype = desc.shape.dtype;
+    p.rows = scratch->ptr;
+    p.head_stride = static_cast<int64_t>(span);
+    p.blocks = l->ck.as<uint8_t>() + g0 * block;
+    p.block_head_stride = static_cast<int64_t>(l->ck_cap * block);
+    p.block_bytes = static_cast<int64_t>(block);
+    KVS_CUDA_OK(kernels::cuda::CompressKeyGroups(p, stream), "key groups' quantization");
   }
   // The chunk's tokens of the (new) open group, exact.
   const uint64_t open = g1 * G, from = std::max(start, open);

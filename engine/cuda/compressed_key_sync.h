@@ -1,6 +1,7 @@
 // Compressed keys on the device (placement.compressed_key_bits > 0), kept up to the synced
-// length as rows are synced (DeviceState::Sync): each group of tokens quantized on the host as
-// it closes (kernels::CompressKeyGroup: the CPU engine's bits) into DeviceLayer::ck, the open
+// length as rows are synced (DeviceState::Sync): each group of tokens quantized on the device as
+// it closes (kernels::cuda::CompressKeyGroups: the CPU engine's bits, CompressKeyGroup's) into
+// DeviceLayer::ck, the open
 // group's rows exact in DeviceLayer::ck_tail, so top-k scores every token without K on the
 // device (engine/cuda/compressed_scoring.h reads them). A captured step appends its token on
 // the device (kernels::cuda::AppendCompressedKeyStep, the same bits) into room reserved here.
@@ -11,7 +12,6 @@
 
 #include "absl/status/status.h"
 #include "engine/cuda/device_memory.h"
-#include "kvstore/worker_pool.h"
 
 namespace kvsparse::engine::gpu {
 
@@ -20,14 +20,14 @@ namespace kvsparse::engine::gpu {
 absl::Status ReserveCompressedKeys(DeviceMemory* memory, DeviceSequence* e, DeviceLayer* l,
                                    const SequenceDesc& desc, uint64_t tokens, BusySequences busy);
 
-// Compresses the keys of tokens [t0, t0 + cnt) of a layer (K rows in k_host, head-major, cnt
-// rows per kv head): quantizes the groups that close (side by side on `workers`), keeps the open
-// group's rows exact; tokens below l->ck_length (held already) are left as they are.
-// REQUIRES: tokens [0, t0) were appended before.
-absl::Status AppendCompressedKeys(DeviceMemory* memory, kvstore::WorkerPool* workers,
-                                  DeviceSequence* e, DeviceLayer* l, const SequenceDesc& desc,
-                                  uint64_t t0, uint64_t cnt, const uint8_t* k_host,
-                                  BusySequences busy);
+// Compresses the keys of tokens [t0, t0 + cnt) of a layer (K rows in k_host, pinned host
+// memory, head-major, cnt rows per kv head): the groups that close are quantized on the device
+// (their rows gathered in `scratch`, grown as needed), the open group's rows kept exact; tokens
+// below l->ck_length (held already) are left as they are. Asynchronous on the memory's stream:
+// k_host and scratch are read until it has run. REQUIRES: tokens [0, t0) were appended before.
+absl::Status AppendCompressedKeys(DeviceMemory* memory, DevBuf* scratch, DeviceSequence* e,
+                                  DeviceLayer* l, const SequenceDesc& desc, uint64_t t0,
+                                  uint64_t cnt, const uint8_t* k_host, BusySequences busy);
 
 }  // namespace kvsparse::engine::gpu
 

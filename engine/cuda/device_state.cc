@@ -186,7 +186,7 @@ absl::Status DeviceState::SyncRows(DeviceSequence* e, uint32_t layer_index,
     }
     if (compressed) {
       if (absl::Status s =
-              AppendCompressedKeys(&memory_, &fetchers_, e, &l, desc, t0, cnt, k_host, busy);
+              AppendCompressedKeys(&memory_, &sync_tmp_, e, &l, desc, t0, cnt, k_host, busy);
           !s.ok())
         return s;
     }

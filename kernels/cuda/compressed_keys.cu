@@ -475,9 +475,56 @@ cudaError_t LaunchScores(const CompressedScoreParams& p, int group_heads, cudaSt
 
 constexpr int kStepThreads = 128;
 
+// One group's quantization by a block (kernels/compressed_keys.cc, CompressKeyGroup, operation
+// for operation: channel ranges in token order, codes and the squared error in channel order):
+// rows [G, d] of T at `rows` (`row` bytes apart) into `block`. `scale`: 2 d floats of shared
+// memory. Every thread of the block calls it.
+template <typename T>
+__device__ __forceinline__ void QuantizeGroup(const char* rows, int64_t row, int32_t G, int32_t d,
+                                              int32_t bits, uint8_t* block, float* scale) {
+  const keyq::GroupLayout lay = keyq::LayoutOf(G, d, bits);
+  auto* lo16 = reinterpret_cast<uint16_t*>(block + lay.lo);
+  auto* step16 = reinterpret_cast<uint16_t*>(block + lay.step);
+  auto* err16 = reinterpret_cast<uint16_t*>(block + lay.err);
+  float* lo = scale;
+  float* step = scale + d;
+  const uint32_t levels = (1u << bits) - 1;
+  for (int32_t c = threadIdx.x; c < d; c += blockDim.x) {
+    float mn = LoadElem<T>(rows, c), mx = mn;
+    for (int32_t t = 1; t < G; ++t) {
+      const float x = LoadElem<T>(rows + t * row, c);
+      mn = x < mn ? x : mn;  // std::min's and std::max's comparisons, for signed zeros
+      mx = mx < x ? x : mx;
+    }
+    const keyq::ChannelScale sc = keyq::ScaleOf(mn, mx, levels);
+    lo16[c] = sc.lo16;
+    step16[c] = sc.step16;
+    lo[c] = keyq::Half(sc.lo16);
+    step[c] = keyq::Half(sc.step16);
+  }
+  __syncthreads();
+  const int32_t words = d * bits / 32, per_word = 32 / bits;
+  for (int32_t t = threadIdx.x; t < G; t += blockDim.x) {
+    const char* k = rows + t * row;
+    uint32_t* w = reinterpret_cast<uint32_t*>(block) + static_cast<int64_t>(t) * words;
+    double err2 = 0;
+    for (int32_t x = 0; x < words; ++x) {
+      uint32_t word = 0;
+      for (int32_t l = 0; l < per_word; ++l) {
+        const int32_t c = x * per_word + l;
+        const float v = LoadElem<T>(k, c);
+        const uint32_t code = keyq::CodeOf(v, lo[c], step[c], levels);
+        word |= code << (l * bits);
+        err2 = keyq::AddSquaredError(err2, v, lo[c], step[c], code);
+      }
+      w[x] = word;
+    }
+    err16[t] = keyq::HalfBound(keyq::Sqrt(err2));
+  }
+}
+
 // One block per (sequence, kv head): the new key into its open group's row, then, where the
-// group fills, its quantization (kernels/compressed_keys.cc, CompressKeyGroup, operation for
-// operation: channel ranges in token order, codes and the squared error in channel order).
+// group fills, its quantization.
 template <typename T>
 __global__ void __launch_bounds__(kStepThreads) CompressedKeyStepKernel(CompressedKeyStepParams p) {
   GridDependencyWait();             // LaunchDependent: the earlier kernels' writes first
@@ -494,57 +541,35 @@ __global__ void __launch_bounds__(kStepThreads) CompressedKeyStepKernel(Compress
   if (n % G != 0) return;
   __syncthreads();  // the block's writes of the row, visible to its threads
   uint8_t* block = p.group_heads[i] + static_cast<int64_t>(n / G - 1) * p.block_bytes;
-  const keyq::GroupLayout lay = keyq::LayoutOf(G, d, p.bits);
-  auto* lo16 = reinterpret_cast<uint16_t*>(block + lay.lo);
-  auto* step16 = reinterpret_cast<uint16_t*>(block + lay.step);
-  auto* err16 = reinterpret_cast<uint16_t*>(block + lay.err);
-  float* lo = scale;
-  float* step = scale + d;
-  const uint32_t levels = (1u << p.bits) - 1;
-  for (int32_t c = threadIdx.x; c < d; c += blockDim.x) {
-    float mn = LoadElem<T>(tail, c), mx = mn;
-    for (int32_t t = 1; t < G; ++t) {
-      const float x = LoadElem<T>(tail + t * row, c);
-      mn = x < mn ? x : mn;  // std::min's and std::max's comparisons, for signed zeros
-      mx = mx < x ? x : mx;
-    }
-    const keyq::ChannelScale sc = keyq::ScaleOf(mn, mx, levels);
-    lo16[c] = sc.lo16;
-    step16[c] = sc.step16;
-    lo[c] = keyq::Half(sc.lo16);
-    step[c] = keyq::Half(sc.step16);
-  }
-  __syncthreads();
-  const int32_t words = d * p.bits / 32, per_word = 32 / p.bits;
-  for (int32_t t = threadIdx.x; t < G; t += blockDim.x) {
-    const char* k = tail + t * row;
-    uint32_t* w = reinterpret_cast<uint32_t*>(block) + static_cast<int64_t>(t) * words;
-    double err2 = 0;
-    for (int32_t x = 0; x < words; ++x) {
-      uint32_t word = 0;
-      for (int32_t l = 0; l < per_word; ++l) {
-        const int32_t c = x * per_word + l;
-        const float v = LoadElem<T>(k, c);
-        const uint32_t code = keyq::CodeOf(v, lo[c], step[c], levels);
-        word |= code << (l * p.bits);
-        err2 = keyq::AddSquaredError(err2, v, lo[c], step[c], code);
-      }
-      w[x] = word;
-    }
-    err16[t] = keyq::HalfBound(keyq::Sqrt(err2));
-  }
+  QuantizeGroup<T>(tail, row, G, d, p.bits, block, scale);
+}
+
+// One block per (kv head, group) of a chunk of closed groups.
+template <typename T>
+__global__ void __launch_bounds__(kStepThreads)
+    CompressKeyGroupsKernel(const __grid_constant__ CompressKeyGroupsParams p) {
+  extern __shared__ float scale[];
+  const int32_t j = blockIdx.x / p.groups, g = blockIdx.x % p.groups;
+  const int64_t row = static_cast<int64_t>(p.head_dim) * sizeof(T);
+  const char* rows = static_cast<const char*>(p.rows) + j * p.head_stride +
+                     static_cast<int64_t>(g) * p.group * row;
+  uint8_t* block = p.blocks + j * p.block_head_stride + static_cast<int64_t>(g) * p.block_bytes;
+  QuantizeGroup<T>(rows, row, p.group, p.head_dim, p.bits, block, scale);
+}
+
+bool ValidBlock(int32_t head_dim, int32_t bits, int32_t group, int64_t block_bytes) {
+  return head_dim > 0 && head_dim <= 1024 && (bits == 1 || bits == 2 || bits == 4 || bits == 8) &&
+         (head_dim * bits) % 32 == 0 && group > 0 && group <= 1024 && block_bytes % 4 == 0 &&
+         block_bytes >= static_cast<int64_t>(group) * (head_dim * bits / 8 + 2) +
+                            4 * static_cast<int64_t>(head_dim);
 }
 
 }  // namespace
 
 cudaError_t AppendCompressedKeyStep(const CompressedKeyStepParams& p, cudaStream_t stream) {
-  if (p.batch <= 0 || p.num_kv_heads <= 0 || p.head_dim <= 0 || p.head_dim > 1024 ||
-      (p.bits != 1 && p.bits != 2 && p.bits != 4 && p.bits != 8) ||
-      (p.head_dim * p.bits) % 32 != 0 || p.group <= 0 || p.group > 1024 || p.new_k == nullptr ||
-      p.seq_lens == nullptr || p.tails == nullptr || p.group_heads == nullptr ||
-      p.block_bytes % 4 != 0 ||
-      p.block_bytes < static_cast<int64_t>(p.group) * (p.head_dim * p.bits / 8 + 2) +
-                          4 * static_cast<int64_t>(p.head_dim)) {
+  if (p.batch <= 0 || p.num_kv_heads <= 0 ||
+      !ValidBlock(p.head_dim, p.bits, p.group, p.block_bytes) || p.new_k == nullptr ||
+      p.seq_lens == nullptr || p.tails == nullptr || p.group_heads == nullptr) {
     return cudaErrorInvalidValue;
   }
   const int blocks = p.batch * p.num_kv_heads;
@@ -568,6 +593,31 @@ cudaError_t AppendCompressedKeyStep(const CompressedKeyStepParams& p, cudaStream
   return cudaGetLastError();
 }
 
+cudaError_t CompressKeyGroups(const CompressKeyGroupsParams& p, cudaStream_t stream) {
+  if (p.num_kv_heads <= 0 || p.groups < 0 ||
+      !ValidBlock(p.head_dim, p.bits, p.group, p.block_bytes) || p.rows == nullptr ||
+      p.blocks == nullptr || p.head_stride < 0 || p.block_head_stride < 0) {
+    return cudaErrorInvalidValue;
+  }
+  if (p.groups == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(p.num_kv_heads * p.groups));
+  const size_t smem = 2 * static_cast<size_t>(p.head_dim) * sizeof(float);
+  switch (p.dtype) {
+    case DType::kBf16:
+      CompressKeyGroupsKernel<Bf16><<<grid, kStepThreads, smem, stream>>>(p);
+      break;
+    case DType::kFp16:
+      CompressKeyGroupsKernel<Fp16><<<grid, kStepThreads, smem, stream>>>(p);
+      break;
+    case DType::kFp32:
+      CompressKeyGroupsKernel<float><<<grid, kStepThreads, smem, stream>>>(p);
+      break;
+    default:
+      return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
 cudaError_t CompressedScores(const CompressedScoreParams& p, cudaStream_t stream) {
   if (p.num_seqs < 0 || p.num_kv_heads <= 0 || p.num_q_heads <= 0 ||
       p.num_q_heads % p.num_kv_heads != 0 || p.head_dim <= 0 || p.head_dim > 1024 ||
@@ -575,11 +625,7 @@ cudaError_t CompressedScores(const CompressedScoreParams& p, cudaStream_t stream
                MmaSmemFloats(p.num_q_heads / p.num_kv_heads, p.head_dim, 1)) *
               4 >
           kScoreSmemBytes ||
-      (p.bits != 1 && p.bits != 2 && p.bits != 4 && p.bits != 8) ||
-      (p.head_dim * p.bits) % 32 != 0 || p.group <= 0 || p.group > 1024 || p.max_groups < 0 ||
-      p.block_bytes % 4 != 0 ||
-      p.block_bytes < static_cast<int64_t>(p.group) * (p.head_dim * p.bits / 8 + 2) +
-                          4 * static_cast<int64_t>(p.head_dim)) {
+      !ValidBlock(p.head_dim, p.bits, p.group, p.block_bytes) || p.max_groups < 0) {
     return cudaErrorInvalidValue;
   }
   if (p.num_seqs == 0) return cudaSuccess;

@@ -76,6 +76,28 @@ struct CompressedKeyStepParams {
 // synchronisation).
 cudaError_t AppendCompressedKeyStep(const CompressedKeyStepParams& p, cudaStream_t stream);
 
+// Closed groups of keys into their blocks on the device (a prompt's sync: the groups a chunk of
+// rows closes; CPU reference: CompressKeyGroup, the same bits): group i < groups of kv head j
+// has its rows [group, d] at rows + j * head_stride + i * group * d * sizeof(dtype) and goes to
+// blocks + j * block_head_stride + i * block_bytes. One block of threads per group.
+struct CompressKeyGroupsParams {
+  int32_t num_kv_heads = 0;       // Hkv
+  int32_t groups = 0;             // per kv head
+  int32_t head_dim = 0;           // d, with d * bits a multiple of 32, at most 1024
+  int32_t bits = 2;               // 1, 2, 4 or 8
+  int32_t group = 128;            // tokens per group, at most 1024
+  DType dtype = DType::kBf16;     // of the rows
+  const void* rows = nullptr;     // device
+  int64_t head_stride = 0;        // bytes between kv heads' rows
+  uint8_t* blocks = nullptr;      // device
+  int64_t block_head_stride = 0;  // bytes between kv heads' blocks
+  int64_t block_bytes = 0;  // KeyGroupBytes({bits, group}, head_dim), or more (a multiple of 4)
+};
+
+// Checks the shape parameters: cudaErrorInvalidValue if wrong. No allocation, no
+// synchronisation.
+cudaError_t CompressKeyGroups(const CompressKeyGroupsParams& p, cudaStream_t stream);
+
 }  // namespace kvsparse::kernels::cuda
 
 #endif  // KVSPARSE_KERNELS_CUDA_COMPRESSED_KEYS_H_

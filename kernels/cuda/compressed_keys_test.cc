@@ -290,5 +290,87 @@ TEST(CompressedKeyStepCudaTest, RefusesBadShapes) {
   EXPECT_EQ(AppendCompressedKeyStep(p, nullptr), cudaErrorInvalidValue);
 }
 
+// A prompt's groups quantized on the device, kv heads and groups side by side, hold the CPU
+// reference's bits (CompressKeyGroup) in every byte; the blocks around them (another kv head's
+// stride gap, the groups after the chunk) are not written. The same keys as the step test's,
+// with a constant channel (step 0) and signed zeros.
+TEST(CompressKeyGroupsCudaTest, EqualsTheCpuBits) {
+  KVSPARSE_REQUIRE_GPU();
+  const int32_t hkv = 3, G = kKeyGroupTokens, groups = 5, spare = 2;
+  for (DType dt : {DType::kBf16, DType::kFp16, DType::kFp32}) {
+    for (int32_t bits : {1, 2, 4, 8}) {
+      for (int32_t d : {64, 128}) {
+        SCOPED_TRACE(testing::Message() << DTypeName(dt) << " bits " << bits << " d " << d);
+        const size_t row = static_cast<size_t>(d) * DTypeSize(dt);
+        const size_t block = KeyGroupBytes({bits, G}, d);
+        std::mt19937 rng(bits * 31 + d + static_cast<int>(dt));
+        std::normal_distribution<float> z;
+        std::vector<uint8_t> rows(static_cast<size_t>(hkv) * groups * G * row);
+        for (size_t x = 0; x < rows.size() / DTypeSize(dt); ++x) {
+          const int32_t c = static_cast<int32_t>(x % d);
+          float v = (c % 7 == 0 ? 4.f : 1.f) * z(rng);
+          if (c % 11 == 3) v = (rng() & 1) ? 0.f : -0.f;
+          if (c % 13 == 5) v = 0.75f;
+          StoreFromFloat(rows.data(), x, dt, v);
+        }
+        const size_t head_blocks = groups + spare;  // a kv head's room: more than the chunk
+        DeviceBuffer drows = ToDevice(rows), dblocks(hkv * head_blocks * block);
+        ASSERT_EQ(dblocks.Poison(), cudaSuccess);
+        CompressKeyGroupsParams p;
+        p.num_kv_heads = hkv;
+        p.groups = groups;
+        p.head_dim = d;
+        p.bits = bits;
+        p.group = G;
+        p.dtype = dt;
+        p.rows = drows.get();
+        p.head_stride = static_cast<int64_t>(groups * G * row);
+        p.blocks = dblocks.as<uint8_t>();
+        p.block_head_stride = static_cast<int64_t>(head_blocks * block);
+        p.block_bytes = static_cast<int64_t>(block);
+        KVSPARSE_ASSERT_CUDA(CompressKeyGroups(p, nullptr));
+        KVSPARSE_ASSERT_CUDA(cudaDeviceSynchronize());
+        const std::vector<uint8_t> got = ToHost<uint8_t>(dblocks, hkv * head_blocks * block);
+        std::vector<uint8_t> want(block);
+        for (int32_t j = 0; j < hkv; ++j) {
+          for (int32_t g = 0; g < groups; ++g) {
+            CompressKeyGroup({bits, G}, d, dt, rows.data() + (j * groups + g) * G * row,
+                             want.data());
+            const size_t at = (j * head_blocks + g) * block;
+            ASSERT_EQ(std::memcmp(got.data() + at, want.data(), block), 0)
+                << "head " << j << " group " << g;
+          }
+          for (size_t x = (j * head_blocks + groups) * block; x < (j + 1) * head_blocks * block;
+               ++x) {
+            ASSERT_EQ(got[x], 0xFF) << "head " << j << ": a block past the chunk was written";
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CompressKeyGroupsCudaTest, RefusesBadShapes) {
+  uint8_t buf[4];
+  CompressKeyGroupsParams p;
+  p.num_kv_heads = 1;
+  p.groups = 1;
+  p.head_dim = 128;
+  p.rows = buf;  // pointers only checked for null: nothing is launched below
+  p.blocks = buf;
+  p.block_bytes = static_cast<int64_t>(KeyGroupBytes({2, p.group}, 128));
+  p.bits = 3;
+  EXPECT_EQ(CompressKeyGroups(p, nullptr), cudaErrorInvalidValue);
+  p.bits = 2;
+  p.block_bytes -= 4;
+  EXPECT_EQ(CompressKeyGroups(p, nullptr), cudaErrorInvalidValue);
+  p.block_bytes += 4;
+  p.rows = nullptr;
+  EXPECT_EQ(CompressKeyGroups(p, nullptr), cudaErrorInvalidValue);
+  p.rows = buf;
+  p.groups = 0;  // nothing to do
+  EXPECT_EQ(CompressKeyGroups(p, nullptr), cudaSuccess);
+}
+
 }  // namespace
 }  // namespace kvsparse::kernels::cuda

@@ -1,8 +1,11 @@
 """vLLM's CUDA build, its FlashAttention backend against kvsparse's (kvsparse.vllm.cuda_backend), on
 a Llama-3.1-8B-shaped model with random weights (vLLM's load_format "dummy": only config.json is
 written), one prompt length and batch per row pair, each run in a process of its own
-(tests/vllm/cuda_driver.py): greedy decode of --steps tokens after the prompt; tokens/s from vLLM's
-own per-request timestamps (first to last generated token), so the prefill is not in it.
+(tests/vllm/cuda_driver.py): greedy decode of --steps tokens after the prompt; the step time from
+vLLM's engine-core timestamps over the steps in which every request of the batch decoded (other
+requests' prefill chunks excluded: a batch needs --steps above its prompts' chunk count for such
+steps to exist), so the prefill is not in it; first_tokens_seconds is the time to the last
+request's first token (every prompt prefilled).
 
 Rows (JSON list, --out): n, batch, backend ("flash_attn", "kvsparse:<method>" with vLLM's paged
 cache kept, or "kvsparse-store:<method>" with the K/V in kvsparse's store only,
@@ -111,14 +114,19 @@ def main() -> None:
                     rows.append(row)
                     continue
                 per_token = out["decode_seconds_per_token"]
-                step = max(per_token) if per_token else float("nan")  # requests decode together
+                # The step at the row's batch: over the steps in which every request decoded
+                # (other requests' prefill steps excluded); without such steps (requests that
+                # never decoded together), the slowest request's first-to-last token time.
+                step = out.get("together_seconds_per_step") or (max(per_token) if per_token else float("nan"))
                 gpu_state = out.get("kvsparse", {}).get("engine_memory", {}).get("gpu_bytes", 0)
                 row.update(
                     # requests decode together, as many as vLLM held at once
                     tokens_per_s=min(b, max(out["decoding_together"], 1)) / step, ms_per_step=1e3 * step,
                     kv_gpu_bytes=n * b * (store_token if store else kv_token) + gpu_state,
                     vllm_kv_cache_memory_bytes=budget or None, decoding_together=out["decoding_together"],
-                    seconds=out["seconds"],
+                    seconds=out["seconds"], first_tokens_seconds=out.get("first_tokens_seconds"),
+                    together_steps=out.get("together_steps", 0),
+                    first_to_last_ms=1e3 * max(per_token) if per_token else None,
                     kvsparse_gpu_state_bytes=gpu_state, vllm_kv_capacity_tokens=out["kv_cache_gpu_tokens"],
                     floor_ms=1e3 * (weights + n * b * kv_token) / (args.hbm_gbps * 1e9),
                     cudagraph_mode=out["cudagraph_mode"], kvsparse=out.get("kvsparse"),

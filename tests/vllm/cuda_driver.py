@@ -2,7 +2,7 @@
 own: vLLM's backend registry and engine are per process). Reads a JSON job from argv[1], prints
 one JSON line: the generated token ids per prompt, seconds, vLLM's CUDA-graph mode, the decode
 time per token of each request (vLLM's own timestamps: first to last token over the tokens after
-the first), with "logprobs": k vLLM's top-k log-probabilities at each generated position, and
+the first), the time per step over the steps in which every request decoded (StepClock), with "logprobs": k vLLM's top-k log-probabilities at each generated position, and
 with "kvsparse" in the job (a method text) kvsparse's worker figures: the requests whose sequences
 are live at the end, plans made, requests restarted, layer graphs recorded and replayed, and
 kvsparse's counters as vLLM's /metrics would serve them.
@@ -109,6 +109,39 @@ class StepProfiler:
         return summarize(load(self.trace), self.steps, "driver.step")
 
 
+class StepClock:
+    """The engine core's outputs per step (its get_output, wrapped on the instance): when each
+    step's outputs were made (the engine core's monotonic timestamp) and which requests got a
+    token in it."""
+
+    def __init__(self, llm: "LLM") -> None:
+        self.core = llm.llm_engine.engine_core
+        self.inner = self.core.get_output
+        self.core.get_output = self.get_output
+        self.steps: list[tuple[float, list[str]]] = []
+
+    def get_output(self):  # type: ignore[no-untyped-def]
+        out = self.inner()
+        rids = [o.request_id for o in out.outputs if o.new_token_ids]
+        if rids:
+            self.steps.append((out.timestamp, rids))
+        return out
+
+    def together(self, batch: int) -> dict:
+        """Seconds per step over the steps in which every one of `batch` requests decoded (each
+        had its first token before the step): the decode step at that batch, prefill steps of
+        other requests excluded. Empty if fewer than two such steps."""
+        seen: set[str] = set()
+        ts = []
+        for t, rids in self.steps:
+            if len(rids) == batch and all(r in seen for r in rids):
+                ts.append(t)
+            seen.update(rids)
+        if len(ts) < 2:
+            return {}
+        return {"together_seconds_per_step": (ts[-1] - ts[0]) / (len(ts) - 1), "together_steps": len(ts)}
+
+
 def annotate_attention() -> None:
     """kvsparse's attention calls as the profiler's range "kvsparse.attention" (profiled jobs)."""
     from torch.profiler import record_function
@@ -166,7 +199,8 @@ def main() -> None:
                        logprobs=job.get("logprobs"), extra_args={"kvsparse_method": m} if m else None)
         for c, m in zip(counts, methods)
     ]
-    t0 = time.perf_counter()
+    clock = StepClock(llm)
+    t0, m0 = time.perf_counter(), time.monotonic()
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
     seconds = time.perf_counter() - t0
     per_token = []
@@ -184,6 +218,10 @@ def main() -> None:
         "seconds": seconds,
         "decode_seconds_per_token": per_token,
         "decoding_together": together,
+        # the last request's first token, from the generation's start: every prompt's prefill
+        "first_tokens_seconds": max((o.metrics.first_token_ts for o in outs if o.metrics is not None),
+                                    default=m0) - m0,
+        **clock.together(len(ps)),
         "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
         "prefix_caching": bool(config.cache_config.enable_prefix_caching),
         "attention_backend": str(config.attention_config.backend),
