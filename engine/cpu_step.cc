@@ -7,6 +7,7 @@
 
 #include "absl/time/clock.h"
 #include "engine/methods/method_unit.h"
+#include "kernels/compressed_keys.h"
 #include "kernels/dense.h"
 #include "kernels/philox.h"
 
@@ -84,6 +85,7 @@ absl::Status CpuStep::Run(const MethodUnit& unit, DecodeResult* result) {
 
   t0 = absl::Now();
   if (absl::Status s = Estimate(sel, plan.states_standard_error, result); !s.ok()) return s;
+  if (!log_left_out_.empty()) StateMissedMass(sel);
   const double compute_s = Seconds(t0, absl::Now());
 
   for (int32_t j = 0; j < hkv_; ++j) {
@@ -368,6 +370,36 @@ absl::Status CpuStep::Estimate(const kernels::RowSelection& sel, bool standard_e
                                index_ * hd * kernels::DTypeSize(call_.q_dtype),
                            call_.q_dtype, hd);
   return absl::OkStatus();
+}
+
+void CpuStep::StateMissedMass(const kernels::RowSelection& sel) {
+  const std::vector<float> q = QueryFloats();
+  for (int32_t j = 0; j < hkv_; ++j) {
+    const kernels::KvHeadSelection& ks = sel.at(0, j);
+    const size_t r_count = ks.tokens.size();
+    std::vector<double> logits(r_count);  // exact, in double: the bound's kept side
+    for (int32_t g = 0; g < G_; ++g) {
+      const int32_t h = j * G_ + g;
+      double m = -std::numeric_limits<double>::infinity();
+      for (size_t r = 0; r < r_count; ++r) {
+        if (ks.head_counts[g * r_count + r] <= 0) continue;
+        const uint8_t* row = rows_.KRow(static_cast<uint32_t>(j), r, row_);
+        double s = 0;
+        for (int32_t c = 0; c < d_; ++c) {
+          s += static_cast<double>(q[static_cast<size_t>(h) * d_ + c]) *
+               kernels::LoadAsFloat(row, c, shape_.dtype);
+        }
+        logits[r] = s * p_.scale;
+        m = std::max(m, logits[r]);
+      }
+      double sum = 0;
+      for (size_t r = 0; r < r_count; ++r) {
+        if (ks.head_counts[g * r_count + r] > 0) sum += std::exp(logits[r] - m);
+      }
+      const double log_kept = sum > 0 ? m + std::log(sum) : m;
+      stats_[j].missed_mass_bound.push_back(kernels::MissedMassBound(log_kept, log_left_out_[h]));
+    }
+  }
 }
 
 }  // namespace kvsparse::engine

@@ -104,6 +104,10 @@ class CpuStep {
   void StateEpsilon(int32_t j, std::vector<float> per_head) {
     stats_[j].epsilon = std::move(per_head);
   }
+  // Per query head ([H]), the log-sum-exp of upper bounds of the logits its selection left out
+  // (kernels::LogSumExpOutside): after the estimate, each head's HeadStats::missed_mass_bound
+  // from it and the exact logits of the rows it used.
+  void StateLeftOut(std::vector<double> log_left_out) { log_left_out_ = std::move(log_left_out); }
 
  private:
   // The resident state synced, the new token appended to it.
@@ -117,6 +121,8 @@ class CpuStep {
   // standard_error: also each query head's HeadStats::standard_error.
   absl::Status Estimate(const kernels::RowSelection& sel, bool standard_error,
                         DecodeResult* result);
+  // HeadStats::missed_mass_bound of every query head, from log_left_out_ and the gathered K rows.
+  void StateMissedMass(const kernels::RowSelection& sel);
 
   const Env env_;
   const DecodeCall& call_;
@@ -141,6 +147,7 @@ class CpuStep {
   FetchedRows base_;  // read for the selection
   FetchedRows rows_;  // the estimate's rows, per head in selection order
   double gather_seconds_ = 0;
+  std::vector<double> log_left_out_;  // StateLeftOut
 };
 
 }  // namespace kvsparse::engine

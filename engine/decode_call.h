@@ -99,6 +99,10 @@ struct HeadStats {
   // where the base-rate floor drew more than the bound asked), 0 where the residual was read
   // whole. The bound's own estimate from the base sample, on the CPU engine; empty elsewhere.
   std::vector<float> epsilon;
+  // Per query head of the group, a certified upper bound on the share of its attention's
+  // softmax mass that the rows it used leave out: top-k over compressed keys, from the stored
+  // error norms (kernels::MissedMassBound), on the CPU engine; empty elsewhere.
+  std::vector<float> missed_mass_bound;
 };
 
 struct DecodeTiming {

@@ -199,4 +199,66 @@ void ApproximateScores(const CompressedKeysView& v, const float* q, float scale,
   }
 }
 
+void UpperScores(const CompressedKeysView& v, const float* q, float scale, const float* approx,
+                 double* upper) {
+  const int32_t d = v.head_dim;
+  double qn = 0;
+  for (int32_t c = 0; c < d; ++c) qn += static_cast<double>(q[c]) * q[c];
+  qn = std::sqrt(qn);
+  const double levels = static_cast<double>((1u << v.bits) - 1);
+  const double rounding = 2.0 * (d + 2) * std::ldexp(1.0, -24) * std::fabs(scale);
+  for (int64_t g = 0; g * v.group < v.closed; ++g) {
+    const uint16_t *lo = v.lo(g), *step = v.step(g);
+    double sum = 0;
+    for (int32_t c = 0; c < d; ++c) {
+      const double l = Half(lo[c]), h = l + levels * Half(step[c]);
+      sum += std::fabs(q[c]) * std::max(std::fabs(l), std::fabs(h));
+    }
+    const double slack = rounding * sum;
+    for (int64_t t = g * v.group; t < (g + 1) * v.group; ++t) {
+      upper[t] = approx[t] + std::fabs(scale) * qn * KeyErrorBound(v, t) + slack;
+    }
+  }
+  const size_t row = static_cast<size_t>(d) * DTypeSize(v.dtype);
+  for (int64_t t = v.closed; t < v.length; ++t) {  // exact rows: their logit's rounding only
+    const uint8_t* r = v.tail + (t - v.closed) * row;
+    double sum = 0;
+    for (int32_t c = 0; c < d; ++c) sum += std::fabs(q[c] * LoadAsFloat(r, c, v.dtype));
+    upper[t] = approx[t] + rounding * sum;
+  }
+}
+
+double LogSumExpOutside(const double* upper, int64_t n, const std::vector<int32_t>& kept) {
+  double m = -std::numeric_limits<double>::infinity();
+  size_t e = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    if (e < kept.size() && kept[e] == t) {
+      ++e;
+    } else {
+      m = std::max(m, upper[t]);
+    }
+  }
+  if (!std::isfinite(m)) return m;
+  double sum = 0;
+  e = 0;
+  for (int64_t t = 0; t < n; ++t) {
+    if (e < kept.size() && kept[e] == t) {
+      ++e;
+    } else {
+      sum += std::exp(upper[t] - m);
+    }
+  }
+  return m + std::log(sum);
+}
+
+float MissedMassBound(double log_kept, double log_out) {
+  if (log_out == -std::numeric_limits<double>::infinity()) return 0.f;
+  if (!(log_out < std::numeric_limits<double>::infinity())) return 1.f;
+  const double share = 1.0 / (1.0 + std::exp(log_kept - log_out));
+  const float f = static_cast<float>(share);
+  return std::min(1.f, static_cast<double>(f) >= share
+                           ? f
+                           : std::nextafter(f, std::numeric_limits<float>::infinity()));
+}
+
 }  // namespace kvsparse::kernels

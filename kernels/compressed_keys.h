@@ -134,6 +134,26 @@ void DecompressKey(const CompressedKeysView& v, int64_t t, float* out);
 // q: head_dim floats.
 void ApproximateScores(const CompressedKeysView& v, const float* q, float scale, float* out);
 
+// Upper bounds of the exact logits from the compressed keys' scores: upper[t] >= scale q . k_t
+// (and >= that logit as computed in float) for every token t < v.length, where approx[t] =
+// ApproximateScores(v, q, scale)[t]: s~_t + scale |q| err_t (the stored error norm) + the float
+// rounding of s~_t, at most (d + 2) 2^-24 scale sum_c |q_c| |k~_c| with |k~_c| <= max(|lo_c|,
+// |lo_c + levels step_c|) over the token's group, doubled for safety; the open group's rows are
+// exact (err 0: only the rounding of their computed logit). +inf where err_t is.
+void UpperScores(const CompressedKeysView& v, const float* q, float scale, const float* approx,
+                 double* upper);
+
+// log sum of e^{upper[t]} over the tokens t < n not in `kept` (ascending, distinct); -inf when
+// every token is kept, +inf when an upper score is.
+double LogSumExpOutside(const double* upper, int64_t n, const std::vector<int32_t>& kept);
+
+// A certified upper bound on the share of the softmax's mass a selection leaves out, from the
+// log-sum-exp of the exact logits it kept (log_kept) and of upper bounds of the logits it left
+// out (log_out, LogSumExpOutside): out / (kept + out) is increasing in out, so e^{log_out}
+// / (e^{log_kept} + e^{log_out}) bounds the true share. Rounded up to a float: 0 when nothing
+// was left out (log_out = -inf), 1 when an upper score is infinite.
+float MissedMassBound(double log_kept, double log_out);
+
 }  // namespace kvsparse::kernels
 
 #endif  // KVSPARSE_KERNELS_COMPRESSED_KEYS_H_

@@ -1,5 +1,6 @@
 #include "kernels/score_topk.h"
 
+#include <limits>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -14,7 +15,8 @@ absl::Status ValidateScoreTopKParams(const ScoreTopKParams& params) {
 }
 
 absl::Status ScoreTopKSelectCpu(const DecodeProblem& p, const ScoreTopKParams& params,
-                                absl::Span<const CompressedKeysView> keys, RowSelection* sel) {
+                                absl::Span<const CompressedKeysView> keys, RowSelection* sel,
+                                std::vector<double>* log_left_out) {
   if (absl::Status s = ValidateScoreTopKParams(params); !s.ok()) return s;
   const bool exact = params.source == ScoreSource::kExact;
   if (absl::Status s = ValidateProblemFor(p, ProblemNeeds{true, exact, false, false}); !s.ok()) {
@@ -28,7 +30,12 @@ absl::Status ScoreTopKSelectCpu(const DecodeProblem& p, const ScoreTopKParams& p
   const int32_t group = p.group_size();
   sel->Reset(EstimateKind::kSoftmax, p.batch, p.num_kv_heads, group);
   std::vector<float> q(p.head_dim), scores;
+  std::vector<double> upper;
   std::vector<int32_t> chosen, scratch;
+  if (log_left_out != nullptr) {
+    log_left_out->assign(static_cast<size_t>(p.batch) * p.num_q_heads,
+                         exact ? std::numeric_limits<double>::quiet_NaN() : 0.0);
+  }
   std::vector<HeadRows> rows(group);
   for (int32_t b = 0; b < p.batch; ++b) {
     const int32_t n = p.seq_lens[b];
@@ -55,6 +62,12 @@ absl::Status ScoreTopKSelectCpu(const DecodeProblem& p, const ScoreTopKParams& p
         rows[g].budget = SelectSinkLocalTopK(scores.data(), n, params.sink_tokens,
                                              params.local_tokens, *k, &chosen, &scratch);
         for (int32_t t : chosen) rows[g].Push(t, 1, 1.f);
+        if (log_left_out != nullptr && !exact) {
+          upper.resize(view->length);
+          UpperScores(*view, q.data(), p.scale, scores.data(), upper.data());
+          (*log_left_out)[static_cast<size_t>(b) * p.num_q_heads + h] =
+              LogSumExpOutside(upper.data(), n, rows[g].tokens);
+        }
       }
       MergeGroup(rows, &sel->at(b, kvh));
     }

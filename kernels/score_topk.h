@@ -12,6 +12,7 @@
 #define KVSPARSE_KERNELS_SCORE_TOPK_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/types/span.h"
@@ -33,10 +34,14 @@ struct ScoreTopKParams {
 
 // Selection stage. kExact reads p.q and p.k; kCompressedKeys reads p.q and keys ([B * Hkv],
 // index b * Hkv + kv_head, each holding at least seq_lens[b] tokens; its first seq_lens[b] are
-// scored). Fills `sel`.
+// scored). Fills `sel`. log_left_out (optional, kCompressedKeys only; [B * H] on return, index
+// b * H + h): per query head, LogSumExpOutside of the UpperScores of the tokens it did not
+// select (kernels/compressed_keys.h); with the log-sum-exp of the exact logits of those it
+// selected, MissedMassBound bounds the attention mass its output leaves out.
 [[nodiscard]] absl::Status ScoreTopKSelectCpu(const DecodeProblem& p, const ScoreTopKParams& params,
                                               absl::Span<const CompressedKeysView> keys,
-                                              RowSelection* sel);
+                                              RowSelection* sel,
+                                              std::vector<double>* log_left_out = nullptr);
 
 // Selection then EstimateInPlace (reads p.k and p.v, writes p.out). `sel` may be null.
 [[nodiscard]] absl::Status ScoreTopKDecodeCpu(const DecodeProblem& p, const ScoreTopKParams& params,

@@ -446,28 +446,8 @@ void VAttentionBudgetAndSample(int32_t n, const VAttentionParams& params,
 
 float CompressedLogitUpperBound(const CompressedKeysView& v, const float* q, float scale,
                                 const float* approx, const std::vector<int32_t>& fixed) {
-  const int32_t d = v.head_dim;
-  double qn = 0;
-  for (int32_t c = 0; c < d; ++c) qn += static_cast<double>(q[c]) * q[c];
-  qn = std::sqrt(qn);
-  const double levels = static_cast<double>((1u << v.bits) - 1);
-  // Rounding of s~_t (and of the exact logit the estimate uses), evaluated in float as d
-  // products and sums then one scaling: at most
-  // (d + 2) u times scale * sum_c |q_c| |k~_c| (u = 2^-24), and |k~_c| <= max(|lo_c|,
-  // |lo_c + levels step_c|) over the group; doubled for safety.
-  const double u = std::ldexp(1.0, -24);
-  std::vector<double> slack(static_cast<size_t>(v.group > 0 ? v.closed / v.group : 0));
-  for (size_t g = 0; g < slack.size(); ++g) {
-    const uint16_t* lo = v.lo(static_cast<int64_t>(g));
-    const uint16_t* step = v.step(static_cast<int64_t>(g));
-    double sum = 0;
-    for (int32_t c = 0; c < d; ++c) {
-      const double l = Fp16ToFloat(Fp16{lo[c]});
-      const double h = l + levels * Fp16ToFloat(Fp16{step[c]});
-      sum += std::fabs(q[c]) * std::max(std::fabs(l), std::fabs(h));
-    }
-    slack[g] = 2.0 * (d + 2) * u * std::fabs(scale) * sum;
-  }
+  std::vector<double> upper(static_cast<size_t>(v.length));
+  UpperScores(v, q, scale, approx, upper.data());
   double best = -std::numeric_limits<double>::infinity();
   size_t e = 0;
   for (int64_t t = 0; t < v.length; ++t) {
@@ -475,16 +455,7 @@ float CompressedLogitUpperBound(const CompressedKeysView& v, const float* q, flo
       ++e;
       continue;
     }
-    double b = approx[t];
-    if (t < v.closed) {
-      b += std::fabs(scale) * qn * KeyErrorBound(v, t) + slack[static_cast<size_t>(t / v.group)];
-    } else {  // an exact row: only the rounding of its computed logit
-      const uint8_t* row = v.tail + (t - v.closed) * d * DTypeSize(v.dtype);
-      double sum = 0;
-      for (int32_t c = 0; c < d; ++c) sum += std::fabs(q[c] * LoadAsFloat(row, c, v.dtype));
-      b += 2.0 * (d + 2) * u * std::fabs(scale) * sum;
-    }
-    best = std::max(best, b);
+    best = std::max(best, upper[static_cast<size_t>(t)]);
   }
   // Rounded up to a float, so that the bound survives the conversion.
   const float f = static_cast<float>(best);

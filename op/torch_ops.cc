@@ -351,8 +351,9 @@ at::Tensor StatsTensor(const en::DecodeResult& r) {
 // Per query head of each sequence (row b * H + h): the relative error the call's method states
 // for its output (HeadStats), NaN where it states none: column 0 S2ANTA's standard error from its
 // own draws (HeadStats::standard_error), column 1 vAttention's promised epsilon at 1 - delta
-// (HeadStats::epsilon). `rows`: B * H.
-constexpr int64_t kErrorColumns = 2;
+// (HeadStats::epsilon), column 2 top-k's certified bound on the attention mass it leaves out
+// (HeadStats::missed_mass_bound). `rows`: B * H.
+constexpr int64_t kErrorColumns = 3;
 
 at::Tensor ErrorsTensor(const en::DecodeResult& r, int64_t rows) {
   at::Tensor errors =
@@ -366,6 +367,7 @@ at::Tensor ErrorsTensor(const en::DecodeResult& r, int64_t rows) {
       float* row = e + (static_cast<int64_t>(i) * group + g) * kErrorColumns;
       if (static_cast<size_t>(g) < h.standard_error.size()) row[0] = h.standard_error[g];
       if (static_cast<size_t>(g) < h.epsilon.size()) row[1] = h.epsilon[g];
+      if (static_cast<size_t>(g) < h.missed_mass_bound.size()) row[2] = h.missed_mass_bound[g];
     }
   }
   return errors;

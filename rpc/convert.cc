@@ -439,6 +439,7 @@ void ToProto(engine::DecodeResult&& r, const engine::DecodeCall& call, v1::Decod
     s->set_key_features_group(h.key_features_group);
     for (float e : h.standard_error) s->add_standard_error(e);
     for (float e : h.epsilon) s->add_epsilon(e);
+    for (float e : h.missed_mass_bound) s->add_missed_mass_bound(e);
   }
   v1::Timing* t = out->mutable_timing();
   t->set_selection_seconds(r.timing.selection_seconds);

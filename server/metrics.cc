@@ -288,6 +288,33 @@ prometheus::Histogram::BucketBoundaries StandardErrorBuckets() {
   return b;
 }
 
+// Shares of attention mass: 2^-20 (1e-6) to 1 by doubling.
+prometheus::Histogram::BucketBoundaries MassBuckets() {
+  prometheus::Histogram::BucketBoundaries b;
+  for (int e = -20; e <= 0; ++e) b.push_back(std::ldexp(1.0, e));
+  return b;
+}
+
+// One call's observations of one histogram series, summed before the one update.
+class Tally {
+ public:
+  explicit Tally(const prometheus::Histogram::BucketBoundaries& bounds)
+      : bounds_(bounds), counts_(bounds.size() + 1, 0.0) {}
+  void Add(double x) {
+    ++n_;
+    if (std::isfinite(x)) sum_ += x;  // an infinite one lands in +Inf, not in the sum
+    counts_[std::lower_bound(bounds_.begin(), bounds_.end(), x) - bounds_.begin()] += 1;
+  }
+  void Flush(prometheus::Histogram* h) const {
+    if (n_ > 0) h->ObserveMultiple(counts_, sum_);
+  }
+
+ private:
+  const prometheus::Histogram::BucketBoundaries& bounds_;
+  std::vector<double> counts_;
+  double sum_ = 0, n_ = 0;
+};
+
 const char* kTierNames[] = {"host", "device", "remote"};
 
 }  // namespace
@@ -337,6 +364,12 @@ DecodeMetrics::DecodeMetrics(prometheus::Registry& registry)
                                 "relative to its output's norm (S2ANTA on the CPU engine: from its "
                                 "own draws; HeadStats.standard_error)")
                           .Register(registry)),
+      missed_mass_(prometheus::BuildHistogram()
+                       .Name("kvsparse_decode_missed_mass_bound")
+                       .Help("Per query head, a certified upper bound on the share of its "
+                             "attention the rows it used leave out (top-k over compressed keys "
+                             "on the CPU engine; HeadStats.missed_mass_bound)")
+                       .Register(registry)),
       engine_(&prometheus::BuildHistogram()
                    .Name("kvsparse_decode_engine_seconds")
                    .Help("Whole engine time per Decode call (the stages of "
@@ -355,6 +388,7 @@ DecodeMetrics::DecodeMetrics(prometheus::Registry& registry)
     pm.cached = &cached_rows_.Add({{"method", m.name}});
     pm.budget = &budget_.Add({{"method", m.name}}, BudgetBuckets());
     pm.standard_error = &standard_error_.Add({{"method", m.name}}, StandardErrorBuckets());
+    pm.missed_mass = &missed_mass_.Add({{"method", m.name}}, MassBuckets());
   }
   selection_ = &stage_.Add({{"stage", "selection"}}, LatencyBuckets());
   gather_ = &stage_.Add({{"stage", "gather"}}, LatencyBuckets());
@@ -371,8 +405,8 @@ void DecodeMetrics::Record(engine::MethodKind method, const engine::DecodeResult
   static const prometheus::Histogram::BucketBoundaries kBudgetBounds = BudgetBuckets();
   std::vector<double> budget_buckets(kBudgetBounds.size() + 1, 0.0);
   static const prometheus::Histogram::BucketBoundaries kErrorBounds = StandardErrorBuckets();
-  std::vector<double> error_buckets(kErrorBounds.size() + 1, 0.0);
-  double error_sum = 0, errors = 0;
+  static const prometheus::Histogram::BucketBoundaries kMassBounds = MassBuckets();
+  Tally errors(kErrorBounds), missed(kMassBounds);
   uint64_t seqs = 0;
   for (const engine::HeadStats& h : r.heads) {
     // Rows are counted on the tier most of the head's bytes came from.
@@ -390,12 +424,8 @@ void DecodeMetrics::Record(engine::MethodKind method, const engine::DecodeResult
       budget_buckets[std::lower_bound(kBudgetBounds.begin(), kBudgetBounds.end(), x) -
                      kBudgetBounds.begin()] += 1;
     }
-    for (float e : h.standard_error) {
-      ++errors;
-      if (std::isfinite(e)) error_sum += e;  // an infinite one lands in +Inf, not in the sum
-      error_buckets[std::lower_bound(kErrorBounds.begin(), kErrorBounds.end(), double{e}) -
-                    kErrorBounds.begin()] += 1;
-    }
+    for (float e : h.standard_error) errors.Add(e);
+    for (float e : h.missed_mass_bound) missed.Add(e);
     seqs = std::max<uint64_t>(seqs, h.sequence_index + 1);
   }
   for (int t = 0; t < kTiers; ++t) {
@@ -405,7 +435,8 @@ void DecodeMetrics::Record(engine::MethodKind method, const engine::DecodeResult
   pm.dense->Increment(dense);
   if (cached > 0) pm.cached->Increment(cached);
   pm.budget->ObserveMultiple(budget_buckets, budget_sum);
-  if (errors > 0) pm.standard_error->ObserveMultiple(error_buckets, error_sum);
+  errors.Flush(pm.standard_error);
+  missed.Flush(pm.missed_mass);
   pm.sequences->Increment(static_cast<double>(seqs));
   if (r.timing.stage_weight > 0) {  // stage times of a timed call stand for stage_weight calls
     pm.gather->Increment(r.timing.gather_seconds * r.timing.stage_weight);

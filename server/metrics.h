@@ -77,6 +77,7 @@ class DecodeMetrics {
   prometheus::Family<prometheus::Histogram>& stage_;
   prometheus::Family<prometheus::Histogram>& budget_;
   prometheus::Family<prometheus::Histogram>& standard_error_;
+  prometheus::Family<prometheus::Histogram>& missed_mass_;
   struct PerMethod {
     std::array<prometheus::Counter*, kTiers> rows{}, bytes{};
     prometheus::Counter* dense = nullptr;
@@ -85,6 +86,7 @@ class DecodeMetrics {
     prometheus::Counter* cached = nullptr;
     prometheus::Histogram* budget = nullptr;
     prometheus::Histogram* standard_error = nullptr;
+    prometheus::Histogram* missed_mass = nullptr;
   };
   std::vector<PerMethod> per_method_;  // one per row of the method table, in its order
   prometheus::Histogram* selection_;

@@ -30,7 +30,14 @@ class TopK final : public MethodUnit {
   absl::Status Select(CpuStep& step, kernels::RowSelection* sel) const override {
     const Method& m = step.method();
     if (Exact(m)) return kernels::ScoreTopKSelectCpu(step.problem(), m.top_k, {}, sel);
-    return kernels::ScoreTopKSelectCpu(step.problem(), m.top_k, step.CompressedKeys(), sel);
+    std::vector<double> left_out;  // every response states its missed mass (issue 50)
+    if (absl::Status s = kernels::ScoreTopKSelectCpu(step.problem(), m.top_k, step.CompressedKeys(),
+                                                     sel, &left_out);
+        !s.ok()) {
+      return s;
+    }
+    step.StateLeftOut(std::move(left_out));
+    return absl::OkStatus();
   }
 };
 

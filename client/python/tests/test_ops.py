@@ -193,6 +193,9 @@ def test_sparse_methods_same_rows_as_the_server(
     stated = {name: bool(errors[:, x].isfinite().all()) for x, name in enumerate(ops.ERROR_COLUMNS)}
     assert stated["standard_error"] == (isinstance(method, kvsparse.Santa) and method.samples > 0)
     assert stated["epsilon"] == isinstance(method, kvsparse.VAttention)
+    assert stated["missed_mass_bound"] == (isinstance(method, kvsparse.TopK) and method.scores != "exact")
+    if stated["missed_mass_bound"]:  # a share of the attention, and something was left out
+        assert bool(((errors[:, 2] > 0) & (errors[:, 2] <= 1)).all())
 
 
 def test_compiled_function_calls_the_op(engine: ops.InProcessEngine) -> None:

@@ -46,6 +46,9 @@ class HeadStats:
     # Per query head: the relative error vAttention's budget promises at probability 1 - delta
     # (0 where its residual was read whole; the CPU engine; empty for other methods).
     epsilon: list[float] = field(default_factory=list)
+    # Per query head: a certified upper bound on the share of its attention the rows its output
+    # used leave out (top-k over compressed keys on the CPU engine; empty elsewhere).
+    missed_mass_bound: list[float] = field(default_factory=list)
 
     @property
     def bytes_read(self) -> int:
@@ -83,6 +86,7 @@ class DecodeResult:
                 h.key_features_group,
                 list(h.standard_error),
                 list(h.epsilon),
+                list(h.missed_mass_bound),
             )
             for h in self.head_stats
         ]

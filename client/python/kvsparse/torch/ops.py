@@ -59,8 +59,9 @@ STAT_COLUMNS = (
 )
 # The stated errors' columns (decode(..., return_errors=True)): per query head, the relative
 # error the method states for its output, NaN where it states none (engine HeadStats): S2ANTA's
-# standard error from its own draws, vAttention's promised epsilon at probability 1 - delta.
-ERROR_COLUMNS = ("standard_error", "epsilon")
+# standard error from its own draws, vAttention's promised epsilon at probability 1 - delta,
+# top-k's certified upper bound on the share of attention its rows leave out (over compressed keys).
+ERROR_COLUMNS = ("standard_error", "epsilon", "missed_mass_bound")
 
 
 def find_library() -> str:
@@ -368,10 +369,10 @@ class InProcessEngine(_Closing):
         """One layer of one decode step: q [B, H, d]; new_k / new_v [B, Hkv, d] appended first.
         Returns the output [B, H, d] (q's dtype and device) and the statistics [B * Hkv, 9]
         (int64 on the CPU; columns STAT_COLUMNS), and with ``return_errors`` the errors the
-        method states for each query head's output, [B * H, 2] float32 on the CPU (columns
+        method states for each query head's output, [B * H, 3] float32 on the CPU (columns
         ERROR_COLUMNS: S2ANTA's standard error and vAttention's epsilon relative to the output's
-        norm, NaN where the method states none; the CPU engine states them, the GPU backend not
-        yet). q on the GPU backend's device stays there; a call the backend does not take (a
+        norm, top-k's certified bound on the attention mass its rows leave out; NaN where the
+        method states none; the CPU engine states them, the GPU backend not yet). q on the GPU backend's device stays there; a call the backend does not take (a
         method or placement it does not run, a model shape its kernels do not take) runs on the
         CPU engine, said by a warning once per engine and reason."""
         result = _call(
