@@ -143,18 +143,25 @@ class StepClock:
 
 
 def annotate_attention() -> None:
-    """kvsparse's attention calls as the profiler's range "kvsparse.attention" (profiled jobs)."""
+    """kvsparse's attention calls as the profiler's range "kvsparse.attention", and the plugin's
+    own work of a step (the connector's bind and its end: admission, slots, positions, figures)
+    as "kvsparse.plugin" (profiled jobs)."""
     from torch.profiler import record_function
 
     from kvsparse.vllm import cuda_backend
 
-    forward = cuda_backend.KvSparseCudaImpl.forward
+    def wrapped(cls: type, name: str, label: str) -> None:
+        inner = getattr(cls, name)
 
-    def annotated(self, *a, **k):  # type: ignore[no-untyped-def]
-        with record_function("kvsparse.attention"):
-            return forward(self, *a, **k)
+        def annotated(self, *a, **k):  # type: ignore[no-untyped-def]
+            with record_function(label):
+                return inner(self, *a, **k)
 
-    cuda_backend.KvSparseCudaImpl.forward = annotated
+        setattr(cls, name, annotated)
+
+    wrapped(cuda_backend.KvSparseCudaImpl, "forward", "kvsparse.attention")
+    wrapped(cuda_backend.CudaWorker, "begin_step", "kvsparse.plugin")
+    wrapped(cuda_backend.CudaWorker, "end_step", "kvsparse.plugin")
 
 
 def main() -> None:
