@@ -180,6 +180,19 @@ TEST(CompressedScoresCudaTest, RefusesBadShapes) {
 // channel (step 0) and a channel of signed zeros (min and max compare as std::min / std::max do),
 // two groups closed and one left open; a sequence whose step is refused (length 0) writes
 // nothing (its buffers keep their poison where the reference holds nothing).
+// Keys of d channels (elements of dtype dt) for the quantization tests: every seventh channel
+// of a larger range, some channels signed zeros, some constant (a step of 0).
+void FillKeys(std::vector<uint8_t>* k, int32_t d, DType dt, std::mt19937* rng) {
+  std::normal_distribution<float> z;
+  for (size_t x = 0; x < k->size() / DTypeSize(dt); ++x) {
+    const int32_t c = static_cast<int32_t>(x % d);
+    float v = (c % 7 == 0 ? 4.f : 1.f) * z(*rng);
+    if (c % 11 == 3) v = ((*rng)() & 1) ? 0.f : -0.f;
+    if (c % 13 == 5) v = 0.75f;
+    StoreFromFloat(k->data(), x, dt, v);
+  }
+}
+
 TEST(CompressedKeyStepCudaTest, ClosesGroupsWithTheCpuBits) {
   KVSPARSE_REQUIRE_GPU();
   const int32_t B = 2, hkv = 3, G = kKeyGroupTokens, steps = 2 * G + 37;
@@ -190,7 +203,6 @@ TEST(CompressedKeyStepCudaTest, ClosesGroupsWithTheCpuBits) {
         const size_t es = DTypeSize(dt), row = static_cast<size_t>(d) * es;
         const size_t block = KeyGroupBytes({bits, G}, d);
         std::mt19937 rng(bits * 17 + d + static_cast<int>(dt));
-        std::normal_distribution<float> z;
         std::vector<CompressedKeys> want;
         std::vector<DeviceBuffer> bufs;
         std::vector<uint8_t*> heads;
@@ -209,13 +221,7 @@ TEST(CompressedKeyStepCudaTest, ClosesGroupsWithTheCpuBits) {
         std::vector<uint8_t> k(static_cast<size_t>(B) * hkv * row);
         std::vector<int32_t> lens(B, 0);
         for (int32_t st = 0; st < steps; ++st) {
-          for (size_t x = 0; x < k.size() / es; ++x) {
-            const int32_t c = static_cast<int32_t>(x % d);
-            float v = (c % 7 == 0 ? 4.f : 1.f) * z(rng);
-            if (c % 11 == 3) v = (rng() & 1) ? 0.f : -0.f;
-            if (c % 13 == 5) v = 0.75f;
-            StoreFromFloat(k.data(), x, dt, v);
-          }
+          FillKeys(&k, d, dt, &rng);
           // Sequence 1 takes a token every other step; its refused steps write nothing.
           std::vector<int32_t> after(B);
           for (int32_t b = 0; b < B; ++b) {
@@ -304,15 +310,8 @@ TEST(CompressKeyGroupsCudaTest, EqualsTheCpuBits) {
         const size_t row = static_cast<size_t>(d) * DTypeSize(dt);
         const size_t block = KeyGroupBytes({bits, G}, d);
         std::mt19937 rng(bits * 31 + d + static_cast<int>(dt));
-        std::normal_distribution<float> z;
         std::vector<uint8_t> rows(static_cast<size_t>(hkv) * groups * G * row);
-        for (size_t x = 0; x < rows.size() / DTypeSize(dt); ++x) {
-          const int32_t c = static_cast<int32_t>(x % d);
-          float v = (c % 7 == 0 ? 4.f : 1.f) * z(rng);
-          if (c % 11 == 3) v = (rng() & 1) ? 0.f : -0.f;
-          if (c % 13 == 5) v = 0.75f;
-          StoreFromFloat(rows.data(), x, dt, v);
-        }
+        FillKeys(&rows, d, dt, &rng);
         const size_t head_blocks = groups + spare;  // a kv head's room: more than the chunk
         DeviceBuffer drows = ToDevice(rows), dblocks(hkv * head_blocks * block);
         ASSERT_EQ(dblocks.Poison(), cudaSuccess);
