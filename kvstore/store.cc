@@ -156,6 +156,7 @@ Store::Store(StoreOptions options, std::unique_ptr<MemoryResource> owned_memory)
       owned_memory_(std::move(owned_memory)),
       pool_(options.memory,
             PagePoolOptions{options.page_bytes, options.slab_bytes, options.capacity_bytes}),
+      appenders_(std::make_unique<WorkerPool>(std::max(0, options.append_helpers))),
       next_incarnation_(static_cast<uint64_t>(absl::ToUnixMicros(absl::Now()))) {}
 
 Store::~Store() {
@@ -417,30 +418,8 @@ absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
     }
   }
   // Copy the rows past the layers' lengths (invisible until the lengths move), checking each row
-  // just before its copy, while it is in cache (unless checked in full above): one rule for every
-  // way in (Append, Decode's new
-  // token, the in-process op), K and V values finite and below 2^32 (kernels::AcceptedValues),
-  // so no score or output of the sequence can become infinite or NaN.
-  const size_t row = seq.row_bytes_;
-  const size_t row_elems = shape.head_dim;
-  bool accepted = true;
-  for (uint32_t li = 0; li < req.num_layers && accepted; ++li) {
-    const uint32_t l = req.first_layer + li;
-    for (uint64_t t = 0; t < req.num_tokens && accepted; ++t) {
-      for (uint32_t h = 0; h < shape.num_kv_heads; ++h) {
-        const size_t src = ((li * req.num_tokens + t) * shape.num_kv_heads + h) * row;
-        if (!checked_first &&
-            (!kernels::AcceptedValues(req.k.data() + src, row_elems, shape.dtype) ||
-             !kernels::AcceptedValues(req.v.data() + src, row_elems, shape.dtype))) {
-          accepted = false;
-          break;
-        }
-        uint8_t* slot = seq.Slot(seq.lanes_[seq.Lane(l, h)], len0 + t);
-        std::memcpy(slot, req.k.data() + src, row);
-        std::memcpy(slot + row, req.v.data() + src, row);
-      }
-    }
-  }
+  // just before its copy (CopyRows).
+  const bool accepted = CopyRows(req, seq, len0, checked_first);
   if (!accepted) {  // give the new pages back; the sequence holds what it held
     for (uint32_t li = 0; li < req.num_layers; ++li) {
       for (uint32_t h = 0; h < shape.num_kv_heads; ++h) {
@@ -459,6 +438,50 @@ absl::StatusOr<AppendResult> Store::Append(const AppendRequest& req) {
   rows_appended_.fetch_add(2 * rows, std::memory_order_relaxed);  // K rows + V rows
   bytes_appended_.fetch_add(2 * want, std::memory_order_relaxed);
   return AppendResult{len0, req.num_tokens, 2 * want};
+}
+
+bool Store::CopyRows(const AppendRequest& req, Sequence& seq, uint64_t len0, bool checked_first) {
+  // Each row is checked just before its copy, while it is in cache (unless checked in full
+  // before): one rule for every way in (Append, Decode's new token, the in-process op), K and V
+  // values finite and below 2^32 (kernels::AcceptedValues), so no score or output of the
+  // sequence can become infinite or NaN.
+  const ModelShape& shape = seq.shape_;
+  const size_t row = seq.row_bytes_;
+  const size_t row_elems = shape.head_dim;
+  const uint32_t hkv = shape.num_kv_heads;
+  std::atomic<bool> accepted{true};
+  // Parts of consecutive tokens, each token's rows of every layer and kv head in the request's
+  // order (the source read once, in order).
+  const uint64_t per_part = std::max<uint64_t>(64, (req.num_tokens + 15) / 16);
+  auto tokens = [&](size_t part) {
+    const uint64_t t0 = part * per_part, t1 = std::min(req.num_tokens, t0 + per_part);
+    for (uint32_t li = 0; li < req.num_layers; ++li) {
+      if (!accepted.load(std::memory_order_relaxed)) return;
+      for (uint64_t t = t0; t < t1; ++t) {
+        for (uint32_t h = 0; h < hkv; ++h) {
+          const size_t src = ((li * req.num_tokens + t) * hkv + h) * row;
+          if (!checked_first &&
+              (!kernels::AcceptedValues(req.k.data() + src, row_elems, shape.dtype) ||
+               !kernels::AcceptedValues(req.v.data() + src, row_elems, shape.dtype))) {
+            accepted.store(false, std::memory_order_relaxed);
+            return;
+          }
+          uint8_t* slot = seq.Slot(seq.lanes_[seq.Lane(req.first_layer + li, h)], len0 + t);
+          std::memcpy(slot, req.k.data() + src, row);
+          std::memcpy(slot + row, req.v.data() + src, row);
+        }
+      }
+    }
+  };
+  const size_t parts = static_cast<size_t>((req.num_tokens + per_part - 1) / per_part);
+  if (2 * req.k.size() >= (1u << 20) && parts > 1) {
+    appenders_->Run(parts, tokens);
+  } else {
+    for (size_t part = 0; part < parts && accepted.load(std::memory_order_relaxed); ++part) {
+      tokens(part);
+    }
+  }
+  return accepted.load();
 }
 
 absl::StatusOr<GatherResult> Store::Gather(const GatherRequest& req, GatherAllocator alloc) {

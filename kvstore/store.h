@@ -42,6 +42,7 @@
 #include "kvstore/placement.h"
 #include "kvstore/shared_arena.h"
 #include "kvstore/types.h"
+#include "kvstore/worker_pool.h"
 
 namespace kvsparse::kvstore {
 
@@ -53,6 +54,12 @@ struct StoreOptions {
   uint64_t max_tokens_per_layer = 1ull << 24;  // token indices travel as uint32
   uint64_t max_gather_bytes = 256ull << 20;    // larger responses get RESOURCE_EXHAUSTED
   uint64_t max_append_bytes = 256ull << 20;    // K + V bytes of one append
+  // Threads besides the caller that copy a large append's rows into its pages (parts of
+  // consecutive tokens, at most 16; appends under 1 MiB of K and V are copied by the caller
+  // alone), so that a prompt's K and V are not copied by one thread (an 8k-token layer of a
+  // Llama-3.1-8B shape: 13.5 ms alone, 10 ms with a helper on the 2-core build machine; pages
+  // touched for the first time fault in parallel too: 36 against 10-12 ms). 0: the caller alone.
+  int append_helpers = 3;
   // Most sequences held at once (each costs bookkeeping even when empty); creating one more is
   // RESOURCE_EXHAUSTED. 0: no bound.
   size_t max_sequences = 0;
@@ -297,9 +304,16 @@ class Store {
   absl::Status TakeRoom(size_t pages, size_t bytes, const Sequence* requester,
                         absl::FunctionRef<absl::Status()> take) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Copies (and checks) the rows of tokens [len0, len0 + num_tokens) of `req` into `seq`'s
+  // pages, lanes in parallel on appenders_ when large; false when a value is not accepted
+  // (kernels::AcceptedValues; not checked when checked_first), some rows then written past the
+  // lengths (invisible).
+  bool CopyRows(const AppendRequest& req, Sequence& seq, uint64_t len0, bool checked_first);
+
   const StoreOptions options_;
   std::unique_ptr<MemoryResource> owned_memory_;
   PagePool pool_;
+  std::unique_ptr<WorkerPool> appenders_;  // options_.append_helpers threads
 
   mutable std::mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);

@@ -249,6 +249,46 @@ TEST(StoreTest, AppendRefusesNonFiniteAndHugeValues) {
   }
 }
 
+// An append of 1 MiB and more is copied in parts of consecutive tokens by the store's helper
+// threads (StoreOptions::append_helpers): every row lands where a single thread puts it, across
+// layers, kv heads and pages; a NaN in the last part's rows refuses the whole append (named as
+// before), and the sequence keeps exactly what it held, however far the other parts got.
+TEST(StoreTest, LargeAppendsCopyInPartsAndRefuseAsOne) {
+  const ModelShape s = Shape(DType::kFp32, 3, 4, 128);  // 512-byte rows: 24 KiB a token
+  auto store = NewStore(256 << 20);
+  ASSERT_TRUE(store->CreateSequence("a", s, {}).ok());
+  const uint64_t n = 1000;  // 24 MB of K and V in one append, 16 parts of 64 tokens
+  ASSERT_TRUE(AppendTokens(*store, "a", s, 0, 3, 0, n).ok());
+  std::vector<uint32_t> all(n);
+  for (uint32_t t = 0; t < n; ++t) all[t] = t;
+  for (uint32_t layer = 0; layer < 3; ++layer) {
+    auto g = DoGather(*store, "a", layer, {{0, all}, {3, all}});
+    ASSERT_TRUE(g.ok()) << g.status();
+    for (const HeadRows& hr : g->result.heads) {
+      for (uint32_t t = 0; t < n; ++t) {
+        ExpectRow(s, g->k.data() + (hr.row_offset + t) * s.row_bytes(), layer, hr.kv_head, t, 0);
+        ExpectRow(s, g->v.data() + (hr.row_offset + t) * s.row_bytes(), layer, hr.kv_head, t, 1);
+      }
+    }
+  }
+  const uint64_t used = store->Stats().bytes_used;
+  std::vector<uint8_t> k, v;
+  MakeRows(s, 0, 3, n, n, &k, &v);
+  // Layer 2, token 990 of the append (the last part), kv head 3, element 7.
+  const size_t at = ((2 * n + 990) * s.num_kv_heads + 3) * s.head_dim + 7;
+  kvsparse::kernels::StoreFromFloat(v.data(), at, s.dtype, std::nanf(""));
+  absl::StatusOr<AppendResult> got = store->Append(RequestOf("a", s, 0, 3, n, k, v));
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(absl::StrContains(got.status().message(),
+                                "layer 2, token 990 of the append, kv head 3, element 7"))
+      << got.status();
+  EXPECT_EQ(store->GetSequenceInfo("a")->layer_lengths, std::vector<uint64_t>(3, n));
+  EXPECT_EQ(store->Stats().bytes_used, used);
+  // And the same rows without the NaN append after it.
+  kvsparse::kernels::StoreFromFloat(v.data(), at, s.dtype, 1.f);
+  EXPECT_TRUE(store->Append(RequestOf("a", s, 0, 3, n, k, v)).ok());
+}
+
 // Under evict-lru a refused append (a NaN in K) evicts nobody to make room for itself: the idle
 // sequence that an accepted append of the same size evicts is still there after the refusal.
 TEST(StoreTest, RefusedAppendEvictsNothing) {
