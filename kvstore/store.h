@@ -305,9 +305,10 @@ class Store {
                         absl::FunctionRef<absl::Status()> take) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Copies (and checks) the rows of tokens [len0, len0 + num_tokens) of `req` into `seq`'s
-  // pages, lanes in parallel on appenders_ when large; false when a value is not accepted
-  // (kernels::AcceptedValues; not checked when checked_first), some rows then written past the
-  // lengths (invisible).
+  // pages, parts of consecutive tokens in parallel on appenders_ when large; false when a value is
+  // not accepted (kernels::AcceptedValues; not checked when checked_first), some rows then written
+  // past the lengths (invisible). REQUIRES: seq's lock held exclusively by the caller (the helpers
+  // write under it while the caller waits for them).
   bool CopyRows(const AppendRequest& req, Sequence& seq, uint64_t len0, bool checked_first);
 
   const StoreOptions options_;
