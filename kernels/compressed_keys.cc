@@ -199,6 +199,12 @@ void ApproximateScores(const CompressedKeysView& v, const float* q, float scale,
   }
 }
 
+float FloatAtLeast(double x) {
+  const float f = static_cast<float>(x);
+  return static_cast<double>(f) >= x ? f
+                                     : std::nextafter(f, std::numeric_limits<float>::infinity());
+}
+
 void UpperScores(const CompressedKeysView& v, const float* q, float scale, const float* approx,
                  double* upper) {
   const int32_t d = v.head_dim;
@@ -254,11 +260,7 @@ double LogSumExpOutside(const double* upper, int64_t n, const std::vector<int32_
 float MissedMassBound(double log_kept, double log_out) {
   if (log_out == -std::numeric_limits<double>::infinity()) return 0.f;
   if (!(log_out < std::numeric_limits<double>::infinity())) return 1.f;
-  const double share = 1.0 / (1.0 + std::exp(log_kept - log_out));
-  const float f = static_cast<float>(share);
-  return std::min(1.f, static_cast<double>(f) >= share
-                           ? f
-                           : std::nextafter(f, std::numeric_limits<float>::infinity()));
+  return std::min(1.f, FloatAtLeast(1.0 / (1.0 + std::exp(log_kept - log_out))));
 }
 
 }  // namespace kvsparse::kernels

@@ -134,6 +134,9 @@ void DecompressKey(const CompressedKeysView& v, int64_t t, float* out);
 // q: head_dim floats.
 void ApproximateScores(const CompressedKeysView& v, const float* q, float scale, float* out);
 
+// The smallest float >= x: a bound computed in double, kept a bound as a float.
+float FloatAtLeast(double x);
+
 // Upper bounds of the exact logits from the compressed keys' scores: upper[t] >= scale q . k_t
 // (and >= that logit as computed in float) for every token t < v.length, where approx[t] =
 // ApproximateScores(v, q, scale)[t]: s~_t + scale |q| err_t (the stored error norm) + the float

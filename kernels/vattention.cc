@@ -457,10 +457,7 @@ float CompressedLogitUpperBound(const CompressedKeysView& v, const float* q, flo
     }
     best = std::max(best, upper[static_cast<size_t>(t)]);
   }
-  // Rounded up to a float, so that the bound survives the conversion.
-  const float f = static_cast<float>(best);
-  return static_cast<double>(f) >= best ? f
-                                        : std::nextafter(f, std::numeric_limits<float>::infinity());
+  return FloatAtLeast(best);  // the bound survives the conversion
 }
 
 absl::Status VAttentionSelectCpu(const DecodeProblem& p, const VAttentionParams& params,

@@ -401,12 +401,11 @@ void DecodeMetrics::Record(engine::MethodKind method, const engine::DecodeResult
   PerMethod& pm = per_method_[m];
   // Sum over the call first: one update per series (a Decode of B sequences has B x Hkv heads).
   std::array<double, kTiers> bytes{}, rows{};
-  double dense = 0, budget_sum = 0, cached = 0;
+  double dense = 0, cached = 0;
   static const prometheus::Histogram::BucketBoundaries kBudgetBounds = BudgetBuckets();
-  std::vector<double> budget_buckets(kBudgetBounds.size() + 1, 0.0);
   static const prometheus::Histogram::BucketBoundaries kErrorBounds = StandardErrorBuckets();
   static const prometheus::Histogram::BucketBoundaries kMassBounds = MassBuckets();
-  Tally errors(kErrorBounds), missed(kMassBounds);
+  Tally budgets(kBudgetBounds), errors(kErrorBounds), missed(kMassBounds);
   uint64_t seqs = 0;
   for (const engine::HeadStats& h : r.heads) {
     // Rows are counted on the tier most of the head's bytes came from.
@@ -418,12 +417,7 @@ void DecodeMetrics::Record(engine::MethodKind method, const engine::DecodeResult
     rows[tier] += static_cast<double>(h.rows_fetched);
     cached += static_cast<double>(h.rows_cached);
     dense += static_cast<double>(h.dense_equivalent_bytes);
-    for (uint64_t b : h.budgets) {
-      const double x = static_cast<double>(b);
-      budget_sum += x;
-      budget_buckets[std::lower_bound(kBudgetBounds.begin(), kBudgetBounds.end(), x) -
-                     kBudgetBounds.begin()] += 1;
-    }
+    for (uint64_t b : h.budgets) budgets.Add(static_cast<double>(b));
     for (float e : h.standard_error) errors.Add(e);
     for (float e : h.missed_mass_bound) missed.Add(e);
     seqs = std::max<uint64_t>(seqs, h.sequence_index + 1);
@@ -434,7 +428,7 @@ void DecodeMetrics::Record(engine::MethodKind method, const engine::DecodeResult
   }
   pm.dense->Increment(dense);
   if (cached > 0) pm.cached->Increment(cached);
-  pm.budget->ObserveMultiple(budget_buckets, budget_sum);
+  budgets.Flush(pm.budget);
   errors.Flush(pm.standard_error);
   missed.Flush(pm.missed_mass);
   pm.sequences->Increment(static_cast<double>(seqs));

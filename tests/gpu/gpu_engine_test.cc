@@ -1174,7 +1174,8 @@ TEST_F(GpuEngineTest, CapturedStepsHashTopK) {
 // each step appends its key to the compressed keys on the device, closing a group where the
 // step fills one (250 -> 260 and 1020 -> 1030 cross 256 and 1024) with the bits the eager
 // path's sync gives (CompressKeyGroups: the CPU engine's bits), so the captured scores select
-// the eager rows; a short window and sink, so the steps' own tokens are chosen by their compressed scores.
+// the eager rows; a short window and sink, so the steps' own tokens are chosen by their compressed
+// scores.
 TEST_F(GpuEngineTest, CapturedStepsOverCompressedKeys) {
   for (uint32_t bits : {2u, 1u}) {
     kvstore::Placement p;

@@ -951,7 +951,7 @@ TEST(AttentionServiceTest, TopKStatesTheMassItLeavesOut) {
   auto r = (*attn)->Decode(Request(prob, topk));
   ASSERT_TRUE(r.ok()) << r.status().message();
   const int G = p.group_size(), d = p.head_dim;
-  std::vector<float> q(d);
+  std::vector<float> q(d), k(d);
   for (const v1::HeadStats& h : r->heads()) {
     ASSERT_EQ(h.missed_mass_bound_size(), G);
     EXPECT_EQ(h.standard_error_size(), 0);
@@ -965,7 +965,6 @@ TEST(AttentionServiceTest, TopKStatesTheMassItLeavesOut) {
       std::vector<double> s(n);
       double m = -INFINITY;
       for (int32_t tok = 0; tok < n; ++tok) {
-        std::vector<float> k(d);
         kernels::LoadRowAsFloat(p.k, kernels::KvRowOffset(p, b, j, tok), d, p.dtype, k.data());
         double dot = 0;
         for (int c = 0; c < d; ++c) dot += double{q[c]} * k[c];
