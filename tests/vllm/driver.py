@@ -4,7 +4,9 @@ token ids per prompt, and seconds; "then_methods" in the job (a list of per-requ
 lists) generates the same prompts again in the same engine with each, their tokens in "then".
 The plugin is on when the environment enables it (KVSPARSE_VLLM_METHOD, KVSPARSE_VLLM_TARGET);
 then it also reports how many requests the plugin began again after a preemption.
-"kv_cache_memory_bytes" in the job sizes vLLM's own KV cache (small: requests are preempted)."""
+"kv_cache_memory_bytes" in the job sizes vLLM's own KV cache (small: requests are preempted);
+"prefix_caching" turns vLLM's prefix caching on; "connector" configures kvsparse's KV connector
+(requests kvsparse fails end alone). Each generation's finish reasons are printed beside its tokens."""
 
 from __future__ import annotations
 
@@ -27,6 +29,9 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 def main() -> None:
     job = JOB
     extra = {"kv_cache_memory_bytes": job["kv_cache_memory_bytes"]} if "kv_cache_memory_bytes" in job else {}
+    if job.get("connector"):
+        extra["kv_transfer_config"] = {"kv_connector": "KvSparseConnector",
+                                       "kv_connector_module_path": "kvsparse.vllm.connector", "kv_role": "kv_both"}
     llm = LLM(
         model=job["model"],
         dtype=job.get("dtype", "float32"),
@@ -42,13 +47,17 @@ def main() -> None:
     )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
 
+    reasons: list[list[str]] = []
+
     def generate(methods: list[str | None]) -> list[list[int]]:
         params = [
             SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, detokenize=False,
                            extra_args={"kvsparse_method": m} if m else None)
             for n, m in zip(job["max_tokens"], methods)
         ]
-        return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        reasons.append([str(o.outputs[0].finish_reason) for o in outs])
+        return [list(o.outputs[0].token_ids) for o in outs]
 
     t0 = time.perf_counter()
     result: dict = {"tokens": generate(job.get("methods") or [None] * len(prompts))}
@@ -56,10 +65,13 @@ def main() -> None:
     # The same prompts again in the same engine, once per list of per-request methods
     # (one engine start for several generations).
     result["then"] = [generate(methods) for methods in job.get("then_methods", [])]
+    result["finish_reasons"] = reasons
     if os.environ.get("KVSPARSE_VLLM_METHOD"):  # the plugin ran in this process (one-process vLLM)
         from kvsparse.vllm.plugin import WORKER
 
         result["restarts"] = WORKER.restarts
+        result["prefix_imports"] = WORKER.prefix_imports
+        result["vllm_rows_skipped"] = WORKER.vllm_rows_skipped
         result["timing"] = WORKER.timing
         result["sale"] = {"prefills": WORKER.sale_prefills, "skipped": WORKER.sale_skipped}
     print(json.dumps(result))

@@ -10,7 +10,8 @@ pytest.importorskip("vllm")
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 
-from kvsparse.vllm.connector import BlockLedger, batch_order, step_rows  # noqa: E402
+from kvsparse.vllm.connector import batch_order, step_rows  # noqa: E402
+from kvsparse.vllm.plugin import BlockLedger  # noqa: E402
 
 
 def new_request(rid: str, computed: int, method: str | None = None) -> NewRequestData:

@@ -153,7 +153,7 @@ def test_a_captured_method_decodes_inside_vllms_full_cuda_graphs(model: str) -> 
     near-ties, with vLLM's prefix caching on (later prompts start after blocks of earlier ones). A
     request asking for another method fails alone naming the setting, and the requests that share
     its prompt's first blocks keep decoding: a failed request is named to vLLM by a block of its
-    own (kvsparse.vllm.connector.BlockLedger). Naming its first block, requests 2 and 3 ended with
+    own (kvsparse.vllm.plugin.BlockLedger). Naming its first block, requests 2 and 3 ended with
     request 1 on an H200 (docs/data/vllm-gpu-2026-12-01-full-graphs-h200/first-block-named.json)."""
     method = "top_k:top_k_fraction=0.25"
     outside = generate(model, method, logprobs=2, kvsparse_env={"KVSPARSE_VLLM_FULL_GRAPHS": "0"})

@@ -12,7 +12,10 @@ and leaving the batch and chunked prefill (256 tokens a step):
   refuses that budget), dense still with vLLM's tokens; prompts prefill through SALE when
   KVSPARSE_VLLM_SALE names thresholds (vLLM's tokens at tau 0, blocks skipped at a threshold);
 - finished requests leave no sequence in the store, also after 1,000 requests;
-- what the plugin cannot serve (prefix caching) stops vLLM with the reason;
+- with vLLM's prefix caching on, a request vLLM starts after a prefix it reused gets that prefix
+  from vLLM's cache (dense still vLLM's tokens); with the K/V in the store only it is refused
+  with the reason; a request kvsparse fails ends alone, the requests sharing its prefix go on;
+- a method that does not parse stops vLLM with the reason where no connector can fail it alone;
 - vLLM's OpenAI server (three processes) decodes through it, a request naming its method in
   vllm_xargs, and kvsparse's counters appear on vLLM's /metrics; with kvsparse's admission check
   (--middleware kvsparse.vllm.middleware.MethodCheck) a request naming an unknown method is
@@ -99,6 +102,8 @@ def test_dense_through_the_plugin_generates_vllms_tokens(model: str, server: kvs
     assert "error" not in through, through["error"]
     assert [len(t) for t in through["tokens"]] == MAX_TOKENS
     assert through["tokens"] == own_tokens
+    # Steps mixing decode rows with prompt chunks ran vLLM's attention for the prompt rows only.
+    assert through["vllm_rows_skipped"] > 0
     # Every prompt token and every generated token but the last went to the store: a K and a V
     # row per layer (2) and kv head (2).
     expected = 2 * 2 * 2 * sum(len(p) + n - 1 for p, n in zip(PROMPTS, MAX_TOKENS))
@@ -216,10 +221,49 @@ def test_a_thousand_requests_leave_no_sequence(model: str, server: kvsparse.Loca
     store_is_empty(server.target)
 
 
-def test_prefix_caching_is_refused_with_its_reason(model: str, server: kvsparse.LocalServer) -> None:
-    out = generate(model, server.target, "dense", prefix_caching=True)
-    assert "error" in out
-    assert "prefix caching" in out["error"]
+def test_prefix_caching_reads_the_reused_prefix_from_vllms_cache(model: str, server: kvsparse.LocalServer) -> None:
+    # PROMPTS extend each other, and the second generation in the same engine asks for them again:
+    # vLLM starts those requests after blocks of its prefix cache, which the plugin reads from
+    # vLLM's cache (vLLM's CPU layout) into the requests' new sequences. Dense gives vLLM's own
+    # tokens with prefix caching on, in both generations; a sparse method generates after a
+    # reused prefix too.
+    cached = dict(prefix_caching=True, then_methods=[[None] * len(PROMPTS)])
+    own = generate(model, None, **cached)
+    assert "error" not in own, own["error"]
+    through = generate(model, server.target, "dense", **cached)
+    assert "error" not in through, through["error"]
+    assert through["prefix_imports"] > 0, "vLLM reused no prefix: the test needs prompts that share blocks"
+    assert through["tokens"] == own["tokens"] and through["then"] == own["then"]
+    sparse = generate(model, server.target, "top_k:top_k_fraction=0.25,sink_tokens=8,local_tokens=8", **cached)
+    assert "error" not in sparse, sparse["error"]
+    assert sparse["prefix_imports"] > 0 and [len(t) for t in sparse["then"][0]] == MAX_TOKENS
+    store_is_empty(server.target)
+    # With the K/V in the store only vLLM's cache holds no prefix: refused, with the reason.
+    stored = generate(model, server.target, "dense", kv="store", prefix_caching=True)
+    assert "error" in stored and "prefix caching" in stored["error"] and "KVSPARSE_VLLM_KV=store" in stored["error"]
+
+
+def test_a_failed_request_ends_alone_beside_requests_sharing_its_prefix(model: str,
+                                                                         server: kvsparse.LocalServer) -> None:
+    # With prefix caching the requests share their prompts' first blocks. Request 1 names a method
+    # that does not parse: kvsparse's KV connector reports a block of its own as failed (naming
+    # its first block, a shared one, would have vLLM end every request holding it), so it ends
+    # with an error and the others generate vLLM's tokens.
+    own = generate(model, None, prefix_caching=True, then_methods=[[None] * len(PROMPTS)])
+    assert "error" not in own, own["error"]
+    out = generate(model, server.target, "dense", prefix_caching=True, connector=True,
+                   methods=[None, "bogus", None, None], then_methods=[[None, None, "bogus", None]])
+    assert "error" not in out, out["error"]
+    first, then = out["finish_reasons"]
+    assert first[1] not in ("length", "stop") and [first[r] for r in (0, 2, 3)] == ["length"] * 3, first
+    assert then[2] not in ("length", "stop") and [then[r] for r in (0, 1, 3)] == ["length"] * 3, then
+    assert [out["tokens"][r] for r in (0, 2, 3)] == [own["tokens"][r] for r in (0, 2, 3)]
+    assert [out["then"][0][r] for r in (0, 1, 3)] == [own["then"][0][r] for r in (0, 1, 3)]
+    store_is_empty(server.target)
+
+
+def test_a_bad_method_without_the_connector_stops_vllm_with_the_reason(model: str,
+                                                                         server: kvsparse.LocalServer) -> None:
     bad = generate(model, server.target, "top_k:no_such_field=1")
     assert "error" in bad and "no_such_field" in bad["error"]
     # A request's own bad method without kvsparse's KV connector: vLLM cannot be told to fail
@@ -236,14 +280,16 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def api_server(model: str, tmp_path: Path, env_extra: dict[str, str], *args: str) -> Iterator[tuple[str, Any]]:
-    """vLLM's OpenAI server (three processes) on a free port, serving once /health answers."""
+    """vLLM's OpenAI server (three processes) on a free port, serving once /health answers; vLLM's
+    prefix caching on, its default (the tests send one prompt more than once: later requests
+    start after its reused blocks)."""
     port = free_port()
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
                **env_extra)
     log = open(tmp_path / "api.log", "wb")
     api = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype",
                             "float32", "--max-model-len", "2048", "--enforce-eager", "--skip-tokenizer-init",
-                            "--no-enable-prefix-caching", "--port", str(port), *args], env=env, stdout=log,
+                            "--port", str(port), *args], env=env, stdout=log,
                            stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:

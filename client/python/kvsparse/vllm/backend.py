@@ -1,16 +1,26 @@
 """The attention backend of kvsparse's vLLM plugin (kvsparse.vllm.plugin says how it is enabled
 and what it does): vLLM's CPU attention backend whose decode rows are answered by kvsparse.
-Imported by vLLM (through the backend registry) in its worker process only."""
+Imported by vLLM (through the backend registry) in its worker process only.
+
+vLLM's prefix caching works with vLLM's cache kept (KVSPARSE_VLLM_KV=both): a request that vLLM
+starts after a prefix it reused from its prefix cache gets that prefix's K/V read from vLLM's
+paged cache (the request's blocks) into its new sequence, layer by layer, before its first rows.
+vLLM's CPU kernels lay a block's rows out for their instruction set (cpu_cache_layout finds where
+by writing through vLLM's own cache update). With the K/V in the store only, vLLM's cache holds
+no prefix and prefix caching is refused."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from vllm.config import get_current_vllm_config
+from vllm import _custom_ops as vllm_ops
+from vllm import envs as vllm_envs
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionBackend,
@@ -43,7 +53,10 @@ class KvSparseImpl(CPUAttentionBackendImpl):
                          logits_soft_cap, *args, **kwargs)
         refuse_unsupported(alibi_slopes, sliding_window, logits_soft_cap, kwargs.get("sinks"), kv_cache_dtype)
         config = get_current_vllm_config()
-        refuse_prefix_caching(config)
+        if store_only():
+            refuse_prefix_caching(config, why="with KVSPARSE_VLLM_KV=store vLLM's cache holds no K/V of a prefix "
+                                  "to reuse")
+        self.prefix_caching = bool(config.cache_config.enable_prefix_caching)
         WORKER.num_layers = config.model_config.get_num_layers(config.parallel_config)
         WORKER.connector = connector_configured(config)
         self.seed = int(os.environ.get(ENV_SEED, "0"))
@@ -79,7 +92,7 @@ class KvSparseImpl(CPUAttentionBackendImpl):
         shape = self.shape
         transport = w.transport()
         decode: list[int] = []  # rows answered by kvsparse
-        failed: list[int] = []  # rows of requests kvsparse failed (WORKER.fail): zeros
+        failed: list[int] = []  # rows of requests kvsparse failed (WORKER.fail): vLLM's attention, or zeros
         prefill = False
         for i, rid in enumerate(rows):
             a, b = qsl[i], qsl[i + 1]
@@ -90,12 +103,8 @@ class KvSparseImpl(CPUAttentionBackendImpl):
             try:
                 seq = w.sequence(rid, shape)
                 if seq.lengths[li] != start:
-                    if start != 0:
-                        raise RuntimeError(
-                            f"kvsparse holds {seq.lengths[li]} tokens of request {rid} at layer {li}, vLLM's "
-                            f"context is {start}"
-                        )
-                    seq = w.restart(rid, shape)  # preempted, recomputed from its first token
+                    seq = self._begin_at(transport, layer, li, rid, seq, start, kv_cache,
+                                         attn_metadata.block_table[i])
                 if b - a == 1 and start > 0:
                     decode.append(i)
                     continue
@@ -113,10 +122,23 @@ class KvSparseImpl(CPUAttentionBackendImpl):
                 continue
             seq.lengths[li] = start + b - a
             prefill = True
-        if not self.store_only and (prefill or not decode):
+        # vLLM's attention where its cache holds the K/V: for prompt rows, and for the rows of
+        # requests kvsparse failed, whose outputs feed the K/V the next layers write into vLLM's
+        # cache (blocks that prefix caching may hand to requests sharing the prompt).
+        vllm_ran = not self.store_only and bool(prefill or not decode or failed)
+        if vllm_ran:
             t0 = time.perf_counter()
-            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                            output_block_scale)
+            tail = getattr(attn_metadata, "prompt_tail", None)
+            if tail is not None and not failed and len(decode) == tail.first_row:
+                # The step's decode rows (the batch's first rows) are kvsparse's: vLLM's attention
+                # for the prompt rows after them only.
+                a = tail.first_token
+                super().forward(layer, query[a:], key[a:], value[a:], kv_cache, tail.metadata, output[a:],
+                                output_scale, output_block_scale)
+                w.vllm_rows_skipped += a
+            else:
+                super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                output_block_scale)
             timing["vllm_attention"] += time.perf_counter() - t0
         by_method: dict[Any, list[int]] = {}
         for i in decode:
@@ -144,10 +166,29 @@ class KvSparseImpl(CPUAttentionBackendImpl):
             out[tok] = result.to(out.dtype).view(len(idx), self.num_heads, self.head_size)
             for i in idx:
                 w.sequences[rows[i]].lengths[li] += 1
-        for i in failed:  # vLLM discards these rows' tokens when it fails the requests
-            out[qsl[i]:qsl[i + 1]] = 0
+        if not vllm_ran:  # no attention of vLLM's for them (vLLM discards their tokens)
+            for i in failed:
+                out[qsl[i]:qsl[i + 1]] = 0
         return output
 
+
+    def _begin_at(self, transport: Any, layer: Any, li: int, rid: str, seq: Any, start: int, kv_cache: torch.Tensor,
+                  blocks: torch.Tensor) -> Any:
+        """A request whose sequence does not hold the `start` tokens vLLM computed before this
+        step: preempted and recomputed (a fresh sequence), and, where vLLM starts it after a prefix
+        it reused from its prefix cache, that prefix read from vLLM's cache into this layer."""
+        held = seq.lengths[li]
+        if start > 0 and not self.prefix_caching:
+            raise RuntimeError(f"kvsparse holds {held} tokens of request {rid} at layer {li}, vLLM's context is "
+                               f"{start}")
+        if held > 0:
+            seq = WORKER.restart(rid, self.shape)  # preempted, recomputed from its first token
+        if start > 0:
+            k0, v0 = cached_prefix(kv_cache, blocks, start, layer.isa)
+            transport.append(seq.sequence_id, li, k0, v0, 0)
+            seq.lengths[li] = start
+            WORKER.prefix_imports += start if li == 0 else 0
+        return seq
 
     def _prompt_attention(self, transport: Any, sequence_id: str, layer: int, start: int, q: torch.Tensor,
                           k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:
@@ -184,8 +225,105 @@ class KvSparseImpl(CPUAttentionBackendImpl):
         super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
 
 
+# The bit patterns cpu_cache_layout writes: base + digit, finite numbers of the cache's dtype (as
+# integers of its width), one base-1024 digit of each element's index per pass.
+_PATTERN_BASE = {2: 0x3C00, 4: 0x3F800000}
+_DIGIT = 1024
+
+
+@functools.lru_cache(maxsize=8)
+def cpu_cache_layout(isa: str, block_size: int, head_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where vLLM's CPU cache update (ops.cpu_attn_reshape_and_cache, with instruction set `isa`)
+    puts element (token o of a block, channel c) of a K row and of a V row inside a block's interior
+    for one kv head: two index maps of block_size * head_size positions, entry o * head_size + c.
+    Found by writing distinct bit patterns through that same update into a scratch block and
+    reading where each landed; NotImplementedError when they do not land once each inside the
+    block (a layout this reading does not know)."""
+    width = torch.empty((), dtype=dtype).element_size()
+    if width not in _PATTERN_BASE:
+        raise NotImplementedError(f"kvsparse reads vLLM's CPU cache of 2- or 4-byte elements, not {dtype}")
+    as_int = {2: torch.int16, 4: torch.int32}[width]
+    n = block_size * head_size
+    index = torch.arange(n, dtype=torch.int64)
+    found = [torch.zeros(n, dtype=torch.int64), torch.zeros(n, dtype=torch.int64)]
+    scale = 1
+    while scale < n:
+        digit = (index // scale) % _DIGIT + _PATTERN_BASE[width]
+        rows = digit.to(as_int).view(dtype).view(block_size, 1, head_size)
+        cache = torch.zeros(1, 1, 2 * block_size, head_size, dtype=dtype)
+        k_cache, v_cache = cache.chunk(2, dim=2)
+        vllm_ops.cpu_attn_reshape_and_cache(rows, rows, k_cache, v_cache, torch.arange(block_size), isa)
+        for side, part in enumerate((k_cache, v_cache)):
+            got = part.reshape(-1).view(as_int).to(torch.int64) - _PATTERN_BASE[width]
+            if bool(((got < 0) | (got >= _DIGIT)).any()):
+                raise NotImplementedError(f"vLLM's CPU cache layout ({isa}) leaves parts of a block unwritten")
+            found[side] += got * scale
+        scale *= _DIGIT
+    maps = []
+    for f in found:  # f[position] = the element written there; invert it
+        where = torch.full((n,), -1, dtype=torch.int64)
+        where[f] = torch.arange(n, dtype=torch.int64)
+        if bool((where < 0).any()):
+            raise NotImplementedError(f"vLLM's CPU cache layout ({isa}) is not a permutation of a block's rows")
+        maps.append(where)
+    return maps[0], maps[1]
+
+
+def cached_prefix(kv_cache: torch.Tensor, blocks: torch.Tensor, tokens: int,
+                  isa: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K and V ([tokens, Hkv, d]) of a request's first `tokens` tokens from vLLM's CPU paged
+    cache ([blocks, Hkv, block size, 2 d]: per kv head a block's K rows, then its V rows, each laid
+    out as cpu_cache_layout finds) through its block ids (at least the blocks that hold them)."""
+    num_blocks, hkv, size, two_d = kv_cache.shape
+    d = two_d // 2
+    ids = blocks[:(tokens + size - 1) // size].long()
+    k_map, v_map = cpu_cache_layout(isa, size, d, kv_cache.dtype)
+    halves = kv_cache.view(num_blocks, hkv, 2, size * d)[ids]  # [blocks, Hkv, K or V, the interior]
+    out = []
+    for side, where in enumerate((k_map, v_map)):
+        rows = halves[:, :, side].index_select(2, where).view(len(ids), hkv, size, d)
+        out.append(rows.permute(0, 2, 1, 3).reshape(-1, hkv, d)[:tokens])
+    return out[0], out[1]
+
+
+@dataclass
+class PromptTail:
+    """The rows of a step from `first_row` on (from token `first_token`), each with more than one
+    token, and vLLM's attention metadata for them alone."""
+
+    first_row: int
+    first_token: int
+    metadata: Any
+
+
 class KvSparseMetadataBuilder(CPUAttentionMetadataBuilder):
-    pass
+    def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
+        """vLLM's metadata, and with vLLM's cache kept, where a step mixes decode rows (one token
+        each, first in vLLM's batch order) with prompt rows, also the metadata of the prompt rows
+        alone (`prompt_tail`): the backend then runs vLLM's attention for those only, the decode
+        rows being kvsparse's."""
+        meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        meta.prompt_tail = None
+        if store_only() or not isinstance(meta.causal, bool) or meta.dynamic_causal is not None:
+            return meta
+        counts = meta.query_start_loc.diff().tolist()
+        first = next((i for i, c in enumerate(counts) if c > 1), len(counts))
+        if first == 0 or first == len(counts) or any(c <= 1 for c in counts[first:]):
+            return meta
+        a = int(meta.query_start_loc[first])
+        starts = meta.query_start_loc[first:] - a
+        seq_lens = meta.seq_lens[first:]
+        scheduler = vllm_ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=len(counts) - first, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, seq_lens=seq_lens, dtype=self.dtype, query_start_loc=starts, causal=meta.causal,
+            sliding_window_size=self.window_size, isa=self.isa, enable_kv_split=vllm_envs.VLLM_CPU_ATTN_SPLIT_KV,
+            dynamic_causal=None, kv_cache_dtype=self.kv_cache_dtype)
+        tail = replace(meta, num_actual_tokens=meta.num_actual_tokens - a, max_query_len=max(counts[first:]),
+                       max_seq_len=int(seq_lens.max()), query_start_loc=starts, seq_lens=seq_lens,
+                       block_table=meta.block_table[first:], slot_mapping=meta.slot_mapping[a:],
+                       scheduler_metadata=scheduler)
+        meta.prompt_tail = PromptTail(first, a, tail)
+        return meta
 
 
 class KvSparseBackend(CPUAttentionBackend):

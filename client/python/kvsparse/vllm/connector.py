@@ -18,7 +18,6 @@ rows first, then by token count, which is the same order without speculative dec
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvsparse.vllm.plugin import EXTRA_ARG
+from kvsparse.vllm.plugin import EXTRA_ARG, BlockLedger
 
 VLLM_VERSION = "0.24.0"  # the vLLM whose batch order batch_order follows
 
@@ -55,53 +54,6 @@ def batch_order(num_scheduled_tokens: dict[str, int]) -> list[str]:
     """The order of a step's requests in vLLM 0.24.0's V2 model runner (its prepare_inputs):
     a stable sort of the scheduler's requests by their token counts."""
     return sorted(num_scheduled_tokens, key=num_scheduled_tokens.__getitem__)
-
-
-class BlockLedger:
-    """Each live request's KV blocks (the first group's), kept from the scheduler's outputs step
-    after step, and which of them no other live request holds. vLLM ends every request that holds
-    a block reported as failed to load, and with prefix caching requests share the blocks of a
-    common prefix (a system prompt): a failed request is named by a block of its own, its newest
-    one not shared (a block being written, the newest, never is), so the requests sharing its
-    prefix keep decoding."""
-
-    def __init__(self) -> None:
-        self.blocks: dict[str, list[int]] = {}
-        self.holders: Counter[int] = Counter()
-
-    def update(self, scheduler_output: Any) -> None:
-        gone = set(scheduler_output.finished_req_ids) | set(getattr(scheduler_output, "preempted_req_ids", None) or ())
-        for rid in gone:
-            self._drop(rid)
-        for r in scheduler_output.scheduled_new_reqs:
-            blocks = getattr(r, "block_ids", None)
-            self._drop(r.req_id)
-            self._add(r.req_id, list(blocks[0]) if blocks and blocks[0] else [])
-        cached = scheduler_output.scheduled_cached_reqs
-        resumed = getattr(cached, "resumed_req_ids", None) or set()
-        for rid, blocks in zip(cached.req_ids, getattr(cached, "new_block_ids", None) or ()):
-            if rid in resumed:  # a resumed request's blocks are all new
-                self._drop(rid)
-            if blocks and blocks[0]:
-                self._add(rid, list(blocks[0]))
-
-    def own_block(self, rid: str) -> int | None:
-        """The request's newest block no other live request holds (its newest where every one is
-        shared; None where it has none)."""
-        blocks = self.blocks.get(rid)
-        if not blocks:
-            return None
-        return next((b for b in reversed(blocks) if self.holders[b] == 1), blocks[-1])
-
-    def _add(self, rid: str, blocks: list[int]) -> None:
-        self.blocks.setdefault(rid, []).extend(blocks)
-        self.holders.update(blocks)
-
-    def _drop(self, rid: str) -> None:
-        for b in self.blocks.pop(rid, ()):
-            self.holders[b] -= 1
-            if self.holders[b] <= 0:
-                del self.holders[b]
 
 
 def step_rows(scheduler_output: Any, ledger: BlockLedger | None = None) -> StepRows:
@@ -174,8 +126,8 @@ class KvSparseConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """A block of each request kvsparse failed (its server unreachable, its sequence lost):
         vLLM's scheduler, with kv_load_failure_policy "fail" (its default), ends those requests
-        with an error and keeps serving the rest (on the CUDA build a block of the request's own,
-        BlockLedger; the CPU build, which refuses prefix caching, names its first)."""
+        with an error and keeps serving the rest. Each is a block of the request's own
+        (BlockLedger), so that requests sharing its prefix through vLLM's prefix cache go on."""
         if _on_cuda():
             from kvsparse.vllm.cuda_backend import CUDA_WORKER
 

@@ -159,7 +159,7 @@ class CudaWorker:
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why
     # The latest failures' reasons ("request id: why"), kept after vLLM ends the requests.
     failures: deque[str] = field(default_factory=lambda: deque(maxlen=64))
-    # request id -> a KV block of its own (kvsparse.vllm.connector.BlockLedger)
+    # request id -> a KV block of its own (kvsparse.vllm.plugin.BlockLedger)
     failure_blocks: dict[str, int] = field(default_factory=dict)
     figures: dict[str, _PlanFigures] = field(default_factory=dict)  # by method text
     layer_graphs: tuple[int, int] = (0, 0)  # layer graphs recorded and replayed by closed plans

@@ -10,7 +10,7 @@ is a ``vllm.general_plugins`` entry point, loaded by every vLLM process; without
     KVSPARSE_VLLM_SEED=0                                # the sampled methods' seed (default 0)
     KVSPARSE_VLLM_KV=both                               # or "store": the K/V in kvsparse only
     KVSPARSE_VLLM_SALE=sale.json                        # with "store": prompts through SALE
-    python -m vllm.entrypoints.openai.api_server --model ... --no-enable-prefix-caching
+    python -m vllm.entrypoints.openai.api_server --model ...
 
 A request may ask for another method: ``SamplingParams(extra_args={"kvsparse_method":
 "hash_top_k:top_k_fraction=0.05"})`` (``vllm_xargs`` in the OpenAI API).
@@ -37,9 +37,12 @@ How it works (vLLM 0.32, the V1 model runner):
   (``torch.ops.kvsparse.sale_prefill``: the CPU reference on vLLM's CPU build); the later chunks
   of a chunked prompt attend densely over the store's rows, as without it.
 
-Limits of this version, each refused with a message: prefix caching (a prefix vLLM reuses
-would be missing from the request's sequence), sliding windows, ALiBi, logits soft-capping,
-attention sinks, quantized KV caches.
+With vLLM's prefix caching (on by default), a request vLLM starts after a prefix it reused from
+its cache gets that prefix read from vLLM's paged cache into its sequence (both builds; refused
+with KVSPARSE_VLLM_KV=store, where vLLM's cache holds no K/V).
+
+Limits of this version, each refused with a message: sliding windows, ALiBi, logits
+soft-capping, attention sinks, quantized KV caches.
 
 On vLLM's CUDA build (vLLM 0.24.0) the backend is kvsparse.vllm.cuda_backend, in vLLM's custom
 backend slot, and the requests of a batch come from kvsparse's KV connector
@@ -56,6 +59,7 @@ import logging
 import os
 import threading
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -234,9 +238,9 @@ def cuda_settings() -> dict[str, Any]:
 
 def refuse_prefix_caching(config: Any, who: str = "kvsparse's vLLM plugin",
                           why: str = "a prefix vLLM reuses is not in the request's kvsparse sequence") -> None:
-    """Refuses vLLM's prefix caching where a backend cannot serve a reused prefix: the CPU build's
-    backend (the defaults) and the CUDA build's with the K/V in the store only (the CUDA build's
-    backend otherwise reads the prefix from vLLM's cache: kvsparse.vllm.cuda_backend)."""
+    """Refuses vLLM's prefix caching where a backend cannot serve a reused prefix: with the K/V
+    in the store only (KVSPARSE_VLLM_KV=store), on both builds; otherwise each backend reads the
+    prefix from vLLM's cache (kvsparse.vllm.backend, kvsparse.vllm.cuda_backend)."""
     if config.cache_config.enable_prefix_caching:
         raise ValueError(f"{who} needs prefix caching off (--no-enable-prefix-caching, or "
                          f"enable_prefix_caching=False): {why}")
@@ -255,6 +259,61 @@ def refuse_unsupported(alibi_slopes: Any, sliding_window: Any, logits_soft_cap: 
     for what, present in refused.items():
         if present:
             raise NotImplementedError(f"kvsparse's vLLM plugin does not support {what} in this version")
+
+
+class BlockLedger:
+    """Each live request's KV blocks (the first group's), kept from the scheduler's outputs step
+    after step (the connector, both builds) or from the model runner's requests (the CPU build's
+    worker), and which of them no other live request holds. vLLM ends every request that holds
+    a block reported as failed to load, and with prefix caching requests share the blocks of a
+    common prefix (a system prompt): a failed request is named by a block of its own, its newest
+    one not shared (a block being written, the newest, never is), so the requests sharing its
+    prefix keep decoding."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, list[int]] = {}
+        self.holders: Counter[int] = Counter()
+
+    def update(self, scheduler_output: Any) -> None:
+        gone = set(scheduler_output.finished_req_ids) | set(getattr(scheduler_output, "preempted_req_ids", None) or ())
+        for rid in gone:
+            self.drop(rid)
+        for r in scheduler_output.scheduled_new_reqs:
+            blocks = getattr(r, "block_ids", None)
+            self.drop(r.req_id)
+            self._add(r.req_id, list(blocks[0]) if blocks and blocks[0] else [])
+        cached = scheduler_output.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", None) or set()
+        for rid, blocks in zip(cached.req_ids, getattr(cached, "new_block_ids", None) or ()):
+            if rid in resumed:  # a resumed request's blocks are all new
+                self.drop(rid)
+            if blocks and blocks[0]:
+                self._add(rid, list(blocks[0]))
+
+    def replace(self, rid: str, blocks: list[int]) -> None:
+        """A request's blocks, all of them (the worker side of vLLM's CPU build, which sees each
+        request's whole list every step)."""
+        self.drop(rid)
+        self._add(rid, blocks)
+
+    def own_block(self, rid: str) -> int | None:
+        """The request's newest block no other live request holds (its newest where every one is
+        shared; None where it has none)."""
+        blocks = self.blocks.get(rid)
+        if not blocks:
+            return None
+        return next((b for b in reversed(blocks) if self.holders[b] == 1), blocks[-1])
+
+    def _add(self, rid: str, blocks: list[int]) -> None:
+        self.blocks.setdefault(rid, []).extend(blocks)
+        self.holders.update(blocks)
+
+    def drop(self, rid: str) -> None:
+        """Forgets a request (finished, preempted or failed) and its blocks."""
+        for b in self.blocks.pop(rid, ()):
+            self.holders[b] -= 1
+            if self.holders[b] <= 0:
+                del self.holders[b]
 
 
 @dataclass
@@ -286,10 +345,16 @@ class Worker:
     step: int = 0
     num_layers: int = 0
     restarts: int = 0  # sequences begun again: requests preempted and recomputed
-    # Requests kvsparse failed (request id -> reason) and each live request's first KV block in
-    # vLLM's cache (how the connector names a request to vLLM's scheduler).
+    # Requests kvsparse failed (request id -> reason) and each live request's KV blocks in vLLM's
+    # cache (the connector names a failed request to vLLM's scheduler by a block of its own).
     failed: dict[str, str] = field(default_factory=dict)
-    first_blocks: dict[str, int] = field(default_factory=dict)
+    blocks: BlockLedger = field(default_factory=BlockLedger)
+    # Prompt tokens read from vLLM's paged cache into sequences: prefixes vLLM reused from its
+    # prefix cache (kvsparse.vllm.backend).
+    prefix_imports: int = 0
+    # Rows of steps that mixed decode and prompt rows left out of vLLM's attention (the decode rows,
+    # kvsparse's), over the layers (kvsparse.vllm.backend).
+    vllm_rows_skipped: int = 0
     connector: bool = False  # kvsparse's KV connector is configured: failures can be reported
     # Seconds in the backend's forward (all layers and steps), split: vLLM's own attention
     # (prompt rows), the transport's calls (append and decode: gRPC or the op), and the engine's
@@ -334,11 +399,13 @@ class Worker:
                 self.drop(rid)
                 self.methods.pop(rid, None)
                 self.failed.pop(rid, None)
-                self.first_blocks.pop(rid, None)
+                self.blocks.drop(rid)
+            for rid in [r for r in self.blocks.blocks if r not in requests]:  # preempted
+                self.blocks.drop(rid)
             for rid in req_ids:
                 blocks = getattr(requests.get(rid), "block_ids", None)
                 if blocks and blocks[0]:
-                    self.first_blocks[rid] = blocks[0][0]
+                    self.blocks.replace(rid, list(blocks[0]))
                 if rid not in self.methods:
                     try:
                         self.methods[rid] = self._method_of(requests.get(rid))
@@ -361,10 +428,12 @@ class Worker:
             self.sequences.pop(rid, None)
 
     def failed_blocks(self) -> set[int]:
-        """The first KV block of every failed request vLLM still runs: what the connector
-        reports as blocks that failed to load (vLLM's kv_load_failure_policy "fail" then ends
-        those requests with an error)."""
-        return {self.first_blocks[r] for r in self.failed if r in self.first_blocks}
+        """A KV block of its own (BlockLedger) of every failed request vLLM still runs: what the
+        connector reports as blocks that failed to load (vLLM's kv_load_failure_policy "fail"
+        then ends those requests with an error, and only those: with prefix caching others may
+        hold the failed request's prefix blocks)."""
+        own = (self.blocks.own_block(r) for r in self.failed)
+        return {b for b in own if b is not None}
 
     def _method_of(self, request: Any) -> Method:
         params = getattr(request, "sampling_params", None)
