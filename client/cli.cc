@@ -4,7 +4,7 @@
 //
 // --target is the server called (for decode: the worker); --store_target the store when it is
 // another server (a split deployment), as the Python client's Client(target, store_target=...).
-// Commands: health, create, drop, append, gather, info, list, stats, bench-gather, decode.
+// Commands: health, create, drop, append, gather, info, list, stats, bench-gather, decode, method.
 // Run `kvsparse --help` for every flag.
 #include <algorithm>
 #include <chrono>
@@ -28,10 +28,12 @@
 #include "client/attention_client.h"
 #include "client/kvstore_client.h"
 #include "client/synthetic.h"
+#include "google/protobuf/text_format.h"
 #include "kernels/dtype.h"
 #include "rpc/build_info.h"
 #include "rpc/dtype.h"
 #include "rpc/flags_help.h"
+#include "rpc/method_text.h"
 
 ABSL_FLAG(std::string, target, "127.0.0.1:50051",
           "the kvsparse-server to call (host:port): decode goes to it (in a split deployment, the "
@@ -86,33 +88,11 @@ ABSL_FLAG(uint32_t, compressed_key_bits, 0,
           "(0: none; 1, 2, 4 or 8)");
 // decode
 ABSL_FLAG(std::string, method, "dense",
-          "decode: dense, santa, hash_top_k, vattention, saap or top_k");
-ABSL_FLAG(uint32_t, samples, 128, "decode santa: samples S per query head");
-ABSL_FLAG(std::string, allocation, "prop", "decode santa: global, prop or flash");
-ABSL_FLAG(uint32_t, tile_size, 0, "decode santa: tile size (0: server default)");
-ABSL_FLAG(uint32_t, sink, 128, "decode hash_top_k/vattention/saap/top_k: sink tokens");
-ABSL_FLAG(uint32_t, local, 128, "decode hash_top_k/vattention/saap/top_k: local window tokens");
-ABSL_FLAG(double, top_k_fraction, 0.05,
-          "decode hash_top_k/vattention/top_k: top-k as a fraction of n");
-ABSL_FLAG(std::string, scores, "",
-          "decode top_k/santa: compressed (the sequence's compressed keys) or exact (the oracle "
-          "for top_k); empty: the method's default (top_k compressed, santa exact)");
-ABSL_FLAG(std::string, correction, "ratio",
-          "decode santa with --scores=compressed: ratio (fetch the sampled K rows, weight by "
-          "exact over approximate) or none (V rows only, estimates softmax of the approximate "
-          "scores)");
-ABSL_FLAG(std::string, proposal, "head",
-          "decode santa with --scores=compressed: head (each query head draws its samples) or "
-          "group (the kv head draws them once from its heads' mean softmax: fewer rows)");
-ABSL_FLAG(uint32_t, probes, 8, "decode saap: buckets visited per kv head");
-ABSL_FLAG(double, epsilon, 0.05, "decode vattention: relative error target");
-ABSL_FLAG(double, delta, 0.05, "decode vattention: failure probability");
-ABSL_FLAG(double, base_rate, 0.05, "decode vattention: base sample rate f_b");
-ABSL_FLAG(std::string, predictor, "hash",
-          "decode vattention: hash, exact or compressed (the sequence's compressed keys)");
-ABSL_FLAG(std::string, residual_sampler, "uniform",
-          "decode vattention: uniform (the paper's) or importance (draws proportional to the "
-          "predictor's scores; --predictor=exact or compressed)");
+          "decode, method: the method in its text form, name or name:field=value,... (the "
+          "proto's fields and words, every field left out at its default; the Python "
+          "package's parse_method reads the same text), e.g. top_k:top_k_fraction=0.05 or "
+          "santa:samples=256,scores=compressed. `kvsparse method --method=TEXT` prints every "
+          "field");
 ABSL_FLAG(bool, compare_dense, true, "decode: also run dense and print the relative L2 error");
 ABSL_FLAG(std::string, query, "needle",
           "decode: needle (each query head aimed at one stored key: a peaked, retrieval-like "
@@ -386,103 +366,15 @@ int CmdGather(KvStoreClient& c) {
   return 0;
 }
 
-absl::StatusOr<v1::Method> MethodFromFlags() {
-  v1::Method m;
-  const std::string name = absl::GetFlag(FLAGS_method);
-  if (name == "dense") {
-    m.mutable_dense();
-  } else if (name == "santa") {
-    v1::SantaParams* s = m.mutable_santa();
-    s->set_samples(absl::GetFlag(FLAGS_samples));
-    s->set_tile_size(absl::GetFlag(FLAGS_tile_size));
-    const std::string a = absl::GetFlag(FLAGS_allocation);
-    if (a == "global") {
-      s->set_allocation(v1::SANTA_ALLOCATION_GLOBAL);
-    } else if (a == "prop") {
-      s->set_allocation(v1::SANTA_ALLOCATION_PROP);
-    } else if (a == "flash") {
-      s->set_allocation(v1::SANTA_ALLOCATION_FLASH);
-    } else {
-      return absl::InvalidArgumentError("--allocation must be global, prop or flash");
-    }
-    const std::string scores = absl::GetFlag(FLAGS_scores);
-    if (scores == "compressed") {
-      s->set_scores(v1::SCORE_SOURCE_COMPRESSED_KEYS);
-    } else if (scores == "exact" || scores.empty()) {
-      s->set_scores(v1::SCORE_SOURCE_EXACT);
-    } else {
-      return absl::InvalidArgumentError("--scores must be compressed or exact");
-    }
-    const std::string correction = absl::GetFlag(FLAGS_correction);
-    if (correction == "ratio") {
-      s->set_correction(v1::SANTA_CORRECTION_RATIO);
-    } else if (correction == "none") {
-      s->set_correction(v1::SANTA_CORRECTION_NONE);
-    } else {
-      return absl::InvalidArgumentError("--correction must be ratio or none");
-    }
-    const std::string proposal = absl::GetFlag(FLAGS_proposal);
-    if (proposal == "head") {
-      s->set_proposal(v1::SANTA_PROPOSAL_PER_HEAD);
-    } else if (proposal == "group") {
-      s->set_proposal(v1::SANTA_PROPOSAL_GROUP);
-    } else {
-      return absl::InvalidArgumentError("--proposal must be head or group");
-    }
-  } else if (name == "hash_top_k") {
-    v1::HashTopKParams* h = m.mutable_hash_top_k();
-    h->set_sink_tokens(absl::GetFlag(FLAGS_sink));
-    h->set_local_tokens(absl::GetFlag(FLAGS_local));
-    h->set_top_k_fraction(static_cast<float>(absl::GetFlag(FLAGS_top_k_fraction)));
-  } else if (name == "vattention") {
-    v1::VAttentionParams* v = m.mutable_vattention();
-    v->set_epsilon(static_cast<float>(absl::GetFlag(FLAGS_epsilon)));
-    v->set_delta(static_cast<float>(absl::GetFlag(FLAGS_delta)));
-    v->set_sink_tokens(absl::GetFlag(FLAGS_sink));
-    v->set_local_tokens(absl::GetFlag(FLAGS_local));
-    v->set_top_k_fraction(static_cast<float>(absl::GetFlag(FLAGS_top_k_fraction)));
-    v->set_base_rate(static_cast<float>(absl::GetFlag(FLAGS_base_rate)));
-    const std::string predictor = absl::GetFlag(FLAGS_predictor);
-    if (predictor == "hash") {
-      v->set_predictor(v1::TOP_K_PREDICTOR_HASH);
-    } else if (predictor == "exact") {
-      v->set_predictor(v1::TOP_K_PREDICTOR_EXACT);
-    } else if (predictor == "compressed") {
-      v->set_predictor(v1::TOP_K_PREDICTOR_COMPRESSED);
-    } else {
-      return absl::InvalidArgumentError("--predictor must be hash, exact or compressed");
-    }
-    const std::string sampler = absl::GetFlag(FLAGS_residual_sampler);
-    if (sampler == "uniform") {
-      v->set_sampler(v1::RESIDUAL_SAMPLER_UNIFORM);
-    } else if (sampler == "importance") {
-      v->set_sampler(v1::RESIDUAL_SAMPLER_IMPORTANCE);
-    } else {
-      return absl::InvalidArgumentError("--residual_sampler must be uniform or importance");
-    }
-  } else if (name == "saap") {
-    v1::SaapParams* s = m.mutable_saap();
-    s->set_probes(absl::GetFlag(FLAGS_probes));
-    s->set_sink_tokens(absl::GetFlag(FLAGS_sink));
-    s->set_local_tokens(absl::GetFlag(FLAGS_local));
-  } else if (name == "top_k") {
-    v1::TopKParams* t = m.mutable_top_k();
-    t->set_sink_tokens(absl::GetFlag(FLAGS_sink));
-    t->set_local_tokens(absl::GetFlag(FLAGS_local));
-    t->set_top_k_fraction(static_cast<float>(absl::GetFlag(FLAGS_top_k_fraction)));
-    const std::string scores = absl::GetFlag(FLAGS_scores);
-    if (scores == "exact") {
-      t->set_scores(v1::SCORE_SOURCE_EXACT);
-    } else if (scores == "compressed" || scores.empty()) {
-      t->set_scores(v1::SCORE_SOURCE_COMPRESSED_KEYS);
-    } else {
-      return absl::InvalidArgumentError("--scores must be compressed or exact");
-    }
-  } else {
-    return absl::InvalidArgumentError(
-        "--method must be dense, santa, hash_top_k, vattention, saap or top_k");
-  }
-  return m;
+// The method of --method with every field: its text form (what differs from the defaults) and
+// the message the server gets. No server is asked.
+int CmdMethod() {
+  absl::StatusOr<v1::Method> m = rpc::MethodFromText(absl::GetFlag(FLAGS_method));
+  if (!m.ok()) return Fail("method", m.status());
+  std::string text;
+  google::protobuf::TextFormat::PrintToString(*m, &text);
+  std::printf("%s\n%s", rpc::MethodText(*m).c_str(), text.c_str());
+  return 0;
 }
 
 // One decode step of one layer for --seq (comma-separated ids) with a random query: what was
@@ -492,7 +384,7 @@ int CmdDecode(KvStoreClient& c) {
   std::vector<std::string> ids = absl::StrSplit(absl::GetFlag(FLAGS_seq), ',', absl::SkipEmpty());
   auto info = c.GetSequenceInfo(ids[0]);
   if (!info.ok()) return Fail("decode", info.status());
-  auto method = MethodFromFlags();
+  auto method = rpc::MethodFromText(absl::GetFlag(FLAGS_method));
   if (!method.ok()) return Fail("decode", method.status());
   const v1::ModelShape& shape = info->shape();
   v1::DecodeRequest req;
@@ -716,8 +608,8 @@ int main(int argc, char** argv) {
       "  gather --seq=ID [--layer --heads --indices|--random_rows --kind --unique --verify]\n"
       "  info --seq=ID | list | stats\n"
       "  bench-gather --seq=ID [--rows=4096 --iters --kind=v --heads]\n"
-      "  decode --seq=ID[,ID...] [--layer --method=dense|santa|hash_top_k|vattention|saap|top_k\n"
-      "                            ...]");
+      "  decode --seq=ID[,ID...] [--layer --method=NAME[:FIELD=VALUE,...] --query]\n"
+      "  method --method=NAME[:FIELD=VALUE,...]   the method's every field (no server)");
   absl::FlagsUsageConfig usage;
   usage.version_string = [] { return kvsparse::BuildInfoLine("kvsparse") + "\n"; };
   absl::SetFlagsUsageConfig(usage);
@@ -729,14 +621,16 @@ int main(int argc, char** argv) {
   }
   const std::string cmd = args[1];
   // An unknown command is answered before any connection is tried.
-  static const char* const kCommands[] = {"health", "create", "drop",  "append",       "gather",
-                                          "info",   "list",   "stats", "bench-gather", "decode"};
+  static const char* const kCommands[] = {"health",       "create", "drop",  "append",
+                                          "gather",       "info",   "list",  "stats",
+                                          "bench-gather", "decode", "method"};
   if (std::find(std::begin(kCommands), std::end(kCommands), cmd) == std::end(kCommands)) {
     std::fprintf(stderr, "unknown command '%s'\n%s\n", cmd.c_str(),
                  std::string(absl::ProgramUsageMessage()).c_str());
     return 2;
   }
   using namespace kvsparse::client;
+  if (cmd == "method") return CmdMethod();
   if (!absl::GetFlag(FLAGS_worker).empty()) {
     std::fprintf(stderr,
                  "--worker is gone: name the worker with --target and the store with "

@@ -1,8 +1,10 @@
 #include "rpc/convert.h"
 
 #include <cmath>
+#include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "rpc/method_text.h"
 
 namespace kvsparse::rpc {
 
@@ -193,12 +195,11 @@ void ToProto(const kvstore::StoreStats& st, v1::StoreStats* out) {
 namespace {
 
 // An enum field of a method: the engine's value for the wire's, from `table` ({wire, engine}
-// pairs); UNSPECIFIED (0) is the field's default `unset`. INVALID_ARGUMENT naming the field for
-// any other value (a newer client's, or a malformed message).
-template <typename W, typename E>
-absl::StatusOr<E> EnumOf(W value, const char* field, E unset,
-                         std::initializer_list<std::pair<W, E>> table) {
-  if (static_cast<int>(value) == 0) return unset;
+// pairs). UNSPECIFIED was replaced by the field's text_default before (FillUnsetWords, the one
+// home of the defaults). INVALID_ARGUMENT naming the field for any other value (a newer
+// client's, or a malformed message).
+template <typename E, typename W>
+absl::StatusOr<E> EnumOf(W value, const char* field, std::initializer_list<std::pair<W, E>> table) {
   for (const auto& [wire, engine] : table) {
     if (value == wire) return engine;
   }
@@ -221,47 +222,42 @@ absl::StatusOr<int32_t> CountOf(uint32_t value, const char* field, uint32_t max)
     if (!kvs_value.ok()) return kvs_value.status(); \
     lhs = *kvs_value;                               \
   } while (0)
+// lhs = EnumOf(value, field, {{wire, engine}, ...}), the engine's type from lhs.
+#define KVS_ENUM(lhs, value, field, ...) \
+  KVS_ASSIGN(lhs, (EnumOf<std::decay_t<decltype(lhs)>>(value, field, __VA_ARGS__)))
 
 constexpr uint32_t kMaxTokens = 1u << 30;
 
 absl::Status SantaFromProto(const v1::SantaParams& s, kernels::SantaParams* p) {
   using kernels::SantaAllocation;
   using kernels::SantaSampler;
-  KVS_ASSIGN(p->sampler, EnumOf(s.sampler(), "santa.sampler", SantaSampler::kSystematic,
-                                {{v1::SANTA_SAMPLER_IID, SantaSampler::kIid},
-                                 {v1::SANTA_SAMPLER_STRATIFIED, SantaSampler::kStratified},
-                                 {v1::SANTA_SAMPLER_SYSTEMATIC, SantaSampler::kSystematic}}));
-  KVS_ASSIGN(p->allocation, EnumOf(s.allocation(), "santa.allocation", SantaAllocation::kProp,
-                                   {{v1::SANTA_ALLOCATION_GLOBAL, SantaAllocation::kGlobal},
-                                    {v1::SANTA_ALLOCATION_PROP, SantaAllocation::kProp},
-                                    {v1::SANTA_ALLOCATION_FLASH, SantaAllocation::kFlash}}));
+  KVS_ENUM(p->sampler, s.sampler(), "santa.sampler",
+           {{v1::SANTA_SAMPLER_IID, SantaSampler::kIid},
+            {v1::SANTA_SAMPLER_STRATIFIED, SantaSampler::kStratified},
+            {v1::SANTA_SAMPLER_SYSTEMATIC, SantaSampler::kSystematic}});
+  KVS_ENUM(p->allocation, s.allocation(), "santa.allocation",
+           {{v1::SANTA_ALLOCATION_GLOBAL, SantaAllocation::kGlobal},
+            {v1::SANTA_ALLOCATION_PROP, SantaAllocation::kProp},
+            {v1::SANTA_ALLOCATION_FLASH, SantaAllocation::kFlash}});
   KVS_ASSIGN(p->samples, CountOf(s.samples(), "santa.samples", 1u << 24));
   KVS_ASSIGN(p->tile_size, CountOf(s.tile_size(), "santa.tile_size", 1u << 24));  // 0: default
   KVS_ASSIGN(p->bernoulli_qk_samples,
              CountOf(s.bernoulli_qk_samples(), "santa.bernoulli_qk_samples", 1024));
-  KVS_ASSIGN(
-      p->bernoulli_mode,
-      EnumOf(
-          s.bernoulli_mode(), "santa.bernoulli_mode", kernels::BernoulliQkMode::kMeanGroupQuery,
-          {{v1::BERNOULLI_QK_MODE_PER_HEAD, kernels::BernoulliQkMode::kPerHead},
-           {v1::BERNOULLI_QK_MODE_MEAN_GROUP_QUERY, kernels::BernoulliQkMode::kMeanGroupQuery}}));
-  KVS_ASSIGN(p->bernoulli_sampler,
-             EnumOf(s.bernoulli_sampler(), "santa.bernoulli_sampler",
-                    kernels::BernoulliSampler::kStratified,
-                    {{v1::BERNOULLI_SAMPLER_IID, kernels::BernoulliSampler::kIid},
-                     {v1::BERNOULLI_SAMPLER_STRATIFIED, kernels::BernoulliSampler::kStratified}}));
-  KVS_ASSIGN(p->scores,
-             EnumOf(s.scores(), "santa.scores", kernels::ScoreSource::kExact,
-                    {{v1::SCORE_SOURCE_EXACT, kernels::ScoreSource::kExact},
-                     {v1::SCORE_SOURCE_COMPRESSED_KEYS, kernels::ScoreSource::kCompressedKeys}}));
-  KVS_ASSIGN(p->correction,
-             EnumOf(s.correction(), "santa.correction", kernels::SantaCorrection::kRatio,
-                    {{v1::SANTA_CORRECTION_RATIO, kernels::SantaCorrection::kRatio},
-                     {v1::SANTA_CORRECTION_NONE, kernels::SantaCorrection::kNone}}));
-  KVS_ASSIGN(p->proposal,
-             EnumOf(s.proposal(), "santa.proposal", kernels::SantaProposal::kPerHead,
-                    {{v1::SANTA_PROPOSAL_PER_HEAD, kernels::SantaProposal::kPerHead},
-                     {v1::SANTA_PROPOSAL_GROUP, kernels::SantaProposal::kGroupMixture}}));
+  KVS_ENUM(p->bernoulli_mode, s.bernoulli_mode(), "santa.bernoulli_mode",
+           {{v1::BERNOULLI_QK_MODE_PER_HEAD, kernels::BernoulliQkMode::kPerHead},
+            {v1::BERNOULLI_QK_MODE_MEAN_GROUP_QUERY, kernels::BernoulliQkMode::kMeanGroupQuery}});
+  KVS_ENUM(p->bernoulli_sampler, s.bernoulli_sampler(), "santa.bernoulli_sampler",
+           {{v1::BERNOULLI_SAMPLER_IID, kernels::BernoulliSampler::kIid},
+            {v1::BERNOULLI_SAMPLER_STRATIFIED, kernels::BernoulliSampler::kStratified}});
+  KVS_ENUM(p->scores, s.scores(), "santa.scores",
+           {{v1::SCORE_SOURCE_EXACT, kernels::ScoreSource::kExact},
+            {v1::SCORE_SOURCE_COMPRESSED_KEYS, kernels::ScoreSource::kCompressedKeys}});
+  KVS_ENUM(p->correction, s.correction(), "santa.correction",
+           {{v1::SANTA_CORRECTION_RATIO, kernels::SantaCorrection::kRatio},
+            {v1::SANTA_CORRECTION_NONE, kernels::SantaCorrection::kNone}});
+  KVS_ENUM(p->proposal, s.proposal(), "santa.proposal",
+           {{v1::SANTA_PROPOSAL_PER_HEAD, kernels::SantaProposal::kPerHead},
+            {v1::SANTA_PROPOSAL_GROUP, kernels::SantaProposal::kGroupMixture}});
   return absl::OkStatus();
 }
 
@@ -281,10 +277,9 @@ absl::Status TopKFromProto(const v1::TopKParams& t, kernels::ScoreTopKParams* p)
   KVS_ASSIGN(p->local_tokens, CountOf(t.local_tokens(), "top_k.local_tokens", kMaxTokens));
   KVS_ASSIGN(p->top_k, CountOf(t.top_k(), "top_k.top_k", kMaxTokens));
   p->top_k_fraction = t.top_k_fraction();
-  KVS_ASSIGN(p->source,
-             EnumOf(t.scores(), "top_k.scores", kernels::ScoreSource::kCompressedKeys,
-                    {{v1::SCORE_SOURCE_EXACT, kernels::ScoreSource::kExact},
-                     {v1::SCORE_SOURCE_COMPRESSED_KEYS, kernels::ScoreSource::kCompressedKeys}}));
+  KVS_ENUM(p->source, t.scores(), "top_k.scores",
+           {{v1::SCORE_SOURCE_EXACT, kernels::ScoreSource::kExact},
+            {v1::SCORE_SOURCE_COMPRESSED_KEYS, kernels::ScoreSource::kCompressedKeys}});
   return absl::OkStatus();
 }
 
@@ -310,30 +305,33 @@ absl::Status VAttentionFromProto(const v1::VAttentionParams& v, engine::Method* 
   KVS_ASSIGN(p.local_tokens, CountOf(v.local_tokens(), "vattention.local_tokens", kMaxTokens));
   KVS_ASSIGN(p.top_k, CountOf(v.top_k(), "vattention.top_k", kMaxTokens));
   KVS_ASSIGN(p.bits, CountOf(v.bits(), "vattention.bits", 256));
-  KVS_ASSIGN(p.predictor, EnumOf(v.predictor(), "vattention.predictor", TopKPredictor::kHash,
-                                 {{v1::TOP_K_PREDICTOR_EXACT, TopKPredictor::kExact},
-                                  {v1::TOP_K_PREDICTOR_COMPRESSED, TopKPredictor::kCompressed},
-                                  {v1::TOP_K_PREDICTOR_HASH, TopKPredictor::kHash}}));
-  KVS_ASSIGN(p.bound, EnumOf(v.bound(), "vattention.bound", BudgetBound::kClt,
-                             {{v1::BUDGET_BOUND_HOEFFDING, BudgetBound::kHoeffding},
-                              {v1::BUDGET_BOUND_CLT_RATIO, BudgetBound::kCltRatio},
-                              {v1::BUDGET_BOUND_CLT, BudgetBound::kClt}}));
-  KVS_ASSIGN(p.sampler, EnumOf(v.sampler(), "vattention.sampler", ResidualSampler::kUniform,
-                               {{v1::RESIDUAL_SAMPLER_IMPORTANCE, ResidualSampler::kImportance},
-                                {v1::RESIDUAL_SAMPLER_UNIFORM, ResidualSampler::kUniform}}));
-  KVS_ASSIGN(p.target, EnumOf(v.target(), "vattention.target", VerifyTarget::kOutput,
-                              {{v1::VERIFY_TARGET_DENOMINATOR, VerifyTarget::kDenominator},
-                               {v1::VERIFY_TARGET_NUMERATOR, VerifyTarget::kNumerator},
-                               {v1::VERIFY_TARGET_OUTPUT, VerifyTarget::kOutput}}));
+  KVS_ENUM(p.predictor, v.predictor(), "vattention.predictor",
+           {{v1::TOP_K_PREDICTOR_EXACT, TopKPredictor::kExact},
+            {v1::TOP_K_PREDICTOR_COMPRESSED, TopKPredictor::kCompressed},
+            {v1::TOP_K_PREDICTOR_HASH, TopKPredictor::kHash}});
+  KVS_ENUM(p.bound, v.bound(), "vattention.bound",
+           {{v1::BUDGET_BOUND_HOEFFDING, BudgetBound::kHoeffding},
+            {v1::BUDGET_BOUND_CLT_RATIO, BudgetBound::kCltRatio},
+            {v1::BUDGET_BOUND_CLT, BudgetBound::kClt}});
+  KVS_ENUM(p.sampler, v.sampler(), "vattention.sampler",
+           {{v1::RESIDUAL_SAMPLER_IMPORTANCE, ResidualSampler::kImportance},
+            {v1::RESIDUAL_SAMPLER_UNIFORM, ResidualSampler::kUniform}});
+  KVS_ENUM(p.target, v.target(), "vattention.target",
+           {{v1::VERIFY_TARGET_DENOMINATOR, VerifyTarget::kDenominator},
+            {v1::VERIFY_TARGET_NUMERATOR, VerifyTarget::kNumerator},
+            {v1::VERIFY_TARGET_OUTPUT, VerifyTarget::kOutput}});
   out->learned_signatures = v.source() == v1::SIGNATURE_SOURCE_LEARNED;
   return absl::OkStatus();
 }
 
+#undef KVS_ENUM
 #undef KVS_ASSIGN
 
 }  // namespace
 
-absl::StatusOr<engine::Method> FromProto(const v1::Method& m) {
+absl::StatusOr<engine::Method> FromProto(const v1::Method& wire) {
+  v1::Method m = wire;
+  FillUnsetWords(&m);  // UNSPECIFIED enums read as the proto's text_default
   engine::Method out;
   absl::Status s;
   switch (m.kind_case()) {

@@ -29,10 +29,10 @@ cli bench-gather --seq=demo --layer=6 --rows=131072 --kind=v --iters=20
 engine=$(grep -o '[a-z]* decode engine' "$log" | head -1)
 echo "== the decode worker (${engine:-decode engine}): one layer of one decode step, each method"
 cli decode --seq=demo --layer=17 --method=dense
-cli decode --seq=demo --layer=17 --method=santa --allocation=prop --samples=128
-cli decode --seq=demo --layer=17 --method=santa --allocation=flash --samples=2048
-cli decode --seq=demo --layer=17 --method=hash_top_k --top_k_fraction=0.05
-cli decode --seq=demo --layer=17 --method=vattention --epsilon=0.1 --delta=0.1 --predictor=exact
+cli decode --seq=demo --layer=17 --method=santa:allocation=prop,samples=128
+cli decode --seq=demo --layer=17 --method=santa:allocation=flash,samples=2048
+cli decode --seq=demo --layer=17 --method=hash_top_k:top_k_fraction=0.05
+cli decode --seq=demo --layer=17 --method=vattention:epsilon=0.1,delta=0.1,predictor=exact
 cli gather --seq=demo --layer=99 || echo "(refused as expected; the server keeps serving)"
 cli stats
 echo "== /metrics (kvsparse_ series):"

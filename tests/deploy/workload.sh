@@ -23,12 +23,12 @@ for ((i = 0; i < iterations; i++)); do
   c gather --seq=$s --layer=$((i % 4)) --heads=0,5 --random_rows=8 --verify --seed=$i
   c bench-gather --seq=$s --layer=1 --rows=1024 --kind=v --iters=10 --warmup=2
   c decode --seq=$s --layer=2 --method=dense
-  c decode --seq=$s --layer=2 --method=santa --allocation=prop --samples=128
-  c decode --seq=$s --layer=2 --method=santa --allocation=flash --samples=512
-  c decode --seq=$s --layer=2 --method=hash_top_k --top_k_fraction=0.05
-  c decode --seq=$s --layer=2 --method=top_k --top_k_fraction=0.05
-  c decode --seq=$s --layer=2 --method=vattention --epsilon=0.1 --delta=0.1
-  c decode --seq=$s --layer=3 --method=vattention --epsilon=0.1 --delta=0.1 --predictor=exact
+  c decode --seq=$s --layer=2 --method=santa:allocation=prop,samples=128
+  c decode --seq=$s --layer=2 --method=santa:allocation=flash,samples=512
+  c decode --seq=$s --layer=2 --method=hash_top_k:top_k_fraction=0.05
+  c decode --seq=$s --layer=2 --method=top_k:top_k_fraction=0.05
+  c decode --seq=$s --layer=2 --method=vattention:epsilon=0.1,delta=0.1
+  c decode --seq=$s --layer=3 --method=vattention:epsilon=0.1,delta=0.1,predictor=exact
   if c gather --seq=$s --layer=99 2>/dev/null; then echo "workload: a bad gather succeeded" >&2; exit 1; fi
   c stats
   echo "workload: round $i done"

@@ -65,27 +65,30 @@ grep -q NOT_FOUND "$work/err.log"
 # "the layer holds no tokens" itself).
 if cli decode --seq=t1 --layer=5 2>"$work/err.log"; then echo "decode of layer 5 succeeded"; exit 1; fi
 grep -q "INVALID_ARGUMENT.*layer 5" "$work/err.log" || { cat "$work/err.log"; exit 1; }
-# A word the CLI does not know for --predictor is refused (it used to be read as hash).
-if cli decode --seq=t1 --layer=1 --method=vattention --predictor=hahs 2>"$work/err.log"; then
+# A word the method's text does not know is refused, naming the field and its words (it used to be
+# read as hash), before any call.
+if cli decode --seq=t1 --layer=1 --method=vattention:predictor=hahs 2>"$work/err.log"; then
   echo "unknown predictor accepted"; exit 1
 fi
-grep -q "predictor must be hash, exact or compressed" "$work/err.log" || { cat "$work/err.log"; exit 1; }
+grep -q "predictor='hahs' is not one of hash, exact, compressed" "$work/err.log" || { cat "$work/err.log"; exit 1; }
+# `method` prints every field of a method, its defaults from the proto (no server asked).
+expect "top_k_fraction: 0.03125" cli method --method=top_k
 # S2ANTA over compressed keys from the CLI: a sequence keeping 2-bit keys, the ratio correction.
 expect "t2:" cli create --seq=t2 --layers=2 --q_heads=8 --kv_heads=2 --head_dim=64 --dtype=fp16 \
   --compressed_key_bits=2
 expect "appended 600 tokens" cli append --seq=t2 --tokens=600 --seed=4 2>/dev/null
-expect "relative L2 error against dense" cli decode --seq=t2 --layer=1 --method=santa \
-  --scores=compressed --samples=256
+expect "relative L2 error against dense" cli decode --seq=t2 --layer=1 \
+  --method=santa:scores=compressed,samples=256
 # The group mixture: one sample of S rows per kv head (the union of 4 heads' would be up to 4 S).
-expect "relative L2 error against dense" cli decode --seq=t2 --layer=1 --method=santa \
-  --scores=compressed --samples=64 --proposal=group
+expect "relative L2 error against dense" cli decode --seq=t2 --layer=1 \
+  --method=santa:scores=compressed,samples=64,proposal=group
 # vAttention drawing its residual in proportion to the compressed keys' scores.
-expect "relative L2 error against dense" cli decode --seq=t2 --layer=1 --method=vattention \
-  --predictor=compressed --residual_sampler=importance --epsilon=0.1 --delta=0.1
-if cli decode --seq=t2 --layer=1 --method=vattention --residual_sampler=strat 2>"$work/err.log"; then
+expect "relative L2 error against dense" cli decode --seq=t2 --layer=1 \
+  --method=vattention:predictor=compressed,sampler=importance,epsilon=0.1,delta=0.1
+if cli decode --seq=t2 --layer=1 --method=vattention:sampler=strat 2>"$work/err.log"; then
   echo "unknown residual sampler accepted"; exit 1
 fi
-grep -q "residual_sampler must be uniform or importance" "$work/err.log" || { cat "$work/err.log"; exit 1; }
+grep -q "sampler='strat' is not one of uniform, importance" "$work/err.log" || { cat "$work/err.log"; exit 1; }
 # A split deployment from the CLI, named as the Python client names it: --target is the server
 # called (for decode, the worker), --store_target the store; the worker reads the rows from the
 # store ("remote" bytes). The old --worker flag is refused, naming the new spelling.

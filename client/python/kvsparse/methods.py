@@ -3,6 +3,10 @@
 Each method is a frozen dataclass whose fields are the method's parameters in
 ``proto/kvsparse/v1/attention.proto``; ``to_proto`` fills the wire message. The placement a
 method needs of a sequence is ``placement_for(method)``.
+
+The defaults of the fields and the words of the enum-valued ones are read from the proto (its
+``text_default`` and ``text_word`` options, the one home of both, which the CLI's ``--method``
+reads too), so that a method's text form (``parse_method``) means the same everywhere.
 """
 
 from __future__ import annotations
@@ -15,6 +19,32 @@ from kvsparse.tensors import proto_dtype
 from kvsparse.v1 import attention_pb2, tensor_pb2
 
 TierName = Literal["host", "device"]
+
+
+def _field(message: str, name: str) -> Any:
+    return attention_pb2.DESCRIPTOR.message_types_by_name[message].fields_by_name[name]
+
+
+def _default(message: str, name: str) -> Any:
+    """Field `name` of proto message `message`'s default (its text_default option) as its Python
+    value: the word of an enum-valued field, a float or an int."""
+    f = _field(message, name)
+    text = f.GetOptions().Extensions[attention_pb2.text_default]
+    if f.enum_type is not None:
+        return text
+    if f.cpp_type in (f.CPPTYPE_FLOAT, f.CPPTYPE_DOUBLE):
+        return float(text)
+    if f.cpp_type == f.CPPTYPE_BOOL:
+        return text.lower() in ("true", "1")
+    return int(text)
+
+
+def _words(enum: str) -> dict[str, int]:
+    """An enum's words (its values' text_word options) and their wire values."""
+    values = attention_pb2.DESCRIPTOR.enum_types_by_name[enum].values
+    words = {v.GetOptions().Extensions[attention_pb2.text_word]: v.number for v in values}
+    words.pop("", None)  # UNSPECIFIED
+    return words
 
 
 @dataclass(frozen=True)
@@ -65,28 +95,17 @@ class Dense:
         out.dense.SetInParent()
 
 
-_SAMPLERS = {
-    "iid": attention_pb2.SANTA_SAMPLER_IID,
-    "stratified": attention_pb2.SANTA_SAMPLER_STRATIFIED,
-    "systematic": attention_pb2.SANTA_SAMPLER_SYSTEMATIC,
-}
-_ALLOCATIONS = {
-    "global": attention_pb2.SANTA_ALLOCATION_GLOBAL,
-    "prop": attention_pb2.SANTA_ALLOCATION_PROP,
-    "flash": attention_pb2.SANTA_ALLOCATION_FLASH,
-}
-_SCORE_SOURCES = {
-    "exact": attention_pb2.SCORE_SOURCE_EXACT,
-    "compressed": attention_pb2.SCORE_SOURCE_COMPRESSED_KEYS,
-}
-_CORRECTIONS = {
-    "ratio": attention_pb2.SANTA_CORRECTION_RATIO,
-    "none": attention_pb2.SANTA_CORRECTION_NONE,
-}
-_PROPOSALS = {
-    "head": attention_pb2.SANTA_PROPOSAL_PER_HEAD,
-    "group": attention_pb2.SANTA_PROPOSAL_GROUP,
-}
+_SAMPLERS = _words("SantaSampler")
+_ALLOCATIONS = _words("SantaAllocation")
+_SCORE_SOURCES = _words("ScoreSource")
+_CORRECTIONS = _words("SantaCorrection")
+_PROPOSALS = _words("SantaProposal")
+_BERNOULLI_MODES = _words("BernoulliQkMode")
+_BERNOULLI_SAMPLERS = _words("BernoulliSampler")
+_PREDICTORS = _words("TopKPredictor")
+_BOUNDS = _words("BudgetBound")
+_TARGETS = _words("VerifyTarget")
+_RESIDUAL_SAMPLERS = _words("ResidualSampler")
 
 
 def _word(table: dict[str, int], field: str, value: str) -> int:
@@ -110,22 +129,26 @@ class Santa:
     instead of the union of each head's S; its bias shows where the heads attend apart
     (docs/ACCURACY.md). Both engines serve it; the GPU in captured steps too."""
 
-    samples: int = 128
-    sampler: Literal["iid", "stratified", "systematic"] = "systematic"
-    allocation: Literal["global", "prop", "flash"] = "prop"
-    tile_size: int = 0  # 0: the server's default
-    bernoulli_qk_samples: int = 0  # 0: exact scores
-    scores: Literal["exact", "compressed"] = "exact"
-    correction: Literal["ratio", "none"] = "ratio"
-    proposal: Literal["head", "group"] = "head"
+    samples: int = _default("SantaParams", "samples")
+    sampler: Literal["iid", "stratified", "systematic"] = _default("SantaParams", "sampler")
+    allocation: Literal["global", "prop", "flash"] = _default("SantaParams", "allocation")
+    tile_size: int = _default("SantaParams", "tile_size")  # 0: the server's default
+    bernoulli_qk_samples: int = _default("SantaParams", "bernoulli_qk_samples")  # 0: exact scores
+    bernoulli_mode: Literal["head", "mean_group_query"] = _default("SantaParams", "bernoulli_mode")
+    bernoulli_sampler: Literal["iid", "stratified"] = _default("SantaParams", "bernoulli_sampler")
+    scores: Literal["exact", "compressed"] = _default("SantaParams", "scores")
+    correction: Literal["ratio", "none"] = _default("SantaParams", "correction")
+    proposal: Literal["head", "group"] = _default("SantaParams", "proposal")
 
     def to_proto(self, out: attention_pb2.Method) -> None:
         p = out.santa
-        p.sampler = _SAMPLERS[self.sampler]
-        p.allocation = _ALLOCATIONS[self.allocation]
+        p.sampler = _word(_SAMPLERS, "sampler", self.sampler)
+        p.allocation = _word(_ALLOCATIONS, "allocation", self.allocation)
         p.samples = self.samples
         p.tile_size = self.tile_size
         p.bernoulli_qk_samples = self.bernoulli_qk_samples
+        p.bernoulli_mode = _word(_BERNOULLI_MODES, "bernoulli_mode", self.bernoulli_mode)
+        p.bernoulli_sampler = _word(_BERNOULLI_SAMPLERS, "bernoulli_sampler", self.bernoulli_sampler)
         p.scores = _word(_SCORE_SOURCES, "scores", self.scores)
         p.correction = _word(_CORRECTIONS, "correction", self.correction)
         p.proposal = _word(_PROPOSALS, "proposal", self.proposal)
@@ -136,12 +159,13 @@ class HashTopK:
     """HashAttention: sink + local window + the top-k tokens by Hamming similarity of bit
     signatures (``top_k`` rows, or ``top_k_fraction`` of the sequence when top_k is 0)."""
 
-    top_k: int = 0
-    top_k_fraction: float = 0.05
-    sink_tokens: int = 128
-    local_tokens: int = 128
-    bits: int = 0  # 0: the sequence's signature bits
-    learned: bool = False  # the server's learned signatures (--hash_weights), not SimHash
+    top_k: int = _default("HashTopKParams", "top_k")
+    top_k_fraction: float = _default("HashTopKParams", "top_k_fraction")
+    sink_tokens: int = _default("HashTopKParams", "sink_tokens")
+    local_tokens: int = _default("HashTopKParams", "local_tokens")
+    bits: int = _default("HashTopKParams", "bits")  # 0: the sequence's signature bits
+    # The server's learned signatures (--hash_weights), not SimHash: the proto's source=learned.
+    learned: bool = _default("HashTopKParams", "source") == "learned"
 
     def to_proto(self, out: attention_pb2.Method) -> None:
         _fill_selection(out.hash_top_k, self)
@@ -160,49 +184,31 @@ class VAttention:
     over predicted, instead of the paper's uniform sample: far fewer rows where attention is
     heavy-tailed."""
 
-    epsilon: float = 0.05
-    delta: float = 0.05
-    top_k: int = 0
-    top_k_fraction: float = 0.05
-    sink_tokens: int = 128
-    local_tokens: int = 128
-    predictor: Literal["hash", "exact", "compressed"] = "hash"
-    base_rate: float = 0.05
-    bound: Literal["clt", "clt-ratio", "hoeffding"] = "clt"  # clt-ratio: the delta method on N^/D^
-    target: Literal["output", "numerator", "denominator"] = "output"
-    bits: int = 0
-    learned: bool = False
-    sampler: Literal["uniform", "importance"] = "uniform"
+    epsilon: float = _default("VAttentionParams", "epsilon")
+    delta: float = _default("VAttentionParams", "delta")
+    top_k: int = _default("VAttentionParams", "top_k")
+    top_k_fraction: float = _default("VAttentionParams", "top_k_fraction")
+    sink_tokens: int = _default("VAttentionParams", "sink_tokens")
+    local_tokens: int = _default("VAttentionParams", "local_tokens")
+    predictor: Literal["hash", "exact", "compressed"] = _default("VAttentionParams", "predictor")
+    base_rate: float = _default("VAttentionParams", "base_rate")
+    # clt-ratio: the delta method on N^/D^
+    bound: Literal["clt", "clt-ratio", "hoeffding"] = _default("VAttentionParams", "bound")
+    target: Literal["output", "numerator", "denominator"] = _default("VAttentionParams", "target")
+    bits: int = _default("VAttentionParams", "bits")
+    learned: bool = _default("VAttentionParams", "source") == "learned"  # the proto's source
+    sampler: Literal["uniform", "importance"] = _default("VAttentionParams", "sampler")
 
     def to_proto(self, out: attention_pb2.Method) -> None:
         p = out.vattention
         _fill_selection(p, self)
         p.epsilon = self.epsilon
         p.delta = self.delta
-        p.predictor = {
-            "hash": attention_pb2.TOP_K_PREDICTOR_HASH,
-            "exact": attention_pb2.TOP_K_PREDICTOR_EXACT,
-            "compressed": attention_pb2.TOP_K_PREDICTOR_COMPRESSED,
-        }[self.predictor]
+        p.predictor = _word(_PREDICTORS, "predictor", self.predictor)
         p.base_rate = self.base_rate
-        p.bound = {
-            "clt": attention_pb2.BUDGET_BOUND_CLT,
-            "clt-ratio": attention_pb2.BUDGET_BOUND_CLT_RATIO,
-            "hoeffding": attention_pb2.BUDGET_BOUND_HOEFFDING,
-        }[self.bound]
-        p.target = {
-            "output": attention_pb2.VERIFY_TARGET_OUTPUT,
-            "numerator": attention_pb2.VERIFY_TARGET_NUMERATOR,
-            "denominator": attention_pb2.VERIFY_TARGET_DENOMINATOR,
-        }[self.target]
-        p.sampler = _word(
-            {
-                "uniform": attention_pb2.RESIDUAL_SAMPLER_UNIFORM,
-                "importance": attention_pb2.RESIDUAL_SAMPLER_IMPORTANCE,
-            },
-            "sampler",
-            self.sampler,
-        )
+        p.bound = _word(_BOUNDS, "bound", self.bound)
+        p.target = _word(_TARGETS, "target", self.target)
+        p.sampler = _word(_RESIDUAL_SAMPLERS, "sampler", self.sampler)
 
 
 @dataclass(frozen=True)
@@ -212,9 +218,9 @@ class Saap:
     server's partitions (``--saap_weights``, from ``kvsparse-calibrate --saap_out``); the
     sequence keeps each key's bucket as a 32-bit signature."""
 
-    probes: int = 8
-    sink_tokens: int = 128
-    local_tokens: int = 128
+    probes: int = _default("SaapParams", "probes")
+    sink_tokens: int = _default("SaapParams", "sink_tokens")
+    local_tokens: int = _default("SaapParams", "local_tokens")
 
     def to_proto(self, out: attention_pb2.Method) -> None:
         p = out.saap
@@ -231,11 +237,11 @@ class TopK:
     (``Placement(compressed_key_bits=2)``: a few bits per key on the device, only the chosen K and
     V rows cross); "exact" scores every full-precision key: the oracle top-k."""
 
-    top_k: int = 0
-    top_k_fraction: float = 1 / 32
-    sink_tokens: int = 128
-    local_tokens: int = 128
-    scores: Literal["compressed", "exact"] = "compressed"
+    top_k: int = _default("TopKParams", "top_k")
+    top_k_fraction: float = _default("TopKParams", "top_k_fraction")
+    sink_tokens: int = _default("TopKParams", "sink_tokens")
+    local_tokens: int = _default("TopKParams", "local_tokens")
+    scores: Literal["compressed", "exact"] = _default("TopKParams", "scores")
 
     def to_proto(self, out: attention_pb2.Method) -> None:
         p = out.top_k
@@ -296,8 +302,9 @@ METHOD_NAMES: dict[str, type] = {
 
 
 def method_text(method: Method) -> str:
-    """The text form parse_method reads: ``name`` and the fields that differ from the method's
-    defaults (``santa:samples=256,scores=compressed``); parse_method(method_text(m)) == m."""
+    """The text form parse_method (and the CLI's --method) reads: ``name`` and the fields that
+    differ from the method's defaults (``santa:samples=256,scores=compressed``);
+    parse_method(method_text(m)) == m."""
     names = {cls: name for name, cls in METHOD_NAMES.items()}
     name = names.get(type(method))
     if name is None:
@@ -306,16 +313,28 @@ def method_text(method: Method) -> str:
     parts = []
     for f in dataclasses.fields(method):
         value = getattr(method, f.name)
-        if value != getattr(defaults, f.name):
+        if value == getattr(defaults, f.name):
+            continue
+        if f.name == "learned":  # the proto's source field
+            parts.append(f"source={'learned' if value else 'simhash'}")
+        else:
             parts.append(f"{f.name}={str(value).lower() if isinstance(value, bool) else value!s}")
     return name + (":" + ",".join(parts) if parts else "")
+
+
+# The proto's enum field a dataclass shows as a bool: `learned` is source=learned (and
+# source=simhash its default), as the text form (the proto's fields) writes it.
+_SOURCE_WORDS = {"learned": True, "simhash": False}
 
 
 def parse_method(spec: str) -> Method:
     """A method from its text form, ``name`` or ``name:field=value,field=value`` with the names
     of the server's metrics labels (``dense``, ``santa``, ``hash_top_k``, ``vattention``,
-    ``saap``, ``top_k``) and the dataclass's fields, e.g. ``top_k:top_k_fraction=0.03125`` or
-    ``santa:samples=256,allocation=prop``. ValueError names what is wrong."""
+    ``saap``, ``top_k``) and the proto's fields and words (attention.proto, "A method's text
+    form"; the CLI's ``--method`` reads the same text), e.g. ``top_k:top_k_fraction=0.03125`` or
+    ``santa:samples=256,allocation=prop``; every field left out takes its default. A HashTopK or
+    VAttention takes ``source=learned`` (the proto's field) or ``learned=true`` (the dataclass's).
+    ValueError names what is wrong."""
     name, _, params = spec.strip().partition(":")
     cls = METHOD_NAMES.get(name.strip())
     if cls is None:
@@ -326,6 +345,11 @@ def parse_method(spec: str) -> Method:
     for part in filter(None, (p.strip() for p in params.split(","))):
         key, eq, text = part.partition("=")
         key = key.strip()
+        if key == "source" and "learned" in fields and eq:
+            if text.strip() not in _SOURCE_WORDS:
+                raise ValueError(f"{name}: source={text.strip()!r} is not one of {', '.join(_SOURCE_WORDS)}")
+            kwargs["learned"] = _SOURCE_WORDS[text.strip()]
+            continue
         if not eq or key not in fields:
             raise ValueError(f"{name}: {part!r} is not field=value of {', '.join(fields)}")
         kind = type(getattr(defaults, key))

@@ -1,13 +1,23 @@
 """A method's text form (the CLI's, vLLM's KVSPARSE_VLLM_METHOD and per-request method): every
 method class written by method_text reads back equal through parse_method, bad text names what is
-wrong, and the flagship's text is what vLLM's plugin serves by default."""
+wrong, the flagship's text is what vLLM's plugin serves by default, the dataclasses have the
+proto's fields with the proto's defaults, and the CLI (rpc/method_text.h, C++) reads each text as
+the same message."""
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
+from google.protobuf import text_format
 
 import kvsparse
+from kvsparse.grpc.local_server import find_server_binary
 from kvsparse.methods import FLAGSHIP, FLAGSHIP_TEXT, METHOD_NAMES, method_text, parse_method
+from kvsparse.v1 import attention_pb2
 
 METHODS = [
     kvsparse.Dense(),
@@ -47,3 +57,63 @@ def test_flagship_is_the_plugins_default() -> None:
     assert method_text(FLAGSHIP) == "santa:scores=compressed"  # prop and S = 128 are Santa's defaults
     plugin = pytest.importorskip("kvsparse.vllm.plugin", exc_type=ImportError)
     assert parse_method(plugin.DEFAULT_CUDA_METHOD) == FLAGSHIP and plugin.DEFAULT_CUDA_METHOD == FLAGSHIP_TEXT
+
+
+def _proto_of(method: kvsparse.Method) -> attention_pb2.Method:
+    out = attention_pb2.Method()
+    method.to_proto(out)
+    return out
+
+
+@pytest.mark.parametrize("name", list(METHOD_NAMES))
+def test_the_dataclasses_have_the_protos_fields_and_defaults(name: str) -> None:
+    # The proto is the schema (attention.proto, "A method's text form"): each dataclass has its
+    # message's fields (the dataclass's bool `learned` is the proto's enum `source`), and its
+    # defaults send the proto's text defaults.
+    cls = METHOD_NAMES[name]
+    message = attention_pb2.Method.DESCRIPTOR.fields_by_name[name].message_type
+    proto_fields = {f.name for f in message.fields}
+    ours = {("source" if f.name == "learned" else f.name) for f in dataclasses.fields(cls)}
+    assert ours == proto_fields
+    sent = getattr(_proto_of(cls()), name)
+    for f in message.fields:
+        default = f.GetOptions().Extensions[attention_pb2.text_default]
+        value = getattr(sent, f.name)
+        if f.enum_type is not None:
+            word = f.enum_type.values_by_number[value].GetOptions().Extensions[attention_pb2.text_word]
+            assert word == default, (name, f.name)
+        else:
+            assert value == pytest.approx(float(default), rel=1e-7), (name, f.name)
+
+
+def _cli() -> str | None:
+    try:
+        server = Path(find_server_binary())
+    except FileNotFoundError:
+        return None
+    cli = server.with_name("kvsparse")
+    return str(cli) if cli.exists() and os.access(cli, os.X_OK) else None
+
+
+@pytest.mark.skipif(_cli() is None, reason="needs the kvsparse CLI beside kvsparse-server (the C++ build)")
+@pytest.mark.parametrize("method", METHODS + [parse_method("vattention:source=learned,bound=hoeffding")],
+                         ids=lambda m: method_text(m))
+def test_the_cli_reads_each_text_as_the_same_message(method: kvsparse.Method) -> None:
+    # One text form: the C++ CLI (`kvsparse method`, rpc/method_text.h) and parse_method read a
+    # text into the same message, every field included.
+    text = method_text(method)
+    run = subprocess.run([str(_cli()), "method", f"--method={text}"], capture_output=True, text=True,
+                         timeout=30)
+    assert run.returncode == 0, run.stderr
+    first, _, message = run.stdout.partition("\n")
+    assert parse_method(first) == method  # its text form reads back here too
+    theirs = text_format.Parse(message, attention_pb2.Method())
+    assert theirs == _proto_of(method), text
+
+
+def test_source_is_the_protos_name_for_learned() -> None:
+    assert parse_method("hash_top_k:source=learned") == kvsparse.HashTopK(learned=True)
+    assert parse_method("hash_top_k:learned=true") == kvsparse.HashTopK(learned=True)
+    assert method_text(kvsparse.VAttention(learned=True)) == "vattention:source=learned"
+    with pytest.raises(ValueError, match="source='sim' is not one of learned, simhash"):
+        parse_method("vattention:source=sim")
