@@ -18,6 +18,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -366,14 +367,19 @@ int CmdGather(KvStoreClient& c) {
   return 0;
 }
 
-// The method of --method with every field: its text form (what differs from the defaults) and
-// the message the server gets. No server is asked.
+// The method of --method with every field: its text form (what differs from the defaults), the
+// message the server gets and the placement it reads (rpc::PlacementFor, with the default 32
+// signature bits and 2-bit keys). No server is asked.
 int CmdMethod() {
   absl::StatusOr<v1::Method> m = rpc::MethodFromText(absl::GetFlag(FLAGS_method));
   if (!m.ok()) return Fail("method", m.status());
-  std::string text;
+  std::string text, placement;
   google::protobuf::TextFormat::PrintToString(*m, &text);
-  std::printf("%s\n%s", rpc::MethodText(*m).c_str(), text.c_str());
+  google::protobuf::TextFormat::Printer one_line;
+  one_line.SetSingleLineMode(true);
+  one_line.PrintToString(rpc::PlacementFor(*m), &placement);
+  std::printf("%s\n%splacement: %s\n", rpc::MethodText(*m).c_str(), text.c_str(),
+              std::string(absl::StripTrailingAsciiWhitespace(placement)).c_str());
   return 0;
 }
 
@@ -609,7 +615,7 @@ int main(int argc, char** argv) {
       "  info --seq=ID | list | stats\n"
       "  bench-gather --seq=ID [--rows=4096 --iters --kind=v --heads]\n"
       "  decode --seq=ID[,ID...] [--layer --method=NAME[:FIELD=VALUE,...] --query]\n"
-      "  method --method=NAME[:FIELD=VALUE,...]   the method's every field (no server)");
+      "  method --method=NAME[:FIELD=VALUE,...]   every field and the placement it reads");
   absl::FlagsUsageConfig usage;
   usage.version_string = [] { return kvsparse::BuildInfoLine("kvsparse") + "\n"; };
   absl::SetFlagsUsageConfig(usage);

@@ -214,6 +214,38 @@ void FillUnsetWords(v1::Method* m) {
   }
 }
 
+v1::Placement PlacementFor(const v1::Method& wire, uint32_t signature_bits,
+                           uint32_t compressed_key_bits) {
+  v1::Method m = wire;
+  FillUnsetWords(&m);
+  v1::Placement out;
+  const pb::Reflection& r = *m.GetReflection();
+  const pb::FieldDescriptor* kind = r.GetOneofFieldDescriptor(m, &Kinds());
+  if (kind == nullptr) return out;  // dense
+  const pb::Message& params = r.GetMessage(m, kind);
+  const pb::Descriptor& d = *kind->message_type();
+  std::string reads = d.options().GetExtension(v1::method_reads);
+  for (int i = 0; i < d.field_count(); ++i) {
+    const pb::FieldDescriptor& f = *d.field(i);
+    if (f.cpp_type() != pb::FieldDescriptor::CPPTYPE_ENUM) continue;
+    const std::string& value =
+        params.GetReflection()->GetEnum(params, &f)->options().GetExtension(v1::value_reads);
+    if (!value.empty()) reads = value;
+  }
+  if (reads == "keys_on_device") {
+    out.set_k_tier(v1::TIER_DEVICE);
+  } else if (reads == "signatures") {
+    const pb::FieldDescriptor* bits = d.FindFieldByName("bits");
+    const uint32_t own = bits == nullptr ? 0 : params.GetReflection()->GetUInt32(params, bits);
+    out.set_signature_bits(own > 0 ? own : signature_bits);
+  } else if (reads == "signatures_32") {
+    out.set_signature_bits(32);
+  } else if (reads == "compressed_keys") {
+    out.set_compressed_key_bits(compressed_key_bits);
+  }
+  return out;
+}
+
 std::string MethodText(const v1::Method& m) {
   const pb::Reflection& r = *m.GetReflection();
   const pb::FieldDescriptor* kind = r.GetOneofFieldDescriptor(m, &Kinds());

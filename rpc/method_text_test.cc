@@ -125,5 +125,31 @@ TEST(MethodTextTest, UnsetWordsReadAsTheTextDefaults) {
   EXPECT_EQ(none.kind_case(), v1::Method::KIND_NOT_SET);
 }
 
+// What each method reads, from the proto's method_reads and value_reads (the integration test
+// AttentionServiceTest.PlacementForServesEveryMethod decodes with these through a server).
+TEST(MethodTextTest, PlacementForSaysWhatEachMethodReads) {
+  auto placement = [](const char* text) {
+    absl::StatusOr<v1::Method> m = MethodFromText(text);
+    EXPECT_TRUE(m.ok()) << text << ": " << m.status();
+    return PlacementFor(*m, 64, 4);
+  };
+  EXPECT_EQ(placement("dense").ByteSizeLong(), 0u);
+  EXPECT_EQ(placement("santa").k_tier(), v1::TIER_DEVICE);  // exact scores: every key
+  EXPECT_EQ(placement("santa:scores=compressed").compressed_key_bits(), 4u);
+  EXPECT_EQ(placement("santa:scores=compressed").k_tier(), v1::TIER_UNSPECIFIED);
+  EXPECT_EQ(placement("hash_top_k").signature_bits(), 64u);            // the deployment's bits
+  EXPECT_EQ(placement("hash_top_k:bits=128").signature_bits(), 128u);  // the method's own
+  EXPECT_EQ(placement("vattention").signature_bits(), 64u);            // the hash predictor
+  EXPECT_EQ(placement("vattention:predictor=exact").k_tier(), v1::TIER_DEVICE);
+  EXPECT_EQ(placement("vattention:predictor=compressed").compressed_key_bits(), 4u);
+  EXPECT_EQ(placement("saap").signature_bits(), 32u);  // each key's bucket
+  EXPECT_EQ(placement("top_k").compressed_key_bits(), 4u);
+  EXPECT_EQ(placement("top_k:scores=exact").k_tier(), v1::TIER_DEVICE);
+  // A message built field by field: UNSPECIFIED reads as the default (top_k: compressed keys).
+  v1::Method raw;
+  raw.mutable_top_k();
+  EXPECT_EQ(PlacementFor(raw).compressed_key_bits(), 2u);
+}
+
 }  // namespace
 }  // namespace kvsparse::rpc

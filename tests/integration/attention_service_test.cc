@@ -23,6 +23,7 @@
 #include "kvsparse/v1/kvstore.grpc.pb.h"
 #include "kvstore/shared_arena.h"
 #include "kvstore/ucx_plane.h"
+#include "rpc/method_text.h"
 #include "rpc/remote_row_source.h"
 #include "server/server.h"
 #include "tests/integration/http_get.h"
@@ -280,6 +281,33 @@ TEST(AttentionServiceTest, EveryMethodEndToEnd) {
     EXPECT_EQ(again->output().data(), r->output().data());
     for (int i = 0; i < r->heads_size(); ++i) {
       EXPECT_EQ(again->heads(i).fetched_tokens_size(), r->heads(i).fetched_tokens_size());
+    }
+  }
+}
+
+// The placement the proto says a method reads (rpc::PlacementFor, what kvsparse.placement_for
+// derives in Python) is one the engine serves it over, and where it names something (signatures,
+// compressed keys) a sequence without it is refused: the proto's statement and the engine's
+// CheckFits agree.
+TEST(AttentionServiceTest, PlacementForServesEveryMethod) {
+  const kernels::SyntheticProblem prob = Problem();
+  for (const MethodCase& c : Cases()) {
+    SCOPED_TRACE(c.name);
+    const v1::Placement placement = rpc::PlacementFor(c.method);
+    for (const bool with : {true, false}) {
+      auto server = StartServer(server::ServerRole::kAll);
+      ASSERT_NE(server, nullptr);
+      auto kv = client::KvStoreClient::Connect(At(server->port()));
+      ASSERT_TRUE(kv.ok());
+      Load(**kv, prob, with ? placement : v1::Placement{});
+      auto attn = client::AttentionClient::Connect(At(server->port()));
+      ASSERT_TRUE(attn.ok());
+      auto r = (*attn)->Decode(Request(prob, c.method));
+      if (with) {
+        EXPECT_TRUE(r.ok()) << r.status();
+      } else if (placement.signature_bits() > 0 || placement.compressed_key_bits() > 0) {
+        EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+      }
     }
   }
 }

@@ -266,27 +266,31 @@ def _fill_selection(p: Any, m: "HashTopK | VAttention") -> None:
 
 
 def placement_for(method: Method, signature_bits: int = 32, compressed_key_bits: int = 2) -> Placement:
-    """The placement a method reads from: K on the device for SANTA with exact scores (they
-    stream every key) and for exact top-k, key signatures for HashAttention and vAttention's hash predictor
-    (K and V stay in host memory, only selected rows cross), compressed keys for top-k and SANTA
-    over compressed keys, nothing for dense."""
-    if isinstance(method, Santa):
-        if method.scores == "compressed":
-            return Placement(compressed_key_bits=compressed_key_bits)
+    """The placement a method reads from, as attention.proto says it (``method_reads`` on a
+    method's message, ``value_reads`` on the enum value that changes it; the C++ side reads the
+    same options, rpc::PlacementFor): K on the device for exact scores (SANTA with exact scores,
+    exact top-k, vAttention's exact predictor), key signatures for HashAttention and vAttention's
+    hash predictor (the method's bits, else `signature_bits`), each key's 32-bit bucket for SAAP,
+    compressed keys (of `compressed_key_bits`) for top-k and the compressed predictors; nothing
+    for dense. K and V stay in host memory otherwise."""
+    wire = attention_pb2.Method()
+    method.to_proto(wire)
+    kind = wire.WhichOneof("kind")
+    if kind is None:
+        return Placement()
+    params = getattr(wire, kind)
+    reads = params.DESCRIPTOR.GetOptions().Extensions[attention_pb2.method_reads]
+    for f in params.DESCRIPTOR.fields:
+        if f.enum_type is not None:
+            value = f.enum_type.values_by_number[getattr(params, f.name)]
+            reads = value.GetOptions().Extensions[attention_pb2.value_reads] or reads
+    if reads == "keys_on_device":
         return Placement(k_tier="device")
-    if isinstance(method, HashTopK):
-        return Placement(signature_bits=method.bits or signature_bits)
-    if isinstance(method, VAttention):
-        if method.predictor == "exact":
-            return Placement(k_tier="device")
-        if method.predictor == "compressed":
-            return Placement(compressed_key_bits=compressed_key_bits)
-        return Placement(signature_bits=method.bits or signature_bits)
-    if isinstance(method, Saap):
-        return Placement(signature_bits=32)  # each key's bucket
-    if isinstance(method, TopK):
-        if method.scores == "exact":
-            return Placement(k_tier="device")
+    if reads == "signatures":
+        return Placement(signature_bits=getattr(params, "bits", 0) or signature_bits)
+    if reads == "signatures_32":
+        return Placement(signature_bits=32)
+    if reads == "compressed_keys":
         return Placement(compressed_key_bits=compressed_key_bits)
     return Placement()
 

@@ -17,7 +17,7 @@ from google.protobuf import text_format
 import kvsparse
 from kvsparse.grpc.local_server import find_server_binary
 from kvsparse.methods import FLAGSHIP, FLAGSHIP_TEXT, METHOD_NAMES, method_text, parse_method
-from kvsparse.v1 import attention_pb2
+from kvsparse.v1 import attention_pb2, tensor_pb2
 
 METHODS = [
     kvsparse.Dense(),
@@ -86,6 +86,12 @@ def test_the_dataclasses_have_the_protos_fields_and_defaults(name: str) -> None:
             assert value == pytest.approx(float(default), rel=1e-7), (name, f.name)
 
 
+def _what(p: tensor_pb2.Placement) -> tuple[int, int, int, int]:
+    """A placement's meaning: an UNSPECIFIED tier is host memory."""
+    host = tensor_pb2.TIER_HOST
+    return p.k_tier or host, p.v_tier or host, p.signature_bits, p.compressed_key_bits
+
+
 def _cli() -> str | None:
     try:
         server = Path(find_server_binary())
@@ -105,10 +111,17 @@ def test_the_cli_reads_each_text_as_the_same_message(method: kvsparse.Method) ->
     run = subprocess.run([str(_cli()), "method", f"--method={text}"], capture_output=True, text=True,
                          timeout=30)
     assert run.returncode == 0, run.stderr
-    first, _, message = run.stdout.partition("\n")
+    first, _, rest = run.stdout.partition("\n")
+    message, _, placement = rest.rstrip("\n").rpartition("\n")
     assert parse_method(first) == method  # its text form reads back here too
     theirs = text_format.Parse(message, attention_pb2.Method())
     assert theirs == _proto_of(method), text
+    # The placement it reads: rpc::PlacementFor there, placement_for here, from the same options.
+    assert placement.startswith("placement:"), run.stdout
+    ours = tensor_pb2.Placement()
+    kvsparse.placement_for(method).to_proto(ours)
+    theirs_placement = text_format.Parse(placement.removeprefix("placement:"), tensor_pb2.Placement())
+    assert _what(theirs_placement) == _what(ours), text
 
 
 def test_source_is_the_protos_name_for_learned() -> None:
