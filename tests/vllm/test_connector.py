@@ -101,6 +101,23 @@ def test_a_failed_request_is_named_by_a_block_no_other_request_holds() -> None:
     assert ledger.own_block("q") is None and ledger.holders[4] == 0
 
 
+def test_the_cpu_workers_ledger_follows_whole_block_lists() -> None:
+    """vLLM's CPU build: the worker sees each request's whole block list every step
+    (BlockLedger.replace). A list that grew adds its new blocks only; a resumed request's new list
+    replaces its old one; a block two requests share names neither while each has one of its own."""
+    ledger = BlockLedger()
+    ledger.replace("a", [1, 2, 3])
+    ledger.replace("b", [1, 2, 4])
+    assert ledger.own_block("a") == 3 and ledger.own_block("b") == 4
+    ledger.replace("a", [1, 2, 3, 5])  # a grew: one block added, none counted twice
+    assert ledger.blocks["a"] == [1, 2, 3, 5] and ledger.holders[1] == 2 and ledger.holders[3] == 1
+    ledger.replace("a", [6, 7])  # resumed after a preemption: all-new blocks
+    assert ledger.blocks["a"] == [6, 7] and ledger.holders[1] == 1 and 3 not in ledger.holders
+    assert ledger.own_block("b") == 4 and ledger.own_block("a") == 7
+    ledger.drop("b")
+    assert ledger.own_block("b") is None and not ledger.holders.get(4)
+
+
 def test_batch_order_is_stable_for_equal_counts() -> None:
     assert batch_order({"r2": 1, "r0": 5, "r1": 1, "r3": 5}) == ["r2", "r1", "r0", "r3"]
 

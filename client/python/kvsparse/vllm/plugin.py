@@ -61,7 +61,7 @@ import threading
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from kvsparse.errors import KvSparseError
 from kvsparse.methods import (
@@ -290,11 +290,16 @@ class BlockLedger:
             if blocks and blocks[0]:
                 self._add(rid, list(blocks[0]))
 
-    def replace(self, rid: str, blocks: list[int]) -> None:
+    def replace(self, rid: str, blocks: Sequence[int]) -> None:
         """A request's blocks, all of them (the worker side of vLLM's CPU build, which sees each
-        request's whole list every step)."""
+        request's whole list every step). A list that grew by blocks at its end (a step's
+        usual case) adds only those: the cost is the step's new blocks, not the request's."""
+        old = self.blocks.get(rid)
+        if old and len(blocks) >= len(old) and blocks[0] == old[0] and blocks[len(old) - 1] == old[-1]:
+            self._add(rid, list(blocks[len(old):]))
+            return
         self.drop(rid)
-        self._add(rid, blocks)
+        self._add(rid, list(blocks))
 
     def own_block(self, rid: str) -> int | None:
         """The request's newest block no other live request holds (its newest where every one is
@@ -405,7 +410,7 @@ class Worker:
             for rid in req_ids:
                 blocks = getattr(requests.get(rid), "block_ids", None)
                 if blocks and blocks[0]:
-                    self.blocks.replace(rid, list(blocks[0]))
+                    self.blocks.replace(rid, blocks[0])
                 if rid not in self.methods:
                     try:
                         self.methods[rid] = self._method_of(requests.get(rid))
