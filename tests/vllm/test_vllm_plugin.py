@@ -157,13 +157,16 @@ def test_every_method_generates_each_request_its_own(model: str, server: kvspars
 
 def test_preempted_requests_restart_in_fresh_sequences(model: str, server: kvsparse.LocalServer) -> None:
     # vLLM's own KV cache holds 3,072 tokens (3 MiB at 1 KiB a token); 8 requests of 300 + 400
-    # tokens outgrow it, so vLLM preempts some and recomputes them from their first token.
+    # tokens outgrow it, so vLLM preempts some and recomputes them. With vLLM's prefix caching on
+    # (its default) a recomputed request starts after blocks of its own that vLLM still caches:
+    # its fresh sequence gets that prefix from vLLM's cache.
     job = dict(prompts=[[1] + [(7 * i + r) % 1000 + 3 for i in range(299)] for r in range(8)], max_tokens=[400] * 8,
-               kv_cache_memory_bytes=3 << 20, max_num_batched_tokens=512)
+               kv_cache_memory_bytes=3 << 20, max_num_batched_tokens=512, prefix_caching=True)
     own = generate(model, None, **job)
     through = generate(model, server.target, "dense", **job)
     assert "error" not in own and "error" not in through, own.get("error", through.get("error"))
     assert through["restarts"] > 0, "no request was preempted: the test needs a smaller cache"
+    assert through["prefix_imports"] > 0, "no recomputed request reused its cached blocks"
     assert through["tokens"] == own["tokens"]
     store_is_empty(server.target)
 
