@@ -53,40 +53,39 @@ bool ParseNumber(absl::string_view text, T* out) {
   }
 }
 
+absl::Status Bad(const pb::FieldDescriptor& f, absl::string_view text, absl::string_view what) {
+  return absl::InvalidArgumentError(absl::StrCat(f.name(), "='", text, "' is not ", what));
+}
+
+// A number field of `msg` from its text, through Reflection's setter of its type.
+template <typename T>
+absl::Status SetNumber(pb::Message& msg, const pb::FieldDescriptor& f, absl::string_view text,
+                       absl::string_view what,
+                       void (pb::Reflection::*set)(pb::Message*, const pb::FieldDescriptor*, T)
+                           const) {
+  T v{};
+  if (!ParseNumber(text, &v)) return Bad(f, text, what);
+  (msg.GetReflection()->*set)(&msg, &f, v);
+  return absl::OkStatus();
+}
+
 // Field f of `msg` from its text; the reason (naming the field) where the text does not parse.
 absl::Status SetField(pb::Message& msg, const pb::FieldDescriptor& f, absl::string_view text) {
   const pb::Reflection& r = *msg.GetReflection();
-  auto bad = [&](absl::string_view what) {
-    return absl::InvalidArgumentError(absl::StrCat(f.name(), "='", text, "' is not ", what));
-  };
   switch (f.cpp_type()) {
-    case pb::FieldDescriptor::CPPTYPE_UINT32: {
-      uint32_t v = 0;
-      if (!ParseNumber(text, &v)) return bad("an unsigned integer");
-      r.SetUInt32(&msg, &f, v);
-      return absl::OkStatus();
-    }
-    case pb::FieldDescriptor::CPPTYPE_INT32: {
-      int32_t v = 0;
-      if (!ParseNumber(text, &v)) return bad("an integer");
-      r.SetInt32(&msg, &f, v);
-      return absl::OkStatus();
-    }
-    case pb::FieldDescriptor::CPPTYPE_FLOAT: {
-      float v = 0;
-      if (!ParseNumber(text, &v)) return bad("a finite number");
-      r.SetFloat(&msg, &f, v);
-      return absl::OkStatus();
-    }
-    case pb::FieldDescriptor::CPPTYPE_DOUBLE: {
-      double v = 0;
-      if (!ParseNumber(text, &v)) return bad("a finite number");
-      r.SetDouble(&msg, &f, v);
-      return absl::OkStatus();
-    }
+    case pb::FieldDescriptor::CPPTYPE_UINT32:
+      return SetNumber<uint32_t>(msg, f, text, "an unsigned integer", &pb::Reflection::SetUInt32);
+    case pb::FieldDescriptor::CPPTYPE_INT32:
+      return SetNumber<int32_t>(msg, f, text, "an integer", &pb::Reflection::SetInt32);
+    case pb::FieldDescriptor::CPPTYPE_FLOAT:
+      return SetNumber<float>(msg, f, text, "a finite number", &pb::Reflection::SetFloat);
+    case pb::FieldDescriptor::CPPTYPE_DOUBLE:
+      return SetNumber<double>(msg, f, text, "a finite number", &pb::Reflection::SetDouble);
     case pb::FieldDescriptor::CPPTYPE_BOOL: {
       const std::string t = absl::AsciiStrToLower(text);
-      if (t != "true" && t != "false" && t != "1" && t != "0") return bad("true, false, 1 or 0");
+      if (t != "true" && t != "false" && t != "1" && t != "0") {
+        return Bad(f, text, "true, false, 1 or 0");
+      }
       r.SetBool(&msg, &f, t == "true" || t == "1");
       return absl::OkStatus();
     }
@@ -98,10 +97,10 @@ absl::Status SetField(pb::Message& msg, const pb::FieldDescriptor& f, absl::stri
           return absl::OkStatus();
         }
       }
-      return bad(absl::StrCat("one of ", absl::StrJoin(Words(e), ", ")));
+      return Bad(f, text, absl::StrCat("one of ", absl::StrJoin(Words(e), ", ")));
     }
     default:
-      return bad("a value the text form sets");
+      return Bad(f, text, "a value the text form sets");
   }
 }
 
