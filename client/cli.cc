@@ -383,6 +383,32 @@ int CmdMethod() {
   return 0;
 }
 
+// What a response states of its own error, per query head (HeadStats): the median and the
+// largest over the heads that state each, a line each; nothing where no head states it.
+void PrintStatedErrors(const v1::DecodeResponse& resp) {
+  struct Stated {
+    const char* what;
+    std::vector<float> values;
+  };
+  Stated stated[] = {
+      {"standard error, relative to the output (S2ANTA, from its draws)", {}},
+      {"epsilon its sample promises at 1 - delta (vAttention)", {}},
+      {"certified bound on the attention mass left out (top-k over compressed keys)", {}}};
+  for (const v1::HeadStats& h : resp.heads()) {
+    stated[0].values.insert(stated[0].values.end(), h.standard_error().begin(),
+                            h.standard_error().end());
+    stated[1].values.insert(stated[1].values.end(), h.epsilon().begin(), h.epsilon().end());
+    stated[2].values.insert(stated[2].values.end(), h.missed_mass_bound().begin(),
+                            h.missed_mass_bound().end());
+  }
+  for (Stated& s : stated) {
+    if (s.values.empty()) continue;
+    std::sort(s.values.begin(), s.values.end());
+    std::printf("  stated %s: median %.4g, largest %.4g over %zu heads\n", s.what,
+                s.values[s.values.size() / 2], s.values.back(), s.values.size());
+  }
+}
+
 // One decode step of one layer for --seq (comma-separated ids) with a random query: what was
 // read from each tier against what dense attention would have read, and the error vs dense.
 int CmdDecode(KvStoreClient& c) {
@@ -473,7 +499,7 @@ int CmdDecode(KvStoreClient& c) {
   std::printf(
       "decode %s layer %u, %zu sequence(s), method %s: %.0f us (engine %.0f us: selection "
       "%.0f, gather %.0f, compute %.0f",
-      absl::StrJoin(ids, ",").c_str(), req.layer(), ids.size(), absl::GetFlag(FLAGS_method).c_str(),
+      absl::StrJoin(ids, ",").c_str(), req.layer(), ids.size(), rpc::MethodText(*method).c_str(),
       us, resp->timing().engine_seconds() * 1e6, resp->timing().selection_seconds() * 1e6,
       resp->timing().gather_seconds() * 1e6, resp->timing().compute_seconds() * 1e6);
   if (resp->sync_bytes() > 0) {
@@ -485,7 +511,9 @@ int CmdDecode(KvStoreClient& c) {
   std::printf("  bytes read: host %" PRIu64 ", device %" PRIu64 ", remote %" PRIu64
               "; dense reads %" PRIu64 " (%.1f%% of it crossed from host/remote)\n",
               host, device, remote, dense, 100.0 * (host + remote) / std::max<uint64_t>(dense, 1));
-  if (absl::GetFlag(FLAGS_compare_dense) && absl::GetFlag(FLAGS_method) != "dense") {
+  PrintStatedErrors(*resp);
+  if (absl::GetFlag(FLAGS_compare_dense) && !method->has_dense() &&
+      method->kind_case() != v1::Method::KIND_NOT_SET) {
     v1::DecodeRequest dreq = req;
     dreq.mutable_method()->mutable_dense();
     auto d = attn->Decode(dreq);

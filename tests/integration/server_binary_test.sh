@@ -79,6 +79,12 @@ expect "t2:" cli create --seq=t2 --layers=2 --q_heads=8 --kv_heads=2 --head_dim=
 expect "appended 600 tokens" cli append --seq=t2 --tokens=600 --seed=4 2>/dev/null
 expect "relative L2 error against dense" cli decode --seq=t2 --layer=1 \
   --method=santa:scores=compressed,samples=256
+# Every response states its error; the CLI prints it (S2ANTA: its standard error; top-k over
+# compressed keys: the certified bound on the attention mass it leaves out).
+expect "stated standard error, relative to the output .*over 8 heads" cli decode --seq=t2 \
+  --layer=1 --method=santa:scores=compressed,samples=256
+expect "stated certified bound on the attention mass left out .*over 8 heads" cli decode \
+  --seq=t2 --layer=1 --method=top_k:top_k_fraction=0.1
 # The group mixture: one sample of S rows per kv head (the union of 4 heads' would be up to 4 S).
 expect "relative L2 error against dense" cli decode --seq=t2 --layer=1 \
   --method=santa:scores=compressed,samples=64,proposal=group
