@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <set>
 #include <string>
 #include <type_traits>
@@ -196,6 +197,29 @@ absl::StatusOr<v1::Method> MethodFromText(absl::string_view text) {
   return m;
 }
 
+// Each enum-valued parameter of every method and the number of its text_default's word, found
+// once (FillUnsetWords runs on every Decode call the server and the op take).
+const std::map<const pb::FieldDescriptor*, int>& EnumDefaults() {
+  static const auto* defaults = [] {
+    auto* out = new std::map<const pb::FieldDescriptor*, int>();
+    for (int k = 0; k < Kinds().field_count(); ++k) {
+      const pb::Descriptor& d = *Kinds().field(k)->message_type();
+      for (int i = 0; i < d.field_count(); ++i) {
+        const pb::FieldDescriptor& f = *d.field(i);
+        if (f.enum_type() == nullptr) continue;
+        const std::string& word = f.options().GetExtension(v1::text_default);
+        for (int j = 0; j < f.enum_type()->value_count(); ++j) {
+          if (!word.empty() && Word(*f.enum_type()->value(j)) == word) {
+            (*out)[&f] = f.enum_type()->value(j)->number();
+          }
+        }
+      }
+    }
+    return out;
+  }();
+  return *defaults;
+}
+
 void FillUnsetWords(v1::Method* m) {
   const pb::Reflection& r = *m->GetReflection();
   const pb::FieldDescriptor* kind = r.GetOneofFieldDescriptor(*m, &Kinds());
@@ -204,12 +228,10 @@ void FillUnsetWords(v1::Method* m) {
   const pb::Descriptor& d = *kind->message_type();
   for (int i = 0; i < d.field_count(); ++i) {
     const pb::FieldDescriptor& f = *d.field(i);
-    if (f.cpp_type() != pb::FieldDescriptor::CPPTYPE_ENUM ||
-        params.GetReflection()->GetEnumValue(params, &f) != 0) {
-      continue;
+    const auto fallback = EnumDefaults().find(&f);
+    if (fallback != EnumDefaults().end() && params.GetReflection()->GetEnumValue(params, &f) == 0) {
+      params.GetReflection()->SetEnumValue(&params, &f, fallback->second);
     }
-    const std::string& word = f.options().GetExtension(v1::text_default);
-    if (!word.empty()) SetField(params, f, word).IgnoreError();  // rpc_method_text_test: parses
   }
 }
 

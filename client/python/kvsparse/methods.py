@@ -328,7 +328,7 @@ def method_text(method: Method) -> str:
 
 # The proto's enum field a dataclass shows as a bool: `learned` is source=learned (and
 # source=simhash its default), as the text form (the proto's fields) writes it.
-_SOURCE_WORDS = {"learned": True, "simhash": False}
+_SOURCE_WORDS = {word: word == "learned" for word in _words("SignatureSource")}
 
 
 def parse_method(spec: str) -> Method:
@@ -351,7 +351,7 @@ def parse_method(spec: str) -> Method:
         key = key.strip()
         if key == "source" and "learned" in fields and eq:
             if text.strip() not in _SOURCE_WORDS:
-                raise ValueError(f"{name}: source={text.strip()!r} is not one of {', '.join(_SOURCE_WORDS)}")
+                raise ValueError(f"{name}: source={text.strip()!r} is not one of {', '.join(sorted(_SOURCE_WORDS))}")
             kwargs["learned"] = _SOURCE_WORDS[text.strip()]
             continue
         if not eq or key not in fields:
