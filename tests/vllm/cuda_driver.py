@@ -13,7 +13,11 @@ weight files), prompts (token id lists) or prompt_len + batch (random prompts), 
 list or one number), dtype, max_model_len, gpu_memory_utilization, max_num_seqs,
 max_num_batched_tokens, kv_cache_memory_bytes (vLLM's KV budget instead of a share of the GPU),
 enforce_eager, methods (per request), kvsparse (method text or absent: vLLM's FlashAttention),
-kvsparse_env (extra KVSPARSE_VLLM_* settings). The result's "decoding_together" is the most
+kvsparse_env (extra KVSPARSE_VLLM_* settings), follow_up (a chat's two turns after the
+generation: {"prompt": index, "max_tokens", "suffix": token ids, "tokens"}, "follow_up" in the
+result), outage (true: the K/V in a
+kvsparse-server store, KVSPARSE_SERVER, that stops after the generation and starts again, "outage"
+in the result). The result's "decoding_together" is the most
 requests whose decode intervals (first to last token, vLLM's timestamps) overlap: how many the
 engine served at once."""
 
@@ -164,6 +168,92 @@ def annotate_attention() -> None:
     wrapped(cuda_backend.CudaWorker, "end_step", "kvsparse.plugin")
 
 
+ROUNDS: list[list] = []  # each generation's outputs, in order
+
+
+def generate_round(llm: "LLM", ps: list[list[int]], params: list) -> list:
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
+    ROUNDS.append(outs)
+    return outs
+
+
+def follow_up(llm: "LLM", ps: list[list[int]], job: dict) -> dict:
+    """A chat's two turns after the generation: prompt follow_up["prompt"] alone with
+    follow_up["max_tokens"] tokens (decode-only steps after its prefill), then that prompt with
+    its generated tokens and follow_up["suffix"] with follow_up["tokens"] more: vLLM's prefix
+    caching reuses the first turn's blocks, generated tokens included. Both turns' tokens, the
+    second turn's prompt, both turns' top log-probabilities (with "logprobs") and, with kvsparse,
+    the prompt tokens read from vLLM's prefix cache into the second turn's sequence."""
+    f = job["follow_up"]
+    first = generate_round(llm, [ps[f["prompt"]]], [SamplingParams(temperature=0, max_tokens=f["max_tokens"],
+                                                                    ignore_eos=True, detokenize=False,
+                                                                    logprobs=job.get("logprobs"))])
+    said = list(first[0].outputs[0].token_ids)
+    imported = 0
+    if job.get("kvsparse"):
+        from kvsparse.vllm.cuda_backend import CUDA_WORKER
+
+        imported = CUDA_WORKER.prefix_imports
+    turn = ps[f["prompt"]] + said + f["suffix"]
+    again = generate_round(llm, [turn], [SamplingParams(temperature=0, max_tokens=f["tokens"], ignore_eos=True,
+                                                        detokenize=False, logprobs=job.get("logprobs"))])
+    result: dict = {"first": [said], "prompt": turn, "tokens": [list(again[0].outputs[0].token_ids)]}
+    if job.get("logprobs"):
+        result["first_logprobs"], result["logprobs"] = (
+            [[{str(t): float(lp.logprob) for t, lp in pos.items()} for pos in o[0].outputs[0].logprobs]]
+            for o in (first, again))
+    if job.get("kvsparse"):
+        result["prefix_imports"] = CUDA_WORKER.prefix_imports - imported
+    return result
+
+
+def start_store(target: str | None = None) -> "subprocess.Popen":
+    """A kvsparse-server store (KVSPARSE_SERVER, host memory only) for the outage job, at
+    `target` or a free local port, named to the backend as KVSPARSE_VLLM_TARGET."""
+    import socket
+    import subprocess
+
+    import kvsparse
+
+    if target is None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            target = f"127.0.0.1:{sock.getsockname()[1]}"
+        os.environ["KVSPARSE_VLLM_TARGET"] = target
+    proc = subprocess.Popen([os.environ["KVSPARSE_SERVER"], f"--listen={target}", "--capacity=1G", "--gpu=off",
+                             "--log_level=warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc.target = target  # type: ignore[attr-defined]
+    for _ in range(100):
+        try:
+            with kvsparse.Client(target, timeout=1.0) as c:
+                c.store.stats()
+            return proc
+        except kvsparse.KvSparseError:
+            time.sleep(0.1)
+    raise RuntimeError("kvsparse-server did not start")
+
+
+def outage(llm: "LLM", ps: list[list[int]], params: list, store: "subprocess.Popen") -> dict:
+    """The store stops after the first generation: the same prompts again (each request's
+    finish reason), then a store at the same address again and the prompts until every request
+    is served (up to 10 tries, a second apart: the engine's channel reconnects with a backoff)."""
+    store.terminate()
+    store.wait(timeout=30)
+    during = generate_round(llm, ps, params)
+    store = start_store(store.target)  # type: ignore[attr-defined]
+    try:
+        for tries in range(1, 11):
+            after = generate_round(llm, ps, params)
+            if all(str(o.outputs[0].finish_reason) == "length" for o in after):
+                break
+            time.sleep(1)
+    finally:
+        store.terminate()
+    return {"during": [str(o.outputs[0].finish_reason) for o in during],
+            "after": [str(o.outputs[0].finish_reason) for o in after], "tries": tries,
+            "tokens_after": [list(o.outputs[0].token_ids) for o in after]}
+
+
 def main() -> None:
     job = JOB
     if job.get("profile") and job.get("kvsparse"):
@@ -179,6 +269,7 @@ def main() -> None:
         extra["enable_prefix_caching"] = job["enable_prefix_caching"]
     if job.get("kv_cache_memory_bytes"):
         extra["kv_cache_memory_bytes"] = job["kv_cache_memory_bytes"]
+    store = start_store() if job.get("outage") else None  # before the engine reads its target
     llm = LLM(
         model=job["model"],
         load_format=job.get("load_format", "auto"),
@@ -208,8 +299,13 @@ def main() -> None:
     ]
     clock = StepClock(llm)
     t0, m0 = time.perf_counter(), time.monotonic()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], params, use_tqdm=False)
+    outs = generate_round(llm, ps, params)
     seconds = time.perf_counter() - t0
+    later = {}
+    if job.get("follow_up"):
+        later["follow_up"] = follow_up(llm, ps, job)
+    if store is not None:
+        later["outage"] = outage(llm, ps, params, store)
     per_token = []
     for o in outs:
         m = o.metrics
@@ -241,12 +337,14 @@ def main() -> None:
         result["logprobs"] = [
             [{str(t): float(lp.logprob) for t, lp in pos.items()} for pos in o.outputs[0].logprobs] for o in outs
         ]
+    result.update(later)
     if job.get("kvsparse"):
         from kvsparse.vllm.cuda_backend import CUDA_WORKER as w
 
         result["kvsparse"] = {
             "live_requests": sorted(w.sequences),
-            "last_finisher": outs[max(range(len(outs)), key=lambda i: counts[i])].request_id,
+            # the request of the last generation with the most tokens (the last to finish)
+            "last_finisher": max(ROUNDS[-1], key=lambda o: len(o.outputs[0].token_ids)).request_id,
             "plans_made": w.replans,
             "restarts": w.restarts,
             "prompt_attentions": w.prompt_attentions,
@@ -256,8 +354,9 @@ def main() -> None:
             "steps": w.steps,
             "prompt_steps": w.prompt_steps,
             "cache_writes": w.cache_writes,
+            "vllm_rows_skipped": w.vllm_rows_skipped,
             "prefix_imports": w.prefix_imports,
-            "engine_memory": w.engine().memory() if w._engine is not None else {},
+            "engine_memory": w.engine().memory() if w._engine is not None and store is None else {},
             # recorded and replayed, by the plans closed and those still live
             "layer_graphs": [sum(x) for x in zip(w.layer_graphs, *(p.steps.graph_counts() for p in w.plans.values()))],
             # vLLM's full decode graphs (kvsparse.vllm.slot_plan): whether the slot plan serves,

@@ -11,7 +11,7 @@ from vllm import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput  # noqa: E402
 
 from kvsparse.vllm.connector import batch_order, step_rows  # noqa: E402
-from kvsparse.vllm.plugin import BlockLedger  # noqa: E402
+from kvsparse.vllm.plugin import BlockLedger, prompt_tail_rows  # noqa: E402
 
 
 def new_request(rid: str, computed: int, method: str | None = None) -> NewRequestData:
@@ -116,6 +116,19 @@ def test_the_cpu_workers_ledger_follows_whole_block_lists() -> None:
     assert ledger.own_block("b") == 4 and ledger.own_block("a") == 7
     ledger.drop("b")
     assert ledger.own_block("b") is None and not ledger.holders.get(4)
+
+
+def test_the_prompt_tail_is_the_multi_token_rows_after_the_decode_rows() -> None:
+    """Both backends run vLLM's attention for a mixed step's prompt rows alone (PromptTail):
+    (first row, first token, rows) where decode rows precede prompt rows, rows after the step's
+    tokens being padding; None where there is nothing to leave out or a one-token row sits among
+    the prompt rows (it could be a prompt's own: vLLM's attention for the whole batch)."""
+    assert prompt_tail_rows([0, 1, 2, 10, 30], 30) == (2, 2, 4)
+    assert prompt_tail_rows([0, 1, 2, 10, 30, 30, 30], 30) == (2, 2, 4)  # padded batch
+    assert prompt_tail_rows([0, 1, 2, 3], 3) is None  # decode rows only
+    assert prompt_tail_rows([0, 8, 30], 30) is None  # prompt rows only
+    assert prompt_tail_rows([0, 1, 9, 10, 30], 30) is None  # a one-token row after a prompt row
+    assert prompt_tail_rows([0, 1, 9, 30], 32) is None  # the rows do not cover the step's tokens
 
 
 def test_batch_order_is_stable_for_equal_counts() -> None:

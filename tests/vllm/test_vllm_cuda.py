@@ -6,14 +6,17 @@ enforce_eager):
 - dense through kvsparse gives vLLM's FlashAttention tokens (up to near-ties of the random
   model's logits), and vLLM ran piecewise CUDA graphs, with vLLM's prefix caching on (the prompts
   are prefixes of each other: a later request starts after blocks vLLM reuses, read from its cache
-  into the request's sequence); with the K/V in the store only, prefix caching is refused;
+  into the request's sequence; a chat's second turn starts after blocks of the first turn's
+  generated tokens); with the K/V in the store only, prefix caching is refused;
 - every method generates, each request with its own; finished requests' sequences are dropped
   (at the next step vLLM runs, when it tells the worker); kvsparse's counters (vLLM's /metrics)
   count every step's layers and rows under each method;
 - a captured method (top-k over 2-bit keys) decodes inside vLLM's full decode graphs with the
   tokens it gives between vLLM's piecewise graphs, a request asking for another method failing
   alone while the requests sharing its prompt's blocks decode;
-- a request kvsparse cannot serve ends with an error while the others decode vLLM's tokens;
+- a request kvsparse cannot serve ends with an error while the others decode vLLM's tokens; a
+  kvsparse-server store that stops fails the requests that need it, and vLLM serves again once a
+  store listens there again;
 - with the K/V in kvsparse's store only (KVSPARSE_VLLM_KV=store), a KV budget in which vLLM's own
   backend cannot hold one request serves the batch with vLLM's tokens, prompt attention computed
   by the backend (over the store's rows for later chunks, through SALE's kernels at tau 0).
@@ -50,10 +53,16 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), head_dim=64)
 
 
+# A chat's two turns (tests/vllm/cuda_driver.py's follow_up): the 100-token prompt alone with 40
+# tokens generated in decode-only steps, then that prompt, its tokens and three more: vLLM's prefix
+# caching reuses the first turn's 8 full blocks of 16 tokens (128), 28 of those tokens generated.
+FOLLOW_UP = {"prompt": 1, "max_tokens": 40, "suffix": [17, 29, 31], "tokens": 16}
+
+
 @pytest.fixture(scope="module")
 def own(model: str) -> dict:
     """vLLM's own FlashAttention tokens and top-2 log-probabilities, with an ample KV budget."""
-    out = generate(model, logprobs=2)
+    out = generate(model, logprobs=2, follow_up=FOLLOW_UP)
     assert "error" not in out, out["error"]
     return out
 
@@ -92,7 +101,7 @@ def live_ids(worker: dict) -> list[str]:
 
 
 def test_dense_through_kvsparse_gives_vllms_tokens_with_cuda_graphs(model: str, own: dict) -> None:
-    through = generate(model, "dense")
+    through = generate(model, "dense", follow_up=FOLLOW_UP)
     assert "error" not in through, through["error"]
     assert [len(t) for t in through["tokens"]] == MAX_TOKENS
     assert_same_tokens_up_to_near_ties(own, through)
@@ -113,13 +122,31 @@ def test_dense_through_kvsparse_gives_vllms_tokens_with_cuda_graphs(model: str, 
     # reads it there) and at none of the decode-only steps (kvsparse holds those tokens).
     layers = 2  # tests/vllm/tiny_llama.py
     assert 0 < w["prompt_steps"] < w["steps"], w
-    assert w["cache_writes"] == layers * w["prompt_steps"], w
+    # Every step that ran the model wrote it (vLLM binds one step with nothing to run at the end
+    # of each of the three generations, tests/vllm/cuda_driver.py's main and follow_up).
+    assert w["cache_writes"] == layers * (w["steps"] - 3), w
+    # In steps that mix decode and prompt rows (the short requests decode while the long prompts
+    # prefill in chunks), vLLM's attention ran for the prompt rows alone.
+    assert w["vllm_rows_skipped"] > 0, w
     # vLLM's prefix caching is on (kvsparse.vllm.engine_args keeps vLLM's default with its cache
     # kept), and a request admitted after the first step started after blocks the earlier prompts
     # had filled (the prompts extend each other): their K/V came from vLLM's cache into its
     # sequence.
     assert through["prefix_caching"] is True
     assert w["prefix_imports"] > 0, w
+    # A chat's next turn reads the first turn's blocks from vLLM's prefix cache, generated tokens
+    # included: vLLM's cache holds their K/V (written at every step; when decode-only steps wrote
+    # nothing there, the turn read whatever those slots held).
+    # The second turn is compared with vLLM's own tokens for the same prompt, computed whole:
+    # the first turn's tokens may differ from vLLM's at a near-tie, and the second turn's prompt
+    # with them.
+    mine = through["follow_up"]
+    assert_same_tokens_up_to_near_ties({"tokens": own["follow_up"]["first"],
+                                        "logprobs": own["follow_up"]["first_logprobs"]}, {"tokens": mine["first"]})
+    assert mine["prefix_imports"] >= 128 > len(PROMPTS[FOLLOW_UP["prompt"]]), mine
+    theirs = generate(model, prompts=[mine["prompt"]], max_tokens=[FOLLOW_UP["tokens"]], logprobs=2)
+    assert "error" not in theirs, theirs["error"]
+    assert_same_tokens_up_to_near_ties(theirs, mine)
 
 
 def test_every_method_generates_each_request_its_own(model: str) -> None:
@@ -191,6 +218,23 @@ def test_a_request_kvsparse_cannot_serve_fails_alone(model: str, own: dict) -> N
     kept = {"tokens": [out["tokens"][r] for r in (0, 3)]}
     assert_same_tokens_up_to_near_ties({"tokens": [own["tokens"][r] for r in (0, 3)],
                                         "logprobs": [own["logprobs"][r] for r in (0, 3)]}, kept)
+
+
+def test_a_store_outage_fails_its_requests_and_vllm_keeps_serving(model: str) -> None:
+    """With the K/V in a kvsparse-server store (KVSPARSE_VLLM_TARGET=host:port): once the store
+    stops, the requests that need it end with an error and vLLM's engine keeps running; once a
+    store listens at the address again, the same requests are served (the engine's channel
+    reconnects; new requests create their sequences there)."""
+    if not os.environ.get("KVSPARSE_SERVER"):
+        pytest.skip("needs kvsparse-server (KVSPARSE_SERVER)")
+    out = generate(model, "dense", outage=True)
+    assert "error" not in out, out["error"]
+    assert out["finish_reasons"] == ["length"] * len(PROMPTS), out["finish_reasons"]
+    o = out["outage"]
+    assert all(r not in ("length", "stop") for r in o["during"]), o
+    assert o["after"] == ["length"] * len(PROMPTS), o
+    assert [len(t) for t in o["tokens_after"]] == MAX_TOKENS
+    assert out["kvsparse"]["failures"], out["kvsparse"]
 
 
 # The tiny model's K/V: 2 layers x 2 kv heads x 64 x (K and V) x 2 bytes = 1 KiB a token. 256 KiB

@@ -36,8 +36,10 @@ from kvsparse.vllm.plugin import (
     BACKEND_NAME,
     ENV_SEED,
     WORKER,
+    PromptTail,
     connector_configured,
     observe,
+    prompt_tail_rows,
     refuse_prefix_caching,
     refuse_unsupported,
     store_only,
@@ -286,16 +288,6 @@ def cached_prefix(kv_cache: torch.Tensor, blocks: torch.Tensor, tokens: int,
     return out[0], out[1]
 
 
-@dataclass
-class PromptTail:
-    """The rows of a step from `first_row` on (from token `first_token`), each with more than one
-    token, and vLLM's attention metadata for them alone."""
-
-    first_row: int
-    first_token: int
-    metadata: Any
-
-
 class KvSparseMetadataBuilder(CPUAttentionMetadataBuilder):
     def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
         """vLLM's metadata, and with vLLM's cache kept, where a step mixes decode rows (one token
@@ -306,21 +298,20 @@ class KvSparseMetadataBuilder(CPUAttentionMetadataBuilder):
         meta.prompt_tail = None
         if store_only() or not isinstance(meta.causal, bool) or meta.dynamic_causal is not None:
             return meta
-        counts = meta.query_start_loc.diff().tolist()
-        first = next((i for i, c in enumerate(counts) if c > 1), len(counts))
-        if first == 0 or first == len(counts) or any(c <= 1 for c in counts[first:]):
+        where = prompt_tail_rows(meta.query_start_loc.tolist(), meta.num_actual_tokens)
+        if where is None:
             return meta
-        a = int(meta.query_start_loc[first])
-        starts = meta.query_start_loc[first:] - a
-        seq_lens = meta.seq_lens[first:]
+        first, a, rows = where
+        starts = meta.query_start_loc[first:rows + 1] - a
+        seq_lens = meta.seq_lens[first:rows]
         scheduler = vllm_ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(counts) - first, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            num_reqs=rows - first, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, seq_lens=seq_lens, dtype=self.dtype, query_start_loc=starts, causal=meta.causal,
             sliding_window_size=self.window_size, isa=self.isa, enable_kv_split=vllm_envs.VLLM_CPU_ATTN_SPLIT_KV,
             dynamic_causal=None, kv_cache_dtype=self.kv_cache_dtype)
-        tail = replace(meta, num_actual_tokens=meta.num_actual_tokens - a, max_query_len=max(counts[first:]),
+        tail = replace(meta, num_actual_tokens=meta.num_actual_tokens - a, max_query_len=int(starts.diff().max()),
                        max_seq_len=int(seq_lens.max()), query_start_loc=starts, seq_lens=seq_lens,
-                       block_table=meta.block_table[first:], slot_mapping=meta.slot_mapping[a:],
+                       block_table=meta.block_table[first:rows], slot_mapping=meta.slot_mapping[a:],
                        scheduler_metadata=scheduler)
         meta.prompt_tail = PromptTail(first, a, tail)
         return meta

@@ -3,11 +3,11 @@ registered in vLLM's custom backend slot (``AttentionBackendEnum.CUSTOM``) by th
 (kvsparse.vllm.plugin); ``kvsparse.vllm.engine_args()`` gives the engine arguments that select it.
 
 vLLM's FlashAttention backend with the decode rows answered by kvsparse's engine in the worker
-process (kvsparse.torch.ops.InProcessEngine, on vLLM's GPU): vLLM's paged KV cache is written and
-prompt attention computed as usual, the cache by the backend's forward
-(``forward_includes_kv_cache_update``) and only in steps where vLLM's attention reads it (steps
-with prompt rows: a decode-only step writes nothing there, kvsparse holds its tokens); each
-request's prompt K/V are appended to its kvsparse
+process (kvsparse.torch.ops.InProcessEngine, on vLLM's GPU): vLLM's paged KV cache is written
+(by the backend's forward, ``forward_includes_kv_cache_update``) at every step, generated tokens
+too, since vLLM's prefix caching hands their blocks to later requests; prompt attention is
+vLLM's, and in a step that mixes decode and prompt rows it runs for the prompt rows alone
+(KvSparseCudaMetadataBuilder's ``prompt_tail``); each request's prompt K/V are appended to its kvsparse
 sequence (created with the placement its method reads: compressed keys on the GPU for the
 default method, the K/V in the engine's host-memory store); decode rows go through a
 ``DecodeSteps`` plan per method over the requests decoding, re-planned when that set changes,
@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
-from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.attention.backend import AttentionCGSupport, CommonAttentionMetadata
 from vllm.v1.attention.backends.fa_utils import flash_attn_varlen_func
 from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionBackend,
@@ -164,10 +164,13 @@ class CudaWorker:
     figures: dict[str, _PlanFigures] = field(default_factory=dict)  # by method text
     layer_graphs: tuple[int, int] = (0, 0)  # layer graphs recorded and replayed by closed plans
     # Steps the connector bound, those with prompt rows, and layer calls that wrote vLLM's paged
-    # cache (only where vLLM's attention reads it: the module text).
+    # cache (with vLLM's cache kept: every layer call outside vLLM's full graphs).
     steps: int = 0
     prompt_steps: int = 0
     cache_writes: int = 0
+    # Decode rows of steps with prompt rows left out of vLLM's attention there (summed over
+    # layers; KvSparseCudaMetadataBuilder's prompt_tail).
+    vllm_rows_skipped: int = 0
     prefix_imports: int = 0  # prompt tokens read from vLLM's prefix cache into sequences
     # vLLM's full decode graphs (kvsparse.vllm.slot_plan): the plan over the batch slots, the
     # step's decode rows in it (row = slot -> request id), steps with such rows and, of them,
@@ -582,7 +585,9 @@ class KvSparseCudaImpl(FlashAttentionImpl):
             n = 0 if attn_metadata is None else attn_metadata.num_actual_tokens
             if w.slots is not None and 0 < n <= w.slots.slots and attn_metadata.max_query_len == 1:
                 # vLLM's full decode graph of n rows (its capture, or the eager pass before it):
-                # the slot plan, every slot idle (positions -1) until a step binds them.
+                # the rows' K/V into vLLM's cache, then the slot plan, every slot idle (positions
+                # -1) until a step binds them.
+                self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
                 w.slots.decode_rows(li, query, key, value, output[:n].view(n, self.num_heads, self.head_size), n)
                 return output
             if self.store_only:  # vLLM's cache holds no K/V to attend over; these outputs are not used
@@ -614,14 +619,26 @@ class KvSparseCudaImpl(FlashAttentionImpl):
                 step.failed.append((a, count))
                 continue
             seq.lengths[li] = start + count
-        vllm_attention = not self.store_only and bool(step.prefill or not (step.groups or w.slot_rows))
-        if vllm_attention:
-            # vLLM's attention reads its cache: the step's rows go there first (decode rows too,
-            # whose outputs kvsparse's overwrite below). A decode-only step writes nothing there.
+        if not self.store_only:
+            # Every row's K/V into vLLM's cache, decode rows too: vLLM's prefix caching hands
+            # the blocks of generated tokens to later requests (a chat's next turn), whose
+            # prefix the backend reads from there (tests/vllm/test_vllm_cuda.py, the follow-up).
             self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
             w.cache_writes += 1
-            super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                            output_block_scale)
+        vllm_attention = not self.store_only and bool(step.prefill or not (step.groups or w.slot_rows))
+        if vllm_attention:
+            tail = getattr(attn_metadata, "prompt_tail", None)
+            decode_rows = sum(len(g.rids) for g in step.groups.values()) + len(w.slot_rows)
+            if tail is not None and not step.failed and decode_rows == tail.first_row:
+                # The step's decode rows (its first rows) are kvsparse's: vLLM's attention for
+                # the prompt rows after them only.
+                a = tail.first_token
+                super().forward(layer, query[a:], key[a:], value[a:], kv_cache, tail.metadata, output[a:],
+                                output_scale, output_block_scale)
+                w.vllm_rows_skipped += a
+            else:
+                super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                output_block_scale)
         n = attn_metadata.num_actual_tokens
         out = output[:n].view(n, self.num_heads, self.head_size)
         for text, g in step.groups.items():
@@ -732,6 +749,35 @@ class KvSparseCudaMetadataBuilder(FlashAttentionMetadataBuilder):
     # at vLLM's profiling run, before vLLM asks): then vLLM's full decode graphs hold it (module
     # text).
     _cudagraph_support = AttentionCGSupport.NEVER
+
+    def build(self, common_prefix_len: int, common_attn_metadata: Any, fast_build: bool = False) -> Any:
+        """vLLM's metadata and, with vLLM's cache kept, in a step whose decode rows (one token
+        each: vLLM's V2 model runner orders its batch by tokens, fewest first) precede prompt
+        rows, the metadata of the prompt rows alone (`prompt_tail`, kvsparse.vllm.plugin.PromptTail):
+        the forward then runs vLLM's attention for those only. Built by FlashAttention's own
+        builder over those rows without its ahead-of-time schedule (`fast_build`: such a step runs
+        outside vLLM's full graphs, and the schedule's buffer holds the whole batch's)."""
+        meta = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        meta.prompt_tail = None
+        c = common_attn_metadata
+        if (plugin.store_only() or meta.use_cascade or self.dcp_world_size > 1 or not isinstance(c.causal, bool)
+                or c.mm_req_doc_ranges is not None):
+            return meta
+        where = plugin.prompt_tail_rows(c.query_start_loc_cpu.tolist(), c.num_actual_tokens)
+        if where is None:
+            return meta
+        first, a, rows = where
+        starts = c.query_start_loc_cpu[first:rows + 1] - a
+        bound = c.seq_lens_cpu_upper_bound  # exact for prompt rows (vLLM's text)
+        tail = CommonAttentionMetadata(
+            query_start_loc=c.query_start_loc[first:rows + 1] - a, query_start_loc_cpu=starts,
+            seq_lens=c.seq_lens[first:rows], num_reqs=rows - first, num_actual_tokens=c.num_actual_tokens - a,
+            max_query_len=int(starts.diff().max()),
+            max_seq_len=int(bound[first:rows].max()) if bound is not None else c.max_seq_len,
+            block_table_tensor=c.block_table_tensor[first:rows], slot_mapping=c.slot_mapping[a:c.num_actual_tokens],
+            causal=c.causal)
+        meta.prompt_tail = plugin.PromptTail(first, a, super().build(0, tail, fast_build=True))
+        return meta
 
     @classmethod
     def get_cudagraph_support(cls, vllm_config: Any, kv_cache_spec: Any) -> AttentionCGSupport:

@@ -322,6 +322,31 @@ class BlockLedger:
 
 
 @dataclass
+class PromptTail:
+    """The rows of a step from `first_row` on (from token `first_token`), each with more than one
+    token, and vLLM's attention metadata for them alone (both backends' metadata builders): in a
+    step that mixes decode rows (one token each, first in vLLM's batch order) with prompt rows,
+    vLLM's attention runs for the prompt rows only, the decode rows being kvsparse's."""
+
+    first_row: int
+    first_token: int
+    metadata: Any
+
+
+def prompt_tail_rows(query_start_loc: Sequence[int], num_tokens: int) -> tuple[int, int, int] | None:
+    """Where a step's prompt rows begin and end, (first row, first token, rows), when its rows are
+    decode rows (one token each) followed by prompt rows (more than one each) up to its
+    `num_tokens` tokens (rows after them are padding); None for any other step (decode rows or
+    prompt rows only, a one-token row among the prompt rows)."""
+    rows = sum(1 for r in range(len(query_start_loc) - 1) if query_start_loc[r] < num_tokens)
+    counts = [query_start_loc[r + 1] - query_start_loc[r] for r in range(rows)]
+    first = next((r for r, c in enumerate(counts) if c > 1), rows)
+    if first in (0, rows) or any(c <= 1 for c in counts[first:]) or query_start_loc[rows] != num_tokens:
+        return None
+    return first, int(query_start_loc[first]), rows
+
+
+@dataclass
 class RequestSequence:
     """A vLLM request's kvsparse sequence (both backends)."""
 
