@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu_util.h"
+#include "kernels/reasons.h"
 
 namespace kvsparse::kernels {
 
@@ -50,27 +51,21 @@ template int32_t SelectSinkLocalTopK<float>(const float*, int32_t, int32_t, int3
 
 absl::Status ValidateSinkLocalTopK(int32_t sink_tokens, int32_t local_tokens, int32_t top_k,
                                    float top_k_fraction) {
-  if (sink_tokens < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("sink_tokens ", sink_tokens, " < 0"));
-  }
-  if (local_tokens < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("local_tokens ", local_tokens, " < 0"));
-  }
-  if (top_k < 0) return absl::InvalidArgumentError(absl::StrCat("top_k ", top_k, " < 0"));
-  if (top_k == 0 && !(top_k_fraction >= 0.f && top_k_fraction <= 1.f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_k_fraction must be in [0, 1], got ", top_k_fraction));
-  }
-  return absl::OkStatus();
+  Reasons reasons;
+  reasons.AddIf(sink_tokens < 0, "sink_tokens ", sink_tokens, " < 0");
+  reasons.AddIf(local_tokens < 0, "local_tokens ", local_tokens, " < 0");
+  reasons.AddIf(top_k < 0, "top_k ", top_k, " < 0");
+  reasons.AddIf(top_k == 0 && !(top_k_fraction >= 0.f && top_k_fraction <= 1.f),
+                "top_k_fraction must be in [0, 1], got ", top_k_fraction);
+  return reasons.ToStatus();
 }
 
 absl::Status ValidateHashTopKParams(const HashTopKParams& params) {
-  if (absl::Status s = ValidateSinkLocalTopK(params.sink_tokens, params.local_tokens,
-                                             params.top_k, params.top_k_fraction);
-      !s.ok()) {
-    return s;
-  }
-  return ValidateSignatureBits(params.bits);
+  Reasons reasons;
+  reasons.Add(ValidateSinkLocalTopK(params.sink_tokens, params.local_tokens, params.top_k,
+                                    params.top_k_fraction));
+  reasons.Add(ValidateSignatureBits(params.bits));
+  return reasons.ToStatus();
 }
 
 namespace {

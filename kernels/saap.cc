@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/binary_io.h"
 #include "kernels/cpu_util.h"
+#include "kernels/reasons.h"
 
 namespace kvsparse::kernels {
 namespace {
@@ -200,14 +201,12 @@ void SaapQueryProbs(const SaapWeights& w, int32_t layer, int32_t h, int64_t posi
 }
 
 absl::Status ValidateSaapParams(const SaapParams& params, const SaapWeights& w) {
-  if (params.probes < 1 || params.probes > w.clusters) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "probes must be in [1, ", w.clusters, "] (the partition's buckets), got ", params.probes));
-  }
-  if (params.sink_tokens < 0 || params.local_tokens < 0) {
-    return absl::InvalidArgumentError("sink_tokens and local_tokens must be >= 0");
-  }
-  return absl::OkStatus();
+  Reasons reasons;
+  reasons.AddIf(params.probes < 1 || params.probes > w.clusters, "probes must be in [1, ",
+                w.clusters, "] (the partition's buckets), got ", params.probes);
+  reasons.AddIf(params.sink_tokens < 0, "sink_tokens ", params.sink_tokens, " < 0");
+  reasons.AddIf(params.local_tokens < 0, "local_tokens ", params.local_tokens, " < 0");
+  return reasons.ToStatus();
 }
 
 absl::Status ComputeSaapBuckets(const DecodeProblem& p, const SaapWeights& w, int32_t layer,

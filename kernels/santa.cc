@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu_util.h"
 #include "kernels/philox.h"
+#include "kernels/reasons.h"
 
 namespace kvsparse::kernels {
 namespace {
@@ -91,58 +92,38 @@ void ToRatioWeights(absl::Span<const float> approx, HeadRows* rows) {
 }  // namespace
 
 absl::Status ValidateSantaParams(const SantaParams& params) {
-  if (!KnownSampler(params.sampler)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("sampler: unknown value ", static_cast<int>(params.sampler)));
-  }
-  if (!KnownAllocation(params.allocation)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("allocation: unknown value ", static_cast<int>(params.allocation)));
-  }
-  if (params.samples < 1) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("samples (S) must be >= 1, got ", params.samples));
-  }
-  if (params.allocation != SantaAllocation::kGlobal) {
-    if (params.tile_size < 1) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("tile_size must be >= 1 for prop / flash, got ", params.tile_size));
-    }
-    if (params.sampler != SantaSampler::kSystematic) {
-      return absl::InvalidArgumentError(
-          "sampler: prop and flash allocations implement systematic sampling only "
-          "(Appendices P, Q)");
-    }
-  }
-  if (params.bernoulli_qk_samples < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("bernoulli_qk_samples must be >= 0, got ", params.bernoulli_qk_samples));
-  }
-  if (params.proposal != SantaProposal::kPerHead &&
-      params.proposal != SantaProposal::kGroupMixture) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("proposal: unknown value ", static_cast<int>(params.proposal)));
-  }
-  if (params.proposal == SantaProposal::kGroupMixture &&
-      (params.scores != ScoreSource::kCompressedKeys ||
-       params.correction != SantaCorrection::kRatio)) {
-    return absl::InvalidArgumentError(
-        "proposal: the group mixture takes compressed-key scores with the ratio correction");
-  }
-  if (params.scores != ScoreSource::kExact && params.scores != ScoreSource::kCompressedKeys) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("scores: unknown value ", static_cast<int>(params.scores)));
-  }
-  if (params.correction != SantaCorrection::kRatio && params.correction != SantaCorrection::kNone) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("correction: unknown value ", static_cast<int>(params.correction)));
-  }
-  if (params.scores == ScoreSource::kCompressedKeys && params.bernoulli_qk_samples > 0) {
-    return absl::InvalidArgumentError(
-        "bernoulli_qk_samples: Bernoulli qK^T estimates scores from K's features; with "
-        "compressed-key scores ask for one or the other");
-  }
-  return absl::OkStatus();
+  Reasons reasons;
+  const bool known_sampler = KnownSampler(params.sampler);
+  reasons.AddIf(!known_sampler, "sampler: unknown value ", static_cast<int>(params.sampler));
+  reasons.AddIf(!KnownAllocation(params.allocation), "allocation: unknown value ",
+                static_cast<int>(params.allocation));
+  reasons.AddIf(params.samples < 1, "samples (S) must be >= 1, got ", params.samples);
+  const bool tiled = params.allocation != SantaAllocation::kGlobal;
+  reasons.AddIf(tiled && params.tile_size < 1, "tile_size must be >= 1 for prop / flash, got ",
+                params.tile_size);
+  reasons.AddIf(tiled && known_sampler && params.sampler != SantaSampler::kSystematic,
+                "sampler: prop and flash allocations implement systematic sampling only "
+                "(Appendices P, Q)");
+  reasons.AddIf(params.bernoulli_qk_samples < 0, "bernoulli_qk_samples must be >= 0, got ",
+                params.bernoulli_qk_samples);
+  reasons.AddIf(
+      params.proposal != SantaProposal::kPerHead && params.proposal != SantaProposal::kGroupMixture,
+      "proposal: unknown value ", static_cast<int>(params.proposal));
+  reasons.AddIf(params.proposal == SantaProposal::kGroupMixture &&
+                    (params.scores != ScoreSource::kCompressedKeys ||
+                     params.correction != SantaCorrection::kRatio),
+                "proposal: the group mixture takes compressed-key scores with the ratio "
+                "correction");
+  reasons.AddIf(
+      params.scores != ScoreSource::kExact && params.scores != ScoreSource::kCompressedKeys,
+      "scores: unknown value ", static_cast<int>(params.scores));
+  reasons.AddIf(
+      params.correction != SantaCorrection::kRatio && params.correction != SantaCorrection::kNone,
+      "correction: unknown value ", static_cast<int>(params.correction));
+  reasons.AddIf(params.scores == ScoreSource::kCompressedKeys && params.bernoulli_qk_samples > 0,
+                "bernoulli_qk_samples: Bernoulli qK^T estimates scores from K's features; with "
+                "compressed-key scores ask for one or the other");
+  return reasons.ToStatus();
 }
 
 absl::Status PlanSantaHead(absl::Span<const float> scores, const SantaParams& params,

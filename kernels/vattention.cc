@@ -5,6 +5,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu_util.h"
+#include "kernels/reasons.h"
 
 namespace kvsparse::kernels {
 namespace {
@@ -56,59 +57,36 @@ double NormalQuantile(double p) {
 }
 
 absl::Status ValidateVAttentionParams(const VAttentionParams& params) {
-  if (!InOpenUnit(params.epsilon)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("epsilon must be in (0, 1), got ", params.epsilon));
-  }
-  if (!InOpenUnit(params.delta)) {
-    return absl::InvalidArgumentError(absl::StrCat("delta must be in (0, 1), got ", params.delta));
-  }
-  if (!InOpenUnit(params.base_rate)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("base_rate must be in (0, 1), got ", params.base_rate));
-  }
-  if (params.sink_tokens < 0 || params.local_tokens < 0 || params.top_k < 0) {
-    return absl::InvalidArgumentError(absl::StrCat(params.sink_tokens < 0    ? "sink_tokens"
-                                                   : params.local_tokens < 0 ? "local_tokens"
-                                                                             : "top_k",
-                                                   " must be >= 0"));
-  }
-  if (params.top_k == 0 && !(params.top_k_fraction >= 0.f && params.top_k_fraction <= 1.f)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("top_k_fraction must be in [0, 1], got ", params.top_k_fraction));
-  }
-  if (params.predictor != TopKPredictor::kHash && params.predictor != TopKPredictor::kExact &&
-      params.predictor != TopKPredictor::kCompressed) {
-    return absl::InvalidArgumentError("predictor: unknown value");
-  }
-  if (params.bound != BudgetBound::kClt && params.bound != BudgetBound::kHoeffding &&
-      params.bound != BudgetBound::kCltRatio) {
-    return absl::InvalidArgumentError("bound: unknown value");
-  }
-  if (params.target != VerifyTarget::kDenominator && params.target != VerifyTarget::kNumerator &&
-      params.target != VerifyTarget::kOutput) {
-    return absl::InvalidArgumentError("target: unknown value");
-  }
-  if (params.sampler != ResidualSampler::kUniform &&
-      params.sampler != ResidualSampler::kImportance) {
-    return absl::InvalidArgumentError("sampler: unknown value");
-  }
-  if (params.sampler == ResidualSampler::kImportance) {
-    if (params.predictor == TopKPredictor::kHash) {
-      return absl::InvalidArgumentError(
-          "sampler: importance sampling needs a score for every token (predictor exact or "
-          "compressed), not the hash predictor");
-    }
-    if (params.bound == BudgetBound::kHoeffding) {
-      return absl::InvalidArgumentError(
-          "sampler: importance sampling has no Hoeffding range; use bound clt or clt-ratio");
-    }
-    if (params.exact_statistics) {
-      return absl::InvalidArgumentError("sampler: importance sampling has no exact_statistics");
-    }
-  }
-  if (params.predictor == TopKPredictor::kHash) return ValidateSignatureBits(params.bits);
-  return absl::OkStatus();
+  Reasons reasons;
+  reasons.AddIf(!InOpenUnit(params.epsilon), "epsilon must be in (0, 1), got ", params.epsilon);
+  reasons.AddIf(!InOpenUnit(params.delta), "delta must be in (0, 1), got ", params.delta);
+  reasons.AddIf(!InOpenUnit(params.base_rate), "base_rate must be in (0, 1), got ",
+                params.base_rate);
+  reasons.Add(ValidateSinkLocalTopK(params.sink_tokens, params.local_tokens, params.top_k,
+                                    params.top_k_fraction));
+  const bool hash = params.predictor == TopKPredictor::kHash;
+  reasons.AddIf(!hash && params.predictor != TopKPredictor::kExact &&
+                    params.predictor != TopKPredictor::kCompressed,
+                "predictor: unknown value");
+  reasons.AddIf(params.bound != BudgetBound::kClt && params.bound != BudgetBound::kHoeffding &&
+                    params.bound != BudgetBound::kCltRatio,
+                "bound: unknown value");
+  reasons.AddIf(params.target != VerifyTarget::kDenominator &&
+                    params.target != VerifyTarget::kNumerator &&
+                    params.target != VerifyTarget::kOutput,
+                "target: unknown value");
+  const bool importance = params.sampler == ResidualSampler::kImportance;
+  reasons.AddIf(!importance && params.sampler != ResidualSampler::kUniform,
+                "sampler: unknown value");
+  reasons.AddIf(importance && hash,
+                "sampler: importance sampling needs a score for every token (predictor exact or "
+                "compressed), not the hash predictor");
+  reasons.AddIf(importance && params.bound == BudgetBound::kHoeffding,
+                "sampler: importance sampling has no Hoeffding range; use bound clt or clt-ratio");
+  reasons.AddIf(importance && params.exact_statistics,
+                "sampler: importance sampling has no exact_statistics");
+  if (hash) reasons.Add(ValidateSignatureBits(params.bits));
+  return reasons.ToStatus();
 }
 
 VAttentionBudget ComputeVAttentionBudget(const VAttentionStatistics& st,

@@ -15,6 +15,7 @@
 #include "engine/cuda/static_step.h"
 #include "engine/gpu_shape.h"
 #include "engine/methods/registry.h"
+#include "kernels/reasons.h"
 
 namespace kvsparse::engine {
 namespace {
@@ -54,21 +55,23 @@ class GpuBackend final : public DecodeBackend {
 
   absl::Status Supports(const DecodeCall& call,
                         absl::Span<const SequenceDesc> descs) const override {
-    // The sequences of a call are decoded together: they must share their placement.
+    // Every reason at once (kernels::Reasons), each once. The sequences of a call are decoded
+    // together: they must share their placement.
+    kernels::Reasons reasons(absl::StatusCode::kFailedPrecondition);
     const SequenceDesc& d0 = descs[0];
     const gpu::GpuRunner* runner = FindMethod(call.method.kind).gpu;
-    if (runner == nullptr) return gpu::NotOnGpu("the method has no GPU path");
+    reasons.AddIf(runner == nullptr, "the method has no GPU path");
     for (const SequenceDesc& d : descs) {
-      if (d.placement.k_tier != d0.placement.k_tier || d.placement.v_tier != d0.placement.v_tier ||
-          d.placement.signature_bits != d0.placement.signature_bits ||
-          d.placement.compressed_key_bits != d0.placement.compressed_key_bits ||
-          d.page_tokens != d0.page_tokens) {
-        return gpu::NotOnGpu("the call's sequences differ in placement or page size");
-      }
-      if (absl::Status s = SupportsShape(call, d); !s.ok()) return s;
-      if (absl::Status s = runner->Supports(call.method, d, caps_); !s.ok()) return s;
+      reasons.AddIf(d.placement.k_tier != d0.placement.k_tier ||
+                        d.placement.v_tier != d0.placement.v_tier ||
+                        d.placement.signature_bits != d0.placement.signature_bits ||
+                        d.placement.compressed_key_bits != d0.placement.compressed_key_bits ||
+                        d.page_tokens != d0.page_tokens,
+                    "the call's sequences differ in placement or page size");
+      SupportsShape(call, d, reasons);
+      if (runner != nullptr) reasons.Add(runner->Supports(call.method, d, caps_));
     }
-    return absl::OkStatus();
+    return reasons.ToStatus();
   }
 
   absl::Status Decode(const DecodeCall& call, absl::Span<const SequenceDesc> descs,
@@ -94,19 +97,16 @@ class GpuBackend final : public DecodeBackend {
   // What every GPU method needs of a call and a sequence: dtype, head dim, group size, and for a
   // half kept in host memory pages the GPU can read in place (power-of-two pages) or a runner
   // that gathers its rows into staging (GpuCaps::staged_rows).
-  absl::Status SupportsShape(const DecodeCall& call, const SequenceDesc& desc) const {
-    const kvstore::ModelShape& s = desc.shape;
-    if (call.return_indices) {  // the CPU engine lists the rows it read
-      return gpu::NotOnGpu("the call asks for the rows read (return_indices)");
-    }
-    if (absl::Status taken = GpuTakesShape(s); !taken.ok()) return taken;
+  void SupportsShape(const DecodeCall& call, const SequenceDesc& desc,
+                     kernels::Reasons& reasons) const {
+    // The CPU engine lists the rows it read.
+    reasons.AddIf(call.return_indices, "the call asks for the rows read (return_indices)");
+    reasons.Add(GpuTakesShape(desc.shape));
     const kvstore::Placement& pl = desc.placement;
     const bool host_half =
         pl.k_tier != kvstore::Tier::kDevice || pl.v_tier != kvstore::Tier::kDevice;
-    if (host_half && !caps_.staged_rows && !gpu::IsPow2(desc.page_tokens)) {
-      return gpu::NotOnGpu("a host half read in place needs a power-of-two page size");
-    }
-    return absl::OkStatus();
+    reasons.AddIf(host_half && !caps_.staged_rows && !gpu::IsPow2(desc.page_tokens),
+                  "a host half read in place needs a power-of-two page size");
   }
   // One pass over the method's launch sequence, framed by the start and end events; *carved:
   // the method's scratch bytes.

@@ -26,6 +26,7 @@
 #include "engine/decode_call.h"
 #include "engine/method.h"
 #include "engine/row_source.h"
+#include "kernels/reasons.h"
 
 namespace kvsparse::engine::gpu {
 
@@ -55,17 +56,16 @@ inline absl::Status NotOnGpu(absl::string_view why) { return absl::FailedPrecond
 // give), and learned MLPs fit the sequence.
 inline absl::Status SignaturesOnGpu(const Method& m, const SequenceDesc& desc,
                                     const GpuCaps& caps) {
-  if (desc.placement.signature_bits == 0) return NotOnGpu("the placement keeps no signatures");
-  if (caps.saap != nullptr) return NotOnGpu("the deployment's signatures are SAAP buckets");
-  if (m.learned_signatures != (caps.learned != nullptr)) {
-    return NotOnGpu(caps.learned != nullptr
-                        ? "the call asks for SimHash signatures; the deployment's are learned"
-                        : "the call asks for learned signatures; the deployment has none");
-  }
-  if (caps.learned != nullptr && !LearnedSignsOnGpu(*caps.learned, desc)) {
-    return NotOnGpu("the learned MLPs do not fit the sequence's shape on the GPU");
-  }
-  return absl::OkStatus();
+  kernels::Reasons reasons(absl::StatusCode::kFailedPrecondition);
+  reasons.AddIf(desc.placement.signature_bits == 0, "the placement keeps no signatures");
+  reasons.AddIf(caps.saap != nullptr, "the deployment's signatures are SAAP buckets");
+  reasons.AddIf(m.learned_signatures != (caps.learned != nullptr),
+                caps.learned != nullptr
+                    ? "the call asks for SimHash signatures; the deployment's are learned"
+                    : "the call asks for learned signatures; the deployment has none");
+  reasons.AddIf(caps.learned != nullptr && !LearnedSignsOnGpu(*caps.learned, desc),
+                "the learned MLPs do not fit the sequence's shape on the GPU");
+  return reasons.ToStatus();
 }
 
 // Whether the selected-rows path (engine/cuda/selected_rows_call.h) can read a sequence's rows:
@@ -107,9 +107,9 @@ class MethodCall {
 class GpuRunner {
  public:
   virtual ~GpuRunner() = default;
-  // Whether the GPU path computes `m` for a sequence (OK), or why not (NotOnGpu): its
-  // parameters and what the placement keeps. The checks every method shares (dtype, head dim,
-  // group size, pages the GPU can read) are the backend's.
+  // Whether the GPU path computes `m` for a sequence (OK), or every reason it does not (one
+  // FAILED_PRECONDITION, kernels::Reasons): its parameters and what the placement keeps. The checks
+  // every method shares (dtype, head dim, group size, pages the GPU can read) are the backend's.
   virtual absl::Status Supports(const Method& m, const SequenceDesc& desc,
                                 const GpuCaps& caps) const = 0;
   virtual std::unique_ptr<MethodCall> Begin(const Method& m) const = 0;

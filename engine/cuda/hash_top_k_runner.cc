@@ -21,8 +21,10 @@ class HashTopKCall final : public SelectedRowsCall {
   // from a store in another process: K and V in the same tier (the fetch reads both by list
   // position).
   static absl::Status Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
-    if (absl::Status s = StagedRowsFit(desc, caps); !s.ok()) return s;
-    return SignaturesOnGpu(m, desc, caps);
+    kernels::Reasons reasons;
+    reasons.Add(StagedRowsFit(desc, caps));
+    reasons.Add(SignaturesOnGpu(m, desc, caps));
+    return reasons.ToStatus();
   }
   // Captured steps: SimHash signatures (the step signs its key as the backend's sync does; the
   // learned MLPs' key signing is not in the step yet). The selection reads the step's lengths on

@@ -18,14 +18,14 @@ class SaapCall final : public SelectedRowsCall {
   // CPU engine would refuse stay there for their error. Rows staged from a store in another
   // process: K and V in the same tier (the fetch reads both by list position).
   static absl::Status Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
-    if (caps.saap == nullptr) return NotOnGpu("the deployment has no SAAP partitions");
-    if (!SaapOnGpu(*caps.saap, desc)) {
-      return NotOnGpu("the SAAP partitions do not fit the sequence's shape on the GPU");
-    }
-    if (!kernels::ValidateSaapParams(m.saap, *caps.saap).ok()) {
-      return NotOnGpu("the call's SAAP parameters do not fit the partitions");
-    }
-    return StagedRowsFit(desc, caps);
+    kernels::Reasons reasons(absl::StatusCode::kFailedPrecondition);
+    reasons.AddIf(caps.saap == nullptr, "the deployment has no SAAP partitions");
+    reasons.AddIf(caps.saap != nullptr && !SaapOnGpu(*caps.saap, desc),
+                  "the SAAP partitions do not fit the sequence's shape on the GPU");
+    reasons.AddIf(caps.saap != nullptr && !kernels::ValidateSaapParams(m.saap, *caps.saap).ok(),
+                  "the call's SAAP parameters do not fit the partitions");
+    reasons.Add(StagedRowsFit(desc, caps));
+    return reasons.ToStatus();
   }
 
  private:

@@ -96,20 +96,18 @@ class SantaCompressedCall final : public SelectedRowsCall {
 absl::Status SantaOverCompressedKeysSupports(const Method& m, const SequenceDesc& desc,
                                              const GpuCaps& caps) {
   const kernels::SantaParams& p = m.santa;
-  if (p.scores != kernels::ScoreSource::kCompressedKeys) {
-    return NotOnGpu("S2ANTA without K on the device scores compressed keys only");
-  }
-  if (absl::Status s = SantaTilesOnGpu(p); !s.ok()) return s;
+  kernels::Reasons reasons(absl::StatusCode::kFailedPrecondition);
+  reasons.AddIf(p.scores != kernels::ScoreSource::kCompressedKeys,
+                "S2ANTA without K on the device scores compressed keys only");
+  reasons.Add(SantaTilesOnGpu(p));
   // Bernoulli qK^T with compressed-key scores is refused by ValidateSantaParams.
-  if (p.correction != kernels::SantaCorrection::kRatio ||
-      p.sampler != kernels::SantaSampler::kSystematic ||
-      p.allocation != kernels::SantaAllocation::kProp) {
-    return NotOnGpu("S2ANTA over compressed keys on the GPU: systematic, prop, ratio correction");
-  }
-  if (desc.placement.compressed_key_bits == 0) {
-    return NotOnGpu("the placement keeps no compressed keys");
-  }
-  return StagedRowsFit(desc, caps);
+  reasons.AddIf(p.correction != kernels::SantaCorrection::kRatio ||
+                    p.sampler != kernels::SantaSampler::kSystematic ||
+                    p.allocation != kernels::SantaAllocation::kProp,
+                "S2ANTA over compressed keys on the GPU: systematic, prop, ratio correction");
+  reasons.AddIf(desc.placement.compressed_key_bits == 0, "the placement keeps no compressed keys");
+  reasons.Add(StagedRowsFit(desc, caps));
+  return reasons.ToStatus();
 }
 
 bool SantaOverCompressedKeysCapturable(const Method& m, const SequenceDesc& desc) {

@@ -37,21 +37,19 @@ class SantaCall final : public MethodCall {
   // is staged.
   static absl::Status Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
     const kernels::SantaParams& p = m.santa;
-    if (desc.placement.k_tier != kvstore::Tier::kDevice) {
-      return NotOnGpu("S2ANTA over exact scores on the GPU needs K on the device");
-    }
-    if (absl::Status s = SantaTilesOnGpu(p); !s.ok()) return s;
+    kernels::Reasons reasons(absl::StatusCode::kFailedPrecondition);
+    reasons.AddIf(desc.placement.k_tier != kvstore::Tier::kDevice,
+                  "S2ANTA over exact scores on the GPU needs K on the device");
+    reasons.Add(SantaTilesOnGpu(p));
     const bool iid_global = p.sampler == kernels::SantaSampler::kIid &&
                             p.allocation == kernels::SantaAllocation::kGlobal;
     const bool sys_prop_or_flash = p.sampler == kernels::SantaSampler::kSystematic &&
                                    (p.allocation == kernels::SantaAllocation::kProp ||
                                     p.allocation == kernels::SantaAllocation::kFlash);
-    if (!iid_global && !sys_prop_or_flash) {
-      return NotOnGpu(
-          "S2ANTA on the GPU: iid with global allocation, or systematic with prop or "
-          "flash");
-    }
-    return absl::OkStatus();
+    reasons.AddIf(!iid_global && !sys_prop_or_flash,
+                  "S2ANTA on the GPU: iid with global allocation, or systematic with prop or "
+                  "flash");
+    return reasons.ToStatus();
   }
 
   absl::Status Enqueue(LaunchPlan& lp, Carver& c) override {

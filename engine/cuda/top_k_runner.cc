@@ -27,13 +27,13 @@ class TopKCall final : public SelectedRowsCall {
   // Compressed-key scores of a sequence that keeps compressed keys. Rows staged from a store in
   // another process: K and V in the same tier (the fetch reads both by list position).
   static absl::Status Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
-    if (m.top_k.source != kernels::ScoreSource::kCompressedKeys) {
-      return NotOnGpu("top-k on the GPU scores compressed keys only");
-    }
-    if (desc.placement.compressed_key_bits == 0) {
-      return NotOnGpu("the placement keeps no compressed keys");
-    }
-    return StagedRowsFit(desc, caps);
+    kernels::Reasons reasons(absl::StatusCode::kFailedPrecondition);
+    reasons.AddIf(m.top_k.source != kernels::ScoreSource::kCompressedKeys,
+                  "top-k on the GPU scores compressed keys only");
+    reasons.AddIf(desc.placement.compressed_key_bits == 0,
+                  "the placement keeps no compressed keys");
+    reasons.Add(StagedRowsFit(desc, caps));
+    return reasons.ToStatus();
   }
   // Captured steps: the step appends its key to the compressed keys on the device
   // (kernels::cuda::AppendCompressedKeyStep), the scores and the selection read the step's

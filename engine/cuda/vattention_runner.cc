@@ -32,24 +32,22 @@ class VAttentionCall final : public MethodCall {
   // fetch reads both by list position).
   static absl::Status Supports(const Method& m, const SequenceDesc& desc, const GpuCaps& caps) {
     const kernels::VAttentionParams& p = m.vattention;
-    if (absl::Status s = StagedRowsFit(desc, caps); !s.ok()) return s;
-    if (p.exact_statistics) return NotOnGpu("vAttention's exact statistics run on the CPU");
+    kernels::Reasons reasons(absl::StatusCode::kFailedPrecondition);
+    reasons.Add(StagedRowsFit(desc, caps));
+    reasons.AddIf(p.exact_statistics, "vAttention's exact statistics run on the CPU");
     if (p.predictor == kernels::TopKPredictor::kCompressed) {
-      if (p.sampler != kernels::ResidualSampler::kImportance ||
-          p.bound == kernels::BudgetBound::kHoeffding) {
-        return NotOnGpu(
-            "vAttention over compressed keys on the GPU: the importance sampler, "
-            "not the Hoeffding bound");
-      }
-      if (desc.placement.compressed_key_bits == 0) {
-        return NotOnGpu("the placement keeps no compressed keys");
-      }
-      return absl::OkStatus();
+      reasons.AddIf(p.sampler != kernels::ResidualSampler::kImportance ||
+                        p.bound == kernels::BudgetBound::kHoeffding,
+                    "vAttention over compressed keys on the GPU: the importance sampler, not the "
+                    "Hoeffding bound");
+      reasons.AddIf(desc.placement.compressed_key_bits == 0,
+                    "the placement keeps no compressed keys");
+    } else if (p.predictor == kernels::TopKPredictor::kHash) {
+      reasons.Add(SignaturesOnGpu(m, desc, caps));
+    } else {
+      reasons.AddIf(true, "vAttention on the GPU predicts with signatures or compressed keys");
     }
-    if (p.predictor != kernels::TopKPredictor::kHash) {
-      return NotOnGpu("vAttention on the GPU predicts with signatures or compressed keys");
-    }
-    return SignaturesOnGpu(m, desc, caps);
+    return reasons.ToStatus();
   }
 
   absl::Status Plan(LaunchPlan& lp) override {

@@ -12,6 +12,7 @@
 
 #include "engine/cpu_step.h"
 #include "engine/methods/method_unit.h"
+#include "kernels/reasons.h"
 
 namespace kvsparse::engine {
 namespace {
@@ -31,8 +32,10 @@ class VAttention final : public MethodUnit {
   absl::Status Validate(const Method& m, const EngineOptions&) const override {
     kernels::VAttentionParams p = m.vattention;
     if (p.bits == 0) p.bits = 32;
-    if (p.exact_statistics) return absl::InvalidArgumentError("exact_statistics is test-only");
-    return kernels::ValidateVAttentionParams(p);
+    kernels::Reasons reasons;
+    reasons.AddIf(p.exact_statistics, "exact_statistics is test-only");
+    reasons.Add(kernels::ValidateVAttentionParams(p));
+    return reasons.ToStatus();
   }
   absl::Status CheckFits(const Method& m, const SequenceDesc& desc,
                          const SignatureMaker& signatures) const override {

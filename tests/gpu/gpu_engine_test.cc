@@ -1569,6 +1569,15 @@ TEST_F(GpuEngineTest, CapturedStepsRefuseWhatTheyCannotCapture) {
   ASSERT_TRUE(on_cpu.ok()) << on_cpu.status();
   EXPECT_TRUE(absl::StrContains(on_cpu->not_on_backend, "needs K on the device"))
       << on_cpu->not_on_backend;
+  // Every reason at once (kernels::Reasons): K not on the device, and tiles the kernels do not
+  // take.
+  Method odd_tiles = SantaMethod(1, 64);
+  odd_tiles.santa.tile_size = 48;
+  auto both = rig->gpu->Decode(Call(prob, odd_tiles));
+  ASSERT_TRUE(both.ok()) << both.status();
+  EXPECT_TRUE(absl::StrContains(both->not_on_backend, "needs K on the device") &&
+              absl::StrContains(both->not_on_backend, "takes tiles of"))
+      << both->not_on_backend;
   req.max_tokens = 100;  // already longer
   EXPECT_EQ(rig->gpu->PlanStatic(req).status().code(), absl::StatusCode::kOutOfRange);
   req.sequence_ids = {"nope"};

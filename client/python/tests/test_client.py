@@ -259,6 +259,12 @@ def test_bad_input_raises_the_right_exception(client: kvsparse.Client) -> None:
         client.attention.decode(0, ["bad"], q, kvsparse.HashTopK())
     with pytest.raises(kvsparse.InvalidArgument):
         client.attention.decode(0, ["bad"], q, kvsparse.Santa(samples=0))
+    # Every reason a method's parameters are refused, in one error.
+    with pytest.raises(kvsparse.InvalidArgument) as err:
+        client.attention.decode(0, ["bad"], q, kvsparse.VAttention(epsilon=2.0, delta=0.0, top_k_fraction=3.0))
+    for reason in ("epsilon must be in (0, 1), got 2", "delta must be in (0, 1), got 0",
+                   "top_k_fraction must be in [0, 1], got 3"):
+        assert reason in err.value.details, err.value.details
     with pytest.raises(kvsparse.OutOfRange):
         client.store.gather("bad", 0, {0: [4]})
     nan_q = q.copy()
