@@ -326,12 +326,15 @@ def test_openai_server_decodes_through_it_and_serves_its_metrics(model: str, ser
     with api_server(model, tmp_path, env, "--middleware", "kvsparse.vllm.middleware.MethodCheck") as (base, _):
         # A method kvsparse does not know: 400 naming the field, and the server keeps serving
         # (without the admission check it reached vLLM's worker and stopped the engine).
-        bad = {"model": model, "prompt": PROMPTS[1], "max_tokens": 8, "vllm_xargs": {"kvsparse_method": "bogus"}}
-        with pytest.raises(urllib.error.HTTPError) as refused:
-            complete(base, bad)
-        assert refused.value.code == 400
-        error = json.load(refused.value)["error"]
-        assert error["param"] == "vllm_xargs.kvsparse_method" and "bogus" in error["message"], error
+        # A word the method's enum does not have is refused there too, with every problem named.
+        for method, named in (("bogus", ["bogus"]), ("santa:allocation=bogus,samples=many", ["allocation", "samples"])):
+            bad = {"model": model, "prompt": PROMPTS[1], "max_tokens": 8, "vllm_xargs": {"kvsparse_method": method}}
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                complete(base, bad)
+            assert refused.value.code == 400
+            error = json.load(refused.value)["error"]
+            assert error["param"] == "vllm_xargs.kvsparse_method", error
+            assert all(n in error["message"] for n in named), error
         body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "return_token_ids": True,
                 "vllm_xargs": {"kvsparse_method": "dense"}}
         answer = complete(base, body)

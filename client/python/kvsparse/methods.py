@@ -331,6 +331,16 @@ def method_text(method: Method) -> str:
 _SOURCE_WORDS = {word: word == "learned" for word in _words("SignatureSource")}
 
 
+def _word_problem(name: str, key: str, value: Any) -> str | None:
+    """Why an enum field's word is refused (not one of the proto's words for it), or None."""
+    message = attention_pb2.Method.DESCRIPTOR.fields_by_name[name].message_type
+    field = message.fields_by_name.get(key)
+    if field is None or field.enum_type is None or not isinstance(value, str):
+        return None
+    words = _words(field.enum_type.name)
+    return None if value in words else f"{name}: {key}={value!r} is not one of {', '.join(words)}"
+
+
 def parse_method(spec: str) -> Method:
     """A method from its text form, ``name`` or ``name:field=value,field=value`` with the names
     of the server's metrics labels (``dense``, ``santa``, ``hash_top_k``, ``vattention``,
@@ -338,35 +348,46 @@ def parse_method(spec: str) -> Method:
     form"; the CLI's ``--method`` reads the same text), e.g. ``top_k:top_k_fraction=0.03125`` or
     ``santa:samples=256,allocation=prop``; every field left out takes its default. A HashTopK or
     VAttention takes ``source=learned`` (the proto's field) or ``learned=true`` (the dataclass's).
-    ValueError names what is wrong."""
+    ValueError names every problem at once, as the CLI's reading does (rpc/method_text.h): fields
+    the method lacks, values of the wrong type, words its enums do not have (the values' ranges
+    are the engine's to check)."""
     name, _, params = spec.strip().partition(":")
-    cls = METHOD_NAMES.get(name.strip())
+    name = name.strip()
+    cls = METHOD_NAMES.get(name)
     if cls is None:
         raise ValueError(f"unknown method {name!r}: one of {', '.join(METHOD_NAMES)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     defaults = cls()
     kwargs: dict[str, Any] = {}
+    problems: list[str] = []
     for part in filter(None, (p.strip() for p in params.split(","))):
         key, eq, text = part.partition("=")
-        key = key.strip()
+        key, text = key.strip(), text.strip()
         if key == "source" and "learned" in fields and eq:
-            if text.strip() not in _SOURCE_WORDS:
-                raise ValueError(f"{name}: source={text.strip()!r} is not one of {', '.join(sorted(_SOURCE_WORDS))}")
-            kwargs["learned"] = _SOURCE_WORDS[text.strip()]
+            if text in _SOURCE_WORDS:
+                kwargs["learned"] = _SOURCE_WORDS[text]
+            else:
+                problems.append(f"{name}: source={text!r} is not one of {', '.join(sorted(_SOURCE_WORDS))}")
             continue
         if not eq or key not in fields:
-            raise ValueError(f"{name}: {part!r} is not field=value of {', '.join(fields)}")
+            problems.append(f"{name}: {part!r} is not field=value of {', '.join(fields)}")
+            continue
         kind = type(getattr(defaults, key))
-        text = text.strip()
+        if kind is bool and text.lower() in ("0", "1", "true", "false"):
+            kwargs[key] = text.lower() in ("1", "true")
+            continue
         try:
             if kind is bool:
-                if text.lower() not in ("0", "1", "true", "false"):
-                    raise ValueError(text)
-                kwargs[key] = text.lower() in ("1", "true")
-            else:
-                kwargs[key] = kind(text)
+                raise ValueError(text)
+            kwargs[key] = kind(text)
         except ValueError:
-            raise ValueError(f"{name}: {key}={text!r} is not a {kind.__name__}") from None
+            problems.append(f"{name}: {key}={text!r} is not a {kind.__name__}")
+            continue
+        word = _word_problem(name, key, kwargs[key])
+        if word is not None:
+            problems.append(word)
+    if problems:
+        raise ValueError("; ".join(problems))
     return cast(Method, cls(**kwargs))
 
 

@@ -48,6 +48,17 @@ def test_bad_text_names_the_problem() -> None:
         parse_method("santta:samples=4")
     with pytest.raises(ValueError, match="samples='many' is not a int"):
         parse_method("santa:samples=many")
+    # Every problem at once, enum words included (vLLM's admission check refuses them with 400
+    # instead of the engine failing the request later).
+    with pytest.raises(ValueError) as every:
+        parse_method("santa:allocation=bogus,samples=many,nope=1,scores=compressed")
+    message = str(every.value)
+    for problem in ("allocation='bogus' is not one of global, prop, flash", "samples='many' is not a int",
+                    "'nope=1' is not field=value"):
+        assert problem in message, message
+    assert "scores=" not in message  # a good field among bad ones is not named
+    with pytest.raises(ValueError, match="source='sha' is not one of learned, simhash"):
+        parse_method("hash_top_k:source=sha")
     with pytest.raises(ValueError, match="not a method"):
         method_text("santa")  # type: ignore[arg-type]
 
