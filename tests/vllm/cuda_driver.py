@@ -207,30 +207,17 @@ def follow_up(llm: "LLM", ps: list[list[int]], job: dict) -> dict:
     return result
 
 
-def start_store(target: str | None = None) -> "subprocess.Popen":
-    """A kvsparse-server store (KVSPARSE_SERVER, host memory only) for the outage job, at
-    `target` or a free local port, named to the backend as KVSPARSE_VLLM_TARGET."""
-    import socket
-    import subprocess
-
-    import kvsparse
+def start_outage_store(target: str | None = None) -> "subprocess.Popen":
+    """A kvsparse-server store for the outage job (tests/vllm/store_process.py), at `target` or
+    a free local port, named to the backend as KVSPARSE_VLLM_TARGET."""
+    from store_process import free_target, start_store
 
     if target is None:
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            target = f"127.0.0.1:{sock.getsockname()[1]}"
+        target = free_target()
         os.environ["KVSPARSE_VLLM_TARGET"] = target
-    proc = subprocess.Popen([os.environ["KVSPARSE_SERVER"], f"--listen={target}", "--capacity=1G", "--gpu=off",
-                             "--log_level=warning"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = start_store(target)
     proc.target = target  # type: ignore[attr-defined]
-    for _ in range(100):
-        try:
-            with kvsparse.Client(target, timeout=1.0) as c:
-                c.store.stats()
-            return proc
-        except kvsparse.KvSparseError:
-            time.sleep(0.1)
-    raise RuntimeError("kvsparse-server did not start")
+    return proc
 
 
 def outage(llm: "LLM", ps: list[list[int]], params: list, store: "subprocess.Popen") -> dict:
@@ -240,7 +227,7 @@ def outage(llm: "LLM", ps: list[list[int]], params: list, store: "subprocess.Pop
     store.terminate()
     store.wait(timeout=30)
     during = generate_round(llm, ps, params)
-    store = start_store(store.target)  # type: ignore[attr-defined]
+    store = start_outage_store(store.target)  # type: ignore[attr-defined]
     try:
         for tries in range(1, 11):
             after = generate_round(llm, ps, params)
@@ -269,7 +256,7 @@ def main() -> None:
         extra["enable_prefix_caching"] = job["enable_prefix_caching"]
     if job.get("kv_cache_memory_bytes"):
         extra["kv_cache_memory_bytes"] = job["kv_cache_memory_bytes"]
-    store = start_store() if job.get("outage") else None  # before the engine reads its target
+    store = start_outage_store() if job.get("outage") else None  # before the engine reads its target
     llm = LLM(
         model=job["model"],
         load_format=job.get("load_format", "auto"),

@@ -27,8 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +41,7 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 import kvsparse  # noqa: E402
+from store_process import free_port, free_target, start_store  # noqa: E402
 from tiny_llama import MAX_TOKENS, PROMPTS, save_tiny_llama  # noqa: E402
 
 DRIVER = Path(__file__).with_name("driver.py")
@@ -275,12 +274,6 @@ def test_a_bad_method_without_the_connector_stops_vllm_with_the_reason(model: st
     assert "error" in own and "bogus" in own["error"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextlib.contextmanager
 def api_server(model: str, tmp_path: Path, env_extra: dict[str, str], *args: str) -> Iterator[tuple[str, Any]]:
     """vLLM's OpenAI server (three processes) on a free port, serving once /health answers; vLLM's
@@ -358,27 +351,11 @@ def test_a_server_outage_fails_its_requests_and_vllm_keeps_serving(model: str, t
     (kvsparse's KV connector reports it to vLLM's scheduler as a failed load) and vLLM's engine
     keeps running; once a server listens at the address again, requests are served again (gRPC
     reconnects, new requests create their sequences there)."""
-    binary = os.environ.get("KVSPARSE_SERVER") or shutil.which("kvsparse-server")
-    assert binary, "kvsparse-server not found"
-    port = free_port()
-    target = f"127.0.0.1:{port}"
-
-    def start_store() -> subprocess.Popen:
-        store = subprocess.Popen([binary, f"--listen={target}", "--capacity=1G", "--gpu=off", "--log_level=warning"],
-                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for _ in range(100):
-            try:
-                with kvsparse.Client(target, timeout=1.0) as c:
-                    c.store.stats()
-                return store
-            except kvsparse.KvSparseError:
-                time.sleep(0.1)
-        raise AssertionError("kvsparse-server did not start")
-
+    target = free_target()
     connector = json.dumps({"kv_connector": "KvSparseConnector", "kv_connector_module_path": "kvsparse.vllm.connector",
                             "kv_role": "kv_both"})
     body = {"model": model, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0, "return_token_ids": True}
-    store = start_store()
+    store = start_store(target)
     try:
         env = {"KVSPARSE_VLLM_METHOD": "dense", "KVSPARSE_VLLM_TARGET": target}
         with api_server(model, tmp_path, env, "--kv-transfer-config", connector) as (base, api):
@@ -399,7 +376,7 @@ def test_a_server_outage_fails_its_requests_and_vllm_keeps_serving(model: str, t
                 assert e.code >= 500, e
             urllib.request.urlopen(base + "/health", timeout=10)
             assert api.poll() is None, (tmp_path / "api.log").read_text()[-3000:]
-            store = start_store()
+            store = start_store(target)
             # The worker's channel reconnects within its 2 s backoff; a request in that window
             # fails as the one above did.
             for _ in range(10):

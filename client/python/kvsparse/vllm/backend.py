@@ -43,6 +43,7 @@ from kvsparse.vllm.plugin import (
     refuse_prefix_caching,
     refuse_unsupported,
     store_only,
+    vllm_attention,
 )
 
 
@@ -130,17 +131,9 @@ class KvSparseImpl(CPUAttentionBackendImpl):
         vllm_ran = not self.store_only and bool(prefill or not decode or failed)
         if vllm_ran:
             t0 = time.perf_counter()
-            tail = getattr(attn_metadata, "prompt_tail", None)
-            if tail is not None and not failed and len(decode) == tail.first_row:
-                # The step's decode rows (the batch's first rows) are kvsparse's: vLLM's attention
-                # for the prompt rows after them only.
-                a = tail.first_token
-                super().forward(layer, query[a:], key[a:], value[a:], kv_cache, tail.metadata, output[a:],
-                                output_scale, output_block_scale)
-                w.vllm_rows_skipped += a
-            else:
-                super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                                output_block_scale)
+            w.vllm_rows_skipped += vllm_attention(
+                super().forward, getattr(attn_metadata, "prompt_tail", None), len(decode), bool(failed), layer,
+                query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
             timing["vllm_attention"] += time.perf_counter() - t0
         by_method: dict[Any, list[int]] = {}
         for i in decode:

@@ -627,18 +627,10 @@ class KvSparseCudaImpl(FlashAttentionImpl):
             w.cache_writes += 1
         vllm_attention = not self.store_only and bool(step.prefill or not (step.groups or w.slot_rows))
         if vllm_attention:
-            tail = getattr(attn_metadata, "prompt_tail", None)
             decode_rows = sum(len(g.rids) for g in step.groups.values()) + len(w.slot_rows)
-            if tail is not None and not step.failed and decode_rows == tail.first_row:
-                # The step's decode rows (its first rows) are kvsparse's: vLLM's attention for
-                # the prompt rows after them only.
-                a = tail.first_token
-                super().forward(layer, query[a:], key[a:], value[a:], kv_cache, tail.metadata, output[a:],
-                                output_scale, output_block_scale)
-                w.vllm_rows_skipped += a
-            else:
-                super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
-                                output_block_scale)
+            w.vllm_rows_skipped += plugin.vllm_attention(
+                super().forward, getattr(attn_metadata, "prompt_tail", None), decode_rows, bool(step.failed), layer,
+                query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
         n = attn_metadata.num_actual_tokens
         out = output[:n].view(n, self.num_heads, self.head_size)
         for text, g in step.groups.items():

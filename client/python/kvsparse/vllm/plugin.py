@@ -346,6 +346,22 @@ def prompt_tail_rows(query_start_loc: Sequence[int], num_tokens: int) -> tuple[i
     return first, int(query_start_loc[first]), rows
 
 
+def vllm_attention(forward: Callable[..., Any], tail: PromptTail | None, decode_rows: int, failed: bool, layer: Any,
+                   query: Any, key: Any, value: Any, kv_cache: Any, attn_metadata: Any, output: Any,
+                   output_scale: Any, output_block_scale: Any) -> int:
+    """vLLM's attention (`forward`, the backend's parent's) for a step (both backends): for the
+    prompt rows alone where the step's first rows are exactly its `decode_rows` rows that kvsparse
+    answers and no request failed in it (`tail`), else for the whole batch. Returns the rows left
+    out."""
+    if tail is not None and not failed and decode_rows == tail.first_row:
+        a = tail.first_token
+        forward(layer, query[a:], key[a:], value[a:], kv_cache, tail.metadata, output[a:], output_scale,
+                output_block_scale)
+        return a
+    forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale, output_block_scale)
+    return 0
+
+
 @dataclass
 class RequestSequence:
     """A vLLM request's kvsparse sequence (both backends)."""
