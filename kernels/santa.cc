@@ -98,7 +98,8 @@ absl::Status ValidateSantaParams(const SantaParams& params) {
   reasons.AddIf(!KnownAllocation(params.allocation), "allocation: unknown value ",
                 static_cast<int>(params.allocation));
   reasons.AddIf(params.samples < 1, "samples (S) must be >= 1, got ", params.samples);
-  const bool tiled = params.allocation != SantaAllocation::kGlobal;
+  const bool tiled =
+      params.allocation == SantaAllocation::kProp || params.allocation == SantaAllocation::kFlash;
   reasons.AddIf(tiled && params.tile_size < 1, "tile_size must be >= 1 for prop / flash, got ",
                 params.tile_size);
   reasons.AddIf(tiled && known_sampler && params.sampler != SantaSampler::kSystematic,
