@@ -118,12 +118,11 @@ def test_dense_through_kvsparse_gives_vllms_tokens_with_cuda_graphs(model: str, 
     # calls and record no layer graphs (an H200, 2026-11-30). The flagship's plans inside vLLM
     # record and replay them (tests/bench/vllm_gpu_bench.py's rows, docs/PERF.md).
     assert w["layer_graphs"] == [0, 0], w["layer_graphs"]
-    # vLLM's paged cache is written at every layer of the steps with prompt rows (its attention
-    # reads it there) and at none of the decode-only steps (kvsparse holds those tokens).
+    # vLLM's paged cache is written at every layer of every step that ran the model, decode-only
+    # steps included (vLLM binds one step with nothing to run at the end of each of the three
+    # generations, tests/vllm/cuda_driver.py's main and follow_up).
     layers = 2  # tests/vllm/tiny_llama.py
     assert 0 < w["prompt_steps"] < w["steps"], w
-    # Every step that ran the model wrote it (vLLM binds one step with nothing to run at the end
-    # of each of the three generations, tests/vllm/cuda_driver.py's main and follow_up).
     assert w["cache_writes"] == layers * (w["steps"] - 3), w
     # In steps that mix decode and prompt rows (the short requests decode while the long prompts
     # prefill in chunks), vLLM's attention ran for the prompt rows alone.
