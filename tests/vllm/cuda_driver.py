@@ -15,9 +15,8 @@ max_num_batched_tokens, kv_cache_memory_bytes (vLLM's KV budget instead of a sha
 enforce_eager, methods (per request), kvsparse (method text or absent: vLLM's FlashAttention),
 kvsparse_env (extra KVSPARSE_VLLM_* settings), follow_up (a chat's two turns after the
 generation: {"prompt": index, "max_tokens", "suffix": token ids, "tokens"}, "follow_up" in the
-result), outage (true: the K/V in a
-kvsparse-server store, KVSPARSE_SERVER, that stops after the generation and starts again, "outage"
-in the result). The result's "decoding_together" is the most
+result), outage (true: the K/V in a kvsparse-server store, KVSPARSE_SERVER, that stops after the
+generation and starts again, "outage" in the result). The result's "decoding_together" is the most
 requests whose decode intervals (first to last token, vLLM's timestamps) overlap: how many the
 engine served at once."""
 
@@ -177,6 +176,11 @@ def generate_round(llm: "LLM", ps: list[list[int]], params: list) -> list:
     return outs
 
 
+def top_logprobs(outs: list) -> list:
+    """Per request and generated position: {token: logprob} of vLLM's top tokens there."""
+    return [[{str(t): float(lp.logprob) for t, lp in pos.items()} for pos in o.outputs[0].logprobs] for o in outs]
+
+
 def follow_up(llm: "LLM", ps: list[list[int]], job: dict) -> dict:
     """A chat's two turns after the generation: prompt follow_up["prompt"] alone with
     follow_up["max_tokens"] tokens (decode-only steps after its prefill), then that prompt with
@@ -199,9 +203,7 @@ def follow_up(llm: "LLM", ps: list[list[int]], job: dict) -> dict:
                                                         detokenize=False, logprobs=job.get("logprobs"))])
     result: dict = {"first": [said], "prompt": turn, "tokens": [list(again[0].outputs[0].token_ids)]}
     if job.get("logprobs"):
-        result["first_logprobs"], result["logprobs"] = (
-            [[{str(t): float(lp.logprob) for t, lp in pos.items()} for pos in o[0].outputs[0].logprobs]]
-            for o in (first, again))
+        result["first_logprobs"], result["logprobs"] = top_logprobs(first), top_logprobs(again)
     if job.get("kvsparse"):
         result["prefix_imports"] = CUDA_WORKER.prefix_imports - imported
     return result
@@ -320,10 +322,8 @@ def main() -> None:
     }
     if profiler is not None:
         result["profile"] = profiler.finish()
-    if job.get("logprobs"):  # per request and position: {token: logprob} of vLLM's top tokens
-        result["logprobs"] = [
-            [{str(t): float(lp.logprob) for t, lp in pos.items()} for pos in o.outputs[0].logprobs] for o in outs
-        ]
+    if job.get("logprobs"):
+        result["logprobs"] = top_logprobs(outs)
     result.update(later)
     if job.get("kvsparse"):
         from kvsparse.vllm.cuda_backend import CUDA_WORKER as w
