@@ -64,7 +64,9 @@ ABSL_FLAG(uint32_t, kv_heads, 8, "create: kv heads");
 ABSL_FLAG(uint32_t, head_dim, 128, "create: head dimension");
 ABSL_FLAG(std::string, dtype, "bf16", "create: bf16, fp16 or fp32");
 // append
-ABSL_FLAG(uint64_t, tokens, 1024, "append: tokens to append (to every layer)");
+ABSL_FLAG(uint64_t, tokens, 1024,
+          "append: tokens to append (to every layer); fork: the source's first tokens it holds");
+ABSL_FLAG(std::string, from, "", "fork: the source sequence");
 ABSL_FLAG(uint64_t, chunk_bytes, 16 << 20, "append: K+V bytes per Append call");
 ABSL_FLAG(uint64_t, seed, 1, "append/gather --verify: seed of the synthetic rows");
 // gather / bench-gather
@@ -156,6 +158,10 @@ void PrintInfo(const v1::SequenceInfo& info) {
               info.sequence_id().c_str(), s.num_layers(), s.num_q_heads(), s.num_kv_heads(),
               s.head_dim(), v1::DType_Name(s.dtype()).c_str(), lens.c_str(), info.bytes_used(),
               info.page_tokens());
+  if (info.bytes_shared() > 0) {
+    std::printf("  %" PRIu64 " of those bytes shared with another sequence (a fork's prefix)\n",
+                info.bytes_shared());
+  }
 }
 
 // Which kv heads a gather covers: --heads, or all of the sequence's.
@@ -224,6 +230,18 @@ int CmdCreate(KvStoreClient& c) {
   placement.set_compressed_key_bits(absl::GetFlag(FLAGS_compressed_key_bits));
   auto info = c.CreateSequence(absl::GetFlag(FLAGS_seq), shape, placement);
   if (!info.ok()) return Fail("create", info.status());
+  PrintInfo(*info);
+  return 0;
+}
+
+int CmdFork(KvStoreClient& c) {
+  if (absl::Status s = RequireSeq(); !s.ok()) return Fail("fork", s);
+  if (absl::GetFlag(FLAGS_from).empty()) {
+    return Fail("fork", absl::InvalidArgumentError("--from (the source sequence) is required"));
+  }
+  auto info = c.ForkSequence(absl::GetFlag(FLAGS_from), absl::GetFlag(FLAGS_seq),
+                             absl::GetFlag(FLAGS_tokens));
+  if (!info.ok()) return Fail("fork", info.status());
   PrintInfo(*info);
   return 0;
 }
@@ -637,6 +655,7 @@ int main(int argc, char** argv) {
       "  health                     grpc.health.v1 check\n"
       "  create --seq=ID [--layers --q_heads --kv_heads --head_dim --dtype --k_tier --v_tier\n"
       "                  --signature_bits --compressed_key_bits]\n"
+      "  fork --seq=ID --from=SOURCE --tokens=N   SOURCE's first N tokens, its pages shared\n"
       "  drop --seq=ID\n"
       "  append --seq=ID --tokens=N [--seed]       synthetic K/V rows, with progress\n"
       "  gather --seq=ID [--layer --heads --indices|--random_rows --kind --unique --verify]\n"
@@ -655,9 +674,9 @@ int main(int argc, char** argv) {
   }
   const std::string cmd = args[1];
   // An unknown command is answered before any connection is tried.
-  static const char* const kCommands[] = {"health",       "create", "drop",  "append",
-                                          "gather",       "info",   "list",  "stats",
-                                          "bench-gather", "decode", "method"};
+  static const char* const kCommands[] = {"health", "create", "fork",         "drop",
+                                          "append", "gather", "info",         "list",
+                                          "stats",  "decode", "bench-gather", "method"};
   if (std::find(std::begin(kCommands), std::end(kCommands), cmd) == std::end(kCommands)) {
     std::fprintf(stderr, "unknown command '%s'\n%s\n", cmd.c_str(),
                  std::string(absl::ProgramUsageMessage()).c_str());
@@ -706,10 +725,12 @@ int main(int argc, char** argv) {
       return rc;
     }
   }
-  const std::string seq = absl::GetFlag(FLAGS_seq);
+  // A fork goes to its source's shard (which refuses a new id it does not hold).
+  const std::string seq = cmd == "fork" ? absl::GetFlag(FLAGS_from) : absl::GetFlag(FLAGS_seq);
   KvStoreClient& c = (*shards)->For(seq.substr(0, seq.find(',')));
   if (cmd == "health") return CmdHealth(c);
   if (cmd == "create") return CmdCreate(c);
+  if (cmd == "fork") return CmdFork(c);
   if (cmd == "drop") return CmdDrop(c);
   if (cmd == "append") return CmdAppend(c);
   if (cmd == "gather") return CmdGather(c);

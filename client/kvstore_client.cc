@@ -100,6 +100,23 @@ absl::StatusOr<v1::SequenceInfo> KvStoreClient::CreateSequence(const std::string
   return resp;
 }
 
+absl::StatusOr<v1::SequenceInfo> KvStoreClient::ForkSequence(const std::string& source_id,
+                                                             const std::string& sequence_id,
+                                                             uint64_t num_tokens,
+                                                             const v1::Placement* placement) {
+  grpc::ClientContext ctx;
+  PrepareCall(&ctx);
+  v1::ForkSequenceRequest req;
+  req.set_source_id(source_id);
+  req.set_sequence_id(sequence_id);
+  req.set_num_tokens(num_tokens);
+  if (placement != nullptr) *req.mutable_placement() = *placement;
+  v1::SequenceInfo resp;
+  absl::Status s = rpc::FromGrpcStatus(stub_->ForkSequence(&ctx, req, &resp));
+  if (!s.ok()) return s;
+  return resp;
+}
+
 absl::StatusOr<v1::DropSequenceResponse> KvStoreClient::DropSequence(
     const std::string& sequence_id) {
   grpc::ClientContext ctx;

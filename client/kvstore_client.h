@@ -56,6 +56,11 @@ class KvStoreClient {
   absl::StatusOr<v1::SequenceInfo> CreateSequence(const std::string& sequence_id,
                                                   const v1::ModelShape& shape,
                                                   const v1::Placement& placement = {});
+  // A new sequence holding the first num_tokens tokens of source_id, sharing its whole pages
+  // (KvStore.ForkSequence); placement null: the source's.
+  absl::StatusOr<v1::SequenceInfo> ForkSequence(const std::string& source_id,
+                                                const std::string& sequence_id, uint64_t num_tokens,
+                                                const v1::Placement* placement = nullptr);
   absl::StatusOr<v1::DropSequenceResponse> DropSequence(const std::string& sequence_id);
   absl::StatusOr<v1::AppendResponse> Append(const v1::AppendRequest& request);
   absl::StatusOr<v1::GatherResponse> Gather(const v1::GatherRequest& request);

@@ -113,15 +113,29 @@ absl::Status PagePool::Allocate(size_t n, std::vector<uint8_t*>* out) {
 }
 
 void PagePool::Free(const std::vector<uint8_t*>& pages) {
+  std::vector<uint8_t*> gone;  // pages whose last holder this was
+  gone.reserve(pages.size());
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (uint8_t* p : pages) {
+      auto it = extra_holders_.find(p);
+      if (it == extra_holders_.end()) {
+        gone.push_back(p);
+      } else if (--it->second == 0) {
+        extra_holders_.erase(it);
+      }
+    }
+  }
   // Readers in other processes must learn that these pages' rows are going away before anyone
-  // can write them again (kvstore/shared_arena.h).
+  // can write them again (kvstore/shared_arena.h). They are still counted in use, so nobody is
+  // handed one of them meanwhile.
   if (SharedArena* arena = resource_->shared_arena(); arena != nullptr) {
-    for (const uint8_t* p : pages) arena->Retire(p);
+    for (const uint8_t* p : gone) arena->Retire(p);
   }
   std::lock_guard<std::mutex> lock(mu_);
-  free_.insert(free_.end(), pages.rbegin(), pages.rend());
-  in_use_ -= pages.size();
-  for (const uint8_t* p : pages) {
+  free_.insert(free_.end(), gone.rbegin(), gone.rend());
+  in_use_ -= gone.size();
+  for (const uint8_t* p : gone) {
     Slab& slab = SlabOf(p);
     // The last page of a slab going: nothing on it is read any more, so its memory can go back
     // (its pages stay in the free list and fault in again when reused). Under the lock, so no
@@ -131,6 +145,21 @@ void PagePool::Free(const std::vector<uint8_t*>& pages) {
       slab.released = true;
     }
   }
+}
+
+void PagePool::Share(absl::Span<uint8_t* const> pages) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const uint8_t* p : pages) ++extra_holders_[p];
+}
+
+size_t PagePool::PagesFreedBy(const absl::flat_hash_map<const uint8_t*, uint32_t>& releases) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  size_t n = 0;
+  for (const auto& [p, count] : releases) {
+    auto it = extra_holders_.find(p);
+    n += count >= (it == extra_holders_.end() ? 1 : it->second + 1);
+  }
+  return n;
 }
 
 }  // namespace kvsparse::kvstore

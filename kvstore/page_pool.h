@@ -10,7 +10,9 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "kvstore/memory_resource.h"
 
 namespace kvsparse::kvstore {
@@ -27,6 +29,8 @@ struct PagePoolOptions {
 // back to the operating system (MemoryResource::Release, under the pool's lock) and faults in
 // again as its pages are reused: memory the pool holds is at most the pages in use plus the
 // slabs that still hold one.
+// A page can have more than one holder (Share: a sequence forked from another holds the pages of
+// their common prefix); Free gives it back only when its last holder frees it.
 // Lock order: PagePool::mu_ is a leaf (taken with no other lock ordering constraint after it).
 class PagePool {
  public:
@@ -39,8 +43,23 @@ class PagePool {
   // Appends n pages to *out, or none: RESOURCE_EXHAUSTED if n more pages would pass the
   // capacity or the resource cannot supply a slab.
   [[nodiscard]] absl::Status Allocate(size_t n, std::vector<uint8_t*>* out);
-  // REQUIRES: every page came from this pool and is in use.
+  // Releases one holder of each page; a page goes back to the pool when its last holder releases
+  // it. REQUIRES: every page came from this pool and is in use.
   void Free(const std::vector<uint8_t*>& pages);
+  // Adds a holder to each page (counted once against the capacity, however many hold it).
+  // REQUIRES: every page came from this pool and is in use.
+  void Share(absl::Span<uint8_t* const> pages);
+  // How many of the pages in `releases` would go back to the pool if each page p lost
+  // releases[p] holders (a page whose holders are all in it).
+  size_t PagesFreedBy(const absl::flat_hash_map<const uint8_t*, uint32_t>& releases) const;
+  // Of `pages`, those held by more than one holder right now.
+  template <typename Pages>
+  size_t SharedAmong(const Pages& pages) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    size_t n = 0;
+    for (const uint8_t* p : pages) n += extra_holders_.contains(p);
+    return n;
+  }
 
   // Bytes counted against the capacity that are not pages (a sequence's bookkeeping, held from
   // its creation to its end): RESOURCE_EXHAUSTED when they do not fit beside the pages in use.
@@ -62,6 +81,8 @@ class PagePool {
   mutable std::mutex mu_;
   size_t in_use_ ABSL_GUARDED_BY(mu_) = 0;
   size_t charged_ ABSL_GUARDED_BY(mu_) = 0;  // bytes (Charge)
+  // Pages with more than one holder -> holders beyond the first.
+  absl::flat_hash_map<const uint8_t*, uint32_t> extra_holders_ ABSL_GUARDED_BY(mu_);
   // Whether n more pages and `bytes` more charged bytes fit. REQUIRES: mu_ held.
   bool FitsLocked(size_t n, size_t bytes) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   std::vector<uint8_t*> free_ ABSL_GUARDED_BY(mu_);

@@ -5,6 +5,7 @@
 #include <limits>
 #include <utility>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 
 namespace kvsparse::kvstore {
@@ -21,6 +22,14 @@ class Sequence {
            static_cast<size_t>(shape.num_layers) * shape.num_kv_heads *
                sizeof(std::vector<uint8_t*>);
   }
+
+  // What a fork holds beside its bookkeeping: a page pointer per page of each lane, and an entry in
+  // its set of shared pages per page it shares (an entry in the source's set too, charged to the
+  // source: SharedEntryBytes).
+  static size_t ForkBytes(uint64_t pages, uint64_t shared_pages) {
+    return pages * sizeof(uint8_t*) + shared_pages * SharedEntryBytes();
+  }
+  static constexpr size_t SharedEntryBytes() { return 2 * sizeof(uint8_t*); }
 
   // REQUIRES: bookkeeping_bytes charged to the pool (given back by the destructor).
   Sequence(std::string id, const ModelShape& shape, const Placement& placement, size_t page_bytes,
@@ -40,7 +49,7 @@ class Sequence {
     std::vector<uint8_t*> all;
     for (auto& lane : lanes_) all.insert(all.end(), lane.begin(), lane.end());
     pool_->Free(all);
-    pool_->Uncharge(bookkeeping_bytes_);
+    pool_->Uncharge(bookkeeping_bytes_.load());
   }
 
   Sequence(const Sequence&) = delete;
@@ -75,7 +84,8 @@ class Sequence {
   const size_t slot_bytes_;
   const size_t page_tokens_;
   PagePool* const pool_;
-  const size_t bookkeeping_bytes_;
+  // Charged to the pool for this sequence (grows as forks share its pages: shared_).
+  std::atomic<size_t> bookkeeping_bytes_;
 
   // Pages and bookkeeping: what dropping it gives back.
   uint64_t bytes_held(size_t page_bytes) const {
@@ -89,9 +99,12 @@ class Sequence {
   std::atomic<uint64_t> pages_held_{0};
   uint64_t incarnation_ = 0;  // set once at creation, before the sequence is shared
 
-  // Both guarded by Store::mu_ (the store's map lock).
+  // Guarded by Store::mu_ (the store's map lock).
   int32_t pins_ = 0;
   uint64_t last_access_ = 0;
+  // The pages it holds that a fork shared with another sequence (some may be its alone again
+  // once the others let them go); every one also in lanes_. Only grows; each entry charged.
+  absl::flat_hash_set<const uint8_t*> shared_;
 };
 
 // Keeps a sequence from eviction (and its pages alive) while a call uses it.
@@ -164,12 +177,8 @@ Store::~Store() {
   sequences_.clear();  // frees pages before pool_ is destroyed
 }
 
-absl::StatusOr<SequenceInfo> Store::CreateSequence(absl::string_view sequence_id,
-                                                   const ModelShape& shape,
-                                                   const Placement& placement) {
+absl::Status Store::CheckNewId(absl::string_view sequence_id) const {
   if (absl::Status s = ValidateSequenceId(sequence_id); !s.ok()) return s;
-  if (absl::Status s = ValidateModelShape(shape); !s.ok()) return s;
-  if (absl::Status s = ValidatePlacement(placement, shape); !s.ok()) return s;
   if (!options_.shard.Holds(sequence_id)) {
     return absl::FailedPreconditionError(
         absl::StrCat("sequence '", sequence_id, "' belongs to store shard ",
@@ -177,6 +186,30 @@ absl::StatusOr<SequenceInfo> Store::CreateSequence(absl::string_view sequence_id
                      "; this is shard ", options_.shard.index,
                      " (the caller's list of store shards differs from the fleet's)"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status Store::Insert(const std::shared_ptr<Sequence>& seq) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (options_.max_sequences != 0 && sequences_.size() >= options_.max_sequences &&
+      !sequences_.contains(seq->id_)) {
+    return absl::ResourceExhaustedError(absl::StrCat("the store holds ", sequences_.size(),
+                                                     " sequences, its most (--max_sequences)"));
+  }
+  auto [it, inserted] = sequences_.try_emplace(seq->id_, seq);
+  if (!inserted) {
+    return absl::AlreadyExistsError(absl::StrCat("sequence '", seq->id_, "' already exists"));
+  }
+  seq->last_access_ = ++tick_;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SequenceInfo> Store::CreateSequence(absl::string_view sequence_id,
+                                                   const ModelShape& shape,
+                                                   const Placement& placement) {
+  if (absl::Status s = CheckNewId(sequence_id); !s.ok()) return s;
+  if (absl::Status s = ValidateModelShape(shape); !s.ok()) return s;
+  if (absl::Status s = ValidatePlacement(placement, shape); !s.ok()) return s;
   // The sequence's bookkeeping is charged before it exists (evicting idle sequences if the
   // policy allows, as an append's pages are); the sequence gives it back when destroyed.
   const size_t bookkeeping = Sequence::BookkeepingBytes(shape, sequence_id.size());
@@ -190,20 +223,97 @@ absl::StatusOr<SequenceInfo> Store::CreateSequence(absl::string_view sequence_id
   auto seq = std::make_shared<Sequence>(std::string(sequence_id), shape, placement,
                                         options_.page_bytes, &pool_, bookkeeping);
   seq->incarnation_ = next_incarnation_.fetch_add(1) + 1;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (options_.max_sequences != 0 && sequences_.size() >= options_.max_sequences &&
-        !sequences_.contains(seq->id_)) {
-      return absl::ResourceExhaustedError(absl::StrCat("the store holds ", sequences_.size(),
-                                                       " sequences, its most (--max_sequences)"));
-    }
-    auto [it, inserted] = sequences_.try_emplace(seq->id_, seq);
-    if (!inserted) {
-      return absl::AlreadyExistsError(absl::StrCat("sequence '", sequence_id, "' already exists"));
-    }
-    seq->last_access_ = ++tick_;
+  if (absl::Status s = Insert(seq); !s.ok()) return s;
+  return InfoOf(*seq);
+}
+
+absl::StatusOr<SequenceInfo> Store::ForkSequence(absl::string_view source_id,
+                                                 absl::string_view sequence_id, uint64_t num_tokens,
+                                                 std::optional<Placement> placement) {
+  if (absl::Status s = CheckNewId(sequence_id); !s.ok()) return s;
+  if (num_tokens == 0) {
+    return absl::InvalidArgumentError("a fork of zero tokens: create the sequence instead");
   }
-  return seq->Info(options_.page_bytes);
+  absl::StatusOr<Pin> pin = Acquire(source_id);
+  if (!pin.ok()) return pin.status();
+  Sequence& src = **pin;
+  const ModelShape& shape = src.shape_;
+  const Placement fork_placement = placement.value_or(src.placement_);
+  if (absl::Status s = ValidatePlacement(fork_placement, shape); !s.ok()) return s;
+  // Whole pages below num_tokens are shared (nobody writes them again: every holder's length is
+  // past them); the page holding the boundary, if any, is copied, so each side appends into
+  // pages of its own.
+  const uint64_t full = num_tokens / src.page_tokens_;
+  const uint64_t boundary_tokens = num_tokens % src.page_tokens_;
+  const size_t lanes = src.lanes_.size();
+  std::vector<uint8_t*> shared;          // [lane][page < full]
+  std::vector<const uint8_t*> boundary;  // [lane]: the source's page holding the boundary
+  {
+    // The page lists read under the source's read lock (an append may grow them). What they point
+    // to stays after it: the pin keeps the pages, and rows below the lengths never change.
+    std::shared_lock<std::shared_mutex> lock(src.mu_);
+    for (uint32_t l = 0; l < shape.num_layers; ++l) {
+      if (src.lengths_[l] < num_tokens) {
+        return absl::FailedPreconditionError(
+            absl::StrCat("a fork of ", num_tokens, " tokens from '", source_id, "', whose layer ",
+                         l, " holds ", src.lengths_[l]));
+      }
+    }
+    shared.reserve(full * lanes);
+    for (const auto& lane : src.lanes_) {
+      shared.insert(shared.end(), lane.begin(), lane.begin() + full);
+      if (boundary_tokens > 0) boundary.push_back(lane[full]);
+    }
+  }
+  const size_t new_pages = boundary_tokens > 0 ? lanes : 0;
+  // Charged now: the fork's bookkeeping and page pointers, and at most one entry per shared page
+  // in the source's set (what the source's set does not grow by is given back below).
+  const size_t bookkeeping = Sequence::BookkeepingBytes(shape, sequence_id.size()) +
+                             Sequence::ForkBytes(shared.size() + new_pages, shared.size());
+  const size_t source_growth = shared.size() * Sequence::SharedEntryBytes();
+  std::vector<uint8_t*> pages;
+  if (absl::Status got = TakeRoom(
+          new_pages, bookkeeping + source_growth, &src,
+          [&]() -> absl::Status {
+            if (absl::Status charged = pool_.Charge(bookkeeping + source_growth); !charged.ok())
+              return charged;
+            absl::Status allocated = pool_.Allocate(new_pages, &pages);
+            if (!allocated.ok()) pool_.Uncharge(bookkeeping + source_growth);
+            return allocated;
+          });
+      !got.ok()) {
+    return got;
+  }
+  pool_.Share(shared);
+  auto fork = std::make_shared<Sequence>(std::string(sequence_id), shape, fork_placement,
+                                         options_.page_bytes, &pool_, bookkeeping);
+  fork->incarnation_ = next_incarnation_.fetch_add(1) + 1;
+  {
+    std::unique_lock<std::shared_mutex> fork_lock(fork->mu_);  // not shared yet: for the analysis
+    for (size_t i = 0; i < lanes; ++i) {
+      auto& lane = fork->lanes_[i];
+      lane.assign(shared.begin() + i * full, shared.begin() + (i + 1) * full);
+      if (boundary_tokens > 0) {
+        lane.push_back(pages[i]);
+        std::memcpy(pages[i], boundary[i], boundary_tokens * src.slot_bytes_);
+      }
+    }
+    std::fill(fork->lengths_.begin(), fork->lengths_.end(), num_tokens);
+    fork->pages_held_.store(shared.size() + new_pages);
+  }
+  {
+    std::lock_guard<std::mutex> store_lock(mu_);
+    fork->shared_.insert(shared.begin(), shared.end());
+    const size_t before = src.shared_.size();
+    src.shared_.insert(shared.begin(), shared.end());
+    const size_t grown = (src.shared_.size() - before) * Sequence::SharedEntryBytes();
+    src.bookkeeping_bytes_.fetch_add(grown);
+    pool_.Uncharge(source_growth - grown);
+  }
+  // On a refusal the fork is destroyed here: its pages and charge go back, the shared pages
+  // keep their other holders.
+  if (absl::Status s = Insert(fork); !s.ok()) return s;
+  return InfoOf(*fork);
 }
 
 absl::StatusOr<uint64_t> Store::DropSequence(absl::string_view sequence_id) {
@@ -217,8 +327,35 @@ absl::StatusOr<uint64_t> Store::DropSequence(absl::string_view sequence_id) {
     seq = std::move(it->second);
     sequences_.erase(it);
   }
-  // Pages and bookkeeping go back when the last pin is released (here if none is held).
-  return seq->bytes_held(options_.page_bytes);
+  // Pages and bookkeeping go back when the last pin is released (here if none is held); pages
+  // another sequence still shares stay with it.
+  return seq->bytes_held(options_.page_bytes) - SharedPages(*seq) * options_.page_bytes;
+}
+
+SequenceInfo Store::InfoOf(const Sequence& seq) const {
+  SequenceInfo info = seq.Info(options_.page_bytes);
+  info.bytes_shared = SharedPages(seq) * options_.page_bytes;
+  return info;
+}
+
+Store::Holding Store::HeldBy(absl::FunctionRef<bool(absl::string_view)> which) const {
+  Holding h;
+  absl::flat_hash_set<const uint8_t*> shared;  // each shared page once
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [id, seq] : sequences_) {
+    if (!which(id)) continue;
+    ++h.sequences;
+    h.bytes += (seq->pages_held_.load() - seq->shared_.size()) * options_.page_bytes +
+               seq->bookkeeping_bytes_.load();
+    shared.insert(seq->shared_.begin(), seq->shared_.end());
+  }
+  h.bytes += shared.size() * options_.page_bytes;
+  return h;
+}
+
+size_t Store::SharedPages(const Sequence& seq) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return seq.shared_.empty() ? 0 : pool_.SharedAmong(seq.shared_);
 }
 
 absl::StatusOr<Store::Pin> Store::Acquire(absl::string_view sequence_id) {
@@ -239,12 +376,16 @@ absl::Status Store::MakeRoom(size_t pages, const Sequence* requester, size_t byt
   if (options_.policy == CapacityPolicy::kEvictLru && !pool_.Fits(pages, bytes)) {
     // Evict only when evicting every idle sequence would make room: a request larger than the
     // store, or than what the calls in flight leave of it, is refused with nobody evicted.
+    // A page shared by forks goes back only if every holder of it is idle.
     uint64_t idle_pages = 0, idle_bytes = 0;
+    absl::flat_hash_map<const uint8_t*, uint32_t> idle_holders;
     for (const auto& [id, seq] : sequences_) {
       if (seq->pins_ > 0 || seq.get() == requester) continue;
-      idle_pages += seq->pages_held_.load();
-      idle_bytes += seq->bookkeeping_bytes_;
+      idle_pages += seq->pages_held_.load() - seq->shared_.size();
+      idle_bytes += seq->bookkeeping_bytes_.load();
+      for (const uint8_t* p : seq->shared_) ++idle_holders[p];
     }
+    idle_pages += pool_.PagesFreedBy(idle_holders);
     const uint64_t in_use = pool_.pages_in_use(), charged = pool_.charged_bytes();
     const uint64_t pages_after = in_use + pages - std::min<uint64_t>(idle_pages, in_use + pages);
     const uint64_t bytes_after = pages_after * options_.page_bytes + charged + bytes -
@@ -737,7 +878,7 @@ absl::StatusOr<LayerPageTable> Store::PageTable(absl::string_view sequence_id, u
 absl::StatusOr<SequenceInfo> Store::GetSequenceInfo(absl::string_view sequence_id) {
   absl::StatusOr<Pin> pin = Acquire(sequence_id);
   if (!pin.ok()) return pin.status();
-  return (*pin)->Info(options_.page_bytes);
+  return InfoOf(**pin);
 }
 
 std::vector<SequenceInfo> Store::ListSequences() {
@@ -753,7 +894,7 @@ std::vector<SequenceInfo> Store::ListSequences() {
   out.reserve(seqs.size());
   for (auto& seq : seqs) {
     Pin pin(this, std::move(seq));  // releases the pin taken above
-    out.push_back(pin->Info(options_.page_bytes));
+    out.push_back(InfoOf(*pin));
   }
   std::sort(out.begin(), out.end(), [](const SequenceInfo& a, const SequenceInfo& b) {
     return a.sequence_id < b.sequence_id;

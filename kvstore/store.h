@@ -78,6 +78,8 @@ struct SequenceInfo {
   Placement placement;
   std::vector<uint64_t> layer_lengths;
   uint64_t bytes_used = 0;
+  // Of bytes_used, the pages another sequence holds too right now (a fork's common prefix).
+  uint64_t bytes_shared = 0;
   uint32_t page_tokens = 0;
   // Unique per creation, also across restarts of the store: a sequence dropped (or lost with a
   // store) and created again under the same id gets a new incarnation, so a worker holding state
@@ -241,8 +243,19 @@ class Store {
   // ALREADY_EXISTS if the id is taken; INVALID_ARGUMENT for a bad id, shape or placement;
   absl::StatusOr<SequenceInfo> CreateSequence(absl::string_view sequence_id,
                                               const ModelShape& shape, const Placement& placement);
-  // Returns the bytes that return to the store once in-flight calls on it finish.
-  // NOT_FOUND if unknown.
+  // A new sequence holding tokens [0, num_tokens) of every layer of `source_id`, which keeps
+  // them too: the whole pages below num_tokens are shared (counted once against the capacity;
+  // neither sequence ever writes them again), the page holding token num_tokens - 1 is copied if
+  // num_tokens is not a page boundary, and each then grows on its own. The fork has the source's
+  // shape and the given placement (the source's if none) and its own incarnation. Its bookkeeping
+  // and page pointers are charged as a new sequence's are. INVALID_ARGUMENT (bad id or
+  // placement, zero tokens), FAILED_PRECONDITION (a layer of the source holds fewer tokens;
+  // an id of another shard), NOT_FOUND (no source), ALREADY_EXISTS, RESOURCE_EXHAUSTED.
+  absl::StatusOr<SequenceInfo> ForkSequence(absl::string_view source_id,
+                                            absl::string_view sequence_id, uint64_t num_tokens,
+                                            std::optional<Placement> placement = std::nullopt);
+  // Returns the bytes that return to the store once in-flight calls on it finish (pages it
+  // shares with a fork stay with the fork). NOT_FOUND if unknown.
   absl::StatusOr<uint64_t> DropSequence(absl::string_view sequence_id);
 
   // All-or-nothing. NOT_FOUND (unknown sequence), INVALID_ARGUMENT (layers out of range,
@@ -284,6 +297,13 @@ class Store {
   absl::StatusOr<std::unique_ptr<PageView>> View(absl::string_view sequence_id);
   std::vector<SequenceInfo> ListSequences();
   StoreStats Stats() const;
+  // The sequences whose ids `which` accepts (a tenant's) and the bytes they hold together: a
+  // page several of them share counted once.
+  struct Holding {
+    uint64_t sequences = 0;
+    uint64_t bytes = 0;
+  };
+  Holding HeldBy(absl::FunctionRef<bool(absl::string_view)> which) const;
   const StoreOptions& options() const { return options_; }
 
  private:
@@ -292,6 +312,14 @@ class Store {
   friend struct Reservation::Impl;
   Store(StoreOptions options, std::unique_ptr<MemoryResource> owned_memory);
 
+  // INVALID_ARGUMENT for an id that is not one, FAILED_PRECONDITION for another shard's.
+  absl::Status CheckNewId(absl::string_view sequence_id) const;
+  // Adds a new sequence to the map: ALREADY_EXISTS, RESOURCE_EXHAUSTED (max_sequences).
+  absl::Status Insert(const std::shared_ptr<Sequence>& seq) ABSL_LOCKS_EXCLUDED(mu_);
+  // What GetSequenceInfo tells of seq.
+  SequenceInfo InfoOf(const Sequence& seq) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Pages of seq that another sequence holds too, right now.
+  size_t SharedPages(const Sequence& seq) const ABSL_LOCKS_EXCLUDED(mu_);
   // Looks up and pins a sequence, marking it used now. NOT_FOUND if absent.
   absl::StatusOr<Pin> Acquire(absl::string_view sequence_id) ABSL_LOCKS_EXCLUDED(mu_);
   // Makes `pages` pages (and `bytes` more charged bytes: a new sequence's bookkeeping) fit under

@@ -849,6 +849,18 @@ TEST(StoreTest, ConcurrentAppendersAndGatherers) {
         } else {
           ADD_FAILURE() << st;
         }
+        if (st.ok() && len > 0 && i % 41 == 40) {  // go on in a fork of it, the source dropped
+          const std::string fork = "f" + std::to_string(w) + "-" + std::to_string(++gen);
+          auto forked = store->ForkSequence(id, fork, len);
+          if (forked.ok()) {
+            (void)store->DropSequence(id);
+            id = fork;
+            continue;
+          }
+          EXPECT_TRUE(absl::IsNotFound(forked.status()) ||
+                      absl::IsResourceExhausted(forked.status()))
+              << forked.status();
+        }
         if (!st.ok() || i % 97 == 96) {
           (void)store->DropSequence(id);
           id = "a" + std::to_string(w) + "-" + std::to_string(++gen);
@@ -891,6 +903,148 @@ TEST(StoreTest, ConcurrentAppendersAndGatherers) {
   const StoreStats st = store->Stats();
   EXPECT_LE(st.bytes_used, st.capacity_bytes);
   EXPECT_GT(st.evictions + st.rejections, 0u);  // the capacity path was exercised
+  // Every page and byte comes back, shared ones too.
+  for (const SequenceInfo& info : store->ListSequences()) {
+    ASSERT_TRUE(store->DropSequence(info.sequence_id).ok());
+  }
+  EXPECT_EQ(store->Stats().pages_used, 0u);
+  EXPECT_EQ(store->Stats().bytes_used, 0u);
+}
+
+// A fork holds the source's first tokens: whole pages shared (counted once), the boundary page
+// copied; each then appends on its own, and either outlives the other.
+TEST(StoreTest, ForkSharesWholePagesAndCopiesTheBoundary) {
+  auto store = NewStore();
+  const ModelShape s = Shape(DType::kBf16);  // 32 tokens a page, 4 lanes
+  ASSERT_TRUE(store->CreateSequence("src", s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "src", s, 0, 2, 0, 80).ok());  // 3 pages a lane
+  EXPECT_EQ(store->Stats().pages_used, 12u);
+  auto fork = store->ForkSequence("src", "f", 70);
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  EXPECT_EQ(fork->layer_lengths, std::vector<uint64_t>(2, 70));
+  EXPECT_EQ(fork->bytes_shared, 8 * kPage);  // 2 whole pages a lane
+  EXPECT_NE(fork->incarnation, store->GetSequenceInfo("src")->incarnation);
+  EXPECT_EQ(store->GetSequenceInfo("src")->bytes_shared, 8 * kPage);
+  EXPECT_EQ(store->Stats().pages_used, 16u);  // one copied page a lane
+  EXPECT_EQ(store->HeldBy([](absl::string_view) { return true; }).bytes, store->Stats().bytes_used);
+  std::vector<uint32_t> prefix(70), past = {70};
+  for (uint32_t t = 0; t < 70; ++t) prefix[t] = t;
+  auto expect_rows = [&](absl::string_view id, uint32_t layer, uint32_t h,
+                         const std::vector<uint32_t>& toks, uint64_t shift_from, uint64_t shift) {
+    auto g = DoGather(*store, id, layer, {{h, toks}});
+    ASSERT_TRUE(g.ok()) << g.status();
+    for (size_t i = 0; i < toks.size(); ++i) {
+      const uint64_t t = toks[i] >= shift_from ? toks[i] + shift : toks[i];
+      ExpectRow(s, g->k.data() + i * s.row_bytes(), layer, h, t, 0);
+      ExpectRow(s, g->v.data() + i * s.row_bytes(), layer, h, t, 1);
+    }
+  };
+  for (uint32_t layer = 0; layer < 2; ++layer) {
+    for (uint32_t h = 0; h < 2; ++h) expect_rows("f", layer, h, prefix, 70, 0);
+  }
+  EXPECT_EQ(DoGather(*store, "f", 0, {{0, past}}).status().code(), absl::StatusCode::kOutOfRange);
+  // The fork's tokens 70.. are other rows (those of tokens 1070..); the source's stay its own.
+  std::vector<uint8_t> k, v;
+  MakeRows(s, 0, 2, 1070, 30, &k, &v);
+  ASSERT_TRUE(store->Append(RequestOf("f", s, 0, 2, 30, k, v)).ok());
+  ASSERT_TRUE(AppendTokens(*store, "src", s, 0, 2, 80, 20).ok());
+  std::vector<uint32_t> all(100);
+  for (uint32_t t = 0; t < 100; ++t) all[t] = t;
+  expect_rows("f", 1, 1, all, 70, 1000);
+  expect_rows("src", 1, 1, all, 100, 0);
+  // The source dropped: only its own pages come back; the fork reads on.
+  const uint64_t src_bytes = store->GetSequenceInfo("src")->bytes_used;
+  auto freed = store->DropSequence("src");
+  ASSERT_TRUE(freed.ok());
+  EXPECT_EQ(*freed, src_bytes - 8 * kPage);
+  expect_rows("f", 0, 0, all, 70, 1000);
+  auto f = store->GetSequenceInfo("f");
+  EXPECT_EQ(f->bytes_shared, 0u);
+  EXPECT_EQ(store->Stats().bytes_used, f->bytes_used);
+  ASSERT_TRUE(store->DropSequence("f").ok());
+  EXPECT_EQ(store->Stats().pages_used, 0u);
+  EXPECT_EQ(store->Stats().bytes_used, 0u);
+}
+
+// A fork that cannot be made says why and holds nothing.
+TEST(StoreTest, RefusedForkHoldsNothing) {
+  auto store = NewStore();
+  const ModelShape s = Shape(DType::kBf16);
+  ASSERT_TRUE(store->CreateSequence("src", s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "src", s, 0, 2, 0, 40).ok());
+  ASSERT_TRUE(AppendTokens(*store, "src", s, 0, 1, 40, 20).ok());  // layer 0: 60, layer 1: 40
+  ASSERT_TRUE(store->CreateSequence("taken", s, {}).ok());
+  const StoreStats before = store->Stats();
+  Placement bad;
+  bad.compressed_key_bits = 3;  // not a form of compressed keys
+  const struct {
+    const char* source;
+    const char* id;
+    uint64_t n;
+    std::optional<Placement> placement;
+    absl::StatusCode code;
+  } cases[] = {
+      {"nope", "f", 10, std::nullopt, absl::StatusCode::kNotFound},
+      {"src", "f", 0, std::nullopt, absl::StatusCode::kInvalidArgument},
+      {"src", "f", 50, std::nullopt, absl::StatusCode::kFailedPrecondition},  // layer 1 holds 40
+      {"src", "taken", 10, std::nullopt, absl::StatusCode::kAlreadyExists},
+      {"src", "bad id!", 10, std::nullopt, absl::StatusCode::kInvalidArgument},
+      {"src", "f", 10, bad, absl::StatusCode::kInvalidArgument},
+  };
+  for (const auto& c : cases) {
+    auto got = store->ForkSequence(c.source, c.id, c.n, c.placement);
+    EXPECT_EQ(got.status().code(), c.code) << c.source << " -> " << c.id << ": " << got.status();
+    const StoreStats after = store->Stats();
+    EXPECT_EQ(after.bytes_used, before.bytes_used) << c.id;
+    EXPECT_EQ(after.pages_used, before.pages_used);
+    EXPECT_EQ(after.num_sequences, before.num_sequences);
+  }
+  EXPECT_EQ(store->GetSequenceInfo("src")->bytes_shared, 0u);
+  EXPECT_TRUE(store->ForkSequence("src", "f", 40).ok());  // the store keeps serving
+}
+
+// Pages a fork shares cost no page twice, but its page pointers and the sets of shared pages are
+// memory a client makes the store hold: charged, and given back with the sequences.
+TEST(StoreTest, ForksChargeTheirPagePointers) {
+  auto store = NewStore();
+  const ModelShape s = Shape(DType::kBf16);
+  ASSERT_TRUE(store->CreateSequence("src", s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "src", s, 0, 2, 0, 32 * 20).ok());  // 20 whole pages a lane
+  const StoreStats one = store->Stats();
+  ASSERT_TRUE(store->ForkSequence("src", "f1", 32 * 20).ok());
+  const StoreStats two = store->Stats();
+  EXPECT_EQ(two.pages_used, one.pages_used);  // nothing copied: a page boundary
+  EXPECT_GE(two.bytes_used - one.bytes_used, 80 * 3 * sizeof(uint8_t*));
+  ASSERT_TRUE(store->ForkSequence("src", "f2", 32 * 20).ok());
+  const uint64_t third = store->Stats().bytes_used - two.bytes_used;
+  EXPECT_LT(third, two.bytes_used - one.bytes_used);  // the source's set did not grow again
+  EXPECT_EQ(store->HeldBy([](absl::string_view id) { return id != "f2"; }).bytes, two.bytes_used);
+  for (const char* id : {"src", "f1", "f2"}) ASSERT_TRUE(store->DropSequence(id).ok());
+  EXPECT_EQ(store->Stats().bytes_used, 0u);
+}
+
+// Under evict-lru a page shared with a sequence in use is not room: an append that only evicting
+// it would make fit is refused with nothing evicted; once every holder is idle it fits.
+TEST(StoreTest, EvictLruCountsASharedPageAsRoomOnlyWhenEveryHolderIsIdle) {
+  auto store = NewStore(40 * kPage + kPage / 2, CapacityPolicy::kEvictLru);
+  const ModelShape s = Shape(DType::kBf16);
+  ASSERT_TRUE(store->CreateSequence("a", s, {}).ok());
+  ASSERT_TRUE(AppendTokens(*store, "a", s, 0, 2, 0, 64).ok());  // 8 pages
+  ASSERT_TRUE(store->ForkSequence("a", "b", 64).ok());          // the same 8 pages
+  ASSERT_TRUE(store->CreateSequence("c", s, {}).ok());
+  EXPECT_EQ(store->Stats().pages_used, 8u);
+  {
+    auto view = store->View("b");  // b in use
+    ASSERT_TRUE(view.ok());
+    const absl::Status st = AppendTokens(*store, "c", s, 0, 2, 0, 32 * 9);  // 36 pages
+    EXPECT_EQ(st.code(), absl::StatusCode::kResourceExhausted) << st;
+    EXPECT_TRUE(absl::StrContains(st.message(), "nothing was evicted")) << st;
+    EXPECT_EQ(store->Stats().evictions, 0u);
+    EXPECT_TRUE(store->GetSequenceInfo("a").ok());
+  }
+  ASSERT_TRUE(AppendTokens(*store, "c", s, 0, 2, 0, 32 * 9).ok());
+  EXPECT_EQ(store->Stats().evictions, 2u);
+  EXPECT_EQ(store->Stats().pages_used, 36u);
 }
 
 TEST(StoreTest, PageViewGivesRowAddressesAndHoldsTheSequence) {

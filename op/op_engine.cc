@@ -29,6 +29,10 @@ class LocalEngine final : public OpEngine {
                       const kv::Placement& placement) override {
     return e_->store().CreateSequence(id, shape, placement).status();
   }
+  absl::Status Fork(const std::string& source, const std::string& id, uint64_t num_tokens,
+                    const std::optional<kv::Placement>& placement) override {
+    return e_->store().ForkSequence(source, id, num_tokens, placement).status();
+  }
   absl::Status Drop(const std::string& id) override {
     return e_->store().DropSequence(id).status();
   }
@@ -48,6 +52,15 @@ class LocalEngine final : public OpEngine {
  private:
   std::unique_ptr<en::Embedded> e_;
 };
+
+v1::Placement PlacementProto(const kv::Placement& placement) {
+  v1::Placement p;
+  p.set_k_tier(rpc::ToProto(placement.k_tier));
+  p.set_v_tier(rpc::ToProto(placement.v_tier));
+  p.set_signature_bits(placement.signature_bits);
+  p.set_compressed_key_bits(placement.compressed_key_bits);
+  return p;
+}
 
 // A kvsparse-server store in another process (--role=store, or a server with both roles).
 class RemoteStoreEngine final : public OpEngine {
@@ -93,12 +106,12 @@ class RemoteStoreEngine final : public OpEngine {
     s.set_num_kv_heads(shape.num_kv_heads);
     s.set_head_dim(shape.head_dim);
     s.set_dtype(rpc::ToProto(shape.dtype));
-    v1::Placement p;
-    p.set_k_tier(rpc::ToProto(placement.k_tier));
-    p.set_v_tier(rpc::ToProto(placement.v_tier));
-    p.set_signature_bits(placement.signature_bits);
-    p.set_compressed_key_bits(placement.compressed_key_bits);
-    return store_->CreateSequence(id, s, p).status();
+    return store_->CreateSequence(id, s, PlacementProto(placement)).status();
+  }
+  absl::Status Fork(const std::string& source, const std::string& id, uint64_t num_tokens,
+                    const std::optional<kv::Placement>& placement) override {
+    const v1::Placement p = PlacementProto(placement.value_or(kv::Placement{}));
+    return store_->ForkSequence(source, id, num_tokens, placement ? &p : nullptr).status();
   }
   absl::Status Drop(const std::string& id) override { return store_->DropSequence(id).status(); }
   absl::StatusOr<std::vector<uint64_t>> Lengths(const std::string& id) override {

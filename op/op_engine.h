@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -34,6 +35,10 @@ class OpEngine {
   virtual int device() const = 0;
   virtual absl::Status Create(const std::string& id, const kvstore::ModelShape& shape,
                               const kvstore::Placement& placement) = 0;
+  // A new sequence `id` holding the first num_tokens tokens of `source`, their whole pages shared
+  // in the store (kvstore::Store::ForkSequence); placement: the source's when none.
+  virtual absl::Status Fork(const std::string& source, const std::string& id, uint64_t num_tokens,
+                            const std::optional<kvstore::Placement>& placement) = 0;
   virtual absl::Status Drop(const std::string& id) = 0;
   virtual absl::StatusOr<std::vector<uint64_t>> Lengths(const std::string& id) = 0;
   // One layer's new tokens (r.num_layers = 1), k and v in host memory; without

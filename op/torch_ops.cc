@@ -210,6 +210,29 @@ void CreateSequence(int64_t handle, const std::string& id, int64_t layers, int64
   Check(e->Create(id, shape, placement));
 }
 
+// A new sequence holding the first num_tokens tokens of `source` (a prompt's common prefix), their
+// whole pages shared in the store. The source may be held by a step plan: its rows below its
+// lengths never change. With source_placement the fork reads as the source is placed; otherwise
+// as the tiers and bits given.
+void ForkSequence(int64_t handle, const std::string& source, const std::string& id,
+                  int64_t num_tokens, bool source_placement, const std::string& k_tier,
+                  const std::string& v_tier, int64_t signature_bits, int64_t compressed_key_bits) {
+  std::shared_ptr<OpEngine> e = Find(handle);
+  if (num_tokens < 0) Invalid("num_tokens must not be negative");
+  std::optional<kv::Placement> placement;
+  if (!source_placement) {
+    for (int64_t x : {signature_bits, compressed_key_bits}) {
+      if (x < 0 || x > (1 << 20)) Invalid("signature bits out of range");
+    }
+    placement.emplace();
+    placement->k_tier = TierNamed(k_tier);
+    placement->v_tier = TierNamed(v_tier);
+    placement->signature_bits = static_cast<uint32_t>(signature_bits);
+    placement->compressed_key_bits = static_cast<uint32_t>(compressed_key_bits);
+  }
+  Check(e->Fork(source, id, static_cast<uint64_t>(num_tokens), placement));
+}
+
 // FAILED_PRECONDITION for a sequence a step plan holds (drops, appends and other plans wait for
 // its release).
 void RefuseHeld(OpEngine& e, const std::string& id) {
@@ -790,6 +813,11 @@ TORCH_LIBRARY(kvsparse, m) {
       "int num_kv_heads, int head_dim, str dtype, str k_tier, str v_tier, "
       "int signature_bits, int compressed_key_bits=0) -> ()",
       &CreateSequence);
+  m.def(
+      "fork_sequence(int engine, str source_id, str sequence_id, int num_tokens, "
+      "bool source_placement, str k_tier, str v_tier, int signature_bits, "
+      "int compressed_key_bits) -> ()",
+      &ForkSequence);
   m.def("drop_sequence(int engine, str sequence_id) -> ()", &DropSequence);
   m.def("sequence_lengths(int engine, str sequence_id) -> int[]", &SequenceLengths);
   m.def("read_rows(int engine, str sequence_id, int layer, int count) -> (Tensor, Tensor)",

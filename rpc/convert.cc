@@ -167,6 +167,7 @@ void ToProto(const kvstore::SequenceInfo& info, v1::SequenceInfo* out) {
   p->set_compressed_key_bits(info.placement.compressed_key_bits);
   out->mutable_layer_lengths()->Assign(info.layer_lengths.begin(), info.layer_lengths.end());
   out->set_bytes_used(info.bytes_used);
+  out->set_bytes_shared(info.bytes_shared);
   out->set_page_tokens(info.page_tokens);
   out->set_incarnation(info.incarnation);
 }

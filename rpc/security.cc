@@ -273,7 +273,7 @@ Role RoleNeeded(absl::string_view method) {
                               "ListSequences", "GetStats", "Decode", "DecodeStream"}) {
     if (method == m) return Role::kRead;
   }
-  for (absl::string_view m : {"CreateSequence", "Append", "DropSequence"}) {
+  for (absl::string_view m : {"CreateSequence", "ForkSequence", "Append", "DropSequence"}) {
     if (method == m) return Role::kWrite;
   }
   return Role::kAdmin;

@@ -95,7 +95,7 @@ enum class Role : int {
   // Gather, GetPageTable, GetDataPlane, GetSequenceInfo, ListSequences, GetStats, Decode,
   // DecodeStream
   kRead = 1,
-  kWrite = 2,  // and CreateSequence, Append, DropSequence
+  kWrite = 2,  // and CreateSequence, ForkSequence, Append, DropSequence
   kAdmin = 3,  // everything (the role operators' tools use)
 };
 absl::string_view RoleName(Role r);

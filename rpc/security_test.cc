@@ -24,7 +24,7 @@ TEST(SecurityTest, RolesCoverTheMethods) {
        {"Gather", "Decode", "DecodeStream", "ListSequences", "GetSequenceInfo", "GetStats"}) {
     EXPECT_EQ(RoleNeeded(m), Role::kRead) << m;
   }
-  for (const char* m : {"CreateSequence", "Append", "DropSequence"}) {
+  for (const char* m : {"CreateSequence", "ForkSequence", "Append", "DropSequence"}) {
     EXPECT_EQ(RoleNeeded(m), Role::kWrite) << m;
   }
   EXPECT_EQ(RoleNeeded("SomethingNew"), Role::kAdmin);

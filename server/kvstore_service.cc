@@ -33,6 +33,7 @@ KvStoreService::KvStoreService(kvstore::Store* store, const RpcRunner* rpc, Metr
       appends_(appends),
       max_message_bytes_(max_message_bytes),
       create_(metrics->Rpc("CreateSequence")),
+      fork_(metrics->Rpc("ForkSequence")),
       drop_(metrics->Rpc("DropSequence")),
       append_(metrics->Rpc("Append")),
       gather_(metrics->Rpc("Gather")),
@@ -52,6 +53,27 @@ grpc::Status KvStoreService::CreateSequence(grpc::ServerContext* ctx,
     if (!placement.ok()) return placement.status();
     absl::StatusOr<kvstore::SequenceInfo> info = store_->CreateSequence(
         rpc::ScopedId(caller.tenant, req->sequence_id()), *shape, *placement);
+    if (!info.ok()) return info.status();
+    rpc::ToProto(*info, resp);
+    resp->set_sequence_id(req->sequence_id());
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status KvStoreService::ForkSequence(grpc::ServerContext* ctx,
+                                          const v1::ForkSequenceRequest* req,
+                                          v1::SequenceInfo* resp) {
+  return rpc_->Run(fork_, ctx, [&](absl::Time, const rpc::Caller& caller) -> absl::Status {
+    std::optional<kvstore::Placement> placement;
+    if (req->has_placement()) {
+      absl::StatusOr<kvstore::Placement> p = rpc::FromProto(req->placement());
+      if (!p.ok()) return p.status();
+      placement = *p;
+    }
+    // Both ids in the caller's scope: a tenant forks its own sequences only.
+    absl::StatusOr<kvstore::SequenceInfo> info = store_->ForkSequence(
+        rpc::ScopedId(caller.tenant, req->source_id()),
+        rpc::ScopedId(caller.tenant, req->sequence_id()), req->num_tokens(), placement);
     if (!info.ok()) return info.status();
     rpc::ToProto(*info, resp);
     resp->set_sequence_id(req->sequence_id());
@@ -258,16 +280,13 @@ grpc::Status KvStoreService::GetStats(grpc::ServerContext* ctx, const v1::GetSta
       // A tenant's token sees its own sequences and bytes; the whole store's traffic counters
       // (another tenant's activity) stay 0. Capacity, policy, page size and shard stay: they
       // are the deployment's, not another tenant's.
-      uint64_t sequences = 0, bytes = 0;
+      // A page its sequences share (a fork's prefix) counted once.
       std::string id;
-      for (const kvstore::SequenceInfo& info : store_->ListSequences()) {
-        if (!rpc::UnscopedId(caller.tenant, info.sequence_id, &id)) continue;
-        ++sequences;
-        bytes += info.bytes_used;
-      }
-      resp->set_num_sequences(sequences);
-      resp->set_bytes_used(bytes);
-      resp->set_pages_used(resp->page_bytes() > 0 ? bytes / resp->page_bytes() : 0);
+      const kvstore::Store::Holding held = store_->HeldBy(
+          [&](absl::string_view scoped) { return rpc::UnscopedId(caller.tenant, scoped, &id); });
+      resp->set_num_sequences(held.sequences);
+      resp->set_bytes_used(held.bytes);
+      resp->set_pages_used(resp->page_bytes() > 0 ? held.bytes / resp->page_bytes() : 0);
       resp->set_evictions(0);
       resp->set_rejections(0);
       resp->set_rows_appended(0);

@@ -38,6 +38,8 @@ class KvStoreService final
 
   grpc::Status CreateSequence(grpc::ServerContext* ctx, const v1::CreateSequenceRequest* req,
                               v1::SequenceInfo* resp) override;
+  grpc::Status ForkSequence(grpc::ServerContext* ctx, const v1::ForkSequenceRequest* req,
+                            v1::SequenceInfo* resp) override;
   grpc::Status DropSequence(grpc::ServerContext* ctx, const v1::DropSequenceRequest* req,
                             v1::DropSequenceResponse* resp) override;
   grpc::Status StreamedAppend(
@@ -62,6 +64,7 @@ class KvStoreService final
   RequestBudget* const appends_;
   const size_t max_message_bytes_;
   RpcMetric* const create_;
+  RpcMetric* const fork_;
   RpcMetric* const drop_;
   RpcMetric* const append_;
   RpcMetric* const gather_;

@@ -1,8 +1,9 @@
 // libFuzzer targets over every request type of both services: a real kvsparse-server (store and
 // CPU decode engine, in this process, on a loopback port) answers each input through the same
 // handlers, conversion and validation a deployment runs. kvsparse_service_fuzz takes every type:
-// an input is one byte naming the RPC (mod 9: CreateSequence, DropSequence, Append, Gather,
-// GetSequenceInfo, ListSequences, GetStats, Decode, GetPageTable) and, in (byte / 9) mod 6, the
+// an input is one byte naming the RPC (mod 10: CreateSequence, DropSequence, Append, Gather,
+// GetSequenceInfo, ListSequences, GetStats, Decode, GetPageTable, ForkSequence) and, in
+// (byte / 10) mod 6, the
 // caller (its
 // server checks bearer tokens: admin, writers of tenants t1 and t2, a reader of t1, no token, an
 // unknown token; UNAUTHENTICATED and PERMISSION_DENIED are answers like any other), then that
@@ -53,6 +54,7 @@ enum Rpc : uint8_t {
   kStats,
   kDecode,
   kPageTable,
+  kFork,  // in kvsparse_service_fuzz only (no target of its own)
   kCount
 };
 
@@ -139,6 +141,11 @@ void ForEachSeed(const std::function<void(Rpc, const google::protobuf::Message&)
   pt.set_sequence_id("f0");
   pt.set_layer(1);
   put(kPageTable, pt);
+  v1::ForkSequenceRequest fork;  // f0's first 33 tokens: one page shared at most, the rest copied
+  fork.set_source_id("f0");
+  fork.set_sequence_id("f0-fork");
+  fork.set_num_tokens(33);
+  put(kFork, fork);
   put(kList, v1::ListSequencesRequest());
   put(kStats, v1::GetStatsRequest());
   for (int method = 0; method < 5; ++method) {
@@ -316,6 +323,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       Send<v1::GetPageTableRequest, v1::PageTable>(
           body, n, rpc, caller,
           [](auto* c, const auto& r, auto* p) { return store->GetPageTable(c, r, p); });
+      break;
+    case kFork:
+      Send<v1::ForkSequenceRequest, v1::SequenceInfo>(
+          body, n, rpc, caller,
+          [](auto* c, const auto& r, auto* p) { return store->ForkSequence(c, r, p); });
       break;
   }
   return 0;

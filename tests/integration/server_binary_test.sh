@@ -56,6 +56,12 @@ expect "3\(x2\)" cli gather --seq=t1 --layer=0 --indices=3,3,7 --unique --kind=v
 expect "calls/s" cli bench-gather --seq=t1 --rows=256 --iters=20 --warmup=2 --verify --seed=9
 expect "500 tokens in every layer" cli info --seq=t1
 expect "sequences +1$" cli stats
+# A fork of t1's first 300 tokens: its whole pages shared, the same rows.
+expect "of those bytes shared" cli fork --seq=t1f --from=t1 --tokens=300
+expect verified cli gather --seq=t1f --layer=1 --random_rows=64 --verify --seed=9
+if cli fork --seq=t1g --from=t1 --tokens=501 2>"$work/err.log"; then echo "fork past t1 succeeded"; exit 1; fi
+grep -q "FAILED_PRECONDITION" "$work/err.log"
+expect "dropped t1f" cli drop --seq=t1f
 # A bad request exits non-zero with the server's status, and the server keeps serving.
 if cli gather --seq=t1 --layer=9 2>"$work/err.log"; then echo "bad gather succeeded"; exit 1; fi
 grep -q INVALID_ARGUMENT "$work/err.log"

@@ -101,6 +101,28 @@ def test_a_failed_request_is_named_by_a_block_no_other_request_holds() -> None:
     assert ledger.own_block("q") is None and ledger.holders[4] == 0
 
 
+def test_a_prefix_a_live_request_holds_names_that_request() -> None:
+    """A new request vLLM starts after whole blocks another live request holds at the same place
+    is told to fork that request's sequence (BlockLedger.prefix_holder); a prefix that is not a
+    whole number of blocks, or whose last block no live request holds, is not."""
+    ledger = BlockLedger()
+    p = new_request("p", 0)
+    p.block_ids = ([1, 2, 3],)
+    step_rows(scheduler_output([p], cached_requests([], []), {"p": 48}, set()), ledger, block_size=16)
+    q, s, t = new_request("q", 32), new_request("s", 40), new_request("t", 16)
+    q.block_ids, s.block_ids, t.block_ids = ([1, 2, 4],), ([1, 2, 3, 5],), ([6, 9],)
+    rows = step_rows(scheduler_output([q, s, t], cached_requests(["p"], [48]), {"p": 1, "q": 1, "s": 8, "t": 4},
+                                      set()), ledger, block_size=16)
+    assert rows.prefix_sources == {"q": ("p", 32)}
+    assert set(rows.prefix_blocks) == {"q", "s", "t"}  # where the prefix is read from otherwise
+    # p finishes; q, which holds blocks 1 and 2 too, is the holder now.
+    r = new_request("r", 32)
+    r.block_ids = ([1, 2, 8],)
+    rows = step_rows(scheduler_output([r], cached_requests(["q"], [33]), {"q": 1, "r": 1}, {"p"}), ledger,
+                     block_size=16)
+    assert rows.prefix_sources == {"r": ("q", 32)}
+
+
 def test_the_cpu_workers_ledger_follows_whole_block_lists() -> None:
     """vLLM's CPU build: the worker sees each request's whole block list every step
     (BlockLedger.replace). A list that grew adds its new blocks only; a resumed request's new list

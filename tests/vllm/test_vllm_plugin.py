@@ -13,8 +13,9 @@ and leaving the batch and chunked prefill (256 tokens a step):
   KVSPARSE_VLLM_SALE names thresholds (vLLM's tokens at tau 0, blocks skipped at a threshold);
 - finished requests leave no sequence in the store, also after 1,000 requests;
 - with vLLM's prefix caching on, a request vLLM starts after a prefix it reused gets that prefix
-  from vLLM's cache (dense still vLLM's tokens); with the K/V in the store only it is refused
-  with the reason; a request kvsparse fails ends alone, the requests sharing its prefix go on;
+  forked in the store from the live request that holds it, or else from vLLM's cache (dense
+  still vLLM's tokens); with the K/V in the store only it is refused with the reason; a request
+  kvsparse fails ends alone, the requests sharing its prefix go on;
 - a method that does not parse stops vLLM with the reason where no connector can fail it alone;
 - vLLM's OpenAI server (three processes) decodes through it, a request naming its method in
   vllm_xargs, and kvsparse's counters appear on vLLM's /metrics; with kvsparse's admission check
@@ -243,6 +244,24 @@ def test_prefix_caching_reads_the_reused_prefix_from_vllms_cache(model: str, ser
     # With the K/V in the store only vLLM's cache holds no prefix: refused, with the reason.
     stored = generate(model, server.target, "dense", kv="store", prefix_caching=True)
     assert "error" in stored and "prefix caching" in stored["error"] and "KVSPARSE_VLLM_KV=store" in stored["error"]
+
+
+def test_a_prefix_a_live_request_holds_is_forked_in_the_store(model: str, server: kvsparse.LocalServer) -> None:
+    # Four prompts share their first 300 tokens. With 64 tokens a step the first prompt prefills
+    # alone; the others are admitted while it decodes, after its blocks in vLLM's prefix cache:
+    # their sequences are forked from its sequence in the store (the prefix's whole pages shared,
+    # BlockLedger.prefix_holder) instead of the prefix being read from vLLM's cache. Dense gives
+    # vLLM's own tokens.
+    shared = [1] + [(11 * i + 5) % 1000 + 3 for i in range(299)]
+    job = dict(prompts=[shared + [(13 * i + r) % 1000 + 3 for i in range(20 + r)] for r in range(4)],
+               max_tokens=[24, 8, 8, 8], max_num_batched_tokens=64, prefix_caching=True)
+    own = generate(model, None, **job)
+    assert "error" not in own, own["error"]
+    through = generate(model, server.target, "dense", **job)
+    assert "error" not in through, through["error"]
+    assert through["prefix_forks"] > 0, through
+    assert through["tokens"] == own["tokens"]
+    store_is_empty(server.target)
 
 
 def test_a_failed_request_ends_alone_beside_requests_sharing_its_prefix(model: str,

@@ -57,6 +57,40 @@ def test_sequence_lifecycle(client: kvsparse.Client) -> None:
     assert isinstance(err.value, LookupError)
 
 
+def test_fork_shares_a_prefix(client: kvsparse.Client) -> None:
+    """A fork holds its source's first tokens with their whole pages shared (counted once in the
+    store's bytes); each side then appends on its own, and the fork outlives its source."""
+    rng = np.random.default_rng(3)
+    k, v = rows(rng, 2, 300), rows(rng, 2, 300)
+    client.store.create_sequence("src", SHAPE)
+    client.store.append("src", k, v)
+    used = client.store.stats().bytes_used
+    fork = client.store.fork_sequence("src", "fork", 200)
+    assert fork.layer_lengths == [200, 200] and fork.incarnation != client.store.sequence_info("src").incarnation
+    page_tokens = fork.page_tokens
+    page_bytes = page_tokens * 2 * SHAPE.head_dim * 4  # a slot: an fp32 K row and its V row
+    assert fork.bytes_shared == (200 // page_tokens) * 4 * page_bytes > 0  # 4 (layer, kv head) lanes
+    assert client.store.stats().bytes_used - used < fork.bytes_used  # the shared pages once
+    k2, v2 = rows(rng, 2, 50), rows(rng, 2, 50)
+    client.store.append("fork", k2, v2)
+    for layer in range(2):
+        g = client.store.gather("fork", layer, list(range(250)), kv_heads=[1])
+        np.testing.assert_array_equal(g.k, np.concatenate([k[layer, :200, 1], k2[layer, :, 1]]))
+        np.testing.assert_array_equal(g.v, np.concatenate([v[layer, :200, 1], v2[layer, :, 1]]))
+        g = client.store.gather("src", layer, list(range(300)), kv_heads=[0])
+        np.testing.assert_array_equal(g.k, k[layer, :, 0])
+    with pytest.raises(kvsparse.FailedPrecondition, match="holds 300"):
+        client.store.fork_sequence("src", "long", 301)
+    with pytest.raises(kvsparse.NotFound):
+        client.store.fork_sequence("nope", "other", 1)
+    client.store.drop_sequence("src")
+    assert client.store.sequence_info("fork").bytes_shared == 0
+    g = client.store.gather("fork", 1, [0, 199, 249], kv_heads=[0])
+    np.testing.assert_array_equal(g.v, np.stack([v[1, 0, 0], v[1, 199, 0], v2[1, 49, 0]]))
+    assert client.store.stats().bytes_used == client.store.sequence_info("fork").bytes_used
+    client.store.drop_sequence("fork")
+
+
 def test_append_declares_its_size(server: kvsparse.LocalServer) -> None:
     """Every append says its message's size in kvsparse-request-bytes, so that the server takes
     that share of its request budget (--max_append_bytes_in_flight) before reading the body

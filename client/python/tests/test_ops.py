@@ -262,6 +262,59 @@ def test_remote_store_takes_a_long_prefill_and_decodes(server: kvsparse.LocalSer
         engine.drop_sequence(ids[0])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_fork_decodes_as_a_copy_of_its_prefix(device: str) -> None:
+    """A fork shares its source's pages in the store: decoding it, with its own next tokens,
+    gives what a sequence holding a copy of the prefix gives, and the source's rows stay its own
+    (on a GPU, top-k over 2-bit compressed keys, whose keys the engine fills for the fork from the
+    store's rows)."""
+    method = kvsparse.TopK(top_k_fraction=0.25, scores="compressed")
+    placement = kvsparse.Placement(compressed_key_bits=2)
+    gen = torch.Generator().manual_seed(7)
+    k, v = (torch.randn(SHAPE.num_layers, 900, 2, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    with ops.InProcessEngine(store_capacity="1G", gpu="on" if device == "cuda" else "off") as e:
+        for sid, n in (("src", 900), ("copy", 600)):
+            e.create_sequence(sid, SHAPE, placement)
+            for layer in range(SHAPE.num_layers):
+                e.append(sid, layer, k[layer, :n].to(device), v[layer, :n].to(device))
+        q = torch.randn(1, 8, 64, generator=gen).to(torch.bfloat16).to(device)
+        e.decode(1, ["src"], q, method)  # the source's state on the engine first
+        e.fork_sequence("src", "fork", 600)
+        assert e.layer_lengths("fork") == [600, 600]
+        for step in range(3):
+            sq, nk, nv = _step_tokens(step, 1, device)
+            for layer in range(SHAPE.num_layers):
+                got, _ = e.decode(layer, ["fork"], sq, method, new_k=nk, new_v=nv, seed=step)
+                want, _ = e.decode(layer, ["copy"], sq, method, new_k=nk, new_v=nv, seed=step)
+                assert torch.equal(got, want), (step, layer)
+        assert e.layer_lengths("fork") == [603, 603]
+        rk, _ = e.read_rows("src", 1, 900)
+        assert torch.equal(rk, k[1].transpose(0, 1))  # the source's tokens 600.. untouched
+        with pytest.raises(kvsparse.FailedPrecondition):
+            e.fork_sequence("src", "long", 901)
+        e.drop_sequence("src")
+        rk, rv = e.read_rows("fork", 0, 600)
+        assert torch.equal(rk, k[0, :600].transpose(0, 1)) and torch.equal(rv, v[0, :600].transpose(0, 1))
+
+
+def test_a_fork_over_a_remote_store(server: kvsparse.LocalServer) -> None:
+    """The same through a kvsparse-server store in another process (KvStore.ForkSequence)."""
+    with ops.InProcessEngine(gpu="off", store=server.target) as engine:
+        ids, k, v = load(engine, 700, 1, "cpu")  # layer 1 only: layer 0 holds nothing
+        with pytest.raises(kvsparse.FailedPrecondition, match="layer 0"):
+            engine.fork_sequence(ids[0], "fork", 300)
+        engine.append(ids[0], 0, k[0], v[0])
+        engine.fork_sequence(ids[0], "fork", 300, kvsparse.Placement(signature_bits=32))
+        q = torch.randn(1, 8, 64).to(torch.bfloat16)
+        out, _ = engine.decode(1, ["fork"], q)
+        assert (out.double() - reference(q, k[:, :300], v[:, :300])).abs().max() < 1e-2
+        with kvsparse.KvStoreClient(server.target) as store:
+            info = store.sequence_info("fork")
+            assert info.placement.signature_bits == 32 and info.bytes_shared > 0
+        for sid in (ids[0], "fork"):
+            engine.drop_sequence(sid)
+
+
 def _step_tokens(step: int, batch: int, device: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
     q = torch.randn(batch, 8, 64, generator=gen).to(torch.bfloat16)

@@ -235,6 +235,15 @@ def test_tenants_see_only_their_sequences(tmp_path: Path) -> None:
                 alice.attention.decode(0, ["gone"], q, kvsparse.Dense())
             assert "'gone'" in str(e.value) and "alice:" not in str(e.value)
             assert sorted(i.sequence_id for i in ops.store.list_sequences()) == ["alice:s", "bob:s"]
+            # A fork stays in its tenant: both ids are the caller's.
+            with pytest.raises(kvsparse.NotFound) as e:
+                alice.store.fork_sequence("bob:s", "mine", 4)
+            assert "alice:" not in str(e.value)
+            alice.store.fork_sequence("s", "s-fork", 4)
+            assert sorted(i.sequence_id for i in ops.store.list_sequences()) == ["alice:s", "alice:s-fork", "bob:s"]
+            with pytest.raises(kvsparse.PermissionDenied):
+                bob_reader.store.fork_sequence("s", "t", 4)  # a write
+            alice.store.drop_sequence("s-fork")
             # Statistics: a tenant sees its own sequences and bytes, no store-wide traffic; the
             # untenanted admin, the whole store (before: every tenant saw the whole store).
             bob.store.create_sequence("t", SHAPE)

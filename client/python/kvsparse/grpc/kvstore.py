@@ -31,6 +31,7 @@ class SequenceInfo:
     bytes_used: int
     page_tokens: int
     incarnation: int
+    bytes_shared: int = 0  # of bytes_used, pages another sequence holds too (a fork's prefix)
 
     @staticmethod
     def from_proto(m: kvstore_pb2.SequenceInfo) -> "SequenceInfo":
@@ -54,6 +55,7 @@ class SequenceInfo:
             bytes_used=m.bytes_used,
             page_tokens=m.page_tokens,
             incarnation=m.incarnation,
+            bytes_shared=m.bytes_shared,
         )
 
 
@@ -94,8 +96,26 @@ class KvStoreClient(_Base):
         placement.to_proto(req.placement)
         return SequenceInfo.from_proto(self._call(self._stub.CreateSequence, req, timeout))
 
+    def fork_sequence(
+        self,
+        source_id: str,
+        sequence_id: str,
+        num_tokens: int,
+        placement: Placement | None = None,
+        timeout: float | None = None,
+    ) -> SequenceInfo:
+        """A new sequence holding the first ``num_tokens`` tokens of ``source_id`` (a common
+        prefix), which keeps them too: their whole pages are shared in the store, not copied.
+        ``placement``: the source's when None."""
+        req = kvstore_pb2.ForkSequenceRequest(
+            source_id=source_id, sequence_id=sequence_id, num_tokens=num_tokens
+        )
+        if placement is not None:
+            placement.to_proto(req.placement)
+        return SequenceInfo.from_proto(self._call(self._stub.ForkSequence, req, timeout))
+
     def drop_sequence(self, sequence_id: str, timeout: float | None = None) -> int:
-        """Drops a sequence; returns the bytes it frees."""
+        """Drops a sequence; returns the bytes it frees (pages a fork shares stay with it)."""
         req = kvstore_pb2.DropSequenceRequest(sequence_id=sequence_id)
         return self._call(self._stub.DropSequence, req, timeout).bytes_freed
 
@@ -209,6 +229,13 @@ class ShardedKvStoreClient:
 
     def create_sequence(self, sequence_id: str, *args: Any, **kwargs: Any) -> SequenceInfo:
         return self.shard_for(sequence_id).create_sequence(sequence_id, *args, **kwargs)
+
+    def fork_sequence(
+        self, source_id: str, sequence_id: str, *args: Any, **kwargs: Any
+    ) -> SequenceInfo:
+        """On the source's shard: FAILED_PRECONDITION when ``sequence_id`` belongs to another
+        (a fork's pages stay on its source's shard; copy the rows there instead)."""
+        return self.shard_for(source_id).fork_sequence(source_id, sequence_id, *args, **kwargs)
 
     def drop_sequence(self, sequence_id: str, timeout: float | None = None) -> int:
         return self.shard_for(sequence_id).drop_sequence(sequence_id, timeout)

@@ -305,6 +305,27 @@ class InProcessEngine(_Closing):
             placement.compressed_key_bits,
         )
 
+    def fork_sequence(
+        self, source_id: str, sequence_id: str, num_tokens: int, placement: Placement | None = None
+    ) -> None:
+        """A new sequence holding the first ``num_tokens`` tokens of ``source_id`` (a prompt's
+        common prefix), which keeps them too: their whole pages are shared in the store, not
+        copied, and each sequence grows on its own. ``placement``: the source's when None. The
+        source may be in a step plan (its rows below its lengths never change)."""
+        p = placement or Placement()
+        _call(
+            torch.ops.kvsparse.fork_sequence,
+            self.handle,
+            source_id,
+            sequence_id,
+            num_tokens,
+            placement is None,
+            p.k_tier,
+            p.v_tier,
+            p.signature_bits,
+            p.compressed_key_bits,
+        )
+
     def drop_sequence(self, sequence_id: str) -> None:
         _call(torch.ops.kvsparse.drop_sequence, self.handle, sequence_id)
 

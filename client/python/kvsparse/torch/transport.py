@@ -38,6 +38,8 @@ class Transport(Protocol):
     """How a KvSparseCache reaches kvsparse: gRPC or the in-process engine."""
 
     def create(self, sequence_id: str, shape: ModelShape, placement: Placement) -> None: ...
+    # A new sequence holding source_id's first `tokens` tokens, their whole pages shared.
+    def fork(self, source_id: str, sequence_id: str, tokens: int, placement: Placement) -> None: ...
     def append(self, sequence_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, expected: int) -> None: ...
     def decode(
         self, layer: int, ids: list[str], q: torch.Tensor, method: Method,
@@ -61,6 +63,9 @@ class GrpcTransport:
 
     def create(self, sequence_id: str, shape: ModelShape, placement: Placement) -> None:
         self.client.store.create_sequence(sequence_id, shape, placement)
+
+    def fork(self, source_id: str, sequence_id: str, tokens: int, placement: Placement) -> None:
+        self.client.store.fork_sequence(source_id, sequence_id, tokens, placement)
 
     def append(self, sequence_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, expected: int) -> None:
         self.client.store.append(sequence_id, k[None], v[None], first_layer=layer, expected_length=expected)
@@ -109,6 +114,9 @@ class InProcessTransport:
 
     def create(self, sequence_id: str, shape: ModelShape, placement: Placement) -> None:
         self.engine.create_sequence(sequence_id, shape, placement)
+
+    def fork(self, source_id: str, sequence_id: str, tokens: int, placement: Placement) -> None:
+        self.engine.fork_sequence(source_id, sequence_id, tokens, placement)
 
     def append(self, sequence_id: str, layer: int, k: torch.Tensor, v: torch.Tensor, expected: int) -> None:
         self.engine.append(sequence_id, layer, k, v, expected)

@@ -171,13 +171,19 @@ class KvSparseImpl(CPUAttentionBackendImpl):
                   blocks: torch.Tensor) -> Any:
         """A request whose sequence does not hold the `start` tokens vLLM computed before this
         step: preempted and recomputed (a fresh sequence), and, where vLLM starts it after a prefix
-        it reused from its prefix cache, that prefix read from vLLM's cache into this layer."""
+        it reused from its prefix cache, that prefix forked in the store from the live request that
+        holds it (every layer at once: the layers after this one then hold it), else read from
+        vLLM's cache into this layer."""
         held = seq.lengths[li]
         if start > 0 and not self.prefix_caching:
             raise RuntimeError(f"kvsparse holds {held} tokens of request {rid} at layer {li}, vLLM's context is "
                                f"{start}")
         if held > 0:
             seq = WORKER.restart(rid, self.shape)  # preempted, recomputed from its first token
+        if start > 0 and li == 0 and not any(seq.lengths):
+            forked = WORKER.fork_prefix(rid, self.shape, blocks.tolist(), start, kv_cache.shape[2])
+            if forked is not None:
+                return forked
         if start > 0:
             k0, v0 = cached_prefix(kv_cache, blocks, start, layer.isa)
             transport.append(seq.sequence_id, li, k0, v0, 0)

@@ -46,6 +46,9 @@ class StepRows(KVConnectorMetadata):
     # The blocks of each new request that starts after a prefix vLLM reused from its prefix
     # cache (where the backend reads that prefix from, when no forward runs: a full graph).
     prefix_blocks: dict[str, list[int]] = field(default_factory=dict)
+    # Of those, the ones whose prefix a live request holds (BlockLedger.prefix_holder): request id
+    # -> (that request's id, the prefix's tokens); its kvsparse sequence is forked in the store.
+    prefix_sources: dict[str, tuple[str, int]] = field(default_factory=dict)
     finished: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
 
@@ -56,15 +59,16 @@ def batch_order(num_scheduled_tokens: dict[str, int]) -> list[str]:
     return sorted(num_scheduled_tokens, key=num_scheduled_tokens.__getitem__)
 
 
-def step_rows(scheduler_output: Any, ledger: BlockLedger | None = None) -> StepRows:
-    """The step's StepRows; `ledger` (the connector's, kept across steps) updated with it."""
+def step_rows(scheduler_output: Any, ledger: BlockLedger | None = None, block_size: int = 16) -> StepRows:
+    """The step's StepRows; `ledger` (the connector's, kept across steps) updated with it;
+    `block_size`: vLLM's KV block size."""
     ledger = ledger if ledger is not None else BlockLedger()
     ledger.update(scheduler_output)
     counts: dict[str, int] = scheduler_output.num_scheduled_tokens
     computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
     cached = scheduler_output.scheduled_cached_reqs
     computed.update(zip(cached.req_ids, cached.num_computed_tokens))
-    methods, prefix_blocks = {}, {}
+    methods, prefix_blocks, prefix_sources = {}, {}, {}
     for r in scheduler_output.scheduled_new_reqs:
         extra = getattr(r.sampling_params, "extra_args", None) or {}
         if extra.get(EXTRA_ARG):
@@ -72,12 +76,16 @@ def step_rows(scheduler_output: Any, ledger: BlockLedger | None = None) -> StepR
         blocks = getattr(r, "block_ids", None)
         if blocks and blocks[0] and r.num_computed_tokens > 0:
             prefix_blocks[r.req_id] = list(blocks[0])
+            holder = ledger.prefix_holder(r.req_id, blocks[0], r.num_computed_tokens, block_size)
+            if holder is not None:
+                prefix_sources[r.req_id] = (holder, r.num_computed_tokens)
     own = {rid: ledger.own_block(rid) for rid in counts}
     return StepRows(
         rows=[(rid, computed[rid], counts[rid]) for rid in batch_order(counts)],
         methods=methods,
         failure_blocks={rid: b for rid, b in own.items() if b is not None},
         prefix_blocks=prefix_blocks,
+        prefix_sources=prefix_sources,
         finished=set(scheduler_output.finished_req_ids),
         preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()),
     )
@@ -95,6 +103,7 @@ class KvSparseConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.ledger = BlockLedger()  # scheduler side
+        self.block_size = int(vllm_config.cache_config.block_size)
 
     # Scheduler side.
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -104,7 +113,7 @@ class KvSparseConnector(KVConnectorBase_V1):
         return None
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        return step_rows(scheduler_output, self.ledger)
+        return step_rows(scheduler_output, self.ledger, self.block_size)
 
     # Worker side. On vLLM's CPU build the plugin learns the batch from the V1 model runner
     # (kvsparse.vllm.plugin) and uses the connector only to report failed requests.

@@ -172,6 +172,7 @@ class CudaWorker:
     # layers; KvSparseCudaMetadataBuilder's prompt_tail).
     vllm_rows_skipped: int = 0
     prefix_imports: int = 0  # prompt tokens read from vLLM's prefix cache into sequences
+    prefix_forks: int = 0  # prompt tokens of such prefixes forked in the store from a live request
     # vLLM's full decode graphs (kvsparse.vllm.slot_plan): the plan over the batch slots, the
     # step's decode rows in it (row = slot -> request id), steps with such rows and, of them,
     # those whose attention ran outside vLLM's graphs (the rest replayed inside them).
@@ -337,6 +338,27 @@ class CudaWorker:
             return
         for rid in bound if refused is not None else []:  # a step refused since the last commit
             self._mark_failed(rid, refused)
+
+    def _fork_prefix(self, rid: str, start: int, shape: ModelShape) -> bool:
+        """A request vLLM starts after `start` tokens it reused from its prefix cache, whose blocks
+        a live request holds (the connector's prefix_sources): its sequence forked from that
+        request's in the store, the prefix's whole pages shared. False where there is none, it
+        failed, its sequence holds fewer tokens, or the store refuses (the prefix is then read
+        from vLLM's cache)."""
+        assert self.rows is not None
+        holder, tokens = self.rows.prefix_sources.get(rid, (None, 0))
+        source = self.sequences.get(holder) if holder is not None and holder not in self.failed else None
+        if source is None or tokens != start or min(source.lengths) < start:
+            return False
+        method = parse_method(self.method_text(rid))
+        try:
+            self.sequences[rid] = RequestSequence.fork(self.engine().fork_sequence, source, start, method, shape)
+        except KvSparseError as e:
+            plugin.LOG.info("kvsparse: request %s reads its prefix from vLLM's cache: forking %s's sequence: %s",
+                            rid, holder, e)
+            return False
+        self.prefix_forks += start
+        return True
 
     def _import_prefix(self, rid: str, start: int) -> None:
         """A request whose first step is one token after a prefix vLLM reused from its prefix
@@ -511,6 +533,8 @@ class CudaWorker:
         for a request vLLM computes again from its first token, after a preemption). True where
         the sequence is new and vLLM starts the request after a prefix it reused from its prefix
         cache (with vLLM's cache kept): the forward reads that prefix from vLLM's cache."""
+        if rid not in self.sequences and start > 0 and self._fork_prefix(rid, start, shape):
+            return False
         seq = self.sequence(rid, shape)
         if seq.lengths[0] == start:
             return False

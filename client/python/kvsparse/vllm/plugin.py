@@ -309,6 +309,23 @@ class BlockLedger:
             return None
         return next((b for b in reversed(blocks) if self.holders[b] == 1), blocks[-1])
 
+    def prefix_holder(self, rid: str, blocks: Sequence[int], tokens: int, block_size: int) -> str | None:
+        """Another live request holding, at the same place in its list, the block that ends the
+        first `tokens` tokens of `blocks` (a prefix vLLM reused from its prefix cache for request
+        `rid`): vLLM shares a cached block only between requests whose first tokens up to it are
+        the same (its block hashes chain every block before them, with the LoRA, multimodal
+        inputs and cache salt), so that request computed, or itself reused, those tokens, and
+        its kvsparse sequence can be forked instead of the prefix copied. None where `tokens` is
+        not a whole number of blocks or no other live request holds that block."""
+        if tokens <= 0 or tokens % block_size or len(blocks) < tokens // block_size:
+            return None
+        i = tokens // block_size - 1
+        b = blocks[i]
+        if self.holders.get(b, 0) - (b in self.blocks.get(rid, ())) < 1:
+            return None
+        return next((other for other, held in self.blocks.items()
+                     if other != rid and len(held) > i and held[i] == b), None)
+
     def _add(self, rid: str, blocks: list[int]) -> None:
         self.blocks.setdefault(rid, []).extend(blocks)
         self.holders.update(blocks)
@@ -379,6 +396,17 @@ class RequestSequence:
         create(sid, shape, placement_for(method))
         return RequestSequence(sid, method, [0] * shape.num_layers)
 
+    @staticmethod
+    def fork(fork: Callable[[str, str, int, Placement], None], source: "RequestSequence", tokens: int,
+             method: Method, shape: ModelShape) -> "RequestSequence":
+        """A new sequence for a request whose first `tokens` tokens are `source`'s first ones (a
+        prefix vLLM reused from its cache while the request that computed it is live): forked in
+        the store through `fork` (a transport's or an engine's), the prefix's whole pages shared,
+        with the placement the request's method reads."""
+        sid = f"vllm-{uuid.uuid4().hex}"
+        fork(source.sequence_id, sid, tokens, placement_for(method))
+        return RequestSequence(sid, method, [tokens] * shape.num_layers)
+
 
 @dataclass
 class Worker:
@@ -398,6 +426,9 @@ class Worker:
     # Prompt tokens read from vLLM's paged cache into sequences: prefixes vLLM reused from its
     # prefix cache (kvsparse.vllm.backend).
     prefix_imports: int = 0
+    # Prompt tokens of such prefixes shared in the store instead, forked from the live request
+    # that holds them (BlockLedger.prefix_holder).
+    prefix_forks: int = 0
     # Rows of steps that mixed decode and prompt rows left out of vLLM's attention (the decode rows,
     # kvsparse's), over the layers (kvsparse.vllm.backend).
     vllm_rows_skipped: int = 0
@@ -493,6 +524,28 @@ class Worker:
             method = self.methods.get(rid) or self.default_method()
             seq = RequestSequence.create(self.transport().create, method, shape)
             self.sequences[rid] = seq
+        return seq
+
+    def fork_prefix(self, rid: str, shape: ModelShape, blocks: Sequence[int], tokens: int,
+                    block_size: int) -> RequestSequence | None:
+        """The sequence of a request vLLM starts after `tokens` tokens it reused from its prefix
+        cache, forked from the live request that holds them (BlockLedger.prefix_holder) and
+        whose sequence holds them in every layer; None where there is none or the fork is
+        refused (the caller reads the prefix from vLLM's cache instead)."""
+        holder = self.blocks.prefix_holder(rid, blocks, tokens, block_size)
+        source = self.sequences.get(holder) if holder is not None and holder not in self.failed else None
+        if source is None or min(source.lengths) < tokens:
+            return None
+        method = self.methods.get(rid) or self.default_method()
+        try:
+            seq = RequestSequence.fork(self.transport().fork, source, tokens, method, shape)
+        except KvSparseError as e:
+            LOG.warning("kvsparse: request %s reads its prefix from vLLM's cache: forking %s's sequence: %s",
+                        rid, holder, e)
+            return None
+        self.drop(rid)  # an empty sequence made for it before
+        self.sequences[rid] = seq
+        self.prefix_forks += tokens
         return seq
 
     def restart(self, rid: str, shape: ModelShape) -> RequestSequence:
