@@ -104,11 +104,14 @@ DRIVER = textwrap.dedent(
             out["equal"] = all(np.array_equal(decode(ref, IDS, m), decode(fleet, IDS, m)) for m in METHODS)
             out["seconds"] = time.monotonic() - t0
             out["in_place"] = in_place()
-        if phase == "traffic":  # one sequence per call, round robin, for `seconds`
+        if phase == "traffic":  # one sequence per call, round robin, for `seconds` after the first round
             want = {s: decode(ref, [s], METHODS[0]) for s in IDS}
             calls = []
-            t_end = time.monotonic() + seconds
-            while time.monotonic() < t_end:
+            t_end, t_give_up = None, time.monotonic() + 60
+            while time.monotonic() < (t_end or t_give_up):
+                if t_end is None and {c[1] for c in calls if c[2] == "OK"} == {0, 1}:
+                    t_end = time.monotonic() + seconds  # both shards answered: tell the test to kill
+                    open(sys.argv[7], "w").close()
                 for s in IDS:
                     t = time.monotonic()
                     try:
@@ -191,7 +194,7 @@ def driver(tmp: Path, phase: str, seconds: float = 0) -> subprocess.Popen[str]:
     script.write_text(DRIVER)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     return subprocess.Popen(["ip", "netns", "exec", NS_W, sys.executable, str(script), phase, WORKER, EMBEDDED,
-                             ",".join(STORES), METRICS, str(seconds)], stdout=subprocess.PIPE,
+                             ",".join(STORES), METRICS, str(seconds), str(tmp / "ready")], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -230,7 +233,12 @@ def test_sharded_fleet_across_namespaces(namespaces: None, tmp_path: Path) -> No
 
         # Shard 1 killed mid-traffic.
         traffic = driver(tmp_path, "traffic", 4.0)
-        time.sleep(1.5)
+        for _ in range(1200):  # until both shards have answered (a loaded machine starts Python slowly)
+            if (tmp_path / "ready").exists() or traffic.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert (tmp_path / "ready").exists(), "the traffic never reached both shards"
+        time.sleep(1.0)
         t_kill = time.time()
         os.kill(stores[1].pid, signal.SIGKILL)
         stores[1].wait()
