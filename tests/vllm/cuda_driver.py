@@ -344,6 +344,7 @@ def main() -> None:
             "vllm_rows_skipped": w.vllm_rows_skipped,
             "prefix_imports": w.prefix_imports,
             "prefix_forks": w.prefix_forks,
+            "fork_misses": list(w.fork_misses),
             "engine_memory": w.engine().memory() if w._engine is not None and store is None else {},
             # recorded and replayed, by the plans closed and those still live
             "layer_graphs": [sum(x) for x in zip(w.layer_graphs, *(p.steps.graph_counts() for p in w.plans.values()))],

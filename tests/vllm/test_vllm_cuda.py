@@ -130,9 +130,10 @@ def test_dense_through_kvsparse_gives_vllms_tokens_with_cuda_graphs(model: str, 
     # vLLM's prefix caching is on (kvsparse.vllm.engine_args keeps vLLM's default with its cache
     # kept), and a request admitted after the first step started after blocks an earlier prompt
     # had filled (the prompts extend each other) while that request still ran: its sequence was
-    # forked from that request's in the store (the prefix's whole pages shared).
+    # forked from that request's in the store (the prefix's whole pages shared), what that
+    # request computes in the same step read from vLLM's cache.
     assert through["prefix_caching"] is True
-    assert w["prefix_forks"] > 0, w
+    assert w["prefix_forks"] > 0, w["fork_misses"]
     # A chat's next turn reads the first turn's blocks from vLLM's prefix cache, generated tokens
     # included: vLLM's cache holds their K/V (written at every step; when decode-only steps wrote
     # nothing there, the turn read whatever those slots held).

@@ -173,6 +173,9 @@ class CudaWorker:
     vllm_rows_skipped: int = 0
     prefix_imports: int = 0  # prompt tokens read from vLLM's prefix cache into sequences
     prefix_forks: int = 0  # prompt tokens of such prefixes forked in the store from a live request
+    # Why the latest reused prefixes were read from vLLM's cache rather than forked ("request id:
+    # why"): no live request holds them, or the store refused.
+    fork_misses: deque[str] = field(default_factory=lambda: deque(maxlen=16))
     # vLLM's full decode graphs (kvsparse.vllm.slot_plan): the plan over the batch slots, the
     # step's decode rows in it (row = slot -> request id), steps with such rows and, of them,
     # those whose attention ran outside vLLM's graphs (the rest replayed inside them).
@@ -339,44 +342,53 @@ class CudaWorker:
         for rid in bound if refused is not None else []:  # a step refused since the last commit
             self._mark_failed(rid, refused)
 
-    def _fork_prefix(self, rid: str, start: int, shape: ModelShape) -> bool:
+    def _fork_prefix(self, rid: str, start: int, shape: ModelShape) -> int:
         """A request vLLM starts after `start` tokens it reused from its prefix cache, whose blocks
         a live request holds (the connector's prefix_sources): its sequence forked from that
-        request's in the store, the prefix's whole pages shared. False where there is none, it
-        failed, its sequence holds fewer tokens, or the store refuses (the prefix is then read
-        from vLLM's cache)."""
+        request's in the store, as much of the prefix as that request's sequence holds in every
+        layer (its whole pages shared). That request may be computing the rest of the prefix in
+        this very step (vLLM hands out a block as soon as it is scheduled): those tokens are read
+        from vLLM's cache, written before any is read (KvSparseCudaImpl.forward). The tokens
+        forked: 0 where no live request holds the prefix, it failed, or the store refuses (the
+        whole prefix is then read from vLLM's cache)."""
         assert self.rows is not None
         holder, tokens = self.rows.prefix_sources.get(rid, (None, 0))
         source = self.sequences.get(holder) if holder is not None and holder not in self.failed else None
-        if source is None or tokens != start or min(source.lengths) < start:
-            return False
+        n = min(start, *source.lengths) if source is not None and tokens == start else 0
+        if n == 0:
+            why = ("no live request holds it" if holder is None else
+                   f"{holder} holds none of it" if source is not None else f"{holder} has no sequence")
+            self.fork_misses.append(f"{rid}: {why}")
+            return 0
         method = parse_method(self.method_text(rid))
         try:
-            self.sequences[rid] = RequestSequence.fork(self.engine().fork_sequence, source, start, method, shape)
+            self.sequences[rid] = RequestSequence.fork(self.engine().fork_sequence, source, n, method, shape)
         except KvSparseError as e:
             plugin.LOG.info("kvsparse: request %s reads its prefix from vLLM's cache: forking %s's sequence: %s",
                             rid, holder, e)
-            return False
-        self.prefix_forks += start
-        return True
+            self.fork_misses.append(f"{rid}: forking {holder}'s sequence: {e}")
+            return 0
+        self.prefix_forks += n
+        return n
 
     def _import_prefix(self, rid: str, start: int) -> None:
         """A request whose first step is one token after a prefix vLLM reused from its prefix
-        cache: the prefix's K/V read from vLLM's paged cache (its blocks, from the connector)
-        into its sequence in every layer, before the step (a full graph's replay runs no
-        forward)."""
+        cache: the prefix's K/V (after what a fork gave its sequence) read from vLLM's paged
+        cache (its blocks, from the connector) into its sequence in every layer, before the step
+        (a full graph's replay runs no forward)."""
         assert self.rows is not None and self.shape is not None
         blocks = self.rows.prefix_blocks.get(rid)
         if blocks is None or len(self.layers) < self.shape.num_layers:
             raise ValueError(f"request {rid} starts after {start} tokens of vLLM's prefix cache, whose blocks "
                              "kvsparse was not told")
         seq = self.sequences[rid]
+        held = seq.lengths[0]
         for li in range(self.shape.num_layers):
             kv_cache = self.layers[li].kv_cache
             k0, v0 = cached_prefix(kv_cache, torch.tensor(blocks, device=kv_cache.device), start)
-            self.engine().append(seq.sequence_id, li, k0, v0, 0)
+            self.engine().append(seq.sequence_id, li, k0[held:], v0[held:], held)
             seq.lengths[li] = start
-        self.prefix_imports += start
+        self.prefix_imports += start - held
 
     def method_text(self, rid: str) -> str:
         return self.methods.get(rid) or os.environ[plugin.ENV_METHOD]
@@ -532,9 +544,12 @@ class CudaWorker:
         """The request's sequence holding the tokens vLLM computed before this step (a fresh one
         for a request vLLM computes again from its first token, after a preemption). True where
         the sequence is new and vLLM starts the request after a prefix it reused from its prefix
-        cache (with vLLM's cache kept): the forward reads that prefix from vLLM's cache."""
-        if rid not in self.sequences and start > 0 and self._fork_prefix(rid, start, shape):
-            return False
+        cache (with vLLM's cache kept): the forward reads that prefix, or what a fork from the live
+        request holding it left out, from vLLM's cache."""
+        if rid not in self.sequences and start > 0:
+            forked = self._fork_prefix(rid, start, shape)
+            if forked > 0:
+                return forked < start
         seq = self.sequence(rid, shape)
         if seq.lengths[0] == start:
             return False
@@ -622,18 +637,27 @@ class KvSparseCudaImpl(FlashAttentionImpl):
                                    output_block_scale)
         shape = self.shape
         step = w.prepare(shape, attn_metadata.num_actual_tokens, query.device)
+        if not self.store_only:
+            # Every row's K/V into vLLM's cache, decode rows too: vLLM's prefix caching hands
+            # the blocks of generated tokens to later requests (a chat's next turn), whose
+            # prefix the backend reads from there (tests/vllm/test_vllm_cuda.py, the follow-up).
+            # First, as vLLM's own backends have it: a prefix read below may end in blocks
+            # another request of this step computes.
+            self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
+            w.cache_writes += 1
         for row, rid, start, count in step.prefill:
             a = step.token_starts[row]
             if rid in w.failed:  # at an earlier layer of this step
                 continue
             seq = w.sequences[rid]
             try:
-                if rid in step.imports and seq.lengths[li] == 0:  # the prefix vLLM reused, first
+                held = seq.lengths[li]
+                if rid in step.imports and held < start:  # the prefix vLLM reused (or a fork's rest), first
                     # The request's row of the step's block table (the batch's order, which
                     # the connector's rows follow).
                     k0, v0 = cached_prefix(kv_cache, attn_metadata.block_table[row], start)
-                    w.engine().append(seq.sequence_id, li, k0, v0, 0)
-                    w.prefix_imports += start if li == 0 else 0
+                    w.engine().append(seq.sequence_id, li, k0[held:], v0[held:], held)
+                    w.prefix_imports += start - held if li == 0 else 0
                 w.engine().append(seq.sequence_id, li, key[a:a + count], value[a:a + count], start)
                 if self.store_only:
                     self._prompt_attention(w, seq.sequence_id, li, start, query[a:a + count], key[a:a + count],
@@ -643,12 +667,6 @@ class KvSparseCudaImpl(FlashAttentionImpl):
                 step.failed.append((a, count))
                 continue
             seq.lengths[li] = start + count
-        if not self.store_only:
-            # Every row's K/V into vLLM's cache, decode rows too: vLLM's prefix caching hands
-            # the blocks of generated tokens to later requests (a chat's next turn), whose
-            # prefix the backend reads from there (tests/vllm/test_vllm_cuda.py, the follow-up).
-            self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
-            w.cache_writes += 1
         vllm_attention = not self.store_only and bool(step.prefill or not (step.groups or w.slot_rows))
         if vllm_attention:
             decode_rows = sum(len(g.rids) for g in step.groups.values()) + len(w.slot_rows)
