@@ -264,6 +264,26 @@ def test_a_prefix_a_live_request_holds_is_forked_in_the_store(model: str, server
     store_is_empty(server.target)
 
 
+def test_a_prefix_its_holder_computes_in_the_same_step_is_forked_as_far_as_held(
+        model: str, server: kvsparse.LocalServer) -> None:
+    # Two prompts share their first 300 tokens; 200 tokens a step. Step 1 computes the first
+    # prompt's tokens 0-199, step 2 its tokens 200-319 and admits the second after the 9 blocks
+    # (288 tokens) it shares, which vLLM handed out when it scheduled them: the first request's
+    # sequence holds 200 of them when step 2 begins. The second request's sequence is forked
+    # there (200 tokens) and tokens 200-287 are read from vLLM's cache, which this step's K/V
+    # reached before the forward. Dense gives vLLM's own tokens.
+    shared = [1] + [(17 * i + 2) % 1000 + 3 for i in range(299)]
+    job = dict(prompts=[shared + [(19 * i + r) % 1000 + 3 for i in range(20 + r)] for r in range(2)],
+               max_tokens=[16, 16], max_num_batched_tokens=200, prefix_caching=True)
+    own = generate(model, None, **job)
+    assert "error" not in own, own["error"]
+    through = generate(model, server.target, "dense", **job)
+    assert "error" not in through, through["error"]
+    assert through["prefix_forks"] == 200 and through["prefix_imports"] == 88, through
+    assert through["tokens"] == own["tokens"]
+    store_is_empty(server.target)
+
+
 def test_a_failed_request_ends_alone_beside_requests_sharing_its_prefix(model: str,
                                                                          server: kvsparse.LocalServer) -> None:
     # With prefix caching the requests share their prompts' first blocks. Request 1 names a method

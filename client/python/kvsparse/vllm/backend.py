@@ -170,25 +170,25 @@ class KvSparseImpl(CPUAttentionBackendImpl):
     def _begin_at(self, transport: Any, layer: Any, li: int, rid: str, seq: Any, start: int, kv_cache: torch.Tensor,
                   blocks: torch.Tensor) -> Any:
         """A request whose sequence does not hold the `start` tokens vLLM computed before this
-        step: preempted and recomputed (a fresh sequence), and, where vLLM starts it after a prefix
-        it reused from its prefix cache, that prefix forked in the store from the live request that
-        holds it (every layer at once: the layers after this one then hold it), else read from
-        vLLM's cache into this layer."""
+        step: preempted and recomputed (a fresh sequence where it holds more), and, where vLLM
+        starts it after a prefix it reused from its prefix cache, that prefix forked in the store
+        from the live request that holds it (every layer at once: the layers after this one then
+        hold it), as far as that request's sequence holds it, the rest (or all of it) read from
+        vLLM's cache into this layer (vLLM writes this step's K/V there before the forward)."""
         held = seq.lengths[li]
         if start > 0 and not self.prefix_caching:
             raise RuntimeError(f"kvsparse holds {held} tokens of request {rid} at layer {li}, vLLM's context is "
                                f"{start}")
-        if held > 0:
+        if held > start:
             seq = WORKER.restart(rid, self.shape)  # preempted, recomputed from its first token
         if start > 0 and li == 0 and not any(seq.lengths):
-            forked = WORKER.fork_prefix(rid, self.shape, blocks.tolist(), start, kv_cache.shape[2])
-            if forked is not None:
-                return forked
-        if start > 0:
+            seq = WORKER.fork_prefix(rid, self.shape, blocks.tolist(), start, kv_cache.shape[2]) or seq
+        held = seq.lengths[li]
+        if start > held:  # the request's own tokens up to `held`: the same K/V as vLLM's cache holds
             k0, v0 = cached_prefix(kv_cache, blocks, start, layer.isa)
-            transport.append(seq.sequence_id, li, k0, v0, 0)
+            transport.append(seq.sequence_id, li, k0[held:], v0[held:], held)
             seq.lengths[li] = start
-            WORKER.prefix_imports += start if li == 0 else 0
+            WORKER.prefix_imports += start - held if li == 0 else 0
         return seq
 
     def _prompt_attention(self, transport: Any, sequence_id: str, layer: int, start: int, q: torch.Tensor,

@@ -529,23 +529,26 @@ class Worker:
     def fork_prefix(self, rid: str, shape: ModelShape, blocks: Sequence[int], tokens: int,
                     block_size: int) -> RequestSequence | None:
         """The sequence of a request vLLM starts after `tokens` tokens it reused from its prefix
-        cache, forked from the live request that holds them (BlockLedger.prefix_holder) and
-        whose sequence holds them in every layer; None where there is none or the fork is
-        refused (the caller reads the prefix from vLLM's cache instead)."""
+        cache, forked from the live request that holds them (BlockLedger.prefix_holder): as many
+        of them as that request's sequence holds in every layer (it may be computing the last
+        ones in this very step: vLLM hands out a block as soon as it schedules it; the caller
+        reads the rest from vLLM's cache). None where there is none or the fork is refused (the
+        caller reads the whole prefix from vLLM's cache)."""
         holder = self.blocks.prefix_holder(rid, blocks, tokens, block_size)
         source = self.sequences.get(holder) if holder is not None and holder not in self.failed else None
-        if source is None or min(source.lengths) < tokens:
+        n = min(tokens, *source.lengths) if source is not None else 0
+        if n == 0:
             return None
         method = self.methods.get(rid) or self.default_method()
         try:
-            seq = RequestSequence.fork(self.transport().fork, source, tokens, method, shape)
+            seq = RequestSequence.fork(self.transport().fork, source, n, method, shape)
         except KvSparseError as e:
             LOG.warning("kvsparse: request %s reads its prefix from vLLM's cache: forking %s's sequence: %s",
                         rid, holder, e)
             return None
         self.drop(rid)  # an empty sequence made for it before
         self.sequences[rid] = seq
-        self.prefix_forks += tokens
+        self.prefix_forks += n
         return seq
 
     def restart(self, rid: str, shape: ModelShape) -> RequestSequence:
