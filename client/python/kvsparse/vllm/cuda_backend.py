@@ -357,7 +357,9 @@ class CudaWorker:
         n = min(start, *source.lengths) if source is not None and tokens == start else 0
         if n == 0:
             why = ("no live request holds it" if holder is None else
-                   f"{holder} holds none of it" if source is not None else f"{holder} has no sequence")
+                   f"{holder} has no sequence" if source is None else
+                   f"the connector named {holder} for {tokens} tokens, vLLM's context is {start}" if tokens != start
+                   else f"{holder}'s sequence holds none of it yet")
             self.fork_misses.append(f"{rid}: {why}")
             return 0
         method = parse_method(self.method_text(rid))
