@@ -354,7 +354,7 @@ class CudaWorker:
         assert self.rows is not None
         holder, tokens = self.rows.prefix_sources.get(rid, (None, 0))
         source = self.sequences.get(holder) if holder is not None and holder not in self.failed else None
-        n = min(start, *source.lengths) if source is not None and tokens == start else 0
+        n = source.held(start) if source is not None and tokens == start else 0
         if n == 0:
             why = ("no live request holds it" if holder is None else
                    f"{holder} has no sequence" if source is None else

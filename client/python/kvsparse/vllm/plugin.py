@@ -396,6 +396,11 @@ class RequestSequence:
         create(sid, shape, placement_for(method))
         return RequestSequence(sid, method, [0] * shape.num_layers)
 
+    def held(self, tokens: int) -> int:
+        """How many of the first `tokens` tokens this sequence holds in every layer (a request
+        vLLM computes them for may be part way through its step)."""
+        return min(tokens, *self.lengths)
+
     @staticmethod
     def fork(fork: Callable[[str, str, int, Placement], None], source: "RequestSequence", tokens: int,
              method: Method, shape: ModelShape) -> "RequestSequence":
@@ -536,7 +541,7 @@ class Worker:
         caller reads the whole prefix from vLLM's cache)."""
         holder = self.blocks.prefix_holder(rid, blocks, tokens, block_size)
         source = self.sequences.get(holder) if holder is not None and holder not in self.failed else None
-        n = min(tokens, *source.lengths) if source is not None else 0
+        n = source.held(tokens) if source is not None else 0
         if n == 0:
             return None
         method = self.methods.get(rid) or self.default_method()
