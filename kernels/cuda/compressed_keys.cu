@@ -196,14 +196,28 @@ __device__ __forceinline__ uint32_t CodeBytes(uint32_t w0, uint32_t w1, int t, i
 }
 
 // A score's sum_c w_c code_c from its three digit columns' int32 sums: (d1 + d2 / 128 + d3 /
-// 128^2) 2^(e - 6) (each term exact in fp32, two roundings).
-__device__ __forceinline__ float DigitSum(int d1, int d2, int d3, int e) {
-  return ldexpf(__fadd_rn(__fadd_rn(static_cast<float>(d1), static_cast<float>(d2) * 0x1p-7f),
-                          static_cast<float>(d3) * 0x1p-14f),
-                e - 6);
+// 128^2) 2^(e - 6) (each term exact in fp32, two roundings, and the power of two's product,
+// which is what ldexpf gives: a product by a normal power of two is exact or rounds once, as
+// ldexpf does; Pow2::f is 0 where 2^(e - 6) is not a normal float, and ldexpf is called then).
+struct Pow2 {
+  int e = 0;      // e - 6
+  float f = 0.f;  // 2^(e - 6) where that is a normal float, else 0
+};
+__device__ __forceinline__ Pow2 Pow2Of(int e) {
+  Pow2 p;
+  p.e = e - 6;
+  p.f = p.e >= -126 && p.e <= 127 ? __int_as_float((p.e + 127) << 23) : 0.f;
+  return p;
+}
+__device__ __forceinline__ float DigitSum(int d1, int d2, int d3, const Pow2& p) {
+  const float s = __fadd_rn(__fadd_rn(static_cast<float>(d1), static_cast<float>(d2) * 0x1p-7f),
+                            static_cast<float>(d3) * 0x1p-14f);
+  return p.f != 0.f ? __fmul_rn(s, p.f) : ldexpf(s, p.e);
 }
 
-template <typename T, int G, int BITS>
+// KT: the k-tiles d / 32 where the launcher fixed them (4: d = 128), so that a lane's products
+// q_c step_c and its B fragments stay in registers; 0: any d, both read from shared memory.
+template <typename T, int G, int BITS, int KT>
 __global__ void __launch_bounds__(32 * kGroupsPerBlock)
     CompressedScoresMmaKernel(CompressedScoreParams p) {
   GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
@@ -266,12 +280,15 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
     const int hq = live ? h : 0;
     // The head's exponent: frexp of max_c |q_c step_c| over every channel (the lanes of its
     // column pair hold them all).
+    float wk[KT > 0 ? KT : 1][4];  // the lane's products q_c step_c, where KT is fixed
     float mx = 0.f;
-    for (int32_t kt = 0; kt < d / 32; ++kt) {
+    for (int32_t kt = 0; kt < (KT > 0 ? KT : d / 32); ++kt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int32_t c = kt * 32 + ChannelOf<BITS>(t, odd, i);
-        mx = fmaxf(mx, fabsf(__fmul_rn(qf[c * G + hq], Half(step[c]))));
+        const float w = __fmul_rn(qf[c * G + hq], Half(step[c]));
+        if constexpr (KT > 0) wk[kt][i] = w;
+        mx = fmaxf(mx, fabsf(w));
       }
     }
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -281,13 +298,19 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
     frexpf(mx, &e);
     if (live && t == 0 && odd == 0) expo[h] = e;
     const float sc = ldexpf(64.f, -e);
-    for (int32_t kt = 0; kt < d / 32; ++kt) {
+    for (int32_t kt = 0; kt < (KT > 0 ? KT : d / 32); ++kt) {
       uint32_t d1 = 0u, d2 = 0u, d3 = 0u;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int32_t c = kt * 32 + ChannelOf<BITS>(t, odd, i);
+        float w;
+        if constexpr (KT > 0) {
+          w = wk[kt][i];
+        } else {
+          w = __fmul_rn(qf[c * G + hq], Half(step[c]));
+        }
         // |y| < 64; an absent head's digits are zeros.
-        float y = live ? __fmul_rn(__fmul_rn(qf[c * G + hq], Half(step[c])), sc) : 0.f;
+        float y = live ? __fmul_rn(w, sc) : 0.f;
         const float w1 = rintf(y);
         y = __fmul_rn(__fsub_rn(y, w1), 128.f);  // exact: the remainder, scaled
         const float w2 = rintf(y);
@@ -308,10 +331,18 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
   }
   __syncwarp();
   // The heads this lane writes (nt * 4 + t for each group of four), their exponents.
-  int ex[HG];
+  Pow2 ex[HG];
 #pragma unroll
-  for (int hg = 0; hg < HG; ++hg) ex[hg] = expo[min(hg * 4 + t, G - 1)];
+  for (int hg = 0; hg < HG; ++hg) ex[hg] = Pow2Of(expo[min(hg * 4 + t, G - 1)]);
   const uint2* bf = reinterpret_cast<const uint2*>(bfrag);
+  uint2 bk[KT > 0 ? KT : 1][NT];  // the B fragments, where KT is fixed
+  if constexpr (KT > 0) {
+#pragma unroll
+    for (int kt = 0; kt < KT; ++kt) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) bk[kt][nt] = bf[(kt * NT + nt) * 32 + lane];
+    }
+  }
   for (int32_t c0 = 0; c0 < p.group; c0 += chunk) {
     if (c0 > 0) {    // the first chunk came with lo and step
       __syncwarp();  // the previous chunk's reads done
@@ -324,7 +355,7 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0;
 #pragma unroll 4
-      for (int32_t kt = 0; kt < d / 32; ++kt) {
+      for (int32_t kt = 0; kt < (KT > 0 ? KT : d / 32); ++kt) {
         uint32_t x0a, x0b = 0u, x1a, x1b = 0u;
         if constexpr (BITS == 2) {
           const uint2 y0 = *reinterpret_cast<const uint2*>(codes + r0 * words + 2 * kt);
@@ -338,7 +369,12 @@ __global__ void __launch_bounds__(32 * kGroupsPerBlock)
         const uint32_t a2 = CodeBytes<BITS>(x0a, x0b, t, 1), a3 = CodeBytes<BITS>(x1a, x1b, t, 1);
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const uint2 bb = bf[(kt * NT + nt) * 32 + lane];
+          uint2 bb;
+          if constexpr (KT > 0) {
+            bb = bk[kt][nt];
+          } else {
+            bb = bf[(kt * NT + nt) * 32 + lane];
+          }
           MmaInt8(acc[nt], a0, a1, a2, a3, bb.x, bb.y);
         }
       }
@@ -449,12 +485,19 @@ cudaError_t LaunchScoresG(const CompressedScoreParams& p, cudaStream_t stream) {
   if (!mma) {
     return LaunchDependent(&CompressedScoresKernel<T, G>, grid, dim3(32 * warps), smem, stream, p);
   }
+  // d = 128 (Llama's, the flagship's) with its k-tiles fixed; any other d reads them from shared
+  // memory.
+  const bool d128 = p.head_dim == 128;
   if (p.bits == 1) {
-    return LaunchDependent(&CompressedScoresMmaKernel<T, G, 1>, grid, dim3(32 * warps), smem,
-                           stream, p);
+    return d128 ? LaunchDependent(&CompressedScoresMmaKernel<T, G, 1, 4>, grid, dim3(32 * warps),
+                                  smem, stream, p)
+                : LaunchDependent(&CompressedScoresMmaKernel<T, G, 1, 0>, grid, dim3(32 * warps),
+                                  smem, stream, p);
   }
-  return LaunchDependent(&CompressedScoresMmaKernel<T, G, 2>, grid, dim3(32 * warps), smem, stream,
-                         p);
+  return d128 ? LaunchDependent(&CompressedScoresMmaKernel<T, G, 2, 4>, grid, dim3(32 * warps),
+                                smem, stream, p)
+              : LaunchDependent(&CompressedScoresMmaKernel<T, G, 2, 0>, grid, dim3(32 * warps),
+                                smem, stream, p);
 }
 
 template <typename T>

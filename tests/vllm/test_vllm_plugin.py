@@ -42,7 +42,9 @@ import pytest
 vllm = pytest.importorskip("vllm")
 
 import kvsparse  # noqa: E402
-from store_process import free_port, free_target, start_store  # noqa: E402
+import openai_server  # noqa: E402
+from openai_server import complete  # noqa: E402
+from store_process import free_target, start_store  # noqa: E402
 from tiny_llama import MAX_TOKENS, PROMPTS, save_tiny_llama  # noqa: E402
 
 DRIVER = Path(__file__).with_name("driver.py")
@@ -313,42 +315,18 @@ def test_a_bad_method_without_the_connector_stops_vllm_with_the_reason(model: st
     assert "error" in own and "bogus" in own["error"]
 
 
+# The CPU build's server: fp32, eager, a small KV space (openai_server.api_server); vLLM's prefix
+# caching on, its default (the tests send one prompt more than once: later requests start after
+# its reused blocks).
+CPU_SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+CPU_SERVER_ARGS = ("--dtype", "float32", "--max-model-len", "2048", "--enforce-eager")
+
+
 @contextlib.contextmanager
 def api_server(model: str, tmp_path: Path, env_extra: dict[str, str], *args: str) -> Iterator[tuple[str, Any]]:
-    """vLLM's OpenAI server (three processes) on a free port, serving once /health answers; vLLM's
-    prefix caching on, its default (the tests send one prompt more than once: later requests
-    start after its reused blocks)."""
-    port = free_port()
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               **env_extra)
-    log = open(tmp_path / "api.log", "wb")
-    api = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--dtype",
-                            "float32", "--max-model-len", "2048", "--enforce-eager", "--skip-tokenizer-init",
-                            "--port", str(port), *args], env=env, stdout=log,
-                           stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(base + "/health", timeout=2)
-                break
-            except OSError:
-                assert api.poll() is None, (tmp_path / "api.log").read_text()[-3000:]
-                time.sleep(1)
-        yield base, api
-    finally:
-        api.terminate()
-        try:
-            api.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            api.kill()
-        log.close()
-
-
-def complete(base: str, body: dict) -> dict:
-    req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(),
-                                 {"content-type": "application/json"})
-    return json.load(urllib.request.urlopen(req, timeout=120))
+    with openai_server.api_server(model, tmp_path / "api.log", {**CPU_SERVER_ENV, **env_extra}, *CPU_SERVER_ARGS,
+                                  *args) as served:
+        yield served
 
 
 def test_openai_server_decodes_through_it_and_serves_its_metrics(model: str, server: kvsparse.LocalServer,

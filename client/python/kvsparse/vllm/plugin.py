@@ -74,7 +74,9 @@ from kvsparse.methods import (
     placement_for,
 )
 
-LOG = logging.getLogger("kvsparse.vllm")
+# Under vLLM's logger: its processes (the OpenAI server's engine core too) print it with vLLM's own
+# lines; a logger outside "vllm" went unseen in the server's log.
+LOG = logging.getLogger("vllm.kvsparse")
 
 ENV_METHOD = "KVSPARSE_VLLM_METHOD"
 ENV_TARGET = "KVSPARSE_VLLM_TARGET"
