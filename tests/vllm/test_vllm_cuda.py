@@ -4,10 +4,15 @@ greedily in a process of its own per run (tests/vllm/cuda_driver.py), four reque
 lengths joining and leaving the batch, prompts prefilled in chunks, vLLM's CUDA graphs on (no
 enforce_eager):
 - dense through kvsparse gives vLLM's FlashAttention tokens (up to near-ties of the random
-  model's logits), and vLLM ran piecewise CUDA graphs, with vLLM's prefix caching on (the prompts
+  model's logits; where the tokens agree, the log-probabilities within LOGPROB_TOL), and vLLM ran
+  piecewise CUDA graphs, with vLLM's prefix caching on (the prompts
   are prefixes of each other: a later request starts after blocks vLLM reuses, read from its cache
   into the request's sequence; a chat's second turn starts after blocks of the first turn's
   generated tokens); with the K/V in the store only, prefix caching is refused;
+- vLLM's OpenAI server with kvsparse's backend, connector and admission check (the flagship
+  inside vLLM's full graphs): a bad method answered 400, requests served, a request asking for
+  another method failing alone with the reason in the server's log, kvsparse's counters on
+  /metrics;
 - every method generates, each request with its own; finished requests' sequences are dropped
   (at the next step vLLM runs, when it tells the worker); kvsparse's counters (vLLM's /metrics)
   count every step's layers and rows under each method;
