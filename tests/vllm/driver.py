@@ -72,6 +72,7 @@ def main() -> None:
         result["restarts"] = WORKER.restarts
         result["prefix_imports"] = WORKER.prefix_imports
         result["prefix_forks"] = WORKER.prefix_forks
+        result["prefix_forks_finished"] = WORKER.prefix_forks_finished
         result["vllm_rows_skipped"] = WORKER.vllm_rows_skipped
         result["timing"] = WORKER.timing
         result["sale"] = {"prefills": WORKER.sale_prefills, "skipped": WORKER.sale_skipped}

@@ -62,12 +62,14 @@ def server() -> Iterator[kvsparse.LocalServer]:
 
 
 def generate(model: str, target: str | None, method: str | None = None, kv: str = "both", sale: str | None = None,
-             **job: object) -> dict:
+             keep: int | None = None, **job: object) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSPARSE_VLLM_")}
     if method is not None and target is not None:
         env.update(KVSPARSE_VLLM_METHOD=method, KVSPARSE_VLLM_TARGET=target, KVSPARSE_VLLM_KV=kv)
     if sale is not None:
         env.update(KVSPARSE_VLLM_SALE=sale)
+    if keep is not None:
+        env.update(KVSPARSE_VLLM_KEEP_FINISHED=str(keep))
     spec = {"model": model, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, **job}
     run = subprocess.run([sys.executable, str(DRIVER), json.dumps(spec)], capture_output=True, text=True,
                          env=env, timeout=600)
@@ -229,10 +231,10 @@ def test_a_thousand_requests_leave_no_sequence(model: str, server: kvsparse.Loca
 def test_prefix_caching_reads_the_reused_prefix_from_vllms_cache(model: str, server: kvsparse.LocalServer) -> None:
     # PROMPTS extend each other, and the second generation in the same engine asks for them again:
     # vLLM starts those requests after blocks of its prefix cache, which the plugin reads from
-    # vLLM's cache (vLLM's CPU layout) into the requests' new sequences. Dense gives vLLM's own
-    # tokens with prefix caching on, in both generations; a sparse method generates after a
-    # reused prefix too.
-    cached = dict(prefix_caching=True, then_methods=[[None] * len(PROMPTS)])
+    # vLLM's cache (vLLM's CPU layout) into the requests' new sequences (no finished request
+    # kept as a holder here: KVSPARSE_VLLM_KEEP_FINISHED=0). Dense gives vLLM's own tokens with
+    # prefix caching on, in both generations; a sparse method generates after a reused prefix too.
+    cached = dict(prefix_caching=True, then_methods=[[None] * len(PROMPTS)], keep=0)
     own = generate(model, None, **cached)
     assert "error" not in own, own["error"]
     through = generate(model, server.target, "dense", **cached)
@@ -263,6 +265,27 @@ def test_a_prefix_a_live_request_holds_is_forked_in_the_store(model: str, server
     assert "error" not in through, through["error"]
     assert through["prefix_forks"] > 0, through
     assert through["tokens"] == own["tokens"]
+    store_is_empty(server.target)
+
+
+def test_a_finished_request_kept_as_a_holder_gives_its_prefix_to_the_next(model: str,
+                                                                          server: kvsparse.LocalServer) -> None:
+    # The second generation asks for the same prompts after every request of the first finished:
+    # each starts after blocks of vLLM's prefix cache whose holder finished. Kept as holders
+    # (KVSPARSE_VLLM_KEEP_FINISHED, 4 by default: every prompt's), their sequences are forked in
+    # the store instead of the prefix being read from vLLM's cache; with none kept it is read.
+    # Dense gives vLLM's own tokens both ways; the store is empty after the engine stops.
+    cached = dict(prefix_caching=True, then_methods=[[None] * len(PROMPTS)])
+    own = generate(model, None, **cached)
+    assert "error" not in own, own["error"]
+    kept = generate(model, server.target, "dense", **cached)
+    assert "error" not in kept, kept["error"]
+    read = generate(model, server.target, "dense", keep=0, **cached)
+    assert "error" not in read, read["error"]
+    assert kept["tokens"] == read["tokens"] == own["tokens"] and kept["then"] == read["then"] == own["then"]
+    assert kept["prefix_forks_finished"] > 0 and read["prefix_forks_finished"] == 0, (kept, read)
+    assert kept["prefix_forks"] > read["prefix_forks"], (kept, read)
+    assert kept["prefix_imports"] < read["prefix_imports"], (kept, read)
     store_is_empty(server.target)
 
 

@@ -63,7 +63,7 @@ def step_rows(scheduler_output: Any, ledger: BlockLedger | None = None, block_si
     """The step's StepRows; `ledger` (the connector's, kept across steps) updated with it;
     `block_size`: vLLM's KV block size."""
     ledger = ledger if ledger is not None else BlockLedger()
-    ledger.update(scheduler_output)
+    ledger.update(scheduler_output, block_size)
     counts: dict[str, int] = scheduler_output.num_scheduled_tokens
     computed = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
     cached = scheduler_output.scheduled_cached_reqs

@@ -33,7 +33,8 @@ def record_batches() -> None:
 
     def _update_states(self: Any, scheduler_output: Any) -> Any:
         result = update(self, scheduler_output)
-        WORKER.on_step(list(self.input_batch.req_ids), scheduler_output.finished_req_ids, self.requests)
+        WORKER.on_step(list(self.input_batch.req_ids), scheduler_output.finished_req_ids, self.requests,
+                       self.cache_config.block_size)
         return result
 
     _update_states._kvsparse = True  # type: ignore[attr-defined]

@@ -63,6 +63,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
+import grpc
+
 from kvsparse.errors import KvSparseError
 from kvsparse.methods import (
     FLAGSHIP_TEXT,
@@ -88,6 +90,23 @@ ENV_SEED = "KVSPARSE_VLLM_SEED"
 ENV_KV = "KVSPARSE_VLLM_KV"
 # SALE's thresholds file for the prompts (store only: the plugin computes prompt attention then).
 ENV_SALE = "KVSPARSE_VLLM_SALE"
+# Finished requests whose sequences the worker keeps while vLLM's prefix cache still holds their
+# blocks, so that a later request starting after them (a chat's next turn) forks its prefix in
+# the store instead of reading it from vLLM's cache (BlockLedger); their tokens stay in the store
+# until then. vLLM's CPU build.
+ENV_KEEP_FINISHED = "KVSPARSE_VLLM_KEEP_FINISHED"
+KEEP_FINISHED_DEFAULT = 4
+
+
+def keep_finished() -> int:
+    text = os.environ.get(ENV_KEEP_FINISHED) or str(KEEP_FINISHED_DEFAULT)
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"{ENV_KEEP_FINISHED} must be a count of requests (0 keeps none), not {text!r}")
+    return n
 
 
 def store_only() -> bool:
@@ -270,38 +289,113 @@ class BlockLedger:
     a block reported as failed to load, and with prefix caching requests share the blocks of a
     common prefix (a system prompt): a failed request is named by a block of its own, its newest
     one not shared (a block being written, the newest, never is), so the requests sharing its
-    prefix keep decoding."""
+    prefix keep decoding.
 
-    def __init__(self) -> None:
+    With `keep` > 0, up to `keep` finished requests (the newest) stay as prefix holders: vLLM
+    keeps a finished request's blocks in its prefix cache until it hands them out again, so a
+    block a kept request holds still holds its tokens until vLLM allocates it afresh (`fresh`:
+    not a prefix-cache hit), which cuts that kept request's blocks there (and releases it where
+    none are left). Released requests are collected for the worker (`take_released`: their
+    sequences can go)."""
+
+    def __init__(self, keep: int = 0) -> None:
         self.blocks: dict[str, list[int]] = {}
         self.holders: Counter[int] = Counter()
+        self.keep = keep
+        self.kept: dict[str, list[int]] = {}  # finished holders, oldest first
+        self.kept_by_block: dict[int, set[str]] = {}
+        self.released: list[str] = []
 
-    def update(self, scheduler_output: Any) -> None:
-        gone = set(scheduler_output.finished_req_ids) | set(getattr(scheduler_output, "preempted_req_ids", None) or ())
-        for rid in gone:
+    def update(self, scheduler_output: Any, block_size: int) -> None:
+        """A step's scheduler output (the connector, every build): finished requests kept or
+        dropped, preempted ones dropped, the new blocks added (those past a new request's
+        prefix-cache hits, and every block of a resumed request, as fresh)."""
+        for rid in scheduler_output.finished_req_ids:
+            self.finish(rid)
+        for rid in getattr(scheduler_output, "preempted_req_ids", None) or ():
             self.drop(rid)
         for r in scheduler_output.scheduled_new_reqs:
             blocks = getattr(r, "block_ids", None)
             self.drop(r.req_id)
-            self._add(r.req_id, list(blocks[0]) if blocks and blocks[0] else [])
+            new = list(blocks[0]) if blocks and blocks[0] else []
+            self.fresh(new[r.num_computed_tokens // block_size:])
+            self._add(r.req_id, new)
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", None) or set()
         for rid, blocks in zip(cached.req_ids, getattr(cached, "new_block_ids", None) or ()):
             if rid in resumed:  # a resumed request's blocks are all new
                 self.drop(rid)
             if blocks and blocks[0]:
+                self.fresh(blocks[0])
                 self._add(rid, list(blocks[0]))
 
-    def replace(self, rid: str, blocks: Sequence[int]) -> None:
+    def replace(self, rid: str, blocks: Sequence[int], hits: int = 0) -> None:
         """A request's blocks, all of them (the worker side of vLLM's CPU build, which sees each
-        request's whole list every step). A list that grew by blocks at its end (a step's
-        usual case) adds only those: the cost is the step's new blocks, not the request's."""
+        request's whole list every step; `hits`: the blocks a new request starts after, from
+        vLLM's prefix cache). A list that grew by blocks at its end (a step's usual case) adds
+        only those: the cost is the step's new blocks, not the request's. Blocks past the hits
+        are fresh (all of a list that changed otherwise: a resumed request's)."""
         old = self.blocks.get(rid)
         if old and len(blocks) >= len(old) and blocks[0] == old[0] and blocks[len(old) - 1] == old[-1]:
+            self.fresh(blocks[len(old):])
             self._add(rid, list(blocks[len(old):]))
             return
         self.drop(rid)
+        self.fresh(blocks[hits:] if old is None else blocks)
         self._add(rid, list(blocks))
+
+    def finish(self, rid: str) -> bool:
+        """A request that finished: kept as a prefix holder (the oldest kept one released beyond
+        `keep`), or forgotten (False)."""
+        blocks = self.blocks.get(rid)
+        self.drop(rid)
+        if self.keep <= 0 or not blocks:
+            return False
+        self.kept[rid] = blocks
+        for b in blocks:
+            self.kept_by_block.setdefault(b, set()).add(rid)
+        while len(self.kept) > self.keep:
+            self.release(next(iter(self.kept)))
+        return True
+
+    def fresh(self, blocks: Sequence[int]) -> None:
+        """Blocks vLLM hands out afresh: a kept request holding one keeps only its blocks before
+        it (those still hold its tokens; a prefix-cache hit ending at one of them is still its
+        prefix), and is released where none are left. vLLM hands a finished request's last block,
+        which it does not cache unless full, out again first."""
+        for b in blocks:
+            for rid in list(self.kept_by_block.get(b, ())):
+                held = self.kept[rid]
+                cut = held.index(b)
+                for gone in held[cut:]:
+                    holders = self.kept_by_block.get(gone)
+                    if holders is not None:
+                        holders.discard(rid)
+                        if not holders:
+                            del self.kept_by_block[gone]
+                del held[cut:]
+                if not held:
+                    self.release(rid)
+
+    def release(self, rid: str) -> None:
+        """A kept request no longer held (its sequence can go: take_released)."""
+        if rid not in self.kept:
+            return
+        for b in self.kept.pop(rid):
+            holders = self.kept_by_block.get(b)
+            if holders is not None:
+                holders.discard(rid)
+                if not holders:
+                    del self.kept_by_block[b]
+        self.released.append(rid)
+
+    def release_all(self) -> None:
+        for rid in list(self.kept):
+            self.release(rid)
+
+    def take_released(self) -> list[str]:
+        out, self.released = self.released, []
+        return out
 
     def own_block(self, rid: str) -> int | None:
         """The request's newest block no other live request holds (its newest where every one is
@@ -317,16 +411,23 @@ class BlockLedger:
         `rid`): vLLM shares a cached block only between requests whose first tokens up to it are
         the same (its block hashes chain every block before them, with the LoRA, multimodal
         inputs and cache salt), so that request computed, or itself reused, those tokens, and
-        its kvsparse sequence can be forked instead of the prefix copied. None where `tokens` is
-        not a whole number of blocks or no other live request holds that block."""
+        its kvsparse sequence can be forked instead of the prefix copied; else a kept finished
+        request holding it there (not handed out afresh since, so its tokens are still those).
+        None where `tokens` is not a whole number of blocks or no request holds that block."""
+        return next(iter(self.prefix_holders(rid, blocks, tokens, block_size)), None)
+
+    def prefix_holders(self, rid: str, blocks: Sequence[int], tokens: int, block_size: int) -> list[str]:
+        """Every request prefix_holder could name, the live ones first (the worker forks the one
+        whose sequence holds the most of the prefix: a live one may be computing it in this very
+        step)."""
         if tokens <= 0 or tokens % block_size or len(blocks) < tokens // block_size:
-            return None
+            return []
         i = tokens // block_size - 1
         b = blocks[i]
-        if self.holders.get(b, 0) - (b in self.blocks.get(rid, ())) < 1:
-            return None
-        return next((other for other, held in self.blocks.items()
-                     if other != rid and len(held) > i and held[i] == b), None)
+        found = []
+        if self.holders.get(b, 0) - (b in self.blocks.get(rid, ())) >= 1:
+            found = [other for other, held in self.blocks.items() if other != rid and len(held) > i and held[i] == b]
+        return found + [k for k in self.kept_by_block.get(b, ()) if len(self.kept[k]) > i and self.kept[k][i] == b]
 
     def _add(self, rid: str, blocks: list[int]) -> None:
         self.blocks.setdefault(rid, []).extend(blocks)
@@ -429,13 +530,17 @@ class Worker:
     # Requests kvsparse failed (request id -> reason) and each live request's KV blocks in vLLM's
     # cache (the connector names a failed request to vLLM's scheduler by a block of its own).
     failed: dict[str, str] = field(default_factory=dict)
-    blocks: BlockLedger = field(default_factory=BlockLedger)
+    # Finished requests are kept as prefix holders (KVSPARSE_VLLM_KEEP_FINISHED), their sequences
+    # with them, until the ledger releases them.
+    blocks: BlockLedger = field(default_factory=lambda: BlockLedger(keep=keep_finished()))
     # Prompt tokens read from vLLM's paged cache into sequences: prefixes vLLM reused from its
     # prefix cache (kvsparse.vllm.backend).
     prefix_imports: int = 0
-    # Prompt tokens of such prefixes shared in the store instead, forked from the live request
-    # that holds them (BlockLedger.prefix_holder).
+    # Prompt tokens of such prefixes shared in the store instead, forked from the request that
+    # holds them (BlockLedger.prefix_holders).
     prefix_forks: int = 0
+    # Of those, the tokens forked from finished requests kept as holders (KVSPARSE_VLLM_KEEP_FINISHED).
+    prefix_forks_finished: int = 0
     # Rows of steps that mixed decode and prompt rows left out of vLLM's attention (the decode rows,
     # kvsparse's), over the layers (kvsparse.vllm.backend).
     vllm_rows_skipped: int = 0
@@ -475,27 +580,33 @@ class Worker:
     def default_method(self) -> Method:
         return parse_method(os.environ[ENV_METHOD])
 
-    def on_step(self, req_ids: list[str], finished: set[str], requests: dict[str, Any]) -> None:
+    def on_step(self, req_ids: list[str], finished: set[str], requests: dict[str, Any], block_size: int) -> None:
         with self._lock:
             self.batch = req_ids
             self.step += 1
             for rid in finished:
-                self.drop(rid)
+                # Kept as a prefix holder with its sequence (BlockLedger.finish), or dropped.
+                if rid in self.failed or rid not in self.sequences or not self.blocks.finish(rid):
+                    self.drop(rid)
+                    self.blocks.drop(rid)
                 self.methods.pop(rid, None)
                 self.failed.pop(rid, None)
-                self.blocks.drop(rid)
             for rid in [r for r in self.blocks.blocks if r not in requests]:  # preempted
                 self.blocks.drop(rid)
             for rid in req_ids:
-                blocks = getattr(requests.get(rid), "block_ids", None)
+                request = requests.get(rid)
+                blocks = getattr(request, "block_ids", None)
                 if blocks and blocks[0]:
-                    self.blocks.replace(rid, blocks[0])
+                    hits = getattr(request, "num_computed_tokens", 0) // block_size
+                    self.blocks.replace(rid, blocks[0], hits)
                 if rid not in self.methods:
                     try:
                         self.methods[rid] = self._method_of(requests.get(rid))
                     except ValueError as e:  # a method text that does not parse: this request fails
                         self.methods[rid] = self.default_method()
                         self.fail([rid], e)
+            for rid in self.blocks.take_released():
+                self.drop(rid)
 
     def fail(self, rids: list[str], error: Exception) -> None:
         """Requests kvsparse could not serve (the server unreachable, a sequence lost, a method
@@ -510,6 +621,13 @@ class Worker:
                 LOG.warning("kvsparse: failing request %s: %s", rid, error)
                 self.failed[rid] = str(error)
             self.sequences.pop(rid, None)
+        if getattr(error, "code", None) == grpc.StatusCode.RESOURCE_EXHAUSTED and self.blocks.kept:
+            # The store is full: the finished requests kept for their prefixes go first.
+            LOG.warning("kvsparse: the store is full: releasing %d finished requests' sequences kept for "
+                        "their prefixes", len(self.blocks.kept))
+            self.blocks.release_all()
+            for rid in self.blocks.take_released():
+                self.drop(rid)
 
     def failed_blocks(self) -> set[int]:
         """A KV block of its own (BlockLedger) of every failed request vLLM still runs: what the
@@ -536,16 +654,18 @@ class Worker:
     def fork_prefix(self, rid: str, shape: ModelShape, blocks: Sequence[int], tokens: int,
                     block_size: int) -> RequestSequence | None:
         """The sequence of a request vLLM starts after `tokens` tokens it reused from its prefix
-        cache, forked from the live request that holds them (BlockLedger.prefix_holder): as many
-        of them as that request's sequence holds in every layer (it may be computing the last
-        ones in this very step: vLLM hands out a block as soon as it schedules it; the caller
-        reads the rest from vLLM's cache). None where there is none or the fork is refused (the
-        caller reads the whole prefix from vLLM's cache)."""
-        holder = self.blocks.prefix_holder(rid, blocks, tokens, block_size)
-        source = self.sequences.get(holder) if holder is not None and holder not in self.failed else None
-        n = source.held(tokens) if source is not None else 0
+        cache, forked from the request that holds them (BlockLedger.prefix_holders: live ones,
+        then finished ones kept) whose sequence holds the most of them in every layer (a live
+        one may be computing the last ones in this very step: vLLM hands out a block as soon as
+        it schedules it; the caller reads the rest from vLLM's cache). None where there is none
+        or the fork is refused (the caller reads the whole prefix from vLLM's cache)."""
+        held = {h: self.sequences[h].held(tokens) for h in self.blocks.prefix_holders(rid, blocks, tokens, block_size)
+                if h in self.sequences and h not in self.failed}
+        holder = max(held, key=held.__getitem__, default=None)  # the first of equals: a live one
+        n = held[holder] if holder is not None else 0
         if n == 0:
             return None
+        source = self.sequences[holder]
         method = self.methods.get(rid) or self.default_method()
         try:
             seq = RequestSequence.fork(self.transport().fork, source, n, method, shape)
@@ -556,6 +676,8 @@ class Worker:
         self.drop(rid)  # an empty sequence made for it before
         self.sequences[rid] = seq
         self.prefix_forks += n
+        if holder in self.blocks.kept:
+            self.prefix_forks_finished += n
         return seq
 
     def restart(self, rid: str, shape: ModelShape) -> RequestSequence:
