@@ -232,7 +232,7 @@ def test_prefix_caching_reads_the_reused_prefix_from_vllms_cache(model: str, ser
     # PROMPTS extend each other, and the second generation in the same engine asks for them again:
     # vLLM starts those requests after blocks of its prefix cache, which the plugin reads from
     # vLLM's cache (vLLM's CPU layout) into the requests' new sequences (no finished request
-    # kept as a holder here: KVSPARSE_VLLM_KEEP_FINISHED=0). Dense gives vLLM's own tokens with
+    # kept as a holder: KVSPARSE_VLLM_KEEP_FINISHED=0). Dense gives vLLM's own tokens with
     # prefix caching on, in both generations; a sparse method generates after a reused prefix too.
     cached = dict(prefix_caching=True, then_methods=[[None] * len(PROMPTS)], keep=0)
     own = generate(model, None, **cached)
@@ -272,13 +272,14 @@ def test_a_finished_request_kept_as_a_holder_gives_its_prefix_to_the_next(model:
                                                                           server: kvsparse.LocalServer) -> None:
     # The second generation asks for the same prompts after every request of the first finished:
     # each starts after blocks of vLLM's prefix cache whose holder finished. Kept as holders
-    # (KVSPARSE_VLLM_KEEP_FINISHED, 4 by default: every prompt's), their sequences are forked in
-    # the store instead of the prefix being read from vLLM's cache; with none kept it is read.
-    # Dense gives vLLM's own tokens both ways; the store is empty after the engine stops.
+    # (KVSPARSE_VLLM_KEEP_FINISHED=4: every prompt's; 4 is the default in process, 0 with a
+    # kvsparse-server store), their sequences are forked in the store instead of the prefix being
+    # read from vLLM's cache; with none kept it is read. Dense gives vLLM's own tokens both ways;
+    # the store is empty after the engine stops.
     cached = dict(prefix_caching=True, then_methods=[[None] * len(PROMPTS)])
     own = generate(model, None, **cached)
     assert "error" not in own, own["error"]
-    kept = generate(model, server.target, "dense", **cached)
+    kept = generate(model, server.target, "dense", keep=4, **cached)
     assert "error" not in kept, kept["error"]
     read = generate(model, server.target, "dense", keep=0, **cached)
     assert "error" not in read, read["error"]
@@ -287,6 +288,33 @@ def test_a_finished_request_kept_as_a_holder_gives_its_prefix_to_the_next(model:
     assert kept["prefix_forks"] > read["prefix_forks"], (kept, read)
     assert kept["prefix_imports"] < read["prefix_imports"], (kept, read)
     store_is_empty(server.target)
+
+
+def test_a_full_store_releases_the_finished_requests_kept_as_holders(server: kvsparse.LocalServer) -> None:
+    # A request failed because the store is full (RESOURCE_EXHAUSTED): the finished requests'
+    # sequences kept for their prefixes are dropped from the store, so that later requests find
+    # the room; other failures keep them.
+    import grpc
+    from kvsparse.errors import KvSparseError
+    from kvsparse.methods import Dense, ModelShape
+    from kvsparse.torch.transport import make_transport
+    from kvsparse.vllm.plugin import BlockLedger, RequestSequence, Worker
+
+    worker = Worker(connector=True, blocks=BlockLedger(keep=2))
+    worker._transport = make_transport(server.target, timeout=10.0, stream=False)
+    shape = ModelShape(2, 4, 2, 32, "fp32")
+    try:
+        for rid, blocks in (("a", [1, 2]), ("b", [3])):
+            worker.sequences[rid] = RequestSequence.create(worker.transport().create, Dense(), shape)
+            worker.blocks.replace(rid, blocks)
+            assert worker.blocks.finish(rid)
+        worker.fail(["c"], KvSparseError("the server refused it", grpc.StatusCode.INVALID_ARGUMENT))
+        assert list(worker.blocks.kept) == ["a", "b"] and len(worker.sequences) == 2
+        worker.fail(["d"], KvSparseError("the store is full", grpc.StatusCode.RESOURCE_EXHAUSTED))
+        assert not worker.blocks.kept and not worker.sequences and set(worker.failed) == {"c", "d"}
+        store_is_empty(server.target)
+    finally:
+        worker.close()
 
 
 def test_a_prefix_its_holder_computes_in_the_same_step_is_forked_as_far_as_held(

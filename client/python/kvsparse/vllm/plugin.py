@@ -93,13 +93,16 @@ ENV_SALE = "KVSPARSE_VLLM_SALE"
 # Finished requests whose sequences the worker keeps while vLLM's prefix cache still holds their
 # blocks, so that a later request starting after them (a chat's next turn) forks its prefix in
 # the store instead of reading it from vLLM's cache (BlockLedger); their tokens stay in the store
-# until then. vLLM's CPU build.
+# until then. vLLM's CPU build. By default only with the store in the worker (inprocess): a
+# kvsparse-server's store outlives a vLLM process that is killed (vLLM's OpenAI server stops its
+# engine so), and kept sequences would stay there.
 ENV_KEEP_FINISHED = "KVSPARSE_VLLM_KEEP_FINISHED"
 KEEP_FINISHED_DEFAULT = 4
 
 
 def keep_finished() -> int:
-    text = os.environ.get(ENV_KEEP_FINISHED) or str(KEEP_FINISHED_DEFAULT)
+    default = KEEP_FINISHED_DEFAULT if os.environ.get(ENV_TARGET) == "inprocess" else 0
+    text = os.environ.get(ENV_KEEP_FINISHED) or str(default)
     try:
         n = int(text)
     except ValueError:
