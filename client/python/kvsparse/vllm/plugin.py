@@ -370,12 +370,7 @@ class BlockLedger:
             for rid in list(self.kept_by_block.get(b, ())):
                 held = self.kept[rid]
                 cut = held.index(b)
-                for gone in held[cut:]:
-                    holders = self.kept_by_block.get(gone)
-                    if holders is not None:
-                        holders.discard(rid)
-                        if not holders:
-                            del self.kept_by_block[gone]
+                self._unindex(rid, held[cut:])
                 del held[cut:]
                 if not held:
                     self.release(rid)
@@ -384,13 +379,17 @@ class BlockLedger:
         """A kept request no longer held (its sequence can go: take_released)."""
         if rid not in self.kept:
             return
-        for b in self.kept.pop(rid):
+        self._unindex(rid, self.kept.pop(rid))
+        self.released.append(rid)
+
+    def _unindex(self, rid: str, blocks: Sequence[int]) -> None:
+        """Kept request `rid` no longer holds `blocks` (kept_by_block)."""
+        for b in blocks:
             holders = self.kept_by_block.get(b)
             if holders is not None:
                 holders.discard(rid)
                 if not holders:
                     del self.kept_by_block[b]
-        self.released.append(rid)
 
     def release_all(self) -> None:
         for rid in list(self.kept):
@@ -604,12 +603,11 @@ class Worker:
                     self.blocks.replace(rid, blocks[0], hits)
                 if rid not in self.methods:
                     try:
-                        self.methods[rid] = self._method_of(requests.get(rid))
+                        self.methods[rid] = self._method_of(request)
                     except ValueError as e:  # a method text that does not parse: this request fails
                         self.methods[rid] = self.default_method()
                         self.fail([rid], e)
-            for rid in self.blocks.take_released():
-                self.drop(rid)
+            self._drop_released()
 
     def fail(self, rids: list[str], error: Exception) -> None:
         """Requests kvsparse could not serve (the server unreachable, a sequence lost, a method
@@ -629,8 +627,12 @@ class Worker:
             LOG.warning("kvsparse: the store is full: releasing %d finished requests' sequences kept for "
                         "their prefixes", len(self.blocks.kept))
             self.blocks.release_all()
-            for rid in self.blocks.take_released():
-                self.drop(rid)
+            self._drop_released()
+
+    def _drop_released(self) -> None:
+        """The sequences of the finished requests the ledger no longer keeps, out of the store."""
+        for rid in self.blocks.take_released():
+            self.drop(rid)
 
     def failed_blocks(self) -> set[int]:
         """A KV block of its own (BlockLedger) of every failed request vLLM still runs: what the
