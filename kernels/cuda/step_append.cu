@@ -5,7 +5,7 @@
 namespace kvsparse::kernels::cuda {
 namespace {
 
-constexpr int kThreads = 64;
+constexpr int kThreads = 128;
 
 // Whether sequence b's position is one a step may write.
 __device__ __forceinline__ bool Writable(const StepAppendParams& p, int32_t b, int64_t pos) {
@@ -13,54 +13,48 @@ __device__ __forceinline__ bool Writable(const StepAppendParams& p, int32_t b, i
   return pos >= p.floor[b] && pos == p.top[b] && pos < limit;
 }
 
-// One block per (sequence, kv head); a block's threads copy the K and V rows 16 bytes at a time.
-__global__ void __launch_bounds__(kThreads) StepAppendKernel(StepAppendParams p) {
-  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
-  const int32_t i = blockIdx.x;
-  const int32_t b = i / p.num_kv_heads;
-  const int64_t pos = p.positions[b];
-  if (!Writable(p, b, pos)) return;
-  const int chunks = p.row_bytes / 16;
-  const size_t src_off = static_cast<size_t>(i) * p.row_bytes;
-  const auto* k_src = reinterpret_cast<const uint4*>(static_cast<const char*>(p.new_k) + src_off);
-  const auto* v_src = reinterpret_cast<const uint4*>(static_cast<const char*>(p.new_v) + src_off);
+// Chunk c (16 bytes) of row i's (i = b * Hkv + j) K and V of token pos, to where they are kept.
+__device__ __forceinline__ void CopyChunk(const StepAppendParams& p, int32_t i, int64_t pos,
+                                          int c) {
+  const size_t off = static_cast<size_t>(i) * p.row_bytes + static_cast<size_t>(c) * 16;
+  const uint4 k = *reinterpret_cast<const uint4*>(static_cast<const char*>(p.new_k) + off);
+  const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const char*>(p.new_v) + off);
   const void* const* lane = p.pages.tables[i];
   char* slot = static_cast<char*>(const_cast<void*>(lane[pos >> p.pages.page_shift])) +
                (pos & ((int64_t{1} << p.pages.page_shift) - 1)) * p.pages.slot_bytes;
-  auto* k_slot = reinterpret_cast<uint4*>(slot);
-  auto* v_slot = reinterpret_cast<uint4*>(slot + p.row_bytes);
-  uint4* k_dev =
-      p.k_heads == nullptr
-          ? nullptr
-          : reinterpret_cast<uint4*>(static_cast<char*>(p.k_heads[i]) + pos * p.row_bytes);
-  uint4* v_dev =
-      p.v_heads == nullptr
-          ? nullptr
-          : reinterpret_cast<uint4*>(static_cast<char*>(p.v_heads[i]) + pos * p.row_bytes);
-  if (p.new_sigs != nullptr && static_cast<int>(threadIdx.x) < p.sig_words) {
-    p.sig_heads[i][pos * p.sig_words + threadIdx.x] =
-        p.new_sigs[static_cast<size_t>(i) * p.sig_words + threadIdx.x];
-  }
-#pragma unroll 1
-  for (int c = threadIdx.x; c < chunks; c += kThreads) {
-    const uint4 k = k_src[c], v = v_src[c];
-    k_slot[c] = k;
-    v_slot[c] = v;
-    if (k_dev != nullptr) k_dev[c] = k;
-    if (v_dev != nullptr) v_dev[c] = v;
-  }
+  reinterpret_cast<uint4*>(slot)[c] = k;
+  reinterpret_cast<uint4*>(slot + p.row_bytes)[c] = v;
+  const int64_t row = pos * p.row_bytes;
+  if (p.k_heads != nullptr) reinterpret_cast<uint4*>(static_cast<char*>(p.k_heads[i]) + row)[c] = k;
+  if (p.v_heads != nullptr) reinterpret_cast<uint4*>(static_cast<char*>(p.v_heads[i]) + row)[c] = v;
 }
 
-// Per sequence, after every block read the old tops (blocks have no order, so a second kernel):
-// the step's length, seed and top, or length 0 and the error word.
-__global__ void StepLengthsKernel(StepAppendParams p) {
+// One block per sequence: its kv heads' rows, then (after every thread read the old top) the
+// step's length, seed and top, or length 0 and the error word. Block 0 also sets the progress
+// word and clears the caller's counters.
+__global__ void StepAppendKernel(StepAppendParams p) {
   GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
-  const int32_t b = blockIdx.x * blockDim.x + threadIdx.x;
-  if (b == 0 && p.progress != nullptr) *p.progress = p.layer;
-  for (int32_t x = b; x < p.zero_words; x += gridDim.x * blockDim.x) p.zero[x] = 0;
-  if (b >= p.batch) return;
+  const int32_t b = blockIdx.x;
+  if (b == 0 && threadIdx.x == 0 && p.progress != nullptr) *p.progress = p.layer;
+  for (int32_t x = b * kThreads + threadIdx.x; x < p.zero_words; x += gridDim.x * kThreads) {
+    p.zero[x] = 0;
+  }
   const int64_t pos = p.positions[b];
   const bool ok = Writable(p, b, pos);
+  if (ok) {  // every kv head's chunks side by side, then the signature words
+    const int chunks = p.row_bytes / 16;
+    for (int x = threadIdx.x; x < p.num_kv_heads * chunks; x += kThreads) {
+      CopyChunk(p, b * p.num_kv_heads + x / chunks, pos, x % chunks);
+    }
+    for (int x = threadIdx.x; p.new_sigs != nullptr && x < p.num_kv_heads * p.sig_words;
+         x += kThreads) {
+      const int32_t i = b * p.num_kv_heads + x / p.sig_words;
+      p.sig_heads[i][pos * p.sig_words + x % p.sig_words] =
+          p.new_sigs[static_cast<size_t>(i) * p.sig_words + x % p.sig_words];
+    }
+  }
+  __syncthreads();  // every thread has read top before it moves
+  if (threadIdx.x != 0) return;
   p.seq_lens[b] = ok ? static_cast<int32_t>(pos + 1) : 0;
   if (p.seeds != nullptr) {
     p.seeds[b] =
@@ -82,13 +76,10 @@ cudaError_t StepAppend(const StepAppendParams& p, cudaStream_t stream) {
       p.max_tokens <= 0 || p.max_tokens > (int64_t{1} << 30) ||
       p.pages.slot_bytes < 2 * p.row_bytes || p.zero_words < 0 ||
       (p.zero_words > 0 && p.zero == nullptr) ||
-      (p.new_sigs != nullptr &&
-       (p.sig_heads == nullptr || p.sig_words <= 0 || p.sig_words > kThreads))) {
+      (p.new_sigs != nullptr && (p.sig_heads == nullptr || p.sig_words <= 0))) {
     return cudaErrorInvalidValue;
   }
-  KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&StepAppendKernel, dim3(p.batch * p.num_kv_heads),
-                                                dim3(kThreads), 0, stream, p));
-  return LaunchDependent(&StepLengthsKernel, dim3((p.batch + 127) / 128), dim3(128), 0, stream, p);
+  return LaunchDependent(&StepAppendKernel, dim3(p.batch), dim3(kThreads), 0, stream, p);
 }
 
 }  // namespace kvsparse::kernels::cuda

@@ -54,7 +54,7 @@ struct StepAppendParams {
   int32_t* seq_lens = nullptr;
   uint64_t* seeds = nullptr;  // may be null
   uint64_t seed = 0;
-  // Optional device word set to `layer` once the lengths are written: where a side stream's
+  // Optional device word set to `layer` as the step's launch begins: where a side stream's
   // WarmPagedRows of this layer stops (its stop word).
   int32_t* progress = nullptr;
   int32_t layer = 0;
