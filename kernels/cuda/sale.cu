@@ -1,35 +1,23 @@
+// SALE's selection and computation passes (kernels/cuda/sale.h): the quantization kernels, the
+// mma.sync kernels and the public launchers. The warpgroup-MMA kernels of sm_90a builds are in
+// sale_wg.cu, which the launchers dispatch to; what both files share is in sale_common.cuh.
 #include <algorithm>
 #include <climits>
 #include <cmath>
 
 #include "kernels/cuda/common.cuh"
-#include "kernels/cuda/hopper.cuh"
 #include "kernels/cuda/sale.h"
+#include "kernels/cuda/sale_common.cuh"
 
 namespace kvsparse::kernels::cuda {
+namespace sale_internal {
 namespace {
 
-constexpr int kSelectThreads = 256;
-constexpr int kSelectWarps = kSelectThreads / 32;
-constexpr int kMaxBlock = 64;  // block_q and block_k
 constexpr int kMaxHeadDim = 256;
 
 int32_t Blocks(int32_t n, int32_t b) { return (n + b - 1) / b; }
 
-// The quantized operands in the workspace.
 constexpr int32_t kMeanChunk = 512;  // tokens per partial sum of the key mean
-
-struct Operands {
-  double* mean_part = nullptr;  // [Hkv, mean chunks, d]: the key mean's partial sums
-  float* mean = nullptr;        // [Hkv, d]
-  float* k_scale = nullptr;     // [Hkv, k_blocks]
-  float* q_scale = nullptr;     // [H, n]
-  float* q_mean = nullptr;      // [H, n]: q_r . mean of its kv head
-  float* thr = nullptr;         // [H, n]: each row's threshold m_r + ln(tau l_r)
-  int8_t* k = nullptr;          // [Hkv, n, d], smoothed
-  int8_t* q = nullptr;          // [H, n, d]
-  size_t bytes = 0;
-};
 
 Operands Carve(const SaleSelectParams& p, void* base) {
   const SalePrefill& pr = p.prompt;
@@ -227,35 +215,6 @@ __global__ void __launch_bounds__(kQuantWarps * 32)
   q_mean[row0 + lane] = acc;
 }
 
-struct SelectGeometry {
-  int32_t n, d, group, bq, bk, sink_blocks, local_blocks, k_blocks, score_cap;
-  float scale;
-  // SelectKernel (fp32) or ThresholdsKernel (bf16 / fp16) writes the thresholds; MiddleKernel
-  // or MiddleKernelWg estimates the middle blocks.
-  bool middle_apart;
-};
-
-// The key blocks of query block i that the exact regions cover: [0, sink_end) and
-// [local_first, last] (the reference's RegionsOf).
-struct Regions {
-  int32_t sink_end, local_first, last;
-};
-__device__ __forceinline__ Regions RegionsOf(const SelectGeometry& g, int32_t i) {
-  const int32_t row_end = min(g.n, (i + 1) * g.bq);
-  Regions r;
-  r.last = (row_end - 1) / g.bk;
-  r.local_first = max(0, r.last + 1 - g.local_blocks);
-  r.sink_end = min(g.sink_blocks, r.last + 1);
-  return r;
-}
-
-// A row's threshold m + ln(tau l) over its exact regions (maximum m, sum l of exp(s - m)), in
-// double as the reference; -inf at tau 0 (every middle block then taken).
-__device__ __forceinline__ float RowThreshold(float m, double l, float tau) {
-  return tau > 0.f ? static_cast<float>(static_cast<double>(m) + log(static_cast<double>(tau) * l))
-                   : kNegInf;
-}
-
 // Step 1 for one row (one warp): m_r and the threshold m_r + ln(tau l_r) over the exact
 // regions' keys c <= r, the scores sequential fp32 dot products (no fused multiply-adds).
 template <typename T>
@@ -301,23 +260,8 @@ __device__ void ExactRowThreshold(const SelectGeometry& g, const Regions& rg, co
 // scale), written as partials pm / pl [2][kMaxBlock] for the kernel to merge. The sums run in
 // another order than the reference's sequential dots: a threshold may move by an ulp. Every
 // thread of the block calls it (the staging is shared).
-constexpr int kExactTiles = kMaxBlock / 16;  // a warp's 8-key tiles per block, at most
-
 size_t ExactStageBytes(const SelectGeometry& g) {
   return 2 * static_cast<size_t>(g.bk) * (g.d + 8) * sizeof(uint16_t);
-}
-
-// The exact regions' key blocks of a query block in the order the thresholds kernels walk them
-// (the reference's): [0, sink_end), then [max(local_first, sink_end), last].
-struct ExactBlocks {
-  int32_t sink_end, b_first, count;
-  __device__ __forceinline__ int32_t operator[](int32_t x) const {
-    return x < sink_end ? x : b_first + (x - sink_end);
-  }
-};
-__device__ __forceinline__ ExactBlocks ExactBlocksOf(const Regions& rg) {
-  const int32_t b_first = max(rg.local_first, rg.sink_end);
-  return {rg.sink_end, b_first, rg.sink_end + (rg.last + 1 - b_first)};
 }
 
 // Copies key block blk (bk rows of d halves from kh, one kv head's keys; rows past the prompt
@@ -330,78 +274,6 @@ __device__ __forceinline__ void StageKeyBlock(const SelectGeometry& g, const uin
     const bool in = c0 + r < g.n;
     CpAsync16(dst + r * stride + c, kh + static_cast<int64_t>(in ? c0 + r : 0) * d + c, in);
   }
-}
-
-// The maxima of a thread's two row values (mma.m16n8's C layout: rows lane / 4 and + 8) over the
-// lane quad that holds the rows' other keys.
-__device__ __forceinline__ void QuadMax(float& a, float& b) {
-#pragma unroll
-  for (int off = 1; off <= 2; off *= 2) {
-    a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, off));
-    b = fmaxf(b, __shfl_xor_sync(0xffffffffu, b, off));
-  }
-}
-
-// The running maximum and sum (fp32, natural units) of a warp's two rows of a 16-row tile: rows
-// ra and rb = ra + 8 of the thread (lane / 4 and + 8), reduced over the lane quad's keys.
-struct ExactRows {
-  float ma = kNegInf, mb = kNegInf, la = 0.f, lb = 0.f;
-};
-
-// Folds one key block's raw scores into `st`: acc[t] is 8-key tile t's m16n8 accumulator (the
-// thread's keys key0 + t * tile_stride + 2 (lane % 4) (+1) of rows row_a and row_b), the first
-// `tiles` of them in the block; each score scaled, masked past the row (causal) and the prompt.
-__device__ __forceinline__ void FoldExactTiles(const SelectGeometry& g,
-                                               float (&acc)[kExactTiles][4], int tiles,
-                                               int32_t key0, int tile_stride, int32_t row_a,
-                                               int32_t row_b, ExactRows& st) {
-  const int tq = threadIdx.x & 3;
-  float ta = kNegInf, tb = kNegInf;
-#pragma unroll
-  for (int t = 0; t < kExactTiles; ++t) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int32_t c = key0 + t * tile_stride + 2 * tq + (e & 1);
-      const int32_t r = e < 2 ? row_a : row_b;
-      acc[t][e] = t < tiles && c <= r && c < g.n ? __fmul_rn(g.scale, acc[t][e]) : kNegInf;
-    }
-    ta = fmaxf(ta, fmaxf(acc[t][0], acc[t][1]));
-    tb = fmaxf(tb, fmaxf(acc[t][2], acc[t][3]));
-  }
-  QuadMax(ta, tb);
-  const float na = fmaxf(st.ma, ta), nb = fmaxf(st.mb, tb);
-  if (na != kNegInf) {
-    st.la *= expf(st.ma - na);
-#pragma unroll
-    for (int t = 0; t < kExactTiles; ++t) st.la += expf(acc[t][0] - na) + expf(acc[t][1] - na);
-    st.ma = na;
-  }
-  if (nb != kNegInf) {
-    st.lb *= expf(st.mb - nb);
-#pragma unroll
-    for (int t = 0; t < kExactTiles; ++t) st.lb += expf(acc[t][2] - nb) + expf(acc[t][3] - nb);
-    st.mb = nb;
-  }
-}
-
-// The sums of `st` over the lane quad (each lane summed its own keys).
-__device__ __forceinline__ void SumExactRows(ExactRows& st) {
-#pragma unroll
-  for (int off = 1; off <= 2; off *= 2) {
-    st.la += __shfl_xor_sync(0xffffffffu, st.la, off);
-    st.lb += __shfl_xor_sync(0xffffffffu, st.lb, off);
-  }
-}
-
-// The thresholds m + ln(tau l) (in double, as the reference; -inf at tau 0) of a thread's rows
-// ra and ra + 8 of a query block (`thr` its first row's), from `st` summed over the lane quad;
-// rows past `rows` (the prompt's end) are not written.
-__device__ __forceinline__ void StoreRowThresholds(float tau, float* thr, int32_t rows, int ra,
-                                                   ExactRows st) {
-  SumExactRows(st);
-  if ((threadIdx.x & 3) != 0) return;
-  if (ra < rows) thr[ra] = RowThreshold(st.ma, st.la, tau);
-  if (ra + 8 < rows) thr[ra + 8] = RowThreshold(st.mb, st.lb, tau);
 }
 
 template <typename T>
@@ -477,24 +349,17 @@ __device__ void ExactPartialsMma(const SelectGeometry& g, const Regions& rg, con
 // once in shared memory for the eight warps (cp.async, kMidStages deep), so the keys are read
 // from L2 once per 8 pairs instead of once per warp; B fragments by ldmatrix; each warp's A (its
 // query block's int8 rows) stays in registers, its rows' scales, mean terms and thresholds in
-// shared memory. Builds for sm_90a run head_dim 128 on MiddleKernelWg (Hopper's warpgroup MMA)
-// instead; this kernel keeps head_dim 64 and builds for other archs. The test is applied to each
-// row's largest integer sum in the block: S~ >= threshold is monotone in the sum (every step a
-// correctly rounded product or sum with non-negative factors, a = q_scale k_scale >= 0, scale > 0),
-// so a row passes somewhere in the block if and only if it passes at its largest sum; the
-// arithmetic is the general loop's, so the mask is the same.
-constexpr int kFastKs = 4;               // 32-dim steps: head_dim 128 (64: 2 of them)
-constexpr int kFastKt = 4;               // 8-key tiles: block_k 32
+// shared memory. Builds for sm_90a run head_dim 128 on MiddleKernelWg (sale_wg.cu, Hopper's
+// warpgroup MMA) instead; this kernel keeps head_dim 64 and builds for other archs. The test is
+// applied to each row's largest integer sum in the block: S~ >= threshold is monotone in the sum
+// (every step a correctly rounded product or sum with non-negative factors, a = q_scale k_scale
+// >= 0, scale > 0), so a row passes somewhere in the block if and only if it passes at its largest
+// sum; the arithmetic is the general loop's, so the mask is the same.
 constexpr int kFastRt = kMaxBlock / 16;  // 16-row tiles of the query block
 constexpr int kMidStages = 4;            // key blocks in flight per CTA
 // Bytes per staged key: 16 past the key, so the 8 rows of an ldmatrix tile fall in distinct banks.
 constexpr int kKeyPitch = 32 * kFastKs + 16;
 constexpr int kStageBytes = 8 * kFastKt * kKeyPitch;
-
-struct MiddleTile {
-  int head_tile;  // query heads per CTA, a power of two dividing both the group and 8
-  int q_blocks;   // query blocks of the prompt
-};
 
 // A warp's query block: its A fragments in registers; in shared memory (thr, qs, qm:
 // [kMaxBlock] each, the warp's own) the rows' thresholds, query scales and mean terms. Rows past
@@ -636,245 +501,6 @@ __global__ void __launch_bounds__(kSelectThreads, KS == 4 ? 2 : 1)
   }
 }
 
-#if defined(KVSPARSE_CUDA_SM90A)
-// ---- The middle blocks on Hopper's warpgroup MMA (sm_90a builds, head_dim 128, block_k 32) ----
-// The same CTA tiles as MiddleKernel (8 (head, query block) pairs of one kv head, the key blocks
-// [lo, hi) walked once) with the loads apart from the arithmetic, two key blocks a step: thread
-// 0 copies each pair of key blocks (64 keys of 128 bytes, 8 KB, which QuantizeKeysKernel stores
-// already in the 128-byte swizzle) into a ring of kWgStages buffers with one bulk copy that
-// completes on the buffer's "full" barrier; four warpgroups (two (head, query block) pairs each)
-// wait on it, run four wgmma.m64n64k32 per pair (A: the first pair's 64 int8 query rows in
-// registers, the second's in shared memory, so that both pairs' two-block sums fit in 128
-// registers without spilling), release the buffer on its "empty" barrier and test each row's
-// largest sum in each of the two blocks, first by a three-instruction screen, exactly only where
-// the screen lets a row through. No CTA-wide barrier per step: the warpgroups drift apart by up
-// to a few steps, one's tests running while another's MMAs do. Measured on an H200 at 64k
-// (docs/PERF.md, "SALE on an H200: two key blocks a step, thresholds per kv head"): 14.2 ms
-// against 16.4 for one block a step (m64n32k32: a barrier wait, an MMA wait and a release per
-// block), the same as both pairs' A in registers with 80 bytes spilled; a ring of 16 or 32
-// single blocks, the refill 4 or 8 steps behind, one vote per step for both pairs, or the screens
-// in shared memory were each no faster or slower.
-constexpr int kWgConsumers = 4;  // warpgroups (measured best of 2, 4 and 8 for the 8 pairs)
-constexpr int kWgPairs = kSelectWarps / kWgConsumers;  // pairs per warpgroup
-constexpr int kWgThreads = kWgConsumers * 128;
-constexpr int kWgStages = 8;                              // steps (block pairs) in flight
-constexpr int kWgKeyBytes = 128;                          // head_dim 128, int8
-constexpr int kWgBlockBytes = 8 * kFastKt * kWgKeyBytes;  // one 32-key block
-constexpr int kWgStepBytes = 2 * kWgBlockBytes;           // the two blocks of a step
-constexpr int kWgTileBytes = 64 * kWgKeyBytes;            // a pair's 64 int8 query rows
-constexpr int kWgAlign = 1024;                            // the 128-byte swizzle's atom
-constexpr size_t kMiddleWgSmem =
-    kWgStages * kWgStepBytes + kWgConsumers * kWgTileBytes + kWgAlign;  // dynamic, MiddleKernelWg
-
-// One pair as a consumer thread holds it through the walk: the A fragments of its rows
-// 16 (warp % 4) + lane / 4 and + 8 (or none: its rows in shared memory), their screens
-// (kernels/sale.h's SaleScreen) and its steps [xb, xe) of the CTA's walk (in blocks). Its warp's 16
-// rows' thresholds, query scales and mean terms stay in shared memory (`vals`, [3][16]: the warp's
-// own for the pair) and its mask row is found again (WgPairMaskRow): only the rare exact test needs
-// them, and registers are what bounds this kernel (two blocks' sums of two pairs take 64 of its
-// 128).
-struct WgPairRows {
-  uint32_t qa[kFastKs][4];
-  SaleScreen screen[2];
-  int32_t xb, xe;
-};
-
-// The query head of the CTA's pair p (p = kWgPairs (warp / 4) + the warpgroup's pair; its query
-// block is i0 + p / head_tile).
-__device__ __forceinline__ int WgPairHead(const MiddleTile& mt, int p) {
-  return blockIdx.y * mt.head_tile + p % mt.head_tile;
-}
-
-// Its mask row at block lo (a live pair's: one whose query block is in the prompt).
-__device__ __forceinline__ uint8_t* WgPairMaskRow(const SelectGeometry& g, const MiddleTile& mt,
-                                                  uint8_t* mask, int p, int32_t i0, int32_t lo) {
-  const int32_t i = i0 + p / mt.head_tile;
-  return mask + (static_cast<int64_t>(WgPairHead(mt, p)) * mt.q_blocks + i) * g.k_blocks + lo;
-}
-
-// Rows past the prompt never pass (threshold +inf, zero queries). With a_tile, the pair's 64
-// int8 query rows go there instead of into w.qa (the warpgroup's tile, 8 KB, 1024-aligned: the
-// 128-byte swizzle, as wgmma reads A from shared memory; the caller fences and syncs).
-__device__ __forceinline__ void LoadWgPair(const SelectGeometry& g, const MiddleTile& mt,
-                                           const Operands& ops, int p, int32_t i0, int32_t lo,
-                                           int32_t count, float* vals, int8_t* a_tile,
-                                           WgPairRows& w) {
-  const int lane = threadIdx.x & 31, gr = lane >> 2, tq = lane & 3, wq = (threadIdx.x >> 5) & 3;
-  const int h = WgPairHead(mt, p);
-  const int32_t i = i0 + p / mt.head_tile;
-  const bool live = i < mt.q_blocks;
-  const Regions rg = RegionsOf(g, live ? i : i0);
-  w.xb = live ? rg.sink_end - lo : count;
-  w.xe = live ? rg.local_first - lo : 0;
-  const int32_t r0 = (live ? i : 0) * g.bq;
-  const int rows = live ? min(g.n, r0 + g.bq) - r0 : 0;
-  const int64_t base = static_cast<int64_t>(h) * g.n + r0;
-  if (a_tile != nullptr) {
-    const int4* rows16 = reinterpret_cast<const int4*>(ops.q + base * kWgKeyBytes);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {  // the warp's 16 rows, 16-byte chunk lane % 8 of each
-      const int r = 16 * wq + 4 * e + (lane >> 3), c = lane & 7;
-      *reinterpret_cast<int4*>(a_tile + r * kWgKeyBytes + ((c ^ (r & 7)) << 4)) =
-          r < rows ? rows16[r * (kWgKeyBytes / 16) + c] : make_int4(0, 0, 0, 0);
-    }
-  } else {
-#pragma unroll
-    for (int hf = 0; hf < 2; ++hf) {
-      const int r = 16 * wq + gr + 8 * hf;
-      const bool ok = r < rows;
-      const int* words = reinterpret_cast<const int*>(ops.q + (base + (ok ? r : 0)) * g.d);
-#pragma unroll
-      for (int x = 0; x < kFastKs; ++x) {
-        w.qa[x][hf] = ok ? words[8 * x + tq] : 0;
-        w.qa[x][2 + hf] = ok ? words[8 * x + 4 + tq] : 0;
-      }
-    }
-  }
-  if (lane < 16) {
-    const int r = 16 * wq + lane;
-    const bool ok = r < rows;
-    vals[lane] = ok ? ops.thr[base + r] : -kNegInf;
-    vals[16 + lane] = ok ? ops.q_scale[base + r] : 0.f;
-    vals[32 + lane] = ok ? ops.q_mean[base + r] : 0.f;
-  }
-  __syncwarp();
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int r = gr + 8 * hf;
-    w.screen[hf] = MakeSaleScreen(g.scale, vals[16 + r], vals[32 + r], vals[r]);
-  }
-}
-
-// The thread's two rows' largest sums of one block (d: the pair's sums over the block, the
-// thread's columns 8 i + 2 (lane % 4) (+1) of rows lane / 4 and + 8), by three-way maxima (one
-// instruction each on Hopper).
-__device__ __forceinline__ void WgRowMaxima(const int* d, int (&m)[2]) {
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int* e = d + 2 * hf;
-    m[hf] = __vimax3_s32(__vimax3_s32(__vimax3_s32(e[0], e[1], e[4]), e[5], e[8]), e[9], e[12]);
-    m[hf] = max(m[hf], e[13]);
-  }
-}
-
-// Whether either of the thread's two rows gets through its screen (a row that passes
-// WgRowsPass always does).
-__device__ __forceinline__ bool WgRowsMayPass(const int (&m)[2], const WgPairRows& w, float ks) {
-  return SaleScreenMayPass(w.screen[0], ks, m[0]) | SaleScreenMayPass(w.screen[1], ks, m[1]);
-}
-
-// Whether any of the thread's two rows passes at its largest sum m of the block (vals: the
-// pair's, as LoadWgPair wrote them): the general loop's arithmetic, so the mask is the
-// reference's.
-__device__ __forceinline__ bool WgRowsPass(const SelectGeometry& g, const int (&m)[2],
-                                           const float* vals, float ks) {
-  bool any = false;
-#pragma unroll
-  for (int hf = 0; hf < 2; ++hf) {
-    const int r = ((threadIdx.x & 31) >> 2) + 8 * hf;
-    any |= SaleEstimatePasses(g.scale, vals[16 + r], ks, m[hf], vals[32 + r], vals[r]);
-  }
-  return any;
-}
-
-__global__ void __launch_bounds__(kWgThreads, 1)
-    MiddleKernelWg(SelectGeometry g, MiddleTile mt, Operands ops, uint8_t* mask) {
-  // Dynamic shared memory (kMiddleWgSmem bytes): the ring of key blocks, then each warpgroup's
-  // query tile, both 1024-aligned (the swizzle's atom).
-  extern __shared__ __align__(16) int8_t wg_smem[];
-  int8_t* ring = reinterpret_cast<int8_t*>((reinterpret_cast<uintptr_t>(wg_smem) + kWgAlign - 1) &
-                                           ~uintptr_t{kWgAlign - 1});
-  auto stage = [&](int s) { return ring + s * kWgStepBytes; };
-  int8_t* qtile = ring + kWgStages * kWgStepBytes + (threadIdx.x >> 7) * kWgTileBytes;
-  __shared__ uint64_t full[kWgStages], empty[kWgStages];
-  __shared__ float row_vals[kWgConsumers * 4][kWgPairs][3 * 16];  // each warp's, each pair's vals
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int q_tile = kSelectWarps / mt.head_tile;
-  const int32_t i0 = (gridDim.x - 1 - blockIdx.x) * q_tile;  // the longest rows first
-  const int32_t lo = RegionsOf(g, i0).sink_end;
-  const int32_t hi = RegionsOf(g, min(mt.q_blocks - 1, i0 + q_tile - 1)).local_first;
-  if (lo >= hi) return;  // uniform: no middle block
-  const int32_t count = hi - lo, steps = (count + 1) / 2;
-  const int j = (blockIdx.y * mt.head_tile) / g.group;
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kWgStages; ++s) {
-      BarrierInit(&full[s], 1);
-      BarrierInit(&empty[s], kWgConsumers * 4);  // every consumer warp
-    }
-    BarrierInitFence();
-  }
-  __syncthreads();
-  // The producer, thread 0: step y's blocks 2y and 2y + 1 (the second only inside the walk: past
-  // it the buffer's second half keeps stale keys, whose sums are never tested). The first
-  // kWgStages steps now, the others in the walk below.
-  const int8_t* src = ops.k + (static_cast<int64_t>(j) * g.n + lo * 8 * kFastKt) * kWgKeyBytes;
-  auto produce = [&](int32_t y) {
-    const int s = y % kWgStages;
-    if (y >= kWgStages) BarrierWait(&empty[s], (y / kWgStages - 1) & 1);
-    const uint32_t bytes = 2 * y + 1 < count ? kWgStepBytes : kWgBlockBytes;
-    BarrierArriveExpectTx(&full[s], bytes);
-    BulkCopyToShared(stage(s), src + static_cast<int64_t>(y) * kWgStepBytes, bytes, &full[s]);
-  };
-  if (threadIdx.x == 0) {
-    for (int32_t y = 0; y < min(steps, kWgStages); ++y) produce(y);
-  }
-  // Each warpgroup's last pair keeps its A in shared memory (qtile) instead of registers: the
-  // registers this frees keep both pairs' two-block sums out of local memory.
-  WgPairRows w[kWgPairs];
-#pragma unroll
-  for (int pp = 0; pp < kWgPairs; ++pp) {
-    LoadWgPair(g, mt, ops, kWgPairs * (warp >> 2) + pp, i0, lo, count, row_vals[warp][pp],
-               pp + 1 < kWgPairs ? nullptr : qtile, w[pp]);
-  }
-  FenceProxyAsyncShared();  // the last pairs' query tiles, for wgmma's reads
-  __syncthreads();
-  const float* kscale = ops.k_scale + static_cast<int64_t>(j) * g.k_blocks + lo;
-  int d[kWgPairs][32];  // the pair's sums: the step's first block in d[0..15], its second after
-  const uint64_t desc0 = Swizzled128Desc(stage(0));
-  const uint64_t qdesc = Swizzled128Desc(qtile);
-  for (int32_t y = 0; y < steps; ++y) {
-    // Step y - 1 + kWgStages into step y - 1's buffer, once every warp has released it.
-    if (threadIdx.x == 0 && y >= 1 && y - 1 + kWgStages < steps) produce(y - 1 + kWgStages);
-    const int32_t x = 2 * y;  // the step's first block
-    const int s = y % kWgStages;
-    const float ks[2] = {kscale[x], kscale[min(x + 1, count - 1)]};
-    BarrierWait(&full[s], (y / kWgStages) & 1);
-    const uint64_t desc = desc0 + s * (kWgStepBytes >> 4);
-    WgmmaFence();
-#pragma unroll
-    for (int pp = 0; pp < kWgPairs; ++pp) {
-#pragma unroll
-      for (int k = 0; k < kFastKs; ++k) {
-        if (pp + 1 < kWgPairs) {
-          WgmmaS8N64(d[pp], w[pp].qa[k], desc + 2 * k, k);
-        } else {
-          WgmmaS8N64Shared(d[pp], qdesc + 2 * k, desc + 2 * k, k);
-        }
-      }
-    }
-    WgmmaCommitAndWaitAll();
-    FenceAccumulators(d);
-    __syncwarp();
-    if (lane == 0) BarrierArrive(&empty[s]);
-#pragma unroll
-    for (int b = 0; b < 2; ++b) {
-#pragma unroll
-      for (int pp = 0; pp < kWgPairs; ++pp) {
-        int m[2];
-        WgRowMaxima(d[pp] + 16 * b, m);
-        const bool on = x + b >= w[pp].xb && x + b < w[pp].xe;  // uniform over the warp
-        if (__any_sync(0xffffffffu, on && WgRowsMayPass(m, w[pp], ks[b]))) {  // rarely
-          const int p = kWgPairs * (warp >> 2) + pp;
-          if (__any_sync(0xffffffffu, WgRowsPass(g, m, row_vals[warp][pp], ks[b])) && lane == 0) {
-            WgPairMaskRow(g, mt, mask, p, i0, lo)[x + b] = 1;
-          }
-        }
-      }
-    }
-  }
-}
-#endif  // KVSPARSE_CUDA_SM90A
-
 // One (query block, query head) per block: the exact regions' thresholds per row, then (unless
 // MiddleKernel does it) each middle key block estimated from int8 Q and K, the block's row of
 // the mask written whole (the middle blocks 0 until they pass).
@@ -991,59 +617,6 @@ __global__ void __launch_bounds__(kSelectThreads)
   }
 }
 
-// ---- 16-bit rows of head_dim 128 in the 128-byte swizzle (the warpgroup-MMA kernels) ---------
-
-constexpr int kSwizzledDim = 128;
-constexpr int kSwizzledRowBytes = kSwizzledDim * 2;     // one 16-bit row
-constexpr int kSwizzledTile = 64 * kSwizzledRowBytes;   // 64 query rows: 16 KB
-constexpr int kSwizzledBlock = 32 * kSwizzledRowBytes;  // one 32-key block: 8 KB
-
-// Rows [first, first + rows) of a head's 16-bit [n x 128] matrix into `tile` in the 128-byte
-// swizzle, as two 64-dim atoms' columns (dims 64 hf + 8 c of row r at
-// hf * rows * 128 + r * 128 + ((c ^ (r % 8)) * 16)); rows past the prompt zero; thread `tid` of
-// `threads` a share (cp.async). K-major for Q and K (Swizzled128Desc), MN-major for V
-// (Swizzled128MnDesc): the one layout serves both.
-__device__ __forceinline__ void StageSwizzledRows(uint8_t* tile, int rows, const uint16_t* src,
-                                                  int32_t first, int32_t n, int tid, int threads) {
-  for (int x = tid; x < rows * 16; x += threads) {
-    const int r = x >> 4, c = x & 15;  // 16 chunks of 16 bytes a row
-    const bool in = first + r < n;
-    const uint16_t* from = src + static_cast<int64_t>(in ? first + r : 0) * kSwizzledDim + c * 8;
-    CpAsync16(tile + (c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4), from, in);
-  }
-}
-
-// The descriptor offset (16-byte units) of 16-deep k-step kk in such a tile of `rows` rows: 32
-// bytes within a 64-dim atom, the next atom rows * 128 bytes on.
-__host__ __device__ constexpr int SwizzledKStep(int kk, int rows) {
-  return (kk / 4) * (rows * 128 >> 4) + (kk % 4) * 2;
-}
-
-// Query block i's mask rows of heads [h0, h0 + heads): every exact block 1, every other 0 (the
-// middle kernel then sets the middle blocks it takes). Every thread of the CTA a share, 16 bytes
-// a store between the row's unaligned ends.
-__device__ __forceinline__ void WriteExactMaskRows(const SelectGeometry& g, const Regions& rg,
-                                                   int h0, int heads, int32_t i, uint8_t* mask) {
-  auto flag = [&](int32_t blk) -> uint32_t {
-    return blk <= rg.last && (blk < rg.sink_end || blk >= rg.local_first) ? 1u : 0u;
-  };
-  for (int hh = 0; hh < heads; ++hh) {
-    uint8_t* row = mask + (static_cast<int64_t>(h0 + hh) * gridDim.x + i) * g.k_blocks;
-    const int32_t lead =
-        min(g.k_blocks, static_cast<int32_t>((16 - (reinterpret_cast<uintptr_t>(row) & 15)) & 15));
-    const int32_t vecs = (g.k_blocks - lead) / 16, tail = lead + 16 * vecs;
-    for (int32_t x = threadIdx.x; x < lead; x += blockDim.x) row[x] = flag(x);
-    for (int32_t v = threadIdx.x; v < vecs; v += blockDim.x) {
-      const int32_t b0 = lead + 16 * v;
-      uint32_t w[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-      for (int e = 0; e < 16; ++e) w[e / 4] |= flag(b0 + e) << (8 * (e % 4));
-      *reinterpret_cast<uint4*>(row + b0) = make_uint4(w[0], w[1], w[2], w[3]);
-    }
-    for (int32_t x = tail + threadIdx.x; x < g.k_blocks; x += blockDim.x) row[x] = flag(x);
-  }
-}
-
 // Step 1 for the paper's geometry (SelectGeometry::middle_apart) on bf16 / fp16 prompts, instead
 // of SelectKernel: the thresholds of kHeads query heads of one kv head per CTA, so each exact key
 // block is staged in shared memory once for all of them (cp.async, kThrStages deep, one CTA
@@ -1055,9 +628,6 @@ __device__ __forceinline__ void WriteExactMaskRows(const SelectGeometry& g, cons
 // the rows' masks is written 0 (the middle kernel sets the taken ones), every exact one 1.
 // Measured on an H200 at 64k (docs/PERF.md): 1.33 ms with two heads a CTA, 1.44 with four (one
 // CTA a multiprocessor at 96 registers), 2.38 for SelectKernel's one head.
-constexpr int kThrStages = 3;
-constexpr int kThrHeads = 2;  // query heads a CTA where the GQA group is even
-
 size_t ThresholdsSmem(const SelectGeometry& g) {
   return static_cast<size_t>(kThrStages) * g.bk * (g.d + 8) * sizeof(uint16_t);
 }
@@ -1133,71 +703,6 @@ __global__ void __launch_bounds__(kHeads * 128)
   StoreRowThresholds(tau[h], ops.thr + static_cast<int64_t>(h) * g.n + r0, rows, ra, st);
 }
 
-// ThresholdsKernel's work for head_dim 128 on the warpgroup MMA (sm_90a): warpgroup w takes
-// query head h0 + w, its 64 rows staged once in shared memory in the 128-byte swizzle; each exact
-// key block is staged once for all kHeads (cp.async, kThrStages deep) and scored by eight
-// m64n32k16 steps from shared memory, then folded as ThresholdsKernel folds it (FoldExactTiles:
-// the accumulators' layout is mma.m16n8's). The sums' order is the tensor cores' again: a
-// threshold may move by an ulp. Launched for middle_apart geometries only: block_k is 32 (the
-// literal 32-key blocks and four 8-key tiles below).
-constexpr size_t ThresholdsWgSmem(int heads) {
-  return kThrStages * kSwizzledBlock + heads * kSwizzledTile + kWgAlign;
-}
-
-template <typename T, int kHeads>
-__global__ void __launch_bounds__(kHeads * 128)
-    ThresholdsKernelWg(SelectGeometry g, const void* q, const void* k, const float* tau,
-                       Operands ops, uint8_t* mask) {
-  constexpr bool kBf16 = std::is_same_v<T, Bf16>;
-  extern __shared__ __align__(16) uint8_t thr_smem[];
-  uint8_t* kbuf = reinterpret_cast<uint8_t*>(
-      (reinterpret_cast<uintptr_t>(thr_smem) + kWgAlign - 1) & ~uintptr_t{kWgAlign - 1});
-  const int wg = threadIdx.x >> 7, warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31;
-  uint8_t* qs = kbuf + kThrStages * kSwizzledBlock + wg * kSwizzledTile;
-  const int i = blockIdx.x, h0 = blockIdx.y * kHeads, j = h0 / g.group, h = h0 + wg;
-  const Regions rg = RegionsOf(g, i);
-  const int32_t r0 = i * g.bq, rows = min(g.n, r0 + g.bq) - r0;
-  WriteExactMaskRows(g, rg, h0, kHeads, i, mask);
-  const uint16_t* qh =
-      static_cast<const uint16_t*>(q) + static_cast<int64_t>(h) * g.n * kSwizzledDim;
-  const uint16_t* kh =
-      static_cast<const uint16_t*>(k) + static_cast<int64_t>(j) * g.n * kSwizzledDim;
-  StageSwizzledRows(qs, 64, qh, r0, g.n, threadIdx.x & 127, 128);
-  const ExactBlocks blocks = ExactBlocksOf(rg);
-  const int32_t nx = blocks.count;
-  auto stage = [&](int32_t x) {
-    StageSwizzledRows(kbuf + (x % kThrStages) * kSwizzledBlock, 32, kh, blocks[x] * 32, g.n,
-                      threadIdx.x, kHeads * 128);
-  };
-#pragma unroll
-  for (int x = 0; x < kThrStages - 1; ++x) {
-    if (x < nx) stage(x);
-    CpAsyncCommit();  // the first with Q's rows
-  }
-  const int ra = warp * 16 + (lane >> 2), rb = ra + 8;
-  const uint64_t q_desc = Swizzled128Desc(qs);
-  ExactRows st;
-  for (int32_t x = 0; x < nx; ++x) {
-    CpAsyncWait<kThrStages - 2>();
-    FenceProxyAsyncShared();  // the staged rows visible to the MMA's operand reads
-    __syncthreads();  // block x staged; every warp is past block x - 1, whose buffer is refilled
-    if (x + kThrStages - 1 < nx) stage(x + kThrStages - 1);
-    CpAsyncCommit();
-    const uint64_t k_desc = Swizzled128Desc(kbuf + (x % kThrStages) * kSwizzledBlock);
-    float acc[kExactTiles][4] = {};
-    WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < kSwizzledDim / 16; ++kk) {
-      Wgmma16N32<kBf16>(acc, q_desc + SwizzledKStep(kk, 64), k_desc + SwizzledKStep(kk, 32),
-                        kk > 0);
-    }
-    WgmmaCommitAndWaitAll();
-    FenceAccumulators(acc);
-    FoldExactTiles(g, acc, 4, blocks[x] * 32, 8, r0 + ra, r0 + rb, st);
-  }
-  StoreRowThresholds(tau[h], ops.thr + static_cast<int64_t>(h) * g.n + r0, rows, ra, st);
-}
-
 size_t SelectSmem(const SelectGeometry& g) {
   const size_t words = g.d / 4;
   const size_t sequential = static_cast<size_t>(kSelectWarps) * (g.d + g.score_cap) * sizeof(float);
@@ -1207,195 +712,7 @@ size_t SelectSmem(const SelectGeometry& g) {
          std::max(sequential, mma);
 }
 
-// ---- The computation pass ----------------------------------------------------------------
-
-constexpr int kAttendWarps = 4;  // 16 query rows each: a 64-row query block
-constexpr int kAttendBq = 64, kAttendBk = 32;
-
-template <typename T>
-__device__ __forceinline__ uint32_t PackPair(float lo, float hi) {
-  return static_cast<uint32_t>(FloatToBits<T>(lo)) |
-         (static_cast<uint32_t>(FloatToBits<T>(hi)) << 16);
-}
-
-struct AttendGeometry {
-  int32_t n, group, k_blocks, q_blocks;
-  float scale_log2;  // scale * log2(e)
-};
-
-// The selected blocks of one mask row in ascending order, compacted into shared memory
-// kListChunk mask bytes at a time: every thread reads 16 bytes of the row at once (one memory
-// latency per 2048 blocks, where a walk of 32-byte votes waited on one per 32 blocks), and a
-// scan over the CTA places each selected block. Every thread of the CTA walks the same row (the
-// walk is uniform: Next() synchronizes the CTA when it refills the list).
-constexpr int kAttendThreads = kAttendWarps * 32;
-constexpr int kListChunk = kAttendThreads * 16;
-
-struct BlockList {
-  uint16_t blocks[kListChunk];  // positions in the chunk
-  int32_t warp_total[kAttendWarps];
-};
-
-// The nonzero bytes of 16 as bits 0-15.
-__device__ __forceinline__ uint32_t NonzeroBytes(const uint4& w) {
-  const uint32_t x[4] = {w.x, w.y, w.z, w.w};
-  uint32_t bits = 0;
-#pragma unroll
-  for (int e = 0; e < 16; ++e) bits |= ((x[e / 4] >> (8 * (e % 4))) & 0xffu) != 0 ? 1u << e : 0u;
-  return bits;
-}
-
-struct SelectedBlocks {
-  BlockList* list;
-  const uint8_t* row;
-  int32_t len;  // the row's causal blocks
-  int32_t at;   // the next chunk's first position (negative: the row's 16-byte-aligned start)
-  int32_t pos = 0, count = 0;
-  __device__ __forceinline__ SelectedBlocks(BlockList* l, const uint8_t* r, int32_t n)
-      : list(l), row(r), len(n), at(-static_cast<int32_t>(reinterpret_cast<uintptr_t>(r) & 15)) {}
-  // The next selected block, or -1 past the last.
-  __device__ __forceinline__ int32_t Next() {
-    while (pos == count) {
-      if (at >= len) return -1;
-      Fill();
-    }
-    return at - kListChunk + list->blocks[pos++];
-  }
-  // Positions [at, at + kListChunk) of the row into the list.
-  __device__ void Fill() {
-    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    const int32_t p0 = at + 16 * t;
-    uint32_t bits = 0;
-    if (p0 >= 0 && p0 + 16 <= len) {
-      bits = NonzeroBytes(__ldg(reinterpret_cast<const uint4*>(row + p0)));
-    } else {
-#pragma unroll
-      for (int e = 0; e < 16; ++e) {
-        if (p0 + e >= 0 && p0 + e < len && row[p0 + e] != 0) bits |= 1u << e;
-      }
-    }
-    const int n = __popc(bits);
-    int incl = n;  // inclusive scan over the warp
-#pragma unroll
-    for (int off = 1; off < 32; off *= 2) {
-      const int y = __shfl_up_sync(0xffffffffu, incl, off);
-      if (lane >= off) incl += y;
-    }
-    __syncthreads();  // every thread has read the previous chunk's list
-    if (lane == 31) list->warp_total[warp] = incl;
-    __syncthreads();
-    int base = incl - n;
-    count = 0;
-#pragma unroll
-    for (int w = 0; w < kAttendWarps; ++w) {
-      const int tw = list->warp_total[w];
-      base += w < warp ? tw : 0;
-      count += tw;
-    }
-    for (; bits != 0; bits &= bits - 1) list->blocks[base++] = 16 * t + __ffs(bits) - 1;
-    __syncthreads();
-    pos = 0;
-    at += kListChunk;
-  }
-};
-
-// The two query rows a thread holds in the computation pass (row0 and row1 = row0 + 8 of its
-// warp's 16: mma.m16n8's C layout) and their online-softmax state.
-struct AttendRows {
-  int32_t row0, row1;
-  float m0 = kNegInf, m1 = kNegInf, l0 = 0.f, l1 = 0.f;
-};
-
-// One key block's scores `sc` (keys c0 + 8 nt + 2 tq (+1), the C layout) into unnormalized
-// probabilities: scaled (log2 units), keys past the row (causal) or past the prompt masked, the
-// rows' maxima raised over the quad, l rescaled to them and l += the rows' probabilities. Returns
-// the factors o must be rescaled by (RescaleRows) before this block's P V is added to it.
-__device__ __forceinline__ float2 ScoresToProbabilities(const AttendGeometry& g, int32_t c0, int tq,
-                                                        float (&sc)[kAttendBk / 8][4],
-                                                        AttendRows& st) {
-  float mx0 = kNegInf, mx1 = kNegInf;
-#pragma unroll
-  for (int nt = 0; nt < kAttendBk / 8; ++nt) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int32_t c = c0 + nt * 8 + 2 * tq + (e & 1);
-      const int32_t r = e < 2 ? st.row0 : st.row1;
-      sc[nt][e] = c <= r && c < g.n ? sc[nt][e] * g.scale_log2 : kNegInf;
-    }
-    mx0 = fmaxf(mx0, fmaxf(sc[nt][0], sc[nt][1]));
-    mx1 = fmaxf(mx1, fmaxf(sc[nt][2], sc[nt][3]));
-  }
-  QuadMax(mx0, mx1);
-  const float n0 = fmaxf(st.m0, mx0), n1 = fmaxf(st.m1, mx1);
-  // A row with no key yet keeps a zero state (its exponent base is then 0, not -inf).
-  const float b0 = n0 == kNegInf ? 0.f : n0, b1 = n1 == kNegInf ? 0.f : n1;
-  const float f0 = exp2f(st.m0 - b0), f1 = exp2f(st.m1 - b1);
-  st.m0 = n0;
-  st.m1 = n1;
-  st.l0 *= f0;
-  st.l1 *= f1;
-#pragma unroll
-  for (int nt = 0; nt < kAttendBk / 8; ++nt) {
-    sc[nt][0] = exp2f(sc[nt][0] - b0);
-    sc[nt][1] = exp2f(sc[nt][1] - b0);
-    sc[nt][2] = exp2f(sc[nt][2] - b1);
-    sc[nt][3] = exp2f(sc[nt][3] - b1);
-    st.l0 += sc[nt][0] + sc[nt][1];
-    st.l1 += sc[nt][2] + sc[nt][3];
-  }
-  return make_float2(f0, f1);
-}
-
-// o's rows (row0 in [.][0..1], row1 in [.][2..3]) times f.x and f.y.
-template <int DT>
-__device__ __forceinline__ void RescaleRows(float (&o)[DT][4], float2 f) {
-#pragma unroll
-  for (int dt = 0; dt < DT; ++dt) {
-    o[dt][0] *= f.x;
-    o[dt][1] *= f.x;
-    o[dt][2] *= f.y;
-    o[dt][3] *= f.y;
-  }
-}
-
-// P's A fragments (mma.m16n8k16's) for the block's 16-key step `kstep`.
-template <typename T>
-__device__ __forceinline__ void ProbabilityFragments(const float (&sc)[kAttendBk / 8][4], int kstep,
-                                                     uint32_t (&a)[4]) {
-  const float* p0 = sc[2 * kstep];
-  const float* p1 = sc[2 * kstep + 1];
-  a[0] = PackPair<T>(p0[0], p0[1]);
-  a[1] = PackPair<T>(p0[2], p0[3]);
-  a[2] = PackPair<T>(p1[0], p1[1]);
-  a[3] = PackPair<T>(p1[2], p1[3]);
-}
-
-// The rows' sums over the quad, then o / l into head h's output rows (rows past the prompt
-// skipped; a row with no key writes zeros).
-template <typename T, int D>
-__device__ __forceinline__ void StoreAttendRows(const AttendGeometry& g, int h, int tq,
-                                                const float (&o)[D / 8][4], AttendRows st,
-                                                void* out) {
-#pragma unroll
-  for (int off = 1; off <= 2; off *= 2) {
-    st.l0 += __shfl_xor_sync(0xffffffffu, st.l0, off);
-    st.l1 += __shfl_xor_sync(0xffffffffu, st.l1, off);
-  }
-  const float inv0 = st.l0 > 0.f ? 1.f / st.l0 : 0.f, inv1 = st.l1 > 0.f ? 1.f / st.l1 : 0.f;
-  uint16_t* oh = static_cast<uint16_t*>(out) + static_cast<int64_t>(h) * g.n * D;
-#pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) {
-    const int col = dt * 8 + 2 * tq;
-    if (st.row0 < g.n) {
-      *reinterpret_cast<uint32_t*>(oh + static_cast<int64_t>(st.row0) * D + col) =
-          PackPair<T>(o[dt][0] * inv0, o[dt][1] * inv0);
-    }
-    if (st.row1 < g.n) {
-      *reinterpret_cast<uint32_t*>(oh + static_cast<int64_t>(st.row1) * D + col) =
-          PackPair<T>(o[dt][2] * inv1, o[dt][3] * inv1);
-    }
-  }
-}
+// ---- The computation pass (its block walk and softmax in sale_common.cuh) -------------------
 
 // One (query block i, query head h) per block: Q's fragments in registers, the selected key
 // blocks' K and V rows staged in shared memory two deep (cp.async: the next block's copy
@@ -1498,134 +815,6 @@ __global__ void __launch_bounds__(kAttendThreads)
   StoreAttendRows<T, D>(g, h, tq, o, st, out);
 }
 
-// ---- The computation pass on the warpgroup MMA (sm_90a, head_dim 128) ----------------------
-
-constexpr int kAttendWgStages = 3;  // K/V blocks in flight
-// AttendKernelWg stages block j + 1 while block j - 1's P V still reads its V: a ring of two
-// would overwrite it (outputs wrong on rows of three or more blocks).
-static_assert(kAttendWgStages >= 3, "AttendKernelWg's ring: scored, in P V, arriving");
-constexpr size_t kAttendWgSmem =
-    kSwizzledTile + kAttendWgStages * 2 * kSwizzledBlock + kWgAlign;  // dynamic, AttendKernelWg
-
-// AttendKernel's work for head_dim 128 on one warpgroup: Q, and each selected block's K and V,
-// staged in shared memory in the 128-byte swizzle (cp.async, kAttendWgStages blocks: the one
-// being scored, the one whose P V is running, the next one arriving), S = Q K^T by eight
-// m64n32k16 steps from shared memory, the same online softmax in registers (the accumulators'
-// layout is mma.m16n8's), O += P V by two m64n128k16 steps with P from registers and V
-// transposed by the instruction. A block's S is issued with the previous block's P V, so its
-// softmax runs while that P V is on the tensor cores; o is rescaled once the P V is done.
-template <typename T>
-__global__ void __launch_bounds__(kAttendThreads, 3)
-    AttendKernelWg(AttendGeometry g, const void* q, const void* k, const void* v, void* out,
-                   const uint8_t* mask) {
-  constexpr int D = kSwizzledDim;
-  constexpr bool kBf16 = std::is_same_v<T, Bf16>;
-  extern __shared__ __align__(16) uint8_t attend_smem[];
-  uint8_t* qs = reinterpret_cast<uint8_t*>(
-      (reinterpret_cast<uintptr_t>(attend_smem) + kWgAlign - 1) & ~uintptr_t{kWgAlign - 1});
-  auto ks_at = [&](int buf) { return qs + kSwizzledTile + buf * 2 * kSwizzledBlock; };
-  auto vs_at = [&](int buf) { return ks_at(buf) + kSwizzledBlock; };
-  __shared__ BlockList list;
-  const int i = blockIdx.x, h = blockIdx.y, j = h / g.group;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, tq = lane & 3;
-  AttendRows st;
-  st.row0 = i * kAttendBq + warp * 16 + (lane >> 2);
-  st.row1 = st.row0 + 8;
-  const uint16_t* qh = static_cast<const uint16_t*>(q) + static_cast<int64_t>(h) * g.n * D;
-  const uint16_t* kh = static_cast<const uint16_t*>(k) + static_cast<int64_t>(j) * g.n * D;
-  const uint16_t* vh = static_cast<const uint16_t*>(v) + static_cast<int64_t>(j) * g.n * D;
-  auto stage = [&](int32_t blk, int buf) {
-    if (blk >= 0) {
-      StageSwizzledRows(ks_at(buf), kAttendBk, kh, blk * kAttendBk, g.n, threadIdx.x,
-                        kAttendThreads);
-      StageSwizzledRows(vs_at(buf), kAttendBk, vh, blk * kAttendBk, g.n, threadIdx.x,
-                        kAttendThreads);
-    }
-    CpAsyncCommit();
-  };
-  StageSwizzledRows(qs, kAttendBq, qh, i * kAttendBq, g.n, threadIdx.x, kAttendThreads);
-  float o[D / 8][4];
-#pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
-  SelectedBlocks walk(&list, mask + (static_cast<int64_t>(h) * g.q_blocks + i) * g.k_blocks,
-                      (min(g.n, (i + 1) * kAttendBq) - 1) / kAttendBk + 1);
-  int32_t blk = walk.Next();
-  stage(blk, 0);  // with Q's rows
-  if (blk < 0) {  // uniform: no block selected (a caller's mask may say so): zeros
-    CpAsyncWait<0>();
-    StoreAttendRows<T, D>(g, h, tq, o, st, out);
-    return;
-  }
-  const uint64_t q_desc = Swizzled128Desc(qs);
-  float sc[kAttendBk / 8][4];
-  // Waits for the block in `buf`, stages the next selected block in the buffer after it (the
-  // block two back's: every warp is past its P V at the barrier), and issues S = Q K^T (one
-  // batch); returns the next block.
-  auto begin_block = [&](int buf) {
-    CpAsyncWait<0>();
-    FenceProxyAsyncShared();  // the staged rows visible to the MMA's operand reads
-    __syncthreads();
-    const int32_t ahead = walk.Next();
-    stage(ahead, buf + 1 == kAttendWgStages ? 0 : buf + 1);
-#pragma unroll
-    for (int nt = 0; nt < kAttendBk / 8; ++nt) sc[nt][0] = sc[nt][1] = sc[nt][2] = sc[nt][3] = 0.f;
-    const uint64_t k_desc = Swizzled128Desc(ks_at(buf));
-    FenceAccumulators(sc);
-    FenceAccumulators(o);
-    WgmmaFence();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      Wgmma16N32<kBf16>(sc, q_desc + SwizzledKStep(kk, kAttendBq),
-                        k_desc + SwizzledKStep(kk, kAttendBk), kk > 0);
-    }
-    WgmmaCommit();
-    return ahead;
-  };
-  uint32_t pa[kAttendBk / 16][4];  // the previous block's P fragments
-  // O += P V of the block in `buf` (one batch).
-  auto add_pv = [&](int buf) {
-    const uint64_t v_desc = Swizzled128MnDesc(vs_at(buf), kAttendBk * 128);
-#pragma unroll
-    for (int kstep = 0; kstep < kAttendBk / 16; ++kstep) {
-      Wgmma16N128RegA<kBf16>(o, pa[kstep], v_desc + kstep * (16 * 128 >> 4), 1);
-    }
-    WgmmaCommit();
-  };
-  auto take_probabilities = [&]() {
-#pragma unroll
-    for (int kstep = 0; kstep < kAttendBk / 16; ++kstep) {
-      ProbabilityFragments<T>(sc, kstep, pa[kstep]);
-    }
-  };
-  // The first block apart: inside the loop every step has a P V in flight, so no branch
-  // separates an asynchronous MMA from the accumulators it writes.
-  int32_t next = begin_block(0);
-  WgmmaWait<0>();
-  FenceAccumulators(sc);
-  RescaleRows(o, ScoresToProbabilities(g, blk * kAttendBk, tq, sc, st));
-  take_probabilities();
-  int prev_buf = 0;
-  for (int buf = 1; next >= 0; buf = buf + 1 == kAttendWgStages ? 0 : buf + 1) {
-    blk = next;
-    next = begin_block(buf);
-    add_pv(prev_buf);
-    WgmmaWait<1>();  // S (the previous block's P V may still run)
-    FenceAccumulators(sc);
-    const float2 f = ScoresToProbabilities(g, blk * kAttendBk, tq, sc, st);
-    WgmmaWait<0>();
-    FenceAccumulators(o);
-    RescaleRows(o, f);
-    take_probabilities();
-    prev_buf = buf;
-  }
-  FenceAccumulators(o);
-  WgmmaFence();
-  add_pv(prev_buf);
-  WgmmaWait<0>();
-  FenceAccumulators(o);
-  StoreAttendRows<T, D>(g, h, tq, o, st, out);
-}
-
 // What kernels::ValidateSalePrefill asks of a prompt's counts and scale (both launchers check it
 // beside their own limits; the CUDA library links no host library to call it).
 bool PromptOk(const SalePrefill& pr) {
@@ -1634,6 +823,44 @@ bool PromptOk(const SalePrefill& pr) {
 }
 
 }  // namespace
+}  // namespace sale_internal
+
+// The launchers below, over the kernels above and sale_common.cuh's.
+using sale_internal::AttendGeometry;
+using sale_internal::AttendKernel;
+using sale_internal::Blocks;
+using sale_internal::Carve;
+using sale_internal::kAttendBk;
+using sale_internal::kAttendBq;
+using sale_internal::kAttendThreads;
+using sale_internal::KeyMeanKernel;
+using sale_internal::KeyMeanPartialKernel;
+using sale_internal::kFastKt;
+using sale_internal::kMaxBlock;
+using sale_internal::kMaxHeadDim;
+using sale_internal::kMeanChunk;
+using sale_internal::kQuantWarps;
+using sale_internal::kSelectThreads;
+using sale_internal::kSelectWarps;
+using sale_internal::kSwizzledDim;
+using sale_internal::kThrHeads;
+using sale_internal::MiddleKernel;
+using sale_internal::MiddleTile;
+using sale_internal::Operands;
+using sale_internal::PromptOk;
+using sale_internal::QuantizeKeysKernel;
+using sale_internal::QuantizeQueriesKernel;
+using sale_internal::QuantizeQueriesSmem;
+using sale_internal::SelectGeometry;
+using sale_internal::SelectKernel;
+using sale_internal::SelectSmem;
+using sale_internal::ThresholdsKernel;
+using sale_internal::ThresholdsSmem;
+#if defined(KVSPARSE_CUDA_SM90A)
+using sale_internal::LaunchAttendKernelWg;
+using sale_internal::LaunchMiddleKernelWg;
+using sale_internal::LaunchThresholdsKernelWg;
+#endif
 
 bool SaleSupports(const SaleParams& b, int32_t head_dim) {
   return b.block_q >= 1 && b.block_q <= kMaxBlock && b.block_k >= 1 && b.block_k <= kMaxBlock &&
@@ -1701,14 +928,9 @@ cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t worksp
         };
         const bool two = mt.head_tile >= kThrHeads;
 #if defined(KVSPARSE_CUDA_SM90A)
-        if (d == kSwizzledDim) {  // ThresholdsKernelWg
-          auto thresholds_wg = [&](auto kernel, int heads) {
-            return LaunchWithSmem(kernel, dim3(mt.q_blocks, H / heads), dim3(heads * 128),
-                                  ThresholdsWgSmem(heads), stream, g, pr.q, pr.k, p.tau, ops,
-                                  p.mask);
-          };
-          select_err = two ? thresholds_wg(&ThresholdsKernelWg<T, kThrHeads>, kThrHeads)
-                           : thresholds_wg(&ThresholdsKernelWg<T, 1>, 1);
+        if (d == kSwizzledDim) {  // ThresholdsKernelWg (sale_wg.cu), T as pr.dtype
+          select_err = LaunchThresholdsKernelWg(pr.dtype, g, mt.q_blocks, H, two, pr.q, pr.k, p.tau,
+                                                ops, p.mask, stream);
           return;
         }
 #endif
@@ -1733,10 +955,7 @@ cudaError_t SaleSelect(const SaleSelectParams& p, void* workspace, size_t worksp
     return cudaGetLastError();
   };
 #if defined(KVSPARSE_CUDA_SM90A)
-  if (wgmma_middle) {
-    return LaunchWithSmem(&MiddleKernelWg, middle_grid, dim3(kWgThreads), kMiddleWgSmem, stream, g,
-                          mt, ops, p.mask);
-  }
+  if (wgmma_middle) return LaunchMiddleKernelWg(g, mt, ops, p.mask, middle_grid, stream);
 #endif
   return d == 64 ? middle(&MiddleKernel<2>) : middle(&MiddleKernel<4>);
 }
@@ -1769,13 +988,8 @@ cudaError_t SaleAttend(const SaleAttendParams& p, cudaStream_t stream) {
     return cudaGetLastError();
   };
 #if defined(KVSPARSE_CUDA_SM90A)
-  if (pr.head_dim == kSwizzledDim) {
-    auto launch_wg = [&](auto kernel) {
-      return LaunchWithSmem(kernel, grid, block, kAttendWgSmem, stream, g, pr.q, pr.k, pr.v, pr.out,
-                            p.mask);
-    };
-    return pr.dtype == DType::kBf16 ? launch_wg(&AttendKernelWg<Bf16>)
-                                    : launch_wg(&AttendKernelWg<Fp16>);
+  if (pr.head_dim == kSwizzledDim) {  // AttendKernelWg (sale_wg.cu)
+    return LaunchAttendKernelWg(pr.dtype, g, grid, pr.q, pr.k, pr.v, pr.out, p.mask, stream);
   }
 #endif
   if (pr.dtype == DType::kBf16) {
