@@ -1,7 +1,7 @@
 // How fast Hopper's warpgroup MMA runs SALE's selection arithmetic, alone: int8
 // wgmma.m64n32k32 with A (64 query rows) in registers and B (one 32-key block of 128 bytes a
 // key) in shared memory in the 128-byte swizzle, four k-steps per (head, query block) pair,
-// then each thread's row maxima, as kernels/cuda/sale.cu's selection does per key block; no
+// then each thread's row maxima, as kernels/cuda/sale_wg.cu's selection does per key block; no
 // loads, no barriers. First checks one product against the host, then times PAIRS = 2 and 4
 // pairs per warpgroup (2 warpgroups per CTA, 2 CTAs per multiprocessor). A standalone program
 // for a Hopper GPU host (docs/PERF.md, "SALE's selection per GQA tile" cites its output), built
