@@ -14,13 +14,13 @@
 # FlashAttention does not use, and stay behind. Versions are those the resolver picked with vLLM's
 # pins (fastapi < 0.137, llguidance < 1.8, apache-tvm-ffi 0.1.9) for Python 3.12.
 #
-# Writes .vllm/parts/wheels.tar.part-NN (git-ignored), each at most PART_MB (default 42) MiB, and
+# Writes .vllm/parts/wheels.tar.part-NN (git-ignored), each at most PART_MB (default 36) MiB, and
 # .vllm/parts/MANIFEST: the parts' names and the whole archive's SHA-256. Copy MANIFEST with each
 # part. Usage: scripts/gpu_vllm_wheels.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-python3}
-PART_MB=${PART_MB:-42}
+PART_MB=${PART_MB:-36}  # a part and the tracked tree (22 MB) under a command's 64 MiB
 WHEELS=(
   vllm==0.24.0
   annotated-types==0.8.0 apache-tvm-ffi==0.1.9 cachetools==8.0.2 cbor2==6.3.0 distro==1.9.0

@@ -42,6 +42,11 @@ class SantaCompressedCall final : public SelectedRowsCall {
   }
 
   bool RowWeights() const override { return true; }
+  // Each step draws its rows afresh (its own seed): a row cache would hold last step's sample,
+  // which this step's shares little of (0.6% of the union rows on e2e_bench's model at 32k), and
+  // placing rows against it cost more than it saved (docs/PERF.md, "No row cache for S2ANTA's
+  // samples").
+  bool RowsRepeat() const override { return false; }
   // The group mixture gives the G heads of a kv head the same rows: the union is one head's.
   int32_t UnionBound(const LaunchPlan& lp, int32_t max_sel) const override {
     return group_ ? std::min(lp.n_max, max_sel) : SelectedRowsCall::UnionBound(lp, max_sel);

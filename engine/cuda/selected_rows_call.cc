@@ -14,7 +14,8 @@ absl::Status SelectedRowsCall::Plan(LaunchPlan& lp) {
   max_sel_ = std::max(1, *max_sel);
   rows_cap_ = UnionBound(lp, max_sel_);
   min_cache_ = rows_cap_;
-  for (int32_t b = 0; b < lp.B; ++b) {
+  if (!RowsRepeat()) min_cache_ = 0;  // cache_cap_ stays 0: the layers' caches are left alone
+  for (int32_t b = 0; b < lp.B && RowsRepeat(); ++b) {
     DeviceLayer& l = lp.layer(b);
     const int32_t want =
         RowCacheSlots(lp.state().options().row_cache_fraction, lp.len(b), rows_cap_);
@@ -124,9 +125,16 @@ absl::Status SelectedRowsCall::Enqueue(LaunchPlan& lp, Carver& c) {
     fp.second.k = Table<void>(lp, call_off_[5]);
     fp.second.v = Table<void>(lp, call_off_[6]);
   }
-  if (cache_cap_ == 0) {  // no cache: every location is an overflow row
+  // No row cache on any sequence (or a selection whose rows do not repeat): nothing to place. The
+  // union's rows are fetched in union order into the overflow rows, where the union positions
+  // find them (PlaceRows is not launched).
+  const bool place = cache_cap_ > 0;
+  if (!place) {
+    fp.out = sel.rows;
     fp.out.k = fp.second.k;
     fp.out.v = fp.second.v;
+    fp.dest = nullptr;
+    fp.second = {};
   }
 
   kc::SelectedRowsParams srp;
@@ -143,11 +151,14 @@ absl::Status SelectedRowsCall::Enqueue(LaunchPlan& lp, Carver& c) {
 
   if (absl::Status s = EnqueueSelection(lp, c, sel); !s.ok()) return s;
   const cudaStream_t stream = lp.stream();
-  if (lp.running()) KVS_CUDA_OK(kc::PlaceRows(pp, pws, pw, stream), "PlaceRows");
+  if (place && lp.running()) KVS_CUDA_OK(kc::PlaceRows(pp, pws, pw, stream), "PlaceRows");
   if (absl::Status s = lp.Mark(1); !s.ok()) return s;
   if (lp.staged() && lp.running()) {  // the missed rows come from the row source, listed order
-    if (absl::Status s = lp.StageListed(lp.Dev<const int32_t>(cr_.fetch_tokens), rows_cap_,
-                                        lp.Dev<const int32_t>(cr_.fetch_count), &fp.shape);
+    // The list: PlaceRows' misses, or without a cache the union (its counts: statistics block 0).
+    const size_t listed = place ? cr_.fetch_tokens : cr_.union_tokens;
+    const size_t counts = place ? cr_.fetch_count : lp.stats_offset();
+    if (absl::Status s = lp.StageListed(lp.Dev<const int32_t>(listed), rows_cap_,
+                                        lp.Dev<const int32_t>(counts), &fp.shape);
         !s.ok()) {
       return s;
     }

@@ -3,14 +3,17 @@
 // over compressed keys). The method's selection kernels write, per (b, j), the
 // union of its query heads' rows and each head's positions in it (kernels/cuda/selected_rows.h);
 // the rest is shared and lives here:
-//   PlaceRows           which rows the row cache holds from the last step, and which must cross;
+//   PlaceRows           which rows the row cache holds from the last step, and which must cross
+//                       (not launched where no sequence has a row cache: every union row crosses,
+//                       in union order, into the overflow rows);
 //   FetchRows           only those rows, over the host link (into cache slots, or overflow rows
 //                       in the scratch when the cache is full); from a store in another
 //                       process the rows are gathered into pinned staging first
 //                       (LaunchPlan::StageListed) and read from there;
 //   SelectedRowsDecode  the estimate over the union's rows.
 // The row cache (DeviceState::GrowCache) holds row_cache_fraction of each sequence's tokens per
-// kv head; consecutive steps select mostly the same rows, which then stay on the device.
+// kv head; consecutive steps select mostly the same rows, which then stay on the device (for the
+// selections whose rows repeat: RowsRepeat).
 // Statistics blocks: 0 the union's rows per (b, j) (first B * Hkv entries), 1 each query head's
 // rows, 2 its budget, 3 the cache hits per (b, j).
 #ifndef KVSPARSE_ENGINE_CUDA_SELECTED_ROWS_CALL_H_
@@ -73,6 +76,10 @@ class SelectedRowsCall : public MethodCall {
   virtual int32_t UnionBound(const LaunchPlan& lp, int32_t max_sel) const;
   // Whether the selection weights its rows (Selection::log2_weights); else every weight is 1.
   virtual bool RowWeights() const { return false; }
+  // Whether consecutive steps select mostly the same rows, so that the row cache keeps them on
+  // the device; a selection that draws afresh each step says no: no cache is grown or consulted
+  // for it and PlaceRows is not launched.
+  virtual bool RowsRepeat() const { return true; }
   // Device bytes the selection reads for sequence b per kv head: by default every token's key
   // signature (hash top-k, SAAP buckets).
   virtual uint64_t SelectionDeviceBytes(const LaunchPlan& lp, int32_t b) const {

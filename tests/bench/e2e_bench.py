@@ -23,6 +23,9 @@ one process on one GPU:
                   dense needs K and V resident and is the flash row's work)
   kvsgc-<method>  the same without warming the next layer's host-page translations
                   (KvSparseCache(warm_pages=False): every layer's row fetch translates cold)
+  kvsgn-<method>  kvsg- through a second in-process engine without a row cache
+                  (gpu_row_cache=0: every selected row crosses every step), to set the row cache
+                  of --gpu_row_cache against none in one run
   grpc-<method>   kvsparse-server on loopback (unary calls), grpcs-<method> over a DecodeStream
   kvsr-<method>   the engine in process (q and the output on the GPU) over a store in another
                   process: kvsparse.torch.ops.InProcessEngine(store=...) against kvsparse-server
@@ -328,10 +331,10 @@ def finish(row: Row) -> Row:
 
 def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server) -> Row:
     transport, method_name = variant.split("-", 1)
-    planned = transport in ("kvsg", "kvsgc")
-    compiled = transport in ("kvsc", "kvsg", "kvsgc")
+    planned = transport in ("kvsg", "kvsgc", "kvsgn")
+    compiled = transport in ("kvsc", "kvsg", "kvsgc", "kvsgn")
     warm_pages = transport != "kvsgc"
-    transport = "kvs" if compiled else transport
+    transport = "kvsn" if transport == "kvsgn" else "kvs" if compiled else transport
     method = METHODS[method_name]
     cfg = model.config
     L, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
@@ -453,6 +456,11 @@ def start_transports(variants: list[str], args: argparse.Namespace, gpu: bool
         engines["kvs"] = ops.InProcessEngine(
             gpu="on" if gpu else "off", store_capacity=args.store_capacity, gpu_capacity=args.gpu_capacity,
             gpu_row_cache=args.gpu_row_cache,
+        )
+    if any(v.startswith("kvsgn-") for v in variants):
+        engines["kvsn"] = ops.InProcessEngine(
+            gpu="on" if gpu else "off", store_capacity=args.store_capacity, gpu_capacity=args.gpu_capacity,
+            gpu_row_cache=0.0,
         )
     server: dict[str, kvsparse.LocalServer] = {}
     if any(v.startswith("grpc") for v in variants):

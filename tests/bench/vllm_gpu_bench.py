@@ -65,7 +65,9 @@ def main() -> None:
                     help="\";\"-separated: flash_attn, kvsparse:<method text>")
     ap.add_argument("--gpu_memory_utilization", type=float, default=0.85)
     ap.add_argument("--store_capacity", default="48G", help="kvsparse's host-memory store")
-    ap.add_argument("--row_cache", default="0.005")
+    ap.add_argument("--row_cache", default="0.005",
+                    help="kvsparse's row cache (KVSPARSE_VLLM_ROW_CACHE); a comma-separated list runs each "
+                         "kvsparse backend once per value, the row's row_cache saying which")
     ap.add_argument("--kv_cache_seqs", type=float, default=0,
                     help="vLLM's KV budget (kv_cache_memory_bytes) for flash_attn and kvsparse rows: this many "
                          "sequences of n + steps tokens in FlashAttention's spec (0: --gpu_memory_utilization's share)")
@@ -88,10 +90,13 @@ def main() -> None:
     rows = []
     for n in [int(x) for x in args.lens.split(",")]:
         for b in [int(x) for x in args.batches.split(",")]:
-            for backend in args.backends.split(";"):
+            runs = [(backend, rc) for backend in args.backends.split(";")
+                    for rc in (args.row_cache.split(",") if backend.startswith("kvsparse") else [None])]
+            for backend, row_cache in runs:
                 method = backend.split(":", 1)[1] if backend.startswith("kvsparse") else None
                 store = backend.startswith("kvsparse-store:")
-                env = {"KVSPARSE_VLLM_STORE_CAPACITY": args.store_capacity, "KVSPARSE_VLLM_ROW_CACHE": args.row_cache}
+                env = {"KVSPARSE_VLLM_STORE_CAPACITY": args.store_capacity,
+                       "KVSPARSE_VLLM_ROW_CACHE": row_cache or "0"}
                 budget = (_bytes(args.store_kv_cache_memory) if store
                           else int(args.kv_cache_seqs * (n + args.steps + 16) * kv_token))
                 if store:
@@ -108,6 +113,8 @@ def main() -> None:
                                        "trace": str(Path(args.out).with_name(f"trace-{n}-{b}-{name}.json.gz"))}
                 out = run(spec, args.timeout)
                 row = {"n": n, "batch": b, "backend": backend, "command": command}
+                if row_cache is not None:
+                    row["row_cache"] = float(row_cache)
                 if "error" in out:
                     row["error"] = out["error"]
                     print(json.dumps(row)[:3000], flush=True)

@@ -495,6 +495,18 @@ TEST_F(GpuEngineTest, SantaOverCompressedKeys) {
     }
     EXPECT_GE(same, c->heads.size() * 9 / 10) << what << ": heads reading the CPU's rows";
     EXPECT_LT(RelL2(g->output, c->output, prob.problem.dtype), 0.05) << what;
+    // The same step again (the same sample): S2ANTA's rows keep no row cache (its samples do not
+    // repeat from step to step), so every row crosses again, none is counted cached.
+    auto again = rig->gpu->Decode(Call(prob, m));
+    ASSERT_TRUE(again.ok()) << what << ": " << again.status();
+    for (size_t i = 0; i < again->heads.size(); ++i) {
+      const HeadStats& hs = again->heads[i];
+      EXPECT_EQ(hs.rows_cached, 0u) << what << " head " << i;
+      EXPECT_EQ(hs.rows_fetched, g->heads[i].rows_fetched) << what << " head " << i;
+      const uint64_t crossed = hs.bytes[static_cast<int>(Tier::kHost)] +
+                               (pl == 2 ? hs.bytes[static_cast<int>(Tier::kDevice)] : 0);
+      EXPECT_GE(crossed, 2 * hs.rows_fetched * row) << what << " head " << i;
+    }
     // The group mixture: one sample of S rows per kv head for its four query heads.
     Method gm = m;
     gm.santa.proposal = kernels::SantaProposal::kGroupMixture;
@@ -936,6 +948,28 @@ TEST_F(GpuEngineTest, WithoutTheRowCacheOnlySignaturesStay) {
   const size_t held = rig->gpu->device_backend()->resident_bytes();
   EXPECT_GT(held, 0u);
   EXPECT_LE(held, 2u * 2 * 3000 * 4 + 4096);
+}
+
+// No row cache with the rows in another process: the union's rows are gathered into staging in
+// union order (its counts from the statistics) and every row crosses, every step.
+TEST_F(GpuEngineTest, StoreInAnotherProcessWithoutTheRowCache) {
+  auto rig = Rig::Make(1ull << 30, /*row_cache=*/0.0, /*apart=*/true);
+  ASSERT_NE(rig, nullptr);
+  kvstore::Placement p;
+  p.signature_bits = 32;
+  p.compressed_key_bits = 2;
+  auto prob = Problem({3000, 1, 700});
+  rig->Load(prob, p);
+  Method top_k = TopKMethod(0.05f, 0, 16, 32);
+  for (const Method& m : {HashMethod(0.05f, 0, 16, 32), top_k}) {
+    Compare(*rig, prob, m, {8e-3, true, 0}, "apart, no row cache");
+    auto g = rig->gpu->Decode(Call(prob, m));
+    ASSERT_TRUE(g.ok()) << g.status();
+    for (const HeadStats& hs : g->heads) {
+      EXPECT_EQ(hs.rows_cached, 0u);
+      EXPECT_EQ(hs.bytes[static_cast<int>(Tier::kRemote)], 2 * hs.rows_fetched * 128 * 2);
+    }
+  }
 }
 
 // A device buffer for the captured-step tests.
