@@ -335,9 +335,9 @@ TEST_F(EngineTest, HashTopKSelectsWhatTheReferenceSelects) {
   Load(Options(), sig);
   Method m;
   m.kind = MethodKind::kHashTopK;
-  m.hash.sink_tokens = 16;
-  m.hash.local_tokens = 32;
-  m.hash.top_k = 40;
+  m.hash.fixed.sink_tokens = 16;
+  m.hash.fixed.local_tokens = 32;
+  m.hash.fixed.top_k = 40;
   m.hash.bits = 0;  // the sequence's
   auto r = engine_->Decode(Call(m));
   ASSERT_TRUE(r.ok()) << r.status();
@@ -373,13 +373,13 @@ TEST_F(EngineTest, ShortSequencesAndEmptySelectionsAnswerAttention) {
   Load(Options(2, {50, 50}), place);
   Method hash;
   hash.kind = MethodKind::kHashTopK;
-  hash.hash.sink_tokens = hash.hash.local_tokens = hash.hash.top_k = 0;
-  hash.hash.top_k_fraction = 0.01f;  // 0.5 rows of 50: none before the rule
+  hash.hash.fixed.sink_tokens = hash.hash.fixed.local_tokens = hash.hash.fixed.top_k = 0;
+  hash.hash.fixed.top_k_fraction = 0.01f;  // 0.5 rows of 50: none before the rule
   hash.hash.bits = 0;
   Method topk;
   topk.kind = MethodKind::kTopK;
-  topk.top_k.sink_tokens = topk.top_k.local_tokens = topk.top_k.top_k = 0;
-  topk.top_k.top_k_fraction = 0.f;
+  topk.top_k.fixed.sink_tokens = topk.top_k.fixed.local_tokens = topk.top_k.fixed.top_k = 0;
+  topk.top_k.fixed.top_k_fraction = 0.f;
   for (const Method& m : {hash, topk}) {
     auto r = engine_->Decode(Call(m));
     ASSERT_TRUE(r.ok()) << r.status();
@@ -391,9 +391,9 @@ TEST_F(EngineTest, ShortSequencesAndEmptySelectionsAnswerAttention) {
     EXPECT_GT(mass, 0.0) << "an output of zeros";
   }
   // top_k 64 over 50 tokens (sink and window cover them too): every row, dense attention.
-  hash.hash.sink_tokens = hash.hash.local_tokens = 128;
-  hash.hash.top_k = 64;
-  topk.top_k.top_k = 64;
+  hash.hash.fixed.sink_tokens = hash.hash.fixed.local_tokens = 128;
+  hash.hash.fixed.top_k = 64;
+  topk.top_k.fixed.top_k = 64;
   for (const Method& m : {hash, topk}) {
     auto r = engine_->Decode(Call(m));
     ASSERT_TRUE(r.ok()) << r.status();
@@ -501,7 +501,7 @@ TEST_F(EngineTest, SantaOverCompressedKeysSelectsWhatTheReferenceSelects) {
   v.kind = MethodKind::kVAttention;
   v.vattention.epsilon = 0.1f;
   v.vattention.delta = 0.1f;
-  v.vattention.top_k_fraction = 0.02f;
+  v.vattention.fixed.top_k_fraction = 0.02f;
   v.vattention.base_rate = 0.05f;
   v.vattention.predictor = kernels::TopKPredictor::kCompressed;
   const absl::Status vatt = engine_->Decode(Call(v)).status();
@@ -510,7 +510,7 @@ TEST_F(EngineTest, SantaOverCompressedKeysSelectsWhatTheReferenceSelects) {
   EXPECT_TRUE(absl::StrContains(vatt.message(), "1-bit keys")) << vatt;
   m.kind = MethodKind::kTopK;  // top-k over the same keys is served
   m.top_k.source = kernels::ScoreSource::kCompressedKeys;
-  m.top_k.top_k_fraction = 0.1f;
+  m.top_k.fixed.top_k_fraction = 0.1f;
   EXPECT_TRUE(engine_->Decode(Call(m)).ok());
 }
 
@@ -541,10 +541,10 @@ TEST_F(EngineTest, VAttentionSelectsWhatTheReferenceSelects) {
     m.kind = MethodKind::kVAttention;
     m.vattention.epsilon = 0.1f;
     m.vattention.delta = 0.1f;
-    m.vattention.sink_tokens = 8;
-    m.vattention.local_tokens = 16;
-    m.vattention.top_k = 0;
-    m.vattention.top_k_fraction = 0.02f;
+    m.vattention.fixed.sink_tokens = 8;
+    m.vattention.fixed.local_tokens = 16;
+    m.vattention.fixed.top_k = 0;
+    m.vattention.fixed.top_k_fraction = 0.02f;
     m.vattention.base_rate = 0.05f;
     m.vattention.predictor = predictor;
     m.vattention.sampler = sampler;
@@ -605,9 +605,9 @@ TEST_F(EngineTest, TopKSelectsWhatTheReferenceSelects) {
     Load(o, c.placement);
     Method m;
     m.kind = MethodKind::kTopK;
-    m.top_k.sink_tokens = 16;
-    m.top_k.local_tokens = 32;
-    m.top_k.top_k = 40;
+    m.top_k.fixed.sink_tokens = 16;
+    m.top_k.fixed.local_tokens = 32;
+    m.top_k.fixed.top_k = 40;
     m.top_k.source = c.source;
     auto r = engine_->Decode(Call(m));
     ASSERT_TRUE(r.ok()) << r.status();
@@ -665,9 +665,9 @@ TEST_F(EngineTest, TopKFollowsAppendedTokensAndRefusesWhatItCannotServe) {
   Load(o, compressed);
   Method m;
   m.kind = MethodKind::kTopK;
-  m.top_k.sink_tokens = 4;
-  m.top_k.local_tokens = 4;
-  m.top_k.top_k = 10;
+  m.top_k.fixed.sink_tokens = 4;
+  m.top_k.fixed.local_tokens = 4;
+  m.top_k.fixed.top_k = 10;
   const kernels::DecodeProblem& p0 = prob_.problem;
   const size_t es = kernels::DTypeSize(p0.dtype);
   const size_t token = static_cast<size_t>(p0.num_kv_heads) * p0.head_dim * es;
@@ -751,9 +751,9 @@ TEST_F(EngineTest, ChunkedFetchesGiveTheSameRows) {
     Method m;
     m.kind = kind;
     m.santa.samples = 32;
-    m.hash.top_k = 50;
-    m.hash.sink_tokens = 4;
-    m.hash.local_tokens = 4;
+    m.hash.fixed.top_k = 50;
+    m.hash.fixed.sink_tokens = 4;
+    m.hash.fixed.local_tokens = 4;
     m.hash.bits = 0;
     auto a = engine_->Decode(Call(m));
     auto b = chunked.Decode(Call(m));
@@ -850,7 +850,7 @@ TEST_F(EngineTest, BadRequestsGetClearCodes) {
   EXPECT_EQ(engine_->Decode(c).status().code(), StatusCode::kInvalidArgument);
   Method hash;
   hash.kind = MethodKind::kHashTopK;
-  hash.hash.top_k = 8;
+  hash.hash.fixed.top_k = 8;
   EXPECT_EQ(engine_->Decode(Call(hash)).status().code(), StatusCode::kFailedPrecondition);
   Method santa;
   santa.kind = MethodKind::kSanta;
@@ -862,7 +862,7 @@ TEST_F(EngineTest, BadRequestsGetClearCodes) {
   vatt.vattention.epsilon = 1.5f;
   EXPECT_EQ(engine_->Decode(Call(vatt)).status().code(), StatusCode::kInvalidArgument);
   vatt.vattention.epsilon = 0.1f;
-  vatt.vattention.top_k = 5000;  // k > n: the sequence's 700 rows (kernels/hash_topk.h)
+  vatt.vattention.fixed.top_k = 5000;  // k > n: the sequence's 700 rows (kernels/hash_topk.h)
   EXPECT_TRUE(engine_->Decode(Call(vatt)).ok());
   c = Call(Method{});
   std::vector<uint8_t> nk(7);
@@ -897,7 +897,7 @@ TEST_F(EngineTest, EveryMethodRefusesEmptyLayersNonFiniteQAndRepeats) {
   methods[1].kind = MethodKind::kSanta;
   methods[1].santa.samples = 16;
   methods[2].kind = MethodKind::kHashTopK;
-  methods[2].hash.top_k = 8;
+  methods[2].hash.fixed.top_k = 8;
   methods[2].hash.bits = 0;
   methods[3].kind = MethodKind::kVAttention;
   methods[3].vattention.predictor = kernels::TopKPredictor::kExact;
@@ -1030,7 +1030,7 @@ TEST_F(EngineTest, SaapSelectsWhatTheReferenceSelects) {
   }
   Method hash;
   hash.kind = MethodKind::kHashTopK;
-  hash.hash.top_k = 8;
+  hash.hash.fixed.top_k = 8;
   hash.hash.bits = 0;
   EXPECT_EQ(saap_engine.Decode(Call(hash)).status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_EQ(engine_->Decode(Call(m)).status().code(), absl::StatusCode::kFailedPrecondition);
@@ -1087,9 +1087,9 @@ TEST(EngineConcurrencyTest, ConcurrentDecodesWithEvictions) {
   methods[0].kind = MethodKind::kSanta;
   methods[0].santa.samples = 64;
   methods[1].kind = MethodKind::kHashTopK;
-  methods[1].hash.top_k = 30;
-  methods[1].hash.sink_tokens = 8;
-  methods[1].hash.local_tokens = 8;
+  methods[1].hash.fixed.top_k = 30;
+  methods[1].hash.fixed.sink_tokens = 8;
+  methods[1].hash.fixed.local_tokens = 8;
   methods[1].hash.bits = 0;
   methods[2].kind = MethodKind::kVAttention;
   methods[2].vattention.epsilon = 0.2f;

@@ -209,13 +209,13 @@ TEST(ScoreTopKTest, ValidatesParamsAndViews) {
   SyntheticProblem sp = SyntheticProblem::Make(o);
   RowSelection sel;
   ScoreTopKParams p;
-  p.top_k = -1;
+  p.fixed.top_k = -1;
   EXPECT_EQ(ScoreTopKSelectCpu(sp.problem, p, {}, &sel).code(), absl::StatusCode::kInvalidArgument);
-  p.top_k = 400;  // > n: every row (a short sequence reads what it has)
+  p.fixed.top_k = 400;  // > n: every row (a short sequence reads what it has)
   p.source = ScoreSource::kExact;
   ASSERT_TRUE(ScoreTopKSelectCpu(sp.problem, p, {}, &sel).ok());
   EXPECT_EQ(sel.at(0, 0).num_rows(), 300);
-  p.top_k = 10;
+  p.fixed.top_k = 10;
   p.source = ScoreSource::kCompressedKeys;
   EXPECT_EQ(ScoreTopKSelectCpu(sp.problem, p, {}, &sel).code(), absl::StatusCode::kInvalidArgument)
       << "one view per (sequence, kv head)";
@@ -236,7 +236,7 @@ TEST(ScoreTopKTest, EveryRowSelectedIsDense) {
   for (ScoreSource src : {ScoreSource::kExact, ScoreSource::kCompressedKeys}) {
     std::vector<CompressedKeys> c = CompressProblemKeys(sp.problem, 1);
     ScoreTopKParams p;
-    p.top_k_fraction = 1.f;
+    p.fixed.top_k_fraction = 1.f;
     p.source = src;
     ASSERT_TRUE(ScoreTopKDecodeCpu(sp.problem, p, ViewsOf(c)).ok());
     EXPECT_LT(RelativeL2(dense, OutputAsDouble(sp.problem)), 1e-3);
@@ -253,9 +253,9 @@ TEST(ScoreTopKTest, ExactSelectsSinkWindowAndTheBestScores) {
   o.family = ScoreFamily::kZipf;
   SyntheticProblem sp = SyntheticProblem::Make(o);
   ScoreTopKParams p;
-  p.sink_tokens = 4;
-  p.local_tokens = 16;
-  p.top_k = 30;
+  p.fixed.sink_tokens = 4;
+  p.fixed.local_tokens = 16;
+  p.fixed.top_k = 30;
   p.source = ScoreSource::kExact;
   RowSelection sel;
   ASSERT_TRUE(ScoreTopKSelectCpu(sp.problem, p, {}, &sel).ok());
@@ -294,7 +294,7 @@ TEST(ScoreTopKTest, CompressedKeysRecallTheOracleOnRealAttention) {
     ASSERT_TRUE(DenseDecodeCpu(p).ok());
     const std::vector<double> dense = OutputAsDouble(p);
     ScoreTopKParams params;
-    params.top_k_fraction = 1.f / 32;
+    params.fixed.top_k_fraction = 1.f / 32;
     params.source = ScoreSource::kExact;
     RowSelection oracle;
     ASSERT_TRUE(ScoreTopKDecodeCpu(p, params, {}, &oracle).ok());

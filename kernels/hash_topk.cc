@@ -9,7 +9,9 @@
 
 namespace kvsparse::kernels {
 
-absl::StatusOr<int32_t> ResolveTopK(int32_t top_k, float top_k_fraction, int32_t n) {
+absl::StatusOr<int32_t> ResolveTopK(const FixedSet& f, int32_t n) {
+  const int32_t top_k = f.top_k;
+  const float top_k_fraction = f.top_k_fraction;
   if (top_k < 0) return absl::InvalidArgumentError(absl::StrCat("top_k ", top_k, " < 0"));
   if (top_k > 0) return std::min(top_k, n);  // a short sequence reads what it has
   if (!(top_k_fraction >= 0.f && top_k_fraction <= 1.f)) {
@@ -49,21 +51,19 @@ template int32_t SelectSinkLocalTopK<int32_t>(const int32_t*, int32_t, int32_t, 
 template int32_t SelectSinkLocalTopK<float>(const float*, int32_t, int32_t, int32_t, int32_t,
                                             std::vector<int32_t>*, std::vector<int32_t>*);
 
-absl::Status ValidateSinkLocalTopK(int32_t sink_tokens, int32_t local_tokens, int32_t top_k,
-                                   float top_k_fraction) {
+absl::Status ValidateFixedSet(const FixedSet& f) {
   Reasons reasons;
-  reasons.AddIf(sink_tokens < 0, "sink_tokens ", sink_tokens, " < 0");
-  reasons.AddIf(local_tokens < 0, "local_tokens ", local_tokens, " < 0");
-  reasons.AddIf(top_k < 0, "top_k ", top_k, " < 0");
-  reasons.AddIf(top_k == 0 && !(top_k_fraction >= 0.f && top_k_fraction <= 1.f),
-                "top_k_fraction must be in [0, 1], got ", top_k_fraction);
+  reasons.AddIf(f.sink_tokens < 0, "sink_tokens ", f.sink_tokens, " < 0");
+  reasons.AddIf(f.local_tokens < 0, "local_tokens ", f.local_tokens, " < 0");
+  reasons.AddIf(f.top_k < 0, "top_k ", f.top_k, " < 0");
+  reasons.AddIf(f.top_k == 0 && !(f.top_k_fraction >= 0.f && f.top_k_fraction <= 1.f),
+                "top_k_fraction must be in [0, 1], got ", f.top_k_fraction);
   return reasons.ToStatus();
 }
 
 absl::Status ValidateHashTopKParams(const HashTopKParams& params) {
   Reasons reasons;
-  reasons.Add(ValidateSinkLocalTopK(params.sink_tokens, params.local_tokens, params.top_k,
-                                    params.top_k_fraction));
+  reasons.Add(ValidateFixedSet(params.fixed));
   reasons.Add(ValidateSignatureBits(params.bits));
   return reasons.ToStatus();
 }
@@ -102,7 +102,7 @@ absl::Status HashTopKSelectCpu(const DecodeProblem& p, const HashTopKParams& par
   std::vector<HeadRows> rows(group);
   for (int32_t b = 0; b < p.batch; ++b) {
     const int32_t n = p.seq_lens[b];
-    absl::StatusOr<int32_t> k = ResolveTopK(params.top_k, params.top_k_fraction, n);
+    absl::StatusOr<int32_t> k = ResolveTopK(params.fixed, n);
     if (!k.ok()) return k.status();
     sim.resize(n);
     for (int32_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
@@ -116,8 +116,8 @@ absl::Status HashTopKSelectCpu(const DecodeProblem& p, const HashTopKParams& par
         }
         HeadRows& r = rows[g];
         r.Clear();
-        r.budget = SelectSinkLocalTopK(sim.data(), n, params.sink_tokens, params.local_tokens, *k,
-                                       &chosen, &scratch);
+        r.budget = SelectSinkLocalTopK(sim.data(), n, params.fixed.sink_tokens,
+                                       params.fixed.local_tokens, *k, &chosen, &scratch);
         for (int32_t t : chosen) r.Push(t, 1, 1.f);
       }
       MergeGroup(rows, &sel->at(b, kvh));

@@ -38,35 +38,31 @@
 namespace kvsparse::kernels {
 
 struct HashTopKParams {
-  int32_t sink_tokens = 128;
-  int32_t local_tokens = 128;
-  int32_t top_k = 0;           // rows per query head beyond sink and window
-  float top_k_fraction = 0.f;  // used when top_k == 0, in [0, 1]
-  int32_t bits = 32;           // signature bits: multiple of 32 in [32, 256]
+  FixedSet fixed;
+  int32_t bits = 32;  // signature bits: multiple of 32 in [32, 256]
 };
 
-// k for a sequence of n tokens (see the header comment): a top_k above n is n. INVALID_ARGUMENT
-// naming top_k or top_k_fraction when top_k < 0 or the fraction is outside [0, 1].
-[[nodiscard]] absl::StatusOr<int32_t> ResolveTopK(int32_t top_k, float top_k_fraction, int32_t n);
+// k of a fixed set for a sequence of n tokens (see the header comment): a top_k above n is n.
+// INVALID_ARGUMENT naming top_k or top_k_fraction when top_k < 0 or the fraction is outside
+// [0, 1].
+[[nodiscard]] absl::StatusOr<int32_t> ResolveTopK(const FixedSet& f, int32_t n);
 
-// INVALID_ARGUMENT naming the field when a count of the selection rule is negative or the
-// fraction (used when top_k == 0) is outside [0, 1]: what every sink + window + top-k method checks.
-[[nodiscard]] absl::Status ValidateSinkLocalTopK(int32_t sink_tokens, int32_t local_tokens,
-                                                 int32_t top_k, float top_k_fraction);
+// INVALID_ARGUMENT naming the field when a count of the fixed set is negative or the fraction
+// (used when top_k == 0) is outside [0, 1]: what every sink + window + top-k method checks.
+[[nodiscard]] absl::Status ValidateFixedSet(const FixedSet& f);
 
-// Rows a sink + window + top-k selection can hold per query head for sequences of up to
-// max_seq_len tokens (the output stride of the GPU selections).
-// Inline: the CUDA launchers use it without linking the CPU references.
-inline int32_t MaxSinkLocalTopKRows(int32_t sink_tokens, int32_t local_tokens, int32_t top_k,
-                                    float top_k_fraction, int32_t max_seq_len) {
-  const int64_t k = top_k > 0 ? top_k
-                              : static_cast<int64_t>(std::floor(
-                                    static_cast<double>(top_k_fraction) * max_seq_len + 0.5));
-  const int64_t total = static_cast<int64_t>(std::max(sink_tokens, 0)) + std::max(local_tokens, 0) +
+// Rows a fixed set can hold per query head for sequences of up to max_seq_len tokens (the output
+// stride of the GPU selections). Inline: the CUDA launchers use it without linking the CPU
+// references.
+inline int32_t MaxFixedSetRows(const FixedSet& f, int32_t max_seq_len) {
+  const int64_t k = f.top_k > 0 ? f.top_k
+                                : static_cast<int64_t>(std::floor(
+                                      static_cast<double>(f.top_k_fraction) * max_seq_len + 0.5));
+  const int64_t total = static_cast<int64_t>(std::max(f.sink_tokens, 0)) +
+                        std::max(f.local_tokens, 0) +
                         std::max<int64_t>(k, 1);  // never empty: at least one top-k row
   return static_cast<int32_t>(std::min<int64_t>(total, max_seq_len));
 }
-
 
 // Sink + window + top-k of `scores` ([n]) as above; the chosen tokens go to `out` ascending.
 // Returns the number of top-k tokens chosen. T is int32_t (Hamming similarity) or float.

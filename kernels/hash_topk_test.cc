@@ -146,7 +146,7 @@ TEST(HashTopKTest, ShortSequencesReadWhatTheyHaveAndNoSelectionIsEmpty) {
   std::vector<int32_t> out, scratch;
   EXPECT_EQ(SelectSinkLocalTopK(f.data(), 5, 0, 0, 0, &out, &scratch), 1);
   EXPECT_EQ(out, (std::vector<int32_t>{2}));
-  absl::StatusOr<int32_t> k = ResolveTopK(0, 0.01f, 50);  // 0.5 rounds to 0 rows
+  absl::StatusOr<int32_t> k = ResolveTopK(FixedSet{0, 0, 0, 0.01f}, 50);  // 0.5 rounds to 0 rows
   ASSERT_TRUE(k.ok());
   EXPECT_EQ(SelectSinkLocalTopK(f.data(), 5, 0, 0, *k, &out, &scratch), 1);
   EXPECT_EQ(out, (std::vector<int32_t>{2}));
@@ -156,7 +156,7 @@ TEST(HashTopKTest, ShortSequencesReadWhatTheyHaveAndNoSelectionIsEmpty) {
   EXPECT_EQ(SelectSinkLocalTopK(f.data(), 0, 0, 0, 0, &out, &scratch), 0);  // no token: none
   EXPECT_TRUE(out.empty());
   // top_k beyond the sequence: its length.
-  k = ResolveTopK(64, 0.f, 50);
+  k = ResolveTopK(FixedSet{0, 0, 64, 0.f}, 50);
   ASSERT_TRUE(k.ok());
   EXPECT_EQ(*k, 50);
   // End to end: HashTopKParams{} (every field 0, as a request's defaults on the wire can be)
@@ -165,10 +165,10 @@ TEST(HashTopKTest, ShortSequencesReadWhatTheyHaveAndNoSelectionIsEmpty) {
   Signatures sigs;
   ASSERT_TRUE(ComputeSimHashSignatures(sp.problem, SimHashConfig{1, 0, 32, {}}, &sigs).ok());
   HashTopKParams zero;
-  zero.sink_tokens = 0;
-  zero.local_tokens = 0;
-  zero.top_k = 0;
-  zero.top_k_fraction = 0.f;
+  zero.fixed.sink_tokens = 0;
+  zero.fixed.local_tokens = 0;
+  zero.fixed.top_k = 0;
+  zero.fixed.top_k_fraction = 0.f;
   RowSelection sel;
   ASSERT_TRUE(HashTopKDecodeCpu(sp.problem, zero, sigs.view, &sel).ok());
   double mass = 0;
@@ -176,9 +176,9 @@ TEST(HashTopKTest, ShortSequencesReadWhatTheyHaveAndNoSelectionIsEmpty) {
   for (double x : OutputAsDouble(sp.problem)) mass += std::fabs(x);
   EXPECT_GT(mass, 0.0) << "an output of zeros";
   HashTopKParams over;
-  over.sink_tokens = 128;
-  over.local_tokens = 128;
-  over.top_k = 64;
+  over.fixed.sink_tokens = 128;
+  over.fixed.local_tokens = 128;
+  over.fixed.top_k = 64;
   ASSERT_TRUE(HashTopKDecodeCpu(sp.problem, over, sigs.view, &sel).ok());
   std::vector<double> dense;
   ASSERT_TRUE(DenseDecodeFloat64(sp.problem, &dense).ok());
@@ -194,9 +194,9 @@ TEST(HashTopKTest, KEqualsNIsDense) {
     Signatures sigs;
     ASSERT_TRUE(ComputeSimHashSignatures(sp.problem, SimHashConfig{1, 0, 64, {}}, &sigs).ok());
     HashTopKParams params;
-    params.sink_tokens = 4;
-    params.local_tokens = 16;
-    params.top_k_fraction = 1.f;
+    params.fixed.sink_tokens = 4;
+    params.fixed.local_tokens = 16;
+    params.fixed.top_k_fraction = 1.f;
     params.bits = 64;
     RowSelection sel;
     ASSERT_TRUE(HashTopKDecodeCpu(sp.problem, params, sigs.view, &sel).ok());
@@ -228,9 +228,9 @@ TEST(HashTopKTest, SelectionShape) {
   Signatures sigs;
   ASSERT_TRUE(ComputeSimHashSignatures(sp.problem, SimHashConfig{9, 0, 32, {}}, &sigs).ok());
   HashTopKParams params;
-  params.sink_tokens = 8;
-  params.local_tokens = 32;
-  params.top_k = 50;
+  params.fixed.sink_tokens = 8;
+  params.fixed.local_tokens = 32;
+  params.fixed.top_k = 50;
   RowSelection sel;
   ASSERT_TRUE(HashTopKSelectCpu(sp.problem, params, sigs.view, &sel).ok());
   for (int32_t kvh = 0; kvh < 2; ++kvh) {
@@ -449,14 +449,14 @@ TEST(LearnedHashTest, PerQueryHeadKeyMlpsEndToEnd) {
   ASSERT_TRUE(ComputeLearnedSignatures(sp.problem, w, 0, &sigs).ok());
   EXPECT_EQ(sigs.view.key_heads, 8);
   HashTopKParams params;
-  params.sink_tokens = 0;
-  params.local_tokens = 0;
-  params.top_k = 40;
+  params.fixed.sink_tokens = 0;
+  params.fixed.local_tokens = 0;
+  params.fixed.top_k = 40;
   RowSelection sel;
   ASSERT_TRUE(HashTopKDecodeCpu(sp.problem, params, sigs.view, &sel).ok());
   EXPECT_GE(sel.at(0, 0).num_rows(), 40);
-  params.top_k = 0;
-  params.top_k_fraction = 1.f;
+  params.fixed.top_k = 0;
+  params.fixed.top_k_fraction = 1.f;
   std::vector<double> dense;
   ASSERT_TRUE(DenseDecodeFloat64(sp.problem, &dense).ok());
   ASSERT_TRUE(HashTopKDecodeCpu(sp.problem, params, sigs.view, &sel).ok());
@@ -479,10 +479,10 @@ TEST(HashTopKTest, RejectsBadParameters) {
     EXPECT_NE(std::string(s.message()).find(field), std::string::npos) << s.message();
   };
   HashTopKParams p;
-  p.top_k = -1;
+  p.fixed.top_k = -1;
   expect_invalid(p, "top_k");
   p = HashTopKParams{};
-  p.top_k_fraction = 1.5f;
+  p.fixed.top_k_fraction = 1.5f;
   expect_invalid(p, "top_k_fraction");
   p = HashTopKParams{};
   p.bits = 48;
@@ -491,7 +491,7 @@ TEST(HashTopKTest, RejectsBadParameters) {
   p.bits = 64;  // signatures have 32
   expect_invalid(p, "bits");
   p = HashTopKParams{};
-  p.sink_tokens = -1;
+  p.fixed.sink_tokens = -1;
   expect_invalid(p, "sink_tokens");
   EXPECT_EQ(ComputeSimHashSignatures(sp.problem, SimHashConfig{1, 0, 300, {}}, &sigs).code(),
             absl::StatusCode::kInvalidArgument);

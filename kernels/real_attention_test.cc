@@ -131,7 +131,7 @@ TEST(RealAttentionTest, HashTopK) {
     double previous = 1e9;
     for (float fraction : {1.f / 32, 1.f / 8, 1.f / 2, 1.f}) {
       HashTopKParams params;
-      params.top_k_fraction = fraction;
+      params.fixed.top_k_fraction = fraction;
       RowSelection sel;
       ASSERT_TRUE(HashTopKDecodeCpu(p, params, sigs.view, &sel).ok());
       const double err = Mean(HeadErrors(l));
@@ -158,7 +158,7 @@ TEST(RealAttentionTest, VAttentionGuaranteeAndRows) {
       params.epsilon = eps;
       params.delta = eps;
       params.predictor = predictor;
-      params.top_k_fraction = 1.f / 32;
+      params.fixed.top_k_fraction = 1.f / 32;
       int violations = 0, outputs = 0;
       double rows = 0, context = 0;
       for (Layer& l : Layers()) {
@@ -215,7 +215,7 @@ TEST(RealAttentionTest, VAttentionHashPredictorPerHead) {
   auto add = [&](const char* name, auto&& set) {
     VAttentionParams p;
     p.predictor = TopKPredictor::kHash;
-    p.top_k_fraction = 1.f / 32;
+    p.fixed.top_k_fraction = 1.f / 32;
     set(p);
     candidates.push_back({name, p});
   };
@@ -225,7 +225,7 @@ TEST(RealAttentionTest, VAttentionHashPredictorPerHead) {
   add("CLT-ratio", [](VAttentionParams& p) { p.bound = BudgetBound::kCltRatio; });
   candidates.back().asserted = false;
   add("CLT, exact statistics", [](VAttentionParams& p) { p.exact_statistics = true; });
-  add("CLT, top-k 1/8", [](VAttentionParams& p) { p.top_k_fraction = 1.f / 8; });
+  add("CLT, top-k 1/8", [](VAttentionParams& p) { p.fixed.top_k_fraction = 1.f / 8; });
   constexpr int kSeeds = 5;
   for (const Candidate& c : candidates) {
     int violations = 0, outputs = 0, heads = 0;

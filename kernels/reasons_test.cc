@@ -44,7 +44,7 @@ TEST(Reasons, EachMethodsParametersNameEveryProblem) {
   VAttentionParams v;
   v.epsilon = 2.f;
   v.delta = 0.f;
-  v.sink_tokens = -1;
+  v.fixed.sink_tokens = -1;
   v.predictor = TopKPredictor::kHash;
   v.sampler = ResidualSampler::kImportance;
   ExpectEvery(ValidateVAttentionParams(v),
@@ -60,8 +60,8 @@ TEST(Reasons, EachMethodsParametersNameEveryProblem) {
                                        "bernoulli_qk_samples must be >= 0, got -2"});
 
   HashTopKParams h;
-  h.local_tokens = -3;
-  h.top_k = -1;
+  h.fixed.local_tokens = -3;
+  h.fixed.top_k = -1;
   ExpectEvery(ValidateHashTopKParams(h), {"local_tokens -3 < 0", "top_k -1 < 0"});
 
   SaapWeights w;

@@ -10,8 +10,7 @@
 namespace kvsparse::kernels {
 
 absl::Status ValidateScoreTopKParams(const ScoreTopKParams& params) {
-  return ValidateSinkLocalTopK(params.sink_tokens, params.local_tokens, params.top_k,
-                               params.top_k_fraction);
+  return ValidateFixedSet(params.fixed);
 }
 
 absl::Status ScoreTopKSelectCpu(const DecodeProblem& p, const ScoreTopKParams& params,
@@ -39,7 +38,7 @@ absl::Status ScoreTopKSelectCpu(const DecodeProblem& p, const ScoreTopKParams& p
   std::vector<HeadRows> rows(group);
   for (int32_t b = 0; b < p.batch; ++b) {
     const int32_t n = p.seq_lens[b];
-    absl::StatusOr<int32_t> k = ResolveTopK(params.top_k, params.top_k_fraction, n);
+    absl::StatusOr<int32_t> k = ResolveTopK(params.fixed, n);
     if (!k.ok()) return k.status();
     for (int32_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
       const CompressedKeysView* view = exact ? nullptr : &keys[b * p.num_kv_heads + kvh];
@@ -59,8 +58,8 @@ absl::Status ScoreTopKSelectCpu(const DecodeProblem& p, const ScoreTopKParams& p
           ApproximateScores(*view, q.data(), p.scale, scores.data());
         }
         rows[g].Clear();
-        rows[g].budget = SelectSinkLocalTopK(scores.data(), n, params.sink_tokens,
-                                             params.local_tokens, *k, &chosen, &scratch);
+        rows[g].budget = SelectSinkLocalTopK(scores.data(), n, params.fixed.sink_tokens,
+                                             params.fixed.local_tokens, *k, &chosen, &scratch);
         for (int32_t t : chosen) rows[g].Push(t, 1, 1.f);
         if (log_left_out != nullptr && !exact) {
           upper.resize(view->length);

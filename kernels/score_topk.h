@@ -19,14 +19,12 @@
 #include "kernels/compressed_keys.h"
 #include "kernels/decode_problem.h"
 #include "kernels/row_selection.h"
+#include "kernels/sink_local_topk.h"
 
 namespace kvsparse::kernels {
 
 struct ScoreTopKParams {
-  int32_t sink_tokens = 128;
-  int32_t local_tokens = 128;
-  int32_t top_k = 0;           // rows per query head beyond sink and window
-  float top_k_fraction = 0.f;  // used when top_k == 0, in [0, 1] (ResolveTopK)
+  FixedSet fixed;
   ScoreSource source = ScoreSource::kCompressedKeys;
 };
 

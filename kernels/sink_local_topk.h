@@ -10,6 +10,19 @@
 
 namespace kvsparse::kernels {
 
+// The fixed set of a sink + window + top-k method, per query head: the first sink_tokens tokens,
+// the last local_tokens, and k of the rest by the method's scores, k = top_k, or where top_k is 0
+// top_k_fraction of the sequence rounded to nearest (kernels/hash_topk.h states the whole rule:
+// ResolveTopK, ValidateFixedSet, MaxFixedSetRows). Every method that has one embeds it (the
+// parameters of hash top-k, top-k by scores and vAttention, and their CUDA launch structs); the
+// defaults are the methods' own (each proto message's text_default; vAttention's fraction 0.05).
+struct FixedSet {
+  int32_t sink_tokens = 128;
+  int32_t local_tokens = 128;
+  int32_t top_k = 0;           // rows per query head beyond sink and window
+  float top_k_fraction = 0.f;  // used when top_k == 0, in [0, 1]
+};
+
 // The top-k rows of a sequence of n tokens whose sink ends at s_end and whose window begins at
 // w_begin (rest = [s_end, w_begin)), for a resolved k: min(k, rest), or 1 where sink, window and
 // top-k would leave the selection empty (so an output is always an estimate of attention).

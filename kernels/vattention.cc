@@ -62,8 +62,7 @@ absl::Status ValidateVAttentionParams(const VAttentionParams& params) {
   reasons.AddIf(!InOpenUnit(params.delta), "delta must be in (0, 1), got ", params.delta);
   reasons.AddIf(!InOpenUnit(params.base_rate), "base_rate must be in (0, 1), got ",
                 params.base_rate);
-  reasons.Add(ValidateSinkLocalTopK(params.sink_tokens, params.local_tokens, params.top_k,
-                                    params.top_k_fraction));
+  reasons.Add(ValidateFixedSet(params.fixed));
   const bool hash = params.predictor == TopKPredictor::kHash;
   reasons.AddIf(!hash && params.predictor != TopKPredictor::kExact &&
                     params.predictor != TopKPredictor::kCompressed,
@@ -150,8 +149,8 @@ VAttentionBudget ComputeVAttentionBudget(const VAttentionStatistics& st,
 template <typename T>
 void VAttentionPlanFixed(const T* scores, int32_t n, int32_t k, const VAttentionParams& params,
                          VAttentionHeadResult* r, std::vector<int32_t>* scratch) {
-  r->top_k_chosen = SelectSinkLocalTopK(scores, n, params.sink_tokens, params.local_tokens, k,
-                                        &r->fixed, scratch);
+  r->top_k_chosen = SelectSinkLocalTopK(scores, n, params.fixed.sink_tokens,
+                                        params.fixed.local_tokens, k, &r->fixed, scratch);
   r->base.clear();
   r->dyn.clear();
   r->b = 0;
@@ -487,7 +486,7 @@ absl::Status VAttentionSelectCpu(const DecodeProblem& p, const VAttentionParams&
   VAttentionHeadResult res;
   for (int32_t b = 0; b < p.batch; ++b) {
     const int32_t n = p.seq_lens[b];
-    absl::StatusOr<int32_t> k = ResolveTopK(params.top_k, params.top_k_fraction, n);
+    absl::StatusOr<int32_t> k = ResolveTopK(params.fixed, n);
     if (!k.ok()) return k.status();
     for (int32_t kvh = 0; kvh < p.num_kv_heads; ++kvh) {
       for (int32_t g = 0; g < group; ++g) {

@@ -102,6 +102,7 @@
 #include "kernels/hash_topk.h"
 #include "kernels/philox.h"
 #include "kernels/row_selection.h"
+#include "kernels/sink_local_topk.h"
 
 namespace kvsparse::kernels {
 
@@ -112,12 +113,9 @@ enum class VerifyTarget : uint8_t { kDenominator = 1, kNumerator = 2, kOutput = 
 enum class ResidualSampler : uint8_t { kUniform = 1, kImportance = 2 };
 
 struct VAttentionParams {
-  float epsilon = 0.05f;  // relative error target, in (0, 1)
-  float delta = 0.05f;    // failure probability, in (0, 1)
-  int32_t sink_tokens = 128;
-  int32_t local_tokens = 128;
-  int32_t top_k = 0;             // rows per head beyond sink and window
-  float top_k_fraction = 0.05f;  // used when top_k == 0, in [0, 1]
+  float epsilon = 0.05f;               // relative error target, in (0, 1)
+  float delta = 0.05f;                 // failure probability, in (0, 1)
+  FixedSet fixed{128, 128, 0, 0.05f};  // sink, window, top-k 5% of the rest by the predictor
   TopKPredictor predictor = TopKPredictor::kHash;
   float base_rate = 0.05f;  // f_b, in (0, 1)
   BudgetBound bound = BudgetBound::kClt;

@@ -109,9 +109,9 @@ TEST(VAttentionTest, BudgetCoveringEveryRowEqualsDense) {
   for (TopKPredictor pred : {TopKPredictor::kExact, TopKPredictor::kHash}) {
     VAttentionParams params;
     params.epsilon = 1e-4f;
-    params.sink_tokens = 4;
-    params.local_tokens = 16;
-    params.top_k_fraction = 0.05f;
+    params.fixed.sink_tokens = 4;
+    params.fixed.local_tokens = 16;
+    params.fixed.top_k_fraction = 0.05f;
     params.predictor = pred;
     RowSelection sel;
     VAttentionStats stats;
@@ -211,9 +211,9 @@ TEST_P(VAttentionStatisticsTest, SampledPartUnbiased) {
   ProjectedCaseData(c, &s, &v, &dv);
   if (HasFatalFailure()) return;
   VAttentionParams params;
-  params.sink_tokens = 16;
-  params.local_tokens = 64;
-  params.top_k_fraction = 0.02f;
+  params.fixed.sink_tokens = 16;
+  params.fixed.local_tokens = 64;
+  params.fixed.top_k_fraction = 0.02f;
   params.base_rate = 0.02f;
   params.epsilon = 0.3f;  // loose, so that b < n_s: the test is about bias, not accuracy
   params.delta = 0.2f;
@@ -226,7 +226,7 @@ TEST_P(VAttentionStatisticsTest, SampledPartUnbiased) {
   };
   VAttentionHeadResult plan;
   std::vector<int32_t> scratch;
-  absl::StatusOr<int32_t> k = ResolveTopK(0, params.top_k_fraction, c.n);
+  absl::StatusOr<int32_t> k = ResolveTopK(FixedSet{0, 0, 0, params.fixed.top_k_fraction}, c.n);
   ASSERT_TRUE(k.ok());
   VAttentionPlanFixed(s.data(), c.n, *k, params, &plan, &scratch);
   const double smax = *std::max_element(s.begin(), s.end());
@@ -350,9 +350,9 @@ TEST_P(VAttentionStatisticsTest, ViolationRates) {
       if (bound == BudgetBound::kCltRatio && target != VerifyTarget::kOutput) continue;
       for (bool exact_stats : {true, false}) {
         VAttentionParams params;
-        params.sink_tokens = 16;
-        params.local_tokens = 64;
-        params.top_k_fraction = 0.01f;
+        params.fixed.sink_tokens = 16;
+        params.fixed.local_tokens = 64;
+        params.fixed.top_k_fraction = 0.01f;
         params.base_rate = 0.02f;
         params.epsilon = target == VerifyTarget::kDenominator ? 0.1f : 0.2f;
         params.delta = 0.1f;
@@ -441,9 +441,9 @@ TEST_P(VAttentionStatisticsTest, ImportanceSamplerUnbiased) {
   if (HasFatalFailure()) return;
   const std::vector<float> pred = NoisyScores(s, 0.5f, 31 + c.n);
   VAttentionParams params;
-  params.sink_tokens = 16;
-  params.local_tokens = 64;
-  params.top_k_fraction = 0.02f;
+  params.fixed.sink_tokens = 16;
+  params.fixed.local_tokens = 64;
+  params.fixed.top_k_fraction = 0.02f;
   params.base_rate = 0.02f;
   params.epsilon = 0.3f;  // loose, so that b < n_s: the test is about bias, not accuracy
   params.delta = 0.2f;
@@ -454,7 +454,7 @@ TEST_P(VAttentionStatisticsTest, ImportanceSamplerUnbiased) {
   const VAttentionRowAccess access = RowsOf(s, v, dv);
   VAttentionHeadResult plan, r;
   std::vector<int32_t> scratch;
-  absl::StatusOr<int32_t> k = ResolveTopK(0, params.top_k_fraction, c.n);
+  absl::StatusOr<int32_t> k = ResolveTopK(FixedSet{0, 0, 0, params.fixed.top_k_fraction}, c.n);
   ASSERT_TRUE(k.ok());
   VAttentionPlanFixed(pred.data(), c.n, *k, params, &plan, &scratch);
   const double smax = *std::max_element(s.begin(), s.end());
@@ -522,9 +522,9 @@ TEST_P(VAttentionStatisticsTest, ImportanceViolationRates) {
   double rows_read[2] = {0, 0};  // [importance]
   for (ResidualSampler sampler : {ResidualSampler::kUniform, ResidualSampler::kImportance}) {
     VAttentionParams params;
-    params.sink_tokens = 16;
-    params.local_tokens = 64;
-    params.top_k_fraction = 0.01f;
+    params.fixed.sink_tokens = 16;
+    params.fixed.local_tokens = 64;
+    params.fixed.top_k_fraction = 0.01f;
     params.base_rate = 0.02f;
     params.epsilon = 0.2f;
     params.delta = 0.1f;
@@ -584,9 +584,9 @@ struct SpikeHead {
   }
   static VAttentionParams Params(TopKPredictor predictor, BudgetBound bound) {
     VAttentionParams params;
-    params.sink_tokens = 16;
-    params.local_tokens = 64;
-    params.top_k_fraction = 1.f / 32;
+    params.fixed.sink_tokens = 16;
+    params.fixed.local_tokens = 64;
+    params.fixed.top_k_fraction = 1.f / 32;
     params.base_rate = 0.02f;
     params.epsilon = 0.1f;
     params.delta = 0.1f;
@@ -876,9 +876,9 @@ TEST(VAttentionTest, SelectionShapeAndDeterminism) {
                                std::pair{TopKPredictor::kExact, ResidualSampler::kUniform},
                                std::pair{TopKPredictor::kExact, ResidualSampler::kImportance}}) {
     VAttentionParams params;
-    params.sink_tokens = 8;
-    params.local_tokens = 32;
-    params.top_k_fraction = 0.02f;
+    params.fixed.sink_tokens = 8;
+    params.fixed.local_tokens = 32;
+    params.fixed.top_k_fraction = 0.02f;
     params.bits = 64;
     params.predictor = pred;
     params.sampler = sampler;
@@ -956,9 +956,9 @@ TEST(VAttentionTest, EndToEndNumeratorAndDenominatorUnbiased) {
   VAttentionParams params;
   params.epsilon = 0.9f;  // loose: the point is the weights, not the budget
   params.delta = 0.5f;
-  params.sink_tokens = 4;
-  params.local_tokens = 16;
-  params.top_k_fraction = 0.02f;
+  params.fixed.sink_tokens = 4;
+  params.fixed.local_tokens = 16;
+  params.fixed.top_k_fraction = 0.02f;
   params.base_rate = 0.05f;
   const int d = 16, kTrials = 300;
   // Exact logits, D and N per head (shift c = max logit of the head).
@@ -1039,10 +1039,10 @@ TEST(VAttentionTest, RejectsBadParameters) {
   p.base_rate = 0.f;
   expect_invalid(p, "base_rate", &sigs.view);
   p = VAttentionParams{};
-  p.top_k = 101;  // above the 100 tokens: every row (kernels/hash_topk.h), not an error
+  p.fixed.top_k = 101;  // above the 100 tokens: every row (kernels/hash_topk.h), not an error
   EXPECT_TRUE(VAttentionDecodeCpu(sp.problem, p, 1, &sigs.view).ok());
   p = VAttentionParams{};
-  p.top_k = -1;
+  p.fixed.top_k = -1;
   expect_invalid(p, "top_k", &sigs.view);
   p = VAttentionParams{};
   p.bits = 48;

@@ -4,6 +4,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "rpc/method_text.h"
 
 namespace kvsparse::rpc {
@@ -209,7 +210,7 @@ absl::StatusOr<E> EnumOf(W value, const char* field, std::initializer_list<std::
 }
 
 // A count of a method's message: at most `max`, else INVALID_ARGUMENT naming it.
-absl::StatusOr<int32_t> CountOf(uint32_t value, const char* field, uint32_t max) {
+absl::StatusOr<int32_t> CountOf(uint32_t value, absl::string_view field, uint32_t max) {
   if (value > max) {
     return absl::InvalidArgumentError(
         absl::StrCat("method.", field, ": ", value, " is out of range (at most ", max, ")"));
@@ -262,22 +263,28 @@ absl::Status SantaFromProto(const v1::SantaParams& s, kernels::SantaParams* p) {
   return absl::OkStatus();
 }
 
+// The fixed set of a method message that has one (hash_top_k, top_k, vattention: the same four
+// fields, each message with its own defaults); `name` is the message's field in Method.
+template <typename Message>
+absl::Status FixedSetFromProto(const Message& m, absl::string_view name, kernels::FixedSet* f) {
+  KVS_ASSIGN(f->sink_tokens,
+             CountOf(m.sink_tokens(), absl::StrCat(name, ".sink_tokens"), kMaxTokens));
+  KVS_ASSIGN(f->local_tokens,
+             CountOf(m.local_tokens(), absl::StrCat(name, ".local_tokens"), kMaxTokens));
+  KVS_ASSIGN(f->top_k, CountOf(m.top_k(), absl::StrCat(name, ".top_k"), kMaxTokens));
+  f->top_k_fraction = m.top_k_fraction();
+  return absl::OkStatus();
+}
+
 absl::Status HashTopKFromProto(const v1::HashTopKParams& h, engine::Method* out) {
-  KVS_ASSIGN(out->hash.sink_tokens, CountOf(h.sink_tokens(), "hash_top_k.sink_tokens", kMaxTokens));
-  KVS_ASSIGN(out->hash.local_tokens,
-             CountOf(h.local_tokens(), "hash_top_k.local_tokens", kMaxTokens));
-  KVS_ASSIGN(out->hash.top_k, CountOf(h.top_k(), "hash_top_k.top_k", kMaxTokens));
+  if (absl::Status s = FixedSetFromProto(h, "hash_top_k", &out->hash.fixed); !s.ok()) return s;
   KVS_ASSIGN(out->hash.bits, CountOf(h.bits(), "hash_top_k.bits", 256));
-  out->hash.top_k_fraction = h.top_k_fraction();
   out->learned_signatures = h.source() == v1::SIGNATURE_SOURCE_LEARNED;
   return absl::OkStatus();
 }
 
 absl::Status TopKFromProto(const v1::TopKParams& t, kernels::ScoreTopKParams* p) {
-  KVS_ASSIGN(p->sink_tokens, CountOf(t.sink_tokens(), "top_k.sink_tokens", kMaxTokens));
-  KVS_ASSIGN(p->local_tokens, CountOf(t.local_tokens(), "top_k.local_tokens", kMaxTokens));
-  KVS_ASSIGN(p->top_k, CountOf(t.top_k(), "top_k.top_k", kMaxTokens));
-  p->top_k_fraction = t.top_k_fraction();
+  if (absl::Status s = FixedSetFromProto(t, "top_k", &p->fixed); !s.ok()) return s;
   KVS_ENUM(p->source, t.scores(), "top_k.scores",
            {{v1::SCORE_SOURCE_EXACT, kernels::ScoreSource::kExact},
             {v1::SCORE_SOURCE_COMPRESSED_KEYS, kernels::ScoreSource::kCompressedKeys}});
@@ -301,10 +308,7 @@ absl::Status VAttentionFromProto(const v1::VAttentionParams& v, engine::Method* 
   p.epsilon = v.epsilon();
   p.delta = v.delta();
   p.base_rate = v.base_rate();
-  p.top_k_fraction = v.top_k_fraction();
-  KVS_ASSIGN(p.sink_tokens, CountOf(v.sink_tokens(), "vattention.sink_tokens", kMaxTokens));
-  KVS_ASSIGN(p.local_tokens, CountOf(v.local_tokens(), "vattention.local_tokens", kMaxTokens));
-  KVS_ASSIGN(p.top_k, CountOf(v.top_k(), "vattention.top_k", kMaxTokens));
+  if (absl::Status s = FixedSetFromProto(v, "vattention", &p.fixed); !s.ok()) return s;
   KVS_ASSIGN(p.bits, CountOf(v.bits(), "vattention.bits", 256));
   KVS_ENUM(p.predictor, v.predictor(), "vattention.predictor",
            {{v1::TOP_K_PREDICTOR_EXACT, TopKPredictor::kExact},

@@ -36,8 +36,7 @@ class HashTopKCall final : public SelectedRowsCall {
  private:
   absl::StatusOr<int32_t> PlanSelection(LaunchPlan& lp) override {
     for (int32_t b = 0; b < lp.B; ++b) {
-      absl::StatusOr<int32_t> k =
-          kernels::ResolveTopK(params_.top_k, params_.top_k_fraction, lp.len(b));
+      absl::StatusOr<int32_t> k = kernels::ResolveTopK(params_.fixed, lp.len(b));
       if (!k.ok()) return k.status();
     }
     tk_.batch = lp.B;
@@ -45,10 +44,7 @@ class HashTopKCall final : public SelectedRowsCall {
     tk_.key_heads = lp.hkv;
     tk_.bits = static_cast<int32_t>(lp.descs()[0].placement.signature_bits);
     tk_.max_seq_len = lp.n_max;
-    tk_.sink_tokens = params_.sink_tokens;
-    tk_.local_tokens = params_.local_tokens;
-    tk_.top_k = params_.top_k;
-    tk_.top_k_fraction = params_.top_k_fraction;
+    tk_.fixed = params_.fixed;
     if (absl::Status s = lp.LoadPlanes(); !s.ok()) return s;
     return std::max(1, tk_.MaxSelected());
   }

@@ -46,8 +46,7 @@ class TopKCall final : public SelectedRowsCall {
  private:
   absl::StatusOr<int32_t> PlanSelection(LaunchPlan& lp) override {
     for (int32_t b = 0; b < lp.B; ++b) {
-      absl::StatusOr<int32_t> k =
-          kernels::ResolveTopK(params_.top_k, params_.top_k_fraction, lp.len(b));
+      absl::StatusOr<int32_t> k = kernels::ResolveTopK(params_.fixed, lp.len(b));
       if (!k.ok()) return k.status();
     }
     scoring_.Plan(lp);
@@ -55,10 +54,7 @@ class TopKCall final : public SelectedRowsCall {
     tk_.num_q_heads = lp.H;
     tk_.score_stride = lp.n_max;
     tk_.max_seq_len = lp.n_max;
-    tk_.sink_tokens = params_.sink_tokens;
-    tk_.local_tokens = params_.local_tokens;
-    tk_.top_k = params_.top_k;
-    tk_.top_k_fraction = params_.top_k_fraction;
+    tk_.fixed = params_.fixed;
     return std::max(1, tk_.MaxSelected());
   }
 

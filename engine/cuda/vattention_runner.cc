@@ -52,8 +52,7 @@ class VAttentionCall final : public MethodCall {
 
   absl::Status Plan(LaunchPlan& lp) override {
     for (int32_t b = 0; b < lp.B; ++b) {
-      absl::StatusOr<int32_t> k =
-          kernels::ResolveTopK(params_.top_k, params_.top_k_fraction, lp.len(b));
+      absl::StatusOr<int32_t> k = kernels::ResolveTopK(params_.fixed, lp.len(b));
       if (!k.ok()) return k.status();
     }
     if (compressed_) {
@@ -72,10 +71,7 @@ class VAttentionCall final : public MethodCall {
     vp.seeds = lp.seeds();
     vp.epsilon = params_.epsilon;
     vp.delta = params_.delta;
-    vp.sink_tokens = params_.sink_tokens;
-    vp.local_tokens = params_.local_tokens;
-    vp.top_k = params_.top_k;
-    vp.top_k_fraction = params_.top_k_fraction;
+    vp.fixed = params_.fixed;
     vp.base_rate = params_.base_rate;
     vp.bound = static_cast<int32_t>(params_.bound);
     vp.target = static_cast<int32_t>(params_.target);

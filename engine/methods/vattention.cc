@@ -88,7 +88,7 @@ absl::Status VAttention::Select(CpuStep& step, kernels::RowSelection* sel) const
     if (params.bits == 0) params.bits = static_cast<int32_t>(step.desc().placement.signature_bits);
     view = step.Signatures(params.bits);
   }
-  absl::StatusOr<int32_t> k = kernels::ResolveTopK(params.top_k, params.top_k_fraction, n);
+  absl::StatusOr<int32_t> k = kernels::ResolveTopK(params.fixed, n);
   if (!k.ok()) return k.status();
 
   // Steps 1 and 3 per query head: fixed set and base sample, from the predictor alone.

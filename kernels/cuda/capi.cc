@@ -116,9 +116,9 @@ int32_t kvs_hash_topk(int32_t batch, int32_t num_q_heads, int32_t num_kv_heads, 
   p.k_token_stride = bits / 32;
   p.seq_lens = seq_lens;
   p.max_seq_len = max_seq_len;
-  p.sink_tokens = sink;
-  p.local_tokens = window;
-  p.top_k = top_k;
+  p.fixed.sink_tokens = sink;
+  p.fixed.local_tokens = window;
+  p.fixed.top_k = top_k;
   p.indices = indices;
   p.counts = counts;
   if (workspace == nullptr) return static_cast<int32_t>(kc::HashTopKWorkspaceBytes(p));

@@ -378,21 +378,21 @@ __device__ __forceinline__ uint4 Pack8(const float (&f)[8]) {
 
 __device__ __forceinline__ float Exp2OrZero(float x) { return x == kNegInf ? 0.f : exp2f(x); }
 
-// The sink + local window + top-k geometry of a sequence of n tokens (kernels/hash_topk.h's
-// rule): k resolved as ResolveTopK does, sink [0, s_end), window [w_begin, n), the rest between,
-// and kk = the top-k rows that fit in the rest.
+// The fixed set's geometry in a sequence of n tokens (kernels/hash_topk.h's rule): k resolved as
+// ResolveTopK does, sink [0, s_end), window [w_begin, n), the rest between, and kk = the top-k
+// rows that fit in the rest.
 struct SinkLocalTopK {
   int n, k, s_end, w_begin, rest, kk;
 };
 
-__device__ __forceinline__ SinkLocalTopK MakeSinkLocalTopK(int n, int sink, int local, int top_k,
-                                                           float top_k_fraction) {
+__device__ __forceinline__ SinkLocalTopK MakeSinkLocalTopK(int n, const FixedSet& f) {
   SinkLocalTopK g;
   g.n = n;
-  g.k = top_k > 0 ? top_k : static_cast<int>(floor(static_cast<double>(top_k_fraction) * n + 0.5));
+  g.k = f.top_k > 0 ? f.top_k
+                    : static_cast<int>(floor(static_cast<double>(f.top_k_fraction) * n + 0.5));
   g.k = min(max(g.k, 0), n);
-  g.s_end = min(max(sink, 0), n);
-  g.w_begin = max(g.s_end, n - max(local, 0));
+  g.s_end = min(max(f.sink_tokens, 0), n);
+  g.w_begin = max(g.s_end, n - max(f.local_tokens, 0));
   g.rest = g.w_begin - g.s_end;
   g.kk = SinkLocalTopKRest(n, g.s_end, g.w_begin, g.k);
   return g;

@@ -160,7 +160,7 @@ __device__ __forceinline__ void LoadSig(const uint32_t* k, uint32_t (&out)[W]) {
 using TopkGeom = SinkLocalTopK;
 
 __device__ __forceinline__ TopkGeom MakeGeom(const HashTopKLaunchParams& p, int b) {
-  return MakeSinkLocalTopK(p.seq_lens[b], p.sink_tokens, p.local_tokens, p.top_k, p.top_k_fraction);
+  return MakeSinkLocalTopK(p.seq_lens[b], p.fixed);
 }
 
 template <int W>
@@ -489,9 +489,7 @@ cudaError_t DispatchWords(int bits, Body&& body) {
 
 }  // namespace
 
-int32_t HashTopKLaunchParams::MaxSelected() const {
-  return MaxSinkLocalTopKRows(sink_tokens, local_tokens, top_k, top_k_fraction, max_seq_len);
-}
+int32_t HashTopKLaunchParams::MaxSelected() const { return MaxFixedSetRows(fixed, max_seq_len); }
 
 cudaError_t SimHashSign(const SimHashSignParams& p, cudaStream_t stream) {
   if (p.num_seqs < 0 || p.heads <= 0 || p.group <= 0 || p.heads % p.group != 0 || p.dim <= 0 ||
@@ -575,8 +573,8 @@ size_t HashTopKWorkspaceBytes(const HashTopKLaunchParams& p) {
 cudaError_t HashTopK(const HashTopKLaunchParams& p, void* workspace, size_t workspace_bytes,
                      cudaStream_t stream) {
   if (p.batch < 0 || p.num_q_heads <= 0 || p.key_heads <= 0 ||
-      (p.key_heads != p.num_q_heads && p.num_q_heads % p.key_heads != 0) || p.top_k < 0 ||
-      !(p.top_k_fraction >= 0.f && p.top_k_fraction <= 1.f)) {
+      (p.key_heads != p.num_q_heads && p.num_q_heads % p.key_heads != 0) || p.fixed.top_k < 0 ||
+      !(p.fixed.top_k_fraction >= 0.f && p.fixed.top_k_fraction <= 1.f)) {
     return cudaErrorInvalidValue;
   }
   if (p.batch == 0) return cudaSuccess;

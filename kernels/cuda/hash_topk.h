@@ -14,6 +14,7 @@
 
 #include "kernels/dtype.h"
 #include "kernels/hash_signatures.h"
+#include "kernels/sink_local_topk.h"
 
 namespace kvsparse::kernels::cuda {
 
@@ -94,11 +95,7 @@ struct HashTopKLaunchParams {
   int64_t k_token_stride = 0;
   const int32_t* seq_lens = nullptr;  // device, shape: [B]
   int32_t max_seq_len = 0;            // host upper bound of seq_lens
-  int32_t sink_tokens = 128;
-  int32_t local_tokens = 128;
-  int32_t top_k =
-      0;  // k beyond sink and window; 0: top_k_fraction * n rounded to nearest (ResolveTopK)
-  float top_k_fraction = 0.f;
+  FixedSet fixed;                     // kernels/sink_local_topk.h
   // device, shape: [B, H, max_out] with max_out = MaxSelected(): the chosen tokens, ascending,
   // in the first counts[b, h] entries (the rest untouched).
   int32_t* indices = nullptr;

@@ -58,10 +58,7 @@ void CheckTopK(const DecodeProblem& p, const Signatures& sigs, const kernels::Ha
   gp.k_token_stride = sigs.view.token_stride;
   gp.seq_lens = lens.as<int32_t>();
   gp.max_seq_len = *std::max_element(p.seq_lens, p.seq_lens + p.batch);
-  gp.sink_tokens = cp.sink_tokens;
-  gp.local_tokens = cp.local_tokens;
-  gp.top_k = cp.top_k;
-  gp.top_k_fraction = cp.top_k_fraction;
+  gp.fixed = cp.fixed;
   const int bh = p.batch * p.num_q_heads;
   const int max_out = std::max(1, gp.MaxSelected());
   DeviceBuffer idx(sizeof(int32_t) * bh * max_out), counts(sizeof(int32_t) * bh);
@@ -129,16 +126,17 @@ TEST(HashTopKCudaTest, RandomSignaturesMatchCpuExactly) {
     p.scale = 1.f;
     kernels::HashTopKParams cp;
     cp.bits = c.bits;
-    cp.sink_tokens = c.sink;
-    cp.local_tokens = c.local;
-    cp.top_k = 0;
-    cp.top_k_fraction = c.frac;
+    cp.fixed.sink_tokens = c.sink;
+    cp.fixed.local_tokens = c.local;
+    cp.fixed.top_k = 0;
+    cp.fixed.top_k_fraction = c.frac;
     if (c.top_k > 0) {
       // top_k must not exceed any sequence length for the CPU reference: clamp per case.
-      cp.top_k = std::min(c.top_k, std::max(1, *std::min_element(c.lens.begin(), c.lens.end())));
+      cp.fixed.top_k =
+          std::min(c.top_k, std::max(1, *std::min_element(c.lens.begin(), c.lens.end())));
       if (*std::min_element(c.lens.begin(), c.lens.end()) == 0) {
-        cp.top_k = 0;
-        cp.top_k_fraction = 0.1f;
+        cp.fixed.top_k = 0;
+        cp.fixed.top_k_fraction = 0.1f;
       }
     }
     CheckTopK(p, sigs, cp, "bits=" + std::to_string(c.bits) + " n_max=" + std::to_string(n_max));
@@ -308,9 +306,9 @@ TEST(HashTopKCudaTest, SimHashSignaturesMatchCpuBitForBit) {
       // End to end: GPU top-k on the CPU signatures of this problem.
       kernels::HashTopKParams cp;
       cp.bits = bits;
-      cp.sink_tokens = 4;
-      cp.local_tokens = 8;
-      cp.top_k = 20;
+      cp.fixed.sink_tokens = 4;
+      cp.fixed.local_tokens = 8;
+      cp.fixed.top_k = 20;
       CheckTopK(p, cpu, cp, "simhash");
     }
   }

@@ -25,8 +25,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ uint32_t s_prefix;
   __shared__ int s_remaining;
   const int32_t b = blockIdx.y, h = blockIdx.x;
-  const SinkLocalTopK g =
-      MakeSinkLocalTopK(p.seq_lens[b], p.sink_tokens, p.local_tokens, p.top_k, p.top_k_fraction);
+  const SinkLocalTopK g = MakeSinkLocalTopK(p.seq_lens[b], p.fixed);
   const int32_t n = g.n, s_end = g.s_end, w_begin = g.w_begin, rest = g.rest, chosen = g.kk;
   const float* scores = p.scores + (static_cast<int64_t>(b) * p.num_q_heads + h) * p.score_stride;
   int32_t* out = p.indices + (static_cast<int64_t>(b) * p.num_q_heads + h) * max_out;
@@ -91,13 +90,12 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-int32_t ScoreTopKLaunchParams::MaxSelected() const {
-  return MaxSinkLocalTopKRows(sink_tokens, local_tokens, top_k, top_k_fraction, max_seq_len);
-}
+int32_t ScoreTopKLaunchParams::MaxSelected() const { return MaxFixedSetRows(fixed, max_seq_len); }
 
 cudaError_t ScoreTopK(const ScoreTopKLaunchParams& p, cudaStream_t stream) {
-  if (p.batch < 0 || p.num_q_heads <= 0 || p.max_seq_len < 0 || p.top_k < 0 ||
-      !(p.top_k_fraction >= 0.f && p.top_k_fraction <= 1.f) || p.score_stride < p.max_seq_len) {
+  if (p.batch < 0 || p.num_q_heads <= 0 || p.max_seq_len < 0 || p.fixed.top_k < 0 ||
+      !(p.fixed.top_k_fraction >= 0.f && p.fixed.top_k_fraction <= 1.f) ||
+      p.score_stride < p.max_seq_len) {
     return cudaErrorInvalidValue;
   }
   if (p.batch == 0) return cudaSuccess;

@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "kernels/sink_local_topk.h"
+
 namespace kvsparse::kernels::cuda {
 
 struct ScoreTopKLaunchParams {
@@ -22,13 +24,9 @@ struct ScoreTopKLaunchParams {
   int64_t score_stride = 0;
   const int32_t* seq_lens = nullptr;  // device, shape: [B]
   int32_t max_seq_len = 0;            // host upper bound of seq_lens
-  int32_t sink_tokens = 128;
-  int32_t local_tokens = 128;
-  // k beyond sink and window; 0: top_k_fraction * n rounded to nearest (ResolveTopK), clamped
-  // to the tokens outside sink and window, at least one where those are empty
-  // (kernels/sink_local_topk.h).
-  int32_t top_k = 0;
-  float top_k_fraction = 0.f;
+  // The fixed set: k clamped to the tokens outside sink and window, at least one where those are
+  // empty (kernels/sink_local_topk.h).
+  FixedSet fixed;
   // device, shape: [B, H, max(1, MaxSelected())]: the chosen tokens, ascending, in the first
   // counts[b, h] entries (the rest untouched).
   int32_t* indices = nullptr;

@@ -44,10 +44,10 @@ TEST(ScoreTopKCudaTest, EqualsTheCpuRule) {
       p.score_stride = n_max;
       p.seq_lens = dl.as<int32_t>();
       p.max_seq_len = n_max;
-      p.sink_tokens = c.sink;
-      p.local_tokens = c.local;
-      p.top_k = c.top_k;
-      p.top_k_fraction = c.fraction;
+      p.fixed.sink_tokens = c.sink;
+      p.fixed.local_tokens = c.local;
+      p.fixed.top_k = c.top_k;
+      p.fixed.top_k_fraction = c.fraction;
       const int32_t max_out = std::max(1, p.MaxSelected());
       DeviceBuffer di(static_cast<size_t>(B) * H * max_out * 4), dc(B * H * 4), db(B * H * 4);
       ASSERT_EQ(di.Poison(), cudaSuccess);
@@ -90,7 +90,7 @@ TEST(ScoreTopKCudaTest, RefusesBadParameters) {
   p.score_stride = 50;  // shorter than a sequence
   EXPECT_EQ(ScoreTopK(p, nullptr), cudaErrorInvalidValue);
   p.score_stride = 100;
-  p.top_k_fraction = 1.5f;
+  p.fixed.top_k_fraction = 1.5f;
   EXPECT_EQ(ScoreTopK(p, nullptr), cudaErrorInvalidValue);
 }
 

@@ -219,10 +219,10 @@ void RunHashPipeline(const HashCase& c) {
   ASSERT_TRUE(ComputeSimHashSignatures(p, cfg, &sigs).ok());
   kernels::HashTopKParams cp;
   cp.bits = 32;
-  cp.sink_tokens = 16;
-  cp.local_tokens = 32;
-  cp.top_k = c.top_k;
-  cp.top_k_fraction = c.top_k > 0 ? 0.f : 0.05f;
+  cp.fixed.sink_tokens = 16;
+  cp.fixed.local_tokens = 32;
+  cp.fixed.top_k = c.top_k;
+  cp.fixed.top_k_fraction = c.top_k > 0 ? 0.f : 0.05f;
   RowSelection sel;
   ASSERT_TRUE(HashTopKSelectCpu(p, cp, sigs.view, &sel).ok());
   std::vector<uint8_t> ref_out(sp.out.size());
@@ -246,10 +246,7 @@ void RunHashPipeline(const HashCase& c) {
   tp.k_token_stride = sigs.view.token_stride;
   tp.seq_lens = dp.seq_lens.as<int32_t>();
   tp.max_seq_len = n_max;
-  tp.sink_tokens = cp.sink_tokens;
-  tp.local_tokens = cp.local_tokens;
-  tp.top_k = cp.top_k;
-  tp.top_k_fraction = cp.top_k_fraction;
+  tp.fixed = cp.fixed;
   const int max_sel = std::max(1, tp.MaxSelected());
   DeviceBuffer idx(sizeof(int32_t) * B * H * max_sel), cnt(sizeof(int32_t) * B * H);
   tp.indices = idx.as<int32_t>();

@@ -80,10 +80,7 @@ T SelectorParams(const VAttentionLaunchParams& p) {
   t.num_q_heads = p.shape.num_q_heads;
   t.seq_lens = p.shape.seq_lens;
   t.max_seq_len = p.shape.max_seq_len;
-  t.sink_tokens = p.sink_tokens;
-  t.local_tokens = p.local_tokens;
-  t.top_k = p.top_k;
-  t.top_k_fraction = p.top_k_fraction;
+  t.fixed = p.fixed;
   return t;
 }
 

@@ -34,6 +34,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/decode_params.h"
+#include "kernels/sink_local_topk.h"
 
 namespace kvsparse::kernels::cuda {
 
@@ -43,13 +44,10 @@ struct VAttentionLaunchParams {
   // Optional, device, shape: [B]: sequence b draws its random numbers from seeds[b] as a batch-1
   // problem would (streams (seeds[b], tag, 0, head)) instead of (seed, tag, b, head).
   const uint64_t* seeds = nullptr;
-  float epsilon = 0.05f;  // (0, 1)
-  float delta = 0.05f;    // (0, 1)
-  int32_t sink_tokens = 128;
-  int32_t local_tokens = 128;
-  int32_t top_k = 0;             // 0: top_k_fraction * n rounded to nearest (ResolveTopK)
-  float top_k_fraction = 0.05f;  // [0, 1]
-  float base_rate = 0.05f;       // (0, 1)
+  float epsilon = 0.05f;               // (0, 1)
+  float delta = 0.05f;                 // (0, 1)
+  FixedSet fixed{128, 128, 0, 0.05f};  // kernels/sink_local_topk.h
+  float base_rate = 0.05f;             // (0, 1)
   int32_t bound = 1;   // 1 = CLT, 2 = Hoeffding, 3 = CLT on the ratio (kernels::BudgetBound)
   int32_t target = 3;  // 1 = denominator, 2 = numerator, 3 = output (VerifyTarget)
   // Signatures (hash_topk.h): q_sigs [B, H, bits / 32]; key signature of (b, j, t) at

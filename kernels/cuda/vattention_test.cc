@@ -34,9 +34,9 @@ struct Config {
 // eps = delta = 0.1, the case's bound and target.
 kernels::VAttentionParams CpuParamsOf(const Config& c) {
   kernels::VAttentionParams cp;
-  cp.sink_tokens = 16;
-  cp.local_tokens = 32;
-  cp.top_k_fraction = 0.05f;
+  cp.fixed.sink_tokens = 16;
+  cp.fixed.local_tokens = 32;
+  cp.fixed.top_k_fraction = 0.05f;
   cp.base_rate = 0.1f;
   cp.epsilon = 0.1f;
   cp.delta = 0.1f;
@@ -53,10 +53,7 @@ VAttentionLaunchParams GpuParamsOf(const kernels::VAttentionParams& cp, const De
   gp.seed = seed;
   gp.epsilon = cp.epsilon;
   gp.delta = cp.delta;
-  gp.sink_tokens = cp.sink_tokens;
-  gp.local_tokens = cp.local_tokens;
-  gp.top_k = cp.top_k;
-  gp.top_k_fraction = cp.top_k_fraction;
+  gp.fixed = cp.fixed;
   gp.base_rate = cp.base_rate;
   gp.bound = static_cast<int32_t>(cp.bound);
   gp.target = static_cast<int32_t>(cp.target);

@@ -74,9 +74,9 @@ bool Wanted(const std::vector<std::string>& groups, const std::string& g) {
 absl::Status OracleTopK(const DecodeProblem& p, int32_t sink, int32_t local, float fraction,
                         RowSelection* sel) {
   ScoreTopKParams params;
-  params.sink_tokens = sink;
-  params.local_tokens = local;
-  params.top_k_fraction = fraction;
+  params.fixed.sink_tokens = sink;
+  params.fixed.local_tokens = local;
+  params.fixed.top_k_fraction = fraction;
   params.source = ScoreSource::kExact;
   return ScoreTopKSelectCpu(p, params, {}, sel);
 }
@@ -165,9 +165,9 @@ void TopKConfigs(const std::vector<std::string>& groups, const Signatures* sig32
     for (const auto& [sig, bits] : {std::pair{sig32, 32}, std::pair{sig128, 128}}) {
       for (float f : {0.01f, 0.05f, 0.10f}) {
         HashTopKParams hp;
-        hp.sink_tokens = 128;
-        hp.local_tokens = 128;
-        hp.top_k_fraction = f;
+        hp.fixed.sink_tokens = 128;
+        hp.fixed.local_tokens = 128;
+        hp.fixed.top_k_fraction = f;
         hp.bits = bits;
         c->push_back({"hash", absl::StrCat("HashAttention top-k (SimHash ", bits, " bits)"),
                       absl::StrFormat("sink+local 128, k=%.0f%%", 100 * f),
@@ -202,9 +202,9 @@ void VAttentionConfigs(const std::vector<std::string>& groups, const Signatures*
       VAttentionParams vp;
       vp.epsilon = v.eps;
       vp.delta = 0.05f;
-      vp.sink_tokens = 128;
-      vp.local_tokens = 128;
-      vp.top_k_fraction = 0.025f;
+      vp.fixed.sink_tokens = 128;
+      vp.fixed.local_tokens = 128;
+      vp.fixed.top_k_fraction = 0.025f;
       vp.base_rate = 0.025f;
       vp.predictor = v.pred;
       vp.bound = v.bound;

@@ -70,9 +70,9 @@ void Rotate(const std::vector<float>& sign, float* x) {
 
 VAttentionParams IssueParams() {
   VAttentionParams p;
-  p.sink_tokens = 16;
-  p.local_tokens = 64;
-  p.top_k_fraction = 1.f / 32;
+  p.fixed.sink_tokens = 16;
+  p.fixed.local_tokens = 64;
+  p.fixed.top_k_fraction = 1.f / 32;
   p.base_rate = 0.02f;
   p.epsilon = 0.1f;
   p.delta = 0.1f;

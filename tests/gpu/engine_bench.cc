@@ -254,7 +254,7 @@ int Capacity(double h2d_gbs) {
   const float q_rms = static_cast<float>(std::sqrt(ms / qf.size()));
   ks::Method m;
   m.kind = ks::MethodKind::kHashTopK;
-  m.hash.top_k_fraction = static_cast<float>(absl::GetFlag(FLAGS_hash_fraction));
+  m.hash.fixed.top_k_fraction = static_cast<float>(absl::GetFlag(FLAGS_hash_fraction));
   std::vector<uint8_t> q(qf.size() * 2);
   double hits = 0, fetched = 0, host = 0;
   std::vector<double> step_s;
@@ -389,7 +389,7 @@ class Config {
       ks::Method m;
       if (i == 2) {  // signatures and the row sets the hash path keeps
         m.kind = ks::MethodKind::kHashTopK;
-        m.hash.top_k_fraction = static_cast<float>(absl::GetFlag(FLAGS_hash_fraction));
+        m.hash.fixed.top_k_fraction = static_cast<float>(absl::GetFlag(FLAGS_hash_fraction));
       }
       std::fprintf(stderr, "syncing placement %s...\n", sets[i]);
       (void)Decode(Call(sets[i], m, q_));
@@ -485,7 +485,7 @@ class Config {
     if (env_.want("hash")) {
       ks::Method m;
       m.kind = ks::MethodKind::kHashTopK;
-      m.hash.top_k_fraction = static_cast<float>(absl::GetFlag(FLAGS_hash_fraction));
+      m.hash.fixed.top_k_fraction = static_cast<float>(absl::GetFlag(FLAGS_hash_fraction));
       TimeEngine("host", m, dense_ref, false, "engine hash top-k / host, fresh q");
       TimeEngine("host", m, dense_ref, true, "engine hash top-k / host, drifting q");
       TimeEngine("dev", m, dense_ref, true, "engine hash top-k / K,V on GPU, drifting q");
@@ -504,7 +504,7 @@ class Config {
     if (env_.want("vatt")) {
       ks::Method m;
       m.kind = ks::MethodKind::kVAttention;
-      m.vattention.top_k_fraction = 0.01f;
+      m.vattention.fixed.top_k_fraction = 0.01f;
       TimeEngine("host", m, dense_ref, false, "engine vAttention eps=delta=0.05 / host");
     }
   }

@@ -178,10 +178,10 @@ Method HashMethod(float top_k_fraction, int32_t top_k = 0, int32_t sink = 128,
                   int32_t local = 128) {
   Method m;
   m.kind = MethodKind::kHashTopK;
-  m.hash.sink_tokens = sink;
-  m.hash.local_tokens = local;
-  m.hash.top_k_fraction = top_k_fraction;
-  m.hash.top_k = top_k;
+  m.hash.fixed.sink_tokens = sink;
+  m.hash.fixed.local_tokens = local;
+  m.hash.fixed.top_k_fraction = top_k_fraction;
+  m.hash.fixed.top_k = top_k;
   m.hash.bits = 0;  // the sequence's
   return m;
 }
@@ -191,9 +191,9 @@ Method HashMethod(float top_k_fraction, int32_t top_k = 0, int32_t sink = 128,
 Method VAttentionMethod() {
   Method m;
   m.kind = MethodKind::kVAttention;
-  m.vattention.sink_tokens = 32;
-  m.vattention.local_tokens = 32;
-  m.vattention.top_k_fraction = 0.02f;
+  m.vattention.fixed.sink_tokens = 32;
+  m.vattention.fixed.local_tokens = 32;
+  m.vattention.fixed.top_k_fraction = 0.02f;
   m.vattention.base_rate = 0.05f;
   m.vattention.bits = 0;  // the sequence's
   return m;
@@ -204,10 +204,10 @@ Method TopKMethod(float top_k_fraction, int32_t top_k = 0, int32_t sink = 16, in
                   kernels::ScoreSource source = kernels::ScoreSource::kCompressedKeys) {
   Method m;
   m.kind = MethodKind::kTopK;
-  m.top_k.sink_tokens = sink;
-  m.top_k.local_tokens = local;
-  m.top_k.top_k_fraction = top_k_fraction;
-  m.top_k.top_k = top_k;
+  m.top_k.fixed.sink_tokens = sink;
+  m.top_k.fixed.local_tokens = local;
+  m.top_k.fixed.top_k_fraction = top_k_fraction;
+  m.top_k.fixed.top_k = top_k;
   m.top_k.source = source;
   return m;
 }
