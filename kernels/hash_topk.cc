@@ -10,16 +10,13 @@
 namespace kvsparse::kernels {
 
 absl::StatusOr<int32_t> ResolveTopK(const FixedSet& f, int32_t n) {
-  const int32_t top_k = f.top_k;
-  const float top_k_fraction = f.top_k_fraction;
-  if (top_k < 0) return absl::InvalidArgumentError(absl::StrCat("top_k ", top_k, " < 0"));
-  if (top_k > 0) return std::min(top_k, n);  // a short sequence reads what it has
-  if (!(top_k_fraction >= 0.f && top_k_fraction <= 1.f)) {
+  if (f.top_k < 0) return absl::InvalidArgumentError(absl::StrCat("top_k ", f.top_k, " < 0"));
+  if (f.top_k > 0) return std::min(f.top_k, n);  // a short sequence reads what it has
+  if (!(f.top_k_fraction >= 0.f && f.top_k_fraction <= 1.f)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("top_k_fraction must be in [0, 1], got ", top_k_fraction));
+        absl::StrCat("top_k_fraction must be in [0, 1], got ", f.top_k_fraction));
   }
-  // Rounded to nearest, so that e.g. 0.02f (0.0199999995...) of 3000 tokens is 60, not 59.
-  return static_cast<int32_t>(std::floor(static_cast<double>(top_k_fraction) * n + 0.5));
+  return static_cast<int32_t>(FixedSetK(f, n));
 }
 
 template <typename T>

@@ -24,7 +24,6 @@
 #define KVSPARSE_KERNELS_HASH_TOPK_H_
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -55,9 +54,7 @@ struct HashTopKParams {
 // stride of the GPU selections). Inline: the CUDA launchers use it without linking the CPU
 // references.
 inline int32_t MaxFixedSetRows(const FixedSet& f, int32_t max_seq_len) {
-  const int64_t k = f.top_k > 0 ? f.top_k
-                                : static_cast<int64_t>(std::floor(
-                                      static_cast<double>(f.top_k_fraction) * max_seq_len + 0.5));
+  const int64_t k = FixedSetK(f, max_seq_len);
   const int64_t total = static_cast<int64_t>(std::max(f.sink_tokens, 0)) +
                         std::max(f.local_tokens, 0) +
                         std::max<int64_t>(k, 1);  // never empty: at least one top-k row

@@ -4,6 +4,7 @@
 #ifndef KVSPARSE_KERNELS_SINK_LOCAL_TOPK_H_
 #define KVSPARSE_KERNELS_SINK_LOCAL_TOPK_H_
 
+#include <cmath>
 #include <cstdint>
 
 #include "kernels/dtype.h"
@@ -22,6 +23,14 @@ struct FixedSet {
   int32_t top_k = 0;           // rows per query head beyond sink and window
   float top_k_fraction = 0.f;  // used when top_k == 0, in [0, 1]
 };
+
+// k of a fixed set for n tokens before any bound: top_k, or where it is 0 top_k_fraction of n
+// rounded to nearest, so that e.g. 0.02f (0.0199999995...) of 3000 tokens is 60, not 59. The one
+// home of the rule for ResolveTopK, MaxFixedSetRows and the GPU selections' geometry.
+KVSPARSE_HD int64_t FixedSetK(const FixedSet& f, int64_t n) {
+  return f.top_k > 0 ? f.top_k
+                     : static_cast<int64_t>(floor(static_cast<double>(f.top_k_fraction) * n + 0.5));
+}
 
 // The top-k rows of a sequence of n tokens whose sink ends at s_end and whose window begins at
 // w_begin (rest = [s_end, w_begin)), for a resolved k: min(k, rest), or 1 where sink, window and

@@ -209,11 +209,14 @@ absl::StatusOr<E> EnumOf(W value, const char* field, std::initializer_list<std::
       absl::StrCat("method.", field, ": unknown value ", static_cast<int>(value)));
 }
 
-// A count of a method's message: at most `max`, else INVALID_ARGUMENT naming it.
-absl::StatusOr<int32_t> CountOf(uint32_t value, absl::string_view field, uint32_t max) {
+// A count of a method's message: at most `max`, else INVALID_ARGUMENT naming it (`field`, or
+// `message`.`field`: the name is built only for the error).
+absl::StatusOr<int32_t> CountOf(uint32_t value, absl::string_view field, uint32_t max,
+                                absl::string_view message = "") {
   if (value > max) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("method.", field, ": ", value, " is out of range (at most ", max, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("method.", message, message.empty() ? "" : ".",
+                                                   field, ": ", value, " is out of range (at most ",
+                                                   max, ")"));
   }
   return static_cast<int32_t>(value);
 }
@@ -267,11 +270,9 @@ absl::Status SantaFromProto(const v1::SantaParams& s, kernels::SantaParams* p) {
 // fields, each message with its own defaults); `name` is the message's field in Method.
 template <typename Message>
 absl::Status FixedSetFromProto(const Message& m, absl::string_view name, kernels::FixedSet* f) {
-  KVS_ASSIGN(f->sink_tokens,
-             CountOf(m.sink_tokens(), absl::StrCat(name, ".sink_tokens"), kMaxTokens));
-  KVS_ASSIGN(f->local_tokens,
-             CountOf(m.local_tokens(), absl::StrCat(name, ".local_tokens"), kMaxTokens));
-  KVS_ASSIGN(f->top_k, CountOf(m.top_k(), absl::StrCat(name, ".top_k"), kMaxTokens));
+  KVS_ASSIGN(f->sink_tokens, CountOf(m.sink_tokens(), "sink_tokens", kMaxTokens, name));
+  KVS_ASSIGN(f->local_tokens, CountOf(m.local_tokens(), "local_tokens", kMaxTokens, name));
+  KVS_ASSIGN(f->top_k, CountOf(m.top_k(), "top_k", kMaxTokens, name));
   f->top_k_fraction = m.top_k_fraction();
   return absl::OkStatus();
 }

@@ -13,9 +13,11 @@ absl::Status SelectedRowsCall::Plan(LaunchPlan& lp) {
   if (!max_sel.ok()) return max_sel.status();
   max_sel_ = std::max(1, *max_sel);
   rows_cap_ = UnionBound(lp, max_sel_);
-  min_cache_ = rows_cap_;
-  if (!RowsRepeat()) min_cache_ = 0;  // cache_cap_ stays 0: the layers' caches are left alone
-  for (int32_t b = 0; b < lp.B && RowsRepeat(); ++b) {
+  // A selection whose rows do not repeat keeps no cache (cache_cap_ stays 0, every union row an
+  // overflow row); the layers' caches are left alone.
+  const bool repeat = RowsRepeat();
+  min_cache_ = repeat ? rows_cap_ : 0;
+  for (int32_t b = 0; b < lp.B && repeat; ++b) {
     DeviceLayer& l = lp.layer(b);
     const int32_t want =
         RowCacheSlots(lp.state().options().row_cache_fraction, lp.len(b), rows_cap_);

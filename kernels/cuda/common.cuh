@@ -388,9 +388,7 @@ struct SinkLocalTopK {
 __device__ __forceinline__ SinkLocalTopK MakeSinkLocalTopK(int n, const FixedSet& f) {
   SinkLocalTopK g;
   g.n = n;
-  g.k = f.top_k > 0 ? f.top_k
-                    : static_cast<int>(floor(static_cast<double>(f.top_k_fraction) * n + 0.5));
-  g.k = min(max(g.k, 0), n);
+  g.k = static_cast<int>(min(max(FixedSetK(f, n), int64_t{0}), static_cast<int64_t>(n)));
   g.s_end = min(max(f.sink_tokens, 0), n);
   g.w_begin = max(g.s_end, n - max(f.local_tokens, 0));
   g.rest = g.w_begin - g.s_end;
