@@ -78,8 +78,11 @@ inline absl::Status CheckScale(float scale) {
 struct HeadStats {
   uint32_t sequence_index = 0;
   uint32_t kv_head = 0;
-  uint64_t rows_selected = 0;     // over the group's query heads, counting repeats
-  uint64_t rows_fetched = 0;      // distinct rows read for the estimate and the selection
+  uint64_t rows_selected = 0;  // over the group's query heads, counting repeats
+  // Rows read for the estimate and the selection: distinct, except where the GPU engine reads
+  // each query head's rows in place (S2ANTA over compressed keys): a row two heads select is read,
+  // and counted, twice.
+  uint64_t rows_fetched = 0;
   uint64_t rows_cached = 0;       // of rows_fetched: found in the GPU's row cache, not fetched
   std::vector<uint64_t> budgets;  // per query head of the group
   std::array<uint64_t, kvstore::kNumTiers> bytes{};  // read from each tier

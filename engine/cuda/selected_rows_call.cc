@@ -71,8 +71,11 @@ absl::Status SelectedRowsCall::Enqueue(LaunchPlan& lp, Carver& c) {
   const size_t method_off = lp.method_offset();
   Selection sel;
   sel.max_selected = max_sel_;
-  const size_t rows_all = static_cast<size_t>(BK) * rows_cap_;
-  cr_.overflow_cap = std::max(0, rows_cap_ - min_cache_);  // misses beyond a cache's slots
+  // Each head's rows read by token where nothing is kept and the device can read the store's rows:
+  // no union, no fetch lists, no rows in the scratch.
+  in_place_ = ReadsInPlace() && cache_cap_ == 0 && !lp.staged();
+  const size_t rows_all = in_place_ ? 0 : static_cast<size_t>(BK) * rows_cap_;
+  cr_.overflow_cap = in_place_ ? 0 : std::max(0, rows_cap_ - min_cache_);  // misses past the cache
   cr_.union_tokens = method_off + c.used();
   c.Take<int32_t>(rows_all);
   cr_.fetch_tokens = method_off + c.used();
@@ -86,7 +89,7 @@ absl::Status SelectedRowsCall::Enqueue(LaunchPlan& lp, Carver& c) {
   sel.rows.tokens = Table<int32_t>(lp, call_off_[0]);
   sel.rows.count = Table<int32_t>(lp, call_off_[1]);  // the first BK statistics
   sel.rows.capacity = rows_cap_;
-  sel.positions = c.Take<int32_t>(static_cast<size_t>(BH) * max_sel_);
+  sel.positions = in_place_ ? nullptr : c.Take<int32_t>(static_cast<size_t>(BH) * max_sel_);
   sel.counts = stats == nullptr ? nullptr : stats + BH;
   sel.budgets = stats == nullptr ? nullptr : stats + 2 * BH;
   sel.log2_weights = RowWeights() ? c.Take<float>(static_cast<size_t>(BH) * max_sel_) : nullptr;
@@ -139,20 +142,13 @@ absl::Status SelectedRowsCall::Enqueue(LaunchPlan& lp, Carver& c) {
     fp.second = {};
   }
 
-  kc::SelectedRowsParams srp;
-  srp.shape = lp.shape();
-  srp.rows.k = fp.out.k;
-  srp.rows.v = fp.out.v;
-  srp.second = fp.second;
-  srp.positions = sel.positions;
-  srp.counts = sel.counts;
-  srp.max_selected = max_sel_;
-  srp.log2_weights = sel.log2_weights;
+  kc::SelectedRowsParams srp = AttentionParams(sel, fp);
   const size_t sw = kc::SelectedRowsWorkspaceBytes(srp);
   void* sws = c.Take<char>(sw);
 
   if (absl::Status s = EnqueueSelection(lp, c, sel); !s.ok()) return s;
   const cudaStream_t stream = lp.stream();
+  if (in_place_) return EnqueueInPlace(lp, srp, sws, sw);
   if (place && lp.running()) KVS_CUDA_OK(kc::PlaceRows(pp, pws, pw, stream), "PlaceRows");
   if (absl::Status s = lp.Mark(1); !s.ok()) return s;
   if (lp.staged() && lp.running()) {  // the missed rows come from the row source, listed order
@@ -169,6 +165,38 @@ absl::Status SelectedRowsCall::Enqueue(LaunchPlan& lp, Carver& c) {
   if (lp.running()) KVS_CUDA_OK(kc::FetchRows(fp, stream), "FetchRows");
   if (absl::Status s = lp.Mark(2); !s.ok()) return s;
   if (lp.running()) KVS_CUDA_OK(kc::SelectedRowsDecode(srp, sws, sw, stream), "SelectedRowsDecode");
+  return absl::OkStatus();
+}
+
+kc::SelectedRowsParams SelectedRowsCall::AttentionParams(const Selection& sel,
+                                                         const kc::FetchRowsParams& fp) const {
+  kc::SelectedRowsParams srp;
+  srp.shape = fp.shape;
+  srp.counts = sel.counts;
+  srp.max_selected = max_sel_;
+  srp.log2_weights = sel.log2_weights;
+  if (in_place_) {  // positions: the selection's indices, once EnqueueSelection has carved them
+    srp.in_place = true;
+    srp.rows_read = sel.rows.count;
+    return srp;
+  }
+  srp.rows.k = fp.out.k;
+  srp.rows.v = fp.out.v;
+  srp.second = fp.second;
+  srp.positions = sel.positions;
+  return srp;
+}
+
+absl::Status SelectedRowsCall::EnqueueInPlace(LaunchPlan& lp, kc::SelectedRowsParams& srp,
+                                              void* workspace, size_t workspace_bytes) const {
+  // No fetch: the attention's marks fall together.
+  if (absl::Status s = lp.Mark(1); !s.ok()) return s;
+  if (absl::Status s = lp.Mark(2); !s.ok()) return s;
+  srp.positions = selected_;  // each head's tokens, read where the rows live
+  if (lp.running()) {
+    KVS_CUDA_OK(kc::SelectedRowsDecode(srp, workspace, workspace_bytes, lp.stream()),
+                "SelectedRowsDecode in place");
+  }
   return absl::OkStatus();
 }
 
@@ -190,8 +218,10 @@ void SelectedRowsCall::FillScratchTables(LaunchPlan& lp) {
 
 SelectedRowsCall::Union SelectedRowsCall::PlanUnion(const LaunchPlan& lp, Carver& c,
                                                     const Selection& s, const int32_t* indices,
-                                                    const int32_t* counts) const {
+                                                    const int32_t* counts) {
+  selected_ = indices;
   Union u;
+  if (in_place_) return u;  // read by token: EnqueueUnion launches nothing
   kc::UnionSelectedParams& up = u.params;
   up.batch = lp.B;
   up.num_q_heads = lp.H;
@@ -209,7 +239,8 @@ SelectedRowsCall::Union SelectedRowsCall::PlanUnion(const LaunchPlan& lp, Carver
   return u;
 }
 
-absl::Status SelectedRowsCall::EnqueueUnion(const LaunchPlan& lp, const Union& u) {
+absl::Status SelectedRowsCall::EnqueueUnion(const LaunchPlan& lp, const Union& u) const {
+  if (in_place_) return absl::OkStatus();
   KVS_CUDA_OK(kc::UnionSelected(u.params, u.workspace, u.workspace_bytes, lp.stream()),
               "UnionSelected");
   return absl::OkStatus();

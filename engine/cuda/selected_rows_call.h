@@ -11,6 +11,8 @@
 //                       process the rows are gathered into pinned staging first
 //                       (LaunchPlan::StageListed) and read from there;
 //   SelectedRowsDecode  the estimate over the union's rows.
+// A selection whose heads' rows overlap little and are not cached (ReadsInPlace) skips the union,
+// PlaceRows and FetchRows: SelectedRowsDecode reads each head's rows by token where they live.
 // The row cache (DeviceState::GrowCache) holds row_cache_fraction of each sequence's tokens per
 // kv head; consecutive steps select mostly the same rows, which then stay on the device (for the
 // selections whose rows repeat: RowsRepeat).
@@ -60,9 +62,11 @@ class SelectedRowsCall : public MethodCall {
     void* workspace = nullptr;
     size_t workspace_bytes = 0;
   };
+  // Where the rows are read in place (ReadsInPlace), PlanUnion carves nothing and EnqueueUnion
+  // launches nothing: SelectedRowsDecode reads the indices.
   Union PlanUnion(const LaunchPlan& lp, Carver& c, const Selection& s, const int32_t* indices,
-                  const int32_t* counts) const;
-  static absl::Status EnqueueUnion(const LaunchPlan& lp, const Union& u);
+                  const int32_t* counts);
+  absl::Status EnqueueUnion(const LaunchPlan& lp, const Union& u) const;
   // In Plan: the bound of any query head's rows (host), after the method's own checks and
   // uploads.
   virtual absl::StatusOr<int32_t> PlanSelection(LaunchPlan& lp) = 0;
@@ -80,6 +84,10 @@ class SelectedRowsCall : public MethodCall {
   // the device; a selection that draws afresh each step says no: no cache is grown or consulted
   // for it and PlaceRows is not launched.
   virtual bool RowsRepeat() const { return true; }
+  // Whether the G heads' selections overlap so little that reading each head's rows by token,
+  // once per head, beats their union and a fetch (SelectedRowsParams::tokens): done where no row
+  // cache is kept and the device reads the rows where they live (not staged).
+  virtual bool ReadsInPlace() const { return false; }
   // Device bytes the selection reads for sequence b per kv head: by default every token's key
   // signature (hash top-k, SAAP buckets).
   virtual uint64_t SelectionDeviceBytes(const LaunchPlan& lp, int32_t b) const {
@@ -99,12 +107,20 @@ class SelectedRowsCall : public MethodCall {
     size_t union_tokens = 0, fetch_tokens = 0, fetch_count = 0, dest = 0, overflow = 0;
     int32_t overflow_cap = 0;  // rows per (b, j)
   };
+  // SelectedRowsDecode's parameters over the fetched rows (fp's), or in place (in_place_).
+  kernels::cuda::SelectedRowsParams AttentionParams(const Selection& sel,
+                                                    const kernels::cuda::FetchRowsParams& fp) const;
+  // In place: the attention reads each head's rows where they live (no union, no fetch).
+  absl::Status EnqueueInPlace(LaunchPlan& lp, kernels::cuda::SelectedRowsParams& srp,
+                              void* workspace, size_t workspace_bytes) const;
   template <typename T>
   static T* const* Table(const LaunchPlan& lp, size_t off) {
     return lp.Dev<T* const>(off);
   }
 
   int32_t max_sel_ = 0, rows_cap_ = 0, cache_cap_ = 0, min_cache_ = 0;
+  bool in_place_ = false;              // this call reads its rows in place (set by Enqueue)
+  const int32_t* selected_ = nullptr;  // the selection's indices [B, H, max_selected] (PlanUnion)
   size_t cache_off_[kCacheTables] = {}, cache_slots_off_ = 0, call_off_[kCallTables] = {};
   CallRows cr_;
 };

@@ -168,20 +168,34 @@ cudaError_t LaunchWithSmem(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
 // earlier one). Recorded into CUDA graphs as a programmatic edge. After a launch of another kind
 // (a memset, a copy, another library's kernel) it orders as a plain launch does. What it saves
 // is the launch latency between short kernels of a chain (a captured decode step's).
+// LaunchDependentClusters: the same with thread block clusters of `cluster` blocks (sm_90; the
+// grid a multiple of it, at most 8 blocks): the blocks of a cluster run together and read each
+// other's shared memory (cooperative_groups::this_cluster()).
 template <typename... KernelArgs, typename... Args>
-cudaError_t LaunchDependent(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
-                            cudaStream_t stream, Args&&... args) {
+cudaError_t LaunchDependentClusters(void (*kernel)(KernelArgs...), dim3 grid, dim3 block,
+                                    dim3 cluster, size_t smem, cudaStream_t stream,
+                                    Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
+  attr[1].id = cudaLaunchAttributeClusterDimension;
+  attr[1].val.clusterDim.x = cluster.x;
+  attr[1].val.clusterDim.y = cluster.y;
+  attr[1].val.clusterDim.z = cluster.z;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = cluster.x * cluster.y * cluster.z > 1 ? 2 : 1;
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+template <typename... KernelArgs, typename... Args>
+cudaError_t LaunchDependent(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                            cudaStream_t stream, Args&&... args) {
+  return LaunchDependentClusters(kernel, grid, block, dim3(1, 1, 1), smem, stream,
+                                 std::forward<Args>(args)...);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,3 +1,5 @@
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <cub/block/block_scan.cuh>
 
@@ -331,11 +333,46 @@ __global__ void __launch_bounds__(kWarmThreads)
 // ---------------------------------------------------------------------------------------------
 // SelectedRowsDecode: blocks of (b, h, split); each warp takes U groups of R rows at a time (all
 // loads first), one running softmax per row slot, merged over the block; splits merged by
-// MergePartials.
+// MergePartials. kInPlace: each row read by its token from the shape's K/V addressing (e.g. over
+// the host link) instead of from a row set.
 constexpr int kRowThreads = 256;
 constexpr int kRowsUnroll = 4;
+constexpr int kMaxClusterSplits = 8;  // in place: a head's splits are one cluster (portable size)
 
+// Rows one block of SelectedRowsKernel loads at once for head dim d (every warp's U groups of R).
+constexpr int RowsPerBlockRound(int d) { return (kRowThreads / 32) * (32 / (d / 8)) * kRowsUnroll; }
+
+// The splits of one head as a cluster of num_splits blocks (block rank = split): each block's
+// normalised output o [D] and log2-sum-exp lse in its shared memory; the first block combines
+// them (as MergeSplits does) and writes the head's output.
 template <typename T, int D>
+__device__ __forceinline__ void MergeCluster(float* o, float* lse, int num_splits, int64_t bh,
+                                             void* out) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();  // every block's part written
+  if (cluster.block_rank() == 0) {
+    float mx = kNegInf;
+    for (int r = 0; r < num_splits; ++r) mx = fmaxf(mx, *cluster.map_shared_rank(lse, r));
+    float den = 0.f;
+    for (int r = 0; r < num_splits; ++r) {
+      const float l = *cluster.map_shared_rank(lse, r);
+      den += l == kNegInf ? 0.f : exp2f(l - mx);
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    for (int dim = threadIdx.x; dim < D; dim += blockDim.x) {
+      float v = 0.f;
+      for (int r = 0; r < num_splits; ++r) {
+        const float l = *cluster.map_shared_rank(lse, r);
+        if (l != kNegInf) v += exp2f(l - mx) * cluster.map_shared_rank(o, r)[dim];
+      }
+      static_cast<uint16_t*>(out)[bh * D + dim] = FloatToBits<T>(v * inv);
+    }
+  }
+  cluster.sync();  // the other blocks' shared memory stays until the first has read it
+}
+
+template <typename T, int D, bool kInPlace>
 __global__ void __launch_bounds__(kRowThreads, 2)
     SelectedRowsKernel(SelectedRowsParams p, int num_splits, float* __restrict__ part_o,
                        float* __restrict__ part_lse) {
@@ -353,10 +390,23 @@ __global__ void __launch_bounds__(kRowThreads, 2)
   const int c = p.counts[bh];
   const int per = (c + num_splits - 1) / num_splits;
   const int r0 = min(c, split * per), r1 = min(c, r0 + per);
-  const int32_t* pos = p.positions + bh * p.max_selected;
-  const uint16_t* kb = static_cast<const uint16_t*>(p.rows.k[i]) + lr * 8;
-  const uint16_t* vb = static_cast<const uint16_t*>(p.rows.v[i]) + lr * 8;
-  const bool has_second = p.second.k != nullptr;
+  if (kInPlace && p.rows_read != nullptr && h % G == 0 && split == 0 && tid == 0) {
+    int read = 0;
+    for (int g = 0; g < G; ++g) read += p.counts[bh + g];
+    *p.rows_read[i] = read;
+  }
+  const int32_t* pos = p.positions + bh * p.max_selected;  // in place: tokens
+  // In place: this lane's 8 elements of a token's K and V row; n bounds the tokens read.
+  RowReader kread, vread;
+  int n = 0;
+  if constexpr (kInPlace) {
+    kread = MakeRowReader(s, false, b, h / G, lr * 8);
+    vread = MakeRowReader(s, true, b, h / G, lr * 8);
+    n = s.seq_lens[b];
+  }
+  const uint16_t* kb = kInPlace ? nullptr : static_cast<const uint16_t*>(p.rows.k[i]) + lr * 8;
+  const uint16_t* vb = kInPlace ? nullptr : static_cast<const uint16_t*>(p.rows.v[i]) + lr * 8;
+  const bool has_second = !kInPlace && p.second.k != nullptr;
   const uint16_t* kb2 = has_second ? static_cast<const uint16_t*>(p.second.k[i]) + lr * 8 : kb;
   const uint16_t* vb2 = has_second ? static_cast<const uint16_t*>(p.second.v[i]) + lr * 8 : vb;
   float qf[8];
@@ -372,10 +422,16 @@ __global__ void __launch_bounds__(kRowThreads, 2)
       const int r = g0 + u * R + row;
       ok[u] = r < r1;
       const int loc = ok[u] ? pos[r] : 0;
-      const bool sec = loc < 0;  // a second-set row (PlaceRows' overflow)
-      const int64_t at = static_cast<int64_t>(sec ? -1 - loc : loc) * D;
-      kr[u] = ok[u] ? LoadStream16((sec ? kb2 : kb) + at) : make_uint4(0, 0, 0, 0);
-      vr[u] = ok[u] ? LoadStream16((sec ? vb2 : vb) + at) : make_uint4(0, 0, 0, 0);
+      if constexpr (kInPlace) {  // loc is the token
+        ok[u] = ok[u] && loc >= 0 && loc < n;
+        kr[u] = ok[u] ? LoadStream16(kread.Row(loc)) : make_uint4(0, 0, 0, 0);
+        vr[u] = ok[u] ? LoadStream16(vread.Row(loc)) : make_uint4(0, 0, 0, 0);
+      } else {
+        const bool sec = loc < 0;  // a second-set row (PlaceRows' overflow)
+        const int64_t at = static_cast<int64_t>(sec ? -1 - loc : loc) * D;
+        kr[u] = ok[u] ? LoadStream16((sec ? kb2 : kb) + at) : make_uint4(0, 0, 0, 0);
+        vr[u] = ok[u] ? LoadStream16((sec ? vb2 : vb) + at) : make_uint4(0, 0, 0, 0);
+      }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -402,15 +458,26 @@ __global__ void __launch_bounds__(kRowThreads, 2)
   }
   slots.Put(warp * R + row, lr, m, lsum, acc);
   __syncthreads();
+  // In place, the splits of a head are one cluster: each block's part stays in its shared memory
+  // and the cluster's first block merges them (no workspace, no merge kernel).
+  __shared__ float cluster_o[kInPlace ? D : 1];
+  __shared__ float cluster_lse;
   slots.Merge(tid, kRowThreads, [&](int dim, float num, float den, float gm) {
     const float o = den > 0.f ? num / den : 0.f;
+    const float lse = den > 0.f ? gm + log2f(den) : kNegInf;
     if (num_splits == 1) {
       static_cast<uint16_t*>(s.out)[bh * D + dim] = FloatToBits<T>(o);
+    } else if constexpr (kInPlace) {
+      cluster_o[dim] = o;
+      if (dim == 0) cluster_lse = lse;
     } else {
       part_o[(bh * num_splits + split) * D + dim] = o;
-      if (dim == 0) part_lse[bh * num_splits + split] = den > 0.f ? gm + log2f(den) : kNegInf;
+      if (dim == 0) part_lse[bh * num_splits + split] = lse;
     }
   });
+  if constexpr (kInPlace) {
+    if (num_splits > 1) MergeCluster<T, D>(cluster_o, &cluster_lse, num_splits, bh, s.out);
+  }
 }
 
 struct SelectedRowsLaunch {
@@ -423,9 +490,14 @@ struct SelectedRowsLaunch {
   cudaError_t operator()() const {
     const DecodeShape& s = p.shape;
     const int32_t bh = s.batch * s.num_q_heads;
-    KVSPARSE_CUDA_RETURN_IF_ERROR(
-        LaunchDependent(&SelectedRowsKernel<T, D>, dim3(static_cast<unsigned>(bh), splits),
-                        dim3(kRowThreads), 0, stream, p, splits, part_o, part_lse));
+    const dim3 grid(static_cast<unsigned>(bh), splits);
+    if (p.in_place) {  // a head's splits merged inside their cluster
+      return LaunchDependentClusters(&SelectedRowsKernel<T, D, true>, grid, dim3(kRowThreads),
+                                     dim3(1, splits, 1), 0, stream, p, splits, part_o, part_lse);
+    }
+    KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&SelectedRowsKernel<T, D, false>, grid,
+                                                  dim3(kRowThreads), 0, stream, p, splits, part_o,
+                                                  part_lse));
     return MergeSplits(part_o, part_lse, bh, splits, D, s.dtype, s.out, stream);
   }
 };
@@ -434,7 +506,11 @@ int SelectedRowsSplits(const SelectedRowsParams& p) {
   const int64_t bh = static_cast<int64_t>(p.shape.batch) * p.shape.num_q_heads;
   if (bh <= 0) return 1;
   const int64_t want = (2 * static_cast<int64_t>(NumSms()) + bh - 1) / bh;
-  const int64_t most = std::max<int64_t>(1, (p.max_selected + 255) / 256);
+  // In place (rows read over the host link, a latency of microseconds each): splits enough that
+  // a block loads all its rows in one round, within `want`; from device rows, 256 rows a split.
+  const int64_t rows_per = p.in_place ? RowsPerBlockRound(p.shape.head_dim) : 256;
+  int64_t most = std::max<int64_t>(1, (p.max_selected + rows_per - 1) / rows_per);
+  if (p.in_place) most = std::min<int64_t>(most, kMaxClusterSplits);  // one cluster a head
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, most)));
 }
 
@@ -536,7 +612,7 @@ cudaError_t WarmPagedRows(const WarmPagedRowsParams& p, cudaStream_t stream) {
 
 size_t SelectedRowsWorkspaceBytes(const SelectedRowsParams& p) {
   const int splits = SelectedRowsSplits(p);
-  if (splits == 1) return 0;
+  if (splits == 1 || p.in_place) return 0;  // in place: merged inside each head's cluster
   const size_t bh = static_cast<size_t>(std::max(p.shape.batch, 0)) * p.shape.num_q_heads;
   return AlignUp(bh * splits * p.shape.head_dim * sizeof(float), 256) +
          AlignUp(bh * splits * sizeof(float), 256);
@@ -550,20 +626,23 @@ cudaError_t SelectedRowsDecode(const SelectedRowsParams& p, void* workspace, siz
     return cudaErrorInvalidValue;
   }
   if (s.batch == 0) return cudaSuccess;
-  if (s.q == nullptr || s.out == nullptr || p.rows.k == nullptr || p.rows.v == nullptr ||
-      p.positions == nullptr || p.counts == nullptr ||
-      ((p.second.k == nullptr) != (p.second.v == nullptr)) ||
+  const bool has_k = s.k != nullptr || s.k_heads != nullptr || s.k_pages.enabled();
+  const bool has_v = s.v != nullptr || s.v_heads != nullptr || s.v_pages.enabled();
+  const bool rows_ok = p.in_place ? has_k && has_v && s.seq_lens != nullptr
+                                  : p.rows.k != nullptr && p.rows.v != nullptr;
+  if (s.q == nullptr || s.out == nullptr || !rows_ok || p.positions == nullptr ||
+      p.counts == nullptr || ((p.second.k == nullptr) != (p.second.v == nullptr)) ||
       workspace_bytes < SelectedRowsWorkspaceBytes(p)) {
     return cudaErrorInvalidValue;
   }
   const int splits = SelectedRowsSplits(p);
   const size_t bh = static_cast<size_t>(s.batch) * s.num_q_heads;
-  float* part_o = static_cast<float*>(workspace);
+  const bool parts = splits > 1 && !p.in_place;  // in place: merged inside each head's cluster
+  float* part_o = parts ? static_cast<float*>(workspace) : nullptr;
   float* part_lse =
-      splits == 1
-          ? nullptr
-          : reinterpret_cast<float*>(static_cast<char*>(workspace) +
-                                     AlignUp(bh * splits * s.head_dim * sizeof(float), 256));
+      !parts ? nullptr
+             : reinterpret_cast<float*>(static_cast<char*>(workspace) +
+                                        AlignUp(bh * splits * s.head_dim * sizeof(float), 256));
   return DispatchDecode(s.dtype, s.head_dim, 1,
                         SelectedRowsLaunch{p, splits, part_o, part_lse, stream});
 }

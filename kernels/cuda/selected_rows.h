@@ -11,6 +11,8 @@
 //      locations PlaceRows gave;
 //   4. SelectedRowsDecode: per query head, exact softmax attention over its own rows (fp32,
 //      output in the dtype), optionally with a weight per row (log2_weights).
+// Where no row is kept from one step to the next, SelectedRowsDecode can instead read each query
+// head's rows in place, by token (SelectedRowsParams::in_place): steps 1-3 are skipped.
 // CPU reference: kernels/row_selection.h (EstimateFromGathered with a softmax RowSelection).
 #ifndef KVSPARSE_KERNELS_CUDA_SELECTED_ROWS_H_
 #define KVSPARSE_KERNELS_CUDA_SELECTED_ROWS_H_
@@ -152,9 +154,11 @@ struct WarmPagedRowsParams {
 cudaError_t WarmPagedRows(const WarmPagedRowsParams& p, cudaStream_t stream);
 
 struct SelectedRowsParams {
-  DecodeShape shape;  // q, out, batch, heads, head_dim, dtype, scale (K/V fields not used)
-  RowSetTables rows;  // k and v of each (b, j)
-  SecondRows second;  // optional (PlaceRows' overflow rows)
+  // q, out, batch, heads, head_dim, dtype, scale; in_place, also the K/V addressing and seq_lens
+  // (the rows are read from there).
+  DecodeShape shape;
+  RowSetTables rows;  // k and v of each (b, j) (not in_place)
+  SecondRows second;  // optional (PlaceRows' overflow rows; not in_place)
   // device [B, H, max_selected]: rows of query head (b, h) are the rows of (b, h / G) at
   // locations positions[b, h, 0 .. counts[b, h]).
   const int32_t* positions = nullptr;
@@ -163,6 +167,16 @@ struct SelectedRowsParams {
   // Optional, device [B, H, max_selected]: added to each row's score in log2 units (the row's
   // weight w in w e^{s} / sum w e^{s}: S2ANTA's ratio weights, santa_scores.h), beside positions.
   const float* log2_weights = nullptr;
+  // Rows read in place, instead of from rows / second: `positions` are tokens (each below
+  // seq_lens[b]; others are skipped) of the shape's K/V addressing, e.g. the store's mapped host
+  // pages over the host link. No union and no fetch before it: a token two heads of a group
+  // select is read twice (S2ANTA's samples overlap little: their union was 99% of their sum
+  // inside vLLM), and no row set is held. Zero-copy reads need many in flight, so a block takes
+  // at most the rows it loads in one round: more splits, the splits of a head one thread block
+  // cluster that merges them (no workspace; sm_90).
+  bool in_place = false;
+  // Optional with in_place: per (b, j), one int32 written: the rows read for its G heads.
+  int32_t* const* rows_read = nullptr;
 };
 size_t SelectedRowsWorkspaceBytes(const SelectedRowsParams& p);
 cudaError_t SelectedRowsDecode(const SelectedRowsParams& p, void* workspace, size_t workspace_bytes,

@@ -2,7 +2,8 @@
 // (per-(sequence, kv head) bases, paged rows) against the CPU references:
 //   - HashTopK -> UnionSelected -> FetchRows (from pages in device or pinned, mapped host memory)
 //     -> SelectedRowsDecode equals HashTopKDecodeCpu (union lists token for token, fetched rows
-//     byte for byte, output within rounding);
+//     byte for byte, output within rounding), and so does SelectedRowsDecode reading each head's
+//     rows in place from the pages;
 //   - over a run of steps with drifting selections, PlaceRows with a row cache (large, and small
 //     enough to overflow) gives outputs bit-identical to the uncached path, the hits and the
 //     cache contents a host model of the policy predicts, and slots holding their tokens' rows;
@@ -358,6 +359,29 @@ void RunHashPipeline(const HashCase& c) {
   const double err = RelativeL2(OutputAsDouble(refp), got);
   EXPECT_EQ(non_finite, 0) << what;
   EXPECT_LT(err, c.dtype == DType::kBf16 ? 8e-3 : 2e-3) << what;
+
+  // Each head's rows read in place by token from the pages (no union, no fetch): the same output
+  // within rounding, and the rows read per (b, j) are its heads' counts summed.
+  SelectedRowsParams ip;
+  ip.shape = fp.shape;
+  ip.positions = tp.indices;
+  ip.counts = tp.counts;
+  ip.max_selected = max_sel;
+  ip.in_place = true;
+  RowSets read(sets, 1, row);
+  ip.rows_read = read.tables.count;
+  ASSERT_EQ(RunSelectedRows(ip), cudaSuccess) << what;
+  const std::vector<double> in_place = dp.OutputAsDouble(&non_finite);
+  EXPECT_EQ(non_finite, 0) << what << " in place";
+  EXPECT_LT(RelativeL2(OutputAsDouble(refp), in_place), c.dtype == DType::kBf16 ? 8e-3 : 2e-3)
+      << what << " in place";
+  const auto heads = ToHost<int32_t>(cnt, static_cast<size_t>(B) * H);
+  const auto rows_read = ToHost<int32_t>(read.count, sets);
+  for (int i = 0; i < sets; ++i) {
+    int want = 0;
+    for (int g = 0; g < c.g; ++g) want += heads[static_cast<size_t>(i) * c.g + g];
+    EXPECT_EQ(rows_read[i], want) << what << " rows read, set " << i;
+  }
 }
 
 TEST(SelectedRowsCudaTest, HashTopKFromPagesMatchesCpu) {
