@@ -16,8 +16,8 @@
 // The row cache (DeviceState::GrowCache) holds row_cache_fraction of each sequence's tokens per
 // kv head; consecutive steps select mostly the same rows, which then stay on the device (for the
 // selections whose rows repeat: RowsRepeat).
-// Statistics blocks: 0 the union's rows per (b, j) (first B * Hkv entries), 1 each query head's
-// rows, 2 its budget, 3 the cache hits per (b, j).
+// Statistics blocks: 0 the rows read per (b, j) (first B * Hkv entries: the union's, or in place
+// the heads' rows summed), 1 each query head's rows, 2 its budget, 3 the cache hits per (b, j).
 #ifndef KVSPARSE_ENGINE_CUDA_SELECTED_ROWS_CALL_H_
 #define KVSPARSE_ENGINE_CUDA_SELECTED_ROWS_CALL_H_
 
