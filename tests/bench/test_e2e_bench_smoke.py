@@ -1,7 +1,8 @@
 """e2e_bench end to end on the CPU (--device cpu, a two-layer model, the in-process engine): each
 pass over the variants with --rounds runs them in alternating order (and --profile writes a
 profile's trace and summary), every row is tagged with its
-pass in the JSON, and each pass prints its ratios against resident's of the same pass."""
+pass in the JSON, and each pass prints its ratios against resident's of the same pass; on a GPU
+the floor (`flash`) is measured with any variant list."""
 
 from __future__ import annotations
 
@@ -45,6 +46,17 @@ def test_rounds_alternate_the_variants_and_tag_their_rows(tmp_path: Path) -> Non
     assert summary["steps"] == 3 and summary["wall_us_per_step"] > 0, summary
     assert "kvsparse::decode" in summary["range_cpu_us_per_step"], summary
     assert (tmp_path / "profile.json.gz").stat().st_size > 0
+
+
+def test_a_gpu_run_measures_the_floor_beside_every_variant() -> None:
+    """On a GPU `flash` is measured with every variant list (first, unless listed): a profiling
+    call of one kvsparse variant wrote a step time with no floor beside it (2026-12-02)."""
+    sys.path.insert(0, str(HERE))
+    import e2e_bench
+
+    assert e2e_bench.with_floor(["kvsg-ckprop"], gpu=True) == ["flash", "kvsg-ckprop"]
+    assert e2e_bench.with_floor(["kvsg-ckprop", "flash"], gpu=True) == ["kvsg-ckprop", "flash"]
+    assert e2e_bench.with_floor(["resident", "kvs-prop"], gpu=False) == ["resident", "kvs-prop"]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
