@@ -13,6 +13,7 @@
 #include "absl/strings/match.h"
 #include "engine/gpu_mode.h"
 #include "engine/gpu_shape.h"
+#include "engine/resident_cache.h"
 #include "engine/signatures.h"
 #include "gtest/gtest.h"
 #include "kernels/dense.h"
@@ -155,6 +156,28 @@ double RelL2(const std::string& got, const std::vector<double>& ref, DType t) {
     den += ref[i] * ref[i];
   }
   return std::sqrt(num / den);
+}
+
+// A layer's rows grow with headroom for the steps that follow: 1/16 of a short sequence (appends
+// stay amortised: a sequence appended token by token to 200k tokens regrows at most 150 times,
+// each time by at most 1/8), but at most kMostHeadroomTokens past what a long one needs (a
+// 128k-token prefix held 8,192 tokens, 6%, more than it needed), in compressed keys too, whose
+// unit is a group of 128 tokens.
+TEST(GrowRowsTest, BoundsTheHeadroomOfALongSequence) {
+  EXPECT_EQ(GrowRows(131072, 0, 1024), 131072u + kMostHeadroomTokens);
+  EXPECT_EQ(GrowRows(1024, 0, 8, kMostHeadroomTokens / 128), 1024u + kMostHeadroomTokens / 128);
+  EXPECT_EQ(GrowRows(1600, 0, 256), 1700u);
+  EXPECT_EQ(GrowRows(100, 0, 256), 256u);
+  EXPECT_EQ(GrowRows(1000, 960, 256), 1120u);  // 1/8 of what it held
+  uint64_t cap = 0, regrows = 0;
+  for (uint64_t n = 1; n <= 200000; ++n) {
+    if (n <= cap) continue;
+    cap = GrowRows(n, cap, 256);
+    EXPECT_GE(cap, n);
+    EXPECT_LE(cap, n + std::max<uint64_t>(n / 8, 256));
+    ++regrows;
+  }
+  EXPECT_LE(regrows, 150u);
 }
 
 TEST_F(EngineTest, DenseEqualsDenseAttention) {

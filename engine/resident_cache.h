@@ -29,12 +29,20 @@
 
 namespace kvsparse::engine {
 
-// Rows to allocate for a layer that must hold `tokens` and holds room for `capacity`: 1/16 of
-// headroom over what is needed (decode steps then append for a while without regrowing), grown
-// by at least 1/8 (appends stay amortised O(1)). Not doubling: a layer synced from a long prefix
-// would hold twice its rows after its first decode step.
-inline uint64_t GrowRows(uint64_t tokens, uint64_t capacity, uint64_t least) {
-  return std::max<uint64_t>({tokens + tokens / 16, capacity + capacity / 8, least});
+// The most headroom, in tokens, a layer's rows are allocated with past what they must hold.
+inline constexpr uint64_t kMostHeadroomTokens = 2048;
+
+// Rows (tokens, or groups of tokens for compressed keys) to allocate for a layer that must hold
+// `need` and holds room for `capacity`: headroom for the decode steps that follow, 1/16 of the
+// need or 1/8 of the capacity (short sequences' appends stay amortised O(1)), but at most
+// most_headroom rows (kMostHeadroomTokens in the caller's unit), at least `least` in all. Not
+// doubling, and not a fraction of a long sequence: a 128k-token prefix held 1/16 more than it
+// needed (6% of the state of a sequence with keys compressed on the device) for steps that regrow
+// a layer once in kMostHeadroomTokens anyway.
+inline uint64_t GrowRows(uint64_t need, uint64_t capacity, uint64_t least,
+                         uint64_t most_headroom = kMostHeadroomTokens) {
+  const uint64_t headroom = std::min(std::max(need / 16, capacity / 8), most_headroom);
+  return std::max(need + headroom, least);
 }
 
 // One layer of one sequence on the device.

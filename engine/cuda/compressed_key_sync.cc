@@ -28,7 +28,8 @@ absl::Status ReserveCompressedKeys(DeviceMemory* memory, DeviceSequence* e, Devi
   }
   const uint64_t groups = tokens / G;  // the groups `tokens` tokens close
   if (groups <= l->ck_cap) return absl::OkStatus();
-  const uint64_t cap = GrowRows(groups, l->ck_cap, 8), old_cap = l->ck_cap;
+  const uint64_t cap = GrowRows(groups, l->ck_cap, 8, kMostHeadroomTokens / G);
+  const uint64_t old_cap = l->ck_cap;
   const uint64_t kept = l->ck_length / G;
   auto keep = [&](const DevBuf& to, const DevBuf& from) {
     return kept == 0

@@ -48,6 +48,33 @@ class PinnedBuf {
   size_t bytes_ = 0;
 };
 
+// A second stream that work of one call forks onto and joins back, with event record and wait
+// only: inside a stream capture a fork pulls the side stream into the capture (and its join must
+// come before the capture ends), outside one the two streams run side by side. Not thread-safe
+// (its owner serialises calls).
+class SideStream {
+ public:
+  SideStream() = default;
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  ~SideStream();
+  // Creates the stream (priority: cudaDeviceGetStreamPriorityRange's lowest when low, else the
+  // default) and its events on the current device; before any capture.
+  absl::Status Create(bool low_priority);
+  bool created() const { return stream_ != nullptr; }
+  cudaStream_t stream() const { return stream_; }
+  // The side stream waits for what `from` has enqueued so far.
+  absl::Status Fork(cudaStream_t from);
+  // Records the join point: what the side stream has enqueued so far. JoinRecorded makes `into`
+  // wait for the last one recorded.
+  absl::Status RecordJoin();
+  absl::Status JoinRecorded(cudaStream_t into);
+
+ private:
+  cudaStream_t stream_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+};
+
 // Consecutive 256-byte aligned regions of a buffer: sizes first (base null: Take returns null
 // and only counts), then the same Takes over the real base give the pointers.
 // TakeTransient is for a buffer whose contents end with the call's kernels (scores, a sampler's

@@ -63,9 +63,6 @@ class GpuStaticStep final : public StaticStep {
     for (const auto& ly : layers_) DropLayerGraphs(*ly);
     layers_.clear();
     if (graph_stream_ != nullptr) cudaStreamDestroy(graph_stream_);
-    if (warm_join_ != nullptr) cudaEventDestroy(warm_join_);
-    if (warm_fork_ != nullptr) cudaEventDestroy(warm_fork_);
-    if (warm_stream_ != nullptr) cudaStreamDestroy(warm_stream_);
   }
 
   // Under the backend's lock: the plan's device memory, laid out for its first sequences and
@@ -164,7 +161,7 @@ class GpuStaticStep final : public StaticStep {
     }
     if (warm_next) return early ? absl::OkStatus() : WarmNextLayer(layer + 1, caller);
     if (warm_pending_) {  // the last layer: the side stream's work joins the caller's stream
-      KVS_CUDA_OK(cudaStreamWaitEvent(caller, warm_join_, 0), "side stream join");
+      if (absl::Status s = warm_stream_.JoinRecorded(caller); !s.ok()) return s;
       warm_pending_ = false;
     }
     return absl::OkStatus();
@@ -605,13 +602,7 @@ class GpuStaticStep final : public StaticStep {
       warm_ = false;
       return absl::OkStatus();
     }
-    int lowest = 0, highest = 0;
-    KVS_CUDA_OK(cudaDeviceGetStreamPriorityRange(&lowest, &highest), "stream priorities");
-    KVS_CUDA_OK(cudaStreamCreateWithPriority(&warm_stream_, cudaStreamNonBlocking, lowest),
-                "captured step side stream");
-    KVS_CUDA_OK(cudaEventCreateWithFlags(&warm_fork_, cudaEventDisableTiming), "side event");
-    KVS_CUDA_OK(cudaEventCreateWithFlags(&warm_join_, cudaEventDisableTiming), "side event");
-    return absl::OkStatus();
+    return warm_stream_.Create(/*low_priority=*/true);
   }
   // Before layer l - 1's kernels, on the side stream (after the previous warm, which stops where
   // layer l - 1's step begins): one read of each of layer l's pages (kernels::cuda::WarmPagedRows,
@@ -621,10 +612,9 @@ class GpuStaticStep final : public StaticStep {
   // writes). The side stream joins the caller's at the end of the last layer: a graph captures
   // whole steps, layers 0 .. L - 1 in order.
   absl::Status WarmNextLayer(uint32_t l, cudaStream_t caller) {
-    KVS_CUDA_OK(cudaEventRecord(warm_fork_, caller), "side stream fork");
-    KVS_CUDA_OK(cudaStreamWaitEvent(warm_stream_, warm_fork_, 0), "side stream fork");
-    KVS_CUDA_OK(kc::WarmPagedRows(layers_[l]->warm, warm_stream_), "WarmPagedRows");
-    KVS_CUDA_OK(cudaEventRecord(warm_join_, warm_stream_), "side stream join");
+    if (absl::Status s = warm_stream_.Fork(caller); !s.ok()) return s;
+    KVS_CUDA_OK(kc::WarmPagedRows(layers_[l]->warm, warm_stream_.stream()), "WarmPagedRows");
+    if (absl::Status s = warm_stream_.RecordJoin(); !s.ok()) return s;
     warm_pending_ = true;
     return absl::OkStatus();
   }
@@ -704,8 +694,7 @@ class GpuStaticStep final : public StaticStep {
   // Translation warming (WarmNextLayer): rows in host pages, more than one layer.
   bool warm_ = false;
   bool warm_pending_ = false;  // side work not yet joined to the caller's stream
-  cudaStream_t warm_stream_ = nullptr;
-  cudaEvent_t warm_fork_ = nullptr, warm_join_ = nullptr;
+  SideStream warm_stream_;     // where the next layer's pages are warmed
   // Layer graphs (RunLayer): the stream they are recorded on, and their counts.
   cudaStream_t graph_stream_ = nullptr;
   LayerGraphCounts graph_counts_;
