@@ -37,7 +37,8 @@ memory, vAttention or SAAP) and KVSPARSE_VLLM_FULL_GRAPHS is not 0, the backend 
 ``UNIFORM_SINGLE_TOKEN_DECODE``: vLLM records each decode-only step whole in its full graphs,
 kvsparse's plan over its batch slots inside (kvsparse.vllm.slot_plan), and runs steps with prompt
 rows piecewise, their decode rows through the same plan. A request asking for another method then
-fails alone naming the setting. Otherwise (``AttentionCGSupport.NEVER``) attention runs between
+fails alone naming the setting (behind the OpenAI server's admission check, kvsparse.vllm.middleware,
+it is answered 400 before it gets here: plugin.other_method_refusal, the one rule). Otherwise (``AttentionCGSupport.NEVER``) attention runs between
 vLLM's piecewise graphs, the decode rows through a plan per method over the requests decoding,
 re-planned when that set changes.
 """
@@ -69,8 +70,6 @@ from kvsparse.vllm.connector import VLLM_VERSION, StepRows
 from kvsparse.vllm.plugin import RequestSequence
 from kvsparse.vllm.slot_plan import SlotPlan
 
-# Set to 0 to serve decode rows outside vLLM's full graphs (per-request methods; module text).
-ENV_FULL_GRAPHS = "KVSPARSE_VLLM_FULL_GRAPHS"
 
 
 
@@ -209,14 +208,13 @@ class CudaWorker:
         self.failure_blocks.update(rows.failure_blocks)
         for rid, text in rows.methods.items():
             try:
-                method = parse_method(text)  # checked at admission by the middleware where it runs
+                parse_method(text)  # checked at admission by the middleware where it runs
             except ValueError as e:
                 self.fail([rid], e)
                 continue
-            if self.slots is not None and method != parse_method(self.slots.text):
-                self.fail([rid], ValueError(
-                    f"this deployment decodes inside vLLM's full CUDA graphs, with its method {self.slots.text!r} "
-                    f"only; the request asked for {text!r} (set {ENV_FULL_GRAPHS}=0 to serve per-request methods)"))
+            why = None if self.slots is None else plugin.other_method_refusal(text, self.slots.text)
+            if why is not None:
+                self.fail([rid], ValueError(why))
                 continue
             self.methods[rid] = text
         self.rows = rows
@@ -268,7 +266,7 @@ class CudaWorker:
         KVSPARSE_VLLM_FULL_GRAPHS is 0, the method has no captured step here, or the plan would
         be too large (SlotPlan.too_large; logged)."""
         self.slots_tried = True
-        if os.environ.get(ENV_FULL_GRAPHS, "1") == "0" or self.shape is None:
+        if not plugin.full_graphs_asked() or self.shape is None:
             return
         text = os.environ[plugin.ENV_METHOD]
         why = SlotPlan.too_large(self.shape, impl.max_num_seqs, impl.max_tokens,

@@ -1,7 +1,12 @@
 """Admission check for vLLM's OpenAI server: a request whose ``vllm_xargs.kvsparse_method`` is not a
 method kvsparse knows is answered 400 (OpenAI's error body, naming the field) before vLLM sees it,
-instead of reaching vLLM's worker, where the plugin would fail the whole engine with it. vLLM's
-``--middleware`` option loads it (both builds):
+instead of reaching vLLM's worker, where the plugin would fail it with a generic server error.
+So is a request naming another method than the deployment's where the deployment decodes inside
+vLLM's full CUDA graphs (vLLM's CUDA build, KVSPARSE_VLLM_FULL_GRAPHS not 0: one method is
+captured), with the setting that serves per-request methods named; wherever the full graphs are
+asked for, even where the worker decodes outside them (a plan too large for the GPU), so that what
+a deployment accepts does not depend on its memory. vLLM's ``--middleware`` option loads it (both
+builds):
 
     vllm serve <model> --middleware kvsparse.vllm.middleware.MethodCheck ...
 
@@ -12,9 +17,11 @@ anyway), checks the one field, and hands the same bytes on; every other request 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Awaitable, Callable
 
 from kvsparse.methods import parse_method
+from kvsparse.vllm import plugin
 from kvsparse.vllm.plugin import EXTRA_ARG
 
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -23,9 +30,20 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 FIELD = f"vllm_xargs.{EXTRA_ARG}"
 
 
-def method_error(body: bytes) -> str | None:
-    """Why the request's method is refused, or None (no method named, or one that parses; a body
-    that is not a JSON object is left to vLLM)."""
+def captured_method() -> str | None:
+    """The deployment's method where this vLLM asks for its decode steps inside its full CUDA
+    graphs (kvsparse's plugin on, vLLM's CUDA build, KVSPARSE_VLLM_FULL_GRAPHS not 0), else None."""
+    if not plugin.enabled() or not plugin.full_graphs_asked():
+        return None
+    from vllm.platforms import current_platform
+
+    return os.environ[plugin.ENV_METHOD] if current_platform.is_cuda() else None
+
+
+def method_error(body: bytes, only: str | None = None) -> str | None:
+    """Why the request's method is refused, or None (no method named, or one that parses and,
+    where ``only`` names the deployment's captured method, is that method; a body that is not a
+    JSON object is left to vLLM)."""
     try:
         request = json.loads(body)
     except ValueError:
@@ -40,12 +58,14 @@ def method_error(body: bytes) -> str | None:
         parse_method(text)
     except (ValueError, TypeError) as e:
         return f"{FIELD}: {e}"
-    return None
+    why = None if only is None else plugin.other_method_refusal(text, only)
+    return None if why is None else f"{FIELD}: {why}"
 
 
 class MethodCheck:
     def __init__(self, app: Callable[[dict[str, Any], Receive, Send], Awaitable[None]]) -> None:
         self.app = app
+        self.only = captured_method()  # the one method a full-graph deployment serves
 
     async def __call__(self, scope: dict[str, Any], receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":
@@ -60,7 +80,7 @@ class MethodCheck:
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
-        reason = method_error(b"".join(chunks))
+        reason = method_error(b"".join(chunks), self.only)
         if reason is not None:
             body = json.dumps({"error": {"message": reason, "type": "BadRequestError", "param": FIELD,
                                          "code": 400}}).encode()

@@ -98,6 +98,25 @@ ENV_SALE = "KVSPARSE_VLLM_SALE"
 # engine so), and kept sequences would stay there.
 ENV_KEEP_FINISHED = "KVSPARSE_VLLM_KEEP_FINISHED"
 KEEP_FINISHED_DEFAULT = 4
+# vLLM's CUDA build: set to 0 to serve decode rows outside vLLM's full graphs (per-request
+# methods; kvsparse.vllm.cuda_backend's module text).
+ENV_FULL_GRAPHS = "KVSPARSE_VLLM_FULL_GRAPHS"
+
+
+def full_graphs_asked() -> bool:
+    """Whether the deployment asks for its decode steps inside vLLM's full CUDA graphs
+    (KVSPARSE_VLLM_FULL_GRAPHS not 0; vLLM's CUDA build), where one method is captured: its own."""
+    return os.environ.get(ENV_FULL_GRAPHS, "1") != "0"
+
+
+def other_method_refusal(text: str, deployment: str) -> str | None:
+    """Why a request naming the method ``text`` is refused by a deployment that decodes inside
+    vLLM's full CUDA graphs with its method ``deployment``, or None where it is that method (the
+    same parameters, however written). REQUIRES: both parse."""
+    if parse_method(text) == parse_method(deployment):
+        return None
+    return (f"this deployment decodes inside vLLM's full CUDA graphs with its method {deployment!r} only; the "
+            f"request asked for {text!r} (set {ENV_FULL_GRAPHS}=0 to serve per-request methods)")
 
 
 def keep_finished() -> int:
