@@ -116,8 +116,11 @@ absl::Status SelectedRowsCall::Enqueue(LaunchPlan& lp, Carver& c) {
   pp.fetch.capacity = rows_cap_;
   pp.fetch_dest = Table<int32_t>(lp, call_off_[4]);
   pp.hits = stats == nullptr ? nullptr : stats + 3 * BH;
-  const size_t pw = kc::PlaceRowsWorkspaceBytes(pp);
-  void* pws = c.Take<char>(pw);
+  // No row cache on any sequence (or a selection whose rows do not repeat): nothing to place, no
+  // workspace carved for it.
+  const bool place = cache_cap_ > 0;
+  const size_t pw = place ? kc::PlaceRowsWorkspaceBytes(pp) : 0;
+  void* pws = place ? c.Take<char>(pw) : nullptr;
 
   kc::FetchRowsParams fp;
   fp.shape = lp.shape();
@@ -130,10 +133,8 @@ absl::Status SelectedRowsCall::Enqueue(LaunchPlan& lp, Carver& c) {
     fp.second.k = Table<void>(lp, call_off_[5]);
     fp.second.v = Table<void>(lp, call_off_[6]);
   }
-  // No row cache on any sequence (or a selection whose rows do not repeat): nothing to place. The
-  // union's rows are fetched in union order into the overflow rows, where the union positions
-  // find them (PlaceRows is not launched).
-  const bool place = cache_cap_ > 0;
+  // Without a row cache the union's rows are fetched in union order into the overflow rows, where
+  // the union positions find them (PlaceRows is not launched).
   if (!place) {
     fp.out = sel.rows;
     fp.out.k = fp.second.k;
