@@ -344,6 +344,8 @@ def main() -> None:
             "vllm_rows_skipped": w.vllm_rows_skipped,
             "prefix_imports": w.prefix_imports,
             "prefix_forks": w.prefix_forks,
+            "prefix_forks_finished": w.prefix_forks_finished,
+            "kept_requests": sorted(w.kept),
             "fork_misses": list(w.fork_misses),
             "engine_memory": w.engine().memory() if w._engine is not None and store is None else {},
             # recorded and replayed, by the plans closed and those still live

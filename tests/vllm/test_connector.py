@@ -129,7 +129,9 @@ def test_a_kept_finished_request_holds_its_prefix_until_a_block_of_it_is_handed_
     on them keep it; a block of it handed out afresh (past a new request's hits, or a running
     request's new block) cuts its blocks there, and releases it where none are left; newer
     finished requests beyond `keep` release the oldest. Without keep (the default) a finished
-    request is forgotten."""
+    request is forgotten. Each step tells the worker which finished requests are kept and which
+    kept ones were released (StepRows.kept, StepRows.released: the CUDA build's worker keeps and
+    drops their sequences so)."""
     ledger = BlockLedger(keep=2)
     p = new_request("p", 0)
     p.block_ids = ([1, 2, 3],)
@@ -138,11 +140,13 @@ def test_a_kept_finished_request_holds_its_prefix_until_a_block_of_it_is_handed_
     q.block_ids = ([1, 2, 7],)
     rows = step_rows(scheduler_output([q], cached_requests([], []), {"q": 8}, {"p"}), ledger, block_size=16)
     assert rows.prefix_sources == {"q": ("p", 32)} and list(ledger.kept) == ["p"]
+    assert rows.kept == {"p"} and rows.released == set()
     assert ledger.own_block("q") == 7  # a kept request's blocks name no live request's
     r = new_request("r", 0)  # handed p's third block afresh: p holds its first two still
     r.block_ids = ([3, 9],)
-    step_rows(scheduler_output([r], cached_requests(["q"], [40]), {"q": 1, "r": 20}, set()), ledger, block_size=16)
-    assert ledger.kept == {"p": [1, 2]} and ledger.take_released() == []
+    rows = step_rows(scheduler_output([r], cached_requests(["q"], [40]), {"q": 1, "r": 20}, set()), ledger,
+                     block_size=16)
+    assert ledger.kept == {"p": [1, 2]} and rows.released == set() and rows.kept == set()
     s = new_request("s", 32)  # q, live, holds blocks 1 and 2: the live holder first
     s.block_ids = ([1, 2, 11],)
     rows = step_rows(scheduler_output([s], cached_requests(["q", "r"], [41, 20]), {"q": 1, "r": 1, "s": 4},
@@ -151,14 +155,15 @@ def test_a_kept_finished_request_holds_its_prefix_until_a_block_of_it_is_handed_
     assert ledger.prefix_holders("s", [1, 2, 11], 32, 16) == ["q", "p"]
     t = new_request("t", 0)  # handed block 1 afresh (as though every holder had let it go): p has none left
     t.block_ids = ([1],)
-    step_rows(scheduler_output([t], cached_requests([], []), {"t": 4}, set()), ledger, block_size=16)
-    assert "p" not in ledger.kept and ledger.take_released() == ["p"] and ledger.take_released() == []
-    step_rows(scheduler_output([], cached_requests(["s", "t"], [36, 4]), {"s": 1, "t": 1}, {"q"}), ledger,
-              block_size=16)
+    rows = step_rows(scheduler_output([t], cached_requests([], []), {"t": 4}, set()), ledger, block_size=16)
+    assert "p" not in ledger.kept and rows.released == {"p"} and ledger.take_released() == []
+    rows = step_rows(scheduler_output([], cached_requests(["s", "t"], [36, 4]), {"s": 1, "t": 1}, {"q"}), ledger,
+                     block_size=16)
+    assert rows.kept == {"q"}
     step_rows(scheduler_output([], cached_requests(["t"], [5]), {"t": 1}, {"r"}), ledger, block_size=16)
     assert list(ledger.kept) == ["q", "r"]
-    step_rows(scheduler_output([], cached_requests(["t"], [6]), {"t": 1}, {"s"}), ledger, block_size=16)
-    assert list(ledger.kept) == ["r", "s"] and ledger.take_released() == ["q"]  # the oldest beyond 2
+    rows = step_rows(scheduler_output([], cached_requests(["t"], [6]), {"t": 1}, {"s"}), ledger, block_size=16)
+    assert list(ledger.kept) == ["r", "s"] and rows.kept == {"s"} and rows.released == {"q"}  # the oldest beyond 2
     # The worker side (BlockLedger.replace): blocks past a new request's hits are fresh.
     ledger.replace("u", [1, 2, 3, 4], hits=2)
     assert ledger.kept == {"s": [1, 2, 11]} and ledger.take_released() == ["r"]

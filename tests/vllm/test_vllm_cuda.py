@@ -287,6 +287,26 @@ def test_a_captured_method_decodes_inside_vllms_full_cuda_graphs(model: str) -> 
     assert live_ids(w) == [w["last_finisher"]]
 
 
+def test_a_finished_request_kept_as_a_holder_gives_its_prefix_to_the_next(model: str) -> None:
+    """With KVSPARSE_VLLM_KEEP_FINISHED=4 the connector's ledger keeps finished requests as prefix
+    holders (StepRows.kept) and the worker keeps their sequences: a chat's second turn, which
+    starts after the first turn's 8 full blocks (128 tokens) once the first turn's request has
+    finished, forks them from that request's sequence in the store instead of reading them from
+    vLLM's cache, and dense still gives vLLM's tokens for the second turn. At most 4 finished
+    requests' sequences are kept."""
+    out = generate(model, "dense", logprobs=2, follow_up=FOLLOW_UP,
+                   kvsparse_env={"KVSPARSE_VLLM_KEEP_FINISHED": "4"})
+    assert "error" not in out, out["error"]
+    w, mine = out["kvsparse"], out["follow_up"]
+    assert w["prefix_forks_finished"] >= 128, (w["prefix_forks_finished"], w["fork_misses"])
+    assert mine["prefix_imports"] < 128, mine
+    assert 0 < len(w["kept_requests"]) <= 4, w["kept_requests"]
+    theirs = generate(model, prompts=[mine["prompt"]], max_tokens=[FOLLOW_UP["tokens"]], logprobs=2)
+    assert "error" not in theirs, theirs["error"]
+    assert_same_tokens_up_to_near_ties(theirs, mine)
+    assert largest_logprob_gap(theirs, mine) < LOGPROB_TOL
+
+
 def test_a_request_kvsparse_cannot_serve_fails_alone(model: str, own: dict) -> None:
     """With kvsparse's KV connector (engine_args), a request whose method does not parse and one
     whose method the engine refuses (a fraction over 1) each end with an error, and the other

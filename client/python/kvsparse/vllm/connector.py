@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvsparse.vllm import plugin
 from kvsparse.vllm.plugin import EXTRA_ARG, BlockLedger
 
 VLLM_VERSION = "0.24.0"  # the vLLM whose batch order batch_order follows
@@ -46,11 +47,17 @@ class StepRows(KVConnectorMetadata):
     # The blocks of each new request that starts after a prefix vLLM reused from its prefix
     # cache (where the backend reads that prefix from, when no forward runs: a full graph).
     prefix_blocks: dict[str, list[int]] = field(default_factory=dict)
-    # Of those, the ones whose prefix a live request holds (BlockLedger.prefix_holder): request id
-    # -> (that request's id, the prefix's tokens); its kvsparse sequence is forked in the store.
+    # Of those, the ones whose prefix a live request, or a finished one kept as a holder, holds
+    # (BlockLedger.prefix_holder): request id -> (that request's id, the prefix's tokens); its
+    # kvsparse sequence is forked in the store.
     prefix_sources: dict[str, tuple[str, int]] = field(default_factory=dict)
     finished: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
+    # Of the finished ones, those the ledger keeps as prefix holders (KVSPARSE_VLLM_KEEP_FINISHED):
+    # the worker keeps their sequences; and requests kept before that the ledger released (vLLM
+    # handed their blocks out afresh, or newer ones pushed them out): their sequences can go.
+    kept: set[str] = field(default_factory=set)
+    released: set[str] = field(default_factory=set)
 
 
 def batch_order(num_scheduled_tokens: dict[str, int]) -> list[str]:
@@ -80,14 +87,17 @@ def step_rows(scheduler_output: Any, ledger: BlockLedger | None = None, block_si
             if holder is not None:
                 prefix_sources[r.req_id] = (holder, r.num_computed_tokens)
     own = {rid: ledger.own_block(rid) for rid in counts}
+    finished = set(scheduler_output.finished_req_ids)
     return StepRows(
         rows=[(rid, computed[rid], counts[rid]) for rid in batch_order(counts)],
         methods=methods,
         failure_blocks={rid: b for rid, b in own.items() if b is not None},
         prefix_blocks=prefix_blocks,
         prefix_sources=prefix_sources,
-        finished=set(scheduler_output.finished_req_ids),
+        finished=finished,
         preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()),
+        kept={rid for rid in finished if rid in ledger.kept},
+        released=set(ledger.take_released()),
     )
 
 
@@ -102,7 +112,10 @@ class KvSparseConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self.ledger = BlockLedger()  # scheduler side
+        # Scheduler side. On vLLM's CUDA build it keeps finished requests as prefix holders
+        # (KVSPARSE_VLLM_KEEP_FINISHED) for the worker (StepRows.kept); on the CPU build the
+        # worker keeps its own ledger (kvsparse.vllm.plugin.Worker).
+        self.ledger = BlockLedger(keep=plugin.keep_finished() if _on_cuda() else 0)
         self.block_size = int(vllm_config.cache_config.block_size)
 
     # Scheduler side.

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+import grpc
 import torch
 from vllm.config import get_current_vllm_config
 from vllm.model_executor.models.utils import extract_layer_index
@@ -144,6 +145,10 @@ class CudaWorker:
     keeps serving the others, as on the CPU build (kvsparse.vllm.plugin.Worker.fail)."""
 
     sequences: dict[str, RequestSequence] = field(default_factory=dict)
+    # Finished requests the connector's ledger keeps as prefix holders (StepRows.kept,
+    # KVSPARSE_VLLM_KEEP_FINISHED): their sequences, for the requests that start after their
+    # prefix to fork, until the ledger releases them (StepRows.released) or the store is full.
+    kept: dict[str, RequestSequence] = field(default_factory=dict)
     methods: dict[str, str] = field(default_factory=dict)  # request id -> method text
     plans: dict[str, _Plan] = field(default_factory=dict)  # by method text
     rows: StepRows | None = None
@@ -171,7 +176,8 @@ class CudaWorker:
     # layers; KvSparseCudaMetadataBuilder's prompt_tail).
     vllm_rows_skipped: int = 0
     prefix_imports: int = 0  # prompt tokens read from vLLM's prefix cache into sequences
-    prefix_forks: int = 0  # prompt tokens of such prefixes forked in the store from a live request
+    prefix_forks: int = 0  # prompt tokens of such prefixes forked in the store from another request
+    prefix_forks_finished: int = 0  # of them, forked from finished requests kept as holders
     # Why the latest reused prefixes were read from vLLM's cache rather than forked ("request id:
     # why"): no live request holds them, or the store refused.
     fork_misses: deque[str] = field(default_factory=lambda: deque(maxlen=16))
@@ -198,9 +204,12 @@ class CudaWorker:
 
     def begin_step(self, rows: StepRows) -> None:
         gone = rows.finished | rows.preempted
+        keep = {rid for rid in rows.kept if rid in self.sequences and rid not in self.failed}
+        for rid in rows.released:
+            self.release(rid)
         if self.slots is None:
             for rid in gone:
-                self.forget(rid)
+                self.forget(rid, keep=rid in keep)
         for rid in rows.finished:
             self.methods.pop(rid, None)
             self.failed.pop(rid, None)
@@ -226,7 +235,7 @@ class CudaWorker:
             # changes, in one rebind; then their sequences, no longer held, are dropped.
             self.stage_slots()
             for rid in gone:
-                self.forget(rid)
+                self.forget(rid, keep=rid in keep)
 
     def fail(self, rids: list[str], error: Exception) -> None:
         """Requests kvsparse cannot serve (the class text): forgotten, answered with zeros until
@@ -237,6 +246,14 @@ class CudaWorker:
             self.forget(rid)
 
     def _mark_failed(self, rid: str, error: Exception) -> None:
+        if getattr(error, "code", None) == grpc.StatusCode.RESOURCE_EXHAUSTED and self.kept:
+            # The store is full: the finished requests kept for their prefixes go first (the
+            # connector's ledger may still name them: a request after their prefix then reads it
+            # from vLLM's cache, _fork_prefix's miss).
+            plugin.LOG.warning("kvsparse: the store is full: releasing %d finished requests' sequences kept for "
+                               "their prefixes", len(self.kept))
+            for kept in list(self.kept):
+                self.release(kept)
         if rid not in self.failed:
             plugin.LOG.warning("kvsparse: failing request %s: %s", rid, error)
             self.failed[rid] = str(error)
@@ -342,8 +359,8 @@ class CudaWorker:
 
     def _fork_prefix(self, rid: str, start: int, shape: ModelShape) -> int:
         """A request vLLM starts after `start` tokens it reused from its prefix cache, whose blocks
-        a live request holds (the connector's prefix_sources): its sequence forked from that
-        request's in the store, as much of the prefix as that request's sequence holds in every
+        a live request, or a finished one kept as a holder, holds (the connector's
+        prefix_sources): its sequence forked from that request's in the store, as much of the prefix as that request's sequence holds in every
         layer (its whole pages shared). That request may be computing the rest of the prefix in
         this very step (vLLM hands out a block as soon as it is scheduled): those tokens are read
         from vLLM's cache, written before any is read (KvSparseCudaImpl.forward). The tokens
@@ -351,7 +368,9 @@ class CudaWorker:
         whole prefix is then read from vLLM's cache)."""
         assert self.rows is not None
         holder, tokens = self.rows.prefix_sources.get(rid, (None, 0))
-        source = self.sequences.get(holder) if holder is not None and holder not in self.failed else None
+        source = None
+        if holder is not None and holder not in self.failed:
+            source = self.sequences.get(holder) or self.kept.get(holder)
         n = source.held(start) if source is not None and tokens == start else 0
         if n == 0:
             why = ("no live request holds it" if holder is None else
@@ -369,6 +388,8 @@ class CudaWorker:
             self.fork_misses.append(f"{rid}: forking {holder}'s sequence: {e}")
             return 0
         self.prefix_forks += n
+        if holder in self.kept:
+            self.prefix_forks_finished += n
         return n
 
     def _import_prefix(self, rid: str, start: int) -> None:
@@ -401,18 +422,31 @@ class CudaWorker:
             self.sequences[rid] = seq
         return seq
 
-    def forget(self, rid: str) -> None:
-        """Drops a request's sequence, first ending any plan that holds it."""
+    def forget(self, rid: str, keep: bool = False) -> None:
+        """Drops a request's sequence, first ending any plan that holds it; with `keep`, a
+        finished request kept as a prefix holder, its sequence moves to `kept` instead."""
         for text, held in list(self.plans.items()):
             if rid in held.rids:
                 self.close_plan(text)
         seq = self.sequences.pop(rid, None)
         if seq is not None:
             self.unbind_slots({seq.sequence_id})
-            try:
-                self.engine().drop_sequence(seq.sequence_id)
-            except KvSparseError as e:  # nothing left to free
-                plugin.LOG.warning("kvsparse: dropping the sequence of request %s: %s", rid, e)
+            if keep:
+                self.kept[rid] = seq
+                return
+            self._drop(rid, seq)
+
+    def release(self, rid: str) -> None:
+        """A finished request no longer kept as a prefix holder: its sequence out of the store."""
+        seq = self.kept.pop(rid, None)
+        if seq is not None:
+            self._drop(rid, seq)
+
+    def _drop(self, rid: str, seq: RequestSequence) -> None:
+        try:
+            self.engine().drop_sequence(seq.sequence_id)
+        except KvSparseError as e:  # nothing left to free
+            plugin.LOG.warning("kvsparse: dropping the sequence of request %s: %s", rid, e)
 
     def count_step(self, text: str, plan: Any, rids: list[str], shape: ModelShape, element_bytes: int,
                    entries: int | None = None) -> None:

@@ -93,9 +93,11 @@ ENV_SALE = "KVSPARSE_VLLM_SALE"
 # Finished requests whose sequences the worker keeps while vLLM's prefix cache still holds their
 # blocks, so that a later request starting after them (a chat's next turn) forks its prefix in
 # the store instead of reading it from vLLM's cache (BlockLedger); their tokens stay in the store
-# until then. vLLM's CPU build. By default only with the store in the worker (inprocess): a
-# kvsparse-server's store outlives a vLLM process that is killed (vLLM's OpenAI server stops its
-# engine so), and kept sequences would stay there.
+# until then. vLLM's CPU build (the worker's own ledger) and its CUDA build (the KV connector's
+# ledger, StepRows.kept / released). By default only with the store in the worker (inprocess) on
+# the CPU build: a kvsparse-server's store outlives a vLLM process that is killed (vLLM's OpenAI
+# server stops its engine so), and kept sequences would stay there; on the CUDA build 0 until its
+# test has run on a GPU.
 ENV_KEEP_FINISHED = "KVSPARSE_VLLM_KEEP_FINISHED"
 KEEP_FINISHED_DEFAULT = 4
 # vLLM's CUDA build: set to 0 to serve decode rows outside vLLM's full graphs (per-request
