@@ -73,6 +73,7 @@ def main() -> None:
         result["prefix_imports"] = WORKER.prefix_imports
         result["prefix_forks"] = WORKER.prefix_forks
         result["prefix_forks_finished"] = WORKER.prefix_forks_finished
+        result["prefix_copies"] = WORKER.prefix_copies
         result["vllm_rows_skipped"] = WORKER.vllm_rows_skipped
         result["timing"] = WORKER.timing
         result["sale"] = {"prefills": WORKER.sale_prefills, "skipped": WORKER.sale_skipped}

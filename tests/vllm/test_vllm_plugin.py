@@ -245,9 +245,18 @@ def test_prefix_caching_reads_the_reused_prefix_from_vllms_cache(model: str, ser
     assert "error" not in sparse, sparse["error"]
     assert sparse["prefix_imports"] > 0 and [len(t) for t in sparse["then"][0]] == MAX_TOKENS
     store_is_empty(server.target)
-    # With the K/V in the store only vLLM's cache holds no prefix: refused, with the reason.
-    stored = generate(model, server.target, "dense", kv="store", prefix_caching=True)
-    assert "error" in stored and "prefix caching" in stored["error"] and "KVSPARSE_VLLM_KV=store" in stored["error"]
+    # With the K/V in the store only vLLM's cache holds no prefix: the reused prefixes are forked
+    # from the sequences of the requests that hold them, finished ones kept while vLLM's cache
+    # holds their blocks (every one by default there), none read from vLLM's cache; dense gives
+    # vLLM's tokens. Keeping none is refused with the reason (refused whole until 2026-12-02).
+    stored = generate(model, server.target, "dense", kv="store", prefix_caching=True,
+                      then_methods=[[None] * len(PROMPTS)])
+    assert "error" not in stored, stored["error"]
+    assert stored["tokens"] == own["tokens"] and stored["then"] == own["then"]
+    assert stored["prefix_forks_finished"] > 0 and stored["prefix_imports"] == 0, stored
+    store_is_empty(server.target)
+    refused = generate(model, server.target, "dense", kv="store", prefix_caching=True, keep=0)
+    assert "error" in refused and "KVSPARSE_VLLM_KEEP_FINISHED=0" in refused["error"], refused["error"][-500:]
 
 
 def test_a_prefix_a_live_request_holds_is_forked_in_the_store(model: str, server: kvsparse.LocalServer) -> None:
@@ -265,6 +274,12 @@ def test_a_prefix_a_live_request_holds_is_forked_in_the_store(model: str, server
     assert "error" not in through, through["error"]
     assert through["prefix_forks"] > 0, through
     assert through["tokens"] == own["tokens"]
+    store_is_empty(server.target)
+    # The same with the K/V in the store only (vLLM's cache holds none of them).
+    stored = generate(model, server.target, "dense", kv="store", **job)
+    assert "error" not in stored, stored["error"]
+    assert stored["prefix_forks"] > 0 and stored["prefix_imports"] == 0, stored
+    assert stored["tokens"] == own["tokens"]
     store_is_empty(server.target)
 
 
@@ -334,6 +349,13 @@ def test_a_prefix_its_holder_computes_in_the_same_step_is_forked_as_far_as_held(
     assert "error" not in through, through["error"]
     assert through["prefix_forks"] == 200 and through["prefix_imports"] == 88, through
     assert through["tokens"] == own["tokens"]
+    store_is_empty(server.target)
+    # With the K/V in the store only those 88 tokens are copied from the first request's sequence
+    # in the store, layer by layer once its rows of the step are there (vLLM's cache holds none).
+    stored = generate(model, server.target, "dense", kv="store", **job)
+    assert "error" not in stored, stored["error"]
+    assert stored["prefix_forks"] == 200 and stored["prefix_copies"] == 88 and stored["prefix_imports"] == 0, stored
+    assert stored["tokens"] == own["tokens"]
     store_is_empty(server.target)
 
 

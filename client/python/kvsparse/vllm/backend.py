@@ -7,7 +7,9 @@ starts after a prefix it reused from its prefix cache gets that prefix's K/V rea
 paged cache (the request's blocks) into its new sequence, layer by layer, before its first rows.
 vLLM's CPU kernels lay a block's rows out for their instruction set (cpu_cache_layout finds where
 by writing through vLLM's own cache update). With the K/V in the store only, vLLM's cache holds
-no prefix and prefix caching is refused."""
+no prefix: it is forked from the sequence of the request that holds it, live or finished and kept
+(plugin.keep_store_prefixes), and what that request computes in the same step is copied from its
+sequence in the store layer by layer (_copy_prefix)."""
 
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from kvsparse.errors import KvSparseError
+from kvsparse.errors import FailedPrecondition, KvSparseError
 from kvsparse.methods import ModelShape
 from kvsparse.tensors import dtype_name
 from kvsparse.torch.transport import step_seed
@@ -40,7 +42,7 @@ from kvsparse.vllm.plugin import (
     connector_configured,
     observe,
     prompt_tail_rows,
-    refuse_prefix_caching,
+    keep_store_prefixes,
     refuse_unsupported,
     store_only,
     vllm_attention,
@@ -56,10 +58,9 @@ class KvSparseImpl(CPUAttentionBackendImpl):
                          logits_soft_cap, *args, **kwargs)
         refuse_unsupported(alibi_slopes, sliding_window, logits_soft_cap, kwargs.get("sinks"), kv_cache_dtype)
         config = get_current_vllm_config()
-        if store_only():
-            refuse_prefix_caching(config, why="with KVSPARSE_VLLM_KV=store vLLM's cache holds no K/V of a prefix "
-                                  "to reuse")
         self.prefix_caching = bool(config.cache_config.enable_prefix_caching)
+        if store_only() and self.prefix_caching:
+            keep_store_prefixes()
         WORKER.num_layers = config.model_config.get_num_layers(config.parallel_config)
         WORKER.connector = connector_configured(config)
         self.seed = int(os.environ.get(ENV_SEED, "0"))
@@ -92,39 +93,18 @@ class KvSparseImpl(CPUAttentionBackendImpl):
         if self.shape is None:
             self.shape = ModelShape(w.num_layers, self.num_heads, self.num_kv_heads, self.head_size,
                                     dtype_name(query.dtype))
-        shape = self.shape
         transport = w.transport()
-        decode: list[int] = []  # rows answered by kvsparse
-        failed: list[int] = []  # rows of requests kvsparse failed (WORKER.fail): vLLM's attention, or zeros
-        prefill = False
+        kinds: dict[str, list[int]] = {"decode": [], "failed": [], "prefill": [], "later": []}
         for i, rid in enumerate(rows):
-            a, b = qsl[i], qsl[i + 1]
-            if rid in w.failed:
-                failed.append(i)
-                continue
-            start = seq_lens[i] - (b - a)  # tokens before this step's
-            try:
-                seq = w.sequence(rid, shape)
-                if seq.lengths[li] != start:
-                    seq = self._begin_at(transport, layer, li, rid, seq, start, kv_cache,
-                                         attn_metadata.block_table[i])
-                if b - a == 1 and start > 0:
-                    decode.append(i)
-                    continue
-                # A prompt (or a chunk of one): its K/V to the store; its attention vLLM's, or
-                # (store only) computed here over the store's rows of the prompt before it.
-                t0 = time.perf_counter()
-                transport.append(seq.sequence_id, li, key[a:b], value[a:b], start)
-                if self.store_only:
-                    self._prompt_attention(transport, seq.sequence_id, li, start, query[a:b], key[a:b],
-                                           value[a:b], output[a:b])
-                timing["transport"] += time.perf_counter() - t0
-            except KvSparseError as e:
-                w.fail([rid], e)
-                failed.append(i)
-                continue
-            seq.lengths[li] = start + b - a
-            prefill = True
+            kinds["failed" if rid in w.failed else
+                  self._row(transport, layer, li, i, rid, qsl, seq_lens[i], query, key, value, output, kv_cache,
+                            attn_metadata)].append(i)
+        # Store only: rows whose reused prefix the holder's sequence gets in this step, later in
+        # the batch (_copy_prefix), once every other row's K/V are in the store.
+        for i in kinds.pop("later"):
+            kinds[self._row(transport, layer, li, i, rows[i], qsl, seq_lens[i], query, key, value, output, kv_cache,
+                            attn_metadata, last=True)].append(i)
+        decode, failed, prefill = kinds["decode"], kinds["failed"], bool(kinds["prefill"])
         # vLLM's attention where its cache holds the K/V: for prompt rows, and for the rows of
         # requests kvsparse failed, whose outputs feed the K/V the next layers write into vLLM's
         # cache (blocks that prefix caching may hand to requests sharing the prompt).
@@ -167,14 +147,49 @@ class KvSparseImpl(CPUAttentionBackendImpl):
         return output
 
 
+    def _row(self, transport: Any, layer: Any, li: int, i: int, rid: str, qsl: list[int], seq_len: int,
+             query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor,
+             kv_cache: torch.Tensor, attn_metadata: Any, last: bool = False) -> str:
+        """Batch row i of request `rid` at layer li: "decode" (kvsparse answers it after the rows'
+        loop), "prefill" (a prompt chunk: its K/V appended to the store, and with the store only
+        its attention computed here), "failed" (WORKER.fail), or "later" (store only: its reused
+        prefix is not in its holder's sequence yet at this layer; `last`: fail it then)."""
+        w = WORKER
+        a, b = qsl[i], qsl[i + 1]
+        start = seq_len - (b - a)  # tokens before this step's
+        try:
+            seq = w.sequence(rid, self.shape)
+            if seq.lengths[li] != start:
+                seq = self._begin_at(transport, layer, li, rid, seq, start, kv_cache,
+                                     attn_metadata.block_table[i], key, last)
+                if seq is None:
+                    return "later"
+            if b - a == 1 and start > 0:
+                return "decode"
+            # A prompt (or a chunk of one): its K/V to the store; its attention vLLM's, or (store
+            # only) computed here over the store's rows of the prompt before it.
+            t0 = time.perf_counter()
+            transport.append(seq.sequence_id, li, key[a:b], value[a:b], start)
+            if self.store_only:
+                self._prompt_attention(transport, seq.sequence_id, li, start, query[a:b], key[a:b],
+                                       value[a:b], output[a:b])
+            w.timing["transport"] += time.perf_counter() - t0
+        except KvSparseError as e:
+            w.fail([rid], e)
+            return "failed"
+        seq.lengths[li] = start + b - a
+        return "prefill"
+
     def _begin_at(self, transport: Any, layer: Any, li: int, rid: str, seq: Any, start: int, kv_cache: torch.Tensor,
-                  blocks: torch.Tensor) -> Any:
+                  blocks: torch.Tensor, like: torch.Tensor, last: bool) -> Any:
         """A request whose sequence does not hold the `start` tokens vLLM computed before this
         step: preempted and recomputed (a fresh sequence where it holds more), and, where vLLM
         starts it after a prefix it reused from its prefix cache, that prefix forked in the store
         from the live request that holds it (every layer at once: the layers after this one then
         hold it), as far as that request's sequence holds it, the rest (or all of it) read from
-        vLLM's cache into this layer (vLLM writes this step's K/V there before the forward)."""
+        vLLM's cache into this layer (vLLM writes this step's K/V there before the forward); with
+        the store only, copied from that request's sequence in the store at this layer
+        (_copy_prefix; None: not there yet)."""
         held = seq.lengths[li]
         if start > 0 and not self.prefix_caching:
             raise RuntimeError(f"kvsparse holds {held} tokens of request {rid} at layer {li}, vLLM's context is "
@@ -184,12 +199,37 @@ class KvSparseImpl(CPUAttentionBackendImpl):
         if start > 0 and li == 0 and not any(seq.lengths):
             seq = WORKER.fork_prefix(rid, self.shape, blocks.tolist(), start, kv_cache.shape[2]) or seq
         held = seq.lengths[li]
+        if start > held and self.store_only:
+            return seq if self._copy_prefix(transport, li, rid, seq, held, start, like, last) else None
         if start > held:  # the request's own tokens up to `held`: the same K/V as vLLM's cache holds
             k0, v0 = cached_prefix(kv_cache, blocks, start, layer.isa)
             transport.append(seq.sequence_id, li, k0[held:], v0[held:], held)
             seq.lengths[li] = start
             WORKER.prefix_imports += start - held if li == 0 else 0
         return seq
+
+    def _copy_prefix(self, transport: Any, li: int, rid: str, seq: Any, held: int, start: int, like: torch.Tensor,
+                     last: bool) -> bool:
+        """Store only: tokens [held, start) of layer li of a reused prefix, copied from the sequence
+        of the request that holds it (WORKER.prefix_sources: live, or finished and kept), read
+        back from the store. False where that sequence does not hold them yet at this layer (its
+        request computes them in this step, later in the batch); FailedPrecondition where no
+        sequence holds the prefix, or (`last`) still not."""
+        holder = WORKER.prefix_sources.get(rid)
+        source = WORKER.sequences.get(holder) if holder is not None else None
+        if source is None or (last and source.lengths[li] < start):
+            raise FailedPrecondition(
+                f"request {rid} starts after {start} tokens vLLM reused from its prefix cache, and no request's "
+                f"sequence in kvsparse's store holds them (with KVSPARSE_VLLM_KV=store vLLM's cache holds no K/V: "
+                f"the request that computed them is gone, e.g. released when the store was full)")
+        if source.lengths[li] < start:
+            return False
+        k0, v0 = transport.rows(source.sequence_id, li, start, self.num_kv_heads, like)
+        transport.append(seq.sequence_id, li, k0[:, held:].transpose(0, 1).contiguous(),
+                         v0[:, held:].transpose(0, 1).contiguous(), held)
+        seq.lengths[li] = start
+        WORKER.prefix_copies += start - held if li == 0 else 0
+        return True
 
     def _prompt_attention(self, transport: Any, sequence_id: str, layer: int, start: int, q: torch.Tensor,
                           k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> None:

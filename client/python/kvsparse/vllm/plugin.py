@@ -38,8 +38,11 @@ How it works (vLLM 0.32, the V1 model runner):
   of a chunked prompt attend densely over the store's rows, as without it.
 
 With vLLM's prefix caching (on by default), a request vLLM starts after a prefix it reused from
-its cache gets that prefix read from vLLM's paged cache into its sequence (both builds; refused
-with KVSPARSE_VLLM_KV=store, where vLLM's cache holds no K/V).
+its cache gets that prefix forked in the store from the request that holds it, or read from vLLM's
+paged cache into its sequence (both builds). With KVSPARSE_VLLM_KV=store, where vLLM's cache holds
+no K/V, the prefix comes from the holder's sequence in the store alone (vLLM's CPU build:
+finished requests kept as holders while vLLM's cache holds their blocks, keep_store_prefixes; the
+CUDA build refuses prefix caching there).
 
 Limits of this version, each refused with a message: sliding windows, ALiBi, logits
 soft-capping, attention sinks, quantized KV caches.
@@ -119,6 +122,12 @@ def other_method_refusal(text: str, deployment: str) -> str | None:
         return None
     return (f"this deployment decodes inside vLLM's full CUDA graphs with its method {deployment!r} only; the "
             f"request asked for {text!r} (set {ENV_FULL_GRAPHS}=0 to serve per-request methods)")
+
+
+# With the K/V in the store only and vLLM's prefix caching on (vLLM's CPU build), the count kept
+# when KVSPARSE_VLLM_KEEP_FINISHED is not set: every finished request whose blocks vLLM's prefix
+# cache still holds (the store is then the only place their prefix's K/V are).
+KEEP_ALL = 1 << 30
 
 
 def keep_finished() -> int:
@@ -279,6 +288,20 @@ def cuda_settings() -> dict[str, Any]:
     else:
         settings["store"] = target
     return settings
+
+
+def keep_store_prefixes() -> None:
+    """With the K/V in the store only and vLLM's prefix caching on (vLLM's CPU build): a prefix
+    vLLM reuses has its K/V in kvsparse's store only, in the sequence of the request that computed
+    it, so finished requests stay as prefix holders while vLLM's cache holds their blocks: all of
+    them (KEEP_ALL) where KVSPARSE_VLLM_KEEP_FINISHED is not set; set to 0, refused (a reused
+    prefix would have no K/V anywhere)."""
+    if not os.environ.get(ENV_KEEP_FINISHED):
+        WORKER.blocks.keep = KEEP_ALL
+    elif WORKER.blocks.keep == 0:
+        raise ValueError(f"with {ENV_KV}=store and vLLM's prefix caching on, a prefix vLLM reuses has its K/V only "
+                         f"in kvsparse's store: {ENV_KEEP_FINISHED}=0 would drop them when their request finishes "
+                         f"(keep finished requests, or turn prefix caching off: --no-enable-prefix-caching)")
 
 
 def refuse_prefix_caching(config: Any, who: str = "kvsparse's vLLM plugin",
@@ -564,6 +587,12 @@ class Worker:
     prefix_forks: int = 0
     # Of those, the tokens forked from finished requests kept as holders (KVSPARSE_VLLM_KEEP_FINISHED).
     prefix_forks_finished: int = 0
+    # With the K/V in the store only: the request whose sequence holds each new request's reused
+    # prefix (request id -> holder id, fork_prefix), for the prefix's tokens its sequence did not
+    # hold yet when forked (it computes them in the same step): copied in the store layer by layer
+    # (kvsparse.vllm.backend), their count in prefix_copies (at layer 0).
+    prefix_sources: dict[str, str] = field(default_factory=dict)
+    prefix_copies: int = 0
     # Rows of steps that mixed decode and prompt rows left out of vLLM's attention (the decode rows,
     # kvsparse's), over the layers (kvsparse.vllm.backend).
     vllm_rows_skipped: int = 0
@@ -614,6 +643,7 @@ class Worker:
                     self.blocks.drop(rid)
                 self.methods.pop(rid, None)
                 self.failed.pop(rid, None)
+                self.prefix_sources.pop(rid, None)
             for rid in [r for r in self.blocks.blocks if r not in requests]:  # preempted
                 self.blocks.drop(rid)
             for rid in req_ids:
@@ -688,6 +718,8 @@ class Worker:
         held = {h: self.sequences[h].held(tokens) for h in self.blocks.prefix_holders(rid, blocks, tokens, block_size)
                 if h in self.sequences and h not in self.failed}
         holder = max(held, key=held.__getitem__, default=None)  # the first of equals: a live one
+        if holder is not None:
+            self.prefix_sources[rid] = holder
         n = held[holder] if holder is not None else 0
         if n == 0:
             return None
