@@ -217,12 +217,16 @@ class KvSparseImpl(CPUAttentionBackendImpl):
         sequence holds the prefix, or (`last`) still not."""
         holder = WORKER.prefix_sources.get(rid)
         source = WORKER.sequences.get(holder) if holder is not None else None
-        if source is None or (last and source.lengths[li] < start):
+        reused = f"request {rid} starts after {start} tokens vLLM reused from its prefix cache"
+        if source is None:
             raise FailedPrecondition(
-                f"request {rid} starts after {start} tokens vLLM reused from its prefix cache, and no request's "
-                f"sequence in kvsparse's store holds them (with KVSPARSE_VLLM_KV=store vLLM's cache holds no K/V: "
-                f"the request that computed them is gone, e.g. released when the store was full)")
+                f"{reused}, and no request's sequence in kvsparse's store holds them (with KVSPARSE_VLLM_KV=store "
+                f"vLLM's cache holds no K/V: the request that computed them is gone, e.g. released when the store "
+                f"was full)")
         if source.lengths[li] < start:
+            if last:
+                raise FailedPrecondition(f"{reused}, and request {holder}, which holds them, has {source.lengths[li]} "
+                                         f"of them at layer {li} after the step's rows")
             return False
         k0, v0 = transport.rows(source.sequence_id, li, start, self.num_kv_heads, like)
         transport.append(seq.sequence_id, li, k0[:, held:].transpose(0, 1).contiguous(),
