@@ -345,6 +345,7 @@ def main() -> None:
             "prefix_imports": w.prefix_imports,
             "prefix_forks": w.prefix_forks,
             "prefix_forks_finished": w.prefix_forks_finished,
+            "prefix_copies": w.prefix_copies,
             "kept_requests": sorted(w.kept),
             "fork_misses": list(w.fork_misses),
             "engine_memory": w.engine().memory() if w._engine is not None and store is None else {},

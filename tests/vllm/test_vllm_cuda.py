@@ -366,10 +366,26 @@ def test_store_only_serves_a_batch_over_vllms_kv_budget(model: str, own: dict) -
     assert through["decoding_together"] >= 2
 
 
-def test_store_only_refuses_prefix_caching_with_its_reason(model: str) -> None:
-    out = generate(model, "dense", enable_prefix_caching=True, kvsparse_env=STORE)
-    assert "error" in out
-    assert "prefix caching" in out["error"] and "KVSPARSE_VLLM_KV=store" in out["error"], out["error"][-2000:]
+def test_store_only_with_prefix_caching_takes_each_prefix_from_the_store(model: str, own: dict) -> None:
+    """With the K/V in the store only and vLLM's prefix caching asked for (refused until
+    2026-12-02; engine_args leaves it off there until this has run on a GPU), a prefix vLLM reuses
+    comes from the store alone: forked from the sequence of the request that holds it, what that
+    request computes in the same step copied from its sequence layer by layer, finished requests
+    kept as holders while vLLM's cache holds their blocks. A chat's second turn forks the first
+    turn's 128 tokens from its finished request's sequence; nothing is read from vLLM's cache;
+    dense gives vLLM's tokens (up to near-ties). Keeping no finished request is refused."""
+    out = generate(model, "dense", logprobs=2, follow_up=FOLLOW_UP, enable_prefix_caching=True, kvsparse_env=STORE)
+    assert "error" not in out, out["error"]
+    assert out["prefix_caching"] is True
+    w, mine = out["kvsparse"], out["follow_up"]
+    assert w["prefix_imports"] == 0 and w["prefix_forks_finished"] >= 128, (w["prefix_forks_finished"], w["fork_misses"])
+    assert_same_tokens_up_to_near_ties(own, out)
+    theirs = generate(model, prompts=[mine["prompt"]], max_tokens=[FOLLOW_UP["tokens"]], logprobs=2)
+    assert "error" not in theirs, theirs["error"]
+    assert_same_tokens_up_to_near_ties(theirs, mine)
+    refused = generate(model, "dense", enable_prefix_caching=True,
+                       kvsparse_env={**STORE, "KVSPARSE_VLLM_KEEP_FINISHED": "0"})
+    assert "error" in refused and "KVSPARSE_VLLM_KEEP_FINISHED=0" in refused["error"], refused["error"][-2000:]
 
 
 def test_store_only_with_sale_and_sparse_methods(model: str, own: dict, tmp_path: Path) -> None:

@@ -115,7 +115,8 @@ class KvSparseConnector(KVConnectorBase_V1):
         # Scheduler side. On vLLM's CUDA build it keeps finished requests as prefix holders
         # (KVSPARSE_VLLM_KEEP_FINISHED) for the worker (StepRows.kept); on the CPU build the
         # worker keeps its own ledger (kvsparse.vllm.plugin.Worker).
-        self.ledger = BlockLedger(keep=plugin.keep_finished() if _on_cuda() else 0)
+        prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        self.ledger = BlockLedger(keep=plugin.finished_to_keep(prefix_caching) if _on_cuda() else 0)
         self.block_size = int(vllm_config.cache_config.block_size)
 
     # Scheduler side.

@@ -63,7 +63,7 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadataBuilder,
 )
 
-from kvsparse.errors import KvSparseError
+from kvsparse.errors import FailedPrecondition, KvSparseError
 from kvsparse.methods import ModelShape, parse_method, placement_for
 from kvsparse.tensors import dtype_name
 from kvsparse.vllm import plugin
@@ -178,6 +178,9 @@ class CudaWorker:
     prefix_imports: int = 0  # prompt tokens read from vLLM's prefix cache into sequences
     prefix_forks: int = 0  # prompt tokens of such prefixes forked in the store from another request
     prefix_forks_finished: int = 0  # of them, forked from finished requests kept as holders
+    # With the K/V in the store only: prefix tokens the holder computed in the same step, copied
+    # from its sequence in the store layer by layer (copy_prefix; counted at layer 0).
+    prefix_copies: int = 0
     # Why the latest reused prefixes were read from vLLM's cache rather than forked ("request id:
     # why"): no live request holds them, or the store refused.
     fork_misses: deque[str] = field(default_factory=lambda: deque(maxlen=16))
@@ -404,12 +407,44 @@ class CudaWorker:
                              "kvsparse was not told")
         seq = self.sequences[rid]
         held = seq.lengths[0]
+        if plugin.store_only():  # vLLM's cache holds no K/V: the holder's sequence holds the prefix
+            for li in range(self.shape.num_layers):
+                self.copy_prefix(rid, seq, li, held, start, last=True)
+            return
         for li in range(self.shape.num_layers):
             kv_cache = self.layers[li].kv_cache
             k0, v0 = cached_prefix(kv_cache, torch.tensor(blocks, device=kv_cache.device), start)
             self.engine().append(seq.sequence_id, li, k0[held:], v0[held:], held)
             seq.lengths[li] = start
         self.prefix_imports += start - held
+
+    def copy_prefix(self, rid: str, seq: RequestSequence, li: int, held: int, start: int, last: bool) -> bool:
+        """With the K/V in the store only: tokens [held, start) of layer li of a prefix vLLM reused,
+        copied from the sequence of the request that holds it (the connector's prefix_sources:
+        live, or finished and kept), read back from the store. False where that sequence does not
+        hold them yet at this layer (its request computes them in this step, later in the batch);
+        FailedPrecondition where no sequence holds the prefix, or (`last`) still not."""
+        assert self.rows is not None
+        holder, _ = self.rows.prefix_sources.get(rid, (None, 0))
+        source = None
+        if holder is not None and holder not in self.failed:
+            source = self.sequences.get(holder) or self.kept.get(holder)
+        reused = f"request {rid} starts after {start} tokens vLLM reused from its prefix cache"
+        if source is None:
+            raise FailedPrecondition(
+                f"{reused}, and no request's sequence in kvsparse's store holds them (with KVSPARSE_VLLM_KV=store "
+                f"vLLM's cache holds no K/V: the request that computed them is gone)")
+        if source.lengths[li] < start:
+            if last:
+                raise FailedPrecondition(f"{reused}, and request {holder}, which holds them, has "
+                                         f"{source.lengths[li]} of them at layer {li}")
+            return False
+        k0, v0 = self.engine().read_rows(source.sequence_id, li, start)  # [Hkv, start, d], host memory
+        self.engine().append(seq.sequence_id, li, k0[:, held:].transpose(0, 1).contiguous(),
+                             v0[:, held:].transpose(0, 1).contiguous(), held)
+        seq.lengths[li] = start
+        self.prefix_copies += start - held if li == 0 else 0
+        return True
 
     def method_text(self, rid: str) -> str:
         return self.methods.get(rid) or os.environ[plugin.ENV_METHOD]
@@ -588,7 +623,7 @@ class CudaWorker:
         if seq.lengths[0] == start:
             return False
         if start != 0:
-            if seq.lengths[0] == 0 and not plugin.store_only():
+            if seq.lengths[0] == 0:  # from vLLM's cache, or with the store only from the holder's sequence
                 return True
             raise ValueError(f"kvsparse holds {seq.lengths[0]} tokens of request {rid}, vLLM's context is {start}")
         self.restarts += 1
@@ -625,10 +660,6 @@ class KvSparseCudaImpl(FlashAttentionImpl):
                 "kvsparse's CUDA backend learns each row's request from kvsparse's KV connector: run vLLM with "
                 "kvsparse.vllm.engine_args() (or --kv-transfer-config naming KvSparseConnector, docs/VLLM.md)"
             )
-        if plugin.store_only():
-            plugin.refuse_prefix_caching(
-                config, "kvsparse's CUDA backend with the K/V in its store only (KVSPARSE_VLLM_KV=store)",
-                "vLLM's cache holds no K/V of a prefix to reuse")
         self.num_layers = config.model_config.get_num_layers(config.parallel_config)
         from kvsparse.torch.ops import gpu_shape_refusal
 
@@ -679,28 +710,12 @@ class KvSparseCudaImpl(FlashAttentionImpl):
             # another request of this step computes.
             self.do_kv_cache_update(layer, key, value, kv_cache, attn_metadata.slot_mapping)
             w.cache_writes += 1
-        for row, rid, start, count in step.prefill:
-            a = step.token_starts[row]
-            if rid in w.failed:  # at an earlier layer of this step
-                continue
-            seq = w.sequences[rid]
-            try:
-                held = seq.lengths[li]
-                if rid in step.imports and held < start:  # the prefix vLLM reused (or a fork's rest), first
-                    # The request's row of the step's block table (the batch's order, which
-                    # the connector's rows follow).
-                    k0, v0 = cached_prefix(kv_cache, attn_metadata.block_table[row], start)
-                    w.engine().append(seq.sequence_id, li, k0[held:], v0[held:], held)
-                    w.prefix_imports += start - held if li == 0 else 0
-                w.engine().append(seq.sequence_id, li, key[a:a + count], value[a:a + count], start)
-                if self.store_only:
-                    self._prompt_attention(w, seq.sequence_id, li, start, query[a:a + count], key[a:a + count],
-                                           value[a:a + count], output[a:a + count])
-            except KvSparseError as e:  # the store full, the sequence refused
-                w.fail([rid], e)
-                step.failed.append((a, count))
-                continue
-            seq.lengths[li] = start + count
+        # Store only: a row whose reused prefix its holder writes later in this step's batch goes
+        # after the others (_prefill_row's False).
+        later = [entry for entry in step.prefill
+                 if not self._prefill_row(w, li, step, entry, query, key, value, kv_cache, attn_metadata, output)]
+        for entry in later:
+            self._prefill_row(w, li, step, entry, query, key, value, kv_cache, attn_metadata, output, last=True)
         vllm_attention = not self.store_only and bool(step.prefill or not (step.groups or w.slot_rows))
         if vllm_attention:
             decode_rows = sum(len(g.rids) for g in step.groups.values()) + len(w.slot_rows)
@@ -720,6 +735,41 @@ class KvSparseCudaImpl(FlashAttentionImpl):
         for a, count in [] if vllm_attention else step.failed:
             output[a:a + count] = 0
         return output
+
+    def _prefill_row(self, w: CudaWorker, li: int, step: _Step, entry: tuple[int, str, int, int], query: torch.Tensor,
+                     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: Any,
+                     output: torch.Tensor, last: bool = False) -> bool:
+        """One prompt row (or a row after a reused prefix) at layer li: the prefix first where the
+        request imports one (from vLLM's cache; with the store only from the holder's sequence,
+        CudaWorker.copy_prefix), then its K/V into the store, and with the store only its attention.
+        False where the holder's sequence does not hold the prefix yet at this layer (not `last`)."""
+        row, rid, start, count = entry
+        a = step.token_starts[row]
+        if rid in w.failed:  # at an earlier layer of this step
+            return True
+        seq = w.sequences[rid]
+        try:
+            held = seq.lengths[li]
+            if rid in step.imports and held < start:  # the prefix vLLM reused (or a fork's rest), first
+                if self.store_only:
+                    if not w.copy_prefix(rid, seq, li, held, start, last):
+                        return False
+                else:
+                    # The request's row of the step's block table (the batch's order, which the
+                    # connector's rows follow).
+                    k0, v0 = cached_prefix(kv_cache, attn_metadata.block_table[row], start)
+                    w.engine().append(seq.sequence_id, li, k0[held:], v0[held:], held)
+                    w.prefix_imports += start - held if li == 0 else 0
+            w.engine().append(seq.sequence_id, li, key[a:a + count], value[a:a + count], start)
+            if self.store_only:
+                self._prompt_attention(w, seq.sequence_id, li, start, query[a:a + count], key[a:a + count],
+                                       value[a:a + count], output[a:a + count])
+        except KvSparseError as e:  # the store full, the sequence refused
+            w.fail([rid], e)
+            step.failed.append((a, count))
+            return True
+        seq.lengths[li] = start + count
+        return True
 
     def _decode(self, w: CudaWorker, li: int, text: str, g: _Group, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, out: torch.Tensor, dtype: str) -> None:

@@ -40,9 +40,9 @@ How it works (vLLM 0.32, the V1 model runner):
 With vLLM's prefix caching (on by default), a request vLLM starts after a prefix it reused from
 its cache gets that prefix forked in the store from the request that holds it, or read from vLLM's
 paged cache into its sequence (both builds). With KVSPARSE_VLLM_KV=store, where vLLM's cache holds
-no K/V, the prefix comes from the holder's sequence in the store alone (vLLM's CPU build:
-finished requests kept as holders while vLLM's cache holds their blocks, keep_store_prefixes; the
-CUDA build refuses prefix caching there).
+no K/V, the prefix comes from the holder's sequence in the store alone (finished requests kept as
+holders while vLLM's cache holds their blocks, finished_to_keep; on the CUDA build engine_args
+leaves prefix caching off there until that path has run on a GPU).
 
 Limits of this version, each refused with a message: sliding windows, ALiBi, logits
 soft-capping, attention sinks, quantized KV caches.
@@ -259,7 +259,7 @@ def engine_args(method: str | None = None, **kwargs: Any) -> dict[str, Any]:
             "kv_role": "kv_both",
         },
     }
-    if store_only():
+    if store_only():  # served since 2026-12-02 (the holders' sequences), not yet run on a GPU: asked for
         args["enable_prefix_caching"] = False
     args.update(kwargs)
     return args
@@ -290,28 +290,28 @@ def cuda_settings() -> dict[str, Any]:
     return settings
 
 
-def keep_store_prefixes() -> None:
-    """With the K/V in the store only and vLLM's prefix caching on (vLLM's CPU build): a prefix
-    vLLM reuses has its K/V in kvsparse's store only, in the sequence of the request that computed
-    it, so finished requests stay as prefix holders while vLLM's cache holds their blocks: all of
-    them (KEEP_ALL) where KVSPARSE_VLLM_KEEP_FINISHED is not set; set to 0, refused (a reused
-    prefix would have no K/V anywhere)."""
+def finished_to_keep(prefix_caching: bool) -> int:
+    """How many finished requests a ledger keeps as prefix holders (KVSPARSE_VLLM_KEEP_FINISHED,
+    keep_finished). With the K/V in the store only and vLLM's prefix caching on, a prefix vLLM
+    reuses has its K/V in kvsparse's store only, in the sequence of the request that computed it:
+    every finished request is kept while vLLM's cache holds its blocks (KEEP_ALL) where the
+    setting is not given, and 0 is refused (a reused prefix would have no K/V anywhere)."""
+    keep = keep_finished()
+    if not (store_only() and prefix_caching):
+        return keep
     if not os.environ.get(ENV_KEEP_FINISHED):
-        WORKER.blocks.keep = KEEP_ALL
-    elif WORKER.blocks.keep == 0:
+        return KEEP_ALL
+    if keep == 0:
         raise ValueError(f"with {ENV_KV}=store and vLLM's prefix caching on, a prefix vLLM reuses has its K/V only "
                          f"in kvsparse's store: {ENV_KEEP_FINISHED}=0 would drop them when their request finishes "
                          f"(keep finished requests, or turn prefix caching off: --no-enable-prefix-caching)")
+    return keep
 
 
-def refuse_prefix_caching(config: Any, who: str = "kvsparse's vLLM plugin",
-                          why: str = "a prefix vLLM reuses is not in the request's kvsparse sequence") -> None:
-    """Refuses vLLM's prefix caching where a backend cannot serve a reused prefix: with the K/V
-    in the store only (KVSPARSE_VLLM_KV=store), on both builds; otherwise each backend reads the
-    prefix from vLLM's cache (kvsparse.vllm.backend, kvsparse.vllm.cuda_backend)."""
-    if config.cache_config.enable_prefix_caching:
-        raise ValueError(f"{who} needs prefix caching off (--no-enable-prefix-caching, or "
-                         f"enable_prefix_caching=False): {why}")
+def keep_store_prefixes() -> None:
+    """vLLM's CPU build with the K/V in the store only and prefix caching on: the worker's ledger
+    keeps what finished_to_keep says."""
+    WORKER.blocks.keep = finished_to_keep(prefix_caching=True)
 
 
 def refuse_unsupported(alibi_slopes: Any, sliding_window: Any, logits_soft_cap: Any, sinks: Any,
