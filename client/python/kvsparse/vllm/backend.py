@@ -30,7 +30,7 @@ from vllm.v1.attention.backends.cpu_attn import (
     CPUAttentionMetadataBuilder,
 )
 
-from kvsparse.errors import FailedPrecondition, KvSparseError
+from kvsparse.errors import KvSparseError
 from kvsparse.methods import ModelShape
 from kvsparse.tensors import dtype_name
 from kvsparse.torch.transport import step_seed
@@ -40,6 +40,7 @@ from kvsparse.vllm.plugin import (
     WORKER,
     PromptTail,
     connector_configured,
+    copy_prefix_rows,
     observe,
     prompt_tail_rows,
     keep_store_prefixes,
@@ -212,26 +213,12 @@ class KvSparseImpl(CPUAttentionBackendImpl):
                      last: bool) -> bool:
         """Store only: tokens [held, start) of layer li of a reused prefix, copied from the sequence
         of the request that holds it (WORKER.prefix_sources: live, or finished and kept), read
-        back from the store. False where that sequence does not hold them yet at this layer (its
-        request computes them in this step, later in the batch); FailedPrecondition where no
-        sequence holds the prefix, or (`last`) still not."""
+        back from the store (plugin.copy_prefix_rows: False where it is not there yet)."""
         holder = WORKER.prefix_sources.get(rid)
         source = WORKER.sequences.get(holder) if holder is not None else None
-        reused = f"request {rid} starts after {start} tokens vLLM reused from its prefix cache"
-        if source is None:
-            raise FailedPrecondition(
-                f"{reused}, and no request's sequence in kvsparse's store holds them (with KVSPARSE_VLLM_KV=store "
-                f"vLLM's cache holds no K/V: the request that computed them is gone, e.g. released when the store "
-                f"was full)")
-        if source.lengths[li] < start:
-            if last:
-                raise FailedPrecondition(f"{reused}, and request {holder}, which holds them, has {source.lengths[li]} "
-                                         f"of them at layer {li} after the step's rows")
+        if not copy_prefix_rows(lambda sid, layer, n: transport.rows(sid, layer, n, self.num_kv_heads, like),
+                                transport.append, rid, holder, source, seq, li, held, start, last):
             return False
-        k0, v0 = transport.rows(source.sequence_id, li, start, self.num_kv_heads, like)
-        transport.append(seq.sequence_id, li, k0[:, held:].transpose(0, 1).contiguous(),
-                         v0[:, held:].transpose(0, 1).contiguous(), held)
-        seq.lengths[li] = start
         WORKER.prefix_copies += start - held if li == 0 else 0
         return True
 

@@ -63,7 +63,7 @@ from vllm.v1.attention.backends.flash_attn import (
     FlashAttentionMetadataBuilder,
 )
 
-from kvsparse.errors import FailedPrecondition, KvSparseError
+from kvsparse.errors import KvSparseError
 from kvsparse.methods import ModelShape, parse_method, placement_for
 from kvsparse.tensors import dtype_name
 from kvsparse.vllm import plugin
@@ -421,28 +421,17 @@ class CudaWorker:
     def copy_prefix(self, rid: str, seq: RequestSequence, li: int, held: int, start: int, last: bool) -> bool:
         """With the K/V in the store only: tokens [held, start) of layer li of a prefix vLLM reused,
         copied from the sequence of the request that holds it (the connector's prefix_sources:
-        live, or finished and kept), read back from the store. False where that sequence does not
-        hold them yet at this layer (its request computes them in this step, later in the batch);
-        FailedPrecondition where no sequence holds the prefix, or (`last`) still not."""
+        live, or finished and kept), read back from the store (plugin.copy_prefix_rows: False where
+        it is not there yet)."""
         assert self.rows is not None
         holder, _ = self.rows.prefix_sources.get(rid, (None, 0))
         source = None
         if holder is not None and holder not in self.failed:
             source = self.sequences.get(holder) or self.kept.get(holder)
-        reused = f"request {rid} starts after {start} tokens vLLM reused from its prefix cache"
-        if source is None:
-            raise FailedPrecondition(
-                f"{reused}, and no request's sequence in kvsparse's store holds them (with KVSPARSE_VLLM_KV=store "
-                f"vLLM's cache holds no K/V: the request that computed them is gone)")
-        if source.lengths[li] < start:
-            if last:
-                raise FailedPrecondition(f"{reused}, and request {holder}, which holds them, has "
-                                         f"{source.lengths[li]} of them at layer {li}")
+        # read_rows: [Hkv, start, d] in host memory
+        if not plugin.copy_prefix_rows(self.engine().read_rows, self.engine().append, rid, holder, source, seq, li,
+                                       held, start, last):
             return False
-        k0, v0 = self.engine().read_rows(source.sequence_id, li, start)  # [Hkv, start, d], host memory
-        self.engine().append(seq.sequence_id, li, k0[:, held:].transpose(0, 1).contiguous(),
-                             v0[:, held:].transpose(0, 1).contiguous(), held)
-        seq.lengths[li] = start
         self.prefix_copies += start - held if li == 0 else 0
         return True
 

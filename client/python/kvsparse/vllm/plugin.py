@@ -68,7 +68,7 @@ from typing import Any, Callable, Sequence
 
 import grpc
 
-from kvsparse.errors import KvSparseError
+from kvsparse.errors import FailedPrecondition, KvSparseError
 from kvsparse.methods import (
     FLAGSHIP_TEXT,
     METHOD_NAMES,
@@ -306,6 +306,32 @@ def finished_to_keep(prefix_caching: bool) -> int:
                          f"in kvsparse's store: {ENV_KEEP_FINISHED}=0 would drop them when their request finishes "
                          f"(keep finished requests, or turn prefix caching off: --no-enable-prefix-caching)")
     return keep
+
+
+def copy_prefix_rows(read: Callable[[str, int, int], tuple[Any, Any]], append: Callable[..., None], rid: str,
+                     holder: str | None, source: "RequestSequence | None", seq: "RequestSequence", li: int, held: int,
+                     start: int, last: bool) -> bool:
+    """With the K/V in the store only (both builds): tokens [held, start) of layer li of a prefix
+    vLLM reused for request `rid`, copied into `seq` from `source`, the sequence of the request
+    `holder` that holds it (live, or finished and kept), through `read` (sequence id, layer, count
+    -> K, V as [Hkv, count, d]) and `append` (a transport's or an engine's). False where `source`
+    does not hold them yet at this layer (its request computes them in this step, later in the
+    batch); FailedPrecondition where no sequence holds the prefix, or (`last`) still not."""
+    reused = f"request {rid} starts after {start} tokens vLLM reused from its prefix cache"
+    if source is None:
+        raise FailedPrecondition(
+            f"{reused}, and no request's sequence in kvsparse's store holds them (with {ENV_KV}=store vLLM's "
+            f"cache holds no K/V: the request that computed them is gone, e.g. released when the store was full)")
+    if source.lengths[li] < start:
+        if last:
+            raise FailedPrecondition(f"{reused}, and request {holder}, which holds them, has {source.lengths[li]} "
+                                     f"of them at layer {li} after the step's rows")
+        return False
+    k0, v0 = read(source.sequence_id, li, start)
+    append(seq.sequence_id, li, k0[:, held:].transpose(0, 1).contiguous(), v0[:, held:].transpose(0, 1).contiguous(),
+           held)
+    seq.lengths[li] = start
+    return True
 
 
 def keep_store_prefixes() -> None:
