@@ -627,6 +627,8 @@ class CudaWorker:
             self.unbind_slots(set(self.slots.ids))
         for rid in list(self.sequences):
             self.forget(rid)
+        for rid in list(self.kept):  # finished requests kept as prefix holders
+            self.release(rid)
         if self.slots is not None:
             self.slots.close(self.engine())
             self.slots = None
