@@ -20,12 +20,10 @@ SideStream::~SideStream() {
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
-absl::Status SideStream::Create(bool low_priority) {
+absl::Status SideStream::Create() {
   if (stream_ != nullptr) return absl::OkStatus();
   int lowest = 0, highest = 0;
-  if (low_priority) {
-    KVS_CUDA_OK(cudaDeviceGetStreamPriorityRange(&lowest, &highest), "stream priorities");
-  }
+  KVS_CUDA_OK(cudaDeviceGetStreamPriorityRange(&lowest, &highest), "stream priorities");
   KVS_CUDA_OK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming), "side stream event");
   KVS_CUDA_OK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming), "side stream event");
   KVS_CUDA_OK(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, lowest), "side stream");

@@ -58,10 +58,9 @@ class SideStream {
   SideStream(const SideStream&) = delete;
   SideStream& operator=(const SideStream&) = delete;
   ~SideStream();
-  // Creates the stream (priority: cudaDeviceGetStreamPriorityRange's lowest when low, else the
-  // default) and its events on the current device; before any capture.
-  absl::Status Create(bool low_priority);
-  bool created() const { return stream_ != nullptr; }
+  // Creates the stream, at cudaDeviceGetStreamPriorityRange's lowest priority (its work is
+  // background to the call's stream), and its events on the current device; before any capture.
+  absl::Status Create();
   cudaStream_t stream() const { return stream_; }
   // The side stream waits for what `from` has enqueued so far.
   absl::Status Fork(cudaStream_t from);

@@ -602,7 +602,7 @@ class GpuStaticStep final : public StaticStep {
       warm_ = false;
       return absl::OkStatus();
     }
-    return warm_stream_.Create(/*low_priority=*/true);
+    return warm_stream_.Create();
   }
   // Before layer l - 1's kernels, on the side stream (after the previous warm, which stops where
   // layer l - 1's step begins): one read of each of layer l's pages (kernels::cuda::WarmPagedRows,
