@@ -224,14 +224,35 @@ def test_batch_order_is_vllms_own() -> None:
         assert batch_order(counts) == sort(counts, {}, 1), counts
 
 
-def test_engine_args_keep_vllms_prefix_caching_but_with_the_store_only(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_engine_args_keep_vllms_prefix_caching_with_the_store_only_too(monkeypatch: pytest.MonkeyPatch) -> None:
     from kvsparse.vllm import plugin
 
     monkeypatch.setenv(plugin.ENV_METHOD, "dense")  # engine_args writes it: restored after the test
+    for kv in (None, "store"):  # vLLM's cache kept, or the store only (its prefix from the holders)
+        if kv is None:
+            monkeypatch.delenv(plugin.ENV_KV, raising=False)
+        else:
+            monkeypatch.setenv(plugin.ENV_KV, kv)
+        args = plugin.engine_args()
+        assert "enable_prefix_caching" not in args  # vLLM's default (on)
+        assert args["attention_backend"] == "CUSTOM"
+    assert plugin.engine_args(enable_prefix_caching=False)["enable_prefix_caching"] is False  # kwargs win
+
+
+def test_finished_requests_are_kept_by_default_where_the_store_is_in_vllms_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvsparse.vllm import plugin
+
+    monkeypatch.delenv(plugin.ENV_KEEP_FINISHED, raising=False)
     monkeypatch.delenv(plugin.ENV_KV, raising=False)
-    args = plugin.engine_args()
-    assert "enable_prefix_caching" not in args  # vLLM's default (on): the CUDA backend reads the prefix
-    assert args["attention_backend"] == "CUSTOM"
-    monkeypatch.setenv(plugin.ENV_KV, "store")
-    assert plugin.engine_args()["enable_prefix_caching"] is False  # vLLM's cache holds no prefix
-    assert plugin.engine_args(enable_prefix_caching=True)["enable_prefix_caching"] is True  # kwargs win
+    monkeypatch.delenv(plugin.ENV_TARGET, raising=False)  # the CUDA build's default: in the worker
+    assert plugin.finished_to_keep(prefix_caching=True) == plugin.KEEP_FINISHED_DEFAULT
+    monkeypatch.setenv(plugin.ENV_TARGET, "inprocess")
+    assert plugin.finished_to_keep(prefix_caching=True) == plugin.KEEP_FINISHED_DEFAULT
+    monkeypatch.setenv(plugin.ENV_TARGET, "127.0.0.1:50051")  # a kvsparse-server's store outlives vLLM
+    assert plugin.finished_to_keep(prefix_caching=True) == 0
+    monkeypatch.setenv(plugin.ENV_KV, "store")  # the store only: its prefixes are there alone
+    assert plugin.finished_to_keep(prefix_caching=True) == plugin.KEEP_ALL
+    monkeypatch.setenv(plugin.ENV_KEEP_FINISHED, "0")
+    with pytest.raises(ValueError, match="KVSPARSE_VLLM_KEEP_FINISHED=0"):
+        plugin.finished_to_keep(prefix_caching=True)
+    assert plugin.finished_to_keep(prefix_caching=False) == 0

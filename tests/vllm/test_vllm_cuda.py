@@ -130,7 +130,10 @@ def live_ids(worker: dict) -> list[str]:
 
 
 def test_dense_through_kvsparse_gives_vllms_tokens_with_cuda_graphs(model: str, own: dict) -> None:
-    through = generate(model, "dense", follow_up=FOLLOW_UP, logprobs=2)
+    # No finished request kept as a prefix holder (the default keeps 4): the chat's second turn
+    # below reads its prefix from vLLM's cache, the path this test checks (the holders' fork:
+    # test_a_finished_request_kept_as_a_holder_gives_its_prefix_to_the_next).
+    through = generate(model, "dense", follow_up=FOLLOW_UP, logprobs=2, kvsparse_env={"KVSPARSE_VLLM_KEEP_FINISHED": "0"})
     assert "error" not in through, through["error"]
     assert [len(t) for t in through["tokens"]] == MAX_TOKENS
     assert_same_tokens_up_to_near_ties(own, through)
@@ -288,14 +291,14 @@ def test_a_captured_method_decodes_inside_vllms_full_cuda_graphs(model: str) -> 
 
 
 def test_a_finished_request_kept_as_a_holder_gives_its_prefix_to_the_next(model: str) -> None:
-    """With KVSPARSE_VLLM_KEEP_FINISHED=4 the connector's ledger keeps finished requests as prefix
-    holders (StepRows.kept) and the worker keeps their sequences: a chat's second turn, which
+    """By default (KVSPARSE_VLLM_KEEP_FINISHED unset: 4 with the store in vLLM's worker) the
+    connector's ledger keeps finished requests as prefix holders (StepRows.kept) and the worker
+    keeps their sequences: a chat's second turn, which
     starts after the first turn's 8 full blocks (128 tokens) once the first turn's request has
     finished, forks them from that request's sequence in the store instead of reading them from
     vLLM's cache, and dense still gives vLLM's tokens for the second turn. At most 4 finished
     requests' sequences are kept."""
-    out = generate(model, "dense", logprobs=2, follow_up=FOLLOW_UP,
-                   kvsparse_env={"KVSPARSE_VLLM_KEEP_FINISHED": "4"})
+    out = generate(model, "dense", logprobs=2, follow_up=FOLLOW_UP)
     assert "error" not in out, out["error"]
     w, mine = out["kvsparse"], out["follow_up"]
     assert w["prefix_forks_finished"] >= 128, (w["prefix_forks_finished"], w["fork_misses"])
@@ -367,14 +370,14 @@ def test_store_only_serves_a_batch_over_vllms_kv_budget(model: str, own: dict) -
 
 
 def test_store_only_with_prefix_caching_takes_each_prefix_from_the_store(model: str, own: dict) -> None:
-    """With the K/V in the store only and vLLM's prefix caching asked for (refused until
-    2026-12-02; engine_args leaves it off there until this has run on a GPU), a prefix vLLM reuses
+    """With the K/V in the store only and vLLM's prefix caching on as engine_args leaves it
+    (refused until 2026-12-02, then off there until this test had run on an H200), a prefix vLLM reuses
     comes from the store alone: forked from the sequence of the request that holds it, what that
     request computes in the same step copied from its sequence layer by layer, finished requests
     kept as holders while vLLM's cache holds their blocks. A chat's second turn forks the first
     turn's 128 tokens from its finished request's sequence; nothing is read from vLLM's cache;
     dense gives vLLM's tokens (up to near-ties). Keeping no finished request is refused."""
-    out = generate(model, "dense", logprobs=2, follow_up=FOLLOW_UP, enable_prefix_caching=True, kvsparse_env=STORE)
+    out = generate(model, "dense", logprobs=2, follow_up=FOLLOW_UP, kvsparse_env=STORE)
     assert "error" not in out, out["error"]
     assert out["prefix_caching"] is True
     w, mine = out["kvsparse"], out["follow_up"]
@@ -383,8 +386,7 @@ def test_store_only_with_prefix_caching_takes_each_prefix_from_the_store(model: 
     theirs = generate(model, prompts=[mine["prompt"]], max_tokens=[FOLLOW_UP["tokens"]], logprobs=2)
     assert "error" not in theirs, theirs["error"]
     assert_same_tokens_up_to_near_ties(theirs, mine)
-    refused = generate(model, "dense", enable_prefix_caching=True,
-                       kvsparse_env={**STORE, "KVSPARSE_VLLM_KEEP_FINISHED": "0"})
+    refused = generate(model, "dense", kvsparse_env={**STORE, "KVSPARSE_VLLM_KEEP_FINISHED": "0"})
     assert "error" in refused and "KVSPARSE_VLLM_KEEP_FINISHED=0" in refused["error"], refused["error"][-2000:]
 
 

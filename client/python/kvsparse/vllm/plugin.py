@@ -97,10 +97,10 @@ ENV_SALE = "KVSPARSE_VLLM_SALE"
 # blocks, so that a later request starting after them (a chat's next turn) forks its prefix in
 # the store instead of reading it from vLLM's cache (BlockLedger); their tokens stay in the store
 # until then. vLLM's CPU build (the worker's own ledger) and its CUDA build (the KV connector's
-# ledger, StepRows.kept / released). By default only with the store in the worker (inprocess) on
-# the CPU build: a kvsparse-server's store outlives a vLLM process that is killed (vLLM's OpenAI
-# server stops its engine so), and kept sequences would stay there; on the CUDA build 0 until its
-# test has run on a GPU.
+# ledger, StepRows.kept / released). By default only with the store in vLLM's worker process
+# (KVSPARSE_VLLM_TARGET=inprocess; the CUDA build's default): a kvsparse-server's store outlives a
+# vLLM process that is killed (vLLM's OpenAI server stops its engine so), and kept sequences would
+# stay there.
 ENV_KEEP_FINISHED = "KVSPARSE_VLLM_KEEP_FINISHED"
 KEEP_FINISHED_DEFAULT = 4
 # vLLM's CUDA build: set to 0 to serve decode rows outside vLLM's full graphs (per-request
@@ -131,7 +131,9 @@ KEEP_ALL = 1 << 30
 
 
 def keep_finished() -> int:
-    default = KEEP_FINISHED_DEFAULT if os.environ.get(ENV_TARGET) == "inprocess" else 0
+    # The CUDA build's store is in its worker unless a target says otherwise (cuda_settings); the
+    # CPU build has no default target (it is refused unset).
+    default = KEEP_FINISHED_DEFAULT if os.environ.get(ENV_TARGET, "inprocess") == "inprocess" else 0
     text = os.environ.get(ENV_KEEP_FINISHED) or str(default)
     try:
         n = int(text)
@@ -239,15 +241,15 @@ DEFAULT_CUDA_METHOD = FLAGSHIP_TEXT
 
 def engine_args(method: str | None = None, **kwargs: Any) -> dict[str, Any]:
     """Keyword arguments for ``vllm.LLM`` / ``EngineArgs`` that decode through kvsparse on vLLM's
-    CUDA build: the custom attention backend and kvsparse's KV connector (request bookkeeping);
-    vLLM's prefix caching stays on (a prefix vLLM reuses is read from its cache into the
-    request's sequence), except with the K/V in kvsparse's store only (KVSPARSE_VLLM_KV=store),
-    where vLLM's cache holds no prefix and it is turned off. ``method`` (default:
+    CUDA build: the custom attention backend and kvsparse's KV connector (request bookkeeping).
+    vLLM's prefix caching stays on: a prefix vLLM reuses is forked from the store's sequence of a
+    request that holds it (finished requests kept as holders, KVSPARSE_VLLM_KEEP_FINISHED), or
+    read from vLLM's cache into the request's sequence; with the K/V in kvsparse's store only
+    (KVSPARSE_VLLM_KV=store) it comes from the store alone. ``method`` (default:
     KVSPARSE_VLLM_METHOD, else DEFAULT_CUDA_METHOD) is put in KVSPARSE_VLLM_METHOD for vLLM's
     worker processes. ``kwargs`` are added (and win). The same from the command line:
     ``--attention-backend CUSTOM --kv-transfer-config '{"kv_connector": "KvSparseConnector",
-    "kv_connector_module_path": "kvsparse.vllm.connector", "kv_role": "kv_both"}'`` (and
-    ``--no-enable-prefix-caching`` with the store only)."""
+    "kv_connector_module_path": "kvsparse.vllm.connector", "kv_role": "kv_both"}'``."""
     text = method or os.environ.get(ENV_METHOD) or DEFAULT_CUDA_METHOD
     parse_method(text)
     os.environ[ENV_METHOD] = text
@@ -259,8 +261,6 @@ def engine_args(method: str | None = None, **kwargs: Any) -> dict[str, Any]:
             "kv_role": "kv_both",
         },
     }
-    if store_only():  # served since 2026-12-02 (the holders' sequences), not yet run on a GPU: asked for
-        args["enable_prefix_caching"] = False
     args.update(kwargs)
     return args
 
