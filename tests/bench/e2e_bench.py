@@ -506,6 +506,10 @@ def run_variant(variant: str, model: Any, n: int, batch: int, args: argparse.Nam
                 engines: dict[str, ops.InProcessEngine], server: dict[str, kvsparse.LocalServer], gpu: bool) -> Row:
     """One row; a variant that fails (out of memory, refused) gives a row whose note says why."""
     failed = None
+    # Every row compiles its own graphs (a new cache object, or a new context): without a reset
+    # the rows of one process pass dynamo's recompile limit (8 per code object) and the ninth
+    # compiled row fails (2026-12-02: two passes of six variants at 128k).
+    torch._dynamo.reset()
     try:
         if variant in ("flash", "weights"):
             return run_floor(variant, model, n, batch, args)

@@ -99,3 +99,28 @@ def test_floor_cache_decodes_as_the_resident_cache(device: str) -> None:
             assert err < 2e-2, (t, err)
             ids = want[:, -1:].argmax(-1)
     assert floor_decode._cache is None  # released by the with block
+
+
+def test_every_row_starts_from_a_clean_dynamo(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row compiles its own graphs: run_variant resets dynamo first, or the rows of one
+    process pass its recompile limit (8 per code object) and the ninth compiled row ends the run
+    (two passes of six variants at 128k on an H200, 2026-12-02). Checked without compiling (a
+    compile per row would take minutes on CI's cores): the reset happens for every row, a failed
+    one included."""
+    import torch
+
+    sys.path.insert(0, str(HERE))
+    import e2e_bench
+
+    resets: list[int] = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+
+    def floor(variant: str, *args: object) -> e2e_bench.Row:
+        if variant == "weights":
+            raise RuntimeError("refused")
+        return e2e_bench.Row(256, 1, variant, tokens_per_s=1.0)
+
+    monkeypatch.setattr(e2e_bench, "run_floor", floor)
+    rows = [e2e_bench.run_variant(v, None, 256, 1, None, {}, {}, gpu=False) for v in ("flash", "weights", "flash")]
+    assert len(resets) == 3
+    assert rows[1].note.startswith("failed: RuntimeError") and rows[2].tokens_per_s == 1.0
