@@ -710,8 +710,8 @@ absl::StatusOr<std::unique_ptr<StaticStep>> NewGpuStaticStep(std::mutex* mu, Dev
     if (!FindMethod(call.method.kind).gpu->Capturable(call.method, d)) {
       return absl::FailedPreconditionError(absl::StrCat(
           "this method and placement have no captured step (dense with K and V on the device, "
-          "S2ANTA prop or flash, hash top-k with SimHash signatures, top-k and S2ANTA-prop over "
-          "compressed keys do); run it as eager calls"));
+          "S2ANTA prop or flash, hash top-k with SimHash signatures, top-k, S2ANTA-prop and "
+          "vAttention's importance sampler over compressed keys do); run it as eager calls"));
     }
   }
   if (!state->source()->pages_device_visible()) {

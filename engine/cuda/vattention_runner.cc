@@ -7,7 +7,9 @@
 //               softmax, weights 1 / (b p_t); kernels/cuda/vattention.h).
 // Each reads each row once per GQA group (the union of the group's lists, copied into a row set).
 // The exact predictor, and the compressed one with the uniform sampler (its residual bound),
-// run on the CPU engine.
+// run on the CPU engine. The compressed predictor's calls also run as captured steps
+// (engine/cuda/static_step.cc): every stage reads the step's lengths and seeds on the device and
+// computes the budget there.
 #include <algorithm>
 #include <vector>
 
@@ -49,6 +51,15 @@ class VAttentionCall final : public MethodCall {
     }
     return reasons.ToStatus();
   }
+  // Captured steps, the compressed predictor with the importance sampler: its kernels read the
+  // step's lengths and seeds on the device, compute the budget there and size their lists and
+  // row set for the plan's longest sequence (VAttentionWorkspaceBytes); the compressed keys they
+  // score are what the step's append keeps up to date. The hash predictor's steps would need the
+  // appended key signed on the device, as hash top-k's are: not captured.
+  static bool Capturable(const Method& m, const SequenceDesc& desc) {
+    return m.vattention.predictor == kernels::TopKPredictor::kCompressed &&
+           desc.placement.compressed_key_bits >= 2 && Supports(m, desc, GpuCaps{}).ok();
+  }
 
   absl::Status Plan(LaunchPlan& lp) override {
     for (int32_t b = 0; b < lp.B; ++b) {
@@ -64,8 +75,13 @@ class VAttentionCall final : public MethodCall {
 
   absl::Status Enqueue(LaunchPlan& lp, Carver& c) override {
     const int32_t BH = lp.BH;
-    uint32_t* qsig = compressed_ ? nullptr : c.Take<uint32_t>(static_cast<size_t>(BH) * lp.words);
-    float* scores = compressed_ ? c.Take<float>(static_cast<size_t>(BH) * lp.n_max) : nullptr;
+    // Everything the layer's kernels use is read within the layer: a captured plan's layers share
+    // it (the transient region; an eager call's own scratch). The row set alone is max_seq_len K
+    // and V rows per (b, kv head).
+    uint32_t* qsig =
+        compressed_ ? nullptr : c.TakeTransient<uint32_t>(static_cast<size_t>(BH) * lp.words);
+    float* scores =
+        compressed_ ? c.TakeTransient<float>(static_cast<size_t>(BH) * lp.n_max) : nullptr;
     kc::VAttentionLaunchParams vp;
     vp.shape = lp.shape();
     vp.seeds = lp.seeds();
@@ -86,7 +102,7 @@ class VAttentionCall final : public MethodCall {
       vp.key_heads = lp.hkv;
     }
     const size_t wb = kc::VAttentionWorkspaceBytes(vp);
-    void* ws = c.Take<char>(wb);
+    void* ws = c.TakeTransient<char>(wb);
     if (!lp.running()) return absl::OkStatus();
     const cudaStream_t stream = lp.stream();
     if (compressed_) {
@@ -120,16 +136,19 @@ class VAttentionCall final : public MethodCall {
       }
     }
     KVS_CUDA_OK(kc::VAttentionEstimate(vp, src, ws, wb, stream), "VAttentionEstimate");
-    // Counts for the statistics: per query head fixed, base, dyn; per (b, kv head) the rows
-    // fetched (the union).
+    // The statistics in every call's layout (StaticStep::kStatBlocks, which a captured plan's
+    // readers rely on): block 0 the rows fetched per (b, kv head) (the union), blocks 1 and 2 per
+    // query head the fixed set's and the final sample's counts, block 3 the row cache's hits
+    // (vAttention keeps none: zeros).
     int32_t* stats = lp.stats();
-    const int32_t* counts[] = {v.fixed_count, v.base_count, v.dyn_count, v.fetched};
-    for (int x = 0; x < 4; ++x) {
-      const size_t n = x < 3 ? BH : lp.BK;
+    const int32_t* counts[] = {v.fetched, v.fixed_count, v.dyn_count};
+    for (int x = 0; x < 3; ++x) {
+      const size_t n = x == 0 ? lp.BK : BH;
       KVS_CUDA_OK(cudaMemcpyAsync(stats + x * BH, counts[x], sizeof(int32_t) * n,
                                   cudaMemcpyDeviceToDevice, stream),
                   "stats");
     }
+    KVS_CUDA_OK(cudaMemsetAsync(stats + 3 * BH, 0, sizeof(int32_t) * BH, stream), "stats");
     budgets_.device = v.budget;
     return absl::OkStatus();
   }
@@ -142,12 +161,12 @@ class VAttentionCall final : public MethodCall {
     const uint64_t n = static_cast<uint64_t>(lp.len(b));
     for (int32_t g = 0; g < lp.G; ++g) {
       const int32_t bh = b * lp.H + j * lp.G + g;
-      const uint64_t fixed = static_cast<uint64_t>(st[bh]);
+      const uint64_t fixed = static_cast<uint64_t>(st[BH + bh]);
       const uint64_t dyn = static_cast<uint64_t>(std::max(st[2 * BH + bh], 0));
       hs->rows_selected += fixed + dyn;
       hs->budgets.push_back(static_cast<uint64_t>(std::max<int64_t>(budgets_.host[bh], 0)));
     }
-    hs->rows_fetched = static_cast<uint64_t>(st[3 * BH + b * lp.hkv + j]);  // the union
+    hs->rows_fetched = static_cast<uint64_t>(st[b * lp.hkv + j]);  // the union
     // The predictor's reads: every key's compressed form, or every key's signature.
     hs->bytes[kDeviceTier] += compressed_ ? scoring_.DeviceBytes(lp, b) : n * lp.words * 4;
     hs->bytes[lp.k_tier()] += hs->rows_fetched * lp.row;

@@ -19,7 +19,7 @@ one process on one GPU:
   kvsg-<method>   the same with planned decode steps (KvSparseCache(max_tokens=...)): the whole
                   step compiled with torch.compile(mode="reduce-overhead", fullgraph=True) and
                   replayed as one CUDA graph (methods the GPU backend captures: prop, hash,
-                  ckeys*, ckprop*, ckgroup*: a compressed-key step quantizes a closing group on the GPU;
+                  ckeys*, ckprop*, ckgroup*, ckvatt: a compressed-key step quantizes a closing group on the GPU;
                   dense needs K and V resident and is the flash row's work)
   kvsgc-<method>  the same without warming the next layer's host-page translations
                   (KvSparseCache(warm_pages=False): every layer's row fetch translates cold)
@@ -403,9 +403,10 @@ def measure_kvsparse(row: Row, variant: str, method: kvsparse.Method, model, n: 
         host_bytes = None
         if isinstance(method, kvsparse.Santa) and method.scores == "exact":  # V rows per (layer, b, kv head)
             host_bytes = int(stats[:, 0, : batch * hkv].sum()) * d * 2
-        elif isinstance(method, (kvsparse.HashTopK, kvsparse.TopK, kvsparse.Santa)):
-            # The selected-rows path (hash top-k, top-k and S2ANTA over compressed keys): K and V
-            # of the union's rows less the row cache's hits.
+        elif isinstance(method, (kvsparse.HashTopK, kvsparse.TopK, kvsparse.Santa, kvsparse.VAttention)):
+            # The selected-rows path (hash top-k, top-k and S2ANTA over compressed keys) and
+            # vAttention's row set: K and V of the union's rows less the row cache's hits (none
+            # for vAttention).
             misses = stats[:, 0, : batch * hkv].sum() - stats[:, 3, : batch * hkv].sum()
             host_bytes = int(misses) * 2 * d * 2
         if host_bytes is not None:

@@ -1220,8 +1220,8 @@ TEST_F(GpuEngineTest, CapturedStepsHashTopK) {
   CapturedStepsEqualEagerCalls(HashMethod(0.f, 24, 4, 2), p, {900}, 8e-3, "hash top-24");
 }
 
-// Top-k and S2ANTA-prop (2 bits; 1 bit is refused; per head and the group mixture) over
-// compressed keys, K and V in host memory:
+// Top-k, S2ANTA-prop (2 bits; 1 bit is refused; per head and the group mixture) and vAttention's
+// importance sampler (2 bits) over compressed keys, K and V in host memory:
 // each step appends its key to the compressed keys on the device, closing a group where the
 // step fills one (250 -> 260 and 1020 -> 1030 cross 256 and 1024) with the bits the eager
 // path's sync gives (CompressKeyGroups: the CPU engine's bits), so the captured scores select
@@ -1242,6 +1242,15 @@ TEST_F(GpuEngineTest, CapturedStepsOverCompressedKeys) {
     CapturedStepsEqualEagerCalls(santa, p, {1020}, 0.02, "S2ANTA-prop, one sequence" + b);
     santa.santa.proposal = kernels::SantaProposal::kGroupMixture;
     CapturedStepsEqualEagerCalls(santa, p, {1020}, 0.02, "S2ANTA-prop, group mixture" + b);
+    // vAttention's importance sampler: the fixed set by compressed scores, the base and final
+    // samples drawn from their softmax, the budget computed on the device.
+    Method vatt = VAttentionMethod();
+    vatt.vattention.predictor = kernels::TopKPredictor::kCompressed;
+    vatt.vattention.sampler = kernels::ResidualSampler::kImportance;
+    vatt.vattention.bound = kernels::BudgetBound::kCltRatio;
+    vatt.vattention.epsilon = vatt.vattention.delta = 0.1f;
+    CapturedStepsEqualEagerCalls(vatt, p, {250, 250}, 0.02, "vAttention, importance sampler" + b);
+    CapturedStepsEqualEagerCalls(vatt, p, {1020}, 0.02, "vAttention, one sequence" + b);
   }
 }
 
@@ -1615,7 +1624,9 @@ TEST_F(GpuEngineTest, CapturedStepsRefuseWhatTheyCannotCapture) {
   StaticStepRequest req;
   req.sequence_ids = {"s0"};
   req.max_tokens = 1024;
-  req.method = VAttentionMethod();  // its base sample's size is counted on the host
+  // vAttention with the hash predictor: its steps would need the appended key signed on the
+  // device (the compressed predictor's are captured: CapturedStepsOverCompressedKeys).
+  req.method = VAttentionMethod();
   EXPECT_EQ(rig->gpu->PlanStatic(req).status().code(), absl::StatusCode::kFailedPrecondition);
   req.method = Method{};  // dense with K and V in host memory stages every row
   EXPECT_EQ(rig->gpu->PlanStatic(req).status().code(), absl::StatusCode::kFailedPrecondition);
