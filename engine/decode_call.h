@@ -100,7 +100,8 @@ struct HeadStats {
   // Per query head of the group, the relative error of its output vAttention's budget promises
   // at probability 1 - delta: epsilon sqrt(b_needed / b) (at most the requested epsilon, below it
   // where the base-rate floor drew more than the bound asked), 0 where the residual was read
-  // whole. The bound's own estimate from the base sample, on the CPU engine; empty elsewhere.
+  // whole. The bound's own estimate from the base sample, on both engines (the GPU's eager
+  // calls; a captured plan's statistics carry no epsilon); empty for other methods.
   std::vector<float> epsilon;
   // Per query head of the group, a certified upper bound on the share of its attention's
   // softmax mass that the rows it used leave out: top-k over compressed keys, from the stored

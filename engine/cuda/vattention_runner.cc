@@ -150,10 +150,14 @@ class VAttentionCall final : public MethodCall {
     }
     KVS_CUDA_OK(cudaMemsetAsync(stats + 3 * BH, 0, sizeof(int32_t) * BH, stream), "stats");
     budgets_.device = v.budget;
+    epsilon_.device = v.epsilon;
     return absl::OkStatus();
   }
 
-  absl::Status Download(LaunchPlan& lp) override { return budgets_.Fetch(lp.BH, lp.stream()); }
+  absl::Status Download(LaunchPlan& lp) override {
+    if (absl::Status s = budgets_.Fetch(lp.BH, lp.stream()); !s.ok()) return s;
+    return epsilon_.Fetch(lp.BH, lp.stream());
+  }
 
   void Stats(const LaunchPlan& lp, int32_t b, int32_t j, HeadStats* hs) const override {
     const int32_t* st = lp.host_stats();
@@ -165,6 +169,7 @@ class VAttentionCall final : public MethodCall {
       const uint64_t dyn = static_cast<uint64_t>(std::max(st[2 * BH + bh], 0));
       hs->rows_selected += fixed + dyn;
       hs->budgets.push_back(static_cast<uint64_t>(std::max<int64_t>(budgets_.host[bh], 0)));
+      hs->epsilon.push_back(epsilon_.host[bh]);  // what the head's final sample promises
     }
     hs->rows_fetched = static_cast<uint64_t>(st[b * lp.hkv + j]);  // the union
     // The predictor's reads: every key's compressed form, or every key's signature.
@@ -178,6 +183,7 @@ class VAttentionCall final : public MethodCall {
   const bool compressed_;
   CompressedScoring scoring_;    // the compressed predictor's scores
   Downloaded<int64_t> budgets_;  // the budgets b [B, H]
+  Downloaded<float> epsilon_;    // the epsilon each budget promises [B, H]
 };
 
 }  // namespace

@@ -29,6 +29,7 @@ struct Layout {
   int32_t* dyn = nullptr;
   int32_t* dyn_count = nullptr;
   int64_t* budget = nullptr;
+  float* epsilon = nullptr;  // [B * H]: the relative error the final sample promises (Step 6)
   uint64_t* keys = nullptr;
   float* logits = nullptr;
   // Importance mode only (p.scores set): per (b, h), the residual's tokens in order and the
@@ -125,6 +126,7 @@ Layout MakeLayout(const VAttentionLaunchParams& p, void* base) {
   l.dyn = static_cast<int32_t*>(take(bh * l.list_stride * 4));
   l.dyn_count = static_cast<int32_t*>(take(bh * 4));
   l.budget = static_cast<int64_t*>(take(bh * 8));
+  l.epsilon = static_cast<float*>(take(bh * 4));
   l.keys = static_cast<uint64_t*>(take(bh * l.list_stride * 8));
   l.logits = static_cast<float*>(
       take(bh * (static_cast<size_t>(l.fixed_stride) + static_cast<size_t>(l.list_stride)) * 4));
@@ -818,6 +820,13 @@ __global__ void __launch_bounds__(kRowThreads) VattStatsKernel(VAttentionLaunchP
       bud = static_cast<int64_t>(fmin(ns, fmax(lower, r)));
     }
     l.budget[bh] = bud;
+    // What the final sample promises at 1 - delta (the CPU engine's PromisedEpsilon): every
+    // bound's budget grows as 1 / epsilon^2, so b rows give epsilon sqrt(min(b_raw, b) / b); a
+    // residual read whole (b = n_s) gives 0.
+    l.epsilon[bh] = bud > 0 && bud < n_s
+                        ? static_cast<float>(eps * sqrt(fmin(raw, static_cast<double>(bud)) /
+                                                        static_cast<double>(bud)))
+                        : 0.f;
   }
 }
 
@@ -952,6 +961,7 @@ VAttentionSelectionView VAttentionSelection(const VAttentionLaunchParams& p,
   v.dyn = l.dyn;
   v.dyn_count = l.dyn_count;
   v.budget = l.budget;
+  v.epsilon = l.epsilon;
   v.union_a = l.tokens_a;
   v.union_a_count = l.count_a;
   v.union_r = l.tokens_r;

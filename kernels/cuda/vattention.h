@@ -102,6 +102,10 @@ struct VAttentionSelectionView {
   const int32_t* dyn = nullptr;  // [B * H, max_list]
   const int32_t* dyn_count = nullptr;
   const int64_t* budget = nullptr;  // [B * H]: b
+  // [B * H]: the relative error of the output the final sample promises at probability
+  // 1 - delta, epsilon sqrt(min(b_raw, b) / b) (b_raw the bound's budget before the base-rate
+  // floor and the rounding); 0 where the residual is read whole (b = n_s).
+  const float* epsilon = nullptr;
   // Per (b, kv head) = k: the union parts, ascending tokens at k * max_list, and |A| + |R|.
   const int32_t* union_a = nullptr;
   const int32_t* union_a_count = nullptr;

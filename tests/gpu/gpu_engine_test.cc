@@ -602,6 +602,14 @@ TEST_F(GpuEngineTest, VAttentionOverCompressedKeys) {
       }
       if (hg.budgets != hc.budgets) continue;
       ++agree;
+      // The epsilon each head's budget promises, as the CPU engine states it (the same float64
+      // statistics summed in another order).
+      ASSERT_EQ(hg.epsilon.size(), hc.epsilon.size()) << what << " head " << i;
+      for (size_t k = 0; k < hc.epsilon.size(); ++k) {
+        EXPECT_NEAR(hg.epsilon[k], hc.epsilon[k], 1e-4 + 1e-3 * hc.epsilon[k])
+            << what << " head " << i << " query head " << k;
+        EXPECT_LE(hg.epsilon[k], m.vattention.epsilon * (1 + 1e-6)) << what << " head " << i;
+      }
       const bool rows = hg.rows_fetched == hc.rows_fetched && hg.rows_selected == hc.rows_selected;
       bool bytes = true;
       for (int t = 0; t < kvstore::kNumTiers; ++t) bytes &= hg.bytes[t] == hc.bytes[t];
@@ -739,8 +747,15 @@ TEST_F(GpuEngineTest, VAttention) {
                   static_cast<double>(c->heads[i].budgets[k]), 1.0);
     }
     // Each row read once for the GQA group, as the CPU engine reads them (the same rows where
-    // the budgets agree; a budget one off samples other rows).
+    // the budgets agree; a budget one off samples other rows), and the epsilon each budget
+    // promises as the CPU engine states it.
     if (g->heads[i].budgets == c->heads[i].budgets) {
+      ASSERT_EQ(g->heads[i].epsilon.size(), c->heads[i].epsilon.size()) << "head " << i;
+      for (size_t k = 0; k < c->heads[i].epsilon.size(); ++k) {
+        EXPECT_NEAR(g->heads[i].epsilon[k], c->heads[i].epsilon[k],
+                    1e-4 + 1e-3 * c->heads[i].epsilon[k])
+            << "head " << i << " query head " << k;
+      }
       EXPECT_EQ(g->heads[i].rows_fetched, c->heads[i].rows_fetched) << "head " << i;
       EXPECT_EQ(g->heads[i].rows_selected, c->heads[i].rows_selected) << "head " << i;
       for (int t = 0; t < kvstore::kNumTiers; ++t) {

@@ -393,7 +393,8 @@ class InProcessEngine(_Closing):
         method states for each query head's output, [B * H, 3] float32 on the CPU (columns
         ERROR_COLUMNS: S2ANTA's standard error and vAttention's epsilon relative to the output's
         norm, top-k's certified bound on the attention mass its rows leave out; NaN where the
-        method states none; the CPU engine states them, the GPU backend not yet). q on the GPU backend's device stays there; a call the backend does not take (a
+        method states none; the CPU engine states them all, the GPU backend vAttention's
+        epsilon). q on the GPU backend's device stays there; a call the backend does not take (a
         method or placement it does not run, a model shape its kernels do not take) runs on the
         CPU engine, said by a warning once per engine and reason."""
         result = _call(
