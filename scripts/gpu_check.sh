@@ -15,7 +15,8 @@
 # this one's alternating, AB_ROUNDS (default 2) rounds of new then old, "rpc": rpc_decode_bench
 # --gpu with RPC_ARGS, "python": the Python package's tests with the wheels in .whl
 # (scripts/gpu_wheels.sh: the package and what the image lacks) and libkvsparse_torch.so,
-# PYTEST_ARGS; "e2e": tests/bench/e2e_bench.py with E2E_ARGS; "pyrpc":
+# PYTEST_ARGS (split on spaces) and PYTEST_K (one -k expression, spaces kept: "a or b"; the
+# "vllm" step too); "e2e": tests/bench/e2e_bench.py with E2E_ARGS; "pyrpc":
 # tests/bench/py_rpc_bench.py --gpu with PYRPC_ARGS; "train": tests/quality/train_model.py with
 # TRAIN_ARGS into $MODEL (default build/quality/model: it stays there for a later "quality" run on
 # the same host);
@@ -134,7 +135,7 @@ fi
 
 if [[ " $STEPS " == *" python "* ]]; then
   timeout ${PYTEST_TIMEOUT:-300} python3 -m pytest -q -p no:cacheprovider client/python/tests \
-    ${PYTEST_ARGS:-} > "$OUT/pytest.log" 2>&1
+    ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/pytest.log" 2>&1
   note "pytest rc=$?: $(tail -1 "$OUT/pytest.log")"
   grep -E "^(FAILED|ERROR)|Error" "$OUT/pytest.log" | head -20
 fi
@@ -183,7 +184,7 @@ if [[ " $STEPS " =~ " "(vllm|vllmbench)" " ]]; then
 fi
 if [[ " $STEPS " == *" vllm "* ]] && grep -q "vllm: ready" "$OUT/vllm_install.log"; then
   timeout ${VLLM_TEST_TIMEOUT:-500} python3 -m pytest -q -p no:cacheprovider tests/vllm/test_vllm_cuda.py \
-    ${PYTEST_ARGS:-} > "$OUT/vllm_pytest.log" 2>&1
+    ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} > "$OUT/vllm_pytest.log" 2>&1
   note "vllm pytest rc=$?: $(tail -1 "$OUT/vllm_pytest.log")"
 fi
 if [[ " $STEPS " == *" vllmbench "* ]] && grep -q "vllm: ready" "$OUT/vllm_install.log"; then
