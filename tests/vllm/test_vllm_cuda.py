@@ -350,10 +350,18 @@ SMALL_KV_BUDGET = 256 << 10
 STORE = {"KVSPARSE_VLLM_KV": "store"}
 
 
+# The two store-only serving tests below count every prompt chunk's attention (and SALE's
+# prefills): with vLLM's prefix caching off, as engine_args had it with the store only until
+# 2026-12-02 (the prompts extend each other, so with it on a later request starts after reused
+# blocks; test_store_only_with_prefix_caching_takes_each_prefix_from_the_store covers that).
+NO_PREFIX_CACHING = {"enable_prefix_caching": False}
+
+
 def test_store_only_serves_a_batch_over_vllms_kv_budget(model: str, own: dict) -> None:
     own_small = generate(model, kv_cache_memory_bytes=SMALL_KV_BUDGET)
     assert "error" in own_small  # vLLM's own backend cannot hold one request in this budget
-    through = generate(model, "dense", kv_cache_memory_bytes=SMALL_KV_BUDGET, kvsparse_env=STORE)
+    through = generate(model, "dense", kv_cache_memory_bytes=SMALL_KV_BUDGET, kvsparse_env=STORE,
+                       **NO_PREFIX_CACHING)
     assert "error" not in through, through["error"]
     # kvsparse.vllm.patches.shrink_store_only_spec took effect: the budget holds the whole batch.
     assert through["kv_cache_gpu_tokens"] >= sum(len(p) for p in PROMPTS) + sum(MAX_TOKENS)
@@ -396,7 +404,8 @@ def test_store_only_with_sale_and_sparse_methods(model: str, own: dict, tmp_path
     thresholds = tmp_path / "sale.json"
     SalePrefill([[0.0] * 8, [0.0] * 8]).save(thresholds)  # tau 0: SALE's kernels, every block computed
     env = {**STORE, "KVSPARSE_VLLM_SALE": str(thresholds)}
-    through = generate(model, "dense", kv_cache_memory_bytes=SMALL_KV_BUDGET, kvsparse_env=env)
+    through = generate(model, "dense", kv_cache_memory_bytes=SMALL_KV_BUDGET, kvsparse_env=env,
+                       **NO_PREFIX_CACHING)
     assert "error" not in through, through["error"]
     assert_same_tokens_up_to_near_ties(own, through)
     # Each request's first chunk (a whole prompt, or the start of one) went through SALE in both
@@ -404,6 +413,7 @@ def test_store_only_with_sale_and_sparse_methods(model: str, own: dict, tmp_path
     assert through["kvsparse"]["sale_prefills"] == 2 * len(PROMPTS)
     methods = ["santa:samples=64,allocation=prop,scores=compressed", "top_k:top_k_fraction=0.25",
                "hash_top_k:top_k_fraction=0.25", "santa:samples=64"]
-    out = generate(model, "dense", methods=methods, kv_cache_memory_bytes=SMALL_KV_BUDGET, kvsparse_env=STORE)
+    out = generate(model, "dense", methods=methods, kv_cache_memory_bytes=SMALL_KV_BUDGET, kvsparse_env=STORE,
+                   **NO_PREFIX_CACHING)
     assert "error" not in out, out["error"]
     assert [len(t) for t in out["tokens"]] == MAX_TOKENS
