@@ -1,15 +1,17 @@
 // The flagship's selection kernels alone on the GPU (S2ANTA-prop S = 128 over 2-bit compressed
 // keys): the compressed scores (kernels/cuda/compressed_keys.h) and the prop sampler over them
-// (kernels/cuda/santa_scores.h), at a decode step's shapes of a Llama-3.1-8B-shaped model (32
-// query / 8 kv heads, d = 128, bf16 queries, groups of 128 tokens), on random codes. Each call is
-// timed alone by CUDA events with the L2 cache flushed before it (a layer's call finds its keys
-// in HBM, the other layers' traffic between), median of `reps` calls; one line per (kernel, n,
-// B) with the bytes the call must read or write and the GB/s that gives.
+// (kernels/cuda/santa_scores.h), then S2ANTA's group mixture over the same scores (S = 512), at a
+// decode step's shapes of a Llama-3.1-8B-shaped model (32 query / 8 kv heads, d = 128, bf16
+// queries, groups of 128 tokens), on random codes. Each call is timed alone by CUDA events with the
+// L2 cache flushed before it (a layer's call finds its keys in HBM, the other layers' traffic
+// between), median of `reps` calls; one line per (kernel, n, B) with the bytes the call must read
+// or write and the GB/s that gives.
 //
 //   selection_bench [lens=32768,131072] [batches=1,8] [reps=30]
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <random>
@@ -75,6 +77,61 @@ float TimeMs(Fn fn, int reps, const Buf& flush, size_t flush_bytes) {
 void Row(const char* what, int n, int B, float ms, double bytes) {
   std::printf("%-22s n=%-7d B=%d  %8.2f us  %7.1f MB  %7.0f GB/s\n", what, n, B, ms * 1e3,
               bytes / 1e6, bytes / (ms * 1e-3) / 1e9);
+}
+
+// S2ANTA's group mixture over the same scores (kernels/cuda/santa_scores.h, as
+// engine/cuda/santa_compressed_call.cc runs it): the mean of each kv head's G softmaxes, then one
+// prop sample of kGroupSamples rows per kv head for its G query heads; each timed alone, as the
+// per-head sampler above (the candidate flagship reads its bytes and takes longer: which part).
+constexpr int kGroupSamples = 512;
+
+void BenchGroupMixture(const Buf& scores, const Buf& lens, int n, int B, int reps, const Buf& flush,
+                       size_t flush_bytes) {
+  const int G = kH / kHkv;
+  kc::GroupMixtureParams gm;
+  gm.batch = B;
+  gm.num_q_heads = kH;
+  gm.num_kv_heads = kHkv;
+  gm.scores = scores.as<float>();
+  gm.score_stride = n;
+  gm.seq_lens = lens.as<int32_t>();
+  gm.max_seq_len = n;
+  Buf mixture(static_cast<size_t>(B) * kHkv * n * sizeof(float));
+  gm.mixture = mixture.as<float>();
+  gm.mixture_stride = n;
+  const size_t gwb = kc::GroupMixtureWorkspaceBytes(gm);
+  Buf gws(std::max<size_t>(gwb, 256));
+  const float mix_ms =
+      TimeMs([&] { KVSPARSE_BENCH_CK(kc::GroupMixtureFromScores(gm, gws.p, gwb, nullptr)); }, reps,
+             flush, flush_bytes);
+  Row("GroupMixture", n, B, mix_ms,
+      static_cast<double>(B) * kH * n * 4 * 2 + static_cast<double>(B) * kHkv * n * 4);
+  kc::PropFromScoresParams pp;
+  pp.batch = B;
+  pp.num_q_heads = kHkv;  // one row of scores (the mixture) per kv head
+  pp.num_kv_heads = kHkv;
+  pp.heads_per_row = G;
+  pp.scores = mixture.as<float>();
+  pp.score_stride = n;
+  pp.seq_lens = lens.as<int32_t>();
+  pp.max_seq_len = n;
+  pp.num_samples = kGroupSamples;
+  pp.tile_size = kc::kSantaTile;
+  pp.seed = 11;
+  pp.max_selected = kGroupSamples + 1;
+  Buf idx(static_cast<size_t>(B) * kH * pp.max_selected * 4);
+  Buf lw(static_cast<size_t>(B) * kH * pp.max_selected * 4);
+  Buf counts(static_cast<size_t>(B) * kH * 4), budgets(static_cast<size_t>(B) * kH * 4);
+  pp.indices = idx.as<int32_t>();
+  pp.log2_weights = lw.as<float>();
+  pp.counts = counts.as<int32_t>();
+  pp.budgets = budgets.as<int32_t>();
+  const size_t wb = kc::PropFromScoresWorkspaceBytes(pp);
+  Buf ws(wb);
+  const float prop_ms =
+      TimeMs([&] { KVSPARSE_BENCH_CK(kc::PropFromScores(pp, ws.p, wb, nullptr)); }, reps, flush,
+             flush_bytes);
+  Row("PropFromScores, group", n, B, prop_ms, static_cast<double>(B) * kHkv * n * 4);
 }
 
 void BenchShape(int n, int B, int reps, const Buf& flush, size_t flush_bytes) {
@@ -181,6 +238,7 @@ void BenchShape(int n, int B, int reps, const Buf& flush, size_t flush_bytes) {
   }
   std::printf("  selection: %llu rows, checksum %016llx\n", static_cast<unsigned long long>(rows),
               static_cast<unsigned long long>(sum));
+  BenchGroupMixture(scores, lens, n, B, reps, flush, flush_bytes);
 }
 
 }  // namespace
