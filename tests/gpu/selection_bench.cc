@@ -79,6 +79,49 @@ void Row(const char* what, int n, int B, float ms, double bytes) {
               bytes / 1e6, bytes / (ms * 1e-3) / 1e9);
 }
 
+// PropFromScores over `rows` rows of scores a sequence (each drawing `samples` rows for
+// heads_per_row query heads), timed alone; then a checksum of the selection, so that two builds'
+// rows can be compared by eye.
+void BenchProp(const char* what, const float* scores, int rows, int heads_per_row, int samples,
+               const Buf& lens, int n, int B, int reps, const Buf& flush, size_t flush_bytes) {
+  kc::PropFromScoresParams pp;
+  pp.batch = B;
+  pp.num_q_heads = rows;
+  pp.num_kv_heads = kHkv;
+  pp.heads_per_row = heads_per_row;
+  pp.scores = scores;
+  pp.score_stride = n;
+  pp.seq_lens = lens.as<int32_t>();
+  pp.max_seq_len = n;
+  pp.num_samples = samples;
+  pp.tile_size = kc::kSantaTile;
+  pp.seed = 11;
+  pp.max_selected = samples + 1;
+  Buf idx(static_cast<size_t>(B) * kH * pp.max_selected * 4);
+  Buf lw(static_cast<size_t>(B) * kH * pp.max_selected * 4);
+  Buf counts(static_cast<size_t>(B) * kH * 4), budgets(static_cast<size_t>(B) * kH * 4);
+  pp.indices = idx.as<int32_t>();
+  pp.log2_weights = lw.as<float>();
+  pp.counts = counts.as<int32_t>();
+  pp.budgets = budgets.as<int32_t>();
+  const size_t wb = kc::PropFromScoresWorkspaceBytes(pp);
+  Buf ws(wb);
+  const float ms = TimeMs([&] { KVSPARSE_BENCH_CK(kc::PropFromScores(pp, ws.p, wb, nullptr)); },
+                          reps, flush, flush_bytes);
+  Row(what, n, B, ms, static_cast<double>(B) * rows * n * 4);
+  std::vector<int32_t> c_h(static_cast<size_t>(B) * kH);
+  KVSPARSE_BENCH_CK(cudaMemcpy(c_h.data(), counts.p, c_h.size() * 4, cudaMemcpyDeviceToHost));
+  std::vector<int32_t> i_h(static_cast<size_t>(B) * kH * pp.max_selected);
+  KVSPARSE_BENCH_CK(cudaMemcpy(i_h.data(), idx.p, i_h.size() * 4, cudaMemcpyDeviceToHost));
+  uint64_t sum = 0, total = 0;
+  for (size_t bh = 0; bh < c_h.size(); ++bh) {
+    total += c_h[bh];
+    for (int r = 0; r < c_h[bh]; ++r) sum = sum * 1000003u + i_h[bh * pp.max_selected + r];
+  }
+  std::printf("  selection: %llu rows, checksum %016llx\n", static_cast<unsigned long long>(total),
+              static_cast<unsigned long long>(sum));
+}
+
 // S2ANTA's group mixture over the same scores (kernels/cuda/santa_scores.h, as
 // engine/cuda/santa_compressed_call.cc runs it): the mean of each kv head's G softmaxes, then one
 // prop sample of kGroupSamples rows per kv head for its G query heads; each timed alone, as the
@@ -106,32 +149,8 @@ void BenchGroupMixture(const Buf& scores, const Buf& lens, int n, int B, int rep
              flush, flush_bytes);
   Row("GroupMixture", n, B, mix_ms,
       static_cast<double>(B) * kH * n * 4 * 2 + static_cast<double>(B) * kHkv * n * 4);
-  kc::PropFromScoresParams pp;
-  pp.batch = B;
-  pp.num_q_heads = kHkv;  // one row of scores (the mixture) per kv head
-  pp.num_kv_heads = kHkv;
-  pp.heads_per_row = G;
-  pp.scores = mixture.as<float>();
-  pp.score_stride = n;
-  pp.seq_lens = lens.as<int32_t>();
-  pp.max_seq_len = n;
-  pp.num_samples = kGroupSamples;
-  pp.tile_size = kc::kSantaTile;
-  pp.seed = 11;
-  pp.max_selected = kGroupSamples + 1;
-  Buf idx(static_cast<size_t>(B) * kH * pp.max_selected * 4);
-  Buf lw(static_cast<size_t>(B) * kH * pp.max_selected * 4);
-  Buf counts(static_cast<size_t>(B) * kH * 4), budgets(static_cast<size_t>(B) * kH * 4);
-  pp.indices = idx.as<int32_t>();
-  pp.log2_weights = lw.as<float>();
-  pp.counts = counts.as<int32_t>();
-  pp.budgets = budgets.as<int32_t>();
-  const size_t wb = kc::PropFromScoresWorkspaceBytes(pp);
-  Buf ws(wb);
-  const float prop_ms =
-      TimeMs([&] { KVSPARSE_BENCH_CK(kc::PropFromScores(pp, ws.p, wb, nullptr)); }, reps, flush,
-             flush_bytes);
-  Row("PropFromScores, group", n, B, prop_ms, static_cast<double>(B) * kHkv * n * 4);
+  BenchProp("PropFromScores, group", mixture.as<float>(), kHkv, G, kGroupSamples, lens, n, B, reps,
+            flush, flush_bytes);
 }
 
 void BenchShape(int n, int B, int reps, const Buf& flush, size_t flush_bytes) {
@@ -201,43 +220,8 @@ void BenchShape(int n, int B, int reps, const Buf& flush, size_t flush_bytes) {
   Row("CompressedScores", n, B, score_ms,
       static_cast<double>(slots) * host.size() + static_cast<double>(B) * kH * n * 4);
 
-  kc::PropFromScoresParams pp;
-  pp.batch = B;
-  pp.num_q_heads = kH;
-  pp.num_kv_heads = kHkv;
-  pp.scores = scores.as<float>();
-  pp.score_stride = n;
-  pp.seq_lens = lens.as<int32_t>();
-  pp.max_seq_len = n;
-  pp.num_samples = kSamples;
-  pp.tile_size = kc::kSantaTile;
-  pp.seed = 11;
-  pp.max_selected = kSamples + 1;
-  Buf idx(static_cast<size_t>(B) * kH * pp.max_selected * 4);
-  Buf lw(static_cast<size_t>(B) * kH * pp.max_selected * 4);
-  Buf counts(static_cast<size_t>(B) * kH * 4), budgets(static_cast<size_t>(B) * kH * 4);
-  pp.indices = idx.as<int32_t>();
-  pp.log2_weights = lw.as<float>();
-  pp.counts = counts.as<int32_t>();
-  pp.budgets = budgets.as<int32_t>();
-  const size_t wb = kc::PropFromScoresWorkspaceBytes(pp);
-  Buf ws(wb);
-  const float prop_ms =
-      TimeMs([&] { KVSPARSE_BENCH_CK(kc::PropFromScores(pp, ws.p, wb, nullptr)); }, reps, flush,
-             flush_bytes);
-  Row("PropFromScores", n, B, prop_ms, static_cast<double>(B) * kH * n * 4);
-  // A checksum of the selection, so that two builds' rows can be compared by eye.
-  std::vector<int32_t> c_h(static_cast<size_t>(B) * kH);
-  KVSPARSE_BENCH_CK(cudaMemcpy(c_h.data(), counts.p, c_h.size() * 4, cudaMemcpyDeviceToHost));
-  std::vector<int32_t> i_h(static_cast<size_t>(B) * kH * pp.max_selected);
-  KVSPARSE_BENCH_CK(cudaMemcpy(i_h.data(), idx.p, i_h.size() * 4, cudaMemcpyDeviceToHost));
-  uint64_t sum = 0, rows = 0;
-  for (size_t bh = 0; bh < c_h.size(); ++bh) {
-    rows += c_h[bh];
-    for (int r = 0; r < c_h[bh]; ++r) sum = sum * 1000003u + i_h[bh * pp.max_selected + r];
-  }
-  std::printf("  selection: %llu rows, checksum %016llx\n", static_cast<unsigned long long>(rows),
-              static_cast<unsigned long long>(sum));
+  BenchProp("PropFromScores", scores.as<float>(), kH, 1, kSamples, lens, n, B, reps, flush,
+            flush_bytes);
   BenchGroupMixture(scores, lens, n, B, reps, flush, flush_bytes);
 }
 
