@@ -48,8 +48,10 @@ class SantaCompressedCall final : public SelectedRowsCall {
   // samples").
   bool RowsRepeat() const override { return false; }
   // Each head draws its own sample (their union was 99% of their sum inside vLLM): read in place,
-  // skipping the union and the fetch. The group mixture's heads share one sample: a union of one.
-  bool ReadsInPlace() const override { return !group_; }
+  // skipping the union and the fetch. The group mixture's heads share one sample: read in place
+  // once for the G heads (from a store in another process: a union of one head's rows, staged).
+  bool ReadsInPlace() const override { return true; }
+  bool SharesRows() const override { return group_; }
   // The group mixture gives the G heads of a kv head the same rows: the union is one head's.
   int32_t UnionBound(const LaunchPlan& lp, int32_t max_sel) const override {
     return group_ ? std::min(lp.n_max, max_sel) : SelectedRowsCall::UnionBound(lp, max_sel);

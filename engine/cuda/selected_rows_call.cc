@@ -178,6 +178,7 @@ kc::SelectedRowsParams SelectedRowsCall::AttentionParams(const Selection& sel,
   srp.log2_weights = sel.log2_weights;
   if (in_place_) {  // positions: the selection's indices, once EnqueueSelection has carved them
     srp.in_place = true;
+    srp.shared_rows = SharesRows();
     srp.rows_read = sel.rows.count;
     return srp;
   }

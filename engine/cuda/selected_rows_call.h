@@ -12,12 +12,14 @@
 //                       (LaunchPlan::StageListed) and read from there;
 //   SelectedRowsDecode  the estimate over the union's rows.
 // A selection whose heads' rows overlap little and are not cached (ReadsInPlace) skips the union,
-// PlaceRows and FetchRows: SelectedRowsDecode reads each head's rows by token where they live.
+// PlaceRows and FetchRows: SelectedRowsDecode reads each head's rows by token where they live;
+// one whose G heads select the same rows (SharesRows) reads each row once for the group there.
 // The row cache (DeviceState::GrowCache) holds row_cache_fraction of each sequence's tokens per
 // kv head; consecutive steps select mostly the same rows, which then stay on the device (for the
 // selections whose rows repeat: RowsRepeat).
 // Statistics blocks: 0 the rows read per (b, j) (first B * Hkv entries: the union's, or in place
-// the heads' rows summed), 1 each query head's rows, 2 its budget, 3 the cache hits per (b, j).
+// the heads' rows summed, or the group's shared rows once), 1 each query head's rows, 2 its
+// budget, 3 the cache hits per (b, j).
 #ifndef KVSPARSE_ENGINE_CUDA_SELECTED_ROWS_CALL_H_
 #define KVSPARSE_ENGINE_CUDA_SELECTED_ROWS_CALL_H_
 
@@ -88,6 +90,10 @@ class SelectedRowsCall : public MethodCall {
   // once per head, beats their union and a fetch (SelectedRowsParams::tokens): done where no row
   // cache is kept and the device reads the rows where they live (not staged).
   virtual bool ReadsInPlace() const { return false; }
+  // Whether the G heads of a kv head select the same rows (positions and counts of its first
+  // head stand for all; each head its own weights): read in place, once for the group
+  // (SelectedRowsParams::shared_rows).
+  virtual bool SharesRows() const { return false; }
   // Device bytes the selection reads for sequence b per kv head: by default every token's key
   // signature (hash top-k, SAAP buckets).
   virtual uint64_t SelectionDeviceBytes(const LaunchPlan& lp, int32_t b) const {

@@ -345,28 +345,32 @@ constexpr int RowsPerBlockRound(int d) { return (kRowThreads / 32) * (32 / (d / 
 // The splits of one head as a cluster of num_splits blocks (block rank = split): each block's
 // normalised output o [D] and log2-sum-exp lse in its shared memory; the first block combines
 // them (as MergeSplits does) and writes the head's output.
-template <typename T, int D>
+// kHeads consecutive heads at once (o [kHeads][D], lse [kHeads]; heads bh .. bh + kHeads - 1).
+template <typename T, int D, int kHeads = 1>
 __device__ __forceinline__ void MergeCluster(float* o, float* lse, int num_splits, int64_t bh,
                                              void* out) {
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();  // every block's part written
   if (cluster.block_rank() == 0) {
-    float mx = kNegInf;
-    for (int r = 0; r < num_splits; ++r) mx = fmaxf(mx, *cluster.map_shared_rank(lse, r));
-    float den = 0.f;
-    for (int r = 0; r < num_splits; ++r) {
-      const float l = *cluster.map_shared_rank(lse, r);
-      den += l == kNegInf ? 0.f : exp2f(l - mx);
-    }
-    const float inv = den > 0.f ? 1.f / den : 0.f;
-    for (int dim = threadIdx.x; dim < D; dim += blockDim.x) {
-      float v = 0.f;
+#pragma unroll
+    for (int g = 0; g < kHeads; ++g) {
+      float mx = kNegInf;
+      for (int r = 0; r < num_splits; ++r) mx = fmaxf(mx, cluster.map_shared_rank(lse, r)[g]);
+      float den = 0.f;
       for (int r = 0; r < num_splits; ++r) {
-        const float l = *cluster.map_shared_rank(lse, r);
-        if (l != kNegInf) v += exp2f(l - mx) * cluster.map_shared_rank(o, r)[dim];
+        const float l = cluster.map_shared_rank(lse, r)[g];
+        den += l == kNegInf ? 0.f : exp2f(l - mx);
       }
-      static_cast<uint16_t*>(out)[bh * D + dim] = FloatToBits<T>(v * inv);
+      const float inv = den > 0.f ? 1.f / den : 0.f;
+      for (int dim = threadIdx.x; dim < D; dim += blockDim.x) {
+        float v = 0.f;
+        for (int r = 0; r < num_splits; ++r) {
+          const float l = cluster.map_shared_rank(lse, r)[g];
+          if (l != kNegInf) v += exp2f(l - mx) * cluster.map_shared_rank(o, r)[g * D + dim];
+        }
+        static_cast<uint16_t*>(out)[(bh + g) * D + dim] = FloatToBits<T>(v * inv);
+      }
     }
   }
   cluster.sync();  // the other blocks' shared memory stays until the first has read it
@@ -480,6 +484,122 @@ __global__ void __launch_bounds__(kRowThreads, 2)
   }
 }
 
+// Row groups a lane of SelectedRowsSharedKernel loads at once for a GQA group of g: one more than
+// SelectedRowsKernel (a group mixture's S + 1 rows in at most kMaxClusterSplits blocks), fewer at
+// g = 8, whose eight heads' states fill the registers; and the rows a block loads so.
+constexpr int SharedUnroll(int g) { return g >= 8 ? kRowsUnroll - 1 : kRowsUnroll + 1; }
+constexpr int SharedRowsPerBlockRound(int d, int g) {
+  return (kRowThreads / 32) * (32 / (d / 8)) * SharedUnroll(g);
+}
+
+// In place, the G query heads of a kv head over the same rows (SelectedRowsParams::shared_rows):
+// a block per (sequence, kv head) and split, each row's K and V read once and scored against the
+// G heads' queries (in shared memory), each head with its own log2 weight and running softmax;
+// the splits of a kv head are one cluster, merged per head as SelectedRowsKernel's.
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(kRowThreads, 1)
+    SelectedRowsSharedKernel(SelectedRowsParams p, int num_splits) {
+  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
+  constexpr int L = D / 8, R = 32 / L, NW = kRowThreads / 32, U = SharedUnroll(G);
+  __shared__ SlotSoftmax<D, NW * R, true> slots;  // one head at a time
+  __shared__ __align__(16) float qs[G][D];
+  __shared__ float cluster_o[G * D];
+  __shared__ float cluster_lse[G];
+  const DecodeShape& s = p.shape;
+  const int64_t bj = blockIdx.x;  // b * Hkv + j
+  const int split = blockIdx.y;
+  const int b = static_cast<int>(bj / s.num_kv_heads), j = static_cast<int>(bj % s.num_kv_heads);
+  const int64_t bh0 = static_cast<int64_t>(b) * s.num_q_heads + static_cast<int64_t>(j) * G;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, row = lane / L, lr = lane % L;
+  const int c = p.counts[bh0];  // the G heads' rows are the first head's
+  const int per = (c + num_splits - 1) / num_splits;
+  const int r0 = min(c, split * per), r1 = min(c, r0 + per);
+  if (p.rows_read != nullptr && split == 0 && tid == 0) *p.rows_read[bj] = c;  // once a group
+  const int32_t* pos = p.positions + bh0 * p.max_selected;                     // tokens
+  const RowReader kread = MakeRowReader(s, false, b, j, lr * 8);
+  const RowReader vread = MakeRowReader(s, true, b, j, lr * 8);
+  const int n = s.seq_lens[b];
+  for (int x = tid; x < G * L; x += kRowThreads) {
+    float f[8];
+    Unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(s.q) +
+                                               (bh0 + x / L) * D + (x % L) * 8),
+               f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) qs[x / L][(x % L) * 8 + e] = f[e];
+  }
+  __syncthreads();
+  const float scale = s.scale * kLog2e;  // base-2 softmax
+  float m[G], lsum[G], acc[G][8];
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    m[g] = kNegInf;
+    lsum[g] = 0.f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[g][e] = 0.f;
+  }
+  for (int g0 = r0 + warp * R * U; g0 < r1; g0 += NW * R * U) {  // uniform over the warp
+    uint4 kr[U], vr[U];
+    bool ok[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int r = g0 + u * R + row;
+      const int t = r < r1 ? pos[r] : -1;
+      ok[u] = t >= 0 && t < n;
+      kr[u] = ok[u] ? LoadStream16(kread.Row(t)) : make_uint4(0, 0, 0, 0);
+      vr[u] = ok[u] ? LoadStream16(vread.Row(t)) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      float kf[8], vf[8];
+      Unpack8<T>(kr[u], kf);
+      Unpack8<T>(vr[u], vf);
+      const int r = g0 + u * R + row;
+#pragma unroll
+      for (int g = 0; g < G; ++g) {
+        const float4 qa = *reinterpret_cast<const float4*>(&qs[g][lr * 8]);
+        const float4 qb = *reinterpret_cast<const float4*>(&qs[g][lr * 8 + 4]);
+        float dot = qa.x * kf[0];
+        dot = fmaf(qa.y, kf[1], dot);
+        dot = fmaf(qa.z, kf[2], dot);
+        dot = fmaf(qa.w, kf[3], dot);
+        dot = fmaf(qb.x, kf[4], dot);
+        dot = fmaf(qb.y, kf[5], dot);
+        dot = fmaf(qb.z, kf[6], dot);
+        dot = fmaf(qb.w, kf[7], dot);
+#pragma unroll
+        for (int o = L / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
+        if (!ok[u]) continue;
+        const float lw =
+            p.log2_weights != nullptr ? p.log2_weights[(bh0 + g) * p.max_selected + r] : 0.f;
+        const float sc = dot * scale + lw;
+        const float mn = fmaxf(m[g], sc);
+        const float a = Exp2OrZero(m[g] - mn);
+        const float pw = exp2f(sc - mn);
+        lsum[g] = lsum[g] * a + pw;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) acc[g][e] = fmaf(acc[g][e], a, pw * vf[e]);
+        m[g] = mn;
+      }
+    }
+  }
+#pragma unroll
+  for (int g = 0; g < G; ++g) {
+    slots.Put(warp * R + row, lr, m[g], lsum[g], acc[g]);
+    __syncthreads();
+    slots.Merge(tid, kRowThreads, [&](int dim, float num, float den, float gm) {
+      const float o = den > 0.f ? num / den : 0.f;
+      if (num_splits == 1) {
+        static_cast<uint16_t*>(s.out)[(bh0 + g) * D + dim] = FloatToBits<T>(o);
+      } else {
+        cluster_o[g * D + dim] = o;
+        if (dim == 0) cluster_lse[g] = den > 0.f ? gm + log2f(den) : kNegInf;
+      }
+    });
+    __syncthreads();  // the slots are the next head's
+  }
+  if (num_splits > 1) MergeCluster<T, D, G>(cluster_o, cluster_lse, num_splits, bh0, s.out);
+}
+
 struct SelectedRowsLaunch {
   const SelectedRowsParams& p;
   int splits;
@@ -491,6 +611,11 @@ struct SelectedRowsLaunch {
     const DecodeShape& s = p.shape;
     const int32_t bh = s.batch * s.num_q_heads;
     const dim3 grid(static_cast<unsigned>(bh), splits);
+    if (p.in_place && p.shared_rows) {  // a kv head's splits merged inside their cluster
+      const dim3 kv_grid(static_cast<unsigned>(s.batch * s.num_kv_heads), splits);
+      return LaunchDependentClusters(&SelectedRowsSharedKernel<T, D, G>, kv_grid, dim3(kRowThreads),
+                                     dim3(1, splits, 1), 0, stream, p, splits);
+    }
     if (p.in_place) {  // a head's splits merged inside their cluster
       return LaunchDependentClusters(&SelectedRowsKernel<T, D, true>, grid, dim3(kRowThreads),
                                      dim3(1, splits, 1), 0, stream, p, splits, part_o, part_lse);
@@ -503,12 +628,17 @@ struct SelectedRowsLaunch {
 };
 
 int SelectedRowsSplits(const SelectedRowsParams& p) {
-  const int64_t bh = static_cast<int64_t>(p.shape.batch) * p.shape.num_q_heads;
+  const bool shared = p.in_place && p.shared_rows;  // a block per (b, kv head) and split
+  const int64_t bh =
+      static_cast<int64_t>(p.shape.batch) * (shared ? p.shape.num_kv_heads : p.shape.num_q_heads);
   if (bh <= 0) return 1;
   const int64_t want = (2 * static_cast<int64_t>(NumSms()) + bh - 1) / bh;
   // In place (rows read over the host link, a latency of microseconds each): splits enough that
   // a block loads all its rows in one round, within `want`; from device rows, 256 rows a split.
-  const int64_t rows_per = p.in_place ? RowsPerBlockRound(p.shape.head_dim) : 256;
+  const int64_t rows_per =
+      shared ? SharedRowsPerBlockRound(p.shape.head_dim, p.shape.num_q_heads / p.shape.num_kv_heads)
+      : p.in_place ? RowsPerBlockRound(p.shape.head_dim)
+                   : 256;
   int64_t most = std::max<int64_t>(1, (p.max_selected + rows_per - 1) / rows_per);
   if (p.in_place) most = std::min<int64_t>(most, kMaxClusterSplits);  // one cluster a head
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, most)));
@@ -643,7 +773,9 @@ cudaError_t SelectedRowsDecode(const SelectedRowsParams& p, void* workspace, siz
       !parts ? nullptr
              : reinterpret_cast<float*>(static_cast<char*>(workspace) +
                                         AlignUp(bh * splits * s.head_dim * sizeof(float), 256));
-  return DispatchDecode(s.dtype, s.head_dim, 1,
+  // The shared-rows kernel holds its G heads' states in registers: dispatched on the group.
+  const int group = p.in_place && p.shared_rows ? s.num_q_heads / s.num_kv_heads : 1;
+  return DispatchDecode(s.dtype, s.head_dim, group,
                         SelectedRowsLaunch{p, splits, part_o, part_lse, stream});
 }
 

@@ -175,6 +175,10 @@ struct SelectedRowsParams {
   // at most the rows it loads in one round: more splits, the splits of a head one thread block
   // cluster that merges them (no workspace; sm_90).
   bool in_place = false;
+  // With in_place: the G query heads of each (b, j) select the same rows (S2ANTA's group mixture:
+  // positions and counts of head b, j G stand for all G; each head keeps its own log2 weights),
+  // read once for the group: a block per (b, j) and split scores each row against the G queries.
+  bool shared_rows = false;
   // Optional with in_place: per (b, j), one int32 written: the rows read for its G heads.
   int32_t* const* rows_read = nullptr;
 };

@@ -396,6 +396,96 @@ TEST(SelectedRowsCudaTest, HashTopKFromPagesMatchesCpu) {
   for (const HashCase& c : cases) RunHashPipeline(c);
 }
 
+// S2ANTA's group mixture gives a kv head's G query heads the same rows, each head its own
+// weights: read in place once for the group (SelectedRowsParams::shared_rows, a block per kv head
+// scoring each row against the G queries) gives what reading the same list once per head gives
+// (the per-head kernel above, checked against the CPU), and counts each row once for the group.
+// Lists of up to 1,025 rows (the group mixture at S = 1024: more rows than a cluster of blocks
+// loads in one round), a short one, an empty one, tokens past the sequence skipped.
+void RunSharedRows(DType dtype, int d, int hkv, int g, const std::vector<int32_t>& lens,
+                   bool host_pages) {
+  const std::string what = std::string(DTypeName(dtype)) + " d=" + std::to_string(d) +
+                           " hkv=" + std::to_string(hkv) + " G=" + std::to_string(g);
+  SyntheticOptions o;
+  o.batch = static_cast<int32_t>(lens.size());
+  o.num_q_heads = hkv * g;
+  o.num_kv_heads = hkv;
+  o.head_dim = d;
+  o.seq_lens = lens;
+  o.dtype = dtype;
+  o.seed = 31 + d + g;
+  SyntheticProblem sp = SyntheticProblem::Make(o);
+  DecodeProblem& p = sp.problem;
+  DeviceProblem dp = DeviceProblem::Upload(p, KvElements(p));
+  const int B = p.batch, H = p.num_q_heads, sets = B * hkv;
+  constexpr int kMaxSel = 1025;
+  std::mt19937 rng(9 + g);
+  std::vector<int32_t> idx(static_cast<size_t>(B) * H * kMaxSel, 0), cnt(B * H, 0);
+  std::vector<float> lw(idx.size(), 0.f);
+  std::uniform_real_distribution<float> weight(-3.f, 1.f);
+  for (int b = 0; b < B; ++b) {
+    for (int j = 0; j < hkv; ++j) {
+      // Every other kv head a long list; sequence 0's first kv head no rows at all.
+      const int n = lens[b];
+      const int want = b == 0 && j == 0 ? 0 : std::min(n, (j % 2 == 0) ? kMaxSel : 40 + 7 * j);
+      std::vector<int32_t> all(n);
+      std::iota(all.begin(), all.end(), 0);
+      std::shuffle(all.begin(), all.end(), rng);
+      std::vector<int32_t> list(all.begin(), all.begin() + want);
+      std::sort(list.begin(), list.end());
+      if (!list.empty() && b == 1) list.back() = n + 5;  // past the sequence: skipped
+      for (int x = 0; x < g; ++x) {
+        const size_t bh = static_cast<size_t>(b) * H + j * g + x;
+        cnt[bh] = static_cast<int32_t>(list.size());
+        for (size_t r = 0; r < list.size(); ++r) {
+          idx[bh * kMaxSel + r] = list[r];
+          lw[bh * kMaxSel + r] = weight(rng);
+        }
+      }
+    }
+  }
+  const DeviceBuffer didx = ToDevice(idx), dcnt = ToDevice(cnt), dlw = ToDevice(lw);
+  PagedKv paged(p, /*shift=*/4, host_pages, 13);
+  SelectedRowsParams sr;
+  sr.shape = dp.shape;
+  sr.shape.k = sr.shape.v = nullptr;
+  sr.shape.k_pages = paged.k();
+  sr.shape.v_pages = paged.v();
+  sr.positions = didx.as<int32_t>();
+  sr.counts = dcnt.as<int32_t>();
+  sr.max_selected = kMaxSel;
+  sr.log2_weights = dlw.as<float>();
+  sr.in_place = true;
+  const size_t row = static_cast<size_t>(d) * DTypeSize(dtype);
+  RowSets per_read(sets, 1, row), shared_read(sets, 1, row);
+  sr.rows_read = per_read.tables.count;
+  ASSERT_EQ(RunSelectedRows(sr), cudaSuccess) << what;
+  int64_t non_finite = 0;
+  const std::vector<double> per_head = dp.OutputAsDouble(&non_finite);
+  ASSERT_EQ(non_finite, 0) << what;
+  ASSERT_EQ(cudaMemset(dp.out.get(), 0xff, dp.out.size()), cudaSuccess);  // NaNs until written
+  sr.shared_rows = true;
+  sr.rows_read = shared_read.tables.count;
+  ASSERT_EQ(RunSelectedRows(sr), cudaSuccess) << what << " shared";
+  const std::vector<double> shared = dp.OutputAsDouble(&non_finite);
+  EXPECT_EQ(non_finite, 0) << what << " shared";
+  EXPECT_LT(RelativeL2(per_head, shared), dtype == DType::kBf16 ? 8e-3 : 2e-3) << what;
+  const auto per = ToHost<int32_t>(per_read.count, sets),
+             once = ToHost<int32_t>(shared_read.count, sets);
+  for (int i = 0; i < sets; ++i) {
+    EXPECT_EQ(per[i], g * cnt[static_cast<size_t>(i) * g]) << what << " set " << i;
+    EXPECT_EQ(once[i], cnt[static_cast<size_t>(i) * g]) << what << " set " << i;
+  }
+}
+
+TEST(SelectedRowsCudaTest, SharedRowsInPlaceReadEachRowOnceForTheGroup) {
+  KVSPARSE_REQUIRE_GPU();
+  RunSharedRows(DType::kBf16, 128, 4, 4, {3000, 1500}, true);
+  RunSharedRows(DType::kBf16, 128, 2, 8, {2100, 900}, false);
+  RunSharedRows(DType::kFp16, 64, 4, 2, {1200, 1300}, true);
+  RunSharedRows(DType::kFp16, 256, 2, 1, {1100, 2000}, false);
+}
+
 // A per-(b, j) pointer table into one allocation: entry i = base + i * stride_bytes.
 DeviceBuffer PointerTable(const DeviceBuffer& base, int sets, size_t stride_bytes) {
   std::vector<void*> t(sets);
