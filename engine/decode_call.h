@@ -78,10 +78,12 @@ inline absl::Status CheckScale(float scale) {
 struct HeadStats {
   uint32_t sequence_index = 0;
   uint32_t kv_head = 0;
-  uint64_t rows_selected = 0;  // over the group's query heads, counting repeats
+  // Over the group's query heads, counting repeats; except the GPU engine's S2ANTA over compressed
+  // keys, whose sampler folds a row's repeats into its weight: its distinct rows per head, summed.
+  uint64_t rows_selected = 0;
   // Rows read for the estimate and the selection: distinct, except where the GPU engine reads
-  // each query head's rows in place (S2ANTA over compressed keys): a row two heads select is read,
-  // and counted, twice.
+  // each query head's rows in place (S2ANTA over compressed keys, per-head proposals): a row two
+  // heads select is read, and counted, twice.
   uint64_t rows_fetched = 0;
   uint64_t rows_cached = 0;       // of rows_fetched: found in the GPU's row cache, not fetched
   std::vector<uint64_t> budgets;  // per query head of the group
