@@ -124,7 +124,28 @@ absl::Status ValidateSantaParams(const SantaParams& params) {
   reasons.AddIf(params.scores == ScoreSource::kCompressedKeys && params.bernoulli_qk_samples > 0,
                 "bernoulli_qk_samples: Bernoulli qK^T estimates scores from K's features; with "
                 "compressed-key scores ask for one or the other");
+  reasons.AddIf(!(params.uniform_floor >= 0.f && params.uniform_floor < 1.f),
+                "uniform_floor must be in [0, 1), got ", params.uniform_floor);
+  reasons.AddIf(params.uniform_floor > 0.f && (params.scores != ScoreSource::kCompressedKeys ||
+                                               params.correction != SantaCorrection::kRatio),
+                "uniform_floor: a floor under the proposal takes compressed-key scores with the "
+                "ratio correction");
   return reasons.ToStatus();
+}
+
+void ProposalFloor(float a, std::vector<float>* scores) {
+  if (a <= 0.f || scores->empty()) return;
+  double m = -std::numeric_limits<double>::infinity();
+  for (float x : *scores) m = std::max(m, static_cast<double>(x));
+  double z = 0.0;
+  if (m != -std::numeric_limits<double>::infinity()) {
+    for (float x : *scores) z += std::exp(static_cast<double>(x) - m);
+  }
+  const double floor = static_cast<double>(a) / static_cast<double>(scores->size());
+  for (float& x : *scores) {
+    const double p = z > 0.0 ? (1.0 - a) * std::exp(static_cast<double>(x) - m) / z : 0.0;
+    x = static_cast<float>(std::log(p + floor));
+  }
 }
 
 absl::Status PlanSantaHead(absl::Span<const float> scores, const SantaParams& params,
@@ -327,6 +348,7 @@ absl::Status SampleGroupMixture(const CompressedKeysView& view, const std::vecto
   }
   std::vector<float> mix;
   GroupMixtureScores(ptrs, n, &mix);
+  ProposalFloor(params.uniform_floor, &mix);
   if (absl::Status s = PlanSantaHead(mix, params, plan); !s.ok()) return s;
   SampleSantaHead(*plan, params, seed, b, kvh * group, kvh, &(*rows)[0], scratch);
   ToRatioWeights(mix, &(*rows)[0]);
@@ -434,6 +456,7 @@ absl::Status SantaSelectCpu(const DecodeProblem& p, const SantaParams& params, u
           scores.resize(view->length);
           ApproximateScores(*view, &qg[g * d], p.scale, scores.data());
           scores.resize(n);  // the view may hold more tokens than the step reads
+          if (ratio) ProposalFloor(params.uniform_floor, &scores);  // sampled and weighed by it
         } else {
           ComputeScores(p, b, h, &qg[g * d], scores.data());
         }

@@ -161,7 +161,16 @@ struct SantaParams {
   ScoreSource scores = ScoreSource::kExact;
   SantaCorrection correction = SantaCorrection::kRatio;  // compressed scores only
   SantaProposal proposal = SantaProposal::kPerHead;      // compressed scores, kRatio only
+  // Compressed scores with kRatio: the proposal is (1 - a) softmax(s~) + a / n (ProposalFloor),
+  // a in [0, 1); 0 draws from softmax(s~) itself.
+  float uniform_floor = 0.f;
 };
+
+// A proposal's scores with a uniform floor: scores (log-probabilities up to a constant, -inf for
+// no mass) replaced by log((1 - a) softmax(scores) + a / n) over their n entries, so that the
+// sampler run on them draws from the defensive mixture and the ratio weights e^{s - scores} are
+// at most e^{s} n / a. a = 0 leaves them as they are. REQUIRES: 0 <= a < 1.
+void ProposalFloor(float a, std::vector<float>* scores);
 
 // The group mixture proposal's scores: log of the mean over the G heads of softmax(s~_h), one
 // value per token (-inf where no head has mass): the sampler run on them draws from
@@ -172,7 +181,8 @@ void GroupMixtureScores(absl::Span<const float* const> heads, int32_t n, std::ve
 
 // INVALID_ARGUMENT naming the field: samples < 1, tile_size < 1 (tiled allocations), a sampler
 // other than kSystematic with kProp / kFlash (the GPU kernels implement systematic only),
-// unknown enum values, bernoulli_qk_samples < 0, Bernoulli qK^T with compressed-key scores.
+// unknown enum values, bernoulli_qk_samples < 0, Bernoulli qK^T with compressed-key scores, a
+// uniform_floor outside [0, 1) or without compressed scores and the ratio correction.
 [[nodiscard]] absl::Status ValidateSantaParams(const SantaParams& params);
 
 // What the per-head sampler needs from one head's scores, computed once (the "prepared" form:

@@ -11,9 +11,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <random>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "gtest/gtest.h"
 #include "kernels/compressed_keys.h"
 #include "kernels/cpu_util.h"
@@ -72,6 +74,93 @@ TEST(SantaCompressedTest, RefusesWhatItCannotServe) {
   p.scores = ScoreSource::kCompressedKeys;
   EXPECT_EQ(SantaSelectCpu(sp.problem, p, 1, &sel, nullptr, ViewsOf(short_keys)).code(),
             absl::StatusCode::kInvalidArgument);
+}
+
+// ProposalFloor: the scores become log((1 - a) softmax + a / n), whose softmax is that mixture;
+// a token without mass gets the floor; a = 0 leaves them alone.
+TEST(SantaCompressedTest, ProposalFloorMixesInAUniformFloor) {
+  const std::vector<float> in = {2.f, -1.f, 0.5f, -std::numeric_limits<float>::infinity(), 7.f};
+  const int n = static_cast<int>(in.size());
+  double z = 0;
+  for (float x : in) z += std::exp(static_cast<double>(x));
+  for (float a : {0.05f, 0.5f}) {
+    std::vector<float> out = in;
+    ProposalFloor(a, &out);
+    double zo = 0;
+    for (float x : out) zo += std::exp(static_cast<double>(x));
+    for (int i = 0; i < n; ++i) {
+      const double want = (1 - a) * std::exp(static_cast<double>(in[i])) / z + a / n;
+      EXPECT_NEAR(std::exp(static_cast<double>(out[i])) / zo, want, 1e-6 * (1 + want))
+          << a << " " << i;
+    }
+  }
+  std::vector<float> same = in;
+  ProposalFloor(0.f, &same);
+  EXPECT_EQ(same, in);
+  SantaParams p =
+      Config(SantaSampler::kSystematic, SantaAllocation::kProp, 16, SantaCorrection::kRatio);
+  p.uniform_floor = 0.05f;
+  EXPECT_TRUE(ValidateSantaParams(p).ok());
+  for (float bad : {1.f, -0.1f, std::numeric_limits<float>::quiet_NaN()}) {
+    p.uniform_floor = bad;
+    const absl::Status st = ValidateSantaParams(p);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_TRUE(absl::StrContains(st.message(), "uniform_floor")) << st;
+  }
+  p.uniform_floor = 0.05f;
+  p.correction = SantaCorrection::kNone;  // the floor is weighed by the ratio correction
+  EXPECT_EQ(ValidateSantaParams(p).code(), absl::StatusCode::kInvalidArgument);
+  p.correction = SantaCorrection::kRatio;
+  p.scores = ScoreSource::kExact;
+  EXPECT_EQ(ValidateSantaParams(p).code(), absl::StatusCode::kInvalidArgument);
+}
+
+// SantaSelectCpu draws from the floored proposal and weighs by it: its rows and weights are those
+// of the sampler run on ProposalFloor(a, s~) by hand (per head and the group mixture).
+TEST(SantaCompressedTest, TheFloorIsWhatTheEngineDrawsFrom) {
+  SyntheticOptions o;
+  o.family = ScoreFamily::kPeaked;
+  o.num_q_heads = 2;
+  o.num_kv_heads = 1;
+  o.head_dim = 32;
+  o.seq_lens = {1000};
+  o.dtype = DType::kFp32;
+  SyntheticProblem sp = SyntheticProblem::Make(o);
+  const DecodeProblem& p = sp.problem;
+  std::vector<CompressedKeys> c = CompressProblemKeys(p, 2);
+  const std::vector<CompressedKeysView> views = ViewsOf(c);
+  SantaParams params =
+      Config(SantaSampler::kSystematic, SantaAllocation::kProp, 48, SantaCorrection::kRatio);
+  params.uniform_floor = 0.2f;
+  RowSelection sel, plain;
+  ASSERT_TRUE(SantaSelectCpu(p, params, 7, &sel, nullptr, views).ok());
+  SantaParams none = params;
+  none.uniform_floor = 0.f;
+  ASSERT_TRUE(SantaSelectCpu(p, none, 7, &plain, nullptr, views).ok());
+  const int32_t n = p.seq_lens[0], d = p.head_dim;
+  std::vector<HeadRows> rows(2);
+  std::vector<int32_t> scratch;
+  for (int32_t h = 0; h < 2; ++h) {
+    std::vector<float> q(d), sa(views[0].length);
+    LoadQuery(p, 0, h, q.data());
+    ApproximateScores(views[0], q.data(), p.scale, sa.data());
+    sa.resize(n);
+    ProposalFloor(params.uniform_floor, &sa);
+    SantaHeadPlan plan;
+    ASSERT_TRUE(PlanSantaHead(sa, params, &plan).ok());
+    SampleSantaHead(plan, params, 7, 0, h, 0, &rows[h], &scratch);
+  }
+  KvHeadSelection want;
+  MergeGroup(rows, &want);
+  EXPECT_EQ(sel.at(0, 0).tokens, want.tokens);
+  EXPECT_EQ(sel.at(0, 0).head_counts, want.head_counts);
+  EXPECT_NE(sel.at(0, 0).tokens, plain.at(0, 0).tokens) << "the floor moves the draws";
+  // The group mixture floors the mixture's scores the same way.
+  params.proposal = SantaProposal::kGroupMixture;
+  ASSERT_TRUE(SantaSelectCpu(p, params, 7, &sel, nullptr, views).ok());
+  none.proposal = SantaProposal::kGroupMixture;
+  ASSERT_TRUE(SantaSelectCpu(p, none, 7, &plain, nullptr, views).ok());
+  EXPECT_NE(sel.at(0, 0).tokens, plain.at(0, 0).tokens) << "the floor moves the mixture's draws";
 }
 
 // kNone's decode is sum_j w_j V_j over draws from softmax(s~); kRatio's, with the same rows and
@@ -469,6 +558,70 @@ namespace {
 // The spread each estimate states (EstimateInPlace's draw_standard_errors) against its true
 // error, over seeds: sum |out - dense|^2 / sum SE^2 (SE times |out|, per query head), which is 1
 // where the stated variance is unbiased, and the share of heads with |out - dense| <= 2 SE.
+// A floor under the proposal on keys built against the quantizer (kernels/synthetic.h, the
+// range stretcher: a delimiter a group stretching the per-channel ranges), n = 8192, 2-bit keys,
+// 8 heads, S = 128, 1,000 seeds: without the floor the ratio estimate's mean is more than 4 SE
+// from dense on some heads (7.3 SE here; 4 of 8 heads, worst 8.1 SE, with the seeds of
+// tests/bench/adversarial_keys_bench); with a floor of 5% within 4 (3.9 here and there;
+// docs/ACCURACY.md, "A defensive mixture"), at a lower rmse. The hidden needle stays out of reach
+// at any floor (not asserted here: the bench measures it).
+TEST(SantaCompressedStatisticsTest, AUniformFloorHoldsTheRangeStretcherWithin4Se) {
+  auto units_of = [](float floor, const SantaParams& params) {
+    std::vector<Unit> units;
+    for (int h = 0; h < 8; ++h) {
+      const AdversarialHead a =
+          MakeAdversarialHead(AdversarialKeys::kRangeStretcher, 8192, 2, 1000 + h);
+      CompressedKeys ck({2, kKeyGroupTokens}, a.d, DType::kFp32);
+      for (int32_t t = 0; t < a.n; ++t) ck.Append(&a.k[static_cast<size_t>(t) * a.d]);
+      Unit u;
+      u.h = h;
+      u.s = a.Scores();
+      u.sa.resize(a.n);
+      ApproximateScores(ck.view(), a.q.data(), a.scale, u.sa.data());
+      ProposalFloor(floor, &u.sa);
+      EXPECT_TRUE(PlanSantaHead(u.sa, params, &u.plan).ok());
+      u.v = a.v;
+      const double m = *std::max_element(u.s.begin(), u.s.end());
+      std::vector<double> o(a.dv, 0.0);
+      double zsum = 0;
+      for (int32_t t = 0; t < a.n; ++t) {
+        const double e = std::exp(u.s[t] - m);
+        zsum += e;
+        for (int32_t x = 0; x < a.dv; ++x) o[x] += e * a.v[static_cast<size_t>(t) * a.dv + x];
+      }
+      std::mt19937 rng(31 + h);
+      std::normal_distribution<double> z;
+      for (int i = 0; i < 3; ++i) {
+        std::vector<double> pr(a.dv);
+        double norm = 0;
+        for (double& x : pr) {
+          x = z(rng);
+          norm += x * x;
+        }
+        for (double& x : pr) x /= std::sqrt(norm);
+        for (int32_t x = 0; x < a.dv; ++x) u.dense[i] += pr[x] * o[x] / zsum;
+        u.proj.push_back(std::move(pr));
+      }
+      units.push_back(std::move(u));
+    }
+    return units;
+  };
+  const SantaParams params =
+      Config(SantaSampler::kSystematic, SantaAllocation::kProp, 128, SantaCorrection::kRatio);
+  const int32_t dv = MakeAdversarialHead(AdversarialKeys::kRangeStretcher, 8192, 2, 1000).dv;
+  const Verdict without = Measure(units_of(0.f, params), params, 1000, dv);
+  const Verdict with = Measure(units_of(0.05f, params), params, 1000, dv);
+  std::printf(
+      "[santa compressed] range stretcher, 2 bits: max|z| %.2f without a floor, %.2f with 5%%; "
+      "rmse %.4f and %.4f\n",
+      without.max_z_ratio, with.max_z_ratio, without.mean_rmse_ratio / without.projections,
+      with.mean_rmse_ratio / with.projections);
+  EXPECT_GT(without.max_z_ratio, 4.0) << "the family this floor is for";
+  // Measured 3.92 (issue 50's target: 4); the margin is for other builds' arithmetic (the
+  // sanitizers'), which moves a draw where two scores round apart.
+  EXPECT_LE(with.max_z_ratio, 4.5);
+}
+
 struct Calibration {
   double ratio = 0, within_2se = 0;
 };

@@ -263,6 +263,7 @@ absl::Status SantaFromProto(const v1::SantaParams& s, kernels::SantaParams* p) {
   KVS_ENUM(p->proposal, s.proposal(), "santa.proposal",
            {{v1::SANTA_PROPOSAL_PER_HEAD, kernels::SantaProposal::kPerHead},
             {v1::SANTA_PROPOSAL_GROUP, kernels::SantaProposal::kGroupMixture}});
+  p->uniform_floor = s.uniform_floor();  // its range: kernels::ValidateSantaParams
   return absl::OkStatus();
 }
 

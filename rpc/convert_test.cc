@@ -98,6 +98,11 @@ TEST(ConvertTest, SantaScoresAndCorrection) {
             kernels::ScoreSource::kExact);
   EXPECT_EQ(convert(9, 0).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(convert(0, 9).status().code(), absl::StatusCode::kInvalidArgument);
+  // The proposal's uniform floor reaches the engine, whose checks judge it (ValidateSantaParams).
+  req.mutable_method()->mutable_santa()->set_uniform_floor(0.05f);
+  p = convert(v1::SCORE_SOURCE_COMPRESSED_KEYS, v1::SANTA_CORRECTION_RATIO);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->uniform_floor, 0.05f);
 }
 
 TEST(ConvertTest, AppendNeedsRank4AndMatchingKV) {

@@ -116,6 +116,8 @@ absl::Status SantaOverCompressedKeysSupports(const Method& m, const SequenceDesc
                     p.allocation != kernels::SantaAllocation::kProp,
                 "S2ANTA over compressed keys on the GPU: systematic, prop, ratio correction");
   reasons.AddIf(desc.placement.compressed_key_bits == 0, "the placement keeps no compressed keys");
+  reasons.AddIf(p.uniform_floor > 0.f,
+                "S2ANTA over compressed keys on the GPU: the sampler takes no uniform floor yet");
   reasons.Add(StagedRowsFit(desc, caps));
   return reasons.ToStatus();
 }

@@ -178,16 +178,9 @@ SantaBias SantaBiasOf(const AdversarialHead& a, const std::vector<float>& s, con
   for (int32_t t = 0; t < a.n; ++t) ck.Append(&a.k[static_cast<size_t>(t) * a.d]);
   std::vector<float> approx(a.n);
   ApproximateScores(ck.view(), a.q.data(), a.scale, approx.data());
-  // --defensive a: the proposal's log-probabilities (up to a constant) of (1 - a) softmax(s~) +
-  // a / n, in place of s~ (both where it is sampled and where the draws are weighed).
-  if (const double mix = absl::GetFlag(FLAGS_defensive); mix > 0) {
-    const double mx = *std::max_element(approx.begin(), approx.end());
-    double z = 0;
-    for (float x : approx) z += std::exp(double{x} - mx);
-    for (float& x : approx) {
-      x = static_cast<float>(std::log((1 - mix) * std::exp(double{x} - mx) / z + mix / a.n));
-    }
-  }
+  // --defensive a: the proposal (1 - a) softmax(s~) + a / n, sampled and weighed (the engine's
+  // SantaParams::uniform_floor, kernels::ProposalFloor).
+  ProposalFloor(static_cast<float>(absl::GetFlag(FLAGS_defensive)), &approx);
   SantaParams params;
   params.sampler = SantaSampler::kSystematic;
   params.allocation = SantaAllocation::kProp;

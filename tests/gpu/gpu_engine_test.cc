@@ -522,6 +522,13 @@ TEST_F(GpuEngineTest, SantaOverCompressedKeys) {
     auto n = rig->gpu->Decode(Call(prob, none));
     ASSERT_TRUE(n.ok()) << n.status();
     EXPECT_EQ(n->timing.launch_seconds, 0.0) << what << ": uncorrected on the CPU engine";
+    // A uniform floor under the proposal: the CPU engine's (the GPU's sampler takes none yet).
+    Method floored = m;
+    floored.santa.uniform_floor = 0.05f;
+    auto f = rig->gpu->Decode(Call(prob, floored));
+    ASSERT_TRUE(f.ok()) << f.status();
+    EXPECT_EQ(f->timing.launch_seconds, 0.0) << what << ": the floor on the CPU engine";
+    EXPECT_TRUE(absl::StrContains(f->not_on_backend, "uniform floor")) << f->not_on_backend;
     if (pl != 0) continue;
     // From a store in another process (its pages not mapped): the group's union is staged and
     // fetched, each row once; the same rows and outputs as the CPU engine.

@@ -127,7 +127,10 @@ class Santa:
     ``proposal="group"`` (with compressed scores and the ratio correction) draws the ``samples``
     once per kv head from the mean of its query heads' softmax, so S rows cross per kv head
     instead of the union of each head's S; its bias shows where the heads attend apart
-    (docs/ACCURACY.md). Both engines serve it; the GPU in captured steps too."""
+    (docs/ACCURACY.md). Both engines serve it; the GPU in captured steps too.
+    ``uniform_floor=a`` (compressed scores, ratio correction) draws from (1 - a) softmax + a
+    uniform instead, a floor under tokens the compressed scores understate; the CPU engine
+    serves it (on a GPU deployment such calls run there)."""
 
     samples: int = _default("SantaParams", "samples")
     sampler: Literal["iid", "stratified", "systematic"] = _default("SantaParams", "sampler")
@@ -139,6 +142,7 @@ class Santa:
     scores: Literal["exact", "compressed"] = _default("SantaParams", "scores")
     correction: Literal["ratio", "none"] = _default("SantaParams", "correction")
     proposal: Literal["head", "group"] = _default("SantaParams", "proposal")
+    uniform_floor: float = _default("SantaParams", "uniform_floor")
 
     def to_proto(self, out: attention_pb2.Method) -> None:
         p = out.santa
@@ -152,6 +156,7 @@ class Santa:
         p.scores = _word(_SCORE_SOURCES, "scores", self.scores)
         p.correction = _word(_CORRECTIONS, "correction", self.correction)
         p.proposal = _word(_PROPOSALS, "proposal", self.proposal)
+        p.uniform_floor = self.uniform_floor
 
 
 @dataclass(frozen=True)

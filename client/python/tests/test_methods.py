@@ -23,6 +23,7 @@ METHODS = [
     kvsparse.Dense(),
     kvsparse.Santa(),
     kvsparse.Santa(samples=512, scores="compressed", proposal="group", correction="ratio"),
+    kvsparse.Santa(scores="compressed", uniform_floor=0.05),
     kvsparse.Santa(samples=64, sampler="iid", allocation="global", bernoulli_qk_samples=8),
     kvsparse.HashTopK(top_k_fraction=1 / 64, sink_tokens=4, local_tokens=0, learned=True),
     kvsparse.VAttention(epsilon=0.05, delta=0.01, predictor="compressed", sampler="importance",
