@@ -249,6 +249,30 @@ struct Unit {
   double dense[3] = {0, 0, 0};            // projections of softmax(s) V (float64)
 };
 
+// u's dense output softmax(s) V (float64) projected on three random unit vectors (z over rng).
+void ProjectDense(Unit* u, int32_t d, std::mt19937& rng, std::normal_distribution<double>& z) {
+  const int32_t n = static_cast<int32_t>(u->s.size());
+  const double m = *std::max_element(u->s.begin(), u->s.end());
+  std::vector<double> o(d, 0.0);
+  double zsum = 0.0;
+  for (int32_t t = 0; t < n; ++t) {
+    const double e = std::exp(u->s[t] - m);
+    zsum += e;
+    for (int32_t x = 0; x < d; ++x) o[x] += e * u->v[static_cast<size_t>(t) * d + x];
+  }
+  for (int i = 0; i < 3; ++i) {
+    std::vector<double> pr(d);
+    double norm = 0.0;
+    for (double& x : pr) {
+      x = z(rng);
+      norm += x * x;
+    }
+    for (double& x : pr) x /= std::sqrt(norm);
+    for (int32_t x = 0; x < d; ++x) u->dense[i] += pr[x] * o[x] / zsum;
+    u->proj.push_back(std::move(pr));
+  }
+}
+
 // proposal kGroupMixture: every unit's proposal (sa, plan) is its kv head's group mixture
 // (GroupMixtureScores over the group's approximate scores), as SantaSelectCpu draws it.
 std::vector<Unit> MakeUnits(const DecodeProblem& p, absl::Span<const CompressedKeysView> views,
@@ -288,25 +312,7 @@ std::vector<Unit> MakeUnits(const DecodeProblem& p, absl::Span<const CompressedK
       for (int32_t t = 0; t < n; ++t) {
         LoadRowAsFloat(p.v, KvRowOffset(p, b, u.kv_head, t), d, p.dtype, &u.v[t * d]);
       }
-      const double m = *std::max_element(u.s.begin(), u.s.end());
-      std::vector<double> o(d, 0.0);
-      double zsum = 0.0;
-      for (int32_t t = 0; t < n; ++t) {
-        const double e = std::exp(u.s[t] - m);
-        zsum += e;
-        for (int32_t x = 0; x < d; ++x) o[x] += e * u.v[t * d + x];
-      }
-      for (int i = 0; i < 3; ++i) {
-        std::vector<double> pr(d);
-        double norm = 0.0;
-        for (double& x : pr) {
-          x = z(rng);
-          norm += x * x;
-        }
-        for (double& x : pr) x /= std::sqrt(norm);
-        for (int32_t x = 0; x < d; ++x) u.dense[i] += pr[x] * o[x] / zsum;
-        u.proj.push_back(std::move(pr));
-      }
+      ProjectDense(&u, d, rng, z);
       units.push_back(std::move(u));
     }
   }
@@ -581,27 +587,9 @@ TEST(SantaCompressedStatisticsTest, AUniformFloorHoldsTheRangeStretcherWithin4Se
       ProposalFloor(floor, &u.sa);
       EXPECT_TRUE(PlanSantaHead(u.sa, params, &u.plan).ok());
       u.v = a.v;
-      const double m = *std::max_element(u.s.begin(), u.s.end());
-      std::vector<double> o(a.dv, 0.0);
-      double zsum = 0;
-      for (int32_t t = 0; t < a.n; ++t) {
-        const double e = std::exp(u.s[t] - m);
-        zsum += e;
-        for (int32_t x = 0; x < a.dv; ++x) o[x] += e * a.v[static_cast<size_t>(t) * a.dv + x];
-      }
       std::mt19937 rng(31 + h);
       std::normal_distribution<double> z;
-      for (int i = 0; i < 3; ++i) {
-        std::vector<double> pr(a.dv);
-        double norm = 0;
-        for (double& x : pr) {
-          x = z(rng);
-          norm += x * x;
-        }
-        for (double& x : pr) x /= std::sqrt(norm);
-        for (int32_t x = 0; x < a.dv; ++x) u.dense[i] += pr[x] * o[x] / zsum;
-        u.proj.push_back(std::move(pr));
-      }
+      ProjectDense(&u, a.dv, rng, z);
       units.push_back(std::move(u));
     }
     return units;
