@@ -376,6 +376,16 @@ __device__ __forceinline__ void MergeCluster(float* o, float* lse, int num_split
   cluster.sync();  // the other blocks' shared memory stays until the first has read it
 }
 
+// In place: this lane's 16 bytes of token t's K and V rows where `listed` (a row of the list)
+// and 0 <= t < n (zeros otherwise); whether they were read.
+__device__ __forceinline__ bool LoadTokenRows(const RowReader& kread, const RowReader& vread,
+                                              bool listed, int t, int n, uint4* k, uint4* v) {
+  const bool ok = listed && t >= 0 && t < n;
+  *k = ok ? LoadStream16(kread.Row(t)) : make_uint4(0, 0, 0, 0);
+  *v = ok ? LoadStream16(vread.Row(t)) : make_uint4(0, 0, 0, 0);
+  return ok;
+}
+
 template <typename T, int D, bool kInPlace>
 __global__ void __launch_bounds__(kRowThreads, 2)
     SelectedRowsKernel(SelectedRowsParams p, int num_splits, float* __restrict__ part_o,
@@ -427,9 +437,7 @@ __global__ void __launch_bounds__(kRowThreads, 2)
       ok[u] = r < r1;
       const int loc = ok[u] ? pos[r] : 0;
       if constexpr (kInPlace) {  // loc is the token
-        ok[u] = ok[u] && loc >= 0 && loc < n;
-        kr[u] = ok[u] ? LoadStream16(kread.Row(loc)) : make_uint4(0, 0, 0, 0);
-        vr[u] = ok[u] ? LoadStream16(vread.Row(loc)) : make_uint4(0, 0, 0, 0);
+        ok[u] = LoadTokenRows(kread, vread, ok[u], loc, n, &kr[u], &vr[u]);
       } else {
         const bool sec = loc < 0;  // a second-set row (PlaceRows' overflow)
         const int64_t at = static_cast<int64_t>(sec ? -1 - loc : loc) * D;
@@ -543,10 +551,7 @@ __global__ void __launch_bounds__(kRowThreads, 1)
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int r = g0 + u * R + row;
-      const int t = r < r1 ? pos[r] : -1;
-      ok[u] = t >= 0 && t < n;
-      kr[u] = ok[u] ? LoadStream16(kread.Row(t)) : make_uint4(0, 0, 0, 0);
-      vr[u] = ok[u] ? LoadStream16(vread.Row(t)) : make_uint4(0, 0, 0, 0);
+      ok[u] = LoadTokenRows(kread, vread, r < r1, r < r1 ? pos[r] : 0, n, &kr[u], &vr[u]);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
