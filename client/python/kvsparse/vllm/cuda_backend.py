@@ -21,10 +21,11 @@ causal attention itself: vLLM's FlashAttention over the chunk's K/V and the prom
 read back from the store, or SALE's kernels for a request's first chunk (its prompt up to there:
 a prompt of its own) when KVSPARSE_VLLM_SALE names thresholds. Steps that mix prompt and decode rows then run no attention twice.
 
-vLLM's prefix caching works with vLLM's cache kept: a request that vLLM starts after a prefix it
-reused from another request's blocks gets that prefix's K/V read from vLLM's cache into its new
-sequence (layer by layer, before its first chunk); with the store only it must be off (refused at
-start with the reason).
+vLLM's prefix caching stays on: a request that vLLM starts after a prefix it reused from another
+request's blocks has its sequence forked in the store from the request that holds the prefix (live,
+or finished and kept as a holder: KVSPARSE_VLLM_KEEP_FINISHED), and what that request's sequence
+does not hold is read from vLLM's cache (layer by layer, before its first chunk) or, with the
+store only, copied from the holder's sequence in the store (CudaWorker.copy_prefix).
 
 A request kvsparse cannot serve fails alone (CudaWorker's text): vLLM learns it through the KV
 connector and ends it with an error; the others keep decoding. Each method's plan steps are
@@ -33,7 +34,7 @@ statistics, summed on the GPU and read every FIGURES_EVERY steps and when a plan
 
 Inside vLLM's CUDA graphs: where the deployment's method has a captured step (the default, the
 flagship, and the other compressed-key, resident and signature methods; not dense over host
-memory, vAttention or SAAP) and KVSPARSE_VLLM_FULL_GRAPHS is not 0, the backend declares
+memory, vAttention's hash predictor or SAAP) and KVSPARSE_VLLM_FULL_GRAPHS is not 0, the backend declares
 ``UNIFORM_SINGLE_TOKEN_DECODE``: vLLM records each decode-only step whole in its full graphs,
 kvsparse's plan over its batch slots inside (kvsparse.vllm.slot_plan), and runs steps with prompt
 rows piecewise, their decode rows through the same plan. A request asking for another method then
@@ -363,17 +364,15 @@ class CudaWorker:
     def _fork_prefix(self, rid: str, start: int, shape: ModelShape) -> int:
         """A request vLLM starts after `start` tokens it reused from its prefix cache, whose blocks
         a live request, or a finished one kept as a holder, holds (the connector's
-        prefix_sources): its sequence forked from that request's in the store, as much of the prefix as that request's sequence holds in every
-        layer (its whole pages shared). That request may be computing the rest of the prefix in
+        prefix_sources): its sequence forked from that request's in the store, as much of the
+        prefix as that request's sequence holds in every layer (its whole pages shared). That request may be computing the rest of the prefix in
         this very step (vLLM hands out a block as soon as it is scheduled): those tokens are read
         from vLLM's cache, written before any is read (KvSparseCudaImpl.forward). The tokens
         forked: 0 where no live request holds the prefix, it failed, or the store refuses (the
         whole prefix is then read from vLLM's cache)."""
         assert self.rows is not None
         holder, tokens = self.rows.prefix_sources.get(rid, (None, 0))
-        source = None
-        if holder is not None and holder not in self.failed:
-            source = self.sequences.get(holder) or self.kept.get(holder)
+        source = self._holder_sequence(holder)
         n = source.held(start) if source is not None and tokens == start else 0
         if n == 0:
             why = ("no live request holds it" if holder is None else
@@ -418,6 +417,13 @@ class CudaWorker:
             seq.lengths[li] = start
         self.prefix_imports += start - held
 
+    def _holder_sequence(self, holder: str | None) -> RequestSequence | None:
+        """The sequence of the request holding a reused prefix (the connector's prefix_sources):
+        live, or finished and kept; None where there is none or it failed."""
+        if holder is None or holder in self.failed:
+            return None
+        return self.sequences.get(holder) or self.kept.get(holder)
+
     def copy_prefix(self, rid: str, seq: RequestSequence, li: int, held: int, start: int, last: bool) -> bool:
         """With the K/V in the store only: tokens [held, start) of layer li of a prefix vLLM reused,
         copied from the sequence of the request that holds it (the connector's prefix_sources:
@@ -425,9 +431,7 @@ class CudaWorker:
         it is not there yet)."""
         assert self.rows is not None
         holder, _ = self.rows.prefix_sources.get(rid, (None, 0))
-        source = None
-        if holder is not None and holder not in self.failed:
-            source = self.sequences.get(holder) or self.kept.get(holder)
+        source = self._holder_sequence(holder)
         # read_rows: [Hkv, start, d] in host memory
         if not plugin.copy_prefix_rows(self.engine().read_rows, self.engine().append, rid, holder, source, seq, li,
                                        held, start, last):

@@ -41,8 +41,7 @@ With vLLM's prefix caching (on by default), a request vLLM starts after a prefix
 its cache gets that prefix forked in the store from the request that holds it, or read from vLLM's
 paged cache into its sequence (both builds). With KVSPARSE_VLLM_KV=store, where vLLM's cache holds
 no K/V, the prefix comes from the holder's sequence in the store alone (finished requests kept as
-holders while vLLM's cache holds their blocks, finished_to_keep; on the CUDA build engine_args
-leaves prefix caching off there until that path has run on a GPU).
+holders while vLLM's cache holds their blocks, finished_to_keep).
 
 Limits of this version, each refused with a message: sliding windows, ALiBi, logits
 soft-capping, attention sinks, quantized KV caches.
