@@ -181,7 +181,11 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
   mc->FillScratchTables(lp);
   if (absl::Status s = lp.Upload(); !s.ok()) return s;
   if (absl::Status s = FollowCaller(call); !s.ok()) return s;
+  const size_t sized = method_bytes;
   if (absl::Status s = Enqueue(lp, *mc, &method_bytes); !s.ok()) return s;
+  if (method_bytes != sized) {  // its kernels, enqueued, may have written past their scratch
+    return absl::InternalError("a method's buffers changed size between sizing and the call");
+  }
   if (absl::Status s = LeadCaller(call); !s.ok()) return s;
   if (absl::Status s = lp.Download(&out_host_); !s.ok()) return s;
   if (absl::Status s = mc->Download(lp); !s.ok()) return s;

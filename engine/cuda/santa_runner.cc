@@ -98,9 +98,9 @@ class SantaCall final : public MethodCall {
       rp.num_kv_heads = lp.hkv;
       rp.seq_lens = sp.shape.seq_lens;
       rp.max_seq_len = lp.n_max;
-      rp.sample_counts = marks;  // prop, flash
-      rp.indices = sp.indices;   // iid
-      rp.num_samples = params_.samples;
+      rp.sample_counts = marks;                     // prop, flash
+      rp.indices = sp.indices;                      // iid
+      rp.num_samples = iid_ ? params_.samples : 0;  // the mode, sized before indices is carved
       rp.tokens = c.Take<int32_t>(static_cast<size_t>(lp.BK) * n);
       rp.counts = c.Take<int32_t>(lp.BK);
       rwb = kc::SampledRowsWorkspaceBytes(rp);

@@ -1099,7 +1099,7 @@ __global__ void __launch_bounds__(kListThreads)
 }  // namespace
 
 size_t SampledRowsWorkspaceBytes(const SampledRowsParams& p) {
-  if (p.indices == nullptr) return 0;
+  if (p.num_samples <= 0) return 0;  // from sample_counts: no workspace
   return AlignUp(sizeof(int32_t) * p.batch * p.num_kv_heads * static_cast<size_t>(p.max_seq_len),
                  256);
 }
@@ -1108,7 +1108,7 @@ cudaError_t SampledRows(const SampledRowsParams& p, void* workspace, size_t work
                         cudaStream_t stream) {
   if (p.batch < 0 || p.num_kv_heads <= 0 || p.num_q_heads % p.num_kv_heads != 0 ||
       p.max_seq_len < 0 || (p.sample_counts == nullptr) == (p.indices == nullptr) ||
-      (p.indices != nullptr && p.num_samples < 1)) {
+      (p.indices != nullptr) != (p.num_samples > 0)) {
     return cudaErrorInvalidValue;
   }
   if (p.batch == 0) return cudaSuccess;

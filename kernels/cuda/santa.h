@@ -74,6 +74,8 @@ struct SampledRowsParams {
   int32_t max_seq_len = 0;                 // host bound of seq_lens
   const int32_t* sample_counts = nullptr;  // device [B, H, max_seq_len], or
   const int32_t* indices = nullptr;        // device [B, H, num_samples]
+  // > 0 with indices, 0 with sample_counts: the mode, and the workspace's size
+  // (SampledRowsWorkspaceBytes), follow it, so that a sizing pass may leave the pointers null.
   int32_t num_samples = 0;
   int32_t* tokens = nullptr;  // device [B * Hkv, max_seq_len]
   int32_t* counts = nullptr;  // device [B * Hkv]

@@ -108,7 +108,7 @@ ScoreTopKLaunchParams ScoreParams(const VAttentionLaunchParams& p) {
 Layout MakeLayout(const VAttentionLaunchParams& p, void* base) {
   Layout l;
   const size_t bh = static_cast<size_t>(p.shape.batch) * p.shape.num_q_heads;
-  const bool importance = p.scores != nullptr;
+  const bool importance = VAttentionImportance(p);
   const HashTopKLaunchParams tp = TopkParams(p);
   l.fixed_stride = std::max(1, importance ? ScoreParams(p).MaxSelected() : tp.MaxSelected());
   l.list_stride = std::max(1, p.shape.max_seq_len);
@@ -936,7 +936,7 @@ cudaError_t LaunchSample(const VAttentionLaunchParams& p, const Layout& l, int32
 template <bool kBase>
 cudaError_t LaunchResidualSample(const VAttentionLaunchParams& p, const Layout& l, int32_t* out,
                                  int32_t* out_count, cudaStream_t stream) {
-  if (p.scores == nullptr) return LaunchSample<kBase>(p, l, out, out_count, stream);
+  if (!VAttentionImportance(p)) return LaunchSample<kBase>(p, l, out, out_count, stream);
   VattDrawKernel<kBase>
       <<<p.shape.batch * p.shape.num_q_heads, kSampleThreads, 0, stream>>>(p, l, out, out_count);
   return cudaGetLastError();
@@ -981,8 +981,9 @@ cudaError_t CheckCall(const VAttentionLaunchParams& p, void* workspace, size_t w
       p.target > 3 || p.shape.max_seq_len > kMaxLen || DTypeSize(p.shape.dtype) != 2) {
     return cudaErrorInvalidValue;
   }
-  if (p.scores != nullptr && (p.bound == 2 || p.scores_stride < p.shape.max_seq_len)) {
-    return cudaErrorInvalidValue;  // importance mode: no Hoeffding range from a sample
+  if ((p.scores != nullptr) != VAttentionImportance(p) ||
+      (p.scores != nullptr && (p.bound == 2 || p.scores_stride < p.shape.max_seq_len))) {
+    return cudaErrorInvalidValue;  // importance mode: scores and stride; no Hoeffding range
   }
   if (p.shape.batch > 0 &&
       (workspace == nullptr || workspace_bytes < MakeLayout(p, nullptr).total)) {
@@ -1026,7 +1027,7 @@ cudaError_t VAttentionSelect(const VAttentionLaunchParams& p, void* workspace,
   KVSPARSE_CUDA_RETURN_IF_ERROR(CheckCall(p, workspace, workspace_bytes));
   if (p.shape.batch == 0) return cudaSuccess;
   const Layout l = MakeLayout(p, workspace);
-  if (p.scores != nullptr) {
+  if (VAttentionImportance(p)) {
     ScoreTopKLaunchParams sp = ScoreParams(p);
     sp.indices = l.fixed;
     sp.counts = l.fixed_count;

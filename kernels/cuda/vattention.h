@@ -61,12 +61,18 @@ struct VAttentionLaunchParams {
   int64_t k_head_stride = 0;
   int64_t k_token_stride = 0;
   int32_t key_heads = 0;
-  // Importance mode (above): device [B * H, scores_stride] (scores_stride >= max_seq_len), the
-  // predictor's logits s~ of every token, scale included (CompressedScores' output). The
-  // signatures are then unused; bound must be 1 or 3 (a sample gives no Hoeffding range).
+  // Importance mode (above) is scores_stride > 0 (VAttentionImportance): scores is then device
+  // [B * H, scores_stride] (scores_stride >= max_seq_len), the predictor's logits s~ of every
+  // token, scale included (CompressedScores' output). The signatures are then unused; bound must
+  // be 1 or 3 (a sample gives no Hoeffding range). The mode is the stride's, not the pointer's:
+  // a sizing pass (VAttentionWorkspaceBytes before the scores are carved) may leave scores null
+  // and still sizes the importance workspace; a call needs both or neither.
   const float* scores = nullptr;
   int64_t scores_stride = 0;
 };
+
+// Whether p runs in importance mode (VAttentionLaunchParams::scores_stride).
+inline bool VAttentionImportance(const VAttentionLaunchParams& p) { return p.scores_stride > 0; }
 
 // The workspace holds, besides the lists, a row set of max_seq_len K and V rows per (b, kv head).
 size_t VAttentionWorkspaceBytes(const VAttentionLaunchParams& p);

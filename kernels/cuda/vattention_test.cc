@@ -254,6 +254,10 @@ void RunImportanceCase(const Config& c, int bits, int seed) {
   VAttentionLaunchParams gp = GpuParamsOf(cp, d.shape, rng_seed);
   gp.scores = dscores.as<float>();
   gp.scores_stride = max_len;
+  // A sizing pass carves the scores after it asks for the workspace: the mode is the stride's.
+  VAttentionLaunchParams sizing = gp;
+  sizing.scores = nullptr;
+  EXPECT_EQ(VAttentionWorkspaceBytes(sizing), VAttentionWorkspaceBytes(gp)) << what;
   DeviceBuffer ws(VAttentionWorkspaceBytes(gp));
   ASSERT_EQ(ws.Poison(), cudaSuccess);
   ASSERT_EQ(VAttentionDecode(gp, ws.get(), ws.size(), nullptr), cudaSuccess) << what;
