@@ -342,35 +342,43 @@ constexpr int kMaxClusterSplits = 8;  // in place: a head's splits are one clust
 // Rows one block of SelectedRowsKernel loads at once for head dim d (every warp's U groups of R).
 constexpr int RowsPerBlockRound(int d) { return (kRowThreads / 32) * (32 / (d / 8)) * kRowsUnroll; }
 
-// The splits of one head as a cluster of num_splits blocks (block rank = split): each block's
-// normalised output o [D] and log2-sum-exp lse in its shared memory; the first block combines
-// them (as MergeSplits does) and writes the head's output.
-// kHeads consecutive heads at once (o [kHeads][D], lse [kHeads]; heads bh .. bh + kHeads - 1).
-template <typename T, int D, int kHeads = 1>
+// The splits of head bh as a cluster of num_splits <= kMaxSplits blocks (block rank = split):
+// each block's normalised output o [D] and log2-sum-exp lse in its shared memory; the first block
+// combines them (as MergeSplits does) and writes the head's output.
+// A read of another block's shared memory waits about 200 cycles, so each thread issues all the
+// splits' reads of a value before it uses any (a loop over the splits waits num_splits times).
+template <typename T, int D, int kMaxSplits>
 __device__ __forceinline__ void MergeCluster(float* o, float* lse, int num_splits, int64_t bh,
                                              void* out) {
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();  // every block's part written
   if (cluster.block_rank() == 0) {
+    float l[kMaxSplits];
 #pragma unroll
-    for (int g = 0; g < kHeads; ++g) {
-      float mx = kNegInf;
-      for (int r = 0; r < num_splits; ++r) mx = fmaxf(mx, cluster.map_shared_rank(lse, r)[g]);
-      float den = 0.f;
-      for (int r = 0; r < num_splits; ++r) {
-        const float l = cluster.map_shared_rank(lse, r)[g];
-        den += l == kNegInf ? 0.f : exp2f(l - mx);
+    for (int r = 0; r < kMaxSplits; ++r) {
+      l[r] = r < num_splits ? *cluster.map_shared_rank(lse, r) : kNegInf;
+    }
+    float mx = kNegInf;
+#pragma unroll
+    for (int r = 0; r < kMaxSplits; ++r) mx = fmaxf(mx, l[r]);
+    float den = 0.f;
+#pragma unroll
+    for (int r = 0; r < kMaxSplits; ++r) {
+      l[r] = l[r] == kNegInf ? 0.f : exp2f(l[r] - mx);  // the split's weight
+      den += l[r];
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    for (int dim = threadIdx.x; dim < D; dim += blockDim.x) {
+      float x[kMaxSplits];
+#pragma unroll
+      for (int r = 0; r < kMaxSplits; ++r) {
+        x[r] = r < num_splits && l[r] > 0.f ? cluster.map_shared_rank(o, r)[dim] : 0.f;
       }
-      const float inv = den > 0.f ? 1.f / den : 0.f;
-      for (int dim = threadIdx.x; dim < D; dim += blockDim.x) {
-        float v = 0.f;
-        for (int r = 0; r < num_splits; ++r) {
-          const float l = cluster.map_shared_rank(lse, r)[g];
-          if (l != kNegInf) v += exp2f(l - mx) * cluster.map_shared_rank(o, r)[g * D + dim];
-        }
-        static_cast<uint16_t*>(out)[(bh + g) * D + dim] = FloatToBits<T>(v * inv);
-      }
+      float v = 0.f;
+#pragma unroll
+      for (int r = 0; r < kMaxSplits; ++r) v = fmaf(l[r], x[r], v);
+      static_cast<uint16_t*>(out)[bh * D + dim] = FloatToBits<T>(v * inv);
     }
   }
   cluster.sync();  // the other blocks' shared memory stays until the first has read it
@@ -488,31 +496,40 @@ __global__ void __launch_bounds__(kRowThreads, 2)
     }
   });
   if constexpr (kInPlace) {
-    if (num_splits > 1) MergeCluster<T, D>(cluster_o, &cluster_lse, num_splits, bh, s.out);
+    if (num_splits > 1) {
+      MergeCluster<T, D, kMaxClusterSplits>(cluster_o, &cluster_lse, num_splits, bh, s.out);
+    }
   }
 }
 
+// SelectedRowsSharedKernel's blocks: half SelectedRowsKernel's threads, so that two fit an SM
+// beside the G heads' softmax states in registers (about 180 registers a thread at G = 4), and a
+// kv head's rows spread over as many blocks as load them in one round. No clusters: the splits
+// write their parts and MergeSplits combines them. A kv head's splits as one cluster, as the
+// per-head kernel's, run inside one GPC, and the host link's zero-copy reads wait on address
+// translation there (2026-12-03, H200: a group sample of 513 rows a kv head in clusters of 7 or
+// 13 blocks read 2.1 MB a layer in 110-123 us at 128k, the per-head kernel's 96 blocks in 75 us).
+constexpr int kSharedThreads = 128;
 // Row groups a lane of SelectedRowsSharedKernel loads at once for a GQA group of g: one more than
-// SelectedRowsKernel (a group mixture's S + 1 rows in at most kMaxClusterSplits blocks), fewer at
-// g = 8, whose eight heads' states fill the registers; and the rows a block loads so.
+// SelectedRowsKernel, fewer at g = 8, whose eight heads' states fill the registers; and the rows
+// a block loads so.
 constexpr int SharedUnroll(int g) { return g >= 8 ? kRowsUnroll - 1 : kRowsUnroll + 1; }
 constexpr int SharedRowsPerBlockRound(int d, int g) {
-  return (kRowThreads / 32) * (32 / (d / 8)) * SharedUnroll(g);
+  return (kSharedThreads / 32) * (32 / (d / 8)) * SharedUnroll(g);
 }
 
 // In place, the G query heads of a kv head over the same rows (SelectedRowsParams::shared_rows):
 // a block per (sequence, kv head) and split, each row's K and V read once and scored against the
 // G heads' queries (in shared memory), each head with its own log2 weight and running softmax;
-// the splits of a kv head are one cluster, merged per head as SelectedRowsKernel's.
+// with more than one split, each split's part per head into part_o / part_lse.
 template <typename T, int D, int G>
-__global__ void __launch_bounds__(kRowThreads, 1)
-    SelectedRowsSharedKernel(SelectedRowsParams p, int num_splits) {
+__global__ void __launch_bounds__(kSharedThreads, 2)
+    SelectedRowsSharedKernel(SelectedRowsParams p, int num_splits, float* __restrict__ part_o,
+                             float* __restrict__ part_lse) {
   GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
-  constexpr int L = D / 8, R = 32 / L, NW = kRowThreads / 32, U = SharedUnroll(G);
+  constexpr int L = D / 8, R = 32 / L, NW = kSharedThreads / 32, U = SharedUnroll(G);
   __shared__ SlotSoftmax<D, NW * R, true> slots;  // one head at a time
   __shared__ __align__(16) float qs[G][D];
-  __shared__ float cluster_o[G * D];
-  __shared__ float cluster_lse[G];
   const DecodeShape& s = p.shape;
   const int64_t bj = blockIdx.x;  // b * Hkv + j
   const int split = blockIdx.y;
@@ -527,7 +544,7 @@ __global__ void __launch_bounds__(kRowThreads, 1)
   const RowReader kread = MakeRowReader(s, false, b, j, lr * 8);
   const RowReader vread = MakeRowReader(s, true, b, j, lr * 8);
   const int n = s.seq_lens[b];
-  for (int x = tid; x < G * L; x += kRowThreads) {
+  for (int x = tid; x < G * L; x += kSharedThreads) {
     float f[8];
     Unpack8<T>(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(s.q) +
                                                (bh0 + x / L) * D + (x % L) * 8),
@@ -591,18 +608,18 @@ __global__ void __launch_bounds__(kRowThreads, 1)
   for (int g = 0; g < G; ++g) {
     slots.Put(warp * R + row, lr, m[g], lsum[g], acc[g]);
     __syncthreads();
-    slots.Merge(tid, kRowThreads, [&](int dim, float num, float den, float gm) {
+    slots.Merge(tid, kSharedThreads, [&](int dim, float num, float den, float gm) {
       const float o = den > 0.f ? num / den : 0.f;
+      const int64_t bh = bh0 + g;
       if (num_splits == 1) {
-        static_cast<uint16_t*>(s.out)[(bh0 + g) * D + dim] = FloatToBits<T>(o);
-      } else {
-        cluster_o[g * D + dim] = o;
-        if (dim == 0) cluster_lse[g] = den > 0.f ? gm + log2f(den) : kNegInf;
+        static_cast<uint16_t*>(s.out)[bh * D + dim] = FloatToBits<T>(o);
+      } else {  // merged by MergeSplits
+        part_o[(bh * num_splits + split) * D + dim] = o;
+        if (dim == 0) part_lse[bh * num_splits + split] = den > 0.f ? gm + log2f(den) : kNegInf;
       }
     });
     __syncthreads();  // the slots are the next head's
   }
-  if (num_splits > 1) MergeCluster<T, D, G>(cluster_o, cluster_lse, num_splits, bh0, s.out);
 }
 
 struct SelectedRowsLaunch {
@@ -616,10 +633,13 @@ struct SelectedRowsLaunch {
     const DecodeShape& s = p.shape;
     const int32_t bh = s.batch * s.num_q_heads;
     const dim3 grid(static_cast<unsigned>(bh), splits);
-    if (p.in_place && p.shared_rows) {  // a kv head's splits merged inside their cluster
+    if (p.in_place && p.shared_rows) {  // a block per (b, kv head) and split, then the merge
       const dim3 kv_grid(static_cast<unsigned>(s.batch * s.num_kv_heads), splits);
-      return LaunchDependentClusters(&SelectedRowsSharedKernel<T, D, G>, kv_grid, dim3(kRowThreads),
-                                     dim3(1, splits, 1), 0, stream, p, splits);
+      KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&SelectedRowsSharedKernel<T, D, G>, kv_grid,
+                                                    dim3(kSharedThreads), 0, stream, p, splits,
+                                                    part_o, part_lse));
+      if (splits == 1) return cudaSuccess;
+      return MergeSplits(part_o, part_lse, bh, splits, D, s.dtype, s.out, stream);
     }
     if (p.in_place) {  // a head's splits merged inside their cluster
       return LaunchDependentClusters(&SelectedRowsKernel<T, D, true>, grid, dim3(kRowThreads),
@@ -645,7 +665,7 @@ int SelectedRowsSplits(const SelectedRowsParams& p) {
       : p.in_place ? RowsPerBlockRound(p.shape.head_dim)
                    : 256;
   int64_t most = std::max<int64_t>(1, (p.max_selected + rows_per - 1) / rows_per);
-  if (p.in_place) most = std::min<int64_t>(most, kMaxClusterSplits);  // one cluster a head
+  if (p.in_place && !shared) most = std::min<int64_t>(most, kMaxClusterSplits);  // one cluster
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(want, most)));
 }
 
@@ -747,7 +767,8 @@ cudaError_t WarmPagedRows(const WarmPagedRowsParams& p, cudaStream_t stream) {
 
 size_t SelectedRowsWorkspaceBytes(const SelectedRowsParams& p) {
   const int splits = SelectedRowsSplits(p);
-  if (splits == 1 || p.in_place) return 0;  // in place: merged inside each head's cluster
+  // Per head in place: merged inside each head's cluster. Shared rows: parts, merged after.
+  if (splits == 1 || (p.in_place && !p.shared_rows)) return 0;
   const size_t bh = static_cast<size_t>(std::max(p.shape.batch, 0)) * p.shape.num_q_heads;
   return AlignUp(bh * splits * p.shape.head_dim * sizeof(float), 256) +
          AlignUp(bh * splits * sizeof(float), 256);
@@ -772,7 +793,7 @@ cudaError_t SelectedRowsDecode(const SelectedRowsParams& p, void* workspace, siz
   }
   const int splits = SelectedRowsSplits(p);
   const size_t bh = static_cast<size_t>(s.batch) * s.num_q_heads;
-  const bool parts = splits > 1 && !p.in_place;  // in place: merged inside each head's cluster
+  const bool parts = SelectedRowsWorkspaceBytes(p) > 0;  // per head in place: in its cluster
   float* part_o = parts ? static_cast<float*>(workspace) : nullptr;
   float* part_lse =
       !parts ? nullptr

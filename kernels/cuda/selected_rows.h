@@ -178,6 +178,8 @@ struct SelectedRowsParams {
   // With in_place: the G query heads of each (b, j) select the same rows (S2ANTA's group mixture:
   // positions and counts of head b, j G stand for all G; each head keeps its own log2 weights),
   // read once for the group: a block per (b, j) and split scores each row against the G queries.
+  // Its splits are not a cluster: their parts go to the workspace (SelectedRowsWorkspaceBytes)
+  // and a merge kernel combines them.
   bool shared_rows = false;
   // Optional with in_place: per (b, j), one int32 written: the rows read for its G heads.
   int32_t* const* rows_read = nullptr;
