@@ -390,8 +390,12 @@ def measure_kvsparse(row: Row, variant: str, method: kvsparse.Method, model, n: 
     t0 = time.perf_counter()
     row.steps_ms = decode_loop(model, cache, batch, n, max(args.warmup, 3 if compiled else 0), args.steps, call)
     warm_s = time.perf_counter() - t0
-    if args.profile == variant and n == int(args.lens.split(",")[0]):
-        profile_steps(model, cache, batch, n, max(args.warmup, 3) + args.steps, call, args.profile_out)
+    profiled = args.profile.split(",")
+    if variant in profiled and n == int(args.lens.split(",")[0]):
+        out = Path(args.profile_out)
+        if len(profiled) > 1:  # one file per variant: profile-<variant>.txt
+            out = out.with_name(f"{out.stem}-{variant}{out.suffix}")
+        profile_steps(model, cache, batch, n, max(args.warmup, 3) + args.steps, call, str(out))
     steps = steps_total
     s = cache.stats
     # Bytes over the whole run (the warm-up steps read as the timed ones do, after the first).
@@ -446,8 +450,9 @@ def parse_args() -> argparse.Namespace:
                         "spread between passes is the host's drift, which ratios within a pass cancel)")
     p.add_argument("--json", default="")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the harness")
-    p.add_argument("--profile", default="", help="a kvsparse variant to profile (torch.profiler, 3 steps: the tables, "
-                   "the Chrome trace beside --profile_out and its summary, tests/bench/trace_summary.py)")
+    p.add_argument("--profile", default="", help="kvsparse variants to profile, comma-separated (torch.profiler, 3 "
+                   "steps at the first length: the tables, the Chrome trace beside --profile_out and its summary, "
+                   "tests/bench/trace_summary.py; with several, --profile_out gets -<variant> before its suffix)")
     p.add_argument("--profile_out", default="profile.txt")
     args = p.parse_args()
     return args

@@ -30,7 +30,7 @@ def test_rounds_alternate_the_variants_and_tag_their_rows(tmp_path: Path) -> Non
         [sys.executable, str(HERE / "e2e_bench.py"), "--device", "cpu", "--lens", "256", "--batches", "1",
          "--variants", "resident,kvs-prop", "--steps", "2", "--warmup", "1", "--layers", "2", "--hidden", "128",
          "--heads", "4", "--kv_heads", "2", "--ffn", "256", "--vocab", "512", "--store_capacity", "256M",
-         "--gpu_capacity", "256M", "--rounds", "3", "--json", str(out), "--profile", "kvs-prop",
+         "--gpu_capacity", "256M", "--rounds", "3", "--json", str(out), "--profile", "kvs-prop,kvs-absent",
          "--profile_out", str(tmp_path / "profile.txt")],
         capture_output=True, text=True, timeout=300,
     )
@@ -41,11 +41,13 @@ def test_rounds_alternate_the_variants_and_tag_their_rows(tmp_path: Path) -> Non
     assert all(r["tokens_per_s"] > 0 and not r["note"].startswith("failed") for r in rows), rows
     summaries = [line for line in run.stdout.splitlines() if line.startswith("<!-- pass ")]
     assert len(summaries) == 3 and all("kvs-prop" in s and "x resident" in s for s in summaries), run.stdout
-    # --profile: three more steps of kvs-prop under torch.profiler, the trace and its summary.
-    summary = json.loads((tmp_path / "profile.txt").read_text().split("\n\n", 1)[0])
+    # --profile: three more steps of kvs-prop under torch.profiler, the trace and its summary,
+    # named after the variant when several are listed.
+    summary = json.loads((tmp_path / "profile-kvs-prop.txt").read_text().split("\n\n", 1)[0])
     assert summary["steps"] == 3 and summary["wall_us_per_step"] > 0, summary
     assert "kvsparse::decode" in summary["range_cpu_us_per_step"], summary
-    assert (tmp_path / "profile.json.gz").stat().st_size > 0
+    assert (tmp_path / "profile-kvs-prop.json.gz").stat().st_size > 0
+    assert not (tmp_path / "profile.txt").exists()
 
 
 def test_a_gpu_run_measures_the_floor_beside_every_variant() -> None:
