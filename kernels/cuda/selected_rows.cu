@@ -508,7 +508,8 @@ __global__ void __launch_bounds__(kRowThreads, 2)
 // write their parts and MergeSplits combines them. A kv head's splits as one cluster, as the
 // per-head kernel's, run inside one GPC, and the host link's zero-copy reads wait on address
 // translation there (2026-12-03, H200: a group sample of 513 rows a kv head in clusters of 7 or
-// 13 blocks read 2.1 MB a layer in 110-123 us at 128k, the per-head kernel's 96 blocks in 75 us).
+// 13 blocks read 2.1 MB a layer in 110-123 us at 128k, without them in 95 us; the per-head
+// kernel, its 96 blocks in clusters of 3 spread over the GPCs, in 66 us).
 constexpr int kSharedThreads = 128;
 // Row groups a lane of SelectedRowsSharedKernel loads at once for a GQA group of g: one more than
 // SelectedRowsKernel, fewer at g = 8, whose eight heads' states fill the registers; and the rows
