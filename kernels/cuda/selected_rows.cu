@@ -787,14 +787,15 @@ cudaError_t SelectedRowsDecode(const SelectedRowsParams& p, void* workspace, siz
   const bool has_v = s.v != nullptr || s.v_heads != nullptr || s.v_pages.enabled();
   const bool rows_ok = p.in_place ? has_k && has_v && s.seq_lens != nullptr
                                   : p.rows.k != nullptr && p.rows.v != nullptr;
+  const size_t need = SelectedRowsWorkspaceBytes(p);
   if (s.q == nullptr || s.out == nullptr || !rows_ok || p.positions == nullptr ||
       p.counts == nullptr || ((p.second.k == nullptr) != (p.second.v == nullptr)) ||
-      workspace_bytes < SelectedRowsWorkspaceBytes(p)) {
+      workspace_bytes < need) {
     return cudaErrorInvalidValue;
   }
   const int splits = SelectedRowsSplits(p);
   const size_t bh = static_cast<size_t>(s.batch) * s.num_q_heads;
-  const bool parts = SelectedRowsWorkspaceBytes(p) > 0;  // per head in place: in its cluster
+  const bool parts = need > 0;  // per head in place: merged in its cluster, no parts
   float* part_o = parts ? static_cast<float*>(workspace) : nullptr;
   float* part_lse =
       !parts ? nullptr
