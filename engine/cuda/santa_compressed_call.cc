@@ -77,6 +77,17 @@ class SantaCompressedCall final : public SelectedRowsCall {
       gwb = kc::GroupMixtureWorkspaceBytes(gm_);
       gws = c.TakeTransient<char>(gwb);
     }
+    // A uniform floor under the proposal (the per-head scores' or the mixture's), in place.
+    kc::ProposalFloorParams fl;
+    fl.batch = lp.B;
+    fl.rows_per_seq = ps_.num_q_heads;
+    fl.scores = group_ ? gm_.mixture : scores;
+    fl.score_stride = lp.n_max;
+    fl.seq_lens = lp.shape().seq_lens;
+    fl.max_seq_len = lp.n_max;
+    fl.floor = params_.uniform_floor;
+    const size_t fwb = fl.floor > 0.f ? kc::ProposalFloorWorkspaceBytes(fl) : 0;
+    void* fws = c.TakeTransient<char>(fwb);
     const size_t wb = kc::PropFromScoresWorkspaceBytes(ps_);
     void* ws = c.TakeTransient<char>(wb);
     const Union un = PlanUnion(lp, c, s, ps_.indices, ps_.counts);
@@ -84,6 +95,9 @@ class SantaCompressedCall final : public SelectedRowsCall {
     if (absl::Status st = scoring_.Enqueue(lp, scores); !st.ok()) return st;
     if (group_) {
       KVS_CUDA_OK(kc::GroupMixtureFromScores(gm_, gws, gwb, lp.stream()), "GroupMixtureFromScores");
+    }
+    if (fl.floor > 0.f) {
+      KVS_CUDA_OK(kc::ProposalFloorOnScores(fl, fws, fwb, lp.stream()), "ProposalFloorOnScores");
     }
     KVS_CUDA_OK(kc::PropFromScores(ps_, ws, wb, lp.stream()), "PropFromScores");
     return EnqueueUnion(lp, un);
@@ -116,8 +130,6 @@ absl::Status SantaOverCompressedKeysSupports(const Method& m, const SequenceDesc
                     p.allocation != kernels::SantaAllocation::kProp,
                 "S2ANTA over compressed keys on the GPU: systematic, prop, ratio correction");
   reasons.AddIf(desc.placement.compressed_key_bits == 0, "the placement keeps no compressed keys");
-  reasons.AddIf(p.uniform_floor > 0.f,
-                "S2ANTA over compressed keys on the GPU: the sampler takes no uniform floor yet");
   reasons.Add(StagedRowsFit(desc, caps));
   return reasons.ToStatus();
 }

@@ -377,17 +377,25 @@ __host__ __device__ inline int32_t MixChunks(const GroupMixtureParams& p) {
   return (p.max_seq_len + kMixChunk - 1) / kMixChunk;
 }
 
-__global__ void __launch_bounds__(kMixThreads)
-    LseKernel(GroupMixtureParams p, float* part_m, float* part_z) {
+// Score rows whose lse is taken by chunks (LseKernel): row r of sequence r / rows_per_seq.
+struct LseRows {
+  const float* scores;
+  int64_t stride;
+  const int32_t* seq_lens;
+  int32_t rows_per_seq;
+  int32_t chunks;  // kMixChunk tokens each
+};
+
+__global__ void __launch_bounds__(kMixThreads) LseKernel(LseRows p, float* part_m, float* part_z) {
   GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
   using Reduce = cub::BlockReduce<float, kMixThreads>;
   __shared__ typename Reduce::TempStorage tmp;
   __shared__ float m_s;
-  const int32_t chunks = MixChunks(p), c = blockIdx.x;
+  const int32_t chunks = p.chunks, c = blockIdx.x;
   const int64_t bh = blockIdx.y;
-  const int32_t n = p.seq_lens[bh / p.num_q_heads];
+  const int32_t n = p.seq_lens[bh / p.rows_per_seq];
   const int32_t lo = c * kMixChunk, hi = min(n, lo + kMixChunk);
-  const float* s = p.scores + bh * p.score_stride;
+  const float* s = p.scores + bh * p.stride;
   float m = -INFINITY;
   for (int32_t t = lo + threadIdx.x; t < hi; t += kMixThreads) m = fmaxf(m, s[t]);
   m = Reduce(tmp).Reduce(m, FMax());
@@ -474,6 +482,42 @@ __global__ void __launch_bounds__(kMixThreads)
   }
 }
 
+// The uniform floor (ProposalFloorOnScores): a block per (kMixTile tokens, row). Thread 0
+// combines the row's chunk partials (LseKernel's) into its max m and sum z in float64, then
+// every token's score becomes log((1 - a) e^{s - m} / z + a / n) (kernels::ProposalFloor).
+__global__ void __launch_bounds__(kMixThreads)
+    FloorKernel(ProposalFloorParams p, int32_t chunks, const float* part_m, const float* part_z) {
+  GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
+  __shared__ double m_s, z_s;
+  const int64_t row = blockIdx.y;
+  const int32_t n = p.seq_lens[row / p.rows_per_seq];
+  const int32_t lo = blockIdx.x * kMixTile;
+  if (lo >= n) return;  // the whole block
+  if (threadIdx.x == 0) {
+    double m = -INFINITY;
+    for (int32_t k = 0; k < chunks; ++k) m = fmax(m, static_cast<double>(part_m[row * chunks + k]));
+    double z = 0.0;
+    if (m != -INFINITY) {
+      for (int32_t k = 0; k < chunks; ++k) {
+        const float mk = part_m[row * chunks + k];
+        if (mk != -INFINITY) z += static_cast<double>(part_z[row * chunks + k]) * exp(mk - m);
+      }
+    }
+    m_s = m;
+    z_s = z;
+  }
+  __syncthreads();
+  const double m = m_s, z = z_s, a = p.floor;
+  const double floor = a / static_cast<double>(n);
+  float* s = p.scores + row * p.score_stride;
+  for (int32_t i = 0; i < kMixPerThread; ++i) {
+    const int32_t t = lo + i * kMixThreads + threadIdx.x;
+    if (t >= n) break;
+    const double q = z > 0.0 ? (1.0 - a) * exp(static_cast<double>(s[t]) - m) / z : 0.0;
+    s[t] = static_cast<float>(log(q + floor));
+  }
+}
+
 }  // namespace
 
 size_t PropFromScoresWorkspaceBytes(const PropFromScoresParams& p) {
@@ -535,11 +579,49 @@ cudaError_t GroupMixtureFromScores(const GroupMixtureParams& p, void* workspace,
   const size_t cells = static_cast<size_t>(p.batch) * p.num_q_heads * chunks;
   float* part_m = Take<float>(c, cells);
   float* part_z = Take<float>(c, cells);
+  const LseRows rows{p.scores, p.score_stride, p.seq_lens, p.num_q_heads, chunks};
   KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&LseKernel, dim3(chunks, p.batch * p.num_q_heads),
-                                                dim3(kMixThreads), 0, stream, p, part_m, part_z));
+                                                dim3(kMixThreads), 0, stream, rows, part_m,
+                                                part_z));
   const unsigned tiles = static_cast<unsigned>((p.max_seq_len + kMixTile - 1) / kMixTile);
   return LaunchDependent(&MixKernel, dim3(tiles, p.batch * p.num_kv_heads), dim3(kMixThreads), 0,
                          stream, p, part_m, part_z);
+}
+
+namespace {
+int32_t FloorChunks(const ProposalFloorParams& p) {
+  return (p.max_seq_len + kMixChunk - 1) / kMixChunk;
+}
+}  // namespace
+
+size_t ProposalFloorWorkspaceBytes(const ProposalFloorParams& p) {
+  if (p.batch < 0 || p.rows_per_seq < 0 || p.max_seq_len < 0) return 0;
+  const size_t cells = static_cast<size_t>(p.batch) * p.rows_per_seq * FloorChunks(p);
+  return 2 * AlignUp(cells * sizeof(float), 256);
+}
+
+cudaError_t ProposalFloorOnScores(const ProposalFloorParams& p, void* workspace,
+                                  size_t workspace_bytes, cudaStream_t stream) {
+  if (p.batch < 0 || p.rows_per_seq < 1 || p.max_seq_len < 0 || p.max_seq_len > (1 << 20) ||
+      p.scores == nullptr || p.seq_lens == nullptr || p.score_stride < p.max_seq_len ||
+      !(p.floor > 0.f && p.floor < 1.f) || workspace_bytes < ProposalFloorWorkspaceBytes(p) ||
+      (ProposalFloorWorkspaceBytes(p) > 0 && workspace == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  const int32_t chunks = FloorChunks(p);
+  if (p.batch == 0 || chunks == 0) return cudaSuccess;
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.rows_per_seq;
+  if (rows > 65535) return cudaErrorInvalidValue;  // the rows ride blockIdx.y
+  char* c = static_cast<char*>(workspace);
+  const size_t cells = static_cast<size_t>(rows) * chunks;
+  float* part_m = Take<float>(c, cells);
+  float* part_z = Take<float>(c, cells);
+  const LseRows lr{p.scores, p.score_stride, p.seq_lens, p.rows_per_seq, chunks};
+  KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&LseKernel, dim3(chunks, rows), dim3(kMixThreads),
+                                                0, stream, lr, part_m, part_z));
+  const unsigned tiles = static_cast<unsigned>((p.max_seq_len + kMixTile - 1) / kMixTile);
+  return LaunchDependent(&FloorKernel, dim3(tiles, rows), dim3(kMixThreads), 0, stream, p, chunks,
+                         static_cast<const float*>(part_m), static_cast<const float*>(part_z));
 }
 
 }  // namespace kvsparse::kernels::cuda

@@ -91,6 +91,27 @@ size_t GroupMixtureWorkspaceBytes(const GroupMixtureParams& p);
 cudaError_t GroupMixtureFromScores(const GroupMixtureParams& p, void* workspace,
                                    size_t workspace_bytes, cudaStream_t stream);
 
+// A uniform floor under a proposal (kernels::ProposalFloor, the defensive mixture of
+// SantaParams::uniform_floor): each row's scores s_0 .. s_{n-1} (n = seq_lens[b] of its sequence)
+// replaced in place by log((1 - a) softmax(s)_t + a / n), so that PropFromScores run on them draws
+// from the mixture and weighs each row by e^{s - log p}. The row's max and sum in fp32 chunks, the
+// chunks combined and each score turned in float64 as the CPU reference does (the two agree to
+// float rounding). Tokens past n are not touched. Two launches, capturable.
+struct ProposalFloorParams {
+  int32_t batch = 0;         // B
+  int32_t rows_per_seq = 0;  // score rows a sequence: H (per-head proposals) or Hkv (mixture)
+  float* scores = nullptr;   // device, shape: [B * rows_per_seq, score_stride], in place
+  int64_t score_stride = 0;
+  const int32_t* seq_lens = nullptr;  // device [B]
+  int32_t max_seq_len = 0;            // host bound of seq_lens, at most 2^20
+  float floor = 0.f;                  // a in (0, 1)
+};
+
+size_t ProposalFloorWorkspaceBytes(const ProposalFloorParams& p);
+// cudaErrorInvalidValue for a bad shape or a floor outside (0, 1).
+cudaError_t ProposalFloorOnScores(const ProposalFloorParams& p, void* workspace,
+                                  size_t workspace_bytes, cudaStream_t stream);
+
 }  // namespace kvsparse::kernels::cuda
 
 #endif  // KVSPARSE_KERNELS_CUDA_SANTA_SCORES_H_

@@ -229,5 +229,71 @@ TEST(SantaScoresCudaTest, GroupMixtureSamplesOncePerKvHead) {
   EXPECT_GT(masked, 0) << "the masked tile's tokens are -inf in the mixture";
 }
 
+// The uniform floor on the GPU (ProposalFloorOnScores) gives the CPU reference's scores
+// (kernels::ProposalFloor, float64) to float rounding on every row of each sequence's length:
+// ragged lengths (0, 1, under a chunk, several chunks of 4096), a row with -inf tokens (which
+// get the floor's a / n), a row with no mass at all (every token a / n); tokens past a
+// sequence's length keep what they held. Two floors, rows_per_seq 3 (as a mixture's rows).
+TEST(SantaScoresCudaTest, ProposalFloorGivesTheCpusScores) {
+  KVSPARSE_REQUIRE_GPU();
+  const std::vector<int32_t> lens = {0, 1, 700, 9000};
+  const int32_t B = static_cast<int32_t>(lens.size()), R = 3;
+  const int32_t n_max = *std::max_element(lens.begin(), lens.end());
+  constexpr float kPast = 123.f;  // what every token past its sequence's length holds
+  std::mt19937 rng(29);
+  std::normal_distribution<float> z;
+  std::vector<float> scores(static_cast<size_t>(B) * R * n_max, kPast);
+  for (int32_t b = 0; b < B; ++b) {
+    for (int32_t r = 0; r < R; ++r) {
+      float* s = &scores[(static_cast<size_t>(b) * R + r) * n_max];
+      for (int32_t t = 0; t < lens[b]; ++t) {
+        s[t] = r == 2 ? -INFINITY : 3.f * z(rng) + (r == 0 && t == 5 ? 25.f : 0.f);
+      }
+      if (r == 1 && lens[b] > 600) {
+        for (int32_t t = 100; t < 600; ++t) s[t] = -INFINITY;
+      }
+    }
+  }
+  DeviceBuffer dl = ToDevice(lens);
+  for (const float a : {0.05f, 0.5f}) {
+    SCOPED_TRACE(testing::Message() << "floor " << a);
+    DeviceBuffer ds = ToDevice(scores);
+    ProposalFloorParams fp;
+    fp.batch = B;
+    fp.rows_per_seq = R;
+    fp.scores = ds.as<float>();
+    fp.score_stride = n_max;
+    fp.seq_lens = dl.as<int32_t>();
+    fp.max_seq_len = n_max;
+    fp.floor = a;
+    DeviceBuffer ws(std::max<size_t>(1, ProposalFloorWorkspaceBytes(fp)));
+    KVSPARSE_ASSERT_CUDA(ProposalFloorOnScores(fp, ws.get(), ws.size(), nullptr));
+    KVSPARSE_ASSERT_CUDA(cudaDeviceSynchronize());
+    const auto got = ToHost<float>(ds, scores.size());
+    for (int32_t b = 0; b < B; ++b) {
+      for (int32_t r = 0; r < R; ++r) {
+        SCOPED_TRACE(testing::Message() << "b " << b << " row " << r);
+        const size_t at = (static_cast<size_t>(b) * R + r) * n_max;
+        std::vector<float> want(scores.begin() + at, scores.begin() + at + lens[b]);
+        ProposalFloor(a, &want);
+        for (int32_t t = 0; t < n_max; ++t) {
+          if (t >= lens[b]) {
+            ASSERT_EQ(got[at + t], kPast) << "token " << t << " past the length";
+            continue;
+          }
+          ASSERT_TRUE(std::isfinite(got[at + t])) << "token " << t;
+          ASSERT_NEAR(got[at + t], want[t], 2e-5f * std::max(1.f, std::fabs(want[t])))
+              << "token " << t;
+        }
+      }
+    }
+  }
+  ProposalFloorParams bad;
+  bad.batch = 1;
+  bad.rows_per_seq = 1;
+  bad.scores = nullptr;
+  EXPECT_EQ(ProposalFloorOnScores(bad, nullptr, 0, nullptr), cudaErrorInvalidValue);
+}
+
 }  // namespace
 }  // namespace kvsparse::kernels::cuda

@@ -522,13 +522,20 @@ TEST_F(GpuEngineTest, SantaOverCompressedKeys) {
     auto n = rig->gpu->Decode(Call(prob, none));
     ASSERT_TRUE(n.ok()) << n.status();
     EXPECT_EQ(n->timing.launch_seconds, 0.0) << what << ": uncorrected on the CPU engine";
-    // A uniform floor under the proposal: the CPU engine's (the GPU's sampler takes none yet).
-    Method floored = m;
-    floored.santa.uniform_floor = 0.05f;
-    auto f = rig->gpu->Decode(Call(prob, floored));
-    ASSERT_TRUE(f.ok()) << f.status();
-    EXPECT_EQ(f->timing.launch_seconds, 0.0) << what << ": the floor on the CPU engine";
-    EXPECT_TRUE(absl::StrContains(f->not_on_backend, "uniform floor")) << f->not_on_backend;
+    // A uniform floor under the proposal (the per-head one and the mixture's): on the GPU,
+    // the CPU engine's rows and outputs.
+    for (Method floored : {m, gm}) {
+      floored.santa.uniform_floor = 0.2f;
+      const std::string fw =
+          what + ", floor 0.2" +
+          (floored.santa.proposal == gm.santa.proposal ? std::string(", group mixture")
+                                                       : std::string());
+      Compare(*rig, prob, floored, {0.05, false, 0.02}, fw);
+      auto f = rig->gpu->Decode(Call(prob, floored));
+      ASSERT_TRUE(f.ok()) << fw << ": " << f.status();
+      EXPECT_GT(f->timing.launch_seconds, 0.0) << fw << ": on the GPU";
+      EXPECT_TRUE(f->not_on_backend.empty()) << fw << ": " << f->not_on_backend;
+    }
     if (pl != 0) continue;
     // From a store in another process (its pages not mapped): the group's union is staged and
     // fetched, each row once; the same rows and outputs as the CPU engine.
@@ -1242,10 +1249,10 @@ TEST_F(GpuEngineTest, CapturedStepsHashTopK) {
   CapturedStepsEqualEagerCalls(HashMethod(0.f, 24, 4, 2), p, {900}, 8e-3, "hash top-24");
 }
 
-// Top-k, S2ANTA-prop (2 bits; 1 bit is refused; per head and the group mixture) and vAttention's
-// importance sampler (2 bits) over compressed keys, K and V in host memory:
-// each step appends its key to the compressed keys on the device, closing a group where the
-// step fills one (250 -> 260 and 1020 -> 1030 cross 256 and 1024) with the bits the eager
+// Top-k, S2ANTA-prop (2 bits; 1 bit is refused; per head and the group mixture, with and without
+// a uniform floor) and vAttention's importance sampler (2 bits) over compressed keys, K and V in
+// host memory: each step appends its key to the compressed keys on the device, closing a group
+// where the step fills one (250 -> 260 and 1020 -> 1030 cross 256 and 1024) with the bits the eager
 // path's sync gives (CompressKeyGroups: the CPU engine's bits), so the captured scores select
 // the eager rows; a short window and sink, so the steps' own tokens are chosen by their compressed
 // scores.
@@ -1264,6 +1271,8 @@ TEST_F(GpuEngineTest, CapturedStepsOverCompressedKeys) {
     CapturedStepsEqualEagerCalls(santa, p, {1020}, 0.02, "S2ANTA-prop, one sequence" + b);
     santa.santa.proposal = kernels::SantaProposal::kGroupMixture;
     CapturedStepsEqualEagerCalls(santa, p, {1020}, 0.02, "S2ANTA-prop, group mixture" + b);
+    santa.santa.uniform_floor = 0.1f;  // the mixture's scores floored in place inside the step
+    CapturedStepsEqualEagerCalls(santa, p, {1020}, 0.02, "S2ANTA-prop, group mixture, floor" + b);
     // vAttention's importance sampler: the fixed set by compressed scores, the base and final
     // samples drawn from their softmax, the budget computed on the device.
     Method vatt = VAttentionMethod();
