@@ -57,6 +57,10 @@ class LaunchPlan {
   // the caller's legacy default stream is set as cudaStreamLegacy.
   cudaStream_t stream() const { return stream_ != nullptr ? stream_ : state_->stream(); }
   void set_stream(cudaStream_t s) { stream_ = s; }
+  // A captured step's plan (engine/cuda/static_step.cc): no statistics are read after its
+  // calls, so methods leave out what only the statistics need (a standard error's kernels).
+  bool captured() const { return captured_; }
+  void set_captured() { captured_ = true; }
   const int32_t B, H, hkv, G, d;
   const kernels::DType dtype;
   const size_t es, row;  // element and row bytes
@@ -173,6 +177,7 @@ class LaunchPlan {
   const size_t k_tier_, v_tier_;
   const bool staged_;
   cudaStream_t stream_ = nullptr;
+  bool captured_ = false;
   absl::Status Stage(absl::Span<const std::vector<uint32_t>> lists,
                      kernels::cuda::DecodeShape* shape);
   Carver host_carver_{nullptr};

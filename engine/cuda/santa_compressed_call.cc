@@ -52,6 +52,9 @@ class SantaCompressedCall final : public SelectedRowsCall {
   // once for the G heads (from a store in another process: a union of one head's rows, staged).
   bool ReadsInPlace() const override { return true; }
   bool SharesRows() const override { return group_; }
+  // Systematic draws: the estimate states its standard error from them (per-head proposals, read
+  // in place; SelectedRowsParams::standard_errors says where).
+  bool StatesStandardError() const override { return true; }
   // The group mixture gives the G heads of a kv head the same rows: the union is one head's.
   int32_t UnionBound(const LaunchPlan& lp, int32_t max_sel) const override {
     return group_ ? std::min(lp.n_max, max_sel) : SelectedRowsCall::UnionBound(lp, max_sel);
@@ -67,6 +70,7 @@ class SantaCompressedCall final : public SelectedRowsCall {
     ps_.counts = s.counts;
     ps_.budgets = s.budgets;
     ps_.log2_weights = s.log2_weights;
+    ps_.row_counts = s.row_counts;
     size_t gwb = 0;
     void* gws = nullptr;
     if (group_) {

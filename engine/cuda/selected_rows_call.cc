@@ -1,6 +1,7 @@
 #include "engine/cuda/selected_rows_call.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "engine/cuda/row_cache.h"
 
@@ -93,6 +94,10 @@ absl::Status SelectedRowsCall::Enqueue(LaunchPlan& lp, Carver& c) {
   sel.counts = stats == nullptr ? nullptr : stats + BH;
   sel.budgets = stats == nullptr ? nullptr : stats + 2 * BH;
   sel.log2_weights = RowWeights() ? c.Take<float>(static_cast<size_t>(BH) * max_sel_) : nullptr;
+  const bool errors = StatesStandardError() && !lp.captured();
+  sel.row_counts = errors ? c.Take<int32_t>(static_cast<size_t>(BH) * max_sel_) : nullptr;
+  se_ = errors ? c.Take<float>(BH) : nullptr;
+  standard_errors_.device = se_;
 
   kc::PlaceRowsParams pp;
   pp.batch = lp.B;
@@ -176,6 +181,8 @@ kc::SelectedRowsParams SelectedRowsCall::AttentionParams(const Selection& sel,
   srp.counts = sel.counts;
   srp.max_selected = max_sel_;
   srp.log2_weights = sel.log2_weights;
+  srp.row_counts = sel.row_counts;
+  srp.standard_errors = se_;
   if (in_place_) {  // positions: the selection's indices, once EnqueueSelection has carved them
     srp.in_place = true;
     srp.shared_rows = SharesRows();
@@ -248,14 +255,24 @@ absl::Status SelectedRowsCall::EnqueueUnion(const LaunchPlan& lp, const Union& u
   return absl::OkStatus();
 }
 
+absl::Status SelectedRowsCall::Download(LaunchPlan& lp) {
+  if (standard_errors_.device == nullptr) return absl::OkStatus();
+  return standard_errors_.Fetch(lp.BH, lp.stream());
+}
+
 void SelectedRowsCall::Stats(const LaunchPlan& lp, int32_t b, int32_t j, HeadStats* hs) const {
   const int32_t* st = lp.host_stats();
   const int32_t BH = lp.BH, i = b * lp.hkv + j;
   const uint64_t fetched = static_cast<uint64_t>(st[i]);  // the union's rows
   const uint64_t hits = static_cast<uint64_t>(st[3 * BH + i]);
   for (int32_t g = 0; g < lp.G; ++g) {
-    hs->rows_selected += static_cast<uint64_t>(st[BH + b * lp.H + j * lp.G + g]);
-    hs->budgets.push_back(static_cast<uint64_t>(st[2 * BH + b * lp.H + j * lp.G + g]));
+    const int32_t bh = b * lp.H + j * lp.G + g;
+    hs->rows_selected += static_cast<uint64_t>(st[BH + bh]);
+    hs->budgets.push_back(static_cast<uint64_t>(st[2 * BH + bh]));
+    // NaN: this path states none (SelectedRowsParams::standard_errors).
+    if (standard_errors_.device != nullptr && !std::isnan(standard_errors_.host[bh])) {
+      hs->standard_error.push_back(standard_errors_.host[bh]);
+    }
   }
   hs->rows_fetched = fetched;
   hs->rows_cached = hits;

@@ -38,6 +38,7 @@ class SelectedRowsCall : public MethodCall {
   void FillTables(LaunchPlan& lp) final;
   absl::Status Enqueue(LaunchPlan& lp, Carver& c) final;
   void FillScratchTables(LaunchPlan& lp) final;
+  absl::Status Download(LaunchPlan& lp) final;
   void Stats(const LaunchPlan& lp, int32_t b, int32_t j, HeadStats* hs) const final;
 
  protected:
@@ -53,6 +54,9 @@ class SelectedRowsCall : public MethodCall {
     // [B, H, max_selected] beside the selection's indices, when RowWeights(): each row's weight
     // in log2 units (SelectedRowsParams::log2_weights).
     float* log2_weights = nullptr;
+    // [B, H, max_selected] beside them, when StatesStandardError() outside a captured step:
+    // each row's draws (SelectedRowsParams::row_counts).
+    int32_t* row_counts = nullptr;
   };
   // The union over each GQA group of per-query-head selections (indices [B, H, max_selected],
   // ascending, and counts [B, H], on the device) into the selection's row sets and positions:
@@ -94,6 +98,10 @@ class SelectedRowsCall : public MethodCall {
   // head stand for all; each head its own weights): read in place, once for the group
   // (SelectedRowsParams::shared_rows).
   virtual bool SharesRows() const { return false; }
+  // Whether the rows are draws spread over the tokens in order (S2ANTA's systematic samples),
+  // whose estimate states its standard error (HeadStats::standard_error) where they are read in
+  // place per head (SelectedRowsParams::standard_errors); not in captured steps.
+  virtual bool StatesStandardError() const { return false; }
   // Device bytes the selection reads for sequence b per kv head: by default every token's key
   // signature (hash top-k, SAAP buckets).
   virtual uint64_t SelectionDeviceBytes(const LaunchPlan& lp, int32_t b) const {
@@ -129,6 +137,8 @@ class SelectedRowsCall : public MethodCall {
   const int32_t* selected_ = nullptr;  // the selection's indices [B, H, max_selected] (PlanUnion)
   size_t cache_off_[kCacheTables] = {}, cache_slots_off_ = 0, call_off_[kCallTables] = {};
   CallRows cr_;
+  float* se_ = nullptr;                // the call's standard errors [B, H] (device), or null
+  Downloaded<float> standard_errors_;  // their download, NaN where not stated
 };
 
 }  // namespace kvsparse::engine::gpu

@@ -410,6 +410,7 @@ class GpuStaticStep final : public StaticStep {
       }
     }
     ly.lp = std::make_unique<LaunchPlan>(ly.call, descs_, &ly.batch, state_);
+    ly.lp->set_captured();
     ly.mc = runner_->Begin(req_.method);
     LaunchPlan& lp = *ly.lp;
     if (absl::Status s = ly.mc->Plan(lp); !s.ok()) return s;

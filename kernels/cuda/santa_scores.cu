@@ -44,6 +44,7 @@ struct Workspace {
   int32_t* budgeted_count;        // [B * H]
   int32_t* rows;                  // [B * H, RowsPerHead]: staged tokens
   float* row_weight;              // [B * H, RowsPerHead]: their log2 weights
+  int32_t* row_count;             // [B * H, RowsPerHead]: their draws
 };
 
 __host__ __device__ inline int32_t MaxTiles(const PropFromScoresParams& p) {
@@ -78,6 +79,7 @@ Workspace Carve(const PropFromScoresParams& p, void* ws) {
   w.budgeted_count = Take<int32_t>(c, bh);
   w.rows = Take<int32_t>(c, bh * RowsPerHead(p));
   w.row_weight = Take<float>(c, bh * RowsPerHead(p));
+  w.row_count = Take<int32_t>(c, bh * RowsPerHead(p));
   return w;
 }
 
@@ -88,7 +90,7 @@ size_t WorkspaceBytes(const PropFromScoresParams& p) {
          AlignUp(cells * sizeof(unsigned long long), 256) +
          3 * AlignUp(cells * sizeof(int32_t), 256) +
          AlignUp(bh * (p.num_samples + 1) * sizeof(int32_t), 256) +
-         AlignUp(bh * sizeof(int32_t), 256) + AlignUp(rows * sizeof(int32_t), 256) +
+         AlignUp(bh * sizeof(int32_t), 256) + 2 * AlignUp(rows * sizeof(int32_t), 256) +
          AlignUp(rows * sizeof(float), 256);
 }
 
@@ -314,12 +316,14 @@ __global__ void __launch_bounds__(kTileThreads)
   const int64_t base = x.bh * RowsPerHead(p) + w.slot[cell];
   int32_t* rows = w.rows + base;
   float* lw = w.row_weight + base;
+  int32_t* rc = w.row_count + base;
 #pragma unroll
   for (int j = 0; j < kPerLaneMax; ++j) {
     if (cs[j] > 0) {
       if (at <= bud) {  // a tile stages at most bud + 1 rows
         rows[at] = lo + i0 + j;
         lw[at] = log2f(static_cast<float>(cs[j])) - sv[j] * kLog2E;
+        rc[at] = cs[j];
       }
       ++at;
     }
@@ -342,6 +346,7 @@ __global__ void __launch_bounds__(kScanThreads)
   const int k = p.heads_per_row;
   int32_t* idx = p.indices + x.bh * k * p.max_selected;
   float* lw = p.log2_weights + x.bh * k * p.max_selected;
+  int32_t* rc = p.row_counts == nullptr ? nullptr : p.row_counts + x.bh * k * p.max_selected;
   int32_t carry = 0;
   for (int t0 = 0; t0 < x.tiles; t0 += kScanThreads) {
     const int t = t0 + tid;
@@ -352,9 +357,11 @@ __global__ void __launch_bounds__(kScanThreads)
     for (int32_t r = 0; r < e && at + r < p.max_selected; ++r) {
       const int32_t row = w.rows[base + slot[t] + r];
       const float weight = w.row_weight[base + slot[t] + r];
+      const int32_t draws = w.row_count[base + slot[t] + r];
       for (int i = 0; i < k; ++i) {  // the row's query heads (the group mixture's G)
         idx[i * p.max_selected + at + r] = row;
         lw[i * p.max_selected + at + r] = weight;
+        if (rc != nullptr) rc[i * p.max_selected + at + r] = draws;
       }
     }
     carry += total;

@@ -60,6 +60,9 @@ struct PropFromScoresParams {
   int32_t* counts = nullptr;
   int32_t* budgets = nullptr;
   float* log2_weights = nullptr;
+  // Optional [B, H', max_selected]: each row's draws c (also in its log2 weight), for the
+  // estimate's standard error (SelectedRowsParams::row_counts).
+  int32_t* row_counts = nullptr;
 };
 
 size_t PropFromScoresWorkspaceBytes(const PropFromScoresParams& p);

@@ -394,7 +394,134 @@ __device__ __forceinline__ bool LoadTokenRows(const RowReader& kread, const RowR
   return ok;
 }
 
-template <typename T, int D, bool kInPlace>
+// A head's split rows kept for its standard error (SelectedRowsParams::standard_errors): at most
+// one round's rows a block, in row order: each row's V (raw), its log2 score with its weight and
+// its draws (0: no row).
+template <int D>
+struct DrawStash {
+  static constexpr int kRows = RowsPerBlockRound(D);
+  __align__(16) uint4 v[kRows][D / 8];
+  float score[kRows];
+  int32_t draws[kRows];
+  float out[D];                 // the head's output, fp32
+  float z_first[D], z_last[D];  // this split's first and last draw's deviation z
+  float red[kRowThreads / 32];
+  float sum2;     // this split's sum of squared successive differences
+  int32_t total;  // this split's draws
+  int32_t has;    // whether it has a row
+};
+
+struct NoStash {};
+
+// The sum over the block of one float per thread (every thread gets it).
+__device__ __forceinline__ float BlockSumAll(float x, float* red) {
+  x = WarpSum(x);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // red is reused
+  if (lane == 0) red[warp] = x;
+  __syncthreads();
+  float t = 0.f;
+  for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) t += red[w];
+  return t;
+}
+
+// The relative standard error of head bh's estimate from its draws, as the CPU reference states
+// it for ordered draws (kernels/row_selection.h, EstimateFromGathered): the head's m draws in
+// token order (the splits' rows, one cluster, in rank order), each draw's z = m a (V - out) / L
+// with a = w e^{s} / c (2^{score} / c here) and L the sum over the rows of w e^{s}, and
+// Var^ = sum over successive draws of |z_{k+1} - z_k|^2 / 2 over m (m - 1). Each block's output
+// part (o, lse) is in `part_o` / `part_lse` of its shared memory. Every block of the cluster
+// calls it.
+template <typename T, int D>
+__device__ void StandardErrorOfDraws(DrawStash<D>& st, const float* part_o, const float* part_lse,
+                                     int num_splits, int64_t bh, float* standard_errors) {
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int tid = threadIdx.x, rank = static_cast<int>(cluster.block_rank());
+  cluster.sync();  // every block's part and stash written
+  // The global reference max (over the parts' lse), L relative to it, and the head's draws.
+  float mx = kNegInf;
+  int32_t m_draws = 0;
+  for (int r = 0; r < num_splits; ++r) {
+    mx = fmaxf(mx, *cluster.map_shared_rank(part_lse, r));
+    m_draws += cluster.map_shared_rank(&st, r)->total;
+  }
+  float mass = 0.f;
+  for (int r = 0; r < num_splits; ++r)
+    mass += Exp2OrZero(*cluster.map_shared_rank(part_lse, r) - mx);
+  for (int dim = tid; dim < D; dim += blockDim.x) {
+    float v = 0.f;
+    for (int r = 0; r < num_splits; ++r) {
+      const float w = Exp2OrZero(*cluster.map_shared_rank(part_lse, r) - mx);
+      if (w > 0.f) v = fmaf(w, cluster.map_shared_rank(part_o, r)[dim], v);
+    }
+    st.out[dim] = mass > 0.f ? v / mass : 0.f;
+  }
+  __syncthreads();
+  // This split's successive differences, a thread per dimension along the rows.
+  const float m = static_cast<float>(m_draws);
+  float acc = 0.f;
+  bool any = false;
+  for (int dim = tid; dim < D; dim += blockDim.x) {
+    float prev = 0.f;
+    any = false;
+    for (int k = 0; k < DrawStash<D>::kRows; ++k) {
+      const int32_t c = st.draws[k];
+      if (c <= 0) continue;
+      const float a = exp2f(st.score[k] - mx) / static_cast<float>(c);
+      const float z = m * a * (LoadElem<T>(st.v[k], dim) - st.out[dim]) / mass;
+      if (any) {
+        acc = fmaf(z - prev, z - prev, acc);
+      } else {
+        st.z_first[dim] = z;
+      }
+      prev = z;
+      any = true;
+    }
+    st.z_last[dim] = prev;
+  }
+  float sum2 = BlockSumAll(acc, st.red);
+  if (tid == 0) st.has = st.total > 0 ? 1 : 0;
+  cluster.sync();  // every split's first and last z
+  // The difference across the boundary with the nearest earlier split that has a draw.
+  int prev_rank = -1;
+  if (st.total > 0) {
+    for (int r = rank - 1; r >= 0 && prev_rank < 0; --r) {
+      if (cluster.map_shared_rank(&st, r)->has) prev_rank = r;
+    }
+  }
+  float edge = 0.f;
+  if (prev_rank >= 0) {
+    const float* zl = cluster.map_shared_rank(&st, prev_rank)->z_last;
+    for (int dim = tid; dim < D; dim += blockDim.x) {
+      const float dz = st.z_first[dim] - zl[dim];
+      edge = fmaf(dz, dz, edge);
+    }
+  }
+  sum2 += BlockSumAll(edge, st.red);
+  float out2 = 0.f;
+  for (int dim = tid; dim < D; dim += blockDim.x) out2 = fmaf(st.out[dim], st.out[dim], out2);
+  out2 = BlockSumAll(out2, st.red);
+  if (tid == 0) st.sum2 = sum2;
+  cluster.sync();  // every split's sum
+  if (rank == 0 && tid == 0) {
+    float total2 = 0.f;
+    for (int r = 0; r < num_splits; ++r) total2 += cluster.map_shared_rank(&st, r)->sum2;
+    float se;
+    if (m_draws < 2) {
+      se = out2 > 0.f ? INFINITY : 0.f;
+    } else if (!(mass > 0.f)) {
+      se = 0.f;
+    } else {
+      const float var = total2 / 2.f / (m * (m - 1.f));
+      se = out2 > 0.f ? sqrtf(var / out2) : (var > 0.f ? INFINITY : 0.f);
+    }
+    standard_errors[bh] = se;
+  }
+  cluster.sync();  // the other blocks' shared memory stays until the first has read it
+}
+
+template <typename T, int D, bool kInPlace, bool kStats = false>
 __global__ void __launch_bounds__(kRowThreads, 2)
     SelectedRowsKernel(SelectedRowsParams p, int num_splits, float* __restrict__ part_o,
                        float* __restrict__ part_lse) {
@@ -436,6 +563,14 @@ __global__ void __launch_bounds__(kRowThreads, 2)
              qf);
   const float scale = s.scale * kLog2e;  // base-2 softmax
   float m = kNegInf, lsum = 0.f, acc[8] = {};
+  // With the standard error: the split's rows (one round, SelectedRowsLaunch) kept in order.
+  __shared__ std::conditional_t<kStats, DrawStash<D>, NoStash> stash;
+  if constexpr (kStats) {
+    if (r0 + warp * R * U >= r1 && lr == 0) {  // this warp's slots hold no row
+#pragma unroll
+      for (int u = 0; u < U; ++u) stash.draws[warp * R * U + u * R + row] = 0;
+    }
+  }
   for (int g0 = r0 + warp * R * U; g0 < r1; g0 += NW * R * U) {  // uniform over the warp
     uint4 kr[U], vr[U];
     bool ok[U];
@@ -462,11 +597,25 @@ __global__ void __launch_bounds__(kRowThreads, 2)
       for (int e = 0; e < 8; ++e) dot = fmaf(qf[e], kf[e], dot);
 #pragma unroll
       for (int o = L / 2; o > 0; o /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, o);
-      if (!ok[u]) continue;
+      const int k_at = g0 - r0 + u * R + row;  // the row's place in the split (kStats: < kRows)
+      if (!ok[u]) {
+        if constexpr (kStats) {
+          if (lr == 0) stash.draws[k_at] = 0;
+        }
+        continue;
+      }
       Unpack8<T>(vr[u], vf);
       const float lw =
           p.log2_weights != nullptr ? p.log2_weights[bh * p.max_selected + g0 + u * R + row] : 0.f;
       const float sc = dot * scale + lw;
+      if constexpr (kStats) {
+        stash.v[k_at][lr] = vr[u];
+        if (lr == 0) {
+          stash.score[k_at] = sc;
+          stash.draws[k_at] =
+              p.row_counts != nullptr ? p.row_counts[bh * p.max_selected + g0 + u * R + row] : 1;
+        }
+      }
       const float mn = fmaxf(m, sc);
       const float a = Exp2OrZero(m - mn);
       const float pw = exp2f(sc - mn);
@@ -478,6 +627,13 @@ __global__ void __launch_bounds__(kRowThreads, 2)
   }
   slots.Put(warp * R + row, lr, m, lsum, acc);
   __syncthreads();
+  if constexpr (kStats) {
+    if (tid == 0) {
+      int32_t total = 0;
+      for (int k = 0; k < DrawStash<D>::kRows; ++k) total += stash.draws[k];
+      stash.total = total;
+    }
+  }
   // In place, the splits of a head are one cluster: each block's part stays in its shared memory
   // and the cluster's first block merges them (no workspace, no merge kernel).
   __shared__ float cluster_o[kInPlace ? D : 1];
@@ -485,12 +641,13 @@ __global__ void __launch_bounds__(kRowThreads, 2)
   slots.Merge(tid, kRowThreads, [&](int dim, float num, float den, float gm) {
     const float o = den > 0.f ? num / den : 0.f;
     const float lse = den > 0.f ? gm + log2f(den) : kNegInf;
-    if (num_splits == 1) {
-      static_cast<uint16_t*>(s.out)[bh * D + dim] = FloatToBits<T>(o);
-    } else if constexpr (kInPlace) {
-      cluster_o[dim] = o;
-      if (dim == 0) cluster_lse = lse;
-    } else {
+    if (num_splits == 1) static_cast<uint16_t*>(s.out)[bh * D + dim] = FloatToBits<T>(o);
+    if constexpr (kInPlace) {
+      if (num_splits > 1 || kStats) {
+        cluster_o[dim] = o;
+        if (dim == 0) cluster_lse = lse;
+      }
+    } else if (num_splits > 1) {
       part_o[(bh * num_splits + split) * D + dim] = o;
       if (dim == 0) part_lse[bh * num_splits + split] = lse;
     }
@@ -499,6 +656,9 @@ __global__ void __launch_bounds__(kRowThreads, 2)
     if (num_splits > 1) {
       MergeCluster<T, D, kMaxClusterSplits>(cluster_o, &cluster_lse, num_splits, bh, s.out);
     }
+  }
+  if constexpr (kStats) {
+    StandardErrorOfDraws<T, D>(stash, cluster_o, &cluster_lse, num_splits, bh, p.standard_errors);
   }
 }
 
@@ -623,6 +783,8 @@ __global__ void __launch_bounds__(kSharedThreads, 2)
   }
 }
 
+int StandardErrorSplits(const SelectedRowsParams& p);
+
 struct SelectedRowsLaunch {
   const SelectedRowsParams& p;
   int splits;
@@ -643,6 +805,12 @@ struct SelectedRowsLaunch {
       return MergeSplits(part_o, part_lse, bh, splits, D, s.dtype, s.out, stream);
     }
     if (p.in_place) {  // a head's splits merged inside their cluster
+      // With the standard error, each split's rows in one round (StandardErrorSplits).
+      if (const int se_splits = StandardErrorSplits(p); se_splits > 0) {
+        return LaunchDependentClusters(
+            &SelectedRowsKernel<T, D, true, true>, dim3(static_cast<unsigned>(bh), se_splits),
+            dim3(kRowThreads), dim3(1, se_splits, 1), 0, stream, p, se_splits, part_o, part_lse);
+      }
       return LaunchDependentClusters(&SelectedRowsKernel<T, D, true>, grid, dim3(kRowThreads),
                                      dim3(1, splits, 1), 0, stream, p, splits, part_o, part_lse);
     }
@@ -652,6 +820,17 @@ struct SelectedRowsLaunch {
     return MergeSplits(part_o, part_lse, bh, splits, D, s.dtype, s.out, stream);
   }
 };
+
+// The splits of the per-head in-place kernel that states each head's standard error: enough
+// that every split's rows fit one round, within one cluster; 0 where none is asked, or where
+// the rows are not read in place per head, or more would be needed (the heads' errors are then
+// NaN: not stated).
+int StandardErrorSplits(const SelectedRowsParams& p) {
+  if (p.standard_errors == nullptr || !p.in_place || p.shared_rows) return 0;
+  const int rows_per = RowsPerBlockRound(p.shape.head_dim);
+  const int splits = std::max(1, (p.max_selected + rows_per - 1) / rows_per);
+  return splits <= kMaxClusterSplits ? splits : 0;
+}
 
 int SelectedRowsSplits(const SelectedRowsParams& p) {
   const bool shared = p.in_place && p.shared_rows;  // a block per (b, kv head) and split
@@ -803,6 +982,10 @@ cudaError_t SelectedRowsDecode(const SelectedRowsParams& p, void* workspace, siz
                                         AlignUp(bh * splits * s.head_dim * sizeof(float), 256));
   // The shared-rows kernel holds its G heads' states in registers: dispatched on the group.
   const int group = p.in_place && p.shared_rows ? s.num_q_heads / s.num_kv_heads : 1;
+  if (p.standard_errors != nullptr && StandardErrorSplits(p) == 0) {  // not stated: NaN
+    KVSPARSE_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(p.standard_errors, 0xFF, bh * sizeof(float), stream));
+  }
   return DispatchDecode(s.dtype, s.head_dim, group,
                         SelectedRowsLaunch{p, splits, part_o, part_lse, stream});
 }

@@ -183,6 +183,18 @@ struct SelectedRowsParams {
   bool shared_rows = false;
   // Optional with in_place: per (b, j), one int32 written: the rows read for its G heads.
   int32_t* const* rows_read = nullptr;
+  // Optional, device [B, H]: each query head's standard error of its estimate relative to its
+  // output's norm, its rows taken as draws spread over the tokens in order (S2ANTA's systematic
+  // samples), as the CPU reference states it for such draws (kernels/row_selection.h,
+  // EstimateFromGathered: successive differences of each draw's linearised ratio deviation).
+  // Stated where each head's rows are read in place (not shared_rows) and at most 8 rounds of
+  // them (kMaxClusterSplits x 64 rows at d = 128, 128 at d = 64, 32 at d = 256): the splits then
+  // hold one round each, kept in shared memory; NaN elsewhere. Its own kernel variant (the
+  // flagship's captured steps leave it null and run the kernel without it).
+  float* standard_errors = nullptr;
+  // Optional with standard_errors, device [B, H, max_selected] beside positions: each row's
+  // draws c (its weight's count; 1 when null).
+  const int32_t* row_counts = nullptr;
 };
 size_t SelectedRowsWorkspaceBytes(const SelectedRowsParams& p);
 cudaError_t SelectedRowsDecode(const SelectedRowsParams& p, void* workspace, size_t workspace_bytes,

@@ -7,6 +7,8 @@
 //   - over a run of steps with drifting selections, PlaceRows with a row cache (large, and small
 //     enough to overflow) gives outputs bit-identical to the uncached path, the hits and the
 //     cache contents a host model of the policy predicts, and slots holding their tokens' rows;
+//   - reading each head's rows in place, the kernel states each head's standard error as the CPU
+//     reference does for ordered draws;
 //   - WarmPagedRows reads each page a length covers once, and none after its stop word;
 //   - dense, S2ANTA (prop, flash, iid) and vAttention read through k_heads / v_heads / pages
 //     give what they give on the strided layout.
@@ -15,6 +17,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -29,6 +32,7 @@
 #include "kernels/cuda/santa.h"
 #include "kernels/cuda/vattention.h"
 #include "kernels/hash_topk.h"
+#include "kernels/row_selection.h"
 #include "kernels/synthetic.h"
 
 namespace kvsparse::kernels::cuda {
@@ -484,6 +488,116 @@ TEST(SelectedRowsCudaTest, SharedRowsInPlaceReadEachRowOnceForTheGroup) {
   RunSharedRows(DType::kBf16, 128, 2, 8, {2100, 900}, false);
   RunSharedRows(DType::kFp16, 64, 4, 2, {1200, 1300}, true);
   RunSharedRows(DType::kFp16, 256, 2, 1, {1100, 2000}, false);
+}
+
+// Each head's standard error read in place (SelectedRowsParams::standard_errors) is the one the
+// CPU reference states for ordered draws (EstimateInPlace's draw_standard_errors over the same
+// rows, weights 2^{log2 weight} and draws): ascending per-head lists of 0, 1 (drawn once: no
+// spread to see, infinite; drawn three times: 0) and many rows (up to the 8 rounds a cluster
+// holds: 449 at d = 128), draws of 1 to 3 a row, host or device pages; the output is the one the
+// kernel without it gives. A list past 8 rounds states none: NaN.
+void RunStandardError(DType dtype, int d, int hkv, int g, const std::vector<int32_t>& lens,
+                      int max_sel, bool host_pages) {
+  const std::string what = std::string(DTypeName(dtype)) + " d=" + std::to_string(d) +
+                           " G=" + std::to_string(g) + " max_sel=" + std::to_string(max_sel);
+  SyntheticOptions o;
+  o.batch = static_cast<int32_t>(lens.size());
+  o.num_q_heads = hkv * g;
+  o.num_kv_heads = hkv;
+  o.head_dim = d;
+  o.seq_lens = lens;
+  o.dtype = dtype;
+  o.seed = 41 + d + g;
+  SyntheticProblem sp = SyntheticProblem::Make(o);
+  DecodeProblem& p = sp.problem;
+  DeviceProblem dp = DeviceProblem::Upload(p, KvElements(p));
+  const int B = p.batch, H = p.num_q_heads;
+  std::mt19937 rng(17 + d);
+  std::uniform_real_distribution<float> weight(-3.f, 1.f);
+  std::uniform_int_distribution<int> draws(1, 3);
+  std::vector<int32_t> idx(static_cast<size_t>(B) * H * max_sel, 0), cnt(B * H, 0);
+  std::vector<int32_t> rc(idx.size(), 0);
+  std::vector<float> lw(idx.size(), 0.f);
+  RowSelection sel;
+  sel.Reset(EstimateKind::kSoftmax, B, hkv, g);
+  sel.ordered_draws = true;
+  for (int b = 0; b < B; ++b) {
+    for (int j = 0; j < hkv; ++j) {
+      std::vector<HeadRows> heads(g);
+      for (int x = 0; x < g; ++x) {
+        const size_t bh = static_cast<size_t>(b) * H + j * g + x;
+        const int n = lens[b];
+        const int hi = static_cast<int>(bh);
+        const int want = hi == 0 ? 0 : hi <= 2 ? 1 : std::min(n, hi % 3 == 0 ? max_sel : 37);
+        std::vector<int32_t> all(n);
+        std::iota(all.begin(), all.end(), 0);
+        std::shuffle(all.begin(), all.end(), rng);
+        std::vector<int32_t> list(all.begin(), all.begin() + want);
+        std::sort(list.begin(), list.end());
+        cnt[bh] = want;
+        for (int r = 0; r < want; ++r) {
+          const size_t at = bh * max_sel + r;
+          idx[at] = list[r];
+          lw[at] = weight(rng);
+          rc[at] = hi == 1 ? 1 : hi == 2 ? 3 : draws(rng);
+          heads[x].Push(list[r], rc[at], std::exp2(lw[at]));
+        }
+      }
+      MergeGroup(heads, &sel.at(b, j));
+    }
+  }
+  std::vector<float> want_se;
+  ASSERT_TRUE(EstimateInPlace(p, sel, &want_se).ok()) << what;
+  const DeviceBuffer didx = ToDevice(idx), dcnt = ToDevice(cnt), dlw = ToDevice(lw),
+                     drc = ToDevice(rc);
+  PagedKv paged(p, /*shift=*/4, host_pages, 23);
+  SelectedRowsParams sr;
+  sr.shape = dp.shape;
+  sr.shape.k = sr.shape.v = nullptr;
+  sr.shape.k_pages = paged.k();
+  sr.shape.v_pages = paged.v();
+  sr.positions = didx.as<int32_t>();
+  sr.counts = dcnt.as<int32_t>();
+  sr.max_selected = max_sel;
+  sr.log2_weights = dlw.as<float>();
+  sr.in_place = true;
+  ASSERT_EQ(RunSelectedRows(sr), cudaSuccess) << what;
+  int64_t non_finite = 0;
+  const std::vector<double> plain = dp.OutputAsDouble(&non_finite);
+  ASSERT_EQ(non_finite, 0) << what;
+  DeviceBuffer dse(sizeof(float) * B * H);
+  ASSERT_EQ(dse.Poison(), cudaSuccess);
+  sr.standard_errors = dse.as<float>();
+  sr.row_counts = drc.as<int32_t>();
+  ASSERT_EQ(cudaMemset(dp.out.get(), 0xff, dp.out.size()), cudaSuccess);  // NaNs until written
+  ASSERT_EQ(RunSelectedRows(sr), cudaSuccess) << what << " with the standard error";
+  const std::vector<double> stated = dp.OutputAsDouble(&non_finite);
+  ASSERT_EQ(non_finite, 0) << what;
+  EXPECT_LT(RelativeL2(plain, stated), dtype == DType::kBf16 ? 8e-3 : 2e-3) << what;
+  const auto se = ToHost<float>(dse, static_cast<size_t>(B) * H);
+  const int round = 8 * (32 / (d / 8)) * 4;  // rows a block loads at once
+  const bool stated_here = max_sel <= 8 * round;
+  for (int bh = 0; bh < B * H; ++bh) {
+    SCOPED_TRACE(testing::Message() << what << " head " << bh << " (" << cnt[bh] << " rows)");
+    if (!stated_here) {
+      EXPECT_TRUE(std::isnan(se[bh]));
+      continue;
+    }
+    if (std::isinf(want_se[bh]) || want_se[bh] == 0.f) {
+      EXPECT_EQ(se[bh], want_se[bh]);
+      continue;
+    }
+    EXPECT_NEAR(se[bh], want_se[bh], 2e-3 * want_se[bh] + 1e-6);
+  }
+}
+
+TEST(SelectedRowsCudaTest, InPlaceStatesTheCpusStandardError) {
+  KVSPARSE_REQUIRE_GPU();
+  RunStandardError(DType::kBf16, 128, 4, 4, {3000, 1500}, 449, true);
+  RunStandardError(DType::kBf16, 128, 2, 2, {700}, 129, false);
+  RunStandardError(DType::kFp16, 64, 2, 8, {2100, 900}, 600, true);
+  RunStandardError(DType::kFp16, 256, 2, 1, {1100}, 250, false);
+  RunStandardError(DType::kBf16, 128, 2, 4, {1200}, 600, true);  // 10 rounds: none stated
 }
 
 // A per-(b, j) pointer table into one allocation: entry i = base + i * stride_bytes.

@@ -495,6 +495,23 @@ TEST_F(GpuEngineTest, SantaOverCompressedKeys) {
       EXPECT_GE(crossed, 2 * hg.rows_fetched * row) << what << " head " << i;
     }
     EXPECT_LT(RelL2(g->output, c->output, prob.problem.dtype), 0.05) << what;
+    // Each query head states its standard error, read in place as the CPU engine states it from
+    // its draws: the same value where the two drew the same sample (nearly every head).
+    int se_heads = 0, se_close = 0;
+    for (size_t i = 0; i < c->heads.size(); ++i) {
+      const std::vector<float>&sg = g->heads[i].standard_error, &sc = c->heads[i].standard_error;
+      ASSERT_EQ(sg.size(), sc.size()) << what << " head " << i << ": one a query head";
+      for (size_t x = 0; x < sc.size(); ++x) {
+        ++se_heads;
+        if (std::isinf(sc[x]) || sc[x] == 0.f) {
+          se_close += sg[x] == sc[x];
+        } else {
+          se_close += std::fabs(sg[x] - sc[x]) <= 0.01f * sc[x];
+        }
+      }
+    }
+    EXPECT_GT(se_heads, 0) << what;
+    EXPECT_GE(se_close, se_heads * 9 / 10) << what << ": standard errors the CPU's";
     // The same step again (the same sample): S2ANTA's rows keep no row cache (its samples do not
     // repeat from step to step), so every row crosses again, none is counted cached.
     auto again = rig->gpu->Decode(Call(prob, m));
@@ -516,25 +533,38 @@ TEST_F(GpuEngineTest, SantaOverCompressedKeys) {
     EXPECT_GT(gg->timing.launch_seconds, 0.0) << what << ", group mixture: on the GPU";
     for (const HeadStats& hs : gg->heads) {
       EXPECT_LE(hs.rows_fetched, 129u) << what << ", group mixture: at most S + 1 rows";
+      // Its rows are read once for the group: the kernel states no standard error there.
+      EXPECT_TRUE(hs.standard_error.empty()) << what << ", group mixture";
     }
     Method none = m;
     none.santa.correction = kernels::SantaCorrection::kNone;
     auto n = rig->gpu->Decode(Call(prob, none));
     ASSERT_TRUE(n.ok()) << n.status();
     EXPECT_EQ(n->timing.launch_seconds, 0.0) << what << ": uncorrected on the CPU engine";
-    // A uniform floor under the proposal (the per-head one and the mixture's): on the GPU,
-    // the CPU engine's rows and outputs.
+    // A uniform floor under the proposal (the per-head one and the mixture's): on the GPU, the
+    // CPU engine's outputs, budgets and rows (each head's read in place and counted per head, as
+    // above; the group mixture's the CPU's union).
     for (Method floored : {m, gm}) {
       floored.santa.uniform_floor = 0.2f;
-      const std::string fw =
-          what + ", floor 0.2" +
-          (floored.santa.proposal == gm.santa.proposal ? std::string(", group mixture")
-                                                       : std::string());
-      Compare(*rig, prob, floored, {0.05, false, 0.02}, fw);
-      auto f = rig->gpu->Decode(Call(prob, floored));
-      ASSERT_TRUE(f.ok()) << fw << ": " << f.status();
-      EXPECT_GT(f->timing.launch_seconds, 0.0) << fw << ": on the GPU";
-      EXPECT_TRUE(f->not_on_backend.empty()) << fw << ": " << f->not_on_backend;
+      const bool per_head = floored.santa.proposal == m.santa.proposal;
+      const std::string fw = what + ", floor 0.2" + (per_head ? "" : ", group mixture");
+      auto fc = rig->cpu->Decode(Call(prob, floored));
+      auto fg = rig->gpu->Decode(Call(prob, floored));
+      ASSERT_TRUE(fc.ok() && fg.ok()) << fw << ": " << fc.status() << " " << fg.status();
+      EXPECT_GT(fg->timing.launch_seconds, 0.0) << fw << ": on the GPU";
+      EXPECT_TRUE(fg->not_on_backend.empty()) << fw << ": " << fg->not_on_backend;
+      EXPECT_LT(RelL2(fg->output, fc->output, prob.problem.dtype), 0.05) << fw;
+      for (size_t i = 0; i < fc->heads.size(); ++i) {
+        const HeadStats &hc = fc->heads[i], &hg = fg->heads[i];
+        EXPECT_EQ(hg.budgets, hc.budgets) << fw << " head " << i;
+        if (per_head) {
+          EXPECT_GE(hg.rows_fetched, hc.rows_fetched * 98 / 100) << fw << " head " << i;
+        } else {
+          EXPECT_LE(std::fabs(static_cast<double>(hg.rows_fetched) - hc.rows_fetched),
+                    0.02 * hc.rows_fetched + 1)
+              << fw << " head " << i;
+        }
+      }
     }
     if (pl != 0) continue;
     // From a store in another process (its pages not mapped): the group's union is staged and
@@ -550,6 +580,8 @@ TEST_F(GpuEngineTest, SantaOverCompressedKeys) {
     for (size_t i = 0; i < ca->heads.size(); ++i) {
       same_union += ga->heads[i].rows_fetched == ca->heads[i].rows_fetched;
       EXPECT_LE(ga->heads[i].rows_fetched, ga->heads[i].rows_selected) << what << ", apart";
+      // The union staged and fetched, not read in place: no standard error stated.
+      EXPECT_TRUE(ga->heads[i].standard_error.empty()) << what << ", apart";
     }
     EXPECT_GE(same_union, ca->heads.size() * 9 / 10) << what << ", apart: the CPU's union";
     EXPECT_LT(RelL2(ga->output, ca->output, prob.problem.dtype), 0.05) << what << ", apart";

@@ -243,6 +243,31 @@ def test_cuda_q_and_output_stay_on_the_device() -> None:
             e.decode(1, ids, q, kvsparse.VAttention(predictor="exact"))
 
 
+@pytest.mark.gpu
+def test_the_flagship_states_its_standard_error_on_the_gpu() -> None:
+    """S2ANTA over compressed keys (the flagship's method) on the GPU backend states each query
+    head's standard error from its draws, as the CPU engine states it for the same call: the
+    same sample (nearly every head; a draw can move where a score's last bits differ), the same
+    statement; the group mixture reads its rows once for the group and states none there."""
+    method = kvsparse.Santa(samples=128, scores="compressed")
+    placement = kvsparse.placement_for(method)
+    with ops.InProcessEngine(store_capacity="1G", gpu="on") as g, ops.InProcessEngine(
+        store_capacity="1G", gpu="off"
+    ) as c:
+        for e, device in ((g, "cuda"), (c, "cpu")):
+            ids, _, _ = load(e, 3000, 2, device, placement)
+        q = torch.randn(2, 8, 64).to(torch.bfloat16)
+        _, _, on_gpu = g.decode(1, ids, q.cuda(), method, seed=3, return_errors=True)
+        _, _, on_cpu = c.decode(1, ids, q, method, seed=3, return_errors=True)
+        se_gpu, se_cpu = on_gpu[:, 0].cpu(), on_cpu[:, 0]
+        assert bool(se_cpu.isfinite().all()) and bool(se_gpu.isfinite().all()), (se_gpu, se_cpu)
+        close = ((se_gpu - se_cpu).abs() <= 0.01 * se_cpu).sum().item()
+        assert close >= 14, (se_gpu, se_cpu)  # of 16 query heads
+        group = kvsparse.Santa(samples=128, scores="compressed", proposal="group")
+        _, _, grouped = g.decode(1, ids, q.cuda(), group, seed=3, return_errors=True)
+        assert bool(grouped[:, 0].isnan().all())
+
+
 def test_remote_store_takes_a_long_prefill_and_decodes(server: kvsparse.LocalServer) -> None:
     """An engine over a store in another process: a 40k-token prefill of one layer (20 MB of
     bf16 K and V) crosses in several Append messages, lands whole, and dense decoding over it
