@@ -129,7 +129,7 @@ def panels():
                      [(f"sum by (method) (rate(kvsparse_decode_budget_rows_sum{{{SEL}}}[{RATE}])) / (sum by (method) (rate(kvsparse_decode_budget_rows_count{{{SEL}}}[{RATE}])) > 0)", "mean {{method}}"),
                       (f'histogram_quantile(0.5, sum by (le) (rate(kvsparse_decode_budget_rows_bucket{{{SEL}, method="vattention"}}[{RATE}])))', "vattention p50"),
                       (f'histogram_quantile(0.99, sum by (le) (rate(kvsparse_decode_budget_rows_bucket{{{SEL}, method="vattention"}}[{RATE}])))', "vattention p99")])
-    yield timeseries("Stated standard error per query head", "The standard error each estimate states of itself, relative to its output's norm (S2ANTA on the CPU engine, HeadStats.standard_error): p50 / p99 by method", "percentunit",
+    yield timeseries("Stated standard error per query head", "The standard error each estimate states of itself, relative to its output's norm (S2ANTA: the CPU engine, and the GPU engine where each head's rows are read in place; HeadStats.standard_error): p50 / p99 by method", "percentunit",
                      p50_p99("kvsparse_decode_standard_error", "method"))
     yield timeseries("Stated missed attention mass per query head", "A certified upper bound on the share of each query head's attention its rows leave out (top-k over compressed keys on the CPU engine, HeadStats.missed_mass_bound): p50 / p99 by method", "percentunit",
                      p50_p99("kvsparse_decode_missed_mass_bound", "method"))

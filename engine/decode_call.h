@@ -97,7 +97,9 @@ struct HeadStats {
   uint64_t key_features_group = 0;
   // Per query head of the group, the standard error the estimate states of itself, relative to
   // its output's norm (kernels::EstimateFromGathered's draw_standard_errors): S2ANTA's, from its
-  // own draws, on the CPU engine; empty where a method or engine states none.
+  // own draws, on the CPU engine, and on the GPU engine's eager calls where each head's rows are
+  // read in place (kernels/cuda/selected_rows.h, standard_errors); empty where a method or path
+  // states none.
   std::vector<float> standard_error;
   // Per query head of the group, the relative error of its output vAttention's budget promises
   // at probability 1 - delta: epsilon sqrt(b_needed / b) (at most the requested epsilon, below it

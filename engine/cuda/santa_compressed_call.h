@@ -3,7 +3,8 @@
 // (engine/cuda/compressed_scoring.h), PropFromScores samples S rows per query head from those
 // scores as the CPU reference does (kernels/cuda/santa_scores.h), or, with the group mixture
 // proposal, S rows per kv head from the mixture of its heads' (GroupMixtureFromScores) for every
-// head of the group; UnionSelected merges each GQA group's rows, and the selected-rows path
+// head of the group, either under a uniform floor when asked (ProposalFloorOnScores);
+// UnionSelected merges each GQA group's rows, and the selected-rows path
 // (engine/cuda/selected_rows_call.h) fetches the sampled K and V rows (through the row cache)
 // and takes the ratio estimate: the softmax over the rows of the exact score plus log2(count) -
 // s~ (the mixture's score for the group mixture). The santa runner (engine/cuda/santa_runner.cc)

@@ -394,7 +394,7 @@ class InProcessEngine(_Closing):
         ERROR_COLUMNS: S2ANTA's standard error and vAttention's epsilon relative to the output's
         norm, top-k's certified bound on the attention mass its rows leave out; NaN where the
         method states none; the CPU engine states them all, the GPU backend vAttention's
-        epsilon). q on the GPU backend's device stays there; a call the backend does not take (a
+        epsilon and S2ANTA's standard error over compressed keys with per-head proposals). q on the GPU backend's device stays there; a call the backend does not take (a
         method or placement it does not run, a model shape its kernels do not take) runs on the
         CPU engine, said by a warning once per engine and reason."""
         result = _call(
