@@ -25,6 +25,12 @@ absl::Status ValidateKeyCompression(const KeyCompression& c, int32_t head_dim) {
     return absl::InvalidArgumentError(
         absl::StrCat("compressed key group_tokens must be positive, got ", c.group_tokens));
   }
+  if (c.map != nullptr && (c.map->channel.size() != static_cast<size_t>(head_dim) ||
+                           c.map->part.size() != static_cast<size_t>(head_dim) || c.bits == 8)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "compressed keys: a channel map of ", c.map->channel.size(), " channels for head_dim ",
+        head_dim, " at ", c.bits, " bits (widened channels take twice the bits: 1, 2 or 4)"));
+  }
   return absl::OkStatus();
 }
 
@@ -75,12 +81,35 @@ void CompressedKeys::Append(const void* row) {
   if (length_ - closed_ == c_.group_tokens) CloseGroup();
 }
 
+namespace {
+
+// Model channel of stored channel v, and the part it holds (the identity without a map).
+struct Stored {
+  int32_t channel;
+  StoredPart part;
+};
+Stored StoredOf(const KeyChannelMap* map, int32_t v) {
+  return map == nullptr ? Stored{v, StoredPart::kWhole} : Stored{map->channel[v], map->part[v]};
+}
+
+// Each model channel's width under a map (every channel whole without one).
+std::vector<ChannelWidth> WidthsOf(const KeyChannelMap* map, int32_t d) {
+  std::vector<ChannelWidth> w(d, map == nullptr ? ChannelWidth::kWhole : ChannelWidth::kOut);
+  for (int32_t v = 0; map != nullptr && v < d; ++v) {
+    w[map->channel[v]] =
+        map->part[v] == StoredPart::kWhole ? ChannelWidth::kWhole : ChannelWidth::kWide;
+  }
+  return w;
+}
+
+}  // namespace
+
 void CompressKeyGroup(const KeyCompression& c, int32_t head_dim, DType dtype, const void* rows,
                       uint8_t* block) {
   const int32_t G = c.group_tokens, d = head_dim;
   const int32_t words = d * c.bits / 32;
   const size_t row_bytes = static_cast<size_t>(d) * DTypeSize(dtype);
-  const uint32_t levels = (1u << c.bits) - 1;
+  const uint32_t levels = (1u << c.bits) - 1, wide_levels = (1u << (2 * c.bits)) - 1;
   std::vector<float> k(static_cast<size_t>(G) * d);
   for (int32_t t = 0; t < G; ++t) {
     for (int32_t ch = 0; ch < d; ++ch) {
@@ -92,28 +121,55 @@ void CompressKeyGroup(const KeyCompression& c, int32_t head_dim, DType dtype, co
   uint16_t* lo16 = reinterpret_cast<uint16_t*>(block + static_cast<size_t>(G) * words * 4);
   uint16_t* step16 = lo16 + d;
   uint16_t* err16 = lo16 + 2 * d;
-  std::vector<float> lo(d), step(d);
+  // Each model channel's scale at its width (a left-out channel has none).
+  const std::vector<ChannelWidth> width = WidthsOf(c.map, d);
+  std::vector<uint32_t> top(d);
+  std::vector<keyq::ChannelScale> scale(d);
   for (int32_t ch = 0; ch < d; ++ch) {
+    top[ch] = width[ch] == ChannelWidth::kWide ? wide_levels : levels;
+    if (width[ch] == ChannelWidth::kOut) continue;
     float mn = k[ch], mx = k[ch];
     for (int32_t t = 1; t < G; ++t) {
       mn = std::min(mn, k[t * d + ch]);
       mx = std::max(mx, k[t * d + ch]);
     }
-    const keyq::ChannelScale sc = keyq::ScaleOf(mn, mx, levels);
-    lo16[ch] = sc.lo16;
-    step16[ch] = sc.step16;
-    lo[ch] = Half(sc.lo16);
-    step[ch] = Half(sc.step16);
+    scale[ch] = keyq::ScaleOf(mn, mx, top[ch]);
   }
+  // The stored channels' scales: a wide channel's high part steps 2^bits of its low part.
+  for (int32_t v = 0; v < d; ++v) {
+    const Stored st = StoredOf(c.map, v);
+    const keyq::ChannelScale& sc = scale[st.channel];
+    lo16[v] = st.part == StoredPart::kLow ? uint16_t{0} : sc.lo16;
+    step16[v] = st.part == StoredPart::kHigh
+                    ? keyq::HalfNearest(Half(sc.step16) * static_cast<float>(1u << c.bits))
+                    : sc.step16;
+  }
+  std::vector<uint32_t> code(d);
+  std::vector<float> kq(d);  // what the stored channels give back, per model channel
   for (int32_t t = 0; t < G; ++t) {
-    uint32_t* w = codes + static_cast<size_t>(t) * words;
-    double err2 = 0;
+    const float* x = &k[static_cast<size_t>(t) * d];
     for (int32_t ch = 0; ch < d; ++ch) {
-      const float x = k[t * d + ch];
-      const uint32_t code = keyq::CodeOf(x, lo[ch], step[ch], levels);
-      const int64_t bit = static_cast<int64_t>(ch) * c.bits;
-      w[bit / 32] |= code << (bit % 32);
-      err2 = keyq::AddSquaredError(err2, x, lo[ch], step[ch], code);
+      code[ch] = width[ch] == ChannelWidth::kOut
+                     ? 0
+                     : keyq::CodeOf(x[ch], Half(scale[ch].lo16), Half(scale[ch].step16), top[ch]);
+    }
+    uint32_t* w = codes + static_cast<size_t>(t) * words;
+    std::fill(kq.begin(), kq.end(), 0.f);
+    for (int32_t v = 0; v < d; ++v) {
+      const Stored st = StoredOf(c.map, v);
+      const uint32_t cv = st.part == StoredPart::kWhole  ? code[st.channel]
+                          : st.part == StoredPart::kHigh ? code[st.channel] >> c.bits
+                                                         : code[st.channel] & levels;
+      const int64_t bit = static_cast<int64_t>(v) * c.bits;
+      w[bit / 32] |= cv << (bit % 32);
+      kq[st.channel] += Half(lo16[v]) + Half(step16[v]) * static_cast<float>(cv);
+    }
+    double err2 = 0;
+    for (int32_t ch = 0; ch < d; ++ch) {  // over the model's channels (a left-out one whole)
+      err2 = width[ch] == ChannelWidth::kWhole
+                 ? keyq::AddSquaredError(err2, x[ch], Half(scale[ch].lo16), Half(scale[ch].step16),
+                                         code[ch])
+                 : keyq::AddSquaredError(err2, x[ch], kq[ch], 0.f, 0);
     }
     err16[t] = keyq::HalfBound(keyq::Sqrt(err2));
   }
@@ -139,11 +195,22 @@ CompressedKeysView CompressedKeys::view() const {
   v.closed = closed_;
   v.groups = block_ptrs_.data();
   v.tail = tail_.data();
+  v.map = c_.map;
   return v;
 }
 
 float KeyErrorBound(const CompressedKeysView& v, int64_t t) {
-  return t < v.closed ? Half(v.err(t / v.group)[t % v.group]) : 0.f;
+  if (t < v.closed) return Half(v.err(t / v.group)[t % v.group]);
+  if (v.map == nullptr) return 0.f;
+  const std::vector<ChannelWidth> width = WidthsOf(v.map, v.head_dim);
+  const uint8_t* row = v.tail + (t - v.closed) * v.head_dim * DTypeSize(v.dtype);
+  double err2 = 0;  // the left-out channels: the tail's score leaves them out
+  for (int32_t c = 0; c < v.head_dim; ++c) {
+    if (width[c] == ChannelWidth::kOut) {
+      err2 = keyq::AddSquaredError(err2, LoadAsFloat(row, c, v.dtype), 0.f, 0.f, 0);
+    }
+  }
+  return err2 > 0 ? Half(keyq::HalfBound(keyq::Sqrt(err2))) : 0.f;
 }
 
 void DecompressKey(const CompressedKeysView& v, int64_t t, float* out) {
@@ -157,10 +224,11 @@ void DecompressKey(const CompressedKeysView& v, int64_t t, float* out) {
   const uint32_t* w = v.codes(g) + (t % v.group) * v.words();
   const uint16_t *lo = v.lo(g), *step = v.step(g);
   const uint32_t mask = (1u << v.bits) - 1;
+  for (int32_t c = 0; c < d; ++c) out[c] = 0.f;
   for (int32_t c = 0; c < d; ++c) {
     const int64_t bit = static_cast<int64_t>(c) * v.bits;
     const uint32_t code = (w[bit / 32] >> (bit % 32)) & mask;
-    out[c] = Half(lo[c]) + Half(step[c]) * static_cast<float>(code);
+    out[StoredOf(v.map, c).channel] += Half(lo[c]) + Half(step[c]) * static_cast<float>(code);
   }
 }
 
@@ -173,9 +241,10 @@ void ApproximateScores(const CompressedKeysView& v, const float* q, float scale,
     // q . k~_t = sum_c q_c lo_c + sum_c (q_c step_c) code_tc: one base per group.
     const uint16_t *lo = v.lo(g), *step = v.step(g);
     float base = 0.f;
-    for (int32_t c = 0; c < d; ++c) {
-      base += q[c] * Half(lo[c]);
-      qs[c] = q[c] * Half(step[c]);
+    for (int32_t c = 0; c < d; ++c) {  // q through the map: q'_c = q[channel[c]]
+      const float qc = q[StoredOf(v.map, c).channel];
+      base += qc * Half(lo[c]);
+      qs[c] = qc * Half(step[c]);
     }
     const uint32_t* codes = v.codes(g);
     for (int64_t t = g * v.group; t < (g + 1) * v.group; ++t) {
@@ -194,7 +263,10 @@ void ApproximateScores(const CompressedKeysView& v, const float* q, float scale,
   for (int64_t t = v.closed; t < v.length; ++t) {
     const uint8_t* r = v.tail + (t - v.closed) * row;
     float s = 0.f;
-    for (int32_t c = 0; c < d; ++c) s += q[c] * LoadAsFloat(r, c, v.dtype);
+    for (int32_t c = 0; c < d; ++c) {  // the channels the map keeps, once each
+      const Stored st = StoredOf(v.map, c);
+      if (st.part != StoredPart::kLow) s += q[st.channel] * LoadAsFloat(r, st.channel, v.dtype);
+    }
     out[t] = s * scale;
   }
 }
@@ -218,7 +290,7 @@ void UpperScores(const CompressedKeysView& v, const float* q, float scale, const
     double sum = 0;
     for (int32_t c = 0; c < d; ++c) {
       const double l = Half(lo[c]), h = l + levels * Half(step[c]);
-      sum += std::fabs(q[c]) * std::max(std::fabs(l), std::fabs(h));
+      sum += std::fabs(q[StoredOf(v.map, c).channel]) * std::max(std::fabs(l), std::fabs(h));
     }
     const double slack = rounding * sum;
     for (int64_t t = g * v.group; t < (g + 1) * v.group; ++t) {
@@ -226,11 +298,11 @@ void UpperScores(const CompressedKeysView& v, const float* q, float scale, const
     }
   }
   const size_t row = static_cast<size_t>(d) * DTypeSize(v.dtype);
-  for (int64_t t = v.closed; t < v.length; ++t) {  // exact rows: their logit's rounding only
-    const uint8_t* r = v.tail + (t - v.closed) * row;
+  for (int64_t t = v.closed; t < v.length; ++t) {      // exact rows: their logit's rounding (and
+    const uint8_t* r = v.tail + (t - v.closed) * row;  // the channels a map leaves out)
     double sum = 0;
     for (int32_t c = 0; c < d; ++c) sum += std::fabs(q[c] * LoadAsFloat(r, c, v.dtype));
-    upper[t] = approx[t] + rounding * sum;
+    upper[t] = approx[t] + rounding * sum + std::fabs(scale) * qn * KeyErrorBound(v, t);
   }
 }
 

@@ -34,6 +34,7 @@
 
 #include "absl/status/status.h"
 #include "kernels/dtype.h"
+#include "kernels/key_widths.h"
 
 namespace kvsparse::kernels {
 
@@ -44,13 +45,17 @@ enum class ScoreSource : uint8_t { kExact = 0, kCompressedKeys = 1 };
 struct KeyCompression {
   int32_t bits = 2;            // per channel: 1, 2, 4 or 8
   int32_t group_tokens = 128;  // tokens sharing one lo / step per channel
+  // Optional: the model channel each stored channel holds (kernels/key_widths.h: channels at
+  // different widths in the same bytes); null: stored channel c is model channel c. Not owned:
+  // it outlives every CompressedKeys made with it.
+  const KeyChannelMap* map = nullptr;
 };
 
 // The group size every placement uses (one place: the wire carries bits only).
 inline constexpr int32_t kKeyGroupTokens = 128;
 
 // INVALID_ARGUMENT naming the field when bits is not 1, 2, 4 or 8, d * bits is not a multiple
-// of 32, or the group is not positive.
+// of 32, the group is not positive, or a map is not one of d channels (or comes with 8 bits).
 [[nodiscard]] absl::Status ValidateKeyCompression(const KeyCompression& c, int32_t head_dim);
 
 // Bytes of one closed group's block.
@@ -62,7 +67,8 @@ size_t CompressedKeyBytes(const KeyCompression& c, int32_t head_dim, size_t row_
                           uint64_t tokens);
 
 // Quantizes one closed group: `rows` holds its c.group_tokens keys ([group, head_dim] of the
-// dtype), `block` receives KeyGroupBytes(c, head_dim) bytes in the layout above. What
+// dtype), `block` receives KeyGroupBytes(c, head_dim) bytes in the layout above (with a map, of
+// its stored channels: kernels/key_widths.h; err over the model's channels). What
 // CompressedKeys does as a group fills; a holder that keeps the blocks elsewhere (the GPU
 // worker's device) calls it directly, so both hold the same bits.
 void CompressKeyGroup(const KeyCompression& c, int32_t head_dim, DType dtype, const void* rows,
@@ -78,6 +84,7 @@ struct CompressedKeysView {
   int64_t closed = 0;                      // tokens [0, closed) quantized (a multiple of group)
   const uint8_t* const* groups = nullptr;  // [closed / group] blocks (layout above)
   const uint8_t* tail = nullptr;  // exact rows of tokens [closed, length): [length - closed, d]
+  const KeyChannelMap* map = nullptr;  // KeyCompression::map (null: the identity)
 
   int32_t words() const { return head_dim * bits / 32; }
   // Group g's parts. REQUIRES: g < closed / group.
@@ -124,14 +131,18 @@ class CompressedKeys {
   std::vector<uint8_t> tail_;  // exact rows of the open group, capacity in steps of 16 rows
 };
 
-// The stored error norm of token t (0 for the exact tail): |q.k_t - q.k~_t| <= |q| times it.
+// The stored error norm of token t: |q.k_t - q.k~_t| <= |q| times it. For the exact tail 0, or
+// with a map that leaves channels out the norm of the tail row's left-out channels (fp16
+// rounded up, as stored ones are).
 float KeyErrorBound(const CompressedKeysView& v, int64_t t);
 
-// The dequantized key k~_t (t < closed) or the exact key (t >= closed), head_dim floats.
+// The dequantized key k~_t (t < closed; a left-out channel 0) or the exact key (t >= closed),
+// head_dim floats.
 void DecompressKey(const CompressedKeysView& v, int64_t t, float* out);
 
-// scale * q . k~_t for every token t < v.length (exact for the tail), fp32: out [v.length].
-// q: head_dim floats.
+// scale * q . k~_t for every token t < v.length (the tail's exact rows over the channels the
+// map keeps: every channel without one), fp32: out [v.length]. q: head_dim floats. With a map
+// the stored channels are scored against q through it (q'_v = q[channel[v]]).
 void ApproximateScores(const CompressedKeysView& v, const float* q, float scale, float* out);
 
 // The smallest float >= x: a bound computed in double, kept a bound as a float.
