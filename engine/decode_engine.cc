@@ -103,7 +103,8 @@ DecodeEngine::DecodeEngine(EngineOptions options, RowSource* source,
     : options_(std::move(options)),
       source_(source),
       signatures_(options_.signatures),
-      cache_(options_.resident_capacity_bytes, options_.max_fetch_bytes, &signatures_),
+      cache_(options_.resident_capacity_bytes, options_.max_fetch_bytes, &signatures_,
+             options_.key_widths),
       backend_(std::move(backend)) {}
 
 void DecodeEngine::Forget(const std::string& sequence_id) {

@@ -8,8 +8,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <string>
 
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "engine/signatures.h"
+#include "kernels/key_widths.h"
 
 namespace kvsparse::engine {
 
@@ -37,6 +42,10 @@ struct EngineOptions {
   // state's catch-up, or every K row when K is not resident): far under the message limit.
   size_t max_fetch_bytes = 32 << 20;
   SignatureConfig signatures;
+  // Compressed keys at per-channel widths (kernels/key_widths.h; kvsparse-server's --key_widths,
+  // the op's key_widths): for every sequence whose compressed keys have its bits and whose model
+  // has its layers, kv heads and head dim (others keep uniform widths). Null: uniform widths.
+  std::shared_ptr<const kernels::KeyWidths> key_widths;
   // Most sequences one Decode call may name (each distinct): bounds the work of one call.
   size_t max_call_sequences = 1024;
   // Most K+V bytes one Decode call may cover (its dense-equivalent bytes: what the CPU engine
@@ -44,6 +53,12 @@ struct EngineOptions {
   uint64_t max_call_bytes = 64ull << 30;
   GpuOptions gpu;  // where the engine decodes
 };
+
+// The key widths a deployment names by file (kvsparse-server's --key_widths, the op's key_widths;
+// written by tests/quality/key_widths.py) into options->key_widths; empty path: none.
+// INVALID_ARGUMENT naming the setting (`name`) and the reader's reason.
+[[nodiscard]] absl::Status LoadKeyWidths(const std::string& path, absl::string_view name,
+                                         EngineOptions* options);
 
 }  // namespace kvsparse::engine
 

@@ -54,6 +54,7 @@ GpuBackendOptions BackendOptionsFor(const EngineOptions& engine) {
   GpuBackendOptions go;
   go.max_fetch_bytes = engine.max_fetch_bytes;
   go.signatures = engine.signatures;
+  go.key_widths = engine.key_widths;
   go.device = engine.gpu.device;
   go.capacity_bytes = engine.gpu.capacity_bytes;
   go.row_cache_fraction = engine.gpu.row_cache;

@@ -216,12 +216,16 @@ absl::StatusOr<ResidentCache::Handle> ResidentCache::Acquire(const SequenceDesc&
     l.key_heads_ = l.words_ > 0 ? maker_->KeyHeads(shape) : 0;
     l.row_bytes_ = shape.row_bytes();
     if (desc.placement.compressed_key_bits > 0) {
-      const kernels::KeyCompression c{static_cast<int32_t>(desc.placement.compressed_key_bits),
-                                      kernels::kKeyGroupTokens};
+      kernels::KeyCompression c{static_cast<int32_t>(desc.placement.compressed_key_bits),
+                                kernels::kKeyGroupTokens};
       const int32_t d = static_cast<int32_t>(shape.head_dim);
-      if (absl::Status s = kernels::ValidateKeyCompression(c, d); !s.ok()) return s;
-      for (uint32_t j = 0; j < shape.num_kv_heads; ++j)
+      const bool widths = KeyWidthsApply(key_widths_.get(), desc);
+      for (uint32_t j = 0; j < shape.num_kv_heads; ++j) {
+        c.map = widths ? &key_widths_->map(static_cast<int32_t>(layer), static_cast<int32_t>(j))
+                       : nullptr;
+        if (absl::Status s = kernels::ValidateKeyCompression(c, d); !s.ok()) return s;
         l.compressed_.emplace_back(c, d, shape.dtype);
+      }
     }
   }
   if (!l.has_k_ && !l.has_v_ && l.words_ == 0 && l.compressed_.empty()) {

@@ -95,8 +95,14 @@ class ResidentCache {
  public:
   // capacity_bytes: most bytes of resident state; sync_chunk_bytes: largest single read from
   // the row source while catching up. maker must outlive the cache.
-  ResidentCache(size_t capacity_bytes, size_t sync_chunk_bytes, SignatureMaker* maker)
-      : capacity_(capacity_bytes), sync_chunk_bytes_(sync_chunk_bytes), maker_(maker) {}
+  // key_widths (optional): compressed keys at per-channel widths where they apply
+  // (KeyWidthsApply).
+  ResidentCache(size_t capacity_bytes, size_t sync_chunk_bytes, SignatureMaker* maker,
+                std::shared_ptr<const kernels::KeyWidths> key_widths = nullptr)
+      : capacity_(capacity_bytes),
+        sync_chunk_bytes_(sync_chunk_bytes),
+        maker_(maker),
+        key_widths_(std::move(key_widths)) {}
   ResidentCache(const ResidentCache&) = delete;
   ResidentCache& operator=(const ResidentCache&) = delete;
 
@@ -148,6 +154,7 @@ class ResidentCache {
   const size_t capacity_;
   const size_t sync_chunk_bytes_;
   SignatureMaker* const maker_;
+  const std::shared_ptr<const kernels::KeyWidths> key_widths_;
   std::atomic<size_t> bytes_{0};
   std::atomic<uint64_t> evictions_{0};
   std::atomic<uint64_t> tick_{0};

@@ -14,6 +14,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "kernels/key_widths.h"
 #include "kvstore/store.h"
 #include "kvstore/types.h"
 
@@ -39,6 +40,15 @@ inline bool SameLayout(const SequenceDesc& a, const SequenceDesc& b) {
          a.placement.k_tier == b.placement.k_tier && a.placement.v_tier == b.placement.v_tier &&
          a.placement.signature_bits == b.placement.signature_bits &&
          a.placement.compressed_key_bits == b.placement.compressed_key_bits;
+}
+
+// Whether a deployment's key widths (EngineOptions::key_widths) apply to a sequence: it keeps
+// compressed keys of their bits and its model has their layers, kv heads and head dim.
+inline bool KeyWidthsApply(const kernels::KeyWidths* w, const SequenceDesc& d) {
+  return w != nullptr && d.placement.compressed_key_bits == static_cast<uint32_t>(w->bits) &&
+         d.shape.num_layers == static_cast<uint32_t>(w->num_layers) &&
+         d.shape.num_kv_heads == static_cast<uint32_t>(w->num_kv_heads) &&
+         d.shape.head_dim == static_cast<uint32_t>(w->head_dim);
 }
 
 // Tokens of one kv head to read.

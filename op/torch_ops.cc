@@ -96,7 +96,8 @@ int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capac
                      int64_t resident_capacity, bool huge_pages, const std::string& store_target,
                      const std::string& hash_weights, const std::string& saap_weights,
                      const std::string& store_tls_ca, const std::string& store_tls_cert,
-                     const std::string& store_tls_key, const std::string& store_token) {
+                     const std::string& store_tls_key, const std::string& store_token,
+                     const std::string& key_widths) {
   en::EmbeddedOptions o;
   absl::StatusOr<en::GpuMode> mode = en::ParseGpuMode(gpu);
   Check(mode.status());
@@ -116,6 +117,7 @@ int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capac
   o.engine.resident_capacity_bytes = static_cast<size_t>(resident_capacity);
   Check(en::LoadSignatureWeights(hash_weights, saap_weights, "hash_weights", "saap_weights",
                                  &o.engine.signatures));
+  Check(en::LoadKeyWidths(key_widths, "key_widths", &o.engine));
   rpc::StoreConnectionOptions store;
   store.target = store_target;
   store.tls.ca = store_tls_ca;
@@ -800,7 +802,7 @@ TORCH_LIBRARY(kvsparse, m) {
       "engine_create(str gpu, int device, int store_capacity, str capacity_policy, "
       "int gpu_capacity, float gpu_row_cache, int resident_capacity, bool huge_pages, "
       "str store_target, str hash_weights, str saap_weights, str store_tls_ca, "
-      "str store_tls_cert, str store_tls_key, str store_token) -> int",
+      "str store_tls_cert, str store_tls_key, str store_token, str key_widths) -> int",
       &EngineCreate);
   m.def("engine_destroy(int engine) -> ()", &EngineDestroy);
   m.def("engine_backend(int engine) -> str", &EngineBackend);

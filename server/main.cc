@@ -80,6 +80,11 @@ ABSL_FLAG(std::string, saap_weights, "",
           "SAAP partitions (format in kernels/saap.h, written by kvsparse-calibrate --saap_out): "
           "enables the saap method; each key's bucket is then its signature (sequences with "
           "signature_bits=32), and the hash methods are refused. Empty: none");
+ABSL_FLAG(std::string, key_widths, "",
+          "Per-channel widths of compressed keys (format in kernels/key_widths.h, written by "
+          "tests/quality/key_widths.py): sequences of that model whose placement keeps compressed "
+          "keys of its bits keep them at those widths (on the CPU engine: the GPU's kernels take "
+          "uniform widths). Empty: uniform widths");
 ABSL_FLAG(
     uint64_t, max_sequences, 100000,
     "Most sequences the store holds at once; creating more is RESOURCE_EXHAUSTED (0: no bound)");
@@ -318,6 +323,11 @@ absl::Status EngineFromFlags(srv::ServerOptions* o) {
   if (absl::Status s = kvsparse::engine::LoadSignatureWeights(
           absl::GetFlag(FLAGS_hash_weights), absl::GetFlag(FLAGS_saap_weights), "--hash_weights",
           "--saap_weights", &o->engine.signatures);
+      !s.ok()) {
+    return Bad(s.message());
+  }
+  if (absl::Status s = kvsparse::engine::LoadKeyWidths(absl::GetFlag(FLAGS_key_widths),
+                                                       "--key_widths", &o->engine);
       !s.ok()) {
     return Bad(s.message());
   }

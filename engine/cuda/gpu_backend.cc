@@ -107,6 +107,9 @@ class GpuBackend final : public DecodeBackend {
         pl.k_tier != kvstore::Tier::kDevice || pl.v_tier != kvstore::Tier::kDevice;
     reasons.AddIf(host_half && !caps_.staged_rows && !gpu::IsPow2(desc.page_tokens),
                   "a host half read in place needs a power-of-two page size");
+    reasons.AddIf(KeyWidthsApply(options_.key_widths.get(), desc),
+                  "the sequence's compressed keys take per-channel widths (key widths), which "
+                  "the GPU's kernels do not read yet");
   }
   // One pass over the method's launch sequence, framed by the start and end events; *carved:
   // the method's scratch bytes.

@@ -58,6 +58,7 @@ import train_model  # noqa: E402  (the trained model's recipe)
 
 import kvsparse  # noqa: E402
 import kvsparse.tools.calibrate as calibrate  # noqa: E402
+import kvsparse.tools.key_widths as key_widths  # noqa: E402
 import kvsparse.torch.ops  # noqa: E402
 import kvsparse.torch.hf as khf  # noqa: E402
 from kvsparse import Dense, HashTopK, Placement, Saap, Santa, TopK, VAttention  # noqa: E402
@@ -113,6 +114,11 @@ def methods(smoke: bool) -> dict[str, Any]:
         "ckeys2-s2anta-prop-S256-group": Santa(samples=256, scores="compressed", proposal="group"),
         "ckeys2-s2anta-prop-S512-group": Santa(samples=512, scores="compressed", proposal="group"),
         "ckeys2-s2anta-prop-S1024-group": Santa(samples=1024, scores="compressed", proposal="group"),
+        # The same over 2-bit keys at per-channel widths ranked by the model's queries
+        # (kvsparse.tools.key_widths, calibrated on training-split windows: calibrate_widths).
+        "ckeys2w-s2anta-prop-S128": Santa(samples=128, scores="compressed"),
+        "ckeys2w-s2anta-prop-S512-group": Santa(samples=512, scores="compressed", proposal="group"),
+        "ckeys2w-s2anta-prop-S1024-group": Santa(samples=1024, scores="compressed", proposal="group"),
         "ckeys8-s2anta-prop-S128": Santa(samples=128, scores="compressed"),
         "ckeys2-s2anta-prop-S128-none": Santa(samples=128, scores="compressed", correction="none"),
         # vAttention's predictor from compressed keys (its residual's largest logit bounded by
@@ -524,6 +530,19 @@ def calibrate_learned(subject: subjects.Subject, args: argparse.Namespace, out_d
     return out
 
 
+def calibrate_widths(subject: subjects.Subject, args: argparse.Namespace, out_dir: Path, log: Any) -> Path:
+    """Key widths (kvsparse.tools.key_widths) from training-split windows' queries and keys."""
+    ctx = args.calib_context or min(max(args.contexts), 4096)
+    windows = windows_of(subject.train, ctx, 2 if args.smoke else 4, 707)
+    subject.model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        captured = calibrate.capture_qk(subject.model, windows)
+    path = out_dir / "key-widths-b2.bin"
+    key_widths.write_key_widths(path, key_widths.calibrate_key_widths(captured), bits=2)
+    log(f"key widths: {len(windows)} windows of {ctx} tokens -> {path}")
+    return path
+
+
 @dataclass
 class Reference:
     """Per context: the reference's mean NLL, its per-token NLLs and its top-1 tokens (dense through
@@ -625,8 +644,10 @@ def main() -> int:
                       if cal.hash_weights is not None else engine)
     saap_engine = (kvsparse.torch.ops.InProcessEngine(gpu=gpu, store_capacity="8G", saap_weights=str(cal.saap_weights))
                    if cal.saap_weights is not None else engine)
+    widths_engine = (kvsparse.torch.ops.InProcessEngine(gpu=gpu, store_capacity="8G", key_widths=str(
+        calibrate_widths(subject, args, out_dir, log))) if any(n.startswith("ckeys2w-") for n in names) else engine)
     log(f"engines: {engine.backend} (SimHash), {learned_engine.backend} (learned weights), "
-        f"{saap_engine.backend} (SAAP partitions)")
+        f"{saap_engine.backend} (SAAP partitions), {widths_engine.backend} (key widths)")
     subject.model.set_attn_implementation(MEASURED)
     results: dict[str, Any] = {"model": subject.config, "subject": subject.name, "recall": cal.recall_rows,
                                "saap_coverage": cal.saap_rows, "methods": {}, "args": vars(args)}
@@ -637,7 +658,8 @@ def main() -> int:
 
     for name in names:
         m = table[name]
-        eng = saap_engine if isinstance(m, Saap) else learned_engine if getattr(m, "learned", False) else engine
+        eng = (saap_engine if isinstance(m, Saap) else learned_engine if getattr(m, "learned", False)
+               else widths_engine if name.startswith("ckeys2w-") else engine)
         placement = PLACEMENTS.get(name)
         planned = steps_planned(subject, args, eng, m, placement, device, name, log)
         row: dict[str, Any] = {"method": repr(m), "placement": repr(placement or kvsparse.placement_for(m)),
@@ -654,7 +676,7 @@ def main() -> int:
             log(f"{name} pass keys: {row['passkey']} ({time.time() - t0:.1f} s)")
         results["methods"][name] = row
         (out_dir / "results.json").write_text(json.dumps(results, indent=1))
-    for e in {id(x): x for x in (engine, learned_engine, saap_engine)}.values():
+    for e in {id(x): x for x in (engine, learned_engine, saap_engine, widths_engine)}.values():
         e.close()
     (out_dir / "results.md").write_text(markdown(results, args))
     log(f"wrote {out_dir / 'results.json'} and results.md")

@@ -226,6 +226,9 @@ class InProcessEngine(_Closing):
             as kvsparse-server's ``--hash_weights``.
         saap_weights: SAAP partitions (``kvsparse-calibrate --saap_out``) for the ``Saap`` method,
             as kvsparse-server's ``--saap_weights``.
+        key_widths: per-channel widths of the compressed keys (``tests/quality/key_widths.py``),
+            as kvsparse-server's ``--key_widths``: sequences of that model and bits keep their
+            compressed keys at those widths (for now on the CPU engine only).
     """
 
     def __init__(
@@ -243,6 +246,7 @@ class InProcessEngine(_Closing):
         store_credentials: Credentials | None = None,
         hash_weights: str | None = None,
         saap_weights: str | None = None,
+        key_widths: str | None = None,
     ) -> None:
         creds = store_credentials or Credentials()
         if creds.server_name is not None:
@@ -269,6 +273,7 @@ class InProcessEngine(_Closing):
             str(creds.cert or ""),
             str(creds.key or ""),
             str(creds.token or ""),
+            str(key_widths or ""),
         )
         self.backend: str = torch.ops.kvsparse.engine_backend(self._handle)
 
