@@ -85,7 +85,8 @@ struct Rig {
       size_t gpu_capacity = 1ull << 30, double row_cache = 1.0, bool apart = false,
       size_t max_fetch_bytes = 32 << 20,
       std::shared_ptr<const kernels::LearnedHashWeights> learned = nullptr,
-      std::shared_ptr<const kernels::SaapWeights> saap = nullptr) {
+      std::shared_ptr<const kernels::SaapWeights> saap = nullptr,
+      std::shared_ptr<const kernels::KeyWidths> key_widths = nullptr) {
     auto r = std::make_unique<Rig>();
     auto mem = kvstore::NewPinnedHostMemoryResource();
     EXPECT_TRUE(mem.ok()) << mem.status();
@@ -106,6 +107,7 @@ struct Rig {
     eo.signatures.simhash_seed = kSigSeed;
     eo.signatures.learned = std::move(learned);
     eo.signatures.saap = std::move(saap);
+    eo.key_widths = key_widths;
     // Both engines read the store in chunks of this size (the SimHash M of a sequence is taken
     // over its first chunk).
     eo.max_fetch_bytes = max_fetch_bytes;
@@ -113,6 +115,7 @@ struct Rig {
     GpuBackendOptions go;
     go.capacity_bytes = gpu_capacity;
     go.signatures = eo.signatures;
+    go.key_widths = std::move(key_widths);
     go.row_cache_fraction = row_cache;
     go.max_fetch_bytes = max_fetch_bytes;
     auto backend = NewGpuBackend(go, r->source.get());
@@ -1314,6 +1317,45 @@ TEST_F(GpuEngineTest, CapturedStepsOverCompressedKeys) {
     vatt.vattention.epsilon = vatt.vattention.delta = 0.1f;
     CapturedStepsEqualEagerCalls(vatt, p, {250, 250}, 0.02, "vAttention, importance sampler" + b);
     CapturedStepsEqualEagerCalls(vatt, p, {1020}, 0.02, "vAttention, one sequence" + b);
+  }
+}
+
+// Key widths (EngineOptions::key_widths): a sequence of their model and bits runs on the CPU
+// engine, naming why (the GPU's compressed-key kernels read uniform widths), and gives the CPU
+// engine's output; a sequence of other bits stays on the GPU.
+TEST_F(GpuEngineTest, KeyWidthsRunOnTheCpuEngine) {
+  auto prob = Problem({600});
+  const kernels::DecodeProblem& p = prob.problem;
+  std::vector<kernels::ChannelWidth> w(p.head_dim, kernels::ChannelWidth::kWhole);
+  for (int32_t c = 0; c < p.head_dim; c += 16) {
+    w[c] = kernels::ChannelWidth::kWide;
+    w[c + 8] = kernels::ChannelWidth::kOut;
+  }
+  auto widths = kernels::MakeKeyWidths(
+      kLayers, p.num_kv_heads, p.head_dim, 2,
+      std::vector<std::vector<kernels::ChannelWidth>>(kLayers * p.num_kv_heads, w));
+  ASSERT_TRUE(widths.ok()) << widths.status();
+  auto rig = Rig::Make(1ull << 30, 1.0, false, 32 << 20, nullptr, nullptr,
+                       std::make_shared<const kernels::KeyWidths>(*std::move(widths)));
+  ASSERT_NE(rig, nullptr);
+  Method m = SantaMethod(1, 128);
+  m.santa.scores = kernels::ScoreSource::kCompressedKeys;
+  for (uint32_t bits : {2u, 4u}) {
+    kvstore::Placement pl;
+    pl.compressed_key_bits = bits;
+    const std::string prefix = "b" + std::to_string(bits);
+    rig->Load(prob, pl, prefix);
+    const DecodeCall call = Call(prob, m, prefix);
+    auto g = rig->gpu->Decode(call);
+    auto c = rig->cpu->Decode(call);
+    ASSERT_TRUE(g.ok() && c.ok()) << g.status() << " " << c.status();
+    if (bits == 2) {
+      EXPECT_EQ(g->timing.launch_seconds, 0.0) << "key widths: on the CPU engine";
+      EXPECT_TRUE(absl::StrContains(g->not_on_backend, "per-channel widths")) << g->not_on_backend;
+      EXPECT_EQ(g->output, c->output) << "the CPU engine's output";
+    } else {
+      EXPECT_GT(g->timing.launch_seconds, 0.0) << "other bits: on the GPU";
+    }
   }
 }
 
