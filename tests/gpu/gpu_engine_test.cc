@@ -458,6 +458,35 @@ TEST_F(GpuEngineTest, ShortSequencesAndEmptySelections) {
   }
 }
 
+// A uniform floor of 0.2 under each method's proposal (S2ANTA over compressed keys, per head or
+// the group mixture): on the GPU, the CPU engine's outputs, budgets and rows (per head each
+// head's read in place and counted per head; the group mixture's the CPU's union).
+void CheckUniformFloor(Rig& rig, const kernels::SyntheticProblem& prob,
+                       std::initializer_list<Method> methods, const std::string& what) {
+  for (Method floored : methods) {
+    floored.santa.uniform_floor = 0.2f;
+    const bool per_head = floored.santa.proposal == kernels::SantaProposal::kPerHead;
+    const std::string fw = what + ", floor 0.2" + (per_head ? "" : ", group mixture");
+    auto fc = rig.cpu->Decode(Call(prob, floored));
+    auto fg = rig.gpu->Decode(Call(prob, floored));
+    ASSERT_TRUE(fc.ok() && fg.ok()) << fw << ": " << fc.status() << " " << fg.status();
+    EXPECT_GT(fg->timing.launch_seconds, 0.0) << fw << ": on the GPU";
+    EXPECT_TRUE(fg->not_on_backend.empty()) << fw << ": " << fg->not_on_backend;
+    EXPECT_LT(RelL2(fg->output, fc->output, prob.problem.dtype), 0.05) << fw;
+    for (size_t i = 0; i < fc->heads.size(); ++i) {
+      const HeadStats &hc = fc->heads[i], &hg = fg->heads[i];
+      EXPECT_EQ(hg.budgets, hc.budgets) << fw << " head " << i;
+      if (per_head) {
+        EXPECT_GE(hg.rows_fetched, hc.rows_fetched * 98 / 100) << fw << " head " << i;
+      } else {
+        EXPECT_LE(std::fabs(static_cast<double>(hg.rows_fetched) - hc.rows_fetched),
+                  0.02 * hc.rows_fetched + 1)
+            << fw << " head " << i;
+      }
+    }
+  }
+}
+
 // S2ANTA over compressed keys (the ratio correction, prop) with K and V in host memory and on the
 // device: the GPU samples from the compressed keys' scores (the CPU's up to rounding) with the CPU
 // reference's arithmetic, so nearly every head reads the rows the CPU engine reads (a sample can
@@ -544,31 +573,7 @@ TEST_F(GpuEngineTest, SantaOverCompressedKeys) {
     auto n = rig->gpu->Decode(Call(prob, none));
     ASSERT_TRUE(n.ok()) << n.status();
     EXPECT_EQ(n->timing.launch_seconds, 0.0) << what << ": uncorrected on the CPU engine";
-    // A uniform floor under the proposal (the per-head one and the mixture's): on the GPU, the
-    // CPU engine's outputs, budgets and rows (each head's read in place and counted per head, as
-    // above; the group mixture's the CPU's union).
-    for (Method floored : {m, gm}) {
-      floored.santa.uniform_floor = 0.2f;
-      const bool per_head = floored.santa.proposal == m.santa.proposal;
-      const std::string fw = what + ", floor 0.2" + (per_head ? "" : ", group mixture");
-      auto fc = rig->cpu->Decode(Call(prob, floored));
-      auto fg = rig->gpu->Decode(Call(prob, floored));
-      ASSERT_TRUE(fc.ok() && fg.ok()) << fw << ": " << fc.status() << " " << fg.status();
-      EXPECT_GT(fg->timing.launch_seconds, 0.0) << fw << ": on the GPU";
-      EXPECT_TRUE(fg->not_on_backend.empty()) << fw << ": " << fg->not_on_backend;
-      EXPECT_LT(RelL2(fg->output, fc->output, prob.problem.dtype), 0.05) << fw;
-      for (size_t i = 0; i < fc->heads.size(); ++i) {
-        const HeadStats &hc = fc->heads[i], &hg = fg->heads[i];
-        EXPECT_EQ(hg.budgets, hc.budgets) << fw << " head " << i;
-        if (per_head) {
-          EXPECT_GE(hg.rows_fetched, hc.rows_fetched * 98 / 100) << fw << " head " << i;
-        } else {
-          EXPECT_LE(std::fabs(static_cast<double>(hg.rows_fetched) - hc.rows_fetched),
-                    0.02 * hc.rows_fetched + 1)
-              << fw << " head " << i;
-        }
-      }
-    }
+    CheckUniformFloor(*rig, prob, {m, gm}, what);
     if (pl != 0) continue;
     // From a store in another process (its pages not mapped): the group's union is staged and
     // fetched, each row once; the same rows and outputs as the CPU engine.
