@@ -400,6 +400,20 @@ TEST(SelectedRowsCudaTest, HashTopKFromPagesMatchesCpu) {
   for (const HashCase& c : cases) RunHashPipeline(c);
 }
 
+// A synthetic problem of hkv kv heads with g query heads each, one sequence per length.
+SyntheticProblem GroupProblem(DType dtype, int d, int hkv, int g, const std::vector<int32_t>& lens,
+                              uint64_t seed) {
+  SyntheticOptions o;
+  o.batch = static_cast<int32_t>(lens.size());
+  o.num_q_heads = hkv * g;
+  o.num_kv_heads = hkv;
+  o.head_dim = d;
+  o.seq_lens = lens;
+  o.dtype = dtype;
+  o.seed = seed;
+  return SyntheticProblem::Make(o);
+}
+
 // S2ANTA's group mixture gives a kv head's G query heads the same rows, each head its own
 // weights: read in place once for the group (SelectedRowsParams::shared_rows, a block per kv head
 // scoring each row against the G queries) gives what reading the same list once per head gives
@@ -410,15 +424,7 @@ void RunSharedRows(DType dtype, int d, int hkv, int g, const std::vector<int32_t
                    bool host_pages) {
   const std::string what = std::string(DTypeName(dtype)) + " d=" + std::to_string(d) +
                            " hkv=" + std::to_string(hkv) + " G=" + std::to_string(g);
-  SyntheticOptions o;
-  o.batch = static_cast<int32_t>(lens.size());
-  o.num_q_heads = hkv * g;
-  o.num_kv_heads = hkv;
-  o.head_dim = d;
-  o.seq_lens = lens;
-  o.dtype = dtype;
-  o.seed = 31 + d + g;
-  SyntheticProblem sp = SyntheticProblem::Make(o);
+  SyntheticProblem sp = GroupProblem(dtype, d, hkv, g, lens, 31 + d + g);
   DecodeProblem& p = sp.problem;
   DeviceProblem dp = DeviceProblem::Upload(p, KvElements(p));
   const int B = p.batch, H = p.num_q_heads, sets = B * hkv;
@@ -500,15 +506,7 @@ void RunStandardError(DType dtype, int d, int hkv, int g, const std::vector<int3
                       int max_sel, bool host_pages) {
   const std::string what = std::string(DTypeName(dtype)) + " d=" + std::to_string(d) +
                            " G=" + std::to_string(g) + " max_sel=" + std::to_string(max_sel);
-  SyntheticOptions o;
-  o.batch = static_cast<int32_t>(lens.size());
-  o.num_q_heads = hkv * g;
-  o.num_kv_heads = hkv;
-  o.head_dim = d;
-  o.seq_lens = lens;
-  o.dtype = dtype;
-  o.seed = 41 + d + g;
-  SyntheticProblem sp = SyntheticProblem::Make(o);
+  SyntheticProblem sp = GroupProblem(dtype, d, hkv, g, lens, 41 + d + g);
   DecodeProblem& p = sp.problem;
   DeviceProblem dp = DeviceProblem::Upload(p, KvElements(p));
   const int B = p.batch, H = p.num_q_heads;
