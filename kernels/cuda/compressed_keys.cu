@@ -566,6 +566,100 @@ __device__ __forceinline__ void QuantizeGroup(const char* rows, int64_t row, int
   }
 }
 
+// Shared memory of QuantizeGroupMapped, in floats: each model channel's lo and step at its width
+// (2 d), its width and its first stored channel (2 d int32).
+constexpr int64_t MappedScaleFloats(int32_t d) { return 4 * static_cast<int64_t>(d); }
+
+// The same with a channel map (kernels/key_widths.h; CompressKeyGroup with KeyCompression::map,
+// operation for operation): each model channel's scale at its width (twice the bits where
+// widened), the stored channels' scales (a widened channel's high part steps 2^bits of its low
+// part, the low part's lo 0), each stored channel's code (the model channel's, or its high or
+// low digit), and the squared error over the model's channels (a left-out one's whole value; a
+// widened one against what its two parts give back, in the host's order).
+template <typename T>
+__device__ __forceinline__ void QuantizeGroupMapped(const char* rows, int64_t row, int32_t G,
+                                                    int32_t d, int32_t bits, uint8_t* block,
+                                                    float* smem, const uint8_t* channel,
+                                                    const uint8_t* part) {
+  const keyq::GroupLayout lay = keyq::LayoutOf(G, d, bits);
+  auto* lo16 = reinterpret_cast<uint16_t*>(block + lay.lo);
+  auto* step16 = reinterpret_cast<uint16_t*>(block + lay.step);
+  auto* err16 = reinterpret_cast<uint16_t*>(block + lay.err);
+  float* mlo = smem;
+  float* mstep = smem + d;
+  auto* width = reinterpret_cast<int32_t*>(smem + 2 * d);  // 0 out, 1 whole, 2 wide
+  int32_t* first = width + d;                              // a channel's first stored channel
+  const uint32_t levels = (1u << bits) - 1, wide_levels = (1u << (2 * bits)) - 1;
+  for (int32_t c = threadIdx.x; c < d; c += blockDim.x) width[c] = 0;
+  __syncthreads();
+  for (int32_t v = threadIdx.x; v < d; v += blockDim.x) {
+    if (part[v] != 2) {  // the whole part or the high one: the channel's first stored channel
+      width[channel[v]] = part[v] == 0 ? 1 : 2;
+      first[channel[v]] = v;
+    }
+  }
+  __syncthreads();
+  for (int32_t c = threadIdx.x; c < d; c += blockDim.x) {
+    if (width[c] == 0) continue;
+    float mn = LoadElem<T>(rows, c), mx = mn;
+    for (int32_t t = 1; t < G; ++t) {
+      const float x = LoadElem<T>(rows + t * row, c);
+      mn = x < mn ? x : mn;
+      mx = mx < x ? x : mx;
+    }
+    const keyq::ChannelScale sc = keyq::ScaleOf(mn, mx, width[c] == 2 ? wide_levels : levels);
+    mlo[c] = keyq::Half(sc.lo16);
+    mstep[c] = keyq::Half(sc.step16);
+    const int32_t v = first[c];
+    lo16[v] = sc.lo16;
+    step16[v] = width[c] == 2
+                    ? keyq::HalfNearest(__fmul_rn(mstep[c], static_cast<float>(1u << bits)))
+                    : sc.step16;
+    if (width[c] == 2) {
+      lo16[v + 1] = 0;
+      step16[v + 1] = sc.step16;
+    }
+  }
+  __syncthreads();
+  const int32_t words = d * bits / 32, per_word = 32 / bits;
+  for (int32_t t = threadIdx.x; t < G; t += blockDim.x) {
+    const char* k = rows + t * row;
+    uint32_t* w = reinterpret_cast<uint32_t*>(block) + static_cast<int64_t>(t) * words;
+    for (int32_t x = 0; x < words; ++x) {
+      uint32_t word = 0;
+      for (int32_t l = 0; l < per_word; ++l) {
+        const int32_t v = x * per_word + l, c = channel[v];
+        const uint32_t top = width[c] == 2 ? wide_levels : levels;
+        const uint32_t code = keyq::CodeOf(LoadElem<T>(k, c), mlo[c], mstep[c], top);
+        const uint32_t cv = part[v] == 0 ? code : part[v] == 1 ? code >> bits : code & levels;
+        word |= cv << (l * bits);
+      }
+      w[x] = word;
+    }
+    double err2 = 0;
+    for (int32_t c = 0; c < d; ++c) {
+      const float xv = LoadElem<T>(k, c);
+      if (width[c] == 1) {
+        const uint32_t code = keyq::CodeOf(xv, mlo[c], mstep[c], levels);
+        err2 = keyq::AddSquaredError(err2, xv, mlo[c], mstep[c], code);
+      } else if (width[c] == 0) {
+        err2 = keyq::AddSquaredError(err2, xv, 0.f, 0.f, 0);
+      } else {  // what the two stored parts give back: 0 + high, then + low, as the host adds
+        const uint32_t code = keyq::CodeOf(xv, mlo[c], mstep[c], wide_levels);
+        const int32_t v = first[c];
+        const float hi =
+            __fadd_rn(keyq::Half(lo16[v]),
+                      __fmul_rn(keyq::Half(step16[v]), static_cast<float>(code >> bits)));
+        const float lo =
+            __fadd_rn(keyq::Half(lo16[v + 1]),
+                      __fmul_rn(keyq::Half(step16[v + 1]), static_cast<float>(code & levels)));
+        err2 = keyq::AddSquaredError(err2, xv, __fadd_rn(__fadd_rn(0.f, hi), lo), 0.f, 0);
+      }
+    }
+    err16[t] = keyq::HalfBound(keyq::Sqrt(err2));
+  }
+}
+
 // One block per (sequence, kv head): the new key into its open group's row, then, where the
 // group fills, its quantization.
 template <typename T>
@@ -597,6 +691,12 @@ __global__ void __launch_bounds__(kStepThreads)
   const char* rows = static_cast<const char*>(p.rows) + j * p.head_stride +
                      static_cast<int64_t>(g) * p.group * row;
   uint8_t* block = p.blocks + j * p.block_head_stride + static_cast<int64_t>(g) * p.block_bytes;
+  if (p.map_channel != nullptr) {
+    const int64_t m = static_cast<int64_t>(j) * p.head_dim;
+    QuantizeGroupMapped<T>(rows, row, p.group, p.head_dim, p.bits, block, scale, p.map_channel + m,
+                           p.map_part + m);
+    return;
+  }
   QuantizeGroup<T>(rows, row, p.group, p.head_dim, p.bits, block, scale);
 }
 
@@ -642,9 +742,15 @@ cudaError_t CompressKeyGroups(const CompressKeyGroupsParams& p, cudaStream_t str
       p.blocks == nullptr || p.head_stride < 0 || p.block_head_stride < 0) {
     return cudaErrorInvalidValue;
   }
+  if ((p.map_channel == nullptr) != (p.map_part == nullptr) ||
+      (p.map_channel != nullptr && (p.bits == 8 || p.head_dim > 256))) {
+    return cudaErrorInvalidValue;
+  }
   if (p.groups == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(p.num_kv_heads * p.groups));
-  const size_t smem = 2 * static_cast<size_t>(p.head_dim) * sizeof(float);
+  const size_t smem = (p.map_channel != nullptr ? MappedScaleFloats(p.head_dim)
+                                                : 2 * static_cast<int64_t>(p.head_dim)) *
+                      sizeof(float);
   switch (p.dtype) {
     case DType::kBf16:
       CompressKeyGroupsKernel<Bf16><<<grid, kStepThreads, smem, stream>>>(p);

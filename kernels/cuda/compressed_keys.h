@@ -92,6 +92,11 @@ struct CompressKeyGroupsParams {
   uint8_t* blocks = nullptr;      // device
   int64_t block_head_stride = 0;  // bytes between kv heads' blocks
   int64_t block_bytes = 0;  // KeyGroupBytes({bits, group}, head_dim), or more (a multiple of 4)
+  // Optional, device [Hkv, d] each: kv head j's channel map (kernels/key_widths.h:
+  // KeyChannelMap's channel and part), as CompressKeyGroup takes it; null: uniform widths. bits
+  // 1, 2 or 4 with one.
+  const uint8_t* map_channel = nullptr;
+  const uint8_t* map_part = nullptr;
 };
 
 // Checks the shape parameters: cudaErrorInvalidValue if wrong. No allocation, no

@@ -9,6 +9,7 @@
 #include "kernels/compressed_keys.h"
 #include "kernels/cuda/cuda_test_util.h"
 #include "kernels/key_quantization.h"
+#include "kernels/key_widths.h"
 
 namespace kvsparse::kernels::cuda {
 namespace {
@@ -342,6 +343,69 @@ TEST(CompressKeyGroupsCudaTest, EqualsTheCpuBits) {
           for (size_t x = (j * head_blocks + groups) * block; x < (j + 1) * head_blocks * block;
                ++x) {
             ASSERT_EQ(got[x], 0xFF) << "head " << j << ": a block past the chunk was written";
+          }
+        }
+      }
+    }
+  }
+}
+
+// With a channel map per kv head (kernels/key_widths.h: widened, whole and left-out channels),
+// the blocks are the CPU reference's (CompressKeyGroup with KeyCompression::map) in every byte.
+TEST(CompressKeyGroupsCudaTest, ChannelWidthsEqualTheCpuBits) {
+  KVSPARSE_REQUIRE_GPU();
+  const int32_t hkv = 3, G = kKeyGroupTokens, groups = 3;
+  for (DType dt : {DType::kBf16, DType::kFp16, DType::kFp32}) {
+    for (int32_t bits : {1, 2, 4}) {
+      for (int32_t d : {64, 128}) {
+        SCOPED_TRACE(testing::Message() << DTypeName(dt) << " bits " << bits << " d " << d);
+        std::vector<KeyChannelMap> maps;
+        std::vector<uint8_t> channel, part;
+        for (int32_t j = 0; j < hkv; ++j) {  // kv head j widens channels j, j + 8, ...
+          std::vector<ChannelWidth> w(d, ChannelWidth::kWhole);
+          for (int32_t c = j; c + 4 < d; c += 8) {
+            w[c] = ChannelWidth::kWide;
+            w[c + 4] = ChannelWidth::kOut;
+          }
+          absl::StatusOr<KeyChannelMap> m = ChannelMapOf(w);
+          ASSERT_TRUE(m.ok()) << m.status();
+          maps.push_back(*m);
+          channel.insert(channel.end(), m->channel.begin(), m->channel.end());
+          for (StoredPart x : m->part) part.push_back(static_cast<uint8_t>(x));
+        }
+        const size_t row = static_cast<size_t>(d) * DTypeSize(dt);
+        const size_t block = KeyGroupBytes({bits, G}, d);
+        std::mt19937 rng(bits * 17 + d + static_cast<int>(dt));
+        std::vector<uint8_t> rows(static_cast<size_t>(hkv) * groups * G * row);
+        FillKeys(&rows, d, dt, &rng);
+        DeviceBuffer drows = ToDevice(rows), dblocks(hkv * groups * block), dch = ToDevice(channel),
+                     dpart = ToDevice(part);
+        ASSERT_EQ(dblocks.Poison(), cudaSuccess);
+        CompressKeyGroupsParams p;
+        p.num_kv_heads = hkv;
+        p.groups = groups;
+        p.head_dim = d;
+        p.bits = bits;
+        p.group = G;
+        p.dtype = dt;
+        p.rows = drows.get();
+        p.head_stride = static_cast<int64_t>(groups * G * row);
+        p.blocks = dblocks.as<uint8_t>();
+        p.block_head_stride = static_cast<int64_t>(groups * block);
+        p.block_bytes = static_cast<int64_t>(block);
+        p.map_channel = dch.as<uint8_t>();
+        p.map_part = dpart.as<uint8_t>();
+        KVSPARSE_ASSERT_CUDA(CompressKeyGroups(p, nullptr));
+        KVSPARSE_ASSERT_CUDA(cudaDeviceSynchronize());
+        const std::vector<uint8_t> got = ToHost<uint8_t>(dblocks, hkv * groups * block);
+        std::vector<uint8_t> want(block);
+        for (int32_t j = 0; j < hkv; ++j) {
+          for (int32_t g = 0; g < groups; ++g) {
+            CompressKeyGroup({bits, G, &maps[j]}, d, dt, rows.data() + (j * groups + g) * G * row,
+                             want.data());
+            const size_t at = (j * groups + g) * block;
+            ASSERT_EQ(std::memcmp(got.data() + at, want.data(), block), 0)
+                << "head " << j << " group " << g;
           }
         }
       }
