@@ -518,6 +518,21 @@ cudaError_t LaunchScores(const CompressedScoreParams& p, int group_heads, cudaSt
 
 constexpr int kStepThreads = 128;
 
+// Channel c's range over the group's G rows, in token order (std::min's and std::max's
+// comparisons, for signed zeros).
+template <typename T>
+__device__ __forceinline__ void ChannelRange(const char* rows, int64_t row, int32_t G, int32_t c,
+                                             float* mn, float* mx) {
+  float lo = LoadElem<T>(rows, c), hi = lo;
+  for (int32_t t = 1; t < G; ++t) {
+    const float x = LoadElem<T>(rows + t * row, c);
+    lo = x < lo ? x : lo;
+    hi = hi < x ? x : hi;
+  }
+  *mn = lo;
+  *mx = hi;
+}
+
 // One group's quantization by a block (kernels/compressed_keys.cc, CompressKeyGroup, operation
 // for operation: channel ranges in token order, codes and the squared error in channel order):
 // rows [G, d] of T at `rows` (`row` bytes apart) into `block`. `scale`: 2 d floats of shared
@@ -533,12 +548,8 @@ __device__ __forceinline__ void QuantizeGroup(const char* rows, int64_t row, int
   float* step = scale + d;
   const uint32_t levels = (1u << bits) - 1;
   for (int32_t c = threadIdx.x; c < d; c += blockDim.x) {
-    float mn = LoadElem<T>(rows, c), mx = mn;
-    for (int32_t t = 1; t < G; ++t) {
-      const float x = LoadElem<T>(rows + t * row, c);
-      mn = x < mn ? x : mn;  // std::min's and std::max's comparisons, for signed zeros
-      mx = mx < x ? x : mx;
-    }
+    float mn, mx;
+    ChannelRange<T>(rows, row, G, c, &mn, &mx);
     const keyq::ChannelScale sc = keyq::ScaleOf(mn, mx, levels);
     lo16[c] = sc.lo16;
     step16[c] = sc.step16;
@@ -601,12 +612,8 @@ __device__ __forceinline__ void QuantizeGroupMapped(const char* rows, int64_t ro
   __syncthreads();
   for (int32_t c = threadIdx.x; c < d; c += blockDim.x) {
     if (width[c] == 0) continue;
-    float mn = LoadElem<T>(rows, c), mx = mn;
-    for (int32_t t = 1; t < G; ++t) {
-      const float x = LoadElem<T>(rows + t * row, c);
-      mn = x < mn ? x : mn;
-      mx = mx < x ? x : mx;
-    }
+    float mn, mx;
+    ChannelRange<T>(rows, row, G, c, &mn, &mx);
     const keyq::ChannelScale sc = keyq::ScaleOf(mn, mx, width[c] == 2 ? wide_levels : levels);
     mlo[c] = keyq::Half(sc.lo16);
     mstep[c] = keyq::Half(sc.step16);

@@ -297,6 +297,22 @@ TEST(CompressedKeyStepCudaTest, RefusesBadShapes) {
   EXPECT_EQ(AppendCompressedKeyStep(p, nullptr), cudaErrorInvalidValue);
 }
 
+// CompressKeyGroups' parameters over `groups` groups of kKeyGroupTokens rows of each of hkv kv
+// heads laid out one after another at rows (the blocks are the caller's).
+CompressKeyGroupsParams GroupsParams(int32_t hkv, int32_t groups, int32_t d, int32_t bits, DType dt,
+                                     const void* rows) {
+  CompressKeyGroupsParams p;
+  p.num_kv_heads = hkv;
+  p.groups = groups;
+  p.head_dim = d;
+  p.bits = bits;
+  p.group = kKeyGroupTokens;
+  p.dtype = dt;
+  p.rows = rows;
+  p.head_stride = static_cast<int64_t>(groups) * kKeyGroupTokens * d * DTypeSize(dt);
+  return p;
+}
+
 // A prompt's groups quantized on the device, kv heads and groups side by side, hold the CPU
 // reference's bits (CompressKeyGroup) in every byte; the blocks around them (another kv head's
 // stride gap, the groups after the chunk) are not written. The same keys as the step test's,
@@ -316,15 +332,7 @@ TEST(CompressKeyGroupsCudaTest, EqualsTheCpuBits) {
         const size_t head_blocks = groups + spare;  // a kv head's room: more than the chunk
         DeviceBuffer drows = ToDevice(rows), dblocks(hkv * head_blocks * block);
         ASSERT_EQ(dblocks.Poison(), cudaSuccess);
-        CompressKeyGroupsParams p;
-        p.num_kv_heads = hkv;
-        p.groups = groups;
-        p.head_dim = d;
-        p.bits = bits;
-        p.group = G;
-        p.dtype = dt;
-        p.rows = drows.get();
-        p.head_stride = static_cast<int64_t>(groups * G * row);
+        CompressKeyGroupsParams p = GroupsParams(hkv, groups, d, bits, dt, drows.get());
         p.blocks = dblocks.as<uint8_t>();
         p.block_head_stride = static_cast<int64_t>(head_blocks * block);
         p.block_bytes = static_cast<int64_t>(block);
@@ -381,15 +389,7 @@ TEST(CompressKeyGroupsCudaTest, ChannelWidthsEqualTheCpuBits) {
         DeviceBuffer drows = ToDevice(rows), dblocks(hkv * groups * block), dch = ToDevice(channel),
                      dpart = ToDevice(part);
         ASSERT_EQ(dblocks.Poison(), cudaSuccess);
-        CompressKeyGroupsParams p;
-        p.num_kv_heads = hkv;
-        p.groups = groups;
-        p.head_dim = d;
-        p.bits = bits;
-        p.group = G;
-        p.dtype = dt;
-        p.rows = drows.get();
-        p.head_stride = static_cast<int64_t>(groups * G * row);
+        CompressKeyGroupsParams p = GroupsParams(hkv, groups, d, bits, dt, drows.get());
         p.blocks = dblocks.as<uint8_t>();
         p.block_head_stride = static_cast<int64_t>(groups * block);
         p.block_bytes = static_cast<int64_t>(block);
