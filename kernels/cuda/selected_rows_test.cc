@@ -400,6 +400,24 @@ TEST(SelectedRowsCudaTest, HashTopKFromPagesMatchesCpu) {
   for (const HashCase& c : cases) RunHashPipeline(c);
 }
 
+// SelectedRowsDecode reading each head's rows in place from paged K/V: the lists (idx, cnt: tokens
+// [B, H, max_sel] and their counts) with their log2 weights.
+SelectedRowsParams InPlaceParams(const DeviceProblem& dp, const PagedKv& paged,
+                                 const DeviceBuffer& idx, const DeviceBuffer& cnt,
+                                 const DeviceBuffer& lw, int max_sel) {
+  SelectedRowsParams sr;
+  sr.shape = dp.shape;
+  sr.shape.k = sr.shape.v = nullptr;
+  sr.shape.k_pages = paged.k();
+  sr.shape.v_pages = paged.v();
+  sr.positions = idx.as<int32_t>();
+  sr.counts = cnt.as<int32_t>();
+  sr.max_selected = max_sel;
+  sr.log2_weights = lw.as<float>();
+  sr.in_place = true;
+  return sr;
+}
+
 // A synthetic problem of hkv kv heads with g query heads each, one sequence per length.
 SyntheticProblem GroupProblem(DType dtype, int d, int hkv, int g, const std::vector<int32_t>& lens,
                               uint64_t seed) {
@@ -456,16 +474,7 @@ void RunSharedRows(DType dtype, int d, int hkv, int g, const std::vector<int32_t
   }
   const DeviceBuffer didx = ToDevice(idx), dcnt = ToDevice(cnt), dlw = ToDevice(lw);
   PagedKv paged(p, /*shift=*/4, host_pages, 13);
-  SelectedRowsParams sr;
-  sr.shape = dp.shape;
-  sr.shape.k = sr.shape.v = nullptr;
-  sr.shape.k_pages = paged.k();
-  sr.shape.v_pages = paged.v();
-  sr.positions = didx.as<int32_t>();
-  sr.counts = dcnt.as<int32_t>();
-  sr.max_selected = kMaxSel;
-  sr.log2_weights = dlw.as<float>();
-  sr.in_place = true;
+  SelectedRowsParams sr = InPlaceParams(dp, paged, didx, dcnt, dlw, kMaxSel);
   const size_t row = static_cast<size_t>(d) * DTypeSize(dtype);
   RowSets per_read(sets, 1, row), shared_read(sets, 1, row);
   sr.rows_read = per_read.tables.count;
@@ -549,16 +558,7 @@ void RunStandardError(DType dtype, int d, int hkv, int g, const std::vector<int3
   const DeviceBuffer didx = ToDevice(idx), dcnt = ToDevice(cnt), dlw = ToDevice(lw),
                      drc = ToDevice(rc);
   PagedKv paged(p, /*shift=*/4, host_pages, 23);
-  SelectedRowsParams sr;
-  sr.shape = dp.shape;
-  sr.shape.k = sr.shape.v = nullptr;
-  sr.shape.k_pages = paged.k();
-  sr.shape.v_pages = paged.v();
-  sr.positions = didx.as<int32_t>();
-  sr.counts = dcnt.as<int32_t>();
-  sr.max_selected = max_sel;
-  sr.log2_weights = dlw.as<float>();
-  sr.in_place = true;
+  SelectedRowsParams sr = InPlaceParams(dp, paged, didx, dcnt, dlw, max_sel);
   ASSERT_EQ(RunSelectedRows(sr), cudaSuccess) << what;
   int64_t non_finite = 0;
   const std::vector<double> plain = dp.OutputAsDouble(&non_finite);
