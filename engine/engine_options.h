@@ -55,8 +55,8 @@ struct EngineOptions {
 };
 
 // The key widths a deployment names by file (kvsparse-server's --key_widths, the op's key_widths;
-// written by tests/quality/key_widths.py) into options->key_widths; empty path: none.
-// INVALID_ARGUMENT naming the setting (`name`) and the reader's reason.
+// written by kvsparse-key-widths, kvsparse.tools.key_widths) into options->key_widths; empty path:
+// none. INVALID_ARGUMENT naming the setting (`name`) and the reader's reason.
 [[nodiscard]] absl::Status LoadKeyWidths(const std::string& path, absl::string_view name,
                                          EngineOptions* options);
 

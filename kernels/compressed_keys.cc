@@ -145,7 +145,7 @@ void CompressKeyGroup(const KeyCompression& c, int32_t head_dim, DType dtype, co
                     : sc.step16;
   }
   std::vector<uint32_t> code(d);
-  std::vector<float> kq(d);  // what the stored channels give back, per model channel
+  std::vector<float> kq(d);  // what a widened channel's two stored parts give back
   for (int32_t t = 0; t < G; ++t) {
     const float* x = &k[static_cast<size_t>(t) * d];
     for (int32_t ch = 0; ch < d; ++ch) {
@@ -162,7 +162,9 @@ void CompressKeyGroup(const KeyCompression& c, int32_t head_dim, DType dtype, co
                                                          : code[st.channel] & levels;
       const int64_t bit = static_cast<int64_t>(v) * c.bits;
       w[bit / 32] |= cv << (bit % 32);
-      kq[st.channel] += Half(lo16[v]) + Half(step16[v]) * static_cast<float>(cv);
+      if (st.part != StoredPart::kWhole) {
+        kq[st.channel] += Half(lo16[v]) + Half(step16[v]) * static_cast<float>(cv);
+      }
     }
     double err2 = 0;
     for (int32_t ch = 0; ch < d; ++ch) {  // over the model's channels (a left-out one whole)

@@ -62,7 +62,7 @@ struct KeyWidths {
 
 // The file (little-endian): "KVSPKWID", version 1, num_layers, num_kv_heads, head_dim, bits
 // (u32 each), then per (layer, kv head) d bytes of ChannelWidth. What
-// tests/quality/key_widths.py writes. Parse: INVALID_ARGUMENT for a bad file.
+// kvsparse.tools.key_widths writes (write_key_widths). Parse: INVALID_ARGUMENT for a bad file.
 [[nodiscard]] std::string SerializeKeyWidths(const KeyWidths& w);
 [[nodiscard]] absl::StatusOr<KeyWidths> ParseKeyWidths(std::string_view bytes);
 [[nodiscard]] absl::StatusOr<KeyWidths> ReadKeyWidths(const std::string& path);

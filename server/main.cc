@@ -82,7 +82,7 @@ ABSL_FLAG(std::string, saap_weights, "",
           "signature_bits=32), and the hash methods are refused. Empty: none");
 ABSL_FLAG(std::string, key_widths, "",
           "Per-channel widths of compressed keys (format in kernels/key_widths.h, written by "
-          "tests/quality/key_widths.py): sequences of that model whose placement keeps compressed "
+          "kvsparse-key-widths): sequences of that model whose placement keeps compressed "
           "keys of its bits keep them at those widths (on the CPU engine: the GPU's kernels take "
           "uniform widths). Empty: uniform widths");
 ABSL_FLAG(

@@ -226,7 +226,7 @@ class InProcessEngine(_Closing):
             as kvsparse-server's ``--hash_weights``.
         saap_weights: SAAP partitions (``kvsparse-calibrate --saap_out``) for the ``Saap`` method,
             as kvsparse-server's ``--saap_weights``.
-        key_widths: per-channel widths of the compressed keys (``tests/quality/key_widths.py``),
+        key_widths: per-channel widths of the compressed keys (``kvsparse-key-widths``),
             as kvsparse-server's ``--key_widths``: sequences of that model and bits keep their
             compressed keys at those widths (for now on the CPU engine only).
     """
