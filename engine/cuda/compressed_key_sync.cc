@@ -1,8 +1,10 @@
 #include "engine/cuda/compressed_key_sync.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "engine/resident_cache.h"
+#include "engine/row_source.h"
 #include "kernels/compressed_keys.h"
 #include "kernels/cuda/compressed_keys.h"
 
@@ -14,6 +16,34 @@ kernels::KeyCompression CompressionOf(const SequenceDesc& desc) {
 }
 
 }  // namespace
+
+DeviceKeyWidths::~DeviceKeyWidths() { memory_->Free(&maps_); }
+
+absl::StatusOr<DeviceKeyMap> DeviceKeyWidths::Maps(const SequenceDesc& desc, uint32_t layer) {
+  const kernels::KeyWidths* w = widths_.get();
+  if (!KeyWidthsApply(w, desc)) return DeviceKeyMap{};
+  const size_t per = static_cast<size_t>(w->num_kv_heads) * w->head_dim;  // one table
+  if (maps_.ptr == nullptr) {
+    std::vector<uint8_t> host;
+    host.reserve(2 * per * w->num_layers);
+    for (int32_t l = 0; l < w->num_layers; ++l) {
+      for (int32_t j = 0; j < w->num_kv_heads; ++j) {
+        const kernels::KeyChannelMap& m = w->map(l, j);
+        host.insert(host.end(), m.channel.begin(), m.channel.end());
+      }
+      for (int32_t j = 0; j < w->num_kv_heads; ++j) {
+        for (kernels::StoredPart x : w->map(l, j).part) host.push_back(static_cast<uint8_t>(x));
+      }
+    }
+    if (absl::Status s = memory_->Alloc(&maps_, host.size()); !s.ok()) return s;
+    KVS_CUDA_OK(cudaMemcpyAsync(maps_.ptr, host.data(), host.size(), cudaMemcpyHostToDevice,
+                                memory_->stream()),
+                "key widths' maps upload");
+    KVS_CUDA_OK(cudaStreamSynchronize(memory_->stream()), "key widths' maps upload");
+  }
+  const uint8_t* at = maps_.as<const uint8_t>() + 2 * per * layer;
+  return DeviceKeyMap{at, at + per};
+}
 
 absl::Status ReserveCompressedKeys(DeviceMemory* memory, DeviceSequence* e, DeviceLayer* l,
                                    const SequenceDesc& desc, uint64_t tokens, BusySequences busy) {
@@ -46,7 +76,8 @@ absl::Status ReserveCompressedKeys(DeviceMemory* memory, DeviceSequence* e, Devi
 
 absl::Status AppendCompressedKeys(DeviceMemory* memory, DevBuf* scratch, DeviceSequence* e,
                                   DeviceLayer* l, const SequenceDesc& desc, uint64_t t0,
-                                  uint64_t cnt, const uint8_t* k_host, BusySequences busy) {
+                                  uint64_t cnt, const uint8_t* k_host, DeviceKeyMap map,
+                                  BusySequences busy) {
   const kernels::KeyCompression c = CompressionOf(desc);
   const int32_t d = static_cast<int32_t>(desc.shape.head_dim);
   const uint64_t G = static_cast<uint64_t>(c.group_tokens);
@@ -89,6 +120,8 @@ absl::Status AppendCompressedKeys(DeviceMemory* memory, DevBuf* scratch, DeviceS
     p.blocks = l->ck.as<uint8_t>() + g0 * block;
     p.block_head_stride = static_cast<int64_t>(l->ck_cap * block);
     p.block_bytes = static_cast<int64_t>(block);
+    p.map_channel = map.channel;
+    p.map_part = map.part;
     KVS_CUDA_OK(kernels::cuda::CompressKeyGroups(p, stream), "key groups' quantization");
   }
   // The chunk's tokens of the (new) open group, exact.

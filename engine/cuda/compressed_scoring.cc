@@ -34,6 +34,8 @@ absl::Status CompressedScoring::Enqueue(LaunchPlan& lp, float* scores) {
   cs_.tails = lp.ck_tails_table();
   cs_.seq_lens = lp.shape().seq_lens;
   cs_.scores = scores;
+  cs_.map_channel = lp.key_map().channel;
+  cs_.map_part = lp.key_map().part;
   KVS_CUDA_OK(kc::CompressedScores(cs_, lp.stream()), "CompressedScores");
   return absl::OkStatus();
 }

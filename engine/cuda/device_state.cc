@@ -23,6 +23,7 @@ DeviceState::DeviceState(DeviceStateOptions options, RowSource* source, cudaStre
       signing_(saap_ != nullptr      ? static_cast<KeySigning*>(saap_.get())
                : learned_ != nullptr ? static_cast<KeySigning*>(learned_.get())
                                      : &simhash_),
+      key_widths_(options_.key_widths, &memory_),
       fetchers_(source->pages_device_visible() ? 0 : std::max(0, options_.fetch_parallelism - 1)) {}
 
 DeviceState::~DeviceState() {
@@ -185,8 +186,10 @@ absl::Status DeviceState::SyncRows(DeviceSequence* e, uint32_t layer_index,
       }
     }
     if (compressed) {
+      absl::StatusOr<DeviceKeyMap> map = key_widths_.Maps(desc, layer_index);
+      if (!map.ok()) return map.status();
       if (absl::Status s =
-              AppendCompressedKeys(&memory_, &sync_tmp_, e, &l, desc, t0, cnt, k_host, busy);
+              AppendCompressedKeys(&memory_, &sync_tmp_, e, &l, desc, t0, cnt, k_host, *map, busy);
           !s.ok())
         return s;
     }

@@ -31,6 +31,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "absl/types/span.h"
+#include "engine/cuda/compressed_key_sync.h"
 #include "engine/cuda/cuda_util.h"
 #include "engine/cuda/device_memory.h"
 #include "engine/cuda/key_signing.h"
@@ -63,6 +64,8 @@ struct DeviceStateOptions {
   int fetch_parallelism = GpuOptions{}.fetch_parallelism;  // GpuBackendOptions::fetch_parallelism
   double row_cache_fraction = GpuOptions{}.row_cache;  // the row cache, rows per kv head / tokens
   SignatureConfig signatures;  // SimHash seed and norm margin, or learned MLPs
+  // Compressed keys at per-channel widths where they apply (EngineOptions::key_widths).
+  std::shared_ptr<const kernels::KeyWidths> key_widths;
 };
 
 class DeviceState {
@@ -87,6 +90,8 @@ class DeviceState {
   SimHashSigning& simhash() { return simhash_; }
   LearnedSigning* learned() { return learned_.get(); }
   SaapSigning* saap() { return saap_.get(); }
+  // The deployment's key widths on the device (the maps of the sequences they apply to).
+  DeviceKeyWidths& key_widths() { return key_widths_; }
   // The call's device scratch, at least `bytes` (contents not kept across calls).
   absl::StatusOr<char*> Scratch(size_t bytes);
 
@@ -141,6 +146,7 @@ class DeviceState {
   std::unique_ptr<LearnedSigning> learned_;
   std::unique_ptr<SaapSigning> saap_;
   KeySigning* signing_;  // SAAP, else learned, else SimHash (the CPU engine's order)
+  DeviceKeyWidths key_widths_;
   DevBuf scratch_, sync_tmp_;
   PinnedBuf staging_, row_staging_;
   kvstore::WorkerPool fetchers_;

@@ -30,13 +30,14 @@ class GpuBackend final : public DecodeBackend {
         source_(source),
         stream_(stream),
         caps_{options_.signatures.learned.get(), options_.signatures.saap.get(),
-              !source->pages_device_visible()} {
+              !source->pages_device_visible(), options_.key_widths.get()} {
     gpu::DeviceStateOptions so;
     so.capacity_bytes = options_.capacity_bytes;
     so.max_fetch_bytes = options_.max_fetch_bytes;
     so.row_cache_fraction = options_.row_cache_fraction;
     so.fetch_parallelism = options_.fetch_parallelism;
     so.signatures = options_.signatures;
+    so.key_widths = options_.key_widths;
     state_ = std::make_unique<gpu::DeviceState>(std::move(so), source_, stream_);
     for (cudaEvent_t& e : events_) cudaEventCreate(&e);
     cudaEventCreateWithFlags(&caller_event_, cudaEventDisableTiming);
@@ -107,9 +108,6 @@ class GpuBackend final : public DecodeBackend {
         pl.k_tier != kvstore::Tier::kDevice || pl.v_tier != kvstore::Tier::kDevice;
     reasons.AddIf(host_half && !caps_.staged_rows && !gpu::IsPow2(desc.page_tokens),
                   "a host half read in place needs a power-of-two page size");
-    reasons.AddIf(KeyWidthsApply(options_.key_widths.get(), desc),
-                  "the sequence's compressed keys take per-channel widths (key widths), which "
-                  "the GPU's kernels do not read yet");
   }
   // One pass over the method's launch sequence, framed by the start and end events; *carved:
   // the method's scratch bytes.

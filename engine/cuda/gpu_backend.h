@@ -53,8 +53,9 @@ struct GpuBackendOptions {
   // are fetched at once (each its own Gather or UCX read; 1: one after another).
   int fetch_parallelism = GpuOptions{}.fetch_parallelism;
   SignatureConfig signatures;  // as the engine's (same seed and margin, or learned MLPs)
-  // The engine's key widths (EngineOptions::key_widths): the sequences they apply to run on the
-  // CPU engine (the GPU's compressed-key kernels take uniform widths).
+  // The engine's key widths (EngineOptions::key_widths): the sequences they apply to keep their
+  // compressed keys at those widths on the device too (DeviceKeyWidths); vAttention's bound over
+  // them runs on the CPU engine.
   std::shared_ptr<const kernels::KeyWidths> key_widths;
 };
 

@@ -43,6 +43,9 @@ struct GpuCaps {
   // The host halves' rows come from a store whose pages the GPU cannot read (another process):
   // a runner gathers them through LaunchPlan::StageListed / StageAll, or does not take the call.
   bool staged_rows = false;
+  // The deployment's key widths (null: none): a sequence they apply to (KeyWidthsApply) keeps
+  // its compressed keys at per-channel widths on the device.
+  const kernels::KeyWidths* key_widths = nullptr;
 };
 
 // A runner's refusal of a call: FAILED_PRECONDITION saying why the GPU path does not compute

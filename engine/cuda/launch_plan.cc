@@ -62,6 +62,9 @@ LaunchPlan::LaunchPlan(const DecodeCall& call, absl::Span<const SequenceDesc> de
 }
 
 absl::Status LaunchPlan::BuildTables(PinnedBuf* host) {
+  absl::StatusOr<DeviceKeyMap> map = state_->key_widths().Maps(descs_[0], call_.layer);
+  if (!map.ok()) return map.status();
+  key_map_ = *map;
   stats_off_ = AddHostTable<int32_t>(kStatBlocks * static_cast<size_t>(BH));
   table_bytes_ = host_carver_.used();
   if (absl::Status s = host->Reserve(table_bytes_); !s.ok()) return s;

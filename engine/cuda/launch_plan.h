@@ -128,6 +128,10 @@ class LaunchPlan {
   // exact rows ([kKeyGroupTokens, d]).
   uint8_t* const* ck_heads_table() const { return Dev<uint8_t* const>(ck_heads_off_); }
   void* const* ck_tails_table() const { return Dev<void* const>(ck_tails_off_); }
+  // The call's layer's channel maps where the deployment's key widths apply to its sequences
+  // (DeviceKeyWidths; null ones otherwise): what the compressed keys were quantized with and are
+  // scored through. Set by BuildTables.
+  DeviceKeyMap key_map() const { return key_map_; }
   size_t stats_bytes() const { return sizeof(int32_t) * kStatBlocks * static_cast<size_t>(BH); }
   // The statistics block on the device; null in the sizing pass.
   int32_t* stats() const {
@@ -184,6 +188,7 @@ class LaunchPlan {
   size_t q_off_ = 0, lens_off_ = 0, seeds_off_ = 0;
   size_t k_heads_off_ = 0, v_heads_off_ = 0, pages_off_ = 0, sig_heads_off_ = 0;
   size_t ck_heads_off_ = 0, ck_tails_off_ = 0;
+  DeviceKeyMap key_map_;
   size_t stats_off_ = 0, table_bytes_ = 0, out_off_ = 0, method_off_ = 0;
   char* host_ = nullptr;  // pinned host tables
   char* base_ = nullptr;  // the pass's scratch base (null: sizing)

@@ -573,6 +573,8 @@ class GpuStaticStep final : public StaticStep {
       cp.tails = lp.ck_tails_table();
       cp.group_heads = lp.ck_heads_table();
       cp.block_bytes = static_cast<int64_t>(ck_block_bytes_);
+      cp.map_channel = lp.key_map().channel;  // the deployment's key widths, where they apply
+      cp.map_part = lp.key_map().part;
       KVS_CUDA_OK(kc::AppendCompressedKeyStep(cp, lp.stream()), "AppendCompressedKeyStep");
     }
     size_t bytes = 0, transient = 0;

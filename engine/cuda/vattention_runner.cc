@@ -44,6 +44,11 @@ class VAttentionCall final : public MethodCall {
                     "Hoeffding bound");
       reasons.AddIf(desc.placement.compressed_key_bits == 0,
                     "the placement keeps no compressed keys");
+      // Its bound needs each open-group token's error, the norm of the channels the map leaves
+      // out (KeyErrorBound): the CPU engine computes it.
+      reasons.AddIf(KeyWidthsApply(caps.key_widths, desc),
+                    "vAttention's bound over compressed keys at per-channel widths (key widths) "
+                    "runs on the CPU");
     } else if (p.predictor == kernels::TopKPredictor::kHash) {
       reasons.Add(SignaturesOnGpu(m, desc, caps));
     } else {

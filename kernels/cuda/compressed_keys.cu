@@ -83,25 +83,38 @@ __device__ __forceinline__ float CodeAsFloat(uint32_t code) {
 }
 
 // The block's queries as floats, channel-major with the group's heads side by side ([d][G]: one
-// vector load gives a channel's G values), and where the (b, j)'s scores go.
+// vector load gives a channel's G values), and where the (b, j)'s scores go. With a channel map,
+// stored channel v's entry is q[channel[v]] (kernels/key_widths.h): what the closed groups'
+// codes are scored against.
 template <typename T, int G>
 __device__ __forceinline__ float* LoadGroupQueries(const CompressedScoreParams& p, float* qf) {
   const int32_t d = p.head_dim, b = blockIdx.z, h0 = blockIdx.y * G;
   const void* q = static_cast<const char*>(p.q) +
                   (static_cast<int64_t>(b) * p.num_q_heads + h0) * d * sizeof(T);
+  const uint8_t* channel =
+      p.map_channel == nullptr ? nullptr : p.map_channel + static_cast<int64_t>(blockIdx.y) * d;
   for (int32_t x = threadIdx.x; x < G * d; x += blockDim.x) {
-    qf[(x % d) * G + x / d] = LoadElem<T>(q, x);  // q is [G][d]
+    const int32_t v = x % d, h = x / d;  // q is [G][d]
+    qf[v * G + h] = LoadElem<T>(q, h * d + (channel == nullptr ? v : channel[v]));
   }
   return p.scores + (static_cast<int64_t>(b) * p.num_q_heads + h0) * p.score_stride;
 }
 
-// The open group's tokens [closed_groups * group, n) from their exact rows, a lane a token.
-template <typename T, int G>
-__device__ void ScoreOpenGroup(const CompressedScoreParams& p, const float* qf, float* out,
-                               int64_t slot, int32_t closed_groups, int32_t n, int lane) {
+// The open group's tokens [closed_groups * group, n) from their exact rows, a lane a token. With
+// a channel map (MAPPED), over the stored channels in order, each model channel the map keeps
+// once (a widened channel at its high part; qf holds q through the map): ApproximateScores's
+// sums. The mapped variant is its own function (not inlined): the kernels' registers stay as
+// they are without a map.
+template <typename T, int G, bool MAPPED>
+__device__ __forceinline__ void ScoreOpenRows(const CompressedScoreParams& p, const float* qf,
+                                              float* out, int64_t slot, int32_t closed_groups,
+                                              int32_t n, int lane) {
   const int32_t d = p.head_dim;
   const int32_t open = n - closed_groups * p.group;
   const void* rows = p.tails[slot];
+  const int64_t m = static_cast<int64_t>(blockIdx.y) * d;
+  const uint8_t* channel = MAPPED ? p.map_channel + m : nullptr;
+  const uint8_t* part = MAPPED ? p.map_part + m : nullptr;
   for (int32_t i = lane; i < open; i += 32) {
     const void* row = static_cast<const char*>(rows) + static_cast<int64_t>(i) * d * sizeof(T);
     float s[G];
@@ -109,7 +122,8 @@ __device__ void ScoreOpenGroup(const CompressedScoreParams& p, const float* qf, 
     for (int h = 0; h < G; ++h) s[h] = 0.f;
 #pragma unroll 4
     for (int32_t c = 0; c < d; ++c) {
-      const float k = LoadElem<T>(row, c);
+      if (MAPPED && part[c] == 2) continue;  // a widened channel's low part
+      const float k = LoadElem<T>(row, MAPPED ? channel[c] : c);
       float qc[G];
       LoadHeads<G>(qf + c * G, qc);
 #pragma unroll
@@ -119,6 +133,21 @@ __device__ void ScoreOpenGroup(const CompressedScoreParams& p, const float* qf, 
     for (int h = 0; h < G; ++h) {
       out[h * p.score_stride + closed_groups * p.group + i] = __fmul_rn(s[h], p.scale);
     }
+  }
+}
+template <typename T, int G>
+__device__ __noinline__ void ScoreOpenRowsMapped(const CompressedScoreParams& p, const float* qf,
+                                                 float* out, int64_t slot, int32_t closed_groups,
+                                                 int32_t n, int lane) {
+  ScoreOpenRows<T, G, true>(p, qf, out, slot, closed_groups, n, lane);
+}
+template <typename T, int G>
+__device__ void ScoreOpenGroup(const CompressedScoreParams& p, const float* qf, float* out,
+                               int64_t slot, int32_t closed_groups, int32_t n, int lane) {
+  if (p.map_channel != nullptr) {
+    ScoreOpenRowsMapped<T, G>(p, qf, out, slot, closed_groups, n, lane);
+  } else {
+    ScoreOpenRows<T, G, false>(p, qf, out, slot, closed_groups, n, lane);
   }
 }
 
@@ -668,11 +697,11 @@ __device__ __forceinline__ void QuantizeGroupMapped(const char* rows, int64_t ro
 }
 
 // One block per (sequence, kv head): the new key into its open group's row, then, where the
-// group fills, its quantization.
-template <typename T>
+// group fills, its quantization (with kv head j's channel map where there is one).
+template <typename T, bool MAPPED>
 __global__ void __launch_bounds__(kStepThreads) CompressedKeyStepKernel(CompressedKeyStepParams p) {
   GridDependencyWait();             // LaunchDependent: the earlier kernels' writes first
-  extern __shared__ float scale[];  // lo [d], then step [d], as floats
+  extern __shared__ float scale[];  // QuantizeGroup's or QuantizeGroupMapped's
   const int32_t i = blockIdx.x, b = i / p.num_kv_heads;
   const int32_t n = p.seq_lens[b];
   if (n <= 0) return;
@@ -685,7 +714,13 @@ __global__ void __launch_bounds__(kStepThreads) CompressedKeyStepKernel(Compress
   if (n % G != 0) return;
   __syncthreads();  // the block's writes of the row, visible to its threads
   uint8_t* block = p.group_heads[i] + static_cast<int64_t>(n / G - 1) * p.block_bytes;
-  QuantizeGroup<T>(tail, row, G, d, p.bits, block, scale);
+  if constexpr (MAPPED) {
+    const int64_t m = static_cast<int64_t>(i % p.num_kv_heads) * d;
+    QuantizeGroupMapped<T>(tail, row, G, d, p.bits, block, scale, p.map_channel + m,
+                           p.map_part + m);
+  } else {
+    QuantizeGroup<T>(tail, row, G, d, p.bits, block, scale);
+  }
 }
 
 // One block per (kv head, group) of a chunk of closed groups.
@@ -714,28 +749,46 @@ bool ValidBlock(int32_t head_dim, int32_t bits, int32_t group, int64_t block_byt
                             4 * static_cast<int64_t>(head_dim);
 }
 
+// A channel map's two tables come together, for 1-, 2- or 4-bit keys of at most 256 channels
+// (a stored channel's model channel is a byte; kernels/key_widths.h), or not at all.
+bool ValidMap(const uint8_t* channel, const uint8_t* part, int32_t head_dim, int32_t bits) {
+  if (channel == nullptr || part == nullptr) return channel == part;
+  return bits != 8 && head_dim <= 256;
+}
+
+// Shared memory of a block that quantizes a group, in bytes.
+size_t QuantizeSmemBytes(int32_t head_dim, bool mapped) {
+  return (mapped ? MappedScaleFloats(head_dim) : 2 * static_cast<int64_t>(head_dim)) *
+         sizeof(float);
+}
+
 }  // namespace
 
 cudaError_t AppendCompressedKeyStep(const CompressedKeyStepParams& p, cudaStream_t stream) {
   if (p.batch <= 0 || p.num_kv_heads <= 0 ||
       !ValidBlock(p.head_dim, p.bits, p.group, p.block_bytes) || p.new_k == nullptr ||
-      p.seq_lens == nullptr || p.tails == nullptr || p.group_heads == nullptr) {
+      p.seq_lens == nullptr || p.tails == nullptr || p.group_heads == nullptr ||
+      !ValidMap(p.map_channel, p.map_part, p.head_dim, p.bits)) {
     return cudaErrorInvalidValue;
   }
   const int blocks = p.batch * p.num_kv_heads;
-  const size_t smem = 2 * static_cast<size_t>(p.head_dim) * sizeof(float);
+  const bool mapped = p.map_channel != nullptr;
+  const size_t smem = QuantizeSmemBytes(p.head_dim, mapped);
+  auto launch = [&](auto kernel) {
+    return LaunchDependent(kernel, dim3(blocks), dim3(kStepThreads), smem, stream, p);
+  };
   switch (p.dtype) {
     case DType::kBf16:
-      KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&CompressedKeyStepKernel<Bf16>, dim3(blocks),
-                                                    dim3(kStepThreads), smem, stream, p));
+      KVSPARSE_CUDA_RETURN_IF_ERROR(mapped ? launch(&CompressedKeyStepKernel<Bf16, true>)
+                                           : launch(&CompressedKeyStepKernel<Bf16, false>));
       break;
     case DType::kFp16:
-      KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&CompressedKeyStepKernel<Fp16>, dim3(blocks),
-                                                    dim3(kStepThreads), smem, stream, p));
+      KVSPARSE_CUDA_RETURN_IF_ERROR(mapped ? launch(&CompressedKeyStepKernel<Fp16, true>)
+                                           : launch(&CompressedKeyStepKernel<Fp16, false>));
       break;
     case DType::kFp32:
-      KVSPARSE_CUDA_RETURN_IF_ERROR(LaunchDependent(&CompressedKeyStepKernel<float>, dim3(blocks),
-                                                    dim3(kStepThreads), smem, stream, p));
+      KVSPARSE_CUDA_RETURN_IF_ERROR(mapped ? launch(&CompressedKeyStepKernel<float, true>)
+                                           : launch(&CompressedKeyStepKernel<float, false>));
       break;
     default:
       return cudaErrorInvalidValue;
@@ -746,18 +799,13 @@ cudaError_t AppendCompressedKeyStep(const CompressedKeyStepParams& p, cudaStream
 cudaError_t CompressKeyGroups(const CompressKeyGroupsParams& p, cudaStream_t stream) {
   if (p.num_kv_heads <= 0 || p.groups < 0 ||
       !ValidBlock(p.head_dim, p.bits, p.group, p.block_bytes) || p.rows == nullptr ||
-      p.blocks == nullptr || p.head_stride < 0 || p.block_head_stride < 0) {
-    return cudaErrorInvalidValue;
-  }
-  if ((p.map_channel == nullptr) != (p.map_part == nullptr) ||
-      (p.map_channel != nullptr && (p.bits == 8 || p.head_dim > 256))) {
+      p.blocks == nullptr || p.head_stride < 0 || p.block_head_stride < 0 ||
+      !ValidMap(p.map_channel, p.map_part, p.head_dim, p.bits)) {
     return cudaErrorInvalidValue;
   }
   if (p.groups == 0) return cudaSuccess;
   const dim3 grid(static_cast<unsigned>(p.num_kv_heads * p.groups));
-  const size_t smem = (p.map_channel != nullptr ? MappedScaleFloats(p.head_dim)
-                                                : 2 * static_cast<int64_t>(p.head_dim)) *
-                      sizeof(float);
+  const size_t smem = QuantizeSmemBytes(p.head_dim, p.map_channel != nullptr);
   switch (p.dtype) {
     case DType::kBf16:
       CompressKeyGroupsKernel<Bf16><<<grid, kStepThreads, smem, stream>>>(p);
@@ -781,7 +829,8 @@ cudaError_t CompressedScores(const CompressedScoreParams& p, cudaStream_t stream
                MmaSmemFloats(p.num_q_heads / p.num_kv_heads, p.head_dim, 1)) *
               4 >
           kScoreSmemBytes ||
-      !ValidBlock(p.head_dim, p.bits, p.group, p.block_bytes) || p.max_groups < 0) {
+      !ValidBlock(p.head_dim, p.bits, p.group, p.block_bytes) || p.max_groups < 0 ||
+      !ValidMap(p.map_channel, p.map_part, p.head_dim, p.bits)) {
     return cudaErrorInvalidValue;
   }
   if (p.num_seqs == 0) return cudaSuccess;

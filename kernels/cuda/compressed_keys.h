@@ -43,6 +43,12 @@ struct CompressedScoreParams {
   // device, shape: [B, H, score_stride]: scores of tokens [0, seq_lens[b]) of (b, h).
   float* scores = nullptr;
   int64_t score_stride = 0;
+  // Optional, device [Hkv, d] each: kv head j's channel map (kernels/key_widths.h:
+  // KeyChannelMap's channel and part) of keys quantized with it; null: uniform widths. The
+  // closed groups are scored with q through the map (q'_v = q[channel[v]]), the open group's rows
+  // over the channels the map keeps, as ApproximateScores does. bits 1, 2 or 4 with one.
+  const uint8_t* map_channel = nullptr;
+  const uint8_t* map_part = nullptr;
 };
 
 // Checks the shape parameters (not the pointers' contents): cudaErrorInvalidValue if wrong.
@@ -70,6 +76,10 @@ struct CompressedKeyStepParams {
   // group_heads[b * Hkv + j] + g * block_bytes; REQUIRES: room for block n / group - 1.
   uint8_t* const* group_heads = nullptr;
   int64_t block_bytes = 0;  // KeyGroupBytes({bits, group}, head_dim), or more (a multiple of 4)
+  // Optional, device [Hkv, d] each: the channel maps a closing group is quantized with, as
+  // CompressKeyGroupsParams's; null: uniform widths. bits 1, 2 or 4 and d <= 256 with one.
+  const uint8_t* map_channel = nullptr;
+  const uint8_t* map_part = nullptr;
 };
 
 // Checks the shape parameters: cudaErrorInvalidValue if wrong. Capturable (no allocation, no

@@ -14,6 +14,31 @@
 namespace kvsparse::kernels::cuda {
 namespace {
 
+// Channel maps per kv head for the key-widths tests (kernels/key_widths.h): kv head j widens
+// channels j, j + 8, ... and leaves out channels j + 4, j + 12, ...; the maps, and their channel
+// and part tables side by side ([Hkv, d] each, the kernels' layout).
+struct WidthsMaps {
+  std::vector<KeyChannelMap> maps;
+  std::vector<uint8_t> channel, part;
+};
+WidthsMaps MakeWidthsMaps(int32_t hkv, int32_t d) {
+  WidthsMaps out;
+  for (int32_t j = 0; j < hkv; ++j) {
+    std::vector<ChannelWidth> w(d, ChannelWidth::kWhole);
+    for (int32_t c = j; c + 4 < d; c += 8) {
+      w[c] = ChannelWidth::kWide;
+      w[c + 4] = ChannelWidth::kOut;
+    }
+    absl::StatusOr<KeyChannelMap> m = ChannelMapOf(w);
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (!m.ok()) return out;
+    out.maps.push_back(*m);
+    out.channel.insert(out.channel.end(), m->channel.begin(), m->channel.end());
+    for (StoredPart x : m->part) out.part.push_back(static_cast<uint8_t>(x));
+  }
+  return out;
+}
+
 // How far the tensor cores' score of a token of closed group g may be from the reference's
 // (compressed_keys.h): scale * (code_max d 2^-20 max_c |w_c| + 2^-14 sum_c (|q_c lo_c| +
 // code_max |w_c|)), w_c = q_c step_c: the digits' remainder and the fp32 sums' rounding. A
@@ -35,10 +60,12 @@ float TensorCoreBound(const CompressedKeysView& v, int64_t g, const float* q, fl
 // ending on a group boundary, open groups in either half of a block's groups) equal the CPU
 // reference's bit for bit for 4- and 8-bit keys and the open group's rows, and within
 // TensorCoreBound of them for the closed groups of 1- and 2-bit keys; a perturbed code's score
-// is outside that bound (the bound can fail).
-void ExpectScoresOfTheCpu(int32_t H, int32_t hkv, int32_t d, DType dt, int32_t bits) {
+// is outside that bound (the bound can fail). With `widths`, each kv head's keys are quantized
+// with its own channel map (WidthsMaps) and scored through it on both sides.
+void ExpectScoresOfTheCpu(int32_t H, int32_t hkv, int32_t d, DType dt, int32_t bits,
+                          bool widths = false) {
   SCOPED_TRACE(testing::Message() << DTypeName(dt) << " bits " << bits << " d " << d << " H " << H
-                                  << " Hkv " << hkv);
+                                  << " Hkv " << hkv << (widths ? " key widths" : ""));
   const int32_t B = 3, G = H / hkv;
   const std::vector<int32_t> lens = {1000, 77, 512};
   const size_t es = DTypeSize(dt), row = static_cast<size_t>(d) * es;
@@ -46,12 +73,17 @@ void ExpectScoresOfTheCpu(int32_t H, int32_t hkv, int32_t d, DType dt, int32_t b
   std::normal_distribution<float> z;
   std::vector<uint8_t> q(static_cast<size_t>(B) * H * row);
   for (size_t i = 0; i < q.size() / es; ++i) StoreFromFloat(q.data(), i, dt, z(rng));
+  WidthsMaps maps;
+  if (widths) {
+    ASSERT_NO_FATAL_FAILURE(maps = MakeWidthsMaps(hkv, d));
+  }
   // Host compressed keys per (b, j) and their blocks on the device.
   std::vector<CompressedKeys> keys;
   int32_t max_groups = 0;
   for (int32_t b = 0; b < B; ++b) {
     for (int32_t j = 0; j < hkv; ++j) {
-      keys.emplace_back(KeyCompression{bits, kKeyGroupTokens}, d, dt);
+      keys.emplace_back(KeyCompression{bits, kKeyGroupTokens, widths ? &maps.maps[j] : nullptr}, d,
+                        dt);
       std::vector<uint8_t> r(row);
       for (int32_t t = 0; t < lens[b]; ++t) {
         for (int32_t c = 0; c < d; ++c) {
@@ -104,10 +136,17 @@ void ExpectScoresOfTheCpu(int32_t H, int32_t hkv, int32_t d, DType dt, int32_t b
   p.seq_lens = dlens.as<int32_t>();
   p.scores = dscores.as<float>();
   p.score_stride = stride;
+  DeviceBuffer dch, dpart;
+  if (widths) {
+    dch = ToDevice(maps.channel);
+    dpart = ToDevice(maps.part);
+    p.map_channel = dch.as<uint8_t>();
+    p.map_part = dpart.as<uint8_t>();
+  }
   KVSPARSE_ASSERT_CUDA(CompressedScores(p, nullptr));
   KVSPARSE_ASSERT_CUDA(cudaDeviceSynchronize());
   const std::vector<float> got = ToHost<float>(dscores, static_cast<size_t>(B) * H * stride);
-  std::vector<float> qf(d), want(1024);
+  std::vector<float> qf(d), qm(d), want(1024);
   double worst = 0;  // the tensor cores' largest error, in units of its bound
   int64_t moves_seen = 0;
   for (int32_t b = 0; b < B; ++b) {
@@ -115,6 +154,8 @@ void ExpectScoresOfTheCpu(int32_t H, int32_t hkv, int32_t d, DType dt, int32_t b
       for (int32_t c = 0; c < d; ++c) qf[c] = LoadAsFloat(q.data() + (b * H + h) * row, c, dt);
       const CompressedKeysView v = keys[b * hkv + h / G].view();
       ApproximateScores(v, qf.data(), 0.125f, want.data());
+      // What the closed groups' stored channels are scored against: q through the map.
+      for (int32_t c = 0; c < d; ++c) qm[c] = widths ? qf[maps.maps[h / G].channel[c]] : qf[c];
       for (int32_t t = 0; t < lens[b]; ++t) {
         const float g = got[(static_cast<int64_t>(b) * H + h) * stride + t];
         if (bits > 2 || t >= v.closed) {
@@ -122,12 +163,12 @@ void ExpectScoresOfTheCpu(int32_t H, int32_t hkv, int32_t d, DType dt, int32_t b
               << "b " << b << " h " << h << " t " << t << ": " << g << " vs " << want[t];
           continue;
         }
-        const float bound = TensorCoreBound(v, t / v.group, qf.data(), 0.125f);
+        const float bound = TensorCoreBound(v, t / v.group, qm.data(), 0.125f);
         ASSERT_LE(std::fabs(g - want[t]), bound)
             << "b " << b << " h " << h << " t " << t << ": " << g << " vs " << want[t];
         worst = std::max(worst, static_cast<double>(std::fabs(g - want[t]) / bound));
         // The bound is tight enough to see one code off by one in channel 0.
-        const float moved = 0.125f * std::fabs(qf[0] * keyq::Half(v.step(t / v.group)[0]));
+        const float moved = 0.125f * std::fabs(qm[0] * keyq::Half(v.step(t / v.group)[0]));
         if (moved > 4 * bound) ++moves_seen;
       }
     }
@@ -147,6 +188,19 @@ TEST(CompressedScoresCudaTest, EqualsTheCpuReference) {
       for (int32_t d : {64, 128}) ExpectScoresOfTheCpu(8, 2, d, dt, bits);
       ExpectScoresOfTheCpu(4, 4, 128, dt, bits);
       for (int32_t d : {128, 512}) ExpectScoresOfTheCpu(8, 1, d, dt, bits);
+    }
+  }
+}
+
+// Keys at per-channel widths: the closed groups scored with q through each kv head's map, the
+// open group's rows over the channels it keeps (ApproximateScores with the map), for the widths'
+// bits (1, 2 and 4) and GQA groups 1 and 4.
+TEST(CompressedScoresCudaTest, ChannelWidthsEqualTheCpuReference) {
+  KVSPARSE_REQUIRE_GPU();
+  for (DType dt : {DType::kBf16, DType::kFp32}) {
+    for (int32_t bits : {1, 2, 4}) {
+      ExpectScoresOfTheCpu(8, 2, 128, dt, bits, true);
+      ExpectScoresOfTheCpu(2, 2, 64, dt, bits, true);
     }
   }
 }
@@ -171,6 +225,14 @@ TEST(CompressedScoresCudaTest, RefusesBadShapes) {
   p.block_bytes += 6;  // large enough, not a multiple of 4: the codes' words misaligned
   EXPECT_EQ(CompressedScores(p, nullptr), cudaErrorInvalidValue);
   p.block_bytes -= 2;
+  const uint8_t map[128] = {};
+  p.map_channel = map;  // a channel map without its parts
+  EXPECT_EQ(CompressedScores(p, nullptr), cudaErrorInvalidValue);
+  p.map_part = map;
+  p.bits = 8;  // a map for 8-bit keys
+  p.block_bytes = static_cast<int64_t>(KeyGroupBytes({8, p.group}, 128));
+  EXPECT_EQ(CompressedScores(p, nullptr), cudaErrorInvalidValue);
+  p.map_channel = p.map_part = nullptr;
   p.num_seqs = 0;  // a valid shape with nothing to score: accepted, nothing launched
   EXPECT_EQ(CompressedScores(p, nullptr), cudaSuccess);
 }
@@ -194,77 +256,95 @@ void FillKeys(std::vector<uint8_t>* k, int32_t d, DType dt, std::mt19937* rng) {
   }
 }
 
+// With `widths` (1-, 2- and 4-bit keys) each kv head closes its groups with its channel map
+// (WidthsMaps), as CompressedKeys with KeyCompression::map does.
 TEST(CompressedKeyStepCudaTest, ClosesGroupsWithTheCpuBits) {
   KVSPARSE_REQUIRE_GPU();
   const int32_t B = 2, hkv = 3, G = kKeyGroupTokens, steps = 2 * G + 37;
-  for (DType dt : {DType::kBf16, DType::kFp16, DType::kFp32}) {
-    for (int32_t bits : {1, 2, 4, 8}) {
-      for (int32_t d : {64, 128}) {
-        SCOPED_TRACE(testing::Message() << DTypeName(dt) << " bits " << bits << " d " << d);
-        const size_t es = DTypeSize(dt), row = static_cast<size_t>(d) * es;
-        const size_t block = KeyGroupBytes({bits, G}, d);
-        std::mt19937 rng(bits * 17 + d + static_cast<int>(dt));
-        std::vector<CompressedKeys> want;
-        std::vector<DeviceBuffer> bufs;
-        std::vector<uint8_t*> heads;
-        std::vector<void*> tails;
-        for (int32_t i = 0; i < B * hkv; ++i) {
-          want.emplace_back(KeyCompression{bits, G}, d, dt);
-          bufs.emplace_back(2 * block);  // room for the two groups the steps close
-          ASSERT_EQ(bufs.back().Poison(), cudaSuccess);
-          heads.push_back(bufs.back().as<uint8_t>());
-          bufs.emplace_back(G * row);
-          ASSERT_EQ(bufs.back().Poison(), cudaSuccess);
-          tails.push_back(bufs.back().get());
-        }
-        DeviceBuffer dheads = ToDevice(heads), dtails = ToDevice(tails);
-        DeviceBuffer dk(static_cast<size_t>(B) * hkv * row), dlens(sizeof(int32_t) * B);
-        std::vector<uint8_t> k(static_cast<size_t>(B) * hkv * row);
-        std::vector<int32_t> lens(B, 0);
-        for (int32_t st = 0; st < steps; ++st) {
-          FillKeys(&k, d, dt, &rng);
-          // Sequence 1 takes a token every other step; its refused steps write nothing.
-          std::vector<int32_t> after(B);
-          for (int32_t b = 0; b < B; ++b) {
-            const bool takes = b == 0 || st % 2 == 0;
-            if (takes) ++lens[b];
-            after[b] = takes ? lens[b] : 0;
-            for (int32_t j = 0; j < hkv && takes; ++j) {
-              want[b * hkv + j].Append(k.data() + (b * hkv + j) * row);
+  for (const bool widths : {false, true}) {
+    for (DType dt : {DType::kBf16, DType::kFp16, DType::kFp32}) {
+      for (int32_t bits : {1, 2, 4, 8}) {
+        for (int32_t d : {64, 128}) {
+          if (widths && (bits == 8 || dt == DType::kFp16)) continue;
+          SCOPED_TRACE(testing::Message() << DTypeName(dt) << " bits " << bits << " d " << d
+                                          << (widths ? " key widths" : ""));
+          const size_t es = DTypeSize(dt), row = static_cast<size_t>(d) * es;
+          const size_t block = KeyGroupBytes({bits, G}, d);
+          std::mt19937 rng(bits * 17 + d + static_cast<int>(dt));
+          WidthsMaps maps;
+          if (widths) {
+            ASSERT_NO_FATAL_FAILURE(maps = MakeWidthsMaps(hkv, d));
+          }
+          std::vector<CompressedKeys> want;
+          std::vector<DeviceBuffer> bufs;
+          std::vector<uint8_t*> heads;
+          std::vector<void*> tails;
+          for (int32_t i = 0; i < B * hkv; ++i) {
+            want.emplace_back(KeyCompression{bits, G, widths ? &maps.maps[i % hkv] : nullptr}, d,
+                              dt);
+            bufs.emplace_back(2 * block);  // room for the two groups the steps close
+            ASSERT_EQ(bufs.back().Poison(), cudaSuccess);
+            heads.push_back(bufs.back().as<uint8_t>());
+            bufs.emplace_back(G * row);
+            ASSERT_EQ(bufs.back().Poison(), cudaSuccess);
+            tails.push_back(bufs.back().get());
+          }
+          DeviceBuffer dheads = ToDevice(heads), dtails = ToDevice(tails);
+          DeviceBuffer dk(static_cast<size_t>(B) * hkv * row), dlens(sizeof(int32_t) * B);
+          DeviceBuffer dch, dpart;
+          if (widths) {
+            dch = ToDevice(maps.channel);
+            dpart = ToDevice(maps.part);
+          }
+          std::vector<uint8_t> k(static_cast<size_t>(B) * hkv * row);
+          std::vector<int32_t> lens(B, 0);
+          for (int32_t st = 0; st < steps; ++st) {
+            FillKeys(&k, d, dt, &rng);
+            // Sequence 1 takes a token every other step; its refused steps write nothing.
+            std::vector<int32_t> after(B);
+            for (int32_t b = 0; b < B; ++b) {
+              const bool takes = b == 0 || st % 2 == 0;
+              if (takes) ++lens[b];
+              after[b] = takes ? lens[b] : 0;
+              for (int32_t j = 0; j < hkv && takes; ++j) {
+                want[b * hkv + j].Append(k.data() + (b * hkv + j) * row);
+              }
             }
+            ASSERT_EQ(dk.Upload(k.data(), k.size()), cudaSuccess);
+            ASSERT_EQ(dlens.Upload(after.data(), sizeof(int32_t) * B), cudaSuccess);
+            CompressedKeyStepParams p;
+            p.batch = B;
+            p.num_kv_heads = hkv;
+            p.head_dim = d;
+            p.bits = bits;
+            p.group = G;
+            p.dtype = dt;
+            p.new_k = dk.get();
+            p.seq_lens = dlens.as<int32_t>();
+            p.tails = dtails.as<void*>();
+            p.group_heads = dheads.as<uint8_t*>();
+            p.block_bytes = static_cast<int64_t>(block);
+            p.map_channel = dch.as<uint8_t>();
+            p.map_part = dpart.as<uint8_t>();
+            KVSPARSE_ASSERT_CUDA(AppendCompressedKeyStep(p, nullptr));
           }
-          ASSERT_EQ(dk.Upload(k.data(), k.size()), cudaSuccess);
-          ASSERT_EQ(dlens.Upload(after.data(), sizeof(int32_t) * B), cudaSuccess);
-          CompressedKeyStepParams p;
-          p.batch = B;
-          p.num_kv_heads = hkv;
-          p.head_dim = d;
-          p.bits = bits;
-          p.group = G;
-          p.dtype = dt;
-          p.new_k = dk.get();
-          p.seq_lens = dlens.as<int32_t>();
-          p.tails = dtails.as<void*>();
-          p.group_heads = dheads.as<uint8_t*>();
-          p.block_bytes = static_cast<int64_t>(block);
-          KVSPARSE_ASSERT_CUDA(AppendCompressedKeyStep(p, nullptr));
-        }
-        KVSPARSE_ASSERT_CUDA(cudaDeviceSynchronize());
-        for (int32_t i = 0; i < B * hkv; ++i) {
-          const CompressedKeysView v = want[i].view();
-          const std::vector<uint8_t> got = ToHost<uint8_t>(bufs[2 * i], 2 * block);
-          for (int64_t g = 0; g < v.closed / G; ++g) {
-            for (size_t x = 0; x < block; ++x) {
-              ASSERT_EQ(got[g * block + x], v.groups[g][x])
-                  << "(b, j) " << i << " group " << g << " byte " << x;
+          KVSPARSE_ASSERT_CUDA(cudaDeviceSynchronize());
+          for (int32_t i = 0; i < B * hkv; ++i) {
+            const CompressedKeysView v = want[i].view();
+            const std::vector<uint8_t> got = ToHost<uint8_t>(bufs[2 * i], 2 * block);
+            for (int64_t g = 0; g < v.closed / G; ++g) {
+              for (size_t x = 0; x < block; ++x) {
+                ASSERT_EQ(got[g * block + x], v.groups[g][x])
+                    << "(b, j) " << i << " group " << g << " byte " << x;
+              }
             }
+            for (size_t x = (v.closed / G) * block; x < 2 * block; ++x) {
+              ASSERT_EQ(got[x], 0xFF) << "(b, j) " << i << ": a group not closed was written";
+            }
+            const size_t open = static_cast<size_t>(v.length - v.closed);
+            const std::vector<uint8_t> tail = ToHost<uint8_t>(bufs[2 * i + 1], G * row);
+            ASSERT_EQ(std::memcmp(tail.data(), v.tail, open * row), 0) << "(b, j) " << i;
           }
-          for (size_t x = (v.closed / G) * block; x < 2 * block; ++x) {
-            ASSERT_EQ(got[x], 0xFF) << "(b, j) " << i << ": a group not closed was written";
-          }
-          const size_t open = static_cast<size_t>(v.length - v.closed);
-          const std::vector<uint8_t> tail = ToHost<uint8_t>(bufs[2 * i + 1], G * row);
-          ASSERT_EQ(std::memcmp(tail.data(), v.tail, open * row), 0) << "(b, j) " << i;
         }
       }
     }
@@ -367,27 +447,15 @@ TEST(CompressKeyGroupsCudaTest, ChannelWidthsEqualTheCpuBits) {
     for (int32_t bits : {1, 2, 4}) {
       for (int32_t d : {64, 128}) {
         SCOPED_TRACE(testing::Message() << DTypeName(dt) << " bits " << bits << " d " << d);
-        std::vector<KeyChannelMap> maps;
-        std::vector<uint8_t> channel, part;
-        for (int32_t j = 0; j < hkv; ++j) {  // kv head j widens channels j, j + 8, ...
-          std::vector<ChannelWidth> w(d, ChannelWidth::kWhole);
-          for (int32_t c = j; c + 4 < d; c += 8) {
-            w[c] = ChannelWidth::kWide;
-            w[c + 4] = ChannelWidth::kOut;
-          }
-          absl::StatusOr<KeyChannelMap> m = ChannelMapOf(w);
-          ASSERT_TRUE(m.ok()) << m.status();
-          maps.push_back(*m);
-          channel.insert(channel.end(), m->channel.begin(), m->channel.end());
-          for (StoredPart x : m->part) part.push_back(static_cast<uint8_t>(x));
-        }
+        WidthsMaps maps;
+        ASSERT_NO_FATAL_FAILURE(maps = MakeWidthsMaps(hkv, d));
         const size_t row = static_cast<size_t>(d) * DTypeSize(dt);
         const size_t block = KeyGroupBytes({bits, G}, d);
         std::mt19937 rng(bits * 17 + d + static_cast<int>(dt));
         std::vector<uint8_t> rows(static_cast<size_t>(hkv) * groups * G * row);
         FillKeys(&rows, d, dt, &rng);
-        DeviceBuffer drows = ToDevice(rows), dblocks(hkv * groups * block), dch = ToDevice(channel),
-                     dpart = ToDevice(part);
+        DeviceBuffer drows = ToDevice(rows), dblocks(hkv * groups * block),
+                     dch = ToDevice(maps.channel), dpart = ToDevice(maps.part);
         ASSERT_EQ(dblocks.Poison(), cudaSuccess);
         CompressKeyGroupsParams p = GroupsParams(hkv, groups, d, bits, dt, drows.get());
         p.blocks = dblocks.as<uint8_t>();
@@ -401,8 +469,8 @@ TEST(CompressKeyGroupsCudaTest, ChannelWidthsEqualTheCpuBits) {
         std::vector<uint8_t> want(block);
         for (int32_t j = 0; j < hkv; ++j) {
           for (int32_t g = 0; g < groups; ++g) {
-            CompressKeyGroup({bits, G, &maps[j]}, d, dt, rows.data() + (j * groups + g) * G * row,
-                             want.data());
+            CompressKeyGroup({bits, G, &maps.maps[j]}, d, dt,
+                             rows.data() + (j * groups + g) * G * row, want.data());
             const size_t at = (j * groups + g) * block;
             ASSERT_EQ(std::memcmp(got.data() + at, want.data(), block), 0)
                 << "head " << j << " group " << g;

@@ -1176,8 +1176,10 @@ void ExpectSameRows(Rig& a, Rig& b, const std::vector<int32_t>& lens, int steps,
 // step. Outputs agree, the committed rows are the eager ones, the plan's sequences are held,
 // and after the plan the eager path goes on from the committed rows.
 void CapturedStepsEqualEagerCalls(const Method& m, const kvstore::Placement& p,
-                                  std::vector<int32_t> lens, double tol, const std::string& what) {
-  auto a = Rig::Make(), b = Rig::Make();
+                                  std::vector<int32_t> lens, double tol, const std::string& what,
+                                  std::shared_ptr<const kernels::KeyWidths> key_widths = nullptr) {
+  auto a = Rig::Make(1ull << 30, 1.0, false, 32 << 20, nullptr, nullptr, key_widths);
+  auto b = Rig::Make(1ull << 30, 1.0, false, 32 << 20, nullptr, nullptr, key_widths);
   ASSERT_NE(a, nullptr);
   ASSERT_NE(b, nullptr);
   auto prob = Problem(lens);
@@ -1325,43 +1327,85 @@ TEST_F(GpuEngineTest, CapturedStepsOverCompressedKeys) {
   }
 }
 
-// Key widths (EngineOptions::key_widths): a sequence of their model and bits runs on the CPU
-// engine, naming why (the GPU's compressed-key kernels read uniform widths), and gives the CPU
-// engine's output; a sequence of other bits stays on the GPU.
-TEST_F(GpuEngineTest, KeyWidthsRunOnTheCpuEngine) {
-  auto prob = Problem({600});
-  const kernels::DecodeProblem& p = prob.problem;
-  std::vector<kernels::ChannelWidth> w(p.head_dim, kernels::ChannelWidth::kWhole);
-  for (int32_t c = 0; c < p.head_dim; c += 16) {
+// Key widths for the test model at 2 bits: every kv head of every layer widens channels 0, 16,
+// ... and leaves out channels 8, 24, ...
+std::shared_ptr<const kernels::KeyWidths> TestKeyWidths(int32_t hkv, int32_t d) {
+  std::vector<kernels::ChannelWidth> w(d, kernels::ChannelWidth::kWhole);
+  for (int32_t c = 0; c + 8 < d; c += 16) {
     w[c] = kernels::ChannelWidth::kWide;
     w[c + 8] = kernels::ChannelWidth::kOut;
   }
   auto widths = kernels::MakeKeyWidths(
-      kLayers, p.num_kv_heads, p.head_dim, 2,
-      std::vector<std::vector<kernels::ChannelWidth>>(kLayers * p.num_kv_heads, w));
-  ASSERT_TRUE(widths.ok()) << widths.status();
+      kLayers, hkv, d, 2, std::vector<std::vector<kernels::ChannelWidth>>(kLayers * hkv, w));
+  EXPECT_TRUE(widths.ok()) << widths.status();
+  if (!widths.ok()) return nullptr;
+  return std::make_shared<const kernels::KeyWidths>(*std::move(widths));
+}
+
+// Key widths (EngineOptions::key_widths) on the GPU: a sequence of their model and bits keeps
+// its compressed keys at those widths on the device (quantized there with the maps, scored
+// through them), so top-k selects the CPU engine's rows and S2ANTA (per head, the group
+// mixture) gives its output, on the GPU; the same calls without the widths select other rows
+// (the maps are read). vAttention's compressed predictor over them runs on the CPU engine,
+// naming why; a sequence of other bits takes uniform widths on the GPU.
+TEST_F(GpuEngineTest, KeyWidthsOnTheGpu) {
+  auto prob = Problem({1300, 600});
+  const kernels::DecodeProblem& p = prob.problem;
   auto rig = Rig::Make(1ull << 30, 1.0, false, 32 << 20, nullptr, nullptr,
-                       std::make_shared<const kernels::KeyWidths>(*std::move(widths)));
+                       TestKeyWidths(p.num_kv_heads, p.head_dim));
+  auto plain = Rig::Make();
   ASSERT_NE(rig, nullptr);
-  Method m = SantaMethod(1, 128);
-  m.santa.scores = kernels::ScoreSource::kCompressedKeys;
-  for (uint32_t bits : {2u, 4u}) {
-    kvstore::Placement pl;
-    pl.compressed_key_bits = bits;
-    const std::string prefix = "b" + std::to_string(bits);
-    rig->Load(prob, pl, prefix);
-    const DecodeCall call = Call(prob, m, prefix);
-    auto g = rig->gpu->Decode(call);
-    auto c = rig->cpu->Decode(call);
-    ASSERT_TRUE(g.ok() && c.ok()) << g.status() << " " << c.status();
-    if (bits == 2) {
-      EXPECT_EQ(g->timing.launch_seconds, 0.0) << "key widths: on the CPU engine";
-      EXPECT_TRUE(absl::StrContains(g->not_on_backend, "per-channel widths")) << g->not_on_backend;
-      EXPECT_EQ(g->output, c->output) << "the CPU engine's output";
-    } else {
-      EXPECT_GT(g->timing.launch_seconds, 0.0) << "other bits: on the GPU";
-    }
+  ASSERT_NE(plain, nullptr);
+  kvstore::Placement pl;
+  pl.compressed_key_bits = 2;
+  rig->Load(prob, pl);
+  plain->Load(prob, pl);
+  const Method topk = TopKMethod(0.05f);
+  Compare(*rig, prob, topk, {8e-3, true, 0}, "top-k, key widths");
+  auto g = rig->gpu->Decode(Call(prob, topk));
+  auto u = plain->gpu->Decode(Call(prob, topk));
+  ASSERT_TRUE(g.ok() && u.ok()) << g.status() << " " << u.status();
+  EXPECT_GT(g->timing.launch_seconds, 0.0) << "key widths: on the GPU";
+  EXPECT_GT(RelL2(g->output, u->output, p.dtype), 1e-3) << "the widths change the selection";
+  Method santa = SantaMethod(1, 128);
+  santa.santa.scores = kernels::ScoreSource::kCompressedKeys;
+  for (auto proposal : {kernels::SantaProposal::kPerHead, kernels::SantaProposal::kGroupMixture}) {
+    santa.santa.proposal = proposal;
+    auto c = rig->cpu->Decode(Call(prob, santa));
+    auto s = rig->gpu->Decode(Call(prob, santa));
+    ASSERT_TRUE(c.ok() && s.ok()) << c.status() << " " << s.status();
+    EXPECT_GT(s->timing.launch_seconds, 0.0) << "S2ANTA over key widths: on the GPU";
+    EXPECT_LT(RelL2(s->output, c->output, p.dtype), 0.05) << "S2ANTA, the CPU engine's output";
   }
+  Method vatt = VAttentionMethod();
+  vatt.vattention.predictor = kernels::TopKPredictor::kCompressed;
+  vatt.vattention.sampler = kernels::ResidualSampler::kImportance;
+  vatt.vattention.bound = kernels::BudgetBound::kCltRatio;
+  auto v = rig->gpu->Decode(Call(prob, vatt));
+  ASSERT_TRUE(v.ok()) << v.status();
+  EXPECT_EQ(v->timing.launch_seconds, 0.0) << "vAttention over key widths: the CPU engine";
+  EXPECT_TRUE(absl::StrContains(v->not_on_backend, "per-channel widths")) << v->not_on_backend;
+  pl.compressed_key_bits = 4;
+  rig->Load(prob, pl, "b4");
+  auto f = rig->gpu->Decode(Call(prob, topk, "b4"));
+  ASSERT_TRUE(f.ok()) << f.status();
+  EXPECT_GT(f->timing.launch_seconds, 0.0) << "other bits: on the GPU";
+}
+
+// Captured steps over key widths: each step's key joins the compressed keys on the device, a
+// group that closes quantized with the maps (1020 -> 1030 crosses 1024), as the eager sync's.
+TEST_F(GpuEngineTest, CapturedStepsOverKeyWidths) {
+  auto prob = Problem({1020});
+  auto widths = TestKeyWidths(prob.problem.num_kv_heads, prob.problem.head_dim);
+  kvstore::Placement p;
+  p.compressed_key_bits = 2;
+  CapturedStepsEqualEagerCalls(TopKMethod(0.f, 24, 4, 2), p, {1020}, 8e-3, "top-24, key widths",
+                               widths);
+  Method santa = SantaMethod(1, 64);
+  santa.santa.scores = kernels::ScoreSource::kCompressedKeys;
+  santa.santa.proposal = kernels::SantaProposal::kGroupMixture;
+  CapturedStepsEqualEagerCalls(santa, p, {1020}, 0.02, "S2ANTA-prop, group mixture, key widths",
+                               widths);
 }
 
 // Layer graphs (StaticStepRequest::layer_graphs): the flagship's plan called layer by layer
