@@ -26,6 +26,12 @@ one process on one GPU:
   kvsgn-<method>  kvsg- through a second in-process engine without a row cache
                   (gpu_row_cache=0: every selected row crosses every step), to set the row cache
                   of --gpu_row_cache against none in one run
+  kvsgw-<method>  kvsg- through an in-process engine with key widths (key_widths=: compressed
+                  keys at per-channel widths, kernels/key_widths.h): --key_widths's file, or by
+                  default widths in the calibration's proportions (3/16 of each kv head's
+                  channels at twice the bits, as many left out) from a seeded random ranking: these
+                  weights have no queries to rank by, and the kernels' work does not depend on
+                  which channels
   grpc-<method>   kvsparse-server on loopback (unary calls), grpcs-<method> over a DecodeStream
   kvsr-<method>   the engine in process (q and the output on the GPU) over a store in another
                   process: kvsparse.torch.ops.InProcessEngine(store=...) against kvsparse-server
@@ -77,6 +83,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -88,6 +95,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCach
 
 import kvsparse
 import kvsparse.torch.hf
+from kvsparse.tools import key_widths
 from kvsparse.torch import ops
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -334,10 +342,10 @@ def finish(row: Row) -> Row:
 
 def run_kvsparse(variant: str, model, n: int, batch: int, args, engines, server) -> Row:
     transport, method_name = variant.split("-", 1)
-    planned = transport in ("kvsg", "kvsgc", "kvsgn")
-    compiled = transport in ("kvsc", "kvsg", "kvsgc", "kvsgn")
+    planned = transport in ("kvsg", "kvsgc", "kvsgn", "kvsgw")
+    compiled = transport in ("kvsc", "kvsg", "kvsgc", "kvsgn", "kvsgw")
     warm_pages = transport != "kvsgc"
-    transport = "kvsn" if transport == "kvsgn" else "kvs" if compiled else transport
+    transport = {"kvsgn": "kvsn", "kvsgw": "kvsw"}.get(transport, "kvs" if compiled else transport)
     method = METHODS[method_name]
     cfg = model.config
     L, hkv, d = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
@@ -443,6 +451,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--gpu_capacity", default="40G")
     p.add_argument("--gpu_row_cache", type=float, default=0.04,
                    help="the in-process engine's row cache (hash, ckeys*): rows per kv head as a fraction of the tokens")
+    p.add_argument("--key_widths", default="",
+                   help="the kvsgw- engine's key widths file (kvsparse-key-widths); default: random widths in the "
+                        "calibration's proportions for the bench's shape")
     p.add_argument("--skip", default="", help="n:B:variant,... combinations to leave out")
     p.add_argument("--rounds", type=int, default=1,
                    help="pass over each (n, B)'s variants this many times, every other pass in reverse order; "
@@ -458,6 +469,19 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def bench_key_widths(args: argparse.Namespace) -> str:
+    """The kvsgw- engine's key widths file: --key_widths, or 2-bit widths for the bench's shape in
+    the calibration's proportions from a seeded random channel ranking."""
+    if args.key_widths:
+        return args.key_widths
+    d = args.hidden // args.heads
+    g = torch.Generator().manual_seed(0)
+    widths = [key_widths.widths_of(torch.rand(args.kv_heads, d, generator=g), 3 / 16) for _ in range(args.layers)]
+    path = Path(tempfile.gettempdir()) / f"kvsparse-e2e-widths-{os.getpid()}.bin"
+    key_widths.write_key_widths(path, widths, bits=2)
+    return str(path)
+
+
 def start_transports(variants: list[str], args: argparse.Namespace, gpu: bool
                      ) -> tuple[dict[str, ops.InProcessEngine], dict[str, kvsparse.LocalServer]]:
     """The in-process engines (by transport) and the local servers the variants decode through."""
@@ -471,6 +495,11 @@ def start_transports(variants: list[str], args: argparse.Namespace, gpu: bool
         engines["kvsn"] = ops.InProcessEngine(
             gpu="on" if gpu else "off", store_capacity=args.store_capacity, gpu_capacity=args.gpu_capacity,
             gpu_row_cache=0.0,
+        )
+    if any(v.startswith("kvsgw-") for v in variants):
+        engines["kvsw"] = ops.InProcessEngine(
+            gpu="on" if gpu else "off", store_capacity=args.store_capacity, gpu_capacity=args.gpu_capacity,
+            gpu_row_cache=args.gpu_row_cache, key_widths=bench_key_widths(args),
         )
     server: dict[str, kvsparse.LocalServer] = {}
     if any(v.startswith("grpc") for v in variants):
