@@ -1,6 +1,7 @@
 #include "kernels/compressed_keys.h"
 
 #include <algorithm>
+#include <bitset>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -100,6 +101,16 @@ std::vector<ChannelWidth> WidthsOf(const KeyChannelMap* map, int32_t d) {
         map->part[v] == StoredPart::kWhole ? ChannelWidth::kWhole : ChannelWidth::kWide;
   }
   return w;
+}
+
+// The model channels a map leaves out (none without one), without allocating: what a tail
+// token's error norm covers (KeyErrorBound, called per token). d <= 256 with a map.
+std::bitset<256> LeftOutOf(const KeyChannelMap* map, int32_t d) {
+  std::bitset<256> out;
+  if (map == nullptr) return out;
+  for (int32_t c = 0; c < d; ++c) out.set(c);
+  for (int32_t v = 0; v < d; ++v) out.reset(map->channel[v]);
+  return out;
 }
 
 }  // namespace
@@ -204,11 +215,11 @@ CompressedKeysView CompressedKeys::view() const {
 float KeyErrorBound(const CompressedKeysView& v, int64_t t) {
   if (t < v.closed) return Half(v.err(t / v.group)[t % v.group]);
   if (v.map == nullptr) return 0.f;
-  const std::vector<ChannelWidth> width = WidthsOf(v.map, v.head_dim);
+  const std::bitset<256> out = LeftOutOf(v.map, v.head_dim);
   const uint8_t* row = v.tail + (t - v.closed) * v.head_dim * DTypeSize(v.dtype);
   double err2 = 0;  // the left-out channels: the tail's score leaves them out
   for (int32_t c = 0; c < v.head_dim; ++c) {
-    if (width[c] == ChannelWidth::kOut) {
+    if (out[c]) {
       err2 = keyq::AddSquaredError(err2, LoadAsFloat(row, c, v.dtype), 0.f, 0.f, 0);
     }
   }
