@@ -83,8 +83,8 @@ ABSL_FLAG(std::string, saap_weights, "",
 ABSL_FLAG(std::string, key_widths, "",
           "Per-channel widths of compressed keys (format in kernels/key_widths.h, written by "
           "kvsparse-key-widths): sequences of that model whose placement keeps compressed "
-          "keys of its bits keep them at those widths (on the CPU engine: the GPU's kernels take "
-          "uniform widths). Empty: uniform widths");
+          "keys of its bits keep them at those widths, on the CPU engine and the GPU's (vAttention's "
+          "compressed predictor over them runs on the CPU engine). Empty: uniform widths");
 ABSL_FLAG(
     uint64_t, max_sequences, 100000,
     "Most sequences the store holds at once; creating more is RESOURCE_EXHAUSTED (0: no bound)");

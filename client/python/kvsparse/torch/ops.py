@@ -228,7 +228,7 @@ class InProcessEngine(_Closing):
             as kvsparse-server's ``--saap_weights``.
         key_widths: per-channel widths of the compressed keys (``kvsparse-key-widths``),
             as kvsparse-server's ``--key_widths``: sequences of that model and bits keep their
-            compressed keys at those widths (for now on the CPU engine only).
+            compressed keys at those widths, on the CPU engine and the GPU's.
     """
 
     def __init__(
