@@ -80,11 +80,12 @@ ABSL_FLAG(std::string, saap_weights, "",
           "SAAP partitions (format in kernels/saap.h, written by kvsparse-calibrate --saap_out): "
           "enables the saap method; each key's bucket is then its signature (sequences with "
           "signature_bits=32), and the hash methods are refused. Empty: none");
-ABSL_FLAG(std::string, key_widths, "",
-          "Per-channel widths of compressed keys (format in kernels/key_widths.h, written by "
-          "kvsparse-key-widths): sequences of that model whose placement keeps compressed "
-          "keys of its bits keep them at those widths, on the CPU engine and the GPU's (vAttention's "
-          "compressed predictor over them runs on the CPU engine). Empty: uniform widths");
+ABSL_FLAG(
+    std::string, key_widths, "",
+    "Per-channel widths of compressed keys (format in kernels/key_widths.h, written by "
+    "kvsparse-key-widths): sequences of that model whose placement keeps compressed "
+    "keys of its bits keep them at those widths, on the CPU engine and the GPU's (vAttention's "
+    "compressed predictor over them runs on the CPU engine). Empty: uniform widths");
 ABSL_FLAG(
     uint64_t, max_sequences, 100000,
     "Most sequences the store holds at once; creating more is RESOURCE_EXHAUSTED (0: no bound)");
