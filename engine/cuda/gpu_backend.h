@@ -54,7 +54,7 @@ struct GpuBackendOptions {
   int fetch_parallelism = GpuOptions{}.fetch_parallelism;
   SignatureConfig signatures;  // as the engine's (same seed and margin, or learned MLPs)
   // The engine's key widths (EngineOptions::key_widths): the sequences they apply to keep their
-  // compressed keys at those widths on the device too (DeviceKeyWidths); vAttention's bound over
+  // compressed keys at those widths on the device too (DeviceKeyWidths); vAttention over
   // them runs on the CPU engine.
   std::shared_ptr<const kernels::KeyWidths> key_widths;
 };
