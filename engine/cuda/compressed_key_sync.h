@@ -39,7 +39,6 @@ class DeviceKeyWidths {
   DeviceKeyWidths(const DeviceKeyWidths&) = delete;
   DeviceKeyWidths& operator=(const DeviceKeyWidths&) = delete;
 
-  const kernels::KeyWidths* widths() const { return widths_.get(); }
   // Layer `layer`'s maps for a sequence they apply to (KeyWidthsApply), else null ones.
   absl::StatusOr<DeviceKeyMap> Maps(const SequenceDesc& desc, uint32_t layer);
 
