@@ -43,3 +43,25 @@ def test_probe_ranks_budgets_on_real_attention(tmp_path: Path) -> None:
     for m in (s128, g1024):
         assert m["stated_se_mean"] > 0.0 and m["within_2se"] > 0.85
         assert len(m["calls"]["1"]["stated_se"]) == len(m["calls"]["1"]["error"]) == 32 * 4
+
+
+def test_se_budget_screen_takes_the_size_the_pilot_asks_for(tmp_path: Path) -> None:
+    """se_budget_screen.py: a (call, kv head) whose pilot's worst stated SE is twice the target
+    asks for 4x the pilot's draws and takes the next run's errors and rows; one at the target
+    keeps the pilot's."""
+    sys.path.insert(0, str(HERE))
+    import se_budget_screen  # noqa: E402
+
+    def run(errors: list[float], ses: list[float], rows: list[float]) -> dict:
+        return {"calls": {"0": {"error": errors, "stated_se": ses, "rows": rows}}}
+
+    # Two (call, kv head)s of G = 2 query heads each.
+    probe = {"methods": {"santa:samples=100,proposal=group": run([0.3, 0.1, 0.05, 0.04], [0.2, 0.1, 0.1, 0.05], [10, 10]),
+                         "santa:samples=400,proposal=group": run([0.1, 0.05, 0.02, 0.02], [0.1, 0.05, 0.05, 0.03], [30, 30])}}
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(probe))
+    sizes, runs = se_budget_screen.load(path)
+    assert sizes == [100, 400]
+    errors, rows, picks = se_budget_screen.screen(sizes, runs, 0.1)
+    assert picks.tolist() == [400, 100]  # (0.2 / 0.1)^2 x 100 = 400; 0.1 at the target: 100
+    assert rows.tolist() == [30, 10] and errors.tolist() == [0.1, 0.05, 0.05, 0.04]
