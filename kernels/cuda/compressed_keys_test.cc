@@ -256,95 +256,100 @@ void FillKeys(std::vector<uint8_t>* k, int32_t d, DType dt, std::mt19937* rng) {
   }
 }
 
-// With `widths` (1-, 2- and 4-bit keys) each kv head closes its groups with its channel map
-// (WidthsMaps), as CompressedKeys with KeyCompression::map does.
+// One (dtype, bits, head dim) of the test below: B = 2 sequences of hkv = 3 kv heads through
+// 2 groups and 37 tokens of steps, with `widths` each kv head closing its groups with its channel
+// map (WidthsMaps), as CompressedKeys with KeyCompression::map does.
+void ExpectStepsCloseGroupsAsTheCpu(DType dt, int32_t bits, int32_t d, bool widths) {
+  SCOPED_TRACE(testing::Message() << DTypeName(dt) << " bits " << bits << " d " << d
+                                  << (widths ? " key widths" : ""));
+  const int32_t B = 2, hkv = 3, G = kKeyGroupTokens, steps = 2 * G + 37;
+  const size_t es = DTypeSize(dt), row = static_cast<size_t>(d) * es;
+  const size_t block = KeyGroupBytes({bits, G}, d);
+  std::mt19937 rng(bits * 17 + d + static_cast<int>(dt));
+  WidthsMaps maps;
+  if (widths) {
+    ASSERT_NO_FATAL_FAILURE(maps = MakeWidthsMaps(hkv, d));
+  }
+  std::vector<CompressedKeys> want;
+  std::vector<DeviceBuffer> bufs;
+  std::vector<uint8_t*> heads;
+  std::vector<void*> tails;
+  for (int32_t i = 0; i < B * hkv; ++i) {
+    want.emplace_back(KeyCompression{bits, G, widths ? &maps.maps[i % hkv] : nullptr}, d, dt);
+    bufs.emplace_back(2 * block);  // room for the two groups the steps close
+    ASSERT_EQ(bufs.back().Poison(), cudaSuccess);
+    heads.push_back(bufs.back().as<uint8_t>());
+    bufs.emplace_back(G * row);
+    ASSERT_EQ(bufs.back().Poison(), cudaSuccess);
+    tails.push_back(bufs.back().get());
+  }
+  DeviceBuffer dheads = ToDevice(heads), dtails = ToDevice(tails);
+  DeviceBuffer dk(static_cast<size_t>(B) * hkv * row), dlens(sizeof(int32_t) * B);
+  DeviceBuffer dch, dpart;
+  if (widths) {
+    dch = ToDevice(maps.channel);
+    dpart = ToDevice(maps.part);
+  }
+  std::vector<uint8_t> k(static_cast<size_t>(B) * hkv * row);
+  std::vector<int32_t> lens(B, 0);
+  for (int32_t st = 0; st < steps; ++st) {
+    FillKeys(&k, d, dt, &rng);
+    // Sequence 1 takes a token every other step; its refused steps write nothing.
+    std::vector<int32_t> after(B);
+    for (int32_t b = 0; b < B; ++b) {
+      const bool takes = b == 0 || st % 2 == 0;
+      if (takes) ++lens[b];
+      after[b] = takes ? lens[b] : 0;
+      for (int32_t j = 0; j < hkv && takes; ++j) {
+        want[b * hkv + j].Append(k.data() + (b * hkv + j) * row);
+      }
+    }
+    ASSERT_EQ(dk.Upload(k.data(), k.size()), cudaSuccess);
+    ASSERT_EQ(dlens.Upload(after.data(), sizeof(int32_t) * B), cudaSuccess);
+    CompressedKeyStepParams p;
+    p.batch = B;
+    p.num_kv_heads = hkv;
+    p.head_dim = d;
+    p.bits = bits;
+    p.group = G;
+    p.dtype = dt;
+    p.new_k = dk.get();
+    p.seq_lens = dlens.as<int32_t>();
+    p.tails = dtails.as<void*>();
+    p.group_heads = dheads.as<uint8_t*>();
+    p.block_bytes = static_cast<int64_t>(block);
+    p.map_channel = dch.as<uint8_t>();
+    p.map_part = dpart.as<uint8_t>();
+    KVSPARSE_ASSERT_CUDA(AppendCompressedKeyStep(p, nullptr));
+  }
+  KVSPARSE_ASSERT_CUDA(cudaDeviceSynchronize());
+  for (int32_t i = 0; i < B * hkv; ++i) {
+    const CompressedKeysView v = want[i].view();
+    const std::vector<uint8_t> got = ToHost<uint8_t>(bufs[2 * i], 2 * block);
+    for (int64_t g = 0; g < v.closed / G; ++g) {
+      for (size_t x = 0; x < block; ++x) {
+        ASSERT_EQ(got[g * block + x], v.groups[g][x])
+            << "(b, j) " << i << " group " << g << " byte " << x;
+      }
+    }
+    for (size_t x = (v.closed / G) * block; x < 2 * block; ++x) {
+      ASSERT_EQ(got[x], 0xFF) << "(b, j) " << i << ": a group not closed was written";
+    }
+    const size_t open = static_cast<size_t>(v.length - v.closed);
+    const std::vector<uint8_t> tail = ToHost<uint8_t>(bufs[2 * i + 1], G * row);
+    ASSERT_EQ(std::memcmp(tail.data(), v.tail, open * row), 0) << "(b, j) " << i;
+  }
+}
+
+// With key widths (1-, 2- and 4-bit keys) as well as without.
 TEST(CompressedKeyStepCudaTest, ClosesGroupsWithTheCpuBits) {
   KVSPARSE_REQUIRE_GPU();
-  const int32_t B = 2, hkv = 3, G = kKeyGroupTokens, steps = 2 * G + 37;
   for (const bool widths : {false, true}) {
     for (DType dt : {DType::kBf16, DType::kFp16, DType::kFp32}) {
       for (int32_t bits : {1, 2, 4, 8}) {
         for (int32_t d : {64, 128}) {
           if (widths && (bits == 8 || dt == DType::kFp16)) continue;
-          SCOPED_TRACE(testing::Message() << DTypeName(dt) << " bits " << bits << " d " << d
-                                          << (widths ? " key widths" : ""));
-          const size_t es = DTypeSize(dt), row = static_cast<size_t>(d) * es;
-          const size_t block = KeyGroupBytes({bits, G}, d);
-          std::mt19937 rng(bits * 17 + d + static_cast<int>(dt));
-          WidthsMaps maps;
-          if (widths) {
-            ASSERT_NO_FATAL_FAILURE(maps = MakeWidthsMaps(hkv, d));
-          }
-          std::vector<CompressedKeys> want;
-          std::vector<DeviceBuffer> bufs;
-          std::vector<uint8_t*> heads;
-          std::vector<void*> tails;
-          for (int32_t i = 0; i < B * hkv; ++i) {
-            want.emplace_back(KeyCompression{bits, G, widths ? &maps.maps[i % hkv] : nullptr}, d,
-                              dt);
-            bufs.emplace_back(2 * block);  // room for the two groups the steps close
-            ASSERT_EQ(bufs.back().Poison(), cudaSuccess);
-            heads.push_back(bufs.back().as<uint8_t>());
-            bufs.emplace_back(G * row);
-            ASSERT_EQ(bufs.back().Poison(), cudaSuccess);
-            tails.push_back(bufs.back().get());
-          }
-          DeviceBuffer dheads = ToDevice(heads), dtails = ToDevice(tails);
-          DeviceBuffer dk(static_cast<size_t>(B) * hkv * row), dlens(sizeof(int32_t) * B);
-          DeviceBuffer dch, dpart;
-          if (widths) {
-            dch = ToDevice(maps.channel);
-            dpart = ToDevice(maps.part);
-          }
-          std::vector<uint8_t> k(static_cast<size_t>(B) * hkv * row);
-          std::vector<int32_t> lens(B, 0);
-          for (int32_t st = 0; st < steps; ++st) {
-            FillKeys(&k, d, dt, &rng);
-            // Sequence 1 takes a token every other step; its refused steps write nothing.
-            std::vector<int32_t> after(B);
-            for (int32_t b = 0; b < B; ++b) {
-              const bool takes = b == 0 || st % 2 == 0;
-              if (takes) ++lens[b];
-              after[b] = takes ? lens[b] : 0;
-              for (int32_t j = 0; j < hkv && takes; ++j) {
-                want[b * hkv + j].Append(k.data() + (b * hkv + j) * row);
-              }
-            }
-            ASSERT_EQ(dk.Upload(k.data(), k.size()), cudaSuccess);
-            ASSERT_EQ(dlens.Upload(after.data(), sizeof(int32_t) * B), cudaSuccess);
-            CompressedKeyStepParams p;
-            p.batch = B;
-            p.num_kv_heads = hkv;
-            p.head_dim = d;
-            p.bits = bits;
-            p.group = G;
-            p.dtype = dt;
-            p.new_k = dk.get();
-            p.seq_lens = dlens.as<int32_t>();
-            p.tails = dtails.as<void*>();
-            p.group_heads = dheads.as<uint8_t*>();
-            p.block_bytes = static_cast<int64_t>(block);
-            p.map_channel = dch.as<uint8_t>();
-            p.map_part = dpart.as<uint8_t>();
-            KVSPARSE_ASSERT_CUDA(AppendCompressedKeyStep(p, nullptr));
-          }
-          KVSPARSE_ASSERT_CUDA(cudaDeviceSynchronize());
-          for (int32_t i = 0; i < B * hkv; ++i) {
-            const CompressedKeysView v = want[i].view();
-            const std::vector<uint8_t> got = ToHost<uint8_t>(bufs[2 * i], 2 * block);
-            for (int64_t g = 0; g < v.closed / G; ++g) {
-              for (size_t x = 0; x < block; ++x) {
-                ASSERT_EQ(got[g * block + x], v.groups[g][x])
-                    << "(b, j) " << i << " group " << g << " byte " << x;
-              }
-            }
-            for (size_t x = (v.closed / G) * block; x < 2 * block; ++x) {
-              ASSERT_EQ(got[x], 0xFF) << "(b, j) " << i << ": a group not closed was written";
-            }
-            const size_t open = static_cast<size_t>(v.length - v.closed);
-            const std::vector<uint8_t> tail = ToHost<uint8_t>(bufs[2 * i + 1], G * row);
-            ASSERT_EQ(std::memcmp(tail.data(), v.tail, open * row), 0) << "(b, j) " << i;
-          }
+          ASSERT_NO_FATAL_FAILURE(ExpectStepsCloseGroupsAsTheCpu(dt, bits, d, widths));
         }
       }
     }
