@@ -44,12 +44,9 @@ class VAttentionCall final : public MethodCall {
                     "Hoeffding bound");
       reasons.AddIf(desc.placement.compressed_key_bits == 0,
                     "the placement keeps no compressed keys");
-      // Nothing in the importance sampler needs more than the scores (it reads no logit bound,
-      // so not the open group's left-out channels' norm either), but this pairing has not run
-      // on a GPU against the CPU engine yet: the CPU engine serves it until it has.
-      reasons.AddIf(KeyWidthsApply(caps.key_widths, desc),
-                    "vAttention over compressed keys at per-channel widths (key widths) is not "
-                    "verified on the GPU yet: the CPU engine serves it");
+      // At per-channel widths (key widths) too: the importance sampler reads the scores only
+      // (no logit bound, so not the open group's left-out channels' norm either), which the
+      // scores kernels take through the maps (GpuEngineTest.KeyWidthsOnTheGpu).
     } else if (p.predictor == kernels::TopKPredictor::kHash) {
       reasons.Add(SignaturesOnGpu(m, desc, caps));
     } else {

@@ -103,8 +103,10 @@ __device__ __forceinline__ float* LoadGroupQueries(const CompressedScoreParams& 
 // The open group's tokens [closed_groups * group, n) from their exact rows, a lane a token. With
 // a channel map (MAPPED), over the stored channels in order, each model channel the map keeps
 // once (a widened channel at its high part; qf holds q through the map): ApproximateScores's
-// sums. The mapped variant is its own function (not inlined): the kernels' registers stay as
-// they are without a map.
+// sums; the map is read four channels a load (the launcher checks its tables are 4-byte aligned;
+// d is a multiple of 4), so a row's loads do not each wait on a load of the map. The mapped
+// variant is its own function (not inlined): the kernels' registers stay as they are without a
+// map.
 template <typename T, int G, bool MAPPED>
 __device__ __forceinline__ void ScoreOpenRows(const CompressedScoreParams& p, const float* qf,
                                               float* out, int64_t slot, int32_t closed_groups,
@@ -113,21 +115,37 @@ __device__ __forceinline__ void ScoreOpenRows(const CompressedScoreParams& p, co
   const int32_t open = n - closed_groups * p.group;
   const void* rows = p.tails[slot];
   const int64_t m = static_cast<int64_t>(blockIdx.y) * d;
-  const uint8_t* channel = MAPPED ? p.map_channel + m : nullptr;
-  const uint8_t* part = MAPPED ? p.map_part + m : nullptr;
+  const uint32_t* channel4 =
+      MAPPED ? reinterpret_cast<const uint32_t*>(p.map_channel + m) : nullptr;
+  const uint32_t* part4 = MAPPED ? reinterpret_cast<const uint32_t*>(p.map_part + m) : nullptr;
   for (int32_t i = lane; i < open; i += 32) {
     const void* row = static_cast<const char*>(rows) + static_cast<int64_t>(i) * d * sizeof(T);
     float s[G];
 #pragma unroll
     for (int h = 0; h < G; ++h) s[h] = 0.f;
-#pragma unroll 4
-    for (int32_t c = 0; c < d; ++c) {
-      if (MAPPED && part[c] == 2) continue;  // a widened channel's low part
-      const float k = LoadElem<T>(row, MAPPED ? channel[c] : c);
-      float qc[G];
-      LoadHeads<G>(qf + c * G, qc);
+    if constexpr (MAPPED) {
+#pragma unroll 2
+      for (int32_t c4 = 0; c4 < d; c4 += 4) {
+        const uint32_t ch = channel4[c4 / 4], pt = part4[c4 / 4];
 #pragma unroll
-      for (int h = 0; h < G; ++h) s[h] = __fadd_rn(s[h], __fmul_rn(qc[h], k));
+        for (int b = 0; b < 4; ++b) {
+          if (((pt >> (8 * b)) & 0xffu) == 2u) continue;  // a widened channel's low part
+          const float k = LoadElem<T>(row, static_cast<int32_t>((ch >> (8 * b)) & 0xffu));
+          float qc[G];
+          LoadHeads<G>(qf + (c4 + b) * G, qc);
+#pragma unroll
+          for (int h = 0; h < G; ++h) s[h] = __fadd_rn(s[h], __fmul_rn(qc[h], k));
+        }
+      }
+    } else {
+#pragma unroll 4
+      for (int32_t c = 0; c < d; ++c) {
+        const float k = LoadElem<T>(row, c);
+        float qc[G];
+        LoadHeads<G>(qf + c * G, qc);
+#pragma unroll
+        for (int h = 0; h < G; ++h) s[h] = __fadd_rn(s[h], __fmul_rn(qc[h], k));
+      }
     }
 #pragma unroll
     for (int h = 0; h < G; ++h) {
@@ -153,26 +171,28 @@ __device__ void ScoreOpenGroup(const CompressedScoreParams& p, const float* qf, 
 
 // What both kernels do first: the block's queries into qf (every warp of a block with a group to
 // score takes part: the block's one barrier is here), the open group scored by the warp that has
-// it. The warp's closed group, or -1 where it has none left (then the warp returns); out and slot
-// are (b, kv head j)'s scores and compressed keys.
+// it. A (b, kv head j)'s items are its open group (item 0: the first block's first warp, so the
+// longest warp, up to group - 1 exact rows, starts first instead of after every closed group)
+// then its closed groups (item g + 1). The warp's closed group, or -1 where it has none (then the
+// warp returns); out and slot are (b, j)'s scores and compressed keys.
 template <typename T, int G>
 __device__ __forceinline__ int32_t ClosedGroupOfWarp(const CompressedScoreParams& p, float* qf,
                                                      float*& out, int64_t& slot) {
   const int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int32_t b = blockIdx.z, j = blockIdx.y;
-  const int32_t g = blockIdx.x * warps + warp;
+  const int32_t item = blockIdx.x * warps + warp;
   const int32_t n = p.seq_lens[b];
   const int32_t closed_groups = n / p.group;
   if (static_cast<int32_t>(blockIdx.x) * warps > closed_groups) return -1;  // the whole block
   out = LoadGroupQueries<T, G>(p, qf);
   slot = static_cast<int64_t>(b) * p.num_kv_heads + j;
   __syncthreads();  // the block's last barrier: from here each warp goes its own way
-  if (g > closed_groups) return -1;
-  if (g == closed_groups) {
+  if (item > closed_groups) return -1;
+  if (item == 0) {
     ScoreOpenGroup<T, G>(p, qf, out, slot, closed_groups, n, lane);
     return -1;
   }
-  return g;
+  return item - 1;
 }
 
 // The group's base sum_c q_c lo_c per head, one lane a head, in channel order.
@@ -830,7 +850,9 @@ cudaError_t CompressedScores(const CompressedScoreParams& p, cudaStream_t stream
               4 >
           kScoreSmemBytes ||
       !ValidBlock(p.head_dim, p.bits, p.group, p.block_bytes) || p.max_groups < 0 ||
-      !ValidMap(p.map_channel, p.map_part, p.head_dim, p.bits)) {
+      !ValidMap(p.map_channel, p.map_part, p.head_dim, p.bits) ||
+      ((reinterpret_cast<uintptr_t>(p.map_channel) | reinterpret_cast<uintptr_t>(p.map_part)) &
+       3) != 0) {  // the open group reads the map four channels a load
     return cudaErrorInvalidValue;
   }
   if (p.num_seqs == 0) return cudaSuccess;

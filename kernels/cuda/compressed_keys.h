@@ -46,7 +46,8 @@ struct CompressedScoreParams {
   // Optional, device [Hkv, d] each: kv head j's channel map (kernels/key_widths.h:
   // KeyChannelMap's channel and part) of keys quantized with it; null: uniform widths. The
   // closed groups are scored with q through the map (q'_v = q[channel[v]]), the open group's rows
-  // over the channels the map keeps, as ApproximateScores does. bits 1, 2 or 4 with one.
+  // over the channels the map keeps, as ApproximateScores does. bits 1, 2 or 4 with one; both
+  // tables 4-byte aligned.
   const uint8_t* map_channel = nullptr;
   const uint8_t* map_part = nullptr;
 };

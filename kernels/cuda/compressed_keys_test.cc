@@ -57,8 +57,8 @@ float TensorCoreBound(const CompressedKeysView& v, int64_t g, const float* q, fl
 }
 
 // The GPU's approximate scores of B = 3 sequences (ragged lengths: one shorter than a group, one
-// ending on a group boundary, open groups in either half of a block's groups) equal the CPU
-// reference's bit for bit for 4- and 8-bit keys and the open group's rows, and within
+// ending on a group boundary, one whose closed groups span blocks after its open group) equal the
+// CPU reference's bit for bit for 4- and 8-bit keys and the open group's rows, and within
 // TensorCoreBound of them for the closed groups of 1- and 2-bit keys; a perturbed code's score
 // is outside that bound (the bound can fail). With `widths`, each kv head's keys are quantized
 // with its own channel map (WidthsMaps) and scored through it on both sides.
@@ -225,8 +225,11 @@ TEST(CompressedScoresCudaTest, RefusesBadShapes) {
   p.block_bytes += 6;  // large enough, not a multiple of 4: the codes' words misaligned
   EXPECT_EQ(CompressedScores(p, nullptr), cudaErrorInvalidValue);
   p.block_bytes -= 2;
-  const uint8_t map[128] = {};
+  alignas(4) const uint8_t map[128] = {};
   p.map_channel = map;  // a channel map without its parts
+  EXPECT_EQ(CompressedScores(p, nullptr), cudaErrorInvalidValue);
+  alignas(4) const uint8_t part[132] = {};
+  p.map_part = part + 1;  // not 4-byte aligned: the open group reads the map a word at a time
   EXPECT_EQ(CompressedScores(p, nullptr), cudaErrorInvalidValue);
   p.map_part = map;
   p.bits = 8;  // a map for 8-bit keys
