@@ -23,8 +23,10 @@ struct DecodeCall {
   std::vector<std::string> sequence_ids;  // B
   kernels::DType q_dtype = kernels::DType::kBf16;
   absl::Span<const uint8_t> q;  // [B, H, d] of q_dtype
-  // The H and d q claims to have (0: take the sequences'); must match the model.
-  uint32_t q_heads = 0, q_dim = 0;
+  // The B, H and d q claims to have (0: take the call's and the sequences'); B must be the number
+  // of sequences, H and d the model's. Required with q on the device, whose size the engine
+  // cannot see.
+  uint32_t q_batch = 0, q_heads = 0, q_dim = 0;
   // Optional new token per sequence, appended to `layer` first: [B, Hkv, d] each, in the
   // sequences' dtype (new_kv_dtype must match it).
   absl::Span<const uint8_t> new_k, new_v;

@@ -29,6 +29,10 @@ absl::Status CheckCallShapes(const DecodeCall& call, const kvstore::ModelShape& 
     return absl::InvalidArgumentError(
         absl::StrCat("layer ", call.layer, " outside the sequences' ", shape.num_layers));
   }
+  if (call.q_batch != 0 && call.q_batch != B) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("q has a batch of ", call.q_batch, " but the call names ", B, " sequences"));
+  }
   if ((call.q_heads != 0 && call.q_heads != shape.num_q_heads) ||
       (call.q_dim != 0 && call.q_dim != shape.head_dim)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -37,9 +41,11 @@ absl::Status CheckCallShapes(const DecodeCall& call, const kvstore::ModelShape& 
   }
   const size_t hd = static_cast<size_t>(shape.num_q_heads) * shape.head_dim;
   if (call.on_device()) {
-    if (call.out_device == nullptr || call.q_heads == 0 || call.q_dim == 0 || !call.q.empty()) {
+    if (call.out_device == nullptr || call.q_batch == 0 || call.q_heads == 0 || call.q_dim == 0 ||
+        !call.q.empty()) {
       return absl::InvalidArgumentError(
-          "a call with q on the device gives q_device, out_device, q_heads and q_dim, not q");
+          "a call with q on the device gives q_device, out_device, q_batch, q_heads and q_dim, "
+          "not q");
     }
     if (call.q_dtype != shape.dtype) {
       return absl::InvalidArgumentError(absl::StrCat(
@@ -438,6 +444,7 @@ absl::StatusOr<std::unique_ptr<StaticStep>> DecodeEngine::PlanStatic(const Stati
   call.seed = req.seed;
   call.scale = req.scale;
   call.q_dtype = req.dtype;
+  call.q_batch = static_cast<uint32_t>(req.sequence_ids.size());  // the step's q is [B, H, d]
   call.q_heads = first->shape.num_q_heads;
   call.q_dim = first->shape.head_dim;
   call.q_device = &kPlaceholder;

@@ -11,6 +11,7 @@
 #include <tuple>
 
 #include "absl/strings/match.h"
+#include "engine/engine_settings.h"
 #include "engine/gpu_mode.h"
 #include "engine/gpu_shape.h"
 #include "engine/resident_cache.h"
@@ -295,6 +296,17 @@ TEST_F(EngineTest, ABackendsRefusalIsTheReasonGiven) {
   on_device.out_device = &device_out;
   on_device.q_heads = shape_.num_q_heads;
   on_device.q_dim = shape_.head_dim;
+  // q on the device: the engine cannot see its size, so the call states its batch, which must be
+  // the sequences' count (the op sent none: a q of another batch was read and written past).
+  for (uint32_t batch : {0u, static_cast<uint32_t>(prob_.problem.batch) + 1}) {
+    on_device.q_batch = batch;
+    const absl::Status bad = engine.Decode(on_device).status();
+    EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument) << batch << ": " << bad;
+    EXPECT_TRUE(absl::StrContains(bad.message(), "q_batch") ||
+                absl::StrContains(bad.message(), "batch of"))
+        << bad;
+  }
+  on_device.q_batch = static_cast<uint32_t>(prob_.problem.batch);
   auto refused = engine.Decode(on_device);
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(absl::StrContains(refused.status().message(), "the recording backend takes no call"))
@@ -871,6 +883,9 @@ TEST_F(EngineTest, BadRequestsGetClearCodes) {
   c = Call(Method{});
   c.layer = kLayers;
   EXPECT_EQ(engine_->Decode(c).status().code(), StatusCode::kInvalidArgument);
+  c = Call(Method{});
+  c.q_batch = static_cast<uint32_t>(c.sequence_ids.size()) + 1;  // q's batch: the sequences'
+  EXPECT_EQ(engine_->Decode(c).status().code(), StatusCode::kInvalidArgument);
   Method hash;
   hash.kind = MethodKind::kHashTopK;
   hash.hash.fixed.top_k = 8;
@@ -1190,6 +1205,50 @@ TEST(SignatureWeightsTest, LoadNamesTheSettingOfEachRefusal) {
   EXPECT_EQ(s.message(), "hash_weights and saap_weights exclude each other");
   EXPECT_EQ(config.learned, nullptr);
   EXPECT_EQ(config.saap, nullptr);
+}
+
+// One reader of an engine's settings for kvsparse-server's flags and the op's arguments: the GPU
+// backend's capacity is the resident capacity unless given (the op held 8 GiB where the server
+// held --resident_capacity), and each error names the setting with the caller's prefix.
+TEST(EngineSettingsTest, OneReadingForTheServerAndTheOp) {
+  EngineSettings s;
+  s.options.resident_capacity_bytes = 1ull << 30;
+  for (const char* prefix : {"--", ""}) {
+    absl::StatusOr<EngineOptions> o = EngineOptionsFrom(s, prefix);
+    ASSERT_TRUE(o.ok()) << o.status();
+    EXPECT_EQ(o->gpu.mode, GpuMode::kAuto);
+    EXPECT_EQ(o->gpu.capacity_bytes, 1ull << 30) << "tied to the resident capacity";
+    EXPECT_EQ(o->default_tile_size, EngineOptions{}.default_tile_size);
+  }
+  s.gpu_capacity = 3ull << 30;
+  absl::StatusOr<EngineOptions> o = EngineOptionsFrom(s, "--");
+  ASSERT_TRUE(o.ok()) << o.status();
+  EXPECT_EQ(o->gpu.capacity_bytes, 3ull << 30);
+  EXPECT_EQ(o->resident_capacity_bytes, 1ull << 30);
+  auto expect_bad = [](const EngineSettings& bad, const char* prefix, const std::string& head) {
+    const absl::Status st = EngineOptionsFrom(bad, prefix).status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << head;
+    EXPECT_TRUE(absl::StartsWith(st.message(), head)) << st;
+  };
+  EngineSettings bad = s;
+  bad.gpu = "sometimes";
+  expect_bad(bad, "--", "--gpu: ");
+  expect_bad(bad, "", "gpu: ");
+  bad = s;
+  bad.options.resident_capacity_bytes = 0;
+  expect_bad(bad, "--", "--resident_capacity: ");
+  bad = s;
+  bad.options.gpu.row_cache = 2.0;
+  expect_bad(bad, "", "gpu_row_cache ");
+  bad = s;
+  bad.options.gpu.stage_timing_every = -1;
+  expect_bad(bad, "--", "--gpu_stage_timing_every: ");
+  bad = s;
+  bad.key_widths = ::testing::TempDir() + "/no-such-widths";
+  expect_bad(bad, "", "key_widths: ");
+  bad = s;
+  bad.hash_weights = ::testing::TempDir() + "/no-such-weights";
+  expect_bad(bad, "--", "--hash_weights: ");
 }
 
 // The GPU options' ranges, one check for kvsparse-server's flags and the op's arguments, naming

@@ -13,9 +13,9 @@ absl::StatusOr<std::unique_ptr<Embedded>> Embedded::Create(EmbeddedOptions optio
   absl::StatusOr<std::unique_ptr<kvstore::Store>> store = kvstore::Store::Create(options.store);
   if (!store.ok()) return store.status();
   e->store_ = std::move(*store);
+  // Without mapped pages (kAuto where pinning failed) the GPU backend stages the rows it reads,
+  // as kvsparse-server's does (the row source says the pages are not device-visible).
   e->source_ = NewLocalRowSource(e->store_.get(), memory->mapped);
-  // Without mapped pages the GPU backend could not read the host rows in place.
-  if (!memory->mapped) options.engine.gpu.mode = GpuMode::kOff;
   absl::StatusOr<AssembledEngine> a = AssembleEngine(options.engine, e->source_.get());
   if (!a.ok()) return a.status();
   e->engine_ = std::move(a->engine);

@@ -26,7 +26,8 @@ struct EmbeddedOptions {
 class Embedded {
  public:
   // INVALID_ARGUMENT for bad store options; FAILED_PRECONDITION for GpuMode::kOn without a device.
-  // Pages that cannot be pinned and mapped (kAuto) decode on the CPU engine.
+  // Pages that cannot be pinned and mapped (kAuto) are staged by the GPU backend for its kernels,
+  // as kvsparse-server's store pages are.
   static absl::StatusOr<std::unique_ptr<Embedded>> Create(EmbeddedOptions options);
   Embedded(const Embedded&) = delete;
   Embedded& operator=(const Embedded&) = delete;

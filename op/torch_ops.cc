@@ -19,6 +19,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <map>
@@ -32,6 +33,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "engine/embedded.h"
+#include "engine/engine_settings.h"
 #include "engine/gpu_mode.h"
 #include "engine/gpu_shape.h"
 #include "engine/signatures.h"
@@ -90,7 +92,8 @@ std::shared_ptr<OpEngine> Find(int64_t handle) {
 // store_target empty: the store in this process (store_capacity, capacity_policy and huge_pages
 // are its); otherwise the kvsparse-server store at that address, over TLS when store_tls_ca is
 // given (store_tls_cert + store_tls_key: this side's certificate) and with store_token as the
-// bearer token when given.
+// bearer token when given. gpu_capacity and resident_capacity 0, gpu_row_cache NaN: the
+// engine's defaults (engine::EngineSettings, as kvsparse-server's flags).
 int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capacity,
                      const std::string& capacity_policy, int64_t gpu_capacity, double gpu_row_cache,
                      int64_t resident_capacity, bool huge_pages, const std::string& store_target,
@@ -99,25 +102,31 @@ int64_t EngineCreate(const std::string& gpu, int64_t device, int64_t store_capac
                      const std::string& store_tls_key, const std::string& store_token,
                      const std::string& key_widths) {
   en::EmbeddedOptions o;
-  absl::StatusOr<en::GpuMode> mode = en::ParseGpuMode(gpu);
-  Check(mode.status());
-  o.engine.gpu.mode = *mode;
-  if (store_capacity <= 0 || gpu_capacity <= 0 || resident_capacity <= 0 || device < 0) {
-    Invalid("capacities must be positive and the device non-negative");
+  if (store_capacity <= 0 || gpu_capacity < 0 || resident_capacity < 0 || device < 0) {
+    Invalid(
+        "store_capacity must be positive, gpu_capacity and resident_capacity >= 0 (0: the "
+        "default) and the device non-negative");
   }
-  o.engine.gpu.device = static_cast<int>(device);
+  // The engine's settings, read as kvsparse-server's flags are (engine::EngineOptionsFrom).
+  en::EngineSettings settings;
+  settings.gpu = gpu;
+  settings.options.gpu.device = static_cast<int>(device);
+  if (!std::isnan(gpu_row_cache)) settings.options.gpu.row_cache = gpu_row_cache;  // NaN: default
+  if (resident_capacity > 0) {
+    settings.options.resident_capacity_bytes = static_cast<size_t>(resident_capacity);
+  }
+  settings.gpu_capacity = static_cast<uint64_t>(gpu_capacity);  // 0: the resident capacity
+  settings.hash_weights = hash_weights;
+  settings.saap_weights = saap_weights;
+  settings.key_widths = key_widths;
+  absl::StatusOr<en::EngineOptions> engine_options = en::EngineOptionsFrom(settings, "");
+  Check(engine_options.status());
+  o.engine = *std::move(engine_options);
   o.store.capacity_bytes = static_cast<size_t>(store_capacity);
   absl::StatusOr<kv::CapacityPolicy> policy = kv::ParseCapacityPolicy(capacity_policy);
   Check(policy.status());
   o.store.policy = *policy;
   o.host.huge_pages = huge_pages;
-  o.engine.gpu.capacity_bytes = static_cast<size_t>(gpu_capacity);
-  o.engine.gpu.row_cache = gpu_row_cache;
-  Check(en::CheckGpuOptions(o.engine.gpu, "gpu_"));
-  o.engine.resident_capacity_bytes = static_cast<size_t>(resident_capacity);
-  Check(en::LoadSignatureWeights(hash_weights, saap_weights, "hash_weights", "saap_weights",
-                                 &o.engine.signatures));
-  Check(en::LoadKeyWidths(key_widths, "key_widths", &o.engine));
   rpc::StoreConnectionOptions store;
   store.target = store_target;
   store.tls.ca = store_tls_ca;
@@ -392,6 +401,8 @@ Decoded DecodeWith(OpEngine* e, en::DecodeCall call, const at::Tensor& q_in,
   if (q_in.dim() != 3) Invalid("q must be [B, H, d]");
   if (new_k.has_value() != new_v.has_value()) Invalid("new_k and new_v come together");
   call.q_dtype = DTypeOf(q_in, "q");
+  if (q_in.size(0) > (1 << 20)) Invalid("q: batch out of range");  // the engine checks it is B
+  call.q_batch = static_cast<uint32_t>(q_in.size(0));
   call.q_heads = static_cast<uint32_t>(q_in.size(1));
   call.q_dim = static_cast<uint32_t>(q_in.size(2));
   at::Tensor nk, nv;

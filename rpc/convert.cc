@@ -377,18 +377,17 @@ absl::StatusOr<engine::DecodeCall> FromProto(const v1::DecodeRequest& msg) {
   engine::DecodeCall c;
   if (msg.sequence_ids_size() == 0) return absl::InvalidArgumentError("sequence_ids: empty");
   if (absl::Status s = ValidateTensor(msg.q(), "q"); !s.ok()) return s;
-  if (msg.q().shape_size() != 3 || msg.q().shape(0) != msg.sequence_ids_size()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "q: shape must be [B, H, d] with B = ", msg.sequence_ids_size(), " sequences"));
-  }
+  if (msg.q().shape_size() != 3) return absl::InvalidArgumentError("q: shape must be [B, H, d]");
   c.layer = msg.layer();
   c.sequence_ids.assign(msg.sequence_ids().begin(), msg.sequence_ids().end());
   c.q_dtype = *FromProto(msg.q().dtype(), "q");
   c.q = absl::Span<const uint8_t>(reinterpret_cast<const uint8_t*>(msg.q().data().data()),
                                   msg.q().data().size());
-  if (msg.q().shape(1) > UINT32_MAX || msg.q().shape(2) > UINT32_MAX) {
+  if (msg.q().shape(0) > UINT32_MAX || msg.q().shape(1) > UINT32_MAX ||
+      msg.q().shape(2) > UINT32_MAX) {
     return absl::InvalidArgumentError("q: dimension out of range");
   }
+  c.q_batch = static_cast<uint32_t>(msg.q().shape(0));  // the engine checks it (CheckCallShapes)
   c.q_heads = static_cast<uint32_t>(msg.q().shape(1));
   c.q_dim = static_cast<uint32_t>(msg.q().shape(2));
   if (msg.has_new_k() != msg.has_new_v()) {
@@ -414,8 +413,7 @@ absl::StatusOr<engine::DecodeCall> FromProto(const v1::DecodeRequest& msg) {
   if (!m.ok()) return m.status();
   c.method = *m;
   c.seed = msg.seed();
-  if (absl::Status s = engine::CheckScale(msg.scale()); !s.ok()) return s;
-  c.scale = msg.scale();
+  c.scale = msg.scale();  // the engine checks it (CheckScale)
   c.return_indices = msg.return_indices();
   return c;
 }

@@ -15,8 +15,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "engine/engine_settings.h"
 #include "engine/gpu_mode.h"
-#include "engine/signatures.h"
 #include "kernels/hash_signatures.h"
 #include "kernels/saap.h"
 #include "kvstore/memory_resource.h"
@@ -84,8 +84,8 @@ ABSL_FLAG(
     std::string, key_widths, "",
     "Per-channel widths of compressed keys (format in kernels/key_widths.h, written by "
     "kvsparse-key-widths): sequences of that model whose placement keeps compressed "
-    "keys of its bits keep them at those widths, on the CPU engine and the GPU's (vAttention's "
-    "compressed predictor over them runs on the CPU engine). Empty: uniform widths");
+    "keys of its bits keep them at those widths, on the CPU engine and the GPU's. Empty: uniform "
+    "widths");
 ABSL_FLAG(
     uint64_t, max_sequences, 100000,
     "Most sequences the store holds at once; creating more is RESOURCE_EXHAUSTED (0: no bound)");
@@ -97,7 +97,7 @@ ABSL_FLAG(uint32_t, max_concurrent_streams, 256,
 ABSL_FLAG(uint32_t, max_calls_per_token, 0,
           "With --auth_tokens: unary calls plus open DecodeStreams one token may hold at once; "
           "more are RESOURCE_EXHAUSTED (0: no per-token bound)");
-ABSL_FLAG(ByteSize, max_decode_bytes, ByteSize{64ull << 30},
+ABSL_FLAG(ByteSize, max_decode_bytes, ByteSize{kvsparse::engine::EngineOptions{}.max_call_bytes},
           "Most K+V bytes one Decode call may cover (its dense-equivalent bytes, what the CPU "
           "engine may gather for it); more is RESOURCE_EXHAUSTED");
 ABSL_FLAG(absl::Duration, keepalive_time, absl::Minutes(2),
@@ -111,7 +111,8 @@ ABSL_FLAG(absl::Duration, stream_idle_timeout, absl::Minutes(5),
           "--max_concurrent_streams slot); 0 = never");
 ABSL_FLAG(absl::Duration, max_connection_idle, absl::ZeroDuration(),
           "Close connections with no call for this long (0: never)");
-ABSL_FLAG(uint32_t, max_call_sequences, 1024,
+ABSL_FLAG(uint32_t, max_call_sequences,
+          static_cast<uint32_t>(kvsparse::engine::EngineOptions{}.max_call_sequences),
           "Most sequences one Decode call may name (each once); more is INVALID_ARGUMENT");
 ABSL_FLAG(std::string, port_file, "",
           "Once serving, write '<grpc port> <metrics port>' (0: no metrics) to this file (written "
@@ -157,27 +158,35 @@ ABSL_FLAG(uint32_t, shard_count, 1,
 ABSL_FLAG(std::string, arena_file, "",
           "role=store: keep the store's pages in this file (created, sized to --capacity, mapped "
           "shared), e.g. on a memory-backed volume another container of the pod mounts too");
-ABSL_FLAG(ByteSize, resident_capacity, ByteSize{4ull << 30},
-          "Most bytes of device-tier state the worker keeps (resident K/V, key signatures)");
-ABSL_FLAG(uint32_t, default_tile_size, 256, "S2ANTA tile size when a request gives 0");
+ABSL_FLAG(ByteSize, resident_capacity,
+          ByteSize{kvsparse::engine::EngineOptions{}.resident_capacity_bytes},
+          "Most bytes of device-tier state the worker keeps (resident K/V, key signatures, "
+          "compressed keys), on the GPU too unless --gpu_capacity is given");
+ABSL_FLAG(ByteSize, gpu_capacity, ByteSize{0},
+          "Most bytes of GPU memory the GPU engine holds for sequences (their K/V, signatures, "
+          "compressed keys and row caches); 0 = --resident_capacity");
+ABSL_FLAG(uint32_t, default_tile_size,
+          static_cast<uint32_t>(kvsparse::engine::EngineOptions{}.default_tile_size),
+          "S2ANTA tile size when a request gives 0");
 ABSL_FLAG(std::string, gpu, "auto",
           "Decode on the GPU: auto (when this build has CUDA and a device is present; the store's "
           "pages are then pinned and mapped so the GPU reads host rows in place), on (fail "
           "without one) or off (CPU engine)");
-ABSL_FLAG(int, gpu_device, 0, "CUDA device ordinal of the GPU backend");
-ABSL_FLAG(double, gpu_row_cache, 0.04,
+ABSL_FLAG(int, gpu_device, kvsparse::engine::GpuOptions{}.device,
+          "CUDA device ordinal of the GPU backend");
+ABSL_FLAG(double, gpu_row_cache, kvsparse::engine::GpuOptions{}.row_cache,
           "HashAttention on the GPU: rows per kv head kept on the GPU from one step to the next "
           "(a row cache: consecutive steps select mostly the same rows), as a fraction of each "
           "sequence's tokens; 0 = no cache, every selected row crosses each step");
-ABSL_FLAG(int, gpu_fetch_parallelism, 8,
+ABSL_FLAG(int, gpu_fetch_parallelism, kvsparse::engine::GpuOptions{}.fetch_parallelism,
           "GPU worker with --store (K/V in another process): how many of a batch's sequences "
           "have their selected rows fetched from the store at once (1: one after another)");
-ABSL_FLAG(int, gpu_stage_timing_every, 16,
+ABSL_FLAG(int, gpu_stage_timing_every, kvsparse::engine::GpuOptions{}.stage_timing_every,
           "GPU engine: time the selection / gather / compute stages (CUDA events) of one Decode "
           "call in this many (1: every call, 0: never); the events cost host time per call");
-ABSL_FLAG(uint64_t, signature_seed, 0x6b767370,
+ABSL_FLAG(uint64_t, signature_seed, kvsparse::engine::SignatureConfig{}.simhash_seed,
           "Seed of the SimHash hyperplanes (fixed per deployment: cached signatures depend on it)");
-ABSL_FLAG(double, signature_norm_margin, 1.0,
+ABSL_FLAG(double, signature_norm_margin, kvsparse::engine::SignatureConfig{}.norm_margin,
           "SimHash M = this x the largest key norm seen at a layer's first sync");
 ABSL_FLAG(std::string, hash_weights, "",
           "Learned HashAttention MLP weights (kernels/hash_signatures.h format); empty = SimHash");
@@ -296,42 +305,31 @@ absl::Status StoreFromFlags(srv::ServerOptions* o, Resources* r) {
   return absl::OkStatus();
 }
 
-// The GPU backend's flags (read before the store's memory, which depends on --gpu).
-absl::Status GpuFromFlags(srv::ServerOptions* o) {
-  absl::StatusOr<kvsparse::engine::GpuMode> gpu =
-      kvsparse::engine::ParseGpuMode(absl::GetFlag(FLAGS_gpu));
-  if (!gpu.ok()) return Bad(absl::StrCat("--gpu: ", gpu.status().message()));
-  kvsparse::engine::GpuOptions& g = o->engine.gpu;
-  g.mode = *gpu;
-  g.device = absl::GetFlag(FLAGS_gpu_device);
-  g.row_cache = absl::GetFlag(FLAGS_gpu_row_cache);
-  g.stage_timing_every = std::max(0, absl::GetFlag(FLAGS_gpu_stage_timing_every));
-  g.fetch_parallelism = absl::GetFlag(FLAGS_gpu_fetch_parallelism);
-  return kvsparse::engine::CheckGpuOptions(g, "--gpu_");
-}
-
-// The engine's limits, defaults and signature keys (SimHash, or learned or SAAP weights).
+// The engine's flags (read before the store's memory, which depends on --gpu): its limits,
+// defaults, GPU backend and signature keys (SimHash, or learned or SAAP weights), read by the
+// engine's one reader of settings (the op's arguments go through it too).
 absl::Status EngineFromFlags(srv::ServerOptions* o) {
-  o->engine.max_call_bytes = absl::GetFlag(FLAGS_max_decode_bytes).bytes;
-  // One bound for the device-tier state on either backend: the CPU engine's resident cache, or
-  // the GPU backend's memory.
-  o->engine.resident_capacity_bytes = absl::GetFlag(FLAGS_resident_capacity).bytes;
-  o->engine.gpu.capacity_bytes = o->engine.resident_capacity_bytes;
-  o->engine.max_call_sequences = absl::GetFlag(FLAGS_max_call_sequences);
-  o->engine.default_tile_size = static_cast<int32_t>(absl::GetFlag(FLAGS_default_tile_size));
-  o->engine.signatures.simhash_seed = absl::GetFlag(FLAGS_signature_seed);
-  o->engine.signatures.norm_margin = static_cast<float>(absl::GetFlag(FLAGS_signature_norm_margin));
-  if (absl::Status s = kvsparse::engine::LoadSignatureWeights(
-          absl::GetFlag(FLAGS_hash_weights), absl::GetFlag(FLAGS_saap_weights), "--hash_weights",
-          "--saap_weights", &o->engine.signatures);
-      !s.ok()) {
-    return Bad(s.message());
-  }
-  if (absl::Status s = kvsparse::engine::LoadKeyWidths(absl::GetFlag(FLAGS_key_widths),
-                                                       "--key_widths", &o->engine);
-      !s.ok()) {
-    return Bad(s.message());
-  }
+  kvsparse::engine::EngineSettings s;
+  s.gpu = absl::GetFlag(FLAGS_gpu);
+  kvsparse::engine::EngineOptions& e = s.options;
+  e.gpu.device = absl::GetFlag(FLAGS_gpu_device);
+  e.gpu.row_cache = absl::GetFlag(FLAGS_gpu_row_cache);
+  e.gpu.stage_timing_every = absl::GetFlag(FLAGS_gpu_stage_timing_every);
+  e.gpu.fetch_parallelism = absl::GetFlag(FLAGS_gpu_fetch_parallelism);
+  e.max_call_bytes = absl::GetFlag(FLAGS_max_decode_bytes).bytes;
+  e.resident_capacity_bytes = absl::GetFlag(FLAGS_resident_capacity).bytes;
+  s.gpu_capacity = absl::GetFlag(FLAGS_gpu_capacity).bytes;
+  e.max_call_sequences = absl::GetFlag(FLAGS_max_call_sequences);
+  e.default_tile_size = static_cast<int32_t>(absl::GetFlag(FLAGS_default_tile_size));
+  e.signatures.simhash_seed = absl::GetFlag(FLAGS_signature_seed);
+  e.signatures.norm_margin = static_cast<float>(absl::GetFlag(FLAGS_signature_norm_margin));
+  s.hash_weights = absl::GetFlag(FLAGS_hash_weights);
+  s.saap_weights = absl::GetFlag(FLAGS_saap_weights);
+  s.key_widths = absl::GetFlag(FLAGS_key_widths);
+  absl::StatusOr<kvsparse::engine::EngineOptions> options =
+      kvsparse::engine::EngineOptionsFrom(s, "--");
+  if (!options.ok()) return Bad(options.status().message());
+  o->engine = *std::move(options);
   return absl::OkStatus();
 }
 
@@ -359,12 +357,11 @@ int main(int argc, char** argv) {
 
   srv::ServerOptions options;
   Resources resources;
-  // In order, stopping at the first error: --gpu decides the store's memory.
+  // In order, stopping at the first error: --gpu (the engine's flags) decides the store's memory.
   absl::Status s = LoggingFromFlags();
   if (s.ok()) s = NetworkFromFlags(&options);
-  if (s.ok()) s = GpuFromFlags(&options);
-  if (s.ok()) s = StoreFromFlags(&options, &resources);
   if (s.ok()) s = EngineFromFlags(&options);
+  if (s.ok()) s = StoreFromFlags(&options, &resources);
   if (!s.ok()) {
     std::fprintf(stderr, "%s\n", std::string(s.message()).c_str());
     return s.code() == absl::StatusCode::kInvalidArgument ? 2 : 1;

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import warnings
+from typing import Any
 
 import pytest
 
@@ -241,6 +242,33 @@ def test_cuda_q_and_output_stay_on_the_device() -> None:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             e.decode(1, ids, q, kvsparse.VAttention(predictor="exact"))
+        # q on the device of another batch than the sequences': refused, as on the host (the
+        # engine could not see its size and read and wrote past it).
+        for bad in (q[:1], torch.cat([q, q])):
+            with pytest.raises(ValueError, match="batch"):
+                e.decode(1, ids, bad)
+
+
+def test_bad_engine_settings_name_the_argument() -> None:
+    # The server's reading of its flags, with the op's names (engine::EngineOptionsFrom).
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"gpu": "sometimes"}, "INVALID_ARGUMENT: gpu: "),
+        ({"gpu": "off", "gpu_row_cache": 2.0}, "INVALID_ARGUMENT: gpu_row_cache "),
+        ({"gpu": "off", "key_widths": "/no/such/widths"}, "INVALID_ARGUMENT: key_widths: "),
+    ]
+    for kwargs, name in cases:
+        with pytest.raises(kvsparse.InvalidArgument, match=name):
+            ops.InProcessEngine(store_capacity="64M", **kwargs)
+
+
+@pytest.mark.gpu
+def test_the_gpu_capacity_is_the_resident_capacity_unless_given() -> None:
+    # The op reads its settings as kvsparse-server reads its flags (engine::EngineOptionsFrom):
+    # one bound for the device-tier state, a separate GPU bound only when asked for.
+    with ops.InProcessEngine(store_capacity="256M", gpu="on", resident_capacity="1G") as e:
+        assert e.memory()["gpu_capacity"] == 1 << 30
+    with ops.InProcessEngine(store_capacity="256M", gpu="on", resident_capacity="1G", gpu_capacity="2G") as e:
+        assert e.memory()["gpu_capacity"] == 2 << 30
 
 
 @pytest.mark.gpu

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import math
 import os
 import re
 import warnings
@@ -218,9 +219,14 @@ class InProcessEngine(_Closing):
         device: CUDA device of the GPU backend.
         store_capacity: bytes of K/V pages the store holds ("64G"; this process's store only).
         capacity_policy: "reject" or "evict-lru" (this process's store only).
-        gpu_capacity: GPU memory for per-sequence state (signatures, resident rows, row caches).
-        gpu_row_cache: HashAttention's row cache, rows per kv head as a fraction of the tokens.
-        resident_capacity: the CPU engine's device-tier state.
+        gpu_capacity: GPU memory for per-sequence state (signatures, resident rows, compressed
+            keys, row caches); None: ``resident_capacity``, as kvsparse-server's
+            ``--gpu_capacity``.
+        gpu_row_cache: HashAttention's row cache, rows per kv head as a fraction of the tokens;
+            None: kvsparse-server's ``--gpu_row_cache`` default.
+        resident_capacity: device-tier state (the CPU engine's resident rows, and the GPU's unless
+            ``gpu_capacity``); None: kvsparse-server's ``--resident_capacity`` default. The
+            engine reads these settings as the server reads its flags.
         hash_weights: a learned HashAttention weight file (``kvsparse.tools.calibrate``): hash top-k and
             vAttention's hash predictor then sign with its MLPs (``learned=True`` in the method),
             as kvsparse-server's ``--hash_weights``.
@@ -238,9 +244,9 @@ class InProcessEngine(_Closing):
         device: int = 0,
         store_capacity: int | str = "16G",
         capacity_policy: str = "reject",
-        gpu_capacity: int | str = "8G",
-        gpu_row_cache: float = 0.04,
-        resident_capacity: int | str = "4G",
+        gpu_capacity: int | str | None = None,
+        gpu_row_cache: float | None = None,
+        resident_capacity: int | str | None = None,
         huge_pages: bool = True,
         store: str | None = None,
         store_credentials: Credentials | None = None,
@@ -262,9 +268,9 @@ class InProcessEngine(_Closing):
             device,
             _bytes(store_capacity),
             capacity_policy,
-            _bytes(gpu_capacity),
-            float(gpu_row_cache),
-            _bytes(resident_capacity),
+            0 if gpu_capacity is None else _bytes(gpu_capacity),  # 0: the engine's default
+            math.nan if gpu_row_cache is None else float(gpu_row_cache),
+            0 if resident_capacity is None else _bytes(resident_capacity),
             huge_pages,
             store or "",
             str(hash_weights or ""),
