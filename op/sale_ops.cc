@@ -121,12 +121,7 @@ SaleOperands SaleOperandsOf(const at::Tensor& q_in, const at::Tensor& k_in, cons
     at::Tensor r = t.dim() == 4 && t.size(0) == 1 ? t.squeeze(0) : t;
     if (r.dim() != 3) Invalid(absl::StrCat(name, ": [heads, tokens, head_dim] (or [1, ...])"));
     if (r.device() != q_in.device()) Invalid("q, k and v must be on one device");
-    r = r.contiguous();
-    // SALE's CUDA kernels read rows 16 bytes at a time: a view that starts off a 16-byte
-    // boundary (a slice of a larger buffer) is copied to a fresh tensor, as contiguous() copies a
-    // strided one.
-    if (reinterpret_cast<uintptr_t>(r.data_ptr()) % 16 != 0) r = r.clone();
-    return r;
+    return Aligned16(r);  // SALE's CUDA kernels read rows 16 bytes at a time
   };
   SaleOperands o;
   o.q = squeeze(q_in, "q");

@@ -1,11 +1,13 @@
 // What every torch.ops.kvsparse source file shares (torch_ops.cc, sale_ops.cc): failures raised
 // as RuntimeError("kvsparse <CODE>: <message>"), which kvsparse.torch.ops turns into the kvsparse
-// exception of that code, and the dtype of a tensor argument.
+// exception of that code, the dtype of a tensor argument, and device operands laid out as the
+// kernels read them.
 #ifndef KVSPARSE_OP_TORCH_ARGS_H_
 #define KVSPARSE_OP_TORCH_ARGS_H_
 
 #include <ATen/ATen.h>
 
+#include <cstdint>
 #include <string>
 
 #include "absl/status/status.h"
@@ -36,6 +38,15 @@ inline kernels::DType DTypeOf(const at::Tensor& t, const char* name) {
       Invalid(absl::StrCat(name, ": kvsparse moves float32, float16 and bfloat16, not ",
                            c10::toString(t.scalar_type())));
   }
+}
+
+// t contiguous and starting on a 16-byte boundary, as the CUDA kernels read rows and queries (16
+// bytes a load): a strided tensor is copied by contiguous(), a contiguous view that starts off
+// the boundary (a slice of a larger buffer) by clone(); t itself where it is both already.
+inline at::Tensor Aligned16(const at::Tensor& t) {
+  at::Tensor r = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(r.data_ptr()) % 16 != 0) r = r.clone();
+  return r;
 }
 
 }  // namespace kvsparse::torch_ops

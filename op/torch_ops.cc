@@ -416,8 +416,9 @@ Decoded DecodeWith(OpEngine* e, en::DecodeCall call, const at::Tensor& q_in,
   }
 #if KVSPARSE_TORCH_CUDA
   if (q_in.is_cuda() && e->device() == q_in.get_device()) {
-    // q and the output stay on the device, on the caller's stream.
-    const at::Tensor q = q_in.contiguous();
+    // q and the output stay on the device, on the caller's stream; q as the kernels read it (a
+    // view off a 16-byte boundary would fault them: copied).
+    const at::Tensor q = Aligned16(q_in);
     at::Tensor out = at::empty_like(q);
     call.q_device = q.data_ptr();
     call.out_device = out.data_ptr();
@@ -697,9 +698,14 @@ at::Tensor StepDecodeTo(int64_t engine, int64_t handle, int64_t layer, const at:
                            st.head_dim(), "] and new_k, new_v [", B, ", ", st.num_kv_heads(), ", ",
                            st.head_dim(), "]"));
     }
-    const at::Tensor qc = q.contiguous(), kc = new_k.contiguous(), vc = new_v.contiguous();
+    // As the kernels read them: contiguous, 16-byte aligned (copied where not); the caller's out
+    // must be so already, since the step writes into it.
+    const at::Tensor qc = Aligned16(q), kc = Aligned16(new_k), vc = Aligned16(new_v);
     const at::Tensor pc = positions.contiguous();
     if (!out.defined()) out = at::empty_like(qc);
+    if (reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 != 0) {
+      Invalid("out must start on a 16-byte boundary (the kernels write 16 bytes at a time)");
+    }
     Check(p->captured->Enqueue(static_cast<uint32_t>(layer), qc.data_ptr(), kc.data_ptr(),
                                vc.data_ptr(), pc.data_ptr<int64_t>(), out.data_ptr(),
                                at::cuda::getCurrentCUDAStream(dev).stream()));

@@ -262,6 +262,22 @@ def test_bad_engine_settings_name_the_argument() -> None:
 
 
 @pytest.mark.gpu
+def test_a_q_view_off_a_16_byte_boundary_decodes_as_q() -> None:
+    # The kernels read q 16 bytes a load (uint4), which a contiguous view starting 6 bytes into a
+    # buffer (a slice of a larger one) would misalign; the op copies such a q.
+    with ops.InProcessEngine(store_capacity="1G", gpu="on") as e:
+        ids, _, _ = load(e, 1024, 2, "cuda", kvsparse.Placement())
+        q = (torch.randn(2, 8, 64, device="cuda") * 2).to(torch.bfloat16)
+        buf = torch.empty(q.numel() + 3, dtype=q.dtype, device="cuda")
+        view = buf[3:].view_as(q)
+        view.copy_(q)
+        assert view.is_contiguous() and view.data_ptr() % 16 != 0
+        out, _ = e.decode(1, ids, view)
+        expected, _ = e.decode(1, ids, q)
+        assert torch.equal(out, expected)
+
+
+@pytest.mark.gpu
 def test_the_gpu_capacity_is_the_resident_capacity_unless_given() -> None:
     # The op reads its settings as kvsparse-server reads its flags (engine::EngineOptionsFrom):
     # one bound for the device-tier state, a separate GPU bound only when asked for.
