@@ -10,6 +10,7 @@ import dataclasses
 import os
 import subprocess
 from pathlib import Path
+from typing import get_args
 
 import pytest
 from google.protobuf import text_format
@@ -75,6 +76,14 @@ def _proto_of(method: kvsparse.Method) -> attention_pb2.Method:
     out = attention_pb2.Method()
     method.to_proto(out)
     return out
+
+
+def test_every_method_of_the_proto_has_its_dataclass() -> None:
+    # Method's oneof is the list of methods (attention.proto): a method added there without its
+    # dataclass here (or a dataclass without its message) fails here, not at a user's parse.
+    oneof = attention_pb2.Method.DESCRIPTOR.oneofs_by_name["kind"]
+    assert sorted(f.name for f in oneof.fields) == sorted(METHOD_NAMES)
+    assert set(get_args(kvsparse.methods.Method)) == set(METHOD_NAMES.values())
 
 
 @pytest.mark.parametrize("name", list(METHOD_NAMES))
