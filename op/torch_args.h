@@ -40,12 +40,18 @@ inline kernels::DType DTypeOf(const at::Tensor& t, const char* name) {
   }
 }
 
-// t contiguous and starting on a 16-byte boundary, as the CUDA kernels read rows and queries (16
-// bytes a load): a strided tensor is copied by contiguous(), a contiguous view that starts off
-// the boundary (a slice of a larger buffer) by clone(); t itself where it is both already.
+// Whether t's data starts on a 16-byte boundary, as the CUDA kernels read and write rows and
+// queries (16 bytes a load or store).
+inline bool OnA16ByteBoundary(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+}
+
+// t contiguous and starting on a 16-byte boundary: a strided tensor is copied by contiguous(), a
+// contiguous view that starts off the boundary (a slice of a larger buffer) by clone(); t itself
+// where it is both already.
 inline at::Tensor Aligned16(const at::Tensor& t) {
   at::Tensor r = t.contiguous();
-  if (reinterpret_cast<uintptr_t>(r.data_ptr()) % 16 != 0) r = r.clone();
+  if (!OnA16ByteBoundary(r)) r = r.clone();
   return r;
 }
 

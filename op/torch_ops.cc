@@ -703,7 +703,7 @@ at::Tensor StepDecodeTo(int64_t engine, int64_t handle, int64_t layer, const at:
     const at::Tensor qc = Aligned16(q), kc = Aligned16(new_k), vc = Aligned16(new_v);
     const at::Tensor pc = positions.contiguous();
     if (!out.defined()) out = at::empty_like(qc);
-    if (reinterpret_cast<uintptr_t>(out.data_ptr()) % 16 != 0) {
+    if (!OnA16ByteBoundary(out)) {
       Invalid("out must start on a 16-byte boundary (the kernels write 16 bytes at a time)");
     }
     Check(p->captured->Enqueue(static_cast<uint32_t>(layer), qc.data_ptr(), kc.data_ptr(),
