@@ -122,7 +122,7 @@ struct DecodeTiming {
   // and the wait from then until the stream is done (kernels, transfers, wake-up).
   double launch_seconds = 0, wait_seconds = 0;
   // How many calls the selection / gather / compute times stand for: 1 when every call is
-  // timed (CPU engine); the GPU backend times one call in GpuBackendOptions::stage_timing_every
+  // timed (CPU engine); the GPU backend times one call in GpuOptions::stage_timing_every
   // (its CUDA events cost host time), which then stands for that many, and the others carry 0
   // here and in the stage times.
   double stage_weight = 1;

@@ -22,17 +22,23 @@ namespace kvsparse::engine {
 // it; kOff: the CPU engine.
 enum class GpuMode { kAuto, kOn, kOff };
 
-// The GPU backend's options (engine/cuda/gpu_backend.h GpuBackendOptions, filled from these by
-// AssembleEngine, engine/gpu_mode.h). The engine's defaults live here; GpuBackendOptions and
-// DeviceStateOptions take theirs from these structs.
+// Where the engine decodes: the GPU backend (engine/cuda/gpu_backend.h) and its device state read
+// these and a few of EngineOptions' fields from the engine's options, their one home.
 struct GpuOptions {
   GpuMode mode = GpuMode::kAuto;
-  int device = 0;                      // CUDA device ordinal
-  size_t capacity_bytes = 4ull << 30;  // GPU memory for per-sequence state
-  // Rows per kv head kept from the last step's selection, as a fraction of the tokens (0: none).
+  int device = 0;  // CUDA device ordinal
+  // GPU memory for per-sequence state (rows, signatures, page lists, row caches), evicted least
+  // recently used first.
+  size_t capacity_bytes = 4ull << 30;
+  // Rows per kv head kept from the last step's selection, as a fraction of the tokens (0: none,
+  // every selected row crosses the host link each step).
   double row_cache = 0.04;
-  int stage_timing_every = 16;  // selection / gather / compute events on one call in this many
-  int fetch_parallelism = 8;    // helper threads reading rows from another process's store
+  // Selection / gather / compute times from CUDA events on one call in this many (1: every call;
+  // 0: never): recording the events costs a few us of host time a call.
+  int stage_timing_every = 16;
+  // A store in another process: the rows of this many of a batch's sequences are fetched at
+  // once (each its own Gather or UCX read; 1: one after another).
+  int fetch_parallelism = 8;
 };
 
 struct EngineOptions {

@@ -49,24 +49,10 @@ absl::StatusOr<HostMemory> NewHostMemory(GpuMode mode, const kvstore::HostMemory
 
 namespace {
 
-// The GPU backend options the engine's options imply.
-GpuBackendOptions BackendOptionsFor(const EngineOptions& engine) {
-  GpuBackendOptions go;
-  go.max_fetch_bytes = engine.max_fetch_bytes;
-  go.signatures = engine.signatures;
-  go.key_widths = engine.key_widths;
-  go.device = engine.gpu.device;
-  go.capacity_bytes = engine.gpu.capacity_bytes;
-  go.row_cache_fraction = engine.gpu.row_cache;
-  go.stage_timing_every = engine.gpu.stage_timing_every;
-  go.fetch_parallelism = engine.gpu.fetch_parallelism;
-  return go;
-}
-
 // The GPU backend over `source` for `mode`, or null for the CPU engine (the reason in
 // *cpu_reason). kOn: the error.
 absl::StatusOr<std::unique_ptr<DecodeBackend>> NewBackend(GpuMode mode,
-                                                          const GpuBackendOptions& options,
+                                                          const EngineOptions& options,
                                                           RowSource* source,
                                                           std::string* cpu_reason) {
   if (mode == GpuMode::kOff) return nullptr;
@@ -87,7 +73,7 @@ absl::StatusOr<std::unique_ptr<DecodeBackend>> NewBackend(GpuMode mode,
 absl::StatusOr<AssembledEngine> AssembleEngine(const EngineOptions& options, RowSource* source) {
   AssembledEngine a;
   absl::StatusOr<std::unique_ptr<DecodeBackend>> backend =
-      NewBackend(options.gpu.mode, BackendOptionsFor(options), source, &a.cpu_reason);
+      NewBackend(options.gpu.mode, options, source, &a.cpu_reason);
   if (!backend.ok()) return backend.status();
   if (*backend != nullptr) a.device = options.gpu.device;
   a.engine = std::make_unique<DecodeEngine>(options, source, std::move(*backend));

@@ -9,10 +9,10 @@
 
 namespace kvsparse::engine::gpu {
 
-DeviceState::DeviceState(DeviceStateOptions options, RowSource* source, cudaStream_t stream)
+DeviceState::DeviceState(EngineOptions options, RowSource* source, cudaStream_t stream)
     : options_(std::move(options)),
       source_(source),
-      memory_(options_.capacity_bytes, stream),
+      memory_(options_.gpu.capacity_bytes, stream),
       simhash_(options_.signatures.simhash_seed, options_.signatures.norm_margin, &memory_),
       learned_(options_.signatures.learned == nullptr
                    ? nullptr
@@ -24,7 +24,8 @@ DeviceState::DeviceState(DeviceStateOptions options, RowSource* source, cudaStre
                : learned_ != nullptr ? static_cast<KeySigning*>(learned_.get())
                                      : &simhash_),
       key_widths_(options_.key_widths, &memory_),
-      fetchers_(source->pages_device_visible() ? 0 : std::max(0, options_.fetch_parallelism - 1)) {}
+      fetchers_(source->pages_device_visible() ? 0
+                                               : std::max(0, options_.gpu.fetch_parallelism - 1)) {}
 
 DeviceState::~DeviceState() {
   memory_.Free(&scratch_);

@@ -54,24 +54,11 @@ struct SyncedBatch {
   std::vector<int32_t> lens;  // [B] tokens at the call's layer
 };
 
-// The GPU backend's options that the device state uses (engine/cuda/gpu_backend.h fills them);
-// the defaults are engine/engine_options.h's, their one home.
-struct DeviceStateOptions {
-  // Per-sequence state (rows, signatures, page lists, caches).
-  size_t capacity_bytes = GpuOptions{}.capacity_bytes;
-  // Largest single read from the row source (sync, staging).
-  size_t max_fetch_bytes = EngineOptions{}.max_fetch_bytes;
-  int fetch_parallelism = GpuOptions{}.fetch_parallelism;  // GpuBackendOptions::fetch_parallelism
-  double row_cache_fraction = GpuOptions{}.row_cache;  // the row cache, rows per kv head / tokens
-  SignatureConfig signatures;  // SimHash seed and norm margin, or learned MLPs
-  // Compressed keys at per-channel widths where they apply (EngineOptions::key_widths).
-  std::shared_ptr<const kernels::KeyWidths> key_widths;
-};
-
 class DeviceState {
  public:
-  // REQUIRES: source outlives the state; stream stays valid (the backend owns it).
-  DeviceState(DeviceStateOptions options, RowSource* source, cudaStream_t stream);
+  // Reads options.gpu's capacity, row cache and fetch parallelism, max_fetch_bytes, signatures
+  // and key_widths. REQUIRES: source outlives the state; stream stays valid (the backend owns it).
+  DeviceState(EngineOptions options, RowSource* source, cudaStream_t stream);
   ~DeviceState();
   DeviceState(const DeviceState&) = delete;
   DeviceState& operator=(const DeviceState&) = delete;
@@ -83,7 +70,7 @@ class DeviceState {
   absl::Status Sync(const DecodeCall& call, absl::Span<const SequenceDesc> descs,
                     SyncedBatch* batch, DecodeResult* result);
 
-  const DeviceStateOptions& options() const { return options_; }
+  const EngineOptions& options() const { return options_; }
   DeviceMemory& memory() { return memory_; }
   // The signings of the signature kinds: SimHash always (its planes sign the queries of a
   // SimHash placement); learned and SAAP when their weights were given, else null.
@@ -139,7 +126,7 @@ class DeviceState {
   absl::Status SyncPages(DeviceSequence* e, uint32_t layer_index, const SequenceDesc& desc,
                          SlotOf slot, uint64_t target, BusySequences busy);
 
-  const DeviceStateOptions options_;
+  const EngineOptions options_;
   RowSource* const source_;
   DeviceMemory memory_;  // first: the parts below free into it
   SimHashSigning simhash_;

@@ -25,20 +25,13 @@ using gpu::MethodCall;
 
 class GpuBackend final : public DecodeBackend {
  public:
-  GpuBackend(GpuBackendOptions options, RowSource* source, cudaStream_t stream)
+  GpuBackend(EngineOptions options, RowSource* source, cudaStream_t stream)
       : options_(std::move(options)),
         source_(source),
         stream_(stream),
         caps_{options_.signatures.learned.get(), options_.signatures.saap.get(),
               !source->pages_device_visible(), options_.key_widths.get()} {
-    gpu::DeviceStateOptions so;
-    so.capacity_bytes = options_.capacity_bytes;
-    so.max_fetch_bytes = options_.max_fetch_bytes;
-    so.row_cache_fraction = options_.row_cache_fraction;
-    so.fetch_parallelism = options_.fetch_parallelism;
-    so.signatures = options_.signatures;
-    so.key_widths = options_.key_widths;
-    state_ = std::make_unique<gpu::DeviceState>(std::move(so), source_, stream_);
+    state_ = std::make_unique<gpu::DeviceState>(options_, source_, stream_);
     for (cudaEvent_t& e : events_) cudaEventCreate(&e);
     cudaEventCreateWithFlags(&caller_event_, cudaEventDisableTiming);
     cudaEventCreateWithFlags(&done_event_, cudaEventDisableTiming);
@@ -81,7 +74,7 @@ class GpuBackend final : public DecodeBackend {
   absl::StatusOr<std::unique_ptr<StaticStep>> PlanStatic(const DecodeCall& call,
                                                          absl::Span<const SequenceDesc> descs,
                                                          const StaticStepRequest& req) override {
-    return gpu::NewGpuStaticStep(&mu_, state_.get(), options_.device, call, descs, req);
+    return gpu::NewGpuStaticStep(&mu_, state_.get(), options_.gpu.device, call, descs, req);
   }
 
   void Forget(const std::string& sequence_id) override {
@@ -92,7 +85,7 @@ class GpuBackend final : public DecodeBackend {
     std::lock_guard<std::mutex> lock(mu_);
     return state_->bytes();
   }
-  size_t resident_capacity() const override { return options_.capacity_bytes; }
+  size_t resident_capacity() const override { return options_.gpu.capacity_bytes; }
 
  private:
   // What every GPU method needs of a call and a sequence: dtype, head dim, group size, and for a
@@ -137,7 +130,7 @@ class GpuBackend final : public DecodeBackend {
     return absl::OkStatus();
   }
 
-  const GpuBackendOptions options_;
+  const EngineOptions options_;
   RowSource* const source_;
   const cudaStream_t stream_;
   const gpu::GpuCaps caps_;
@@ -154,7 +147,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
   std::lock_guard<std::mutex> lock(mu_);
   const absl::Time start = absl::Now();
   // The caller's thread may have another device current (CUDA's is per thread).
-  KVS_CUDA_OK(cudaSetDevice(options_.device), "cudaSetDevice");
+  KVS_CUDA_OK(cudaSetDevice(options_.gpu.device), "cudaSetDevice");
   gpu::SyncedBatch batch;
   if (absl::Status s = state_->Sync(call, descs, &batch, result); !s.ok()) return s;
   const absl::Time synced = absl::Now();
@@ -176,7 +169,7 @@ absl::Status GpuBackend::Decode(const DecodeCall& call, absl::Span<const Sequenc
   if (absl::Status s = Enqueue(lp, *mc, &method_bytes); !s.ok()) return s;
   absl::StatusOr<char*> scratch = lp.PlaceScratch(method_bytes);
   if (!scratch.ok()) return scratch.status();
-  const int every = options_.stage_timing_every;
+  const int every = options_.gpu.stage_timing_every;
   const bool timed = every > 0 && calls_++ % static_cast<uint64_t>(every) == 0;
   lp.BeginPass(*scratch, timed ? events_ : nullptr);
   mc->FillScratchTables(lp);
@@ -224,19 +217,20 @@ void GpuBackend::StageTimes(bool timed, DecodeResult* result) const {
   result->timing.selection_seconds += ms[0] * 1e-3;
   result->timing.gather_seconds += ms[1] * 1e-3;
   result->timing.compute_seconds += ms[2] * 1e-3;
-  result->timing.stage_weight = options_.stage_timing_every;
+  result->timing.stage_weight = options_.gpu.stage_timing_every;
 }
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<DecodeBackend>> NewGpuBackend(GpuBackendOptions options,
+absl::StatusOr<std::unique_ptr<DecodeBackend>> NewGpuBackend(EngineOptions options,
                                                              RowSource* source) {
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count <= options.device || options.device < 0) {
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count <= options.gpu.device ||
+      options.gpu.device < 0) {
     cudaGetLastError();
     return absl::FailedPreconditionError("no usable CUDA device");
   }
-  KVS_CUDA_OK(cudaSetDevice(options.device), "cudaSetDevice");
+  KVS_CUDA_OK(cudaSetDevice(options.gpu.device), "cudaSetDevice");
   cudaStream_t stream = nullptr;
   KVS_CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream");
   return std::unique_ptr<DecodeBackend>(new GpuBackend(std::move(options), source, stream));

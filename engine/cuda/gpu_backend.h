@@ -35,32 +35,10 @@
 
 namespace kvsparse::engine {
 
-// What AssembleEngine (engine/gpu_mode.h) fills from EngineOptions; the defaults are those of
-// engine/engine_options.h, their one home.
-struct GpuBackendOptions {
-  int device = GpuOptions{}.device;                     // CUDA device ordinal
-  size_t capacity_bytes = GpuOptions{}.capacity_bytes;  // per-sequence state on the device (rows,
-                                                        // signatures, page lists, row caches)
-  // Largest single read from the row source while syncing.
-  size_t max_fetch_bytes = EngineOptions{}.max_fetch_bytes;
-  // HashAttention's row cache, in rows per kv head as a fraction of the sequence's tokens (0: no
-  // cache, every selected row crosses each step).
-  double row_cache_fraction = GpuOptions{}.row_cache;
-  // Selection / gather / compute times from CUDA events on one call in this many (1: every
-  // call; 0: never). Recording the events costs a few us of host time per call.
-  int stage_timing_every = GpuOptions{}.stage_timing_every;
-  // A worker whose store is in another process: the rows of this many of a batch's sequences
-  // are fetched at once (each its own Gather or UCX read; 1: one after another).
-  int fetch_parallelism = GpuOptions{}.fetch_parallelism;
-  SignatureConfig signatures;  // as the engine's (same seed and margin, or learned MLPs)
-  // The engine's key widths (EngineOptions::key_widths): the sequences they apply to keep their
-  // compressed keys at those widths on the device too (DeviceKeyWidths); vAttention over
-  // them runs on the CPU engine.
-  std::shared_ptr<const kernels::KeyWidths> key_widths;
-};
-
+// The backend reads options.gpu (device, capacity, row cache, timing, fetch parallelism),
+// max_fetch_bytes, signatures and key_widths (the engine's: EngineOptions is their one home).
 // FAILED_PRECONDITION without a usable CUDA device. REQUIRES: source outlives the backend.
-absl::StatusOr<std::unique_ptr<DecodeBackend>> NewGpuBackend(GpuBackendOptions options,
+absl::StatusOr<std::unique_ptr<DecodeBackend>> NewGpuBackend(EngineOptions options,
                                                              RowSource* source);
 
 }  // namespace kvsparse::engine

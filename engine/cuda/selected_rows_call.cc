@@ -20,8 +20,7 @@ absl::Status SelectedRowsCall::Plan(LaunchPlan& lp) {
   min_cache_ = repeat ? rows_cap_ : 0;
   for (int32_t b = 0; b < lp.B && repeat; ++b) {
     DeviceLayer& l = lp.layer(b);
-    const int32_t want =
-        RowCacheSlots(lp.state().options().row_cache_fraction, lp.len(b), rows_cap_);
+    const int32_t want = RowCacheSlots(lp.state().options().gpu.row_cache, lp.len(b), rows_cap_);
     if (l.cache_cap < want) {
       if (absl::Status s = GrowRowCache(&lp.state().memory(), lp.sequence(b), &l, lp.hkv, want,
                                         lp.row, lp.busy());

@@ -63,12 +63,12 @@ ABSL_FLAG(int, saap_probes, 4,
           "SAAP rows: buckets probed of 128 (random partitions and classifiers; 4 = 1/32 of the "
           "keys on average, compare --hash_fraction=0.03125)");
 ABSL_FLAG(int, stage_timing_every, 3,
-          "GpuBackendOptions::stage_timing_every: the [gpu] and gather-stage columns are medians "
+          "GpuOptions::stage_timing_every: the [gpu] and gather-stage columns are medians "
           "over the timed calls (odd: a row makes two engine calls per step, its own and the "
           "dense reference's)");
 ABSL_FLAG(double, row_cache, 0.04,
-          "The GPU engine's row cache, rows per kv head / tokens (GpuBackendOptions::"
-          "row_cache_fraction; 0: none)");
+          "The GPU engine's row cache, rows per kv head / tokens (GpuOptions::row_cache; "
+          "0: none)");
 ABSL_FLAG(int, capacity_batch, 0,
           "Capacity mode (instead of the table): serve this many sequences of --capacity_len "
           "tokens and --capacity_layers layers with K and V in host memory (hash top-k), whose "
@@ -237,10 +237,8 @@ int Capacity(double h2d_gbs) {
                  std::chrono::duration<double>(Clock::now() - t_load).count());
   }
   ks::EngineOptions eo;
-  ks::GpuBackendOptions go;
-  go.capacity_bytes = 16ull << 30;
-  go.signatures = eo.signatures;
-  auto backend = ks::NewGpuBackend(go, source.get());
+  eo.gpu.capacity_bytes = 16ull << 30;
+  auto backend = ks::NewGpuBackend(eo, source.get());
   if (!backend.ok()) return 1;
   ks::DecodeEngine engine(eo, source.get(), std::move(*backend));
   std::mt19937_64 rng(5);
@@ -515,12 +513,10 @@ class Config {
   bool MakeEngines() {
     ks::EngineOptions eo;
     eo.resident_capacity_bytes = 64ull << 30;
-    ks::GpuBackendOptions go;
-    go.capacity_bytes = 64ull << 30;
-    go.signatures = eo.signatures;
-    go.row_cache_fraction = absl::GetFlag(FLAGS_row_cache);
-    go.stage_timing_every = absl::GetFlag(FLAGS_stage_timing_every);
-    auto backend = ks::NewGpuBackend(go, source_.get());
+    eo.gpu.capacity_bytes = 64ull << 30;
+    eo.gpu.row_cache = absl::GetFlag(FLAGS_row_cache);
+    eo.gpu.stage_timing_every = absl::GetFlag(FLAGS_stage_timing_every);
+    auto backend = ks::NewGpuBackend(eo, source_.get());
     if (!backend.ok()) {
       std::fprintf(stderr, "%s\n", backend.status().ToString().c_str());
       return false;
@@ -531,9 +527,7 @@ class Config {
       ks::EngineOptions so = eo;
       so.signatures.saap = std::make_shared<const kk::SaapWeights>(
           kk::RandomSaapWeights(1, kH, kHkv, kD, 128, 128, 23));
-      ks::GpuBackendOptions sgo = go;
-      sgo.signatures = so.signatures;
-      auto sb = ks::NewGpuBackend(sgo, source_.get());
+      auto sb = ks::NewGpuBackend(so, source_.get());
       if (!sb.ok()) {
         std::fprintf(stderr, "%s\n", sb.status().ToString().c_str());
         return false;

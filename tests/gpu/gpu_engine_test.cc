@@ -112,12 +112,9 @@ struct Rig {
     // over its first chunk).
     eo.max_fetch_bytes = max_fetch_bytes;
     r->cpu = std::make_unique<DecodeEngine>(eo, r->source.get());
-    GpuBackendOptions go;
-    go.capacity_bytes = gpu_capacity;
-    go.signatures = eo.signatures;
-    go.key_widths = std::move(key_widths);
-    go.row_cache_fraction = row_cache;
-    go.max_fetch_bytes = max_fetch_bytes;
+    EngineOptions go = eo;  // the GPU backend's: the same but for its capacity and row cache
+    go.gpu.capacity_bytes = gpu_capacity;
+    go.gpu.row_cache = row_cache;
     auto backend = NewGpuBackend(go, r->source.get());
     EXPECT_TRUE(backend.ok()) << backend.status();
     r->gpu = std::make_unique<DecodeEngine>(eo, r->source.get(), std::move(*backend));
