@@ -257,6 +257,18 @@ def profile_steps(model, cache, batch: int, n: int, first: int, call, path: str)
     log(f"# profile of 3 steps written to {path} (trace {trace}): {json.dumps(summary)[:600]}")
 
 
+def profile_if_asked(variant: str, model, cache, batch: int, n: int, position: int, first: int, call,
+                     args: argparse.Namespace) -> None:
+    """profile_steps for a variant --profile names, at the first of --lens (n), from `position`."""
+    profiled = args.profile.split(",")
+    if variant not in profiled or n != int(args.lens.split(",")[0]):
+        return
+    out = Path(args.profile_out)
+    if len(profiled) > 1:  # one file per variant: profile-<variant>.txt
+        out = out.with_name(f"{out.stem}-{variant}{out.suffix}")
+    profile_steps(model, cache, batch, position, first, call, str(out))
+
+
 def kv_bytes(layers: int, batch: int, kv_heads: int, n: int, d: int) -> int:
     return 2 * layers * batch * kv_heads * n * d * 2
 
@@ -325,6 +337,7 @@ def run_floor(variant: str, model, n: int, batch: int, args) -> Row:
             call = torch.compile(model, mode="reduce-overhead", fullgraph=True) if gpu else None
             t0 = time.perf_counter()
             row.steps_ms = decode_loop(model, cache, batch, ctx, max(args.warmup, 3), args.steps, call=call)
+            profile_if_asked(variant, model, cache, batch, n, ctx, max(args.warmup, 3) + args.steps, call, args)
             row.note = (f"context {ctx}; " if ctx != n else "") + (
                 f"compile+warmup {time.perf_counter() - t0:.0f} s" if gpu else "eager (CPU)")
     finally:
@@ -399,12 +412,7 @@ def measure_kvsparse(row: Row, variant: str, method: kvsparse.Method, model, n: 
     t0 = time.perf_counter()
     row.steps_ms = decode_loop(model, cache, batch, n, max(args.warmup, 3 if compiled else 0), args.steps, call)
     warm_s = time.perf_counter() - t0
-    profiled = args.profile.split(",")
-    if variant in profiled and n == int(args.lens.split(",")[0]):
-        out = Path(args.profile_out)
-        if len(profiled) > 1:  # one file per variant: profile-<variant>.txt
-            out = out.with_name(f"{out.stem}-{variant}{out.suffix}")
-        profile_steps(model, cache, batch, n, max(args.warmup, 3) + args.steps, call, str(out))
+    profile_if_asked(variant, model, cache, batch, n, n, max(args.warmup, 3) + args.steps, call, args)
     steps = steps_total
     s = cache.stats
     # Bytes over the whole run (the warm-up steps read as the timed ones do, after the first).
@@ -462,9 +470,10 @@ def parse_args() -> argparse.Namespace:
                         "spread between passes is the host's drift, which ratios within a pass cancel)")
     p.add_argument("--json", default="")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test of the harness")
-    p.add_argument("--profile", default="", help="kvsparse variants to profile, comma-separated (torch.profiler, 3 "
-                   "steps at the first length: the tables, the Chrome trace beside --profile_out and its summary, "
-                   "tests/bench/trace_summary.py; with several, --profile_out gets -<variant> before its suffix)")
+    p.add_argument("--profile", default="", help="variants to profile (kvsparse's, flash, weights), comma-separated "
+                   "(torch.profiler, 3 steps at the first length: the tables, the Chrome trace beside --profile_out "
+                   "and its summary, tests/bench/trace_summary.py; with several, --profile_out gets -<variant> before "
+                   "its suffix)")
     p.add_argument("--profile_out", default="profile.txt")
     args = p.parse_args()
     return args

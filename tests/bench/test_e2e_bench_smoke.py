@@ -28,16 +28,17 @@ def test_rounds_alternate_the_variants_and_tag_their_rows(tmp_path: Path) -> Non
     out = tmp_path / "e2e.json"
     run = subprocess.run(
         [sys.executable, str(HERE / "e2e_bench.py"), "--device", "cpu", "--lens", "256", "--batches", "1",
-         "--variants", "resident,kvs-prop", "--steps", "2", "--warmup", "1", "--layers", "2", "--hidden", "128",
+         "--variants", "resident,kvs-prop,weights", "--steps", "2", "--warmup", "1", "--layers", "2", "--hidden", "128",
          "--heads", "4", "--kv_heads", "2", "--ffn", "256", "--vocab", "512", "--store_capacity", "256M",
-         "--gpu_capacity", "256M", "--rounds", "3", "--json", str(out), "--profile", "kvs-prop,kvs-absent",
+         "--gpu_capacity", "256M", "--rounds", "3", "--json", str(out), "--profile", "kvs-prop,kvs-absent,weights",
          "--profile_out", str(tmp_path / "profile.txt")],
         capture_output=True, text=True, timeout=300,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.read_text())
     assert [(r["variant"], r["round"]) for r in rows] == [
-        ("resident", 0), ("kvs-prop", 0), ("kvs-prop", 1), ("resident", 1), ("resident", 2), ("kvs-prop", 2)]
+        ("resident", 0), ("kvs-prop", 0), ("weights", 0), ("weights", 1), ("kvs-prop", 1), ("resident", 1),
+        ("resident", 2), ("kvs-prop", 2), ("weights", 2)]
     assert all(r["tokens_per_s"] > 0 and not r["note"].startswith("failed") for r in rows), rows
     summaries = [line for line in run.stdout.splitlines() if line.startswith("<!-- pass ")]
     assert len(summaries) == 3 and all("kvs-prop" in s and "x resident" in s for s in summaries), run.stdout
@@ -47,6 +48,9 @@ def test_rounds_alternate_the_variants_and_tag_their_rows(tmp_path: Path) -> Non
     assert summary["steps"] == 3 and summary["wall_us_per_step"] > 0, summary
     assert "kvsparse::decode" in summary["range_cpu_us_per_step"], summary
     assert (tmp_path / "profile-kvs-prop.json.gz").stat().st_size > 0
+    # The floor's rows are profiled as kvsparse's are (flash on a GPU; weights here).
+    floor = json.loads((tmp_path / "profile-weights.txt").read_text().split("\n\n", 1)[0])
+    assert floor["steps"] == 3 and floor["wall_us_per_step"] > 0, floor
     assert not (tmp_path / "profile.txt").exists()
 
 
