@@ -371,14 +371,19 @@ __global__ void __launch_bounds__(kScanThreads)
 }
 
 // The group mixture (GroupMixtureFromScores). LseKernel: a block per (chunk of kMixChunk tokens,
-// b, h): the chunk's max m_c and sum z_c of e^{s - m_c}. MixKernel: a block per (kMixTile
-// tokens, b, kv head): each head's lse from its chunks' partials (staged in shared memory), then
-// the tile's mixture scores, kMixPerThread tokens a thread with their loads issued together.
+// b, h): the chunk's max m_c and sum z_c of e^{s - m_c}, each thread's kLsePerThread scores
+// loaded together and held while the block reduces (one read of the scores). MixKernel: a block
+// per (kMixTile tokens, b, kv head): warp g takes head g's lse from its chunks' partials (lanes
+// over the chunks, then the warp's reductions), then the tile's mixture scores, kMixPerThread
+// tokens a thread with their loads issued together. No shared staging of the partials: eight
+// blocks fit an SM, so that at 128k (1,024 blocks) one wave covers the grid (2026-12-03, H200:
+// the staged partials' 16 KiB a block left room for seven, 1.29 waves, 17.8 us under ncu).
 constexpr int kMixChunk = 4096;
 constexpr int kMixThreads = 256;
 constexpr int kMixPerThread = 4;
 constexpr int kMixTile = kMixThreads * kMixPerThread;
-constexpr int kMixMaxChunks = 256;  // partials a MixKernel block stages per head (1M tokens)
+constexpr int kLsePerThread = kMixChunk / kMixThreads;
+constexpr int kMixMaxChunks = 256;  // a row's chunks at most (1M tokens)
 
 __host__ __device__ inline int32_t MixChunks(const GroupMixtureParams& p) {
   return (p.max_seq_len + kMixChunk - 1) / kMixChunk;
@@ -403,15 +408,23 @@ __global__ void __launch_bounds__(kMixThreads) LseKernel(LseRows p, float* part_
   const int32_t n = p.seq_lens[bh / p.rows_per_seq];
   const int32_t lo = c * kMixChunk, hi = min(n, lo + kMixChunk);
   const float* s = p.scores + bh * p.stride;
+  float x[kLsePerThread];
+#pragma unroll
+  for (int i = 0; i < kLsePerThread; ++i) {
+    const int32_t t = lo + i * kMixThreads + static_cast<int32_t>(threadIdx.x);
+    x[i] = t < hi ? s[t] : -INFINITY;
+  }
   float m = -INFINITY;
-  for (int32_t t = lo + threadIdx.x; t < hi; t += kMixThreads) m = fmaxf(m, s[t]);
+#pragma unroll
+  for (int i = 0; i < kLsePerThread; ++i) m = fmaxf(m, x[i]);
   m = Reduce(tmp).Reduce(m, FMax());
   if (threadIdx.x == 0) m_s = m;
   __syncthreads();
   m = m_s;
   float z = 0.f;
   if (m != -INFINITY) {
-    for (int32_t t = lo + threadIdx.x; t < hi; t += kMixThreads) z += expf(s[t] - m);
+#pragma unroll
+    for (int i = 0; i < kLsePerThread; ++i) z += expf(x[i] - m);
   }
   __syncthreads();  // tmp is reused
   z = Reduce(tmp).Sum(z);
@@ -421,11 +434,28 @@ __global__ void __launch_bounds__(kMixThreads) LseKernel(LseRows p, float* part_
   }
 }
 
+// log sum_c z_c e^{m_c - max} + max over a row's chunk partials, by the calling warp's lanes
+// (+inf: no mass).
+__device__ __forceinline__ float WarpLseOfChunks(const float* pm, const float* pz, int32_t chunks,
+                                                 int lane) {
+  float m = -INFINITY;
+  for (int32_t k = lane; k < chunks; k += 32) m = fmaxf(m, pm[k]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (m == -INFINITY) return INFINITY;
+  float z = 0.f;
+  for (int32_t k = lane; k < chunks; k += 32) {
+    const float mk = pm[k];
+    if (mk != -INFINITY) z += pz[k] * expf(mk - m);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) z += __shfl_xor_sync(0xffffffffu, z, o);
+  return m + logf(z);
+}
+
 __global__ void __launch_bounds__(kMixThreads)
     MixKernel(GroupMixtureParams p, const float* part_m, const float* part_z) {
   GridDependencyWait();  // LaunchDependent: the earlier kernels' writes first
-  __shared__ float pm_s[8][kMixMaxChunks];
-  __shared__ float pz_s[8][kMixMaxChunks];
   __shared__ float lse_s[8];
   const int32_t chunks = MixChunks(p);
   const int32_t G = p.num_q_heads / p.num_kv_heads;
@@ -434,23 +464,11 @@ __global__ void __launch_bounds__(kMixThreads)
   const int32_t n = p.seq_lens[b];
   const int32_t lo = blockIdx.x * kMixTile;
   if (lo >= n) return;  // the whole block
-  for (int32_t x = threadIdx.x; x < G * chunks; x += kMixThreads) {
-    const int g = x / chunks, k = x % chunks;
-    pm_s[g][k] = part_m[(h0 + g) * chunks + k];
-    pz_s[g][k] = part_z[(h0 + g) * chunks + k];
-  }
-  __syncthreads();
-  if (threadIdx.x < G) {  // head h0 + tid's lse over its chunks (+inf: no mass)
-    const int g = threadIdx.x;
-    float m = -INFINITY;
-    for (int32_t k = 0; k < chunks; ++k) m = fmaxf(m, pm_s[g][k]);
-    float z = 0.f;
-    if (m != -INFINITY) {
-      for (int32_t k = 0; k < chunks; ++k) {
-        if (pm_s[g][k] != -INFINITY) z += pz_s[g][k] * expf(pm_s[g][k] - m);
-      }
-    }
-    lse_s[g] = m == -INFINITY ? INFINITY : m + logf(z);
+  const int warp = static_cast<int>(threadIdx.x) / 32, lane = static_cast<int>(threadIdx.x) % 32;
+  if (warp < G) {  // head h0 + warp's lse over its chunks
+    const float lse =
+        WarpLseOfChunks(part_m + (h0 + warp) * chunks, part_z + (h0 + warp) * chunks, chunks, lane);
+    if (lane == 0) lse_s[warp] = lse;
   }
   __syncthreads();
   const float ln_g = logf(static_cast<float>(G));
