@@ -149,6 +149,7 @@ class Row:
     steps_ms: list[float] = field(default_factory=list)
     note: str = ""
     round: int = 0  # --rounds: which pass over the variants measured it
+    key_scale: float = 1.0  # --key_scale: the cached keys' scale (1: the random model's own)
 
 
 def pass_summary(n: int, batch: int, rnd: int, rows: list[Row]) -> str:
@@ -192,10 +193,17 @@ def make_model(layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vo
     return model
 
 
+KEY_SCALE = 1.0  # --key_scale (main sets it)
+
+
 def random_kv(batch: int, kv_heads: int, n: int, d: int, device: str, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's cached K and V: standard normal entries, K times --key_scale (1: the random model's
+    queries attend almost uniformly; larger: sharper attention, as a trained model's)."""
     g = torch.Generator(device=device).manual_seed(seed)
     k = torch.randn(batch, kv_heads, n, d, generator=g, device=device, dtype=torch.bfloat16)
     v = torch.randn(batch, kv_heads, n, d, generator=g, device=device, dtype=torch.bfloat16)
+    if KEY_SCALE != 1.0:
+        k = k * KEY_SCALE
     return k, v
 
 
@@ -458,6 +466,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=128256)
     p.add_argument("--store_capacity", default="100G")
     p.add_argument("--gpu_capacity", default="40G")
+    p.add_argument("--key_scale", type=float, default=1.0,
+                   help="every cached key times this: 1 (default) leaves the random model's attention almost "
+                        "uniform, where a sampled method's draws are nearly all distinct rows (its worst case for "
+                        "bytes); larger sharpens it, as trained models' attention is (fewer distinct rows a "
+                        "sample; the 'fetched / dense' column says how many)")
     p.add_argument("--gpu_row_cache", type=float, default=0.04,
                    help="the in-process engine's row cache (hash, ckeys*): rows per kv head as a fraction of the tokens")
     p.add_argument("--key_widths", default="",
@@ -579,13 +592,15 @@ def with_floor(variants: list[str], gpu: bool) -> list[str]:
 
 
 def main() -> None:
+    global KEY_SCALE
     args = parse_args()
+    KEY_SCALE = args.key_scale
     device = args.device
     gpu = device == "cuda"
     name = torch.cuda.get_device_name() if gpu else "CPU"
     log(f"# {name}, torch {torch.__version__}, transformers {transformers.__version__}")
     model = make_model(args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab, device)
-    log(f"# model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters")
+    log(f"# model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters; cached keys x {args.key_scale:g}")
     variants = with_floor(args.variants.split(","), gpu)
     engines, server = start_transports(variants, args, gpu)
     skip = set(args.skip.split(",")) if args.skip else set()
@@ -608,6 +623,7 @@ def main() -> None:
                     log(f"== n={n} B={batch} {variant}{of}")
                     row = run_variant(variant, model, n, batch, args, engines, server, gpu)
                     row.round = rnd
+                    row.key_scale = args.key_scale
                     rows.append(row)
                     pass_rows.append(row)
                     if variant == "resident" and row.tokens_per_s:

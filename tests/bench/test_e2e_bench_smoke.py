@@ -130,3 +130,28 @@ def test_every_row_starts_from_a_clean_dynamo(monkeypatch: pytest.MonkeyPatch) -
     rows = [e2e_bench.run_variant(v, None, 256, 1, None, {}, {}, gpu=False) for v in ("flash", "weights", "flash")]
     assert len(resets) == 3
     assert rows[1].note.startswith("failed: RuntimeError") and rows[2].tokens_per_s == 1.0
+
+
+def test_sharper_keys_make_a_sample_read_fewer_rows(tmp_path: Path) -> None:
+    """--key_scale sharpens the random model's attention: S2ANTA's draws then land on fewer distinct
+    rows (the 'fetched / dense' column), as on a trained model's attention; each row records the
+    scale it ran at."""
+    try:
+        ops.load_library()
+    except (FileNotFoundError, OSError) as e:
+        pytest.skip(f"the op is not built: {e}")
+    fetched = {}
+    for scale in (1.0, 16.0):
+        out = tmp_path / f"e2e-{scale:g}.json"
+        run = subprocess.run(
+            [sys.executable, str(HERE / "e2e_bench.py"), "--device", "cpu", "--lens", "2048", "--batches", "1",
+             "--variants", "kvs-prop", "--steps", "2", "--warmup", "1", "--layers", "2", "--hidden", "128",
+             "--heads", "4", "--kv_heads", "2", "--ffn", "256", "--vocab", "512", "--store_capacity", "256M",
+             "--gpu_capacity", "256M", "--key_scale", str(scale), "--json", str(out)],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        (row,) = json.loads(out.read_text())
+        assert row["key_scale"] == scale and not row["note"].startswith("failed"), row
+        fetched[scale] = row["fetched_fraction"]
+    assert 0 < fetched[16.0] < 0.7 * fetched[1.0], fetched
