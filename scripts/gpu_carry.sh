@@ -4,9 +4,9 @@
 # of debug info, with the non-system shared libraries they load (gRPC, protobuf, Abseil,
 # prometheus-cpp: the GPU host's image has none of them), into .carry/dev (git-ignored): the
 # folder scripts/gpu_check.sh runs from on the GPU host, packed as .carry/pack/dev.tar.xz (every
-# GPU program; over 64 MiB with the tree: for a host that takes a copy of any size), its libraries,
-# server and selection benchmark as .carry/qpack/dev.tar.xz, and its GPU tests with the PyTorch op
-# as .carry/tpack/dev.tar.xz.
+# GPU program; over 64 MiB with the tree: for a host that takes a copy of any size), its
+# libraries, server and the selection and host-tier benchmarks as .carry/qpack/dev.tar.xz, and
+# its GPU tests with the PyTorch op as .carry/tpack/dev.tar.xz.
 # With the PyTorch extension configured (scripts/python_test.sh does), libkvsparse_torch.so is
 # packed too, with the libraries it needs beside torch's own (those the GPU host's torch has).
 #   BUILD: build directory (default build, the README's full build)
@@ -33,12 +33,12 @@ done | sort -u | while read -r lib; do cp -L "$lib" .carry/dev/lib/; done
 # scripts/gpu_check.sh unpacks it on the GPU host.
 mkdir -p .carry/pack .carry/qpack
 tar -C .carry -cf - dev | xz -T2 -6 > .carry/pack/dev.tar.xz
-# The quality pack: the libraries (the PyTorch op among them), the server and the selection
-# kernels' benchmark (no test binaries), small enough to travel beside the wheels (.whl,
-# scripts/gpu_wheels.sh) for the e2e, Python and selbench steps, or beside a model checkpoint
-# (build/quality/model).
+# The quality pack: the libraries (the PyTorch op among them), the server, the selection
+# kernels' benchmark and the host tier's (no test binaries), small enough to travel beside the
+# wheels (.whl, scripts/gpu_wheels.sh) for the e2e, Python, selbench and hosttier steps, or
+# beside a model checkpoint (build/quality/model).
 tar -C .carry --exclude=libkvsparse_cuda_capi.so -cf - dev/lib dev/bin/kvsparse-server \
-  dev/bin/selection_bench | xz -T2 -9 > .carry/qpack/dev.tar.xz
+  dev/bin/selection_bench dev/bin/host_tier_bench | xz -T2 -9 > .carry/qpack/dev.tar.xz
 # The test pack: the GPU tests and the PyTorch op (when built) with the libraries they load (the
 # tests' steps; beside the wheels while the tree stays under about 24 MiB).
 mkdir -p .carry/tpack

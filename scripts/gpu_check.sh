@@ -8,7 +8,9 @@
 #   santa/build.py  builds the S2ANTA reference kernels as torch extensions ($CARRY/santa_so
 #                   holds prebuilt ones from an earlier run).
 # Environment: STEPS (default "tests sanitize bench"; also "engine": the GPU backend's tests,
-# "enginebench": tests/gpu/engine_bench with ENGINE_ARGS, "selbench": tests/gpu/selection_bench
+# "enginebench": tests/gpu/engine_bench with ENGINE_ARGS, "hosttier": tests/gpu/host_tier_bench
+# with HOSTTIER_ARGS (e.g. --tokens=131072 --layers=32 --densities= --group_rows=512,190: the
+# group mixture's read in isolation), "selbench": tests/gpu/selection_bench
 # (the flagship's selection kernels alone) with SEL_ARGS, and an earlier build's SEL_OLD (a path)
 # alternating with it, "engineab": the same with an earlier
 # build's engine_bench ($CARRY_OLD/bin/engine_bench, unpacked from .carry/pack/old.tar.xz) and
@@ -89,6 +91,12 @@ if [[ " $STEPS " == *" enginebench "* ]]; then
   timeout ${ENGINE_TIMEOUT:-400} "$CARRY/bin/engine_bench" ${ENGINE_ARGS:-} 2>&1 \
     | tee "$OUT/engine_bench.log"
   note "engine_bench rc=${PIPESTATUS[0]}"
+fi
+
+if [[ " $STEPS " == *" hosttier "* ]]; then
+  timeout ${HOSTTIER_TIMEOUT:-300} "$CARRY/bin/host_tier_bench" ${HOSTTIER_ARGS:-} 2>&1 \
+    | tee "$OUT/host_tier_bench.log"
+  note "host_tier_bench rc=${PIPESTATUS[0]}"
 fi
 
 if [[ " $STEPS " == *" selbench "* ]]; then
