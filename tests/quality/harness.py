@@ -118,6 +118,7 @@ def methods(smoke: bool) -> dict[str, Any]:
         # (kvsparse.tools.key_widths, calibrated on training-split windows: calibrate_widths).
         "ckeys2w-s2anta-prop-S128": Santa(samples=128, scores="compressed"),
         "ckeys2w-s2anta-prop-S512-group": Santa(samples=512, scores="compressed", proposal="group"),
+        "ckeys2w-s2anta-prop-S640-group": Santa(samples=640, scores="compressed", proposal="group"),
         "ckeys2w-s2anta-prop-S768-group": Santa(samples=768, scores="compressed", proposal="group"),
         "ckeys2w-s2anta-prop-S1024-group": Santa(samples=1024, scores="compressed", proposal="group"),
         "ckeys8-s2anta-prop-S128": Santa(samples=128, scores="compressed"),
