@@ -53,7 +53,7 @@ keys on the GPU, K and V in host memory, 4% row cache), ckeys64 (the same at 1/6
 ckeys1-64 (1-bit keys at 1/32 and 1/64; the row cache is --gpu_row_cache's), ckprop
 (S2ANTA-prop S=128 drawing from the 2-bit compressed keys' scores, the sampled K and V rows from
 host memory: the ratio correction; ckprop256 the same at S=256), ckgroup, ckgroup256, ckgroup512,
-ckgroup768, ckgroup1024 (the same with the group mixture proposal, one sample of S = 128 ... 1024 rows per kv
+ckgroup640, ckgroup768, ckgroup1024 (the same with the group mixture proposal, one sample of S = 128 ... 1024 rows per kv
 head for its query heads), ckvatt (vAttention eps = delta = 0.1 over 2-bit compressed
 keys with the importance sampler and the CLT-ratio bound; on these random weights its budget
 covers every row: docs/PERF.md).
@@ -123,6 +123,7 @@ METHODS: dict[str, kvsparse.Method] = {
     "ckgroup": kvsparse.Santa(samples=128, allocation="prop", scores="compressed", proposal="group"),
     "ckgroup256": kvsparse.Santa(samples=256, allocation="prop", scores="compressed", proposal="group"),
     "ckgroup512": kvsparse.Santa(samples=512, allocation="prop", scores="compressed", proposal="group"),
+    "ckgroup640": kvsparse.Santa(samples=640, allocation="prop", scores="compressed", proposal="group"),
     "ckgroup768": kvsparse.Santa(samples=768, allocation="prop", scores="compressed", proposal="group"),
     "ckgroup1024": kvsparse.Santa(samples=1024, allocation="prop", scores="compressed", proposal="group"),
     "ckvatt": kvsparse.VAttention(epsilon=0.1, delta=0.1, predictor="compressed", sampler="importance",
